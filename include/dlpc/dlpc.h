@@ -1,0 +1,278 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/**
+ * @file dlpc.h
+ * @brief libdlpc: share DLPack tensors between processes through the dlpackd daemon.
+ *
+ * A process publishes a tensor (or a bundle of tensors on one storage) under a name; other
+ * processes attach by name and receive a DLManagedTensorVersioned over the same memory. Host
+ * tensors live in sealed memfds that travel over the daemon's Unix socket; attaching maps them and
+ * costs one round trip whatever the tensor's size.
+ *
+ * Generations: a name's first publication has generation 1 and each REPLACE adds one (after
+ * INT32_MAX it starts again at 1). Publish and attach return the generation they saw.
+ *
+ * Conventions:
+ * - Functions returning int return a negative errno on failure. dlpc_strerror() turns a code into
+ *   text and dlpc_last_error() gives the detailed message (naming the object and, where the daemon
+ *   refused, its reason) of the last failure in the calling thread.
+ * - A dlpc_client may be shared by threads. It belongs to the process that created it: used from
+ *   a forked child it fails with -EBADFD; the child connects anew.
+ * - Tensors handed out by the library own their memory through their deleter, which may be called
+ *   from any thread, even after dlpc_close().
+ */
+#ifndef DLPC_DLPC_H
+#define DLPC_DLPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <dlpc/dlpack1.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(DLPC_BUILDING) && defined(__GNUC__)
+#define DLPC_EXPORT __attribute__((visibility("default")))
+#else
+#define DLPC_EXPORT
+#endif
+
+/** Major version of libdlpc (also the SONAME's). */
+#define DLPC_VERSION_MAJOR 0
+/** Minor version of libdlpc. */
+#define DLPC_VERSION_MINOR 1
+/** Patch level of libdlpc. */
+#define DLPC_VERSION_PATCH 0
+
+/** Environment variable naming the daemon's socket; overrides the built-in default. */
+#define DLPC_SOCKET_ENV "DLPACKD_SOCKET"
+/** Default socket of a daemon run by root (the system service). */
+#define DLPC_SYSTEM_SOCKET "/run/dlpackd/dlpackd.sock"
+/** File name of a per-user daemon's socket inside $XDG_RUNTIME_DIR. */
+#define DLPC_USER_SOCKET_NAME "dlpackd.sock"
+
+/** Longest entry name, in bytes (names are 1..DLPC_NAME_MAX bytes of UTF-8 without NUL). */
+#define DLPC_NAME_MAX 255
+/** Longest key of a tensor inside a bundle, in bytes (keys may be empty). */
+#define DLPC_KEY_MAX 255
+/** Most dimensions a shared tensor may have. */
+#define DLPC_NDIM_MAX 32
+/** Most tensors one bundle may hold. */
+#define DLPC_BUNDLE_MAX 16384
+/** Alignment of every tensor's data inside a storage, in bytes. */
+#define DLPC_ALIGN 256
+
+/** An open connection to dlpackd. */
+typedef struct dlpc_client dlpc_client;
+/** The tensors of one attached bundle, sharing one mapping. */
+typedef struct dlpc_bundle dlpc_bundle;
+
+/** Options for dlpc_attach() and dlpc_attach_bundle(). */
+typedef struct dlpc_attach_opts {
+	uint32_t size;      /**< sizeof(dlpc_attach_opts): lets the struct grow */
+	uint32_t flags;     /**< DLPC_ATTACH_* bits */
+	int64_t timeout_ms; /**< 0: fail at once if absent; > 0: wait up to this; < 0: forever */
+	void *stream;       /**< CUDA consumer stream (GPU tensors); NULL: synchronize */
+} dlpc_attach_opts;
+
+/** Publish: take over an existing name; it gets a new generation. */
+#define DLPC_PUBLISH_REPLACE (1u << 0)
+/** Publish: the name vanishes when this connection closes. */
+#define DLPC_PUBLISH_EPHEMERAL (1u << 1)
+/** Publish: attachers may map the storage writable. */
+#define DLPC_PUBLISH_WRITABLE (1u << 2)
+/** Attach: map writable (the entry must have been published with DLPC_PUBLISH_WRITABLE). */
+#define DLPC_ATTACH_WRITABLE (1u << 0)
+
+/** The library's version as "MAJOR.MINOR.PATCH". */
+DLPC_EXPORT const char *dlpc_version(void);
+
+/**
+ * Write the socket path used when none is given into @p buf.
+ *
+ * The order is: $DLPACKD_SOCKET, then DLPC_SYSTEM_SOCKET for root, then
+ * $XDG_RUNTIME_DIR/dlpackd.sock for other users. The daemon, the library and dlpackctl all use
+ * this function.
+ * @return the path's length, -ENOENT if no rule applies (non-root without XDG_RUNTIME_DIR),
+ *         -ENAMETOOLONG if it does not fit in @p len bytes or in a socket address.
+ */
+DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
+
+/**
+ * Connect to dlpackd and agree on the protocol version.
+ * @param socket_path the daemon's socket, or NULL for dlpc_default_socket()'s.
+ * @param ret receives the client on success.
+ * @return 0, -ECONNREFUSED or -ENOENT when no daemon listens, -EPROTO on a version mismatch.
+ */
+DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
+
+/**
+ * Give up the caller's handle. The connection itself stays open until the last tensor attached
+ * through it has been released, so outstanding deleters keep working. Accepts NULL.
+ */
+DLPC_EXPORT void dlpc_close(dlpc_client *c);
+
+/**
+ * Publish one tensor under @p name.
+ *
+ * Always takes ownership of @p t: its deleter (if not NULL) runs exactly once, before this
+ * returns, whether it succeeds or fails. Host tensors are copied into a sealed memfd (strided
+ * input is compacted to C-contiguous) unless @p t came from dlpc_alloc(), whose memory is
+ * published without a copy.
+ * @param flags DLPC_PUBLISH_* bits.
+ * @return the new generation (> 0), -EEXIST if the name is taken and REPLACE was not asked,
+ *         -EPERM if it belongs to another user, -ENOSPC if shared memory is full, -EINVAL for a
+ *         bad name or tensor, -ENOTSUP for a device the library cannot share.
+ */
+DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVersioned *t,
+			     uint32_t flags);
+
+/**
+ * Publish @p n tensors on one storage under @p name (a bundle, e.g. a model's state dict).
+ *
+ * @p keys are unique, 0..DLPC_KEY_MAX bytes each. Ownership of every tensor passes to the
+ * library as for dlpc_publish(), on every path.
+ * @return the new generation (> 0) or a negative errno as for dlpc_publish().
+ */
+DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
+				    const char *const keys[], DLManagedTensorVersioned *const tensors[],
+				    uint32_t flags);
+
+/**
+ * Allocate a C-contiguous, writable tensor that already lives in shared memory.
+ *
+ * Fill it in place, then hand it to dlpc_publish(): it is published without a copy. If never
+ * published, its deleter frees it. Only kDLCPU is supported for now.
+ * @return 0 or a negative errno (-ENOSPC when shared memory is full).
+ */
+DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, int32_t ndim,
+			   const int64_t *shape, DLManagedTensorVersioned **ret);
+
+/**
+ * Attach the single tensor published under @p name.
+ *
+ * The tensor is read-only (DLPACK_FLAG_BITMASK_READ_ONLY set, memory mapped PROT_READ) unless
+ * publisher and attacher both asked for writable. Its deleter unmaps and tells the daemon.
+ * @param opts NULL for the defaults (fail at once if absent, read-only).
+ * @return the generation (> 0), -ENOENT if absent, -ETIMEDOUT if a wait expired, -EINVAL if
+ *         the name holds a bundle of several tensors, -EACCES for a writable attach of a
+ *         read-only entry.
+ */
+DLPC_EXPORT int dlpc_attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
+			    DLManagedTensorVersioned **ret);
+
+/**
+ * Attach every tensor of the entry @p name in one round trip and one mapping.
+ * @return the generation (> 0) or a negative errno as for dlpc_attach().
+ */
+DLPC_EXPORT int dlpc_attach_bundle(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
+				   dlpc_bundle **ret);
+
+/** Number of tensors in @p b. */
+DLPC_EXPORT size_t dlpc_bundle_count(const dlpc_bundle *b);
+
+/** Key of tensor @p i of @p b ("" for a single published tensor); NULL if out of range. */
+DLPC_EXPORT const char *dlpc_bundle_key(const dlpc_bundle *b, size_t i);
+
+/**
+ * Take tensor @p i out of @p b. The caller owns it and must call its deleter.
+ * @return the tensor, or NULL if @p i is out of range or was already taken.
+ */
+DLPC_EXPORT DLManagedTensorVersioned *dlpc_bundle_take(dlpc_bundle *b, size_t i);
+
+/** Free @p b and release the tensors not taken. The mapping lives on while taken tensors do. */
+DLPC_EXPORT void dlpc_bundle_free(dlpc_bundle *b);
+
+/**
+ * Remove @p name. Attached tensors stay valid; the storage is freed after their release.
+ * @return 0, -ENOENT if absent, -EPERM if published by another user.
+ */
+DLPC_EXPORT int dlpc_unpublish(dlpc_client *c, const char *name);
+
+/**
+ * Wrap a versioned tensor for a consumer that only knows DLManagedTensor (DLPack < 1.0).
+ * Takes ownership of @p t; the wrapper's deleter calls @p t's. The read-only flag cannot be
+ * expressed in the legacy struct.
+ * @return the wrapper, or NULL if out of memory (then @p t's deleter has run).
+ */
+DLPC_EXPORT DLManagedTensor *dlpc_to_legacy(DLManagedTensorVersioned *t);
+
+/** Text for a negative errno returned by libdlpc. Never NULL. */
+DLPC_EXPORT const char *dlpc_strerror(int err);
+
+/**
+ * The detailed message of the last failed libdlpc call in the calling thread, naming what
+ * failed and, where the daemon refused, its reason. Empty if nothing failed yet.
+ */
+DLPC_EXPORT const char *dlpc_last_error(void);
+
+/** One tensor of a listed entry. */
+typedef struct dlpc_tensor_info {
+	const char *key;      /**< key inside the bundle ("" for a single tensor) */
+	DLDataType dtype;     /**< element type */
+	int32_t ndim;         /**< number of dimensions */
+	const int64_t *shape; /**< ndim extents */
+	uint64_t nbytes;      /**< bytes of data */
+} dlpc_tensor_info;
+
+/** One published entry, as dlpc_list() reports it. */
+typedef struct dlpc_entry_info {
+	const char *name;        /**< the entry's name */
+	uint64_t generation;     /**< its generation (see the file's comment) */
+	DLDevice device;         /**< where its storage lives */
+	uint32_t flags;          /**< DLPC_PUBLISH_* bits it was published with */
+	uint64_t nbytes;         /**< size of its storage */
+	uint64_t refs;           /**< live attach references to its storage */
+	uint32_t owner_uid;      /**< publisher's uid (from SO_PEERCRED) */
+	int32_t owner_pid;       /**< publisher's pid (from SO_PEERCRED) */
+	int64_t created_ns;      /**< publication time, ns since the Unix epoch */
+	size_t ntensors;         /**< tensors in the entry */
+	dlpc_tensor_info *tensors; /**< their descriptions; NULL if the daemon left them out */
+} dlpc_entry_info;
+
+/**
+ * List the entries whose names start with @p prefix (NULL or "" for all), sorted by name.
+ * @param ret receives an array of @p count entries, freed with dlpc_list_free().
+ * @return 0 or a negative errno.
+ */
+DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **ret,
+			  size_t *count);
+
+/** Free what dlpc_list() returned. Accepts NULL. */
+DLPC_EXPORT void dlpc_list_free(dlpc_entry_info *list, size_t count);
+
+/** The daemon's counters, as dlpc_stat() reports them. */
+typedef struct dlpc_stats {
+	uint32_t size;            /**< set by the caller to sizeof(dlpc_stats) */
+	uint32_t daemon_pid;      /**< the daemon's pid */
+	uint64_t uptime_ms;       /**< time since the daemon started */
+	uint64_t connections;     /**< open client connections */
+	uint64_t entries;         /**< published names */
+	uint64_t storages;        /**< storages held (named or still referenced) */
+	uint64_t bytes_held;      /**< sum of the storages' sizes */
+	uint64_t references;      /**< live attach references */
+	uint64_t waiters;         /**< attaches waiting for a name */
+	uint64_t fds_open;        /**< file descriptors the daemon has open */
+	uint64_t fds_sent;        /**< storage fds sent to attachers so far */
+	uint64_t req_hello;       /**< HELLO requests served */
+	uint64_t req_publish;     /**< PUBLISH requests served */
+	uint64_t req_attach;      /**< ATTACH requests served */
+	uint64_t req_release;     /**< RELEASE messages received */
+	uint64_t req_unpublish;   /**< UNPUBLISH requests served */
+	uint64_t req_list;        /**< LIST requests served */
+	uint64_t req_stat;        /**< STAT requests served */
+	uint64_t protocol_errors; /**< connections dropped for protocol violations */
+} dlpc_stats;
+
+/**
+ * Fetch the daemon's counters into @p out. Set out->size to sizeof(*out) first; fields past that
+ * size are left alone.
+ * @return 0 or a negative errno.
+ */
+DLPC_EXPORT int dlpc_stat(dlpc_client *c, dlpc_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DLPC_DLPC_H */

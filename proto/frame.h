@@ -1,0 +1,52 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Layer 2: the frame header. A frame is this fixed little-endian header followed by `len` payload
+ * bytes; its `nfds` file descriptors ride on the sendmsg() that carries the header's first byte.
+ *
+ *   offset size field
+ *   0      4    len      payload bytes, <= DLPC_FRAME_MAX
+ *   4      2    type     DLPC_MSG_*
+ *   6      1    nfds     fds that belong to this frame, <= DLPC_FRAME_FDS_MAX
+ *   7      1    flags    reserved, must be 0
+ *   8      4    id       request id, echoed by the reply; 0 for RELEASE and events
+ */
+#ifndef DLPC_PROTO_FRAME_H
+#define DLPC_PROTO_FRAME_H
+
+#include <stdint.h>
+#include "limits.h"
+
+enum dlpc_msg_type {
+	DLPC_MSG_HELLO = 1,
+	DLPC_MSG_PUBLISH = 2,
+	DLPC_MSG_ATTACH = 3,
+	DLPC_MSG_RELEASE = 4,
+	DLPC_MSG_UNPUBLISH = 5,
+	DLPC_MSG_LIST = 6,
+	DLPC_MSG_STAT = 7,
+	DLPC_MSG__REQUEST_COUNT,
+	/* A reply's type is its request's type with this bit set... */
+	DLPC_MSG_REPLY = 0x8000,
+	/* ...or exactly this, carrying an Error message. */
+	DLPC_MSG_ERROR = 0x8000,
+};
+
+/* ATTACH flag, internal to the protocol: fail unless the entry holds exactly one tensor. */
+#define DLPC_ATTACH_SINGLE (1u << 16)
+
+struct dlpc__hdr {
+	uint32_t len;
+	uint16_t type;
+	uint8_t nfds;
+	uint8_t flags;
+	uint32_t id;
+};
+
+void dlpc__hdr_encode(uint8_t out[DLPC_FRAME_HDR_SIZE], const struct dlpc__hdr *h);
+void dlpc__hdr_decode(const uint8_t in[DLPC_FRAME_HDR_SIZE], struct dlpc__hdr *h);
+/* 0 if the header is acceptable, else -EMSGSIZE (len), -EPROTO (nfds, flags). */
+int dlpc__hdr_check(const struct dlpc__hdr *h);
+/* Name of a frame type for messages ("PUBLISH", "ATTACH reply", "type 77"). */
+const char *dlpc__msg_name(uint16_t type, char *buf, size_t len);
+
+#endif

@@ -1,0 +1,342 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "io.h"
+
+/* Smallest buffer a connection keeps; grows for a large frame and shrinks back when drained. */
+#define RX_MIN 16384
+
+void dlpc__close(int fd)
+{
+	int saved = errno;
+
+	if (fd >= 0)
+		close(fd);
+	errno = saved;
+}
+
+void dlpc__rx_init(struct dlpc__rx *rx)
+{
+	memset(rx, 0, sizeof(*rx));
+	rx->want = DLPC_FRAME_HDR_SIZE;
+}
+
+void dlpc__rx_clear(struct dlpc__rx *rx)
+{
+	for (unsigned b = 0; b < rx->nbatch; b++)
+		for (unsigned i = 0; i < rx->batch[b].n; i++)
+			dlpc__close(rx->batch[b].fds[i]);
+	free(rx->buf);
+	dlpc__rx_init(rx);
+}
+
+bool dlpc__rx_partial(const struct dlpc__rx *rx)
+{
+	return rx->end > rx->start || rx->nbatch > 0;
+}
+
+/* Make room for rx->want unparsed bytes (at least one more than we have) to read into. */
+static int rx_reserve(struct dlpc__rx *rx)
+{
+	size_t have = rx->end - rx->start;
+	size_t need = rx->want > have ? rx->want : have + 1;
+
+	if (need < RX_MIN)
+		need = RX_MIN;
+	if (have == 0) {
+		rx->start = rx->end = 0;
+		if (rx->cap > RX_MIN && need == RX_MIN) {
+			free(rx->buf);
+			rx->buf = NULL;
+			rx->cap = 0;
+		}
+	}
+	if (rx->start > 0 && rx->cap - rx->start < need) {
+		memmove(rx->buf, rx->buf + rx->start, have);
+		rx->start = 0;
+		rx->end = have;
+	}
+	if (rx->cap < need) {
+		uint8_t *p = realloc(rx->buf, need);
+
+		if (!p)
+			return -ENOMEM;
+		rx->buf = p;
+		rx->cap = need;
+	}
+	return 0;
+}
+
+static void close_fds(const int *fds, unsigned n)
+{
+	for (unsigned i = 0; i < n; i++)
+		dlpc__close(fds[i]);
+}
+
+ssize_t dlpc__rx_read(struct dlpc__rx *rx, int sock, char *why, size_t whylen)
+{
+	union {
+		struct cmsghdr align;
+		char buf[CMSG_SPACE(sizeof(int) * DLPC_FRAME_FDS_MAX)];
+	} ctl;
+	struct iovec iov;
+	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+	int fds[DLPC_FRAME_FDS_MAX * 2];
+	unsigned nfds = 0;
+	ssize_t n;
+	int r;
+
+	r = rx_reserve(rx);
+	if (r < 0)
+		return r;
+	iov.iov_base = rx->buf + rx->end;
+	iov.iov_len = rx->cap - rx->end;
+	msg.msg_control = ctl.buf;
+	msg.msg_controllen = sizeof(ctl.buf);
+	do
+		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+	while (n < 0 && errno == EINTR);
+	if (n < 0)
+		return errno == EWOULDBLOCK ? -EAGAIN : -errno;
+
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+			continue;
+		unsigned k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+		for (unsigned i = 0; i < k && nfds < sizeof(fds) / sizeof(fds[0]); i++)
+			memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+	}
+	if (msg.msg_flags & MSG_CTRUNC) {
+		close_fds(fds, nfds);
+		snprintf(why, whylen, "control data truncated: more than %d fds in one message",
+			 DLPC_FRAME_FDS_MAX);
+		return -EPROTO;
+	}
+	if (nfds > 0) {
+		if (rx->nbatch == DLPC_RX_BATCH_MAX || nfds > DLPC_FRAME_FDS_MAX) {
+			close_fds(fds, nfds);
+			snprintf(why, whylen, "fds arrived faster than frames claimed them");
+			return -EPROTO;
+		}
+		struct dlpc__fdbatch *b = &rx->batch[rx->nbatch++];
+		memcpy(b->fds, fds, nfds * sizeof(int));
+		b->n = nfds;
+		b->end = rx->off + (rx->end - rx->start) + (size_t)n;
+	}
+	rx->end += (size_t)n;
+	return n;
+}
+
+int dlpc__rx_next(struct dlpc__rx *rx, struct dlpc__frame *f, char *why, size_t whylen)
+{
+	size_t have = rx->end - rx->start;
+	struct dlpc__hdr h;
+	int r;
+
+	f->nfds = 0;
+	if (rx->nbatch > 0 && rx->batch[0].end <= rx->off) {
+		snprintf(why, whylen, "%u fds arrived without a frame to carry them",
+			 rx->batch[0].n);
+		return -EPROTO;
+	}
+	if (have < DLPC_FRAME_HDR_SIZE) {
+		rx->want = DLPC_FRAME_HDR_SIZE;
+		return 0;
+	}
+	dlpc__hdr_decode(rx->buf + rx->start, &h);
+	r = dlpc__hdr_check(&h);
+	if (r == -EMSGSIZE) {
+		snprintf(why, whylen, "frame of %u bytes exceeds the limit of %u", h.len,
+			 DLPC_FRAME_MAX);
+		return r;
+	}
+	if (r < 0) {
+		snprintf(why, whylen, "bad frame header (%u fds, flags 0x%x)", h.nfds, h.flags);
+		return r;
+	}
+	if (have < DLPC_FRAME_HDR_SIZE + (size_t)h.len) {
+		rx->want = DLPC_FRAME_HDR_SIZE + (size_t)h.len;
+		return 0;
+	}
+	if (h.nfds > 0) {
+		if (rx->nbatch == 0 || rx->batch[0].n != h.nfds) {
+			snprintf(why, whylen, "frame declares %u fds but %u arrived with it", h.nfds,
+				 rx->nbatch ? rx->batch[0].n : 0);
+			return -EPROTO;
+		}
+		memcpy(f->fds, rx->batch[0].fds, h.nfds * sizeof(int));
+		f->nfds = h.nfds;
+		rx->nbatch--;
+		memmove(&rx->batch[0], &rx->batch[1], rx->nbatch * sizeof(rx->batch[0]));
+	}
+	f->hdr = h;
+	f->payload = rx->buf + rx->start + DLPC_FRAME_HDR_SIZE;
+	rx->start += DLPC_FRAME_HDR_SIZE + (size_t)h.len;
+	rx->off += DLPC_FRAME_HDR_SIZE + (uint64_t)h.len;
+	rx->want = DLPC_FRAME_HDR_SIZE;
+	return 1;
+}
+
+int dlpc__frame_take_fd(struct dlpc__frame *f, unsigned i)
+{
+	int fd = f->fds[i];
+
+	f->fds[i] = -1;
+	return fd;
+}
+
+void dlpc__frame_clear(struct dlpc__frame *f)
+{
+	close_fds(f->fds, f->nfds);
+	f->nfds = 0;
+}
+
+struct dlpc__txchunk {
+	struct dlpc__txchunk *next;
+	size_t len, sent;
+	int fds[DLPC_FRAME_FDS_MAX];
+	unsigned nfds; /* fds still to send with the chunk's first byte */
+	uint8_t data[];
+};
+
+void dlpc__tx_init(struct dlpc__tx *tx)
+{
+	tx->head = NULL;
+	tx->tail = &tx->head;
+	tx->bytes = 0;
+}
+
+static void chunk_free(struct dlpc__txchunk *c)
+{
+	close_fds(c->fds, c->nfds);
+	free(c);
+}
+
+void dlpc__tx_clear(struct dlpc__tx *tx)
+{
+	while (tx->head) {
+		struct dlpc__txchunk *c = tx->head;
+
+		tx->head = c->next;
+		chunk_free(c);
+	}
+	dlpc__tx_init(tx);
+}
+
+/* One sendmsg(): the fds go with the first byte. Returns bytes written or negative errno. */
+static ssize_t send_some(int sock, const uint8_t *p, size_t len, const int *fds, unsigned nfds)
+{
+	union {
+		struct cmsghdr align;
+		char buf[CMSG_SPACE(sizeof(int) * DLPC_FRAME_FDS_MAX)];
+	} ctl;
+	struct iovec iov = {.iov_base = (void *)p, .iov_len = len};
+	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+	ssize_t n;
+
+	if (nfds > 0) {
+		struct cmsghdr *c;
+
+		memset(&ctl, 0, sizeof(ctl));
+		msg.msg_control = ctl.buf;
+		msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+		c = CMSG_FIRSTHDR(&msg);
+		c->cmsg_level = SOL_SOCKET;
+		c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+	}
+	do
+		n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+	while (n < 0 && errno == EINTR);
+	if (n < 0)
+		return errno == EWOULDBLOCK ? -EAGAIN : -errno;
+	return n;
+}
+
+int dlpc__tx_flush(struct dlpc__tx *tx, int sock)
+{
+	while (tx->head) {
+		struct dlpc__txchunk *c = tx->head;
+		ssize_t n = send_some(sock, c->data + c->sent, c->len - c->sent, c->fds, c->nfds);
+
+		if (n == -EAGAIN)
+			return 0;
+		if (n < 0)
+			return (int)n;
+		close_fds(c->fds, c->nfds);
+		c->nfds = 0;
+		c->sent += (size_t)n;
+		tx->bytes -= (size_t)n;
+		if (c->sent < c->len)
+			continue;
+		tx->head = c->next;
+		if (!tx->head)
+			tx->tail = &tx->head;
+		free(c);
+	}
+	return 1;
+}
+
+int dlpc__tx_send(struct dlpc__tx *tx, int sock, const void *data, size_t len, const int *fds,
+		  unsigned nfds)
+{
+	struct dlpc__txchunk *c;
+	size_t sent = 0;
+
+	if (!tx->head) {
+		ssize_t n = send_some(sock, data, len, fds, nfds);
+
+		if (n < 0 && n != -EAGAIN)
+			return (int)n;
+		if (n > 0) {
+			sent = (size_t)n;
+			nfds = 0; /* they went with the first byte */
+		}
+		if (sent == len)
+			return 0;
+	}
+	c = malloc(sizeof(*c) + len - sent);
+	if (!c)
+		return -ENOMEM;
+	c->next = NULL;
+	c->len = len - sent;
+	c->sent = 0;
+	c->nfds = 0;
+	memcpy(c->data, (const uint8_t *)data + sent, len - sent);
+	for (; c->nfds < nfds; c->nfds++) {
+		c->fds[c->nfds] = fcntl(fds[c->nfds], F_DUPFD_CLOEXEC, 3);
+		if (c->fds[c->nfds] < 0) {
+			int r = -errno;
+
+			chunk_free(c);
+			return r;
+		}
+	}
+	*tx->tail = c;
+	tx->tail = &c->next;
+	tx->bytes += c->len;
+	return 0;
+}
+
+int dlpc__send_all(int sock, const void *data, size_t len, const int *fds, unsigned nfds)
+{
+	const uint8_t *p = data;
+
+	while (len > 0) {
+		ssize_t n = send_some(sock, p, len, fds, nfds);
+
+		if (n < 0)
+			return (int)n;
+		nfds = 0;
+		p += n;
+		len -= (size_t)n;
+	}
+	return 0;
+}

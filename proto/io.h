@@ -1,0 +1,99 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Layer 1: byte and fd buffers over a SOCK_STREAM Unix socket. Knows frame boundaries (through
+ * frame.h) but nothing of protobuf.
+ *
+ * Receiving: fds arrive with the recvmsg() that returns the first byte of the frame they belong
+ * to, and Linux never returns fds of two sendmsg() calls in one recvmsg(). So each read yields at
+ * most one batch of fds, tagged with the stream offset where that read ended. A frame that starts
+ * at offset o and declares n fds takes the oldest batch, which must hold exactly n fds and must
+ * have arrived after o; a batch that arrived before the frame now being parsed belongs to no
+ * frame. Either is a protocol violation.
+ */
+#ifndef DLPC_PROTO_IO_H
+#define DLPC_PROTO_IO_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "frame.h"
+
+/* fd batches that may be pending at once: the current frame's and the next one's. */
+#define DLPC_RX_BATCH_MAX 2
+
+struct dlpc__fdbatch {
+	int fds[DLPC_FRAME_FDS_MAX];
+	unsigned n;
+	uint64_t end; /* stream offset just past the read that brought them */
+};
+
+struct dlpc__rx {
+	uint8_t *buf;
+	size_t cap, start, end; /* unparsed bytes are buf[start..end) */
+	size_t want;            /* bytes the next frame needs, counted from start */
+	uint64_t off;           /* stream offset of buf[start] */
+	struct dlpc__fdbatch batch[DLPC_RX_BATCH_MAX];
+	unsigned nbatch;
+};
+
+/* One received frame. It owns its fds: take one with dlpc__frame_take_fd(); clearing the frame
+ * closes the rest. The payload points into the rx buffer and is valid until the next
+ * dlpc__rx_read() on it. */
+struct dlpc__frame {
+	struct dlpc__hdr hdr;
+	const uint8_t *payload;
+	int fds[DLPC_FRAME_FDS_MAX];
+	unsigned nfds;
+};
+
+void dlpc__rx_init(struct dlpc__rx *rx);
+/* Free the buffer and close every fd still queued. */
+void dlpc__rx_clear(struct dlpc__rx *rx);
+/* Does the buffer hold part of a frame (bytes or fds not yet claimed)? */
+bool dlpc__rx_partial(const struct dlpc__rx *rx);
+/*
+ * One recvmsg() into the buffer. Returns the bytes read, 0 at end of stream, -EAGAIN, another
+ * negative errno from recvmsg(), or -EPROTO when the control data was truncated or fds piled up
+ * (the fds that did arrive are closed; @p why says what happened).
+ */
+ssize_t dlpc__rx_read(struct dlpc__rx *rx, int sock, char *why, size_t whylen);
+/*
+ * Take the next complete frame: 1 and @p f filled, 0 if more bytes are needed, or -EMSGSIZE /
+ * -EPROTO for a bad header or fds that do not match it (@p why says which).
+ */
+int dlpc__rx_next(struct dlpc__rx *rx, struct dlpc__frame *f, char *why, size_t whylen);
+
+/* Take fd @p i out of @p f (the frame no longer closes it). */
+int dlpc__frame_take_fd(struct dlpc__frame *f, unsigned i);
+/* Close the fds @p f still owns. */
+void dlpc__frame_clear(struct dlpc__frame *f);
+
+/* Frames waiting to be written to a non-blocking socket. Queued chunks own duplicates of their
+ * fds until those have been sent. */
+struct dlpc__txchunk;
+struct dlpc__tx {
+	struct dlpc__txchunk *head, **tail;
+	size_t bytes; /* queued and not yet written */
+};
+
+void dlpc__tx_init(struct dlpc__tx *tx);
+void dlpc__tx_clear(struct dlpc__tx *tx);
+/*
+ * Write a whole frame, or queue what the socket does not take now. @p fds are only borrowed:
+ * they are duplicated if they must wait in the queue.
+ * @return 0, or a negative errno (the connection is broken).
+ */
+int dlpc__tx_send(struct dlpc__tx *tx, int sock, const void *data, size_t len, const int *fds,
+		  unsigned nfds);
+/* Write queued data: 1 if the queue is empty now, 0 if the socket is full, negative errno. */
+int dlpc__tx_flush(struct dlpc__tx *tx, int sock);
+
+/* Write a whole frame to a blocking socket. 0 or negative errno. */
+int dlpc__send_all(int sock, const void *data, size_t len, const int *fds, unsigned nfds);
+
+/* close() that keeps errno and ignores -1. */
+void dlpc__close(int fd);
+
+#endif

@@ -1,0 +1,31 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Every limit of the wire protocol, in one place. The daemon and libdlpc check these before
+ * allocating anything a peer asked for; tests/unit/test_limits.c and the hostile-client tests
+ * exercise each one.
+ */
+#ifndef DLPC_PROTO_LIMITS_H
+#define DLPC_PROTO_LIMITS_H
+
+#include <dlpc/dlpc.h>
+
+/* Protocol version spoken by this tree. Peers must agree on the major; minor is negotiated. */
+#define DLPC_PROTO_MAJOR 1
+#define DLPC_PROTO_MINOR 0
+
+/* Size of the fixed frame header, bytes. */
+#define DLPC_FRAME_HDR_SIZE 12
+/* Largest frame payload (protobuf bytes after the header). */
+#define DLPC_FRAME_MAX (8u << 20)
+/* Most fds one frame may carry. */
+#define DLPC_FRAME_FDS_MAX 4
+/* Receive buffer kept per connection between frames; larger frames grow it temporarily. */
+#define DLPC_RX_BUF_SIZE (64u << 10)
+/* Name, key, ndim and bundle limits are public: see DLPC_NAME_MAX, DLPC_KEY_MAX, DLPC_NDIM_MAX,
+ * DLPC_BUNDLE_MAX in dlpc.h. */
+/* Most references one RELEASE frame may carry. */
+#define DLPC_RELEASE_BATCH_MAX 1024
+/* Most entries in one LIST reply page. */
+#define DLPC_LIST_PAGE_MAX 4096
+
+#endif

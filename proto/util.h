@@ -1,0 +1,27 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Checks and helpers that daemon and library must apply identically. */
+#ifndef DLPC_PROTO_UTIL_H
+#define DLPC_PROTO_UTIL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Is s[0..len) well-formed UTF-8 (no overlongs, surrogates or NUL)? */
+bool dlpc__utf8_valid(const uint8_t *s, size_t len);
+/* 0 if an entry name is acceptable, else -EINVAL with the reason in why. */
+int dlpc__name_check(const uint8_t *s, size_t len, char *why, size_t whylen);
+/* Same for a bundle key (may be empty). */
+int dlpc__key_check(const uint8_t *s, size_t len, char *why, size_t whylen);
+/*
+ * Bytes of a C-contiguous tensor: ceil(prod(shape) * bits * lanes / 8). 0 or -EINVAL (negative
+ * extent, zero bits or lanes, ndim over DLPC_NDIM_MAX) or -EOVERFLOW.
+ */
+int dlpc__tensor_nbytes(unsigned bits, unsigned lanes, const int64_t *shape, size_t ndim,
+			uint64_t *nbytes);
+/* x rounded up to DLPC_ALIGN; false on overflow. */
+bool dlpc__align_up(uint64_t x, uint64_t *ret);
+/* Copy s[0..len) into buf as printable text (other bytes as \xNN), for log and error lines. */
+const char *dlpc__printable(const uint8_t *s, size_t len, char *buf, size_t buflen);
+
+#endif
