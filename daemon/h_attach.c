@@ -1,0 +1,146 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Handlers for references: ATTACH (with its waiters) and RELEASE. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dlpackd.h"
+#include "util.h"
+
+#define ATTACH_FLAGS (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_SINGLE)
+#define NAME_TEXT (DLPC_NAME_MAX * 4 + 1)
+
+/* Answer an ATTACH of @p e: a new reference and the storage fd, or the reason it is refused. */
+static int attach_reply(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, uint32_t flags)
+{
+	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
+	const Dlpackd__V1__Publish *pub = e->pub;
+	char name[NAME_TEXT];
+	struct dlpd_ref *ref;
+	int r;
+
+	if ((flags & DLPC_ATTACH_WRITABLE) && !(pub->flags & DLPC_PUBLISH_WRITABLE))
+		return dlpd_reply_error(p, id, EACCES,
+					"'%s' was not published writable; attach it read-only",
+					dlpc__printable(pub->name.data, pub->name.len, name,
+							sizeof(name)));
+	if ((flags & DLPC_ATTACH_SINGLE) && pub->n_tensors != 1)
+		return dlpd_reply_error(p, id, EINVAL,
+					"'%s' is a bundle of %zu tensors; attach it as a bundle",
+					dlpc__printable(pub->name.data, pub->name.len, name,
+							sizeof(name)),
+					pub->n_tensors);
+	ref = dlpd_ref_new(p, e->st);
+	if (!ref)
+		return dlpd_reply_error(p, id, ENOMEM, "cannot attach: out of memory");
+	rep.generation = e->generation;
+	rep.ref_id = ref->id;
+	rep.flags = pub->flags;
+	rep.device_type = e->st->device_type;
+	rep.device_id = e->st->device_id;
+	rep.storage_size = e->st->size;
+	rep.n_tensors = pub->n_tensors;
+	rep.tensors = pub->tensors;
+	r = dlpd_reply(p, DLPC_MSG_ATTACH | DLPC_MSG_REPLY, id, &rep.base, &e->st->fd, 1);
+	if (r == 0)
+		p->srv->stats.fds_sent++;
+	return r;
+}
+
+static void waiter_expired(uv_timer_t *t)
+{
+	struct dlpd_waiter *w = t->data;
+	struct dlpd_peer *p = w->peer;
+	uint32_t id = w->req_id;
+	long long ms = (long long)w->timeout_ms;
+	char name[NAME_TEXT];
+
+	dlpc__printable(w->q->name, w->q->len, name, sizeof(name));
+	dlpd_waiter_free(p->srv, w);
+	dlpd_reply_error(p, id, ETIMEDOUT, "no entry named '%s' appeared within %lld ms", name, ms);
+}
+
+void dlpd_wake_waiters(struct dlpd_server *s, struct dlpd_entry *e)
+{
+	uint8_t name[DLPC_NAME_MAX];
+	size_t len = e->pub->name.len;
+	struct dlpd_waiter *w;
+
+	/* Each reply may kill its peer, which frees that peer's waiters and, if it published the
+	 * entry ephemerally, the entry: look both up again every time. */
+	memcpy(name, e->pub->name.data, len);
+	while ((w = dlpd_waitq_first(s, name, len)) && (e = dlpd_entry_find(&s->reg, name, len))) {
+		struct dlpd_peer *p = w->peer;
+		uint32_t id = w->req_id, flags = w->flags;
+
+		dlpd_waiter_free(s, w);
+		attach_reply(p, id, e, flags);
+	}
+}
+
+int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
+{
+	Dlpackd__V1__Attach *req = (Dlpackd__V1__Attach *)*m;
+	struct dlpd_server *s = p->srv;
+	struct dlpd_waiter *w;
+	struct dlpd_entry *e;
+	char why[160], name[NAME_TEXT];
+
+	(void)f;
+	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
+		return dlpd_reply_error(p, id, EINVAL, "cannot attach: %s", why);
+	if (req->flags & ~ATTACH_FLAGS)
+		return dlpd_reply_error(p, id, EINVAL, "cannot attach: unknown flags 0x%x",
+					req->flags & ~ATTACH_FLAGS);
+	e = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
+	if (e)
+		return attach_reply(p, id, e, req->flags);
+	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
+	if (req->timeout_ms == 0)
+		return dlpd_reply_error(p, id, ENOENT, "no entry named '%s'", name);
+
+	w = calloc(1, sizeof(*w));
+	if (!w)
+		return dlpd_reply_error(p, id, ENOMEM, "cannot wait for '%s': out of memory", name);
+	w->peer = p;
+	w->req_id = id;
+	w->flags = req->flags;
+	if (dlpd_waiter_add(s, w, req->name.data, req->name.len) < 0) {
+		free(w);
+		return dlpd_reply_error(p, id, ENOMEM, "cannot wait for '%s': out of memory", name);
+	}
+	if (req->timeout_ms > 0) {
+		uv_timer_init(s->loop, &w->timer);
+		w->timer.data = w;
+		w->timed = true;
+		w->timeout_ms = req->timeout_ms;
+		uv_timer_start(&w->timer, waiter_expired, (uint64_t)req->timeout_ms, 0);
+	}
+	return 0;
+}
+
+int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m,
+		    struct dlpc__frame *f)
+{
+	Dlpackd__V1__Release *req = (Dlpackd__V1__Release *)*m;
+
+	(void)id;
+	(void)f;
+	if (req->n_ref_ids > DLPC_RELEASE_BATCH_MAX) {
+		dlpd_log(LOG_WARNING, "RELEASE of %zu references exceeds the limit of %d",
+			 req->n_ref_ids, DLPC_RELEASE_BATCH_MAX);
+		return -EPROTO;
+	}
+	for (size_t i = 0; i < req->n_ref_ids; i++) {
+		struct dlpd_ref *ref = dlpd_ref_find(p, req->ref_ids[i]);
+
+		if (!ref) {
+			dlpd_log(LOG_WARNING, "RELEASE of reference %llu, which this client does not "
+					      "hold",
+				 (unsigned long long)req->ref_ids[i]);
+			return -EPROTO;
+		}
+		dlpd_ref_drop(p, ref);
+	}
+	return 0;
+}

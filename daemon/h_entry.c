@@ -1,0 +1,262 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Handlers that change or read the set of names: PUBLISH, UNPUBLISH, LIST. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "dlpackd.h"
+#include "util.h"
+
+#define PUBLISH_FLAGS (DLPC_PUBLISH_REPLACE | DLPC_PUBLISH_EPHEMERAL | DLPC_PUBLISH_WRITABLE)
+/* Printable form of a name: every byte may become \xNN. */
+#define NAME_TEXT (DLPC_NAME_MAX * 4 + 1)
+
+static int cmp_keys(const void *a, const void *b)
+{
+	const ProtobufCBinaryData *x = &(*(Dlpackd__V1__TensorDesc *const *)a)->key;
+	const ProtobufCBinaryData *y = &(*(Dlpackd__V1__TensorDesc *const *)b)->key;
+	int c = memcmp(x->data, y->data, x->len < y->len ? x->len : y->len);
+
+	return c ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+/* Are the tensor descriptions of @p req sound? 0, or -errno and the reason. */
+static int check_tensors(const Dlpackd__V1__Publish *req, char *why, size_t whylen)
+{
+	Dlpackd__V1__TensorDesc **sorted;
+	int r = 0;
+
+	if (req->n_tensors == 0 || req->n_tensors > DLPC_BUNDLE_MAX) {
+		snprintf(why, whylen, "%zu tensors; an entry holds 1 to %d", req->n_tensors,
+			 DLPC_BUNDLE_MAX);
+		return -EINVAL;
+	}
+	for (size_t i = 0; i < req->n_tensors; i++) {
+		const Dlpackd__V1__TensorDesc *t = req->tensors[i];
+		uint64_t nbytes, end;
+
+		r = dlpc__key_check(t->key.data, t->key.len, why, whylen);
+		if (r < 0)
+			return r;
+		if (t->dtype_code > UINT8_MAX || t->dtype_bits > UINT8_MAX ||
+		    t->dtype_lanes > UINT16_MAX || t->n_shape > DLPC_NDIM_MAX) {
+			snprintf(why, whylen, "tensor %zu: bad dtype or more than %d dimensions", i,
+				 DLPC_NDIM_MAX);
+			return -EINVAL;
+		}
+		r = dlpc__tensor_nbytes(t->dtype_bits, t->dtype_lanes, t->shape, t->n_shape,
+					&nbytes);
+		if (r < 0) {
+			snprintf(why, whylen, "tensor %zu: bad dtype or shape", i);
+			return r;
+		}
+		if (t->offset % DLPC_ALIGN != 0 || __builtin_add_overflow(t->offset, nbytes, &end) ||
+		    end > req->storage_size) {
+			snprintf(why, whylen,
+				 "tensor %zu: %llu bytes at offset %llu do not fit an aligned place in "
+				 "a storage of %llu bytes",
+				 i, (unsigned long long)nbytes, (unsigned long long)t->offset,
+				 (unsigned long long)req->storage_size);
+			return -EINVAL;
+		}
+	}
+	if (req->n_tensors == 1)
+		return 0;
+	sorted = malloc(req->n_tensors * sizeof(*sorted));
+	if (!sorted)
+		return -ENOMEM;
+	memcpy(sorted, req->tensors, req->n_tensors * sizeof(*sorted));
+	qsort(sorted, req->n_tensors, sizeof(*sorted), cmp_keys);
+	for (size_t i = 1; i < req->n_tensors && r == 0; i++)
+		if (cmp_keys(&sorted[i - 1], &sorted[i]) == 0) {
+			char key[NAME_TEXT];
+
+			snprintf(why, whylen, "key '%s' appears twice in the bundle",
+				 dlpc__printable(sorted[i]->key.data, sorted[i]->key.len, key,
+						 sizeof(key)));
+			r = -EINVAL;
+		}
+	free(sorted);
+	return r;
+}
+
+static bool may_change(const struct dlpd_peer *p, const struct dlpd_entry *e)
+{
+	return p->uid == 0 || p->uid == e->uid;
+}
+
+int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
+{
+	Dlpackd__V1__Publish *req = (Dlpackd__V1__Publish *)*m;
+	Dlpackd__V1__PublishReply rep = DLPACKD__V1__PUBLISH_REPLY__INIT;
+	struct dlpd_server *s = p->srv;
+	struct dlpd_entry *old, *e;
+	struct dlpd_storage *st;
+	char why[256], name[NAME_TEXT], desc[96];
+	struct timespec now;
+	int r;
+
+	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
+		return dlpd_reply_error(p, id, EINVAL, "cannot publish: %s", why);
+	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
+	if (req->flags & ~PUBLISH_FLAGS)
+		return dlpd_reply_error(p, id, EINVAL, "cannot publish '%s': unknown flags 0x%x",
+					name, req->flags & ~PUBLISH_FLAGS);
+	if (req->device_type != kDLCPU)
+		return dlpd_reply_error(p, id, ENOTSUP,
+					"cannot publish '%s': device type %d is not supported",
+					name, req->device_type);
+	if (req->storage_size == 0 || req->storage_size > INT64_MAX)
+		return dlpd_reply_error(p, id, EINVAL, "cannot publish '%s': bad storage size %llu",
+					name, (unsigned long long)req->storage_size);
+	r = check_tensors(req, why, sizeof(why));
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
+	r = dlpd_storage_check(f->fds[0], req->storage_size, req->flags & DLPC_PUBLISH_WRITABLE,
+			       why, sizeof(why));
+	if (r < 0) {
+		dlpd_log(LOG_WARNING, "%s: publish of '%s' refused: %s",
+			 dlpd_peer_desc(p, desc, sizeof(desc)), name, why);
+		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
+	}
+	old = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
+	if (old && !(req->flags & DLPC_PUBLISH_REPLACE))
+		return dlpd_reply_error(p, id, EEXIST,
+					"'%s' is already published (generation %llu); publish with "
+					"REPLACE to take it over",
+					name, (unsigned long long)old->generation);
+	if (old && !may_change(p, old))
+		return dlpd_reply_error(p, id, EPERM,
+					"'%s' belongs to uid %u; uid %u may not replace it", name,
+					(unsigned)old->uid, (unsigned)p->uid);
+
+	e = calloc(1, sizeof(*e));
+	if (!e)
+		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
+	st = dlpd_storage_new(&s->reg, f->fds[0], req->storage_size, req->device_type,
+			      req->device_id);
+	if (!st) {
+		free(e);
+		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
+	}
+	dlpc__frame_take_fd(f, 0);
+	st->names = 1;
+	clock_gettime(CLOCK_REALTIME, &now);
+	e->pub = req;
+	*m = NULL;
+	e->st = st;
+	e->generation = old && old->generation < INT32_MAX ? old->generation + 1 : 1;
+	e->uid = p->uid;
+	e->pid = p->pid;
+	e->created_ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
+	if (req->flags & DLPC_PUBLISH_EPHEMERAL) {
+		e->owner = p;
+		dlpd_list_add_tail(&p->ephemeral, &e->owner_link);
+	}
+	rep.generation = e->generation;
+	dlpd_log(LOG_DEBUG, "%s: published '%s' generation %llu, %zu tensors, %llu bytes",
+		 dlpd_peer_desc(p, desc, sizeof(desc)), name, (unsigned long long)e->generation,
+		 req->n_tensors, (unsigned long long)req->storage_size);
+	/* Waking waiters may fail a write to this very connection and kill it, freeing e if it
+	 * is ephemeral: nothing below may touch e. */
+	if (dlpd_entry_insert(s, e, old) < 0)
+		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
+	return dlpd_reply(p, DLPC_MSG_PUBLISH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+}
+
+int dlpd_on_unpublish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m,
+		      struct dlpc__frame *f)
+{
+	Dlpackd__V1__Unpublish *req = (Dlpackd__V1__Unpublish *)*m;
+	Dlpackd__V1__UnpublishReply rep = DLPACKD__V1__UNPUBLISH_REPLY__INIT;
+	char why[160], name[NAME_TEXT];
+	struct dlpd_entry *e;
+
+	(void)f;
+	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
+		return dlpd_reply_error(p, id, EINVAL, "cannot unpublish: %s", why);
+	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
+	e = dlpd_entry_find(&p->srv->reg, req->name.data, req->name.len);
+	if (!e)
+		return dlpd_reply_error(p, id, ENOENT, "no entry named '%s'", name);
+	if (!may_change(p, e))
+		return dlpd_reply_error(p, id, EPERM,
+					"'%s' belongs to uid %u; uid %u may not unpublish it", name,
+					(unsigned)e->uid, (unsigned)p->uid);
+	rep.generation = e->generation;
+	dlpd_entry_remove(p->srv, e);
+	return dlpd_reply(p, DLPC_MSG_UNPUBLISH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+}
+
+int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
+{
+	Dlpackd__V1__List *req = (Dlpackd__V1__List *)*m;
+	Dlpackd__V1__ListReply rep = DLPACKD__V1__LIST_REPLY__INIT;
+	Dlpackd__V1__EntryInfo *infos = NULL;
+	struct dlpd_entry **v;
+	size_t n, limit, room = DLPC_FRAME_MAX - 64;
+	int r;
+
+	(void)f;
+	if (req->prefix.len > DLPC_NAME_MAX || req->start_after.len > DLPC_NAME_MAX)
+		return dlpd_reply_error(p, id, EINVAL, "LIST prefix or cursor longer than %d bytes",
+					DLPC_NAME_MAX);
+	limit = req->limit == 0 || req->limit > DLPC_LIST_PAGE_MAX ? DLPC_LIST_PAGE_MAX
+								   : req->limit;
+	r = dlpd_registry_range(&p->srv->reg, req->prefix.data, req->prefix.len,
+				req->start_after.data, req->start_after.len, &v, &n);
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot list: out of memory");
+	rep.more = n > limit;
+	n = n < limit ? n : limit;
+	if (n > 0) {
+		infos = calloc(n, sizeof(*infos));
+		rep.entries = calloc(n, sizeof(*rep.entries));
+		if (!infos || !rep.entries) {
+			free(infos);
+			free(rep.entries);
+			free(v);
+			return dlpd_reply_error(p, id, ENOMEM, "cannot list: out of memory");
+		}
+	}
+	for (size_t i = 0; i < n; i++) {
+		Dlpackd__V1__EntryInfo *info = &infos[i];
+		const struct dlpd_entry *e = v[i];
+		size_t sz;
+
+		dlpackd__v1__entry_info__init(info);
+		info->name = e->pub->name;
+		info->generation = e->generation;
+		info->device_type = e->st->device_type;
+		info->device_id = e->st->device_id;
+		info->flags = e->pub->flags;
+		info->nbytes = e->st->size;
+		info->refs = e->st->attach_refs;
+		info->owner_uid = e->uid;
+		info->owner_pid = e->pid;
+		info->created_ns = e->created_ns;
+		info->tensor_count = (uint32_t)e->pub->n_tensors;
+		info->n_tensors = e->pub->n_tensors;
+		info->tensors = e->pub->tensors;
+		/* field tag + length prefix: at most 6 bytes around each entry */
+		sz = dlpackd__v1__entry_info__get_packed_size(info) + 6;
+		if (sz > room && i == 0) {
+			/* alone too big for a frame: send it without its tensor list */
+			info->n_tensors = 0;
+			info->tensors = NULL;
+			sz = dlpackd__v1__entry_info__get_packed_size(info) + 6;
+		}
+		if (sz > room) {
+			rep.more = true;
+			break;
+		}
+		room -= sz;
+		rep.entries[rep.n_entries++] = info;
+	}
+	r = dlpd_reply(p, DLPC_MSG_LIST | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+	free(rep.entries);
+	free(infos);
+	free(v);
+	return r;
+}

@@ -1,0 +1,85 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Handlers for the session itself: HELLO (version negotiation) and STAT (counters). */
+#include <dirent.h>
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "dlpackd.h"
+#include "util.h"
+
+int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
+{
+	Dlpackd__V1__Hello *req = (Dlpackd__V1__Hello *)*m;
+	Dlpackd__V1__HelloReply rep = DLPACKD__V1__HELLO_REPLY__INIT;
+	char desc[96], client[96];
+
+	(void)f;
+	if (p->hello) {
+		dlpd_reply_error(p, id, EPROTO, "HELLO sent twice");
+		return -EPROTO;
+	}
+	dlpc__printable((const uint8_t *)req->client, strlen(req->client), client, sizeof(client));
+	if (req->version_major != DLPC_PROTO_MAJOR) {
+		dlpd_reply_error(p, id, EPROTO,
+				 "protocol version mismatch: client speaks %u.%u, dlpackd speaks %u.%u",
+				 req->version_major, req->version_minor, DLPC_PROTO_MAJOR,
+				 DLPC_PROTO_MINOR);
+		dlpd_peer_kill(p, LOG_WARNING, "protocol version mismatch: client %s speaks %u.%u",
+			       client, req->version_major, req->version_minor);
+		return -EPROTO;
+	}
+	p->hello = true;
+	rep.version_major = DLPC_PROTO_MAJOR;
+	rep.version_minor = req->version_minor > DLPC_PROTO_MINOR ? DLPC_PROTO_MINOR
+								   : req->version_minor;
+	rep.server = "dlpackd " DLPD_VERSION;
+	rep.max_frame = DLPC_FRAME_MAX;
+	dlpd_log(LOG_DEBUG, "%s: connected with %s", dlpd_peer_desc(p, desc, sizeof(desc)),
+		 client);
+	return dlpd_reply(p, DLPC_MSG_HELLO | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+}
+
+/* Open file descriptors of this process, from /proc/self/fd (the directory's own fd excluded). */
+static uint64_t count_fds(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *de;
+	uint64_t n = 0;
+
+	if (!d)
+		return 0;
+	while ((de = readdir(d)))
+		if (de->d_name[0] != '.')
+			n++;
+	closedir(d);
+	return n - 1;
+}
+
+int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
+{
+	struct dlpd_server *s = p->srv;
+	Dlpackd__V1__StatReply rep = DLPACKD__V1__STAT_REPLY__INIT;
+
+	(void)m;
+	(void)f;
+	rep.daemon_pid = (uint32_t)getpid();
+	rep.uptime_ms = dlpd_now_ms() - s->start_ms;
+	rep.connections = s->npeers;
+	rep.entries = s->reg.names.count;
+	rep.storages = s->reg.storages;
+	rep.bytes_held = s->reg.bytes;
+	rep.references = s->reg.refs;
+	rep.waiters = s->reg.waiters;
+	rep.fds_open = count_fds();
+	rep.fds_sent = s->stats.fds_sent;
+	rep.req_hello = s->stats.req[DLPC_MSG_HELLO];
+	rep.req_publish = s->stats.req[DLPC_MSG_PUBLISH];
+	rep.req_attach = s->stats.req[DLPC_MSG_ATTACH];
+	rep.req_release = s->stats.req[DLPC_MSG_RELEASE];
+	rep.req_unpublish = s->stats.req[DLPC_MSG_UNPUBLISH];
+	rep.req_list = s->stats.req[DLPC_MSG_LIST];
+	rep.req_stat = s->stats.req[DLPC_MSG_STAT];
+	rep.protocol_errors = s->stats.protocol_errors;
+	return dlpd_reply(p, DLPC_MSG_STAT | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+}

@@ -1,0 +1,262 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * One connection: reading frames, the dispatch table, writing replies, teardown.
+ *
+ * A peer dies in two steps. dlpd_peer_kill() marks it dead, stops reading and drops everything
+ * it holds in the registry at once (so STAT reflects a crashed client immediately); the struct and
+ * its socket are freed in one place, the uv_close() callback.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "dlpackd.h"
+
+/* Layer 3: what each frame type needs before its handler runs. */
+struct handler {
+	int (*fn)(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
+	const ProtobufCMessageDescriptor *desc;
+	uint8_t min_fds, max_fds;
+};
+
+static const struct handler handlers[DLPC_MSG__REQUEST_COUNT] = {
+	[DLPC_MSG_HELLO] = {dlpd_on_hello, &dlpackd__v1__hello__descriptor, 0, 0},
+	[DLPC_MSG_PUBLISH] = {dlpd_on_publish, &dlpackd__v1__publish__descriptor, 1, 1},
+	[DLPC_MSG_ATTACH] = {dlpd_on_attach, &dlpackd__v1__attach__descriptor, 0, 0},
+	[DLPC_MSG_RELEASE] = {dlpd_on_release, &dlpackd__v1__release__descriptor, 0, 0},
+	[DLPC_MSG_UNPUBLISH] = {dlpd_on_unpublish, &dlpackd__v1__unpublish__descriptor, 0, 0},
+	[DLPC_MSG_LIST] = {dlpd_on_list, &dlpackd__v1__list__descriptor, 0, 0},
+	[DLPC_MSG_STAT] = {dlpd_on_stat, &dlpackd__v1__stat__descriptor, 0, 0},
+};
+
+static void on_poll(uv_poll_t *h, int status, int events);
+
+const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len)
+{
+	snprintf(buf, len, "client %llu (pid %d, uid %u)", (unsigned long long)p->serial,
+		 (int)p->pid, (unsigned)p->uid);
+	return buf;
+}
+
+struct dlpd_peer *dlpd_peer_new(struct dlpd_server *s, int fd)
+{
+	struct dlpd_peer *p = calloc(1, sizeof(*p));
+	struct ucred cred;
+	socklen_t clen = sizeof(cred);
+
+	if (!p)
+		return NULL;
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) < 0) {
+		free(p);
+		return NULL;
+	}
+	p->srv = s;
+	p->fd = fd;
+	p->uid = cred.uid;
+	p->gid = cred.gid;
+	p->pid = cred.pid;
+	p->serial = ++s->next_serial;
+	dlpc__rx_init(&p->rx);
+	dlpc__tx_init(&p->tx);
+	dlpd_hmap_init(&p->refs);
+	dlpd_list_init(&p->ephemeral);
+	dlpd_list_init(&p->waiters);
+	if (uv_poll_init(s->loop, &p->poll, fd) < 0) {
+		free(p);
+		return NULL;
+	}
+	p->poll.data = p;
+	p->events = UV_READABLE | UV_DISCONNECT;
+	uv_poll_start(&p->poll, p->events, on_poll);
+	dlpd_list_add_tail(&s->peers, &p->link);
+	s->npeers++;
+	return p;
+}
+
+static void peer_closed(uv_handle_t *h)
+{
+	struct dlpd_peer *p = h->data;
+
+	close(p->fd);
+	free(p);
+}
+
+void dlpd_peer_kill(struct dlpd_peer *p, int prio, const char *fmt, ...)
+{
+	char msg[512], desc[96];
+	va_list ap;
+
+	if (p->dead)
+		return;
+	p->dead = true;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	dlpd_log(prio, "%s: %s", dlpd_peer_desc(p, desc, sizeof(desc)), msg);
+	dlpd_list_del(&p->link);
+	p->srv->npeers--;
+	dlpd_registry_drop_peer(p->srv, p);
+	dlpc__rx_clear(&p->rx);
+	dlpc__tx_clear(&p->tx);
+	uv_close((uv_handle_t *)&p->poll, peer_closed);
+}
+
+static void want_events(struct dlpd_peer *p, int events)
+{
+	if (p->dead || p->events == events)
+		return;
+	p->events = events;
+	uv_poll_start(&p->poll, events, on_poll);
+}
+
+int dlpd_reply(struct dlpd_peer *p, uint16_t type, uint32_t id, const ProtobufCMessage *m,
+	       const int *fds, unsigned nfds)
+{
+	struct dlpc__scratch *out = &p->srv->out;
+	ssize_t len;
+	int r;
+
+	if (p->dead)
+		return -EPIPE;
+	len = dlpc__msg_frame(out, type, id, m, nfds);
+	if (len < 0) {
+		dlpd_peer_kill(p, LOG_ERR, "cannot build a reply: %s", strerror((int)-len));
+		return (int)len;
+	}
+	r = dlpc__tx_send(&p->tx, p->fd, out->p, (size_t)len, fds, nfds);
+	if (r < 0) {
+		dlpd_peer_kill(p, LOG_DEBUG, "write failed: %s", strerror(-r));
+		return r;
+	}
+	if (p->tx.head)
+		want_events(p, UV_READABLE | UV_WRITABLE | UV_DISCONNECT);
+	return 0;
+}
+
+int dlpd_reply_error(struct dlpd_peer *p, uint32_t id, int err, const char *fmt, ...)
+{
+	Dlpackd__V1__Error e = DLPACKD__V1__ERROR__INIT;
+	char msg[512], desc[96];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	e.code = err < 0 ? -err : err;
+	e.message = msg;
+	dlpd_log(LOG_DEBUG, "%s: request %u refused: %s (%s)",
+		 dlpd_peer_desc(p, desc, sizeof(desc)), id, msg, strerror(e.code));
+	return dlpd_reply(p, DLPC_MSG_ERROR, id, &e.base, NULL, 0);
+}
+
+/* Run one complete frame through the table. -EPROTO: a protocol violation. */
+static int dispatch(struct dlpd_peer *p, struct dlpc__frame *f)
+{
+	uint16_t type = f->hdr.type;
+	const struct handler *h = type < DLPC_MSG__REQUEST_COUNT ? &handlers[type] : NULL;
+	ProtobufCMessage *m;
+	char name[32];
+	int r;
+
+	if (!h || !h->fn) {
+		dlpd_reply_error(p, f->hdr.id, EPROTO, "unknown message %s",
+				 dlpc__msg_name(type, name, sizeof(name)));
+		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: unknown message %s", name);
+		return -EPROTO;
+	}
+	if (!p->hello && type != DLPC_MSG_HELLO) {
+		dlpd_reply_error(p, f->hdr.id, EPROTO, "%s before HELLO",
+				 dlpc__msg_name(type, name, sizeof(name)));
+		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s before HELLO", name);
+		return -EPROTO;
+	}
+	if (f->nfds < h->min_fds || f->nfds > h->max_fds) {
+		dlpd_reply_error(p, f->hdr.id, EPROTO, "%s carries %u fds, expected %u",
+				 dlpc__msg_name(type, name, sizeof(name)), f->nfds, h->min_fds);
+		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s with %u fds", name, f->nfds);
+		return -EPROTO;
+	}
+	m = protobuf_c_message_unpack(h->desc, NULL, f->hdr.len, f->payload);
+	if (!m) {
+		dlpd_reply_error(p, f->hdr.id, EPROTO, "malformed %s payload",
+				 dlpc__msg_name(type, name, sizeof(name)));
+		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: malformed %s payload", name);
+		return -EPROTO;
+	}
+	p->srv->stats.req[type]++;
+	r = h->fn(p, f->hdr.id, &m, f);
+	if (m)
+		protobuf_c_message_free_unpacked(m, NULL);
+	return r;
+}
+
+static void on_readable(struct dlpd_peer *p)
+{
+	char why[160];
+	ssize_t n;
+
+	n = dlpc__rx_read(&p->rx, p->fd, why, sizeof(why));
+	if (n == -EAGAIN)
+		return;
+	if (n == 0) {
+		if (dlpc__rx_partial(&p->rx))
+			dlpd_peer_kill(p, LOG_WARNING, "closed the connection in the middle of a frame");
+		else
+			dlpd_peer_kill(p, LOG_DEBUG, "disconnected");
+		return;
+	}
+	if (n == -EPROTO) {
+		p->srv->stats.protocol_errors++;
+		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s", why);
+		return;
+	}
+	if (n < 0) {
+		dlpd_peer_kill(p, LOG_DEBUG, "read failed: %s", strerror((int)-n));
+		return;
+	}
+	while (!p->dead) {
+		struct dlpc__frame f;
+		int r = dlpc__rx_next(&p->rx, &f, why, sizeof(why));
+
+		if (r == 0)
+			break;
+		if (r < 0) {
+			p->srv->stats.protocol_errors++;
+			dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s", why);
+			break;
+		}
+		r = dispatch(p, &f);
+		dlpc__frame_clear(&f);
+		/* other failures (a reply that could not be written) already killed the peer */
+		if (r == -EPROTO) {
+			p->srv->stats.protocol_errors++;
+			dlpd_peer_kill(p, LOG_WARNING, "protocol violation in request %u", f.hdr.id);
+		}
+	}
+}
+
+static void on_poll(uv_poll_t *h, int status, int events)
+{
+	struct dlpd_peer *p = h->data;
+
+	if (p->dead)
+		return;
+	if (status < 0) {
+		dlpd_peer_kill(p, LOG_DEBUG, "poll failed: %s", uv_strerror(status));
+		return;
+	}
+	if (events & UV_WRITABLE) {
+		int r = dlpc__tx_flush(&p->tx, p->fd);
+
+		if (r < 0) {
+			dlpd_peer_kill(p, LOG_DEBUG, "write failed: %s", strerror(-r));
+			return;
+		}
+		if (r == 1)
+			want_events(p, UV_READABLE | UV_DISCONNECT);
+	}
+	if (events & (UV_READABLE | UV_DISCONNECT))
+		on_readable(p);
+}

@@ -1,0 +1,280 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Names, entries, storages and references.
+ *
+ * A storage is held by the entries that name it and by the references connections took by
+ * attaching. It is freed (its fd closed) when neither remains. Entries are held by the name map
+ * alone; an ephemeral entry is also listed on its publishing connection so that closing the
+ * connection can remove it.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "dlpackd.h"
+
+void dlpd_registry_init(struct dlpd_registry *r)
+{
+	memset(r, 0, sizeof(*r));
+	dlpd_hmap_init(&r->names);
+	dlpd_hmap_init(&r->waitqs);
+}
+
+static bool entry_is(const struct dlpd_entry *e, const uint8_t *name, size_t len)
+{
+	return e->pub->name.len == len && memcmp(e->pub->name.data, name, len) == 0;
+}
+
+struct dlpd_entry *dlpd_entry_find(struct dlpd_registry *r, const uint8_t *name, size_t len)
+{
+	uint64_t h = dlpd_hash_bytes(name, len);
+
+	for (struct dlpd_hnode *n = dlpd_hmap_chain(&r->names, h); n; n = n->next) {
+		struct dlpd_entry *e = dlpd_container_of(n, struct dlpd_entry, node);
+
+		if (n->hash == h && entry_is(e, name, len))
+			return e;
+	}
+	return NULL;
+}
+
+static void entry_free(struct dlpd_registry *r, struct dlpd_entry *e)
+{
+	if (e->owner)
+		dlpd_list_del(&e->owner_link);
+	dlpd_storage_unref(r, e->st, true);
+	dlpackd__v1__publish__free_unpacked(e->pub, NULL);
+	free(e);
+}
+
+int dlpd_entry_insert(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_entry *old)
+{
+	const ProtobufCBinaryData *name = &e->pub->name;
+	int r;
+
+	/* Removing old first cannot make the insert fail: the map has buckets already. Nothing
+	 * runs in between, so no attacher sees the name absent. */
+	if (old)
+		dlpd_entry_remove(s, old);
+	r = dlpd_hmap_insert(&s->reg.names, &e->node, dlpd_hash_bytes(name->data, name->len));
+	if (r < 0) {
+		entry_free(&s->reg, e);
+		return r;
+	}
+	dlpd_wake_waiters(s, e);
+	return 0;
+}
+
+void dlpd_entry_remove(struct dlpd_server *s, struct dlpd_entry *e)
+{
+	dlpd_hmap_remove(&s->reg.names, &e->node);
+	entry_free(&s->reg, e);
+}
+
+struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, int fd, uint64_t size,
+				      int32_t device_type, int32_t device_id)
+{
+	struct dlpd_storage *st = calloc(1, sizeof(*st));
+
+	if (!st)
+		return NULL;
+	st->fd = fd;
+	st->size = size;
+	st->device_type = device_type;
+	st->device_id = device_id;
+	r->storages++;
+	r->bytes += size;
+	return st;
+}
+
+void dlpd_storage_unref(struct dlpd_registry *r, struct dlpd_storage *st, bool name)
+{
+	if (name)
+		st->names--;
+	else
+		st->attach_refs--;
+	if (st->names > 0 || st->attach_refs > 0)
+		return;
+	r->storages--;
+	r->bytes -= st->size;
+	close(st->fd);
+	free(st);
+}
+
+struct dlpd_ref *dlpd_ref_new(struct dlpd_peer *p, struct dlpd_storage *st)
+{
+	struct dlpd_ref *ref = malloc(sizeof(*ref));
+
+	if (!ref)
+		return NULL;
+	ref->id = ++p->next_ref;
+	ref->st = st;
+	if (dlpd_hmap_insert(&p->refs, &ref->node, dlpd_hash_u64(ref->id)) < 0) {
+		free(ref);
+		return NULL;
+	}
+	st->attach_refs++;
+	p->srv->reg.refs++;
+	return ref;
+}
+
+struct dlpd_ref *dlpd_ref_find(struct dlpd_peer *p, uint64_t id)
+{
+	uint64_t h = dlpd_hash_u64(id);
+
+	for (struct dlpd_hnode *n = dlpd_hmap_chain(&p->refs, h); n; n = n->next) {
+		struct dlpd_ref *ref = dlpd_container_of(n, struct dlpd_ref, node);
+
+		if (ref->id == id)
+			return ref;
+	}
+	return NULL;
+}
+
+void dlpd_ref_drop(struct dlpd_peer *p, struct dlpd_ref *ref)
+{
+	dlpd_hmap_remove(&p->refs, &ref->node);
+	p->srv->reg.refs--;
+	dlpd_storage_unref(&p->srv->reg, ref->st, false);
+	free(ref);
+}
+
+static struct dlpd_waitq *waitq_find(struct dlpd_registry *r, const uint8_t *name, size_t len,
+				     uint64_t h)
+{
+	for (struct dlpd_hnode *n = dlpd_hmap_chain(&r->waitqs, h); n; n = n->next) {
+		struct dlpd_waitq *q = dlpd_container_of(n, struct dlpd_waitq, node);
+
+		if (n->hash == h && q->len == len && memcmp(q->name, name, len) == 0)
+			return q;
+	}
+	return NULL;
+}
+
+int dlpd_waiter_add(struct dlpd_server *s, struct dlpd_waiter *w, const uint8_t *name, size_t len)
+{
+	uint64_t h = dlpd_hash_bytes(name, len);
+	struct dlpd_waitq *q = waitq_find(&s->reg, name, len, h);
+
+	if (!q) {
+		q = malloc(sizeof(*q) + len);
+		if (!q)
+			return -ENOMEM;
+		dlpd_list_init(&q->waiters);
+		q->len = len;
+		memcpy(q->name, name, len);
+		if (dlpd_hmap_insert(&s->reg.waitqs, &q->node, h) < 0) {
+			free(q);
+			return -ENOMEM;
+		}
+	}
+	w->q = q;
+	dlpd_list_add_tail(&q->waiters, &w->q_link);
+	dlpd_list_add_tail(&w->peer->waiters, &w->peer_link);
+	s->reg.waiters++;
+	return 0;
+}
+
+struct dlpd_waiter *dlpd_waitq_first(struct dlpd_server *s, const uint8_t *name, size_t len)
+{
+	struct dlpd_waitq *q = waitq_find(&s->reg, name, len, dlpd_hash_bytes(name, len));
+
+	return q ? dlpd_container_of(q->waiters.next, struct dlpd_waiter, q_link) : NULL;
+}
+
+static void waiter_closed(uv_handle_t *h)
+{
+	free(h->data);
+}
+
+void dlpd_waiter_free(struct dlpd_server *s, struct dlpd_waiter *w)
+{
+	struct dlpd_waitq *q = w->q;
+
+	dlpd_list_del(&w->q_link);
+	dlpd_list_del(&w->peer_link);
+	s->reg.waiters--;
+	if (dlpd_list_empty(&q->waiters)) {
+		dlpd_hmap_remove(&s->reg.waitqs, &q->node);
+		free(q);
+	}
+	if (w->timed) {
+		w->timer.data = w;
+		uv_close((uv_handle_t *)&w->timer, waiter_closed);
+	} else {
+		free(w);
+	}
+}
+
+void dlpd_registry_drop_peer(struct dlpd_server *s, struct dlpd_peer *p)
+{
+	while (!dlpd_list_empty(&p->waiters))
+		dlpd_waiter_free(s, dlpd_container_of(p->waiters.next, struct dlpd_waiter,
+						      peer_link));
+	while (!dlpd_list_empty(&p->ephemeral))
+		dlpd_entry_remove(s, dlpd_container_of(p->ephemeral.next, struct dlpd_entry,
+						       owner_link));
+	for (size_t i = 0; i < p->refs.nbuckets; i++)
+		while (p->refs.buckets[i])
+			dlpd_ref_drop(p, dlpd_container_of(p->refs.buckets[i], struct dlpd_ref,
+							   node));
+	dlpd_hmap_clear(&p->refs);
+}
+
+void dlpd_registry_clear(struct dlpd_registry *r)
+{
+	for (size_t i = 0; i < r->names.nbuckets; i++)
+		while (r->names.buckets[i]) {
+			struct dlpd_entry *e = dlpd_container_of(r->names.buckets[i],
+								 struct dlpd_entry, node);
+
+			r->names.buckets[i] = e->node.next;
+			entry_free(r, e);
+		}
+	dlpd_hmap_clear(&r->names);
+	/* waiters belong to peers, which are all gone by now */
+	dlpd_hmap_clear(&r->waitqs);
+}
+
+static int cmp_entries(const void *a, const void *b)
+{
+	const ProtobufCBinaryData *x = &(*(struct dlpd_entry *const *)a)->pub->name;
+	const ProtobufCBinaryData *y = &(*(struct dlpd_entry *const *)b)->pub->name;
+	int c = memcmp(x->data, y->data, x->len < y->len ? x->len : y->len);
+
+	return c ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+/* Does @p name come strictly after @p after in byte order? */
+static bool after(const ProtobufCBinaryData *name, const uint8_t *a, size_t alen)
+{
+	int c = memcmp(name->data, a, name->len < alen ? name->len : alen);
+
+	return c > 0 || (c == 0 && name->len > alen);
+}
+
+int dlpd_registry_range(struct dlpd_registry *r, const uint8_t *prefix, size_t plen,
+			const uint8_t *a, size_t alen, struct dlpd_entry ***ret, size_t *count)
+{
+	struct dlpd_entry **v = malloc((r->names.count ? r->names.count : 1) * sizeof(*v));
+	size_t n = 0;
+
+	if (!v)
+		return -ENOMEM;
+	for (size_t i = 0; i < r->names.nbuckets; i++)
+		for (struct dlpd_hnode *h = r->names.buckets[i]; h; h = h->next) {
+			struct dlpd_entry *e = dlpd_container_of(h, struct dlpd_entry, node);
+			const ProtobufCBinaryData *name = &e->pub->name;
+
+			if (name->len < plen || memcmp(name->data, prefix, plen) != 0)
+				continue;
+			if (alen > 0 && !after(name, a, alen))
+				continue;
+			v[n++] = e;
+		}
+	qsort(v, n, sizeof(*v), cmp_entries);
+	*ret = v;
+	*count = n;
+	return 0;
+}

@@ -1,0 +1,238 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The listening socket: taking it over safely, accepting, and stopping.
+ *
+ * A daemon owns PATH by holding an flock on PATH.lock for its whole life. With the lock held,
+ * a socket file that refuses connections was left by a dead daemon and is replaced; one that
+ * accepts belongs to a live daemon started without the lock, and we refuse to start. On stop
+ * the lock file is unlinked before the socket and the socket before the listener closes, so a
+ * daemon starting meanwhile either sees the live listener or finds the path free.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "dlpackd.h"
+
+/* Wait this long before accepting again after running out of fds. */
+#define ACCEPT_RETRY_MS 100
+
+uint64_t dlpd_now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static void on_accept(uv_poll_t *h, int status, int events);
+
+static void accept_resume(uv_timer_t *t)
+{
+	struct dlpd_server *s = t->data;
+
+	if (!s->stopping)
+		uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
+}
+
+static void on_accept(uv_poll_t *h, int status, int events)
+{
+	struct dlpd_server *s = h->data;
+
+	(void)status;
+	(void)events;
+	while (!s->stopping) {
+		int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		struct dlpd_peer *p;
+		char desc[96];
+
+		if (fd < 0) {
+			if (errno == EINTR || errno == ECONNABORTED)
+				continue;
+			if (errno == EAGAIN || errno == EWOULDBLOCK)
+				return;
+			/* EMFILE, ENFILE, ENOBUFS, ENOMEM: serve who we have, retry later */
+			dlpd_log(LOG_WARNING, "cannot accept a connection (%m); pausing for %d ms",
+				 ACCEPT_RETRY_MS);
+			uv_poll_stop(&s->listen_poll);
+			uv_timer_start(&s->accept_retry, accept_resume, ACCEPT_RETRY_MS, 0);
+			return;
+		}
+		p = dlpd_peer_new(s, fd);
+		if (!p) {
+			dlpd_log(LOG_WARNING, "cannot set up a new connection: %m");
+			close(fd);
+			continue;
+		}
+		dlpd_log(LOG_DEBUG, "%s: accepted", dlpd_peer_desc(p, desc, sizeof(desc)));
+	}
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+	struct dlpd_server *s = h->data;
+
+	dlpd_log(LOG_NOTICE, "received %s, stopping", strsignal(signum));
+	dlpd_server_stop(s);
+}
+
+/* Is a daemon answering on @p path? 1 yes, 0 no (stale or absent), negative errno: unusable. */
+static int probe(const char *path)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd, r;
+
+	strcpy(sa.sun_path, path);
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	r = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+	r = r == 0 ? 1 : errno == ECONNREFUSED || errno == ENOENT ? 0 : -errno;
+	close(fd);
+	return r;
+}
+
+static int take_lock(struct dlpd_server *s)
+{
+	size_t n = strlen(s->path) + sizeof(".lock");
+
+	s->lock_path = malloc(n);
+	if (!s->lock_path)
+		return -ENOMEM;
+	snprintf(s->lock_path, n, "%s.lock", s->path);
+	s->lock_fd = open(s->lock_path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+	if (s->lock_fd < 0) {
+		dlpd_log(LOG_ERR, "cannot open lock file %s: %m", s->lock_path);
+		return -errno;
+	}
+	if (flock(s->lock_fd, LOCK_EX | LOCK_NB) < 0) {
+		int r = -errno;
+
+		if (errno == EWOULDBLOCK)
+			dlpd_log(LOG_ERR, "another dlpackd is already running on %s", s->path);
+		else
+			dlpd_log(LOG_ERR, "cannot lock %s: %m", s->lock_path);
+		return r == -EWOULDBLOCK ? -EADDRINUSE : r;
+	}
+	return 0;
+}
+
+/* Create the socket's directory if it is missing (one level, like RuntimeDirectory=). */
+static void make_parent(const char *path)
+{
+	char *copy = strdup(path);
+
+	if (!copy)
+		return;
+	if (mkdir(dirname(copy), 0755) == 0)
+		dlpd_log(LOG_INFO, "created directory %s", copy);
+	free(copy);
+}
+
+/* On failure nothing is unlinked (the path may be another daemon's); dlpd_server_free() closes
+ * what was opened. */
+int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, mode_t mode)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int r;
+
+	memset(s, 0, sizeof(*s));
+	s->loop = loop;
+	s->listen_fd = s->lock_fd = -1;
+	dlpd_list_init(&s->peers);
+	dlpd_registry_init(&s->reg);
+	s->start_ms = dlpd_now_ms();
+	if (strlen(path) >= sizeof(sa.sun_path)) {
+		dlpd_log(LOG_ERR, "socket path %s is longer than %zu bytes", path,
+			 sizeof(sa.sun_path) - 1);
+		return -ENAMETOOLONG;
+	}
+	strcpy(sa.sun_path, path);
+	s->path = strdup(path);
+	if (!s->path)
+		return -ENOMEM;
+	make_parent(path);
+	r = take_lock(s);
+	if (r < 0)
+		return r;
+	r = probe(path);
+	if (r == 1) {
+		dlpd_log(LOG_ERR, "another dlpackd is already running on %s", path);
+		return -EADDRINUSE;
+	}
+	if (r < 0) {
+		dlpd_log(LOG_ERR, "cannot check socket %s: %s", path, strerror(-r));
+		return r;
+	}
+	if (unlink(path) == 0)
+		dlpd_log(LOG_NOTICE, "removed stale socket %s", path);
+	s->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (s->listen_fd < 0 || bind(s->listen_fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+		r = -errno;
+		dlpd_log(LOG_ERR, "cannot bind %s: %m", path);
+		return r;
+	}
+	if (chmod(path, mode) < 0 || listen(s->listen_fd, SOMAXCONN) < 0) {
+		r = -errno;
+		dlpd_log(LOG_ERR, "cannot listen on %s: %m", path);
+		unlink(path);
+		return r;
+	}
+	uv_poll_init(loop, &s->listen_poll, s->listen_fd);
+	s->listen_poll.data = s;
+	uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
+	uv_timer_init(loop, &s->accept_retry);
+	s->accept_retry.data = s;
+	uv_signal_init(loop, &s->sig_term);
+	uv_signal_init(loop, &s->sig_int);
+	s->sig_term.data = s->sig_int.data = s;
+	uv_signal_start(&s->sig_term, on_signal, SIGTERM);
+	uv_signal_start(&s->sig_int, on_signal, SIGINT);
+	dlpd_log(LOG_NOTICE, "dlpackd %s listening on %s", DLPD_VERSION, path);
+	return 0;
+}
+
+static void listener_closed(uv_handle_t *h)
+{
+	struct dlpd_server *s = h->data;
+
+	close(s->listen_fd);
+	s->listen_fd = -1;
+}
+
+void dlpd_server_stop(struct dlpd_server *s)
+{
+	if (s->stopping)
+		return;
+	s->stopping = true;
+	unlink(s->lock_path);
+	unlink(s->path);
+	uv_close((uv_handle_t *)&s->listen_poll, listener_closed);
+	uv_close((uv_handle_t *)&s->accept_retry, NULL);
+	uv_close((uv_handle_t *)&s->sig_term, NULL);
+	uv_close((uv_handle_t *)&s->sig_int, NULL);
+	while (!dlpd_list_empty(&s->peers))
+		dlpd_peer_kill(dlpd_container_of(s->peers.next, struct dlpd_peer, link), LOG_DEBUG,
+			       "daemon stopping");
+}
+
+void dlpd_server_free(struct dlpd_server *s)
+{
+	dlpd_registry_clear(&s->reg);
+	dlpc__scratch_clear(&s->out);
+	if (s->listen_fd >= 0)
+		close(s->listen_fd);
+	if (s->lock_fd >= 0)
+		close(s->lock_fd);
+	free(s->lock_path);
+	free(s->path);
+}

@@ -1,0 +1,95 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Host storage validation. The daemon never maps client memory; it only proves, from the fd
+ * alone, that attachers can map it safely: a regular file on tmpfs (what memfd_create makes),
+ * sealed so that it can neither shrink (a SIGBUS in every attacher) nor grow, sealed against
+ * writes unless published writable, and large enough for the tensors described.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+
+#include "dlpackd.h"
+
+static const char *file_kind(mode_t m)
+{
+	switch (m & S_IFMT) {
+	case S_IFIFO:
+		return "a pipe";
+	case S_IFSOCK:
+		return "a socket";
+	case S_IFDIR:
+		return "a directory";
+	case S_IFCHR:
+		return "a character device";
+	case S_IFBLK:
+		return "a block device";
+	case S_IFLNK:
+		return "a symbolic link";
+	default:
+		return "not a regular file";
+	}
+}
+
+int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t whylen)
+{
+	struct stat st;
+	struct statfs sfs;
+	int seals, fl;
+
+	if (fstat(fd, &st) < 0) {
+		snprintf(why, whylen, "storage fd cannot be inspected: %m");
+		return -EBADF;
+	}
+	if (!S_ISREG(st.st_mode)) {
+		snprintf(why, whylen, "storage fd is %s, not a memfd", file_kind(st.st_mode));
+		return -EBADF;
+	}
+	fl = fcntl(fd, F_GETFL);
+	if (fl < 0 || (fl & O_PATH)) {
+		snprintf(why, whylen, "storage fd is an O_PATH descriptor, not a memfd");
+		return -EBADF;
+	}
+	if (fstatfs(fd, &sfs) < 0 ||
+	    (sfs.f_type != TMPFS_MAGIC && sfs.f_type != (typeof(sfs.f_type))HUGETLBFS_MAGIC)) {
+		snprintf(why, whylen,
+			 "storage fd is a file on a disk filesystem (magic 0x%lx), not a memfd",
+			 (unsigned long)sfs.f_type);
+		return -EBADF;
+	}
+	seals = fcntl(fd, F_GET_SEALS);
+	if (seals < 0) {
+		snprintf(why, whylen, "storage fd does not support seals (not a memfd): %m");
+		return -EBADF;
+	}
+	if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
+		snprintf(why, whylen,
+			 "storage memfd is not sealed against resizing (F_SEAL_SHRINK and "
+			 "F_SEAL_GROW required, seals are 0x%x)",
+			 (unsigned)seals);
+		return -EPERM;
+	}
+	if (!writable && !(seals & (F_SEAL_FUTURE_WRITE | F_SEAL_WRITE))) {
+		snprintf(why, whylen,
+			 "read-only storage memfd is not sealed against writes (F_SEAL_FUTURE_WRITE "
+			 "required unless published writable)");
+		return -EPERM;
+	}
+	if (writable && (seals & (F_SEAL_FUTURE_WRITE | F_SEAL_WRITE))) {
+		snprintf(why, whylen, "storage published writable is sealed against writes");
+		return -EPERM;
+	}
+	if (writable && (fl & O_ACCMODE) != O_RDWR) {
+		snprintf(why, whylen, "writable storage fd was not opened read-write");
+		return -EBADF;
+	}
+	if ((uint64_t)st.st_size < size) {
+		snprintf(why, whylen, "storage memfd holds %lld bytes, the tensors need %llu",
+			 (long long)st.st_size, (unsigned long long)size);
+		return -EINVAL;
+	}
+	return 0;
+}
