@@ -1,0 +1,288 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Attaching: one ATTACH round trip returns the storage fd and the tensor descriptions; the
+ * storage is mapped once and every tensor of the entry points into that mapping.
+ *
+ * Ownership: the mapping is refcounted by the tensors handed out (and, until freed, by the
+ * bundle for the tensors it still holds). The last one unmaps, sends RELEASE and drops the
+ * mapping's reference on the client.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "util.h"
+
+struct mapping {
+	atomic_uint refs;
+	void *base;
+	size_t len;
+	dlpc_client *client;
+	uint64_t ref_id;
+};
+
+/* One attached tensor; shape and strides live right behind it. */
+struct attached {
+	DLManagedTensorVersioned t;
+	struct mapping *map;
+	int64_t dims[];
+};
+
+struct dlpc_bundle {
+	size_t n;
+	struct mapping *map;
+	char **keys;
+	DLManagedTensorVersioned **tensors; /* NULL once taken */
+};
+
+static void mapping_unref(struct mapping *m)
+{
+	if (atomic_fetch_sub_explicit(&m->refs, 1, memory_order_acq_rel) != 1)
+		return;
+	munmap(m->base, m->len);
+	dlpc__release(m->client, m->ref_id);
+	dlpc__client_unref(m->client);
+	free(m);
+}
+
+static void attached_deleter(DLManagedTensorVersioned *t)
+{
+	struct attached *a = (struct attached *)t;
+
+	mapping_unref(a->map);
+	free(a);
+}
+
+static DLManagedTensorVersioned *make_tensor(struct mapping *m, const Dlpackd__V1__TensorDesc *d,
+					     DLDevice dev, bool writable)
+{
+	size_t ndim = d->n_shape;
+	struct attached *a = malloc(sizeof(*a) + 2 * ndim * sizeof(int64_t));
+	int64_t stride = 1;
+
+	if (!a)
+		return NULL;
+	for (size_t i = ndim; i-- > 0;) {
+		a->dims[i] = d->shape[i];
+		a->dims[ndim + i] = stride;
+		stride *= d->shape[i];
+	}
+	a->map = m;
+	a->t.version.major = DLPACK_MAJOR_VERSION;
+	a->t.version.minor = DLPACK_MINOR_VERSION;
+	a->t.manager_ctx = m;
+	a->t.deleter = attached_deleter;
+	a->t.flags = writable ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
+	a->t.dl_tensor.data = (uint8_t *)m->base + d->offset;
+	a->t.dl_tensor.device = dev;
+	a->t.dl_tensor.ndim = (int)ndim;
+	a->t.dl_tensor.dtype.code = (uint8_t)d->dtype_code;
+	a->t.dl_tensor.dtype.bits = (uint8_t)d->dtype_bits;
+	a->t.dl_tensor.dtype.lanes = (uint16_t)d->dtype_lanes;
+	a->t.dl_tensor.shape = a->dims;
+	a->t.dl_tensor.strides = ndim > 0 ? a->dims + ndim : NULL;
+	a->t.dl_tensor.byte_offset = 0;
+	return &a->t;
+}
+
+/* Do the daemon's descriptions fit the storage? (A guard against a confused daemon.) */
+static bool reply_sane(const Dlpackd__V1__AttachReply *rep)
+{
+	if (rep->n_tensors == 0 || rep->storage_size == 0 || rep->storage_size > SIZE_MAX)
+		return false;
+	for (size_t i = 0; i < rep->n_tensors; i++) {
+		const Dlpackd__V1__TensorDesc *d = rep->tensors[i];
+		uint64_t nbytes;
+
+		if (d->key.len > DLPC_KEY_MAX ||
+		    dlpc__tensor_nbytes(d->dtype_bits, d->dtype_lanes, d->shape, d->n_shape,
+					&nbytes) < 0 ||
+		    d->offset > rep->storage_size || nbytes > rep->storage_size - d->offset)
+			return false;
+	}
+	return true;
+}
+
+DLPC_EXPORT void dlpc_bundle_free(dlpc_bundle *b)
+{
+	if (!b)
+		return;
+	for (size_t i = 0; i < b->n; i++)
+		if (b->tensors[i])
+			b->tensors[i]->deleter(b->tensors[i]);
+	if (b->map)
+		mapping_unref(b->map);
+	free(b->keys);
+	free(b->tensors);
+	free(b);
+}
+
+/* Turn an ATTACH reply and its fd into a bundle. Consumes @p fd. */
+static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__AttachReply *rep,
+			int fd, bool writable, dlpc_bundle **ret)
+{
+	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
+	struct mapping *m = NULL;
+	dlpc_bundle *b;
+	size_t keybytes = 0;
+	char *kp;
+	int r;
+
+	if (rep->device_type != kDLCPU || !reply_sane(rep)) {
+		dlpc__release(c, rep->ref_id);
+		close(fd);
+		return dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply",
+				  name);
+	}
+	for (size_t i = 0; i < rep->n_tensors; i++)
+		keybytes += rep->tensors[i]->key.len + 1;
+	b = calloc(1, sizeof(*b));
+	m = calloc(1, sizeof(*m));
+	if (b) {
+		b->keys = malloc(rep->n_tensors * sizeof(char *) + keybytes);
+		b->tensors = calloc(rep->n_tensors, sizeof(*b->tensors));
+	}
+	if (!b || !m || !b->keys || !b->tensors) {
+		r = dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
+		goto fail;
+	}
+	m->len = (size_t)rep->storage_size;
+	m->base = mmap(NULL, m->len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+	if (m->base == MAP_FAILED) {
+		r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name, m->len);
+		goto fail;
+	}
+	close(fd);
+	fd = -1;
+	m->client = c;
+	m->ref_id = rep->ref_id;
+	atomic_init(&m->refs, 1); /* the bundle's own */
+	dlpc__client_ref(c);
+	b->map = m;
+	m = NULL;
+	b->n = rep->n_tensors;
+	kp = (char *)(b->keys + b->n);
+	for (size_t i = 0; i < b->n; i++) {
+		const Dlpackd__V1__TensorDesc *d = rep->tensors[i];
+
+		b->keys[i] = kp;
+		memcpy(kp, d->key.data, d->key.len);
+		kp[d->key.len] = '\0';
+		kp += d->key.len + 1;
+		b->tensors[i] = make_tensor(b->map, d, dev, writable);
+		if (!b->tensors[i]) {
+			r = dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
+			goto fail;
+		}
+		atomic_fetch_add_explicit(&b->map->refs, 1, memory_order_relaxed);
+	}
+	*ret = b;
+	return 0;
+fail:
+	if (m) {
+		/* not mapped yet: the reference has no holder, give it back now */
+		dlpc__release(c, rep->ref_id);
+		free(m);
+	}
+	if (fd >= 0)
+		close(fd);
+	dlpc_bundle_free(b);
+	return r;
+}
+
+static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts, uint32_t extra,
+		  dlpc_bundle **ret)
+{
+	Dlpackd__V1__Attach req = DLPACKD__V1__ATTACH__INIT;
+	Dlpackd__V1__AttachReply *rep;
+	uint32_t flags = 0;
+	int64_t timeout = 0;
+	int fd, r;
+
+	if (!c || !ret)
+		return dlpc__fail(-EINVAL, "cannot attach: client or result pointer is NULL");
+	*ret = NULL;
+	r = dlpc__check(c);
+	if (r < 0)
+		return r;
+	r = dlpc__name_arg(name, "attach");
+	if (r < 0)
+		return r;
+	if (opts) {
+		if (opts->size < offsetof(dlpc_attach_opts, stream))
+			return dlpc__fail(-EINVAL, "cannot attach '%s': opts->size is %u", name,
+					  opts->size);
+		flags = opts->flags;
+		timeout = opts->timeout_ms;
+	}
+	if (flags & ~DLPC_ATTACH_WRITABLE)
+		return dlpc__fail(-EINVAL, "cannot attach '%s': unknown flags 0x%x", name,
+				  flags & ~DLPC_ATTACH_WRITABLE);
+	req.name.data = (uint8_t *)name;
+	req.name.len = strlen(name);
+	req.flags = flags | extra;
+	req.timeout_ms = timeout;
+	r = dlpc__call(c, DLPC_MSG_ATTACH, &req.base, NULL, 0,
+		       &dlpackd__v1__attach_reply__descriptor, (ProtobufCMessage **)&rep, &fd);
+	if (r < 0)
+		return r;
+	if (fd < 0 || rep->generation == 0 || rep->generation > INT32_MAX) {
+		if (rep->ref_id)
+			dlpc__release(c, rep->ref_id);
+		dlpc__close(fd);
+		r = dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply", name);
+	} else {
+		r = build_bundle(c, name, rep, fd, flags & DLPC_ATTACH_WRITABLE, ret);
+		if (r == 0)
+			r = (int)rep->generation;
+	}
+	dlpackd__v1__attach_reply__free_unpacked(rep, NULL);
+	return r;
+}
+
+DLPC_EXPORT int dlpc_attach_bundle(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
+				   dlpc_bundle **ret)
+{
+	return attach(c, name, opts, 0, ret);
+}
+
+DLPC_EXPORT int dlpc_attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
+			    DLManagedTensorVersioned **ret)
+{
+	dlpc_bundle *b;
+	int r;
+
+	if (!ret)
+		return dlpc__fail(-EINVAL, "cannot attach: result pointer is NULL");
+	*ret = NULL;
+	r = attach(c, name, opts, DLPC_ATTACH_SINGLE, &b);
+	if (r < 0)
+		return r;
+	*ret = dlpc_bundle_take(b, 0);
+	dlpc_bundle_free(b);
+	return r;
+}
+
+DLPC_EXPORT size_t dlpc_bundle_count(const dlpc_bundle *b)
+{
+	return b ? b->n : 0;
+}
+
+DLPC_EXPORT const char *dlpc_bundle_key(const dlpc_bundle *b, size_t i)
+{
+	return b && i < b->n ? b->keys[i] : NULL;
+}
+
+DLPC_EXPORT DLManagedTensorVersioned *dlpc_bundle_take(dlpc_bundle *b, size_t i)
+{
+	DLManagedTensorVersioned *t;
+
+	if (!b || i >= b->n)
+		return NULL;
+	t = b->tensors[i];
+	b->tensors[i] = NULL;
+	return t;
+}

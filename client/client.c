@@ -1,0 +1,332 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The connection: connect, HELLO, request/reply matching across threads, release, close. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "util.h"
+
+/* A request waiting for its reply. Lives on its caller's stack. */
+struct dlpc__call {
+	struct dlpc__call *next;
+	uint32_t id;
+	bool done;
+	uint16_t type;
+	uint8_t *payload;
+	size_t len;
+	int fds[DLPC_FRAME_FDS_MAX];
+	unsigned nfds;
+};
+
+static __thread char last_error[512];
+
+int dlpc__fail(int err, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(last_error, sizeof(last_error), fmt, ap);
+	va_end(ap);
+	return err;
+}
+
+DLPC_EXPORT const char *dlpc_last_error(void)
+{
+	return last_error;
+}
+
+int dlpc__check(const dlpc_client *c)
+{
+	if (getpid() != c->pid)
+		return dlpc__fail(-EBADFD,
+				  "this dlpc_client belongs to process %d; a forked child must "
+				  "call dlpc_connect() itself",
+				  (int)c->pid);
+	return 0;
+}
+
+int dlpc__name_arg(const char *name, const char *what)
+{
+	char why[160];
+
+	if (!name)
+		return dlpc__fail(-EINVAL, "cannot %s: name is NULL", what);
+	if (dlpc__name_check((const uint8_t *)name, strlen(name), why, sizeof(why)) < 0)
+		return dlpc__fail(-EINVAL, "cannot %s: %s", what, why);
+	return 0;
+}
+
+void dlpc__client_ref(dlpc_client *c)
+{
+	atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
+}
+
+static void client_free(dlpc_client *c)
+{
+	close(c->sock);
+	dlpc__rx_clear(&c->rx);
+	dlpc__scratch_clear(&c->out);
+	pthread_mutex_destroy(&c->mu);
+	pthread_mutex_destroy(&c->wmu);
+	pthread_cond_destroy(&c->cv);
+	free(c);
+}
+
+void dlpc__client_unref(dlpc_client *c)
+{
+	if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) == 1)
+		client_free(c);
+}
+
+DLPC_EXPORT void dlpc_close(dlpc_client *c)
+{
+	if (c)
+		dlpc__client_unref(c);
+}
+
+static int conn_error(int err)
+{
+	return dlpc__fail(err, "connection to dlpackd lost: %s", strerror(-err));
+}
+
+/* Hand a received frame to the call waiting for it. Called with c->mu held. */
+static int deliver(dlpc_client *c, struct dlpc__frame *f)
+{
+	struct dlpc__call *call;
+
+	for (call = c->calls; call; call = call->next)
+		if (call->id == f->hdr.id && !call->done)
+			break;
+	if (!call)
+		return -EPROTO;
+	call->payload = malloc(f->hdr.len ? f->hdr.len : 1);
+	if (!call->payload)
+		return -ENOMEM;
+	memcpy(call->payload, f->payload, f->hdr.len);
+	call->len = f->hdr.len;
+	call->type = f->hdr.type;
+	call->nfds = f->nfds;
+	for (unsigned i = 0; i < f->nfds; i++)
+		call->fds[i] = dlpc__frame_take_fd(f, i);
+	call->done = true;
+	return 0;
+}
+
+/* Read until at least one frame has been delivered. Called without c->mu, as the reader. */
+static int read_frames(dlpc_client *c)
+{
+	char why[160];
+
+	for (;;) {
+		struct dlpc__frame f;
+		int delivered = 0, r;
+		ssize_t n = dlpc__rx_read(&c->rx, c->sock, why, sizeof(why));
+
+		if (n == 0)
+			return -ECONNRESET;
+		if (n < 0)
+			return (int)n;
+		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
+			pthread_mutex_lock(&c->mu);
+			r = deliver(c, &f);
+			pthread_mutex_unlock(&c->mu);
+			dlpc__frame_clear(&f);
+			if (r < 0)
+				return r;
+			delivered++;
+		}
+		if (r < 0)
+			return r;
+		if (delivered)
+			return 0;
+	}
+}
+
+static void unlink_call(dlpc_client *c, struct dlpc__call *call)
+{
+	struct dlpc__call **pp = &c->calls;
+
+	while (*pp != call)
+		pp = &(*pp)->next;
+	*pp = call->next;
+}
+
+int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
+	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
+	       int *rfd)
+{
+	struct dlpc__call call = {0};
+	ssize_t len;
+	int r;
+
+	if (rfd)
+		*rfd = -1;
+	*rep = NULL;
+	pthread_mutex_lock(&c->mu);
+	if (c->broken) {
+		r = c->broken;
+		pthread_mutex_unlock(&c->mu);
+		return conn_error(r);
+	}
+	call.id = ++c->next_id ? c->next_id : ++c->next_id;
+	call.next = c->calls;
+	c->calls = &call;
+	pthread_mutex_unlock(&c->mu);
+
+	pthread_mutex_lock(&c->wmu);
+	len = dlpc__msg_frame(&c->out, type, call.id, req, nfds);
+	r = len < 0 ? (int)len : dlpc__send_all(c->sock, c->out.p, (size_t)len, fds, nfds);
+	pthread_mutex_unlock(&c->wmu);
+
+	pthread_mutex_lock(&c->mu);
+	if (r == -EMSGSIZE) {
+		unlink_call(c, &call);
+		pthread_mutex_unlock(&c->mu);
+		return dlpc__fail(r, "request of %zu bytes exceeds the frame limit of %u bytes",
+				  protobuf_c_message_get_packed_size(req), DLPC_FRAME_MAX);
+	}
+	if (r < 0 && !c->broken) {
+		c->broken = r;
+		pthread_cond_broadcast(&c->cv);
+	}
+	while (!call.done && !c->broken) {
+		if (c->reading) {
+			pthread_cond_wait(&c->cv, &c->mu);
+			continue;
+		}
+		c->reading = true;
+		pthread_mutex_unlock(&c->mu);
+		r = read_frames(c);
+		pthread_mutex_lock(&c->mu);
+		c->reading = false;
+		if (r < 0 && !c->broken)
+			c->broken = r;
+		pthread_cond_broadcast(&c->cv);
+	}
+	unlink_call(c, &call);
+	r = c->broken;
+	pthread_mutex_unlock(&c->mu);
+	if (!call.done)
+		return conn_error(r);
+
+	r = 0;
+	if (call.type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, call.len, call.payload);
+
+		r = e && e->code > 0 ? dlpc__fail(-e->code, "%s", e->message)
+				     : dlpc__fail(-EPROTO, "malformed ERROR reply from dlpackd");
+		if (e)
+			dlpackd__v1__error__free_unpacked(e, NULL);
+	} else if (call.type != (type | DLPC_MSG_REPLY)) {
+		r = dlpc__fail(-EPROTO, "dlpackd answered with frame type 0x%x", call.type);
+	} else {
+		*rep = protobuf_c_message_unpack(rdesc, NULL, call.len, call.payload);
+		if (!*rep)
+			r = dlpc__fail(-EPROTO, "malformed reply from dlpackd");
+	}
+	for (unsigned i = 0; i < call.nfds; i++) {
+		if (r == 0 && rfd && *rfd < 0)
+			*rfd = call.fds[i];
+		else
+			close(call.fds[i]);
+	}
+	free(call.payload);
+	return r;
+}
+
+void dlpc__release(dlpc_client *c, uint64_t ref_id)
+{
+	Dlpackd__V1__Release msg = DLPACKD__V1__RELEASE__INIT;
+	ssize_t len;
+
+	/* in a forked child the reference is the parent's; the daemon drops it when the parent
+	 * releases it or goes away */
+	if (getpid() != c->pid)
+		return;
+	msg.n_ref_ids = 1;
+	msg.ref_ids = &ref_id;
+	pthread_mutex_lock(&c->wmu);
+	len = dlpc__msg_frame(&c->out, DLPC_MSG_RELEASE, 0, &msg.base, 0);
+	/* a failed write means the connection is gone, and with it the reference */
+	if (len > 0)
+		dlpc__send_all(c->sock, c->out.p, (size_t)len, NULL, 0);
+	pthread_mutex_unlock(&c->wmu);
+}
+
+DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
+	Dlpackd__V1__HelloReply *rep;
+	char path[sizeof(sa.sun_path)];
+	dlpc_client *c;
+	int r;
+
+	if (!ret)
+		return dlpc__fail(-EINVAL, "dlpc_connect: ret is NULL");
+	*ret = NULL;
+	if (socket_path) {
+		if (strlen(socket_path) >= sizeof(path))
+			return dlpc__fail(-ENAMETOOLONG, "socket path %s is too long", socket_path);
+		strcpy(path, socket_path);
+	} else {
+		r = dlpc_default_socket(path, sizeof(path));
+		if (r < 0)
+			return dlpc__fail(r, "no dlpackd socket: %s; set %s",
+					  r == -ENOENT ? "XDG_RUNTIME_DIR is not set"
+						       : "the default path is too long",
+					  DLPC_SOCKET_ENV);
+	}
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		return dlpc__fail(-ENOMEM, "out of memory");
+	c->pid = getpid();
+	atomic_init(&c->refs, 1);
+	pthread_mutex_init(&c->mu, NULL);
+	pthread_mutex_init(&c->wmu, NULL);
+	pthread_cond_init(&c->cv, NULL);
+	dlpc__rx_init(&c->rx);
+	c->sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (c->sock < 0) {
+		r = dlpc__fail(-errno, "cannot create a socket: %m");
+		goto fail;
+	}
+	strcpy(sa.sun_path, path);
+	if (connect(c->sock, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+		r = dlpc__fail(-errno, "cannot connect to dlpackd at %s: %m", path);
+		goto fail;
+	}
+	hello.version_major = DLPC_PROTO_MAJOR;
+	hello.version_minor = DLPC_PROTO_MINOR;
+	hello.client = "libdlpc " DLPD_VERSION;
+	r = dlpc__call(c, DLPC_MSG_HELLO, &hello.base, NULL, 0,
+		       &dlpackd__v1__hello_reply__descriptor, (ProtobufCMessage **)&rep, NULL);
+	if (r < 0)
+		goto fail;
+	if (rep->version_major != DLPC_PROTO_MAJOR) {
+		r = dlpc__fail(-EPROTO,
+			       "protocol version mismatch: libdlpc speaks %d.%d, dlpackd at %s "
+			       "speaks %u.%u",
+			       DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR, path, rep->version_major,
+			       rep->version_minor);
+		dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
+		goto fail;
+	}
+	dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
+	*ret = c;
+	return 0;
+fail:
+	client_free(c);
+	return r;
+}
+
+DLPC_EXPORT const char *dlpc_version(void)
+{
+	return DLPD_VERSION;
+}

@@ -1,0 +1,62 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* libdlpc internals shared across its files (dlpc__ prefix, never exported from the .so). */
+#ifndef DLPC_CLIENT_INTERNAL_H
+#define DLPC_CLIENT_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include <dlpc/dlpc.h>
+
+#include "io.h"
+#include "msg.h"
+
+struct dlpc__call;
+
+/*
+ * One connection. Requests may come from many threads: each sends its frame under wmu, then
+ * waits for the reply carrying its id. Whichever waiting thread finds nobody reading becomes
+ * the reader until some reply arrives, handing replies to their callers (leader/follower), so no
+ * thread of ours runs in the background.
+ *
+ * The struct is refcounted: the user's handle counts once, each attached mapping once. The socket
+ * closes when the last goes, so deleters keep working after dlpc_close().
+ */
+struct dlpc_client {
+	int sock;
+	pid_t pid; /* process that connected; others get -EBADFD */
+	atomic_uint refs;
+
+	pthread_mutex_t mu; /* protects the fields below up to wmu */
+	pthread_cond_t cv;
+	bool reading;
+	int broken; /* 0, or the negative errno that ended the connection */
+	uint32_t next_id;
+	struct dlpc__call *calls;
+	struct dlpc__rx rx; /* used only by the current reader */
+
+	pthread_mutex_t wmu; /* serializes writes; protects out */
+	struct dlpc__scratch out;
+};
+
+/* Record @p err and a message for dlpc_last_error() in this thread; returns @p err. */
+int dlpc__fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* 0, or -EBADFD (with the message set) when @p c is used from a process that did not create it. */
+int dlpc__check(const dlpc_client *c);
+/*
+ * Send @p req with @p nfds fds and wait for its reply, unpacked with @p rdesc into @p rep (the
+ * caller frees it). If @p rfd is not NULL it receives the reply's fd (or -1).
+ * An ERROR reply returns its negative code and sets the thread's message.
+ */
+int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
+	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
+	       int *rfd);
+/* Fire-and-forget RELEASE of one reference; does nothing in a forked child. */
+void dlpc__release(dlpc_client *c, uint64_t ref_id);
+void dlpc__client_ref(dlpc_client *c);
+void dlpc__client_unref(dlpc_client *c);
+/* Validate a user-supplied name; 0 or -EINVAL with the message set. */
+int dlpc__name_arg(const char *name, const char *what);
+
+#endif
