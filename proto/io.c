@@ -9,8 +9,7 @@
 
 #include "io.h"
 
-/* Smallest buffer a connection keeps; grows for a large frame and shrinks back when drained. */
-#define RX_MIN 16384
+#define RX_MIN DLPC_RX_BUF_SIZE
 
 void dlpc__close(int fd)
 {
@@ -166,8 +165,8 @@ int dlpc__rx_next(struct dlpc__rx *rx, struct dlpc__frame *f, char *why, size_t 
 	}
 	if (h.nfds > 0) {
 		if (rx->nbatch == 0 || rx->batch[0].n != h.nfds) {
-			snprintf(why, whylen, "frame declares %u fds but %u arrived with it", h.nfds,
-				 rx->nbatch ? rx->batch[0].n : 0);
+			snprintf(why, whylen, "frame declares %u fds but %u arrived with it",
+				 h.nfds, rx->nbatch ? rx->batch[0].n : 0);
 			return -EPROTO;
 		}
 		memcpy(f->fds, rx->batch[0].fds, h.nfds * sizeof(int));

@@ -32,8 +32,8 @@ struct dlpc__fdbatch {
 struct dlpc__rx {
 	uint8_t *buf;
 	size_t cap, start, end; /* unparsed bytes are buf[start..end) */
-	size_t want;            /* bytes the next frame needs, counted from start */
-	uint64_t off;           /* stream offset of buf[start] */
+	size_t want;		/* bytes the next frame needs, counted from start */
+	uint64_t off;		/* stream offset of buf[start] */
 	struct dlpc__fdbatch batch[DLPC_RX_BATCH_MAX];
 	unsigned nbatch;
 };

@@ -19,8 +19,8 @@
 #define DLPC_FRAME_MAX (8u << 20)
 /* Most fds one frame may carry. */
 #define DLPC_FRAME_FDS_MAX 4
-/* Receive buffer kept per connection between frames; larger frames grow it temporarily. */
-#define DLPC_RX_BUF_SIZE (64u << 10)
+/* Receive buffer kept per connection between frames; a larger frame grows it until drained. */
+#define DLPC_RX_BUF_SIZE (16u << 10)
 /* Name, key, ndim and bundle limits are public: see DLPC_NAME_MAX, DLPC_KEY_MAX, DLPC_NDIM_MAX,
  * DLPC_BUNDLE_MAX in dlpc.h. */
 /* Most references one RELEASE frame may carry. */

@@ -56,7 +56,8 @@ static int text_check(const char *what, const uint8_t *s, size_t len, size_t min
 		return -EINVAL;
 	}
 	if (len > max) {
-		snprintf(why, whylen, "%s is %zu bytes, more than the limit of %zu", what, len, max);
+		snprintf(why, whylen, "%s is %zu bytes, more than the limit of %zu", what, len,
+			 max);
 		return -EINVAL;
 	}
 	if (!dlpc__utf8_valid(s, len)) {

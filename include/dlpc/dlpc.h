@@ -69,10 +69,10 @@ typedef struct dlpc_bundle dlpc_bundle;
 
 /** Options for dlpc_attach() and dlpc_attach_bundle(). */
 typedef struct dlpc_attach_opts {
-	uint32_t size;      /**< sizeof(dlpc_attach_opts): lets the struct grow */
-	uint32_t flags;     /**< DLPC_ATTACH_* bits */
+	uint32_t size;	    /**< sizeof(dlpc_attach_opts): lets the struct grow */
+	uint32_t flags;	    /**< DLPC_ATTACH_* bits */
 	int64_t timeout_ms; /**< 0: fail at once if absent; > 0: wait up to this; < 0: forever */
-	void *stream;       /**< CUDA consumer stream (GPU tensors); NULL: synchronize */
+	void *stream;	    /**< CUDA consumer stream (GPU tensors); NULL: synchronize */
 } dlpc_attach_opts;
 
 /** Publish: take over an existing name; it gets a new generation. */
@@ -135,8 +135,8 @@ DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVe
  * @return the new generation (> 0) or a negative errno as for dlpc_publish().
  */
 DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
-				    const char *const keys[], DLManagedTensorVersioned *const tensors[],
-				    uint32_t flags);
+				    const char *const keys[],
+				    DLManagedTensorVersioned *const tensors[], uint32_t flags);
 
 /**
  * Allocate a C-contiguous, writable tensor that already lives in shared memory.
@@ -210,23 +210,23 @@ DLPC_EXPORT const char *dlpc_last_error(void);
 typedef struct dlpc_tensor_info {
 	const char *key;      /**< key inside the bundle ("" for a single tensor) */
 	DLDataType dtype;     /**< element type */
-	int32_t ndim;         /**< number of dimensions */
+	int32_t ndim;	      /**< number of dimensions */
 	const int64_t *shape; /**< ndim extents */
 	uint64_t nbytes;      /**< bytes of data */
 } dlpc_tensor_info;
 
 /** One published entry, as dlpc_list() reports it. */
 typedef struct dlpc_entry_info {
-	const char *name;        /**< the entry's name */
-	uint64_t generation;     /**< its generation (see the file's comment) */
-	DLDevice device;         /**< where its storage lives */
-	uint32_t flags;          /**< DLPC_PUBLISH_* bits it was published with */
-	uint64_t nbytes;         /**< size of its storage */
-	uint64_t refs;           /**< live attach references to its storage */
-	uint32_t owner_uid;      /**< publisher's uid (from SO_PEERCRED) */
-	int32_t owner_pid;       /**< publisher's pid (from SO_PEERCRED) */
-	int64_t created_ns;      /**< publication time, ns since the Unix epoch */
-	size_t ntensors;         /**< tensors in the entry */
+	const char *name;	   /**< the entry's name */
+	uint64_t generation;	   /**< its generation (see the file's comment) */
+	DLDevice device;	   /**< where its storage lives */
+	uint32_t flags;		   /**< DLPC_PUBLISH_* bits it was published with */
+	uint64_t nbytes;	   /**< size of its storage */
+	uint64_t refs;		   /**< live attach references to its storage */
+	uint32_t owner_uid;	   /**< publisher's uid (from SO_PEERCRED) */
+	int32_t owner_pid;	   /**< publisher's pid (from SO_PEERCRED) */
+	int64_t created_ns;	   /**< publication time, ns since the Unix epoch */
+	size_t ntensors;	   /**< tensors in the entry */
 	dlpc_tensor_info *tensors; /**< their descriptions; NULL if the daemon left them out */
 } dlpc_entry_info;
 
@@ -235,32 +235,31 @@ typedef struct dlpc_entry_info {
  * @param ret receives an array of @p count entries, freed with dlpc_list_free().
  * @return 0 or a negative errno.
  */
-DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **ret,
-			  size_t *count);
+DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **ret, size_t *count);
 
 /** Free what dlpc_list() returned. Accepts NULL. */
 DLPC_EXPORT void dlpc_list_free(dlpc_entry_info *list, size_t count);
 
 /** The daemon's counters, as dlpc_stat() reports them. */
 typedef struct dlpc_stats {
-	uint32_t size;            /**< set by the caller to sizeof(dlpc_stats) */
-	uint32_t daemon_pid;      /**< the daemon's pid */
-	uint64_t uptime_ms;       /**< time since the daemon started */
-	uint64_t connections;     /**< open client connections */
-	uint64_t entries;         /**< published names */
-	uint64_t storages;        /**< storages held (named or still referenced) */
-	uint64_t bytes_held;      /**< sum of the storages' sizes */
-	uint64_t references;      /**< live attach references */
-	uint64_t waiters;         /**< attaches waiting for a name */
-	uint64_t fds_open;        /**< file descriptors the daemon has open */
-	uint64_t fds_sent;        /**< storage fds sent to attachers so far */
-	uint64_t req_hello;       /**< HELLO requests served */
-	uint64_t req_publish;     /**< PUBLISH requests served */
-	uint64_t req_attach;      /**< ATTACH requests served */
-	uint64_t req_release;     /**< RELEASE messages received */
-	uint64_t req_unpublish;   /**< UNPUBLISH requests served */
-	uint64_t req_list;        /**< LIST requests served */
-	uint64_t req_stat;        /**< STAT requests served */
+	uint32_t size;		  /**< set by the caller to sizeof(dlpc_stats) */
+	uint32_t daemon_pid;	  /**< the daemon's pid */
+	uint64_t uptime_ms;	  /**< time since the daemon started */
+	uint64_t connections;	  /**< open client connections */
+	uint64_t entries;	  /**< published names */
+	uint64_t storages;	  /**< storages held (named or still referenced) */
+	uint64_t bytes_held;	  /**< sum of the storages' sizes */
+	uint64_t references;	  /**< live attach references */
+	uint64_t waiters;	  /**< attaches waiting for a name */
+	uint64_t fds_open;	  /**< file descriptors the daemon has open */
+	uint64_t fds_sent;	  /**< storage fds sent to attachers so far */
+	uint64_t req_hello;	  /**< HELLO requests served */
+	uint64_t req_publish;	  /**< PUBLISH requests served */
+	uint64_t req_attach;	  /**< ATTACH requests served */
+	uint64_t req_release;	  /**< RELEASE messages received */
+	uint64_t req_unpublish;	  /**< UNPUBLISH requests served */
+	uint64_t req_list;	  /**< LIST requests served */
+	uint64_t req_stat;	  /**< STAT requests served */
 	uint64_t protocol_errors; /**< connections dropped for protocol violations */
 } dlpc_stats;
 
