@@ -152,7 +152,8 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	m->len = (size_t)rep->storage_size;
 	m->base = mmap(NULL, m->len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
 	if (m->base == MAP_FAILED) {
-		r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name, m->len);
+		r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name,
+			       m->len);
 		goto fail;
 	}
 	close(fd);

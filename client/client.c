@@ -90,8 +90,11 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 		dlpc__client_unref(c);
 }
 
-static int conn_error(int err)
+/* The connection is gone: say why, in the daemon's words when it left some. Called with c->mu. */
+static int conn_error(dlpc_client *c, int err)
 {
+	if (c->fatal[0])
+		return dlpc__fail(err, "connection to dlpackd lost: dlpackd said: %s", c->fatal);
 	return dlpc__fail(err, "connection to dlpackd lost: %s", strerror(-err));
 }
 
@@ -100,6 +103,14 @@ static int deliver(dlpc_client *c, struct dlpc__frame *f)
 {
 	struct dlpc__call *call;
 
+	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, f->hdr.len, f->payload);
+
+		snprintf(c->fatal, sizeof(c->fatal), "%s", e ? e->message : "(malformed ERROR)");
+		if (e)
+			dlpackd__v1__error__free_unpacked(e, NULL);
+		return -EPROTO;
+	}
 	for (call = c->calls; call; call = call->next)
 		if (call->id == f->hdr.id && !call->done)
 			break;
@@ -170,9 +181,9 @@ int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const
 	*rep = NULL;
 	pthread_mutex_lock(&c->mu);
 	if (c->broken) {
-		r = c->broken;
+		r = conn_error(c, c->broken);
 		pthread_mutex_unlock(&c->mu);
-		return conn_error(r);
+		return r;
 	}
 	call.id = ++c->next_id ? c->next_id : ++c->next_id;
 	call.next = c->calls;
@@ -210,10 +221,10 @@ int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const
 		pthread_cond_broadcast(&c->cv);
 	}
 	unlink_call(c, &call);
-	r = c->broken;
+	r = call.done ? 0 : conn_error(c, c->broken);
 	pthread_mutex_unlock(&c->mu);
 	if (!call.done)
-		return conn_error(r);
+		return r;
 
 	r = 0;
 	if (call.type == DLPC_MSG_ERROR) {

@@ -101,8 +101,7 @@ static int entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in)
 	return 0;
 }
 
-DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **ret,
-			  size_t *count)
+DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **ret, size_t *count)
 {
 	Dlpackd__V1__List req = DLPACKD__V1__LIST__INIT;
 	dlpc_entry_info *v = NULL;

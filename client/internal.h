@@ -34,6 +34,7 @@ struct dlpc_client {
 	int broken; /* 0, or the negative errno that ended the connection */
 	uint32_t next_id;
 	struct dlpc__call *calls;
+	char fatal[256];    /* the daemon's last word (an ERROR with id 0), if any */
 	struct dlpc__rx rx; /* used only by the current reader */
 
 	pthread_mutex_t wmu; /* serializes writes; protects out */

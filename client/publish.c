@@ -48,8 +48,9 @@ static int storage_create(const char *name, uint64_t size)
 	if (fd < 0)
 		return dlpc__fail(-errno, "cannot publish '%s': memfd_create: %m", name);
 	if (ftruncate(fd, (off_t)size) < 0) {
-		r = dlpc__fail(-errno, "cannot publish '%s': cannot size shared memory to %llu "
-				       "bytes: %m",
+		r = dlpc__fail(-errno,
+			       "cannot publish '%s': cannot size shared memory to %llu "
+			       "bytes: %m",
 			       name, (unsigned long long)size);
 		goto fail;
 	}
@@ -57,9 +58,10 @@ static int storage_create(const char *name, uint64_t size)
 		r = fallocate(fd, 0, 0, (off_t)size);
 	while (r < 0 && errno == EINTR);
 	if (r < 0 && errno != EOPNOTSUPP) {
-		r = dlpc__fail(errno == ENOSPC ? -ENOSPC : -errno,
-			       "cannot publish '%s': cannot reserve %llu bytes of shared memory: %m",
-			       name, (unsigned long long)size);
+		r = dlpc__fail(
+			errno == ENOSPC ? -ENOSPC : -errno,
+			"cannot publish '%s': cannot reserve %llu bytes of shared memory: %m", name,
+			(unsigned long long)size);
 		goto fail;
 	}
 	return fd;
@@ -123,8 +125,7 @@ static void copy_strided(uint8_t *dst, const DLTensor *t)
 }
 
 /* Check @p t and size it; the message names the tensor. */
-static int slot_init(struct slot *s, const DLManagedTensorVersioned *mt, const char *name,
-		     size_t i)
+static int slot_init(struct slot *s, const DLManagedTensorVersioned *mt, const char *name, size_t i)
 {
 	const DLTensor *t = &mt->dl_tensor;
 
@@ -135,17 +136,20 @@ static int slot_init(struct slot *s, const DLManagedTensorVersioned *mt, const c
 				  "(kDLCPU) memory can be shared",
 				  name, i, (int)t->device.device_type);
 	if (t->ndim < 0 || t->ndim > DLPC_NDIM_MAX || (t->ndim > 0 && !t->shape))
-		return dlpc__fail(-EINVAL, "cannot publish '%s': tensor %zu has %d dimensions "
-					   "(0 to %d supported)",
+		return dlpc__fail(-EINVAL,
+				  "cannot publish '%s': tensor %zu has %d dimensions "
+				  "(0 to %d supported)",
 				  name, i, t->ndim, DLPC_NDIM_MAX);
 	if (dlpc__tensor_nbytes(t->dtype.bits, t->dtype.lanes, t->shape, (size_t)t->ndim,
 				&s->nbytes) < 0)
-		return dlpc__fail(-EINVAL, "cannot publish '%s': tensor %zu has a bad dtype or shape",
-				  name, i);
+		return dlpc__fail(-EINVAL,
+				  "cannot publish '%s': tensor %zu has a bad dtype or shape", name,
+				  i);
 	s->contiguous = is_contiguous(t);
 	if (!s->contiguous && (t->dtype.bits * t->dtype.lanes) % 8 != 0)
-		return dlpc__fail(-ENOTSUP, "cannot publish '%s': tensor %zu is strided with "
-					    "sub-byte elements",
+		return dlpc__fail(-ENOTSUP,
+				  "cannot publish '%s': tensor %zu is strided with "
+				  "sub-byte elements",
 				  name, i);
 	if (s->nbytes > 0 && !t->data)
 		return dlpc__fail(-EINVAL, "cannot publish '%s': tensor %zu has no data", name, i);
@@ -207,16 +211,12 @@ static int send_publish(dlpc_client *c, Dlpackd__V1__Publish *req, int fd)
 	return r;
 }
 
-static int publish(dlpc_client *c, const char *name, size_t n, const char *const keys[],
-		   DLManagedTensorVersioned *const tensors[], uint32_t flags)
+/* Check the arguments publish() cannot go on without. 0 or negative errno, message set. */
+static int publish_args(dlpc_client *c, const char *name, size_t n,
+			DLManagedTensorVersioned *const tensors[], const char *const keys[],
+			uint32_t flags)
 {
-	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
-	Dlpackd__V1__TensorDesc *descs = NULL, **dptrs = NULL;
-	struct slot *slots = NULL;
-	struct alloc_ctx *zc = NULL;
-	uint64_t size = 0;
-	uint8_t *map;
-	int fd = -1, r;
+	int r;
 
 	if (!c)
 		return dlpc__fail(-EINVAL, "cannot publish: client is NULL");
@@ -232,6 +232,23 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	if (n == 0 || n > DLPC_BUNDLE_MAX || !tensors || (n > 1 && !keys))
 		return dlpc__fail(-EINVAL, "cannot publish '%s': %zu tensors (1 to %d, with keys)",
 				  name, n, DLPC_BUNDLE_MAX);
+	return 0;
+}
+
+static int publish(dlpc_client *c, const char *name, size_t n, const char *const keys[],
+		   DLManagedTensorVersioned *const tensors[], uint32_t flags)
+{
+	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
+	Dlpackd__V1__TensorDesc *descs = NULL, **dptrs = NULL;
+	struct slot *slots = NULL;
+	struct alloc_ctx *zc = NULL;
+	uint64_t size = 0;
+	uint8_t *map;
+	int fd = -1, r;
+
+	r = publish_args(c, name, n, tensors, keys, flags);
+	if (r < 0)
+		goto out;
 	slots = calloc(n, sizeof(*slots));
 	descs = calloc(n, sizeof(*descs));
 	dptrs = calloc(n, sizeof(*dptrs));
@@ -249,7 +266,8 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 			goto out;
 		}
 		if (dlpc__key_check((const uint8_t *)key, strlen(key), why, sizeof(why)) < 0) {
-			r = dlpc__fail(-EINVAL, "cannot publish '%s': tensor %zu: %s", name, i, why);
+			r = dlpc__fail(-EINVAL, "cannot publish '%s': tensor %zu: %s", name, i,
+				       why);
 			goto out;
 		}
 		r = slot_init(&slots[i], tensors[i], name, i);
@@ -268,9 +286,9 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	if (zc) {
 		fd = zc->fd;
 		size = zc->len;
-		descs[0].offset = (uint64_t)((const uint8_t *)tensors[0]->dl_tensor.data +
-					     tensors[0]->dl_tensor.byte_offset -
-					     (const uint8_t *)zc->base);
+		descs[0].offset =
+			(uint64_t)((const uint8_t *)tensors[0]->dl_tensor.data +
+				   tensors[0]->dl_tensor.byte_offset - (const uint8_t *)zc->base);
 	} else {
 		size = size ? size : DLPC_ALIGN;
 		fd = storage_create(name, size);
@@ -328,8 +346,8 @@ DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVe
 }
 
 DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
-				    const char *const keys[], DLManagedTensorVersioned *const tensors[],
-				    uint32_t flags)
+				    const char *const keys[],
+				    DLManagedTensorVersioned *const tensors[], uint32_t flags)
 {
 	return publish(c, name, n, keys, tensors, flags);
 }

@@ -43,7 +43,7 @@ static inline void dlpd_list_del(struct dlpd_list *n)
 	dlpd_list_init(n);
 }
 
-#define dlpd_container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+#define dlpd_container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
 /* ---- intrusive hash map: the caller hashes and compares, the map only chains ---- */
 struct dlpd_hnode {
@@ -82,13 +82,13 @@ struct dlpd_storage {
 	int fd;
 	uint64_t size;
 	int32_t device_type, device_id;
-	unsigned names;       /* entries pointing at it */
+	unsigned names;	      /* entries pointing at it */
 	uint64_t attach_refs; /* live references held by connections */
 };
 
 struct dlpd_entry {
-	struct dlpd_hnode node;      /* in registry.names, hashed by name */
-	Dlpackd__V1__Publish *pub;   /* the request that published it: name, flags, tensors */
+	struct dlpd_hnode node;	   /* in registry.names, hashed by name */
+	Dlpackd__V1__Publish *pub; /* the request that published it: name, flags, tensors */
 	struct dlpd_storage *st;
 	uint64_t generation;
 	uid_t uid;
@@ -125,7 +125,7 @@ struct dlpd_waiter {
 };
 
 struct dlpd_registry {
-	struct dlpd_hmap names;  /* dlpd_entry by name */
+	struct dlpd_hmap names;	 /* dlpd_entry by name */
 	struct dlpd_hmap waitqs; /* dlpd_waitq by name */
 	uint64_t storages, bytes, refs, waiters;
 };
@@ -229,14 +229,12 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
 /* handlers: one file per family. */
 int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
 int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
-int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m,
-		    struct dlpc__frame *f);
+int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
 int dlpd_on_unpublish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m,
 		      struct dlpc__frame *f);
 int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
 int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
-int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m,
-		    struct dlpc__frame *f);
+int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
 /* h_attach.c: answer the waiters of a name that was just published. */
 void dlpd_wake_waiters(struct dlpd_server *s, struct dlpd_entry *e);
 

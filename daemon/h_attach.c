@@ -20,16 +20,14 @@ static int attach_reply(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, 
 	int r;
 
 	if ((flags & DLPC_ATTACH_WRITABLE) && !(pub->flags & DLPC_PUBLISH_WRITABLE))
-		return dlpd_reply_error(p, id, EACCES,
-					"'%s' was not published writable; attach it read-only",
-					dlpc__printable(pub->name.data, pub->name.len, name,
-							sizeof(name)));
+		return dlpd_reply_error(
+			p, id, EACCES, "'%s' was not published writable; attach it read-only",
+			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)));
 	if ((flags & DLPC_ATTACH_SINGLE) && pub->n_tensors != 1)
-		return dlpd_reply_error(p, id, EINVAL,
-					"'%s' is a bundle of %zu tensors; attach it as a bundle",
-					dlpc__printable(pub->name.data, pub->name.len, name,
-							sizeof(name)),
-					pub->n_tensors);
+		return dlpd_reply_error(
+			p, id, EINVAL, "'%s' is a bundle of %zu tensors; attach it as a bundle",
+			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)),
+			pub->n_tensors);
 	ref = dlpd_ref_new(p, e->st);
 	if (!ref)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot attach: out of memory");
@@ -119,8 +117,7 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 	return 0;
 }
 
-int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m,
-		    struct dlpc__frame *f)
+int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
 {
 	Dlpackd__V1__Release *req = (Dlpackd__V1__Release *)*m;
 
@@ -135,8 +132,9 @@ int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m,
 		struct dlpd_ref *ref = dlpd_ref_find(p, req->ref_ids[i]);
 
 		if (!ref) {
-			dlpd_log(LOG_WARNING, "RELEASE of reference %llu, which this client does not "
-					      "hold",
+			dlpd_log(LOG_WARNING,
+				 "RELEASE of reference %llu, which this client does not "
+				 "hold",
 				 (unsigned long long)req->ref_ids[i]);
 			return -EPROTO;
 		}

@@ -51,10 +51,11 @@ static int check_tensors(const Dlpackd__V1__Publish *req, char *why, size_t whyl
 			snprintf(why, whylen, "tensor %zu: bad dtype or shape", i);
 			return r;
 		}
-		if (t->offset % DLPC_ALIGN != 0 || __builtin_add_overflow(t->offset, nbytes, &end) ||
-		    end > req->storage_size) {
+		if (t->offset % DLPC_ALIGN != 0 ||
+		    __builtin_add_overflow(t->offset, nbytes, &end) || end > req->storage_size) {
 			snprintf(why, whylen,
-				 "tensor %zu: %llu bytes at offset %llu do not fit an aligned place in "
+				 "tensor %zu: %llu bytes at offset %llu do not fit an aligned "
+				 "place in "
 				 "a storage of %llu bytes",
 				 i, (unsigned long long)nbytes, (unsigned long long)t->offset,
 				 (unsigned long long)req->storage_size);
@@ -81,6 +82,22 @@ static int check_tensors(const Dlpackd__V1__Publish *req, char *why, size_t whyl
 	return r;
 }
 
+/* The largest ATTACH reply this entry can produce (every varint at its widest). */
+static size_t attach_reply_size(const Dlpackd__V1__Publish *req)
+{
+	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
+
+	rep.generation = INT32_MAX;
+	rep.ref_id = UINT64_MAX;
+	rep.flags = UINT32_MAX;
+	rep.device_type = req->device_type;
+	rep.device_id = req->device_id;
+	rep.storage_size = req->storage_size;
+	rep.n_tensors = req->n_tensors;
+	rep.tensors = req->tensors;
+	return dlpackd__v1__attach_reply__get_packed_size(&rep);
+}
+
 static bool may_change(const struct dlpd_peer *p, const struct dlpd_entry *e)
 {
 	return p->uid == 0 || p->uid == e->uid;
@@ -103,16 +120,22 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	if (req->flags & ~PUBLISH_FLAGS)
 		return dlpd_reply_error(p, id, EINVAL, "cannot publish '%s': unknown flags 0x%x",
 					name, req->flags & ~PUBLISH_FLAGS);
-	if (req->device_type != kDLCPU)
+	if (req->device_type != kDLCPU || req->device_id != 0)
 		return dlpd_reply_error(p, id, ENOTSUP,
-					"cannot publish '%s': device type %d is not supported",
-					name, req->device_type);
+					"cannot publish '%s': device %d:%d is not supported", name,
+					req->device_type, req->device_id);
 	if (req->storage_size == 0 || req->storage_size > INT64_MAX)
 		return dlpd_reply_error(p, id, EINVAL, "cannot publish '%s': bad storage size %llu",
 					name, (unsigned long long)req->storage_size);
 	r = check_tensors(req, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
+	if (attach_reply_size(req) > DLPC_FRAME_MAX)
+		return dlpd_reply_error(
+			p, id, EMSGSIZE,
+			"cannot publish '%s': its %zu tensor descriptions would not fit "
+			"in one %u-byte ATTACH reply",
+			name, req->n_tensors, DLPC_FRAME_MAX);
 	r = dlpd_storage_check(f->fds[0], req->storage_size, req->flags & DLPC_PUBLISH_WRITABLE,
 			       why, sizeof(why));
 	if (r < 0) {
@@ -142,6 +165,8 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	}
 	dlpc__frame_take_fd(f, 0);
 	st->names = 1;
+	/* what the entry is, not how it was published */
+	req->flags &= ~DLPC_PUBLISH_REPLACE;
 	clock_gettime(CLOCK_REALTIME, &now);
 	e->pub = req;
 	*m = NULL;
@@ -165,8 +190,7 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	return dlpd_reply(p, DLPC_MSG_PUBLISH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }
 
-int dlpd_on_unpublish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m,
-		      struct dlpc__frame *f)
+int dlpd_on_unpublish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
 {
 	Dlpackd__V1__Unpublish *req = (Dlpackd__V1__Unpublish *)*m;
 	Dlpackd__V1__UnpublishReply rep = DLPACKD__V1__UNPUBLISH_REPLY__INIT;

@@ -21,22 +21,21 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	}
 	dlpc__printable((const uint8_t *)req->client, strlen(req->client), client, sizeof(client));
 	if (req->version_major != DLPC_PROTO_MAJOR) {
-		dlpd_reply_error(p, id, EPROTO,
-				 "protocol version mismatch: client speaks %u.%u, dlpackd speaks %u.%u",
-				 req->version_major, req->version_minor, DLPC_PROTO_MAJOR,
-				 DLPC_PROTO_MINOR);
+		dlpd_reply_error(
+			p, id, EPROTO,
+			"protocol version mismatch: client speaks %u.%u, dlpackd speaks %u.%u",
+			req->version_major, req->version_minor, DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR);
 		dlpd_peer_kill(p, LOG_WARNING, "protocol version mismatch: client %s speaks %u.%u",
 			       client, req->version_major, req->version_minor);
 		return -EPROTO;
 	}
 	p->hello = true;
 	rep.version_major = DLPC_PROTO_MAJOR;
-	rep.version_minor = req->version_minor > DLPC_PROTO_MINOR ? DLPC_PROTO_MINOR
-								   : req->version_minor;
+	rep.version_minor =
+		req->version_minor > DLPC_PROTO_MINOR ? DLPC_PROTO_MINOR : req->version_minor;
 	rep.server = "dlpackd " DLPD_VERSION;
 	rep.max_frame = DLPC_FRAME_MAX;
-	dlpd_log(LOG_DEBUG, "%s: connected with %s", dlpd_peer_desc(p, desc, sizeof(desc)),
-		 client);
+	dlpd_log(LOG_DEBUG, "%s: connected with %s", dlpd_peer_desc(p, desc, sizeof(desc)), client);
 	return dlpd_reply(p, DLPC_MSG_HELLO | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }
 

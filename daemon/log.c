@@ -17,7 +17,7 @@ int dlpd_log_level = LOG_INFO;
 static bool journal;
 
 static const char *const level_names[] = {
-	[LOG_EMERG] = "emerg", [LOG_ALERT] = "alert",	[LOG_CRIT] = "crit",
+	[LOG_EMERG] = "emerg", [LOG_ALERT] = "alert",	  [LOG_CRIT] = "crit",
 	[LOG_ERR] = "err",     [LOG_WARNING] = "warning", [LOG_NOTICE] = "notice",
 	[LOG_INFO] = "info",   [LOG_DEBUG] = "debug",
 };
@@ -28,8 +28,8 @@ void dlpd_log_init(void)
 	unsigned long long dev, ino;
 	struct stat st;
 
-	journal = js && sscanf(js, "%llu:%llu", &dev, &ino) == 2 && fstat(STDERR_FILENO, &st) == 0 &&
-		  st.st_dev == dev && st.st_ino == ino;
+	journal = js && sscanf(js, "%llu:%llu", &dev, &ino) == 2 &&
+		  fstat(STDERR_FILENO, &st) == 0 && st.st_dev == dev && st.st_ino == ino;
 }
 
 int dlpd_log_parse_level(const char *s)
@@ -66,8 +66,9 @@ void dlpd_log(int prio, const char *fmt, ...)
 		clock_gettime(CLOCK_REALTIME, &ts);
 		localtime_r(&ts.tv_sec, &tm);
 		n = strftime(line, sizeof(line), "%Y-%m-%dT%H:%M:%S", &tm);
-		n += (size_t)snprintf(line + n, sizeof(line) - n, ".%03ld dlpackd[%d]: %s: ",
-				      ts.tv_nsec / 1000000, (int)getpid(), level_names[prio]);
+		n += (size_t)snprintf(line + n, sizeof(line) - n,
+				      ".%03ld dlpackd[%d]: %s: ", ts.tv_nsec / 1000000,
+				      (int)getpid(), level_names[prio]);
 	}
 	va_start(ap, fmt);
 	vsnprintf(line + n, sizeof(line) - n, fmt, ap);

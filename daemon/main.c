@@ -77,7 +77,8 @@ int main(int argc, char **argv)
 		r = dlpc_default_socket(defpath, sizeof(defpath));
 		if (r < 0) {
 			dlpd_log(LOG_ERR, "no socket path: %s; pass --socket or set %s",
-				 r == -ENOENT ? "XDG_RUNTIME_DIR is not set" : "the path is too long",
+				 r == -ENOENT ? "XDG_RUNTIME_DIR is not set"
+					      : "the path is too long",
 				 DLPC_SOCKET_ENV);
 			return 1;
 		}

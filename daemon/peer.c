@@ -202,13 +202,15 @@ static void on_readable(struct dlpd_peer *p)
 		return;
 	if (n == 0) {
 		if (dlpc__rx_partial(&p->rx))
-			dlpd_peer_kill(p, LOG_WARNING, "closed the connection in the middle of a frame");
+			dlpd_peer_kill(p, LOG_WARNING,
+				       "closed the connection in the middle of a frame");
 		else
 			dlpd_peer_kill(p, LOG_DEBUG, "disconnected");
 		return;
 	}
 	if (n == -EPROTO) {
 		p->srv->stats.protocol_errors++;
+		dlpd_reply_error(p, 0, EPROTO, "protocol violation: %s", why);
 		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s", why);
 		return;
 	}
@@ -224,6 +226,7 @@ static void on_readable(struct dlpd_peer *p)
 			break;
 		if (r < 0) {
 			p->srv->stats.protocol_errors++;
+			dlpd_reply_error(p, 0, EPROTO, "protocol violation: %s", why);
 			dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s", why);
 			break;
 		}
@@ -232,7 +235,8 @@ static void on_readable(struct dlpd_peer *p)
 		/* other failures (a reply that could not be written) already killed the peer */
 		if (r == -EPROTO) {
 			p->srv->stats.protocol_errors++;
-			dlpd_peer_kill(p, LOG_WARNING, "protocol violation in request %u", f.hdr.id);
+			dlpd_peer_kill(p, LOG_WARNING, "protocol violation in request %u",
+				       f.hdr.id);
 		}
 	}
 }

@@ -210,15 +210,15 @@ void dlpd_waiter_free(struct dlpd_server *s, struct dlpd_waiter *w)
 void dlpd_registry_drop_peer(struct dlpd_server *s, struct dlpd_peer *p)
 {
 	while (!dlpd_list_empty(&p->waiters))
-		dlpd_waiter_free(s, dlpd_container_of(p->waiters.next, struct dlpd_waiter,
-						      peer_link));
+		dlpd_waiter_free(s,
+				 dlpd_container_of(p->waiters.next, struct dlpd_waiter, peer_link));
 	while (!dlpd_list_empty(&p->ephemeral))
-		dlpd_entry_remove(s, dlpd_container_of(p->ephemeral.next, struct dlpd_entry,
-						       owner_link));
+		dlpd_entry_remove(
+			s, dlpd_container_of(p->ephemeral.next, struct dlpd_entry, owner_link));
 	for (size_t i = 0; i < p->refs.nbuckets; i++)
 		while (p->refs.buckets[i])
-			dlpd_ref_drop(p, dlpd_container_of(p->refs.buckets[i], struct dlpd_ref,
-							   node));
+			dlpd_ref_drop(p,
+				      dlpd_container_of(p->refs.buckets[i], struct dlpd_ref, node));
 	dlpd_hmap_clear(&p->refs);
 }
 
@@ -226,8 +226,8 @@ void dlpd_registry_clear(struct dlpd_registry *r)
 {
 	for (size_t i = 0; i < r->names.nbuckets; i++)
 		while (r->names.buckets[i]) {
-			struct dlpd_entry *e = dlpd_container_of(r->names.buckets[i],
-								 struct dlpd_entry, node);
+			struct dlpd_entry *e =
+				dlpd_container_of(r->names.buckets[i], struct dlpd_entry, node);
 
 			r->names.buckets[i] = e->node.next;
 			entry_free(r, e);

@@ -3,7 +3,9 @@
  * Host storage validation. The daemon never maps client memory; it only proves, from the fd
  * alone, that attachers can map it safely: a regular file on tmpfs (what memfd_create makes),
  * sealed so that it can neither shrink (a SIGBUS in every attacher) nor grow, sealed against
- * writes unless published writable, and large enough for the tensors described.
+ * writes unless published writable, with a final seal set (F_SEAL_SEAL: nobody holding the fd
+ * can later add a write seal that breaks writable attaches), and large enough for the tensors
+ * described.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -73,9 +75,17 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
 		return -EPERM;
 	}
 	if (!writable && !(seals & (F_SEAL_FUTURE_WRITE | F_SEAL_WRITE))) {
+		snprintf(
+			why, whylen,
+			"read-only storage memfd is not sealed against writes (F_SEAL_FUTURE_WRITE "
+			"required unless published writable)");
+		return -EPERM;
+	}
+	if (!(seals & F_SEAL_SEAL)) {
 		snprintf(why, whylen,
-			 "read-only storage memfd is not sealed against writes (F_SEAL_FUTURE_WRITE "
-			 "required unless published writable)");
+			 "storage memfd's seals are not final (F_SEAL_SEAL required, seals are "
+			 "0x%x)",
+			 (unsigned)seals);
 		return -EPERM;
 	}
 	if (writable && (seals & (F_SEAL_FUTURE_WRITE | F_SEAL_WRITE))) {
