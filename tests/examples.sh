@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The README's C example, run for real: publish in one process, attach in another.
+# Usage: examples.sh DLPACKD PUBLISH ATTACH
+set -euo pipefail
+dir=$(mktemp -d /tmp/dlpc-example-XXXXXX)
+export DLPACKD_SOCKET=$dir/dlpackd.sock
+"$1" >"$dir/log" 2>&1 &
+daemon=$!
+trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null; rm -rf "$dir"' EXIT
+for _ in $(seq 200); do [ -S "$DLPACKD_SOCKET" ] && break; sleep 0.05; done
+"$2" demo/weights
+out=$("$3" demo/weights)
+echo "$out"
+[ "$out" = "demo/weights generation 1, shape [2, 3]: 1 2 3 4 5 6" ]
+kill -TERM $daemon
+wait $daemon
+trap 'rm -rf "$dir"' EXIT
+[ ! -e "$DLPACKD_SOCKET" ]

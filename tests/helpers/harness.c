@@ -1,0 +1,248 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include "harness.h"
+
+int scaled_ms(int ms)
+{
+	const char *s = getenv("DLPC_TEST_SLOW");
+	int k = s ? atoi(s) : 1;
+
+	return ms * (k > 0 ? k : 1);
+}
+
+static long long now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+int fd_count(pid_t pid)
+{
+	char path[64];
+	struct dirent *de;
+	DIR *dir;
+	int n = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+	dir = opendir(path);
+	ck_assert_msg(dir, "cannot open %s", path);
+	while ((de = readdir(dir)))
+		n += de->d_name[0] != '.';
+	closedir(dir);
+	return pid == getpid() ? n - 1 : n;
+}
+
+pid_t daemon_spawn(const char *sock, const char *log)
+{
+	const char *wrapper = getenv("DLPC_TEST_WRAPPER");
+	pid_t pid = fork();
+
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		char *argv[32];
+		int argc = 0, fd;
+
+		fd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+		if (fd >= 0) {
+			dup2(fd, STDERR_FILENO);
+			dup2(fd, STDOUT_FILENO);
+		}
+		/* the daemon starts with stdin/stdout/stderr only */
+		close_range(3, ~0U, 0);
+		if (wrapper && *wrapper) {
+			char *w = strdup(wrapper);
+
+			for (char *tok = strtok(w, " "); tok && argc < 24; tok = strtok(NULL, " "))
+				argv[argc++] = tok;
+		}
+		argv[argc++] = (char *)DLPACKD_BIN;
+		argv[argc++] = (char *)"--socket";
+		argv[argc++] = (char *)sock;
+		argv[argc++] = (char *)"--log-level";
+		argv[argc++] = (char *)"debug";
+		argv[argc] = NULL;
+		execvp(argv[0], argv);
+		_exit(127);
+	}
+	return pid;
+}
+
+static bool can_connect(const char *sock)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	bool ok;
+
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
+	ok = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+	close(fd);
+	return ok;
+}
+
+void daemon_start(struct daemon *d)
+{
+	long long deadline = now_ms() + scaled_ms(10000);
+
+	snprintf(d->dir, sizeof(d->dir), "/tmp/dlpc-test-XXXXXX");
+	ck_assert_msg(mkdtemp(d->dir), "mkdtemp: %s", strerror(errno));
+	snprintf(d->sock, sizeof(d->sock), "%s/dlpackd.sock", d->dir);
+	snprintf(d->log, sizeof(d->log), "%s/dlpackd.log", d->dir);
+	d->pid = daemon_spawn(d->sock, d->log);
+	while (!can_connect(d->sock)) {
+		int st;
+
+		ck_assert_msg(waitpid(d->pid, &st, WNOHANG) == 0, "dlpackd exited at start");
+		ck_assert_msg(now_ms() < deadline, "dlpackd did not start listening");
+		usleep(5000);
+	}
+}
+
+static void dump(const char *path)
+{
+	char line[512];
+	FILE *f = fopen(path, "r");
+
+	if (!f)
+		return;
+	while (fgets(line, sizeof(line), f))
+		fprintf(stderr, "  | %s", line);
+	fclose(f);
+}
+
+/* Under valgrind --track-fds (reporting on the daemon's stderr, i.e. its log), the daemon must
+ * leave only stdin, stdout and stderr open at exit. */
+static void check_tool_report(const struct daemon *d)
+{
+	char line[512];
+	bool bad = false;
+	FILE *f = fopen(d->log, "r");
+
+	while (f && fgets(line, sizeof(line), f)) {
+		char *p = strstr(line, "FILE DESCRIPTORS: ");
+
+		if (p && atoi(p + strlen("FILE DESCRIPTORS: ")) > 3)
+			bad = true;
+	}
+	if (f)
+		fclose(f);
+	if (bad)
+		dump(d->log);
+	ck_assert_msg(!bad, "dlpackd left file descriptors open at exit (log above)");
+}
+
+void daemon_stop(struct daemon *d)
+{
+	char path[160];
+	int st;
+
+	ck_assert_int_eq(kill(d->pid, SIGTERM), 0);
+	ck_assert_int_eq(waitpid(d->pid, &st, 0), d->pid);
+	if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+		dump(d->log);
+	ck_assert_msg(WIFEXITED(st), "dlpackd died of signal %d", WTERMSIG(st));
+	ck_assert_msg(WEXITSTATUS(st) == 0, "dlpackd exited %d (99: the wrapper found errors)",
+		      WEXITSTATUS(st));
+	ck_assert_msg(access(d->sock, F_OK) != 0, "dlpackd left its socket behind");
+	check_tool_report(d);
+	snprintf(path, sizeof(path), "rm -rf '%s'", d->dir);
+	ck_assert_int_eq(system(path), 0);
+}
+
+dlpc_client *connect_or_die(const struct daemon *d)
+{
+	dlpc_client *c = NULL;
+	int r = dlpc_connect(d->sock, &c);
+
+	ck_assert_msg(r == 0, "dlpc_connect: %s", dlpc_last_error());
+	return c;
+}
+
+dlpc_stats stat_or_die(dlpc_client *c)
+{
+	dlpc_stats s = {.size = sizeof(s)};
+
+	ck_assert_msg(dlpc_stat(c, &s) == 0, "dlpc_stat: %s", dlpc_last_error());
+	return s;
+}
+
+pid_t spawn(int (*fn)(void *), void *arg)
+{
+	pid_t pid = fork();
+
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0)
+		_exit(fn(arg) == 0 ? 0 : 1);
+	return pid;
+}
+
+int wait_child(pid_t pid)
+{
+	int st;
+
+	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+bool wait_stat(dlpc_client *c, bool (*cond)(const dlpc_stats *s, void *arg), void *arg, int ms)
+{
+	long long deadline = now_ms() + scaled_ms(ms);
+
+	for (;;) {
+		dlpc_stats s = stat_or_die(c);
+
+		if (cond(&s, arg))
+			return true;
+		if (now_ms() >= deadline)
+			return false;
+		usleep(1000);
+	}
+}
+
+struct host {
+	DLManagedTensorVersioned t;
+	int *counter;
+	int64_t dims[2 * DLPC_NDIM_MAX];
+};
+
+static void host_deleter(DLManagedTensorVersioned *t)
+{
+	struct host *h = (struct host *)t;
+
+	if (h->counter)
+		(*h->counter)++;
+	free(h);
+}
+
+DLManagedTensorVersioned *host_tensor(void *data, DLDataType dt, int ndim, const int64_t *shape,
+				      const int64_t *strides, int *counter)
+{
+	struct host *h = calloc(1, sizeof(*h));
+
+	ck_assert_ptr_nonnull(h);
+	memcpy(h->dims, shape, (size_t)ndim * sizeof(int64_t));
+	if (strides)
+		memcpy(h->dims + DLPC_NDIM_MAX, strides, (size_t)ndim * sizeof(int64_t));
+	h->counter = counter;
+	h->t.version.major = DLPACK_MAJOR_VERSION;
+	h->t.version.minor = DLPACK_MINOR_VERSION;
+	h->t.deleter = host_deleter;
+	h->t.dl_tensor.data = data;
+	h->t.dl_tensor.device.device_type = kDLCPU;
+	h->t.dl_tensor.ndim = ndim;
+	h->t.dl_tensor.dtype = dt;
+	h->t.dl_tensor.shape = h->dims;
+	h->t.dl_tensor.strides = strides ? h->dims + DLPC_NDIM_MAX : NULL;
+	return &h->t;
+}

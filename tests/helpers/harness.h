@@ -1,0 +1,71 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Test harness: a real dlpackd in a private temp dir, child processes, and polling helpers.
+ *
+ * Set DLPC_TEST_WRAPPER (e.g. "valgrind --leak-check=full ...") to run the daemon under a tool;
+ * daemon_stop() then also checks the tool's verdict. DLPC_TEST_SLOW scales every deadline.
+ */
+#ifndef DLPC_TEST_HARNESS_H
+#define DLPC_TEST_HARNESS_H
+
+#include <check.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <dlpc/dlpc.h>
+
+struct daemon {
+	pid_t pid;
+	char dir[64];
+	char sock[108];
+	char log[128];
+};
+
+/* Start dlpackd on DIR/dlpackd.sock and wait until it accepts connections. */
+void daemon_start(struct daemon *d);
+/* Start another dlpackd process on @p sock; returns its pid (no waiting). */
+pid_t daemon_spawn(const char *sock, const char *log);
+/* SIGTERM, expect exit 0 and the socket removed; under a wrapper, no leak and no fd left. */
+void daemon_stop(struct daemon *d);
+/* Open fds of a process, from /proc/PID/fd. */
+int fd_count(pid_t pid);
+/* Milliseconds scaled by DLPC_TEST_SLOW. */
+int scaled_ms(int ms);
+
+dlpc_client *connect_or_die(const struct daemon *d);
+dlpc_stats stat_or_die(dlpc_client *c);
+
+/* Run @p fn(arg) in a forked child that exits 0 if fn returns 0. */
+pid_t spawn(int (*fn)(void *), void *arg);
+/* Wait for @p pid and return its exit status; a signal death returns 128 + signo. */
+int wait_child(pid_t pid);
+
+/* Poll STAT until @p cond holds or @p ms pass; returns whether it held. */
+bool wait_stat(dlpc_client *c, bool (*cond)(const dlpc_stats *s, void *arg), void *arg, int ms);
+
+/* A float32 host tensor over @p data, not owned (deleter counts calls into *counter if set). */
+DLManagedTensorVersioned *host_tensor(void *data, DLDataType dt, int ndim, const int64_t *shape,
+				      const int64_t *strides, int *counter);
+
+/* In a child process: print and exit 1 when @p cond fails. */
+#define CHILD_CHECK(cond)                                                                          \
+	do {                                                                                       \
+		if (!(cond)) {                                                                     \
+			fprintf(stderr, "%s:%d: child check failed: %s (%s)\n", __FILE__,          \
+				__LINE__, #cond, dlpc_last_error());                               \
+			_exit(1);                                                                  \
+		}                                                                                  \
+	} while (0)
+
+/* Check's assertion with the library's last message appended. */
+#define ck_assert_dlpc(expr, expected)                                                             \
+	do {                                                                                       \
+		long long _r = (expr);                                                             \
+		ck_assert_msg(_r == (expected), "%s returned %lld, expected %lld: %s", #expr, _r,  \
+			      (long long)(expected), dlpc_last_error());                           \
+	} while (0)
+
+#endif

@@ -1,0 +1,984 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Host tensors end to end: a real dlpackd per test, publishers and attachers in separate
+ * processes. Each test names the acceptance point of the core issue it proves.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include "harness.h"
+
+static struct daemon D;
+
+static void setup(void)
+{
+	daemon_start(&D);
+}
+
+static void teardown(void)
+{
+	daemon_stop(&D);
+}
+
+/* Deterministic byte pattern so that publisher and attacher agree without sharing memory. */
+static uint8_t pattern(unsigned seed, size_t i)
+{
+	return (uint8_t)(i * 131u + seed * 7u + (i >> 9));
+}
+
+static void fill(void *p, size_t n, unsigned seed)
+{
+	for (size_t i = 0; i < n; i++)
+		((uint8_t *)p)[i] = pattern(seed, i);
+}
+
+static bool matches(const void *p, size_t n, unsigned seed)
+{
+	for (size_t i = 0; i < n; i++)
+		if (((const uint8_t *)p)[i] != pattern(seed, i))
+			return false;
+	return true;
+}
+
+static dlpc_client *child_connect(void)
+{
+	dlpc_client *c = NULL;
+
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	return c;
+}
+
+static bool c_contiguous(const DLTensor *t)
+{
+	int64_t expect = 1;
+
+	if (t->ndim > 0 && !t->strides)
+		return false;
+	for (int i = t->ndim - 1; i >= 0; i--) {
+		if (t->strides[i] != expect)
+			return false;
+		expect *= t->shape[i];
+	}
+	return true;
+}
+
+/* ---- 1. publish, exit, attach elsewhere: every byte, read-only, writes fault ---- */
+
+#define BIG 1024
+
+static int publish_big(void *arg)
+{
+	dlpc_client *c = child_connect();
+	int64_t shape[2] = {BIG, BIG};
+	float *data = malloc(sizeof(float) * BIG * BIG);
+	int deleted = 0;
+
+	(void)arg;
+	CHILD_CHECK(data);
+	for (size_t i = 0; i < BIG * BIG; i++)
+		data[i] = (float)i * 0.5f;
+	CHILD_CHECK(dlpc_publish(c, "big",
+				 host_tensor(data, (DLDataType){kDLFloat, 32, 1}, 2, shape, NULL,
+					     &deleted),
+				 0) == 1);
+	CHILD_CHECK(deleted == 1); /* copied, so the deleter ran at once */
+	free(data);
+	dlpc_close(c);
+	return 0;
+}
+
+static int attach_big(void *arg)
+{
+	dlpc_client *c = child_connect();
+	DLManagedTensorVersioned *t;
+	const float *v;
+	pid_t pid;
+	int st;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_attach(c, "big", NULL, &t) == 1);
+	CHILD_CHECK(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
+	CHILD_CHECK(t->dl_tensor.ndim == 2 && t->dl_tensor.shape[0] == BIG &&
+		    t->dl_tensor.shape[1] == BIG);
+	CHILD_CHECK(t->dl_tensor.dtype.code == kDLFloat && t->dl_tensor.dtype.bits == 32);
+	CHILD_CHECK(c_contiguous(&t->dl_tensor) && t->dl_tensor.byte_offset == 0);
+	CHILD_CHECK((uintptr_t)t->dl_tensor.data % DLPC_ALIGN == 0);
+	v = t->dl_tensor.data;
+	for (size_t i = 0; i < BIG * BIG; i++)
+		CHILD_CHECK(v[i] == (float)i * 0.5f);
+	/* a write through the pointer must fault: try it in a forked copy of this process */
+	pid = fork();
+	if (pid == 0) {
+		*(volatile float *)t->dl_tensor.data = 1.0f;
+		_exit(0);
+	}
+	CHILD_CHECK(waitpid(pid, &st, 0) == pid);
+	CHILD_CHECK(WIFSIGNALED(st) && (WTERMSIG(st) == SIGSEGV || WTERMSIG(st) == SIGBUS));
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+static bool no_refs(const dlpc_stats *s, void *arg)
+{
+	(void)arg;
+	return s->references == 0;
+}
+
+START_TEST(test_publish_exit_attach)
+{
+	dlpc_client *c;
+
+	ck_assert_int_eq(wait_child(spawn(publish_big, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(attach_big, NULL)), 0);
+	c = connect_or_die(&D);
+	ck_assert(wait_stat(c, no_refs, NULL, 1000));
+	ck_assert_uint_eq(stat_or_die(c).entries, 1);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- 2. every dtype, ndim 0..8, empty tensors, strided sources ---- */
+
+static const struct {
+	const char *name;
+	DLDataType dt;
+} dtypes[] = {
+	{"int8", {kDLInt, 8, 1}},	    {"int16", {kDLInt, 16, 1}},
+	{"int32", {kDLInt, 32, 1}},	    {"int64", {kDLInt, 64, 1}},
+	{"uint8", {kDLUInt, 8, 1}},	    {"uint16", {kDLUInt, 16, 1}},
+	{"uint32", {kDLUInt, 32, 1}},	    {"uint64", {kDLUInt, 64, 1}},
+	{"float16", {kDLFloat, 16, 1}},	    {"float32", {kDLFloat, 32, 1}},
+	{"float64", {kDLFloat, 64, 1}},	    {"bfloat16", {kDLBfloat, 16, 1}},
+	{"complex64", {kDLComplex, 64, 1}}, {"complex128", {kDLComplex, 128, 1}},
+	{"bool", {kDLBool, 8, 1}},
+};
+#define NDTYPES (sizeof(dtypes) / sizeof(dtypes[0]))
+
+static const int64_t nd_shape[8] = {2, 3, 1, 2, 2, 1, 3, 2};
+static const int64_t empty_shapes[2][3] = {{0, 4, 0}, {3, 0, 2}};
+
+static size_t numel(const int64_t *shape, int ndim)
+{
+	size_t n = 1;
+
+	for (int i = 0; i < ndim; i++)
+		n *= (size_t)shape[i];
+	return n;
+}
+
+/* The strided sources: a 6x4 int32 matrix seen transposed, every other row, and a 3-d permute. */
+static int32_t base_matrix[6][4];
+
+static int32_t strided_expect(int which, size_t i)
+{
+	switch (which) {
+	case 0: /* transposed: shape 4x6, strides {1, 4} */
+		return base_matrix[i % 6][i / 6];
+	case 1: /* rows 0, 2, 4: shape 3x4, strides {8, 1} */
+		return base_matrix[(i / 4) * 2][i % 4];
+	default: /* as 2x3x4 (strides 12,4,1) permuted to 4x2x3: strides {1, 12, 4} */
+		return ((int32_t *)base_matrix)[(i % 3) * 4 + ((i / 3) % 2) * 12 + i / 6];
+	}
+}
+
+static const int64_t strided_shape[3][3] = {{4, 6}, {3, 4}, {4, 2, 3}};
+static const int64_t strided_strides[3][3] = {{1, 4}, {8, 1}, {1, 12, 4}};
+static const int strided_ndim[3] = {2, 2, 3};
+
+static int publish_matrix(void *arg)
+{
+	dlpc_client *c = child_connect();
+	static uint8_t buf[4096];
+	int64_t shape[2] = {3, 5};
+	char name[64];
+
+	(void)arg;
+	for (size_t k = 0; k < NDTYPES; k++) {
+		size_t n = 15 * dtypes[k].dt.bits / 8;
+
+		fill(buf, n, (unsigned)k);
+		snprintf(name, sizeof(name), "dt/%s", dtypes[k].name);
+		CHILD_CHECK(dlpc_publish(c, name,
+					 host_tensor(buf, dtypes[k].dt, 2, shape, NULL, NULL),
+					 0) == 1);
+	}
+	for (int nd = 0; nd <= 8; nd++) {
+		fill(buf, numel(nd_shape, nd) * 4, 100u + (unsigned)nd);
+		snprintf(name, sizeof(name), "nd/%d", nd);
+		CHILD_CHECK(dlpc_publish(c, name,
+					 host_tensor(buf, (DLDataType){kDLFloat, 32, 1}, nd,
+						     nd_shape, NULL, NULL),
+					 0) == 1);
+	}
+	for (int k = 0; k < 2; k++) {
+		snprintf(name, sizeof(name), "empty/%d", k);
+		CHILD_CHECK(dlpc_publish(c, name,
+					 host_tensor(NULL, (DLDataType){kDLFloat, 64, 1}, 3,
+						     empty_shapes[k], NULL, NULL),
+					 0) == 1);
+	}
+	for (int k = 0; k < 3; k++) {
+		snprintf(name, sizeof(name), "strided/%d", k);
+		CHILD_CHECK(dlpc_publish(c, name,
+					 host_tensor(base_matrix, (DLDataType){kDLInt, 32, 1},
+						     strided_ndim[k], strided_shape[k],
+						     strided_strides[k], NULL),
+					 0) == 1);
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+static DLManagedTensorVersioned *child_attach(dlpc_client *c, const char *name)
+{
+	DLManagedTensorVersioned *t = NULL;
+
+	CHILD_CHECK(dlpc_attach(c, name, NULL, &t) == 1);
+	CHILD_CHECK(t->version.major == DLPACK_MAJOR_VERSION);
+	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCPU);
+	CHILD_CHECK(t->dl_tensor.byte_offset == 0);
+	CHILD_CHECK((uintptr_t)t->dl_tensor.data % DLPC_ALIGN == 0);
+	CHILD_CHECK(t->dl_tensor.ndim == 0 || c_contiguous(&t->dl_tensor));
+	return t;
+}
+
+static int check_matrix(void *arg)
+{
+	dlpc_client *c = child_connect();
+	DLManagedTensorVersioned *t;
+	char name[64];
+
+	(void)arg;
+	for (size_t k = 0; k < NDTYPES; k++) {
+		snprintf(name, sizeof(name), "dt/%s", dtypes[k].name);
+		t = child_attach(c, name);
+		CHILD_CHECK(memcmp(&t->dl_tensor.dtype, &dtypes[k].dt, sizeof(DLDataType)) == 0);
+		CHILD_CHECK(t->dl_tensor.ndim == 2 && t->dl_tensor.shape[0] == 3 &&
+			    t->dl_tensor.shape[1] == 5);
+		CHILD_CHECK(matches(t->dl_tensor.data, 15 * dtypes[k].dt.bits / 8, (unsigned)k));
+		t->deleter(t);
+	}
+	for (int nd = 0; nd <= 8; nd++) {
+		snprintf(name, sizeof(name), "nd/%d", nd);
+		t = child_attach(c, name);
+		CHILD_CHECK(t->dl_tensor.ndim == nd);
+		for (int i = 0; i < nd; i++)
+			CHILD_CHECK(t->dl_tensor.shape[i] == nd_shape[i]);
+		CHILD_CHECK(
+			matches(t->dl_tensor.data, numel(nd_shape, nd) * 4, 100u + (unsigned)nd));
+		t->deleter(t);
+	}
+	for (int k = 0; k < 2; k++) {
+		snprintf(name, sizeof(name), "empty/%d", k);
+		t = child_attach(c, name);
+		CHILD_CHECK(t->dl_tensor.ndim == 3 && t->dl_tensor.data != NULL);
+		for (int i = 0; i < 3; i++)
+			CHILD_CHECK(t->dl_tensor.shape[i] == empty_shapes[k][i]);
+		t->deleter(t);
+	}
+	for (int k = 0; k < 3; k++) {
+		const int32_t *v;
+
+		snprintf(name, sizeof(name), "strided/%d", k);
+		t = child_attach(c, name);
+		CHILD_CHECK(t->dl_tensor.ndim == strided_ndim[k]);
+		for (int i = 0; i < strided_ndim[k]; i++)
+			CHILD_CHECK(t->dl_tensor.shape[i] == strided_shape[k][i]);
+		v = t->dl_tensor.data;
+		for (size_t i = 0; i < numel(strided_shape[k], strided_ndim[k]); i++)
+			CHILD_CHECK(v[i] == strided_expect(k, i));
+		t->deleter(t);
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_dtype_matrix)
+{
+	for (int i = 0; i < 24; i++)
+		((int32_t *)base_matrix)[i] = i * 10 + 1;
+	ck_assert_int_eq(wait_child(spawn(publish_matrix, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(check_matrix, NULL)), 0);
+}
+END_TEST
+
+/* ---- 3. a bundle of 1,000 tensors: one round trip, one mapping ---- */
+
+#define NBUNDLE 1000
+
+static int publish_bundle(void *arg)
+{
+	dlpc_client *c = child_connect();
+	DLManagedTensorVersioned *ts[NBUNDLE];
+	char *keys[NBUNDLE];
+	static int32_t data[NBUNDLE][8];
+	int64_t shape[1] = {8};
+	int deleted = 0;
+
+	(void)arg;
+	for (int i = 0; i < NBUNDLE; i++) {
+		for (int j = 0; j < 8; j++)
+			data[i][j] = i * 8 + j;
+		CHILD_CHECK(asprintf(&keys[i], "layer.%d.weight", i) > 0);
+		ts[i] = host_tensor(data[i], (DLDataType){kDLInt, 32, 1}, 1, shape, NULL, &deleted);
+	}
+	CHILD_CHECK(dlpc_publish_bundle(c, "model", NBUNDLE, (const char *const *)keys, ts, 0) ==
+		    1);
+	CHILD_CHECK(deleted == NBUNDLE);
+	for (int i = 0; i < NBUNDLE; i++)
+		free(keys[i]);
+	dlpc_close(c);
+	return 0;
+}
+
+/* Mappings of dlpc memfds in this process, from /proc/self/maps. */
+static int dlpc_mappings(void)
+{
+	char line[512];
+	FILE *f = fopen("/proc/self/maps", "r");
+	int n = 0;
+
+	while (f && fgets(line, sizeof(line), f))
+		n += strstr(line, "/memfd:dlpc:") != NULL;
+	if (f)
+		fclose(f);
+	return n;
+}
+
+START_TEST(test_bundle_one_round_trip)
+{
+	dlpc_client *c;
+	dlpc_stats before, after;
+	dlpc_bundle *b;
+	DLManagedTensorVersioned *kept;
+	int maps;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bundle, NULL)), 0);
+	c = connect_or_die(&D);
+	maps = dlpc_mappings();
+	before = stat_or_die(c);
+	ck_assert_dlpc(dlpc_attach_bundle(c, "model", NULL, &b), 1);
+	after = stat_or_die(c);
+	/* one ATTACH request, one fd, one reference, one mapping for 1,000 tensors */
+	ck_assert_uint_eq(after.req_attach - before.req_attach, 1);
+	ck_assert_uint_eq(after.fds_sent - before.fds_sent, 1);
+	ck_assert_uint_eq(after.references - before.references, 1);
+	ck_assert_int_eq(dlpc_mappings() - maps, 1);
+	ck_assert_uint_eq(dlpc_bundle_count(b), NBUNDLE);
+	for (size_t i = 0; i < NBUNDLE; i++) {
+		char key[32];
+		DLManagedTensorVersioned *t;
+		const int32_t *v;
+
+		snprintf(key, sizeof(key), "layer.%zu.weight", i);
+		ck_assert_str_eq(dlpc_bundle_key(b, i), key);
+		t = dlpc_bundle_take(b, i);
+		ck_assert_ptr_nonnull(t);
+		ck_assert_ptr_null(dlpc_bundle_take(b, i));
+		v = t->dl_tensor.data;
+		for (int j = 0; j < 8; j++)
+			ck_assert_int_eq(v[j], (int32_t)i * 8 + j);
+		if (i == 7)
+			kept = t;
+		else
+			t->deleter(t);
+	}
+	ck_assert_ptr_null(dlpc_bundle_key(b, NBUNDLE));
+	/* the mapping outlives the bundle while one tensor lives */
+	dlpc_bundle_free(b);
+	ck_assert_uint_eq(stat_or_die(c).references, 1);
+	ck_assert_int_eq(((const int32_t *)kept->dl_tensor.data)[3], 7 * 8 + 3);
+	kept->deleter(kept);
+	ck_assert(wait_stat(c, no_refs, NULL, 1000));
+	ck_assert_int_eq(dlpc_mappings(), maps);
+	/* a bundle of several refuses to attach as one tensor, with a clear message */
+	ck_assert_dlpc(dlpc_attach(c, "model", NULL, &kept), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "bundle of 1000"));
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- 4. REPLACE while attached; 5. UNPUBLISH while attached ---- */
+
+struct pub_args {
+	const char *name;
+	unsigned seed;
+	size_t bytes;
+	uint32_t flags;
+	int expect_gen;
+};
+
+static int publish_bytes(void *arg)
+{
+	const struct pub_args *a = arg;
+	dlpc_client *c = child_connect();
+	uint8_t *buf = malloc(a->bytes);
+	int64_t shape[1] = {(int64_t)a->bytes};
+
+	CHILD_CHECK(buf);
+	fill(buf, a->bytes, a->seed);
+	CHILD_CHECK(
+		dlpc_publish(c, a->name,
+			     host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
+			     a->flags) == a->expect_gen);
+	free(buf);
+	dlpc_close(c);
+	return 0;
+}
+
+static int attach_expect(void *arg)
+{
+	const struct pub_args *a = arg;
+	dlpc_client *c = child_connect();
+	DLManagedTensorVersioned *t;
+
+	CHILD_CHECK(dlpc_attach(c, a->name, NULL, &t) == a->expect_gen);
+	CHILD_CHECK(matches(t->dl_tensor.data, a->bytes, a->seed));
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_replace_while_attached)
+{
+	struct pub_args v1 = {"w", 1, 1 << 20, 0, 1};
+	struct pub_args v2 = {"w", 2, 3 << 20, DLPC_PUBLISH_REPLACE, 2};
+	struct pub_args taken = {"w", 3, 4096, 0, -EEXIST};
+	DLManagedTensorVersioned *old;
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_stats s;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
+	ck_assert_dlpc(dlpc_attach(c, "w", NULL, &old), 1);
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &taken)), 0);
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v2)), 0);
+	s = stat_or_die(c);
+	ck_assert_uint_eq(s.storages, 2);
+	ck_assert_uint_eq(s.bytes_held, (1 << 20) + (3 << 20));
+	/* the old holder keeps the old bytes; a new attacher sees generation 2 */
+	ck_assert(matches(old->dl_tensor.data, 1 << 20, 1));
+	ck_assert_int_eq(wait_child(spawn(attach_expect, &v2)), 0);
+	old->deleter(old);
+	ck_assert(wait_stat(c, no_refs, NULL, 1000));
+	s = stat_or_die(c);
+	ck_assert_uint_eq(s.storages, 1);
+	ck_assert_uint_eq(s.bytes_held, 3 << 20);
+	dlpc_close(c);
+}
+END_TEST
+
+START_TEST(test_unpublish_while_attached)
+{
+	struct pub_args v1 = {"gone", 5, 1 << 20, 0, 1};
+	DLManagedTensorVersioned *t;
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_stats s;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
+	ck_assert_dlpc(dlpc_attach(c, "gone", NULL, &t), 1);
+	ck_assert_dlpc(dlpc_unpublish(c, "gone"), 0);
+	ck_assert_dlpc(dlpc_unpublish(c, "gone"), -ENOENT);
+	s = stat_or_die(c);
+	ck_assert_uint_eq(s.entries, 0);
+	ck_assert_uint_eq(s.storages, 1);
+	ck_assert_uint_eq(s.bytes_held, 1 << 20);
+	ck_assert(matches(t->dl_tensor.data, 1 << 20, 5));
+	t->deleter(t);
+	ck_assert(wait_stat(c, no_refs, NULL, 1000));
+	s = stat_or_die(c);
+	ck_assert_uint_eq(s.storages, 0);
+	ck_assert_uint_eq(s.bytes_held, 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- 6. SIGKILL of a holder: its references are gone within 100 ms ---- */
+
+static int hold_100(void *arg)
+{
+	int *pipefd = arg;
+	dlpc_client *c = child_connect();
+	DLManagedTensorVersioned *t;
+
+	for (int i = 0; i < 100; i++)
+		CHILD_CHECK(dlpc_attach(c, "held", NULL, &t) == 1);
+	CHILD_CHECK(write(pipefd[1], "k", 1) == 1);
+	pause();
+	return 0;
+}
+
+struct want {
+	uint64_t refs;
+};
+
+static bool refs_are(const dlpc_stats *s, void *arg)
+{
+	return s->references == ((struct want *)arg)->refs;
+}
+
+START_TEST(test_sigkill_drops_references)
+{
+	struct pub_args v = {"held", 9, 4096, 0, 1};
+	struct want w100 = {100}, w0 = {0};
+	dlpc_client *c = connect_or_die(&D);
+	int pipefd[2];
+	pid_t pid;
+	char ch;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v)), 0);
+	ck_assert_int_eq(pipe(pipefd), 0);
+	pid = spawn(hold_100, pipefd);
+	ck_assert_int_eq(read(pipefd[0], &ch, 1), 1);
+	ck_assert(wait_stat(c, refs_are, &w100, 1000));
+	ck_assert_int_eq(kill(pid, SIGKILL), 0);
+	ck_assert_int_eq(wait_child(pid), 128 + SIGKILL);
+	/* from the holder's death, not from any later call of ours */
+	ck_assert_msg(wait_stat(c, refs_are, &w0, 100), "references outlived the killed holder");
+	ck_assert_uint_eq(stat_or_die(c).storages, 1);
+	close(pipefd[0]);
+	close(pipefd[1]);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- 7. EPHEMERAL names vanish with their publisher; default ones stay ---- */
+
+static int publish_two_and_exit(void *arg)
+{
+	struct pub_args e = {"eph", 1, 100, DLPC_PUBLISH_EPHEMERAL, 1};
+	struct pub_args p = {"perm", 2, 100, 0, 1};
+	dlpc_client *c = child_connect();
+	uint8_t buf[100];
+	int64_t shape[1] = {100};
+
+	(void)arg;
+	fill(buf, 100, e.seed);
+	CHILD_CHECK(
+		dlpc_publish(c, e.name,
+			     host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
+			     e.flags) == 1);
+	fill(buf, 100, p.seed);
+	CHILD_CHECK(
+		dlpc_publish(c, p.name,
+			     host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
+			     p.flags) == 1);
+	/* while the publisher lives, both are there */
+	DLManagedTensorVersioned *t;
+	CHILD_CHECK(dlpc_attach(c, "eph", NULL, &t) == 1);
+	t->deleter(t);
+	_exit(0); /* no dlpc_close: the connection ends with the process */
+}
+
+static bool one_entry(const dlpc_stats *s, void *arg)
+{
+	(void)arg;
+	return s->entries == 1;
+}
+
+START_TEST(test_ephemeral)
+{
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t;
+
+	ck_assert_int_eq(wait_child(spawn(publish_two_and_exit, NULL)), 0);
+	ck_assert(wait_stat(c, one_entry, NULL, 1000));
+	ck_assert_dlpc(dlpc_attach(c, "eph", NULL, &t), -ENOENT);
+	ck_assert_dlpc(dlpc_attach(c, "perm", NULL, &t), 1);
+	ck_assert(matches(t->dl_tensor.data, 100, 2));
+	t->deleter(t);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- 8. attach waits for a later publish; expiry; timeout 0 ---- */
+
+static int publish_late(void *arg)
+{
+	struct pub_args *a = arg;
+
+	usleep(200 * 1000);
+	return publish_bytes(a);
+}
+
+START_TEST(test_attach_wait)
+{
+	struct pub_args late = {"late", 4, 1000, 0, 1};
+	dlpc_attach_opts wait5 = {.size = sizeof(wait5), .timeout_ms = 5000};
+	dlpc_attach_opts wait100 = {.size = sizeof(wait100), .timeout_ms = 100};
+	dlpc_attach_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t;
+	pid_t pid;
+
+	pid = spawn(publish_late, &late);
+	ck_assert_dlpc(dlpc_attach(c, "late", &wait5, &t), 1);
+	ck_assert(matches(t->dl_tensor.data, 1000, 4));
+	t->deleter(t);
+	ck_assert_int_eq(wait_child(pid), 0);
+	ck_assert_dlpc(dlpc_attach(c, "never", &wait100, &t), -ETIMEDOUT);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "never"));
+	ck_assert_dlpc(dlpc_attach(c, "never", &now, &t), -ENOENT);
+	ck_assert_dlpc(dlpc_attach(c, "never", NULL, &t), -ENOENT);
+	ck_assert_uint_eq(stat_or_die(c).waiters, 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* Only the caller's connection is open and nothing is referenced. */
+static bool alone(const dlpc_stats *s, void *arg)
+{
+	(void)arg;
+	return s->connections == 1 && s->references == 0;
+}
+
+/* ---- 9. deleters on other threads and after close; 8 threads on one client ---- */
+
+static void *run_deleter(void *arg)
+{
+	DLManagedTensorVersioned *t = arg;
+
+	t->deleter(t);
+	return NULL;
+}
+
+struct worker {
+	dlpc_client *c;
+	int errors;
+};
+
+static void *attach_loop(void *arg)
+{
+	struct worker *w = arg;
+
+	for (int i = 0; i < 500; i++) {
+		DLManagedTensorVersioned *t;
+
+		if (dlpc_attach(w->c, "shared", NULL, &t) != 1 ||
+		    !matches(t->dl_tensor.data, 4096, 6)) {
+			w->errors++;
+			continue;
+		}
+		t->deleter(t);
+	}
+	return NULL;
+}
+
+START_TEST(test_threads_and_late_deleters)
+{
+	struct pub_args v = {"shared", 6, 4096, 0, 1};
+	struct worker w[8];
+	pthread_t th[8];
+	DLManagedTensorVersioned *a, *b;
+	dlpc_client *c, *probe;
+	int fds0 = fd_count(getpid());
+	int dfds0 = fd_count(D.pid);
+	dlpc_stats s;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v)), 0);
+	probe = connect_or_die(&D);
+	c = connect_or_die(&D);
+	for (int i = 0; i < 8; i++) {
+		w[i] = (struct worker){c, 0};
+		ck_assert_int_eq(pthread_create(&th[i], NULL, attach_loop, &w[i]), 0);
+	}
+	for (int i = 0; i < 8; i++) {
+		ck_assert_int_eq(pthread_join(th[i], NULL), 0);
+		ck_assert_int_eq(w[i].errors, 0);
+	}
+	s = stat_or_die(probe);
+	ck_assert_uint_eq(s.references, 0);
+	ck_assert_uint_ge(s.req_attach, 8 * 500);
+
+	/* a deleter on another thread, then one after dlpc_close */
+	ck_assert_dlpc(dlpc_attach(c, "shared", NULL, &a), 1);
+	ck_assert_dlpc(dlpc_attach(c, "shared", NULL, &b), 1);
+	ck_assert_int_eq(pthread_create(&th[0], NULL, run_deleter, a), 0);
+	ck_assert_int_eq(pthread_join(th[0], NULL), 0);
+	dlpc_close(c);
+	ck_assert_uint_eq(stat_or_die(probe).references, 1);
+	ck_assert(matches(b->dl_tensor.data, 4096, 6));
+	ck_assert_int_eq(pthread_create(&th[0], NULL, run_deleter, b), 0);
+	ck_assert_int_eq(pthread_join(th[0], NULL), 0);
+	ck_assert(wait_stat(probe, no_refs, NULL, 1000));
+	dlpc_close(probe);
+	/* no fd left behind on either side */
+	ck_assert_int_eq(fd_count(getpid()), fds0);
+	probe = connect_or_die(&D);
+	ck_assert(wait_stat(probe, alone, NULL, 1000));
+	for (int i = 0; i < scaled_ms(1000) && fd_count(D.pid) != dfds0 + 2; i++)
+		usleep(1000);
+	ck_assert_int_eq(fd_count(D.pid), dfds0 + 2); /* probe's socket, one storage */
+	dlpc_close(probe);
+}
+END_TEST
+
+/* ---- 10. 100 processes x 1,000 attach/release ---- */
+
+static int churn(void *arg)
+{
+	dlpc_client *c = child_connect();
+
+	(void)arg;
+	for (int i = 0; i < 1000; i++) {
+		DLManagedTensorVersioned *t;
+
+		CHILD_CHECK(dlpc_attach(c, "churn", NULL, &t) == 1);
+		CHILD_CHECK(((const uint8_t *)t->dl_tensor.data)[17] == pattern(8, 17));
+		t->deleter(t);
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_many_processes)
+{
+	struct pub_args v = {"churn", 8, 65536, 0, 1};
+	pid_t pids[100];
+	dlpc_client *c;
+	int dfds0;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v)), 0);
+	c = connect_or_die(&D);
+	/* the publisher's connection closes asynchronously: baseline once only ours is left */
+	ck_assert(wait_stat(c, alone, NULL, 1000));
+	dfds0 = fd_count(D.pid);
+	for (int i = 0; i < 100; i++)
+		pids[i] = spawn(churn, NULL);
+	for (int i = 0; i < 100; i++)
+		ck_assert_int_eq(wait_child(pids[i]), 0);
+	ck_assert(wait_stat(c, alone, NULL, 1000));
+	ck_assert_uint_ge(stat_or_die(c).req_attach, 100 * 1000);
+	for (int i = 0; i < scaled_ms(1000) && fd_count(D.pid) != dfds0; i++)
+		usleep(1000);
+	ck_assert_int_eq(fd_count(D.pid), dfds0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- more library behaviour: zero-copy alloc, writable, fork, list, legacy ---- */
+
+START_TEST(test_alloc_zero_copy)
+{
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t, *a;
+	int64_t shape[2] = {256, 1024};
+	struct pub_args check = {"zc", 11, 256 * 1024 * 4, 0, 1};
+
+	ck_assert_dlpc(
+		dlpc_alloc(c, (DLDevice){kDLCPU, 0}, (DLDataType){kDLFloat, 32, 1}, 2, shape, &t),
+		0);
+	ck_assert(c_contiguous(&t->dl_tensor));
+	ck_assert_uint_eq(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY, 0);
+	fill(t->dl_tensor.data, check.bytes, check.seed);
+	ck_assert_dlpc(dlpc_publish(c, "zc", t, 0), 1);
+	/* published as is: the storage is exactly the allocation, no second copy */
+	ck_assert_uint_eq(stat_or_die(c).bytes_held, check.bytes);
+	ck_assert_int_eq(wait_child(spawn(attach_expect, &check)), 0);
+	/* an allocation that is never published is freed by its deleter */
+	ck_assert_dlpc(
+		dlpc_alloc(c, (DLDevice){kDLCPU, 0}, (DLDataType){kDLUInt, 8, 1}, 1, shape, &a), 0);
+	a->deleter(a);
+	ck_assert_dlpc(
+		dlpc_alloc(c, (DLDevice){kDLCUDA, 0}, (DLDataType){kDLUInt, 8, 1}, 1, shape, &a),
+		-ENOTSUP);
+	dlpc_close(c);
+}
+END_TEST
+
+START_TEST(test_writable)
+{
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_attach_opts rw = {.size = sizeof(rw), .flags = DLPC_ATTACH_WRITABLE};
+	DLManagedTensorVersioned *w1, *w2, *t;
+	uint8_t buf[64] = {0};
+	int64_t shape[1] = {64};
+
+	ck_assert_dlpc(
+		dlpc_publish(c, "rw",
+			     host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
+			     DLPC_PUBLISH_WRITABLE),
+		1);
+	ck_assert_dlpc(
+		dlpc_publish(c, "ro",
+			     host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
+			     0),
+		1);
+	ck_assert_dlpc(dlpc_attach(c, "rw", &rw, &w1), 1);
+	ck_assert_dlpc(dlpc_attach(c, "rw", &rw, &w2), 1);
+	ck_assert_uint_eq(w1->flags & DLPACK_FLAG_BITMASK_READ_ONLY, 0);
+	((uint8_t *)w1->dl_tensor.data)[5] = 42;
+	ck_assert_int_eq(((uint8_t *)w2->dl_tensor.data)[5], 42);
+	/* without asking, even a writable entry maps read-only */
+	ck_assert_dlpc(dlpc_attach(c, "rw", NULL, &t), 1);
+	ck_assert(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
+	t->deleter(t);
+	ck_assert_dlpc(dlpc_attach(c, "ro", &rw, &t), -EACCES);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'ro'"));
+	w1->deleter(w1);
+	w2->deleter(w2);
+	dlpc_close(c);
+}
+END_TEST
+
+START_TEST(test_fork_child_refused)
+{
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t;
+	struct pub_args v = {"f", 3, 64, 0, 1};
+	pid_t pid;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v)), 0);
+	ck_assert_dlpc(dlpc_attach(c, "f", NULL, &t), 1);
+	pid = fork();
+	if (pid == 0) {
+		DLManagedTensorVersioned *u;
+
+		CHILD_CHECK(dlpc_attach(c, "f", NULL, &u) == -EBADFD);
+		CHILD_CHECK(strstr(dlpc_last_error(), "fork") != NULL);
+		/* the inherited tensor still reads, and its deleter releases nothing */
+		CHILD_CHECK(matches(t->dl_tensor.data, 64, 3));
+		t->deleter(t);
+		_exit(0);
+	}
+	ck_assert_int_eq(wait_child(pid), 0);
+	ck_assert_uint_eq(stat_or_die(c).references, 1);
+	t->deleter(t);
+	ck_assert(wait_stat(c, no_refs, NULL, 1000));
+	dlpc_close(c);
+}
+END_TEST
+
+START_TEST(test_list)
+{
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t;
+	dlpc_entry_info *l;
+	size_t n;
+	uint8_t buf[24] = {0};
+	int64_t shape[2] = {2, 3};
+	char name[32];
+
+	for (int i = 0; i < 5000; i++) {
+		snprintf(name, sizeof(name), "%s/%05d", i % 2 ? "odd" : "even", i);
+		ck_assert_dlpc(dlpc_publish(c, name,
+					    host_tensor(buf, (DLDataType){kDLInt, 32, 1}, 2, shape,
+							NULL, NULL),
+					    0),
+			       1);
+	}
+	ck_assert_dlpc(dlpc_attach(c, "odd/00001", NULL, &t), 1);
+	/* more than one page (DLPC_LIST_PAGE_MAX) comes back whole and sorted */
+	ck_assert_dlpc(dlpc_list(c, "", &l, &n), 0);
+	ck_assert_uint_eq(n, 5000);
+	for (size_t i = 1; i < n; i++)
+		ck_assert_int_lt(strcmp(l[i - 1].name, l[i].name), 0);
+	dlpc_list_free(l, n);
+	ck_assert_dlpc(dlpc_list(c, "odd/", &l, &n), 0);
+	ck_assert_uint_eq(n, 2500);
+	ck_assert_str_eq(l[0].name, "odd/00001");
+	ck_assert_uint_eq(l[0].refs, 1);
+	ck_assert_uint_eq(l[1].refs, 0);
+	ck_assert_uint_eq(l[0].generation, 1);
+	ck_assert_int_eq(l[0].owner_pid, getpid());
+	ck_assert_uint_eq(l[0].owner_uid, getuid());
+	ck_assert_uint_eq(l[0].ntensors, 1);
+	ck_assert_str_eq(l[0].tensors[0].key, "");
+	ck_assert_int_eq(l[0].tensors[0].ndim, 2);
+	ck_assert_int_eq(l[0].tensors[0].shape[1], 3);
+	ck_assert_uint_eq(l[0].tensors[0].nbytes, 24);
+	ck_assert_int_eq(l[0].tensors[0].dtype.code, kDLInt);
+	ck_assert_int_gt(l[0].created_ns, 0);
+	dlpc_list_free(l, n);
+	ck_assert_dlpc(dlpc_list(c, "none/", &l, &n), 0);
+	ck_assert_uint_eq(n, 0);
+	dlpc_list_free(l, n);
+	t->deleter(t);
+	dlpc_close(c);
+}
+END_TEST
+
+START_TEST(test_legacy_and_errors)
+{
+	dlpc_client *c = connect_or_die(&D), *none;
+	struct pub_args v = {"leg", 12, 64, 0, 1};
+	DLManagedTensorVersioned *t;
+	DLManagedTensor *l;
+	char longname[300];
+	uint8_t buf[4];
+	int64_t shape[1] = {4};
+	int deleted = 0;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v)), 0);
+	ck_assert_dlpc(dlpc_attach(c, "leg", NULL, &t), 1);
+	l = dlpc_to_legacy(t);
+	ck_assert_ptr_nonnull(l);
+	ck_assert(matches(l->dl_tensor.data, 64, 12));
+	l->deleter(l);
+	ck_assert(wait_stat(c, no_refs, NULL, 1000));
+
+	memset(longname, 'n', sizeof(longname) - 1);
+	longname[sizeof(longname) - 1] = '\0';
+	ck_assert_dlpc(dlpc_attach(c, longname, NULL, &t), -EINVAL);
+	ck_assert_dlpc(dlpc_attach(c, "", NULL, &t), -EINVAL);
+	ck_assert_dlpc(dlpc_attach(c, "bad\xff", NULL, &t), -EINVAL);
+	/* publish owns its tensor even when it fails: the deleter still runs once */
+	ck_assert_dlpc(dlpc_publish(c, "",
+				    host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL,
+						&deleted),
+				    0),
+		       -EINVAL);
+	ck_assert_dlpc(dlpc_publish(c, "leg",
+				    host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL,
+						&deleted),
+				    0),
+		       -EEXIST);
+	ck_assert_int_eq(deleted, 2);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "already published"));
+	ck_assert_dlpc(dlpc_unpublish(c, "absent"), -ENOENT);
+	ck_assert_str_eq(dlpc_strerror(-ENOENT), "no such name (or no daemon socket)");
+	ck_assert_dlpc(dlpc_connect("/nonexistent/dlpackd.sock", &none), -ENOENT);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "/nonexistent/dlpackd.sock"));
+	dlpc_close(c);
+}
+END_TEST
+
+static Suite *core_suite(void)
+{
+	Suite *s = suite_create("core");
+	TCase *tc = tcase_create("host");
+
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
+	tcase_add_test(tc, test_publish_exit_attach);
+	tcase_add_test(tc, test_dtype_matrix);
+	tcase_add_test(tc, test_bundle_one_round_trip);
+	tcase_add_test(tc, test_replace_while_attached);
+	tcase_add_test(tc, test_unpublish_while_attached);
+	tcase_add_test(tc, test_sigkill_drops_references);
+	tcase_add_test(tc, test_ephemeral);
+	tcase_add_test(tc, test_attach_wait);
+	tcase_add_test(tc, test_threads_and_late_deleters);
+	tcase_add_test(tc, test_many_processes);
+	tcase_add_test(tc, test_alloc_zero_copy);
+	tcase_add_test(tc, test_writable);
+	tcase_add_test(tc, test_fork_child_refused);
+	tcase_add_test(tc, test_list);
+	tcase_add_test(tc, test_legacy_and_errors);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	SRunner *sr = srunner_create(core_suite());
+	int failed;
+
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? 1 : 0;
+}
