@@ -86,12 +86,17 @@ int dlpc__tensor_nbytes(unsigned bits, unsigned lanes, const int64_t *shape, siz
 		return -EINVAL;
 	if (__builtin_mul_overflow((uint64_t)bits, (uint64_t)lanes, &n))
 		return -EOVERFLOW;
+	/* a negative extent is an error wherever it is; a zero one makes the product 0 wherever
+	 * it is, even after extents whose product alone would overflow */
 	for (size_t i = 0; i < ndim; i++) {
 		if (shape[i] < 0)
 			return -EINVAL;
+		if (shape[i] == 0)
+			n = 0;
+	}
+	for (size_t i = 0; i < ndim && n > 0; i++)
 		if (__builtin_mul_overflow(n, (uint64_t)shape[i], &n))
 			return -EOVERFLOW;
-	}
 	*nbytes = n / 8 + (n % 8 != 0);
 	return 0;
 }
@@ -106,15 +111,21 @@ bool dlpc__align_up(uint64_t x, uint64_t *ret)
 
 const char *dlpc__printable(const uint8_t *s, size_t len, char *buf, size_t buflen)
 {
+	/* well-formed UTF-8 passes through; otherwise every byte above ASCII is escaped too */
+	uint8_t top = dlpc__utf8_valid(s, len) ? 0xff : 0x7e;
 	size_t o = 0;
 
 	if (buflen == 0)
 		return buf;
-	for (size_t i = 0; i < len && o + 5 < buflen; i++) {
-		if (s[i] >= 0x20 && s[i] != 0x7f && s[i] != '\\')
+	for (size_t i = 0; i < len; i++) {
+		bool plain = s[i] >= 0x20 && s[i] <= top && s[i] != 0x7f && s[i] != '\\';
+
+		if (plain && o + 1 < buflen)
 			buf[o++] = (char)s[i];
-		else
+		else if (!plain && o + 4 < buflen)
 			o += (size_t)snprintf(buf + o, buflen - o, "\\x%02x", s[i]);
+		else
+			break;
 	}
 	buf[o] = '\0';
 	return buf;

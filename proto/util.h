@@ -21,7 +21,8 @@ int dlpc__tensor_nbytes(unsigned bits, unsigned lanes, const int64_t *shape, siz
 			uint64_t *nbytes);
 /* x rounded up to DLPC_ALIGN; false on overflow. */
 bool dlpc__align_up(uint64_t x, uint64_t *ret);
-/* Copy s[0..len) into buf as printable text (other bytes as \xNN), for log and error lines. */
+/* Copy s[0..len) into buf as printable text for log and error lines: control bytes, backslash
+ * and, unless s is valid UTF-8, every byte above ASCII become \xNN. Truncates to fit. */
 const char *dlpc__printable(const uint8_t *s, size_t len, char *buf, size_t buflen);
 
 #endif

@@ -1,0 +1,1587 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Unit suite for the shared wire layer in proto/: the frame header (frame.c), byte and fd buffers
+ * over real AF_UNIX stream socketpairs (io.c), name/key/size checks (util.c) and protobuf framing
+ * (msg.c). Every test that moves fds checks that the process holds as many fds at its end as at
+ * its start.
+ */
+#include <check.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "frame.h"
+#include "io.h"
+#include "limits.h"
+#include "msg.h"
+#include "util.h"
+
+#define HDR DLPC_FRAME_HDR_SIZE
+#define FDS_MAX DLPC_FRAME_FDS_MAX
+
+/* ---- helpers ---- */
+
+static int fd_base;
+
+/* Checked fixture: remember the process's fd count... */
+static void fd_setup(void)
+{
+	fd_base = fd_count(getpid());
+}
+
+/* ...and insist on it when the test is done. */
+static void fd_teardown(void)
+{
+	ck_assert_int_eq(fd_count(getpid()), fd_base);
+}
+
+/* A connected AF_UNIX stream pair, CLOEXEC, optionally non-blocking on both ends. */
+static void pair_open(int sv[2], bool nonblock)
+{
+	int type = SOCK_STREAM | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0);
+
+	ck_assert_int_eq(socketpair(AF_UNIX, type, 0, sv), 0);
+}
+
+static void pair_close(const int sv[2])
+{
+	ck_assert_int_eq(close(sv[0]), 0);
+	ck_assert_int_eq(close(sv[1]), 0);
+}
+
+/* Header + payload into @p buf; returns the frame's total length. */
+static size_t frame_build(uint8_t *buf, uint16_t type, uint32_t id, uint8_t nfds,
+			  const void *payload, uint32_t len)
+{
+	struct dlpc__hdr h = {.len = len, .type = type, .nfds = nfds, .id = id};
+
+	dlpc__hdr_encode(buf, &h);
+	if (len > 0)
+		memcpy(buf + HDR, payload, len);
+	return HDR + (size_t)len;
+}
+
+/* One raw sendmsg() with any number of fds (the library's own sender caps them at FDS_MAX). */
+static void send_raw(int sock, const void *data, size_t len, const int *fds, unsigned nfds)
+{
+	size_t space = CMSG_SPACE(sizeof(int) * nfds);
+	char *ctl = calloc(1, space);
+	struct iovec iov = {.iov_base = (void *)data, .iov_len = len};
+	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+
+	ck_assert_ptr_nonnull(ctl);
+	if (nfds > 0) {
+		struct cmsghdr *c;
+
+		msg.msg_control = ctl;
+		msg.msg_controllen = space;
+		c = CMSG_FIRSTHDR(&msg);
+		c->cmsg_level = SOL_SOCKET;
+		c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+	}
+	ck_assert_int_eq(sendmsg(sock, &msg, MSG_NOSIGNAL), (ssize_t)len);
+	free(ctl);
+}
+
+/* A fresh memfd: each has its own inode, so received fds can be matched to the sent ones. */
+static int memfd_new(void)
+{
+	int fd = memfd_create("test_wire", MFD_CLOEXEC);
+
+	ck_assert_int_ge(fd, 0);
+	return fd;
+}
+
+static ino_t ino_of(int fd)
+{
+	struct stat st;
+
+	ck_assert_int_eq(fstat(fd, &st), 0);
+	return st.st_ino;
+}
+
+/* Do two fds refer to the same open file (same device and inode)? */
+static bool same_file(int a, int b)
+{
+	struct stat sa, sb;
+
+	ck_assert_int_eq(fstat(a, &sa), 0);
+	ck_assert_int_eq(fstat(b, &sb), 0);
+	return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+static bool is_cloexec(int fd)
+{
+	int fl = fcntl(fd, F_GETFD);
+
+	ck_assert_int_ge(fl, 0);
+	return fl & FD_CLOEXEC;
+}
+
+/*
+ * Read from @p sock until the next frame is complete. Returns dlpc__rx_next()'s verdict (1 or a
+ * negative errno), 0 at end of stream, or dlpc__rx_read()'s error.
+ */
+static int rx_frame(struct dlpc__rx *rx, int sock, struct dlpc__frame *f, char *why, size_t whylen)
+{
+	for (;;) {
+		int r = dlpc__rx_next(rx, f, why, whylen);
+		ssize_t n;
+
+		if (r != 0)
+			return r;
+		n = dlpc__rx_read(rx, sock, why, whylen);
+		if (n <= 0)
+			return (int)n;
+	}
+}
+
+/* A payload that tells frames (and offsets inside one) apart. */
+static void pattern(uint8_t *p, size_t len, uint32_t id)
+{
+	for (size_t i = 0; i < len; i++)
+		p[i] = (uint8_t)(id * 131 + i * 7 + (i >> 9));
+}
+
+static bool pattern_ok(const uint8_t *p, size_t len, uint32_t id)
+{
+	for (size_t i = 0; i < len; i++)
+		if (p[i] != (uint8_t)(id * 131 + i * 7 + (i >> 9)))
+			return false;
+	return true;
+}
+
+/* ---- frame header ---- */
+
+START_TEST(test_hdr_layout)
+{
+	static const uint8_t want[HDR] = {0x01, 0x02, 0x03, 0x04, 0x05, 0x06,
+					  0x07, 0x08, 0x09, 0x0a, 0x0b, 0x0c};
+	struct dlpc__hdr h = {
+		.len = 0x04030201, .type = 0x0605, .nfds = 0x07, .flags = 0x08, .id = 0x0c0b0a09};
+	struct dlpc__hdr d;
+	uint8_t b[HDR];
+
+	ck_assert_int_eq(DLPC_FRAME_HDR_SIZE, 12);
+	memset(b, 0xee, sizeof(b));
+	dlpc__hdr_encode(b, &h);
+	ck_assert_mem_eq(b, want, sizeof(want));
+
+	memset(&d, 0xff, sizeof(d));
+	dlpc__hdr_decode(want, &d);
+	ck_assert_uint_eq(d.len, 0x04030201);
+	ck_assert_uint_eq(d.type, 0x0605);
+	ck_assert_uint_eq(d.nfds, 0x07);
+	ck_assert_uint_eq(d.flags, 0x08);
+	ck_assert_uint_eq(d.id, 0x0c0b0a09);
+}
+END_TEST
+
+START_TEST(test_hdr_round_trip)
+{
+	static const struct dlpc__hdr cases[] = {
+		{0, 0, 0, 0, 0},
+		{1, DLPC_MSG_HELLO, 0, 0, 1},
+		{DLPC_FRAME_MAX, DLPC_MSG_PUBLISH, FDS_MAX, 0, 0x7fffffff},
+		{UINT32_MAX, UINT16_MAX, UINT8_MAX, UINT8_MAX, UINT32_MAX},
+		{0x80000000u, DLPC_MSG_REPLY | DLPC_MSG_STAT, 1, 0x80, 0x80000000u},
+	};
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		struct dlpc__hdr d;
+		uint8_t b[HDR];
+
+		dlpc__hdr_encode(b, &cases[i]);
+		/* Little-endian regardless of the host: spot-check the top bytes. */
+		ck_assert_uint_eq(b[3], cases[i].len >> 24);
+		ck_assert_uint_eq(b[5], cases[i].type >> 8);
+		ck_assert_uint_eq(b[11], cases[i].id >> 24);
+		memset(&d, 0x5a, sizeof(d));
+		dlpc__hdr_decode(b, &d);
+		ck_assert_uint_eq(d.len, cases[i].len);
+		ck_assert_uint_eq(d.type, cases[i].type);
+		ck_assert_uint_eq(d.nfds, cases[i].nfds);
+		ck_assert_uint_eq(d.flags, cases[i].flags);
+		ck_assert_uint_eq(d.id, cases[i].id);
+	}
+}
+END_TEST
+
+START_TEST(test_hdr_check)
+{
+	struct dlpc__hdr h = {.len = 0, .type = DLPC_MSG_PUBLISH};
+
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+	h.len = DLPC_FRAME_MAX;
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+	h.len = DLPC_FRAME_MAX + 1;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EMSGSIZE);
+	h.len = 1u << 31;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EMSGSIZE);
+	h.len = UINT32_MAX;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EMSGSIZE);
+
+	h.len = 16;
+	h.nfds = FDS_MAX;
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+	h.nfds = FDS_MAX + 1;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EPROTO);
+	h.nfds = UINT8_MAX;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EPROTO);
+
+	h.nfds = 1;
+	h.flags = 1;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EPROTO);
+	h.flags = 0x80;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EPROTO);
+
+	/* Layer 2 does not judge types: unknown ones are the dispatch table's business. */
+	h.flags = 0;
+	h.type = 0xffff;
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+}
+END_TEST
+
+START_TEST(test_msg_name)
+{
+	static const struct {
+		uint16_t type;
+		const char *name;
+	} cases[] = {
+		{DLPC_MSG_HELLO, "HELLO"},
+		{DLPC_MSG_PUBLISH, "PUBLISH"},
+		{DLPC_MSG_ATTACH, "ATTACH"},
+		{DLPC_MSG_RELEASE, "RELEASE"},
+		{DLPC_MSG_UNPUBLISH, "UNPUBLISH"},
+		{DLPC_MSG_LIST, "LIST"},
+		{DLPC_MSG_STAT, "STAT"},
+		{DLPC_MSG_REPLY | DLPC_MSG_HELLO, "HELLO reply"},
+		{DLPC_MSG_REPLY | DLPC_MSG_ATTACH, "ATTACH reply"},
+		{DLPC_MSG_REPLY | DLPC_MSG_STAT, "STAT reply"},
+		{DLPC_MSG_ERROR, "ERROR"},
+		{0, "type 0"},
+		{DLPC_MSG__REQUEST_COUNT, "type 8"},
+		{77, "type 77"},
+		{DLPC_MSG_REPLY | DLPC_MSG__REQUEST_COUNT, "type 32776"},
+		{0x7fff, "type 32767"},
+		{0xffff, "type 65535"},
+	};
+	char buf[32], small[4];
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		memset(buf, 'z', sizeof(buf));
+		ck_assert_ptr_eq(dlpc__msg_name(cases[i].type, buf, sizeof(buf)), buf);
+		ck_assert_str_eq(buf, cases[i].name);
+	}
+	/* A short buffer truncates and stays terminated. */
+	ck_assert_str_eq(dlpc__msg_name(DLPC_MSG_UNPUBLISH, small, sizeof(small)), "UNP");
+}
+END_TEST
+
+/* ---- rx: receiving frames and fds ---- */
+
+/* A frame whose first byte brings an fd, then a frame without fds, each sent a byte at a time. */
+START_TEST(test_rx_byte_by_byte)
+{
+	static const char text[] = "reassembled one byte at a time";
+	uint8_t a[HDR + sizeof(text)], b[HDR + 3];
+	size_t alen = frame_build(a, DLPC_MSG_PUBLISH, 42, 1, text, sizeof(text));
+	size_t blen = frame_build(b, DLPC_MSG_STAT, 43, 0, "xyz", 3);
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256];
+	int sv[2], memfd = memfd_new();
+
+	pair_open(sv, false);
+	dlpc__rx_init(&rx);
+	ck_assert(!dlpc__rx_partial(&rx));
+
+	for (size_t i = 0; i < alen; i++) {
+		if (i == 0)
+			send_raw(sv[0], a, 1, &memfd, 1);
+		else
+			ck_assert_int_eq(write(sv[0], a + i, 1), 1);
+		ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), 1);
+		if (i + 1 < alen) {
+			ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 0);
+			ck_assert(dlpc__rx_partial(&rx));
+		}
+	}
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.type, DLPC_MSG_PUBLISH);
+	ck_assert_uint_eq(f.hdr.id, 42);
+	ck_assert_uint_eq(f.hdr.len, sizeof(text));
+	ck_assert_mem_eq(f.payload, text, sizeof(text));
+	ck_assert_uint_eq(f.nfds, 1);
+	ck_assert(same_file(f.fds[0], memfd));
+	dlpc__frame_clear(&f);
+	ck_assert(!dlpc__rx_partial(&rx));
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 0);
+
+	for (size_t i = 0; i < blen; i++) {
+		ck_assert_int_eq(write(sv[0], b + i, 1), 1);
+		ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), 1);
+		if (i + 1 < blen)
+			ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 0);
+	}
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.type, DLPC_MSG_STAT);
+	ck_assert_uint_eq(f.hdr.id, 43);
+	ck_assert_uint_eq(f.nfds, 0);
+	ck_assert_mem_eq(f.payload, "xyz", 3);
+	ck_assert(!dlpc__rx_partial(&rx));
+
+	dlpc__rx_clear(&rx);
+	close(memfd);
+	pair_close(sv);
+}
+END_TEST
+
+/* Several frames (one of them empty) in one write come out one by one, in order. */
+START_TEST(test_rx_many_in_one_write)
+{
+	static const uint32_t lens[] = {0, 1, 100, 0, 4000, 7};
+	enum { N = sizeof(lens) / sizeof(lens[0]) };
+	uint8_t buf[N * HDR + 4200], payload[4000];
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	size_t len = 0;
+	char why[256];
+	int sv[2];
+
+	for (uint32_t i = 0; i < N; i++) {
+		pattern(payload, lens[i], i);
+		len += frame_build(buf + len, DLPC_MSG_LIST, 1000 + i, 0, payload, lens[i]);
+	}
+	pair_open(sv, false);
+	ck_assert_int_eq(write(sv[0], buf, len), (ssize_t)len);
+
+	dlpc__rx_init(&rx);
+	for (uint32_t i = 0; i < N; i++) {
+		ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+		ck_assert_uint_eq(f.hdr.id, 1000 + i);
+		ck_assert_uint_eq(f.hdr.type, DLPC_MSG_LIST);
+		ck_assert_uint_eq(f.hdr.len, lens[i]);
+		ck_assert_uint_eq(f.nfds, 0);
+		ck_assert(pattern_ok(f.payload, lens[i], i));
+	}
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 0);
+	ck_assert(!dlpc__rx_partial(&rx));
+	dlpc__rx_clear(&rx);
+	pair_close(sv);
+}
+END_TEST
+
+/* A frame carrying 1..FDS_MAX fds delivers exactly those, CLOEXEC, in order. */
+START_TEST(test_rx_fds)
+{
+	unsigned n = (unsigned)_i + 1;
+	int fds[FDS_MAX], sv[2], taken, before;
+	uint8_t buf[HDR + 1];
+	size_t len = frame_build(buf, DLPC_MSG_REPLY | DLPC_MSG_ATTACH, 9, (uint8_t)n, "!", 1);
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256];
+
+	for (unsigned i = 0; i < n; i++)
+		fds[i] = memfd_new();
+	pair_open(sv, false);
+	ck_assert_int_eq(dlpc__send_all(sv[0], buf, len, fds, n), 0);
+
+	before = fd_count(getpid());
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.nfds, n);
+	ck_assert_uint_eq(f.nfds, n);
+	ck_assert_int_eq(fd_count(getpid()), before + (int)n);
+	for (unsigned i = 0; i < n; i++) {
+		ck_assert_int_ge(f.fds[i], 0);
+		ck_assert(same_file(f.fds[i], fds[i]));
+		ck_assert(is_cloexec(f.fds[i]));
+		for (unsigned k = 0; k < i; k++)
+			ck_assert(ino_of(fds[k]) != ino_of(fds[i]));
+	}
+	ck_assert(!dlpc__rx_partial(&rx));
+
+	/* Take the last one; clearing the frame closes only the others. */
+	taken = dlpc__frame_take_fd(&f, n - 1);
+	ck_assert_int_eq(f.fds[n - 1], -1);
+	dlpc__frame_clear(&f);
+	ck_assert_uint_eq(f.nfds, 0);
+	ck_assert_int_eq(fd_count(getpid()), before + 1);
+	ck_assert(same_file(taken, fds[n - 1]));
+	dlpc__frame_clear(&f);
+	ck_assert_int_eq(close(taken), 0);
+	ck_assert_int_eq(fd_count(getpid()), before);
+
+	dlpc__rx_clear(&rx);
+	for (unsigned i = 0; i < n; i++)
+		close(fds[i]);
+	pair_close(sv);
+}
+END_TEST
+
+/*
+ * fds that arrive while earlier bytes still sit unparsed in the buffer still go to their own
+ * frame: everything is read before anything is parsed.
+ */
+START_TEST(test_rx_fds_behind_buffered_bytes)
+{
+	uint8_t a[HDR + 100], b[HDR + 4], c[HDR + 4], payload[100];
+	size_t alen, blen, clen;
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2], fds[3] = {memfd_new(), memfd_new(), memfd_new()}, before, reads = 0;
+	ssize_t n;
+
+	pattern(payload, sizeof(payload), 1);
+	alen = frame_build(a, DLPC_MSG_LIST, 1, 0, payload, sizeof(payload));
+	blen = frame_build(b, DLPC_MSG_PUBLISH, 2, 1, "bbbb", 4);
+	clen = frame_build(c, DLPC_MSG_PUBLISH, 3, 2, "cccc", 4);
+	pair_open(sv, true);
+	dlpc__rx_init(&rx);
+
+	/* Part of A is read and left unparsed... */
+	ck_assert_int_eq(write(sv[0], a, 60), 60);
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), 60);
+	/* ...then the rest of A, B with one fd and C with two all arrive before any parsing. */
+	ck_assert_int_eq(write(sv[0], a + 60, alen - 60), (ssize_t)(alen - 60));
+	send_raw(sv[0], b, blen, &fds[0], 1);
+	send_raw(sv[0], c, clen, &fds[1], 2);
+	before = fd_count(getpid());
+	while ((n = dlpc__rx_read(&rx, sv[1], why, sizeof(why))) > 0)
+		reads++;
+	ck_assert_msg(n == -EAGAIN, "rx_read: %zd (%s)", n, why);
+	ck_assert_int_ge(reads, 2);
+	ck_assert_int_eq(fd_count(getpid()), before + 3);
+
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.id, 1);
+	ck_assert_uint_eq(f.nfds, 0);
+	ck_assert(pattern_ok(f.payload, sizeof(payload), 1));
+	ck_assert_msg(dlpc__rx_next(&rx, &f, why, sizeof(why)) == 1, "B: %s", why);
+	ck_assert_uint_eq(f.hdr.id, 2);
+	ck_assert_uint_eq(f.nfds, 1);
+	ck_assert(same_file(f.fds[0], fds[0]));
+	dlpc__frame_clear(&f);
+	ck_assert_msg(dlpc__rx_next(&rx, &f, why, sizeof(why)) == 1, "C: %s", why);
+	ck_assert_uint_eq(f.hdr.id, 3);
+	ck_assert_uint_eq(f.nfds, 2);
+	ck_assert(same_file(f.fds[0], fds[1]));
+	ck_assert(same_file(f.fds[1], fds[2]));
+	dlpc__frame_clear(&f);
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 0);
+	ck_assert(!dlpc__rx_partial(&rx));
+	ck_assert_int_eq(fd_count(getpid()), before);
+
+	dlpc__rx_clear(&rx);
+	for (int i = 0; i < 3; i++)
+		close(fds[i]);
+	pair_close(sv);
+}
+END_TEST
+
+/* A frame that declares 2 fds but brings 1 is a protocol error; clearing rx closes the one. */
+START_TEST(test_rx_missing_fd)
+{
+	uint8_t buf[HDR + 4];
+	size_t len = frame_build(buf, DLPC_MSG_PUBLISH, 5, 2, "data", 4);
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2], memfd = memfd_new(), before;
+
+	pair_open(sv, false);
+	send_raw(sv[0], buf, len, &memfd, 1);
+	before = fd_count(getpid());
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), -EPROTO);
+	ck_assert_ptr_nonnull(strstr(why, "declares 2 fds"));
+	ck_assert_int_eq(fd_count(getpid()), before + 1);
+	ck_assert(dlpc__rx_partial(&rx));
+	dlpc__rx_clear(&rx);
+	ck_assert_int_eq(fd_count(getpid()), before);
+	ck_assert(!dlpc__rx_partial(&rx));
+
+	close(memfd);
+	pair_close(sv);
+}
+END_TEST
+
+/* A frame that declares fds but arrives with none is a protocol error too. */
+START_TEST(test_rx_no_fd)
+{
+	uint8_t buf[HDR];
+	size_t len = frame_build(buf, DLPC_MSG_PUBLISH, 5, 1, NULL, 0);
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2];
+
+	pair_open(sv, false);
+	ck_assert_int_eq(write(sv[0], buf, len), (ssize_t)len);
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), -EPROTO);
+	ck_assert_ptr_nonnull(strstr(why, "declares 1 fds but 0 arrived"));
+	dlpc__rx_clear(&rx);
+	pair_close(sv);
+}
+END_TEST
+
+/* A frame that brings more fds than it declares is a protocol error as well. */
+START_TEST(test_rx_extra_fd)
+{
+	uint8_t buf[HDR + 4];
+	size_t len = frame_build(buf, DLPC_MSG_PUBLISH, 5, 1, "data", 4);
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2], fds[2] = {memfd_new(), memfd_new()}, before;
+
+	pair_open(sv, false);
+	send_raw(sv[0], buf, len, fds, 2);
+	before = fd_count(getpid());
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), -EPROTO);
+	ck_assert_ptr_nonnull(strstr(why, "declares 1 fds but 2 arrived"));
+	ck_assert_int_eq(fd_count(getpid()), before + 2);
+	dlpc__rx_clear(&rx);
+	ck_assert_int_eq(fd_count(getpid()), before);
+
+	close(fds[0]);
+	close(fds[1]);
+	pair_close(sv);
+}
+END_TEST
+
+/*
+ * fds that ride on a frame declaring none belong to no frame: rejected before the next frame is
+ * handed out, even when that one declares an fd and brings its own.
+ */
+START_TEST(test_rx_fds_without_frame)
+{
+	uint8_t a[HDR + 2], b[HDR + 2];
+	size_t alen = frame_build(a, DLPC_MSG_LIST, 1, 0, "aa", 2);
+	size_t blen = frame_build(b, DLPC_MSG_PUBLISH, 2, (uint8_t)_i, "bb", 2);
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2], stray = memfd_new(), own = memfd_new(), before;
+
+	pair_open(sv, false);
+	send_raw(sv[0], a, alen, &stray, 1);
+	send_raw(sv[0], b, blen, &own, (unsigned)_i);
+	before = fd_count(getpid());
+
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.id, 1);
+	ck_assert_uint_eq(f.nfds, 0);
+	/* The stray fd is still queued, so the stream is not at a clean boundary. */
+	ck_assert(dlpc__rx_partial(&rx));
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), -EPROTO);
+	ck_assert_ptr_nonnull(strstr(why, "arrived without a frame"));
+
+	/* Take in whatever else came (B's bytes and fd) so that rx_clear has it all to close. */
+	ck_assert_int_eq(fcntl(sv[1], F_SETFL, O_NONBLOCK), 0);
+	while (dlpc__rx_read(&rx, sv[1], why, sizeof(why)) > 0)
+		;
+	dlpc__rx_clear(&rx);
+	ck_assert_int_eq(fd_count(getpid()), before);
+
+	close(stray);
+	close(own);
+	pair_close(sv);
+}
+END_TEST
+
+/* More fds in one sendmsg than a frame may carry: MSG_CTRUNC, and what did arrive is closed. */
+START_TEST(test_rx_ctrunc)
+{
+	static const unsigned counts[] = {FDS_MAX + 1, 2 * FDS_MAX, 3 * FDS_MAX + 1};
+	unsigned n = counts[_i];
+	int fds[3 * FDS_MAX + 1], sv[2], before;
+	uint8_t buf[HDR + 1];
+	size_t len = frame_build(buf, DLPC_MSG_PUBLISH, 3, FDS_MAX, "x", 1);
+	struct dlpc__rx rx;
+	char why[256] = "";
+
+	for (unsigned i = 0; i < n; i++)
+		fds[i] = memfd_new();
+	pair_open(sv, false);
+	send_raw(sv[0], buf, len, fds, n);
+	before = fd_count(getpid());
+
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), -EPROTO);
+	ck_assert_ptr_nonnull(strstr(why, "truncated"));
+	ck_assert_int_eq(fd_count(getpid()), before);
+	ck_assert_uint_eq(rx.nbatch, 0);
+	dlpc__rx_clear(&rx);
+
+	for (unsigned i = 0; i < n; i++)
+		close(fds[i]);
+	pair_close(sv);
+}
+END_TEST
+
+/* fd batches that pile up without frames claiming them: the third read is refused. */
+START_TEST(test_rx_fds_pile_up)
+{
+	static const uint8_t byte = 0;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2], memfd = memfd_new(), before;
+
+	ck_assert_int_eq(DLPC_RX_BATCH_MAX, 2);
+	pair_open(sv, false);
+	for (int i = 0; i < 3; i++)
+		send_raw(sv[0], &byte, 1, &memfd, 1);
+	before = fd_count(getpid());
+
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), 1);
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), 1);
+	ck_assert_int_eq(fd_count(getpid()), before + 2);
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), -EPROTO);
+	ck_assert_ptr_nonnull(strstr(why, "faster than frames"));
+	ck_assert_int_eq(fd_count(getpid()), before + 2);
+	dlpc__rx_clear(&rx);
+	ck_assert_int_eq(fd_count(getpid()), before);
+
+	close(memfd);
+	pair_close(sv);
+}
+END_TEST
+
+/* An oversized length is refused from the header alone, before the buffer grows for it. */
+START_TEST(test_rx_oversized)
+{
+	static const uint32_t lens[] = {DLPC_FRAME_MAX + 1, 1u << 31, UINT32_MAX};
+	uint8_t buf[HDR];
+	size_t len = frame_build(buf, DLPC_MSG_PUBLISH, 1, 0, NULL, 0);
+	struct dlpc__hdr h = {.len = lens[_i], .type = DLPC_MSG_PUBLISH, .id = 1};
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2];
+
+	dlpc__hdr_encode(buf, &h);
+	pair_open(sv, true);
+	ck_assert_int_eq(write(sv[0], buf, len), (ssize_t)len);
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), HDR);
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), -EMSGSIZE);
+	ck_assert_ptr_nonnull(strstr(why, "exceeds the limit"));
+	ck_assert_uint_le(rx.cap, DLPC_RX_BUF_SIZE);
+	ck_assert_uint_eq(rx.want, HDR);
+	/* A caller that keeps reading does not trigger the allocation either. */
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), -EAGAIN);
+	ck_assert_uint_le(rx.cap, DLPC_RX_BUF_SIZE);
+	dlpc__rx_clear(&rx);
+	pair_close(sv);
+}
+END_TEST
+
+/* A header at exactly DLPC_FRAME_MAX is accepted and waits for its payload. */
+START_TEST(test_rx_max_header_waits)
+{
+	struct dlpc__hdr h = {.len = DLPC_FRAME_MAX, .type = DLPC_MSG_PUBLISH, .id = 1};
+	uint8_t buf[HDR];
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2];
+
+	dlpc__hdr_encode(buf, &h);
+	pair_open(sv, true);
+	ck_assert_int_eq(write(sv[0], buf, HDR), HDR);
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), HDR);
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 0);
+	ck_assert_uint_eq(rx.want, HDR + (size_t)DLPC_FRAME_MAX);
+	ck_assert(dlpc__rx_partial(&rx));
+	dlpc__rx_clear(&rx);
+	pair_close(sv);
+}
+END_TEST
+
+/* Too many fds or nonzero flags in a header: -EPROTO before the payload is awaited. */
+START_TEST(test_rx_bad_header)
+{
+	struct dlpc__hdr h = {.len = 100, .type = DLPC_MSG_PUBLISH, .id = 1};
+	uint8_t buf[HDR];
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2];
+
+	if (_i == 0)
+		h.nfds = FDS_MAX + 1;
+	else
+		h.flags = 1;
+	dlpc__hdr_encode(buf, &h);
+	pair_open(sv, false);
+	ck_assert_int_eq(write(sv[0], buf, HDR), HDR);
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), -EPROTO);
+	ck_assert_ptr_nonnull(strstr(why, "bad frame header"));
+	dlpc__rx_clear(&rx);
+	pair_close(sv);
+}
+END_TEST
+
+/* End of stream inside a frame (with its fd queued) leaves rx partial; rx_clear closes the fd. */
+START_TEST(test_rx_eof_mid_frame)
+{
+	uint8_t buf[HDR + 64], payload[64];
+	size_t len;
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2], memfd = memfd_new(), before;
+
+	pattern(payload, sizeof(payload), 7);
+	len = frame_build(buf, DLPC_MSG_PUBLISH, 7, 1, payload, sizeof(payload));
+	pair_open(sv, false);
+	send_raw(sv[0], buf, len - 10, &memfd, 1);
+	ck_assert_int_eq(shutdown(sv[0], SHUT_WR), 0);
+	before = fd_count(getpid());
+
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 0);
+	ck_assert(dlpc__rx_partial(&rx));
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), 0);
+	ck_assert_int_eq(fd_count(getpid()), before + 1);
+	dlpc__rx_clear(&rx);
+	ck_assert(!dlpc__rx_partial(&rx));
+	ck_assert_int_eq(fd_count(getpid()), before);
+
+	close(memfd);
+	pair_close(sv);
+}
+END_TEST
+
+/* End of stream inside a header, and at a frame boundary. */
+START_TEST(test_rx_eof_boundaries)
+{
+	uint8_t buf[HDR + 2];
+	size_t len = frame_build(buf, DLPC_MSG_STAT, 1, 0, "ok", 2);
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2];
+
+	/* Only 5 header bytes. */
+	pair_open(sv, false);
+	ck_assert_int_eq(write(sv[0], buf, 5), 5);
+	ck_assert_int_eq(shutdown(sv[0], SHUT_WR), 0);
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 0);
+	ck_assert(dlpc__rx_partial(&rx));
+	dlpc__rx_clear(&rx);
+	pair_close(sv);
+
+	/* A whole frame, then end of stream: nothing partial. */
+	pair_open(sv, false);
+	ck_assert_int_eq(write(sv[0], buf, len), (ssize_t)len);
+	ck_assert_int_eq(shutdown(sv[0], SHUT_WR), 0);
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+	ck_assert_mem_eq(f.payload, "ok", 2);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 0);
+	ck_assert(!dlpc__rx_partial(&rx));
+	dlpc__rx_clear(&rx);
+	pair_close(sv);
+}
+END_TEST
+
+START_TEST(test_rx_eagain)
+{
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2];
+
+	pair_open(sv, true);
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), -EAGAIN);
+	ck_assert(!dlpc__rx_partial(&rx));
+	dlpc__rx_clear(&rx);
+	pair_close(sv);
+}
+END_TEST
+
+/*
+ * A child writes, with dlpc__send_all() on a blocking socket: a small frame, a DLPC_FRAME_MAX
+ * frame carrying an fd, and a small frame carrying another. The buffer grows for the big frame,
+ * every byte and fd arrives where it belongs, and the buffer shrinks back once drained.
+ */
+START_TEST(test_rx_max_frame_send_all)
+{
+	uint8_t *big = malloc(HDR + (size_t)DLPC_FRAME_MAX), *payload = malloc(DLPC_FRAME_MAX);
+	uint8_t small[2][HDR + 3];
+	int sv[2], fds[2] = {memfd_new(), memfd_new()}, status;
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	pid_t pid;
+
+	ck_assert_ptr_nonnull(big);
+	ck_assert_ptr_nonnull(payload);
+	pattern(payload, DLPC_FRAME_MAX, 2);
+	frame_build(small[0], DLPC_MSG_LIST, 1, 0, "one", 3);
+	frame_build(big, DLPC_MSG_PUBLISH, 2, 1, payload, DLPC_FRAME_MAX);
+	frame_build(small[1], DLPC_MSG_ATTACH, 3, 1, "two", 3);
+	pair_open(sv, false);
+
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		bool ok;
+
+		close(sv[1]);
+		ok = dlpc__send_all(sv[0], small[0], sizeof(small[0]), NULL, 0) == 0 &&
+		     dlpc__send_all(sv[0], big, HDR + (size_t)DLPC_FRAME_MAX, &fds[0], 1) == 0 &&
+		     dlpc__send_all(sv[0], small[1], sizeof(small[1]), &fds[1], 1) == 0;
+		free(payload);
+		free(big);
+		_exit(ok ? 0 : 1);
+	}
+	close(sv[0]);
+
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.id, 1);
+	ck_assert_mem_eq(f.payload, "one", 3);
+	ck_assert_uint_eq(f.nfds, 0);
+
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.id, 2);
+	ck_assert_uint_eq(f.hdr.len, DLPC_FRAME_MAX);
+	ck_assert(memcmp(f.payload, payload, DLPC_FRAME_MAX) == 0);
+	ck_assert_uint_eq(f.nfds, 1);
+	ck_assert(same_file(f.fds[0], fds[0]));
+	ck_assert_uint_ge(rx.cap, HDR + (size_t)DLPC_FRAME_MAX);
+	dlpc__frame_clear(&f);
+
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.id, 3);
+	ck_assert_mem_eq(f.payload, "two", 3);
+	ck_assert_uint_eq(f.nfds, 1);
+	ck_assert(same_file(f.fds[0], fds[1]));
+	dlpc__frame_clear(&f);
+
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 0);
+	ck_assert(!dlpc__rx_partial(&rx));
+	ck_assert_uint_le(rx.cap, DLPC_RX_BUF_SIZE);
+
+	dlpc__rx_clear(&rx);
+	close(sv[1]);
+	close(fds[0]);
+	close(fds[1]);
+	free(payload);
+	free(big);
+}
+END_TEST
+
+/* ---- tx: writing frames ---- */
+
+/* Send fd-less frames from @p id on until the socket no longer takes them; returns the next id. */
+static uint32_t tx_fill(struct dlpc__tx *tx, int sock, uint32_t id)
+{
+	uint8_t buf[HDR + 1000], payload[1000];
+
+	while (tx->bytes == 0) {
+		size_t len;
+
+		ck_assert_uint_lt(id, 100000);
+		pattern(payload, sizeof(payload), id);
+		len = frame_build(buf, DLPC_MSG_PUBLISH, id, 0, payload, sizeof(payload));
+		ck_assert_int_eq(dlpc__tx_send(tx, sock, buf, len, NULL, 0), 0);
+		id++;
+	}
+	return id;
+}
+
+struct fd_frame {
+	uint32_t id;
+	unsigned n;
+	ino_t ino[FDS_MAX];
+};
+
+/* Payload size of frame @p id in test_tx_queue_flush: frame 1 is far larger than the socket. */
+static size_t txq_size(uint32_t id)
+{
+	return id == 1 ? (size_t)1 << 20 : 1000;
+}
+
+/*
+ * With a peer that does not read, dlpc__tx_send() writes what the socket takes (the fds go with
+ * the first byte) and queues the rest; behind a non-empty queue it queues whole frames holding
+ * duplicates of the caller's fds. After the peer drains, dlpc__tx_flush() delivers every frame in
+ * order, each fd on its own frame.
+ */
+START_TEST(test_tx_queue_flush)
+{
+	uint8_t *buf = malloc(HDR + txq_size(1)), *payload = malloc(txq_size(1));
+	struct fd_frame fdf[6];
+	unsigned nfdf = 0;
+	struct dlpc__frame f;
+	struct dlpc__tx tx;
+	struct dlpc__rx rx;
+	uint32_t id, next = 0;
+	char why[256] = "";
+	int sv[2], sndbuf = 64 << 10, before, r;
+	size_t len;
+	bool flushed = false;
+
+	ck_assert_ptr_nonnull(buf);
+	ck_assert_ptr_nonnull(payload);
+	pair_open(sv, true);
+	/* A known, small send buffer, so that frame 1 cannot fit whole. */
+	ck_assert_int_eq(setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf)), 0);
+	dlpc__tx_init(&tx);
+
+	/*
+	 * Frame 0 goes straight out, frame 1 partly; each carries an fd that leaves with its first
+	 * byte, so nothing is duplicated.
+	 */
+	for (id = 0; id < 2; id++) {
+		int fd = memfd_new();
+
+		fdf[nfdf++] = (struct fd_frame){.id = id, .n = 1, .ino = {ino_of(fd)}};
+		pattern(payload, txq_size(id), id);
+		len = frame_build(buf, DLPC_MSG_PUBLISH, id, 1, payload, (uint32_t)txq_size(id));
+		before = fd_count(getpid());
+		ck_assert_int_eq(dlpc__tx_send(&tx, sv[0], buf, len, &fd, 1), 0);
+		ck_assert_int_eq(fd_count(getpid()), before);
+		close(fd);
+	}
+	ck_assert_uint_gt(tx.bytes, 0);
+	ck_assert_uint_lt(tx.bytes, len);
+	ck_assert_ptr_nonnull(tx.head);
+
+	/* Behind a non-empty queue every frame is queued whole; frames 3, 5, 7 carry fds. */
+	for (unsigned k = 0; k < 6; k++, id++) {
+		unsigned n = k == 5 ? FDS_MAX : k % 2;
+		int fds[FDS_MAX];
+		size_t queued = tx.bytes;
+
+		for (unsigned i = 0; i < n; i++)
+			fds[i] = memfd_new();
+		if (n > 0) {
+			fdf[nfdf] = (struct fd_frame){.id = id, .n = n};
+			for (unsigned i = 0; i < n; i++)
+				fdf[nfdf].ino[i] = ino_of(fds[i]);
+			nfdf++;
+		}
+		pattern(payload, txq_size(id), id);
+		len = frame_build(buf, DLPC_MSG_PUBLISH, id, (uint8_t)n, payload,
+				  (uint32_t)txq_size(id));
+		before = fd_count(getpid());
+		ck_assert_int_eq(dlpc__tx_send(&tx, sv[0], buf, len, fds, n), 0);
+		ck_assert_uint_eq(tx.bytes, queued + len);
+		ck_assert_int_eq(fd_count(getpid()), before + (int)n);
+		/* The queue owns duplicates, so the caller may close its own at once. */
+		for (unsigned i = 0; i < n; i++)
+			close(fds[i]);
+	}
+
+	dlpc__rx_init(&rx);
+	while (next < id) {
+		ssize_t n;
+
+		if (!flushed) {
+			r = dlpc__tx_flush(&tx, sv[0]);
+			ck_assert_int_ge(r, 0);
+			flushed = r == 1;
+		}
+		n = dlpc__rx_read(&rx, sv[1], why, sizeof(why));
+		ck_assert_msg(n > 0 || n == -EAGAIN, "rx_read: %zd (%s)", n, why);
+		while ((r = dlpc__rx_next(&rx, &f, why, sizeof(why))) == 1) {
+			unsigned want = 0;
+
+			ck_assert_uint_eq(f.hdr.id, next);
+			ck_assert_uint_eq(f.hdr.len, txq_size(next));
+			ck_assert(pattern_ok(f.payload, txq_size(next), next));
+			for (unsigned j = 0; j < nfdf; j++) {
+				if (fdf[j].id != next)
+					continue;
+				want = fdf[j].n;
+				for (unsigned i = 0; i < f.nfds && i < want; i++)
+					ck_assert(ino_of(f.fds[i]) == fdf[j].ino[i]);
+			}
+			ck_assert_uint_eq(f.nfds, want);
+			dlpc__frame_clear(&f);
+			next++;
+		}
+		ck_assert_msg(r == 0, "rx_next: %d (%s)", r, why);
+	}
+	ck_assert(flushed);
+	ck_assert_uint_eq(tx.bytes, 0);
+	ck_assert_ptr_null(tx.head);
+	ck_assert_int_eq(dlpc__tx_flush(&tx, sv[0]), 1);
+	ck_assert(!dlpc__rx_partial(&rx));
+
+	dlpc__rx_clear(&rx);
+	dlpc__tx_clear(&tx);
+	pair_close(sv);
+	free(payload);
+	free(buf);
+}
+END_TEST
+
+/* dlpc__tx_clear() closes the duplicates the queue holds. */
+START_TEST(test_tx_clear_closes_fds)
+{
+	uint8_t buf[HDR + 8];
+	size_t len = frame_build(buf, DLPC_MSG_PUBLISH, 99, 2, "payload!", 8);
+	struct dlpc__tx tx;
+	int sv[2], fds[2] = {memfd_new(), memfd_new()}, before;
+
+	pair_open(sv, true);
+	dlpc__tx_init(&tx);
+	tx_fill(&tx, sv[0], 1);
+	before = fd_count(getpid());
+	ck_assert_int_eq(dlpc__tx_send(&tx, sv[0], buf, len, fds, 2), 0);
+	ck_assert_int_eq(fd_count(getpid()), before + 2);
+	close(fds[0]);
+	close(fds[1]);
+	ck_assert_int_eq(fd_count(getpid()), before);
+
+	dlpc__tx_clear(&tx);
+	ck_assert_int_eq(fd_count(getpid()), before - 2);
+	ck_assert_uint_eq(tx.bytes, 0);
+	ck_assert_ptr_null(tx.head);
+	dlpc__tx_clear(&tx);
+	pair_close(sv);
+}
+END_TEST
+
+/* A frame whose fd cannot be duplicated is refused whole, leaving nothing behind. */
+START_TEST(test_tx_bad_fd)
+{
+	uint8_t buf[HDR + 1];
+	size_t len = frame_build(buf, DLPC_MSG_PUBLISH, 99, 2, "x", 1);
+	struct dlpc__tx tx;
+	int sv[2], fds[2], before;
+	size_t queued;
+
+	pair_open(sv, true);
+	dlpc__tx_init(&tx);
+	tx_fill(&tx, sv[0], 1);
+	fds[0] = memfd_new();
+	fds[1] = -1;
+	queued = tx.bytes;
+	before = fd_count(getpid());
+	ck_assert_int_eq(dlpc__tx_send(&tx, sv[0], buf, len, fds, 2), -EBADF);
+	ck_assert_uint_eq(tx.bytes, queued);
+	ck_assert_int_eq(fd_count(getpid()), before);
+
+	close(fds[0]);
+	dlpc__tx_clear(&tx);
+	pair_close(sv);
+}
+END_TEST
+
+/* Writing to a closed peer fails with -EPIPE, without SIGPIPE. */
+START_TEST(test_tx_epipe)
+{
+	uint8_t buf[HDR];
+	size_t len = frame_build(buf, DLPC_MSG_STAT, 1, 0, NULL, 0);
+	struct dlpc__tx tx;
+	int sv[2];
+
+	pair_open(sv, true);
+	close(sv[1]);
+	dlpc__tx_init(&tx);
+	ck_assert_int_eq(dlpc__tx_send(&tx, sv[0], buf, len, NULL, 0), -EPIPE);
+	ck_assert_uint_eq(tx.bytes, 0);
+	ck_assert_int_eq(dlpc__send_all(sv[0], buf, len, NULL, 0), -EPIPE);
+	dlpc__tx_clear(&tx);
+	close(sv[0]);
+}
+END_TEST
+
+/* dlpc__send_all() on a blocking socket, with fds. */
+START_TEST(test_send_all)
+{
+	uint8_t buf[HDR + 5];
+	size_t len = frame_build(buf, DLPC_MSG_REPLY | DLPC_MSG_ATTACH, 77, 2, "hello", 5);
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	int sv[2], fds[2] = {memfd_new(), memfd_new()};
+
+	pair_open(sv, false);
+	ck_assert_int_eq(dlpc__send_all(sv[0], buf, len, fds, 2), 0);
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.id, 77);
+	ck_assert_uint_eq(f.hdr.type, DLPC_MSG_REPLY | DLPC_MSG_ATTACH);
+	ck_assert_mem_eq(f.payload, "hello", 5);
+	ck_assert_uint_eq(f.nfds, 2);
+	ck_assert(same_file(f.fds[0], fds[0]));
+	ck_assert(same_file(f.fds[1], fds[1]));
+	dlpc__frame_clear(&f);
+	dlpc__rx_clear(&rx);
+	close(fds[0]);
+	close(fds[1]);
+	pair_close(sv);
+}
+END_TEST
+
+/* ---- util ---- */
+
+#define U(lit, ok)                                                                                 \
+	{                                                                                          \
+		(const uint8_t *)(lit), sizeof(lit) - 1, ok                                        \
+	}
+
+START_TEST(test_utf8)
+{
+	static const struct {
+		const uint8_t *s;
+		size_t len;
+		bool ok;
+	} cases[] = {
+		U("", true),
+		U("plain ASCII ~!", true),
+		U("\x7f", true),
+		U("\xc2\x80", true),	     /* U+0080 */
+		U("\xdf\xbf", true),	     /* U+07FF */
+		U("\xe0\xa0\x80", true),     /* U+0800 */
+		U("\xed\x9f\xbf", true),     /* U+D7FF */
+		U("\xee\x80\x80", true),     /* U+E000 */
+		U("\xef\xbf\xbf", true),     /* U+FFFF */
+		U("\xf0\x90\x80\x80", true), /* U+10000 */
+		U("\xf4\x8f\xbf\xbf", true), /* U+10FFFF */
+		U("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", true),
+		U("\xc0\x80", false),	      /* overlong NUL */
+		U("\xc1\xbf", false),	      /* overlong U+007F */
+		U("\xe0\x80\x80", false),     /* overlong, 3 bytes */
+		U("\xe0\x9f\xbf", false),     /* overlong U+07FF */
+		U("\xf0\x80\x80\x80", false), /* overlong, 4 bytes */
+		U("\xf0\x8f\xbf\xbf", false), /* overlong U+FFFF */
+		U("\xed\xa0\x80", false),     /* U+D800 */
+		U("\xed\xbf\xbf", false),     /* U+DFFF */
+		U("\xf4\x90\x80\x80", false), /* U+110000 */
+		U("\xf5\x80\x80\x80", false),
+		U("\xf8\x88\x80\x80\x80", false),
+		U("\xfe", false),
+		U("\xff", false),
+		U("\x80", false), /* lone continuation */
+		U("a\xbf", false),
+		U("\xc3", false), /* truncated */
+		U("\xe2\x82", false),
+		U("\xf0\x9f\x98", false),
+		U("ok\xe2\x82", false),
+		U("\xc3\x28", false), /* bad continuation */
+		U("\xe2\x28\xa1", false),
+		U("\xf0\x9f\x28\x80", false),
+		U("\0", false), /* NUL */
+		U("a\0b", false),
+		U("\xc3\xa9\0", false),
+	};
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+		ck_assert_msg(dlpc__utf8_valid(cases[i].s, cases[i].len) == cases[i].ok,
+			      "case %zu: expected %s", i, cases[i].ok ? "valid" : "invalid");
+	/* A length that cuts a valid sequence short. */
+	ck_assert(!dlpc__utf8_valid((const uint8_t *)"\xc3\xa9", 1));
+	ck_assert(!dlpc__utf8_valid((const uint8_t *)"\xf0\x9f\x98\x80", 3));
+	ck_assert(dlpc__utf8_valid(NULL, 0));
+}
+END_TEST
+
+START_TEST(test_name_key_check)
+{
+	static const uint8_t fancy[] = "models/r\xc3\xa9seau";
+	uint8_t s[DLPC_NAME_MAX + 2];
+	char why[256];
+
+	ck_assert_int_eq(DLPC_NAME_MAX, 255);
+	ck_assert_int_eq(DLPC_KEY_MAX, 255);
+	memset(s, 'n', sizeof(s));
+
+	why[0] = '\0';
+	ck_assert_int_eq(dlpc__name_check(s, 0, why, sizeof(why)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(why, "empty"));
+	ck_assert_int_eq(dlpc__name_check(s, 1, why, sizeof(why)), 0);
+	ck_assert_int_eq(dlpc__name_check(s, DLPC_NAME_MAX, why, sizeof(why)), 0);
+	why[0] = '\0';
+	ck_assert_int_eq(dlpc__name_check(s, DLPC_NAME_MAX + 1, why, sizeof(why)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(why, "256 bytes"));
+	/* The limit counts bytes, not characters. */
+	memcpy(s + DLPC_NAME_MAX - 2, "\xc3\xa9", 2);
+	ck_assert_int_eq(dlpc__name_check(s, DLPC_NAME_MAX, why, sizeof(why)), 0);
+	memset(s, 'n', sizeof(s));
+	memcpy(s + DLPC_NAME_MAX - 1, "\xc3\xa9", 2);
+	ck_assert_int_eq(dlpc__name_check(s, DLPC_NAME_MAX + 1, why, sizeof(why)), -EINVAL);
+	why[0] = '\0';
+	ck_assert_int_eq(dlpc__name_check((const uint8_t *)"ab\xff", 3, why, sizeof(why)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(why, "UTF-8"));
+	ck_assert_int_eq(dlpc__name_check((const uint8_t *)"a\0b", 3, why, sizeof(why)), -EINVAL);
+	ck_assert_int_eq(dlpc__name_check((const uint8_t *)"\xed\xa0\x80", 3, why, sizeof(why)),
+			 -EINVAL);
+	ck_assert_int_eq(dlpc__name_check(fancy, sizeof(fancy) - 1, why, sizeof(why)), 0);
+
+	/* Keys may be empty (protobuf-c hands an empty bytes field over as {0, NULL}). */
+	memset(s, 'k', sizeof(s));
+	ck_assert_int_eq(dlpc__key_check(s, 0, why, sizeof(why)), 0);
+	ck_assert_int_eq(dlpc__key_check(NULL, 0, why, sizeof(why)), 0);
+	ck_assert_int_eq(dlpc__key_check(s, DLPC_KEY_MAX, why, sizeof(why)), 0);
+	why[0] = '\0';
+	ck_assert_int_eq(dlpc__key_check(s, DLPC_KEY_MAX + 1, why, sizeof(why)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(why, "key"));
+	ck_assert_int_eq(dlpc__key_check((const uint8_t *)"\xc0\x80", 2, why, sizeof(why)),
+			 -EINVAL);
+}
+END_TEST
+
+START_TEST(test_tensor_nbytes)
+{
+	int64_t shape[DLPC_NDIM_MAX + 1];
+	uint64_t nb;
+
+	/* Scalars: one element. */
+	nb = 0;
+	ck_assert_int_eq(dlpc__tensor_nbytes(32, 1, NULL, 0, &nb), 0);
+	ck_assert_uint_eq(nb, 4);
+	ck_assert_int_eq(dlpc__tensor_nbytes(16, 4, NULL, 0, &nb), 0);
+	ck_assert_uint_eq(nb, 8);
+	ck_assert_int_eq(dlpc__tensor_nbytes(4, 1, NULL, 0, &nb), 0);
+	ck_assert_uint_eq(nb, 1);
+
+	shape[0] = 2;
+	shape[1] = 3;
+	shape[2] = 5;
+	ck_assert_int_eq(dlpc__tensor_nbytes(64, 1, shape, 3, &nb), 0);
+	ck_assert_uint_eq(nb, 240);
+	ck_assert_int_eq(dlpc__tensor_nbytes(32, 2, shape, 3, &nb), 0);
+	ck_assert_uint_eq(nb, 240);
+
+	/* Zero extent: no bytes, whatever the other extents. */
+	shape[0] = 7;
+	shape[1] = 0;
+	shape[2] = INT64_MAX;
+	nb = 1;
+	ck_assert_int_eq(dlpc__tensor_nbytes(32, 1, shape, 2, &nb), 0);
+	ck_assert_uint_eq(nb, 0);
+	nb = 1;
+	ck_assert_int_eq(dlpc__tensor_nbytes(32, 1, shape + 1, 2, &nb), 0);
+	ck_assert_uint_eq(nb, 0);
+
+	/* Negative extents, even after a zero one. */
+	shape[0] = -1;
+	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, 1, &nb), -EINVAL);
+	shape[0] = 0;
+	shape[1] = INT64_MIN;
+	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, 2, &nb), -EINVAL);
+
+	/* Sub-byte elements round up to whole bytes. */
+	shape[0] = 3;
+	ck_assert_int_eq(dlpc__tensor_nbytes(4, 1, shape, 1, &nb), 0);
+	ck_assert_uint_eq(nb, 2);
+	shape[0] = 2;
+	shape[1] = 3;
+	ck_assert_int_eq(dlpc__tensor_nbytes(1, 1, shape, 2, &nb), 0);
+	ck_assert_uint_eq(nb, 1);
+	shape[0] = 9;
+	ck_assert_int_eq(dlpc__tensor_nbytes(1, 1, shape, 1, &nb), 0);
+	ck_assert_uint_eq(nb, 2);
+	shape[0] = 8;
+	ck_assert_int_eq(dlpc__tensor_nbytes(1, 1, shape, 1, &nb), 0);
+	ck_assert_uint_eq(nb, 1);
+
+	/* Overflow of the bit count. */
+	shape[0] = INT64_MAX;
+	ck_assert_int_eq(dlpc__tensor_nbytes(2, 1, shape, 1, &nb), 0);
+	ck_assert_uint_eq(nb, UINT64_C(1) << 61);
+	ck_assert_int_eq(dlpc__tensor_nbytes(4, 1, shape, 1, &nb), -EOVERFLOW);
+	shape[0] = INT64_C(1) << 32;
+	shape[1] = INT64_C(1) << 32;
+	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, 2, &nb), -EOVERFLOW);
+	ck_assert_int_eq(dlpc__tensor_nbytes(UINT32_MAX, UINT32_MAX, shape, 1, &nb), -EOVERFLOW);
+	/* a zero extent anywhere makes 0 bytes, even after extents that alone would overflow;
+	 * a negative extent anywhere is invalid, even after an overflowing pair */
+	shape[0] = INT64_MAX;
+	shape[1] = INT64_MAX;
+	shape[2] = 0;
+	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, 3, &nb), 0);
+	ck_assert_uint_eq(nb, 0);
+	shape[2] = -1;
+	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, 3, &nb), -EINVAL);
+
+	/* Zero bits or lanes, and too many dimensions. */
+	ck_assert_int_eq(dlpc__tensor_nbytes(0, 1, NULL, 0, &nb), -EINVAL);
+	ck_assert_int_eq(dlpc__tensor_nbytes(8, 0, NULL, 0, &nb), -EINVAL);
+	for (int i = 0; i <= DLPC_NDIM_MAX; i++)
+		shape[i] = 1;
+	ck_assert_int_eq(dlpc__tensor_nbytes(16, 1, shape, DLPC_NDIM_MAX, &nb), 0);
+	ck_assert_uint_eq(nb, 2);
+	ck_assert_int_eq(dlpc__tensor_nbytes(16, 1, shape, DLPC_NDIM_MAX + 1, &nb), -EINVAL);
+}
+END_TEST
+
+START_TEST(test_align_up)
+{
+	uint64_t r;
+
+	ck_assert_uint_eq(DLPC_ALIGN & (DLPC_ALIGN - 1), 0);
+	ck_assert(dlpc__align_up(0, &r));
+	ck_assert_uint_eq(r, 0);
+	ck_assert(dlpc__align_up(1, &r));
+	ck_assert_uint_eq(r, DLPC_ALIGN);
+	ck_assert(dlpc__align_up(DLPC_ALIGN - 1, &r));
+	ck_assert_uint_eq(r, DLPC_ALIGN);
+	ck_assert(dlpc__align_up(DLPC_ALIGN, &r));
+	ck_assert_uint_eq(r, DLPC_ALIGN);
+	ck_assert(dlpc__align_up(DLPC_ALIGN + 1, &r));
+	ck_assert_uint_eq(r, 2 * DLPC_ALIGN);
+	/* The largest aligned value is reachable; anything past it overflows. */
+	ck_assert(dlpc__align_up(UINT64_MAX - DLPC_ALIGN + 1, &r));
+	ck_assert_uint_eq(r, UINT64_MAX - DLPC_ALIGN + 1);
+	ck_assert(dlpc__align_up(UINT64_MAX - 2 * DLPC_ALIGN + 2, &r));
+	ck_assert_uint_eq(r, UINT64_MAX - DLPC_ALIGN + 1);
+	ck_assert(!dlpc__align_up(UINT64_MAX - DLPC_ALIGN + 2, &r));
+	ck_assert(!dlpc__align_up(UINT64_MAX, &r));
+}
+END_TEST
+
+START_TEST(test_printable)
+{
+	static const uint8_t in[] = "a b\n\\\x7f\x01~\t";
+	char buf[64], tiny[10];
+
+	ck_assert_ptr_eq(dlpc__printable(in, sizeof(in) - 1, buf, sizeof(buf)), buf);
+	ck_assert_str_eq(buf, "a b\\x0a\\x5c\\x7f\\x01~\\x09");
+	ck_assert_str_eq(dlpc__printable(in, 0, buf, sizeof(buf)), "");
+	ck_assert_str_eq(dlpc__printable((const uint8_t *)"x\0y", 3, buf, sizeof(buf)), "x\\x00y");
+	/* valid UTF-8 passes through; bytes of invalid UTF-8 are escaped */
+	ck_assert_str_eq(dlpc__printable((const uint8_t *)"caf\xc3\xa9", 5, buf, sizeof(buf)),
+			 "caf\xc3\xa9");
+	ck_assert_str_eq(dlpc__printable((const uint8_t *)"a\xff", 2, buf, sizeof(buf)), "a\\xff");
+
+	/* Truncation never splits an escape and always leaves a terminated string. */
+	memset(tiny, 'z', sizeof(tiny));
+	dlpc__printable((const uint8_t *)"\x01\x02\x03", 3, tiny, sizeof(tiny));
+	ck_assert_str_eq(tiny, "\\x01\\x02");
+	memset(tiny, 'z', sizeof(tiny));
+	dlpc__printable((const uint8_t *)"abcdefghijklmnop", 16, tiny, sizeof(tiny));
+	ck_assert_uint_lt(strlen(tiny), sizeof(tiny));
+	ck_assert_int_eq(strncmp(tiny, "abcdefghij", strlen(tiny)), 0);
+	ck_assert_uint_gt(strlen(tiny), 0);
+
+	/* A zero-length buffer is left alone. */
+	tiny[0] = 'q';
+	ck_assert_ptr_eq(dlpc__printable(in, sizeof(in) - 1, tiny, 0), tiny);
+	ck_assert_int_eq(tiny[0], 'q');
+}
+END_TEST
+
+/* ---- msg: protobuf messages as frames ---- */
+
+START_TEST(test_msg_frame)
+{
+	static const char name[] = "weights/layer0";
+	Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
+	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+	Dlpackd__V1__Unpublish *back;
+	struct dlpc__scratch s = {0};
+	struct dlpc__hdr h;
+	size_t packed;
+	ssize_t len;
+
+	un.name.data = (uint8_t *)name;
+	un.name.len = sizeof(name) - 1;
+	packed = dlpackd__v1__unpublish__get_packed_size(&un);
+	len = dlpc__msg_frame(&s, DLPC_MSG_UNPUBLISH, 0xdeadbeef, &un.base, 0);
+	ck_assert_int_eq(len, (ssize_t)(HDR + packed));
+	ck_assert_ptr_nonnull(s.p);
+	ck_assert_uint_ge(s.cap, (size_t)len);
+	dlpc__hdr_decode(s.p, &h);
+	ck_assert_uint_eq(h.len, packed);
+	ck_assert_uint_eq(h.type, DLPC_MSG_UNPUBLISH);
+	ck_assert_uint_eq(h.nfds, 0);
+	ck_assert_uint_eq(h.flags, 0);
+	ck_assert_uint_eq(h.id, 0xdeadbeef);
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+	back = dlpackd__v1__unpublish__unpack(NULL, h.len, s.p + HDR);
+	ck_assert_ptr_nonnull(back);
+	ck_assert_uint_eq(back->name.len, sizeof(name) - 1);
+	ck_assert_mem_eq(back->name.data, name, sizeof(name) - 1);
+	dlpackd__v1__unpublish__free_unpacked(back, NULL);
+
+	/* An empty message, reusing the scratch buffer, with an fd count in the header. */
+	len = dlpc__msg_frame(&s, DLPC_MSG_STAT, 7, &st.base, 3);
+	ck_assert_int_eq(len, HDR);
+	dlpc__hdr_decode(s.p, &h);
+	ck_assert_uint_eq(h.len, 0);
+	ck_assert_uint_eq(h.type, DLPC_MSG_STAT);
+	ck_assert_uint_eq(h.nfds, 3);
+	ck_assert_uint_eq(h.id, 7);
+
+	dlpc__scratch_clear(&s);
+	ck_assert_ptr_null(s.p);
+	ck_assert_uint_eq(s.cap, 0);
+	dlpc__scratch_clear(&s);
+}
+END_TEST
+
+/* A framed message crosses a socket and unpacks on the other side. */
+START_TEST(test_msg_frame_over_socket)
+{
+	static const char name[] = "shared/tensor";
+	Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
+	Dlpackd__V1__Unpublish *back;
+	struct dlpc__scratch s = {0};
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	ssize_t len;
+	int sv[2];
+
+	un.name.data = (uint8_t *)name;
+	un.name.len = sizeof(name) - 1;
+	len = dlpc__msg_frame(&s, DLPC_MSG_UNPUBLISH, 12, &un.base, 0);
+	ck_assert_int_gt(len, HDR);
+	pair_open(sv, false);
+	ck_assert_int_eq(dlpc__send_all(sv[0], s.p, (size_t)len, NULL, 0), 0);
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.type, DLPC_MSG_UNPUBLISH);
+	ck_assert_uint_eq(f.hdr.id, 12);
+	back = dlpackd__v1__unpublish__unpack(NULL, f.hdr.len, f.payload);
+	ck_assert_ptr_nonnull(back);
+	ck_assert_uint_eq(back->name.len, sizeof(name) - 1);
+	ck_assert_mem_eq(back->name.data, name, sizeof(name) - 1);
+	dlpackd__v1__unpublish__free_unpacked(back, NULL);
+	dlpc__rx_clear(&rx);
+	dlpc__scratch_clear(&s);
+	pair_close(sv);
+}
+END_TEST
+
+/* A message of exactly DLPC_FRAME_MAX packed bytes frames; one byte more is -EMSGSIZE. */
+START_TEST(test_msg_frame_limit)
+{
+	Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
+	struct dlpc__scratch s = {0};
+	uint8_t *name = calloc(1, DLPC_FRAME_MAX);
+	struct dlpc__hdr h;
+
+	ck_assert_ptr_nonnull(name);
+	memset(name, 'n', DLPC_FRAME_MAX);
+	un.name.data = name;
+	/* 1 tag byte + 4 length-varint bytes + the name. */
+	un.name.len = DLPC_FRAME_MAX - 5;
+	ck_assert_uint_eq(dlpackd__v1__unpublish__get_packed_size(&un), DLPC_FRAME_MAX);
+	ck_assert_int_eq(dlpc__msg_frame(&s, DLPC_MSG_UNPUBLISH, 1, &un.base, 0),
+			 (ssize_t)(HDR + DLPC_FRAME_MAX));
+	dlpc__hdr_decode(s.p, &h);
+	ck_assert_uint_eq(h.len, DLPC_FRAME_MAX);
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+	dlpc__scratch_clear(&s);
+
+	un.name.len = DLPC_FRAME_MAX - 4;
+	ck_assert_int_eq(dlpc__msg_frame(&s, DLPC_MSG_UNPUBLISH, 1, &un.base, 0), -EMSGSIZE);
+	ck_assert_ptr_null(s.p);
+	ck_assert_uint_eq(s.cap, 0);
+	free(name);
+}
+END_TEST
+
+/* ---- suite ---- */
+
+static TCase *tcase_new(const char *name, bool fds)
+{
+	TCase *tc = tcase_create(name);
+
+	tcase_set_timeout(tc, 30);
+	if (fds)
+		tcase_add_checked_fixture(tc, fd_setup, fd_teardown);
+	return tc;
+}
+
+static Suite *wire_suite(void)
+{
+	Suite *s = suite_create("wire");
+	TCase *tc;
+
+	tc = tcase_new("frame", false);
+	tcase_add_test(tc, test_hdr_layout);
+	tcase_add_test(tc, test_hdr_round_trip);
+	tcase_add_test(tc, test_hdr_check);
+	tcase_add_test(tc, test_msg_name);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_new("rx", true);
+	tcase_add_test(tc, test_rx_byte_by_byte);
+	tcase_add_test(tc, test_rx_many_in_one_write);
+	tcase_add_loop_test(tc, test_rx_fds, 0, FDS_MAX);
+	tcase_add_test(tc, test_rx_fds_behind_buffered_bytes);
+	tcase_add_test(tc, test_rx_missing_fd);
+	tcase_add_test(tc, test_rx_no_fd);
+	tcase_add_test(tc, test_rx_extra_fd);
+	tcase_add_loop_test(tc, test_rx_fds_without_frame, 0, 2);
+	tcase_add_loop_test(tc, test_rx_ctrunc, 0, 3);
+	tcase_add_test(tc, test_rx_fds_pile_up);
+	tcase_add_loop_test(tc, test_rx_oversized, 0, 3);
+	tcase_add_test(tc, test_rx_max_header_waits);
+	tcase_add_loop_test(tc, test_rx_bad_header, 0, 2);
+	tcase_add_test(tc, test_rx_eof_mid_frame);
+	tcase_add_test(tc, test_rx_eof_boundaries);
+	tcase_add_test(tc, test_rx_eagain);
+	tcase_add_test(tc, test_rx_max_frame_send_all);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_new("tx", true);
+	tcase_add_test(tc, test_tx_queue_flush);
+	tcase_add_test(tc, test_tx_clear_closes_fds);
+	tcase_add_test(tc, test_tx_bad_fd);
+	tcase_add_test(tc, test_tx_epipe);
+	tcase_add_test(tc, test_send_all);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_new("util", false);
+	tcase_add_test(tc, test_utf8);
+	tcase_add_test(tc, test_name_key_check);
+	tcase_add_test(tc, test_tensor_nbytes);
+	tcase_add_test(tc, test_align_up);
+	tcase_add_test(tc, test_printable);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_new("msg", true);
+	tcase_add_test(tc, test_msg_frame);
+	tcase_add_test(tc, test_msg_frame_over_socket);
+	tcase_add_test(tc, test_msg_frame_limit);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	SRunner *sr = srunner_create(wire_suite());
+	int failed;
+
+	srunner_set_fork_status(sr, CK_FORK);
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed > 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+}
