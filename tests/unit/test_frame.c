@@ -1,0 +1,354 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Unit suite for the frame layer in proto/: the frame header (frame.c) and protobuf messages as
+ * frames (msg.c). The msg tests that cross a real AF_UNIX stream socketpair check that the process
+ * holds as many fds at their end as at their start.
+ */
+#include <check.h>
+#include <errno.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "frame.h"
+#include "io.h"
+#include "limits.h"
+#include "msg.h"
+
+#define HDR DLPC_FRAME_HDR_SIZE
+#define FDS_MAX DLPC_FRAME_FDS_MAX
+
+/* ---- helpers ---- */
+
+static int fd_base;
+
+/* Checked fixture: remember the process's fd count... */
+static void fd_setup(void)
+{
+	fd_base = fd_count(getpid());
+}
+
+/* ...and insist on it when the test is done. */
+static void fd_teardown(void)
+{
+	ck_assert_int_eq(fd_count(getpid()), fd_base);
+}
+
+/* A connected AF_UNIX stream pair, CLOEXEC, optionally non-blocking on both ends. */
+static void pair_open(int sv[2], bool nonblock)
+{
+	int type = SOCK_STREAM | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0);
+
+	ck_assert_int_eq(socketpair(AF_UNIX, type, 0, sv), 0);
+}
+
+static void pair_close(const int sv[2])
+{
+	ck_assert_int_eq(close(sv[0]), 0);
+	ck_assert_int_eq(close(sv[1]), 0);
+}
+
+/*
+ * Read from @p sock until the next frame is complete. Returns dlpc__rx_next()'s verdict (1 or a
+ * negative errno), 0 at end of stream, or dlpc__rx_read()'s error.
+ */
+static int rx_frame(struct dlpc__rx *rx, int sock, struct dlpc__frame *f, char *why, size_t whylen)
+{
+	for (;;) {
+		int r = dlpc__rx_next(rx, f, why, whylen);
+		ssize_t n;
+
+		if (r != 0)
+			return r;
+		n = dlpc__rx_read(rx, sock, why, whylen);
+		if (n <= 0)
+			return (int)n;
+	}
+}
+
+/* ---- frame header ---- */
+
+START_TEST(test_hdr_layout)
+{
+	static const uint8_t want[HDR] = {0x01, 0x02, 0x03, 0x04, 0x05, 0x06,
+					  0x07, 0x08, 0x09, 0x0a, 0x0b, 0x0c};
+	struct dlpc__hdr h = {
+		.len = 0x04030201, .type = 0x0605, .nfds = 0x07, .flags = 0x08, .id = 0x0c0b0a09};
+	struct dlpc__hdr d;
+	uint8_t b[HDR];
+
+	ck_assert_int_eq(DLPC_FRAME_HDR_SIZE, 12);
+	memset(b, 0xee, sizeof(b));
+	dlpc__hdr_encode(b, &h);
+	ck_assert_mem_eq(b, want, sizeof(want));
+
+	memset(&d, 0xff, sizeof(d));
+	dlpc__hdr_decode(want, &d);
+	ck_assert_uint_eq(d.len, 0x04030201);
+	ck_assert_uint_eq(d.type, 0x0605);
+	ck_assert_uint_eq(d.nfds, 0x07);
+	ck_assert_uint_eq(d.flags, 0x08);
+	ck_assert_uint_eq(d.id, 0x0c0b0a09);
+}
+END_TEST
+
+START_TEST(test_hdr_round_trip)
+{
+	static const struct dlpc__hdr cases[] = {
+		{0, 0, 0, 0, 0},
+		{1, DLPC_MSG_HELLO, 0, 0, 1},
+		{DLPC_FRAME_MAX, DLPC_MSG_PUBLISH, FDS_MAX, 0, 0x7fffffff},
+		{UINT32_MAX, UINT16_MAX, UINT8_MAX, UINT8_MAX, UINT32_MAX},
+		{0x80000000u, DLPC_MSG_REPLY | DLPC_MSG_STAT, 1, 0x80, 0x80000000u},
+	};
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		struct dlpc__hdr d;
+		uint8_t b[HDR];
+
+		dlpc__hdr_encode(b, &cases[i]);
+		/* Little-endian regardless of the host: spot-check the top bytes. */
+		ck_assert_uint_eq(b[3], cases[i].len >> 24);
+		ck_assert_uint_eq(b[5], cases[i].type >> 8);
+		ck_assert_uint_eq(b[11], cases[i].id >> 24);
+		memset(&d, 0x5a, sizeof(d));
+		dlpc__hdr_decode(b, &d);
+		ck_assert_uint_eq(d.len, cases[i].len);
+		ck_assert_uint_eq(d.type, cases[i].type);
+		ck_assert_uint_eq(d.nfds, cases[i].nfds);
+		ck_assert_uint_eq(d.flags, cases[i].flags);
+		ck_assert_uint_eq(d.id, cases[i].id);
+	}
+}
+END_TEST
+
+START_TEST(test_hdr_check)
+{
+	struct dlpc__hdr h = {.len = 0, .type = DLPC_MSG_PUBLISH};
+
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+	h.len = DLPC_FRAME_MAX;
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+	h.len = DLPC_FRAME_MAX + 1;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EMSGSIZE);
+	h.len = 1u << 31;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EMSGSIZE);
+	h.len = UINT32_MAX;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EMSGSIZE);
+
+	h.len = 16;
+	h.nfds = FDS_MAX;
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+	h.nfds = FDS_MAX + 1;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EPROTO);
+	h.nfds = UINT8_MAX;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EPROTO);
+
+	h.nfds = 1;
+	h.flags = 1;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EPROTO);
+	h.flags = 0x80;
+	ck_assert_int_eq(dlpc__hdr_check(&h), -EPROTO);
+
+	/* Layer 2 does not judge types: unknown ones are the dispatch table's business. */
+	h.flags = 0;
+	h.type = 0xffff;
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+}
+END_TEST
+
+START_TEST(test_msg_name)
+{
+	static const struct {
+		uint16_t type;
+		const char *name;
+	} cases[] = {
+		{DLPC_MSG_HELLO, "HELLO"},
+		{DLPC_MSG_PUBLISH, "PUBLISH"},
+		{DLPC_MSG_ATTACH, "ATTACH"},
+		{DLPC_MSG_RELEASE, "RELEASE"},
+		{DLPC_MSG_UNPUBLISH, "UNPUBLISH"},
+		{DLPC_MSG_LIST, "LIST"},
+		{DLPC_MSG_STAT, "STAT"},
+		{DLPC_MSG_REPLY | DLPC_MSG_HELLO, "HELLO reply"},
+		{DLPC_MSG_REPLY | DLPC_MSG_ATTACH, "ATTACH reply"},
+		{DLPC_MSG_REPLY | DLPC_MSG_STAT, "STAT reply"},
+		{DLPC_MSG_ERROR, "ERROR"},
+		{0, "type 0"},
+		{DLPC_MSG__REQUEST_COUNT, "type 8"},
+		{77, "type 77"},
+		{DLPC_MSG_REPLY | DLPC_MSG__REQUEST_COUNT, "type 32776"},
+		{0x7fff, "type 32767"},
+		{0xffff, "type 65535"},
+	};
+	char buf[32], small[4];
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		memset(buf, 'z', sizeof(buf));
+		ck_assert_ptr_eq(dlpc__msg_name(cases[i].type, buf, sizeof(buf)), buf);
+		ck_assert_str_eq(buf, cases[i].name);
+	}
+	/* A short buffer truncates and stays terminated. */
+	ck_assert_str_eq(dlpc__msg_name(DLPC_MSG_UNPUBLISH, small, sizeof(small)), "UNP");
+}
+END_TEST
+
+/* ---- msg: protobuf messages as frames ---- */
+
+START_TEST(test_msg_frame)
+{
+	static const char name[] = "weights/layer0";
+	Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
+	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+	Dlpackd__V1__Unpublish *back;
+	struct dlpc__scratch s = {0};
+	struct dlpc__hdr h;
+	size_t packed;
+	ssize_t len;
+
+	un.name.data = (uint8_t *)name;
+	un.name.len = sizeof(name) - 1;
+	packed = dlpackd__v1__unpublish__get_packed_size(&un);
+	len = dlpc__msg_frame(&s, DLPC_MSG_UNPUBLISH, 0xdeadbeef, &un.base, 0);
+	ck_assert_int_eq(len, (ssize_t)(HDR + packed));
+	ck_assert_ptr_nonnull(s.p);
+	ck_assert_uint_ge(s.cap, (size_t)len);
+	dlpc__hdr_decode(s.p, &h);
+	ck_assert_uint_eq(h.len, packed);
+	ck_assert_uint_eq(h.type, DLPC_MSG_UNPUBLISH);
+	ck_assert_uint_eq(h.nfds, 0);
+	ck_assert_uint_eq(h.flags, 0);
+	ck_assert_uint_eq(h.id, 0xdeadbeef);
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+	back = dlpackd__v1__unpublish__unpack(NULL, h.len, s.p + HDR);
+	ck_assert_ptr_nonnull(back);
+	ck_assert_uint_eq(back->name.len, sizeof(name) - 1);
+	ck_assert_mem_eq(back->name.data, name, sizeof(name) - 1);
+	dlpackd__v1__unpublish__free_unpacked(back, NULL);
+
+	/* An empty message, reusing the scratch buffer, with an fd count in the header. */
+	len = dlpc__msg_frame(&s, DLPC_MSG_STAT, 7, &st.base, 3);
+	ck_assert_int_eq(len, HDR);
+	dlpc__hdr_decode(s.p, &h);
+	ck_assert_uint_eq(h.len, 0);
+	ck_assert_uint_eq(h.type, DLPC_MSG_STAT);
+	ck_assert_uint_eq(h.nfds, 3);
+	ck_assert_uint_eq(h.id, 7);
+
+	dlpc__scratch_clear(&s);
+	ck_assert_ptr_null(s.p);
+	ck_assert_uint_eq(s.cap, 0);
+	dlpc__scratch_clear(&s);
+}
+END_TEST
+
+/* A framed message crosses a socket and unpacks on the other side. */
+START_TEST(test_msg_frame_over_socket)
+{
+	static const char name[] = "shared/tensor";
+	Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
+	Dlpackd__V1__Unpublish *back;
+	struct dlpc__scratch s = {0};
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	ssize_t len;
+	int sv[2];
+
+	un.name.data = (uint8_t *)name;
+	un.name.len = sizeof(name) - 1;
+	len = dlpc__msg_frame(&s, DLPC_MSG_UNPUBLISH, 12, &un.base, 0);
+	ck_assert_int_gt(len, HDR);
+	pair_open(sv, false);
+	ck_assert_int_eq(dlpc__send_all(sv[0], s.p, (size_t)len, NULL, 0), 0);
+	dlpc__rx_init(&rx);
+	ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+	ck_assert_uint_eq(f.hdr.type, DLPC_MSG_UNPUBLISH);
+	ck_assert_uint_eq(f.hdr.id, 12);
+	back = dlpackd__v1__unpublish__unpack(NULL, f.hdr.len, f.payload);
+	ck_assert_ptr_nonnull(back);
+	ck_assert_uint_eq(back->name.len, sizeof(name) - 1);
+	ck_assert_mem_eq(back->name.data, name, sizeof(name) - 1);
+	dlpackd__v1__unpublish__free_unpacked(back, NULL);
+	dlpc__rx_clear(&rx);
+	dlpc__scratch_clear(&s);
+	pair_close(sv);
+}
+END_TEST
+
+/* A message of exactly DLPC_FRAME_MAX packed bytes frames; one byte more is -EMSGSIZE. */
+START_TEST(test_msg_frame_limit)
+{
+	Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
+	struct dlpc__scratch s = {0};
+	uint8_t *name = calloc(1, DLPC_FRAME_MAX);
+	struct dlpc__hdr h;
+
+	ck_assert_ptr_nonnull(name);
+	memset(name, 'n', DLPC_FRAME_MAX);
+	un.name.data = name;
+	/* 1 tag byte + 4 length-varint bytes + the name. */
+	un.name.len = DLPC_FRAME_MAX - 5;
+	ck_assert_uint_eq(dlpackd__v1__unpublish__get_packed_size(&un), DLPC_FRAME_MAX);
+	ck_assert_int_eq(dlpc__msg_frame(&s, DLPC_MSG_UNPUBLISH, 1, &un.base, 0),
+			 (ssize_t)(HDR + DLPC_FRAME_MAX));
+	dlpc__hdr_decode(s.p, &h);
+	ck_assert_uint_eq(h.len, DLPC_FRAME_MAX);
+	ck_assert_int_eq(dlpc__hdr_check(&h), 0);
+	dlpc__scratch_clear(&s);
+
+	un.name.len = DLPC_FRAME_MAX - 4;
+	ck_assert_int_eq(dlpc__msg_frame(&s, DLPC_MSG_UNPUBLISH, 1, &un.base, 0), -EMSGSIZE);
+	ck_assert_ptr_null(s.p);
+	ck_assert_uint_eq(s.cap, 0);
+	free(name);
+}
+END_TEST
+
+/* ---- suite ---- */
+
+static TCase *tcase_new(const char *name, bool fds)
+{
+	TCase *tc = tcase_create(name);
+
+	tcase_set_timeout(tc, 30);
+	if (fds)
+		tcase_add_checked_fixture(tc, fd_setup, fd_teardown);
+	return tc;
+}
+
+static Suite *frame_suite(void)
+{
+	Suite *s = suite_create("frame");
+	TCase *tc;
+
+	tc = tcase_new("frame", false);
+	tcase_add_test(tc, test_hdr_layout);
+	tcase_add_test(tc, test_hdr_round_trip);
+	tcase_add_test(tc, test_hdr_check);
+	tcase_add_test(tc, test_msg_name);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_new("msg", true);
+	tcase_add_test(tc, test_msg_frame);
+	tcase_add_test(tc, test_msg_frame_over_socket);
+	tcase_add_test(tc, test_msg_frame_limit);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	SRunner *sr = srunner_create(frame_suite());
+	int failed;
+
+	srunner_set_fork_status(sr, CK_FORK);
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed > 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+}
