@@ -3,9 +3,9 @@
  * Attaching: one ATTACH round trip returns the storage fd and the tensor descriptions; the
  * storage is mapped once and every tensor of the entry points into that mapping.
  *
- * Ownership: the mapping is refcounted by the tensors handed out (and, until freed, by the
- * bundle for the tensors it still holds). The last one unmaps, sends RELEASE and drops the
- * mapping's reference on the client.
+ * Ownership: the mapping is a region (view.c) refcounted by the tensors handed out and, until
+ * it is freed, by the bundle. The last one unmaps, sends RELEASE and drops the region's
+ * reference on the client.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -16,77 +16,12 @@
 #include "internal.h"
 #include "util.h"
 
-struct mapping {
-	atomic_uint refs;
-	void *base;
-	size_t len;
-	dlpc_client *client;
-	uint64_t ref_id;
-};
-
-/* One attached tensor; shape and strides live right behind it. */
-struct attached {
-	DLManagedTensorVersioned t;
-	struct mapping *map;
-	int64_t dims[];
-};
-
 struct dlpc_bundle {
 	size_t n;
-	struct mapping *map;
+	struct dlpc__region *region; /* the bundle's own reference, dropped when it is freed */
 	char **keys;
 	DLManagedTensorVersioned **tensors; /* NULL once taken */
 };
-
-static void mapping_unref(struct mapping *m)
-{
-	if (atomic_fetch_sub_explicit(&m->refs, 1, memory_order_acq_rel) != 1)
-		return;
-	munmap(m->base, m->len);
-	dlpc__release(m->client, m->ref_id);
-	dlpc__client_unref(m->client);
-	free(m);
-}
-
-static void attached_deleter(DLManagedTensorVersioned *t)
-{
-	struct attached *a = (struct attached *)t;
-
-	mapping_unref(a->map);
-	free(a);
-}
-
-static DLManagedTensorVersioned *make_tensor(struct mapping *m, const Dlpackd__V1__TensorDesc *d,
-					     DLDevice dev, bool writable)
-{
-	size_t ndim = d->n_shape;
-	struct attached *a = malloc(sizeof(*a) + 2 * ndim * sizeof(int64_t));
-	int64_t stride = 1;
-
-	if (!a)
-		return NULL;
-	for (size_t i = ndim; i-- > 0;) {
-		a->dims[i] = d->shape[i];
-		a->dims[ndim + i] = stride;
-		stride *= d->shape[i];
-	}
-	a->map = m;
-	a->t.version.major = DLPACK_MAJOR_VERSION;
-	a->t.version.minor = DLPACK_MINOR_VERSION;
-	a->t.manager_ctx = m;
-	a->t.deleter = attached_deleter;
-	a->t.flags = writable ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
-	a->t.dl_tensor.data = (uint8_t *)m->base + d->offset;
-	a->t.dl_tensor.device = dev;
-	a->t.dl_tensor.ndim = (int)ndim;
-	a->t.dl_tensor.dtype.code = (uint8_t)d->dtype_code;
-	a->t.dl_tensor.dtype.bits = (uint8_t)d->dtype_bits;
-	a->t.dl_tensor.dtype.lanes = (uint16_t)d->dtype_lanes;
-	a->t.dl_tensor.shape = a->dims;
-	a->t.dl_tensor.strides = ndim > 0 ? a->dims + ndim : NULL;
-	a->t.dl_tensor.byte_offset = 0;
-	return &a->t;
-}
 
 /* Do the daemon's descriptions fit the storage? (A guard against a confused daemon.) */
 static bool reply_sane(const Dlpackd__V1__AttachReply *rep)
@@ -113,8 +48,8 @@ DLPC_EXPORT void dlpc_bundle_free(dlpc_bundle *b)
 	for (size_t i = 0; i < b->n; i++)
 		if (b->tensors[i])
 			b->tensors[i]->deleter(b->tensors[i]);
-	if (b->map)
-		mapping_unref(b->map);
+	if (b->region)
+		dlpc__region_unref(b->region);
 	free(b->keys);
 	free(b->tensors);
 	free(b);
@@ -125,7 +60,8 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 			int fd, bool writable, dlpc_bundle **ret)
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
-	struct mapping *m = NULL;
+	uint64_t flags = writable ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
+	struct dlpc__region *m = NULL;
 	dlpc_bundle *b;
 	size_t keybytes = 0;
 	char *kp;
@@ -158,27 +94,31 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	}
 	close(fd);
 	fd = -1;
+	/* from here the region owns the reference: its last unref releases it */
+	m->fd = -1;
 	m->client = c;
 	m->ref_id = rep->ref_id;
-	atomic_init(&m->refs, 1); /* the bundle's own */
+	atomic_init(&m->refs, 1);
 	dlpc__client_ref(c);
-	b->map = m;
+	b->region = m;
 	m = NULL;
 	b->n = rep->n_tensors;
 	kp = (char *)(b->keys + b->n);
 	for (size_t i = 0; i < b->n; i++) {
 		const Dlpackd__V1__TensorDesc *d = rep->tensors[i];
+		DLDataType dt = {(uint8_t)d->dtype_code, (uint8_t)d->dtype_bits,
+				 (uint16_t)d->dtype_lanes};
 
 		b->keys[i] = kp;
 		memcpy(kp, d->key.data, d->key.len);
 		kp[d->key.len] = '\0';
 		kp += d->key.len + 1;
-		b->tensors[i] = make_tensor(b->map, d, dev, writable);
+		b->tensors[i] = dlpc__view_new(b->region, (uint8_t *)b->region->base + d->offset,
+					       dev, dt, (int)d->n_shape, d->shape, flags);
 		if (!b->tensors[i]) {
 			r = dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
 			goto fail;
 		}
-		atomic_fetch_add_explicit(&b->map->refs, 1, memory_order_relaxed);
 	}
 	*ret = b;
 	return 0;

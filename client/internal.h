@@ -41,6 +41,33 @@ struct dlpc_client {
 	struct dlpc__scratch out;
 };
 
+/*
+ * A mapping of shared memory that views (the tensors libdlpc hands out) point into. Refcounted
+ * by its views (and transiently by a bundle). The last unref unmaps it, then closes @p fd
+ * (allocated memory) or sends RELEASE of @p ref_id through @p client (attached memory).
+ */
+struct dlpc__region {
+	atomic_uint refs;
+	void *base;
+	size_t len;
+	int fd;		     /* dlpc_alloc memory: its memfd; attached memory: -1 */
+	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
+	uint64_t ref_id;
+};
+
+void dlpc__region_ref(struct dlpc__region *r);
+void dlpc__region_unref(struct dlpc__region *r);
+/* A C-contiguous view of @p r at @p data; takes its own region reference. NULL on ENOMEM. */
+DLManagedTensorVersioned *dlpc__view_new(struct dlpc__region *r, void *data, DLDevice dev,
+					 DLDataType dtype, int ndim, const int64_t *shape,
+					 uint64_t flags);
+/* The region of a tensor libdlpc made, or NULL for any other tensor. */
+struct dlpc__region *dlpc__view_region(const DLManagedTensorVersioned *t);
+/* A pre-allocated memfd of @p size bytes labelled after @p name; fd or negative errno. */
+int dlpc__memfd_create(const char *name, uint64_t size);
+/* Seal a storage memfd for publishing (read-only unless @p writable). 0 or negative errno. */
+int dlpc__memfd_seal(int fd, const char *name, bool writable);
+
 /* Record @p err and a message for dlpc_last_error() in this thread; returns @p err. */
 int dlpc__fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* 0, or -EBADFD (with the message set) when @p c is used from a process that did not create it. */

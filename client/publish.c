@@ -14,19 +14,7 @@
 #include "internal.h"
 #include "util.h"
 
-#ifndef MFD_NOEXEC_SEAL
-#define MFD_NOEXEC_SEAL 0x0008U
-#endif
-
 #define PUBLISH_FLAGS (DLPC_PUBLISH_REPLACE | DLPC_PUBLISH_EPHEMERAL | DLPC_PUBLISH_WRITABLE)
-
-/* Memory handed out by dlpc_alloc(): a whole memfd, mapped writable. */
-struct alloc_ctx {
-	int fd;
-	void *base;
-	size_t len;
-	int64_t dims[]; /* shape, then strides */
-};
 
 /* One tensor to publish and where it goes in the storage. */
 struct slot {
@@ -34,53 +22,6 @@ struct slot {
 	uint64_t nbytes, offset;
 	bool contiguous;
 };
-
-/* A memfd of @p size bytes, its pages reserved now so that a full /dev/shm fails here. */
-static int storage_create(const char *name, uint64_t size)
-{
-	char label[64];
-	int fd, r;
-
-	snprintf(label, sizeof(label), "dlpc:%s", name);
-	fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL);
-	if (fd < 0 && errno == EINVAL)
-		fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING);
-	if (fd < 0)
-		return dlpc__fail(-errno, "cannot publish '%s': memfd_create: %m", name);
-	if (ftruncate(fd, (off_t)size) < 0) {
-		r = dlpc__fail(-errno,
-			       "cannot publish '%s': cannot size shared memory to %llu "
-			       "bytes: %m",
-			       name, (unsigned long long)size);
-		goto fail;
-	}
-	do
-		r = fallocate(fd, 0, 0, (off_t)size);
-	while (r < 0 && errno == EINTR);
-	if (r < 0 && errno != EOPNOTSUPP) {
-		r = dlpc__fail(
-			errno == ENOSPC ? -ENOSPC : -errno,
-			"cannot publish '%s': cannot reserve %llu bytes of shared memory: %m", name,
-			(unsigned long long)size);
-		goto fail;
-	}
-	return fd;
-fail:
-	close(fd);
-	return r;
-}
-
-static int storage_seal(int fd, const char *name, bool writable)
-{
-	int seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
-
-	if (!writable)
-		seals |= F_SEAL_FUTURE_WRITE;
-	if (fcntl(fd, F_ADD_SEALS, seals) < 0)
-		return dlpc__fail(-errno, "cannot publish '%s': cannot seal shared memory: %m",
-				  name);
-	return 0;
-}
 
 static bool is_contiguous(const DLTensor *t)
 {
@@ -169,29 +110,21 @@ static void fill_desc(Dlpackd__V1__TensorDesc *d, const struct slot *s, const ch
 	d->offset = s->offset;
 }
 
-static void alloc_deleter(DLManagedTensorVersioned *t)
+/* If @p mt is dlpc_alloc() memory laid out as allocated, its region: publish it as is. */
+static struct dlpc__region *zero_copy_source(const DLManagedTensorVersioned *mt,
+					     const struct slot *s)
 {
-	struct alloc_ctx *ctx = t->manager_ctx;
+	struct dlpc__region *r = dlpc__view_region(mt);
+	const uint8_t *data, *base;
 
-	munmap(ctx->base, ctx->len);
-	close(ctx->fd);
-	free(ctx);
-	free(t);
-}
-
-/* If @p mt is dlpc_alloc() memory still laid out as allocated, the ctx to publish it as is. */
-static struct alloc_ctx *zero_copy_source(const DLManagedTensorVersioned *mt, const struct slot *s)
-{
-	struct alloc_ctx *ctx = mt->manager_ctx;
-	const uint8_t *data;
-
-	if (mt->deleter != alloc_deleter || !s->contiguous)
+	if (!r || r->fd < 0 || !s->contiguous)
 		return NULL;
+	base = r->base;
 	data = (const uint8_t *)mt->dl_tensor.data + mt->dl_tensor.byte_offset;
-	if (data < (const uint8_t *)ctx->base || (data - (const uint8_t *)ctx->base) % DLPC_ALIGN ||
-	    (uint64_t)(data - (const uint8_t *)ctx->base) + s->nbytes > ctx->len)
+	if (data < base || (data - base) % DLPC_ALIGN ||
+	    (uint64_t)(data - base) + s->nbytes > r->len)
 		return NULL;
-	return ctx;
+	return r;
 }
 
 static int send_publish(dlpc_client *c, Dlpackd__V1__Publish *req, int fd)
@@ -241,7 +174,7 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
 	Dlpackd__V1__TensorDesc *descs = NULL, **dptrs = NULL;
 	struct slot *slots = NULL;
-	struct alloc_ctx *zc = NULL;
+	struct dlpc__region *zc = NULL;
 	uint64_t size = 0;
 	uint8_t *map;
 	int fd = -1, r;
@@ -291,7 +224,7 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 				   tensors[0]->dl_tensor.byte_offset - (const uint8_t *)zc->base);
 	} else {
 		size = size ? size : DLPC_ALIGN;
-		fd = storage_create(name, size);
+		fd = dlpc__memfd_create(name, size);
 		if (fd < 0) {
 			r = fd;
 			goto out;
@@ -315,9 +248,10 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 		}
 		munmap(map, size);
 	}
-	r = storage_seal(fd, name, flags & DLPC_PUBLISH_WRITABLE);
+	r = dlpc__memfd_seal(fd, name, flags & DLPC_PUBLISH_WRITABLE);
 	if (r < 0)
 		goto out;
+
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
 	req.flags = flags;
@@ -326,6 +260,11 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	req.n_tensors = n;
 	req.tensors = dptrs;
 	r = send_publish(c, &req, fd);
+	/* Published read-only means read-only here too: other shares of an allocation that remain
+	 * in this process must not change what attachers see. (mprotect of a mapping we own
+	 * cannot fail short of ENOMEM splitting it, which leaves it writable: nothing to undo.) */
+	if (r > 0 && zc && !(flags & DLPC_PUBLISH_WRITABLE))
+		mprotect(zc->base, zc->len, PROT_READ);
 out:
 	if (!zc && fd >= 0)
 		close(fd);
@@ -350,69 +289,4 @@ DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
 				    DLManagedTensorVersioned *const tensors[], uint32_t flags)
 {
 	return publish(c, name, n, keys, tensors, flags);
-}
-
-DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, int32_t ndim,
-			   const int64_t *shape, DLManagedTensorVersioned **ret)
-{
-	DLManagedTensorVersioned *t = NULL;
-	struct alloc_ctx *ctx = NULL;
-	uint64_t nbytes, size;
-	int r;
-
-	if (!c || !ret || ndim < 0 || ndim > DLPC_NDIM_MAX || (ndim > 0 && !shape))
-		return dlpc__fail(-EINVAL, "dlpc_alloc: bad arguments (ndim %d)", (int)ndim);
-	*ret = NULL;
-	r = dlpc__check(c);
-	if (r < 0)
-		return r;
-	if (device.device_type != kDLCPU)
-		return dlpc__fail(-ENOTSUP, "dlpc_alloc: device type %d is not supported",
-				  (int)device.device_type);
-	if (dlpc__tensor_nbytes(dtype.bits, dtype.lanes, shape, (size_t)ndim, &nbytes) < 0 ||
-	    !dlpc__align_up(nbytes, &size) || size > INT64_MAX)
-		return dlpc__fail(-EINVAL, "dlpc_alloc: bad dtype or shape");
-	size = size ? size : DLPC_ALIGN;
-	t = calloc(1, sizeof(*t));
-	ctx = calloc(1, sizeof(*ctx) + 2 * (size_t)ndim * sizeof(int64_t));
-	if (!t || !ctx) {
-		r = dlpc__fail(-ENOMEM, "dlpc_alloc: out of memory");
-		goto fail;
-	}
-	ctx->fd = storage_create("dlpc_alloc", size);
-	if (ctx->fd < 0) {
-		r = ctx->fd;
-		goto fail;
-	}
-	ctx->len = size;
-	ctx->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, ctx->fd, 0);
-	if (ctx->base == MAP_FAILED) {
-		r = dlpc__fail(-errno, "dlpc_alloc: cannot map %llu bytes: %m",
-			       (unsigned long long)size);
-		close(ctx->fd);
-		goto fail;
-	}
-	int64_t stride = 1;
-
-	for (int32_t i = ndim - 1; i >= 0; i--) {
-		ctx->dims[i] = shape[i];
-		ctx->dims[ndim + i] = stride;
-		stride *= shape[i];
-	}
-	t->version.major = DLPACK_MAJOR_VERSION;
-	t->version.minor = DLPACK_MINOR_VERSION;
-	t->manager_ctx = ctx;
-	t->deleter = alloc_deleter;
-	t->dl_tensor.data = ctx->base;
-	t->dl_tensor.device = device;
-	t->dl_tensor.ndim = ndim;
-	t->dl_tensor.dtype = dtype;
-	t->dl_tensor.shape = ctx->dims;
-	t->dl_tensor.strides = ndim > 0 ? ctx->dims + ndim : NULL;
-	*ret = t;
-	return 0;
-fail:
-	free(ctx);
-	free(t);
-	return r;
 }

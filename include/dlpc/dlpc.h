@@ -142,7 +142,9 @@ DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
  * Allocate a C-contiguous, writable tensor that already lives in shared memory.
  *
  * Fill it in place, then hand it to dlpc_publish(): it is published without a copy. If never
- * published, its deleter frees it. Only kDLCPU is supported for now.
+ * published, its deleter frees it. Only kDLCPU is supported for now. @p c may be NULL (nothing
+ * is asked of the daemon). Other handles on the same memory (dlpc_tensor_share()) stay valid
+ * after it is published; a read-only publish makes the memory read-only for them too.
  * @return 0 or a negative errno (-ENOSPC when shared memory is full).
  */
 DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, int32_t ndim,
@@ -182,6 +184,14 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_bundle_take(dlpc_bundle *b, size_t i)
 
 /** Free @p b and release the tensors not taken. The mapping lives on while taken tensors do. */
 DLPC_EXPORT void dlpc_bundle_free(dlpc_bundle *b);
+
+/**
+ * A second, independent handle on the memory of @p t, which must be a tensor libdlpc made
+ * (attached, taken from a bundle, allocated, or itself shared). Same data, dtype, shape and
+ * flags; its own deleter. The memory lives until the last handle's deleter has run.
+ * @return the new tensor, or NULL (see dlpc_last_error()) for a foreign tensor or no memory.
+ */
+DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVersioned *t);
 
 /**
  * Remove @p name. Attached tensors stay valid; the storage is freed after their release.

@@ -789,6 +789,70 @@ START_TEST(test_alloc_zero_copy)
 }
 END_TEST
 
+/* Shares of an allocation outlive its publication; a read-only publish freezes them too. */
+START_TEST(test_alloc_shares)
+{
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t, *view, *again, *foreign;
+	int64_t shape[1] = {4096};
+	uint8_t buf[4];
+	int st;
+	pid_t pid;
+
+	ck_assert_dlpc(
+		dlpc_alloc(NULL, (DLDevice){kDLCPU, 0}, (DLDataType){kDLUInt, 8, 1}, 1, shape, &t),
+		0);
+	fill(t->dl_tensor.data, 4096, 21);
+	view = dlpc_tensor_share(t);
+	again = dlpc_tensor_share(t);
+	ck_assert_ptr_nonnull(view);
+	ck_assert_ptr_eq(view->dl_tensor.data, t->dl_tensor.data);
+	ck_assert_dlpc(dlpc_publish(c, "frozen", t, 0), 1);
+	/* the shares still read the published bytes, but may no longer write them */
+	ck_assert(matches(view->dl_tensor.data, 4096, 21));
+	pid = fork();
+	if (pid == 0) {
+		((volatile uint8_t *)view->dl_tensor.data)[0] = 1;
+		_exit(0);
+	}
+	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+	ck_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV);
+	/* the same memory published again read-only is fine; writable is refused */
+	ck_assert_dlpc(dlpc_publish(c, "frozen2", view, 0), 1);
+	ck_assert_dlpc(dlpc_publish(c, "thawed", again, DLPC_PUBLISH_WRITABLE), -EPERM);
+	ck_assert_uint_eq(stat_or_die(c).storages, 2);
+	/* a tensor libdlpc did not make cannot be shared */
+	foreign = host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL);
+	ck_assert_ptr_null(dlpc_tensor_share(foreign));
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "not made by libdlpc"));
+	foreign->deleter(foreign);
+	dlpc_close(c);
+}
+END_TEST
+
+/* Shares of an attached tensor: each holds the mapping; the reference goes with the last. */
+START_TEST(test_attach_shares)
+{
+	struct pub_args v = {"sh", 22, 8192, 0, 1};
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t, *s1, *s2;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v)), 0);
+	ck_assert_dlpc(dlpc_attach(c, "sh", NULL, &t), 1);
+	s1 = dlpc_tensor_share(t);
+	s2 = dlpc_tensor_share(s1);
+	ck_assert(s1->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
+	t->deleter(t);
+	s1->deleter(s1);
+	ck_assert_uint_eq(stat_or_die(c).references, 1);
+	ck_assert(matches(s2->dl_tensor.data, 8192, 22));
+	ck_assert_int_eq(s2->dl_tensor.shape[0], 8192);
+	s2->deleter(s2);
+	ck_assert(wait_stat(c, no_refs, NULL, 1000));
+	dlpc_close(c);
+}
+END_TEST
+
 START_TEST(test_writable)
 {
 	dlpc_client *c = connect_or_die(&D);
@@ -964,6 +1028,8 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_threads_and_late_deleters);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
+	tcase_add_test(tc, test_alloc_shares);
+	tcase_add_test(tc, test_attach_shares);
 	tcase_add_test(tc, test_writable);
 	tcase_add_test(tc, test_fork_child_refused);
 	tcase_add_test(tc, test_list);
