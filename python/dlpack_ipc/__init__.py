@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Share tensors between processes on one machine through dlpackd, zero-copy.
+
+    import numpy as np, dlpack_ipc
+    dlpack_ipc.publish("weights", np.arange(6.0))          # in one process
+    t = dlpack_ipc.attach("weights", timeout=5)            # in another
+    a = np.from_dlpack(t)                                  # the same memory, read-only
+
+Module-level functions use one default Client, created on first use, connected to the default
+socket ($DLPACKD_SOCKET, else /run/dlpackd/dlpackd.sock for root, else
+$XDG_RUNTIME_DIR/dlpackd.sock). A Client used in a forked child reconnects by itself.
+"""
+import threading
+from collections import namedtuple
+
+from ._core import BUNDLE_MAX, NAME_MAX, NDIM_MAX, SharedTensor, libdlpc_version
+from ._core import Client as _CoreClient
+
+__all__ = [
+    "Client", "SharedTensor", "EntryInfo", "TensorInfo", "Owner", "publish", "publish_dict",
+    "attach", "attach_dict", "empty", "unpublish", "list", "stat",
+]
+
+TensorInfo = namedtuple("TensorInfo", "key dtype shape")
+TensorInfo.__doc__ = "One tensor of a listed entry."
+Owner = namedtuple("Owner", "uid pid")
+Owner.__doc__ = "Who published an entry, from the daemon's SO_PEERCRED."
+EntryInfo = namedtuple("EntryInfo",
+                       "name generation device tensors nbytes refs owner created flags")
+EntryInfo.__doc__ = """A published entry: tensors is a list of TensorInfo (empty when the
+entry is too large to describe in one reply), refs counts live attach references, created is in
+seconds since the epoch."""
+
+_list = list  # the builtin, before this module's list() shadows it
+
+
+class Client(_CoreClient):
+    """A connection to dlpackd: Client(socket=None). Usable as a context manager."""
+
+    def list(self, prefix=""):
+        """Entries whose names start with prefix, sorted by name."""
+        return [EntryInfo(e["name"], e["generation"], e["device"],
+                          [TensorInfo(*t) for t in e["tensors"]], e["nbytes"], e["refs"],
+                          Owner(e["uid"], e["pid"]), e["created"], e["flags"])
+                for e in self._list(prefix)]
+
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def _client():
+    global _default
+    c = _default
+    if c is None:
+        with _default_lock:
+            if _default is None:
+                _default = Client()
+            c = _default
+    return c
+
+
+def _reset_default():
+    """Forget the default client (the next call connects again); for tests and reconfiguring."""
+    global _default
+    with _default_lock:
+        old, _default = _default, None
+    if old is not None:
+        old.close()
+
+
+def publish(name, obj, *, replace=False, ephemeral=False, writable=False):
+    """Publish obj (anything with __dlpack__, or a DLPack capsule) under name; returns the
+    generation. Host data is copied into sealed shared memory, except memory from empty()."""
+    return _client().publish(name, obj, replace=replace, ephemeral=ephemeral, writable=writable)
+
+
+def publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=False):
+    """Publish a mapping of str to tensors (a state dict) as one bundle on one storage."""
+    return _client().publish_dict(name, mapping, replace=replace, ephemeral=ephemeral,
+                                  writable=writable)
+
+
+def attach(name, *, timeout=None, writable=False):
+    """Attach the tensor published under name. timeout: None fails at once if absent, a number
+    waits that many seconds, float("inf") waits until it appears (Ctrl-C interrupts)."""
+    return _client().attach(name, timeout=timeout, writable=writable)
+
+
+def attach_dict(name, *, timeout=None, writable=False):
+    """Attach every tensor of a bundle, in one round trip and one mapping."""
+    return _client().attach_dict(name, timeout=timeout, writable=writable)
+
+
+def empty(shape, dtype, device="cpu"):
+    """Writable shared memory to fill in place; publish() then shares it without a copy."""
+    return _client().empty(shape, dtype, device)
+
+
+def unpublish(name):
+    """Remove name; attached tensors stay valid until released."""
+    return _client().unpublish(name)
+
+
+def list(prefix=""):  # noqa: A001 - the documented name
+    """Published entries whose names start with prefix, as EntryInfo tuples."""
+    return _client().list(prefix)
+
+
+def stat():
+    """The daemon's counters, as a dict."""
+    return _client().stat()

@@ -1,0 +1,67 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* dlpack_ipc._core internals shared across the extension's files. */
+#ifndef DLPACK_IPC_H
+#define DLPACK_IPC_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdbool.h>
+#include <sys/types.h>
+
+#include <dlpc/dlpc.h>
+
+/* Per-module state: the heap types. */
+typedef struct {
+	PyTypeObject *client_type;
+	PyTypeObject *tensor_type;
+} ipc_state;
+
+/* A connection; reconnects by itself in a forked child. */
+typedef struct {
+	PyObject_HEAD dlpc_client *c;
+	pid_t pid;
+	char *path; /* NULL: the default socket */
+} ClientObject;
+
+/* A tensor attached from, or allocated for, dlpackd. */
+typedef struct {
+	PyObject_HEAD DLManagedTensorVersioned *t; /* NULL once released */
+	PyObject *name; /* str, or None for empty() memory not yet published */
+	PyObject *key;	/* str */
+	int generation;
+	bool allocated; /* from empty(): publishing it is zero-copy */
+} TensorObject;
+
+/* module.c */
+ipc_state *ipc_state_of_type(PyTypeObject *tp);
+/* Raise the OSError subclass for a negative errno with dlpc_last_error() as the message. */
+PyObject *ipc_raise(int err);
+/* The dlpc_client for this process, reconnecting after fork; NULL with an exception set. */
+dlpc_client *ipc_client(ClientObject *self);
+
+/* tensor.c */
+extern PyType_Spec ipc_tensor_spec;
+/* Wrap @p t (owned) as a SharedTensor; on failure @p t is released. */
+PyObject *ipc_tensor_new(ipc_state *st, DLManagedTensorVersioned *t, PyObject *name, PyObject *key,
+			 int generation, bool allocated);
+bool ipc_is_tensor(PyObject *o);
+/* "float32", "bfloat16", ...; parse the reverse. */
+PyObject *ipc_dtype_name(DLDataType dt);
+int ipc_dtype_parse(PyObject *o, DLDataType *dt);
+/* Install __dlpack_c_exchange_api__ on the SharedTensor type. */
+int ipc_exchange_install(PyTypeObject *tp);
+
+/* consume.c: taking tensors from DLPack producers for publishing. */
+struct ipc_taken;
+/*
+ * Take the DLPack tensor @p obj exports (a capsule, an object with __dlpack__, or a
+ * SharedTensor). Returns NULL with an exception set. The producer's tensor is ours from the
+ * moment its capsule is renamed: ipc_taken_finish() must run, with the GIL, on every path.
+ */
+struct ipc_taken *ipc_take(PyObject *obj);
+/* The tensor to hand to dlpc_publish*(); its deleter may run without the GIL. */
+DLManagedTensorVersioned *ipc_taken_tensor(struct ipc_taken *tk);
+/* After dlpc_publish*() returned: run the producer's deleter (GIL held) and free @p tk. */
+void ipc_taken_finish(struct ipc_taken *tk);
+
+#endif

@@ -1,0 +1,666 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * dlpack_ipc._core: the Client type over libdlpc and module setup (multi-phase init, heap types
+ * in module state). Every call that may block releases the GIL; waits are cut into slices so
+ * that Ctrl-C interrupts them.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "dlpack_ipc.h"
+
+/* Longest a wait runs without checking for signals (KeyboardInterrupt). */
+#define WAIT_SLICE_MS 100
+
+static struct PyModuleDef module_def;
+
+ipc_state *ipc_state_of_type(PyTypeObject *tp)
+{
+	/* by definition, so that Python subclasses (dlpack_ipc.Client) find it too */
+	PyObject *m = PyType_GetModuleByDef(tp, &module_def);
+
+	return m ? PyModule_GetState(m) : NULL;
+}
+
+PyObject *ipc_raise(int err)
+{
+	const char *msg = dlpc_last_error();
+	PyObject *args;
+
+	switch (err) {
+	case -ENOMEM:
+		return PyErr_NoMemory();
+	case -EINVAL:
+		PyErr_SetString(PyExc_ValueError, msg);
+		return NULL;
+	case -ENOTSUP:
+		PyErr_SetString(PyExc_BufferError, msg);
+		return NULL;
+	}
+	/* OSError(errno, text) picks the subclass: FileNotFoundError, TimeoutError, ... */
+	args = Py_BuildValue("(is)", -err, msg);
+	if (args) {
+		PyErr_SetObject(PyExc_OSError, args);
+		Py_DECREF(args);
+	}
+	return NULL;
+}
+
+static int connect_to(const char *path, dlpc_client **c)
+{
+	int r;
+
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_connect(path, c);
+	Py_END_ALLOW_THREADS
+	if (r < 0) {
+		ipc_raise(r);
+		return -1;
+	}
+	return 0;
+}
+
+dlpc_client *ipc_client(ClientObject *self)
+{
+	if (!self->c) {
+		PyErr_SetString(PyExc_ValueError, "the Client is closed");
+		return NULL;
+	}
+	if (self->pid != getpid()) {
+		/* A forked child: the parent's connection is not ours to use or close (its locks
+		 * may be held by parent threads that do not exist here). Connect anew. */
+		dlpc_client *c;
+
+		if (connect_to(self->path, &c) < 0)
+			return NULL;
+		self->c = c;
+		self->pid = getpid();
+	}
+	return self->c;
+}
+
+static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"socket", NULL};
+	ClientObject *self = (ClientObject *)obj;
+	PyObject *sock = Py_None, *bytes = NULL;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:Client", kwlist, &sock))
+		return -1;
+	if (self->c)
+		return 0;
+	if (sock != Py_None) {
+		if (!PyUnicode_FSConverter(sock, &bytes))
+			return -1;
+		self->path = strdup(PyBytes_AS_STRING(bytes));
+		Py_DECREF(bytes);
+		if (!self->path) {
+			PyErr_NoMemory();
+			return -1;
+		}
+	}
+	if (connect_to(self->path, &self->c) < 0)
+		return -1;
+	self->pid = getpid();
+	return 0;
+}
+
+static void client_close_now(ClientObject *self)
+{
+	/* in a forked child the handle is the parent's: leave it alone */
+	if (self->c && self->pid == getpid())
+		dlpc_close(self->c);
+	self->c = NULL;
+}
+
+static void client_dealloc(PyObject *obj)
+{
+	ClientObject *self = (ClientObject *)obj;
+	PyTypeObject *tp = Py_TYPE(obj);
+
+	client_close_now(self);
+	free(self->path);
+	tp->tp_free(obj);
+	Py_DECREF(tp);
+}
+
+static PyObject *client_close(PyObject *obj, PyObject *unused)
+{
+	(void)unused;
+	client_close_now((ClientObject *)obj);
+	Py_RETURN_NONE;
+}
+
+static PyObject *client_enter(PyObject *obj, PyObject *unused)
+{
+	(void)unused;
+	return Py_NewRef(obj);
+}
+
+static PyObject *client_exit(PyObject *obj, PyObject *args)
+{
+	(void)args;
+	client_close_now((ClientObject *)obj);
+	Py_RETURN_FALSE;
+}
+
+static uint32_t publish_flags(int replace, int ephemeral, int writable)
+{
+	return (replace ? DLPC_PUBLISH_REPLACE : 0) | (ephemeral ? DLPC_PUBLISH_EPHEMERAL : 0) |
+	       (writable ? DLPC_PUBLISH_WRITABLE : 0);
+}
+
+/* Publish @p n objects, with @p keys (NULL: a single tensor). Returns the generation. */
+static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_t n,
+				 PyObject *const *objs, const char *const *keys, uint32_t flags)
+{
+	dlpc_client *c = ipc_client(self);
+	struct ipc_taken **taken;
+	DLManagedTensorVersioned **tensors;
+	Py_ssize_t got = 0;
+	int r = 0;
+
+	if (!c)
+		return NULL;
+	taken = PyMem_Calloc((size_t)n + 1, sizeof(*taken));
+	tensors = PyMem_Calloc((size_t)n + 1, sizeof(*tensors));
+	if (!taken || !tensors) {
+		PyMem_Free(taken);
+		PyMem_Free(tensors);
+		return PyErr_NoMemory();
+	}
+	for (; got < n; got++) {
+		taken[got] = ipc_take(objs[got]);
+		if (!taken[got])
+			break;
+		tensors[got] = ipc_taken_tensor(taken[got]);
+	}
+	if (got == n) {
+		Py_BEGIN_ALLOW_THREADS
+		if (keys)
+			r = dlpc_publish_bundle(c, name, (size_t)n, keys, tensors, flags);
+		else
+			r = dlpc_publish(c, name, tensors[0], flags);
+		Py_END_ALLOW_THREADS
+	}
+	/* the producers' deleters, with the GIL, whatever happened */
+	for (Py_ssize_t i = 0; i < got; i++)
+		ipc_taken_finish(taken[i]);
+	PyMem_Free(taken);
+	PyMem_Free(tensors);
+	if (got < n)
+		return NULL;
+	if (r < 0)
+		return ipc_raise(r);
+	/* memory from empty() published read-only is now read-only here too */
+	if (!keys && ipc_is_tensor(objs[0]) && ((TensorObject *)objs[0])->allocated &&
+	    !(flags & DLPC_PUBLISH_WRITABLE) && ((TensorObject *)objs[0])->t)
+		((TensorObject *)objs[0])->t->flags |= DLPACK_FLAG_BITMASK_READ_ONLY;
+	return PyLong_FromLong(r);
+}
+
+static PyObject *client_publish(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "obj", "replace", "ephemeral", "writable", NULL};
+	int replace = 0, ephemeral = 0, writable = 0;
+	const char *name;
+	PyObject *tensor;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$ppp:publish", kwlist, &name, &tensor,
+					 &replace, &ephemeral, &writable))
+		return NULL;
+	return publish_objects((ClientObject *)obj, name, 1, &tensor, NULL,
+			       publish_flags(replace, ephemeral, writable));
+}
+
+static PyObject *client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "mapping", "replace", "ephemeral", "writable", NULL};
+	int replace = 0, ephemeral = 0, writable = 0;
+	const char *name, **keys = NULL;
+	PyObject *mapping, *items, **objs = NULL, *r = NULL;
+	Py_ssize_t n;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$ppp:publish_dict", kwlist, &name,
+					 &mapping, &replace, &ephemeral, &writable))
+		return NULL;
+	items = PyMapping_Items(mapping);
+	if (!items)
+		return NULL;
+	n = PyList_GET_SIZE(items);
+	if (n == 0) {
+		PyErr_SetString(PyExc_ValueError, "cannot publish an empty mapping");
+		goto out;
+	}
+	keys = PyMem_Calloc((size_t)n, sizeof(*keys));
+	objs = PyMem_Calloc((size_t)n, sizeof(*objs));
+	if (!keys || !objs) {
+		PyErr_NoMemory();
+		goto out;
+	}
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *kv = PyList_GET_ITEM(items, i);
+		PyObject *k = PyTuple_GET_ITEM(kv, 0);
+
+		if (!PyUnicode_Check(k)) {
+			PyErr_Format(PyExc_TypeError, "keys must be str, not %.100s",
+				     Py_TYPE(k)->tp_name);
+			goto out;
+		}
+		/* valid while items holds the key */
+		keys[i] = PyUnicode_AsUTF8(k);
+		if (!keys[i])
+			goto out;
+		objs[i] = PyTuple_GET_ITEM(kv, 1);
+	}
+	r = publish_objects((ClientObject *)obj, name, n, objs, keys,
+			    publish_flags(replace, ephemeral, writable));
+out:
+	PyMem_Free(keys);
+	PyMem_Free(objs);
+	Py_DECREF(items);
+	return r;
+}
+
+/* Parse a timeout in seconds: None/0 -> fail at once, inf -> forever. -1 with an exception. */
+static int parse_timeout(PyObject *o, double *secs, bool *forever)
+{
+	*forever = false;
+	*secs = 0;
+	if (o == Py_None)
+		return 0;
+	*secs = PyFloat_AsDouble(o);
+	if (*secs == -1 && PyErr_Occurred())
+		return -1;
+	if (isnan(*secs) || *secs < 0) {
+		PyErr_Format(PyExc_ValueError, "timeout must be None or >= 0, not %R", o);
+		return -1;
+	}
+	*forever = isinf(*secs);
+	return 0;
+}
+
+static double now_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/*
+ * Attach, waiting in slices so that signals are seen. Fills *single or *bundle. Returns the
+ * generation, or -1 with a Python exception set.
+ */
+static int attach_waiting(ClientObject *self, const char *name, PyObject *timeout, int writable,
+			  DLManagedTensorVersioned **single, dlpc_bundle **bundle)
+{
+	dlpc_attach_opts opts = {.size = sizeof(opts)};
+	dlpc_client *c = ipc_client(self);
+	double secs, deadline;
+	bool forever;
+	int r;
+
+	if (!c || parse_timeout(timeout, &secs, &forever) < 0)
+		return -1;
+	opts.flags = writable ? DLPC_ATTACH_WRITABLE : 0;
+	deadline = now_s() + secs;
+	for (;;) {
+		double left = deadline - now_s();
+
+		opts.timeout_ms = secs == 0 ? 0
+				  : forever || left * 1000 > WAIT_SLICE_MS
+					  ? WAIT_SLICE_MS
+					  : (int64_t)(left * 1000) + 1;
+		Py_BEGIN_ALLOW_THREADS
+		if (single)
+			r = dlpc_attach(c, name, &opts, single);
+		else
+			r = dlpc_attach_bundle(c, name, &opts, bundle);
+		Py_END_ALLOW_THREADS
+		if (r != -ETIMEDOUT)
+			break;
+		if (PyErr_CheckSignals() < 0)
+			return -1;
+		if (!forever && now_s() >= deadline) {
+			char msg[DLPC_NAME_MAX + 64];
+
+			snprintf(msg, sizeof(msg), "no entry named '%s' appeared within %g s", name,
+				 secs);
+			PyObject *args = Py_BuildValue("(is)", ETIMEDOUT, msg);
+
+			if (args) {
+				PyErr_SetObject(PyExc_OSError, args);
+				Py_DECREF(args);
+			}
+			return -1;
+		}
+	}
+	if (r < 0) {
+		ipc_raise(r);
+		return -1;
+	}
+	return r;
+}
+
+static PyObject *client_attach(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "timeout", "writable", NULL};
+	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
+	PyObject *timeout = Py_None, *pname, *key, *res;
+	DLManagedTensorVersioned *t;
+	const char *name;
+	int writable = 0, gen;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$Op:attach", kwlist, &name, &timeout,
+					 &writable))
+		return NULL;
+	gen = attach_waiting((ClientObject *)obj, name, timeout, writable, &t, NULL);
+	if (gen < 0)
+		return NULL;
+	pname = PyUnicode_FromString(name);
+	key = PyUnicode_FromString("");
+	res = pname && key ? ipc_tensor_new(st, t, pname, key, gen, false) : NULL;
+	if (!res && !(pname && key))
+		t->deleter(t);
+	Py_XDECREF(pname);
+	Py_XDECREF(key);
+	return res;
+}
+
+static PyObject *client_attach_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "timeout", "writable", NULL};
+	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
+	PyObject *timeout = Py_None, *pname = NULL, *dict = NULL;
+	const char *name;
+	dlpc_bundle *b;
+	int writable = 0, gen;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$Op:attach_dict", kwlist, &name, &timeout,
+					 &writable))
+		return NULL;
+	gen = attach_waiting((ClientObject *)obj, name, timeout, writable, NULL, &b);
+	if (gen < 0)
+		return NULL;
+	pname = PyUnicode_FromString(name);
+	dict = pname ? PyDict_New() : NULL;
+	for (size_t i = 0; dict && i < dlpc_bundle_count(b); i++) {
+		PyObject *key = PyUnicode_FromString(dlpc_bundle_key(b, i));
+		PyObject *t =
+			key ? ipc_tensor_new(st, dlpc_bundle_take(b, i), pname, key, gen, false)
+			    : NULL;
+
+		if (!t || PyDict_SetItem(dict, key, t) < 0)
+			Py_CLEAR(dict);
+		Py_XDECREF(key);
+		Py_XDECREF(t);
+	}
+	dlpc_bundle_free(b);
+	Py_XDECREF(pname);
+	return dict;
+}
+
+static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"shape", "dtype", "device", NULL};
+	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
+	PyObject *shape_o, *dtype_o, *seq, *key, *res;
+	const char *device = "cpu";
+	int64_t shape[DLPC_NDIM_MAX];
+	DLManagedTensorVersioned *t;
+	DLDataType dt;
+	Py_ssize_t ndim;
+	dlpc_client *c;
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|s:empty", kwlist, &shape_o, &dtype_o,
+					 &device))
+		return NULL;
+	if (strcmp(device, "cpu") != 0) {
+		PyErr_Format(PyExc_ValueError, "device '%s' is not supported (only \"cpu\")",
+			     device);
+		return NULL;
+	}
+	if (ipc_dtype_parse(dtype_o, &dt) < 0)
+		return NULL;
+	seq = PyLong_Check(shape_o) ? PyTuple_Pack(1, shape_o)
+				    : PySequence_Fast(shape_o, "shape must be a sequence of ints");
+	if (!seq)
+		return NULL;
+	ndim = PySequence_Fast_GET_SIZE(seq);
+	if (ndim > DLPC_NDIM_MAX) {
+		Py_DECREF(seq);
+		return PyErr_Format(PyExc_ValueError, "shape has %zd dimensions; at most %d", ndim,
+				    DLPC_NDIM_MAX);
+	}
+	for (Py_ssize_t i = 0; i < ndim; i++) {
+		shape[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+		if (shape[i] < 0 && !PyErr_Occurred())
+			PyErr_SetString(PyExc_ValueError, "shape extents must be >= 0");
+		if (PyErr_Occurred()) {
+			Py_DECREF(seq);
+			return NULL;
+		}
+	}
+	Py_DECREF(seq);
+	c = ipc_client((ClientObject *)obj);
+	if (!c)
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_alloc(c, (DLDevice){kDLCPU, 0}, dt, (int32_t)ndim, shape, &t);
+	Py_END_ALLOW_THREADS
+	if (r < 0)
+		return ipc_raise(r);
+	key = PyUnicode_FromString("");
+	if (!key) {
+		t->deleter(t);
+		return NULL;
+	}
+	res = ipc_tensor_new(st, t, Py_None, key, 0, true);
+	Py_DECREF(key);
+	return res;
+}
+
+static PyObject *client_unpublish(PyObject *obj, PyObject *args)
+{
+	dlpc_client *c = ipc_client((ClientObject *)obj);
+	const char *name;
+	int r;
+
+	if (!c || !PyArg_ParseTuple(args, "s:unpublish", &name))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_unpublish(c, name);
+	Py_END_ALLOW_THREADS
+	if (r < 0)
+		return ipc_raise(r);
+	Py_RETURN_NONE;
+}
+
+static PyObject *entry_dict(const dlpc_entry_info *e)
+{
+	PyObject *tensors = PyList_New(0), *d;
+
+	for (size_t i = 0; tensors && e->tensors && i < e->ntensors; i++) {
+		const dlpc_tensor_info *t = &e->tensors[i];
+		PyObject *shape = PyTuple_New(t->ndim), *dtype = ipc_dtype_name(t->dtype), *item;
+
+		for (int32_t k = 0; shape && k < t->ndim; k++)
+			PyTuple_SET_ITEM(shape, k, PyLong_FromLongLong(t->shape[k]));
+		item = shape && dtype ? Py_BuildValue("(sOO)", t->key, dtype, shape) : NULL;
+		if (!item || PyList_Append(tensors, item) < 0)
+			Py_CLEAR(tensors);
+		Py_XDECREF(item);
+		Py_XDECREF(shape);
+		Py_XDECREF(dtype);
+	}
+	if (!tensors)
+		return NULL;
+	d = Py_BuildValue("{s:s,s:K,s:s,s:N,s:n,s:K,s:K,s:I,s:i,s:d,s:I}", "name", e->name,
+			  "generation", (unsigned long long)e->generation, "device",
+			  e->device.device_type == kDLCPU ? "cpu" : "other", "tensors", tensors,
+			  "ntensors", (Py_ssize_t)e->ntensors, "nbytes",
+			  (unsigned long long)e->nbytes, "refs", (unsigned long long)e->refs, "uid",
+			  e->owner_uid, "pid", e->owner_pid, "created", e->created_ns / 1e9,
+			  "flags", e->flags);
+	return d;
+}
+
+static PyObject *client_list(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"prefix", NULL};
+	dlpc_client *c = ipc_client((ClientObject *)obj);
+	const char *prefix = "";
+	dlpc_entry_info *v;
+	PyObject *list;
+	size_t n;
+	int r;
+
+	if (!c || !PyArg_ParseTupleAndKeywords(args, kwargs, "|s:list", kwlist, &prefix))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_list(c, prefix, &v, &n);
+	Py_END_ALLOW_THREADS
+	if (r < 0)
+		return ipc_raise(r);
+	list = PyList_New((Py_ssize_t)n);
+	for (size_t i = 0; list && i < n; i++) {
+		PyObject *d = entry_dict(&v[i]);
+
+		if (!d)
+			Py_CLEAR(list);
+		else
+			PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+	}
+	dlpc_list_free(v, n);
+	return list;
+}
+
+static PyObject *client_stat(PyObject *obj, PyObject *unused)
+{
+	dlpc_client *c = ipc_client((ClientObject *)obj);
+	dlpc_stats s = {.size = sizeof(s)};
+	int r;
+
+	(void)unused;
+	if (!c)
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_stat(c, &s);
+	Py_END_ALLOW_THREADS
+	if (r < 0)
+		return ipc_raise(r);
+	return Py_BuildValue("{s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
+			     "s:K}",
+			     "daemon_pid", s.daemon_pid, "uptime_ms", s.uptime_ms, "connections",
+			     s.connections, "entries", s.entries, "storages", s.storages,
+			     "bytes_held", s.bytes_held, "references", s.references, "waiters",
+			     s.waiters, "fds_open", s.fds_open, "fds_sent", s.fds_sent, "req_hello",
+			     s.req_hello, "req_publish", s.req_publish, "req_attach", s.req_attach,
+			     "req_release", s.req_release, "req_unpublish", s.req_unpublish,
+			     "req_list", s.req_list, "req_stat", s.req_stat, "protocol_errors",
+			     s.protocol_errors);
+}
+
+#define KW (METH_VARARGS | METH_KEYWORDS)
+#define FN(f) (PyCFunction)(void (*)(void))(f)
+
+static PyMethodDef client_methods[] = {
+	{"publish", FN(client_publish), KW,
+	 "publish(name, obj, *, replace=False, ephemeral=False, writable=False) -> int"},
+	{"publish_dict", FN(client_publish_dict), KW,
+	 "publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=False) -> int"},
+	{"attach", FN(client_attach), KW,
+	 "attach(name, *, timeout=None, writable=False) -> SharedTensor"},
+	{"attach_dict", FN(client_attach_dict), KW,
+	 "attach_dict(name, *, timeout=None, writable=False) -> dict[str, SharedTensor]"},
+	{"empty", FN(client_empty), KW, "empty(shape, dtype, device='cpu') -> SharedTensor"},
+	{"unpublish", client_unpublish, METH_VARARGS, "unpublish(name) -> None"},
+	{"_list", FN(client_list), KW, "_list(prefix='') -> list[dict]"},
+	{"stat", client_stat, METH_NOARGS, "stat() -> dict"},
+	{"close", client_close, METH_NOARGS, "close() -> None"},
+	{"__enter__", client_enter, METH_NOARGS, NULL},
+	{"__exit__", client_exit, METH_VARARGS, NULL},
+	{NULL},
+};
+
+static PyType_Slot client_slots[] = {
+	{Py_tp_init, client_init},
+	{Py_tp_dealloc, client_dealloc},
+	{Py_tp_methods, client_methods},
+	{Py_tp_new, PyType_GenericNew},
+	{Py_tp_doc, "A connection to dlpackd (Client(socket=None))."},
+	{0, NULL},
+};
+
+static PyType_Spec client_spec = {
+	.name = "dlpack_ipc._core.Client",
+	.basicsize = sizeof(ClientObject),
+	.flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+	.slots = client_slots,
+};
+
+static int module_exec(PyObject *m)
+{
+	ipc_state *st = PyModule_GetState(m);
+
+	st->client_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &client_spec, NULL);
+	st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ipc_tensor_spec, NULL);
+	if (!st->client_type || !st->tensor_type)
+		return -1;
+	if (ipc_exchange_install(st->tensor_type) < 0 || PyModule_AddType(m, st->client_type) < 0 ||
+	    PyModule_AddType(m, st->tensor_type) < 0)
+		return -1;
+	if (PyModule_AddStringConstant(m, "libdlpc_version", dlpc_version()) < 0 ||
+	    PyModule_AddIntConstant(m, "NAME_MAX", DLPC_NAME_MAX) < 0 ||
+	    PyModule_AddIntConstant(m, "NDIM_MAX", DLPC_NDIM_MAX) < 0 ||
+	    PyModule_AddIntConstant(m, "BUNDLE_MAX", DLPC_BUNDLE_MAX) < 0)
+		return -1;
+	return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg)
+{
+	ipc_state *st = PyModule_GetState(m);
+
+	Py_VISIT(st->client_type);
+	Py_VISIT(st->tensor_type);
+	return 0;
+}
+
+static int module_clear(PyObject *m)
+{
+	ipc_state *st = PyModule_GetState(m);
+
+	Py_CLEAR(st->client_type);
+	Py_CLEAR(st->tensor_type);
+	return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+	{Py_mod_exec, module_exec},
+	{0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+	PyModuleDef_HEAD_INIT,
+	.m_name = "dlpack_ipc._core",
+	.m_doc = "libdlpc for Python: share DLPack tensors between processes through dlpackd.",
+	.m_size = sizeof(ipc_state),
+	.m_slots = module_slots,
+	.m_traverse = module_traverse,
+	.m_clear = module_clear,
+};
+
+PyMODINIT_FUNC PyInit__core(void);
+
+PyMODINIT_FUNC PyInit__core(void)
+{
+	return PyModuleDef_Init(&module_def);
+}
