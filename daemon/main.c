@@ -41,6 +41,7 @@ int main(int argc, char **argv)
 	const char *socket_path = NULL;
 	char defpath[108];
 	struct dlpd_server srv;
+	sigset_t stop_signals;
 	uv_loop_t loop;
 	int c, r;
 
@@ -85,11 +86,19 @@ int main(int argc, char **argv)
 		socket_path = defpath;
 	}
 	signal(SIGPIPE, SIG_IGN);
+	/* Clients can connect as soon as the socket listens, which is before the SIGTERM handler
+	 * exists: hold the signals back until it does, so that none kills us by default. */
+	sigemptyset(&stop_signals);
+	sigaddset(&stop_signals, SIGTERM);
+	sigaddset(&stop_signals, SIGINT);
+	sigprocmask(SIG_BLOCK, &stop_signals, NULL);
 	uv_loop_init(&loop);
 	r = dlpd_server_start(&srv, &loop, socket_path, DEFAULT_SOCKET_MODE);
 	/* returns once dlpd_server_stop() has closed every handle */
-	if (r == 0)
+	if (r == 0) {
+		sigprocmask(SIG_UNBLOCK, &stop_signals, NULL);
 		uv_run(&loop, UV_RUN_DEFAULT);
+	}
 	dlpd_server_free(&srv);
 	uv_loop_close(&loop);
 	if (r == 0)

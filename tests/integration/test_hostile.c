@@ -727,6 +727,18 @@ START_TEST(test_sigterm_with_clients)
 }
 END_TEST
 
+/* SIGTERM the moment the socket accepts (before the daemon may have set up its handler). */
+START_TEST(test_sigterm_right_after_start)
+{
+	for (int i = 0; i < 20; i++) {
+		struct daemon d;
+
+		daemon_start(&d);
+		daemon_stop(&d); /* expects exit 0 and the socket gone */
+	}
+}
+END_TEST
+
 static Suite *hostile_suite(void)
 {
 	Suite *s = suite_create("hostile");
@@ -746,6 +758,7 @@ static Suite *hostile_suite(void)
 	tcase_add_test(life, test_second_daemon_refused);
 	tcase_add_test(life, test_stale_socket_taken_over);
 	tcase_add_test(life, test_sigterm_with_clients);
+	tcase_add_test(life, test_sigterm_right_after_start);
 	suite_add_tcase(s, life);
 	return s;
 }
