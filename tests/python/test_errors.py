@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Errors: OSError subclasses carrying errno and the entry's name, DLPack misuse, bad arguments."""
+import errno
+import os
+import socket
+
+import numpy as np
+import pytest
+
+import dlpack_ipc
+
+
+def test_missing_name(ipc, daemon):
+    with pytest.raises(FileNotFoundError) as ei:
+        ipc.attach("no/such/name")
+    assert ei.value.errno == errno.ENOENT
+    assert "no/such/name" in str(ei.value)
+    with pytest.raises(FileNotFoundError, match="no/such/dict"):
+        ipc.attach_dict("no/such/dict")
+    with pytest.raises(FileNotFoundError, match="no/such/entry"):
+        ipc.unpublish("no/such/entry")
+    assert daemon.stat()["protocol_errors"] == 0
+
+
+def test_taken_name(ipc, py):
+    py.check("""
+        import numpy as np, dlpack_ipc
+        dlpack_ipc.publish("taken", np.zeros(2))
+    """)
+    with pytest.raises(FileExistsError) as ei:
+        ipc.publish("taken", np.ones(2))
+    assert ei.value.errno == errno.EEXIST
+    assert "taken" in str(ei.value)
+    with pytest.raises(FileExistsError, match="taken"):
+        ipc.publish_dict("taken", {"a": np.ones(2)})
+    # the failed publishes changed nothing
+    np.testing.assert_array_equal(np.from_dlpack(ipc.attach("taken")), 0.0)
+    assert ipc.publish("taken", np.ones(2), replace=True) == 2
+    np.testing.assert_array_equal(np.from_dlpack(ipc.attach("taken")), 1.0)
+
+
+def test_unpublish_then_attach(ipc, py):
+    py.check("""
+        import numpy as np, dlpack_ipc
+        dlpack_ipc.publish("gone", np.zeros(2))
+    """)
+    assert ipc.unpublish("gone") is None
+    with pytest.raises(FileNotFoundError, match="gone"):
+        ipc.attach("gone")
+    assert ipc.publish("gone", np.zeros(3)) >= 1, "the name is free again"
+    np.testing.assert_array_equal(np.from_dlpack(ipc.attach("gone")), np.zeros(3))
+
+
+def test_no_daemon_missing_socket(tmp_path):
+    path = str(tmp_path / "nobody.sock")
+    with pytest.raises(FileNotFoundError) as ei:
+        dlpack_ipc.Client(socket=path)
+    assert ei.value.errno == errno.ENOENT
+    assert not isinstance(ei.value, ConnectionRefusedError)
+
+
+def test_no_daemon_stale_socket(tmp_path):
+    path = str(tmp_path / "stale.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.close()
+    assert os.path.exists(path)
+    with pytest.raises(ConnectionRefusedError) as ei:
+        dlpack_ipc.Client(socket=path)
+    assert ei.value.errno == errno.ECONNREFUSED
+
+
+def test_default_client_without_daemon(tmp_path, py):
+    cp = py.run("""
+        import dlpack_ipc
+        for f in (lambda: dlpack_ipc.attach("x"), dlpack_ipc.stat):
+            try:
+                f()
+            except FileNotFoundError as e:
+                print("FileNotFoundError", e.errno)
+            else:
+                print("no error")
+    """, env={"DLPACKD_SOCKET": str(tmp_path / "nobody.sock")})
+    assert cp.returncode == 0, py.describe(cp)
+    assert cp.stdout.split() == ["FileNotFoundError", str(errno.ENOENT)] * 2
+
+
+def test_wrong_device(ipc, py):
+    py.check("""
+        import numpy as np, dlpack_ipc
+        dlpack_ipc.publish("dev", np.zeros(2))
+    """)
+    t = ipc.attach("dev")
+    for dev in [(2, 0), (1, 1), (13, 0)]:
+        with pytest.raises(BufferError):
+            t.__dlpack__(dl_device=dev)
+        with pytest.raises(BufferError):
+            t.__dlpack__(dl_device=dev, max_version=(1, 0))
+    assert t.__dlpack__(dl_device=(1, 0)) is not None
+    with pytest.raises((ValueError, OSError)):
+        ipc.empty((2,), "float32", device="nonsense")
+
+
+def test_writable_attach_of_read_only_entry(ipc, daemon, py):
+    py.check("""
+        import numpy as np, dlpack_ipc
+        dlpack_ipc.publish("ro", np.zeros(2))
+    """)
+    with pytest.raises(PermissionError) as ei:
+        ipc.attach("ro", writable=True)
+    assert ei.value.errno in (errno.EACCES, errno.EPERM)
+    assert "ro" in str(ei.value)
+    # the refusal left no reference behind and a read-only attach still works
+    daemon.wait_stat(lambda s: s["references"] == 0, what="no references")
+    assert ipc.attach("ro").readonly is True
+
+
+def test_bad_arguments(ipc, daemon):
+    with pytest.raises(TypeError):
+        ipc.publish("bad", object())
+    with pytest.raises(TypeError):
+        ipc.publish("bad", [1, 2, 3])
+    with pytest.raises(TypeError):
+        ipc.publish("bad", np.zeros(2), bogus=True)
+    with pytest.raises(TypeError):
+        ipc.publish("bad", np.zeros(2), True)  # flags are keyword-only
+    with pytest.raises(TypeError):
+        ipc.attach("bad", 5)
+    with pytest.raises(TypeError):
+        ipc.attach("bad", bogus=1)
+    with pytest.raises(TypeError):
+        ipc.publish_dict("bad", {"a": object()})
+    with pytest.raises(TypeError):
+        ipc.publish_dict("bad", {1: np.zeros(2)})
+    with pytest.raises(TypeError):
+        dlpack_ipc.Client(socket=daemon.socket, bogus=1)
+    # nothing was published by any of these
+    assert ipc.list() == []
+    assert daemon.stat()["entries"] == 0 and daemon.stat()["protocol_errors"] == 0
+
+
+def test_numpy_cannot_export_bool_is_not_our_error(ipc):
+    # numpy 1.24 refuses to export bool over DLPack; the error comes through unchanged
+    with pytest.raises(BufferError):
+        ipc.publish("bool", np.zeros(3, dtype=bool))
+    assert ipc.list() == []
+
+
+def test_errors_name_the_entry_for_bundles_and_waits(ipc):
+    with pytest.raises(TimeoutError) as ei:
+        ipc.attach_dict("some/bundle", timeout=0.1)
+    assert ei.value.errno == errno.ETIMEDOUT
+    assert "some/bundle" in str(ei.value)
+    with pytest.raises(TimeoutError, match="some/tensor"):
+        ipc.attach("some/tensor", timeout=0.1)
+
+
+def test_daemon_survives_client_errors(ipc, daemon):
+    for _ in range(20):
+        with pytest.raises(FileNotFoundError):
+            ipc.attach("none")
+    ipc.publish("ok", np.arange(2))
+    st = daemon.stat()
+    assert st["entries"] == 1 and st["protocol_errors"] == 0 and st["references"] == 0

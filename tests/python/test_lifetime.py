@@ -1,0 +1,244 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Lifetime of attached memory and references, ephemeral entries, and zero-copy empty()."""
+import gc
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+PUBLISH_RANGE = """
+    import numpy as np, dlpack_ipc
+    dlpack_ipc.publish("life/x", np.arange(1000, dtype=np.float64))
+"""
+
+
+def settle(daemon, refs):
+    """Give fire-and-forget RELEASE messages a moment, then read STAT."""
+    gc.collect()
+    time.sleep(0.2)
+    return daemon.stat()["references"] == refs
+
+
+def test_array_outlives_dropped_shared_tensor(ipc, daemon, py):
+    py.check(PUBLISH_RANGE)
+    t = ipc.attach("life/x")
+    a = np.from_dlpack(t)
+    x = torch.from_dlpack(t)
+    assert daemon.stat()["references"] == 1
+    del t
+    gc.collect()
+    np.testing.assert_array_equal(a, np.arange(1000))
+    assert settle(daemon, 1), "the arrays still hold the reference"
+    del a
+    assert settle(daemon, 1), "the torch tensor still holds the reference"
+    assert x[999].item() == 999.0
+    del x
+    daemon.wait_stat(lambda s: s["references"] == 0, what="references == 0")
+
+
+def test_array_outlives_release(ipc, daemon, py):
+    py.check(PUBLISH_RANGE)
+    t = ipc.attach("life/x")
+    a1 = np.from_dlpack(t)
+    a2 = np.from_dlpack(t)
+    t.release()
+    with pytest.raises(BufferError):
+        np.from_dlpack(t)
+    assert settle(daemon, 1)
+    np.testing.assert_array_equal(a1, np.arange(1000))
+    del a1
+    assert settle(daemon, 1), "a2 still holds the reference"
+    np.testing.assert_array_equal(a2, np.arange(1000))
+    del a2
+    daemon.wait_stat(lambda s: s["references"] == 0, what="references == 0")
+    [e] = ipc.list("life/")
+    assert e.refs == 0
+
+
+def test_release_without_arrays_drops_reference(ipc, daemon, py):
+    py.check(PUBLISH_RANGE)
+    ts = [ipc.attach("life/x") for _ in range(3)]
+    assert daemon.stat()["references"] == 3
+    assert ipc.list("life/x")[0].refs == 3
+    ts[0].release()
+    daemon.wait_stat(lambda s: s["references"] == 2, what="references == 2")
+    del ts[1]
+    daemon.wait_stat(lambda s: s["references"] == 1, what="references == 1")
+    with ts[1]:
+        pass
+    daemon.wait_stat(lambda s: s["references"] == 0, what="references == 0")
+
+
+@pytest.mark.parametrize("how", ["exit", "os._exit", "SIGKILL"])
+def test_child_exit_leaves_no_references(ipc, daemon, py, how):
+    py.check(PUBLISH_RANGE)
+    base = daemon.stat()["connections"]
+    end = {"exit": "pass",
+           "os._exit": "os._exit(0)",
+           "SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)"}[how]
+    cp = py.run(f"""
+        import os, signal, numpy as np, dlpack_ipc
+        t = dlpack_ipc.attach("life/x")
+        a = np.from_dlpack(t)
+        d = [dlpack_ipc.attach("life/x") for _ in range(3)]
+        st = dlpack_ipc.stat()
+        print(st["references"], flush=True)
+        {end}
+    """)
+    assert cp.returncode == (-signal.SIGKILL if how == "SIGKILL" else 0), py.describe(cp)
+    assert cp.stdout.split() == ["4"]
+    daemon.wait_stat(lambda s: s["references"] == 0 and s["connections"] == base,
+                     what="child's references and connection gone")
+    assert daemon.stat()["storages"] == 1, "the entry is still published"
+
+
+def test_unpublished_storage_freed_after_last_array(ipc, daemon, py):
+    py.check(PUBLISH_RANGE)
+    t = ipc.attach("life/x")
+    a = np.from_dlpack(t)
+    held = daemon.stat()["bytes_held"]
+    assert held >= 8000
+    ipc.unpublish("life/x")
+    st = daemon.stat()
+    assert st["entries"] == 0 and st["storages"] == 1 and st["bytes_held"] == held
+    with pytest.raises(FileNotFoundError):
+        ipc.attach("life/x")
+    np.testing.assert_array_equal(a, np.arange(1000))
+    del t, a
+    gc.collect()
+    daemon.wait_stat(lambda s: s["storages"] == 0 and s["bytes_held"] == 0
+                     and s["references"] == 0, what="storage freed")
+
+
+def test_ephemeral_entry_vanishes_with_publisher(ipc, daemon, py):
+    cp = py.check("""
+        import numpy as np, dlpack_ipc
+        print(dlpack_ipc.publish("eph/x", np.arange(5), ephemeral=True))
+        dlpack_ipc.publish("eph/keep", np.arange(5))
+        print(len(dlpack_ipc.list("eph/")))
+    """)
+    assert cp.stdout.split() == ["1", "2"]
+    daemon.wait_stat(lambda s: s["entries"] == 1, what="ephemeral entry removed")
+    assert [e.name for e in ipc.list("eph/")] == ["eph/keep"]
+    with pytest.raises(FileNotFoundError, match="eph/x"):
+        ipc.attach("eph/x")
+
+
+def test_ephemeral_attached_memory_survives_publisher(ipc, daemon, py):
+    p = py.popen("""
+        import sys, time, numpy as np, dlpack_ipc
+        dlpack_ipc.publish("eph/y", np.arange(7, dtype=np.int32), ephemeral=True)
+        print("published", flush=True)
+        time.sleep(60)
+    """)
+    try:
+        assert p.stdout.readline().strip() == "published"
+        t = ipc.attach("eph/y")
+        a = np.from_dlpack(t)
+        [e] = ipc.list("eph/")
+        assert e.flags & 2, "DLPC_PUBLISH_EPHEMERAL is bit 1"
+    finally:
+        p.kill()
+        p.wait()
+    daemon.wait_stat(lambda s: s["entries"] == 0, what="ephemeral entry removed")
+    np.testing.assert_array_equal(a, np.arange(7))
+    assert daemon.stat()["storages"] == 1
+    del t, a
+    daemon.wait_stat(lambda s: s["storages"] == 0, what="storage freed")
+
+
+# ---- empty(): zero-copy publish --------------------------------------------------------------
+
+
+def test_empty_publish_is_zero_copy(ipc, daemon, py):
+    s0 = daemon.stat()
+    e = ipc.empty((10, 33), "float64")
+    assert e.shape == (10, 33) and e.dtype == "float64" and e.nbytes == 2640
+    assert e.readonly is False and e.device == "cpu"
+    assert daemon.stat()["storages"] == s0["storages"], "nothing is asked of the daemon yet"
+    # numpy 1.24's from_dlpack is always read-only: fill in place through torch's numpy view
+    w = torch.from_dlpack(e).numpy()
+    assert w.ctypes.data == e.data_ptr
+    w[...] = np.arange(330).reshape(10, 33) / 8
+    a = np.from_dlpack(e)
+    assert a.ctypes.data == e.data_ptr
+    gen = ipc.publish("alloc/x", e)
+    assert gen == 1
+    s1 = daemon.stat()
+    assert s1["bytes_held"] - s0["bytes_held"] == 2816, "2640 rounded up to 256, no more"
+    assert s1["storages"] - s0["storages"] == 1
+    assert e.readonly is True
+    assert e.data_ptr == a.ctypes.data
+    np.testing.assert_array_equal(a, np.arange(330).reshape(10, 33) / 8)
+    cp = py.check("""
+        import numpy as np, dlpack_ipc
+        t = dlpack_ipc.attach("alloc/x")
+        a = np.from_dlpack(t)
+        assert np.array_equal(a, np.arange(330).reshape(10, 33) / 8), a
+        print(t.shape, t.dtype, t.readonly)
+    """)
+    assert cp.stdout.strip() == "(10, 33) float64 True"
+
+
+def test_empty_writable_publish_shares_later_writes(ipc, daemon, py):
+    e = ipc.empty((4, 4), "int32")
+    w = torch.from_dlpack(e)
+    w.fill_(3)
+    ipc.publish("alloc/w", e, writable=True)
+    assert e.readonly is False
+    # written after publishing: only visible to the attacher if nothing was copied
+    w[2, 2] = 77
+    cp = py.check("""
+        import numpy as np, dlpack_ipc
+        a = np.from_dlpack(dlpack_ipc.attach("alloc/w"))
+        print(int(a[2, 2]), int(a.sum()))
+    """)
+    assert cp.stdout.split() == ["77", str(15 * 3 + 77)]
+
+
+def test_empty_sizes(ipc, daemon):
+    cases = [((1,), "uint8", 256), ((64,), "float32", 256), ((65,), "float32", 512),
+             ((0, 5), "float64", 256), ((), "complex128", 256), ((3, 100), "bfloat16", 768)]
+    bad = []
+    for i, (shape, dtype, size) in enumerate(cases):
+        s0 = daemon.stat()["bytes_held"]
+        e = ipc.empty(shape, dtype)
+        assert e.shape == shape and e.dtype == dtype
+        name = f"alloc/{i}"
+        ipc.publish(name, e)
+        got = daemon.stat()["bytes_held"] - s0
+        if got != size:
+            bad.append(f"{shape} {dtype}: bytes_held grew by {got}, expected {size}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("case", ["empty_then_publish", "read_only_attach"])
+def test_write_to_read_only_memory_segfaults(ipc, py, case):
+    if case == "empty_then_publish":
+        code = """
+            import torch, dlpack_ipc
+            e = dlpack_ipc.empty((1024,), "float32")
+            x = torch.from_dlpack(e)
+            x[0] = 1.0
+            dlpack_ipc.publish("ro/e", e)
+            print("published", flush=True)
+            x[1] = 2.0
+            print("wrote", flush=True)
+        """
+    else:
+        py.check("""
+            import numpy as np, dlpack_ipc
+            dlpack_ipc.publish("ro/a", np.zeros(1024, dtype=np.float32))
+        """)
+        code = """
+            import torch, dlpack_ipc
+            x = torch.from_dlpack(dlpack_ipc.attach("ro/a"))
+            print("published", flush=True)
+            x[1] = 2.0
+            print("wrote", flush=True)
+        """
+    cp = py.run(code)
+    assert cp.returncode == -signal.SIGSEGV, py.describe(cp)
+    assert cp.stdout.split() == ["published"]
