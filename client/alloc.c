@@ -37,7 +37,8 @@ int dlpc__memfd_create(const char *name, uint64_t size)
 		r = fallocate(fd, 0, 0, (off_t)size);
 	while (r < 0 && errno == EINTR);
 	if (r < 0 && errno != EOPNOTSUPP) {
-		r = dlpc__fail(errno == ENOSPC ? -ENOSPC : -errno,
+		/* a full /dev/shm says ENOSPC, a full memory cgroup ENOMEM: both are -ENOSPC */
+		r = dlpc__fail(errno == ENOSPC || errno == ENOMEM ? -ENOSPC : -errno,
 			       "cannot reserve %llu bytes of shared memory for '%s': %m",
 			       (unsigned long long)size, name);
 		goto fail;
@@ -106,6 +107,7 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
 	}
 	/* the region's own reference is handed to the view, which takes one more */
 	atomic_init(&r->refs, 1);
+	atomic_init(&r->frozen, false);
 	*ret = dlpc__view_new(r, r->base, device, dtype, ndim, shape, 0);
 	dlpc__region_unref(r);
 	return *ret ? 0 : dlpc__fail(-ENOMEM, "dlpc_alloc: out of memory");

@@ -110,7 +110,8 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 				 (uint16_t)d->dtype_lanes};
 
 		b->keys[i] = kp;
-		memcpy(kp, d->key.data, d->key.len);
+		if (d->key.len)
+			memcpy(kp, d->key.data, d->key.len);
 		kp[d->key.len] = '\0';
 		kp += d->key.len + 1;
 		b->tensors[i] = dlpc__view_new(b->region, (uint8_t *)b->region->base + d->offset,

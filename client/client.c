@@ -62,6 +62,61 @@ int dlpc__name_arg(const char *name, const char *what)
 	return 0;
 }
 
+/*
+ * Every open client, so that a forked child can close the sockets it inherited: otherwise a
+ * child (a DataLoader worker, a preforked server) would keep its parent's connection, with its
+ * references and ephemeral entries, alive after the parent closed it or died. The child cannot
+ * use them anyway (dlpc__check). fork() takes the list lock first, so the list is whole in the
+ * child.
+ */
+static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
+static dlpc_client *open_clients;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void atfork_prepare(void)
+{
+	pthread_mutex_lock(&open_mu);
+}
+
+static void atfork_parent(void)
+{
+	pthread_mutex_unlock(&open_mu);
+}
+
+static void atfork_child(void)
+{
+	for (dlpc_client *c = open_clients; c; c = c->next_open) {
+		dlpc__close(c->sock);
+		c->sock = -1;
+	}
+	pthread_mutex_unlock(&open_mu);
+}
+
+static void atfork_register(void)
+{
+	pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+}
+
+static void open_list_add(dlpc_client *c)
+{
+	pthread_once(&atfork_once, atfork_register);
+	pthread_mutex_lock(&open_mu);
+	c->next_open = open_clients;
+	open_clients = c;
+	pthread_mutex_unlock(&open_mu);
+}
+
+static void open_list_remove(dlpc_client *c)
+{
+	pthread_mutex_lock(&open_mu);
+	for (dlpc_client **pp = &open_clients; *pp; pp = &(*pp)->next_open)
+		if (*pp == c) {
+			*pp = c->next_open;
+			break;
+		}
+	pthread_mutex_unlock(&open_mu);
+}
+
 void dlpc__client_ref(dlpc_client *c)
 {
 	atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
@@ -69,7 +124,8 @@ void dlpc__client_ref(dlpc_client *c)
 
 static void client_free(dlpc_client *c)
 {
-	close(c->sock);
+	open_list_remove(c);
+	dlpc__close(c->sock);
 	dlpc__rx_clear(&c->rx);
 	dlpc__scratch_clear(&c->out);
 	pthread_mutex_destroy(&c->mu);
@@ -173,6 +229,7 @@ int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const
 	       int *rfd)
 {
 	struct dlpc__call call = {0};
+	size_t sent = 0;
 	ssize_t len;
 	int r;
 
@@ -192,15 +249,21 @@ int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const
 
 	pthread_mutex_lock(&c->wmu);
 	len = dlpc__msg_frame(&c->out, type, call.id, req, nfds);
-	r = len < 0 ? (int)len : dlpc__send_all(c->sock, c->out.p, (size_t)len, fds, nfds);
+	r = len < 0 ? (int)len
+		    : dlpc__send_counted(c->sock, c->out.p, (size_t)len, fds, nfds, &sent);
 	pthread_mutex_unlock(&c->wmu);
 
 	pthread_mutex_lock(&c->mu);
-	if (r == -EMSGSIZE) {
+	/* a request that failed before its first byte left (too large, out of memory, an fd the
+	 * kernel would not pass) leaves the connection as good as it was */
+	if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF) {
 		unlink_call(c, &call);
 		pthread_mutex_unlock(&c->mu);
-		return dlpc__fail(r, "request of %zu bytes exceeds the frame limit of %u bytes",
-				  protobuf_c_message_get_packed_size(req), DLPC_FRAME_MAX);
+		if (r == -EMSGSIZE)
+			return dlpc__fail(
+				r, "request of %zu bytes exceeds the frame limit of %u bytes",
+				protobuf_c_message_get_packed_size(req), DLPC_FRAME_MAX);
+		return dlpc__fail(r, "cannot send the request to dlpackd: %s", strerror(-r));
 	}
 	if (r < 0 && !c->broken) {
 		c->broken = r;
@@ -304,6 +367,7 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 	pthread_cond_init(&c->cv, NULL);
 	dlpc__rx_init(&c->rx);
 	c->sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	open_list_add(c);
 	if (c->sock < 0) {
 		r = dlpc__fail(-errno, "cannot create a socket: %m");
 		goto fail;

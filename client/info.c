@@ -36,7 +36,8 @@ static char *dup_bytes(const ProtobufCBinaryData *b)
 	char *s = malloc(b->len + 1);
 
 	if (s) {
-		memcpy(s, b->data, b->len);
+		if (b->len)
+			memcpy(s, b->data, b->len);
 		s[b->len] = '\0';
 	}
 	return s;
@@ -89,7 +90,8 @@ static int entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in)
 		t->shape = shape;
 		if (!t->key || !shape)
 			return -ENOMEM;
-		memcpy(shape, d->shape, d->n_shape * sizeof(int64_t));
+		if (d->n_shape)
+			memcpy(shape, d->shape, d->n_shape * sizeof(int64_t));
 		t->ndim = (int32_t)d->n_shape;
 		t->dtype.code = (uint8_t)d->dtype_code;
 		t->dtype.bits = (uint8_t)d->dtype_bits;
@@ -147,6 +149,10 @@ DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **
 			if (entry_fill(&v[n++], rep->entries[i]) < 0)
 				r = dlpc__fail(-ENOMEM, "dlpc_list: out of memory");
 		}
+		/* a page that does not move past the cursor would loop forever */
+		if (r == 0 && more && cursor && strcmp(v[n - 1].name, cursor) <= 0)
+			r = dlpc__fail(-EPROTO,
+				       "dlpc_list: dlpackd sent a page that does not advance");
 		if (r == 0 && more) {
 			free(cursor);
 			cursor = n ? strdup(v[n - 1].name) : NULL;

@@ -39,6 +39,8 @@ struct dlpc_client {
 
 	pthread_mutex_t wmu; /* serializes writes; protects out */
 	struct dlpc__scratch out;
+
+	struct dlpc_client *next_open; /* in the list of open clients (client.c) */
 };
 
 /*
@@ -53,6 +55,7 @@ struct dlpc__region {
 	int fd;		     /* dlpc_alloc memory: its memfd; attached memory: -1 */
 	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
 	uint64_t ref_id;
+	atomic_bool frozen; /* allocated memory sealed read-only and mprotected */
 };
 
 void dlpc__region_ref(struct dlpc__region *r);

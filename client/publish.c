@@ -251,6 +251,14 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	r = dlpc__memfd_seal(fd, name, flags & DLPC_PUBLISH_WRITABLE);
 	if (r < 0)
 		goto out;
+	/* Sealed read-only is read-only here too, from now on (whatever the daemon answers: the
+	 * seal cannot be undone): other shares of an allocation in this process must not change
+	 * what attachers see. Shares made later say so in their flags. */
+	if (zc && !(flags & DLPC_PUBLISH_WRITABLE) && !atomic_exchange(&zc->frozen, true) &&
+	    mprotect(zc->base, zc->len, PROT_READ) < 0) {
+		r = dlpc__fail(-errno, "cannot publish '%s': mprotect: %m", name);
+		goto out;
+	}
 
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
@@ -260,11 +268,6 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	req.n_tensors = n;
 	req.tensors = dptrs;
 	r = send_publish(c, &req, fd);
-	/* Published read-only means read-only here too: other shares of an allocation that remain
-	 * in this process must not change what attachers see. (mprotect of a mapping we own
-	 * cannot fail short of ENOMEM splitting it, which leaves it writable: nothing to undo.) */
-	if (r > 0 && zc && !(flags & DLPC_PUBLISH_WRITABLE))
-		mprotect(zc->base, zc->len, PROT_READ);
 out:
 	if (!zc && fd >= 0)
 		close(fd);

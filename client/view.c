@@ -92,7 +92,9 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
 		return NULL;
 	}
 	s = dlpc__view_new(r, t->dl_tensor.data, t->dl_tensor.device, t->dl_tensor.dtype,
-			   t->dl_tensor.ndim, t->dl_tensor.shape, t->flags);
+			   t->dl_tensor.ndim, t->dl_tensor.shape,
+			   t->flags |
+				   (atomic_load(&r->frozen) ? DLPACK_FLAG_BITMASK_READ_ONLY : 0));
 	if (!s)
 		dlpc__fail(-ENOMEM, "dlpc_tensor_share: out of memory");
 	return s;

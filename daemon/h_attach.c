@@ -124,18 +124,18 @@ int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	(void)id;
 	(void)f;
 	if (req->n_ref_ids > DLPC_RELEASE_BATCH_MAX) {
-		dlpd_log(LOG_WARNING, "RELEASE of %zu references exceeds the limit of %d",
-			 req->n_ref_ids, DLPC_RELEASE_BATCH_MAX);
+		dlpd_reply_error(p, 0, EPROTO, "RELEASE of %zu references exceeds the limit of %d",
+				 req->n_ref_ids, DLPC_RELEASE_BATCH_MAX);
 		return -EPROTO;
 	}
 	for (size_t i = 0; i < req->n_ref_ids; i++) {
 		struct dlpd_ref *ref = dlpd_ref_find(p, req->ref_ids[i]);
 
 		if (!ref) {
-			dlpd_log(LOG_WARNING,
-				 "RELEASE of reference %llu, which this client does not "
-				 "hold",
-				 (unsigned long long)req->ref_ids[i]);
+			dlpd_reply_error(
+				p, 0, EPROTO,
+				"RELEASE of reference %llu, which this client does not hold",
+				(unsigned long long)req->ref_ids[i]);
 			return -EPROTO;
 		}
 		dlpd_ref_drop(p, ref);

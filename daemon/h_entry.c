@@ -16,9 +16,8 @@ static int cmp_keys(const void *a, const void *b)
 {
 	const ProtobufCBinaryData *x = &(*(Dlpackd__V1__TensorDesc *const *)a)->key;
 	const ProtobufCBinaryData *y = &(*(Dlpackd__V1__TensorDesc *const *)b)->key;
-	int c = memcmp(x->data, y->data, x->len < y->len ? x->len : y->len);
 
-	return c ? c : (x->len > y->len) - (x->len < y->len);
+	return dlpc__bytes_cmp(x->data, x->len, y->data, y->len);
 }
 
 /* Are the tensor descriptions of @p req sound? 0, or -errno and the reason. */
@@ -82,20 +81,22 @@ static int check_tensors(const Dlpackd__V1__Publish *req, char *why, size_t whyl
 	return r;
 }
 
-/* The largest ATTACH reply this entry can produce (every varint at its widest). */
-static size_t attach_reply_size(const Dlpackd__V1__Publish *req)
+static void free_unknown(ProtobufCMessage *m)
 {
-	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
+	for (unsigned i = 0; i < m->n_unknown_fields; i++)
+		free(m->unknown_fields[i].data);
+	free(m->unknown_fields);
+	m->unknown_fields = NULL;
+	m->n_unknown_fields = 0;
+}
 
-	rep.generation = INT32_MAX;
-	rep.ref_id = UINT64_MAX;
-	rep.flags = UINT32_MAX;
-	rep.device_type = req->device_type;
-	rep.device_id = req->device_id;
-	rep.storage_size = req->storage_size;
-	rep.n_tensors = req->n_tensors;
-	rep.tensors = req->tensors;
-	return dlpackd__v1__attach_reply__get_packed_size(&rep);
+/* Fields this daemon does not know would be kept, one allocation each, for the entry's life:
+ * free them now. (protobuf-c's default allocator is malloc.) */
+static void drop_unknown_fields(Dlpackd__V1__Publish *req)
+{
+	free_unknown(&req->base);
+	for (size_t i = 0; i < req->n_tensors; i++)
+		free_unknown(&req->tensors[i]->base);
 }
 
 static bool may_change(const struct dlpd_peer *p, const struct dlpd_entry *e)
@@ -130,12 +131,6 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	r = check_tensors(req, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
-	if (attach_reply_size(req) > DLPC_FRAME_MAX)
-		return dlpd_reply_error(
-			p, id, EMSGSIZE,
-			"cannot publish '%s': its %zu tensor descriptions would not fit "
-			"in one %u-byte ATTACH reply",
-			name, req->n_tensors, DLPC_FRAME_MAX);
 	r = dlpd_storage_check(f->fds[0], req->storage_size, req->flags & DLPC_PUBLISH_WRITABLE,
 			       why, sizeof(why));
 	if (r < 0) {
@@ -165,6 +160,7 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	}
 	dlpc__frame_take_fd(f, 0);
 	st->names = 1;
+	drop_unknown_fields(req);
 	/* what the entry is, not how it was published */
 	req->flags &= ~DLPC_PUBLISH_REPLACE;
 	clock_gettime(CLOCK_REALTIME, &now);

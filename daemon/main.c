@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "dlpackd.h"
@@ -27,6 +28,19 @@ static void usage(FILE *f)
 		"The default socket is $DLPACKD_SOCKET if set, else %s for root and\n"
 		"$XDG_RUNTIME_DIR/%s for other users.\n",
 		DLPC_SYSTEM_SOCKET, DLPC_USER_SOCKET_NAME);
+}
+
+/* Every entry holds an fd: use all the fds the hard limit allows, not the soft 1024. */
+static void raise_fd_limit(void)
+{
+	struct rlimit rl;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+		rl.rlim_cur = rl.rlim_max;
+		if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
+			dlpd_log(LOG_WARNING, "cannot raise the fd limit to %llu: %m",
+				 (unsigned long long)rl.rlim_max);
+	}
 }
 
 int main(int argc, char **argv)
@@ -86,6 +100,7 @@ int main(int argc, char **argv)
 		socket_path = defpath;
 	}
 	signal(SIGPIPE, SIG_IGN);
+	raise_fd_limit();
 	/* Clients can connect as soon as the socket listens, which is before the SIGTERM handler
 	 * exists: hold the signals back until it does, so that none kills us by default. */
 	sigemptyset(&stop_signals);

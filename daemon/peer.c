@@ -19,16 +19,22 @@ struct handler {
 	int (*fn)(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
 	const ProtobufCMessageDescriptor *desc;
 	uint8_t min_fds, max_fds;
+	uint32_t max_len; /* largest payload this type may have: checked before unpacking */
 };
 
 static const struct handler handlers[DLPC_MSG__REQUEST_COUNT] = {
-	[DLPC_MSG_HELLO] = {dlpd_on_hello, &dlpackd__v1__hello__descriptor, 0, 0},
-	[DLPC_MSG_PUBLISH] = {dlpd_on_publish, &dlpackd__v1__publish__descriptor, 1, 1},
-	[DLPC_MSG_ATTACH] = {dlpd_on_attach, &dlpackd__v1__attach__descriptor, 0, 0},
-	[DLPC_MSG_RELEASE] = {dlpd_on_release, &dlpackd__v1__release__descriptor, 0, 0},
-	[DLPC_MSG_UNPUBLISH] = {dlpd_on_unpublish, &dlpackd__v1__unpublish__descriptor, 0, 0},
-	[DLPC_MSG_LIST] = {dlpd_on_list, &dlpackd__v1__list__descriptor, 0, 0},
-	[DLPC_MSG_STAT] = {dlpd_on_stat, &dlpackd__v1__stat__descriptor, 0, 0},
+	[DLPC_MSG_HELLO] = {dlpd_on_hello, &dlpackd__v1__hello__descriptor, 0, 0,
+			    DLPC_SMALL_MSG_MAX},
+	[DLPC_MSG_PUBLISH] = {dlpd_on_publish, &dlpackd__v1__publish__descriptor, 1, 1,
+			      DLPC_FRAME_MAX},
+	[DLPC_MSG_ATTACH] = {dlpd_on_attach, &dlpackd__v1__attach__descriptor, 0, 0,
+			     DLPC_SMALL_MSG_MAX},
+	[DLPC_MSG_RELEASE] = {dlpd_on_release, &dlpackd__v1__release__descriptor, 0, 0,
+			      DLPC_RELEASE_MSG_MAX},
+	[DLPC_MSG_UNPUBLISH] = {dlpd_on_unpublish, &dlpackd__v1__unpublish__descriptor, 0, 0,
+				DLPC_SMALL_MSG_MAX},
+	[DLPC_MSG_LIST] = {dlpd_on_list, &dlpackd__v1__list__descriptor, 0, 0, DLPC_SMALL_MSG_MAX},
+	[DLPC_MSG_STAT] = {dlpd_on_stat, &dlpackd__v1__stat__descriptor, 0, 0, DLPC_SMALL_MSG_MAX},
 };
 
 static void on_poll(uv_poll_t *h, int status, int events);
@@ -176,6 +182,13 @@ static int dispatch(struct dlpd_peer *p, struct dlpc__frame *f)
 		dlpd_reply_error(p, f->hdr.id, EPROTO, "%s carries %u fds, expected %u",
 				 dlpc__msg_name(type, name, sizeof(name)), f->nfds, h->min_fds);
 		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s with %u fds", name, f->nfds);
+		return -EPROTO;
+	}
+	if (f->hdr.len > h->max_len) {
+		dlpd_reply_error(p, f->hdr.id, EPROTO, "%s of %u bytes exceeds its limit of %u",
+				 dlpc__msg_name(type, name, sizeof(name)), f->hdr.len, h->max_len);
+		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s of %u bytes", name,
+			       f->hdr.len);
 		return -EPROTO;
 	}
 	m = protobuf_c_message_unpack(h->desc, NULL, f->hdr.len, f->payload);

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "dlpackd.h"
+#include "util.h"
 
 void dlpd_registry_init(struct dlpd_registry *r)
 {
@@ -241,17 +242,8 @@ static int cmp_entries(const void *a, const void *b)
 {
 	const ProtobufCBinaryData *x = &(*(struct dlpd_entry *const *)a)->pub->name;
 	const ProtobufCBinaryData *y = &(*(struct dlpd_entry *const *)b)->pub->name;
-	int c = memcmp(x->data, y->data, x->len < y->len ? x->len : y->len);
 
-	return c ? c : (x->len > y->len) - (x->len < y->len);
-}
-
-/* Does @p name come strictly after @p after in byte order? */
-static bool after(const ProtobufCBinaryData *name, const uint8_t *a, size_t alen)
-{
-	int c = memcmp(name->data, a, name->len < alen ? name->len : alen);
-
-	return c > 0 || (c == 0 && name->len > alen);
+	return dlpc__bytes_cmp(x->data, x->len, y->data, y->len);
 }
 
 int dlpd_registry_range(struct dlpd_registry *r, const uint8_t *prefix, size_t plen,
@@ -267,9 +259,10 @@ int dlpd_registry_range(struct dlpd_registry *r, const uint8_t *prefix, size_t p
 			struct dlpd_entry *e = dlpd_container_of(h, struct dlpd_entry, node);
 			const ProtobufCBinaryData *name = &e->pub->name;
 
-			if (name->len < plen || memcmp(name->data, prefix, plen) != 0)
+			if (name->len < plen ||
+			    dlpc__bytes_cmp(name->data, plen, prefix, plen) != 0)
 				continue;
-			if (alen > 0 && !after(name, a, alen))
+			if (alen > 0 && dlpc__bytes_cmp(name->data, name->len, a, alen) <= 0)
 				continue;
 			v[n++] = e;
 		}

@@ -104,26 +104,40 @@ static int probe(const char *path)
 static int take_lock(struct dlpd_server *s)
 {
 	size_t n = strlen(s->path) + sizeof(".lock");
+	struct stat held, now;
 
 	s->lock_path = malloc(n);
 	if (!s->lock_path)
 		return -ENOMEM;
 	snprintf(s->lock_path, n, "%s.lock", s->path);
-	s->lock_fd = open(s->lock_path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
-	if (s->lock_fd < 0) {
-		dlpd_log(LOG_ERR, "cannot open lock file %s: %m", s->lock_path);
-		return -errno;
-	}
-	if (flock(s->lock_fd, LOCK_EX | LOCK_NB) < 0) {
-		int r = -errno;
+	/* A stopping daemon unlinks the lock file: if ours was unlinked between open() and
+	 * flock(), the lock we got guards nothing. Try again on the file now at the path. */
+	for (int tries = 0; tries < 10; tries++) {
+		s->lock_fd = open(s->lock_path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+		if (s->lock_fd < 0) {
+			int r = -errno;
 
-		if (errno == EWOULDBLOCK)
-			dlpd_log(LOG_ERR, "another dlpackd is already running on %s", s->path);
-		else
-			dlpd_log(LOG_ERR, "cannot lock %s: %m", s->lock_path);
-		return r == -EWOULDBLOCK ? -EADDRINUSE : r;
+			dlpd_log(LOG_ERR, "cannot open lock file %s: %m", s->lock_path);
+			return r;
+		}
+		if (flock(s->lock_fd, LOCK_EX | LOCK_NB) < 0) {
+			int r = -errno;
+
+			if (errno == EWOULDBLOCK)
+				dlpd_log(LOG_ERR, "another dlpackd is already running on %s",
+					 s->path);
+			else
+				dlpd_log(LOG_ERR, "cannot lock %s: %m", s->lock_path);
+			return r == -EWOULDBLOCK ? -EADDRINUSE : r;
+		}
+		if (fstat(s->lock_fd, &held) == 0 && stat(s->lock_path, &now) == 0 &&
+		    held.st_ino == now.st_ino && held.st_dev == now.st_dev)
+			return 0;
+		close(s->lock_fd);
+		s->lock_fd = -1;
 	}
-	return 0;
+	dlpd_log(LOG_ERR, "lock file %s keeps changing under us", s->lock_path);
+	return -EAGAIN;
 }
 
 /* Create the socket's directory if it is missing (one level, like RuntimeDirectory=). */
@@ -143,6 +157,7 @@ static void make_parent(const char *path)
 int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, mode_t mode)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	struct stat st;
 	int r;
 
 	memset(s, 0, sizeof(*s));
@@ -173,8 +188,14 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, 
 		dlpd_log(LOG_ERR, "cannot check socket %s: %s", path, strerror(-r));
 		return r;
 	}
-	if (unlink(path) == 0)
-		dlpd_log(LOG_NOTICE, "removed stale socket %s", path);
+	if (lstat(path, &st) == 0) {
+		if (!S_ISSOCK(st.st_mode)) {
+			dlpd_log(LOG_ERR, "%s exists and is not a socket; not touching it", path);
+			return -EEXIST;
+		}
+		if (unlink(path) == 0)
+			dlpd_log(LOG_NOTICE, "removed stale socket %s", path);
+	}
 	s->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (s->listen_fd < 0 || bind(s->listen_fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
 		r = -errno;

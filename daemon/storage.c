@@ -11,7 +11,9 @@
 #include <fcntl.h>
 #include <linux/magic.h>
 #include <stdio.h>
+#include <string.h>
 #include <sys/stat.h>
+#include <sys/types.h>
 #include <sys/vfs.h>
 
 #include "dlpackd.h"
@@ -42,29 +44,36 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
 	struct statfs sfs;
 	int seals, fl;
 
-	if (fstat(fd, &st) < 0) {
-		snprintf(why, whylen, "storage fd cannot be inspected: %m");
+	/* F_GET_SEALS first: it answers from the inode without calling into the file's
+	 * filesystem, so a descriptor on a stalling filesystem (FUSE) cannot block the daemon in
+	 * fstat() below; it fails for anything that is not shmem or hugetlbfs, and for O_PATH. */
+	seals = fcntl(fd, F_GET_SEALS);
+	if (seals < 0) {
+		int err = errno;
+		struct statx sx;
+
+		/* naming the kind: cached attributes only, still no call into the filesystem */
+		if (statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_TYPE, &sx) == 0 &&
+		    !S_ISREG(sx.stx_mode))
+			snprintf(why, whylen, "storage fd is %s, not a memfd",
+				 file_kind(sx.stx_mode));
+		else if ((fl = fcntl(fd, F_GETFL)) >= 0 && (fl & O_PATH))
+			snprintf(why, whylen, "storage fd is an O_PATH descriptor, not a memfd");
+		else
+			snprintf(why, whylen,
+				 "storage fd is a file that cannot be sealed (not a memfd): %s",
+				 strerror(err));
 		return -EBADF;
 	}
-	if (!S_ISREG(st.st_mode)) {
-		snprintf(why, whylen, "storage fd is %s, not a memfd", file_kind(st.st_mode));
+	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+		snprintf(why, whylen, "storage fd is not a regular file, not a memfd");
 		return -EBADF;
 	}
 	fl = fcntl(fd, F_GETFL);
-	if (fl < 0 || (fl & O_PATH)) {
-		snprintf(why, whylen, "storage fd is an O_PATH descriptor, not a memfd");
-		return -EBADF;
-	}
 	if (fstatfs(fd, &sfs) < 0 ||
 	    (sfs.f_type != TMPFS_MAGIC && sfs.f_type != (typeof(sfs.f_type))HUGETLBFS_MAGIC)) {
-		snprintf(why, whylen,
-			 "storage fd is a file on a disk filesystem (magic 0x%lx), not a memfd",
+		snprintf(why, whylen, "storage fd is on filesystem 0x%lx, not a memfd",
 			 (unsigned long)sfs.f_type);
-		return -EBADF;
-	}
-	seals = fcntl(fd, F_GET_SEALS);
-	if (seals < 0) {
-		snprintf(why, whylen, "storage fd does not support seals (not a memfd): %m");
 		return -EBADF;
 	}
 	if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {

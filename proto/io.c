@@ -324,10 +324,12 @@ int dlpc__tx_send(struct dlpc__tx *tx, int sock, const void *data, size_t len, c
 	return 0;
 }
 
-int dlpc__send_all(int sock, const void *data, size_t len, const int *fds, unsigned nfds)
+int dlpc__send_counted(int sock, const void *data, size_t len, const int *fds, unsigned nfds,
+		       size_t *sent)
 {
 	const uint8_t *p = data;
 
+	*sent = 0;
 	while (len > 0) {
 		ssize_t n = send_some(sock, p, len, fds, nfds);
 
@@ -336,6 +338,14 @@ int dlpc__send_all(int sock, const void *data, size_t len, const int *fds, unsig
 		nfds = 0;
 		p += n;
 		len -= (size_t)n;
+		*sent += (size_t)n;
 	}
 	return 0;
+}
+
+int dlpc__send_all(int sock, const void *data, size_t len, const int *fds, unsigned nfds)
+{
+	size_t sent;
+
+	return dlpc__send_counted(sock, data, len, fds, nfds, &sent);
 }

@@ -92,6 +92,9 @@ int dlpc__tx_flush(struct dlpc__tx *tx, int sock);
 
 /* Write a whole frame to a blocking socket. 0 or negative errno. */
 int dlpc__send_all(int sock, const void *data, size_t len, const int *fds, unsigned nfds);
+/* The same, also telling in @p sent how many bytes went out before a failure. */
+int dlpc__send_counted(int sock, const void *data, size_t len, const int *fds, unsigned nfds,
+		       size_t *sent);
 
 /* close() that keeps errno and ignores -1. */
 void dlpc__close(int fd);

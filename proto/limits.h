@@ -25,6 +25,10 @@
  * DLPC_BUNDLE_MAX in dlpc.h. */
 /* Most references one RELEASE frame may carry. */
 #define DLPC_RELEASE_BATCH_MAX 1024
+/* Largest payload of a HELLO, ATTACH, UNPUBLISH, LIST or STAT (a name and a few numbers). */
+#define DLPC_SMALL_MSG_MAX 4096
+/* Largest payload of a RELEASE: DLPC_RELEASE_BATCH_MAX ids of up to 10 bytes, plus framing. */
+#define DLPC_RELEASE_MSG_MAX (DLPC_RELEASE_BATCH_MAX * 10 + 16)
 /* Most entries in one LIST reply page. */
 #define DLPC_LIST_PAGE_MAX 4096
 

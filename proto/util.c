@@ -1,9 +1,18 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include <errno.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "limits.h"
 #include "util.h"
+
+int dlpc__bytes_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen)
+{
+	size_t n = alen < blen ? alen : blen;
+	int c = n ? memcmp(a, b, n) : 0;
+
+	return c ? c : (alen > blen) - (alen < blen);
+}
 
 bool dlpc__utf8_valid(const uint8_t *s, size_t len)
 {
@@ -86,17 +95,25 @@ int dlpc__tensor_nbytes(unsigned bits, unsigned lanes, const int64_t *shape, siz
 		return -EINVAL;
 	if (__builtin_mul_overflow((uint64_t)bits, (uint64_t)lanes, &n))
 		return -EOVERFLOW;
-	/* a negative extent is an error wherever it is; a zero one makes the product 0 wherever
-	 * it is, even after extents whose product alone would overflow */
-	for (size_t i = 0; i < ndim; i++) {
+	/* A negative extent is an error wherever it is. The product of the non-zero extents must
+	 * fit an int64 even when a zero extent makes the tensor empty: strides are computed from
+	 * it. The byte count is 0 if any extent is. */
+	int64_t elems = 1;
+	bool empty = false;
+
+	for (size_t i = 0; i < ndim; i++)
 		if (shape[i] < 0)
 			return -EINVAL;
+	for (size_t i = 0; i < ndim; i++) {
 		if (shape[i] == 0)
-			n = 0;
-	}
-	for (size_t i = 0; i < ndim && n > 0; i++)
-		if (__builtin_mul_overflow(n, (uint64_t)shape[i], &n))
+			empty = true;
+		else if (__builtin_mul_overflow(elems, shape[i], &elems))
 			return -EOVERFLOW;
+	}
+	if (empty)
+		n = 0;
+	else if (__builtin_mul_overflow(n, (uint64_t)elems, &n))
+		return -EOVERFLOW;
 	*nbytes = n / 8 + (n % 8 != 0);
 	return 0;
 }

@@ -7,6 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Byte-wise order of two strings, shorter first on a tie; either may be NULL when empty. */
+int dlpc__bytes_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen);
 /* Is s[0..len) well-formed UTF-8 (no overlongs, surrogates or NUL)? */
 bool dlpc__utf8_valid(const uint8_t *s, size_t len);
 /* 0 if an entry name is acceptable, else -EINVAL with the reason in why. */

@@ -77,7 +77,8 @@ typedef struct dlpc_attach_opts {
 
 /** Publish: take over an existing name; it gets a new generation. */
 #define DLPC_PUBLISH_REPLACE (1u << 0)
-/** Publish: the name vanishes when this connection closes. */
+/** Publish: the name vanishes when this connection closes. The connection lives on after
+ * dlpc_close() while tensors attached through it do, and so does the name. */
 #define DLPC_PUBLISH_EPHEMERAL (1u << 1)
 /** Publish: attachers may map the storage writable. */
 #define DLPC_PUBLISH_WRITABLE (1u << 2)
@@ -144,7 +145,9 @@ DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
  * Fill it in place, then hand it to dlpc_publish(): it is published without a copy. If never
  * published, its deleter frees it. Only kDLCPU is supported for now. @p c may be NULL (nothing
  * is asked of the daemon). Other handles on the same memory (dlpc_tensor_share()) stay valid
- * after it is published; a read-only publish makes the memory read-only for them too.
+ * after it is published; a read-only publish (even one the daemon refuses: the memory is sealed
+ * by then) makes the memory read-only in this process too. Handles made earlier keep their
+ * flags, so do not write through them; handles made later carry the read-only flag.
  * @return 0 or a negative errno (-ENOSPC when shared memory is full).
  */
 DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, int32_t ndim,

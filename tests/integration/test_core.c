@@ -573,6 +573,12 @@ static int publish_two_and_exit(void *arg)
 	_exit(0); /* no dlpc_close: the connection ends with the process */
 }
 
+static bool one_entry_gone(const dlpc_stats *s, void *arg)
+{
+	(void)arg;
+	return s->entries == 0 && s->connections == 1;
+}
+
 static bool one_entry(const dlpc_stats *s, void *arg)
 {
 	(void)arg;
@@ -817,6 +823,13 @@ START_TEST(test_alloc_shares)
 	}
 	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
 	ck_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV);
+	/* shares made from now on say it is read-only */
+	{
+		DLManagedTensorVersioned *late = dlpc_tensor_share(view);
+
+		ck_assert(late->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
+		late->deleter(late);
+	}
 	/* the same memory published again read-only is fine; writable is refused */
 	ck_assert_dlpc(dlpc_publish(c, "frozen2", view, 0), 1);
 	ck_assert_dlpc(dlpc_publish(c, "thawed", again, DLPC_PUBLISH_WRITABLE), -EPERM);
@@ -913,6 +926,38 @@ START_TEST(test_fork_child_refused)
 	t->deleter(t);
 	ck_assert(wait_stat(c, no_refs, NULL, 1000));
 	dlpc_close(c);
+}
+END_TEST
+
+/* A forked child does not keep its parent's connection (nor its ephemeral names) alive. */
+START_TEST(test_fork_does_not_keep_connection)
+{
+	dlpc_client *c = connect_or_die(&D), *probe = connect_or_die(&D);
+	uint8_t buf[8] = {0};
+	int64_t shape[1] = {8};
+	int pipefd[2];
+	char ch;
+	pid_t pid;
+
+	ck_assert_dlpc(
+		dlpc_publish(c, "mine",
+			     host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
+			     DLPC_PUBLISH_EPHEMERAL),
+		1);
+	ck_assert_int_eq(pipe(pipefd), 0);
+	pid = fork();
+	if (pid == 0) {
+		/* hold on until the parent is done checking */
+		close(pipefd[1]);
+		CHILD_CHECK(read(pipefd[0], &ch, 1) == 0);
+		_exit(0);
+	}
+	close(pipefd[0]);
+	dlpc_close(c);
+	ck_assert(wait_stat(probe, one_entry_gone, NULL, 1000));
+	close(pipefd[1]);
+	ck_assert_int_eq(wait_child(pid), 0);
+	dlpc_close(probe);
 }
 END_TEST
 
@@ -1032,6 +1077,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_attach_shares);
 	tcase_add_test(tc, test_writable);
 	tcase_add_test(tc, test_fork_child_refused);
+	tcase_add_test(tc, test_fork_does_not_keep_connection);
 	tcase_add_test(tc, test_list);
 	tcase_add_test(tc, test_legacy_and_errors);
 	suite_add_tcase(s, tc);

@@ -18,6 +18,7 @@
 #include "io.h"
 #include "limits.h"
 #include "msg.h"
+#include "util.h"
 
 #define HDR DLPC_FRAME_HDR_SIZE
 #define FDS_MAX DLPC_FRAME_FDS_MAX
@@ -281,6 +282,52 @@ START_TEST(test_msg_frame_over_socket)
 END_TEST
 
 /* A message of exactly DLPC_FRAME_MAX packed bytes frames; one byte more is -EMSGSIZE. */
+/*
+ * The limits fit together: the widest tensor description the daemon accepts, DLPC_BUNDLE_MAX
+ * times, in an ATTACH reply with every number at its widest, still fits one frame. So any entry
+ * the daemon accepts can be attached. Widest description: a DLPC_KEY_MAX key, dtype fields at
+ * their limits, DLPC_NDIM_MAX extents whose non-zero product fits an int64 (1-byte extents plus
+ * eight 2-byte ones of 128: 2^56), the largest offset.
+ */
+START_TEST(test_widest_entry_fits_a_reply)
+{
+	static uint8_t key[DLPC_KEY_MAX];
+	int64_t shape[DLPC_NDIM_MAX];
+	Dlpackd__V1__TensorDesc d = DLPACKD__V1__TENSOR_DESC__INIT;
+	Dlpackd__V1__TensorDesc *one[1] = {&d};
+	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
+	uint64_t nbytes, each, total;
+
+	for (int i = 0; i < DLPC_NDIM_MAX; i++)
+		shape[i] = i < 8 ? 128 : 1;
+	/* this shape is accepted, and one more factor of 128 would not be */
+	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, DLPC_NDIM_MAX, &nbytes), 0);
+	shape[8] = INT64_C(1) << 8;
+	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, DLPC_NDIM_MAX, &nbytes), -EOVERFLOW);
+	shape[8] = 1;
+	memset(key, 'k', sizeof(key));
+	d.key.data = key;
+	d.key.len = DLPC_KEY_MAX;
+	d.dtype_code = UINT8_MAX;
+	d.dtype_bits = UINT8_MAX;
+	d.dtype_lanes = UINT16_MAX;
+	d.n_shape = DLPC_NDIM_MAX;
+	d.shape = shape;
+	d.offset = UINT64_MAX;
+	rep.generation = INT32_MAX;
+	rep.ref_id = UINT64_MAX;
+	rep.flags = UINT32_MAX;
+	rep.device_type = INT32_MIN;
+	rep.device_id = INT32_MIN;
+	rep.storage_size = UINT64_MAX;
+	rep.n_tensors = 1;
+	rep.tensors = one;
+	each = dlpackd__v1__tensor_desc__get_packed_size(&d) + 4; /* tag and length */
+	total = dlpackd__v1__attach_reply__get_packed_size(&rep) + each * (DLPC_BUNDLE_MAX - 1);
+	ck_assert_uint_le(total, DLPC_FRAME_MAX);
+}
+END_TEST
+
 START_TEST(test_msg_frame_limit)
 {
 	Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
@@ -337,6 +384,7 @@ static Suite *frame_suite(void)
 	tcase_add_test(tc, test_msg_frame);
 	tcase_add_test(tc, test_msg_frame_over_socket);
 	tcase_add_test(tc, test_msg_frame_limit);
+	tcase_add_test(tc, test_widest_entry_fits_a_reply);
 	suite_add_tcase(s, tc);
 	return s;
 }

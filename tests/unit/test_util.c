@@ -182,13 +182,19 @@ START_TEST(test_tensor_nbytes)
 	shape[1] = INT64_C(1) << 32;
 	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, 2, &nb), -EOVERFLOW);
 	ck_assert_int_eq(dlpc__tensor_nbytes(UINT32_MAX, UINT32_MAX, shape, 1, &nb), -EOVERFLOW);
-	/* a zero extent anywhere makes 0 bytes, even after extents that alone would overflow;
-	 * a negative extent anywhere is invalid, even after an overflowing pair */
+	/* a zero extent anywhere makes 0 bytes, but the other extents' product must still fit
+	 * an int64 (strides are computed from it); a negative extent anywhere is invalid */
 	shape[0] = INT64_MAX;
-	shape[1] = INT64_MAX;
+	shape[1] = 1;
 	shape[2] = 0;
 	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, 3, &nb), 0);
 	ck_assert_uint_eq(nb, 0);
+	shape[0] = 0;
+	shape[1] = INT64_C(1) << 62;
+	shape[2] = INT64_C(1) << 62;
+	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, 3, &nb), -EOVERFLOW);
+	shape[0] = INT64_MAX;
+	shape[1] = INT64_MAX;
 	shape[2] = -1;
 	ck_assert_int_eq(dlpc__tensor_nbytes(8, 1, shape, 3, &nb), -EINVAL);
 
