@@ -14,7 +14,7 @@
 #define MFD_NOEXEC_SEAL 0x0008U
 #endif
 
-int dlpc__memfd_create(const char *name, uint64_t size)
+int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
 {
 	char label[64];
 	int fd, r;
@@ -34,7 +34,7 @@ int dlpc__memfd_create(const char *name, uint64_t size)
 	/* reserve the pages now: a full /dev/shm or memory cgroup fails here, not with SIGBUS in
 	 * some attacher later */
 	do
-		r = fallocate(fd, 0, 0, (off_t)size);
+		r = reserve ? fallocate(fd, 0, 0, (off_t)size) : 0;
 	while (r < 0 && errno == EINTR);
 	if (r < 0 && errno != EOPNOTSUPP) {
 		/* a full /dev/shm says ENOSPC, a full memory cgroup ENOMEM: both are -ENOSPC */
@@ -90,7 +90,7 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
 	r = calloc(1, sizeof(*r));
 	if (!r)
 		return dlpc__fail(-ENOMEM, "dlpc_alloc: out of memory");
-	r->fd = dlpc__memfd_create("dlpc_alloc", size);
+	r->fd = dlpc__memfd_create("dlpc_alloc", size, true);
 	if (r->fd < 0) {
 		err = r->fd;
 		free(r);

@@ -43,7 +43,7 @@ DLPC_EXPORT const char *dlpc_last_error(void)
 
 int dlpc__check(const dlpc_client *c)
 {
-	if (getpid() != c->pid)
+	if (!dlpc__ours(c))
 		return dlpc__fail(-EBADFD,
 				  "this dlpc_client belongs to process %d; a forked child must "
 				  "call dlpc_connect() itself",
@@ -83,8 +83,11 @@ static void atfork_parent(void)
 	pthread_mutex_unlock(&open_mu);
 }
 
+unsigned dlpc__fork_gen;
+
 static void atfork_child(void)
 {
+	__atomic_add_fetch(&dlpc__fork_gen, 1, __ATOMIC_RELAXED);
 	for (dlpc_client *c = open_clients; c; c = c->next_open) {
 		dlpc__close(c->sock);
 		c->sock = -1;
@@ -321,7 +324,7 @@ void dlpc__release(dlpc_client *c, uint64_t ref_id)
 
 	/* in a forked child the reference is the parent's; the daemon drops it when the parent
 	 * releases it or goes away */
-	if (getpid() != c->pid)
+	if (!dlpc__ours(c))
 		return;
 	msg.n_ref_ids = 1;
 	msg.ref_ids = &ref_id;
@@ -361,6 +364,7 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 	if (!c)
 		return dlpc__fail(-ENOMEM, "out of memory");
 	c->pid = getpid();
+	c->fork_gen = __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
 	atomic_init(&c->refs, 1);
 	pthread_mutex_init(&c->mu, NULL);
 	pthread_mutex_init(&c->wmu, NULL);

@@ -25,7 +25,8 @@ struct dlpc__call;
  */
 struct dlpc_client {
 	int sock;
-	pid_t pid; /* process that connected; others get -EBADFD */
+	pid_t pid;	   /* process that connected; others get -EBADFD */
+	unsigned fork_gen; /* dlpc__fork_gen when it connected */
 	atomic_uint refs;
 
 	pthread_mutex_t mu; /* protects the fields below up to wmu */
@@ -66,10 +67,21 @@ DLManagedTensorVersioned *dlpc__view_new(struct dlpc__region *r, void *data, DLD
 					 uint64_t flags);
 /* The region of a tensor libdlpc made, or NULL for any other tensor. */
 struct dlpc__region *dlpc__view_region(const DLManagedTensorVersioned *t);
-/* A pre-allocated memfd of @p size bytes labelled after @p name; fd or negative errno. */
-int dlpc__memfd_create(const char *name, uint64_t size);
+/* A memfd of @p size bytes labelled after @p name, its pages allocated now if @p reserve (for
+ * memory that will be written through a mapping); fd or negative errno. */
+int dlpc__memfd_create(const char *name, uint64_t size, bool reserve);
 /* Seal a storage memfd for publishing (read-only unless @p writable). 0 or negative errno. */
 int dlpc__memfd_seal(int fd, const char *name, bool writable);
+
+/* Bumped in every forked child (pthread_atfork): a client whose fork_gen differs is not ours.
+ * Comparing it costs nothing, where getpid() is a system call on every attach and release. */
+extern unsigned dlpc__fork_gen;
+
+/* Is @p c usable in this process? */
+static inline bool dlpc__ours(const dlpc_client *c)
+{
+	return c->fork_gen == __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
+}
 
 /* Record @p err and a message for dlpc_last_error() in this thread; returns @p err. */
 int dlpc__fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -39,14 +39,42 @@ static bool is_contiguous(const DLTensor *t)
 	return true;
 }
 
-/* Copy @p t into @p dst as C-contiguous bytes. @p t is not contiguous; elements are whole bytes. */
-static void copy_strided(uint8_t *dst, const DLTensor *t)
+/* Bytes gathered from a strided tensor before each pwrite. */
+#define BOUNCE_SIZE (1u << 20)
+
+/* pwrite() all of @p buf at @p off. 0 or negative errno, the message naming @p name. */
+static int pwrite_all(int fd, const void *buf, size_t len, uint64_t off, const char *name)
+{
+	const uint8_t *p = buf;
+
+	while (len > 0) {
+		ssize_t n = pwrite(fd, p, len > (1u << 30) ? (1u << 30) : len, (off_t)off);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			/* a full /dev/shm says ENOSPC, a full memory cgroup ENOMEM */
+			int err = n < 0 ? errno : EIO;
+
+			return dlpc__fail(err == ENOSPC || err == ENOMEM ? -ENOSPC : -err,
+					  "cannot publish '%s': cannot write shared memory: %s",
+					  name, strerror(err));
+		}
+		p += n;
+		len -= (size_t)n;
+		off += (uint64_t)n;
+	}
+	return 0;
+}
+
+/* Write @p t, which is not contiguous (whole-byte elements), C-contiguous at @p off. */
+static int write_strided(int fd, uint64_t off, const DLTensor *t, uint8_t *bounce, const char *name)
 {
 	size_t elem = (size_t)t->dtype.bits * t->dtype.lanes / 8;
 	const uint8_t *src = (const uint8_t *)t->data + t->byte_offset;
 	int64_t idx[DLPC_NDIM_MAX] = {0};
-	size_t inner = elem, outer = 1;
-	int k = t->ndim;
+	size_t inner = elem, outer = 1, used = 0;
+	int k = t->ndim, r;
 
 	/* fold the trailing dimensions that are already contiguous into one run */
 	while (k > 0 && (t->shape[k - 1] == 1 || (size_t)t->strides[k - 1] * elem == inner))
@@ -54,15 +82,57 @@ static void copy_strided(uint8_t *dst, const DLTensor *t)
 	for (int i = 0; i < k; i++)
 		outer *= (size_t)t->shape[i];
 	for (size_t o = 0; o < outer; o++) {
-		int64_t off = 0;
+		const uint8_t *run;
+		int64_t pos = 0;
 
 		for (int i = 0; i < k; i++)
-			off += idx[i] * t->strides[i];
-		memcpy(dst, src + off * (int64_t)elem, inner);
-		dst += inner;
+			pos += idx[i] * t->strides[i];
+		run = src + pos * (int64_t)elem;
+		if (used + inner > BOUNCE_SIZE) {
+			r = pwrite_all(fd, bounce, used, off, name);
+			if (r < 0)
+				return r;
+			off += used;
+			used = 0;
+		}
+		if (inner > BOUNCE_SIZE) {
+			/* a run this long is worth its own write */
+			r = pwrite_all(fd, run, inner, off, name);
+			if (r < 0)
+				return r;
+			off += inner;
+		} else {
+			memcpy(bounce + used, run, inner);
+			used += inner;
+		}
 		for (int i = k - 1; i >= 0 && ++idx[i] == t->shape[i]; i--)
 			idx[i] = 0;
 	}
+	return used ? pwrite_all(fd, bounce, used, off, name) : 0;
+}
+
+/* Write every tensor into the fresh memfd @p fd at its offset. 0 or negative errno. */
+static int write_slots(int fd, const struct slot *slots, size_t n, const char *name)
+{
+	uint8_t *bounce = NULL;
+	int r = 0;
+
+	for (size_t i = 0; i < n && r == 0; i++) {
+		const DLTensor *t = slots[i].t;
+
+		if (slots[i].nbytes == 0)
+			continue;
+		if (slots[i].contiguous) {
+			r = pwrite_all(fd, (const uint8_t *)t->data + t->byte_offset,
+				       slots[i].nbytes, slots[i].offset, name);
+			continue;
+		}
+		if (!bounce && !(bounce = malloc(BOUNCE_SIZE)))
+			return dlpc__fail(-ENOMEM, "cannot publish '%s': out of memory", name);
+		r = write_strided(fd, slots[i].offset, t, bounce, name);
+	}
+	free(bounce);
+	return r;
 }
 
 /* Check @p t and size it; the message names the tensor. */
@@ -176,7 +246,6 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	struct slot *slots = NULL;
 	struct dlpc__region *zc = NULL;
 	uint64_t size = 0;
-	uint8_t *map;
 	int fd = -1, r;
 
 	r = publish_args(c, name, n, tensors, keys, flags);
@@ -224,29 +293,17 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 				   tensors[0]->dl_tensor.byte_offset - (const uint8_t *)zc->base);
 	} else {
 		size = size ? size : DLPC_ALIGN;
-		fd = dlpc__memfd_create(name, size);
+		/* Written with pwrite, not through a mapping: no page faults, and no pages zeroed
+		 * only to be overwritten. Pages are allocated as they are written, so a full
+		 * /dev/shm fails here, at publish, like a reservation would. */
+		fd = dlpc__memfd_create(name, size, false);
 		if (fd < 0) {
 			r = fd;
 			goto out;
 		}
-		map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-		if (map == MAP_FAILED) {
-			r = dlpc__fail(-errno, "cannot publish '%s': cannot map shared memory: %m",
-				       name);
+		r = write_slots(fd, slots, n, name);
+		if (r < 0)
 			goto out;
-		}
-		for (size_t i = 0; i < n; i++) {
-			const DLTensor *t = slots[i].t;
-
-			if (slots[i].nbytes == 0)
-				continue;
-			if (slots[i].contiguous)
-				memcpy(map + slots[i].offset,
-				       (const uint8_t *)t->data + t->byte_offset, slots[i].nbytes);
-			else
-				copy_strided(map + slots[i].offset, t);
-		}
-		munmap(map, size);
 	}
 	r = dlpc__memfd_seal(fd, name, flags & DLPC_PUBLISH_WRITABLE);
 	if (r < 0)

@@ -238,6 +238,12 @@ int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 /* h_attach.c: answer the waiters of a name that was just published. */
 void dlpd_wake_waiters(struct dlpd_server *s, struct dlpd_entry *e);
 
+/* reaper.c: close fds on a thread, off the event loop (see there why). */
+int dlpd_reaper_start(void);
+/* Close what is queued, then stop the thread. */
+void dlpd_reaper_stop(void);
+void dlpd_close_later(int fd);
+
 /* Monotonic milliseconds. */
 uint64_t dlpd_now_ms(void);
 

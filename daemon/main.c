@@ -108,6 +108,12 @@ int main(int argc, char **argv)
 	sigaddset(&stop_signals, SIGINT);
 	sigprocmask(SIG_BLOCK, &stop_signals, NULL);
 	uv_loop_init(&loop);
+	r = dlpd_reaper_start();
+	if (r < 0) {
+		dlpd_log(LOG_ERR, "cannot start the fd reaper thread: %s", strerror(-r));
+		uv_loop_close(&loop);
+		return 1;
+	}
 	r = dlpd_server_start(&srv, &loop, socket_path, DEFAULT_SOCKET_MODE);
 	/* returns once dlpd_server_stop() has closed every handle */
 	if (r == 0) {
@@ -115,6 +121,7 @@ int main(int argc, char **argv)
 		uv_run(&loop, UV_RUN_DEFAULT);
 	}
 	dlpd_server_free(&srv);
+	dlpd_reaper_stop();
 	uv_loop_close(&loop);
 	if (r == 0)
 		dlpd_log(LOG_NOTICE, "stopped");

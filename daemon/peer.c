@@ -85,7 +85,7 @@ static void peer_closed(uv_handle_t *h)
 {
 	struct dlpd_peer *p = h->data;
 
-	close(p->fd);
+	dlpd_close_later(p->fd);
 	free(p);
 }
 

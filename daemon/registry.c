@@ -99,7 +99,8 @@ void dlpd_storage_unref(struct dlpd_registry *r, struct dlpd_storage *st, bool n
 		return;
 	r->storages--;
 	r->bytes -= st->size;
-	close(st->fd);
+	/* the last close of a memfd frees its memory: not on the loop */
+	dlpd_close_later(st->fd);
 	free(st);
 }
 

@@ -20,6 +20,22 @@ void dlpc__close(int fd)
 	errno = saved;
 }
 
+static void (*closer)(int fd) = dlpc__close;
+
+void dlpc__set_closer(void (*fn)(int fd))
+{
+	closer = fn ? fn : dlpc__close;
+}
+
+/* fds from a peer (or duplicates of ours): closing one may take long, so it goes through the
+ * closer the program chose */
+static void close_fds(const int *fds, unsigned n)
+{
+	for (unsigned i = 0; i < n; i++)
+		if (fds[i] >= 0)
+			closer(fds[i]);
+}
+
 void dlpc__rx_init(struct dlpc__rx *rx)
 {
 	memset(rx, 0, sizeof(*rx));
@@ -29,8 +45,7 @@ void dlpc__rx_init(struct dlpc__rx *rx)
 void dlpc__rx_clear(struct dlpc__rx *rx)
 {
 	for (unsigned b = 0; b < rx->nbatch; b++)
-		for (unsigned i = 0; i < rx->batch[b].n; i++)
-			dlpc__close(rx->batch[b].fds[i]);
+		close_fds(rx->batch[b].fds, rx->batch[b].n);
 	free(rx->buf);
 	dlpc__rx_init(rx);
 }
@@ -70,12 +85,6 @@ static int rx_reserve(struct dlpc__rx *rx)
 		rx->cap = need;
 	}
 	return 0;
-}
-
-static void close_fds(const int *fds, unsigned n)
-{
-	for (unsigned i = 0; i < n; i++)
-		dlpc__close(fds[i]);
 }
 
 ssize_t dlpc__rx_read(struct dlpc__rx *rx, int sock, char *why, size_t whylen)

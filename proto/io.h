@@ -98,5 +98,12 @@ int dlpc__send_counted(int sock, const void *data, size_t len, const int *fds, u
 
 /* close() that keeps errno and ignores -1. */
 void dlpc__close(int fd);
+/*
+ * Route the closing of fds that came from a peer, or that wait in a send queue, through @p fn
+ * (NULL: close at once). Closing such an fd can block: the last close of a large memfd frees
+ * its memory, and a file on a stalling filesystem (FUSE) may wait for it. The daemon hands
+ * them to a thread.
+ */
+void dlpc__set_closer(void (*fn)(int fd));
 
 #endif

@@ -19,8 +19,8 @@ typedef struct {
 /* A connection; reconnects by itself in a forked child. */
 typedef struct {
 	PyObject_HEAD dlpc_client *c;
-	pid_t pid;
-	char *path; /* NULL: the default socket */
+	unsigned fork_gen; /* see module.c */
+	char *path;	   /* NULL: the default socket */
 } ClientObject;
 
 /* A tensor attached from, or allocated for, dlpackd. */
