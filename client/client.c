@@ -229,7 +229,7 @@ static void unlink_call(dlpc_client *c, struct dlpc__call *call)
 
 int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
 	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
-	       int *rfd)
+	       int *rfd, ProtobufCAllocator *alloc)
 {
 	struct dlpc__call call = {0};
 	size_t sent = 0;
@@ -303,7 +303,7 @@ int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const
 	} else if (call.type != (type | DLPC_MSG_REPLY)) {
 		r = dlpc__fail(-EPROTO, "dlpackd answered with frame type 0x%x", call.type);
 	} else {
-		*rep = protobuf_c_message_unpack(rdesc, NULL, call.len, call.payload);
+		*rep = protobuf_c_message_unpack(rdesc, alloc, call.len, call.payload);
 		if (!*rep)
 			r = dlpc__fail(-EPROTO, "malformed reply from dlpackd");
 	}
@@ -385,7 +385,8 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 	hello.version_minor = DLPC_PROTO_MINOR;
 	hello.client = "libdlpc " DLPD_VERSION;
 	r = dlpc__call(c, DLPC_MSG_HELLO, &hello.base, NULL, 0,
-		       &dlpackd__v1__hello_reply__descriptor, (ProtobufCMessage **)&rep, NULL);
+		       &dlpackd__v1__hello_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
+		       NULL);
 	if (r < 0)
 		goto fail;
 	if (rep->version_major != DLPC_PROTO_MAJOR) {

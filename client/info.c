@@ -24,7 +24,8 @@ DLPC_EXPORT int dlpc_unpublish(dlpc_client *c, const char *name)
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
 	r = dlpc__call(c, DLPC_MSG_UNPUBLISH, &req.base, NULL, 0,
-		       &dlpackd__v1__unpublish_reply__descriptor, (ProtobufCMessage **)&rep, NULL);
+		       &dlpackd__v1__unpublish_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
+		       NULL);
 	if (r < 0)
 		return r;
 	dlpackd__v1__unpublish_reply__free_unpacked(rep, NULL);
@@ -132,7 +133,7 @@ DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **
 		req.start_after.len = cursor ? strlen(cursor) : 0;
 		r = dlpc__call(c, DLPC_MSG_LIST, &req.base, NULL, 0,
 			       &dlpackd__v1__list_reply__descriptor, (ProtobufCMessage **)&rep,
-			       NULL);
+			       NULL, NULL);
 		if (r < 0)
 			break;
 		more = rep->more && rep->n_entries > 0;
@@ -184,7 +185,7 @@ DLPC_EXPORT int dlpc_stat(dlpc_client *c, dlpc_stats *out)
 	if (r < 0)
 		return r;
 	r = dlpc__call(c, DLPC_MSG_STAT, &req.base, NULL, 0, &dlpackd__v1__stat_reply__descriptor,
-		       (ProtobufCMessage **)&rep, NULL);
+		       (ProtobufCMessage **)&rep, NULL, NULL);
 	if (r < 0)
 		return r;
 	s.daemon_pid = rep->daemon_pid;

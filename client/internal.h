@@ -89,12 +89,13 @@ int dlpc__fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3
 int dlpc__check(const dlpc_client *c);
 /*
  * Send @p req with @p nfds fds and wait for its reply, unpacked with @p rdesc into @p rep (the
- * caller frees it). If @p rfd is not NULL it receives the reply's fd (or -1).
+ * caller frees it, with @p alloc: NULL for the default allocator, or an arena's). If @p rfd is
+ * not NULL it receives the reply's fd (or -1).
  * An ERROR reply returns its negative code and sets the thread's message.
  */
 int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
 	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
-	       int *rfd);
+	       int *rfd, ProtobufCAllocator *alloc);
 /* Fire-and-forget RELEASE of one reference; does nothing in a forked child. */
 void dlpc__release(dlpc_client *c, uint64_t ref_id);
 void dlpc__client_ref(dlpc_client *c);

@@ -203,7 +203,8 @@ static int send_publish(dlpc_client *c, Dlpackd__V1__Publish *req, int fd)
 	int r;
 
 	r = dlpc__call(c, DLPC_MSG_PUBLISH, &req->base, &fd, 1,
-		       &dlpackd__v1__publish_reply__descriptor, (ProtobufCMessage **)&rep, NULL);
+		       &dlpackd__v1__publish_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
+		       NULL);
 	if (r < 0)
 		return r;
 	r = rep->generation > 0 && rep->generation <= INT32_MAX

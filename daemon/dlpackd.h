@@ -90,6 +90,8 @@ struct dlpd_entry {
 	struct dlpd_hnode node;	   /* in registry.names, hashed by name */
 	Dlpackd__V1__Publish *pub; /* the request that published it: name, flags, tensors */
 	struct dlpd_storage *st;
+	uint8_t *tensors_wire; /* the tensors as an AttachReply encodes them, made at publish */
+	size_t tensors_wire_len;
 	uint64_t generation;
 	uid_t uid;
 	pid_t pid;
@@ -188,6 +190,9 @@ void dlpd_peer_kill(struct dlpd_peer *p, int prio, const char *fmt, ...)
 /* Send a reply frame; on a broken connection the peer is killed. */
 int dlpd_reply(struct dlpd_peer *p, uint16_t type, uint32_t id, const ProtobufCMessage *m,
 	       const int *fds, unsigned nfds);
+/* The same, appending @p tail: fields of the same message, already encoded. */
+int dlpd_reply_tail(struct dlpd_peer *p, uint16_t type, uint32_t id, const ProtobufCMessage *m,
+		    const uint8_t *tail, size_t tail_len, const int *fds, unsigned nfds);
 /* Send an ERROR reply with a formatted message; @p err is an errno (either sign). */
 int dlpd_reply_error(struct dlpd_peer *p, uint32_t id, int err, const char *fmt, ...)
 	__attribute__((format(printf, 4, 5)));

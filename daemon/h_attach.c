@@ -37,9 +37,9 @@ static int attach_reply(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, 
 	rep.device_type = e->st->device_type;
 	rep.device_id = e->st->device_id;
 	rep.storage_size = e->st->size;
-	rep.n_tensors = pub->n_tensors;
-	rep.tensors = pub->tensors;
-	r = dlpd_reply(p, DLPC_MSG_ATTACH | DLPC_MSG_REPLY, id, &rep.base, &e->st->fd, 1);
+	/* the descriptions were encoded once, at publish */
+	r = dlpd_reply_tail(p, DLPC_MSG_ATTACH | DLPC_MSG_REPLY, id, &rep.base, e->tensors_wire,
+			    e->tensors_wire_len, &e->st->fd, 1);
 	if (r == 0)
 		p->srv->stats.fds_sent++;
 	return r;

@@ -99,6 +99,23 @@ static void drop_unknown_fields(Dlpackd__V1__Publish *req)
 		free_unknown(&req->tensors[i]->base);
 }
 
+/* The descriptions as an ATTACH reply encodes them (an AttachReply with only its tensors set
+ * packs to exactly that field): every ATTACH of the entry appends these bytes instead of
+ * encoding them again. NULL on ENOMEM. */
+static uint8_t *encode_tensors(const Dlpackd__V1__Publish *req, size_t *len)
+{
+	Dlpackd__V1__AttachReply only = DLPACKD__V1__ATTACH_REPLY__INIT;
+	uint8_t *wire;
+
+	only.n_tensors = req->n_tensors;
+	only.tensors = req->tensors;
+	*len = dlpackd__v1__attach_reply__get_packed_size(&only);
+	wire = malloc(*len ? *len : 1);
+	if (wire)
+		dlpackd__v1__attach_reply__pack(&only, wire);
+	return wire;
+}
+
 static bool may_change(const struct dlpd_peer *p, const struct dlpd_entry *e)
 {
 	return p->uid == 0 || p->uid == e->uid;
@@ -111,6 +128,8 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	struct dlpd_server *s = p->srv;
 	struct dlpd_entry *old, *e;
 	struct dlpd_storage *st;
+	uint8_t *wire;
+	size_t wire_len;
 	char why[256], name[NAME_TEXT], desc[96];
 	struct timespec now;
 	int r;
@@ -149,24 +168,25 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 					"'%s' belongs to uid %u; uid %u may not replace it", name,
 					(unsigned)old->uid, (unsigned)p->uid);
 
-	e = calloc(1, sizeof(*e));
-	if (!e)
-		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
-	st = dlpd_storage_new(&s->reg, f->fds[0], req->storage_size, req->device_type,
-			      req->device_id);
+	drop_unknown_fields(req);
+	wire = encode_tensors(req, &wire_len);
+	e = wire ? calloc(1, sizeof(*e)) : NULL;
+	st = e ? dlpd_storage_new(&s->reg, f->fds[0], req->storage_size, req->device_type,
+				  req->device_id)
+	       : NULL;
 	if (!st) {
 		free(e);
+		free(wire);
 		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
 	}
 	dlpc__frame_take_fd(f, 0);
 	st->names = 1;
-	drop_unknown_fields(req);
+	e->st = st;
+	e->pub = req;
+	*m = NULL;
 	/* what the entry is, not how it was published */
 	req->flags &= ~DLPC_PUBLISH_REPLACE;
 	clock_gettime(CLOCK_REALTIME, &now);
-	e->pub = req;
-	*m = NULL;
-	e->st = st;
 	e->generation = old && old->generation < INT32_MAX ? old->generation + 1 : 1;
 	e->uid = p->uid;
 	e->pid = p->pid;
@@ -179,6 +199,8 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	dlpd_log(LOG_DEBUG, "%s: published '%s' generation %llu, %zu tensors, %llu bytes",
 		 dlpd_peer_desc(p, desc, sizeof(desc)), name, (unsigned long long)e->generation,
 		 req->n_tensors, (unsigned long long)req->storage_size);
+	e->tensors_wire = wire;
+	e->tensors_wire_len = wire_len;
 	/* Waking waiters may fail a write to this very connection and kill it, freeing e if it
 	 * is ephemeral: nothing below may touch e. */
 	if (dlpd_entry_insert(s, e, old) < 0)

@@ -120,13 +120,19 @@ static void want_events(struct dlpd_peer *p, int events)
 int dlpd_reply(struct dlpd_peer *p, uint16_t type, uint32_t id, const ProtobufCMessage *m,
 	       const int *fds, unsigned nfds)
 {
+	return dlpd_reply_tail(p, type, id, m, NULL, 0, fds, nfds);
+}
+
+int dlpd_reply_tail(struct dlpd_peer *p, uint16_t type, uint32_t id, const ProtobufCMessage *m,
+		    const uint8_t *tail, size_t tail_len, const int *fds, unsigned nfds)
+{
 	struct dlpc__scratch *out = &p->srv->out;
 	ssize_t len;
 	int r;
 
 	if (p->dead)
 		return -EPIPE;
-	len = dlpc__msg_frame(out, type, id, m, nfds);
+	len = dlpc__msg_frame_tail(out, type, id, m, tail, tail_len, nfds);
 	if (len < 0) {
 		dlpd_peer_kill(p, LOG_ERR, "cannot build a reply: %s", strerror((int)-len));
 		return (int)len;

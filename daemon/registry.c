@@ -45,6 +45,7 @@ static void entry_free(struct dlpd_registry *r, struct dlpd_entry *e)
 	if (e->owner)
 		dlpd_list_del(&e->owner_link);
 	dlpd_storage_unref(r, e->st, true);
+	free(e->tensors_wire);
 	dlpackd__v1__publish__free_unpacked(e->pub, NULL);
 	free(e);
 }

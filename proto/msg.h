@@ -18,6 +18,26 @@ struct dlpc__scratch {
 /* Write header + packed @p m into @p s. Returns the frame's length, -EMSGSIZE or -ENOMEM. */
 ssize_t dlpc__msg_frame(struct dlpc__scratch *s, uint16_t type, uint32_t id,
 			const ProtobufCMessage *m, unsigned nfds);
+/*
+ * The same, with @p tail (already encoded fields of the same message) appended to the payload.
+ * Protobuf fields may come in any order, so packed(m) + tail parses as one message.
+ */
+ssize_t dlpc__msg_frame_tail(struct dlpc__scratch *s, uint16_t type, uint32_t id,
+			     const ProtobufCMessage *m, const uint8_t *tail, size_t tail_len,
+			     unsigned nfds);
+
+/*
+ * A bump allocator for unpacking a message whose parts all die together: one malloc per
+ * chunk instead of one per field. Unpack with dlpc__arena_allocator(), never free the message
+ * itself; dlpc__arena_clear() frees everything.
+ */
+struct dlpc__arena {
+	struct dlpc__arena_chunk *chunks;
+	ProtobufCAllocator alloc;
+};
+
+void dlpc__arena_init(struct dlpc__arena *a);
+void dlpc__arena_clear(struct dlpc__arena *a);
 void dlpc__scratch_clear(struct dlpc__scratch *s);
 
 #endif
