@@ -1,0 +1,579 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The C half of the benchmarks: the physical floor (a minimal AF_UNIX server handing out one
+ * memfd per request, written here), libdlpc attach/release across sizes, publishing, aggregate
+ * throughput with several client processes, and the daemon's footprint.
+ *
+ * Usage: bench_c --socket PATH [--quick]
+ * Prints one JSON object per line (see bench/run.py); progress goes to stderr.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <sched.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <dlpc/dlpc.h>
+
+#define MAX_SIZES 8
+#define MAX_CLIENTS 8
+
+static const char *sock_path;
+static bool quick;
+static int pin_cpu = -1;
+static pid_t daemon_pid;
+static size_t sizes[MAX_SIZES];
+static int nsizes;
+
+static void die(const char *what)
+{
+	fprintf(stderr, "bench_c: %s: %s (%s)\n", what, strerror(errno), dlpc_last_error());
+	exit(1);
+}
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+	return (x > y) - (x < y);
+}
+
+/* Print a latency row from @p n samples in ns. */
+static void row(const char *group, const char *impl, long long size, uint64_t *ns, int n)
+{
+	qsort(ns, (size_t)n, sizeof(*ns), cmp_u64);
+	printf("{\"group\": \"%s\", \"impl\": \"%s\", \"size\": ", group, impl);
+	if (size < 0)
+		printf("null");
+	else
+		printf("%lld", size);
+	printf(", \"median_us\": %.3f, \"p99_us\": %.3f, \"reps\": %d}\n", ns[n / 2] / 1e3,
+	       ns[(size_t)((n - 1) * 0.99)] / 1e3, n);
+	fflush(stdout);
+}
+
+/* How many repetitions for one measurement: bounded by count and by time. */
+static int reps_for(size_t size)
+{
+	if (quick)
+		return size > (1 << 20) ? 10 : 100;
+	return size >= (256u << 20) ? 50 : size >= (16u << 20) ? 500 : 3000;
+}
+
+static int memfd_of(size_t size)
+{
+	int fd = memfd_create("bench-floor", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+
+	if (fd < 0 || ftruncate(fd, (off_t)size) < 0 || fallocate(fd, 0, 0, (off_t)size) < 0)
+		die("floor memfd");
+	return fd;
+}
+
+/* ---- the floor: one request byte in, one byte and one fd out, over AF_UNIX ---- */
+
+static void floor_serve(int lfd, const int *fds)
+{
+	struct pollfd pf[MAX_CLIENTS + 1] = {{.fd = lfd, .events = POLLIN}};
+	int n = 1;
+
+	for (;;) {
+		if (poll(pf, (nfds_t)n, -1) < 0)
+			continue;
+		if ((pf[0].revents & POLLIN) && n < MAX_CLIENTS + 1) {
+			int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+
+			if (c >= 0)
+				pf[n++] = (struct pollfd){.fd = c, .events = POLLIN};
+		}
+		for (int i = 1; i < n; i++) {
+			union {
+				struct cmsghdr a;
+				char b[CMSG_SPACE(sizeof(int))];
+			} ctl;
+			uint8_t idx;
+			struct iovec iov = {.iov_base = &idx, .iov_len = 1};
+			struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+			struct cmsghdr *cm;
+
+			if (!(pf[i].revents & (POLLIN | POLLHUP)))
+				continue;
+			if (read(pf[i].fd, &idx, 1) != 1 || idx >= MAX_SIZES) {
+				close(pf[i].fd);
+				pf[i--] = pf[--n];
+				continue;
+			}
+			msg.msg_control = ctl.b;
+			msg.msg_controllen = sizeof(ctl.b);
+			cm = CMSG_FIRSTHDR(&msg);
+			cm->cmsg_level = SOL_SOCKET;
+			cm->cmsg_type = SCM_RIGHTS;
+			cm->cmsg_len = CMSG_LEN(sizeof(int));
+			memcpy(CMSG_DATA(cm), &fds[idx], sizeof(int));
+			if (sendmsg(pf[i].fd, &msg, MSG_NOSIGNAL) != 1) {
+				close(pf[i].fd);
+				pf[i--] = pf[--n];
+			}
+		}
+	}
+}
+
+static pid_t floor_start(const char *path)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fds[MAX_SIZES], lfd;
+	pid_t pid;
+
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+	unlink(path);
+	lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(lfd, 64) < 0)
+		die("floor listen");
+	pid = fork();
+	if (pid == 0) {
+		for (int i = 0; i < nsizes; i++)
+			fds[i] = memfd_of(sizes[i]);
+		floor_serve(lfd, fds);
+		_exit(0);
+	}
+	close(lfd);
+	return pid;
+}
+
+static int floor_connect(const char *path)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+	for (int i = 0; i < 500; i++) {
+		if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
+			return fd;
+		usleep(2000);
+	}
+	die("floor connect");
+	return -1;
+}
+
+/* One floor round trip: ask, receive the fd, map, read a byte, unmap, close. */
+static void floor_once(int fd, int idx, size_t size, volatile uint8_t *sink)
+{
+	union {
+		struct cmsghdr a;
+		char b[CMSG_SPACE(sizeof(int))];
+	} ctl;
+	uint8_t req = (uint8_t)idx, byte;
+	struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+	struct msghdr msg = {.msg_iov = &iov,
+			     .msg_iovlen = 1,
+			     .msg_control = ctl.b,
+			     .msg_controllen = sizeof(ctl.b)};
+	int mfd;
+	void *p;
+
+	if (write(fd, &req, 1) != 1 || recvmsg(fd, &msg, MSG_CMSG_CLOEXEC) != 1)
+		die("floor round trip");
+	memcpy(&mfd, CMSG_DATA(CMSG_FIRSTHDR(&msg)), sizeof(int));
+	p = mmap(NULL, size, PROT_READ, MAP_SHARED, mfd, 0);
+	if (p == MAP_FAILED)
+		die("floor mmap");
+	*sink = *(const uint8_t *)p;
+	munmap(p, size);
+	close(mfd);
+}
+
+/* ---- libdlpc ---- */
+
+static dlpc_client *connect_or_die(void)
+{
+	dlpc_client *c;
+
+	if (dlpc_connect(sock_path, &c) < 0)
+		die("dlpc_connect");
+	return c;
+}
+
+static void publish_size(dlpc_client *c, const char *name, size_t size)
+{
+	int64_t shape[1] = {(int64_t)(size / 4)};
+	DLManagedTensorVersioned *t;
+
+	/* allocated in shared memory and published as is: setup cost stays out of the way */
+	if (dlpc_alloc(c, (DLDevice){kDLCPU, 0}, (DLDataType){kDLFloat, 32, 1}, 1, shape, &t) < 0)
+		die("dlpc_alloc");
+	memset(t->dl_tensor.data, 1, size);
+	if (dlpc_publish(c, name, t, DLPC_PUBLISH_REPLACE) < 0)
+		die("dlpc_publish");
+}
+
+static void dlpc_once(dlpc_client *c, const char *name, volatile uint8_t *sink)
+{
+	DLManagedTensorVersioned *t;
+
+	if (dlpc_attach(c, name, NULL, &t) < 0)
+		die("dlpc_attach");
+	*sink = *(const uint8_t *)t->dl_tensor.data;
+	t->deleter(t);
+}
+
+static void bench_attach(void)
+{
+	char floor_path[256], name[64];
+	volatile uint8_t sink;
+	dlpc_client *c = connect_or_die();
+	uint64_t *ns;
+	pid_t fpid;
+	int ffd, n;
+
+	snprintf(floor_path, sizeof(floor_path), "%s.floor", sock_path);
+	fpid = floor_start(floor_path);
+	ffd = floor_connect(floor_path);
+	ns = malloc(sizeof(*ns) * 5000);
+	for (int i = 0; i < nsizes; i++) {
+		snprintf(name, sizeof(name), "bench/attach/%zu", sizes[i]);
+		publish_size(c, name, sizes[i]);
+		n = reps_for(sizes[i]);
+		fprintf(stderr, "attach %zu bytes x %d\n", sizes[i], n);
+		/* interleave the two so that drift on the machine hits both alike */
+		for (int w = 0; w < 5; w++) {
+			floor_once(ffd, i, sizes[i], &sink);
+			dlpc_once(c, name, &sink);
+		}
+		uint64_t *fl = malloc(sizeof(*fl) * (size_t)n);
+
+		for (int r = 0; r < n; r++) {
+			uint64_t t0 = now_ns();
+
+			floor_once(ffd, i, sizes[i], &sink);
+			fl[r] = now_ns() - t0;
+			t0 = now_ns();
+			dlpc_once(c, name, &sink);
+			ns[r] = now_ns() - t0;
+		}
+		row("attach_c", "floor", (long long)sizes[i], fl, n);
+		row("attach_c", "dlpc", (long long)sizes[i], ns, n);
+		free(fl);
+		if (dlpc_unpublish(c, name) < 0)
+			die("dlpc_unpublish");
+	}
+	free(ns);
+	close(ffd);
+	kill(fpid, SIGKILL);
+	waitpid(fpid, NULL, 0);
+	unlink(floor_path);
+	dlpc_close(c);
+}
+
+/* Publishing 1 GiB (256 MiB with --quick): one memcpy, the copy path, the zero-copy path. */
+static void bench_publish(void)
+{
+	size_t size = quick ? (64u << 20) : (1u << 30);
+	int64_t shape[1] = {(int64_t)(size / 4)};
+	int n = quick ? 3 : 7;
+	uint64_t mc[16], mf[16], cp[16], zc[16];
+	dlpc_client *c = connect_or_die();
+	char *src = malloc(size), *dst = malloc(size);
+
+	if (!src || !dst)
+		die("malloc");
+	memset(src, 3, size);
+	memset(dst, 0, size); /* fault both in: the floor is a warm memcpy */
+	fprintf(stderr, "publish %zu bytes x %d\n", size, n);
+	for (int r = 0; r < n; r++) {
+		DLManagedTensorVersioned src_t = {
+			.version = {DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION},
+			.dl_tensor = {.data = src,
+				      .device = {kDLCPU, 0},
+				      .ndim = 1,
+				      .dtype = {kDLFloat, 32, 1},
+				      .shape = shape},
+		};
+		DLManagedTensorVersioned *a;
+		uint64_t t0 = now_ns();
+
+		memcpy(dst, src, size);
+		mc[r] = now_ns() - t0;
+		/* publishing must write into memory nobody used before: the kernel hands out (and
+		 * zeroes) fresh pages, which a warm memcpy does not pay for */
+		char *fresh = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+				   -1, 0);
+
+		if (fresh == MAP_FAILED)
+			die("mmap");
+		t0 = now_ns();
+		memcpy(fresh, src, size);
+		mf[r] = now_ns() - t0;
+		munmap(fresh, size);
+		t0 = now_ns();
+		if (dlpc_publish(c, "bench/publish/copy", &src_t, DLPC_PUBLISH_REPLACE) < 0)
+			die("publish copy");
+		cp[r] = now_ns() - t0;
+		if (dlpc_alloc(c, (DLDevice){kDLCPU, 0}, (DLDataType){kDLFloat, 32, 1}, 1, shape,
+			       &a) < 0)
+			die("dlpc_alloc");
+		t0 = now_ns();
+		if (dlpc_publish(c, "bench/publish/zero", a, DLPC_PUBLISH_REPLACE) < 0)
+			die("publish zero-copy");
+		zc[r] = now_ns() - t0;
+	}
+	row("publish", "memcpy", (long long)size, mc, n);
+	row("publish", "memcpy_fresh", (long long)size, mf, n);
+	row("publish", "dlpc_copy", (long long)size, cp, n);
+	row("publish", "dlpc_alloc", (long long)size, zc, n);
+	dlpc_unpublish(c, "bench/publish/copy");
+	dlpc_unpublish(c, "bench/publish/zero");
+	free(src);
+	free(dst);
+	dlpc_close(c);
+}
+
+/*
+ * Latency is measured with this process (and the floor server it forks) and the daemon on one
+ * CPU: on a small VM a round trip costs twice as much when the scheduler happens to put the two
+ * ends on different CPUs, and it picks differently from run to run. Throughput uses them all.
+ */
+static void pin(bool on)
+{
+	cpu_set_t set;
+
+	if (pin_cpu < 0)
+		return;
+	CPU_ZERO(&set);
+	if (on) {
+		CPU_SET(pin_cpu, &set);
+	} else {
+		for (int i = 0; i < CPU_SETSIZE; i++)
+			CPU_SET(i, &set);
+	}
+	if (sched_setaffinity(0, sizeof(set), &set) < 0 ||
+	    (daemon_pid && sched_setaffinity(daemon_pid, sizeof(set), &set) < 0))
+		fprintf(stderr, "bench_c: cannot set CPU affinity: %s\n", strerror(errno));
+}
+
+/* ---- throughput: N processes attaching and releasing for a while ---- */
+
+static void throughput(const char *impl, int clients, double secs, const char *floor_path)
+{
+	int pipes[MAX_CLIENTS][2];
+	pid_t pids[MAX_CLIENTS];
+	uint64_t total = 0;
+
+	for (int k = 0; k < clients; k++) {
+		if (pipe(pipes[k]) < 0)
+			die("pipe");
+		pids[k] = fork();
+		if (pids[k] == 0) {
+			volatile uint8_t sink;
+			uint64_t ops = 0, end;
+			dlpc_client *c = floor_path ? NULL : connect_or_die();
+			int ffd = floor_path ? floor_connect(floor_path) : -1;
+
+			end = now_ns() + (uint64_t)(secs * 1e9);
+			while (now_ns() < end) {
+				for (int j = 0; j < 64; j++) {
+					if (floor_path)
+						floor_once(ffd, 0, sizes[0], &sink);
+					else
+						dlpc_once(c, "bench/throughput", &sink);
+				}
+				ops += 64;
+			}
+			if (write(pipes[k][1], &ops, sizeof(ops)) != sizeof(ops))
+				_exit(1);
+			_exit(0);
+		}
+		close(pipes[k][1]);
+	}
+	for (int k = 0; k < clients; k++) {
+		uint64_t ops = 0;
+
+		if (read(pipes[k][0], &ops, sizeof(ops)) != sizeof(ops))
+			die("throughput child");
+		close(pipes[k][0]);
+		waitpid(pids[k], NULL, 0);
+		total += ops;
+	}
+	printf("{\"group\": \"throughput\", \"impl\": \"%s\", \"size\": %zu, \"clients\": %d, "
+	       "\"ops_per_s\": %.1f}\n",
+	       impl, sizes[0], clients, (double)total / secs);
+	fflush(stdout);
+}
+
+static void bench_throughput(void)
+{
+	static const int counts[] = {1, 2, 4, 8};
+	double secs = quick ? 0.3 : 2.0;
+	char floor_path[256];
+	dlpc_client *c = connect_or_die();
+	pid_t fpid;
+
+	snprintf(floor_path, sizeof(floor_path), "%s.floor", sock_path);
+	fpid = floor_start(floor_path);
+	publish_size(c, "bench/throughput", sizes[0]);
+	for (size_t i = 0; i < sizeof(counts) / sizeof(counts[0]); i++) {
+		fprintf(stderr, "throughput with %d clients\n", counts[i]);
+		throughput("floor", counts[i], secs, floor_path);
+		throughput("dlpc", counts[i], secs, NULL);
+	}
+	kill(fpid, SIGKILL);
+	waitpid(fpid, NULL, 0);
+	unlink(floor_path);
+	dlpc_unpublish(c, "bench/throughput");
+	dlpc_close(c);
+}
+
+/* ---- footprint: the daemon's RSS idle and with many entries, and LIST time ---- */
+
+static long rss_kib(pid_t pid)
+{
+	char path[64], line[256];
+	long kib = -1;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+	f = fopen(path, "r");
+	while (f && fgets(line, sizeof(line), f))
+		if (sscanf(line, "VmRSS: %ld kB", &kib) == 1)
+			break;
+	if (f)
+		fclose(f);
+	return kib;
+}
+
+static void metric(const char *name, double value, const char *unit)
+{
+	printf("{\"group\": \"footprint\", \"metric\": \"%s\", \"value\": %.3f, \"unit\": "
+	       "\"%s\"}\n",
+	       name, value, unit);
+	fflush(stdout);
+}
+
+static void bench_footprint(int entries)
+{
+	dlpc_client *c = connect_or_die();
+	dlpc_stats s = {.size = sizeof(s)};
+	int64_t shape[1] = {16};
+	float data[16] = {0};
+	dlpc_entry_info *list;
+	uint64_t ns[5];
+	size_t n;
+	char name[64];
+	long idle;
+
+	if (dlpc_stat(c, &s) < 0)
+		die("dlpc_stat");
+	idle = rss_kib((pid_t)s.daemon_pid);
+	metric("idle_rss", idle / 1024.0, "MiB");
+	fprintf(stderr, "footprint: publishing %d entries\n", entries);
+	for (int i = 0; i < entries; i++) {
+		DLManagedTensorVersioned t = {
+			.version = {DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION},
+			.dl_tensor = {.data = data,
+				      .device = {kDLCPU, 0},
+				      .ndim = 1,
+				      .dtype = {kDLFloat, 32, 1},
+				      .shape = shape},
+		};
+
+		snprintf(name, sizeof(name), "bench/many/%07d", i);
+		if (dlpc_publish(c, name, &t, 0) < 0)
+			die("publish many");
+	}
+	metric("entries", entries, "count");
+	metric("rss_per_entry", (rss_kib((pid_t)s.daemon_pid) - idle) * 1024.0 / entries, "bytes");
+	for (int r = 0; r < 5; r++) {
+		uint64_t t0 = now_ns();
+
+		if (dlpc_list(c, "bench/many/", &list, &n) < 0 || (int)n != entries)
+			die("list many");
+		ns[r] = now_ns() - t0;
+		dlpc_list_free(list, n);
+	}
+	qsort(ns, 5, sizeof(ns[0]), cmp_u64);
+	metric("list_ms", ns[2] / 1e6, "ms");
+	for (int i = 0; i < entries; i++) {
+		snprintf(name, sizeof(name), "bench/many/%07d", i);
+		dlpc_unpublish(c, name);
+	}
+	dlpc_close(c);
+}
+
+int main(int argc, char **argv)
+{
+	static const struct option opts[] = {
+		{"socket", required_argument, NULL, 's'},
+		{"quick", no_argument, NULL, 'q'},
+		{"entries", required_argument, NULL, 'e'},
+		{"pin", required_argument, NULL, 'p'},
+		{0},
+	};
+	static const size_t all[] = {4096, 65536, 1 << 20, 16 << 20, 256 << 20, 1u << 30};
+	int c, entries = -1;
+
+	while ((c = getopt_long(argc, argv, "s:qe:p:", opts, NULL)) != -1) {
+		switch (c) {
+		case 's':
+			sock_path = optarg;
+			break;
+		case 'q':
+			quick = true;
+			break;
+		case 'e':
+			entries = atoi(optarg);
+			break;
+		case 'p':
+			pin_cpu = atoi(optarg);
+			break;
+		default:
+			fprintf(stderr, "usage: bench_c --socket PATH [--quick] [--entries N] "
+					"[--pin CPU]\n");
+			return 2;
+		}
+	}
+	if (!sock_path) {
+		fprintf(stderr, "bench_c: --socket is required\n");
+		return 2;
+	}
+	signal(SIGPIPE, SIG_IGN);
+	if (quick) {
+		sizes[nsizes++] = 4096;
+		sizes[nsizes++] = 1 << 20;
+	} else {
+		for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+			sizes[nsizes++] = all[i];
+	}
+	if (pin_cpu >= 0) {
+		dlpc_client *cl = connect_or_die();
+		dlpc_stats s = {.size = sizeof(s)};
+
+		if (dlpc_stat(cl, &s) < 0)
+			die("dlpc_stat");
+		daemon_pid = (pid_t)s.daemon_pid;
+		dlpc_close(cl);
+	}
+	pin(true);
+	bench_attach();
+	bench_publish();
+	pin(false);
+	bench_throughput();
+	bench_footprint(entries > 0 ? entries : quick ? 1000 : 100000);
+	return 0;
+}

@@ -1,0 +1,464 @@
+#!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
+"""Python half of the dlpackd benchmarks: dlpack_ipc against what Python offers without it.
+
+    /usr/bin/python3 bench/bench_py.py --socket PATH [--quick] [--sizes 4096,65536,...]
+
+Prints one JSON object per line on stdout and nothing else there (progress goes to stderr):
+
+    {"group": G, "impl": I, "size": BYTES or null, "median_us": F, "p99_us": F, "reps": N}
+
+Times are microseconds per operation, median and 99th percentile (nearest rank) over `reps`
+timed repetitions, each measured with time.perf_counter_ns after a few untimed warm-up ones.
+Groups:
+
+  attach_py  dlpack_ipc             attach + np.from_dlpack + read one element + release
+             shared_memory          stdlib SharedMemory(name) + np.ndarray + read + close
+  handoff    torch_multiprocessing  torch.multiprocessing Queue put of a shared tensor, a child
+                                    process gets it, reads one element, acks on a second Queue
+             dlpack_ipc             the same protocol, but the name goes through the Queue and the
+                                    child attaches, torch.from_dlpack, reads, releases, acks
+  pipe_copy  multiprocessing_pipe   the bytes through multiprocessing.Pipe to a child that makes
+                                    an array of them, reads one element and acks (<= 256 MiB)
+  bundle     attach_dict            attach_dict of 500 tensors of 1024 float32 + release all
+             single_x500            the same 500 published one by one: 500 attaches + releases
+             single_x1              one of those single attaches + release
+
+Everything this script creates (names, shared memory, child processes) is removed before it
+exits, also on errors and on SIGTERM. Exit status: 0 when every row was produced, 1 when some
+measurement failed (its traceback is on stderr, the other rows are still printed), 2 when the
+daemon cannot be reached.
+"""
+import argparse
+import gc
+import json
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+
+import numpy as np
+
+try:
+    import dlpack_ipc
+except ImportError:  # run from a source tree without PYTHONPATH: use the default build directory
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "build", "python"))
+    import dlpack_ipc
+
+DEFAULT_SIZES = [4096, 65536, 1 << 20, 16 << 20, 256 << 20, 1 << 30]
+QUICK_SIZES = [4096, 1 << 20]
+PIPE_MAX = 256 << 20            # pipe_copy skips larger sizes: each hand-off copies them twice
+BUNDLE_TENSORS = 500
+BUNDLE_ELEMS = 1024
+CHILD_TIMEOUT_S = 120           # a child that does not answer within this is taken as hung
+
+_out = sys.stdout               # replaced in main() by a private copy of the real stdout
+
+
+def log(msg):
+    print(f"bench_py: {msg}", file=sys.stderr, flush=True)
+
+
+def human(n):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+class Timer:
+    """Warm-up, rep count and statistics shared by every measurement."""
+
+    def __init__(self, quick):
+        self.max_reps = 100 if quick else 2000
+        self.min_reps = 15
+        self.budget_s = 0.3 if quick else 1.5    # timed time per row, before the rep clamps
+        self.warmup_max = 5 if quick else 20
+        self.warmup_s = 0.1 if quick else 0.3
+
+    def measure(self, op):
+        """Run op() untimed a few times, then `reps` timed times; returns (median, p99, reps)."""
+        gc.collect()
+        start = time.perf_counter_ns()
+        n = 0
+        while True:  # 2 to warmup_max warm-up reps, fewer once warmup_s is spent
+            op()
+            n += 1
+            spent = time.perf_counter_ns() - start
+            if n >= 2 and (n >= self.warmup_max or spent >= self.warmup_s * 1e9):
+                break
+        per_op_s = spent / n / 1e9
+        reps = int(min(self.max_reps, max(self.min_reps, self.budget_s / max(per_op_s, 1e-9))))
+        times = [0] * reps
+        counter = time.perf_counter_ns
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            for i in range(reps):
+                t0 = counter()
+                op()
+                times[i] = counter() - t0
+        finally:
+            if gc_was_on:
+                gc.enable()
+        times.sort()
+        mid = reps // 2
+        median = times[mid] if reps % 2 else (times[mid - 1] + times[mid]) / 2
+        p99 = times[max(0, math.ceil(0.99 * reps) - 1)]
+        return median / 1e3, p99 / 1e3, reps
+
+
+def emit(group, impl, size, result):
+    median, p99, reps = result
+    row = {"group": group, "impl": impl, "size": size,
+           "median_us": round(median, 3), "p99_us": round(p99, 3), "reps": reps}
+    _out.write(json.dumps(row) + "\n")
+    _out.flush()
+    log(f"{group:<9} {impl:<22} {'-' if size is None else human(size):>8}: "
+        f"median {median:10.1f} us  p99 {p99:10.1f} us  ({reps} reps)")
+
+
+def filled(nbytes):
+    """A float32 array of nbytes bytes, every page written (1.0 everywhere)."""
+    a = np.empty(nbytes // 4, dtype=np.float32)
+    a.fill(1.0)
+    return a
+
+
+def unpublish_quietly(client, name):
+    try:
+        client.unpublish(name)
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # keep cleaning up the rest
+        log(f"unpublish {name!r} failed: {e!r}")
+
+
+# ---- attach_py -----------------------------------------------------------------------------------
+
+def attach_dlpack_row(client, timer, prefix, size):
+    name = f"{prefix}/attach/{size}"
+    a = filled(size)
+    client.publish(name, a, ephemeral=True)
+    del a  # the entry has its own copy in a memfd
+    try:
+        def op():
+            t = client.attach(name)
+            a = np.from_dlpack(t)
+            a[0]  # the read is the point
+            del a
+            t.release()
+        emit("attach_py", "dlpack_ipc", size, timer.measure(op))
+    finally:
+        unpublish_quietly(client, name)
+
+
+def attach_shm_row(timer, size):
+    from multiprocessing import shared_memory
+    # The creator lives in this process for the whole measurement and unlinks at the end: that
+    # also unregisters the name from the resource tracker, which every attach below registers
+    # again (a set, so no warning at exit and nothing left in /dev/shm).
+    creator = shared_memory.SharedMemory(create=True, size=size,
+                                         name=f"bench_py_{os.getpid()}_{size}")
+    try:
+        shm_name = creator.name
+        shape = (size // 4,)
+        view = np.ndarray(shape, np.float32, buffer=creator.buf)
+        view.fill(1.0)
+        del view
+
+        def op():
+            shm = shared_memory.SharedMemory(name=shm_name)
+            a = np.ndarray(shape, np.float32, buffer=shm.buf)
+            a[0]
+            del a
+            shm.close()
+        emit("attach_py", "shared_memory", size, timer.measure(op))
+    finally:
+        creator.close()
+        creator.unlink()
+
+
+def bench_attach(client, timer, prefix, sizes):
+    """Both rows of a size back to back, so that their ratio comes from the same conditions."""
+    for size in sizes:
+        attach_dlpack_row(client, timer, prefix, size)
+        attach_shm_row(timer, size)
+
+
+# ---- handoff -------------------------------------------------------------------------------------
+
+def _handoff_child(socket, inq, ackq):
+    """Long-lived receiver: ("torch", tensor) or ("dlpack", name) in, 1 out; ("stop",) ends."""
+    try:
+        import torch
+        torch.set_num_threads(1)
+        client = dlpack_ipc.Client(socket)
+    except BaseException as e:
+        ackq.put(("error", f"child start: {e!r}"))
+        return
+    ackq.put("ready")
+    try:
+        while True:
+            msg = inq.get()
+            if msg[0] == "stop":
+                break
+            try:
+                if msg[0] == "torch":
+                    t = msg[1]
+                    del msg          # the tensor's storage goes with the last reference
+                    t[0].item()
+                    del t
+                else:
+                    st = client.attach(msg[1])
+                    t = torch.from_dlpack(st)
+                    t[0].item()
+                    del t
+                    st.release()
+            except Exception as e:
+                ackq.put(("error", f"{type(e).__name__}: {e}"))
+                continue
+            ackq.put(1)
+    finally:
+        client.close()
+
+
+def stop_child(proc, stop):
+    """Ask a child to end, then make sure it has: join, terminate, kill."""
+    if proc is None:
+        return
+    if proc.is_alive():
+        try:
+            stop()
+        except Exception:
+            pass
+        proc.join(10)
+    if proc.is_alive():
+        log(f"child {proc.pid} did not stop; terminating it")
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+def bench_handoff(client, timer, socket, prefix, sizes):
+    import torch
+    import torch.multiprocessing as tmp
+    torch.set_num_threads(1)
+    ctx = tmp.get_context("spawn")
+    inq, ackq = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_handoff_child, args=(socket, inq, ackq), daemon=True,
+                       name="bench_py-handoff")
+    try:
+        log("starting the hand-off child (spawn, imports torch)")
+        proc.start()
+        ready = ackq.get(timeout=CHILD_TIMEOUT_S)
+        if ready != "ready":
+            raise RuntimeError(f"hand-off child failed: {ready}")
+
+        def handoff(msg):
+            inq.put(msg)
+            ack = ackq.get(timeout=CHILD_TIMEOUT_S)
+            if ack != 1:
+                raise RuntimeError(f"hand-off child: {ack}")
+
+        for size in sizes:
+            # torch: a tensor already in shared memory (share_memory_ moves its storage there)
+            t = torch.from_numpy(filled(size)).share_memory_()
+            try:
+                msg = ("torch", t)
+                emit("handoff", "torch_multiprocessing", size, timer.measure(lambda: handoff(msg)))
+            finally:
+                del msg, t
+            gc.collect()
+            # ours: the name travels through the same Queue, the child attaches it
+            name = f"{prefix}/handoff/{size}"
+            a = filled(size)
+            client.publish(name, a, ephemeral=True)
+            del a
+            try:
+                msg = ("dlpack", name)
+                emit("handoff", "dlpack_ipc", size, timer.measure(lambda: handoff(msg)))
+            finally:
+                unpublish_quietly(client, name)
+    finally:
+        stop_child(proc, lambda: inq.put(("stop",)))
+        for q in (inq, ackq):
+            q.close()
+            q.join_thread()
+
+
+# ---- pipe_copy -----------------------------------------------------------------------------------
+
+def _pipe_child(conn):
+    """Receive byte messages as float32 arrays, read one element, ack; an empty message ends."""
+    try:
+        conn.send_bytes(b"ready")
+        while True:
+            buf = conn.recv_bytes()
+            if not buf:
+                break
+            a = np.frombuffer(buf, dtype=np.float32)
+            a[0]
+            del a, buf
+            conn.send_bytes(b"k")
+    except EOFError:
+        pass
+    finally:
+        conn.close()
+
+
+def _pipe_sender(conn, a):
+    def op():
+        conn.send_bytes(a)
+        if not conn.poll(CHILD_TIMEOUT_S):
+            raise RuntimeError("pipe child did not answer")
+        if conn.recv_bytes() != b"k":
+            raise RuntimeError("pipe child sent a bad ack")
+    return op
+
+
+def bench_pipe(timer, sizes):
+    import multiprocessing as mp
+    skipped = [s for s in sizes if s > PIPE_MAX]
+    sizes = [s for s in sizes if s <= PIPE_MAX]
+    if skipped:
+        log(f"pipe_copy: skipping {', '.join(human(s) for s in skipped)} "
+            f"(above {human(PIPE_MAX)}, to bound the run time)")
+    if not sizes:
+        return
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_pipe_child, args=(child,), daemon=True, name="bench_py-pipe")
+    try:
+        proc.start()
+        child.close()
+        if not parent.poll(CHILD_TIMEOUT_S) or parent.recv_bytes() != b"ready":
+            raise RuntimeError("pipe child did not start")
+        for size in sizes:
+            op = _pipe_sender(parent, filled(size))
+            try:
+                emit("pipe_copy", "multiprocessing_pipe", size, timer.measure(op))
+            finally:
+                del op  # and the array with it
+    finally:
+        stop_child(proc, lambda: parent.send_bytes(b""))
+        parent.close()
+
+
+# ---- bundle --------------------------------------------------------------------------------------
+
+def bench_bundle(client, timer, prefix):
+    arrays = {f"t{i:03d}": np.full(BUNDLE_ELEMS, i, dtype=np.float32)
+              for i in range(BUNDLE_TENSORS)}
+    bundle = f"{prefix}/bundle"
+    singles = [f"{prefix}/single/{key}" for key in arrays]
+    published = []
+    try:
+        client.publish_dict(bundle, arrays, ephemeral=True)
+        published.append(bundle)
+        for name, a in zip(singles, arrays.values()):
+            client.publish(name, a, ephemeral=True)
+            published.append(name)
+
+        def attach_dict():
+            d = client.attach_dict(bundle)
+            if len(d) != BUNDLE_TENSORS:
+                raise RuntimeError(f"attach_dict gave {len(d)} tensors")
+            for t in d.values():
+                t.release()
+
+        def single_x500():
+            ts = [client.attach(name) for name in singles]
+            for t in ts:
+                t.release()
+
+        first = singles[0]
+
+        def single_x1():
+            client.attach(first).release()
+
+        emit("bundle", "attach_dict", None, timer.measure(attach_dict))
+        emit("bundle", "single_x500", None, timer.measure(single_x500))
+        emit("bundle", "single_x1", None, timer.measure(single_x1))
+    finally:
+        for name in published:
+            unpublish_quietly(client, name)
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+def parse_sizes(text):
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of byte counts: {text!r}")
+    bad = [s for s in sizes if s <= 0 or s % 4]
+    if not sizes or bad:
+        raise argparse.ArgumentTypeError(
+            f"sizes must be positive multiples of 4 (float32): {text!r}")
+    return sizes
+
+
+def _sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through every finally: nothing is left behind
+
+
+def main():
+    global _out
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--socket", required=True, help="dlpackd's socket")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke test: sizes {','.join(map(str, QUICK_SIZES))}, at most 100 reps")
+    ap.add_argument("--sizes", type=parse_sizes, default=None,
+                    help="comma-separated byte counts of float32 data "
+                         f"(default {','.join(map(str, DEFAULT_SIZES))})")
+    args = ap.parse_args()
+    sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+
+    # stdout carries the rows only: keep a private copy of it for them and point fd 1 (which the
+    # children inherit, as does any C library that prints) at stderr.
+    sys.stdout.flush()
+    _out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    signal.signal(signal.SIGTERM, _sigterm)
+
+    timer = Timer(args.quick)
+    prefix = f"bench_py/{os.getpid()}"
+    try:
+        client = dlpack_ipc.Client(args.socket)
+    except OSError as e:
+        log(f"cannot reach dlpackd at {args.socket}: {e}")
+        return 2
+    failed = []
+    start = time.monotonic()
+    try:
+        for label, run in [
+            ("attach_py", lambda: bench_attach(client, timer, prefix, sizes)),
+            ("handoff", lambda: bench_handoff(client, timer, args.socket, prefix, sizes)),
+            ("pipe_copy", lambda: bench_pipe(timer, sizes)),
+            ("bundle", lambda: bench_bundle(client, timer, prefix)),
+        ]:
+            try:
+                run()
+            except Exception:
+                failed.append(label)
+                log(f"{label} failed:\n{traceback.format_exc()}")
+            gc.collect()
+    except (KeyboardInterrupt, SystemExit):
+        log("interrupted: cleaned up, stopping")
+        raise
+    finally:
+        client.close()
+    log(f"done in {time.monotonic() - start:.1f} s" +
+        (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+#!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
+"""Run every benchmark side by side against a private dlpackd and report ratios.
+
+    /usr/bin/python3 bench/run.py [--quick] [--build DIR] [--out DIR]
+
+Starts dlpackd on a socket in a temporary directory, runs the C harness (bench_c) and the
+Python harness (bench_py.py), prints a markdown table of every measurement and of the targets
+(each a ratio measured in this run), and writes bench.json and bench.png into --out (default
+docs/). Stops the daemon and removes what it created; exits non-zero if a measurement is missing.
+--quick is the smoke test the test suite runs: small sizes, few repetitions, no plot.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MIB = 1 << 20
+FOOTPRINT_ENTRIES = 100_000
+
+
+def human(n):
+    if n is None:
+        return "-"
+    for unit, k in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
+        if n >= k:
+            return f"{n // k} {unit}"
+    return f"{n} B"
+
+
+def fd_limit_for_daemon():
+    """A child hook: enough fds for one memfd per entry of the footprint test (root only)."""
+    want = FOOTPRINT_ENTRIES + 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < want and os.geteuid() == 0:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+        except (ValueError, OSError):
+            pass
+
+
+def start_daemon(build, tmp):
+    sock = os.path.join(tmp, "dlpackd.sock")
+    log = open(os.path.join(tmp, "dlpackd.log"), "w")
+    proc = subprocess.Popen([os.path.join(build, "dlpackd"), "--socket", sock,
+                             "--log-level", "warning"], stdout=log, stderr=log,
+                            preexec_fn=fd_limit_for_daemon)
+    for _ in range(500):
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(sock)
+            return proc, sock
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.01)
+    raise SystemExit("bench: dlpackd did not start; see " + log.name)
+
+
+def stop_daemon(proc):
+    proc.send_signal(signal.SIGTERM)
+    if proc.wait(timeout=30) != 0:
+        raise SystemExit(f"bench: dlpackd exited with {proc.returncode}")
+
+
+def daemon_fd_room(proc):
+    with open(f"/proc/{proc.pid}/limits") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                return int(line.split()[3])
+    return 1024
+
+
+def run_rows(cmd, env, pin=False):
+    out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, check=True, text=True,
+                         preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if pin else None).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def pick(rows, group, impl, size=None, clients=None):
+    for r in rows:
+        if r.get("group") == group and r.get("impl") == impl and \
+           (size is None or r.get("size") == size) and \
+           (clients is None or r.get("clients") == clients):
+            return r
+    return None
+
+
+def metric(rows, name):
+    for r in rows:
+        if r.get("group") == "footprint" and r.get("metric") == name:
+            return r["value"]
+    return None
+
+
+def targets(rows, sizes):
+    """(description, measured ratio, limit, met) for each target of the benchmark issue."""
+    out = []
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    def add(desc, value, limit, lower_is_better=True):
+        met = value is not None and (value <= limit if lower_is_better else value >= limit)
+        out.append((desc, value, limit, met, lower_is_better))
+
+    for s in sizes:
+        f, d = pick(rows, "attach_c", "floor", s), pick(rows, "attach_c", "dlpc", s)
+        add(f"C attach+release / floor, {human(s)}",
+            ratio(d and d["median_us"], f and f["median_us"]), 1.5)
+    small, big = pick(rows, "attach_c", "dlpc", sizes[0]), pick(rows, "attach_c", "dlpc", sizes[-1])
+    add(f"C attach {human(sizes[-1])} / attach {human(sizes[0])}",
+        ratio(big and big["median_us"], small and small["median_us"]), 1.3)
+    for s in sizes:
+        p, m = pick(rows, "attach_py", "dlpack_ipc", s), pick(rows, "attach_py", "shared_memory", s)
+        add(f"Python attach+from_dlpack+release / SharedMemory, {human(s)}",
+            ratio(p and p["median_us"], m and m["median_us"]), 1.0)
+    for s in sizes:
+        t, o = pick(rows, "handoff", "torch_multiprocessing", s), pick(rows, "handoff", "dlpack_ipc", s)
+        add(f"torch.multiprocessing hand-off / ours, {human(s)}",
+            ratio(t and t["median_us"], o and o["median_us"]), 20.0, lower_is_better=False)
+    b, one = pick(rows, "bundle", "attach_dict"), pick(rows, "bundle", "single_x1")
+    add("bundle of 500 / one single attach", ratio(b and b["median_us"], one and one["median_us"]), 3.0)
+    mc, mf, cp, zc = (pick(rows, "publish", i)
+                      for i in ("memcpy", "memcpy_fresh", "dlpc_copy", "dlpc_alloc"))
+    add(f"publish copy path / memcpy, {human(mc and mc['size'])}",
+        ratio(cp and cp["median_us"], mc and mc["median_us"]), 1.25)
+    add(f"publish copy path / memcpy into fresh memory, {human(mf and mf['size'])} (not a target of "
+        "the issue: the floor a copy into new shared memory can reach)",
+        ratio(cp and cp["median_us"], mf and mf["median_us"]), 1.25)
+    att = pick(rows, "attach_c", "dlpc", sizes[0])
+    add("zero-copy publish / attach", ratio(zc and zc["median_us"], att and att["median_us"]), 2.0)
+    tf, td = pick(rows, "throughput", "floor", clients=8), pick(rows, "throughput", "dlpc", clients=8)
+    add("throughput at 8 clients / floor server's", ratio(td and td["ops_per_s"], tf and tf["ops_per_s"]),
+        0.6, lower_is_better=False)
+    add("daemon idle RSS, MiB", metric(rows, "idle_rss"), 4.0)
+    add("daemon RSS per entry, KiB", (metric(rows, "rss_per_entry") or 0) / 1024 or None, 1.0)
+    add(f"LIST of {int(metric(rows, 'entries') or 0)} entries, ms", metric(rows, "list_ms"), 100.0)
+    return out
+
+
+def table(rows, sizes, checks):
+    lines = ["| measurement | " + " | ".join(human(s) for s in sizes) + " |",
+             "|---|" + "---:|" * len(sizes)]
+    latency = [("attach_c", "floor", "floor: AF_UNIX fd + mmap/munmap (C)"),
+               ("attach_c", "dlpc", "dlpc_attach + read + release (C)"),
+               ("attach_py", "dlpack_ipc", "attach + np.from_dlpack + release (Python)"),
+               ("attach_py", "shared_memory", "stdlib SharedMemory + ndarray + close"),
+               ("handoff", "dlpack_ipc", "hand-off to a process: name + attach (ours)"),
+               ("handoff", "torch_multiprocessing", "hand-off: torch.multiprocessing queue"),
+               ("pipe_copy", "multiprocessing_pipe", "copy through multiprocessing.Pipe")]
+    for group, impl, desc in latency:
+        cells = []
+        for s in sizes:
+            r = pick(rows, group, impl, s)
+            cells.append(f"{r['median_us']:.1f} ({r['p99_us']:.1f})" if r else "-")
+        lines.append(f"| {desc}, µs median (p99) | " + " | ".join(cells) + " |")
+    out = ["\n".join(lines), ""]
+    other = ["| measurement | median µs | p99 µs |", "|---|---:|---:|"]
+    for group, impl, desc in [("bundle", "attach_dict", "attach_dict of a 500-tensor bundle"),
+                              ("bundle", "single_x500", "500 single attaches"),
+                              ("bundle", "single_x1", "one single attach"),
+                              ("publish", "memcpy", "one memcpy (warm destination)"),
+                              ("publish", "memcpy_fresh", "one memcpy into fresh memory"),
+                              ("publish", "dlpc_copy", "dlpc_publish, copy path"),
+                              ("publish", "dlpc_alloc", "dlpc_publish of dlpc_alloc memory")]:
+        r = pick(rows, group, impl)
+        if r:
+            size = f", {human(r['size'])}" if r.get("size") else ""
+            other.append(f"| {desc}{size} | {r['median_us']:.1f} | {r['p99_us']:.1f} |")
+    out += ["\n".join(other), ""]
+    tp = ["| clients | floor ops/s | dlpackd ops/s | ratio |", "|---:|---:|---:|---:|"]
+    for n in (1, 2, 4, 8):
+        f, d = pick(rows, "throughput", "floor", clients=n), pick(rows, "throughput", "dlpc", clients=n)
+        if f and d:
+            tp.append(f"| {n} | {f['ops_per_s']:.0f} | {d['ops_per_s']:.0f} | "
+                      f"{d['ops_per_s'] / f['ops_per_s']:.2f} |")
+    out += ["\n".join(tp), ""]
+    tg = ["| target | measured | limit | met |", "|---|---:|---:|:---:|"]
+    for desc, value, limit, met, lower in checks:
+        v = "-" if value is None else f"{value:.2f}"
+        tg.append(f"| {desc} | {v} | {'≤' if lower else '≥'} {limit:g} | {'yes' if met else 'no'} |")
+    out.append("\n".join(tg))
+    return "\n".join(out)
+
+
+def plot(rows, sizes, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for group, impl, label in [("attach_c", "floor", "floor (C)"), ("attach_c", "dlpc", "dlpc_attach (C)"),
+                               ("attach_py", "dlpack_ipc", "dlpack_ipc attach (Python)"),
+                               ("attach_py", "shared_memory", "stdlib SharedMemory"),
+                               ("handoff", "torch_multiprocessing", "torch.multiprocessing hand-off"),
+                               ("handoff", "dlpack_ipc", "dlpack_ipc hand-off"),
+                               ("pipe_copy", "multiprocessing_pipe", "multiprocessing.Pipe copy")]:
+        pts = [(s, pick(rows, group, impl, s)) for s in sizes]
+        pts = [(s, r["median_us"]) for s, r in pts if r]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tensor size (bytes)")
+    ax.set_ylabel("median time per attach / hand-off (µs)")
+    ax.set_title("Sharing one tensor between processes (lower is better)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def machine():
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)),
+            "date": datetime.date.today().isoformat()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, few reps")
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"), help="CMake build directory")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs"), help="where results go")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="let the scheduler place processes (latency then varies 2x run to run "
+                         "on small VMs, with the two ends on the same CPU or not)")
+    args = ap.parse_args()
+    build = os.path.abspath(args.build)
+    sizes = [4096, MIB] if args.quick else [4096, 65536, MIB, 16 * MIB, 256 * MIB, 1 << 30]
+    tmp = tempfile.mkdtemp(prefix="dlpc-bench-")
+    env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
+    proc = None
+    shm_before = set(os.listdir("/dev/shm"))
+    try:
+        proc, sock = start_daemon(build, tmp)
+        entries = 1000 if args.quick else min(FOOTPRINT_ENTRIES, daemon_fd_room(proc) - 256)
+        cmd = [os.path.join(build, "bench", "bench_c"), "--socket", sock, "--entries", str(entries)]
+        cmd += ["--quick"] if args.quick else []
+        cmd += [] if args.no_pin else ["--pin", "0"]
+        rows = run_rows(cmd, env)
+        cmd = [sys.executable, os.path.join(HERE, "bench_py.py"), "--socket", sock]
+        cmd += ["--quick"] if args.quick else []
+        if not args.no_pin:
+            # every Python measurement is a latency: harness, its children and daemon on CPU 0
+            os.sched_setaffinity(proc.pid, {0})
+        rows += run_rows(cmd, env, pin=not args.no_pin)
+        stop_daemon(proc)
+        proc = None
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    leftover = set(os.listdir("/dev/shm")) - shm_before
+    if leftover:
+        raise SystemExit(f"bench: shared memory left behind: {sorted(leftover)}")
+
+    checks = targets(rows, sizes)
+    print(table(rows, sizes, checks))
+    missing = [c[0] for c in checks if c[1] is None]
+    bad = [r for r in rows if any(isinstance(v, float) and not v == v for v in r.values())]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"machine": machine(), "quick": args.quick, "rows": rows,
+                   "targets": [{"target": c[0], "measured": c[1], "limit": c[2], "met": c[3]}
+                               for c in checks]}, f, indent=1)
+    if not args.quick:
+        plot(rows, sizes, os.path.join(args.out, "bench.png"))
+    if missing or bad:
+        raise SystemExit(f"bench: no number for {missing + [str(b) for b in bad]}")
+    met = sum(c[3] for c in checks)
+    print(f"\n{met} of {len(checks)} targets met")
+
+
+if __name__ == "__main__":
+    main()
