@@ -128,14 +128,19 @@ DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **
 	/* the daemon answers in pages; each asks for the names after the last one seen */
 	while (more && r == 0) {
 		Dlpackd__V1__ListReply *rep;
+		struct dlpc__arena arena;
 
 		req.start_after.data = (uint8_t *)cursor;
 		req.start_after.len = cursor ? strlen(cursor) : 0;
+		/* a page holds thousands of entries: unpack it into an arena, not a malloc per field */
+		dlpc__arena_init(&arena);
 		r = dlpc__call(c, DLPC_MSG_LIST, &req.base, NULL, 0,
 			       &dlpackd__v1__list_reply__descriptor, (ProtobufCMessage **)&rep,
-			       NULL, NULL);
-		if (r < 0)
+			       NULL, &arena.alloc);
+		if (r < 0) {
+			dlpc__arena_clear(&arena);
 			break;
+		}
 		more = rep->more && rep->n_entries > 0;
 		if (n + rep->n_entries > cap) {
 			size_t ncap = (n + rep->n_entries) * 2;
@@ -160,7 +165,7 @@ DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **
 			if (!cursor)
 				r = dlpc__fail(-ENOMEM, "dlpc_list: out of memory");
 		}
-		dlpackd__v1__list_reply__free_unpacked(rep, NULL);
+		dlpc__arena_clear(&arena);
 	}
 	free(cursor);
 	if (r < 0) {

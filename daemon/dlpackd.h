@@ -129,6 +129,10 @@ struct dlpd_waiter {
 struct dlpd_registry {
 	struct dlpd_hmap names;	 /* dlpd_entry by name */
 	struct dlpd_hmap waitqs; /* dlpd_waitq by name */
+	/* every entry sorted by name, for LIST; rebuilt on the first LIST after a change */
+	struct dlpd_entry **sorted;
+	size_t nsorted, sorted_cap;
+	bool sorted_valid;
 	uint64_t storages, bytes, refs, waiters;
 };
 
@@ -224,9 +228,13 @@ struct dlpd_waiter *dlpd_waitq_first(struct dlpd_server *s, const uint8_t *name,
 void dlpd_waiter_free(struct dlpd_server *s, struct dlpd_waiter *w);
 /* Drop everything @p p holds: waiters, ephemeral entries, references. */
 void dlpd_registry_drop_peer(struct dlpd_server *s, struct dlpd_peer *p);
-/* Sorted entries whose names start with the prefix, after @p after; caller frees the array. */
+/*
+ * Up to @p limit entries, sorted by name, whose names start with the prefix and come after
+ * @p after. The array belongs to the registry and is valid until the next publish or unpublish.
+ */
 int dlpd_registry_range(struct dlpd_registry *r, const uint8_t *prefix, size_t plen,
-			const uint8_t *after, size_t alen, struct dlpd_entry ***ret, size_t *count);
+			const uint8_t *after, size_t alen, size_t limit, struct dlpd_entry ***ret,
+			size_t *count);
 
 /* storage.c: is @p fd acceptable as host storage? 0, or negative errno and the reason. */
 int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t whylen);

@@ -246,8 +246,9 @@ int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 					DLPC_NAME_MAX);
 	limit = req->limit == 0 || req->limit > DLPC_LIST_PAGE_MAX ? DLPC_LIST_PAGE_MAX
 								   : req->limit;
+	/* one more than a page, to know whether more follow */
 	r = dlpd_registry_range(&p->srv->reg, req->prefix.data, req->prefix.len,
-				req->start_after.data, req->start_after.len, &v, &n);
+				req->start_after.data, req->start_after.len, limit + 1, &v, &n);
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot list: out of memory");
 	rep.more = n > limit;
@@ -258,7 +259,6 @@ int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 		if (!infos || !rep.entries) {
 			free(infos);
 			free(rep.entries);
-			free(v);
 			return dlpd_reply_error(p, id, ENOMEM, "cannot list: out of memory");
 		}
 	}
@@ -299,6 +299,5 @@ int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	r = dlpd_reply(p, DLPC_MSG_LIST | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 	free(rep.entries);
 	free(infos);
-	free(v);
 	return r;
 }

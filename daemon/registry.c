@@ -59,6 +59,7 @@ int dlpd_entry_insert(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_e
 	 * runs in between, so no attacher sees the name absent. */
 	if (old)
 		dlpd_entry_remove(s, old);
+	s->reg.sorted_valid = false;
 	r = dlpd_hmap_insert(&s->reg.names, &e->node, dlpd_hash_bytes(name->data, name->len));
 	if (r < 0) {
 		entry_free(&s->reg, e);
@@ -70,6 +71,7 @@ int dlpd_entry_insert(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_e
 
 void dlpd_entry_remove(struct dlpd_server *s, struct dlpd_entry *e)
 {
+	s->reg.sorted_valid = false;
 	dlpd_hmap_remove(&s->reg.names, &e->node);
 	entry_free(&s->reg, e);
 }
@@ -236,6 +238,9 @@ void dlpd_registry_clear(struct dlpd_registry *r)
 			entry_free(r, e);
 		}
 	dlpd_hmap_clear(&r->names);
+	free(r->sorted);
+	r->sorted = NULL;
+	r->sorted_valid = false;
 	/* waiters belong to peers, which are all gone by now */
 	dlpd_hmap_clear(&r->waitqs);
 }
@@ -248,28 +253,74 @@ static int cmp_entries(const void *a, const void *b)
 	return dlpc__bytes_cmp(x->data, x->len, y->data, y->len);
 }
 
-int dlpd_registry_range(struct dlpd_registry *r, const uint8_t *prefix, size_t plen,
-			const uint8_t *a, size_t alen, struct dlpd_entry ***ret, size_t *count)
+/* Rebuild the sorted view of all names if a publish or unpublish changed them. */
+static int sorted_refresh(struct dlpd_registry *r)
 {
-	struct dlpd_entry **v = malloc((r->names.count ? r->names.count : 1) * sizeof(*v));
 	size_t n = 0;
 
-	if (!v)
-		return -ENOMEM;
-	for (size_t i = 0; i < r->names.nbuckets; i++)
-		for (struct dlpd_hnode *h = r->names.buckets[i]; h; h = h->next) {
-			struct dlpd_entry *e = dlpd_container_of(h, struct dlpd_entry, node);
-			const ProtobufCBinaryData *name = &e->pub->name;
+	if (r->sorted_valid)
+		return 0;
+	if (r->sorted_cap < r->names.count) {
+		size_t cap = r->names.count * 2;
+		struct dlpd_entry **v = realloc(r->sorted, cap * sizeof(*v));
 
-			if (name->len < plen ||
-			    dlpc__bytes_cmp(name->data, plen, prefix, plen) != 0)
-				continue;
-			if (alen > 0 && dlpc__bytes_cmp(name->data, name->len, a, alen) <= 0)
-				continue;
-			v[n++] = e;
-		}
-	qsort(v, n, sizeof(*v), cmp_entries);
-	*ret = v;
+		if (!v)
+			return -ENOMEM;
+		r->sorted = v;
+		r->sorted_cap = cap;
+	}
+	for (size_t i = 0; i < r->names.nbuckets; i++)
+		for (struct dlpd_hnode *h = r->names.buckets[i]; h; h = h->next)
+			r->sorted[n++] = dlpd_container_of(h, struct dlpd_entry, node);
+	qsort(r->sorted, n, sizeof(*r->sorted), cmp_entries);
+	r->nsorted = n;
+	r->sorted_valid = true;
+	return 0;
+}
+
+/* Index of the first sorted name >= (@p key, @p len), or > it when @p strict. */
+static size_t sorted_bound(const struct dlpd_registry *r, const uint8_t *key, size_t len,
+			   bool strict)
+{
+	size_t lo = 0, hi = r->nsorted;
+
+	while (lo < hi) {
+		size_t mid = lo + (hi - lo) / 2;
+		const ProtobufCBinaryData *name = &r->sorted[mid]->pub->name;
+		int c = dlpc__bytes_cmp(name->data, name->len, key, len);
+
+		if (c < 0 || (strict && c == 0))
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return lo;
+}
+
+int dlpd_registry_range(struct dlpd_registry *r, const uint8_t *prefix, size_t plen,
+			const uint8_t *a, size_t alen, size_t limit, struct dlpd_entry ***ret,
+			size_t *count)
+{
+	size_t i, n = 0;
+	int err = sorted_refresh(r);
+
+	if (err < 0)
+		return err;
+	/* start at the prefix, or just after the cursor if that comes later */
+	i = sorted_bound(r, prefix, plen, false);
+	if (alen > 0 && dlpc__bytes_cmp(a, alen, prefix, plen) >= 0) {
+		size_t j = sorted_bound(r, a, alen, true);
+
+		i = j > i ? j : i;
+	}
+	while (i + n < r->nsorted && n < limit) {
+		const ProtobufCBinaryData *name = &r->sorted[i + n]->pub->name;
+
+		if (name->len < plen || dlpc__bytes_cmp(name->data, plen, prefix, plen) != 0)
+			break;
+		n++;
+	}
+	*ret = r->sorted + i;
 	*count = n;
 	return 0;
 }

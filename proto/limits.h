@@ -29,7 +29,7 @@
 #define DLPC_SMALL_MSG_MAX 4096
 /* Largest payload of a RELEASE: DLPC_RELEASE_BATCH_MAX ids of up to 10 bytes, plus framing. */
 #define DLPC_RELEASE_MSG_MAX (DLPC_RELEASE_BATCH_MAX * 10 + 16)
-/* Most entries in one LIST reply page. */
-#define DLPC_LIST_PAGE_MAX 4096
+/* Most entries in one LIST reply page (fewer when DLPC_FRAME_MAX is reached first). */
+#define DLPC_LIST_PAGE_MAX 16384
 
 #endif

@@ -980,12 +980,38 @@ START_TEST(test_list)
 			       1);
 	}
 	ck_assert_dlpc(dlpc_attach(c, "odd/00001", NULL, &t), 1);
-	/* more than one page (DLPC_LIST_PAGE_MAX) comes back whole and sorted */
+	/* three bundles whose descriptions take ~3 MiB each: no two fit one 8 MiB LIST page, so
+	 * the library must follow the daemon's pages to get everything */
+	for (int b = 0; b < 3; b++) {
+		enum { NT = 12000 };
+		DLManagedTensorVersioned **ts = calloc(NT, sizeof(*ts));
+		char **keys = calloc(NT, sizeof(*keys));
+		int64_t one[1] = {1};
+
+		for (int i = 0; i < NT; i++) {
+			ck_assert_int_gt(asprintf(&keys[i], "%0240d", i), 0);
+			ts[i] = host_tensor(buf, (DLDataType){kDLInt, 8, 1}, 1, one, NULL, NULL);
+		}
+		snprintf(name, sizeof(name), "huge/%d", b);
+		ck_assert_dlpc(dlpc_publish_bundle(c, name, NT, (const char *const *)keys, ts, 0),
+			       1);
+		for (int i = 0; i < NT; i++)
+			free(keys[i]);
+		free(keys);
+		free(ts);
+	}
 	ck_assert_dlpc(dlpc_list(c, "", &l, &n), 0);
-	ck_assert_uint_eq(n, 5000);
+	ck_assert_uint_eq(n, 5003);
 	for (size_t i = 1; i < n; i++)
 		ck_assert_int_lt(strcmp(l[i - 1].name, l[i].name), 0);
+	for (size_t i = 0; i < n; i++)
+		if (strncmp(l[i].name, "huge/", 5) == 0) {
+			ck_assert_uint_eq(l[i].ntensors, 12000);
+			ck_assert_ptr_nonnull(l[i].tensors);
+			ck_assert_str_eq(l[i].tensors[11999].key + 235, "11999");
+		}
 	dlpc_list_free(l, n);
+	ck_assert_uint_ge(stat_or_die(c).req_list, 2);
 	ck_assert_dlpc(dlpc_list(c, "odd/", &l, &n), 0);
 	ck_assert_uint_eq(n, 2500);
 	ck_assert_str_eq(l[0].name, "odd/00001");
