@@ -69,7 +69,6 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
 		snprintf(why, whylen, "storage fd is not a regular file, not a memfd");
 		return -EBADF;
 	}
-	fl = fcntl(fd, F_GETFL);
 	if (fstatfs(fd, &sfs) < 0 ||
 	    (sfs.f_type != TMPFS_MAGIC && sfs.f_type != (typeof(sfs.f_type))HUGETLBFS_MAGIC)) {
 		snprintf(why, whylen, "storage fd is on filesystem 0x%lx, not a memfd",
@@ -101,7 +100,7 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
 		snprintf(why, whylen, "storage published writable is sealed against writes");
 		return -EPERM;
 	}
-	if (writable && (fl & O_ACCMODE) != O_RDWR) {
+	if (writable && ((fl = fcntl(fd, F_GETFL)) < 0 || (fl & O_ACCMODE) != O_RDWR)) {
 		snprintf(why, whylen, "writable storage fd was not opened read-write");
 		return -EBADF;
 	}
