@@ -246,3 +246,15 @@ DLManagedTensorVersioned *host_tensor(void *data, DLDataType dt, int ndim, const
 	h->t.dl_tensor.strides = strides ? h->dims + DLPC_NDIM_MAX : NULL;
 	return &h->t;
 }
+
+int run_suite(Suite *s)
+{
+	SRunner *sr = srunner_create(s);
+	int failed;
+
+	srunner_set_fork_status(sr, CK_FORK);
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed > 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+}

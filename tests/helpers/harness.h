@@ -38,6 +38,9 @@ int scaled_ms(int ms);
 dlpc_client *connect_or_die(const struct daemon *d);
 dlpc_stats stat_or_die(dlpc_client *c);
 
+/* Run @p s in fork mode and free it; the process's exit status: 0 if every test passed. */
+int run_suite(Suite *s);
+
 /* Run @p fn(arg) in a forked child that exits 0 if fn returns 0. */
 pid_t spawn(int (*fn)(void *), void *arg);
 /* Wait for @p pid and return its exit status; a signal death returns 128 + signo. */

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "wire.h"
 #include "frame.h"
 #include "io.h"
 #include "limits.h"
@@ -24,52 +25,6 @@
 #define FDS_MAX DLPC_FRAME_FDS_MAX
 
 /* ---- helpers ---- */
-
-static int fd_base;
-
-/* Checked fixture: remember the process's fd count... */
-static void fd_setup(void)
-{
-	fd_base = fd_count(getpid());
-}
-
-/* ...and insist on it when the test is done. */
-static void fd_teardown(void)
-{
-	ck_assert_int_eq(fd_count(getpid()), fd_base);
-}
-
-/* A connected AF_UNIX stream pair, CLOEXEC, optionally non-blocking on both ends. */
-static void pair_open(int sv[2], bool nonblock)
-{
-	int type = SOCK_STREAM | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0);
-
-	ck_assert_int_eq(socketpair(AF_UNIX, type, 0, sv), 0);
-}
-
-static void pair_close(const int sv[2])
-{
-	ck_assert_int_eq(close(sv[0]), 0);
-	ck_assert_int_eq(close(sv[1]), 0);
-}
-
-/*
- * Read from @p sock until the next frame is complete. Returns dlpc__rx_next()'s verdict (1 or a
- * negative errno), 0 at end of stream, or dlpc__rx_read()'s error.
- */
-static int rx_frame(struct dlpc__rx *rx, int sock, struct dlpc__frame *f, char *why, size_t whylen)
-{
-	for (;;) {
-		int r = dlpc__rx_next(rx, f, why, whylen);
-		ssize_t n;
-
-		if (r != 0)
-			return r;
-		n = dlpc__rx_read(rx, sock, why, whylen);
-		if (n <= 0)
-			return (int)n;
-	}
-}
 
 /* ---- frame header ---- */
 
@@ -391,12 +346,5 @@ static Suite *frame_suite(void)
 
 int main(void)
 {
-	SRunner *sr = srunner_create(frame_suite());
-	int failed;
-
-	srunner_set_fork_status(sr, CK_FORK);
-	srunner_run_all(sr, CK_NORMAL);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed > 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+	return run_suite(frame_suite());
 }

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "wire.h"
 #include "frame.h"
 #include "io.h"
 #include "limits.h"
@@ -25,34 +26,6 @@
 #define FDS_MAX DLPC_FRAME_FDS_MAX
 
 /* ---- helpers ---- */
-
-static int fd_base;
-
-/* Checked fixture: remember the process's fd count... */
-static void fd_setup(void)
-{
-	fd_base = fd_count(getpid());
-}
-
-/* ...and insist on it when the test is done. */
-static void fd_teardown(void)
-{
-	ck_assert_int_eq(fd_count(getpid()), fd_base);
-}
-
-/* A connected AF_UNIX stream pair, CLOEXEC, optionally non-blocking on both ends. */
-static void pair_open(int sv[2], bool nonblock)
-{
-	int type = SOCK_STREAM | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0);
-
-	ck_assert_int_eq(socketpair(AF_UNIX, type, 0, sv), 0);
-}
-
-static void pair_close(const int sv[2])
-{
-	ck_assert_int_eq(close(sv[0]), 0);
-	ck_assert_int_eq(close(sv[1]), 0);
-}
 
 /* Header + payload into @p buf; returns the frame's total length. */
 static size_t frame_build(uint8_t *buf, uint16_t type, uint32_t id, uint8_t nfds,
@@ -123,24 +96,6 @@ static bool is_cloexec(int fd)
 
 	ck_assert_int_ge(fl, 0);
 	return fl & FD_CLOEXEC;
-}
-
-/*
- * Read from @p sock until the next frame is complete. Returns dlpc__rx_next()'s verdict (1 or a
- * negative errno), 0 at end of stream, or dlpc__rx_read()'s error.
- */
-static int rx_frame(struct dlpc__rx *rx, int sock, struct dlpc__frame *f, char *why, size_t whylen)
-{
-	for (;;) {
-		int r = dlpc__rx_next(rx, f, why, whylen);
-		ssize_t n;
-
-		if (r != 0)
-			return r;
-		n = dlpc__rx_read(rx, sock, why, whylen);
-		if (n <= 0)
-			return (int)n;
-	}
 }
 
 /* A payload that tells frames (and offsets inside one) apart. */
@@ -1062,12 +1017,5 @@ static Suite *io_suite(void)
 
 int main(void)
 {
-	SRunner *sr = srunner_create(io_suite());
-	int failed;
-
-	srunner_set_fork_status(sr, CK_FORK);
-	srunner_run_all(sr, CK_NORMAL);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed > 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+	return run_suite(io_suite());
 }

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "limits.h"
+#include "harness.h"
 #include "util.h"
 
 /* ---- util ---- */
@@ -284,12 +285,5 @@ static Suite *util_suite(void)
 
 int main(void)
 {
-	SRunner *sr = srunner_create(util_suite());
-	int failed;
-
-	srunner_set_fork_status(sr, CK_FORK);
-	srunner_run_all(sr, CK_NORMAL);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed > 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+	return run_suite(util_suite());
 }
