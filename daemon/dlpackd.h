@@ -256,6 +256,8 @@ int dlpd_reaper_start(void);
 /* Close what is queued, then stop the thread. */
 void dlpd_reaper_stop(void);
 void dlpd_close_later(int fd);
+/* fds handed to the reaper and not closed yet. */
+size_t dlpd_reaper_pending(void);
 
 /* Monotonic milliseconds. */
 uint64_t dlpd_now_ms(void);

@@ -71,6 +71,7 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	rep.references = s->reg.refs;
 	rep.waiters = s->reg.waiters;
 	rep.fds_open = count_fds();
+	rep.fds_closing = dlpd_reaper_pending();
 	rep.fds_sent = s->stats.fds_sent;
 	rep.req_hello = s->stats.req[DLPC_MSG_HELLO];
 	rep.req_publish = s->stats.req[DLPC_MSG_PUBLISH];

@@ -21,6 +21,7 @@ static struct {
 	pthread_cond_t cv;
 	int *fds;
 	size_t n, cap;
+	unsigned closing; /* taken off the queue, close() not returned yet */
 	bool stop, running;
 	pthread_t thread;
 } reaper = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
@@ -36,9 +37,11 @@ static void *reap(void *unused)
 			break;
 		int fd = reaper.fds[--reaper.n];
 
+		reaper.closing++;
 		pthread_mutex_unlock(&reaper.mu);
 		close(fd);
 		pthread_mutex_lock(&reaper.mu);
+		reaper.closing--;
 	}
 	pthread_mutex_unlock(&reaper.mu);
 	return NULL;
@@ -76,6 +79,16 @@ void dlpd_reaper_stop(void)
 	free(reaper.fds);
 	reaper.fds = NULL;
 	reaper.cap = 0;
+}
+
+size_t dlpd_reaper_pending(void)
+{
+	size_t n;
+
+	pthread_mutex_lock(&reaper.mu);
+	n = reaper.n + reaper.closing;
+	pthread_mutex_unlock(&reaper.mu);
+	return n;
 }
 
 void dlpd_close_later(int fd)

@@ -274,6 +274,7 @@ typedef struct dlpc_stats {
 	uint64_t req_list;	  /**< LIST requests served */
 	uint64_t req_stat;	  /**< STAT requests served */
 	uint64_t protocol_errors; /**< connections dropped for protocol violations */
+	uint64_t fds_closing;	  /**< fds the daemon is closing on its closer thread */
 } dlpc_stats;
 
 /**

@@ -195,6 +195,17 @@ int wait_child(pid_t pid)
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
+static bool settled(const dlpc_stats *s, void *arg)
+{
+	return s->connections == *(const uint64_t *)arg && s->fds_closing == 0;
+}
+
+int settled_fds(const struct daemon *d, dlpc_client *c, uint64_t conns)
+{
+	ck_assert_msg(wait_stat(c, settled, &conns, 2000), "dlpackd did not settle");
+	return fd_count(d->pid);
+}
+
 bool wait_stat(dlpc_client *c, bool (*cond)(const dlpc_stats *s, void *arg), void *arg, int ms)
 {
 	long long deadline = now_ms() + scaled_ms(ms);

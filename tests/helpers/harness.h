@@ -46,6 +46,12 @@ pid_t spawn(int (*fn)(void *), void *arg);
 /* Wait for @p pid and return its exit status; a signal death returns 128 + signo. */
 int wait_child(pid_t pid);
 
+/*
+ * The daemon @p d's open fds once it has settled: exactly @p conns connections and nothing
+ * left for its closer thread (closing is asynchronous). Fails the test if it does not settle.
+ */
+int settled_fds(const struct daemon *d, dlpc_client *c, uint64_t conns);
+
 /* Poll STAT until @p cond holds or @p ms pass; returns whether it held. */
 bool wait_stat(dlpc_client *c, bool (*cond)(const dlpc_stats *s, void *arg), void *arg, int ms);
 

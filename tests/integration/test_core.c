@@ -681,11 +681,12 @@ START_TEST(test_threads_and_late_deleters)
 	DLManagedTensorVersioned *a, *b;
 	dlpc_client *c, *probe;
 	int fds0 = fd_count(getpid());
-	int dfds0 = fd_count(D.pid);
+	int dfds0;
 	dlpc_stats s;
 
 	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v)), 0);
 	probe = connect_or_die(&D);
+	dfds0 = settled_fds(&D, probe, 1); /* the probe's socket and one storage included */
 	c = connect_or_die(&D);
 	for (int i = 0; i < 8; i++) {
 		w[i] = (struct worker){c, 0};
@@ -715,9 +716,7 @@ START_TEST(test_threads_and_late_deleters)
 	ck_assert_int_eq(fd_count(getpid()), fds0);
 	probe = connect_or_die(&D);
 	ck_assert(wait_stat(probe, alone, NULL, 1000));
-	for (int i = 0; i < scaled_ms(1000) && fd_count(D.pid) != dfds0 + 2; i++)
-		usleep(1000);
-	ck_assert_int_eq(fd_count(D.pid), dfds0 + 2); /* probe's socket, one storage */
+	ck_assert_int_eq(settled_fds(&D, probe, 1), dfds0);
 	dlpc_close(probe);
 }
 END_TEST
@@ -750,17 +749,14 @@ START_TEST(test_many_processes)
 	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v)), 0);
 	c = connect_or_die(&D);
 	/* the publisher's connection closes asynchronously: baseline once only ours is left */
-	ck_assert(wait_stat(c, alone, NULL, 1000));
-	dfds0 = fd_count(D.pid);
+	dfds0 = settled_fds(&D, c, 1);
 	for (int i = 0; i < 100; i++)
 		pids[i] = spawn(churn, NULL);
 	for (int i = 0; i < 100; i++)
 		ck_assert_int_eq(wait_child(pids[i]), 0);
 	ck_assert(wait_stat(c, alone, NULL, 1000));
 	ck_assert_uint_ge(stat_or_die(c).req_attach, 100 * 1000);
-	for (int i = 0; i < scaled_ms(1000) && fd_count(D.pid) != dfds0; i++)
-		usleep(1000);
-	ck_assert_int_eq(fd_count(D.pid), dfds0);
+	ck_assert_int_eq(settled_fds(&D, c, 1), dfds0);
 	dlpc_close(c);
 }
 END_TEST

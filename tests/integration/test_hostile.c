@@ -175,9 +175,7 @@ static bool refs_one(const dlpc_stats *s, void *arg)
 static void expect_fds(int baseline)
 {
 	ck_assert(wait_stat(good, refs_one, NULL, 1000));
-	for (int i = 0; i < scaled_ms(1000) && fd_count(D.pid) != baseline; i++)
-		usleep(1000);
-	ck_assert_int_eq(fd_count(D.pid), baseline);
+	ck_assert_int_eq(settled_fds(&D, good, 1), baseline);
 }
 
 static void good_client_stop(void)
@@ -205,7 +203,7 @@ START_TEST(test_garbage_frames)
 	struct dlpc__hdr h = {0};
 
 	good_client_start();
-	baseline = fd_count(D.pid);
+	baseline = settled_fds(&D, good, 1);
 
 	/* text that is no frame at all: its "length" is absurd */
 	fd = raw_connect();
@@ -300,7 +298,7 @@ START_TEST(test_session_rules)
 	int baseline, fd;
 
 	good_client_start();
-	baseline = fd_count(D.pid);
+	baseline = settled_fds(&D, good, 1);
 
 	/* a request before HELLO */
 	fd = raw_connect();
@@ -439,7 +437,7 @@ START_TEST(test_name_and_request_limits)
 	int fd, storage, baseline;
 
 	good_client_start();
-	baseline = fd_count(D.pid);
+	baseline = settled_fds(&D, good, 1);
 	fd = raw_connect();
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	storage = memfd_sealed(1 << 20,
@@ -493,7 +491,7 @@ START_TEST(test_storage_fd_matrix)
 	int fd, baseline, storage, pipefd[2], code[7];
 
 	good_client_start();
-	baseline = fd_count(D.pid);
+	baseline = settled_fds(&D, good, 1);
 	fd = raw_connect();
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 
