@@ -19,8 +19,10 @@ typedef struct {
 /* A connection; reconnects by itself in a forked child. */
 typedef struct {
 	PyObject_HEAD dlpc_client *c;
-	unsigned fork_gen; /* see module.c */
-	char *path;	   /* NULL: the default socket */
+	unsigned fork_gen;    /* see module.c */
+	unsigned busy;	      /* calls in flight (see ipc_call_begin) */
+	dlpc_client *closing; /* closed while busy: the last call closes it */
+	char *path;	      /* NULL: the default socket */
 } ClientObject;
 
 /* A tensor attached from, or allocated for, dlpackd. */
@@ -38,6 +40,17 @@ ipc_state *ipc_state_of_type(PyTypeObject *tp);
 PyObject *ipc_raise(int err);
 /* The dlpc_client for this process, reconnecting after fork; NULL with an exception set. */
 dlpc_client *ipc_client(ClientObject *self);
+/* The same, kept valid until ipc_call_end() even if the Client is closed meanwhile. */
+dlpc_client *ipc_call_begin(ClientObject *self);
+void ipc_call_end(ClientObject *self);
+
+/* consume.c: Client.publish() and Client.publish_dict(). */
+PyObject *ipc_client_publish(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwargs);
+
+/* info.c: Client._list() and Client.stat(). */
+PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_stat(PyObject *obj, PyObject *unused);
 
 /* tensor.c */
 extern PyType_Spec ipc_tensor_spec;
@@ -45,6 +58,8 @@ extern PyType_Spec ipc_tensor_spec;
 PyObject *ipc_tensor_new(ipc_state *st, DLManagedTensorVersioned *t, PyObject *name, PyObject *key,
 			 int generation, bool allocated);
 bool ipc_is_tensor(PyObject *o);
+/* The tensor @p self holds, or NULL with BufferError when it was released. */
+DLManagedTensorVersioned *ipc_tensor_live(TensorObject *self);
 /* "float32", "bfloat16", ...; parse the reverse. */
 PyObject *ipc_dtype_name(DLDataType dt);
 int ipc_dtype_parse(PyObject *o, DLDataType *dt);

@@ -86,6 +86,29 @@ static unsigned current_fork_gen(void)
 	return __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
 }
 
+/*
+ * Begin a call on the connection: the handle stays valid until ipc_call_end(), even if another
+ * thread (or Python code run by __dlpack__) closes the Client meanwhile; that close then waits
+ * for the last call to end. With the GIL held.
+ */
+dlpc_client *ipc_call_begin(ClientObject *self)
+{
+	dlpc_client *c = ipc_client(self);
+
+	if (c)
+		self->busy++;
+	return c;
+}
+
+/* End a call begun with ipc_call_begin(); run a close that came meanwhile. With the GIL. */
+void ipc_call_end(ClientObject *self)
+{
+	if (--self->busy == 0 && self->closing) {
+		dlpc_close(self->closing);
+		self->closing = NULL;
+	}
+}
+
 dlpc_client *ipc_client(ClientObject *self)
 {
 	if (!self->c) {
@@ -93,8 +116,9 @@ dlpc_client *ipc_client(ClientObject *self)
 		return NULL;
 	}
 	if (self->fork_gen != current_fork_gen()) {
-		/* A forked child: the parent's connection is not ours to use or close (its locks
-		 * may be held by parent threads that do not exist here). Connect anew. */
+		/* A forked child: the parent's handle is not ours to use or free (its mutexes may
+		 * be held by parent threads that do not exist here; libdlpc already closed its
+		 * socket in the child). Connect anew; the old handle's memory stays. */
 		dlpc_client *c;
 
 		if (connect_to(self->path, &c) < 0)
@@ -135,8 +159,12 @@ static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 static void client_close_now(ClientObject *self)
 {
 	/* in a forked child the handle is the parent's: leave it alone */
-	if (self->c && self->fork_gen == current_fork_gen())
-		dlpc_close(self->c);
+	if (self->c && self->fork_gen == current_fork_gen()) {
+		if (self->busy > 0)
+			self->closing = self->c; /* the last call in flight closes it */
+		else
+			dlpc_close(self->c);
+	}
 	self->c = NULL;
 }
 
@@ -169,124 +197,6 @@ static PyObject *client_exit(PyObject *obj, PyObject *args)
 	(void)args;
 	client_close_now((ClientObject *)obj);
 	Py_RETURN_FALSE;
-}
-
-static uint32_t publish_flags(int replace, int ephemeral, int writable)
-{
-	return (replace ? DLPC_PUBLISH_REPLACE : 0) | (ephemeral ? DLPC_PUBLISH_EPHEMERAL : 0) |
-	       (writable ? DLPC_PUBLISH_WRITABLE : 0);
-}
-
-/* Publish @p n objects, with @p keys (NULL: a single tensor). Returns the generation. */
-static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_t n,
-				 PyObject *const *objs, const char *const *keys, uint32_t flags)
-{
-	dlpc_client *c = ipc_client(self);
-	struct ipc_taken **taken;
-	DLManagedTensorVersioned **tensors;
-	Py_ssize_t got = 0;
-	int r = 0;
-
-	if (!c)
-		return NULL;
-	taken = PyMem_Calloc((size_t)n + 1, sizeof(*taken));
-	tensors = PyMem_Calloc((size_t)n + 1, sizeof(*tensors));
-	if (!taken || !tensors) {
-		PyMem_Free(taken);
-		PyMem_Free(tensors);
-		return PyErr_NoMemory();
-	}
-	for (; got < n; got++) {
-		taken[got] = ipc_take(objs[got]);
-		if (!taken[got])
-			break;
-		tensors[got] = ipc_taken_tensor(taken[got]);
-	}
-	if (got == n) {
-		Py_BEGIN_ALLOW_THREADS
-		if (keys)
-			r = dlpc_publish_bundle(c, name, (size_t)n, keys, tensors, flags);
-		else
-			r = dlpc_publish(c, name, tensors[0], flags);
-		Py_END_ALLOW_THREADS
-	}
-	/* the producers' deleters, with the GIL, whatever happened */
-	for (Py_ssize_t i = 0; i < got; i++)
-		ipc_taken_finish(taken[i]);
-	PyMem_Free(taken);
-	PyMem_Free(tensors);
-	if (got < n)
-		return NULL;
-	if (r < 0)
-		return ipc_raise(r);
-	/* memory from empty() published read-only is now read-only here too */
-	if (!keys && ipc_is_tensor(objs[0]) && ((TensorObject *)objs[0])->allocated &&
-	    !(flags & DLPC_PUBLISH_WRITABLE) && ((TensorObject *)objs[0])->t)
-		((TensorObject *)objs[0])->t->flags |= DLPACK_FLAG_BITMASK_READ_ONLY;
-	return PyLong_FromLong(r);
-}
-
-static PyObject *client_publish(PyObject *obj, PyObject *args, PyObject *kwargs)
-{
-	static char *kwlist[] = {"name", "obj", "replace", "ephemeral", "writable", NULL};
-	int replace = 0, ephemeral = 0, writable = 0;
-	const char *name;
-	PyObject *tensor;
-
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$ppp:publish", kwlist, &name, &tensor,
-					 &replace, &ephemeral, &writable))
-		return NULL;
-	return publish_objects((ClientObject *)obj, name, 1, &tensor, NULL,
-			       publish_flags(replace, ephemeral, writable));
-}
-
-static PyObject *client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
-{
-	static char *kwlist[] = {"name", "mapping", "replace", "ephemeral", "writable", NULL};
-	int replace = 0, ephemeral = 0, writable = 0;
-	const char *name, **keys = NULL;
-	PyObject *mapping, *items, **objs = NULL, *r = NULL;
-	Py_ssize_t n;
-
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$ppp:publish_dict", kwlist, &name,
-					 &mapping, &replace, &ephemeral, &writable))
-		return NULL;
-	items = PyMapping_Items(mapping);
-	if (!items)
-		return NULL;
-	n = PyList_GET_SIZE(items);
-	if (n == 0) {
-		PyErr_SetString(PyExc_ValueError, "cannot publish an empty mapping");
-		goto out;
-	}
-	keys = PyMem_Calloc((size_t)n, sizeof(*keys));
-	objs = PyMem_Calloc((size_t)n, sizeof(*objs));
-	if (!keys || !objs) {
-		PyErr_NoMemory();
-		goto out;
-	}
-	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *kv = PyList_GET_ITEM(items, i);
-		PyObject *k = PyTuple_GET_ITEM(kv, 0);
-
-		if (!PyUnicode_Check(k)) {
-			PyErr_Format(PyExc_TypeError, "keys must be str, not %.100s",
-				     Py_TYPE(k)->tp_name);
-			goto out;
-		}
-		/* valid while items holds the key */
-		keys[i] = PyUnicode_AsUTF8(k);
-		if (!keys[i])
-			goto out;
-		objs[i] = PyTuple_GET_ITEM(kv, 1);
-	}
-	r = publish_objects((ClientObject *)obj, name, n, objs, keys,
-			    publish_flags(replace, ephemeral, writable));
-out:
-	PyMem_Free(keys);
-	PyMem_Free(objs);
-	Py_DECREF(items);
-	return r;
 }
 
 /* Parse a timeout in seconds: None/0 -> fail at once, inf -> forever. -1 with an exception. */
@@ -323,22 +233,23 @@ static int attach_waiting(ClientObject *self, const char *name, PyObject *timeou
 			  DLManagedTensorVersioned **single, dlpc_bundle **bundle)
 {
 	dlpc_attach_opts opts = {.size = sizeof(opts)};
-	dlpc_client *c = ipc_client(self);
 	double secs, deadline;
+	dlpc_client *c;
 	bool forever;
 	int r;
 
-	if (!c || parse_timeout(timeout, &secs, &forever) < 0)
+	if (parse_timeout(timeout, &secs, &forever) < 0 || !(c = ipc_call_begin(self)))
 		return -1;
 	opts.flags = writable ? DLPC_ATTACH_WRITABLE : 0;
 	deadline = now_s() + secs;
 	for (;;) {
 		double left = deadline - now_s();
 
+		/* a slice is at least 1 ms: 0 would mean "fail at once", < 0 "forever" */
 		opts.timeout_ms = secs == 0 ? 0
 				  : forever || left * 1000 > WAIT_SLICE_MS
 					  ? WAIT_SLICE_MS
-					  : (int64_t)(left * 1000) + 1;
+					  : (left > 0 ? (int64_t)(left * 1000) : 0) + 1;
 		Py_BEGIN_ALLOW_THREADS
 		if (single)
 			r = dlpc_attach(c, name, &opts, single);
@@ -347,8 +258,10 @@ static int attach_waiting(ClientObject *self, const char *name, PyObject *timeou
 		Py_END_ALLOW_THREADS
 		if (r != -ETIMEDOUT)
 			break;
-		if (PyErr_CheckSignals() < 0)
+		if (PyErr_CheckSignals() < 0) {
+			ipc_call_end(self);
 			return -1;
+		}
 		if (!forever && now_s() >= deadline) {
 			char msg[DLPC_NAME_MAX + 64];
 
@@ -360,9 +273,11 @@ static int attach_waiting(ClientObject *self, const char *name, PyObject *timeou
 				PyErr_SetObject(PyExc_OSError, args);
 				Py_DECREF(args);
 			}
+			ipc_call_end(self);
 			return -1;
 		}
 	}
+	ipc_call_end(self);
 	if (r < 0) {
 		ipc_raise(r);
 		return -1;
@@ -471,12 +386,13 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 		}
 	}
 	Py_DECREF(seq);
-	c = ipc_client((ClientObject *)obj);
+	c = ipc_call_begin((ClientObject *)obj);
 	if (!c)
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
 	r = dlpc_alloc(c, (DLDevice){kDLCPU, 0}, dt, (int32_t)ndim, shape, &t);
 	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj);
 	if (r < 0)
 		return ipc_raise(r);
 	key = PyUnicode_FromString("");
@@ -491,112 +407,29 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 
 static PyObject *client_unpublish(PyObject *obj, PyObject *args)
 {
-	dlpc_client *c = ipc_client((ClientObject *)obj);
 	const char *name;
+	dlpc_client *c;
 	int r;
 
-	if (!c || !PyArg_ParseTuple(args, "s:unpublish", &name))
+	if (!PyArg_ParseTuple(args, "s:unpublish", &name) ||
+	    !(c = ipc_call_begin((ClientObject *)obj)))
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
 	r = dlpc_unpublish(c, name);
 	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj);
 	if (r < 0)
 		return ipc_raise(r);
 	Py_RETURN_NONE;
-}
-
-static PyObject *entry_dict(const dlpc_entry_info *e)
-{
-	PyObject *tensors = PyList_New(0), *d;
-
-	for (size_t i = 0; tensors && e->tensors && i < e->ntensors; i++) {
-		const dlpc_tensor_info *t = &e->tensors[i];
-		PyObject *shape = PyTuple_New(t->ndim), *dtype = ipc_dtype_name(t->dtype), *item;
-
-		for (int32_t k = 0; shape && k < t->ndim; k++)
-			PyTuple_SET_ITEM(shape, k, PyLong_FromLongLong(t->shape[k]));
-		item = shape && dtype ? Py_BuildValue("(sOO)", t->key, dtype, shape) : NULL;
-		if (!item || PyList_Append(tensors, item) < 0)
-			Py_CLEAR(tensors);
-		Py_XDECREF(item);
-		Py_XDECREF(shape);
-		Py_XDECREF(dtype);
-	}
-	if (!tensors)
-		return NULL;
-	d = Py_BuildValue("{s:s,s:K,s:s,s:N,s:n,s:K,s:K,s:I,s:i,s:d,s:I}", "name", e->name,
-			  "generation", (unsigned long long)e->generation, "device",
-			  e->device.device_type == kDLCPU ? "cpu" : "other", "tensors", tensors,
-			  "ntensors", (Py_ssize_t)e->ntensors, "nbytes",
-			  (unsigned long long)e->nbytes, "refs", (unsigned long long)e->refs, "uid",
-			  e->owner_uid, "pid", e->owner_pid, "created", e->created_ns / 1e9,
-			  "flags", e->flags);
-	return d;
-}
-
-static PyObject *client_list(PyObject *obj, PyObject *args, PyObject *kwargs)
-{
-	static char *kwlist[] = {"prefix", NULL};
-	dlpc_client *c = ipc_client((ClientObject *)obj);
-	const char *prefix = "";
-	dlpc_entry_info *v;
-	PyObject *list;
-	size_t n;
-	int r;
-
-	if (!c || !PyArg_ParseTupleAndKeywords(args, kwargs, "|s:list", kwlist, &prefix))
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_list(c, prefix, &v, &n);
-	Py_END_ALLOW_THREADS
-	if (r < 0)
-		return ipc_raise(r);
-	list = PyList_New((Py_ssize_t)n);
-	for (size_t i = 0; list && i < n; i++) {
-		PyObject *d = entry_dict(&v[i]);
-
-		if (!d)
-			Py_CLEAR(list);
-		else
-			PyList_SET_ITEM(list, (Py_ssize_t)i, d);
-	}
-	dlpc_list_free(v, n);
-	return list;
-}
-
-static PyObject *client_stat(PyObject *obj, PyObject *unused)
-{
-	dlpc_client *c = ipc_client((ClientObject *)obj);
-	dlpc_stats s = {.size = sizeof(s)};
-	int r;
-
-	(void)unused;
-	if (!c)
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_stat(c, &s);
-	Py_END_ALLOW_THREADS
-	if (r < 0)
-		return ipc_raise(r);
-	return Py_BuildValue("{s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-			     "s:K,s:K}",
-			     "daemon_pid", s.daemon_pid, "uptime_ms", s.uptime_ms, "connections",
-			     s.connections, "entries", s.entries, "storages", s.storages,
-			     "bytes_held", s.bytes_held, "references", s.references, "waiters",
-			     s.waiters, "fds_open", s.fds_open, "fds_sent", s.fds_sent, "req_hello",
-			     s.req_hello, "req_publish", s.req_publish, "req_attach", s.req_attach,
-			     "req_release", s.req_release, "req_unpublish", s.req_unpublish,
-			     "req_list", s.req_list, "req_stat", s.req_stat, "protocol_errors",
-			     s.protocol_errors, "fds_closing", s.fds_closing);
 }
 
 #define KW (METH_VARARGS | METH_KEYWORDS)
 #define FN(f) (PyCFunction)(void (*)(void))(f)
 
 static PyMethodDef client_methods[] = {
-	{"publish", FN(client_publish), KW,
+	{"publish", FN(ipc_client_publish), KW,
 	 "publish(name, obj, *, replace=False, ephemeral=False, writable=False) -> int"},
-	{"publish_dict", FN(client_publish_dict), KW,
+	{"publish_dict", FN(ipc_client_publish_dict), KW,
 	 "publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=False) -> int"},
 	{"attach", FN(client_attach), KW,
 	 "attach(name, *, timeout=None, writable=False) -> SharedTensor"},
@@ -604,8 +437,8 @@ static PyMethodDef client_methods[] = {
 	 "attach_dict(name, *, timeout=None, writable=False) -> dict[str, SharedTensor]"},
 	{"empty", FN(client_empty), KW, "empty(shape, dtype, device='cpu') -> SharedTensor"},
 	{"unpublish", client_unpublish, METH_VARARGS, "unpublish(name) -> None"},
-	{"_list", FN(client_list), KW, "_list(prefix='') -> list[dict]"},
-	{"stat", client_stat, METH_NOARGS, "stat() -> dict"},
+	{"_list", FN(ipc_client_list), KW, "_list(prefix='') -> list[dict]"},
+	{"stat", ipc_client_stat, METH_NOARGS, "stat() -> dict"},
 	{"close", client_close, METH_NOARGS, "close() -> None"},
 	{"__enter__", client_enter, METH_NOARGS, NULL},
 	{"__exit__", client_exit, METH_VARARGS, NULL},

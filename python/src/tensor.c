@@ -9,9 +9,6 @@
 #include <string.h>
 
 #include "dlpack_ipc.h"
-#include "exchange.h"
-
-#define ALIGN 256
 
 static void tensor_dealloc(PyObject *self);
 
@@ -117,11 +114,27 @@ static void tensor_dealloc(PyObject *obj)
 	Py_DECREF(tp);
 }
 
-static DLManagedTensorVersioned *live(TensorObject *self)
+DLManagedTensorVersioned *ipc_tensor_live(TensorObject *self)
 {
 	if (!self->t)
 		PyErr_Format(PyExc_BufferError, "SharedTensor %R was released", self->name);
 	return self->t;
+}
+
+/*
+ * Is @p t's memory read-only? Asked of libdlpc, not read from t->flags: memory from empty()
+ * that libdlpc sealed read-only (on publishing it, even if the daemon then refused) is frozen
+ * after t was made, and only shares made since carry the flag.
+ */
+static bool readonly(const DLManagedTensorVersioned *t)
+{
+	DLManagedTensorVersioned *s = dlpc_tensor_share(t);
+	bool ro = s ? (s->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0
+		    : (t->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+
+	if (s)
+		s->deleter(s);
+	return ro;
 }
 
 /* ---- DLPack export ---- */
@@ -167,7 +180,7 @@ static DLManagedTensorVersioned *make_copy(const DLManagedTensorVersioned *src)
 	struct copy *c = malloc(sizeof(*c) + 2 * (size_t)ndim * sizeof(int64_t));
 	uint64_t n = tensor_nbytes(&src->dl_tensor);
 
-	if (!c || posix_memalign(&c->data, ALIGN, n ? n : 1) != 0) {
+	if (!c || posix_memalign(&c->data, DLPC_ALIGN, n ? n : 1) != 0) {
 		free(c);
 		return NULL;
 	}
@@ -212,7 +225,7 @@ static PyObject *tensor_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs)
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$OOOO:__dlpack__", kwlist, &stream,
 					 &max_version, &dl_device, &copy))
 		return NULL;
-	base = live(self);
+	base = ipc_tensor_live(self);
 	if (!base)
 		return NULL;
 	if (stream != Py_None) {
@@ -254,7 +267,7 @@ static PyObject *tensor_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs)
 
 static PyObject *tensor_dlpack_device(PyObject *obj, PyObject *unused)
 {
-	DLManagedTensorVersioned *t = live((TensorObject *)obj);
+	DLManagedTensorVersioned *t = ipc_tensor_live((TensorObject *)obj);
 
 	(void)unused;
 	if (!t)
@@ -313,7 +326,7 @@ static const char *buffer_format(DLDataType dt)
 static int tensor_getbuffer(PyObject *obj, Py_buffer *view, int flags)
 {
 	TensorObject *self = (TensorObject *)obj;
-	DLManagedTensorVersioned *t = live(self);
+	DLManagedTensorVersioned *t = ipc_tensor_live(self);
 	const char *fmt;
 	struct buffer_hold *h;
 	int ndim;
@@ -328,20 +341,23 @@ static int tensor_getbuffer(PyObject *obj, Py_buffer *view, int flags)
 			     self->name);
 		return -1;
 	}
-	if ((flags & PyBUF_WRITABLE) && (t->flags & DLPACK_FLAG_BITMASK_READ_ONLY)) {
-		PyErr_Format(PyExc_BufferError, "SharedTensor %R is read-only", self->name);
-		return -1;
-	}
 	h = PyMem_Malloc(sizeof(*h) + 2 * (size_t)ndim * sizeof(Py_ssize_t));
 	if (!h) {
 		PyErr_NoMemory();
 		return -1;
 	}
-	/* the buffer keeps the memory on its own: release() of the tensor does not unmap it */
+	/* The buffer keeps the memory on its own: release() of the tensor does not unmap it.
+	 * The share's flags are current (memory frozen since t was made says so). */
 	h->share = dlpc_tensor_share(t);
 	if (!h->share) {
 		PyMem_Free(h);
 		PyErr_NoMemory();
+		return -1;
+	}
+	if ((flags & PyBUF_WRITABLE) && (h->share->flags & DLPACK_FLAG_BITMASK_READ_ONLY)) {
+		h->share->deleter(h->share);
+		PyMem_Free(h);
+		PyErr_Format(PyExc_BufferError, "SharedTensor %R is read-only", self->name);
 		return -1;
 	}
 	for (int i = 0; i < ndim; i++) {
@@ -352,7 +368,7 @@ static int tensor_getbuffer(PyObject *obj, Py_buffer *view, int flags)
 	view->buf = t->dl_tensor.data;
 	view->obj = Py_NewRef(obj);
 	view->len = (Py_ssize_t)tensor_nbytes(&t->dl_tensor);
-	view->readonly = (t->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+	view->readonly = (h->share->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
 	view->itemsize = t->dl_tensor.dtype.bits / 8;
 	view->format = (flags & PyBUF_FORMAT) ? (char *)fmt : NULL;
 	view->ndim = ndim;
@@ -394,7 +410,7 @@ static PyObject *get_generation(PyObject *obj, void *closure)
 
 static PyObject *get_shape(PyObject *obj, void *closure)
 {
-	DLManagedTensorVersioned *t = live((TensorObject *)obj);
+	DLManagedTensorVersioned *t = ipc_tensor_live((TensorObject *)obj);
 	PyObject *shape;
 
 	(void)closure;
@@ -408,7 +424,7 @@ static PyObject *get_shape(PyObject *obj, void *closure)
 
 static PyObject *get_dtype(PyObject *obj, void *closure)
 {
-	DLManagedTensorVersioned *t = live((TensorObject *)obj);
+	DLManagedTensorVersioned *t = ipc_tensor_live((TensorObject *)obj);
 
 	(void)closure;
 	return t ? ipc_dtype_name(t->dl_tensor.dtype) : NULL;
@@ -416,7 +432,7 @@ static PyObject *get_dtype(PyObject *obj, void *closure)
 
 static PyObject *get_device(PyObject *obj, void *closure)
 {
-	DLManagedTensorVersioned *t = live((TensorObject *)obj);
+	DLManagedTensorVersioned *t = ipc_tensor_live((TensorObject *)obj);
 
 	(void)closure;
 	if (!t)
@@ -429,7 +445,7 @@ static PyObject *get_device(PyObject *obj, void *closure)
 
 static PyObject *get_nbytes(PyObject *obj, void *closure)
 {
-	DLManagedTensorVersioned *t = live((TensorObject *)obj);
+	DLManagedTensorVersioned *t = ipc_tensor_live((TensorObject *)obj);
 
 	(void)closure;
 	return t ? PyLong_FromUnsignedLongLong(tensor_nbytes(&t->dl_tensor)) : NULL;
@@ -437,15 +453,15 @@ static PyObject *get_nbytes(PyObject *obj, void *closure)
 
 static PyObject *get_readonly(PyObject *obj, void *closure)
 {
-	DLManagedTensorVersioned *t = live((TensorObject *)obj);
+	DLManagedTensorVersioned *t = ipc_tensor_live((TensorObject *)obj);
 
 	(void)closure;
-	return t ? PyBool_FromLong(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY) : NULL;
+	return t ? PyBool_FromLong(readonly(t)) : NULL;
 }
 
 static PyObject *get_data_ptr(PyObject *obj, void *closure)
 {
-	DLManagedTensorVersioned *t = live((TensorObject *)obj);
+	DLManagedTensorVersioned *t = ipc_tensor_live((TensorObject *)obj);
 
 	(void)closure;
 	return t ? PyLong_FromVoidPtr(t->dl_tensor.data) : NULL;
@@ -527,111 +543,3 @@ PyType_Spec ipc_tensor_spec = {
 	.flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
 	.slots = tensor_slots,
 };
-
-/* ---- the DLPack C exchange API ---- */
-
-static PyTypeObject *exchange_type; /* SharedTensor type the table creates objects of */
-
-static int x_allocator(DLTensor *proto, DLManagedTensorVersioned **out, void *error_ctx,
-		       void (*set_error)(void *, const char *, const char *))
-{
-	int r = dlpc_alloc(NULL, proto->device, proto->dtype, proto->ndim, proto->shape, out);
-
-	if (r < 0) {
-		set_error(error_ctx, r == -ENOMEM ? "MemoryError" : "BufferError",
-			  dlpc_last_error());
-		return -1;
-	}
-	return 0;
-}
-
-static int x_from_py(void *py_object, DLManagedTensorVersioned **out)
-{
-	PyObject *obj = py_object;
-	DLManagedTensorVersioned *t;
-
-	if (!ipc_is_tensor(obj)) {
-		PyErr_Format(PyExc_TypeError, "expected a SharedTensor, got %.100s",
-			     Py_TYPE(obj)->tp_name);
-		return -1;
-	}
-	t = live((TensorObject *)obj);
-	if (!t)
-		return -1;
-	*out = dlpc_tensor_share(t);
-	if (!*out) {
-		PyErr_NoMemory();
-		return -1;
-	}
-	return 0;
-}
-
-static int x_to_py(DLManagedTensorVersioned *t, void **out)
-{
-	DLManagedTensorVersioned *probe = dlpc_tensor_share(t);
-	ipc_state *st = ipc_state_of_type(exchange_type);
-	PyObject *key, *obj;
-
-	/* only libdlpc memory can be shared further; the tensor is ours either way */
-	if (!probe) {
-		t->deleter(t);
-		PyErr_SetString(PyExc_BufferError,
-				"a SharedTensor can only hold memory made by dlpack_ipc");
-		return -1;
-	}
-	probe->deleter(probe);
-	key = PyUnicode_FromString("");
-	obj = key ? ipc_tensor_new(st, t, Py_None, key, 0, false) : NULL;
-	Py_XDECREF(key);
-	if (!obj)
-		return -1;
-	*out = obj;
-	return 0;
-}
-
-static int x_dltensor_from_py(void *py_object, DLTensor *out)
-{
-	DLManagedTensorVersioned *t;
-
-	if (!ipc_is_tensor(py_object)) {
-		PyErr_SetString(PyExc_TypeError, "expected a SharedTensor");
-		return -1;
-	}
-	t = live(py_object);
-	if (!t)
-		return -1;
-	*out = t->dl_tensor;
-	return 0;
-}
-
-static int x_stream(DLDeviceType type, int32_t id, void **out)
-{
-	(void)type;
-	(void)id;
-	*out = NULL; /* host memory: no stream to order against */
-	return 0;
-}
-
-static const DLPackExchangeAPI exchange_api = {
-	.header = {.version = {DLPACK_MAJOR_VERSION, DLPC_EXCHANGE_API_MINOR}, .prev_api = NULL},
-	.managed_tensor_allocator = x_allocator,
-	.managed_tensor_from_py_object_no_sync = x_from_py,
-	.managed_tensor_to_py_object_no_sync = x_to_py,
-	.dltensor_from_py_object_no_sync = x_dltensor_from_py,
-	.current_work_stream = x_stream,
-};
-
-int ipc_exchange_install(PyTypeObject *tp)
-{
-	PyObject *cap = PyCapsule_New((void *)&exchange_api, "dlpack_exchange_api", NULL);
-	int r;
-
-	if (!cap)
-		return -1;
-	exchange_type = tp;
-	/* the type is immutable to Python code; its dict is set up here, once */
-	r = PyDict_SetItemString(tp->tp_dict, "__dlpack_c_exchange_api__", cap);
-	Py_DECREF(cap);
-	PyType_Modified(tp);
-	return r;
-}

@@ -1,0 +1,91 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Client.list() and Client.stat(): what the daemon holds, as Python data. */
+#include "dlpack_ipc.h"
+
+static PyObject *entry_dict(const dlpc_entry_info *e)
+{
+	PyObject *tensors = PyList_New(0), *d;
+
+	for (size_t i = 0; tensors && e->tensors && i < e->ntensors; i++) {
+		const dlpc_tensor_info *t = &e->tensors[i];
+		PyObject *shape = PyTuple_New(t->ndim), *dtype = ipc_dtype_name(t->dtype), *item;
+
+		for (int32_t k = 0; shape && k < t->ndim; k++)
+			PyTuple_SET_ITEM(shape, k, PyLong_FromLongLong(t->shape[k]));
+		item = shape && dtype ? Py_BuildValue("(sOO)", t->key, dtype, shape) : NULL;
+		if (!item || PyList_Append(tensors, item) < 0)
+			Py_CLEAR(tensors);
+		Py_XDECREF(item);
+		Py_XDECREF(shape);
+		Py_XDECREF(dtype);
+	}
+	if (!tensors)
+		return NULL;
+	d = Py_BuildValue("{s:s,s:K,s:s,s:N,s:n,s:K,s:K,s:I,s:i,s:d,s:I}", "name", e->name,
+			  "generation", (unsigned long long)e->generation, "device",
+			  e->device.device_type == kDLCPU ? "cpu" : "other", "tensors", tensors,
+			  "ntensors", (Py_ssize_t)e->ntensors, "nbytes",
+			  (unsigned long long)e->nbytes, "refs", (unsigned long long)e->refs, "uid",
+			  e->owner_uid, "pid", e->owner_pid, "created", e->created_ns / 1e9,
+			  "flags", e->flags);
+	return d;
+}
+
+PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"prefix", NULL};
+	const char *prefix = "";
+	dlpc_entry_info *v;
+	dlpc_client *c;
+	PyObject *list;
+	size_t n;
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|s:list", kwlist, &prefix) ||
+	    !(c = ipc_call_begin((ClientObject *)obj)))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_list(c, prefix, &v, &n);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj);
+	if (r < 0)
+		return ipc_raise(r);
+	list = PyList_New((Py_ssize_t)n);
+	for (size_t i = 0; list && i < n; i++) {
+		PyObject *d = entry_dict(&v[i]);
+
+		if (!d)
+			Py_CLEAR(list);
+		else
+			PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+	}
+	dlpc_list_free(v, n);
+	return list;
+}
+
+PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
+{
+	dlpc_client *c = ipc_call_begin((ClientObject *)obj);
+	dlpc_stats s = {.size = sizeof(s)};
+	int r;
+
+	(void)unused;
+	if (!c)
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_stat(c, &s);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj);
+	if (r < 0)
+		return ipc_raise(r);
+	return Py_BuildValue("{s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
+			     "s:K,s:K}",
+			     "daemon_pid", s.daemon_pid, "uptime_ms", s.uptime_ms, "connections",
+			     s.connections, "entries", s.entries, "storages", s.storages,
+			     "bytes_held", s.bytes_held, "references", s.references, "waiters",
+			     s.waiters, "fds_open", s.fds_open, "fds_sent", s.fds_sent, "req_hello",
+			     s.req_hello, "req_publish", s.req_publish, "req_attach", s.req_attach,
+			     "req_release", s.req_release, "req_unpublish", s.req_unpublish,
+			     "req_list", s.req_list, "req_stat", s.req_stat, "protocol_errors",
+			     s.protocol_errors, "fds_closing", s.fds_closing);
+}
