@@ -282,11 +282,19 @@ static void bench_attach(void)
 	dlpc_close(c);
 }
 
-/* Let the daemon's reaper finish freeing what was unpublished (it shares our CPU when pinned). */
+/* Wait for the daemon to finish closing (freeing) what was unpublished: its closer threads
+ * share our CPU when pinned. */
 static void settle(dlpc_client *c)
 {
-	(void)c;
-	usleep(quick ? 20000 : 300000);
+	dlpc_stats s = {.size = sizeof(s)};
+
+	for (int i = 0; i < 5000; i++) {
+		if (dlpc_stat(c, &s) < 0)
+			die("dlpc_stat");
+		if (s.fds_closing == 0)
+			return;
+		usleep(1000);
+	}
 }
 
 /* Publishing 1 GiB (256 MiB with --quick): one memcpy, the copy path, the zero-copy path. */

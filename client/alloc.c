@@ -37,8 +37,7 @@ int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
 		r = reserve ? fallocate(fd, 0, 0, (off_t)size) : 0;
 	while (r < 0 && errno == EINTR);
 	if (r < 0 && errno != EOPNOTSUPP) {
-		/* a full /dev/shm says ENOSPC, a full memory cgroup ENOMEM: both are -ENOSPC */
-		r = dlpc__fail(errno == ENOSPC || errno == ENOMEM ? -ENOSPC : -errno,
+		r = dlpc__fail(dlpc__space_err(errno),
 			       "cannot reserve %llu bytes of shared memory for '%s': %m",
 			       (unsigned long long)size, name);
 		goto fail;

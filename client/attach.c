@@ -124,11 +124,10 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	*ret = b;
 	return 0;
 fail:
-	if (m) {
-		/* not mapped yet: the reference has no holder, give it back now */
+	/* the region owns the reference from the moment it is set; before that, give it back */
+	if (!b || !b->region)
 		dlpc__release(c, rep->ref_id);
-		free(m);
-	}
+	free(m);
 	if (fd >= 0)
 		close(fd);
 	dlpc_bundle_free(b);

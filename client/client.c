@@ -100,13 +100,21 @@ static void atfork_register(void)
 	pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }
 
-static void open_list_add(dlpc_client *c)
+/* Create @p c's socket and list it in one step: a fork in between would leave the child a
+ * socket the list does not know, so the child would not close it. 0 or negative errno. */
+static int open_socket_listed(dlpc_client *c)
 {
+	int r = 0;
+
 	pthread_once(&atfork_once, atfork_register);
 	pthread_mutex_lock(&open_mu);
+	c->sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (c->sock < 0)
+		r = -errno;
 	c->next_open = open_clients;
 	open_clients = c;
 	pthread_mutex_unlock(&open_mu);
+	return r;
 }
 
 static void open_list_remove(dlpc_client *c)
@@ -370,10 +378,9 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 	pthread_mutex_init(&c->wmu, NULL);
 	pthread_cond_init(&c->cv, NULL);
 	dlpc__rx_init(&c->rx);
-	c->sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	open_list_add(c);
-	if (c->sock < 0) {
-		r = dlpc__fail(-errno, "cannot create a socket: %m");
+	r = open_socket_listed(c);
+	if (r < 0) {
+		r = dlpc__fail(r, "cannot create a socket: %s", strerror(-r));
 		goto fail;
 	}
 	strcpy(sa.sun_path, path);

@@ -3,6 +3,7 @@
 #ifndef DLPC_CLIENT_INTERNAL_H
 #define DLPC_CLIENT_INTERNAL_H
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -70,6 +71,13 @@ struct dlpc__region *dlpc__view_region(const DLManagedTensorVersioned *t);
 /* A memfd of @p size bytes labelled after @p name, its pages allocated now if @p reserve (for
  * memory that will be written through a mapping); fd or negative errno. */
 int dlpc__memfd_create(const char *name, uint64_t size, bool reserve);
+/* The negative errno for a failed write or reservation of shared memory: a full /dev/shm
+ * (ENOSPC) and a full memory cgroup (ENOMEM) are both -ENOSPC, "shared memory is full". */
+static inline int dlpc__space_err(int err)
+{
+	return err == ENOSPC || err == ENOMEM ? -ENOSPC : -err;
+}
+
 /* Seal a storage memfd for publishing (read-only unless @p writable). 0 or negative errno. */
 int dlpc__memfd_seal(int fd, const char *name, bool writable);
 

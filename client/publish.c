@@ -14,8 +14,6 @@
 #include "internal.h"
 #include "util.h"
 
-#define PUBLISH_FLAGS (DLPC_PUBLISH_REPLACE | DLPC_PUBLISH_EPHEMERAL | DLPC_PUBLISH_WRITABLE)
-
 /* One tensor to publish and where it goes in the storage. */
 struct slot {
 	const DLTensor *t;
@@ -53,10 +51,9 @@ static int pwrite_all(int fd, const void *buf, size_t len, uint64_t off, const c
 		if (n < 0 && errno == EINTR)
 			continue;
 		if (n <= 0) {
-			/* a full /dev/shm says ENOSPC, a full memory cgroup ENOMEM */
 			int err = n < 0 ? errno : EIO;
 
-			return dlpc__fail(err == ENOSPC || err == ENOMEM ? -ENOSPC : -err,
+			return dlpc__fail(dlpc__space_err(err),
 					  "cannot publish '%s': cannot write shared memory: %s",
 					  name, strerror(err));
 		}
@@ -230,9 +227,9 @@ static int publish_args(dlpc_client *c, const char *name, size_t n,
 	r = dlpc__name_arg(name, "publish");
 	if (r < 0)
 		return r;
-	if (flags & ~PUBLISH_FLAGS)
+	if (flags & ~DLPC_PUBLISH_FLAGS_ALL)
 		return dlpc__fail(-EINVAL, "cannot publish '%s': unknown flags 0x%x", name,
-				  flags & ~PUBLISH_FLAGS);
+				  flags & ~DLPC_PUBLISH_FLAGS_ALL);
 	if (n == 0 || n > DLPC_BUNDLE_MAX || !tensors || (n > 1 && !keys))
 		return dlpc__fail(-EINVAL, "cannot publish '%s': %zu tensors (1 to %d, with keys)",
 				  name, n, DLPC_BUNDLE_MAX);

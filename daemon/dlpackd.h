@@ -153,6 +153,7 @@ struct dlpd_server {
 	uv_signal_t sig_term, sig_int;
 	struct dlpd_list peers;
 	uint64_t npeers, next_serial;
+	uint64_t peers_closing; /* killed, socket not yet handed to the reaper */
 	struct dlpd_registry reg;
 	struct dlpc__scratch out; /* outgoing frames are packed here */
 	struct dlpd_stats stats;
@@ -251,11 +252,14 @@ int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 /* h_attach.c: answer the waiters of a name that was just published. */
 void dlpd_wake_waiters(struct dlpd_server *s, struct dlpd_entry *e);
 
-/* reaper.c: close fds on a thread, off the event loop (see there why). */
+/* reaper.c: close fds on threads, off the event loop (see there why). */
 int dlpd_reaper_start(void);
-/* Close what is queued, then stop the thread. */
+/* Close what is queued, then stop the threads. */
 void dlpd_reaper_stop(void);
+/* Close one of the daemon's own fds (a storage memfd, a client socket) off the loop. */
 void dlpd_close_later(int fd);
+/* Close an fd a client sent and the daemon did not keep, off the loop, on its own thread. */
+void dlpd_close_untrusted(int fd);
 /* fds handed to the reaper and not closed yet. */
 size_t dlpd_reaper_pending(void);
 

@@ -8,14 +8,13 @@
 #include "util.h"
 
 #define ATTACH_FLAGS (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_SINGLE)
-#define NAME_TEXT (DLPC_NAME_MAX * 4 + 1)
 
 /* Answer an ATTACH of @p e: a new reference and the storage fd, or the reason it is refused. */
 static int attach_reply(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, uint32_t flags)
 {
 	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
 	const Dlpackd__V1__Publish *pub = e->pub;
-	char name[NAME_TEXT];
+	char name[DLPC_NAME_TEXT];
 	struct dlpd_ref *ref;
 	int r;
 
@@ -51,7 +50,7 @@ static void waiter_expired(uv_timer_t *t)
 	struct dlpd_peer *p = w->peer;
 	uint32_t id = w->req_id;
 	long long ms = (long long)w->timeout_ms;
-	char name[NAME_TEXT];
+	char name[DLPC_NAME_TEXT];
 
 	dlpc__printable(w->q->name, w->q->len, name, sizeof(name));
 	dlpd_waiter_free(p->srv, w);
@@ -82,7 +81,7 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 	struct dlpd_server *s = p->srv;
 	struct dlpd_waiter *w;
 	struct dlpd_entry *e;
-	char why[160], name[NAME_TEXT];
+	char why[160], name[DLPC_NAME_TEXT];
 
 	(void)f;
 	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)

@@ -8,10 +8,6 @@
 #include "dlpackd.h"
 #include "util.h"
 
-#define PUBLISH_FLAGS (DLPC_PUBLISH_REPLACE | DLPC_PUBLISH_EPHEMERAL | DLPC_PUBLISH_WRITABLE)
-/* Printable form of a name: every byte may become \xNN. */
-#define NAME_TEXT (DLPC_NAME_MAX * 4 + 1)
-
 static int cmp_keys(const void *a, const void *b)
 {
 	const ProtobufCBinaryData *x = &(*(Dlpackd__V1__TensorDesc *const *)a)->key;
@@ -70,7 +66,7 @@ static int check_tensors(const Dlpackd__V1__Publish *req, char *why, size_t whyl
 	qsort(sorted, req->n_tensors, sizeof(*sorted), cmp_keys);
 	for (size_t i = 1; i < req->n_tensors && r == 0; i++)
 		if (cmp_keys(&sorted[i - 1], &sorted[i]) == 0) {
-			char key[NAME_TEXT];
+			char key[DLPC_NAME_TEXT];
 
 			snprintf(why, whylen, "key '%s' appears twice in the bundle",
 				 dlpc__printable(sorted[i]->key.data, sorted[i]->key.len, key,
@@ -130,16 +126,16 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	struct dlpd_storage *st;
 	uint8_t *wire;
 	size_t wire_len;
-	char why[256], name[NAME_TEXT], desc[96];
+	char why[256], name[DLPC_NAME_TEXT], desc[96];
 	struct timespec now;
 	int r;
 
 	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EINVAL, "cannot publish: %s", why);
 	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
-	if (req->flags & ~PUBLISH_FLAGS)
+	if (req->flags & ~DLPC_PUBLISH_FLAGS_ALL)
 		return dlpd_reply_error(p, id, EINVAL, "cannot publish '%s': unknown flags 0x%x",
-					name, req->flags & ~PUBLISH_FLAGS);
+					name, req->flags & ~DLPC_PUBLISH_FLAGS_ALL);
 	if (req->device_type != kDLCPU || req->device_id != 0)
 		return dlpd_reply_error(p, id, ENOTSUP,
 					"cannot publish '%s': device %d:%d is not supported", name,
@@ -212,7 +208,7 @@ int dlpd_on_unpublish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, st
 {
 	Dlpackd__V1__Unpublish *req = (Dlpackd__V1__Unpublish *)*m;
 	Dlpackd__V1__UnpublishReply rep = DLPACKD__V1__UNPUBLISH_REPLY__INIT;
-	char why[160], name[NAME_TEXT];
+	char why[160], name[DLPC_NAME_TEXT];
 	struct dlpd_entry *e;
 
 	(void)f;

@@ -70,8 +70,9 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	rep.bytes_held = s->reg.bytes;
 	rep.references = s->reg.refs;
 	rep.waiters = s->reg.waiters;
+	/* pending first: only this thread adds to it, so fds_open is counted after */
+	rep.fds_closing = dlpd_reaper_pending() + s->peers_closing;
 	rep.fds_open = count_fds();
-	rep.fds_closing = dlpd_reaper_pending();
 	rep.fds_sent = s->stats.fds_sent;
 	rep.req_hello = s->stats.req[DLPC_MSG_HELLO];
 	rep.req_publish = s->stats.req[DLPC_MSG_PUBLISH];

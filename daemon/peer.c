@@ -85,6 +85,7 @@ static void peer_closed(uv_handle_t *h)
 {
 	struct dlpd_peer *p = h->data;
 
+	p->srv->peers_closing--;
 	dlpd_close_later(p->fd);
 	free(p);
 }
@@ -103,6 +104,7 @@ void dlpd_peer_kill(struct dlpd_peer *p, int prio, const char *fmt, ...)
 	dlpd_log(prio, "%s: %s", dlpd_peer_desc(p, desc, sizeof(desc)), msg);
 	dlpd_list_del(&p->link);
 	p->srv->npeers--;
+	p->srv->peers_closing++;
 	dlpd_registry_drop_peer(p->srv, p);
 	dlpc__rx_clear(&p->rx);
 	dlpc__tx_clear(&p->tx);

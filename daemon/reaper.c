@@ -1,120 +1,188 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * The reaper: a thread that closes file descriptors for the event loop.
+ * Reapers: threads that close file descriptors for the event loop.
  *
  * close() can take long: the last close of a storage memfd frees all its memory (a 1 GiB
- * storage takes tens of milliseconds), and a client may send an fd on a filesystem that stalls
- * on close (FUSE). Neither may hold up the loop that serves every client. Closing is the only
- * thing the thread does; it shares nothing else with the loop.
+ * storage takes tens of milliseconds), and an fd a client sent may sit on a filesystem that
+ * stalls on close (FUSE). Neither may hold up the loop that serves every client. There are two:
+ * one for the daemon's own fds (storage memfds, which passed F_GET_SEALS and are shmem, and
+ * client sockets) and one for fds clients sent that were never accepted, so that a close that
+ * never returns stalls only the second. At stop the first is drained and joined; the second is
+ * given a moment and then left to the process exit.
  */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "dlpackd.h"
 
-static struct {
+/* How long stop waits for the reaper of client-sent fds. */
+#define UNTRUSTED_JOIN_MS 2000
+
+struct reaper {
 	pthread_mutex_t mu;
 	pthread_cond_t cv;
 	int *fds;
 	size_t n, cap;
 	unsigned closing; /* taken off the queue, close() not returned yet */
-	bool stop, running;
+	bool stop, running, done;
 	pthread_t thread;
-} reaper = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+};
 
-static void *reap(void *unused)
+static struct reaper own = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+static struct reaper untrusted = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void *reap(void *arg)
 {
-	(void)unused;
-	pthread_mutex_lock(&reaper.mu);
-	for (;;) {
-		while (reaper.n == 0 && !reaper.stop)
-			pthread_cond_wait(&reaper.cv, &reaper.mu);
-		if (reaper.n == 0)
-			break;
-		int fd = reaper.fds[--reaper.n];
+	struct reaper *rp = arg;
 
-		reaper.closing++;
-		pthread_mutex_unlock(&reaper.mu);
+	pthread_mutex_lock(&rp->mu);
+	for (;;) {
+		while (rp->n == 0 && !rp->stop)
+			pthread_cond_wait(&rp->cv, &rp->mu);
+		if (rp->n == 0)
+			break;
+		int fd = rp->fds[--rp->n];
+
+		rp->closing++;
+		pthread_mutex_unlock(&rp->mu);
 		close(fd);
-		pthread_mutex_lock(&reaper.mu);
-		reaper.closing--;
+		pthread_mutex_lock(&rp->mu);
+		rp->closing--;
 	}
-	pthread_mutex_unlock(&reaper.mu);
+	rp->done = true;
+	pthread_cond_broadcast(&rp->cv);
+	pthread_mutex_unlock(&rp->mu);
 	return NULL;
 }
 
-int dlpd_reaper_start(void)
+static int start(struct reaper *rp)
 {
 	sigset_t all, old;
 	int r;
 
-	/* the thread takes no signals: SIGTERM and SIGINT belong to the loop */
+	/* the threads take no signals: SIGTERM and SIGINT belong to the loop */
 	sigfillset(&all);
 	pthread_sigmask(SIG_BLOCK, &all, &old);
-	r = pthread_create(&reaper.thread, NULL, reap, NULL);
+	r = pthread_create(&rp->thread, NULL, reap, rp);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	if (r != 0)
 		return -r;
-	reaper.running = true;
-	dlpc__set_closer(dlpd_close_later);
+	rp->running = true;
+	return 0;
+}
+
+/* Ask @p rp to drain and stop; wait for it up to @p ms (forever if < 0). Joined if it ended. */
+static void stop(struct reaper *rp, int ms)
+{
+	struct timespec until;
+	bool done;
+
+	if (!rp->running)
+		return;
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_sec += ms / 1000;
+	until.tv_nsec += (long)(ms % 1000) * 1000000;
+	if (until.tv_nsec >= 1000000000) {
+		until.tv_sec++;
+		until.tv_nsec -= 1000000000;
+	}
+	pthread_mutex_lock(&rp->mu);
+	rp->stop = true;
+	pthread_cond_signal(&rp->cv);
+	while (!rp->done && (ms < 0 || pthread_cond_timedwait(&rp->cv, &rp->mu, &until) == 0))
+		if (ms < 0)
+			pthread_cond_wait(&rp->cv, &rp->mu);
+	done = rp->done;
+	pthread_mutex_unlock(&rp->mu);
+	if (!done) {
+		dlpd_log(LOG_WARNING,
+			 "%zu fds from clients still closing (a stalled filesystem?); "
+			 "leaving them to the exit",
+			 rp->n + rp->closing);
+		return;
+	}
+	pthread_join(rp->thread, NULL);
+	rp->running = false;
+	free(rp->fds);
+	rp->fds = NULL;
+	rp->cap = 0;
+}
+
+static void queue(struct reaper *rp, int fd)
+{
+	if (fd < 0)
+		return;
+	pthread_mutex_lock(&rp->mu);
+	if (!rp->running || rp->stop) {
+		pthread_mutex_unlock(&rp->mu);
+		close(fd);
+		return;
+	}
+	if (rp->n == rp->cap) {
+		size_t cap = rp->cap ? rp->cap * 2 : 64;
+		int *fds = realloc(rp->fds, cap * sizeof(*fds));
+
+		if (!fds) {
+			/* no room to queue it: closing here is slow, not wrong */
+			pthread_mutex_unlock(&rp->mu);
+			close(fd);
+			return;
+		}
+		rp->fds = fds;
+		rp->cap = cap;
+	}
+	rp->fds[rp->n++] = fd;
+	pthread_cond_signal(&rp->cv);
+	pthread_mutex_unlock(&rp->mu);
+}
+
+static size_t pending(struct reaper *rp)
+{
+	size_t n;
+
+	pthread_mutex_lock(&rp->mu);
+	n = rp->n + rp->closing;
+	pthread_mutex_unlock(&rp->mu);
+	return n;
+}
+
+int dlpd_reaper_start(void)
+{
+	int r = start(&own);
+
+	if (r == 0)
+		r = start(&untrusted);
+	if (r < 0) {
+		stop(&own, -1);
+		return r;
+	}
+	dlpc__set_closer(dlpd_close_untrusted);
 	return 0;
 }
 
 void dlpd_reaper_stop(void)
 {
-	if (!reaper.running)
-		return;
 	dlpc__set_closer(NULL);
-	pthread_mutex_lock(&reaper.mu);
-	reaper.stop = true;
-	pthread_cond_signal(&reaper.cv);
-	pthread_mutex_unlock(&reaper.mu);
-	/* it drains what is queued before it returns */
-	pthread_join(reaper.thread, NULL);
-	reaper.running = false;
-	free(reaper.fds);
-	reaper.fds = NULL;
-	reaper.cap = 0;
-}
-
-size_t dlpd_reaper_pending(void)
-{
-	size_t n;
-
-	pthread_mutex_lock(&reaper.mu);
-	n = reaper.n + reaper.closing;
-	pthread_mutex_unlock(&reaper.mu);
-	return n;
+	stop(&own, -1);
+	stop(&untrusted, UNTRUSTED_JOIN_MS);
 }
 
 void dlpd_close_later(int fd)
 {
-	if (fd < 0)
-		return;
-	pthread_mutex_lock(&reaper.mu);
-	if (!reaper.running || reaper.stop) {
-		pthread_mutex_unlock(&reaper.mu);
-		close(fd);
-		return;
-	}
-	if (reaper.n == reaper.cap) {
-		size_t cap = reaper.cap ? reaper.cap * 2 : 64;
-		int *fds = realloc(reaper.fds, cap * sizeof(*fds));
+	queue(&own, fd);
+}
 
-		if (!fds) {
-			/* no room to queue it: closing here is slow, not wrong */
-			pthread_mutex_unlock(&reaper.mu);
-			close(fd);
-			return;
-		}
-		reaper.fds = fds;
-		reaper.cap = cap;
-	}
-	reaper.fds[reaper.n++] = fd;
-	pthread_cond_signal(&reaper.cv);
-	pthread_mutex_unlock(&reaper.mu);
+void dlpd_close_untrusted(int fd)
+{
+	queue(&untrusted, fd);
+}
+
+size_t dlpd_reaper_pending(void)
+{
+	return pending(&own) + pending(&untrusted);
 }

@@ -272,7 +272,8 @@ static int sorted_refresh(struct dlpd_registry *r)
 	for (size_t i = 0; i < r->names.nbuckets; i++)
 		for (struct dlpd_hnode *h = r->names.buckets[i]; h; h = h->next)
 			r->sorted[n++] = dlpd_container_of(h, struct dlpd_entry, node);
-	qsort(r->sorted, n, sizeof(*r->sorted), cmp_entries);
+	if (n > 1)
+		qsort(r->sorted, n, sizeof(*r->sorted), cmp_entries);
 	r->nsorted = n;
 	r->sorted_valid = true;
 	return 0;
@@ -320,7 +321,7 @@ int dlpd_registry_range(struct dlpd_registry *r, const uint8_t *prefix, size_t p
 			break;
 		n++;
 	}
-	*ret = r->sorted + i;
+	*ret = n ? r->sorted + i : NULL;
 	*count = n;
 	return 0;
 }

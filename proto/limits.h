@@ -23,6 +23,12 @@
 #define DLPC_RX_BUF_SIZE (16u << 10)
 /* Name, key, ndim and bundle limits are public: see DLPC_NAME_MAX, DLPC_KEY_MAX, DLPC_NDIM_MAX,
  * DLPC_BUNDLE_MAX in dlpc.h. */
+/* Every DLPC_PUBLISH_* flag this protocol version knows. */
+#define DLPC_PUBLISH_FLAGS_ALL                                                                     \
+	(DLPC_PUBLISH_REPLACE | DLPC_PUBLISH_EPHEMERAL | DLPC_PUBLISH_WRITABLE)
+/* Room for a name or key in log and error text: every byte may become \xNN. */
+#define DLPC_NAME_TEXT (DLPC_NAME_MAX * 4 + 1)
+
 /* Most references one RELEASE frame may carry. */
 #define DLPC_RELEASE_BATCH_MAX 1024
 /* Largest payload of a HELLO, ATTACH, UNPUBLISH, LIST or STAT (a name and a few numbers). */
