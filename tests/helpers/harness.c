@@ -264,7 +264,7 @@ int run_suite(Suite *s)
 	int failed;
 
 	srunner_set_fork_status(sr, CK_FORK);
-	srunner_run_all(sr, CK_NORMAL);
+	srunner_run_all(sr, CK_ENV); /* CK_VERBOSITY=verbose lists every test */
 	failed = srunner_ntests_failed(sr);
 	srunner_free(sr);
 	return failed > 0 ? EXIT_FAILURE : EXIT_SUCCESS;
