@@ -1,12 +1,14 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The connection: connect, HELLO, request/reply matching across threads, release, close. */
 #include <errno.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -73,13 +75,23 @@ static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
 static dlpc_client *open_clients;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
+static void flush_locked(dlpc_client *c);
+
+/* The flusher thread of deferred releases (see dlpc__release) and what wakes it. */
+static pthread_mutex_t flush_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t flush_cv = PTHREAD_COND_INITIALIZER;
+static bool flusher_running; /* in this process: a forked child starts its own */
+static bool flush_wanted;
+
 static void atfork_prepare(void)
 {
 	pthread_mutex_lock(&open_mu);
+	pthread_mutex_lock(&flush_mu);
 }
 
 static void atfork_parent(void)
 {
+	pthread_mutex_unlock(&flush_mu);
 	pthread_mutex_unlock(&open_mu);
 }
 
@@ -92,6 +104,10 @@ static void atfork_child(void)
 		dlpc__close(c->sock);
 		c->sock = -1;
 	}
+	/* the parent's deferred releases are the parent's business; no flusher runs here */
+	flusher_running = false;
+	flush_wanted = false;
+	pthread_mutex_unlock(&flush_mu);
 	pthread_mutex_unlock(&open_mu);
 }
 
@@ -153,8 +169,15 @@ void dlpc__client_unref(dlpc_client *c)
 
 DLPC_EXPORT void dlpc_close(dlpc_client *c)
 {
-	if (c)
-		dlpc__client_unref(c);
+	if (!c)
+		return;
+	/* the connection may live on for attached mappings: tell the daemon what is released */
+	if (dlpc__ours(c)) {
+		pthread_mutex_lock(&c->wmu);
+		flush_locked(c);
+		pthread_mutex_unlock(&c->wmu);
+	}
+	dlpc__client_unref(c);
 }
 
 /* The connection is gone: say why, in the daemon's words when it left some. Called with c->mu. */
@@ -235,6 +258,71 @@ static void unlink_call(dlpc_client *c, struct dlpc__call *call)
 	*pp = call->next;
 }
 
+/* Frame @p c's deferred releases at offset 0 of c->out. Length, or negative errno. Under wmu. */
+static ssize_t pending_frame(dlpc_client *c)
+{
+	Dlpackd__V1__Release msg = DLPACKD__V1__RELEASE__INIT;
+
+	msg.n_ref_ids = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	msg.ref_ids = c->pending;
+	return dlpc__msg_frame(&c->out, DLPC_MSG_RELEASE, 0, &msg.base, 0);
+}
+
+/*
+ * Send @p c's deferred releases now. Under wmu. A failed write means the connection is gone,
+ * and the references with it; either way none is pending any more.
+ */
+static void flush_locked(dlpc_client *c)
+{
+	ssize_t len;
+
+	if (!atomic_load_explicit(&c->npending, memory_order_relaxed))
+		return;
+	len = pending_frame(c);
+	if (len > 0)
+		dlpc__send_all(c->sock, c->out.p, (size_t)len, NULL, 0);
+	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
+}
+
+/*
+ * Write a request frame, with the deferred releases in front of it in the same write when the
+ * request carries no fds (fds must ride with the first byte of their own frame, so a request
+ * with fds sends the releases first, on their own). Under wmu. Returns 0 or a negative errno;
+ * @p sent counts the request's bytes that left.
+ */
+static int send_request(dlpc_client *c, uint16_t type, uint32_t id, const ProtobufCMessage *req,
+			const int *fds, unsigned nfds, size_t *sent)
+{
+	ssize_t at = 0, len;
+	size_t out = 0;
+	int r;
+
+	*sent = 0;
+	if (atomic_load_explicit(&c->npending, memory_order_relaxed)) {
+		if (nfds)
+			flush_locked(c);
+		else
+			at = pending_frame(c);
+		if (at < 0) /* out of memory: send them on their own, a frame at a time */
+			at = 0, flush_locked(c);
+	}
+	len = dlpc__msg_frame_at(&c->out, (size_t)at, type, id, req, NULL, 0, nfds);
+	if (len < 0) {
+		/* the request is refused before anything left: the releases still go */
+		if (at)
+			flush_locked(c);
+		return (int)len;
+	}
+	r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, fds, nfds, &out);
+	if (at && out >= (size_t)at)
+		atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
+	*sent = out > (size_t)at ? out - (size_t)at : 0;
+	/* a write cut inside the releases has broken the stream just the same */
+	if (r < 0 && out > 0 && *sent == 0)
+		*sent = 1;
+	return r;
+}
+
 int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
 	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
 	       int *rfd, ProtobufCAllocator *alloc)
@@ -259,9 +347,8 @@ int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const
 	pthread_mutex_unlock(&c->mu);
 
 	pthread_mutex_lock(&c->wmu);
-	len = dlpc__msg_frame(&c->out, type, call.id, req, nfds);
-	r = len < 0 ? (int)len
-		    : dlpc__send_counted(c->sock, c->out.p, (size_t)len, fds, nfds, &sent);
+	len = send_request(c, type, call.id, req, fds, nfds, &sent);
+	r = len < 0 ? (int)len : 0;
 	pthread_mutex_unlock(&c->wmu);
 
 	pthread_mutex_lock(&c->mu);
@@ -325,23 +412,110 @@ int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const
 	return r;
 }
 
+/* Take a reference on @p c unless its last one is already gone (it is being freed). */
+static bool client_tryref(dlpc_client *c)
+{
+	unsigned n = atomic_load_explicit(&c->refs, memory_order_relaxed);
+
+	while (n)
+		if (atomic_compare_exchange_weak_explicit(&c->refs, &n, n + 1, memory_order_acquire,
+							  memory_order_relaxed))
+			return true;
+	return false;
+}
+
+/* One open client of this process with deferred releases, referenced, or NULL. */
+static dlpc_client *next_pending(void)
+{
+	dlpc_client *c;
+
+	pthread_mutex_lock(&open_mu);
+	for (c = open_clients; c; c = c->next_open)
+		if (dlpc__ours(c) && atomic_load_explicit(&c->npending, memory_order_relaxed) &&
+		    client_tryref(c))
+			break;
+	pthread_mutex_unlock(&open_mu);
+	return c;
+}
+
+/*
+ * The flusher: woken by the first deferred release after a quiet spell, it sleeps
+ * DLPC_RELEASE_DELAY_MS and then sends whatever no request has carried in the meantime. A busy
+ * connection's requests carry its releases long before that, so it wakes at most once per delay.
+ */
+static void *flusher(void *arg)
+{
+	const struct timespec delay = {.tv_nsec = DLPC_RELEASE_DELAY_MS * 1000000L};
+	dlpc_client *c;
+
+	(void)arg;
+	pthread_mutex_lock(&flush_mu);
+	for (;;) {
+		while (!flush_wanted)
+			pthread_cond_wait(&flush_cv, &flush_mu);
+		flush_wanted = false;
+		pthread_mutex_unlock(&flush_mu);
+		nanosleep(&delay, NULL);
+		while ((c = next_pending())) {
+			pthread_mutex_lock(&c->wmu);
+			flush_locked(c);
+			pthread_mutex_unlock(&c->wmu);
+			dlpc__client_unref(c);
+		}
+		pthread_mutex_lock(&flush_mu);
+	}
+	return NULL;
+}
+
+/* Make sure the flusher will look soon. false when it cannot run (no thread could be made). */
+static bool flush_soon(void)
+{
+	bool ok = true;
+
+	pthread_mutex_lock(&flush_mu);
+	if (!flusher_running) {
+		sigset_t all, old;
+		pthread_attr_t attr;
+		pthread_t t;
+
+		/* the user's signal handlers never run on the library's thread */
+		sigfillset(&all);
+		pthread_attr_init(&attr);
+		pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+		pthread_sigmask(SIG_SETMASK, &all, &old);
+		flusher_running = pthread_create(&t, &attr, flusher, NULL) == 0;
+		pthread_sigmask(SIG_SETMASK, &old, NULL);
+		pthread_attr_destroy(&attr);
+		ok = flusher_running;
+	}
+	if (ok && !flush_wanted) {
+		flush_wanted = true;
+		pthread_cond_signal(&flush_cv);
+	}
+	pthread_mutex_unlock(&flush_mu);
+	return ok;
+}
+
 void dlpc__release(dlpc_client *c, uint64_t ref_id)
 {
-	Dlpackd__V1__Release msg = DLPACKD__V1__RELEASE__INIT;
-	ssize_t len;
+	unsigned n;
 
 	/* in a forked child the reference is the parent's; the daemon drops it when the parent
 	 * releases it or goes away */
 	if (!dlpc__ours(c))
 		return;
-	msg.n_ref_ids = 1;
-	msg.ref_ids = &ref_id;
 	pthread_mutex_lock(&c->wmu);
-	len = dlpc__msg_frame(&c->out, DLPC_MSG_RELEASE, 0, &msg.base, 0);
-	/* a failed write means the connection is gone, and with it the reference */
-	if (len > 0)
-		dlpc__send_all(c->sock, c->out.p, (size_t)len, NULL, 0);
+	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	c->pending[n++] = ref_id;
+	atomic_store_explicit(&c->npending, n, memory_order_relaxed);
+	if (n == DLPC_RELEASE_PENDING_MAX)
+		flush_locked(c);
 	pthread_mutex_unlock(&c->wmu);
+	if (n == 1 && !flush_soon()) {
+		pthread_mutex_lock(&c->wmu);
+		flush_locked(c);
+		pthread_mutex_unlock(&c->wmu);
+	}
 }
 
 DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)

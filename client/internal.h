@@ -11,6 +11,7 @@
 #include <dlpc/dlpc.h>
 
 #include "io.h"
+#include "limits.h"
 #include "msg.h"
 
 struct dlpc__call;
@@ -18,8 +19,8 @@ struct dlpc__call;
 /*
  * One connection. Requests may come from many threads: each sends its frame under wmu, then
  * waits for the reply carrying its id. Whichever waiting thread finds nobody reading becomes
- * the reader until some reply arrives, handing replies to their callers (leader/follower), so no
- * thread of ours runs in the background.
+ * the reader until some reply arrives, handing replies to their callers (leader/follower). The
+ * one thread of the library's own only flushes deferred releases (dlpc__release).
  *
  * The struct is refcounted: the user's handle counts once, each attached mapping once. The socket
  * closes when the last goes, so deleters keep working after dlpc_close().
@@ -39,8 +40,11 @@ struct dlpc_client {
 	char fatal[256];    /* the daemon's last word (an ERROR with id 0), if any */
 	struct dlpc__rx rx; /* used only by the current reader */
 
-	pthread_mutex_t wmu; /* serializes writes; protects out */
+	pthread_mutex_t wmu; /* serializes writes; protects out and pending */
 	struct dlpc__scratch out;
+	/* references released by deleters but not yet told to the daemon (dlpc__release) */
+	uint64_t pending[DLPC_RELEASE_PENDING_MAX];
+	atomic_uint npending; /* written under wmu; read without it by the flusher's scan */
 
 	struct dlpc_client *next_open; /* in the list of open clients (client.c) */
 };
@@ -104,7 +108,11 @@ int dlpc__check(const dlpc_client *c);
 int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
 	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
 	       int *rfd, ProtobufCAllocator *alloc);
-/* Fire-and-forget RELEASE of one reference; does nothing in a forked child. */
+/*
+ * Fire-and-forget RELEASE of one reference; does nothing in a forked child. The id waits in
+ * c->pending and goes out with the connection's next request, or after DLPC_RELEASE_DELAY_MS
+ * through the library's flusher thread, whichever comes first.
+ */
 void dlpc__release(dlpc_client *c, uint64_t ref_id);
 void dlpc__client_ref(dlpc_client *c);
 void dlpc__client_unref(dlpc_client *c);

@@ -31,6 +31,17 @@
 
 /* Most references one RELEASE frame may carry. */
 #define DLPC_RELEASE_BATCH_MAX 1024
+/*
+ * libdlpc defers a RELEASE so that it rides in the same write as the connection's next request
+ * (one daemon wake-up per attach instead of two). A connection holds at most
+ * DLPC_RELEASE_PENDING_MAX deferred ids, and none longer than about DLPC_RELEASE_DELAY_MS: then
+ * they go out on their own.
+ */
+#define DLPC_RELEASE_PENDING_MAX 256
+#define DLPC_RELEASE_DELAY_MS 5
+#if DLPC_RELEASE_PENDING_MAX > DLPC_RELEASE_BATCH_MAX
+#error "deferred releases must fit one RELEASE frame"
+#endif
 /* Largest payload of a HELLO, ATTACH, UNPUBLISH, LIST or STAT (a name and a few numbers). */
 #define DLPC_SMALL_MSG_MAX 4096
 /* Largest payload of a RELEASE: DLPC_RELEASE_BATCH_MAX ids of up to 10 bytes, plus framing. */

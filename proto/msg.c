@@ -9,20 +9,28 @@
 ssize_t dlpc__msg_frame(struct dlpc__scratch *s, uint16_t type, uint32_t id,
 			const ProtobufCMessage *m, unsigned nfds)
 {
-	return dlpc__msg_frame_tail(s, type, id, m, NULL, 0, nfds);
+	return dlpc__msg_frame_at(s, 0, type, id, m, NULL, 0, nfds);
 }
 
 ssize_t dlpc__msg_frame_tail(struct dlpc__scratch *s, uint16_t type, uint32_t id,
 			     const ProtobufCMessage *m, const uint8_t *tail, size_t tail_len,
 			     unsigned nfds)
 {
+	return dlpc__msg_frame_at(s, 0, type, id, m, tail, tail_len, nfds);
+}
+
+ssize_t dlpc__msg_frame_at(struct dlpc__scratch *s, size_t at, uint16_t type, uint32_t id,
+			   const ProtobufCMessage *m, const uint8_t *tail, size_t tail_len,
+			   unsigned nfds)
+{
 	size_t head = protobuf_c_message_get_packed_size(m), len = head + tail_len;
 	struct dlpc__hdr h = {.len = (uint32_t)len, .type = type, .nfds = (uint8_t)nfds, .id = id};
+	uint8_t *f;
 
 	if (len > DLPC_FRAME_MAX)
 		return -EMSGSIZE;
-	if (s->cap < DLPC_FRAME_HDR_SIZE + len) {
-		size_t cap = DLPC_FRAME_HDR_SIZE + len;
+	if (s->cap < at + DLPC_FRAME_HDR_SIZE + len) {
+		size_t cap = at + DLPC_FRAME_HDR_SIZE + len;
 		uint8_t *p;
 
 		cap = cap < 4096 ? 4096 : cap;
@@ -32,11 +40,12 @@ ssize_t dlpc__msg_frame_tail(struct dlpc__scratch *s, uint16_t type, uint32_t id
 		s->p = p;
 		s->cap = cap;
 	}
-	dlpc__hdr_encode(s->p, &h);
-	protobuf_c_message_pack(m, s->p + DLPC_FRAME_HDR_SIZE);
+	f = s->p + at;
+	dlpc__hdr_encode(f, &h);
+	protobuf_c_message_pack(m, f + DLPC_FRAME_HDR_SIZE);
 	if (tail_len)
-		memcpy(s->p + DLPC_FRAME_HDR_SIZE + head, tail, tail_len);
-	return (ssize_t)(DLPC_FRAME_HDR_SIZE + len);
+		memcpy(f + DLPC_FRAME_HDR_SIZE + head, tail, tail_len);
+	return (ssize_t)(at + DLPC_FRAME_HDR_SIZE + len);
 }
 
 struct dlpc__arena_chunk {

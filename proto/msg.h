@@ -27,6 +27,14 @@ ssize_t dlpc__msg_frame_tail(struct dlpc__scratch *s, uint16_t type, uint32_t id
 			     unsigned nfds);
 
 /*
+ * The same, written at offset @p at of @p s (whose first @p at bytes are kept), so that several
+ * frames can go out in one write. Returns @p at plus the frame's length, -EMSGSIZE or -ENOMEM.
+ */
+ssize_t dlpc__msg_frame_at(struct dlpc__scratch *s, size_t at, uint16_t type, uint32_t id,
+			   const ProtobufCMessage *m, const uint8_t *tail, size_t tail_len,
+			   unsigned nfds);
+
+/*
  * A bump allocator for unpacking a message whose parts all die together: one malloc per
  * chunk instead of one per field. Unpack with dlpc__arena_allocator(), never free the message
  * itself; dlpc__arena_clear() frees everything.

@@ -19,6 +19,10 @@
  *   a forked child it fails with -EBADFD; the child connects anew.
  * - Tensors handed out by the library own their memory through their deleter, which may be called
  *   from any thread, even after dlpc_close().
+ * - A deleter unmaps at once but tells the daemon later: the release goes out with the
+ *   connection's next request, at dlpc_close(), or after about DLPC_RELEASE_DELAY_MS (5 ms) from
+ *   a thread the library starts for this, whichever comes first. Other connections may see the
+ *   reference (STAT, LIST) for that long; the same connection never does.
  */
 #ifndef DLPC_DLPC_H
 #define DLPC_DLPC_H
@@ -108,8 +112,9 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
 DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
 
 /**
- * Give up the caller's handle. The connection itself stays open until the last tensor attached
- * through it has been released, so outstanding deleters keep working. Accepts NULL.
+ * Give up the caller's handle, sending the releases still deferred. The connection itself stays
+ * open until the last tensor attached through it has been released, so outstanding deleters keep
+ * working. Accepts NULL.
  */
 DLPC_EXPORT void dlpc_close(dlpc_client *c);
 

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 
 #include "harness.h"
+#include "limits.h"
 
 static struct daemon D;
 
@@ -696,8 +697,9 @@ START_TEST(test_threads_and_late_deleters)
 		ck_assert_int_eq(pthread_join(th[i], NULL), 0);
 		ck_assert_int_eq(w[i].errors, 0);
 	}
+	/* the last releases may still wait in libdlpc (DLPC_RELEASE_DELAY_MS) */
+	ck_assert(wait_stat(probe, no_refs, NULL, 1000));
 	s = stat_or_die(probe);
-	ck_assert_uint_eq(s.references, 0);
 	ck_assert_uint_ge(s.req_attach, 8 * 500);
 
 	/* a deleter on another thread, then one after dlpc_close */
@@ -705,8 +707,8 @@ START_TEST(test_threads_and_late_deleters)
 	ck_assert_dlpc(dlpc_attach(c, "shared", NULL, &b), 1);
 	ck_assert_int_eq(pthread_create(&th[0], NULL, run_deleter, a), 0);
 	ck_assert_int_eq(pthread_join(th[0], NULL), 0);
-	dlpc_close(c);
-	ck_assert_uint_eq(stat_or_die(probe).references, 1);
+	dlpc_close(c); /* sends the deferred release of a; b keeps the connection */
+	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 1}, 1000));
 	ck_assert(matches(b->dl_tensor.data, 4096, 6));
 	ck_assert_int_eq(pthread_create(&th[0], NULL, run_deleter, b), 0);
 	ck_assert_int_eq(pthread_join(th[0], NULL), 0);
@@ -722,6 +724,70 @@ START_TEST(test_threads_and_late_deleters)
 END_TEST
 
 /* ---- 10. 100 processes x 1,000 attach/release ---- */
+
+/* ---- deferred releases: they ride with the next request, or go out on their own ---- */
+
+/* In a forked child: attach, release, say so on @p arg's pipe, then make no call at all. */
+static int release_then_idle(void *arg)
+{
+	int *pipefd = arg;
+	dlpc_client *c = child_connect();
+	DLManagedTensorVersioned *t;
+
+	CHILD_CHECK(dlpc_attach(c, "deferred", NULL, &t) == 1);
+	t->deleter(t);
+	CHILD_CHECK(write(pipefd[1], "r", 1) == 1);
+	pause();
+	return 0;
+}
+
+START_TEST(test_deferred_release)
+{
+	struct pub_args v = {"deferred", 3, 4096, 0, 1};
+	DLManagedTensorVersioned *t[DLPC_RELEASE_PENDING_MAX * 2 + 3];
+	dlpc_client *c, *probe;
+	int pipefd[2];
+	char byte;
+	pid_t pid;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v)), 0);
+	c = connect_or_die(&D);
+	probe = connect_or_die(&D);
+
+	/* the connection's own next request carries the release in front of it */
+	ck_assert_dlpc(dlpc_attach(c, "deferred", NULL, &t[0]), 1);
+	t[0]->deleter(t[0]);
+	ck_assert_uint_eq(stat_or_die(c).references, 0);
+
+	/* with no further call, the flusher thread sends it */
+	ck_assert_dlpc(dlpc_attach(c, "deferred", NULL, &t[0]), 1);
+	t[0]->deleter(t[0]);
+	ck_assert(wait_stat(probe, no_refs, NULL, 1000));
+
+	/* more releases than one connection defers at once */
+	for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
+		ck_assert_dlpc(dlpc_attach(c, "deferred", NULL, &t[i]), 1);
+	ck_assert(
+		wait_stat(probe, refs_are, &(struct want){.refs = sizeof(t) / sizeof(t[0])}, 1000));
+	for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
+		t[i]->deleter(t[i]);
+	ck_assert(wait_stat(probe, no_refs, NULL, 1000));
+
+	/* a forked child's own connection gets a flusher of its own */
+	ck_assert_int_eq(pipe(pipefd), 0);
+	ck_assert_dlpc(dlpc_attach(c, "deferred", NULL, &t[0]), 1);
+	t[0]->deleter(t[0]); /* the parent's flusher is busy with this one at fork time */
+	pid = spawn(release_then_idle, pipefd);
+	ck_assert_int_eq(read(pipefd[0], &byte, 1), 1);
+	ck_assert(wait_stat(probe, no_refs, NULL, 1000));
+	kill(pid, SIGKILL);
+	ck_assert_int_eq(wait_child(pid), 128 + SIGKILL);
+	close(pipefd[0]);
+	close(pipefd[1]);
+	dlpc_close(c);
+	dlpc_close(probe);
+}
+END_TEST
 
 static int churn(void *arg)
 {
@@ -1093,6 +1159,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_ephemeral);
 	tcase_add_test(tc, test_attach_wait);
 	tcase_add_test(tc, test_threads_and_late_deleters);
+	tcase_add_test(tc, test_deferred_release);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
 	tcase_add_test(tc, test_alloc_shares);

@@ -202,6 +202,43 @@ START_TEST(test_msg_frame)
 }
 END_TEST
 
+/* Two frames written back to back into one buffer, the first kept while the second grows it. */
+START_TEST(test_msg_frame_at)
+{
+	Dlpackd__V1__Release rel = DLPACKD__V1__RELEASE__INIT;
+	Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
+	Dlpackd__V1__Release *back;
+	uint64_t ids[3] = {1, 300, UINT64_MAX};
+	static uint8_t big[8000];
+	struct dlpc__scratch s = {0};
+	struct dlpc__hdr h;
+	ssize_t first, len;
+
+	rel.n_ref_ids = 3;
+	rel.ref_ids = ids;
+	first = dlpc__msg_frame_at(&s, 0, DLPC_MSG_RELEASE, 0, &rel.base, NULL, 0, 0);
+	ck_assert_int_gt(first, HDR);
+	memset(big, 'n', sizeof(big));
+	un.name.data = big;
+	un.name.len = sizeof(big); /* past the first allocation: the buffer moves */
+	len = dlpc__msg_frame_at(&s, (size_t)first, DLPC_MSG_UNPUBLISH, 9, &un.base, NULL, 0, 0);
+	ck_assert_int_eq(len, first + HDR + (ssize_t)dlpackd__v1__unpublish__get_packed_size(&un));
+	dlpc__hdr_decode(s.p, &h);
+	ck_assert_uint_eq(h.type, DLPC_MSG_RELEASE);
+	ck_assert_uint_eq(h.len, (size_t)first - HDR);
+	back = dlpackd__v1__release__unpack(NULL, h.len, s.p + HDR);
+	ck_assert_ptr_nonnull(back);
+	ck_assert_uint_eq(back->n_ref_ids, 3);
+	ck_assert_mem_eq(back->ref_ids, ids, sizeof(ids));
+	dlpackd__v1__release__free_unpacked(back, NULL);
+	dlpc__hdr_decode(s.p + first, &h);
+	ck_assert_uint_eq(h.type, DLPC_MSG_UNPUBLISH);
+	ck_assert_uint_eq(h.id, 9);
+	ck_assert_uint_eq(HDR + h.len, (size_t)(len - first));
+	dlpc__scratch_clear(&s);
+}
+END_TEST
+
 /* A framed message crosses a socket and unpacks on the other side. */
 START_TEST(test_msg_frame_over_socket)
 {
@@ -337,6 +374,7 @@ static Suite *frame_suite(void)
 
 	tc = tcase_new("msg", true);
 	tcase_add_test(tc, test_msg_frame);
+	tcase_add_test(tc, test_msg_frame_at);
 	tcase_add_test(tc, test_msg_frame_over_socket);
 	tcase_add_test(tc, test_msg_frame_limit);
 	tcase_add_test(tc, test_widest_entry_fits_a_reply);
