@@ -295,6 +295,76 @@ static void bench_attach(void)
 	dlpc_close(c);
 }
 
+/* ---- a bundle of BUNDLE_N tensors in one attach, against one single attach ---- */
+
+#define BUNDLE_N 500
+#define BUNDLE_ELEMS 256 /* float32 each, as in the Python harness */
+
+static void bench_bundle(void)
+{
+	static float data[BUNDLE_N][BUNDLE_ELEMS];
+	DLManagedTensorVersioned *ts[BUNDLE_N];
+	char keys[BUNDLE_N][8];
+	const char *kp[BUNDLE_N];
+	int64_t shape[1] = {BUNDLE_ELEMS};
+	int n = quick ? 200 : 2000;
+	uint64_t *bns = malloc(sizeof(*bns) * (size_t)n), *sns = malloc(sizeof(*sns) * (size_t)n);
+	dlpc_client *c = connect_or_die();
+	volatile uint8_t sink;
+
+	for (int i = 0; i < BUNDLE_N; i++) {
+		for (int j = 0; j < BUNDLE_ELEMS; j++)
+			data[i][j] = (float)i;
+		snprintf(keys[i], sizeof(keys[i]), "t%03d", i);
+		kp[i] = keys[i];
+	}
+	for (int i = 0; i < BUNDLE_N; i++) {
+		/* no deleter: the publishes below copy and leave these alone */
+		static DLManagedTensorVersioned m[BUNDLE_N];
+
+		m[i] = (DLManagedTensorVersioned){
+			.version = {DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION},
+			.dl_tensor = {.data = data[i],
+				      .device = {kDLCPU, 0},
+				      .ndim = 1,
+				      .dtype = {kDLFloat, 32, 1},
+				      .shape = shape}};
+		ts[i] = &m[i];
+	}
+	if (dlpc_publish_bundle(c, "bench/bundle", BUNDLE_N, kp, ts, DLPC_PUBLISH_REPLACE) < 0)
+		die("dlpc_publish_bundle");
+	if (dlpc_publish(c, "bench/bundle1", ts[0], DLPC_PUBLISH_REPLACE) < 0)
+		die("dlpc_publish");
+	fprintf(stderr, "bundle of %d x %d\n", BUNDLE_N, n);
+	for (int r = -5; r < n; r++) {
+		uint64_t t0 = now_ns();
+		dlpc_bundle *b;
+
+		if (dlpc_attach_bundle(c, "bench/bundle", NULL, &b) < 0)
+			die("dlpc_attach_bundle");
+		for (int i = 0; i < BUNDLE_N; i++) {
+			DLManagedTensorVersioned *t = dlpc_bundle_take(b, (size_t)i);
+
+			sink = *(const uint8_t *)t->dl_tensor.data;
+			t->deleter(t);
+		}
+		dlpc_bundle_free(b);
+		if (r >= 0)
+			bns[r] = now_ns() - t0;
+		t0 = now_ns();
+		dlpc_once(c, "bench/bundle1", &sink);
+		if (r >= 0)
+			sns[r] = now_ns() - t0;
+	}
+	row("bundle_c", "attach_bundle", -1, bns, n);
+	row("bundle_c", "single_x1", -1, sns, n);
+	dlpc_unpublish(c, "bench/bundle");
+	dlpc_unpublish(c, "bench/bundle1");
+	free(bns);
+	free(sns);
+	dlpc_close(c);
+}
+
 /* Wait for the daemon to finish closing (freeing) what was unpublished: its closer threads
  * share our CPU when pinned. */
 static void settle(dlpc_client *c)
@@ -602,6 +672,7 @@ int main(int argc, char **argv)
 	}
 	pin(true);
 	bench_attach();
+	bench_bundle();
 	bench_publish();
 	pin(false);
 	bench_throughput();

@@ -104,10 +104,15 @@ static void atfork_child(void)
 		dlpc__close(c->sock);
 		c->sock = -1;
 	}
-	/* the parent's deferred releases are the parent's business; no flusher runs here */
+	/*
+	 * The parent's deferred releases are the parent's business, and no flusher runs here. The
+	 * condition variable may still count the parent's flusher as a waiter, and signalling it
+	 * would then wait for that thread forever: start both afresh.
+	 */
 	flusher_running = false;
 	flush_wanted = false;
-	pthread_mutex_unlock(&flush_mu);
+	pthread_cond_init(&flush_cv, NULL);
+	pthread_mutex_init(&flush_mu, NULL);
 	pthread_mutex_unlock(&open_mu);
 }
 
