@@ -130,8 +130,12 @@ def targets(rows, sizes):
         t, o = pick(rows, "handoff", "torch_multiprocessing", s), pick(rows, "handoff", "dlpack_ipc", s)
         add(f"torch.multiprocessing hand-off / ours, {human(s)}",
             ratio(t and t["median_us"], o and o["median_us"]), 20.0, lower_is_better=False)
+    b, one = pick(rows, "bundle_c", "attach_bundle"), pick(rows, "bundle_c", "single_x1")
+    add("bundle of 500 / one single attach (C)", ratio(b and b["median_us"], one and one["median_us"]),
+        3.0)
     b, one = pick(rows, "bundle", "attach_dict"), pick(rows, "bundle", "single_x1")
-    add("bundle of 500 / one single attach", ratio(b and b["median_us"], one and one["median_us"]), 3.0)
+    add("bundle of 500 / one single attach (Python)",
+        ratio(b and b["median_us"], one and one["median_us"]), 3.0)
     mc, mf, cp, zc = (pick(rows, "publish", i)
                       for i in ("memcpy", "memcpy_fresh", "dlpc_copy", "dlpc_alloc"))
     add(f"publish copy path / memcpy, {human(mc and mc['size'])}",
@@ -168,7 +172,11 @@ def table(rows, sizes, checks):
         lines.append(f"| {desc}, µs median (p99) | " + " | ".join(cells) + " |")
     out = ["\n".join(lines), ""]
     other = ["| measurement | median µs | p99 µs |", "|---|---:|---:|"]
-    for group, impl, desc in [("bundle", "attach_dict", "attach_dict of a 500-tensor bundle"),
+    for group, impl, desc in [("bundle_c", "attach_bundle",
+                               "dlpc_attach_bundle of a 500-tensor bundle, every tensor taken and "
+                               "released (C)"),
+                              ("bundle_c", "single_x1", "one dlpc_attach + release (C)"),
+                              ("bundle", "attach_dict", "attach_dict of a 500-tensor bundle"),
                               ("bundle", "single_x500", "500 single attaches"),
                               ("bundle", "single_x1", "one single attach"),
                               ("publish", "memcpy", "one memcpy (warm destination)"),

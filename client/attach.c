@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "table.h"
 #include "util.h"
 
 struct dlpc_bundle {
@@ -23,22 +24,32 @@ struct dlpc_bundle {
 	DLManagedTensorVersioned **tensors; /* NULL once taken */
 };
 
-/* Do the daemon's descriptions fit the storage? (A guard against a confused daemon.) */
-static bool reply_sane(const Dlpackd__V1__AttachReply *rep)
+/*
+ * Check the daemon's tensor table against the storage (a guard against a confused daemon):
+ * the tensor count, and the total bytes of keys, or -1 when a record is malformed or does not
+ * fit the storage.
+ */
+static int64_t reply_sane(const Dlpackd__V1__AttachReply *rep, size_t *keybytes)
 {
-	if (rep->n_tensors == 0 || rep->storage_size == 0 || rep->storage_size > SIZE_MAX)
-		return false;
-	for (size_t i = 0; i < rep->n_tensors; i++) {
-		const Dlpackd__V1__TensorDesc *d = rep->tensors[i];
+	const uint8_t *p = rep->tensor_table.data;
+	size_t len = rep->tensor_table.len, pos = 4;
+	int64_t n = dlpc__table_count(p, len);
+	struct dlpc__table_rec d;
+
+	*keybytes = 0;
+	if (n <= 0 || rep->storage_size == 0 || rep->storage_size > SIZE_MAX)
+		return -1;
+	for (int64_t i = 0; i < n; i++) {
 		uint64_t nbytes;
 
-		if (d->key.len > DLPC_KEY_MAX ||
-		    dlpc__tensor_nbytes(d->dtype_bits, d->dtype_lanes, d->shape, d->n_shape,
+		if (dlpc__table_next(p, len, &pos, &d) < 0 ||
+		    dlpc__tensor_nbytes(d.dtype.bits, d.dtype.lanes, d.shape, (size_t)d.ndim,
 					&nbytes) < 0 ||
-		    d->offset > rep->storage_size || nbytes > rep->storage_size - d->offset)
-			return false;
+		    d.offset > rep->storage_size || nbytes > rep->storage_size - d.offset)
+			return -1;
+		*keybytes += d.key_len + 1;
 	}
-	return true;
+	return pos == len ? n : -1;
 }
 
 DLPC_EXPORT void dlpc_bundle_free(dlpc_bundle *b)
@@ -62,24 +73,24 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
 	uint64_t flags = writable ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
 	struct dlpc__region *m = NULL;
+	struct dlpc__table_rec d;
 	dlpc_bundle *b;
-	size_t keybytes = 0;
+	size_t keybytes, pos = 4;
+	int64_t n = reply_sane(rep, &keybytes);
 	char *kp;
 	int r;
 
-	if (rep->device_type != kDLCPU || !reply_sane(rep)) {
+	if (rep->device_type != kDLCPU || n < 0) {
 		dlpc__release(c, rep->ref_id);
 		close(fd);
 		return dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply",
 				  name);
 	}
-	for (size_t i = 0; i < rep->n_tensors; i++)
-		keybytes += rep->tensors[i]->key.len + 1;
 	b = calloc(1, sizeof(*b));
 	m = calloc(1, sizeof(*m));
 	if (b) {
-		b->keys = malloc(rep->n_tensors * sizeof(char *) + keybytes);
-		b->tensors = calloc(rep->n_tensors, sizeof(*b->tensors));
+		b->keys = malloc((size_t)n * sizeof(char *) + keybytes);
+		b->tensors = calloc((size_t)n, sizeof(*b->tensors));
 	}
 	if (!b || !m || !b->keys || !b->tensors) {
 		r = dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
@@ -102,20 +113,18 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	dlpc__client_ref(c);
 	b->region = m;
 	m = NULL;
-	b->n = rep->n_tensors;
+	b->n = (size_t)n;
 	kp = (char *)(b->keys + b->n);
 	for (size_t i = 0; i < b->n; i++) {
-		const Dlpackd__V1__TensorDesc *d = rep->tensors[i];
-		DLDataType dt = {(uint8_t)d->dtype_code, (uint8_t)d->dtype_bits,
-				 (uint16_t)d->dtype_lanes};
-
+		/* checked by reply_sane(): cannot fail */
+		dlpc__table_next(rep->tensor_table.data, rep->tensor_table.len, &pos, &d);
 		b->keys[i] = kp;
-		if (d->key.len)
-			memcpy(kp, d->key.data, d->key.len);
-		kp[d->key.len] = '\0';
-		kp += d->key.len + 1;
-		b->tensors[i] = dlpc__view_new(b->region, (uint8_t *)b->region->base + d->offset,
-					       dev, dt, (int)d->n_shape, d->shape, flags);
+		if (d.key_len)
+			memcpy(kp, d.key, d.key_len);
+		kp[d.key_len] = '\0';
+		kp += d.key_len + 1;
+		b->tensors[i] = dlpc__view_new(b->region, (uint8_t *)b->region->base + d.offset,
+					       dev, d.dtype, d.ndim, d.shape, flags);
 		if (!b->tensors[i]) {
 			r = dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
 			goto fail;

@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "dlpackd.h"
+#include "table.h"
 #include "util.h"
 
 static int cmp_keys(const void *a, const void *b)
@@ -95,20 +96,25 @@ static void drop_unknown_fields(Dlpackd__V1__Publish *req)
 		free_unknown(&req->tensors[i]->base);
 }
 
-/* The descriptions as an ATTACH reply encodes them (an AttachReply with only its tensors set
- * packs to exactly that field): every ATTACH of the entry appends these bytes instead of
- * encoding them again. NULL on ENOMEM. */
+/* The descriptions as an ATTACH reply encodes them: its tensor_table field, tag and length
+ * included (an AttachReply with only that field set packs to exactly those bytes). Every
+ * ATTACH of the entry appends them instead of encoding anything. NULL on ENOMEM. */
 static uint8_t *encode_tensors(const Dlpackd__V1__Publish *req, size_t *len)
 {
 	Dlpackd__V1__AttachReply only = DLPACKD__V1__ATTACH_REPLY__INIT;
-	uint8_t *wire;
+	uint8_t *table, *wire;
 
-	only.n_tensors = req->n_tensors;
-	only.tensors = req->tensors;
+	only.tensor_table.len = dlpc__table_size(req->tensors, req->n_tensors);
+	table = malloc(only.tensor_table.len);
+	if (!table)
+		return NULL;
+	dlpc__table_encode(req->tensors, req->n_tensors, table);
+	only.tensor_table.data = table;
 	*len = dlpackd__v1__attach_reply__get_packed_size(&only);
-	wire = malloc(*len ? *len : 1);
+	wire = malloc(*len);
 	if (wire)
 		dlpackd__v1__attach_reply__pack(&only, wire);
+	free(table);
 	return wire;
 }
 

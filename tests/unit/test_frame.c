@@ -19,6 +19,7 @@
 #include "io.h"
 #include "limits.h"
 #include "msg.h"
+#include "table.h"
 #include "util.h"
 
 #define HDR DLPC_FRAME_HDR_SIZE
@@ -312,11 +313,93 @@ START_TEST(test_widest_entry_fits_a_reply)
 	rep.device_type = INT32_MIN;
 	rep.device_id = INT32_MIN;
 	rep.storage_size = UINT64_MAX;
-	rep.n_tensors = 1;
-	rep.tensors = one;
-	each = dlpackd__v1__tensor_desc__get_packed_size(&d) + 4; /* tag and length */
-	total = dlpackd__v1__attach_reply__get_packed_size(&rep) + each * (DLPC_BUNDLE_MAX - 1);
+	each = dlpc__table_size(one, 1) - 4; /* one record, without the count */
+	rep.tensor_table.len = 4 + each * DLPC_BUNDLE_MAX;
+	total = dlpackd__v1__attach_reply__get_packed_size(&rep);
 	ck_assert_uint_le(total, DLPC_FRAME_MAX);
+	/* and so does the PUBLISH that declared it */
+	each = dlpackd__v1__tensor_desc__get_packed_size(&d) + 4; /* tag and length */
+	ck_assert_uint_le(each * DLPC_BUNDLE_MAX + 64, DLPC_FRAME_MAX);
+}
+END_TEST
+
+/* The tensor table round-trips, and a malformed one is refused wherever it breaks. */
+START_TEST(test_tensor_table)
+{
+	static uint8_t key[DLPC_KEY_MAX];
+	int64_t shape_a[3] = {2, 0, INT64_MAX}, shape_b[1] = {300};
+	Dlpackd__V1__TensorDesc a = DLPACKD__V1__TENSOR_DESC__INIT, b = a, *both[2] = {&a, &b};
+	struct dlpc__table_rec r;
+	uint8_t *t, bad[64];
+	size_t len, pos = 4;
+
+	memset(key, 'k', sizeof(key));
+	a.dtype_code = kDLFloat;
+	a.dtype_bits = 16;
+	a.dtype_lanes = 4;
+	a.n_shape = 3;
+	a.shape = shape_a;
+	a.offset = UINT64_MAX - 255;
+	b.key.data = key;
+	b.key.len = DLPC_KEY_MAX;
+	b.dtype_code = kDLUInt;
+	b.dtype_bits = 8;
+	b.dtype_lanes = 1;
+	b.n_shape = 1;
+	b.shape = shape_b;
+	b.offset = 256;
+	len = dlpc__table_size(both, 2);
+	/* 4 + 16 + (1 + 1 + 9) + 0, then 16 + 2 + 255 */
+	ck_assert_uint_eq(len, 4 + 27 + 273);
+	t = malloc(len);
+	dlpc__table_encode(both, 2, t);
+	ck_assert_int_eq(dlpc__table_count(t, len), 2);
+	ck_assert_int_eq(dlpc__table_next(t, len, &pos, &r), 0);
+	ck_assert_uint_eq(r.dtype.code, kDLFloat);
+	ck_assert_uint_eq(r.dtype.bits, 16);
+	ck_assert_uint_eq(r.dtype.lanes, 4);
+	ck_assert_int_eq(r.ndim, 3);
+	ck_assert_mem_eq(r.shape, shape_a, sizeof(shape_a));
+	ck_assert_uint_eq(r.offset, UINT64_MAX - 255);
+	ck_assert_uint_eq(r.key_len, 0);
+	ck_assert_int_eq(dlpc__table_next(t, len, &pos, &r), 0);
+	ck_assert_int_eq(r.ndim, 1);
+	ck_assert_int_eq(r.shape[0], 300);
+	ck_assert_uint_eq(r.key_len, DLPC_KEY_MAX);
+	ck_assert_mem_eq(r.key, key, DLPC_KEY_MAX);
+	ck_assert_uint_eq(pos, len);
+	ck_assert_int_eq(dlpc__table_next(t, len, &pos, &r), -EPROTO); /* past the end */
+	/* every cut short of a whole record is refused */
+	for (size_t cut = 4; cut < 4 + 27; cut++) {
+		pos = 4;
+		ck_assert_int_eq(dlpc__table_next(t, cut, &pos, &r), -EPROTO);
+	}
+	free(t);
+
+	ck_assert_int_eq(dlpc__table_count(bad, 3), -EPROTO);
+	memset(bad, 0, sizeof(bad));
+	bad[0] = 0x01, bad[1] = 0x40, bad[2] = 0x00, bad[3] = 0x00; /* 16385 */
+	ck_assert_int_eq(dlpc__table_count(bad, sizeof(bad)), -EPROTO);
+	bad[1] = 0;
+	bad[4 + 4] = DLPC_NDIM_MAX + 1; /* too many dimensions */
+	pos = 4;
+	ck_assert_int_eq(dlpc__table_next(bad, sizeof(bad), &pos, &r), -EPROTO);
+	bad[4 + 4] = 0;
+	bad[4 + 6] = 1; /* reserved field set */
+	pos = 4;
+	ck_assert_int_eq(dlpc__table_next(bad, sizeof(bad), &pos, &r), -EPROTO);
+	bad[4 + 6] = 0;
+	bad[4 + 4] = 1; /* one extent of 2^63: over INT64_MAX */
+	memset(bad + 20, 0x80, 9);
+	bad[29] = 0x01;
+	pos = 4;
+	ck_assert_int_eq(dlpc__table_next(bad, sizeof(bad), &pos, &r), -EPROTO);
+	bad[29] = 0x02; /* a tenth byte with bits past 64 */
+	pos = 4;
+	ck_assert_int_eq(dlpc__table_next(bad, sizeof(bad), &pos, &r), -EPROTO);
+	memset(bad + 20, 0x80, 20); /* a varint that never ends */
+	pos = 4;
+	ck_assert_int_eq(dlpc__table_next(bad, 40, &pos, &r), -EPROTO);
 }
 END_TEST
 
@@ -375,6 +458,7 @@ static Suite *frame_suite(void)
 	tc = tcase_new("msg", true);
 	tcase_add_test(tc, test_msg_frame);
 	tcase_add_test(tc, test_msg_frame_at);
+	tcase_add_test(tc, test_tensor_table);
 	tcase_add_test(tc, test_msg_frame_over_socket);
 	tcase_add_test(tc, test_msg_frame_limit);
 	tcase_add_test(tc, test_widest_entry_fits_a_reply);
