@@ -8,6 +8,7 @@
  * variable's value at start-up is its default and --help shows it. Add the flag to
  * docs/dlpackd.8 too (a test compares the two).
  */
+#include <assert.h>
 #include <errno.h>
 #include <getopt.h>
 #include <grp.h>
@@ -247,6 +248,10 @@ int dlpd_config_load(int argc, char **argv)
 		const struct option_row *o = &options[i];
 		const char *val = o->env ? getenv(o->env) : NULL;
 
+		/* OPT_UINT stores 4 or 8 bytes, and a 4-byte variable cannot hold more */
+		assert(o->parse != parse_uint || o->dst_size == sizeof(uint64_t) ||
+		       (o->dst_size == sizeof(uint32_t) && o->max <= UINT32_MAX));
+
 		/* an empty variable counts as unset, like an empty DLPACKD_SOCKET for clients */
 		if (val && *val && o->parse) {
 			snprintf(source, sizeof(source), "%s", o->env);
@@ -292,10 +297,12 @@ int dlpd_config_load(int argc, char **argv)
 	return 0;
 }
 
-const char *dlpd_config_bind_option_given(void)
+const char *dlpd_config_bind_option_given(const char **env)
 {
 	for (size_t i = 0; i < NOPTIONS; i++)
-		if (given[i] && options[i].bind_only)
+		if (given[i] && options[i].bind_only) {
+			*env = options[i].env;
 			return options[i].name;
+		}
 	return NULL;
 }

@@ -91,8 +91,9 @@ extern struct dlpd_config dlpd_config;
  * -1: a bad value, the message printed, exit 2. */
 int dlpd_config_load(int argc, char **argv);
 void dlpd_config_usage(FILE *f);
-/* The long name of a socket option that was given (flag or environment), or NULL. */
-const char *dlpd_config_bind_option_given(void);
+/* The long name of a socket option that was given (by flag or by its variable, @p env), or
+ * NULL. */
+const char *dlpd_config_bind_option_given(const char **env);
 
 /* ---- systemd.c: socket activation and readiness notification, without libsystemd ---- */
 /*

@@ -25,7 +25,7 @@ static void raise_fd_limit(void)
 
 int main(int argc, char **argv)
 {
-	const char *socket_path, *ignored;
+	const char *socket_path, *ignored, *ignored_env;
 	char defpath[108], why[160];
 	struct dlpd_server srv;
 	sigset_t stop_signals;
@@ -44,10 +44,11 @@ int main(int argc, char **argv)
 	}
 	socket_path = dlpd_config.socket_path;
 	if (listen_fd >= 0) {
-		ignored = dlpd_config_bind_option_given();
+		ignored = dlpd_config_bind_option_given(&ignored_env);
 		if (ignored)
 			dlpd_log(LOG_WARNING,
-				 "ignoring --%s: the socket comes from socket activation", ignored);
+				 "ignoring --%s (or %s): the socket comes from socket activation",
+				 ignored, ignored_env);
 	} else if (!socket_path) {
 		r = dlpc_default_socket(defpath, sizeof(defpath));
 		if (r < 0) {
