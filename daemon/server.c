@@ -224,19 +224,25 @@ static int bind_own(struct dlpd_server *s, const char *path)
 	return 0;
 }
 
-/* Adopt @p fd, the listening socket systemd passed; its path stays systemd's business. */
+/* Adopt @p fd, the listening socket systemd passed; its path stays systemd's business. The
+ * path (or "@name" for an abstract address) is kept for log lines only. */
 static int adopt(struct dlpd_server *s, int fd)
 {
 	struct sockaddr_un sa;
 	socklen_t len = sizeof(sa);
+	size_t n;
 
 	s->listen_fd = fd;
 	memset(&sa, 0, sizeof(sa));
-	if (getsockname(fd, (struct sockaddr *)&sa, &len) == 0 &&
-	    len > offsetof(struct sockaddr_un, sun_path) && sa.sun_path[0])
-		s->path = strndup(sa.sun_path, sizeof(sa.sun_path));
-	else
+	if (getsockname(fd, (struct sockaddr *)&sa, &len) < 0 ||
+	    len <= offsetof(struct sockaddr_un, sun_path) + 1) {
 		s->path = strdup("an unnamed socket");
+		return s->path ? 0 : -ENOMEM;
+	}
+	n = len - offsetof(struct sockaddr_un, sun_path);
+	if (sa.sun_path[0] == '\0')
+		sa.sun_path[0] = '@';
+	s->path = strndup(sa.sun_path, n);
 	return s->path ? 0 : -ENOMEM;
 }
 
