@@ -6,6 +6,7 @@
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <sys/types.h>
 #include <syslog.h>
 #include <uv.h>
@@ -74,6 +75,37 @@ void dlpd_log_init(void);
 void dlpd_log(int prio, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Parse "err", "warning", "notice", "info", "debug" (or 3..7). -1 if unknown. */
 int dlpd_log_parse_level(const char *s);
+
+/* ---- configuration (config.c): flags and environment, one table ---- */
+/* Mode of a socket the daemon binds itself. */
+#define DLPD_DEFAULT_SOCKET_MODE 0660
+
+struct dlpd_config {
+	const char *socket_path; /* NULL: dlpc_default_socket() */
+	unsigned socket_mode;	 /* these two apply only to a socket the daemon binds itself */
+	gid_t socket_gid;	 /* (gid_t)-1: the daemon's own group */
+};
+extern struct dlpd_config dlpd_config;
+
+/* Read the environment, then the command line. 0: run; 1: help or version printed, exit 0;
+ * -1: a bad value, the message printed, exit 2. */
+int dlpd_config_load(int argc, char **argv);
+void dlpd_config_usage(FILE *f);
+/* The long name of a socket option that was given (by flag or by its variable, @p env), or
+ * NULL. */
+const char *dlpd_config_bind_option_given(const char **env);
+
+/* ---- systemd.c: socket activation and readiness notification, without libsystemd ---- */
+/*
+ * The listening socket passed by socket activation (LISTEN_PID/LISTEN_FDS), checked to be one
+ * listening AF_UNIX stream socket. -ENOENT: not activated. Other negative errno: activated
+ * wrongly, the reason in @p why. The variables are unset in every case.
+ */
+int dlpd_listen_fd(char *why, size_t len);
+/* Take the address from NOTIFY_SOCKET ("/path" or "@abstract") and unset it. */
+int dlpd_notify_init(void);
+/* Send one notification ("READY=1", "STATUS=...") if a service manager asked for them. */
+void dlpd_notify(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* ---- registry: names, entries, storages, references ---- */
 struct dlpd_peer;
@@ -148,6 +180,7 @@ struct dlpd_server {
 	int listen_fd;
 	int lock_fd;
 	char *path, *lock_path;
+	bool owns_path; /* bound by us, not passed by systemd: unlink it at stop */
 	uv_poll_t listen_poll;
 	uv_timer_t accept_retry; /* resumes accepting after EMFILE */
 	uv_signal_t sig_term, sig_int;
@@ -180,8 +213,9 @@ struct dlpd_peer {
 	struct dlpd_list link; /* in srv->peers */
 };
 
-/* server.c */
-int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, mode_t mode);
+/* server.c: serve on @p activated_fd, a listening socket systemd passed, or if it is -1 on a
+ * socket of our own at @p path with the configured mode and group. */
+int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, const char *path);
 /* Stop accepting, close every connection and handle; uv_run() returns afterwards. */
 void dlpd_server_stop(struct dlpd_server *s);
 /* Free what the server still holds once the loop has finished. */

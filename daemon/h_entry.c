@@ -154,11 +154,8 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
 	r = dlpd_storage_check(f->fds[0], req->storage_size, req->flags & DLPC_PUBLISH_WRITABLE,
 			       why, sizeof(why));
-	if (r < 0) {
-		dlpd_log(LOG_WARNING, "%s: publish of '%s' refused: %s",
-			 dlpd_peer_desc(p, desc, sizeof(desc)), name, why);
+	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
-	}
 	old = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
 	if (old && !(req->flags & DLPC_PUBLISH_REPLACE))
 		return dlpd_reply_error(p, id, EEXIST,

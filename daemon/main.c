@@ -1,7 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* dlpackd: command line, setup and the event loop. */
 #include <errno.h>
-#include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,25 +9,6 @@
 #include <unistd.h>
 
 #include "dlpackd.h"
-
-/* Mode of a socket the daemon binds itself. */
-#define DEFAULT_SOCKET_MODE 0660
-
-static void usage(FILE *f)
-{
-	fprintf(f,
-		"Usage: dlpackd [OPTION]...\n"
-		"Share DLPack tensors between processes on this machine.\n"
-		"\n"
-		"  -s, --socket PATH      listen on PATH instead of the default socket\n"
-		"  -l, --log-level LEVEL  err, warning, notice, info (default) or debug\n"
-		"  -h, --help             show this help and exit\n"
-		"  -V, --version          show the version and exit\n"
-		"\n"
-		"The default socket is $DLPACKD_SOCKET if set, else %s for root and\n"
-		"$XDG_RUNTIME_DIR/%s for other users.\n",
-		DLPC_SYSTEM_SOCKET, DLPC_USER_SOCKET_NAME);
-}
 
 /* Every entry holds an fd: use all the fds the hard limit allows, not the soft 1024. */
 static void raise_fd_limit(void)
@@ -45,57 +25,38 @@ static void raise_fd_limit(void)
 
 int main(int argc, char **argv)
 {
-	static const struct option opts[] = {
-		{"socket", required_argument, NULL, 's'},
-		{"log-level", required_argument, NULL, 'l'},
-		{"help", no_argument, NULL, 'h'},
-		{"version", no_argument, NULL, 'V'},
-		{0},
-	};
-	const char *socket_path = NULL;
-	char defpath[108];
+	const char *socket_path, *ignored, *ignored_env;
+	char defpath[108], why[160];
 	struct dlpd_server srv;
 	sigset_t stop_signals;
 	uv_loop_t loop;
-	int c, r;
+	int r, listen_fd;
 
-	while ((c = getopt_long(argc, argv, "s:l:hV", opts, NULL)) != -1) {
-		switch (c) {
-		case 's':
-			socket_path = optarg;
-			break;
-		case 'l':
-			dlpd_log_level = dlpd_log_parse_level(optarg);
-			if (dlpd_log_level < 0) {
-				fprintf(stderr, "dlpackd: unknown log level '%s'\n", optarg);
-				return 2;
-			}
-			break;
-		case 'h':
-			usage(stdout);
-			return 0;
-		case 'V':
-			printf("dlpackd %s (protocol %d.%d)\n", DLPD_VERSION, DLPC_PROTO_MAJOR,
-			       DLPC_PROTO_MINOR);
-			return 0;
-		default:
-			usage(stderr);
-			return 2;
-		}
-	}
-	if (optind < argc) {
-		fprintf(stderr, "dlpackd: unexpected argument '%s'\n", argv[optind]);
+	r = dlpd_config_load(argc, argv);
+	if (r != 0)
+		return r > 0 ? 0 : 2;
+	dlpd_log_init();
+	dlpd_notify_init();
+	listen_fd = dlpd_listen_fd(why, sizeof(why));
+	if (listen_fd < 0 && listen_fd != -ENOENT) {
+		dlpd_log(LOG_ERR, "refusing to start: %s", why);
 		return 2;
 	}
-	dlpd_log_init();
-	if (!socket_path) {
+	socket_path = dlpd_config.socket_path;
+	if (listen_fd >= 0) {
+		ignored = dlpd_config_bind_option_given(&ignored_env);
+		if (ignored)
+			dlpd_log(LOG_WARNING,
+				 "ignoring --%s (or %s): the socket comes from socket activation",
+				 ignored, ignored_env);
+	} else if (!socket_path) {
 		r = dlpc_default_socket(defpath, sizeof(defpath));
 		if (r < 0) {
 			dlpd_log(LOG_ERR, "no socket path: %s; pass --socket or set %s",
 				 r == -ENOENT ? "XDG_RUNTIME_DIR is not set"
 					      : "the path is too long",
 				 DLPC_SOCKET_ENV);
-			return 1;
+			return 2;
 		}
 		socket_path = defpath;
 	}
@@ -112,12 +73,15 @@ int main(int argc, char **argv)
 	if (r < 0) {
 		dlpd_log(LOG_ERR, "cannot start the fd reaper thread: %s", strerror(-r));
 		uv_loop_close(&loop);
+		if (listen_fd >= 0)
+			close(listen_fd);
 		return 1;
 	}
-	r = dlpd_server_start(&srv, &loop, socket_path, DEFAULT_SOCKET_MODE);
+	r = dlpd_server_start(&srv, &loop, listen_fd, socket_path);
 	/* returns once dlpd_server_stop() has closed every handle */
 	if (r == 0) {
 		sigprocmask(SIG_UNBLOCK, &stop_signals, NULL);
+		dlpd_notify("READY=1\nSTATUS=listening on %s", srv.path);
 		uv_run(&loop, UV_RUN_DEFAULT);
 	}
 	dlpd_server_free(&srv);

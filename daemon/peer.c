@@ -149,6 +149,25 @@ int dlpd_reply_tail(struct dlpd_peer *p, uint16_t type, uint32_t id, const Proto
 	return 0;
 }
 
+/*
+ * How loudly to log a refused request. Answers a client is built to expect (no such name, name
+ * taken, wait expired) are routine; a protocol violation is logged by the disconnect that
+ * follows; everything else (not allowed, invalid, unsupported, bad storage, out of memory) is a
+ * rejection an operator may want to see.
+ */
+static int refusal_prio(uint32_t code)
+{
+	switch (code) {
+	case ENOENT:
+	case EEXIST:
+	case ETIMEDOUT:
+	case EPROTO:
+		return LOG_DEBUG;
+	default:
+		return LOG_WARNING;
+	}
+}
+
 int dlpd_reply_error(struct dlpd_peer *p, uint32_t id, int err, const char *fmt, ...)
 {
 	Dlpackd__V1__Error e = DLPACKD__V1__ERROR__INIT;
@@ -160,7 +179,7 @@ int dlpd_reply_error(struct dlpd_peer *p, uint32_t id, int err, const char *fmt,
 	va_end(ap);
 	e.code = err < 0 ? -err : err;
 	e.message = msg;
-	dlpd_log(LOG_DEBUG, "%s: request %u refused: %s (%s)",
+	dlpd_log(refusal_prio(e.code), "%s: request %u refused: %s (%s)",
 		 dlpd_peer_desc(p, desc, sizeof(desc)), id, msg, strerror(e.code));
 	return dlpd_reply(p, DLPC_MSG_ERROR, id, &e.base, NULL, 0);
 }

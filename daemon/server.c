@@ -7,6 +7,9 @@
  * accepts belongs to a live daemon started without the lock, and we refuse to start. On stop
  * the lock file is unlinked before the socket and the socket before the listener closes, so a
  * daemon starting meanwhile either sees the live listener or finds the path free.
+ *
+ * Under socket activation systemd owns the path: the daemon takes the listening fd it is given
+ * and never locks, replaces or unlinks anything.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -152,20 +155,13 @@ static void make_parent(const char *path)
 	free(copy);
 }
 
-/* On failure nothing is unlinked (the path may be another daemon's); dlpd_server_free() closes
- * what was opened. */
-int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, mode_t mode)
+/* Bind and listen on @p path, a socket of our own with the configured mode and group. */
+static int bind_own(struct dlpd_server *s, const char *path)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	struct stat st;
 	int r;
 
-	memset(s, 0, sizeof(*s));
-	s->loop = loop;
-	s->listen_fd = s->lock_fd = -1;
-	dlpd_list_init(&s->peers);
-	dlpd_registry_init(&s->reg);
-	s->start_ms = dlpd_now_ms();
 	if (strlen(path) >= sizeof(sa.sun_path)) {
 		dlpd_log(LOG_ERR, "socket path %s is longer than %zu bytes", path,
 			 sizeof(sa.sun_path) - 1);
@@ -202,12 +198,69 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, 
 		dlpd_log(LOG_ERR, "cannot bind %s: %m", path);
 		return r;
 	}
-	if (chmod(path, mode) < 0 || listen(s->listen_fd, SOMAXCONN) < 0) {
+	/* mode and group are right before listen(): until then nobody can connect */
+	if (chmod(path, dlpd_config.socket_mode) < 0) {
+		r = -errno;
+		dlpd_log(LOG_ERR, "cannot set the mode of %s to %04o: %m", path,
+			 dlpd_config.socket_mode);
+		unlink(path);
+		return r;
+	}
+	if (dlpd_config.socket_gid != (gid_t)-1 &&
+	    chown(path, (uid_t)-1, dlpd_config.socket_gid) < 0) {
+		r = -errno;
+		dlpd_log(LOG_ERR, "cannot give %s to group %u: %m", path,
+			 (unsigned)dlpd_config.socket_gid);
+		unlink(path);
+		return r;
+	}
+	if (listen(s->listen_fd, SOMAXCONN) < 0) {
 		r = -errno;
 		dlpd_log(LOG_ERR, "cannot listen on %s: %m", path);
 		unlink(path);
 		return r;
 	}
+	s->owns_path = true;
+	return 0;
+}
+
+/* Adopt @p fd, the listening socket systemd passed; its path stays systemd's business. The
+ * path (or "@name" for an abstract address) is kept for log lines only. */
+static int adopt(struct dlpd_server *s, int fd)
+{
+	struct sockaddr_un sa;
+	socklen_t len = sizeof(sa);
+	size_t n;
+
+	s->listen_fd = fd;
+	memset(&sa, 0, sizeof(sa));
+	if (getsockname(fd, (struct sockaddr *)&sa, &len) < 0 ||
+	    len <= offsetof(struct sockaddr_un, sun_path) + 1) {
+		s->path = strdup("an unnamed socket");
+		return s->path ? 0 : -ENOMEM;
+	}
+	n = len - offsetof(struct sockaddr_un, sun_path);
+	if (sa.sun_path[0] == '\0')
+		sa.sun_path[0] = '@';
+	s->path = strndup(sa.sun_path, n);
+	return s->path ? 0 : -ENOMEM;
+}
+
+/* On failure nothing is unlinked (the path may be another daemon's); dlpd_server_free() closes
+ * what was opened. */
+int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, const char *path)
+{
+	int r;
+
+	memset(s, 0, sizeof(*s));
+	s->loop = loop;
+	s->listen_fd = s->lock_fd = -1;
+	dlpd_list_init(&s->peers);
+	dlpd_registry_init(&s->reg);
+	s->start_ms = dlpd_now_ms();
+	r = activated_fd >= 0 ? adopt(s, activated_fd) : bind_own(s, path);
+	if (r < 0)
+		return r;
 	uv_poll_init(loop, &s->listen_poll, s->listen_fd);
 	s->listen_poll.data = s;
 	uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
@@ -218,7 +271,8 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, 
 	s->sig_term.data = s->sig_int.data = s;
 	uv_signal_start(&s->sig_term, on_signal, SIGTERM);
 	uv_signal_start(&s->sig_int, on_signal, SIGINT);
-	dlpd_log(LOG_NOTICE, "dlpackd %s listening on %s", DLPD_VERSION, path);
+	dlpd_log(LOG_NOTICE, "dlpackd %s listening on %s%s", DLPD_VERSION, s->path,
+		 s->owns_path ? "" : " (socket activation)");
 	return 0;
 }
 
@@ -235,8 +289,12 @@ void dlpd_server_stop(struct dlpd_server *s)
 	if (s->stopping)
 		return;
 	s->stopping = true;
-	unlink(s->lock_path);
-	unlink(s->path);
+	dlpd_notify("STOPPING=1");
+	/* a socket systemd passed stays: it is systemd's, and it may start us again on it */
+	if (s->owns_path) {
+		unlink(s->lock_path);
+		unlink(s->path);
+	}
 	uv_close((uv_handle_t *)&s->listen_poll, listener_closed);
 	uv_close((uv_handle_t *)&s->accept_retry, NULL);
 	uv_close((uv_handle_t *)&s->sig_term, NULL);

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# cmake --install into a temporary DESTDIR, then build a program from outside the project
+# (tests/install/) against the installed tree twice: with pkg-config, and with
+# find_package(dlpc CONFIG) for the shared and the static library. Run them against the
+# installed dlpackd: each publishes in one process and the others attach and check the bytes.
+# Usage: install.sh BUILD SRC PREFIX SBINDIR LIBDIR INCLUDEDIR MANDIR UNITDIR SYSUSERSDIR [PYDIR]
+set -euo pipefail
+build=$1 src=$2 prefix=$3 sbindir=$4 libdir=$5 includedir=$6 mandir=$7 unitdir=$8
+sysusersdir=$9 pydir=${10:-}
+
+full() { case $1 in /*) echo "$1" ;; *) echo "$prefix/$1" ;; esac; }
+tmp=$(mktemp -d /tmp/dlpc-install-XXXXXX)
+daemon_pid=
+cleanup() {
+	[ -z "$daemon_pid" ] || kill "$daemon_pid" 2>/dev/null || true
+	rm -rf "$tmp"
+}
+trap cleanup EXIT
+dest=$tmp/root
+DESTDIR=$dest cmake --install "$build" >"$tmp/install.log"
+lib=$dest$(full "$libdir")
+
+echo "installed under $dest:"
+(cd "$dest" && find . \( -type f -o -type l \) | sort | sed 's/^\./  /')
+for f in "$(full "$sbindir")/dlpackd" "$(full "$includedir")/dlpc/dlpc.h" \
+	"$(full "$includedir")/dlpc/dlpack1.h" "$(full "$libdir")/libdlpc.a" \
+	"$(full "$libdir")/pkgconfig/dlpc.pc" "$(full "$libdir")/cmake/dlpc/dlpcConfig.cmake" \
+	"$(full "$libdir")/cmake/dlpc/dlpcConfigVersion.cmake" \
+	"$(full "$unitdir")/dlpackd.service" "$(full "$unitdir")/dlpackd.socket" \
+	"$(full "$sysusersdir")/dlpackd.conf" "$(full "$mandir")/man8/dlpackd.8" \
+	"$(full "$mandir")/man3/dlpc.3"; do
+	[ -f "$dest$f" ] || { echo "missing: $f" >&2; exit 1; }
+done
+soname=$(readelf -d "$lib/libdlpc.so" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+[ "$soname" = libdlpc.so.0 ] || { echo "SONAME is '$soname', expected libdlpc.so.0" >&2; exit 1; }
+[ -L "$lib/libdlpc.so.0" ] && [ -f "$(readlink -f "$lib/libdlpc.so.0")" ]
+
+# 1. pkg-config: the .pc file names the final prefix; the sysroot maps it into DESTDIR
+export PKG_CONFIG_PATH=$lib/pkgconfig PKG_CONFIG_SYSROOT_DIR=$dest
+[ "$(pkg-config --modversion dlpc)" = "$("$dest$(full "$sbindir")/dlpackd" --version |
+	awk '{ print $2 }')" ]
+# shellcheck disable=SC2046 # word splitting of the flags is wanted
+cc -std=c11 -Wall -Werror -o "$tmp/consumer_pc" "$src/tests/install/consumer.c" \
+	$(pkg-config --cflags --libs dlpc)
+unset PKG_CONFIG_PATH PKG_CONFIG_SYSROOT_DIR
+
+# 2. CMake: find_package(dlpc CONFIG), shared (dlpc::dlpc) and static (dlpc::dlpc_static)
+cmake -S "$src/tests/install" -B "$tmp/cmake" -DCMAKE_PREFIX_PATH="$dest$prefix" \
+	-DCMAKE_BUILD_TYPE=Release >"$tmp/cmake.log" || { cat "$tmp/cmake.log" >&2; exit 1; }
+cmake --build "$tmp/cmake" >"$tmp/build.log" || { cat "$tmp/build.log" >&2; exit 1; }
+
+# the shared builds load the installed library, not the build tree's
+export LD_LIBRARY_PATH=$lib
+for prog in "$tmp/consumer_pc" "$tmp/cmake/consumer"; do
+	# (no grep -q in pipes: with pipefail, ldd's SIGPIPE would fail them)
+	ldd "$prog" | grep "libdlpc.so.0 => $lib/libdlpc.so.0" >/dev/null ||
+		{ ldd "$prog" >&2; echo "$prog does not use $lib/libdlpc.so.0" >&2; exit 1; }
+done
+! ldd "$tmp/cmake/consumer_static" | grep libdlpc >/dev/null ||
+	{ echo "consumer_static links libdlpc dynamically" >&2; exit 1; }
+
+# a live daemon: the installed one, on a private socket
+export DLPACKD_SOCKET=$tmp/dlpackd.sock
+"$dest$(full "$sbindir")/dlpackd" 2>"$tmp/dlpackd.log" &
+daemon_pid=$!
+for _ in $(seq 400); do [ -S "$DLPACKD_SOCKET" ] && break; sleep 0.05; done
+[ -S "$DLPACKD_SOCKET" ] || { cat "$tmp/dlpackd.log" >&2; exit 1; }
+
+"$tmp/consumer_pc" publish install/pc
+"$tmp/cmake/consumer" publish install/cmake
+for prog in "$tmp/consumer_pc" "$tmp/cmake/consumer" "$tmp/cmake/consumer_static"; do
+	"$prog" attach install/pc
+	"$prog" attach install/cmake
+done
+if [ -n "$pydir" ]; then
+	PYTHONPATH=$dest$(full "$pydir") PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 - <<'PY'
+import numpy as np, dlpack_ipc
+assert dlpack_ipc.__file__.startswith(__import__("os").environ["PYTHONPATH"]), dlpack_ipc.__file__
+a = np.from_dlpack(dlpack_ipc.attach("install/pc"))
+assert (a == np.arange(1000, dtype=np.int32) * 7 - 3).all()
+print("python: installed dlpack_ipc attached install/pc")
+PY
+fi
+kill -TERM "$daemon_pid"
+wait "$daemon_pid"
+daemon_pid=
+[ ! -e "$DLPACKD_SOCKET" ]
+echo "install: pkg-config and find_package builds ran against the installed dlpackd"
