@@ -39,6 +39,7 @@ static const char usage_text[] =
 	"  --timeout S     give up waiting after S seconds (default: wait forever)\n"
 	"  -h, --help      show this help and exit\n"
 	"  -V, --version   show the version and exit\n"
+	"  --              end of options (for a NAME or PREFIX that starts with a dash)\n"
 	"\n"
 	"Exit status: 0 success, 1 the operation failed, 2 usage error.\n";
 
