@@ -490,7 +490,8 @@ static int cmd_watch(const struct args *a)
 	while ((r = dlpc_watch_next(w, &ev, -1)) >= 0 || r == -EINTR)
 		if (r == 1)
 			print_event(&ev, a->json);
-	fail("watch", prefix, r);
+	/* the library's message already names the watch and its prefix */
+	fprintf(stderr, "dlpackctl: %s\n", dlpc_last_error());
 	dlpc_watch_close(w);
 	return 1;
 }
