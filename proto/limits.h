@@ -31,7 +31,7 @@
 
 /* Most references one RELEASE frame may carry. */
 #define DLPC_RELEASE_BATCH_MAX 1024
-/* Largest payload of a HELLO, ATTACH, UNPUBLISH, LIST or STAT (a name and a few numbers). */
+/* Largest payload of a HELLO, ATTACH, UNPUBLISH, LIST, STAT or WATCH (a name and a few numbers). */
 #define DLPC_SMALL_MSG_MAX 4096
 /* Largest payload of a RELEASE: DLPC_RELEASE_BATCH_MAX ids of up to 10 bytes, plus framing. */
 #define DLPC_RELEASE_MSG_MAX (DLPC_RELEASE_BATCH_MAX * 10 + 16)

@@ -221,11 +221,9 @@ static void json_entry_fields(struct json *j, const dlpc_entry_info *e)
 	json_key(j, "device_id");
 	json_i64(j, e->device.device_id);
 	json_key(j, "ephemeral");
-	fputs(e->flags & DLPC_PUBLISH_EPHEMERAL ? "true" : "false", j->f);
-	j->key = false;
+	json_bool(j, e->flags & DLPC_PUBLISH_EPHEMERAL);
 	json_key(j, "writable");
-	fputs(e->flags & DLPC_PUBLISH_WRITABLE ? "true" : "false", j->f);
-	j->key = false;
+	json_bool(j, e->flags & DLPC_PUBLISH_WRITABLE);
 	json_key(j, "nbytes");
 	json_u64(j, e->nbytes);
 	json_key(j, "refs");
@@ -276,7 +274,7 @@ static int cmd_ls(dlpc_client *c, const struct args *a)
 	enum { NCOL = 8 };
 	size_t width[NCOL], n;
 	dlpc_entry_info *v;
-	char(*cells)[NCOL][160];
+	char(*cells)[NCOL][160]; /* column 0, the name, is printed from v[i] */
 	int r = dlpc_list(c, prefix, &v, &n);
 
 	if (r < 0)
@@ -307,7 +305,6 @@ static int cmd_ls(dlpc_client *c, const struct args *a)
 	for (size_t i = 0; i < n; i++) {
 		char user[64];
 
-		snprintf(cells[i][0], sizeof(cells[i][0]), "%s", "");
 		snprintf(cells[i][1], sizeof(cells[i][1]), "%" PRIu64, v[i].generation);
 		device_text(v[i].device, cells[i][2], sizeof(cells[i][2]));
 		type_text(&v[i], cells[i][3], sizeof(cells[i][3]));

@@ -157,6 +157,12 @@ void json_double(struct json *j, double v)
 	fprintf(j->f, "%.3f", v);
 }
 
+void json_bool(struct json *j, bool v)
+{
+	value_begin(j);
+	fputs(v ? "true" : "false", j->f);
+}
+
 void json_null(struct json *j)
 {
 	value_begin(j);

@@ -32,6 +32,7 @@ void json_cstr(struct json *j, const char *s);
 void json_u64(struct json *j, uint64_t v);
 void json_i64(struct json *j, int64_t v);
 void json_double(struct json *j, double v);
+void json_bool(struct json *j, bool v);
 void json_null(struct json *j);
 
 /*

@@ -355,7 +355,7 @@ DLPC_EXPORT int dlpc_watch_fd(const dlpc_watch *w);
  */
 DLPC_EXPORT int dlpc_watch_next(dlpc_watch *w, dlpc_watch_event *ev, int timeout_ms);
 
-/** Stop watching and free @p w. Accepts NULL. */
+/** Stop watching and free @p w. Accepts NULL; in a forked child it only frees memory. */
 DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
 
 #ifdef __cplusplus
