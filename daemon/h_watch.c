@@ -7,6 +7,7 @@
  * ephemeral entry and no waiting ATTACH, dropping one (its queue overflowed, its socket failed)
  * never changes the name map, so an event being delivered can never cause another.
  */
+#include <assert.h>
 #include <errno.h>
 #include <string.h>
 
@@ -50,6 +51,8 @@ void dlpd_watch_drop(struct dlpd_peer *p)
 {
 	if (!p->watching)
 		return;
+	/* what makes dropping a watcher safe in the middle of delivering an event */
+	assert(dlpd_list_empty(&p->ephemeral) && dlpd_list_empty(&p->waiters));
 	dlpd_list_del(&p->watch_link);
 	p->srv->nwatchers--;
 	p->watching = false;
