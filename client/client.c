@@ -224,7 +224,11 @@ static int deliver(dlpc_client *c, struct dlpc__frame *f)
 	return 0;
 }
 
-/* Read until at least one frame has been delivered. Called without c->mu, as the reader. */
+/*
+ * Parse what is buffered, reading more until at least one frame has been delivered. A WATCH reply
+ * ends the turn at once: the frames behind it are events, left in the buffer for the watch.
+ * Called without c->mu, as the reader.
+ */
 static int read_frames(dlpc_client *c)
 {
 	char why[160];
@@ -232,13 +236,11 @@ static int read_frames(dlpc_client *c)
 	for (;;) {
 		struct dlpc__frame f;
 		int delivered = 0, r;
-		ssize_t n = dlpc__rx_read(&c->rx, c->sock, why, sizeof(why));
+		ssize_t n;
 
-		if (n == 0)
-			return -ECONNRESET;
-		if (n < 0)
-			return (int)n;
 		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
+			bool watch = f.hdr.type == (DLPC_MSG_WATCH | DLPC_MSG_REPLY);
+
 			pthread_mutex_lock(&c->mu);
 			r = deliver(c, &f);
 			pthread_mutex_unlock(&c->mu);
@@ -246,11 +248,18 @@ static int read_frames(dlpc_client *c)
 			if (r < 0)
 				return r;
 			delivered++;
+			if (watch)
+				return 0;
 		}
 		if (r < 0)
 			return r;
 		if (delivered)
 			return 0;
+		n = dlpc__rx_read(&c->rx, c->sock, why, sizeof(why));
+		if (n == 0)
+			return -ECONNRESET;
+		if (n < 0)
+			return (int)n;
 	}
 }
 

@@ -44,7 +44,7 @@ static char *dup_bytes(const ProtobufCBinaryData *b)
 	return s;
 }
 
-static void entry_clear(dlpc_entry_info *e)
+void dlpc__entry_clear(dlpc_entry_info *e)
 {
 	for (size_t i = 0; e->tensors && i < e->ntensors; i++) {
 		free((char *)e->tensors[i].key);
@@ -57,11 +57,11 @@ static void entry_clear(dlpc_entry_info *e)
 DLPC_EXPORT void dlpc_list_free(dlpc_entry_info *list, size_t count)
 {
 	for (size_t i = 0; list && i < count; i++)
-		entry_clear(&list[i]);
+		dlpc__entry_clear(&list[i]);
 	free(list);
 }
 
-static int entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in)
+int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in)
 {
 	memset(e, 0, sizeof(*e));
 	e->name = dup_bytes(&in->name);
@@ -152,7 +152,7 @@ DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **
 				v = nv, cap = ncap;
 		}
 		for (size_t i = 0; r == 0 && i < rep->n_entries; i++) {
-			if (entry_fill(&v[n++], rep->entries[i]) < 0)
+			if (dlpc__entry_fill(&v[n++], rep->entries[i]) < 0)
 				r = dlpc__fail(-ENOMEM, "dlpc_list: out of memory");
 		}
 		/* a page that does not move past the cursor would loop forever */
@@ -212,6 +212,11 @@ DLPC_EXPORT int dlpc_stat(dlpc_client *c, dlpc_stats *out)
 	s.req_stat = rep->req_stat;
 	s.protocol_errors = rep->protocol_errors;
 	s.fds_closing = rep->fds_closing;
+	s.req_watch = rep->req_watch;
+	s.watchers = rep->watchers;
+	s.events = rep->events;
+	s.tx_queued = rep->tx_queued;
+	s.queue_drops = rep->queue_drops;
 	dlpackd__v1__stat_reply__free_unpacked(rep, NULL);
 	/* copy only as much as the caller's struct holds, keeping its size field */
 	memcpy((char *)out + sizeof(out->size), (char *)&s + sizeof(s.size),

@@ -116,6 +116,10 @@ int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const
 void dlpc__release(dlpc_client *c, uint64_t ref_id);
 void dlpc__client_ref(dlpc_client *c);
 void dlpc__client_unref(dlpc_client *c);
+/* Fill @p e from a LIST or EVENT entry (strings copied); 0 or -ENOMEM (clear it anyway). */
+int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in);
+/* Free what dlpc__entry_fill() allocated. */
+void dlpc__entry_clear(dlpc_entry_info *e);
 /* Validate a user-supplied name; 0 or -EINVAL with the message set. */
 int dlpc__name_arg(const char *name, const char *what);
 

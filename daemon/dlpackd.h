@@ -173,6 +173,7 @@ struct dlpd_stats {
 	uint64_t req[DLPC_MSG__REQUEST_COUNT];
 	uint64_t fds_sent;
 	uint64_t protocol_errors;
+	uint64_t queue_drops; /* connections dropped for a full output queue */
 };
 
 struct dlpd_server {
@@ -188,7 +189,10 @@ struct dlpd_server {
 	uint64_t npeers, next_serial;
 	uint64_t peers_closing; /* killed, socket not yet handed to the reaper */
 	struct dlpd_registry reg;
-	struct dlpc__scratch out; /* outgoing frames are packed here */
+	struct dlpc__scratch out;	/* outgoing frames are packed here */
+	struct dlpd_list watchers;	/* peers that sent WATCH, in the order they did */
+	uint64_t nwatchers, event_seq;	/* event_seq: changes of the name map so far */
+	struct dlpc__scratch event_out; /* an event is packed here once for every watcher */
 	struct dlpd_stats stats;
 	uint64_t start_ms;
 	bool stopping;
@@ -204,6 +208,10 @@ struct dlpd_peer {
 	uint64_t serial;
 	int events; /* uv_poll events currently asked for */
 	bool hello, dead;
+	bool watching;		     /* sent WATCH: receives events, sends nothing but RELEASE */
+	struct dlpd_list watch_link; /* in srv->watchers */
+	size_t watch_prefix_len;
+	uint8_t watch_prefix[DLPC_NAME_MAX];
 	struct dlpc__rx rx;
 	struct dlpc__tx tx;
 	struct dlpd_hmap refs; /* dlpd_ref by id */
@@ -232,6 +240,13 @@ int dlpd_reply(struct dlpd_peer *p, uint16_t type, uint32_t id, const ProtobufCM
 /* The same, appending @p tail: fields of the same message, already encoded. */
 int dlpd_reply_tail(struct dlpd_peer *p, uint16_t type, uint32_t id, const ProtobufCMessage *m,
 		    const uint8_t *tail, size_t tail_len, const int *fds, unsigned nfds);
+/*
+ * Queue a whole frame for @p p. A connection whose output queue passes its limit
+ * (DLPC_TX_QUEUE_MAX, DLPC_WATCH_QUEUE_MAX for a watcher, DLPC_TX_QUEUE_FDS_MAX) is dropped, as
+ * is one whose socket failed. 0 or a negative errno (the peer was killed).
+ */
+int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const int *fds,
+		   unsigned nfds);
 /* Send an ERROR reply with a formatted message; @p err is an errno (either sign). */
 int dlpd_reply_error(struct dlpd_peer *p, uint32_t id, int err, const char *fmt, ...)
 	__attribute__((format(printf, 4, 5)));
@@ -242,11 +257,13 @@ const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len);
 void dlpd_registry_init(struct dlpd_registry *r);
 void dlpd_registry_clear(struct dlpd_registry *r);
 struct dlpd_entry *dlpd_entry_find(struct dlpd_registry *r, const uint8_t *name, size_t len);
-/* Make @p e visible under its name, replacing @p old (NULL if none), and wake its waiters.
- * On failure (-ENOMEM) @p e is freed. */
+/* Make @p e visible under its name, replacing @p old (NULL if none), tell the watchers and wake
+ * its waiters. On failure (-ENOMEM) @p e is freed. */
 int dlpd_entry_insert(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_entry *old);
-/* Remove @p e from the names and free it; its storage lives on while referenced. */
-void dlpd_entry_remove(struct dlpd_server *s, struct dlpd_entry *e);
+/* Remove @p e from the names, tell the watchers (@p reason: a DLPC_WATCH_BY_*,
+ * @p actor: the connection that caused it) and free it; its storage lives on while referenced. */
+void dlpd_entry_remove(struct dlpd_server *s, struct dlpd_entry *e, int reason,
+		       const struct dlpd_peer *actor);
 struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, int fd, uint64_t size,
 				      int32_t device_type, int32_t device_id);
 /* Drop one holder (a name when @p name is true, else a reference); frees it when unreachable. */
@@ -283,6 +300,17 @@ int dlpd_on_unpublish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m,
 int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
 int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
 int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
+int dlpd_on_watch(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);
+/*
+ * h_watch.c: tell every watcher whose prefix matches that @p e was published, replaced
+ * (@p prev_gen: the generation it replaced) or removed. Called by the registry at the moment of
+ * the change, so events leave in the order the changes were applied. A watcher that cannot take
+ * the event is dropped; dropping one never changes the name map (a watcher owns no entries).
+ */
+void dlpd_watch_event(struct dlpd_server *s, int kind, const struct dlpd_entry *e,
+		      uint64_t prev_gen, int reason, uid_t actor_uid, pid_t actor_pid);
+/* A watcher is gone: take it off the list. */
+void dlpd_watch_drop(struct dlpd_peer *p);
 /* h_attach.c: answer the waiters of a name that was just published. */
 void dlpd_wake_waiters(struct dlpd_server *s, struct dlpd_entry *e);
 

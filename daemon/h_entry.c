@@ -226,7 +226,7 @@ int dlpd_on_unpublish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, st
 					"'%s' belongs to uid %u; uid %u may not unpublish it", name,
 					(unsigned)e->uid, (unsigned)p->uid);
 	rep.generation = e->generation;
-	dlpd_entry_remove(p->srv, e);
+	dlpd_entry_remove(p->srv, e, DLPC_WATCH_BY_REQUEST, p);
 	return dlpd_reply(p, DLPC_MSG_UNPUBLISH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }
 

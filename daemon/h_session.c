@@ -82,5 +82,11 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	rep.req_list = s->stats.req[DLPC_MSG_LIST];
 	rep.req_stat = s->stats.req[DLPC_MSG_STAT];
 	rep.protocol_errors = s->stats.protocol_errors;
+	rep.req_watch = s->stats.req[DLPC_MSG_WATCH];
+	rep.watchers = s->nwatchers;
+	rep.events = s->event_seq;
+	rep.queue_drops = s->stats.queue_drops;
+	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next)
+		rep.tx_queued += dlpd_container_of(l, struct dlpd_peer, link)->tx.bytes;
 	return dlpd_reply(p, DLPC_MSG_STAT | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }

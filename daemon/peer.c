@@ -35,6 +35,8 @@ static const struct handler handlers[DLPC_MSG__REQUEST_COUNT] = {
 				DLPC_SMALL_MSG_MAX},
 	[DLPC_MSG_LIST] = {dlpd_on_list, &dlpackd__v1__list__descriptor, 0, 0, DLPC_SMALL_MSG_MAX},
 	[DLPC_MSG_STAT] = {dlpd_on_stat, &dlpackd__v1__stat__descriptor, 0, 0, DLPC_SMALL_MSG_MAX},
+	[DLPC_MSG_WATCH] = {dlpd_on_watch, &dlpackd__v1__watch__descriptor, 0, 0,
+			    DLPC_SMALL_MSG_MAX},
 };
 
 static void on_poll(uv_poll_t *h, int status, int events);
@@ -69,6 +71,7 @@ struct dlpd_peer *dlpd_peer_new(struct dlpd_server *s, int fd)
 	dlpd_hmap_init(&p->refs);
 	dlpd_list_init(&p->ephemeral);
 	dlpd_list_init(&p->waiters);
+	dlpd_list_init(&p->watch_link);
 	if (uv_poll_init(s->loop, &p->poll, fd) < 0) {
 		free(p);
 		return NULL;
@@ -103,6 +106,7 @@ void dlpd_peer_kill(struct dlpd_peer *p, int prio, const char *fmt, ...)
 	va_end(ap);
 	dlpd_log(prio, "%s: %s", dlpd_peer_desc(p, desc, sizeof(desc)), msg);
 	dlpd_list_del(&p->link);
+	dlpd_watch_drop(p);
 	p->srv->npeers--;
 	p->srv->peers_closing++;
 	dlpd_registry_drop_peer(p->srv, p);
@@ -125,12 +129,49 @@ int dlpd_reply(struct dlpd_peer *p, uint16_t type, uint32_t id, const ProtobufCM
 	return dlpd_reply_tail(p, type, id, m, NULL, 0, fds, nfds);
 }
 
+int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const int *fds,
+		   unsigned nfds)
+{
+	size_t max = p->watching ? DLPC_WATCH_QUEUE_MAX : DLPC_TX_QUEUE_MAX;
+	const char *limit = p->watching ? "DLPC_WATCH_QUEUE_MAX" : "DLPC_TX_QUEUE_MAX";
+	int r;
+
+	if (p->dead)
+		return -EPIPE;
+	r = dlpc__tx_send(&p->tx, p->fd, frame, len, fds, nfds);
+	if (r < 0) {
+		dlpd_peer_kill(p, LOG_DEBUG, "write failed: %s", strerror(-r));
+		return r;
+	}
+	if (!p->tx.head)
+		return 0;
+	/* A client that does not read what it asked for (or, watching, cannot keep up) would
+	 * otherwise grow this queue without bound. */
+	if (p->tx.bytes > max || p->tx.nfds > DLPC_TX_QUEUE_FDS_MAX) {
+		p->srv->stats.queue_drops++;
+		if (p->tx.bytes > max)
+			dlpd_peer_kill(
+				p, LOG_WARNING,
+				"dropped: it stopped reading and %zu bytes wait for it, over "
+				"the limit of %zu (%s)",
+				p->tx.bytes, max, limit);
+		else
+			dlpd_peer_kill(
+				p, LOG_WARNING,
+				"dropped: it stopped reading and %u fds wait for it, over the "
+				"limit of %u (DLPC_TX_QUEUE_FDS_MAX)",
+				p->tx.nfds, DLPC_TX_QUEUE_FDS_MAX);
+		return -ENOBUFS;
+	}
+	want_events(p, UV_READABLE | UV_WRITABLE | UV_DISCONNECT);
+	return 0;
+}
+
 int dlpd_reply_tail(struct dlpd_peer *p, uint16_t type, uint32_t id, const ProtobufCMessage *m,
 		    const uint8_t *tail, size_t tail_len, const int *fds, unsigned nfds)
 {
 	struct dlpc__scratch *out = &p->srv->out;
 	ssize_t len;
-	int r;
 
 	if (p->dead)
 		return -EPIPE;
@@ -139,14 +180,7 @@ int dlpd_reply_tail(struct dlpd_peer *p, uint16_t type, uint32_t id, const Proto
 		dlpd_peer_kill(p, LOG_ERR, "cannot build a reply: %s", strerror((int)-len));
 		return (int)len;
 	}
-	r = dlpc__tx_send(&p->tx, p->fd, out->p, (size_t)len, fds, nfds);
-	if (r < 0) {
-		dlpd_peer_kill(p, LOG_DEBUG, "write failed: %s", strerror(-r));
-		return r;
-	}
-	if (p->tx.head)
-		want_events(p, UV_READABLE | UV_WRITABLE | UV_DISCONNECT);
-	return 0;
+	return dlpd_peer_send(p, out->p, (size_t)len, fds, nfds);
 }
 
 /*
@@ -197,6 +231,12 @@ static int dispatch(struct dlpd_peer *p, struct dlpc__frame *f)
 		dlpd_reply_error(p, f->hdr.id, EPROTO, "unknown message %s",
 				 dlpc__msg_name(type, name, sizeof(name)));
 		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: unknown message %s", name);
+		return -EPROTO;
+	}
+	if (p->watching && type != DLPC_MSG_RELEASE) {
+		dlpd_reply_error(p, f->hdr.id, EPROTO, "%s on a watching connection",
+				 dlpc__msg_name(type, name, sizeof(name)));
+		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s after WATCH", name);
 		return -EPROTO;
 	}
 	if (!p->hello && type != DLPC_MSG_HELLO) {

@@ -7,6 +7,7 @@
  * alone; an ephemeral entry is also listed on its publishing connection so that closing the
  * connection can remove it.
  */
+#include <assert.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,30 +51,45 @@ static void entry_free(struct dlpd_registry *r, struct dlpd_entry *e)
 	free(e);
 }
 
-int dlpd_entry_insert(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_entry *old)
-{
-	const ProtobufCBinaryData *name = &e->pub->name;
-	int r;
-
-	/* Removing old first cannot make the insert fail: the map has buckets already. Nothing
-	 * runs in between, so no attacher sees the name absent. */
-	if (old)
-		dlpd_entry_remove(s, old);
-	s->reg.sorted_valid = false;
-	r = dlpd_hmap_insert(&s->reg.names, &e->node, dlpd_hash_bytes(name->data, name->len));
-	if (r < 0) {
-		entry_free(&s->reg, e);
-		return r;
-	}
-	dlpd_wake_waiters(s, e);
-	return 0;
-}
-
-void dlpd_entry_remove(struct dlpd_server *s, struct dlpd_entry *e)
+/* Take @p e out of the names and free it, telling nobody. */
+static void entry_unlink(struct dlpd_server *s, struct dlpd_entry *e)
 {
 	s->reg.sorted_valid = false;
 	dlpd_hmap_remove(&s->reg.names, &e->node);
 	entry_free(&s->reg, e);
+}
+
+int dlpd_entry_insert(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_entry *old)
+{
+	const ProtobufCBinaryData *name = &e->pub->name;
+	uint64_t prev_gen = old ? old->generation : 0;
+	int r;
+
+	/* Removing old first cannot make the insert fail: the map has buckets already. Nothing
+	 * runs in between, so no attacher sees the name absent, and watchers see one REPLACED. */
+	if (old)
+		entry_unlink(s, old);
+	s->reg.sorted_valid = false;
+	r = dlpd_hmap_insert(&s->reg.names, &e->node, dlpd_hash_bytes(name->data, name->len));
+	if (r < 0) {
+		/* only the first insert into an empty map can fail, so there was no old entry */
+		assert(!old);
+		entry_free(&s->reg, e);
+		return r;
+	}
+	/* Watchers hear of it before the waiters are answered: answering may kill a connection
+	 * whose ephemeral entries then vanish, and those events must come after this one. */
+	dlpd_watch_event(s, old ? DLPC_WATCH_REPLACED : DLPC_WATCH_PUBLISHED, e, prev_gen, 0,
+			 e->uid, e->pid);
+	dlpd_wake_waiters(s, e);
+	return 0;
+}
+
+void dlpd_entry_remove(struct dlpd_server *s, struct dlpd_entry *e, int reason,
+		       const struct dlpd_peer *actor)
+{
+	dlpd_watch_event(s, DLPC_WATCH_UNPUBLISHED, e, 0, reason, actor->uid, actor->pid);
+	entry_unlink(s, e);
 }
 
 struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, int fd, uint64_t size,
@@ -219,7 +235,8 @@ void dlpd_registry_drop_peer(struct dlpd_server *s, struct dlpd_peer *p)
 				 dlpd_container_of(p->waiters.next, struct dlpd_waiter, peer_link));
 	while (!dlpd_list_empty(&p->ephemeral))
 		dlpd_entry_remove(
-			s, dlpd_container_of(p->ephemeral.next, struct dlpd_entry, owner_link));
+			s, dlpd_container_of(p->ephemeral.next, struct dlpd_entry, owner_link),
+			DLPC_WATCH_BY_DISCONNECT, p);
 	for (size_t i = 0; i < p->refs.nbuckets; i++)
 		while (p->refs.buckets[i])
 			dlpd_ref_drop(p,

@@ -256,6 +256,7 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, 
 	s->loop = loop;
 	s->listen_fd = s->lock_fd = -1;
 	dlpd_list_init(&s->peers);
+	dlpd_list_init(&s->watchers);
 	dlpd_registry_init(&s->reg);
 	s->start_ms = dlpd_now_ms();
 	r = activated_fd >= 0 ? adopt(s, activated_fd) : bind_own(s, path);
@@ -308,6 +309,7 @@ void dlpd_server_free(struct dlpd_server *s)
 {
 	dlpd_registry_clear(&s->reg);
 	dlpc__scratch_clear(&s->out);
+	dlpc__scratch_clear(&s->event_out);
 	if (s->listen_fd >= 0)
 		close(s->listen_fd);
 	if (s->lock_fd >= 0)

@@ -52,12 +52,14 @@ const char *dlpc__msg_name(uint16_t type, char *buf, size_t len)
 		[DLPC_MSG_HELLO] = "HELLO",	    [DLPC_MSG_PUBLISH] = "PUBLISH",
 		[DLPC_MSG_ATTACH] = "ATTACH",	    [DLPC_MSG_RELEASE] = "RELEASE",
 		[DLPC_MSG_UNPUBLISH] = "UNPUBLISH", [DLPC_MSG_LIST] = "LIST",
-		[DLPC_MSG_STAT] = "STAT",
+		[DLPC_MSG_STAT] = "STAT",	    [DLPC_MSG_WATCH] = "WATCH",
 	};
 	uint16_t base = type & ~DLPC_MSG_REPLY;
 
 	if (type == DLPC_MSG_ERROR)
 		snprintf(buf, len, "ERROR");
+	else if (type == DLPC_MSG_EVENT)
+		snprintf(buf, len, "EVENT");
 	else if (base > 0 && base < DLPC_MSG__REQUEST_COUNT)
 		snprintf(buf, len, "%s%s", names[base], type & DLPC_MSG_REPLY ? " reply" : "");
 	else

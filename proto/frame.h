@@ -8,7 +8,8 @@
  *   4      2    type     DLPC_MSG_*
  *   6      1    nfds     fds that belong to this frame, <= DLPC_FRAME_FDS_MAX
  *   7      1    flags    reserved, must be 0
- *   8      4    id       request id, echoed by the reply; 0 for RELEASE and events
+ *   8      4    id       request id, echoed by the reply; 0 for RELEASE and for frames the
+ *                          daemon sends of its own accord (EVENT, errors below dispatch)
  */
 #ifndef DLPC_PROTO_FRAME_H
 #define DLPC_PROTO_FRAME_H
@@ -24,7 +25,10 @@ enum dlpc_msg_type {
 	DLPC_MSG_UNPUBLISH = 5,
 	DLPC_MSG_LIST = 6,
 	DLPC_MSG_STAT = 7,
+	DLPC_MSG_WATCH = 8,
 	DLPC_MSG__REQUEST_COUNT,
+	/* A frame the daemon sends without a request (id 0): a watch event. */
+	DLPC_MSG_EVENT = 0x4001,
 	/* A reply's type is its request's type with this bit set... */
 	DLPC_MSG_REPLY = 0x8000,
 	/* ...or exactly this, carrying an Error message. */

@@ -218,6 +218,7 @@ void dlpc__tx_init(struct dlpc__tx *tx)
 	tx->head = NULL;
 	tx->tail = &tx->head;
 	tx->bytes = 0;
+	tx->nfds = 0;
 }
 
 static void chunk_free(struct dlpc__txchunk *c)
@@ -279,6 +280,7 @@ int dlpc__tx_flush(struct dlpc__tx *tx, int sock)
 		if (n < 0)
 			return (int)n;
 		close_fds(c->fds, c->nfds);
+		tx->nfds -= c->nfds;
 		c->nfds = 0;
 		c->sent += (size_t)n;
 		tx->bytes -= (size_t)n;
@@ -330,6 +332,7 @@ int dlpc__tx_send(struct dlpc__tx *tx, int sock, const void *data, size_t len, c
 	*tx->tail = c;
 	tx->tail = &c->next;
 	tx->bytes += c->len;
+	tx->nfds += c->nfds;
 	return 0;
 }
 

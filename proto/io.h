@@ -75,7 +75,8 @@ void dlpc__frame_clear(struct dlpc__frame *f);
 struct dlpc__txchunk;
 struct dlpc__tx {
 	struct dlpc__txchunk *head, **tail;
-	size_t bytes; /* queued and not yet written */
+	size_t bytes;  /* queued and not yet written */
+	unsigned nfds; /* fds queued and not yet sent */
 };
 
 void dlpc__tx_init(struct dlpc__tx *tx);

@@ -11,7 +11,7 @@
 
 /* Protocol version spoken by this tree. Peers must agree on the major; minor is negotiated. */
 #define DLPC_PROTO_MAJOR 1
-#define DLPC_PROTO_MINOR 0
+#define DLPC_PROTO_MINOR 1
 
 /* Size of the fixed frame header, bytes. */
 #define DLPC_FRAME_HDR_SIZE 12
@@ -42,11 +42,22 @@
 #if DLPC_RELEASE_PENDING_MAX > DLPC_RELEASE_BATCH_MAX
 #error "deferred releases must fit one RELEASE frame"
 #endif
-/* Largest payload of a HELLO, ATTACH, UNPUBLISH, LIST or STAT (a name and a few numbers). */
+/* Largest payload of a HELLO, ATTACH, UNPUBLISH, LIST, STAT or WATCH (a name and a few numbers). */
 #define DLPC_SMALL_MSG_MAX 4096
 /* Largest payload of a RELEASE: DLPC_RELEASE_BATCH_MAX ids of up to 10 bytes, plus framing. */
 #define DLPC_RELEASE_MSG_MAX (DLPC_RELEASE_BATCH_MAX * 10 + 16)
 /* Most entries in one LIST reply page (fewer when DLPC_FRAME_MAX is reached first). */
 #define DLPC_LIST_PAGE_MAX 16384
+/*
+ * Most bytes the daemon keeps queued for one connection that does not read what it is sent;
+ * past this the connection is dropped. Eight of the largest frames: a client with several
+ * threads waiting for LIST pages at once stays well inside it.
+ */
+#define DLPC_TX_QUEUE_MAX (8 * DLPC_FRAME_MAX)
+/* Most fds waiting in one connection's output queue (each ATTACH reply holds a duplicate). */
+#define DLPC_TX_QUEUE_FDS_MAX 4096
+/* The same byte limit for a watching connection: events are small and a watcher that falls
+ * this far behind is not keeping up. */
+#define DLPC_WATCH_QUEUE_MAX (1u << 20)
 
 #endif

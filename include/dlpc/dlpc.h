@@ -280,6 +280,11 @@ typedef struct dlpc_stats {
 	uint64_t req_stat;	  /**< STAT requests served */
 	uint64_t protocol_errors; /**< connections dropped for protocol violations */
 	uint64_t fds_closing;	  /**< fds the daemon is closing on its closer thread */
+	uint64_t req_watch;	  /**< WATCH requests served */
+	uint64_t watchers;	  /**< connections watching now */
+	uint64_t events;	  /**< changes of the name map since start (last event's seq) */
+	uint64_t tx_queued;	  /**< bytes waiting in the daemon's output queues, all together */
+	uint64_t queue_drops;	  /**< connections dropped because their output queue was full */
 } dlpc_stats;
 
 /**
@@ -288,6 +293,75 @@ typedef struct dlpc_stats {
  * @return 0 or a negative errno.
  */
 DLPC_EXPORT int dlpc_stat(dlpc_client *c, dlpc_stats *out);
+
+/** A watch on the names under a prefix (see dlpc_watch_open()). */
+typedef struct dlpc_watch dlpc_watch;
+
+/** Watch event: a name that was free now holds an entry. */
+#define DLPC_WATCH_PUBLISHED 1
+/** Watch event: a new generation replaced a name's entry. */
+#define DLPC_WATCH_REPLACED 2
+/** Watch event: a name was removed. */
+#define DLPC_WATCH_UNPUBLISHED 3
+/** Why an entry was unpublished: an UNPUBLISH request (dlpc_unpublish()). */
+#define DLPC_WATCH_BY_REQUEST 1
+/** Why an entry was unpublished: its ephemeral publisher's connection closed. */
+#define DLPC_WATCH_BY_DISCONNECT 2
+
+/** One change of the name map, as dlpc_watch_next() reports it. */
+typedef struct dlpc_watch_event {
+	uint32_t kind;	 /**< DLPC_WATCH_PUBLISHED, _REPLACED or _UNPUBLISHED */
+	uint32_t reason; /**< UNPUBLISHED: DLPC_WATCH_BY_*; otherwise 0 */
+	uint64_t seq;	 /**< the daemon's change counter: 1, 2, 3... since it started */
+	uint64_t previous_generation; /**< REPLACED: the generation replaced; otherwise 0 */
+	uint32_t actor_uid;	      /**< uid of the connection that made the change */
+	int32_t actor_pid;	      /**< its pid */
+	/**
+	 * The entry published, or the one removed (refs as they were at that moment).
+	 * entry.tensors describes the tensor when the entry holds exactly one; for a bundle it is
+	 * NULL and entry.ntensors gives the count.
+	 */
+	dlpc_entry_info entry;
+} dlpc_watch_event;
+
+/**
+ * Start watching the names that begin with the bytes of @p prefix (NULL or "" for all).
+ *
+ * The watch has a connection of its own (a watching connection can make no other request). From
+ * the moment this returns, every publish, replace and unpublish of a matching name is reported
+ * once, in the order the daemon applied them. The daemon drops a watcher that falls
+ * DLPC_WATCH_QUEUE_MAX bytes behind (proto/limits.h, 1 MiB): read events promptly; the next
+ * call then fails with -ECONNRESET. Like a dlpc_client, a watch belongs to the process that
+ * opened it (a forked child gets -EBADFD and never holds the connection open). Use it from one
+ * thread at a time.
+ * @param socket_path the daemon's socket, or NULL for dlpc_default_socket()'s.
+ * @param err receives 0 or a negative errno (may be NULL).
+ * @return the watch, or NULL with *err and dlpc_last_error() set.
+ */
+DLPC_EXPORT dlpc_watch *dlpc_watch_open(const char *socket_path, const char *prefix, int *err);
+
+/**
+ * The socket to poll for readability, for event loops. When it is readable call
+ * dlpc_watch_next() with a timeout of 0 until it returns 0: events may also be buffered already.
+ * @return the fd, or a negative errno.
+ */
+DLPC_EXPORT int dlpc_watch_fd(const dlpc_watch *w);
+
+/**
+ * Wait for the next event.
+ *
+ * @p ev and its strings belong to the watch and stay valid until the next call on it or
+ * dlpc_watch_close().
+ * @param timeout_ms 0: do not wait; > 0: wait up to this many ms; < 0: wait forever.
+ * @return 1 and @p ev filled, 0 if none came in time, -EINTR if a signal interrupted the wait,
+ *         -ECONNRESET when the daemon closed the watch (it stopped, or the watcher fell too far
+ *         behind), another negative errno on failure. After a failure other than -EINTR the
+ *         watch is finished: close it and open a new one.
+ */
+DLPC_EXPORT int dlpc_watch_next(dlpc_watch *w, dlpc_watch_event *ev, int timeout_ms);
+
+/** Stop watching and free @p w. Accepts NULL; in a forked child it only frees memory. */
+DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
 
 #ifdef __cplusplus
 }

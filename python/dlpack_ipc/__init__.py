@@ -15,10 +15,12 @@ from collections import namedtuple
 
 from ._core import BUNDLE_MAX, NAME_MAX, NDIM_MAX, SharedTensor, libdlpc_version
 from ._core import Client as _CoreClient
+from ._core import Watch as _CoreWatch
 
 __all__ = [
     "Client", "SharedTensor", "EntryInfo", "TensorInfo", "Owner", "publish", "publish_dict",
-    "attach", "attach_dict", "empty", "unpublish", "list", "stat",
+    "attach", "attach_dict", "empty", "unpublish", "list", "stat", "watch", "Watch",
+    "WatchEvent",
 ]
 
 TensorInfo = namedtuple("TensorInfo", "key dtype shape")
@@ -30,6 +32,18 @@ EntryInfo = namedtuple("EntryInfo",
 EntryInfo.__doc__ = """A published entry: tensors is a list of TensorInfo (empty when the
 entry is too large to describe in one reply), refs counts live attach references, created is in
 seconds since the epoch."""
+
+WatchEvent = namedtuple("WatchEvent",
+                        "kind name generation previous_generation device dtype shape ntensors "
+                        "nbytes refs owner created flags reason actor seq")
+WatchEvent.__doc__ = """One change of the daemon's names, as watch() reports it.
+
+kind is "published", "replaced" or "unpublished". The other fields describe the entry that was
+published, or the one removed: dtype and shape are those of its tensor, or None for a bundle
+(ntensors says how many it holds). previous_generation is the generation a "replaced" took over
+(else 0); reason is "request" or "disconnect" (an ephemeral publisher went away) for
+"unpublished", else None; actor is the Owner (uid, pid) of the connection that made the change;
+seq numbers the daemon's changes, 1, 2, 3..."""
 
 _list = list  # the builtin, before this module's list() shadows it
 
@@ -43,6 +57,50 @@ class Client(_CoreClient):
                           [TensorInfo(*t) for t in e["tensors"]], e["nbytes"], e["refs"],
                           Owner(e["uid"], e["pid"]), e["created"], e["flags"])
                 for e in self._list(prefix)]
+
+
+
+def _event(d):
+    return WatchEvent(d["kind"], d["name"], d["generation"], d["previous_generation"],
+                      d["device"], d["dtype"], d["shape"], d["ntensors"], d["nbytes"], d["refs"],
+                      Owner(d["uid"], d["pid"]), d["created"], d["flags"], d["reason"],
+                      Owner(d["actor_uid"], d["actor_pid"]), d["seq"])
+
+
+class Watch(_CoreWatch):
+    """A watch on the names that start with a prefix: Watch(prefix="", socket=None).
+
+    Iterating yields a WatchEvent per change, in the order the daemon applied them, waiting as
+    long as it takes (Ctrl-C interrupts within a tenth of a second). next_event(timeout) waits
+    at most timeout seconds and returns None if nothing came. The watch has a connection of its
+    own; close() (or leaving a with block) ends it and ends iteration. If the daemon drops the
+    watch (it stopped, or this watcher fell more than 1 MiB of events behind) the next read
+    raises ConnectionResetError: list() again before watching anew, events may be missing.
+    fileno() gives the socket for select()/poll().
+    """
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.closed:
+            raise StopIteration
+        try:
+            return _event(self._next(None))
+        except ValueError:
+            if self.closed:  # closed by another thread while waiting
+                raise StopIteration from None
+            raise
+
+    def next_event(self, timeout=None):
+        """The next WatchEvent, or None if none came within timeout seconds (None: forever)."""
+        d = self._next(timeout)
+        return None if d is None else _event(d)
+
+
+def watch(prefix="", *, socket=None):
+    """Watch the names that start with prefix: an iterator of WatchEvent (see Watch)."""
+    return Watch(prefix, socket=socket)
 
 
 _default = None

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-from typing import Any, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 NAME_MAX: int
 NDIM_MAX: int
@@ -25,6 +25,35 @@ class EntryInfo(NamedTuple):
     owner: Owner
     created: float
     flags: int
+
+class WatchEvent(NamedTuple):
+    kind: str
+    name: str
+    generation: int
+    previous_generation: int
+    device: str
+    dtype: Optional[str]
+    shape: Optional[Tuple[int, ...]]
+    ntensors: int
+    nbytes: int
+    refs: int
+    owner: Owner
+    created: float
+    flags: int
+    reason: Optional[str]
+    actor: Owner
+    seq: int
+
+class Watch:
+    closed: bool
+    def __init__(self, prefix: str = ..., socket: Optional[str] = ...) -> None: ...
+    def __iter__(self) -> Iterator[WatchEvent]: ...
+    def __next__(self) -> WatchEvent: ...
+    def next_event(self, timeout: Optional[float] = ...) -> Optional[WatchEvent]: ...
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "Watch": ...
+    def __exit__(self, *exc: Any) -> bool: ...
 
 class SharedTensor:
     name: Optional[str]
@@ -75,3 +104,4 @@ def empty(shape: Union[int, Sequence[int]], dtype: Any, device: str = ...) -> Sh
 def unpublish(name: str) -> None: ...
 def list(prefix: str = ...) -> list[EntryInfo]: ...
 def stat() -> dict[str, int]: ...
+def watch(prefix: str = ..., *, socket: Optional[str] = ...) -> Watch: ...

@@ -14,6 +14,7 @@
 typedef struct {
 	PyTypeObject *client_type;
 	PyTypeObject *tensor_type;
+	PyTypeObject *watch_type;
 } ipc_state;
 
 /* A connection; reconnects by itself in a forked child. */
@@ -51,6 +52,9 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 /* info.c: Client._list() and Client.stat(). */
 PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_stat(PyObject *obj, PyObject *unused);
+
+/* watch.c: the Watch type over dlpc_watch. */
+extern PyType_Spec ipc_watch_spec;
 
 /* tensor.c */
 extern PyType_Spec ipc_tensor_spec;

@@ -467,10 +467,11 @@ static int module_exec(PyObject *m)
 
 	st->client_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &client_spec, NULL);
 	st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ipc_tensor_spec, NULL);
-	if (!st->client_type || !st->tensor_type)
+	st->watch_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ipc_watch_spec, NULL);
+	if (!st->client_type || !st->tensor_type || !st->watch_type)
 		return -1;
 	if (ipc_exchange_install(st->tensor_type) < 0 || PyModule_AddType(m, st->client_type) < 0 ||
-	    PyModule_AddType(m, st->tensor_type) < 0)
+	    PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->watch_type) < 0)
 		return -1;
 	if (PyModule_AddStringConstant(m, "libdlpc_version", dlpc_version()) < 0 ||
 	    PyModule_AddIntConstant(m, "NAME_MAX", DLPC_NAME_MAX) < 0 ||
@@ -486,6 +487,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
 
 	Py_VISIT(st->client_type);
 	Py_VISIT(st->tensor_type);
+	Py_VISIT(st->watch_type);
 	return 0;
 }
 
@@ -495,6 +497,7 @@ static int module_clear(PyObject *m)
 
 	Py_CLEAR(st->client_type);
 	Py_CLEAR(st->tensor_type);
+	Py_CLEAR(st->watch_type);
 	return 0;
 }
 

@@ -160,6 +160,19 @@ void daemon_stop(struct daemon *d)
 	ck_assert_int_eq(system(path), 0);
 }
 
+bool log_has(const char *log, const char *text)
+{
+	char line[1024];
+	bool found = false;
+	FILE *f = fopen(log, "r");
+
+	while (f && !found && fgets(line, sizeof(line), f))
+		found = strstr(line, text) != NULL;
+	if (f)
+		fclose(f);
+	return found;
+}
+
 dlpc_client *connect_or_die(const struct daemon *d)
 {
 	dlpc_client *c = NULL;

@@ -30,6 +30,8 @@ void daemon_start(struct daemon *d);
 pid_t daemon_spawn(const char *sock, const char *log);
 /* SIGTERM, expect exit 0 and the socket removed; under a wrapper, no leak and no fd left. */
 void daemon_stop(struct daemon *d);
+/* Does the file @p log (a daemon's stderr) contain @p text so far? */
+bool log_has(const char *log, const char *text);
 /* Open fds of a process, from /proc/PID/fd. */
 int fd_count(pid_t pid);
 /* Milliseconds scaled by DLPC_TEST_SLOW. */

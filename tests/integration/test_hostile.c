@@ -314,7 +314,7 @@ START_TEST(test_session_rules)
 	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
 	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
 	ck_assert_ptr_nonnull(strstr(msg, "client speaks 99.3"));
-	ck_assert_ptr_nonnull(strstr(msg, "dlpackd speaks 1.0"));
+	ck_assert_ptr_nonnull(strstr(msg, "dlpackd speaks 1.1"));
 	expect_dropped(fd);
 
 	/* an unknown message type */
@@ -555,25 +555,160 @@ END_TEST
 
 /* ---- 13. one daemon per socket; stale sockets; SIGTERM ---- */
 
+/* ---- WATCH: its checks, and a watching connection may send nothing but RELEASE ---- */
+
+START_TEST(test_watch_rules)
+{
+	Dlpackd__V1__Watch w = DLPACKD__V1__WATCH__INIT;
+	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+	Dlpackd__V1__WatchReply *rep;
+	uint8_t prefix[DLPC_NAME_MAX + 1], buf[512];
+	struct dlpc__hdr h;
+	char msg[512];
+	int fd, storage, baseline;
+
+	good_client_start();
+	baseline = settled_fds(&D, good, 1);
+
+	/* a prefix over the limit is refused; the connection stays */
+	fd = raw_connect();
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	memset(prefix, 'p', sizeof(prefix));
+	w.prefix.data = prefix;
+	w.prefix.len = sizeof(prefix);
+	raw_send(fd, DLPC_MSG_WATCH, 2, &w.base, NULL, 0);
+	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EINVAL);
+	/* a connection owning an ephemeral entry cannot become a watcher */
+	storage =
+		memfd_sealed(256, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+	ck_assert_int_eq(raw_publish(fd, "eph", 3, storage, 4, DLPC_PUBLISH_EPHEMERAL, 1, 1, msg,
+				     sizeof(msg)),
+			 0);
+	close(storage);
+	w.prefix.len = 0;
+	raw_send(fd, DLPC_MSG_WATCH, 3, &w.base, NULL, 0);
+	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EBUSY);
+	ck_assert_ptr_nonnull(strstr(msg, "connection of its own"));
+	shutdown(fd, SHUT_WR);
+	expect_dropped(fd);
+
+	/* after the reply, any request but RELEASE is a violation */
+	fd = raw_connect();
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	raw_send(fd, DLPC_MSG_WATCH, 4, &w.base, NULL, 0);
+	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
+	ck_assert_uint_eq(h.type, DLPC_MSG_WATCH | DLPC_MSG_REPLY);
+	ck_assert_uint_eq(h.id, 4);
+	rep = dlpackd__v1__watch_reply__unpack(NULL, h.len, buf);
+	ck_assert_ptr_nonnull(rep);
+	ck_assert_uint_eq(rep->queue_max, DLPC_WATCH_QUEUE_MAX);
+	dlpackd__v1__watch_reply__free_unpacked(rep, NULL);
+	ck_assert_uint_eq(stat_or_die(good).watchers, 1);
+	raw_send(fd, DLPC_MSG_STAT, 5, &st.base, NULL, 0);
+	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
+	ck_assert_ptr_nonnull(strstr(msg, "STAT on a watching connection"));
+	expect_dropped(fd);
+
+	/* EVENT frames travel from the daemon only */
+	fd = raw_connect();
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	raw_send(fd, DLPC_MSG_EVENT, 6, &st.base, NULL, 0);
+	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
+	ck_assert_ptr_nonnull(strstr(msg, "unknown message EVENT"));
+	expect_dropped(fd);
+
+	expect_fds(baseline);
+	ck_assert_uint_eq(stat_or_die(good).watchers, 0);
+	good_client_check();
+	good_client_stop();
+}
+END_TEST
+
+/* ---- a client that never reads its replies is dropped at its output-queue cap ---- */
+
+/* Send the request @p m again and again without reading, until the daemon hangs up or @p bound
+ * frames went out; then read (and discard) whatever arrived until the end of the stream. */
+static void flood(int fd, uint16_t type, const ProtobufCMessage *m, unsigned bound)
+{
+	struct dlpc__scratch s = {0};
+	ssize_t len = dlpc__msg_frame(&s, type, 1, m, 0), n;
+	char junk[65536];
+
+	ck_assert_int_gt(len, 0);
+	for (unsigned i = 0; i < bound; i++)
+		if (dlpc__send_all(fd, s.p, (size_t)len, NULL, 0) < 0)
+			break;
+	dlpc__scratch_clear(&s);
+	/* plain read() drops any fds that came with the replies */
+	while ((n = read(fd, junk, sizeof(junk))) > 0)
+		;
+	ck_assert(n == 0 || errno == ECONNRESET);
+	close(fd);
+}
+
+static bool dropped_one(const dlpc_stats *s, void *arg)
+{
+	return s->queue_drops == *(const uint64_t *)arg;
+}
+
+#define FLOOD_KEYS 4096
+#define FLOOD_KEY_LEN 200
+
+START_TEST(test_unread_replies_dropped)
+{
+	static float data[FLOOD_KEYS];
+	static char keybuf[FLOOD_KEYS][FLOOD_KEY_LEN + 1];
+	const char *keys[FLOOD_KEYS];
+	DLManagedTensorVersioned *ts[FLOOD_KEYS];
+	Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;
+	Dlpackd__V1__List ls = DLPACKD__V1__LIST__INIT;
+	int64_t one = 1;
+	uint64_t drops = 1;
+	int fd, baseline;
+
+	good_client_start();
+	/* a bundle whose LIST entry is about 1 MiB: a few dozen unread pages pass the cap */
+	for (int i = 0; i < FLOOD_KEYS; i++) {
+		snprintf(keybuf[i], sizeof(keybuf[i]), "%0*d", FLOOD_KEY_LEN, i);
+		keys[i] = keybuf[i];
+		ts[i] = host_tensor(&data[i], (DLDataType){kDLFloat, 32, 1}, 1, &one, NULL, NULL);
+	}
+	ck_assert_dlpc(dlpc_publish_bundle(good, "big", FLOOD_KEYS, keys, ts, 0), 1);
+	baseline = settled_fds(&D, good, 1);
+
+	/* bytes: LIST pages nobody reads */
+	fd = raw_connect();
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	ls.prefix.data = (uint8_t *)"big";
+	ls.prefix.len = 3;
+	flood(fd, DLPC_MSG_LIST, &ls.base, 4 * (DLPC_TX_QUEUE_MAX / (FLOOD_KEYS * FLOOD_KEY_LEN)));
+	ck_assert(wait_stat(good, dropped_one, &drops, 2000));
+	ck_assert(log_has(D.log, "DLPC_TX_QUEUE_MAX"));
+	expect_fds(baseline);
+	good_client_check();
+
+	/* fds: ATTACH replies nobody reads, each holding a duplicate of the storage fd */
+	fd = raw_connect();
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	at.name.data = (uint8_t *)"good";
+	at.name.len = 4;
+	flood(fd, DLPC_MSG_ATTACH, &at.base, 2 * DLPC_TX_QUEUE_FDS_MAX);
+	drops = 2;
+	ck_assert(wait_stat(good, dropped_one, &drops, 2000));
+	ck_assert(log_has(D.log, "DLPC_TX_QUEUE_FDS_MAX"));
+	expect_fds(baseline);
+	ck_assert_uint_eq(stat_or_die(good).tx_queued, 0);
+	good_client_check();
+	good_client_stop();
+}
+END_TEST
+
 static int exit_status(pid_t pid)
 {
 	int st;
 
 	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
-
-static bool log_has(const char *log, const char *text)
-{
-	char line[512];
-	FILE *f = fopen(log, "r");
-	bool found = false;
-
-	while (f && !found && fgets(line, sizeof(line), f))
-		found = strstr(line, text) != NULL;
-	if (f)
-		fclose(f);
-	return found;
 }
 
 START_TEST(test_second_daemon_refused)
@@ -689,6 +824,8 @@ static Suite *hostile_suite(void)
 	tcase_add_test(tc, test_session_rules);
 	tcase_add_test(tc, test_name_and_request_limits);
 	tcase_add_test(tc, test_storage_fd_matrix);
+	tcase_add_test(tc, test_watch_rules);
+	tcase_add_test(tc, test_unread_replies_dropped);
 	suite_add_tcase(s, tc);
 	tcase_add_checked_fixture(life, setup, teardown);
 	tcase_set_timeout(life, scaled_ms(60000) / 1000);

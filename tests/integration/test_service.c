@@ -85,7 +85,7 @@ static void dump_log(const struct svc *s)
 }
 
 /* Does the daemon's log hold a line containing every one of @p a, @p b (b may be NULL)? */
-static bool log_has(const struct svc *s, const char *a, const char *b)
+static bool svc_log_has(const struct svc *s, const char *a, const char *b)
 {
 	char line[1024];
 	bool found = false;
@@ -280,10 +280,10 @@ START_TEST(test_socket_activate)
 		dump_log(&s);
 	ck_assert_int_eq(exit_status(s.pid), 0);
 	/* journald prefixes: notice for the start, debug for each client accepted */
-	ck_assert_msg(log_has(&s, "<5>dlpackd ", "listening on") &&
-			      log_has(&s, "<7>client ", "accepted"),
+	ck_assert_msg(svc_log_has(&s, "<5>dlpackd ", "listening on") &&
+			      svc_log_has(&s, "<7>client ", "accepted"),
 		      "no <N>-prefixed lines in %s", s.log);
-	ck_assert_msg(log_has(&s, "(socket activation)", NULL), "activation not logged");
+	ck_assert_msg(svc_log_has(&s, "(socket activation)", NULL), "activation not logged");
 	/* the socket is systemd's: left in place, never locked */
 	ck_assert_msg(stat(s.sock, &st) == 0 && S_ISSOCK(st.st_mode),
 		      "dlpackd removed the socket it was given");
@@ -330,7 +330,7 @@ START_TEST(test_passed_socket_wins)
 	ck_assert_int_eq(wait_child(spawn(publish_values, "svc/passed")), 0);
 	ck_assert_int_eq(wait_child(spawn(attach_values, "svc/passed")), 0);
 	ck_assert_msg(access(other, F_OK) != 0, "dlpackd bound --socket despite activation");
-	ck_assert_msg(log_has(&s, "warning: ignoring --socket", "socket activation"),
+	ck_assert_msg(svc_log_has(&s, "warning: ignoring --socket", "socket activation"),
 		      "ignored options not reported");
 	ck_assert_int_eq(kill(s.pid, SIGTERM), 0);
 	ck_assert_msg(notified(&s, "STOPPING=1"), "no STOPPING=1");
@@ -372,8 +372,8 @@ START_TEST(test_bad_activation_refused)
 	if (exit_status(s.pid) != 2)
 		dump_log(&s);
 	ck_assert_int_eq(exit_status(s.pid), 2);
-	ck_assert_msg(log_has(&s, "refusing to start", cases[_i].reason), "%s: no line saying '%s'",
-		      what, cases[_i].reason);
+	ck_assert_msg(svc_log_has(&s, "refusing to start", cases[_i].reason),
+		      "%s: no line saying '%s'", what, cases[_i].reason);
 	svc_clear(&s);
 }
 END_TEST
@@ -431,11 +431,11 @@ START_TEST(test_own_socket_config)
 	ck_assert_int_eq(kill(s.pid, SIGTERM), 0);
 	ck_assert_msg(notified(&s, "STOPPING=1"), "no STOPPING=1");
 	ck_assert_int_eq(exit_status(s.pid), 0);
-	ck_assert_msg(log_has(&s, "debug: client ", "): accepted"),
+	ck_assert_msg(svc_log_has(&s, "debug: client ", "): accepted"),
 		      "no debug line for the accepted client");
-	ck_assert_msg(log_has(&s, "warning: client ", "was not published writable"),
+	ck_assert_msg(svc_log_has(&s, "warning: client ", "was not published writable"),
 		      "no warning line for the refused attach");
-	ck_assert_msg(!log_has(&s, "<", ">dlpackd"),
+	ck_assert_msg(!svc_log_has(&s, "<", ">dlpackd"),
 		      "journal prefixes with a JOURNAL_STREAM that is not our stderr");
 	svc_clear(&s);
 }
@@ -475,7 +475,7 @@ START_TEST(test_bad_config_refused)
 	if (exit_status(s.pid) != 2)
 		dump_log(&s);
 	ck_assert_int_eq(exit_status(s.pid), 2);
-	ck_assert_msg(log_has(&s, cases[_i].says, NULL), "case %d: no message with '%s'", _i,
+	ck_assert_msg(svc_log_has(&s, cases[_i].says, NULL), "case %d: no message with '%s'", _i,
 		      cases[_i].says);
 	ck_assert_msg(access(s.sock, F_OK) != 0, "a socket was made despite the bad value");
 	svc_clear(&s);

@@ -804,6 +804,7 @@ START_TEST(test_tx_queue_flush)
 		unsigned n = k == 5 ? FDS_MAX : k % 2;
 		int fds[FDS_MAX];
 		size_t queued = tx.bytes;
+		unsigned queued_fds = tx.nfds;
 
 		for (unsigned i = 0; i < n; i++)
 			fds[i] = memfd_new();
@@ -819,6 +820,7 @@ START_TEST(test_tx_queue_flush)
 		before = fd_count(getpid());
 		ck_assert_int_eq(dlpc__tx_send(&tx, sv[0], buf, len, fds, n), 0);
 		ck_assert_uint_eq(tx.bytes, queued + len);
+		ck_assert_uint_eq(tx.nfds, queued_fds + n);
 		ck_assert_int_eq(fd_count(getpid()), before + (int)n);
 		/* The queue owns duplicates, so the caller may close its own at once. */
 		for (unsigned i = 0; i < n; i++)
@@ -857,6 +859,7 @@ START_TEST(test_tx_queue_flush)
 	}
 	ck_assert(flushed);
 	ck_assert_uint_eq(tx.bytes, 0);
+	ck_assert_uint_eq(tx.nfds, 0);
 	ck_assert_ptr_null(tx.head);
 	ck_assert_int_eq(dlpc__tx_flush(&tx, sv[0]), 1);
 	ck_assert(!dlpc__rx_partial(&rx));
@@ -883,6 +886,7 @@ START_TEST(test_tx_clear_closes_fds)
 	before = fd_count(getpid());
 	ck_assert_int_eq(dlpc__tx_send(&tx, sv[0], buf, len, fds, 2), 0);
 	ck_assert_int_eq(fd_count(getpid()), before + 2);
+	ck_assert_uint_eq(tx.nfds, 2);
 	close(fds[0]);
 	close(fds[1]);
 	ck_assert_int_eq(fd_count(getpid()), before);
@@ -890,6 +894,7 @@ START_TEST(test_tx_clear_closes_fds)
 	dlpc__tx_clear(&tx);
 	ck_assert_int_eq(fd_count(getpid()), before - 2);
 	ck_assert_uint_eq(tx.bytes, 0);
+	ck_assert_uint_eq(tx.nfds, 0);
 	ck_assert_ptr_null(tx.head);
 	dlpc__tx_clear(&tx);
 	pair_close(sv);
@@ -914,6 +919,7 @@ START_TEST(test_tx_bad_fd)
 	before = fd_count(getpid());
 	ck_assert_int_eq(dlpc__tx_send(&tx, sv[0], buf, len, fds, 2), -EBADF);
 	ck_assert_uint_eq(tx.bytes, queued);
+	ck_assert_uint_eq(tx.nfds, 0);
 	ck_assert_int_eq(fd_count(getpid()), before);
 
 	close(fds[0]);

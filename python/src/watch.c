@@ -1,0 +1,277 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * dlpack_ipc._core.Watch: dlpc_watch for Python. Waits run without the GIL in slices of
+ * WATCH_SLICE_MS, checking for signals between them, so Ctrl-C interrupts a watch promptly.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "dlpack_ipc.h"
+
+/* Longest a wait runs without checking for signals (KeyboardInterrupt). */
+#define WATCH_SLICE_MS 100
+
+typedef struct {
+	PyObject_HEAD dlpc_watch *w;
+	bool busy;	    /* a call is waiting without the GIL */
+	bool close_pending; /* close() came meanwhile: the waiting call closes */
+} WatchObject;
+
+static int watch_init(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"prefix", "socket", NULL};
+	WatchObject *self = (WatchObject *)obj;
+	PyObject *sock = Py_None, *bytes = NULL;
+	const char *prefix = "", *path = NULL;
+	dlpc_watch *w;
+	int err;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|sO:Watch", kwlist, &prefix, &sock))
+		return -1;
+	if (self->w) {
+		PyErr_SetString(PyExc_RuntimeError, "Watch is already open");
+		return -1;
+	}
+	if (sock != Py_None) {
+		if (!PyUnicode_FSConverter(sock, &bytes))
+			return -1;
+		path = PyBytes_AS_STRING(bytes);
+	}
+	Py_BEGIN_ALLOW_THREADS
+	w = dlpc_watch_open(path, prefix, &err);
+	Py_END_ALLOW_THREADS
+	Py_XDECREF(bytes);
+	if (!w) {
+		ipc_raise(err);
+		return -1;
+	}
+	self->w = w;
+	return 0;
+}
+
+static void watch_close_now(WatchObject *self)
+{
+	if (self->busy) {
+		self->close_pending = true;
+		return;
+	}
+	dlpc_watch_close(self->w);
+	self->w = NULL;
+}
+
+static void watch_dealloc(PyObject *obj)
+{
+	WatchObject *self = (WatchObject *)obj;
+	PyTypeObject *tp = Py_TYPE(obj);
+
+	/* never busy here: a waiting call holds a reference to self */
+	dlpc_watch_close(self->w);
+	tp->tp_free(obj);
+	Py_DECREF(tp);
+}
+
+static double now_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static const char *const kinds[] = {
+	[DLPC_WATCH_PUBLISHED] = "published",
+	[DLPC_WATCH_REPLACED] = "replaced",
+	[DLPC_WATCH_UNPUBLISHED] = "unpublished",
+};
+
+/* The event as a dict; the Python side makes the namedtuple. */
+static PyObject *event_dict(const dlpc_watch_event *ev)
+{
+	const dlpc_entry_info *e = &ev->entry;
+	PyObject *dtype = Py_None, *shape = Py_None, *reason = Py_None, *d;
+
+	if (e->tensors && e->ntensors == 1) {
+		shape = PyTuple_New(e->tensors[0].ndim);
+		dtype = ipc_dtype_name(e->tensors[0].dtype);
+		for (int32_t k = 0; shape && k < e->tensors[0].ndim; k++)
+			PyTuple_SET_ITEM(shape, k, PyLong_FromLongLong(e->tensors[0].shape[k]));
+		if (!shape || !dtype) {
+			Py_XDECREF(shape);
+			Py_XDECREF(dtype);
+			return NULL;
+		}
+	} else {
+		Py_INCREF(dtype);
+		Py_INCREF(shape);
+	}
+	if (ev->kind == DLPC_WATCH_UNPUBLISHED)
+		reason = PyUnicode_FromString(ev->reason == DLPC_WATCH_BY_DISCONNECT ? "disconnect"
+										     : "request");
+	else
+		Py_INCREF(reason);
+	if (!reason) {
+		Py_DECREF(shape);
+		Py_DECREF(dtype);
+		return NULL;
+	}
+	d = Py_BuildValue("{s:s,s:s,s:K,s:K,s:s,s:N,s:N,s:n,s:K,s:K,s:I,s:i,s:d,s:I,s:N,s:I,s:i,"
+			  "s:K}",
+			  "kind", kinds[ev->kind], "name", e->name, "generation",
+			  (unsigned long long)e->generation, "previous_generation",
+			  (unsigned long long)ev->previous_generation, "device",
+			  e->device.device_type == kDLCPU ? "cpu" : "other", "dtype", dtype,
+			  "shape", shape, "ntensors", (Py_ssize_t)e->ntensors, "nbytes",
+			  (unsigned long long)e->nbytes, "refs", (unsigned long long)e->refs, "uid",
+			  e->owner_uid, "pid", e->owner_pid, "created", e->created_ns / 1e9,
+			  "flags", e->flags, "reason", reason, "actor_uid", ev->actor_uid,
+			  "actor_pid", ev->actor_pid, "seq", (unsigned long long)ev->seq);
+	return d;
+}
+
+/* _next(timeout=None): the next event as a dict, or None when @p timeout seconds passed. */
+static PyObject *watch_next(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"timeout", NULL};
+	WatchObject *self = (WatchObject *)obj;
+	PyObject *timeout = Py_None, *ret = NULL;
+	dlpc_watch_event ev;
+	double secs = INFINITY, deadline;
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:_next", kwlist, &timeout))
+		return NULL;
+	if (timeout != Py_None) {
+		secs = PyFloat_AsDouble(timeout);
+		if (secs == -1 && PyErr_Occurred())
+			return NULL;
+		if (isnan(secs) || secs < 0) {
+			PyErr_Format(PyExc_ValueError, "timeout must be None or >= 0, not %R",
+				     timeout);
+			return NULL;
+		}
+	}
+	if (!self->w) {
+		PyErr_SetString(PyExc_ValueError, "the Watch is closed");
+		return NULL;
+	}
+	if (self->busy) {
+		PyErr_SetString(PyExc_RuntimeError, "the Watch is being read by another thread");
+		return NULL;
+	}
+	self->busy = true;
+	Py_INCREF(obj);
+	deadline = now_s() + secs;
+	for (;;) {
+		double left = deadline - now_s();
+		int ms = left * 1000 > WATCH_SLICE_MS ? WATCH_SLICE_MS
+			 : left > 0		      ? (int)ceil(left * 1000)
+						      : 0;
+		dlpc_watch *w = self->w;
+
+		Py_BEGIN_ALLOW_THREADS
+		r = dlpc_watch_next(w, &ev, ms);
+		Py_END_ALLOW_THREADS
+		if (r == 1) {
+			ret = event_dict(&ev);
+			break;
+		}
+		if (r < 0 && r != -EINTR) {
+			ipc_raise(r);
+			break;
+		}
+		if (PyErr_CheckSignals() < 0)
+			break;
+		if (self->close_pending) {
+			PyErr_SetString(PyExc_ValueError, "the Watch was closed while waiting");
+			break;
+		}
+		if (now_s() >= deadline) {
+			ret = Py_NewRef(Py_None);
+			break;
+		}
+	}
+	self->busy = false;
+	if (self->close_pending) {
+		self->close_pending = false;
+		watch_close_now(self);
+	}
+	Py_DECREF(obj);
+	return ret;
+}
+
+static PyObject *watch_fileno(PyObject *obj, PyObject *unused)
+{
+	WatchObject *self = (WatchObject *)obj;
+	int fd;
+
+	(void)unused;
+	if (!self->w) {
+		PyErr_SetString(PyExc_ValueError, "the Watch is closed");
+		return NULL;
+	}
+	fd = dlpc_watch_fd(self->w);
+	return fd < 0 ? ipc_raise(fd) : PyLong_FromLong(fd);
+}
+
+static PyObject *watch_close(PyObject *obj, PyObject *unused)
+{
+	(void)unused;
+	watch_close_now((WatchObject *)obj);
+	Py_RETURN_NONE;
+}
+
+static PyObject *watch_closed(PyObject *obj, void *unused)
+{
+	WatchObject *self = (WatchObject *)obj;
+
+	(void)unused;
+	return PyBool_FromLong(!self->w || self->close_pending);
+}
+
+static PyObject *watch_enter(PyObject *obj, PyObject *unused)
+{
+	(void)unused;
+	return Py_NewRef(obj);
+}
+
+static PyObject *watch_exit(PyObject *obj, PyObject *args)
+{
+	(void)args;
+	watch_close_now((WatchObject *)obj);
+	Py_RETURN_FALSE;
+}
+
+static PyMethodDef watch_methods[] = {
+	{"_next", (PyCFunction)(void (*)(void))watch_next, METH_VARARGS | METH_KEYWORDS,
+	 "_next(timeout=None) -> dict | None"},
+	{"fileno", watch_fileno, METH_NOARGS, "fileno() -> int: the socket, for select/poll"},
+	{"close", watch_close, METH_NOARGS, "close() -> None"},
+	{"__enter__", watch_enter, METH_NOARGS, NULL},
+	{"__exit__", watch_exit, METH_VARARGS, NULL},
+	{NULL},
+};
+
+static PyGetSetDef watch_getset[] = {
+	{"closed", watch_closed, NULL, "whether close() was called", NULL},
+	{NULL},
+};
+
+static PyType_Slot watch_slots[] = {
+	{Py_tp_init, watch_init},
+	{Py_tp_dealloc, watch_dealloc},
+	{Py_tp_methods, watch_methods},
+	{Py_tp_getset, watch_getset},
+	{Py_tp_new, PyType_GenericNew},
+	{Py_tp_doc, "A watch on dlpackd's names (Watch(prefix='', socket=None))."},
+	{0, NULL},
+};
+
+PyType_Spec ipc_watch_spec = {
+	.name = "dlpack_ipc._core.Watch",
+	.basicsize = sizeof(WatchObject),
+	.flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+	.slots = watch_slots,
+};

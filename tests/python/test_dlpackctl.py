@@ -1,0 +1,274 @@
+# SPDX-License-Identifier: Apache-2.0
+"""dlpackctl against a real daemon, with entries published by other interpreters.
+
+DLPACKCTL_BIN names the binary (CTest sets it); the man page is docs/dlpackctl.1.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+
+import dlpack_ipc
+
+MAN = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "dlpackctl.1")
+
+
+@pytest.fixture(scope="session")
+def ctl_bin():
+    path = os.environ.get("DLPACKCTL_BIN")
+    if not path or not os.access(path, os.X_OK):
+        pytest.fail(f"DLPACKCTL_BIN={path!r} is not an executable dlpackctl", pytrace=False)
+    return path
+
+
+@pytest.fixture
+def ctl(ctl_bin, daemon):
+    """Run dlpackctl against this test's daemon (through $DLPACKD_SOCKET, as users would)."""
+
+    def run(*args, timeout=60):
+        return subprocess.run([ctl_bin, *args], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    return run
+
+
+def ok(cp):
+    assert cp.returncode == 0, f"exit {cp.returncode}\nstdout: {cp.stdout}\nstderr: {cp.stderr}"
+    return cp
+
+
+def test_ls_json_matches_what_another_process_published(ctl, py, ipc):
+    cp = py.check("""
+        import os, numpy as np, dlpack_ipc
+        dlpack_ipc.publish("m/single", np.zeros((2, 3), np.float32))
+        dlpack_ipc.publish("m/single", np.zeros((5, 7), np.int16), replace=True)
+        dlpack_ipc.publish_dict("m/bundle", {"w": np.ones((4,)), "b": np.ones((2, 2), np.uint8)})
+        dlpack_ipc.publish("n/outside", np.ones(1))
+        print(os.getpid())
+    """)
+    pid = int(cp.stdout.split()[0])
+    held = [ipc.attach("m/single"), ipc.attach("m/single"), ipc.attach_dict("m/bundle")]
+
+    entries = json.loads(ok(ctl("ls", "m/", "--json")).stdout)
+    assert [e["name"] for e in entries] == ["m/bundle", "m/single"]
+    bundle, single = entries
+    assert single["generation"] == 2
+    assert single["refs"] == 2
+    assert single["owner_pid"] == pid and single["owner_uid"] == os.getuid()
+    assert single["device"] == "cpu" and not single["ephemeral"] and not single["writable"]
+    assert single["ntensors"] == 1
+    assert single["tensors"] == [{"key": "", "dtype": "int16", "shape": [5, 7], "nbytes": 70}]
+    assert bundle["refs"] == 1 and bundle["ntensors"] == 2
+    assert sorted((t["key"], t["dtype"], t["shape"]) for t in bundle["tensors"]) == [
+        ("b", "uint8", [2, 2]), ("w", "float64", [4])]
+    # the same as the library reports
+    lib = {e.name: e for e in dlpack_ipc.list("m/")}
+    for e in entries:
+        assert (e["generation"], e["refs"], e["nbytes"]) == (
+            lib[e["name"]].generation, lib[e["name"]].refs, lib[e["name"]].nbytes)
+
+    # every entry, and the table
+    assert len(json.loads(ok(ctl("ls", "--json")).stdout)) == 3
+    table = ok(ctl("ls", "m/")).stdout.splitlines()
+    assert table[0].split() == ["NAME", "GEN", "DEVICE", "TYPE", "SIZE", "REFS", "OWNER", "AGE"]
+    rows = {line.split()[0]: line.split() for line in table[1:]}
+    assert set(rows) == {"m/bundle", "m/single"}
+    assert rows["m/single"][1:4] == ["2", "cpu", "int16[5,7]"]
+    assert rows["m/single"][6] == "2" and rows["m/single"][7].endswith(f"/{pid}")
+    assert rows["m/bundle"][3] == "bundle(2)"
+    assert json.loads(ok(ctl("ls", "nothing/", "--json")).stdout) == []
+    for h in held[:2]:
+        h.release()
+    del held
+
+
+def test_names_are_escaped(ctl, ipc):
+    name = 'we"ird\\name\n\ttab\x7f-✓-😀'
+    ipc.publish(name, np.ones(1))
+    entries = json.loads(ok(ctl("ls", "--json")).stdout)
+    assert [e["name"] for e in entries] == [name]
+    out = ok(ctl("ls")).stdout
+    assert 'we"ird\\x5cname\\x0a\\x09tab\\x7f-✓-😀' in out
+
+
+def _read_lines(proc, n):
+    lines = []
+    for _ in range(n):
+        line = proc.stdout.readline()
+        assert line, f"watch ended early: {lines} {proc.stderr.read()}"
+        lines.append(line.rstrip("\n"))
+    return lines
+
+
+def test_watch_prints_publish_replace_unpublish_in_order(ctl_bin, daemon, py):
+    procs = [subprocess.Popen([ctl_bin, "watch", "w/", *extra], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+             for extra in ([], ["--json"])]
+    try:
+        daemon.wait_stat(lambda s: s["watchers"] == 2, what="two watchers")
+        cp = py.check("""
+            import os, numpy as np, dlpack_ipc
+            dlpack_ipc.publish("w/x", np.zeros((3, 4), np.float32))
+            dlpack_ipc.publish("elsewhere", np.zeros(1))
+            dlpack_ipc.publish("w/x", np.zeros(8, np.int32), replace=True)
+            dlpack_ipc.unpublish("w/x")
+            print(os.getpid())
+        """)
+        pid = int(cp.stdout.split()[0])
+        text = _read_lines(procs[0], 3)
+        events = [json.loads(line) for line in _read_lines(procs[1], 3)]
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+            p.wait(timeout=30)
+
+    assert [t.split()[:4] for t in text] == [
+        ["published", "w/x", "gen", "1"],
+        ["replaced", "w/x", "gen", "2"],
+        ["unpublished", "w/x", "gen", "2"],
+    ]
+    assert "float32[3,4]" in text[0] and "48 B" in text[0] and f"/{pid}" in text[0]
+    assert "(was 1)" in text[1] and "int32[8]" in text[1]
+    assert "(by pid" in text[2]
+    assert [(e["event"], e["name"], e["generation"]) for e in events] == [
+        ("published", "w/x", 1), ("replaced", "w/x", 2), ("unpublished", "w/x", 2)]
+    assert events[0]["tensors"][0]["shape"] == [3, 4]
+    assert events[1]["previous_generation"] == 1
+    assert events[2]["reason"] == "request" and events[2]["actor_pid"] == pid
+    assert events[0]["owner_pid"] == pid
+    assert events[1]["seq"] == events[0]["seq"] + 2  # "elsewhere" is not watched
+
+
+def test_exit_codes_and_messages(ctl, ctl_bin, ipc, daemon):
+    # usage errors: 2
+    for args in ([], ["bogus"], ["ls", "--frobnicate"], ["rm"], ["rm", "a", "b"],
+                 ["wait", "x", "--timeout", "-1"], ["wait", "x", "--timeout", "soon"],
+                 ["stat", "--timeout", "1"], ["rm", "x", "--json"], ["--socket"]):
+        cp = ctl(*args)
+        assert cp.returncode == 2, (args, cp)
+        assert cp.stderr.startswith("dlpackctl: ") and "--help" in cp.stderr, (args, cp.stderr)
+    # failures: 1, naming the command, the name and the cause
+    cp = ctl("rm", "missing")
+    assert cp.returncode == 1
+    assert cp.stderr == "dlpackctl: rm 'missing': no entry named 'missing'\n"
+    cp = ctl("wait", "late", "--timeout", "0.1")
+    assert cp.returncode == 1 and "wait 'late'" in cp.stderr and "appeared" in cp.stderr
+    cp = subprocess.run([ctl_bin, "--socket", daemon.socket + ".nope", "ping"],
+                        capture_output=True, text=True)
+    assert cp.returncode == 1 and "cannot connect" in cp.stderr and ".nope" in cp.stderr
+    # success: 0
+    assert ok(ctl("ping")).stdout.startswith(f"dlpackd pid {daemon.pid} answers on ")
+    ok(ctl("--socket", daemon.socket, "ping"))
+    assert ok(ctl("--version")).stdout.strip() == f"dlpackctl {dlpack_ipc.libdlpc_version}"
+
+
+def test_rm_wait_stat(ctl, ctl_bin, ipc, daemon, py):
+    ipc.publish("gone", np.ones(1))
+    ok(ctl("rm", "gone"))
+    assert [e.name for e in ipc.list()] == []
+    # wait returns once another process publishes the name
+    waiter = subprocess.Popen([ctl_bin, "wait", "soon", "--timeout", "60"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        daemon.wait_stat(lambda s: s["waiters"] == 1, what="one waiter")
+        py.check("""
+            import numpy as np, dlpack_ipc
+            dlpack_ipc.publish("soon", np.ones(2))
+        """)
+        out, err = waiter.communicate(timeout=60)
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.wait()
+    assert waiter.returncode == 0, err
+    ok(ctl("wait", "soon"))  # present: at once, and without a timeout
+    # wait holds no reference after it returns
+    daemon.wait_stat(lambda s: s["references"] == 0, what="no references")
+    st = json.loads(ok(ctl("stat", "--json")).stdout)
+    assert st["entries"] == 1 and st["daemon_pid"] == daemon.pid
+    assert st["req_attach"] == 2 and st["watchers"] == 0
+    assert set(st) >= {"connections", "bytes_held", "fds_open", "tx_queued", "queue_drops",
+                       "events", "req_watch"}
+    text = dict(line.split() for line in ok(ctl("stat")).stdout.splitlines())
+    assert set(text) == set(st) and int(text["entries"]) == 1
+
+
+# ---- the man page ----
+
+
+def _help_sections(text):
+    """{section title: [lines]} of the --help text (sections end with ':')."""
+    sections, cur = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            cur = sections.setdefault(line[:-1], [])
+        elif cur is not None and line.startswith("  "):
+            cur.append(line)
+    return sections
+
+
+def _man_text():
+    groff = shutil.which("groff")
+    assert groff, "groff is not installed (scripts/dev installs groff-base)"
+    cp = subprocess.run([groff, "-ww", "-man", "-Tascii", "-P-cbou", MAN], capture_output=True,
+                        text=True, env={**os.environ, "LC_ALL": "C"})
+    assert cp.returncode == 0 and cp.stderr == "", cp.stderr
+    return cp.stdout.expandtabs()
+
+
+def _man_sections(text):
+    sections, cur = {}, None
+    for line in text.splitlines():
+        if re.match(r"^[A-Z][A-Z ]+$", line):
+            cur = sections.setdefault(line, [])
+        elif cur is not None:
+            cur.append(line)
+    return sections
+
+
+def _tags(lines, indent):
+    """Lines that start exactly at indent (the .TP tags of a man page section)."""
+    return [line.strip() for line in lines
+            if line.startswith(" " * indent) and not line.startswith(" " * (indent + 1))]
+
+
+def _options(tag):
+    """Leading option tokens of a line: '-h, --help  show' -> ['-h', '--help']."""
+    out = []
+    for tok in tag.split():
+        if not tok.startswith("-"):
+            break
+        out.append(tok.rstrip(","))
+    return out
+
+
+def test_man_page_renders_without_warnings():
+    cp = subprocess.run(["groff", "-ww", "-man", "-z", MAN], capture_output=True, text=True)
+    assert cp.returncode == 0 and cp.stderr == "", cp.stderr
+
+
+def test_help_matches_man_page(ctl_bin):
+    helptext = subprocess.run([ctl_bin, "--help"], capture_output=True, text=True, check=True)
+    h = _help_sections(helptext.stdout)
+    m = _man_sections(_man_text())
+
+    # every command, with the same arguments, in both
+    help_cmds = {re.split(r"\s{2,}", line.strip())[0] for line in h["Commands"]}
+    man_cmds = {re.split(r"\s{2,}", tag)[0] for tag in _tags(m["COMMANDS"], 7)}
+    assert help_cmds == man_cmds
+
+    # every option in both
+    help_opts = {o for line in h["Options"] for o in _options(line.strip())}
+    man_opts = {o for tag in _tags(m["OPTIONS"], 7) for o in _options(tag)}
+    assert help_opts == man_opts
+    assert {"--socket", "--json", "--timeout", "--help", "-h"} <= help_opts
+
+    # and no option mentioned anywhere in one that the other does not know
+    mentioned = set(re.findall(r"(?<![\w-])--?[a-z][a-z-]*", helptext.stdout))
+    assert mentioned <= help_opts, mentioned - help_opts
+    man_mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", _man_text()))
+    assert man_mentioned <= help_opts, man_mentioned - help_opts

@@ -1,0 +1,624 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * dlpackctl: look at and manage a running dlpackd, through libdlpc's public API only.
+ * Exit status: 0 success, 1 the operation failed (the reason on stderr), 2 bad usage.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pwd.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <dlpc/dlpc.h>
+
+#include "json.h"
+
+#define EXIT_USAGE 2
+
+static const char usage_text[] =
+	"Usage: dlpackctl [--socket PATH] COMMAND [ARG]...\n"
+	"Look at and manage a running dlpackd.\n"
+	"\n"
+	"Commands:\n"
+	"  ls [PREFIX] [--json]      list the entries whose names start with PREFIX\n"
+	"  stat [--json]             show the daemon's counters\n"
+	"  rm NAME                   unpublish NAME\n"
+	"  wait NAME [--timeout S]   wait until NAME is published (at most S seconds)\n"
+	"  ping                      check that the daemon answers\n"
+	"  watch [PREFIX] [--json]   print publish, replace and unpublish events as they happen\n"
+	"\n"
+	"Options:\n"
+	"  --socket PATH   the daemon's socket (default: $DLPACKD_SOCKET, then\n"
+	"                  /run/dlpackd/dlpackd.sock for root, $XDG_RUNTIME_DIR/dlpackd.sock)\n"
+	"  --json          machine-readable output: one JSON document (ls, stat) or one JSON\n"
+	"                  object per line (watch)\n"
+	"  --timeout S     give up waiting after S seconds (default: wait forever)\n"
+	"  -h, --help      show this help and exit\n"
+	"  -V, --version   show the version and exit\n"
+	"  --              end of options (for a NAME or PREFIX that starts with a dash)\n"
+	"\n"
+	"Exit status: 0 success, 1 the operation failed, 2 usage error.\n";
+
+/* The parsed command line. */
+struct args {
+	const char *socket;
+	const char *cmd;
+	const char *pos[2]; /* positional arguments of the command */
+	int npos;
+	bool json;
+	bool has_timeout;
+	double timeout;
+};
+
+static int usage_error(const char *fmt, const char *arg)
+{
+	fputs("dlpackctl: ", stderr);
+	fprintf(stderr, fmt, arg);
+	fputs("\nTry 'dlpackctl --help' for more information.\n", stderr);
+	return EXIT_USAGE;
+}
+
+/* Report a failed library call: "dlpackctl: rm 'foo': no entry named 'foo'". */
+static int fail(const char *what, const char *name, int err)
+{
+	const char *msg = dlpc_last_error();
+
+	if (!msg[0])
+		msg = dlpc_strerror(err);
+	if (name) {
+		fprintf(stderr, "dlpackctl: %s '", what);
+		text_put(stderr, name, strlen(name));
+		fprintf(stderr, "': %s\n", msg);
+	} else {
+		fprintf(stderr, "dlpackctl: %s: %s\n", what, msg);
+	}
+	return 1;
+}
+
+/* ---- formatting ---- */
+
+static const char *dtype_name(DLDataType t, char *buf, size_t len)
+{
+	static const char *const codes[] = {
+		[kDLInt] = "int",	[kDLUInt] = "uint",
+		[kDLFloat] = "float",	[kDLOpaqueHandle] = "handle",
+		[kDLBfloat] = "bfloat", [kDLComplex] = "complex",
+		[kDLBool] = "bool",
+	};
+	const char *code = t.code < sizeof(codes) / sizeof(codes[0]) ? codes[t.code] : NULL;
+	int n;
+
+	if (code)
+		n = snprintf(buf, len, "%s%u", code, (unsigned)t.bits);
+	else
+		n = snprintf(buf, len, "dtype%u_%u", (unsigned)t.code, (unsigned)t.bits);
+	if (t.lanes > 1 && n > 0 && (size_t)n < len)
+		snprintf(buf + n, len - (size_t)n, "x%u", (unsigned)t.lanes);
+	return buf;
+}
+
+/* "float32[2,3]" for a single tensor, "bundle(N)" for several, "?" if the daemon left it out. */
+static const char *type_text(const dlpc_entry_info *e, char *buf, size_t len)
+{
+	char dt[32];
+	size_t o;
+
+	if (e->ntensors != 1) {
+		snprintf(buf, len, "bundle(%zu)", e->ntensors);
+		return buf;
+	}
+	if (!e->tensors) {
+		snprintf(buf, len, "?");
+		return buf;
+	}
+	o = (size_t)snprintf(buf, len, "%s[", dtype_name(e->tensors[0].dtype, dt, sizeof(dt)));
+	for (int32_t i = 0; i < e->tensors[0].ndim && o < len; i++)
+		o += (size_t)snprintf(buf + o, len - o, "%s%" PRId64, i ? "," : "",
+				      e->tensors[0].shape[i]);
+	if (o < len)
+		snprintf(buf + o, len - o, "]");
+	return buf;
+}
+
+static const char *device_text(DLDevice d, char *buf, size_t len)
+{
+	switch ((int)d.device_type) {
+	case kDLCPU:
+		snprintf(buf, len, "cpu");
+		break;
+	case kDLCUDA:
+		snprintf(buf, len, "cuda:%d", (int)d.device_id);
+		break;
+	case kDLCUDAHost:
+		snprintf(buf, len, "cuda_host");
+		break;
+	default:
+		snprintf(buf, len, "device%d:%d", (int)d.device_type, (int)d.device_id);
+	}
+	return buf;
+}
+
+static const char *size_text(uint64_t n, char *buf, size_t len)
+{
+	static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+	double v = (double)n;
+	unsigned u = 0;
+
+	while (v >= 1024 && u + 1 < sizeof(units) / sizeof(units[0]))
+		v /= 1024, u++;
+	if (u == 0)
+		snprintf(buf, len, "%" PRIu64 " B", n);
+	else
+		snprintf(buf, len, "%.1f %s", v, units[u]);
+	return buf;
+}
+
+static int64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static const char *age_text(int64_t created_ns, char *buf, size_t len)
+{
+	int64_t s = (now_ns() - created_ns) / 1000000000;
+
+	if (s < 0)
+		s = 0;
+	if (s < 120)
+		snprintf(buf, len, "%" PRId64 "s", s);
+	else if (s < 7200)
+		snprintf(buf, len, "%" PRId64 "m", s / 60);
+	else if (s < 172800)
+		snprintf(buf, len, "%" PRId64 "h", s / 3600);
+	else
+		snprintf(buf, len, "%" PRId64 "d", s / 86400);
+	return buf;
+}
+
+/* The user's name, or the uid as a number when it has none. */
+static const char *user_text(uint32_t uid, char *buf, size_t len)
+{
+	struct passwd pw, *res = NULL;
+	char tmp[1024];
+
+	if (getpwuid_r(uid, &pw, tmp, sizeof(tmp), &res) == 0 && res)
+		snprintf(buf, len, "%s", pw.pw_name);
+	else
+		snprintf(buf, len, "%u", (unsigned)uid);
+	return buf;
+}
+
+static void put_padded(const char *s, size_t width)
+{
+	size_t w = text_put(stdout, s, strlen(s));
+
+	while (w++ < width)
+		putchar(' ');
+}
+
+/* ---- JSON ---- */
+
+/* The fields of an entry, into an object already open. */
+static void json_entry_fields(struct json *j, const dlpc_entry_info *e)
+{
+	char buf[64];
+
+	json_key(j, "name");
+	json_cstr(j, e->name);
+	json_key(j, "generation");
+	json_u64(j, e->generation);
+	json_key(j, "device");
+	json_cstr(j, device_text(e->device, buf, sizeof(buf)));
+	json_key(j, "device_type");
+	json_i64(j, e->device.device_type);
+	json_key(j, "device_id");
+	json_i64(j, e->device.device_id);
+	json_key(j, "ephemeral");
+	json_bool(j, e->flags & DLPC_PUBLISH_EPHEMERAL);
+	json_key(j, "writable");
+	json_bool(j, e->flags & DLPC_PUBLISH_WRITABLE);
+	json_key(j, "nbytes");
+	json_u64(j, e->nbytes);
+	json_key(j, "refs");
+	json_u64(j, e->refs);
+	json_key(j, "owner_uid");
+	json_u64(j, e->owner_uid);
+	json_key(j, "owner_user");
+	json_cstr(j, user_text(e->owner_uid, buf, sizeof(buf)));
+	json_key(j, "owner_pid");
+	json_i64(j, e->owner_pid);
+	json_key(j, "created_ns");
+	json_i64(j, e->created_ns);
+	json_key(j, "ntensors");
+	json_u64(j, e->ntensors);
+	json_key(j, "tensors");
+	if (!e->tensors) {
+		json_null(j);
+		return;
+	}
+	json_arr_begin(j);
+	for (size_t i = 0; i < e->ntensors; i++) {
+		const dlpc_tensor_info *t = &e->tensors[i];
+
+		json_obj_begin(j);
+		json_key(j, "key");
+		json_cstr(j, t->key);
+		json_key(j, "dtype");
+		json_cstr(j, dtype_name(t->dtype, buf, sizeof(buf)));
+		json_key(j, "shape");
+		json_arr_begin(j);
+		for (int32_t d = 0; d < t->ndim; d++)
+			json_i64(j, t->shape[d]);
+		json_arr_end(j);
+		json_key(j, "nbytes");
+		json_u64(j, t->nbytes);
+		json_obj_end(j);
+	}
+	json_arr_end(j);
+}
+
+/* ---- commands ---- */
+
+static int cmd_ls(dlpc_client *c, const struct args *a)
+{
+	const char *prefix = a->npos ? a->pos[0] : "";
+	static const char *const head[] = {"NAME", "GEN",  "DEVICE", "TYPE",
+					   "SIZE", "REFS", "OWNER",  "AGE"};
+	enum { NCOL = 8 };
+	size_t width[NCOL], n;
+	dlpc_entry_info *v;
+	char(*cells)[NCOL][160]; /* column 0, the name, is printed from v[i] */
+	int r = dlpc_list(c, prefix, &v, &n);
+
+	if (r < 0)
+		return fail("ls", prefix, r);
+	if (a->json) {
+		struct json j;
+
+		json_init(&j, stdout);
+		json_arr_begin(&j);
+		for (size_t i = 0; i < n; i++) {
+			json_obj_begin(&j);
+			json_entry_fields(&j, &v[i]);
+			json_obj_end(&j);
+		}
+		json_arr_end(&j);
+		putchar('\n');
+		dlpc_list_free(v, n);
+		return 0;
+	}
+	cells = calloc(n ? n : 1, sizeof(*cells));
+	if (!cells) {
+		dlpc_list_free(v, n);
+		fprintf(stderr, "dlpackctl: ls: out of memory\n");
+		return 1;
+	}
+	for (int k = 0; k < NCOL; k++)
+		width[k] = strlen(head[k]);
+	for (size_t i = 0; i < n; i++) {
+		char user[64];
+
+		snprintf(cells[i][1], sizeof(cells[i][1]), "%" PRIu64, v[i].generation);
+		device_text(v[i].device, cells[i][2], sizeof(cells[i][2]));
+		type_text(&v[i], cells[i][3], sizeof(cells[i][3]));
+		size_text(v[i].nbytes, cells[i][4], sizeof(cells[i][4]));
+		snprintf(cells[i][5], sizeof(cells[i][5]), "%" PRIu64, v[i].refs);
+		snprintf(cells[i][6], sizeof(cells[i][6]), "%s/%d",
+			 user_text(v[i].owner_uid, user, sizeof(user)), (int)v[i].owner_pid);
+		age_text(v[i].created_ns, cells[i][7], sizeof(cells[i][7]));
+		if (text_width(v[i].name, strlen(v[i].name)) > width[0])
+			width[0] = text_width(v[i].name, strlen(v[i].name));
+		for (int k = 1; k < NCOL; k++)
+			if (strlen(cells[i][k]) > width[k])
+				width[k] = strlen(cells[i][k]);
+	}
+	for (int k = 0; k < NCOL; k++) {
+		put_padded(head[k], k + 1 < NCOL ? width[k] + 2 : 0);
+	}
+	putchar('\n');
+	for (size_t i = 0; i < n; i++) {
+		put_padded(v[i].name, width[0] + 2);
+		for (int k = 1; k < NCOL; k++)
+			put_padded(cells[i][k], k + 1 < NCOL ? width[k] + 2 : 0);
+		putchar('\n');
+	}
+	free(cells);
+	dlpc_list_free(v, n);
+	return 0;
+}
+
+static int cmd_stat(dlpc_client *c, const struct args *a)
+{
+	dlpc_stats s = {.size = sizeof(s)};
+	struct json j;
+	int r = dlpc_stat(c, &s);
+	const struct {
+		const char *name;
+		uint64_t v;
+	} rows[] = {
+		{"daemon_pid", s.daemon_pid},	    {"uptime_ms", s.uptime_ms},
+		{"connections", s.connections},	    {"entries", s.entries},
+		{"storages", s.storages},	    {"bytes_held", s.bytes_held},
+		{"references", s.references},	    {"waiters", s.waiters},
+		{"watchers", s.watchers},	    {"events", s.events},
+		{"fds_open", s.fds_open},	    {"fds_closing", s.fds_closing},
+		{"fds_sent", s.fds_sent},	    {"tx_queued", s.tx_queued},
+		{"queue_drops", s.queue_drops},	    {"protocol_errors", s.protocol_errors},
+		{"req_hello", s.req_hello},	    {"req_publish", s.req_publish},
+		{"req_attach", s.req_attach},	    {"req_release", s.req_release},
+		{"req_unpublish", s.req_unpublish}, {"req_list", s.req_list},
+		{"req_stat", s.req_stat},	    {"req_watch", s.req_watch},
+	};
+
+	if (r < 0)
+		return fail("stat", NULL, r);
+	if (!a->json) {
+		for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
+			printf("%-16s %" PRIu64 "\n", rows[i].name, rows[i].v);
+		return 0;
+	}
+	json_init(&j, stdout);
+	json_obj_begin(&j);
+	for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+		json_key(&j, rows[i].name);
+		json_u64(&j, rows[i].v);
+	}
+	json_obj_end(&j);
+	putchar('\n');
+	return 0;
+}
+
+static int cmd_rm(dlpc_client *c, const struct args *a)
+{
+	int r = dlpc_unpublish(c, a->pos[0]);
+
+	return r < 0 ? fail("rm", a->pos[0], r) : 0;
+}
+
+static int cmd_wait(dlpc_client *c, const struct args *a)
+{
+	dlpc_attach_opts opts = {.size = sizeof(opts), .timeout_ms = -1};
+	dlpc_bundle *b;
+	int r;
+
+	if (a->has_timeout)
+		/* at least 1 ms: 0 would mean "do not wait" */
+		opts.timeout_ms = a->timeout * 1000 < 1 ? 1 : (int64_t)ceil(a->timeout * 1000);
+	/* attaching waits for the name in the daemon; the reference goes right away */
+	r = dlpc_attach_bundle(c, a->pos[0], &opts, &b);
+	if (r < 0)
+		return fail("wait", a->pos[0], r);
+	dlpc_bundle_free(b);
+	return 0;
+}
+
+static int cmd_ping(dlpc_client *c, const struct args *a)
+{
+	dlpc_stats s = {.size = sizeof(s)};
+	char path[108];
+	int r = dlpc_stat(c, &s);
+
+	if (r < 0)
+		return fail("ping", NULL, r);
+	if (a->socket)
+		snprintf(path, sizeof(path), "%s", a->socket);
+	else if (dlpc_default_socket(path, sizeof(path)) < 0)
+		snprintf(path, sizeof(path), "?");
+	printf("dlpackd pid %u answers on %s, up %.1f s\n", (unsigned)s.daemon_pid, path,
+	       (double)s.uptime_ms / 1000);
+	return 0;
+}
+
+static const char *const kind_names[] = {
+	[DLPC_WATCH_PUBLISHED] = "published",
+	[DLPC_WATCH_REPLACED] = "replaced",
+	[DLPC_WATCH_UNPUBLISHED] = "unpublished",
+};
+
+static void print_event(const dlpc_watch_event *ev, bool json)
+{
+	const dlpc_entry_info *e = &ev->entry;
+	char type[160], dev[32], size[32], user[64];
+
+	if (json) {
+		struct json j;
+
+		json_init(&j, stdout);
+		json_obj_begin(&j);
+		json_key(&j, "event");
+		json_cstr(&j, kind_names[ev->kind]);
+		json_key(&j, "seq");
+		json_u64(&j, ev->seq);
+		json_key(&j, "previous_generation");
+		if (ev->kind == DLPC_WATCH_REPLACED)
+			json_u64(&j, ev->previous_generation);
+		else
+			json_null(&j);
+		json_key(&j, "reason");
+		if (ev->kind != DLPC_WATCH_UNPUBLISHED)
+			json_null(&j);
+		else
+			json_cstr(&j, ev->reason == DLPC_WATCH_BY_DISCONNECT ? "disconnect"
+									     : "request");
+		json_key(&j, "actor_uid");
+		json_u64(&j, ev->actor_uid);
+		json_key(&j, "actor_pid");
+		json_i64(&j, ev->actor_pid);
+		json_entry_fields(&j, e);
+		json_obj_end(&j);
+		putchar('\n');
+		fflush(stdout);
+		return;
+	}
+	printf("%-11s ", kind_names[ev->kind]);
+	text_put(stdout, e->name, strlen(e->name));
+	printf(" gen %" PRIu64, e->generation);
+	if (ev->kind == DLPC_WATCH_REPLACED)
+		printf(" (was %" PRIu64 ")", ev->previous_generation);
+	printf(" %s %s %s owner %s/%d", device_text(e->device, dev, sizeof(dev)),
+	       type_text(e, type, sizeof(type)), size_text(e->nbytes, size, sizeof(size)),
+	       user_text(e->owner_uid, user, sizeof(user)), (int)e->owner_pid);
+	if (ev->kind == DLPC_WATCH_UNPUBLISHED)
+		printf(ev->reason == DLPC_WATCH_BY_DISCONNECT ? " (publisher disconnected)"
+							      : " (by pid %d)",
+		       (int)ev->actor_pid);
+	putchar('\n');
+	fflush(stdout);
+}
+
+static int cmd_watch(const struct args *a)
+{
+	const char *prefix = a->npos ? a->pos[0] : "";
+	dlpc_watch_event ev;
+	dlpc_watch *w;
+	int r;
+
+	w = dlpc_watch_open(a->socket, prefix, &r);
+	if (!w)
+		return fail("watch", prefix, r);
+	/* a watcher that is dropped or sees the daemon stop has failed: report it */
+	while ((r = dlpc_watch_next(w, &ev, -1)) >= 0 || r == -EINTR)
+		if (r == 1)
+			print_event(&ev, a->json);
+	/* the library's message already names the watch and its prefix */
+	fprintf(stderr, "dlpackctl: %s\n", dlpc_last_error());
+	dlpc_watch_close(w);
+	return 1;
+}
+
+/* ---- command line ---- */
+
+static const struct command {
+	const char *name;
+	int min_pos, max_pos;
+	bool json, timeout;
+} commands[] = {
+	{"ls", 0, 1, true, false},   {"stat", 0, 0, true, false},  {"rm", 1, 1, false, false},
+	{"wait", 1, 1, false, true}, {"ping", 0, 0, false, false}, {"watch", 0, 1, true, false},
+};
+
+static bool parse_seconds(const char *s, double *ret)
+{
+	char *end;
+	double v;
+
+	errno = 0;
+	v = strtod(s, &end);
+	if (errno || end == s || *end || !isfinite(v) || v < 0 || v > 86400.0 * 365 * 100)
+		return false;
+	*ret = v;
+	return true;
+}
+
+/* Fill @p a from argv; 0 or EXIT_USAGE (message printed), -1 when help or version was shown. */
+static int parse(int argc, char **argv, struct args *a)
+{
+	const struct command *cmd = NULL;
+	bool opts_done = false;
+
+	for (int i = 1; i < argc; i++) {
+		const char *arg = argv[i];
+		const char *val = NULL;
+
+		if (!opts_done && (!strcmp(arg, "-h") || !strcmp(arg, "--help"))) {
+			fputs(usage_text, stdout);
+			return -1;
+		}
+		if (!opts_done && (!strcmp(arg, "-V") || !strcmp(arg, "--version"))) {
+			printf("dlpackctl %s\n", dlpc_version());
+			return -1;
+		}
+		if (!opts_done && !strcmp(arg, "--")) {
+			opts_done = true;
+			continue;
+		}
+		if (!opts_done && arg[0] == '-' && arg[1]) {
+			size_t klen = strcspn(arg, "=");
+			bool takes = !strncmp(arg, "--socket", klen) && klen == 8;
+
+			takes = takes || (!strncmp(arg, "--timeout", klen) && klen == 9);
+			if (takes) {
+				if (arg[klen] == '=')
+					val = arg + klen + 1;
+				else if (i + 1 < argc)
+					val = argv[++i];
+				else
+					return usage_error("option '%s' needs a value", arg);
+			}
+			if (!strncmp(arg, "--socket", 8) && klen == 8) {
+				if (!*val)
+					return usage_error("%s", "--socket needs a non-empty path");
+				a->socket = val;
+			} else if (!strncmp(arg, "--timeout", 9) && klen == 9) {
+				if (!parse_seconds(val, &a->timeout))
+					return usage_error("bad --timeout '%s': give seconds >= 0",
+							   val);
+				a->has_timeout = true;
+			} else if (!strcmp(arg, "--json")) {
+				a->json = true;
+			} else {
+				return usage_error("unknown option '%s'", arg);
+			}
+			continue;
+		}
+		if (!cmd) {
+			for (size_t k = 0; k < sizeof(commands) / sizeof(commands[0]); k++)
+				if (!strcmp(arg, commands[k].name))
+					cmd = &commands[k];
+			if (!cmd)
+				return usage_error("unknown command '%s'", arg);
+			a->cmd = cmd->name;
+			continue;
+		}
+		if (a->npos >= cmd->max_pos)
+			return usage_error("too many arguments for '%s'", cmd->name);
+		a->pos[a->npos++] = arg;
+	}
+	if (!cmd)
+		return usage_error("%s", "no command given");
+	if (a->npos < cmd->min_pos)
+		return usage_error("'%s' needs a NAME", cmd->name);
+	if (a->json && !cmd->json)
+		return usage_error("'%s' has no --json output", cmd->name);
+	if (a->has_timeout && !cmd->timeout)
+		return usage_error("--timeout applies to 'wait', not '%s'", cmd->name);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	struct args a = {0};
+	dlpc_client *c;
+	int r = parse(argc, argv, &a);
+
+	if (r)
+		return r < 0 ? 0 : r;
+	if (!strcmp(a.cmd, "watch"))
+		return cmd_watch(&a);
+	r = dlpc_connect(a.socket, &c);
+	if (r < 0)
+		return fail(a.cmd, NULL, r);
+	if (!strcmp(a.cmd, "ls"))
+		r = cmd_ls(c, &a);
+	else if (!strcmp(a.cmd, "stat"))
+		r = cmd_stat(c, &a);
+	else if (!strcmp(a.cmd, "rm"))
+		r = cmd_rm(c, &a);
+	else if (!strcmp(a.cmd, "wait"))
+		r = cmd_wait(c, &a);
+	else
+		r = cmd_ping(c, &a);
+	dlpc_close(c);
+	if (fflush(stdout) != 0 || ferror(stdout)) {
+		fprintf(stderr, "dlpackctl: %s: cannot write the output\n", a.cmd);
+		return 1;
+	}
+	return r;
+}
