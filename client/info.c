@@ -212,6 +212,9 @@ DLPC_EXPORT int dlpc_stat(dlpc_client *c, dlpc_stats *out)
 	s.req_stat = rep->req_stat;
 	s.protocol_errors = rep->protocol_errors;
 	s.fds_closing = rep->fds_closing;
+	s.uid_bytes_held = rep->uid_bytes_held;
+	s.uid_entries = rep->uid_entries;
+	s.uid_connections = rep->uid_connections;
 	dlpackd__v1__stat_reply__free_unpacked(rep, NULL);
 	/* copy only as much as the caller's struct holds, keeping its size field */
 	memcpy((char *)out + sizeof(out->size), (char *)&s + sizeof(s.size),

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -154,13 +155,26 @@ static void make_parent(const char *path)
 
 /* On failure nothing is unlinked (the path may be another daemon's); dlpd_server_free() closes
  * what was opened. */
-int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, mode_t mode)
+/* Storages and connections may use the fds RLIMIT_NOFILE allows, less DLPC_FD_RESERVE. */
+static uint64_t fd_budget(void)
+{
+	struct rlimit rl;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY)
+		return UINT64_MAX;
+	return rl.rlim_cur > DLPC_FD_RESERVE ? rl.rlim_cur - DLPC_FD_RESERVE : 0;
+}
+
+int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, mode_t mode,
+		      const struct dlpd_limits *lim)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	struct stat st;
 	int r;
 
 	memset(s, 0, sizeof(*s));
+	s->lim = *lim;
+	s->fd_budget = fd_budget();
 	s->loop = loop;
 	s->listen_fd = s->lock_fd = -1;
 	dlpd_list_init(&s->peers);
@@ -219,6 +233,15 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, 
 	uv_signal_start(&s->sig_term, on_signal, SIGTERM);
 	uv_signal_start(&s->sig_int, on_signal, SIGINT);
 	dlpd_log(LOG_NOTICE, "dlpackd %s listening on %s", DLPD_VERSION, path);
+	dlpd_log(LOG_INFO,
+		 "limits: %llu bytes, %llu entries and %llu connections per uid; %llu references "
+		 "and %llu waiting requests per connection; frames finish within %llu ms; %llu fds "
+		 "for storages and connections",
+		 (unsigned long long)lim->bytes_per_uid, (unsigned long long)lim->entries_per_uid,
+		 (unsigned long long)lim->connections_per_uid,
+		 (unsigned long long)lim->refs_per_connection,
+		 (unsigned long long)lim->pending_per_connection,
+		 (unsigned long long)lim->frame_timeout_ms, (unsigned long long)s->fd_budget);
 	return 0;
 }
 

@@ -275,6 +275,9 @@ typedef struct dlpc_stats {
 	uint64_t req_stat;	  /**< STAT requests served */
 	uint64_t protocol_errors; /**< connections dropped for protocol violations */
 	uint64_t fds_closing;	  /**< fds the daemon is closing on its closer thread */
+	uint64_t uid_bytes_held;  /**< bytes charged to the caller's uid (its quota) */
+	uint64_t uid_entries;	  /**< entries the caller's uid has published */
+	uint64_t uid_connections; /**< connections of the caller's uid, this one included */
 } dlpc_stats;
 
 /**
