@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -14,11 +16,46 @@
 #define MFD_NOEXEC_SEAL 0x0008U
 #endif
 
+/* Below this size, the machine's memory is not consulted before allocating. */
+#define SMALL_ALLOC (64u << 20)
+
+/*
+ * Refuse sizes that cannot work before the kernel is asked: one over the file size limit would
+ * get SIGXFSZ (which kills by default) from ftruncate, and one over the machine's memory and swap
+ * would have fallocate or the writes take memory until the OOM killer steps in (memfds are not
+ * on /dev/shm and have no size limit of their own).
+ */
+static int size_fits(const char *name, uint64_t size)
+{
+	struct rlimit rl;
+	struct sysinfo si;
+
+	if (getrlimit(RLIMIT_FSIZE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && size > rl.rlim_cur)
+		return dlpc__fail(-EFBIG,
+				  "cannot create %llu bytes of shared memory for '%s': this "
+				  "process's file size limit (RLIMIT_FSIZE) is %llu bytes",
+				  (unsigned long long)size, name, (unsigned long long)rl.rlim_cur);
+	if (size > SMALL_ALLOC && sysinfo(&si) == 0) {
+		uint64_t total = ((uint64_t)si.totalram + si.totalswap) * si.mem_unit;
+
+		if (size > total)
+			return dlpc__fail(-ENOSPC,
+					  "cannot reserve %llu bytes of shared memory for '%s': "
+					  "this machine has %llu bytes of memory and swap",
+					  (unsigned long long)size, name,
+					  (unsigned long long)total);
+	}
+	return 0;
+}
+
 int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
 {
 	char label[64];
 	int fd, r;
 
+	r = size_fits(name, size);
+	if (r < 0)
+		return r;
 	snprintf(label, sizeof(label), "dlpc:%s", name);
 	fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL);
 	if (fd < 0 && errno == EINVAL) /* kernels before 6.3 */
