@@ -944,6 +944,118 @@ START_TEST(test_alloc_beyond_memory_is_enospc)
 }
 END_TEST
 
+/* The memory cgroup the child of test_alloc_beyond_cgroup_is_enospc runs in, and its limit. */
+#define CG_LIMIT (96ull << 20)
+
+static bool write_file(const char *dir, const char *file, const char *text)
+{
+	char path[512];
+	int fd;
+	bool ok;
+
+	snprintf(path, sizeof(path), "%s/%s", dir, file);
+	fd = open(path, O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		return false;
+	ok = write(fd, text, strlen(text)) == (ssize_t)strlen(text);
+	close(fd);
+	return ok;
+}
+
+/* Make a child memory cgroup of ours in @p dir, limited to CG_LIMIT. false and why, if not. */
+static bool cgroup_make(char *dir, size_t len, char *why, size_t whylen)
+{
+	char line[1024], limit[32], parent[600] = "";
+	bool v2 = false;
+	FILE *f = fopen("/proc/self/cgroup", "re");
+
+	while (f && fgets(line, sizeof(line), f)) {
+		char *ctl = strchr(line, ':'), *path = ctl ? strchr(ctl + 1, ':') : NULL;
+
+		if (!path)
+			continue;
+		*path++ = 0;
+		path[strcspn(path, "\n")] = 0;
+		if (strstr(ctl + 1, "memory") && !strstr(ctl + 1, "name=")) {
+			snprintf(parent, sizeof(parent), "/sys/fs/cgroup/memory%s", path);
+			v2 = false;
+			break;
+		}
+		if (strcmp(line, "0") == 0 && !ctl[1]) {
+			snprintf(parent, sizeof(parent), "/sys/fs/cgroup%s", path);
+			v2 = true;
+		}
+	}
+	if (f)
+		fclose(f);
+	if (!parent[0]) {
+		snprintf(why, whylen, "no memory cgroup in /proc/self/cgroup");
+		return false;
+	}
+	if (v2 && !write_file(parent, "cgroup.subtree_control", "+memory")) {
+		snprintf(why, whylen, "cannot enable the memory controller below %s: %s", parent,
+			 strerror(errno));
+		return false;
+	}
+	snprintf(dir, len, "%s/dlpc-test-%d", parent, (int)getpid());
+	if (mkdir(dir, 0755) < 0) {
+		snprintf(why, whylen, "cannot create cgroup %s: %s", dir, strerror(errno));
+		return false;
+	}
+	snprintf(limit, sizeof(limit), "%llu", CG_LIMIT);
+	if (!write_file(dir, v2 ? "memory.max" : "memory.limit_in_bytes", limit)) {
+		snprintf(why, whylen, "cannot limit cgroup %s: %s", dir, strerror(errno));
+		rmdir(dir);
+		return false;
+	}
+	return true;
+}
+
+static int alloc_in_cgroup(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	DLDataType u8 = {kDLUInt, 8, 1};
+	DLDevice cpu = {kDLCPU, 0};
+	int64_t n = (int64_t)(CG_LIMIT + (32 << 20));
+	char pid[16];
+
+	snprintf(pid, sizeof(pid), "%d", (int)getpid());
+	CHILD_CHECK(write_file(arg, "cgroup.procs", pid));
+	/* more than the cgroup may hold: refused, not left to the cgroup's OOM killer */
+	CHILD_CHECK(dlpc_alloc(NULL, cpu, u8, 1, &n, &t) == -ENOSPC);
+	CHILD_CHECK(error_says("memory cgroup has") && error_says("bytes left"));
+	/* what it can hold is allocated */
+	n = (int64_t)(CG_LIMIT / 2);
+	CHILD_CHECK(dlpc_alloc(NULL, cpu, u8, 1, &n, &t) == 0);
+	t->deleter(t);
+	return 0;
+}
+
+START_TEST(test_alloc_beyond_cgroup_is_enospc)
+{
+	char dir[700], why[800];
+	struct sysinfo si;
+	int st;
+
+	ck_assert_int_eq(sysinfo(&si), 0);
+	if (si.totalswap > 0) {
+		/* pages can then go to swap: the library leaves the cgroup to the kernel */
+		fprintf(stderr,
+			"test_alloc_beyond_cgroup_is_enospc: skipped: this machine has swap\n");
+		return;
+	}
+	if (!cgroup_make(dir, sizeof(dir), why, sizeof(why))) {
+		fprintf(stderr, "test_alloc_beyond_cgroup_is_enospc: skipped: %s\n", why);
+		return;
+	}
+	/* should the check be missing, the cgroup's OOM killer kills the child, and only it */
+	st = wait_child(spawn(alloc_in_cgroup, dir));
+	ck_assert_int_eq(rmdir(dir), 0);
+	ck_assert_msg(st == 0, "the child in a %llu-byte memory cgroup exited with %d", CG_LIMIT,
+		      st);
+}
+END_TEST
+
 static int over_fsize(void *arg)
 {
 	DLManagedTensorVersioned *t = NULL;
@@ -1002,6 +1114,7 @@ static Suite *limits_suite(void)
 	tcase_add_test(fds, test_accept_pauses_when_fds_run_out);
 	tcase_add_test(fds, test_publish_refused_before_fds_run_out);
 	tcase_add_test(mem, test_alloc_beyond_memory_is_enospc);
+	tcase_add_test(mem, test_alloc_beyond_cgroup_is_enospc);
 	tcase_add_test(mem, test_file_size_limit_is_efbig);
 	return s;
 }
