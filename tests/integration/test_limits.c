@@ -1087,6 +1087,43 @@ START_TEST(test_file_size_limit_is_efbig)
 }
 END_TEST
 
+/* dlpackd with @p flag @p value exits 2 at once, saying why. */
+static void flag_refused(const char *flag, const char *value)
+{
+	int out[2], st;
+	char buf[512] = "";
+	pid_t pid;
+
+	ck_assert_int_eq(pipe2(out, O_CLOEXEC), 0);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		dup2(out[1], STDERR_FILENO);
+		execl(DLPACKD_BIN, DLPACKD_BIN, "--socket", "/nonexistent/dlpackd.sock", flag,
+		      value, (char *)NULL);
+		_exit(127);
+	}
+	close(out[1]);
+	ck_assert_int_gt(read(out[0], buf, sizeof(buf) - 1), 0);
+	close(out[0]);
+	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+	ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 2, "%s %s: status %d", flag, value, st);
+	ck_assert_msg(strstr(buf, flag + 2) && strstr(buf, value), "%s", buf);
+}
+
+START_TEST(test_limit_flags_checked)
+{
+	flag_refused("--max-bytes-per-uid", "5X");
+	flag_refused("--max-bytes-per-uid", "1KB");
+	flag_refused("--max-bytes-per-uid", "17179869184T"); /* 2^64 */
+	flag_refused("--max-entries-per-uid", "0");
+	flag_refused("--max-connections-per-uid", "-1");
+	flag_refused("--max-refs-per-connection", "1K"); /* suffixes are for sizes */
+	flag_refused("--max-pending-per-connection", "");
+	flag_refused("--frame-timeout-ms", "ten");
+}
+END_TEST
+
 static Suite *limits_suite(void)
 {
 	Suite *s = suite_create("limits");
@@ -1104,6 +1141,7 @@ static Suite *limits_suite(void)
 	tcase_add_test(own, test_credentials_from_kernel_only);
 	tcase_add_test(own, test_socket_permissions_decide_who_connects);
 	tcase_add_test(own, test_read_only_stays_read_only);
+	tcase_add_test(quota, test_limit_flags_checked);
 	tcase_add_test(quota, test_quota_entries_per_uid);
 	tcase_add_test(quota, test_quota_bytes_count_declared_size);
 	tcase_add_test(quota, test_quota_bytes_held_until_freed);
