@@ -177,6 +177,7 @@ struct dlpd_server {
 	char *path, *lock_path;
 	uv_poll_t listen_poll;
 	uv_timer_t accept_retry; /* resumes accepting after EMFILE */
+	bool accept_paused;	 /* accept failed and has not succeeded since */
 	uv_signal_t sig_term, sig_int;
 	struct dlpd_list peers;
 	uint64_t npeers, next_serial;

@@ -61,12 +61,22 @@ static void on_accept(uv_poll_t *h, int status, int events)
 				continue;
 			if (errno == EAGAIN || errno == EWOULDBLOCK)
 				return;
-			/* EMFILE, ENFILE, ENOBUFS, ENOMEM: serve who we have, retry later */
-			dlpd_log(LOG_WARNING, "cannot accept a connection (%m); pausing for %d ms",
-				 ACCEPT_RETRY_MS);
+			/* EMFILE, ENFILE, ENOBUFS, ENOMEM: serve who we have, retry later (and say
+			 * so once, not at every retry) */
+			if (!s->accept_paused)
+				dlpd_log(LOG_WARNING,
+					 "cannot accept a connection (%m); serving the %llu open "
+					 "ones "
+					 "and retrying every %d ms",
+					 (unsigned long long)s->npeers, ACCEPT_RETRY_MS);
+			s->accept_paused = true;
 			uv_poll_stop(&s->listen_poll);
 			uv_timer_start(&s->accept_retry, accept_resume, ACCEPT_RETRY_MS, 0);
 			return;
+		}
+		if (s->accept_paused) {
+			s->accept_paused = false;
+			dlpd_log(LOG_NOTICE, "accepting connections again");
 		}
 		p = dlpd_peer_new(s, fd);
 		if (!p) {
