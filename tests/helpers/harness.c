@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "harness.h"
+#include "limits.h"
 
 int scaled_ms(int ms)
 {
@@ -52,7 +53,7 @@ static pid_t spawn_with(const char *sock, const char *log, const struct daemon_o
 
 	ck_assert_int_ge(pid, 0);
 	if (pid == 0) {
-		char *argv[48];
+		char *argv[48], timeout[24];
 		int argc = 0, fd;
 
 		fd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -73,6 +74,11 @@ static pid_t spawn_with(const char *sock, const char *log, const struct daemon_o
 		argv[argc++] = (char *)sock;
 		argv[argc++] = (char *)"--log-level";
 		argv[argc++] = (char *)"debug";
+		/* a daemon slowed down by a wrapper still gives its clients the usual time for each
+		 * frame (arguments of the test come later, and win) */
+		snprintf(timeout, sizeof(timeout), "%d", scaled_ms(DLPC_FRAME_TIMEOUT_MS_DEFAULT));
+		argv[argc++] = (char *)"--frame-timeout-ms";
+		argv[argc++] = timeout;
 		for (int i = 0; o && o->args && o->args[i] && argc < 47; i++)
 			argv[argc++] = (char *)o->args[i];
 		argv[argc] = NULL;
