@@ -4,7 +4,10 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -14,11 +17,134 @@
 #define MFD_NOEXEC_SEAL 0x0008U
 #endif
 
+/* Below this size, the machine's memory is not consulted before allocating. */
+#define SMALL_ALLOC (64u << 20)
+
+/* Longest cgroup file path read. */
+#define CG_PATH_MAX 4096
+
+/* A number from a one-line cgroup file; false if absent or "max" (no limit). */
+static bool read_u64(const char *dir, const char *file, uint64_t *v)
+{
+	char path[CG_PATH_MAX], buf[32];
+	unsigned long long x;
+	int fd, n;
+
+	if (snprintf(path, sizeof(path), "%s/%s", dir, file) >= (int)sizeof(path))
+		return false;
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return false;
+	n = (int)read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return false;
+	buf[n] = 0;
+	if (sscanf(buf, "%llu", &x) != 1)
+		return false;
+	*v = x;
+	return true;
+}
+
+/*
+ * Bytes the memory cgroups of this process (its own and every ancestor's limit) can still be
+ * charged, or UINT64_MAX if none limits it or it cannot be told. The memfd's pages are charged to
+ * them; past the limit the kernel answers with the cgroup's OOM killer, not with an error.
+ */
+static uint64_t cgroup_room(void)
+{
+	static const char *const kinds[][3] = {
+		/* v2 (unified), then v1 */
+		{"/sys/fs/cgroup", "memory.max", "memory.current"},
+		{"/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"},
+	};
+	char line[CG_PATH_MAX], dir[CG_PATH_MAX];
+	uint64_t room = UINT64_MAX;
+	FILE *f = fopen("/proc/self/cgroup", "re");
+
+	while (f && fgets(line, sizeof(line), f)) {
+		char *ctl = strchr(line, ':'), *path = ctl ? strchr(ctl + 1, ':') : NULL;
+		int k;
+
+		if (!path)
+			continue;
+		*path++ = 0;
+		path[strcspn(path, "\n")] = 0;
+		ctl++;
+		if (strcmp(line, "0") == 0 && !*ctl)
+			k = 0;
+		else if (strstr(ctl, "memory") && !strstr(ctl, "name="))
+			k = 1;
+		else
+			continue;
+		/* from the process's cgroup up to the root (where the files may not exist) */
+		while (*path == '/') {
+			uint64_t max, used;
+			char *slash;
+
+			snprintf(dir, sizeof(dir), "%s%s", kinds[k][0], path);
+			if (read_u64(dir, kinds[k][1], &max) && read_u64(dir, kinds[k][2], &used)) {
+				uint64_t left = used < max ? max - used : 0;
+
+				room = left < room ? left : room;
+			}
+			slash = strrchr(path, '/');
+			if (slash == path)
+				break;
+			*slash = 0;
+		}
+	}
+	if (f)
+		fclose(f);
+	return room;
+}
+
+/*
+ * Refuse sizes that cannot work before the kernel is asked: one over the file size limit would
+ * get SIGXFSZ (which kills by default) from ftruncate, and one over the machine's memory and swap,
+ * or over what the memory cgroup has left, would have fallocate or the writes take memory until
+ * the OOM killer steps in (memfds are not on /dev/shm and have no size limit of their own).
+ */
+static int size_fits(const char *name, uint64_t size)
+{
+	struct rlimit rl;
+	struct sysinfo si;
+
+	if (getrlimit(RLIMIT_FSIZE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && size > rl.rlim_cur)
+		return dlpc__fail(-EFBIG,
+				  "cannot create %llu bytes of shared memory for '%s': this "
+				  "process's file size limit (RLIMIT_FSIZE) is %llu bytes",
+				  (unsigned long long)size, name, (unsigned long long)rl.rlim_cur);
+	if (size > SMALL_ALLOC && sysinfo(&si) == 0) {
+		uint64_t total = ((uint64_t)si.totalram + si.totalswap) * si.mem_unit;
+
+		uint64_t room;
+
+		if (size > total)
+			return dlpc__fail(-ENOSPC,
+					  "cannot reserve %llu bytes of shared memory for '%s': "
+					  "this machine has %llu bytes of memory and swap",
+					  (unsigned long long)size, name,
+					  (unsigned long long)total);
+		/* with swap, a cgroup can hold more than its memory limit: leave it to the kernel */
+		room = si.totalswap == 0 ? cgroup_room() : UINT64_MAX;
+		if (size > room)
+			return dlpc__fail(-ENOSPC,
+					  "cannot reserve %llu bytes of shared memory for '%s': "
+					  "this process's memory cgroup has %llu bytes left",
+					  (unsigned long long)size, name, (unsigned long long)room);
+	}
+	return 0;
+}
+
 int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
 {
 	char label[64];
 	int fd, r;
 
+	r = size_fits(name, size);
+	if (r < 0)
+		return r;
 	snprintf(label, sizeof(label), "dlpc:%s", name);
 	fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL);
 	if (fd < 0 && errno == EINVAL) /* kernels before 6.3 */

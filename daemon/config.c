@@ -4,7 +4,8 @@
  * an environment variable (the flag wins). The table also writes --help, so the two never drift.
  *
  * To add a setting, add one row to `options` below pointing at the variable it sets: for a
- * number, OPT_UINT(long name, environment variable, variable, minimum, maximum, help). The
+ * number, OPT_UINT(long name, environment variable, variable, minimum, maximum, help), or
+ * OPT_SIZE(...) for a byte count that may end in K, M, G or T. The
  * variable's value at start-up is its default and --help shows it. Add the flag to
  * docs/dlpackd.8 too (a test compares the two).
  */
@@ -27,6 +28,15 @@ struct dlpd_config dlpd_config = {
 	.socket_gid = (gid_t)-1,
 };
 
+struct dlpd_limits dlpd_limits = {
+	.bytes_per_uid = DLPC_UID_BYTES_DEFAULT,
+	.entries_per_uid = DLPC_UID_ENTRIES_DEFAULT,
+	.connections_per_uid = DLPC_UID_CONNECTIONS_DEFAULT,
+	.refs_per_connection = DLPC_CONN_REFS_DEFAULT,
+	.pending_per_connection = DLPC_CONN_PENDING_DEFAULT,
+	.frame_timeout_ms = DLPC_FRAME_TIMEOUT_MS_DEFAULT,
+};
+
 struct option_row;
 /* Parse @p val into the row's variable; 0, or -1 with the reason in @p why. */
 typedef int parse_fn(const struct option_row *o, const char *val, char *why, size_t len);
@@ -44,13 +54,21 @@ struct option_row {
 	bool bind_only; /* only means something when dlpackd binds the socket itself */
 };
 
-static parse_fn parse_path, parse_mode, parse_group, parse_level, parse_uint;
+static parse_fn parse_path, parse_mode, parse_group, parse_level, parse_uint, parse_size;
 
 /* An unsigned integer setting of 4 or 8 bytes, with its bounds. */
 #define OPT_UINT(long_name, env_name, var, lo, hi, text)                                           \
 	{                                                                                          \
 		.name = long_name, .env = env_name, .arg = "N", .help = text, .parse = parse_uint, \
 		.dst = &(var), .dst_size = sizeof(var), .min = (lo), .max = (hi),                  \
+	}
+
+/* The same for a byte count, which may end in K, M, G or T (powers of 1024). */
+#define OPT_SIZE(long_name, env_name, var, lo, hi, text)                                           \
+	{                                                                                          \
+		.name = long_name, .env = env_name, .arg = "SIZE", .help = text,                   \
+		.parse = parse_size, .dst = &(var), .dst_size = sizeof(var), .min = (lo),          \
+		.max = (hi),                                                                       \
 	}
 
 static const struct option_row options[] = {
@@ -85,6 +103,20 @@ static const struct option_row options[] = {
 	 .help = "err, warning, notice, info (default) or debug",
 	 .parse = parse_level,
 	 .dst = &dlpd_log_level},
+	OPT_SIZE("max-bytes-per-uid", "DLPACKD_MAX_BYTES_PER_UID", dlpd_limits.bytes_per_uid, 1,
+		 UINT64_MAX, "storage bytes one uid may hold, counted on the\ndeclared size"),
+	OPT_UINT("max-entries-per-uid", "DLPACKD_MAX_ENTRIES_PER_UID", dlpd_limits.entries_per_uid,
+		 1, UINT64_MAX, "names one uid may have published"),
+	OPT_UINT("max-connections-per-uid", "DLPACKD_MAX_CONNECTIONS_PER_UID",
+		 dlpd_limits.connections_per_uid, 1, UINT64_MAX, "open connections of one uid"),
+	OPT_UINT("max-refs-per-connection", "DLPACKD_MAX_REFS_PER_CONNECTION",
+		 dlpd_limits.refs_per_connection, 1, UINT64_MAX,
+		 "references one connection may hold"),
+	OPT_UINT("max-pending-per-connection", "DLPACKD_MAX_PENDING_PER_CONNECTION",
+		 dlpd_limits.pending_per_connection, 1, UINT64_MAX,
+		 "ATTACHes one connection may have waiting"),
+	OPT_UINT("frame-timeout-ms", "DLPACKD_FRAME_TIMEOUT_MS", dlpd_limits.frame_timeout_ms, 1,
+		 UINT64_MAX, "time a client has to finish a frame it began,\nand to send HELLO"),
 	{.name = "help", .short_name = 'h', .help = "show this help and exit"},
 	{.name = "version", .short_name = 'V', .help = "show the version and exit"},
 };
@@ -181,6 +213,30 @@ static int parse_uint(const struct option_row *o, const char *val, char *why, si
 	return 0;
 }
 
+static int parse_size(const struct option_row *o, const char *val, char *why, size_t len)
+{
+	static const char units[] = "KMGT";
+	const char *u;
+	unsigned long long v;
+	unsigned shift = 0;
+	char *end;
+
+	errno = 0;
+	v = strtoull(val, &end, 10);
+	if (*end && !end[1] && (u = strchr(units, *end)) != NULL) {
+		shift = 10 * (unsigned)(u - units + 1);
+		end++;
+	}
+	if (!*val || *end || errno || val[0] < '0' || val[0] > '9' || v > (UINT64_MAX >> shift) ||
+	    (v << shift) < o->min || (v << shift) > o->max) {
+		snprintf(why, len, "not a byte count from %" PRIu64 " (K, M, G or T may follow)",
+			 o->min);
+		return -1;
+	}
+	*(uint64_t *)o->dst = (uint64_t)v << shift;
+	return 0;
+}
+
 static uint64_t uint_value(const struct option_row *o)
 {
 	return o->dst_size == sizeof(uint32_t) ? *(uint32_t *)o->dst : *(uint64_t *)o->dst;
@@ -211,10 +267,24 @@ void dlpd_config_usage(FILE *f)
 			n = snprintf(flag, sizeof(flag), "      --%s", o->name);
 		if (o->arg)
 			snprintf(flag + n, sizeof(flag) - (size_t)n, "=%s", o->arg);
-		fprintf(f, "%-29s ", flag);
+		if (strlen(flag) < 30)
+			fprintf(f, "%-29s ", flag);
+		else /* the help goes below a long flag */
+			fprintf(f, "%s\n%30s", flag, "");
 		print_help_text(f, o->help);
 		if (o->parse == parse_uint)
 			fprintf(f, " (default %" PRIu64 ")", uint_value(o));
+		if (o->parse == parse_size) {
+			static const char *const unit[] = {"", "K", "M", "G", "T"};
+			uint64_t v = uint_value(o);
+			int u = 0;
+
+			while (u < 4 && v && v % 1024 == 0) {
+				v /= 1024;
+				u++;
+			}
+			fprintf(f, " (default %" PRIu64 "%s)", v, unit[u]);
+		}
 		if (o->env)
 			fprintf(f, "\n%30s[env %s]", "", o->env);
 		fputc('\n', f);
@@ -251,6 +321,7 @@ int dlpd_config_load(int argc, char **argv)
 		/* OPT_UINT stores 4 or 8 bytes, and a 4-byte variable cannot hold more */
 		assert(o->parse != parse_uint || o->dst_size == sizeof(uint64_t) ||
 		       (o->dst_size == sizeof(uint32_t) && o->max <= UINT32_MAX));
+		assert(o->parse != parse_size || o->dst_size == sizeof(uint64_t));
 
 		/* an empty variable counts as unset, like an empty DLPACKD_SOCKET for clients */
 		if (val && *val && o->parse) {

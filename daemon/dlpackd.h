@@ -107,11 +107,38 @@ int dlpd_notify_init(void);
 /* Send one notification ("READY=1", "STATUS=...") if a service manager asked for them. */
 void dlpd_notify(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* ---- limits: defaults in limits.h, flags in config.c ---- */
+struct dlpd_limits {
+	uint64_t bytes_per_uid;
+	uint64_t entries_per_uid;
+	uint64_t connections_per_uid;
+	uint64_t refs_per_connection;
+	uint64_t pending_per_connection;
+	uint64_t frame_timeout_ms;
+};
+
+/* The defaults of limits.h. */
+void dlpd_limits_init(struct dlpd_limits *l);
+/* The limits in force: the defaults, changed by flags and environment (config.c). */
+extern struct dlpd_limits dlpd_limits;
+
+/* What one uid holds: charged at publish and accept, released when freed. */
+struct dlpd_usage {
+	struct dlpd_hnode node; /* in registry.uids, hashed by uid */
+	uid_t uid;
+	uint64_t bytes;	      /* sizes of the storages it published that are still held */
+	uint64_t storages;    /* those storages */
+	uint64_t entries;     /* names it has published */
+	uint64_t connections; /* its open connections */
+};
+
 /* ---- registry: names, entries, storages, references ---- */
 struct dlpd_peer;
 
 struct dlpd_storage {
 	int fd;
+	struct dlpd_usage
+		*usage; /* the publisher's, charged with size until the storage is freed */
 	uint64_t size;
 	int32_t device_type, device_id;
 	unsigned names;	      /* entries pointing at it */
@@ -126,6 +153,7 @@ struct dlpd_entry {
 	size_t tensors_wire_len;
 	uint64_t generation;
 	uid_t uid;
+	struct dlpd_usage *usage; /* uid's, charged with one entry */
 	pid_t pid;
 	int64_t created_ns;
 	struct dlpd_peer *owner;     /* publishing connection if ephemeral, else NULL */
@@ -161,6 +189,7 @@ struct dlpd_waiter {
 struct dlpd_registry {
 	struct dlpd_hmap names;	 /* dlpd_entry by name */
 	struct dlpd_hmap waitqs; /* dlpd_waitq by name */
+	struct dlpd_hmap uids;	 /* dlpd_usage by uid */
 	/* every entry sorted by name, for LIST; rebuilt on the first LIST after a change */
 	struct dlpd_entry **sorted;
 	size_t nsorted, sorted_cap;
@@ -184,6 +213,7 @@ struct dlpd_server {
 	bool owns_path; /* bound by us, not passed by systemd: unlink it at stop */
 	uv_poll_t listen_poll;
 	uv_timer_t accept_retry; /* resumes accepting after EMFILE */
+	bool accept_paused;	 /* accept failed and has not succeeded since */
 	uv_signal_t sig_term, sig_int;
 	struct dlpd_list peers;
 	uint64_t npeers, next_serial;
@@ -194,6 +224,8 @@ struct dlpd_server {
 	uint64_t nwatchers, event_seq;	/* event_seq: changes of the name map so far */
 	struct dlpc__scratch event_out; /* an event is packed here once for every watcher */
 	struct dlpd_stats stats;
+	struct dlpd_limits lim;
+	uint64_t fd_budget; /* storages + connections allowed: RLIMIT_NOFILE - DLPC_FD_RESERVE */
 	uint64_t start_ms;
 	bool stopping;
 };
@@ -206,12 +238,21 @@ struct dlpd_peer {
 	gid_t gid;
 	pid_t pid;
 	uint64_t serial;
-	int events; /* uv_poll events currently asked for */
+	struct dlpd_usage *usage; /* its uid's, charged with this connection */
+	int events;		  /* uv_poll events currently asked for */
 	bool hello, dead;
 	bool watching;		     /* sent WATCH: receives events, sends nothing but RELEASE */
 	struct dlpd_list watch_link; /* in srv->watchers */
 	size_t watch_prefix_len;
 	uint8_t watch_prefix[DLPC_NAME_MAX];
+	/* The frame deadline: armed when a read leaves part of a frame buffered (or at accept,
+	 * for HELLO), never for frames that arrive whole. */
+	uv_timer_t deadline;
+	uint64_t frames_done;	/* complete frames read */
+	uint64_t partial_frame; /* frames_done when the buffered partial frame began */
+	uint64_t partial_since; /* loop time (ms) it began */
+	unsigned handles_open;	/* poll and deadline, until their uv_close() callbacks */
+	uint64_t nwaiters;	/* in waiters */
 	struct dlpc__rx rx;
 	struct dlpc__tx tx;
 	struct dlpd_hmap refs; /* dlpd_ref by id */
@@ -222,8 +263,9 @@ struct dlpd_peer {
 };
 
 /* server.c: serve on @p activated_fd, a listening socket systemd passed, or if it is -1 on a
- * socket of our own at @p path with the configured mode and group. */
-int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, const char *path);
+ * socket of our own at @p path with the configured mode and group, under the limits @p lim. */
+int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, const char *path,
+		      const struct dlpd_limits *lim);
 /* Stop accepting, close every connection and handle; uv_run() returns afterwards. */
 void dlpd_server_stop(struct dlpd_server *s);
 /* Free what the server still holds once the loop has finished. */
@@ -264,8 +306,9 @@ int dlpd_entry_insert(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_e
  * @p actor: the connection that caused it) and free it; its storage lives on while referenced. */
 void dlpd_entry_remove(struct dlpd_server *s, struct dlpd_entry *e, int reason,
 		       const struct dlpd_peer *actor);
-struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, int fd, uint64_t size,
-				      int32_t device_type, int32_t device_id);
+/* A storage charged to @p u (size and one storage); NULL on ENOMEM. */
+struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage *u, int fd,
+				      uint64_t size, int32_t device_type, int32_t device_id);
 /* Drop one holder (a name when @p name is true, else a reference); frees it when unreachable. */
 void dlpd_storage_unref(struct dlpd_registry *r, struct dlpd_storage *st, bool name);
 /* A reference for @p p on @p st; NULL on ENOMEM. */
@@ -287,6 +330,21 @@ void dlpd_registry_drop_peer(struct dlpd_server *s, struct dlpd_peer *p);
 int dlpd_registry_range(struct dlpd_registry *r, const uint8_t *prefix, size_t plen,
 			const uint8_t *after, size_t alen, size_t limit, struct dlpd_entry ***ret,
 			size_t *count);
+
+/* quota.c: per-uid usage and the checks against the limits. */
+/* The usage of @p uid, created empty if it has none; NULL on ENOMEM. Free it with
+ * dlpd_usage_put() if nothing gets charged to it. */
+struct dlpd_usage *dlpd_usage_get(struct dlpd_registry *r, uid_t uid);
+/* The usage of @p uid, or NULL if it holds nothing. */
+struct dlpd_usage *dlpd_usage_find(const struct dlpd_registry *r, uid_t uid);
+/* Free @p u if nothing is charged to it any more. */
+void dlpd_usage_put(struct dlpd_registry *r, struct dlpd_usage *u);
+/*
+ * May @p p publish a storage of @p size bytes, replacing @p old (NULL if none)? 0, or -EDQUOT
+ * and in @p why the limit that refuses it and its value.
+ */
+int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, const struct dlpd_entry *old,
+		       char *why, size_t whylen);
 
 /* storage.c: is @p fd acceptable as host storage? 0, or negative errno and the reason. */
 int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t whylen);

@@ -27,6 +27,14 @@ static int attach_reply(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, 
 			p, id, EINVAL, "'%s' is a bundle of %zu tensors; attach it as a bundle",
 			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)),
 			pub->n_tensors);
+	if (p->refs.count >= p->srv->lim.refs_per_connection)
+		return dlpd_reply_error(
+			p, id, EDQUOT,
+			"cannot attach '%s': this connection holds %zu references; the limit is "
+			"%llu "
+			"(--max-refs-per-connection)",
+			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)),
+			p->refs.count, (unsigned long long)p->srv->lim.refs_per_connection);
 	ref = dlpd_ref_new(p, e->st);
 	if (!ref)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot attach: out of memory");
@@ -95,6 +103,12 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
 	if (req->timeout_ms == 0)
 		return dlpd_reply_error(p, id, ENOENT, "no entry named '%s'", name);
+	if (p->nwaiters >= s->lim.pending_per_connection)
+		return dlpd_reply_error(p, id, EDQUOT,
+					"cannot wait for '%s': this connection has %llu requests "
+					"waiting; the limit is %llu (--max-pending-per-connection)",
+					name, (unsigned long long)p->nwaiters,
+					(unsigned long long)s->lim.pending_per_connection);
 
 	w = calloc(1, sizeof(*w));
 	if (!w)

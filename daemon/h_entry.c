@@ -166,11 +166,18 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 		return dlpd_reply_error(p, id, EPERM,
 					"'%s' belongs to uid %u; uid %u may not replace it", name,
 					(unsigned)old->uid, (unsigned)p->uid);
+	r = dlpd_quota_publish(p, req->storage_size, old, why, sizeof(why));
+	if (r < 0) {
+		dlpd_log(LOG_NOTICE, "%s: publish of '%s' refused: %s",
+			 dlpd_peer_desc(p, desc, sizeof(desc)), name, why);
+		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
+	}
 
 	drop_unknown_fields(req);
 	wire = encode_tensors(req, &wire_len);
 	e = wire ? calloc(1, sizeof(*e)) : NULL;
-	st = e ? dlpd_storage_new(&s->reg, f->fds[0], req->storage_size, req->device_type,
+	/* charged to the connection's uid, whose usage record its connection keeps alive */
+	st = e ? dlpd_storage_new(&s->reg, p->usage, f->fds[0], req->storage_size, req->device_type,
 				  req->device_id)
 	       : NULL;
 	if (!st) {
@@ -188,6 +195,8 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	clock_gettime(CLOCK_REALTIME, &now);
 	e->generation = old && old->generation < INT32_MAX ? old->generation + 1 : 1;
 	e->uid = p->uid;
+	e->usage = p->usage;
+	e->usage->entries++;
 	e->pid = p->pid;
 	e->created_ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
 	if (req->flags & DLPC_PUBLISH_EPHEMERAL) {

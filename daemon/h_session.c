@@ -29,6 +29,20 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 			       client, req->version_major, req->version_minor);
 		return -EPROTO;
 	}
+	/* counted since accept; refused here, so that the client learns why */
+	if (p->usage->connections > p->srv->lim.connections_per_uid) {
+		unsigned long long n = p->usage->connections - 1;
+		unsigned long long max = p->srv->lim.connections_per_uid;
+
+		dlpd_reply_error(p, id, EDQUOT,
+				 "uid %u has %llu connections open; the limit is %llu "
+				 "(--max-connections-per-uid)",
+				 (unsigned)p->uid, n, max);
+		dlpd_peer_kill(p, LOG_NOTICE,
+			       "refused: uid %u has %llu connections open, the limit is %llu",
+			       (unsigned)p->uid, n, max);
+		return -EDQUOT;
+	}
 	p->hello = true;
 	rep.version_major = DLPC_PROTO_MAJOR;
 	rep.version_minor =
@@ -88,5 +102,8 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	rep.queue_drops = s->stats.queue_drops;
 	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next)
 		rep.tx_queued += dlpd_container_of(l, struct dlpd_peer, link)->tx.bytes;
+	rep.uid_bytes_held = p->usage->bytes;
+	rep.uid_entries = p->usage->entries;
+	rep.uid_connections = p->usage->connections;
 	return dlpd_reply(p, DLPC_MSG_STAT | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }

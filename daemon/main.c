@@ -2,6 +2,8 @@
 /* dlpackd: command line, setup and the event loop. */
 #include <errno.h>
 #include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,7 +79,7 @@ int main(int argc, char **argv)
 			close(listen_fd);
 		return 1;
 	}
-	r = dlpd_server_start(&srv, &loop, listen_fd, socket_path);
+	r = dlpd_server_start(&srv, &loop, listen_fd, socket_path, &dlpd_limits);
 	/* returns once dlpd_server_stop() has closed every handle */
 	if (r == 0) {
 		sigprocmask(SIG_UNBLOCK, &stop_signals, NULL);

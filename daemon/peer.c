@@ -40,6 +40,7 @@ static const struct handler handlers[DLPC_MSG__REQUEST_COUNT] = {
 };
 
 static void on_poll(uv_poll_t *h, int status, int events);
+static void deadline_check(uv_timer_t *t);
 
 const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len)
 {
@@ -66,19 +67,28 @@ struct dlpd_peer *dlpd_peer_new(struct dlpd_server *s, int fd)
 	p->gid = cred.gid;
 	p->pid = cred.pid;
 	p->serial = ++s->next_serial;
+	p->usage = dlpd_usage_get(&s->reg, cred.uid);
+	if (!p->usage || uv_poll_init(s->loop, &p->poll, fd) < 0) {
+		dlpd_usage_put(&s->reg, p->usage);
+		free(p);
+		return NULL;
+	}
+	p->usage->connections++;
 	dlpc__rx_init(&p->rx);
 	dlpc__tx_init(&p->tx);
 	dlpd_hmap_init(&p->refs);
 	dlpd_list_init(&p->ephemeral);
 	dlpd_list_init(&p->waiters);
 	dlpd_list_init(&p->watch_link);
-	if (uv_poll_init(s->loop, &p->poll, fd) < 0) {
-		free(p);
-		return NULL;
-	}
 	p->poll.data = p;
 	p->events = UV_READABLE | UV_DISCONNECT;
 	uv_poll_start(&p->poll, p->events, on_poll);
+	/* HELLO is due within the frame deadline, like any frame begun */
+	uv_timer_init(s->loop, &p->deadline);
+	p->deadline.data = p;
+	p->partial_since = uv_now(s->loop);
+	uv_timer_start(&p->deadline, deadline_check, s->lim.frame_timeout_ms, 0);
+	p->handles_open = 2;
 	dlpd_list_add_tail(&s->peers, &p->link);
 	s->npeers++;
 	return p;
@@ -88,6 +98,8 @@ static void peer_closed(uv_handle_t *h)
 {
 	struct dlpd_peer *p = h->data;
 
+	if (--p->handles_open > 0)
+		return;
 	p->srv->peers_closing--;
 	dlpd_close_later(p->fd);
 	free(p);
@@ -110,9 +122,56 @@ void dlpd_peer_kill(struct dlpd_peer *p, int prio, const char *fmt, ...)
 	p->srv->npeers--;
 	p->srv->peers_closing++;
 	dlpd_registry_drop_peer(p->srv, p);
+	p->usage->connections--;
+	dlpd_usage_put(&p->srv->reg, p->usage);
+	p->usage = NULL;
 	dlpc__rx_clear(&p->rx);
 	dlpc__tx_clear(&p->tx);
 	uv_close((uv_handle_t *)&p->poll, peer_closed);
+	uv_close((uv_handle_t *)&p->deadline, peer_closed);
+}
+
+/* The frame deadline passed, or a new frame began since it was set: drop the peer, or wait for
+ * what is left of the new frame's time. */
+static void deadline_check(uv_timer_t *t)
+{
+	struct dlpd_peer *p = t->data;
+	uint64_t limit = p->srv->lim.frame_timeout_ms;
+	uint64_t waited;
+
+	if (p->dead || (p->hello && !dlpc__rx_partial(&p->rx)))
+		return;
+	waited = uv_now(p->srv->loop) - p->partial_since;
+	if (waited < limit) {
+		uv_timer_start(&p->deadline, deadline_check, limit - waited, 0);
+		return;
+	}
+	if (!p->hello)
+		dlpd_peer_kill(
+			p, LOG_WARNING,
+			"no complete HELLO within %llu ms of connecting (--frame-timeout-ms); "
+			"dropped",
+			(unsigned long long)limit);
+	else
+		dlpd_peer_kill(
+			p, LOG_WARNING,
+			"a frame begun %llu ms ago is still incomplete; the limit is %llu ms "
+			"(--frame-timeout-ms); dropped",
+			(unsigned long long)waited, (unsigned long long)limit);
+}
+
+/* After a read: if part of a frame is left buffered, make sure its deadline is set. A frame
+ * that arrived whole costs nothing here. */
+static void deadline_arm(struct dlpd_peer *p)
+{
+	if (!dlpc__rx_partial(&p->rx))
+		return;
+	if (p->partial_frame != p->frames_done) {
+		p->partial_frame = p->frames_done;
+		p->partial_since = uv_now(p->srv->loop);
+	}
+	if (!uv_is_active((uv_handle_t *)&p->deadline))
+		deadline_check(&p->deadline);
 }
 
 static void want_events(struct dlpd_peer *p, int events)
@@ -310,6 +369,7 @@ static void on_readable(struct dlpd_peer *p)
 			dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s", why);
 			break;
 		}
+		p->frames_done++;
 		r = dispatch(p, &f);
 		dlpc__frame_clear(&f);
 		/* other failures (a reply that could not be written) already killed the peer */
@@ -319,6 +379,8 @@ static void on_readable(struct dlpd_peer *p)
 				       f.hdr.id);
 		}
 	}
+	if (!p->dead)
+		deadline_arm(p);
 }
 
 static void on_poll(uv_poll_t *h, int status, int events)

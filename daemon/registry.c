@@ -21,6 +21,7 @@ void dlpd_registry_init(struct dlpd_registry *r)
 	memset(r, 0, sizeof(*r));
 	dlpd_hmap_init(&r->names);
 	dlpd_hmap_init(&r->waitqs);
+	dlpd_hmap_init(&r->uids);
 }
 
 static bool entry_is(const struct dlpd_entry *e, const uint8_t *name, size_t len)
@@ -45,6 +46,8 @@ static void entry_free(struct dlpd_registry *r, struct dlpd_entry *e)
 {
 	if (e->owner)
 		dlpd_list_del(&e->owner_link);
+	e->usage->entries--;
+	dlpd_usage_put(r, e->usage);
 	dlpd_storage_unref(r, e->st, true);
 	free(e->tensors_wire);
 	dlpackd__v1__publish__free_unpacked(e->pub, NULL);
@@ -92,8 +95,8 @@ void dlpd_entry_remove(struct dlpd_server *s, struct dlpd_entry *e, int reason,
 	entry_unlink(s, e);
 }
 
-struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, int fd, uint64_t size,
-				      int32_t device_type, int32_t device_id)
+struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage *u, int fd,
+				      uint64_t size, int32_t device_type, int32_t device_id)
 {
 	struct dlpd_storage *st = calloc(1, sizeof(*st));
 
@@ -103,6 +106,9 @@ struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, int fd, uint64_t 
 	st->size = size;
 	st->device_type = device_type;
 	st->device_id = device_id;
+	st->usage = u;
+	u->storages++;
+	u->bytes += size;
 	r->storages++;
 	r->bytes += size;
 	return st;
@@ -118,6 +124,9 @@ void dlpd_storage_unref(struct dlpd_registry *r, struct dlpd_storage *st, bool n
 		return;
 	r->storages--;
 	r->bytes -= st->size;
+	st->usage->storages--;
+	st->usage->bytes -= st->size;
+	dlpd_usage_put(r, st->usage);
 	/* the last close of a memfd frees its memory: not on the loop */
 	dlpd_close_later(st->fd);
 	free(st);
@@ -194,6 +203,7 @@ int dlpd_waiter_add(struct dlpd_server *s, struct dlpd_waiter *w, const uint8_t 
 	dlpd_list_add_tail(&q->waiters, &w->q_link);
 	dlpd_list_add_tail(&w->peer->waiters, &w->peer_link);
 	s->reg.waiters++;
+	w->peer->nwaiters++;
 	return 0;
 }
 
@@ -216,6 +226,7 @@ void dlpd_waiter_free(struct dlpd_server *s, struct dlpd_waiter *w)
 	dlpd_list_del(&w->q_link);
 	dlpd_list_del(&w->peer_link);
 	s->reg.waiters--;
+	w->peer->nwaiters--;
 	if (dlpd_list_empty(&q->waiters)) {
 		dlpd_hmap_remove(&s->reg.waitqs, &q->node);
 		free(q);
@@ -258,8 +269,9 @@ void dlpd_registry_clear(struct dlpd_registry *r)
 	free(r->sorted);
 	r->sorted = NULL;
 	r->sorted_valid = false;
-	/* waiters belong to peers, which are all gone by now */
+	/* waiters belong to peers, which are all gone by now, and so is everything charged */
 	dlpd_hmap_clear(&r->waitqs);
+	dlpd_hmap_clear(&r->uids);
 }
 
 static int cmp_entries(const void *a, const void *b)

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -63,12 +64,22 @@ static void on_accept(uv_poll_t *h, int status, int events)
 				continue;
 			if (errno == EAGAIN || errno == EWOULDBLOCK)
 				return;
-			/* EMFILE, ENFILE, ENOBUFS, ENOMEM: serve who we have, retry later */
-			dlpd_log(LOG_WARNING, "cannot accept a connection (%m); pausing for %d ms",
-				 ACCEPT_RETRY_MS);
+			/* EMFILE, ENFILE, ENOBUFS, ENOMEM: serve who we have, retry later (and say
+			 * so once, not at every retry) */
+			if (!s->accept_paused)
+				dlpd_log(LOG_WARNING,
+					 "cannot accept a connection (%m); serving the %llu open "
+					 "ones "
+					 "and retrying every %d ms",
+					 (unsigned long long)s->npeers, ACCEPT_RETRY_MS);
+			s->accept_paused = true;
 			uv_poll_stop(&s->listen_poll);
 			uv_timer_start(&s->accept_retry, accept_resume, ACCEPT_RETRY_MS, 0);
 			return;
+		}
+		if (s->accept_paused) {
+			s->accept_paused = false;
+			dlpd_log(LOG_NOTICE, "accepting connections again");
 		}
 		p = dlpd_peer_new(s, fd);
 		if (!p) {
@@ -153,6 +164,16 @@ static void make_parent(const char *path)
 	if (mkdir(dirname(copy), 0755) == 0)
 		dlpd_log(LOG_INFO, "created directory %s", copy);
 	free(copy);
+}
+
+/* Storages and connections may use the fds RLIMIT_NOFILE allows, less DLPC_FD_RESERVE. */
+static uint64_t fd_budget(void)
+{
+	struct rlimit rl;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY)
+		return UINT64_MAX;
+	return rl.rlim_cur > DLPC_FD_RESERVE ? rl.rlim_cur - DLPC_FD_RESERVE : 0;
 }
 
 /* Bind and listen on @p path, a socket of our own with the configured mode and group. */
@@ -248,11 +269,14 @@ static int adopt(struct dlpd_server *s, int fd)
 
 /* On failure nothing is unlinked (the path may be another daemon's); dlpd_server_free() closes
  * what was opened. */
-int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, const char *path)
+int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, const char *path,
+		      const struct dlpd_limits *lim)
 {
 	int r;
 
 	memset(s, 0, sizeof(*s));
+	s->lim = *lim;
+	s->fd_budget = fd_budget();
 	s->loop = loop;
 	s->listen_fd = s->lock_fd = -1;
 	dlpd_list_init(&s->peers);
@@ -274,6 +298,15 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, 
 	uv_signal_start(&s->sig_int, on_signal, SIGINT);
 	dlpd_log(LOG_NOTICE, "dlpackd %s listening on %s%s", DLPD_VERSION, s->path,
 		 s->owns_path ? "" : " (socket activation)");
+	dlpd_log(LOG_INFO,
+		 "limits: %llu bytes, %llu entries and %llu connections per uid; %llu references "
+		 "and %llu waiting requests per connection; frames finish within %llu ms; %llu fds "
+		 "for storages and connections",
+		 (unsigned long long)lim->bytes_per_uid, (unsigned long long)lim->entries_per_uid,
+		 (unsigned long long)lim->connections_per_uid,
+		 (unsigned long long)lim->refs_per_connection,
+		 (unsigned long long)lim->pending_per_connection,
+		 (unsigned long long)lim->frame_timeout_ms, (unsigned long long)s->fd_budget);
 	return 0;
 }
 

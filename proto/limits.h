@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Every limit of the wire protocol, in one place. The daemon and libdlpc check these before
- * allocating anything a peer asked for; tests/unit/test_limits.c and the hostile-client tests
+ * allocating anything a peer asked for; the unit suites (tests/unit), the hostile-client tests
+ * (tests/integration/test_hostile.c) and the quota tests (tests/integration/test_limits.c)
  * exercise each one.
  */
 #ifndef DLPC_PROTO_LIMITS_H
@@ -59,5 +60,31 @@
 /* The same byte limit for a watching connection: events are small and a watcher that falls
  * this far behind is not keeping up. */
 #define DLPC_WATCH_QUEUE_MAX (1u << 20)
+
+/*
+ * Defaults of the daemon's resource limits; each has a dlpackd flag (README, "Security model").
+ * Every limit applies to root too. A request over a limit gets -EDQUOT and a message naming
+ * the limit and its value.
+ */
+/* Bytes of storage one uid may hold: the declared storage sizes of its publications, counted
+ * from publish until the storage is freed (a replaced or unpublished storage still referenced
+ * by attachers still counts). --max-bytes-per-uid */
+#define DLPC_UID_BYTES_DEFAULT (1ull << 40)
+/* Names one uid may have published at once. --max-entries-per-uid */
+#define DLPC_UID_ENTRIES_DEFAULT (1u << 20)
+/* Open connections of one uid. --max-connections-per-uid */
+#define DLPC_UID_CONNECTIONS_DEFAULT 4096
+/* References (attaches not yet released) one connection may hold. --max-refs-per-connection */
+#define DLPC_CONN_REFS_DEFAULT 65536
+/* Requests of one connection waiting for an answer (ATTACH waiting for a name).
+ * --max-pending-per-connection */
+#define DLPC_CONN_PENDING_DEFAULT 1024
+/* Milliseconds a connection has to finish a frame it started, and to complete HELLO after
+ * connecting. --frame-timeout-ms */
+#define DLPC_FRAME_TIMEOUT_MS_DEFAULT 10000
+/* fds the daemon keeps out of the storage budget: its own (listener, lock, event loop, closer
+ * threads) and those of frames being received. Storages and connections together may use
+ * RLIMIT_NOFILE minus this; a PUBLISH beyond that is refused. */
+#define DLPC_FD_RESERVE 32
 
 #endif

@@ -285,6 +285,9 @@ typedef struct dlpc_stats {
 	uint64_t events;	  /**< changes of the name map since start (last event's seq) */
 	uint64_t tx_queued;	  /**< bytes waiting in the daemon's output queues, all together */
 	uint64_t queue_drops;	  /**< connections dropped because their output queue was full */
+	uint64_t uid_bytes_held;  /**< bytes charged to the caller's uid (its quota) */
+	uint64_t uid_entries;	  /**< entries the caller's uid has published */
+	uint64_t uid_connections; /**< connections of the caller's uid, this one included */
 } dlpc_stats;
 
 /**

@@ -78,16 +78,17 @@ PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 	ipc_call_end((ClientObject *)obj);
 	if (r < 0)
 		return ipc_raise(r);
-	return Py_BuildValue("{s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-			     "s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
-			     "daemon_pid", s.daemon_pid, "uptime_ms", s.uptime_ms, "connections",
-			     s.connections, "entries", s.entries, "storages", s.storages,
-			     "bytes_held", s.bytes_held, "references", s.references, "waiters",
-			     s.waiters, "fds_open", s.fds_open, "fds_sent", s.fds_sent, "req_hello",
-			     s.req_hello, "req_publish", s.req_publish, "req_attach", s.req_attach,
-			     "req_release", s.req_release, "req_unpublish", s.req_unpublish,
-			     "req_list", s.req_list, "req_stat", s.req_stat, "protocol_errors",
-			     s.protocol_errors, "fds_closing", s.fds_closing, "req_watch",
-			     s.req_watch, "watchers", s.watchers, "events", s.events, "tx_queued",
-			     s.tx_queued, "queue_drops", s.queue_drops);
+	return Py_BuildValue(
+		"{s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
+		"s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+		"daemon_pid", s.daemon_pid, "uptime_ms", s.uptime_ms, "connections", s.connections,
+		"entries", s.entries, "storages", s.storages, "bytes_held", s.bytes_held,
+		"references", s.references, "waiters", s.waiters, "fds_open", s.fds_open,
+		"fds_sent", s.fds_sent, "req_hello", s.req_hello, "req_publish", s.req_publish,
+		"req_attach", s.req_attach, "req_release", s.req_release, "req_unpublish",
+		s.req_unpublish, "req_list", s.req_list, "req_stat", s.req_stat, "protocol_errors",
+		s.protocol_errors, "fds_closing", s.fds_closing, "req_watch", s.req_watch,
+		"watchers", s.watchers, "events", s.events, "tx_queued", s.tx_queued, "queue_drops",
+		s.queue_drops, "uid_bytes_held", s.uid_bytes_held, "uid_entries", s.uid_entries,
+		"uid_connections", s.uid_connections);
 }

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -11,6 +12,7 @@
 #include <time.h>
 
 #include "harness.h"
+#include "limits.h"
 
 int scaled_ms(int ms)
 {
@@ -44,14 +46,14 @@ int fd_count(pid_t pid)
 	return pid == getpid() ? n - 1 : n;
 }
 
-pid_t daemon_spawn(const char *sock, const char *log)
+static pid_t spawn_with(const char *sock, const char *log, const struct daemon_opts *o)
 {
 	const char *wrapper = getenv("DLPC_TEST_WRAPPER");
 	pid_t pid = fork();
 
 	ck_assert_int_ge(pid, 0);
 	if (pid == 0) {
-		char *argv[32];
+		char *argv[48], timeout[24];
 		int argc = 0, fd;
 
 		fd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -72,11 +74,29 @@ pid_t daemon_spawn(const char *sock, const char *log)
 		argv[argc++] = (char *)sock;
 		argv[argc++] = (char *)"--log-level";
 		argv[argc++] = (char *)"debug";
+		/* a daemon slowed down by a wrapper still gives its clients the usual time for each
+		 * frame (arguments of the test come later, and win) */
+		snprintf(timeout, sizeof(timeout), "%d", scaled_ms(DLPC_FRAME_TIMEOUT_MS_DEFAULT));
+		argv[argc++] = (char *)"--frame-timeout-ms";
+		argv[argc++] = timeout;
+		for (int i = 0; o && o->args && o->args[i] && argc < 47; i++)
+			argv[argc++] = (char *)o->args[i];
 		argv[argc] = NULL;
+		if (o && o->nofile) {
+			struct rlimit rl = {o->nofile, o->nofile};
+
+			if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
+				_exit(126);
+		}
 		execvp(argv[0], argv);
 		_exit(127);
 	}
 	return pid;
+}
+
+pid_t daemon_spawn(const char *sock, const char *log)
+{
+	return spawn_with(sock, log, NULL);
 }
 
 static bool can_connect(const char *sock)
@@ -93,13 +113,18 @@ static bool can_connect(const char *sock)
 
 void daemon_start(struct daemon *d)
 {
+	daemon_start_with(d, NULL);
+}
+
+void daemon_start_with(struct daemon *d, const struct daemon_opts *o)
+{
 	long long deadline = now_ms() + scaled_ms(10000);
 
 	snprintf(d->dir, sizeof(d->dir), "/tmp/dlpc-test-XXXXXX");
 	ck_assert_msg(mkdtemp(d->dir), "mkdtemp: %s", strerror(errno));
 	snprintf(d->sock, sizeof(d->sock), "%s/dlpackd.sock", d->dir);
 	snprintf(d->log, sizeof(d->log), "%s/dlpackd.log", d->dir);
-	d->pid = daemon_spawn(d->sock, d->log);
+	d->pid = spawn_with(d->sock, d->log, o);
 	while (!can_connect(d->sock)) {
 		int st;
 

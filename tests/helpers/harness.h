@@ -26,6 +26,15 @@ struct daemon {
 
 /* Start dlpackd on DIR/dlpackd.sock and wait until it accepts connections. */
 void daemon_start(struct daemon *d);
+
+/* How daemon_start_with() starts the daemon. */
+struct daemon_opts {
+	const char *const *args; /* extra command-line arguments, NULL-terminated, or NULL */
+	unsigned long nofile;	 /* if not 0: RLIMIT_NOFILE (soft and hard) set before exec */
+};
+
+/* daemon_start() with extra arguments and resource limits. */
+void daemon_start_with(struct daemon *d, const struct daemon_opts *o);
 /* Start another dlpackd process on @p sock; returns its pid (no waiting). */
 pid_t daemon_spawn(const char *sock, const char *log);
 /* SIGTERM, expect exit 0 and the socket removed; under a wrapper, no leak and no fd left. */

@@ -117,6 +117,12 @@ def _socket_dir(tmp_path):
     return d, d
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "dlpackd_args(*args): extra command-line arguments for the test's dlpackd"
+    )
+
+
 @pytest.fixture(scope="session")
 def dlpackd_bin():
     return _dlpackd_bin()
@@ -124,14 +130,19 @@ def dlpackd_bin():
 
 @pytest.fixture
 def daemon(request, tmp_path, monkeypatch, dlpackd_bin):
-    """Start `dlpackd --socket <tmp>/dlpackd.sock --log-level debug` and point clients at it."""
+    """Start `dlpackd --socket <tmp>/dlpackd.sock --log-level debug` and point clients at it.
+
+    A test marked `@pytest.mark.dlpackd_args("--flag", "value", ...)` passes those arguments too.
+    """
     _import_module()
     sockdir, cleanup = _socket_dir(tmp_path)
     sock = os.path.join(sockdir, "dlpackd.sock")
     log = str(tmp_path / "dlpackd.log")
+    marker = request.node.get_closest_marker("dlpackd_args")
+    extra = [str(a) for a in marker.args] if marker else []
     with open(log, "wb") as logf:
         proc = subprocess.Popen(
-            [dlpackd_bin, "--socket", sock, "--log-level", "debug"],
+            [dlpackd_bin, "--socket", sock, "--log-level", "debug", *extra],
             stdin=subprocess.DEVNULL,
             stdout=logf,
             stderr=subprocess.STDOUT,
