@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The daemon's configuration: one table of options, each settable by a command-line flag and by
- * an environment variable (the flag wins). The table also writes --help, so the two never drift.
+ * an environment variable (the flag wins, and a variable whose flag is given is not even read).
+ * The table also writes --help, so the two never drift.
  *
  * To add a setting, add one row to `options` below pointing at the variable it sets: for a
  * number, OPT_UINT(long name, environment variable, variable, minimum, maximum, help), or
@@ -159,7 +160,9 @@ static int parse_mode(const struct option_row *o, const char *val, char *why, si
 static int parse_group(const struct option_row *o, const char *val, char *why, size_t len)
 {
 	struct group gr, *res = NULL;
-	char buf[4096], *end;
+	long hint = sysconf(_SC_GETGR_R_SIZE_MAX);
+	size_t size = hint > 0 ? (size_t)hint : 4096;
+	char *buf = NULL, *end;
 	unsigned long long v;
 	int r;
 
@@ -173,12 +176,27 @@ static int parse_group(const struct option_row *o, const char *val, char *why, s
 		*(gid_t *)o->dst = (gid_t)v;
 		return 0;
 	}
-	r = getgrnam_r(val, &gr, buf, sizeof(buf), &res);
+	/* a group with many members needs a larger buffer than the hint: grow it (to 16 MiB) */
+	for (;;) {
+		char *nbuf = realloc(buf, size);
+
+		if (!nbuf) {
+			r = ENOMEM;
+			break;
+		}
+		buf = nbuf;
+		r = getgrnam_r(val, &gr, buf, size, &res);
+		if (r != ERANGE || size >= (16u << 20))
+			break;
+		size *= 2;
+	}
 	if (r != 0 || !res) {
 		snprintf(why, len, "%s", r ? strerror(r) : "no such group");
+		free(buf);
 		return -1;
 	}
 	*(gid_t *)o->dst = res->gr_gid;
+	free(buf);
 	return 0;
 }
 
@@ -316,19 +334,11 @@ int dlpd_config_load(int argc, char **argv)
 	memset(longopts, 0, sizeof(longopts));
 	for (size_t i = 0; i < NOPTIONS; i++) {
 		const struct option_row *o = &options[i];
-		const char *val = o->env ? getenv(o->env) : NULL;
 
 		/* OPT_UINT stores 4 or 8 bytes, and a 4-byte variable cannot hold more */
 		assert(o->parse != parse_uint || o->dst_size == sizeof(uint64_t) ||
 		       (o->dst_size == sizeof(uint32_t) && o->max <= UINT32_MAX));
 		assert(o->parse != parse_size || o->dst_size == sizeof(uint64_t));
-
-		/* an empty variable counts as unset, like an empty DLPACKD_SOCKET for clients */
-		if (val && *val && o->parse) {
-			snprintf(source, sizeof(source), "%s", o->env);
-			if (apply(o, val, source) < 0)
-				return -1;
-		}
 		longopts[i] = (struct option){o->name, o->arg ? required_argument : no_argument,
 					      NULL, o->short_name ? o->short_name : 256 + (int)i};
 		if (o->short_name) {
@@ -364,6 +374,18 @@ int dlpd_config_load(int argc, char **argv)
 	if (optind < argc) {
 		fprintf(stderr, "dlpackd: unexpected argument '%s'\n", argv[optind]);
 		return -1;
+	}
+	/* then the environment, for what no flag set: the flag wins even over a bad value */
+	for (size_t i = 0; i < NOPTIONS; i++) {
+		const struct option_row *o = &options[i];
+		const char *val = o->env ? getenv(o->env) : NULL;
+
+		/* an empty variable counts as unset, like an empty DLPACKD_SOCKET for clients */
+		if (given[i] || !val || !*val || !o->parse)
+			continue;
+		snprintf(source, sizeof(source), "%s", o->env);
+		if (apply(o, val, source) < 0)
+			return -1;
 	}
 	return 0;
 }

@@ -64,6 +64,9 @@ int dlpd_listen_fd(char *why, size_t len)
 	}
 	if (pid != (long long)getpid())
 		return -ENOENT;
+	/* LISTEN_FDS=0 passes nothing: not activated, as for sd_listen_fds() */
+	if (nfds == 0)
+		return -ENOENT;
 	if (nfds != 1) {
 		snprintf(why, len, "expected one socket from socket activation, got LISTEN_FDS=%s",
 			 fds_s);
@@ -107,7 +110,9 @@ int dlpd_notify_init(void)
 	if (!path || !*path)
 		return 0;
 	n = strlen(path);
-	if ((path[0] != '/' && path[0] != '@') || n >= sizeof(notify_addr.sun_path)) {
+	/* a path needs room for its NUL; "@name" becomes "\0name", which needs none */
+	if ((path[0] != '/' && path[0] != '@') ||
+	    n > sizeof(notify_addr.sun_path) - (path[0] == '/')) {
 		dlpd_log(LOG_WARNING, "ignoring NOTIFY_SOCKET=%s: not a socket path", path);
 		unsetenv("NOTIFY_SOCKET");
 		return -EINVAL;

@@ -7,7 +7,7 @@
 # Usage: install.sh BUILD SRC PREFIX SBINDIR LIBDIR INCLUDEDIR MANDIR UNITDIR SYSUSERSDIR [PYDIR]
 set -euo pipefail
 build=$1 src=$2 prefix=$3 sbindir=$4 libdir=$5 includedir=$6 mandir=$7 unitdir=$8
-sysusersdir=$9 pydir=${10:-}
+sysusersdir=$9 pydir=${10:-} bindir=${11:-bin}
 
 full() { case $1 in /*) echo "$1" ;; *) echo "$prefix/$1" ;; esac; }
 tmp=$(mktemp -d /tmp/dlpc-install-XXXXXX)
@@ -29,7 +29,8 @@ for f in "$(full "$sbindir")/dlpackd" "$(full "$includedir")/dlpc/dlpc.h" \
 	"$(full "$libdir")/cmake/dlpc/dlpcConfigVersion.cmake" \
 	"$(full "$unitdir")/dlpackd.service" "$(full "$unitdir")/dlpackd.socket" \
 	"$(full "$sysusersdir")/dlpackd.conf" "$(full "$mandir")/man8/dlpackd.8" \
-	"$(full "$mandir")/man3/dlpc.3"; do
+	"$(full "$mandir")/man3/dlpc.3" "$(full "$bindir")/dlpackctl" \
+	"$(full "$mandir")/man1/dlpackctl.1"; do
 	[ -f "$dest$f" ] || { echo "missing: $f" >&2; exit 1; }
 done
 soname=$(readelf -d "$lib/libdlpc.so" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
@@ -73,6 +74,11 @@ for prog in "$tmp/consumer_pc" "$tmp/cmake/consumer" "$tmp/cmake/consumer_static
 	"$prog" attach install/pc
 	"$prog" attach install/cmake
 done
+# the installed dlpackctl finds the installed library and sees both entries
+LD_LIBRARY_PATH=$lib "$dest$(full "$bindir")/dlpackctl" ping
+[ "$(LD_LIBRARY_PATH=$lib "$dest$(full "$bindir")/dlpackctl" ls install/ --json |
+	/usr/bin/python3 -c 'import json, sys; print(sorted(e["name"] for e in json.load(sys.stdin)))')" \
+	= "['install/cmake', 'install/pc']" ]
 if [ -n "$pydir" ]; then
 	PYTHONPATH=$dest$(full "$pydir") PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 - <<'PY'
 import numpy as np, dlpack_ipc

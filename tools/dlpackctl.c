@@ -484,9 +484,18 @@ static int cmd_watch(const struct args *a)
 	if (!w)
 		return fail("watch", prefix, r);
 	/* a watcher that is dropped or sees the daemon stop has failed: report it */
-	while ((r = dlpc_watch_next(w, &ev, -1)) >= 0 || r == -EINTR)
-		if (r == 1)
-			print_event(&ev, a->json);
+	while ((r = dlpc_watch_next(w, &ev, -1)) >= 0 || r == -EINTR) {
+		if (r != 1)
+			continue;
+		print_event(&ev, a->json);
+		/* a reader that went away (EPIPE) or a full disk ends the watch */
+		if (fflush(stdout) != 0 || ferror(stdout)) {
+			fprintf(stderr, "dlpackctl: watch: cannot write the output: %s\n",
+				strerror(errno));
+			dlpc_watch_close(w);
+			return 1;
+		}
+	}
 	/* the library's message already names the watch and its prefix */
 	fprintf(stderr, "dlpackctl: %s\n", dlpc_last_error());
 	dlpc_watch_close(w);

@@ -169,6 +169,24 @@ void json_null(struct json *j)
 	fputs("null", j->f);
 }
 
+/*
+ * Is the UTF-8 sequence at @p s (@p n bytes, valid) one a terminal would act on rather than
+ * show: a C0 or C1 control, DEL, or a bidirectional override or isolate (U+202A-U+202E,
+ * U+2066-U+2069), which reorder the text around them?
+ */
+static bool unsafe_seq(const unsigned char *s, size_t n)
+{
+	if (n == 1)
+		return s[0] < 0x20 || s[0] == 0x7f;
+	if (n == 2)
+		return s[0] == 0xc2 && s[1] < 0xa0; /* U+0080-U+009F */
+	if (n == 3 && s[0] == 0xe2 && s[1] == 0x80)
+		return s[2] >= 0xaa && s[2] <= 0xae;
+	if (n == 3 && s[0] == 0xe2 && s[1] == 0x81)
+		return s[2] >= 0xa6 && s[2] <= 0xa9;
+	return false;
+}
+
 size_t text_put(FILE *f, const char *str, size_t len)
 {
 	const unsigned char *s = (const unsigned char *)str;
@@ -177,11 +195,15 @@ size_t text_put(FILE *f, const char *str, size_t len)
 	for (size_t i = 0; i < len;) {
 		size_t n = utf8_seq(s + i, len - i);
 
-		if (n == 0 || (n == 1 && (s[i] < 0x20 || s[i] == 0x7f || s[i] == '\\'))) {
-			if (f)
-				fprintf(f, "\\x%02x", s[i]);
-			cols += 4;
-			i++;
+		if (n == 0 || unsafe_seq(s + i, n) || (n == 1 && s[i] == '\\')) {
+			/* every byte of it, so the name can be told apart and typed back */
+			size_t k = n ? n : 1;
+
+			for (size_t b = 0; b < k; b++)
+				if (f)
+					fprintf(f, "\\x%02x", s[i + b]);
+			cols += 4 * k;
+			i += k;
 			continue;
 		}
 		if (f)

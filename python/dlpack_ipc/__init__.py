@@ -76,7 +76,9 @@ class Watch(_CoreWatch):
     own; close() (or leaving a with block) ends it and ends iteration. If the daemon drops the
     watch (it stopped, or this watcher fell more than 1 MiB of events behind) the next read
     raises ConnectionResetError: list() again before watching anew, events may be missing.
-    fileno() gives the socket for select()/poll().
+    fileno() gives the socket for select()/poll(). One read can bring several events, so the
+    socket may stop being readable while events wait: when it is readable, call next_event(0)
+    until it returns None (drain()), and only then wait on the socket again.
     """
 
     def __iter__(self):
@@ -96,6 +98,13 @@ class Watch(_CoreWatch):
         """The next WatchEvent, or None if none came within timeout seconds (None: forever)."""
         d = self._next(timeout)
         return None if d is None else _event(d)
+
+    def drain(self):
+        """Every event that can be had without waiting, as a list (for select()/poll() users)."""
+        out = []
+        while (ev := self.next_event(0)) is not None:
+            out.append(ev)
+        return out
 
 
 def watch(prefix="", *, socket=None):

@@ -399,6 +399,34 @@ START_TEST(test_foreign_listen_pid)
 }
 END_TEST
 
+/* A flag wins over its variable even when the variable holds a bad value; LISTEN_FDS=0 for
+ * us passes nothing, so the daemon binds its own socket (and leaves the stray fd 3 alone). */
+START_TEST(test_flag_beats_bad_env_and_no_fds)
+{
+	char *argv[] = {(char *)DLPACKD_BIN, (char *)"--socket", NULL,
+			(char *)"-l",	     (char *)"debug",	 NULL};
+	char *env[] = {(char *)"DLPACKD_LOG_LEVEL=loud", NULL};
+	struct svc s;
+	int fd;
+
+	svc_init(&s, false);
+	argv[2] = s.sock;
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	ck_assert_int_ge(fd, 0);
+	start(&s, argv, env, fd, "0");
+	close(fd);
+	wait_for_socket(&s);
+	child_sock = s.sock;
+	ck_assert_int_eq(wait_child(spawn(publish_values, "svc/nofds")), 0);
+	ck_assert_int_eq(kill(s.pid, SIGTERM), 0);
+	ck_assert_int_eq(exit_status(s.pid), 0);
+	ck_assert_msg(svc_log_has(&s, "debug: client ", "): accepted"), "-l debug did not apply");
+	ck_assert_msg(!svc_log_has(&s, "socket activation", NULL),
+		      "LISTEN_FDS=0 taken as activation");
+	svc_clear(&s);
+}
+END_TEST
+
 /* Bound by the daemon itself: mode and group from flags or environment, readiness on a path
  * NOTIFY_SOCKET, plain timestamped log lines with the accepts (debug) and rejections (warning). */
 START_TEST(test_own_socket_config)
@@ -467,10 +495,14 @@ START_TEST(test_bad_config_refused)
 		{"stray", NULL, "unexpected argument 'stray'"},
 	};
 	char *argv[] = {(char *)DLPACKD_BIN, (char *)cases[_i].flag, NULL};
-	char *env[] = {(char *)cases[_i].env, NULL};
+	char sock_env[160];
+	/* the test's own socket unless the case is about the path: a bad value that were accepted
+	 * must not reach a default socket (for root, the system one) */
+	char *env[] = {sock_env, (char *)cases[_i].env, NULL};
 	struct svc s;
 
 	svc_init(&s, false);
+	snprintf(sock_env, sizeof(sock_env), "DLPACKD_SOCKET=%s", s.sock);
 	start(&s, argv, env, -1, NULL);
 	if (exit_status(s.pid) != 2)
 		dump_log(&s);
@@ -495,6 +527,7 @@ static Suite *service_suite(void)
 	suite_add_tcase(s, act);
 	tcase_set_timeout(cfg, scaled_ms(60000) / 1000);
 	tcase_add_test(cfg, test_own_socket_config);
+	tcase_add_test(cfg, test_flag_beats_bad_env_and_no_fds);
 	tcase_add_loop_test(cfg, test_bad_config_refused, 0, 14);
 	suite_add_tcase(s, cfg);
 	return s;

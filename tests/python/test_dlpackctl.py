@@ -95,6 +95,16 @@ def test_names_are_escaped(ctl, ipc):
     assert 'we"ird\\x5cname\\x0a\\x09tab\\x7f-✓-😀' in out
 
 
+def test_terminal_controls_in_names_are_escaped(ctl, ipc):
+    # a C1 control (8-bit CSI) and a right-to-left override would act on a terminal
+    name = "c1\u009b31m-\u202eevil"
+    ipc.publish(name, np.ones(1))
+    out = ok(ctl("ls")).stdout
+    assert "c1\\xc2\\x9b31m-\\xe2\\x80\\xaeevil" in out
+    assert "\u009b" not in out and "\u202e" not in out
+    assert json.loads(ok(ctl("ls", "--json")).stdout)[0]["name"] == name
+
+
 def _read_lines(proc, n):
     lines = []
     for _ in range(n):
@@ -102,6 +112,22 @@ def _read_lines(proc, n):
         assert line, f"watch ended early: {lines} {proc.stderr.read()}"
         lines.append(line.rstrip("\n"))
     return lines
+
+
+def test_watch_that_cannot_write_fails(ctl_bin, daemon, ipc):
+    with open("/dev/full", "w") as full:
+        proc = subprocess.Popen([ctl_bin, "watch", "full/"], stdout=full, stderr=subprocess.PIPE,
+                                text=True, stdin=subprocess.DEVNULL)
+    try:
+        daemon.wait_stat(lambda s: s["watchers"] == 1, what="one watcher")
+        ipc.publish("full/x", np.ones(1))
+        assert proc.wait(timeout=10) == 1
+        assert "cannot write the output" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
 
 
 def test_watch_prints_publish_replace_unpublish_in_order(ctl_bin, daemon, py):

@@ -69,6 +69,20 @@ def test_timeout_fileno_and_close(ipc):
         dlpack_ipc.watch("x" * (dlpack_ipc.NAME_MAX + 1))
 
 
+def test_select_then_drain_gets_events_read_together(ipc):
+    """Two events may come in one read: after select() says readable, drain() takes both."""
+    with dlpack_ipc.watch("sel/") as w:
+        ipc.publish("sel/1", np.ones(1))
+        ipc.publish("sel/2", np.ones(1))
+        time.sleep(0.1)  # both are most likely in the socket now, and come in one read
+        got, deadline = [], time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            if select.select([w.fileno()], [], [], 1)[0]:
+                got += w.drain()
+        assert [ev.name for ev in got] == ["sel/1", "sel/2"]
+        assert w.drain() == []
+
+
 def test_watch_on_explicit_socket_and_stat(daemon):
     with dlpack_ipc.Watch("", socket=daemon.socket) as w:
         st = daemon.stat()
