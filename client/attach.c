@@ -45,7 +45,8 @@ static int64_t reply_sane(const Dlpackd__V1__AttachReply *rep, size_t *keybytes)
 		if (dlpc__table_next(p, len, &pos, &d) < 0 ||
 		    dlpc__tensor_nbytes(d.dtype.bits, d.dtype.lanes, d.shape, (size_t)d.ndim,
 					&nbytes) < 0 ||
-		    d.offset > rep->storage_size || nbytes > rep->storage_size - d.offset)
+		    d.offset % DLPC_ALIGN != 0 || d.offset > rep->storage_size ||
+		    nbytes > rep->storage_size - d.offset)
 			return -1;
 		*keybytes += d.key_len + 1;
 	}

@@ -284,7 +284,8 @@ static ssize_t pending_frame(dlpc_client *c)
 
 /*
  * Send @p c's deferred releases now. Under wmu. A failed write means the connection is gone,
- * and the references with it; either way none is pending any more.
+ * and the references with it; either way none is pending any more (unless the frame could
+ * not even be built: then they wait for the next try).
  */
 static void flush_locked(dlpc_client *c)
 {
@@ -293,8 +294,10 @@ static void flush_locked(dlpc_client *c)
 	if (!atomic_load_explicit(&c->npending, memory_order_relaxed))
 		return;
 	len = pending_frame(c);
-	if (len > 0)
-		dlpc__send_all(c->sock, c->out.p, (size_t)len, NULL, 0);
+	/* out of memory for the frame: keep them for the next try rather than lose them */
+	if (len < 0)
+		return;
+	dlpc__send_all(c->sock, c->out.p, (size_t)len, NULL, 0);
 	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
 }
 
@@ -520,8 +523,15 @@ void dlpc__release(dlpc_client *c, uint64_t ref_id)
 		return;
 	pthread_mutex_lock(&c->wmu);
 	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
-	c->pending[n++] = ref_id;
-	atomic_store_explicit(&c->npending, n, memory_order_relaxed);
+	/* full only if the last flush had no memory for its frame: try again; failing that, this
+	 * reference stays with the daemon until the connection closes */
+	if (n == DLPC_RELEASE_PENDING_MAX)
+		flush_locked(c);
+	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	if (n < DLPC_RELEASE_PENDING_MAX) {
+		c->pending[n++] = ref_id;
+		atomic_store_explicit(&c->npending, n, memory_order_relaxed);
+	}
 	if (n == DLPC_RELEASE_PENDING_MAX)
 		flush_locked(c);
 	pthread_mutex_unlock(&c->wmu);

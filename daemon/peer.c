@@ -139,7 +139,8 @@ static void deadline_check(uv_timer_t *t)
 	uint64_t limit = p->srv->lim.frame_timeout_ms;
 	uint64_t waited;
 
-	if (p->dead || (p->hello && !dlpc__rx_partial(&p->rx)))
+	/* held back (below) is not stalled: the clock restarts when reading does */
+	if (p->dead || p->tx.head || (p->hello && !dlpc__rx_partial(&p->rx)))
 		return;
 	waited = uv_now(p->srv->loop) - p->partial_since;
 	if (waited < limit) {
@@ -222,7 +223,10 @@ int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const 
 				p->tx.nfds, DLPC_TX_QUEUE_FDS_MAX);
 		return -ENOBUFS;
 	}
-	want_events(p, UV_READABLE | UV_WRITABLE | UV_DISCONNECT);
+	/* Backpressure: no more requests from it until it has read what waits (see
+	 * process_frames), so the queue holds the replies of one read at most, and the fds they
+	 * carry stay few. */
+	want_events(p, UV_WRITABLE | UV_DISCONNECT);
 	return 0;
 }
 
@@ -331,6 +335,8 @@ static int dispatch(struct dlpd_peer *p, struct dlpc__frame *f)
 	return r;
 }
 
+static void process_frames(struct dlpd_peer *p);
+
 static void on_readable(struct dlpd_peer *p)
 {
 	char why[160];
@@ -357,7 +363,19 @@ static void on_readable(struct dlpd_peer *p)
 		dlpd_peer_kill(p, LOG_DEBUG, "read failed: %s", strerror((int)-n));
 		return;
 	}
-	while (!p->dead) {
+	process_frames(p);
+}
+
+/*
+ * Dispatch the complete frames buffered for @p p, but none while replies wait in its output
+ * queue: a client that does not read is not served, and what it sent stays in the socket (and
+ * in the receive buffer) until it does. on_poll() calls this again once the queue drains.
+ */
+static void process_frames(struct dlpd_peer *p)
+{
+	char why[160];
+
+	while (!p->dead && !p->tx.head) {
 		struct dlpc__frame f;
 		int r = dlpc__rx_next(&p->rx, &f, why, sizeof(why));
 
@@ -379,7 +397,7 @@ static void on_readable(struct dlpd_peer *p)
 				       f.hdr.id);
 		}
 	}
-	if (!p->dead)
+	if (!p->dead && !p->tx.head)
 		deadline_arm(p);
 }
 
@@ -400,8 +418,10 @@ static void on_poll(uv_poll_t *h, int status, int events)
 			dlpd_peer_kill(p, LOG_DEBUG, "write failed: %s", strerror(-r));
 			return;
 		}
-		if (r == 1)
+		if (r == 1) {
 			want_events(p, UV_READABLE | UV_DISCONNECT);
+			process_frames(p);
+		}
 	}
 	if (events & (UV_READABLE | UV_DISCONNECT))
 		on_readable(p);

@@ -55,9 +55,31 @@ static void on_accept(uv_poll_t *h, int status, int events)
 	(void)status;
 	(void)events;
 	while (!s->stopping) {
-		int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		uint64_t fds =
+			s->reg.storages + s->npeers + s->peers_closing + dlpd_reaper_pending();
 		struct dlpd_peer *p;
 		char desc[96];
+		int fd;
+
+		/* Connections may use half of the reserve that publishing leaves (so that new
+		 * clients still get in when storages fill the budget), never the other half, kept
+		 * for the fds of frames being received: past it they wait in the backlog until fds
+		 * are free, as when accept itself fails. */
+		if (fds + 1 > s->fd_budget + DLPC_FD_RESERVE / 2) {
+			if (!s->accept_paused)
+				dlpd_log(
+					LOG_WARNING,
+					"%llu storage and connection fds open, the most the fd "
+					"limit allows (RLIMIT_NOFILE minus %d in reserve); serving "
+					"the open connections and retrying every %d ms",
+					(unsigned long long)fds, DLPC_FD_RESERVE / 2,
+					ACCEPT_RETRY_MS);
+			s->accept_paused = true;
+			uv_poll_stop(&s->listen_poll);
+			uv_timer_start(&s->accept_retry, accept_resume, ACCEPT_RETRY_MS, 0);
+			return;
+		}
+		fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
 
 		if (fd < 0) {
 			if (errno == EINTR || errno == ECONNABORTED)
@@ -85,6 +107,18 @@ static void on_accept(uv_poll_t *h, int status, int events)
 		if (!p) {
 			dlpd_log(LOG_WARNING, "cannot set up a new connection: %m");
 			close(fd);
+			continue;
+		}
+		/* over its quota it is refused at HELLO, with the reason; far over it, at once */
+		if (p->usage->connections >
+		    s->lim.connections_per_uid + DLPC_UID_CONNECTIONS_SLACK) {
+			dlpd_peer_kill(
+				p, LOG_WARNING,
+				"refused: uid %u has %llu connections, over the limit of %llu "
+				"(--max-connections-per-uid) by more than %d",
+				(unsigned)p->uid, (unsigned long long)p->usage->connections - 1,
+				(unsigned long long)s->lim.connections_per_uid,
+				DLPC_UID_CONNECTIONS_SLACK);
 			continue;
 		}
 		dlpd_log(LOG_DEBUG, "%s: accepted", dlpd_peer_desc(p, desc, sizeof(desc)));

@@ -86,5 +86,8 @@
  * threads) and those of frames being received. Storages and connections together may use
  * RLIMIT_NOFILE minus this; a PUBLISH beyond that is refused. */
 #define DLPC_FD_RESERVE 32
+/* Connections of one uid accepted beyond --max-connections-per-uid, so that each can still be
+ * told why at HELLO; past that a connection is closed as soon as it is accepted. */
+#define DLPC_UID_CONNECTIONS_SLACK 8
 
 #endif

@@ -5,6 +5,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -624,81 +625,166 @@ START_TEST(test_watch_rules)
 }
 END_TEST
 
-/* ---- a client that never reads its replies is dropped at its output-queue cap ---- */
+/* ---- a client that never reads its replies ---- */
 
-/* Send the request @p m again and again without reading, until the daemon hangs up or @p bound
- * frames went out; then read (and discard) whatever arrived until the end of the stream. */
-static void flood(int fd, uint16_t type, const ProtobufCMessage *m, unsigned bound)
+/*
+ * Requests from a client that does not read its replies are not served beyond one reply queued:
+ * the daemon stops reading that connection (its sends then block), holds at most one reply and
+ * its fd, serves everyone else, and answers every request in order once the client reads.
+ */
+START_TEST(test_unread_replies_backpressure)
 {
+	Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;
 	struct dlpc__scratch s = {0};
-	ssize_t len = dlpc__msg_frame(&s, type, 1, m, 0), n;
-	char junk[65536];
+	struct dlpc__rx rx;
+	DLManagedTensorVersioned *t;
+	unsigned sent = 0, got = 0;
+	dlpc_stats st;
+	int fd, baseline;
+	ssize_t len;
+	char why[160];
 
+	good_client_start();
+	baseline = settled_fds(&D, good, 1);
+	fd = raw_connect();
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	at.name.data = (uint8_t *)"good";
+	at.name.len = 4;
+	len = dlpc__msg_frame(&s, DLPC_MSG_ATTACH, 7, &at.base, 0);
 	ck_assert_int_gt(len, 0);
-	for (unsigned i = 0; i < bound; i++)
-		if (dlpc__send_all(fd, s.p, (size_t)len, NULL, 0) < 0)
+	/* a frame this small leaves whole or not at all; when the socket is full, either the
+	 * daemon is busy (wait for room) or it holds replies back (what this test is after) */
+	while (sent < 2 * DLPC_TX_QUEUE_FDS_MAX) {
+		struct pollfd pf = {.fd = fd, .events = POLLOUT};
+
+		if (send(fd, s.p, (size_t)len, MSG_DONTWAIT | MSG_NOSIGNAL) == len) {
+			sent++;
+			continue;
+		}
+		ck_assert_int_eq(errno, EAGAIN);
+		if (stat_or_die(good).tx_queued > 0 && poll(&pf, 1, 200) == 0)
 			break;
+		poll(&pf, 1, 50);
+	}
 	dlpc__scratch_clear(&s);
-	/* plain read() drops any fds that came with the replies */
-	while ((n = read(fd, junk, sizeof(junk))) > 0)
-		;
-	ck_assert(n == 0 || errno == ECONNRESET);
+	ck_assert_msg(sent < 2 * DLPC_TX_QUEUE_FDS_MAX, "the daemon read %u requests", sent);
+
+	st = stat_or_die(good);
+	ck_assert_uint_eq(st.queue_drops, 0);
+	ck_assert_uint_lt(st.tx_queued, 4096);			/* one ATTACH reply */
+	ck_assert_uint_le(st.fds_open, (uint64_t)baseline + 2); /* its socket, one queued fd */
+	ck_assert_uint_lt(st.req_attach, sent);
+	/* everyone else is served meanwhile */
+	ck_assert_dlpc(dlpc_attach(good, "good", NULL, &t), 1);
+	ck_assert_int_eq(((uint8_t *)t->dl_tensor.data)[255], 255);
+	t->deleter(t);
+
+	/* reading, it gets every reply, in order, each with its fd */
+	dlpc__rx_init(&rx);
+	while (got < sent) {
+		struct dlpc__frame f;
+		int r = dlpc__rx_next(&rx, &f, why, sizeof(why));
+
+		ck_assert_int_ge(r, 0);
+		if (r == 0) {
+			ck_assert_int_gt(dlpc__rx_read(&rx, fd, why, sizeof(why)), 0);
+			continue;
+		}
+		ck_assert_uint_eq(f.hdr.type, DLPC_MSG_ATTACH | DLPC_MSG_REPLY);
+		ck_assert_uint_eq(f.hdr.id, 7);
+		ck_assert_uint_eq(f.nfds, 1);
+		dlpc__frame_clear(&f);
+		got++;
+	}
+	dlpc__rx_clear(&rx);
+	/* all of them served: the flood, and the attach above */
+	ck_assert_uint_ge(stat_or_die(good).req_attach, (uint64_t)sent + 1);
 	close(fd);
+	expect_fds(baseline);
+	good_client_stop();
 }
+END_TEST
 
 static bool dropped_one(const dlpc_stats *s, void *arg)
 {
 	return s->queue_drops == *(const uint64_t *)arg;
 }
 
+static bool waiting_n(const dlpc_stats *s, void *arg)
+{
+	return s->waiters == *(const uint64_t *)arg;
+}
+
+/* Send @p n ATTACHes of @p name that wait for it forever, and do not read. */
+static int waiting_client(const char *name, unsigned n)
+{
+	Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;
+	int fd = raw_connect();
+
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	at.name.data = (uint8_t *)name;
+	at.name.len = strlen(name);
+	at.timeout_ms = -1;
+	for (unsigned i = 0; i < n; i++)
+		raw_send(fd, DLPC_MSG_ATTACH, i + 1, &at.base, NULL, 0);
+	return fd;
+}
+
 #define FLOOD_KEYS 4096
 #define FLOOD_KEY_LEN 200
 
-START_TEST(test_unread_replies_dropped)
+/*
+ * Replies the client did not ask for just now are not held back: waiting ATTACHes all answered
+ * when their name appears. A client that reads none of them is dropped at the byte cap
+ * (DLPC_TX_QUEUE_MAX, large bundle replies) or at the fd cap (DLPC_TX_QUEUE_FDS_MAX, more
+ * waiters than fds allowed), and nothing stays behind.
+ */
+START_TEST(test_unread_replies_dropped_at_caps)
 {
+	static const char *const args[] = {"--max-pending-per-connection", "8192", NULL};
+	const struct daemon_opts o = {.args = args};
 	static float data[FLOOD_KEYS];
 	static char keybuf[FLOOD_KEYS][FLOOD_KEY_LEN + 1];
 	const char *keys[FLOOD_KEYS];
 	DLManagedTensorVersioned *ts[FLOOD_KEYS];
-	Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;
-	Dlpackd__V1__List ls = DLPACKD__V1__LIST__INIT;
+	uint64_t drops = 1, want;
 	int64_t one = 1;
-	uint64_t drops = 1;
 	int fd, baseline;
 
+	daemon_stop(&D);
+	daemon_start_with(&D, &o);
 	good_client_start();
-	/* a bundle whose LIST entry is about 1 MiB: a few dozen unread pages pass the cap */
+	baseline = settled_fds(&D, good, 1);
 	for (int i = 0; i < FLOOD_KEYS; i++) {
 		snprintf(keybuf[i], sizeof(keybuf[i]), "%0*d", FLOOD_KEY_LEN, i);
 		keys[i] = keybuf[i];
 		ts[i] = host_tensor(&data[i], (DLDataType){kDLFloat, 32, 1}, 1, &one, NULL, NULL);
 	}
-	ck_assert_dlpc(dlpc_publish_bundle(good, "big", FLOOD_KEYS, keys, ts, 0), 1);
-	baseline = settled_fds(&D, good, 1);
 
-	/* bytes: LIST pages nobody reads */
-	fd = raw_connect();
-	raw_hello(fd, DLPC_PROTO_MAJOR);
-	ls.prefix.data = (uint8_t *)"big";
-	ls.prefix.len = 3;
-	flood(fd, DLPC_MSG_LIST, &ls.base, 4 * (DLPC_TX_QUEUE_MAX / (FLOOD_KEYS * FLOOD_KEY_LEN)));
+	/* bytes: about 1 MiB of tensor table per reply, to more waiters than 64 MiB holds */
+	want = 2 * DLPC_TX_QUEUE_MAX / (FLOOD_KEYS * FLOOD_KEY_LEN);
+	fd = waiting_client("big", (unsigned)want);
+	ck_assert(wait_stat(good, waiting_n, &want, 2000));
+	ck_assert_dlpc(dlpc_publish_bundle(good, "big", FLOOD_KEYS, keys, ts, 0), 1);
 	ck_assert(wait_stat(good, dropped_one, &drops, 2000));
 	ck_assert(log_has(D.log, "DLPC_TX_QUEUE_MAX"));
-	expect_fds(baseline);
-	good_client_check();
+	close(fd);
+	ck_assert_dlpc(dlpc_unpublish(good, "big"), 0);
 
-	/* fds: ATTACH replies nobody reads, each holding a duplicate of the storage fd */
-	fd = raw_connect();
-	raw_hello(fd, DLPC_PROTO_MAJOR);
-	at.name.data = (uint8_t *)"good";
-	at.name.len = 4;
-	flood(fd, DLPC_MSG_ATTACH, &at.base, 2 * DLPC_TX_QUEUE_FDS_MAX);
+	/* fds: each reply holds a duplicate of the storage fd until it is written */
+	want = DLPC_TX_QUEUE_FDS_MAX + 512;
+	fd = waiting_client("late", (unsigned)want);
+	ck_assert(wait_stat(good, waiting_n, &want, 5000));
+	ts[0] = host_tensor(&data[0], (DLDataType){kDLFloat, 32, 1}, 1, &one, NULL, NULL);
+	ck_assert_dlpc(dlpc_publish(good, "late", ts[0], 0), 1);
 	drops = 2;
 	ck_assert(wait_stat(good, dropped_one, &drops, 2000));
 	ck_assert(log_has(D.log, "DLPC_TX_QUEUE_FDS_MAX"));
+	close(fd);
+	ck_assert_dlpc(dlpc_unpublish(good, "late"), 0);
+
 	expect_fds(baseline);
 	ck_assert_uint_eq(stat_or_die(good).tx_queued, 0);
-	good_client_check();
 	good_client_stop();
 }
 END_TEST
@@ -825,7 +911,8 @@ static Suite *hostile_suite(void)
 	tcase_add_test(tc, test_name_and_request_limits);
 	tcase_add_test(tc, test_storage_fd_matrix);
 	tcase_add_test(tc, test_watch_rules);
-	tcase_add_test(tc, test_unread_replies_dropped);
+	tcase_add_test(tc, test_unread_replies_backpressure);
+	tcase_add_test(tc, test_unread_replies_dropped_at_caps);
 	suite_add_tcase(s, tc);
 	tcase_add_checked_fixture(life, setup, teardown);
 	tcase_set_timeout(life, scaled_ms(60000) / 1000);

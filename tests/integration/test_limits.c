@@ -669,6 +669,23 @@ START_TEST(test_quota_connections_per_uid)
 	ck_assert(wait_stat(a, conns_are, &one, 5000));
 	b = connect_or_die(&D);
 	ck_assert(log_has(D.log, "refused: uid 0 has 2 connections open, the limit is 2"));
+	/* connections that never send HELLO are not a way around it: past the limit plus
+	 * DLPC_UID_CONNECTIONS_SLACK they are closed as soon as they are accepted */
+	{
+		int socks[2 + DLPC_UID_CONNECTIONS_SLACK + 16];
+		uint64_t most = 2 + DLPC_UID_CONNECTIONS_SLACK, conns;
+
+		for (size_t i = 0; i < sizeof(socks) / sizeof(socks[0]); i++)
+			socks[i] = raw_connect();
+		for (int i = 0; i < 100 && !log_has(D.log, "by more than"); i++)
+			usleep(scaled_ms(20) * 1000);
+		ck_assert(log_has(D.log, "(--max-connections-per-uid) by more than 8"));
+		conns = stat_or_die(a).uid_connections;
+		ck_assert_msg(conns <= most, "uid 0 holds %llu connections",
+			      (unsigned long long)conns);
+		for (size_t i = 0; i < sizeof(socks) / sizeof(socks[0]); i++)
+			close(socks[i]);
+	}
 	dlpc_close(a);
 	dlpc_close(b);
 }
@@ -841,14 +858,19 @@ START_TEST(test_accept_pauses_when_fds_run_out)
 	/* more connections than the daemon has fds: the kernel queues what it cannot accept */
 	for (int i = 0; i < 2 * LOW_NOFILE; i++)
 		socks[i] = raw_connect();
-	for (int i = 0; i < 100 && !log_has(D.log, "cannot accept a connection"); i++)
+	for (int i = 0; i < 100 && !log_has(D.log, "the most the fd limit allows"); i++)
 		usleep(scaled_ms(20) * 1000);
-	ck_assert_msg(
-		log_has(D.log, "cannot accept a connection (Too many open files); serving the"),
-		"the daemon never ran out of fds");
-	/* existing clients are served all along */
+	/* it stops at its fd budget, before the fd limit itself */
+	ck_assert_msg(log_has(D.log, "the most the fd limit allows (RLIMIT_NOFILE minus 16 in "
+				     "reserve); serving the open connections"),
+		      "the daemon never paused accepting");
+	ck_assert(!log_has(D.log, "cannot accept a connection"));
+	/* existing clients are served all along, and a publish, whose fd arrives in the reserve,
+	 * is refused with a reason rather than cut off */
 	ck_assert_dlpc(dlpc_attach(c, "kept", NULL, &t), 1);
 	t->deleter(t);
+	ck_assert_dlpc(publish(c, "one-more", 0), -EDQUOT);
+	ck_assert_msg(error_says("its fd limit leaves room for"), "%s", dlpc_last_error());
 	/* and waiting for fds costs next to nothing: a resource check, not a speed test */
 	before = cpu_ticks(D.pid);
 	sleep(1);
