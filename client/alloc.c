@@ -46,6 +46,41 @@ static bool read_u64(const char *dir, const char *file, uint64_t *v)
 	return true;
 }
 
+/* The value of @p key in the cgroup's memory.stat, or 0. */
+static uint64_t read_stat(const char *dir, const char *key)
+{
+	char path[CG_PATH_MAX], line[256];
+	unsigned long long x = 0;
+	size_t klen = strlen(key);
+	FILE *f;
+
+	if (snprintf(path, sizeof(path), "%s/memory.stat", dir) >= (int)sizeof(path))
+		return 0;
+	f = fopen(path, "re");
+	while (f && fgets(line, sizeof(line), f))
+		if (strncmp(line, key, klen) == 0 && line[klen] == ' ') {
+			sscanf(line + klen, "%llu", &x);
+			break;
+		}
+	if (f)
+		fclose(f);
+	return x;
+}
+
+/* Room left in the cgroup at @p dir (of kind @p k, below) into *@p room, if it has a limit. */
+static void cgroup_level(const char *const kind[4], const char *dir, uint64_t *room)
+{
+	uint64_t max, used, cache, left;
+
+	if (!read_u64(dir, kind[1], &max) || !read_u64(dir, kind[2], &used))
+		return;
+	/* page cache it could drop is no obstacle: the kernel reclaims it before charging fails */
+	cache = read_stat(dir, kind[3]);
+	used = used > cache ? used - cache : 0;
+	left = used < max ? max - used : 0;
+	*room = left < *room ? left : *room;
+}
+
 /*
  * Bytes the memory cgroups of this process (its own and every ancestor's limit) can still be
  * charged, or UINT64_MAX if none limits it or it cannot be told. The memfd's pages are charged to
@@ -53,10 +88,11 @@ static bool read_u64(const char *dir, const char *file, uint64_t *v)
  */
 static uint64_t cgroup_room(void)
 {
-	static const char *const kinds[][3] = {
-		/* v2 (unified), then v1 */
-		{"/sys/fs/cgroup", "memory.max", "memory.current"},
-		{"/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"},
+	static const char *const kinds[][4] = {
+		/* v2 (unified), then v1: mount, limit, usage, reclaimable cache in memory.stat */
+		{"/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"},
+		{"/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+		 "total_inactive_file"},
 	};
 	char line[CG_PATH_MAX], dir[CG_PATH_MAX];
 	uint64_t room = UINT64_MAX;
@@ -77,22 +113,20 @@ static uint64_t cgroup_room(void)
 			k = 1;
 		else
 			continue;
-		/* from the process's cgroup up to the root (where the files may not exist) */
+		/* from the process's cgroup up to the top of the hierarchy */
 		while (*path == '/') {
-			uint64_t max, used;
 			char *slash;
 
 			snprintf(dir, sizeof(dir), "%s%s", kinds[k][0], path);
-			if (read_u64(dir, kinds[k][1], &max) && read_u64(dir, kinds[k][2], &used)) {
-				uint64_t left = used < max ? max - used : 0;
-
-				room = left < room ? left : room;
-			}
+			cgroup_level(kinds[k], dir, &room);
 			slash = strrchr(path, '/');
 			if (slash == path)
 				break;
 			*slash = 0;
 		}
+		/* and the mount's own top: in a container without a cgroup namespace the path
+		 * above names the host's hierarchy, while the container's limit is mounted here */
+		cgroup_level(kinds[k], kinds[k][0], &room);
 	}
 	if (f)
 		fclose(f);
