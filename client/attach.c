@@ -66,9 +66,44 @@ DLPC_EXPORT void dlpc_bundle_free(dlpc_bundle *b)
 	free(b);
 }
 
-/* Turn an ATTACH reply and its fd into a bundle. Consumes @p fd. */
+/* Is the CUDA part of @p rep complete: a UUID, and IPC handles of the right size or an fd? */
+static bool cuda_sane(const Dlpackd__V1__AttachReply *rep, int fd)
+{
+	const Dlpackd__V1__CudaIpc *ipc = rep->cuda_ipc;
+
+	if (rep->device_uuid.len != DLPC_CUDA_UUID_SIZE)
+		return false;
+	if (!ipc)
+		return fd >= 0;
+	return fd < 0 && ipc->mem_handle.len == DLPC_CUDA_IPC_HANDLE_SIZE &&
+	       ipc->event_handle.len == DLPC_CUDA_IPC_HANDLE_SIZE;
+}
+
+/* Map the CUDA storage of @p rep into @p m (legacy IPC handles, or the VMM fd @p fd, which is
+ * not consumed) and order @p stream after the publisher. 0 or negative errno. */
+static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int fd, void *stream,
+		    struct dlpc__region *m, DLDevice *dev)
+{
+	int ordinal = 0, r;
+
+	if (rep->cuda_ipc)
+		r = dlpc__cuda_ipc_import(rep->device_uuid.data, rep->cuda_ipc->mem_handle.data,
+					  rep->cuda_ipc->event_handle.data, stream, name, &m->gpu,
+					  &m->base, &ordinal);
+	else
+		r = dlpc__cuda_vmm_import(fd, rep->storage_size, rep->device_uuid.data, name,
+					  &m->gpu, &m->base, &ordinal);
+	if (r < 0)
+		return r;
+	m->device = true;
+	dev->device_type = kDLCUDA;
+	dev->device_id = ordinal;
+	return 0;
+}
+
+/* Turn an ATTACH reply and its fd (-1 for legacy CUDA IPC) into a bundle. Consumes @p fd. */
 static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__AttachReply *rep,
-			int fd, bool writable, dlpc_bundle **ret)
+			int fd, bool writable, void *stream, dlpc_bundle **ret)
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
 	uint64_t flags = writable ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
@@ -80,9 +115,12 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	char *kp;
 	int r;
 
-	if (rep->device_type != kDLCPU || n < 0) {
+	if ((rep->device_type != kDLCPU || fd < 0) &&
+	    (rep->device_type != kDLCUDA || !cuda_sane(rep, fd)))
+		n = -1;
+	if (n < 0) {
 		dlpc__release(c, rep->ref_id);
-		close(fd);
+		dlpc__close(fd);
 		return dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply",
 				  name);
 	}
@@ -97,13 +135,20 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 		goto fail;
 	}
 	m->len = (size_t)rep->storage_size;
-	m->base = mmap(NULL, m->len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
-	if (m->base == MAP_FAILED) {
-		r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name,
-			       m->len);
-		goto fail;
+	if (rep->device_type == kDLCUDA) {
+		r = map_cuda(name, rep, fd, stream, m, &dev);
+		if (r < 0)
+			goto fail;
+	} else {
+		m->base = mmap(NULL, m->len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED,
+			       fd, 0);
+		if (m->base == MAP_FAILED) {
+			r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name,
+				       m->len);
+			goto fail;
+		}
 	}
-	close(fd);
+	dlpc__close(fd);
 	fd = -1;
 	/* from here the region owns the reference: its last unref releases it */
 	m->fd = -1;
@@ -151,6 +196,7 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 	struct dlpc__arena arena;
 	uint32_t flags = 0;
 	int64_t timeout = 0;
+	void *stream = NULL;
 	int fd, r;
 
 	if (!c || !ret)
@@ -168,6 +214,8 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 					  opts->size);
 		flags = opts->flags;
 		timeout = opts->timeout_ms;
+		if (opts->size >= offsetof(dlpc_attach_opts, stream) + sizeof(opts->stream))
+			stream = opts->stream;
 	}
 	if (flags & ~DLPC_ATTACH_WRITABLE)
 		return dlpc__fail(-EINVAL, "cannot attach '%s': unknown flags 0x%x", name,
@@ -186,13 +234,13 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 		dlpc__arena_clear(&arena);
 		return r;
 	}
-	if (fd < 0 || rep->generation == 0 || rep->generation > INT32_MAX) {
+	if ((fd < 0 && !rep->cuda_ipc) || rep->generation == 0 || rep->generation > INT32_MAX) {
 		if (rep->ref_id)
 			dlpc__release(c, rep->ref_id);
 		dlpc__close(fd);
 		r = dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply", name);
 	} else {
-		r = build_bundle(c, name, rep, fd, flags & DLPC_ATTACH_WRITABLE, ret);
+		r = build_bundle(c, name, rep, fd, flags & DLPC_ATTACH_WRITABLE, stream, ret);
 		if (r == 0)
 			r = (int)rep->generation;
 	}

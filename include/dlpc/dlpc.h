@@ -55,6 +55,11 @@ extern "C" {
 /** File name of a per-user daemon's socket inside $XDG_RUNTIME_DIR. */
 #define DLPC_USER_SOCKET_NAME "dlpackd.sock"
 
+/** Environment variable naming the CUDA driver library to load instead of libcuda.so.1. */
+#define DLPC_CUDA_LIBRARY_ENV "DLPC_CUDA_LIBRARY"
+/** The CUDA driver library loaded (dlopen) by the first GPU call. */
+#define DLPC_CUDA_LIBRARY_DEFAULT "libcuda.so.1"
+
 /** Longest entry name, in bytes (names are 1..DLPC_NAME_MAX bytes of UTF-8 without NUL). */
 #define DLPC_NAME_MAX 255
 /** Longest key of a tensor inside a bundle, in bytes (keys may be empty). */

@@ -314,7 +314,7 @@ START_TEST(test_session_rules)
 	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
 	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
 	ck_assert_ptr_nonnull(strstr(msg, "client speaks 99.3"));
-	ck_assert_ptr_nonnull(strstr(msg, "dlpackd speaks 1.1"));
+	ck_assert_ptr_nonnull(strstr(msg, "dlpackd speaks 1.2"));
 	expect_dropped(fd);
 
 	/* an unknown message type */
