@@ -125,6 +125,7 @@ struct publisher {
 	int quit[2];	  /* the parent writes (or closes) to let it go */
 	int notify[2];	  /* each deleter writes one byte */
 	bool self_attach; /* also attach names[0] in the publishing process */
+	int many;	  /* if > 0: publish gpu/b/0 .. gpu/b/<many - 1> instead, all at OFF_A */
 	pid_t pid;
 };
 
@@ -143,8 +144,17 @@ static int publisher_main(void *arg)
 	CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
 	fill((float *)(uintptr_t)(base + OFF_A), NELEM, 1.0f);
 	fill((float *)(uintptr_t)(base + OFF_B), NELEM, 7.0f);
-	CHILD_CHECK(dlpc_publish(c, p->names[0], dev_tensor(base + OFF_A, NELEM, p->notify[1]),
-				 p->flags) == 1);
+	for (int i = 0; i < p->many; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "gpu/b/%d", i);
+		CHILD_CHECK(dlpc_publish(c, name, dev_tensor(base + OFF_A, NELEM, p->notify[1]),
+					 p->flags) == 1);
+	}
+	if (!p->many)
+		CHILD_CHECK(dlpc_publish(c, p->names[0],
+					 dev_tensor(base + OFF_A, NELEM, p->notify[1]),
+					 p->flags) == 1);
 	if (p->names[1])
 		CHILD_CHECK(dlpc_publish(c, p->names[1],
 					 dev_tensor(base + OFF_B, NELEM, p->notify[1]),
@@ -406,6 +416,64 @@ START_TEST(ipc_publisher_killed)
 }
 END_TEST
 
+/* More publications than one RECLAIM frame may name: freed in one daemon turn. */
+#define MANY (DLPC_RECLAIM_BATCH_MAX + 6)
+
+static int attach_many(void *arg)
+{
+	int *fds = arg; /* [0]: told when attached; [1]: never written (the parent kills us) */
+	dlpc_client *c = NULL;
+	char b;
+
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	for (int i = 0; i < MANY; i++) {
+		DLManagedTensorVersioned *t = NULL;
+		char name[32];
+
+		snprintf(name, sizeof(name), "gpu/b/%d", i);
+		CHILD_CHECK(dlpc_attach(c, name, NULL, &t) == 1);
+	}
+	CHILD_CHECK(write(fds[0], "A", 1) == 1);
+	CHILD_CHECK(read(fds[1], &b, 1) == 1);
+	return 0;
+}
+
+START_TEST(reclaim_batches)
+{
+	struct publisher p = {.names = {"unused", NULL}, .many = MANY};
+	dlpc_client *c = connect_or_die(&D);
+	int attached[2], hold[2], fds[2], got = 0;
+	pid_t holder;
+	char b;
+
+	publisher_start(&p);
+	ck_assert_int_eq(pipe(attached), 0);
+	ck_assert_int_eq(pipe(hold), 0);
+	fds[0] = attached[1];
+	fds[1] = hold[0];
+	holder = spawn(attach_many, fds);
+	ck_assert_int_eq(read(attached[0], &b, 1), 1);
+	for (int i = 0; i < MANY; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "gpu/b/%d", i);
+		ck_assert_dlpc(dlpc_unpublish(c, name), 0);
+	}
+	/* the holder's death frees every storage at once: MANY notices, in two frames */
+	ck_assert_int_eq(kill(holder, SIGKILL), 0);
+	ck_assert_int_eq(wait_child(holder), 128 + SIGKILL);
+	while (got < MANY && deleter_ran(&p, scaled_ms(5000)))
+		got++;
+	ck_assert_int_eq(got, MANY);
+	publisher_stop(&p);
+	close(attached[0]);
+	close(attached[1]);
+	close(hold[0]);
+	close(hold[1]);
+	dlpc_close(c);
+}
+END_TEST
+
 /* ---- 4. VMM ---- */
 
 static int vmm_publish(void *arg)
@@ -628,6 +696,7 @@ static Suite *gpu_suite(void)
 		{"ipc_reclaim", ipc_reclaim_idle_publisher},
 		{"ipc_reclaim_replace", ipc_reclaim_on_replace_unreferenced},
 		{"ipc_publisher_killed", ipc_publisher_killed},
+		{"reclaim_batches", reclaim_batches},
 		{"vmm_outlives_publisher", vmm_outlives_publisher},
 		{"stream_ordering", stream_ordering},
 		{"no_driver", no_driver_errors},
