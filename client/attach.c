@@ -82,19 +82,24 @@ static bool cuda_sane(const Dlpackd__V1__AttachReply *rep, int fd)
 /* Map the CUDA storage of @p rep into @p m (legacy IPC handles, or the VMM fd @p fd, which is
  * not consumed) and order @p stream after the publisher. 0 or negative errno. */
 static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int fd, void *stream,
-		    struct dlpc__region *m, DLDevice *dev)
+		    bool defer, struct dlpc__region *m, DLDevice *dev)
 {
 	int ordinal = 0, r;
 
 	if (rep->cuda_ipc)
 		r = dlpc__cuda_ipc_import(rep->device_uuid.data, rep->cuda_ipc->mem_handle.data,
-					  rep->cuda_ipc->event_handle.data, stream, name, &m->gpu,
-					  &m->base, &ordinal);
+					  rep->cuda_ipc->event_handle.data, stream, defer, name,
+					  &m->gpu, &m->base, &ordinal);
 	else
 		r = dlpc__cuda_vmm_import(fd, rep->storage_size, rep->device_uuid.data, name,
 					  &m->gpu, &m->base, &ordinal);
 	if (r < 0)
 		return r;
+	if (rep->cuda_ipc) {
+		m->has_event = true;
+		memcpy(m->ev_handle, rep->cuda_ipc->event_handle.data, sizeof(m->ev_handle));
+	}
+	m->ordinal = ordinal;
 	m->device = true;
 	dev->device_type = kDLCUDA;
 	dev->device_id = ordinal;
@@ -103,10 +108,11 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 
 /* Turn an ATTACH reply and its fd (-1 for legacy CUDA IPC) into a bundle. Consumes @p fd. */
 static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__AttachReply *rep,
-			int fd, bool writable, void *stream, dlpc_bundle **ret)
+			int fd, uint32_t flags, void *stream, dlpc_bundle **ret)
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
-	uint64_t flags = writable ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
+	bool writable = flags & DLPC_ATTACH_WRITABLE;
+	uint64_t tflags = writable ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
 	struct dlpc__region *m = NULL;
 	struct dlpc__table_rec d;
 	dlpc_bundle *b;
@@ -136,7 +142,7 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	}
 	m->len = (size_t)rep->storage_size;
 	if (rep->device_type == kDLCUDA) {
-		r = map_cuda(name, rep, fd, stream, m, &dev);
+		r = map_cuda(name, rep, fd, stream, flags & DLPC_ATTACH_DEFER_SYNC, m, &dev);
 		if (r < 0)
 			goto fail;
 	} else {
@@ -169,7 +175,7 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 		kp[d.key_len] = '\0';
 		kp += d.key_len + 1;
 		b->tensors[i] = dlpc__view_new(b->region, (uint8_t *)b->region->base + d.offset,
-					       dev, d.dtype, d.ndim, d.shape, flags);
+					       dev, d.dtype, d.ndim, d.shape, tflags);
 		if (!b->tensors[i]) {
 			r = dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
 			goto fail;
@@ -217,12 +223,13 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 		if (opts->size >= offsetof(dlpc_attach_opts, stream) + sizeof(opts->stream))
 			stream = opts->stream;
 	}
-	if (flags & ~DLPC_ATTACH_WRITABLE)
+	if (flags & ~(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_DEFER_SYNC))
 		return dlpc__fail(-EINVAL, "cannot attach '%s': unknown flags 0x%x", name,
-				  flags & ~DLPC_ATTACH_WRITABLE);
+				  flags & ~(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_DEFER_SYNC));
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
-	req.flags = flags | extra;
+	/* DEFER_SYNC is this library's business, not the daemon's */
+	req.flags = (flags & ~DLPC_ATTACH_DEFER_SYNC) | extra;
 	req.timeout_ms = timeout;
 	/* the reply lives until the bundle is built: unpack it into an arena, not a malloc per
 	 * field (a 500-tensor bundle would be 1,500 of them) */
@@ -240,7 +247,7 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 		dlpc__close(fd);
 		r = dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply", name);
 	} else {
-		r = build_bundle(c, name, rep, fd, flags & DLPC_ATTACH_WRITABLE, stream, ret);
+		r = build_bundle(c, name, rep, fd, flags, stream, ret);
 		if (r == 0)
 			r = (int)rep->generation;
 	}
@@ -290,4 +297,15 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_bundle_take(dlpc_bundle *b, size_t i)
 	t = b->tensors[i];
 	b->tensors[i] = NULL;
 	return t;
+}
+
+DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream)
+{
+	struct dlpc__region *r = dlpc__view_region(t);
+
+	if (!r)
+		return dlpc__fail(-EINVAL, "dlpc_tensor_wait: the tensor was not made by libdlpc");
+	if (!r->has_event)
+		return 0;
+	return dlpc__cuda_wait(r->ev_handle, r->ordinal, stream, "dlpc_tensor_wait");
 }

@@ -219,6 +219,7 @@ struct ipc_pub {
 	CUevent ev;
 	int ordinal;
 	uint8_t key[DLPC_CUDA_IPC_HANDLE_SIZE + DLPC_CUDA_UUID_SIZE]; /* handle + UUID */
+	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	CUdeviceptr base;
 };
 
@@ -279,6 +280,7 @@ int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const ch
 	p->base = base;
 	memcpy(p->key, x->mem_handle, DLPC_CUDA_IPC_HANDLE_SIZE);
 	memcpy(p->key + DLPC_CUDA_IPC_HANDLE_SIZE, x->uuid, DLPC_CUDA_UUID_SIZE);
+	memcpy(p->ev_handle, x->event_handle, DLPC_CUDA_IPC_HANDLE_SIZE);
 	pthread_mutex_lock(&pubs_mu);
 	p->token = x->token = ++next_token;
 	p->next = pubs;
@@ -336,30 +338,62 @@ struct dlpc__gpu_map {
 static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct dlpc__gpu_map *cache;
 
-/* Order work after the publisher's event: on @p stream, or by waiting here if it is NULL. */
+/*
+ * Order work after the publisher's event: on @p stream, or by waiting here if it is NULL. An
+ * event of this process's own publications is used as is (a process cannot open its own IPC
+ * handles). Called in the device's context.
+ */
 static int wait_event(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *stream,
 		      const char *what)
 {
 	CUipcEventHandle h;
-	CUevent ev;
-	int r;
+	CUevent ev = NULL;
+	bool own = false;
+	int r = 0;
 
-	memcpy(h.reserved, ev_handle, sizeof(h.reserved));
-	r = CU_CALL(what, cuIpcOpenEventHandle, &ev, h);
+	/* the publication (and its event) lives while an attached tensor holds its entry */
+	pthread_mutex_lock(&pubs_mu);
+	for (struct ipc_pub *p = pubs; p; p = p->next)
+		if (memcmp(p->ev_handle, ev_handle, DLPC_CUDA_IPC_HANDLE_SIZE) == 0) {
+			ev = p->ev;
+			own = true;
+			break;
+		}
+	pthread_mutex_unlock(&pubs_mu);
+	if (!own) {
+		memcpy(h.reserved, ev_handle, sizeof(h.reserved));
+		r = CU_CALL(what, cuIpcOpenEventHandle, &ev, h);
+	}
 	if (r < 0)
 		return r;
 	if (stream)
 		r = CU_CALL(what, cuStreamWaitEvent, (CUstream)stream, ev, 0);
 	else
 		r = CU_CALL(what, cuEventSynchronize, ev);
-	cu.cuEventDestroy(ev);
+	if (!own)
+		cu.cuEventDestroy(ev);
+	return r;
+}
+
+int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,
+		    const char *what)
+{
+	int r = driver(what);
+
+	if (r == 0)
+		r = push_ctx(ordinal, what);
+	if (r < 0)
+		return r;
+	r = wait_event(ev_handle, stream, what);
+	pop_ctx();
 	return r;
 }
 
 int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			  const uint8_t mem_handle[DLPC_CUDA_IPC_HANDLE_SIZE],
 			  const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *stream,
-			  const char *name, struct dlpc__gpu_map **ret, void **base, int *ordinal)
+			  bool defer, const char *name, struct dlpc__gpu_map **ret, void **base,
+			  int *ordinal)
 {
 	uint8_t key[DLPC_CUDA_IPC_HANDLE_SIZE + DLPC_CUDA_UUID_SIZE];
 	char what[DLPC_NAME_MAX + 32];
@@ -387,7 +421,7 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 		if (memcmp(p->key, key, sizeof(key)) == 0) {
 			*base = (void *)(uintptr_t)p->base;
 			pthread_mutex_unlock(&pubs_mu);
-			r = wait_event(ev_handle, stream, what);
+			r = defer ? 0 : wait_event(ev_handle, stream, what);
 			pop_ctx();
 			return r;
 		}
@@ -419,7 +453,7 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 		}
 	}
 	pthread_mutex_unlock(&cache_mu);
-	if (r == 0)
+	if (r == 0 && !defer)
 		r = wait_event(ev_handle, stream, what);
 	pop_ctx();
 	if (r < 0) {

@@ -69,6 +69,9 @@ struct dlpc__region {
 	bool device;		   /* CUDA memory: gpu says how to let go of it */
 	struct dlpc__gpu_map *gpu; /* CUDA: the mapping; NULL for the publisher's own pointer */
 	uint8_t uuid[DLPC_CUDA_UUID_SIZE]; /* CUDA dlpc_alloc memory: its device's UUID */
+	bool has_event; /* legacy CUDA IPC: ev_handle is the publisher's, for dlpc_tensor_wait() */
+	int ordinal;
+	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
 	uint64_t ref_id;
 	atomic_bool frozen; /* allocated memory sealed read-only and mprotected */
@@ -167,13 +170,17 @@ int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const ch
 bool dlpc__cuda_reclaim(uint64_t token, bool run_deleter);
 /*
  * Open a legacy IPC allocation through the import cache (or find it among this process's own
- * publications: then *@p ret is NULL), and order @p stream (NULL: this thread) after the
- * publisher's event. *@p base: the allocation here; *@p ordinal: the local device.
+ * publications: then *@p ret is NULL), and unless @p defer order @p stream (NULL: this thread)
+ * after the publisher's event. *@p base: the allocation here; *@p ordinal: the local device.
  */
 int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			  const uint8_t mem_handle[DLPC_CUDA_IPC_HANDLE_SIZE],
 			  const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *stream,
-			  const char *name, struct dlpc__gpu_map **ret, void **base, int *ordinal);
+			  bool defer, const char *name, struct dlpc__gpu_map **ret, void **base,
+			  int *ordinal);
+/* Order @p stream (NULL: this thread) on device @p ordinal after the event @p ev_handle. */
+int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,
+		    const char *what);
 /* Allocate @p nbytes of VMM memory on device @p ordinal, exportable as the fd *@p fd. */
 int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **ret, void **base,
 			 size_t *len, int *fd, uint8_t uuid[DLPC_CUDA_UUID_SIZE]);

@@ -98,6 +98,9 @@ typedef struct dlpc_attach_opts {
 #define DLPC_PUBLISH_WRITABLE (1u << 2)
 /** Attach: map writable (the entry must have been published with DLPC_PUBLISH_WRITABLE). */
 #define DLPC_ATTACH_WRITABLE (1u << 0)
+/** Attach: do not order anything after a legacy CUDA IPC publisher's event (neither
+ * opts->stream nor the host); call dlpc_tensor_wait() before using the memory. */
+#define DLPC_ATTACH_DEFER_SYNC (1u << 1)
 
 /** The library's version as "MAJOR.MINOR.PATCH". */
 DLPC_EXPORT const char *dlpc_version(void);
@@ -231,6 +234,17 @@ DLPC_EXPORT void dlpc_bundle_free(dlpc_bundle *b);
  * @return the new tensor, or NULL (see dlpc_last_error()) for a foreign tensor or no memory.
  */
 DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVersioned *t);
+
+/**
+ * Order work after the publisher of @p t (a tensor libdlpc made): for a tensor attached from a
+ * legacy CUDA IPC entry, @p stream (a CUstream, or the special handles CU_STREAM_LEGACY (0x1)
+ * and CU_STREAM_PER_THREAD (0x2)) waits for the publisher's event with cuStreamWaitEvent, or
+ * without a stream the calling thread waits (cuEventSynchronize). For any other tensor there
+ * is nothing to wait for. Meant for attaches with DLPC_ATTACH_DEFER_SYNC, where the consumer's
+ * stream is known only later (DLPack's __dlpack__(stream=...)); may be called more than once.
+ * @return 0, -EINVAL for a foreign tensor, or a negative errno from the driver.
+ */
+DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream);
 
 /**
  * Remove @p name. Attached tensors stay valid; the storage is freed after their release.

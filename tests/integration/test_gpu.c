@@ -218,6 +218,7 @@ struct attacher {
 	const char *name;
 	float base;	   /* expected content */
 	bool with_stream;  /* pass a stream in dlpc_attach_opts */
+	bool defer;	   /* attach with DLPC_ATTACH_DEFER_SYNC, then dlpc_tensor_wait() */
 	void *stream_seen; /* set by the child (its own copy): the stream it passed */
 };
 
@@ -235,6 +236,20 @@ static int attacher_main(void *arg)
 		CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
 		CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
 		o.stream = s;
+	}
+	if (a->defer) {
+		o.flags = DLPC_ATTACH_DEFER_SYNC;
+		CHILD_CHECK(dlpc_attach(c, a->name, &o, &t) == 1);
+		/* nothing waited yet; then each wait as asked, as often as asked */
+		CHILD_CHECK(log_count(getpid(), "cuStreamWaitEvent") == 0);
+		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 0);
+		CHILD_CHECK(dlpc_tensor_wait(t, (void *)0x2) == 0);
+		CHILD_CHECK(log_count(getpid(), "cuStreamWaitEvent stream=0x2 ") == 1);
+		CHILD_CHECK(dlpc_tensor_wait(t, NULL) == 0);
+		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 1);
+		t->deleter(t);
+		dlpc_close(c);
+		return 0;
 	}
 	CHILD_CHECK(dlpc_attach(c, a->name, &o, &t) == 1);
 	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA);
@@ -549,6 +564,12 @@ START_TEST(stream_ordering)
 	ck_assert_int_eq(log_count2(0, "cuIpcOpenEventHandle", rec), 2);
 	ck_assert_int_eq(log_count2(0, "cuStreamWaitEvent", rec), 1);
 	ck_assert_int_eq(log_count2(0, "cuEventSynchronize", rec), 1);
+	/* the wait put off to dlpc_tensor_wait(), as __dlpack__(stream=...) needs it */
+	{
+		struct attacher a = {.name = "gpu/s", .base = 1.0f, .defer = true};
+
+		ck_assert_int_eq(wait_child(spawn(attacher_main, &a)), 0);
+	}
 	publisher_stop(&p);
 }
 END_TEST
