@@ -174,7 +174,8 @@ DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
  * Fill it in place, then hand it to dlpc_publish(): it is published without a copy. If never
  * published, its deleter frees it. @p device is {kDLCPU, 0} (a memfd) or {kDLCUDA, ordinal}:
  * CUDA VMM memory (cuMemCreate with POSIX-fd handles, mapped read-write on that device; its
- * size is rounded up to the driver's granularity), whose entry can outlive the publisher.
+ * size is rounded up to the driver's granularity), whose entry can outlive the publisher. Its
+ * entry carries no event for attachers to wait on: finish writing (synchronize) first.
  * @p c may be NULL (nothing is asked of the daemon). Other handles on the same memory (dlpc_tensor_share()) stay valid
  * after it is published; a read-only publish (even one the daemon refuses: the memory is sealed
  * by then) makes the memory read-only in this process too. Handles made earlier keep their
