@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -103,6 +105,8 @@ static void atfork_child(void)
 	for (dlpc_client *c = open_clients; c; c = c->next_open) {
 		dlpc__close(c->sock);
 		c->sock = -1;
+		dlpc__close(c->wake_fd);
+		c->wake_fd = -1;
 	}
 	/*
 	 * The parent's deferred releases are the parent's business, and no flusher runs here. The
@@ -161,6 +165,7 @@ static void client_free(dlpc_client *c)
 	dlpc__rx_clear(&c->rx);
 	dlpc__scratch_clear(&c->out);
 	free(c->reclaimed);
+	dlpc__close(c->wake_fd);
 	pthread_mutex_destroy(&c->mu);
 	pthread_mutex_destroy(&c->wmu);
 	pthread_cond_destroy(&c->cv);
@@ -570,7 +575,36 @@ void dlpc__reclaim_count(dlpc_client *c, int delta)
 {
 	pthread_mutex_lock(&c->mu);
 	c->ipc_pubs += (unsigned)delta;
+	/* a publication taken back (its publish failed) may leave the reclaimer waiting for a
+	 * socket that has nothing more to say: let it look again */
+	if (c->ipc_pubs == 0 && c->reclaimer && c->wake_fd >= 0 &&
+	    eventfd_write(c->wake_fd, 1) < 0) {
+		/* the counter cannot overflow here; nothing to do */
+	}
 	pthread_mutex_unlock(&c->mu);
+}
+
+/*
+ * The reclaimer's turn as reader: wait until the socket has something (or something is
+ * buffered already) and read; or return 1 without reading when woken through c->wake_fd.
+ * 0 or a negative errno as read_frames().
+ */
+static int reclaimer_read(dlpc_client *c)
+{
+	struct pollfd p[2] = {{.fd = c->sock, .events = POLLIN},
+			      {.fd = c->wake_fd, .events = POLLIN}};
+	eventfd_t v;
+
+	if (c->wake_fd >= 0 && !dlpc__rx_partial(&c->rx)) {
+		while (poll(p, 2, -1) < 0)
+			if (errno != EINTR)
+				return -errno;
+		if (!p[0].revents) {
+			eventfd_read(c->wake_fd, &v);
+			return 1;
+		}
+	}
+	return read_frames(c);
 }
 
 /*
@@ -619,7 +653,7 @@ static void *reclaimer(void *arg)
 		}
 		c->reading = true;
 		pthread_mutex_unlock(&c->mu);
-		int r = read_frames(c);
+		int r = reclaimer_read(c);
 		pthread_mutex_lock(&c->mu);
 		c->reading = false;
 		if (r < 0 && !c->broken)
@@ -635,6 +669,8 @@ static void *reclaimer(void *arg)
 void dlpc__reclaim_start(dlpc_client *c)
 {
 	pthread_mutex_lock(&c->mu);
+	if (c->wake_fd < 0)
+		c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	if (!c->reclaimer && !c->broken) {
 		sigset_t all, old;
 		pthread_attr_t attr;
@@ -682,6 +718,7 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 	if (!c)
 		return dlpc__fail(-ENOMEM, "out of memory");
 	c->pid = getpid();
+	c->wake_fd = -1;
 	c->fork_gen = __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
 	atomic_init(&c->refs, 1);
 	pthread_mutex_init(&c->mu, NULL);

@@ -44,6 +44,7 @@ struct dlpc_client {
 	uint64_t *reclaimed;
 	size_t nreclaimed, reclaimed_cap;
 	bool reclaimer;
+	int wake_fd; /* eventfd that stops the reclaimer's wait for the socket; -1 until needed */
 	char fatal[256];    /* the daemon's last word (an ERROR with id 0), if any */
 	struct dlpc__rx rx; /* used only by the current reader */
 
