@@ -31,9 +31,6 @@
 #include "cuda_api.h"
 #include "internal.h"
 
-/* Most devices a process may see; ordinals past it are refused. */
-#define MAX_DEVICES 64
-
 #define XSTR(x) STR(x)
 #define STR(x) #x
 
@@ -79,7 +76,7 @@ static pthread_once_t load_once = PTHREAD_ONCE_INIT;
 static int load_err;	   /* 0 once loaded, else the negative errno */
 static char load_msg[320]; /* and why */
 static pthread_mutex_t ctx_mu = PTHREAD_MUTEX_INITIALIZER;
-static CUcontext ctxs[MAX_DEVICES];
+static CUcontext ctxs[DLPC_CUDA_DEVICES_MAX];
 
 static void load(void)
 {
@@ -133,9 +130,10 @@ static int cu_fail(CUresult e, const char *fn, const char *what)
 		cu.cuGetErrorString(e, &s);
 	if (e == CUDA_ERROR_NOT_SUPPORTED)
 		return dlpc__fail(-ENOTSUP, "%s: %s: not supported on this platform", what, fn);
-	return dlpc__fail(e == CUDA_ERROR_OUT_OF_MEMORY	  ? -ENOMEM
-			  : e == CUDA_ERROR_INVALID_VALUE ? -EINVAL
-							  : -EIO,
+	return dlpc__fail(e == CUDA_ERROR_OUT_OF_MEMORY	   ? -ENOMEM
+			  : e == CUDA_ERROR_INVALID_VALUE  ? -EINVAL
+			  : e == CUDA_ERROR_INVALID_DEVICE ? -ENODEV
+							   : -EIO,
 			  "%s: %s failed: %s (CUDA error %d)", what, fn, s ? s : "unknown error",
 			  (int)e);
 }
@@ -146,6 +144,17 @@ static int cu_fail(CUresult e, const char *fn, const char *what)
 		_e == CUDA_SUCCESS ? 0 : cu_fail(_e, #fn, what);                                   \
 	})
 
+/* 0 if libdlpc can use device @p ordinal at all; -ENODEV past DLPC_CUDA_DEVICES_MAX. */
+static int ordinal_check(int ordinal, const char *what)
+{
+	if (ordinal < 0 || ordinal >= DLPC_CUDA_DEVICES_MAX)
+		return dlpc__fail(
+			-ENODEV,
+			"%s: CUDA device %d is out of range (libdlpc uses devices 0 to %d)", what,
+			ordinal, DLPC_CUDA_DEVICES_MAX - 1);
+	return 0;
+}
+
 /* Make device @p ordinal's primary context current (pop_ctx() undoes it). */
 static int push_ctx(int ordinal, const char *what)
 {
@@ -153,8 +162,9 @@ static int push_ctx(int ordinal, const char *what)
 	CUdevice dev;
 	int r = 0;
 
-	if (ordinal < 0 || ordinal >= MAX_DEVICES)
-		return dlpc__fail(-ENODEV, "%s: CUDA device %d is out of range", what, ordinal);
+	r = ordinal_check(ordinal, what);
+	if (r < 0)
+		return r;
 	pthread_mutex_lock(&ctx_mu);
 	if (!ctxs[ordinal]) {
 		r = CU_CALL(what, cuDeviceGet, &dev, ordinal);
@@ -178,7 +188,7 @@ static int uuid_ordinal(const uint8_t uuid[DLPC_CUDA_UUID_SIZE], const char *wha
 {
 	int n = 0, r = CU_CALL(what, cuDeviceGetCount, &n);
 
-	for (int i = 0; r == 0 && i < n && i < MAX_DEVICES; i++) {
+	for (int i = 0; r == 0 && i < n && i < DLPC_CUDA_DEVICES_MAX; i++) {
 		CUdevice dev;
 		CUuuid u;
 
@@ -200,6 +210,8 @@ int dlpc__cuda_device_uuid(int ordinal, uint8_t uuid[DLPC_CUDA_UUID_SIZE], const
 	CUuuid u;
 	int r = driver(what);
 
+	if (r == 0)
+		r = ordinal_check(ordinal, what);
 	if (r == 0)
 		r = CU_CALL(what, cuDeviceGet, &dev, ordinal);
 	if (r == 0)

@@ -48,6 +48,9 @@
 /* Sizes of the CUDA identifiers a PUBLISH carries: IPC memory and event handles, device UUID. */
 #define DLPC_CUDA_IPC_HANDLE_SIZE 64
 #define DLPC_CUDA_UUID_SIZE 16
+/* libdlpc: CUDA devices it can use in one process (ordinals 0 to this - 1); one primary
+ * context is kept for each it has used. */
+#define DLPC_CUDA_DEVICES_MAX 64
 /* Largest payload of a HELLO, ATTACH, UNPUBLISH, LIST, STAT or WATCH (a name and a few numbers). */
 #define DLPC_SMALL_MSG_MAX 4096
 /* Largest payload of a RELEASE: DLPC_RELEASE_BATCH_MAX ids of up to 10 bytes, plus framing. */

@@ -632,6 +632,32 @@ START_TEST(no_driver_errors)
 }
 END_TEST
 
+static int bad_devices(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	int64_t n = 4;
+
+	(void)arg;
+	/* a device the driver does not have, and one past what libdlpc handles at all */
+	CHILD_CHECK(dlpc_alloc(NULL, (DLDevice){kDLCUDA, 1}, (DLDataType){kDLFloat, 32, 1}, 1, &n,
+			       &t) == -ENODEV);
+	CHILD_CHECK(strstr(dlpc_last_error(), "cuDeviceGet"));
+	CHILD_CHECK(dlpc_alloc(NULL, (DLDevice){kDLCUDA, DLPC_CUDA_DEVICES_MAX},
+			       (DLDataType){kDLFloat, 32, 1}, 1, &n, &t) == -ENODEV);
+	CHILD_CHECK(strstr(dlpc_last_error(), "out of range"));
+	CHILD_CHECK(dlpc_alloc(NULL, (DLDevice){kDLCUDA, DLPC_CUDA_DEVICES_MAX - 1},
+			       (DLDataType){kDLFloat, 32, 1}, 1, &n, &t) == -ENODEV);
+	CHILD_CHECK(!strstr(dlpc_last_error(), "out of range"));
+	CHILD_CHECK(t == NULL);
+	return 0;
+}
+
+START_TEST(device_ordinals)
+{
+	ck_assert_int_eq(wait_child(spawn(bad_devices, NULL)), 0);
+}
+END_TEST
+
 static int ipc_unsupported(void *arg)
 {
 	DLManagedTensorVersioned *t = NULL;
@@ -728,6 +754,7 @@ static Suite *gpu_suite(void)
 		{"stream_ordering", stream_ordering},
 		{"no_driver", no_driver_errors},
 		{"ipc_not_supported", ipc_not_supported},
+		{"device_ordinals", device_ordinals},
 		{"daemon_without_cuda", daemon_without_cuda},
 	};
 
