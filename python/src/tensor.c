@@ -576,7 +576,7 @@ static PyGetSetDef tensor_getset[] = {
 	{"shape", get_shape, NULL, "extents, as a tuple", NULL},
 	{"dtype", get_dtype, NULL, "element type, numpy-style (\"bfloat16\" where numpy has none)",
 	 NULL},
-	{"device", get_device, NULL, "\"cpu\"", NULL},
+	{"device", get_device, NULL, "\"cpu\", or \"cuda:N\" (N: this process's ordinal)", NULL},
 	{"nbytes", get_nbytes, NULL, "bytes of data", NULL},
 	{"readonly", get_readonly, NULL, "whether the memory is mapped read-only", NULL},
 	{"data_ptr", get_data_ptr, NULL, "address of the first element", NULL},
