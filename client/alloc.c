@@ -239,7 +239,8 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
 	*ret = NULL;
 	if (c && (err = dlpc__check(c)) < 0)
 		return err;
-	if (device.device_type != kDLCPU || device.device_id != 0)
+	if ((device.device_type != kDLCPU || device.device_id != 0) &&
+	    (device.device_type != kDLCUDA || device.device_id < 0))
 		return dlpc__fail(-ENOTSUP, "dlpc_alloc: device %d:%d is not supported",
 				  (int)device.device_type, (int)device.device_id);
 	if (dlpc__tensor_nbytes(dtype.bits, dtype.lanes, shape, (size_t)ndim, &nbytes) < 0 ||
@@ -249,6 +250,21 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
 	r = calloc(1, sizeof(*r));
 	if (!r)
 		return dlpc__fail(-ENOMEM, "dlpc_alloc: out of memory");
+	if (device.device_type == kDLCUDA) {
+		/* CUDA VMM memory, exportable as an fd that the daemon can hold */
+		err = dlpc__cuda_vmm_alloc(device.device_id, size, &r->gpu, &r->base, &r->len,
+					   &r->fd, r->uuid);
+		if (err < 0) {
+			free(r);
+			return err;
+		}
+		r->device = true;
+		atomic_init(&r->refs, 1);
+		atomic_init(&r->frozen, false);
+		*ret = dlpc__view_new(r, r->base, device, dtype, ndim, shape, 0);
+		dlpc__region_unref(r);
+		return *ret ? 0 : dlpc__fail(-ENOMEM, "dlpc_alloc: out of memory");
+	}
 	r->fd = dlpc__memfd_create("dlpc_alloc", size, true);
 	if (r->fd < 0) {
 		err = r->fd;

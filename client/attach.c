@@ -25,8 +25,9 @@ struct dlpc_bundle {
 };
 
 /*
- * Check the daemon's tensor table against the storage (a guard against a confused daemon):
- * the tensor count, and the total bytes of keys, or -1 when a record is malformed or does not
+ * Check the daemon's tensor table against the storage (a guard against a confused daemon;
+ * host tensors are also DLPC_ALIGN-aligned, where a CUDA one sits wherever the publisher's
+ * allocator put it): the tensor count, and the total bytes of keys, or -1 when a record is malformed or does not
  * fit the storage.
  */
 static int64_t reply_sane(const Dlpackd__V1__AttachReply *rep, size_t *keybytes)
@@ -45,8 +46,8 @@ static int64_t reply_sane(const Dlpackd__V1__AttachReply *rep, size_t *keybytes)
 		if (dlpc__table_next(p, len, &pos, &d) < 0 ||
 		    dlpc__tensor_nbytes(d.dtype.bits, d.dtype.lanes, d.shape, (size_t)d.ndim,
 					&nbytes) < 0 ||
-		    d.offset % DLPC_ALIGN != 0 || d.offset > rep->storage_size ||
-		    nbytes > rep->storage_size - d.offset)
+		    (rep->device_type == kDLCPU && d.offset % DLPC_ALIGN != 0) ||
+		    d.offset > rep->storage_size || nbytes > rep->storage_size - d.offset)
 			return -1;
 		*keybytes += d.key_len + 1;
 	}
@@ -67,12 +68,53 @@ DLPC_EXPORT void dlpc_bundle_free(dlpc_bundle *b)
 	free(b);
 }
 
-/* Turn an ATTACH reply and its fd into a bundle. Consumes @p fd. */
+/* Is the CUDA part of @p rep complete: a UUID, and IPC handles of the right size or an fd? */
+static bool cuda_sane(const Dlpackd__V1__AttachReply *rep, int fd)
+{
+	const Dlpackd__V1__CudaIpc *ipc = rep->cuda_ipc;
+
+	if (rep->device_uuid.len != DLPC_CUDA_UUID_SIZE)
+		return false;
+	if (!ipc)
+		return fd >= 0;
+	return fd < 0 && ipc->mem_handle.len == DLPC_CUDA_IPC_HANDLE_SIZE &&
+	       ipc->event_handle.len == DLPC_CUDA_IPC_HANDLE_SIZE;
+}
+
+/* Map the CUDA storage of @p rep into @p m (legacy IPC handles, or the VMM fd @p fd, which is
+ * not consumed) and order @p stream after the publisher. 0 or negative errno. */
+static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int fd, void *stream,
+		    bool defer, struct dlpc__region *m, DLDevice *dev)
+{
+	int ordinal = 0, r;
+
+	if (rep->cuda_ipc)
+		r = dlpc__cuda_ipc_import(rep->device_uuid.data, rep->cuda_ipc->mem_handle.data,
+					  rep->cuda_ipc->event_handle.data, stream, defer, name,
+					  &m->gpu, &m->base, &ordinal);
+	else
+		r = dlpc__cuda_vmm_import(fd, rep->storage_size, rep->device_uuid.data, name,
+					  &m->gpu, &m->base, &ordinal);
+	if (r < 0)
+		return r;
+	if (rep->cuda_ipc) {
+		m->has_event = true;
+		memcpy(m->ev_handle, rep->cuda_ipc->event_handle.data, sizeof(m->ev_handle));
+	}
+	m->ordinal = ordinal;
+	m->device = true;
+	dev->device_type = kDLCUDA;
+	dev->device_id = ordinal;
+	return 0;
+}
+
+/* Turn an ATTACH reply and its fd (-1 for legacy CUDA IPC) into a bundle. Consumes @p fd. */
 static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__AttachReply *rep,
-			int fd, bool writable, dlpc_bundle **ret)
+			int fd, uint32_t flags, void *stream, dlpc_bundle **ret)
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
-	uint64_t flags = writable ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
+	bool writable = flags & DLPC_ATTACH_WRITABLE;
+	uint64_t tflags = writable ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
 	struct dlpc__region *m = NULL;
 	struct dlpc__table_rec d;
 	dlpc_bundle *b;
@@ -81,9 +123,12 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	char *kp;
 	int r;
 
-	if (rep->device_type != kDLCPU || n < 0) {
+	if ((rep->device_type != kDLCPU || fd < 0) &&
+	    (rep->device_type != kDLCUDA || !cuda_sane(rep, fd)))
+		n = -1;
+	if (n < 0) {
 		dlpc__release(c, rep->ref_id);
-		close(fd);
+		dlpc__close(fd);
 		return dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply",
 				  name);
 	}
@@ -98,13 +143,20 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 		goto fail;
 	}
 	m->len = (size_t)rep->storage_size;
-	m->base = mmap(NULL, m->len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
-	if (m->base == MAP_FAILED) {
-		r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name,
-			       m->len);
-		goto fail;
+	if (rep->device_type == kDLCUDA) {
+		r = map_cuda(name, rep, fd, stream, flags & DLPC_ATTACH_DEFER_SYNC, m, &dev);
+		if (r < 0)
+			goto fail;
+	} else {
+		m->base = mmap(NULL, m->len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED,
+			       fd, 0);
+		if (m->base == MAP_FAILED) {
+			r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name,
+				       m->len);
+			goto fail;
+		}
 	}
-	close(fd);
+	dlpc__close(fd);
 	fd = -1;
 	/* from here the region owns the reference: its last unref releases it */
 	m->fd = -1;
@@ -125,7 +177,7 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 		kp[d.key_len] = '\0';
 		kp += d.key_len + 1;
 		b->tensors[i] = dlpc__view_new(b->region, (uint8_t *)b->region->base + d.offset,
-					       dev, d.dtype, d.ndim, d.shape, flags);
+					       dev, d.dtype, d.ndim, d.shape, tflags);
 		if (!b->tensors[i]) {
 			r = dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
 			goto fail;
@@ -152,6 +204,7 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 	struct dlpc__arena arena;
 	uint32_t flags = 0;
 	int64_t timeout = 0;
+	void *stream = NULL;
 	int fd, r;
 
 	if (!c || !ret)
@@ -169,13 +222,16 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 					  opts->size);
 		flags = opts->flags;
 		timeout = opts->timeout_ms;
+		if (opts->size >= offsetof(dlpc_attach_opts, stream) + sizeof(opts->stream))
+			stream = opts->stream;
 	}
-	if (flags & ~DLPC_ATTACH_WRITABLE)
+	if (flags & ~(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_DEFER_SYNC))
 		return dlpc__fail(-EINVAL, "cannot attach '%s': unknown flags 0x%x", name,
-				  flags & ~DLPC_ATTACH_WRITABLE);
+				  flags & ~(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_DEFER_SYNC));
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
-	req.flags = flags | extra;
+	/* DEFER_SYNC is this library's business, not the daemon's */
+	req.flags = (flags & ~DLPC_ATTACH_DEFER_SYNC) | extra;
 	req.timeout_ms = timeout;
 	/* the reply lives until the bundle is built: unpack it into an arena, not a malloc per
 	 * field (a 500-tensor bundle would be 1,500 of them) */
@@ -187,13 +243,13 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 		dlpc__arena_clear(&arena);
 		return r;
 	}
-	if (fd < 0 || rep->generation == 0 || rep->generation > INT32_MAX) {
+	if ((fd < 0 && !rep->cuda_ipc) || rep->generation == 0 || rep->generation > INT32_MAX) {
 		if (rep->ref_id)
 			dlpc__release(c, rep->ref_id);
 		dlpc__close(fd);
 		r = dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply", name);
 	} else {
-		r = build_bundle(c, name, rep, fd, flags & DLPC_ATTACH_WRITABLE, ret);
+		r = build_bundle(c, name, rep, fd, flags, stream, ret);
 		if (r == 0)
 			r = (int)rep->generation;
 	}
@@ -243,4 +299,15 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_bundle_take(dlpc_bundle *b, size_t i)
 	t = b->tensors[i];
 	b->tensors[i] = NULL;
 	return t;
+}
+
+DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream)
+{
+	struct dlpc__region *r = dlpc__view_region(t);
+
+	if (!r)
+		return dlpc__fail(-EINVAL, "dlpc_tensor_wait: the tensor was not made by libdlpc");
+	if (!r->has_event)
+		return 0;
+	return dlpc__cuda_wait(r->ev_handle, r->ordinal, stream, "dlpc_tensor_wait");
 }

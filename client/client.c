@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -103,6 +105,8 @@ static void atfork_child(void)
 	for (dlpc_client *c = open_clients; c; c = c->next_open) {
 		dlpc__close(c->sock);
 		c->sock = -1;
+		dlpc__close(c->wake_fd);
+		c->wake_fd = -1;
 	}
 	/*
 	 * The parent's deferred releases are the parent's business, and no flusher runs here. The
@@ -160,6 +164,8 @@ static void client_free(dlpc_client *c)
 	dlpc__close(c->sock);
 	dlpc__rx_clear(&c->rx);
 	dlpc__scratch_clear(&c->out);
+	free(c->reclaimed);
+	dlpc__close(c->wake_fd);
 	pthread_mutex_destroy(&c->mu);
 	pthread_mutex_destroy(&c->wmu);
 	pthread_cond_destroy(&c->cv);
@@ -193,11 +199,44 @@ static int conn_error(dlpc_client *c, int err)
 	return dlpc__fail(err, "connection to dlpackd lost: %s", strerror(-err));
 }
 
+/* Queue the tokens of a RECLAIM notice for the reclaimer thread. Called with c->mu held. */
+static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
+{
+	Dlpackd__V1__Reclaim *m = dlpackd__v1__reclaim__unpack(NULL, f->hdr.len, f->payload);
+	int r = 0;
+
+	if (!m || m->n_tokens > DLPC_RECLAIM_BATCH_MAX) {
+		r = -EPROTO;
+		goto out;
+	}
+	if (c->nreclaimed + m->n_tokens > c->reclaimed_cap) {
+		size_t cap = c->nreclaimed + m->n_tokens + 16;
+		uint64_t *v = realloc(c->reclaimed, cap * sizeof(*v));
+
+		if (!v) {
+			r = -ENOMEM;
+			goto out;
+		}
+		c->reclaimed = v;
+		c->reclaimed_cap = cap;
+	}
+	memcpy(c->reclaimed + c->nreclaimed, m->tokens, m->n_tokens * sizeof(*m->tokens));
+	c->nreclaimed += m->n_tokens;
+	/* the reclaimer may be waiting for another reader's turn to end: this wakes it */
+	pthread_cond_broadcast(&c->cv);
+out:
+	if (m)
+		dlpackd__v1__reclaim__free_unpacked(m, NULL);
+	return r;
+}
+
 /* Hand a received frame to the call waiting for it. Called with c->mu held. */
 static int deliver(dlpc_client *c, struct dlpc__frame *f)
 {
 	struct dlpc__call *call;
 
+	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_RECLAIM)
+		return take_reclaim(c, f);
 	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_ERROR) {
 		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, f->hdr.len, f->payload);
 
@@ -542,6 +581,125 @@ void dlpc__release(dlpc_client *c, uint64_t ref_id)
 	}
 }
 
+void dlpc__reclaim_count(dlpc_client *c, int delta)
+{
+	pthread_mutex_lock(&c->mu);
+	c->ipc_pubs += (unsigned)delta;
+	/* a publication taken back (its publish failed) may leave the reclaimer waiting for a
+	 * socket that has nothing more to say: let it look again */
+	if (c->ipc_pubs == 0 && c->reclaimer && c->wake_fd >= 0 &&
+	    eventfd_write(c->wake_fd, 1) < 0) {
+		/* the counter cannot overflow here; nothing to do */
+	}
+	pthread_mutex_unlock(&c->mu);
+}
+
+/*
+ * The reclaimer's turn as reader: wait until the socket has something (or something is
+ * buffered already) and read; or return 1 without reading when woken through c->wake_fd.
+ * 0 or a negative errno as read_frames().
+ */
+static int reclaimer_read(dlpc_client *c)
+{
+	struct pollfd p[2] = {{.fd = c->sock, .events = POLLIN},
+			      {.fd = c->wake_fd, .events = POLLIN}};
+	eventfd_t v;
+
+	if (c->wake_fd >= 0 && !dlpc__rx_partial(&c->rx)) {
+		while (poll(p, 2, -1) < 0)
+			if (errno != EINTR)
+				return -errno;
+		if (!p[0].revents) {
+			eventfd_read(c->wake_fd, &v);
+			return 1;
+		}
+	}
+	return read_frames(c);
+}
+
+/*
+ * The reclaimer: one thread per connection with legacy CUDA IPC publications outstanding. It
+ * takes the reader's turn whenever no request holds it, so a RECLAIM notice is read as soon as
+ * it arrives even if the process makes no further calls, and it runs the deleters of the
+ * reclaimed publications itself, outside any lock and outside the reader's turn (a deleter may
+ * call libdlpc). It holds a reference on the client, so the connection (and its ephemeral
+ * entries) stays open after dlpc_close() until the last publication is reclaimed; it ends then,
+ * or when the connection is lost (the publications are then kept until the process exits: the
+ * daemon can no longer say whether some attacher still uses them).
+ */
+static void *reclaimer(void *arg)
+{
+	dlpc_client *c = arg;
+
+	pthread_mutex_lock(&c->mu);
+	for (;;) {
+		if (c->nreclaimed) {
+			size_t n = c->nreclaimed;
+			uint64_t *v = malloc(n * sizeof(*v));
+
+			if (v) {
+				memcpy(v, c->reclaimed, n * sizeof(*v));
+				c->nreclaimed = 0;
+			}
+			pthread_mutex_unlock(&c->mu);
+			for (size_t i = 0; v && i < n; i++)
+				if (dlpc__cuda_reclaim(v[i], true))
+					dlpc__reclaim_count(c, -1);
+			free(v);
+			pthread_mutex_lock(&c->mu);
+			if (!v) {
+				/* out of memory: try again in a moment */
+				pthread_mutex_unlock(&c->mu);
+				usleep(1000);
+				pthread_mutex_lock(&c->mu);
+			}
+			continue;
+		}
+		if (c->broken || c->ipc_pubs == 0)
+			break;
+		if (c->reading) {
+			pthread_cond_wait(&c->cv, &c->mu);
+			continue;
+		}
+		c->reading = true;
+		pthread_mutex_unlock(&c->mu);
+		int r = reclaimer_read(c);
+		pthread_mutex_lock(&c->mu);
+		c->reading = false;
+		if (r < 0 && !c->broken)
+			c->broken = r;
+		pthread_cond_broadcast(&c->cv);
+	}
+	c->reclaimer = false;
+	pthread_mutex_unlock(&c->mu);
+	dlpc__client_unref(c);
+	return NULL;
+}
+
+void dlpc__reclaim_start(dlpc_client *c)
+{
+	pthread_mutex_lock(&c->mu);
+	if (c->wake_fd < 0)
+		c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	if (!c->reclaimer && !c->broken) {
+		sigset_t all, old;
+		pthread_attr_t attr;
+		pthread_t t;
+
+		sigfillset(&all);
+		pthread_attr_init(&attr);
+		pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+		pthread_sigmask(SIG_SETMASK, &all, &old);
+		dlpc__client_ref(c);
+		c->reclaimer = pthread_create(&t, &attr, reclaimer, c) == 0;
+		pthread_sigmask(SIG_SETMASK, &old, NULL);
+		pthread_attr_destroy(&attr);
+		if (!c->reclaimer)
+			atomic_fetch_sub_explicit(&c->refs, 1, memory_order_relaxed);
+	}
+	pthread_mutex_unlock(&c->mu);
+}
+
 DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
@@ -570,6 +728,7 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 	if (!c)
 		return dlpc__fail(-ENOMEM, "out of memory");
 	c->pid = getpid();
+	c->wake_fd = -1;
 	c->fork_gen = __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
 	atomic_init(&c->refs, 1);
 	pthread_mutex_init(&c->mu, NULL);
@@ -603,6 +762,7 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 		dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
 		goto fail;
 	}
+	c->minor = rep->version_minor;
 	dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
 	*ret = c;
 	return 0;

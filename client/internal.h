@@ -36,7 +36,15 @@ struct dlpc_client {
 	bool reading;
 	int broken; /* 0, or the negative errno that ended the connection */
 	uint32_t next_id;
+	uint32_t minor; /* protocol minor version agreed at HELLO */
 	struct dlpc__call *calls;
+	/* legacy CUDA IPC publications awaiting their RECLAIM notice, the tokens of notices
+	 * received but not yet acted on, and whether the reclaimer thread runs (client.c) */
+	unsigned ipc_pubs;
+	uint64_t *reclaimed;
+	size_t nreclaimed, reclaimed_cap;
+	bool reclaimer;
+	int wake_fd; /* eventfd that stops the reclaimer's wait for the socket; -1 until needed */
 	char fatal[256];    /* the daemon's last word (an ERROR with id 0), if any */
 	struct dlpc__rx rx; /* used only by the current reader */
 
@@ -58,7 +66,13 @@ struct dlpc__region {
 	atomic_uint refs;
 	void *base;
 	size_t len;
-	int fd;		     /* dlpc_alloc memory: its memfd; attached memory: -1 */
+	int fd; /* dlpc_alloc memory: its memfd (CUDA: its VMM export fd); attached memory: -1 */
+	bool device;		   /* CUDA memory: gpu says how to let go of it */
+	struct dlpc__gpu_map *gpu; /* CUDA: the mapping; NULL for the publisher's own pointer */
+	uint8_t uuid[DLPC_CUDA_UUID_SIZE]; /* CUDA dlpc_alloc memory: its device's UUID */
+	bool has_event; /* legacy CUDA IPC: ev_handle is the publisher's, for dlpc_tensor_wait() */
+	int ordinal;
+	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
 	uint64_t ref_id;
 	atomic_bool frozen; /* allocated memory sealed read-only and mprotected */
@@ -122,5 +136,59 @@ int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in);
 void dlpc__entry_clear(dlpc_entry_info *e);
 /* Validate a user-supplied name; 0 or -EINVAL with the message set. */
 int dlpc__name_arg(const char *name, const char *what);
+
+/* Count a legacy CUDA IPC publication of @p c until its RECLAIM notice (or, with -1, take a
+ * failed one back). */
+void dlpc__reclaim_count(dlpc_client *c, int delta);
+/* Make sure the reclaimer thread of @p c runs: it reads the connection whenever no request
+ * does, so that RECLAIM notices are acted on while the process makes no calls. */
+void dlpc__reclaim_start(dlpc_client *c);
+
+/* ---- cuda.c: the CUDA driver, loaded at run time ---- */
+struct dlpc__gpu_map;
+
+/* What a legacy IPC publication sends. */
+struct dlpc__ipc_export {
+	uint8_t mem_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
+	uint8_t event_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
+	uint8_t uuid[DLPC_CUDA_UUID_SIZE];
+	uint64_t offset;     /* of the tensor's data in its allocation */
+	uint64_t alloc_size; /* the allocation's size */
+	uint64_t token;	     /* for the RECLAIM notice */
+};
+
+/* The 16-byte UUID of CUDA device @p ordinal. 0 or negative errno, message naming @p what. */
+int dlpc__cuda_device_uuid(int ordinal, uint8_t uuid[DLPC_CUDA_UUID_SIZE], const char *what);
+/*
+ * Export the allocation holding @p t's @p nbytes with an IPC handle and an interprocess event
+ * recorded now on the legacy default stream. On success the library keeps @p t under x->token
+ * until dlpc__cuda_reclaim(). -ENODEV without a driver, -ENOTSUP where IPC is unsupported.
+ */
+int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const char *name,
+			  struct dlpc__ipc_export *x);
+/* Forget the publication @p token, running its tensor's deleter if @p run_deleter. false if
+ * the token is unknown. */
+bool dlpc__cuda_reclaim(uint64_t token, bool run_deleter);
+/*
+ * Open a legacy IPC allocation through the import cache (or find it among this process's own
+ * publications: then *@p ret is NULL), and unless @p defer order @p stream (NULL: this thread)
+ * after the publisher's event. *@p base: the allocation here; *@p ordinal: the local device.
+ */
+int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
+			  const uint8_t mem_handle[DLPC_CUDA_IPC_HANDLE_SIZE],
+			  const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *stream,
+			  bool defer, const char *name, struct dlpc__gpu_map **ret, void **base,
+			  int *ordinal);
+/* Order @p stream (NULL: this thread) on device @p ordinal after the event @p ev_handle. */
+int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,
+		    const char *what);
+/* Allocate @p nbytes of VMM memory on device @p ordinal, exportable as the fd *@p fd. */
+int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **ret, void **base,
+			 size_t *len, int *fd, uint8_t uuid[DLPC_CUDA_UUID_SIZE]);
+/* Import the VMM export @p fd (not consumed) of @p size bytes and map it read-write. */
+int dlpc__cuda_vmm_import(int fd, uint64_t size, const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
+			  const char *name, struct dlpc__gpu_map **ret, void **base, int *ordinal);
+/* Drop one use of @p m: the last closes the IPC handle or unmaps the VMM range. */
+void dlpc__cuda_unmap(struct dlpc__gpu_map *m);
 
 #endif

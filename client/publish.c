@@ -138,10 +138,10 @@ static int slot_init(struct slot *s, const DLManagedTensorVersioned *mt, const c
 	const DLTensor *t = &mt->dl_tensor;
 
 	s->t = t;
-	if (t->device.device_type != kDLCPU)
+	if (t->device.device_type != kDLCPU && t->device.device_type != kDLCUDA)
 		return dlpc__fail(-ENOTSUP,
 				  "cannot publish '%s': tensor %zu is on device type %d; only host "
-				  "(kDLCPU) memory can be shared",
+				  "(kDLCPU) and CUDA (kDLCUDA) memory can be shared",
 				  name, i, (int)t->device.device_type);
 	if (t->ndim < 0 || t->ndim > DLPC_NDIM_MAX || (t->ndim > 0 && !t->shape))
 		return dlpc__fail(-EINVAL,
@@ -154,6 +154,12 @@ static int slot_init(struct slot *s, const DLManagedTensorVersioned *mt, const c
 				  "cannot publish '%s': tensor %zu has a bad dtype or shape", name,
 				  i);
 	s->contiguous = is_contiguous(t);
+	if (t->device.device_type == kDLCUDA && !s->contiguous)
+		return dlpc__fail(
+			-ENOTSUP,
+			"cannot publish '%s': tensor %zu is a strided CUDA tensor; make it "
+			"contiguous first (device memory is shared in place, not copied)",
+			name, i);
 	if (!s->contiguous && (t->dtype.bits * t->dtype.lanes) % 8 != 0)
 		return dlpc__fail(-ENOTSUP,
 				  "cannot publish '%s': tensor %zu is strided with "
@@ -194,12 +200,13 @@ static struct dlpc__region *zero_copy_source(const DLManagedTensorVersioned *mt,
 	return r;
 }
 
+/* Send @p req with the storage @p fd (none if -1); the generation, or a negative errno. */
 static int send_publish(dlpc_client *c, Dlpackd__V1__Publish *req, int fd)
 {
 	Dlpackd__V1__PublishReply *rep;
 	int r;
 
-	r = dlpc__call(c, DLPC_MSG_PUBLISH, &req->base, &fd, 1,
+	r = dlpc__call(c, DLPC_MSG_PUBLISH, &req->base, &fd, fd >= 0 ? 1 : 0,
 		       &dlpackd__v1__publish_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
 		       NULL);
 	if (r < 0)
@@ -236,9 +243,71 @@ static int publish_args(dlpc_client *c, const char *name, size_t n,
 	return 0;
 }
 
+/*
+ * Publish the CUDA tensor @p t: dlpc_alloc() memory on the device goes as its VMM export fd;
+ * any other device pointer through legacy IPC, in which case the library keeps @p t (*@p kept)
+ * until the daemon's RECLAIM notice. The generation or a negative errno.
+ */
+static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersioned *t,
+			const struct slot *s, Dlpackd__V1__TensorDesc **dptrs, uint32_t flags,
+			bool *kept)
+{
+	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
+	Dlpackd__V1__CudaIpc ipc = DLPACKD__V1__CUDA_IPC__INIT;
+	struct dlpc__region *zc = zero_copy_source(t, s);
+	struct dlpc__ipc_export x;
+	int r;
+
+	if (c->minor < 2)
+		return dlpc__fail(-ENOTSUP,
+				  "cannot publish '%s': dlpackd speaks protocol %d.%u; CUDA "
+				  "tensors need %d.2",
+				  name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
+	req.name.data = (uint8_t *)name;
+	req.name.len = strlen(name);
+	req.flags = flags;
+	req.device_type = kDLCUDA;
+	req.device_id = t->dl_tensor.device.device_id;
+	req.n_tensors = 1;
+	req.tensors = dptrs;
+	req.device_uuid.len = DLPC_CUDA_UUID_SIZE;
+	if (zc && zc->device) {
+		req.storage_size = zc->len;
+		req.device_uuid.data = zc->uuid;
+		dptrs[0]->offset = (uint64_t)((const uint8_t *)t->dl_tensor.data +
+					      t->dl_tensor.byte_offset - (const uint8_t *)zc->base);
+		return send_publish(c, &req, zc->fd);
+	}
+	r = dlpc__cuda_ipc_export(t, s->nbytes, name, &x);
+	if (r < 0)
+		return r;
+	ipc.mem_handle.data = x.mem_handle;
+	ipc.mem_handle.len = sizeof(x.mem_handle);
+	ipc.event_handle.data = x.event_handle;
+	ipc.event_handle.len = sizeof(x.event_handle);
+	req.cuda_ipc = &ipc;
+	req.device_uuid.data = x.uuid;
+	req.storage_size = x.alloc_size;
+	req.reclaim_token = x.token;
+	/* the memory stays this process's: the entry goes when the connection does */
+	req.flags |= DLPC_PUBLISH_EPHEMERAL;
+	dptrs[0]->offset = x.offset;
+	dlpc__reclaim_count(c, 1);
+	r = send_publish(c, &req, -1);
+	if (r < 0) {
+		dlpc__reclaim_count(c, -1);
+		dlpc__cuda_reclaim(x.token, false);
+		return r;
+	}
+	*kept = true;
+	dlpc__reclaim_start(c);
+	return r;
+}
+
 static int publish(dlpc_client *c, const char *name, size_t n, const char *const keys[],
 		   DLManagedTensorVersioned *const tensors[], uint32_t flags)
 {
+	bool kept = false;
 	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
 	Dlpackd__V1__TensorDesc *descs = NULL, **dptrs = NULL;
 	struct slot *slots = NULL;
@@ -281,6 +350,18 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 		fill_desc(&descs[i], &slots[i], key);
 		dptrs[i] = &descs[i];
 	}
+	if (n == 1 && tensors[0]->dl_tensor.device.device_type == kDLCUDA) {
+		r = publish_cuda(c, name, tensors[0], &slots[0], dptrs, flags, &kept);
+		goto out;
+	}
+	for (size_t i = 0; i < n; i++)
+		if (tensors[i]->dl_tensor.device.device_type != kDLCPU) {
+			r = dlpc__fail(-ENOTSUP,
+				       "cannot publish '%s': tensor %zu is a CUDA tensor; bundles "
+				       "hold host tensors only",
+				       name, i);
+			goto out;
+		}
 	if (n == 1)
 		zc = zero_copy_source(tensors[0], &slots[0]);
 	if (zc) {
@@ -330,7 +411,7 @@ out:
 	free(descs);
 	free(slots);
 	/* ownership passed to us on every path: each deleter runs exactly once */
-	for (size_t i = 0; tensors && i < n; i++)
+	for (size_t i = 0; tensors && i < n && !kept; i++)
 		if (tensors[i] && tensors[i]->deleter)
 			tensors[i]->deleter(tensors[i]);
 	return r;

@@ -28,7 +28,10 @@ void dlpc__region_unref(struct dlpc__region *r)
 {
 	if (atomic_fetch_sub_explicit(&r->refs, 1, memory_order_acq_rel) != 1)
 		return;
-	munmap(r->base, r->len);
+	if (!r->device)
+		munmap(r->base, r->len);
+	else if (r->gpu)
+		dlpc__cuda_unmap(r->gpu);
 	if (r->fd >= 0)
 		close(r->fd);
 	if (r->client) {

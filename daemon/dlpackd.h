@@ -136,13 +136,18 @@ struct dlpd_usage {
 struct dlpd_peer;
 
 struct dlpd_storage {
-	int fd;
+	int fd; /* -1 for legacy CUDA IPC, whose memory stays with the publisher */
 	struct dlpd_usage
 		*usage; /* the publisher's, charged with size until the storage is freed */
 	uint64_t size;
 	int32_t device_type, device_id;
 	unsigned names;	      /* entries pointing at it */
 	uint64_t attach_refs; /* live references held by connections */
+	/* legacy CUDA IPC: the publishing connection, told (RECLAIM) when this is freed; NULL once
+	 * it is gone */
+	struct dlpd_peer *reclaim_peer;
+	struct dlpd_list reclaim_link; /* in reclaim_peer->ipc_storages */
+	uint64_t reclaim_token;
 };
 
 struct dlpd_entry {
@@ -221,6 +226,8 @@ struct dlpd_server {
 	struct dlpd_registry reg;
 	struct dlpc__scratch out;	/* outgoing frames are packed here */
 	struct dlpd_list watchers;	/* peers that sent WATCH, in the order they did */
+	struct dlpd_list reclaimers;	/* peers with RECLAIM notices to send (reclaim.c) */
+	uv_timer_t reclaim_timer;	/* sends them on the next loop turn */
 	uint64_t nwatchers, event_seq;	/* event_seq: changes of the name map so far */
 	struct dlpc__scratch event_out; /* an event is packed here once for every watcher */
 	struct dlpd_stats stats;
@@ -257,7 +264,11 @@ struct dlpd_peer {
 	struct dlpc__tx tx;
 	struct dlpd_hmap refs; /* dlpd_ref by id */
 	uint64_t next_ref;
-	struct dlpd_list ephemeral; /* entries this connection owns */
+	struct dlpd_list ephemeral;    /* entries this connection owns */
+	struct dlpd_list ipc_storages; /* legacy CUDA IPC storages it published, still held */
+	uint64_t *reclaims;	       /* their tokens, freed but not yet told (reclaim.c) */
+	size_t nreclaims, reclaims_cap;
+	struct dlpd_list reclaim_link; /* in srv->reclaimers while nreclaims > 0 */
 	struct dlpd_list waiters;
 	struct dlpd_list link; /* in srv->peers */
 };
@@ -348,6 +359,19 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, const struct dl
 
 /* storage.c: is @p fd acceptable as host storage? 0, or negative errno and the reason. */
 int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t whylen);
+/* The same for a CUDA VMM export fd, which the daemon cannot look into: only that it is an open
+ * file of a kind a driver could hand out (not a socket, pipe, directory or O_PATH). */
+int dlpd_device_storage_check(int fd, char *why, size_t whylen);
+/* reclaim.c: RECLAIM notices to legacy CUDA IPC publishers. */
+/* Make @p p the publisher told when @p st is freed, with @p token. */
+void dlpd_reclaim_watch(struct dlpd_peer *p, struct dlpd_storage *st, uint64_t token);
+/* @p st is being freed: queue its notice for the next loop turn (never sent from here, where
+ * a failed write could tear down a connection in the middle of a registry change). */
+void dlpd_reclaim_storage_freed(struct dlpd_storage *st);
+/* @p p is going away: forget its storages and its unsent notices. */
+void dlpd_reclaim_drop_peer(struct dlpd_peer *p);
+void dlpd_reclaim_init(struct dlpd_server *s);
+void dlpd_reclaim_stop(struct dlpd_server *s);
 
 /* handlers: one file per family. */
 int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f);

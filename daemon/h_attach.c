@@ -44,10 +44,12 @@ static int attach_reply(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, 
 	rep.device_type = e->st->device_type;
 	rep.device_id = e->st->device_id;
 	rep.storage_size = e->st->size;
-	/* the descriptions were encoded once, at publish */
+	rep.device_uuid = pub->device_uuid;
+	rep.cuda_ipc = pub->cuda_ipc;
+	/* the descriptions were encoded once, at publish; legacy CUDA IPC sends no fd */
 	r = dlpd_reply_tail(p, DLPC_MSG_ATTACH | DLPC_MSG_REPLY, id, &rep.base, e->tensors_wire,
-			    e->tensors_wire_len, &e->st->fd, 1);
-	if (r == 0)
+			    e->tensors_wire_len, &e->st->fd, e->st->fd >= 0 ? 1 : 0);
+	if (r == 0 && e->st->fd >= 0)
 		p->srv->stats.fds_sent++;
 	return r;
 }

@@ -47,12 +47,12 @@ static int check_tensors(const Dlpackd__V1__Publish *req, char *why, size_t whyl
 			snprintf(why, whylen, "tensor %zu: bad dtype or shape", i);
 			return r;
 		}
-		if (t->offset % DLPC_ALIGN != 0 ||
+		/* a legacy CUDA IPC tensor sits where its producer put it in the allocation */
+		if ((!req->cuda_ipc && t->offset % DLPC_ALIGN != 0) ||
 		    __builtin_add_overflow(t->offset, nbytes, &end) || end > req->storage_size) {
 			snprintf(why, whylen,
 				 "tensor %zu: %llu bytes at offset %llu do not fit an aligned "
-				 "place in "
-				 "a storage of %llu bytes",
+				 "place in a storage of %llu bytes",
 				 i, (unsigned long long)nbytes, (unsigned long long)t->offset,
 				 (unsigned long long)req->storage_size);
 			return -EINVAL;
@@ -118,6 +118,55 @@ static uint8_t *encode_tensors(const Dlpackd__V1__Publish *req, size_t *len)
 	return wire;
 }
 
+/*
+ * Is the device part of @p req sound: host memory with its memfd, or a CUDA device with a UUID
+ * and either legacy IPC handles (no fd) or a VMM export fd? 0, or -errno and the reason; -EPROTO
+ * for an fd count that contradicts the message (the connection is then dropped). A legacy IPC
+ * entry is always ephemeral: the memory dies with its publisher.
+ */
+static int check_device(const struct dlpd_peer *p, Dlpackd__V1__Publish *req,
+			const struct dlpc__frame *f, char *why, size_t whylen)
+{
+	const Dlpackd__V1__CudaIpc *ipc = req->cuda_ipc;
+
+	(void)p;
+	if (req->device_type == kDLCPU) {
+		if (req->device_id != 0 || req->device_uuid.len || ipc) {
+			snprintf(why, whylen, "host device %d with CUDA fields", req->device_id);
+			return -EINVAL;
+		}
+		if (f->nfds != 1) {
+			snprintf(why, whylen, "host PUBLISH carries %u fds, expected 1", f->nfds);
+			return -EPROTO;
+		}
+		return 0;
+	}
+	if (req->device_type != kDLCUDA || req->device_id < 0) {
+		snprintf(why, whylen, "device %d:%d is not supported", req->device_type,
+			 req->device_id);
+		return -ENOTSUP;
+	}
+	if (req->device_uuid.len != DLPC_CUDA_UUID_SIZE) {
+		snprintf(why, whylen, "CUDA device UUID of %zu bytes, expected %d",
+			 req->device_uuid.len, DLPC_CUDA_UUID_SIZE);
+		return -EINVAL;
+	}
+	if (f->nfds != (ipc ? 0u : 1u)) {
+		snprintf(why, whylen, "%s PUBLISH carries %u fds, expected %u",
+			 ipc ? "CUDA IPC" : "CUDA VMM", f->nfds, ipc ? 0u : 1u);
+		return -EPROTO;
+	}
+	if (ipc && (ipc->mem_handle.len != DLPC_CUDA_IPC_HANDLE_SIZE ||
+		    ipc->event_handle.len != DLPC_CUDA_IPC_HANDLE_SIZE)) {
+		snprintf(why, whylen, "CUDA IPC handles of %zu and %zu bytes, expected %d",
+			 ipc->mem_handle.len, ipc->event_handle.len, DLPC_CUDA_IPC_HANDLE_SIZE);
+		return -EINVAL;
+	}
+	if (ipc)
+		req->flags |= DLPC_PUBLISH_EPHEMERAL;
+	return 0;
+}
+
 static bool may_change(const struct dlpd_peer *p, const struct dlpd_entry *e)
 {
 	return p->uid == 0 || p->uid == e->uid;
@@ -142,18 +191,25 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	if (req->flags & ~DLPC_PUBLISH_FLAGS_ALL)
 		return dlpd_reply_error(p, id, EINVAL, "cannot publish '%s': unknown flags 0x%x",
 					name, req->flags & ~DLPC_PUBLISH_FLAGS_ALL);
-	if (req->device_type != kDLCPU || req->device_id != 0)
-		return dlpd_reply_error(p, id, ENOTSUP,
-					"cannot publish '%s': device %d:%d is not supported", name,
-					req->device_type, req->device_id);
+	r = check_device(p, req, f, why, sizeof(why));
+	if (r == -EPROTO) {
+		dlpd_reply_error(p, id, EPROTO, "cannot publish '%s': %s", name, why);
+		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: PUBLISH: %s", why);
+		return -EPROTO;
+	}
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
 	if (req->storage_size == 0 || req->storage_size > INT64_MAX)
 		return dlpd_reply_error(p, id, EINVAL, "cannot publish '%s': bad storage size %llu",
 					name, (unsigned long long)req->storage_size);
 	r = check_tensors(req, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
-	r = dlpd_storage_check(f->fds[0], req->storage_size, req->flags & DLPC_PUBLISH_WRITABLE,
-			       why, sizeof(why));
+	if (req->device_type == kDLCPU)
+		r = dlpd_storage_check(f->fds[0], req->storage_size,
+				       req->flags & DLPC_PUBLISH_WRITABLE, why, sizeof(why));
+	else if (!req->cuda_ipc)
+		r = dlpd_device_storage_check(f->fds[0], why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
 	old = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
@@ -177,15 +233,18 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	wire = encode_tensors(req, &wire_len);
 	e = wire ? calloc(1, sizeof(*e)) : NULL;
 	/* charged to the connection's uid, whose usage record its connection keeps alive */
-	st = e ? dlpd_storage_new(&s->reg, p->usage, f->fds[0], req->storage_size, req->device_type,
-				  req->device_id)
+	st = e ? dlpd_storage_new(&s->reg, p->usage, f->nfds ? f->fds[0] : -1, req->storage_size,
+				  req->device_type, req->device_id)
 	       : NULL;
 	if (!st) {
 		free(e);
 		free(wire);
 		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
 	}
-	dlpc__frame_take_fd(f, 0);
+	if (f->nfds)
+		dlpc__frame_take_fd(f, 0);
+	else
+		dlpd_reclaim_watch(p, st, req->reclaim_token);
 	st->names = 1;
 	e->st = st;
 	e->pub = req;

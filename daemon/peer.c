@@ -25,7 +25,8 @@ struct handler {
 static const struct handler handlers[DLPC_MSG__REQUEST_COUNT] = {
 	[DLPC_MSG_HELLO] = {dlpd_on_hello, &dlpackd__v1__hello__descriptor, 0, 0,
 			    DLPC_SMALL_MSG_MAX},
-	[DLPC_MSG_PUBLISH] = {dlpd_on_publish, &dlpackd__v1__publish__descriptor, 1, 1,
+	/* no fd for legacy CUDA IPC, one otherwise: the handler checks which */
+	[DLPC_MSG_PUBLISH] = {dlpd_on_publish, &dlpackd__v1__publish__descriptor, 0, 1,
 			      DLPC_FRAME_MAX},
 	[DLPC_MSG_ATTACH] = {dlpd_on_attach, &dlpackd__v1__attach__descriptor, 0, 0,
 			     DLPC_SMALL_MSG_MAX},
@@ -78,6 +79,8 @@ struct dlpd_peer *dlpd_peer_new(struct dlpd_server *s, int fd)
 	dlpc__tx_init(&p->tx);
 	dlpd_hmap_init(&p->refs);
 	dlpd_list_init(&p->ephemeral);
+	dlpd_list_init(&p->ipc_storages);
+	dlpd_list_init(&p->reclaim_link);
 	dlpd_list_init(&p->waiters);
 	dlpd_list_init(&p->watch_link);
 	p->poll.data = p;
@@ -119,6 +122,8 @@ void dlpd_peer_kill(struct dlpd_peer *p, int prio, const char *fmt, ...)
 	dlpd_log(prio, "%s: %s", dlpd_peer_desc(p, desc, sizeof(desc)), msg);
 	dlpd_list_del(&p->link);
 	dlpd_watch_drop(p);
+	/* before its entries go: their storages must not queue notices for a dead connection */
+	dlpd_reclaim_drop_peer(p);
 	p->srv->npeers--;
 	p->srv->peers_closing++;
 	dlpd_registry_drop_peer(p->srv, p);

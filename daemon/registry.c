@@ -107,6 +107,7 @@ struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage
 	st->device_type = device_type;
 	st->device_id = device_id;
 	st->usage = u;
+	dlpd_list_init(&st->reclaim_link);
 	u->storages++;
 	u->bytes += size;
 	r->storages++;
@@ -127,8 +128,11 @@ void dlpd_storage_unref(struct dlpd_registry *r, struct dlpd_storage *st, bool n
 	st->usage->storages--;
 	st->usage->bytes -= st->size;
 	dlpd_usage_put(r, st->usage);
+	if (st->reclaim_peer)
+		dlpd_reclaim_storage_freed(st);
 	/* the last close of a memfd frees its memory: not on the loop */
-	dlpd_close_later(st->fd);
+	if (st->fd >= 0)
+		dlpd_close_later(st->fd);
 	free(st);
 }
 

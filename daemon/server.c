@@ -315,6 +315,7 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, 
 	s->listen_fd = s->lock_fd = -1;
 	dlpd_list_init(&s->peers);
 	dlpd_list_init(&s->watchers);
+	dlpd_list_init(&s->reclaimers);
 	dlpd_registry_init(&s->reg);
 	s->start_ms = dlpd_now_ms();
 	r = activated_fd >= 0 ? adopt(s, activated_fd) : bind_own(s, path);
@@ -325,6 +326,7 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, 
 	uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
 	uv_timer_init(loop, &s->accept_retry);
 	s->accept_retry.data = s;
+	dlpd_reclaim_init(s);
 	uv_signal_init(loop, &s->sig_term);
 	uv_signal_init(loop, &s->sig_int);
 	s->sig_term.data = s->sig_int.data = s;
@@ -365,6 +367,7 @@ void dlpd_server_stop(struct dlpd_server *s)
 	}
 	uv_close((uv_handle_t *)&s->listen_poll, listener_closed);
 	uv_close((uv_handle_t *)&s->accept_retry, NULL);
+	dlpd_reclaim_stop(s);
 	uv_close((uv_handle_t *)&s->sig_term, NULL);
 	uv_close((uv_handle_t *)&s->sig_int, NULL);
 	while (!dlpd_list_empty(&s->peers))

@@ -111,3 +111,29 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
 	}
 	return 0;
 }
+
+int dlpd_device_storage_check(int fd, char *why, size_t whylen)
+{
+	struct statx sx;
+	int fl = fcntl(fd, F_GETFL);
+
+	/* cached attributes only: nothing here calls into the file's filesystem */
+	if (fl < 0 || (fl & O_PATH)) {
+		snprintf(why, whylen, "CUDA VMM storage fd is an O_PATH descriptor");
+		return -EBADF;
+	}
+	if (statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_TYPE, &sx) < 0) {
+		snprintf(why, whylen, "CUDA VMM storage fd cannot be examined: %s",
+			 strerror(errno));
+		return -EBADF;
+	}
+	/* a socket could carry fds of its own (a loop the kernel must collect); none of these is
+	 * what a driver exports */
+	if (S_ISSOCK(sx.stx_mode) || S_ISFIFO(sx.stx_mode) || S_ISDIR(sx.stx_mode) ||
+	    S_ISLNK(sx.stx_mode)) {
+		snprintf(why, whylen, "CUDA VMM storage fd is %s, not a driver export",
+			 file_kind(sx.stx_mode));
+		return -EBADF;
+	}
+	return 0;
+}

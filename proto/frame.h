@@ -9,7 +9,8 @@
  *   6      1    nfds     fds that belong to this frame, <= DLPC_FRAME_FDS_MAX
  *   7      1    flags    reserved, must be 0
  *   8      4    id       request id, echoed by the reply; 0 for RELEASE and for frames the
- *                          daemon sends of its own accord (EVENT, errors below dispatch)
+ *                          daemon sends of its own accord (EVENT, RECLAIM, errors below
+ *                          dispatch)
  */
 #ifndef DLPC_PROTO_FRAME_H
 #define DLPC_PROTO_FRAME_H
@@ -29,6 +30,8 @@ enum dlpc_msg_type {
 	DLPC_MSG__REQUEST_COUNT,
 	/* A frame the daemon sends without a request (id 0): a watch event. */
 	DLPC_MSG_EVENT = 0x4001,
+	/* ...or a reclaim notice to a legacy CUDA IPC publisher (id 0, protocol 1.2). */
+	DLPC_MSG_RECLAIM = 0x4002,
 	/* A reply's type is its request's type with this bit set... */
 	DLPC_MSG_REPLY = 0x8000,
 	/* ...or exactly this, carrying an Error message. */

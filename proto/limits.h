@@ -12,7 +12,7 @@
 
 /* Protocol version spoken by this tree. Peers must agree on the major; minor is negotiated. */
 #define DLPC_PROTO_MAJOR 1
-#define DLPC_PROTO_MINOR 1
+#define DLPC_PROTO_MINOR 2
 
 /* Size of the fixed frame header, bytes. */
 #define DLPC_FRAME_HDR_SIZE 12
@@ -43,6 +43,14 @@
 #if DLPC_RELEASE_PENDING_MAX > DLPC_RELEASE_BATCH_MAX
 #error "deferred releases must fit one RELEASE frame"
 #endif
+/* Most publication tokens one RECLAIM notice carries (more go out in further frames). */
+#define DLPC_RECLAIM_BATCH_MAX 1024
+/* Sizes of the CUDA identifiers a PUBLISH carries: IPC memory and event handles, device UUID. */
+#define DLPC_CUDA_IPC_HANDLE_SIZE 64
+#define DLPC_CUDA_UUID_SIZE 16
+/* libdlpc: CUDA devices it can use in one process (ordinals 0 to this - 1); one primary
+ * context is kept for each it has used. */
+#define DLPC_CUDA_DEVICES_MAX 64
 /* Largest payload of a HELLO, ATTACH, UNPUBLISH, LIST, STAT or WATCH (a name and a few numbers). */
 #define DLPC_SMALL_MSG_MAX 4096
 /* Largest payload of a RELEASE: DLPC_RELEASE_BATCH_MAX ids of up to 10 bytes, plus framing. */

@@ -19,6 +19,11 @@
  *   a forked child it fails with -EBADFD; the child connects anew.
  * - Tensors handed out by the library own their memory through their deleter, which may be called
  *   from any thread, even after dlpc_close().
+ * - GPU tensors (kDLCUDA) need the CUDA driver at run time: the first GPU call loads
+ *   libcuda.so.1 (or $DLPC_CUDA_LIBRARY); nothing is linked against CUDA. Without a driver GPU
+ *   calls fail with -ENODEV ("CUDA driver (libcuda.so.1) not found"); where the driver cannot
+ *   do CUDA IPC (WSL, Tegra) with -ENOTSUP ("not supported on this platform"). Host work never
+ *   touches the driver. docs/protocol.md (5.8) has the details.
  * - A deleter unmaps at once but tells the daemon later: the release goes out with the
  *   connection's next request, at dlpc_close(), or after about DLPC_RELEASE_DELAY_MS (5 ms) from
  *   a thread the library starts for this, whichever comes first. Other connections may see the
@@ -55,6 +60,11 @@ extern "C" {
 /** File name of a per-user daemon's socket inside $XDG_RUNTIME_DIR. */
 #define DLPC_USER_SOCKET_NAME "dlpackd.sock"
 
+/** Environment variable naming the CUDA driver library to load instead of libcuda.so.1. */
+#define DLPC_CUDA_LIBRARY_ENV "DLPC_CUDA_LIBRARY"
+/** The CUDA driver library loaded (dlopen) by the first GPU call. */
+#define DLPC_CUDA_LIBRARY_DEFAULT "libcuda.so.1"
+
 /** Longest entry name, in bytes (names are 1..DLPC_NAME_MAX bytes of UTF-8 without NUL). */
 #define DLPC_NAME_MAX 255
 /** Longest key of a tensor inside a bundle, in bytes (keys may be empty). */
@@ -76,7 +86,7 @@ typedef struct dlpc_attach_opts {
 	uint32_t size;	    /**< sizeof(dlpc_attach_opts): lets the struct grow */
 	uint32_t flags;	    /**< DLPC_ATTACH_* bits */
 	int64_t timeout_ms; /**< 0: fail at once if absent; > 0: wait up to this; < 0: forever */
-	void *stream;	    /**< CUDA consumer stream (GPU tensors); NULL: synchronize */
+	void *stream; /**< CUstream the consumer uses (CUDA entries); NULL: wait on the host */
 } dlpc_attach_opts;
 
 /** Publish: take over an existing name; it gets a new generation. */
@@ -88,6 +98,9 @@ typedef struct dlpc_attach_opts {
 #define DLPC_PUBLISH_WRITABLE (1u << 2)
 /** Attach: map writable (the entry must have been published with DLPC_PUBLISH_WRITABLE). */
 #define DLPC_ATTACH_WRITABLE (1u << 0)
+/** Attach: do not order anything after a legacy CUDA IPC publisher's event (neither
+ * opts->stream nor the host); call dlpc_tensor_wait() before using the memory. */
+#define DLPC_ATTACH_DEFER_SYNC (1u << 1)
 
 /** The library's version as "MAJOR.MINOR.PATCH". */
 DLPC_EXPORT const char *dlpc_version(void);
@@ -114,7 +127,8 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
 /**
  * Give up the caller's handle, sending the releases still deferred. The connection itself stays
  * open until the last tensor attached through it has been released, so outstanding deleters keep
- * working. Accepts NULL.
+ * working, and until the last CUDA tensor published through it by legacy IPC has been reclaimed
+ * (see dlpc_publish()). Accepts NULL.
  */
 DLPC_EXPORT void dlpc_close(dlpc_client *c);
 
@@ -122,13 +136,23 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c);
  * Publish one tensor under @p name.
  *
  * Always takes ownership of @p t: its deleter (if not NULL) runs exactly once, before this
- * returns, whether it succeeds or fails. Host tensors are copied into a sealed memfd (strided
- * input is compacted to C-contiguous) unless @p t came from dlpc_alloc(), whose memory is
- * published without a copy.
+ * returns, whether it succeeds or fails (the exception is below). Host tensors are copied into
+ * a sealed memfd (strided input is compacted to C-contiguous) unless @p t came from
+ * dlpc_alloc(), whose memory is published without a copy.
+ *
+ * CUDA tensors (kDLCUDA, C-contiguous) are shared in place, never copied. dlpc_alloc() memory
+ * on the device is published as its VMM export fd: the entry may outlive this process. Any
+ * other device pointer is published by legacy CUDA IPC: the entry is always ephemeral, an
+ * interprocess event is recorded on the legacy default stream for attachers to wait on, and on
+ * success the library keeps @p t: its deleter runs once the entry is unpublished or replaced
+ * (or this connection closes) and every attacher has released it, from a thread of the
+ * library's, within about 100 ms of the daemon's notice, whether or not this process makes
+ * further calls. Until then the connection stays open, even after dlpc_close().
  * @param flags DLPC_PUBLISH_* bits.
  * @return the new generation (> 0), -EEXIST if the name is taken and REPLACE was not asked,
  *         -EPERM if it belongs to another user, -ENOSPC if shared memory is full, -EINVAL for a
- *         bad name or tensor, -ENOTSUP for a device the library cannot share.
+ *         bad name or tensor, -ENOTSUP for a device the library cannot share (or CUDA IPC the
+ *         platform does not support), -ENODEV without a CUDA driver.
  */
 DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVersioned *t,
 			     uint32_t flags);
@@ -148,12 +172,16 @@ DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
  * Allocate a C-contiguous, writable tensor that already lives in shared memory.
  *
  * Fill it in place, then hand it to dlpc_publish(): it is published without a copy. If never
- * published, its deleter frees it. Only kDLCPU is supported for now. @p c may be NULL (nothing
- * is asked of the daemon). Other handles on the same memory (dlpc_tensor_share()) stay valid
+ * published, its deleter frees it. @p device is {kDLCPU, 0} (a memfd) or {kDLCUDA, ordinal}:
+ * CUDA VMM memory (cuMemCreate with POSIX-fd handles, mapped read-write on that device; its
+ * size is rounded up to the driver's granularity), whose entry can outlive the publisher. Its
+ * entry carries no event for attachers to wait on: finish writing (synchronize) first.
+ * @p c may be NULL (nothing is asked of the daemon). Other handles on the same memory (dlpc_tensor_share()) stay valid
  * after it is published; a read-only publish (even one the daemon refuses: the memory is sealed
  * by then) makes the memory read-only in this process too. Handles made earlier keep their
  * flags, so do not write through them; handles made later carry the read-only flag.
- * @return 0 or a negative errno (-ENOSPC when shared memory is full).
+ * @return 0 or a negative errno (-ENOSPC when shared memory is full, -ENODEV without a CUDA
+ *         driver, -ENOTSUP for another device).
  */
 DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, int32_t ndim,
 			   const int64_t *shape, DLManagedTensorVersioned **ret);
@@ -163,10 +191,17 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
  *
  * The tensor is read-only (DLPACK_FLAG_BITMASK_READ_ONLY set, memory mapped PROT_READ) unless
  * publisher and attacher both asked for writable. Its deleter unmaps and tells the daemon.
- * @param opts NULL for the defaults (fail at once if absent, read-only).
- * @return the generation (> 0), -ENOENT if absent, -ETIMEDOUT if a wait expired, -EINVAL if
- *         the name holds a bundle of several tensors, -EACCES for a writable attach of a
- *         read-only entry.
+ *
+ * A CUDA entry gives a tensor on {kDLCUDA, local ordinal} (the device found by its UUID). A
+ * legacy IPC allocation is opened once per process whatever the number of attaches (attaching
+ * in the publishing process uses its own pointer), and the consumer is ordered after the
+ * publisher's event: opts->stream waits for it (cuStreamWaitEvent, the host does not block),
+ * or without a stream the calling thread waits (cuEventSynchronize).
+ * @param opts NULL for the defaults (fail at once if absent, read-only, no stream).
+ * @return the generation (> 0), -ENOENT if absent (also once a legacy IPC publisher is gone),
+ *         -ETIMEDOUT if a wait expired, -EINVAL if the name holds a bundle of several tensors,
+ *         -EACCES for a writable attach of a read-only entry, -ENODEV without a CUDA driver or
+ *         the entry's device.
  */
 DLPC_EXPORT int dlpc_attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
 			    DLManagedTensorVersioned **ret);
@@ -200,6 +235,17 @@ DLPC_EXPORT void dlpc_bundle_free(dlpc_bundle *b);
  * @return the new tensor, or NULL (see dlpc_last_error()) for a foreign tensor or no memory.
  */
 DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVersioned *t);
+
+/**
+ * Order work after the publisher of @p t (a tensor libdlpc made): for a tensor attached from a
+ * legacy CUDA IPC entry, @p stream (a CUstream, or the special handles CU_STREAM_LEGACY (0x1)
+ * and CU_STREAM_PER_THREAD (0x2)) waits for the publisher's event with cuStreamWaitEvent, or
+ * without a stream the calling thread waits (cuEventSynchronize). For any other tensor there
+ * is nothing to wait for. Meant for attaches with DLPC_ATTACH_DEFER_SYNC, where the consumer's
+ * stream is known only later (DLPack's __dlpack__(stream=...)); may be called more than once.
+ * @return 0, -EINVAL for a foreign tensor, or a negative errno from the driver.
+ */
+DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream);
 
 /**
  * Remove @p name. Attached tensors stay valid; the storage is freed after their release.

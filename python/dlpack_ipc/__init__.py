@@ -160,7 +160,9 @@ def attach_dict(name, *, timeout=None, writable=False):
 
 
 def empty(shape, dtype, device="cpu"):
-    """Writable shared memory to fill in place; publish() then shares it without a copy."""
+    """Writable shared memory to fill in place; publish() then shares it without a copy.
+
+    device is "cpu", or "cuda" / "cuda:N" for CUDA VMM memory on that device."""
     return _client().empty(shape, dtype, device)
 
 

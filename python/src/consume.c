@@ -6,7 +6,8 @@
  * libdlpc runs deleters from whatever thread publishes, and we publish without the GIL; many
  * producers' deleters need the GIL. So libdlpc is handed our own wrapper whose deleter does
  * nothing, and the producer's deleter runs afterwards, here, with the GIL held: exactly once on
- * every path.
+ * every path. CUDA tensors are the exception (cuda_keep below): libdlpc keeps them until the
+ * daemon reclaims the entry.
  */
 #include "dlpack_ipc.h"
 
@@ -50,6 +51,7 @@ void ipc_taken_finish(struct ipc_taken *tk)
 static PyObject *export_capsule(PyObject *obj)
 {
 	PyObject *meth, *dev, *args, *kw, *cap;
+	bool cuda = false;
 
 	meth = PyObject_GetAttrString(obj, "__dlpack__");
 	if (!meth) {
@@ -66,16 +68,17 @@ static PyObject *export_capsule(PyObject *obj)
 				    : -1;
 
 		Py_DECREF(dev);
-		if (type != kDLCPU) {
+		if (type != kDLCPU && type != kDLCUDA) {
 			Py_DECREF(meth);
 			if (!PyErr_Occurred())
 				PyErr_Format(
 					PyExc_BufferError,
 					"cannot publish a %.100s on DLPack device type %ld: only "
-					"host (CPU) memory can be shared",
+					"host (CPU) and CUDA memory can be shared",
 					Py_TYPE(obj)->tp_name, type);
 			return NULL;
 		}
+		cuda = type == kDLCUDA;
 	} else if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
 		PyErr_Clear();
 	} else {
@@ -83,7 +86,12 @@ static PyObject *export_capsule(PyObject *obj)
 		return NULL;
 	}
 	args = PyTuple_New(0);
-	kw = Py_BuildValue("{s:(ii)}", "max_version", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
+	/* a CUDA producer orders its work before the legacy default stream (stream=1), on which
+	 * libdlpc records the event attachers wait for */
+	kw = cuda ? Py_BuildValue("{s:(ii),s:i}", "max_version", DLPACK_MAJOR_VERSION,
+				  DLPACK_MINOR_VERSION, "stream", 1)
+		  : Py_BuildValue("{s:(ii)}", "max_version", DLPACK_MAJOR_VERSION,
+				  DLPACK_MINOR_VERSION);
 	cap = args && kw ? PyObject_Call(meth, args, kw) : NULL;
 	Py_XDECREF(args);
 	Py_XDECREF(kw);
@@ -94,6 +102,61 @@ static PyObject *export_capsule(PyObject *obj)
 	}
 	Py_DECREF(meth);
 	return cap;
+}
+
+/*
+ * A CUDA tensor published by legacy IPC stays with libdlpc until the daemon's RECLAIM notice,
+ * long after publish returns, and its deleter then runs on libdlpc's reclaimer thread. So it
+ * gets a wrapper of its own (plain malloc: freed without the GIL) whose deleter takes the GIL
+ * for the producer's deleter; libdlpc owns it from the publish on.
+ */
+struct cuda_keep {
+	DLManagedTensorVersioned v;
+	DLManagedTensor *legacy;
+	DLManagedTensorVersioned *versioned;
+};
+
+static void cuda_keep_deleter(DLManagedTensorVersioned *t)
+{
+	struct cuda_keep *k = (struct cuda_keep *)t;
+	PyGILState_STATE g;
+
+	/* at interpreter exit the producer's memory goes with the process anyway */
+	if (!Py_IsInitialized()) {
+		free(k);
+		return;
+	}
+	g = PyGILState_Ensure();
+	if (k->legacy && k->legacy->deleter)
+		k->legacy->deleter(k->legacy);
+	if (k->versioned && k->versioned->deleter)
+		k->versioned->deleter(k->versioned);
+	PyGILState_Release(g);
+	free(k);
+}
+
+/* Move the producer's CUDA tensor of @p tk into a cuda_keep, handed over as tk->own. */
+static struct ipc_taken *cuda_keep(struct ipc_taken *tk, const DLTensor *src)
+{
+	struct cuda_keep *k = calloc(1, sizeof(*k));
+
+	if (!k) {
+		PyErr_NoMemory();
+		ipc_taken_finish(tk);
+		return NULL;
+	}
+	k->legacy = tk->legacy;
+	k->versioned = tk->versioned;
+	tk->legacy = NULL;
+	tk->versioned = NULL;
+	k->v.version.major = DLPACK_MAJOR_VERSION;
+	k->v.version.minor = DLPACK_MINOR_VERSION;
+	k->v.flags = tk->v.flags;
+	k->v.manager_ctx = k;
+	k->v.deleter = cuda_keep_deleter;
+	k->v.dl_tensor = *src;
+	tk->own = &k->v;
+	return tk;
 }
 
 struct ipc_taken *ipc_take(PyObject *obj)
@@ -162,6 +225,8 @@ struct ipc_taken *ipc_take(PyObject *obj)
 		goto fail;
 	}
 	Py_DECREF(cap);
+	if (src->device.device_type == kDLCUDA)
+		return cuda_keep(tk, src);
 	tk->v.version.major = DLPACK_MAJOR_VERSION;
 	tk->v.version.minor = DLPACK_MINOR_VERSION;
 	tk->v.manager_ctx = tk;

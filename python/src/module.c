@@ -240,7 +240,8 @@ static int attach_waiting(ClientObject *self, const char *name, PyObject *timeou
 
 	if (parse_timeout(timeout, &secs, &forever) < 0 || !(c = ipc_call_begin(self)))
 		return -1;
-	opts.flags = writable ? DLPC_ATTACH_WRITABLE : 0;
+	/* CUDA entries: the consumer's stream is known at __dlpack__(stream=...), not here */
+	opts.flags = (writable ? DLPC_ATTACH_WRITABLE : 0) | DLPC_ATTACH_DEFER_SYNC;
 	deadline = now_s() + secs;
 	for (;;) {
 		double left = deadline - now_s();
@@ -349,6 +350,7 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
 	PyObject *shape_o, *dtype_o, *seq, *key, *res;
 	const char *device = "cpu";
+	DLDevice dev = {kDLCPU, 0};
 	int64_t shape[DLPC_NDIM_MAX];
 	DLManagedTensorVersioned *t;
 	DLDataType dt;
@@ -359,8 +361,20 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|s:empty", kwlist, &shape_o, &dtype_o,
 					 &device))
 		return NULL;
-	if (strcmp(device, "cpu") != 0) {
-		PyErr_Format(PyExc_ValueError, "device '%s' is not supported (only \"cpu\")",
+	if (strncmp(device, "cuda", 4) == 0) {
+		char *end = NULL;
+		long id = device[4] == ':' ? strtol(device + 5, &end, 10) : 0;
+
+		if ((device[4] && device[4] != ':') || (end && (*end || end == device + 5)) ||
+		    id < 0 || id > INT32_MAX) {
+			PyErr_Format(PyExc_ValueError, "device '%s' is not \"cuda\" or \"cuda:N\"",
+				     device);
+			return NULL;
+		}
+		dev = (DLDevice){kDLCUDA, (int32_t)id};
+	} else if (strcmp(device, "cpu") != 0) {
+		PyErr_Format(PyExc_ValueError,
+			     "device '%s' is not supported (\"cpu\", \"cuda\" or \"cuda:N\")",
 			     device);
 		return NULL;
 	}
@@ -390,7 +404,7 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	if (!c)
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_alloc(c, (DLDevice){kDLCPU, 0}, dt, (int32_t)ndim, shape, &t);
+	r = dlpc_alloc(c, dev, dt, (int32_t)ndim, shape, &t);
 	Py_END_ALLOW_THREADS
 	ipc_call_end((ClientObject *)obj);
 	if (r < 0)

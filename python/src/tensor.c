@@ -213,6 +213,46 @@ static int int_pair(PyObject *o, const char *what, long *a, long *b)
 	return PyErr_Occurred() ? -1 : 1;
 }
 
+/*
+ * Make the consumer's stream wait for the publisher of the CUDA tensor @p t, as DLPack's
+ * __dlpack__(stream=...) asks: None or 1 the legacy default stream, 2 the per-thread default
+ * stream, -1 no synchronization, 0 refused (ambiguous), any other integer a CUstream pointer.
+ * The host never waits. 0, or -1 with an exception.
+ */
+static int order_stream(TensorObject *self, const DLManagedTensorVersioned *t, PyObject *stream)
+{
+	long long s = 1;
+	int r;
+
+	if (stream != Py_None) {
+		s = PyLong_AsLongLong(stream);
+		if (s == -1 && PyErr_Occurred()) {
+			PyErr_Clear();
+			PyErr_Format(PyExc_TypeError, "stream must be None or an integer, not %R",
+				     stream);
+			return -1;
+		}
+	}
+	if (s == -1)
+		return 0;
+	if (s == 0 || s < -1) {
+		PyErr_Format(PyExc_ValueError,
+			     "stream %lld is not allowed for CUDA: use 1 (legacy default), 2 "
+			     "(per-thread default), -1 (no synchronization) or a stream pointer",
+			     s);
+		return -1;
+	}
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_tensor_wait(t, (void *)(uintptr_t)s);
+	Py_END_ALLOW_THREADS
+	if (r < 0) {
+		ipc_raise(r);
+		return -1;
+	}
+	(void)self;
+	return 0;
+}
+
 static PyObject *tensor_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
 	static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
@@ -228,7 +268,15 @@ static PyObject *tensor_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs)
 	base = ipc_tensor_live(self);
 	if (!base)
 		return NULL;
-	if (stream != Py_None) {
+	if (base->dl_tensor.device.device_type == kDLCUDA) {
+		if (copy == Py_True) {
+			PyErr_Format(PyExc_BufferError,
+				     "SharedTensor %R lives on a CUDA device; copy=True is not "
+				     "supported (the memory is shared in place)",
+				     self->name);
+			return NULL;
+		}
+	} else if (stream != Py_None) {
 		PyErr_SetString(PyExc_BufferError,
 				"stream must be None for a tensor in host (CPU) memory");
 		return NULL;
@@ -252,6 +300,8 @@ static PyObject *tensor_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs)
 		PyErr_Format(PyExc_TypeError, "copy must be None, True or False, not %R", copy);
 		return NULL;
 	}
+	if (base->dl_tensor.device.device_type == kDLCUDA && order_stream(self, base, stream) < 0)
+		return NULL;
 	out = copy == Py_True ? make_copy(base) : dlpc_tensor_share(base);
 	if (!out)
 		return PyErr_NoMemory();
@@ -333,6 +383,13 @@ static int tensor_getbuffer(PyObject *obj, Py_buffer *view, int flags)
 
 	if (!t)
 		return -1;
+	if (t->dl_tensor.device.device_type != kDLCPU) {
+		PyErr_Format(PyExc_BufferError,
+			     "SharedTensor %R lives on a CUDA device: no buffer protocol; use "
+			     "__dlpack__ (torch.from_dlpack, cupy.from_dlpack)",
+			     self->name);
+		return -1;
+	}
 	ndim = t->dl_tensor.ndim;
 	fmt = buffer_format(t->dl_tensor.dtype);
 	if (!fmt) {
@@ -439,6 +496,8 @@ static PyObject *get_device(PyObject *obj, void *closure)
 		return NULL;
 	if (t->dl_tensor.device.device_type == kDLCPU)
 		return PyUnicode_FromString("cpu");
+	if (t->dl_tensor.device.device_type == kDLCUDA)
+		return PyUnicode_FromFormat("cuda:%d", t->dl_tensor.device.device_id);
 	return PyUnicode_FromFormat("dlpack:%d:%d", (int)t->dl_tensor.device.device_type,
 				    t->dl_tensor.device.device_id);
 }
@@ -517,7 +576,7 @@ static PyGetSetDef tensor_getset[] = {
 	{"shape", get_shape, NULL, "extents, as a tuple", NULL},
 	{"dtype", get_dtype, NULL, "element type, numpy-style (\"bfloat16\" where numpy has none)",
 	 NULL},
-	{"device", get_device, NULL, "\"cpu\"", NULL},
+	{"device", get_device, NULL, "\"cpu\", or \"cuda:N\" (N: this process's ordinal)", NULL},
 	{"nbytes", get_nbytes, NULL, "bytes of data", NULL},
 	{"readonly", get_readonly, NULL, "whether the memory is mapped read-only", NULL},
 	{"data_ptr", get_data_ptr, NULL, "address of the first element", NULL},

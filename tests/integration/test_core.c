@@ -861,7 +861,7 @@ START_TEST(test_alloc_zero_copy)
 		dlpc_alloc(c, (DLDevice){kDLCPU, 0}, (DLDataType){kDLUInt, 8, 1}, 1, shape, &a), 0);
 	a->deleter(a);
 	ck_assert_dlpc(
-		dlpc_alloc(c, (DLDevice){kDLCUDA, 0}, (DLDataType){kDLUInt, 8, 1}, 1, shape, &a),
+		dlpc_alloc(c, (DLDevice){kDLROCM, 0}, (DLDataType){kDLUInt, 8, 1}, 1, shape, &a),
 		-ENOTSUP);
 	dlpc_close(c);
 }

@@ -315,7 +315,7 @@ START_TEST(test_session_rules)
 	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
 	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
 	ck_assert_ptr_nonnull(strstr(msg, "client speaks 99.3"));
-	ck_assert_ptr_nonnull(strstr(msg, "dlpackd speaks 1.1"));
+	ck_assert_ptr_nonnull(strstr(msg, "dlpackd speaks 1.2"));
 	expect_dropped(fd);
 
 	/* an unknown message type */
@@ -550,6 +550,212 @@ START_TEST(test_storage_fd_matrix)
 	close(fd);
 	good_client_check();
 	expect_fds(baseline + 1); /* s1w holds its storage */
+	good_client_stop();
+}
+END_TEST
+
+/* ---- 14. CUDA entries: what a PUBLISH of device memory must carry (protocol 1.2) ---- */
+
+/* What raw_cuda_publish() sends: a CUDA tensor of 4 floats (at offset 100 for legacy IPC). */
+struct cuda_pub {
+	int32_t device_type;
+	size_t uuid_len, mem_len, ev_len; /* mem_len 0: no cuda_ipc (VMM) */
+	const int *fds;
+	unsigned nfds;
+	uint64_t token;
+	uint32_t flags;
+};
+
+/* Send it as @p name; 0 and the reply's frame type, or the ERROR's code and message. */
+static int raw_cuda_publish(int fd, const char *name, const struct cuda_pub *c, char *msg,
+			    size_t len)
+{
+	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
+	Dlpackd__V1__CudaIpc ipc = DLPACKD__V1__CUDA_IPC__INIT;
+	Dlpackd__V1__TensorDesc desc = DLPACKD__V1__TENSOR_DESC__INIT, *dp = &desc;
+	uint8_t bytes[DLPC_CUDA_IPC_HANDLE_SIZE + 1] = "cuda handle bytes", buf[4096];
+	int64_t shape[1] = {4};
+	struct dlpc__hdr h;
+	int code = 0;
+
+	desc.dtype_code = kDLFloat;
+	desc.dtype_bits = 32;
+	desc.dtype_lanes = 1;
+	desc.n_shape = 1;
+	desc.shape = shape;
+	desc.offset = c->mem_len ? 100 : 0; /* IPC offsets need no alignment */
+	req.name.data = (uint8_t *)name;
+	req.name.len = strlen(name);
+	req.flags = c->flags;
+	req.device_type = c->device_type;
+	req.storage_size = 4096;
+	req.n_tensors = 1;
+	req.tensors = &dp;
+	req.device_uuid.data = bytes;
+	req.device_uuid.len = c->uuid_len;
+	req.reclaim_token = c->token;
+	if (c->mem_len) {
+		ipc.mem_handle.data = bytes;
+		ipc.mem_handle.len = c->mem_len;
+		ipc.event_handle.data = bytes;
+		ipc.event_handle.len = c->ev_len;
+		req.cuda_ipc = &ipc;
+	}
+	raw_send(fd, DLPC_MSG_PUBLISH, 9, &req.base, c->fds, c->nfds);
+	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
+	if (h.type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
+
+		code = e->code;
+		snprintf(msg, len, "%s", e->message);
+		dlpackd__v1__error__free_unpacked(e, NULL);
+	} else {
+		ck_assert_uint_eq(h.type, DLPC_MSG_PUBLISH | DLPC_MSG_REPLY);
+	}
+	return code;
+}
+
+START_TEST(test_cuda_publish_rules)
+{
+	const size_t H = DLPC_CUDA_IPC_HANDLE_SIZE, U = DLPC_CUDA_UUID_SIZE;
+	Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
+	dlpc_entry_info *list = NULL;
+	char msg[512];
+	int fd, baseline, pipefd[2], sv[2], mfd, n;
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+	size_t count = 0;
+
+	good_client_start();
+	baseline = settled_fds(&D, good, 1);
+	fd = raw_connect();
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	/* sizes of the CUDA identifiers: one byte short of each is refused */
+	ck_assert_int_eq(raw_cuda_publish(fd, "c1",
+					  &(struct cuda_pub){.device_type = kDLCUDA,
+							     .uuid_len = U - 1,
+							     .mem_len = H,
+							     .ev_len = H},
+					  msg, sizeof(msg)),
+			 EINVAL);
+	ck_assert_ptr_nonnull(strstr(msg, "UUID of 15 bytes"));
+	ck_assert_int_eq(raw_cuda_publish(fd, "c1",
+					  &(struct cuda_pub){.device_type = kDLCUDA,
+							     .uuid_len = U,
+							     .mem_len = H - 1,
+							     .ev_len = H},
+					  msg, sizeof(msg)),
+			 EINVAL);
+	ck_assert_ptr_nonnull(strstr(msg, "CUDA IPC handles of 63 and 64 bytes"));
+	ck_assert_int_eq(raw_cuda_publish(fd, "c1",
+					  &(struct cuda_pub){.device_type = kDLCUDA,
+							     .uuid_len = U,
+							     .mem_len = H,
+							     .ev_len = H + 1},
+					  msg, sizeof(msg)),
+			 EINVAL);
+	/* another device, and CUDA fields on a host entry */
+	ck_assert_int_eq(raw_cuda_publish(fd, "c1",
+					  &(struct cuda_pub){.device_type = kDLROCM,
+							     .uuid_len = U,
+							     .mem_len = H,
+							     .ev_len = H},
+					  msg, sizeof(msg)),
+			 ENOTSUP);
+	mfd = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+	ck_assert_int_eq(raw_cuda_publish(fd, "c1",
+					  &(struct cuda_pub){.device_type = kDLCPU,
+							     .uuid_len = U,
+							     .mem_len = 0,
+							     .ev_len = 0,
+							     .fds = &mfd,
+							     .nfds = 1},
+					  msg, sizeof(msg)),
+			 EINVAL);
+	/* a VMM fd that no driver exports: a pipe, a socket */
+	ck_assert_int_eq(pipe2(pipefd, O_CLOEXEC), 0);
+	ck_assert_int_eq(raw_cuda_publish(fd, "c1",
+					  &(struct cuda_pub){.device_type = kDLCUDA,
+							     .uuid_len = U,
+							     .fds = pipefd,
+							     .nfds = 1},
+					  msg, sizeof(msg)),
+			 EBADF);
+	ck_assert_ptr_nonnull(strstr(msg, "a pipe"));
+	ck_assert_int_eq(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+	ck_assert_int_eq(raw_cuda_publish(fd, "c1",
+					  &(struct cuda_pub){.device_type = kDLCUDA,
+							     .uuid_len = U,
+							     .fds = sv,
+							     .nfds = 1},
+					  msg, sizeof(msg)),
+			 EBADF);
+	ck_assert_ptr_nonnull(strstr(msg, "a socket"));
+	/* a legacy IPC entry is ephemeral whatever its flags, its offsets need no alignment, and
+	 * its publisher hears of it with its own token once the storage is freed */
+	ck_assert_int_eq(raw_cuda_publish(fd, "c2",
+					  &(struct cuda_pub){.device_type = kDLCUDA,
+							     .uuid_len = U,
+							     .mem_len = H,
+							     .ev_len = H,
+							     .token = 0xfeedbeef},
+					  msg, sizeof(msg)),
+			 0);
+	ck_assert_dlpc(dlpc_list(good, "c2", &list, &count), 0);
+	ck_assert_uint_eq(count, 1);
+	ck_assert_uint_eq(list[0].flags, DLPC_PUBLISH_EPHEMERAL);
+	ck_assert_int_eq(list[0].device.device_type, kDLCUDA);
+	dlpc_list_free(list, count);
+	un.name.data = (uint8_t *)"c2";
+	un.name.len = 2;
+	raw_send(fd, DLPC_MSG_UNPUBLISH, 10, &un.base, NULL, 0);
+	for (n = 0; n < 2; n++) {
+		ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
+		if (h.type == DLPC_MSG_RECLAIM) {
+			Dlpackd__V1__Reclaim *r = dlpackd__v1__reclaim__unpack(NULL, h.len, buf);
+
+			ck_assert_ptr_nonnull(r);
+			ck_assert_uint_eq(h.id, 0);
+			ck_assert_uint_eq(r->n_tokens, 1);
+			ck_assert_uint_eq(r->tokens[0], 0xfeedbeef);
+			dlpackd__v1__reclaim__free_unpacked(r, NULL);
+		} else {
+			ck_assert_uint_eq(h.type, DLPC_MSG_UNPUBLISH | DLPC_MSG_REPLY);
+		}
+	}
+	/* fd counts that contradict the message are violations: IPC with an fd... */
+	ck_assert_int_eq(raw_cuda_publish(fd, "c3",
+					  &(struct cuda_pub){.device_type = kDLCUDA,
+							     .uuid_len = U,
+							     .mem_len = H,
+							     .ev_len = H,
+							     .fds = &mfd,
+							     .nfds = 1},
+					  msg, sizeof(msg)),
+			 EPROTO);
+	expect_dropped(fd);
+	/* ...and host or VMM storage without one */
+	fd = raw_connect();
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	ck_assert_int_eq(raw_cuda_publish(fd, "c4",
+					  &(struct cuda_pub){.device_type = kDLCUDA, .uuid_len = U},
+					  msg, sizeof(msg)),
+			 EPROTO);
+	expect_dropped(fd);
+	fd = raw_connect();
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	ck_assert_int_eq(raw_cuda_publish(fd, "c5", &(struct cuda_pub){.device_type = kDLCPU}, msg,
+					  sizeof(msg)),
+			 EPROTO);
+	ck_assert_ptr_nonnull(strstr(msg, "carries 0 fds, expected 1"));
+	expect_dropped(fd);
+	close(mfd);
+	close(pipefd[0]);
+	close(pipefd[1]);
+	close(sv[0]);
+	close(sv[1]);
+	good_client_check();
+	expect_fds(baseline);
 	good_client_stop();
 }
 END_TEST
@@ -910,6 +1116,7 @@ static Suite *hostile_suite(void)
 	tcase_add_test(tc, test_session_rules);
 	tcase_add_test(tc, test_name_and_request_limits);
 	tcase_add_test(tc, test_storage_fd_matrix);
+	tcase_add_test(tc, test_cuda_publish_rules);
 	tcase_add_test(tc, test_watch_rules);
 	tcase_add_test(tc, test_unread_replies_backpressure);
 	tcase_add_test(tc, test_unread_replies_dropped_at_caps);

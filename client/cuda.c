@@ -1,0 +1,655 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * GPU tensors through the CUDA driver API, loaded at run time.
+ *
+ * Nothing here links against CUDA: the first GPU call dlopen()s libcuda.so.1 (or the file named
+ * by $DLPC_CUDA_LIBRARY), resolves every entry point once and calls cuInit(). Host-only work
+ * never gets here.
+ *
+ * Two ways of sharing device memory:
+ * - legacy CUDA IPC, for any device pointer: the allocation's base is exported with
+ *   cuIpcGetMemHandle, together with an interprocess event recorded after the data was written.
+ *   The publisher keeps the memory; this file remembers each publication under a token until
+ *   the daemon's RECLAIM notice says no attacher can reach it any more, and then calls the
+ *   published tensor's deleter.
+ * - CUDA VMM, for dlpc_alloc() on a device: cuMemCreate with POSIX fd handles, exported as an
+ *   fd that travels like a memfd.
+ *
+ * Attaching opens legacy handles through a per-process import cache (handle bytes + device
+ * UUID -> mapping, refcounted), so a second attach of the same allocation opens nothing, and an
+ * attach in the publishing process itself uses the publisher's own pointer.
+ *
+ * Driver calls run in the device's primary context, retained once per device and kept.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cuda_api.h"
+#include "internal.h"
+
+#define XSTR(x) STR(x)
+#define STR(x) #x
+
+/* Every driver entry point used, resolved by its versioned name (cuda.h's macros expand). */
+#define CUDA_FUNCS(X)                                                                              \
+	X(cuInit)                                                                                  \
+	X(cuGetErrorString)                                                                        \
+	X(cuDeviceGetCount)                                                                        \
+	X(cuDeviceGet)                                                                             \
+	X(cuDeviceGetUuid)                                                                         \
+	X(cuDevicePrimaryCtxRetain)                                                                \
+	X(cuCtxPushCurrent)                                                                        \
+	X(cuCtxPopCurrent)                                                                         \
+	X(cuMemGetAddressRange)                                                                    \
+	X(cuIpcGetMemHandle)                                                                       \
+	X(cuIpcOpenMemHandle)                                                                      \
+	X(cuIpcCloseMemHandle)                                                                     \
+	X(cuEventCreate)                                                                           \
+	X(cuEventRecord)                                                                           \
+	X(cuEventSynchronize)                                                                      \
+	X(cuEventDestroy)                                                                          \
+	X(cuIpcGetEventHandle)                                                                     \
+	X(cuIpcOpenEventHandle)                                                                    \
+	X(cuStreamWaitEvent)                                                                       \
+	X(cuMemGetAllocationGranularity)                                                           \
+	X(cuMemCreate)                                                                             \
+	X(cuMemRelease)                                                                            \
+	X(cuMemExportToShareableHandle)                                                            \
+	X(cuMemImportFromShareableHandle)                                                          \
+	X(cuMemAddressReserve)                                                                     \
+	X(cuMemAddressFree)                                                                        \
+	X(cuMemMap)                                                                                \
+	X(cuMemUnmap)                                                                              \
+	X(cuMemSetAccess)
+
+static struct {
+#define FIELD(f) __typeof__(&f) f;
+	CUDA_FUNCS(FIELD)
+#undef FIELD
+} cu;
+
+static pthread_once_t load_once = PTHREAD_ONCE_INIT;
+static int load_err;	   /* 0 once loaded, else the negative errno */
+static char load_msg[320]; /* and why */
+static pthread_mutex_t ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+static CUcontext ctxs[DLPC_CUDA_DEVICES_MAX];
+
+static void load(void)
+{
+	const char *path = getenv(DLPC_CUDA_LIBRARY_ENV);
+	const char *lib = path && *path ? path : DLPC_CUDA_LIBRARY_DEFAULT;
+	void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+	CUresult e;
+
+	if (!h) {
+		const char *why = dlerror();
+
+		load_err = -ENODEV;
+		snprintf(load_msg, sizeof(load_msg), "CUDA driver (%s) not found: %s", lib,
+			 why ? why : "dlopen failed");
+		return;
+	}
+#define RESOLVE(f)                                                                                 \
+	cu.f = (__typeof__(cu.f))dlsym(h, XSTR(f));                                                \
+	if (!cu.f) {                                                                               \
+		load_err = -ENOSYS;                                                                \
+		snprintf(load_msg, sizeof(load_msg), "CUDA driver %s lacks %s (too old?)", lib,    \
+			 XSTR(f));                                                                 \
+		return;                                                                            \
+	}
+	CUDA_FUNCS(RESOLVE)
+#undef RESOLVE
+	e = cu.cuInit(0);
+	if (e != CUDA_SUCCESS) {
+		load_err = e == CUDA_ERROR_NO_DEVICE ? -ENODEV : -EIO;
+		snprintf(load_msg, sizeof(load_msg), "CUDA driver %s: cuInit failed (error %d)",
+			 lib, (int)e);
+	}
+	/* the library stays loaded for the life of the process */
+}
+
+/* 0 when the driver is usable, else a negative errno with the message set for @p what. */
+static int driver(const char *what)
+{
+	pthread_once(&load_once, load);
+	if (load_err)
+		return dlpc__fail(load_err, "%s: %s", what, load_msg);
+	return 0;
+}
+
+/* A failed driver call as a negative errno, the message naming @p what and @p fn. */
+static int cu_fail(CUresult e, const char *fn, const char *what)
+{
+	const char *s = NULL;
+
+	if (cu.cuGetErrorString)
+		cu.cuGetErrorString(e, &s);
+	if (e == CUDA_ERROR_NOT_SUPPORTED)
+		return dlpc__fail(-ENOTSUP, "%s: %s: not supported on this platform", what, fn);
+	return dlpc__fail(e == CUDA_ERROR_OUT_OF_MEMORY	   ? -ENOMEM
+			  : e == CUDA_ERROR_INVALID_VALUE  ? -EINVAL
+			  : e == CUDA_ERROR_INVALID_DEVICE ? -ENODEV
+							   : -EIO,
+			  "%s: %s failed: %s (CUDA error %d)", what, fn, s ? s : "unknown error",
+			  (int)e);
+}
+
+#define CU_CALL(what, fn, ...)                                                                     \
+	({                                                                                         \
+		CUresult _e = cu.fn(__VA_ARGS__);                                                  \
+		_e == CUDA_SUCCESS ? 0 : cu_fail(_e, #fn, what);                                   \
+	})
+
+/* 0 if libdlpc can use device @p ordinal at all; -ENODEV past DLPC_CUDA_DEVICES_MAX. */
+static int ordinal_check(int ordinal, const char *what)
+{
+	if (ordinal < 0 || ordinal >= DLPC_CUDA_DEVICES_MAX)
+		return dlpc__fail(
+			-ENODEV,
+			"%s: CUDA device %d is out of range (libdlpc uses devices 0 to %d)", what,
+			ordinal, DLPC_CUDA_DEVICES_MAX - 1);
+	return 0;
+}
+
+/* Make device @p ordinal's primary context current (pop_ctx() undoes it). */
+static int push_ctx(int ordinal, const char *what)
+{
+	CUcontext ctx;
+	CUdevice dev;
+	int r = 0;
+
+	r = ordinal_check(ordinal, what);
+	if (r < 0)
+		return r;
+	pthread_mutex_lock(&ctx_mu);
+	if (!ctxs[ordinal]) {
+		r = CU_CALL(what, cuDeviceGet, &dev, ordinal);
+		if (r == 0)
+			r = CU_CALL(what, cuDevicePrimaryCtxRetain, &ctxs[ordinal], dev);
+	}
+	ctx = ctxs[ordinal];
+	pthread_mutex_unlock(&ctx_mu);
+	return r < 0 ? r : CU_CALL(what, cuCtxPushCurrent, ctx);
+}
+
+static void pop_ctx(void)
+{
+	CUcontext ctx;
+
+	cu.cuCtxPopCurrent(&ctx);
+}
+
+/* The ordinal of the device with @p uuid in this process. */
+static int uuid_ordinal(const uint8_t uuid[DLPC_CUDA_UUID_SIZE], const char *what)
+{
+	int n = 0, r = CU_CALL(what, cuDeviceGetCount, &n);
+
+	for (int i = 0; r == 0 && i < n && i < DLPC_CUDA_DEVICES_MAX; i++) {
+		CUdevice dev;
+		CUuuid u;
+
+		r = CU_CALL(what, cuDeviceGet, &dev, i);
+		if (r == 0)
+			r = CU_CALL(what, cuDeviceGetUuid, &u, dev);
+		if (r == 0 && memcmp(u.bytes, uuid, DLPC_CUDA_UUID_SIZE) == 0)
+			return i;
+	}
+	return r < 0 ? r
+		     : dlpc__fail(-ENODEV,
+				  "%s: its CUDA device is not visible in this process (%d devices)",
+				  what, n);
+}
+
+int dlpc__cuda_device_uuid(int ordinal, uint8_t uuid[DLPC_CUDA_UUID_SIZE], const char *what)
+{
+	CUdevice dev;
+	CUuuid u;
+	int r = driver(what);
+
+	if (r == 0)
+		r = ordinal_check(ordinal, what);
+	if (r == 0)
+		r = CU_CALL(what, cuDeviceGet, &dev, ordinal);
+	if (r == 0)
+		r = CU_CALL(what, cuDeviceGetUuid, &u, dev);
+	if (r == 0)
+		memcpy(uuid, u.bytes, DLPC_CUDA_UUID_SIZE);
+	return r;
+}
+
+/* ---- legacy IPC: the publisher's side ---- */
+
+/* A legacy IPC publication of this process, kept until its RECLAIM notice. */
+struct ipc_pub {
+	struct ipc_pub *next;
+	uint64_t token;
+	DLManagedTensorVersioned *t; /* the published tensor: its deleter runs at reclaim */
+	CUevent ev;
+	int ordinal;
+	uint8_t key[DLPC_CUDA_IPC_HANDLE_SIZE + DLPC_CUDA_UUID_SIZE]; /* handle + UUID */
+	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
+	CUdeviceptr base;
+};
+
+static pthread_mutex_t pubs_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct ipc_pub *pubs;
+static uint64_t next_token;
+
+int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const char *name,
+			  struct dlpc__ipc_export *x)
+{
+	char what[DLPC_NAME_MAX + 32];
+	const DLTensor *d = &t->dl_tensor;
+	CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)d->data + d->byte_offset, base;
+	struct ipc_pub *p;
+	size_t size;
+	int r;
+
+	snprintf(what, sizeof(what), "cannot publish '%s'", name);
+	r = driver(what);
+	if (r < 0)
+		return r;
+	p = calloc(1, sizeof(*p));
+	if (!p)
+		return dlpc__fail(-ENOMEM, "%s: out of memory", what);
+	p->ordinal = d->device.device_id;
+	r = push_ctx(p->ordinal, what);
+	if (r < 0) {
+		free(p);
+		return r;
+	}
+	r = CU_CALL(what, cuMemGetAddressRange, &base, &size, ptr);
+	if (r == 0 && (ptr - base) + nbytes > size)
+		r = dlpc__fail(-EINVAL, "%s: %llu bytes at %#llx run past its allocation", what,
+			       (unsigned long long)nbytes, (unsigned long long)ptr);
+	if (r == 0)
+		r = CU_CALL(what, cuIpcGetMemHandle, (CUipcMemHandle *)x->mem_handle, base);
+	if (r == 0)
+		r = CU_CALL(what, cuEventCreate, &p->ev,
+			    CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
+	/* on the legacy default stream: after the work of every blocking stream of the context */
+	if (r == 0)
+		r = CU_CALL(what, cuEventRecord, p->ev, (CUstream)0);
+	if (r == 0)
+		r = CU_CALL(what, cuIpcGetEventHandle, (CUipcEventHandle *)x->event_handle, p->ev);
+	if (r == 0)
+		r = dlpc__cuda_device_uuid(p->ordinal, x->uuid, what);
+	if (r < 0) {
+		if (p->ev)
+			cu.cuEventDestroy(p->ev);
+		pop_ctx();
+		free(p);
+		return r;
+	}
+	pop_ctx();
+	x->offset = ptr - base;
+	x->alloc_size = size;
+	p->t = t;
+	p->base = base;
+	memcpy(p->key, x->mem_handle, DLPC_CUDA_IPC_HANDLE_SIZE);
+	memcpy(p->key + DLPC_CUDA_IPC_HANDLE_SIZE, x->uuid, DLPC_CUDA_UUID_SIZE);
+	memcpy(p->ev_handle, x->event_handle, DLPC_CUDA_IPC_HANDLE_SIZE);
+	pthread_mutex_lock(&pubs_mu);
+	p->token = x->token = ++next_token;
+	p->next = pubs;
+	pubs = p;
+	pthread_mutex_unlock(&pubs_mu);
+	return 0;
+}
+
+/* Unlink the publication with @p token; NULL if none. */
+static struct ipc_pub *pub_take(uint64_t token)
+{
+	struct ipc_pub *p = NULL;
+
+	pthread_mutex_lock(&pubs_mu);
+	for (struct ipc_pub **pp = &pubs; *pp; pp = &(*pp)->next)
+		if ((*pp)->token == token) {
+			p = *pp;
+			*pp = p->next;
+			break;
+		}
+	pthread_mutex_unlock(&pubs_mu);
+	return p;
+}
+
+bool dlpc__cuda_reclaim(uint64_t token, bool run_deleter)
+{
+	struct ipc_pub *p = pub_take(token);
+
+	if (!p)
+		return false;
+	if (push_ctx(p->ordinal, "reclaim") == 0) {
+		cu.cuEventDestroy(p->ev);
+		pop_ctx();
+	}
+	if (run_deleter && p->t->deleter)
+		p->t->deleter(p->t);
+	free(p);
+	return true;
+}
+
+/* ---- attaching ---- */
+
+/* An opened legacy allocation, or an imported VMM one. */
+struct dlpc__gpu_map {
+	struct dlpc__gpu_map *next; /* in the import cache (legacy only) */
+	unsigned refs;		    /* under cache_mu */
+	bool vmm;
+	int ordinal;
+	CUdeviceptr base;
+	size_t size;
+	CUmemGenericAllocationHandle handle; /* VMM, this process's allocation: its handle */
+	uint8_t key[DLPC_CUDA_IPC_HANDLE_SIZE + DLPC_CUDA_UUID_SIZE];
+};
+
+static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct dlpc__gpu_map *cache;
+
+/*
+ * Order work after the publisher's event: on @p stream, or by waiting here if it is NULL. An
+ * event of this process's own publications is used as is (a process cannot open its own IPC
+ * handles). Called in the device's context.
+ */
+static int wait_event(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *stream,
+		      const char *what)
+{
+	CUipcEventHandle h;
+	CUevent ev = NULL;
+	bool own = false;
+	int r = 0;
+
+	/* the publication (and its event) lives while an attached tensor holds its entry */
+	pthread_mutex_lock(&pubs_mu);
+	for (struct ipc_pub *p = pubs; p; p = p->next)
+		if (memcmp(p->ev_handle, ev_handle, DLPC_CUDA_IPC_HANDLE_SIZE) == 0) {
+			ev = p->ev;
+			own = true;
+			break;
+		}
+	pthread_mutex_unlock(&pubs_mu);
+	if (!own) {
+		memcpy(h.reserved, ev_handle, sizeof(h.reserved));
+		r = CU_CALL(what, cuIpcOpenEventHandle, &ev, h);
+	}
+	if (r < 0)
+		return r;
+	if (stream)
+		r = CU_CALL(what, cuStreamWaitEvent, (CUstream)stream, ev, 0);
+	else
+		r = CU_CALL(what, cuEventSynchronize, ev);
+	if (!own)
+		cu.cuEventDestroy(ev);
+	return r;
+}
+
+int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,
+		    const char *what)
+{
+	int r = driver(what);
+
+	if (r == 0)
+		r = push_ctx(ordinal, what);
+	if (r < 0)
+		return r;
+	r = wait_event(ev_handle, stream, what);
+	pop_ctx();
+	return r;
+}
+
+int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
+			  const uint8_t mem_handle[DLPC_CUDA_IPC_HANDLE_SIZE],
+			  const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *stream,
+			  bool defer, const char *name, struct dlpc__gpu_map **ret, void **base,
+			  int *ordinal)
+{
+	uint8_t key[DLPC_CUDA_IPC_HANDLE_SIZE + DLPC_CUDA_UUID_SIZE];
+	char what[DLPC_NAME_MAX + 32];
+	struct dlpc__gpu_map *m;
+	CUipcMemHandle h;
+	int r, ord;
+
+	snprintf(what, sizeof(what), "cannot attach '%s'", name);
+	*ret = NULL;
+	r = driver(what);
+	if (r < 0)
+		return r;
+	memcpy(key, mem_handle, DLPC_CUDA_IPC_HANDLE_SIZE);
+	memcpy(key + DLPC_CUDA_IPC_HANDLE_SIZE, uuid, DLPC_CUDA_UUID_SIZE);
+	ord = uuid_ordinal(uuid, what);
+	if (ord < 0)
+		return ord;
+	*ordinal = ord;
+	r = push_ctx(ord, what);
+	if (r < 0)
+		return r;
+	/* the publisher's own allocation: its pointer, nothing to open or close */
+	pthread_mutex_lock(&pubs_mu);
+	for (struct ipc_pub *p = pubs; p; p = p->next)
+		if (memcmp(p->key, key, sizeof(key)) == 0) {
+			*base = (void *)(uintptr_t)p->base;
+			pthread_mutex_unlock(&pubs_mu);
+			r = defer ? 0 : wait_event(ev_handle, stream, what);
+			pop_ctx();
+			return r;
+		}
+	pthread_mutex_unlock(&pubs_mu);
+	pthread_mutex_lock(&cache_mu);
+	for (m = cache; m; m = m->next)
+		if (memcmp(m->key, key, sizeof(key)) == 0) {
+			m->refs++;
+			break;
+		}
+	if (!m) {
+		m = calloc(1, sizeof(*m));
+		if (!m) {
+			r = dlpc__fail(-ENOMEM, "%s: out of memory", what);
+		} else {
+			memcpy(h.reserved, mem_handle, sizeof(h.reserved));
+			r = CU_CALL(what, cuIpcOpenMemHandle, &m->base, h,
+				    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+		}
+		if (r == 0) {
+			memcpy(m->key, key, sizeof(key));
+			m->refs = 1;
+			m->ordinal = ord;
+			m->next = cache;
+			cache = m;
+		} else {
+			free(m);
+			m = NULL;
+		}
+	}
+	pthread_mutex_unlock(&cache_mu);
+	if (r == 0 && !defer)
+		r = wait_event(ev_handle, stream, what);
+	pop_ctx();
+	if (r < 0) {
+		if (m)
+			dlpc__cuda_unmap(m);
+		return r;
+	}
+	*ret = m;
+	*base = (void *)(uintptr_t)m->base;
+	return 0;
+}
+
+/* Undo a VMM mapping of @p size bytes at @p base (the driver keeps errors to itself here). */
+static void vmm_unmap(CUdeviceptr base, size_t size)
+{
+	cu.cuMemUnmap(base, size);
+	cu.cuMemAddressFree(base, size);
+}
+
+void dlpc__cuda_unmap(struct dlpc__gpu_map *m)
+{
+	bool last;
+
+	if (!m->vmm) {
+		pthread_mutex_lock(&cache_mu);
+		last = --m->refs == 0;
+		if (last)
+			for (struct dlpc__gpu_map **pp = &cache; *pp; pp = &(*pp)->next)
+				if (*pp == m) {
+					*pp = m->next;
+					break;
+				}
+		pthread_mutex_unlock(&cache_mu);
+		if (!last)
+			return;
+	}
+	if (push_ctx(m->ordinal, "unmap") == 0) {
+		if (m->vmm) {
+			vmm_unmap(m->base, m->size);
+			if (m->handle)
+				cu.cuMemRelease(m->handle);
+		} else {
+			cu.cuIpcCloseMemHandle(m->base);
+		}
+		pop_ctx();
+	}
+	free(m);
+}
+
+/* ---- VMM ---- */
+
+/* Reserve @p size bytes of address space, map @p h there and make it read-write. */
+static int vmm_map(CUmemGenericAllocationHandle h, size_t size, int ordinal, CUdeviceptr *ret,
+		   const char *what)
+{
+	CUmemAccessDesc access = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = ordinal},
+				  .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+	CUdeviceptr p = 0;
+	int r = CU_CALL(what, cuMemAddressReserve, &p, size, 0, 0, 0);
+
+	if (r < 0)
+		return r;
+	r = CU_CALL(what, cuMemMap, p, size, 0, h, 0);
+	if (r < 0) {
+		cu.cuMemAddressFree(p, size);
+		return r;
+	}
+	r = CU_CALL(what, cuMemSetAccess, p, size, &access, 1);
+	if (r < 0) {
+		vmm_unmap(p, size);
+		return r;
+	}
+	*ret = p;
+	return 0;
+}
+
+int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **ret, void **base,
+			 size_t *len, int *fd, uint8_t uuid[DLPC_CUDA_UUID_SIZE])
+{
+	const char *what = "dlpc_alloc";
+	CUmemAllocationProp prop = {
+		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+		.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+		.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = ordinal},
+	};
+	struct dlpc__gpu_map *m;
+	size_t gran = 0, size;
+	int r = driver(what);
+
+	*fd = -1;
+	if (r < 0)
+		return r;
+	r = dlpc__cuda_device_uuid(ordinal, uuid, what);
+	if (r < 0)
+		return r;
+	m = calloc(1, sizeof(*m));
+	if (!m)
+		return dlpc__fail(-ENOMEM, "%s: out of memory", what);
+	m->vmm = true;
+	m->ordinal = ordinal;
+	r = push_ctx(ordinal, what);
+	if (r < 0) {
+		free(m);
+		return r;
+	}
+	r = CU_CALL(what, cuMemGetAllocationGranularity, &gran, &prop,
+		    CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+	if (r == 0 && gran == 0)
+		r = dlpc__fail(-EIO, "%s: the driver reports an allocation granularity of 0", what);
+	if (r < 0)
+		goto fail;
+	nbytes = nbytes ? nbytes : 1;
+	if (nbytes > SIZE_MAX - gran) {
+		r = dlpc__fail(-ENOMEM, "%s: %llu bytes is too large", what,
+			       (unsigned long long)nbytes);
+		goto fail;
+	}
+	size = (nbytes + gran - 1) / gran * gran;
+	m->size = size;
+	r = CU_CALL(what, cuMemCreate, &m->handle, size, &prop, 0);
+	if (r < 0)
+		goto fail;
+	r = CU_CALL(what, cuMemExportToShareableHandle, fd, m->handle,
+		    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+	if (r == 0)
+		r = vmm_map(m->handle, size, ordinal, &m->base, what);
+	if (r < 0) {
+		if (*fd >= 0)
+			close(*fd);
+		*fd = -1;
+		cu.cuMemRelease(m->handle);
+		goto fail;
+	}
+	pop_ctx();
+	*ret = m;
+	*base = (void *)(uintptr_t)m->base;
+	*len = size;
+	return 0;
+fail:
+	pop_ctx();
+	free(m);
+	return r;
+}
+
+int dlpc__cuda_vmm_import(int fd, uint64_t size, const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
+			  const char *name, struct dlpc__gpu_map **ret, void **base, int *ordinal)
+{
+	char what[DLPC_NAME_MAX + 32];
+	CUmemGenericAllocationHandle h;
+	struct dlpc__gpu_map *m;
+	int r, ord;
+
+	snprintf(what, sizeof(what), "cannot attach '%s'", name);
+	r = driver(what);
+	if (r < 0)
+		return r;
+	ord = uuid_ordinal(uuid, what);
+	if (ord < 0)
+		return ord;
+	m = calloc(1, sizeof(*m));
+	if (!m)
+		return dlpc__fail(-ENOMEM, "%s: out of memory", what);
+	r = push_ctx(ord, what);
+	if (r < 0) {
+		free(m);
+		return r;
+	}
+	r = CU_CALL(what, cuMemImportFromShareableHandle, &h, (void *)(uintptr_t)fd,
+		    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	if (r == 0) {
+		r = vmm_map(h, (size_t)size, ord, &m->base, what);
+		/* the mapping holds the memory from here on */
+		cu.cuMemRelease(h);
+	}
+	pop_ctx();
+	if (r < 0) {
+		free(m);
+		return r;
+	}
+	m->vmm = true;
+	m->ordinal = ord;
+	m->size = (size_t)size;
+	*ret = m;
+	*base = (void *)(uintptr_t)m->base;
+	*ordinal = ord;
+	return 0;
+}

@@ -1,0 +1,692 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * A fake CUDA driver: a test double for libdlpc's GPU paths on machines without a GPU. Never
+ * installed. It exports the driver entry points libdlpc resolves, under the same (versioned)
+ * symbol names and signatures, and backs "device memory" with host memfds so that it works
+ * across real processes:
+ *
+ * - A device pointer is a host address: tests read and write device memory directly.
+ * - cuMemAlloc makes a memfd and maps it. Its IPC handle holds the exporter's pid, the memfd's
+ *   fd number and an allocation id; cuIpcOpenMemHandle reopens /proc/<pid>/fd/<fd> (checking
+ *   the memfd's name carries the id) and maps it. Opening one's own handle fails, as it does
+ *   with the real driver.
+ * - cuMemCreate makes a memfd; its POSIX-fd export is a duplicate of it; import, reserve, map
+ *   and set-access do what their names say with mmap and mprotect.
+ * - Events and streams are small records. An interprocess event handle carries the creator's
+ *   pid and the event's id, so a test can tell which event a consumer waited on.
+ * - One device, ordinal 0, with a fixed UUID (FAKE_CUDA_UUID below).
+ *
+ * Every call a test may ask about is appended as one line, "<pid> <function> <details>", to the
+ * file named by $FAKE_CUDA_LOG (if set). $FAKE_CUDA_NO_IPC=1 makes the IPC calls answer
+ * CUDA_ERROR_NOT_SUPPORTED, as on WSL or Tegra; $FAKE_CUDA_NO_DEVICE=1 makes cuInit answer
+ * CUDA_ERROR_NO_DEVICE.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cuda_api.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define FAKE_CUDA_UUID "fake-cuda-dev-0!"
+#define FAKE_GRANULARITY (64u << 10)
+#define IPC_MAGIC 0x46414b45u /* "FAKE" */
+
+struct ipc_mem {
+	uint32_t magic;
+	int32_t pid, fd;
+	uint32_t id;
+	uint64_t size;
+};
+
+struct ipc_ev {
+	uint32_t magic;
+	int32_t pid;
+	uint32_t id;
+};
+
+enum kind { ALLOC, IMPORT, VMM_HANDLE, RESERVED };
+
+struct obj {
+	struct obj *next;
+	enum kind kind;
+	uint32_t id;
+	uintptr_t base;
+	size_t size;
+	int fd; /* ALLOC and VMM_HANDLE: the memfd */
+};
+
+struct CUevent_st {
+	uint32_t magic, id;
+	int32_t pid; /* creator of the event (the exporter's, for an opened IPC event) */
+	unsigned flags;
+};
+
+struct CUstream_st {
+	uint32_t magic;
+};
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static struct obj *objs;
+static uint32_t next_id;
+static int ctx_token;
+static __thread int ctx_depth;
+
+static void logf_(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static void logf_(const char *fmt, ...)
+{
+	const char *path = getenv("FAKE_CUDA_LOG");
+	char line[512];
+	int n, fd;
+	va_list ap;
+
+	if (!path)
+		return;
+	n = snprintf(line, sizeof(line), "%d ", (int)getpid());
+	va_start(ap, fmt);
+	n += vsnprintf(line + n, sizeof(line) - (size_t)n - 1, fmt, ap);
+	va_end(ap);
+	line[n++] = '\n';
+	fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return;
+	if (write(fd, line, (size_t)n) < 0) {
+		/* a test that reads the log fails on its own */
+	}
+	close(fd);
+}
+
+static bool env_on(const char *name)
+{
+	const char *v = getenv(name);
+
+	return v && strcmp(v, "1") == 0;
+}
+
+static struct obj *obj_new(enum kind kind, uintptr_t base, size_t size, int fd)
+{
+	struct obj *o = calloc(1, sizeof(*o));
+
+	if (!o)
+		return NULL;
+	o->kind = kind;
+	o->base = base;
+	o->size = size;
+	o->fd = fd;
+	pthread_mutex_lock(&mu);
+	o->id = ++next_id;
+	o->next = objs;
+	objs = o;
+	pthread_mutex_unlock(&mu);
+	return o;
+}
+
+/* The object of @p kind at or (if @p inside) containing @p p; unlinked if @p take. */
+static struct obj *obj_find(int kind, uintptr_t p, bool inside, bool take)
+{
+	struct obj *o = NULL;
+
+	pthread_mutex_lock(&mu);
+	for (struct obj **pp = &objs; *pp; pp = &(*pp)->next) {
+		struct obj *x = *pp;
+
+		if ((kind >= 0 && x->kind != (enum kind)kind) || x->kind == VMM_HANDLE)
+			continue;
+		if (x->base == p || (inside && p > x->base && p < x->base + x->size)) {
+			o = x;
+			if (take)
+				*pp = x->next;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&mu);
+	return o;
+}
+
+static struct obj *handle_find(CUmemGenericAllocationHandle h, bool take)
+{
+	struct obj *o = NULL;
+
+	pthread_mutex_lock(&mu);
+	for (struct obj **pp = &objs; *pp; pp = &(*pp)->next)
+		if ((*pp)->kind == VMM_HANDLE && (*pp)->id == h) {
+			o = *pp;
+			if (take)
+				*pp = o->next;
+			break;
+		}
+	pthread_mutex_unlock(&mu);
+	return o;
+}
+
+static int memfd_of(size_t size, uint32_t *id)
+{
+	char name[32];
+	int fd;
+
+	pthread_mutex_lock(&mu);
+	*id = ++next_id;
+	pthread_mutex_unlock(&mu);
+	snprintf(name, sizeof(name), "fake-cuda:%u", *id);
+	fd = memfd_create(name, MFD_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	if (ftruncate(fd, (off_t)size) < 0) {
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+EXPORT CUresult cuInit(unsigned int flags)
+{
+	(void)flags;
+	return env_on("FAKE_CUDA_NO_DEVICE") ? CUDA_ERROR_NO_DEVICE : CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGetErrorString(CUresult error, const char **str)
+{
+	switch (error) {
+	case CUDA_SUCCESS:
+		*str = "no error";
+		break;
+	case CUDA_ERROR_INVALID_VALUE:
+		*str = "invalid argument";
+		break;
+	case CUDA_ERROR_OUT_OF_MEMORY:
+		*str = "out of memory";
+		break;
+	case CUDA_ERROR_NOT_SUPPORTED:
+		*str = "operation not supported";
+		break;
+	case CUDA_ERROR_INVALID_HANDLE:
+		*str = "invalid resource handle";
+		break;
+	case CUDA_ERROR_INVALID_CONTEXT:
+		*str = "invalid device context";
+		break;
+	default:
+		*str = "unknown error";
+	}
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetCount(int *count)
+{
+	*count = 1;
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
+{
+	if (ordinal != 0)
+		return CUDA_ERROR_INVALID_DEVICE;
+	*device = 0;
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
+{
+	if (dev != 0)
+		return CUDA_ERROR_INVALID_DEVICE;
+	memcpy(uuid->bytes, FAKE_CUDA_UUID, sizeof(uuid->bytes));
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+	if (dev != 0)
+		return CUDA_ERROR_INVALID_DEVICE;
+	*pctx = (CUcontext)&ctx_token;
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
+{
+	return dev == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
+EXPORT CUresult cuCtxPushCurrent(CUcontext ctx)
+{
+	if (ctx != (CUcontext)&ctx_token)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	ctx_depth++;
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx)
+{
+	if (ctx_depth == 0)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	ctx_depth--;
+	if (pctx)
+		*pctx = (CUcontext)&ctx_token;
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr)
+{
+	if (!obj_find(-1, (uintptr_t)ptr, true, false))
+		return CUDA_ERROR_INVALID_VALUE;
+	if (attribute == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+		*(int *)data = 0;
+	else if (attribute == CU_POINTER_ATTRIBUTE_CONTEXT)
+		*(CUcontext *)data = (CUcontext)&ctx_token;
+	else
+		return CUDA_ERROR_INVALID_VALUE;
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAlloc(CUdeviceptr *dptr, size_t bytesize)
+{
+	uint32_t id;
+	int fd = memfd_of(bytesize, &id);
+	void *p;
+	struct obj *o;
+
+	if (fd < 0)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	p = mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (p == MAP_FAILED || !(o = obj_new(ALLOC, (uintptr_t)p, bytesize, fd))) {
+		if (p != MAP_FAILED)
+			munmap(p, bytesize);
+		close(fd);
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	o->id = id;
+	*dptr = (CUdeviceptr)(uintptr_t)p;
+	logf_("cuMemAlloc ptr=%#llx size=%zu id=%u", (unsigned long long)*dptr, bytesize, id);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemFree(CUdeviceptr dptr)
+{
+	struct obj *o = obj_find(ALLOC, (uintptr_t)dptr, false, true);
+
+	if (!o)
+		return CUDA_ERROR_INVALID_VALUE;
+	logf_("cuMemFree ptr=%#llx id=%u", (unsigned long long)dptr, o->id);
+	munmap((void *)o->base, o->size);
+	close(o->fd);
+	free(o);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemGetAddressRange(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
+	struct obj *o = obj_find(-1, (uintptr_t)dptr, true, false);
+
+	if (!o || o->kind == RESERVED)
+		return CUDA_ERROR_NOT_FOUND;
+	if (pbase)
+		*pbase = o->base;
+	if (psize)
+		*psize = o->size;
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
+{
+	struct ipc_mem h = {.magic = IPC_MAGIC, .pid = getpid()};
+	struct obj *o;
+
+	if (env_on("FAKE_CUDA_NO_IPC"))
+		return CUDA_ERROR_NOT_SUPPORTED;
+	o = obj_find(ALLOC, (uintptr_t)dptr, false, false);
+	if (!o)
+		return CUDA_ERROR_INVALID_VALUE;
+	h.fd = o->fd;
+	h.id = o->id;
+	h.size = o->size;
+	memset(pHandle, 0, sizeof(*pHandle));
+	memcpy(pHandle->reserved, &h, sizeof(h));
+	logf_("cuIpcGetMemHandle ptr=%#llx id=%u", (unsigned long long)dptr, o->id);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags)
+{
+	struct ipc_mem h;
+	char path[64], target[128], want[64];
+	ssize_t n;
+	void *p;
+	int fd;
+
+	memcpy(&h, handle.reserved, sizeof(h));
+	logf_("cuIpcOpenMemHandle pid=%d id=%u flags=%u", h.pid, h.id, Flags);
+	if (env_on("FAKE_CUDA_NO_IPC"))
+		return CUDA_ERROR_NOT_SUPPORTED;
+	if (h.magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_VALUE;
+	/* the real driver refuses to open a handle in the process that made it */
+	if (h.pid == getpid())
+		return CUDA_ERROR_INVALID_CONTEXT;
+	snprintf(path, sizeof(path), "/proc/%d/fd/%d", h.pid, h.fd);
+	snprintf(want, sizeof(want), "/memfd:fake-cuda:%u ", h.id);
+	n = readlink(path, target, sizeof(target) - 1);
+	if (n < 0)
+		return CUDA_ERROR_INVALID_HANDLE;
+	target[n] = 0;
+	if (strncmp(target, want, strlen(want)) != 0)
+		return CUDA_ERROR_INVALID_HANDLE;
+	fd = open(path, O_RDWR | O_CLOEXEC);
+	if (fd < 0)
+		return CUDA_ERROR_INVALID_HANDLE;
+	p = mmap(NULL, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (p == MAP_FAILED)
+		return CUDA_ERROR_MAP_FAILED;
+	if (!obj_new(IMPORT, (uintptr_t)p, h.size, -1)) {
+		munmap(p, h.size);
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	*pdptr = (CUdeviceptr)(uintptr_t)p;
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
+{
+	struct obj *o = obj_find(IMPORT, (uintptr_t)dptr, false, true);
+
+	if (!o)
+		return CUDA_ERROR_INVALID_VALUE;
+	logf_("cuIpcCloseMemHandle ptr=%#llx", (unsigned long long)dptr);
+	munmap((void *)o->base, o->size);
+	free(o);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
+{
+	CUevent e = calloc(1, sizeof(*e));
+
+	if (!e)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	pthread_mutex_lock(&mu);
+	e->id = ++next_id;
+	pthread_mutex_unlock(&mu);
+	e->magic = IPC_MAGIC;
+	e->pid = getpid();
+	e->flags = Flags;
+	*phEvent = e;
+	logf_("cuEventCreate event=%d:%u flags=%u", e->pid, e->id, Flags);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
+{
+	if (!hEvent || hEvent->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	logf_("cuEventRecord event=%d:%u stream=%p", hEvent->pid, hEvent->id, (void *)hStream);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventSynchronize(CUevent hEvent)
+{
+	if (!hEvent || hEvent->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	logf_("cuEventSynchronize event=%d:%u", hEvent->pid, hEvent->id);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventDestroy(CUevent hEvent)
+{
+	if (!hEvent || hEvent->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	logf_("cuEventDestroy event=%d:%u", hEvent->pid, hEvent->id);
+	hEvent->magic = 0;
+	free(hEvent);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuIpcGetEventHandle(CUipcEventHandle *pHandle, CUevent event)
+{
+	struct ipc_ev h = {.magic = IPC_MAGIC};
+
+	if (env_on("FAKE_CUDA_NO_IPC"))
+		return CUDA_ERROR_NOT_SUPPORTED;
+	if (!event || event->magic != IPC_MAGIC || !(event->flags & CU_EVENT_INTERPROCESS) ||
+	    !(event->flags & CU_EVENT_DISABLE_TIMING))
+		return CUDA_ERROR_INVALID_VALUE;
+	h.pid = event->pid;
+	h.id = event->id;
+	memset(pHandle, 0, sizeof(*pHandle));
+	memcpy(pHandle->reserved, &h, sizeof(h));
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuIpcOpenEventHandle(CUevent *phEvent, CUipcEventHandle handle)
+{
+	struct ipc_ev h;
+	CUevent e;
+
+	memcpy(&h, handle.reserved, sizeof(h));
+	if (env_on("FAKE_CUDA_NO_IPC"))
+		return CUDA_ERROR_NOT_SUPPORTED;
+	if (h.magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_VALUE;
+	e = calloc(1, sizeof(*e));
+	if (!e)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	e->magic = IPC_MAGIC;
+	e->pid = h.pid;
+	e->id = h.id;
+	e->flags = CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING;
+	*phEvent = e;
+	logf_("cuIpcOpenEventHandle event=%d:%u", h.pid, h.id);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
+{
+	CUstream s = calloc(1, sizeof(*s));
+
+	(void)Flags;
+	if (!s)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	s->magic = IPC_MAGIC;
+	*phStream = s;
+	logf_("cuStreamCreate stream=%p", (void *)s);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamDestroy(CUstream hStream)
+{
+	if (!hStream || hStream->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	hStream->magic = 0;
+	free(hStream);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
+{
+	/* the special streams (legacy 0x1, per-thread 0x2) and NULL are valid without a record */
+	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	if (!hEvent || hEvent->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	logf_("cuStreamWaitEvent stream=%p event=%d:%u flags=%u", (void *)hStream, hEvent->pid,
+	      hEvent->id, Flags);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+					      CUmemAllocationGranularity_flags option)
+{
+	(void)option;
+	if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+	    prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id != 0)
+		return CUDA_ERROR_INVALID_VALUE;
+	*granularity = FAKE_GRANULARITY;
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+			    const CUmemAllocationProp *prop, unsigned long long flags)
+{
+	uint32_t id;
+	struct obj *o;
+	int fd;
+
+	(void)flags;
+	if (size == 0 || size % FAKE_GRANULARITY || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+	    prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id != 0)
+		return CUDA_ERROR_INVALID_VALUE;
+	fd = memfd_of(size, &id);
+	if (fd < 0)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	o = obj_new(VMM_HANDLE, 0, size, fd);
+	if (!o) {
+		close(fd);
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	/* the handle's export type was fixed at creation */
+	if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+		o->base = 1;
+	*handle = o->id;
+	logf_("cuMemCreate handle=%u size=%zu", o->id, size);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+	struct obj *o = handle_find(handle, true);
+
+	if (!o)
+		return CUDA_ERROR_INVALID_VALUE;
+	logf_("cuMemRelease handle=%u", o->id);
+	/* mappings keep the memory: they map the memfd itself */
+	close(o->fd);
+	free(o);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle,
+					     CUmemGenericAllocationHandle handle,
+					     CUmemAllocationHandleType handleType,
+					     unsigned long long flags)
+{
+	struct obj *o = handle_find(handle, false);
+	int fd;
+
+	(void)flags;
+	if (!o || o->base || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+		return CUDA_ERROR_INVALID_VALUE;
+	fd = fcntl(o->fd, F_DUPFD_CLOEXEC, 0);
+	if (fd < 0)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	*(int *)shareableHandle = fd;
+	logf_("cuMemExportToShareableHandle handle=%u", o->id);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+					       CUmemAllocationHandleType shHandleType)
+{
+	int fd = (int)(intptr_t)osHandle, dup;
+	struct stat st;
+	struct obj *o;
+
+	if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || fstat(fd, &st) < 0 ||
+	    !S_ISREG(st.st_mode) || st.st_size == 0)
+		return CUDA_ERROR_INVALID_VALUE;
+	dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+	if (dup < 0)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	o = obj_new(VMM_HANDLE, 0, (size_t)st.st_size, dup);
+	if (!o) {
+		close(dup);
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	*handle = o->id;
+	logf_("cuMemImportFromShareableHandle handle=%u size=%lld", o->id, (long long)st.st_size);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+				    CUdeviceptr addr, unsigned long long flags)
+{
+	void *p;
+
+	(void)alignment;
+	(void)addr;
+	(void)flags;
+	if (size == 0 || size % FAKE_GRANULARITY)
+		return CUDA_ERROR_INVALID_VALUE;
+	p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+	if (p == MAP_FAILED)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	if (!obj_new(RESERVED, (uintptr_t)p, size, -1)) {
+		munmap(p, size);
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	*ptr = (CUdeviceptr)(uintptr_t)p;
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+	struct obj *o = obj_find(RESERVED, (uintptr_t)ptr, false, true);
+
+	if (!o || o->size != size)
+		return CUDA_ERROR_INVALID_VALUE;
+	munmap((void *)o->base, o->size);
+	free(o);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+			 CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+	struct obj *h = handle_find(handle, false);
+	struct obj *r = obj_find(RESERVED, (uintptr_t)ptr, false, false);
+
+	(void)flags;
+	if (!h || !r || size > r->size || offset + size > h->size)
+		return CUDA_ERROR_INVALID_VALUE;
+	/* mapped but not accessible until cuMemSetAccess, as with the real driver */
+	if (mmap((void *)r->base, size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->fd, (off_t)offset) ==
+	    MAP_FAILED)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	logf_("cuMemMap ptr=%#llx size=%zu handle=%u", (unsigned long long)ptr, size, h->id);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+	struct obj *r = obj_find(RESERVED, (uintptr_t)ptr, false, false);
+
+	if (!r || size > r->size)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (mmap((void *)r->base, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1,
+		 0) == MAP_FAILED)
+		return CUDA_ERROR_UNKNOWN;
+	logf_("cuMemUnmap ptr=%#llx", (unsigned long long)ptr);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+			       size_t count)
+{
+	struct obj *r = obj_find(RESERVED, (uintptr_t)ptr, false, false);
+
+	if (!r || size > r->size || count != 1 ||
+	    desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc->location.id != 0)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (mprotect((void *)r->base, size,
+		     desc->flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE ? PROT_READ | PROT_WRITE
+								       : PROT_READ) < 0)
+		return CUDA_ERROR_INVALID_VALUE;
+	return CUDA_SUCCESS;
+}

@@ -1,0 +1,775 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * GPU tensors against a real dlpackd, across real processes, with the fake CUDA driver
+ * (tests/fake_cuda) standing in for libcuda.so.1: legacy IPC publish and attach, the import
+ * cache, reclaim notices, VMM storage, stream ordering, and the errors without a driver.
+ *
+ * Under the fake driver a device pointer is a host address, so the tests fill and read "device"
+ * memory directly; the driver calls that matter are read back from the fake's log
+ * ($FAKE_CUDA_LOG: one "<pid> <function> <details>" line per call).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include "cuda_api.h"
+#include "harness.h"
+#include "limits.h"
+
+static struct daemon D;
+static char logpath[192];
+
+static void setup(void)
+{
+	daemon_start(&D);
+	snprintf(logpath, sizeof(logpath), "%s/fake_cuda.log", D.dir);
+	setenv("FAKE_CUDA_LOG", logpath, 1);
+	setenv(DLPC_CUDA_LIBRARY_ENV, FAKE_CUDA_LIB, 1);
+}
+
+static void teardown(void)
+{
+	unlink(logpath);
+	daemon_stop(&D);
+}
+
+/* Lines of the fake driver's log written by @p pid (any if 0) that contain @p text and, if not
+ * NULL, @p also. */
+static int log_count2(pid_t pid, const char *text, const char *also)
+{
+	FILE *f = fopen(logpath, "re");
+	char line[512], prefix[24];
+	int n = 0;
+
+	snprintf(prefix, sizeof(prefix), "%d ", (int)pid);
+	while (f && fgets(line, sizeof(line), f))
+		if ((pid == 0 || strncmp(line, prefix, strlen(prefix)) == 0) &&
+		    strstr(line, text) && (!also || strstr(line, also)))
+			n++;
+	if (f)
+		fclose(f);
+	return n;
+}
+
+static int log_count(pid_t pid, const char *text)
+{
+	return log_count2(pid, text, NULL);
+}
+
+/* ---- device tensors over fake device memory ---- */
+
+struct devt {
+	DLManagedTensorVersioned t;
+	int64_t shape[1];
+	int notify; /* the deleter writes one byte here, if >= 0 */
+};
+
+static void devt_deleter(DLManagedTensorVersioned *t)
+{
+	struct devt *d = (struct devt *)t;
+
+	if (d->notify >= 0 && write(d->notify, "D", 1) != 1)
+		abort();
+	free(d);
+}
+
+/* A float32 vector of @p n elements at @p ptr on CUDA device 0. */
+static DLManagedTensorVersioned *dev_tensor(CUdeviceptr ptr, int64_t n, int notify)
+{
+	struct devt *d = calloc(1, sizeof(*d));
+
+	CHILD_CHECK(d != NULL);
+	d->shape[0] = n;
+	d->notify = notify;
+	d->t.version.major = DLPACK_MAJOR_VERSION;
+	d->t.version.minor = DLPACK_MINOR_VERSION;
+	d->t.deleter = devt_deleter;
+	d->t.dl_tensor.data = (void *)(uintptr_t)ptr;
+	d->t.dl_tensor.device = (DLDevice){kDLCUDA, 0};
+	d->t.dl_tensor.ndim = 1;
+	d->t.dl_tensor.dtype = (DLDataType){kDLFloat, 32, 1};
+	d->t.dl_tensor.shape = d->shape;
+	return &d->t;
+}
+
+static void fill(float *p, int64_t n, float base)
+{
+	for (int64_t i = 0; i < n; i++)
+		p[i] = base + (float)i * 0.5f;
+}
+
+static bool same(const float *p, int64_t n, float base)
+{
+	for (int64_t i = 0; i < n; i++)
+		if (p[i] != base + (float)i * 0.5f)
+			return false;
+	return true;
+}
+
+/* ---- a publishing process that stays until told to go ---- */
+
+/* Where the tensors sit: two in one allocation, at offsets that are not 256-aligned. */
+#define ALLOC_BYTES (1u << 20)
+#define OFF_A 1000
+#define OFF_B 65540
+#define NELEM 1000
+
+struct publisher {
+	const char *names[2]; /* published at OFF_A and OFF_B; [1] may be NULL */
+	uint32_t flags;
+	int ready[2];	  /* the child writes one byte once published */
+	int quit[2];	  /* the parent writes (or closes) to let it go */
+	int notify[2];	  /* each deleter writes one byte */
+	bool self_attach; /* also attach names[0] in the publishing process */
+	int many;	  /* if > 0: publish gpu/b/0 .. gpu/b/<many - 1> instead, all at OFF_A */
+	pid_t pid;
+};
+
+static int publisher_main(void *arg)
+{
+	struct publisher *p = arg;
+	dlpc_client *c = NULL;
+	CUdeviceptr base;
+	char b;
+
+	close(p->ready[0]);
+	close(p->quit[1]);
+	close(p->notify[0]);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
+	fill((float *)(uintptr_t)(base + OFF_A), NELEM, 1.0f);
+	fill((float *)(uintptr_t)(base + OFF_B), NELEM, 7.0f);
+	for (int i = 0; i < p->many; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "gpu/b/%d", i);
+		CHILD_CHECK(dlpc_publish(c, name, dev_tensor(base + OFF_A, NELEM, p->notify[1]),
+					 p->flags) == 1);
+	}
+	if (!p->many)
+		CHILD_CHECK(dlpc_publish(c, p->names[0],
+					 dev_tensor(base + OFF_A, NELEM, p->notify[1]),
+					 p->flags) == 1);
+	if (p->names[1])
+		CHILD_CHECK(dlpc_publish(c, p->names[1],
+					 dev_tensor(base + OFF_B, NELEM, p->notify[1]),
+					 p->flags) == 1);
+	if (p->self_attach) {
+		DLManagedTensorVersioned *t = NULL;
+
+		/* the publisher's own allocation: its own pointer, nothing opened */
+		CHILD_CHECK(dlpc_attach(c, p->names[0], NULL, &t) == 1);
+		CHILD_CHECK(t->dl_tensor.data == (void *)(uintptr_t)(base + OFF_A));
+		CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA);
+		CHILD_CHECK(same(t->dl_tensor.data, NELEM, 1.0f));
+		CHILD_CHECK(log_count(getpid(), "cuIpcOpenMemHandle") == 0);
+		t->deleter(t);
+	}
+	dlpc_close(c);
+	CHILD_CHECK(write(p->ready[1], "R", 1) == 1);
+	/* idle: no libdlpc call from here on; reclaim notices are the library's business */
+	if (read(p->quit[0], &b, 1) < 0)
+		return 1;
+	return 0;
+}
+
+static void publisher_start(struct publisher *p)
+{
+	char b;
+
+	ck_assert_int_eq(pipe2(p->ready, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(p->quit, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(p->notify, O_CLOEXEC), 0);
+	p->pid = spawn(publisher_main, p);
+	close(p->ready[1]);
+	close(p->quit[0]);
+	close(p->notify[1]);
+	ck_assert_msg(read(p->ready[0], &b, 1) == 1, "the publisher failed before publishing");
+}
+
+static void publisher_stop(struct publisher *p)
+{
+	ck_assert_int_eq(write(p->quit[1], "Q", 1), 1);
+	ck_assert_int_eq(wait_child(p->pid), 0);
+	close(p->ready[0]);
+	close(p->quit[1]);
+	close(p->notify[0]);
+}
+
+/* Did a deleter of @p p run within @p ms? */
+static bool deleter_ran(const struct publisher *p, int ms)
+{
+	struct pollfd pfd = {.fd = p->notify[0], .events = POLLIN};
+	char b;
+
+	if (poll(&pfd, 1, ms) != 1)
+		return false;
+	return read(p->notify[0], &b, 1) == 1 && b == 'D';
+}
+
+/* ---- attaching processes ---- */
+
+struct attacher {
+	const char *name;
+	float base;	   /* expected content */
+	bool with_stream;  /* pass a stream in dlpc_attach_opts */
+	bool defer;	   /* attach with DLPC_ATTACH_DEFER_SYNC, then dlpc_tensor_wait() */
+	void *stream_seen; /* set by the child (its own copy): the stream it passed */
+};
+
+static int attacher_main(void *arg)
+{
+	struct attacher *a = arg;
+	dlpc_attach_opts o = {.size = sizeof(o)};
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	CUstream s = NULL;
+	char want[96];
+
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	if (a->with_stream) {
+		CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+		CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
+		o.stream = s;
+	}
+	if (a->defer) {
+		o.flags = DLPC_ATTACH_DEFER_SYNC;
+		CHILD_CHECK(dlpc_attach(c, a->name, &o, &t) == 1);
+		/* nothing waited yet; then each wait as asked, as often as asked */
+		CHILD_CHECK(log_count(getpid(), "cuStreamWaitEvent") == 0);
+		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 0);
+		CHILD_CHECK(dlpc_tensor_wait(t, (void *)0x2) == 0);
+		CHILD_CHECK(log_count(getpid(), "cuStreamWaitEvent stream=0x2 ") == 1);
+		CHILD_CHECK(dlpc_tensor_wait(t, NULL) == 0);
+		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 1);
+		t->deleter(t);
+		dlpc_close(c);
+		return 0;
+	}
+	CHILD_CHECK(dlpc_attach(c, a->name, &o, &t) == 1);
+	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA);
+	CHILD_CHECK(t->dl_tensor.device.device_id == 0);
+	CHILD_CHECK(t->dl_tensor.ndim == 1 && t->dl_tensor.shape[0] == NELEM);
+	CHILD_CHECK(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
+	CHILD_CHECK(same(t->dl_tensor.data, NELEM, a->base));
+	if (a->with_stream) {
+		snprintf(want, sizeof(want), "cuStreamWaitEvent stream=%p ", (void *)s);
+		CHILD_CHECK(log_count(getpid(), want) == 1);
+		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 0);
+	} else {
+		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 1);
+		CHILD_CHECK(log_count(getpid(), "cuStreamWaitEvent") == 0);
+	}
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+static void attach_in_child(const char *name, float base, bool with_stream)
+{
+	struct attacher a = {.name = name, .base = base, .with_stream = with_stream};
+
+	ck_assert_int_eq(wait_child(spawn(attacher_main, &a)), 0);
+}
+
+/* ---- 1. a tensor inside a larger allocation, attached by another process ---- */
+
+START_TEST(ipc_offset_attach)
+{
+	struct publisher p = {.names = {"gpu/a", NULL}};
+
+	publisher_start(&p);
+	attach_in_child("gpu/a", 1.0f, false);
+	/* opened with the lazy peer access flag (CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1) */
+	ck_assert_int_eq(log_count(0, "cuIpcOpenMemHandle"), 1);
+	ck_assert_int_eq(log_count(0, "flags=1"), 1);
+	ck_assert_int_eq(log_count(0, "cuIpcCloseMemHandle"), 1);
+	publisher_stop(&p);
+}
+END_TEST
+
+/* ---- 2. the import cache ---- */
+
+static int two_attaches(void *arg)
+{
+	DLManagedTensorVersioned *a = NULL, *b = NULL, *a2 = NULL;
+	dlpc_client *c = NULL;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/x", NULL, &a) == 1);
+	CHILD_CHECK(dlpc_attach(c, "gpu/y", NULL, &b) == 1);
+	CHILD_CHECK(dlpc_attach(c, "gpu/x", NULL, &a2) == 1);
+	/* one allocation, opened once, the tensors where the publisher put them */
+	CHILD_CHECK(log_count(getpid(), "cuIpcOpenMemHandle") == 1);
+	CHILD_CHECK((uint8_t *)b->dl_tensor.data - (uint8_t *)a->dl_tensor.data == OFF_B - OFF_A);
+	CHILD_CHECK(a2->dl_tensor.data == a->dl_tensor.data);
+	CHILD_CHECK(same(a->dl_tensor.data, NELEM, 1.0f));
+	CHILD_CHECK(same(b->dl_tensor.data, NELEM, 7.0f));
+	/* closed when the last user lets go, not before */
+	a->deleter(a);
+	b->deleter(b);
+	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
+	a2->deleter(a2);
+	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(ipc_import_cache)
+{
+	struct publisher p = {.names = {"gpu/x", "gpu/y"}, .self_attach = true};
+
+	publisher_start(&p);
+	ck_assert_int_eq(wait_child(spawn(two_attaches, NULL)), 0);
+	/* the publisher itself opened nothing (checked in the child too) */
+	ck_assert_int_eq(log_count(p.pid, "cuIpcOpenMemHandle"), 0);
+	publisher_stop(&p);
+}
+END_TEST
+
+/* ---- 3. reclaim ---- */
+
+static int attach_hold(void *arg)
+{
+	int *fds = arg; /* [0]: told when attached; [1]: read to let go */
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	char b;
+
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/r", NULL, &t) == 1);
+	CHILD_CHECK(write(fds[0], "A", 1) == 1);
+	CHILD_CHECK(read(fds[1], &b, 1) == 1);
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(ipc_reclaim_idle_publisher)
+{
+	struct publisher p = {.names = {"gpu/r", NULL}};
+	int attached[2], go[2], fds[2];
+	dlpc_client *c = connect_or_die(&D);
+	pid_t holder;
+	char b;
+
+	publisher_start(&p);
+	ck_assert_int_eq(pipe(attached), 0);
+	ck_assert_int_eq(pipe(go), 0);
+	fds[0] = attached[1];
+	fds[1] = go[0];
+	holder = spawn(attach_hold, fds);
+	ck_assert_int_eq(read(attached[0], &b, 1), 1);
+	/* unpublished, but still referenced: the publisher must keep the memory */
+	ck_assert_dlpc(dlpc_unpublish(c, "gpu/r"), 0);
+	ck_assert_msg(!deleter_ran(&p, scaled_ms(300)),
+		      "the deleter ran while an attacher still held the tensor");
+	/* the last release: the idle publisher's deleter runs (well inside the 1 s deadline;
+	 * libdlpc's own bound is 100 ms, which this test does not time) */
+	ck_assert_int_eq(write(go[1], "G", 1), 1);
+	ck_assert_int_eq(wait_child(holder), 0);
+	ck_assert_msg(deleter_ran(&p, scaled_ms(1000)),
+		      "the publisher's deleter did not run after the last release");
+	/* and its event is gone with it */
+	ck_assert_int_eq(log_count(p.pid, "cuEventDestroy"), 1);
+	publisher_stop(&p);
+	close(attached[0]);
+	close(attached[1]);
+	close(go[0]);
+	close(go[1]);
+	dlpc_close(c);
+}
+END_TEST
+
+START_TEST(ipc_reclaim_on_replace_unreferenced)
+{
+	struct publisher p = {.names = {"gpu/q", NULL}};
+	dlpc_client *c = connect_or_die(&D);
+
+	publisher_start(&p);
+	/* no reference at all: replacing the entry frees it at once */
+	ck_assert_int_gt(dlpc_publish(c, "gpu/q",
+				      host_tensor((float[4]){0}, (DLDataType){kDLFloat, 32, 1}, 1,
+						  (int64_t[]){4}, NULL, NULL),
+				      DLPC_PUBLISH_REPLACE),
+			 0);
+	ck_assert_msg(deleter_ran(&p, scaled_ms(1000)),
+		      "the publisher's deleter did not run after its entry was replaced");
+	publisher_stop(&p);
+	dlpc_close(c);
+}
+END_TEST
+
+static bool no_entries(const dlpc_stats *s, void *arg)
+{
+	(void)arg;
+	return s->entries == 0;
+}
+
+START_TEST(ipc_publisher_killed)
+{
+	struct publisher p = {.names = {"gpu/k", NULL}};
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t = NULL;
+
+	publisher_start(&p);
+	ck_assert_int_eq(kill(p.pid, SIGKILL), 0);
+	ck_assert_int_eq(wait_child(p.pid), 128 + SIGKILL);
+	ck_assert(wait_stat(c, no_entries, NULL, scaled_ms(5000)));
+	ck_assert_dlpc(dlpc_attach(c, "gpu/k", NULL, &t), -ENOENT);
+	ck_assert_ptr_null(t);
+	close(p.ready[0]);
+	close(p.quit[1]);
+	close(p.notify[0]);
+	dlpc_close(c);
+}
+END_TEST
+
+/* More publications than one RECLAIM frame may name: freed in one daemon turn. */
+#define MANY (DLPC_RECLAIM_BATCH_MAX + 6)
+
+static int attach_many(void *arg)
+{
+	int *fds = arg; /* [0]: told when attached; [1]: never written (the parent kills us) */
+	dlpc_client *c = NULL;
+	char b;
+
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	for (int i = 0; i < MANY; i++) {
+		DLManagedTensorVersioned *t = NULL;
+		char name[32];
+
+		snprintf(name, sizeof(name), "gpu/b/%d", i);
+		CHILD_CHECK(dlpc_attach(c, name, NULL, &t) == 1);
+	}
+	CHILD_CHECK(write(fds[0], "A", 1) == 1);
+	CHILD_CHECK(read(fds[1], &b, 1) == 1);
+	return 0;
+}
+
+START_TEST(reclaim_batches)
+{
+	struct publisher p = {.names = {"unused", NULL}, .many = MANY};
+	dlpc_client *c = connect_or_die(&D);
+	int attached[2], hold[2], fds[2], got = 0;
+	pid_t holder;
+	char b;
+
+	publisher_start(&p);
+	ck_assert_int_eq(pipe(attached), 0);
+	ck_assert_int_eq(pipe(hold), 0);
+	fds[0] = attached[1];
+	fds[1] = hold[0];
+	holder = spawn(attach_many, fds);
+	ck_assert_int_eq(read(attached[0], &b, 1), 1);
+	for (int i = 0; i < MANY; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "gpu/b/%d", i);
+		ck_assert_dlpc(dlpc_unpublish(c, name), 0);
+	}
+	/* the holder's death frees every storage at once: MANY notices, in two frames */
+	ck_assert_int_eq(kill(holder, SIGKILL), 0);
+	ck_assert_int_eq(wait_child(holder), 128 + SIGKILL);
+	while (got < MANY && deleter_ran(&p, scaled_ms(5000)))
+		got++;
+	ck_assert_int_eq(got, MANY);
+	publisher_stop(&p);
+	close(attached[0]);
+	close(attached[1]);
+	close(hold[0]);
+	close(hold[1]);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- 4. VMM ---- */
+
+static int vmm_publish(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	int64_t n = NELEM;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_alloc(c, (DLDevice){kDLCUDA, 0}, (DLDataType){kDLFloat, 32, 1}, 1, &n,
+			       &t) == 0);
+	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA);
+	fill(t->dl_tensor.data, NELEM, 3.0f);
+	CHILD_CHECK(dlpc_publish(c, "gpu/v", t, 0) == 1);
+	CHILD_CHECK(log_count(getpid(), "cuMemCreate") == 1);
+	CHILD_CHECK(log_count(getpid(), "cuMemExportToShareableHandle") == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+static int vmm_attach(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/v", NULL, &t) == 1);
+	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA);
+	CHILD_CHECK(same(t->dl_tensor.data, NELEM, 3.0f));
+	CHILD_CHECK(log_count(getpid(), "cuMemImportFromShareableHandle") == 1);
+	CHILD_CHECK(log_count(getpid(), "cuMemMap") == 1);
+	t->deleter(t);
+	CHILD_CHECK(log_count(getpid(), "cuMemUnmap") == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(vmm_outlives_publisher)
+{
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_entry_info *list = NULL;
+	size_t n = 0;
+
+	ck_assert_int_eq(wait_child(spawn(vmm_publish, NULL)), 0);
+	/* the publisher has exited; the daemon holds the export fd */
+	ck_assert_dlpc(dlpc_list(c, "gpu/", &list, &n), 0);
+	ck_assert_uint_eq(n, 1);
+	ck_assert_int_eq(list[0].device.device_type, kDLCUDA);
+	ck_assert_uint_eq(list[0].flags & DLPC_PUBLISH_EPHEMERAL, 0);
+	dlpc_list_free(list, n);
+	ck_assert_int_eq(wait_child(spawn(vmm_attach, NULL)), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- 5. stream ordering ---- */
+
+START_TEST(stream_ordering)
+{
+	struct publisher p = {.names = {"gpu/s", NULL}};
+	char rec[64];
+
+	publisher_start(&p);
+	/* the publisher recorded the event it exported */
+	ck_assert_int_eq(log_count(p.pid, "cuEventRecord"), 1);
+	snprintf(rec, sizeof(rec), "event=%d:", (int)p.pid);
+	/* the children check their own waits: on the given stream and no host synchronization,
+	 * or a synchronization of the publisher's event when no stream is given */
+	attach_in_child("gpu/s", 1.0f, true);
+	attach_in_child("gpu/s", 1.0f, false);
+	ck_assert_int_eq(log_count2(0, "cuIpcOpenEventHandle", rec), 2);
+	ck_assert_int_eq(log_count2(0, "cuStreamWaitEvent", rec), 1);
+	ck_assert_int_eq(log_count2(0, "cuEventSynchronize", rec), 1);
+	/* the wait put off to dlpc_tensor_wait(), as __dlpack__(stream=...) needs it */
+	{
+		struct attacher a = {.name = "gpu/s", .base = 1.0f, .defer = true};
+
+		ck_assert_int_eq(wait_child(spawn(attacher_main, &a)), 0);
+	}
+	publisher_stop(&p);
+}
+END_TEST
+
+/* ---- 6. without a driver ---- */
+
+static int no_driver(void *arg)
+{
+	static float host[16];
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	int64_t n = 16;
+	int fds[2];
+	char b;
+
+	(void)arg;
+	setenv(DLPC_CUDA_LIBRARY_ENV, "/nonexistent/libcuda.so.1", 1);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	/* host work is unaffected */
+	CHILD_CHECK(
+		dlpc_publish(c, "host/h",
+			     host_tensor(host, (DLDataType){kDLFloat, 32, 1}, 1, &n, NULL, NULL),
+			     0) == 1);
+	CHILD_CHECK(dlpc_attach(c, "host/h", NULL, &t) == 1);
+	t->deleter(t);
+	/* GPU calls fail, and say why */
+	CHILD_CHECK(dlpc_alloc(c, (DLDevice){kDLCUDA, 0}, (DLDataType){kDLFloat, 32, 1}, 1, &n,
+			       &t) == -ENODEV);
+	CHILD_CHECK(strstr(dlpc_last_error(), "CUDA driver (/nonexistent/libcuda.so.1) not found"));
+	CHILD_CHECK(pipe(fds) == 0);
+	CHILD_CHECK(dlpc_publish(c, "gpu/none", dev_tensor((uintptr_t)host, 16, fds[1]), 0) ==
+		    -ENODEV);
+	CHILD_CHECK(strstr(dlpc_last_error(), "not found"));
+	/* the tensor was given back: its deleter ran once */
+	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	/* an entry published through the fake driver cannot be attached here */
+	CHILD_CHECK(dlpc_attach(c, "gpu/n", NULL, &t) == -ENODEV);
+	CHILD_CHECK(strstr(dlpc_last_error(), "not found"));
+	dlpc_close(c);
+	return 0;
+}
+
+static bool no_refs(const dlpc_stats *s, void *arg)
+{
+	(void)arg;
+	return s->references == 0;
+}
+
+START_TEST(no_driver_errors)
+{
+	struct publisher p = {.names = {"gpu/n", NULL}};
+	dlpc_client *c = connect_or_die(&D);
+
+	publisher_start(&p);
+	ck_assert_int_eq(wait_child(spawn(no_driver, NULL)), 0);
+	/* the failed attach gave its reference back */
+	ck_assert(wait_stat(c, no_refs, NULL, scaled_ms(5000)));
+	publisher_stop(&p);
+	dlpc_close(c);
+}
+END_TEST
+
+static int bad_devices(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	int64_t n = 4;
+
+	(void)arg;
+	/* a device the driver does not have, and one past what libdlpc handles at all */
+	CHILD_CHECK(dlpc_alloc(NULL, (DLDevice){kDLCUDA, 1}, (DLDataType){kDLFloat, 32, 1}, 1, &n,
+			       &t) == -ENODEV);
+	CHILD_CHECK(strstr(dlpc_last_error(), "cuDeviceGet"));
+	CHILD_CHECK(dlpc_alloc(NULL, (DLDevice){kDLCUDA, DLPC_CUDA_DEVICES_MAX},
+			       (DLDataType){kDLFloat, 32, 1}, 1, &n, &t) == -ENODEV);
+	CHILD_CHECK(strstr(dlpc_last_error(), "out of range"));
+	CHILD_CHECK(dlpc_alloc(NULL, (DLDevice){kDLCUDA, DLPC_CUDA_DEVICES_MAX - 1},
+			       (DLDataType){kDLFloat, 32, 1}, 1, &n, &t) == -ENODEV);
+	CHILD_CHECK(!strstr(dlpc_last_error(), "out of range"));
+	CHILD_CHECK(t == NULL);
+	return 0;
+}
+
+START_TEST(device_ordinals)
+{
+	ck_assert_int_eq(wait_child(spawn(bad_devices, NULL)), 0);
+}
+END_TEST
+
+static int ipc_unsupported(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	CUdeviceptr base;
+	int fds[2];
+	char b;
+
+	(void)arg;
+	setenv("FAKE_CUDA_NO_IPC", "1", 1);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
+	CHILD_CHECK(pipe(fds) == 0);
+	CHILD_CHECK(dlpc_publish(c, "gpu/u", dev_tensor(base, NELEM, fds[1]), 0) == -ENOTSUP);
+	CHILD_CHECK(strstr(dlpc_last_error(), "not supported on this platform"));
+	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	CHILD_CHECK(dlpc_attach(c, "gpu/u", NULL, &t) == -ENOENT);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(ipc_not_supported)
+{
+	ck_assert_int_eq(wait_child(spawn(ipc_unsupported, NULL)), 0);
+}
+END_TEST
+
+/* ---- 7. the daemon never links or loads CUDA ---- */
+
+/* Does a file mapped by the process whose maps are @p path have @p text in its base name?
+ * (Base names only: the build tree's own path may say anything.) */
+static bool maps_have(const char *path, const char *text)
+{
+	FILE *f = fopen(path, "re");
+	char line[1024];
+	bool found = false;
+
+	ck_assert_msg(f != NULL, "cannot read %s", path);
+	while (!found && fgets(line, sizeof(line), f)) {
+		char *base = strrchr(line, '/');
+
+		found = base && strstr(base, text) != NULL;
+	}
+	fclose(f);
+	return found;
+}
+
+START_TEST(daemon_without_cuda)
+{
+	struct publisher p = {.names = {"gpu/d", NULL}};
+	char cmd[512], out[256], maps[64];
+	FILE *f;
+	bool needed = false;
+
+	/* what the daemon's binary asks the dynamic linker for */
+	snprintf(cmd, sizeof(cmd), "readelf -d '%s'", DLPACKD_BIN);
+	f = popen(cmd, "r");
+	ck_assert_ptr_nonnull(f);
+	while (fgets(out, sizeof(out), f)) {
+		if (!strstr(out, "(NEEDED)"))
+			continue;
+		needed = true;
+		ck_assert_msg(!strstr(out, "cuda") && !strstr(out, "nvidia"), "dlpackd needs %s",
+			      out);
+	}
+	ck_assert_int_eq(pclose(f), 0);
+	ck_assert_msg(needed, "readelf found no NEEDED entry at all: the check saw nothing");
+	/* what it has mapped after GPU entries went through it, both kinds */
+	publisher_start(&p);
+	attach_in_child("gpu/d", 1.0f, false);
+	ck_assert_int_eq(wait_child(spawn(vmm_publish, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(vmm_attach, NULL)), 0);
+	snprintf(maps, sizeof(maps), "/proc/%d/maps", (int)D.pid);
+	ck_assert(maps_have(maps, "libuv"));
+	ck_assert(!maps_have(maps, "cuda"));
+	publisher_stop(&p);
+}
+END_TEST
+
+static Suite *gpu_suite(void)
+{
+	Suite *s = suite_create("gpu");
+	struct {
+		const char *name;
+		const TTest *test;
+	} cases[] = {
+		{"ipc_offset_attach", ipc_offset_attach},
+		{"ipc_import_cache", ipc_import_cache},
+		{"ipc_reclaim", ipc_reclaim_idle_publisher},
+		{"ipc_reclaim_replace", ipc_reclaim_on_replace_unreferenced},
+		{"ipc_publisher_killed", ipc_publisher_killed},
+		{"reclaim_batches", reclaim_batches},
+		{"vmm_outlives_publisher", vmm_outlives_publisher},
+		{"stream_ordering", stream_ordering},
+		{"no_driver", no_driver_errors},
+		{"ipc_not_supported", ipc_not_supported},
+		{"device_ordinals", device_ordinals},
+		{"daemon_without_cuda", daemon_without_cuda},
+	};
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		TCase *tc = tcase_create(cases[i].name);
+
+		tcase_add_checked_fixture(tc, setup, teardown);
+		tcase_set_timeout(tc, 60);
+		tcase_add_test(tc, cases[i].test);
+		suite_add_tcase(s, tc);
+	}
+	return s;
+}
+
+int main(void)
+{
+	return run_suite(gpu_suite());
+}

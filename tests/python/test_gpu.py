@@ -1,0 +1,212 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CUDA tensors through dlpack_ipc, in separate interpreters, against the fake CUDA driver.
+
+torch.cuda and CuPy need a GPU, so the producer here is a small object exposing __dlpack__ and
+__dlpack_device__ over memory from the fake driver (tests/fake_cuda), whose device pointers are
+host addresses. What the module asked of the driver is read back from the fake's log.
+"""
+import os
+import textwrap
+import time
+
+import pytest
+
+FAKE = os.environ.get("FAKE_CUDA_LIB")
+
+pytestmark = pytest.mark.skipif(
+    not FAKE, reason="FAKE_CUDA_LIB is not set: run this file through CTest (test 'python')")
+
+# A DLPack producer over fake device memory, for the child interpreters.
+PRODUCER = r'''
+import ctypes, os, sys
+from ctypes import (CFUNCTYPE, POINTER, Structure, c_float, c_int, c_int32, c_int64, c_size_t,
+                    c_uint8, c_uint16, c_uint32, c_uint64, c_void_p)
+
+kDLCUDA = 2
+fake = ctypes.CDLL(os.environ["DLPC_CUDA_LIBRARY"])
+fake.cuInit(0)
+
+class DLDevice(Structure):
+    _fields_ = [("device_type", c_int32), ("device_id", c_int32)]
+
+class DLDataType(Structure):
+    _fields_ = [("code", c_uint8), ("bits", c_uint8), ("lanes", c_uint16)]
+
+class DLTensor(Structure):
+    _fields_ = [("data", c_void_p), ("device", DLDevice), ("ndim", c_int32),
+                ("dtype", DLDataType), ("shape", POINTER(c_int64)),
+                ("strides", POINTER(c_int64)), ("byte_offset", c_uint64)]
+
+class Version(Structure):
+    _fields_ = [("major", c_uint32), ("minor", c_uint32)]
+
+class Managed(Structure):
+    pass
+
+DELETER = CFUNCTYPE(None, POINTER(Managed))
+Managed._fields_ = [("version", Version), ("manager_ctx", c_void_p), ("deleter", DELETER),
+                    ("flags", c_uint64), ("dl_tensor", DLTensor)]
+
+api = ctypes.pythonapi
+api.PyCapsule_New.restype = ctypes.py_object
+api.PyCapsule_New.argtypes = [c_void_p, ctypes.c_char_p, c_void_p]
+api.PyCapsule_GetPointer.restype = c_void_p
+api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+_keep = {}
+deleted = []
+
+@DELETER
+def _deleter(p):
+    deleted.append(ctypes.addressof(p.contents))
+    marker = os.environ.get("DELETED_MARKER")
+    if marker:
+        open(marker, "w").close()
+
+class FakeCudaArray:
+    """n float32 at `offset` bytes into a fresh fake-device allocation of `alloc` bytes."""
+    def __init__(self, n, offset=0, alloc=1 << 20):
+        base = ctypes.c_uint64()
+        assert fake.cuMemAlloc_v2(ctypes.byref(base), c_size_t(alloc)) == 0
+        self.ptr = base.value + offset
+        self.n = n
+        self.streams = []
+        vals = (c_float * n).from_address(self.ptr)
+        for i in range(n):
+            vals[i] = i * 0.5
+    def __dlpack_device__(self):
+        return (kDLCUDA, 0)
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        self.streams.append(stream)
+        m = Managed()
+        shape = (c_int64 * 1)(self.n)
+        m.version = Version(1, 0)
+        m.deleter = _deleter
+        m.dl_tensor = DLTensor(self.ptr, DLDevice(kDLCUDA, 0), 1, DLDataType(2, 32, 1),
+                               shape, None, 0)
+        _keep[ctypes.addressof(m)] = (m, shape)
+        return api.PyCapsule_New(ctypes.addressof(m), b"dltensor_versioned", None)
+
+def capsule_floats(cap, n):
+    m = Managed.from_address(api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
+    return list((c_float * n).from_address(m.dl_tensor.data))
+
+def log_lines(text):
+    me = "%d " % os.getpid()
+    with open(os.environ["FAKE_CUDA_LOG"]) as f:
+        return [l for l in f if l.startswith(me) and text in l]
+'''
+
+
+@pytest.fixture
+def gpu_env(tmp_path):
+    return {"DLPC_CUDA_LIBRARY": FAKE, "FAKE_CUDA_LOG": str(tmp_path / "fake_cuda.log"),
+            "DELETED_MARKER": str(tmp_path / "deleted"), "GO": str(tmp_path / "go")}
+
+
+def child(code):
+    return PRODUCER + textwrap.dedent(code)
+
+
+def wait_file(path, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def test_publish_attach_streams(ipc, py, gpu_env, tmp_path):
+    ready = str(tmp_path / "ready")
+    pub = py.popen(child(f"""
+        import dlpack_ipc, time
+        a = FakeCudaArray(100, offset=1000)
+        assert dlpack_ipc.publish("pgpu/a", a) == 1
+        # the producer was asked for its work ordered before the legacy default stream
+        assert a.streams == [1], a.streams
+        open({ready!r}, "w").close()
+        # idle until the entry is reclaimed: the deleter runs on libdlpc's thread
+        deadline = time.monotonic() + 20
+        while not deleted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert deleted, "the producer's deleter never ran"
+    """), env=gpu_env)
+    try:
+        wait_file(ready)
+        py.check(child("""
+            import dlpack_ipc, numpy as np
+            t = dlpack_ipc.attach("pgpu/a")
+            assert t.device == "cuda:0", t.device
+            assert t.__dlpack_device__() == (2, 0)
+            assert t.shape == (100,)
+            # no host access to device memory, no ambiguous stream, no copy
+            for bad, exc in [(lambda: memoryview(t), BufferError),
+                             (lambda: t.__dlpack__(stream=0), ValueError),
+                             (lambda: t.__dlpack__(stream=1, copy=True), BufferError)]:
+                try:
+                    bad()
+                except exc:
+                    pass
+                else:
+                    raise AssertionError("no %s" % exc.__name__)
+            # attach itself waited for nothing
+            assert not log_lines("cuStreamWaitEvent") and not log_lines("cuEventSynchronize")
+            s = ctypes.c_void_p()
+            assert fake.cuStreamCreate(ctypes.byref(s), 0) == 0
+            cap = t.__dlpack__(stream=s.value, max_version=(1, 0))
+            assert capsule_floats(cap, 100) == [i * 0.5 for i in range(100)]
+            assert len(log_lines("cuStreamWaitEvent stream=%#x " % s.value)) == 1
+            t.__dlpack__(stream=None, max_version=(1, 0))
+            t.__dlpack__(stream=1, max_version=(1, 0))
+            assert len(log_lines("cuStreamWaitEvent stream=0x1 ")) == 2
+            t.__dlpack__(stream=2, max_version=(1, 0))
+            assert len(log_lines("cuStreamWaitEvent stream=0x2 ")) == 1
+            t.__dlpack__(stream=-1, max_version=(1, 0))
+            assert len(log_lines("cuStreamWaitEvent")) == 4
+            # the host never waited
+            assert not log_lines("cuEventSynchronize")
+            assert len(log_lines("cuIpcOpenMemHandle")) == 1
+        """), env=gpu_env)
+        ipc.unpublish("pgpu/a")
+        out, err = pub.communicate(timeout=30)
+        assert pub.returncode == 0, err
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+            pub.wait()
+
+
+def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
+    py.check(child("""
+        import dlpack_ipc
+        t = dlpack_ipc.empty((64,), "float32", device="cuda:0")
+        assert t.device == "cuda:0"
+        ptr = Managed.from_address(api.PyCapsule_GetPointer(
+            t.__dlpack__(stream=-1, max_version=(1, 0)), b"dltensor_versioned")).dl_tensor.data
+        (c_float * 64).from_address(ptr)[:] = [float(i) for i in range(64)]
+        assert dlpack_ipc.publish("pgpu/v", t) == 1
+        assert len(log_lines("cuMemCreate")) == 1
+    """), env=gpu_env)
+    py.check(child("""
+        import dlpack_ipc
+        t = dlpack_ipc.attach("pgpu/v")
+        assert t.device == "cuda:0"
+        assert capsule_floats(t.__dlpack__(max_version=(1, 0)), 64) == [float(i) for i in range(64)]
+        assert len(log_lines("cuMemImportFromShareableHandle")) == 1
+    """), env=gpu_env)
+    with pytest.raises(ValueError):
+        ipc.empty((4,), "float32", device="cuda:x")
+
+
+def test_no_driver(ipc, py, gpu_env):
+    env = dict(gpu_env, DLPC_CUDA_LIBRARY="/nonexistent/libcuda.so.1")
+    py.check(child("""
+        import dlpack_ipc, errno
+        try:
+            dlpack_ipc.empty((4,), "float32", device="cuda:0")
+        except OSError as e:
+            assert e.errno == errno.ENODEV, e
+            assert "CUDA driver (/nonexistent/libcuda.so.1) not found" in str(e), e
+        else:
+            raise AssertionError("empty() on cuda without a driver succeeded")
+    """).replace('fake = ctypes.CDLL(os.environ["DLPC_CUDA_LIBRARY"])\nfake.cuInit(0)', ""),
+        env=env)
