@@ -523,6 +523,25 @@ static void *flusher(void *arg)
 	return NULL;
 }
 
+/* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it
+ * (the user's handlers never run there). false if none could be made. */
+static bool start_thread(void *(*fn)(void *), void *arg)
+{
+	sigset_t all, old;
+	pthread_attr_t attr;
+	pthread_t t;
+	bool ok;
+
+	sigfillset(&all);
+	pthread_attr_init(&attr);
+	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	ok = pthread_create(&t, &attr, fn, arg) == 0;
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	pthread_attr_destroy(&attr);
+	return ok;
+}
+
 /* Make sure the flusher will look soon. false when it cannot run (no thread could be made). */
 static bool flush_soon(void)
 {
@@ -530,18 +549,7 @@ static bool flush_soon(void)
 
 	pthread_mutex_lock(&flush_mu);
 	if (!flusher_running) {
-		sigset_t all, old;
-		pthread_attr_t attr;
-		pthread_t t;
-
-		/* the user's signal handlers never run on the library's thread */
-		sigfillset(&all);
-		pthread_attr_init(&attr);
-		pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-		pthread_sigmask(SIG_SETMASK, &all, &old);
-		flusher_running = pthread_create(&t, &attr, flusher, NULL) == 0;
-		pthread_sigmask(SIG_SETMASK, &old, NULL);
-		pthread_attr_destroy(&attr);
+		flusher_running = start_thread(flusher, NULL);
 		ok = flusher_running;
 	}
 	if (ok && !flush_wanted) {
@@ -682,18 +690,8 @@ void dlpc__reclaim_start(dlpc_client *c)
 	if (c->wake_fd < 0)
 		c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	if (!c->reclaimer && !c->broken) {
-		sigset_t all, old;
-		pthread_attr_t attr;
-		pthread_t t;
-
-		sigfillset(&all);
-		pthread_attr_init(&attr);
-		pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-		pthread_sigmask(SIG_SETMASK, &all, &old);
 		dlpc__client_ref(c);
-		c->reclaimer = pthread_create(&t, &attr, reclaimer, c) == 0;
-		pthread_sigmask(SIG_SETMASK, &old, NULL);
-		pthread_attr_destroy(&attr);
+		c->reclaimer = start_thread(reclaimer, c);
 		if (!c->reclaimer)
 			atomic_fetch_sub_explicit(&c->refs, 1, memory_order_relaxed);
 	}
