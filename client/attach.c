@@ -84,7 +84,7 @@ static bool cuda_sane(const Dlpackd__V1__AttachReply *rep, int fd)
 /* Map the CUDA storage of @p rep into @p m (legacy IPC handles, or the VMM fd @p fd, which is
  * not consumed) and order @p stream after the publisher. 0 or negative errno. */
 static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int fd, void *stream,
-		    bool defer, struct dlpc__region *m, DLDevice *dev)
+		    bool defer, bool writable, struct dlpc__region *m, DLDevice *dev)
 {
 	int ordinal = 0, r;
 
@@ -93,8 +93,8 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 					  rep->cuda_ipc->event_handle.data, stream, defer, name,
 					  &m->gpu, &m->base, &ordinal);
 	else
-		r = dlpc__cuda_vmm_import(fd, rep->storage_size, rep->device_uuid.data, name,
-					  &m->gpu, &m->base, &ordinal);
+		r = dlpc__cuda_vmm_import(fd, rep->storage_size, rep->device_uuid.data, writable,
+					  name, &m->gpu, &m->base, &ordinal);
 	if (r < 0)
 		return r;
 	if (rep->cuda_ipc) {
@@ -144,7 +144,8 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	}
 	m->len = (size_t)rep->storage_size;
 	if (rep->device_type == kDLCUDA) {
-		r = map_cuda(name, rep, fd, stream, flags & DLPC_ATTACH_DEFER_SYNC, m, &dev);
+		r = map_cuda(name, rep, fd, stream, flags & DLPC_ATTACH_DEFER_SYNC, writable, m,
+			     &dev);
 		if (r < 0)
 			goto fail;
 	} else {

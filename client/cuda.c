@@ -517,12 +517,14 @@ void dlpc__cuda_unmap(struct dlpc__gpu_map *m)
 
 /* ---- VMM ---- */
 
-/* Reserve @p size bytes of address space, map @p h there and make it read-write. */
-static int vmm_map(CUmemGenericAllocationHandle h, size_t size, int ordinal, CUdeviceptr *ret,
-		   const char *what)
+/* Reserve @p size bytes of address space, map @p h there and make it readable, and writable
+ * if @p writable (a read-only attach must not be able to change the entry for everyone). */
+static int vmm_map(CUmemGenericAllocationHandle h, size_t size, int ordinal, bool writable,
+		   CUdeviceptr *ret, const char *what)
 {
 	CUmemAccessDesc access = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = ordinal},
-				  .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+				  .flags = writable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+						    : CU_MEM_ACCESS_FLAGS_PROT_READ};
 	CUdeviceptr p = 0;
 	int r = CU_CALL(what, cuMemAddressReserve, &p, size, 0, 0, 0);
 
@@ -591,7 +593,7 @@ int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **re
 	r = CU_CALL(what, cuMemExportToShareableHandle, fd, m->handle,
 		    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
 	if (r == 0)
-		r = vmm_map(m->handle, size, ordinal, &m->base, what);
+		r = vmm_map(m->handle, size, ordinal, true, &m->base, what);
 	if (r < 0) {
 		if (*fd >= 0)
 			close(*fd);
@@ -611,7 +613,8 @@ fail:
 }
 
 int dlpc__cuda_vmm_import(int fd, uint64_t size, const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
-			  const char *name, struct dlpc__gpu_map **ret, void **base, int *ordinal)
+			  bool writable, const char *name, struct dlpc__gpu_map **ret, void **base,
+			  int *ordinal)
 {
 	char what[DLPC_NAME_MAX + 32];
 	CUmemGenericAllocationHandle h;
@@ -636,7 +639,7 @@ int dlpc__cuda_vmm_import(int fd, uint64_t size, const uint8_t uuid[DLPC_CUDA_UU
 	r = CU_CALL(what, cuMemImportFromShareableHandle, &h, (void *)(uintptr_t)fd,
 		    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
 	if (r == 0) {
-		r = vmm_map(h, (size_t)size, ord, &m->base, what);
+		r = vmm_map(h, (size_t)size, ord, writable, &m->base, what);
 		/* the mapping holds the memory from here on */
 		cu.cuMemRelease(h);
 	}

@@ -187,7 +187,8 @@ int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **re
 			 size_t *len, int *fd, uint8_t uuid[DLPC_CUDA_UUID_SIZE]);
 /* Import the VMM export @p fd (not consumed) of @p size bytes and map it read-write. */
 int dlpc__cuda_vmm_import(int fd, uint64_t size, const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
-			  const char *name, struct dlpc__gpu_map **ret, void **base, int *ordinal);
+			  bool writable, const char *name, struct dlpc__gpu_map **ret, void **base,
+			  int *ordinal);
 /* Drop one use of @p m: the last closes the IPC handle or unmaps the VMM range. */
 void dlpc__cuda_unmap(struct dlpc__gpu_map *m);
 

@@ -138,8 +138,10 @@ struct dlpd_peer;
 struct dlpd_storage {
 	int fd; /* -1 for legacy CUDA IPC, whose memory stays with the publisher */
 	struct dlpd_usage
-		*usage; /* the publisher's, charged with size until the storage is freed */
-	uint64_t size;
+		*usage;	  /* the publisher's, charged with @p charged until the storage is freed */
+	uint64_t size;	  /* declared by the publisher (the allocation's, for legacy CUDA IPC) */
+	uint64_t charged; /* bytes counted against the publisher's quota: size, or 0 for legacy
+			   * CUDA IPC, which holds no memory of the daemon's or of the machine's */
 	int32_t device_type, device_id;
 	unsigned names;	      /* entries pointing at it */
 	uint64_t attach_refs; /* live references held by connections */
@@ -200,6 +202,7 @@ struct dlpd_registry {
 	size_t nsorted, sorted_cap;
 	bool sorted_valid;
 	uint64_t storages, bytes, refs, waiters;
+	uint64_t storage_fds; /* storages that hold an fd (all but legacy CUDA IPC) */
 };
 
 /* ---- server and peers ---- */
@@ -351,11 +354,11 @@ struct dlpd_usage *dlpd_usage_find(const struct dlpd_registry *r, uid_t uid);
 /* Free @p u if nothing is charged to it any more. */
 void dlpd_usage_put(struct dlpd_registry *r, struct dlpd_usage *u);
 /*
- * May @p p publish a storage of @p size bytes, replacing @p old (NULL if none)? 0, or -EDQUOT
- * and in @p why the limit that refuses it and its value.
+ * May @p p publish a storage charging @p size bytes (and one fd, if @p holds_fd), replacing
+ * @p old (NULL if none)? 0, or -EDQUOT and in @p why the limit that refuses it and its value.
  */
-int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, const struct dlpd_entry *old,
-		       char *why, size_t whylen);
+int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
+		       const struct dlpd_entry *old, char *why, size_t whylen);
 
 /* storage.c: is @p fd acceptable as host storage? 0, or negative errno and the reason. */
 int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t whylen);

@@ -222,12 +222,11 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 		return dlpd_reply_error(p, id, EPERM,
 					"'%s' belongs to uid %u; uid %u may not replace it", name,
 					(unsigned)old->uid, (unsigned)p->uid);
-	r = dlpd_quota_publish(p, req->storage_size, old, why, sizeof(why));
-	if (r < 0) {
-		dlpd_log(LOG_NOTICE, "%s: publish of '%s' refused: %s",
-			 dlpd_peer_desc(p, desc, sizeof(desc)), name, why);
+	/* legacy CUDA IPC memory stays the publisher's: it holds no fd and no bytes of ours */
+	r = dlpd_quota_publish(p, req->cuda_ipc ? 0 : req->storage_size, !req->cuda_ipc, old, why,
+			       sizeof(why));
+	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
-	}
 
 	drop_unknown_fields(req);
 	wire = encode_tensors(req, &wire_len);

@@ -61,14 +61,14 @@ void dlpd_usage_put(struct dlpd_registry *r, struct dlpd_usage *u)
 	free(u);
 }
 
-int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, const struct dlpd_entry *old,
-		       char *why, size_t whylen)
+int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
+		       const struct dlpd_entry *old, char *why, size_t whylen)
 {
 	const struct dlpd_server *s = p->srv;
 	const struct dlpd_limits *lim = &s->lim;
 	const struct dlpd_usage *u = p->usage;
 	uint64_t bytes = u->bytes, entries = u->entries;
-	uint64_t fds = s->reg.storages + s->npeers + s->peers_closing + dlpd_reaper_pending();
+	uint64_t fds = s->reg.storage_fds + s->npeers + s->peers_closing + dlpd_reaper_pending();
 	bool old_freed = old && old->st->names == 1 && old->st->attach_refs == 0;
 
 	/* A replace of one's own entry keeps the entry count; the old storage is freed at once
@@ -76,9 +76,9 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, const struct dl
 	if (old && old->uid == p->uid)
 		entries--;
 	if (old_freed) {
-		fds--;
+		fds -= old->st->fd >= 0;
 		if (old->st->usage == u)
-			bytes -= old->st->size;
+			bytes -= old->st->charged;
 	}
 	if (entries + 1 > lim->entries_per_uid) {
 		snprintf(why, whylen,
@@ -98,7 +98,7 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, const struct dl
 	}
 	/* The storage fd is ours already (it came with the frame): keeping it must leave the
 	 * reserve untouched. Connections count because each holds an fd as well. */
-	if (fds + 1 > s->fd_budget) {
+	if (holds_fd && fds + 1 > s->fd_budget) {
 		snprintf(why, whylen,
 			 "dlpackd holds %llu storage and connection fds; its fd limit leaves room "
 			 "for "

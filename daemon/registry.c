@@ -107,10 +107,12 @@ struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage
 	st->device_type = device_type;
 	st->device_id = device_id;
 	st->usage = u;
+	st->charged = fd >= 0 ? size : 0;
 	dlpd_list_init(&st->reclaim_link);
 	u->storages++;
-	u->bytes += size;
+	u->bytes += st->charged;
 	r->storages++;
+	r->storage_fds += fd >= 0;
 	r->bytes += size;
 	return st;
 }
@@ -124,9 +126,10 @@ void dlpd_storage_unref(struct dlpd_registry *r, struct dlpd_storage *st, bool n
 	if (st->names > 0 || st->attach_refs > 0)
 		return;
 	r->storages--;
+	r->storage_fds -= st->fd >= 0;
 	r->bytes -= st->size;
 	st->usage->storages--;
-	st->usage->bytes -= st->size;
+	st->usage->bytes -= st->charged;
 	dlpd_usage_put(r, st->usage);
 	if (st->reclaim_peer)
 		dlpd_reclaim_storage_freed(st);

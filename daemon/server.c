@@ -56,7 +56,7 @@ static void on_accept(uv_poll_t *h, int status, int events)
 	(void)events;
 	while (!s->stopping) {
 		uint64_t fds =
-			s->reg.storages + s->npeers + s->peers_closing + dlpd_reaper_pending();
+			s->reg.storage_fds + s->npeers + s->peers_closing + dlpd_reaper_pending();
 		struct dlpd_peer *p;
 		char desc[96];
 		int fd;

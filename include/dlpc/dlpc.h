@@ -145,9 +145,11 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c);
  * other device pointer is published by legacy CUDA IPC: the entry is always ephemeral, an
  * interprocess event is recorded on the legacy default stream for attachers to wait on, and on
  * success the library keeps @p t: its deleter runs once the entry is unpublished or replaced
- * (or this connection closes) and every attacher has released it, from a thread of the
- * library's, within about 100 ms of the daemon's notice, whether or not this process makes
- * further calls. Until then the connection stays open, even after dlpc_close().
+ * and every attacher has released it, from a thread of the library's, within about 100 ms of
+ * the daemon's notice, whether or not this process makes further calls. Until then the
+ * connection stays open, even after dlpc_close() (which therefore does not withdraw the entry:
+ * unpublish it first); if the connection breaks, @p t is kept until the process exits, since
+ * an attacher may still be using the memory.
  * @param flags DLPC_PUBLISH_* bits.
  * @return the new generation (> 0), -EEXIST if the name is taken and REPLACE was not asked,
  *         -EPERM if it belongs to another user, -ENOSPC if shared memory is full, -EINVAL for a

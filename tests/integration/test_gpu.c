@@ -283,7 +283,16 @@ START_TEST(ipc_offset_attach)
 {
 	struct publisher p = {.names = {"gpu/a", NULL}};
 
+	dlpc_client *c;
+	dlpc_stats st;
+
 	publisher_start(&p);
+	/* the memory stays the publisher's: no daemon fd, nothing charged to its uid's quota */
+	c = connect_or_die(&D);
+	st = stat_or_die(c);
+	ck_assert_uint_eq(st.storages, 1);
+	ck_assert_uint_eq(st.uid_bytes_held, 0);
+	dlpc_close(c);
 	attach_in_child("gpu/a", 1.0f, false);
 	/* opened with the lazy peer access flag (CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1) */
 	ck_assert_int_eq(log_count(0, "cuIpcOpenMemHandle"), 1);
@@ -510,6 +519,19 @@ static int vmm_publish(void *arg)
 	return 0;
 }
 
+/* Does a write to @p p kill a forked child with SIGSEGV? */
+static bool write_faults(void *p)
+{
+	int st;
+	pid_t pid = fork();
+
+	if (pid == 0) {
+		*(volatile float *)p = 1.0f;
+		_exit(0);
+	}
+	return pid > 0 && waitpid(pid, &st, 0) == pid && WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV;
+}
+
 static int vmm_attach(void *arg)
 {
 	DLManagedTensorVersioned *t = NULL;
@@ -520,6 +542,9 @@ static int vmm_attach(void *arg)
 	CHILD_CHECK(dlpc_attach(c, "gpu/v", NULL, &t) == 1);
 	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA);
 	CHILD_CHECK(same(t->dl_tensor.data, NELEM, 3.0f));
+	/* read-only: the mapping refuses writes (the fake models device access with mprotect) */
+	CHILD_CHECK(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
+	CHILD_CHECK(write_faults(t->dl_tensor.data));
 	CHILD_CHECK(log_count(getpid(), "cuMemImportFromShareableHandle") == 1);
 	CHILD_CHECK(log_count(getpid(), "cuMemMap") == 1);
 	t->deleter(t);
