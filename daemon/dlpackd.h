@@ -181,6 +181,9 @@ struct dlpd_peer {
 };
 
 /* server.c */
+/* Empty server state on @p loop, no socket yet (dlpd_server_start() begins with it; the fuzz
+ * target uses it alone and adds peers over socketpairs). dlpd_server_free() undoes it. */
+void dlpd_server_init(struct dlpd_server *s, uv_loop_t *loop);
 int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, mode_t mode);
 /* Stop accepting, close every connection and handle; uv_run() returns afterwards. */
 void dlpd_server_stop(struct dlpd_server *s);

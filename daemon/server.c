@@ -152,6 +152,16 @@ static void make_parent(const char *path)
 	free(copy);
 }
 
+void dlpd_server_init(struct dlpd_server *s, uv_loop_t *loop)
+{
+	memset(s, 0, sizeof(*s));
+	s->loop = loop;
+	s->listen_fd = s->lock_fd = -1;
+	dlpd_list_init(&s->peers);
+	dlpd_registry_init(&s->reg);
+	s->start_ms = dlpd_now_ms();
+}
+
 /* On failure nothing is unlinked (the path may be another daemon's); dlpd_server_free() closes
  * what was opened. */
 int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, mode_t mode)
@@ -160,12 +170,7 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const char *path, 
 	struct stat st;
 	int r;
 
-	memset(s, 0, sizeof(*s));
-	s->loop = loop;
-	s->listen_fd = s->lock_fd = -1;
-	dlpd_list_init(&s->peers);
-	dlpd_registry_init(&s->reg);
-	s->start_ms = dlpd_now_ms();
+	dlpd_server_init(s, loop);
 	if (strlen(path) >= sizeof(sa.sun_path)) {
 		dlpd_log(LOG_ERR, "socket path %s is longer than %zu bytes", path,
 			 sizeof(sa.sun_path) - 1);
