@@ -133,15 +133,16 @@ static bool drain(int sock)
 	}
 }
 
-/* Let the daemon read what is queued for it and answer, until nothing moves. */
-static void run(struct dlpd_server *s, int daemon_end, int client)
+/* Let the daemon read what is queued for it and answer, until nothing moves. Unless @p read,
+ * its replies are left unread. */
+static void run(struct dlpd_server *s, int daemon_end, int client, bool read)
 {
 	for (int i = 0; i < RUN_TURNS; i++) {
 		int queued = 0;
 		bool got;
 
 		uv_run(&loop, UV_RUN_NOWAIT);
-		got = drain(client);
+		got = read && drain(client);
 		if (s->npeers == 0)
 			return;
 		if (ioctl(daemon_end, FIONREAD, &queued) < 0)
@@ -192,7 +193,7 @@ static void send_chunk(struct dlpd_server *s, int daemon_end, int client, const 
 		ssize_t n = sendmsg(client, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
 
 		if (n < 0 && errno == EAGAIN) {
-			run(s, daemon_end, client);
+			run(s, daemon_end, client, true);
 			continue;
 		}
 		if (n <= 0)
@@ -225,7 +226,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	dlpd_server_init(&srv, &loop);
 	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv) < 0)
 		die("cannot make a socketpair");
-	if (!dlpd_peer_new(&srv, sv[0]))
+	/* a small send buffer, so that replies a client does not read soon fill the queue */
+	if (setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &(int){4096}, sizeof(int)) < 0 ||
+	    !dlpd_peer_new(&srv, sv[0]))
 		die("cannot make a peer");
 
 	while (i < size && srv.npeers > 0) {
@@ -243,19 +246,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			len = size - i;
 		send_chunk(&srv, sv[0], sv[1], data + i, len, kinds, nfds);
 		i += len;
+		if (ctl & FUZZ_WAIT)
+			usleep(2000);
 		if (ctl & FUZZ_RUN)
-			run(&srv, sv[0], sv[1]);
+			run(&srv, sv[0], sv[1], !(ctl & FUZZ_HOLD));
 		if (ctl & FUZZ_SHUTDOWN)
 			break;
 	}
-	run(&srv, sv[0], sv[1]);
+	run(&srv, sv[0], sv[1], true);
 	/* every reference the registry counts is held by a live connection */
 	if (srv.reg.refs != refs_held(&srv))
 		die("reference count differs from the references connections hold");
 
 	/* hang up: the daemon must notice and drop the connection by itself */
 	shutdown(sv[1], SHUT_WR);
-	run(&srv, sv[0], sv[1]);
+	run(&srv, sv[0], sv[1], true);
 	if (srv.npeers != 0)
 		die("the daemon kept a connection whose client hung up");
 	for (int turns = 0; uv_loop_alive(&loop); turns++) {

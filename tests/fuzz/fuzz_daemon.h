@@ -6,7 +6,10 @@
  *
  *   byte 0     control: bits 0-2 the number of fds to attach (0-7: more than
  *              DLPC_FRAME_FDS_MAX truncates the daemon's control buffer), bit 3 "let the
- *              daemon run before the next chunk", bit 4 "shut down the client's side after it"
+ *              daemon run before the next chunk", bit 4 "shut down the client's side after it",
+ *              bit 5 "and do not read its replies meanwhile" (they pile up in its send queue:
+ *              the daemon's socket buffer is small), bit 6 "wait 2 ms first" (short ATTACH
+ *              timeouts expire)
  *   bytes      one kind byte per fd (enum fuzz_fd, modulo FUZZ_FD_KINDS)
  *   2 bytes    little-endian length of the data
  *   data       the bytes sent (cut short at the end of the input)
@@ -17,6 +20,8 @@
 #define FUZZ_NFDS_MASK 0x07
 #define FUZZ_RUN 0x08
 #define FUZZ_SHUTDOWN 0x10
+#define FUZZ_HOLD 0x20
+#define FUZZ_WAIT 0x40
 
 /* Synthetic fds an input can attach. */
 enum fuzz_fd {

@@ -33,9 +33,13 @@ static void chunk(struct input *in, unsigned flags, const uint8_t *kinds, unsign
 	in->len += nfds;
 	in->buf[in->len++] = (uint8_t)(len & 0xff);
 	in->buf[in->len++] = (uint8_t)(len >> 8);
-	memcpy(in->buf + in->len, data, len);
+	if (len)
+		memcpy(in->buf + in->len, data, len);
 	in->len += len;
 }
+
+/* Control bits of the chunks frame() makes. */
+static unsigned frame_flags = FUZZ_RUN;
 
 /* A whole frame in one chunk; @p kinds gives its fds (the header declares @p declared). */
 static void frame(struct input *in, uint16_t type, uint32_t id, const ProtobufCMessage *m,
@@ -46,7 +50,7 @@ static void frame(struct input *in, uint16_t type, uint32_t id, const ProtobufCM
 
 	if (len < 0)
 		exit(1);
-	chunk(in, FUZZ_RUN, kinds, nfds, s.p, (size_t)len);
+	chunk(in, frame_flags, kinds, nfds, s.p, (size_t)len);
 	dlpc__scratch_clear(&s);
 }
 
@@ -286,6 +290,32 @@ int main(int argc, char **argv)
 	SEED("not-protobuf", {
 		raw_header(&in, 8, DLPC_MSG_HELLO, 0);
 		chunk(&in, FUZZ_RUN, NULL, 0, "\xff\xff\xff\xff\xff\xff\xff\xff", 8);
+	});
+	SEED("unread-replies", {
+		/* attach replies (each with an fd) pile up in the daemon's send queue */
+		hello(&in, DLPC_PROTO_MAJOR);
+		publish(&in, 2, "q", 0, 2, ro);
+		frame_flags = FUZZ_RUN | FUZZ_HOLD;
+		for (uint32_t id = 3; id < 40; id++)
+			attach(&in, id, "q", 0, 0);
+		list(&in, 40, "", 0);
+		frame_flags = FUZZ_RUN;
+		stat_req(&in, 41);
+	});
+	SEED("unread-then-violation", {
+		/* dropped with replies and their fds still queued */
+		hello(&in, DLPC_PROTO_MAJOR);
+		publish(&in, 2, "q", 0, 1, ro);
+		frame_flags = FUZZ_RUN | FUZZ_HOLD;
+		for (uint32_t id = 3; id < 40; id++)
+			attach(&in, id, "q", 0, 0);
+		release(&in, 999);
+	});
+	SEED("wait-expires", {
+		hello(&in, DLPC_PROTO_MAJOR);
+		attach(&in, 2, "never", 0, 1);
+		chunk(&in, FUZZ_WAIT | FUZZ_RUN, NULL, 0, NULL, 0);
+		stat_req(&in, 3);
 	});
 	SEED("garbage", chunk(&in, FUZZ_RUN, NULL, 0, "GET / HTTP/1.1\r\n\r\n", 18));
 	return 0;
