@@ -276,8 +276,13 @@ struct dlpd_peer {
 	struct dlpd_list link; /* in srv->peers */
 };
 
-/* server.c: serve on @p activated_fd, a listening socket systemd passed, or if it is -1 on a
- * socket of our own at @p path with the configured mode and group, under the limits @p lim. */
+/* server.c */
+/* Empty server state on @p loop under the limits @p lim, no socket yet (dlpd_server_start()
+ * begins with it; the fuzz target uses it alone and adds peers over socketpairs).
+ * dlpd_server_free() undoes it. */
+void dlpd_server_init(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_limits *lim);
+/* Serve on @p activated_fd, a listening socket systemd passed, or if it is -1 on a socket of
+ * our own at @p path with the configured mode and group, under the limits @p lim. */
 int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, const char *path,
 		      const struct dlpd_limits *lim);
 /* Stop accepting, close every connection and handle; uv_run() returns afterwards. */

@@ -314,8 +314,12 @@ static int dispatch(struct dlpd_peer *p, struct dlpc__frame *f)
 		return -EPROTO;
 	}
 	if (f->nfds < h->min_fds || f->nfds > h->max_fds) {
-		dlpd_reply_error(p, f->hdr.id, EPROTO, "%s carries %u fds, expected %u",
-				 dlpc__msg_name(type, name, sizeof(name)), f->nfds, h->min_fds);
+		dlpd_reply_error(p, f->hdr.id, EPROTO, "%s carries %u fds, expected %s%u",
+				 dlpc__msg_name(type, name, sizeof(name)), f->nfds,
+				 h->min_fds == h->max_fds ? ""
+				 : f->nfds > h->max_fds	  ? "at most "
+							  : "at least ",
+				 f->nfds > h->max_fds ? h->max_fds : h->min_fds);
 		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: %s with %u fds", name, f->nfds);
 		return -EPROTO;
 	}

@@ -303,11 +303,8 @@ static int adopt(struct dlpd_server *s, int fd)
 
 /* On failure nothing is unlinked (the path may be another daemon's); dlpd_server_free() closes
  * what was opened. */
-int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, const char *path,
-		      const struct dlpd_limits *lim)
+void dlpd_server_init(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_limits *lim)
 {
-	int r;
-
 	memset(s, 0, sizeof(*s));
 	s->lim = *lim;
 	s->fd_budget = fd_budget();
@@ -318,6 +315,14 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, 
 	dlpd_list_init(&s->reclaimers);
 	dlpd_registry_init(&s->reg);
 	s->start_ms = dlpd_now_ms();
+}
+
+int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, const char *path,
+		      const struct dlpd_limits *lim)
+{
+	int r;
+
+	dlpd_server_init(s, loop, lim);
 	r = activated_fd >= 0 ? adopt(s, activated_fd) : bind_own(s, path);
 	if (r < 0)
 		return r;

@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -76,10 +77,25 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
 		return -EBADF;
 	}
 	if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
-		snprintf(why, whylen,
-			 "storage memfd is not sealed against resizing (F_SEAL_SHRINK and "
-			 "F_SEAL_GROW required, seals are 0x%x)",
-			 (unsigned)seals);
+		bool shrink = !(seals & F_SEAL_SHRINK), grow = !(seals & F_SEAL_GROW);
+		const char *missing = shrink && grow ? "F_SEAL_SHRINK and F_SEAL_GROW"
+				      : shrink	     ? "F_SEAL_SHRINK"
+						     : "F_SEAL_GROW";
+
+		/* F_SEAL_SEAL alone is what a tmpfs file that never allowed sealing reports */
+		if (seals == F_SEAL_SEAL)
+			snprintf(why, whylen, "%s",
+				 "storage fd is a tmpfs file that does not allow sealing (a "
+				 "shm_open or /dev/shm file, or a memfd made without "
+				 "MFD_ALLOW_SEALING), not a sealed memfd");
+		else
+			snprintf(why, whylen,
+				 "storage memfd is not sealed against %s (%s missing, seals are "
+				 "0x%x)",
+				 shrink && grow ? "resizing"
+				 : shrink	? "shrinking"
+						: "growing",
+				 missing, (unsigned)seals);
 		return -EPERM;
 	}
 	if (!writable && !(seals & (F_SEAL_FUTURE_WRITE | F_SEAL_WRITE))) {

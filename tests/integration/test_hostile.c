@@ -14,9 +14,7 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 
-#include "harness.h"
-#include "io.h"
-#include "msg.h"
+#include "raw.h"
 
 static struct daemon D;
 
@@ -30,171 +28,7 @@ static void teardown(void)
 	daemon_stop(&D);
 }
 
-/* ---- a raw client: the wire layer without libdlpc ---- */
-
-static int raw_connect(void)
-{
-	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-
-	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", D.sock);
-	ck_assert_int_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-	return fd;
-}
-
-static void raw_send(int fd, uint16_t type, uint32_t id, const ProtobufCMessage *m, const int *fds,
-		     unsigned nfds)
-{
-	struct dlpc__scratch s = {0};
-	ssize_t len = dlpc__msg_frame(&s, type, id, m, nfds);
-
-	ck_assert_int_gt(len, 0);
-	ck_assert_int_eq(dlpc__send_all(fd, s.p, (size_t)len, fds, nfds), 0);
-	dlpc__scratch_clear(&s);
-}
-
-/* Read the next frame: 1 and the payload copied into @p buf, or 0 when the daemon hung up. */
-static int raw_recv(int fd, struct dlpc__hdr *h, uint8_t *buf, size_t cap)
-{
-	static struct dlpc__rx rx;
-	static int rx_fd = -1;
-	struct dlpc__frame f;
-	char why[160];
-
-	if (rx_fd != fd) {
-		dlpc__rx_clear(&rx);
-		rx_fd = fd;
-	}
-	for (;;) {
-		int r = dlpc__rx_next(&rx, &f, why, sizeof(why));
-		ssize_t n;
-
-		ck_assert_int_ge(r, 0);
-		if (r == 1) {
-			*h = f.hdr;
-			ck_assert_uint_le(f.hdr.len, cap);
-			memcpy(buf, f.payload, f.hdr.len);
-			dlpc__frame_clear(&f);
-			return 1;
-		}
-		n = dlpc__rx_read(&rx, fd, why, sizeof(why));
-		if (n == 0 || n == -ECONNRESET) {
-			dlpc__rx_clear(&rx);
-			rx_fd = -1;
-			return 0;
-		}
-		ck_assert_int_gt(n, 0);
-	}
-}
-
-static void raw_hello(int fd, uint32_t major)
-{
-	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
-	struct dlpc__hdr h;
-	uint8_t buf[512];
-
-	hello.version_major = major;
-	hello.client = "test_hostile";
-	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
-	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
-	ck_assert_uint_eq(h.type, DLPC_MSG_HELLO | DLPC_MSG_REPLY);
-}
-
-/* Expect an ERROR reply; returns its code and copies its message. */
-static int raw_error(int fd, char *msg, size_t len)
-{
-	struct dlpc__hdr h;
-	uint8_t buf[4096];
-	Dlpackd__V1__Error *e;
-	int code;
-
-	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
-	ck_assert_uint_eq(h.type, DLPC_MSG_ERROR);
-	e = dlpackd__v1__error__unpack(NULL, h.len, buf);
-	ck_assert_ptr_nonnull(e);
-	code = e->code;
-	snprintf(msg, len, "%s", e->message);
-	dlpackd__v1__error__free_unpacked(e, NULL);
-	return code;
-}
-
-/* The daemon hangs up on @p fd (possibly after an ERROR reply). */
-static void expect_dropped(int fd)
-{
-	struct dlpc__hdr h;
-	uint8_t buf[4096];
-	int frames = 0;
-
-	while (raw_recv(fd, &h, buf, sizeof(buf)) == 1) {
-		ck_assert_uint_eq(h.type, DLPC_MSG_ERROR);
-		ck_assert_int_lt(++frames, 2);
-	}
-	close(fd);
-}
-
 /* ---- 11. garbage, oversized, fd mismatch: offender dropped, others unaffected ---- */
-
-static dlpc_client *good;
-static DLManagedTensorVersioned *held;
-
-/* A well-behaved client holding a reference across the abuse. */
-static void good_client_start(void)
-{
-	uint8_t buf[256];
-	int64_t shape[1] = {256};
-
-	for (int i = 0; i < 256; i++)
-		buf[i] = (uint8_t)i;
-	good = connect_or_die(&D);
-	ck_assert_dlpc(
-		dlpc_publish(good, "good",
-			     host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
-			     0),
-		1);
-	ck_assert_dlpc(dlpc_attach(good, "good", NULL, &held), 1);
-}
-
-static void good_client_check(void)
-{
-	DLManagedTensorVersioned *t;
-	dlpc_stats s = stat_or_die(good);
-
-	ck_assert_dlpc(dlpc_attach(good, "good", NULL, &t), 1);
-	for (int i = 0; i < 256; i++)
-		ck_assert_int_eq(((uint8_t *)held->dl_tensor.data)[i], i);
-	t->deleter(t);
-	ck_assert_uint_eq(s.connections, 1);
-}
-
-static bool refs_one(const dlpc_stats *s, void *arg)
-{
-	(void)arg;
-	return s->references == 1 && s->connections == 1;
-}
-
-/* Wait until the daemon has closed everything the offenders left, then compare fd counts. */
-static void expect_fds(int baseline)
-{
-	ck_assert(wait_stat(good, refs_one, NULL, 1000));
-	ck_assert_int_eq(settled_fds(&D, good, 1), baseline);
-}
-
-static void good_client_stop(void)
-{
-	held->deleter(held);
-	dlpc_close(good);
-}
-
-static int memfd_sealed(size_t size, int seals)
-{
-	int fd = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-
-	ck_assert_int_ge(fd, 0);
-	ck_assert_int_eq(ftruncate(fd, (off_t)size), 0);
-	if (seals)
-		ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, seals), 0);
-	return fd;
-}
 
 START_TEST(test_garbage_frames)
 {
@@ -203,30 +37,30 @@ START_TEST(test_garbage_frames)
 	int baseline, fd;
 	struct dlpc__hdr h = {0};
 
-	good_client_start();
-	baseline = settled_fds(&D, good, 1);
+	good_client_start(&D);
+	baseline = good_baseline();
 
 	/* text that is no frame at all: its "length" is absurd */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	ck_assert_int_eq(write(fd, garbage, sizeof(garbage)), (ssize_t)sizeof(garbage));
 	expect_dropped(fd);
 
 	/* an oversized length, announced before any payload */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	h = (struct dlpc__hdr){.len = DLPC_FRAME_MAX + 1, .type = DLPC_MSG_HELLO, .id = 1};
 	dlpc__hdr_encode(hdr, &h);
 	ck_assert_int_eq(write(fd, hdr, sizeof(hdr)), (ssize_t)sizeof(hdr));
 	expect_dropped(fd);
 
 	/* 2^32-1 */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	h.len = UINT32_MAX;
 	dlpc__hdr_encode(hdr, &h);
 	ck_assert_int_eq(write(fd, hdr, sizeof(hdr)), (ssize_t)sizeof(hdr));
 	expect_dropped(fd);
 
 	/* a frame declaring one fd but carrying two, after HELLO */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	{
 		int fds[2] = {memfd_sealed(4096, 0), memfd_sealed(4096, 0)};
@@ -242,7 +76,7 @@ START_TEST(test_garbage_frames)
 	expect_dropped(fd);
 
 	/* a frame declaring an fd but carrying none */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	{
 		Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
@@ -255,7 +89,7 @@ START_TEST(test_garbage_frames)
 	expect_dropped(fd);
 
 	/* a STAT frame that carries an fd it may not have (fd count checked by the table) */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	{
 		Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
@@ -267,7 +101,7 @@ START_TEST(test_garbage_frames)
 	expect_dropped(fd);
 
 	/* a frame cut short, then EOF */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	h = (struct dlpc__hdr){.len = 100, .type = DLPC_MSG_HELLO, .id = 1};
 	dlpc__hdr_encode(hdr, &h);
 	ck_assert_int_eq(write(fd, hdr, sizeof(hdr)), (ssize_t)sizeof(hdr));
@@ -275,7 +109,7 @@ START_TEST(test_garbage_frames)
 	close(fd);
 
 	/* a payload that is not protobuf */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	h = (struct dlpc__hdr){.len = 8, .type = DLPC_MSG_HELLO, .id = 1};
 	dlpc__hdr_encode(hdr, &h);
 	ck_assert_int_eq(write(fd, hdr, sizeof(hdr)), (ssize_t)sizeof(hdr));
@@ -284,7 +118,7 @@ START_TEST(test_garbage_frames)
 
 	good_client_check();
 	expect_fds(baseline);
-	ck_assert_uint_ge(stat_or_die(good).protocol_errors, 7);
+	ck_assert_uint_ge(stat_or_die(good_client()).protocol_errors, 7);
 	good_client_stop();
 }
 END_TEST
@@ -295,31 +129,32 @@ START_TEST(test_session_rules)
 	Dlpackd__V1__Release rel = DLPACKD__V1__RELEASE__INIT;
 	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
 	uint64_t bogus = 12345;
-	char msg[512];
+	char msg[512], want[64];
 	int baseline, fd;
 
-	good_client_start();
-	baseline = settled_fds(&D, good, 1);
+	good_client_start(&D);
+	baseline = good_baseline();
 
 	/* a request before HELLO */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_send(fd, DLPC_MSG_STAT, 1, &st.base, NULL, 0);
 	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
 	ck_assert_ptr_nonnull(strstr(msg, "before HELLO"));
 	expect_dropped(fd);
 
 	/* a version mismatch names both versions */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	hello.version_major = 99;
 	hello.version_minor = 3;
 	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
 	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
 	ck_assert_ptr_nonnull(strstr(msg, "client speaks 99.3"));
-	ck_assert_ptr_nonnull(strstr(msg, "dlpackd speaks 1.2"));
+	snprintf(want, sizeof(want), "dlpackd speaks %d.%d", DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR);
+	ck_assert_ptr_nonnull(strstr(msg, want));
 	expect_dropped(fd);
 
 	/* an unknown message type */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	raw_send(fd, 77, 2, &st.base, NULL, 0);
 	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
@@ -327,14 +162,14 @@ START_TEST(test_session_rules)
 	expect_dropped(fd);
 
 	/* HELLO twice */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	hello.version_major = DLPC_PROTO_MAJOR;
 	raw_send(fd, DLPC_MSG_HELLO, 2, &hello.base, NULL, 0);
 	expect_dropped(fd);
 
 	/* releasing a reference it does not hold */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	rel.n_ref_ids = 1;
 	rel.ref_ids = &bogus;
@@ -344,7 +179,7 @@ START_TEST(test_session_rules)
 	expect_dropped(fd);
 
 	/* an ATTACH larger than its type's limit, refused before it is unpacked */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	{
 		Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;
@@ -360,7 +195,7 @@ START_TEST(test_session_rules)
 	expect_dropped(fd);
 
 	/* more references in one RELEASE than the limit */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	{
 		uint64_t *ids = calloc(DLPC_RELEASE_BATCH_MAX + 1, sizeof(uint64_t));
@@ -380,66 +215,14 @@ END_TEST
 
 /* ---- names and request limits: answered with an error, the connection stays ---- */
 
-static int raw_publish(int fd, const char *name, size_t name_len, int storage, uint64_t size,
-		       uint32_t flags, size_t ntensors, size_t ndim, char *msg, size_t len)
-{
-	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
-	Dlpackd__V1__TensorDesc *descs = calloc(ntensors, sizeof(*descs));
-	Dlpackd__V1__TensorDesc **ptrs = calloc(ntensors, sizeof(*ptrs));
-	int64_t *shape = calloc(ndim ? ndim : 1, sizeof(int64_t));
-	char(*keys)[24] = calloc(ntensors, 24);
-	struct dlpc__hdr h;
-	uint8_t buf[4096];
-	int code = 0;
-
-	for (size_t i = 0; i < ndim; i++)
-		shape[i] = 1;
-	for (size_t i = 0; i < ntensors; i++) {
-		dlpackd__v1__tensor_desc__init(&descs[i]);
-		snprintf(keys[i], 24, "k%zu", i);
-		descs[i].key.data = (uint8_t *)keys[i];
-		descs[i].key.len = ntensors > 1 ? strlen(keys[i]) : 0;
-		descs[i].dtype_code = kDLFloat;
-		descs[i].dtype_bits = 32;
-		descs[i].dtype_lanes = 1;
-		descs[i].n_shape = ndim;
-		descs[i].shape = shape;
-		ptrs[i] = &descs[i];
-	}
-	req.name.data = (uint8_t *)name;
-	req.name.len = name_len;
-	req.flags = flags;
-	req.device_type = kDLCPU;
-	req.storage_size = size;
-	req.n_tensors = ntensors;
-	req.tensors = ptrs;
-	raw_send(fd, DLPC_MSG_PUBLISH, 9, &req.base, &storage, 1);
-	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
-	if (h.type == DLPC_MSG_ERROR) {
-		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
-
-		code = e->code;
-		snprintf(msg, len, "%s", e->message);
-		dlpackd__v1__error__free_unpacked(e, NULL);
-	} else {
-		ck_assert_uint_eq(h.type, DLPC_MSG_PUBLISH | DLPC_MSG_REPLY);
-		snprintf(msg, len, "published");
-	}
-	free(keys);
-	free(shape);
-	free(ptrs);
-	free(descs);
-	return code;
-}
-
 START_TEST(test_name_and_request_limits)
 {
 	char name[DLPC_NAME_MAX + 2], msg[512];
 	int fd, storage, baseline;
 
-	good_client_start();
-	baseline = settled_fds(&D, good, 1);
-	fd = raw_connect();
+	good_client_start(&D);
+	baseline = good_baseline();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	storage = memfd_sealed(1 << 20,
 			       F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
@@ -478,78 +261,8 @@ START_TEST(test_name_and_request_limits)
 	close(fd);
 	good_client_check();
 	/* three entries stayed, each holding the one storage fd: +1 fd per storage */
-	ck_assert_uint_eq(stat_or_die(good).entries, 4);
+	ck_assert_uint_eq(stat_or_die(good_client()).entries, 4);
 	expect_fds(baseline + 3);
-	good_client_stop();
-}
-END_TEST
-
-/* ---- 12. storage fds that are not sealed memfds ---- */
-
-START_TEST(test_storage_fd_matrix)
-{
-	char msg[512], seen[7][512], path[160];
-	int fd, baseline, storage, pipefd[2], code[7];
-
-	good_client_start();
-	baseline = settled_fds(&D, good, 1);
-	fd = raw_connect();
-	raw_hello(fd, DLPC_PROTO_MAJOR);
-
-	storage = memfd_sealed(4096, 0); /* unsealed */
-	code[0] = raw_publish(fd, "s0", 2, storage, 4, 0, 1, 1, seen[0], sizeof(seen[0]));
-	close(storage);
-	storage = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW); /* no write seal, read-only */
-	code[1] = raw_publish(fd, "s1", 2, storage, 4, 0, 1, 1, seen[1], sizeof(seen[1]));
-	/* the same memfd, its seals made final, is fine for a writable entry */
-	ck_assert_int_eq(fcntl(storage, F_ADD_SEALS, F_SEAL_SEAL), 0);
-	ck_assert_int_eq(raw_publish(fd, "s1w", 3, storage, 4, DLPC_PUBLISH_WRITABLE, 1, 1, msg,
-				     sizeof(msg)),
-			 0);
-	close(storage);
-	/* /tmp may be tmpfs: use the build tree's filesystem for a file on disk */
-	snprintf(path, sizeof(path), "%s/dlpc-on-disk-%d", DLPC_TEST_DISK_DIR, (int)getpid());
-	storage = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-	ck_assert_int_ge(storage, 0);
-	ck_assert_int_eq(ftruncate(storage, 4096), 0);
-	unlink(path);
-	code[2] = raw_publish(fd, "s2", 2, storage, 4, 0, 1, 1, seen[2], sizeof(seen[2]));
-	close(storage);
-	ck_assert_int_eq(pipe2(pipefd, O_CLOEXEC), 0);
-	code[3] = raw_publish(fd, "s3", 2, pipefd[0], 4, 0, 1, 1, seen[3], sizeof(seen[3]));
-	close(pipefd[0]);
-	close(pipefd[1]);
-	storage = memfd_sealed(16, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
-	code[4] = raw_publish(fd, "s4", 2, storage, 4096, 0, 1, 1, seen[4], sizeof(seen[4]));
-	close(storage);
-	storage = open("/dev/null", O_RDWR | O_CLOEXEC);
-	code[5] = raw_publish(fd, "s5", 2, storage, 4, 0, 1, 1, seen[5], sizeof(seen[5]));
-	close(storage);
-	storage = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE);
-	code[6] = raw_publish(fd, "s6", 2, storage, 4, 0, 1, 1, seen[6], sizeof(seen[6]));
-	close(storage);
-
-	ck_assert_int_eq(code[0], EPERM);
-	ck_assert_ptr_nonnull(strstr(seen[0], "not sealed against resizing"));
-	ck_assert_int_eq(code[1], EPERM);
-	ck_assert_ptr_nonnull(strstr(seen[1], "F_SEAL_FUTURE_WRITE"));
-	ck_assert_int_eq(code[2], EBADF);
-	ck_assert_ptr_nonnull(strstr(seen[2], "cannot be sealed"));
-	ck_assert_int_eq(code[3], EBADF);
-	ck_assert_ptr_nonnull(strstr(seen[3], "a pipe"));
-	ck_assert_int_eq(code[4], EINVAL);
-	ck_assert_ptr_nonnull(strstr(seen[4], "holds 16 bytes"));
-	ck_assert_int_eq(code[5], EBADF);
-	ck_assert_ptr_nonnull(strstr(seen[5], "character device"));
-	ck_assert_int_eq(code[6], EPERM);
-	ck_assert_ptr_nonnull(strstr(seen[6], "not final"));
-	/* every message is its own */
-	for (int i = 0; i < 7; i++)
-		for (int j = i + 1; j < 7; j++)
-			ck_assert_str_ne(seen[i], seen[j]);
-	close(fd);
-	good_client_check();
-	expect_fds(baseline + 1); /* s1w holds its storage */
 	good_client_stop();
 }
 END_TEST
@@ -626,9 +339,9 @@ START_TEST(test_cuda_publish_rules)
 	uint8_t buf[4096];
 	size_t count = 0;
 
-	good_client_start();
-	baseline = settled_fds(&D, good, 1);
-	fd = raw_connect();
+	good_client_start(&D);
+	baseline = settled_fds(&D, good_client(), 1);
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	/* sizes of the CUDA identifiers: one byte short of each is refused */
 	ck_assert_int_eq(raw_cuda_publish(fd, "c1",
@@ -701,7 +414,7 @@ START_TEST(test_cuda_publish_rules)
 							     .token = 0xfeedbeef},
 					  msg, sizeof(msg)),
 			 0);
-	ck_assert_dlpc(dlpc_list(good, "c2", &list, &count), 0);
+	ck_assert_dlpc(dlpc_list(good_client(), "c2", &list, &count), 0);
 	ck_assert_uint_eq(count, 1);
 	ck_assert_uint_eq(list[0].flags, DLPC_PUBLISH_EPHEMERAL);
 	ck_assert_int_eq(list[0].device.device_type, kDLCUDA);
@@ -735,14 +448,14 @@ START_TEST(test_cuda_publish_rules)
 			 EPROTO);
 	expect_dropped(fd);
 	/* ...and host or VMM storage without one */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	ck_assert_int_eq(raw_cuda_publish(fd, "c4",
 					  &(struct cuda_pub){.device_type = kDLCUDA, .uuid_len = U},
 					  msg, sizeof(msg)),
 			 EPROTO);
 	expect_dropped(fd);
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	ck_assert_int_eq(raw_cuda_publish(fd, "c5", &(struct cuda_pub){.device_type = kDLCPU}, msg,
 					  sizeof(msg)),
@@ -760,8 +473,6 @@ START_TEST(test_cuda_publish_rules)
 }
 END_TEST
 
-/* ---- 13. one daemon per socket; stale sockets; SIGTERM ---- */
-
 /* ---- WATCH: its checks, and a watching connection may send nothing but RELEASE ---- */
 
 START_TEST(test_watch_rules)
@@ -774,11 +485,11 @@ START_TEST(test_watch_rules)
 	char msg[512];
 	int fd, storage, baseline;
 
-	good_client_start();
-	baseline = settled_fds(&D, good, 1);
+	good_client_start(&D);
+	baseline = settled_fds(&D, good_client(), 1);
 
 	/* a prefix over the limit is refused; the connection stays */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	memset(prefix, 'p', sizeof(prefix));
 	w.prefix.data = prefix;
@@ -800,7 +511,7 @@ START_TEST(test_watch_rules)
 	expect_dropped(fd);
 
 	/* after the reply, any request but RELEASE is a violation */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	raw_send(fd, DLPC_MSG_WATCH, 4, &w.base, NULL, 0);
 	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
@@ -810,14 +521,14 @@ START_TEST(test_watch_rules)
 	ck_assert_ptr_nonnull(rep);
 	ck_assert_uint_eq(rep->queue_max, DLPC_WATCH_QUEUE_MAX);
 	dlpackd__v1__watch_reply__free_unpacked(rep, NULL);
-	ck_assert_uint_eq(stat_or_die(good).watchers, 1);
+	ck_assert_uint_eq(stat_or_die(good_client()).watchers, 1);
 	raw_send(fd, DLPC_MSG_STAT, 5, &st.base, NULL, 0);
 	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
 	ck_assert_ptr_nonnull(strstr(msg, "STAT on a watching connection"));
 	expect_dropped(fd);
 
 	/* EVENT frames travel from the daemon only */
-	fd = raw_connect();
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	raw_send(fd, DLPC_MSG_EVENT, 6, &st.base, NULL, 0);
 	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
@@ -825,7 +536,7 @@ START_TEST(test_watch_rules)
 	expect_dropped(fd);
 
 	expect_fds(baseline);
-	ck_assert_uint_eq(stat_or_die(good).watchers, 0);
+	ck_assert_uint_eq(stat_or_die(good_client()).watchers, 0);
 	good_client_check();
 	good_client_stop();
 }
@@ -850,9 +561,9 @@ START_TEST(test_unread_replies_backpressure)
 	ssize_t len;
 	char why[160];
 
-	good_client_start();
-	baseline = settled_fds(&D, good, 1);
-	fd = raw_connect();
+	good_client_start(&D);
+	baseline = settled_fds(&D, good_client(), 1);
+	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	at.name.data = (uint8_t *)"good";
 	at.name.len = 4;
@@ -868,20 +579,20 @@ START_TEST(test_unread_replies_backpressure)
 			continue;
 		}
 		ck_assert_int_eq(errno, EAGAIN);
-		if (stat_or_die(good).tx_queued > 0 && poll(&pf, 1, 200) == 0)
+		if (stat_or_die(good_client()).tx_queued > 0 && poll(&pf, 1, 200) == 0)
 			break;
 		poll(&pf, 1, 50);
 	}
 	dlpc__scratch_clear(&s);
 	ck_assert_msg(sent < 2 * DLPC_TX_QUEUE_FDS_MAX, "the daemon read %u requests", sent);
 
-	st = stat_or_die(good);
+	st = stat_or_die(good_client());
 	ck_assert_uint_eq(st.queue_drops, 0);
 	ck_assert_uint_lt(st.tx_queued, 4096);			/* one ATTACH reply */
 	ck_assert_uint_le(st.fds_open, (uint64_t)baseline + 2); /* its socket, one queued fd */
 	ck_assert_uint_lt(st.req_attach, sent);
 	/* everyone else is served meanwhile */
-	ck_assert_dlpc(dlpc_attach(good, "good", NULL, &t), 1);
+	ck_assert_dlpc(dlpc_attach(good_client(), "good", NULL, &t), 1);
 	ck_assert_int_eq(((uint8_t *)t->dl_tensor.data)[255], 255);
 	t->deleter(t);
 
@@ -904,7 +615,7 @@ START_TEST(test_unread_replies_backpressure)
 	}
 	dlpc__rx_clear(&rx);
 	/* all of them served: the flood, and the attach above */
-	ck_assert_uint_ge(stat_or_die(good).req_attach, (uint64_t)sent + 1);
+	ck_assert_uint_ge(stat_or_die(good_client()).req_attach, (uint64_t)sent + 1);
 	close(fd);
 	expect_fds(baseline);
 	good_client_stop();
@@ -925,7 +636,7 @@ static bool waiting_n(const dlpc_stats *s, void *arg)
 static int waiting_client(const char *name, unsigned n)
 {
 	Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;
-	int fd = raw_connect();
+	int fd = raw_connect(&D);
 
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	at.name.data = (uint8_t *)name;
@@ -959,8 +670,8 @@ START_TEST(test_unread_replies_dropped_at_caps)
 
 	daemon_stop(&D);
 	daemon_start_with(&D, &o);
-	good_client_start();
-	baseline = settled_fds(&D, good, 1);
+	good_client_start(&D);
+	baseline = settled_fds(&D, good_client(), 1);
 	for (int i = 0; i < FLOOD_KEYS; i++) {
 		snprintf(keybuf[i], sizeof(keybuf[i]), "%0*d", FLOOD_KEY_LEN, i);
 		keys[i] = keybuf[i];
@@ -970,30 +681,32 @@ START_TEST(test_unread_replies_dropped_at_caps)
 	/* bytes: about 1 MiB of tensor table per reply, to more waiters than 64 MiB holds */
 	want = 2 * DLPC_TX_QUEUE_MAX / (FLOOD_KEYS * FLOOD_KEY_LEN);
 	fd = waiting_client("big", (unsigned)want);
-	ck_assert(wait_stat(good, waiting_n, &want, 2000));
-	ck_assert_dlpc(dlpc_publish_bundle(good, "big", FLOOD_KEYS, keys, ts, 0), 1);
-	ck_assert(wait_stat(good, dropped_one, &drops, 2000));
+	ck_assert(wait_stat(good_client(), waiting_n, &want, 2000));
+	ck_assert_dlpc(dlpc_publish_bundle(good_client(), "big", FLOOD_KEYS, keys, ts, 0), 1);
+	ck_assert(wait_stat(good_client(), dropped_one, &drops, 2000));
 	ck_assert(log_has(D.log, "DLPC_TX_QUEUE_MAX"));
 	close(fd);
-	ck_assert_dlpc(dlpc_unpublish(good, "big"), 0);
+	ck_assert_dlpc(dlpc_unpublish(good_client(), "big"), 0);
 
 	/* fds: each reply holds a duplicate of the storage fd until it is written */
 	want = DLPC_TX_QUEUE_FDS_MAX + 512;
 	fd = waiting_client("late", (unsigned)want);
-	ck_assert(wait_stat(good, waiting_n, &want, 5000));
+	ck_assert(wait_stat(good_client(), waiting_n, &want, 5000));
 	ts[0] = host_tensor(&data[0], (DLDataType){kDLFloat, 32, 1}, 1, &one, NULL, NULL);
-	ck_assert_dlpc(dlpc_publish(good, "late", ts[0], 0), 1);
+	ck_assert_dlpc(dlpc_publish(good_client(), "late", ts[0], 0), 1);
 	drops = 2;
-	ck_assert(wait_stat(good, dropped_one, &drops, 2000));
+	ck_assert(wait_stat(good_client(), dropped_one, &drops, 2000));
 	ck_assert(log_has(D.log, "DLPC_TX_QUEUE_FDS_MAX"));
 	close(fd);
-	ck_assert_dlpc(dlpc_unpublish(good, "late"), 0);
+	ck_assert_dlpc(dlpc_unpublish(good_client(), "late"), 0);
 
 	expect_fds(baseline);
-	ck_assert_uint_eq(stat_or_die(good).tx_queued, 0);
+	ck_assert_uint_eq(stat_or_die(good_client()).tx_queued, 0);
 	good_client_stop();
 }
 END_TEST
+
+/* ---- 13. one daemon per socket; stale sockets; SIGTERM ---- */
 
 static int exit_status(pid_t pid)
 {
@@ -1104,6 +817,587 @@ START_TEST(test_sigterm_right_after_start)
 }
 END_TEST
 
+/* ---- the hostile-input list, table by table ---- */
+
+/* After a case: the offender is gone, the good client works, the daemon is back to @p base. */
+static void case_done(int base)
+{
+	good_client_check();
+	expect_fds(base);
+}
+
+/* Read until the daemon hangs up; one of the frames must be an ERROR naming @p text. */
+static void expect_hangup(int fd, int code, const char *text)
+{
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+	bool seen = false;
+	int frames = 0;
+
+	while (raw_recv(fd, &h, buf, sizeof(buf)) == 1) {
+		ck_assert_int_lt(++frames, 4);
+		if (h.type == DLPC_MSG_ERROR) {
+			Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
+
+			ck_assert_ptr_nonnull(e);
+			ck_assert_msg(e->code == code && strstr(e->message, text),
+				      "ERROR %d '%s', expected %d '%s'", e->code, e->message, code,
+				      text);
+			seen = true;
+			dlpackd__v1__error__free_unpacked(e, NULL);
+		}
+	}
+	ck_assert_msg(seen, "dlpackd hung up without an ERROR naming '%s'", text);
+	close(fd);
+}
+
+/* One sendmsg() carrying @p nfds fds (any number) with @p len bytes; sendmsg()'s result. */
+static ssize_t send_fds(int sock, const void *data, size_t len, const int *fds, unsigned nfds)
+{
+	size_t space = CMSG_SPACE(sizeof(int) * nfds);
+	char *ctl = calloc(1, space);
+	struct iovec iov = {.iov_base = (void *)data, .iov_len = len};
+	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+	ssize_t n;
+
+	if (nfds > 0) {
+		struct cmsghdr *c;
+
+		msg.msg_control = ctl;
+		msg.msg_controllen = space;
+		c = CMSG_FIRSTHDR(&msg);
+		c->cmsg_level = SOL_SOCKET;
+		c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+	}
+	n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+	free(ctl);
+	return n;
+}
+
+static size_t varint_size(uint64_t v)
+{
+	size_t n = 1;
+
+	while (v >= 0x80) {
+		v >>= 7;
+		n++;
+	}
+	return n;
+}
+
+/*
+ * A frame whose payload is exactly @p len bytes: @p m packed, then an unknown bytes field (number
+ * 100) padding it out. Unknown fields are legal protobuf, so the frame is valid at any length
+ * that fits the message. Returns the frame (header included); free it.
+ */
+static uint8_t *padded_frame(uint16_t type, uint32_t id, const ProtobufCMessage *m, uint32_t len,
+			     uint8_t nfds)
+{
+	size_t packed = protobuf_c_message_get_packed_size(m), pad = 0, k;
+	struct dlpc__hdr h = {.len = len, .type = type, .nfds = nfds, .id = id};
+	uint8_t *buf = calloc(1, DLPC_FRAME_HDR_SIZE + (size_t)len), *p;
+
+	ck_assert_ptr_nonnull(buf);
+	for (k = 1; k <= 5; k++) {
+		pad = len - packed - 2 - k;
+		if (varint_size(pad) == k)
+			break;
+	}
+	ck_assert_uint_le(k, 5);
+	dlpc__hdr_encode(buf, &h);
+	p = buf + DLPC_FRAME_HDR_SIZE;
+	p += protobuf_c_message_pack(m, p);
+	*p++ = ((100 << 3 | 2) & 0x7f) | 0x80; /* tag of field 100, wire type 2: two bytes */
+	*p++ = (100 << 3 | 2) >> 7;
+	for (uint64_t v = pad; v >= 0x80; v >>= 7)
+		*p++ = (uint8_t)(v | 0x80);
+	*p++ = (uint8_t)(pad >> 7 * (k - 1));
+	ck_assert_uint_eq((size_t)(p - buf) + pad, DLPC_FRAME_HDR_SIZE + (size_t)len);
+	return buf;
+}
+
+/* A refused request left the connection usable: STAT gets its reply. */
+static void stat_still_works(int fd)
+{
+	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+
+	raw_send(fd, DLPC_MSG_STAT, 6, &st.base, NULL, 0);
+	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
+	ck_assert_uint_eq(h.type, DLPC_MSG_STAT | DLPC_MSG_REPLY);
+	ck_assert_uint_eq(h.id, 6);
+}
+
+enum outcome { ANSWERED, REFUSED, DROPPED };
+
+struct len_case {
+	const char *what;
+	uint16_t type;
+	uint32_t len;
+	bool hello;	     /* send HELLO first */
+	const char *payload; /* literal payload of len bytes, or NULL: a padded valid message */
+	enum outcome outcome;
+	const char *text; /* in the ERROR's message */
+};
+
+START_TEST(test_frame_lengths)
+{
+	static const struct len_case cases[] = {
+		{"HELLO of 0 bytes (version 0.0)", DLPC_MSG_HELLO, 0, false, "", DROPPED,
+		 "client speaks 0.0"},
+		{"STAT of 0 bytes", DLPC_MSG_STAT, 0, true, "", ANSWERED, NULL},
+		{"STAT of 1 byte (field number 0)", DLPC_MSG_STAT, 1, true, "\x00", DROPPED,
+		 "malformed STAT payload"},
+		{"ATTACH of 1 byte (a tag without its value)", DLPC_MSG_ATTACH, 1, true, "\x08",
+		 DROPPED, "malformed ATTACH payload"},
+		{"ATTACH of DLPC_SMALL_MSG_MAX - 1 bytes", DLPC_MSG_ATTACH, DLPC_SMALL_MSG_MAX - 1,
+		 true, NULL, REFUSED, "no entry named 'nobody'"},
+		{"ATTACH of DLPC_SMALL_MSG_MAX bytes", DLPC_MSG_ATTACH, DLPC_SMALL_MSG_MAX, true,
+		 NULL, REFUSED, "no entry named 'nobody'"},
+		{"ATTACH of DLPC_SMALL_MSG_MAX + 1 bytes", DLPC_MSG_ATTACH, DLPC_SMALL_MSG_MAX + 1,
+		 true, NULL, DROPPED, "exceeds its limit of 4096"},
+		{"PUBLISH of DLPC_FRAME_MAX - 1 bytes", DLPC_MSG_PUBLISH, DLPC_FRAME_MAX - 1, true,
+		 NULL, ANSWERED, NULL},
+		{"PUBLISH of DLPC_FRAME_MAX bytes", DLPC_MSG_PUBLISH, DLPC_FRAME_MAX, true, NULL,
+		 ANSWERED, NULL},
+		{"PUBLISH of DLPC_FRAME_MAX + 1 bytes", DLPC_MSG_PUBLISH, DLPC_FRAME_MAX + 1, true,
+		 NULL, DROPPED, "frame of 8388609 bytes exceeds the limit of 8388608"},
+		{"HELLO of 2^31 bytes", DLPC_MSG_HELLO, 1u << 31, false, NULL, DROPPED,
+		 "frame of 2147483648 bytes exceeds the limit"},
+		{"HELLO of 2^32 - 1 bytes", DLPC_MSG_HELLO, UINT32_MAX, false, NULL, DROPPED,
+		 "frame of 4294967295 bytes exceeds the limit"},
+	};
+	int base;
+
+	good_client_start(&D);
+	base = good_baseline();
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		const struct len_case *c = &cases[i];
+		int fd = raw_connect(&D), storage = -1;
+		struct dlpc__hdr h;
+		uint8_t reply[4096];
+		char msg[512];
+
+		fprintf(stderr, "case: %s\n", c->what);
+		if (c->hello)
+			raw_hello(fd, DLPC_PROTO_MAJOR);
+		if (c->type == DLPC_MSG_PUBLISH)
+			storage = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW |
+							     F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+		if (c->payload) {
+			uint8_t buf[DLPC_FRAME_HDR_SIZE + 1] = {0};
+			struct dlpc__hdr fh = {.len = c->len, .type = c->type, .id = 5};
+
+			dlpc__hdr_encode(buf, &fh);
+			memcpy(buf + DLPC_FRAME_HDR_SIZE, c->payload, c->len);
+			ck_assert_int_eq(
+				dlpc__send_all(fd, buf, DLPC_FRAME_HDR_SIZE + c->len, NULL, 0), 0);
+		} else if (c->len > DLPC_FRAME_MAX) {
+			/* only the header: the daemon must refuse it before any payload */
+			uint8_t buf[DLPC_FRAME_HDR_SIZE];
+			struct dlpc__hdr fh = {.len = c->len,
+					       .type = c->type,
+					       .id = 5,
+					       .nfds = storage >= 0 ? 1 : 0};
+
+			dlpc__hdr_encode(buf, &fh);
+			ck_assert_int_eq(dlpc__send_all(fd, buf, sizeof(buf), &storage,
+							storage >= 0 ? 1 : 0),
+					 0);
+		} else if (c->type == DLPC_MSG_ATTACH) {
+			Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;
+			uint8_t *frame;
+
+			at.name.data = (uint8_t *)"nobody";
+			at.name.len = 6;
+			frame = padded_frame(c->type, 5, &at.base, c->len, 0);
+			ck_assert_int_eq(
+				dlpc__send_all(fd, frame, DLPC_FRAME_HDR_SIZE + c->len, NULL, 0),
+				0);
+			free(frame);
+		} else {
+			Dlpackd__V1__Publish pub = DLPACKD__V1__PUBLISH__INIT;
+			Dlpackd__V1__TensorDesc desc = DLPACKD__V1__TENSOR_DESC__INIT, *dp = &desc;
+			int64_t shape[1] = {16};
+			uint8_t *frame;
+
+			desc.dtype_code = kDLFloat;
+			desc.dtype_bits = 32;
+			desc.dtype_lanes = 1;
+			desc.n_shape = 1;
+			desc.shape = shape;
+			pub.name.data = (uint8_t *)"len/limit";
+			pub.name.len = 9;
+			pub.device_type = kDLCPU;
+			pub.storage_size = 64;
+			pub.n_tensors = 1;
+			pub.tensors = &dp;
+			frame = padded_frame(c->type, 5, &pub.base, c->len, 1);
+			ck_assert_int_eq(dlpc__send_all(fd, frame, DLPC_FRAME_HDR_SIZE + c->len,
+							&storage, 1),
+					 0);
+			free(frame);
+		}
+		if (storage >= 0)
+			close(storage);
+		switch (c->outcome) {
+		case ANSWERED:
+			ck_assert_int_eq(raw_recv(fd, &h, reply, sizeof(reply)), 1);
+			ck_assert_uint_eq(h.type, c->type | DLPC_MSG_REPLY);
+			ck_assert_uint_eq(h.id, 5);
+			if (c->type == DLPC_MSG_PUBLISH)
+				ck_assert_dlpc(dlpc_unpublish(good_client(), "len/limit"), 0);
+			close(fd);
+			break;
+		case REFUSED:
+			ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), ENOENT);
+			ck_assert_ptr_nonnull(strstr(msg, c->text));
+			stat_still_works(fd);
+			close(fd);
+			break;
+		case DROPPED:
+			expect_hangup(fd, EPROTO, c->text);
+			break;
+		}
+		case_done(base);
+	}
+	good_client_stop();
+}
+END_TEST
+
+/* A PUBLISH frame of a good request (name "fd/case"), declaring @p declared fds. */
+static size_t publish_frame(struct dlpc__scratch *s, unsigned declared)
+{
+	Dlpackd__V1__Publish pub = DLPACKD__V1__PUBLISH__INIT;
+	Dlpackd__V1__TensorDesc desc = DLPACKD__V1__TENSOR_DESC__INIT, *dp = &desc;
+	int64_t shape[1] = {16};
+	ssize_t len;
+
+	desc.dtype_code = kDLFloat;
+	desc.dtype_bits = 32;
+	desc.dtype_lanes = 1;
+	desc.n_shape = 1;
+	desc.shape = shape;
+	pub.name.data = (uint8_t *)"fd/case";
+	pub.name.len = 7;
+	pub.device_type = kDLCPU;
+	pub.storage_size = 64;
+	pub.n_tensors = 1;
+	pub.tensors = &dp;
+	len = dlpc__msg_frame(s, DLPC_MSG_PUBLISH, 7, &pub.base, declared);
+	ck_assert_int_gt(len, DLPC_FRAME_HDR_SIZE);
+	return (size_t)len;
+}
+
+struct fd_case {
+	const char *what;
+	unsigned declared;	/* nfds in the header */
+	unsigned first, second; /* fds on the header's sendmsg and on the payload's */
+	const char *text;	/* in the ERROR */
+};
+
+/* Frames whose fds do not match their header; fds in excess of what a control buffer holds. */
+START_TEST(test_fd_mismatch)
+{
+	static const struct fd_case cases[] = {
+		{"declares 1 fd, carries none", 1, 0, 0, "declares 1 fds but 0 arrived"},
+		{"declares 1 fd, carries 2", 1, 2, 0, "declares 1 fds but 2 arrived"},
+		{"declares 2 fds, carries 2 (PUBLISH takes 1)", 2, 2, 0,
+		 "PUBLISH carries 2 fds, expected at most 1"},
+		{"declares 0 fds, carries 1", 0, 1, 0, "PUBLISH carries 0 fds, expected 1"},
+		{"declares 2 fds, split 1 + 1 over two sendmsg", 2, 1, 1,
+		 "declares 2 fds but 1 arrived"},
+		{"declares 4 fds, split 2 + 2 over two sendmsg", 4, 2, 2,
+		 "declares 4 fds but 2 arrived"},
+		{"declares 5 fds (over DLPC_FRAME_FDS_MAX)", 5, 0, 0, "bad frame header (5 fds"},
+		{"declares 4, carries 5: the control buffer overflows (MSG_CTRUNC)", 4, 5, 0,
+		 "control data truncated"},
+		{"declares 4, carries 253 = SCM_MAX_FD (MSG_CTRUNC)", 4, 253, 0,
+		 "control data truncated"},
+	};
+	int base;
+
+	good_client_start(&D);
+	base = good_baseline();
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		const struct fd_case *c = &cases[i];
+		int fd = raw_connect(&D), *fds = calloc(c->first + c->second + 1, sizeof(int));
+		struct dlpc__scratch s = {0};
+		size_t len = publish_frame(&s, c->declared);
+
+		fprintf(stderr, "case: %s\n", c->what);
+		raw_hello(fd, DLPC_PROTO_MAJOR);
+		for (unsigned k = 0; k < c->first + c->second; k++)
+			fds[k] = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW |
+							    F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+		ck_assert_int_eq(send_fds(fd, s.p, DLPC_FRAME_HDR_SIZE, fds, c->first),
+				 DLPC_FRAME_HDR_SIZE);
+		/* the payload may find the connection closed already */
+		send_fds(fd, s.p + DLPC_FRAME_HDR_SIZE, len - DLPC_FRAME_HDR_SIZE, fds + c->first,
+			 c->second);
+		for (unsigned k = 0; k < c->first + c->second; k++)
+			close(fds[k]);
+		free(fds);
+		dlpc__scratch_clear(&s);
+		expect_hangup(fd, EPROTO, c->text);
+		case_done(base);
+	}
+	good_client_stop();
+}
+END_TEST
+
+/* More fds than the kernel passes in one message: refused by sendmsg, nothing reaches the
+ * daemon and the connection stays good. */
+START_TEST(test_fds_over_scm_max)
+{
+	int fds[254], fd, base;
+	struct dlpc__scratch s = {0};
+	size_t len;
+
+	good_client_start(&D);
+	base = good_baseline();
+	fd = raw_connect(&D);
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	fds[0] = memfd_sealed(4096, 0);
+	for (int k = 1; k < 254; k++)
+		fds[k] = fcntl(fds[0], F_DUPFD_CLOEXEC, 3);
+	len = publish_frame(&s, 4);
+	ck_assert_int_eq(send_fds(fd, s.p, len, fds, 254), -1);
+	ck_assert_int_eq(errno, EINVAL);
+	for (int k = 0; k < 254; k++)
+		close(fds[k]);
+	dlpc__scratch_clear(&s);
+	stat_still_works(fd);
+	close(fd);
+	case_done(base);
+	good_client_stop();
+}
+END_TEST
+
+/* Fds that arrive with no frame to claim them: one byte at a time, each with an fd. */
+START_TEST(test_fds_piling_up)
+{
+	int fd, base, m = memfd_sealed(4096, 0);
+	uint8_t hdr[DLPC_FRAME_HDR_SIZE];
+	struct dlpc__hdr h = {.len = 100, .type = DLPC_MSG_PUBLISH, .nfds = 1, .id = 3};
+
+	good_client_start(&D);
+	base = good_baseline();
+	fd = raw_connect(&D);
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	dlpc__hdr_encode(hdr, &h);
+	for (int k = 0; k < 3; k++)
+		send_fds(fd, hdr + k, 1, &m, 1);
+	close(m);
+	expect_hangup(fd, EPROTO, "fds arrived faster than frames claimed them");
+	case_done(base);
+	good_client_stop();
+}
+END_TEST
+
+struct cut_case {
+	const char *what;
+	size_t bytes; /* of the PUBLISH frame sent before EOF */
+	bool fd;
+};
+
+/* A frame cut short, then EOF: no reply, the connection and anything it sent are let go. */
+START_TEST(test_cut_short)
+{
+	static const struct cut_case cases[] = {
+		{"1 byte of a header", 1, false},
+		{"11 bytes of a header", DLPC_FRAME_HDR_SIZE - 1, false},
+		{"a header alone", DLPC_FRAME_HDR_SIZE, false},
+		{"a header and its fd", DLPC_FRAME_HDR_SIZE, true},
+		{"all but one byte, with the fd", 0, true},
+	};
+	int base;
+
+	good_client_start(&D);
+	base = good_baseline();
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		const struct cut_case *c = &cases[i];
+		struct dlpc__scratch s = {0};
+		size_t len = publish_frame(&s, 1), n = c->bytes ? c->bytes : len - 1;
+		int fd = raw_connect(&D),
+		    m = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE |
+						   F_SEAL_SEAL);
+		struct dlpc__hdr h;
+		uint8_t buf[512];
+
+		fprintf(stderr, "case: %s\n", c->what);
+		raw_hello(fd, DLPC_PROTO_MAJOR);
+		ck_assert_int_eq(send_fds(fd, s.p, n, &m, c->fd ? 1 : 0), (ssize_t)n);
+		close(m);
+		dlpc__scratch_clear(&s);
+		ck_assert_int_eq(shutdown(fd, SHUT_WR), 0);
+		ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 0);
+		close(fd);
+		case_done(base);
+	}
+	ck_assert(log_has(D.log, "closed the connection in the middle of a frame"));
+	good_client_stop();
+}
+END_TEST
+
+/* Types no request has: 0, the first past the table, replies and errors, anything else. */
+START_TEST(test_unknown_types)
+{
+	static const uint16_t types[] = {
+		0,
+		DLPC_MSG__REQUEST_COUNT,
+		77,
+		0x7fff,
+		DLPC_MSG_ERROR,
+		DLPC_MSG_HELLO | DLPC_MSG_REPLY,
+		DLPC_MSG_STAT | DLPC_MSG_REPLY,
+		0xffff,
+	};
+	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+	int base;
+
+	good_client_start(&D);
+	base = good_baseline();
+	for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++)
+		for (int hello = 0; hello < 2; hello++) {
+			int fd = raw_connect(&D);
+
+			fprintf(stderr, "case: type 0x%x%s\n", types[i],
+				hello ? " after HELLO" : "");
+			if (hello)
+				raw_hello(fd, DLPC_PROTO_MAJOR);
+			raw_send(fd, types[i], 4, &st.base, NULL, 0);
+			expect_hangup(fd, EPROTO, "unknown message");
+			case_done(base);
+		}
+	good_client_stop();
+}
+END_TEST
+
+/* Every request type before HELLO: refused and dropped; a PUBLISH's storage is not kept. */
+START_TEST(test_requests_before_hello)
+{
+	Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;
+	Dlpackd__V1__Release rel = DLPACKD__V1__RELEASE__INIT;
+	Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
+	Dlpackd__V1__List li = DLPACKD__V1__LIST__INIT;
+	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+	uint64_t one = 1;
+	int base;
+
+	at.name.data = un.name.data = (uint8_t *)"good";
+	at.name.len = un.name.len = 4;
+	rel.n_ref_ids = 1;
+	rel.ref_ids = &one;
+	good_client_start(&D);
+	base = good_baseline();
+	for (uint16_t type = DLPC_MSG_PUBLISH; type < DLPC_MSG__REQUEST_COUNT; type++) {
+		int fd = raw_connect(&D);
+		char text[64], name[32];
+
+		fprintf(stderr, "case: %s before HELLO\n",
+			dlpc__msg_name(type, name, sizeof(name)));
+		snprintf(text, sizeof(text), "%s before HELLO", name);
+		if (type == DLPC_MSG_PUBLISH) {
+			struct dlpc__scratch s = {0};
+			size_t len = publish_frame(&s, 1);
+			int m = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW |
+							   F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+
+			ck_assert_int_eq(dlpc__send_all(fd, s.p, len, &m, 1), 0);
+			close(m);
+			dlpc__scratch_clear(&s);
+		} else {
+			const ProtobufCMessage *m = type == DLPC_MSG_ATTACH	 ? &at.base
+						    : type == DLPC_MSG_RELEASE	 ? &rel.base
+						    : type == DLPC_MSG_UNPUBLISH ? &un.base
+						    : type == DLPC_MSG_LIST	 ? &li.base
+										 : &st.base;
+
+			raw_send(fd, type, 8, m, NULL, 0);
+		}
+		expect_hangup(fd, EPROTO, text);
+		case_done(base);
+	}
+	/* nothing was published, unpublished or released by them */
+	ck_assert_uint_eq(stat_or_die(good_client()).entries, 1);
+	good_client_stop();
+}
+END_TEST
+
+struct name_case {
+	const char *what;
+	const char *name;
+	size_t len;
+	const char *text;
+};
+
+/* Bad names in every request that takes one: EINVAL naming the problem; the connection stays. */
+START_TEST(test_bad_names)
+{
+	static char longname[DLPC_NAME_MAX + 1];
+	static const struct name_case cases[] = {
+		{"empty", "", 0, "is empty"},
+		{"NUL inside", "a\0b", 3, "not valid UTF-8 or contains NUL"},
+		{"NUL at the end", "ab\0", 3, "not valid UTF-8 or contains NUL"},
+		{"over-long", longname, DLPC_NAME_MAX + 1, "more than the limit of 255"},
+		{"overlong UTF-8 encoding of '/'", "\xc0\xaf", 2, "not valid UTF-8"},
+		{"UTF-16 surrogate", "x\xed\xa0\x80", 4, "not valid UTF-8"},
+		{"truncated sequence", "x\xe2\x82", 3, "not valid UTF-8"},
+		{"beyond U+10FFFF", "\xf4\x90\x80\x80", 4, "not valid UTF-8"},
+		{"lone continuation byte", "\x80", 1, "not valid UTF-8"},
+		{"byte 0xff", "a\xff", 2, "not valid UTF-8"},
+	};
+	int base, fd, storage;
+
+	memset(longname, 'n', sizeof(longname));
+	good_client_start(&D);
+	base = good_baseline();
+	fd = raw_connect(&D);
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	storage =
+		memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		const struct name_case *c = &cases[i];
+		Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;
+		Dlpackd__V1__Unpublish un = DLPACKD__V1__UNPUBLISH__INIT;
+		char msg[512];
+
+		fprintf(stderr, "case: name %s\n", c->what);
+		ck_assert_int_eq(
+			raw_publish(fd, c->name, c->len, storage, 4, 0, 1, 1, msg, sizeof(msg)),
+			EINVAL);
+		ck_assert_msg(strstr(msg, c->text), "PUBLISH: '%s'", msg);
+		for (int wait = 0; wait < 2; wait++) {
+			at.name.data = (uint8_t *)c->name;
+			at.name.len = c->len;
+			at.timeout_ms = wait ? -1 : 0; /* nobody may wait for a bad name either */
+			raw_send(fd, DLPC_MSG_ATTACH, 3, &at.base, NULL, 0);
+			ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EINVAL);
+			ck_assert_msg(strstr(msg, c->text), "ATTACH: '%s'", msg);
+		}
+		un.name.data = (uint8_t *)c->name;
+		un.name.len = c->len;
+		raw_send(fd, DLPC_MSG_UNPUBLISH, 4, &un.base, NULL, 0);
+		ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EINVAL);
+		ck_assert_msg(strstr(msg, c->text), "UNPUBLISH: '%s'", msg);
+	}
+	/* the edges that are fine: 255 bytes, and the largest code point */
+	ck_assert_int_eq(raw_publish(fd, longname, DLPC_NAME_MAX, storage, 4, 0, 1, 1, NULL, 0), 0);
+	ck_assert_int_eq(raw_publish(fd, "\xf4\x8f\xbf\xbf", 4, storage, 4, 0, 1, 1, NULL, 0), 0);
+	ck_assert_uint_eq(stat_or_die(good_client()).waiters, 0);
+	close(storage);
+	stat_still_works(fd);
+	close(fd);
+	good_client_check();
+	expect_fds(base + 2); /* each good name holds its own copy of the storage fd */
+	good_client_stop();
+}
+END_TEST
+
 static Suite *hostile_suite(void)
 {
 	Suite *s = suite_create("hostile");
@@ -1115,7 +1409,14 @@ static Suite *hostile_suite(void)
 	tcase_add_test(tc, test_garbage_frames);
 	tcase_add_test(tc, test_session_rules);
 	tcase_add_test(tc, test_name_and_request_limits);
-	tcase_add_test(tc, test_storage_fd_matrix);
+	tcase_add_test(tc, test_frame_lengths);
+	tcase_add_test(tc, test_fd_mismatch);
+	tcase_add_test(tc, test_fds_over_scm_max);
+	tcase_add_test(tc, test_fds_piling_up);
+	tcase_add_test(tc, test_cut_short);
+	tcase_add_test(tc, test_unknown_types);
+	tcase_add_test(tc, test_requests_before_hello);
+	tcase_add_test(tc, test_bad_names);
 	tcase_add_test(tc, test_cuda_publish_rules);
 	tcase_add_test(tc, test_watch_rules);
 	tcase_add_test(tc, test_unread_replies_backpressure);
