@@ -8,7 +8,7 @@
  * bytes are what is published, and its RSS is back where it was after a warm-up wave.
  *
  * DLPC_CHURN_SEED=N replays a run (the seed is printed); DLPC_CHURN_CLIENTS=N and
- * DLPC_CHURN_CYCLES=N scale it (defaults 200 and 1000). DLPC_CHURN_RSS_UNCOMPARABLE=REASON
+ * DLPC_CHURN_CYCLES=N scale it (defaults 200 and 1000). DLPC_TEST_RSS_UNCOMPARABLE=REASON
  * leaves RSS out (the sanitizer build sets it: its allocator keeps freed memory).
  */
 #include <errno.h>
@@ -345,9 +345,9 @@ START_TEST(test_churn)
 	ck_assert_int_eq(tot.killed, clients * CHURN_KILL_PERCENT / 100);
 	/* Under AddressSanitizer freed memory waits in its quarantine, so RSS says nothing;
 	 * LeakSanitizer checks the daemon for leaks at its exit instead (see tests/CMakeLists). */
-	if (getenv("DLPC_CHURN_RSS_UNCOMPARABLE"))
+	if (getenv("DLPC_TEST_RSS_UNCOMPARABLE"))
 		fprintf(stderr, "churn: RSS not compared: %s\n",
-			getenv("DLPC_CHURN_RSS_UNCOMPARABLE"));
+			getenv("DLPC_TEST_RSS_UNCOMPARABLE"));
 	else
 		ck_assert_msg(rss_end * 100 <= rss_warm * (100 + CHURN_RSS_SLACK_PERCENT),
 			      "dlpackd RSS grew from %ld kB to %ld kB", rss_warm, rss_end);

@@ -63,7 +63,8 @@ static void next_or_die(dlpc_watch *w, dlpc_watch_event *ev)
 static int changes_child(void *arg)
 {
 	dlpc_client *c = child_connect();
-	static float a[4], b[8];
+	static float a[4];
+	static int64_t b[8];
 	int64_t sa = 4, sb = 8;
 	const char *keys[] = {"first", "second"};
 	DLManagedTensorVersioned *ts[2];
@@ -411,10 +412,10 @@ START_TEST(test_stalled_watcher_dropped)
 	/*
 	 * After the drop, at least as many events again went out as filled the stalled queue; had
 	 * they piled up, the daemon would have grown by more than the cap. Under a memory checker
-	 * freed blocks are held back on purpose, so only the daemon's own accounting (tx_queued,
-	 * above) says anything there.
+	 * or ASan freed blocks are held back on purpose, so only the daemon's own accounting
+	 * (tx_queued, above) says anything there.
 	 */
-	if (!getenv("DLPC_TEST_WRAPPER"))
+	if (!getenv("DLPC_TEST_WRAPPER") && !getenv("DLPC_TEST_RSS_UNCOMPARABLE"))
 		ck_assert_int_lt(rss_end - rss_drop, (long)(DLPC_WATCH_QUEUE_MAX / 1024));
 	ck_assert_msg(log_has(D.log, "DLPC_WATCH_QUEUE_MAX"), "no log line names the cap");
 	for (int i = 0; i < 2; i++) {
