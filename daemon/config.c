@@ -36,6 +36,9 @@ struct dlpd_limits dlpd_limits = {
 	.refs_per_connection = DLPC_CONN_REFS_DEFAULT,
 	.pending_per_connection = DLPC_CONN_PENDING_DEFAULT,
 	.frame_timeout_ms = DLPC_FRAME_TIMEOUT_MS_DEFAULT,
+	.queue_bytes = DLPC_TX_QUEUE_MAX,
+	.queue_fds = DLPC_TX_QUEUE_FDS_MAX,
+	.watch_queue_bytes = DLPC_WATCH_QUEUE_MAX,
 };
 
 struct option_row;
@@ -118,6 +121,16 @@ static const struct option_row options[] = {
 		 "ATTACHes one connection may have waiting"),
 	OPT_UINT("frame-timeout-ms", "DLPACKD_FRAME_TIMEOUT_MS", dlpd_limits.frame_timeout_ms, 1,
 		 UINT64_MAX, "time a client has to finish a frame it began,\nand to send HELLO"),
+	/* at least one whole reply of the largest frame, or a big LIST page could drop a client
+	 * that does read */
+	OPT_SIZE("max-queue-bytes", "DLPACKD_MAX_QUEUE_BYTES", dlpd_limits.queue_bytes,
+		 DLPC_FRAME_HDR_SIZE + DLPC_FRAME_MAX, UINT64_MAX,
+		 "bytes waiting for a client that does not read\n(then it is dropped)"),
+	OPT_UINT("max-queue-fds", "DLPACKD_MAX_QUEUE_FDS", dlpd_limits.queue_fds, 1, UINT64_MAX,
+		 "fds waiting for a client that does not read"),
+	OPT_SIZE("max-watch-queue-bytes", "DLPACKD_MAX_WATCH_QUEUE_BYTES",
+		 dlpd_limits.watch_queue_bytes, 65536, UINT64_MAX,
+		 "bytes of events waiting for a watcher"),
 	{.name = "help", .short_name = 'h', .help = "show this help and exit"},
 	{.name = "version", .short_name = 'V', .help = "show the version and exit"},
 };

@@ -115,6 +115,9 @@ struct dlpd_limits {
 	uint64_t refs_per_connection;
 	uint64_t pending_per_connection;
 	uint64_t frame_timeout_ms;
+	uint64_t queue_bytes;	    /* output queue of a connection that does not read */
+	uint64_t queue_fds;	    /* fds in that queue */
+	uint64_t watch_queue_bytes; /* output queue of a watcher */
 };
 
 /* The defaults of limits.h. */

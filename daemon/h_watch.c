@@ -31,7 +31,7 @@ int dlpd_on_watch(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 					"cannot watch on a connection that owns ephemeral entries "
 					"or waits in ATTACH; watch on a connection of its own");
 	rep.seq = s->event_seq;
-	rep.queue_max = DLPC_WATCH_QUEUE_MAX;
+	rep.queue_max = p->srv->lim.watch_queue_bytes;
 	r = dlpd_reply(p, DLPC_MSG_WATCH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 	if (r < 0)
 		return r;

@@ -197,8 +197,10 @@ int dlpd_reply(struct dlpd_peer *p, uint16_t type, uint32_t id, const ProtobufCM
 int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const int *fds,
 		   unsigned nfds)
 {
-	size_t max = p->watching ? DLPC_WATCH_QUEUE_MAX : DLPC_TX_QUEUE_MAX;
-	const char *limit = p->watching ? "DLPC_WATCH_QUEUE_MAX" : "DLPC_TX_QUEUE_MAX";
+	const struct dlpd_limits *lim = &p->srv->lim;
+	uint64_t max = p->watching ? lim->watch_queue_bytes : lim->queue_bytes;
+	const char *limit = p->watching ? "--max-watch-queue-bytes, default DLPC_WATCH_QUEUE_MAX"
+					: "--max-queue-bytes, default DLPC_TX_QUEUE_MAX";
 	int r;
 
 	if (p->dead)
@@ -212,20 +214,20 @@ int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const 
 		return 0;
 	/* A client that does not read what it asked for (or, watching, cannot keep up) would
 	 * otherwise grow this queue without bound. */
-	if (p->tx.bytes > max || p->tx.nfds > DLPC_TX_QUEUE_FDS_MAX) {
+	if (p->tx.bytes > max || p->tx.nfds > lim->queue_fds) {
 		p->srv->stats.queue_drops++;
 		if (p->tx.bytes > max)
 			dlpd_peer_kill(
 				p, LOG_WARNING,
 				"dropped: it stopped reading and %zu bytes wait for it, over "
-				"the limit of %zu (%s)",
-				p->tx.bytes, max, limit);
+				"the limit of %llu (%s)",
+				p->tx.bytes, (unsigned long long)max, limit);
 		else
 			dlpd_peer_kill(
 				p, LOG_WARNING,
 				"dropped: it stopped reading and %u fds wait for it, over the "
-				"limit of %u (DLPC_TX_QUEUE_FDS_MAX)",
-				p->tx.nfds, DLPC_TX_QUEUE_FDS_MAX);
+				"limit of %llu (--max-queue-fds, default DLPC_TX_QUEUE_FDS_MAX)",
+				p->tx.nfds, (unsigned long long)lim->queue_fds);
 		return -ENOBUFS;
 	}
 	/* Backpressure: no more requests from it until it has read what waits (see

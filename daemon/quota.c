@@ -21,6 +21,9 @@ void dlpd_limits_init(struct dlpd_limits *l)
 	l->refs_per_connection = DLPC_CONN_REFS_DEFAULT;
 	l->pending_per_connection = DLPC_CONN_PENDING_DEFAULT;
 	l->frame_timeout_ms = DLPC_FRAME_TIMEOUT_MS_DEFAULT;
+	l->queue_bytes = DLPC_TX_QUEUE_MAX;
+	l->queue_fds = DLPC_TX_QUEUE_FDS_MAX;
+	l->watch_queue_bytes = DLPC_WATCH_QUEUE_MAX;
 }
 
 struct dlpd_usage *dlpd_usage_find(const struct dlpd_registry *r, uid_t uid)

@@ -1159,6 +1159,9 @@ START_TEST(test_limit_flags_checked)
 	flag_refused("DLPACKD_MAX_REFS_PER_CONNECTION", "1K");
 	flag_refused("DLPACKD_MAX_PENDING_PER_CONNECTION", "x");
 	flag_refused("DLPACKD_FRAME_TIMEOUT_MS", "ten");
+	flag_refused("--max-queue-bytes", "8M"); /* below one largest frame and its header */
+	flag_refused("--max-queue-fds", "0");
+	flag_refused("DLPACKD_MAX_WATCH_QUEUE_BYTES", "lots");
 }
 END_TEST
 
