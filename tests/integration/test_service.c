@@ -170,12 +170,29 @@ static int exit_status(pid_t pid)
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
+/* Is a socket bound to @p path listening? /proc/net/unix lists it with the accepting flag
+ * (__SO_ACCEPTCON, 0x10000) once listen() was called; the file exists from bind() on. */
+static bool listening(const char *path)
+{
+	char line[512], sockpath[256];
+	unsigned long flags;
+	bool found = false;
+	FILE *f = fopen("/proc/net/unix", "re");
+
+	while (f && !found && fgets(line, sizeof(line), f))
+		found = sscanf(line, "%*s %*s %*s %lx %*s %*s %*s %255s", &flags, sockpath) == 2 &&
+			strcmp(sockpath, path) == 0 && (flags & 0x10000);
+	if (f)
+		fclose(f);
+	return found;
+}
+
 static void wait_for_socket(const struct svc *s)
 {
 	long long deadline = now_ms() + scaled_ms(10000);
-	struct stat st;
 
-	while (stat(s->sock, &st) != 0 || !S_ISSOCK(st.st_mode)) {
+	/* not only there but listening, or a client racing the listen() is refused */
+	while (!listening(s->sock)) {
 		ck_assert_msg(waitpid(s->pid, NULL, WNOHANG) == 0, "the service exited at start");
 		ck_assert_msg(now_ms() < deadline, "%s did not appear", s->sock);
 		usleep(5000);
