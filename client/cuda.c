@@ -23,6 +23,7 @@
  */
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -487,29 +488,31 @@ static void vmm_unmap(CUdeviceptr base, size_t size)
 
 void dlpc__cuda_unmap(struct dlpc__gpu_map *m)
 {
-	bool last;
-
 	if (!m->vmm) {
 		pthread_mutex_lock(&cache_mu);
-		last = --m->refs == 0;
-		if (last)
-			for (struct dlpc__gpu_map **pp = &cache; *pp; pp = &(*pp)->next)
-				if (*pp == m) {
-					*pp = m->next;
-					break;
-				}
-		pthread_mutex_unlock(&cache_mu);
-		if (!last)
+		if (--m->refs > 0) {
+			pthread_mutex_unlock(&cache_mu);
 			return;
+		}
+		for (struct dlpc__gpu_map **pp = &cache; *pp; pp = &(*pp)->next)
+			if (*pp == m) {
+				*pp = m->next;
+				break;
+			}
+		/* closed before the lock goes: an attach of the same allocation meanwhile would
+		 * otherwise open a handle that is still open */
+		if (push_ctx(m->ordinal, "unmap") == 0) {
+			cu.cuIpcCloseMemHandle(m->base);
+			pop_ctx();
+		}
+		pthread_mutex_unlock(&cache_mu);
+		free(m);
+		return;
 	}
 	if (push_ctx(m->ordinal, "unmap") == 0) {
-		if (m->vmm) {
-			vmm_unmap(m->base, m->size);
-			if (m->handle)
-				cu.cuMemRelease(m->handle);
-		} else {
-			cu.cuIpcCloseMemHandle(m->base);
-		}
+		vmm_unmap(m->base, m->size);
+		if (m->handle)
+			cu.cuMemRelease(m->handle);
 		pop_ctx();
 	}
 	free(m);
@@ -592,6 +595,9 @@ int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **re
 		goto fail;
 	r = CU_CALL(what, cuMemExportToShareableHandle, fd, m->handle,
 		    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+	/* the driver's fd may lack close-on-exec, which every fd of ours has */
+	if (r == 0 && fcntl(*fd, F_SETFD, FD_CLOEXEC) < 0)
+		r = dlpc__fail(-errno, "%s: cannot set close-on-exec on the export fd: %m", what);
 	if (r == 0)
 		r = vmm_map(m->handle, size, ordinal, true, &m->base, what);
 	if (r < 0) {
