@@ -259,6 +259,7 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
 			return err;
 		}
 		r->device = true;
+		pthread_mutex_init(&r->sync_mu, NULL);
 		atomic_init(&r->refs, 1);
 		atomic_init(&r->frozen, false);
 		*ret = dlpc__view_new(r, r->base, device, dtype, ndim, shape, 0);

@@ -103,6 +103,11 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 	}
 	m->ordinal = ordinal;
 	m->device = true;
+	pthread_mutex_init(&m->sync_mu, NULL);
+	/* a stream given at attach is where the consumer works; without one (and not deferred)
+	 * the host waited, and its work may go to any stream */
+	if (stream && !defer)
+		dlpc__region_note_stream(m, stream);
 	dev->device_type = kDLCUDA;
 	dev->device_id = ordinal;
 	return 0;
@@ -308,6 +313,8 @@ DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream
 
 	if (!r)
 		return dlpc__fail(-EINVAL, "dlpc_tensor_wait: the tensor was not made by libdlpc");
+	if (r->device && r->client)
+		dlpc__region_note_stream(r, stream);
 	if (!r->has_event)
 		return 0;
 	return dlpc__cuda_wait(r->ev_handle, r->ordinal, stream, "dlpc_tensor_wait");

@@ -56,6 +56,8 @@
 	X(cuIpcGetEventHandle)                                                                     \
 	X(cuIpcOpenEventHandle)                                                                    \
 	X(cuStreamWaitEvent)                                                                       \
+	X(cuStreamSynchronize)                                                                     \
+	X(cuCtxSynchronize)                                                                        \
 	X(cuMemGetAllocationGranularity)                                                           \
 	X(cuMemCreate)                                                                             \
 	X(cuMemRelease)                                                                            \
@@ -386,6 +388,17 @@ static int wait_event(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *
 	if (!own)
 		cu.cuEventDestroy(ev);
 	return r;
+}
+
+void dlpc__cuda_release_sync(int ordinal, void *stream, bool all)
+{
+	if (driver("release") < 0 || push_ctx(ordinal, "release") < 0)
+		return;
+	if (all)
+		cu.cuCtxSynchronize();
+	else
+		cu.cuStreamSynchronize((CUstream)stream);
+	pop_ctx();
 }
 
 int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,

@@ -71,6 +71,12 @@ struct dlpc__region {
 	struct dlpc__gpu_map *gpu; /* CUDA: the mapping; NULL for the publisher's own pointer */
 	uint8_t uuid[DLPC_CUDA_UUID_SIZE]; /* CUDA dlpc_alloc memory: its device's UUID */
 	bool has_event; /* legacy CUDA IPC: ev_handle is the publisher's, for dlpc_tensor_wait() */
+	/* attached CUDA memory: the one stream the consumer was ordered on (attach or
+	 * dlpc_tensor_wait()), synchronized before the mapping goes; every stream of the context
+	 * (sync_all) when there was none, or more than one */
+	pthread_mutex_t sync_mu;
+	void *sync_stream;
+	bool sync_set, sync_all;
 	int ordinal;
 	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
@@ -179,6 +185,14 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			  const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *stream,
 			  bool defer, const char *name, struct dlpc__gpu_map **ret, void **base,
 			  int *ordinal);
+/*
+ * Before attached device memory is unmapped and released: wait for the work the consumer queued
+ * on it, on @p stream, or on every stream of the context if @p all. Errors are the driver's to
+ * keep (a deleter cannot fail).
+ */
+void dlpc__cuda_release_sync(int ordinal, void *stream, bool all);
+/* The consumer was ordered on @p stream: remember it for dlpc__cuda_release_sync(). */
+void dlpc__region_note_stream(struct dlpc__region *r, void *stream);
 /* Order @p stream (NULL: this thread) on device @p ordinal after the event @p ev_handle. */
 int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,
 		    const char *what);

@@ -19,6 +19,20 @@ struct view {
 	int64_t dims[]; /* shape, then C-contiguous strides */
 };
 
+void dlpc__region_note_stream(struct dlpc__region *r, void *stream)
+{
+	pthread_mutex_lock(&r->sync_mu);
+	if (!stream) { /* the host waited: the work may go to any stream */
+		r->sync_all = true;
+	} else if (!r->sync_set) {
+		r->sync_stream = stream;
+		r->sync_set = true;
+	} else if (r->sync_stream != stream) {
+		r->sync_all = true;
+	}
+	pthread_mutex_unlock(&r->sync_mu);
+}
+
 void dlpc__region_ref(struct dlpc__region *r)
 {
 	atomic_fetch_add_explicit(&r->refs, 1, memory_order_relaxed);
@@ -28,10 +42,18 @@ void dlpc__region_unref(struct dlpc__region *r)
 {
 	if (atomic_fetch_sub_explicit(&r->refs, 1, memory_order_acq_rel) != 1)
 		return;
-	if (!r->device)
+	if (!r->device) {
 		munmap(r->base, r->len);
-	else if (r->gpu)
+	} else if (r->gpu) {
+		/* the consumer's queued kernels may still read it: let them finish before the
+		 * mapping goes and the publisher hears it may reuse the memory */
+		if (r->client)
+			dlpc__cuda_release_sync(r->ordinal, r->sync_stream,
+						r->sync_all || !r->sync_set);
 		dlpc__cuda_unmap(r->gpu);
+	}
+	if (r->device)
+		pthread_mutex_destroy(&r->sync_mu);
 	if (r->fd >= 0)
 		close(r->fd);
 	if (r->client) {

@@ -245,6 +245,11 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * without a stream the calling thread waits (cuEventSynchronize). For any other tensor there
  * is nothing to wait for. Meant for attaches with DLPC_ATTACH_DEFER_SYNC, where the consumer's
  * stream is known only later (DLPack's __dlpack__(stream=...)); may be called more than once.
+ *
+ * The deleter of an attached CUDA tensor waits for the consumer's queued work before it unmaps
+ * and releases (so the publisher never reuses memory a kernel still reads): on the one stream
+ * the tensor was ordered on (opts->stream, or this function's @p stream), or on every stream of
+ * the context (cuCtxSynchronize) when the host waited or more than one stream was named.
  * @return 0, -EINVAL for a foreign tensor, or a negative errno from the driver.
  */
 DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream);

@@ -509,6 +509,24 @@ EXPORT CUresult cuStreamDestroy(CUstream hStream)
 	return CUDA_SUCCESS;
 }
 
+EXPORT CUresult cuStreamSynchronize(CUstream hStream)
+{
+	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	if (ctx_depth == 0)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	logf_("cuStreamSynchronize stream=%p", (void *)hStream);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxSynchronize(void)
+{
+	if (ctx_depth == 0)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	logf_("cuCtxSynchronize");
+	return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
 {
 	/* the special streams (legacy 0x1, per-thread 0x2) and NULL are valid without a record */

@@ -247,7 +247,9 @@ static int attacher_main(void *arg)
 		CHILD_CHECK(log_count(getpid(), "cuStreamWaitEvent stream=0x2 ") == 1);
 		CHILD_CHECK(dlpc_tensor_wait(t, NULL) == 0);
 		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 1);
+		/* two orderings, one on the host: the release waits for every stream */
 		t->deleter(t);
+		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 1);
 		dlpc_close(c);
 		return 0;
 	}
@@ -265,7 +267,20 @@ static int attacher_main(void *arg)
 		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 1);
 		CHILD_CHECK(log_count(getpid(), "cuStreamWaitEvent") == 0);
 	}
+	/* nothing waited for the consumer's work before its release */
+	CHILD_CHECK(log_count(getpid(), "cuStreamSynchronize") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
 	t->deleter(t);
+	/* releasing waits for the consumer's queued work first: on the stream it was ordered on,
+	 * or on every stream when the host waited at attach */
+	if (a->with_stream) {
+		snprintf(want, sizeof(want), "cuStreamSynchronize stream=%p", (void *)s);
+		CHILD_CHECK(log_count(getpid(), want) == 1);
+		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
+	} else {
+		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 1);
+		CHILD_CHECK(log_count(getpid(), "cuStreamSynchronize") == 0);
+	}
 	dlpc_close(c);
 	return 0;
 }
