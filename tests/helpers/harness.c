@@ -307,3 +307,31 @@ int run_suite(Suite *s)
 	srunner_free(sr);
 	return failed > 0 ? EXIT_FAILURE : EXIT_SUCCESS;
 }
+
+ssize_t send_fds_raw(int sock, const void *data, size_t len, const int *fds, unsigned nfds)
+{
+	size_t space = CMSG_SPACE(sizeof(int) * nfds);
+	char *ctl = calloc(1, space);
+	struct iovec iov = {.iov_base = (void *)data, .iov_len = len};
+	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+	ssize_t n;
+
+	if (!ctl) {
+		errno = ENOMEM;
+		return -1;
+	}
+	if (nfds > 0) {
+		struct cmsghdr *c;
+
+		msg.msg_control = ctl;
+		msg.msg_controllen = space;
+		c = CMSG_FIRSTHDR(&msg);
+		c->cmsg_level = SOL_SOCKET;
+		c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+	}
+	n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+	free(ctl);
+	return n;
+}

@@ -41,6 +41,9 @@ pid_t daemon_spawn(const char *sock, const char *log);
 void daemon_stop(struct daemon *d);
 /* Does the file @p log (a daemon's stderr) contain @p text so far? */
 bool log_has(const char *log, const char *text);
+/* One sendmsg() carrying @p len bytes and @p nfds fds (any number, past what libdlpc's sender
+ * allows); sendmsg()'s result, or -1 with ENOMEM when no control buffer could be had. */
+ssize_t send_fds_raw(int sock, const void *data, size_t len, const int *fds, unsigned nfds);
 /* Open fds of a process, from /proc/PID/fd. */
 int fd_count(pid_t pid);
 /* Milliseconds scaled by DLPC_TEST_SLOW. */

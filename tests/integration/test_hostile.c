@@ -858,31 +858,6 @@ static void expect_hangup(int fd, int code, const char *text)
 	close(fd);
 }
 
-/* One sendmsg() carrying @p nfds fds (any number) with @p len bytes; sendmsg()'s result. */
-static ssize_t send_fds(int sock, const void *data, size_t len, const int *fds, unsigned nfds)
-{
-	size_t space = CMSG_SPACE(sizeof(int) * nfds);
-	char *ctl = calloc(1, space);
-	struct iovec iov = {.iov_base = (void *)data, .iov_len = len};
-	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
-	ssize_t n;
-
-	if (nfds > 0) {
-		struct cmsghdr *c;
-
-		msg.msg_control = ctl;
-		msg.msg_controllen = space;
-		c = CMSG_FIRSTHDR(&msg);
-		c->cmsg_level = SOL_SOCKET;
-		c->cmsg_type = SCM_RIGHTS;
-		c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
-		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
-	}
-	n = sendmsg(sock, &msg, MSG_NOSIGNAL);
-	free(ctl);
-	return n;
-}
-
 static size_t varint_size(uint64_t v)
 {
 	size_t n = 1;
@@ -1140,11 +1115,11 @@ START_TEST(test_fd_mismatch)
 		for (unsigned k = 0; k < c->first + c->second; k++)
 			fds[k] = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW |
 							    F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
-		ck_assert_int_eq(send_fds(fd, s.p, DLPC_FRAME_HDR_SIZE, fds, c->first),
+		ck_assert_int_eq(send_fds_raw(fd, s.p, DLPC_FRAME_HDR_SIZE, fds, c->first),
 				 DLPC_FRAME_HDR_SIZE);
 		/* the payload may find the connection closed already */
-		send_fds(fd, s.p + DLPC_FRAME_HDR_SIZE, len - DLPC_FRAME_HDR_SIZE, fds + c->first,
-			 c->second);
+		send_fds_raw(fd, s.p + DLPC_FRAME_HDR_SIZE, len - DLPC_FRAME_HDR_SIZE,
+			     fds + c->first, c->second);
 		for (unsigned k = 0; k < c->first + c->second; k++)
 			close(fds[k]);
 		free(fds);
@@ -1172,7 +1147,7 @@ START_TEST(test_fds_over_scm_max)
 	for (int k = 1; k < 254; k++)
 		fds[k] = fcntl(fds[0], F_DUPFD_CLOEXEC, 3);
 	len = publish_frame(&s, 4);
-	ck_assert_int_eq(send_fds(fd, s.p, len, fds, 254), -1);
+	ck_assert_int_eq(send_fds_raw(fd, s.p, len, fds, 254), -1);
 	ck_assert_int_eq(errno, EINVAL);
 	for (int k = 0; k < 254; k++)
 		close(fds[k]);
@@ -1197,7 +1172,7 @@ START_TEST(test_fds_piling_up)
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	dlpc__hdr_encode(hdr, &h);
 	for (int k = 0; k < 3; k++)
-		send_fds(fd, hdr + k, 1, &m, 1);
+		send_fds_raw(fd, hdr + k, 1, &m, 1);
 	close(m);
 	expect_hangup(fd, EPROTO, "fds arrived faster than frames claimed them");
 	case_done(base);
@@ -1237,7 +1212,7 @@ START_TEST(test_cut_short)
 
 		fprintf(stderr, "case: %s\n", c->what);
 		raw_hello(fd, DLPC_PROTO_MAJOR);
-		ck_assert_int_eq(send_fds(fd, s.p, n, &m, c->fd ? 1 : 0), (ssize_t)n);
+		ck_assert_int_eq(send_fds_raw(fd, s.p, n, &m, c->fd ? 1 : 0), (ssize_t)n);
 		close(m);
 		dlpc__scratch_clear(&s);
 		ck_assert_int_eq(shutdown(fd, SHUT_WR), 0);

@@ -42,25 +42,7 @@ static size_t frame_build(uint8_t *buf, uint16_t type, uint32_t id, uint8_t nfds
 /* One raw sendmsg() with any number of fds (the library's own sender caps them at FDS_MAX). */
 static void send_raw(int sock, const void *data, size_t len, const int *fds, unsigned nfds)
 {
-	size_t space = CMSG_SPACE(sizeof(int) * nfds);
-	char *ctl = calloc(1, space);
-	struct iovec iov = {.iov_base = (void *)data, .iov_len = len};
-	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
-
-	ck_assert_ptr_nonnull(ctl);
-	if (nfds > 0) {
-		struct cmsghdr *c;
-
-		msg.msg_control = ctl;
-		msg.msg_controllen = space;
-		c = CMSG_FIRSTHDR(&msg);
-		c->cmsg_level = SOL_SOCKET;
-		c->cmsg_type = SCM_RIGHTS;
-		c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
-		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
-	}
-	ck_assert_int_eq(sendmsg(sock, &msg, MSG_NOSIGNAL), (ssize_t)len);
-	free(ctl);
+	ck_assert_int_eq(send_fds_raw(sock, data, len, fds, nfds), (ssize_t)len);
 }
 
 /* A fresh memfd: each has its own inode, so received fds can be matched to the sent ones. */
