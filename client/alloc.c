@@ -208,23 +208,107 @@ fail:
 	return r;
 }
 
-int dlpc__memfd_seal(int fd, const char *name, bool writable)
+/* Seals every published storage carries; read-only ones add F_SEAL_WRITE. */
+#define SEALS_FINAL (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+
+/*
+ * Memory published a second time is sealed already (F_SEAL_SEAL is set): 1 if the same way as
+ * this publish asks, a negative errno naming the conflict if not; 0 if not sealed yet.
+ */
+static int sealed_already(int fd, const char *name, bool writable)
 {
-	int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL | (writable ? 0 : F_SEAL_FUTURE_WRITE);
 	int have = fcntl(fd, F_GET_SEALS);
 
-	/* dlpc_alloc memory published a second time is sealed already: fine if the same way */
-	if (have >= 0 && (have & F_SEAL_SEAL)) {
-		if ((have & want) == want && (writable ? !(have & F_SEAL_FUTURE_WRITE) : true))
-			return 0;
-		return dlpc__fail(
-			-EPERM, "cannot publish '%s' %s: its memory was already published %s", name,
-			writable ? "writable" : "read-only", writable ? "read-only" : "writable");
-	}
-	if (fcntl(fd, F_ADD_SEALS, want) < 0)
-		return dlpc__fail(-errno, "cannot publish '%s': cannot seal shared memory: %m",
+	if (have < 0 || !(have & F_SEAL_SEAL))
+		return 0;
+	if ((have & SEALS_FINAL) == SEALS_FINAL &&
+	    (writable ? !(have & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) : (have & F_SEAL_WRITE)))
+		return 1;
+	return dlpc__fail(-EPERM, "cannot publish '%s' %s: its memory was already published %s",
+			  name, writable ? "writable" : "read-only",
+			  writable ? "read-only" : "writable");
+}
+
+/* Add @p seals to @p fd; the message explains the EBUSY of a surviving writable mapping. */
+static int add_seals(int fd, int seals, const char *name)
+{
+	if (fcntl(fd, F_ADD_SEALS, seals) == 0)
+		return 0;
+	if (errno == EBUSY)
+		return dlpc__fail(-EBUSY,
+				  "cannot publish '%s' read-only: its memory is still mapped "
+				  "writable elsewhere (a child forked while it was mapped, or a "
+				  "mapping of the memfd made outside libdlpc), so F_SEAL_WRITE "
+				  "cannot be added; unmap it there or publish writable",
 				  name);
-	return 0;
+	return dlpc__fail(-errno, "cannot publish '%s': cannot seal shared memory: %m", name);
+}
+
+int dlpc__memfd_seal(int fd, const char *name, bool writable)
+{
+	int r = sealed_already(fd, name, writable);
+
+	if (r != 0)
+		return r < 0 ? r : 0;
+	return add_seals(fd, SEALS_FINAL | (writable ? 0 : F_SEAL_WRITE), name);
+}
+
+/* Freezing dlpc_alloc() memory is rare and must not race another publish of the same memory. */
+static pthread_mutex_t seal_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/*
+ * Seal the memfd of dlpc_alloc() memory @p r for a read-only publish. F_SEAL_WRITE is refused
+ * while any writable shared mapping exists, ours included, and a mapping of a read-write
+ * descriptor counts as writable even when mprotected read-only (it may become writable again).
+ * So our mapping is first replaced, at the same addresses (views and pointers into it stay
+ * valid), by one made from a read-only descriptor of the same memfd: that one can never be made
+ * writable. If sealing still fails, a writable mapping lives on elsewhere; the writable mapping
+ * is put back and the publish fails.
+ */
+static int region_freeze(struct dlpc__region *r, const char *name)
+{
+	char path[32];
+	int ro, err;
+
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", r->fd);
+	ro = open(path, O_RDONLY | O_CLOEXEC);
+	if (ro < 0)
+		return dlpc__fail(-errno,
+				  "cannot publish '%s' read-only: cannot reopen its memory "
+				  "read-only through %s: %m",
+				  name, path);
+	if (mmap(r->base, r->len, PROT_READ, MAP_SHARED | MAP_FIXED, ro, 0) == MAP_FAILED) {
+		err = dlpc__fail(-errno, "cannot publish '%s' read-only: cannot remap it: %m",
+				 name);
+		close(ro);
+		return err;
+	}
+	close(ro); /* the mapping holds the file */
+	err = add_seals(r->fd, SEALS_FINAL | F_SEAL_WRITE, name);
+	/* put the writable mapping back; should even that fail (out of memory), the memory stays
+	 * read-only here and new views say so */
+	if (err < 0 && mmap(r->base, r->len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, r->fd,
+			    0) == MAP_FAILED)
+		atomic_store(&r->frozen, true);
+	return err;
+}
+
+int dlpc__region_seal(struct dlpc__region *r, const char *name, bool writable)
+{
+	int err;
+
+	pthread_mutex_lock(&seal_mu);
+	err = sealed_already(r->fd, name, writable);
+	if (err == 0 && writable)
+		err = add_seals(r->fd, SEALS_FINAL, name);
+	else if (err == 0)
+		err = region_freeze(r, name);
+	else if (err > 0)
+		err = 0;
+	if (err == 0 && !writable)
+		atomic_store(&r->frozen, true);
+	pthread_mutex_unlock(&seal_mu);
+	return err;
 }
 
 DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, int32_t ndim,

@@ -17,6 +17,12 @@
 #include "table.h"
 #include "util.h"
 
+/* Every DLPC_ATTACH_* flag; those of them that only this library acts on. */
+#define ATTACH_FLAGS                                                                               \
+	(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_DEFER_SYNC | DLPC_ATTACH_PRIVATE |                     \
+	 DLPC_ATTACH_GUARDED | DLPC_ATTACH_OWNER)
+#define LOCAL_FLAGS (DLPC_ATTACH_DEFER_SYNC | DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)
+
 struct dlpc_bundle {
 	size_t n;
 	struct dlpc__region *region; /* the bundle's own reference, dropped when it is freed */
@@ -119,7 +125,9 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
 	bool writable = flags & DLPC_ATTACH_WRITABLE;
-	uint64_t tflags = writable ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
+	bool cow = flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED);
+	uint64_t tflags =
+		writable || (flags & DLPC_ATTACH_PRIVATE) ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
 	struct dlpc__region *m = NULL;
 	struct dlpc__table_rec d;
 	dlpc_bundle *b;
@@ -135,6 +143,15 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 		dlpc__release(c, rep->ref_id);
 		dlpc__close(fd);
 		return dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply",
+				  name);
+	}
+	if (rep->device_type == kDLCUDA && (flags & DLPC_ATTACH_PRIVATE)) {
+		dlpc__release(c, rep->ref_id);
+		dlpc__close(fd);
+		return dlpc__fail(-ENOTSUP,
+				  "cannot attach '%s' copy-on-write: it is CUDA memory, which is "
+				  "shared in place (attach it read-only, or writable if it was "
+				  "published writable)",
 				  name);
 	}
 	b = calloc(1, sizeof(*b));
@@ -153,9 +170,23 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 			     &dev);
 		if (r < 0)
 			goto fail;
+	} else if (cow) {
+		/* copy-on-write: reads share the publisher's pages, a write copies one page */
+		m->base = mmap(NULL, m->len, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+		if (m->base == MAP_FAILED) {
+			r = dlpc__fail(-errno,
+				       "cannot attach '%s': cannot map %zu bytes copy-on-write: %m",
+				       name, m->len);
+			goto fail;
+		}
 	} else {
 		m->base = mmap(NULL, m->len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED,
 			       fd, 0);
+		/* Before Linux 6.7 a shared mapping of a read-write descriptor of an F_SEAL_WRITE
+		 * memfd is refused even read-only; a private read-only one reads the same pages,
+		 * which nobody can change. */
+		if (m->base == MAP_FAILED && errno == EPERM && !writable)
+			m->base = mmap(NULL, m->len, PROT_READ, MAP_PRIVATE, fd, 0);
 		if (m->base == MAP_FAILED) {
 			r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name,
 				       m->len);
@@ -168,6 +199,11 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	m->fd = -1;
 	m->client = c;
 	m->ref_id = rep->ref_id;
+	m->has_owner = c->minor >= 3;
+	m->owner_uid = rep->owner_uid;
+	m->owner_pid = rep->owner_pid;
+	m->entry_flags = rep->flags;
+	m->generation = rep->generation;
 	atomic_init(&m->refs, 1);
 	dlpc__client_ref(c);
 	b->region = m;
@@ -230,14 +266,31 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 		timeout = opts->timeout_ms;
 		if (opts->size >= offsetof(dlpc_attach_opts, stream) + sizeof(opts->stream))
 			stream = opts->stream;
+		if (opts->size >= offsetof(dlpc_attach_opts, owner_uid) + sizeof(opts->owner_uid))
+			req.owner_uid = opts->owner_uid;
+		else if (flags & DLPC_ATTACH_OWNER)
+			return dlpc__fail(-EINVAL,
+					  "cannot attach '%s': DLPC_ATTACH_OWNER needs "
+					  "opts->owner_uid (opts->size is %u)",
+					  name, opts->size);
 	}
-	if (flags & ~(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_DEFER_SYNC))
+	if (flags & ~ATTACH_FLAGS)
 		return dlpc__fail(-EINVAL, "cannot attach '%s': unknown flags 0x%x", name,
-				  flags & ~(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_DEFER_SYNC));
+				  flags & ~ATTACH_FLAGS);
+	if ((flags & DLPC_ATTACH_WRITABLE) && (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)))
+		return dlpc__fail(-EINVAL,
+				  "cannot attach '%s': DLPC_ATTACH_WRITABLE (a shared writable "
+				  "mapping) and a copy-on-write mapping exclude each other",
+				  name);
+	if ((flags & DLPC_ATTACH_OWNER) && c->minor < 3)
+		return dlpc__fail(-ENOTSUP,
+				  "cannot attach '%s' with an owner check: dlpackd speaks protocol "
+				  "%d.%u, which does not know owners (%d.3 does)",
+				  name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
-	/* DEFER_SYNC is this library's business, not the daemon's */
-	req.flags = (flags & ~DLPC_ATTACH_DEFER_SYNC) | extra;
+	/* how this process maps the storage is its own business, not the daemon's */
+	req.flags = (flags & ~LOCAL_FLAGS) | extra;
 	req.timeout_ms = timeout;
 	/* the reply lives until the bundle is built: unpack it into an arena, not a malloc per
 	 * field (a 500-tensor bundle would be 1,500 of them) */
@@ -318,4 +371,32 @@ DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream
 	if (!r->has_event)
 		return 0;
 	return dlpc__cuda_wait(r->ev_handle, r->ordinal, stream, "dlpc_tensor_wait");
+}
+
+DLPC_EXPORT int dlpc_tensor_attach_info(const DLManagedTensorVersioned *t, dlpc_attach_info *out)
+{
+	struct dlpc__region *r = dlpc__view_region(t);
+
+	if (!out || out->size < offsetof(dlpc_attach_info, owner_uid) + sizeof(out->owner_uid))
+		return dlpc__fail(-EINVAL, "dlpc_tensor_attach_info: out is NULL or out->size is "
+					   "too small");
+	if (!r || !r->client)
+		return dlpc__fail(-EINVAL, "dlpc_tensor_attach_info: the tensor was not attached "
+					   "through libdlpc");
+	if (!r->has_owner)
+		return dlpc__fail(-ENOTSUP,
+				  "dlpc_tensor_attach_info: dlpackd speaks a protocol "
+				  "older than 1.3 and did not say who published the entry");
+#define SET(field)                                                                                 \
+	do {                                                                                       \
+		if (out->size >= offsetof(dlpc_attach_info, field) + sizeof(out->field))           \
+			out->field = r->field;                                                     \
+	} while (0)
+	SET(owner_uid);
+	SET(owner_pid);
+	if (out->size >= offsetof(dlpc_attach_info, flags) + sizeof(out->flags))
+		out->flags = r->entry_flags;
+	SET(generation);
+#undef SET
+	return 0;
 }

@@ -81,7 +81,12 @@ struct dlpc__region {
 	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
 	uint64_t ref_id;
-	atomic_bool frozen; /* allocated memory sealed read-only and mprotected */
+	atomic_bool frozen; /* allocated memory sealed read-only (F_SEAL_WRITE), mapped read-only */
+	/* attached memory (protocol 1.3 and later): who published the entry, and what */
+	bool has_owner;
+	uint32_t owner_uid, entry_flags;
+	int32_t owner_pid;
+	uint64_t generation;
 };
 
 void dlpc__region_ref(struct dlpc__region *r);
@@ -102,8 +107,13 @@ static inline int dlpc__space_err(int err)
 	return err == ENOSPC || err == ENOMEM ? -ENOSPC : -err;
 }
 
-/* Seal a storage memfd for publishing (read-only unless @p writable). 0 or negative errno. */
+/* Seal a storage memfd that nothing maps for publishing: F_SEAL_SHRINK, GROW and SEAL, plus
+ * F_SEAL_WRITE unless @p writable. 0 or negative errno. */
 int dlpc__memfd_seal(int fd, const char *name, bool writable);
+/* The same for dlpc_alloc() memory @p r, which this process maps: a read-only seal first makes
+ * our own mapping read-only for good, in place. 0, -EBUSY if a writable mapping of it survives
+ * in another process, or another negative errno. */
+int dlpc__region_seal(struct dlpc__region *r, const char *name, bool writable);
 
 /* Bumped in every forked child (pthread_atfork): a client whose fork_gen differs is not ours.
  * Comparing it costs nothing, where getpid() is a system call on every attach and release. */

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -130,6 +131,31 @@ static int write_slots(int fd, const struct slot *slots, size_t n, const char *n
 	}
 	free(bounce);
 	return r;
+}
+
+/*
+ * Allocate whatever pages of the @p size bytes of @p fd the writes left unallocated (a bundle of
+ * empty tensors writes nothing): the daemon refuses sparse storage, whose pages would be charged
+ * to the first attacher that reads them. One fstat when nothing is missing.
+ */
+static int allocate_rest(int fd, uint64_t size, const char *name)
+{
+	long page = sysconf(_SC_PAGESIZE);
+	uint64_t need = (size + (uint64_t)page - 1) / (uint64_t)page * (uint64_t)page;
+	struct stat st;
+	int r;
+
+	if (fstat(fd, &st) == 0 && (uint64_t)st.st_blocks * 512 >= need)
+		return 0;
+	do
+		r = fallocate(fd, 0, 0, (off_t)size);
+	while (r < 0 && errno == EINTR);
+	if (r < 0)
+		return dlpc__fail(dlpc__space_err(errno),
+				  "cannot publish '%s': cannot allocate %llu bytes of shared "
+				  "memory: %m",
+				  name, (unsigned long long)size);
+	return 0;
 }
 
 /* Check @p t and size it; the message names the tensor. */
@@ -381,20 +407,17 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 			goto out;
 		}
 		r = write_slots(fd, slots, n, name);
+		if (r == 0)
+			r = allocate_rest(fd, size, name);
 		if (r < 0)
 			goto out;
 	}
-	r = dlpc__memfd_seal(fd, name, flags & DLPC_PUBLISH_WRITABLE);
+	/* Sealed read-only is read-only for everyone from now on, this process included (whatever
+	 * the daemon answers: a seal cannot be undone). Shares made later say so in their flags. */
+	r = zc ? dlpc__region_seal(zc, name, flags & DLPC_PUBLISH_WRITABLE)
+	       : dlpc__memfd_seal(fd, name, flags & DLPC_PUBLISH_WRITABLE);
 	if (r < 0)
 		goto out;
-	/* Sealed read-only is read-only here too, from now on (whatever the daemon answers: the
-	 * seal cannot be undone): other shares of an allocation in this process must not change
-	 * what attachers see. Shares made later say so in their flags. */
-	if (zc && !(flags & DLPC_PUBLISH_WRITABLE) && !atomic_exchange(&zc->frozen, true) &&
-	    mprotect(zc->base, zc->len, PROT_READ) < 0) {
-		r = dlpc__fail(-errno, "cannot publish '%s': mprotect: %m", name);
-		goto out;
-	}
 
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);

@@ -191,6 +191,7 @@ struct dlpd_waiter {
 	struct dlpd_peer *peer;
 	uint32_t req_id;
 	uint32_t flags;
+	uint32_t owner_uid; /* with DLPC_ATTACH_OWNER in flags: only this uid's entry answers */
 	int64_t timeout_ms;
 	bool timed;
 	uv_timer_t timer;
@@ -339,8 +340,9 @@ struct dlpd_ref *dlpd_ref_find(struct dlpd_peer *p, uint64_t id);
 void dlpd_ref_drop(struct dlpd_peer *p, struct dlpd_ref *ref);
 /* Queue @p w to be woken when @p name is published. */
 int dlpd_waiter_add(struct dlpd_server *s, struct dlpd_waiter *w, const uint8_t *name, size_t len);
-/* The oldest waiter for @p name, or NULL. */
-struct dlpd_waiter *dlpd_waitq_first(struct dlpd_server *s, const uint8_t *name, size_t len);
+/* The oldest waiter for @p name that an entry published by @p uid answers, or NULL. */
+struct dlpd_waiter *dlpd_waitq_first_match(struct dlpd_server *s, const uint8_t *name, size_t len,
+					   uint32_t uid);
 /* Unlink @p w and free it (after its timer closed, if it had one). */
 void dlpd_waiter_free(struct dlpd_server *s, struct dlpd_waiter *w);
 /* Drop everything @p p holds: waiters, ephemeral entries, references. */

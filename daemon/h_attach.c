@@ -7,7 +7,13 @@
 #include "dlpackd.h"
 #include "util.h"
 
-#define ATTACH_FLAGS (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_SINGLE)
+#define ATTACH_FLAGS (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_SINGLE | DLPC_ATTACH_OWNER)
+
+/* Does @p e count for an attach that asked (DLPC_ATTACH_OWNER in @p flags) for @p owner? */
+static bool owner_ok(const struct dlpd_entry *e, uint32_t flags, uint32_t owner)
+{
+	return !(flags & DLPC_ATTACH_OWNER) || e->uid == (uid_t)owner;
+}
 
 /* Answer an ATTACH of @p e: a new reference and the storage fd, or the reason it is refused. */
 static int attach_reply(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, uint32_t flags)
@@ -46,6 +52,8 @@ static int attach_reply(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, 
 	rep.storage_size = e->st->size;
 	rep.device_uuid = pub->device_uuid;
 	rep.cuda_ipc = pub->cuda_ipc;
+	rep.owner_uid = (uint32_t)e->uid;
+	rep.owner_pid = (int32_t)e->pid;
 	/* the descriptions were encoded once, at publish; legacy CUDA IPC sends no fd */
 	r = dlpd_reply_tail(p, DLPC_MSG_ATTACH | DLPC_MSG_REPLY, id, &rep.base, e->tensors_wire,
 			    e->tensors_wire_len, &e->st->fd, e->st->fd >= 0 ? 1 : 0);
@@ -62,9 +70,18 @@ static void waiter_expired(uv_timer_t *t)
 	long long ms = (long long)w->timeout_ms;
 	char name[DLPC_NAME_TEXT];
 
+	bool owned = w->flags & DLPC_ATTACH_OWNER;
+	uint32_t owner = w->owner_uid;
+
 	dlpc__printable(w->q->name, w->q->len, name, sizeof(name));
 	dlpd_waiter_free(p->srv, w);
-	dlpd_reply_error(p, id, ETIMEDOUT, "no entry named '%s' appeared within %lld ms", name, ms);
+	if (owned)
+		dlpd_reply_error(p, id, ETIMEDOUT,
+				 "no entry named '%s' published by uid %u appeared within %lld ms",
+				 name, (unsigned)owner, ms);
+	else
+		dlpd_reply_error(p, id, ETIMEDOUT, "no entry named '%s' appeared within %lld ms",
+				 name, ms);
 }
 
 void dlpd_wake_waiters(struct dlpd_server *s, struct dlpd_entry *e)
@@ -74,9 +91,11 @@ void dlpd_wake_waiters(struct dlpd_server *s, struct dlpd_entry *e)
 	struct dlpd_waiter *w;
 
 	/* Each reply may kill its peer, which frees that peer's waiters and, if it published the
-	 * entry ephemerally, the entry: look both up again every time. */
+	 * entry ephemerally, the entry: look both up again every time. Waiters that asked for
+	 * another owner stay queued. */
 	memcpy(name, e->pub->name.data, len);
-	while ((w = dlpd_waitq_first(s, name, len)) && (e = dlpd_entry_find(&s->reg, name, len))) {
+	while ((e = dlpd_entry_find(&s->reg, name, len)) &&
+	       (w = dlpd_waitq_first_match(s, name, len, (uint32_t)e->uid))) {
 		struct dlpd_peer *p = w->peer;
 		uint32_t id = w->req_id, flags = w->flags;
 
@@ -100,9 +119,15 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 		return dlpd_reply_error(p, id, EINVAL, "cannot attach: unknown flags 0x%x",
 					req->flags & ~ATTACH_FLAGS);
 	e = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
-	if (e)
+	if (e && owner_ok(e, req->flags, req->owner_uid))
 		return attach_reply(p, id, e, req->flags);
 	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
+	/* another uid's entry under the name is no answer to this attach: as if absent */
+	if (req->timeout_ms == 0 && e)
+		return dlpd_reply_error(p, id, ENOENT,
+					"no entry named '%s' published by uid %u (the entry there "
+					"was published by uid %u)",
+					name, (unsigned)req->owner_uid, (unsigned)e->uid);
 	if (req->timeout_ms == 0)
 		return dlpd_reply_error(p, id, ENOENT, "no entry named '%s'", name);
 	if (p->nwaiters >= s->lim.pending_per_connection)
@@ -118,6 +143,7 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 	w->peer = p;
 	w->req_id = id;
 	w->flags = req->flags;
+	w->owner_uid = req->owner_uid;
 	if (dlpd_waiter_add(s, w, req->name.data, req->name.len) < 0) {
 		free(w);
 		return dlpd_reply_error(p, id, ENOMEM, "cannot wait for '%s': out of memory", name);

@@ -214,11 +214,20 @@ int dlpd_waiter_add(struct dlpd_server *s, struct dlpd_waiter *w, const uint8_t 
 	return 0;
 }
 
-struct dlpd_waiter *dlpd_waitq_first(struct dlpd_server *s, const uint8_t *name, size_t len)
+struct dlpd_waiter *dlpd_waitq_first_match(struct dlpd_server *s, const uint8_t *name, size_t len,
+					   uint32_t uid)
 {
 	struct dlpd_waitq *q = waitq_find(&s->reg, name, len, dlpd_hash_bytes(name, len));
 
-	return q ? dlpd_container_of(q->waiters.next, struct dlpd_waiter, q_link) : NULL;
+	if (!q)
+		return NULL;
+	for (struct dlpd_list *l = q->waiters.next; l != &q->waiters; l = l->next) {
+		struct dlpd_waiter *w = dlpd_container_of(l, struct dlpd_waiter, q_link);
+
+		if (!(w->flags & DLPC_ATTACH_OWNER) || w->owner_uid == uid)
+			return w;
+	}
+	return NULL;
 }
 
 static void waiter_closed(uv_handle_t *h)

@@ -4,8 +4,8 @@
  * alone, that attachers can map it safely: a regular file on tmpfs (what memfd_create makes),
  * sealed so that it can neither shrink (a SIGBUS in every attacher) nor grow, sealed against
  * writes unless published writable, with a final seal set (F_SEAL_SEAL: nobody holding the fd
- * can later add a write seal that breaks writable attaches), and large enough for the tensors
- * described.
+ * can later add a write seal that breaks writable attaches), large enough for the tensors
+ * described, and with every page allocated (no attacher is charged for the publisher's pages).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -37,6 +37,17 @@ static const char *file_kind(mode_t m)
 	default:
 		return "not a regular file";
 	}
+}
+
+/* Are all the blocks of the file @p st describes allocated (@p bsize: its filesystem's)? */
+static bool fully_allocated(const struct stat *st, uint64_t bsize)
+{
+	uint64_t size = (uint64_t)st->st_size, need;
+
+	if (bsize == 0 || bsize > (1ull << 30))
+		bsize = 4096;
+	need = size / bsize * bsize + (size % bsize ? bsize : 0);
+	return (uint64_t)st->st_blocks * 512 >= need;
 }
 
 int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t whylen)
@@ -98,11 +109,16 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
 				 missing, (unsigned)seals);
 		return -EPERM;
 	}
-	if (!writable && !(seals & (F_SEAL_FUTURE_WRITE | F_SEAL_WRITE))) {
-		snprintf(
-			why, whylen,
-			"read-only storage memfd is not sealed against writes (F_SEAL_FUTURE_WRITE "
-			"required unless published writable)");
+	/* F_SEAL_FUTURE_WRITE is not enough: it leaves alone every writable mapping made before
+	 * it, so the publisher (or a child it forked) could go on writing under the attachers.
+	 * F_SEAL_WRITE can only be added once no writable mapping exists anywhere. */
+	if (!writable && !(seals & F_SEAL_WRITE)) {
+		snprintf(why, whylen,
+			 "read-only storage memfd is not sealed against writes: F_SEAL_WRITE "
+			 "missing%s (required unless published writable)",
+			 seals & F_SEAL_FUTURE_WRITE ? " (F_SEAL_FUTURE_WRITE does not revoke "
+						       "writable mappings made before it)"
+						     : "");
 		return -EPERM;
 	}
 	if (!(seals & F_SEAL_SEAL)) {
@@ -123,6 +139,17 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
 	if ((uint64_t)st.st_size < size) {
 		snprintf(why, whylen, "storage memfd holds %lld bytes, the tensors need %llu",
 			 (long long)st.st_size, (unsigned long long)size);
+		return -EINVAL;
+	}
+	/* Pages the publisher never allocated would be allocated by the first attacher that reads
+	 * them, charged to that attacher's memory cgroup (an OOM kill there, not an error here).
+	 * Every page of the file must be allocated already; the file's size rounds up to whole
+	 * blocks of the filesystem (a tmpfs page, a huge page). */
+	if (!fully_allocated(&st, (uint64_t)sfs.f_bsize)) {
+		snprintf(why, whylen,
+			 "storage memfd is sparse: %llu of its %lld bytes are allocated (allocate "
+			 "every page before publishing, with fallocate or by writing it)",
+			 (unsigned long long)st.st_blocks * 512, (long long)st.st_size);
 		return -EINVAL;
 	}
 	return 0;

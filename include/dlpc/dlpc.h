@@ -87,6 +87,9 @@ typedef struct dlpc_attach_opts {
 	uint32_t flags;	    /**< DLPC_ATTACH_* bits */
 	int64_t timeout_ms; /**< 0: fail at once if absent; > 0: wait up to this; < 0: forever */
 	void *stream; /**< CUstream the consumer uses (CUDA entries); NULL: wait on the host */
+	/** With DLPC_ATTACH_OWNER: the uid the entry must have been published by. An entry of
+	 * another uid under the name counts as absent (a waiting attach keeps waiting). */
+	uint32_t owner_uid;
 } dlpc_attach_opts;
 
 /** Publish: take over an existing name; it gets a new generation. */
@@ -101,6 +104,23 @@ typedef struct dlpc_attach_opts {
 /** Attach: do not order anything after a legacy CUDA IPC publisher's event (neither
  * opts->stream nor the host); call dlpc_tensor_wait() before using the memory. */
 #define DLPC_ATTACH_DEFER_SYNC (1u << 1)
+/**
+ * Attach: map host storage copy-on-write (MAP_PRIVATE, PROT_READ|PROT_WRITE). Reads share the
+ * publisher's pages; a write copies the page it touches into this process's own memory, seen by
+ * nobody else (and charged to this process's memory cgroup). The tensor is writable: no
+ * read-only flag. Works on read-only and writable entries; -ENOTSUP for CUDA entries, -EINVAL
+ * with DLPC_ATTACH_WRITABLE.
+ */
+#define DLPC_ATTACH_PRIVATE (1u << 2)
+/**
+ * Attach: map host storage copy-on-write as DLPC_ATTACH_PRIVATE does, but keep the tensor
+ * flagged read-only. A safety net for consumers that ignore DLPack's read-only flag (PyTorch):
+ * their writes land in pages of their own instead of crashing the process, and nobody else
+ * sees them. CUDA entries are attached read-only as without the flag.
+ */
+#define DLPC_ATTACH_GUARDED (1u << 3)
+/** Attach: accept only an entry published by opts->owner_uid (see dlpc_attach_opts). */
+#define DLPC_ATTACH_OWNER (1u << 4)
 
 /** The library's version as "MAJOR.MINOR.PATCH". */
 DLPC_EXPORT const char *dlpc_version(void);
@@ -151,8 +171,13 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c);
  * unpublish it first); if the connection breaks, @p t is kept until the process exits, since
  * an attacher may still be using the memory.
  * @param flags DLPC_PUBLISH_* bits.
+ * Unless published DLPC_PUBLISH_WRITABLE, the storage is sealed with F_SEAL_WRITE (plus
+ * SHRINK, GROW and SEAL): from then on nobody can change it, the publisher included, and the
+ * daemon refuses read-only storage without that seal. Every page of the storage is allocated
+ * before it is sent (the daemon refuses sparse storage): a full memory cgroup fails here.
  * @return the new generation (> 0), -EEXIST if the name is taken and REPLACE was not asked,
- *         -EPERM if it belongs to another user, -ENOSPC if shared memory is full, -EINVAL for a
+ *         -EPERM if it belongs to another user, -ENOSPC if shared memory is full, -EBUSY if
+ *         dlpc_alloc() memory is still mapped writable in another process, -EINVAL for a
  *         bad name or tensor, -ENOTSUP for a device the library cannot share (or CUDA IPC the
  *         platform does not support), -ENODEV without a CUDA driver.
  */
@@ -178,10 +203,15 @@ DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
  * CUDA VMM memory (cuMemCreate with POSIX-fd handles, mapped read-write on that device; its
  * size is rounded up to the driver's granularity), whose entry can outlive the publisher. Its
  * entry carries no event for attachers to wait on: finish writing (synchronize) first.
- * @p c may be NULL (nothing is asked of the daemon). Other handles on the same memory (dlpc_tensor_share()) stay valid
- * after it is published; a read-only publish (even one the daemon refuses: the memory is sealed
- * by then) makes the memory read-only in this process too. Handles made earlier keep their
- * flags, so do not write through them; handles made later carry the read-only flag.
+ * @p c may be NULL (nothing is asked of the daemon). Other handles on the same memory
+ * (dlpc_tensor_share()) stay valid after it is published, at the same addresses. A read-only
+ * publish seals the memory against writes for good (F_SEAL_WRITE; even if the daemon then
+ * refuses the entry): the library first replaces this process's writable mapping in place by a
+ * read-only one, so every later write in this process faults and mprotect() cannot make it
+ * writable again. Handles made earlier keep their flags, so do not write through them; handles
+ * made later carry the read-only flag. If a writable mapping of the memory survives elsewhere
+ * (a child forked while it was mapped), that publish fails with -EBUSY and the memory stays
+ * writable here.
  * @return 0 or a negative errno (-ENOSPC when shared memory is full, -ENODEV without a CUDA
  *         driver, -ENOTSUP for another device).
  */
@@ -192,7 +222,14 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
  * Attach the single tensor published under @p name.
  *
  * The tensor is read-only (DLPACK_FLAG_BITMASK_READ_ONLY set, memory mapped PROT_READ) unless
- * publisher and attacher both asked for writable. Its deleter unmaps and tells the daemon.
+ * publisher and attacher both asked for writable (DLPC_ATTACH_WRITABLE: a shared mapping, writes
+ * seen by everyone) or the attacher asked for a copy-on-write mapping (DLPC_ATTACH_PRIVATE,
+ * DLPC_ATTACH_GUARDED). Its deleter unmaps and tells the daemon.
+ *
+ * A read-only entry never changes while it exists: its storage carries F_SEAL_WRITE, so no
+ * process, the publisher included, can write it by any route. Names are first-come across uids:
+ * DLPC_ATTACH_OWNER with opts->owner_uid treats an entry of another uid as absent (the message of
+ * -ENOENT names both uids), and dlpc_tensor_attach_info() says who published what was attached.
  *
  * A CUDA entry gives a tensor on {kDLCUDA, local ordinal} (the device found by its UUID). A
  * legacy IPC allocation is opened once per process whatever the number of attaches (attaching
@@ -200,10 +237,12 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
  * publisher's event: opts->stream waits for it (cuStreamWaitEvent, the host does not block),
  * or without a stream the calling thread waits (cuEventSynchronize).
  * @param opts NULL for the defaults (fail at once if absent, read-only, no stream).
- * @return the generation (> 0), -ENOENT if absent (also once a legacy IPC publisher is gone),
- *         -ETIMEDOUT if a wait expired, -EINVAL if the name holds a bundle of several tensors,
- *         -EACCES for a writable attach of a read-only entry, -ENODEV without a CUDA driver or
- *         the entry's device.
+ * @return the generation (> 0), -ENOENT if absent (also once a legacy IPC publisher is gone,
+ *         and with DLPC_ATTACH_OWNER when another uid published it), -ETIMEDOUT if a wait
+ *         expired, -EINVAL if the name holds a bundle of several tensors, -EACCES for a
+ *         writable attach of a read-only entry, -ENOTSUP for a copy-on-write attach of a CUDA
+ *         entry or an owner check against a daemon older than protocol 1.3, -ENODEV without a
+ *         CUDA driver or the entry's device.
  */
 DLPC_EXPORT int dlpc_attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
 			    DLManagedTensorVersioned **ret);
@@ -253,6 +292,25 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * @return 0, -EINVAL for a foreign tensor, or a negative errno from the driver.
  */
 DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream);
+
+/** Where an attached tensor came from, as dlpc_tensor_attach_info() reports it. */
+typedef struct dlpc_attach_info {
+	uint32_t size;	     /**< set by the caller to sizeof(dlpc_attach_info) */
+	uint32_t owner_uid;  /**< the publisher's uid (from SO_PEERCRED) */
+	int32_t owner_pid;   /**< the publisher's pid (from SO_PEERCRED) */
+	uint32_t flags;	     /**< DLPC_PUBLISH_* bits the entry was published with */
+	uint64_t generation; /**< the generation attached */
+} dlpc_attach_info;
+
+/**
+ * Who published the entry that @p t (attached, taken from an attached bundle, or a share of
+ * one) came from, and which generation. Set out->size to sizeof(*out) first; fields past that
+ * size are left alone. Names are first-come across uids: check the owner here, or ask for it
+ * up front with DLPC_ATTACH_OWNER, before trusting the bytes.
+ * @return 0, -EINVAL for a tensor that was not attached through libdlpc, -ENOTSUP if the daemon
+ *         speaks a protocol older than 1.3 (it does not say who published).
+ */
+DLPC_EXPORT int dlpc_tensor_attach_info(const DLManagedTensorVersioned *t, dlpc_attach_info *out);
 
 /**
  * Remove @p name. Attached tensors stay valid; the storage is freed after their release.

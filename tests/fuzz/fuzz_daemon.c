@@ -59,6 +59,7 @@ static int memfd(int seals)
 	int fd = memfd_create("fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING);
 
 	if (fd < 0 || ftruncate(fd, FUZZ_MEMFD_SIZE) < 0 ||
+	    fallocate(fd, 0, 0, FUZZ_MEMFD_SIZE) < 0 ||
 	    (seals && fcntl(fd, F_ADD_SEALS, seals) < 0))
 		die("cannot make a memfd");
 	return fd;
@@ -77,10 +78,10 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	else
 		dlpd_log_level = LOG_DEBUG;
 	templates[FUZZ_FD_MEMFD_RO] =
-		memfd(F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+		memfd(F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
 	templates[FUZZ_FD_MEMFD_RW] = memfd(F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
 	templates[FUZZ_FD_MEMFD_BARE] = memfd(0);
-	templates[FUZZ_FD_MEMFD_NOSEAL] = memfd(F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE);
+	templates[FUZZ_FD_MEMFD_NOSEAL] = memfd(F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE);
 	if (pipe2(p, O_CLOEXEC) < 0 || socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0)
 		die("cannot make a pipe or socketpair");
 	templates[FUZZ_FD_PIPE] = p[0];

@@ -224,8 +224,7 @@ START_TEST(test_name_and_request_limits)
 	baseline = good_baseline();
 	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
-	storage = memfd_sealed(1 << 20,
-			       F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+	storage = memfd_sealed(1 << 20, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
 
 	memset(name, 'a', sizeof(name));
 	ck_assert_int_eq(
@@ -375,7 +374,7 @@ START_TEST(test_cuda_publish_rules)
 							     .ev_len = H},
 					  msg, sizeof(msg)),
 			 ENOTSUP);
-	mfd = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+	mfd = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
 	ck_assert_int_eq(raw_cuda_publish(fd, "c1",
 					  &(struct cuda_pub){.device_type = kDLCPU,
 							     .uuid_len = U,
@@ -497,8 +496,7 @@ START_TEST(test_watch_rules)
 	raw_send(fd, DLPC_MSG_WATCH, 2, &w.base, NULL, 0);
 	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EINVAL);
 	/* a connection owning an ephemeral entry cannot become a watcher */
-	storage =
-		memfd_sealed(256, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+	storage = memfd_sealed(256, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
 	ck_assert_int_eq(raw_publish(fd, "eph", 3, storage, 4, DLPC_PUBLISH_EPHEMERAL, 1, 1, msg,
 				     sizeof(msg)),
 			 0);
@@ -967,8 +965,8 @@ START_TEST(test_frame_lengths)
 		if (c->hello)
 			raw_hello(fd, DLPC_PROTO_MAJOR);
 		if (c->type == DLPC_MSG_PUBLISH)
-			storage = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW |
-							     F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+			storage = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE |
+							     F_SEAL_SEAL);
 		if (c->payload) {
 			uint8_t buf[DLPC_FRAME_HDR_SIZE + 1] = {0};
 			struct dlpc__hdr fh = {.len = c->len, .type = c->type, .id = 5};
@@ -1113,8 +1111,8 @@ START_TEST(test_fd_mismatch)
 		fprintf(stderr, "case: %s\n", c->what);
 		raw_hello(fd, DLPC_PROTO_MAJOR);
 		for (unsigned k = 0; k < c->first + c->second; k++)
-			fds[k] = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW |
-							    F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+			fds[k] = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE |
+							    F_SEAL_SEAL);
 		ck_assert_int_eq(send_fds_raw(fd, s.p, DLPC_FRAME_HDR_SIZE, fds, c->first),
 				 DLPC_FRAME_HDR_SIZE);
 		/* the payload may find the connection closed already */
@@ -1205,8 +1203,8 @@ START_TEST(test_cut_short)
 		struct dlpc__scratch s = {0};
 		size_t len = publish_frame(&s, 1), n = c->bytes ? c->bytes : len - 1;
 		int fd = raw_connect(&D),
-		    m = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE |
-						   F_SEAL_SEAL);
+		    m = memfd_sealed(4096,
+				     F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
 		struct dlpc__hdr h;
 		uint8_t buf[512];
 
@@ -1286,8 +1284,8 @@ START_TEST(test_requests_before_hello)
 		if (type == DLPC_MSG_PUBLISH) {
 			struct dlpc__scratch s = {0};
 			size_t len = publish_frame(&s, 1);
-			int m = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW |
-							   F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+			int m = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE |
+							   F_SEAL_SEAL);
 
 			ck_assert_int_eq(dlpc__send_all(fd, s.p, len, &m, 1), 0);
 			close(m);
@@ -1340,8 +1338,7 @@ START_TEST(test_bad_names)
 	base = good_baseline();
 	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
-	storage =
-		memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+	storage = memfd_sealed(4096, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
 		const struct name_case *c = &cases[i];
 		Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;

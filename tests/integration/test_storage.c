@@ -15,7 +15,7 @@
 
 #include "raw.h"
 
-#define SEALS_RO (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL)
+#define SEALS_RO (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL)
 #define SEALS_RW (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
 
 static struct daemon D;
@@ -56,6 +56,7 @@ enum kind {
 	NO_SHRINK,
 	NO_GROW,
 	NO_WRITE_SEAL,
+	FUTURE_WRITE_ONLY,
 	NOT_FINAL,
 	WRITE_SEALED_WRITABLE,
 	READ_ONLY_WRITABLE,
@@ -67,6 +68,8 @@ enum kind {
 	DIRECTORY,
 	DEV_ZERO,
 	TOO_SMALL,
+	SPARSE,
+	PARTLY_SPARSE,
 	KINDS
 };
 
@@ -85,10 +88,12 @@ static const struct storage_case cases[KINDS] = {
 	 "not sealed against shrinking (F_SEAL_SHRINK missing"},
 	{NO_GROW, "memfd without F_SEAL_GROW", false, EPERM,
 	 "not sealed against growing (F_SEAL_GROW missing"},
-	{NO_WRITE_SEAL, "memfd without F_SEAL_FUTURE_WRITE, published read-only", false, EPERM,
-	 "read-only storage memfd is not sealed against writes"},
+	{NO_WRITE_SEAL, "memfd without F_SEAL_WRITE, published read-only", false, EPERM,
+	 "read-only storage memfd is not sealed against writes: F_SEAL_WRITE missing (required"},
+	{FUTURE_WRITE_ONLY, "memfd with F_SEAL_FUTURE_WRITE instead of F_SEAL_WRITE", false, EPERM,
+	 "F_SEAL_WRITE missing (F_SEAL_FUTURE_WRITE does not revoke writable mappings"},
 	{NOT_FINAL, "memfd without F_SEAL_SEAL", false, EPERM, "seals are not final"},
-	{WRITE_SEALED_WRITABLE, "memfd with F_SEAL_FUTURE_WRITE, published writable", true, EPERM,
+	{WRITE_SEALED_WRITABLE, "memfd with F_SEAL_WRITE, published writable", true, EPERM,
 	 "storage published writable is sealed against writes"},
 	{READ_ONLY_WRITABLE, "memfd opened O_RDONLY, published writable", true, EBADF,
 	 "writable storage fd was not opened read-write"},
@@ -103,6 +108,10 @@ static const struct storage_case cases[KINDS] = {
 	{DEV_ZERO, "/dev/zero", false, EBADF, "storage fd is a character device"},
 	{TOO_SMALL, "memfd smaller than declared", false, EINVAL,
 	 "storage memfd holds 16 bytes, the tensors need 4096"},
+	{SPARSE, "memfd never written (no page allocated)", false, EINVAL,
+	 "storage memfd is sparse: 0 of its 4096 bytes are allocated"},
+	{PARTLY_SPARSE, "memfd with one of its three pages written", false, EINVAL,
+	 "storage memfd is sparse: 4096 of its 12288 bytes are allocated"},
 };
 
 /* A descriptor of @p kind; @p extra receives a second fd to close afterwards, or -1. */
@@ -121,6 +130,8 @@ static int make_storage(enum kind kind, int *extra)
 		return memfd_sealed(4096, SEALS_RO & ~F_SEAL_GROW);
 	case NO_WRITE_SEAL:
 		return memfd_sealed(4096, SEALS_RW);
+	case FUTURE_WRITE_ONLY:
+		return memfd_sealed(4096, (SEALS_RO & ~F_SEAL_WRITE) | F_SEAL_FUTURE_WRITE);
 	case NOT_FINAL:
 		return memfd_sealed(4096, SEALS_RO & ~F_SEAL_SEAL);
 	case WRITE_SEALED_WRITABLE:
@@ -167,6 +178,16 @@ static int make_storage(enum kind kind, int *extra)
 		break;
 	case TOO_SMALL:
 		return memfd_sealed(16, SEALS_RO);
+	case SPARSE:
+	case PARTLY_SPARSE:
+		/* sealed as the daemon wants, but not (all) allocated: an attacher would pay */
+		fd = memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+		ck_assert_int_ge(fd, 0);
+		ck_assert_int_eq(ftruncate(fd, kind == SPARSE ? 4096 : 3 * 4096), 0);
+		if (kind == PARTLY_SPARSE)
+			ck_assert_int_eq(pwrite(fd, "x", 1, 4096), 1);
+		ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, SEALS_RO), 0);
+		return fd;
 	case KINDS:
 		break;
 	}
@@ -361,7 +382,7 @@ START_TEST(test_readonly_cannot_gain_write)
 	snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
 	again = open(path, O_RDWR | O_CLOEXEC);
 	if (again >= 0) {
-		/* F_SEAL_FUTURE_WRITE lets the open succeed; what it opens cannot write */
+		/* the seals let the open succeed; what it opens cannot write */
 		fprintf(stderr, "reopening a read-only storage O_RDWR succeeds; writes fail\n");
 		ck_assert(!try_writes(again, "reopened O_RDWR"));
 		close(again);
