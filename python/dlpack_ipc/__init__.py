@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Share tensors between processes on one machine through dlpackd, zero-copy.
 
-    import numpy as np, dlpack_ipc
+    import numpy as np, torch, dlpack_ipc
     dlpack_ipc.publish("weights", np.arange(6.0))          # in one process
     t = dlpack_ipc.attach("weights", timeout=5)            # in another
     a = np.from_dlpack(t)                                  # the same memory, read-only
+    w = torch.from_dlpack(t).add_(1)                       # a private copy-on-write change
 
 Module-level functions use one default Client, created on first use, connected to the default
 socket ($DLPACKD_SOCKET, else /run/dlpackd/dlpackd.sock for root, else
@@ -148,15 +149,35 @@ def publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=Fals
                                   writable=writable)
 
 
-def attach(name, *, timeout=None, writable=False):
-    """Attach the tensor published under name. timeout: None fails at once if absent, a number
-    waits that many seconds, float("inf") waits until it appears (Ctrl-C interrupts)."""
-    return _client().attach(name, timeout=timeout, writable=writable)
+def attach(name, *, timeout=None, mode=None, owner=None, writable=None):
+    """Attach the tensor published under name, as a SharedTensor.
+
+    timeout: None fails at once if absent, a number waits that many seconds, float("inf")
+    waits until it appears (Ctrl-C interrupts).
+
+    mode says how this process maps the memory (None means "read"):
+      "read"     (default) the read-only flag is exported, so numpy refuses writes; the memory
+                 is mapped copy-on-write, so a consumer that ignores the flag (torch) writes
+                 into pages of its own: nobody else sees the write and nothing crashes.
+      "private"  writable (no read-only flag), copy-on-write: writes stay in this process.
+      "strict"   the read-only flag and a read-only shared mapping: any write is SIGSEGV.
+      "write"    shared and writable: writes are seen by every process; the entry must have
+                 been published with writable=True. writable=True is the older spelling.
+    CUDA entries are shared in place: "read" and "strict" attach them read-only, "private" is
+    refused (BufferError).
+
+    owner: a uid; an entry under name published by another uid counts as absent (names are
+    first-come across users): FileNotFoundError naming both uids, or a wait goes on until that
+    uid publishes. SharedTensor.owner says who published what was attached.
+    """
+    return _client().attach(name, timeout=timeout, mode=mode, owner=owner, writable=writable)
 
 
-def attach_dict(name, *, timeout=None, writable=False):
-    """Attach every tensor of a bundle, in one round trip and one mapping."""
-    return _client().attach_dict(name, timeout=timeout, writable=writable)
+def attach_dict(name, *, timeout=None, mode=None, owner=None, writable=None):
+    """Attach every tensor of a bundle, in one round trip and one mapping, as a dict of
+    SharedTensor by key. timeout, mode and owner as for attach()."""
+    return _client().attach_dict(name, timeout=timeout, mode=mode, owner=owner,
+                                 writable=writable)
 
 
 def empty(shape, dtype, device="cpu"):

@@ -1,10 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-from typing import Any, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, Literal, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 NAME_MAX: int
 NDIM_MAX: int
 BUNDLE_MAX: int
 libdlpc_version: str
+
+# (stub only) How attach() maps an entry's memory (None: "read"):
+#   "read"    read-only flag exported; mapped copy-on-write, so a consumer that ignores the flag
+#             (torch) writes into private pages instead of crashing
+#   "private" writable, copy-on-write: writes stay in this process
+#   "strict"  read-only flag and read-only shared mapping: a write is SIGSEGV
+#   "write"   shared writable (the entry must be published writable); writable=True says the same
+_AttachMode = Literal["read", "private", "strict", "write"]
 
 class TensorInfo(NamedTuple):
     key: str
@@ -60,6 +68,8 @@ class SharedTensor:
     name: Optional[str]
     key: str
     generation: int
+    mode: Optional[_AttachMode]
+    owner: Optional[Owner]
     shape: Tuple[int, ...]
     dtype: str
     device: str
@@ -82,9 +92,11 @@ class Client:
     def publish_dict(self, name: str, mapping: Mapping[str, Any], *, replace: bool = ...,
                      ephemeral: bool = ..., writable: bool = ...) -> int: ...
     def attach(self, name: str, *, timeout: Optional[float] = ...,
-               writable: bool = ...) -> SharedTensor: ...
+               mode: Optional[_AttachMode] = ..., owner: Optional[int] = ...,
+               writable: Optional[bool] = ...) -> SharedTensor: ...
     def attach_dict(self, name: str, *, timeout: Optional[float] = ...,
-                    writable: bool = ...) -> dict[str, SharedTensor]: ...
+                    mode: Optional[_AttachMode] = ..., owner: Optional[int] = ...,
+                    writable: Optional[bool] = ...) -> dict[str, SharedTensor]: ...
     def empty(self, shape: Union[int, Sequence[int]], dtype: Any,
               device: str = ...) -> SharedTensor: ...
     def unpublish(self, name: str) -> None: ...
@@ -98,9 +110,11 @@ def publish(name: str, obj: Any, *, replace: bool = ..., ephemeral: bool = ...,
             writable: bool = ...) -> int: ...
 def publish_dict(name: str, mapping: Mapping[str, Any], *, replace: bool = ...,
                  ephemeral: bool = ..., writable: bool = ...) -> int: ...
-def attach(name: str, *, timeout: Optional[float] = ..., writable: bool = ...) -> SharedTensor: ...
-def attach_dict(name: str, *, timeout: Optional[float] = ...,
-                writable: bool = ...) -> dict[str, SharedTensor]: ...
+def attach(name: str, *, timeout: Optional[float] = ..., mode: Optional[_AttachMode] = ...,
+           owner: Optional[int] = ..., writable: Optional[bool] = ...) -> SharedTensor: ...
+def attach_dict(name: str, *, timeout: Optional[float] = ..., mode: Optional[_AttachMode] = ...,
+                owner: Optional[int] = ...,
+                writable: Optional[bool] = ...) -> dict[str, SharedTensor]: ...
 def empty(shape: Union[int, Sequence[int]], dtype: Any, device: str = ...) -> SharedTensor: ...
 def unpublish(name: str) -> None: ...
 def list(prefix: str = ...) -> list[EntryInfo]: ...

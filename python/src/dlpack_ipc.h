@@ -32,7 +32,11 @@ typedef struct {
 	PyObject *name; /* str, or None for empty() memory not yet published */
 	PyObject *key;	/* str */
 	int generation;
-	bool allocated; /* from empty(): publishing it is zero-copy */
+	bool allocated;	  /* from empty(): publishing it is zero-copy */
+	const char *mode; /* the attach mode ("read", ...; static), NULL for empty() memory */
+	bool has_owner;	  /* owner_* known: attached from a daemon of protocol 1.3 or later */
+	uint32_t owner_uid;
+	int32_t owner_pid;
 } TensorObject;
 
 /* module.c */
@@ -44,6 +48,10 @@ dlpc_client *ipc_client(ClientObject *self);
 /* The same, kept valid until ipc_call_end() even if the Client is closed meanwhile. */
 dlpc_client *ipc_call_begin(ClientObject *self);
 void ipc_call_end(ClientObject *self);
+
+/* attach.c: Client.attach() and Client.attach_dict(). */
+PyObject *ipc_client_attach(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_attach_dict(PyObject *obj, PyObject *args, PyObject *kwargs);
 
 /* consume.c: Client.publish() and Client.publish_dict(). */
 PyObject *ipc_client_publish(PyObject *obj, PyObject *args, PyObject *kwargs);

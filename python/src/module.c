@@ -1,22 +1,15 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * dlpack_ipc._core: the Client type over libdlpc and module setup (multi-phase init, heap types
- * in module state). Every call that may block releases the GIL; waits are cut into slices so
- * that Ctrl-C interrupts them.
+ * in module state). Every call that may block releases the GIL. Attaching is in attach.c.
  */
 #include <errno.h>
-#include <math.h>
 #include <pthread.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "dlpack_ipc.h"
-
-/* Longest a wait runs without checking for signals (KeyboardInterrupt). */
-#define WAIT_SLICE_MS 100
 
 static struct PyModuleDef module_def;
 
@@ -199,151 +192,6 @@ static PyObject *client_exit(PyObject *obj, PyObject *args)
 	Py_RETURN_FALSE;
 }
 
-/* Parse a timeout in seconds: None/0 -> fail at once, inf -> forever. -1 with an exception. */
-static int parse_timeout(PyObject *o, double *secs, bool *forever)
-{
-	*forever = false;
-	*secs = 0;
-	if (o == Py_None)
-		return 0;
-	*secs = PyFloat_AsDouble(o);
-	if (*secs == -1 && PyErr_Occurred())
-		return -1;
-	if (isnan(*secs) || *secs < 0) {
-		PyErr_Format(PyExc_ValueError, "timeout must be None or >= 0, not %R", o);
-		return -1;
-	}
-	*forever = isinf(*secs);
-	return 0;
-}
-
-static double now_s(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-/*
- * Attach, waiting in slices so that signals are seen. Fills *single or *bundle. Returns the
- * generation, or -1 with a Python exception set.
- */
-static int attach_waiting(ClientObject *self, const char *name, PyObject *timeout, int writable,
-			  DLManagedTensorVersioned **single, dlpc_bundle **bundle)
-{
-	dlpc_attach_opts opts = {.size = sizeof(opts)};
-	double secs, deadline;
-	dlpc_client *c;
-	bool forever;
-	int r;
-
-	if (parse_timeout(timeout, &secs, &forever) < 0 || !(c = ipc_call_begin(self)))
-		return -1;
-	/* CUDA entries: the consumer's stream is known at __dlpack__(stream=...), not here */
-	opts.flags = (writable ? DLPC_ATTACH_WRITABLE : 0) | DLPC_ATTACH_DEFER_SYNC;
-	deadline = now_s() + secs;
-	for (;;) {
-		double left = deadline - now_s();
-
-		/* a slice is at least 1 ms: 0 would mean "fail at once", < 0 "forever" */
-		opts.timeout_ms = secs == 0 ? 0
-				  : forever || left * 1000 > WAIT_SLICE_MS
-					  ? WAIT_SLICE_MS
-					  : (left > 0 ? (int64_t)(left * 1000) : 0) + 1;
-		Py_BEGIN_ALLOW_THREADS
-		if (single)
-			r = dlpc_attach(c, name, &opts, single);
-		else
-			r = dlpc_attach_bundle(c, name, &opts, bundle);
-		Py_END_ALLOW_THREADS
-		if (r != -ETIMEDOUT)
-			break;
-		if (PyErr_CheckSignals() < 0) {
-			ipc_call_end(self);
-			return -1;
-		}
-		if (!forever && now_s() >= deadline) {
-			char msg[DLPC_NAME_MAX + 64];
-
-			snprintf(msg, sizeof(msg), "no entry named '%s' appeared within %g s", name,
-				 secs);
-			PyObject *args = Py_BuildValue("(is)", ETIMEDOUT, msg);
-
-			if (args) {
-				PyErr_SetObject(PyExc_OSError, args);
-				Py_DECREF(args);
-			}
-			ipc_call_end(self);
-			return -1;
-		}
-	}
-	ipc_call_end(self);
-	if (r < 0) {
-		ipc_raise(r);
-		return -1;
-	}
-	return r;
-}
-
-static PyObject *client_attach(PyObject *obj, PyObject *args, PyObject *kwargs)
-{
-	static char *kwlist[] = {"name", "timeout", "writable", NULL};
-	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
-	PyObject *timeout = Py_None, *pname, *key, *res;
-	DLManagedTensorVersioned *t;
-	const char *name;
-	int writable = 0, gen;
-
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$Op:attach", kwlist, &name, &timeout,
-					 &writable))
-		return NULL;
-	gen = attach_waiting((ClientObject *)obj, name, timeout, writable, &t, NULL);
-	if (gen < 0)
-		return NULL;
-	pname = PyUnicode_FromString(name);
-	key = PyUnicode_FromString("");
-	res = pname && key ? ipc_tensor_new(st, t, pname, key, gen, false) : NULL;
-	if (!res && !(pname && key))
-		t->deleter(t);
-	Py_XDECREF(pname);
-	Py_XDECREF(key);
-	return res;
-}
-
-static PyObject *client_attach_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
-{
-	static char *kwlist[] = {"name", "timeout", "writable", NULL};
-	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
-	PyObject *timeout = Py_None, *pname = NULL, *dict = NULL;
-	const char *name;
-	dlpc_bundle *b;
-	int writable = 0, gen;
-
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$Op:attach_dict", kwlist, &name, &timeout,
-					 &writable))
-		return NULL;
-	gen = attach_waiting((ClientObject *)obj, name, timeout, writable, NULL, &b);
-	if (gen < 0)
-		return NULL;
-	pname = PyUnicode_FromString(name);
-	dict = pname ? PyDict_New() : NULL;
-	for (size_t i = 0; dict && i < dlpc_bundle_count(b); i++) {
-		PyObject *key = PyUnicode_FromString(dlpc_bundle_key(b, i));
-		PyObject *t =
-			key ? ipc_tensor_new(st, dlpc_bundle_take(b, i), pname, key, gen, false)
-			    : NULL;
-
-		if (!t || PyDict_SetItem(dict, key, t) < 0)
-			Py_CLEAR(dict);
-		Py_XDECREF(key);
-		Py_XDECREF(t);
-	}
-	dlpc_bundle_free(b);
-	Py_XDECREF(pname);
-	return dict;
-}
-
 static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
 	static char *kwlist[] = {"shape", "dtype", "device", NULL};
@@ -445,10 +293,18 @@ static PyMethodDef client_methods[] = {
 	 "publish(name, obj, *, replace=False, ephemeral=False, writable=False) -> int"},
 	{"publish_dict", FN(ipc_client_publish_dict), KW,
 	 "publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=False) -> int"},
-	{"attach", FN(client_attach), KW,
-	 "attach(name, *, timeout=None, writable=False) -> SharedTensor"},
-	{"attach_dict", FN(client_attach_dict), KW,
-	 "attach_dict(name, *, timeout=None, writable=False) -> dict[str, SharedTensor]"},
+	{"attach", FN(ipc_client_attach), KW,
+	 "attach(name, *, timeout=None, mode='read', owner=None) -> SharedTensor\n\n"
+	 "Attach the tensor published under name. mode: 'read' (default: read-only flag, "
+	 "mapped copy-on-write so that a consumer ignoring the flag writes privately), "
+	 "'private' (writable, writes private), 'strict' (read-only mapping: a write is "
+	 "SIGSEGV), 'write' (shared writable, for entries published writable; writable=True "
+	 "is the older spelling). owner: accept only an entry published by that uid."},
+	{"attach_dict", FN(ipc_client_attach_dict), KW,
+	 "attach_dict(name, *, timeout=None, mode='read', owner=None) -> dict[str, "
+	 "SharedTensor]\n\n"
+	 "Attach every tensor of a bundle, in one round trip and one mapping; mode and owner "
+	 "as for attach()."},
 	{"empty", FN(client_empty), KW, "empty(shape, dtype, device='cpu') -> SharedTensor"},
 	{"unpublish", client_unpublish, METH_VARARGS, "unpublish(name) -> None"},
 	{"_list", FN(ipc_client_list), KW, "_list(prefix='') -> list[dict]"},

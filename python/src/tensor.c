@@ -89,6 +89,10 @@ PyObject *ipc_tensor_new(ipc_state *st, DLManagedTensorVersioned *t, PyObject *n
 	self->key = Py_NewRef(key);
 	self->generation = generation;
 	self->allocated = allocated;
+	self->mode = NULL;
+	self->has_owner = false;
+	self->owner_uid = 0;
+	self->owner_pid = 0;
 	return (PyObject *)self;
 }
 
@@ -465,6 +469,33 @@ static PyObject *get_generation(PyObject *obj, void *closure)
 	return PyLong_FromLong(((TensorObject *)obj)->generation);
 }
 
+static PyObject *get_mode(PyObject *obj, void *closure)
+{
+	const char *mode = ((TensorObject *)obj)->mode;
+
+	(void)closure;
+	return mode ? PyUnicode_FromString(mode) : Py_NewRef(Py_None);
+}
+
+/* dlpack_ipc.Owner(uid, pid) of the publisher, or None where it is not known. */
+static PyObject *get_owner(PyObject *obj, void *closure)
+{
+	TensorObject *self = (TensorObject *)obj;
+	PyObject *mod, *owner;
+
+	(void)closure;
+	if (!self->has_owner)
+		Py_RETURN_NONE;
+	/* the namedtuple lives in the package's Python part, beside list()'s and watch()'s */
+	mod = PyImport_ImportModule("dlpack_ipc");
+	if (!mod)
+		return NULL;
+	owner = PyObject_CallMethod(mod, "Owner", "(kl)", (unsigned long)self->owner_uid,
+				    (long)self->owner_pid);
+	Py_DECREF(mod);
+	return owner;
+}
+
 static PyObject *get_shape(PyObject *obj, void *closure)
 {
 	DLManagedTensorVersioned *t = ipc_tensor_live((TensorObject *)obj);
@@ -573,12 +604,23 @@ static PyGetSetDef tensor_getset[] = {
 	{"name", get_name, NULL, "the entry's name (None for unpublished empty() memory)", NULL},
 	{"key", get_key, NULL, "the key inside the bundle (\"\" for a single tensor)", NULL},
 	{"generation", get_generation, NULL, "the entry's generation when attached", NULL},
+	{"mode", get_mode, NULL,
+	 "how it was attached: \"read\", \"private\", \"strict\" or \"write\" (None for empty() "
+	 "memory)",
+	 NULL},
+	{"owner", get_owner, NULL,
+	 "Owner(uid, pid) of the process that published the attached entry (None for empty() "
+	 "memory)",
+	 NULL},
 	{"shape", get_shape, NULL, "extents, as a tuple", NULL},
 	{"dtype", get_dtype, NULL, "element type, numpy-style (\"bfloat16\" where numpy has none)",
 	 NULL},
 	{"device", get_device, NULL, "\"cpu\", or \"cuda:N\" (N: this process's ordinal)", NULL},
 	{"nbytes", get_nbytes, NULL, "bytes of data", NULL},
-	{"readonly", get_readonly, NULL, "whether the memory is mapped read-only", NULL},
+	{"readonly", get_readonly, NULL,
+	 "whether the tensor is exported read-only (DLPack's flag; the buffer protocol refuses "
+	 "writes). In mode \"read\" the memory is still mapped copy-on-write",
+	 NULL},
 	{"data_ptr", get_data_ptr, NULL, "address of the first element", NULL},
 	{"released", get_released, NULL, "whether release() was called", NULL},
 	{NULL},

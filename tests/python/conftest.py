@@ -110,16 +110,22 @@ class Daemon:
             time.sleep(0.02)
 
 
-def _socket_dir(tmp_path):
-    if len(str(tmp_path / "dlpackd.sock.lock")) <= _SUN_PATH_MAX:
+def _socket_dir(tmp_path, for_others=False):
+    # pytest's temp tree is 0700: a socket other users must reach lives in a dir of its own
+    if not for_others and len(str(tmp_path / "dlpackd.sock.lock")) <= _SUN_PATH_MAX:
         return str(tmp_path), None
     d = tempfile.mkdtemp(prefix="dlpc-", dir="/tmp")
+    if for_others:
+        os.chmod(d, 0o755)
     return d, d
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "dlpackd_args(*args): extra command-line arguments for the test's dlpackd"
+    )
+    config.addinivalue_line(
+        "markers", "dlpackd_for_others: other uids may connect (socket 0666 in a 0755 dir)"
     )
 
 
@@ -132,14 +138,18 @@ def dlpackd_bin():
 def daemon(request, tmp_path, monkeypatch, dlpackd_bin):
     """Start `dlpackd --socket <tmp>/dlpackd.sock --log-level debug` and point clients at it.
 
-    A test marked `@pytest.mark.dlpackd_args("--flag", "value", ...)` passes those arguments too.
+    A test marked `@pytest.mark.dlpackd_args("--flag", "value", ...)` passes those arguments too;
+    one marked `@pytest.mark.dlpackd_for_others` gets a socket that every uid can connect to.
     """
     _import_module()
-    sockdir, cleanup = _socket_dir(tmp_path)
+    for_others = request.node.get_closest_marker("dlpackd_for_others") is not None
+    sockdir, cleanup = _socket_dir(tmp_path, for_others)
     sock = os.path.join(sockdir, "dlpackd.sock")
     log = str(tmp_path / "dlpackd.log")
     marker = request.node.get_closest_marker("dlpackd_args")
     extra = [str(a) for a in marker.args] if marker else []
+    if for_others:
+        extra += ["--socket-mode", "0666"]
     with open(log, "wb") as logf:
         proc = subprocess.Popen(
             [dlpackd_bin, "--socket", sock, "--log-level", "debug", *extra],

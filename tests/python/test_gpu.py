@@ -192,6 +192,16 @@ def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
         assert t.device == "cuda:0"
         assert capsule_floats(t.__dlpack__(max_version=(1, 0)), 64) == [float(i) for i in range(64)]
         assert len(log_lines("cuMemImportFromShareableHandle")) == 1
+        # shared in place: "read" and "strict" are read-only attaches, "private" is refused
+        assert (t.mode, t.readonly) == ("read", True)
+        s = dlpack_ipc.attach("pgpu/v", mode="strict")
+        assert (s.mode, s.readonly) == ("strict", True)
+        try:
+            dlpack_ipc.attach("pgpu/v", mode="private")
+        except BufferError as e:
+            assert "copy-on-write" in str(e) and "CUDA" in str(e), e
+        else:
+            raise AssertionError("a copy-on-write attach of CUDA memory succeeded")
     """), env=gpu_env)
     with pytest.raises(ValueError):
         ipc.empty((4,), "float32", device="cuda:x")
