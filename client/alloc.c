@@ -256,6 +256,46 @@ int dlpc__memfd_seal(int fd, const char *name, bool writable)
 /* Freezing dlpc_alloc() memory is rare and must not race another publish of the same memory. */
 static pthread_mutex_t seal_mu = PTHREAD_MUTEX_INITIALIZER;
 
+/* After a failed seal: put the writable mapping back; should even that fail (out of memory),
+ * the memory stays read-only here and new views say so. */
+static void remap_writable(struct dlpc__region *r)
+{
+	if (mmap(r->base, r->len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, r->fd, 0) ==
+	    MAP_FAILED)
+		atomic_store(&r->frozen, true);
+}
+
+/*
+ * region_freeze() where /proc is not mounted (a chroot, a bare mount namespace): no read-only
+ * descriptor can be had. Our mapping is swapped for an inaccessible placeholder (same
+ * addresses, never a gap another mmap could take), the memfd is sealed, and the memory mapped
+ * back read-only. From Linux 6.7 a shared mapping of a write-sealed memfd can never become
+ * writable; before that the kernel refuses it, and a private read-only mapping shows the same
+ * pages (making that one writable would change nothing anyone else sees). Other threads that
+ * read the memory during the swap fault; /proc avoids that window.
+ */
+static int region_freeze_without_proc(struct dlpc__region *r, const char *name)
+{
+	int err;
+
+	if (mmap(r->base, r->len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
+	    MAP_FAILED)
+		return dlpc__fail(-errno, "cannot publish '%s' read-only: cannot remap it: %m",
+				  name);
+	err = add_seals(r->fd, SEALS_FINAL | F_SEAL_WRITE, name);
+	if (err < 0) {
+		remap_writable(r);
+		return err;
+	}
+	if (mmap(r->base, r->len, PROT_READ, MAP_SHARED | MAP_FIXED, r->fd, 0) == MAP_FAILED &&
+	    mmap(r->base, r->len, PROT_READ, MAP_PRIVATE | MAP_FIXED, r->fd, 0) == MAP_FAILED)
+		return dlpc__fail(-errno,
+				  "cannot publish '%s' read-only: sealed, but cannot map it again "
+				  "here: %m",
+				  name);
+	return 0;
+}
+
 /*
  * Seal the memfd of dlpc_alloc() memory @p r for a read-only publish. F_SEAL_WRITE is refused
  * while any writable shared mapping exists, ours included, and a mapping of a read-write
@@ -273,10 +313,7 @@ static int region_freeze(struct dlpc__region *r, const char *name)
 	snprintf(path, sizeof(path), "/proc/self/fd/%d", r->fd);
 	ro = open(path, O_RDONLY | O_CLOEXEC);
 	if (ro < 0)
-		return dlpc__fail(-errno,
-				  "cannot publish '%s' read-only: cannot reopen its memory "
-				  "read-only through %s: %m",
-				  name, path);
+		return region_freeze_without_proc(r, name);
 	if (mmap(r->base, r->len, PROT_READ, MAP_SHARED | MAP_FIXED, ro, 0) == MAP_FAILED) {
 		err = dlpc__fail(-errno, "cannot publish '%s' read-only: cannot remap it: %m",
 				 name);
@@ -285,11 +322,8 @@ static int region_freeze(struct dlpc__region *r, const char *name)
 	}
 	close(ro); /* the mapping holds the file */
 	err = add_seals(r->fd, SEALS_FINAL | F_SEAL_WRITE, name);
-	/* put the writable mapping back; should even that fail (out of memory), the memory stays
-	 * read-only here and new views say so */
-	if (err < 0 && mmap(r->base, r->len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, r->fd,
-			    0) == MAP_FAILED)
-		atomic_store(&r->frozen, true);
+	if (err < 0)
+		remap_writable(r);
 	return err;
 }
 

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Who may do what, and how much: ownership across real uids, credentials from the kernel only,
- * socket permissions, seals against reopening, per-uid quotas, per-connection limits, the frame
- * deadline, fd exhaustion, and shared memory that cannot be had.
+ * Who may do what, and how much: ownership across real uids, names first-come across uids
+ * (attaches that insist on an owner), credentials from the kernel only, socket permissions,
+ * seals against reopening, per-uid quotas, per-connection limits, the frame deadline, fd
+ * exhaustion, and shared memory that cannot be had.
  *
  * The suite runs as root; children drop to nobody (uid/gid 65534) to be another user.
  */
@@ -513,6 +514,153 @@ START_TEST(test_read_only_stays_read_only)
 }
 END_TEST
 
+static bool waiters_are(const dlpc_stats *s, void *arg)
+{
+	return s->waiters == *(uint64_t *)arg;
+}
+
+/* ---- names are first-come across uids ---- */
+
+struct squatter {
+	int cmd[2], ans[2];
+};
+
+/* As nobody: publish "a/model" (66.0f) first; then on each command byte from the parent, 'u'
+ * unpublish it, 'p' publish it again or 'r' replace it, and answer with the same byte; exit at
+ * EOF. */
+static int squat(void *arg)
+{
+	struct squatter *q = arg;
+	dlpc_client *c;
+	char op;
+
+	close(q->cmd[1]);
+	close(q->ans[0]);
+	become_nobody();
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	data[0] = 66.0f;
+	CHILD_CHECK(publish(c, "a/model", 0) == 1);
+	CHILD_CHECK(write(q->ans[1], "r", 1) == 1);
+	while (read(q->cmd[0], &op, 1) == 1) {
+		if (op == 'u')
+			CHILD_CHECK(dlpc_unpublish(c, "a/model") == 0);
+		else
+			CHILD_CHECK(publish(c, "a/model", op == 'r' ? DLPC_PUBLISH_REPLACE : 0) >
+				    0);
+		CHILD_CHECK(write(q->ans[1], &op, 1) == 1);
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+/* Have the squatter do @p op, and wait until it has. */
+static void squatter_does(struct squatter *q, char op)
+{
+	char got = 0;
+
+	ck_assert_int_eq(write(q->cmd[1], &op, 1), 1);
+	ck_assert_int_eq(read(q->ans[0], &got, 1), 1);
+	ck_assert_int_eq(got, op);
+}
+
+/* As root: wait for "a/model" as published by uid 0, and get root's bytes (7.0f). */
+static int wait_for_root(void *arg)
+{
+	dlpc_attach_opts o = {.size = sizeof(o), .flags = DLPC_ATTACH_OWNER, .owner_uid = 0};
+	dlpc_attach_info info = {.size = sizeof(info)};
+	DLManagedTensorVersioned *t;
+	dlpc_client *c;
+
+	o.timeout_ms = *(int *)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "a/model", &o, &t) > 0);
+	CHILD_CHECK(((float *)t->dl_tensor.data)[0] == 7.0f);
+	CHILD_CHECK(dlpc_tensor_attach_info(t, &info) == 0);
+	CHILD_CHECK(info.owner_uid == 0 && info.owner_pid == getppid());
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_owner_filter)
+{
+	dlpc_attach_opts o = {.size = sizeof(o), .flags = DLPC_ATTACH_OWNER, .owner_uid = 0};
+	dlpc_attach_opts small = o;
+	dlpc_attach_info info = {.size = sizeof(info)};
+	DLManagedTensorVersioned *t;
+	struct squatter q;
+	uint64_t one = 1, none = 0;
+	int wait_ms = scaled_ms(20000), short_ms = scaled_ms(200);
+	pid_t squatter, waiter;
+	dlpc_client *c;
+	char text[160], x;
+
+	start(NULL, 0);
+	open_for_others();
+	c = connect_or_die(&D);
+	ck_assert_int_eq(pipe2(q.cmd, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(q.ans, O_CLOEXEC), 0);
+	squatter = spawn(squat, &q);
+	close(q.cmd[0]);
+	close(q.ans[1]);
+	ck_assert_int_eq(read(q.ans[0], &x, 1), 1);
+
+	/* without the owner check, the squatter's entry is what one gets, and says whose it is */
+	ck_assert_dlpc(dlpc_attach(c, "a/model", NULL, &t), 1);
+	ck_assert(((float *)t->dl_tensor.data)[0] == 66.0f);
+	ck_assert_dlpc(dlpc_tensor_attach_info(t, &info), 0);
+	ck_assert_uint_eq(info.owner_uid, NOBODY);
+	ck_assert_int_eq(info.owner_pid, squatter);
+	t->deleter(t);
+	/* with it, at once: absent, and the message names both uids */
+	ck_assert_dlpc(dlpc_attach(c, "a/model", &o, &t), -ENOENT);
+	ck_assert_msg(error_says("no entry named 'a/model' published by uid 0 (the entry there "
+				 "was published by uid 65534)"),
+		      "%s", dlpc_last_error());
+	/* waiting for an owner that never publishes: the wait expires, naming that owner */
+	o.owner_uid = 4242;
+	o.timeout_ms = short_ms;
+	ck_assert_dlpc(dlpc_attach(c, "a/model", &o, &t), -ETIMEDOUT);
+	snprintf(text, sizeof(text),
+		 "no entry named '%s' published by uid %u appeared within %d ms", "a/model",
+		 o.owner_uid, short_ms);
+	ck_assert_msg(error_says(text), "%s", dlpc_last_error());
+	ck_assert(wait_stat(c, waiters_are, &none, 5000));
+	/* the owner is an option field: options too short to hold it are refused */
+	small.size = offsetof(dlpc_attach_opts, owner_uid);
+	ck_assert_dlpc(dlpc_attach(c, "a/model", &small, &t), -EINVAL);
+
+	/* a waiter for root's entry waits while the squatter's is there, through the squatter
+	 * replacing it, and through the squatter publishing again the moment the name is free */
+	waiter = spawn(wait_for_root, &wait_ms);
+	ck_assert(wait_stat(c, waiters_are, &one, 5000));
+	squatter_does(&q, 'r');
+	ck_assert_uint_eq(stat_or_die(c).waiters, 1);
+	squatter_does(&q, 'u');
+	squatter_does(&q, 'p');
+	ck_assert_uint_eq(stat_or_die(c).waiters, 1);
+	ck_assert_int_eq(waitpid(waiter, NULL, WNOHANG), 0);
+	squatter_does(&q, 'u');
+	ck_assert_uint_eq(stat_or_die(c).waiters, 1);
+	/* root publishes: the waiter gets root's bytes */
+	data[0] = 7.0f;
+	ck_assert_dlpc(publish(c, "a/model", 0), 1);
+	ck_assert_int_eq(wait_child(waiter), 0);
+	ck_assert_uint_eq(stat_or_die(c).waiters, 0);
+	/* root may also take the name back by replacing the squatter's entry: that answers too */
+	ck_assert_dlpc(dlpc_unpublish(c, "a/model"), 0);
+	squatter_does(&q, 'p');
+	waiter = spawn(wait_for_root, &wait_ms);
+	ck_assert(wait_stat(c, waiters_are, &one, 5000));
+	ck_assert_dlpc(publish(c, "a/model", DLPC_PUBLISH_REPLACE), 2);
+	ck_assert_int_eq(wait_child(waiter), 0);
+	close(q.cmd[1]);
+	close(q.ans[0]);
+	ck_assert_int_eq(wait_child(squatter), 0);
+	dlpc_close(c);
+}
+END_TEST
+
 /* ---- per-uid quotas ---- */
 
 static int nobody_entries(void *arg)
@@ -758,11 +906,6 @@ START_TEST(test_refs_per_connection)
 	dlpc_close(other);
 }
 END_TEST
-
-static bool waiters_are(const dlpc_stats *s, void *arg)
-{
-	return s->waiters == *(uint64_t *)arg;
-}
 
 START_TEST(test_pending_per_connection)
 {
@@ -1193,6 +1336,7 @@ static Suite *limits_suite(void)
 	tcase_add_test(own, test_credentials_from_kernel_only);
 	tcase_add_test(own, test_socket_permissions_decide_who_connects);
 	tcase_add_test(own, test_read_only_stays_read_only);
+	tcase_add_test(own, test_owner_filter);
 	tcase_add_test(quota, test_limit_flags_checked);
 	tcase_add_test(quota, test_quota_entries_per_uid);
 	tcase_add_test(quota, test_quota_bytes_count_declared_size);
