@@ -1,10 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The C half of the benchmarks: the physical floor (a minimal AF_UNIX server handing out one
- * memfd per request, written here), libdlpc attach/release across sizes, publishing, aggregate
- * throughput with several client processes, and the daemon's footprint.
+ * memfd per request, written here), libdlpc attach/release across sizes, the shared read-only
+ * mapping against the copy-on-write ones (attach alone and attach + a full read), publishing,
+ * aggregate throughput with several client processes, and the daemon's footprint.
  *
- * Usage: bench_c --socket PATH [--quick]
+ * Usage: bench_c --socket PATH [--quick] [--entries N] [--pin CPU] [--only GROUP,...]
+ * GROUP is attach, mapping, bundle, publish, throughput or footprint (default: all of them).
  * Prints one JSON object per line (see bench/run.py); progress goes to stderr.
  */
 #include <errno.h>
@@ -18,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -30,6 +33,7 @@
 #define MAX_CLIENTS 8
 
 static const char *sock_path;
+static const char *only;
 static bool quick;
 static int pin_cpu = -1;
 static pid_t daemon_pid;
@@ -57,8 +61,9 @@ static int cmp_u64(const void *a, const void *b)
 	return (x > y) - (x < y);
 }
 
-/* Print a latency row from @p n samples in ns. */
-static void row(const char *group, const char *impl, long long size, uint64_t *ns, int n)
+/* Print a latency row from @p n samples in ns; @p extra, if not NULL, is more JSON members. */
+static void row_x(const char *group, const char *impl, long long size, uint64_t *ns, int n,
+		  const char *extra)
 {
 	qsort(ns, (size_t)n, sizeof(*ns), cmp_u64);
 	printf("{\"group\": \"%s\", \"impl\": \"%s\", \"size\": ", group, impl);
@@ -66,9 +71,27 @@ static void row(const char *group, const char *impl, long long size, uint64_t *n
 		printf("null");
 	else
 		printf("%lld", size);
-	printf(", \"median_us\": %.3f, \"p99_us\": %.3f, \"reps\": %d}\n", ns[n / 2] / 1e3,
-	       ns[(size_t)((n - 1) * 0.99)] / 1e3, n);
+	printf(", \"median_us\": %.3f, \"p99_us\": %.3f, \"reps\": %d%s%s}\n", ns[n / 2] / 1e3,
+	       ns[(size_t)((n - 1) * 0.99)] / 1e3, n, extra ? ", " : "", extra ? extra : "");
 	fflush(stdout);
+}
+
+static void row(const char *group, const char *impl, long long size, uint64_t *ns, int n)
+{
+	row_x(group, impl, size, ns, n, NULL);
+}
+
+/* Whether the benchmark group @p name is to run (--only). */
+static bool wanted(const char *name)
+{
+	size_t len = strlen(name);
+
+	if (!only)
+		return true;
+	for (const char *p = only; (p = strstr(p, name)); p += len)
+		if ((p == only || p[-1] == ',') && (p[len] == ',' || p[len] == '\0'))
+			return true;
+	return false;
 }
 
 /* How many repetitions for one measurement: bounded by count and by time. */
@@ -295,6 +318,143 @@ static void bench_attach(void)
 	dlpc_close(c);
 }
 
+/* Wait for the daemon to finish closing (freeing) what was unpublished: its closer threads
+ * share our CPU when pinned. */
+static void settle(dlpc_client *c)
+{
+	dlpc_stats s = {.size = sizeof(s)};
+
+	for (int i = 0; i < 5000; i++) {
+		if (dlpc_stat(c, &s) < 0)
+			die("dlpc_stat");
+		if (s.fds_closing == 0)
+			return;
+		usleep(1000);
+	}
+}
+
+/* ---- the shared read-only mapping against the copy-on-write ones ---- */
+
+static const struct {
+	const char *impl;
+	uint32_t flags;
+} mappings[] = {
+	{"shared", 0}, /* the default: MAP_SHARED, PROT_READ */
+	{"private", DLPC_ATTACH_PRIVATE},
+	{"guarded", DLPC_ATTACH_GUARDED},
+};
+#define NMAPPINGS (int)(sizeof(mappings) / sizeof(mappings[0]))
+
+/*
+ * The full read: one 8-byte load per 64-byte cache line, summed. Every line of the tensor comes
+ * through the cache and every page is faulted in, as a consumer reading all of it would.
+ */
+static uint64_t read_all(const uint8_t *p, size_t size)
+{
+	uint64_t sum = 0, w;
+
+	for (size_t off = 0; off + sizeof(w) <= size; off += 64) {
+		memcpy(&w, p + off, sizeof(w));
+		sum += w;
+	}
+	return sum;
+}
+
+/* Attach with @p flags, read the first byte (@p full: every cache line), release. */
+static void mapping_once(dlpc_client *c, const char *name, uint32_t flags, size_t size, bool full,
+			 volatile uint64_t *sink)
+{
+	dlpc_attach_opts o = {.size = sizeof(o), .flags = flags};
+	DLManagedTensorVersioned *t;
+	const uint8_t *p;
+
+	if (dlpc_attach(c, name, &o, &t) < 0)
+		die("dlpc_attach");
+	p = (const uint8_t *)t->dl_tensor.data + t->dl_tensor.byte_offset;
+	*sink = full ? read_all(p, size) : *p;
+	t->deleter(t);
+}
+
+static long minor_faults(void)
+{
+	struct rusage ru;
+
+	getrusage(RUSAGE_SELF, &ru);
+	return ru.ru_minflt;
+}
+
+static int mapping_reps(size_t size, bool full)
+{
+	if (!full)
+		return reps_for(size);
+	if (quick)
+		return size > (64u << 10) ? 20 : 100;
+	if (size >= (256u << 20))
+		return 15;
+	if (size >= (16u << 20))
+		return 40;
+	return size >= (1u << 20) ? 300 : 3000;
+}
+
+/*
+ * Every mapping in turn, @p full read or first byte only, rotating which goes first so that what
+ * one leaves in the caches favours none. Rows carry the minor page faults per attach.
+ */
+static void mapping_measure(dlpc_client *c, const char *name, size_t size, bool full)
+{
+	int n = mapping_reps(size, full);
+	uint64_t *ns[NMAPPINGS];
+	long flt[NMAPPINGS] = {0};
+	volatile uint64_t sink;
+	char extra[64];
+
+	fprintf(stderr, "mapping %zu bytes, %s x %d\n", size, full ? "full read" : "first byte", n);
+	for (int k = 0; k < NMAPPINGS; k++) {
+		ns[k] = malloc(sizeof(*ns[k]) * (size_t)n);
+		if (!ns[k])
+			die("malloc");
+	}
+	for (int r = -2; r < n; r++) {
+		for (int j = 0; j < NMAPPINGS; j++) {
+			int k = (r + 2 + j) % NMAPPINGS;
+			long f0 = minor_faults();
+			uint64_t t0 = now_ns();
+
+			mapping_once(c, name, mappings[k].flags, size, full, &sink);
+			if (r < 0)
+				continue;
+			ns[k][r] = now_ns() - t0;
+			flt[k] += minor_faults() - f0;
+		}
+	}
+	for (int k = 0; k < NMAPPINGS; k++) {
+		snprintf(extra, sizeof(extra), "\"minflt\": %.1f", (double)flt[k] / n);
+		row_x(full ? "mapping_read" : "mapping_attach", mappings[k].impl, (long long)size,
+		      ns[k], n, extra);
+		free(ns[k]);
+	}
+}
+
+/* Attach + release, and attach + a full read + release, shared against copy-on-write. */
+static void bench_mapping(void)
+{
+	static const size_t all[] = {4096, 1u << 20, 64u << 20, 1u << 30};
+	dlpc_client *c = connect_or_die();
+	size_t n = quick ? 2 : sizeof(all) / sizeof(all[0]);
+	char name[64];
+
+	for (size_t i = 0; i < n; i++) {
+		snprintf(name, sizeof(name), "bench/mapping/%zu", all[i]);
+		publish_size(c, name, all[i]);
+		mapping_measure(c, name, all[i], false);
+		mapping_measure(c, name, all[i], true);
+		if (dlpc_unpublish(c, name) < 0)
+			die("dlpc_unpublish");
+		settle(c);
+	}
+	dlpc_close(c);
+}
+
 /* ---- a bundle of BUNDLE_N tensors in one attach, against one single attach ---- */
 
 #define BUNDLE_N 500
@@ -367,28 +527,17 @@ static void bench_bundle(void)
 	dlpc_close(c);
 }
 
-/* Wait for the daemon to finish closing (freeing) what was unpublished: its closer threads
- * share our CPU when pinned. */
-static void settle(dlpc_client *c)
-{
-	dlpc_stats s = {.size = sizeof(s)};
-
-	for (int i = 0; i < 5000; i++) {
-		if (dlpc_stat(c, &s) < 0)
-			die("dlpc_stat");
-		if (s.fds_closing == 0)
-			return;
-		usleep(1000);
-	}
-}
-
-/* Publishing 1 GiB (256 MiB with --quick): one memcpy, the copy path, the zero-copy path. */
+/*
+ * Publishing 1 GiB (64 MiB with --quick): one memcpy, the copy path, the zero-copy path of memory
+ * as dlpc_alloc() returns it, and of memory filled first (every page mapped in the publisher,
+ * whose read-only publish then replaces that mapping).
+ */
 static void bench_publish(void)
 {
 	size_t size = quick ? (64u << 20) : (1u << 30);
 	int64_t shape[1] = {(int64_t)(size / 4)};
 	int n = quick ? 3 : 7;
-	uint64_t mc[16], mf[16], cp[16], zc[16];
+	uint64_t mc[16], mf[16], cp[16], zc[16], zw[16];
 	dlpc_client *c = connect_or_die();
 	char *src = malloc(size), *dst = malloc(size);
 
@@ -435,14 +584,24 @@ static void bench_publish(void)
 		if (dlpc_publish(c, "bench/publish/zero", a, 0) < 0)
 			die("publish zero-copy");
 		zc[r] = now_ns() - t0;
+		if (dlpc_alloc(c, (DLDevice){kDLCPU, 0}, (DLDataType){kDLFloat, 32, 1}, 1, shape,
+			       &a) < 0)
+			die("dlpc_alloc");
+		memset(a->dl_tensor.data, 4, size);
+		t0 = now_ns();
+		if (dlpc_publish(c, "bench/publish/written", a, 0) < 0)
+			die("publish zero-copy, written");
+		zw[r] = now_ns() - t0;
 		dlpc_unpublish(c, "bench/publish/copy");
 		dlpc_unpublish(c, "bench/publish/zero");
+		dlpc_unpublish(c, "bench/publish/written");
 		settle(c);
 	}
 	row("publish", "memcpy", (long long)size, mc, n);
 	row("publish", "memcpy_fresh", (long long)size, mf, n);
 	row("publish", "dlpc_copy", (long long)size, cp, n);
 	row("publish", "dlpc_alloc", (long long)size, zc, n);
+	row("publish", "dlpc_alloc_written", (long long)size, zw, n);
 	free(src);
 	free(dst);
 	dlpc_close(c);
@@ -626,12 +785,13 @@ int main(int argc, char **argv)
 		{"quick", no_argument, NULL, 'q'},
 		{"entries", required_argument, NULL, 'e'},
 		{"pin", required_argument, NULL, 'p'},
+		{"only", required_argument, NULL, 'o'}, /* comma-separated groups */
 		{0},
 	};
 	static const size_t all[] = {4096, 65536, 1 << 20, 16 << 20, 256 << 20, 1u << 30};
 	int c, entries = -1;
 
-	while ((c = getopt_long(argc, argv, "s:qe:p:", opts, NULL)) != -1) {
+	while ((c = getopt_long(argc, argv, "s:qe:p:o:", opts, NULL)) != -1) {
 		switch (c) {
 		case 's':
 			sock_path = optarg;
@@ -645,9 +805,12 @@ int main(int argc, char **argv)
 		case 'p':
 			pin_cpu = atoi(optarg);
 			break;
+		case 'o':
+			only = optarg;
+			break;
 		default:
 			fprintf(stderr, "usage: bench_c --socket PATH [--quick] [--entries N] "
-					"[--pin CPU]\n");
+					"[--pin CPU] [--only GROUP,...]\n");
 			return 2;
 		}
 	}
@@ -673,11 +836,18 @@ int main(int argc, char **argv)
 		dlpc_close(cl);
 	}
 	pin(true);
-	bench_attach();
-	bench_bundle();
-	bench_publish();
+	if (wanted("attach"))
+		bench_attach();
+	if (wanted("mapping"))
+		bench_mapping();
+	if (wanted("bundle"))
+		bench_bundle();
+	if (wanted("publish"))
+		bench_publish();
 	pin(false);
-	bench_throughput();
-	bench_footprint(entries > 0 ? entries : quick ? 1000 : 100000);
+	if (wanted("throughput"))
+		bench_throughput();
+	if (wanted("footprint"))
+		bench_footprint(entries > 0 ? entries : quick ? 1000 : 100000);
 	return 0;
 }

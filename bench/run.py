@@ -104,7 +104,12 @@ def metric(rows, name):
     return None
 
 
-def targets(rows, sizes):
+def median_ratio(rows, group, impl, base, size):
+    a, b = pick(rows, group, impl, size), pick(rows, group, base, size)
+    return a["median_us"] / b["median_us"] if a and b and b["median_us"] else None
+
+
+def targets(rows, sizes, map_sizes):
     """(description, measured ratio, limit, met) for each target of the benchmark issue."""
     out = []
 
@@ -145,6 +150,12 @@ def targets(rows, sizes):
         ratio(cp and cp["median_us"], mf and mf["median_us"]), 1.25)
     att = pick(rows, "attach_c", "dlpc", sizes[0])
     add("zero-copy publish / attach", ratio(zc and zc["median_us"], att and att["median_us"]), 2.0)
+    # the integrity issue: copy-on-write mappings at no cost to readers (within 10% here)
+    add(f"attach + release, private / shared mapping, {human(map_sizes[0])}",
+        median_ratio(rows, "mapping_attach", "private", "shared", map_sizes[0]), 1.1)
+    for s in map_sizes:
+        add(f"attach + full read + release, private / shared mapping, {human(s)}",
+            median_ratio(rows, "mapping_read", "private", "shared", s), 1.1)
     tf, td = pick(rows, "throughput", "floor", clients=8), pick(rows, "throughput", "dlpc", clients=8)
     add("throughput at 8 clients / floor server's", ratio(td and td["ops_per_s"], tf and tf["ops_per_s"]),
         0.6, lower_is_better=False)
@@ -154,7 +165,32 @@ def targets(rows, sizes):
     return out
 
 
-def table(rows, sizes, checks):
+def mapping_table(rows, map_sizes):
+    """The shared read-only mapping against the copy-on-write ones, by size."""
+    lines = ["| mapping (C) | " + " | ".join(human(s) for s in map_sizes) + " |",
+             "|---|" + "---:|" * len(map_sizes)]
+    for group, what in (("mapping_attach", "attach + first byte + release"),
+                        ("mapping_read", "attach + full read (every cache line) + release")):
+        for impl, desc in (("shared", "shared, PROT_READ (default)"),
+                           ("private", "DLPC_ATTACH_PRIVATE"), ("guarded", "DLPC_ATTACH_GUARDED")):
+            cells = []
+            for s in map_sizes:
+                r = pick(rows, group, impl, s)
+                cells.append(f"{r['median_us']:.1f} ({r['p99_us']:.1f})" if r else "-")
+            lines.append(f"| {what}, {desc}, µs median (p99) | " + " | ".join(cells) + " |")
+        for impl in ("private", "guarded"):
+            cells = [median_ratio(rows, group, impl, "shared", s) for s in map_sizes]
+            lines.append(f"| {what}, {impl} / shared | " +
+                         " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
+    cells = []
+    for s in map_sizes:
+        f = [pick(rows, "mapping_read", i, s) for i in ("shared", "private")]
+        cells.append(" / ".join(f"{r['minflt']:.0f}" for r in f) if all(f) else "-")
+    lines.append("| minor faults per full read, shared / private | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table(rows, sizes, map_sizes, checks):
     lines = ["| measurement | " + " | ".join(human(s) for s in sizes) + " |",
              "|---|" + "---:|" * len(sizes)]
     latency = [("attach_c", "floor", "floor: AF_UNIX fd + mmap/munmap (C)"),
@@ -182,12 +218,14 @@ def table(rows, sizes, checks):
                               ("publish", "memcpy", "one memcpy (warm destination)"),
                               ("publish", "memcpy_fresh", "one memcpy into fresh memory"),
                               ("publish", "dlpc_copy", "dlpc_publish, copy path"),
-                              ("publish", "dlpc_alloc", "dlpc_publish of dlpc_alloc memory")]:
+                              ("publish", "dlpc_alloc", "dlpc_publish of dlpc_alloc memory"),
+                              ("publish", "dlpc_alloc_written",
+                               "dlpc_publish of dlpc_alloc memory written first")]:
         r = pick(rows, group, impl)
         if r:
             size = f", {human(r['size'])}" if r.get("size") else ""
             other.append(f"| {desc}{size} | {r['median_us']:.1f} | {r['p99_us']:.1f} |")
-    out += ["\n".join(other), ""]
+    out += ["\n".join(other), "", mapping_table(rows, map_sizes), ""]
     tp = ["| clients | floor ops/s | dlpackd ops/s | ratio |", "|---:|---:|---:|---:|"]
     for n in (1, 2, 4, 8):
         f, d = pick(rows, "throughput", "floor", clients=n), pick(rows, "throughput", "dlpc", clients=n)
@@ -252,6 +290,8 @@ def main():
     args = ap.parse_args()
     build = os.path.abspath(args.build)
     sizes = [4096, MIB] if args.quick else [4096, 65536, MIB, 16 * MIB, 256 * MIB, 1 << 30]
+    # the sizes of bench_c's mapping group
+    map_sizes = [4096, MIB] if args.quick else [4096, MIB, 64 * MIB, 1 << 30]
     tmp = tempfile.mkdtemp(prefix="dlpc-bench-")
     env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
     proc = None
@@ -280,8 +320,8 @@ def main():
     if leftover:
         raise SystemExit(f"bench: shared memory left behind: {sorted(leftover)}")
 
-    checks = targets(rows, sizes)
-    print(table(rows, sizes, checks))
+    checks = targets(rows, sizes, map_sizes)
+    print(table(rows, sizes, map_sizes, checks))
     missing = [c[0] for c in checks if c[1] is None]
     bad = [r for r in rows if any(isinstance(v, float) and not v == v for v in r.values())]
     os.makedirs(args.out, exist_ok=True)
