@@ -107,7 +107,9 @@ typedef struct dlpc_attach_opts {
 /**
  * Attach: map host storage copy-on-write (MAP_PRIVATE, PROT_READ|PROT_WRITE). Reads share the
  * publisher's pages; a write copies the page it touches into this process's own memory, seen by
- * nobody else (and charged to this process's memory cgroup). The tensor is writable: no
+ * nobody else (and charged to this process's memory cgroup). A writable private mapping counts
+ * its whole size as committed memory at attach: under strict overcommit
+ * (vm.overcommit_memory=2) a large one can fail with -ENOMEM. The tensor is writable: no
  * read-only flag. Works on read-only and writable entries; -ENOTSUP for CUDA entries, -EINVAL
  * with DLPC_ATTACH_WRITABLE.
  */
