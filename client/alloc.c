@@ -6,8 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/resource.h>
-#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -17,166 +15,12 @@
 #define MFD_NOEXEC_SEAL 0x0008U
 #endif
 
-/* Below this size, the machine's memory is not consulted before allocating. */
-#define SMALL_ALLOC (64u << 20)
-
-/* Longest cgroup file path read. */
-#define CG_PATH_MAX 4096
-
-/* A number from a one-line cgroup file; false if absent or "max" (no limit). */
-static bool read_u64(const char *dir, const char *file, uint64_t *v)
-{
-	char path[CG_PATH_MAX], buf[32];
-	unsigned long long x;
-	int fd, n;
-
-	if (snprintf(path, sizeof(path), "%s/%s", dir, file) >= (int)sizeof(path))
-		return false;
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return false;
-	n = (int)read(fd, buf, sizeof(buf) - 1);
-	close(fd);
-	if (n <= 0)
-		return false;
-	buf[n] = 0;
-	if (sscanf(buf, "%llu", &x) != 1)
-		return false;
-	*v = x;
-	return true;
-}
-
-/* The value of @p key in the cgroup's memory.stat, or 0. */
-static uint64_t read_stat(const char *dir, const char *key)
-{
-	char path[CG_PATH_MAX], line[256];
-	unsigned long long x = 0;
-	size_t klen = strlen(key);
-	FILE *f;
-
-	if (snprintf(path, sizeof(path), "%s/memory.stat", dir) >= (int)sizeof(path))
-		return 0;
-	f = fopen(path, "re");
-	while (f && fgets(line, sizeof(line), f))
-		if (strncmp(line, key, klen) == 0 && line[klen] == ' ') {
-			sscanf(line + klen, "%llu", &x);
-			break;
-		}
-	if (f)
-		fclose(f);
-	return x;
-}
-
-/* Room left in the cgroup at @p dir (of kind @p k, below) into *@p room, if it has a limit. */
-static void cgroup_level(const char *const kind[4], const char *dir, uint64_t *room)
-{
-	uint64_t max, used, cache, left;
-
-	if (!read_u64(dir, kind[1], &max) || !read_u64(dir, kind[2], &used))
-		return;
-	/* page cache it could drop is no obstacle: the kernel reclaims it before charging fails */
-	cache = read_stat(dir, kind[3]);
-	used = used > cache ? used - cache : 0;
-	left = used < max ? max - used : 0;
-	*room = left < *room ? left : *room;
-}
-
-/*
- * Bytes the memory cgroups of this process (its own and every ancestor's limit) can still be
- * charged, or UINT64_MAX if none limits it or it cannot be told. The memfd's pages are charged to
- * them; past the limit the kernel answers with the cgroup's OOM killer, not with an error.
- */
-static uint64_t cgroup_room(void)
-{
-	static const char *const kinds[][4] = {
-		/* v2 (unified), then v1: mount, limit, usage, reclaimable cache in memory.stat */
-		{"/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"},
-		{"/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
-		 "total_inactive_file"},
-	};
-	char line[CG_PATH_MAX], dir[CG_PATH_MAX];
-	uint64_t room = UINT64_MAX;
-	FILE *f = fopen("/proc/self/cgroup", "re");
-
-	while (f && fgets(line, sizeof(line), f)) {
-		char *ctl = strchr(line, ':'), *path = ctl ? strchr(ctl + 1, ':') : NULL;
-		int k;
-
-		if (!path)
-			continue;
-		*path++ = 0;
-		path[strcspn(path, "\n")] = 0;
-		ctl++;
-		if (strcmp(line, "0") == 0 && !*ctl)
-			k = 0;
-		else if (strstr(ctl, "memory") && !strstr(ctl, "name="))
-			k = 1;
-		else
-			continue;
-		/* from the process's cgroup up to the top of the hierarchy */
-		while (*path == '/') {
-			char *slash;
-
-			snprintf(dir, sizeof(dir), "%s%s", kinds[k][0], path);
-			cgroup_level(kinds[k], dir, &room);
-			slash = strrchr(path, '/');
-			if (slash == path)
-				break;
-			*slash = 0;
-		}
-		/* and the mount's own top: in a container without a cgroup namespace the path
-		 * above names the host's hierarchy, while the container's limit is mounted here */
-		cgroup_level(kinds[k], kinds[k][0], &room);
-	}
-	if (f)
-		fclose(f);
-	return room;
-}
-
-/*
- * Refuse sizes that cannot work before the kernel is asked: one over the file size limit would
- * get SIGXFSZ (which kills by default) from ftruncate, and one over the machine's memory and swap,
- * or over what the memory cgroup has left, would have fallocate or the writes take memory until
- * the OOM killer steps in (memfds are not on /dev/shm and have no size limit of their own).
- */
-static int size_fits(const char *name, uint64_t size)
-{
-	struct rlimit rl;
-	struct sysinfo si;
-
-	if (getrlimit(RLIMIT_FSIZE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && size > rl.rlim_cur)
-		return dlpc__fail(-EFBIG,
-				  "cannot create %llu bytes of shared memory for '%s': this "
-				  "process's file size limit (RLIMIT_FSIZE) is %llu bytes",
-				  (unsigned long long)size, name, (unsigned long long)rl.rlim_cur);
-	if (size > SMALL_ALLOC && sysinfo(&si) == 0) {
-		uint64_t total = ((uint64_t)si.totalram + si.totalswap) * si.mem_unit;
-
-		uint64_t room;
-
-		if (size > total)
-			return dlpc__fail(-ENOSPC,
-					  "cannot reserve %llu bytes of shared memory for '%s': "
-					  "this machine has %llu bytes of memory and swap",
-					  (unsigned long long)size, name,
-					  (unsigned long long)total);
-		/* with swap, a cgroup can hold more than its memory limit: leave it to the kernel */
-		room = si.totalswap == 0 ? cgroup_room() : UINT64_MAX;
-		if (size > room)
-			return dlpc__fail(-ENOSPC,
-					  "cannot reserve %llu bytes of shared memory for '%s': "
-					  "this process's memory cgroup has %llu bytes left",
-					  (unsigned long long)size, name, (unsigned long long)room);
-	}
-	return 0;
-}
-
 int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
 {
 	char label[64];
 	int fd, r;
 
-	r = size_fits(name, size);
+	r = dlpc__size_fits(name, size);
 	if (r < 0)
 		return r;
 	snprintf(label, sizeof(label), "dlpc:%s", name);
@@ -191,8 +35,8 @@ int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
 			       (unsigned long long)size);
 		goto fail;
 	}
-	/* reserve the pages now: a full /dev/shm or memory cgroup fails here, not with SIGBUS in
-	 * some attacher later */
+	/* reserve the pages now: memory that cannot be had fails here, not with SIGBUS in some
+	 * attacher later */
 	do
 		r = reserve ? fallocate(fd, 0, 0, (off_t)size) : 0;
 	while (r < 0 && errno == EINTR);

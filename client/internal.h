@@ -97,6 +97,10 @@ DLManagedTensorVersioned *dlpc__view_new(struct dlpc__region *r, void *data, DLD
 					 uint64_t flags);
 /* The region of a tensor libdlpc made, or NULL for any other tensor. */
 struct dlpc__region *dlpc__view_region(const DLManagedTensorVersioned *t);
+/* Refuse (-EFBIG, -ENOSPC, message naming @p name) a memfd of @p size bytes that this process
+ * could not fill: over RLIMIT_FSIZE, the machine's memory and swap, or its memory cgroups' room
+ * (room.c). 0 if it fits. */
+int dlpc__size_fits(const char *name, uint64_t size);
 /* A memfd of @p size bytes labelled after @p name, its pages allocated now if @p reserve (for
  * memory that will be written through a mapping); fd or negative errno. */
 int dlpc__memfd_create(const char *name, uint64_t size, bool reserve);

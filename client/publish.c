@@ -399,8 +399,8 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	} else {
 		size = size ? size : DLPC_ALIGN;
 		/* Written with pwrite, not through a mapping: no page faults, and no pages zeroed
-		 * only to be overwritten. Pages are allocated as they are written, so a full
-		 * /dev/shm fails here, at publish, like a reservation would. */
+		 * only to be overwritten. Pages are allocated as they are written, so memory that
+		 * cannot be had fails here, at publish, like a reservation would. */
 		fd = dlpc__memfd_create(name, size, false);
 		if (fd < 0) {
 			r = fd;
