@@ -10,6 +10,12 @@
 Module-level functions use one default Client, created on first use, connected to the default
 socket ($DLPACKD_SOCKET, else /run/dlpackd/dlpackd.sock for root, else
 $XDG_RUNTIME_DIR/dlpackd.sock). A Client used in a forked child reconnects by itself.
+
+When dlpackd stops or restarts, the call that finds the connection closed raises
+ConnectionResetError (whether it was sent before or during the restart, or the client sat idle).
+The module-level functions then connect anew on the next call, as does a Client(reconnect=True);
+a plain Client keeps raising ConnectionResetError. A failed call is never retried for you: a
+publish may or may not have happened. See Client for the rest of the rules.
 """
 import threading
 from collections import namedtuple
@@ -50,7 +56,23 @@ _list = list  # the builtin, before this module's list() shadows it
 
 
 class Client(_CoreClient):
-    """A connection to dlpackd: Client(socket=None). Usable as a context manager."""
+    """A connection to dlpackd: Client(socket=None, *, reconnect=False). A context manager.
+
+    socket: the daemon's socket path (None: the default socket, see the module's doc).
+
+    When dlpackd closes the connection (it stopped, crashed or restarted), every call that finds
+    it closed raises ConnectionResetError: a call in flight, and the next call of an idle
+    client, alike. Such a call is not retried: whether a publish or unpublish took effect is
+    unknown (list() tells). Then:
+      reconnect=False  every later call raises ConnectionResetError: make a new Client.
+      reconnect=True   the next call connects anew (the module-level functions work so); if no
+                       dlpackd listens yet it raises ConnectionRefusedError or
+                       FileNotFoundError, and the call after tries again.
+    Tensors attached before the break stay valid: their mappings are this process's; their
+    releases are dropped with the old connection. Entries are the daemon's: a restarted dlpackd
+    starts empty, ephemeral or not. A call running in another thread when the connection is
+    replaced finishes (or fails) on the old one.
+    """
 
     def list(self, prefix=""):
         """Entries whose names start with prefix, sorted by name."""
@@ -123,7 +145,7 @@ def _client():
     if c is None:
         with _default_lock:
             if _default is None:
-                _default = Client()
+                _default = Client(reconnect=True)
             c = _default
     return c
 

@@ -181,16 +181,16 @@ static int attach_waiting(ClientObject *self, const struct attach_req *req,
 		if (r != -ETIMEDOUT)
 			break;
 		if (PyErr_CheckSignals() < 0) {
-			ipc_call_end(self);
+			ipc_call_end(self, c, r);
 			return -1;
 		}
 		if (!forever && now_s() >= deadline) {
 			raise_timeout(req, secs);
-			ipc_call_end(self);
+			ipc_call_end(self, c, r);
 			return -1;
 		}
 	}
-	ipc_call_end(self);
+	ipc_call_end(self, c, r);
 	if (r < 0) {
 		ipc_raise(r);
 		return -1;

@@ -263,7 +263,7 @@ static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_
 	if (!taken || !tensors) {
 		PyMem_Free(taken);
 		PyMem_Free(tensors);
-		ipc_call_end(self);
+		ipc_call_end(self, c, 0);
 		return PyErr_NoMemory();
 	}
 	for (; got < n; got++) {
@@ -288,7 +288,7 @@ static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_
 		ipc_taken_finish(taken[i]);
 	PyMem_Free(taken);
 	PyMem_Free(tensors);
-	ipc_call_end(self);
+	ipc_call_end(self, c, r);
 	if (got < n)
 		return NULL;
 	if (r < 0)

@@ -17,13 +17,22 @@ typedef struct {
 	PyTypeObject *watch_type;
 } ipc_state;
 
-/* A connection; reconnects by itself in a forked child. */
+/* A handle replaced (or closed) while calls were still running on it: the last one closes it. */
+struct ipc_old_handle;
+
+/*
+ * A connection; connects anew by itself in a forked child, and after the connection broke when
+ * made with reconnect=True (see ipc_client in module.c). Every field is guarded by the GIL.
+ */
 typedef struct {
-	PyObject_HEAD dlpc_client *c;
-	unsigned fork_gen;    /* see module.c */
-	unsigned busy;	      /* calls in flight (see ipc_call_begin) */
-	dlpc_client *closing; /* closed while busy: the last call closes it */
-	char *path;	      /* NULL: the default socket */
+	PyObject_HEAD dlpc_client *c; /* NULL once closed */
+	unsigned fork_gen;	      /* see module.c */
+	unsigned busy;		      /* calls in flight on c (see ipc_call_begin) */
+	unsigned epoch;		      /* bumped each time c is replaced */
+	bool lost;		      /* a call on c found the connection broken */
+	bool reconnect;		      /* replace c on the call after one that found it lost */
+	struct ipc_old_handle *old;   /* replaced handles with calls still on them */
+	char *path;		      /* NULL: the default socket */
 } ClientObject;
 
 /* A tensor attached from, or allocated for, dlpackd. */
@@ -41,13 +50,20 @@ typedef struct {
 
 /* module.c */
 ipc_state *ipc_state_of_type(PyTypeObject *tp);
-/* Raise the OSError subclass for a negative errno with dlpc_last_error() as the message. */
+/*
+ * Raise the OSError subclass for a negative errno with dlpc_last_error() as the message; a lost
+ * connection (-EPIPE or -ECONNRESET alike) is ConnectionResetError.
+ */
 PyObject *ipc_raise(int err);
-/* The dlpc_client for this process, reconnecting after fork; NULL with an exception set. */
+/*
+ * The dlpc_client for this process, connecting anew after fork, and after a lost connection for
+ * a Client made with reconnect=True; NULL with an exception set.
+ */
 dlpc_client *ipc_client(ClientObject *self);
-/* The same, kept valid until ipc_call_end() even if the Client is closed meanwhile. */
+/* The same, kept valid until ipc_call_end() even if the Client is closed or replaces it. */
 dlpc_client *ipc_call_begin(ClientObject *self);
-void ipc_call_end(ClientObject *self);
+/* End a call begun on @p c; @p r is what libdlpc returned (a lost connection is noted). */
+void ipc_call_end(ClientObject *self, dlpc_client *c, int r);
 
 /* attach.c: Client.attach() and Client.attach_dict(). */
 PyObject *ipc_client_attach(PyObject *obj, PyObject *args, PyObject *kwargs);

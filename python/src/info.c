@@ -47,7 +47,7 @@ PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs)
 	Py_BEGIN_ALLOW_THREADS
 	r = dlpc_list(c, prefix, &v, &n);
 	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj);
+	ipc_call_end((ClientObject *)obj, c, r);
 	if (r < 0)
 		return ipc_raise(r);
 	list = PyList_New((Py_ssize_t)n);
@@ -75,7 +75,7 @@ PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 	Py_BEGIN_ALLOW_THREADS
 	r = dlpc_stat(c, &s);
 	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj);
+	ipc_call_end((ClientObject *)obj, c, r);
 	if (r < 0)
 		return ipc_raise(r);
 	return Py_BuildValue(

@@ -2,6 +2,12 @@
 /*
  * dlpack_ipc._core: the Client type over libdlpc and module setup (multi-phase init, heap types
  * in module state). Every call that may block releases the GIL. Attaching is in attach.c.
+ *
+ * A Client connects anew when its handle cannot serve: in a forked child, and (reconnect=True,
+ * as the module's default client is made) on the call after one that found the connection lost.
+ * That call raised ConnectionResetError; a call is never retried here, since whether a lost
+ * request took effect is unknown. Calls still running on a replaced or closed handle keep it
+ * alive until the last of them ends (ipc_call_begin/ipc_call_end).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -21,10 +27,39 @@ ipc_state *ipc_state_of_type(PyTypeObject *tp)
 	return m ? PyModule_GetState(m) : NULL;
 }
 
+/* A handle replaced (or closed) while calls were still running on it. */
+struct ipc_old_handle {
+	struct ipc_old_handle *next;
+	dlpc_client *c;
+	unsigned busy; /* calls still on c: the last one closes it */
+};
+
+/* Is @p r libdlpc's word that the connection is gone (dlpackd closed it: stopped, restarted)? */
+static bool conn_lost(int r)
+{
+	return r == -EPIPE || r == -ECONNRESET;
+}
+
 PyObject *ipc_raise(int err)
 {
 	const char *msg = dlpc_last_error();
 	PyObject *args;
+
+	if (conn_lost(err)) {
+		/* One error whatever the timing: whether a write found the socket closed (EPIPE)
+		 * or a read did (ECONNRESET) is a race, and means the same to the caller. (A
+		 * watch's message says so already.) */
+		args = Py_BuildValue(
+			"(iN)", ECONNRESET,
+			strstr(msg, "dlpackd closed the connection")
+				? PyUnicode_FromString(msg)
+				: PyUnicode_FromFormat("dlpackd closed the connection (%s)", msg));
+		if (args) {
+			PyErr_SetObject(PyExc_OSError, args);
+			Py_DECREF(args);
+		}
+		return NULL;
+	}
 
 	switch (err) {
 	case -ENOMEM:
@@ -80,9 +115,89 @@ static unsigned current_fork_gen(void)
 }
 
 /*
+ * Give up the handle @p c, which @p busy calls still use: the last of them closes it, or it is
+ * closed now if none does. With the GIL.
+ */
+static void retire(ClientObject *self, dlpc_client *c, unsigned busy)
+{
+	struct ipc_old_handle *o;
+
+	if (!busy) {
+		dlpc_close(c);
+		return;
+	}
+	o = malloc(sizeof(*o));
+	/* out of memory: leak the handle rather than free it under a running call */
+	if (!o)
+		return;
+	*o = (struct ipc_old_handle){.next = self->old, .c = c, .busy = busy};
+	self->old = o;
+}
+
+/* Forget the replaced handles of a parent process without touching them (see replace()). */
+static void forget_old(ClientObject *self)
+{
+	while (self->old) {
+		struct ipc_old_handle *o = self->old;
+
+		self->old = o->next;
+		free(o);
+	}
+}
+
+/*
+ * Connect anew and make the new handle the one later calls use. The GIL is released while
+ * connecting, so another thread may replace the handle, or close the Client, meanwhile: the
+ * first to finish wins. Returns 0, or -1 with an exception set: the old handle then stays (still
+ * lost, for a reconnect) and the next call tries again.
+ */
+static int replace(ClientObject *self)
+{
+	unsigned epoch = self->epoch, gen = current_fork_gen();
+	dlpc_client *c;
+
+	if (connect_to(self->path, &c) < 0)
+		return -1;
+	if (!self->c || self->epoch != epoch) {
+		dlpc_close(c);
+		if (!self->c) {
+			PyErr_SetString(PyExc_ValueError, "the Client is closed");
+			return -1;
+		}
+		return 0;
+	}
+	if (self->fork_gen != gen) {
+		/* A forked child: the parent's handles are not ours to use or free (their
+		 * mutexes may be held by parent threads that do not exist here; libdlpc already
+		 * closed their sockets here). Their memory stays. */
+		forget_old(self);
+	} else {
+		retire(self, self->c, self->busy);
+	}
+	self->c = c;
+	self->busy = 0;
+	self->lost = false;
+	self->fork_gen = gen;
+	self->epoch++;
+	return 0;
+}
+
+dlpc_client *ipc_client(ClientObject *self)
+{
+	if (!self->c) {
+		PyErr_SetString(PyExc_ValueError, "the Client is closed");
+		return NULL;
+	}
+	if ((self->fork_gen != current_fork_gen() || (self->lost && self->reconnect)) &&
+	    replace(self) < 0)
+		return NULL;
+	return self->c;
+}
+
+/*
  * Begin a call on the connection: the handle stays valid until ipc_call_end(), even if another
- * thread (or Python code run by __dlpack__) closes the Client meanwhile; that close then waits
- * for the last call to end. With the GIL held.
+ * thread (or Python code run by __dlpack__) closes the Client, or replaces its handle,
+ * meanwhile. With the GIL held.
  */
 dlpc_client *ipc_call_begin(ClientObject *self)
 {
@@ -93,48 +208,47 @@ dlpc_client *ipc_call_begin(ClientObject *self)
 	return c;
 }
 
-/* End a call begun with ipc_call_begin(); run a close that came meanwhile. With the GIL. */
-void ipc_call_end(ClientObject *self)
+/* End a call begun with ipc_call_begin() on @p c, which returned @p r. With the GIL. */
+void ipc_call_end(ClientObject *self, dlpc_client *c, int r)
 {
-	if (--self->busy == 0 && self->closing) {
-		dlpc_close(self->closing);
-		self->closing = NULL;
-	}
-}
+	struct ipc_old_handle **pp, *o;
 
-dlpc_client *ipc_client(ClientObject *self)
-{
-	if (!self->c) {
-		PyErr_SetString(PyExc_ValueError, "the Client is closed");
-		return NULL;
+	if (c == self->c) {
+		self->busy--;
+		/* libdlpc's error is sticky: without a reconnect every later call raises it */
+		if (conn_lost(r))
+			self->lost = true;
+		return;
 	}
-	if (self->fork_gen != current_fork_gen()) {
-		/* A forked child: the parent's handle is not ours to use or free (its mutexes may
-		 * be held by parent threads that do not exist here; libdlpc already closed its
-		 * socket in the child). Connect anew; the old handle's memory stays. */
-		dlpc_client *c;
-
-		if (connect_to(self->path, &c) < 0)
-			return NULL;
-		self->c = c;
-		self->fork_gen = current_fork_gen();
+	for (pp = &self->old; (o = *pp); pp = &o->next) {
+		if (o->c != c)
+			continue;
+		if (--o->busy == 0) {
+			*pp = o->next;
+			dlpc_close(c);
+			free(o);
+		}
+		return;
 	}
-	return self->c;
+	/* not found: a call begun in the parent process, ending in a forked child */
 }
 
 static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
-	static char *kwlist[] = {"socket", NULL};
+	static char *kwlist[] = {"socket", "reconnect", NULL};
 	ClientObject *self = (ClientObject *)obj;
 	PyObject *sock = Py_None, *bytes = NULL;
+	int reconnect = 0;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:Client", kwlist, &sock))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O$p:Client", kwlist, &sock, &reconnect))
 		return -1;
 	if (self->c)
 		return 0;
+	self->reconnect = reconnect;
 	if (sock != Py_None) {
 		if (!PyUnicode_FSConverter(sock, &bytes))
 			return -1;
+		free(self->path);
 		self->path = strdup(PyBytes_AS_STRING(bytes));
 		Py_DECREF(bytes);
 		if (!self->path) {
@@ -146,19 +260,21 @@ static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 	self->fork_gen = current_fork_gen();
 	if (connect_to(self->path, &self->c) < 0)
 		return -1;
+	self->busy = 0;
+	self->lost = false;
+	self->epoch++;
 	return 0;
 }
 
 static void client_close_now(ClientObject *self)
 {
-	/* in a forked child the handle is the parent's: leave it alone */
-	if (self->c && self->fork_gen == current_fork_gen()) {
-		if (self->busy > 0)
-			self->closing = self->c; /* the last call in flight closes it */
-		else
-			dlpc_close(self->c);
-	}
+	/* in a forked child the handles are the parent's: leave them alone */
+	if (self->c && self->fork_gen == current_fork_gen())
+		retire(self, self->c, self->busy);
 	self->c = NULL;
+	self->busy = 0;
+	self->lost = false;
+	self->epoch++;
 }
 
 static void client_dealloc(PyObject *obj)
@@ -167,6 +283,11 @@ static void client_dealloc(PyObject *obj)
 	PyTypeObject *tp = Py_TYPE(obj);
 
 	client_close_now(self);
+	/* no call runs on a Client being freed (each holds a reference), so none is on these */
+	if (self->fork_gen == current_fork_gen())
+		for (struct ipc_old_handle *o = self->old; o; o = o->next)
+			dlpc_close(o->c);
+	forget_old(self);
 	free(self->path);
 	tp->tp_free(obj);
 	Py_DECREF(tp);
@@ -254,7 +375,7 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	Py_BEGIN_ALLOW_THREADS
 	r = dlpc_alloc(c, dev, dt, (int32_t)ndim, shape, &t);
 	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj);
+	ipc_call_end((ClientObject *)obj, c, r);
 	if (r < 0)
 		return ipc_raise(r);
 	key = PyUnicode_FromString("");
@@ -279,7 +400,7 @@ static PyObject *client_unpublish(PyObject *obj, PyObject *args)
 	Py_BEGIN_ALLOW_THREADS
 	r = dlpc_unpublish(c, name);
 	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj);
+	ipc_call_end((ClientObject *)obj, c, r);
 	if (r < 0)
 		return ipc_raise(r);
 	Py_RETURN_NONE;
@@ -320,7 +441,7 @@ static PyType_Slot client_slots[] = {
 	{Py_tp_dealloc, client_dealloc},
 	{Py_tp_methods, client_methods},
 	{Py_tp_new, PyType_GenericNew},
-	{Py_tp_doc, "A connection to dlpackd (Client(socket=None))."},
+	{Py_tp_doc, "A connection to dlpackd (Client(socket=None, *, reconnect=False))."},
 	{0, NULL},
 };
 
