@@ -8,6 +8,7 @@
  * reference on the client.
  */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -238,8 +239,9 @@ fail:
 	return r;
 }
 
-static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts, uint32_t extra,
-		  dlpc_bundle **ret)
+/* attach() once it holds a reference on @p c. */
+static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
+		      uint32_t extra, dlpc_bundle **ret)
 {
 	Dlpackd__V1__Attach req = DLPACKD__V1__ATTACH__INIT;
 	Dlpackd__V1__AttachReply *rep;
@@ -249,12 +251,6 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 	void *stream = NULL;
 	int fd, r;
 
-	if (!c || !ret)
-		return dlpc__fail(-EINVAL, "cannot attach: client or result pointer is NULL");
-	*ret = NULL;
-	r = dlpc__check(c);
-	if (r < 0)
-		return r;
 	r = dlpc__name_arg(name, "attach");
 	if (r < 0)
 		return r;
@@ -295,11 +291,18 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 	/* the reply lives until the bundle is built: unpack it into an arena, not a malloc per
 	 * field (a 500-tensor bundle would be 1,500 of them) */
 	dlpc__arena_init(&arena);
-	r = dlpc__call(c, DLPC_MSG_ATTACH, &req.base, NULL, 0,
-		       &dlpackd__v1__attach_reply__descriptor, (ProtobufCMessage **)&rep, &fd,
-		       &arena.alloc);
+	r = dlpc__call_wait(c, DLPC_MSG_ATTACH, &req.base, timeout,
+			    &dlpackd__v1__attach_reply__descriptor, (ProtobufCMessage **)&rep, &fd,
+			    &arena.alloc);
 	if (r < 0) {
 		dlpc__arena_clear(&arena);
+		/* the library's own reasons, which do not name the entry yet */
+		if (r == -EMFILE || r == -ECANCELED) {
+			char why[512];
+
+			snprintf(why, sizeof(why), "%s", dlpc_last_error());
+			r = dlpc__fail(r, "cannot attach '%s': %s", name, why);
+		}
 		return r;
 	}
 	if ((fd < 0 && !rep->cuda_ipc) || rep->generation == 0 || rep->generation > INT32_MAX) {
@@ -313,6 +316,24 @@ static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts
 			r = (int)rep->generation;
 	}
 	dlpc__arena_clear(&arena);
+	return r;
+}
+
+static int attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts, uint32_t extra,
+		  dlpc_bundle **ret)
+{
+	int r;
+
+	if (!c || !ret)
+		return dlpc__fail(-EINVAL, "cannot attach: client or result pointer is NULL");
+	*ret = NULL;
+	r = dlpc__check(c);
+	if (r < 0)
+		return r;
+	/* a dlpc_close() from another thread meanwhile must not free the client under us */
+	dlpc__client_ref(c);
+	r = attach_ref(c, name, opts, extra, ret);
+	dlpc__client_unref(c);
 	return r;
 }
 

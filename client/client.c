@@ -1,32 +1,21 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The connection: connect, HELLO, request/reply matching across threads, release, close. */
+/* The connection: connect, HELLO, fork, deferred releases, the reclaimer, close (requests and
+ * replies: call.c). */
 #include <errno.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
 #include "util.h"
-
-/* A request waiting for its reply. Lives on its caller's stack. */
-struct dlpc__call {
-	struct dlpc__call *next;
-	uint32_t id;
-	bool done;
-	uint16_t type;
-	uint8_t *payload;
-	size_t len;
-	int fds[DLPC_FRAME_FDS_MAX];
-	unsigned nfds;
-};
 
 static __thread char last_error[512];
 
@@ -77,8 +66,6 @@ static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
 static dlpc_client *open_clients;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
-static void flush_locked(dlpc_client *c);
-
 /* The flusher thread of deferred releases (see dlpc__release) and what wakes it. */
 static pthread_mutex_t flush_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t flush_cv = PTHREAD_COND_INITIALIZER;
@@ -125,8 +112,9 @@ static void atfork_register(void)
 	pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }
 
-/* Create @p c's socket and list it in one step: a fork in between would leave the child a
- * socket the list does not know, so the child would not close it. 0 or negative errno. */
+/* Create @p c's socket and wake-up eventfd and list them in one step: a fork in between would
+ * leave the child fds the list does not know, so the child would not close them. 0 or negative
+ * errno. */
 static int open_socket_listed(dlpc_client *c)
 {
 	int r = 0;
@@ -135,6 +123,8 @@ static int open_socket_listed(dlpc_client *c)
 	pthread_mutex_lock(&open_mu);
 	c->sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (c->sock < 0)
+		r = -errno;
+	else if ((c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0)
 		r = -errno;
 	c->next_open = open_clients;
 	open_clients = c;
@@ -165,6 +155,7 @@ static void client_free(dlpc_client *c)
 	dlpc__rx_clear(&c->rx);
 	dlpc__scratch_clear(&c->out);
 	free(c->reclaimed);
+	free(c->abandoned);
 	dlpc__close(c->wake_fd);
 	pthread_mutex_destroy(&c->mu);
 	pthread_mutex_destroy(&c->wmu);
@@ -184,135 +175,16 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 		return;
 	/* the connection may live on for attached mappings: tell the daemon what is released */
 	if (dlpc__ours(c)) {
+		dlpc__cancel_calls(c);
 		pthread_mutex_lock(&c->wmu);
-		flush_locked(c);
+		dlpc__flush_locked(c);
 		pthread_mutex_unlock(&c->wmu);
 	}
 	dlpc__client_unref(c);
 }
 
-/* The connection is gone: say why, in the daemon's words when it left some. Called with c->mu. */
-static int conn_error(dlpc_client *c, int err)
-{
-	if (c->fatal[0])
-		return dlpc__fail(err, "connection to dlpackd lost: dlpackd said: %s", c->fatal);
-	return dlpc__fail(err, "connection to dlpackd lost: %s", strerror(-err));
-}
-
-/* Queue the tokens of a RECLAIM notice for the reclaimer thread. Called with c->mu held. */
-static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
-{
-	Dlpackd__V1__Reclaim *m = dlpackd__v1__reclaim__unpack(NULL, f->hdr.len, f->payload);
-	int r = 0;
-
-	if (!m || m->n_tokens > DLPC_RECLAIM_BATCH_MAX) {
-		r = -EPROTO;
-		goto out;
-	}
-	if (c->nreclaimed + m->n_tokens > c->reclaimed_cap) {
-		size_t cap = c->nreclaimed + m->n_tokens + 16;
-		uint64_t *v = realloc(c->reclaimed, cap * sizeof(*v));
-
-		if (!v) {
-			r = -ENOMEM;
-			goto out;
-		}
-		c->reclaimed = v;
-		c->reclaimed_cap = cap;
-	}
-	memcpy(c->reclaimed + c->nreclaimed, m->tokens, m->n_tokens * sizeof(*m->tokens));
-	c->nreclaimed += m->n_tokens;
-	/* the reclaimer may be waiting for another reader's turn to end: this wakes it */
-	pthread_cond_broadcast(&c->cv);
-out:
-	if (m)
-		dlpackd__v1__reclaim__free_unpacked(m, NULL);
-	return r;
-}
-
-/* Hand a received frame to the call waiting for it. Called with c->mu held. */
-static int deliver(dlpc_client *c, struct dlpc__frame *f)
-{
-	struct dlpc__call *call;
-
-	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_RECLAIM)
-		return take_reclaim(c, f);
-	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_ERROR) {
-		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, f->hdr.len, f->payload);
-
-		snprintf(c->fatal, sizeof(c->fatal), "%s", e ? e->message : "(malformed ERROR)");
-		if (e)
-			dlpackd__v1__error__free_unpacked(e, NULL);
-		return -EPROTO;
-	}
-	for (call = c->calls; call; call = call->next)
-		if (call->id == f->hdr.id && !call->done)
-			break;
-	if (!call)
-		return -EPROTO;
-	call->payload = malloc(f->hdr.len ? f->hdr.len : 1);
-	if (!call->payload)
-		return -ENOMEM;
-	memcpy(call->payload, f->payload, f->hdr.len);
-	call->len = f->hdr.len;
-	call->type = f->hdr.type;
-	call->nfds = f->nfds;
-	for (unsigned i = 0; i < f->nfds; i++)
-		call->fds[i] = dlpc__frame_take_fd(f, i);
-	call->done = true;
-	return 0;
-}
-
-/*
- * Parse what is buffered, reading more until at least one frame has been delivered. A WATCH reply
- * ends the turn at once: the frames behind it are events, left in the buffer for the watch.
- * Called without c->mu, as the reader.
- */
-static int read_frames(dlpc_client *c)
-{
-	char why[160];
-
-	for (;;) {
-		struct dlpc__frame f;
-		int delivered = 0, r;
-		ssize_t n;
-
-		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
-			bool watch = f.hdr.type == (DLPC_MSG_WATCH | DLPC_MSG_REPLY);
-
-			pthread_mutex_lock(&c->mu);
-			r = deliver(c, &f);
-			pthread_mutex_unlock(&c->mu);
-			dlpc__frame_clear(&f);
-			if (r < 0)
-				return r;
-			delivered++;
-			if (watch)
-				return 0;
-		}
-		if (r < 0)
-			return r;
-		if (delivered)
-			return 0;
-		n = dlpc__rx_read(&c->rx, c->sock, why, sizeof(why));
-		if (n == 0)
-			return -ECONNRESET;
-		if (n < 0)
-			return (int)n;
-	}
-}
-
-static void unlink_call(dlpc_client *c, struct dlpc__call *call)
-{
-	struct dlpc__call **pp = &c->calls;
-
-	while (*pp != call)
-		pp = &(*pp)->next;
-	*pp = call->next;
-}
-
 /* Frame @p c's deferred releases at offset 0 of c->out. Length, or negative errno. Under wmu. */
-static ssize_t pending_frame(dlpc_client *c)
+ssize_t dlpc__pending_frame(dlpc_client *c)
 {
 	Dlpackd__V1__Release msg = DLPACKD__V1__RELEASE__INIT;
 
@@ -324,148 +196,35 @@ static ssize_t pending_frame(dlpc_client *c)
 /*
  * Send @p c's deferred releases now. Under wmu. A failed write means the connection is gone,
  * and the references with it; either way none is pending any more (unless the frame could
- * not even be built: then they wait for the next try).
+ * not even be built, or the daemon took none of it within the send timeout: then they wait for
+ * the next try).
  */
-static void flush_locked(dlpc_client *c)
+void dlpc__flush_locked(dlpc_client *c)
 {
+	size_t sent;
 	ssize_t len;
+	int r;
 
 	if (!atomic_load_explicit(&c->npending, memory_order_relaxed))
 		return;
-	len = pending_frame(c);
+	len = dlpc__pending_frame(c);
 	/* out of memory for the frame: keep them for the next try rather than lose them */
 	if (len < 0)
 		return;
-	dlpc__send_all(c->sock, c->out.p, (size_t)len, NULL, 0);
+	r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
+	/* the daemon took nothing within the send timeout (it is stopped): keep them too */
+	if (r == -EAGAIN && sent == 0)
+		return;
 	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
-}
-
-/*
- * Write a request frame, with the deferred releases in front of it in the same write when the
- * request carries no fds (fds must ride with the first byte of their own frame, so a request
- * with fds sends the releases first, on their own). Under wmu. Returns 0 or a negative errno;
- * @p sent counts the request's bytes that left.
- */
-static int send_request(dlpc_client *c, uint16_t type, uint32_t id, const ProtobufCMessage *req,
-			const int *fds, unsigned nfds, size_t *sent)
-{
-	ssize_t at = 0, len;
-	size_t out = 0;
-	int r;
-
-	*sent = 0;
-	if (atomic_load_explicit(&c->npending, memory_order_relaxed)) {
-		if (nfds)
-			flush_locked(c);
-		else
-			at = pending_frame(c);
-		if (at < 0) /* out of memory: send them on their own, a frame at a time */
-			at = 0, flush_locked(c);
-	}
-	len = dlpc__msg_frame_at(&c->out, (size_t)at, type, id, req, NULL, 0, nfds);
-	if (len < 0) {
-		/* the request is refused before anything left: the releases still go */
-		if (at)
-			flush_locked(c);
-		return (int)len;
-	}
-	r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, fds, nfds, &out);
-	if (at && out >= (size_t)at)
-		atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
-	*sent = out > (size_t)at ? out - (size_t)at : 0;
-	/* a write cut inside the releases has broken the stream just the same */
-	if (r < 0 && out > 0 && *sent == 0)
-		*sent = 1;
-	return r;
-}
-
-int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
-	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
-	       int *rfd, ProtobufCAllocator *alloc)
-{
-	struct dlpc__call call = {0};
-	size_t sent = 0;
-	ssize_t len;
-	int r;
-
-	if (rfd)
-		*rfd = -1;
-	*rep = NULL;
-	pthread_mutex_lock(&c->mu);
-	if (c->broken) {
-		r = conn_error(c, c->broken);
-		pthread_mutex_unlock(&c->mu);
-		return r;
-	}
-	call.id = ++c->next_id ? c->next_id : ++c->next_id;
-	call.next = c->calls;
-	c->calls = &call;
-	pthread_mutex_unlock(&c->mu);
-
-	pthread_mutex_lock(&c->wmu);
-	len = send_request(c, type, call.id, req, fds, nfds, &sent);
-	r = len < 0 ? (int)len : 0;
-	pthread_mutex_unlock(&c->wmu);
-
-	pthread_mutex_lock(&c->mu);
-	/* a request that failed before its first byte left (too large, out of memory, an fd the
-	 * kernel would not pass) leaves the connection as good as it was */
-	if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF) {
-		unlink_call(c, &call);
-		pthread_mutex_unlock(&c->mu);
-		if (r == -EMSGSIZE)
-			return dlpc__fail(
-				r, "request of %zu bytes exceeds the frame limit of %u bytes",
-				protobuf_c_message_get_packed_size(req), DLPC_FRAME_MAX);
-		return dlpc__fail(r, "cannot send the request to dlpackd: %s", strerror(-r));
-	}
-	if (r < 0 && !c->broken) {
-		c->broken = r;
-		pthread_cond_broadcast(&c->cv);
-	}
-	while (!call.done && !c->broken) {
-		if (c->reading) {
-			pthread_cond_wait(&c->cv, &c->mu);
-			continue;
-		}
-		c->reading = true;
-		pthread_mutex_unlock(&c->mu);
-		r = read_frames(c);
+	/* a frame cut short breaks the stream: nothing may follow it */
+	if (r < 0 && sent > 0) {
 		pthread_mutex_lock(&c->mu);
-		c->reading = false;
-		if (r < 0 && !c->broken)
-			c->broken = r;
+		if (!c->broken)
+			c->broken = r == -EAGAIN ? -ETIMEDOUT : r;
 		pthread_cond_broadcast(&c->cv);
+		dlpc__wake_reader(c);
+		pthread_mutex_unlock(&c->mu);
 	}
-	unlink_call(c, &call);
-	r = call.done ? 0 : conn_error(c, c->broken);
-	pthread_mutex_unlock(&c->mu);
-	if (!call.done)
-		return r;
-
-	r = 0;
-	if (call.type == DLPC_MSG_ERROR) {
-		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, call.len, call.payload);
-
-		r = e && e->code > 0 ? dlpc__fail(-e->code, "%s", e->message)
-				     : dlpc__fail(-EPROTO, "malformed ERROR reply from dlpackd");
-		if (e)
-			dlpackd__v1__error__free_unpacked(e, NULL);
-	} else if (call.type != (type | DLPC_MSG_REPLY)) {
-		r = dlpc__fail(-EPROTO, "dlpackd answered with frame type 0x%x", call.type);
-	} else {
-		*rep = protobuf_c_message_unpack(rdesc, alloc, call.len, call.payload);
-		if (!*rep)
-			r = dlpc__fail(-EPROTO, "malformed reply from dlpackd");
-	}
-	for (unsigned i = 0; i < call.nfds; i++) {
-		if (r == 0 && rfd && *rfd < 0)
-			*rfd = call.fds[i];
-		else
-			close(call.fds[i]);
-	}
-	free(call.payload);
-	return r;
 }
 
 /* Take a reference on @p c unless its last one is already gone (it is being freed). */
@@ -514,7 +273,7 @@ static void *flusher(void *arg)
 		nanosleep(&delay, NULL);
 		while ((c = next_pending())) {
 			pthread_mutex_lock(&c->wmu);
-			flush_locked(c);
+			dlpc__flush_locked(c);
 			pthread_mutex_unlock(&c->wmu);
 			dlpc__client_unref(c);
 		}
@@ -573,18 +332,18 @@ void dlpc__release(dlpc_client *c, uint64_t ref_id)
 	/* full only if the last flush had no memory for its frame: try again; failing that, this
 	 * reference stays with the daemon until the connection closes */
 	if (n == DLPC_RELEASE_PENDING_MAX)
-		flush_locked(c);
+		dlpc__flush_locked(c);
 	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
 	if (n < DLPC_RELEASE_PENDING_MAX) {
 		c->pending[n++] = ref_id;
 		atomic_store_explicit(&c->npending, n, memory_order_relaxed);
 	}
 	if (n == DLPC_RELEASE_PENDING_MAX)
-		flush_locked(c);
+		dlpc__flush_locked(c);
 	pthread_mutex_unlock(&c->wmu);
 	if (n == 1 && !flush_soon()) {
 		pthread_mutex_lock(&c->wmu);
-		flush_locked(c);
+		dlpc__flush_locked(c);
 		pthread_mutex_unlock(&c->wmu);
 	}
 }
@@ -595,34 +354,9 @@ void dlpc__reclaim_count(dlpc_client *c, int delta)
 	c->ipc_pubs += (unsigned)delta;
 	/* a publication taken back (its publish failed) may leave the reclaimer waiting for a
 	 * socket that has nothing more to say: let it look again */
-	if (c->ipc_pubs == 0 && c->reclaimer && c->wake_fd >= 0 &&
-	    eventfd_write(c->wake_fd, 1) < 0) {
-		/* the counter cannot overflow here; nothing to do */
-	}
+	if (c->ipc_pubs == 0 && c->reclaimer)
+		dlpc__wake_reader(c);
 	pthread_mutex_unlock(&c->mu);
-}
-
-/*
- * The reclaimer's turn as reader: wait until the socket has something (or something is
- * buffered already) and read; or return 1 without reading when woken through c->wake_fd.
- * 0 or a negative errno as read_frames().
- */
-static int reclaimer_read(dlpc_client *c)
-{
-	struct pollfd p[2] = {{.fd = c->sock, .events = POLLIN},
-			      {.fd = c->wake_fd, .events = POLLIN}};
-	eventfd_t v;
-
-	if (c->wake_fd >= 0 && !dlpc__rx_partial(&c->rx)) {
-		while (poll(p, 2, -1) < 0)
-			if (errno != EINTR)
-				return -errno;
-		if (!p[0].revents) {
-			eventfd_read(c->wake_fd, &v);
-			return 1;
-		}
-	}
-	return read_frames(c);
 }
 
 /*
@@ -671,7 +405,8 @@ static void *reclaimer(void *arg)
 		}
 		c->reading = true;
 		pthread_mutex_unlock(&c->mu);
-		int r = reclaimer_read(c);
+		/* 1 when woken through c->wake_fd without reading */
+		int r = dlpc__read_frames(c, NULL);
 		pthread_mutex_lock(&c->mu);
 		c->reading = false;
 		if (r < 0 && !c->broken)
@@ -687,8 +422,6 @@ static void *reclaimer(void *arg)
 void dlpc__reclaim_start(dlpc_client *c)
 {
 	pthread_mutex_lock(&c->mu);
-	if (c->wake_fd < 0)
-		c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	if (!c->reclaimer && !c->broken) {
 		dlpc__client_ref(c);
 		c->reclaimer = start_thread(reclaimer, c);
@@ -698,12 +431,34 @@ void dlpc__reclaim_start(dlpc_client *c)
 	pthread_mutex_unlock(&c->mu);
 }
 
+/* The bound on calls without a timeout of their own: $DLPC_CALL_TIMEOUT_MS, else the default
+ * (<= 0: none). 0, or -EINVAL for a value that is not a whole number of milliseconds. */
+static int call_timeout_env(int64_t *ms)
+{
+	const char *s = getenv(DLPC_CALL_TIMEOUT_ENV);
+	char *end;
+	long long v;
+
+	*ms = DLPC_CALL_TIMEOUT_MS_DEFAULT;
+	if (!s || !*s)
+		return 0;
+	errno = 0;
+	v = strtoll(s, &end, 10);
+	if (errno || *end || end == s)
+		return dlpc__fail(-EINVAL, "%s='%s' is not a number of milliseconds",
+				  DLPC_CALL_TIMEOUT_ENV, s);
+	*ms = v;
+	return 0;
+}
+
 DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
 	Dlpackd__V1__HelloReply *rep;
 	char path[sizeof(sa.sun_path)];
+	pthread_condattr_t ca;
+	int64_t timeout;
 	dlpc_client *c;
 	int r;
 
@@ -722,25 +477,48 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 						       : "the default path is too long",
 					  DLPC_SOCKET_ENV);
 	}
+	r = call_timeout_env(&timeout);
+	if (r < 0)
+		return r;
 	c = calloc(1, sizeof(*c));
 	if (!c)
 		return dlpc__fail(-ENOMEM, "out of memory");
 	c->pid = getpid();
 	c->wake_fd = -1;
 	c->fork_gen = __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
+	c->call_timeout_ms = timeout;
 	atomic_init(&c->refs, 1);
 	pthread_mutex_init(&c->mu, NULL);
 	pthread_mutex_init(&c->wmu, NULL);
-	pthread_cond_init(&c->cv, NULL);
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&c->cv, &ca);
+	pthread_condattr_destroy(&ca);
 	dlpc__rx_init(&c->rx);
+	/* a reply's fd that this process has no room for fails that call, not the connection */
+	c->rx.report_lost_fds = true;
 	r = open_socket_listed(c);
 	if (r < 0) {
 		r = dlpc__fail(r, "cannot create a socket: %s", strerror(-r));
 		goto fail;
 	}
+	/* Every write, and connect()'s wait while the daemon's backlog is full, gives up after the
+	 * call timeout: a daemon that stops reading cannot hold the caller forever. */
+	if (timeout > 0) {
+		struct timeval tv = {.tv_sec = (time_t)(timeout / 1000),
+				     .tv_usec = (suseconds_t)(timeout % 1000) * 1000};
+
+		setsockopt(c->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+	}
 	strcpy(sa.sun_path, path);
 	if (connect(c->sock, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
-		r = dlpc__fail(-errno, "cannot connect to dlpackd at %s: %m", path);
+		if (errno == EAGAIN)
+			r = dlpc__fail(-ETIMEDOUT,
+				       "cannot connect to dlpackd at %s: it did not accept the "
+				       "connection within %lld ms (%s)",
+				       path, (long long)timeout, DLPC_CALL_TIMEOUT_ENV);
+		else
+			r = dlpc__fail(-errno, "cannot connect to dlpackd at %s: %m", path);
 		goto fail;
 	}
 	hello.version_major = DLPC_PROTO_MAJOR;
@@ -749,6 +527,12 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 	r = dlpc__call(c, DLPC_MSG_HELLO, &hello.base, NULL, 0,
 		       &dlpackd__v1__hello_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
 		       NULL);
+	if (r == -ETIMEDOUT) {
+		char why[sizeof(last_error)];
+
+		snprintf(why, sizeof(why), "%s", last_error);
+		r = dlpc__fail(r, "cannot connect to dlpackd at %s: %s", path, why);
+	}
 	if (r < 0)
 		goto fail;
 	if (rep->version_major != DLPC_PROTO_MAJOR) {

@@ -125,6 +125,8 @@ DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **
 		return dlpc__fail(-EINVAL, "dlpc_list: prefix longer than %d bytes", DLPC_NAME_MAX);
 	req.prefix.data = (uint8_t *)prefix;
 	req.prefix.len = strlen(prefix);
+	/* a dlpc_close() from another thread between pages must not free the client under us */
+	dlpc__client_ref(c);
 	/* the daemon answers in pages; each asks for the names after the last one seen */
 	while (more && r == 0) {
 		Dlpackd__V1__ListReply *rep;
@@ -167,6 +169,7 @@ DLPC_EXPORT int dlpc_list(dlpc_client *c, const char *prefix, dlpc_entry_info **
 		}
 		dlpc__arena_clear(&arena);
 	}
+	dlpc__client_unref(c);
 	free(cursor);
 	if (r < 0) {
 		dlpc_list_free(v, n);

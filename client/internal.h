@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <time.h>
 
 #include <dlpc/dlpc.h>
 
@@ -19,11 +20,14 @@ struct dlpc__call;
 /*
  * One connection. Requests may come from many threads: each sends its frame under wmu, then
  * waits for the reply carrying its id. Whichever waiting thread finds nobody reading becomes
- * the reader until some reply arrives, handing replies to their callers (leader/follower). The
- * one thread of the library's own only flushes deferred releases (dlpc__release).
+ * the reader until some reply arrives or its own deadline passes, handing replies to their
+ * callers (leader/follower). The one thread of the library's own only flushes deferred releases
+ * (dlpc__release).
  *
- * The struct is refcounted: the user's handle counts once, each attached mapping once. The socket
- * closes when the last goes, so deleters keep working after dlpc_close().
+ * The struct is refcounted: the user's handle counts once, each attached mapping once, and each
+ * call in progress once (so dlpc_close() from another thread cannot free it under a waiting
+ * caller). The socket closes when the last goes, so deleters keep working after dlpc_close().
+ * Lock order: wmu before mu, never the other way.
  */
 struct dlpc_client {
 	int sock;
@@ -31,20 +35,27 @@ struct dlpc_client {
 	unsigned fork_gen; /* dlpc__fork_gen when it connected */
 	atomic_uint refs;
 
+	int64_t call_timeout_ms; /* DLPC_CALL_TIMEOUT_MS read at connect; <= 0: no bound */
+
 	pthread_mutex_t mu; /* protects the fields below up to wmu */
-	pthread_cond_t cv;
+	pthread_cond_t cv;  /* on CLOCK_MONOTONIC, like every deadline here */
 	bool reading;
-	int broken; /* 0, or the negative errno that ended the connection */
+	bool closed; /* dlpc_close() was called: no new call starts */
+	int broken;  /* 0, or the negative errno that ended the connection */
 	uint32_t next_id;
 	uint32_t minor; /* protocol minor version agreed at HELLO */
 	struct dlpc__call *calls;
+	/* ids of requests whose callers stopped waiting (deadline passed, or dlpc_close()): their
+	 * replies are dropped when they come, an ATTACH reply's reference released */
+	uint32_t *abandoned;
+	size_t nabandoned, abandoned_cap;
 	/* legacy CUDA IPC publications awaiting their RECLAIM notice, the tokens of notices
 	 * received but not yet acted on, and whether the reclaimer thread runs (client.c) */
 	unsigned ipc_pubs;
 	uint64_t *reclaimed;
 	size_t nreclaimed, reclaimed_cap;
 	bool reclaimer;
-	int wake_fd; /* eventfd that stops the reclaimer's wait for the socket; -1 until needed */
+	int wake_fd; /* eventfd that ends the reader's wait for the socket (dlpc_close, reclaimer) */
 	char fatal[256];    /* the daemon's last word (an ERROR with id 0), if any */
 	struct dlpc__rx rx; /* used only by the current reader */
 
@@ -137,11 +148,19 @@ int dlpc__check(const dlpc_client *c);
  * Send @p req with @p nfds fds and wait for its reply, unpacked with @p rdesc into @p rep (the
  * caller frees it, with @p alloc: NULL for the default allocator, or an arena's). If @p rfd is
  * not NULL it receives the reply's fd (or -1).
- * An ERROR reply returns its negative code and sets the thread's message.
+ * An ERROR reply returns its negative code and sets the thread's message. The wait is bounded by
+ * c->call_timeout_ms (-ETIMEDOUT); -ECANCELED once dlpc_close() was called; -EMFILE when the
+ * reply's fds could not be received (an ATTACH reply's reference is released). After these the
+ * connection stays usable: a reply that comes later is dropped.
  */
 int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
 	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
 	       int *rfd, ProtobufCAllocator *alloc);
+/* dlpc__call() for a request the daemon may hold for @p wait_ms (a waiting ATTACH): > 0 bounds
+ * the wait by @p wait_ms + DLPC_CALL_GRACE_MS, < 0 leaves it unbounded, 0 is dlpc__call(). */
+int dlpc__call_wait(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, int64_t wait_ms,
+		    const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep, int *rfd,
+		    ProtobufCAllocator *alloc);
 /*
  * Fire-and-forget RELEASE of one reference; does nothing in a forked child. The id waits in
  * c->pending and goes out with the connection's next request, or after DLPC_RELEASE_DELAY_MS
@@ -150,6 +169,22 @@ int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const
 void dlpc__release(dlpc_client *c, uint64_t ref_id);
 void dlpc__client_ref(dlpc_client *c);
 void dlpc__client_unref(dlpc_client *c);
+
+/* ---- client.c and call.c: the connection's request machinery ---- */
+/* Frame @p c's deferred releases at offset 0 of c->out. Length, or negative errno. Under wmu. */
+ssize_t dlpc__pending_frame(dlpc_client *c);
+/* Send @p c's deferred releases now (see client.c). Under wmu, without c->mu. */
+void dlpc__flush_locked(dlpc_client *c);
+/* End the reader's wait for the socket: it then looks at the state of its call again. */
+void dlpc__wake_reader(dlpc_client *c);
+/* For dlpc_close(): no call starts any more; every call still waiting returns -ECANCELED. */
+void dlpc__cancel_calls(dlpc_client *c);
+/*
+ * The reader's turn (the caller set c->reading): 0 once a frame was delivered, 1 when @p dl
+ * (NULL: none) passed or dlpc__wake_reader() was called first, a negative errno when the
+ * connection is lost. Without c->mu.
+ */
+int dlpc__read_frames(dlpc_client *c, const struct timespec *dl);
 /* Fill @p e from a LIST or EVENT entry (strings copied); 0 or -ENOMEM (clear it anyway). */
 int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in);
 /* Free what dlpc__entry_fill() allocated. */

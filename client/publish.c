@@ -338,12 +338,16 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	Dlpackd__V1__TensorDesc *descs = NULL, **dptrs = NULL;
 	struct slot *slots = NULL;
 	struct dlpc__region *zc = NULL;
+	dlpc_client *held = NULL;
 	uint64_t size = 0;
 	int fd = -1, r;
 
 	r = publish_args(c, name, n, tensors, keys, flags);
 	if (r < 0)
 		goto out;
+	/* a dlpc_close() from another thread meanwhile must not free the client under us */
+	dlpc__client_ref(c);
+	held = c;
 	slots = calloc(n, sizeof(*slots));
 	descs = calloc(n, sizeof(*descs));
 	dptrs = calloc(n, sizeof(*dptrs));
@@ -437,6 +441,8 @@ out:
 	for (size_t i = 0; tensors && i < n && !kept; i++)
 		if (tensors[i] && tensors[i]->deleter)
 			tensors[i]->deleter(tensors[i]);
+	if (held)
+		dlpc__client_unref(held);
 	return r;
 }
 

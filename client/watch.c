@@ -107,7 +107,7 @@ static int take_event(dlpc_watch *w, const struct dlpc__frame *f, dlpc_watch_eve
 			dlpackd__v1__error__free_unpacked(err, NULL);
 		return r;
 	}
-	if (f->hdr.type != DLPC_MSG_EVENT || f->hdr.id != 0 || f->nfds != 0)
+	if (f->hdr.type != DLPC_MSG_EVENT || f->hdr.id != 0 || f->nfds != 0 || f->lost != 0)
 		return dlpc__fail(-EPROTO, "watch on '%s': dlpackd sent frame type 0x%x id %u",
 				  w->prefix, f->hdr.type, f->hdr.id);
 	e = dlpackd__v1__event__unpack(NULL, f->hdr.len, f->payload);

@@ -11,6 +11,14 @@
 
 #define RX_MIN DLPC_RX_BUF_SIZE
 
+/* The control buffer of one recvmsg(): room for a frame's fds (CMSG_SPACE may round it up). */
+union ctl_buf {
+	struct cmsghdr align;
+	char buf[CMSG_SPACE(sizeof(int) * DLPC_FRAME_FDS_MAX)];
+};
+/* fds that fit in it: fewer arriving with MSG_CTRUNC means the kernel could not install them */
+#define CTL_ROOM ((sizeof(union ctl_buf) - CMSG_LEN(0)) / sizeof(int))
+
 void dlpc__close(int fd)
 {
 	int saved = errno;
@@ -44,10 +52,13 @@ void dlpc__rx_init(struct dlpc__rx *rx)
 
 void dlpc__rx_clear(struct dlpc__rx *rx)
 {
+	bool report = rx->report_lost_fds;
+
 	for (unsigned b = 0; b < rx->nbatch; b++)
 		close_fds(rx->batch[b].fds, rx->batch[b].n);
 	free(rx->buf);
 	dlpc__rx_init(rx);
+	rx->report_lost_fds = report; /* the owner's choice outlives the buffer */
 }
 
 bool dlpc__rx_partial(const struct dlpc__rx *rx)
@@ -89,10 +100,7 @@ static int rx_reserve(struct dlpc__rx *rx)
 
 ssize_t dlpc__rx_read(struct dlpc__rx *rx, int sock, char *why, size_t whylen)
 {
-	union {
-		struct cmsghdr align;
-		char buf[CMSG_SPACE(sizeof(int) * DLPC_FRAME_FDS_MAX)];
-	} ctl;
+	union ctl_buf ctl;
 	struct iovec iov;
 	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
 	int fds[DLPC_FRAME_FDS_MAX * 2];
@@ -121,10 +129,24 @@ ssize_t dlpc__rx_read(struct dlpc__rx *rx, int sock, char *why, size_t whylen)
 			memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
 	}
 	if (msg.msg_flags & MSG_CTRUNC) {
+		/* A full control buffer means the peer sent more fds than a frame may carry; one
+		 * with room left means the kernel could not install them here (no free fd). */
+		bool lost = rx->report_lost_fds && nfds < CTL_ROOM;
+
 		close_fds(fds, nfds);
-		snprintf(why, whylen, "control data truncated: more than %d fds in one message",
-			 DLPC_FRAME_FDS_MAX);
-		return -EPROTO;
+		if (!lost) {
+			snprintf(why, whylen,
+				 "control data truncated: more than %d fds in one message",
+				 DLPC_FRAME_FDS_MAX);
+			return -EPROTO;
+		}
+		nfds = 0;
+		if (rx->nbatch == DLPC_RX_BATCH_MAX) {
+			snprintf(why, whylen, "fds arrived faster than frames claimed them");
+			return -EPROTO;
+		}
+		rx->batch[rx->nbatch++] = (struct dlpc__fdbatch){
+			.lost = true, .end = rx->off + (rx->end - rx->start) + (size_t)n};
 	}
 	if (nfds > 0) {
 		if (rx->nbatch == DLPC_RX_BATCH_MAX || nfds > DLPC_FRAME_FDS_MAX) {
@@ -135,6 +157,7 @@ ssize_t dlpc__rx_read(struct dlpc__rx *rx, int sock, char *why, size_t whylen)
 		struct dlpc__fdbatch *b = &rx->batch[rx->nbatch++];
 		memcpy(b->fds, fds, nfds * sizeof(int));
 		b->n = nfds;
+		b->lost = false;
 		b->end = rx->off + (rx->end - rx->start) + (size_t)n;
 	}
 	rx->end += (size_t)n;
@@ -148,6 +171,7 @@ int dlpc__rx_next(struct dlpc__rx *rx, struct dlpc__frame *f, char *why, size_t 
 	int r;
 
 	f->nfds = 0;
+	f->lost = 0;
 	if (rx->nbatch > 0 && rx->batch[0].end <= rx->off) {
 		snprintf(why, whylen, "%u fds arrived without a frame to carry them",
 			 rx->batch[0].n);
@@ -172,7 +196,11 @@ int dlpc__rx_next(struct dlpc__rx *rx, struct dlpc__frame *f, char *why, size_t 
 		rx->want = DLPC_FRAME_HDR_SIZE + (size_t)h.len;
 		return 0;
 	}
-	if (h.nfds > 0) {
+	if (h.nfds > 0 && rx->nbatch > 0 && rx->batch[0].lost) {
+		f->lost = h.nfds;
+		rx->nbatch--;
+		memmove(&rx->batch[0], &rx->batch[1], rx->nbatch * sizeof(rx->batch[0]));
+	} else if (h.nfds > 0) {
 		if (rx->nbatch == 0 || rx->batch[0].n != h.nfds) {
 			snprintf(why, whylen, "frame declares %u fds but %u arrived with it",
 				 h.nfds, rx->nbatch ? rx->batch[0].n : 0);

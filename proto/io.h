@@ -27,6 +27,7 @@ struct dlpc__fdbatch {
 	int fds[DLPC_FRAME_FDS_MAX];
 	unsigned n;
 	uint64_t end; /* stream offset just past the read that brought them */
+	bool lost;    /* the kernel could not install them here (see report_lost_fds); n is 0 */
 };
 
 struct dlpc__rx {
@@ -36,6 +37,14 @@ struct dlpc__rx {
 	uint64_t off;		/* stream offset of buf[start] */
 	struct dlpc__fdbatch batch[DLPC_RX_BATCH_MAX];
 	unsigned nbatch;
+	/*
+	 * Set by an owner that can live with it (libdlpc; never the daemon): fds the peer sent
+	 * but the kernel could not install in this process, because it has no free fd
+	 * (MSG_CTRUNC with room left in the control buffer), are reported on the frame that
+	 * declared them (dlpc__frame.lost) instead of failing the read. The bytes arrived all the
+	 * same, so the stream stays intact. Left false, any truncation is a protocol violation.
+	 */
+	bool report_lost_fds;
 };
 
 /* One received frame. It owns its fds: take one with dlpc__frame_take_fd(); clearing the frame
@@ -46,17 +55,20 @@ struct dlpc__frame {
 	const uint8_t *payload;
 	int fds[DLPC_FRAME_FDS_MAX];
 	unsigned nfds;
+	unsigned lost; /* fds the frame declared that never arrived (report_lost_fds); nfds is 0 */
 };
 
 void dlpc__rx_init(struct dlpc__rx *rx);
-/* Free the buffer and close every fd still queued. */
+/* Free the buffer and close every fd still queued (report_lost_fds is kept). */
 void dlpc__rx_clear(struct dlpc__rx *rx);
 /* Does the buffer hold part of a frame (bytes or fds not yet claimed)? */
 bool dlpc__rx_partial(const struct dlpc__rx *rx);
 /*
  * One recvmsg() into the buffer. Returns the bytes read, 0 at end of stream, -EAGAIN, another
  * negative errno from recvmsg(), or -EPROTO when the control data was truncated or fds piled up
- * (the fds that did arrive are closed; @p why says what happened).
+ * (the fds that did arrive are closed; @p why says what happened). With rx->report_lost_fds, a
+ * truncation that left room in the control buffer (this process is out of fds) is no error:
+ * what arrived is closed and the frame is later returned with its @c lost count set.
  */
 ssize_t dlpc__rx_read(struct dlpc__rx *rx, int sock, char *why, size_t whylen);
 /*

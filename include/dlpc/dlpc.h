@@ -17,6 +17,19 @@
  *   refused, its reason) of the last failure in the calling thread.
  * - A dlpc_client may be shared by threads. It belongs to the process that created it: used from
  *   a forked child it fails with -EBADFD; the child connects anew.
+ * - No call waits for dlpackd forever unless asked to: a waiting attach gives up after its
+ *   timeout_ms plus DLPC_CALL_GRACE_MS (1 s) even if the daemon never answers (it is stopped,
+ *   or wedged), and every other request, dlpc_connect() included, after $DLPC_CALL_TIMEOUT_MS
+ *   (DLPC_CALL_TIMEOUT_MS_DEFAULT, 30 s, when unset; 0 or negative: no bound). Either way the
+ *   call fails with -ETIMEDOUT and the connection stays usable: a reply that comes later is
+ *   dropped, and the reference of a late ATTACH reply given back, when the connection next
+ *   reads (with its next call). A request that timed out may still take effect. Only an attach
+ *   with a negative timeout_ms waits without bound; dlpc_close() ends it.
+ * - A client-side shortage fails the one call, not the connection: a reply whose fd this
+ *   process has no room for (RLIMIT_NOFILE reached) fails with -EMFILE, and the reference it
+ *   carried goes back to the daemon.
+ * - libdlpc is not async-signal-safe: it takes locks and allocates, so calling it from a signal
+ *   handler can deadlock. Do the work outside the handler.
  * - Tensors handed out by the library own their memory through their deleter, which may be called
  *   from any thread, even after dlpc_close().
  * - GPU tensors (kDLCUDA) need the CUDA driver at run time: the first GPU call loads
@@ -60,6 +73,17 @@ extern "C" {
 /** File name of a per-user daemon's socket inside $XDG_RUNTIME_DIR. */
 #define DLPC_USER_SOCKET_NAME "dlpackd.sock"
 
+/**
+ * Environment variable bounding, in milliseconds, how long a call without a timeout of its own
+ * waits for dlpackd (read by dlpc_connect()): unset or empty for DLPC_CALL_TIMEOUT_MS_DEFAULT,
+ * 0 or negative for no bound. See dlpc_connect().
+ */
+#define DLPC_CALL_TIMEOUT_ENV "DLPC_CALL_TIMEOUT_MS"
+/** The bound on a call without a timeout of its own when DLPC_CALL_TIMEOUT_MS is not set. */
+#define DLPC_CALL_TIMEOUT_MS_DEFAULT 30000
+/** What a waiting attach allows dlpackd beyond its own timeout_ms before giving up itself. */
+#define DLPC_CALL_GRACE_MS 1000
+
 /** Environment variable naming the CUDA driver library to load instead of libcuda.so.1. */
 #define DLPC_CUDA_LIBRARY_ENV "DLPC_CUDA_LIBRARY"
 /** The CUDA driver library loaded (dlopen) by the first GPU call. */
@@ -83,9 +107,11 @@ typedef struct dlpc_bundle dlpc_bundle;
 
 /** Options for dlpc_attach() and dlpc_attach_bundle(). */
 typedef struct dlpc_attach_opts {
-	uint32_t size;	    /**< sizeof(dlpc_attach_opts): lets the struct grow */
-	uint32_t flags;	    /**< DLPC_ATTACH_* bits */
-	int64_t timeout_ms; /**< 0: fail at once if absent; > 0: wait up to this; < 0: forever */
+	uint32_t size;	/**< sizeof(dlpc_attach_opts): lets the struct grow */
+	uint32_t flags; /**< DLPC_ATTACH_* bits */
+	/** 0: fail at once if absent; > 0: wait up to this (the library itself gives up this
+	 * plus DLPC_CALL_GRACE_MS after sending the request); < 0: forever */
+	int64_t timeout_ms;
 	void *stream; /**< CUstream the consumer uses (CUDA entries); NULL: wait on the host */
 	/** With DLPC_ATTACH_OWNER: the uid the entry must have been published by. An entry of
 	 * another uid under the name counts as absent (a waiting attach keeps waiting). */
@@ -140,9 +166,15 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
 
 /**
  * Connect to dlpackd and agree on the protocol version.
+ *
+ * Reads $DLPC_CALL_TIMEOUT_MS (DLPC_CALL_TIMEOUT_ENV) once: the bound on this client's calls
+ * that have no timeout of their own, and on each step of connecting (a daemon whose backlog is
+ * full, or a socket that accepts and never answers HELLO).
  * @param socket_path the daemon's socket, or NULL for dlpc_default_socket()'s.
  * @param ret receives the client on success.
- * @return 0, -ECONNREFUSED or -ENOENT when no daemon listens, -EPROTO on a version mismatch.
+ * @return 0, -ECONNREFUSED or -ENOENT when no daemon listens, -EPROTO on a version mismatch,
+ *         -ETIMEDOUT when nothing answered in time, -EINVAL when $DLPC_CALL_TIMEOUT_MS is not a
+ *         whole number of milliseconds.
  */
 DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
 
@@ -151,6 +183,12 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
  * open until the last tensor attached through it has been released, so outstanding deleters keep
  * working, and until the last CUDA tensor published through it by legacy IPC has been reclaimed
  * (see dlpc_publish()). Accepts NULL.
+ *
+ * May be called while other threads are blocked in calls on @p c (a waiting attach, or any
+ * request dlpackd has not answered yet): each of them returns -ECANCELED at once, and what the
+ * daemon answers later is dropped (a reference given back when the connection is read again,
+ * or with the connection). As with any handle, no call may start on @p c once dlpc_close() has
+ * been called.
  */
 DLPC_EXPORT void dlpc_close(dlpc_client *c);
 
@@ -181,7 +219,11 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c);
  *         -EPERM if it belongs to another user, -ENOSPC if shared memory is full, -EBUSY if
  *         dlpc_alloc() memory is still mapped writable in another process, -EINVAL for a
  *         bad name or tensor, -ENOTSUP for a device the library cannot share (or CUDA IPC the
- *         platform does not support), -ENODEV without a CUDA driver.
+ *         platform does not support), -ENODEV without a CUDA driver, -ETIMEDOUT when dlpackd
+ *         did not answer within $DLPC_CALL_TIMEOUT_MS, -ECANCELED when dlpc_close() was called
+ *         meanwhile. After -ETIMEDOUT or -ECANCELED the request has been sent and the daemon
+ *         may still carry it out: the name may be published (a later attach or dlpc_list()
+ *         tells), and a REPLACE may have replaced it.
  */
 DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVersioned *t,
 			     uint32_t flags);
@@ -241,10 +283,14 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
  * @param opts NULL for the defaults (fail at once if absent, read-only, no stream).
  * @return the generation (> 0), -ENOENT if absent (also once a legacy IPC publisher is gone,
  *         and with DLPC_ATTACH_OWNER when another uid published it), -ETIMEDOUT if a wait
- *         expired, -EINVAL if the name holds a bundle of several tensors, -EACCES for a
- *         writable attach of a read-only entry, -ENOTSUP for a copy-on-write attach of a CUDA
- *         entry or an owner check against a daemon older than protocol 1.3, -ENODEV without a
- *         CUDA driver or the entry's device.
+ *         expired or dlpackd did not answer in time (timeout_ms plus DLPC_CALL_GRACE_MS for a
+ *         waiting attach, $DLPC_CALL_TIMEOUT_MS for timeout_ms 0), -EINVAL if the name holds a
+ *         bundle of several tensors, -EACCES for a writable attach of a read-only entry,
+ *         -ENOTSUP for a copy-on-write attach of a CUDA entry or an owner check against a
+ *         daemon older than protocol 1.3, -ENODEV without a CUDA driver or the entry's device,
+ *         -EMFILE when this process has no free fd for the storage's (the message names the
+ *         RLIMIT_NOFILE soft limit; the reference goes back to the daemon and the client stays
+ *         usable), -ECANCELED when dlpc_close() was called meanwhile.
  */
 DLPC_EXPORT int dlpc_attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
 			    DLManagedTensorVersioned **ret);

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -439,6 +440,79 @@ START_TEST(test_rx_ctrunc)
 
 	for (unsigned i = 0; i < n; i++)
 		close(fds[i]);
+	pair_close(sv);
+}
+END_TEST
+
+/*
+ * A receiver that has room for one fd when a frame brings two: the kernel installs the first,
+ * cannot install the second and sets MSG_CTRUNC with room to spare in the control buffer. With
+ * report_lost_fds (libdlpc) the fd that came is closed, the frame arrives with lost = 2 and the
+ * stream goes on with the next frame; without it (the daemon) the read is a protocol violation,
+ * as it always was.
+ */
+START_TEST(test_rx_fds_lost)
+{
+	bool report = _i;
+	uint8_t a[HDR + 3], b[HDR + 3];
+	size_t alen = frame_build(a, DLPC_MSG_ATTACH | DLPC_MSG_REPLY, 7, 2, "abc", 3);
+	size_t blen = frame_build(b, DLPC_MSG_STAT | DLPC_MSG_REPLY, 8, 0, "xyz", 3);
+	int fds[2] = {memfd_new(), memfd_new()}, sv[2], fill[64], nfill = 0, before;
+	struct rlimit rl, low;
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	ssize_t n;
+
+	pair_open(sv, false);
+	send_raw(sv[0], a, alen, fds, 2);
+	send_raw(sv[0], b, blen, NULL, 0);
+	close(fds[0]);
+	close(fds[1]);
+	before = fd_count(getpid());
+	dlpc__rx_init(&rx);
+	rx.report_lost_fds = report;
+
+	/* fill the fd table up to a soft limit of 64, then free one slot */
+	ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+	low = rl;
+	low.rlim_cur = 64;
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+	for (int fd; (fd = dup(sv[0])) >= 0;) {
+		ck_assert_int_lt(nfill, 64);
+		fill[nfill++] = fd;
+	}
+	ck_assert_int_eq(errno, EMFILE);
+	close(fill[--nfill]);
+	n = dlpc__rx_read(&rx, sv[1], why, sizeof(why));
+	while (nfill > 0)
+		close(fill[--nfill]);
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &rl), 0);
+	/* either way, the one fd that was installed is closed again */
+	ck_assert_int_eq(fd_count(getpid()), before);
+
+	if (!report) {
+		ck_assert_int_eq(n, -EPROTO);
+		ck_assert_ptr_nonnull(strstr(why, "truncated"));
+		ck_assert_uint_eq(rx.nbatch, 0);
+	} else {
+		ck_assert_int_eq(n, (ssize_t)alen);
+		ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 1);
+		ck_assert_uint_eq(f.hdr.id, 7);
+		ck_assert_uint_eq(f.nfds, 0);
+		ck_assert_uint_eq(f.lost, 2);
+		ck_assert_mem_eq(f.payload, "abc", 3);
+		dlpc__frame_clear(&f);
+		/* the stream is intact: the next frame follows, with nothing lost */
+		ck_assert_int_eq(rx_frame(&rx, sv[1], &f, why, sizeof(why)), 1);
+		ck_assert_uint_eq(f.hdr.id, 8);
+		ck_assert_uint_eq(f.lost, 0);
+		ck_assert_mem_eq(f.payload, "xyz", 3);
+		dlpc__frame_clear(&f);
+		ck_assert(!dlpc__rx_partial(&rx));
+	}
+	dlpc__rx_clear(&rx);
+	ck_assert(rx.report_lost_fds == report);
 	pair_close(sv);
 }
 END_TEST
@@ -983,6 +1057,7 @@ static Suite *io_suite(void)
 	tcase_add_test(tc, test_rx_extra_fd);
 	tcase_add_loop_test(tc, test_rx_fds_without_frame, 0, 2);
 	tcase_add_loop_test(tc, test_rx_ctrunc, 0, 3);
+	tcase_add_loop_test(tc, test_rx_fds_lost, 0, 2);
 	tcase_add_test(tc, test_rx_fds_pile_up);
 	tcase_add_loop_test(tc, test_rx_oversized, 0, 3);
 	tcase_add_test(tc, test_rx_max_header_waits);

@@ -1,0 +1,539 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Requests and replies: ids, matching replies to callers across threads (one reader at a time,
+ * leader/follower), deadlines on the client side, calls abandoned by their deadline or by
+ * dlpc_close() (their late replies dropped), and replies whose fds this process had no room for.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* A request waiting for its reply. Lives on its caller's stack. */
+struct dlpc__call {
+	struct dlpc__call *next;
+	uint32_t id;
+	bool done;
+	bool canceled; /* by dlpc_close(): already unlinked, its id abandoned */
+	uint16_t type;
+	uint8_t *payload;
+	size_t len;
+	int fds[DLPC_FRAME_FDS_MAX];
+	unsigned nfds;
+	unsigned lost; /* fds of the reply this process had no room for */
+};
+
+/* End the reader's wait for the socket (it then looks at the state of its call). */
+void dlpc__wake_reader(dlpc_client *c)
+{
+	if (c->wake_fd >= 0 && eventfd_write(c->wake_fd, 1) < 0) {
+		/* the counter cannot overflow here; nothing to do */
+	}
+}
+
+/* Remember that nobody waits for the reply to @p id any more. false if out of memory. Under
+ * c->mu. */
+static bool abandon(dlpc_client *c, uint32_t id)
+{
+	if (c->nabandoned == c->abandoned_cap) {
+		size_t cap = c->abandoned_cap ? c->abandoned_cap * 2 : 8;
+		uint32_t *v = realloc(c->abandoned, cap * sizeof(*v));
+
+		if (!v)
+			return false;
+		c->abandoned = v;
+		c->abandoned_cap = cap;
+	}
+	c->abandoned[c->nabandoned++] = id;
+	return true;
+}
+
+/* Was the reply to @p id abandoned? Unless @p keep, forget the id then (its reply has come).
+ * Under c->mu. */
+static bool take_abandoned(dlpc_client *c, uint32_t id, bool keep)
+{
+	for (size_t i = 0; i < c->nabandoned; i++)
+		if (c->abandoned[i] == id) {
+			if (!keep)
+				c->abandoned[i] = c->abandoned[--c->nabandoned];
+			return true;
+		}
+	return false;
+}
+
+/* The reference an ATTACH reply grants (to be released by whoever cannot use it), or 0. */
+static uint64_t reply_ref(uint16_t type, const uint8_t *payload, size_t len)
+{
+	Dlpackd__V1__AttachReply *m;
+	uint64_t ref;
+
+	if (type != (DLPC_MSG_ATTACH | DLPC_MSG_REPLY))
+		return 0;
+	m = dlpackd__v1__attach_reply__unpack(NULL, len, payload);
+	if (!m)
+		return 0;
+	ref = m->ref_id;
+	dlpackd__v1__attach_reply__free_unpacked(m, NULL);
+	return ref;
+}
+
+/*
+ * For dlpc_close(): no call starts on @p c any more, and every call still waiting for its reply
+ * gives up with -ECANCELED. Its caller still holds its own reference on @p c, so waking it is
+ * safe; its id is abandoned, so a reply that comes later is dropped (and an ATTACH reply's
+ * reference released) instead of being written into the caller's stack.
+ */
+void dlpc__cancel_calls(dlpc_client *c)
+{
+	struct dlpc__call **pp;
+
+	pthread_mutex_lock(&c->mu);
+	c->closed = true;
+	for (pp = &c->calls; *pp;) {
+		struct dlpc__call *call = *pp;
+
+		/* a call whose reply has come already finishes as it would have */
+		if (call->done) {
+			pp = &call->next;
+			continue;
+		}
+		*pp = call->next;
+		call->canceled = true;
+		if (!abandon(c, call->id) && !c->broken)
+			c->broken = -ENOMEM; /* its reply could no longer be matched */
+	}
+	pthread_cond_broadcast(&c->cv);
+	dlpc__wake_reader(c);
+	pthread_mutex_unlock(&c->mu);
+}
+
+/* The connection is gone: say why, in the daemon's words when it left some. Called with c->mu. */
+static int conn_error(dlpc_client *c, int err)
+{
+	if (c->fatal[0])
+		return dlpc__fail(err, "connection to dlpackd lost: dlpackd said: %s", c->fatal);
+	return dlpc__fail(err, "connection to dlpackd lost: %s", strerror(-err));
+}
+
+/* Queue the tokens of a RECLAIM notice for the reclaimer thread. Called with c->mu held. */
+static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
+{
+	Dlpackd__V1__Reclaim *m = dlpackd__v1__reclaim__unpack(NULL, f->hdr.len, f->payload);
+	int r = 0;
+
+	if (!m || m->n_tokens > DLPC_RECLAIM_BATCH_MAX) {
+		r = -EPROTO;
+		goto out;
+	}
+	if (c->nreclaimed + m->n_tokens > c->reclaimed_cap) {
+		size_t cap = c->nreclaimed + m->n_tokens + 16;
+		uint64_t *v = realloc(c->reclaimed, cap * sizeof(*v));
+
+		if (!v) {
+			r = -ENOMEM;
+			goto out;
+		}
+		c->reclaimed = v;
+		c->reclaimed_cap = cap;
+	}
+	memcpy(c->reclaimed + c->nreclaimed, m->tokens, m->n_tokens * sizeof(*m->tokens));
+	c->nreclaimed += m->n_tokens;
+	/* the reclaimer may be waiting for another reader's turn to end: this wakes it */
+	pthread_cond_broadcast(&c->cv);
+out:
+	if (m)
+		dlpackd__v1__reclaim__free_unpacked(m, NULL);
+	return r;
+}
+
+/*
+ * Hand a received frame to the call waiting for it: 0. Or drop the reply to a call whose caller
+ * gave up: 1, with *@p drop set to the reference an ATTACH reply granted, for the reader to
+ * release once it has let go of c->mu (the frame's fds are closed with it). Called with c->mu
+ * held.
+ */
+static int deliver(dlpc_client *c, struct dlpc__frame *f, uint64_t *drop)
+{
+	struct dlpc__call *call;
+
+	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_RECLAIM)
+		return take_reclaim(c, f);
+	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, f->hdr.len, f->payload);
+
+		snprintf(c->fatal, sizeof(c->fatal), "%s", e ? e->message : "(malformed ERROR)");
+		if (e)
+			dlpackd__v1__error__free_unpacked(e, NULL);
+		return -EPROTO;
+	}
+	for (call = c->calls; call; call = call->next)
+		if (call->id == f->hdr.id && !call->done)
+			break;
+	if (!call && f->hdr.id != 0 && take_abandoned(c, f->hdr.id, false)) {
+		*drop = reply_ref(f->hdr.type, f->payload, f->hdr.len);
+		return 1;
+	}
+	if (!call)
+		return -EPROTO;
+	call->payload = malloc(f->hdr.len ? f->hdr.len : 1);
+	if (!call->payload)
+		return -ENOMEM;
+	memcpy(call->payload, f->payload, f->hdr.len);
+	call->len = f->hdr.len;
+	call->type = f->hdr.type;
+	call->nfds = f->nfds;
+	call->lost = f->lost;
+	for (unsigned i = 0; i < f->nfds; i++)
+		call->fds[i] = dlpc__frame_take_fd(f, i);
+	call->done = true;
+	return 0;
+}
+
+/* Milliseconds until @p dl (CLOCK_MONOTONIC), rounded up, for poll(); 0 once it has passed. */
+static int ms_until(const struct timespec *dl)
+{
+	struct timespec now;
+	int64_t ns;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	ns = (int64_t)(dl->tv_sec - now.tv_sec) * 1000000000 + (dl->tv_nsec - now.tv_nsec);
+	if (ns <= 0)
+		return 0;
+	return ns >= (int64_t)INT32_MAX * 1000000 ? INT32_MAX : (int)((ns + 999999) / 1000000);
+}
+
+/* Has @p dl passed? */
+static bool passed(const struct timespec *dl)
+{
+	struct timespec now;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return now.tv_sec > dl->tv_sec || (now.tv_sec == dl->tv_sec && now.tv_nsec >= dl->tv_nsec);
+}
+
+/* @p ms from now on CLOCK_MONOTONIC. */
+static void deadline_in(struct timespec *dl, int64_t ms)
+{
+	clock_gettime(CLOCK_MONOTONIC, dl);
+	dl->tv_sec += (time_t)(ms / 1000);
+	dl->tv_nsec += (long)(ms % 1000) * 1000000;
+	if (dl->tv_nsec >= 1000000000) {
+		dl->tv_sec++;
+		dl->tv_nsec -= 1000000000;
+	}
+}
+
+/*
+ * The reader's turn: parse what is buffered, reading more until at least one frame has been
+ * delivered (0). Replies to abandoned calls are dropped on the way. A WATCH reply ends the turn
+ * at once: the frames behind it are events, left in the buffer for the watch. The turn also ends
+ * (1) when @p dl (NULL: none) passes or c->wake_fd is signalled with nothing delivered. A
+ * negative errno: the connection is lost. Called without c->mu, as the reader.
+ */
+int dlpc__read_frames(dlpc_client *c, const struct timespec *dl)
+{
+	char why[160];
+
+	for (;;) {
+		struct pollfd p[2] = {{.fd = c->sock, .events = POLLIN},
+				      {.fd = c->wake_fd, .events = POLLIN}};
+		struct dlpc__frame f;
+		int delivered = 0, r;
+		ssize_t n;
+
+		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
+			bool watch = f.hdr.type == (DLPC_MSG_WATCH | DLPC_MSG_REPLY);
+			uint64_t drop = 0;
+
+			pthread_mutex_lock(&c->mu);
+			r = deliver(c, &f, &drop);
+			pthread_mutex_unlock(&c->mu);
+			dlpc__frame_clear(&f);
+			if (drop)
+				dlpc__release(c, drop);
+			if (r < 0)
+				return r;
+			if (r == 0)
+				delivered++;
+			if (watch && r == 0)
+				return 0;
+		}
+		if (r < 0)
+			return r;
+		if (delivered)
+			return 0;
+		r = poll(p, 2, dl ? ms_until(dl) : -1);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0)
+			return -errno;
+		if (p[1].revents) {
+			eventfd_t v;
+
+			eventfd_read(c->wake_fd, &v);
+			return 1;
+		}
+		if (r == 0)
+			return 1;
+		n = dlpc__rx_read(&c->rx, c->sock, why, sizeof(why));
+		if (n == 0)
+			return -ECONNRESET;
+		if (n < 0 && n != -EAGAIN)
+			return (int)n;
+	}
+}
+
+static void unlink_call(dlpc_client *c, struct dlpc__call *call)
+{
+	struct dlpc__call **pp = &c->calls;
+
+	while (*pp != call)
+		pp = &(*pp)->next;
+	*pp = call->next;
+}
+
+/*
+ * Write a request frame, with the deferred releases in front of it in the same write when the
+ * request carries no fds (fds must ride with the first byte of their own frame, so a request
+ * with fds sends the releases first, on their own). Under wmu. Returns 0 or a negative errno;
+ * @p sent counts the request's bytes that left.
+ */
+static int send_request(dlpc_client *c, uint16_t type, uint32_t id, const ProtobufCMessage *req,
+			const int *fds, unsigned nfds, size_t *sent)
+{
+	ssize_t at = 0, len;
+	size_t out = 0;
+	int r;
+
+	*sent = 0;
+	if (atomic_load_explicit(&c->npending, memory_order_relaxed)) {
+		if (nfds)
+			dlpc__flush_locked(c);
+		else
+			at = dlpc__pending_frame(c);
+		if (at < 0) /* out of memory: send them on their own, a frame at a time */
+			at = 0, dlpc__flush_locked(c);
+	}
+	len = dlpc__msg_frame_at(&c->out, (size_t)at, type, id, req, NULL, 0, nfds);
+	if (len < 0) {
+		/* the request is refused before anything left: the releases still go */
+		if (at)
+			dlpc__flush_locked(c);
+		return (int)len;
+	}
+	r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, fds, nfds, &out);
+	if (at && out >= (size_t)at)
+		atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
+	*sent = out > (size_t)at ? out - (size_t)at : 0;
+	/* a write cut inside the releases has broken the stream just the same */
+	if (r < 0 && out > 0 && *sent == 0)
+		*sent = 1;
+	return r;
+}
+
+/* Why a call stopped waiting before its reply came: the message, and the return value. */
+static int call_gave_up(uint16_t type, int64_t bound, int64_t wait_ms)
+{
+	char name[32];
+
+	dlpc__msg_name(type, name, sizeof(name));
+	if (wait_ms > 0)
+		return dlpc__fail(-ETIMEDOUT,
+				  "dlpackd did not answer %s within %lld ms (its %lld ms wait plus "
+				  "%d ms grace): it may be stopped or overloaded",
+				  name, (long long)bound, (long long)wait_ms, DLPC_CALL_GRACE_MS);
+	return dlpc__fail(-ETIMEDOUT,
+			  "dlpackd did not answer %s within %lld ms (%s): it may be stopped or "
+			  "overloaded",
+			  name, (long long)bound, DLPC_CALL_TIMEOUT_ENV);
+}
+
+/* The reply's fds could not be received: give back what it granted, and say why. */
+static int fds_lost(dlpc_client *c, const struct dlpc__call *call)
+{
+	uint64_t ref = reply_ref(call->type, call->payload, call->len);
+	struct rlimit rl = {0};
+
+	if (ref)
+		dlpc__release(c, ref);
+	getrlimit(RLIMIT_NOFILE, &rl);
+	if (rl.rlim_cur == RLIM_INFINITY)
+		return dlpc__fail(-EMFILE,
+				  "no free file descriptor to receive the one dlpackd sent (the "
+				  "kernel refused to install it)%s",
+				  ref ? "; the reference was given back" : "");
+	return dlpc__fail(-EMFILE,
+			  "no free file descriptor to receive the one dlpackd sent: this process "
+			  "has reached its limit of %llu open files (RLIMIT_NOFILE)%s",
+			  (unsigned long long)rl.rlim_cur,
+			  ref ? "; the reference was given back" : "");
+}
+
+/* dlpc__call() bounded by @p bound ms (<= 0: not at all); @p wait_ms is for the message. */
+static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
+			unsigned nfds, int64_t bound, int64_t wait_ms,
+			const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep, int *rfd,
+			ProtobufCAllocator *alloc)
+{
+	struct dlpc__call call = {0};
+	struct timespec deadline, *dl = NULL;
+	size_t sent = 0;
+	ssize_t len;
+	int r;
+
+	if (rfd)
+		*rfd = -1;
+	*rep = NULL;
+	if (bound > 0) {
+		deadline_in(&deadline, bound);
+		dl = &deadline;
+	}
+	pthread_mutex_lock(&c->mu);
+	if (c->closed) {
+		pthread_mutex_unlock(&c->mu);
+		return dlpc__fail(-ECANCELED, "dlpc_close() was called on this client");
+	}
+	if (c->broken) {
+		r = conn_error(c, c->broken);
+		pthread_mutex_unlock(&c->mu);
+		return r;
+	}
+	/* ids still owed a reply are skipped, so that the reply is not taken for this call's */
+	do
+		call.id = ++c->next_id;
+	while (call.id == 0 || take_abandoned(c, call.id, true));
+	call.next = c->calls;
+	c->calls = &call;
+	pthread_mutex_unlock(&c->mu);
+
+	pthread_mutex_lock(&c->wmu);
+	len = send_request(c, type, call.id, req, fds, nfds, &sent);
+	r = len < 0 ? (int)len : 0;
+	pthread_mutex_unlock(&c->wmu);
+	/* the socket's send timeout (SO_SNDTIMEO) expired: the daemon does not read */
+	if (r == -EAGAIN)
+		r = -ETIMEDOUT;
+
+	pthread_mutex_lock(&c->mu);
+	/* a request that failed before its first byte left (too large, out of memory, an fd the
+	 * kernel would not pass, a daemon that does not read) leaves the connection as good as it
+	 * was */
+	if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF) {
+		if (!call.canceled)
+			unlink_call(c, &call);
+		pthread_mutex_unlock(&c->mu);
+		if (r == -EMSGSIZE)
+			return dlpc__fail(
+				r, "request of %zu bytes exceeds the frame limit of %u bytes",
+				protobuf_c_message_get_packed_size(req), DLPC_FRAME_MAX);
+		if (r == -ETIMEDOUT)
+			return dlpc__fail(r,
+					  "dlpackd did not take the request within %lld ms (%s): "
+					  "it may be stopped or overloaded",
+					  (long long)c->call_timeout_ms, DLPC_CALL_TIMEOUT_ENV);
+		return dlpc__fail(r, "cannot send the request to dlpackd: %s", strerror(-r));
+	}
+	if (r < 0 && !c->broken) {
+		c->broken = r;
+		pthread_cond_broadcast(&c->cv);
+	}
+	while (!call.done && !call.canceled && !c->broken && !(dl && passed(dl))) {
+		if (c->reading) {
+			if (dl)
+				pthread_cond_timedwait(&c->cv, &c->mu, dl);
+			else
+				pthread_cond_wait(&c->cv, &c->mu);
+			continue;
+		}
+		c->reading = true;
+		pthread_mutex_unlock(&c->mu);
+		r = dlpc__read_frames(c, dl);
+		pthread_mutex_lock(&c->mu);
+		c->reading = false;
+		if (r < 0 && !c->broken)
+			c->broken = r;
+		pthread_cond_broadcast(&c->cv);
+	}
+	if (call.canceled) {
+		/* dlpc_close() unlinked it and abandoned its id */
+		pthread_mutex_unlock(&c->mu);
+		return dlpc__fail(-ECANCELED, "dlpc_close() was called on this client while the "
+					      "call waited for dlpackd");
+	}
+	unlink_call(c, &call);
+	if (!call.done && !c->broken) {
+		/* Out of time. The request may still take effect: its reply is dropped when it
+		 * comes, and an ATTACH reply's reference given back. */
+		if (!abandon(c, call.id))
+			c->broken = -ENOMEM; /* the reply could no longer be matched */
+		pthread_mutex_unlock(&c->mu);
+		return call_gave_up(type, bound, wait_ms);
+	}
+	r = call.done ? 0 : conn_error(c, c->broken);
+	pthread_mutex_unlock(&c->mu);
+	if (!call.done)
+		return r;
+
+	r = 0;
+	if (call.lost) {
+		r = fds_lost(c, &call);
+	} else if (call.type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, call.len, call.payload);
+
+		r = e && e->code > 0 ? dlpc__fail(-e->code, "%s", e->message)
+				     : dlpc__fail(-EPROTO, "malformed ERROR reply from dlpackd");
+		if (e)
+			dlpackd__v1__error__free_unpacked(e, NULL);
+	} else if (call.type != (type | DLPC_MSG_REPLY)) {
+		r = dlpc__fail(-EPROTO, "dlpackd answered with frame type 0x%x", call.type);
+	} else {
+		*rep = protobuf_c_message_unpack(rdesc, alloc, call.len, call.payload);
+		if (!*rep)
+			r = dlpc__fail(-EPROTO, "malformed reply from dlpackd");
+	}
+	for (unsigned i = 0; i < call.nfds; i++) {
+		if (r == 0 && rfd && *rfd < 0)
+			*rfd = call.fds[i];
+		else
+			close(call.fds[i]);
+	}
+	free(call.payload);
+	return r;
+}
+
+int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
+	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
+	       int *rfd, ProtobufCAllocator *alloc)
+{
+	int r;
+
+	/* a caller blocked here keeps the client alive through a dlpc_close() meanwhile */
+	dlpc__client_ref(c);
+	r = call_bounded(c, type, req, fds, nfds, c->call_timeout_ms, 0, rdesc, rep, rfd, alloc);
+	dlpc__client_unref(c);
+	return r;
+}
+
+int dlpc__call_wait(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, int64_t wait_ms,
+		    const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep, int *rfd,
+		    ProtobufCAllocator *alloc)
+{
+	int64_t bound =
+		wait_ms > INT64_MAX - DLPC_CALL_GRACE_MS ? -1 : wait_ms + DLPC_CALL_GRACE_MS;
+	int r;
+
+	if (wait_ms == 0)
+		return dlpc__call(c, type, req, NULL, 0, rdesc, rep, rfd, alloc);
+	dlpc__client_ref(c);
+	r = call_bounded(c, type, req, NULL, 0, wait_ms < 0 ? -1 : bound, wait_ms, rdesc, rep, rfd,
+			 alloc);
+	dlpc__client_unref(c);
+	return r;
+}

@@ -1,0 +1,473 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Clients under pressure: a client out of fds, a daemon that stops answering (SIGSTOP), a socket
+ * that accepts and never answers, and dlpc_close() while other threads wait. Each failure is
+ * clean and local: the call fails with its own code, the same connection goes on working, the
+ * daemon gets back every reference the client could not take, and afterwards a good client is
+ * unaffected and the daemon's fds and STAT figures are back at their baseline.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+
+#include "raw.h"
+
+static struct daemon D;
+
+static void setup(void)
+{
+	daemon_start(&D);
+}
+
+static void teardown(void)
+{
+	daemon_stop(&D);
+}
+
+static long long now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+static bool error_says(const char *text)
+{
+	return strstr(dlpc_last_error(), text) != NULL;
+}
+
+/* In a child: poll STAT on @p c until the references are @p refs (true) or 10 s pass. */
+static bool refs_become(dlpc_client *c, uint64_t refs)
+{
+	long long deadline = now_ms() + scaled_ms(10000);
+
+	for (;;) {
+		dlpc_stats s = {.size = sizeof(s)};
+
+		if (dlpc_stat(c, &s) == 0 && s.references == refs)
+			return true;
+		if (now_ms() > deadline)
+			return false;
+		usleep(2000);
+	}
+}
+
+static uint64_t refs_of(dlpc_client *c)
+{
+	dlpc_stats s = {.size = sizeof(s)};
+
+	CHILD_CHECK(dlpc_stat(c, &s) == 0);
+	return s.references;
+}
+
+/* 64 bytes 0..63 as "one", and a bundle of three 16-element tensors as "bundle". */
+static void publish_fixtures(dlpc_client *c)
+{
+	static uint8_t one[64];
+	static uint32_t parts[3][16];
+	const char *keys[3] = {"a", "b", "c"};
+	DLManagedTensorVersioned *ts[3];
+	int64_t n64[1] = {64}, n16[1] = {16};
+
+	for (int i = 0; i < 64; i++)
+		one[i] = (uint8_t)i;
+	for (int k = 0; k < 3; k++) {
+		for (int i = 0; i < 16; i++)
+			parts[k][i] = (uint32_t)(k * 1000 + i);
+		ts[k] = host_tensor(parts[k], (DLDataType){kDLUInt, 32, 1}, 1, n16, NULL, NULL);
+	}
+	ck_assert_dlpc(
+		dlpc_publish(c, "one",
+			     host_tensor(one, (DLDataType){kDLUInt, 8, 1}, 1, n64, NULL, NULL), 0),
+		1);
+	ck_assert_dlpc(dlpc_publish_bundle(c, "bundle", 3, keys, ts, 0), 1);
+}
+
+static bool one_ok(const DLManagedTensorVersioned *t)
+{
+	for (int i = 0; i < 64; i++)
+		if (((const uint8_t *)t->dl_tensor.data)[i] != i)
+			return false;
+	return true;
+}
+
+/* ---- 1. a client at its fd limit ---- */
+
+/* Open fds until the soft limit, lowered to @p limit, is reached; their count. */
+static int fill_fd_table(int *fds, int cap, rlim_t limit)
+{
+	struct rlimit rl;
+	int n = 0;
+
+	CHILD_CHECK(getrlimit(RLIMIT_NOFILE, &rl) == 0);
+	rl.rlim_cur = limit;
+	CHILD_CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0);
+	for (int fd; (fd = dup(STDERR_FILENO)) >= 0;) {
+		CHILD_CHECK(n < cap);
+		fds[n++] = fd;
+	}
+	CHILD_CHECK(errno == EMFILE);
+	return n;
+}
+
+static int attach_at_fd_limit(void *arg)
+{
+	dlpc_attach_opts wait = {.size = sizeof(wait), .timeout_ms = 5000};
+	const struct daemon *d = arg;
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_bundle *b = NULL;
+	int fill[128], n, fds0;
+	dlpc_client *c;
+	uint64_t refs0;
+
+	CHILD_CHECK(dlpc_connect(d->sock, &c) == 0);
+	fds0 = fd_count(getpid());
+	refs0 = refs_of(c);
+	n = fill_fd_table(fill, 128, 64);
+
+	/* the reply's fd cannot be installed: -EMFILE naming the limit, the reference given back */
+	CHILD_CHECK(dlpc_attach(c, "one", NULL, &t) == -EMFILE);
+	CHILD_CHECK(t == NULL);
+	CHILD_CHECK(error_says("cannot attach 'one'") && error_says("RLIMIT_NOFILE") &&
+		    error_says("limit of 64 open files"));
+	CHILD_CHECK(refs_become(c, refs0));
+	/* a waiting attach, answered at once because the name is there, the same */
+	CHILD_CHECK(dlpc_attach(c, "one", &wait, &t) == -EMFILE);
+	CHILD_CHECK(dlpc_attach_bundle(c, "bundle", NULL, &b) == -EMFILE);
+	CHILD_CHECK(b == NULL);
+	CHILD_CHECK(error_says("cannot attach 'bundle'") && error_says("limit of 64 open files"));
+	CHILD_CHECK(refs_become(c, refs0));
+
+	/* one fd free again: the same connection attaches both */
+	close(fill[--n]);
+	CHILD_CHECK(dlpc_attach(c, "one", NULL, &t) == 1);
+	CHILD_CHECK(one_ok(t));
+	CHILD_CHECK(refs_of(c) == refs0 + 1);
+	t->deleter(t);
+	CHILD_CHECK(dlpc_attach_bundle(c, "bundle", NULL, &b) == 1);
+	CHILD_CHECK(dlpc_bundle_count(b) == 3 && strcmp(dlpc_bundle_key(b, 2), "c") == 0);
+	t = dlpc_bundle_take(b, 2);
+	CHILD_CHECK(((const uint32_t *)t->dl_tensor.data)[5] == 2005);
+	t->deleter(t);
+	dlpc_bundle_free(b);
+	while (n > 0)
+		close(fill[--n]);
+	CHILD_CHECK(refs_become(c, refs0));
+	CHILD_CHECK(fd_count(getpid()) == fds0);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_fd_limit)
+{
+	int baseline;
+
+	good_client_start(&D);
+	publish_fixtures(good_client());
+	baseline = good_baseline();
+	ck_assert_int_eq(wait_child(spawn(attach_at_fd_limit, &D)), 0);
+	good_client_check();
+	expect_fds(baseline);
+	ck_assert_uint_eq(stat_or_die(good_client()).protocol_errors, 0);
+	good_client_stop();
+}
+END_TEST
+
+/* ---- 5. a daemon that stops answering ---- */
+
+static int against_stopped_daemon(void *arg)
+{
+	dlpc_attach_opts wait = {.size = sizeof(wait), .timeout_ms = 300};
+	const struct daemon *d = arg;
+	int bound = scaled_ms(500), fds0;
+	static uint8_t late[64];
+	int64_t n64[1] = {64};
+	DLManagedTensorVersioned *t = NULL, *p;
+	dlpc_stats s = {.size = sizeof(s)};
+	dlpc_bundle *b = NULL;
+	dlpc_client *c;
+	int deleted = 0;
+	uint64_t refs0;
+	long long t0;
+	char env[24];
+
+	snprintf(env, sizeof(env), "%d", bound);
+	CHILD_CHECK(setenv("DLPC_CALL_TIMEOUT_MS", env, 1) == 0);
+	CHILD_CHECK(dlpc_connect(d->sock, &c) == 0);
+	fds0 = fd_count(getpid());
+	refs0 = refs_of(c);
+	for (int i = 0; i < 64; i++)
+		late[i] = (uint8_t)(255 - i);
+	p = host_tensor(late, (DLDataType){kDLUInt, 8, 1}, 1, n64, NULL, &deleted);
+
+	CHILD_CHECK(kill(d->pid, SIGSTOP) == 0);
+	/* a waiting attach gives up after its own 300 ms plus the grace, not never */
+	t0 = now_ms();
+	CHILD_CHECK(dlpc_attach(c, "one", &wait, &t) == -ETIMEDOUT);
+	CHILD_CHECK(now_ms() - t0 < 10000);
+	CHILD_CHECK(t == NULL);
+	CHILD_CHECK(error_says("did not answer ATTACH within 1300 ms"));
+	/* calls without a timeout of their own: DLPC_CALL_TIMEOUT_MS */
+	t0 = now_ms();
+	CHILD_CHECK(dlpc_stat(c, &s) == -ETIMEDOUT);
+	CHILD_CHECK(now_ms() - t0 < bound + 10000);
+	CHILD_CHECK(error_says("DLPC_CALL_TIMEOUT_MS"));
+	/* an attach that does not wait (timeout 0) is such a call too */
+	t0 = now_ms();
+	CHILD_CHECK(dlpc_attach_bundle(c, "bundle", NULL, &b) == -ETIMEDOUT);
+	CHILD_CHECK(now_ms() - t0 < bound + 10000);
+	CHILD_CHECK(b == NULL && error_says("did not answer ATTACH"));
+	/* a publish too: the library's ownership of the tensor ends as on any failure */
+	t0 = now_ms();
+	CHILD_CHECK(dlpc_publish(c, "late", p, 0) == -ETIMEDOUT);
+	CHILD_CHECK(now_ms() - t0 < bound + 10000);
+	CHILD_CHECK(deleted == 1);
+	CHILD_CHECK(kill(d->pid, SIGCONT) == 0);
+
+	/* the same connection goes on: each call gets its own reply, the late ones are dropped
+	 * (the ATTACH replies' references given back, their fds closed) */
+	CHILD_CHECK(dlpc_stat(c, &s) == 0);
+	CHILD_CHECK(s.daemon_pid == (uint32_t)d->pid);
+	CHILD_CHECK(refs_become(c, refs0));
+	/* a publish that timed out may still have taken effect: this one did */
+	CHILD_CHECK(dlpc_attach(c, "late", NULL, &t) == 1);
+	CHILD_CHECK(((const uint8_t *)t->dl_tensor.data)[0] == 255);
+	t->deleter(t);
+	CHILD_CHECK(dlpc_attach(c, "one", &wait, &t) == 1);
+	CHILD_CHECK(one_ok(t));
+	t->deleter(t);
+	CHILD_CHECK(dlpc_unpublish(c, "late") == 0);
+	CHILD_CHECK(refs_become(c, refs0));
+	CHILD_CHECK(fd_count(getpid()) == fds0);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_stopped_daemon)
+{
+	dlpc_stats before, after;
+	int baseline, st;
+
+	good_client_start(&D);
+	publish_fixtures(good_client());
+	baseline = good_baseline();
+	before = stat_or_die(good_client());
+	st = wait_child(spawn(against_stopped_daemon, &D));
+	kill(D.pid, SIGCONT); /* whatever became of the child */
+	ck_assert_int_eq(st, 0);
+	good_client_check();
+	expect_fds(baseline);
+	after = stat_or_die(good_client());
+	ck_assert_uint_eq(after.entries, before.entries);
+	ck_assert_uint_eq(after.bytes_held, before.bytes_held);
+	ck_assert_uint_eq(after.waiters, 0);
+	ck_assert_uint_eq(after.protocol_errors, 0);
+	good_client_stop();
+}
+END_TEST
+
+/* ---- 5. a socket that accepts and never answers ---- */
+
+struct mute {
+	int listener, conn;
+};
+
+static void *accept_and_hold(void *arg)
+{
+	struct mute *m = arg;
+
+	m->conn = accept4(m->listener, NULL, NULL, SOCK_CLOEXEC);
+	return NULL;
+}
+
+static int connect_to_mute_socket(void *arg)
+{
+	const struct daemon *d = arg;
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	struct mute m = {.conn = -1};
+	dlpc_client *c = NULL;
+	pthread_t th;
+	long long t0;
+	int fds0;
+
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/mute.sock", d->dir);
+	m.listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	CHILD_CHECK(m.listener >= 0);
+	CHILD_CHECK(bind(m.listener, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+	CHILD_CHECK(listen(m.listener, 8) == 0);
+	CHILD_CHECK(pthread_create(&th, NULL, accept_and_hold, &m) == 0);
+	fds0 = fd_count(getpid());
+
+	CHILD_CHECK(setenv("DLPC_CALL_TIMEOUT_MS", "300", 1) == 0);
+	t0 = now_ms();
+	CHILD_CHECK(dlpc_connect(sa.sun_path, &c) == -ETIMEDOUT);
+	CHILD_CHECK(now_ms() - t0 < 10000);
+	CHILD_CHECK(c == NULL);
+	CHILD_CHECK(error_says(sa.sun_path) && error_says("did not answer HELLO within 300 ms"));
+	CHILD_CHECK(pthread_join(th, NULL) == 0);
+	CHILD_CHECK(m.conn >= 0);
+	close(m.conn);
+	/* the client's socket and eventfd are gone again */
+	CHILD_CHECK(fd_count(getpid()) == fds0);
+
+	/* a value that is not a number of milliseconds is refused, not ignored */
+	CHILD_CHECK(setenv("DLPC_CALL_TIMEOUT_MS", "3s", 1) == 0);
+	CHILD_CHECK(dlpc_connect(d->sock, &c) == -EINVAL);
+	CHILD_CHECK(error_says("DLPC_CALL_TIMEOUT_MS='3s'"));
+	/* 0: no bound; the real daemon answers */
+	CHILD_CHECK(setenv("DLPC_CALL_TIMEOUT_MS", "0", 1) == 0);
+	CHILD_CHECK(dlpc_connect(d->sock, &c) == 0);
+	dlpc_close(c);
+	CHILD_CHECK(fd_count(getpid()) == fds0);
+	close(m.listener);
+	unlink(sa.sun_path);
+	return 0;
+}
+
+START_TEST(test_mute_socket)
+{
+	int baseline;
+
+	good_client_start(&D);
+	baseline = good_baseline();
+	ck_assert_int_eq(wait_child(spawn(connect_to_mute_socket, &D)), 0);
+	good_client_check();
+	expect_fds(baseline);
+	good_client_stop();
+}
+END_TEST
+
+/* ---- 6. dlpc_close() while threads wait ---- */
+
+struct waiter {
+	dlpc_client *c;
+	const char *name;
+	int r;
+	char msg[512];
+};
+
+static void *wait_forever(void *arg)
+{
+	dlpc_attach_opts forever = {.size = sizeof(forever), .timeout_ms = -1};
+	struct waiter *w = arg;
+	DLManagedTensorVersioned *t = NULL;
+
+	w->r = dlpc_attach(w->c, w->name, &forever, &t);
+	snprintf(w->msg, sizeof(w->msg), "%s", dlpc_last_error());
+	if (t)
+		t->deleter(t);
+	return NULL;
+}
+
+static bool waiters_become(dlpc_client *probe, uint64_t n)
+{
+	long long deadline = now_ms() + scaled_ms(10000);
+
+	for (;;) {
+		dlpc_stats s = {.size = sizeof(s)};
+
+		if (dlpc_stat(probe, &s) == 0 && s.waiters == n)
+			return true;
+		if (now_ms() > deadline)
+			return false;
+		usleep(2000);
+	}
+}
+
+static int close_wakes_waiters(void *arg)
+{
+	const struct daemon *d = arg;
+	struct waiter w[4];
+	pthread_t th[4];
+	DLManagedTensorVersioned *held;
+	dlpc_client *kept, *lone, *probe;
+	static uint8_t bytes[64];
+	int64_t n64[1] = {64};
+	uint64_t refs0;
+	int fds0;
+
+	CHILD_CHECK(dlpc_connect(d->sock, &probe) == 0);
+	fds0 = fd_count(getpid());
+	refs0 = refs_of(probe);
+	/* "kept" holds a tensor, so its connection outlives dlpc_close(); "lone" holds nothing,
+	 * so its last reference is the waiting thread's own */
+	CHILD_CHECK(dlpc_connect(d->sock, &kept) == 0);
+	CHILD_CHECK(dlpc_connect(d->sock, &lone) == 0);
+	CHILD_CHECK(dlpc_attach(kept, "one", NULL, &held) == 1);
+	for (int i = 0; i < 4; i++) {
+		w[i] = (struct waiter){.c = i < 3 ? kept : lone, .name = "cancel/later", .r = 1};
+		CHILD_CHECK(pthread_create(&th[i], NULL, wait_forever, &w[i]) == 0);
+	}
+	CHILD_CHECK(waiters_become(probe, 4));
+
+	dlpc_close(kept);
+	dlpc_close(lone);
+	for (int i = 0; i < 4; i++) {
+		CHILD_CHECK(pthread_join(th[i], NULL) == 0);
+		if (w[i].r != -ECANCELED || !strstr(w[i].msg, "cannot attach 'cancel/later'") ||
+		    !strstr(w[i].msg, "dlpc_close()")) {
+			fprintf(stderr, "waiter %d: %d (%s)\n", i, w[i].r, w[i].msg);
+			_exit(1);
+		}
+	}
+	/* lone is gone with its connection; kept's connection lives on for the held tensor,
+	 * its three waits still registered with the daemon */
+	CHILD_CHECK(waiters_become(probe, 3));
+	/* answering them now sends replies nobody reads: the daemon's references and fds are
+	 * the connection's, freed with it */
+	for (int i = 0; i < 64; i++)
+		bytes[i] = (uint8_t)i;
+	CHILD_CHECK(
+		dlpc_publish(probe, "cancel/later",
+			     host_tensor(bytes, (DLDataType){kDLUInt, 8, 1}, 1, n64, NULL, NULL),
+			     0) == 1);
+	CHILD_CHECK(waiters_become(probe, 0));
+	CHILD_CHECK(one_ok(held));
+	held->deleter(held);
+	CHILD_CHECK(refs_become(probe, refs0));
+	CHILD_CHECK(dlpc_unpublish(probe, "cancel/later") == 0);
+	CHILD_CHECK(fd_count(getpid()) == fds0);
+	dlpc_close(probe);
+	return 0;
+}
+
+START_TEST(test_close_cancels_waiters)
+{
+	int baseline;
+
+	good_client_start(&D);
+	publish_fixtures(good_client());
+	baseline = good_baseline();
+	ck_assert_int_eq(wait_child(spawn(close_wakes_waiters, &D)), 0);
+	good_client_check();
+	expect_fds(baseline);
+	ck_assert_uint_eq(stat_or_die(good_client()).waiters, 0);
+	good_client_stop();
+}
+END_TEST
+
+static Suite *pressure_suite(void)
+{
+	Suite *s = suite_create("pressure");
+	TCase *tc = tcase_create("pressure");
+
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
+	tcase_add_test(tc, test_fd_limit);
+	tcase_add_test(tc, test_stopped_daemon);
+	tcase_add_test(tc, test_mute_socket);
+	tcase_add_test(tc, test_close_cancels_waiters);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	return run_suite(pressure_suite());
+}
