@@ -21,7 +21,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "dlpackd.h"
+#include "base.h"
+#include "config.h"
+#include "limits.h"
 
 struct dlpd_config dlpd_config = {
 	.socket_path = NULL,

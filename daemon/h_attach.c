@@ -4,7 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dlpackd.h"
+#include "handlers.h"
+#include "names.h"
+#include "peer.h"
 #include "util.h"
 
 #define ATTACH_FLAGS (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_SINGLE | DLPC_ATTACH_OWNER)
@@ -15,66 +17,18 @@ static bool owner_ok(const struct dlpd_entry *e, uint32_t flags, uint32_t owner)
 	return !(flags & DLPC_ATTACH_OWNER) || e->uid == (uid_t)owner;
 }
 
-/* Answer an ATTACH of @p e: a new reference and the storage fd, or the reason it is refused. */
-static int attach_reply(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, uint32_t flags)
-{
-	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
-	const Dlpackd__V1__Publish *pub = e->pub;
-	char name[DLPC_NAME_TEXT];
-	struct dlpd_ref *ref;
-	int r;
-
-	if ((flags & DLPC_ATTACH_WRITABLE) && !(pub->flags & DLPC_PUBLISH_WRITABLE))
-		return dlpd_reply_error(
-			p, id, EACCES, "'%s' was not published writable; attach it read-only",
-			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)));
-	if ((flags & DLPC_ATTACH_SINGLE) && pub->n_tensors != 1)
-		return dlpd_reply_error(
-			p, id, EINVAL, "'%s' is a bundle of %zu tensors; attach it as a bundle",
-			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)),
-			pub->n_tensors);
-	if (p->refs.count >= p->srv->lim.refs_per_connection)
-		return dlpd_reply_error(
-			p, id, EDQUOT,
-			"cannot attach '%s': this connection holds %zu references; the limit is "
-			"%llu "
-			"(--max-refs-per-connection)",
-			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)),
-			p->refs.count, (unsigned long long)p->srv->lim.refs_per_connection);
-	ref = dlpd_ref_new(p, e->st);
-	if (!ref)
-		return dlpd_reply_error(p, id, ENOMEM, "cannot attach: out of memory");
-	rep.generation = e->generation;
-	rep.ref_id = ref->id;
-	rep.flags = pub->flags;
-	rep.device_type = e->st->device_type;
-	rep.device_id = e->st->device_id;
-	rep.storage_size = e->st->size;
-	rep.device_uuid = pub->device_uuid;
-	rep.cuda_ipc = pub->cuda_ipc;
-	rep.owner_uid = (uint32_t)e->uid;
-	rep.owner_pid = (int32_t)e->pid;
-	/* the descriptions were encoded once, at publish; legacy CUDA IPC sends no fd */
-	r = dlpd_reply_tail(p, DLPC_MSG_ATTACH | DLPC_MSG_REPLY, id, &rep.base, e->tensors_wire,
-			    e->tensors_wire_len, &e->st->fd, e->st->fd >= 0 ? 1 : 0);
-	if (r == 0 && e->st->fd >= 0)
-		p->srv->stats.fds_sent++;
-	return r;
-}
-
 static void waiter_expired(uv_timer_t *t)
 {
 	struct dlpd_waiter *w = t->data;
 	struct dlpd_peer *p = w->peer;
 	uint32_t id = w->req_id;
 	long long ms = (long long)w->timeout_ms;
-	char name[DLPC_NAME_TEXT];
-
 	bool owned = w->flags & DLPC_ATTACH_OWNER;
 	uint32_t owner = w->owner_uid;
+	char name[DLPC_NAME_TEXT];
 
 	dlpc__printable(w->q->name, w->q->len, name, sizeof(name));
-	dlpd_waiter_free(p->srv, w);
+	dlpd_waiter_free(p, w);
 	if (owned)
 		dlpd_reply_error(p, id, ETIMEDOUT,
 				 "no entry named '%s' published by uid %u appeared within %lld ms",
@@ -82,26 +36,6 @@ static void waiter_expired(uv_timer_t *t)
 	else
 		dlpd_reply_error(p, id, ETIMEDOUT, "no entry named '%s' appeared within %lld ms",
 				 name, ms);
-}
-
-void dlpd_wake_waiters(struct dlpd_server *s, struct dlpd_entry *e)
-{
-	uint8_t name[DLPC_NAME_MAX];
-	size_t len = e->pub->name.len;
-	struct dlpd_waiter *w;
-
-	/* Each reply may kill its peer, which frees that peer's waiters and, if it published the
-	 * entry ephemerally, the entry: look both up again every time. Waiters that asked for
-	 * another owner stay queued. */
-	memcpy(name, e->pub->name.data, len);
-	while ((e = dlpd_entry_find(&s->reg, name, len)) &&
-	       (w = dlpd_waitq_first_match(s, name, len, (uint32_t)e->uid))) {
-		struct dlpd_peer *p = w->peer;
-		uint32_t id = w->req_id, flags = w->flags;
-
-		dlpd_waiter_free(s, w);
-		attach_reply(p, id, e, flags);
-	}
 }
 
 int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
@@ -120,7 +54,7 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 					req->flags & ~ATTACH_FLAGS);
 	e = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
 	if (e && owner_ok(e, req->flags, req->owner_uid))
-		return attach_reply(p, id, e, req->flags);
+		return dlpd_attach_answer(p, id, e, req->flags);
 	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
 	/* another uid's entry under the name is no answer to this attach: as if absent */
 	if (req->timeout_ms == 0 && e)
@@ -130,11 +64,11 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 					name, (unsigned)req->owner_uid, (unsigned)e->uid);
 	if (req->timeout_ms == 0)
 		return dlpd_reply_error(p, id, ENOENT, "no entry named '%s'", name);
-	if (p->nwaiters >= s->lim.pending_per_connection)
+	if (p->held.nwaiters >= s->lim.pending_per_connection)
 		return dlpd_reply_error(p, id, EDQUOT,
 					"cannot wait for '%s': this connection has %llu requests "
 					"waiting; the limit is %llu (--max-pending-per-connection)",
-					name, (unsigned long long)p->nwaiters,
+					name, (unsigned long long)p->held.nwaiters,
 					(unsigned long long)s->lim.pending_per_connection);
 
 	w = calloc(1, sizeof(*w));
@@ -144,7 +78,7 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 	w->req_id = id;
 	w->flags = req->flags;
 	w->owner_uid = req->owner_uid;
-	if (dlpd_waiter_add(s, w, req->name.data, req->name.len) < 0) {
+	if (dlpd_waiter_add(&s->reg, &p->held, w, req->name.data, req->name.len) < 0) {
 		free(w);
 		return dlpd_reply_error(p, id, ENOMEM, "cannot wait for '%s': out of memory", name);
 	}
@@ -170,7 +104,7 @@ int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 		return -EPROTO;
 	}
 	for (size_t i = 0; i < req->n_ref_ids; i++) {
-		struct dlpd_ref *ref = dlpd_ref_find(p, req->ref_ids[i]);
+		struct dlpd_ref *ref = dlpd_ref_find(&p->held, req->ref_ids[i]);
 
 		if (!ref) {
 			dlpd_reply_error(
@@ -179,7 +113,7 @@ int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 				(unsigned long long)req->ref_ids[i]);
 			return -EPROTO;
 		}
-		dlpd_ref_drop(p, ref);
+		dlpd_names_release(p, ref);
 	}
 	return 0;
 }

@@ -5,7 +5,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "dlpackd.h"
+#include "handlers.h"
+#include "names.h"
+#include "peer.h"
+#include "quota.h"
+#include "reclaim.h"
+#include "storage.h"
 #include "table.h"
 #include "util.h"
 
@@ -194,7 +199,7 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	r = check_device(p, req, f, why, sizeof(why));
 	if (r == -EPROTO) {
 		dlpd_reply_error(p, id, EPROTO, "cannot publish '%s': %s", name, why);
-		dlpd_peer_kill(p, LOG_WARNING, "protocol violation: PUBLISH: %s", why);
+		dlpd_peer_fail(p, LOG_WARNING, "protocol violation: PUBLISH: %s", why);
 		return -EPROTO;
 	}
 	if (r < 0)
@@ -254,22 +259,15 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	e->generation = old && old->generation < INT32_MAX ? old->generation + 1 : 1;
 	e->uid = p->uid;
 	e->usage = p->usage;
-	e->usage->entries++;
 	e->pid = p->pid;
 	e->created_ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
-	if (req->flags & DLPC_PUBLISH_EPHEMERAL) {
-		e->owner = p;
-		dlpd_list_add_tail(&p->ephemeral, &e->owner_link);
-	}
 	rep.generation = e->generation;
 	dlpd_log(LOG_DEBUG, "%s: published '%s' generation %llu, %zu tensors, %llu bytes",
 		 dlpd_peer_desc(p, desc, sizeof(desc)), name, (unsigned long long)e->generation,
 		 req->n_tensors, (unsigned long long)req->storage_size);
 	e->tensors_wire = wire;
 	e->tensors_wire_len = wire_len;
-	/* Waking waiters may fail a write to this very connection and kill it, freeing e if it
-	 * is ephemeral: nothing below may touch e. */
-	if (dlpd_entry_insert(s, e, old) < 0)
+	if (dlpd_names_publish(s, e, old, req->flags & DLPC_PUBLISH_EPHEMERAL ? p : NULL) < 0)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
 	return dlpd_reply(p, DLPC_MSG_PUBLISH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }
@@ -293,7 +291,7 @@ int dlpd_on_unpublish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, st
 					"'%s' belongs to uid %u; uid %u may not unpublish it", name,
 					(unsigned)e->uid, (unsigned)p->uid);
 	rep.generation = e->generation;
-	dlpd_entry_remove(p->srv, e, DLPC_WATCH_BY_REQUEST, p);
+	dlpd_names_remove(p->srv, e, DLPC_WATCH_BY_REQUEST, p);
 	return dlpd_reply(p, DLPC_MSG_UNPUBLISH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }
 
@@ -334,17 +332,7 @@ int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 		size_t sz;
 
 		dlpackd__v1__entry_info__init(info);
-		info->name = e->pub->name;
-		info->generation = e->generation;
-		info->device_type = e->st->device_type;
-		info->device_id = e->st->device_id;
-		info->flags = e->pub->flags;
-		info->nbytes = e->st->size;
-		info->refs = e->st->attach_refs;
-		info->owner_uid = e->uid;
-		info->owner_pid = e->pid;
-		info->created_ns = e->created_ns;
-		info->tensor_count = (uint32_t)e->pub->n_tensors;
+		dlpd_entry_info(e, info);
 		info->n_tensors = e->pub->n_tensors;
 		info->tensors = e->pub->tensors;
 		/* field tag + length prefix: at most 6 bytes around each entry */

@@ -5,7 +5,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "dlpackd.h"
+#include "handlers.h"
+#include "peer.h"
+#include "reaper.h"
 #include "util.h"
 
 int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
@@ -25,7 +27,7 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 			p, id, EPROTO,
 			"protocol version mismatch: client speaks %u.%u, dlpackd speaks %u.%u",
 			req->version_major, req->version_minor, DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR);
-		dlpd_peer_kill(p, LOG_WARNING, "protocol version mismatch: client %s speaks %u.%u",
+		dlpd_peer_fail(p, LOG_WARNING, "protocol version mismatch: client %s speaks %u.%u",
 			       client, req->version_major, req->version_minor);
 		return -EPROTO;
 	}
@@ -38,7 +40,7 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 				 "uid %u has %llu connections open; the limit is %llu "
 				 "(--max-connections-per-uid)",
 				 (unsigned)p->uid, n, max);
-		dlpd_peer_kill(p, LOG_NOTICE,
+		dlpd_peer_fail(p, LOG_NOTICE,
 			       "refused: uid %u has %llu connections open, the limit is %llu",
 			       (unsigned)p->uid, n, max);
 		return -EDQUOT;
@@ -88,15 +90,10 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	rep.fds_closing = dlpd_reaper_pending() + s->peers_closing;
 	rep.fds_open = count_fds();
 	rep.fds_sent = s->stats.fds_sent;
-	rep.req_hello = s->stats.req[DLPC_MSG_HELLO];
-	rep.req_publish = s->stats.req[DLPC_MSG_PUBLISH];
-	rep.req_attach = s->stats.req[DLPC_MSG_ATTACH];
-	rep.req_release = s->stats.req[DLPC_MSG_RELEASE];
-	rep.req_unpublish = s->stats.req[DLPC_MSG_UNPUBLISH];
-	rep.req_list = s->stats.req[DLPC_MSG_LIST];
-	rep.req_stat = s->stats.req[DLPC_MSG_STAT];
+#define X(NAME, name, ...) rep.req_##name = s->stats.req[DLPC_MSG_##NAME];
+	DLPC_REQUESTS(X)
+#undef X
 	rep.protocol_errors = s->stats.protocol_errors;
-	rep.req_watch = s->stats.req[DLPC_MSG_WATCH];
 	rep.watchers = s->nwatchers;
 	rep.events = s->event_seq;
 	rep.queue_drops = s->stats.queue_drops;

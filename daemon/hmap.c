@@ -2,7 +2,7 @@
 #include <errno.h>
 #include <stdlib.h>
 
-#include "dlpackd.h"
+#include "base.h"
 
 void dlpd_hmap_init(struct dlpd_hmap *m)
 {
@@ -62,6 +62,14 @@ void dlpd_hmap_remove(struct dlpd_hmap *m, struct dlpd_hnode *n)
 		pp = &(*pp)->next;
 	*pp = n->next;
 	m->count--;
+}
+
+struct dlpd_hnode *dlpd_hmap_next(const struct dlpd_hmap *m, size_t *from)
+{
+	for (; *from < m->nbuckets; ++*from)
+		if (m->buckets[*from])
+			return m->buckets[*from];
+	return NULL;
 }
 
 struct dlpd_hnode *dlpd_hmap_chain(const struct dlpd_hmap *m, uint64_t hash)

@@ -11,7 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "dlpackd.h"
+#include "base.h"
 
 int dlpd_log_level = LOG_INFO;
 static bool journal;

@@ -10,7 +10,11 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include "dlpackd.h"
+#include "base.h"
+#include "config.h"
+#include "reaper.h"
+#include "server.h"
+#include "systemd.h"
 
 /* Every entry holds an fd: use all the fds the hard limit allows, not the soft 1024. */
 static void raise_fd_limit(void)
@@ -84,8 +88,11 @@ int main(int argc, char **argv)
 	if (r == 0) {
 		sigprocmask(SIG_UNBLOCK, &stop_signals, NULL);
 		dlpd_notify("READY=1\nSTATUS=listening on %s", srv.path);
-		uv_run(&loop, UV_RUN_DEFAULT);
+	} else {
+		/* close the handles the server set up before it failed */
+		dlpd_server_stop(&srv);
 	}
+	uv_run(&loop, UV_RUN_DEFAULT);
 	dlpd_server_free(&srv);
 	dlpd_reaper_stop();
 	uv_loop_close(&loop);

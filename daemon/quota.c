@@ -1,67 +1,18 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Resource limits: what each uid holds, and the checks a publish must pass.
- *
- * A uid is charged with the declared size of every storage it publishes, from the publish until
- * the storage is freed: a storage that was replaced or unpublished but is still referenced by
- * attachers is still memory the daemon keeps alive for that uid, so it still counts. Entries and
- * connections are charged while they exist. A usage record lives while anything is charged to it.
+ * The checks a publish must pass against the limits. What each uid holds is counted in the
+ * registry (registry.c says what is charged when).
  */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "dlpackd.h"
+#include "quota.h"
+#include "reaper.h"
 
-void dlpd_limits_init(struct dlpd_limits *l)
+uint64_t dlpd_fds_in_use(const struct dlpd_server *s)
 {
-	l->bytes_per_uid = DLPC_UID_BYTES_DEFAULT;
-	l->entries_per_uid = DLPC_UID_ENTRIES_DEFAULT;
-	l->connections_per_uid = DLPC_UID_CONNECTIONS_DEFAULT;
-	l->refs_per_connection = DLPC_CONN_REFS_DEFAULT;
-	l->pending_per_connection = DLPC_CONN_PENDING_DEFAULT;
-	l->frame_timeout_ms = DLPC_FRAME_TIMEOUT_MS_DEFAULT;
-	l->queue_bytes = DLPC_TX_QUEUE_MAX;
-	l->queue_fds = DLPC_TX_QUEUE_FDS_MAX;
-	l->watch_queue_bytes = DLPC_WATCH_QUEUE_MAX;
-}
-
-struct dlpd_usage *dlpd_usage_find(const struct dlpd_registry *r, uid_t uid)
-{
-	uint64_t h = dlpd_hash_u64(uid);
-
-	for (struct dlpd_hnode *n = dlpd_hmap_chain(&r->uids, h); n; n = n->next) {
-		struct dlpd_usage *u = dlpd_container_of(n, struct dlpd_usage, node);
-
-		if (u->uid == uid)
-			return u;
-	}
-	return NULL;
-}
-
-struct dlpd_usage *dlpd_usage_get(struct dlpd_registry *r, uid_t uid)
-{
-	struct dlpd_usage *u = dlpd_usage_find(r, uid);
-
-	if (u)
-		return u;
-	u = calloc(1, sizeof(*u));
-	if (!u)
-		return NULL;
-	u->uid = uid;
-	if (dlpd_hmap_insert(&r->uids, &u->node, dlpd_hash_u64(uid)) < 0) {
-		free(u);
-		return NULL;
-	}
-	return u;
-}
-
-void dlpd_usage_put(struct dlpd_registry *r, struct dlpd_usage *u)
-{
-	if (!u || u->storages || u->entries || u->connections)
-		return;
-	dlpd_hmap_remove(&r->uids, &u->node);
-	free(u);
+	return s->reg.storage_fds + s->npeers + s->peers_closing + dlpd_reaper_pending();
 }
 
 int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
@@ -71,7 +22,7 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 	const struct dlpd_limits *lim = &s->lim;
 	const struct dlpd_usage *u = p->usage;
 	uint64_t bytes = u->bytes, entries = u->entries;
-	uint64_t fds = s->reg.storage_fds + s->npeers + s->peers_closing + dlpd_reaper_pending();
+	uint64_t fds = dlpd_fds_in_use(s);
 	bool old_freed = old && old->st->names == 1 && old->st->attach_refs == 0;
 
 	/* A replace of one's own entry keeps the entry count; the old storage is freed at once

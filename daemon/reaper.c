@@ -5,10 +5,11 @@
  * close() can take long: the last close of a storage memfd frees all its memory (a 1 GiB
  * storage takes tens of milliseconds), and an fd a client sent may sit on a filesystem that
  * stalls on close (FUSE). Neither may hold up the loop that serves every client. There are two:
- * one for the daemon's own fds (storage memfds, which passed F_GET_SEALS and are shmem, and
- * client sockets) and one for fds clients sent that were never accepted, so that a close that
- * never returns stalls only the second. At stop the first is drained and joined; the second is
- * given a moment and then left to the process exit.
+ * one for fds whose close the daemon can vouch for (host storages, which passed the checks of
+ * storage.c and are shmem, and client sockets) and one for every other fd a client sent (those
+ * refused, and CUDA VMM exports, which are the driver's files), so that a close that never
+ * returns stalls only the second. At stop the first is drained and joined; the second is given
+ * a moment and then left to the process exit.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -18,7 +19,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "dlpackd.h"
+#include "base.h"
+#include "io.h"
+#include "reaper.h"
 
 /* How long stop waits for the reaper of client-sent fds. */
 #define UNTRUSTED_JOIN_MS 2000

@@ -6,14 +6,14 @@
  * with the token it chose at publish, in a RECLAIM frame of its own accord (id 0).
  *
  * Storages are freed deep inside registry changes (a RELEASE, another connection closing, a
- * replace in the middle of a PUBLISH), where a failed write that tears down the publisher's
- * connection would pull entries out from under the caller. So a freed storage only queues its
- * token on the publisher, and a zero-delay timer sends the queued notices on the loop's next
- * turn.
+ * replace in the middle of a PUBLISH). A freed storage only queues its token on the publisher,
+ * and a zero-delay timer sends the queued notices on the loop's next turn, so that the tokens
+ * freed by one change go out in one frame.
  */
 #include <stdlib.h>
 
-#include "dlpackd.h"
+#include "peer.h"
+#include "reclaim.h"
 
 static void reclaim_flush(uv_timer_t *t)
 {
@@ -26,17 +26,17 @@ static void reclaim_flush(uv_timer_t *t)
 		size_t done = 0;
 
 		dlpd_list_del(&p->reclaim_link);
-		while (done < p->nreclaims && !p->dead) {
+		while (done < p->nreclaims && !p->failed) {
 			size_t n = p->nreclaims - done;
 
 			msg.n_tokens = n > DLPC_RECLAIM_BATCH_MAX ? DLPC_RECLAIM_BATCH_MAX : n;
 			msg.tokens = p->reclaims + done;
 			done += msg.n_tokens;
-			/* a failure kills p, which frees what is left (dlpd_reclaim_drop_peer) */
+			/* a failure marks p, whose destruction frees what is left */
 			if (dlpd_reply(p, DLPC_MSG_RECLAIM, 0, &msg.base, NULL, 0) < 0)
 				break;
 		}
-		if (!p->dead)
+		if (!p->failed)
 			p->nreclaims = 0;
 	}
 }
@@ -66,7 +66,7 @@ void dlpd_reclaim_storage_freed(struct dlpd_storage *st)
 
 	dlpd_list_del(&st->reclaim_link);
 	st->reclaim_peer = NULL;
-	if (s->stopping || p->dead)
+	if (s->stopping || p->failed)
 		return;
 	if (p->nreclaims == p->reclaims_cap) {
 		size_t cap = p->reclaims_cap ? p->reclaims_cap * 2 : 16;

@@ -1,19 +1,22 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Names, entries, storages and references.
+ * Names, entries, storages, references, waiting attaches and usage: the data alone.
  *
  * A storage is held by the entries that name it and by the references connections took by
- * attaching. It is freed (its fd closed) when neither remains. Entries are held by the name map
- * alone; an ephemeral entry is also listed on its publishing connection so that closing the
- * connection can remove it.
+ * attaching; when neither remains the function that dropped the last holder hands it back to
+ * its caller, which frees it. Entries are held by the name map alone; an ephemeral entry is also
+ * listed on its publishing connection's holdings so that closing the connection can remove it.
+ *
+ * A uid is charged with the declared size of every storage it publishes, from the publish until
+ * the storage is freed: a storage that was replaced or unpublished but is still referenced by
+ * attachers is still memory the daemon keeps alive for that uid, so it still counts. Entries and
+ * connections are charged while they exist. A usage record lives while anything is charged to it.
  */
-#include <assert.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
-#include "dlpackd.h"
+#include "registry.h"
 #include "util.h"
 
 void dlpd_registry_init(struct dlpd_registry *r)
@@ -22,6 +25,24 @@ void dlpd_registry_init(struct dlpd_registry *r)
 	dlpd_hmap_init(&r->names);
 	dlpd_hmap_init(&r->waitqs);
 	dlpd_hmap_init(&r->uids);
+}
+
+void dlpd_registry_clear(struct dlpd_registry *r)
+{
+	dlpd_hmap_clear(&r->names);
+	free(r->sorted);
+	r->sorted = NULL;
+	r->sorted_valid = false;
+	dlpd_hmap_clear(&r->waitqs);
+	dlpd_hmap_clear(&r->uids);
+}
+
+void dlpd_holdings_init(struct dlpd_holdings *h)
+{
+	memset(h, 0, sizeof(*h));
+	dlpd_hmap_init(&h->refs);
+	dlpd_list_init(&h->ephemeral);
+	dlpd_list_init(&h->waiters);
 }
 
 static bool entry_is(const struct dlpd_entry *e, const uint8_t *name, size_t len)
@@ -42,57 +63,58 @@ struct dlpd_entry *dlpd_entry_find(struct dlpd_registry *r, const uint8_t *name,
 	return NULL;
 }
 
-static void entry_free(struct dlpd_registry *r, struct dlpd_entry *e)
+struct dlpd_entry *dlpd_entry_any(struct dlpd_registry *r, size_t *cursor)
 {
+	struct dlpd_hnode *n = dlpd_hmap_next(&r->names, cursor);
+
+	return n ? dlpd_container_of(n, struct dlpd_entry, node) : NULL;
+}
+
+int dlpd_entry_link(struct dlpd_registry *r, struct dlpd_entry *e, struct dlpd_holdings *owner)
+{
+	const ProtobufCBinaryData *name = &e->pub->name;
+	int err = dlpd_hmap_insert(&r->names, &e->node, dlpd_hash_bytes(name->data, name->len));
+
+	if (err < 0)
+		return err;
+	r->sorted_valid = false;
+	e->usage->entries++;
+	e->owner = owner;
+	if (owner)
+		dlpd_list_add_tail(&owner->ephemeral, &e->owner_link);
+	return 0;
+}
+
+void dlpd_entry_free_unlinked(struct dlpd_entry *e)
+{
+	free(e->tensors_wire);
+	if (e->pub)
+		dlpackd__v1__publish__free_unpacked(e->pub, NULL);
+	free(e);
+}
+
+/* Drop one holder of @p st (a name when @p name is true, else a reference). */
+static struct dlpd_storage *storage_unhold(struct dlpd_storage *st, bool name)
+{
+	if (name)
+		st->names--;
+	else
+		st->attach_refs--;
+	return st->names > 0 || st->attach_refs > 0 ? NULL : st;
+}
+
+struct dlpd_storage *dlpd_entry_unlink(struct dlpd_registry *r, struct dlpd_entry *e)
+{
+	struct dlpd_storage *st = e->st;
+
+	r->sorted_valid = false;
+	dlpd_hmap_remove(&r->names, &e->node);
 	if (e->owner)
 		dlpd_list_del(&e->owner_link);
 	e->usage->entries--;
 	dlpd_usage_put(r, e->usage);
-	dlpd_storage_unref(r, e->st, true);
-	free(e->tensors_wire);
-	dlpackd__v1__publish__free_unpacked(e->pub, NULL);
-	free(e);
-}
-
-/* Take @p e out of the names and free it, telling nobody. */
-static void entry_unlink(struct dlpd_server *s, struct dlpd_entry *e)
-{
-	s->reg.sorted_valid = false;
-	dlpd_hmap_remove(&s->reg.names, &e->node);
-	entry_free(&s->reg, e);
-}
-
-int dlpd_entry_insert(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_entry *old)
-{
-	const ProtobufCBinaryData *name = &e->pub->name;
-	uint64_t prev_gen = old ? old->generation : 0;
-	int r;
-
-	/* Removing old first cannot make the insert fail: the map has buckets already. Nothing
-	 * runs in between, so no attacher sees the name absent, and watchers see one REPLACED. */
-	if (old)
-		entry_unlink(s, old);
-	s->reg.sorted_valid = false;
-	r = dlpd_hmap_insert(&s->reg.names, &e->node, dlpd_hash_bytes(name->data, name->len));
-	if (r < 0) {
-		/* only the first insert into an empty map can fail, so there was no old entry */
-		assert(!old);
-		entry_free(&s->reg, e);
-		return r;
-	}
-	/* Watchers hear of it before the waiters are answered: answering may kill a connection
-	 * whose ephemeral entries then vanish, and those events must come after this one. */
-	dlpd_watch_event(s, old ? DLPC_WATCH_REPLACED : DLPC_WATCH_PUBLISHED, e, prev_gen, 0,
-			 e->uid, e->pid);
-	dlpd_wake_waiters(s, e);
-	return 0;
-}
-
-void dlpd_entry_remove(struct dlpd_server *s, struct dlpd_entry *e, int reason,
-		       const struct dlpd_peer *actor)
-{
-	dlpd_watch_event(s, DLPC_WATCH_UNPUBLISHED, e, 0, reason, actor->uid, actor->pid);
-	entry_unlink(s, e);
+	dlpd_entry_free_unlinked(e);
+	return storage_unhold(st, true);
 }
 
 struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage *u, int fd,
@@ -117,50 +139,40 @@ struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage
 	return st;
 }
 
-void dlpd_storage_unref(struct dlpd_registry *r, struct dlpd_storage *st, bool name)
+void dlpd_storage_free(struct dlpd_registry *r, struct dlpd_storage *st)
 {
-	if (name)
-		st->names--;
-	else
-		st->attach_refs--;
-	if (st->names > 0 || st->attach_refs > 0)
-		return;
 	r->storages--;
 	r->storage_fds -= st->fd >= 0;
 	r->bytes -= st->size;
 	st->usage->storages--;
 	st->usage->bytes -= st->charged;
 	dlpd_usage_put(r, st->usage);
-	if (st->reclaim_peer)
-		dlpd_reclaim_storage_freed(st);
-	/* the last close of a memfd frees its memory: not on the loop */
-	if (st->fd >= 0)
-		dlpd_close_later(st->fd);
 	free(st);
 }
 
-struct dlpd_ref *dlpd_ref_new(struct dlpd_peer *p, struct dlpd_storage *st)
+struct dlpd_ref *dlpd_ref_new(struct dlpd_registry *r, struct dlpd_holdings *h,
+			      struct dlpd_storage *st)
 {
 	struct dlpd_ref *ref = malloc(sizeof(*ref));
 
 	if (!ref)
 		return NULL;
-	ref->id = ++p->next_ref;
+	ref->id = ++h->next_ref;
 	ref->st = st;
-	if (dlpd_hmap_insert(&p->refs, &ref->node, dlpd_hash_u64(ref->id)) < 0) {
+	if (dlpd_hmap_insert(&h->refs, &ref->node, dlpd_hash_u64(ref->id)) < 0) {
 		free(ref);
 		return NULL;
 	}
 	st->attach_refs++;
-	p->srv->reg.refs++;
+	r->refs++;
 	return ref;
 }
 
-struct dlpd_ref *dlpd_ref_find(struct dlpd_peer *p, uint64_t id)
+struct dlpd_ref *dlpd_ref_find(struct dlpd_holdings *h, uint64_t id)
 {
-	uint64_t h = dlpd_hash_u64(id);
+	uint64_t hash = dlpd_hash_u64(id);
 
-	for (struct dlpd_hnode *n = dlpd_hmap_chain(&p->refs, h); n; n = n->next) {
+	for (struct dlpd_hnode *n = dlpd_hmap_chain(&h->refs, hash); n; n = n->next) {
 		struct dlpd_ref *ref = dlpd_container_of(n, struct dlpd_ref, node);
 
 		if (ref->id == id)
@@ -169,12 +181,22 @@ struct dlpd_ref *dlpd_ref_find(struct dlpd_peer *p, uint64_t id)
 	return NULL;
 }
 
-void dlpd_ref_drop(struct dlpd_peer *p, struct dlpd_ref *ref)
+struct dlpd_ref *dlpd_ref_any(struct dlpd_holdings *h, size_t *cursor)
 {
-	dlpd_hmap_remove(&p->refs, &ref->node);
-	p->srv->reg.refs--;
-	dlpd_storage_unref(&p->srv->reg, ref->st, false);
+	struct dlpd_hnode *n = dlpd_hmap_next(&h->refs, cursor);
+
+	return n ? dlpd_container_of(n, struct dlpd_ref, node) : NULL;
+}
+
+struct dlpd_storage *dlpd_ref_drop(struct dlpd_registry *r, struct dlpd_holdings *h,
+				   struct dlpd_ref *ref)
+{
+	struct dlpd_storage *st = ref->st;
+
+	dlpd_hmap_remove(&h->refs, &ref->node);
+	r->refs--;
 	free(ref);
+	return storage_unhold(st, false);
 }
 
 static struct dlpd_waitq *waitq_find(struct dlpd_registry *r, const uint8_t *name, size_t len,
@@ -189,10 +211,11 @@ static struct dlpd_waitq *waitq_find(struct dlpd_registry *r, const uint8_t *nam
 	return NULL;
 }
 
-int dlpd_waiter_add(struct dlpd_server *s, struct dlpd_waiter *w, const uint8_t *name, size_t len)
+int dlpd_waiter_add(struct dlpd_registry *r, struct dlpd_holdings *h, struct dlpd_waiter *w,
+		    const uint8_t *name, size_t len)
 {
-	uint64_t h = dlpd_hash_bytes(name, len);
-	struct dlpd_waitq *q = waitq_find(&s->reg, name, len, h);
+	uint64_t hash = dlpd_hash_bytes(name, len);
+	struct dlpd_waitq *q = waitq_find(r, name, len, hash);
 
 	if (!q) {
 		q = malloc(sizeof(*q) + len);
@@ -201,23 +224,23 @@ int dlpd_waiter_add(struct dlpd_server *s, struct dlpd_waiter *w, const uint8_t 
 		dlpd_list_init(&q->waiters);
 		q->len = len;
 		memcpy(q->name, name, len);
-		if (dlpd_hmap_insert(&s->reg.waitqs, &q->node, h) < 0) {
+		if (dlpd_hmap_insert(&r->waitqs, &q->node, hash) < 0) {
 			free(q);
 			return -ENOMEM;
 		}
 	}
 	w->q = q;
 	dlpd_list_add_tail(&q->waiters, &w->q_link);
-	dlpd_list_add_tail(&w->peer->waiters, &w->peer_link);
-	s->reg.waiters++;
-	w->peer->nwaiters++;
+	dlpd_list_add_tail(&h->waiters, &w->peer_link);
+	r->waiters++;
+	h->nwaiters++;
 	return 0;
 }
 
-struct dlpd_waiter *dlpd_waitq_first_match(struct dlpd_server *s, const uint8_t *name, size_t len,
+struct dlpd_waiter *dlpd_waitq_first_match(struct dlpd_registry *r, const uint8_t *name, size_t len,
 					   uint32_t uid)
 {
-	struct dlpd_waitq *q = waitq_find(&s->reg, name, len, dlpd_hash_bytes(name, len));
+	struct dlpd_waitq *q = waitq_find(r, name, len, dlpd_hash_bytes(name, len));
 
 	if (!q)
 		return NULL;
@@ -230,64 +253,72 @@ struct dlpd_waiter *dlpd_waitq_first_match(struct dlpd_server *s, const uint8_t 
 	return NULL;
 }
 
-static void waiter_closed(uv_handle_t *h)
-{
-	free(h->data);
-}
-
-void dlpd_waiter_free(struct dlpd_server *s, struct dlpd_waiter *w)
+void dlpd_waiter_unlink(struct dlpd_registry *r, struct dlpd_holdings *h, struct dlpd_waiter *w)
 {
 	struct dlpd_waitq *q = w->q;
 
 	dlpd_list_del(&w->q_link);
 	dlpd_list_del(&w->peer_link);
-	s->reg.waiters--;
-	w->peer->nwaiters--;
+	r->waiters--;
+	h->nwaiters--;
 	if (dlpd_list_empty(&q->waiters)) {
-		dlpd_hmap_remove(&s->reg.waitqs, &q->node);
+		dlpd_hmap_remove(&r->waitqs, &q->node);
 		free(q);
 	}
-	if (w->timed) {
-		w->timer.data = w;
-		uv_close((uv_handle_t *)&w->timer, waiter_closed);
-	} else {
-		free(w);
+	w->q = NULL;
+}
+
+struct dlpd_usage *dlpd_usage_find(const struct dlpd_registry *r, uid_t uid)
+{
+	uint64_t h = dlpd_hash_u64(uid);
+
+	for (struct dlpd_hnode *n = dlpd_hmap_chain(&r->uids, h); n; n = n->next) {
+		struct dlpd_usage *u = dlpd_container_of(n, struct dlpd_usage, node);
+
+		if (u->uid == uid)
+			return u;
 	}
+	return NULL;
 }
 
-void dlpd_registry_drop_peer(struct dlpd_server *s, struct dlpd_peer *p)
+struct dlpd_usage *dlpd_usage_get(struct dlpd_registry *r, uid_t uid)
 {
-	while (!dlpd_list_empty(&p->waiters))
-		dlpd_waiter_free(s,
-				 dlpd_container_of(p->waiters.next, struct dlpd_waiter, peer_link));
-	while (!dlpd_list_empty(&p->ephemeral))
-		dlpd_entry_remove(
-			s, dlpd_container_of(p->ephemeral.next, struct dlpd_entry, owner_link),
-			DLPC_WATCH_BY_DISCONNECT, p);
-	for (size_t i = 0; i < p->refs.nbuckets; i++)
-		while (p->refs.buckets[i])
-			dlpd_ref_drop(p,
-				      dlpd_container_of(p->refs.buckets[i], struct dlpd_ref, node));
-	dlpd_hmap_clear(&p->refs);
+	struct dlpd_usage *u = dlpd_usage_find(r, uid);
+
+	if (u)
+		return u;
+	u = calloc(1, sizeof(*u));
+	if (!u)
+		return NULL;
+	u->uid = uid;
+	if (dlpd_hmap_insert(&r->uids, &u->node, dlpd_hash_u64(uid)) < 0) {
+		free(u);
+		return NULL;
+	}
+	return u;
 }
 
-void dlpd_registry_clear(struct dlpd_registry *r)
+void dlpd_usage_put(struct dlpd_registry *r, struct dlpd_usage *u)
 {
-	for (size_t i = 0; i < r->names.nbuckets; i++)
-		while (r->names.buckets[i]) {
-			struct dlpd_entry *e =
-				dlpd_container_of(r->names.buckets[i], struct dlpd_entry, node);
+	if (!u || u->storages || u->entries || u->connections)
+		return;
+	dlpd_hmap_remove(&r->uids, &u->node);
+	free(u);
+}
 
-			r->names.buckets[i] = e->node.next;
-			entry_free(r, e);
-		}
-	dlpd_hmap_clear(&r->names);
-	free(r->sorted);
-	r->sorted = NULL;
-	r->sorted_valid = false;
-	/* waiters belong to peers, which are all gone by now, and so is everything charged */
-	dlpd_hmap_clear(&r->waitqs);
-	dlpd_hmap_clear(&r->uids);
+void dlpd_entry_info(const struct dlpd_entry *e, Dlpackd__V1__EntryInfo *info)
+{
+	info->name = e->pub->name;
+	info->generation = e->generation;
+	info->device_type = e->st->device_type;
+	info->device_id = e->st->device_id;
+	info->flags = e->pub->flags;
+	info->nbytes = e->st->size;
+	info->refs = e->st->attach_refs;
+	info->owner_uid = e->uid;
+	info->owner_pid = e->pid;
+	info->created_ns = e->created_ns;
+	info->tensor_count = (uint32_t)e->pub->n_tensors;
 }
 
 static int cmp_entries(const void *a, const void *b)

@@ -25,18 +25,16 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "dlpackd.h"
+#include "dispatch.h"
+#include "names.h"
+#include "peer.h"
+#include "quota.h"
+#include "reclaim.h"
+#include "server.h"
+#include "systemd.h"
 
 /* Wait this long before accepting again after running out of fds. */
 #define ACCEPT_RETRY_MS 100
-
-uint64_t dlpd_now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
 
 static void on_accept(uv_poll_t *h, int status, int events);
 
@@ -55,8 +53,7 @@ static void on_accept(uv_poll_t *h, int status, int events)
 	(void)status;
 	(void)events;
 	while (!s->stopping) {
-		uint64_t fds =
-			s->reg.storage_fds + s->npeers + s->peers_closing + dlpd_reaper_pending();
+		uint64_t fds = dlpd_fds_in_use(s);
 		struct dlpd_peer *p;
 		char desc[96];
 		int fd;
@@ -112,7 +109,7 @@ static void on_accept(uv_poll_t *h, int status, int events)
 		/* over its quota it is refused at HELLO, with the reason; far over it, at once */
 		if (p->usage->connections >
 		    s->lim.connections_per_uid + DLPC_UID_CONNECTIONS_SLACK) {
-			dlpd_peer_kill(
+			dlpd_peer_fail(
 				p, LOG_WARNING,
 				"refused: uid %u has %llu connections, over the limit of %llu "
 				"(--max-connections-per-uid) by more than %d",
@@ -314,6 +311,8 @@ void dlpd_server_init(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 	dlpd_list_init(&s->watchers);
 	dlpd_list_init(&s->reclaimers);
 	dlpd_registry_init(&s->reg);
+	dlpd_dispatch_init(s);
+	dlpd_reclaim_init(s);
 	s->start_ms = dlpd_now_ms();
 }
 
@@ -326,12 +325,12 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, 
 	r = activated_fd >= 0 ? adopt(s, activated_fd) : bind_own(s, path);
 	if (r < 0)
 		return r;
+	s->listening = true;
 	uv_poll_init(loop, &s->listen_poll, s->listen_fd);
 	s->listen_poll.data = s;
 	uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
 	uv_timer_init(loop, &s->accept_retry);
 	s->accept_retry.data = s;
-	dlpd_reclaim_init(s);
 	uv_signal_init(loop, &s->sig_term);
 	uv_signal_init(loop, &s->sig_int);
 	s->sig_term.data = s->sig_int.data = s;
@@ -370,18 +369,21 @@ void dlpd_server_stop(struct dlpd_server *s)
 		unlink(s->lock_path);
 		unlink(s->path);
 	}
-	uv_close((uv_handle_t *)&s->listen_poll, listener_closed);
-	uv_close((uv_handle_t *)&s->accept_retry, NULL);
+	/* a server that never listened (the fuzz target's, the dispatch tests') has only its
+	 * connections */
+	if (s->listening) {
+		uv_close((uv_handle_t *)&s->listen_poll, listener_closed);
+		uv_close((uv_handle_t *)&s->accept_retry, NULL);
+		uv_close((uv_handle_t *)&s->sig_term, NULL);
+		uv_close((uv_handle_t *)&s->sig_int, NULL);
+	}
 	dlpd_reclaim_stop(s);
-	uv_close((uv_handle_t *)&s->sig_term, NULL);
-	uv_close((uv_handle_t *)&s->sig_int, NULL);
-	while (!dlpd_list_empty(&s->peers))
-		dlpd_peer_kill(dlpd_container_of(s->peers.next, struct dlpd_peer, link), LOG_DEBUG,
-			       "daemon stopping");
+	dlpd_dispatch_stop(s);
 }
 
 void dlpd_server_free(struct dlpd_server *s)
 {
+	dlpd_names_clear(s);
 	dlpd_registry_clear(&s->reg);
 	dlpc__scratch_clear(&s->out);
 	dlpc__scratch_clear(&s->event_out);

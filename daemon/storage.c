@@ -17,7 +17,7 @@
 #include <sys/types.h>
 #include <sys/vfs.h>
 
-#include "dlpackd.h"
+#include "storage.h"
 
 static const char *file_kind(mode_t m)
 {

@@ -14,7 +14,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "dlpackd.h"
+#include "base.h"
+#include "systemd.h"
 
 /* The first fd systemd passes (SD_LISTEN_FDS_START). */
 #define LISTEN_FDS_START 3

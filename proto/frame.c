@@ -49,10 +49,9 @@ int dlpc__hdr_check(const struct dlpc__hdr *h)
 const char *dlpc__msg_name(uint16_t type, char *buf, size_t len)
 {
 	static const char *const names[] = {
-		[DLPC_MSG_HELLO] = "HELLO",	    [DLPC_MSG_PUBLISH] = "PUBLISH",
-		[DLPC_MSG_ATTACH] = "ATTACH",	    [DLPC_MSG_RELEASE] = "RELEASE",
-		[DLPC_MSG_UNPUBLISH] = "UNPUBLISH", [DLPC_MSG_LIST] = "LIST",
-		[DLPC_MSG_STAT] = "STAT",	    [DLPC_MSG_WATCH] = "WATCH",
+#define X(NAME, ...) [DLPC_MSG_##NAME] = #NAME,
+		DLPC_REQUESTS(X)
+#undef X
 	};
 	uint16_t base = type & ~DLPC_MSG_REPLY;
 

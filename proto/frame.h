@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Layer 2: the frame header. A frame is this fixed little-endian header followed by `len` payload
+ * Layer 1: the frame header. A frame is this fixed little-endian header followed by `len` payload
  * bytes; its `nfds` file descriptors ride on the sendmsg() that carries the header's first byte.
  *
  *   offset size field
@@ -18,15 +18,34 @@
 #include <stdint.h>
 #include "limits.h"
 
+/*
+ * Every request, in one table that the daemon's dispatch, frame naming (dlpc__msg_name()) and the
+ * STAT counters read:
+ *
+ *   X(NAME, name, type, payload limit, fewest fds, most fds, before HELLO, while watching)
+ *
+ * NAME makes DLPC_MSG_NAME; name is the protobuf message (dlpackd__v1__<name>), the daemon's
+ * handler (dlpd_on_<name>) and the STAT counter (req_<name>). The payload limit is checked before
+ * anything is unpacked. "Before HELLO": allowed on a connection that has not completed HELLO;
+ * "while watching": allowed on a connection that sent WATCH.
+ */
+#define DLPC_REQUESTS(X)                                                                           \
+	X(HELLO, hello, 1, DLPC_SMALL_MSG_MAX, 0, 0, 1, 0)                                         \
+	/* no fd for legacy CUDA IPC, one otherwise: the handler checks which */                   \
+	X(PUBLISH, publish, 2, DLPC_FRAME_MAX, 0, 1, 0, 0)                                         \
+	X(ATTACH, attach, 3, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                       \
+	X(RELEASE, release, 4, DLPC_RELEASE_MSG_MAX, 0, 0, 0, 1)                                   \
+	X(UNPUBLISH, unpublish, 5, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                 \
+	X(LIST, list, 6, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                           \
+	X(STAT, stat, 7, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                           \
+	X(WATCH, watch, 8, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)
+
+/* clang-format off */
 enum dlpc_msg_type {
-	DLPC_MSG_HELLO = 1,
-	DLPC_MSG_PUBLISH = 2,
-	DLPC_MSG_ATTACH = 3,
-	DLPC_MSG_RELEASE = 4,
-	DLPC_MSG_UNPUBLISH = 5,
-	DLPC_MSG_LIST = 6,
-	DLPC_MSG_STAT = 7,
-	DLPC_MSG_WATCH = 8,
+#define DLPC_X_ENUM(NAME, name, type, ...) DLPC_MSG_##NAME = type,
+	DLPC_REQUESTS(DLPC_X_ENUM)
+#undef DLPC_X_ENUM
+	/* one past the last request type */
 	DLPC_MSG__REQUEST_COUNT,
 	/* A frame the daemon sends without a request (id 0): a watch event. */
 	DLPC_MSG_EVENT = 0x4001,
@@ -37,6 +56,7 @@ enum dlpc_msg_type {
 	/* ...or exactly this, carrying an Error message. */
 	DLPC_MSG_ERROR = 0x8000,
 };
+/* clang-format on */
 
 /* ATTACH flag, internal to the protocol: fail unless the entry holds exactly one tensor. */
 #define DLPC_ATTACH_SINGLE (1u << 16)

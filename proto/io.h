@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Layer 1: byte and fd buffers over a SOCK_STREAM Unix socket. Knows frame boundaries (through
+ * Layer 2: byte and fd buffers over a SOCK_STREAM Unix socket. Knows frame boundaries (through
  * frame.h) but nothing of protobuf.
  *
  * Receiving: fds arrive with the recvmsg() that returns the first byte of the frame they belong

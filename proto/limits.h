@@ -65,6 +65,9 @@
 #define DLPC_TX_QUEUE_MAX (8 * DLPC_FRAME_MAX)
 /* Most fds waiting in one connection's output queue (each ATTACH reply holds a duplicate). */
 #define DLPC_TX_QUEUE_FDS_MAX 4096
+/* Milliseconds the daemon keeps a connection it is dropping open so that what it was last sent
+ * (the ERROR saying why) can leave; a client that does not read it by then loses it. */
+#define DLPC_ERROR_LINGER_MS 1000
 /* The same byte limit for a watching connection: events are small and a watcher that falls
  * this far behind is not keeping up. */
 #define DLPC_WATCH_QUEUE_MAX (1u << 20)

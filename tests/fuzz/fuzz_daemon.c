@@ -21,7 +21,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "dlpackd.h"
+#include "dispatch.h"
+#include "server.h"
 #include "fuzz_daemon.h"
 
 /* Loop turns per "run" step: enough to drain every input libFuzzer makes (max_len 64 KiB). */
@@ -148,7 +149,8 @@ static void run(struct dlpd_server *s, int daemon_end, int client, bool read)
 			return;
 		if (ioctl(daemon_end, FIONREAD, &queued) < 0)
 			queued = 0;
-		if (queued == 0 && !got)
+		/* a marked connection is destroyed on the next turn */
+		if (queued == 0 && !got && dlpd_list_empty(&s->failed))
 			return;
 	}
 }
@@ -214,7 +216,7 @@ static uint64_t refs_held(struct dlpd_server *s)
 	uint64_t n = 0;
 
 	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next)
-		n += dlpd_container_of(l, struct dlpd_peer, link)->refs.count;
+		n += dlpd_container_of(l, struct dlpd_peer, link)->held.refs.count;
 	return n;
 }
 
@@ -264,6 +266,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	run(&srv, sv[0], sv[1], true);
 	if (srv.npeers != 0)
 		die("the daemon kept a connection whose client hung up");
+	dlpd_server_stop(&srv);
 	for (int turns = 0; uv_loop_alive(&loop); turns++) {
 		if (turns == RUN_TURNS)
 			die("a libuv handle is still active after the connection closed");

@@ -1,0 +1,17 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The checks a publish must pass against the limits (quota.c). */
+#ifndef DLPD_QUOTA_H
+#define DLPD_QUOTA_H
+
+#include "state.h"
+
+/*
+ * May @p p publish a storage charging @p size bytes (and one fd, if @p holds_fd), replacing
+ * @p old (NULL if none)? 0, or -EDQUOT and in @p why the limit that refuses it and its value.
+ */
+int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
+		       const struct dlpd_entry *old, char *why, size_t whylen);
+/* Storage and connection fds open or on their way to being closed. */
+uint64_t dlpd_fds_in_use(const struct dlpd_server *s);
+
+#endif

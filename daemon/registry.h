@@ -1,0 +1,176 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The registry (registry.c): names, entries, storages, references, waiting attaches and what
+ * each uid holds. Pure data: its functions change these structures and their counters and
+ * call nothing else of the daemon's. Telling anyone about a change (watchers, waiters, a
+ * publisher awaiting RECLAIM) and closing a freed storage's fd is names.c's job.
+ */
+#ifndef DLPD_REGISTRY_H
+#define DLPD_REGISTRY_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "base.h"
+#include "dlpackd.pb-c.h"
+
+struct dlpd_peer;
+
+/* What one uid holds: charged at publish and accept, released when freed. */
+struct dlpd_usage {
+	struct dlpd_hnode node; /* in registry.uids, hashed by uid */
+	uid_t uid;
+	uint64_t bytes;	      /* sizes of the storages it published that are still held */
+	uint64_t storages;    /* those storages */
+	uint64_t entries;     /* names it has published */
+	uint64_t connections; /* its open connections */
+};
+
+struct dlpd_storage {
+	int fd; /* -1 for legacy CUDA IPC, whose memory stays with the publisher */
+	struct dlpd_usage
+		*usage;	  /* the publisher's, charged with @p charged until the storage is freed */
+	uint64_t size;	  /* declared by the publisher (the allocation's, for legacy CUDA IPC) */
+	uint64_t charged; /* bytes counted against the publisher's quota: size, or 0 for legacy
+			   * CUDA IPC, which holds no memory of the daemon's or of the machine's */
+	int32_t device_type, device_id;
+	unsigned names;	      /* entries pointing at it */
+	uint64_t attach_refs; /* live references held by connections */
+	/* legacy CUDA IPC: the publishing connection, told (RECLAIM) when this is freed; NULL once
+	 * it is gone */
+	struct dlpd_peer *reclaim_peer;
+	struct dlpd_list reclaim_link; /* in reclaim_peer->ipc_storages */
+	uint64_t reclaim_token;
+};
+
+struct dlpd_entry {
+	struct dlpd_hnode node;	   /* in registry.names, hashed by name */
+	Dlpackd__V1__Publish *pub; /* the request that published it: name, flags, tensors */
+	struct dlpd_storage *st;
+	uint8_t *tensors_wire; /* the tensors as an AttachReply encodes them, made at publish */
+	size_t tensors_wire_len;
+	uint64_t generation;
+	uid_t uid;
+	struct dlpd_usage *usage; /* uid's, charged with one entry */
+	pid_t pid;
+	int64_t created_ns;
+	struct dlpd_holdings *owner; /* the publishing connection's if ephemeral, else NULL */
+	struct dlpd_list owner_link; /* in owner->ephemeral */
+};
+
+struct dlpd_ref {
+	struct dlpd_hnode node; /* in holdings.refs, hashed by id */
+	uint64_t id;
+	struct dlpd_storage *st;
+};
+
+/* The attaches waiting for one name, oldest first. */
+struct dlpd_waitq {
+	struct dlpd_hnode node; /* in registry.waitqs */
+	struct dlpd_list waiters;
+	size_t len;
+	uint8_t name[];
+};
+
+struct dlpd_waiter {
+	struct dlpd_list peer_link; /* in holdings.waiters */
+	struct dlpd_list q_link;    /* in q->waiters */
+	struct dlpd_waitq *q;
+	struct dlpd_peer *peer;
+	uint32_t req_id;
+	uint32_t flags;
+	uint32_t owner_uid; /* with DLPC_ATTACH_OWNER in flags: only this uid's entry answers */
+	int64_t timeout_ms;
+	bool timed;
+	uv_timer_t timer;
+};
+
+/* What one connection holds in the registry: dropped when it goes. */
+struct dlpd_holdings {
+	struct dlpd_hmap refs; /* dlpd_ref by id */
+	uint64_t next_ref;
+	struct dlpd_list ephemeral; /* entries it owns */
+	struct dlpd_list waiters;
+	uint64_t nwaiters;
+};
+
+struct dlpd_registry {
+	struct dlpd_hmap names;	 /* dlpd_entry by name */
+	struct dlpd_hmap waitqs; /* dlpd_waitq by name */
+	struct dlpd_hmap uids;	 /* dlpd_usage by uid */
+	/* every entry sorted by name, for LIST; rebuilt on the first LIST after a change */
+	struct dlpd_entry **sorted;
+	size_t nsorted, sorted_cap;
+	bool sorted_valid;
+	uint64_t storages, bytes, refs, waiters;
+	uint64_t storage_fds; /* storages that hold an fd (all but legacy CUDA IPC) */
+};
+
+void dlpd_registry_init(struct dlpd_registry *r);
+/* Free the maps; every entry must be gone (dlpd_entry_unlink), and with the connections every
+ * reference, waiter and charge. */
+void dlpd_registry_clear(struct dlpd_registry *r);
+void dlpd_holdings_init(struct dlpd_holdings *h);
+
+struct dlpd_entry *dlpd_entry_find(struct dlpd_registry *r, const uint8_t *name, size_t len);
+/* An entry, to empty the registry with at stop (see dlpd_hmap_next()); NULL when none is left. */
+struct dlpd_entry *dlpd_entry_any(struct dlpd_registry *r, size_t *cursor);
+/* Give @p e its name, charged to its usage (and listed on @p owner if not NULL). 0, or -ENOMEM
+ * with nothing changed. The name must be free. */
+int dlpd_entry_link(struct dlpd_registry *r, struct dlpd_entry *e, struct dlpd_holdings *owner);
+/*
+ * Take @p e out of the names and free it; its storage loses a holder. Returns that storage if
+ * nothing holds it any more: the caller then tells whom it must and frees it
+ * (dlpd_storage_free()). NULL otherwise.
+ */
+struct dlpd_storage *dlpd_entry_unlink(struct dlpd_registry *r, struct dlpd_entry *e);
+/* Free an entry that never got its name. */
+void dlpd_entry_free_unlinked(struct dlpd_entry *e);
+
+/* A storage charged to @p u (size and one storage); NULL on ENOMEM. */
+struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage *u, int fd,
+				      uint64_t size, int32_t device_type, int32_t device_id);
+/* Uncharge and free @p st, which nothing holds; its fd is the caller's to close. */
+void dlpd_storage_free(struct dlpd_registry *r, struct dlpd_storage *st);
+
+/* A reference in @p h on @p st; NULL on ENOMEM. */
+struct dlpd_ref *dlpd_ref_new(struct dlpd_registry *r, struct dlpd_holdings *h,
+			      struct dlpd_storage *st);
+struct dlpd_ref *dlpd_ref_find(struct dlpd_holdings *h, uint64_t id);
+/* Free @p ref; returns its storage if nothing holds it any more (see dlpd_entry_unlink()). */
+struct dlpd_storage *dlpd_ref_drop(struct dlpd_registry *r, struct dlpd_holdings *h,
+				   struct dlpd_ref *ref);
+/* A reference of @p h, to drop them all with (see dlpd_hmap_next()); NULL when none is left. */
+struct dlpd_ref *dlpd_ref_any(struct dlpd_holdings *h, size_t *cursor);
+
+/* Queue @p w (listed in @p h) to be woken when @p name is published. 0 or -ENOMEM. */
+int dlpd_waiter_add(struct dlpd_registry *r, struct dlpd_holdings *h, struct dlpd_waiter *w,
+		    const uint8_t *name, size_t len);
+/* The oldest waiter for @p name that an entry published by @p uid answers, or NULL. */
+struct dlpd_waiter *dlpd_waitq_first_match(struct dlpd_registry *r, const uint8_t *name, size_t len,
+					   uint32_t uid);
+/* Take @p w off its queue and off @p h; freeing it (and its timer) is the caller's. */
+void dlpd_waiter_unlink(struct dlpd_registry *r, struct dlpd_holdings *h, struct dlpd_waiter *w);
+
+/* The usage of @p uid, created empty if it has none; NULL on ENOMEM. Free it with
+ * dlpd_usage_put() if nothing gets charged to it. */
+struct dlpd_usage *dlpd_usage_get(struct dlpd_registry *r, uid_t uid);
+/* The usage of @p uid, or NULL if it holds nothing. */
+struct dlpd_usage *dlpd_usage_find(const struct dlpd_registry *r, uid_t uid);
+/* Free @p u if nothing is charged to it any more. */
+void dlpd_usage_put(struct dlpd_registry *r, struct dlpd_usage *u);
+
+/* What LIST and watch events say of @p e. */
+void dlpd_entry_info(const struct dlpd_entry *e, Dlpackd__V1__EntryInfo *info);
+
+/*
+ * Up to @p limit entries, sorted by name, whose names start with the prefix and come after
+ * @p after. The array belongs to the registry and is valid until the next publish or unpublish.
+ */
+int dlpd_registry_range(struct dlpd_registry *r, const uint8_t *prefix, size_t plen,
+			const uint8_t *after, size_t alen, size_t limit, struct dlpd_entry ***ret,
+			size_t *count);
+
+#endif

@@ -1,0 +1,106 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The daemon's state: the server and its connections (peers). Definitions only; the functions
+ * that work on them live in server.c (the listener), peer.c (a connection's transport),
+ * dispatch.c (reading requests, and the one place a connection is destroyed) and names.c.
+ *
+ * A connection ends in two steps. Whatever finds it broken or misbehaving marks it
+ * (dlpd_peer_fail(): a sticky error, after which it reads nothing and is sent nothing new);
+ * dispatch.c destroys marked connections once the code that marked them has returned to the
+ * event loop: at the end of the socket event being handled, or, for a mark made by a timer,
+ * before the loop next waits for I/O. Nothing that runs during a request, a send or a registry
+ * change ever sees a connection vanish, and the next event handled finds it gone.
+ */
+#ifndef DLPD_STATE_H
+#define DLPD_STATE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "base.h"
+#include "config.h"
+#include "io.h"
+#include "msg.h"
+#include "registry.h"
+
+struct dlpd_stats {
+	uint64_t req[DLPC_MSG__REQUEST_COUNT];
+	uint64_t fds_sent;
+	uint64_t protocol_errors;
+	uint64_t queue_drops; /* connections dropped for a full output queue */
+};
+
+struct dlpd_server {
+	uv_loop_t *loop;
+	int listen_fd;
+	int lock_fd;
+	char *path, *lock_path;
+	bool owns_path; /* bound by us, not passed by systemd: unlink it at stop */
+	bool listening; /* the handles below are set up (dlpd_server_start() got this far) */
+	uv_poll_t listen_poll;
+	uv_timer_t accept_retry; /* resumes accepting after EMFILE */
+	bool accept_paused;	 /* accept failed and has not succeeded since */
+	uv_signal_t sig_term, sig_int;
+	struct dlpd_list peers;	    /* live connections, and marked ones not yet destroyed */
+	struct dlpd_list failed;    /* marked connections, not yet destroyed */
+	struct dlpd_list lingering; /* destroyed, flushing their last frames (fail_link) */
+	uv_prepare_t teardown;	    /* destroys them before every wait for I/O (dispatch.c) */
+	uv_poll_cb peer_io;	    /* dispatch.c's handler of a connection's socket events */
+	uint64_t npeers, next_serial;
+	uint64_t peers_closing; /* destroyed, socket not yet handed to the reaper */
+	struct dlpd_registry reg;
+	struct dlpc__scratch out;	/* outgoing frames are packed here */
+	struct dlpd_list watchers;	/* peers that sent WATCH, in the order they did */
+	struct dlpd_list reclaimers;	/* peers with RECLAIM notices to send (reclaim.c) */
+	uv_timer_t reclaim_timer;	/* sends them on the next loop turn */
+	uint64_t nwatchers, event_seq;	/* event_seq: changes of the name map so far */
+	struct dlpc__scratch event_out; /* an event is packed here once for every watcher */
+	struct dlpd_stats stats;
+	struct dlpd_limits lim;
+	uint64_t fd_budget; /* storages + connections allowed: RLIMIT_NOFILE - DLPC_FD_RESERVE */
+	uint64_t start_ms;
+	bool stopping;
+};
+
+struct dlpd_peer {
+	struct dlpd_server *srv;
+	uv_poll_t poll;
+	int fd;
+	uid_t uid;
+	gid_t gid;
+	pid_t pid;
+	uint64_t serial;
+	struct dlpd_usage *usage; /* its uid's, charged with this connection */
+	int events;		  /* uv_poll events currently asked for */
+	bool hello;
+	/* Marked (dlpd_peer_fail()): reads nothing, takes no new frames, waits in srv->failed
+	 * to be destroyed. */
+	bool failed;
+	bool broken;	/* its socket failed, or its queue overflowed: nothing more is written */
+	bool hup;	/* it shut down its sending side: its buffered requests are still served */
+	bool lingering; /* destroyed, flushing its last frames (an ERROR) within a bound */
+	bool watching;	/* sent WATCH: receives events, sends nothing but RELEASE */
+	struct dlpd_list watch_link; /* in srv->watchers */
+	struct dlpd_list fail_link;  /* in srv->failed while marked, then in srv->lingering */
+	size_t watch_prefix_len;
+	uint8_t watch_prefix[DLPC_NAME_MAX];
+	/* The frame deadline: armed when a read leaves part of a frame buffered (or at accept,
+	 * for HELLO), never for frames that arrive whole. Once lingering, the flush bound. */
+	uv_timer_t deadline;
+	uint64_t frames_done;	/* complete frames read */
+	uint64_t partial_frame; /* frames_done when the buffered partial frame began */
+	uint64_t partial_since; /* loop time (ms) it began */
+	unsigned handles_open;	/* poll and deadline, until their uv_close() callbacks */
+	struct dlpc__rx rx;
+	struct dlpc__tx tx;
+	struct dlpd_holdings held;     /* references, ephemeral entries, waiting attaches */
+	struct dlpd_list ipc_storages; /* legacy CUDA IPC storages it published, still held */
+	uint64_t *reclaims;	       /* their tokens, freed but not yet told (reclaim.c) */
+	size_t nreclaims, reclaims_cap;
+	struct dlpd_list reclaim_link; /* in srv->reclaimers while nreclaims > 0 */
+	struct dlpd_list link;	       /* in srv->peers */
+};
+
+#endif
