@@ -43,6 +43,8 @@ grep -q "^\.TH DLPACKD 8 .*\"dlpackd $version\"" "$page" ||
 	{ echo "dlpackd.8 is not for version $version" >&2; fail=1; }
 grep -q "^\.TH DLPC 3 .*\"dlpackd $version\"" "$docs/dlpc.3" ||
 	{ echo "dlpc.3 is not for version $version" >&2; fail=1; }
+grep -q "^\.TH DLPACKCTL 1 .*\"dlpackd $version\"" "$docs/dlpackctl.1" ||
+	{ echo "dlpackctl.1 is not for version $version" >&2; fail=1; }
 echo "options: $(tr '\n' ' ' <"$tmp/help.opts")"
 echo "environment: $(tr '\n' ' ' <"$tmp/help.env")"
 exit $fail
