@@ -237,7 +237,7 @@ static void deadline_in(struct timespec *dl, int64_t ms)
  * (1) when @p dl (NULL: none) passes or c->wake_fd is signalled with nothing delivered. A
  * negative errno: the connection is lost. Called without c->mu, as the reader.
  */
-int dlpc__read_frames(dlpc_client *c, const struct timespec *dl)
+static int read_frames(dlpc_client *c, const struct timespec *dl)
 {
 	char why[160];
 
@@ -288,6 +288,27 @@ int dlpc__read_frames(dlpc_client *c, const struct timespec *dl)
 		if (n < 0 && n != -EAGAIN)
 			return (int)n;
 	}
+}
+
+void dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
+{
+	int r;
+
+	if (c->reading) {
+		if (dl)
+			pthread_cond_timedwait(&c->cv, &c->mu, dl);
+		else
+			pthread_cond_wait(&c->cv, &c->mu);
+		return;
+	}
+	c->reading = true;
+	pthread_mutex_unlock(&c->mu);
+	r = read_frames(c, dl);
+	pthread_mutex_lock(&c->mu);
+	c->reading = false;
+	if (r < 0 && !c->broken)
+		c->broken = r;
+	pthread_cond_broadcast(&c->cv);
 }
 
 static void unlink_call(dlpc_client *c, struct dlpc__call *call)
@@ -444,23 +465,8 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		c->broken = r;
 		pthread_cond_broadcast(&c->cv);
 	}
-	while (!call.done && !call.canceled && !c->broken && !(dl && passed(dl))) {
-		if (c->reading) {
-			if (dl)
-				pthread_cond_timedwait(&c->cv, &c->mu, dl);
-			else
-				pthread_cond_wait(&c->cv, &c->mu);
-			continue;
-		}
-		c->reading = true;
-		pthread_mutex_unlock(&c->mu);
-		r = dlpc__read_frames(c, dl);
-		pthread_mutex_lock(&c->mu);
-		c->reading = false;
-		if (r < 0 && !c->broken)
-			c->broken = r;
-		pthread_cond_broadcast(&c->cv);
-	}
+	while (!call.done && !call.canceled && !c->broken && !(dl && passed(dl)))
+		dlpc__reader_turn(c, dl);
 	if (call.canceled) {
 		/* dlpc_close() unlinked it and abandoned its id */
 		pthread_mutex_unlock(&c->mu);

@@ -17,23 +17,6 @@
 #include "internal.h"
 #include "util.h"
 
-static __thread char last_error[512];
-
-int dlpc__fail(int err, const char *fmt, ...)
-{
-	va_list ap;
-
-	va_start(ap, fmt);
-	vsnprintf(last_error, sizeof(last_error), fmt, ap);
-	va_end(ap);
-	return err;
-}
-
-DLPC_EXPORT const char *dlpc_last_error(void)
-{
-	return last_error;
-}
-
 int dlpc__check(const dlpc_client *c)
 {
 	if (!dlpc__ours(c))
@@ -399,19 +382,7 @@ static void *reclaimer(void *arg)
 		}
 		if (c->broken || c->ipc_pubs == 0)
 			break;
-		if (c->reading) {
-			pthread_cond_wait(&c->cv, &c->mu);
-			continue;
-		}
-		c->reading = true;
-		pthread_mutex_unlock(&c->mu);
-		/* 1 when woken through c->wake_fd without reading */
-		int r = dlpc__read_frames(c, NULL);
-		pthread_mutex_lock(&c->mu);
-		c->reading = false;
-		if (r < 0 && !c->broken)
-			c->broken = r;
-		pthread_cond_broadcast(&c->cv);
+		dlpc__reader_turn(c, NULL);
 	}
 	c->reclaimer = false;
 	pthread_mutex_unlock(&c->mu);
@@ -528,9 +499,9 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 		       &dlpackd__v1__hello_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
 		       NULL);
 	if (r == -ETIMEDOUT) {
-		char why[sizeof(last_error)];
+		char why[DLPC_ERROR_TEXT_MAX];
 
-		snprintf(why, sizeof(why), "%s", last_error);
+		snprintf(why, sizeof(why), "%s", dlpc_last_error());
 		r = dlpc__fail(r, "cannot connect to dlpackd at %s: %s", path, why);
 	}
 	if (r < 0)

@@ -206,16 +206,11 @@ DLPC_EXPORT int dlpc_stat(dlpc_client *c, dlpc_stats *out)
 	s.waiters = rep->waiters;
 	s.fds_open = rep->fds_open;
 	s.fds_sent = rep->fds_sent;
-	s.req_hello = rep->req_hello;
-	s.req_publish = rep->req_publish;
-	s.req_attach = rep->req_attach;
-	s.req_release = rep->req_release;
-	s.req_unpublish = rep->req_unpublish;
-	s.req_list = rep->req_list;
-	s.req_stat = rep->req_stat;
+#define X(NAME, name, ...) s.req_##name = rep->req_##name;
+	DLPC_REQUESTS(X)
+#undef X
 	s.protocol_errors = rep->protocol_errors;
 	s.fds_closing = rep->fds_closing;
-	s.req_watch = rep->req_watch;
 	s.watchers = rep->watchers;
 	s.events = rep->events;
 	s.tx_queued = rep->tx_queued;

@@ -140,7 +140,9 @@ static inline bool dlpc__ours(const dlpc_client *c)
 	return c->fork_gen == __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
 }
 
-/* Record @p err and a message for dlpc_last_error() in this thread; returns @p err. */
+/* Bytes of the message dlpc_last_error() keeps (longer ones are cut). */
+#define DLPC_ERROR_TEXT_MAX 512
+/* error.c: record @p err and a message for dlpc_last_error() in this thread; returns @p err. */
 int dlpc__fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* 0, or -EBADFD (with the message set) when @p c is used from a process that did not create it. */
 int dlpc__check(const dlpc_client *c);
@@ -180,11 +182,12 @@ void dlpc__wake_reader(dlpc_client *c);
 /* For dlpc_close(): no call starts any more; every call still waiting returns -ECANCELED. */
 void dlpc__cancel_calls(dlpc_client *c);
 /*
- * The reader's turn (the caller set c->reading): 0 once a frame was delivered, 1 when @p dl
- * (NULL: none) passed or dlpc__wake_reader() was called first, a negative errno when the
- * connection is lost. Without c->mu.
+ * One step of waiting for frames, under c->mu (held again on return): if another thread has
+ * the reader's turn, wait until it ends or @p dl (NULL: none) passes; otherwise take the turn
+ * and read until a frame is delivered, @p dl passes or dlpc__wake_reader() is called. A lost
+ * connection sets c->broken. Callers loop until what they wait for has happened.
  */
-int dlpc__read_frames(dlpc_client *c, const struct timespec *dl);
+void dlpc__reader_turn(dlpc_client *c, const struct timespec *dl);
 /* Fill @p e from a LIST or EVENT entry (strings copied); 0 or -ENOMEM (clear it anyway). */
 int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in);
 /* Free what dlpc__entry_fill() allocated. */

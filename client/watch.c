@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "internal.h"
+#include "util.h"
 
 struct dlpc_watch {
 	dlpc_client *c;
@@ -19,17 +20,6 @@ struct dlpc_watch {
 	dlpc_entry_info entry;	     /* the last event's entry, owned here */
 	char prefix[DLPC_NAME_TEXT]; /* for messages */
 };
-
-/* The prefix as text for messages: short, control bytes escaped. */
-static void prefix_text(char *out, size_t len, const char *prefix)
-{
-	size_t o = 0;
-
-	for (const unsigned char *p = (const unsigned char *)prefix; *p && o + 5 < len; p++)
-		o += (size_t)snprintf(out + o, len - o, *p < 0x20 || *p == 0x7f ? "\\x%02x" : "%c",
-				      *p);
-	out[o] = '\0';
-}
 
 DLPC_EXPORT dlpc_watch *dlpc_watch_open(const char *socket_path, const char *prefix, int *err)
 {
@@ -50,7 +40,7 @@ DLPC_EXPORT dlpc_watch *dlpc_watch_open(const char *socket_path, const char *pre
 		*err = dlpc__fail(-ENOMEM, "cannot watch: out of memory");
 		return NULL;
 	}
-	prefix_text(w->prefix, sizeof(w->prefix), prefix);
+	dlpc__printable((const uint8_t *)prefix, strlen(prefix), w->prefix, sizeof(w->prefix));
 	r = dlpc_connect(socket_path, &w->c);
 	if (r < 0)
 		goto fail;
