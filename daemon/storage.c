@@ -155,12 +155,18 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
 	return 0;
 }
 
+/*
+ * The character-device major of NVIDIA's kernel driver. A CUDA VMM POSIX-fd export is an open
+ * file of the driver's control device (/dev/nvidiactl) with the allocation attached to it.
+ */
+#define NVIDIA_DEVICE_MAJOR 195
+
 int dlpd_device_storage_check(int fd, char *why, size_t whylen)
 {
 	struct statx sx;
 	int fl = fcntl(fd, F_GETFL);
 
-	/* cached attributes only: nothing here calls into the file's filesystem */
+	/* cached attributes only: nothing here calls into the file's filesystem or driver */
 	if (fl < 0 || (fl & O_PATH)) {
 		snprintf(why, whylen, "CUDA VMM storage fd is an O_PATH descriptor");
 		return -EBADF;
@@ -170,13 +176,23 @@ int dlpd_device_storage_check(int fd, char *why, size_t whylen)
 			 strerror(errno));
 		return -EBADF;
 	}
-	/* a socket could carry fds of its own (a loop the kernel must collect); none of these is
-	 * what a driver exports */
-	if (S_ISSOCK(sx.stx_mode) || S_ISFIFO(sx.stx_mode) || S_ISDIR(sx.stx_mode) ||
-	    S_ISLNK(sx.stx_mode)) {
-		snprintf(why, whylen, "CUDA VMM storage fd is %s, not a driver export",
-			 file_kind(sx.stx_mode));
-		return -EBADF;
-	}
-	return 0;
+	/* what the NVIDIA driver exports */
+	if (S_ISCHR(sx.stx_mode) && sx.stx_rdev_major == NVIDIA_DEVICE_MAJOR)
+		return 0;
+	/* shmem, such as the memfd the project's fake driver exports (F_GET_SEALS answers for
+	 * shmem alone, from the inode): memory, whose close cannot block */
+	if (S_ISREG(sx.stx_mode) && fcntl(fd, F_GET_SEALS) >= 0)
+		return 0;
+	if (S_ISCHR(sx.stx_mode))
+		snprintf(why, whylen,
+			 "CUDA VMM storage fd is a character device of major %u, not NVIDIA's "
+			 "(%d): not a driver export",
+			 sx.stx_rdev_major, NVIDIA_DEVICE_MAJOR);
+	else
+		snprintf(why, whylen,
+			 "CUDA VMM storage fd is %s, not a driver export (a character device of "
+			 "major %d) or shmem (a memfd)",
+			 S_ISREG(sx.stx_mode) ? "a file that is not shmem" : file_kind(sx.stx_mode),
+			 NVIDIA_DEVICE_MAJOR);
+	return -EBADF;
 }

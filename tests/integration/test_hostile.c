@@ -403,6 +403,29 @@ START_TEST(test_cuda_publish_rules)
 					  msg, sizeof(msg)),
 			 EBADF);
 	ck_assert_ptr_nonnull(strstr(msg, "a socket"));
+	/* nor a file on disk (its close could block) or another driver's device */
+	{
+		static const char *const paths[] = {DLPC_TEST_DISK_DIR, "/dev/null"};
+		static const char *const says[] = {"a file that is not shmem",
+						   "a character device of major 1"};
+
+		for (size_t i = 0; i < 2; i++) {
+			int f = open(paths[i], O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+
+			if (i == 1)
+				f = open(paths[i], O_RDWR | O_CLOEXEC);
+			ck_assert_msg(f >= 0, "%s: %s", paths[i], strerror(errno));
+			ck_assert_int_eq(raw_cuda_publish(fd, "c1",
+							  &(struct cuda_pub){.device_type = kDLCUDA,
+									     .uuid_len = U,
+									     .fds = &f,
+									     .nfds = 1},
+							  msg, sizeof(msg)),
+					 EBADF);
+			ck_assert_msg(strstr(msg, says[i]), "%s: %s", paths[i], msg);
+			close(f);
+		}
+	}
 	/* a legacy IPC entry is ephemeral whatever its flags, its offsets need no alignment, and
 	 * its publisher hears of it with its own token once the storage is freed */
 	ck_assert_int_eq(raw_cuda_publish(fd, "c2",
