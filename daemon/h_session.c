@@ -7,6 +7,7 @@
 
 #include "handlers.h"
 #include "peer.h"
+#include "quota.h"
 #include "reaper.h"
 #include "util.h"
 
@@ -43,6 +44,18 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 		dlpd_peer_fail(p, LOG_NOTICE,
 			       "refused: uid %u has %llu connections open, the limit is %llu",
 			       (unsigned)p->uid, n, max);
+		return -EDQUOT;
+	}
+	/* its connection counts among its uid's fds, which may not pass their share (at 100%
+	 * the share is the whole budget, where accept's own reserve rules) */
+	if (dlpd_uid_fd_share(p->srv) < p->srv->fd_budget &&
+	    p->usage->storage_fds + p->usage->connections > dlpd_uid_fd_share(p->srv)) {
+		char why[256];
+
+		dlpd_uid_fd_share_why(p, p->usage->storage_fds + p->usage->connections - 1, why,
+				      sizeof(why));
+		dlpd_reply_error(p, id, EDQUOT, "%s", why);
+		dlpd_peer_fail(p, LOG_NOTICE, "refused: %s", why);
 		return -EDQUOT;
 	}
 	p->hello = true;

@@ -22,6 +22,7 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 	const struct dlpd_limits *lim = &s->lim;
 	const struct dlpd_usage *u = p->usage;
 	uint64_t bytes = u->bytes, entries = u->entries;
+	uint64_t uid_fds = u->storage_fds + u->connections;
 	uint64_t fds = dlpd_fds_in_use(s);
 	bool old_freed = old && old->st->names == 1 && old->st->attach_refs == 0;
 
@@ -31,8 +32,10 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 		entries--;
 	if (old_freed) {
 		fds -= old->st->fd >= 0;
-		if (old->st->usage == u)
+		if (old->st->usage == u) {
 			bytes -= old->st->charged;
+			uid_fds -= old->st->fd >= 0;
+		}
 	}
 	if (entries + 1 > lim->entries_per_uid) {
 		snprintf(why, whylen,
@@ -61,5 +64,30 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 			 DLPC_FD_RESERVE);
 		return -EDQUOT;
 	}
+	/* No uid may hold more than its share of the fd budget, so that one uid's entries (which
+	 * outlive its connections) cannot leave others unable to publish. */
+	if (holds_fd && uid_fds + 1 > dlpd_uid_fd_share(s)) {
+		dlpd_uid_fd_share_why(p, uid_fds, why, whylen);
+		return -EDQUOT;
+	}
 	return 0;
+}
+
+uint64_t dlpd_uid_fd_share(const struct dlpd_server *s)
+{
+	if (s->fd_budget == UINT64_MAX)
+		return UINT64_MAX;
+	return s->fd_budget * s->lim.fd_share_per_uid / 100;
+}
+
+void dlpd_uid_fd_share_why(const struct dlpd_peer *p, uint64_t held, char *why, size_t whylen)
+{
+	const struct dlpd_server *s = p->srv;
+
+	snprintf(why, whylen,
+		 "uid %u holds %llu storage and connection fds; a uid may hold %llu%% of the %llu "
+		 "dlpackd has for them, %llu (--max-fd-share-per-uid)",
+		 (unsigned)p->uid, (unsigned long long)held,
+		 (unsigned long long)s->lim.fd_share_per_uid, (unsigned long long)s->fd_budget,
+		 (unsigned long long)dlpd_uid_fd_share(s));
 }

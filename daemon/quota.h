@@ -11,6 +11,10 @@
  */
 int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 		       const struct dlpd_entry *old, char *why, size_t whylen);
+/* The storage and connection fds one uid may hold: its share of the fd budget. */
+uint64_t dlpd_uid_fd_share(const struct dlpd_server *s);
+/* Why @p p's uid, holding @p held of them, may not take one more. */
+void dlpd_uid_fd_share_why(const struct dlpd_peer *p, uint64_t held, char *why, size_t whylen);
 /* Storage and connection fds open or on their way to being closed. */
 uint64_t dlpd_fds_in_use(const struct dlpd_server *s);
 

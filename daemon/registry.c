@@ -132,6 +132,7 @@ struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage
 	st->charged = fd >= 0 ? size : 0;
 	dlpd_list_init(&st->reclaim_link);
 	u->storages++;
+	u->storage_fds += fd >= 0;
 	u->bytes += st->charged;
 	r->storages++;
 	r->storage_fds += fd >= 0;
@@ -145,6 +146,7 @@ void dlpd_storage_free(struct dlpd_registry *r, struct dlpd_storage *st)
 	r->storage_fds -= st->fd >= 0;
 	r->bytes -= st->size;
 	st->usage->storages--;
+	st->usage->storage_fds -= st->fd >= 0;
 	st->usage->bytes -= st->charged;
 	dlpd_usage_put(r, st->usage);
 	free(st);

@@ -24,6 +24,7 @@ struct dlpd_usage {
 	uid_t uid;
 	uint64_t bytes;	      /* sizes of the storages it published that are still held */
 	uint64_t storages;    /* those storages */
+	uint64_t storage_fds; /* those of them that hold an fd (all but legacy CUDA IPC) */
 	uint64_t entries;     /* names it has published */
 	uint64_t connections; /* its open connections */
 };

@@ -339,11 +339,12 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, 
 	dlpd_log(LOG_NOTICE, "dlpackd %s listening on %s%s", DLPD_VERSION, s->path,
 		 s->owns_path ? "" : " (socket activation)");
 	dlpd_log(LOG_INFO,
-		 "limits: %llu bytes, %llu entries and %llu connections per uid; %llu references "
-		 "and %llu waiting requests per connection; frames finish within %llu ms; %llu fds "
-		 "for storages and connections",
+		 "limits: %llu bytes, %llu entries, %llu connections and %llu%% of the fds per "
+		 "uid; %llu references and %llu waiting requests per connection; frames finish "
+		 "within %llu ms; %llu fds for storages and connections",
 		 (unsigned long long)lim->bytes_per_uid, (unsigned long long)lim->entries_per_uid,
 		 (unsigned long long)lim->connections_per_uid,
+		 (unsigned long long)lim->fd_share_per_uid,
 		 (unsigned long long)lim->refs_per_connection,
 		 (unsigned long long)lim->pending_per_connection,
 		 (unsigned long long)lim->frame_timeout_ms, (unsigned long long)s->fd_budget);

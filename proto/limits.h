@@ -97,6 +97,10 @@
  * threads) and those of frames being received. Storages and connections together may use
  * RLIMIT_NOFILE minus this; a PUBLISH beyond that is refused. */
 #define DLPC_FD_RESERVE 32
+/* Percent of the fds for storages and connections (RLIMIT_NOFILE minus DLPC_FD_RESERVE) that
+ * one uid's storages and connections may hold, so that no uid can take the fds every other
+ * uid needs to publish. --max-fd-share-per-uid */
+#define DLPC_UID_FD_SHARE_DEFAULT 25
 /* Connections of one uid accepted beyond --max-connections-per-uid, so that each can still be
  * told why at HELLO; past that a connection is closed as soon as it is accepted. */
 #define DLPC_UID_CONNECTIONS_SLACK 8

@@ -1010,6 +1010,9 @@ static long cpu_ticks(pid_t pid)
 /* The daemon's fd limit in the EMFILE test: few enough to run out with a handful of clients. */
 #define LOW_NOFILE 64
 
+/* One uid may use all the fds here: these tests are about the daemon's whole budget. */
+static const char *const whole_budget[] = {"--max-fd-share-per-uid", "100", NULL};
+
 START_TEST(test_accept_pauses_when_fds_run_out)
 {
 	int socks[2 * LOW_NOFILE];
@@ -1018,7 +1021,7 @@ START_TEST(test_accept_pauses_when_fds_run_out)
 	long before, spent;
 	uint64_t one = 1;
 
-	start(NULL, LOW_NOFILE);
+	start(whole_budget, LOW_NOFILE);
 	c = connect_or_die(&D);
 	ck_assert_dlpc(publish(c, "kept", 0), 1);
 	/* more connections than the daemon has fds: the kernel queues what it cannot accept */
@@ -1063,7 +1066,7 @@ START_TEST(test_publish_refused_before_fds_run_out)
 	char name[32];
 	int n = 0, r;
 
-	start(NULL, LOW_NOFILE);
+	start(whole_budget, LOW_NOFILE);
 	c = connect_or_die(&D);
 	for (;;) {
 		snprintf(name, sizeof(name), "fd/%d", n);
@@ -1088,6 +1091,79 @@ START_TEST(test_publish_refused_before_fds_run_out)
 	settled_fds(&D, c, 1);
 	ck_assert_dlpc(publish(c, "fd/again", 0), 1);
 	ck_assert(!log_has(D.log, "cannot accept a connection"));
+	dlpc_close(c);
+}
+END_TEST
+
+/* The daemon's fd limit in the fd-share test: a uid's share of it is a few dozen fds. */
+#define SHARE_NOFILE 256
+
+/* The share an EDQUOT message for --max-fd-share-per-uid names ("..., 53 (--max-fd-..."). */
+static long share_named(void)
+{
+	const char *e = dlpc_last_error(), *at = strstr(e, " (--max-fd-share-per-uid)");
+
+	while (at && at > e && at[-1] >= '0' && at[-1] <= '9')
+		at--;
+	return at ? strtol(at, NULL, 10) : -1;
+}
+
+/* Publish entries that outlive @p c until the share refuses one; how many were published. */
+static long fill_share(dlpc_client *c, const char *prefix)
+{
+	char name[32];
+	long n = 0;
+	int r;
+
+	for (;;) {
+		snprintf(name, sizeof(name), "%s/%ld", prefix, n);
+		r = publish(c, name, 0);
+		if (r != 1)
+			break;
+		if (++n > SHARE_NOFILE)
+			return -1;
+	}
+	return r == -EDQUOT && error_says("--max-fd-share-per-uid") ? n : -1;
+}
+
+static int nobody_fills_its_share(void *arg)
+{
+	dlpc_client *c;
+	long n;
+
+	(void)arg;
+	become_nobody();
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	n = fill_share(c, "hog");
+	CHILD_CHECK(n > 0 && error_says("uid 65534 holds"));
+	/* its connection is one of its fds; the share is DLPC_UID_FD_SHARE_DEFAULT percent */
+	CHILD_CHECK(n + 1 == share_named());
+	CHILD_CHECK(share_named() <=
+		    (SHARE_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100);
+	dlpc_close(c);
+	return 0;
+}
+
+/* A uid that publishes all it can, with entries that outlive it, leaves the fds other uids
+ * need: each uid holds at most its share of the budget. */
+START_TEST(test_fd_share_per_uid)
+{
+	dlpc_client *c, *x = NULL;
+	long n;
+
+	start(NULL, SHARE_NOFILE);
+	open_for_others();
+	ck_assert_int_eq(wait_child(spawn(nobody_fills_its_share, NULL)), 0);
+	c = connect_or_die(&D);
+	n = fill_share(c, "root");
+	ck_assert_msg(n > 0 && error_says("uid 0 holds"), "%s", dlpc_last_error());
+	ck_assert_int_eq(n + 1, share_named());
+	/* both got their share: the first took nothing from the second */
+	ck_assert_uint_eq(stat_or_die(c).entries, 2 * (uint64_t)n);
+	/* a connection is one of its fds too: one more is refused at HELLO */
+	ck_assert_dlpc(dlpc_connect(D.sock, &x), -EDQUOT);
+	ck_assert_msg(error_says("--max-fd-share-per-uid"), "%s", dlpc_last_error());
+	ck_assert_ptr_null(x);
 	dlpc_close(c);
 }
 END_TEST
@@ -1347,6 +1423,7 @@ static Suite *limits_suite(void)
 	tcase_add_test(conn, test_frame_deadline);
 	tcase_add_test(fds, test_accept_pauses_when_fds_run_out);
 	tcase_add_test(fds, test_publish_refused_before_fds_run_out);
+	tcase_add_test(fds, test_fd_share_per_uid);
 	tcase_add_test(mem, test_alloc_beyond_memory_is_enospc);
 	tcase_add_test(mem, test_alloc_beyond_cgroup_is_enospc);
 	tcase_add_test(mem, test_file_size_limit_is_efbig);
