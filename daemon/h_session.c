@@ -16,6 +16,7 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	Dlpackd__V1__Hello *req = (Dlpackd__V1__Hello *)*m;
 	Dlpackd__V1__HelloReply rep = DLPACKD__V1__HELLO_REPLY__INIT;
 	char desc[96], client[96];
+	uint64_t uid_fds;
 
 	(void)f;
 	if (p->hello) {
@@ -48,12 +49,11 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	}
 	/* its connection counts among its uid's fds, which may not pass their share (at 100%
 	 * the share is the whole budget, where accept's own reserve rules) */
-	if (dlpd_uid_fd_share(p->srv) < p->srv->fd_budget &&
-	    p->usage->storage_fds + p->usage->connections > dlpd_uid_fd_share(p->srv)) {
+	uid_fds = p->usage->storage_fds + p->usage->pinned_fds + p->usage->connections;
+	if (dlpd_uid_fd_share(p->srv) < p->srv->fd_budget && uid_fds > dlpd_uid_fd_share(p->srv)) {
 		char why[256];
 
-		dlpd_uid_fd_share_why(p, p->usage->storage_fds + p->usage->connections - 1, why,
-				      sizeof(why));
+		dlpd_uid_fd_share_why(p, uid_fds - 1, why, sizeof(why));
 		dlpd_reply_error(p, id, EDQUOT, "%s", why);
 		dlpd_peer_fail(p, LOG_NOTICE, "refused: %s", why);
 		return -EDQUOT;
@@ -113,6 +113,7 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next)
 		rep.tx_queued += dlpd_container_of(l, struct dlpd_peer, link)->tx.bytes;
 	rep.uid_bytes_held = p->usage->bytes;
+	rep.uid_bytes_pinned = p->usage->pinned_bytes;
 	rep.uid_entries = p->usage->entries;
 	rep.uid_connections = p->usage->connections;
 	return dlpd_reply(p, DLPC_MSG_STAT | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);

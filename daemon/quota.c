@@ -21,21 +21,23 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 	const struct dlpd_server *s = p->srv;
 	const struct dlpd_limits *lim = &s->lim;
 	const struct dlpd_usage *u = p->usage;
-	uint64_t bytes = u->bytes, entries = u->entries;
-	uint64_t uid_fds = u->storage_fds + u->connections;
+	/* what it publishes and what its references keep alive that no name reaches */
+	uint64_t bytes = u->bytes + u->pinned_bytes, entries = u->entries;
+	uint64_t uid_fds = u->storage_fds + u->pinned_fds + u->connections;
 	uint64_t fds = dlpd_fds_in_use(s);
-	bool old_freed = old && old->st->names == 1 && old->st->attach_refs == 0;
+	bool old_last_name = old && old->st->names == 1;
 
-	/* A replace of one's own entry keeps the entry count; the old storage is freed at once
-	 * if nobody has it attached. */
+	/* A replace of one's own entry keeps the entry count. The old storage, if no other name
+	 * reaches it, is freed at once when nobody has it attached, and otherwise is charged from
+	 * then on to those who do: either way no longer to its publisher, unless it is one of
+	 * them. */
 	if (old && old->uid == p->uid)
 		entries--;
-	if (old_freed) {
+	if (old_last_name && old->st->attach_refs == 0)
 		fds -= old->st->fd >= 0;
-		if (old->st->usage == u) {
-			bytes -= old->st->charged;
-			uid_fds -= old->st->fd >= 0;
-		}
+	if (old_last_name && old->st->usage == u && !dlpd_storage_pinned_by(old->st, u)) {
+		bytes -= old->st->charged;
+		uid_fds -= old->st->fd >= 0;
 	}
 	if (entries + 1 > lim->entries_per_uid) {
 		snprintf(why, whylen,
@@ -46,11 +48,18 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 		return -EDQUOT;
 	}
 	if (size > lim->bytes_per_uid || bytes > lim->bytes_per_uid - size) {
+		char pinned[160] = "";
+
+		if (u->pinned_bytes)
+			snprintf(pinned, sizeof(pinned),
+				 " (%llu of them in storages no name reaches any more, which its "
+				 "references keep alive)",
+				 (unsigned long long)u->pinned_bytes);
 		snprintf(why, whylen,
-			 "uid %u holds %llu bytes and asks for %llu more; the limit is %llu bytes "
-			 "(--max-bytes-per-uid)",
-			 (unsigned)p->uid, (unsigned long long)bytes, (unsigned long long)size,
-			 (unsigned long long)lim->bytes_per_uid);
+			 "uid %u holds %llu bytes%s and asks for %llu more; the limit is %llu "
+			 "bytes (--max-bytes-per-uid)",
+			 (unsigned)p->uid, (unsigned long long)bytes, pinned,
+			 (unsigned long long)size, (unsigned long long)lim->bytes_per_uid);
 		return -EDQUOT;
 	}
 	/* The storage fd is ours already (it came with the frame): keeping it must leave the

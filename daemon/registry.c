@@ -7,10 +7,12 @@
  * its caller, which frees it. Entries are held by the name map alone; an ephemeral entry is also
  * listed on its publishing connection's holdings so that closing the connection can remove it.
  *
- * A uid is charged with the declared size of every storage it publishes, from the publish until
- * the storage is freed: a storage that was replaced or unpublished but is still referenced by
- * attachers is still memory the daemon keeps alive for that uid, so it still counts. Entries and
- * connections are charged while they exist. A usage record lives while anything is charged to it.
+ * A uid is charged with the declared size (and the fd) of every storage it publishes while a name
+ * reaches it. A storage that was replaced or unpublished but is still referenced is kept alive
+ * by the references' holders, not by its publisher: from then on each uid holding one is charged
+ * with it (pinned_bytes, pinned_fds), until its last reference of it goes. So no uid can pin
+ * another's quota by attaching and holding each generation of its entry. Entries and connections
+ * are charged while they exist. A usage record lives while anything is charged to it.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -93,6 +95,13 @@ void dlpd_entry_free_unlinked(struct dlpd_entry *e)
 	free(e);
 }
 
+/* Charge (@p sign 1) or uncharge (-1) @p u with @p st as a storage it keeps alive. */
+static void pin_charge(struct dlpd_usage *u, const struct dlpd_storage *st, int sign)
+{
+	u->pinned_bytes += (uint64_t)sign * st->charged;
+	u->pinned_fds += (uint64_t)sign * (st->fd >= 0);
+}
+
 /* Drop one holder of @p st (a name when @p name is true, else a reference). */
 static struct dlpd_storage *storage_unhold(struct dlpd_storage *st, bool name)
 {
@@ -100,6 +109,14 @@ static struct dlpd_storage *storage_unhold(struct dlpd_storage *st, bool name)
 		st->names--;
 	else
 		st->attach_refs--;
+	if (st->names == 0 && st->attach_refs > 0 && !st->unnamed) {
+		/* the last name went, references keep it: their uids pay from now on */
+		st->unnamed = true;
+		st->usage->bytes -= st->charged;
+		st->usage->storage_fds -= st->fd >= 0;
+		for (unsigned i = 0; i < st->npins; i++)
+			pin_charge(st->pins[i].usage, st, 1);
+	}
 	return st->names > 0 || st->attach_refs > 0 ? NULL : st;
 }
 
@@ -146,10 +163,58 @@ void dlpd_storage_free(struct dlpd_registry *r, struct dlpd_storage *st)
 	r->storage_fds -= st->fd >= 0;
 	r->bytes -= st->size;
 	st->usage->storages--;
-	st->usage->storage_fds -= st->fd >= 0;
-	st->usage->bytes -= st->charged;
+	if (!st->unnamed) {
+		st->usage->storage_fds -= st->fd >= 0;
+		st->usage->bytes -= st->charged;
+	}
 	dlpd_usage_put(r, st->usage);
+	free(st->pins);
 	free(st);
+}
+
+bool dlpd_storage_pinned_by(const struct dlpd_storage *st, const struct dlpd_usage *u)
+{
+	for (unsigned i = 0; i < st->npins; i++)
+		if (st->pins[i].usage == u)
+			return true;
+	return false;
+}
+
+/* @p h takes one more reference on @p st: count it on its uid's pin. 0 or -ENOMEM. */
+static int pin_add(struct dlpd_storage *st, struct dlpd_usage *u)
+{
+	for (unsigned i = 0; i < st->npins; i++)
+		if (st->pins[i].usage == u) {
+			st->pins[i].refs++;
+			return 0;
+		}
+	if (st->npins == st->pins_cap) {
+		unsigned cap = st->pins_cap ? st->pins_cap * 2 : 2;
+		struct dlpd_pin *v = realloc(st->pins, cap * sizeof(*v));
+
+		if (!v)
+			return -ENOMEM;
+		st->pins = v;
+		st->pins_cap = cap;
+	}
+	st->pins[st->npins++] = (struct dlpd_pin){.usage = u, .refs = 1};
+	if (st->unnamed)
+		pin_charge(u, st, 1);
+	return 0;
+}
+
+static void pin_drop(struct dlpd_storage *st, struct dlpd_usage *u)
+{
+	for (unsigned i = 0; i < st->npins; i++) {
+		if (st->pins[i].usage != u)
+			continue;
+		if (--st->pins[i].refs > 0)
+			return;
+		if (st->unnamed)
+			pin_charge(u, st, -1);
+		st->pins[i] = st->pins[--st->npins];
+		return;
+	}
 }
 
 struct dlpd_ref *dlpd_ref_new(struct dlpd_registry *r, struct dlpd_holdings *h,
@@ -161,7 +226,12 @@ struct dlpd_ref *dlpd_ref_new(struct dlpd_registry *r, struct dlpd_holdings *h,
 		return NULL;
 	ref->id = ++h->next_ref;
 	ref->st = st;
+	if (pin_add(st, h->usage) < 0) {
+		free(ref);
+		return NULL;
+	}
 	if (dlpd_hmap_insert(&h->refs, &ref->node, dlpd_hash_u64(ref->id)) < 0) {
+		pin_drop(st, h->usage);
 		free(ref);
 		return NULL;
 	}
@@ -198,6 +268,7 @@ struct dlpd_storage *dlpd_ref_drop(struct dlpd_registry *r, struct dlpd_holdings
 	dlpd_hmap_remove(&h->refs, &ref->node);
 	r->refs--;
 	free(ref);
+	pin_drop(st, h->usage);
 	return storage_unhold(st, false);
 }
 
@@ -302,7 +373,7 @@ struct dlpd_usage *dlpd_usage_get(struct dlpd_registry *r, uid_t uid)
 
 void dlpd_usage_put(struct dlpd_registry *r, struct dlpd_usage *u)
 {
-	if (!u || u->storages || u->entries || u->connections)
+	if (!u || u->storages || u->entries || u->connections || u->pinned_bytes || u->pinned_fds)
 		return;
 	dlpd_hmap_remove(&r->uids, &u->node);
 	free(u);

@@ -18,15 +18,27 @@
 
 struct dlpd_peer;
 
-/* What one uid holds: charged at publish and accept, released when freed. */
+/*
+ * What one uid holds: charged at publish and accept, released when freed. A storage is charged
+ * to its publisher while a name reaches it; once none does and references still keep it alive,
+ * it is charged to the uids that hold those references instead (pinned_*), each in full.
+ */
 struct dlpd_usage {
 	struct dlpd_hnode node; /* in registry.uids, hashed by uid */
 	uid_t uid;
-	uint64_t bytes;	      /* sizes of the storages it published that are still held */
-	uint64_t storages;    /* those storages */
-	uint64_t storage_fds; /* those of them that hold an fd (all but legacy CUDA IPC) */
-	uint64_t entries;     /* names it has published */
-	uint64_t connections; /* its open connections */
+	uint64_t bytes;	       /* sizes of the storages it published that a name reaches */
+	uint64_t storage_fds;  /* those of them that hold an fd (all but legacy CUDA IPC) */
+	uint64_t pinned_bytes; /* sizes of the storages no name reaches that it keeps alive */
+	uint64_t pinned_fds;   /* those of them that hold an fd */
+	uint64_t storages;     /* storages it published and the daemon still holds */
+	uint64_t entries;      /* names it has published */
+	uint64_t connections;  /* its open connections */
+};
+
+/* The references one uid holds on one storage. */
+struct dlpd_pin {
+	struct dlpd_usage *usage;
+	uint64_t refs;
 };
 
 struct dlpd_storage {
@@ -37,8 +49,11 @@ struct dlpd_storage {
 	uint64_t charged; /* bytes counted against the publisher's quota: size, or 0 for legacy
 			   * CUDA IPC, which holds no memory of the daemon's or of the machine's */
 	int32_t device_type, device_id;
-	unsigned names;	      /* entries pointing at it */
-	uint64_t attach_refs; /* live references held by connections */
+	unsigned names;	       /* entries pointing at it */
+	uint64_t attach_refs;  /* live references held by connections */
+	struct dlpd_pin *pins; /* who holds those references, one per uid */
+	unsigned npins, pins_cap;
+	bool unnamed; /* no name reaches it any more: charged to the pins' uids, not usage's */
 	/* legacy CUDA IPC: the publishing connection, told (RECLAIM) when this is freed; NULL once
 	 * it is gone */
 	struct dlpd_peer *reclaim_peer;
@@ -90,7 +105,8 @@ struct dlpd_waiter {
 
 /* What one connection holds in the registry: dropped when it goes. */
 struct dlpd_holdings {
-	struct dlpd_hmap refs; /* dlpd_ref by id */
+	struct dlpd_usage *usage; /* its uid's: charged with what its references pin */
+	struct dlpd_hmap refs;	  /* dlpd_ref by id */
 	uint64_t next_ref;
 	struct dlpd_list ephemeral; /* entries it owns */
 	struct dlpd_list waiters;
@@ -136,6 +152,8 @@ struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage
 /* Uncharge and free @p st, which nothing holds; its fd is the caller's to close. */
 void dlpd_storage_free(struct dlpd_registry *r, struct dlpd_storage *st);
 
+/* Does a reference of @p u's keep @p st alive? */
+bool dlpd_storage_pinned_by(const struct dlpd_storage *st, const struct dlpd_usage *u);
 /* A reference in @p h on @p st; NULL on ENOMEM. */
 struct dlpd_ref *dlpd_ref_new(struct dlpd_registry *r, struct dlpd_holdings *h,
 			      struct dlpd_storage *st);

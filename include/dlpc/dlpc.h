@@ -444,9 +444,13 @@ typedef struct dlpc_stats {
 	uint64_t events;	  /**< changes of the name map since start (last event's seq) */
 	uint64_t tx_queued;	  /**< bytes waiting in the daemon's output queues, all together */
 	uint64_t queue_drops;	  /**< connections dropped because their output queue was full */
-	uint64_t uid_bytes_held;  /**< bytes charged to the caller's uid (its quota) */
+	uint64_t uid_bytes_held;  /**< bytes of storages the caller's uid published that a name
+				       still reaches (its quota counts them) */
 	uint64_t uid_entries;	  /**< entries the caller's uid has published */
 	uint64_t uid_connections; /**< connections of the caller's uid, this one included */
+	/** bytes of storages no name reaches any more that references of the caller's uid keep
+	 * alive (its quota counts them too; 0 from a daemon older than protocol 1.4) */
+	uint64_t uid_bytes_pinned;
 } dlpc_stats;
 
 /**

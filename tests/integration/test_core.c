@@ -16,7 +16,12 @@ static struct daemon D;
 
 static void setup(void)
 {
-	daemon_start(&D);
+	/* every client here is one uid, and test_list alone holds 5003 storages: the suite is
+	 * about the operations, not about sharing fds between uids (integration_limits is) */
+	static const char *const args[] = {"--max-fd-share-per-uid", "100", NULL};
+	struct daemon_opts o = {.args = args};
+
+	daemon_start_with(&D, &o);
 }
 
 static void teardown(void)

@@ -762,9 +762,9 @@ START_TEST(test_quota_bytes_count_declared_size)
 }
 END_TEST
 
-static bool uid_bytes_is(const dlpc_stats *s, void *arg)
+static bool uid_pinned_is(const dlpc_stats *s, void *arg)
 {
-	return s->uid_bytes_held == *(uint64_t *)arg;
+	return s->uid_bytes_pinned == *(uint64_t *)arg;
 }
 
 START_TEST(test_quota_bytes_held_until_freed)
@@ -778,16 +778,21 @@ START_TEST(test_quota_bytes_held_until_freed)
 	c = connect_or_die(&D);
 	ck_assert_dlpc(publish(c, "a", 0), 1);
 	ck_assert_dlpc(dlpc_attach(c, "a", NULL, &held), 1);
-	/* the replaced storage lives on for its attacher, and still counts */
+	/* the replaced storage lives on for its attacher, and still counts: against the uid
+	 * whose reference keeps it, here the same */
 	ck_assert_dlpc(publish(c, "a", DLPC_PUBLISH_REPLACE), 2);
-	ck_assert_uint_eq(stat_or_die(c).uid_bytes_held, 8192);
+	ck_assert_uint_eq(stat_or_die(c).uid_bytes_held, 4096);
+	ck_assert_uint_eq(stat_or_die(c).uid_bytes_pinned, 4096);
 	ck_assert_dlpc(publish(c, "b", 0), -EDQUOT);
-	ck_assert_msg(error_says("holds 8192 bytes and asks for 4096 more; the limit is 8192"),
+	ck_assert_msg(error_says("holds 8192 bytes (4096 of them in storages no name reaches any "
+				 "more, which its references keep alive) and asks for 4096 more; "
+				 "the limit is 8192"),
 		      "%s", dlpc_last_error());
 	/* released, it is freed, and its bytes return */
 	held->deleter(held);
-	want = 4096;
-	ck_assert(wait_stat(c, uid_bytes_is, &want, 5000));
+	want = 0;
+	ck_assert(wait_stat(c, uid_pinned_is, &want, 5000));
+	ck_assert_uint_eq(stat_or_die(c).uid_bytes_held, 4096);
 	ck_assert_dlpc(publish(c, "b", 0), 1);
 	/* at the limit, a replace whose old storage nobody holds fits: it is freed at once */
 	ck_assert_dlpc(publish(c, "b", DLPC_PUBLISH_REPLACE), 2);
@@ -816,6 +821,98 @@ static bool conns_are(const dlpc_stats *s, void *arg)
 {
 	return s->connections == *(uint64_t *)arg;
 }
+
+/* ---- storage no name reaches: charged to whoever keeps it alive ---- */
+
+/* Generations of a 1 MiB entry that uid 65534 attaches and holds. */
+#define PIN_GENERATIONS 6
+#define PIN_SIZE (1u << 20)
+static float pin_data[PIN_SIZE / sizeof(float)];
+
+static int publish_pinned(dlpc_client *c, uint32_t flags)
+{
+	DLDataType f32 = {kDLFloat, 32, 1};
+	int64_t n = PIN_SIZE / sizeof(float);
+
+	return dlpc_publish(c, "pinned", host_tensor(pin_data, f32, 1, &n, NULL, NULL), flags);
+}
+
+struct pin_pipes {
+	int go[2], done[2];
+};
+
+static int nobody_pins_each_generation(void *arg)
+{
+	struct pin_pipes *pp = arg;
+	DLManagedTensorVersioned *held[PIN_GENERATIONS];
+	dlpc_client *c;
+	dlpc_stats s = {.size = sizeof(s)};
+	char x;
+
+	become_nobody();
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	for (int i = 0; i < PIN_GENERATIONS; i++) {
+		CHILD_CHECK(read(pp->go[0], &x, 1) == 1);
+		CHILD_CHECK(dlpc_attach(c, "pinned", NULL, &held[i]) == i + 1);
+		CHILD_CHECK(write(pp->done[1], "x", 1) == 1);
+	}
+	/* all but the generation a name still reaches are its to pay for */
+	CHILD_CHECK(dlpc_stat(c, &s) == 0);
+	CHILD_CHECK(s.uid_bytes_pinned == (PIN_GENERATIONS - 1) * (uint64_t)PIN_SIZE);
+	CHILD_CHECK(s.uid_bytes_held == 0);
+	/* ... against its own quota: 5 MiB pinned leave no room under 3 MiB */
+	CHILD_CHECK(publish(c, "nobody/small", 0) == -EDQUOT);
+	CHILD_CHECK(error_says("which its references keep alive") &&
+		    error_says("--max-bytes-per-uid"));
+	for (int i = 0; i < PIN_GENERATIONS; i++)
+		held[i]->deleter(held[i]);
+	/* the releases ride with this request */
+	CHILD_CHECK(dlpc_stat(c, &s) == 0);
+	CHILD_CHECK(s.uid_bytes_pinned == 0);
+	CHILD_CHECK(publish(c, "nobody/small", 0) == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+/* Uid 65534 attaches and holds every generation of root's entry; root replaces it again and
+ * again under a 3 MiB quota, charged only for the generation its name reaches. */
+START_TEST(test_pinned_storage_charged_to_holder)
+{
+	static const char *const args[] = {"--max-bytes-per-uid", "3M", NULL};
+	struct pin_pipes pp;
+	dlpc_client *c;
+	dlpc_stats s;
+	pid_t child;
+	char x;
+
+	start(args, 0);
+	open_for_others();
+	ck_assert_int_eq(pipe2(pp.go, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(pp.done, O_CLOEXEC), 0);
+	c = connect_or_die(&D);
+	ck_assert_dlpc(publish_pinned(c, 0), 1);
+	child = spawn(nobody_pins_each_generation, &pp);
+	for (int i = 0; i < PIN_GENERATIONS; i++) {
+		ck_assert_int_eq(write(pp.go[1], "x", 1), 1);
+		ck_assert_int_eq(read(pp.done[0], &x, 1), 1);
+		if (i + 1 < PIN_GENERATIONS)
+			ck_assert_dlpc(publish_pinned(c, DLPC_PUBLISH_REPLACE), i + 2);
+		s = stat_or_die(c);
+		ck_assert_uint_eq(s.uid_bytes_held, PIN_SIZE);
+		ck_assert_uint_eq(s.uid_bytes_pinned, 0);
+	}
+	ck_assert_int_eq(wait_child(child), 0);
+	/* released: the old generations are freed, the daemon holds the live one alone */
+	s = stat_or_die(c);
+	ck_assert_uint_eq(s.uid_bytes_held, PIN_SIZE);
+	ck_assert_uint_eq(s.storages, 2); /* the live generation and nobody/small */
+	for (int i = 0; i < 2; i++) {
+		close(pp.go[i]);
+		close(pp.done[i]);
+	}
+	dlpc_close(c);
+}
+END_TEST
 
 START_TEST(test_quota_connections_per_uid)
 {
@@ -1418,6 +1515,7 @@ static Suite *limits_suite(void)
 	tcase_add_test(quota, test_quota_bytes_count_declared_size);
 	tcase_add_test(quota, test_quota_bytes_held_until_freed);
 	tcase_add_test(quota, test_quota_connections_per_uid);
+	tcase_add_test(quota, test_pinned_storage_charged_to_holder);
 	tcase_add_test(conn, test_refs_per_connection);
 	tcase_add_test(conn, test_pending_per_connection);
 	tcase_add_test(conn, test_frame_deadline);

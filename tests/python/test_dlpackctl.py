@@ -219,6 +219,9 @@ def test_rm_wait_stat(ctl, ctl_bin, ipc, daemon, py):
     assert st["req_attach"] == 2 and st["watchers"] == 0
     assert set(st) >= {"connections", "bytes_held", "fds_open", "tx_queued", "queue_drops",
                        "events", "req_watch"}
+    # the caller's uid: what it published that a name reaches, what it keeps alive unnamed
+    assert st["uid_bytes_held"] > 0 and st["uid_bytes_pinned"] == 0
+    assert st["uid_entries"] == 1 and st["uid_connections"] >= 1
     text = dict(line.split() for line in ok(ctl("stat")).stdout.splitlines())
     assert set(text) == set(st) and int(text["entries"]) == 1
 

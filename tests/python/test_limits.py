@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Quotas seen from Python: EDQUOT is an OSError with errno EDQUOT and the limit in its message."""
 import errno
+import time
 
 import numpy as np
 import pytest
@@ -41,6 +42,22 @@ def test_bytes_quota(ipc):
         ipc.publish("large", np.zeros(1024, dtype=np.uint8))
     _is_edquot(ei.value, "large", "1024 bytes", "--max-bytes-per-uid")
     assert ipc.stat()["uid_bytes_held"] == 128
+
+
+@pytest.mark.dlpackd_args("--max-bytes-per-uid", "1K")
+def test_pinned_bytes_count_for_the_holder(ipc):
+    ipc.publish("p", np.zeros(128, dtype=np.uint8))
+    held = ipc.attach("p")
+    ipc.publish("p", np.zeros(128, dtype=np.uint8), replace=True)
+    st = ipc.stat()
+    # the old generation is no name's any more: charged as kept alive by this reference
+    assert st["uid_bytes_held"] == 128 and st["uid_bytes_pinned"] == 128
+    del held
+    for _ in range(100):
+        if ipc.stat()["uid_bytes_pinned"] == 0:
+            break
+        time.sleep(0.01)
+    assert ipc.stat()["uid_bytes_pinned"] == 0 and ipc.stat()["uid_bytes_held"] == 128
 
 
 @pytest.mark.dlpackd_args("--max-connections-per-uid", "1")
