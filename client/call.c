@@ -219,6 +219,12 @@ static bool passed(const struct timespec *dl)
 }
 
 /* @p ms from now on CLOCK_MONOTONIC. */
+/* Does @p a come after @p b? */
+static bool later(const struct timespec *a, const struct timespec *b)
+{
+	return a->tv_sec > b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec > b->tv_nsec);
+}
+
 static void deadline_in(struct timespec *dl, int64_t ms)
 {
 	clock_gettime(CLOCK_MONOTONIC, dl);
@@ -237,6 +243,32 @@ static void deadline_in(struct timespec *dl, int64_t ms)
  * (1) when @p dl (NULL: none) passes or c->wake_fd is signalled with nothing delivered. A
  * negative errno: the connection is lost. Called without c->mu, as the reader.
  */
+/* The calling thread's interrupt check (dlpc_set_interrupt()). */
+static __thread dlpc_interrupt_fn interrupt_fn;
+static __thread void *interrupt_arg;
+
+DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg)
+{
+	interrupt_fn = fn;
+	interrupt_arg = arg;
+}
+
+/* Does the thread's interrupt check say to give up? Called without c->mu. */
+static bool interrupted(void)
+{
+	return interrupt_fn && interrupt_fn(interrupt_arg);
+}
+
+/* How long to wait at most before the next look at @p dl and the interrupt check. */
+static int poll_ms(const struct timespec *dl)
+{
+	int ms = dl ? ms_until(dl) : -1;
+
+	if (interrupt_fn && (ms < 0 || ms > DLPC_INTERRUPT_CHECK_MS))
+		ms = DLPC_INTERRUPT_CHECK_MS;
+	return ms;
+}
+
 static int read_frames(dlpc_client *c, const struct timespec *dl)
 {
 	char why[160];
@@ -269,9 +301,12 @@ static int read_frames(dlpc_client *c, const struct timespec *dl)
 			return r;
 		if (delivered)
 			return 0;
-		r = poll(p, 2, dl ? ms_until(dl) : -1);
-		if (r < 0 && errno == EINTR)
+		r = poll(p, 2, poll_ms(dl));
+		if ((r < 0 && errno == EINTR) || (r == 0 && !(dl && passed(dl)))) {
+			if (interrupted())
+				return DLPC__INTERRUPTED;
 			continue;
+		}
 		if (r < 0)
 			return -errno;
 		if (p[1].revents) {
@@ -290,16 +325,30 @@ static int read_frames(dlpc_client *c, const struct timespec *dl)
 	}
 }
 
-void dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
+int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
 {
 	int r;
 
 	if (c->reading) {
-		if (dl)
-			pthread_cond_timedwait(&c->cv, &c->mu, dl);
-		else
-			pthread_cond_wait(&c->cv, &c->mu);
-		return;
+		struct timespec until;
+		bool stop;
+
+		if (!interrupt_fn) {
+			if (dl)
+				pthread_cond_timedwait(&c->cv, &c->mu, dl);
+			else
+				pthread_cond_wait(&c->cv, &c->mu);
+			return 0;
+		}
+		deadline_in(&until, DLPC_INTERRUPT_CHECK_MS);
+		if (dl && later(&until, dl))
+			until = *dl;
+		pthread_cond_timedwait(&c->cv, &c->mu, &until);
+		/* the check may take locks of its own (a language runtime's): not under c->mu */
+		pthread_mutex_unlock(&c->mu);
+		stop = interrupted();
+		pthread_mutex_lock(&c->mu);
+		return stop ? DLPC__INTERRUPTED : 0;
 	}
 	c->reading = true;
 	pthread_mutex_unlock(&c->mu);
@@ -309,6 +358,7 @@ void dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
 	if (r < 0 && !c->broken)
 		c->broken = r;
 	pthread_cond_broadcast(&c->cv);
+	return r == DLPC__INTERRUPTED ? r : 0;
 }
 
 static void unlink_call(dlpc_client *c, struct dlpc__call *call)
@@ -376,6 +426,18 @@ static int call_gave_up(uint16_t type, int64_t bound, int64_t wait_ms)
 			  name, (long long)bound, DLPC_CALL_TIMEOUT_ENV);
 }
 
+/* The thread's interrupt check ended the wait for the reply. */
+static int call_interrupted(uint16_t type)
+{
+	char name[32];
+
+	dlpc__msg_name(type, name, sizeof(name));
+	return dlpc__fail(-EINTR,
+			  "interrupted while waiting for dlpackd to answer %s (the request may "
+			  "still take effect)",
+			  name);
+}
+
 /* The reply's fds could not be received: give back what it granted, and say why. */
 static int fds_lost(dlpc_client *c, const struct dlpc__call *call)
 {
@@ -405,6 +467,7 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 {
 	struct dlpc__call call = {0};
 	struct timespec deadline, *dl = NULL;
+	bool stopped = false;
 	size_t sent = 0;
 	ssize_t len;
 	int r;
@@ -419,7 +482,8 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 	pthread_mutex_lock(&c->mu);
 	if (c->closed) {
 		pthread_mutex_unlock(&c->mu);
-		return dlpc__fail(-ECANCELED, "dlpc_close() was called on this client");
+		return dlpc__fail(-ECANCELED, "this client was closed or canceled "
+					      "(dlpc_close() or dlpc_cancel())");
 	}
 	if (c->broken) {
 		r = conn_error(c, c->broken);
@@ -465,21 +529,24 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		c->broken = r;
 		pthread_cond_broadcast(&c->cv);
 	}
-	while (!call.done && !call.canceled && !c->broken && !(dl && passed(dl)))
-		dlpc__reader_turn(c, dl);
+	while (!call.done && !call.canceled && !c->broken && !(dl && passed(dl)) && !stopped)
+		stopped = dlpc__reader_turn(c, dl) == DLPC__INTERRUPTED;
 	if (call.canceled) {
 		/* dlpc_close() unlinked it and abandoned its id */
 		pthread_mutex_unlock(&c->mu);
-		return dlpc__fail(-ECANCELED, "dlpc_close() was called on this client while the "
-					      "call waited for dlpackd");
+		return dlpc__fail(-ECANCELED,
+				  "this client was closed or canceled (dlpc_close() "
+				  "or dlpc_cancel()) while the call waited for dlpackd");
 	}
 	unlink_call(c, &call);
 	if (!call.done && !c->broken) {
-		/* Out of time. The request may still take effect: its reply is dropped when it
-		 * comes, and an ATTACH reply's reference given back. */
+		/* Out of time, or interrupted. The request may still take effect: its reply is
+		 * dropped when it comes, and an ATTACH reply's reference given back. */
 		if (!abandon(c, call.id))
 			c->broken = -ENOMEM; /* the reply could no longer be matched */
 		pthread_mutex_unlock(&c->mu);
+		if (stopped)
+			return call_interrupted(type);
 		return call_gave_up(type, bound, wait_ms);
 	}
 	r = call.done ? 0 : conn_error(c, c->broken);

@@ -152,6 +152,12 @@ void dlpc__client_unref(dlpc_client *c)
 		client_free(c);
 }
 
+DLPC_EXPORT void dlpc_cancel(dlpc_client *c)
+{
+	if (c)
+		dlpc__cancel_calls(c);
+}
+
 DLPC_EXPORT void dlpc_close(dlpc_client *c)
 {
 	if (!c)

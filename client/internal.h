@@ -40,7 +40,7 @@ struct dlpc_client {
 	pthread_mutex_t mu; /* protects the fields below up to wmu */
 	pthread_cond_t cv;  /* on CLOCK_MONOTONIC, like every deadline here */
 	bool reading;
-	bool closed; /* dlpc_close() was called: no new call starts */
+	bool closed; /* dlpc_close() or dlpc_cancel() was called: no new call starts */
 	int broken;  /* 0, or the negative errno that ended the connection */
 	uint32_t next_id;
 	uint32_t minor; /* protocol minor version agreed at HELLO */
@@ -151,7 +151,7 @@ int dlpc__check(const dlpc_client *c);
  * caller frees it, with @p alloc: NULL for the default allocator, or an arena's). If @p rfd is
  * not NULL it receives the reply's fd (or -1).
  * An ERROR reply returns its negative code and sets the thread's message. The wait is bounded by
- * c->call_timeout_ms (-ETIMEDOUT); -ECANCELED once dlpc_close() was called; -EMFILE when the
+ * c->call_timeout_ms (-ETIMEDOUT); -ECANCELED once dlpc_close() or dlpc_cancel() was called; -EMFILE when the
  * reply's fds could not be received (an ATTACH reply's reference is released). After these the
  * connection stays usable: a reply that comes later is dropped.
  */
@@ -185,9 +185,12 @@ void dlpc__cancel_calls(dlpc_client *c);
  * One step of waiting for frames, under c->mu (held again on return): if another thread has
  * the reader's turn, wait until it ends or @p dl (NULL: none) passes; otherwise take the turn
  * and read until a frame is delivered, @p dl passes or dlpc__wake_reader() is called. A lost
- * connection sets c->broken. Callers loop until what they wait for has happened.
+ * connection sets c->broken. Callers loop until what they wait for has happened. 0, or
+ * DLPC__INTERRUPTED when the thread's interrupt check (dlpc_set_interrupt()) said to give up.
  */
-void dlpc__reader_turn(dlpc_client *c, const struct timespec *dl);
+int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl);
+/* What dlpc__reader_turn() returns when the thread's interrupt check asked to give up. */
+#define DLPC__INTERRUPTED 2
 /* Fill @p e from a LIST or EVENT entry (strings copied); 0 or -ENOMEM (clear it anyway). */
 int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in);
 /* Free what dlpc__entry_fill() allocated. */

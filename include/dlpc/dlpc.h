@@ -29,7 +29,10 @@
  *   process has no room for (RLIMIT_NOFILE reached) fails with -EMFILE, and the reference it
  *   carried goes back to the daemon.
  * - libdlpc is not async-signal-safe: it takes locks and allocates, so calling it from a signal
- *   handler can deadlock. Do the work outside the handler.
+ *   handler can deadlock. Do the work outside the handler. A thread blocked in a call waiting
+ *   for dlpackd can be told to give up with dlpc_set_interrupt() (a check run when a signal
+ *   interrupts the wait, and every DLPC_INTERRUPT_CHECK_MS), and every caller of a client at
+ *   once with dlpc_cancel().
  * - Tensors handed out by the library own their memory through their deleter, which may be called
  *   from any thread, even after dlpc_close().
  * - GPU tensors (kDLCUDA) need the CUDA driver at run time: the first GPU call loads
@@ -83,6 +86,9 @@ extern "C" {
 #define DLPC_CALL_TIMEOUT_MS_DEFAULT 30000
 /** What a waiting attach allows dlpackd beyond its own timeout_ms before giving up itself. */
 #define DLPC_CALL_GRACE_MS 1000
+/** How often a call waiting for dlpackd runs its thread's interrupt check (dlpc_set_interrupt()),
+ * besides whenever a signal interrupts the wait. */
+#define DLPC_INTERRUPT_CHECK_MS 200
 
 /** Environment variable naming the CUDA driver library to load instead of libcuda.so.1. */
 #define DLPC_CUDA_LIBRARY_ENV "DLPC_CUDA_LIBRARY"
@@ -191,6 +197,27 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
  * been called.
  */
 DLPC_EXPORT void dlpc_close(dlpc_client *c);
+
+/**
+ * Make every call blocked on @p c return -ECANCELED at once, and every later call on it too,
+ * as dlpc_close() does, but keep the handle: the caller still calls dlpc_close() (for example
+ * once the threads it woke have left their calls). Safe while other threads are in calls.
+ */
+DLPC_EXPORT void dlpc_cancel(dlpc_client *c);
+
+/** See dlpc_set_interrupt(). */
+typedef int (*dlpc_interrupt_fn)(void *arg);
+
+/**
+ * Set the calling thread's interrupt check (NULL: none, the default). While that thread waits
+ * for dlpackd in any call, the library runs @p fn(@p arg), without holding any of its locks,
+ * whenever a signal interrupts the wait and at least every DLPC_INTERRUPT_CHECK_MS. If it returns
+ * non-zero the call gives up with -EINTR and the connection stays usable: as after -ETIMEDOUT,
+ * a reply that comes later is dropped (an ATTACH reply's reference given back) and the request
+ * may still have taken effect. A language runtime uses this to let Ctrl-C interrupt a call to a
+ * daemon that does not answer (the Python module does).
+ */
+DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg);
 
 /**
  * Publish one tensor under @p name.

@@ -55,6 +55,9 @@ ipc_state *ipc_state_of_type(PyTypeObject *tp);
  * connection (-EPIPE or -ECONNRESET alike) is ConnectionResetError.
  */
 PyObject *ipc_raise(int err);
+/* Let Ctrl-C end this thread's libdlpc calls even while dlpackd does not answer (sets the
+ * thread's dlpc_set_interrupt() check). With the GIL. */
+void ipc_interruptible(void);
 /*
  * The dlpc_client for this process, connecting anew after fork, and after a lost connection for
  * a Client made with reconnect=True; NULL with an exception set.

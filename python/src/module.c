@@ -40,10 +40,44 @@ static bool conn_lost(int r)
 	return r == -EPIPE || r == -ECONNRESET;
 }
 
+/*
+ * libdlpc's interrupt check (dlpc_set_interrupt()) for a thread blocked in a call without the
+ * GIL: it takes the GIL and runs the Python signal handlers due. One that raises (Ctrl-C's
+ * KeyboardInterrupt) ends the call with -EINTR, its exception left set for the caller to
+ * return; one that does not lets the call go on waiting, as Python does for system calls.
+ */
+static int interrupt_check(void *arg)
+{
+	PyGILState_STATE g;
+	int stop;
+
+	(void)arg;
+#if PY_VERSION_HEX >= 0x030D0000
+	if (Py_IsFinalizing())
+		return 0;
+#else
+	if (_Py_IsFinalizing())
+		return 0;
+#endif
+	g = PyGILState_Ensure();
+	stop = PyErr_CheckSignals() < 0;
+	PyGILState_Release(g);
+	return stop;
+}
+
+void ipc_interruptible(void)
+{
+	dlpc_set_interrupt(interrupt_check, NULL);
+}
+
 PyObject *ipc_raise(int err)
 {
 	const char *msg = dlpc_last_error();
 	PyObject *args;
+
+	/* interrupted by a signal handler that raised: that exception is the one to see */
+	if (err == -EINTR && PyErr_Occurred())
+		return NULL;
 
 	if (conn_lost(err)) {
 		/* One error whatever the timing: whether a write found the socket closed (EPIPE)
@@ -84,6 +118,7 @@ static int connect_to(const char *path, dlpc_client **c)
 {
 	int r;
 
+	ipc_interruptible();
 	Py_BEGIN_ALLOW_THREADS
 	r = dlpc_connect(path, c);
 	Py_END_ALLOW_THREADS
@@ -203,6 +238,7 @@ dlpc_client *ipc_call_begin(ClientObject *self)
 {
 	dlpc_client *c = ipc_client(self);
 
+	ipc_interruptible();
 	if (c)
 		self->busy++;
 	return c;
@@ -269,8 +305,12 @@ static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 static void client_close_now(ClientObject *self)
 {
 	/* in a forked child the handles are the parent's: leave them alone */
-	if (self->c && self->fork_gen == current_fork_gen())
+	if (self->c && self->fork_gen == current_fork_gen()) {
+		/* threads blocked in calls on it (an attach that waits forever) return at once */
+		if (self->busy)
+			dlpc_cancel(self->c);
 		retire(self, self->c, self->busy);
+	}
 	self->c = NULL;
 	self->busy = 0;
 	self->lost = false;

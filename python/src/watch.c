@@ -40,6 +40,7 @@ static int watch_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 			return -1;
 		path = PyBytes_AS_STRING(bytes);
 	}
+	ipc_interruptible();
 	Py_BEGIN_ALLOW_THREADS
 	w = dlpc_watch_open(path, prefix, &err);
 	Py_END_ALLOW_THREADS

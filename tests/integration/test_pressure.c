@@ -452,6 +452,124 @@ START_TEST(test_close_cancels_waiters)
 }
 END_TEST
 
+/* ---- 7. interrupting a call: a check of the caller's, or dlpc_cancel() ---- */
+
+static volatile sig_atomic_t got_usr1;
+
+static void on_usr1(int sig)
+{
+	(void)sig;
+	got_usr1 = 1;
+}
+
+static int stop_when_signalled(void *arg)
+{
+	(void)arg;
+	return got_usr1;
+}
+
+static int never_stop(void *arg)
+{
+	__atomic_add_fetch((int *)arg, 1, __ATOMIC_RELAXED);
+	return 0;
+}
+
+struct blocked {
+	dlpc_client *c;
+	dlpc_interrupt_fn fn;
+	void *arg;
+	bool attach; /* an attach that waits forever, else a STAT */
+	int r;
+	uint32_t daemon_pid;
+	char msg[256];
+};
+
+static void *block(void *arg)
+{
+	dlpc_attach_opts forever = {.size = sizeof(forever), .timeout_ms = -1};
+	dlpc_stats s = {.size = sizeof(s)};
+	struct blocked *b = arg;
+	DLManagedTensorVersioned *t = NULL;
+
+	dlpc_set_interrupt(b->fn, b->arg);
+	b->r = b->attach ? dlpc_attach(b->c, "interrupt/never", &forever, &t) : dlpc_stat(b->c, &s);
+	b->daemon_pid = s.daemon_pid;
+	snprintf(b->msg, sizeof(b->msg), "%s", dlpc_last_error());
+	if (t)
+		t->deleter(t);
+	return NULL;
+}
+
+static int interrupt_against_stopped_daemon(void *arg)
+{
+	const struct daemon *d = arg;
+	struct sigaction sa = {.sa_handler = on_usr1}; /* no SA_RESTART */
+	struct blocked sig = {0}, patient = {0}, canceled = {.attach = true};
+	dlpc_stats s = {.size = sizeof(s)};
+	pthread_t th[3];
+	int checks = 0, fds0;
+
+	/* no bound of the library's own: what ends these calls is the test */
+	CHILD_CHECK(setenv("DLPC_CALL_TIMEOUT_MS", "0", 1) == 0);
+	CHILD_CHECK(sigaction(SIGUSR1, &sa, NULL) == 0);
+	CHILD_CHECK(dlpc_connect(d->sock, &sig.c) == 0);
+	CHILD_CHECK(dlpc_connect(d->sock, &patient.c) == 0);
+	CHILD_CHECK(dlpc_connect(d->sock, &canceled.c) == 0);
+	fds0 = fd_count(getpid());
+	sig.fn = stop_when_signalled;
+	patient.fn = never_stop;
+	patient.arg = &checks;
+
+	CHILD_CHECK(kill(d->pid, SIGSTOP) == 0);
+	CHILD_CHECK(pthread_create(&th[0], NULL, block, &sig) == 0);
+	CHILD_CHECK(pthread_create(&th[1], NULL, block, &patient) == 0);
+	CHILD_CHECK(pthread_create(&th[2], NULL, block, &canceled) == 0);
+	usleep(scaled_ms(500) * 1000);
+	/* a signal interrupts the wait, and the thread's check says to give up */
+	CHILD_CHECK(pthread_kill(th[0], SIGUSR1) == 0);
+	CHILD_CHECK(pthread_join(th[0], NULL) == 0);
+	if (sig.r != -EINTR || !strstr(sig.msg, "interrupted while waiting for dlpackd to "
+						"answer STAT")) {
+		fprintf(stderr, "interrupted stat: %d (%s)\n", sig.r, sig.msg);
+		_exit(1);
+	}
+	/* every caller of a client at once, without closing it */
+	dlpc_cancel(canceled.c);
+	CHILD_CHECK(pthread_join(th[2], NULL) == 0);
+	CHILD_CHECK(canceled.r == -ECANCELED && strstr(canceled.msg, "dlpc_cancel()"));
+	CHILD_CHECK(dlpc_stat(canceled.c, &s) == -ECANCELED);
+	dlpc_close(canceled.c);
+	/* a check that says to go on: the call waits, looking at it every
+	 * DLPC_INTERRUPT_CHECK_MS, and gets its answer once the daemon runs again */
+	CHILD_CHECK(__atomic_load_n(&checks, __ATOMIC_RELAXED) > 0);
+	CHILD_CHECK(kill(d->pid, SIGCONT) == 0);
+	CHILD_CHECK(pthread_join(th[1], NULL) == 0);
+	CHILD_CHECK(patient.r == 0 && patient.daemon_pid == (uint32_t)d->pid);
+	/* the interrupted client goes on, its late reply dropped */
+	CHILD_CHECK(dlpc_stat(sig.c, &s) == 0 && s.daemon_pid == (uint32_t)d->pid);
+	dlpc_close(sig.c);
+	dlpc_close(patient.c);
+	CHILD_CHECK(fd_count(getpid()) < fds0);
+	return 0;
+}
+
+START_TEST(test_interrupt_and_cancel)
+{
+	int baseline, st;
+
+	good_client_start(&D);
+	publish_fixtures(good_client());
+	baseline = good_baseline();
+	st = wait_child(spawn(interrupt_against_stopped_daemon, &D));
+	kill(D.pid, SIGCONT); /* whatever became of the child */
+	ck_assert_int_eq(st, 0);
+	good_client_check();
+	expect_fds(baseline);
+	ck_assert_uint_eq(stat_or_die(good_client()).waiters, 0);
+	good_client_stop();
+}
+END_TEST
+
 static Suite *pressure_suite(void)
 {
 	Suite *s = suite_create("pressure");
@@ -463,6 +581,7 @@ static Suite *pressure_suite(void)
 	tcase_add_test(tc, test_stopped_daemon);
 	tcase_add_test(tc, test_mute_socket);
 	tcase_add_test(tc, test_close_cancels_waiters);
+	tcase_add_test(tc, test_interrupt_and_cancel);
 	suite_add_tcase(s, tc);
 	return s;
 }

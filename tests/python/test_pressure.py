@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Python clients under pressure: Ctrl-C against a daemon that does not answer, Client.close()
+waking a thread blocked in a call, and a process out of file descriptors."""
+import errno
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dlpack_ipc
+
+# Each child prints "ready", waits for SIGUSR2 (sent once the daemon is stopped), then blocks in
+# the call.
+CALLS = {
+    "stat": "dlpack_ipc.stat()",
+    "attach": "dlpack_ipc.attach('x')",
+    "publish": "dlpack_ipc.publish('y', np.zeros(4))",
+    "attach-forever": "dlpack_ipc.attach('never', timeout=float('inf'))",
+    "connect": "dlpack_ipc.Client()",
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_ctrl_c_against_a_stopped_daemon(ipc, daemon, py, call):
+    ipc.publish("x", np.arange(4.0))
+    prelude = "" if call == "connect" else "dlpack_ipc.stat()  # connected before the stop\n"
+    p = py.popen(f"""
+import signal, sys
+# blocked before any thread starts, so that every thread inherits it
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR2}})
+import numpy as np
+import dlpack_ipc
+{prelude}print("ready", flush=True)
+signal.sigwait({{signal.SIGUSR2}})
+try:
+    {CALLS[call]}
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+    sys.exit(42)
+print("returned", flush=True)
+""", env={"DLPC_CALL_TIMEOUT_MS": "0"})
+    try:
+        assert p.stdout.readline().strip() == "ready", p.communicate()
+        daemon.proc.send_signal(signal.SIGSTOP)
+        p.send_signal(signal.SIGUSR2)
+        time.sleep(0.5)  # the child is in its call, which the daemon will not answer
+        p.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = p.communicate(timeout=10)
+        elapsed = time.monotonic() - sent
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 42, f"status {p.returncode}\n{out}\n{err}"
+    assert out.split() == ["KeyboardInterrupt"]
+    # a check every DLPC_INTERRUPT_CHECK_MS (200 ms) at worst; generous for a loaded machine
+    assert elapsed < 3, f"the interrupt took {elapsed:.1f}s"
+    # the daemon, running again, is none the worse
+    assert ipc.stat()["daemon_pid"] == daemon.pid
+
+
+def test_signal_handler_that_does_not_raise_lets_the_call_finish(daemon, py):
+    """As for system calls (PEP 475): a handler that returns lets the call go on waiting."""
+    p = py.popen("""
+import signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+import dlpack_ipc
+hits = []
+signal.signal(signal.SIGUSR1, lambda *a: hits.append(1))
+dlpack_ipc.stat()
+print("ready", flush=True)
+signal.sigwait({signal.SIGUSR2})
+st = dlpack_ipc.stat()
+print("stat", len(hits), st["daemon_pid"], flush=True)
+""", env={"DLPC_CALL_TIMEOUT_MS": "0"})
+    try:
+        assert p.stdout.readline().strip() == "ready", p.communicate()
+        daemon.proc.send_signal(signal.SIGSTOP)
+        p.send_signal(signal.SIGUSR2)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert p.poll() is None, p.communicate()
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    out, err = p.communicate(timeout=10)
+    assert p.returncode == 0, f"status {p.returncode}\n{out}\n{err}"
+    assert out.split() == ["stat", "1", str(daemon.pid)]
+
+
+def test_close_wakes_a_thread_waiting_forever(daemon):
+    c = dlpack_ipc.Client(socket=daemon.socket)
+    got = []
+
+    def wait():
+        try:
+            c.attach("never/published", timeout=float("inf"))
+        except BaseException as e:  # what it raises is the point
+            got.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    daemon.wait_stat(lambda s: s["waiters"] == 1, what="the thread's wait")
+    c.close()
+    t.join(timeout=10)
+    assert not t.is_alive(), "Client.close() left the thread waiting"
+    assert len(got) == 1 and isinstance(got[0], OSError), got
+    assert got[0].errno == errno.ECANCELED, got[0]
+    # (the STAT's own connection is the one left)
+    daemon.wait_stat(lambda s: s["waiters"] == 0 and s["connections"] == 1,
+                     what="the wait and the connection gone")
+
+
+def test_attach_out_of_fds_is_emfile(ipc, daemon, py):
+    ipc.publish("fd/x", np.arange(4.0))
+    py.check("""
+import errno, os, resource
+import numpy as np
+import dlpack_ipc
+c = dlpack_ipc.Client()
+c.stat()
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+spare = []
+try:
+    while True:
+        spare.append(os.open("/dev/null", os.O_RDONLY))
+except OSError as e:
+    assert e.errno == errno.EMFILE
+try:
+    c.attach("fd/x")
+    raise SystemExit("attach succeeded without a free fd")
+except OSError as e:
+    assert e.errno == errno.EMFILE, e
+    assert "RLIMIT_NOFILE" in str(e), e
+# the connection is fine: with an fd free the same client attaches
+os.close(spare.pop())
+t = c.attach("fd/x")
+assert np.from_dlpack(t).tolist() == [0.0, 1.0, 2.0, 3.0]
+""")
+    daemon.wait_stat(lambda s: s["references"] == 0, what="references back to none")
