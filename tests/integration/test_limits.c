@@ -1246,12 +1246,15 @@ static int nobody_fills_its_share(void *arg)
 START_TEST(test_fd_share_per_uid)
 {
 	dlpc_client *c, *x = NULL;
+	char name[32];
+	int baseline;
 	long n;
 
 	start(NULL, SHARE_NOFILE);
 	open_for_others();
-	ck_assert_int_eq(wait_child(spawn(nobody_fills_its_share, NULL)), 0);
 	c = connect_or_die(&D);
+	baseline = settled_fds(&D, c, 1);
+	ck_assert_int_eq(wait_child(spawn(nobody_fills_its_share, NULL)), 0);
 	n = fill_share(c, "root");
 	ck_assert_msg(n > 0 && error_says("uid 0 holds"), "%s", dlpc_last_error());
 	ck_assert_int_eq(n + 1, share_named());
@@ -1261,6 +1264,15 @@ START_TEST(test_fd_share_per_uid)
 	ck_assert_dlpc(dlpc_connect(D.sock, &x), -EDQUOT);
 	ck_assert_msg(error_says("--max-fd-share-per-uid"), "%s", dlpc_last_error());
 	ck_assert_ptr_null(x);
+	/* root may remove anyone's entries: then the daemon is back where it started */
+	for (long i = 0; i < n; i++) {
+		snprintf(name, sizeof(name), "hog/%ld", i);
+		ck_assert_dlpc(dlpc_unpublish(c, name), 0);
+		snprintf(name, sizeof(name), "root/%ld", i);
+		ck_assert_dlpc(dlpc_unpublish(c, name), 0);
+	}
+	ck_assert_int_eq(settled_fds(&D, c, 1), baseline);
+	ck_assert_uint_eq(stat_or_die(c).uid_entries, 0);
 	dlpc_close(c);
 }
 END_TEST
