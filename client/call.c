@@ -259,6 +259,9 @@ static bool interrupted(void)
 	return interrupt_fn && interrupt_fn(interrupt_arg);
 }
 
+/* What read_frames() returns when the thread's interrupt check is due. */
+#define CHECK_INTERRUPT 3
+
 /* How long to wait at most before the next look at @p dl and the interrupt check. */
 static int poll_ms(const struct timespec *dl)
 {
@@ -302,11 +305,12 @@ static int read_frames(dlpc_client *c, const struct timespec *dl)
 		if (delivered)
 			return 0;
 		r = poll(p, 2, poll_ms(dl));
-		if ((r < 0 && errno == EINTR) || (r == 0 && !(dl && passed(dl)))) {
-			if (interrupted())
-				return DLPC__INTERRUPTED;
+		/* the check runs once the reader's turn is given up (dlpc__reader_turn()): it may
+		 * run code that calls the library on this very client */
+		if (interrupt_fn && ((r < 0 && errno == EINTR) || (r == 0 && !(dl && passed(dl)))))
+			return CHECK_INTERRUPT;
+		if (r < 0 && errno == EINTR)
 			continue;
-		}
 		if (r < 0)
 			return -errno;
 		if (p[1].revents) {
@@ -358,7 +362,15 @@ int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
 	if (r < 0 && !c->broken)
 		c->broken = r;
 	pthread_cond_broadcast(&c->cv);
-	return r == DLPC__INTERRUPTED ? r : 0;
+	if (r == CHECK_INTERRUPT) {
+		bool stop;
+
+		pthread_mutex_unlock(&c->mu);
+		stop = interrupted();
+		pthread_mutex_lock(&c->mu);
+		return stop ? DLPC__INTERRUPTED : 0;
+	}
+	return 0;
 }
 
 static void unlink_call(dlpc_client *c, struct dlpc__call *call)

@@ -92,6 +92,40 @@ print("stat", len(hits), st["daemon_pid"], flush=True)
     assert out.split() == ["stat", "1", str(daemon.pid)]
 
 
+def test_signal_handler_that_calls_the_library(daemon, py):
+    """A handler may use the same client while the call it interrupted waits: the waiting
+    thread gives up its turn to read before the handler runs."""
+    p = py.popen("""
+import signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+import dlpack_ipc
+seen = []
+signal.signal(signal.SIGUSR1, lambda *a: seen.append(dlpack_ipc.stat()["daemon_pid"]))
+dlpack_ipc.stat()
+print("ready", flush=True)
+signal.sigwait({signal.SIGUSR2})
+st = dlpack_ipc.stat()
+print("stat", seen == [st["daemon_pid"]], flush=True)
+""", env={"DLPC_CALL_TIMEOUT_MS": "0"})
+    try:
+        assert p.stdout.readline().strip() == "ready", p.communicate()
+        daemon.proc.send_signal(signal.SIGSTOP)
+        p.send_signal(signal.SIGUSR2)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    try:
+        out, err = p.communicate(timeout=10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, f"status {p.returncode}\n{out}\n{err}"
+    assert out.split() == ["stat", "True"]
+
+
 def test_close_wakes_a_thread_waiting_forever(daemon):
     c = dlpack_ipc.Client(socket=daemon.socket)
     got = []
