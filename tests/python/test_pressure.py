@@ -11,8 +11,6 @@ import pytest
 
 import dlpack_ipc
 
-# Each child prints "ready", waits for SIGUSR2 (sent once the daemon is stopped), then blocks in
-# the call.
 CALLS = {
     "stat": "dlpack_ipc.stat()",
     "attach": "dlpack_ipc.attach('x')",
@@ -22,39 +20,66 @@ CALLS = {
 }
 
 
+# The start of every child: SIGUSR2 blocked before any thread starts (so that every thread
+# inherits that), and the module imported.
+CHILD_START = """
+import signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+import numpy as np
+import dlpack_ipc
+"""
+# ...then, once ready, it waits for SIGUSR2 (sent when the daemon is stopped) and makes its call.
+CHILD_READY = """
+print("ready", flush=True)
+signal.sigwait({signal.SIGUSR2})
+"""
+
+
+def _start_blocked(py, body, connect=True, setup=""):
+    """A child that runs `setup`, connects (unless not `connect`), and makes the call in `body`
+    against a daemon stopped meanwhile."""
+    code = CHILD_START + setup + ("dlpack_ipc.stat()\n" if connect else "") + CHILD_READY + body
+    return py.popen(code, env={"DLPC_CALL_TIMEOUT_MS": "0"})
+
+
+def _signal_in_call(daemon, p, sig):
+    """Stop the daemon, let `p` start its call, and send `sig` to it half a second in."""
+    assert p.stdout.readline().strip() == "ready", p.communicate()
+    daemon.proc.send_signal(signal.SIGSTOP)
+    p.send_signal(signal.SIGUSR2)
+    time.sleep(0.5)  # the child is in its call, which the daemon will not answer
+    p.send_signal(sig)
+
+
+def _finish(p, timeout=10):
+    """The child's output once it exits (killed if it does not within `timeout` s)."""
+    try:
+        return p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
 @pytest.mark.parametrize("call", list(CALLS))
 def test_ctrl_c_against_a_stopped_daemon(ipc, daemon, py, call):
     ipc.publish("x", np.arange(4.0))
-    prelude = "" if call == "connect" else "dlpack_ipc.stat()  # connected before the stop\n"
-    p = py.popen(f"""
-import signal, sys
-# blocked before any thread starts, so that every thread inherits it
-signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR2}})
-import numpy as np
-import dlpack_ipc
-{prelude}print("ready", flush=True)
-signal.sigwait({{signal.SIGUSR2}})
+    p = _start_blocked(py, f"""
 try:
     {CALLS[call]}
 except KeyboardInterrupt:
     print("KeyboardInterrupt", flush=True)
     sys.exit(42)
 print("returned", flush=True)
-""", env={"DLPC_CALL_TIMEOUT_MS": "0"})
+""", connect=call != "connect")
     try:
-        assert p.stdout.readline().strip() == "ready", p.communicate()
-        daemon.proc.send_signal(signal.SIGSTOP)
-        p.send_signal(signal.SIGUSR2)
-        time.sleep(0.5)  # the child is in its call, which the daemon will not answer
-        p.send_signal(signal.SIGINT)
+        _signal_in_call(daemon, p, signal.SIGINT)
         sent = time.monotonic()
-        out, err = p.communicate(timeout=10)
+        out, err = _finish(p)
         elapsed = time.monotonic() - sent
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        _finish(p, 0)
     assert p.returncode == 42, f"status {p.returncode}\n{out}\n{err}"
     assert out.split() == ["KeyboardInterrupt"]
     # a check every DLPC_INTERRUPT_CHECK_MS (200 ms) at worst; generous for a loaded machine
@@ -65,29 +90,20 @@ print("returned", flush=True)
 
 def test_signal_handler_that_does_not_raise_lets_the_call_finish(daemon, py):
     """As for system calls (PEP 475): a handler that returns lets the call go on waiting."""
-    p = py.popen("""
-import signal, sys
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
-import dlpack_ipc
-hits = []
-signal.signal(signal.SIGUSR1, lambda *a: hits.append(1))
-dlpack_ipc.stat()
-print("ready", flush=True)
-signal.sigwait({signal.SIGUSR2})
+    p = _start_blocked(py, """
 st = dlpack_ipc.stat()
 print("stat", len(hits), st["daemon_pid"], flush=True)
-""", env={"DLPC_CALL_TIMEOUT_MS": "0"})
+""", setup="""
+hits = []
+signal.signal(signal.SIGUSR1, lambda *a: hits.append(1))
+""")
     try:
-        assert p.stdout.readline().strip() == "ready", p.communicate()
-        daemon.proc.send_signal(signal.SIGSTOP)
-        p.send_signal(signal.SIGUSR2)
-        time.sleep(0.5)
-        p.send_signal(signal.SIGUSR1)
+        _signal_in_call(daemon, p, signal.SIGUSR1)
         time.sleep(0.5)
         assert p.poll() is None, p.communicate()
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    out, err = p.communicate(timeout=10)
+    out, err = _finish(p)
     assert p.returncode == 0, f"status {p.returncode}\n{out}\n{err}"
     assert out.split() == ["stat", "1", str(daemon.pid)]
 
@@ -95,33 +111,19 @@ print("stat", len(hits), st["daemon_pid"], flush=True)
 def test_signal_handler_that_calls_the_library(daemon, py):
     """A handler may use the same client while the call it interrupted waits: the waiting
     thread gives up its turn to read before the handler runs."""
-    p = py.popen("""
-import signal
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
-import dlpack_ipc
-seen = []
-signal.signal(signal.SIGUSR1, lambda *a: seen.append(dlpack_ipc.stat()["daemon_pid"]))
-dlpack_ipc.stat()
-print("ready", flush=True)
-signal.sigwait({signal.SIGUSR2})
+    p = _start_blocked(py, """
 st = dlpack_ipc.stat()
 print("stat", seen == [st["daemon_pid"]], flush=True)
-""", env={"DLPC_CALL_TIMEOUT_MS": "0"})
+""", setup="""
+seen = []
+signal.signal(signal.SIGUSR1, lambda *a: seen.append(dlpack_ipc.stat()["daemon_pid"]))
+""")
     try:
-        assert p.stdout.readline().strip() == "ready", p.communicate()
-        daemon.proc.send_signal(signal.SIGSTOP)
-        p.send_signal(signal.SIGUSR2)
-        time.sleep(0.5)
-        p.send_signal(signal.SIGUSR1)
+        _signal_in_call(daemon, p, signal.SIGUSR1)
         time.sleep(0.5)
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    try:
-        out, err = p.communicate(timeout=10)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+    out, err = _finish(p)
     assert p.returncode == 0, f"status {p.returncode}\n{out}\n{err}"
     assert out.split() == ["stat", "True"]
 
