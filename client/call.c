@@ -218,13 +218,13 @@ static bool passed(const struct timespec *dl)
 	return now.tv_sec > dl->tv_sec || (now.tv_sec == dl->tv_sec && now.tv_nsec >= dl->tv_nsec);
 }
 
-/* @p ms from now on CLOCK_MONOTONIC. */
 /* Does @p a come after @p b? */
 static bool later(const struct timespec *a, const struct timespec *b)
 {
 	return a->tv_sec > b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec > b->tv_nsec);
 }
 
+/* @p ms from now on CLOCK_MONOTONIC. */
 static void deadline_in(struct timespec *dl, int64_t ms)
 {
 	clock_gettime(CLOCK_MONOTONIC, dl);
@@ -236,13 +236,6 @@ static void deadline_in(struct timespec *dl, int64_t ms)
 	}
 }
 
-/*
- * The reader's turn: parse what is buffered, reading more until at least one frame has been
- * delivered (0). Replies to abandoned calls are dropped on the way. A WATCH reply ends the turn
- * at once: the frames behind it are events, left in the buffer for the watch. The turn also ends
- * (1) when @p dl (NULL: none) passes or c->wake_fd is signalled with nothing delivered. A
- * negative errno: the connection is lost. Called without c->mu, as the reader.
- */
 /* The calling thread's interrupt check (dlpc_set_interrupt()). */
 static __thread dlpc_interrupt_fn interrupt_fn;
 static __thread void *interrupt_arg;
@@ -272,6 +265,14 @@ static int poll_ms(const struct timespec *dl)
 	return ms;
 }
 
+/*
+ * The reader's turn: parse what is buffered, reading more until at least one frame has been
+ * delivered (0). Replies to abandoned calls are dropped on the way. A WATCH reply ends the turn
+ * at once: the frames behind it are events, left in the buffer for the watch. The turn also ends
+ * (1) when @p dl (NULL: none) passes or c->wake_fd is signalled with nothing delivered, and
+ * (CHECK_INTERRUPT) when the thread's interrupt check is due. A negative errno: the connection
+ * is lost. Called without c->mu, as the reader.
+ */
 static int read_frames(dlpc_client *c, const struct timespec *dl)
 {
 	char why[160];
