@@ -252,7 +252,10 @@ static bool interrupted(void)
 	return interrupt_fn && interrupt_fn(interrupt_arg);
 }
 
-/* What read_frames() returns when the thread's interrupt check is due. */
+/* When the thread's interrupt check is next due (set as each call starts, and after each check). */
+static __thread struct timespec check_due;
+
+/* What read_frames() returns when a signal interrupted its wait: the check runs at once. */
 #define CHECK_INTERRUPT 3
 
 /* How long to wait at most before the next look at @p dl and the interrupt check. */
@@ -260,8 +263,12 @@ static int poll_ms(const struct timespec *dl)
 {
 	int ms = dl ? ms_until(dl) : -1;
 
-	if (interrupt_fn && (ms < 0 || ms > DLPC_INTERRUPT_CHECK_MS))
-		ms = DLPC_INTERRUPT_CHECK_MS;
+	if (interrupt_fn) {
+		int due = ms_until(&check_due);
+
+		if (ms < 0 || due < ms)
+			ms = due;
+	}
 	return ms;
 }
 
@@ -269,9 +276,10 @@ static int poll_ms(const struct timespec *dl)
  * The reader's turn: parse what is buffered, reading more until at least one frame has been
  * delivered (0). Replies to abandoned calls are dropped on the way. A WATCH reply ends the turn
  * at once: the frames behind it are events, left in the buffer for the watch. The turn also ends
- * (1) when @p dl (NULL: none) passes or c->wake_fd is signalled with nothing delivered, and
- * (CHECK_INTERRUPT) when the thread's interrupt check is due. A negative errno: the connection
- * is lost. Called without c->mu, as the reader.
+ * (1) when @p dl (NULL: none) passes, the interrupt check falls due or c->wake_fd is signalled
+ * with nothing delivered, and (CHECK_INTERRUPT) when a signal interrupts the wait and there is
+ * an interrupt check to run. A negative errno: the connection is lost. Called without c->mu,
+ * as the reader.
  */
 static int read_frames(dlpc_client *c, const struct timespec *dl)
 {
@@ -308,7 +316,7 @@ static int read_frames(dlpc_client *c, const struct timespec *dl)
 		r = poll(p, 2, poll_ms(dl));
 		/* the check runs once the reader's turn is given up (dlpc__reader_turn()): it may
 		 * run code that calls the library on this very client */
-		if (interrupt_fn && ((r < 0 && errno == EINTR) || (r == 0 && !(dl && passed(dl)))))
+		if (interrupt_fn && r < 0 && errno == EINTR)
 			return CHECK_INTERRUPT;
 		if (r < 0 && errno == EINTR)
 			continue;
@@ -332,11 +340,11 @@ static int read_frames(dlpc_client *c, const struct timespec *dl)
 
 int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
 {
+	bool now = false, stop;
 	int r;
 
 	if (c->reading) {
 		struct timespec until;
-		bool stop;
 
 		if (!interrupt_fn) {
 			if (dl)
@@ -345,33 +353,31 @@ int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
 				pthread_cond_wait(&c->cv, &c->mu);
 			return 0;
 		}
-		deadline_in(&until, DLPC_INTERRUPT_CHECK_MS);
+		until = check_due;
 		if (dl && later(&until, dl))
 			until = *dl;
 		pthread_cond_timedwait(&c->cv, &c->mu, &until);
-		/* the check may take locks of its own (a language runtime's): not under c->mu */
+	} else {
+		c->reading = true;
 		pthread_mutex_unlock(&c->mu);
-		stop = interrupted();
+		r = read_frames(c, dl);
 		pthread_mutex_lock(&c->mu);
-		return stop ? DLPC__INTERRUPTED : 0;
+		c->reading = false;
+		if (r < 0 && !c->broken)
+			c->broken = r;
+		pthread_cond_broadcast(&c->cv);
+		now = r == CHECK_INTERRUPT;
 	}
-	c->reading = true;
+	/* at most every DLPC_INTERRUPT_CHECK_MS however often frames wake the caller, and at once
+	 * after a signal; not under c->mu: the check may take locks of its own (a language
+	 * runtime's) or call the library itself */
+	if (!interrupt_fn || !(now || passed(&check_due)))
+		return 0;
 	pthread_mutex_unlock(&c->mu);
-	r = read_frames(c, dl);
+	stop = interrupted();
 	pthread_mutex_lock(&c->mu);
-	c->reading = false;
-	if (r < 0 && !c->broken)
-		c->broken = r;
-	pthread_cond_broadcast(&c->cv);
-	if (r == CHECK_INTERRUPT) {
-		bool stop;
-
-		pthread_mutex_unlock(&c->mu);
-		stop = interrupted();
-		pthread_mutex_lock(&c->mu);
-		return stop ? DLPC__INTERRUPTED : 0;
-	}
-	return 0;
+	deadline_in(&check_due, DLPC_INTERRUPT_CHECK_MS);
+	return stop ? DLPC__INTERRUPTED : 0;
 }
 
 static void unlink_call(dlpc_client *c, struct dlpc__call *call)
@@ -451,6 +457,32 @@ static int call_interrupted(uint16_t type)
 			  name);
 }
 
+/*
+ * The thread's interrupt check said to give up (under c->mu, which this releases). That is the
+ * call's result whatever came meanwhile (its reply, a cancel, a broken connection): the check
+ * may have left its own error (a language runtime's exception) for the caller to report. A
+ * reply that came is dropped as a late one would be, and the reference it grants given back.
+ */
+static int call_stopped(dlpc_client *c, struct dlpc__call *call, uint16_t type)
+{
+	uint64_t ref = 0;
+
+	if (!call->canceled) /* dlpc_close() or dlpc_cancel() unlinked it and abandoned its id */
+		unlink_call(c, call);
+	if (!call->done && !call->canceled && !c->broken && !abandon(c, call->id))
+		c->broken = -ENOMEM; /* the reply could no longer be matched */
+	pthread_mutex_unlock(&c->mu);
+	if (call->done) {
+		ref = reply_ref(call->type, call->payload, call->len);
+		for (unsigned i = 0; i < call->nfds; i++)
+			close(call->fds[i]);
+		free(call->payload);
+		if (ref)
+			dlpc__release(c, ref);
+	}
+	return call_interrupted(type);
+}
+
 /* The reply's fds could not be received: give back what it granted, and say why. */
 static int fds_lost(dlpc_client *c, const struct dlpc__call *call)
 {
@@ -492,6 +524,7 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		deadline_in(&deadline, bound);
 		dl = &deadline;
 	}
+	deadline_in(&check_due, DLPC_INTERRUPT_CHECK_MS);
 	pthread_mutex_lock(&c->mu);
 	if (c->closed) {
 		pthread_mutex_unlock(&c->mu);
@@ -544,6 +577,8 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 	}
 	while (!call.done && !call.canceled && !c->broken && !(dl && passed(dl)) && !stopped)
 		stopped = dlpc__reader_turn(c, dl) == DLPC__INTERRUPTED;
+	if (stopped)
+		return call_stopped(c, &call, type);
 	if (call.canceled) {
 		/* dlpc_close() unlinked it and abandoned its id */
 		pthread_mutex_unlock(&c->mu);
@@ -553,13 +588,11 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 	}
 	unlink_call(c, &call);
 	if (!call.done && !c->broken) {
-		/* Out of time, or interrupted. The request may still take effect: its reply is
-		 * dropped when it comes, and an ATTACH reply's reference given back. */
+		/* Out of time. The request may still take effect: its reply is dropped when it
+		 * comes, and an ATTACH reply's reference given back. */
 		if (!abandon(c, call.id))
 			c->broken = -ENOMEM; /* the reply could no longer be matched */
 		pthread_mutex_unlock(&c->mu);
-		if (stopped)
-			return call_interrupted(type);
 		return call_gave_up(type, bound, wait_ms);
 	}
 	r = call.done ? 0 : conn_error(c, c->broken);

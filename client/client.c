@@ -154,7 +154,8 @@ void dlpc__client_unref(dlpc_client *c)
 
 DLPC_EXPORT void dlpc_cancel(dlpc_client *c)
 {
-	if (c)
+	/* in a forked child no call of the parent's waits here, and its locks may be held */
+	if (c && dlpc__ours(c))
 		dlpc__cancel_calls(c);
 }
 

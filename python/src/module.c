@@ -65,9 +65,36 @@ static int interrupt_check(void *arg)
 	return stop;
 }
 
+/* The thread Python runs signal handlers on (threading.main_thread()); 0: not known. */
+static unsigned long main_thread;
+
+static int find_main_thread(void)
+{
+	PyObject *threading, *t = NULL, *ident = NULL;
+
+	threading = PyImport_ImportModule("threading");
+	if (threading)
+		t = PyObject_CallMethod(threading, "main_thread", NULL);
+	if (t)
+		ident = PyObject_GetAttrString(t, "ident");
+	if (ident)
+		main_thread = PyLong_AsUnsignedLong(ident);
+	Py_XDECREF(ident);
+	Py_XDECREF(t);
+	Py_XDECREF(threading);
+	return PyErr_Occurred() ? -1 : 0;
+}
+
+/*
+ * Only the main thread runs signal handlers, so only its calls get the check: another thread's
+ * would take the GIL every DLPC_INTERRUPT_CHECK_MS for nothing, and could be caught taking it
+ * while the interpreter shuts down.
+ */
 void ipc_interruptible(void)
 {
-	dlpc_set_interrupt(interrupt_check, NULL);
+	bool main = main_thread && PyThread_get_thread_ident() == main_thread;
+
+	dlpc_set_interrupt(main ? interrupt_check : NULL, NULL);
 }
 
 PyObject *ipc_raise(int err)
@@ -75,8 +102,9 @@ PyObject *ipc_raise(int err)
 	const char *msg = dlpc_last_error();
 	PyObject *args;
 
-	/* interrupted by a signal handler that raised: that exception is the one to see */
-	if (err == -EINTR && PyErr_Occurred())
+	/* libdlpc's interrupt check ran a signal handler that raised: that exception is the one
+	 * to see, whatever the call then returned */
+	if (PyErr_Occurred())
 		return NULL;
 
 	if (conn_lost(err)) {
@@ -496,6 +524,8 @@ static int module_exec(PyObject *m)
 {
 	ipc_state *st = PyModule_GetState(m);
 
+	if (find_main_thread() < 0)
+		return -1;
 	st->client_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &client_spec, NULL);
 	st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ipc_tensor_spec, NULL);
 	st->watch_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ipc_watch_spec, NULL);

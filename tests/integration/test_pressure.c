@@ -570,6 +570,93 @@ START_TEST(test_interrupt_and_cancel)
 }
 END_TEST
 
+/*
+ * A check that says to give up has the last word, whatever came while it ran: here the reply
+ * itself (read by a call the check makes on the same client) or a dlpc_cancel().
+ */
+struct meanwhile {
+	dlpc_client *c;
+	pid_t daemon;
+	bool cancel; /* cancel the client, else let the daemon answer and read its replies */
+	int runs;
+};
+
+static int stop_after_meanwhile(void *arg)
+{
+	struct meanwhile *m = arg;
+	dlpc_stats s = {.size = sizeof(s)};
+
+	if (m->runs++) /* only once: the call made below may run it too */
+		return 0;
+	if (m->cancel) {
+		dlpc_cancel(m->c);
+		return 1;
+	}
+	CHILD_CHECK(kill(m->daemon, SIGCONT) == 0);
+	/* the daemon answers in order: this call reads the ATTACH reply first, then its own */
+	CHILD_CHECK(dlpc_stat(m->c, &s) == 0);
+	return 1;
+}
+
+static int interrupt_whatever_came(void *arg)
+{
+	const struct daemon *d = arg;
+	dlpc_attach_opts forever = {.size = sizeof(forever), .timeout_ms = -1};
+	struct meanwhile m = {.daemon = d->pid};
+	DLManagedTensorVersioned *t = NULL;
+	uint64_t refs0;
+	int fds0;
+
+	CHILD_CHECK(setenv("DLPC_CALL_TIMEOUT_MS", "0", 1) == 0);
+	CHILD_CHECK(dlpc_connect(d->sock, &m.c) == 0);
+	refs0 = refs_of(m.c);
+	fds0 = fd_count(getpid());
+	dlpc_set_interrupt(stop_after_meanwhile, &m);
+
+	/* the ATTACH reply comes while the check runs: the call still ends with -EINTR, and
+	 * the reference the reply grants goes back with its fd */
+	CHILD_CHECK(kill(d->pid, SIGSTOP) == 0);
+	CHILD_CHECK(dlpc_attach(m.c, "one", NULL, &t) == -EINTR && t == NULL);
+	CHILD_CHECK(error_says("interrupted while waiting for dlpackd to answer ATTACH"));
+	CHILD_CHECK(m.runs == 1);
+	dlpc_set_interrupt(NULL, NULL);
+	CHILD_CHECK(refs_become(m.c, refs0));
+	CHILD_CHECK(fd_count(getpid()) == fds0);
+	CHILD_CHECK(dlpc_attach(m.c, "one", NULL, &t) > 0 && one_ok(t));
+	t->deleter(t);
+
+	/* canceled while the check runs: still -EINTR, not -ECANCELED */
+	m.cancel = true;
+	m.runs = 0;
+	dlpc_set_interrupt(stop_after_meanwhile, &m);
+	CHILD_CHECK(dlpc_attach(m.c, "interrupt/never", &forever, &t) == -EINTR && t == NULL);
+	CHILD_CHECK(m.runs == 1);
+	dlpc_set_interrupt(NULL, NULL);
+	CHILD_CHECK(dlpc_stat(m.c, &(dlpc_stats){.size = sizeof(dlpc_stats)}) == -ECANCELED);
+	dlpc_close(m.c);
+	CHILD_CHECK(fd_count(getpid()) < fds0);
+	return 0;
+}
+
+START_TEST(test_interrupt_whatever_came)
+{
+	uint64_t refs;
+	int baseline, st;
+
+	good_client_start(&D);
+	publish_fixtures(good_client());
+	baseline = good_baseline();
+	refs = stat_or_die(good_client()).references;
+	st = wait_child(spawn(interrupt_whatever_came, &D));
+	kill(D.pid, SIGCONT); /* whatever became of the child */
+	ck_assert_int_eq(st, 0);
+	good_client_check();
+	expect_fds(baseline);
+	ck_assert_uint_eq(stat_or_die(good_client()).references, refs);
+	good_client_stop();
+}
+END_TEST
+
 static Suite *pressure_suite(void)
 {
 	Suite *s = suite_create("pressure");
@@ -582,6 +669,7 @@ static Suite *pressure_suite(void)
 	tcase_add_test(tc, test_mute_socket);
 	tcase_add_test(tc, test_close_cancels_waiters);
 	tcase_add_test(tc, test_interrupt_and_cancel);
+	tcase_add_test(tc, test_interrupt_whatever_came);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -128,6 +128,37 @@ signal.signal(signal.SIGUSR1, lambda *a: seen.append(dlpack_ipc.stat()["daemon_p
     assert out.split() == ["stat", "True"]
 
 
+def test_handler_that_raises_after_the_reply_came(ipc, daemon, py):
+    """A handler that lets the daemon answer, reads the reply with a call of its own, then
+    raises: its exception is what the interrupted attach raises (not a SystemError for a result
+    with an exception set), and the reference the reply granted goes back."""
+    ipc.publish("x", np.arange(4.0))
+    p = _start_blocked(py, """
+try:
+    dlpack_ipc.attach("x")
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", dlpack_ipc.stat()["daemon_pid"], flush=True)
+    sys.exit(42)
+print("returned", flush=True)
+""", setup=f"""
+import os
+def resume_then_raise(*a):
+    os.kill({daemon.pid}, signal.SIGCONT)
+    dlpack_ipc.stat()
+    raise KeyboardInterrupt
+signal.signal(signal.SIGUSR1, resume_then_raise)
+""")
+    try:
+        _signal_in_call(daemon, p, signal.SIGUSR1)
+        out, err = _finish(p)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        _finish(p, 0)
+    assert p.returncode == 42, f"status {p.returncode}\n{out}\n{err}"
+    assert out.split() == ["KeyboardInterrupt", str(daemon.pid)]
+    daemon.wait_stat(lambda s: s["references"] == 0, what="the attach's reference given back")
+
+
 def test_close_wakes_a_thread_waiting_forever(daemon):
     c = dlpack_ipc.Client(socket=daemon.socket)
     got = []
