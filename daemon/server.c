@@ -53,7 +53,7 @@ static void on_accept(uv_poll_t *h, int status, int events)
 	(void)status;
 	(void)events;
 	while (!s->stopping) {
-		uint64_t fds = dlpd_fds_in_use(s);
+		uint64_t fds = dlpd_fds_in_use(s), share = dlpd_uid_fd_share(s), uid_fds;
 		struct dlpd_peer *p;
 		char desc[96];
 		int fd;
@@ -116,6 +116,16 @@ static void on_accept(uv_poll_t *h, int status, int events)
 				(unsigned)p->uid, (unsigned long long)p->usage->connections - 1,
 				(unsigned long long)s->lim.connections_per_uid,
 				DLPC_UID_CONNECTIONS_SLACK);
+			continue;
+		}
+		/* the same for its share of the fds, which HELLO enforces */
+		uid_fds = p->usage->storage_fds + p->usage->pinned_fds + p->usage->connections;
+		if (share < s->fd_budget && uid_fds > share + DLPC_UID_CONNECTIONS_SLACK) {
+			char why[256];
+
+			dlpd_uid_fd_share_why(p, uid_fds - 1, why, sizeof(why));
+			dlpd_peer_fail(p, LOG_WARNING, "refused: %s, by more than %d", why,
+				       DLPC_UID_CONNECTIONS_SLACK);
 			continue;
 		}
 		dlpd_log(LOG_DEBUG, "%s: accepted", dlpd_peer_desc(p, desc, sizeof(desc)));

@@ -101,8 +101,9 @@
  * one uid's storages and connections may hold, so that no uid can take the fds every other
  * uid needs to publish. --max-fd-share-per-uid */
 #define DLPC_UID_FD_SHARE_DEFAULT 25
-/* Connections of one uid accepted beyond --max-connections-per-uid, so that each can still be
- * told why at HELLO; past that a connection is closed as soon as it is accepted. */
+/* Connections of one uid accepted beyond --max-connections-per-uid or its fd share, so that
+ * each can still be told why at HELLO; past that a connection is closed as soon as it is
+ * accepted. */
 #define DLPC_UID_CONNECTIONS_SLACK 8
 
 #endif

@@ -1264,6 +1264,24 @@ START_TEST(test_fd_share_per_uid)
 	ck_assert_dlpc(dlpc_connect(D.sock, &x), -EDQUOT);
 	ck_assert_msg(error_says("--max-fd-share-per-uid"), "%s", dlpc_last_error());
 	ck_assert_ptr_null(x);
+	/* connections that never send HELLO are not a way around it: past the share plus
+	 * DLPC_UID_CONNECTIONS_SLACK they are closed as soon as they are accepted */
+	settled_fds(&D, c, 1);
+	{
+		int socks[DLPC_UID_CONNECTIONS_SLACK + 16];
+		uint64_t most = 1 + DLPC_UID_CONNECTIONS_SLACK, conns;
+
+		for (size_t i = 0; i < sizeof(socks) / sizeof(socks[0]); i++)
+			socks[i] = raw_connect();
+		for (int i = 0; i < 100 && !log_has(D.log, "(--max-fd-share-per-uid), by more"); i++)
+			usleep(scaled_ms(20) * 1000);
+		ck_assert(log_has(D.log, "(--max-fd-share-per-uid), by more than 8"));
+		conns = stat_or_die(c).uid_connections;
+		ck_assert_msg(conns <= most, "uid 0 holds %llu connections",
+			      (unsigned long long)conns);
+		for (size_t i = 0; i < sizeof(socks) / sizeof(socks[0]); i++)
+			close(socks[i]);
+	}
 	/* root may remove anyone's entries: then the daemon is back where it started */
 	for (long i = 0; i < n; i++) {
 		snprintf(name, sizeof(name), "hog/%ld", i);
