@@ -24,13 +24,14 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 	/* what it publishes and what its references keep alive that no name reaches */
 	uint64_t bytes = u->bytes + u->pinned_bytes, entries = u->entries;
 	uint64_t uid_fds = u->storage_fds + u->pinned_fds + u->connections;
-	uint64_t fds = dlpd_fds_in_use(s);
+	uint64_t fds = dlpd_fds_in_use(s), comes_pinned = 0;
 	bool old_last_name = old && old->st->names == 1;
 
 	/* A replace of one's own entry keeps the entry count. The old storage, if no other name
 	 * reaches it, is freed at once when nobody has it attached, and otherwise is charged from
 	 * then on to those who do: either way no longer to its publisher, unless it is one of
-	 * them. */
+	 * them, and from then on to a replacer that holds it (root replacing another uid's
+	 * entry) as well. */
 	if (old && old->uid == p->uid)
 		entries--;
 	if (old_last_name && old->st->attach_refs == 0)
@@ -38,6 +39,10 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 	if (old_last_name && old->st->usage == u && !dlpd_storage_pinned_by(old->st, u)) {
 		bytes -= old->st->charged;
 		uid_fds -= old->st->fd >= 0;
+	} else if (old_last_name && old->st->usage != u && dlpd_storage_pinned_by(old->st, u)) {
+		comes_pinned = old->st->charged;
+		bytes += comes_pinned;
+		uid_fds += old->st->fd >= 0;
 	}
 	if (entries + 1 > lim->entries_per_uid) {
 		snprintf(why, whylen,
@@ -50,11 +55,12 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 	if (size > lim->bytes_per_uid || bytes > lim->bytes_per_uid - size) {
 		char pinned[160] = "";
 
-		if (u->pinned_bytes)
+		if (u->pinned_bytes + comes_pinned)
 			snprintf(pinned, sizeof(pinned),
 				 " (%llu of them in storages no name reaches any more, which its "
-				 "references keep alive)",
-				 (unsigned long long)u->pinned_bytes);
+				 "references keep alive%s)",
+				 (unsigned long long)(u->pinned_bytes + comes_pinned),
+				 comes_pinned ? ", the one this replace unnames among them" : "");
 		snprintf(why, whylen,
 			 "uid %u holds %llu bytes%s and asks for %llu more; the limit is %llu "
 			 "bytes (--max-bytes-per-uid)",

@@ -829,12 +829,17 @@ static bool conns_are(const dlpc_stats *s, void *arg)
 #define PIN_SIZE (1u << 20)
 static float pin_data[PIN_SIZE / sizeof(float)];
 
-static int publish_pinned(dlpc_client *c, uint32_t flags)
+static int publish_mib(dlpc_client *c, const char *name, uint32_t flags)
 {
 	DLDataType f32 = {kDLFloat, 32, 1};
 	int64_t n = PIN_SIZE / sizeof(float);
 
-	return dlpc_publish(c, "pinned", host_tensor(pin_data, f32, 1, &n, NULL, NULL), flags);
+	return dlpc_publish(c, name, host_tensor(pin_data, f32, 1, &n, NULL, NULL), flags);
+}
+
+static int publish_pinned(dlpc_client *c, uint32_t flags)
+{
+	return publish_mib(c, "pinned", flags);
 }
 
 struct pin_pipes {
@@ -910,6 +915,54 @@ START_TEST(test_pinned_storage_charged_to_holder)
 		close(pp.go[i]);
 		close(pp.done[i]);
 	}
+	dlpc_close(c);
+}
+END_TEST
+
+static int nobody_publishes_pinned(void *arg)
+{
+	dlpc_client *c;
+
+	(void)arg;
+	become_nobody();
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(publish_pinned(c, 0) == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+/* Root holds uid 65534's entry and replaces it: the old storage it keeps alive counts against
+ * its quota before the replace is let through, not after. */
+START_TEST(test_replace_of_a_held_entry_counts_what_it_pins)
+{
+	static const char *const args[] = {"--max-bytes-per-uid", "3M", NULL};
+	DLManagedTensorVersioned *held;
+	dlpc_client *c;
+	dlpc_stats s;
+	uint64_t none = 0;
+
+	start(args, 0);
+	open_for_others();
+	ck_assert_int_eq(wait_child(spawn(nobody_publishes_pinned, NULL)), 0);
+	c = connect_or_die(&D);
+	ck_assert_dlpc(dlpc_attach(c, "pinned", NULL, &held), 1);
+	ck_assert_dlpc(publish_mib(c, "mine/1", 0), 1);
+	ck_assert_dlpc(publish_mib(c, "mine/2", 0), 1);
+	/* 2 MiB held, 1 MiB new, and the 1 MiB it holds would be its to pay for */
+	ck_assert_dlpc(publish_pinned(c, DLPC_PUBLISH_REPLACE), -EDQUOT);
+	ck_assert_msg(error_says("uid 0 holds 3145728 bytes") &&
+			      error_says("the one this replace unnames among them"),
+		      "%s", dlpc_last_error());
+	s = stat_or_die(c);
+	ck_assert_uint_eq(s.uid_bytes_held, 2 * PIN_SIZE);
+	ck_assert_uint_eq(s.uid_bytes_pinned, 0);
+	/* released, the replace fits, and the old generation is freed at once */
+	held->deleter(held);
+	ck_assert_dlpc(publish_pinned(c, DLPC_PUBLISH_REPLACE), 2);
+	ck_assert(wait_stat(c, uid_pinned_is, &none, 5000));
+	s = stat_or_die(c);
+	ck_assert_uint_eq(s.uid_bytes_held, 3 * PIN_SIZE);
+	ck_assert_uint_eq(s.storages, 3);
 	dlpc_close(c);
 }
 END_TEST
@@ -1546,6 +1599,7 @@ static Suite *limits_suite(void)
 	tcase_add_test(quota, test_quota_bytes_held_until_freed);
 	tcase_add_test(quota, test_quota_connections_per_uid);
 	tcase_add_test(quota, test_pinned_storage_charged_to_holder);
+	tcase_add_test(quota, test_replace_of_a_held_entry_counts_what_it_pins);
 	tcase_add_test(conn, test_refs_per_connection);
 	tcase_add_test(conn, test_pending_per_connection);
 	tcase_add_test(conn, test_frame_deadline);
