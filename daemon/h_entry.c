@@ -247,8 +247,6 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	}
 	if (f->nfds)
 		dlpc__frame_take_fd(f, 0);
-	else
-		dlpd_reclaim_watch(p, st, req->reclaim_token);
 	st->names = 1;
 	e->st = st;
 	e->pub = req;
@@ -269,6 +267,10 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	e->tensors_wire_len = wire_len;
 	if (dlpd_names_publish(s, e, old, req->flags & DLPC_PUBLISH_EPHEMERAL ? p : NULL) < 0)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
+	/* legacy CUDA IPC memory goes back to its publisher when freed: only once published, so
+	 * that a publish that failed is not answered with a RECLAIM as well */
+	if (st->fd < 0)
+		dlpd_reclaim_watch(p, st, req->reclaim_token);
 	return dlpd_reply(p, DLPC_MSG_PUBLISH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }
 
