@@ -20,6 +20,9 @@
  * attach in the publishing process itself uses the publisher's own pointer.
  *
  * Driver calls run in the device's primary context, retained once per device and kept.
+ *
+ * A forked child of a process that initialized the driver makes no driver call at all (see
+ * forked()): GPU calls fail with -EBADFD, and inherited GPU tensors release nothing.
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -76,6 +79,7 @@ static struct {
 } cu;
 
 static pthread_once_t load_once = PTHREAD_ONCE_INIT;
+static pid_t init_pid;	   /* the process that initialized the driver, 0 before */
 static int load_err;	   /* 0 once loaded, else the negative errno */
 static char load_msg[320]; /* and why */
 static pthread_mutex_t ctx_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -106,6 +110,7 @@ static void load(void)
 	}
 	CUDA_FUNCS(RESOLVE)
 #undef RESOLVE
+	init_pid = getpid();
 	e = cu.cuInit(0);
 	if (e != CUDA_SUCCESS) {
 		load_err = e == CUDA_ERROR_NO_DEVICE ? -ENODEV : -EIO;
@@ -115,9 +120,26 @@ static void load(void)
 	/* the library stays loaded for the life of the process */
 }
 
+/*
+ * Is this a forked child of the process that initialized the driver? CUDA's state is not
+ * carried over by fork(), and any driver call there is undefined: nothing here makes one, so
+ * that the locks and caches below, copied in whatever state another thread left them, are
+ * never used either. Mappings inherited from the parent are forgotten, not unmapped.
+ */
+static bool forked(void)
+{
+	return init_pid && init_pid != getpid();
+}
+
 /* 0 when the driver is usable, else a negative errno with the message set for @p what. */
 static int driver(const char *what)
 {
+	if (forked())
+		return dlpc__fail(-EBADFD,
+				  "%s: CUDA was initialized in process %d, which forked this one, "
+				  "and a forked child cannot use it: start the process with exec "
+				  "(multiprocessing's 'spawn' or 'forkserver') instead",
+				  what, (int)init_pid);
 	pthread_once(&load_once, load);
 	if (load_err)
 		return dlpc__fail(load_err, "%s: %s", what, load_msg);
@@ -322,8 +344,11 @@ static struct ipc_pub *pub_take(uint64_t token)
 
 bool dlpc__cuda_reclaim(uint64_t token, bool run_deleter)
 {
-	struct ipc_pub *p = pub_take(token);
+	struct ipc_pub *p;
 
+	if (forked())
+		return false;
+	p = pub_take(token);
 	if (!p)
 		return false;
 	if (push_ctx(p->ordinal, "reclaim") == 0) {
@@ -501,6 +526,10 @@ static void vmm_unmap(CUdeviceptr base, size_t size)
 
 void dlpc__cuda_unmap(struct dlpc__gpu_map *m)
 {
+	if (forked()) {
+		free(m);
+		return;
+	}
 	if (!m->vmm) {
 		pthread_mutex_lock(&cache_mu);
 		if (--m->refs > 0) {

@@ -15,6 +15,9 @@
  * - Events and streams are small records. An interprocess event handle carries the creator's
  *   pid and the event's id, so a test can tell which event a consumer waited on.
  * - One device, ordinal 0, with a fixed UUID (FAKE_CUDA_UUID below).
+ * - Every call but cuGetErrorString needs cuInit first, in the calling process: before it, and
+ *   in a forked child of a process that called it (where the real driver's behaviour is
+ *   undefined), calls answer CUDA_ERROR_NOT_INITIALIZED; a child's are logged as "after-fork".
  *
  * Every call a test may ask about is appended as one line, "<pid> <function> <details>", to the
  * file named by $FAKE_CUDA_LOG (if set). $FAKE_CUDA_NO_IPC=1 makes the IPC calls answer
@@ -80,6 +83,7 @@ static struct obj *objs;
 static uint32_t next_id;
 static int ctx_token;
 static __thread int ctx_depth;
+static pid_t init_pid; /* the process that called cuInit, 0 before */
 
 static void logf_(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -104,6 +108,20 @@ static void logf_(const char *fmt, ...)
 		/* a test that reads the log fails on its own */
 	}
 	close(fd);
+}
+
+/*
+ * Can the calling process use the driver? Not before cuInit, as with the real one; and not in
+ * a forked child of a process that initialized it, where the real driver's behaviour is
+ * undefined: every such call is logged as "after-fork <function>", for tests to catch.
+ */
+static bool usable(const char *fn)
+{
+	if (init_pid == getpid())
+		return true;
+	if (init_pid)
+		logf_("after-fork %s (initialized by %d)", fn, (int)init_pid);
+	return false;
 }
 
 static bool env_on(const char *name)
@@ -191,7 +209,14 @@ static int memfd_of(size_t size, uint32_t *id)
 EXPORT CUresult cuInit(unsigned int flags)
 {
 	(void)flags;
-	return env_on("FAKE_CUDA_NO_DEVICE") ? CUDA_ERROR_NO_DEVICE : CUDA_SUCCESS;
+	if (init_pid && init_pid != getpid()) {
+		logf_("after-fork cuInit (initialized by %d)", (int)init_pid);
+		return CUDA_ERROR_NOT_INITIALIZED;
+	}
+	if (env_on("FAKE_CUDA_NO_DEVICE"))
+		return CUDA_ERROR_NO_DEVICE;
+	init_pid = getpid();
+	return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuGetErrorString(CUresult error, const char **str)
@@ -215,6 +240,9 @@ EXPORT CUresult cuGetErrorString(CUresult error, const char **str)
 	case CUDA_ERROR_INVALID_CONTEXT:
 		*str = "invalid device context";
 		break;
+	case CUDA_ERROR_NOT_INITIALIZED:
+		*str = "initialization error";
+		break;
 	default:
 		*str = "unknown error";
 	}
@@ -223,12 +251,16 @@ EXPORT CUresult cuGetErrorString(CUresult error, const char **str)
 
 EXPORT CUresult cuDeviceGetCount(int *count)
 {
+	if (!usable("cuDeviceGetCount"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	*count = 1;
 	return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 {
+	if (!usable("cuDeviceGet"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (ordinal != 0)
 		return CUDA_ERROR_INVALID_DEVICE;
 	*device = 0;
@@ -237,6 +269,8 @@ EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 
 EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
 {
+	if (!usable("cuDeviceGetUuid"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (dev != 0)
 		return CUDA_ERROR_INVALID_DEVICE;
 	memcpy(uuid->bytes, FAKE_CUDA_UUID, sizeof(uuid->bytes));
@@ -245,6 +279,8 @@ EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
 
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
+	if (!usable("cuDevicePrimaryCtxRetain"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (dev != 0)
 		return CUDA_ERROR_INVALID_DEVICE;
 	*pctx = (CUcontext)&ctx_token;
@@ -253,11 +289,15 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 
 EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
 {
+	if (!usable("cuDevicePrimaryCtxRelease"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	return dev == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
 }
 
 EXPORT CUresult cuCtxPushCurrent(CUcontext ctx)
 {
+	if (!usable("cuCtxPushCurrent"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (ctx != (CUcontext)&ctx_token)
 		return CUDA_ERROR_INVALID_CONTEXT;
 	ctx_depth++;
@@ -266,6 +306,8 @@ EXPORT CUresult cuCtxPushCurrent(CUcontext ctx)
 
 EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx)
 {
+	if (!usable("cuCtxPopCurrent"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (ctx_depth == 0)
 		return CUDA_ERROR_INVALID_CONTEXT;
 	ctx_depth--;
@@ -276,6 +318,8 @@ EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx)
 
 EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr)
 {
+	if (!usable("cuPointerGetAttribute"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!obj_find(-1, (uintptr_t)ptr, true, false))
 		return CUDA_ERROR_INVALID_VALUE;
 	if (attribute == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
@@ -290,10 +334,13 @@ EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute,
 EXPORT CUresult cuMemAlloc(CUdeviceptr *dptr, size_t bytesize)
 {
 	uint32_t id;
-	int fd = memfd_of(bytesize, &id);
+	int fd;
 	void *p;
 	struct obj *o;
 
+	if (!usable("cuMemAlloc"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	fd = memfd_of(bytesize, &id);
 	if (fd < 0)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	p = mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -311,8 +358,11 @@ EXPORT CUresult cuMemAlloc(CUdeviceptr *dptr, size_t bytesize)
 
 EXPORT CUresult cuMemFree(CUdeviceptr dptr)
 {
-	struct obj *o = obj_find(ALLOC, (uintptr_t)dptr, false, true);
+	struct obj *o;
 
+	if (!usable("cuMemFree"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	o = obj_find(ALLOC, (uintptr_t)dptr, false, true);
 	if (!o)
 		return CUDA_ERROR_INVALID_VALUE;
 	logf_("cuMemFree ptr=%#llx id=%u", (unsigned long long)dptr, o->id);
@@ -326,6 +376,8 @@ EXPORT CUresult cuMemGetAddressRange(CUdeviceptr *pbase, size_t *psize, CUdevice
 {
 	struct obj *o = obj_find(-1, (uintptr_t)dptr, true, false);
 
+	if (!usable("cuMemGetAddressRange"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!o || o->kind == RESERVED)
 		return CUDA_ERROR_NOT_FOUND;
 	if (pbase)
@@ -340,6 +392,8 @@ EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
 	struct ipc_mem h = {.magic = IPC_MAGIC, .pid = getpid()};
 	struct obj *o;
 
+	if (!usable("cuIpcGetMemHandle"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (env_on("FAKE_CUDA_NO_IPC"))
 		return CUDA_ERROR_NOT_SUPPORTED;
 	o = obj_find(ALLOC, (uintptr_t)dptr, false, false);
@@ -356,6 +410,8 @@ EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
 
 EXPORT CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags)
 {
+	if (!usable("cuIpcOpenMemHandle"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	struct ipc_mem h;
 	char path[64], target[128], want[64];
 	ssize_t n;
@@ -396,8 +452,11 @@ EXPORT CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, un
 
 EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
 {
-	struct obj *o = obj_find(IMPORT, (uintptr_t)dptr, false, true);
+	struct obj *o;
 
+	if (!usable("cuIpcCloseMemHandle"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	o = obj_find(IMPORT, (uintptr_t)dptr, false, true);
 	if (!o)
 		return CUDA_ERROR_INVALID_VALUE;
 	logf_("cuIpcCloseMemHandle ptr=%#llx", (unsigned long long)dptr);
@@ -408,8 +467,11 @@ EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
 
 EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
 {
-	CUevent e = calloc(1, sizeof(*e));
+	CUevent e;
 
+	if (!usable("cuEventCreate"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	e = calloc(1, sizeof(*e));
 	if (!e)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	pthread_mutex_lock(&mu);
@@ -425,6 +487,8 @@ EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
 
 EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 {
+	if (!usable("cuEventRecord"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
 	logf_("cuEventRecord event=%d:%u stream=%p", hEvent->pid, hEvent->id, (void *)hStream);
@@ -433,6 +497,8 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 
 EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 {
+	if (!usable("cuEventSynchronize"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
 	logf_("cuEventSynchronize event=%d:%u", hEvent->pid, hEvent->id);
@@ -441,6 +507,8 @@ EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 
 EXPORT CUresult cuEventDestroy(CUevent hEvent)
 {
+	if (!usable("cuEventDestroy"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
 	logf_("cuEventDestroy event=%d:%u", hEvent->pid, hEvent->id);
@@ -453,6 +521,8 @@ EXPORT CUresult cuIpcGetEventHandle(CUipcEventHandle *pHandle, CUevent event)
 {
 	struct ipc_ev h = {.magic = IPC_MAGIC};
 
+	if (!usable("cuIpcGetEventHandle"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (env_on("FAKE_CUDA_NO_IPC"))
 		return CUDA_ERROR_NOT_SUPPORTED;
 	if (!event || event->magic != IPC_MAGIC || !(event->flags & CU_EVENT_INTERPROCESS) ||
@@ -470,6 +540,8 @@ EXPORT CUresult cuIpcOpenEventHandle(CUevent *phEvent, CUipcEventHandle handle)
 	struct ipc_ev h;
 	CUevent e;
 
+	if (!usable("cuIpcOpenEventHandle"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	memcpy(&h, handle.reserved, sizeof(h));
 	if (env_on("FAKE_CUDA_NO_IPC"))
 		return CUDA_ERROR_NOT_SUPPORTED;
@@ -489,8 +561,11 @@ EXPORT CUresult cuIpcOpenEventHandle(CUevent *phEvent, CUipcEventHandle handle)
 
 EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
 {
-	CUstream s = calloc(1, sizeof(*s));
+	CUstream s;
 
+	if (!usable("cuStreamCreate"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	s = calloc(1, sizeof(*s));
 	(void)Flags;
 	if (!s)
 		return CUDA_ERROR_OUT_OF_MEMORY;
@@ -502,6 +577,8 @@ EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
 
 EXPORT CUresult cuStreamDestroy(CUstream hStream)
 {
+	if (!usable("cuStreamDestroy"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!hStream || hStream->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
 	hStream->magic = 0;
@@ -511,6 +588,8 @@ EXPORT CUresult cuStreamDestroy(CUstream hStream)
 
 EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 {
+	if (!usable("cuStreamSynchronize"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
 	if (ctx_depth == 0)
@@ -521,6 +600,8 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 
 EXPORT CUresult cuCtxSynchronize(void)
 {
+	if (!usable("cuCtxSynchronize"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (ctx_depth == 0)
 		return CUDA_ERROR_INVALID_CONTEXT;
 	logf_("cuCtxSynchronize");
@@ -529,6 +610,8 @@ EXPORT CUresult cuCtxSynchronize(void)
 
 EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
 {
+	if (!usable("cuStreamWaitEvent"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	/* the special streams (legacy 0x1, per-thread 0x2) and NULL are valid without a record */
 	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
@@ -542,6 +625,8 @@ EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int
 EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
 					      CUmemAllocationGranularity_flags option)
 {
+	if (!usable("cuMemGetAllocationGranularity"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	(void)option;
 	if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
 	    prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id != 0)
@@ -557,6 +642,8 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 	struct obj *o;
 	int fd;
 
+	if (!usable("cuMemCreate"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	(void)flags;
 	if (size == 0 || size % FAKE_GRANULARITY || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
 	    prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id != 0)
@@ -579,8 +666,11 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
-	struct obj *o = handle_find(handle, true);
+	struct obj *o;
 
+	if (!usable("cuMemRelease"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	o = handle_find(handle, true);
 	if (!o)
 		return CUDA_ERROR_INVALID_VALUE;
 	logf_("cuMemRelease handle=%u", o->id);
@@ -598,6 +688,8 @@ EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle,
 	struct obj *o = handle_find(handle, false);
 	int fd;
 
+	if (!usable("cuMemExportToShareableHandle"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	(void)flags;
 	if (!o || o->base || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
 		return CUDA_ERROR_INVALID_VALUE;
@@ -616,6 +708,8 @@ EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *han
 	struct stat st;
 	struct obj *o;
 
+	if (!usable("cuMemImportFromShareableHandle"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || fstat(fd, &st) < 0 ||
 	    !S_ISREG(st.st_mode) || st.st_size == 0)
 		return CUDA_ERROR_INVALID_VALUE;
@@ -637,6 +731,8 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
 {
 	void *p;
 
+	if (!usable("cuMemAddressReserve"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	(void)alignment;
 	(void)addr;
 	(void)flags;
@@ -655,8 +751,11 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
 
 EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 {
-	struct obj *o = obj_find(RESERVED, (uintptr_t)ptr, false, true);
+	struct obj *o;
 
+	if (!usable("cuMemAddressFree"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	o = obj_find(RESERVED, (uintptr_t)ptr, false, true);
 	if (!o || o->size != size)
 		return CUDA_ERROR_INVALID_VALUE;
 	munmap((void *)o->base, o->size);
@@ -670,6 +769,8 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 	struct obj *h = handle_find(handle, false);
 	struct obj *r = obj_find(RESERVED, (uintptr_t)ptr, false, false);
 
+	if (!usable("cuMemMap"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	(void)flags;
 	if (!h || !r || size > r->size || offset + size > h->size)
 		return CUDA_ERROR_INVALID_VALUE;
@@ -685,6 +786,8 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
 	struct obj *r = obj_find(RESERVED, (uintptr_t)ptr, false, false);
 
+	if (!usable("cuMemUnmap"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!r || size > r->size)
 		return CUDA_ERROR_INVALID_VALUE;
 	if (mmap((void *)r->base, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1,
@@ -699,6 +802,8 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
 {
 	struct obj *r = obj_find(RESERVED, (uintptr_t)ptr, false, false);
 
+	if (!usable("cuMemSetAccess"))
+		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!r || size > r->size || count != 1 ||
 	    desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc->location.id != 0)
 		return CUDA_ERROR_INVALID_VALUE;

@@ -709,6 +709,7 @@ static int ipc_unsupported(void *arg)
 	(void)arg;
 	setenv("FAKE_CUDA_NO_IPC", "1", 1);
 	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
 	CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
 	CHILD_CHECK(pipe(fds) == 0);
 	CHILD_CHECK(dlpc_publish(c, "gpu/u", dev_tensor(base, NELEM, fds[1]), 0) == -ENOTSUP);
@@ -776,6 +777,83 @@ START_TEST(daemon_without_cuda)
 	publisher_stop(&p);
 }
 END_TEST
+/* ---- 13. a forked child of a process using CUDA ---- */
+
+/* In the forked child: no driver call at all, GPU calls refused naming the fork, and the GPU
+ * tensors inherited from the parent released without touching the parent's state. */
+static int forked_child(DLManagedTensorVersioned *held[2])
+{
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	int64_t n = NELEM;
+
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/f", NULL, &t) == -EBADFD && t == NULL);
+	CHILD_CHECK(strstr(dlpc_last_error(), "cannot attach 'gpu/f'") &&
+		    strstr(dlpc_last_error(), "which forked this one"));
+	CHILD_CHECK(dlpc_attach(c, "gpu/v", NULL, &t) == -EBADFD && t == NULL);
+	CHILD_CHECK(dlpc_alloc(c, (DLDevice){kDLCUDA, 0}, (DLDataType){kDLFloat, 32, 1}, 1, &n,
+			       &t) == -EBADFD);
+	/* publishing the parent's device memory: refused, the tensor's deleter run */
+	CHILD_CHECK(dlpc_publish(c, "gpu/child", dev_tensor((CUdeviceptr)(uintptr_t)
+							    held[0]->dl_tensor.data,
+							    NELEM, -1),
+				 0) == -EBADFD);
+	CHILD_CHECK(dlpc_tensor_wait(held[0], NULL) == -EBADFD);
+	for (int i = 0; i < 2; i++)
+		held[i]->deleter(held[i]);
+	/* host tensors still work in the child */
+	CHILD_CHECK(dlpc_publish(c, "gpu/host", host_tensor((float[4]){0}, (DLDataType){kDLFloat,
+										       32, 1},
+							   1, (int64_t[1]){4}, NULL, NULL),
+				 0) == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+static int attach_then_fork(void *arg)
+{
+	DLManagedTensorVersioned *held[2] = {NULL, NULL};
+	dlpc_client *c = NULL;
+	pid_t child;
+	int st;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/f", NULL, &held[0]) == 1);
+	CHILD_CHECK(dlpc_attach(c, "gpu/v", NULL, &held[1]) == 1);
+	child = fork();
+	CHILD_CHECK(child >= 0);
+	if (child == 0)
+		_exit(forked_child(held));
+	CHILD_CHECK(waitpid(child, &st, 0) == child && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+	/* the child made no driver call, and nothing it did reached this process's tensors */
+	CHILD_CHECK(log_count(child, "after-fork") == 0);
+	CHILD_CHECK(log_count(child, "cu") == 0);
+	CHILD_CHECK(same(held[0]->dl_tensor.data, NELEM, 1.0f));
+	CHILD_CHECK(same(held[1]->dl_tensor.data, NELEM, 3.0f));
+	for (int i = 0; i < 2; i++)
+		held[i]->deleter(held[i]);
+	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 1);
+	CHILD_CHECK(log_count(getpid(), "cuMemUnmap") == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(fork_child)
+{
+	struct publisher p = {.names = {"gpu/f", NULL}};
+	dlpc_client *c = connect_or_die(&D);
+
+	publisher_start(&p);
+	ck_assert_int_eq(wait_child(spawn(vmm_publish, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(attach_then_fork, NULL)), 0);
+	/* every reference was given back: the parent's by the parent */
+	ck_assert(wait_stat(c, no_refs, NULL, scaled_ms(5000)));
+	publisher_stop(&p);
+	dlpc_close(c);
+}
+END_TEST
 
 static Suite *gpu_suite(void)
 {
@@ -796,6 +874,7 @@ static Suite *gpu_suite(void)
 		{"ipc_not_supported", ipc_not_supported},
 		{"device_ordinals", device_ordinals},
 		{"daemon_without_cuda", daemon_without_cuda},
+		{"fork_child", fork_child},
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
