@@ -795,17 +795,17 @@ static int forked_child(DLManagedTensorVersioned *held[2])
 	CHILD_CHECK(dlpc_alloc(c, (DLDevice){kDLCUDA, 0}, (DLDataType){kDLFloat, 32, 1}, 1, &n,
 			       &t) == -EBADFD);
 	/* publishing the parent's device memory: refused, the tensor's deleter run */
-	CHILD_CHECK(dlpc_publish(c, "gpu/child", dev_tensor((CUdeviceptr)(uintptr_t)
-							    held[0]->dl_tensor.data,
-							    NELEM, -1),
-				 0) == -EBADFD);
+	CHILD_CHECK(
+		dlpc_publish(c, "gpu/child",
+			     dev_tensor((CUdeviceptr)(uintptr_t)held[0]->dl_tensor.data, NELEM, -1),
+			     0) == -EBADFD);
 	CHILD_CHECK(dlpc_tensor_wait(held[0], NULL) == -EBADFD);
 	for (int i = 0; i < 2; i++)
 		held[i]->deleter(held[i]);
 	/* host tensors still work in the child */
-	CHILD_CHECK(dlpc_publish(c, "gpu/host", host_tensor((float[4]){0}, (DLDataType){kDLFloat,
-										       32, 1},
-							   1, (int64_t[1]){4}, NULL, NULL),
+	CHILD_CHECK(dlpc_publish(c, "gpu/host",
+				 host_tensor((float[4]){0}, (DLDataType){kDLFloat, 32, 1}, 1,
+					     (int64_t[1]){4}, NULL, NULL),
 				 0) == 1);
 	dlpc_close(c);
 	return 0;

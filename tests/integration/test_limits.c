@@ -1326,7 +1326,8 @@ START_TEST(test_fd_share_per_uid)
 
 		for (size_t i = 0; i < sizeof(socks) / sizeof(socks[0]); i++)
 			socks[i] = raw_connect();
-		for (int i = 0; i < 100 && !log_has(D.log, "(--max-fd-share-per-uid), by more"); i++)
+		for (int i = 0; i < 100 && !log_has(D.log, "(--max-fd-share-per-uid), by more");
+		     i++)
 			usleep(scaled_ms(20) * 1000);
 		ck_assert(log_has(D.log, "(--max-fd-share-per-uid), by more than 8"));
 		conns = stat_or_die(c).uid_connections;
