@@ -8,7 +8,8 @@
  *
  * Two ways of sharing device memory:
  * - legacy CUDA IPC, for any device pointer: the allocation's base is exported with
- *   cuIpcGetMemHandle, together with an interprocess event recorded after the data was written.
+ *   cuIpcGetMemHandle, together with an interprocess event recorded after the data was written
+ *   (past DLPC_CUDA_IPC_EVENTS_MAX live ones, the host waits instead: see event_get()).
  *   The publisher keeps the memory; this file remembers each publication under a token until
  *   the daemon's RECLAIM notice says no attacher can reach it any more, and then calls the
  *   published tensor's deleter.
@@ -258,11 +259,97 @@ struct ipc_pub {
 	uint8_t key[DLPC_CUDA_IPC_HANDLE_SIZE + DLPC_CUDA_UUID_SIZE]; /* handle + UUID */
 	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	CUdeviceptr base;
+	bool shared_ev; /* ev is its device's completed event (done_ev), not its own */
 };
 
 static pthread_mutex_t pubs_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct ipc_pub *pubs;
 static uint64_t next_token;
+/*
+ * Under pubs_mu: the interprocess events the publications own, at most
+ * DLPC_CUDA_IPC_EVENTS_MAX; and per device, the event that publications past that share: it
+ * was recorded and waited for once, so waiting on it is free, with how many share it.
+ */
+static unsigned own_events;
+static struct {
+	CUevent ev;
+	unsigned users;
+} done_ev[DLPC_CUDA_DEVICES_MAX];
+
+/*
+ * Give @p p an interprocess event that its attachers can wait on, in its device's context: its
+ * own, recorded now on the legacy default stream (after the work of every blocking stream), or
+ * past DLPC_CUDA_IPC_EVENTS_MAX the shared completed one, once the host has waited for all of
+ * the context's work.
+ */
+static int event_get(struct ipc_pub *p, const char *what)
+{
+	CUevent ev = NULL;
+	bool own;
+	int r;
+
+	pthread_mutex_lock(&pubs_mu);
+	own = own_events < DLPC_CUDA_IPC_EVENTS_MAX;
+	own_events += own;
+	pthread_mutex_unlock(&pubs_mu);
+	if (own) {
+		r = CU_CALL(what, cuEventCreate, &ev,
+			    CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
+		if (r == 0)
+			r = CU_CALL(what, cuEventRecord, ev, (CUstream)0);
+		if (r < 0) {
+			if (ev)
+				cu.cuEventDestroy(ev);
+			pthread_mutex_lock(&pubs_mu);
+			own_events--;
+			pthread_mutex_unlock(&pubs_mu);
+			return r;
+		}
+		p->ev = ev;
+		return 0;
+	}
+	r = CU_CALL(what, cuCtxSynchronize);
+	if (r < 0)
+		return r;
+	pthread_mutex_lock(&pubs_mu);
+	if (!done_ev[p->ordinal].ev) {
+		r = CU_CALL(what, cuEventCreate, &ev,
+			    CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
+		if (r == 0)
+			r = CU_CALL(what, cuEventRecord, ev, (CUstream)0);
+		if (r == 0)
+			r = CU_CALL(what, cuEventSynchronize, ev);
+		if (r == 0)
+			done_ev[p->ordinal].ev = ev;
+		else if (ev)
+			cu.cuEventDestroy(ev);
+	}
+	if (r == 0) {
+		done_ev[p->ordinal].users++;
+		p->ev = done_ev[p->ordinal].ev;
+		p->shared_ev = true;
+	}
+	pthread_mutex_unlock(&pubs_mu);
+	return r;
+}
+
+/* Undo event_get(), in @p p's device context if @p in_ctx (else the event is leaked). */
+static void event_put(struct ipc_pub *p, bool in_ctx)
+{
+	CUevent ev = p->ev;
+
+	pthread_mutex_lock(&pubs_mu);
+	if (!p->shared_ev)
+		own_events--;
+	else if (--done_ev[p->ordinal].users > 0)
+		ev = NULL;
+	else
+		done_ev[p->ordinal].ev = NULL;
+	pthread_mutex_unlock(&pubs_mu);
+	if (ev && in_ctx)
+		cu.cuEventDestroy(ev);
+	p->ev = NULL;
+}
 
 int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const char *name,
 			  struct dlpc__ipc_export *x)
@@ -294,18 +381,14 @@ int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const ch
 	if (r == 0)
 		r = CU_CALL(what, cuIpcGetMemHandle, (CUipcMemHandle *)x->mem_handle, base);
 	if (r == 0)
-		r = CU_CALL(what, cuEventCreate, &p->ev,
-			    CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
-	/* on the legacy default stream: after the work of every blocking stream of the context */
-	if (r == 0)
-		r = CU_CALL(what, cuEventRecord, p->ev, (CUstream)0);
+		r = event_get(p, what);
 	if (r == 0)
 		r = CU_CALL(what, cuIpcGetEventHandle, (CUipcEventHandle *)x->event_handle, p->ev);
 	if (r == 0)
 		r = dlpc__cuda_device_uuid(p->ordinal, x->uuid, what);
 	if (r < 0) {
 		if (p->ev)
-			cu.cuEventDestroy(p->ev);
+			event_put(p, true);
 		pop_ctx();
 		free(p);
 		return r;
@@ -352,8 +435,10 @@ bool dlpc__cuda_reclaim(uint64_t token, bool run_deleter)
 	if (!p)
 		return false;
 	if (push_ctx(p->ordinal, "reclaim") == 0) {
-		cu.cuEventDestroy(p->ev);
+		event_put(p, true);
 		pop_ctx();
+	} else {
+		event_put(p, false);
 	}
 	if (run_deleter && p->t->deleter)
 		p->t->deleter(p->t);

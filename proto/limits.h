@@ -48,6 +48,10 @@
 /* Sizes of the CUDA identifiers a PUBLISH carries: IPC memory and event handles, device UUID. */
 #define DLPC_CUDA_IPC_HANDLE_SIZE 64
 #define DLPC_CUDA_UUID_SIZE 16
+/* libdlpc: interprocess CUDA events one process's legacy IPC publications hold at once (one
+ * each, until reclaimed; drivers run out of them at a limit of their own). Past it a publish
+ * waits on the host for the device's work and shares one event already complete. */
+#define DLPC_CUDA_IPC_EVENTS_MAX 1000
 /* libdlpc: CUDA devices it can use in one process (ordinals 0 to this - 1); one primary
  * context is kept for each it has used. */
 #define DLPC_CUDA_DEVICES_MAX 64

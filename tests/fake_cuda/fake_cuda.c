@@ -15,6 +15,8 @@
  * - Events and streams are small records. An interprocess event handle carries the creator's
  *   pid and the event's id, so a test can tell which event a consumer waited on.
  * - One device, ordinal 0, with a fixed UUID (FAKE_CUDA_UUID below).
+ * - A process may hold FAKE_IPC_EVENTS_MAX interprocess events ($FAKE_CUDA_IPC_EVENTS_MAX);
+ *   one more (created or opened) is CUDA_ERROR_OUT_OF_MEMORY, logged as "ipc-event-limit".
  * - Every call but cuGetErrorString needs cuInit first, in the calling process: before it, and
  *   in a forked child of a process that called it (where the real driver's behaviour is
  *   undefined), calls answer CUDA_ERROR_NOT_INITIALIZED; a child's are logged as "after-fork".
@@ -84,6 +86,11 @@ static uint32_t next_id;
 static int ctx_token;
 static __thread int ctx_depth;
 static pid_t init_pid; /* the process that called cuInit, 0 before */
+/* Interprocess events alive in this process (created or opened), and how many the fake allows
+ * ($FAKE_CUDA_IPC_EVENTS_MAX, default FAKE_IPC_EVENTS_MAX): the real driver runs out of them
+ * at a limit of its own. */
+#define FAKE_IPC_EVENTS_MAX 1024
+static unsigned ipc_events;
 
 static void logf_(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -129,6 +136,22 @@ static bool env_on(const char *name)
 	const char *v = getenv(name);
 
 	return v && strcmp(v, "1") == 0;
+}
+
+/* Take one of the interprocess events the fake allows (false: none left). */
+static bool ipc_event_take(void)
+{
+	const char *v = getenv("FAKE_CUDA_IPC_EVENTS_MAX");
+	unsigned max = v && *v ? (unsigned)strtoul(v, NULL, 10) : FAKE_IPC_EVENTS_MAX;
+	bool ok;
+
+	pthread_mutex_lock(&mu);
+	ok = ipc_events < max;
+	ipc_events += ok;
+	pthread_mutex_unlock(&mu);
+	if (!ok)
+		logf_("ipc-event-limit %u", max);
+	return ok;
 }
 
 static struct obj *obj_new(enum kind kind, uintptr_t base, size_t size, int fd)
@@ -472,8 +495,10 @@ EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
 	if (!usable("cuEventCreate"))
 		return CUDA_ERROR_NOT_INITIALIZED;
 	e = calloc(1, sizeof(*e));
-	if (!e)
+	if (!e || ((Flags & CU_EVENT_INTERPROCESS) && !ipc_event_take())) {
+		free(e);
 		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
 	pthread_mutex_lock(&mu);
 	e->id = ++next_id;
 	pthread_mutex_unlock(&mu);
@@ -512,6 +537,11 @@ EXPORT CUresult cuEventDestroy(CUevent hEvent)
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
 	logf_("cuEventDestroy event=%d:%u", hEvent->pid, hEvent->id);
+	if (hEvent->flags & CU_EVENT_INTERPROCESS) {
+		pthread_mutex_lock(&mu);
+		ipc_events--;
+		pthread_mutex_unlock(&mu);
+	}
 	hEvent->magic = 0;
 	free(hEvent);
 	return CUDA_SUCCESS;
@@ -548,8 +578,10 @@ EXPORT CUresult cuIpcOpenEventHandle(CUevent *phEvent, CUipcEventHandle handle)
 	if (h.magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_VALUE;
 	e = calloc(1, sizeof(*e));
-	if (!e)
+	if (!e || !ipc_event_take()) {
+		free(e);
 		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
 	e->magic = IPC_MAGIC;
 	e->pid = h.pid;
 	e->id = h.id;

@@ -455,8 +455,10 @@ START_TEST(ipc_publisher_killed)
 }
 END_TEST
 
-/* More publications than one RECLAIM frame may name: freed in one daemon turn. */
+/* More publications than one RECLAIM frame may name: freed in one daemon turn. Also more than
+ * one process's events: some share the completed one. */
 #define MANY (DLPC_RECLAIM_BATCH_MAX + 6)
+_Static_assert(MANY > DLPC_CUDA_IPC_EVENTS_MAX + 1, "MANY must pass the event cap");
 
 static int attach_many(void *arg)
 {
@@ -486,6 +488,12 @@ START_TEST(reclaim_batches)
 	char b;
 
 	publisher_start(&p);
+	/* past DLPC_CUDA_IPC_EVENTS_MAX events, each publish waited on the host and shares one
+	 * completed event: the driver's own limit (the fake's) is never reached */
+	ck_assert_int_eq(log_count2(p.pid, "cuEventCreate", "flags=6"),
+			 DLPC_CUDA_IPC_EVENTS_MAX + 1);
+	ck_assert_int_eq(log_count(p.pid, "cuCtxSynchronize"), MANY - DLPC_CUDA_IPC_EVENTS_MAX);
+	ck_assert_int_eq(log_count(0, "ipc-event-limit"), 0);
 	ck_assert_int_eq(pipe(attached), 0);
 	ck_assert_int_eq(pipe(hold), 0);
 	fds[0] = attached[1];
@@ -504,6 +512,8 @@ START_TEST(reclaim_batches)
 	while (got < MANY && deleter_ran(&p, scaled_ms(5000)))
 		got++;
 	ck_assert_int_eq(got, MANY);
+	/* every event went with the last publication using it */
+	ck_assert_int_eq(log_count(p.pid, "cuEventDestroy"), DLPC_CUDA_IPC_EVENTS_MAX + 1);
 	publisher_stop(&p);
 	close(attached[0]);
 	close(attached[1]);
