@@ -428,20 +428,20 @@ static struct ipc_pub *pub_take(uint64_t token)
 bool dlpc__cuda_reclaim(uint64_t token, bool run_deleter)
 {
 	struct ipc_pub *p;
+	bool pushed;
 
 	if (forked())
 		return false;
 	p = pub_take(token);
 	if (!p)
 		return false;
-	if (push_ctx(p->ordinal, "reclaim") == 0) {
-		event_put(p, true);
-		pop_ctx();
-	} else {
-		event_put(p, false);
-	}
+	/* the producer's deleter runs in its device's context too: it may free the memory */
+	pushed = push_ctx(p->ordinal, "reclaim") == 0;
+	event_put(p, pushed);
 	if (run_deleter && p->t->deleter)
 		p->t->deleter(p->t);
+	if (pushed)
+		pop_ctx();
 	free(p);
 	return true;
 }

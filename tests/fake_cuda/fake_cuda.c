@@ -339,6 +339,14 @@ EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx)
 	return CUDA_SUCCESS;
 }
 
+EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+	if (!usable("cuCtxGetCurrent"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	*pctx = ctx_depth ? (CUcontext)&ctx_token : NULL;
+	return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr)
 {
 	if (!usable("cuPointerGetAttribute"))

@@ -65,14 +65,18 @@ static int log_count(pid_t pid, const char *text)
 struct devt {
 	DLManagedTensorVersioned t;
 	int64_t shape[1];
-	int notify; /* the deleter writes one byte here, if >= 0 */
+	int notify;	/* the deleter writes one byte here, if >= 0 */
+	bool probe_ctx; /* that byte says whether a CUDA context was current: 'D' yes, 'N' no */
 };
 
 static void devt_deleter(DLManagedTensorVersioned *t)
 {
 	struct devt *d = (struct devt *)t;
+	CUcontext ctx = NULL;
 
-	if (d->notify >= 0 && write(d->notify, "D", 1) != 1)
+	if (d->probe_ctx && cuCtxGetCurrent(&ctx) != CUDA_SUCCESS)
+		ctx = NULL;
+	if (d->notify >= 0 && write(d->notify, !d->probe_ctx || ctx ? "D" : "N", 1) != 1)
 		abort();
 	free(d);
 }
@@ -129,6 +133,15 @@ struct publisher {
 	pid_t pid;
 };
 
+/* A tensor of the publisher below: its deleter, run at reclaim, reports the current context. */
+static DLManagedTensorVersioned *pub_tensor(CUdeviceptr ptr, int notify)
+{
+	DLManagedTensorVersioned *t = dev_tensor(ptr, NELEM, notify);
+
+	((struct devt *)t)->probe_ctx = true;
+	return t;
+}
+
 static int publisher_main(void *arg)
 {
 	struct publisher *p = arg;
@@ -148,16 +161,14 @@ static int publisher_main(void *arg)
 		char name[32];
 
 		snprintf(name, sizeof(name), "gpu/b/%d", i);
-		CHILD_CHECK(dlpc_publish(c, name, dev_tensor(base + OFF_A, NELEM, p->notify[1]),
+		CHILD_CHECK(dlpc_publish(c, name, pub_tensor(base + OFF_A, p->notify[1]),
 					 p->flags) == 1);
 	}
 	if (!p->many)
-		CHILD_CHECK(dlpc_publish(c, p->names[0],
-					 dev_tensor(base + OFF_A, NELEM, p->notify[1]),
+		CHILD_CHECK(dlpc_publish(c, p->names[0], pub_tensor(base + OFF_A, p->notify[1]),
 					 p->flags) == 1);
 	if (p->names[1])
-		CHILD_CHECK(dlpc_publish(c, p->names[1],
-					 dev_tensor(base + OFF_B, NELEM, p->notify[1]),
+		CHILD_CHECK(dlpc_publish(c, p->names[1], pub_tensor(base + OFF_B, p->notify[1]),
 					 p->flags) == 1);
 	if (p->self_attach) {
 		DLManagedTensorVersioned *t = NULL;
