@@ -215,7 +215,7 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
 	if (device.device_type == kDLCUDA) {
 		/* CUDA VMM memory, exportable as an fd that the daemon can hold */
 		err = dlpc__cuda_vmm_alloc(device.device_id, size, &r->gpu, &r->base, &r->len,
-					   &r->fd, r->uuid);
+					   &r->fd, r->uuid, "dlpc_alloc");
 		if (err < 0) {
 			free(r);
 			return err;

@@ -50,6 +50,8 @@
 	X(cuCtxPushCurrent)                                                                        \
 	X(cuCtxPopCurrent)                                                                         \
 	X(cuMemGetAddressRange)                                                                    \
+	X(cuPointerGetAttribute)                                                                   \
+	X(cuMemRetainAllocationHandle)                                                             \
 	X(cuIpcGetMemHandle)                                                                       \
 	X(cuIpcOpenMemHandle)                                                                      \
 	X(cuIpcCloseMemHandle)                                                                     \
@@ -260,6 +262,7 @@ struct ipc_pub {
 	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	CUdeviceptr base;
 	bool shared_ev; /* ev is its device's completed event (done_ev), not its own */
+	bool vmm;	/* lent as a VMM export fd: no IPC handle, no event */
 };
 
 static pthread_mutex_t pubs_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -351,6 +354,78 @@ static void event_put(struct ipc_pub *p, bool in_ctx)
 	p->ev = NULL;
 }
 
+/* Can @p ptr's allocation go by legacy IPC? A driver that does not know the attribute says so
+ * later, through cuIpcGetMemHandle. */
+static bool legacy_capable(CUdeviceptr ptr)
+{
+	int capable = 1;
+
+	if (cu.cuPointerGetAttribute(&capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+				     ptr) != CUDA_SUCCESS)
+		return true;
+	return capable != 0;
+}
+
+/*
+ * Export the VMM allocation mapped at @p ptr (PyTorch's expandable segments, any cuMemMap
+ * user) as a POSIX fd in *@p fd, once the host has waited for the context's work: it goes with
+ * no interprocess event. Memory that can go neither this way nor by legacy IPC gets an error
+ * naming the allocator setting behind it. In the device's context.
+ */
+static int vmm_export(CUdeviceptr ptr, int *fd, const char *what)
+{
+	unsigned long long types = 0;
+	CUmemGenericAllocationHandle h;
+	void *pool = NULL;
+	int r;
+
+	if (cu.cuPointerGetAttribute(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr) ==
+		    CUDA_SUCCESS &&
+	    pool)
+		return dlpc__fail(
+			-ENOTSUP,
+			"%s: its memory comes from a stream-ordered pool (cudaMallocAsync; "
+			"PyTorch's PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync, CuPy's "
+			"MemoryAsyncPool), which CUDA IPC cannot export: allocate it with "
+			"the default allocator or dlpc_alloc() (dlpack_ipc.empty(..., "
+			"device=\"cuda:N\")) instead",
+			what);
+	if (cu.cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)ptr) != CUDA_SUCCESS)
+		return dlpc__fail(
+			-ENOTSUP,
+			"%s: the driver says its memory cannot go by legacy CUDA IPC, and "
+			"it is no VMM mapping either: allocate it with the default "
+			"allocator or dlpc_alloc() instead",
+			what);
+	if (cu.cuPointerGetAttribute(&types, CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, ptr) !=
+	    CUDA_SUCCESS)
+		types = 0;
+	if (!(types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
+		cu.cuMemRelease(h);
+		return dlpc__fail(-ENOTSUP,
+				  "%s: its memory is a CUDA VMM mapping made without a POSIX file "
+				  "descriptor handle type (as PyTorch's expandable_segments:True "
+				  "makes them), which cannot be exported: turn expandable segments "
+				  "off, or allocate with dlpc_alloc() instead",
+				  what);
+	}
+	r = CU_CALL(what, cuMemExportToShareableHandle, fd, h,
+		    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+	/* the mapping keeps the allocation; the export fd keeps it for the daemon */
+	cu.cuMemRelease(h);
+	if (r < 0)
+		return r;
+	if (fcntl(*fd, F_SETFD, FD_CLOEXEC) < 0)
+		r = dlpc__fail(-errno, "%s: cannot set close-on-exec on the export fd: %m", what);
+	if (r == 0)
+		r = CU_CALL(what, cuCtxSynchronize);
+	if (r < 0) {
+		close(*fd);
+		*fd = -1;
+	}
+	return r;
+}
+
 int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const char *name,
 			  struct dlpc__ipc_export *x)
 {
@@ -361,6 +436,7 @@ int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const ch
 	size_t size;
 	int r;
 
+	x->fd = -1;
 	snprintf(what, sizeof(what), "cannot publish '%s'", name);
 	r = driver(what);
 	if (r < 0)
@@ -375,20 +451,31 @@ int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const ch
 		return r;
 	}
 	r = CU_CALL(what, cuMemGetAddressRange, &base, &size, ptr);
+	p->vmm = r == 0 && !legacy_capable(ptr);
 	if (r == 0 && (ptr - base) + nbytes > size)
-		r = dlpc__fail(-EINVAL, "%s: %llu bytes at %#llx run past its allocation", what,
-			       (unsigned long long)nbytes, (unsigned long long)ptr);
-	if (r == 0)
+		r = dlpc__fail(-EINVAL, "%s: %llu bytes at %#llx run past its allocation%s", what,
+			       (unsigned long long)nbytes, (unsigned long long)ptr,
+			       p->vmm ? " (it spans several VMM mappings, as PyTorch's "
+					"expandable segments may place a tensor)"
+				      : "");
+	if (r == 0 && p->vmm) {
+		r = vmm_export(ptr, &x->fd, what);
+	} else if (r == 0) {
 		r = CU_CALL(what, cuIpcGetMemHandle, (CUipcMemHandle *)x->mem_handle, base);
-	if (r == 0)
-		r = event_get(p, what);
-	if (r == 0)
-		r = CU_CALL(what, cuIpcGetEventHandle, (CUipcEventHandle *)x->event_handle, p->ev);
+		if (r == 0)
+			r = event_get(p, what);
+		if (r == 0)
+			r = CU_CALL(what, cuIpcGetEventHandle, (CUipcEventHandle *)x->event_handle,
+				    p->ev);
+	}
 	if (r == 0)
 		r = dlpc__cuda_device_uuid(p->ordinal, x->uuid, what);
 	if (r < 0) {
 		if (p->ev)
 			event_put(p, true);
+		if (x->fd >= 0)
+			close(x->fd);
+		x->fd = -1;
 		pop_ctx();
 		free(p);
 		return r;
@@ -398,9 +485,11 @@ int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const ch
 	x->alloc_size = size;
 	p->t = t;
 	p->base = base;
-	memcpy(p->key, x->mem_handle, DLPC_CUDA_IPC_HANDLE_SIZE);
-	memcpy(p->key + DLPC_CUDA_IPC_HANDLE_SIZE, x->uuid, DLPC_CUDA_UUID_SIZE);
-	memcpy(p->ev_handle, x->event_handle, DLPC_CUDA_IPC_HANDLE_SIZE);
+	if (!p->vmm) {
+		memcpy(p->key, x->mem_handle, DLPC_CUDA_IPC_HANDLE_SIZE);
+		memcpy(p->key + DLPC_CUDA_IPC_HANDLE_SIZE, x->uuid, DLPC_CUDA_UUID_SIZE);
+		memcpy(p->ev_handle, x->event_handle, DLPC_CUDA_IPC_HANDLE_SIZE);
+	}
 	pthread_mutex_lock(&pubs_mu);
 	p->token = x->token = ++next_token;
 	p->next = pubs;
@@ -437,7 +526,8 @@ bool dlpc__cuda_reclaim(uint64_t token, bool run_deleter)
 		return false;
 	/* the producer's deleter runs in its device's context too: it may free the memory */
 	pushed = push_ctx(p->ordinal, "reclaim") == 0;
-	event_put(p, pushed);
+	if (p->ev)
+		event_put(p, pushed);
 	if (run_deleter && p->t->deleter)
 		p->t->deleter(p->t);
 	if (pushed)
@@ -479,7 +569,7 @@ static int wait_event(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *
 	/* the publication (and its event) lives while an attached tensor holds its entry */
 	pthread_mutex_lock(&pubs_mu);
 	for (struct ipc_pub *p = pubs; p; p = p->next)
-		if (memcmp(p->ev_handle, ev_handle, DLPC_CUDA_IPC_HANDLE_SIZE) == 0) {
+		if (!p->vmm && memcmp(p->ev_handle, ev_handle, DLPC_CUDA_IPC_HANDLE_SIZE) == 0) {
 			ev = p->ev;
 			own = true;
 			break;
@@ -554,7 +644,7 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 	/* the publisher's own allocation: its pointer, nothing to open or close */
 	pthread_mutex_lock(&pubs_mu);
 	for (struct ipc_pub *p = pubs; p; p = p->next)
-		if (memcmp(p->key, key, sizeof(key)) == 0) {
+		if (!p->vmm && memcmp(p->key, key, sizeof(key)) == 0) {
 			*base = (void *)(uintptr_t)p->base;
 			pthread_mutex_unlock(&pubs_mu);
 			r = defer ? 0 : wait_event(ev_handle, stream, what);
@@ -675,9 +765,8 @@ static int vmm_map(CUmemGenericAllocationHandle h, size_t size, int ordinal, boo
 }
 
 int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **ret, void **base,
-			 size_t *len, int *fd, uint8_t uuid[DLPC_CUDA_UUID_SIZE])
+			 size_t *len, int *fd, uint8_t uuid[DLPC_CUDA_UUID_SIZE], const char *what)
 {
-	const char *what = "dlpc_alloc";
 	CUmemAllocationProp prop = {
 		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
 		.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,

@@ -210,6 +210,7 @@ struct dlpc__gpu_map;
 
 /* What a legacy IPC publication sends. */
 struct dlpc__ipc_export {
+	int fd; /* >= 0: memory legacy IPC cannot export, lent as this VMM export fd instead */
 	uint8_t mem_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	uint8_t event_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	uint8_t uuid[DLPC_CUDA_UUID_SIZE];
@@ -222,8 +223,11 @@ struct dlpc__ipc_export {
 int dlpc__cuda_device_uuid(int ordinal, uint8_t uuid[DLPC_CUDA_UUID_SIZE], const char *what);
 /*
  * Export the allocation holding @p t's @p nbytes with an IPC handle and an interprocess event
- * recorded now on the legacy default stream. On success the library keeps @p t under x->token
- * until dlpc__cuda_reclaim(). -ENODEV without a driver, -ENOTSUP where IPC is unsupported.
+ * recorded now on the legacy default stream; or, for a VMM mapping legacy IPC cannot export
+ * (x->fd >= 0, the caller's to close), as its POSIX export fd once the host has waited for the
+ * device. On success the library keeps @p t under x->token until dlpc__cuda_reclaim().
+ * -ENODEV without a driver, -ENOTSUP where IPC is unsupported or the allocator's memory cannot
+ * be exported (the message names the setting).
  */
 int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const char *name,
 			  struct dlpc__ipc_export *x);
@@ -251,9 +255,10 @@ void dlpc__region_note_stream(struct dlpc__region *r, void *stream);
 /* Order @p stream (NULL: this thread) on device @p ordinal after the event @p ev_handle. */
 int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,
 		    const char *what);
-/* Allocate @p nbytes of VMM memory on device @p ordinal, exportable as the fd *@p fd. */
+/* Allocate @p nbytes of VMM memory on device @p ordinal, exportable as the fd *@p fd; errors
+ * name @p what. */
 int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **ret, void **base,
-			 size_t *len, int *fd, uint8_t uuid[DLPC_CUDA_UUID_SIZE]);
+			 size_t *len, int *fd, uint8_t uuid[DLPC_CUDA_UUID_SIZE], const char *what);
 /* Import the VMM export @p fd (not consumed) of @p size bytes and map it read-write. */
 int dlpc__cuda_vmm_import(int fd, uint64_t size, const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			  bool writable, const char *name, struct dlpc__gpu_map **ret, void **base,

@@ -270,6 +270,33 @@ static int publish_args(dlpc_client *c, const char *name, size_t n,
 }
 
 /*
+ * An empty CUDA tensor has no memory to share, and its data pointer may be NULL: it goes as the
+ * smallest VMM allocation the device has, of our own, so that attachers find its device.
+ */
+static int publish_cuda_empty(dlpc_client *c, Dlpackd__V1__Publish *req, int ordinal,
+			      const char *name)
+{
+	uint8_t uuid[DLPC_CUDA_UUID_SIZE];
+	struct dlpc__gpu_map *m;
+	void *base;
+	size_t len;
+	int fd, r;
+	char what[DLPC_NAME_MAX + 32];
+
+	snprintf(what, sizeof(what), "cannot publish '%s'", name);
+	r = dlpc__cuda_vmm_alloc(ordinal, 0, &m, &base, &len, &fd, uuid, what);
+	if (r < 0)
+		return r;
+	dlpc__cuda_unmap(m);
+	req->storage_size = len;
+	req->device_uuid.data = uuid;
+	req->tensors[0]->offset = 0;
+	r = send_publish(c, req, fd);
+	close(fd);
+	return r;
+}
+
+/*
  * Publish the CUDA tensor @p t: dlpc_alloc() memory on the device goes as its VMM export fd;
  * any other device pointer through legacy IPC, in which case the library keeps @p t (*@p kept)
  * until the daemon's RECLAIM notice. The generation or a negative errno.
@@ -297,6 +324,8 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 	req.n_tensors = 1;
 	req.tensors = dptrs;
 	req.device_uuid.len = DLPC_CUDA_UUID_SIZE;
+	if (s->nbytes == 0)
+		return publish_cuda_empty(c, &req, t->dl_tensor.device.device_id, name);
 	if (zc && zc->device) {
 		req.storage_size = zc->len;
 		req.device_uuid.data = zc->uuid;
@@ -307,6 +336,34 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 	r = dlpc__cuda_ipc_export(t, s->nbytes, name, &x);
 	if (r < 0)
 		return r;
+	if (x.fd >= 0 && c->minor < 5) {
+		dlpc__cuda_reclaim(x.token, false);
+		close(x.fd);
+		return dlpc__fail(-ENOTSUP,
+				  "cannot publish '%s': its memory is a CUDA VMM mapping, lent by "
+				  "its export fd, which needs protocol %d.5 (dlpackd speaks %d.%u)",
+				  name, DLPC_PROTO_MAJOR, DLPC_PROTO_MAJOR, c->minor);
+	}
+	if (x.fd >= 0) {
+		/* lent, not given: the entry goes with this connection, and the memory comes
+		 * back (RECLAIM) like legacy IPC memory */
+		req.storage_size = x.alloc_size;
+		req.device_uuid.data = x.uuid;
+		req.reclaim_token = x.token;
+		req.flags |= DLPC_PUBLISH_EPHEMERAL;
+		dptrs[0]->offset = x.offset;
+		dlpc__reclaim_count(c, 1);
+		r = send_publish(c, &req, x.fd);
+		close(x.fd);
+		if (r < 0) {
+			dlpc__reclaim_count(c, -1);
+			dlpc__cuda_reclaim(x.token, false);
+			return r;
+		}
+		*kept = true;
+		dlpc__reclaim_start(c);
+		return r;
+	}
 	ipc.mem_handle.data = x.mem_handle;
 	ipc.mem_handle.len = sizeof(x.mem_handle);
 	ipc.event_handle.data = x.event_handle;

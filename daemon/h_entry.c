@@ -52,8 +52,10 @@ static int check_tensors(const Dlpackd__V1__Publish *req, char *why, size_t whyl
 			snprintf(why, whylen, "tensor %zu: bad dtype or shape", i);
 			return r;
 		}
-		/* a legacy CUDA IPC tensor sits where its producer put it in the allocation */
-		if ((!req->cuda_ipc && t->offset % DLPC_ALIGN != 0) ||
+		/* a legacy CUDA IPC tensor, or one in lent VMM memory, sits where its producer's
+		 * allocator put it */
+		if ((!req->cuda_ipc && !(req->device_type == kDLCUDA && req->reclaim_token) &&
+		     t->offset % DLPC_ALIGN != 0) ||
 		    __builtin_add_overflow(t->offset, nbytes, &end) || end > req->storage_size) {
 			snprintf(why, whylen,
 				 "tensor %zu: %llu bytes at offset %llu do not fit an aligned "
@@ -127,7 +129,8 @@ static uint8_t *encode_tensors(const Dlpackd__V1__Publish *req, size_t *len)
  * Is the device part of @p req sound: host memory with its memfd, or a CUDA device with a UUID
  * and either legacy IPC handles (no fd) or a VMM export fd? 0, or -errno and the reason; -EPROTO
  * for an fd count that contradicts the message (the connection is then dropped). A legacy IPC
- * entry is always ephemeral: the memory dies with its publisher.
+ * entry, and a VMM one whose memory is lent (a reclaim token), is always ephemeral: the memory
+ * dies with its publisher.
  */
 static int check_device(const struct dlpd_peer *p, Dlpackd__V1__Publish *req,
 			const struct dlpc__frame *f, char *why, size_t whylen)
@@ -167,7 +170,9 @@ static int check_device(const struct dlpd_peer *p, Dlpackd__V1__Publish *req,
 			 ipc->mem_handle.len, ipc->event_handle.len, DLPC_CUDA_IPC_HANDLE_SIZE);
 		return -EINVAL;
 	}
-	if (ipc)
+	/* memory the publisher keeps (legacy IPC) or lends (a VMM export fd with a token, 1.5)
+	 * lives no longer than its connection, and goes back to it with RECLAIM */
+	if (ipc || req->reclaim_token)
 		req->flags |= DLPC_PUBLISH_EPHEMERAL;
 	return 0;
 }
@@ -267,9 +272,9 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	e->tensors_wire_len = wire_len;
 	if (dlpd_names_publish(s, e, old, req->flags & DLPC_PUBLISH_EPHEMERAL ? p : NULL) < 0)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
-	/* legacy CUDA IPC memory goes back to its publisher when freed: only once published, so
-	 * that a publish that failed is not answered with a RECLAIM as well */
-	if (st->fd < 0)
+	/* memory its publisher keeps or lends goes back to it when freed: only once published,
+	 * so that a publish that failed is not answered with a RECLAIM as well */
+	if (st->fd < 0 || (req->device_type == kDLCUDA && req->reclaim_token))
 		dlpd_reclaim_watch(p, st, req->reclaim_token);
 	return dlpd_reply(p, DLPC_MSG_PUBLISH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }

@@ -67,7 +67,11 @@ struct obj {
 	uint32_t id;
 	uintptr_t base;
 	size_t size;
-	int fd; /* ALLOC and VMM_HANDLE: the memfd */
+	int fd;		 /* ALLOC and VMM_HANDLE: the memfd */
+	bool pool;	 /* ALLOC: from cuMemAllocAsync (a stream-ordered pool) */
+	unsigned refs;	 /* VMM_HANDLE: its creator's, and one per mapping or retain */
+	uint32_t mapped; /* RESERVED: the handle mapped at its start (0: none) */
+	size_t msize;	 /* and the size of that mapping */
 };
 
 struct CUevent_st {
@@ -347,16 +351,42 @@ EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
 	return CUDA_SUCCESS;
 }
 
+/* The handle types VMM handle @p id may be exported as. */
+static unsigned long long handle_types(uint32_t id)
+{
+	unsigned long long t = 0;
+
+	pthread_mutex_lock(&mu);
+	for (struct obj *o = objs; o; o = o->next)
+		if (o->kind == VMM_HANDLE && o->id == id)
+			t = o->base ? CU_MEM_HANDLE_TYPE_NONE
+				    : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+	pthread_mutex_unlock(&mu);
+	return t;
+}
+
 EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr)
 {
+	struct obj *o;
+
 	if (!usable("cuPointerGetAttribute"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (!obj_find(-1, (uintptr_t)ptr, true, false))
+	o = obj_find(-1, (uintptr_t)ptr, true, false);
+	if (!o || (o->kind == RESERVED && (!o->mapped || ptr >= o->base + o->msize)))
 		return CUDA_ERROR_INVALID_VALUE;
 	if (attribute == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
 		*(int *)data = 0;
 	else if (attribute == CU_POINTER_ATTRIBUTE_CONTEXT)
 		*(CUcontext *)data = (CUcontext)&ctx_token;
+	/* cuMemAlloc memory only: not VMM mappings, not stream-ordered pools */
+	else if (attribute == CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE)
+		*(int *)data = o->kind == ALLOC && !o->pool;
+	/* what the allocation may be exported as: a VMM mapping's handle types; none for the
+	 * default pool of cuMemAllocAsync, nor for cuMemAlloc memory */
+	else if (attribute == CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES)
+		*(unsigned long long *)data = o->kind == RESERVED ? handle_types(o->mapped) : 0;
+	else if (attribute == CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)
+		*(void **)data = o->kind == ALLOC && o->pool ? (void *)&ctx_token : NULL;
 	else
 		return CUDA_ERROR_INVALID_VALUE;
 	return CUDA_SUCCESS;
@@ -387,6 +417,29 @@ EXPORT CUresult cuMemAlloc(CUdeviceptr *dptr, size_t bytesize)
 	return CUDA_SUCCESS;
 }
 
+/* Stream-ordered allocation from the device's default pool: memory like cuMemAlloc's, which
+ * neither legacy IPC nor a shareable handle can export. */
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+	struct obj *o;
+	CUresult e;
+
+	(void)hStream;
+	e = cuMemAlloc(dptr, bytesize);
+	if (e != CUDA_SUCCESS)
+		return e;
+	o = obj_find(ALLOC, (uintptr_t)*dptr, false, false);
+	o->pool = true;
+	logf_("cuMemAllocAsync ptr=%#llx", (unsigned long long)*dptr);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+{
+	(void)hStream;
+	return cuMemFree(dptr);
+}
+
 EXPORT CUresult cuMemFree(CUdeviceptr dptr)
 {
 	struct obj *o;
@@ -409,12 +462,13 @@ EXPORT CUresult cuMemGetAddressRange(CUdeviceptr *pbase, size_t *psize, CUdevice
 
 	if (!usable("cuMemGetAddressRange"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (!o || o->kind == RESERVED)
+	if (!o || (o->kind == RESERVED && (!o->mapped || dptr >= o->base + o->msize)))
 		return CUDA_ERROR_NOT_FOUND;
+	/* a VMM address: the mapped region holding it, not the whole reservation */
 	if (pbase)
 		*pbase = o->base;
 	if (psize)
-		*psize = o->size;
+		*psize = o->kind == RESERVED ? o->msize : o->size;
 	return CUDA_SUCCESS;
 }
 
@@ -428,7 +482,7 @@ EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
 	if (env_on("FAKE_CUDA_NO_IPC"))
 		return CUDA_ERROR_NOT_SUPPORTED;
 	o = obj_find(ALLOC, (uintptr_t)dptr, false, false);
-	if (!o)
+	if (!o || o->pool)
 		return CUDA_ERROR_INVALID_VALUE;
 	h.fd = o->fd;
 	h.id = o->id;
@@ -696,6 +750,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 		close(fd);
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
+	o->refs = 1;
 	/* the handle's export type was fixed at creation */
 	if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
 		o->base = 1;
@@ -704,19 +759,59 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 	return CUDA_SUCCESS;
 }
 
+/* Drop one reference to VMM handle @p handle; the last one frees it. false: no such handle. */
+static bool handle_put(CUmemGenericAllocationHandle handle)
+{
+	struct obj *o = NULL;
+
+	pthread_mutex_lock(&mu);
+	for (struct obj **pp = &objs; *pp; pp = &(*pp)->next)
+		if ((*pp)->kind == VMM_HANDLE && (*pp)->id == handle) {
+			o = *pp;
+			if (--o->refs == 0)
+				*pp = o->next;
+			break;
+		}
+	pthread_mutex_unlock(&mu);
+	if (o && o->refs == 0) {
+		close(o->fd);
+		free(o);
+	}
+	return o != NULL;
+}
+
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
-	struct obj *o;
-
 	if (!usable("cuMemRelease"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	o = handle_find(handle, true);
-	if (!o)
+	if (!handle_put(handle))
 		return CUDA_ERROR_INVALID_VALUE;
-	logf_("cuMemRelease handle=%u", o->id);
-	/* mappings keep the memory: they map the memfd itself */
-	close(o->fd);
-	free(o);
+	/* a mapping keeps the handle alive, as with the real driver */
+	logf_("cuMemRelease handle=%u", (unsigned)handle);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+	struct obj *r, *h = NULL;
+
+	if (!usable("cuMemRetainAllocationHandle"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	r = obj_find(RESERVED, (uintptr_t)addr, true, false);
+	if (!r || !r->mapped || (uintptr_t)addr >= r->base + r->msize)
+		return CUDA_ERROR_INVALID_VALUE;
+	pthread_mutex_lock(&mu);
+	for (struct obj *o = objs; o; o = o->next)
+		if (o->kind == VMM_HANDLE && o->id == r->mapped) {
+			h = o;
+			h->refs++;
+			break;
+		}
+	pthread_mutex_unlock(&mu);
+	if (!h)
+		return CUDA_ERROR_INVALID_VALUE;
+	*handle = h->id;
+	logf_("cuMemRetainAllocationHandle handle=%u", h->id);
 	return CUDA_SUCCESS;
 }
 
@@ -761,6 +856,7 @@ EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *han
 		close(dup);
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
+	o->refs = 1;
 	*handle = o->id;
 	logf_("cuMemImportFromShareableHandle handle=%u size=%lld", o->id, (long long)st.st_size);
 	return CUDA_SUCCESS;
@@ -814,10 +910,17 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 	(void)flags;
 	if (!h || !r || size > r->size || offset + size > h->size)
 		return CUDA_ERROR_INVALID_VALUE;
+	if (r->mapped)
+		return CUDA_ERROR_ALREADY_MAPPED;
 	/* mapped but not accessible until cuMemSetAccess, as with the real driver */
 	if (mmap((void *)r->base, size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->fd, (off_t)offset) ==
 	    MAP_FAILED)
 		return CUDA_ERROR_OUT_OF_MEMORY;
+	pthread_mutex_lock(&mu);
+	h->refs++;
+	r->mapped = h->id;
+	r->msize = size;
+	pthread_mutex_unlock(&mu);
 	logf_("cuMemMap ptr=%#llx size=%zu handle=%u", (unsigned long long)ptr, size, h->id);
 	return CUDA_SUCCESS;
 }
@@ -833,6 +936,10 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 	if (mmap((void *)r->base, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1,
 		 0) == MAP_FAILED)
 		return CUDA_ERROR_UNKNOWN;
+	if (r->mapped)
+		handle_put(r->mapped);
+	r->mapped = 0;
+	r->msize = 0;
 	logf_("cuMemUnmap ptr=%#llx", (unsigned long long)ptr);
 	return CUDA_SUCCESS;
 }

@@ -130,8 +130,33 @@ struct publisher {
 	int notify[2];	  /* each deleter writes one byte */
 	bool self_attach; /* also attach names[0] in the publishing process */
 	int many;	  /* if > 0: publish gpu/b/0 .. gpu/b/<many - 1> instead, all at OFF_A */
+	bool vmm;	  /* the memory is a VMM mapping of the publisher's own, not cuMemAlloc's */
 	pid_t pid;
 };
+
+/*
+ * In a process that called cuInit: what an allocator built on the driver's VMM calls does
+ * (PyTorch's expandable segments): an allocation of @p size bytes exportable as @p types,
+ * mapped read-write at the start of a reservation of @p reserve bytes, its handle released
+ * (the mapping keeps it).
+ */
+static CUdeviceptr vmm_mapping(size_t size, size_t reserve, CUmemAllocationHandleType types)
+{
+	CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+				    .requestedHandleTypes = types,
+				    .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
+	CUmemAccessDesc rw = {.location = prop.location,
+			      .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+	CUmemGenericAllocationHandle h;
+	CUdeviceptr p;
+
+	CHILD_CHECK(cuMemCreate(&h, size, &prop, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAddressReserve(&p, reserve, 0, 0, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemMap(p, size, 0, h, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemSetAccess(p, size, &rw, 1) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemRelease(h) == CUDA_SUCCESS);
+	return p;
+}
 
 /* A tensor of the publisher below: its deleter, run at reclaim, reports the current context. */
 static DLManagedTensorVersioned *pub_tensor(CUdeviceptr ptr, int notify)
@@ -154,7 +179,11 @@ static int publisher_main(void *arg)
 	close(p->notify[0]);
 	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
 	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
-	CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
+	if (p->vmm)
+		base = vmm_mapping(ALLOC_BYTES, ALLOC_BYTES,
+				   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	else
+		CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
 	fill((float *)(uintptr_t)(base + OFF_A), NELEM, 1.0f);
 	fill((float *)(uintptr_t)(base + OFF_B), NELEM, 7.0f);
 	for (int i = 0; i < p->many; i++) {
@@ -798,6 +827,139 @@ START_TEST(daemon_without_cuda)
 	publisher_stop(&p);
 }
 END_TEST
+/* ---- 14. memory of other allocators ---- */
+
+static int attach_lent(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/lent", NULL, &t) == 1);
+	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA);
+	CHILD_CHECK(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
+	CHILD_CHECK(same(t->dl_tensor.data, NELEM, 1.0f));
+	CHILD_CHECK(log_count(getpid(), "cuMemImportFromShareableHandle") == 1);
+	CHILD_CHECK(log_count(getpid(), "cuIpcOpenMemHandle") == 0);
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+/* A VMM mapping of the publisher's own allocator: lent by its export fd, and given back (its
+ * deleter run) once unpublished and released, like legacy IPC memory. */
+START_TEST(vmm_lent)
+{
+	struct publisher p = {.names = {"gpu/lent", NULL}, .vmm = true};
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_entry_info *list = NULL;
+	size_t n = 0;
+
+	publisher_start(&p);
+	ck_assert_int_eq(log_count(p.pid, "cuMemRetainAllocationHandle"), 1);
+	ck_assert_int_eq(log_count(p.pid, "cuMemExportToShareableHandle"), 1);
+	ck_assert_int_eq(log_count(p.pid, "cuIpcGetMemHandle"), 0);
+	/* no event of its own: the host waited for the device before publishing */
+	ck_assert_int_eq(log_count(p.pid, "cuCtxSynchronize"), 1);
+	ck_assert_int_eq(log_count2(p.pid, "cuEventCreate", "flags=6"), 0);
+	ck_assert_dlpc(dlpc_list(c, "gpu/", &list, &n), 0);
+	ck_assert_uint_eq(n, 1);
+	ck_assert_int_eq(list[0].device.device_type, kDLCUDA);
+	ck_assert_uint_ne(list[0].flags & DLPC_PUBLISH_EPHEMERAL, 0);
+	dlpc_list_free(list, n);
+	ck_assert_int_eq(wait_child(spawn(attach_lent, NULL)), 0);
+	ck_assert(!deleter_ran(&p, 200));
+	ck_assert_dlpc(dlpc_unpublish(c, "gpu/lent"), 0);
+	ck_assert(deleter_ran(&p, scaled_ms(5000)));
+	publisher_stop(&p);
+	dlpc_close(c);
+}
+END_TEST
+
+/* Memory neither legacy IPC nor an export fd can share: refused, naming the allocator setting,
+ * the tensor's deleter run, nothing published. */
+static int unexportable(void *arg)
+{
+	CUmemAllocationHandleType none = CU_MEM_HANDLE_TYPE_NONE;
+	CUmemAllocationHandleType posix = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	CUdeviceptr pool, plain, split;
+	int fds[2];
+	char b;
+
+	(void)arg;
+	CHILD_CHECK(pipe(fds) == 0);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAllocAsync(&pool, ALLOC_BYTES, NULL) == CUDA_SUCCESS);
+	CHILD_CHECK(dlpc_publish(c, "gpu/x", dev_tensor(pool, NELEM, fds[1]), 0) == -ENOTSUP);
+	CHILD_CHECK(strstr(dlpc_last_error(), "stream-ordered pool") &&
+		    strstr(dlpc_last_error(), "backend:cudaMallocAsync"));
+	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	plain = vmm_mapping(ALLOC_BYTES, ALLOC_BYTES, none);
+	CHILD_CHECK(dlpc_publish(c, "gpu/x", dev_tensor(plain, NELEM, fds[1]), 0) == -ENOTSUP);
+	CHILD_CHECK(strstr(dlpc_last_error(), "expandable_segments"));
+	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	/* a tensor that runs from one mapping into the next */
+	split = vmm_mapping(64 << 10, 128 << 10, posix);
+	CHILD_CHECK(dlpc_publish(c, "gpu/x", dev_tensor(split + (64 << 10) - 16, NELEM, fds[1]),
+				 0) == -EINVAL);
+	CHILD_CHECK(strstr(dlpc_last_error(), "spans several VMM mappings"));
+	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	CHILD_CHECK(log_count(getpid(), "cuMemExportToShareableHandle") == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/x", NULL, &t) == -ENOENT);
+	dlpc_close(c);
+	return 0;
+}
+
+/* An empty CUDA tensor, NULL data pointer and all: published, and attached elsewhere. */
+static int attach_empty(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/empty", NULL, &t) == 1);
+	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA &&
+		    t->dl_tensor.device.device_id == 0);
+	CHILD_CHECK(t->dl_tensor.ndim == 1 && t->dl_tensor.shape[0] == 0);
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+static int publish_empty(void *arg)
+{
+	dlpc_client *c = NULL;
+	int fds[2];
+	char b;
+
+	(void)arg;
+	CHILD_CHECK(pipe(fds) == 0);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_publish(c, "gpu/empty", dev_tensor(0, 0, fds[1]), 0) == 1);
+	/* nothing of the producer's to keep */
+	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(empty_cuda_tensor)
+{
+	ck_assert_int_eq(wait_child(spawn(publish_empty, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(attach_empty, NULL)), 0);
+}
+END_TEST
+
+START_TEST(unexportable_memory)
+{
+	ck_assert_int_eq(wait_child(spawn(unexportable, NULL)), 0);
+}
+END_TEST
+
 /* ---- 13. a forked child of a process using CUDA ---- */
 
 /* In the forked child: no driver call at all, GPU calls refused naming the fork, and the GPU
@@ -896,6 +1058,9 @@ static Suite *gpu_suite(void)
 		{"device_ordinals", device_ordinals},
 		{"daemon_without_cuda", daemon_without_cuda},
 		{"fork_child", fork_child},
+		{"vmm_lent", vmm_lent},
+		{"unexportable_memory", unexportable_memory},
+		{"empty_cuda_tensor", empty_cuda_tensor},
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
