@@ -64,6 +64,7 @@
 	X(cuStreamWaitEvent)                                                                       \
 	X(cuStreamSynchronize)                                                                     \
 	X(cuCtxSynchronize)                                                                        \
+	X(cuMemcpyDtoD)                                                                            \
 	X(cuMemGetAllocationGranularity)                                                           \
 	X(cuMemCreate)                                                                             \
 	X(cuMemRelease)                                                                            \
@@ -831,6 +832,28 @@ int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **re
 fail:
 	pop_ctx();
 	free(m);
+	return r;
+}
+
+int dlpc__cuda_gather(int ordinal, void *dst, size_t n, const uint64_t offsets[],
+		      const void *const srcs[], const size_t sizes[], const char *what)
+{
+	int r = driver(what);
+
+	if (r == 0)
+		r = push_ctx(ordinal, what);
+	if (r < 0)
+		return r;
+	/* on the legacy default stream: after the work of every blocking stream, as the event
+	 * of a legacy IPC publication orders */
+	for (size_t i = 0; i < n && r == 0; i++)
+		if (sizes[i])
+			r = CU_CALL(what, cuMemcpyDtoD, (CUdeviceptr)(uintptr_t)dst + offsets[i],
+				    (CUdeviceptr)(uintptr_t)srcs[i], sizes[i]);
+	/* the entry carries no event: the copies are done before it is published */
+	if (r == 0)
+		r = CU_CALL(what, cuCtxSynchronize);
+	pop_ctx();
 	return r;
 }
 

@@ -31,6 +31,7 @@
 #define cuStreamDestroy cuStreamDestroy_v2
 #define cuMemAlloc cuMemAlloc_v2
 #define cuMemFree cuMemFree_v2
+#define cuMemcpyDtoD cuMemcpyDtoD_v2
 
 typedef enum cudaError_enum {
 	CUDA_SUCCESS = 0,
@@ -152,6 +153,7 @@ CUresult CUDAAPI cuIpcOpenEventHandle(CUevent *phEvent, CUipcEventHandle handle)
 CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags);
 CUresult CUDAAPI cuStreamSynchronize(CUstream hStream);
 CUresult CUDAAPI cuCtxSynchronize(void);
+CUresult CUDAAPI cuMemcpyDtoD(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount);
 CUresult CUDAAPI cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr);
 CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
 CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream);

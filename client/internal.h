@@ -255,6 +255,10 @@ void dlpc__region_note_stream(struct dlpc__region *r, void *stream);
 /* Order @p stream (NULL: this thread) on device @p ordinal after the event @p ev_handle. */
 int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,
 		    const char *what);
+/* Copy @p n device buffers (srcs[i], sizes[i] bytes) to @p dst + offsets[i] on device
+ * @p ordinal, and wait on the host until they are done. Errors name @p what. */
+int dlpc__cuda_gather(int ordinal, void *dst, size_t n, const uint64_t offsets[],
+		      const void *const srcs[], const size_t sizes[], const char *what);
 /* Allocate @p nbytes of VMM memory on device @p ordinal, exportable as the fd *@p fd; errors
  * name @p what. */
 int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **ret, void **base,

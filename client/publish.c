@@ -387,6 +387,84 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 	return r;
 }
 
+/*
+ * Publish @p n CUDA tensors of one device as a bundle: copied, on the device, into one VMM
+ * allocation of ours (each at slots[i].offset, @p size bytes in all), which the daemon holds
+ * like any VMM entry. One import serves every attacher's whole bundle. The generation or a
+ * negative errno; the tensors stay the caller's (their deleters run when publish() ends).
+ */
+static int publish_cuda_bundle(dlpc_client *c, const char *name, size_t n,
+			       DLManagedTensorVersioned *const tensors[], const struct slot *slots,
+			       Dlpackd__V1__TensorDesc **dptrs, uint64_t size, uint32_t flags)
+{
+	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
+	int ordinal = tensors[0]->dl_tensor.device.device_id;
+	uint8_t uuid[DLPC_CUDA_UUID_SIZE];
+	char what[DLPC_NAME_MAX + 32];
+	struct dlpc__gpu_map *m;
+	const void **srcs;
+	uint64_t *offsets;
+	size_t *sizes, len;
+	void *base;
+	int fd, r;
+
+	if (c->minor < 2)
+		return dlpc__fail(-ENOTSUP,
+				  "cannot publish '%s': dlpackd speaks protocol %d.%u; CUDA "
+				  "tensors need %d.2",
+				  name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
+	for (size_t i = 0; i < n; i++) {
+		DLDevice d = tensors[i]->dl_tensor.device;
+
+		if (d.device_type != kDLCUDA || d.device_id != ordinal)
+			return dlpc__fail(-ENOTSUP,
+					  "cannot publish '%s': tensor %zu is on device %d:%d and "
+					  "tensor 0 on CUDA device %d; a bundle's tensors are all "
+					  "on one device",
+					  name, i, d.device_type, d.device_id, ordinal);
+	}
+	snprintf(what, sizeof(what), "cannot publish '%s'", name);
+	srcs = calloc(n, sizeof(*srcs));
+	offsets = calloc(n, sizeof(*offsets));
+	sizes = calloc(n, sizeof(*sizes));
+	if (!srcs || !offsets || !sizes) {
+		r = dlpc__fail(-ENOMEM, "%s: out of memory", what);
+		goto out;
+	}
+	for (size_t i = 0; i < n; i++) {
+		const DLTensor *t = &tensors[i]->dl_tensor;
+
+		srcs[i] = (const uint8_t *)t->data + t->byte_offset;
+		offsets[i] = slots[i].offset;
+		sizes[i] = (size_t)slots[i].nbytes;
+	}
+	r = dlpc__cuda_vmm_alloc(ordinal, size, &m, &base, &len, &fd, uuid, what);
+	if (r < 0)
+		goto out;
+	r = dlpc__cuda_gather(ordinal, base, n, offsets, (const void *const *)srcs, sizes, what);
+	/* the export fd keeps the allocation; this process needs no mapping of it */
+	dlpc__cuda_unmap(m);
+	if (r == 0) {
+		req.name.data = (uint8_t *)name;
+		req.name.len = strlen(name);
+		req.flags = flags;
+		req.device_type = kDLCUDA;
+		req.device_id = ordinal;
+		req.device_uuid.data = uuid;
+		req.device_uuid.len = DLPC_CUDA_UUID_SIZE;
+		req.storage_size = len;
+		req.n_tensors = n;
+		req.tensors = dptrs;
+		r = send_publish(c, &req, fd);
+	}
+	close(fd);
+out:
+	free(srcs);
+	free(offsets);
+	free(sizes);
+	return r;
+}
+
 static int publish(dlpc_client *c, const char *name, size_t n, const char *const keys[],
 		   DLManagedTensorVersioned *const tensors[], uint32_t flags)
 {
@@ -441,12 +519,17 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 		r = publish_cuda(c, name, tensors[0], &slots[0], dptrs, flags, &kept);
 		goto out;
 	}
+	if (tensors[0]->dl_tensor.device.device_type == kDLCUDA) {
+		r = publish_cuda_bundle(c, name, n, tensors, slots, dptrs, size, flags);
+		goto out;
+	}
 	for (size_t i = 0; i < n; i++)
 		if (tensors[i]->dl_tensor.device.device_type != kDLCPU) {
-			r = dlpc__fail(-ENOTSUP,
-				       "cannot publish '%s': tensor %zu is a CUDA tensor; bundles "
-				       "hold host tensors only",
-				       name, i);
+			r = dlpc__fail(
+				-ENOTSUP,
+				"cannot publish '%s': tensor %zu is a CUDA tensor and tensor "
+				"0 a host one; a bundle's tensors are all on one device",
+				name, i);
 			goto out;
 		}
 	if (n == 1)

@@ -692,6 +692,27 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 	return CUDA_SUCCESS;
 }
 
+/* Device to device, on the legacy default stream: a memcpy here, between memory of the fake's
+ * (an allocation, or a mapped VMM region), in a current context. */
+EXPORT CUresult cuMemcpyDtoD(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
+{
+	struct obj *d, *s;
+
+	if (!usable("cuMemcpyDtoD"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (ctx_depth == 0)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	d = obj_find(-1, (uintptr_t)dstDevice, true, false);
+	s = obj_find(-1, (uintptr_t)srcDevice, true, false);
+	if (!d || !s ||
+	    dstDevice + ByteCount > d->base + (d->kind == RESERVED ? d->msize : d->size) ||
+	    srcDevice + ByteCount > s->base + (s->kind == RESERVED ? s->msize : s->size))
+		return CUDA_ERROR_INVALID_VALUE;
+	memcpy((void *)(uintptr_t)dstDevice, (const void *)(uintptr_t)srcDevice, ByteCount);
+	logf_("cuMemcpyDtoD bytes=%zu", ByteCount);
+	return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuCtxSynchronize(void)
 {
 	if (!usable("cuCtxSynchronize"))

@@ -954,6 +954,88 @@ START_TEST(empty_cuda_tensor)
 }
 END_TEST
 
+/* A state dict on the device: three tensors in two allocations, at offsets of their own,
+ * published as one bundle (copied into one VMM allocation) and attached whole elsewhere. */
+static const char *const bundle_keys[3] = {"layer.0.w", "layer.0.b", "layer.1.w"};
+
+static int publish_cuda_bundle(void *arg)
+{
+	DLManagedTensorVersioned *ts[3], *mixed[2];
+	dlpc_client *c = NULL;
+	CUdeviceptr a, b;
+	int fds[2];
+	char x;
+
+	(void)arg;
+	CHILD_CHECK(pipe(fds) == 0);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&a, ALLOC_BYTES) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&b, ALLOC_BYTES) == CUDA_SUCCESS);
+	fill((float *)(uintptr_t)(a + OFF_A), NELEM, 1.0f);
+	fill((float *)(uintptr_t)(a + OFF_B), NELEM, 7.0f);
+	fill((float *)(uintptr_t)(b + 4), NELEM, 9.0f);
+	ts[0] = dev_tensor(a + OFF_A, NELEM, fds[1]);
+	ts[1] = dev_tensor(a + OFF_B, NELEM, fds[1]);
+	ts[2] = dev_tensor(b + 4, NELEM, fds[1]);
+	CHILD_CHECK(dlpc_publish_bundle(c, "gpu/bundle", 3, bundle_keys, ts, 0) == 1);
+	/* copied: the producers' tensors are given back at once */
+	for (int i = 0; i < 3; i++)
+		CHILD_CHECK(read(fds[0], &x, 1) == 1);
+	CHILD_CHECK(log_count(getpid(), "cuMemcpyDtoD") == 3);
+	CHILD_CHECK(log_count(getpid(), "cuMemCreate") == 1);
+	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 1);
+	CHILD_CHECK(log_count(getpid(), "cuIpcGetMemHandle") == 0);
+	/* a bundle's tensors are all on one device */
+	mixed[0] = dev_tensor(a + OFF_A, NELEM, fds[1]);
+	mixed[1] = host_tensor((float[4]){0}, (DLDataType){kDLFloat, 32, 1}, 1, (int64_t[1]){4},
+			       NULL, NULL);
+	CHILD_CHECK(dlpc_publish_bundle(c, "gpu/mixed", 2, bundle_keys, mixed, 0) == -ENOTSUP);
+	CHILD_CHECK(strstr(dlpc_last_error(), "all on one device"));
+	CHILD_CHECK(read(fds[0], &x, 1) == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+static int attach_cuda_bundle(void *arg)
+{
+	const float bases[3] = {1.0f, 7.0f, 9.0f};
+	dlpc_bundle *b = NULL;
+	dlpc_client *c = NULL;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach_bundle(c, "gpu/bundle", NULL, &b) == 1);
+	CHILD_CHECK(dlpc_bundle_count(b) == 3);
+	for (size_t i = 0; i < 3; i++) {
+		DLManagedTensorVersioned *t;
+
+		CHILD_CHECK(strcmp(dlpc_bundle_key(b, i), bundle_keys[i]) == 0);
+		t = dlpc_bundle_take(b, i);
+		CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA);
+		CHILD_CHECK(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
+		CHILD_CHECK(same(t->dl_tensor.data, NELEM, bases[i]));
+		t->deleter(t);
+	}
+	dlpc_bundle_free(b);
+	/* one import for the whole bundle */
+	CHILD_CHECK(log_count(getpid(), "cuMemImportFromShareableHandle") == 1);
+	CHILD_CHECK(log_count(getpid(), "cuMemUnmap") == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(cuda_bundle)
+{
+	dlpc_client *c = connect_or_die(&D);
+
+	ck_assert_int_eq(wait_child(spawn(publish_cuda_bundle, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(attach_cuda_bundle, NULL)), 0);
+	ck_assert(wait_stat(c, no_refs, NULL, scaled_ms(5000)));
+	dlpc_close(c);
+}
+END_TEST
+
 START_TEST(unexportable_memory)
 {
 	ck_assert_int_eq(wait_child(spawn(unexportable, NULL)), 0);
@@ -1061,6 +1143,7 @@ static Suite *gpu_suite(void)
 		{"vmm_lent", vmm_lent},
 		{"unexportable_memory", unexportable_memory},
 		{"empty_cuda_tensor", empty_cuda_tensor},
+		{"cuda_bundle", cuda_bundle},
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

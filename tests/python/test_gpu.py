@@ -220,3 +220,26 @@ def test_no_driver(ipc, py, gpu_env):
             raise AssertionError("empty() on cuda without a driver succeeded")
     """).replace('fake = ctypes.CDLL(os.environ["DLPC_CUDA_LIBRARY"])\nfake.cuInit(0)', ""),
         env=env)
+
+
+def test_cuda_state_dict(ipc, py, gpu_env):
+    """A dict of CUDA producers (a state dict on cuda:0) as one bundle, attached whole."""
+    py.check(child("""
+        import dlpack_ipc
+        sd = {"w": FakeCudaArray(100, offset=1000), "b": FakeCudaArray(10, offset=4)}
+        assert dlpack_ipc.publish_dict("pgpu/sd", sd) == 1
+        # copied into one VMM allocation on the device, the producers given back at once
+        assert len(log_lines("cuMemcpyDtoD")) == 2 and len(log_lines("cuMemCreate")) == 1
+        assert len(deleted) == 2
+    """), env=gpu_env)
+    py.check(child("""
+        import dlpack_ipc
+        d = dlpack_ipc.attach_dict("pgpu/sd")
+        assert sorted(d) == ["b", "w"], d
+        assert d["w"].device == "cuda:0" and d["w"].shape == (100,)
+        assert capsule_floats(d["w"].__dlpack__(max_version=(1, 0)), 100) == \\
+            [i * 0.5 for i in range(100)]
+        assert capsule_floats(d["b"].__dlpack__(max_version=(1, 0)), 10) == \\
+            [i * 0.5 for i in range(10)]
+        assert len(log_lines("cuMemImportFromShareableHandle")) == 1
+    """), env=gpu_env)

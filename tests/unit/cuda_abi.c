@@ -65,6 +65,7 @@ int main(void)
 	V(CU_MEM_ALLOCATION_TYPE_PINNED);
 	V(CU_MEM_ALLOC_GRANULARITY_MINIMUM);
 	NAME(cuMemGetAddressRange);
+	NAME(cuMemcpyDtoD);
 	NAME(cuCtxPushCurrent);
 	NAME(cuCtxPopCurrent);
 	NAME(cuDevicePrimaryCtxRelease);
