@@ -88,6 +88,33 @@ static bool cuda_sane(const Dlpackd__V1__AttachReply *rep, int fd)
 	       ipc->event_handle.len == DLPC_CUDA_IPC_HANDLE_SIZE;
 }
 
+/*
+ * Legacy CUDA IPC works only between processes of one PID namespace. After an import of
+ * @p rep failed with @p r, add to the message when the publisher (its pid as dlpackd saw it) is
+ * not in this process's: not visible here, or in another namespace. Returns @p r.
+ */
+static int pidns_hint(const Dlpackd__V1__AttachReply *rep, int r)
+{
+	char path[64], mine[64], theirs[64], was[512];
+	ssize_t a, b;
+
+	if (rep->owner_pid <= 0)
+		return r;
+	snprintf(path, sizeof(path), "/proc/%d/ns/pid", (int)rep->owner_pid);
+	a = readlink("/proc/self/ns/pid", mine, sizeof(mine) - 1);
+	b = readlink(path, theirs, sizeof(theirs) - 1);
+	if (a <= 0 || (b < 0 && errno != ENOENT) ||
+	    (b > 0 && a == b && memcmp(mine, theirs, (size_t)a) == 0))
+		return r;
+	snprintf(was, sizeof(was), "%s", dlpc_last_error());
+	return dlpc__fail(r,
+			  "%s; its publisher (pid %d to dlpackd) is not in this process's PID "
+			  "namespace, and legacy CUDA IPC works only within one: run both in one "
+			  "(docker --pid=host, a shared pod namespace), or publish with "
+			  "dlpc_alloc() memory (CUDA VMM), which does not need it",
+			  was, (int)rep->owner_pid);
+}
+
 /* Map the CUDA storage of @p rep into @p m (legacy IPC handles, or the VMM fd @p fd, which is
  * not consumed) and order @p stream after the publisher. 0 or negative errno. */
 static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int fd, void *stream,
@@ -95,13 +122,16 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 {
 	int ordinal = 0, r;
 
-	if (rep->cuda_ipc)
+	if (rep->cuda_ipc) {
 		r = dlpc__cuda_ipc_import(rep->device_uuid.data, rep->cuda_ipc->mem_handle.data,
 					  rep->cuda_ipc->event_handle.data, stream, defer, name,
 					  &m->gpu, &m->base, &ordinal);
-	else
+		if (r < 0 && r != -ENODEV && r != -EBADFD)
+			r = pidns_hint(rep, r);
+	} else {
 		r = dlpc__cuda_vmm_import(fd, rep->storage_size, rep->device_uuid.data, writable,
 					  name, &m->gpu, &m->base, &ordinal);
+	}
 	if (r < 0)
 		return r;
 	if (rep->cuda_ipc) {

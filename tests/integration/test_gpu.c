@@ -14,6 +14,8 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 
 #include "cuda_api.h"
@@ -1036,6 +1038,57 @@ START_TEST(cuda_bundle)
 }
 END_TEST
 
+/* ---- 15. PID namespaces ---- */
+
+/* In a new PID namespace with its own /proc: the legacy entry cannot be opened, and the
+ * message says why; the VMM entry (an fd) attaches all the same. */
+static int attach_from_pid_namespace(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	pid_t pid;
+	int st;
+
+	(void)arg;
+	if (unshare(CLONE_NEWPID | CLONE_NEWNS) < 0) {
+		fprintf(stderr, "ipc_pid_namespace: skipped: cannot unshare a PID namespace: %m\n");
+		return 77;
+	}
+	pid = fork();
+	CHILD_CHECK(pid >= 0);
+	if (pid > 0)
+		return waitpid(pid, &st, 0) == pid && WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+	/* pid 1 of the new namespace, seeing only it in a /proc of its own */
+	CHILD_CHECK(mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) == 0);
+	CHILD_CHECK(mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) == 0);
+	CHILD_CHECK(getpid() == 1);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/ns", NULL, &t) < 0 && t == NULL);
+	CHILD_CHECK(strstr(dlpc_last_error(), "not in this process's PID namespace"));
+	CHILD_CHECK(dlpc_attach(c, "gpu/v", NULL, &t) == 1);
+	CHILD_CHECK(same(t->dl_tensor.data, NELEM, 3.0f));
+	t->deleter(t);
+	dlpc_close(c);
+	_exit(0);
+}
+
+START_TEST(ipc_pid_namespace)
+{
+	struct publisher p = {.names = {"gpu/ns", NULL}};
+	dlpc_client *c = connect_or_die(&D);
+	int st;
+
+	publisher_start(&p);
+	ck_assert_int_eq(wait_child(spawn(vmm_publish, NULL)), 0);
+	st = wait_child(spawn(attach_from_pid_namespace, NULL));
+	ck_assert_msg(st == 0 || st == 77, "status %d", st);
+	/* the failed attach gave its reference back */
+	ck_assert(wait_stat(c, no_refs, NULL, scaled_ms(5000)));
+	publisher_stop(&p);
+	dlpc_close(c);
+}
+END_TEST
+
 START_TEST(unexportable_memory)
 {
 	ck_assert_int_eq(wait_child(spawn(unexportable, NULL)), 0);
@@ -1144,6 +1197,7 @@ static Suite *gpu_suite(void)
 		{"unexportable_memory", unexportable_memory},
 		{"empty_cuda_tensor", empty_cuda_tensor},
 		{"cuda_bundle", cuda_bundle},
+		{"ipc_pid_namespace", ipc_pid_namespace},
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
