@@ -114,8 +114,9 @@ static void load(void)
 	}
 	CUDA_FUNCS(RESOLVE)
 #undef RESOLVE
-	init_pid = getpid();
 	e = cu.cuInit(0);
+	if (e == CUDA_SUCCESS)
+		init_pid = getpid();
 	if (e != CUDA_SUCCESS) {
 		load_err = e == CUDA_ERROR_NO_DEVICE ? -ENODEV : -EIO;
 		snprintf(load_msg, sizeof(load_msg), "CUDA driver %s: cuInit failed (error %d)",
@@ -344,7 +345,7 @@ static void event_put(struct ipc_pub *p, bool in_ctx)
 
 	pthread_mutex_lock(&pubs_mu);
 	if (!p->shared_ev)
-		own_events--;
+		own_events -= in_ctx; /* one that cannot be destroyed still counts */
 	else if (--done_ev[p->ordinal].users > 0)
 		ev = NULL;
 	else
@@ -702,8 +703,11 @@ static void vmm_unmap(CUdeviceptr base, size_t size)
 
 void dlpc__cuda_unmap(struct dlpc__gpu_map *m)
 {
+	/* a legacy mapping is shared through the import cache, which this child must not touch:
+	 * it is forgotten; a VMM one belongs to its region alone */
 	if (forked()) {
-		free(m);
+		if (m->vmm)
+			free(m);
 		return;
 	}
 	if (!m->vmm) {

@@ -270,6 +270,28 @@ static int publish_args(dlpc_client *c, const char *name, size_t n,
 }
 
 /*
+ * After a PUBLISH of memory its publisher keeps (legacy IPC, lent VMM) under @p token: whether
+ * the library keeps the tensor until RECLAIM (*@p kept). A refusal gives it back at once. So
+ * does nothing else: when the call was interrupted, timed out, canceled or lost its connection
+ * (@p r), the entry may exist and attachers may hold it, so the memory is kept as if published;
+ * if the entry was never made, until the process exits. Returns @p r.
+ */
+static int lent(dlpc_client *c, int r, uint64_t token, bool *kept)
+{
+	bool unknown = r == -EINTR || r == -ETIMEDOUT || r == -ECANCELED || r == -EPIPE ||
+		       r == -ECONNRESET;
+
+	if (r < 0 && !unknown) {
+		dlpc__reclaim_count(c, -1);
+		dlpc__cuda_reclaim(token, false);
+		return r;
+	}
+	*kept = true;
+	dlpc__reclaim_start(c);
+	return r;
+}
+
+/*
  * An empty CUDA tensor has no memory to share, and its data pointer may be NULL: it goes as the
  * smallest VMM allocation the device has, of our own, so that attachers find its device.
  */
@@ -355,14 +377,7 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 		dlpc__reclaim_count(c, 1);
 		r = send_publish(c, &req, x.fd);
 		close(x.fd);
-		if (r < 0) {
-			dlpc__reclaim_count(c, -1);
-			dlpc__cuda_reclaim(x.token, false);
-			return r;
-		}
-		*kept = true;
-		dlpc__reclaim_start(c);
-		return r;
+		return lent(c, r, x.token, kept);
 	}
 	ipc.mem_handle.data = x.mem_handle;
 	ipc.mem_handle.len = sizeof(x.mem_handle);
@@ -377,14 +392,7 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 	dptrs[0]->offset = x.offset;
 	dlpc__reclaim_count(c, 1);
 	r = send_publish(c, &req, -1);
-	if (r < 0) {
-		dlpc__reclaim_count(c, -1);
-		dlpc__cuda_reclaim(x.token, false);
-		return r;
-	}
-	*kept = true;
-	dlpc__reclaim_start(c);
-	return r;
+	return lent(c, r, x.token, kept);
 }
 
 /*

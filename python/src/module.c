@@ -85,6 +85,42 @@ static int find_main_thread(void)
 	return PyErr_Occurred() ? -1 : 0;
 }
 
+/* In a child forked from another thread, that thread is the main one (os.register_at_fork). */
+static PyObject *after_fork_in_child(PyObject *self, PyObject *unused)
+{
+	(void)self;
+	(void)unused;
+	main_thread = PyThread_get_thread_ident();
+	Py_RETURN_NONE;
+}
+
+static PyMethodDef after_fork_def = {"_after_fork_in_child", after_fork_in_child, METH_NOARGS,
+				     NULL};
+
+static int follow_main_thread_across_fork(void)
+{
+	PyObject *os = PyImport_ImportModule("os"), *reg = NULL, *fn = NULL, *kw = NULL,
+		 *args = NULL, *r = NULL;
+
+	if (os)
+		reg = PyObject_GetAttrString(os, "register_at_fork");
+	if (reg)
+		fn = PyCFunction_New(&after_fork_def, NULL);
+	if (fn)
+		kw = Py_BuildValue("{s:O}", "after_in_child", fn);
+	if (kw)
+		args = PyTuple_New(0);
+	if (args)
+		r = PyObject_Call(reg, args, kw);
+	Py_XDECREF(r);
+	Py_XDECREF(args);
+	Py_XDECREF(kw);
+	Py_XDECREF(fn);
+	Py_XDECREF(reg);
+	Py_XDECREF(os);
+	return r ? 0 : -1;
+}
+
 /*
  * Only the main thread runs signal handlers, so only its calls get the check: another thread's
  * would take the GIL every DLPC_INTERRUPT_CHECK_MS for nothing, and could be caught taking it
@@ -524,7 +560,7 @@ static int module_exec(PyObject *m)
 {
 	ipc_state *st = PyModule_GetState(m);
 
-	if (find_main_thread() < 0)
+	if (find_main_thread() < 0 || follow_main_thread_across_fork() < 0)
 		return -1;
 	st->client_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &client_spec, NULL);
 	st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ipc_tensor_spec, NULL);

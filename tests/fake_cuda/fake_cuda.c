@@ -784,17 +784,19 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 static bool handle_put(CUmemGenericAllocationHandle handle)
 {
 	struct obj *o = NULL;
+	bool last = false;
 
 	pthread_mutex_lock(&mu);
 	for (struct obj **pp = &objs; *pp; pp = &(*pp)->next)
 		if ((*pp)->kind == VMM_HANDLE && (*pp)->id == handle) {
 			o = *pp;
-			if (--o->refs == 0)
+			last = --o->refs == 0;
+			if (last)
 				*pp = o->next;
 			break;
 		}
 	pthread_mutex_unlock(&mu);
-	if (o && o->refs == 0) {
+	if (last) {
 		close(o->fd);
 		free(o);
 	}

@@ -1038,6 +1038,59 @@ START_TEST(cuda_bundle)
 }
 END_TEST
 
+/* ---- 16. a publish whose outcome is unknown ---- */
+
+/* A legacy publish that times out against a stopped daemon may still take effect: the memory
+ * stays with libdlpc until RECLAIM, never handed back while an entry could reach it. */
+static int publish_times_out(void *arg)
+{
+	struct pollfd pfd;
+	dlpc_client *c = NULL, *probe = NULL;
+	dlpc_entry_info *list = NULL;
+	CUdeviceptr base;
+	size_t n = 0;
+	int fds[2];
+	char b;
+
+	(void)arg;
+	CHILD_CHECK(pipe(fds) == 0);
+	CHILD_CHECK(setenv("DLPC_CALL_TIMEOUT_MS", "300", 1) == 0);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_connect(D.sock, &probe) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
+	fill((float *)(uintptr_t)base, NELEM, 1.0f);
+	CHILD_CHECK(kill(D.pid, SIGSTOP) == 0);
+	CHILD_CHECK(dlpc_publish(c, "gpu/late", dev_tensor(base, NELEM, fds[1]), 0) == -ETIMEDOUT);
+	CHILD_CHECK(kill(D.pid, SIGCONT) == 0);
+	/* the publish took effect after all; the tensor was not given back */
+	for (int i = 0; i < 500 && n == 0; i++) {
+		CHILD_CHECK(dlpc_list(probe, "gpu/late", &list, &n) == 0);
+		dlpc_list_free(list, n);
+		if (n == 0)
+			usleep(10000);
+	}
+	CHILD_CHECK(n == 1);
+	pfd = (struct pollfd){.fd = fds[0], .events = POLLIN};
+	CHILD_CHECK(poll(&pfd, 1, 200) == 0);
+	/* it comes back with the RECLAIM notice once unpublished */
+	CHILD_CHECK(dlpc_unpublish(probe, "gpu/late") == 0);
+	pfd.events = POLLIN;
+	CHILD_CHECK(poll(&pfd, 1, scaled_ms(5000)) == 1 && read(fds[0], &b, 1) == 1);
+	dlpc_close(probe);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(ipc_publish_unknown_outcome)
+{
+	int st = wait_child(spawn(publish_times_out, NULL));
+
+	kill(D.pid, SIGCONT); /* whatever became of the child */
+	ck_assert_int_eq(st, 0);
+}
+END_TEST
+
 /* ---- 15. PID namespaces ---- */
 
 /* In a new PID namespace with its own /proc: the legacy entry cannot be opened, and the
@@ -1099,7 +1152,7 @@ END_TEST
 
 /* In the forked child: no driver call at all, GPU calls refused naming the fork, and the GPU
  * tensors inherited from the parent released without touching the parent's state. */
-static int forked_child(DLManagedTensorVersioned *held[2])
+static int forked_child(DLManagedTensorVersioned *held[3])
 {
 	DLManagedTensorVersioned *t = NULL;
 	dlpc_client *c = NULL;
@@ -1118,7 +1171,8 @@ static int forked_child(DLManagedTensorVersioned *held[2])
 			     dev_tensor((CUdeviceptr)(uintptr_t)held[0]->dl_tensor.data, NELEM, -1),
 			     0) == -EBADFD);
 	CHILD_CHECK(dlpc_tensor_wait(held[0], NULL) == -EBADFD);
-	for (int i = 0; i < 2; i++)
+	/* two of them share one mapping in the parent's import cache */
+	for (int i = 0; i < 3; i++)
 		held[i]->deleter(held[i]);
 	/* host tensors still work in the child */
 	CHILD_CHECK(dlpc_publish(c, "gpu/host",
@@ -1131,7 +1185,7 @@ static int forked_child(DLManagedTensorVersioned *held[2])
 
 static int attach_then_fork(void *arg)
 {
-	DLManagedTensorVersioned *held[2] = {NULL, NULL};
+	DLManagedTensorVersioned *held[3] = {NULL, NULL, NULL};
 	dlpc_client *c = NULL;
 	pid_t child;
 	int st;
@@ -1140,6 +1194,8 @@ static int attach_then_fork(void *arg)
 	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
 	CHILD_CHECK(dlpc_attach(c, "gpu/f", NULL, &held[0]) == 1);
 	CHILD_CHECK(dlpc_attach(c, "gpu/v", NULL, &held[1]) == 1);
+	CHILD_CHECK(dlpc_attach(c, "gpu/f", NULL, &held[2]) == 1);
+	CHILD_CHECK(log_count(getpid(), "cuIpcOpenMemHandle") == 1);
 	child = fork();
 	CHILD_CHECK(child >= 0);
 	if (child == 0)
@@ -1150,7 +1206,8 @@ static int attach_then_fork(void *arg)
 	CHILD_CHECK(log_count(child, "cu") == 0);
 	CHILD_CHECK(same(held[0]->dl_tensor.data, NELEM, 1.0f));
 	CHILD_CHECK(same(held[1]->dl_tensor.data, NELEM, 3.0f));
-	for (int i = 0; i < 2; i++)
+	CHILD_CHECK(same(held[2]->dl_tensor.data, NELEM, 1.0f));
+	for (int i = 0; i < 3; i++)
 		held[i]->deleter(held[i]);
 	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 1);
 	CHILD_CHECK(log_count(getpid(), "cuMemUnmap") == 1);
@@ -1198,6 +1255,7 @@ static Suite *gpu_suite(void)
 		{"empty_cuda_tensor", empty_cuda_tensor},
 		{"cuda_bundle", cuda_bundle},
 		{"ipc_pid_namespace", ipc_pid_namespace},
+		{"ipc_publish_unknown_outcome", ipc_publish_unknown_outcome},
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

@@ -159,6 +159,42 @@ signal.signal(signal.SIGUSR1, resume_then_raise)
     daemon.wait_stat(lambda s: s["references"] == 0, what="the attach's reference given back")
 
 
+def test_ctrl_c_in_a_child_forked_from_a_thread(daemon, py):
+    """The thread that forks is the child's main thread, where its signal handlers run: Ctrl-C
+    interrupts a call there as anywhere else (connecting anew, against a stopped daemon)."""
+    p = _start_blocked(py, """
+import os, threading
+status = []
+def work():
+    pid = os.fork()
+    if pid == 0:
+        # bounded, should the interrupt not work: the test fails rather than hangs
+        os.environ["DLPC_CALL_TIMEOUT_MS"] = "5000"
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            dlpack_ipc.stat()
+        except KeyboardInterrupt:
+            os._exit(42)
+        except BaseException:
+            os._exit(1)
+        os._exit(1)
+    status.append(os.waitpid(pid, 0)[1])
+t = threading.Thread(target=work)
+t.start()
+t.join(10)
+print("child", os.waitstatus_to_exitcode(status[0]) if status else "hung", flush=True)
+""")
+    try:
+        assert p.stdout.readline().strip() == "ready", p.communicate()
+        daemon.proc.send_signal(signal.SIGSTOP)
+        p.send_signal(signal.SIGUSR2)
+        out, err = _finish(p, timeout=20)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        _finish(p, 0)
+    assert out.split() == ["child", "42"], f"{out}\n{err}"
+
+
 def test_close_wakes_a_thread_waiting_forever(daemon):
     c = dlpack_ipc.Client(socket=daemon.socket)
     got = []
