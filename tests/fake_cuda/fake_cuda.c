@@ -43,8 +43,8 @@
 
 #define EXPORT __attribute__((visibility("default")))
 #define FAKE_CUDA_UUID "fake-cuda-dev-0!"
-#define FAKE_GRANULARITY (64u << 10)
-#define IPC_MAGIC 0x46414b45u /* "FAKE" */
+#define FAKE_GRANULARITY (2u << 20) /* what current GPUs report */
+#define IPC_MAGIC 0x46414b45u	    /* "FAKE" */
 
 struct ipc_mem {
 	uint32_t magic;

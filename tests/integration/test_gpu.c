@@ -120,6 +120,8 @@ static bool same(const float *p, int64_t n, float base)
 
 /* Where the tensors sit: two in one allocation, at offsets that are not 256-aligned. */
 #define ALLOC_BYTES (1u << 20)
+/* A VMM allocation of the publisher's own: one granule of the fake (and of current GPUs). */
+#define VMM_BYTES (2u << 20)
 #define OFF_A 1000
 #define OFF_B 65540
 #define NELEM 1000
@@ -182,8 +184,7 @@ static int publisher_main(void *arg)
 	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
 	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
 	if (p->vmm)
-		base = vmm_mapping(ALLOC_BYTES, ALLOC_BYTES,
-				   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+		base = vmm_mapping(VMM_BYTES, VMM_BYTES, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
 	else
 		CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
 	fill((float *)(uintptr_t)(base + OFF_A), NELEM, 1.0f);
@@ -887,7 +888,11 @@ static int unexportable(void *arg)
 	CUmemAllocationHandleType posix = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 	DLManagedTensorVersioned *t = NULL;
 	dlpc_client *c = NULL;
+	CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+				    .requestedHandleTypes = posix,
+				    .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
 	CUdeviceptr pool, plain, split;
+	size_t gran = 0;
 	int fds[2];
 	char b;
 
@@ -895,19 +900,21 @@ static int unexportable(void *arg)
 	CHILD_CHECK(pipe(fds) == 0);
 	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
 	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) ==
+		    CUDA_SUCCESS);
 	CHILD_CHECK(cuMemAllocAsync(&pool, ALLOC_BYTES, NULL) == CUDA_SUCCESS);
 	CHILD_CHECK(dlpc_publish(c, "gpu/x", dev_tensor(pool, NELEM, fds[1]), 0) == -ENOTSUP);
 	CHILD_CHECK(strstr(dlpc_last_error(), "stream-ordered pool") &&
 		    strstr(dlpc_last_error(), "backend:cudaMallocAsync"));
 	CHILD_CHECK(read(fds[0], &b, 1) == 1);
-	plain = vmm_mapping(ALLOC_BYTES, ALLOC_BYTES, none);
+	plain = vmm_mapping(gran, gran, none);
 	CHILD_CHECK(dlpc_publish(c, "gpu/x", dev_tensor(plain, NELEM, fds[1]), 0) == -ENOTSUP);
 	CHILD_CHECK(strstr(dlpc_last_error(), "expandable_segments"));
 	CHILD_CHECK(read(fds[0], &b, 1) == 1);
 	/* a tensor that runs from one mapping into the next */
-	split = vmm_mapping(64 << 10, 128 << 10, posix);
-	CHILD_CHECK(dlpc_publish(c, "gpu/x", dev_tensor(split + (64 << 10) - 16, NELEM, fds[1]),
-				 0) == -EINVAL);
+	split = vmm_mapping(gran, 2 * gran, posix);
+	CHILD_CHECK(dlpc_publish(c, "gpu/x", dev_tensor(split + gran - 16, NELEM, fds[1]), 0) ==
+		    -EINVAL);
 	CHILD_CHECK(strstr(dlpc_last_error(), "spans several VMM mappings"));
 	CHILD_CHECK(read(fds[0], &b, 1) == 1);
 	CHILD_CHECK(log_count(getpid(), "cuMemExportToShareableHandle") == 0);
