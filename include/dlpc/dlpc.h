@@ -223,12 +223,16 @@ DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg);
  * Publish one tensor under @p name.
  *
  * Always takes ownership of @p t: its deleter (if not NULL) runs exactly once, before this
- * returns, whether it succeeds or fails (the exception is below). Host tensors are copied into
+ * returns, whether it succeeds or fails (the exceptions are below). Host tensors are copied into
  * a sealed memfd (strided input is compacted to C-contiguous) unless @p t came from
  * dlpc_alloc(), whose memory is published without a copy.
  *
  * CUDA tensors (kDLCUDA, C-contiguous) are shared in place, never copied. dlpc_alloc() memory
- * on the device is published as its VMM export fd: the entry may outlive this process. Any
+ * on the device is published as its VMM export fd: the entry may outlive this process. An
+ * empty tensor goes as the device's smallest VMM allocation. Memory legacy IPC cannot export
+ * but which is a VMM mapping exportable as a POSIX fd is lent by that fd, in an ephemeral entry
+ * kept and given back like legacy IPC memory below (protocol 1.5); stream-ordered pool memory
+ * and VMM mappings without that handle type get -ENOTSUP naming the allocator setting. Any
  * other device pointer is published by legacy CUDA IPC: the entry is always ephemeral, an
  * interprocess event is recorded on the legacy default stream for attachers to wait on, and on
  * success the library keeps @p t: its deleter runs once the entry is unpublished or replaced
@@ -236,7 +240,10 @@ DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg);
  * the daemon's notice, whether or not this process makes further calls. Until then the
  * connection stays open, even after dlpc_close() (which therefore does not withdraw the entry:
  * unpublish it first); if the connection breaks, @p t is kept until the process exits, since
- * an attacher may still be using the memory.
+ * an attacher may still be using the memory. The same holds when such a publish ends with
+ * -EINTR, -ETIMEDOUT, -ECANCELED or a lost connection: the entry may exist, so @p t is kept
+ * as if published. In a child forked from a process that used CUDA through the library, CUDA
+ * tensors get -EBADFD.
  * @param flags DLPC_PUBLISH_* bits.
  * Unless published DLPC_PUBLISH_WRITABLE, the storage is sealed with F_SEAL_WRITE (plus
  * SHRINK, GROW and SEAL): from then on nobody can change it, the publisher included, and the
@@ -259,8 +266,11 @@ DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVe
  * Publish @p n tensors on one storage under @p name (a bundle, e.g. a model's state dict).
  *
  * @p keys are unique, 0..DLPC_KEY_MAX bytes each. Ownership of every tensor passes to the
- * library as for dlpc_publish(), on every path.
- * @return the new generation (> 0) or a negative errno as for dlpc_publish().
+ * library as for dlpc_publish(), on every path. The tensors are all host memory, or all on one
+ * CUDA device: those are copied on the device into one VMM allocation of the library's (the
+ * calling thread waits for the copies) and their deleters run before this returns.
+ * @return the new generation (> 0) or a negative errno as for dlpc_publish(); -ENOTSUP for
+ *         tensors on different devices.
  */
 DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
 				    const char *const keys[],
