@@ -350,7 +350,8 @@ void dlpc__reclaim_count(dlpc_client *c, int delta)
 }
 
 /*
- * The reclaimer: one thread per connection with legacy CUDA IPC publications outstanding. It
+ * The reclaimer: one thread per connection with legacy CUDA IPC or lent VMM publications
+ * outstanding. It
  * takes the reader's turn whenever no request holds it, so a RECLAIM notice is read as soon as
  * it arrives even if the process makes no further calls, and it runs the deleters of the
  * reclaimed publications itself, outside any lock and outside the reader's turn (a deleter may

@@ -6,7 +6,7 @@
  * by $DLPC_CUDA_LIBRARY), resolves every entry point once and calls cuInit(). Host-only work
  * never gets here.
  *
- * Two ways of sharing device memory:
+ * Ways of sharing device memory:
  * - legacy CUDA IPC, for any device pointer: the allocation's base is exported with
  *   cuIpcGetMemHandle, together with an interprocess event recorded after the data was written
  *   (past DLPC_CUDA_IPC_EVENTS_MAX live ones, the host waits instead: see event_get()).
@@ -15,6 +15,10 @@
  *   published tensor's deleter.
  * - CUDA VMM, for dlpc_alloc() on a device: cuMemCreate with POSIX fd handles, exported as an
  *   fd that travels like a memfd.
+ * - lent VMM memory, for a VMM mapping of someone else's that legacy IPC cannot export: its
+ *   allocation's fd (cuMemRetainAllocationHandle), kept and reclaimed like a legacy
+ *   publication (struct ipc_pub with vmm set).
+ * - bundles: the tensors are copied (cuMemcpyDtoD) into one VMM allocation of the library's.
  *
  * Attaching opens legacy handles through a per-process import cache (handle bytes + device
  * UUID -> mapping, refcounted), so a second attach of the same allocation opens nothing, and an
@@ -253,7 +257,7 @@ int dlpc__cuda_device_uuid(int ordinal, uint8_t uuid[DLPC_CUDA_UUID_SIZE], const
 
 /* ---- legacy IPC: the publisher's side ---- */
 
-/* A legacy IPC publication of this process, kept until its RECLAIM notice. */
+/* A legacy IPC or lent VMM publication of this process, kept until its RECLAIM notice. */
 struct ipc_pub {
 	struct ipc_pub *next;
 	uint64_t token;

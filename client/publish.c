@@ -320,8 +320,9 @@ static int publish_cuda_empty(dlpc_client *c, Dlpackd__V1__Publish *req, int ord
 
 /*
  * Publish the CUDA tensor @p t: dlpc_alloc() memory on the device goes as its VMM export fd;
- * any other device pointer through legacy IPC, in which case the library keeps @p t (*@p kept)
- * until the daemon's RECLAIM notice. The generation or a negative errno.
+ * someone else's VMM mapping is lent by its allocation's fd, and any other device pointer goes
+ * through legacy IPC: in both cases the library keeps @p t (*@p kept) until the daemon's
+ * RECLAIM notice. The generation or a negative errno.
  */
 static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersioned *t,
 			const struct slot *s, Dlpackd__V1__TensorDesc **dptrs, uint32_t flags,

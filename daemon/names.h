@@ -2,7 +2,8 @@
 /*
  * Changes to the names and everyone they concern (names.c): a publish, replace or removal is
  * applied to the registry and told, in order, to the watchers, to the attaches waiting for the
- * name and, when a storage is freed, to a legacy CUDA IPC publisher waiting for RECLAIM.
+ * name and, when a storage is freed, to a legacy CUDA IPC or lent VMM publisher waiting for
+ * RECLAIM.
  */
 #ifndef DLPD_NAMES_H
 #define DLPD_NAMES_H

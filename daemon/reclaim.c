@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * RECLAIM notices. A legacy CUDA IPC publication leaves the memory with its publisher, which may
- * free it only once no attacher can reach it: when the storage is freed (unpublished or
- * replaced, and every reference released). The daemon then tells the publishing connection,
- * with the token it chose at publish, in a RECLAIM frame of its own accord (id 0).
+ * RECLAIM notices. A legacy CUDA IPC publication, or a VMM one with a reclaim token (lent memory,
+ * 1.5), leaves the memory with its publisher, which may free it only once no attacher can reach
+ * it: when the storage is freed (unpublished or replaced, and every reference released). The
+ * daemon then tells the publishing connection, with the token it chose at publish, in a RECLAIM
+ * frame of its own accord (id 0).
  *
  * Storages are freed deep inside registry changes (a RELEASE, another connection closing, a
  * replace in the middle of a PUBLISH). A freed storage only queues its token on the publisher,

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* RECLAIM notices to legacy CUDA IPC publishers (reclaim.c). */
+/* RECLAIM notices to legacy CUDA IPC and lent VMM publishers (reclaim.c). */
 #ifndef DLPD_RECLAIM_H
 #define DLPD_RECLAIM_H
 

@@ -96,7 +96,7 @@ struct dlpd_peer {
 	struct dlpc__rx rx;
 	struct dlpc__tx tx;
 	struct dlpd_holdings held;     /* references, ephemeral entries, waiting attaches */
-	struct dlpd_list ipc_storages; /* legacy CUDA IPC storages it published, still held */
+	struct dlpd_list ipc_storages; /* legacy IPC or lent VMM storages it published, held */
 	uint64_t *reclaims;	       /* their tokens, freed but not yet told (reclaim.c) */
 	size_t nreclaims, reclaims_cap;
 	struct dlpd_list reclaim_link; /* in srv->reclaimers while nreclaims > 0 */

@@ -49,7 +49,7 @@ enum dlpc_msg_type {
 	DLPC_MSG__REQUEST_COUNT,
 	/* A frame the daemon sends without a request (id 0): a watch event. */
 	DLPC_MSG_EVENT = 0x4001,
-	/* ...or a reclaim notice to a legacy CUDA IPC publisher (id 0, protocol 1.2). */
+	/* ...or a reclaim notice to a legacy CUDA IPC (1.2) or lent VMM (1.5) publisher (id 0). */
 	DLPC_MSG_RECLAIM = 0x4002,
 	/* A reply's type is its request's type with this bit set... */
 	DLPC_MSG_REPLY = 0x8000,

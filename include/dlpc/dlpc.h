@@ -211,11 +211,14 @@ typedef int (*dlpc_interrupt_fn)(void *arg);
 /**
  * Set the calling thread's interrupt check (NULL: none, the default). While that thread waits
  * for dlpackd in any call, the library runs @p fn(@p arg), without holding any of its locks,
- * whenever a signal interrupts the wait and at least every DLPC_INTERRUPT_CHECK_MS. If it returns
- * non-zero the call gives up with -EINTR and the connection stays usable: as after -ETIMEDOUT,
- * a reply that comes later is dropped (an ATTACH reply's reference given back) and the request
- * may still have taken effect. A language runtime uses this to let Ctrl-C interrupt a call to a
- * daemon that does not answer (the Python module does).
+ * whenever a signal interrupts the wait and at least every DLPC_INTERRUPT_CHECK_MS. Only the
+ * wait for a reply runs it: connect(2) and sending a request into a full socket are bounded by
+ * the call's timeout instead. If @p fn returns non-zero the call gives up with -EINTR, whatever
+ * came meanwhile (a reply that arrived while @p fn ran, or a dlpc_cancel() from it), and the
+ * connection stays usable: as after -ETIMEDOUT, that reply or a later one is dropped (an ATTACH
+ * reply's reference given back) and the request may still have taken effect. A language
+ * runtime uses this to let Ctrl-C interrupt a call to a daemon that does not answer (the Python
+ * module does).
  */
 DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg);
 
@@ -268,7 +271,9 @@ DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVe
  * @p keys are unique, 0..DLPC_KEY_MAX bytes each. Ownership of every tensor passes to the
  * library as for dlpc_publish(), on every path. The tensors are all host memory, or all on one
  * CUDA device: those are copied on the device into one VMM allocation of the library's (the
- * calling thread waits for the copies) and their deleters run before this returns.
+ * calling thread waits for the copies) and their deleters run before this returns. A bundle of
+ * one CUDA tensor is not copied: it is published as dlpc_publish() would publish it, its key
+ * kept.
  * @return the new generation (> 0) or a negative errno as for dlpc_publish(); -ENOTSUP for
  *         tensors on different devices.
  */

@@ -6,8 +6,8 @@
  * libdlpc runs deleters from whatever thread publishes, and we publish without the GIL; many
  * producers' deleters need the GIL. So libdlpc is handed our own wrapper whose deleter does
  * nothing, and the producer's deleter runs afterwards, here, with the GIL held: exactly once on
- * every path. CUDA tensors are the exception (cuda_keep below): libdlpc keeps them until the
- * daemon reclaims the entry.
+ * every path. CUDA tensors are the exception (cuda_keep below): libdlpc may keep them (legacy
+ * IPC, lent VMM memory) until the daemon reclaims the entry.
  */
 #include "dlpack_ipc.h"
 
@@ -105,10 +105,10 @@ static PyObject *export_capsule(PyObject *obj)
 }
 
 /*
- * A CUDA tensor published by legacy IPC stays with libdlpc until the daemon's RECLAIM notice,
- * long after publish returns, and its deleter then runs on libdlpc's reclaimer thread. So it
- * gets a wrapper of its own (plain malloc: freed without the GIL) whose deleter takes the GIL
- * for the producer's deleter; libdlpc owns it from the publish on.
+ * A CUDA tensor published by legacy IPC, or lent as VMM memory, stays with libdlpc until the
+ * daemon's RECLAIM notice, long after publish returns, and its deleter then runs on libdlpc's
+ * reclaimer thread. So it gets a wrapper of its own (plain malloc: freed without the GIL) whose
+ * deleter takes the GIL for the producer's deleter; libdlpc owns it from the publish on.
  */
 struct cuda_keep {
 	DLManagedTensorVersioned v;
