@@ -8,6 +8,7 @@
  * reference on the client.
  */
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,6 +116,27 @@ static int pidns_hint(const Dlpackd__V1__AttachReply *rep, int r)
 			  was, (int)rep->owner_pid);
 }
 
+/*
+ * A VMM export outlives its exporter only while the device does: without persistence mode the
+ * driver tears the device down, exported memory included, once its last process exits. After
+ * an import of @p rep failed with @p r, say so when the publisher is no longer running (as
+ * seen from here). Returns @p r.
+ */
+static int persistence_hint(const Dlpackd__V1__AttachReply *rep, int r)
+{
+	char was[512];
+
+	if (rep->owner_pid <= 0 || kill((pid_t)rep->owner_pid, 0) == 0 || errno != ESRCH)
+		return r;
+	snprintf(was, sizeof(was), "%s", dlpc_last_error());
+	return dlpc__fail(r,
+			  "%s; its publisher (pid %d to dlpackd) has exited, and without "
+			  "persistence mode (nvidia-persistenced) the driver frees exported memory "
+			  "once the device's last process exits: the entry can no longer be "
+			  "attached, unpublish it",
+			  was, (int)rep->owner_pid);
+}
+
 /* Map the CUDA storage of @p rep into @p m (legacy IPC handles, or the VMM fd @p fd, which is
  * not consumed) and order @p stream after the publisher. 0 or negative errno. */
 static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int fd, void *stream,
@@ -131,6 +153,8 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 	} else {
 		r = dlpc__cuda_vmm_import(fd, rep->storage_size, rep->device_uuid.data, writable,
 					  name, &m->gpu, &m->base, &ordinal);
+		if (r < 0 && r != -ENODEV && r != -EBADFD && r != -ENOMEM)
+			r = persistence_hint(rep, r);
 	}
 	if (r < 0)
 		return r;

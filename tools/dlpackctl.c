@@ -29,13 +29,14 @@ static const char usage_text[] =
 	"  rm NAME                   unpublish NAME\n"
 	"  wait NAME [--timeout S]   wait until NAME is published (at most S seconds)\n"
 	"  ping                      check that the daemon answers\n"
+	"  check [PREFIX] [--json]   attach every entry under PREFIX, report those that fail\n"
 	"  watch [PREFIX] [--json]   print publish, replace and unpublish events as they happen\n"
 	"\n"
 	"Options:\n"
 	"  --socket PATH   the daemon's socket (default: $DLPACKD_SOCKET, then\n"
 	"                  /run/dlpackd/dlpackd.sock for root, $XDG_RUNTIME_DIR/dlpackd.sock)\n"
-	"  --json          machine-readable output: one JSON document (ls, stat) or one JSON\n"
-	"                  object per line (watch)\n"
+	"  --json          machine-readable output: one JSON document (ls, stat, check) or\n"
+	"                  one JSON object per line (watch)\n"
 	"  --timeout S     give up waiting after S seconds (default: wait forever)\n"
 	"  -h, --help      show this help and exit\n"
 	"  -V, --version   show the version and exit\n"
@@ -432,6 +433,87 @@ static int cmd_ping(dlpc_client *c, const struct args *a)
 	return 0;
 }
 
+/* One entry of 'check': attach it whole (importing GPU memory), then let it go. */
+static void check_one(dlpc_client *c, const dlpc_entry_info *e, struct json *j, int *failed)
+{
+	dlpc_attach_opts o = {.size = sizeof(o), .flags = DLPC_ATTACH_DEFER_SYNC};
+	char dev[32], why[1024] = "";
+	const char *state = "ok";
+	dlpc_bundle *b = NULL;
+	int r = dlpc_attach_bundle(c, e->name, &o, &b);
+
+	if (r > 0) {
+		dlpc_bundle_free(b);
+	} else if (r == -ENOENT) {
+		state = "gone"; /* unpublished since it was listed */
+	} else {
+		state = "failed";
+		snprintf(why, sizeof(why), "%s",
+			 dlpc_last_error()[0] ? dlpc_last_error() : dlpc_strerror(r));
+		++*failed;
+	}
+	device_text(e->device, dev, sizeof(dev));
+	if (j) {
+		json_obj_begin(j);
+		json_key(j, "name");
+		json_cstr(j, e->name);
+		json_key(j, "generation");
+		json_u64(j, r > 0 ? (uint64_t)r : e->generation);
+		json_key(j, "device");
+		json_cstr(j, dev);
+		json_key(j, "state");
+		json_cstr(j, state);
+		json_key(j, "error");
+		if (why[0])
+			json_cstr(j, why);
+		else
+			json_null(j);
+		json_obj_end(j);
+		return;
+	}
+	printf("%-6s  ", state);
+	text_put(stdout, e->name, strlen(e->name));
+	printf(" gen %" PRIu64 " %s", r > 0 ? (uint64_t)r : e->generation, dev);
+	if (why[0]) {
+		fputs(": ", stdout);
+		text_put(stdout, why, strlen(why));
+	}
+	putchar('\n');
+}
+
+/*
+ * Attach every entry under a prefix, as a consumer would, and report each: a CUDA VMM entry
+ * whose device was torn down since its publisher exited lists like any other but cannot be
+ * imported any more. Exit status 1 when any failed.
+ */
+static int cmd_check(dlpc_client *c, const struct args *a)
+{
+	const char *prefix = a->npos ? a->pos[0] : "";
+	dlpc_entry_info *v;
+	struct json j;
+	int failed = 0;
+	size_t n;
+	int r = dlpc_list(c, prefix, &v, &n);
+
+	if (r < 0)
+		return fail("check", prefix, r);
+	if (a->json) {
+		json_init(&j, stdout);
+		json_arr_begin(&j);
+	}
+	for (size_t i = 0; i < n; i++)
+		check_one(c, &v[i], a->json ? &j : NULL, &failed);
+	if (a->json) {
+		json_arr_end(&j);
+		putchar('\n');
+	}
+	dlpc_list_free(v, n);
+	if (failed)
+		fprintf(stderr, "dlpackctl: check: %d of %zu entries cannot be attached\n", failed,
+			n);
+	return failed ? 1 : 0;
+}
+
 static const char *const kind_names[] = {
 	[DLPC_WATCH_PUBLISHED] = "published",
 	[DLPC_WATCH_REPLACED] = "replaced",
@@ -525,8 +607,9 @@ static const struct command {
 	int min_pos, max_pos;
 	bool json, timeout;
 } commands[] = {
-	{"ls", 0, 1, true, false},   {"stat", 0, 0, true, false},  {"rm", 1, 1, false, false},
-	{"wait", 1, 1, false, true}, {"ping", 0, 0, false, false}, {"watch", 0, 1, true, false},
+	{"ls", 0, 1, true, false},    {"stat", 0, 0, true, false},  {"rm", 1, 1, false, false},
+	{"wait", 1, 1, false, true},  {"ping", 0, 0, false, false}, {"watch", 0, 1, true, false},
+	{"check", 0, 1, true, false},
 };
 
 static bool parse_seconds(const char *s, double *ret)
@@ -638,6 +721,8 @@ int main(int argc, char **argv)
 		r = cmd_rm(c, &a);
 	else if (!strcmp(a.cmd, "wait"))
 		r = cmd_wait(c, &a);
+	else if (!strcmp(a.cmd, "check"))
+		r = cmd_check(c, &a);
 	else
 		r = cmd_ping(c, &a);
 	dlpc_close(c);

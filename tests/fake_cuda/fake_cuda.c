@@ -24,7 +24,8 @@
  * Every call a test may ask about is appended as one line, "<pid> <function> <details>", to the
  * file named by $FAKE_CUDA_LOG (if set). $FAKE_CUDA_NO_IPC=1 makes the IPC calls answer
  * CUDA_ERROR_NOT_SUPPORTED, as on WSL or Tegra; $FAKE_CUDA_NO_DEVICE=1 makes cuInit answer
- * CUDA_ERROR_NO_DEVICE.
+ * CUDA_ERROR_NO_DEVICE. $FAKE_CUDA_DEVICE_STATE naming a file models a device without
+ * persistence mode (device_start() below).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -35,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -89,7 +91,8 @@ static struct obj *objs;
 static uint32_t next_id;
 static int ctx_token;
 static __thread int ctx_depth;
-static pid_t init_pid; /* the process that called cuInit, 0 before */
+static pid_t init_pid;	  /* the process that called cuInit, 0 before */
+static unsigned instance; /* the device instance this process runs on (device_start()) */
 /* Interprocess events alive in this process (created or opened), and how many the fake allows
  * ($FAKE_CUDA_IPC_EVENTS_MAX, default FAKE_IPC_EVENTS_MAX): the real driver runs out of them
  * at a limit of its own. */
@@ -222,7 +225,7 @@ static int memfd_of(size_t size, uint32_t *id)
 	pthread_mutex_lock(&mu);
 	*id = ++next_id;
 	pthread_mutex_unlock(&mu);
-	snprintf(name, sizeof(name), "fake-cuda:%u", *id);
+	snprintf(name, sizeof(name), "fake-cuda:%u@%u", *id, instance);
 	fd = memfd_create(name, MFD_CLOEXEC);
 	if (fd < 0)
 		return -1;
@@ -231,6 +234,64 @@ static int memfd_of(size_t size, uint32_t *id)
 		return -1;
 	}
 	return fd;
+}
+
+/*
+ * Without persistence mode the real driver tears a device down when the last process using it
+ * exits, and the memory exported from it goes too: an fd exported by a process that has exited
+ * may no longer import. With $FAKE_CUDA_DEVICE_STATE naming a file the fake models that (and
+ * otherwise behaves as with persistence mode on). Every process that calls cuInit holds a
+ * shared lock on the file while it lives; one that finds no other holder starts a new device
+ * instance, a counter kept in the file. Allocations carry the instance they were made on (in
+ * their memfd's name), and an import of one from an earlier instance fails.
+ */
+static void device_start(void)
+{
+	const char *path = getenv("FAKE_CUDA_DEVICE_STATE");
+	char buf[16] = {0};
+	unsigned n = 0;
+	ssize_t len;
+	int fd;
+
+	if (!path || !*path)
+		return;
+	fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return;
+	if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+		len = pread(fd, buf, sizeof(buf) - 1, 0);
+		n = (len > 0 ? (unsigned)strtoul(buf, NULL, 10) : 0) + 1;
+		len = snprintf(buf, sizeof(buf), "%u\n", n);
+		if (pwrite(fd, buf, (size_t)len, 0) != len || ftruncate(fd, len) < 0)
+			n = 0;
+		logf_("device-instance %u (the device was idle: started anew)", n);
+	}
+	/* read after the process that starts an instance has written it */
+	if (flock(fd, LOCK_SH) < 0) {
+		close(fd);
+		return;
+	}
+	len = pread(fd, buf, sizeof(buf) - 1, 0);
+	buf[len > 0 ? len : 0] = 0;
+	instance = (unsigned)strtoul(buf, NULL, 10);
+	/* fd stays open, holding the lock, for as long as the process lives */
+}
+
+/* The device instance an allocation's memfd was made on (0: unknown). */
+static unsigned instance_of(int fd)
+{
+	char path[64], target[128], *at;
+	ssize_t n;
+
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+	n = readlink(path, target, sizeof(target) - 1);
+	if (n <= 0)
+		return 0;
+	target[n] = 0;
+	at = strchr(target, '@');
+	if (!at || strncmp(target, "/memfd:fake-cuda:", 17) != 0)
+		return 0;
+	return (unsigned)strtoul(at + 1, NULL, 10);
 }
 
 EXPORT CUresult cuInit(unsigned int flags)
@@ -242,6 +303,8 @@ EXPORT CUresult cuInit(unsigned int flags)
 	}
 	if (env_on("FAKE_CUDA_NO_DEVICE"))
 		return CUDA_ERROR_NO_DEVICE;
+	if (!init_pid)
+		device_start();
 	init_pid = getpid();
 	return CUDA_SUCCESS;
 }
@@ -513,7 +576,7 @@ EXPORT CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, un
 	if (h.pid == getpid())
 		return CUDA_ERROR_INVALID_CONTEXT;
 	snprintf(path, sizeof(path), "/proc/%d/fd/%d", h.pid, h.fd);
-	snprintf(want, sizeof(want), "/memfd:fake-cuda:%u ", h.id);
+	snprintf(want, sizeof(want), "/memfd:fake-cuda:%u@", h.id);
 	n = readlink(path, target, sizeof(target) - 1);
 	if (n < 0)
 		return CUDA_ERROR_INVALID_HANDLE;
@@ -871,6 +934,11 @@ EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *han
 	if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || fstat(fd, &st) < 0 ||
 	    !S_ISREG(st.st_mode) || st.st_size == 0)
 		return CUDA_ERROR_INVALID_VALUE;
+	if (instance && instance_of(fd) != instance) {
+		logf_("cuMemImportFromShareableHandle device-reset (made on instance %u, now %u)",
+		      instance_of(fd), instance);
+		return CUDA_ERROR_INVALID_HANDLE;
+	}
 	dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
 	if (dup < 0)
 		return CUDA_ERROR_OUT_OF_MEMORY;

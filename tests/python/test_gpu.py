@@ -5,10 +5,13 @@ torch.cuda and CuPy need a GPU, so the producer here is a small object exposing 
 __dlpack_device__ over memory from the fake driver (tests/fake_cuda), whose device pointers are
 host addresses. What the module asked of the driver is read back from the fake's log.
 """
+import json
 import os
+import subprocess
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 FAKE = os.environ.get("FAKE_CUDA_LIB")
@@ -243,3 +246,61 @@ def test_cuda_state_dict(ipc, py, gpu_env):
             [i * 0.5 for i in range(10)]
         assert len(log_lines("cuMemImportFromShareableHandle")) == 1
     """), env=gpu_env)
+
+
+def test_dlpackctl_check_finds_entries_whose_device_went_away(ipc, py, gpu_env, tmp_path):
+    """Without persistence mode the driver frees exported memory once the device's last process
+    exits (the fake models it with FAKE_CUDA_DEVICE_STATE): the VMM entry still lists, but no
+    longer imports. `dlpackctl check` says which, attaches say why, and rm clears it."""
+    ctl_bin = os.environ["DLPACKCTL_BIN"]
+    env = dict(gpu_env, FAKE_CUDA_DEVICE_STATE=str(tmp_path / "device"),
+               READY=str(tmp_path / "ready"))
+
+    def check(*args):
+        return subprocess.run([ctl_bin, "check", *args], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+
+    # a process that keeps the device up (as nvidia-persistenced would) while the publisher exits
+    holder = py.popen(child("""
+        import time
+        open(os.environ["READY"], "w").close()  # up: fake.cuInit ran above
+        while not os.path.exists(os.environ["GO"]):
+            time.sleep(0.01)
+    """), env=env)
+    try:
+        wait_file(env["READY"])
+        py.check(child("""
+            import dlpack_ipc
+            t = dlpack_ipc.empty((64,), "float32", device="cuda:0")
+            assert dlpack_ipc.publish("pgpu/v", t) == 1
+        """), env=env)
+        ipc.publish("host/h", np.arange(4.0))
+        cp = check()
+        assert cp.returncode == 0, cp.stderr
+        assert [l.split()[:2] for l in cp.stdout.splitlines()] == [["ok", "host/h"],
+                                                                   ["ok", "pgpu/v"]], cp.stdout
+    finally:
+        open(gpu_env["GO"], "w").close()
+        assert holder.wait(timeout=30) == 0
+    # nobody holds the device now: the next process to use it starts it anew
+    cp = check("--json")
+    assert cp.returncode == 1, cp
+    got = {e["name"]: e for e in json.loads(cp.stdout)}
+    assert got["host/h"]["state"] == "ok" and got["host/h"]["error"] is None
+    dead = got["pgpu/v"]
+    assert (dead["state"], dead["device"], dead["generation"]) == ("failed", "cuda:0", 1), dead
+    assert "persistence mode" in dead["error"] and "has exited" in dead["error"], dead
+    assert "1 of 2 entries cannot be attached" in cp.stderr, cp.stderr
+    py.check(child("""
+        import dlpack_ipc
+        try:
+            dlpack_ipc.attach("pgpu/v")
+        except OSError as e:
+            assert "cuMemImportFromShareableHandle" in str(e), e
+            assert "nvidia-persistenced" in str(e), e
+        else:
+            raise AssertionError("an entry whose device was torn down attached")
+    """), env=env)
+    ipc.unpublish("pgpu/v")
+    cp = check("pgpu/")
+    assert (cp.returncode, cp.stdout) == (0, ""), cp
