@@ -272,9 +272,8 @@ static void *flusher(void *arg)
 	return NULL;
 }
 
-/* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it
- * (the user's handlers never run there). false if none could be made. */
-static bool start_thread(void *(*fn)(void *), void *arg)
+/* See internal.h. */
+bool dlpc__start_thread(void *(*fn)(void *), void *arg)
 {
 	sigset_t all, old;
 	pthread_attr_t attr;
@@ -298,7 +297,7 @@ static bool flush_soon(void)
 
 	pthread_mutex_lock(&flush_mu);
 	if (!flusher_running) {
-		flusher_running = start_thread(flusher, NULL);
+		flusher_running = dlpc__start_thread(flusher, NULL);
 		ok = flusher_running;
 	}
 	if (ok && !flush_wanted) {
@@ -403,7 +402,7 @@ void dlpc__reclaim_start(dlpc_client *c)
 	pthread_mutex_lock(&c->mu);
 	if (!c->reclaimer && !c->broken) {
 		dlpc__client_ref(c);
-		c->reclaimer = start_thread(reclaimer, c);
+		c->reclaimer = dlpc__start_thread(reclaimer, c);
 		if (!c->reclaimer)
 			atomic_fetch_sub_explicit(&c->refs, 1, memory_order_relaxed);
 	}

@@ -62,6 +62,9 @@
 	X(cuEventCreate)                                                                           \
 	X(cuEventRecord)                                                                           \
 	X(cuEventSynchronize)                                                                      \
+	X(cuEventQuery)                                                                            \
+	X(cuStreamIsCapturing)                                                                     \
+	X(cuThreadExchangeStreamCaptureMode)                                                       \
 	X(cuEventDestroy)                                                                          \
 	X(cuIpcGetEventHandle)                                                                     \
 	X(cuIpcOpenEventHandle)                                                                    \
@@ -605,6 +608,157 @@ void dlpc__cuda_release_sync(int ordinal, void *stream, bool all)
 	else
 		cu.cuStreamSynchronize((CUstream)stream);
 	pop_ctx();
+}
+
+/* ---- letting go of attached memory after the consumer's work ---- */
+
+/* An attached region whose last view is gone, waiting for the consumer's work on it. */
+struct retiring {
+	struct retiring *next;
+	struct dlpc__region *r;
+	CUevent ev;	  /* recorded on the consumer's stream after its work */
+	CUstream capture; /* the consumer's stream, capturing when the view went: no event yet */
+	bool all;	  /* no one stream known: the whole context is synchronized */
+};
+
+static pthread_mutex_t retire_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t retire_cv = PTHREAD_COND_INITIALIZER;
+static struct retiring *retiring;
+static bool retirer_running;
+
+/*
+ * Order what follows after the work now queued on @p x->capture: record an event there, or,
+ * while the stream captures a graph (a record would land in the graph, and the legacy stream
+ * cannot be used while a blocking stream captures), leave it for a later look. In the device's
+ * context. Clears x->capture once recorded; sets x->all when the stream cannot be used.
+ */
+static void record_after(struct retiring *x)
+{
+	CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+	CUresult e = cu.cuStreamIsCapturing(x->capture, &st);
+
+	if (e == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ||
+	    (e == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE))
+		return;
+	if (e == CUDA_SUCCESS && !x->ev)
+		e = cu.cuEventCreate(&x->ev, CU_EVENT_DISABLE_TIMING);
+	if (e == CUDA_SUCCESS)
+		e = cu.cuEventRecord(x->ev, x->capture);
+	x->capture = NULL;
+	x->all = e != CUDA_SUCCESS; /* a stream that is gone, no event to be had */
+}
+
+/* Is the consumer's work on @p x's region done? Called on the retiring thread. */
+static bool retire_due(struct retiring *x)
+{
+	CUresult e;
+
+	if (push_ctx(x->r->ordinal, "release") < 0)
+		return true;
+	if (x->capture)
+		record_after(x);
+	if (x->capture) {
+		pop_ctx();
+		return false;
+	}
+	if (x->ev && !x->all) {
+		e = cu.cuEventQuery(x->ev);
+		if (e == CUDA_ERROR_NOT_READY) {
+			pop_ctx();
+			return false;
+		}
+		x->all = e != CUDA_SUCCESS;
+	}
+	/* this thread is in relaxed capture mode: allowed while another thread captures */
+	if (x->all)
+		cu.cuCtxSynchronize();
+	pop_ctx();
+	return true;
+}
+
+/*
+ * The retiring thread: looks at the waiting regions every DLPC_CUDA_RETIRE_POLL_MS while there
+ * are any, and lets go of each whose consumer work is done (unmap, RELEASE). It runs in relaxed
+ * capture mode, so that its calls never disturb a graph another thread captures.
+ */
+static void *retirer(void *arg)
+{
+	const struct timespec poll = {.tv_nsec = DLPC_CUDA_RETIRE_POLL_MS * 1000000L};
+	CUstreamCaptureMode relaxed = CU_STREAM_CAPTURE_MODE_RELAXED;
+	struct retiring *todo, *left, *x;
+
+	(void)arg;
+	cu.cuThreadExchangeStreamCaptureMode(&relaxed);
+	pthread_mutex_lock(&retire_mu);
+	for (;;) {
+		while (!retiring)
+			pthread_cond_wait(&retire_cv, &retire_mu);
+		todo = retiring;
+		retiring = NULL;
+		pthread_mutex_unlock(&retire_mu);
+		left = NULL;
+		while ((x = todo)) {
+			todo = x->next;
+			if (!retire_due(x)) {
+				x->next = left;
+				left = x;
+				continue;
+			}
+			if (x->ev)
+				cu.cuEventDestroy(x->ev);
+			if (x->r->gpu)
+				dlpc__cuda_unmap(x->r->gpu);
+			dlpc__region_finish(x->r);
+			free(x);
+		}
+		if (left)
+			nanosleep(&poll, NULL);
+		pthread_mutex_lock(&retire_mu);
+		while ((x = left)) {
+			left = x->next;
+			x->next = retiring;
+			retiring = x;
+		}
+	}
+	return NULL;
+}
+
+bool dlpc__cuda_retire(struct dlpc__region *r)
+{
+	struct retiring *x;
+
+	if (forked() || driver("release") < 0)
+		return false;
+	x = calloc(1, sizeof(*x));
+	if (!x)
+		return false;
+	x->r = r;
+	x->all = r->sync_all || !r->sync_set;
+	if (!x->all) {
+		/* the event goes after the work queued so far, not after what comes later */
+		x->capture = r->sync_stream;
+		if (push_ctx(r->ordinal, "release") < 0) {
+			free(x);
+			return false;
+		}
+		record_after(x);
+		pop_ctx();
+	}
+	pthread_mutex_lock(&retire_mu);
+	if (!retirer_running)
+		retirer_running = dlpc__start_thread(retirer, NULL);
+	if (retirer_running) {
+		x->next = retiring;
+		retiring = x;
+		pthread_cond_signal(&retire_cv);
+	}
+	pthread_mutex_unlock(&retire_mu);
+	if (retirer_running)
+		return true;
+	if (x->ev)
+		cu.cuEventDestroy(x->ev);
+	free(x);
+	return false;
 }
 
 int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,

@@ -171,6 +171,9 @@ int dlpc__call_wait(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, 
 void dlpc__release(dlpc_client *c, uint64_t ref_id);
 void dlpc__client_ref(dlpc_client *c);
 void dlpc__client_unref(dlpc_client *c);
+/* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it
+ * (the user's handlers never run there). false if none could be made. */
+bool dlpc__start_thread(void *(*fn)(void *), void *arg);
 
 /* ---- client.c and call.c: the connection's request machinery ---- */
 /* Frame @p c's deferred releases at offset 0 of c->out. Length, or negative errno. Under wmu. */
@@ -247,10 +250,21 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 /*
  * Before attached device memory is unmapped and released: wait for the work the consumer queued
  * on it, on @p stream, or on every stream of the context if @p all. Errors are the driver's to
- * keep (a deleter cannot fail).
+ * keep (a deleter cannot fail). Only where dlpc__cuda_retire() cannot take the region.
  */
 void dlpc__cuda_release_sync(int ordinal, void *stream, bool all);
-/* The consumer was ordered on @p stream: remember it for dlpc__cuda_release_sync(). */
+/*
+ * Let go of the attached device region @p r (its last view gone) once the consumer's work on it
+ * is done, without waiting here: an event is recorded on the consumer's stream and a thread of
+ * the library's unmaps and releases when it completes (cuda.c). false when that cannot be
+ * arranged (no driver, a forked child, no memory or thread): the caller then lets go itself.
+ */
+bool dlpc__cuda_retire(struct dlpc__region *r);
+/* How often the library's retiring thread looks at consumer work still running (ms). */
+#define DLPC_CUDA_RETIRE_POLL_MS 1
+/* The end of a region's teardown, once its memory is unmapped: release it, free it. */
+void dlpc__region_finish(struct dlpc__region *r);
+/* The consumer was ordered on @p stream: remember it for dlpc__cuda_retire(). */
 void dlpc__region_note_stream(struct dlpc__region *r, void *stream);
 /* Order @p stream (NULL: this thread) on device @p ordinal after the event @p ev_handle. */
 int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,

@@ -44,14 +44,23 @@ void dlpc__region_unref(struct dlpc__region *r)
 		return;
 	if (!r->device) {
 		munmap(r->base, r->len);
+	} else if (r->client) {
+		/* the consumer's queued kernels may still read it: the mapping goes and the
+		 * publisher hears it may reuse the memory only once they are done. Ordered by an
+		 * event, not by waiting here (a deleter may run anywhere, during a capture too). */
+		if (dlpc__cuda_retire(r))
+			return;
+		dlpc__cuda_release_sync(r->ordinal, r->sync_stream, r->sync_all || !r->sync_set);
+		if (r->gpu)
+			dlpc__cuda_unmap(r->gpu);
 	} else if (r->gpu) {
-		/* the consumer's queued kernels may still read it: let them finish before the
-		 * mapping goes and the publisher hears it may reuse the memory */
-		if (r->client)
-			dlpc__cuda_release_sync(r->ordinal, r->sync_stream,
-						r->sync_all || !r->sync_set);
 		dlpc__cuda_unmap(r->gpu);
 	}
+	dlpc__region_finish(r);
+}
+
+void dlpc__region_finish(struct dlpc__region *r)
+{
 	if (r->device)
 		pthread_mutex_destroy(&r->sync_mu);
 	if (r->fd >= 0)

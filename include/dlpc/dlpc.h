@@ -375,10 +375,16 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * is nothing to wait for. Meant for attaches with DLPC_ATTACH_DEFER_SYNC, where the consumer's
  * stream is known only later (DLPack's __dlpack__(stream=...)); may be called more than once.
  *
- * The deleter of an attached CUDA tensor waits for the consumer's queued work before it unmaps
- * and releases (so the publisher never reuses memory a kernel still reads): on the one stream
- * the tensor was ordered on (opts->stream, or this function's @p stream), or on every stream of
- * the context (cuCtxSynchronize) when the host waited or more than one stream was named.
+ * An attached CUDA tensor is unmapped and released only after the consumer's work queued on it
+ * (so the publisher never reuses memory a kernel still reads), without blocking its deleter:
+ * the deleter records an event on the one stream the tensor was ordered on (opts->stream, or
+ * this function's @p stream), and a thread of the library's unmaps and releases once the event
+ * has completed (it looks every DLPC_CUDA_RETIRE_POLL_MS, 1 ms). While that stream captures a
+ * CUDA graph (or, for the legacy stream, while a blocking stream does) the event is recorded
+ * only after the capture ends. When the host waited or more than one stream was named, that
+ * thread synchronizes the whole context (cuCtxSynchronize) first, in relaxed capture mode.
+ * Pass the stream where graphs are captured. A deleter that cannot hand the tensor over (no
+ * memory, no thread) waits on the host as before.
  * @return 0, -EINVAL for a foreign tensor, or a negative errno from the driver.
  */
 DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream);

@@ -26,6 +26,15 @@
  * CUDA_ERROR_NOT_SUPPORTED, as on WSL or Tegra; $FAKE_CUDA_NO_DEVICE=1 makes cuInit answer
  * CUDA_ERROR_NO_DEVICE. $FAKE_CUDA_DEVICE_STATE naming a file models a device without
  * persistence mode (device_start() below).
+ *
+ * Work on a stream is complete when the call returns, unless a test holds the stream
+ * (fake_cuda_stream_hold(), standing for a long kernel): then events recorded on it stay
+ * pending (cuEventQuery: CUDA_ERROR_NOT_READY) and synchronizing waits, until it is let go. A
+ * test can also start a capture on a stream (fake_cuda_capture(), as another thread of the
+ * process would, in global mode): while one runs, a potentially unsafe call (synchronizing,
+ * unmapping) from a thread not in relaxed mode (cuThreadExchangeStreamCaptureMode) fails and
+ * invalidates the capture, logged as "capture-invalidated by <function>", as with the real
+ * driver.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -76,14 +85,20 @@ struct obj {
 	size_t msize;	 /* and the size of that mapping */
 };
 
+struct CUstream_st {
+	uint32_t magic;
+	bool held;	   /* fake_cuda_stream_hold(): its work does not complete */
+	unsigned releases; /* how many times it was let go */
+	bool capturing;	   /* fake_cuda_capture() */
+};
+
 struct CUevent_st {
 	uint32_t magic, id;
 	int32_t pid; /* creator of the event (the exporter's, for an opened IPC event) */
 	unsigned flags;
-};
-
-struct CUstream_st {
-	uint32_t magic;
+	CUstream behind; /* recorded on this held stream, pending until it is let go */
+	unsigned behind_releases;
+	bool captured; /* recorded inside a capture: the graph holds it, not the stream */
 };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -93,6 +108,9 @@ static int ctx_token;
 static __thread int ctx_depth;
 static pid_t init_pid;	  /* the process that called cuInit, 0 before */
 static unsigned instance; /* the device instance this process runs on (device_start()) */
+static pthread_cond_t let_go_cv = PTHREAD_COND_INITIALIZER; /* a held stream was let go */
+static unsigned held_streams, captures;			    /* how many streams are so */
+static __thread CUstreamCaptureMode capture_mode;	    /* GLOBAL, the default */
 /* Interprocess events alive in this process (created or opened), and how many the fake allows
  * ($FAKE_CUDA_IPC_EVENTS_MAX, default FAKE_IPC_EVENTS_MAX): the real driver runs out of them
  * at a limit of its own. */
@@ -137,6 +155,38 @@ static bool usable(const char *fn)
 		logf_("after-fork %s (initialized by %d)", fn, (int)init_pid);
 	return false;
 }
+
+/* A stream the fake made (not NULL, CU_STREAM_LEGACY or CU_STREAM_PER_THREAD). */
+static bool made_stream(CUstream s)
+{
+	return (uintptr_t)s > 2 && s->magic == IPC_MAGIC;
+}
+
+/* Is @p e's record still behind the work of a held stream? Called with mu. */
+static bool pending(CUevent e)
+{
+	return e->behind && e->behind->held && e->behind->releases == e->behind_releases;
+}
+
+/*
+ * A potentially unsafe call while a stream captures in global mode: from a thread not in
+ * relaxed mode the real driver refuses it and invalidates the capture. true if refused.
+ */
+static bool capture_refuses(const char *fn)
+{
+	bool refuse;
+
+	pthread_mutex_lock(&mu);
+	refuse = captures && capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED;
+	pthread_mutex_unlock(&mu);
+	if (refuse)
+		logf_("capture-invalidated by %s", fn);
+	return refuse;
+}
+
+/* Test hooks (tests find them with dlsym): see the top of this file. */
+EXPORT void fake_cuda_stream_hold(CUstream s, int on);
+EXPORT void fake_cuda_capture(CUstream s, int on);
 
 static bool env_on(const char *name)
 {
@@ -332,6 +382,16 @@ EXPORT CUresult cuGetErrorString(CUresult error, const char **str)
 		break;
 	case CUDA_ERROR_NOT_INITIALIZED:
 		*str = "initialization error";
+		break;
+	case CUDA_ERROR_NOT_READY:
+		*str = "device not ready";
+		break;
+	case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED:
+		*str = "operation not permitted when stream is capturing";
+		break;
+	case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
+		*str = "operation would make the legacy stream depend on a capturing blocking "
+		       "stream";
 		break;
 	default:
 		*str = "unknown error";
@@ -604,6 +664,8 @@ EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
 
 	if (!usable("cuIpcCloseMemHandle"))
 		return CUDA_ERROR_NOT_INITIALIZED;
+	if (capture_refuses("cuIpcCloseMemHandle"))
+		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 	o = obj_find(IMPORT, (uintptr_t)dptr, false, true);
 	if (!o)
 		return CUDA_ERROR_INVALID_VALUE;
@@ -641,8 +703,34 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
-	logf_("cuEventRecord event=%d:%u stream=%p", hEvent->pid, hEvent->id, (void *)hStream);
+	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	pthread_mutex_lock(&mu);
+	hEvent->captured = made_stream(hStream) && hStream->capturing;
+	hEvent->behind = made_stream(hStream) && hStream->held ? hStream : NULL;
+	hEvent->behind_releases = hEvent->behind ? hStream->releases : 0;
+	pthread_mutex_unlock(&mu);
+	logf_("cuEventRecord event=%d:%u stream=%p%s%s", hEvent->pid, hEvent->id, (void *)hStream,
+	      hEvent->captured ? " captured" : "", hEvent->behind ? " behind-held-work" : "");
 	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventQuery(CUevent hEvent)
+{
+	CUresult r;
+
+	if (!usable("cuEventQuery"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (!hEvent || hEvent->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	pthread_mutex_lock(&mu);
+	/* querying an event recorded inside a capture is an error whatever the mode */
+	r = hEvent->captured  ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+	    : pending(hEvent) ? CUDA_ERROR_NOT_READY
+			      : CUDA_SUCCESS;
+	pthread_mutex_unlock(&mu);
+	logf_("cuEventQuery event=%d:%u result=%d", hEvent->pid, hEvent->id, (int)r);
+	return r;
 }
 
 EXPORT CUresult cuEventSynchronize(CUevent hEvent)
@@ -652,6 +740,10 @@ EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
 	logf_("cuEventSynchronize event=%d:%u", hEvent->pid, hEvent->id);
+	pthread_mutex_lock(&mu);
+	while (pending(hEvent))
+		pthread_cond_wait(&let_go_cv, &mu);
+	pthread_mutex_unlock(&mu);
 	return CUDA_SUCCESS;
 }
 
@@ -752,7 +844,78 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 	if (ctx_depth == 0)
 		return CUDA_ERROR_INVALID_CONTEXT;
 	logf_("cuStreamSynchronize stream=%p", (void *)hStream);
+	if (capture_refuses("cuStreamSynchronize"))
+		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+	pthread_mutex_lock(&mu);
+	/* the legacy stream waits for every (blocking) stream, held ones included */
+	while (made_stream(hStream) ? hStream->held
+				    : hStream != CU_STREAM_PER_THREAD && held_streams > 0)
+		pthread_cond_wait(&let_go_cv, &mu);
+	pthread_mutex_unlock(&mu);
 	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+{
+	CUresult r = CUDA_SUCCESS;
+
+	if (!usable("cuStreamIsCapturing"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	pthread_mutex_lock(&mu);
+	if (made_stream(hStream))
+		*captureStatus = hStream->capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE
+						    : CU_STREAM_CAPTURE_STATUS_NONE;
+	else if (hStream != CU_STREAM_PER_THREAD && captures)
+		r = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT; /* the legacy stream while one captures */
+	else
+		*captureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
+	pthread_mutex_unlock(&mu);
+	logf_("cuStreamIsCapturing stream=%p result=%d", (void *)hStream, (int)r);
+	return r;
+}
+
+EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)
+{
+	CUstreamCaptureMode was = capture_mode;
+
+	if (!usable("cuThreadExchangeStreamCaptureMode"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	capture_mode = *mode;
+	*mode = was;
+	logf_("cuThreadExchangeStreamCaptureMode mode=%d", (int)capture_mode);
+	return CUDA_SUCCESS;
+}
+
+/* Test hook: hold @p s (a long kernel runs on it) or let it go. */
+EXPORT void fake_cuda_stream_hold(CUstream s, int on)
+{
+	pthread_mutex_lock(&mu);
+	if (on && !s->held) {
+		s->held = true;
+		held_streams++;
+	} else if (!on && s->held) {
+		s->held = false;
+		s->releases++;
+		held_streams--;
+		pthread_cond_broadcast(&let_go_cv);
+	}
+	pthread_mutex_unlock(&mu);
+	logf_("hold stream=%p %s", (void *)s, on ? "on" : "off");
+}
+
+/* Test hook: a capture (global mode, as another thread would begin it) on @p s starts or ends. */
+EXPORT void fake_cuda_capture(CUstream s, int on)
+{
+	pthread_mutex_lock(&mu);
+	if (on && !s->capturing)
+		captures++;
+	else if (!on && s->capturing)
+		captures--;
+	s->capturing = on;
+	pthread_mutex_unlock(&mu);
+	logf_("capture stream=%p %s", (void *)s, on ? "begins" : "ends");
 }
 
 /* Device to device, on the legacy default stream: a memcpy here, between memory of the fake's
@@ -783,6 +946,12 @@ EXPORT CUresult cuCtxSynchronize(void)
 	if (ctx_depth == 0)
 		return CUDA_ERROR_INVALID_CONTEXT;
 	logf_("cuCtxSynchronize");
+	if (capture_refuses("cuCtxSynchronize"))
+		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+	pthread_mutex_lock(&mu);
+	while (held_streams > 0)
+		pthread_cond_wait(&let_go_cv, &mu);
+	pthread_mutex_unlock(&mu);
 	return CUDA_SUCCESS;
 }
 
@@ -1022,6 +1191,8 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 
 	if (!usable("cuMemUnmap"))
 		return CUDA_ERROR_NOT_INITIALIZED;
+	if (capture_refuses("cuMemUnmap"))
+		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 	if (!r || size > r->size)
 		return CUDA_ERROR_INVALID_VALUE;
 	if (mmap((void *)r->base, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1,

@@ -62,6 +62,15 @@ static int log_count(pid_t pid, const char *text)
 	return log_count2(pid, text, NULL);
 }
 
+/* Wait (at most 10 s) until @p pid's log holds @p n lines with @p text: an attached tensor's
+ * mapping goes, and its release, on libdlpc's retiring thread once the deleter has returned. */
+static bool log_reaches(pid_t pid, const char *text, int n)
+{
+	for (int i = 0; i < 1000 && log_count(pid, text) < n; i++)
+		usleep(10000);
+	return log_count(pid, text) == n;
+}
+
 /* ---- device tensors over fake device memory ---- */
 
 struct devt {
@@ -290,9 +299,10 @@ static int attacher_main(void *arg)
 		CHILD_CHECK(log_count(getpid(), "cuStreamWaitEvent stream=0x2 ") == 1);
 		CHILD_CHECK(dlpc_tensor_wait(t, NULL) == 0);
 		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 1);
-		/* two orderings, one on the host: the release waits for every stream */
+		/* two orderings, one on the host: the release waits for every stream, on the
+		 * library's thread */
 		t->deleter(t);
-		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 1);
+		CHILD_CHECK(log_reaches(getpid(), "cuCtxSynchronize", 1));
 		dlpc_close(c);
 		return 0;
 	}
@@ -314,16 +324,21 @@ static int attacher_main(void *arg)
 	CHILD_CHECK(log_count(getpid(), "cuStreamSynchronize") == 0);
 	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
 	t->deleter(t);
-	/* releasing waits for the consumer's queued work first: on the stream it was ordered on,
-	 * or on every stream when the host waited at attach */
+	/* releasing comes after the consumer's queued work: an event recorded on the stream it
+	 * was ordered on, in the deleter, and looked at from the library's thread; or, when the
+	 * host waited at attach, every stream synchronized there. The deleter itself waits for
+	 * nothing. */
 	if (a->with_stream) {
-		snprintf(want, sizeof(want), "cuStreamSynchronize stream=%p", (void *)s);
-		CHILD_CHECK(log_count(getpid(), want) == 1);
+		snprintf(want, sizeof(want), "stream=%p", (void *)s);
+		CHILD_CHECK(log_count2(getpid(), "cuEventRecord", want) == 1);
+		CHILD_CHECK(log_reaches(getpid(), "cuEventQuery", 1));
 		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
 	} else {
-		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 1);
-		CHILD_CHECK(log_count(getpid(), "cuStreamSynchronize") == 0);
+		CHILD_CHECK(log_reaches(getpid(), "cuCtxSynchronize", 1));
 	}
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	CHILD_CHECK(log_count(getpid(), "cuStreamSynchronize") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == (a->with_stream ? 0 : 1));
 	dlpc_close(c);
 	return 0;
 }
@@ -383,7 +398,7 @@ static int two_attaches(void *arg)
 	b->deleter(b);
 	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
 	a2->deleter(a2);
-	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 1);
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
 	dlpc_close(c);
 	return 0;
 }
@@ -616,7 +631,7 @@ static int vmm_attach(void *arg)
 	CHILD_CHECK(log_count(getpid(), "cuMemImportFromShareableHandle") == 1);
 	CHILD_CHECK(log_count(getpid(), "cuMemMap") == 1);
 	t->deleter(t);
-	CHILD_CHECK(log_count(getpid(), "cuMemUnmap") == 1);
+	CHILD_CHECK(log_reaches(getpid(), "cuMemUnmap", 1));
 	dlpc_close(c);
 	return 0;
 }
@@ -1029,7 +1044,7 @@ static int attach_cuda_bundle(void *arg)
 	dlpc_bundle_free(b);
 	/* one import for the whole bundle */
 	CHILD_CHECK(log_count(getpid(), "cuMemImportFromShareableHandle") == 1);
-	CHILD_CHECK(log_count(getpid(), "cuMemUnmap") == 1);
+	CHILD_CHECK(log_reaches(getpid(), "cuMemUnmap", 1));
 	dlpc_close(c);
 	return 0;
 }
@@ -1216,8 +1231,8 @@ static int attach_then_fork(void *arg)
 	CHILD_CHECK(same(held[2]->dl_tensor.data, NELEM, 1.0f));
 	for (int i = 0; i < 3; i++)
 		held[i]->deleter(held[i]);
-	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 1);
-	CHILD_CHECK(log_count(getpid(), "cuMemUnmap") == 1);
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	CHILD_CHECK(log_reaches(getpid(), "cuMemUnmap", 1));
 	dlpc_close(c);
 	return 0;
 }
@@ -1234,6 +1249,140 @@ START_TEST(fork_child)
 	ck_assert(wait_stat(c, no_refs, NULL, scaled_ms(5000)));
 	publisher_stop(&p);
 	dlpc_close(c);
+}
+END_TEST
+
+/* ---- 17. release ordered after the consumer's work ---- */
+
+/* fake_cuda's test hooks (tests/fake_cuda/README.md) */
+void fake_cuda_stream_hold(CUstream s, int on);
+void fake_cuda_capture(CUstream s, int on);
+
+/* The daemon's reference count, as @p c's STAT says (which also carries its queued releases). */
+static uint64_t refs_now(dlpc_client *c)
+{
+	dlpc_stats s = {.size = sizeof(s)};
+
+	return dlpc_stat(c, &s) == 0 ? s.references : UINT64_MAX;
+}
+
+/* Wait (at most 10 s) until the daemon holds @p n references. */
+static bool refs_reach(dlpc_client *c, uint64_t n)
+{
+	for (int i = 0; i < 1000 && refs_now(c) != n; i++)
+		usleep(10000);
+	return refs_now(c) == n;
+}
+
+/* The daemon keeps @p n references for as long as 200 retiring-thread polls take. */
+static bool refs_stay(dlpc_client *c, uint64_t n)
+{
+	for (int i = 0; i < 20; i++) {
+		if (refs_now(c) != n)
+			return false;
+		usleep(10000);
+	}
+	return true;
+}
+
+static int release_behind_held_work(void *arg)
+{
+	dlpc_attach_opts o = {.size = sizeof(o)};
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	CUstream s;
+	char want[64];
+
+	(void)arg;
+	alarm(30); /* a deleter that waited for the held stream would wait for ever */
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
+	o.stream = s;
+	CHILD_CHECK(dlpc_attach(c, "gpu/h", &o, &t) == 1);
+	CHILD_CHECK(refs_now(c) == 1);
+	/* a long kernel that reads the tensor runs on s, and the consumer drops the tensor */
+	fake_cuda_stream_hold(s, 1);
+	t->deleter(t);
+	/* the deleter returned at once, having recorded an event behind that kernel */
+	snprintf(want, sizeof(want), "stream=%p behind-held-work", (void *)s);
+	CHILD_CHECK(log_count2(getpid(), "cuEventRecord", want) == 1);
+	/* while it runs the memory stays mapped and referenced, so no RECLAIM can reach the
+	 * publisher; nothing waits on the host, the library's thread only looks */
+	CHILD_CHECK(refs_stay(c, 1));
+	CHILD_CHECK(log_count(getpid(), "cuEventQuery") > 0);
+	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
+	CHILD_CHECK(log_count(getpid(), "Synchronize") == 0);
+	/* the kernel ends: unmapped and released without another call of the consumer's */
+	fake_cuda_stream_hold(s, 0);
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	CHILD_CHECK(refs_reach(c, 0));
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(release_after_consumer_work)
+{
+	struct publisher p = {.names = {"gpu/h", NULL}};
+
+	publisher_start(&p);
+	ck_assert_int_eq(wait_child(spawn(release_behind_held_work, NULL)), 0);
+	publisher_stop(&p);
+}
+END_TEST
+
+static int release_while_capturing(void *arg)
+{
+	DLManagedTensorVersioned *t[4] = {NULL};
+	dlpc_client *c = NULL;
+	CUstream s1, s2;
+	void *streams[4];
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s1, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s2, 0) == CUDA_SUCCESS);
+	/* ordered on s1; on the host; on s2; on the legacy stream (Python's stream=1) */
+	streams[0] = s1;
+	streams[1] = NULL;
+	streams[2] = s2;
+	streams[3] = CU_STREAM_LEGACY;
+	for (int i = 0; i < 4; i++) {
+		dlpc_attach_opts o = {.size = sizeof(o), .stream = streams[i]};
+
+		CHILD_CHECK(dlpc_attach(c, "gpu/g", &o, &t[i]) == 1);
+	}
+	CHILD_CHECK(refs_now(c) == 4);
+	/* another thread of the process captures a graph on s2, in global mode: a synchronizing
+	 * or unmapping call from any thread not in relaxed mode would invalidate it */
+	fake_cuda_capture(s2, 1);
+	t[0]->deleter(t[0]);
+	t[1]->deleter(t[1]);
+	CHILD_CHECK(refs_reach(c, 2));
+	/* ordered on the capturing stream, or on the legacy stream that would wait for it:
+	 * nothing can be recorded there until the capture ends, so the memory stays */
+	t[2]->deleter(t[2]);
+	t[3]->deleter(t[3]);
+	CHILD_CHECK(refs_stay(c, 2));
+	CHILD_CHECK(log_count(getpid(), " captured") == 0);
+	fake_cuda_capture(s2, 0);
+	CHILD_CHECK(refs_reach(c, 0));
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	/* and the capture was never disturbed */
+	CHILD_CHECK(log_count(getpid(), "capture-invalidated") == 0);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(release_during_capture)
+{
+	struct publisher p = {.names = {"gpu/g", NULL}};
+
+	publisher_start(&p);
+	ck_assert_int_eq(wait_child(spawn(release_while_capturing, NULL)), 0);
+	publisher_stop(&p);
 }
 END_TEST
 
@@ -1263,6 +1412,8 @@ static Suite *gpu_suite(void)
 		{"cuda_bundle", cuda_bundle},
 		{"ipc_pid_namespace", ipc_pid_namespace},
 		{"ipc_publish_unknown_outcome", ipc_publish_unknown_outcome},
+		{"release_after_consumer_work", release_after_consumer_work},
+		{"release_during_capture", release_during_capture},
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

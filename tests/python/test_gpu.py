@@ -304,3 +304,4 @@ def test_dlpackctl_check_finds_entries_whose_device_went_away(ipc, py, gpu_env, 
     ipc.unpublish("pgpu/v")
     cp = check("pgpu/")
     assert (cp.returncode, cp.stdout) == (0, ""), cp
+
