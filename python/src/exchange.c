@@ -21,6 +21,26 @@ static int x_allocator(DLTensor *proto, DLManagedTensorVersioned **out, void *er
 	return 0;
 }
 
+/*
+ * A consumer of the exchange API launches its work on the stream current_work_stream() gives:
+ * NULL, the legacy default stream, for CUDA. Order that stream after the publisher of a CUDA
+ * tensor (a device-side wait, as __dlpack__(stream=None) does), so that the "no sync" exports
+ * never hand out memory before the publisher's work on it is done. 0, or -1 with an exception.
+ */
+static int order_for_consumer(const DLManagedTensorVersioned *t)
+{
+	int r;
+
+	if (t->dl_tensor.device.device_type != kDLCUDA)
+		return 0;
+	r = dlpc_tensor_wait(t, (void *)(uintptr_t)1 /* CU_STREAM_LEGACY */);
+	if (r < 0) {
+		ipc_raise(r);
+		return -1;
+	}
+	return 0;
+}
+
 static int x_from_py(void *py_object, DLManagedTensorVersioned **out)
 {
 	PyObject *obj = py_object;
@@ -32,7 +52,7 @@ static int x_from_py(void *py_object, DLManagedTensorVersioned **out)
 		return -1;
 	}
 	t = ipc_tensor_live((TensorObject *)obj);
-	if (!t)
+	if (!t || order_for_consumer(t) < 0)
 		return -1;
 	*out = dlpc_tensor_share(t);
 	if (!*out) {
@@ -74,7 +94,7 @@ static int x_dltensor_from_py(void *py_object, DLTensor *out)
 		return -1;
 	}
 	t = ipc_tensor_live(py_object);
-	if (!t)
+	if (!t || order_for_consumer(t) < 0)
 		return -1;
 	*out = t->dl_tensor;
 	return 0;
@@ -84,7 +104,8 @@ static int x_stream(DLDeviceType type, int32_t id, void **out)
 {
 	(void)type;
 	(void)id;
-	*out = NULL; /* host memory: no stream to order against */
+	/* host memory has no stream; CUDA tensors are ordered on the legacy default stream */
+	*out = NULL;
 	return 0;
 }
 

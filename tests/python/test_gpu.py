@@ -305,3 +305,60 @@ def test_dlpackctl_check_finds_entries_whose_device_went_away(ipc, py, gpu_env, 
     cp = check("pgpu/")
     assert (cp.returncode, cp.stdout) == (0, ""), cp
 
+
+def test_exchange_api_orders_cuda_tensors(ipc, py, gpu_env, tmp_path):
+    """The DLPack C exchange API's exports do no synchronization of their own: its consumer
+    launches on current_work_stream()'s stream (NULL, the legacy default stream). That stream
+    waits for the publisher's event before a CUDA SharedTensor is handed out, and the tensor's
+    release waits for the consumer's work on it."""
+    ready, go = str(tmp_path / "ready"), str(tmp_path / "go")
+    pub = py.popen(child(f"""
+        import dlpack_ipc, time
+        a = FakeCudaArray(100)
+        assert dlpack_ipc.publish("pgpu/x", a) == 1
+        print(os.getpid(), flush=True)
+        open({ready!r}, "w").close()
+        while not os.path.exists({go!r}):
+            time.sleep(0.01)
+    """), env=gpu_env)
+    try:
+        wait_file(ready)
+        pub_pid = int(pub.stdout.readline())
+        py.check(child(f"""
+            import dlpack_ipc
+            from ctypes import POINTER, byref, py_object, pointer
+            class API(Structure):
+                _fields_ = [("major", c_uint32), ("minor", c_uint32), ("prev", c_void_p),
+                            ("alloc", c_void_p), ("from_py", c_void_p), ("to_py", c_void_p),
+                            ("dl_from_py", c_void_p), ("stream", c_void_p)]
+            cap = dlpack_ipc.SharedTensor.__dlpack_c_exchange_api__
+            xapi = API.from_address(api.PyCapsule_GetPointer(cap, b"dlpack_exchange_api"))
+            FROM_PY = ctypes.PYFUNCTYPE(c_int, py_object, POINTER(POINTER(Managed)))
+            DL_FROM_PY = ctypes.PYFUNCTYPE(c_int, py_object, POINTER(DLTensor))
+            STREAM = ctypes.PYFUNCTYPE(c_int, c_int32, c_int32, POINTER(c_void_p))
+            waits = lambda: [l for l in log_lines("cuStreamWaitEvent stream=0x1 ")
+                             if "event={pub_pid}:" in l]
+            t = dlpack_ipc.attach("pgpu/x")
+            assert t.device == "cuda:0" and waits() == []
+            s = c_void_p(1234)
+            assert STREAM(xapi.stream)(kDLCUDA, 0, byref(s)) == 0 and s.value is None
+            out = POINTER(Managed)()
+            assert FROM_PY(xapi.from_py)(t, byref(out)) == 0
+            assert len(waits()) == 1, waits()
+            vals = (c_float * 100).from_address(out.contents.dl_tensor.data)
+            assert vals[99] == 99 * 0.5
+            dl = DLTensor()
+            assert DL_FROM_PY(xapi.dl_from_py)(t, byref(dl)) == 0
+            assert len(waits()) == 2 and dl.data == out.contents.dl_tensor.data
+            # released after the work on the stream the consumer was given
+            out.contents.deleter(out)
+            t.release()
+            deadline = time.monotonic() + 10
+            while not log_lines("cuIpcCloseMemHandle") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert log_lines("cuEventRecord") and log_lines("cuIpcCloseMemHandle")
+            assert not log_lines("Synchronize"), log_lines("Synchronize")
+        """).replace("import ctypes, os, sys", "import ctypes, os, sys, time"), env=gpu_env)
+    finally:
+        open(go, "w").close()
+        pub.wait(timeout=30)
