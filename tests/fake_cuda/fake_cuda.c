@@ -14,7 +14,11 @@
  *   and set-access do what their names say with mmap and mprotect.
  * - Events and streams are small records. An interprocess event handle carries the creator's
  *   pid and the event's id, so a test can tell which event a consumer waited on.
- * - One device, ordinal 0, with a fixed UUID (FAKE_CUDA_UUID below).
+ * - $FAKE_CUDA_DEVICES devices (1 to FAKE_DEVICES_MAX, default 1), device k with the UUID
+ *   "fake-cuda-dev-k!"; $FAKE_CUDA_VISIBLE ("1,0") lists which of them the process sees, in
+ *   its ordinal order, as CUDA_VISIBLE_DEVICES does. Each has a primary context; memory
+ *   belongs to the device whose context is current when it is made (device 0's when none is,
+ *   more lenient than the real driver), or that cuMemCreate names.
  * - A process may hold FAKE_IPC_EVENTS_MAX interprocess events ($FAKE_CUDA_IPC_EVENTS_MAX);
  *   one more (created or opened) is CUDA_ERROR_OUT_OF_MEMORY, logged as "ipc-event-limit".
  * - Every call but cuGetErrorString needs cuInit first, in the calling process: before it, and
@@ -53,7 +57,7 @@
 #include "cuda_api.h"
 
 #define EXPORT __attribute__((visibility("default")))
-#define FAKE_CUDA_UUID "fake-cuda-dev-0!"
+#define FAKE_DEVICES_MAX 8
 #define FAKE_GRANULARITY (2u << 20) /* what current GPUs report */
 #define IPC_MAGIC 0x46414b45u	    /* "FAKE" */
 
@@ -62,6 +66,7 @@ struct ipc_mem {
 	int32_t pid, fd;
 	uint32_t id;
 	uint64_t size;
+	int32_t dev; /* the device it lives on */
 };
 
 struct ipc_ev {
@@ -83,6 +88,7 @@ struct obj {
 	unsigned refs;	 /* VMM_HANDLE: its creator's, and one per mapping or retain */
 	uint32_t mapped; /* RESERVED: the handle mapped at its start (0: none) */
 	size_t msize;	 /* and the size of that mapping */
+	int dev;	 /* ALLOC, IMPORT, VMM_HANDLE: the device it lives on */
 };
 
 struct CUstream_st {
@@ -104,8 +110,12 @@ struct CUevent_st {
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static struct obj *objs;
 static uint32_t next_id;
-static int ctx_token;
+static char ctx_tokens[FAKE_DEVICES_MAX]; /* device k's primary context: &ctx_tokens[k] */
+static __thread int ctx_stack[64];	  /* the devices of this thread's pushed contexts */
 static __thread int ctx_depth;
+static int ndevices = 1;		    /* $FAKE_CUDA_DEVICES */
+static int visible[FAKE_DEVICES_MAX] = {0}; /* ordinal -> device ($FAKE_CUDA_VISIBLE) */
+static int nvisible = 1;
 static pid_t init_pid;	  /* the process that called cuInit, 0 before */
 static unsigned instance; /* the device instance this process runs on (device_start()) */
 static pthread_cond_t let_go_cv = PTHREAD_COND_INITIALIZER; /* a held stream was let go */
@@ -267,15 +277,60 @@ static struct obj *handle_find(CUmemGenericAllocationHandle h, bool take)
 	return o;
 }
 
-static int memfd_of(size_t size, uint32_t *id)
+/* The device of the thread's current context (device 0's when there is none). */
+static int current_device(void)
 {
-	char name[32];
+	return ctx_depth ? ctx_stack[ctx_depth - 1] : visible[0];
+}
+
+/* The ordinal this process sees device @p dev under; -1 if it does not see it. */
+static int ordinal_of(int dev)
+{
+	for (int i = 0; i < nvisible; i++)
+		if (visible[i] == dev)
+			return i;
+	return -1;
+}
+
+/* Read $FAKE_CUDA_DEVICES and $FAKE_CUDA_VISIBLE; false if they make no sense. */
+static bool devices_start(void)
+{
+	const char *n = getenv("FAKE_CUDA_DEVICES"), *v = getenv("FAKE_CUDA_VISIBLE");
+	char *end;
+
+	if (n && *n) {
+		ndevices = (int)strtol(n, &end, 10);
+		if (*end || ndevices < 1 || ndevices > FAKE_DEVICES_MAX)
+			return false;
+	}
+	nvisible = ndevices;
+	for (int i = 0; i < ndevices; i++)
+		visible[i] = i;
+	if (v) {
+		nvisible = 0;
+		while (*v) {
+			long d = strtol(v, &end, 10);
+
+			if (end == v || d < 0 || d >= ndevices || nvisible == FAKE_DEVICES_MAX)
+				return false;
+			visible[nvisible++] = (int)d;
+			v = *end == ',' ? end + 1 : end;
+			if (*end && *end != ',')
+				return false;
+		}
+	}
+	return nvisible > 0;
+}
+
+static int memfd_of(size_t size, uint32_t *id, int dev)
+{
+	char name[48];
 	int fd;
 
 	pthread_mutex_lock(&mu);
 	*id = ++next_id;
 	pthread_mutex_unlock(&mu);
-	snprintf(name, sizeof(name), "fake-cuda:%u@%u", *id, instance);
+	snprintf(name, sizeof(name), "fake-cuda:%u@%u:dev%d", *id, instance, dev);
 	fd = memfd_create(name, MFD_CLOEXEC);
 	if (fd < 0)
 		return -1;
@@ -344,6 +399,21 @@ static unsigned instance_of(int fd)
 	return (unsigned)strtoul(at + 1, NULL, 10);
 }
 
+/* The device an allocation's memfd was made on (0: unknown). */
+static int device_of(int fd)
+{
+	char path[64], target[128], *d;
+	ssize_t n;
+
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+	n = readlink(path, target, sizeof(target) - 1);
+	if (n <= 0)
+		return 0;
+	target[n] = 0;
+	d = strstr(target, ":dev");
+	return d ? (int)strtol(d + 4, NULL, 10) : 0;
+}
+
 EXPORT CUresult cuInit(unsigned int flags)
 {
 	(void)flags;
@@ -353,6 +423,8 @@ EXPORT CUresult cuInit(unsigned int flags)
 	}
 	if (env_on("FAKE_CUDA_NO_DEVICE"))
 		return CUDA_ERROR_NO_DEVICE;
+	if (!init_pid && !devices_start())
+		return CUDA_ERROR_INVALID_VALUE;
 	if (!init_pid)
 		device_start();
 	init_pid = getpid();
@@ -403,27 +475,31 @@ EXPORT CUresult cuDeviceGetCount(int *count)
 {
 	if (!usable("cuDeviceGetCount"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	*count = 1;
+	*count = nvisible;
 	return CUDA_SUCCESS;
 }
 
+/* A CUdevice is the ordinal here. */
 EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 {
 	if (!usable("cuDeviceGet"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (ordinal != 0)
+	if (ordinal < 0 || ordinal >= nvisible)
 		return CUDA_ERROR_INVALID_DEVICE;
-	*device = 0;
+	*device = ordinal;
 	return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
 {
+	char id[17];
+
 	if (!usable("cuDeviceGetUuid"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (dev != 0)
+	if (dev < 0 || dev >= nvisible)
 		return CUDA_ERROR_INVALID_DEVICE;
-	memcpy(uuid->bytes, FAKE_CUDA_UUID, sizeof(uuid->bytes));
+	snprintf(id, sizeof(id), "fake-cuda-dev-%d!", visible[dev]);
+	memcpy(uuid->bytes, id, sizeof(uuid->bytes));
 	return CUDA_SUCCESS;
 }
 
@@ -431,9 +507,9 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
 	if (!usable("cuDevicePrimaryCtxRetain"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (dev != 0)
+	if (dev < 0 || dev >= nvisible)
 		return CUDA_ERROR_INVALID_DEVICE;
-	*pctx = (CUcontext)&ctx_token;
+	*pctx = (CUcontext)&ctx_tokens[visible[dev]];
 	return CUDA_SUCCESS;
 }
 
@@ -441,16 +517,27 @@ EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
 {
 	if (!usable("cuDevicePrimaryCtxRelease"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	return dev == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+	return dev >= 0 && dev < nvisible ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
+/* The device whose primary context @p ctx is; -1 for anything else. */
+static int ctx_device(CUcontext ctx)
+{
+	char *c = (char *)ctx;
+
+	return c >= ctx_tokens && c < ctx_tokens + ndevices ? (int)(c - ctx_tokens) : -1;
 }
 
 EXPORT CUresult cuCtxPushCurrent(CUcontext ctx)
 {
+	int dev = ctx_device(ctx);
+
 	if (!usable("cuCtxPushCurrent"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (ctx != (CUcontext)&ctx_token)
+	if (dev < 0 || ordinal_of(dev) < 0 ||
+	    ctx_depth == (int)(sizeof(ctx_stack) / sizeof(ctx_stack[0])))
 		return CUDA_ERROR_INVALID_CONTEXT;
-	ctx_depth++;
+	ctx_stack[ctx_depth++] = dev;
 	return CUDA_SUCCESS;
 }
 
@@ -462,7 +549,7 @@ EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx)
 		return CUDA_ERROR_INVALID_CONTEXT;
 	ctx_depth--;
 	if (pctx)
-		*pctx = (CUcontext)&ctx_token;
+		*pctx = (CUcontext)&ctx_tokens[ctx_stack[ctx_depth]];
 	return CUDA_SUCCESS;
 }
 
@@ -470,7 +557,7 @@ EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
 {
 	if (!usable("cuCtxGetCurrent"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	*pctx = ctx_depth ? (CUcontext)&ctx_token : NULL;
+	*pctx = ctx_depth ? (CUcontext)&ctx_tokens[ctx_stack[ctx_depth - 1]] : NULL;
 	return CUDA_SUCCESS;
 }
 
@@ -490,17 +577,19 @@ static unsigned long long handle_types(uint32_t id)
 
 EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr)
 {
-	struct obj *o;
+	struct obj *o, *h;
+	int dev;
 
 	if (!usable("cuPointerGetAttribute"))
 		return CUDA_ERROR_NOT_INITIALIZED;
 	o = obj_find(-1, (uintptr_t)ptr, true, false);
 	if (!o || (o->kind == RESERVED && (!o->mapped || ptr >= o->base + o->msize)))
 		return CUDA_ERROR_INVALID_VALUE;
+	dev = o->kind == RESERVED ? (h = handle_find(o->mapped, false)) ? h->dev : 0 : o->dev;
 	if (attribute == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
-		*(int *)data = 0;
+		*(int *)data = ordinal_of(dev);
 	else if (attribute == CU_POINTER_ATTRIBUTE_CONTEXT)
-		*(CUcontext *)data = (CUcontext)&ctx_token;
+		*(CUcontext *)data = (CUcontext)&ctx_tokens[dev];
 	/* cuMemAlloc memory only: not VMM mappings, not stream-ordered pools */
 	else if (attribute == CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE)
 		*(int *)data = o->kind == ALLOC && !o->pool;
@@ -509,7 +598,7 @@ EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute,
 	else if (attribute == CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES)
 		*(unsigned long long *)data = o->kind == RESERVED ? handle_types(o->mapped) : 0;
 	else if (attribute == CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)
-		*(void **)data = o->kind == ALLOC && o->pool ? (void *)&ctx_token : NULL;
+		*(void **)data = o->kind == ALLOC && o->pool ? (void *)&ctx_tokens[dev] : NULL;
 	else
 		return CUDA_ERROR_INVALID_VALUE;
 	return CUDA_SUCCESS;
@@ -524,7 +613,7 @@ EXPORT CUresult cuMemAlloc(CUdeviceptr *dptr, size_t bytesize)
 
 	if (!usable("cuMemAlloc"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	fd = memfd_of(bytesize, &id);
+	fd = memfd_of(bytesize, &id, current_device());
 	if (fd < 0)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	p = mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -535,6 +624,7 @@ EXPORT CUresult cuMemAlloc(CUdeviceptr *dptr, size_t bytesize)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
 	o->id = id;
+	o->dev = current_device();
 	*dptr = (CUdeviceptr)(uintptr_t)p;
 	logf_("cuMemAlloc ptr=%#llx size=%zu id=%u", (unsigned long long)*dptr, bytesize, id);
 	return CUDA_SUCCESS;
@@ -610,6 +700,7 @@ EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
 	h.fd = o->fd;
 	h.id = o->id;
 	h.size = o->size;
+	h.dev = o->dev;
 	memset(pHandle, 0, sizeof(*pHandle));
 	memcpy(pHandle->reserved, &h, sizeof(h));
 	logf_("cuIpcGetMemHandle ptr=%#llx id=%u", (unsigned long long)dptr, o->id);
@@ -622,12 +713,15 @@ EXPORT CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, un
 		return CUDA_ERROR_NOT_INITIALIZED;
 	struct ipc_mem h;
 	char path[64], target[128], want[64];
+	struct obj *o;
 	ssize_t n;
 	void *p;
 	int fd;
 
 	memcpy(&h, handle.reserved, sizeof(h));
-	logf_("cuIpcOpenMemHandle pid=%d id=%u flags=%u", h.pid, h.id, Flags);
+	/* opened into the current context: a test can check that it is the memory's device's */
+	logf_("cuIpcOpenMemHandle pid=%d id=%u flags=%u dev=%d ctx-dev=%d", h.pid, h.id, Flags,
+	      h.dev, ctx_depth ? ctx_stack[ctx_depth - 1] : -1);
 	if (env_on("FAKE_CUDA_NO_IPC"))
 		return CUDA_ERROR_NOT_SUPPORTED;
 	if (h.magic != IPC_MAGIC)
@@ -650,10 +744,11 @@ EXPORT CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, un
 	close(fd);
 	if (p == MAP_FAILED)
 		return CUDA_ERROR_MAP_FAILED;
-	if (!obj_new(IMPORT, (uintptr_t)p, h.size, -1)) {
+	if (!(o = obj_new(IMPORT, (uintptr_t)p, h.size, -1))) {
 		munmap(p, h.size);
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
+	o->dev = h.dev;
 	*pdptr = (CUdeviceptr)(uintptr_t)p;
 	return CUDA_SUCCESS;
 }
@@ -976,7 +1071,8 @@ EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAl
 		return CUDA_ERROR_NOT_INITIALIZED;
 	(void)option;
 	if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
-	    prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id != 0)
+	    prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id < 0 ||
+	    prop->location.id >= nvisible)
 		return CUDA_ERROR_INVALID_VALUE;
 	*granularity = FAKE_GRANULARITY;
 	return CUDA_SUCCESS;
@@ -993,9 +1089,10 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 		return CUDA_ERROR_NOT_INITIALIZED;
 	(void)flags;
 	if (size == 0 || size % FAKE_GRANULARITY || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
-	    prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id != 0)
+	    prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id < 0 ||
+	    prop->location.id >= nvisible)
 		return CUDA_ERROR_INVALID_VALUE;
-	fd = memfd_of(size, &id);
+	fd = memfd_of(size, &id, visible[prop->location.id]);
 	if (fd < 0)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	o = obj_new(VMM_HANDLE, 0, size, fd);
@@ -1004,6 +1101,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
 	o->refs = 1;
+	o->dev = visible[prop->location.id];
 	/* the handle's export type was fixed at creation */
 	if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
 		o->base = 1;
@@ -1117,6 +1215,7 @@ EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *han
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
 	o->refs = 1;
+	o->dev = device_of(dup);
 	*handle = o->id;
 	logf_("cuMemImportFromShareableHandle handle=%u size=%lld", o->id, (long long)st.st_size);
 	return CUDA_SUCCESS;
@@ -1209,13 +1308,18 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
 			       size_t count)
 {
-	struct obj *r = obj_find(RESERVED, (uintptr_t)ptr, false, false);
+	struct obj *r = obj_find(RESERVED, (uintptr_t)ptr, false, false), *h;
 
 	if (!usable("cuMemSetAccess"))
 		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!r || size > r->size || count != 1 ||
-	    desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc->location.id != 0)
+	    desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc->location.id < 0 ||
+	    desc->location.id >= nvisible)
 		return CUDA_ERROR_INVALID_VALUE;
+	/* the device the memory lives on; peer access to it from another is not modelled */
+	h = handle_find(r->mapped, false);
+	if (!h || visible[desc->location.id] != h->dev)
+		return CUDA_ERROR_INVALID_DEVICE;
 	if (mprotect((void *)r->base, size,
 		     desc->flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE ? PROT_READ | PROT_WRITE
 								       : PROT_READ) < 0)

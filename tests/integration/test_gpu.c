@@ -1386,6 +1386,126 @@ START_TEST(release_during_capture)
 }
 END_TEST
 
+/* ---- 18. several devices ---- */
+
+/*
+ * The fake has two devices here. Device 1's memory: a legacy IPC tensor of cuMemAlloc memory
+ * made in its context, and a dlpc_alloc() VMM tensor, both published as cuda:1; the process
+ * stays until told to go (legacy IPC needs it).
+ */
+struct dev1_publisher {
+	int ready[2]; /* one byte once published */
+	int quit[2];  /* closed by the parent to let it go */
+};
+
+static int publish_on_device_1(void *arg)
+{
+	struct dev1_publisher *p = arg;
+	DLManagedTensorVersioned *v = NULL, *mix[2];
+	dlpc_client *c = NULL;
+	CUdeviceptr base;
+	CUcontext ctx;
+	int64_t n = NELEM;
+	int dev = -1;
+	char b;
+
+	close(p->ready[0]);
+	close(p->quit[1]);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuDevicePrimaryCtxRetain(&ctx, 1) == CUDA_SUCCESS);
+	CHILD_CHECK(cuCtxPushCurrent(ctx) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
+	CHILD_CHECK(cuCtxPopCurrent(NULL) == CUDA_SUCCESS);
+	CHILD_CHECK(cuPointerGetAttribute(&dev, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, base) ==
+		    CUDA_SUCCESS);
+	CHILD_CHECK(dev == 1);
+	fill((float *)(uintptr_t)(base + OFF_A), NELEM, 5.0f);
+	mix[0] = dev_tensor(base + OFF_A, NELEM, -1);
+	mix[0]->dl_tensor.device.device_id = 1;
+	CHILD_CHECK(dlpc_publish(c, "gpu/d1/ipc", mix[0], 0) == 1);
+	CHILD_CHECK(dlpc_alloc(c, (DLDevice){kDLCUDA, 1}, (DLDataType){kDLFloat, 32, 1}, 1, &n,
+			       &v) == 0);
+	CHILD_CHECK(v->dl_tensor.device.device_id == 1);
+	fill(v->dl_tensor.data, NELEM, 6.0f);
+	CHILD_CHECK(dlpc_publish(c, "gpu/d1/vmm", v, 0) == 1);
+	/* a bundle across the two devices is refused, naming both */
+	mix[0] = dev_tensor(base + OFF_B, NELEM, -1);
+	mix[0]->dl_tensor.device.device_id = 1;
+	CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS); /* device 0 */
+	mix[1] = dev_tensor(base, NELEM, -1);
+	CHILD_CHECK(dlpc_publish_bundle(c, "gpu/d1/mixed", 2, (const char *const[]){"a", "b"}, mix,
+					0) == -ENOTSUP);
+	CHILD_CHECK(strstr(dlpc_last_error(), "device"));
+	CHILD_CHECK(write(p->ready[1], "R", 1) == 1);
+	if (read(p->quit[0], &b, 1) < 0)
+		return 1;
+	dlpc_close(c);
+	return 0;
+}
+
+/* Attach both of device 1's tensors where it is local ordinal @p ordinal; -1: not seen here. */
+static int attach_device_1(void *arg)
+{
+	int ordinal = *(int *)arg;
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	if (ordinal < 0) {
+		CHILD_CHECK(dlpc_attach(c, "gpu/d1/ipc", NULL, &t) == -ENODEV && !t);
+		CHILD_CHECK(strstr(dlpc_last_error(), "not visible in this process"));
+		CHILD_CHECK(dlpc_attach(c, "gpu/d1/vmm", NULL, &t) == -ENODEV && !t);
+		CHILD_CHECK(strstr(dlpc_last_error(), "not visible in this process"));
+		dlpc_close(c);
+		return 0;
+	}
+	CHILD_CHECK(dlpc_attach(c, "gpu/d1/ipc", NULL, &t) == 1);
+	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA);
+	CHILD_CHECK(t->dl_tensor.device.device_id == ordinal);
+	CHILD_CHECK(same(t->dl_tensor.data, NELEM, 5.0f));
+	/* opened in the context of the device the memory lives on */
+	CHILD_CHECK(log_count2(getpid(), "cuIpcOpenMemHandle", "dev=1 ctx-dev=1") == 1);
+	t->deleter(t);
+	CHILD_CHECK(dlpc_attach(c, "gpu/d1/vmm", NULL, &t) == 1);
+	CHILD_CHECK(t->dl_tensor.device.device_id == ordinal);
+	CHILD_CHECK(same(t->dl_tensor.data, NELEM, 6.0f));
+	t->deleter(t);
+	CHILD_CHECK(log_reaches(getpid(), "cuMemUnmap", 1));
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(several_devices)
+{
+	struct dev1_publisher p;
+	int same_order = 1, swapped = 0, unseen = -1;
+	pid_t pub;
+	char b;
+
+	ck_assert_int_eq(setenv("FAKE_CUDA_DEVICES", "2", 1), 0);
+	ck_assert_int_eq(pipe2(p.ready, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(p.quit, O_CLOEXEC), 0);
+	pub = spawn(publish_on_device_1, &p);
+	close(p.ready[1]);
+	close(p.quit[0]);
+	ck_assert_msg(read(p.ready[0], &b, 1) == 1, "the publisher failed before publishing");
+	/* the same devices in the same order; device 1 as ordinal 0 (as CUDA_VISIBLE_DEVICES=1,0
+	 * does); only device 0 visible: not here, and the attach says so */
+	ck_assert_int_eq(wait_child(spawn(attach_device_1, &same_order)), 0);
+	ck_assert_int_eq(setenv("FAKE_CUDA_VISIBLE", "1,0", 1), 0);
+	ck_assert_int_eq(wait_child(spawn(attach_device_1, &swapped)), 0);
+	ck_assert_int_eq(setenv("FAKE_CUDA_VISIBLE", "0", 1), 0);
+	ck_assert_int_eq(wait_child(spawn(attach_device_1, &unseen)), 0);
+	unsetenv("FAKE_CUDA_VISIBLE");
+	unsetenv("FAKE_CUDA_DEVICES");
+	close(p.quit[1]);
+	close(p.ready[0]);
+	ck_assert_int_eq(wait_child(pub), 0);
+}
+END_TEST
+
 static Suite *gpu_suite(void)
 {
 	Suite *s = suite_create("gpu");
@@ -1414,6 +1534,7 @@ static Suite *gpu_suite(void)
 		{"ipc_publish_unknown_outcome", ipc_publish_unknown_outcome},
 		{"release_after_consumer_work", release_after_consumer_work},
 		{"release_during_capture", release_during_capture},
+		{"several_devices", several_devices},
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
