@@ -616,9 +616,9 @@ void dlpc__cuda_release_sync(int ordinal, void *stream, bool all)
 struct retiring {
 	struct retiring *next;
 	struct dlpc__region *r;
-	CUevent ev;	  /* recorded on the consumer's stream after its work */
-	CUstream capture; /* the consumer's stream, capturing when the view went: no event yet */
-	bool all;	  /* no one stream known: the whole context is synchronized */
+	CUstream stream; /* where the event is still to be recorded (NULL: recorded, or sync) */
+	CUevent ev;	 /* recorded after the consumer's work */
+	bool sync;	 /* no event to be had: synchronize the context instead */
 };
 
 static pthread_mutex_t retire_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -626,60 +626,78 @@ static pthread_cond_t retire_cv = PTHREAD_COND_INITIALIZER;
 static struct retiring *retiring;
 static bool retirer_running;
 
-/*
- * Order what follows after the work now queued on @p x->capture: record an event there, or,
- * while the stream captures a graph (a record would land in the graph, and the legacy stream
- * cannot be used while a blocking stream captures), leave it for a later look. In the device's
- * context. Clears x->capture once recorded; sets x->all when the stream cannot be used.
- */
-static void record_after(struct retiring *x)
+/* Does @p e say that a graph capture is in the way (try again once it has ended)? */
+static bool capture_err(CUresult e)
 {
-	CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-	CUresult e = cu.cuStreamIsCapturing(x->capture, &st);
+	return e == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED ||
+	       e == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED ||
+	       e == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+}
 
-	if (e == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ||
-	    (e == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE))
-		return;
+/*
+ * Record @p x's event on x->stream, after the work queued there so far, unless a graph capture
+ * is in the way: a record on a capturing stream would land in the graph, and the legacy stream
+ * cannot be used at all while a blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT).
+ * Then x->stream stays, for a later look. The caller's own stream is looked at only here, in
+ * the deleter (@p first): once it captures, the legacy stream stands in for it, so the handle is
+ * never used after the deleter returned (the caller may destroy it). In the device's context.
+ */
+static void record_after(struct retiring *x, bool first)
+{
+	CUstreamCaptureStatus st;
+	CUresult e;
+
+	for (;;) {
+		st = CU_STREAM_CAPTURE_STATUS_NONE;
+		e = cu.cuStreamIsCapturing(x->stream, &st);
+		if (e != CUDA_ERROR_STREAM_CAPTURE_IMPLICIT &&
+		    (e != CUDA_SUCCESS || st == CU_STREAM_CAPTURE_STATUS_NONE))
+			break;
+		if (!first || x->stream == CU_STREAM_LEGACY)
+			return;
+		x->stream = CU_STREAM_LEGACY;
+	}
 	if (e == CUDA_SUCCESS && !x->ev)
 		e = cu.cuEventCreate(&x->ev, CU_EVENT_DISABLE_TIMING);
 	if (e == CUDA_SUCCESS)
-		e = cu.cuEventRecord(x->ev, x->capture);
-	x->capture = NULL;
-	x->all = e != CUDA_SUCCESS; /* a stream that is gone, no event to be had */
+		e = cu.cuEventRecord(x->ev, x->stream);
+	if (capture_err(e)) {
+		x->stream = CU_STREAM_LEGACY; /* later, and never on the caller's stream */
+		return;
+	}
+	x->stream = NULL;
+	x->sync = e != CUDA_SUCCESS; /* a stream that is gone, no event to be had */
 }
 
 /* Is the consumer's work on @p x's region done? Called on the retiring thread. */
 static bool retire_due(struct retiring *x)
 {
+	bool done = true;
 	CUresult e;
 
 	if (push_ctx(x->r->ordinal, "release") < 0)
 		return true;
-	if (x->capture)
-		record_after(x);
-	if (x->capture) {
-		pop_ctx();
-		return false;
-	}
-	if (x->ev && !x->all) {
+	if (x->stream)
+		record_after(x, false);
+	if (x->stream) {
+		done = false;
+	} else if (!x->sync) {
 		e = cu.cuEventQuery(x->ev);
-		if (e == CUDA_ERROR_NOT_READY) {
-			pop_ctx();
-			return false;
-		}
-		x->all = e != CUDA_SUCCESS;
+		done = e != CUDA_ERROR_NOT_READY;
+		x->sync = done && e != CUDA_SUCCESS;
 	}
-	/* this thread is in relaxed capture mode: allowed while another thread captures */
-	if (x->all)
-		cu.cuCtxSynchronize();
+	/* rare (no event could be recorded): a capture makes it fail, so try again later */
+	if (x->sync && capture_err(cu.cuCtxSynchronize()))
+		done = false;
 	pop_ctx();
-	return true;
+	return done;
 }
 
 /*
  * The retiring thread: looks at the waiting regions every DLPC_CUDA_RETIRE_POLL_MS while there
  * are any, and lets go of each whose consumer work is done (unmap, RELEASE). It runs in relaxed
- * capture mode, so that its calls never disturb a graph another thread captures.
+ * capture mode: its calls (unmapping among them) are not refused while another thread captures
+ * a graph in global mode.
  */
 static void *retirer(void *arg)
 {
@@ -733,17 +751,21 @@ bool dlpc__cuda_retire(struct dlpc__region *r)
 	if (!x)
 		return false;
 	x->r = r;
-	x->all = r->sync_all || !r->sync_set;
-	if (!x->all) {
-		/* the event goes after the work queued so far, not after what comes later */
-		x->capture = r->sync_stream;
-		if (push_ctx(r->ordinal, "release") < 0) {
-			free(x);
-			return false;
-		}
-		record_after(x);
-		pop_ctx();
+	/*
+	 * After the work queued so far on the one stream the consumer named; else on the legacy
+	 * default stream, which comes after the work of every blocking stream (each thread's
+	 * per-thread default stream included, so that one goes this way too: the deleter may run
+	 * on another thread, whose per-thread stream is another stream).
+	 */
+	x->stream = r->sync_set && !r->sync_all ? (CUstream)r->sync_stream : CU_STREAM_LEGACY;
+	if (x->stream == CU_STREAM_PER_THREAD)
+		x->stream = CU_STREAM_LEGACY;
+	if (push_ctx(r->ordinal, "release") < 0) {
+		free(x);
+		return false;
 	}
+	record_after(x, true);
+	pop_ctx();
 	pthread_mutex_lock(&retire_mu);
 	if (!retirer_running)
 		retirer_running = dlpc__start_thread(retirer, NULL);

@@ -379,12 +379,14 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * (so the publisher never reuses memory a kernel still reads), without blocking its deleter:
  * the deleter records an event on the one stream the tensor was ordered on (opts->stream, or
  * this function's @p stream), and a thread of the library's unmaps and releases once the event
- * has completed (it looks every DLPC_CUDA_RETIRE_POLL_MS, 1 ms). While that stream captures a
- * CUDA graph (or, for the legacy stream, while a blocking stream does) the event is recorded
- * only after the capture ends. When the host waited or more than one stream was named, that
- * thread synchronizes the whole context (cuCtxSynchronize) first, in relaxed capture mode.
- * Pass the stream where graphs are captured. A deleter that cannot hand the tensor over (no
- * memory, no thread) waits on the host as before.
+ * has completed (it looks about every millisecond). With no one stream known (the host waited,
+ * several streams were named, or CU_STREAM_PER_THREAD, which differs from thread to thread) the
+ * event goes on the legacy default stream, which follows every blocking stream but not those
+ * created non-blocking: name such a stream. If the named stream is capturing a CUDA graph when
+ * the tensor is dropped, the legacy stream stands in for it; while any blocking stream
+ * captures, the legacy stream cannot be used, and the event is recorded once the capture ends.
+ * The library keeps no handle on @p stream after the deleter returns. A deleter that cannot
+ * hand the tensor over (no memory, no thread) waits on the host instead.
  * @return 0, -EINVAL for a foreign tensor, or a negative errno from the driver.
  */
 DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream);

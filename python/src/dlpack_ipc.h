@@ -46,6 +46,7 @@ typedef struct {
 	bool has_owner;	  /* owner_* known: attached from a daemon of protocol 1.3 or later */
 	uint32_t owner_uid;
 	int32_t owner_pid;
+	bool legacy_ordered; /* the legacy stream waits for the publisher (exchange.c) */
 } TensorObject;
 
 /* module.c */

@@ -25,19 +25,26 @@ static int x_allocator(DLTensor *proto, DLManagedTensorVersioned **out, void *er
  * A consumer of the exchange API launches its work on the stream current_work_stream() gives:
  * NULL, the legacy default stream, for CUDA. Order that stream after the publisher of a CUDA
  * tensor (a device-side wait, as __dlpack__(stream=None) does), so that the "no sync" exports
- * never hand out memory before the publisher's work on it is done. 0, or -1 with an exception.
+ * never hand out memory before the publisher's work on it is done. Once per tensor: stream
+ * order lasts, and exports are meant to be cheap. While a blocking stream captures a graph the
+ * legacy stream cannot be used, so the first export of a tensor fails then, saying so.
+ * 0, or -1 with an exception.
  */
-static int order_for_consumer(const DLManagedTensorVersioned *t)
+static int order_for_consumer(TensorObject *self, const DLManagedTensorVersioned *t)
 {
 	int r;
 
-	if (t->dl_tensor.device.device_type != kDLCUDA)
+	if (t->dl_tensor.device.device_type != kDLCUDA || self->legacy_ordered)
 		return 0;
 	r = dlpc_tensor_wait(t, (void *)(uintptr_t)1 /* CU_STREAM_LEGACY */);
 	if (r < 0) {
-		ipc_raise(r);
+		PyErr_Format(PyExc_BufferError,
+			     "cannot order the legacy default stream after the publisher of this "
+			     "CUDA tensor (export it once before capturing a CUDA graph): %s",
+			     dlpc_last_error());
 		return -1;
 	}
+	self->legacy_ordered = true;
 	return 0;
 }
 
@@ -52,7 +59,7 @@ static int x_from_py(void *py_object, DLManagedTensorVersioned **out)
 		return -1;
 	}
 	t = ipc_tensor_live((TensorObject *)obj);
-	if (!t || order_for_consumer(t) < 0)
+	if (!t || order_for_consumer((TensorObject *)obj, t) < 0)
 		return -1;
 	*out = dlpc_tensor_share(t);
 	if (!*out) {
@@ -94,7 +101,7 @@ static int x_dltensor_from_py(void *py_object, DLTensor *out)
 		return -1;
 	}
 	t = ipc_tensor_live(py_object);
-	if (!t || order_for_consumer(t) < 0)
+	if (!t || order_for_consumer(py_object, t) < 0)
 		return -1;
 	*out = t->dl_tensor;
 	return 0;

@@ -93,6 +93,7 @@ PyObject *ipc_tensor_new(ipc_state *st, DLManagedTensorVersioned *t, PyObject *n
 	self->has_owner = false;
 	self->owner_uid = 0;
 	self->owner_pid = 0;
+	self->legacy_ordered = false;
 	return (PyObject *)self;
 }
 

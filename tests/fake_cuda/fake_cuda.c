@@ -104,7 +104,8 @@ struct CUevent_st {
 	unsigned flags;
 	CUstream behind; /* recorded on this held stream, pending until it is let go */
 	unsigned behind_releases;
-	bool captured; /* recorded inside a capture: the graph holds it, not the stream */
+	bool captured;	    /* recorded inside a capture: the graph holds it, not the stream */
+	bool behind_legacy; /* recorded on the legacy stream while a stream was held */
 };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -120,7 +121,8 @@ static pid_t init_pid;	  /* the process that called cuInit, 0 before */
 static unsigned instance; /* the device instance this process runs on (device_start()) */
 static pthread_cond_t let_go_cv = PTHREAD_COND_INITIALIZER; /* a held stream was let go */
 static unsigned held_streams, captures;			    /* how many streams are so */
-static __thread CUstreamCaptureMode capture_mode;	    /* GLOBAL, the default */
+static bool capture_broken;			  /* a call invalidated the captures under way */
+static __thread CUstreamCaptureMode capture_mode; /* GLOBAL, the default */
 /* Interprocess events alive in this process (created or opened), and how many the fake allows
  * ($FAKE_CUDA_IPC_EVENTS_MAX, default FAKE_IPC_EVENTS_MAX): the real driver runs out of them
  * at a limit of its own. */
@@ -175,22 +177,42 @@ static bool made_stream(CUstream s)
 /* Is @p e's record still behind the work of a held stream? Called with mu. */
 static bool pending(CUevent e)
 {
+	/* the legacy stream waits for every (blocking) stream: pending while any is held */
+	if (e->behind_legacy)
+		return held_streams > 0;
 	return e->behind && e->behind->held && e->behind->releases == e->behind_releases;
 }
 
+/* The legacy stream (NULL is it too, for the driver API) while a blocking stream captures:
+ * every use of it is an error. Called with mu. */
+static bool legacy_unusable(CUstream s)
+{
+	return !made_stream(s) && s != CU_STREAM_PER_THREAD && captures > 0;
+}
+
+/* A capture was invalidated by @p fn: logged, and the capturing streams say so. */
+static void invalidate(const char *fn)
+{
+	pthread_mutex_lock(&mu);
+	capture_broken = true;
+	pthread_mutex_unlock(&mu);
+	logf_("capture-invalidated by %s", fn);
+}
+
 /*
- * A potentially unsafe call while a stream captures in global mode: from a thread not in
- * relaxed mode the real driver refuses it and invalidates the capture. true if refused.
+ * A potentially unsafe call while a stream captures in global mode (as fake_cuda_capture()
+ * models it): refused, and the capture invalidated, unless the calling thread is in relaxed or
+ * thread-local mode (which ignores other threads' captures). true if refused.
  */
 static bool capture_refuses(const char *fn)
 {
 	bool refuse;
 
 	pthread_mutex_lock(&mu);
-	refuse = captures && capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED;
+	refuse = captures && capture_mode == CU_STREAM_CAPTURE_MODE_GLOBAL;
 	pthread_mutex_unlock(&mu);
 	if (refuse)
-		logf_("capture-invalidated by %s", fn);
+		invalidate(fn);
 	return refuse;
 }
 
@@ -801,12 +823,21 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
 	pthread_mutex_lock(&mu);
+	if (legacy_unusable(hStream)) {
+		pthread_mutex_unlock(&mu);
+		logf_("cuEventRecord stream=%p refused: a blocking stream captures",
+		      (void *)hStream);
+		return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+	}
 	hEvent->captured = made_stream(hStream) && hStream->capturing;
 	hEvent->behind = made_stream(hStream) && hStream->held ? hStream : NULL;
 	hEvent->behind_releases = hEvent->behind ? hStream->releases : 0;
+	hEvent->behind_legacy =
+		!made_stream(hStream) && hStream != CU_STREAM_PER_THREAD && held_streams > 0;
 	pthread_mutex_unlock(&mu);
 	logf_("cuEventRecord event=%d:%u stream=%p%s%s", hEvent->pid, hEvent->id, (void *)hStream,
-	      hEvent->captured ? " captured" : "", hEvent->behind ? " behind-held-work" : "");
+	      hEvent->captured ? " captured" : "",
+	      hEvent->behind || hEvent->behind_legacy ? " behind-held-work" : "");
 	return CUDA_SUCCESS;
 }
 
@@ -820,7 +851,7 @@ EXPORT CUresult cuEventQuery(CUevent hEvent)
 		return CUDA_ERROR_INVALID_HANDLE;
 	pthread_mutex_lock(&mu);
 	/* querying an event recorded inside a capture is an error whatever the mode */
-	r = hEvent->captured  ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+	r = hEvent->captured  ? CUDA_ERROR_CAPTURED_EVENT
 	    : pending(hEvent) ? CUDA_ERROR_NOT_READY
 			      : CUDA_SUCCESS;
 	pthread_mutex_unlock(&mu);
@@ -925,6 +956,9 @@ EXPORT CUresult cuStreamDestroy(CUstream hStream)
 		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!hStream || hStream->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
+	/* the work of a held stream still ends, and a capture ends with its stream */
+	fake_cuda_stream_hold(hStream, 0);
+	fake_cuda_capture(hStream, 0);
 	hStream->magic = 0;
 	free(hStream);
 	return CUDA_SUCCESS;
@@ -932,6 +966,8 @@ EXPORT CUresult cuStreamDestroy(CUstream hStream)
 
 EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 {
+	bool invalid;
+
 	if (!usable("cuStreamSynchronize"))
 		return CUDA_ERROR_NOT_INITIALIZED;
 	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
@@ -939,6 +975,15 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 	if (ctx_depth == 0)
 		return CUDA_ERROR_INVALID_CONTEXT;
 	logf_("cuStreamSynchronize stream=%p", (void *)hStream);
+	pthread_mutex_lock(&mu);
+	invalid = (made_stream(hStream) && hStream->capturing) || legacy_unusable(hStream);
+	pthread_mutex_unlock(&mu);
+	/* synchronizing a capturing stream, or the legacy stream during one, is invalid
+	 * whatever the mode */
+	if (invalid) {
+		invalidate("cuStreamSynchronize");
+		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+	}
 	if (capture_refuses("cuStreamSynchronize"))
 		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 	pthread_mutex_lock(&mu);
@@ -960,8 +1005,9 @@ EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *cap
 		return CUDA_ERROR_INVALID_HANDLE;
 	pthread_mutex_lock(&mu);
 	if (made_stream(hStream))
-		*captureStatus = hStream->capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE
-						    : CU_STREAM_CAPTURE_STATUS_NONE;
+		*captureStatus = !hStream->capturing ? CU_STREAM_CAPTURE_STATUS_NONE
+				 : capture_broken    ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+						     : CU_STREAM_CAPTURE_STATUS_ACTIVE;
 	else if (hStream != CU_STREAM_PER_THREAD && captures)
 		r = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT; /* the legacy stream while one captures */
 	else
@@ -1009,6 +1055,8 @@ EXPORT void fake_cuda_capture(CUstream s, int on)
 	else if (!on && s->capturing)
 		captures--;
 	s->capturing = on;
+	if (!captures)
+		capture_broken = false;
 	pthread_mutex_unlock(&mu);
 	logf_("capture stream=%p %s", (void *)s, on ? "begins" : "ends");
 }
@@ -1036,13 +1084,21 @@ EXPORT CUresult cuMemcpyDtoD(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_
 
 EXPORT CUresult cuCtxSynchronize(void)
 {
+	bool busy;
+
 	if (!usable("cuCtxSynchronize"))
 		return CUDA_ERROR_NOT_INITIALIZED;
 	if (ctx_depth == 0)
 		return CUDA_ERROR_INVALID_CONTEXT;
 	logf_("cuCtxSynchronize");
-	if (capture_refuses("cuCtxSynchronize"))
+	/* a context with a capturing stream cannot be synchronized, whatever the mode */
+	pthread_mutex_lock(&mu);
+	busy = captures > 0;
+	pthread_mutex_unlock(&mu);
+	if (busy) {
+		invalidate("cuCtxSynchronize");
 		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+	}
 	pthread_mutex_lock(&mu);
 	while (held_streams > 0)
 		pthread_cond_wait(&let_go_cv, &mu);
@@ -1052,6 +1108,8 @@ EXPORT CUresult cuCtxSynchronize(void)
 
 EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
 {
+	bool implicit;
+
 	if (!usable("cuStreamWaitEvent"))
 		return CUDA_ERROR_NOT_INITIALIZED;
 	/* the special streams (legacy 0x1, per-thread 0x2) and NULL are valid without a record */
@@ -1059,9 +1117,12 @@ EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int
 		return CUDA_ERROR_INVALID_HANDLE;
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
-	logf_("cuStreamWaitEvent stream=%p event=%d:%u flags=%u", (void *)hStream, hEvent->pid,
-	      hEvent->id, Flags);
-	return CUDA_SUCCESS;
+	pthread_mutex_lock(&mu);
+	implicit = legacy_unusable(hStream);
+	pthread_mutex_unlock(&mu);
+	logf_("cuStreamWaitEvent stream=%p event=%d:%u flags=%u%s", (void *)hStream, hEvent->pid,
+	      hEvent->id, Flags, implicit ? " refused: a blocking stream captures" : "");
+	return implicit ? CUDA_ERROR_STREAM_CAPTURE_IMPLICIT : CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,

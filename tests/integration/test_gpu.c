@@ -71,6 +71,14 @@ static bool log_reaches(pid_t pid, const char *text, int n)
 	return log_count(pid, text) == n;
 }
 
+/* Wait (at most 10 s) until @p pid's log holds a line with @p text. */
+static bool log_appears(pid_t pid, const char *text)
+{
+	for (int i = 0; i < 1000 && log_count(pid, text) == 0; i++)
+		usleep(10000);
+	return log_count(pid, text) > 0;
+}
+
 /* ---- device tensors over fake device memory ---- */
 
 struct devt {
@@ -299,10 +307,12 @@ static int attacher_main(void *arg)
 		CHILD_CHECK(log_count(getpid(), "cuStreamWaitEvent stream=0x2 ") == 1);
 		CHILD_CHECK(dlpc_tensor_wait(t, NULL) == 0);
 		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 1);
-		/* two orderings, one on the host: the release waits for every stream, on the
-		 * library's thread */
+		/* two orderings, one on the host: no one stream is known, so the release comes
+		 * after an event on the legacy stream, which follows every blocking stream */
 		t->deleter(t);
-		CHILD_CHECK(log_reaches(getpid(), "cuCtxSynchronize", 1));
+		CHILD_CHECK(log_count2(getpid(), "cuEventRecord", "stream=0x1") == 1);
+		CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
 		dlpc_close(c);
 		return 0;
 	}
@@ -324,19 +334,15 @@ static int attacher_main(void *arg)
 	CHILD_CHECK(log_count(getpid(), "cuStreamSynchronize") == 0);
 	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
 	t->deleter(t);
-	/* releasing comes after the consumer's queued work: an event recorded on the stream it
-	 * was ordered on, in the deleter, and looked at from the library's thread; or, when the
-	 * host waited at attach, every stream synchronized there. The deleter itself waits for
-	 * nothing. */
-	if (a->with_stream) {
-		snprintf(want, sizeof(want), "stream=%p", (void *)s);
-		CHILD_CHECK(log_count2(getpid(), "cuEventRecord", want) == 1);
-		CHILD_CHECK(log_reaches(getpid(), "cuEventQuery", 1));
-		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
-	} else {
-		CHILD_CHECK(log_reaches(getpid(), "cuCtxSynchronize", 1));
-	}
+	/* releasing comes after the consumer's queued work: an event recorded, in the deleter,
+	 * on the stream it was ordered on (when the host waited at attach, on the legacy stream,
+	 * which follows every blocking stream), looked at from the library's thread. The
+	 * deleter itself waits for nothing. */
+	snprintf(want, sizeof(want), "stream=%p", a->with_stream ? (void *)s : (void *)0x1);
+	CHILD_CHECK(log_count2(getpid(), "cuEventRecord", want) == 1);
+	CHILD_CHECK(log_reaches(getpid(), "cuEventQuery", 1));
 	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
 	CHILD_CHECK(log_count(getpid(), "cuStreamSynchronize") == 0);
 	CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == (a->with_stream ? 0 : 1));
 	dlpc_close(c);
@@ -1310,7 +1316,7 @@ static int release_behind_held_work(void *arg)
 	/* while it runs the memory stays mapped and referenced, so no RECLAIM can reach the
 	 * publisher; nothing waits on the host, the library's thread only looks */
 	CHILD_CHECK(refs_stay(c, 1));
-	CHILD_CHECK(log_count(getpid(), "cuEventQuery") > 0);
+	CHILD_CHECK(log_appears(getpid(), "result=600")); /* cuEventQuery: not ready */
 	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
 	CHILD_CHECK(log_count(getpid(), "Synchronize") == 0);
 	/* the kernel ends: unmapped and released without another call of the consumer's */
@@ -1355,23 +1361,29 @@ static int release_while_capturing(void *arg)
 		CHILD_CHECK(dlpc_attach(c, "gpu/g", &o, &t[i]) == 1);
 	}
 	CHILD_CHECK(refs_now(c) == 4);
-	/* another thread of the process captures a graph on s2, in global mode: a synchronizing
-	 * or unmapping call from any thread not in relaxed mode would invalidate it */
+	/* another thread of the process captures a graph on s2 (a blocking stream), in global
+	 * mode: synchronizing, or using the legacy stream, would invalidate it */
 	fake_cuda_capture(s2, 1);
+	/* ordered on s1: an event there, released */
 	t[0]->deleter(t[0]);
+	CHILD_CHECK(refs_reach(c, 3));
+	/* on the host (no one stream known), on the capturing stream, on the legacy stream: the
+	 * legacy stream would stand for them, and it cannot be used until the capture ends, so
+	 * the memory stays, and no event lands in the graph */
 	t[1]->deleter(t[1]);
-	CHILD_CHECK(refs_reach(c, 2));
-	/* ordered on the capturing stream, or on the legacy stream that would wait for it:
-	 * nothing can be recorded there until the capture ends, so the memory stays */
 	t[2]->deleter(t[2]);
 	t[3]->deleter(t[3]);
-	CHILD_CHECK(refs_stay(c, 2));
+	CHILD_CHECK(refs_stay(c, 3));
 	CHILD_CHECK(log_count(getpid(), " captured") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuEventRecord stream=") == 0); /* none refused */
+	/* s2 is destroyed as soon as its capture ends: the library holds no handle on it */
 	fake_cuda_capture(s2, 0);
+	CHILD_CHECK(cuStreamDestroy(s2) == CUDA_SUCCESS);
 	CHILD_CHECK(refs_reach(c, 0));
 	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
-	/* and the capture was never disturbed */
+	/* and the capture was never disturbed, nor the context synchronized */
 	CHILD_CHECK(log_count(getpid(), "capture-invalidated") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
 	dlpc_close(c);
 	return 0;
 }

@@ -309,8 +309,9 @@ def test_dlpackctl_check_finds_entries_whose_device_went_away(ipc, py, gpu_env, 
 def test_exchange_api_orders_cuda_tensors(ipc, py, gpu_env, tmp_path):
     """The DLPack C exchange API's exports do no synchronization of their own: its consumer
     launches on current_work_stream()'s stream (NULL, the legacy default stream). That stream
-    waits for the publisher's event before a CUDA SharedTensor is handed out, and the tensor's
-    release waits for the consumer's work on it."""
+    waits for the publisher's event before a CUDA SharedTensor is first handed out (once: the
+    order lasts), and the tensor's release waits for the work queued there, which follows
+    every blocking stream (a held one: a long kernel)."""
     ready, go = str(tmp_path / "ready"), str(tmp_path / "go")
     pub = py.popen(child(f"""
         import dlpack_ipc, time
@@ -349,14 +350,23 @@ def test_exchange_api_orders_cuda_tensors(ipc, py, gpu_env, tmp_path):
             assert vals[99] == 99 * 0.5
             dl = DLTensor()
             assert DL_FROM_PY(xapi.dl_from_py)(t, byref(dl)) == 0
-            assert len(waits()) == 2 and dl.data == out.contents.dl_tensor.data
-            # released after the work on the stream the consumer was given
+            assert len(waits()) == 1 and dl.data == out.contents.dl_tensor.data
+            # a long kernel runs on a blocking stream: the release comes after it, since it
+            # follows an event on the legacy stream
+            s = c_void_p()
+            assert fake.cuStreamCreate(byref(s), 0) == 0
+            fake.fake_cuda_stream_hold(s, 1)
             out.contents.deleter(out)
             t.release()
+            assert [l for l in log_lines("cuEventRecord") if "stream=0x1 " in l], \
+                log_lines("cuEventRecord")
+            time.sleep(0.3)
+            assert not log_lines("cuIpcCloseMemHandle"), "released while the kernel ran"
+            fake.fake_cuda_stream_hold(s, 0)
             deadline = time.monotonic() + 10
             while not log_lines("cuIpcCloseMemHandle") and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert log_lines("cuEventRecord") and log_lines("cuIpcCloseMemHandle")
+            assert log_lines("cuIpcCloseMemHandle")
             assert not log_lines("Synchronize"), log_lines("Synchronize")
         """).replace("import ctypes, os, sys", "import ctypes, os, sys, time"), env=gpu_env)
     finally:
