@@ -189,6 +189,57 @@ int dlpc__region_seal(struct dlpc__region *r, const char *name, bool writable)
 	return err;
 }
 
+/* Check @p device for dlpc_alloc() and dlpc_alloc_bundle() (@p what). 0 or -ENOTSUP. */
+static int alloc_device(DLDevice device, const char *what)
+{
+	if ((device.device_type != kDLCPU || device.device_id != 0) &&
+	    (device.device_type != kDLCUDA || device.device_id < 0))
+		return dlpc__fail(-ENOTSUP, "%s: device %d:%d is not supported", what,
+				  (int)device.device_type, (int)device.device_id);
+	return 0;
+}
+
+/* A new region of @p size bytes (> 0) on @p device, holding one reference (the caller's):
+ * a memfd mapped here, or CUDA VMM memory exportable as an fd the daemon can hold. */
+static int alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret)
+{
+	struct dlpc__region *r = calloc(1, sizeof(*r));
+	int err;
+
+	if (!r)
+		return dlpc__fail(-ENOMEM, "%s: out of memory", what);
+	if (device.device_type == kDLCUDA) {
+		err = dlpc__cuda_vmm_alloc(device.device_id, size, &r->gpu, &r->base, &r->len,
+					   &r->fd, r->uuid, what);
+		if (err < 0) {
+			free(r);
+			return err;
+		}
+		r->device = true;
+		pthread_mutex_init(&r->sync_mu, NULL);
+	} else {
+		r->fd = dlpc__memfd_create(what, size, true);
+		if (r->fd < 0) {
+			err = r->fd;
+			free(r);
+			return err;
+		}
+		r->len = (size_t)size;
+		r->base = mmap(NULL, r->len, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, 0);
+		if (r->base == MAP_FAILED) {
+			err = dlpc__fail(-errno, "%s: cannot map %llu bytes: %m", what,
+					 (unsigned long long)size);
+			close(r->fd);
+			free(r);
+			return err;
+		}
+	}
+	atomic_init(&r->refs, 1);
+	atomic_init(&r->frozen, false);
+	*ret = r;
+	return 0;
+}
+
 DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, int32_t ndim,
 			   const int64_t *shape, DLManagedTensorVersioned **ret)
 {
@@ -201,52 +252,74 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
 	*ret = NULL;
 	if (c && (err = dlpc__check(c)) < 0)
 		return err;
-	if ((device.device_type != kDLCPU || device.device_id != 0) &&
-	    (device.device_type != kDLCUDA || device.device_id < 0))
-		return dlpc__fail(-ENOTSUP, "dlpc_alloc: device %d:%d is not supported",
-				  (int)device.device_type, (int)device.device_id);
+	if ((err = alloc_device(device, "dlpc_alloc")) < 0)
+		return err;
 	if (dlpc__tensor_nbytes(dtype.bits, dtype.lanes, shape, (size_t)ndim, &nbytes) < 0 ||
 	    !dlpc__align_up(nbytes, &size) || size > INT64_MAX)
 		return dlpc__fail(-EINVAL, "dlpc_alloc: bad dtype or shape");
-	size = size ? size : DLPC_ALIGN;
-	r = calloc(1, sizeof(*r));
-	if (!r)
-		return dlpc__fail(-ENOMEM, "dlpc_alloc: out of memory");
-	if (device.device_type == kDLCUDA) {
-		/* CUDA VMM memory, exportable as an fd that the daemon can hold */
-		err = dlpc__cuda_vmm_alloc(device.device_id, size, &r->gpu, &r->base, &r->len,
-					   &r->fd, r->uuid, "dlpc_alloc");
-		if (err < 0) {
-			free(r);
-			return err;
-		}
-		r->device = true;
-		pthread_mutex_init(&r->sync_mu, NULL);
-		atomic_init(&r->refs, 1);
-		atomic_init(&r->frozen, false);
-		*ret = dlpc__view_new(r, r->base, device, dtype, ndim, shape, 0);
-		dlpc__region_unref(r);
-		return *ret ? 0 : dlpc__fail(-ENOMEM, "dlpc_alloc: out of memory");
-	}
-	r->fd = dlpc__memfd_create("dlpc_alloc", size, true);
-	if (r->fd < 0) {
-		err = r->fd;
-		free(r);
+	err = alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc", &r);
+	if (err < 0)
 		return err;
-	}
-	r->len = (size_t)size;
-	r->base = mmap(NULL, r->len, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, 0);
-	if (r->base == MAP_FAILED) {
-		err = dlpc__fail(-errno, "dlpc_alloc: cannot map %llu bytes: %m",
-				 (unsigned long long)size);
-		close(r->fd);
-		free(r);
-		return err;
-	}
 	/* the region's own reference is handed to the view, which takes one more */
-	atomic_init(&r->refs, 1);
-	atomic_init(&r->frozen, false);
 	*ret = dlpc__view_new(r, r->base, device, dtype, ndim, shape, 0);
 	dlpc__region_unref(r);
 	return *ret ? 0 : dlpc__fail(-ENOMEM, "dlpc_alloc: out of memory");
+}
+
+DLPC_EXPORT int dlpc_alloc_bundle(dlpc_client *c, DLDevice device, size_t n,
+				  const DLDataType dtypes[], const int32_t ndims[],
+				  const int64_t *const shapes[], DLManagedTensorVersioned *ret[])
+{
+	struct dlpc__region *r = NULL;
+	uint64_t *offsets, size = 0, nbytes;
+	int err;
+
+	if (!ret || n == 0 || n > DLPC_BUNDLE_MAX || !dtypes || !ndims || !shapes)
+		return dlpc__fail(-EINVAL,
+				  "dlpc_alloc_bundle: bad arguments (%zu tensors, at most "
+				  "DLPC_BUNDLE_MAX %d)",
+				  n, DLPC_BUNDLE_MAX);
+	for (size_t i = 0; i < n; i++)
+		ret[i] = NULL;
+	if (c && (err = dlpc__check(c)) < 0)
+		return err;
+	if ((err = alloc_device(device, "dlpc_alloc_bundle")) < 0)
+		return err;
+	offsets = calloc(n, sizeof(*offsets));
+	if (!offsets)
+		return dlpc__fail(-ENOMEM, "dlpc_alloc_bundle: out of memory");
+	/* the layout dlpc_publish_bundle() makes of a copy: each tensor at the next boundary */
+	for (size_t i = 0; i < n; i++) {
+		if (ndims[i] < 0 || ndims[i] > DLPC_NDIM_MAX || (ndims[i] > 0 && !shapes[i]) ||
+		    dlpc__tensor_nbytes(dtypes[i].bits, dtypes[i].lanes, shapes[i],
+					(size_t)ndims[i], &nbytes) < 0 ||
+		    !dlpc__align_up(size, &offsets[i]) ||
+		    __builtin_add_overflow(offsets[i], nbytes, &size) || size > INT64_MAX) {
+			free(offsets);
+			return dlpc__fail(-EINVAL,
+					  "dlpc_alloc_bundle: bad dtype or shape (tensor "
+					  "%zu), or too large",
+					  i);
+		}
+	}
+	if (!dlpc__align_up(size, &size)) {
+		free(offsets);
+		return dlpc__fail(-EINVAL, "dlpc_alloc_bundle: too large");
+	}
+	err = alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc_bundle", &r);
+	for (size_t i = 0; err == 0 && i < n; i++) {
+		ret[i] = dlpc__view_new(r, (uint8_t *)r->base + offsets[i], device, dtypes[i],
+					ndims[i], shapes[i], 0);
+		if (!ret[i])
+			err = dlpc__fail(-ENOMEM, "dlpc_alloc_bundle: out of memory");
+	}
+	/* the views hold the region; on failure none is handed out */
+	for (size_t i = 0; err < 0 && i < n && ret[i]; i++) {
+		ret[i]->deleter(ret[i]);
+		ret[i] = NULL;
+	}
+	if (r)
+		dlpc__region_unref(r);
+	free(offsets);
+	return err;
 }

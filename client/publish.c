@@ -226,6 +226,27 @@ static struct dlpc__region *zero_copy_source(const DLManagedTensorVersioned *mt,
 	return r;
 }
 
+/*
+ * The one allocation of dlpc_alloc() or dlpc_alloc_bundle() memory that all @p n tensors lie
+ * in, each where its descs[i] can say (a 256-byte aligned offset), or NULL. Fills in
+ * descs[i].offset when it returns one.
+ */
+static struct dlpc__region *zero_copy_all(DLManagedTensorVersioned *const tensors[],
+					  const struct slot *slots, Dlpackd__V1__TensorDesc *descs,
+					  size_t n)
+{
+	struct dlpc__region *r = zero_copy_source(tensors[0], &slots[0]);
+
+	for (size_t i = 1; r && i < n; i++)
+		if (zero_copy_source(tensors[i], &slots[i]) != r)
+			r = NULL;
+	for (size_t i = 0; r && i < n; i++)
+		descs[i].offset =
+			(uint64_t)((const uint8_t *)tensors[i]->dl_tensor.data +
+				   tensors[i]->dl_tensor.byte_offset - (const uint8_t *)r->base);
+	return r;
+}
+
 /* Send @p req with the storage @p fd (none if -1); the generation, or a negative errno. */
 static int send_publish(dlpc_client *c, Dlpackd__V1__Publish *req, int fd)
 {
@@ -397,14 +418,17 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 }
 
 /*
- * Publish @p n CUDA tensors of one device as a bundle: copied, on the device, into one VMM
- * allocation of ours (each at slots[i].offset, @p size bytes in all), which the daemon holds
- * like any VMM entry. One import serves every attacher's whole bundle. The generation or a
- * negative errno; the tensors stay the caller's (their deleters run when publish() ends).
+ * Publish @p n CUDA tensors of one device as a bundle: those of one dlpc_alloc_bundle()
+ * allocation (@p zc, their offsets in dptrs already) as that allocation's VMM export fd; any
+ * others copied, on the device, into one VMM allocation of ours (each at slots[i].offset,
+ * @p size bytes in all). The daemon holds either like any VMM entry, and one import serves
+ * every attacher's whole bundle. The generation or a negative errno; the tensors stay the
+ * caller's (their deleters run when publish() ends).
  */
 static int publish_cuda_bundle(dlpc_client *c, const char *name, size_t n,
 			       DLManagedTensorVersioned *const tensors[], const struct slot *slots,
-			       Dlpackd__V1__TensorDesc **dptrs, uint64_t size, uint32_t flags)
+			       Dlpackd__V1__TensorDesc **dptrs, uint64_t size, uint32_t flags,
+			       const struct dlpc__region *zc)
 {
 	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
 	int ordinal = tensors[0]->dl_tensor.device.device_id;
@@ -431,6 +455,19 @@ static int publish_cuda_bundle(dlpc_client *c, const char *name, size_t n,
 					  "tensor 0 on CUDA device %d; a bundle's tensors are all "
 					  "on one device",
 					  name, i, d.device_type, d.device_id, ordinal);
+	}
+	if (zc && zc->device) {
+		req.name.data = (uint8_t *)name;
+		req.name.len = strlen(name);
+		req.flags = flags;
+		req.device_type = kDLCUDA;
+		req.device_id = ordinal;
+		req.device_uuid.data = (uint8_t *)zc->uuid;
+		req.device_uuid.len = DLPC_CUDA_UUID_SIZE;
+		req.storage_size = zc->len;
+		req.n_tensors = n;
+		req.tensors = dptrs;
+		return send_publish(c, &req, zc->fd);
 	}
 	snprintf(what, sizeof(what), "cannot publish '%s'", name);
 	srcs = calloc(n, sizeof(*srcs));
@@ -528,8 +565,10 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 		r = publish_cuda(c, name, tensors[0], &slots[0], dptrs, flags, &kept);
 		goto out;
 	}
+	zc = zero_copy_all(tensors, slots, descs, n);
 	if (tensors[0]->dl_tensor.device.device_type == kDLCUDA) {
-		r = publish_cuda_bundle(c, name, n, tensors, slots, dptrs, size, flags);
+		r = publish_cuda_bundle(c, name, n, tensors, slots, dptrs, size, flags, zc);
+		zc = NULL; /* not this path's to seal, nor its fd to keep open */
 		goto out;
 	}
 	for (size_t i = 0; i < n; i++)
@@ -541,14 +580,12 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 				name, i);
 			goto out;
 		}
-	if (n == 1)
-		zc = zero_copy_source(tensors[0], &slots[0]);
+	if (zc && zc->device)
+		zc = NULL;
 	if (zc) {
+		/* offsets in descs already */
 		fd = zc->fd;
 		size = zc->len;
-		descs[0].offset =
-			(uint64_t)((const uint8_t *)tensors[0]->dl_tensor.data +
-				   tensors[0]->dl_tensor.byte_offset - (const uint8_t *)zc->base);
 	} else {
 		size = size ? size : DLPC_ALIGN;
 		/* Written with pwrite, not through a mapping: no page faults, and no pages zeroed

@@ -270,10 +270,12 @@ DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVe
  *
  * @p keys are unique, 0..DLPC_KEY_MAX bytes each. Ownership of every tensor passes to the
  * library as for dlpc_publish(), on every path. The tensors are all host memory, or all on one
- * CUDA device: those are copied on the device into one VMM allocation of the library's (the
- * calling thread waits for the copies) and their deleters run before this returns. A bundle of
- * one CUDA tensor is not copied: it is published as dlpc_publish() would publish it, its key
- * kept.
+ * CUDA device. When every tensor lies in one allocation of dlpc_alloc_bundle() (or
+ * dlpc_alloc()), that allocation is published as it is, without a copy, like dlpc_alloc()
+ * memory by dlpc_publish(). Otherwise host tensors are copied into one sealed memfd, and CUDA
+ * tensors on the device into one VMM allocation of the library's (the calling thread waits for
+ * the copies); their deleters run before this returns. A bundle of one CUDA tensor is not
+ * copied: it is published as dlpc_publish() would publish it, its key kept.
  * @return the new generation (> 0) or a negative errno as for dlpc_publish(); -ENOTSUP for
  *         tensors on different devices.
  */
@@ -303,6 +305,21 @@ DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
  */
 DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, int32_t ndim,
 			   const int64_t *shape, DLManagedTensorVersioned **ret);
+
+/**
+ * Allocate @p n C-contiguous, writable tensors (tensor i: @p dtypes[i], @p ndims[i] dimensions
+ * of @p shapes[i]) in one allocation of shared memory on @p device, host or CUDA, each at the
+ * next 256-byte boundary after the one before, and store them in @p ret[0..n-1]: a bucket to
+ * fill in place (on a device, with your own kernels or copies) and publish whole with
+ * dlpc_publish_bundle() without a copy. Each tensor has its own deleter; the memory lives until
+ * the last is gone. Everything dlpc_alloc() says of its memory holds for this allocation.
+ * @p n is 1..DLPC_BUNDLE_MAX.
+ * @return 0 or a negative errno as for dlpc_alloc() (-EINVAL for a bad dtype or shape); on
+ *         failure every @p ret[i] is NULL.
+ */
+DLPC_EXPORT int dlpc_alloc_bundle(dlpc_client *c, DLDevice device, size_t n,
+				  const DLDataType dtypes[], const int32_t ndims[],
+				  const int64_t *const shapes[], DLManagedTensorVersioned *ret[]);
 
 /**
  * Attach the single tensor published under @p name.

@@ -872,6 +872,95 @@ START_TEST(test_alloc_zero_copy)
 }
 END_TEST
 
+static const char *const bucket_keys[3] = {"w", "b", "empty"};
+
+/* Another process attaches "bucket" and sees the publisher's writes made after publishing. */
+static int attach_bucket(void *arg)
+{
+	dlpc_client *c = child_connect();
+	DLManagedTensorVersioned *t[3];
+	dlpc_bundle *b = NULL;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_attach_bundle(c, "bucket", NULL, &b) == 1);
+	CHILD_CHECK(dlpc_bundle_count(b) == 3);
+	for (size_t i = 0; i < 3; i++) {
+		CHILD_CHECK(strcmp(dlpc_bundle_key(b, i), bucket_keys[i]) == 0);
+		t[i] = dlpc_bundle_take(b, i);
+	}
+	CHILD_CHECK(t[0]->dl_tensor.ndim == 2 && t[0]->dl_tensor.shape[1] == 5);
+	CHILD_CHECK(((float *)t[0]->dl_tensor.data)[19] == 19.0f);
+	CHILD_CHECK(((float *)t[0]->dl_tensor.data)[3] == 99.0f); /* written after publishing */
+	CHILD_CHECK(((int16_t *)t[1]->dl_tensor.data)[6] == -6);
+	CHILD_CHECK(t[2]->dl_tensor.shape[0] == 0 && t[2]->dl_tensor.dtype.code == kDLUInt);
+	for (size_t i = 0; i < 3; i++)
+		t[i]->deleter(t[i]);
+	dlpc_bundle_free(b);
+	dlpc_close(c);
+	return 0;
+}
+
+/* A bucket allocated with dlpc_alloc_bundle() is published whole, as it is: no copy. */
+START_TEST(test_alloc_bundle_zero_copy)
+{
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t[3], *mine;
+	const DLDataType dt[3] = {{kDLFloat, 32, 1}, {kDLInt, 16, 1}, {kDLUInt, 8, 1}};
+	const int32_t nd[3] = {2, 1, 1}, bad_nd[1] = {-1};
+	const int64_t s0[2] = {4, 5}, s1[1] = {7}, s2[1] = {0};
+	const int64_t *const shapes[3] = {s0, s1, s2};
+
+	ck_assert_dlpc(dlpc_alloc_bundle(c, (DLDevice){kDLCPU, 0}, 3, dt, nd, shapes, t), 0);
+	/* 80 bytes at 0, 14 at the next 256-byte boundary, the empty one at the one after */
+	ck_assert_ptr_eq((uint8_t *)t[1]->dl_tensor.data - 256, t[0]->dl_tensor.data);
+	ck_assert_ptr_eq((uint8_t *)t[2]->dl_tensor.data - 512, t[0]->dl_tensor.data);
+	ck_assert_uint_eq(t[0]->flags & DLPACK_FLAG_BITMASK_READ_ONLY, 0);
+	for (int i = 0; i < 20; i++)
+		((float *)t[0]->dl_tensor.data)[i] = (float)i;
+	for (int i = 0; i < 7; i++)
+		((int16_t *)t[1]->dl_tensor.data)[i] = (int16_t)-i;
+	mine = dlpc_tensor_share(t[0]);
+	ck_assert_ptr_nonnull(mine);
+	ck_assert_dlpc(dlpc_publish_bundle(c, "bucket", 3, bucket_keys, t, DLPC_PUBLISH_WRITABLE),
+		       1);
+	/* the entry is this very memory: a write made now is seen by an attacher */
+	((float *)mine->dl_tensor.data)[3] = 99.0f;
+	ck_assert_uint_eq(stat_or_die(c).bytes_held, 512);
+	ck_assert_int_eq(wait_child(spawn(attach_bucket, NULL)), 0);
+	mine->deleter(mine);
+	/* tensors of two allocations are copied as before */
+	ck_assert_dlpc(dlpc_alloc_bundle(c, (DLDevice){kDLCPU, 0}, 1, dt, nd, shapes, &t[0]), 0);
+	ck_assert_dlpc(dlpc_alloc_bundle(c, (DLDevice){kDLCPU, 0}, 1, dt, nd, shapes, &t[1]), 0);
+	mine = dlpc_tensor_share(t[0]);
+	ck_assert_dlpc(dlpc_publish_bundle(c, "two", 2, bucket_keys, t, DLPC_PUBLISH_WRITABLE), 1);
+	((float *)mine->dl_tensor.data)[0] = 42.0f;
+	{
+		dlpc_bundle *b;
+		DLManagedTensorVersioned *w;
+
+		ck_assert_dlpc(dlpc_attach_bundle(c, "two", NULL, &b), 1);
+		w = dlpc_bundle_take(b, 0);
+		ck_assert(((float *)w->dl_tensor.data)[0] != 42.0f);
+		w->deleter(w);
+		dlpc_bundle_free(b);
+	}
+	mine->deleter(mine);
+	/* bad arguments: nothing allocated, every slot NULL */
+	t[0] = t[1] = (DLManagedTensorVersioned *)1;
+	ck_assert_dlpc(dlpc_alloc_bundle(c, (DLDevice){kDLCPU, 0}, 0, dt, nd, shapes, t), -EINVAL);
+	ck_assert_dlpc(dlpc_alloc_bundle(c, (DLDevice){kDLCPU, 0}, 1, dt, bad_nd, shapes, t),
+		       -EINVAL);
+	ck_assert_ptr_null(t[0]);
+	ck_assert_dlpc(
+		dlpc_alloc_bundle(c, (DLDevice){kDLCPU, 0}, DLPC_BUNDLE_MAX + 1, dt, nd, shapes, t),
+		-EINVAL);
+	ck_assert_dlpc(dlpc_alloc_bundle(c, (DLDevice){kDLROCM, 0}, 3, dt, nd, shapes, t),
+		       -ENOTSUP);
+	ck_assert_ptr_null(t[0]);
+	dlpc_close(c);
+}
+END_TEST
+
 /* Shares of an allocation outlive its publication; a read-only publish freezes them too. */
 START_TEST(test_alloc_shares)
 {
@@ -1177,6 +1266,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_deferred_release);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
+	tcase_add_test(tc, test_alloc_bundle_zero_copy);
 	tcase_add_test(tc, test_alloc_shares);
 	tcase_add_test(tc, test_attach_shares);
 	tcase_add_test(tc, test_writable);

@@ -1027,15 +1027,43 @@ static int publish_cuda_bundle(void *arg)
 	return 0;
 }
 
+/* A bucket filled in place: dlpc_alloc_bundle() on the device, published with no copy. */
+static int publish_alloc_bundle(void *arg)
+{
+	const DLDataType f32[3] = {{kDLFloat, 32, 1}, {kDLFloat, 32, 1}, {kDLFloat, 32, 1}};
+	const int32_t nd[3] = {1, 1, 1};
+	const int64_t n[1] = {NELEM};
+	const int64_t *const shapes[3] = {n, n, n};
+	DLManagedTensorVersioned *ts[3];
+	dlpc_client *c = NULL;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_alloc_bundle(c, (DLDevice){kDLCUDA, 0}, 3, f32, nd, shapes, ts) == 0);
+	fill(ts[0]->dl_tensor.data, NELEM, 1.0f);
+	fill(ts[1]->dl_tensor.data, NELEM, 7.0f);
+	fill(ts[2]->dl_tensor.data, NELEM, 9.0f);
+	CHILD_CHECK(ts[0]->dl_tensor.device.device_type == kDLCUDA);
+	CHILD_CHECK((uint8_t *)ts[2]->dl_tensor.data - (uint8_t *)ts[0]->dl_tensor.data ==
+		    2 * ((NELEM * 4 + 255) / 256 * 256));
+	CHILD_CHECK(dlpc_publish_bundle(c, "gpu/bucket", 3, bundle_keys, ts, 0) == 1);
+	/* one allocation, published by its export fd: no copy, no wait */
+	CHILD_CHECK(log_count(getpid(), "cuMemCreate") == 1);
+	CHILD_CHECK(log_count(getpid(), "cuMemExportToShareableHandle") == 1);
+	CHILD_CHECK(log_count(getpid(), "cuMemcpyDtoD") == 0);
+	CHILD_CHECK(log_count(getpid(), "Synchronize") == 0);
+	dlpc_close(c);
+	return 0;
+}
+
 static int attach_cuda_bundle(void *arg)
 {
 	const float bases[3] = {1.0f, 7.0f, 9.0f};
 	dlpc_bundle *b = NULL;
 	dlpc_client *c = NULL;
 
-	(void)arg;
 	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
-	CHILD_CHECK(dlpc_attach_bundle(c, "gpu/bundle", NULL, &b) == 1);
+	CHILD_CHECK(dlpc_attach_bundle(c, arg ? arg : "gpu/bundle", NULL, &b) == 1);
 	CHILD_CHECK(dlpc_bundle_count(b) == 3);
 	for (size_t i = 0; i < 3; i++) {
 		DLManagedTensorVersioned *t;
@@ -1061,6 +1089,9 @@ START_TEST(cuda_bundle)
 
 	ck_assert_int_eq(wait_child(spawn(publish_cuda_bundle, NULL)), 0);
 	ck_assert_int_eq(wait_child(spawn(attach_cuda_bundle, NULL)), 0);
+	/* filled in place and published without a copy; the entry outlives its publisher */
+	ck_assert_int_eq(wait_child(spawn(publish_alloc_bundle, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(attach_cuda_bundle, "gpu/bucket")), 0);
 	ck_assert(wait_stat(c, no_refs, NULL, scaled_ms(5000)));
 	dlpc_close(c);
 }
