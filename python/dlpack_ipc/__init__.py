@@ -26,7 +26,7 @@ from ._core import Watch as _CoreWatch
 
 __all__ = [
     "Client", "SharedTensor", "EntryInfo", "TensorInfo", "Owner", "publish", "publish_dict",
-    "attach", "attach_dict", "empty", "unpublish", "list", "stat", "watch", "Watch",
+    "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat", "watch", "Watch",
     "WatchEvent",
 ]
 
@@ -207,6 +207,14 @@ def empty(shape, dtype, device="cpu"):
 
     device is "cpu", or "cuda" / "cuda:N" for CUDA VMM memory on that device."""
     return _client().empty(shape, dtype, device)
+
+
+def empty_dict(spec, device="cpu"):
+    """A bundle to fill in place: {key: (shape, dtype)} -> {key: SharedTensor}, every tensor in
+    one allocation (each at the next 256-byte boundary) on device ("cpu", "cuda", "cuda:N").
+    publish_dict() of that dict then shares the allocation without a copy, on a device too
+    (a weight-sync bucket)."""
+    return _client().empty_dict(spec, device)
 
 
 def unpublish(name):

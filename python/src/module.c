@@ -417,23 +417,10 @@ static PyObject *client_exit(PyObject *obj, PyObject *args)
 	Py_RETURN_FALSE;
 }
 
-static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
+/* "cpu", "cuda" or "cuda:N" as a DLDevice. 0, or -1 with ValueError. */
+static int parse_device(const char *device, DLDevice *dev)
 {
-	static char *kwlist[] = {"shape", "dtype", "device", NULL};
-	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
-	PyObject *shape_o, *dtype_o, *seq, *key, *res;
-	const char *device = "cpu";
-	DLDevice dev = {kDLCPU, 0};
-	int64_t shape[DLPC_NDIM_MAX];
-	DLManagedTensorVersioned *t;
-	DLDataType dt;
-	Py_ssize_t ndim;
-	dlpc_client *c;
-	int r;
-
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|s:empty", kwlist, &shape_o, &dtype_o,
-					 &device))
-		return NULL;
+	*dev = (DLDevice){kDLCPU, 0};
 	if (strncmp(device, "cuda", 4) == 0) {
 		char *end = NULL;
 		long id = device[4] == ':' ? strtol(device + 5, &end, 10) : 0;
@@ -442,26 +429,35 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 		    id < 0 || id > INT32_MAX) {
 			PyErr_Format(PyExc_ValueError, "device '%s' is not \"cuda\" or \"cuda:N\"",
 				     device);
-			return NULL;
+			return -1;
 		}
-		dev = (DLDevice){kDLCUDA, (int32_t)id};
+		*dev = (DLDevice){kDLCUDA, (int32_t)id};
 	} else if (strcmp(device, "cpu") != 0) {
 		PyErr_Format(PyExc_ValueError,
 			     "device '%s' is not supported (\"cpu\", \"cuda\" or \"cuda:N\")",
 			     device);
-		return NULL;
+		return -1;
 	}
-	if (ipc_dtype_parse(dtype_o, &dt) < 0)
-		return NULL;
-	seq = PyLong_Check(shape_o) ? PyTuple_Pack(1, shape_o)
-				    : PySequence_Fast(shape_o, "shape must be a sequence of ints");
+	return 0;
+}
+
+/* An int or a sequence of ints >= 0 into @p shape (DLPC_NDIM_MAX of them at most). The number
+ * of dimensions, or -1 with an exception. */
+static int parse_shape(PyObject *shape_o, int64_t shape[DLPC_NDIM_MAX])
+{
+	PyObject *seq = PyLong_Check(shape_o)
+				? PyTuple_Pack(1, shape_o)
+				: PySequence_Fast(shape_o, "shape must be a sequence of ints");
+	Py_ssize_t ndim;
+
 	if (!seq)
-		return NULL;
+		return -1;
 	ndim = PySequence_Fast_GET_SIZE(seq);
 	if (ndim > DLPC_NDIM_MAX) {
 		Py_DECREF(seq);
-		return PyErr_Format(PyExc_ValueError, "shape has %zd dimensions; at most %d", ndim,
-				    DLPC_NDIM_MAX);
+		PyErr_Format(PyExc_ValueError, "shape has %zd dimensions; at most %d", ndim,
+			     DLPC_NDIM_MAX);
+		return -1;
 	}
 	for (Py_ssize_t i = 0; i < ndim; i++) {
 		shape[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
@@ -469,10 +465,32 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 			PyErr_SetString(PyExc_ValueError, "shape extents must be >= 0");
 		if (PyErr_Occurred()) {
 			Py_DECREF(seq);
-			return NULL;
+			return -1;
 		}
 	}
 	Py_DECREF(seq);
+	return (int)ndim;
+}
+
+static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"shape", "dtype", "device", NULL};
+	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
+	PyObject *shape_o, *dtype_o, *key, *res;
+	const char *device = "cpu";
+	DLDevice dev;
+	int64_t shape[DLPC_NDIM_MAX];
+	DLManagedTensorVersioned *t;
+	DLDataType dt;
+	dlpc_client *c;
+	int ndim, r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|s:empty", kwlist, &shape_o, &dtype_o,
+					 &device))
+		return NULL;
+	if (parse_device(device, &dev) < 0 || ipc_dtype_parse(dtype_o, &dt) < 0 ||
+	    (ndim = parse_shape(shape_o, shape)) < 0)
+		return NULL;
 	c = ipc_call_begin((ClientObject *)obj);
 	if (!c)
 		return NULL;
@@ -489,6 +507,103 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	}
 	res = ipc_tensor_new(st, t, Py_None, key, 0, true);
 	Py_DECREF(key);
+	return res;
+}
+
+/*
+ * empty_dict({key: (shape, dtype), ...}, device): the tensors of a bundle in one allocation
+ * (dlpc_alloc_bundle()), as a dict of SharedTensor in the mapping's order; publish_dict() of
+ * exactly that dict is then zero-copy.
+ */
+static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"spec", "device", NULL};
+	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
+	PyObject *spec, *items, *res = NULL;
+	const char *device = "cpu";
+	DLManagedTensorVersioned **ts = NULL;
+	const int64_t **shapes = NULL;
+	int64_t(*dims)[DLPC_NDIM_MAX] = NULL;
+	DLDataType *dtypes = NULL;
+	int32_t *ndims = NULL;
+	Py_ssize_t n;
+	DLDevice dev;
+	dlpc_client *c;
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|s:empty_dict", kwlist, &spec, &device))
+		return NULL;
+	if (parse_device(device, &dev) < 0)
+		return NULL;
+	if (!PyDict_Check(spec)) {
+		PyErr_Format(PyExc_TypeError,
+			     "spec must be a dict of key: (shape, dtype), not %.100s",
+			     Py_TYPE(spec)->tp_name);
+		return NULL;
+	}
+	items = PyDict_Items(spec);
+	if (!items)
+		return NULL;
+	n = PyList_GET_SIZE(items);
+	if (n < 1 || n > DLPC_BUNDLE_MAX) {
+		PyErr_Format(PyExc_ValueError, "spec has %zd tensors; 1 to %d", n, DLPC_BUNDLE_MAX);
+		goto out;
+	}
+	ts = calloc((size_t)n, sizeof(*ts));
+	shapes = calloc((size_t)n, sizeof(*shapes));
+	dims = calloc((size_t)n, sizeof(*dims));
+	dtypes = calloc((size_t)n, sizeof(*dtypes));
+	ndims = calloc((size_t)n, sizeof(*ndims));
+	if (!ts || !shapes || !dims || !dtypes || !ndims) {
+		PyErr_NoMemory();
+		goto out;
+	}
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *kv = PyList_GET_ITEM(items, i), *k = PyTuple_GET_ITEM(kv, 0),
+			 *v = PyTuple_GET_ITEM(kv, 1);
+
+		if (!PyUnicode_Check(k) || !PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 2) {
+			PyErr_Format(PyExc_TypeError,
+				     "spec must map str keys to (shape, dtype) tuples; %R is not",
+				     k);
+			goto out;
+		}
+		if (ipc_dtype_parse(PyTuple_GET_ITEM(v, 1), &dtypes[i]) < 0 ||
+		    (ndims[i] = parse_shape(PyTuple_GET_ITEM(v, 0), dims[i])) < 0)
+			goto out;
+		shapes[i] = dims[i];
+	}
+	c = ipc_call_begin((ClientObject *)obj);
+	if (!c)
+		goto out;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_alloc_bundle(c, dev, (size_t)n, dtypes, ndims, shapes, ts);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj, c, r);
+	if (r < 0) {
+		ipc_raise(r);
+		goto out;
+	}
+	res = PyDict_New();
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *k = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+		/* each tensor goes into a SharedTensor, or is let go here */
+		PyObject *t = res ? ipc_tensor_new(st, ts[i], Py_None, k, 0, true) : NULL;
+
+		if (!res)
+			ts[i]->deleter(ts[i]);
+		if (res && (!t || PyDict_SetItem(res, k, t) < 0))
+			Py_CLEAR(res);
+		Py_XDECREF(t);
+		ts[i] = NULL;
+	}
+out:
+	Py_DECREF(items);
+	free(ts);
+	free(shapes);
+	free(dims);
+	free(dtypes);
+	free(ndims);
 	return res;
 }
 
@@ -531,6 +646,9 @@ static PyMethodDef client_methods[] = {
 	 "Attach every tensor of a bundle, in one round trip and one mapping; mode and owner "
 	 "as for attach()."},
 	{"empty", FN(client_empty), KW, "empty(shape, dtype, device='cpu') -> SharedTensor"},
+	{"empty_dict", FN(client_empty_dict), KW,
+	 "empty_dict({key: (shape, dtype)}, device='cpu') -> dict of SharedTensor in one "
+	 "allocation"},
 	{"unpublish", client_unpublish, METH_VARARGS, "unpublish(name) -> None"},
 	{"_list", FN(ipc_client_list), KW, "_list(prefix='') -> list[dict]"},
 	{"stat", ipc_client_stat, METH_NOARGS, "stat() -> dict"},

@@ -372,3 +372,30 @@ def test_exchange_api_orders_cuda_tensors(ipc, py, gpu_env, tmp_path):
     finally:
         open(go, "w").close()
         pub.wait(timeout=30)
+
+
+def test_empty_dict_on_cuda_is_a_bucket_published_as_it_is(ipc, py, gpu_env):
+    py.check(child("""
+        import dlpack_ipc
+        d = dlpack_ipc.empty_dict({"w": ((100,), "float32"), "b": ((10,), "float32")},
+                                  device="cuda:0")
+        assert [t.device for t in d.values()] == ["cuda:0", "cuda:0"]
+        for k, n in (("w", 100), ("b", 10)):
+            ptr = Managed.from_address(api.PyCapsule_GetPointer(
+                d[k].__dlpack__(stream=-1, max_version=(1, 0)),
+                b"dltensor_versioned")).dl_tensor.data
+            (c_float * n).from_address(ptr)[:] = [i * 0.5 for i in range(n)]
+        assert dlpack_ipc.publish_dict("pgpu/bucket", d) == 1
+        # one VMM allocation, published by its export fd: no device copy, no wait
+        assert len(log_lines("cuMemCreate")) == 1 and not log_lines("cuMemcpyDtoD")
+        assert not log_lines("Synchronize"), log_lines("Synchronize")
+    """), env=gpu_env)
+    py.check(child("""
+        import dlpack_ipc
+        d = dlpack_ipc.attach_dict("pgpu/bucket")
+        assert capsule_floats(d["w"].__dlpack__(max_version=(1, 0)), 100) == \\
+            [i * 0.5 for i in range(100)]
+        assert capsule_floats(d["b"].__dlpack__(max_version=(1, 0)), 10) == \\
+            [i * 0.5 for i in range(10)]
+        assert len(log_lines("cuMemImportFromShareableHandle")) == 1
+    """), env=gpu_env)

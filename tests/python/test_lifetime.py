@@ -242,3 +242,35 @@ def test_write_to_read_only_memory_segfaults(ipc, py, case):
     cp = py.run(code)
     assert cp.returncode == -signal.SIGSEGV, py.describe(cp)
     assert cp.stdout.split() == ["published"]
+
+
+def test_empty_dict_bucket_is_published_without_a_copy(ipc, daemon, py):
+    s0 = daemon.stat()
+    d = ipc.empty_dict({"w": ((4, 5), "float32"), "b": (7, "int16"), "e": ((0,), "uint8")})
+    assert list(d) == ["w", "b", "e"]
+    assert [t.shape for t in d.values()] == [(4, 5), (7,), (0,)]
+    # one allocation, each tensor at the next 256-byte boundary
+    assert d["b"].data_ptr - d["w"].data_ptr == 256
+    assert d["e"].data_ptr - d["w"].data_ptr == 512
+    w, b = torch.from_dlpack(d["w"]), torch.from_dlpack(d["b"])
+    w.copy_(torch.arange(20, dtype=torch.float32).reshape(4, 5))
+    b.fill_(-3)
+    assert ipc.publish_dict("alloc/bucket", d, writable=True) == 1
+    assert daemon.stat()["bytes_held"] - s0["bytes_held"] == 512, "the allocation, no copy"
+    # written after publishing: seen by the attacher only because nothing was copied
+    w[3, 4] = 77
+    cp = py.check("""
+        import numpy as np, dlpack_ipc
+        d = dlpack_ipc.attach_dict("alloc/bucket")
+        print(sorted(d), float(np.from_dlpack(d["w"])[3, 4]), int(np.from_dlpack(d["b"]).sum()),
+              d["e"].shape)
+    """)
+    assert cp.stdout.strip() == "['b', 'e', 'w'] 77.0 -21 (0,)"
+    with pytest.raises(TypeError):
+        ipc.empty_dict([("w", ((2,), "float32"))])
+    with pytest.raises(TypeError):
+        ipc.empty_dict({"w": (2, "float32", "extra")})
+    with pytest.raises(ValueError):
+        ipc.empty_dict({})
+    with pytest.raises(ValueError):
+        ipc.empty_dict({"w": ((-1,), "float32")})
