@@ -91,11 +91,23 @@ struct obj {
 	int dev;	 /* ALLOC, IMPORT, VMM_HANDLE: the device it lives on */
 };
 
+/* Work queued on a stream that cannot run yet (fake_cuda_write_later(), _read_later()). */
+struct op {
+	struct op *next;
+	void *dst;
+	const void *src;
+	size_t n;
+	void *copy; /* a write's bytes, taken when it was queued */
+};
+
 struct CUstream_st {
 	uint32_t magic;
 	bool held;	   /* fake_cuda_stream_hold(): its work does not complete */
 	unsigned releases; /* how many times it was let go */
 	bool capturing;	   /* fake_cuda_capture() */
+	int32_t wait_pid;  /* waits for that process's interprocess event (0: none) */
+	uint32_t wait_id;
+	struct op *ops, **ops_end; /* queued work, in order */
 };
 
 struct CUevent_st {
@@ -106,6 +118,10 @@ struct CUevent_st {
 	unsigned behind_releases;
 	bool captured;	    /* recorded inside a capture: the graph holds it, not the stream */
 	bool behind_legacy; /* recorded on the legacy stream while a stream was held */
+	int32_t after_pid;  /* recorded on a stream waiting for that process's event */
+	uint32_t after_id;
+	CUevent next_marked; /* see marked */
+	bool marked;
 };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -121,7 +137,10 @@ static pid_t init_pid;	  /* the process that called cuInit, 0 before */
 static unsigned instance; /* the device instance this process runs on (device_start()) */
 static pthread_cond_t let_go_cv = PTHREAD_COND_INITIALIZER; /* a held stream was let go */
 static unsigned held_streams, captures;			    /* how many streams are so */
-static bool capture_broken;			  /* a call invalidated the captures under way */
+static bool capture_broken; /* a call invalidated the captures under way */
+/* Interprocess events of this process recorded behind work that has not run: each has a marker
+ * file (marker_path()) while it is pending, which is how other processes see it. */
+static CUevent marked;
 static __thread CUstreamCaptureMode capture_mode; /* GLOBAL, the default */
 /* Interprocess events alive in this process (created or opened), and how many the fake allows
  * ($FAKE_CUDA_IPC_EVENTS_MAX, default FAKE_IPC_EVENTS_MAX): the real driver runs out of them
@@ -174,13 +193,78 @@ static bool made_stream(CUstream s)
 	return (uintptr_t)s > 2 && s->magic == IPC_MAGIC;
 }
 
-/* Is @p e's record still behind the work of a held stream? Called with mu. */
+/* Where the marker of process @p pid's interprocess event @p id lies: beside the log. */
+static void marker_path(char *buf, size_t len, int32_t pid, uint32_t id)
+{
+	const char *log = getenv("FAKE_CUDA_LOG");
+
+	snprintf(buf, len, "%s.ev-%d-%u", log && *log ? log : "/tmp/fake-cuda", (int)pid, id);
+}
+
+/* Is process @p pid's interprocess event @p id still pending (its marker there)? */
+static bool remote_pending(int32_t pid, uint32_t id)
+{
+	char path[600];
+
+	marker_path(path, sizeof(path), pid, id);
+	return access(path, F_OK) == 0;
+}
+
+/* Is @p e's record still behind work that has not run? Called with mu. */
 static bool pending(CUevent e)
 {
+	/* an event opened from another process: as that process says */
+	if (e->pid != getpid())
+		return remote_pending(e->pid, e->id);
+	if (e->after_pid && remote_pending(e->after_pid, e->after_id))
+		return true;
 	/* the legacy stream waits for every (blocking) stream: pending while any is held */
 	if (e->behind_legacy)
 		return held_streams > 0;
 	return e->behind && e->behind->held && e->behind->releases == e->behind_releases;
+}
+
+/* Can work on @p s not run yet (held, or waiting for another process's event)? With mu. */
+static bool blocked(CUstream s)
+{
+	if (s->wait_pid && !remote_pending(s->wait_pid, s->wait_id))
+		s->wait_pid = 0;
+	return s->held || s->wait_pid;
+}
+
+/* Run @p s's queued work if it can run. Called with mu. */
+static void run_ops(CUstream s)
+{
+	struct op *o;
+
+	if (blocked(s))
+		return;
+	while ((o = s->ops)) {
+		s->ops = o->next;
+		memcpy(o->dst, o->copy ? o->copy : o->src, o->n);
+		free(o->copy);
+		free(o);
+	}
+	s->ops_end = &s->ops;
+}
+
+/* Take down the markers of this process's events that are no longer pending. With mu. */
+static void sweep_markers(void)
+{
+	char path[600];
+
+	for (CUevent *pp = &marked; *pp;) {
+		CUevent e = *pp;
+
+		if (e->magic == IPC_MAGIC && pending(e)) {
+			pp = &e->next_marked;
+			continue;
+		}
+		marker_path(path, sizeof(path), e->pid, e->id);
+		unlink(path);
+		e->marked = false;
+		*pp = e->next_marked;
+	}
 }
 
 /* The legacy stream (NULL is it too, for the driver API) while a blocking stream captures:
@@ -219,6 +303,8 @@ static bool capture_refuses(const char *fn)
 /* Test hooks (tests find them with dlsym): see the top of this file. */
 EXPORT void fake_cuda_stream_hold(CUstream s, int on);
 EXPORT void fake_cuda_capture(CUstream s, int on);
+EXPORT void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n);
+EXPORT void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
 
 static bool env_on(const char *name)
 {
@@ -834,6 +920,22 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 	hEvent->behind_releases = hEvent->behind ? hStream->releases : 0;
 	hEvent->behind_legacy =
 		!made_stream(hStream) && hStream != CU_STREAM_PER_THREAD && held_streams > 0;
+	hEvent->after_pid = made_stream(hStream) && blocked(hStream) ? hStream->wait_pid : 0;
+	hEvent->after_id = hEvent->after_pid ? hStream->wait_id : 0;
+	/* pending here: other processes that open it see so through its marker */
+	if ((hEvent->flags & CU_EVENT_INTERPROCESS) && !hEvent->marked && pending(hEvent)) {
+		char path[600];
+		int fd;
+
+		marker_path(path, sizeof(path), hEvent->pid, hEvent->id);
+		fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+		if (fd >= 0) {
+			close(fd);
+			hEvent->marked = true;
+			hEvent->next_marked = marked;
+			marked = hEvent;
+		}
+	}
 	pthread_mutex_unlock(&mu);
 	logf_("cuEventRecord event=%d:%u stream=%p%s%s", hEvent->pid, hEvent->id, (void *)hStream,
 	      hEvent->captured ? " captured" : "",
@@ -867,8 +969,12 @@ EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 		return CUDA_ERROR_INVALID_HANDLE;
 	logf_("cuEventSynchronize event=%d:%u", hEvent->pid, hEvent->id);
 	pthread_mutex_lock(&mu);
-	while (pending(hEvent))
-		pthread_cond_wait(&let_go_cv, &mu);
+	while (pending(hEvent)) {
+		/* another process's work ends without a word to this one: look again */
+		pthread_mutex_unlock(&mu);
+		usleep(1000);
+		pthread_mutex_lock(&mu);
+	}
 	pthread_mutex_unlock(&mu);
 	return CUDA_SUCCESS;
 }
@@ -885,7 +991,11 @@ EXPORT CUresult cuEventDestroy(CUevent hEvent)
 		ipc_events--;
 		pthread_mutex_unlock(&mu);
 	}
-	hEvent->magic = 0;
+	pthread_mutex_lock(&mu);
+	hEvent->magic = 0; /* its marker goes with it */
+	if (hEvent->marked)
+		sweep_markers();
+	pthread_mutex_unlock(&mu);
 	free(hEvent);
 	return CUDA_SUCCESS;
 }
@@ -945,6 +1055,7 @@ EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
 	if (!s)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	s->magic = IPC_MAGIC;
+	s->ops_end = &s->ops;
 	*phStream = s;
 	logf_("cuStreamCreate stream=%p", (void *)s);
 	return CUDA_SUCCESS;
@@ -959,6 +1070,14 @@ EXPORT CUresult cuStreamDestroy(CUstream hStream)
 	/* the work of a held stream still ends, and a capture ends with its stream */
 	fake_cuda_stream_hold(hStream, 0);
 	fake_cuda_capture(hStream, 0);
+	pthread_mutex_lock(&mu);
+	run_ops(hStream);
+	for (struct op *o = hStream->ops, *next; o; o = next) { /* never to run */
+		next = o->next;
+		free(o->copy);
+		free(o);
+	}
+	pthread_mutex_unlock(&mu);
 	hStream->magic = 0;
 	free(hStream);
 	return CUDA_SUCCESS;
@@ -988,9 +1107,14 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 	pthread_mutex_lock(&mu);
 	/* the legacy stream waits for every (blocking) stream, held ones included */
-	while (made_stream(hStream) ? hStream->held
-				    : hStream != CU_STREAM_PER_THREAD && held_streams > 0)
-		pthread_cond_wait(&let_go_cv, &mu);
+	while (made_stream(hStream) ? blocked(hStream)
+				    : hStream != CU_STREAM_PER_THREAD && held_streams > 0) {
+		pthread_mutex_unlock(&mu);
+		usleep(1000);
+		pthread_mutex_lock(&mu);
+	}
+	if (made_stream(hStream))
+		run_ops(hStream);
 	pthread_mutex_unlock(&mu);
 	return CUDA_SUCCESS;
 }
@@ -1040,10 +1164,55 @@ EXPORT void fake_cuda_stream_hold(CUstream s, int on)
 		s->held = false;
 		s->releases++;
 		held_streams--;
+		/* its work runs, then what was recorded behind it completes */
+		run_ops(s);
+		sweep_markers();
 		pthread_cond_broadcast(&let_go_cv);
 	}
 	pthread_mutex_unlock(&mu);
 	logf_("hold stream=%p %s", (void *)s, on ? "on" : "off");
+}
+
+/* Test hook: a kernel on @p s that writes @p n bytes of @p src (taken now) to @p dst: at once,
+ * or when the stream's earlier work has run. */
+EXPORT void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n)
+{
+	struct op *o = calloc(1, sizeof(*o));
+
+	pthread_mutex_lock(&mu);
+	if (!blocked(s) || !o || !(o->copy = malloc(n))) {
+		memcpy(dst, src, n);
+		free(o);
+	} else {
+		memcpy(o->copy, src, n);
+		o->dst = dst;
+		o->n = n;
+		*s->ops_end = o;
+		s->ops_end = &o->next;
+	}
+	pthread_mutex_unlock(&mu);
+	logf_("write-later stream=%p bytes=%zu", (void *)s, n);
+}
+
+/* Test hook: a kernel on @p s that reads @p n bytes at @p src into @p dst: at once, or when
+ * the stream's earlier work (a wait for another process's event) has run. */
+EXPORT void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n)
+{
+	struct op *o = calloc(1, sizeof(*o));
+
+	pthread_mutex_lock(&mu);
+	if (!blocked(s) || !o) {
+		memcpy(dst, src, n);
+		free(o);
+	} else {
+		o->dst = dst;
+		o->src = src;
+		o->n = n;
+		*s->ops_end = o;
+		s->ops_end = &o->next;
+	}
+	pthread_mutex_unlock(&mu);
+	logf_("read-later stream=%p bytes=%zu", (void *)s, n);
 }
 
 /* Test hook: a capture (global mode, as another thread would begin it) on @p s starts or ends. */
@@ -1119,6 +1288,11 @@ EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int
 		return CUDA_ERROR_INVALID_HANDLE;
 	pthread_mutex_lock(&mu);
 	implicit = legacy_unusable(hStream);
+	/* later work on the stream waits for another process's pending event */
+	if (!implicit && made_stream(hStream) && hEvent->pid != getpid() && pending(hEvent)) {
+		hStream->wait_pid = hEvent->pid;
+		hStream->wait_id = hEvent->id;
+	}
 	pthread_mutex_unlock(&mu);
 	logf_("cuStreamWaitEvent stream=%p event=%d:%u flags=%u%s", (void *)hStream, hEvent->pid,
 	      hEvent->id, Flags, implicit ? " refused: a blocking stream captures" : "");

@@ -1549,6 +1549,147 @@ START_TEST(several_devices)
 }
 END_TEST
 
+/* ---- 19. the publisher's work still running ---- */
+
+void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n);
+void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
+
+struct slow {
+	int ready[2]; /* the publisher: published; each consumer: about to wait */
+	int go[2];    /* to the publisher: let the kernels run */
+};
+
+/*
+ * Publish "gpu/slow" (legacy IPC) while the kernel that writes its data is still queued behind
+ * a long one: the memory holds the old values (base 0) until the parent says go, and then the
+ * new ones (base 4). The publish's event comes after both kernels.
+ */
+static int publish_before_the_kernel_ran(void *arg)
+{
+	struct slow *p = arg;
+	float fours[NELEM];
+	dlpc_client *c = NULL;
+	CUdeviceptr base;
+	CUstream s;
+	char b;
+
+	close(p->ready[0]);
+	close(p->go[1]);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
+	fill((float *)(uintptr_t)(base + OFF_A), NELEM, 0.0f);
+	CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
+	fake_cuda_stream_hold(s, 1);
+	fill(fours, NELEM, 4.0f);
+	fake_cuda_write_later(s, (void *)(uintptr_t)(base + OFF_A), fours, sizeof(fours));
+	CHILD_CHECK(dlpc_publish(c, "gpu/slow", pub_tensor(base + OFF_A, -1), 0) == 1);
+	CHILD_CHECK(log_count2(getpid(), "cuEventRecord", "behind-held-work") == 1);
+	CHILD_CHECK(write(p->ready[1], "R", 1) == 1);
+	CHILD_CHECK(read(p->go[0], &b, 1) == 1);
+	fake_cuda_stream_hold(s, 0);
+	/* stays for the consumers (legacy IPC); the parent closes go when they are done */
+	if (read(p->go[0], &b, 1) < 0)
+		return 1;
+	dlpc_close(c);
+	return 0;
+}
+
+/* Without any wait a consumer reads what the publisher's kernel has not written yet: the fake
+ * catches a missing wait. */
+static int read_without_waiting(void *arg)
+{
+	dlpc_attach_opts o = {.size = sizeof(o), .flags = DLPC_ATTACH_DEFER_SYNC};
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/slow", &o, &t) == 1);
+	CHILD_CHECK(same(t->dl_tensor.data, NELEM, 0.0f));
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+/* On the host: dlpc_tensor_wait(t, NULL) returns once the publisher's kernel has run. */
+static int wait_on_the_host(void *arg)
+{
+	struct slow *p = arg;
+	dlpc_attach_opts o = {.size = sizeof(o), .flags = DLPC_ATTACH_DEFER_SYNC};
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+
+	alarm(30);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/slow", &o, &t) == 1);
+	CHILD_CHECK(same(t->dl_tensor.data, NELEM, 0.0f));
+	CHILD_CHECK(write(p->ready[1], "W", 1) == 1);
+	CHILD_CHECK(dlpc_tensor_wait(t, NULL) == 0);
+	CHILD_CHECK(same(t->dl_tensor.data, NELEM, 4.0f));
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+/* On a stream: the attach returns at once, and a kernel queued on the stream reads the new
+ * values, once the publisher's have run. */
+static int wait_on_a_stream(void *arg)
+{
+	struct slow *p = arg;
+	dlpc_attach_opts o = {.size = sizeof(o)};
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	float got[NELEM];
+	CUcontext ctx;
+
+	alarm(30);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate((CUstream *)&o.stream, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(dlpc_attach(c, "gpu/slow", &o, &t) == 1);
+	fill(got, NELEM, -100.0f);
+	fake_cuda_read_later(o.stream, t->dl_tensor.data, got, sizeof(got));
+	CHILD_CHECK(same(got, NELEM, -100.0f)); /* queued behind the publisher's event */
+	CHILD_CHECK(write(p->ready[1], "S", 1) == 1);
+	CHILD_CHECK(cuDevicePrimaryCtxRetain(&ctx, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuCtxPushCurrent(ctx) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamSynchronize(o.stream) == CUDA_SUCCESS);
+	CHILD_CHECK(cuCtxPopCurrent(NULL) == CUDA_SUCCESS);
+	CHILD_CHECK(same(got, NELEM, 4.0f));
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(wait_for_publisher_work)
+{
+	struct slow p;
+	pid_t pub, host, stream;
+	char b;
+
+	ck_assert_int_eq(pipe2(p.ready, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(p.go, O_CLOEXEC), 0);
+	pub = spawn(publish_before_the_kernel_ran, &p);
+	ck_assert_msg(read(p.ready[0], &b, 1) == 1, "the publisher failed before publishing");
+	ck_assert_int_eq(wait_child(spawn(read_without_waiting, NULL)), 0);
+	host = spawn(wait_on_the_host, &p);
+	stream = spawn(wait_on_a_stream, &p);
+	for (int i = 0; i < 2; i++)
+		ck_assert_msg(read(p.ready[0], &b, 1) == 1, "a consumer failed before waiting");
+	/* both are waiting (or about to): the publisher's kernels run only now */
+	usleep(scaled_ms(100) * 1000);
+	ck_assert_int_eq(write(p.go[1], "G", 1), 1);
+	ck_assert_int_eq(wait_child(host), 0);
+	ck_assert_int_eq(wait_child(stream), 0);
+	close(p.go[1]);
+	close(p.ready[1]);
+	close(p.ready[0]);
+	close(p.go[0]);
+	ck_assert_int_eq(wait_child(pub), 0);
+}
+END_TEST
+
 static Suite *gpu_suite(void)
 {
 	Suite *s = suite_create("gpu");
@@ -1578,6 +1719,7 @@ static Suite *gpu_suite(void)
 		{"release_after_consumer_work", release_after_consumer_work},
 		{"release_during_capture", release_during_capture},
 		{"several_devices", several_devices},
+		{"wait_for_publisher_work", wait_for_publisher_work},
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
