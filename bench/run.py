@@ -53,9 +53,11 @@ def fd_limit_for_daemon():
 def start_daemon(build, tmp):
     sock = os.path.join(tmp, "dlpackd.sock")
     log = open(os.path.join(tmp, "dlpackd.log"), "w")
+    # one uid publishes the footprint run's entries: it may use the whole fd budget, not the
+    # share (--max-fd-share-per-uid) a uid gets when others need room too
     proc = subprocess.Popen([os.path.join(build, "dlpackd"), "--socket", sock,
-                             "--log-level", "warning"], stdout=log, stderr=log,
-                            preexec_fn=fd_limit_for_daemon)
+                             "--log-level", "warning", "--max-fd-share-per-uid", "100"],
+                            stdout=log, stderr=log, preexec_fn=fd_limit_for_daemon)
     for _ in range(500):
         try:
             with socket.socket(socket.AF_UNIX) as s:
