@@ -158,6 +158,11 @@ static int driver(const char *what)
 	return 0;
 }
 
+int dlpc__cuda_check(const char *what)
+{
+	return driver(what);
+}
+
 /* A failed driver call as a negative errno, the message naming @p what and @p fn. */
 static int cu_fail(CUresult e, const char *fn, const char *what)
 {

@@ -281,6 +281,9 @@ int dlpc__cuda_vmm_alloc(int ordinal, uint64_t nbytes, struct dlpc__gpu_map **re
 int dlpc__cuda_vmm_import(int fd, uint64_t size, const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			  bool writable, const char *name, struct dlpc__gpu_map **ret, void **base,
 			  int *ordinal);
+/* 0 if this process may use the CUDA driver: loaded, and not a forked child of the process
+ * that started it (-EBADFD, message naming @p what). Loads it. */
+int dlpc__cuda_check(const char *what);
 /* Drop one use of @p m: the last closes the IPC handle or unmaps the VMM range. */
 void dlpc__cuda_unmap(struct dlpc__gpu_map *m);
 

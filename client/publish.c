@@ -352,6 +352,7 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
 	Dlpackd__V1__CudaIpc ipc = DLPACKD__V1__CUDA_IPC__INIT;
 	struct dlpc__region *zc = zero_copy_source(t, s);
+	char what[DLPC_NAME_MAX + 32];
 	struct dlpc__ipc_export x;
 	int r;
 
@@ -371,6 +372,11 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 	if (s->nbytes == 0)
 		return publish_cuda_empty(c, &req, t->dl_tensor.device.device_id, name);
 	if (zc && zc->device) {
+		/* the export fd needs no driver call, but GPU memory in a forked child is the
+		 * parent's, as for every other GPU call there */
+		snprintf(what, sizeof(what), "cannot publish '%s'", name);
+		if ((r = dlpc__cuda_check(what)) < 0)
+			return r;
 		req.storage_size = zc->len;
 		req.device_uuid.data = zc->uuid;
 		dptrs[0]->offset = (uint64_t)((const uint8_t *)t->dl_tensor.data +
@@ -456,6 +462,9 @@ static int publish_cuda_bundle(dlpc_client *c, const char *name, size_t n,
 					  "on one device",
 					  name, i, d.device_type, d.device_id, ordinal);
 	}
+	snprintf(what, sizeof(what), "cannot publish '%s'", name);
+	if (zc && zc->device && (r = dlpc__cuda_check(what)) < 0)
+		return r;
 	if (zc && zc->device) {
 		req.name.data = (uint8_t *)name;
 		req.name.len = strlen(name);
@@ -469,7 +478,6 @@ static int publish_cuda_bundle(dlpc_client *c, const char *name, size_t n,
 		req.tensors = dptrs;
 		return send_publish(c, &req, zc->fd);
 	}
-	snprintf(what, sizeof(what), "cannot publish '%s'", name);
 	srcs = calloc(n, sizeof(*srcs));
 	offsets = calloc(n, sizeof(*offsets));
 	sizes = calloc(n, sizeof(*sizes));

@@ -205,7 +205,9 @@ def attach_dict(name, *, timeout=None, mode=None, owner=None, writable=None):
 def empty(shape, dtype, device="cpu"):
     """Writable shared memory to fill in place; publish() then shares it without a copy.
 
-    device is "cpu", or "cuda" / "cuda:N" for CUDA VMM memory on that device."""
+    device is "cpu", or "cuda" / "cuda:N" for CUDA VMM memory on that device; such memory
+    carries no event for attachers to wait on, so finish writing it (synchronize) before
+    publishing."""
     return _client().empty(shape, dtype, device)
 
 
@@ -213,7 +215,7 @@ def empty_dict(spec, device="cpu"):
     """A bundle to fill in place: {key: (shape, dtype)} -> {key: SharedTensor}, every tensor in
     one allocation (each at the next 256-byte boundary) on device ("cpu", "cuda", "cuda:N").
     publish_dict() of that dict then shares the allocation without a copy, on a device too
-    (a weight-sync bucket)."""
+    (a weight-sync bucket: synchronize after filling it, before publishing)."""
     return _client().empty_dict(spec, device)
 
 

@@ -96,9 +96,18 @@ static PyObject *export_capsule(PyObject *obj)
 	Py_XDECREF(args);
 	Py_XDECREF(kw);
 	if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) {
-		/* a producer from before DLPack 1.0 does not know max_version */
+		/* a producer from before DLPack 1.0 does not know max_version; a CUDA one still
+		 * orders its work before the legacy default stream */
 		PyErr_Clear();
-		cap = PyObject_CallNoArgs(meth);
+		if (cuda) {
+			args = PyTuple_New(0);
+			kw = Py_BuildValue("{s:i}", "stream", 1);
+			cap = args && kw ? PyObject_Call(meth, args, kw) : NULL;
+			Py_XDECREF(args);
+			Py_XDECREF(kw);
+		} else {
+			cap = PyObject_CallNoArgs(meth);
+		}
 	}
 	Py_DECREF(meth);
 	return cap;

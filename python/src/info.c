@@ -5,6 +5,7 @@
 static PyObject *entry_dict(const dlpc_entry_info *e)
 {
 	PyObject *tensors = PyList_New(0), *d;
+	char device[32];
 
 	for (size_t i = 0; tensors && e->tensors && i < e->ntensors; i++) {
 		const dlpc_tensor_info *t = &e->tensors[i];
@@ -21,10 +22,16 @@ static PyObject *entry_dict(const dlpc_entry_info *e)
 	}
 	if (!tensors)
 		return NULL;
+	/* as dlpackctl says it: the publisher's ordinal */
+	if (e->device.device_type == kDLCPU)
+		snprintf(device, sizeof(device), "cpu");
+	else if (e->device.device_type == kDLCUDA)
+		snprintf(device, sizeof(device), "cuda:%d", (int)e->device.device_id);
+	else
+		snprintf(device, sizeof(device), "other");
 	d = Py_BuildValue("{s:s,s:K,s:s,s:N,s:n,s:K,s:K,s:I,s:i,s:d,s:I}", "name", e->name,
-			  "generation", (unsigned long long)e->generation, "device",
-			  e->device.device_type == kDLCPU ? "cpu" : "other", "tensors", tensors,
-			  "ntensors", (Py_ssize_t)e->ntensors, "nbytes",
+			  "generation", (unsigned long long)e->generation, "device", device,
+			  "tensors", tensors, "ntensors", (Py_ssize_t)e->ntensors, "nbytes",
 			  (unsigned long long)e->nbytes, "refs", (unsigned long long)e->refs, "uid",
 			  e->owner_uid, "pid", e->owner_pid, "created", e->created_ns / 1e9,
 			  "flags", e->flags);

@@ -1211,7 +1211,7 @@ END_TEST
 
 /* In the forked child: no driver call at all, GPU calls refused naming the fork, and the GPU
  * tensors inherited from the parent released without touching the parent's state. */
-static int forked_child(DLManagedTensorVersioned *held[3])
+static int forked_child(DLManagedTensorVersioned *held[4])
 {
 	DLManagedTensorVersioned *t = NULL;
 	dlpc_client *c = NULL;
@@ -1230,6 +1230,9 @@ static int forked_child(DLManagedTensorVersioned *held[3])
 			     dev_tensor((CUdeviceptr)(uintptr_t)held[0]->dl_tensor.data, NELEM, -1),
 			     0) == -EBADFD);
 	CHILD_CHECK(dlpc_tensor_wait(held[0], NULL) == -EBADFD);
+	/* and the parent's dlpc_alloc() memory, which would need no driver call */
+	CHILD_CHECK(dlpc_publish(c, "gpu/child-alloc", held[3], 0) == -EBADFD);
+	CHILD_CHECK(strstr(dlpc_last_error(), "which forked this one"));
 	/* two of them share one mapping in the parent's import cache */
 	for (int i = 0; i < 3; i++)
 		held[i]->deleter(held[i]);
@@ -1244,13 +1247,16 @@ static int forked_child(DLManagedTensorVersioned *held[3])
 
 static int attach_then_fork(void *arg)
 {
-	DLManagedTensorVersioned *held[3] = {NULL, NULL, NULL};
+	DLManagedTensorVersioned *held[4] = {NULL, NULL, NULL, NULL};
 	dlpc_client *c = NULL;
+	int64_t n = NELEM;
 	pid_t child;
 	int st;
 
 	(void)arg;
 	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_alloc(c, (DLDevice){kDLCUDA, 0}, (DLDataType){kDLFloat, 32, 1}, 1, &n,
+			       &held[3]) == 0);
 	CHILD_CHECK(dlpc_attach(c, "gpu/f", NULL, &held[0]) == 1);
 	CHILD_CHECK(dlpc_attach(c, "gpu/v", NULL, &held[1]) == 1);
 	CHILD_CHECK(dlpc_attach(c, "gpu/f", NULL, &held[2]) == 1);
@@ -1266,10 +1272,10 @@ static int attach_then_fork(void *arg)
 	CHILD_CHECK(same(held[0]->dl_tensor.data, NELEM, 1.0f));
 	CHILD_CHECK(same(held[1]->dl_tensor.data, NELEM, 3.0f));
 	CHILD_CHECK(same(held[2]->dl_tensor.data, NELEM, 1.0f));
-	for (int i = 0; i < 3; i++)
+	for (int i = 0; i < 4; i++)
 		held[i]->deleter(held[i]);
 	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
-	CHILD_CHECK(log_reaches(getpid(), "cuMemUnmap", 1));
+	CHILD_CHECK(log_reaches(getpid(), "cuMemUnmap", 2));
 	dlpc_close(c);
 	return 0;
 }

@@ -188,6 +188,7 @@ def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
         (c_float * 64).from_address(ptr)[:] = [float(i) for i in range(64)]
         assert dlpack_ipc.publish("pgpu/v", t) == 1
         assert len(log_lines("cuMemCreate")) == 1
+        assert [e.device for e in dlpack_ipc.list("pgpu/v")] == ["cuda:0"]
     """), env=gpu_env)
     py.check(child("""
         import dlpack_ipc
@@ -398,4 +399,18 @@ def test_empty_dict_on_cuda_is_a_bucket_published_as_it_is(ipc, py, gpu_env):
         assert capsule_floats(d["b"].__dlpack__(max_version=(1, 0)), 10) == \\
             [i * 0.5 for i in range(10)]
         assert len(log_lines("cuMemImportFromShareableHandle")) == 1
+    """), env=gpu_env)
+
+
+def test_producer_from_before_dlpack_1_still_orders_its_work(ipc, py, gpu_env):
+    """A CUDA producer whose __dlpack__ knows no max_version is still asked for its work
+    ordered before the legacy default stream (stream=1)."""
+    py.check(child("""
+        import dlpack_ipc
+        class OldProducer(FakeCudaArray):
+            def __dlpack__(self, stream=None):
+                return FakeCudaArray.__dlpack__(self, stream=stream)
+        a = OldProducer(16)
+        assert dlpack_ipc.publish("pgpu/old", a) == 1
+        assert a.streams == [1], a.streams
     """), env=gpu_env)
