@@ -822,6 +822,11 @@ static bool conns_are(const dlpc_stats *s, void *arg)
 	return s->connections == *(uint64_t *)arg;
 }
 
+static bool uid_conns_at_most(const dlpc_stats *s, void *arg)
+{
+	return s->uid_connections <= *(uint64_t *)arg;
+}
+
 /* ---- storage no name reaches: charged to whoever keeps it alive ---- */
 
 /* Generations of a 1 MiB entry that uid 65534 attaches and holds. */
@@ -1001,6 +1006,9 @@ START_TEST(test_quota_connections_per_uid)
 		for (int i = 0; i < 100 && !log_has(D.log, "by more than"); i++)
 			usleep(scaled_ms(20) * 1000);
 		ck_assert(log_has(D.log, "(--max-connections-per-uid) by more than 8"));
+		/* a refused connection is destroyed once its loop turn is over (and its ERROR
+		 * has left): soon, not necessarily before this STAT is answered */
+		ck_assert(wait_stat(a, uid_conns_at_most, &most, 5000));
 		conns = stat_or_die(a).uid_connections;
 		ck_assert_msg(conns <= most, "uid 0 holds %llu connections",
 			      (unsigned long long)conns);
@@ -1330,6 +1338,9 @@ START_TEST(test_fd_share_per_uid)
 		     i++)
 			usleep(scaled_ms(20) * 1000);
 		ck_assert(log_has(D.log, "(--max-fd-share-per-uid), by more than 8"));
+		/* a refused connection is destroyed once its loop turn is over (and its ERROR
+		 * has left): soon, not necessarily before this STAT is answered */
+		ck_assert(wait_stat(c, uid_conns_at_most, &most, 5000));
 		conns = stat_or_die(c).uid_connections;
 		ck_assert_msg(conns <= most, "uid 0 holds %llu connections",
 			      (unsigned long long)conns);
