@@ -230,5 +230,14 @@ def list(prefix=""):  # noqa: A001 - the documented name
 
 
 def stat():
-    """The daemon's counters, as a dict."""
+    """The daemon's counters, as a dict of ints (the fields of dlpc_stats in dlpc.h):
+
+    daemon_pid, uptime_ms; connections, entries, storages (named or still referenced),
+    bytes_held (their sizes), references (live attaches), waiters (waiting attaches),
+    watchers, events (changes of the name map since start); fds_open, fds_sent, fds_closing;
+    tx_queued (bytes in output queues), queue_drops, protocol_errors; req_hello, req_publish,
+    req_attach, req_release, req_unpublish, req_list, req_stat, req_watch (requests served);
+    and for the caller's uid: uid_bytes_held (bytes of storages it published that a name
+    still reaches), uid_bytes_pinned (bytes of unnamed storages its references keep alive;
+    both count against its quota), uid_entries, uid_connections."""
     return _client().stat()

@@ -214,3 +214,10 @@ def test_client_objects_and_context_manager(daemon):
     # both connections are closed: only the STAT connection itself remains
     daemon.wait_stat(lambda s: s["connections"] == 1, what="connections == 1")
     assert daemon.stat()["protocol_errors"] == 0
+
+
+def test_stat_doc_names_every_key(ipc):
+    keys = set(ipc.stat())
+    doc = dlpack_ipc.stat.__doc__
+    assert keys and all(isinstance(v, int) for v in ipc.stat().values())
+    assert [k for k in sorted(keys) if k not in doc] == []
