@@ -236,6 +236,7 @@ static int alloc_region(DLDevice device, uint64_t size, const char *what, struct
 	}
 	atomic_init(&r->refs, 1);
 	atomic_init(&r->frozen, false);
+	r->nparts = 1;
 	*ret = r;
 	return 0;
 }
@@ -274,13 +275,13 @@ DLPC_EXPORT int dlpc_alloc_bundle(dlpc_client *c, DLDevice device, size_t n,
 	uint64_t *offsets, size = 0, nbytes;
 	int err;
 
+	for (size_t i = 0; ret && n <= DLPC_BUNDLE_MAX && i < n; i++)
+		ret[i] = NULL;
 	if (!ret || n == 0 || n > DLPC_BUNDLE_MAX || !dtypes || !ndims || !shapes)
 		return dlpc__fail(-EINVAL,
 				  "dlpc_alloc_bundle: bad arguments (%zu tensors, at most "
 				  "DLPC_BUNDLE_MAX %d)",
 				  n, DLPC_BUNDLE_MAX);
-	for (size_t i = 0; i < n; i++)
-		ret[i] = NULL;
 	if (c && (err = dlpc__check(c)) < 0)
 		return err;
 	if ((err = alloc_device(device, "dlpc_alloc_bundle")) < 0)
@@ -307,8 +308,14 @@ DLPC_EXPORT int dlpc_alloc_bundle(dlpc_client *c, DLDevice device, size_t n,
 		return dlpc__fail(-EINVAL, "dlpc_alloc_bundle: too large");
 	}
 	err = alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc_bundle", &r);
+	if (err == 0) {
+		/* the region keeps the layout: only all of it is published without a copy */
+		r->nparts = n;
+		r->parts = offsets;
+		offsets = NULL;
+	}
 	for (size_t i = 0; err == 0 && i < n; i++) {
-		ret[i] = dlpc__view_new(r, (uint8_t *)r->base + offsets[i], device, dtypes[i],
+		ret[i] = dlpc__view_new(r, (uint8_t *)r->base + r->parts[i], device, dtypes[i],
 					ndims[i], shapes[i], 0);
 		if (!ret[i])
 			err = dlpc__fail(-ENOMEM, "dlpc_alloc_bundle: out of memory");

@@ -119,8 +119,9 @@ static int pidns_hint(const Dlpackd__V1__AttachReply *rep, int r)
 /*
  * A VMM export outlives its exporter only while the device does: without persistence mode the
  * driver tears the device down, exported memory included, once its last process exits. After
- * an import of @p rep failed with @p r, say so when the publisher is no longer running (as
- * seen from here). Returns @p r.
+ * an import of @p rep failed with @p r, say so when no process runs under the publisher's pid
+ * as seen from here (the pid is dlpackd's view: in another PID namespace the publisher may be
+ * alive, so the message says both). Returns @p r.
  */
 static int persistence_hint(const Dlpackd__V1__AttachReply *rep, int r)
 {
@@ -129,12 +130,14 @@ static int persistence_hint(const Dlpackd__V1__AttachReply *rep, int r)
 	if (rep->owner_pid <= 0 || kill((pid_t)rep->owner_pid, 0) == 0 || errno != ESRCH)
 		return r;
 	snprintf(was, sizeof(was), "%s", dlpc_last_error());
-	return dlpc__fail(r,
-			  "%s; its publisher (pid %d to dlpackd) has exited, and without "
-			  "persistence mode (nvidia-persistenced) the driver frees exported memory "
-			  "once the device's last process exits: the entry can no longer be "
-			  "attached, unpublish it",
-			  was, (int)rep->owner_pid);
+	return dlpc__fail(
+		r,
+		"%s; its publisher (pid %d to dlpackd) is not running as seen from here: "
+		"if it has exited, and persistence mode (nvidia-persistenced) is off, the "
+		"driver freed the exported memory once the device's last process exited, "
+		"and the entry can no longer be attached (unpublish it); if it runs in "
+		"another PID namespace, the driver's error above is the cause",
+		was, (int)rep->owner_pid);
 }
 
 /* Map the CUDA storage of @p rep into @p m (legacy IPC handles, or the VMM fd @p fd, which is

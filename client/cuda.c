@@ -628,8 +628,29 @@ struct retiring {
 
 static pthread_mutex_t retire_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t retire_cv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t retire_idle_cv = PTHREAD_COND_INITIALIZER;
 static struct retiring *retiring;
 static bool retirer_running;
+static bool retire_busy;     /* the retiring thread is working through a batch */
+static bool retire_stopping; /* the process is exiting: no more driver calls from it */
+
+/*
+ * At exit: let the retiring thread finish the batch it is on, then stop it, so that none of
+ * its driver calls runs while the driver tears itself down. What it has not released, dlpackd
+ * drops with the connection. Not in a forked child, which inherits the handler (and maybe a
+ * held retire_mu) but not the thread.
+ */
+static void retire_stop(void)
+{
+	if (forked())
+		return;
+	pthread_mutex_lock(&retire_mu);
+	retire_stopping = true;
+	pthread_cond_broadcast(&retire_cv);
+	while (retire_busy)
+		pthread_cond_wait(&retire_idle_cv, &retire_mu);
+	pthread_mutex_unlock(&retire_mu);
+}
 
 /* Does @p e say that a graph capture is in the way (try again once it has ended)? */
 static bool capture_err(CUresult e)
@@ -714,10 +735,13 @@ static void *retirer(void *arg)
 	cu.cuThreadExchangeStreamCaptureMode(&relaxed);
 	pthread_mutex_lock(&retire_mu);
 	for (;;) {
-		while (!retiring)
+		while (!retiring && !retire_stopping)
 			pthread_cond_wait(&retire_cv, &retire_mu);
+		if (retire_stopping)
+			break;
 		todo = retiring;
 		retiring = NULL;
+		retire_busy = true;
 		pthread_mutex_unlock(&retire_mu);
 		left = NULL;
 		while ((x = todo)) {
@@ -742,16 +766,26 @@ static void *retirer(void *arg)
 			x->next = retiring;
 			retiring = x;
 		}
+		retire_busy = false;
+		pthread_cond_broadcast(&retire_idle_cv);
 	}
+	pthread_mutex_unlock(&retire_mu);
 	return NULL;
 }
 
 bool dlpc__cuda_retire(struct dlpc__region *r)
 {
 	struct retiring *x;
+	bool stopping;
 
 	if (forked() || driver("release") < 0)
 		return false;
+	pthread_mutex_lock(&retire_mu);
+	stopping = retire_stopping;
+	pthread_mutex_unlock(&retire_mu);
+	/* during exit: no more driver calls; the daemon drops the reference with the connection */
+	if (stopping)
+		return true;
 	x = calloc(1, sizeof(*x));
 	if (!x)
 		return false;
@@ -772,8 +806,11 @@ bool dlpc__cuda_retire(struct dlpc__region *r)
 	record_after(x, true);
 	pop_ctx();
 	pthread_mutex_lock(&retire_mu);
-	if (!retirer_running)
+	if (!retirer_running) {
 		retirer_running = dlpc__start_thread(retirer, NULL);
+		if (retirer_running)
+			atexit(retire_stop);
+	}
 	if (retirer_running) {
 		x->next = retiring;
 		retiring = x;

@@ -98,6 +98,10 @@ struct dlpc__region {
 	uint32_t owner_uid, entry_flags;
 	int32_t owner_pid;
 	uint64_t generation;
+	/* allocated memory: the tensors dlpc_alloc_bundle() laid out in it (nparts of them, at
+	 * parts[i]; NULL: one, at 0), which a zero-copy publish must cover, all and in order */
+	size_t nparts;
+	uint64_t *parts;
 };
 
 void dlpc__region_ref(struct dlpc__region *r);

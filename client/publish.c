@@ -227,9 +227,11 @@ static struct dlpc__region *zero_copy_source(const DLManagedTensorVersioned *mt,
 }
 
 /*
- * The one allocation of dlpc_alloc() or dlpc_alloc_bundle() memory that all @p n tensors lie
- * in, each where its descs[i] can say (a 256-byte aligned offset), or NULL. Fills in
- * descs[i].offset when it returns one.
+ * The one allocation of dlpc_alloc() or dlpc_alloc_bundle() memory that the @p n tensors make
+ * up: each in it, at the place the allocation laid out for the tensor of its index, so that
+ * the whole allocation is published and nothing else (a part of a bucket left out would
+ * become visible to attachers, and read-only for good here). NULL if they do not; fills in
+ * descs[i].offset when they do.
  */
 static struct dlpc__region *zero_copy_all(DLManagedTensorVersioned *const tensors[],
 					  const struct slot *slots, Dlpackd__V1__TensorDesc *descs,
@@ -237,8 +239,13 @@ static struct dlpc__region *zero_copy_all(DLManagedTensorVersioned *const tensor
 {
 	struct dlpc__region *r = zero_copy_source(tensors[0], &slots[0]);
 
-	for (size_t i = 1; r && i < n; i++)
-		if (zero_copy_source(tensors[i], &slots[i]) != r)
+	if (r && r->nparts != n)
+		r = NULL;
+	for (size_t i = 0; r && i < n; i++)
+		if (zero_copy_source(tensors[i], &slots[i]) != r ||
+		    (const uint8_t *)tensors[i]->dl_tensor.data +
+				    tensors[i]->dl_tensor.byte_offset !=
+			    (const uint8_t *)r->base + (r->parts ? r->parts[i] : 0))
 			r = NULL;
 	for (size_t i = 0; r && i < n; i++)
 		descs[i].offset =
@@ -351,7 +358,9 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 {
 	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
 	Dlpackd__V1__CudaIpc ipc = DLPACKD__V1__CUDA_IPC__INIT;
-	struct dlpc__region *zc = zero_copy_source(t, s);
+	Dlpackd__V1__TensorDesc probe = DLPACKD__V1__TENSOR_DESC__INIT;
+	/* the whole allocation only: one tensor of a bucket goes the other ways */
+	struct dlpc__region *zc = zero_copy_all(&t, s, &probe, 1);
 	char what[DLPC_NAME_MAX + 32];
 	struct dlpc__ipc_export x;
 	int r;

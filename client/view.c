@@ -69,6 +69,7 @@ void dlpc__region_finish(struct dlpc__region *r)
 		dlpc__release(r->client, r->ref_id);
 		dlpc__client_unref(r->client);
 	}
+	free(r->parts);
 	free(r);
 }
 

@@ -270,12 +270,14 @@ DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVe
  *
  * @p keys are unique, 0..DLPC_KEY_MAX bytes each. Ownership of every tensor passes to the
  * library as for dlpc_publish(), on every path. The tensors are all host memory, or all on one
- * CUDA device. When every tensor lies in one allocation of dlpc_alloc_bundle() (or
- * dlpc_alloc()), that allocation is published as it is, without a copy, like dlpc_alloc()
- * memory by dlpc_publish(). Otherwise host tensors are copied into one sealed memfd, and CUDA
- * tensors on the device into one VMM allocation of the library's (the calling thread waits for
- * the copies); their deleters run before this returns. A bundle of one CUDA tensor is not
- * copied: it is published as dlpc_publish() would publish it, its key kept.
+ * CUDA device. When the tensors are exactly those of one dlpc_alloc_bundle() (or dlpc_alloc())
+ * allocation, all of them and in the order it gave them, that allocation is published as it
+ * is, without a copy, like dlpc_alloc() memory by dlpc_publish() (read-only: sealed, all of
+ * it). A part of such an allocation is copied, so that attachers see only what was
+ * published. Otherwise host tensors are copied into one sealed memfd, and CUDA tensors on the
+ * device into one VMM allocation of the library's (the calling thread waits for the copies);
+ * their deleters run before this returns. A bundle of one CUDA tensor is not copied: it is
+ * published as dlpc_publish() would publish it, its key kept.
  * @return the new generation (> 0) or a negative errno as for dlpc_publish(); -ENOTSUP for
  *         tensors on different devices.
  */
@@ -311,9 +313,9 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
  * of @p shapes[i]) in one allocation of shared memory on @p device, host or CUDA, each at the
  * next 256-byte boundary after the one before, and store them in @p ret[0..n-1]: a bucket to
  * fill in place (on a device, with your own kernels or copies) and publish whole with
- * dlpc_publish_bundle() without a copy. Each tensor has its own deleter; the memory lives until
- * the last is gone. Everything dlpc_alloc() says of its memory holds for this allocation.
- * @p n is 1..DLPC_BUNDLE_MAX.
+ * dlpc_publish_bundle() without a copy (all @p n, in this order; a subset is copied). Each
+ * tensor has its own deleter; the memory lives until the last is gone. Everything dlpc_alloc()
+ * says of its memory holds for this allocation. @p n is 1..DLPC_BUNDLE_MAX.
  * @return 0 or a negative errno as for dlpc_alloc() (-EINVAL for a bad dtype or shape); on
  *         failure every @p ret[i] is NULL.
  */
@@ -403,7 +405,10 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * the tensor is dropped, the legacy stream stands in for it; while any blocking stream
  * captures, the legacy stream cannot be used, and the event is recorded once the capture ends.
  * The library keeps no handle on @p stream after the deleter returns. A deleter that cannot
- * hand the tensor over (no memory, no thread) waits on the host instead.
+ * hand the tensor over (no memory, no thread) waits on the host instead. Once the process
+ * exits (the library's atexit handler has run), no driver call is made any more: a deleter
+ * then leaves the mapping alone and releases nothing, and dlpackd drops the reference with the
+ * connection.
  * @return 0, -EINVAL for a foreign tensor, or a negative errno from the driver.
  */
 DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream);

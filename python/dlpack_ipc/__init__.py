@@ -214,8 +214,10 @@ def empty(shape, dtype, device="cpu"):
 def empty_dict(spec, device="cpu"):
     """A bundle to fill in place: {key: (shape, dtype)} -> {key: SharedTensor}, every tensor in
     one allocation (each at the next 256-byte boundary) on device ("cpu", "cuda", "cuda:N").
-    publish_dict() of that dict then shares the allocation without a copy, on a device too
-    (a weight-sync bucket: synchronize after filling it, before publishing)."""
+    publish_dict() of that whole dict, in its order, then shares the allocation without a copy,
+    on a device too (a weight-sync bucket: synchronize after filling it, before publishing); a
+    part of it is copied. On the host a read-only publish makes every tensor of the dict
+    read-only, as for empty()."""
     return _client().empty_dict(spec, device)
 
 

@@ -37,6 +37,11 @@ static int order_for_consumer(TensorObject *self, const DLManagedTensorVersioned
 	if (t->dl_tensor.device.device_type != kDLCUDA || self->legacy_ordered)
 		return 0;
 	r = dlpc_tensor_wait(t, (void *)(uintptr_t)1 /* CU_STREAM_LEGACY */);
+	/* a forked child (EBADFD), no driver (ENODEV): as for every GPU call */
+	if (r < 0 && r != -EIO) {
+		ipc_raise(r);
+		return -1;
+	}
 	if (r < 0) {
 		PyErr_Format(PyExc_BufferError,
 			     "cannot order the legacy default stream after the publisher of this "

@@ -108,6 +108,7 @@ struct CUstream_st {
 	int32_t wait_pid;  /* waits for that process's interprocess event (0: none) */
 	uint32_t wait_id;
 	struct op *ops, **ops_end; /* queued work, in order */
+	CUstream next_dead;	   /* once destroyed */
 };
 
 struct CUevent_st {
@@ -141,6 +142,7 @@ static bool capture_broken; /* a call invalidated the captures under way */
 /* Interprocess events of this process recorded behind work that has not run: each has a marker
  * file (marker_path()) while it is pending, which is how other processes see it. */
 static CUevent marked;
+static CUstream dead_streams;			  /* destroyed streams (see cuStreamDestroy) */
 static __thread CUstreamCaptureMode capture_mode; /* GLOBAL, the default */
 /* Interprocess events alive in this process (created or opened), and how many the fake allows
  * ($FAKE_CUDA_IPC_EVENTS_MAX, default FAKE_IPC_EVENTS_MAX): the real driver runs out of them
@@ -1077,9 +1079,13 @@ EXPORT CUresult cuStreamDestroy(CUstream hStream)
 		free(o->copy);
 		free(o);
 	}
-	pthread_mutex_unlock(&mu);
+	/* kept, not freed: events recorded on it may still point at it (pending() reads it) */
 	hStream->magic = 0;
-	free(hStream);
+	hStream->ops = NULL;
+	hStream->ops_end = &hStream->ops;
+	hStream->next_dead = dead_streams;
+	dead_streams = hStream;
+	pthread_mutex_unlock(&mu);
 	return CUDA_SUCCESS;
 }
 

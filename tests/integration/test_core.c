@@ -945,6 +945,25 @@ START_TEST(test_alloc_bundle_zero_copy)
 		dlpc_bundle_free(b);
 	}
 	mine->deleter(mine);
+	/* a part of a bucket is copied: sharing the allocation would show attachers the rest,
+	 * and a read-only publish would seal the rest here too */
+	{
+		const int64_t k[1] = {1000};
+		const int64_t *const ks[2] = {k, k};
+		const int32_t one[2] = {1, 1};
+		const DLDataType f32[2] = {{kDLFloat, 32, 1}, {kDLFloat, 32, 1}};
+		DLManagedTensorVersioned *part[2], *rest;
+		uint64_t held = stat_or_die(c).bytes_held;
+
+		ck_assert_dlpc(dlpc_alloc_bundle(c, (DLDevice){kDLCPU, 0}, 2, f32, one, ks, part),
+			       0);
+		rest = part[1];
+		ck_assert_dlpc(dlpc_publish_bundle(c, "part", 1, bucket_keys, part, 0), 1);
+		ck_assert_uint_eq(stat_or_die(c).bytes_held - held, 4000); /* a copy, not 8192 */
+		((float *)rest->dl_tensor.data)[999] = 5.0f;		   /* still writable */
+		ck_assert_uint_eq(rest->flags & DLPACK_FLAG_BITMASK_READ_ONLY, 0);
+		rest->deleter(rest);
+	}
 	/* bad arguments: nothing allocated, every slot NULL */
 	t[0] = t[1] = (DLManagedTensorVersioned *)1;
 	ck_assert_dlpc(dlpc_alloc_bundle(c, (DLDevice){kDLCPU, 0}, 0, dt, nd, shapes, t), -EINVAL);
@@ -956,6 +975,10 @@ START_TEST(test_alloc_bundle_zero_copy)
 		-EINVAL);
 	ck_assert_dlpc(dlpc_alloc_bundle(c, (DLDevice){kDLROCM, 0}, 3, dt, nd, shapes, t),
 		       -ENOTSUP);
+	ck_assert_ptr_null(t[0]);
+	t[0] = (DLManagedTensorVersioned *)1;
+	ck_assert_dlpc(dlpc_alloc_bundle(c, (DLDevice){kDLCPU, 0}, 1, NULL, nd, shapes, t),
+		       -EINVAL);
 	ck_assert_ptr_null(t[0]);
 	dlpc_close(c);
 }

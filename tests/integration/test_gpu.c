@@ -79,6 +79,33 @@ static bool log_appears(pid_t pid, const char *text)
 	return log_count(pid, text) > 0;
 }
 
+/* The daemon's reference count, as @p c's STAT says (which also carries its queued releases). */
+static uint64_t refs_now(dlpc_client *c)
+{
+	dlpc_stats s = {.size = sizeof(s)};
+
+	return dlpc_stat(c, &s) == 0 ? s.references : UINT64_MAX;
+}
+
+/* Wait (at most 10 s) until the daemon holds @p n references. */
+static bool refs_reach(dlpc_client *c, uint64_t n)
+{
+	for (int i = 0; i < 1000 && refs_now(c) != n; i++)
+		usleep(10000);
+	return refs_now(c) == n;
+}
+
+/* The daemon keeps @p n references for as long as 200 retiring-thread polls take. */
+static bool refs_stay(dlpc_client *c, uint64_t n)
+{
+	for (int i = 0; i < 20; i++) {
+		if (refs_now(c) != n)
+			return false;
+		usleep(10000);
+	}
+	return true;
+}
+
 /* ---- device tensors over fake device memory ---- */
 
 struct devt {
@@ -399,9 +426,10 @@ static int two_attaches(void *arg)
 	CHILD_CHECK(a2->dl_tensor.data == a->dl_tensor.data);
 	CHILD_CHECK(same(a->dl_tensor.data, NELEM, 1.0f));
 	CHILD_CHECK(same(b->dl_tensor.data, NELEM, 7.0f));
-	/* closed when the last user lets go, not before */
+	/* closed when the last user lets go, not before (the releases follow the unmaps) */
 	a->deleter(a);
 	b->deleter(b);
+	CHILD_CHECK(refs_reach(c, 1));
 	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
 	a2->deleter(a2);
 	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
@@ -1300,33 +1328,6 @@ END_TEST
 /* fake_cuda's test hooks (tests/fake_cuda/README.md) */
 void fake_cuda_stream_hold(CUstream s, int on);
 void fake_cuda_capture(CUstream s, int on);
-
-/* The daemon's reference count, as @p c's STAT says (which also carries its queued releases). */
-static uint64_t refs_now(dlpc_client *c)
-{
-	dlpc_stats s = {.size = sizeof(s)};
-
-	return dlpc_stat(c, &s) == 0 ? s.references : UINT64_MAX;
-}
-
-/* Wait (at most 10 s) until the daemon holds @p n references. */
-static bool refs_reach(dlpc_client *c, uint64_t n)
-{
-	for (int i = 0; i < 1000 && refs_now(c) != n; i++)
-		usleep(10000);
-	return refs_now(c) == n;
-}
-
-/* The daemon keeps @p n references for as long as 200 retiring-thread polls take. */
-static bool refs_stay(dlpc_client *c, uint64_t n)
-{
-	for (int i = 0; i < 20; i++) {
-		if (refs_now(c) != n)
-			return false;
-		usleep(10000);
-	}
-	return true;
-}
 
 static int release_behind_held_work(void *arg)
 {
