@@ -472,19 +472,19 @@ static int publish_cuda_bundle(dlpc_client *c, const char *name, size_t n,
 					  name, i, d.device_type, d.device_id, ordinal);
 	}
 	snprintf(what, sizeof(what), "cannot publish '%s'", name);
-	if (zc && zc->device && (r = dlpc__cuda_check(what)) < 0)
-		return r;
+	req.name.data = (uint8_t *)name;
+	req.name.len = strlen(name);
+	req.flags = flags;
+	req.device_type = kDLCUDA;
+	req.device_id = ordinal;
+	req.device_uuid.len = DLPC_CUDA_UUID_SIZE;
+	req.n_tensors = n;
+	req.tensors = dptrs;
 	if (zc && zc->device) {
-		req.name.data = (uint8_t *)name;
-		req.name.len = strlen(name);
-		req.flags = flags;
-		req.device_type = kDLCUDA;
-		req.device_id = ordinal;
+		if ((r = dlpc__cuda_check(what)) < 0)
+			return r;
 		req.device_uuid.data = (uint8_t *)zc->uuid;
-		req.device_uuid.len = DLPC_CUDA_UUID_SIZE;
 		req.storage_size = zc->len;
-		req.n_tensors = n;
-		req.tensors = dptrs;
 		return send_publish(c, &req, zc->fd);
 	}
 	srcs = calloc(n, sizeof(*srcs));
@@ -508,16 +508,8 @@ static int publish_cuda_bundle(dlpc_client *c, const char *name, size_t n,
 	/* the export fd keeps the allocation; this process needs no mapping of it */
 	dlpc__cuda_unmap(m);
 	if (r == 0) {
-		req.name.data = (uint8_t *)name;
-		req.name.len = strlen(name);
-		req.flags = flags;
-		req.device_type = kDLCUDA;
-		req.device_id = ordinal;
 		req.device_uuid.data = uuid;
-		req.device_uuid.len = DLPC_CUDA_UUID_SIZE;
 		req.storage_size = len;
-		req.n_tensors = n;
-		req.tensors = dptrs;
 		r = send_publish(c, &req, fd);
 	}
 	close(fd);

@@ -492,35 +492,37 @@ static void device_start(void)
 	/* fd stays open, holding the lock, for as long as the process lives */
 }
 
-/* The device instance an allocation's memfd was made on (0: unknown). */
-static unsigned instance_of(int fd)
+/* The name of the fake's memfd @p fd ("/memfd:fake-cuda:<id>@<instance>:dev<device>..."), in
+ * @p buf of @p len bytes; NULL for any other file. */
+static const char *memfd_name(int fd, char *buf, size_t len)
 {
-	char path[64], target[128], *at;
+	char path[64];
 	ssize_t n;
 
 	snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
-	n = readlink(path, target, sizeof(target) - 1);
+	n = readlink(path, buf, len - 1);
 	if (n <= 0)
-		return 0;
-	target[n] = 0;
-	at = strchr(target, '@');
-	if (!at || strncmp(target, "/memfd:fake-cuda:", 17) != 0)
-		return 0;
-	return (unsigned)strtoul(at + 1, NULL, 10);
+		return NULL;
+	buf[n] = 0;
+	return strncmp(buf, "/memfd:fake-cuda:", 17) == 0 ? buf : NULL;
+}
+
+/* The device instance an allocation's memfd was made on (0: unknown). */
+static unsigned instance_of(int fd)
+{
+	char buf[128];
+	const char *name = memfd_name(fd, buf, sizeof(buf)), *at = name ? strchr(name, '@') : NULL;
+
+	return at ? (unsigned)strtoul(at + 1, NULL, 10) : 0;
 }
 
 /* The device an allocation's memfd was made on (0: unknown). */
 static int device_of(int fd)
 {
-	char path[64], target[128], *d;
-	ssize_t n;
+	char buf[128];
+	const char *name = memfd_name(fd, buf, sizeof(buf)),
+		   *d = name ? strstr(name, ":dev") : NULL;
 
-	snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
-	n = readlink(path, target, sizeof(target) - 1);
-	if (n <= 0)
-		return 0;
-	target[n] = 0;
-	d = strstr(target, ":dev");
 	return d ? (int)strtol(d + 4, NULL, 10) : 0;
 }
 
@@ -1179,24 +1181,37 @@ EXPORT void fake_cuda_stream_hold(CUstream s, int on)
 	logf_("hold stream=%p %s", (void *)s, on ? "on" : "off");
 }
 
-/* Test hook: a kernel on @p s that writes @p n bytes of @p src (taken now) to @p dst: at once,
- * or when the stream's earlier work has run. */
-EXPORT void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n)
+/*
+ * Copy @p n bytes from @p src to @p dst as work on @p s: now if @p s can run, else queued
+ * behind its earlier work. A write (@p take) takes its bytes now; a read takes them when it
+ * runs. With no memory to queue it, it runs now.
+ */
+static void later(CUstream s, void *dst, const void *src, size_t n, bool take)
 {
 	struct op *o = calloc(1, sizeof(*o));
 
 	pthread_mutex_lock(&mu);
-	if (!blocked(s) || !o || !(o->copy = malloc(n))) {
+	if (!blocked(s) || !o || (take && !(o->copy = malloc(n)))) {
 		memcpy(dst, src, n);
 		free(o);
 	} else {
-		memcpy(o->copy, src, n);
+		if (take)
+			memcpy(o->copy, src, n);
+		else
+			o->src = src;
 		o->dst = dst;
 		o->n = n;
 		*s->ops_end = o;
 		s->ops_end = &o->next;
 	}
 	pthread_mutex_unlock(&mu);
+}
+
+/* Test hook: a kernel on @p s that writes @p n bytes of @p src (taken now) to @p dst: at once,
+ * or when the stream's earlier work has run. */
+EXPORT void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n)
+{
+	later(s, dst, src, n, true);
 	logf_("write-later stream=%p bytes=%zu", (void *)s, n);
 }
 
@@ -1204,20 +1219,7 @@ EXPORT void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t
  * the stream's earlier work (a wait for another process's event) has run. */
 EXPORT void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n)
 {
-	struct op *o = calloc(1, sizeof(*o));
-
-	pthread_mutex_lock(&mu);
-	if (!blocked(s) || !o) {
-		memcpy(dst, src, n);
-		free(o);
-	} else {
-		o->dst = dst;
-		o->src = src;
-		o->n = n;
-		*s->ops_end = o;
-		s->ops_end = &o->next;
-	}
-	pthread_mutex_unlock(&mu);
+	later(s, dst, src, n, false);
 	logf_("read-later stream=%p bytes=%zu", (void *)s, n);
 }
 
