@@ -110,6 +110,9 @@ static const struct option_row options[] = {
 	 .help = "err, warning, notice, info (default) or debug",
 	 .parse = parse_level,
 	 .dst = &dlpd_log_level},
+	OPT_UINT("fd-store", "FDSTORE", dlpd_config.fd_store, 0, UINT32_MAX,
+		 "fds the service manager keeps for dlpackd across\nrestarts "
+		 "(FileDescriptorStoreMax=); with 0,\nentries end with the daemon"),
 	OPT_SIZE("max-bytes-per-uid", "DLPACKD_MAX_BYTES_PER_UID", dlpd_limits.bytes_per_uid, 1,
 		 UINT64_MAX, "storage bytes one uid may hold, counted on the\ndeclared size"),
 	OPT_UINT("max-entries-per-uid", "DLPACKD_MAX_ENTRIES_PER_UID", dlpd_limits.entries_per_uid,

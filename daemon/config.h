@@ -14,6 +14,7 @@ struct dlpd_config {
 	const char *socket_path; /* NULL: dlpc_default_socket() */
 	unsigned socket_mode;	 /* these two apply only to a socket the daemon binds itself */
 	gid_t socket_gid;	 /* (gid_t)-1: the daemon's own group */
+	uint64_t fd_store;	 /* fds the service manager keeps for us; 0: no fd store */
 };
 extern struct dlpd_config dlpd_config;
 

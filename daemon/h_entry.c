@@ -5,125 +5,14 @@
 #include <string.h>
 #include <time.h>
 
+#include "entry.h"
 #include "handlers.h"
 #include "names.h"
 #include "peer.h"
 #include "quota.h"
 #include "reclaim.h"
-#include "storage.h"
 #include "table.h"
 #include "util.h"
-
-static int cmp_keys(const void *a, const void *b)
-{
-	const ProtobufCBinaryData *x = &(*(Dlpackd__V1__TensorDesc *const *)a)->key;
-	const ProtobufCBinaryData *y = &(*(Dlpackd__V1__TensorDesc *const *)b)->key;
-
-	return dlpc__bytes_cmp(x->data, x->len, y->data, y->len);
-}
-
-/* Are the tensor descriptions of @p req sound? 0, or -errno and the reason. */
-static int check_tensors(const Dlpackd__V1__Publish *req, char *why, size_t whylen)
-{
-	Dlpackd__V1__TensorDesc **sorted;
-	int r = 0;
-
-	if (req->n_tensors == 0 || req->n_tensors > DLPC_BUNDLE_MAX) {
-		snprintf(why, whylen, "%zu tensors; an entry holds 1 to %d", req->n_tensors,
-			 DLPC_BUNDLE_MAX);
-		return -EINVAL;
-	}
-	for (size_t i = 0; i < req->n_tensors; i++) {
-		const Dlpackd__V1__TensorDesc *t = req->tensors[i];
-		uint64_t nbytes, end;
-
-		r = dlpc__key_check(t->key.data, t->key.len, why, whylen);
-		if (r < 0)
-			return r;
-		if (t->dtype_code > UINT8_MAX || t->dtype_bits > UINT8_MAX ||
-		    t->dtype_lanes > UINT16_MAX || t->n_shape > DLPC_NDIM_MAX) {
-			snprintf(why, whylen, "tensor %zu: bad dtype or more than %d dimensions", i,
-				 DLPC_NDIM_MAX);
-			return -EINVAL;
-		}
-		r = dlpc__tensor_nbytes(t->dtype_bits, t->dtype_lanes, t->shape, t->n_shape,
-					&nbytes);
-		if (r < 0) {
-			snprintf(why, whylen, "tensor %zu: bad dtype or shape", i);
-			return r;
-		}
-		/* a legacy CUDA IPC tensor, or one in lent VMM memory, sits where its producer's
-		 * allocator put it */
-		if ((!req->cuda_ipc && !(req->device_type == kDLCUDA && req->reclaim_token) &&
-		     t->offset % DLPC_ALIGN != 0) ||
-		    __builtin_add_overflow(t->offset, nbytes, &end) || end > req->storage_size) {
-			snprintf(why, whylen,
-				 "tensor %zu: %llu bytes at offset %llu do not fit an aligned "
-				 "place in a storage of %llu bytes",
-				 i, (unsigned long long)nbytes, (unsigned long long)t->offset,
-				 (unsigned long long)req->storage_size);
-			return -EINVAL;
-		}
-	}
-	if (req->n_tensors == 1)
-		return 0;
-	sorted = malloc(req->n_tensors * sizeof(*sorted));
-	if (!sorted)
-		return -ENOMEM;
-	memcpy(sorted, req->tensors, req->n_tensors * sizeof(*sorted));
-	qsort(sorted, req->n_tensors, sizeof(*sorted), cmp_keys);
-	for (size_t i = 1; i < req->n_tensors && r == 0; i++)
-		if (cmp_keys(&sorted[i - 1], &sorted[i]) == 0) {
-			char key[DLPC_NAME_TEXT];
-
-			snprintf(why, whylen, "key '%s' appears twice in the bundle",
-				 dlpc__printable(sorted[i]->key.data, sorted[i]->key.len, key,
-						 sizeof(key)));
-			r = -EINVAL;
-		}
-	free(sorted);
-	return r;
-}
-
-static void free_unknown(ProtobufCMessage *m)
-{
-	for (unsigned i = 0; i < m->n_unknown_fields; i++)
-		free(m->unknown_fields[i].data);
-	free(m->unknown_fields);
-	m->unknown_fields = NULL;
-	m->n_unknown_fields = 0;
-}
-
-/* Fields this daemon does not know would be kept, one allocation each, for the entry's life:
- * free them now. (protobuf-c's default allocator is malloc.) */
-static void drop_unknown_fields(Dlpackd__V1__Publish *req)
-{
-	free_unknown(&req->base);
-	for (size_t i = 0; i < req->n_tensors; i++)
-		free_unknown(&req->tensors[i]->base);
-}
-
-/* The descriptions as an ATTACH reply encodes them: its tensor_table field, tag and length
- * included (an AttachReply with only that field set packs to exactly those bytes). Every
- * ATTACH of the entry appends them instead of encoding anything. NULL on ENOMEM. */
-static uint8_t *encode_tensors(const Dlpackd__V1__Publish *req, size_t *len)
-{
-	Dlpackd__V1__AttachReply only = DLPACKD__V1__ATTACH_REPLY__INIT;
-	uint8_t *table, *wire;
-
-	only.tensor_table.len = dlpc__table_size(req->tensors, req->n_tensors);
-	table = malloc(only.tensor_table.len);
-	if (!table)
-		return NULL;
-	dlpc__table_encode(req->tensors, req->n_tensors, table);
-	only.tensor_table.data = table;
-	*len = dlpackd__v1__attach_reply__get_packed_size(&only);
-	wire = malloc(*len);
-	if (wire)
-		dlpackd__v1__attach_reply__pack(&only, wire);
-	free(table);
-	return wire;
-}
 
 /*
  * Is the device part of @p req sound: host memory with its memfd, or a CUDA device with a UUID
@@ -212,14 +101,10 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	if (req->storage_size == 0 || req->storage_size > INT64_MAX)
 		return dlpd_reply_error(p, id, EINVAL, "cannot publish '%s': bad storage size %llu",
 					name, (unsigned long long)req->storage_size);
-	r = check_tensors(req, why, sizeof(why));
+	r = dlpd_entry_check_tensors(req, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
-	if (req->device_type == kDLCPU)
-		r = dlpd_storage_check(f->fds[0], req->storage_size,
-				       req->flags & DLPC_PUBLISH_WRITABLE, why, sizeof(why));
-	else if (!req->cuda_ipc)
-		r = dlpd_device_storage_check(f->fds[0], why, sizeof(why));
+	r = dlpd_entry_check_storage(req, f->nfds ? f->fds[0] : -1, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
 	old = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
@@ -238,8 +123,8 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
 
-	drop_unknown_fields(req);
-	wire = encode_tensors(req, &wire_len);
+	dlpd_entry_drop_unknown_fields(req);
+	wire = dlpd_entry_encode_tensors(req, &wire_len);
 	e = wire ? calloc(1, sizeof(*e)) : NULL;
 	/* charged to the connection's uid, whose usage record its connection keeps alive */
 	st = e ? dlpd_storage_new(&s->reg, p->usage, f->nfds ? f->fds[0] : -1, req->storage_size,

@@ -13,8 +13,10 @@
 #include "base.h"
 #include "config.h"
 #include "reaper.h"
+#include "persist.h"
 #include "server.h"
 #include "systemd.h"
+#include "upgrade.h"
 
 /* Every entry holds an fd: use all the fds the hard limit allows, not the soft 1024. */
 static void raise_fd_limit(void)
@@ -29,29 +31,76 @@ static void raise_fd_limit(void)
 	}
 }
 
+/* Sort the passed fds: the listening socket, the lock an upgrading image passes with it, and
+ * storages and journals to restore. 0, or -1 with the reason logged (refuse to start). */
+static int sort_passed(struct dlpd_passed_fd *fds, size_t n, struct dlpd_start *how)
+{
+	char why[160];
+
+	for (size_t i = 0; i < n; i++) {
+		const char *name = fds[i].name;
+
+		if (strncmp(name, DLPD_FDNAME_STORAGE, strlen(DLPD_FDNAME_STORAGE)) == 0 ||
+		    strncmp(name, DLPD_FDNAME_STATE, strlen(DLPD_FDNAME_STATE)) == 0) {
+			fds[how->nrestore++] = fds[i];
+			continue;
+		}
+		if (strcmp(name, "lock") == 0 && how->lock_fd < 0) {
+			how->lock_fd = fds[i].fd;
+			continue;
+		}
+		/* anything else is what socket activation passes: one listening socket */
+		if (dlpd_listen_check(fds[i].fd, why, sizeof(why)) < 0) {
+			dlpd_log(LOG_ERR, "refusing to start: %s", why);
+			return -1;
+		}
+		if (how->listen_fd >= 0) {
+			dlpd_log(LOG_ERR,
+				 "refusing to start: expected one socket from socket activation, "
+				 "got fds %d and %d",
+				 how->listen_fd, fds[i].fd);
+			return -1;
+		}
+		how->listen_fd = fds[i].fd;
+	}
+	if (how->lock_fd >= 0 && how->listen_fd < 0) {
+		dlpd_log(LOG_ERR, "refusing to start: a lock fd was passed without its socket");
+		return -1;
+	}
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	const char *socket_path, *ignored, *ignored_env;
 	char defpath[108], why[160];
+	struct dlpd_start how = {.listen_fd = -1, .lock_fd = -1};
+	struct dlpd_passed_fd *passed = NULL;
 	struct dlpd_server srv;
 	sigset_t stop_signals;
+	size_t npassed = 0;
 	uv_loop_t loop;
-	int r, listen_fd;
+	int r;
 
 	r = dlpd_config_load(argc, argv);
 	if (r != 0)
 		return r > 0 ? 0 : 2;
 	dlpd_log_init();
 	dlpd_notify_init();
-	listen_fd = dlpd_listen_fd(why, sizeof(why));
-	if (listen_fd < 0 && listen_fd != -ENOENT) {
+	r = dlpd_passed_fds(&passed, &npassed, why, sizeof(why));
+	if (r < 0 && r != -ENOENT) {
 		dlpd_log(LOG_ERR, "refusing to start: %s", why);
 		return 2;
 	}
+	if (sort_passed(passed, npassed, &how) < 0) {
+		free(passed);
+		return 2;
+	}
+	how.restore = passed;
 	socket_path = dlpd_config.socket_path;
-	if (listen_fd >= 0) {
+	if (how.listen_fd >= 0) {
 		ignored = dlpd_config_bind_option_given(&ignored_env);
-		if (ignored)
+		if (ignored && how.lock_fd < 0)
 			dlpd_log(LOG_WARNING,
 				 "ignoring --%s (or %s): the socket comes from socket activation",
 				 ignored, ignored_env);
@@ -62,32 +111,44 @@ int main(int argc, char **argv)
 				 r == -ENOENT ? "XDG_RUNTIME_DIR is not set"
 					      : "the path is too long",
 				 DLPC_SOCKET_ENV);
+			free(passed);
 			return 2;
 		}
 		socket_path = defpath;
 	}
+	how.path = socket_path;
 	signal(SIGPIPE, SIG_IGN);
 	raise_fd_limit();
-	/* Clients can connect as soon as the socket listens, which is before the SIGTERM handler
-	 * exists: hold the signals back until it does, so that none kills us by default. */
+	/* Clients can connect as soon as the socket listens, which is before the signal handlers
+	 * exist: hold the signals back until they do, so that none kills us by default (SIGHUP
+	 * included: an upgrade executes us with the socket already listening). */
 	sigemptyset(&stop_signals);
 	sigaddset(&stop_signals, SIGTERM);
 	sigaddset(&stop_signals, SIGINT);
+	sigaddset(&stop_signals, SIGHUP);
 	sigprocmask(SIG_BLOCK, &stop_signals, NULL);
 	uv_loop_init(&loop);
 	r = dlpd_reaper_start();
 	if (r < 0) {
 		dlpd_log(LOG_ERR, "cannot start the fd reaper thread: %s", strerror(-r));
 		uv_loop_close(&loop);
-		if (listen_fd >= 0)
-			close(listen_fd);
+		for (size_t i = 0; i < how.nrestore; i++)
+			close(passed[i].fd);
+		if (how.listen_fd >= 0)
+			close(how.listen_fd);
+		if (how.lock_fd >= 0)
+			close(how.lock_fd);
+		free(passed);
 		return 1;
 	}
-	r = dlpd_server_start(&srv, &loop, listen_fd, socket_path, &dlpd_limits);
+	r = dlpd_server_start(&srv, &loop, &how, &dlpd_limits);
+	free(passed);
+	dlpd_upgrade_init(&srv, argv);
 	/* returns once dlpd_server_stop() has closed every handle */
 	if (r == 0) {
 		sigprocmask(SIG_UNBLOCK, &stop_signals, NULL);
-		dlpd_notify("READY=1\nSTATUS=listening on %s", srv.path);
+		dlpd_notify("READY=1\nSTATUS=listening on %s, %zu entries", srv.path,
+			    srv.reg.names.count);
 	} else {
 		/* close the handles the server set up before it failed */
 		dlpd_server_stop(&srv);

@@ -13,6 +13,7 @@
 
 #include "names.h"
 #include "peer.h"
+#include "persist.h"
 #include "reaper.h"
 #include "reclaim.h"
 #include "util.h"
@@ -29,6 +30,7 @@ static void storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 		return;
 	if (st->reclaim_peer)
 		dlpd_reclaim_storage_freed(st);
+	dlpd_persist_storage_gone(s, st);
 	if (st->fd >= 0 && st->device_type == kDLCPU)
 		dlpd_close_later(st->fd);
 	else if (st->fd >= 0)
@@ -155,13 +157,14 @@ static void wake_waiters(struct dlpd_server *s, struct dlpd_entry *e)
 int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_entry *old,
 		       struct dlpd_peer *owner)
 {
-	uint64_t prev_gen = old ? old->generation : 0;
+	uint64_t prev_gen = old ? old->generation : 0, old_journaled = old ? old->journaled : 0;
+	struct dlpd_storage *old_st = NULL;
 	int r;
 
 	/* Removing old first cannot make the link fail: the map has buckets already. Nothing
 	 * runs in between, so no attacher sees the name absent, and watchers see one REPLACED. */
 	if (old)
-		storage_gone(s, dlpd_entry_unlink(&s->reg, old));
+		old_st = dlpd_entry_unlink(&s->reg, old);
 	r = dlpd_entry_link(&s->reg, e, owner ? &owner->held : NULL);
 	if (r < 0) {
 		struct dlpd_storage *st = e->st;
@@ -169,8 +172,14 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 		dlpd_entry_free_unlinked(e);
 		st->names--;
 		storage_gone(s, st);
+		storage_gone(s, old_st);
 		return r;
 	}
+	/* Recorded before anyone hears of it, so that nobody is told of an entry a crash would
+	 * lose, and before the old storage leaves the fd store, so that a crash in between
+	 * finds one of the two entries whole. */
+	dlpd_persist_published(s, e, old_journaled);
+	storage_gone(s, old_st);
 	notify_watchers(s, old ? DLPC_WATCH_REPLACED : DLPC_WATCH_PUBLISHED, e, prev_gen, 0, e->uid,
 			e->pid);
 	wake_waiters(s, e);
@@ -180,6 +189,7 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 void dlpd_names_remove(struct dlpd_server *s, struct dlpd_entry *e, int reason,
 		       const struct dlpd_peer *actor)
 {
+	dlpd_persist_removed(s, e);
 	notify_watchers(s, DLPC_WATCH_UNPUBLISHED, e, 0, reason, actor->uid, actor->pid);
 	storage_gone(s, dlpd_entry_unlink(&s->reg, e));
 }

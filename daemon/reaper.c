@@ -25,6 +25,8 @@
 
 /* How long stop waits for the reaper of client-sent fds. */
 #define UNTRUSTED_JOIN_MS 2000
+/* How long a freeze waits for a close taken off the queue to return. */
+#define FREEZE_WAIT_MS 100
 
 struct reaper {
 	pthread_mutex_t mu;
@@ -33,6 +35,7 @@ struct reaper {
 	size_t n, cap;
 	unsigned closing; /* taken off the queue, close() not returned yet */
 	bool stop, running, done;
+	bool frozen; /* takes nothing more off the queue (dlpd_reaper_freeze()) */
 	pthread_t thread;
 };
 
@@ -45,9 +48,9 @@ static void *reap(void *arg)
 
 	pthread_mutex_lock(&rp->mu);
 	for (;;) {
-		while (rp->n == 0 && !rp->stop)
+		while ((rp->n == 0 || rp->frozen) && !rp->stop)
 			pthread_cond_wait(&rp->cv, &rp->mu);
-		if (rp->n == 0)
+		if (rp->n == 0 || rp->frozen)
 			break;
 		int fd = rp->fds[--rp->n];
 
@@ -56,6 +59,7 @@ static void *reap(void *arg)
 		close(fd);
 		pthread_mutex_lock(&rp->mu);
 		rp->closing--;
+		pthread_cond_broadcast(&rp->cv);
 	}
 	rp->done = true;
 	pthread_cond_broadcast(&rp->cv);
@@ -188,4 +192,30 @@ void dlpd_close_untrusted(int fd)
 size_t dlpd_reaper_pending(void)
 {
 	return pending(&own) + pending(&untrusted);
+}
+
+/* Let @p rp take nothing more off its queue, and wait a moment for the close it took. */
+static void freeze(struct reaper *rp)
+{
+	struct timespec until;
+
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_nsec += FREEZE_WAIT_MS * 1000000L;
+	if (until.tv_nsec >= 1000000000) {
+		until.tv_sec++;
+		until.tv_nsec -= 1000000000;
+	}
+	pthread_mutex_lock(&rp->mu);
+	rp->frozen = true;
+	while (rp->closing && pthread_cond_timedwait(&rp->cv, &rp->mu, &until) == 0)
+		;
+	pthread_mutex_unlock(&rp->mu);
+}
+
+void dlpd_reaper_freeze(void)
+{
+	/* A close taken off the queue, and still not returned after the wait, is in the kernel
+	 * (a stalled filesystem): its fd number is free already. */
+	freeze(&own);
+	freeze(&untrusted);
 }

@@ -13,6 +13,10 @@ void dlpd_close_later(int fd);
 /* Close an fd a client sent (or one whose file the daemon cannot vouch for) off the loop, on
  * a thread of its own. */
 void dlpd_close_untrusted(int fd);
+/* Close nothing more: fds still queued stay open until the process executes a new image, which
+ * closes them (they are all close-on-exec). Lets upgrade.c move fds to numbers the queues may
+ * hold. */
+void dlpd_reaper_freeze(void);
 /* fds handed to the reapers and not closed yet. */
 size_t dlpd_reaper_pending(void);
 

@@ -59,6 +59,10 @@ struct dlpd_storage {
 	struct dlpd_peer *reclaim_peer;
 	struct dlpd_list reclaim_link; /* in reclaim_peer->ipc_storages */
 	uint64_t reclaim_token;
+	/* persist.c: the number that names it across restarts (0: it cannot outlive the daemon:
+	 * ephemeral, or legacy CUDA IPC), and whether the service manager keeps its fd */
+	uint64_t sid;
+	bool stored;
 };
 
 struct dlpd_entry {
@@ -74,6 +78,7 @@ struct dlpd_entry {
 	int64_t created_ns;
 	struct dlpd_holdings *owner; /* the publishing connection's if ephemeral, else NULL */
 	struct dlpd_list owner_link; /* in owner->ephemeral */
+	uint64_t journaled;	     /* persist.c: bytes of its record in the journal, 0 if none */
 };
 
 struct dlpd_ref {

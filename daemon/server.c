@@ -9,11 +9,13 @@
  * daemon starting meanwhile either sees the live listener or finds the path free.
  *
  * Under socket activation systemd owns the path: the daemon takes the listening fd it is given
- * and never locks, replaces or unlinks anything.
+ * and never locks, replaces or unlinks anything. An image of ours that upgrades in place
+ * (upgrade.c) passes its socket with its lock, and the path stays ours.
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <libgen.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,10 +30,12 @@
 #include "dispatch.h"
 #include "names.h"
 #include "peer.h"
+#include "persist.h"
 #include "quota.h"
 #include "reclaim.h"
 #include "server.h"
 #include "systemd.h"
+#include "upgrade.h"
 
 /* Wait this long before accepting again after running out of fds. */
 #define ACCEPT_RETRY_MS 100
@@ -136,6 +140,11 @@ static void on_signal(uv_signal_t *h, int signum)
 {
 	struct dlpd_server *s = h->data;
 
+	if (signum == SIGHUP) {
+		dlpd_log(LOG_NOTICE, "received %s, upgrading in place", strsignal(signum));
+		dlpd_upgrade(s);
+		return;
+	}
 	dlpd_log(LOG_NOTICE, "received %s, stopping", strsignal(signum));
 	dlpd_server_stop(s);
 }
@@ -286,9 +295,10 @@ static int bind_own(struct dlpd_server *s, const char *path)
 	return 0;
 }
 
-/* Adopt @p fd, the listening socket systemd passed; its path stays systemd's business. The
- * path (or "@name" for an abstract address) is kept for log lines only. */
-static int adopt(struct dlpd_server *s, int fd)
+/* Adopt @p fd, a listening socket passed to us. Its path stays systemd's business, and is kept
+ * for log lines only (or "@name" for an abstract address), unless @p lock_fd, the lock on it
+ * that an upgrading image of ours held, says we own it. */
+static int adopt(struct dlpd_server *s, int fd, int lock_fd)
 {
 	struct sockaddr_un sa;
 	socklen_t len = sizeof(sa);
@@ -305,7 +315,21 @@ static int adopt(struct dlpd_server *s, int fd)
 	if (sa.sun_path[0] == '\0')
 		sa.sun_path[0] = '@';
 	s->path = strndup(sa.sun_path, n);
-	return s->path ? 0 : -ENOMEM;
+	if (!s->path)
+		return -ENOMEM;
+	if (lock_fd >= 0 && s->path[0] == '/') {
+		size_t ln = strlen(s->path) + sizeof(".lock");
+
+		s->lock_path = malloc(ln);
+		if (!s->lock_path)
+			return -ENOMEM;
+		snprintf(s->lock_path, ln, "%s.lock", s->path);
+		s->lock_fd = lock_fd;
+		s->owns_path = true;
+	} else if (lock_fd >= 0) {
+		close(lock_fd);
+	}
+	return 0;
 }
 
 /* On failure nothing is unlinked (the path may be another daemon's); dlpd_server_free() closes
@@ -324,15 +348,21 @@ void dlpd_server_init(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 	dlpd_dispatch_init(s);
 	dlpd_reclaim_init(s);
 	s->start_ms = dlpd_now_ms();
+	dlpd_persist_init(s);
 }
 
-int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, const char *path,
+int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_start *how,
 		      const struct dlpd_limits *lim)
 {
 	int r;
 
 	dlpd_server_init(s, loop, lim);
-	r = activated_fd >= 0 ? adopt(s, activated_fd) : bind_own(s, path);
+	r = how->listen_fd >= 0 ? adopt(s, how->listen_fd, how->lock_fd) : bind_own(s, how->path);
+	if (r == 0)
+		r = dlpd_persist_restore(s, how->restore, how->nrestore);
+	else
+		for (size_t i = 0; i < how->nrestore; i++)
+			close(how->restore[i].fd);
 	if (r < 0)
 		return r;
 	s->listening = true;
@@ -343,9 +373,11 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, int activated_fd, 
 	s->accept_retry.data = s;
 	uv_signal_init(loop, &s->sig_term);
 	uv_signal_init(loop, &s->sig_int);
-	s->sig_term.data = s->sig_int.data = s;
+	uv_signal_init(loop, &s->sig_hup);
+	s->sig_term.data = s->sig_int.data = s->sig_hup.data = s;
 	uv_signal_start(&s->sig_term, on_signal, SIGTERM);
 	uv_signal_start(&s->sig_int, on_signal, SIGINT);
+	uv_signal_start(&s->sig_hup, on_signal, SIGHUP);
 	dlpd_log(LOG_NOTICE, "dlpackd %s listening on %s%s", DLPD_VERSION, s->path,
 		 s->owns_path ? "" : " (socket activation)");
 	dlpd_log(LOG_INFO,
@@ -387,6 +419,7 @@ void dlpd_server_stop(struct dlpd_server *s)
 		uv_close((uv_handle_t *)&s->accept_retry, NULL);
 		uv_close((uv_handle_t *)&s->sig_term, NULL);
 		uv_close((uv_handle_t *)&s->sig_int, NULL);
+		uv_close((uv_handle_t *)&s->sig_hup, NULL);
 	}
 	dlpd_reclaim_stop(s);
 	dlpd_dispatch_stop(s);
@@ -396,6 +429,8 @@ void dlpd_server_free(struct dlpd_server *s)
 {
 	dlpd_names_clear(s);
 	dlpd_registry_clear(&s->reg);
+	dlpd_persist_free(s);
+	free(s->self_exe);
 	dlpc__scratch_clear(&s->out);
 	dlpc__scratch_clear(&s->event_out);
 	if (s->listen_fd >= 0)

@@ -32,6 +32,21 @@ struct dlpd_stats {
 	uint64_t queue_drops; /* connections dropped for a full output queue */
 };
 
+/* Entries that outlive the daemon (persist.c). */
+struct dlpd_persist {
+	uint64_t store_max;	  /* fds the service manager keeps for us (--fd-store); 0: none */
+	uint64_t storages_stored; /* storage fds of ours in the store */
+	int journal_fd;		  /* the state journal, -1 without a store */
+	uint64_t epoch;		  /* the journal's: its name in the store is state-<epoch> */
+	uint64_t journal_len;	  /* bytes written */
+	uint64_t live_len;	  /* of them, records of entries that still exist */
+	uint64_t next_sid;	  /* the last storage id given */
+	bool broken;		  /* the store or the journal failed: nothing more is recorded */
+	bool warned_full;
+	uint8_t *rec; /* a record is built here */
+	size_t rec_cap;
+};
+
 struct dlpd_server {
 	uv_loop_t *loop;
 	int listen_fd;
@@ -40,9 +55,9 @@ struct dlpd_server {
 	bool owns_path; /* bound by us, not passed by systemd: unlink it at stop */
 	bool listening; /* the handles below are set up (dlpd_server_start() got this far) */
 	uv_poll_t listen_poll;
-	uv_timer_t accept_retry; /* resumes accepting after EMFILE */
-	bool accept_paused;	 /* accept failed and has not succeeded since */
-	uv_signal_t sig_term, sig_int;
+	uv_timer_t accept_retry;		/* resumes accepting after EMFILE */
+	bool accept_paused;			/* accept failed and has not succeeded since */
+	uv_signal_t sig_term, sig_int, sig_hup; /* SIGHUP: upgrade in place (upgrade.c) */
 	struct dlpd_list peers;	    /* live connections, and marked ones not yet destroyed */
 	struct dlpd_list failed;    /* marked connections, not yet destroyed */
 	struct dlpd_list lingering; /* destroyed, flushing their last frames (fail_link) */
@@ -61,7 +76,10 @@ struct dlpd_server {
 	struct dlpd_limits lim;
 	uint64_t fd_budget; /* storages + connections allowed: RLIMIT_NOFILE - DLPC_FD_RESERVE */
 	uint64_t start_ms;
+	struct dlpd_persist persist;
+	char *self_exe; /* upgrade.c: the binary to execute again, resolved at start */
 	bool stopping;
+	bool upgrading; /* stopping to execute the binary again (upgrade.c) */
 };
 
 struct dlpd_peer {

@@ -1,11 +1,13 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * The two systemd protocols dlpackd speaks, without libsystemd: socket activation (the listening
- * socket arrives as fd 3, described by LISTEN_PID and LISTEN_FDS) and readiness notification
- * (datagrams such as "READY=1" sent to the socket named by NOTIFY_SOCKET).
+ * The systemd protocols dlpackd speaks, without libsystemd: passed fds (from fd 3 on, described
+ * by LISTEN_PID, LISTEN_FDS and LISTEN_FDNAMES: the listening socket of socket activation and
+ * the fds kept in the fd store), and notification (datagrams such as "READY=1" sent to the
+ * socket named by NOTIFY_SOCKET, with fds attached for FDSTORE=1).
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +25,8 @@
 /* The notification socket's address, taken from the environment once at start. */
 static struct sockaddr_un notify_addr;
 static socklen_t notify_len;
+/* NOTIFY_SOCKET as it was given, for a re-executed image (upgrade.c) */
+static char notify_env[sizeof(notify_addr.sun_path) + 1];
 
 /* Parse a decimal number made of digits only; -1 if it is not one. */
 static long long parse_decimal(const char *s)
@@ -37,42 +41,12 @@ static long long parse_decimal(const char *s)
 	return *end || errno ? -1 : v;
 }
 
-int dlpd_listen_fd(char *why, size_t len)
+int dlpd_listen_check(int fd, char *why, size_t len)
 {
-	const char *pid_env = getenv("LISTEN_PID"), *fds_env = getenv("LISTEN_FDS");
-	char pid_buf[32], fds_buf[32];
-	const char *pid_s = pid_env ? pid_buf : NULL, *fds_s = fds_env ? fds_buf : NULL;
-	long long pid, nfds;
-	int fd = LISTEN_FDS_START, v;
-	socklen_t vlen = sizeof(v);
+	socklen_t vlen = sizeof(int);
 	struct stat st;
+	int v;
 
-	snprintf(pid_buf, sizeof(pid_buf), "%s", pid_env ? pid_env : "");
-	snprintf(fds_buf, sizeof(fds_buf), "%s", fds_env ? fds_env : "");
-	pid = parse_decimal(pid_s);
-	nfds = parse_decimal(fds_s);
-	/* never let these reach anything we might start, whatever they said */
-	unsetenv("LISTEN_PID");
-	unsetenv("LISTEN_FDS");
-	unsetenv("LISTEN_FDNAMES");
-	/* as with sd_listen_fds(): without LISTEN_PID, or with another process's (our parent's,
-	 * say), the variables are not addressed to us */
-	if (!pid_s || !fds_s)
-		return -ENOENT;
-	if (pid < 0) {
-		snprintf(why, len, "bad LISTEN_PID=%s", pid_s);
-		return -EINVAL;
-	}
-	if (pid != (long long)getpid())
-		return -ENOENT;
-	/* LISTEN_FDS=0 passes nothing: not activated, as for sd_listen_fds() */
-	if (nfds == 0)
-		return -ENOENT;
-	if (nfds != 1) {
-		snprintf(why, len, "expected one socket from socket activation, got LISTEN_FDS=%s",
-			 fds_s);
-		return -EINVAL;
-	}
 	if (fstat(fd, &st) < 0 || !S_ISSOCK(st.st_mode)) {
 		snprintf(why, len, "fd %d passed by socket activation is not a socket", fd);
 		return -ENOTSOCK;
@@ -92,15 +66,102 @@ int dlpd_listen_fd(char *why, size_t len)
 		snprintf(why, len, "fd %d passed by socket activation is not listening", fd);
 		return -EINVAL;
 	}
-	/* inherited fds come without these; ours are all close-on-exec and the loop needs
-	 * non-blocking accepts */
-	if (fcntl(fd, F_SETFD, FD_CLOEXEC) < 0 ||
-	    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) < 0) {
+	/* the loop needs non-blocking accepts */
+	if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) < 0) {
 		snprintf(why, len, "cannot set up fd %d passed by socket activation: %s", fd,
 			 strerror(errno));
 		return -errno;
 	}
-	return fd;
+	return 0;
+}
+
+/* The @p i-th name of LISTEN_FDNAMES @p names (NULL: none given) into @p out: "unknown" where
+ * none was given, as systemd says. */
+static void fd_name(const char *names, long long i, char *out, size_t len)
+{
+	const char *p = names, *end;
+
+	for (; p && i > 0; i--) {
+		p = strchr(p, ':');
+		p = p ? p + 1 : NULL;
+	}
+	if (!p) {
+		snprintf(out, len, "unknown");
+		return;
+	}
+	end = strchr(p, ':');
+	snprintf(out, len, "%.*s", (int)(end ? (size_t)(end - p) : strlen(p)), p);
+}
+
+int dlpd_passed_fds(struct dlpd_passed_fd **ret, size_t *count, char *why, size_t len)
+{
+	const char *pid_env = getenv("LISTEN_PID"), *fds_env = getenv("LISTEN_FDS");
+	char pid_buf[32], fds_buf[32];
+	const char *pid_s = pid_env ? pid_buf : NULL, *fds_s = fds_env ? fds_buf : NULL;
+	char *names = getenv("LISTEN_FDNAMES") ? strdup(getenv("LISTEN_FDNAMES")) : NULL;
+	struct dlpd_passed_fd *v;
+	long long pid, nfds;
+
+	*ret = NULL;
+	*count = 0;
+	snprintf(pid_buf, sizeof(pid_buf), "%s", pid_env ? pid_env : "");
+	snprintf(fds_buf, sizeof(fds_buf), "%s", fds_env ? fds_env : "");
+	pid = parse_decimal(pid_s);
+	nfds = parse_decimal(fds_s);
+	/* never let these reach anything we might start, whatever they said */
+	unsetenv("LISTEN_PID");
+	unsetenv("LISTEN_FDS");
+	unsetenv("LISTEN_FDNAMES");
+	/* as with sd_listen_fds(): without LISTEN_PID, or with another process's (our parent's,
+	 * say), the variables are not addressed to us */
+	if (!pid_s || !fds_s) {
+		free(names);
+		return -ENOENT;
+	}
+	if (pid < 0) {
+		snprintf(why, len, "bad LISTEN_PID=%s", pid_s);
+		free(names);
+		return -EINVAL;
+	}
+	if (pid != (long long)getpid()) {
+		free(names);
+		return -ENOENT;
+	}
+	if (nfds < 0 || nfds > DLPD_PASSED_FDS_MAX) {
+		snprintf(why, len, "bad LISTEN_FDS=%s (0 to %d fds)", fds_s, DLPD_PASSED_FDS_MAX);
+		free(names);
+		return -EINVAL;
+	}
+	/* LISTEN_FDS=0 passes nothing: not activated, as for sd_listen_fds() */
+	if (nfds == 0) {
+		free(names);
+		return -ENOENT;
+	}
+	v = calloc((size_t)nfds, sizeof(*v));
+	if (!v) {
+		snprintf(why, len, "out of memory for %lld passed fds", nfds);
+		free(names);
+		return -ENOMEM;
+	}
+	for (long long i = 0; i < nfds; i++) {
+		int fd = LISTEN_FDS_START + (int)i;
+
+		/* inherited fds come without close-on-exec; ours all have it */
+		if (fcntl(fd, F_SETFD, FD_CLOEXEC) < 0) {
+			snprintf(why, len, "LISTEN_FDS=%s but fd %d is not open", fds_s, fd);
+			/* those not open yet are no one's; those before are closed by the caller
+			 * as it exits */
+			free(v);
+			free(names);
+			return -EBADF;
+		}
+		v[i].fd = fd;
+		fd_name(names, i, v[i].name, sizeof(v[i].name));
+	}
+	free(names);
+	*ret = v;
+	*count = (size_t)nfds;
+	return 0;
 }
 
 int dlpd_notify_init(void)
@@ -124,15 +185,112 @@ int dlpd_notify_init(void)
 	if (path[0] == '@')
 		notify_addr.sun_path[0] = '\0';
 	notify_len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n + (path[0] == '/'));
+	snprintf(notify_env, sizeof(notify_env), "%s", path);
 	unsetenv("NOTIFY_SOCKET");
 	return 0;
+}
+
+/*
+ * One datagram socket connected to the manager's, kept: a connected sender can wait for room in
+ * the receiver's queue (a full one makes a send fail with EAGAIN, and poll() says when there is
+ * room), where an unconnected one would block.
+ */
+static int notify_fd = -1;
+
+static int notify_connect(void)
+{
+	int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+
+	if (fd < 0)
+		return -errno;
+	if (connect(fd, (struct sockaddr *)&notify_addr, notify_len) < 0) {
+		int r = -errno;
+
+		close(fd);
+		return r;
+	}
+	notify_fd = fd;
+	return 0;
+}
+
+const char *dlpd_notify_socket(void)
+{
+	return notify_len ? notify_env : NULL;
+}
+
+int dlpd_notify_fds(const int *fds, size_t nfds, const char *fmt, ...)
+{
+	union {
+		struct cmsghdr hdr;
+		char buf[CMSG_SPACE(sizeof(int) * DLPD_NOTIFY_FDS_MAX)];
+	} ctl;
+	struct msghdr mh = {.msg_name = &notify_addr, .msg_namelen = notify_len};
+	struct iovec iov;
+	uint64_t deadline, now;
+	char msg[256];
+	va_list ap;
+	int n, r;
+
+	if (!notify_len)
+		return -ENOTCONN;
+	if (nfds > DLPD_NOTIFY_FDS_MAX)
+		return -EINVAL;
+	va_start(ap, fmt);
+	n = vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (n < 0 || (size_t)n >= sizeof(msg))
+		return -EMSGSIZE;
+	iov.iov_base = msg;
+	iov.iov_len = (size_t)n;
+	mh.msg_iov = &iov;
+	mh.msg_iovlen = 1;
+	if (nfds) {
+		struct cmsghdr *c;
+
+		memset(&ctl, 0, sizeof(ctl));
+		mh.msg_control = ctl.buf;
+		mh.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+		c = CMSG_FIRSTHDR(&mh);
+		c->cmsg_level = SOL_SOCKET;
+		c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+	}
+	deadline = dlpd_now_ms() + DLPD_NOTIFY_WAIT_MS;
+	for (int tries = 0;; tries++) {
+		if (notify_fd < 0) {
+			r = notify_connect();
+			if (r < 0)
+				return r;
+		}
+		if (sendmsg(notify_fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) >= 0)
+			return 0;
+		r = -errno;
+		/* the manager made its socket anew: once more, on a fresh connection */
+		if ((r == -ECONNREFUSED || r == -ENOTCONN) && tries == 0) {
+			close(notify_fd);
+			notify_fd = -1;
+			continue;
+		}
+		if (r == -EINTR)
+			continue;
+		if (r != -EAGAIN)
+			return r;
+		/* its queue is full: wait, within a bound, for it to read */
+		now = dlpd_now_ms();
+		if (now >= deadline)
+			return -ETIMEDOUT;
+		struct pollfd pfd = {.fd = notify_fd, .events = POLLOUT};
+
+		poll(&pfd, 1, (int)(deadline - now));
+	}
 }
 
 void dlpd_notify(const char *fmt, ...)
 {
 	char msg[256];
 	va_list ap;
-	int fd, n;
+	int n, r;
 
 	if (!notify_len)
 		return;
@@ -141,10 +299,7 @@ void dlpd_notify(const char *fmt, ...)
 	va_end(ap);
 	if (n < 0 || (size_t)n >= sizeof(msg))
 		return;
-	fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-	if (fd < 0 || sendto(fd, msg, (size_t)n, MSG_NOSIGNAL, (struct sockaddr *)&notify_addr,
-			     notify_len) < 0)
-		dlpd_log(LOG_WARNING, "cannot notify the service manager: %m");
-	if (fd >= 0)
-		close(fd);
+	r = dlpd_notify_fds(NULL, 0, "%s", msg);
+	if (r < 0)
+		dlpd_log(LOG_WARNING, "cannot notify the service manager: %s", strerror(-r));
 }

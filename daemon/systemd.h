@@ -5,15 +5,40 @@
 
 #include <stddef.h>
 
+/* The most fds LISTEN_FDS may pass: the daemon's whole fd limit would be reached first. */
+#define DLPD_PASSED_FDS_MAX (1 << 20)
+/* The longest fd name systemd accepts (FDNAME=). */
+#define DLPD_FDNAME_MAX 255
+/* How long a notification may wait for room in the service manager's queue. */
+#define DLPD_NOTIFY_WAIT_MS 2000
+/* The most fds one notification carries. */
+#define DLPD_NOTIFY_FDS_MAX 4
+
+struct dlpd_passed_fd {
+	int fd;
+	char name[DLPD_FDNAME_MAX + 1]; /* from LISTEN_FDNAMES; "unknown" where none was given */
+};
+
 /*
- * The listening socket passed by socket activation (LISTEN_PID/LISTEN_FDS), checked to be one
- * listening AF_UNIX stream socket. -ENOENT: not activated. Other negative errno: activated
- * wrongly, the reason in @p why. The variables are unset in every case.
+ * The fds passed to us (LISTEN_PID, LISTEN_FDS, LISTEN_FDNAMES): by socket activation, from
+ * the fd store, or by an image of ours that re-executed (upgrade.c). Each is made
+ * close-on-exec; the array (free() it) in @p ret. -ENOENT: none passed. Other negative errno:
+ * passed wrongly, the reason in @p why. The variables are unset in every case.
  */
-int dlpd_listen_fd(char *why, size_t len);
+int dlpd_passed_fds(struct dlpd_passed_fd **ret, size_t *count, char *why, size_t len);
+/* Is @p fd a listening AF_UNIX stream socket? Made non-blocking if so. 0, or negative errno
+ * and the reason in @p why. */
+int dlpd_listen_check(int fd, char *why, size_t len);
 /* Take the address from NOTIFY_SOCKET ("/path" or "@abstract") and unset it. */
 int dlpd_notify_init(void);
+/* NOTIFY_SOCKET as it was given, or NULL if none was. */
+const char *dlpd_notify_socket(void);
 /* Send one notification ("READY=1", "STATUS=...") if a service manager asked for them. */
 void dlpd_notify(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Send one notification carrying @p nfds fds (FDSTORE=1), waiting up to DLPD_NOTIFY_WAIT_MS
+ * for room in the manager's queue. 0, -ENOTCONN without a service manager, -ETIMEDOUT, or the
+ * negative errno of the send. */
+int dlpd_notify_fds(const int *fds, size_t nfds, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
 
 #endif

@@ -1,17 +1,22 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * dlpackctl: look at and manage a running dlpackd, through libdlpc's public API only.
+ * dlpackctl: look at and manage a running dlpackd, through libdlpc's public API only (and, for
+ * upgrade, the daemon's pid from the socket and a SIGHUP).
  * Exit status: 0 success, 1 the operation failed (the reason on stderr), 2 bad usage.
  */
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pwd.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <dlpc/dlpc.h>
 
@@ -31,13 +36,15 @@ static const char usage_text[] =
 	"  ping                      check that the daemon answers\n"
 	"  check [PREFIX] [--json]   attach every entry under PREFIX, report those that fail\n"
 	"  watch [PREFIX] [--json]   print publish, replace and unpublish events as they happen\n"
+	"  upgrade [--timeout S]     have the daemon execute its binary again, keeping entries\n"
 	"\n"
 	"Options:\n"
 	"  --socket PATH   the daemon's socket (default: $DLPACKD_SOCKET, then\n"
 	"                  /run/dlpackd/dlpackd.sock for root, $XDG_RUNTIME_DIR/dlpackd.sock)\n"
 	"  --json          machine-readable output: one JSON document (ls, stat, check) or\n"
 	"                  one JSON object per line (watch)\n"
-	"  --timeout S     give up waiting after S seconds (default: wait forever)\n"
+	"  --timeout S     give up waiting after S seconds (wait: default forever;\n"
+	"                  upgrade: default 30)\n"
 	"  -h, --help      show this help and exit\n"
 	"  -V, --version   show the version and exit\n"
 	"  --              end of options (for a NAME or PREFIX that starts with a dash)\n"
@@ -600,6 +607,92 @@ static int cmd_watch(const struct args *a)
 	return 1;
 }
 
+/* The pid of the process that listens on the daemon's socket, as this process sees it (0 in
+ * another pid namespace); negative errno if none answers. */
+static int daemon_pid(const char *socket_path)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	struct ucred cred;
+	socklen_t len = sizeof(cred);
+	int fd, r;
+
+	if (socket_path)
+		snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", socket_path);
+	else if ((r = dlpc_default_socket(sa.sun_path, sizeof(sa.sun_path))) < 0)
+		return r;
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	r = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
+			    getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0
+		    ? -errno
+		    : (int)cred.pid;
+	close(fd);
+	return r;
+}
+
+static uint64_t mono_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* SIGHUP the daemon (it executes its binary again, keeping entries and socket), then wait for
+ * the new image: the same pid answering with an uptime that began after the signal. */
+static int cmd_upgrade(dlpc_client *c, const struct args *a)
+{
+	dlpc_stats before = {.size = sizeof(before)}, after = {.size = sizeof(after)};
+	uint64_t t0, limit = a->has_timeout ? (uint64_t)(a->timeout * 1000) : 30000;
+	int r = dlpc_stat(c, &before), pid;
+
+	if (r < 0)
+		return fail("upgrade", NULL, r);
+	pid = daemon_pid(a->socket);
+	if (pid <= 0) {
+		fprintf(stderr, "dlpackctl: upgrade: %s\n",
+			pid == 0
+				? "dlpackd runs in another pid namespace: send it SIGHUP from there"
+				: strerror(-pid));
+		return 1;
+	}
+	t0 = mono_ms();
+	if (kill(pid, SIGHUP) < 0) {
+		fprintf(stderr, "dlpackctl: upgrade: cannot signal dlpackd (pid %d): %s%s\n", pid,
+			strerror(errno), errno == EPERM ? "; run as its user or as root" : "");
+		return 1;
+	}
+	for (;;) {
+		dlpc_client *n;
+		uint64_t t;
+
+		usleep(20000);
+		r = dlpc_connect(a->socket, &n);
+		if (r == 0) {
+			r = dlpc_stat(n, &after);
+			dlpc_close(n);
+		}
+		t = mono_ms();
+		if (r == 0 && after.uptime_ms <= t - t0)
+			break;
+		if (t - t0 > limit) {
+			fprintf(stderr,
+				"dlpackctl: upgrade: dlpackd (pid %d) did not come back within "
+				"%.1f "
+				"s%s%s\n",
+				pid, (double)limit / 1000,
+				r < 0 ? ": " : " (it still runs the old image)",
+				r < 0 ? dlpc_strerror(r) : "");
+			return 1;
+		}
+	}
+	printf("dlpackd pid %u upgraded in place: %llu entries (%llu before)\n",
+	       (unsigned)after.daemon_pid, (unsigned long long)after.entries,
+	       (unsigned long long)before.entries);
+	return 0;
+}
+
 /* ---- command line ---- */
 
 static const struct command {
@@ -607,9 +700,9 @@ static const struct command {
 	int min_pos, max_pos;
 	bool json, timeout;
 } commands[] = {
-	{"ls", 0, 1, true, false},    {"stat", 0, 0, true, false},  {"rm", 1, 1, false, false},
-	{"wait", 1, 1, false, true},  {"ping", 0, 0, false, false}, {"watch", 0, 1, true, false},
-	{"check", 0, 1, true, false},
+	{"ls", 0, 1, true, false},    {"stat", 0, 0, true, false},    {"rm", 1, 1, false, false},
+	{"wait", 1, 1, false, true},  {"ping", 0, 0, false, false},   {"watch", 0, 1, true, false},
+	{"check", 0, 1, true, false}, {"upgrade", 0, 0, false, true},
 };
 
 static bool parse_seconds(const char *s, double *ret)
@@ -696,7 +789,8 @@ static int parse(int argc, char **argv, struct args *a)
 	if (a->json && !cmd->json)
 		return usage_error("'%s' has no --json output", cmd->name);
 	if (a->has_timeout && !cmd->timeout)
-		return usage_error("--timeout applies to 'wait', not '%s'", cmd->name);
+		return usage_error("--timeout applies to 'wait' and 'upgrade', not '%s'",
+				   cmd->name);
 	return 0;
 }
 
@@ -723,6 +817,8 @@ int main(int argc, char **argv)
 		r = cmd_wait(c, &a);
 	else if (!strcmp(a.cmd, "check"))
 		r = cmd_check(c, &a);
+	else if (!strcmp(a.cmd, "upgrade"))
+		r = cmd_upgrade(c, &a);
 	else
 		r = cmd_ping(c, &a);
 	dlpc_close(c);

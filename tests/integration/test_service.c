@@ -365,7 +365,7 @@ START_TEST(test_bad_activation_refused)
 	} cases[] = {
 		{"file", "1", "is not a socket"},	 {"dgram", "1", "is not a stream socket"},
 		{"unlistened", "1", "is not listening"}, {"inet", "1", "is not an AF_UNIX socket"},
-		{"stream", "2", "expected one socket"},	 {"stream", "x", "expected one socket"},
+		{"stream", "2", "but fd 4 is not open"}, {"stream", "x", "bad LISTEN_FDS=x"},
 	};
 	char *argv[] = {(char *)DLPACKD_BIN, NULL};
 	const char *what = cases[_i].what;

@@ -1,0 +1,868 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Entries that outlive the daemon.
+ *
+ * A storage is an fd, and a service manager can keep fds for a service across its restarts
+ * (systemd's fd store: FDSTORE=1 with FDNAME=, undone by FDSTOREREMOVE=1; the fds come back as
+ * LISTEN_FDS/LISTEN_FDNAMES). Every entry that may outlive its connection (not ephemeral, not
+ * legacy CUDA IPC) gets a storage id (sid), and with the store on its storage fd goes there as
+ * "st-<sid>" the moment it is published. What the fds mean (names, generations, owners, flags,
+ * tensor tables) is in the state journal, a memfd in the store as "state-<epoch>": records
+ * appended with pwrite() before a publish or unpublish is answered, a PUT for each entry (its
+ * Publish request as received, plus sid, generation, owner and time) and a DEL for each removal.
+ * A replace is a PUT alone. When the journal is long and mostly dead it is rewritten into a new
+ * memfd of the next epoch, stored before the old one is dropped, so the store always holds a
+ * complete record.
+ *
+ * At start the journal of the highest epoch that reads as one is replayed, and each entry it
+ * names goes through the checks of a publish (name, flags, device, tensors, the storage's seals
+ * and size, the owner's quota) before it is trusted. One that fails is refused and logged
+ * alone; a storage no entry claims is closed and dropped from the store. The record is written
+ * in native byte order: it never leaves the machine, nor the daemon's service.
+ *
+ * An upgrade without a store (upgrade.c) passes a fresh journal (dlpd_persist_snapshot()) and
+ * the storages the same way, so one restore serves both.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "entry.h"
+#include "persist.h"
+#include "util.h"
+
+uint64_t dlpd_journal_check(uint16_t kind, uint16_t flags, const uint8_t *p, size_t len)
+{
+	return dlpd_hash_bytes(p, len) ^ dlpd_hash_u64((uint64_t)kind << 16 | flags);
+}
+
+static bool store_on(const struct dlpd_persist *p)
+{
+	return p->store_max > 0 && !p->broken;
+}
+
+/* Persistence stops: say why and what it means, once. */
+static void give_up(struct dlpd_server *s, const char *what, int err)
+{
+	struct dlpd_persist *p = &s->persist;
+
+	if (p->broken)
+		return;
+	p->broken = true;
+	dlpd_log(LOG_ERR,
+		 "%s: %s; entries published from now on will not survive a restart of dlpackd",
+		 what, strerror(err));
+	dlpd_notify("STATUS=entries no longer persisted: %s", what);
+}
+
+/* Room in a growing buffer; false on ENOMEM. */
+static bool reserve(struct dlpd_persist *p, size_t need)
+{
+	uint8_t *np;
+	size_t cap = p->rec_cap ? p->rec_cap : 4096;
+
+	if (need <= p->rec_cap)
+		return true;
+	while (cap < need)
+		cap *= 2;
+	np = realloc(p->rec, cap);
+	if (!np)
+		return false;
+	p->rec = np;
+	p->rec_cap = cap;
+	return true;
+}
+
+/* Build the record of @p e (flags: DLPD_REC_STORED or not) in p->rec; its length, or 0 on ENOMEM. */
+static size_t put_record(struct dlpd_persist *p, const struct dlpd_entry *e, uint16_t flags)
+{
+	size_t plen = dlpackd__v1__publish__get_packed_size(e->pub);
+	size_t len = sizeof(struct dlpd_put_fixed) + plen;
+	struct dlpd_rec_hdr h = {.len = (uint32_t)len, .kind = DLPD_REC_PUT, .flags = flags};
+	struct dlpd_put_fixed fx = {.sid = e->st->sid,
+				    .generation = e->generation,
+				    .uid = (uint32_t)e->uid,
+				    .pid = (int32_t)e->pid,
+				    .created_ns = e->created_ns};
+	uint8_t *payload;
+
+	if (!reserve(p, sizeof(h) + len))
+		return 0;
+	payload = p->rec + sizeof(h);
+	memcpy(payload, &fx, sizeof(fx));
+	dlpackd__v1__publish__pack(e->pub, payload + sizeof(fx));
+	h.check = dlpd_journal_check(h.kind, h.flags, payload, len);
+	memcpy(p->rec, &h, sizeof(h));
+	return sizeof(h) + len;
+}
+
+static size_t del_record(struct dlpd_persist *p, const struct dlpd_entry *e)
+{
+	const ProtobufCBinaryData *name = &e->pub->name;
+	struct dlpd_rec_hdr h = {.len = (uint32_t)name->len, .kind = DLPD_REC_DEL};
+
+	if (!reserve(p, sizeof(h) + name->len))
+		return 0;
+	memcpy(p->rec + sizeof(h), name->data, name->len);
+	h.check = dlpd_journal_check(h.kind, h.flags, name->data, name->len);
+	memcpy(p->rec, &h, sizeof(h));
+	return sizeof(h) + name->len;
+}
+
+static int write_at(int fd, const uint8_t *b, size_t len, uint64_t off)
+{
+	while (len > 0) {
+		ssize_t n = pwrite(fd, b, len, (off_t)off);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			return n < 0 ? -errno : -ENOSPC;
+		b += n;
+		len -= (size_t)n;
+		off += (uint64_t)n;
+	}
+	return 0;
+}
+
+/* Is @p e one that can outlive the daemon? Ephemeral entries end with their connection, and
+ * legacy CUDA IPC memory (no fd) with its publisher. */
+static bool lasting(const struct dlpd_entry *e)
+{
+	return !e->owner && e->st->fd >= 0 && e->st->sid != 0;
+}
+
+/*
+ * A new journal of epoch @p epoch holding a PUT of every lasting entry (@p all) or of those
+ * whose storage is stored (!@p all, for the store). The memfd in @p fd; each entry's
+ * journaled is set (to 0 where it has no record) when @p mark.
+ */
+static int write_journal(struct dlpd_server *s, uint64_t epoch, bool all, bool mark, int *fd,
+			 uint64_t *len_out, uint64_t *live_out)
+{
+	struct dlpd_persist *p = &s->persist;
+	struct dlpd_journal_hdr jh = {.epoch = epoch};
+	uint64_t off = sizeof(jh), live = 0;
+	struct dlpd_hmap *m = &s->reg.names;
+	int jfd, r;
+
+	memcpy(jh.magic, DLPD_JOURNAL_MAGIC, sizeof(jh.magic));
+	jfd = memfd_create("dlpackd-state", MFD_CLOEXEC);
+	if (jfd < 0)
+		return -errno;
+	r = write_at(jfd, (const uint8_t *)&jh, sizeof(jh), 0);
+	for (size_t b = 0; r == 0 && b < m->nbuckets; b++)
+		for (struct dlpd_hnode *n = m->buckets[b]; r == 0 && n; n = n->next) {
+			struct dlpd_entry *e = dlpd_container_of(n, struct dlpd_entry, node);
+			size_t len;
+
+			if (mark)
+				e->journaled = 0;
+			if (!lasting(e) || (!all && !e->st->stored))
+				continue;
+			len = put_record(p, e, e->st->stored ? DLPD_REC_STORED : 0);
+			r = len ? write_at(jfd, p->rec, len, off) : -ENOMEM;
+			off += len;
+			live += len;
+			if (mark)
+				e->journaled = len;
+		}
+	if (r < 0) {
+		close(jfd);
+		return r;
+	}
+	*fd = jfd;
+	*len_out = off;
+	*live_out = live;
+	return 0;
+}
+
+/* Replace the journal by a new one of the next epoch holding only the live records: stored
+ * first, so that the store always holds a whole record. */
+static void compact(struct dlpd_server *s)
+{
+	struct dlpd_persist *p = &s->persist;
+	uint64_t len, live;
+	int fd, r;
+
+	r = write_journal(s, p->epoch + 1, false, true, &fd, &len, &live);
+	if (r < 0) {
+		give_up(s, "cannot rewrite the state journal", -r);
+		return;
+	}
+	r = dlpd_notify_fds(&fd, 1, "FDSTORE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64,
+			    p->epoch + 1);
+	if (r < 0) {
+		close(fd);
+		give_up(s, "cannot hand the state journal to the service manager", -r);
+		return;
+	}
+	dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64, p->epoch);
+	if (p->journal_fd >= 0)
+		close(p->journal_fd);
+	dlpd_log(LOG_DEBUG, "state journal rewritten: %" PRIu64 " bytes, was %" PRIu64, len,
+		 p->journal_len);
+	p->journal_fd = fd;
+	p->epoch++;
+	p->journal_len = len;
+	p->live_len = live;
+}
+
+static void append(struct dlpd_server *s, size_t len)
+{
+	struct dlpd_persist *p = &s->persist;
+	int r;
+
+	if (len == 0) {
+		give_up(s, "cannot build a state journal record", ENOMEM);
+		return;
+	}
+	r = write_at(p->journal_fd, p->rec, len, p->journal_len);
+	if (r < 0) {
+		give_up(s, "cannot write the state journal", -r);
+		return;
+	}
+	p->journal_len += len;
+	if (p->journal_len >= DLPD_JOURNAL_COMPACT_MIN && p->journal_len > 2 * p->live_len)
+		compact(s);
+}
+
+/* Hand @p st's fd to the store; false if it is not there (full, or the send failed). */
+static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st)
+{
+	struct dlpd_persist *p = &s->persist;
+	int r;
+
+	if (st->stored)
+		return true;
+	if (p->storages_stored + DLPD_STORE_STATE_FDS >= p->store_max) {
+		if (!p->warned_full)
+			dlpd_log(LOG_WARNING,
+				 "the fd store is full (%" PRIu64 " fds, FDSTORE= or "
+				 "--fd-store): entries published from now on will not survive "
+				 "a restart of dlpackd until some are removed",
+				 p->store_max);
+		p->warned_full = true;
+		return false;
+	}
+	r = dlpd_notify_fds(&st->fd, 1, "FDSTORE=1\nFDNAME=" DLPD_FDNAME_STORAGE "%" PRIx64,
+			    st->sid);
+	if (r < 0) {
+		give_up(s, "cannot hand a storage to the service manager", -r);
+		return false;
+	}
+	st->stored = true;
+	p->storages_stored++;
+	p->warned_full = false;
+	return true;
+}
+
+void dlpd_persist_published(struct dlpd_server *s, struct dlpd_entry *e, uint64_t old_journaled)
+{
+	struct dlpd_persist *p = &s->persist;
+
+	p->live_len -= old_journaled;
+	if (!e->owner && e->st->fd >= 0 && !e->st->sid)
+		e->st->sid = ++p->next_sid;
+	if (store_on(p) && lasting(e) && store_storage(s, e->st)) {
+		size_t len = put_record(p, e, DLPD_REC_STORED);
+
+		append(s, len);
+		if (!p->broken) {
+			e->journaled = len;
+			p->live_len += len;
+			return;
+		}
+	}
+	/* the entry it replaced must not come back either */
+	if (old_journaled && store_on(p))
+		append(s, del_record(p, e));
+}
+
+void dlpd_persist_removed(struct dlpd_server *s, struct dlpd_entry *e)
+{
+	struct dlpd_persist *p = &s->persist;
+
+	if (!e->journaled)
+		return;
+	p->live_len -= e->journaled;
+	e->journaled = 0;
+	if (store_on(p))
+		append(s, del_record(p, e));
+}
+
+void dlpd_persist_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
+{
+	struct dlpd_persist *p = &s->persist;
+
+	/* at stop the store keeps everything: that is what it is for */
+	if (!st->stored || s->stopping)
+		return;
+	st->stored = false;
+	p->storages_stored--;
+	if (!p->broken)
+		dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STORAGE "%" PRIx64,
+				st->sid);
+}
+
+int dlpd_persist_snapshot(struct dlpd_server *s, int *fd, uint64_t *epoch)
+{
+	uint64_t len, live;
+	int r;
+
+	/* the next epoch: it wins over the journal in the store, which the new image drops */
+	r = write_journal(s, s->persist.epoch + 1, true, false, fd, &len, &live);
+	if (r == 0)
+		*epoch = s->persist.epoch + 1;
+	return r;
+}
+
+void dlpd_persist_init(struct dlpd_server *s)
+{
+	struct dlpd_persist *p = &s->persist;
+
+	memset(p, 0, sizeof(*p));
+	p->journal_fd = -1;
+}
+
+void dlpd_persist_free(struct dlpd_server *s)
+{
+	struct dlpd_persist *p = &s->persist;
+
+	if (p->journal_fd >= 0)
+		close(p->journal_fd);
+	p->journal_fd = -1;
+	free(p->rec);
+	p->rec = NULL;
+	p->rec_cap = 0;
+}
+
+/* ---- restore ---- */
+
+/* A passed fd of ours: a storage or a journal, by the number its name carries. */
+struct passed {
+	int fd;
+	uint64_t num;
+	bool claimed;
+	char name[DLPD_FDNAME_MAX + 1];
+};
+
+/* The last PUT of a name while the journal is replayed. */
+struct live_rec {
+	struct dlpd_hnode node;
+	const uint8_t *payload; /* into the journal's bytes */
+	size_t len;
+	uint16_t flags;
+	uint64_t off;
+	ProtobufCBinaryData name; /* into the unpacked request */
+	Dlpackd__V1__Publish *pub;
+};
+
+struct restore {
+	struct dlpd_server *s;
+	struct passed *storages, *journals;
+	size_t nstorages, njournals;
+	struct dlpd_hmap live;
+	unsigned restored, refused, orphans, damaged;
+	uint64_t bytes;
+};
+
+/* "st-1f" -> 0x1f; false if @p name is not @p prefix and a hex number. */
+static bool parse_name(const char *name, const char *prefix, uint64_t *num)
+{
+	size_t n = strlen(prefix);
+	char *end;
+
+	if (strncmp(name, prefix, n) != 0 || !name[n] || name[n] == '-' || name[n] == '+')
+		return false;
+	errno = 0;
+	*num = strtoull(name + n, &end, 16);
+	return !*end && !errno && *num != 0;
+}
+
+/* Close a passed fd we will not use, and drop it from the store. */
+static void drop_passed(struct dlpd_server *s, int fd, const char *name)
+{
+	close(fd);
+	if (s->persist.store_max)
+		dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=%s", name);
+}
+
+static struct passed *find_storage(struct restore *rs, uint64_t sid)
+{
+	for (size_t i = 0; i < rs->nstorages; i++)
+		if (rs->storages[i].num == sid)
+			return &rs->storages[i];
+	return NULL;
+}
+
+/* The journal's bytes, whole, or NULL (and the reason logged). */
+static uint8_t *read_journal(const struct passed *j, size_t *len)
+{
+	struct dlpd_journal_hdr jh;
+	struct stat st;
+	uint8_t *buf;
+	size_t got = 0;
+
+	if (fstat(j->fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+		dlpd_log(LOG_ERR, "state journal %s is not a file; ignoring it", j->name);
+		return NULL;
+	}
+	if ((uint64_t)st.st_size < sizeof(jh) || (uint64_t)st.st_size > DLPD_JOURNAL_MAX) {
+		dlpd_log(LOG_ERR, "state journal %s holds %lld bytes, not %zu to %llu; ignoring it",
+			 j->name, (long long)st.st_size, sizeof(jh), DLPD_JOURNAL_MAX);
+		return NULL;
+	}
+	buf = malloc((size_t)st.st_size);
+	if (!buf) {
+		dlpd_log(LOG_ERR, "no memory to read state journal %s", j->name);
+		return NULL;
+	}
+	while (got < (size_t)st.st_size) {
+		ssize_t n = pread(j->fd, buf + got, (size_t)st.st_size - got, (off_t)got);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			break;
+		got += (size_t)n;
+	}
+	memcpy(&jh, buf, sizeof(jh) <= got ? sizeof(jh) : 0);
+	if (got < sizeof(jh) || memcmp(jh.magic, DLPD_JOURNAL_MAGIC, sizeof(jh.magic)) != 0 ||
+	    jh.epoch != j->num) {
+		dlpd_log(LOG_ERR,
+			 "state journal %s is not one of dlpackd's (bad header or epoch); "
+			 "ignoring it",
+			 j->name);
+		free(buf);
+		return NULL;
+	}
+	*len = got;
+	return buf;
+}
+
+static void live_free(struct live_rec *l)
+{
+	dlpackd__v1__publish__free_unpacked(l->pub, NULL);
+	free(l);
+}
+
+static struct live_rec *live_find(struct restore *rs, const uint8_t *name, size_t len)
+{
+	uint64_t h = dlpd_hash_bytes(name, len);
+
+	for (struct dlpd_hnode *n = dlpd_hmap_chain(&rs->live, h); n; n = n->next) {
+		struct live_rec *l = dlpd_container_of(n, struct live_rec, node);
+
+		if (n->hash == h && l->name.len == len && memcmp(l->name.data, name, len) == 0)
+			return l;
+	}
+	return NULL;
+}
+
+/* Apply the journal's records in order: the last PUT of each name not DELeted since. */
+static void replay(struct restore *rs, const uint8_t *buf, size_t len, const char *jname)
+{
+	size_t off = sizeof(struct dlpd_journal_hdr);
+
+	while (off < len) {
+		struct dlpd_rec_hdr h;
+		const uint8_t *payload;
+		struct live_rec *l;
+
+		if (len - off < sizeof(h)) {
+			dlpd_log(LOG_WARNING,
+				 "state journal %s ends in a torn record at byte %zu; ignoring "
+				 "its %zu bytes",
+				 jname, off, len - off);
+			rs->damaged++;
+			return;
+		}
+		memcpy(&h, buf + off, sizeof(h));
+		payload = buf + off + sizeof(h);
+		if (h.len > DLPD_REC_PAYLOAD_MAX || h.len > len - off - sizeof(h)) {
+			dlpd_log(LOG_WARNING,
+				 "state journal %s: the record at byte %zu claims %u bytes, more "
+				 "than %s; ignoring the rest of the journal",
+				 jname, off, h.len,
+				 h.len > DLPD_REC_PAYLOAD_MAX ? "a record may hold"
+							      : "the journal holds");
+			rs->damaged++;
+			return;
+		}
+		off += sizeof(h) + h.len;
+		if (dlpd_journal_check(h.kind, h.flags, payload, h.len) != h.check ||
+		    (h.kind != DLPD_REC_PUT && h.kind != DLPD_REC_DEL)) {
+			dlpd_log(LOG_WARNING,
+				 "state journal %s: the record at byte %zu is damaged (kind %u, "
+				 "bad checksum); skipping it",
+				 jname, off - sizeof(h) - h.len, h.kind);
+			rs->damaged++;
+			continue;
+		}
+		if (h.kind == DLPD_REC_DEL) {
+			l = live_find(rs, payload, h.len);
+			if (l) {
+				dlpd_hmap_remove(&rs->live, &l->node);
+				live_free(l);
+			}
+			continue;
+		}
+		l = calloc(1, sizeof(*l));
+		if (l && h.len >= sizeof(struct dlpd_put_fixed))
+			l->pub = dlpackd__v1__publish__unpack(
+				NULL, h.len - sizeof(struct dlpd_put_fixed),
+				payload + sizeof(struct dlpd_put_fixed));
+		if (!l || !l->pub) {
+			dlpd_log(LOG_WARNING,
+				 "state journal %s: the entry at byte %zu cannot be decoded%s; "
+				 "skipping it",
+				 jname, off - sizeof(h) - h.len, l ? "" : " (out of memory)");
+			free(l);
+			rs->damaged++;
+			continue;
+		}
+		l->payload = payload;
+		l->len = h.len;
+		l->flags = h.flags;
+		l->off = off - sizeof(h) - h.len;
+		l->name = l->pub->name;
+		struct live_rec *old = live_find(rs, l->name.data, l->name.len);
+
+		if (old) {
+			dlpd_hmap_remove(&rs->live, &old->node);
+			live_free(old);
+		}
+		if (dlpd_hmap_insert(&rs->live, &l->node,
+				     dlpd_hash_bytes(l->name.data, l->name.len)) < 0) {
+			dlpd_log(LOG_ERR, "state journal %s: out of memory at byte %zu", jname,
+				 l->off);
+			live_free(l);
+			rs->damaged++;
+		}
+	}
+}
+
+/* The restore-time quota check: the limits in force now apply to what comes back. */
+static int restore_quota(const struct dlpd_server *s, const struct dlpd_usage *u, uint64_t size,
+			 char *why, size_t whylen)
+{
+	const struct dlpd_limits *lim = &s->lim;
+
+	if (u->entries + 1 > lim->entries_per_uid) {
+		snprintf(why, whylen,
+			 "uid %u would have more than %llu entries (--max-entries-per-uid)",
+			 (unsigned)u->uid, (unsigned long long)lim->entries_per_uid);
+		return -EDQUOT;
+	}
+	if (size > lim->bytes_per_uid || u->bytes > lim->bytes_per_uid - size) {
+		snprintf(why, whylen,
+			 "uid %u would hold more than %llu bytes (--max-bytes-per-uid)",
+			 (unsigned)u->uid, (unsigned long long)lim->bytes_per_uid);
+		return -EDQUOT;
+	}
+	if (s->reg.storage_fds + 1 > s->fd_budget) {
+		snprintf(why, whylen, "dlpackd's fd limit leaves room for %llu storages",
+			 (unsigned long long)s->fd_budget);
+		return -EDQUOT;
+	}
+	return 0;
+}
+
+/* Is the request of a lasting entry one a publish could have made? 0, or -EINVAL and why. */
+static int restore_check_request(const Dlpackd__V1__Publish *req, char *why, size_t whylen)
+{
+	int r = dlpc__name_check(req->name.data, req->name.len, why, whylen);
+
+	if (r < 0)
+		return r;
+	if (req->flags & ~DLPC_PUBLISH_WRITABLE) {
+		snprintf(why, whylen,
+			 "flags 0x%x are not those of an entry that outlives its "
+			 "connection",
+			 req->flags);
+		return -EINVAL;
+	}
+	if (req->cuda_ipc || req->reclaim_token) {
+		snprintf(why, whylen, "CUDA memory of a process cannot outlive the daemon");
+		return -EINVAL;
+	}
+	if (req->device_type == kDLCPU && (req->device_id != 0 || req->device_uuid.len)) {
+		snprintf(why, whylen, "host device %d with CUDA fields", req->device_id);
+		return -EINVAL;
+	}
+	if (req->device_type != kDLCPU && (req->device_type != kDLCUDA || req->device_id < 0 ||
+					   req->device_uuid.len != DLPC_CUDA_UUID_SIZE)) {
+		snprintf(why, whylen, "device %d:%d is not one an entry can have", req->device_type,
+			 req->device_id);
+		return -EINVAL;
+	}
+	if (req->storage_size == 0 || req->storage_size > INT64_MAX) {
+		snprintf(why, whylen, "bad storage size %llu",
+			 (unsigned long long)req->storage_size);
+		return -EINVAL;
+	}
+	return dlpd_entry_check_tensors(req, why, whylen);
+}
+
+/* Trust @p l (its request taken over) if it passes every check; log why not otherwise. */
+static void restore_entry(struct restore *rs, struct live_rec *l)
+{
+	struct dlpd_server *s = rs->s;
+	Dlpackd__V1__Publish *req = l->pub;
+	struct dlpd_put_fixed fx;
+	struct passed *sp;
+	struct dlpd_usage *u = NULL;
+	struct dlpd_entry *e = NULL;
+	struct dlpd_storage *st = NULL;
+	char why[256], name[DLPC_NAME_TEXT];
+	uint8_t *wire = NULL;
+	size_t wire_len;
+	int r;
+
+	memcpy(&fx, l->payload, sizeof(fx));
+	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
+	r = restore_check_request(req, why, sizeof(why));
+	if (r == 0 && (fx.generation == 0 || fx.generation > INT32_MAX)) {
+		snprintf(why, sizeof(why), "bad generation %llu",
+			 (unsigned long long)fx.generation);
+		r = -EINVAL;
+	}
+	sp = r == 0 ? find_storage(rs, fx.sid) : NULL;
+	if (r == 0 && !sp) {
+		snprintf(why, sizeof(why),
+			 "its storage " DLPD_FDNAME_STORAGE "%" PRIx64 " was not passed back",
+			 fx.sid);
+		r = -ENOENT;
+	} else if (r == 0 && sp->claimed) {
+		snprintf(why, sizeof(why),
+			 "its storage " DLPD_FDNAME_STORAGE "%" PRIx64 " belongs to another entry",
+			 fx.sid);
+		r = -EINVAL;
+	}
+	if (r == 0)
+		r = dlpd_entry_check_storage(req, sp->fd, why, sizeof(why));
+	if (r == 0) {
+		u = dlpd_usage_get(&s->reg, (uid_t)fx.uid);
+		if (!u) {
+			snprintf(why, sizeof(why), "out of memory");
+			r = -ENOMEM;
+		}
+	}
+	if (r == 0)
+		r = restore_quota(s, u, req->storage_size, why, sizeof(why));
+	if (r == 0) {
+		dlpd_entry_drop_unknown_fields(req);
+		wire = dlpd_entry_encode_tensors(req, &wire_len);
+		e = wire ? calloc(1, sizeof(*e)) : NULL;
+		st = e ? dlpd_storage_new(&s->reg, u, sp->fd, req->storage_size, req->device_type,
+					  req->device_id)
+		       : NULL;
+		if (!st) {
+			free(e);
+			free(wire);
+			snprintf(why, sizeof(why), "out of memory");
+			r = -ENOMEM;
+		}
+	}
+	if (r < 0) {
+		dlpd_log(LOG_ERR, "not restoring '%s' (journal byte %" PRIu64 "): %s", name, l->off,
+			 why);
+		rs->refused++;
+		dlpd_usage_put(&s->reg, u);
+		return;
+	}
+	st->names = 1;
+	st->sid = fx.sid;
+	st->stored = s->persist.store_max && (l->flags & DLPD_REC_STORED);
+	e->st = st;
+	e->pub = req;
+	l->pub = NULL;
+	e->generation = fx.generation;
+	e->uid = (uid_t)fx.uid;
+	e->usage = u;
+	e->pid = (pid_t)fx.pid;
+	e->created_ns = fx.created_ns;
+	e->tensors_wire = wire;
+	e->tensors_wire_len = wire_len;
+	if (dlpd_entry_link(&s->reg, e, NULL) < 0) {
+		/* the storage goes with the fd, closed as an orphan below */
+		dlpd_entry_free_unlinked(e);
+		dlpd_storage_free(&s->reg, st); /* and u, if nothing else is charged to it */
+		dlpd_log(LOG_ERR, "not restoring '%s': out of memory", name);
+		rs->refused++;
+		return;
+	}
+	sp->claimed = true;
+	if (st->stored)
+		s->persist.storages_stored++;
+	if (fx.sid > s->persist.next_sid)
+		s->persist.next_sid = fx.sid;
+	rs->restored++;
+	rs->bytes += st->size;
+	dlpd_log(LOG_DEBUG, "restored '%s' generation %llu of uid %u, %llu bytes", name,
+		 (unsigned long long)e->generation, (unsigned)e->uid, (unsigned long long)st->size);
+}
+
+static int by_offset(const void *a, const void *b)
+{
+	uint64_t x = (*(struct live_rec *const *)a)->off, y = (*(struct live_rec *const *)b)->off;
+
+	return x < y ? -1 : x > y;
+}
+
+/* Sort the passed fds into storages and journals; anything else is closed. */
+static int sort_passed(struct restore *rs, struct dlpd_passed_fd *fds, size_t n)
+{
+	rs->storages = calloc(n ? n : 1, sizeof(*rs->storages));
+	rs->journals = calloc(n ? n : 1, sizeof(*rs->journals));
+	if (!rs->storages || !rs->journals)
+		return -ENOMEM;
+	for (size_t i = 0; i < n; i++) {
+		struct passed *p = NULL;
+		uint64_t num;
+
+		if (parse_name(fds[i].name, DLPD_FDNAME_STORAGE, &num)) {
+			if (find_storage(rs, num)) {
+				/* the store keeps every fd sent under a name: this is a copy */
+				close(fds[i].fd);
+				continue;
+			}
+			p = &rs->storages[rs->nstorages++];
+		} else if (parse_name(fds[i].name, DLPD_FDNAME_STATE, &num)) {
+			p = &rs->journals[rs->njournals++];
+		} else {
+			dlpd_log(LOG_WARNING, "closing passed fd %d named '%s': not one of ours",
+				 fds[i].fd, fds[i].name);
+			drop_passed(rs->s, fds[i].fd, fds[i].name);
+			continue;
+		}
+		p->fd = fds[i].fd;
+		p->num = num;
+		snprintf(p->name, sizeof(p->name), "%s", fds[i].name);
+	}
+	return 0;
+}
+
+int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size_t n)
+{
+	struct dlpd_persist *p = &s->persist;
+	struct restore rs = {.s = s};
+	const struct passed *best = NULL;
+	uint8_t *buf = NULL;
+	size_t len = 0, cursor = 0;
+	struct dlpd_hnode *node;
+	uint64_t top_epoch = 0;
+	int r;
+
+	p->store_max = dlpd_config.fd_store;
+	dlpd_hmap_init(&rs.live);
+	r = sort_passed(&rs, fds, n);
+	if (r < 0) {
+		for (size_t i = 0; i < n; i++)
+			close(fds[i].fd);
+		free(rs.storages);
+		free(rs.journals);
+		dlpd_log(LOG_ERR, "out of memory restoring %zu passed fds", n);
+		return r;
+	}
+	/* the newest journal that reads as one; a rewrite stores the new one before it drops the
+	 * old, so both may be here */
+	for (size_t i = 0; i < rs.njournals; i++)
+		if (rs.journals[i].num > top_epoch)
+			top_epoch = rs.journals[i].num;
+	while (!buf && rs.njournals) {
+		const struct passed *cand = NULL;
+
+		for (size_t i = 0; i < rs.njournals; i++)
+			if (!rs.journals[i].claimed && (!cand || rs.journals[i].num > cand->num))
+				cand = &rs.journals[i];
+		if (!cand)
+			break;
+		((struct passed *)cand)->claimed = true;
+		buf = read_journal(cand, &len);
+		if (buf)
+			best = cand;
+	}
+	if (best) {
+		struct live_rec **order;
+		size_t k = 0;
+
+		replay(&rs, buf, len, best->name);
+		/* in the journal's order: of two entries claiming one storage, the first wins */
+		order = malloc((rs.live.count ? rs.live.count : 1) * sizeof(*order));
+		while ((node = dlpd_hmap_next(&rs.live, &cursor))) {
+			struct live_rec *l = dlpd_container_of(node, struct live_rec, node);
+
+			dlpd_hmap_remove(&rs.live, node);
+			if (order) {
+				order[k++] = l;
+				continue;
+			}
+			dlpd_log(LOG_ERR, "not restoring '%.*s': out of memory", (int)l->name.len,
+				 (const char *)l->name.data);
+			rs.refused++;
+			live_free(l);
+		}
+		if (order)
+			qsort(order, k, sizeof(*order), by_offset);
+		for (size_t i = 0; i < k; i++) {
+			restore_entry(&rs, order[i]);
+			live_free(order[i]);
+		}
+		free(order);
+	} else if (rs.nstorages) {
+		dlpd_log(LOG_ERR,
+			 "%zu storages were passed without a state journal that reads; "
+			 "closing them",
+			 rs.nstorages);
+	}
+	free(buf);
+	dlpd_hmap_clear(&rs.live);
+	for (size_t i = 0; i < rs.nstorages; i++)
+		if (!rs.storages[i].claimed) {
+			dlpd_log(LOG_WARNING, "closing storage %s: no entry names it",
+				 rs.storages[i].name);
+			drop_passed(s, rs.storages[i].fd, rs.storages[i].name);
+			rs.orphans++;
+		}
+	p->epoch = top_epoch;
+	/* a fresh journal of what came back, then the old ones go */
+	if (p->store_max) {
+		struct dlpd_hnode **b = s->reg.names.buckets;
+
+		/* storages an upgrade passed that are not in the store yet */
+		for (size_t i = 0; i < s->reg.names.nbuckets; i++)
+			for (struct dlpd_hnode *x = b[i]; x; x = x->next) {
+				struct dlpd_entry *e =
+					dlpd_container_of(x, struct dlpd_entry, node);
+
+				if (lasting(e) && !e->st->stored)
+					store_storage(s, e->st);
+			}
+		compact(s);
+	}
+	/* once the new journal is stored; if it could not be, the old ones stay there, so that
+	 * a restart finds what this one did */
+	for (size_t i = 0; i < rs.njournals; i++) {
+		if (p->broken)
+			close(rs.journals[i].fd);
+		else
+			drop_passed(s, rs.journals[i].fd, rs.journals[i].name);
+	}
+	if (best || rs.nstorages)
+		dlpd_log(LOG_NOTICE,
+			 "restored %u entries (%llu bytes) from state journal %s; refused %u, "
+			 "%u damaged records, closed %u storages no entry named",
+			 rs.restored, (unsigned long long)rs.bytes, best ? best->name : "(none)",
+			 rs.refused, rs.damaged, rs.orphans);
+	free(rs.storages);
+	free(rs.journals);
+	return 0;
+}

@@ -1,0 +1,1063 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Entries that outlive the daemon. The test plays systemd's part with its documented fd-store
+ * protocol: a notification socket that keeps the fds sent with FDSTORE=1 under their FDNAME=
+ * (up to FileDescriptorStoreMax, here FDSTORE=), drops them on FDSTOREREMOVE=1, and starts the
+ * daemon again with them as LISTEN_FDS/LISTEN_FDNAMES, after the socket of socket activation.
+ * Then the daemon is SIGKILLed under a publish/attach load and restarted; upgraded in place
+ * (SIGHUP, dlpackctl upgrade) with clients running; and fed hostile state journals.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include "harness.h"
+#include "persist.h"
+
+/* The fds the fake manager keeps (FDSTORE=, FileDescriptorStoreMax=). */
+#define STORE_MAX 512
+/* Floats in each test tensor. */
+#define NV 1024
+/* Load processes during a kill or an upgrade. */
+#define LOADERS 3
+
+struct stored {
+	int fd;
+	char name[DLPD_FDNAME_MAX + 1];
+};
+
+/* The service manager: its notification socket, the socket it activates the daemon with, and
+ * its fd store. */
+struct mgr {
+	char dir[64], sock[108], log[128], notify[108];
+	int notify_fd, listen_fd;
+	bool activate; /* pass listen_fd (else the daemon binds sock itself) */
+	unsigned store_max;
+	struct stored store[STORE_MAX];
+	size_t nstore;
+	unsigned readies, reloads;
+	pid_t pid;
+	/* a thread reads the notifications as they come, as systemd does */
+	pthread_t reader;
+	pthread_mutex_t mu;
+	bool quit;
+};
+
+static long long now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+static void *mgr_read(void *arg);
+
+static void mgr_init(struct mgr *m, bool activate, unsigned store_max)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+
+	memset(m, 0, sizeof(*m));
+	m->pid = -1;
+	m->activate = activate;
+	m->store_max = store_max;
+	snprintf(m->dir, sizeof(m->dir), "/tmp/dlpc-dur-XXXXXX");
+	ck_assert_ptr_nonnull(mkdtemp(m->dir));
+	chmod(m->dir, 0755);
+	snprintf(m->sock, sizeof(m->sock), "%s/dlpackd.sock", m->dir);
+	snprintf(m->log, sizeof(m->log), "%s/dlpackd.log", m->dir);
+	snprintf(m->notify, sizeof(m->notify), "%s/notify", m->dir);
+	m->notify_fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	ck_assert_int_ge(m->notify_fd, 0);
+	strcpy(sa.sun_path, m->notify);
+	ck_assert_int_eq(bind(m->notify_fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+	/* room for a burst of FDSTORE=1 datagrams while the test is busy elsewhere */
+	int big = 4 << 20;
+	setsockopt(m->notify_fd, SOL_SOCKET, SO_RCVBUF, &big, sizeof(big));
+	m->listen_fd = -1;
+	if (activate) {
+		struct sockaddr_un ls = {.sun_family = AF_UNIX};
+
+		m->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		strcpy(ls.sun_path, m->sock);
+		ck_assert_int_eq(bind(m->listen_fd, (struct sockaddr *)&ls, sizeof(ls)), 0);
+		chmod(m->sock, 0666);
+		ck_assert_int_eq(listen(m->listen_fd, 128), 0);
+	}
+	pthread_mutex_init(&m->mu, NULL);
+	ck_assert_int_eq(pthread_create(&m->reader, NULL, mgr_read, m), 0);
+}
+
+static size_t store_count(struct mgr *m, const char *prefix)
+{
+	size_t n = 0;
+
+	pthread_mutex_lock(&m->mu);
+	for (size_t i = 0; i < m->nstore; i++)
+		n += strncmp(m->store[i].name, prefix, strlen(prefix)) == 0;
+	pthread_mutex_unlock(&m->mu);
+	return n;
+}
+
+static void store_remove(struct mgr *m, const char *name)
+{
+	for (size_t i = 0; i < m->nstore;)
+		if (strcmp(m->store[i].name, name) == 0) {
+			close(m->store[i].fd);
+			m->store[i] = m->store[--m->nstore];
+		} else {
+			i++;
+		}
+}
+
+/* Take one notification, as systemd does; false if none came within @p ms. */
+static bool mgr_take(struct mgr *m, int ms)
+{
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int) * 8)];
+	} ctl;
+	struct pollfd pfd = {.fd = m->notify_fd, .events = POLLIN};
+	char msg[1024], name[DLPD_FDNAME_MAX + 1] = "stored";
+	struct iovec iov = {.iov_base = msg, .iov_len = sizeof(msg) - 1};
+	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+	int fds[8], nfds = 0;
+	bool fdstore = false, remove = false;
+	ssize_t n;
+
+	if (poll(&pfd, 1, ms) <= 0)
+		return false;
+	mh.msg_control = ctl.buf;
+	mh.msg_controllen = sizeof(ctl.buf);
+	n = recvmsg(m->notify_fd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+	if (n < 0)
+		return false;
+	ck_assert_msg(!(mh.msg_flags & MSG_CTRUNC), "fds of a notification were cut off");
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+			int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+
+			memcpy(fds + nfds, CMSG_DATA(c), sizeof(int) * (size_t)k);
+			nfds += k;
+		}
+	msg[n] = '\0';
+	for (char *save, *line = strtok_r(msg, "\n", &save); line;
+	     line = strtok_r(NULL, "\n", &save)) {
+		if (strcmp(line, "READY=1") == 0)
+			m->readies++;
+		else if (strcmp(line, "RELOADING=1") == 0)
+			m->reloads++;
+		else if (strcmp(line, "FDSTORE=1") == 0)
+			fdstore = true;
+		else if (strcmp(line, "FDSTOREREMOVE=1") == 0)
+			remove = true;
+		else if (strncmp(line, "FDNAME=", 7) == 0)
+			snprintf(name, sizeof(name), "%s", line + 7);
+	}
+	if (remove)
+		store_remove(m, name);
+	for (int i = 0; i < nfds; i++) {
+		/* systemd refuses fds past the store's size, and any without FDSTORE=1 */
+		if (fdstore && m->nstore < m->store_max) {
+			m->store[m->nstore].fd = fds[i];
+			snprintf(m->store[m->nstore].name, sizeof(m->store[0].name), "%s", name);
+			m->nstore++;
+		} else {
+			close(fds[i]);
+		}
+	}
+	return true;
+}
+
+/* Take every notification already sent. */
+static void mgr_drain(struct mgr *m)
+{
+	pthread_mutex_lock(&m->mu);
+	while (mgr_take(m, 0))
+		;
+	pthread_mutex_unlock(&m->mu);
+}
+
+static void *mgr_read(void *arg)
+{
+	struct mgr *m = arg;
+
+	while (!__atomic_load_n(&m->quit, __ATOMIC_ACQUIRE)) {
+		struct pollfd pfd = {.fd = m->notify_fd, .events = POLLIN};
+
+		if (poll(&pfd, 1, 20) > 0)
+			mgr_drain(m);
+	}
+	return NULL;
+}
+
+static unsigned readies(struct mgr *m)
+{
+	unsigned n;
+
+	pthread_mutex_lock(&m->mu);
+	n = m->readies;
+	pthread_mutex_unlock(&m->mu);
+	return n;
+}
+
+/* Wait until READY=1 has come @p n times in all. */
+static void mgr_wait_ready(struct mgr *m, unsigned n)
+{
+	long long deadline = now_ms() + scaled_ms(15000);
+
+	while (readies(m) < n) {
+		ck_assert_msg(now_ms() < deadline, "dlpackd never said READY=1 (log %s)", m->log);
+		ck_assert_msg(waitpid(m->pid, NULL, WNOHANG) == 0, "dlpackd exited (log %s)",
+			      m->log);
+		usleep(5000);
+	}
+}
+
+/* Start the daemon with the store's fds (after the activated socket), as systemd would. */
+static void mgr_start(struct mgr *m)
+{
+	unsigned before = readies(m);
+	pid_t pid;
+
+	/* the store does not change under the fork */
+	pthread_mutex_lock(&m->mu);
+	pid = fork();
+	if (pid > 0)
+		pthread_mutex_unlock(&m->mu);
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		int src[STORE_MAX + 1], tmp[STORE_MAX + 1], n = 0, log;
+		char names[(DLPD_FDNAME_MAX + 1) * (STORE_MAX + 1)] = "", buf[64], store[32];
+
+		if (m->activate) {
+			src[n++] = m->listen_fd;
+			strcat(names, "dlpackd.socket");
+		}
+		for (size_t i = 0; i < m->nstore; i++) {
+			if (n)
+				strcat(names, ":");
+			strcat(names, m->store[i].name);
+			src[n++] = m->store[i].fd;
+		}
+		for (int i = 0; i < n; i++)
+			tmp[i] = fcntl(src[i], F_DUPFD_CLOEXEC, 3 + n + 8);
+		for (int i = 0; i < n; i++)
+			if (tmp[i] < 0 || dup2(tmp[i], 3 + i) < 0)
+				_exit(126);
+		log = open(m->log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+		if (log < 0)
+			_exit(126);
+		dup2(log, STDERR_FILENO);
+		dup2(log, STDOUT_FILENO);
+		close_range(3 + (unsigned)n, ~0U, 0);
+		snprintf(buf, sizeof(buf), "%d", (int)getpid());
+		setenv("LISTEN_PID", buf, 1);
+		snprintf(buf, sizeof(buf), "%d", n);
+		setenv("LISTEN_FDS", buf, 1);
+		setenv("LISTEN_FDNAMES", names, 1);
+		setenv("NOTIFY_SOCKET", m->notify, 1);
+		snprintf(store, sizeof(store), "%u", m->store_max);
+		setenv("FDSTORE", store, 1);
+		if (m->activate)
+			execl(DLPACKD_BIN, DLPACKD_BIN, "-l", "debug", (char *)NULL);
+		else
+			execl(DLPACKD_BIN, DLPACKD_BIN, "-l", "debug", "--socket-mode", "0666",
+			      "--socket", m->sock, (char *)NULL);
+		_exit(127);
+	}
+	m->pid = pid;
+	mgr_wait_ready(m, before + 1);
+}
+
+static int exit_status(pid_t pid)
+{
+	long long deadline = now_ms() + scaled_ms(15000);
+	int st;
+
+	while (waitpid(pid, &st, WNOHANG) == 0) {
+		ck_assert_msg(now_ms() < deadline, "process %d did not exit", (int)pid);
+		usleep(5000);
+	}
+	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static void mgr_kill(struct mgr *m, int sig)
+{
+	ck_assert_int_eq(kill(m->pid, sig), 0);
+	ck_assert_int_eq(exit_status(m->pid), sig == SIGKILL ? 128 + SIGKILL : 0);
+	/* what the daemon sent before it died is still queued: systemd reads it too */
+	mgr_drain(m);
+}
+
+static void mgr_clear(struct mgr *m)
+{
+	char cmd[128];
+
+	__atomic_store_n(&m->quit, true, __ATOMIC_RELEASE);
+	pthread_join(m->reader, NULL);
+	for (size_t i = 0; i < m->nstore; i++)
+		close(m->store[i].fd);
+	m->nstore = 0;
+	if (m->listen_fd >= 0)
+		close(m->listen_fd);
+	close(m->notify_fd);
+	snprintf(cmd, sizeof(cmd), "rm -rf %s", m->dir);
+	if (system(cmd) != 0)
+		fprintf(stderr, "cannot remove %s\n", m->dir);
+}
+
+static void dump_log(const struct mgr *m)
+{
+	char cmd[200];
+
+	snprintf(cmd, sizeof(cmd), "tail -n 60 %s >&2", m->log);
+	if (system(cmd) != 0)
+		fprintf(stderr, "no log at %s\n", m->log);
+}
+
+/* ---- the tensors: their bytes follow from name and generation ---- */
+
+static uint32_t seed_of(const char *name, uint64_t gen)
+{
+	uint32_t h = 2166136261u;
+
+	for (const char *p = name; *p; p++)
+		h = (h ^ (uint8_t)*p) * 16777619u;
+	return h ^ (uint32_t)(gen * 2654435761u);
+}
+
+static void fill(float *v, const char *name, uint64_t gen)
+{
+	uint32_t s = seed_of(name, gen);
+
+	for (int i = 0; i < NV; i++)
+		v[i] = (float)((s + (uint32_t)i * 7919u) % 100003u);
+}
+
+static int publish(dlpc_client *c, const char *name, uint64_t gen, uint32_t flags)
+{
+	static float data[NV];
+	int64_t shape[1] = {NV};
+
+	fill(data, name, gen);
+	return dlpc_publish(c, name,
+			    host_tensor(data, (DLDataType){kDLFloat, 32, 1}, 1, shape, NULL, NULL),
+			    flags);
+}
+
+/* Attach @p name: its generation if its bytes are those of that generation, else -EILSEQ. */
+static int64_t attach_check(dlpc_client *c, const char *name)
+{
+	static float want[NV];
+	DLManagedTensorVersioned *t;
+	dlpc_attach_info info = {.size = sizeof(info)};
+	int r = dlpc_attach(c, name, NULL, &t);
+	int64_t gen;
+
+	if (r < 0)
+		return r;
+	gen = r;
+	if (dlpc_tensor_attach_info(t, &info) == 0)
+		gen = (int64_t)info.generation;
+	fill(want, name, (uint64_t)gen);
+	if (t->dl_tensor.ndim != 1 || t->dl_tensor.shape[0] != NV ||
+	    memcmp(t->dl_tensor.data, want, sizeof(want)) != 0)
+		gen = -EILSEQ;
+	t->deleter(t);
+	return gen;
+}
+
+/* ---- load: processes that publish, replace and attach until told to stop ---- */
+
+struct load {
+	const char *sock;
+	int id;
+	char ack_path[128];  /* each acknowledged publish: "name generation\n" */
+	char stop_path[128]; /* once it exists the loader stops */
+	bool reconnect;	     /* reconnect after losing the daemon (else stop) */
+};
+
+static void ack(int fd, const char *name, long long gen)
+{
+	char line[96];
+	int n = snprintf(line, sizeof(line), "%s %lld\n", name, gen);
+
+	CHILD_CHECK(write(fd, line, (size_t)n) == n);
+}
+
+/* Publish new names, replace its own churn/<id> (written with generation 0's bytes whatever
+ * its generation) and attach keep/3, logging what the daemon acknowledged. */
+static int loader(void *arg)
+{
+	const struct load *l = arg;
+	int fd = open(l->ack_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+	dlpc_client *c = NULL;
+	long long lost_since = 0;
+	char name[64];
+	int n = 0, r;
+
+	CHILD_CHECK(fd >= 0);
+	while (access(l->stop_path, F_OK) != 0) {
+		if (!c && dlpc_connect(l->sock, &c) < 0) {
+			c = NULL;
+			CHILD_CHECK(now_ms() - lost_since < 10000);
+			usleep(2000);
+			continue;
+		}
+		snprintf(name, sizeof(name), "load/%d/%d", l->id, n);
+		r = publish(c, name, 1, 0);
+		if (r == 1) {
+			ack(fd, name, 1);
+			n++;
+		}
+		if (r >= 0) {
+			snprintf(name, sizeof(name), "churn/%d", l->id);
+			r = publish(c, name, 0, DLPC_PUBLISH_REPLACE);
+			if (r > 0)
+				ack(fd, name, r);
+		}
+		if (r >= 0)
+			r = (int)attach_check(c, "keep/3");
+		CHILD_CHECK(r != -EILSEQ);
+		if (r >= 0)
+			continue;
+		/* the daemon went away */
+		dlpc_close(c);
+		c = NULL;
+		if (!l->reconnect)
+			break;
+		if (!lost_since)
+			lost_since = now_ms();
+	}
+	if (c)
+		dlpc_close(c);
+	close(fd);
+	return 0;
+}
+
+/* Attach churn/N: true if its bytes are whole. */
+static bool churn_ok(dlpc_client *c, const char *name)
+{
+	static float want[NV];
+	DLManagedTensorVersioned *t;
+	bool ok;
+
+	if (dlpc_attach(c, name, NULL, &t) < 0)
+		return false;
+	fill(want, name, 0);
+	ok = memcmp(t->dl_tensor.data, want, sizeof(want)) == 0;
+	t->deleter(t);
+	return ok;
+}
+
+struct loaders {
+	struct load l[LOADERS];
+	pid_t pid[LOADERS];
+};
+
+static void loaders_start(struct loaders *ls, const struct mgr *m, bool reconnect)
+{
+	for (int i = 0; i < LOADERS; i++) {
+		struct load *l = &ls->l[i];
+
+		l->sock = m->sock;
+		l->id = i;
+		l->reconnect = reconnect;
+		snprintf(l->ack_path, sizeof(l->ack_path), "%s/ack-%d", m->dir, i);
+		snprintf(l->stop_path, sizeof(l->stop_path), "%s/stop", m->dir);
+		ls->pid[i] = spawn(loader, l);
+	}
+}
+
+/* Lines acknowledged so far by loader @p i. */
+static int acked(const struct loaders *ls, int i)
+{
+	FILE *f = fopen(ls->l[i].ack_path, "re");
+	int n = 0, ch;
+
+	while (f && (ch = fgetc(f)) != EOF)
+		n += ch == '\n';
+	if (f)
+		fclose(f);
+	return n;
+}
+
+static void loaders_wait_acks(const struct loaders *ls, int min)
+{
+	long long deadline = now_ms() + scaled_ms(15000);
+
+	for (int i = 0; i < LOADERS; i++)
+		while (acked(ls, i) < min) {
+			ck_assert_msg(now_ms() < deadline, "loader %d acknowledged %d publishes", i,
+				      acked(ls, i));
+			usleep(5000);
+		}
+}
+
+static void loaders_stop(struct loaders *ls, const struct mgr *m)
+{
+	char stop[128];
+	int fd;
+
+	snprintf(stop, sizeof(stop), "%s/stop", m->dir);
+	fd = open(stop, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+	ck_assert_int_ge(fd, 0);
+	close(fd);
+	for (int i = 0; i < LOADERS; i++)
+		ck_assert_msg(wait_child(ls->pid[i]) == 0, "loader %d failed", i);
+	unlink(stop);
+}
+
+/* Every publish a loader saw acknowledged is there, whole; a replaced churn/N has the
+ * generation last acknowledged, or the one after (a replace whose answer the kill lost).
+ * Returns the number of acknowledged names. */
+static size_t check_acks(dlpc_client *c, const struct loaders *ls)
+{
+	size_t names = 0;
+
+	for (int i = 0; i < LOADERS; i++) {
+		FILE *f = fopen(ls->l[i].ack_path, "re");
+		char name[64], churn[64] = "";
+		long long gen, churn_gen = 0;
+
+		ck_assert_ptr_nonnull(f);
+		while (fscanf(f, "%63s %lld", name, &gen) == 2) {
+			if (strncmp(name, "churn/", 6) == 0) {
+				snprintf(churn, sizeof(churn), "%s", name);
+				churn_gen = gen;
+				continue;
+			}
+			ck_assert_msg(attach_check(c, name) == gen, "%s: acknowledged, then lost",
+				      name);
+			names++;
+		}
+		fclose(f);
+		if (churn[0]) {
+			dlpc_entry_info *e;
+			size_t cnt;
+
+			ck_assert_dlpc(dlpc_list(c, churn, &e, &cnt), 0);
+			ck_assert_uint_eq(cnt, 1);
+			ck_assert_msg(e[0].generation == (uint64_t)churn_gen ||
+					      e[0].generation == (uint64_t)churn_gen + 1,
+				      "%s: generation %llu, acknowledged %lld", churn,
+				      (unsigned long long)e[0].generation, churn_gen);
+			dlpc_list_free(e, cnt);
+			ck_assert_msg(churn_ok(c, churn), "%s: bytes changed", churn);
+			names++;
+		}
+	}
+	return names;
+}
+
+/* keep/0..29 (0..9 replaced once, 20..24 writable, 25..29 unpublished) and, from @p eph
+ * (which stays connected), eph/0..4, ephemeral. */
+static void publish_fixture(dlpc_client *c, dlpc_client *eph)
+{
+	char name[64];
+
+	for (int i = 0; i < 30; i++) {
+		snprintf(name, sizeof(name), "keep/%d", i);
+		ck_assert_dlpc(publish(c, name, 1, i >= 20 && i < 25 ? DLPC_PUBLISH_WRITABLE : 0),
+			       1);
+	}
+	for (int i = 0; i < 10; i++) {
+		snprintf(name, sizeof(name), "keep/%d", i);
+		ck_assert_dlpc(publish(c, name, 2, DLPC_PUBLISH_REPLACE), 2);
+	}
+	for (int i = 25; i < 30; i++) {
+		snprintf(name, sizeof(name), "keep/%d", i);
+		ck_assert_dlpc(dlpc_unpublish(c, name), 0);
+	}
+	for (int i = 0; i < 5; i++) {
+		snprintf(name, sizeof(name), "eph/%d", i);
+		ck_assert_dlpc(publish(eph, name, 1, DLPC_PUBLISH_EPHEMERAL), 1);
+	}
+}
+
+/* What publish_fixture() left is back, ephemeral entries excepted; a writable one still is. */
+static void check_fixture(dlpc_client *c)
+{
+	dlpc_entry_info *e;
+	char name[64];
+	size_t cnt;
+
+	for (int i = 0; i < 30; i++) {
+		int64_t want = i < 10 ? 2 : i < 25 ? 1 : -ENOENT;
+
+		snprintf(name, sizeof(name), "keep/%d", i);
+		ck_assert_msg(attach_check(c, name) == want, "%s: not as published", name);
+	}
+	ck_assert_dlpc(dlpc_list(c, "keep/2", &e, &cnt), 0);
+	for (size_t i = 0; i < cnt; i++) {
+		bool writable = e[i].name[6] != '\0' && e[i].name[6] < '5';
+
+		ck_assert_msg(!!(e[i].flags & DLPC_PUBLISH_WRITABLE) == writable, "%s: flags 0x%x",
+			      e[i].name, e[i].flags);
+		ck_assert_uint_eq(e[i].owner_uid, getuid());
+	}
+	dlpc_list_free(e, cnt);
+	ck_assert_dlpc(dlpc_list(c, "eph/", &e, &cnt), 0);
+	ck_assert_msg(cnt == 0, "an ephemeral entry came back");
+	dlpc_list_free(e, cnt);
+}
+
+/* STAT agrees with LIST, every listed entry is whole, and (with a store) the store holds one
+ * storage per entry and one journal. Returns the number of entries. */
+static size_t check_consistent(dlpc_client *c, struct mgr *m)
+{
+	dlpc_stats st = stat_or_die(c);
+	uint64_t bytes = 0, mine = 0;
+	dlpc_entry_info *e;
+	size_t cnt;
+
+	ck_assert_dlpc(dlpc_list(c, NULL, &e, &cnt), 0);
+	for (size_t i = 0; i < cnt; i++) {
+		if (strncmp(e[i].name, "churn/", 6) == 0)
+			ck_assert_msg(churn_ok(c, e[i].name), "%s is not whole", e[i].name);
+		else
+			ck_assert_msg(attach_check(c, e[i].name) == (int64_t)e[i].generation,
+				      "%s is not whole", e[i].name);
+		if (e[i].owner_uid == getuid()) {
+			bytes += e[i].nbytes;
+			mine++;
+		}
+	}
+	ck_assert_uint_eq(st.entries, cnt);
+	ck_assert_uint_eq(st.storages, cnt);
+	ck_assert_uint_eq(st.uid_entries, mine);
+	ck_assert_uint_eq(st.uid_bytes_held, bytes);
+	dlpc_list_free(e, cnt);
+	if (m->store_max) {
+		ck_assert_uint_eq(store_count(m, DLPD_FDNAME_STORAGE), cnt);
+		ck_assert_uint_eq(store_count(m, DLPD_FDNAME_STATE), 1);
+	}
+	return cnt;
+}
+
+static dlpc_client *connect_to(const struct mgr *m)
+{
+	dlpc_client *c;
+
+	ck_assert_dlpc(dlpc_connect(m->sock, &c), 0);
+	return c;
+}
+
+/* On failure, the daemon's log helps: Check's message alone rarely says why. */
+#define ck_assert_log(m, cond, ...)                                                                \
+	do {                                                                                       \
+		if (!(cond))                                                                       \
+			dump_log(m);                                                               \
+		ck_assert_msg(cond, __VA_ARGS__);                                                  \
+	} while (0)
+
+/* SIGKILL under load, then a restart from the store: everything acknowledged is back, whole,
+ * with its generation, flags and owner; nothing ephemeral or unpublished is; STAT, LIST and the
+ * store agree. Then a clean stop and a second restart keep the same set. */
+START_TEST(test_kill_under_load)
+{
+	struct mgr m;
+	struct loaders ls;
+	dlpc_client *c, *eph;
+	size_t n, entries;
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	eph = connect_to(&m);
+	publish_fixture(c, eph);
+	loaders_start(&ls, &m, false);
+	loaders_wait_acks(&ls, 20);
+	mgr_kill(&m, SIGKILL);
+	loaders_stop(&ls, &m);
+	dlpc_close(c);
+	dlpc_close(eph);
+	ck_assert_uint_gt(store_count(&m, DLPD_FDNAME_STORAGE), 0);
+
+	mgr_start(&m);
+	/* dropping orphans from the store happens before READY=1; take those messages */
+	mgr_drain(&m);
+	c = connect_to(&m);
+	check_fixture(c);
+	n = check_acks(c, &ls);
+	entries = check_consistent(c, &m);
+	/* acknowledged ones, and perhaps one publish per loader whose answer the kill lost */
+	fprintf(stderr, "kill under load: %zu acknowledged load entries, %zu entries back\n", n,
+		entries);
+	ck_assert_uint_ge(entries, n + 25);
+	ck_assert_uint_le(entries, n + 25 + LOADERS);
+	ck_assert_msg(log_has(m.log, "restored "), "no restore logged");
+	dlpc_close(c);
+
+	/* a clean stop (systemctl restart) keeps the store as it is */
+	mgr_kill(&m, SIGTERM);
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	check_fixture(c);
+	ck_assert_uint_eq(check_acks(c, &ls), n);
+	ck_assert_uint_eq(check_consistent(c, &m), entries);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* Upgrades in place without a store, by SIGHUP and by dlpackctl upgrade, with loaders that
+ * reconnect running throughout: the pid stays, every acknowledged entry is back, ephemeral
+ * entries and the old connections are gone, and the socket path stays the daemon's. */
+START_TEST(test_upgrade_under_load)
+{
+	struct mgr m;
+	struct loaders ls;
+	dlpc_client *c, *eph;
+	dlpc_entry_info *e;
+	size_t n, cnt;
+	pid_t pid;
+
+	mgr_init(&m, false, 0);
+	mgr_start(&m);
+	pid = m.pid;
+	c = connect_to(&m);
+	eph = connect_to(&m);
+	publish_fixture(c, eph);
+	loaders_start(&ls, &m, true);
+	loaders_wait_acks(&ls, 10);
+	for (int round = 0; round < 2; round++) {
+		unsigned before = readies(&m);
+		int acks[LOADERS];
+		char cmd[256];
+
+		for (int i = 0; i < LOADERS; i++)
+			acks[i] = acked(&ls, i);
+		if (round == 0) {
+			ck_assert_int_eq(kill(pid, SIGHUP), 0);
+		} else {
+			snprintf(cmd, sizeof(cmd), "%s --socket %s upgrade >%s/ctl.out 2>&1",
+				 DLPACKCTL_BIN, m.sock, m.dir);
+			ck_assert_log(&m, system(cmd) == 0, "dlpackctl upgrade failed");
+		}
+		mgr_wait_ready(&m, before + 1);
+		/* the loaders go on through it */
+		loaders_wait_acks(&ls, 0);
+		for (int i = 0; i < LOADERS; i++) {
+			long long deadline = now_ms() + scaled_ms(15000);
+
+			while (acked(&ls, i) < acks[i] + 10) {
+				ck_assert_log(&m, now_ms() < deadline,
+					      "loader %d stalled after upgrade %d", i, round);
+				usleep(5000);
+			}
+		}
+	}
+	loaders_stop(&ls, &m);
+	ck_assert_msg(waitpid(pid, NULL, WNOHANG) == 0, "the daemon's pid changed");
+	ck_assert(log_has(m.log, "upgrading: executing"));
+	/* the connections of the old image are gone, its ephemeral entries with them */
+	ck_assert_int_lt(dlpc_list(eph, NULL, &e, &cnt), 0);
+	dlpc_close(eph);
+	dlpc_close(c);
+	c = connect_to(&m);
+	check_fixture(c);
+	n = check_acks(c, &ls);
+	ck_assert_uint_eq(check_consistent(c, &m), n + 25);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	ck_assert_msg(access(m.sock, F_OK) != 0, "the upgraded daemon left its socket behind");
+	mgr_clear(&m);
+}
+END_TEST
+
+/* With a store: an upgrade keeps it whole (one journal, a storage per entry), and a kill
+ * after it loses nothing published before or after. */
+START_TEST(test_upgrade_then_kill)
+{
+	struct mgr m;
+	dlpc_client *c, *eph;
+	unsigned before;
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	eph = connect_to(&m);
+	publish_fixture(c, eph);
+	dlpc_close(eph);
+	before = readies(&m);
+	ck_assert_int_eq(kill(m.pid, SIGHUP), 0);
+	mgr_wait_ready(&m, before + 1);
+	mgr_drain(&m);
+	dlpc_close(c);
+	c = connect_to(&m);
+	ck_assert_uint_eq(check_consistent(c, &m), 25);
+	ck_assert_dlpc(publish(c, "after/upgrade", 1, 0), 1);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	check_fixture(c);
+	ck_assert_int_eq(attach_check(c, "after/upgrade"), 1);
+	ck_assert_uint_eq(check_consistent(c, &m), 26);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* ---- hostile state journals ---- */
+
+/* A memfd holding the bytes of (@p name, @p gen), sealed as a publish seals it, or not. */
+static int storage_fd(const char *name, uint64_t gen, bool seal)
+{
+	static float v[NV];
+	int fd = memfd_create("hostile", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+
+	ck_assert_int_ge(fd, 0);
+	fill(v, name, gen);
+	ck_assert_int_eq(write(fd, v, sizeof(v)), (ssize_t)sizeof(v));
+	if (seal)
+		ck_assert_int_eq(fcntl(fd, F_ADD_SEALS,
+				       F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL),
+				 0);
+	return fd;
+}
+
+struct journal {
+	uint8_t *b;
+	size_t len;
+};
+
+static void jput_raw(struct journal *j, uint16_t kind, const void *payload, size_t len, bool damage)
+{
+	struct dlpd_rec_hdr h = {.len = (uint32_t)len, .kind = kind, .flags = DLPD_REC_STORED};
+
+	h.check = dlpd_journal_check(kind, h.flags, payload, len) ^ (damage ? 1 : 0);
+	j->b = realloc(j->b, j->len + sizeof(h) + len);
+	ck_assert_ptr_nonnull(j->b);
+	memcpy(j->b + j->len, &h, sizeof(h));
+	memcpy(j->b + j->len + sizeof(h), payload, len);
+	j->len += sizeof(h) + len;
+}
+
+/* A PUT of one float32 tensor of @p nv values in a storage of @p size bytes. */
+static void jput(struct journal *j, const char *name, uint64_t sid, uint64_t gen, uint32_t flags,
+		 int64_t nv, uint64_t size, bool damage)
+{
+	Dlpackd__V1__Publish pub = DLPACKD__V1__PUBLISH__INIT;
+	Dlpackd__V1__TensorDesc td = DLPACKD__V1__TENSOR_DESC__INIT, *tds[1] = {&td};
+	struct dlpd_put_fixed fx = {
+		.sid = sid, .generation = gen, .uid = 4242, .pid = 77, .created_ns = 123456789};
+	size_t plen;
+	uint8_t *buf;
+
+	td.dtype_code = kDLFloat;
+	td.dtype_bits = 32;
+	td.dtype_lanes = 1;
+	td.n_shape = 1;
+	td.shape = &nv;
+	pub.name.data = (uint8_t *)name;
+	pub.name.len = strlen(name);
+	pub.flags = flags;
+	pub.device_type = kDLCPU;
+	pub.storage_size = size;
+	pub.n_tensors = 1;
+	pub.tensors = tds;
+	plen = dlpackd__v1__publish__get_packed_size(&pub);
+	buf = malloc(sizeof(fx) + plen);
+	ck_assert_ptr_nonnull(buf);
+	memcpy(buf, &fx, sizeof(fx));
+	dlpackd__v1__publish__pack(&pub, buf + sizeof(fx));
+	jput_raw(j, DLPD_REC_PUT, buf, sizeof(fx) + plen, damage);
+	free(buf);
+}
+
+/* A memfd holding @p j behind a header of @p epoch (@p magic: a right one or not). */
+static int journal_fd(const struct journal *j, uint64_t epoch, bool magic)
+{
+	struct dlpd_journal_hdr h = {.epoch = epoch};
+	int fd = memfd_create("journal", MFD_CLOEXEC);
+
+	memcpy(h.magic, magic ? DLPD_JOURNAL_MAGIC : "NOTOURS!", sizeof(h.magic));
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(write(fd, &h, sizeof(h)), (ssize_t)sizeof(h));
+	if (j->len)
+		ck_assert_int_eq(write(fd, j->b, j->len), (ssize_t)j->len);
+	return fd;
+}
+
+static void store_put(struct mgr *m, int fd, const char *fmt, uint64_t num)
+{
+	pthread_mutex_lock(&m->mu);
+	m->store[m->nstore].fd = fd;
+	snprintf(m->store[m->nstore].name, sizeof(m->store[0].name), fmt, num);
+	m->nstore++;
+	pthread_mutex_unlock(&m->mu);
+}
+
+static bool stored(struct mgr *m, const char *name)
+{
+	bool found = false;
+
+	pthread_mutex_lock(&m->mu);
+	for (size_t i = 0; i < m->nstore && !found; i++)
+		found = strcmp(m->store[i].name, name) == 0;
+	pthread_mutex_unlock(&m->mu);
+	return found;
+}
+
+/* Every kind of bad record is refused alone, with its reason; the good entry comes back with
+ * its owner, generation and time; what no good record claims leaves the store. */
+START_TEST(test_hostile_journal)
+{
+	static const struct {
+		const char *name, *reason;
+	} refused[] = {
+		{"bad/size", "holds 4096 bytes, the tensors need 8192"},
+		{"bad/unsealed", "is not sealed against resizing"},
+		{"bad/shape", "do not fit an aligned place"},
+		{"bad/flags", "are not those of an entry that outlives"},
+		{"bad/missing", "its storage st-6 was not passed back"},
+		{"bad/dup", "its storage st-1 belongs to another entry"},
+		{"bad/pipe", "not a memfd"},
+		{"bad/generation", "bad generation 0"},
+	};
+	struct journal j = {0};
+	struct mgr m;
+	dlpc_client *c;
+	dlpc_entry_info *e;
+	char junk[40];
+	int pipefd[2];
+	size_t cnt;
+
+	mgr_init(&m, true, STORE_MAX);
+	jput(&j, "good/a", 1, 3, 0, NV, NV * 4, false);
+	store_put(&m, storage_fd("good/a", 3, true), "st-%llx", 1);
+	jput(&j, "bad/size", 2, 1, 0, NV, 2 * NV * 4, false);
+	store_put(&m, storage_fd("bad/size", 1, true), "st-%llx", 2);
+	jput(&j, "bad/unsealed", 3, 1, 0, NV, NV * 4, false);
+	store_put(&m, storage_fd("bad/unsealed", 1, false), "st-%llx", 3);
+	jput(&j, "bad/shape", 4, 1, 0, 4 * NV, NV * 4, false);
+	store_put(&m, storage_fd("bad/shape", 1, true), "st-%llx", 4);
+	jput(&j, "bad/flags", 5, 1, DLPC_PUBLISH_EPHEMERAL, NV, NV * 4, false);
+	store_put(&m, storage_fd("bad/flags", 1, true), "st-%llx", 5);
+	jput(&j, "bad/missing", 6, 1, 0, NV, NV * 4, false);
+	jput(&j, "bad/dup", 1, 1, 0, NV, NV * 4, false);
+	jput(&j, "bad/checksum", 8, 1, 0, NV, NV * 4, true);
+	store_put(&m, storage_fd("bad/checksum", 1, true), "st-%llx", 8);
+	memset(junk, 0xff, sizeof(junk));
+	jput_raw(&j, DLPD_REC_PUT, junk, sizeof(junk), false);
+	jput(&j, "gone/b", 10, 1, 0, NV, NV * 4, false);
+	jput_raw(&j, DLPD_REC_DEL, "gone/b", 6, false);
+	store_put(&m, storage_fd("gone/b", 1, true), "st-%llx", 10);
+	ck_assert_int_eq(pipe2(pipefd, O_CLOEXEC), 0);
+	close(pipefd[1]);
+	jput(&j, "bad/pipe", 11, 1, 0, NV, NV * 4, false);
+	store_put(&m, pipefd[0], "st-%llx", 11);
+	jput(&j, "bad/generation", 12, 0, 0, NV, NV * 4, false);
+	store_put(&m, storage_fd("bad/generation", 1, true), "st-%llx", 12);
+	store_put(&m, storage_fd("orphan", 1, true), "st-%llx", 0x63);
+	/* a record torn by the kill: its header promises more than follows */
+	jput(&j, "torn/c", 13, 1, 0, NV, NV * 4, false);
+	j.len -= 10;
+	store_put(&m, storage_fd("torn/c", 1, true), "st-%llx", 13);
+	store_put(&m, journal_fd(&j, 7, true), "state-%llx", 7);
+	/* a newer journal that is not one: the older one is used */
+	store_put(&m, journal_fd(&j, 8, false), "state-%llx", 8);
+	free(j.b);
+
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(dlpc_list(c, NULL, &e, &cnt), 0);
+	ck_assert_log(&m, cnt == 1, "%zu entries restored, expected good/a alone", cnt);
+	ck_assert_str_eq(e[0].name, "good/a");
+	ck_assert_uint_eq(e[0].generation, 3);
+	ck_assert_uint_eq(e[0].owner_uid, 4242);
+	ck_assert_int_eq(e[0].owner_pid, 77);
+	ck_assert_int_eq(e[0].created_ns, 123456789);
+	dlpc_list_free(e, cnt);
+	ck_assert_int_eq(attach_check(c, "good/a"), 3);
+	for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
+		char line[128];
+
+		snprintf(line, sizeof(line), "not restoring '%s'", refused[i].name);
+		ck_assert_log(&m, log_has(m.log, line) && log_has(m.log, refused[i].reason),
+			      "%s: no line saying '%s'", refused[i].name, refused[i].reason);
+	}
+	ck_assert_log(&m,
+		      log_has(m.log, "is damaged") && log_has(m.log, "cannot be decoded") &&
+			      log_has(m.log, "more than the journal holds") &&
+			      log_has(m.log, "state-8 is not one of dlpackd's"),
+		      "damaged records not reported");
+	/* the store keeps good/a's storage and a new journal, nothing else */
+	ck_assert_msg(stored(&m, "st-1"), "good/a's storage left the store");
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 1);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STATE), 1);
+	ck_assert_msg(stored(&m, "state-9"), "no journal of the next epoch");
+	/* and it serves */
+	ck_assert_dlpc(publish(c, "new/d", 1, 0), 1);
+	ck_assert_uint_eq(check_consistent(c, &m), 2);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* Storages without any journal that reads: all closed and dropped, the daemon serves empty. */
+START_TEST(test_no_journal)
+{
+	struct journal j = {0};
+	struct mgr m;
+	dlpc_client *c;
+	dlpc_stats st;
+
+	mgr_init(&m, true, STORE_MAX);
+	jput(&j, "a", 1, 1, 0, NV, NV * 4, false);
+	store_put(&m, storage_fd("a", 1, true), "st-%llx", 1);
+	store_put(&m, storage_fd("b", 1, true), "st-%llx", 2);
+	store_put(&m, journal_fd(&j, 1, false), "state-%llx", 1);
+	free(j.b);
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	st = stat_or_die(c);
+	ck_assert_uint_eq(st.entries, 0);
+	ck_assert_uint_eq(st.storages, 0);
+	ck_assert(log_has(m.log, "2 storages were passed without a state journal that reads"));
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 0);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STATE), 1);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+static Suite *durability_suite(void)
+{
+	Suite *s = suite_create("durability");
+	TCase *tc = tcase_create("store");
+
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_kill_under_load);
+	tcase_add_test(tc, test_upgrade_under_load);
+	tcase_add_test(tc, test_upgrade_then_kill);
+	tcase_add_test(tc, test_hostile_journal);
+	tcase_add_test(tc, test_no_journal);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	return run_suite(durability_suite());
+}
