@@ -6,7 +6,7 @@
  * aggregate throughput with several client processes, and the daemon's footprint.
  *
  * Usage: bench_c --socket PATH [--quick] [--entries N] [--pin CPU] [--only GROUP,...]
- * GROUP is attach, mapping, bundle, publish, throughput or footprint (default: all of them).
+ * GROUP is attach, mapping, bundle, publish, publish_small, throughput or footprint (default: all of them).
  * Prints one JSON object per line (see bench/run.py); progress goes to stderr.
  */
 #include <errno.h>
@@ -528,6 +528,51 @@ static void bench_bundle(void)
 }
 
 /*
+ * Publishing and unpublishing a 4 KiB tensor (copy path) under fresh names: the cost of a
+ * publish itself, which the fd store adds to (run.py runs this against a daemon with a store
+ * too). Unpublishes are timed apart from publishes, each waiting for nothing.
+ */
+static void bench_publish_small(void)
+{
+	static float data[1024];
+	int64_t shape[1] = {1024};
+	int n = quick ? 200 : 3000;
+	uint64_t *pub = calloc((size_t)n, sizeof(*pub)), *unp = calloc((size_t)n, sizeof(*unp));
+	dlpc_client *c = connect_or_die();
+	char name[64];
+
+	if (!pub || !unp)
+		die("calloc");
+	for (int r = 0; r < n; r++) {
+		DLManagedTensorVersioned t = {
+			.version = {DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION},
+			.dl_tensor = {.data = data,
+				      .device = {kDLCPU, 0},
+				      .ndim = 1,
+				      .dtype = {kDLFloat, 32, 1},
+				      .shape = shape},
+		};
+		uint64_t t0;
+
+		snprintf(name, sizeof(name), "bench/small/%d", r);
+		t0 = now_ns();
+		if (dlpc_publish(c, name, &t, 0) < 0)
+			die("publish small");
+		pub[r] = now_ns() - t0;
+		t0 = now_ns();
+		if (dlpc_unpublish(c, name) < 0)
+			die("unpublish small");
+		unp[r] = now_ns() - t0;
+	}
+	row("publish_small", "publish", 4096, pub, n);
+	row("publish_small", "unpublish", 4096, unp, n);
+	free(pub);
+	free(unp);
+	settle(c);
+	dlpc_close(c);
+}
+
+/*
  * Publishing 1 GiB (64 MiB with --quick): one memcpy, the copy path, the zero-copy path of memory
  * as dlpc_alloc() returns it, and of memory filled first (every page mapped in the publisher,
  * whose read-only publish then replaces that mapping).
@@ -844,6 +889,8 @@ int main(int argc, char **argv)
 		bench_bundle();
 	if (wanted("publish"))
 		bench_publish();
+	if (wanted("publish_small"))
+		bench_publish_small();
 	pin(false);
 	if (wanted("throughput"))
 		bench_throughput();

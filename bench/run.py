@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,14 +51,58 @@ def fd_limit_for_daemon():
             pass
 
 
-def start_daemon(build, tmp):
-    sock = os.path.join(tmp, "dlpackd.sock")
-    log = open(os.path.join(tmp, "dlpackd.log"), "w")
+class FdStore:
+    """systemd's fd store, as the daemon sees it: a notification socket that keeps the fds sent
+    with FDSTORE=1 and drops them on FDSTOREREMOVE=1, read by a thread as systemd reads it."""
+
+    def __init__(self, path, cpu=None):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.path, self.fds, self.stop, self.cpu = path, {}, False, cpu
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        # systemd runs beside the daemon, not in its place: off the CPU the latency runs use
+        if self.cpu is not None:
+            os.sched_setaffinity(0, {self.cpu})
+        self.sock.settimeout(0.05)
+        while not self.stop:
+            try:
+                msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 8)
+            except socket.timeout:
+                continue
+            lines = dict(l.split("=", 1) for l in msg.decode().splitlines() if "=" in l)
+            name = lines.get("FDNAME", "stored")
+            if lines.get("FDSTOREREMOVE") == "1":
+                for fd in self.fds.pop(name, []):
+                    os.close(fd)
+            if lines.get("FDSTORE") == "1":
+                self.fds.setdefault(name, []).extend(fds)
+            else:
+                for fd in fds:
+                    os.close(fd)
+
+    def close(self):
+        self.stop = True
+        self.thread.join()
+        for fds in self.fds.values():
+            for fd in fds:
+                os.close(fd)
+        self.sock.close()
+
+
+def start_daemon(build, tmp, store=None):
+    sock = os.path.join(tmp, "dlpackd.sock" if store is None else "dlpackd-store.sock")
+    log = open(os.path.join(tmp, "dlpackd.log"), "a")
+    env = dict(os.environ)
+    if store is not None:
+        env.update(NOTIFY_SOCKET=store.path, FDSTORE="4096")
     # one uid publishes the footprint run's entries: it may use the whole fd budget, not the
     # share (--max-fd-share-per-uid) a uid gets when others need room too
     proc = subprocess.Popen([os.path.join(build, "dlpackd"), "--socket", sock,
                              "--log-level", "warning", "--max-fd-share-per-uid", "100"],
-                            stdout=log, stderr=log, preexec_fn=fd_limit_for_daemon)
+                            stdout=log, stderr=log, preexec_fn=fd_limit_for_daemon, env=env)
     for _ in range(500):
         try:
             with socket.socket(socket.AF_UNIX) as s:
@@ -222,7 +267,13 @@ def table(rows, sizes, map_sizes, checks):
                               ("publish", "dlpc_copy", "dlpc_publish, copy path"),
                               ("publish", "dlpc_alloc", "dlpc_publish of dlpc_alloc memory"),
                               ("publish", "dlpc_alloc_written",
-                               "dlpc_publish of dlpc_alloc memory written first")]:
+                               "dlpc_publish of dlpc_alloc memory written first"),
+                              ("publish_small", "publish", "dlpc_publish, copy path, no fd store"),
+                              ("publish_small", "publish_fdstore",
+                               "dlpc_publish, copy path, with systemd's fd store"),
+                              ("publish_small", "unpublish", "dlpc_unpublish, no fd store"),
+                              ("publish_small", "unpublish_fdstore",
+                               "dlpc_unpublish, with systemd's fd store")]:
         r = pick(rows, group, impl)
         if r:
             size = f", {human(r['size'])}" if r.get("size") else ""
@@ -313,6 +364,24 @@ def main():
         rows += run_rows(cmd, env, pin=not args.no_pin)
         stop_daemon(proc)
         proc = None
+        # the same small publishes against a daemon that keeps its entries in an fd store
+        store = FdStore(os.path.join(tmp, "notify"),
+                        None if args.no_pin or os.cpu_count() < 2 else os.cpu_count() - 1)
+        try:
+            proc, sock = start_daemon(build, tmp, store)
+            if not args.no_pin:
+                os.sched_setaffinity(proc.pid, {0})
+            cmd = [os.path.join(build, "bench", "bench_c"), "--socket", sock,
+                   "--only", "publish_small"]
+            cmd += ["--quick"] if args.quick else []
+            cmd += [] if args.no_pin else ["--pin", "0"]
+            for r in run_rows(cmd, env):
+                r["impl"] += "_fdstore"
+                rows.append(r)
+            stop_daemon(proc)
+            proc = None
+        finally:
+            store.close()
     finally:
         if proc is not None:
             proc.kill()

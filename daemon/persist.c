@@ -762,6 +762,13 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 	int r;
 
 	p->store_max = dlpd_config.fd_store;
+	if (p->store_max && !dlpd_notify_socket()) {
+		dlpd_log(LOG_WARNING,
+			 "--fd-store=%llu (or FDSTORE) without NOTIFY_SOCKET: no service "
+			 "manager keeps fds, entries end with the daemon",
+			 (unsigned long long)p->store_max);
+		p->store_max = 0;
+	}
 	dlpd_hmap_init(&rs.live);
 	r = sort_passed(&rs, fds, n);
 	if (r < 0) {

@@ -20,6 +20,7 @@
 #include <sys/wait.h>
 #include <time.h>
 
+#include "cuda_api.h"
 #include "harness.h"
 #include "persist.h"
 
@@ -645,6 +646,15 @@ static size_t check_consistent(dlpc_client *c, struct mgr *m)
 	return cnt;
 }
 
+/* STAT's entries and storages, which must agree. */
+static size_t check_consistent_gpu(dlpc_client *c)
+{
+	dlpc_stats st = stat_or_die(c);
+
+	ck_assert_uint_eq(st.entries, st.storages);
+	return st.entries;
+}
+
 static dlpc_client *connect_to(const struct mgr *m)
 {
 	dlpc_client *c;
@@ -1042,6 +1052,131 @@ START_TEST(test_no_journal)
 }
 END_TEST
 
+/* ---- CUDA entries, against the fake driver ---- */
+
+static const char *gpu_sock;
+
+static void fill_dev(float *p, float base)
+{
+	for (int i = 0; i < NV; i++)
+		p[i] = base + (float)i;
+}
+
+static int vmm_publisher(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	int64_t n = NV;
+	dlpc_client *c;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(gpu_sock, &c) == 0);
+	CHILD_CHECK(dlpc_alloc(c, (DLDevice){kDLCUDA, 0}, (DLDataType){kDLFloat, 32, 1}, 1, &n,
+			       &t) == 0);
+	fill_dev(t->dl_tensor.data, 5.0f);
+	CHILD_CHECK(dlpc_publish(c, "gpu/vmm", t, 0) == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+static int vmm_reader(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	float want[NV];
+	dlpc_client *c;
+
+	(void)arg;
+	fill_dev(want, 5.0f);
+	CHILD_CHECK(dlpc_connect(gpu_sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "gpu/vmm", NULL, &t) == 1);
+	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA);
+	CHILD_CHECK(memcmp(t->dl_tensor.data, want, sizeof(want)) == 0);
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+/* Publishes gpu/ipc from cuMemAlloc memory (legacy IPC), says so on fds[1], stays until
+ * fds[0] reads end of file (fds[2] and fds[3]: the parent's ends). */
+static int ipc_publisher(void *arg)
+{
+	int *fds = arg;
+	DLManagedTensorVersioned *t;
+	int64_t shape[1] = {NV};
+	CUdeviceptr p;
+	dlpc_client *c;
+	char b;
+
+	close(fds[2]);
+	close(fds[3]);
+	CHILD_CHECK(dlpc_connect(gpu_sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&p, NV * sizeof(float)) == CUDA_SUCCESS);
+	fill_dev((float *)(uintptr_t)p, 9.0f);
+	t = host_tensor((void *)(uintptr_t)p, (DLDataType){kDLFloat, 32, 1}, 1, shape, NULL, NULL);
+	t->dl_tensor.device = (DLDevice){kDLCUDA, 0};
+	CHILD_CHECK(dlpc_publish(c, "gpu/ipc", t, 0) == 1);
+	CHILD_CHECK(write(fds[1], "P", 1) == 1);
+	while (read(fds[0], &b, 1) > 0)
+		;
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_gpu_entries)
+{
+	char logpath[128];
+	int to_child[2], from_child[2], fds[4];
+	DLManagedTensorVersioned *t = NULL;
+	struct mgr m;
+	dlpc_client *c;
+	unsigned before;
+	pid_t ipc;
+	char b;
+
+	mgr_init(&m, true, STORE_MAX);
+	snprintf(logpath, sizeof(logpath), "%s/fake_cuda.log", m.dir);
+	setenv("FAKE_CUDA_LOG", logpath, 1);
+	setenv(DLPC_CUDA_LIBRARY_ENV, FAKE_CUDA_LIB, 1);
+	gpu_sock = m.sock;
+	mgr_start(&m);
+	ck_assert_int_eq(wait_child(spawn(vmm_publisher, NULL)), 0);
+	ck_assert_int_eq(pipe2(to_child, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(from_child, O_CLOEXEC), 0);
+	fds[0] = to_child[0];
+	fds[1] = from_child[1];
+	fds[2] = to_child[1];
+	fds[3] = from_child[0];
+	ipc = spawn(ipc_publisher, fds);
+	close(to_child[0]);
+	close(from_child[1]);
+	ck_assert_int_eq(read(from_child[0], &b, 1), 1);
+	mgr_drain(&m);
+	/* the VMM export is in the store; legacy IPC has no fd to keep */
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 1);
+
+	mgr_kill(&m, SIGKILL);
+	mgr_start(&m);
+	ck_assert_int_eq(wait_child(spawn(vmm_reader, NULL)), 0);
+	c = connect_to(&m);
+	ck_assert_dlpc(dlpc_attach(c, "gpu/ipc", NULL, &t), -ENOENT);
+	dlpc_close(c);
+
+	before = readies(&m);
+	ck_assert_int_eq(kill(m.pid, SIGHUP), 0);
+	mgr_wait_ready(&m, before + 1);
+	ck_assert_int_eq(wait_child(spawn(vmm_reader, NULL)), 0);
+	c = connect_to(&m);
+	ck_assert_uint_eq(check_consistent_gpu(c), 1);
+	dlpc_close(c);
+	close(to_child[1]);
+	ck_assert_int_eq(wait_child(ipc), 0);
+	close(from_child[0]);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+	unsetenv(DLPC_CUDA_LIBRARY_ENV);
+}
+END_TEST
+
 static Suite *durability_suite(void)
 {
 	Suite *s = suite_create("durability");
@@ -1053,6 +1188,7 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_upgrade_then_kill);
 	tcase_add_test(tc, test_hostile_journal);
 	tcase_add_test(tc, test_no_journal);
+	tcase_add_test(tc, test_gpu_entries);
 	suite_add_tcase(s, tc);
 	return s;
 }
