@@ -55,9 +55,13 @@ static void give_up(struct dlpd_server *s, const char *what, int err)
 	if (p->broken)
 		return;
 	p->broken = true;
-	dlpd_log(LOG_ERR,
-		 "%s: %s; entries published from now on will not survive a restart of dlpackd",
-		 what, strerror(err));
+	dlpd_log(LOG_ERR, "%s: %s; entries will not survive a restart of dlpackd from now on", what,
+		 strerror(err));
+	/* A journal that stops here would bring back, after a restart, entries removed since:
+	 * better none. A restart then closes every stored storage. */
+	if (p->journal_fd >= 0)
+		dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64,
+				p->epoch);
 	dlpd_notify("STATUS=entries no longer persisted: %s", what);
 }
 
@@ -855,14 +859,10 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 			}
 		compact(s);
 	}
-	/* once the new journal is stored; if it could not be, the old ones stay there, so that
-	 * a restart finds what this one did */
-	for (size_t i = 0; i < rs.njournals; i++) {
-		if (p->broken)
-			close(rs.journals[i].fd);
-		else
-			drop_passed(s, rs.journals[i].fd, rs.journals[i].name);
-	}
+	/* once the new journal is stored (if it could not be, no journal is better than one that
+	 * stops here: see give_up()) */
+	for (size_t i = 0; i < rs.njournals; i++)
+		drop_passed(s, rs.journals[i].fd, rs.journals[i].name);
 	if (best || rs.nstorages)
 		dlpd_log(LOG_NOTICE,
 			 "restored %u entries (%llu bytes) from state journal %s; refused %u, "

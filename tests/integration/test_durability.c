@@ -1052,6 +1052,43 @@ START_TEST(test_no_journal)
 }
 END_TEST
 
+/* A store of 5 fds keeps 3 storages (2 are the journal's): the fourth and fifth entries are
+ * served but not kept, with a warning; once one kept entry is removed, the next one is kept. */
+START_TEST(test_store_full)
+{
+	dlpc_entry_info *e;
+	struct mgr m;
+	dlpc_client *c;
+	char name[32];
+	size_t cnt;
+
+	mgr_init(&m, true, 5);
+	mgr_start(&m);
+	c = connect_to(&m);
+	for (int i = 0; i < 5; i++) {
+		snprintf(name, sizeof(name), "full/%d", i);
+		ck_assert_dlpc(publish(c, name, 1, 0), 1);
+	}
+	ck_assert_log(&m, log_has(m.log, "the fd store is full (5 fds"), "no warning");
+	ck_assert_dlpc(dlpc_unpublish(c, "full/0"), 0);
+	ck_assert_dlpc(publish(c, "full/5", 1, 0), 1);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 3);
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(dlpc_list(c, "full/", &e, &cnt), 0);
+	ck_assert_uint_eq(cnt, 3);
+	ck_assert_str_eq(e[0].name, "full/1");
+	ck_assert_str_eq(e[1].name, "full/2");
+	ck_assert_str_eq(e[2].name, "full/5");
+	dlpc_list_free(e, cnt);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
 /* ---- CUDA entries, against the fake driver ---- */
 
 static const char *gpu_sock;
@@ -1189,6 +1226,7 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_hostile_journal);
 	tcase_add_test(tc, test_no_journal);
 	tcase_add_test(tc, test_gpu_entries);
+	tcase_add_test(tc, test_store_full);
 	suite_add_tcase(s, tc);
 	return s;
 }
