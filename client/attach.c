@@ -198,13 +198,13 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	    (rep->device_type != kDLCUDA || !cuda_sane(rep, fd)))
 		n = -1;
 	if (n < 0) {
-		dlpc__release(c, rep->ref_id);
+		dlpc__release_epoch(c, rep->ref_id, dlpc__call_epoch);
 		dlpc__close(fd);
 		return dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply",
 				  name);
 	}
 	if (rep->device_type == kDLCUDA && (flags & DLPC_ATTACH_PRIVATE)) {
-		dlpc__release(c, rep->ref_id);
+		dlpc__release_epoch(c, rep->ref_id, dlpc__call_epoch);
 		dlpc__close(fd);
 		return dlpc__fail(-ENOTSUP,
 				  "cannot attach '%s' copy-on-write: it is CUDA memory, which is "
@@ -257,6 +257,7 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	m->fd = -1;
 	m->client = c;
 	m->ref_id = rep->ref_id;
+	m->epoch = dlpc__call_epoch;
 	m->has_owner = c->minor >= 3;
 	m->owner_uid = rep->owner_uid;
 	m->owner_pid = rep->owner_pid;
@@ -288,12 +289,61 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 fail:
 	/* the region owns the reference from the moment it is set; before that, give it back */
 	if (!b || !b->region)
-		dlpc__release(c, rep->ref_id);
+		dlpc__release_epoch(c, rep->ref_id, dlpc__call_epoch);
 	free(m);
 	if (fd >= 0)
 		close(fd);
 	dlpc_bundle_free(b);
 	return r;
+}
+
+static int64_t mono_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/*
+ * Send @p req and wait for its reply. A waiting attach of a client made with
+ * DLPC_CONNECT_RECONNECT rides through a daemon restart: if the connection is lost while it
+ * waits, it connects again (call_bounded() does, at the next request) and asks anew for the
+ * time left, pausing between attempts while no daemon answers.
+ */
+static int attach_call(dlpc_client *c, Dlpackd__V1__Attach *req, int64_t timeout,
+		       Dlpackd__V1__AttachReply **rep, int *fd, struct dlpc__arena *arena)
+{
+	int64_t end = timeout > 0 ? mono_ms() + timeout : 0, left = timeout, pause = 10;
+	int r;
+
+	for (;;) {
+		req->timeout_ms = left;
+		r = dlpc__call_wait(c, DLPC_MSG_ATTACH, &req->base, left,
+				    &dlpackd__v1__attach_reply__descriptor,
+				    (ProtobufCMessage **)rep, fd, &arena->alloc);
+		if (r >= 0 || timeout == 0 || !c->reconnect || !dlpc__lost(c))
+			return r;
+		if (timeout > 0) {
+			left = end - mono_ms();
+			if (left <= 0)
+				return dlpc__fail(-ETIMEDOUT,
+						  "waited %lld ms for '%.*s'; dlpackd went away "
+						  "meanwhile and has not come back (%s)",
+						  (long long)timeout, (int)req->name.len,
+						  (const char *)req->name.data, dlpc_last_error());
+		}
+		r = dlpc__pause_lost(c, timeout > 0 && left < pause ? left : pause);
+		if (r < 0)
+			return r;
+		pause = pause * 2 < DLPC_RECONNECT_BACKOFF_MAX_MS ? pause * 2
+								  : DLPC_RECONNECT_BACKOFF_MAX_MS;
+		if (timeout > 0) {
+			left = end - mono_ms();
+			if (left <= 0)
+				left = 1;
+		}
+	}
 }
 
 /* attach() once it holds a reference on @p c. */
@@ -348,9 +398,7 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	/* the reply lives until the bundle is built: unpack it into an arena, not a malloc per
 	 * field (a 500-tensor bundle would be 1,500 of them) */
 	dlpc__arena_init(&arena);
-	r = dlpc__call_wait(c, DLPC_MSG_ATTACH, &req.base, timeout,
-			    &dlpackd__v1__attach_reply__descriptor, (ProtobufCMessage **)&rep, &fd,
-			    &arena.alloc);
+	r = attach_call(c, &req, timeout, &rep, &fd, &arena);
 	if (r < 0) {
 		dlpc__arena_clear(&arena);
 		/* the library's own reasons, which do not name the entry yet */
@@ -364,7 +412,7 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	}
 	if ((fd < 0 && !rep->cuda_ipc) || rep->generation == 0 || rep->generation > INT32_MAX) {
 		if (rep->ref_id)
-			dlpc__release(c, rep->ref_id);
+			dlpc__release_epoch(c, rep->ref_id, dlpc__call_epoch);
 		dlpc__close(fd);
 		r = dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply", name);
 	} else {

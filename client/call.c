@@ -240,6 +240,38 @@ static void deadline_in(struct timespec *dl, int64_t ms)
 static __thread dlpc_interrupt_fn interrupt_fn;
 static __thread void *interrupt_arg;
 
+bool dlpc__lost(dlpc_client *c)
+{
+	bool lost;
+
+	pthread_mutex_lock(&c->mu);
+	lost = c->broken != 0;
+	pthread_mutex_unlock(&c->mu);
+	return lost;
+}
+
+int dlpc__pause_lost(dlpc_client *c, int64_t ms)
+{
+	struct timespec until;
+	bool closed;
+
+	deadline_in(&until, ms);
+	pthread_mutex_lock(&c->mu);
+	while (!c->closed && !passed(&until))
+		pthread_cond_timedwait(&c->cv, &c->mu, &until);
+	closed = c->closed;
+	pthread_mutex_unlock(&c->mu);
+	if (closed)
+		return dlpc__fail(-ECANCELED,
+				  "this client was closed or canceled (dlpc_close() or "
+				  "dlpc_cancel()) while waiting for dlpackd to come back");
+	if (interrupt_fn && interrupt_fn(interrupt_arg))
+		return dlpc__fail(-EINTR, "interrupted while waiting for dlpackd to come back");
+	return 0;
+}
+
+__thread uint64_t dlpc__call_epoch;
+
 DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg)
 {
 	interrupt_fn = fn;
@@ -531,11 +563,31 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		return dlpc__fail(-ECANCELED, "this client was closed or canceled "
 					      "(dlpc_close() or dlpc_cancel())");
 	}
+	/* lost: with DLPC_CONNECT_RECONNECT connect anew, unless another call or the reader
+	 * still works on the old connection (it fails as that did; a later call connects) */
+	if (c->broken && c->reconnect && !c->calls && !c->reading && !c->reconnecting &&
+	    !c->reclaimer) {
+		c->reconnecting = true;
+		pthread_mutex_unlock(&c->mu);
+		r = dlpc__reconnect(c);
+		pthread_mutex_lock(&c->mu);
+		c->reconnecting = false;
+		if (r < 0) {
+			pthread_mutex_unlock(&c->mu);
+			return r;
+		}
+		if (c->closed) {
+			pthread_mutex_unlock(&c->mu);
+			return dlpc__fail(-ECANCELED, "this client was closed or canceled "
+						      "(dlpc_close() or dlpc_cancel())");
+		}
+	}
 	if (c->broken) {
 		r = conn_error(c, c->broken);
 		pthread_mutex_unlock(&c->mu);
 		return r;
 	}
+	dlpc__call_epoch = c->epoch;
 	/* ids still owed a reply are skipped, so that the reply is not taken for this call's */
 	do
 		call.id = ++c->next_id;

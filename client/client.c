@@ -310,6 +310,11 @@ static bool flush_soon(void)
 
 void dlpc__release(dlpc_client *c, uint64_t ref_id)
 {
+	dlpc__release_epoch(c, ref_id, UINT64_MAX);
+}
+
+void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
+{
 	unsigned n;
 
 	/* in a forked child the reference is the parent's; the daemon drops it when the parent
@@ -317,6 +322,11 @@ void dlpc__release(dlpc_client *c, uint64_t ref_id)
 	if (!dlpc__ours(c))
 		return;
 	pthread_mutex_lock(&c->wmu);
+	/* a reference of a connection replaced since died with it; its id may name another now */
+	if (epoch != UINT64_MAX && epoch != c->epoch) {
+		pthread_mutex_unlock(&c->wmu);
+		return;
+	}
 	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
 	/* full only if the last flush had no memory for its frame: try again; failing that, this
 	 * reference stays with the daemon until the connection closes */
@@ -429,35 +439,16 @@ static int call_timeout_env(int64_t *ms)
 	return 0;
 }
 
-DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
+/* A new connection to @p path, HELLO done, with calls bounded by @p timeout ms. */
+static int connect_new(const char *path, int64_t timeout, dlpc_client **ret)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
 	Dlpackd__V1__HelloReply *rep;
-	char path[sizeof(sa.sun_path)];
 	pthread_condattr_t ca;
-	int64_t timeout;
 	dlpc_client *c;
 	int r;
 
-	if (!ret)
-		return dlpc__fail(-EINVAL, "dlpc_connect: ret is NULL");
-	*ret = NULL;
-	if (socket_path) {
-		if (strlen(socket_path) >= sizeof(path))
-			return dlpc__fail(-ENAMETOOLONG, "socket path %s is too long", socket_path);
-		strcpy(path, socket_path);
-	} else {
-		r = dlpc_default_socket(path, sizeof(path));
-		if (r < 0)
-			return dlpc__fail(r, "no dlpackd socket: %s; set %s",
-					  r == -ENOENT ? "XDG_RUNTIME_DIR is not set"
-						       : "the default path is too long",
-					  DLPC_SOCKET_ENV);
-	}
-	r = call_timeout_env(&timeout);
-	if (r < 0)
-		return r;
 	c = calloc(1, sizeof(*c));
 	if (!c)
 		return dlpc__fail(-ENOMEM, "out of memory");
@@ -524,11 +515,100 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
 	}
 	c->minor = rep->version_minor;
 	dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
+	snprintf(c->path, sizeof(c->path), "%s", path);
 	*ret = c;
 	return 0;
 fail:
 	client_free(c);
 	return r;
+}
+
+DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc_client **ret)
+{
+	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	int64_t timeout;
+	int r;
+
+	if (!ret)
+		return dlpc__fail(-EINVAL, "dlpc_connect: ret is NULL");
+	*ret = NULL;
+	if (flags & ~DLPC_CONNECT_RECONNECT)
+		return dlpc__fail(-EINVAL, "dlpc_connect_flags: unknown flags 0x%x",
+				  flags & ~DLPC_CONNECT_RECONNECT);
+	if (socket_path) {
+		if (strlen(socket_path) >= sizeof(path))
+			return dlpc__fail(-ENAMETOOLONG, "socket path %s is too long", socket_path);
+		strcpy(path, socket_path);
+	} else {
+		r = dlpc_default_socket(path, sizeof(path));
+		if (r < 0)
+			return dlpc__fail(r, "no dlpackd socket: %s; set %s",
+					  r == -ENOENT ? "XDG_RUNTIME_DIR is not set"
+						       : "the default path is too long",
+					  DLPC_SOCKET_ENV);
+	}
+	r = call_timeout_env(&timeout);
+	if (r < 0)
+		return r;
+	r = connect_new(path, timeout, ret);
+	if (r == 0)
+		(*ret)->reconnect = flags & DLPC_CONNECT_RECONNECT;
+	return r;
+}
+
+DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret)
+{
+	return dlpc_connect_flags(socket_path, 0, ret);
+}
+
+DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c)
+{
+	uint64_t n;
+
+	if (!c)
+		return 0;
+	pthread_mutex_lock((pthread_mutex_t *)&c->mu);
+	n = c->epoch;
+	pthread_mutex_unlock((pthread_mutex_t *)&c->mu);
+	return n;
+}
+
+int dlpc__reconnect(dlpc_client *c)
+{
+	struct dlpc__rx rx;
+	dlpc_client *n;
+	eventfd_t v;
+	int r = connect_new(c->path, c->call_timeout_ms, &n), sock;
+
+	if (r < 0)
+		return r;
+	/* The new connection's socket and buffer become c's; c's old ones go with n. Whatever
+	 * belonged to the old connection is void: its references (the daemon dropped them with
+	 * it: releases of its epoch are dropped), the replies owed to abandoned calls, and the
+	 * legacy CUDA IPC publications whose RECLAIM it would have carried (kept, as after any
+	 * lost connection: nobody can say any more whether an attacher still uses them). */
+	pthread_mutex_lock(&c->wmu);
+	pthread_mutex_lock(&c->mu);
+	sock = c->sock;
+	c->sock = n->sock;
+	n->sock = sock;
+	rx = c->rx;
+	c->rx = n->rx;
+	n->rx = rx;
+	c->minor = n->minor;
+	c->broken = 0;
+	c->fatal[0] = '\0';
+	c->next_id = 0;
+	c->nabandoned = 0;
+	c->ipc_pubs = 0;
+	c->nreclaimed = 0;
+	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
+	c->epoch++;
+	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */
+	pthread_mutex_unlock(&c->mu);
+	pthread_mutex_unlock(&c->wmu);
+	client_free(n);
+	return 0;
 }
 
 DLPC_EXPORT const char *dlpc_version(void)

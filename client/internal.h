@@ -66,6 +66,13 @@ struct dlpc_client {
 	atomic_uint npending; /* written under wmu; read without it by the flusher's scan */
 
 	struct dlpc_client *next_open; /* in the list of open clients (client.c) */
+
+	/* DLPC_CONNECT_RECONNECT: a call that finds the connection lost connects anew first
+	 * (dlpc__reconnect()). The fields below change under wmu and mu both. */
+	bool reconnect;
+	bool reconnecting; /* a thread is connecting anew: others fail as the lost connection did */
+	uint64_t epoch;	   /* connections before this one; a reference names the one it came by */
+	char path[108];	   /* the socket, to connect to again */
 };
 
 /*
@@ -92,6 +99,7 @@ struct dlpc__region {
 	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
 	uint64_t ref_id;
+	uint64_t epoch;	    /* the connection (client->epoch) ref_id belongs to */
 	atomic_bool frozen; /* allocated memory sealed read-only (F_SEAL_WRITE), mapped read-only */
 	/* attached memory (protocol 1.3 and later): who published the entry, and what */
 	bool has_owner;
@@ -173,6 +181,19 @@ int dlpc__call_wait(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, 
  * through the library's flusher thread, whichever comes first.
  */
 void dlpc__release(dlpc_client *c, uint64_t ref_id);
+/* dlpc__release() of a reference that came by connection @p epoch: dropped if the client has
+ * connected anew since (that connection, and the reference with it, is gone). */
+void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch);
+/* Replace @p c's lost connection by a new one to the same socket (HELLO included). 0, or the
+ * negative errno of connecting (the old connection's error stays). */
+int dlpc__reconnect(dlpc_client *c);
+/* Wait @p ms for a lost connection's daemon to come back: 0, or -ECANCELED (dlpc_close(),
+ * dlpc_cancel()) or -EINTR (the thread's interrupt check said stop), the message set. */
+int dlpc__pause_lost(dlpc_client *c, int64_t ms);
+/* Has @p c lost its connection (and not connected anew yet)? */
+bool dlpc__lost(dlpc_client *c);
+/* The connection (epoch) the calling thread's last request went out on. */
+extern __thread uint64_t dlpc__call_epoch;
 void dlpc__client_ref(dlpc_client *c);
 void dlpc__client_unref(dlpc_client *c);
 /* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it

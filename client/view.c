@@ -66,7 +66,7 @@ void dlpc__region_finish(struct dlpc__region *r)
 	if (r->fd >= 0)
 		close(r->fd);
 	if (r->client) {
-		dlpc__release(r->client, r->ref_id);
+		dlpc__release_epoch(r->client, r->ref_id, r->epoch);
 		dlpc__client_unref(r->client);
 	}
 	free(r->parts);

@@ -184,6 +184,43 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
  */
 DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
 
+/** dlpc_connect_flags(): connect anew after the connection is lost (see there). */
+#define DLPC_CONNECT_RECONNECT (1u << 0)
+
+/**
+ * dlpc_connect() with @p flags (0 or DLPC_CONNECT_RECONNECT).
+ *
+ * With DLPC_CONNECT_RECONNECT a client outlives its connection: once a call has found the
+ * connection lost (dlpackd stopped, restarted or upgraded in place; that call still fails, with
+ * -ECONNRESET or -EPIPE, and is not retried: a publish may or may not have happened), the next
+ * call connects to the same socket again and sends HELLO before its request. While no daemon
+ * listens that call fails as dlpc_connect() would (-ECONNREFUSED, -ENOENT) and the one after
+ * tries again. A reconnect happens only when no other call is in progress on the client; until
+ * then calls fail as the lost connection did.
+ *
+ * What a reconnect means: tensors attached before stay valid (their mappings are this
+ * process's), and their deleters send nothing (the references died with the old connection;
+ * the daemon no longer counts them). Ephemeral entries the client published are gone, and
+ * legacy CUDA IPC publications will never be reclaimed (their memory is kept until the process
+ * exits, as after any lost connection). Entries that are not ephemeral survive a restart of
+ * dlpackd with its fd store, and an upgrade in place (dlpackd(8), DURABILITY).
+ * dlpc_reconnects() counts the reconnects.
+ *
+ * A waiting attach (timeout_ms not 0) rides through a restart: when the connection is lost
+ * while it waits, it connects again (every 10 ms at first, then up to every
+ * DLPC_RECONNECT_BACKOFF_MAX_MS, within its timeout; dlpc_cancel(), dlpc_close() and the
+ * interrupt check end it) and asks again for the time left, so it completes when the name is
+ * published on the restarted daemon.
+ * @return as dlpc_connect(), or -EINVAL for unknown flags.
+ */
+DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc_client **ret);
+
+/** The longest pause between two attempts of a waiting attach to connect again. */
+#define DLPC_RECONNECT_BACKOFF_MAX_MS 200
+
+/** How many times @p c has connected anew (DLPC_CONNECT_RECONNECT); 0 for NULL. */
+DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c);
+
 /**
  * Give up the caller's handle, sending the releases still deferred. The connection itself stays
  * open until the last tensor attached through it has been released, so outstanding deleters keep

@@ -67,11 +67,15 @@ class Client(_CoreClient):
       reconnect=False  every later call raises ConnectionResetError: make a new Client.
       reconnect=True   the next call connects anew (the module-level functions work so); if no
                        dlpackd listens yet it raises ConnectionRefusedError or
-                       FileNotFoundError, and the call after tries again.
+                       FileNotFoundError, and the call after tries again. An attach waiting
+                       for a name (timeout not 0) is the exception: it connects again by
+                       itself and goes on waiting, so it completes when the name is published
+                       on the restarted daemon. `reconnects` counts the new connections.
     Tensors attached before the break stay valid: their mappings are this process's; their
-    releases are dropped with the old connection. Entries are the daemon's: a restarted dlpackd
-    starts empty, ephemeral or not. A call running in another thread when the connection is
-    replaced finishes (or fails) on the old one.
+    releases are dropped with the old connection. Entries are the daemon's: those that are not
+    ephemeral survive a restart with systemd's fd store and an upgrade in place (dlpackd(8));
+    ephemeral ones end with the connection that published them. While another thread's call
+    still runs on the lost connection, calls fail as it did; the next one connects anew.
     """
 
     def list(self, prefix=""):

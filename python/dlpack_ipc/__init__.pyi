@@ -88,8 +88,11 @@ class SharedTensor:
 class Client:
     # reconnect=True: after a call raised ConnectionResetError (dlpackd closed the connection),
     # the next call connects anew; otherwise every later call raises ConnectionResetError.
-    # A failed call is never retried. The module-level functions behave as reconnect=True.
+    # A failed call is never retried, except that a waiting attach connects again and goes on
+    # waiting. The module-level functions behave as reconnect=True.
     def __init__(self, socket: Optional[str] = ..., *, reconnect: bool = ...) -> None: ...
+    @property
+    def reconnects(self) -> int: ...
     def publish(self, name: str, obj: Any, *, replace: bool = ..., ephemeral: bool = ...,
                 writable: bool = ...) -> int: ...
     def publish_dict(self, name: str, mapping: Mapping[str, Any], *, replace: bool = ...,

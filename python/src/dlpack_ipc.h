@@ -21,16 +21,16 @@ typedef struct {
 struct ipc_old_handle;
 
 /*
- * A connection; connects anew by itself in a forked child, and after the connection broke when
- * made with reconnect=True (see ipc_client in module.c). Every field is guarded by the GIL.
+ * A connection; connects anew by itself in a forked child, and (libdlpc does) after the
+ * connection broke when made with reconnect=True (see module.c). Every field is guarded by the
+ * GIL.
  */
 typedef struct {
 	PyObject_HEAD dlpc_client *c; /* NULL once closed */
 	unsigned fork_gen;	      /* see module.c */
 	unsigned busy;		      /* calls in flight on c (see ipc_call_begin) */
 	unsigned epoch;		      /* bumped each time c is replaced */
-	bool lost;		      /* a call on c found the connection broken */
-	bool reconnect;		      /* replace c on the call after one that found it lost */
+	bool reconnect;		      /* c made with DLPC_CONNECT_RECONNECT */
 	struct ipc_old_handle *old;   /* replaced handles with calls still on them */
 	char *path;		      /* NULL: the default socket */
 } ClientObject;

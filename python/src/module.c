@@ -3,11 +3,12 @@
  * dlpack_ipc._core: the Client type over libdlpc and module setup (multi-phase init, heap types
  * in module state). Every call that may block releases the GIL. Attaching is in attach.c.
  *
- * A Client connects anew when its handle cannot serve: in a forked child, and (reconnect=True,
- * as the module's default client is made) on the call after one that found the connection lost.
- * That call raised ConnectionResetError; a call is never retried here, since whether a lost
- * request took effect is unknown. Calls still running on a replaced or closed handle keep it
- * alive until the last of them ends (ipc_call_begin/ipc_call_end).
+ * A Client connects anew when its handle cannot serve: in a forked child (a new handle), and
+ * (reconnect=True, as the module's default client is made) on the call after one that found the
+ * connection lost, which libdlpc does itself (DLPC_CONNECT_RECONNECT). That call raised
+ * ConnectionResetError; a call is never retried, since whether a lost request took effect is
+ * unknown, except a waiting attach, which libdlpc asks again. Calls still running on a replaced
+ * or closed handle keep it alive until the last of them ends (ipc_call_begin/ipc_call_end).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -178,13 +179,14 @@ PyObject *ipc_raise(int err)
 	return NULL;
 }
 
-static int connect_to(const char *path, dlpc_client **c)
+static int connect_to(const char *path, bool reconnect, dlpc_client **c)
 {
+	uint32_t flags = reconnect ? DLPC_CONNECT_RECONNECT : 0;
 	int r;
 
 	ipc_interruptible();
 	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_connect(path, c);
+	r = dlpc_connect_flags(path, flags, c);
 	Py_END_ALLOW_THREADS
 	if (r < 0) {
 		ipc_raise(r);
@@ -255,7 +257,7 @@ static int replace(ClientObject *self)
 	unsigned epoch = self->epoch, gen = current_fork_gen();
 	dlpc_client *c;
 
-	if (connect_to(self->path, &c) < 0)
+	if (connect_to(self->path, self->reconnect, &c) < 0)
 		return -1;
 	if (!self->c || self->epoch != epoch) {
 		dlpc_close(c);
@@ -275,7 +277,6 @@ static int replace(ClientObject *self)
 	}
 	self->c = c;
 	self->busy = 0;
-	self->lost = false;
 	self->fork_gen = gen;
 	self->epoch++;
 	return 0;
@@ -287,8 +288,8 @@ dlpc_client *ipc_client(ClientObject *self)
 		PyErr_SetString(PyExc_ValueError, "the Client is closed");
 		return NULL;
 	}
-	if ((self->fork_gen != current_fork_gen() || (self->lost && self->reconnect)) &&
-	    replace(self) < 0)
+	/* after a lost connection libdlpc connects anew itself (DLPC_CONNECT_RECONNECT) */
+	if (self->fork_gen != current_fork_gen() && replace(self) < 0)
 		return NULL;
 	return self->c;
 }
@@ -313,11 +314,9 @@ void ipc_call_end(ClientObject *self, dlpc_client *c, int r)
 {
 	struct ipc_old_handle **pp, *o;
 
+	(void)r;
 	if (c == self->c) {
 		self->busy--;
-		/* libdlpc's error is sticky: without a reconnect every later call raises it */
-		if (conn_lost(r))
-			self->lost = true;
 		return;
 	}
 	for (pp = &self->old; (o = *pp); pp = &o->next) {
@@ -358,10 +357,9 @@ static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 	}
 	pthread_once(&atfork_once, atfork_register);
 	self->fork_gen = current_fork_gen();
-	if (connect_to(self->path, &self->c) < 0)
+	if (connect_to(self->path, self->reconnect, &self->c) < 0)
 		return -1;
 	self->busy = 0;
-	self->lost = false;
 	self->epoch++;
 	return 0;
 }
@@ -377,7 +375,6 @@ static void client_close_now(ClientObject *self)
 	}
 	self->c = NULL;
 	self->busy = 0;
-	self->lost = false;
 	self->epoch++;
 }
 
@@ -658,10 +655,30 @@ static PyMethodDef client_methods[] = {
 	{NULL},
 };
 
+static PyObject *client_reconnects(PyObject *obj, void *unused)
+{
+	ClientObject *self = (ClientObject *)obj;
+
+	(void)unused;
+	/* a closed Client, or one not yet used in a forked child, has connected anew 0 times */
+	if (!self->c || self->fork_gen != current_fork_gen())
+		return PyLong_FromLong(0);
+	return PyLong_FromUnsignedLongLong(dlpc_reconnects(self->c));
+}
+
+static PyGetSetDef client_getset[] = {
+	{"reconnects", client_reconnects, NULL,
+	 "How many times this connection was made anew after dlpackd went away (reconnect=True). "
+	 "Tensors attached before stay valid; ephemeral entries published before are gone.",
+	 NULL},
+	{NULL},
+};
+
 static PyType_Slot client_slots[] = {
 	{Py_tp_init, client_init},
 	{Py_tp_dealloc, client_dealloc},
 	{Py_tp_methods, client_methods},
+	{Py_tp_getset, client_getset},
 	{Py_tp_new, PyType_GenericNew},
 	{Py_tp_doc, "A connection to dlpackd (Client(socket=None, *, reconnect=False))."},
 	{0, NULL},

@@ -229,12 +229,13 @@ def test_plain_client_keeps_raising(restarts, sig):
 
 
 def test_idle_and_in_flight_calls_see_the_same_error(restarts):
-    """A call waiting in the daemon when it dies, and the next call of an idle client, both get
-    ConnectionResetError (one found the socket closed reading, the other writing)."""
+    """A call waiting in the daemon when it dies (on a plain Client), and the next call of an
+    idle client, both get ConnectionResetError (one found the socket closed reading, the other
+    writing)."""
     restarts.start()
     idle = dlpack_ipc.Client(socket=restarts.socket, reconnect=True)
     idle.stat()
-    waiter = dlpack_ipc.Client(socket=restarts.socket, reconnect=True)
+    waiter = dlpack_ipc.Client(socket=restarts.socket)
     got = []
 
     def wait():
@@ -245,10 +246,7 @@ def test_idle_and_in_flight_calls_see_the_same_error(restarts):
 
     th = threading.Thread(target=wait)
     th.start()
-    restarts.stat()  # a round trip of another connection: the waiter has had time to ask
-    deadline = time.monotonic() + 10
-    while restarts.stat()["waiters"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for_waiters(restarts, 1)
     restarts.kill(signal.SIGKILL)
     th.join(10)
     assert not th.is_alive()
@@ -257,9 +255,52 @@ def test_idle_and_in_flight_calls_see_the_same_error(restarts):
     expect_reset(idle.stat)
     restarts.start()
     assert idle.stat()["daemon_pid"] == restarts.proc.pid
-    assert waiter.stat()["daemon_pid"] == restarts.proc.pid
+    assert idle.reconnects == 1
     idle.close()
     waiter.close()
+
+
+def wait_for_waiters(restarts, n):
+    """Until the daemon counts n waiting attaches."""
+    deadline = time.monotonic() + 10
+    while restarts.stat()["waiters"] != n:
+        assert time.monotonic() < deadline, "the attaches did not wait"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 30.0], ids=["forever", "bounded"])
+def test_waiting_attach_survives_a_restart(restarts, timeout):
+    """With reconnect=True an attach waiting for a name rides through a daemon restart: it
+    connects again, waits again, and completes when the name is published on the new daemon;
+    memory attached before stays readable and the client counts one reconnect."""
+    restarts.start()
+    c = dlpack_ipc.Client(socket=restarts.socket, reconnect=True)
+    t, a = publish_and_attach(c)
+    got = []
+
+    def wait():
+        try:
+            got.append(np.from_dlpack(c.attach("rc/later", timeout=timeout)).copy())
+        except BaseException as e:  # noqa: B036 - reported to the main thread
+            got.append(e)
+
+    th = threading.Thread(target=wait)
+    th.start()
+    wait_for_waiters(restarts, 1)
+    restarts.kill(signal.SIGKILL)
+    time.sleep(0.3)  # no daemon for a while: the wait goes on
+    assert th.is_alive(), got
+    restarts.start()
+    wait_for_waiters(restarts, 1)
+    with dlpack_ipc.Client(socket=restarts.socket) as p:
+        p.publish("rc/later", np.arange(5, dtype=np.int32))
+    th.join(10)
+    assert not th.is_alive()
+    [r] = got
+    np.testing.assert_array_equal(r, np.arange(5, dtype=np.int32))
+    assert c.reconnects == 1
+    np.testing.assert_array_equal(a, np.arange(1000))
+    c.close()
 
 
 def test_empty_memory_outlives_the_connection(restarts):
