@@ -385,7 +385,8 @@ struct load {
 	int id;
 	char ack_path[128];  /* each acknowledged publish: "name generation\n" */
 	char stop_path[128]; /* once it exists the loader stops */
-	bool reconnect;	     /* reconnect after losing the daemon (else stop) */
+	bool reconnect;	     /* DLPC_CONNECT_RECONNECT, riding through (else stop at a loss) */
+	uint64_t reconnects; /* with reconnect: how many times it must have connected anew */
 };
 
 static void ack(int fd, const char *name, long long gen)
@@ -408,13 +409,9 @@ static int loader(void *arg)
 	int n = 0, r;
 
 	CHILD_CHECK(fd >= 0);
+	CHILD_CHECK(dlpc_connect_flags(l->sock, l->reconnect ? DLPC_CONNECT_RECONNECT : 0, &c) ==
+		    0);
 	while (access(l->stop_path, F_OK) != 0) {
-		if (!c && dlpc_connect(l->sock, &c) < 0) {
-			c = NULL;
-			CHILD_CHECK(now_ms() - lost_since < 10000);
-			usleep(2000);
-			continue;
-		}
 		snprintf(name, sizeof(name), "load/%d/%d", l->id, n);
 		r = publish(c, name, 1, 0);
 		if (r == 1) {
@@ -430,18 +427,21 @@ static int loader(void *arg)
 		if (r >= 0)
 			r = (int)attach_check(c, "keep/3");
 		CHILD_CHECK(r != -EILSEQ);
-		if (r >= 0)
+		if (r >= 0) {
+			lost_since = 0;
 			continue;
-		/* the daemon went away */
-		dlpc_close(c);
-		c = NULL;
+		}
+		/* the daemon went away: the next call connects anew, if asked to */
 		if (!l->reconnect)
 			break;
 		if (!lost_since)
 			lost_since = now_ms();
+		CHILD_CHECK(now_ms() - lost_since < 10000);
+		usleep(2000);
 	}
-	if (c)
-		dlpc_close(c);
+	if (l->reconnect)
+		CHILD_CHECK(dlpc_reconnects(c) == l->reconnects);
+	dlpc_close(c);
 	close(fd);
 	return 0;
 }
@@ -466,7 +466,8 @@ struct loaders {
 	pid_t pid[LOADERS];
 };
 
-static void loaders_start(struct loaders *ls, const struct mgr *m, bool reconnect)
+static void loaders_start(struct loaders *ls, const struct mgr *m, bool reconnect,
+			  uint64_t reconnects)
 {
 	for (int i = 0; i < LOADERS; i++) {
 		struct load *l = &ls->l[i];
@@ -474,6 +475,7 @@ static void loaders_start(struct loaders *ls, const struct mgr *m, bool reconnec
 		l->sock = m->sock;
 		l->id = i;
 		l->reconnect = reconnect;
+		l->reconnects = reconnects;
 		snprintf(l->ack_path, sizeof(l->ack_path), "%s/ack-%d", m->dir, i);
 		snprintf(l->stop_path, sizeof(l->stop_path), "%s/stop", m->dir);
 		ls->pid[i] = spawn(loader, l);
@@ -663,12 +665,14 @@ static dlpc_client *connect_to(const struct mgr *m)
 	return c;
 }
 
-/* On failure, the daemon's log helps: Check's message alone rarely says why. */
+/* On failure, the daemon's log helps: Check's message alone rarely says why. @p cond is
+ * evaluated once. */
 #define ck_assert_log(m, cond, ...)                                                                \
 	do {                                                                                       \
-		if (!(cond))                                                                       \
+		bool ok_ = (cond);                                                                 \
+		if (!ok_)                                                                          \
 			dump_log(m);                                                               \
-		ck_assert_msg(cond, __VA_ARGS__);                                                  \
+		ck_assert_msg(ok_, __VA_ARGS__);                                                   \
 	} while (0)
 
 /* SIGKILL under load, then a restart from the store: everything acknowledged is back, whole,
@@ -686,7 +690,7 @@ START_TEST(test_kill_under_load)
 	c = connect_to(&m);
 	eph = connect_to(&m);
 	publish_fixture(c, eph);
-	loaders_start(&ls, &m, false);
+	loaders_start(&ls, &m, false, 0);
 	loaders_wait_acks(&ls, 20);
 	mgr_kill(&m, SIGKILL);
 	loaders_stop(&ls, &m);
@@ -741,7 +745,7 @@ START_TEST(test_upgrade_under_load)
 	c = connect_to(&m);
 	eph = connect_to(&m);
 	publish_fixture(c, eph);
-	loaders_start(&ls, &m, true);
+	loaders_start(&ls, &m, true, 2);
 	loaders_wait_acks(&ls, 10);
 	for (int round = 0; round < 2; round++) {
 		unsigned before = readies(&m);
