@@ -22,6 +22,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,6 +152,7 @@ void dlpd_upgrade(struct dlpd_server *s)
 {
 	struct handover h = {0};
 	char pid[32], nfds[32];
+	sigset_t hold;
 	uint64_t epoch;
 	int journal = -1, r;
 
@@ -193,6 +195,13 @@ void dlpd_upgrade(struct dlpd_server *s)
 		free(h.names);
 		return;
 	}
+	/* The new image holds these back until it can handle them (main.c); a signal sent
+	 * meanwhile waits instead of killing it by default. The mask survives the exec. */
+	sigemptyset(&hold);
+	sigaddset(&hold, SIGTERM);
+	sigaddset(&hold, SIGINT);
+	sigaddset(&hold, SIGHUP);
+	sigprocmask(SIG_BLOCK, &hold, NULL);
 	/* from here on the fds move: nothing may close one behind our back */
 	dlpd_reaper_freeze();
 	r = place(h.fds, h.n);

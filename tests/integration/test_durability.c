@@ -806,10 +806,15 @@ START_TEST(test_upgrade_then_kill)
 	eph = connect_to(&m);
 	publish_fixture(c, eph);
 	dlpc_close(eph);
+	/* two at once: the second waits for the new image to be ready, and upgrades it again */
 	before = readies(&m);
 	ck_assert_int_eq(kill(m.pid, SIGHUP), 0);
+	ck_assert_int_eq(kill(m.pid, SIGHUP), 0);
 	mgr_wait_ready(&m, before + 1);
+	usleep(200000);
 	mgr_drain(&m);
+	ck_assert_log(&m, waitpid(m.pid, NULL, WNOHANG) == 0, "a second SIGHUP killed dlpackd");
+	mgr_wait_ready(&m, readies(&m) > before + 1 ? before + 2 : before + 1);
 	dlpc_close(c);
 	c = connect_to(&m);
 	ck_assert_uint_eq(check_consistent(c, &m), 25);
