@@ -169,6 +169,9 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 	if (r < 0) {
 		struct dlpd_storage *st = e->st;
 
+		/* the name is gone: the journal must not bring back the entry it had */
+		e->journaled = old_journaled;
+		dlpd_persist_removed(s, e);
 		dlpd_entry_free_unlinked(e);
 		st->names--;
 		storage_gone(s, st);

@@ -144,11 +144,13 @@ static bool lasting(const struct dlpd_entry *e)
 
 /*
  * A new journal of epoch @p epoch holding a PUT of every lasting entry (@p all) or of those
- * whose storage is stored (!@p all, for the store). The memfd in @p fd; each entry's
- * journaled is set (to 0 where it has no record) when @p mark.
+ * whose storage is stored (!@p all, for the store), but @p skip, an entry being removed. The
+ * memfd in @p fd; each entry's journaled is set (to 0 where it has no record) when @p mark.
+ * -EFBIG if it would be longer than a restore reads.
  */
-static int write_journal(struct dlpd_server *s, uint64_t epoch, bool all, bool mark, int *fd,
-			 uint64_t *len_out, uint64_t *live_out)
+static int write_journal(struct dlpd_server *s, uint64_t epoch, bool all, bool mark,
+			 const struct dlpd_entry *skip, int *fd, uint64_t *len_out,
+			 uint64_t *live_out)
 {
 	struct dlpd_persist *p = &s->persist;
 	struct dlpd_journal_hdr jh = {.epoch = epoch};
@@ -168,10 +170,12 @@ static int write_journal(struct dlpd_server *s, uint64_t epoch, bool all, bool m
 
 			if (mark)
 				e->journaled = 0;
-			if (!lasting(e) || (!all && !e->st->stored))
+			if (e == skip || !lasting(e) || (!all && !e->st->stored))
 				continue;
 			len = put_record(p, e, e->st->stored ? DLPD_REC_STORED : 0);
-			r = len ? write_at(jfd, p->rec, len, off) : -ENOMEM;
+			r = !len			   ? -ENOMEM
+			    : off + len > DLPD_JOURNAL_MAX ? -EFBIG
+							   : write_at(jfd, p->rec, len, off);
 			off += len;
 			live += len;
 			if (mark)
@@ -187,15 +191,15 @@ static int write_journal(struct dlpd_server *s, uint64_t epoch, bool all, bool m
 	return 0;
 }
 
-/* Replace the journal by a new one of the next epoch holding only the live records: stored
- * first, so that the store always holds a whole record. */
-static void compact(struct dlpd_server *s)
+/* Replace the journal by a new one of the next epoch holding only the live records (not
+ * @p skip's): stored first, so that the store always holds a whole record. */
+static void compact(struct dlpd_server *s, const struct dlpd_entry *skip)
 {
 	struct dlpd_persist *p = &s->persist;
 	uint64_t len, live;
 	int fd, r;
 
-	r = write_journal(s, p->epoch + 1, false, true, &fd, &len, &live);
+	r = write_journal(s, p->epoch + 1, false, true, skip, &fd, &len, &live);
 	if (r < 0) {
 		give_up(s, "cannot rewrite the state journal", -r);
 		return;
@@ -218,13 +222,22 @@ static void compact(struct dlpd_server *s)
 	p->live_len = live;
 }
 
-static void append(struct dlpd_server *s, size_t len)
+/* Append the record in p->rec, @p len bytes long (0: it could not be built), and rewrite the
+ * journal when it is due, without @p skip (an entry being removed but still in the map). */
+static void append(struct dlpd_server *s, size_t len, const struct dlpd_entry *skip)
 {
 	struct dlpd_persist *p = &s->persist;
 	int r;
 
 	if (len == 0) {
 		give_up(s, "cannot build a state journal record", ENOMEM);
+		return;
+	}
+	/* A restore refuses a journal longer than DLPD_JOURNAL_MAX: rewrite it instead. Every
+	 * record describes a change already made to the names (or to @p skip), so the rewrite
+	 * holds it; one that would still be too long gives up. */
+	if (p->journal_len + len > DLPD_JOURNAL_MAX) {
+		compact(s, skip);
 		return;
 	}
 	r = write_at(p->journal_fd, p->rec, len, p->journal_len);
@@ -234,7 +247,7 @@ static void append(struct dlpd_server *s, size_t len)
 	}
 	p->journal_len += len;
 	if (p->journal_len >= DLPD_JOURNAL_COMPACT_MIN && p->journal_len > 2 * p->live_len)
-		compact(s);
+		compact(s, skip);
 }
 
 /* Hand @p st's fd to the store; false if it is not there (full, or the send failed). */
@@ -277,16 +290,16 @@ void dlpd_persist_published(struct dlpd_server *s, struct dlpd_entry *e, uint64_
 	if (store_on(p) && lasting(e) && store_storage(s, e->st)) {
 		size_t len = put_record(p, e, DLPD_REC_STORED);
 
-		append(s, len);
-		if (!p->broken) {
-			e->journaled = len;
-			p->live_len += len;
+		/* counted first: a rewrite inside append() counts again, from the names */
+		e->journaled = len;
+		p->live_len += len;
+		append(s, len, NULL);
+		if (!p->broken)
 			return;
-		}
 	}
 	/* the entry it replaced must not come back either */
 	if (old_journaled && store_on(p))
-		append(s, del_record(p, e));
+		append(s, del_record(p, e), NULL);
 }
 
 void dlpd_persist_removed(struct dlpd_server *s, struct dlpd_entry *e)
@@ -297,8 +310,9 @@ void dlpd_persist_removed(struct dlpd_server *s, struct dlpd_entry *e)
 		return;
 	p->live_len -= e->journaled;
 	e->journaled = 0;
+	/* e is still in the names: a rewrite that this DEL sets off must leave it out */
 	if (store_on(p))
-		append(s, del_record(p, e));
+		append(s, del_record(p, e), e);
 }
 
 void dlpd_persist_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
@@ -310,9 +324,25 @@ void dlpd_persist_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 		return;
 	st->stored = false;
 	p->storages_stored--;
-	if (!p->broken)
-		dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STORAGE "%" PRIx64,
-				st->sid);
+	/* even with the journal given up: a storage left there would hold a slot of the store
+	 * and its memory until the next restart */
+	dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STORAGE "%" PRIx64,
+			st->sid);
+}
+
+void dlpd_persist_drop_held(struct dlpd_server *s)
+{
+	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next) {
+		struct dlpd_peer *peer = dlpd_container_of(l, struct dlpd_peer, link);
+
+		for (size_t b = 0; b < peer->held.refs.nbuckets; b++)
+			for (struct dlpd_hnode *n = peer->held.refs.buckets[b]; n; n = n->next) {
+				struct dlpd_ref *ref = dlpd_container_of(n, struct dlpd_ref, node);
+
+				if (ref->st->names == 0)
+					dlpd_persist_storage_gone(s, ref->st);
+			}
+	}
 }
 
 int dlpd_persist_snapshot(struct dlpd_server *s, int *fd, uint64_t *epoch)
@@ -321,7 +351,7 @@ int dlpd_persist_snapshot(struct dlpd_server *s, int *fd, uint64_t *epoch)
 	int r;
 
 	/* the next epoch: it wins over the journal in the store, which the new image drops */
-	r = write_journal(s, s->persist.epoch + 1, true, false, fd, &len, &live);
+	r = write_journal(s, s->persist.epoch + 1, true, false, NULL, fd, &len, &live);
 	if (r == 0)
 		*epoch = s->persist.epoch + 1;
 	return r;
@@ -353,6 +383,7 @@ void dlpd_persist_free(struct dlpd_server *s)
 struct passed {
 	int fd;
 	uint64_t num;
+	size_t pos; /* in the list passed */
 	bool claimed;
 	char name[DLPD_FDNAME_MAX + 1];
 };
@@ -390,20 +421,38 @@ static bool parse_name(const char *name, const char *prefix, uint64_t *num)
 	return !*end && !errno && *num != 0;
 }
 
-/* Close a passed fd we will not use, and drop it from the store. */
-static void drop_passed(struct dlpd_server *s, int fd, const char *name)
+/* Close a passed fd we will not use, and drop it from the store: with the store off too, for
+ * the service manager may still keep what an earlier run put there. */
+static void drop_passed(int fd, const char *name)
 {
 	close(fd);
-	if (s->persist.store_max)
+	if (dlpd_notify_socket())
 		dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=%s", name);
 }
 
+static int by_num(const void *a, const void *b)
+{
+	uint64_t x = ((const struct passed *)a)->num, y = ((const struct passed *)b)->num;
+
+	return x < y ? -1 : x > y;
+}
+
+static int by_num_then_pos(const void *a, const void *b)
+{
+	const struct passed *x = a, *y = b;
+	int r = by_num(a, b);
+
+	return r ? r : x->pos < y->pos ? -1 : x->pos > y->pos;
+}
+
+/* The storages are sorted by sid (sort_passed()). */
 static struct passed *find_storage(struct restore *rs, uint64_t sid)
 {
-	for (size_t i = 0; i < rs->nstorages; i++)
-		if (rs->storages[i].num == sid)
-			return &rs->storages[i];
-	return NULL;
+	struct passed key = {.num = sid};
+
+	return rs->nstorages
+		       ? bsearch(&key, rs->storages, rs->nstorages, sizeof(*rs->storages), by_num)
+		       : NULL;
 }
 
 /* The journal's bytes, whole, or NULL (and the reason logged). */
@@ -706,8 +755,9 @@ static void restore_entry(struct restore *rs, struct live_rec *l)
 	sp->claimed = true;
 	if (st->stored)
 		s->persist.storages_stored++;
-	if (fx.sid > s->persist.next_sid)
-		s->persist.next_sid = fx.sid;
+	else if ((l->flags & DLPD_REC_STORED) && dlpd_notify_socket())
+		/* back, but the store is off now: the service manager lets go of it */
+		dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=%s", sp->name);
 	rs->restored++;
 	rs->bytes += st->size;
 	dlpd_log(LOG_DEBUG, "restored '%s' generation %llu of uid %u, %llu bytes", name,
@@ -724,6 +774,8 @@ static int by_offset(const void *a, const void *b)
 /* Sort the passed fds into storages and journals; anything else is closed. */
 static int sort_passed(struct restore *rs, struct dlpd_passed_fd *fds, size_t n)
 {
+	size_t kept = 0;
+
 	rs->storages = calloc(n ? n : 1, sizeof(*rs->storages));
 	rs->journals = calloc(n ? n : 1, sizeof(*rs->journals));
 	if (!rs->storages || !rs->journals)
@@ -733,24 +785,36 @@ static int sort_passed(struct restore *rs, struct dlpd_passed_fd *fds, size_t n)
 		uint64_t num;
 
 		if (parse_name(fds[i].name, DLPD_FDNAME_STORAGE, &num)) {
-			if (find_storage(rs, num)) {
-				/* the store keeps every fd sent under a name: this is a copy */
-				close(fds[i].fd);
-				continue;
-			}
 			p = &rs->storages[rs->nstorages++];
 		} else if (parse_name(fds[i].name, DLPD_FDNAME_STATE, &num)) {
 			p = &rs->journals[rs->njournals++];
 		} else {
 			dlpd_log(LOG_WARNING, "closing passed fd %d named '%s': not one of ours",
 				 fds[i].fd, fds[i].name);
-			drop_passed(rs->s, fds[i].fd, fds[i].name);
+			drop_passed(fds[i].fd, fds[i].name);
 			continue;
 		}
 		p->fd = fds[i].fd;
 		p->num = num;
+		p->pos = i;
 		snprintf(p->name, sizeof(p->name), "%s", fds[i].name);
 	}
+	/* Sorted by sid, once: a restore of many entries looks each one up. The store keeps
+	 * every fd sent under a name, so a name may come twice: the first passed is kept (a
+	 * stable order, by position among equals) and its copies closed. */
+	qsort(rs->storages, rs->nstorages, sizeof(*rs->storages), by_num_then_pos);
+	for (size_t i = 0; i < rs->nstorages; i++) {
+		if (kept && rs->storages[kept - 1].num == rs->storages[i].num) {
+			close(rs->storages[i].fd);
+			continue;
+		}
+		rs->storages[kept++] = rs->storages[i];
+	}
+	rs->nstorages = kept;
+	/* Ids go on from the highest passed, claimed or not: one given again while the store
+	 * still holds a storage under its name would pass that one back after a restart. */
+	if (kept && rs->storages[kept - 1].num > rs->s->persist.next_sid)
+		rs->s->persist.next_sid = rs->storages[kept - 1].num;
 	return 0;
 }
 
@@ -840,7 +904,7 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 		if (!rs.storages[i].claimed) {
 			dlpd_log(LOG_WARNING, "closing storage %s: no entry names it",
 				 rs.storages[i].name);
-			drop_passed(s, rs.storages[i].fd, rs.storages[i].name);
+			drop_passed(rs.storages[i].fd, rs.storages[i].name);
 			rs.orphans++;
 		}
 	p->epoch = top_epoch;
@@ -857,12 +921,12 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 				if (lasting(e) && !e->st->stored)
 					store_storage(s, e->st);
 			}
-		compact(s);
+		compact(s, NULL);
 	}
 	/* once the new journal is stored (if it could not be, no journal is better than one that
 	 * stops here: see give_up()) */
 	for (size_t i = 0; i < rs.njournals; i++)
-		drop_passed(s, rs.journals[i].fd, rs.journals[i].name);
+		drop_passed(rs.journals[i].fd, rs.journals[i].name);
 	if (best || rs.nstorages)
 		dlpd_log(LOG_NOTICE,
 			 "restored %u entries (%llu bytes) from state journal %s; refused %u, "

@@ -73,6 +73,9 @@ void dlpd_persist_published(struct dlpd_server *s, struct dlpd_entry *e, uint64_
 void dlpd_persist_removed(struct dlpd_server *s, struct dlpd_entry *e);
 /* @p st is being freed: take its fd out of the store. */
 void dlpd_persist_storage_gone(struct dlpd_server *s, struct dlpd_storage *st);
+/* The connections end with an upgrade's exec: take out of the store the storages that only
+ * their references hold, which the new image will not know. */
+void dlpd_persist_drop_held(struct dlpd_server *s);
 /* A fresh state record of every entry that can outlive the daemon, for an upgrade: a memfd in
  * @p fd, its epoch in @p epoch. 0 or negative errno. */
 int dlpd_persist_snapshot(struct dlpd_server *s, int *fd, uint64_t *epoch);

@@ -308,6 +308,8 @@ static int adopt(struct dlpd_server *s, int fd, int lock_fd)
 	memset(&sa, 0, sizeof(sa));
 	if (getsockname(fd, (struct sockaddr *)&sa, &len) < 0 ||
 	    len <= offsetof(struct sockaddr_un, sun_path) + 1) {
+		if (lock_fd >= 0)
+			close(lock_fd);
 		s->path = strdup("an unnamed socket");
 		return s->path ? 0 : -ENOMEM;
 	}
@@ -317,7 +319,8 @@ static int adopt(struct dlpd_server *s, int fd, int lock_fd)
 	s->path = strndup(sa.sun_path, n);
 	if (!s->path)
 		return -ENOMEM;
-	if (lock_fd >= 0 && s->path[0] == '/') {
+	/* a path, absolute or relative (dlpackd does not change directory); not an abstract name */
+	if (lock_fd >= 0 && s->path[0] != '@') {
 		size_t ln = strlen(s->path) + sizeof(".lock");
 
 		s->lock_path = malloc(ln);

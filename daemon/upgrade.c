@@ -195,6 +195,7 @@ void dlpd_upgrade(struct dlpd_server *s)
 		free(h.names);
 		return;
 	}
+	dlpd_persist_drop_held(s);
 	/* The new image holds these back until it can handle them (main.c); a signal sent
 	 * meanwhile waits instead of killing it by default. The mask survives the exec. */
 	sigemptyset(&hold);

@@ -9,6 +9,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -41,7 +42,9 @@ struct stored {
 struct mgr {
 	char dir[64], sock[108], log[128], notify[108];
 	int notify_fd, listen_fd;
-	bool activate; /* pass listen_fd (else the daemon binds sock itself) */
+	bool activate;	/* pass listen_fd (else the daemon binds sock itself) */
+	bool relative;	/* the daemon binds "dlpackd.sock" in dir, its working directory */
+	bool store_off; /* the daemon is told FDSTORE=0, the store still passes what it has */
 	unsigned store_max;
 	struct stored store[STORE_MAX];
 	size_t nstore;
@@ -267,13 +270,15 @@ static void mgr_start(struct mgr *m)
 		setenv("LISTEN_FDS", buf, 1);
 		setenv("LISTEN_FDNAMES", names, 1);
 		setenv("NOTIFY_SOCKET", m->notify, 1);
-		snprintf(store, sizeof(store), "%u", m->store_max);
+		snprintf(store, sizeof(store), "%u", m->store_off ? 0 : m->store_max);
 		setenv("FDSTORE", store, 1);
+		if (m->relative && chdir(m->dir) < 0)
+			_exit(126);
 		if (m->activate)
 			execl(DLPACKD_BIN, DLPACKD_BIN, "-l", "debug", (char *)NULL);
 		else
 			execl(DLPACKD_BIN, DLPACKD_BIN, "-l", "debug", "--socket-mode", "0666",
-			      "--socket", m->sock, (char *)NULL);
+			      "--socket", m->relative ? "dlpackd.sock" : m->sock, (char *)NULL);
 		_exit(127);
 	}
 	m->pid = pid;
@@ -1098,6 +1103,208 @@ START_TEST(test_store_full)
 }
 END_TEST
 
+/* The length of the newest journal in the store, and its name in @p name. */
+static off_t journal_len(struct mgr *m, char *name, size_t len)
+{
+	uint64_t best = 0;
+	off_t size = -1;
+
+	mgr_drain(m);
+	pthread_mutex_lock(&m->mu);
+	for (size_t i = 0; i < m->nstore; i++) {
+		uint64_t epoch;
+		struct stat st;
+
+		if (sscanf(m->store[i].name, DLPD_FDNAME_STATE "%" SCNx64, &epoch) != 1 ||
+		    epoch <= best || fstat(m->store[i].fd, &st) < 0)
+			continue;
+		best = epoch;
+		size = st.st_size;
+		snprintf(name, len, "%s", m->store[i].name);
+	}
+	pthread_mutex_unlock(&m->mu);
+	ck_assert_msg(size >= 0, "no state journal in the store");
+	return size;
+}
+
+/* An unpublish whose record sets off the journal's rewrite, while a reference still holds the
+ * storage in the store: the rewritten journal leaves the entry out, and a restart does not
+ * bring it back. */
+START_TEST(test_compaction_on_removal)
+{
+	char keep[DLPC_NAME_MAX + 1], before[64], after[64];
+	DLManagedTensorVersioned *held;
+	dlpc_entry_info *e;
+	dlpc_client *c, *reader;
+	off_t len, put = 0;
+	size_t cnt, del;
+	uint64_t gen = 1;
+	struct mgr m;
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	reader = connect_to(&m);
+	/* a long name: its DEL record is longer than a PUT of "f" */
+	memset(keep, 'k', 200);
+	keep[200] = '\0';
+	del = sizeof(struct dlpd_rec_hdr) + strlen(keep);
+	ck_assert_dlpc(publish(c, keep, 1, 0), 1);
+	ck_assert_dlpc(dlpc_attach(reader, keep, NULL, &held), 1);
+	ck_assert_dlpc(publish(c, "f", gen, 0), 1);
+	/* replaces of "f" grow the journal, one PUT each, up to just short of a rewrite */
+	len = journal_len(&m, before, sizeof(before));
+	for (;;) {
+		off_t now;
+
+		ck_assert_dlpc(publish(c, "f", ++gen, DLPC_PUBLISH_REPLACE), (int)gen);
+		now = journal_len(&m, after, sizeof(after));
+		ck_assert_str_eq(after, before);
+		put = now - len;
+		len = now;
+		if (len + put >= (off_t)DLPD_JOURNAL_COMPACT_MIN)
+			break;
+	}
+	ck_assert_uint_ge(del, (size_t)put);
+	ck_assert_int_ge(len + (off_t)del, (off_t)DLPD_JOURNAL_COMPACT_MIN);
+	ck_assert_dlpc(dlpc_unpublish(c, keep), 0);
+	/* the DEL set off the rewrite: a journal of the next epoch, with one live record */
+	len = journal_len(&m, after, sizeof(after));
+	ck_assert_log(&m, strcmp(after, before) != 0, "the unpublish did not rewrite %s", before);
+	ck_assert_int_lt(len, 4096);
+	/* the reference keeps the storage, and in the store */
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 2);
+	mgr_kill(&m, SIGKILL);
+	held->deleter(held);
+	dlpc_close(reader);
+	dlpc_close(c);
+
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	ck_assert_int_eq(
+		dlpc_attach(c, keep, &(dlpc_attach_opts){.size = sizeof(dlpc_attach_opts)}, &held),
+		-ENOENT);
+	ck_assert_dlpc(dlpc_list(c, NULL, &e, &cnt), 0);
+	ck_assert_uint_eq(cnt, 1);
+	ck_assert_str_eq(e[0].name, "f");
+	ck_assert_uint_eq(e[0].generation, gen);
+	dlpc_list_free(e, cnt);
+	ck_assert_int_eq(attach_check(c, "f"), (int64_t)gen);
+	/* the storage only the dead reference held was closed and left the store */
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 1);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* With a store, an upgrade while a reference holds the storage of an unpublished entry: that
+ * storage leaves the store (its connection ends with the exec), and storage ids are never
+ * given twice, so an entry published after the upgrade comes back after a kill with its own
+ * bytes. Then the daemon started with the store off takes the entries back and empties it. */
+START_TEST(test_upgrade_held_storage)
+{
+	DLManagedTensorVersioned *held;
+	dlpc_entry_info *e;
+	dlpc_client *c, *reader;
+	unsigned before;
+	struct mgr m;
+	size_t cnt;
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	reader = connect_to(&m);
+	ck_assert_dlpc(publish(c, "a", 1, 0), 1);
+	ck_assert_dlpc(publish(c, "b", 1, 0), 1);
+	ck_assert_dlpc(dlpc_attach(reader, "b", NULL, &held), 1);
+	ck_assert_dlpc(dlpc_unpublish(c, "b"), 0);
+	mgr_drain(&m);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 2);
+	before = readies(&m);
+	ck_assert_int_eq(kill(m.pid, SIGHUP), 0);
+	mgr_wait_ready(&m, before + 1);
+	mgr_drain(&m);
+	/* a's storage only */
+	ck_assert_log(&m, store_count(&m, DLPD_FDNAME_STORAGE) == 1,
+		      "%zu storages in the store after the upgrade, not 1",
+		      store_count(&m, DLPD_FDNAME_STORAGE));
+	held->deleter(held);
+	dlpc_close(reader);
+	dlpc_close(c);
+	c = connect_to(&m);
+	ck_assert_dlpc(publish(c, "c", 7, 0), 1);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 2);
+
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	ck_assert_int_eq(attach_check(c, "a"), 1);
+	/* published as generation 1 with the bytes of "c" at 7 */
+	ck_assert_int_eq(dlpc_attach(c, "c", NULL, &held), 1);
+	{
+		static float want[NV];
+
+		fill(want, "c", 7);
+		ck_assert_int_eq(memcmp(held->dl_tensor.data, want, sizeof(want)), 0);
+	}
+	held->deleter(held);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+
+	/* the store off: what it passes comes back, and it is emptied */
+	m.store_off = true;
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(dlpc_list(c, NULL, &e, &cnt), 0);
+	ck_assert_uint_eq(cnt, 2);
+	dlpc_list_free(e, cnt);
+	ck_assert_int_eq(attach_check(c, "a"), 1);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 0);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STATE), 0);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* A daemon that bound a relative path keeps its lock across an upgrade: a second daemon on the
+ * path is refused, and the stop removes the socket. */
+START_TEST(test_upgrade_relative_path)
+{
+	char cmd[512];
+	unsigned before;
+	dlpc_client *c;
+	struct mgr m;
+
+	mgr_init(&m, false, 0);
+	m.relative = true;
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(publish(c, "r", 1, 0), 1);
+	dlpc_close(c);
+	before = readies(&m);
+	ck_assert_int_eq(kill(m.pid, SIGHUP), 0);
+	mgr_wait_ready(&m, before + 1);
+	c = connect_to(&m);
+	ck_assert_int_eq(attach_check(c, "r"), 1);
+	dlpc_close(c);
+	snprintf(cmd, sizeof(cmd), "cd %s && %s --socket dlpackd.sock >%s/second.log 2>&1", m.dir,
+		 DLPACKD_BIN, m.dir);
+	ck_assert_int_ne(system(cmd), 0);
+	snprintf(cmd, sizeof(cmd), "%s/second.log", m.dir);
+	ck_assert_msg(log_has(cmd, "already running"),
+		      "a second daemon was not refused by the lock");
+	mgr_kill(&m, SIGTERM);
+	ck_assert_msg(access(m.sock, F_OK) != 0, "the upgraded daemon left its socket behind");
+	mgr_clear(&m);
+}
+END_TEST
+
 /* ---- CUDA entries, against the fake driver ---- */
 
 static const char *gpu_sock;
@@ -1236,6 +1443,9 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_no_journal);
 	tcase_add_test(tc, test_gpu_entries);
 	tcase_add_test(tc, test_store_full);
+	tcase_add_test(tc, test_compaction_on_removal);
+	tcase_add_test(tc, test_upgrade_held_storage);
+	tcase_add_test(tc, test_upgrade_relative_path);
 	suite_add_tcase(s, tc);
 	return s;
 }
