@@ -177,9 +177,11 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 	return 0;
 }
 
-/* Turn an ATTACH reply and its fd (-1 for legacy CUDA IPC) into a bundle. Consumes @p fd. */
-static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__AttachReply *rep,
-			int fd, uint32_t flags, void *stream, dlpc_bundle **ret)
+/* Turn an ATTACH reply that came by connection @p epoch and its fd (-1 for legacy CUDA IPC)
+ * into a bundle. Consumes @p fd. */
+static int build_bundle(dlpc_client *c, uint64_t epoch, const char *name,
+			const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
+			dlpc_bundle **ret)
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
 	bool writable = flags & DLPC_ATTACH_WRITABLE;
@@ -198,13 +200,13 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	    (rep->device_type != kDLCUDA || !cuda_sane(rep, fd)))
 		n = -1;
 	if (n < 0) {
-		dlpc__release_epoch(c, rep->ref_id, dlpc__call_epoch);
+		dlpc__release_epoch(c, rep->ref_id, epoch);
 		dlpc__close(fd);
 		return dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply",
 				  name);
 	}
 	if (rep->device_type == kDLCUDA && (flags & DLPC_ATTACH_PRIVATE)) {
-		dlpc__release_epoch(c, rep->ref_id, dlpc__call_epoch);
+		dlpc__release_epoch(c, rep->ref_id, epoch);
 		dlpc__close(fd);
 		return dlpc__fail(-ENOTSUP,
 				  "cannot attach '%s' copy-on-write: it is CUDA memory, which is "
@@ -257,7 +259,7 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 	m->fd = -1;
 	m->client = c;
 	m->ref_id = rep->ref_id;
-	m->epoch = dlpc__call_epoch;
+	m->epoch = epoch;
 	m->has_owner = c->minor >= 3;
 	m->owner_uid = rep->owner_uid;
 	m->owner_pid = rep->owner_pid;
@@ -289,7 +291,7 @@ static int build_bundle(dlpc_client *c, const char *name, const Dlpackd__V1__Att
 fail:
 	/* the region owns the reference from the moment it is set; before that, give it back */
 	if (!b || !b->region)
-		dlpc__release_epoch(c, rep->ref_id, dlpc__call_epoch);
+		dlpc__release_epoch(c, rep->ref_id, epoch);
 	free(m);
 	if (fd >= 0)
 		close(fd);
@@ -306,32 +308,56 @@ static int64_t mono_ms(void)
 }
 
 /*
- * Send @p req and wait for its reply. A waiting attach of a client made with
- * DLPC_CONNECT_RECONNECT rides through a daemon restart: if the connection is lost while it
- * waits, it connects again (call_bounded() does, at the next request) and asks anew for the
- * time left, pausing between attempts while no daemon answers.
+ * Send @p req and wait for its reply, which came by connection *@p epoch. A waiting attach of a
+ * client made with DLPC_CONNECT_RECONNECT rides through a daemon restart: if the connection is
+ * lost while it waits, it connects again (call_bounded() does, at the next request, within the
+ * time left) and asks anew for the time left, pausing between attempts while no daemon answers.
+ * Only a daemon that is not back yet makes it try again: an error of connecting anew that
+ * waiting does not end (permissions, the protocol, resources) is the attach's.
  */
 static int attach_call(dlpc_client *c, Dlpackd__V1__Attach *req, int64_t timeout,
-		       Dlpackd__V1__AttachReply **rep, int *fd, struct dlpc__arena *arena)
+		       Dlpackd__V1__AttachReply **rep, int *fd, struct dlpc__arena *arena,
+		       uint64_t *epoch)
 {
 	int64_t end = timeout > 0 ? mono_ms() + timeout : 0, left = timeout, pause = 10;
+	char why[DLPC_ERROR_TEXT_MAX];
 	int r;
 
 	for (;;) {
+		struct dlpc__call_info info = {0};
+
 		req->timeout_ms = left;
-		r = dlpc__call_wait(c, DLPC_MSG_ATTACH, &req->base, left,
-				    &dlpackd__v1__attach_reply__descriptor,
-				    (ProtobufCMessage **)rep, fd, &arena->alloc);
-		if (r >= 0 || timeout == 0 || !c->reconnect || !dlpc__lost(c))
+		r = dlpc__call_ex(c, DLPC_MSG_ATTACH, &req->base, NULL, 0, left, &info,
+				  &dlpackd__v1__attach_reply__descriptor, (ProtobufCMessage **)rep,
+				  fd, &arena->alloc);
+		*epoch = info.epoch;
+		if (r >= 0 || timeout == 0 || !c->reconnect)
+			return r;
+		/* the thread's interrupt check ended it: as for any call */
+		if (info.reconnect_err == -EINTR)
+			return r;
+		if (info.reconnect_err && !dlpc__reconnect_transient(info.reconnect_err)) {
+			snprintf(why, sizeof(why), "%s", dlpc_last_error());
+			return dlpc__fail(
+				r,
+				"cannot attach '%.*s': the connection to dlpackd was lost, "
+				"and connecting again failed in a way that waiting does not "
+				"mend: %s",
+				(int)req->name.len, (const char *)req->name.data, why);
+		}
+		if (!info.lost && !info.reconnect_err)
 			return r;
 		if (timeout > 0) {
 			left = end - mono_ms();
+			/* the last attempt's message goes into the new one: copied first, for it
+			 * lives in the very buffer the new one is written to */
+			snprintf(why, sizeof(why), "%s", dlpc_last_error());
 			if (left <= 0)
 				return dlpc__fail(-ETIMEDOUT,
 						  "waited %lld ms for '%.*s'; dlpackd went away "
 						  "meanwhile and has not come back (%s)",
 						  (long long)timeout, (int)req->name.len,
-						  (const char *)req->name.data, dlpc_last_error());
+						  (const char *)req->name.data, why);
 		}
 		r = dlpc__pause_lost(c, timeout > 0 && left < pause ? left : pause);
 		if (r < 0)
@@ -353,6 +379,7 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	Dlpackd__V1__Attach req = DLPACKD__V1__ATTACH__INIT;
 	Dlpackd__V1__AttachReply *rep;
 	struct dlpc__arena arena;
+	uint64_t epoch = 0;
 	uint32_t flags = 0;
 	int64_t timeout = 0;
 	void *stream = NULL;
@@ -398,7 +425,7 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	/* the reply lives until the bundle is built: unpack it into an arena, not a malloc per
 	 * field (a 500-tensor bundle would be 1,500 of them) */
 	dlpc__arena_init(&arena);
-	r = attach_call(c, &req, timeout, &rep, &fd, &arena);
+	r = attach_call(c, &req, timeout, &rep, &fd, &arena, &epoch);
 	if (r < 0) {
 		dlpc__arena_clear(&arena);
 		/* the library's own reasons, which do not name the entry yet */
@@ -412,11 +439,11 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	}
 	if ((fd < 0 && !rep->cuda_ipc) || rep->generation == 0 || rep->generation > INT32_MAX) {
 		if (rep->ref_id)
-			dlpc__release_epoch(c, rep->ref_id, dlpc__call_epoch);
+			dlpc__release_epoch(c, rep->ref_id, epoch);
 		dlpc__close(fd);
 		r = dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply", name);
 	} else {
-		r = build_bundle(c, name, rep, fd, flags, stream, ret);
+		r = build_bundle(c, epoch, name, rep, fd, flags, stream, ret);
 		if (r == 0)
 			r = (int)rep->generation;
 	}

@@ -27,7 +27,8 @@ struct dlpc__call {
 	size_t len;
 	int fds[DLPC_FRAME_FDS_MAX];
 	unsigned nfds;
-	unsigned lost; /* fds of the reply this process had no room for */
+	unsigned lost;	/* fds of the reply this process had no room for */
+	uint64_t epoch; /* the connection (c->epoch) the request went out on */
 };
 
 /* End the reader's wait for the socket (it then looks at the state of its call). */
@@ -109,6 +110,10 @@ void dlpc__cancel_calls(dlpc_client *c)
 		if (!abandon(c, call->id) && !c->broken)
 			c->broken = -ENOMEM; /* its reply could no longer be matched */
 	}
+	/* a HELLO to a daemon that does not answer (a socket activated while its daemon is yet
+	 * to start) ends too. Lock order: c->mu before the new connection's. */
+	if (c->connecting)
+		dlpc__cancel_calls(c->connecting);
 	pthread_cond_broadcast(&c->cv);
 	dlpc__wake_reader(c);
 	pthread_mutex_unlock(&c->mu);
@@ -240,16 +245,6 @@ static void deadline_in(struct timespec *dl, int64_t ms)
 static __thread dlpc_interrupt_fn interrupt_fn;
 static __thread void *interrupt_arg;
 
-bool dlpc__lost(dlpc_client *c)
-{
-	bool lost;
-
-	pthread_mutex_lock(&c->mu);
-	lost = c->broken != 0;
-	pthread_mutex_unlock(&c->mu);
-	return lost;
-}
-
 int dlpc__pause_lost(dlpc_client *c, int64_t ms)
 {
 	struct timespec until;
@@ -265,12 +260,10 @@ int dlpc__pause_lost(dlpc_client *c, int64_t ms)
 		return dlpc__fail(-ECANCELED,
 				  "this client was closed or canceled (dlpc_close() or "
 				  "dlpc_cancel()) while waiting for dlpackd to come back");
-	if (interrupt_fn && interrupt_fn(interrupt_arg))
+	if (dlpc__interrupted())
 		return dlpc__fail(-EINTR, "interrupted while waiting for dlpackd to come back");
 	return 0;
 }
-
-__thread uint64_t dlpc__call_epoch;
 
 DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg)
 {
@@ -278,8 +271,7 @@ DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg)
 	interrupt_arg = arg;
 }
 
-/* Does the thread's interrupt check say to give up? Called without c->mu. */
-static bool interrupted(void)
+bool dlpc__interrupted(void)
 {
 	return interrupt_fn && interrupt_fn(interrupt_arg);
 }
@@ -311,9 +303,9 @@ static int poll_ms(const struct timespec *dl)
  * (1) when @p dl (NULL: none) passes, the interrupt check falls due or c->wake_fd is signalled
  * with nothing delivered, and (CHECK_INTERRUPT) when a signal interrupts the wait and there is
  * an interrupt check to run. A negative errno: the connection is lost. Called without c->mu,
- * as the reader.
+ * as the reader of connection @p epoch (no other can replace it meanwhile).
  */
-static int read_frames(dlpc_client *c, const struct timespec *dl)
+static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch)
 {
 	char why[160];
 
@@ -333,7 +325,7 @@ static int read_frames(dlpc_client *c, const struct timespec *dl)
 			pthread_mutex_unlock(&c->mu);
 			dlpc__frame_clear(&f);
 			if (drop)
-				dlpc__release(c, drop);
+				dlpc__release_epoch(c, drop, epoch);
 			if (r < 0)
 				return r;
 			if (r == 0)
@@ -390,9 +382,11 @@ int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
 			until = *dl;
 		pthread_cond_timedwait(&c->cv, &c->mu, &until);
 	} else {
+		uint64_t epoch = c->epoch;
+
 		c->reading = true;
 		pthread_mutex_unlock(&c->mu);
-		r = read_frames(c, dl);
+		r = read_frames(c, dl, epoch);
 		pthread_mutex_lock(&c->mu);
 		c->reading = false;
 		if (r < 0 && !c->broken)
@@ -406,7 +400,7 @@ int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
 	if (!interrupt_fn || !(now || passed(&check_due)))
 		return 0;
 	pthread_mutex_unlock(&c->mu);
-	stop = interrupted();
+	stop = dlpc__interrupted();
 	pthread_mutex_lock(&c->mu);
 	deadline_in(&check_due, DLPC_INTERRUPT_CHECK_MS);
 	return stop ? DLPC__INTERRUPTED : 0;
@@ -509,8 +503,10 @@ static int call_stopped(dlpc_client *c, struct dlpc__call *call, uint16_t type)
 		for (unsigned i = 0; i < call->nfds; i++)
 			close(call->fds[i]);
 		free(call->payload);
+		/* the reference is the connection's the request went out on: another thread may
+		 * have connected anew since c->mu was let go */
 		if (ref)
-			dlpc__release(c, ref);
+			dlpc__release_epoch(c, ref, call->epoch);
 	}
 	return call_interrupted(type);
 }
@@ -521,8 +517,9 @@ static int fds_lost(dlpc_client *c, const struct dlpc__call *call)
 	uint64_t ref = reply_ref(call->type, call->payload, call->len);
 	struct rlimit rl = {0};
 
+	/* of the connection the request went out on, which may have been replaced already */
 	if (ref)
-		dlpc__release(c, ref);
+		dlpc__release_epoch(c, ref, call->epoch);
 	getrlimit(RLIMIT_NOFILE, &rl);
 	if (rl.rlim_cur == RLIM_INFINITY)
 		return dlpc__fail(-EMFILE,
@@ -536,12 +533,40 @@ static int fds_lost(dlpc_client *c, const struct dlpc__call *call)
 			  ref ? "; the reference was given back" : "");
 }
 
-/* dlpc__call() bounded by @p bound ms (<= 0: not at all); @p wait_ms is for the message. */
+/*
+ * How long connecting anew before a call that the daemon may hold for @p wait_ms may take: HELLO
+ * as long as the call itself may wait (the time left of a waiting call's wait, if shorter),
+ * connect() likewise, and for a waiting call at most DLPC_RECONNECT_BACKOFF_MAX_MS at a time (a
+ * full backlog cannot be woken by dlpc_close(): the call tries again after its pause). <= 0: no
+ * bound.
+ */
+static void reconnect_bounds(const dlpc_client *c, int64_t wait_ms, int64_t *connect_ms,
+			     int64_t *hello_ms)
+{
+	int64_t t = c->call_timeout_ms;
+
+	*hello_ms = wait_ms > 0 && (t <= 0 || wait_ms < t) ? wait_ms : t;
+	*connect_ms = *hello_ms;
+	if (wait_ms != 0 && (*connect_ms <= 0 || *connect_ms > DLPC_RECONNECT_BACKOFF_MAX_MS))
+		*connect_ms = DLPC_RECONNECT_BACKOFF_MAX_MS;
+}
+
+/* A call found dlpc_close() or dlpc_cancel() called. Under c->mu, which this releases. */
+static int call_closed(dlpc_client *c)
+{
+	pthread_mutex_unlock(&c->mu);
+	return dlpc__fail(-ECANCELED,
+			  "this client was closed or canceled (dlpc_close() or dlpc_cancel())");
+}
+
+/* dlpc__call() bounded by @p bound ms (<= 0: not at all); @p wait_ms is for the message and for
+ * connecting anew. */
 static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
-			unsigned nfds, int64_t bound, int64_t wait_ms,
+			unsigned nfds, int64_t bound, int64_t wait_ms, struct dlpc__call_info *info,
 			const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep, int *rfd,
 			ProtobufCAllocator *alloc)
 {
+	struct dlpc__call_info none = {0};
 	struct dlpc__call call = {0};
 	struct timespec deadline, *dl = NULL;
 	bool stopped = false;
@@ -549,6 +574,12 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 	ssize_t len;
 	int r;
 
+	if (!info)
+		info = &none;
+	info->sent = false;
+	info->epoch = 0;
+	info->lost = false;
+	info->reconnect_err = 0;
 	if (rfd)
 		*rfd = -1;
 	*rep = NULL;
@@ -558,36 +589,41 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 	}
 	deadline_in(&check_due, DLPC_INTERRUPT_CHECK_MS);
 	pthread_mutex_lock(&c->mu);
-	if (c->closed) {
-		pthread_mutex_unlock(&c->mu);
-		return dlpc__fail(-ECANCELED, "this client was closed or canceled "
-					      "(dlpc_close() or dlpc_cancel())");
-	}
+	if (c->closed)
+		return call_closed(c);
 	/* lost: with DLPC_CONNECT_RECONNECT connect anew, unless another call or the reader
 	 * still works on the old connection (it fails as that did; a later call connects) */
 	if (c->broken && c->reconnect && !c->calls && !c->reading && !c->reconnecting &&
 	    !c->reclaimer) {
+		int64_t connect_ms, hello_ms;
+
+		reconnect_bounds(c, wait_ms, &connect_ms, &hello_ms);
 		c->reconnecting = true;
 		pthread_mutex_unlock(&c->mu);
-		r = dlpc__reconnect(c);
+		r = dlpc__reconnect(c, connect_ms, hello_ms);
 		pthread_mutex_lock(&c->mu);
 		c->reconnecting = false;
+		if (c->closed)
+			return call_closed(c);
 		if (r < 0) {
+			info->reconnect_err = r;
 			pthread_mutex_unlock(&c->mu);
 			return r;
 		}
-		if (c->closed) {
-			pthread_mutex_unlock(&c->mu);
-			return dlpc__fail(-ECANCELED, "this client was closed or canceled "
-						      "(dlpc_close() or dlpc_cancel())");
-		}
 	}
 	if (c->broken) {
+		info->lost = true;
 		r = conn_error(c, c->broken);
 		pthread_mutex_unlock(&c->mu);
 		return r;
 	}
-	dlpc__call_epoch = c->epoch;
+	/* From here the request belongs to this connection: so does what it makes (a reference,
+	 * a lent publication counted now, before any RECLAIM of it can come). */
+	call.epoch = c->epoch;
+	info->epoch = c->epoch;
+	info->sent = true;
+	if (info->lend)
+		c->ipc_pubs++;
 	/* ids still owed a reply are skipped, so that the reply is not taken for this call's */
 	do
 		call.id = ++c->next_id;
@@ -612,6 +648,9 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		if (!call.canceled)
 			unlink_call(c, &call);
 		pthread_mutex_unlock(&c->mu);
+		info->sent = false;
+		if (info->lend)
+			dlpc__reclaim_count(c, -1, call.epoch);
 		if (r == -EMSGSIZE)
 			return dlpc__fail(
 				r, "request of %zu bytes exceeds the frame limit of %u bytes",
@@ -631,8 +670,10 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		stopped = dlpc__reader_turn(c, dl) == DLPC__INTERRUPTED;
 	if (stopped)
 		return call_stopped(c, &call, type);
+	info->lost = !call.done && !call.canceled && c->broken;
 	if (call.canceled) {
 		/* dlpc_close() unlinked it and abandoned its id */
+		info->lost = false;
 		pthread_mutex_unlock(&c->mu);
 		return dlpc__fail(-ECANCELED,
 				  "this client was closed or canceled (dlpc_close() "
@@ -683,28 +724,24 @@ int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const
 	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
 	       int *rfd, ProtobufCAllocator *alloc)
 {
-	int r;
-
-	/* a caller blocked here keeps the client alive through a dlpc_close() meanwhile */
-	dlpc__client_ref(c);
-	r = call_bounded(c, type, req, fds, nfds, c->call_timeout_ms, 0, rdesc, rep, rfd, alloc);
-	dlpc__client_unref(c);
-	return r;
+	return dlpc__call_ex(c, type, req, fds, nfds, 0, NULL, rdesc, rep, rfd, alloc);
 }
 
-int dlpc__call_wait(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, int64_t wait_ms,
-		    const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep, int *rfd,
-		    ProtobufCAllocator *alloc)
+int dlpc__call_ex(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
+		  unsigned nfds, int64_t wait_ms, struct dlpc__call_info *info,
+		  const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep, int *rfd,
+		  ProtobufCAllocator *alloc)
 {
-	int64_t bound =
-		wait_ms > INT64_MAX - DLPC_CALL_GRACE_MS ? -1 : wait_ms + DLPC_CALL_GRACE_MS;
+	int64_t bound = c->call_timeout_ms;
 	int r;
 
-	if (wait_ms == 0)
-		return dlpc__call(c, type, req, NULL, 0, rdesc, rep, rfd, alloc);
+	if (wait_ms < 0 || wait_ms > INT64_MAX - DLPC_CALL_GRACE_MS)
+		bound = -1;
+	else if (wait_ms > 0)
+		bound = wait_ms + DLPC_CALL_GRACE_MS;
+	/* a caller blocked here keeps the client alive through a dlpc_close() meanwhile */
 	dlpc__client_ref(c);
-	r = call_bounded(c, type, req, NULL, 0, wait_ms < 0 ? -1 : bound, wait_ms, rdesc, rep, rfd,
-			 alloc);
+	r = call_bounded(c, type, req, fds, nfds, bound, wait_ms, info, rdesc, rep, rfd, alloc);
 	dlpc__client_unref(c);
 	return r;
 }

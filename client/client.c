@@ -49,7 +49,7 @@ static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
 static dlpc_client *open_clients;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
-/* The flusher thread of deferred releases (see dlpc__release) and what wakes it. */
+/* The flusher thread of deferred releases (see dlpc__release_epoch) and what wakes it. */
 static pthread_mutex_t flush_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t flush_cv = PTHREAD_COND_INITIALIZER;
 static bool flusher_running; /* in this process: a forked child starts its own */
@@ -308,11 +308,6 @@ static bool flush_soon(void)
 	return ok;
 }
 
-void dlpc__release(dlpc_client *c, uint64_t ref_id)
-{
-	dlpc__release_epoch(c, ref_id, UINT64_MAX);
-}
-
 void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
 {
 	unsigned n;
@@ -323,7 +318,7 @@ void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
 		return;
 	pthread_mutex_lock(&c->wmu);
 	/* a reference of a connection replaced since died with it; its id may name another now */
-	if (epoch != UINT64_MAX && epoch != c->epoch) {
+	if (epoch != c->epoch) {
 		pthread_mutex_unlock(&c->wmu);
 		return;
 	}
@@ -347,9 +342,14 @@ void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
 	}
 }
 
-void dlpc__reclaim_count(dlpc_client *c, int delta)
+void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch)
 {
 	pthread_mutex_lock(&c->mu);
+	/* a publication of a connection replaced since went with it, and so did its count */
+	if (epoch != c->epoch) {
+		pthread_mutex_unlock(&c->mu);
+		return;
+	}
 	c->ipc_pubs += (unsigned)delta;
 	/* a publication taken back (its publish failed) may leave the reclaimer waiting for a
 	 * socket that has nothing more to say: let it look again */
@@ -377,7 +377,7 @@ static void *reclaimer(void *arg)
 	for (;;) {
 		if (c->nreclaimed) {
 			size_t n = c->nreclaimed;
-			uint64_t *v = malloc(n * sizeof(*v));
+			uint64_t *v = malloc(n * sizeof(*v)), epoch = c->epoch;
 
 			if (v) {
 				memcpy(v, c->reclaimed, n * sizeof(*v));
@@ -386,7 +386,7 @@ static void *reclaimer(void *arg)
 			pthread_mutex_unlock(&c->mu);
 			for (size_t i = 0; v && i < n; i++)
 				if (dlpc__cuda_reclaim(v[i], true))
-					dlpc__reclaim_count(c, -1);
+					dlpc__reclaim_count(c, -1, epoch);
 			free(v);
 			pthread_mutex_lock(&c->mu);
 			if (!v) {
@@ -439,8 +439,42 @@ static int call_timeout_env(int64_t *ms)
 	return 0;
 }
 
-/* A new connection to @p path, HELLO done, with calls bounded by @p timeout ms. */
-static int connect_new(const char *path, int64_t timeout, dlpc_client **ret)
+/* Say whether @p parent, connecting anew through @p c, may go on; and let dlpc_close() and
+ * dlpc_cancel() of @p parent cancel @p c's HELLO (NULL: no more). 0 or -ECANCELED. */
+static int connecting(dlpc_client *parent, dlpc_client *c)
+{
+	int r = 0;
+
+	pthread_mutex_lock(&parent->mu);
+	if (c && parent->closed)
+		r = dlpc__fail(-ECANCELED, "this client was closed or canceled (dlpc_close() or "
+					   "dlpc_cancel()) while it connected anew");
+	else
+		parent->connecting = c;
+	pthread_mutex_unlock(&parent->mu);
+	return r;
+}
+
+/* SO_SNDTIMEO of @p sock: @p ms (<= 0: none). */
+static void send_timeout(int sock, int64_t ms)
+{
+	struct timeval tv = {0};
+
+	if (ms > 0) {
+		tv.tv_sec = (time_t)(ms / 1000);
+		tv.tv_usec = (suseconds_t)(ms % 1000) * 1000;
+	}
+	setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+/*
+ * A new connection to @p path, HELLO done, with calls bounded by @p timeout ms. For
+ * dlpc__reconnect() of @p parent (NULL: dlpc_connect()), connect() waits at most @p connect_ms
+ * and HELLO @p hello_ms (the time left of a waiting call, which may be shorter), and
+ * dlpc_close() or dlpc_cancel() of @p parent cancels the HELLO.
+ */
+static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, int64_t connect_ms,
+		       int64_t hello_ms, dlpc_client **ret)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
@@ -466,37 +500,52 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client **ret)
 	dlpc__rx_init(&c->rx);
 	/* a reply's fd that this process has no room for fails that call, not the connection */
 	c->rx.report_lost_fds = true;
+	if (!parent)
+		connect_ms = hello_ms = timeout;
 	r = open_socket_listed(c);
 	if (r < 0) {
 		r = dlpc__fail(r, "cannot create a socket: %s", strerror(-r));
 		goto fail;
 	}
+	if (parent && (r = connecting(parent, c)) < 0)
+		goto fail;
 	/* Every write, and connect()'s wait while the daemon's backlog is full, gives up after the
 	 * call timeout: a daemon that stops reading cannot hold the caller forever. */
-	if (timeout > 0) {
-		struct timeval tv = {.tv_sec = (time_t)(timeout / 1000),
-				     .tv_usec = (suseconds_t)(timeout % 1000) * 1000};
-
-		setsockopt(c->sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-	}
+	send_timeout(c->sock, connect_ms);
 	strcpy(sa.sun_path, path);
-	if (connect(c->sock, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+	while (connect(c->sock, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+		/* a signal handler ran (with SO_SNDTIMEO set, connect() is never restarted):
+		 * connecting anew goes on unless the thread's interrupt check says stop */
+		if (errno == EINTR && parent && !dlpc__interrupted())
+			continue;
 		if (errno == EAGAIN)
 			r = dlpc__fail(-ETIMEDOUT,
 				       "cannot connect to dlpackd at %s: it did not accept the "
 				       "connection within %lld ms (%s)",
-				       path, (long long)timeout, DLPC_CALL_TIMEOUT_ENV);
+				       path, (long long)connect_ms,
+				       connect_ms == timeout ? DLPC_CALL_TIMEOUT_ENV
+							     : "its backlog is full");
 		else
 			r = dlpc__fail(-errno, "cannot connect to dlpackd at %s: %m", path);
 		goto fail;
 	}
+	if (connect_ms != timeout)
+		send_timeout(c->sock, timeout);
 	hello.version_major = DLPC_PROTO_MAJOR;
 	hello.version_minor = DLPC_PROTO_MINOR;
 	hello.client = "libdlpc " DLPD_VERSION;
+	c->call_timeout_ms = hello_ms;
 	r = dlpc__call(c, DLPC_MSG_HELLO, &hello.base, NULL, 0,
 		       &dlpackd__v1__hello_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
 		       NULL);
-	if (r == -ETIMEDOUT) {
+	c->call_timeout_ms = timeout;
+	if (r == -ETIMEDOUT && hello_ms != timeout)
+		r = dlpc__fail(r,
+			       "cannot connect to dlpackd at %s: it did not answer HELLO within "
+			       "%lld ms, the time left to wait: it may be starting (socket "
+			       "activation), stopped or overloaded",
+			       path, (long long)hello_ms);
+	else if (r == -ETIMEDOUT) {
 		char why[DLPC_ERROR_TEXT_MAX];
 
 		snprintf(why, sizeof(why), "%s", dlpc_last_error());
@@ -516,9 +565,13 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client **ret)
 	c->minor = rep->version_minor;
 	dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
 	snprintf(c->path, sizeof(c->path), "%s", path);
+	if (parent)
+		connecting(parent, NULL);
 	*ret = c;
 	return 0;
 fail:
+	if (parent)
+		connecting(parent, NULL);
 	client_free(c);
 	return r;
 }
@@ -550,7 +603,7 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 	r = call_timeout_env(&timeout);
 	if (r < 0)
 		return r;
-	r = connect_new(path, timeout, ret);
+	r = connect_new(path, timeout, NULL, 0, 0, ret);
 	if (r == 0)
 		(*ret)->reconnect = flags & DLPC_CONNECT_RECONNECT;
 	return r;
@@ -573,25 +626,30 @@ DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c)
 	return n;
 }
 
-int dlpc__reconnect(dlpc_client *c)
+int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
 {
 	struct dlpc__rx rx;
 	dlpc_client *n;
 	eventfd_t v;
-	int r = connect_new(c->path, c->call_timeout_ms, &n), sock;
+	int r = connect_new(c->path, c->call_timeout_ms, c, connect_ms, hello_ms, &n), sock;
 
 	if (r < 0)
 		return r;
 	/* The new connection's socket and buffer become c's; c's old ones go with n. Whatever
 	 * belonged to the old connection is void: its references (the daemon dropped them with
 	 * it: releases of its epoch are dropped), the replies owed to abandoned calls, and the
-	 * legacy CUDA IPC publications whose RECLAIM it would have carried (kept, as after any
-	 * lost connection: nobody can say any more whether an attacher still uses them). */
+	 * count of legacy CUDA IPC publications whose RECLAIM it would have carried (they are
+	 * kept, as after any lost connection: nobody can say any more whether an attacher still
+	 * uses them; only the new connection's own count from now on). The sockets change places
+	 * under the lock of the open clients' list too, so that a fork meanwhile finds each
+	 * listed once, and its child closes both. */
 	pthread_mutex_lock(&c->wmu);
 	pthread_mutex_lock(&c->mu);
+	pthread_mutex_lock(&open_mu);
 	sock = c->sock;
 	c->sock = n->sock;
 	n->sock = sock;
+	pthread_mutex_unlock(&open_mu);
 	rx = c->rx;
 	c->rx = n->rx;
 	n->rx = rx;

@@ -22,12 +22,13 @@ struct dlpc__call;
  * waits for the reply carrying its id. Whichever waiting thread finds nobody reading becomes
  * the reader until some reply arrives or its own deadline passes, handing replies to their
  * callers (leader/follower). The one thread of the library's own only flushes deferred releases
- * (dlpc__release).
+ * (dlpc__release_epoch()).
  *
  * The struct is refcounted: the user's handle counts once, each attached mapping once, and each
  * call in progress once (so dlpc_close() from another thread cannot free it under a waiting
  * caller). The socket closes when the last goes, so deleters keep working after dlpc_close().
- * Lock order: wmu before mu, never the other way.
+ * Lock order: wmu before mu, never the other way; then the list of open clients' lock
+ * (client.c); and mu before the mu of the connection being made anew (connecting).
  */
 struct dlpc_client {
 	int sock;
@@ -51,7 +52,7 @@ struct dlpc_client {
 	size_t nabandoned, abandoned_cap;
 	/* legacy CUDA IPC publications awaiting their RECLAIM notice, the tokens of notices
 	 * received but not yet acted on, and whether the reclaimer thread runs (client.c) */
-	unsigned ipc_pubs;
+	unsigned ipc_pubs; /* of this connection (epoch): counted as their PUBLISH goes out */
 	uint64_t *reclaimed;
 	size_t nreclaimed, reclaimed_cap;
 	bool reclaimer;
@@ -61,7 +62,7 @@ struct dlpc_client {
 
 	pthread_mutex_t wmu; /* serializes writes; protects out and pending */
 	struct dlpc__scratch out;
-	/* references released by deleters but not yet told to the daemon (dlpc__release) */
+	/* references released by deleters but not yet told to the daemon (dlpc__release_epoch) */
 	uint64_t pending[DLPC_RELEASE_PENDING_MAX];
 	atomic_uint npending; /* written under wmu; read without it by the flusher's scan */
 
@@ -71,8 +72,11 @@ struct dlpc_client {
 	 * (dlpc__reconnect()). The fields below change under wmu and mu both. */
 	bool reconnect;
 	bool reconnecting; /* a thread is connecting anew: others fail as the lost connection did */
-	uint64_t epoch;	   /* connections before this one; a reference names the one it came by */
-	char path[108];	   /* the socket, to connect to again */
+	/* the connection being made anew, until it replaces the lost one or fails: dlpc_close()
+	 * and dlpc_cancel() cancel its HELLO too (under mu) */
+	struct dlpc_client *connecting;
+	uint64_t epoch; /* connections before this one; a reference names the one it came by */
+	char path[108]; /* the socket, to connect to again */
 };
 
 /*
@@ -158,6 +162,22 @@ static inline bool dlpc__ours(const dlpc_client *c)
 int dlpc__fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* 0, or -EBADFD (with the message set) when @p c is used from a process that did not create it. */
 int dlpc__check(const dlpc_client *c);
+/* What one request says besides its result (dlpc__call_ex()). */
+struct dlpc__call_info {
+	/* in: the request lends memory that the daemon gives back by RECLAIM (legacy CUDA IPC, a
+	 * lent VMM fd): it is counted in c->ipc_pubs as it goes out, on the connection it goes
+	 * out on, so that a count never outlives its connection */
+	bool lend;
+	/* out: the request went out (or may have) on connection @p epoch (c->epoch then): what it
+	 * made, a reference or a lent publication, belongs to that connection */
+	bool sent;
+	uint64_t epoch;
+	/* out: the call failed because the connection was lost, before or while it waited; or,
+	 * when connecting anew failed, that error (lost stays false) */
+	bool lost;
+	int reconnect_err;
+};
+
 /*
  * Send @p req with @p nfds fds and wait for its reply, unpacked with @p rdesc into @p rep (the
  * caller frees it, with @p alloc: NULL for the default allocator, or an arena's). If @p rfd is
@@ -170,30 +190,39 @@ int dlpc__check(const dlpc_client *c);
 int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
 	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,
 	       int *rfd, ProtobufCAllocator *alloc);
-/* dlpc__call() for a request the daemon may hold for @p wait_ms (a waiting ATTACH): > 0 bounds
- * the wait by @p wait_ms + DLPC_CALL_GRACE_MS, < 0 leaves it unbounded, 0 is dlpc__call(). */
-int dlpc__call_wait(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, int64_t wait_ms,
-		    const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep, int *rfd,
-		    ProtobufCAllocator *alloc);
 /*
- * Fire-and-forget RELEASE of one reference; does nothing in a forked child. The id waits in
- * c->pending and goes out with the connection's next request, or after DLPC_RELEASE_DELAY_MS
- * through the library's flusher thread, whichever comes first.
+ * dlpc__call() with @p info (NULL: none), for a request the daemon may hold for @p wait_ms (a
+ * waiting ATTACH): > 0 bounds the wait by @p wait_ms + DLPC_CALL_GRACE_MS, and a connection made
+ * anew first by @p wait_ms too; < 0 leaves the wait unbounded; 0 is dlpc__call()'s bound.
  */
-void dlpc__release(dlpc_client *c, uint64_t ref_id);
-/* dlpc__release() of a reference that came by connection @p epoch: dropped if the client has
- * connected anew since (that connection, and the reference with it, is gone). */
+int dlpc__call_ex(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
+		  unsigned nfds, int64_t wait_ms, struct dlpc__call_info *info,
+		  const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep, int *rfd,
+		  ProtobufCAllocator *alloc);
+/*
+ * Fire-and-forget RELEASE of one reference, which came by connection @p epoch: dropped if the
+ * client has connected anew since (that connection, and the reference with it, is gone); does
+ * nothing in a forked child. The id waits in c->pending and goes out with the connection's next
+ * request, or after DLPC_RELEASE_DELAY_MS through the library's flusher thread, whichever comes
+ * first.
+ */
 void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch);
-/* Replace @p c's lost connection by a new one to the same socket (HELLO included). 0, or the
- * negative errno of connecting (the old connection's error stays). */
-int dlpc__reconnect(dlpc_client *c);
+/* Replace @p c's lost connection by a new one to the same socket (HELLO included), waiting
+ * @p connect_ms at most for connect() and @p hello_ms for HELLO (<= 0: no bound). 0, or the
+ * negative errno of connecting (the old connection's error stays): -ECANCELED when
+ * dlpc_close() or dlpc_cancel() ended it. */
+int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms);
+/* Is @p err, from connecting anew, one that a daemon on its way back gives (none listens yet,
+ * its socket is not there yet, it went again, it did not answer in time)? Other errors
+ * (permissions, the protocol, resources) last: waiting does not end them. */
+static inline bool dlpc__reconnect_transient(int err)
+{
+	return err == -ECONNREFUSED || err == -ENOENT || err == -ECONNRESET || err == -EPIPE ||
+	       err == -ETIMEDOUT;
+}
 /* Wait @p ms for a lost connection's daemon to come back: 0, or -ECANCELED (dlpc_close(),
  * dlpc_cancel()) or -EINTR (the thread's interrupt check said stop), the message set. */
 int dlpc__pause_lost(dlpc_client *c, int64_t ms);
-/* Has @p c lost its connection (and not connected anew yet)? */
-bool dlpc__lost(dlpc_client *c);
-/* The connection (epoch) the calling thread's last request went out on. */
-extern __thread uint64_t dlpc__call_epoch;
 void dlpc__client_ref(dlpc_client *c);
 void dlpc__client_unref(dlpc_client *c);
 /* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it
@@ -217,6 +246,9 @@ void dlpc__cancel_calls(dlpc_client *c);
  * DLPC__INTERRUPTED when the thread's interrupt check (dlpc_set_interrupt()) said to give up.
  */
 int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl);
+/* Does the calling thread's interrupt check (dlpc_set_interrupt()) say to give up? false
+ * without one. Called without any lock of the library's. */
+bool dlpc__interrupted(void);
 /* What dlpc__reader_turn() returns when the thread's interrupt check asked to give up. */
 #define DLPC__INTERRUPTED 2
 /* Fill @p e from a LIST or EVENT entry (strings copied); 0 or -ENOMEM (clear it anyway). */
@@ -226,9 +258,10 @@ void dlpc__entry_clear(dlpc_entry_info *e);
 /* Validate a user-supplied name; 0 or -EINVAL with the message set. */
 int dlpc__name_arg(const char *name, const char *what);
 
-/* Count a legacy CUDA IPC publication of @p c until its RECLAIM notice (or, with -1, take a
- * failed one back). */
-void dlpc__reclaim_count(dlpc_client *c, int delta);
+/* Count a legacy CUDA IPC publication of @p c's connection @p epoch until its RECLAIM notice
+ * (or, with -1, take a failed one back); nothing once @p c has connected anew since: the count
+ * went with that connection. */
+void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch);
 /* Make sure the reclaimer thread of @p c runs: it reads the connection whenever no request
  * does, so that RECLAIM notices are acted on while the process makes no calls. */
 void dlpc__reclaim_start(dlpc_client *c);

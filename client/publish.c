@@ -254,15 +254,17 @@ static struct dlpc__region *zero_copy_all(DLManagedTensorVersioned *const tensor
 	return r;
 }
 
-/* Send @p req with the storage @p fd (none if -1); the generation, or a negative errno. */
-static int send_publish(dlpc_client *c, Dlpackd__V1__Publish *req, int fd)
+/* Send @p req with the storage @p fd (none if -1), with @p info (NULL: none); the generation,
+ * or a negative errno. */
+static int send_publish_info(dlpc_client *c, Dlpackd__V1__Publish *req, int fd,
+			     struct dlpc__call_info *info)
 {
 	Dlpackd__V1__PublishReply *rep;
 	int r;
 
-	r = dlpc__call(c, DLPC_MSG_PUBLISH, &req->base, &fd, fd >= 0 ? 1 : 0,
-		       &dlpackd__v1__publish_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
-		       NULL);
+	r = dlpc__call_ex(c, DLPC_MSG_PUBLISH, &req->base, &fd, fd >= 0 ? 1 : 0, 0, info,
+			  &dlpackd__v1__publish_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
+			  NULL);
 	if (r < 0)
 		return r;
 	r = rep->generation > 0 && rep->generation <= INT32_MAX
@@ -271,6 +273,20 @@ static int send_publish(dlpc_client *c, Dlpackd__V1__Publish *req, int fd)
 				 (unsigned long long)rep->generation);
 	dlpackd__v1__publish_reply__free_unpacked(rep, NULL);
 	return r;
+}
+
+static int send_publish(dlpc_client *c, Dlpackd__V1__Publish *req, int fd)
+{
+	return send_publish_info(c, req, fd, NULL);
+}
+
+/* send_publish() of memory lent until RECLAIM (legacy IPC, a lent VMM fd): counted on the
+ * connection the request goes out on (@p info says which). */
+static int send_lent(dlpc_client *c, Dlpackd__V1__Publish *req, int fd,
+		     struct dlpc__call_info *info)
+{
+	info->lend = true;
+	return send_publish_info(c, req, fd, info);
 }
 
 /* Check the arguments publish() cannot go on without. 0 or negative errno, message set. */
@@ -298,19 +314,25 @@ static int publish_args(dlpc_client *c, const char *name, size_t n,
 }
 
 /*
- * After a PUBLISH of memory its publisher keeps (legacy IPC, lent VMM) under @p token: whether
- * the library keeps the tensor until RECLAIM (*@p kept). A refusal gives it back at once. So
- * does nothing else: when the call was interrupted, timed out, canceled or lost its connection
- * (@p r), the entry may exist and attachers may hold it, so the memory is kept as if published;
- * if the entry was never made, until the process exits. Returns @p r.
+ * After a PUBLISH (@p info) of memory its publisher keeps (legacy IPC, lent VMM) under @p token:
+ * whether the library keeps the tensor until RECLAIM (*@p kept). A refusal gives it back at
+ * once, and so does a request that never went out. Nothing else does: when the call was
+ * interrupted, timed out, canceled or lost its connection (@p r) after sending, the entry may
+ * exist and attachers may hold it, so the memory is kept as if published; if the entry was
+ * never made, until the process exits. Returns @p r.
  */
-static int lent(dlpc_client *c, int r, uint64_t token, bool *kept)
+static int lent(dlpc_client *c, int r, const struct dlpc__call_info *info, uint64_t token,
+		bool *kept)
 {
 	bool unknown = r == -EINTR || r == -ETIMEDOUT || r == -ECANCELED || r == -EPIPE ||
 		       r == -ECONNRESET;
 
+	if (!info->sent) {
+		dlpc__cuda_reclaim(token, false);
+		return r;
+	}
 	if (r < 0 && !unknown) {
-		dlpc__reclaim_count(c, -1);
+		dlpc__reclaim_count(c, -1, info->epoch);
 		dlpc__cuda_reclaim(token, false);
 		return r;
 	}
@@ -362,6 +384,7 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 	/* the whole allocation only: one tensor of a bucket goes the other ways */
 	struct dlpc__region *zc = zero_copy_all(&t, s, &probe, 1);
 	char what[DLPC_NAME_MAX + 32];
+	struct dlpc__call_info info = {0};
 	struct dlpc__ipc_export x;
 	int r;
 
@@ -411,10 +434,9 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 		req.reclaim_token = x.token;
 		req.flags |= DLPC_PUBLISH_EPHEMERAL;
 		dptrs[0]->offset = x.offset;
-		dlpc__reclaim_count(c, 1);
-		r = send_publish(c, &req, x.fd);
+		r = send_lent(c, &req, x.fd, &info);
 		close(x.fd);
-		return lent(c, r, x.token, kept);
+		return lent(c, r, &info, x.token, kept);
 	}
 	ipc.mem_handle.data = x.mem_handle;
 	ipc.mem_handle.len = sizeof(x.mem_handle);
@@ -427,9 +449,8 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 	/* the memory stays this process's: the entry goes when the connection does */
 	req.flags |= DLPC_PUBLISH_EPHEMERAL;
 	dptrs[0]->offset = x.offset;
-	dlpc__reclaim_count(c, 1);
-	r = send_publish(c, &req, -1);
-	return lent(c, r, x.token, kept);
+	r = send_lent(c, &req, -1, &info);
+	return lent(c, r, &info, x.token, kept);
 }
 
 /*

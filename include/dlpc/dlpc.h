@@ -202,15 +202,24 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
  * process's), and their deleters send nothing (the references died with the old connection;
  * the daemon no longer counts them). Ephemeral entries the client published are gone, and
  * legacy CUDA IPC publications will never be reclaimed (their memory is kept until the process
- * exits, as after any lost connection). Entries that are not ephemeral survive a restart of
- * dlpackd with its fd store, and an upgrade in place (dlpackd(8), DURABILITY).
+ * exits, as after any lost connection); they no longer keep the client's connection open after
+ * dlpc_close(): only the new connection's own do. Entries that are not ephemeral survive a
+ * restart of dlpackd with its fd store, and an upgrade in place (dlpackd(8), DURABILITY).
  * dlpc_reconnects() counts the reconnects.
  *
  * A waiting attach (timeout_ms not 0) rides through a restart: when the connection is lost
  * while it waits, it connects again (every 10 ms at first, then up to every
- * DLPC_RECONNECT_BACKOFF_MAX_MS, within its timeout; dlpc_cancel(), dlpc_close() and the
- * interrupt check end it) and asks again for the time left, so it completes when the name is
- * published on the restarted daemon.
+ * DLPC_RECONNECT_BACKOFF_MAX_MS, within its timeout) and asks again for the time left, so it
+ * completes when the name is published on the restarted daemon. Each attempt is bounded by the
+ * time left: connect() by at most DLPC_RECONNECT_BACKOFF_MAX_MS, HELLO by the time left (or
+ * $DLPC_CALL_TIMEOUT_MS if shorter; a socket activated while its daemon has not started yet
+ * accepts connections that nobody answers). dlpc_cancel(), dlpc_close() (from another thread)
+ * and the interrupt check end it at once, during HELLO too (-ECANCELED, -EINTR). Only a daemon
+ * not back yet is waited for (-ECONNREFUSED, -ENOENT, -ECONNRESET, -EPIPE, -ETIMEDOUT from
+ * connecting again); any other error of connecting again (-EACCES, -EPROTO for another
+ * protocol version, -EDQUOT, -EMFILE...) ends the attach at once with that error, the message
+ * (dlpc_last_error()) naming the entry and the cause. A wait whose time runs out while no
+ * daemon answers fails with -ETIMEDOUT, its message quoting the last attempt's.
  * @return as dlpc_connect(), or -EINVAL for unknown flags.
  */
 DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc_client **ret);
@@ -281,8 +290,9 @@ DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg);
  * connection stays open, even after dlpc_close() (which therefore does not withdraw the entry:
  * unpublish it first); if the connection breaks, @p t is kept until the process exits, since
  * an attacher may still be using the memory. The same holds when such a publish ends with
- * -EINTR, -ETIMEDOUT, -ECANCELED or a lost connection: the entry may exist, so @p t is kept
- * as if published. In a child forked from a process that used CUDA through the library, CUDA
+ * -EINTR, -ETIMEDOUT, -ECANCELED or a lost connection after the request went out: the entry
+ * may exist, so @p t is kept as if published. A request that never went out (the connection
+ * was lost, or the client closed, before; connecting anew failed) gives @p t back. In a child forked from a process that used CUDA through the library, CUDA
  * tensors get -EBADFD.
  * @param flags DLPC_PUBLISH_* bits.
  * Unless published DLPC_PUBLISH_WRITABLE, the storage is sealed with F_SEAL_WRITE (plus

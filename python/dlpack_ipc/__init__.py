@@ -70,7 +70,9 @@ class Client(_CoreClient):
                        FileNotFoundError, and the call after tries again. An attach waiting
                        for a name (timeout not 0) is the exception: it connects again by
                        itself and goes on waiting, so it completes when the name is published
-                       on the restarted daemon. `reconnects` counts the new connections.
+                       on the restarted daemon; it raises at once an error of connecting
+                       again that waiting does not mend (permissions, a daemon of another
+                       protocol version). `reconnects` counts the new connections.
     Tensors attached before the break stay valid: their mappings are this process's; their
     releases are dropped with the old connection. Entries are the daemon's: those that are not
     ephemeral survive a restart with systemd's fd store and an upgrade in place (dlpackd(8));

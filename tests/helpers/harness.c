@@ -46,7 +46,10 @@ int fd_count(pid_t pid)
 	return pid == getpid() ? n - 1 : n;
 }
 
-static pid_t spawn_with(const char *sock, const char *log, const struct daemon_opts *o)
+/* The daemon on @p sock, or (@p listen_fd >= 0) on the listening socket @p listen_fd passed as
+ * socket activation passes it. */
+static pid_t spawn_daemon(const char *sock, const char *log, const struct daemon_opts *o,
+			  int listen_fd)
 {
 	const char *wrapper = getenv("DLPC_TEST_WRAPPER");
 	pid_t pid = fork();
@@ -61,8 +64,20 @@ static pid_t spawn_with(const char *sock, const char *log, const struct daemon_o
 			dup2(fd, STDERR_FILENO);
 			dup2(fd, STDOUT_FILENO);
 		}
-		/* the daemon starts with stdin/stdout/stderr only */
-		close_range(3, ~0U, 0);
+		/* the daemon starts with stdin/stdout/stderr only, and fd 3 when activated
+		 * (LISTEN_FDS, as systemd passes it) */
+		if (listen_fd >= 0) {
+			char buf[24];
+
+			/* dup2() of an fd onto itself would leave its close-on-exec flag */
+			if (listen_fd == 3 ? fcntl(3, F_SETFD, 0) < 0 : dup2(listen_fd, 3) < 0)
+				_exit(126);
+			snprintf(buf, sizeof(buf), "%d", (int)getpid());
+			setenv("LISTEN_PID", buf, 1);
+			setenv("LISTEN_FDS", "1", 1);
+			setenv("LISTEN_FDNAMES", "dlpackd.socket", 1);
+		}
+		close_range(listen_fd >= 0 ? 4 : 3, ~0U, 0);
 		if (wrapper && *wrapper) {
 			char *w = strdup(wrapper);
 
@@ -70,8 +85,10 @@ static pid_t spawn_with(const char *sock, const char *log, const struct daemon_o
 				argv[argc++] = tok;
 		}
 		argv[argc++] = (char *)DLPACKD_BIN;
-		argv[argc++] = (char *)"--socket";
-		argv[argc++] = (char *)sock;
+		if (listen_fd < 0) {
+			argv[argc++] = (char *)"--socket";
+			argv[argc++] = (char *)sock;
+		}
 		argv[argc++] = (char *)"--log-level";
 		argv[argc++] = (char *)"debug";
 		/* a daemon slowed down by a wrapper still gives its clients the usual time for each
@@ -94,9 +111,19 @@ static pid_t spawn_with(const char *sock, const char *log, const struct daemon_o
 	return pid;
 }
 
+static pid_t spawn_with(const char *sock, const char *log, const struct daemon_opts *o)
+{
+	return spawn_daemon(sock, log, o, -1);
+}
+
 pid_t daemon_spawn(const char *sock, const char *log)
 {
 	return spawn_with(sock, log, NULL);
+}
+
+pid_t daemon_spawn_activated(int listen_fd, const char *log)
+{
+	return spawn_daemon(NULL, log, NULL, listen_fd);
 }
 
 static bool can_connect(const char *sock)

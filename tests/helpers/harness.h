@@ -37,6 +37,10 @@ struct daemon_opts {
 void daemon_start_with(struct daemon *d, const struct daemon_opts *o);
 /* Start another dlpackd process on @p sock; returns its pid (no waiting). */
 pid_t daemon_spawn(const char *sock, const char *log);
+/* Start dlpackd as socket activation does: @p listen_fd, a listening socket, becomes its fd 3
+ * (LISTEN_PID, LISTEN_FDS=1). Returns its pid (no waiting): connections wait in the socket's
+ * backlog until it accepts them. It leaves the socket file alone when it stops. */
+pid_t daemon_spawn_activated(int listen_fd, const char *log);
 /* SIGTERM, expect exit 0 and the socket removed; under a wrapper, no leak and no fd left. */
 void daemon_stop(struct daemon *d);
 /* Does the file @p log (a daemon's stderr) contain @p text so far? */

@@ -1,16 +1,24 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Clients riding through a daemon restart (DLPC_CONNECT_RECONNECT): the daemon is SIGKILLed
- * and a new one started on the same socket, with clients in this process and in others.
+ * and a new one started on the same socket, with clients in this process and in others; or
+ * the socket is activated (a listening socket that no daemon accepts on yet, then one started
+ * with it), or another server that speaks another protocol takes its place.
  */
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 
+#include "cuda_api.h"
 #include "harness.h"
+#include "raw.h"
 
 #define NV 256
 
@@ -252,6 +260,441 @@ START_TEST(cancel_while_down)
 }
 END_TEST
 
+static bool conns_are(const dlpc_stats *s, void *arg)
+{
+	return s->connections == (uint64_t)(uintptr_t)arg;
+}
+
+static bool refs_are(const dlpc_stats *s, void *arg)
+{
+	return s->references == (uint64_t)(uintptr_t)arg;
+}
+
+/* ---- a socket activated while no daemon runs, and a server that is not dlpackd ---- */
+
+/* A listening socket in place of the killed daemon's, as systemd holds it while no daemon
+ * runs: connect() succeeds, and nothing answers until a daemon is started with it. */
+static int listen_on_sock(void)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	ck_assert_int_ge(fd, 0);
+	unlink(D.sock);
+	strcpy(sa.sun_path, D.sock);
+	ck_assert_int_eq(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+	ck_assert_int_eq(listen(fd, 16), 0);
+	return fd;
+}
+
+/* The next connection waiting on @p lfd, within @p ms. */
+static int accept_within(int lfd, int ms)
+{
+	struct pollfd p = {.fd = lfd, .events = POLLIN};
+	int fd;
+
+	ck_assert_msg(poll(&p, 1, scaled_ms(ms)) == 1, "nobody connected");
+	fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+	ck_assert_int_ge(fd, 0);
+	return fd;
+}
+
+/* Read the HELLO a client sent on @p fd, leaving it unanswered; its id. */
+static uint32_t read_hello(int fd)
+{
+	struct dlpc__hdr h;
+	uint8_t buf[512];
+
+	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
+	ck_assert_uint_eq(h.type, DLPC_MSG_HELLO);
+	return h.id;
+}
+
+/* The socket is activated and no daemon runs yet: a waiting attach that connects anew waits for
+ * the answer to its HELLO no longer than the time left of its wait (not DLPC_CALL_TIMEOUT_MS,
+ * 30 s), and its message says so, legibly (the last attempt's message quoted whole). */
+START_TEST(activated_hello_bounded_by_wait)
+{
+	struct waiter w = {.name = "r/never", .timeout_ms = 1500};
+	dlpc_client *c = connect_or_die(&D);
+	char want[300];
+	pthread_t th;
+	int lfd;
+
+	ck_assert_dlpc(dlpc_connect_flags(D.sock, DLPC_CONNECT_RECONNECT, &w.c), 0);
+	ck_assert_int_eq(pthread_create(&th, NULL, wait_thread, &w), 0);
+	ck_assert(wait_stat(c, waiters_are, (void *)1, scaled_ms(5000)));
+	dlpc_close(c);
+	daemon_kill();
+	lfd = listen_on_sock();
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	ck_assert_int_eq(w.result, -ETIMEDOUT);
+	ck_assert_msg(w.took_ms >= 1400 && w.took_ms < 1500 + DLPC_CALL_GRACE_MS + scaled_ms(1000),
+		      "gave up after %lld ms", w.took_ms);
+	snprintf(want, sizeof(want),
+		 "waited 1500 ms for 'r/never'; dlpackd went away meanwhile and has not come back "
+		 "(cannot connect to dlpackd at %s: it did not answer HELLO within ",
+		 D.sock);
+	ck_assert_msg(strncmp(w.why, want, strlen(want)) == 0, "message: %s", w.why);
+	ck_assert_uint_eq(dlpc_reconnects(w.c), 0);
+	dlpc_close(w.c);
+	close(lfd);
+	daemon_restart();
+}
+END_TEST
+
+/* The socket is activated and no daemon runs yet: dlpc_cancel() and dlpc_close() from another
+ * thread end waiting attaches whose HELLO to it goes unanswered, at once. */
+START_TEST(activated_hello_canceled)
+{
+	struct waiter x = {.name = "r/never", .timeout_ms = -1};
+	struct waiter y = {.name = "r/never", .timeout_ms = -1};
+	dlpc_client *c = connect_or_die(&D);
+	pthread_t tx, ty;
+	int lfd, a, b;
+	long long t0;
+
+	ck_assert_dlpc(dlpc_connect_flags(D.sock, DLPC_CONNECT_RECONNECT, &x.c), 0);
+	ck_assert_dlpc(dlpc_connect_flags(D.sock, DLPC_CONNECT_RECONNECT, &y.c), 0);
+	ck_assert_int_eq(pthread_create(&tx, NULL, wait_thread, &x), 0);
+	ck_assert_int_eq(pthread_create(&ty, NULL, wait_thread, &y), 0);
+	ck_assert(wait_stat(c, waiters_are, (void *)2, scaled_ms(5000)));
+	dlpc_close(c);
+	daemon_kill();
+	lfd = listen_on_sock();
+	/* both have connected anew and sent their HELLO, which nobody answers */
+	a = accept_within(lfd, 5000);
+	b = accept_within(lfd, 5000);
+	read_hello(a);
+	read_hello(b);
+	t0 = now_ms();
+	dlpc_cancel(x.c);
+	dlpc_close(y.c);
+	ck_assert_int_eq(pthread_join(tx, NULL), 0);
+	ck_assert_int_eq(pthread_join(ty, NULL), 0);
+	ck_assert_msg(now_ms() - t0 < scaled_ms(2000), "ended %lld ms after", now_ms() - t0);
+	ck_assert_msg(x.result == -ECANCELED, "%d: %s", x.result, x.why);
+	ck_assert_msg(y.result == -ECANCELED, "%d: %s", y.result, y.why);
+	dlpc_close(x.c);
+	close(a);
+	close(b);
+	close(lfd);
+	daemon_restart();
+}
+END_TEST
+
+/* The socket is activated while no daemon runs, then a daemon is started with it: waiting
+ * attaches in other processes, bounded and not, whose HELLO waited in its backlog, connect
+ * anew through it and complete once the name is published. */
+START_TEST(activated_daemon_answers)
+{
+	struct waiter bounded = {.name = "r/later", .timeout_ms = scaled_ms(20000)};
+	struct waiter forever = {.name = "r/later", .timeout_ms = -1};
+	dlpc_client *c = connect_or_die(&D);
+	pid_t p1 = spawn(wait_in_child, &bounded), p2 = spawn(wait_in_child, &forever), act;
+	int lfd, st;
+
+	ck_assert(wait_stat(c, waiters_are, (void *)2, scaled_ms(5000)));
+	dlpc_close(c);
+	daemon_kill();
+	lfd = listen_on_sock();
+	usleep(300000); /* the waits connect anew, and their HELLO waits */
+	act = daemon_spawn_activated(lfd, D.log);
+	close(lfd);
+	c = connect_or_die(&D);
+	ck_assert_msg(wait_stat(c, waiters_are, (void *)2, scaled_ms(10000)),
+		      "the waiting attaches did not come back");
+	ck_assert_dlpc(publish(c, "r/later", 7.0f, 0), 1);
+	ck_assert_int_eq(wait_child(p1), 0);
+	ck_assert_int_eq(wait_child(p2), 0);
+	dlpc_close(c);
+	ck_assert_int_eq(kill(act, SIGTERM), 0);
+	ck_assert_int_eq(waitpid(act, &st, 0), act);
+	ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the activated dlpackd: status 0x%x",
+		      st);
+	daemon_restart();
+}
+END_TEST
+
+/* Answer one connection's HELLO as a dlpackd of another major version of the protocol would,
+ * then wait for the client to hang up. */
+static void *other_protocol(void *arg)
+{
+	Dlpackd__V1__HelloReply rep = DLPACKD__V1__HELLO_REPLY__INIT;
+	int fd = accept_within(*(int *)arg, 10000);
+	uint32_t id = read_hello(fd);
+	char b;
+
+	rep.version_major = DLPC_PROTO_MAJOR + 1;
+	rep.server = "a dlpackd of another protocol";
+	raw_send(fd, DLPC_MSG_HELLO | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+	while (read(fd, &b, 1) > 0)
+		;
+	close(fd);
+	return NULL;
+}
+
+/* Connecting anew fails in a way that waiting does not mend (a server of another protocol
+ * version took the socket): the waiting attach ends at once with that error, its message naming
+ * the entry and the cause, where it used to try again until its 20 s had passed. */
+START_TEST(permanent_error_ends_wait)
+{
+	struct waiter w = {.name = "r/never", .timeout_ms = 20000};
+	dlpc_client *c = connect_or_die(&D);
+	pthread_t th, srv;
+	int lfd;
+
+	ck_assert_dlpc(dlpc_connect_flags(D.sock, DLPC_CONNECT_RECONNECT, &w.c), 0);
+	ck_assert_int_eq(pthread_create(&th, NULL, wait_thread, &w), 0);
+	ck_assert(wait_stat(c, waiters_are, (void *)1, scaled_ms(5000)));
+	dlpc_close(c);
+	daemon_kill();
+	lfd = listen_on_sock();
+	ck_assert_int_eq(pthread_create(&srv, NULL, other_protocol, &lfd), 0);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	ck_assert_int_eq(pthread_join(srv, NULL), 0);
+	ck_assert_msg(w.result == -EPROTO, "%d after %lld ms: %s", w.result, w.took_ms, w.why);
+	ck_assert_msg(w.took_ms < scaled_ms(5000), "gave up after %lld ms", w.took_ms);
+	ck_assert_msg(strstr(w.why, "cannot attach 'r/never'") &&
+			      strstr(w.why, "protocol version mismatch"),
+		      "message: %s", w.why);
+	dlpc_close(w.c);
+	close(lfd);
+	daemon_restart();
+}
+END_TEST
+
+/* ---- the connection a reference came by, whatever the interrupt check calls ---- */
+
+struct nested {
+	dlpc_client *c;	    /* on its first connection: the attach waits here */
+	dlpc_client *other; /* on its second: the interrupt check calls it */
+	int checks, stat_result, result;
+	DLManagedTensorVersioned *t;
+};
+
+/* The interrupt check: a request on the other client, and go on. */
+static int stat_other(void *arg)
+{
+	struct nested *n = arg;
+	dlpc_stats st = {.size = sizeof(st)};
+
+	n->stat_result = dlpc_stat(n->other, &st);
+	__atomic_add_fetch(&n->checks, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+
+static void *nested_waiter(void *arg)
+{
+	struct nested *n = arg;
+	dlpc_attach_opts o = {.size = sizeof(o), .timeout_ms = scaled_ms(20000)};
+
+	dlpc_set_interrupt(stat_other, n);
+	n->result = dlpc_attach(n->c, "r/nested", &o, &n->t);
+	dlpc_set_interrupt(NULL, NULL);
+	return NULL;
+}
+
+/* An interrupt check that makes a request on another client, connected anew once, while an
+ * attach waits: the reference the attach gets still belongs to its own client's connection,
+ * so its release goes out (it was dropped as if of a replaced connection). */
+START_TEST(nested_call_keeps_epoch)
+{
+	struct nested n = {0};
+	long long deadline;
+	dlpc_client *c;
+	pthread_t th;
+
+	ck_assert_dlpc(dlpc_connect_flags(D.sock, DLPC_CONNECT_RECONNECT, &n.other), 0);
+	daemon_kill();
+	daemon_restart();
+	c = connect_or_die(&D);
+	stat_other(&n);
+	ck_assert_int_lt(n.stat_result, 0); /* the call that finds the connection lost */
+	stat_other(&n);
+	ck_assert_dlpc(n.stat_result, 0);
+	ck_assert_uint_eq(dlpc_reconnects(n.other), 1);
+	ck_assert_dlpc(dlpc_connect_flags(D.sock, DLPC_CONNECT_RECONNECT, &n.c), 0);
+	n.checks = 0;
+	ck_assert_int_eq(pthread_create(&th, NULL, nested_waiter, &n), 0);
+	ck_assert(wait_stat(c, waiters_are, (void *)1, scaled_ms(5000)));
+	/* the check has made its request while the attach waits */
+	deadline = now_ms() + scaled_ms(5000);
+	while (__atomic_load_n(&n.checks, __ATOMIC_SEQ_CST) == 0) {
+		ck_assert_msg(now_ms() < deadline, "the interrupt check did not run");
+		usleep(1000);
+	}
+	ck_assert_dlpc(publish(c, "r/nested", 5.0f, 0), 1);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	ck_assert_dlpc(n.result, 1);
+	ck_assert_dlpc(n.stat_result, 0);
+	ck_assert(holds(n.t, 5.0f));
+	ck_assert_uint_eq(stat_or_die(c).references, 1);
+	n.t->deleter(n.t);
+	ck_assert_msg(wait_stat(c, refs_are, (void *)0, scaled_ms(5000)),
+		      "the release did not reach dlpackd");
+	dlpc_close(n.c);
+	dlpc_close(n.other);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- legacy CUDA IPC publications and the connection they belong to (fake driver) ---- */
+
+/* A CUDA tensor whose deleter writes @p tag to @p notify. */
+struct devt {
+	DLManagedTensorVersioned t;
+	int64_t shape[1];
+	int notify;
+	char tag;
+};
+
+static void devt_deleter(DLManagedTensorVersioned *t)
+{
+	struct devt *d = (struct devt *)t;
+
+	if (write(d->notify, &d->tag, 1) != 1)
+		abort();
+	free(d);
+}
+
+static DLManagedTensorVersioned *dev_tensor(CUdeviceptr ptr, int notify, char tag)
+{
+	struct devt *d = calloc(1, sizeof(*d));
+
+	CHILD_CHECK(d != NULL);
+	d->shape[0] = NV;
+	d->notify = notify;
+	d->tag = tag;
+	d->t.version.major = DLPACK_MAJOR_VERSION;
+	d->t.version.minor = DLPACK_MINOR_VERSION;
+	d->t.deleter = devt_deleter;
+	d->t.dl_tensor.data = (void *)(uintptr_t)ptr;
+	d->t.dl_tensor.device = (DLDevice){kDLCUDA, 0};
+	d->t.dl_tensor.ndim = 1;
+	d->t.dl_tensor.dtype = (DLDataType){kDLFloat, 32, 1};
+	d->t.dl_tensor.shape = d->shape;
+	return &d->t;
+}
+
+struct ipc_pub {
+	int ready[2];  /* the publisher writes a byte at each step */
+	int go[2];     /* the test writes (or closes) to let it go on */
+	int notify[2]; /* each deleter writes its tag */
+};
+
+#define IPC_BYTES (1u << 20)
+#define IPC_NEW_AT 65536
+
+static int ipc_publisher(void *arg)
+{
+	struct ipc_pub *p = arg;
+	dlpc_client *c = NULL;
+	CUdeviceptr base;
+	char b;
+
+	close(p->ready[0]);
+	close(p->go[1]);
+	close(p->notify[0]);
+	CHILD_CHECK(dlpc_connect_flags(D.sock, DLPC_CONNECT_RECONNECT, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&base, IPC_BYTES) == CUDA_SUCCESS);
+	fill((float *)(uintptr_t)base, 1.0f);
+	fill((float *)(uintptr_t)(base + IPC_NEW_AT), 3.0f);
+	/* lent on the first connection, and never reclaimed once it is gone */
+	CHILD_CHECK(dlpc_publish(c, "ipc/old", dev_tensor(base, p->notify[1], 'O'), 0) == 1);
+	CHILD_CHECK(write(p->ready[1], "1", 1) == 1);
+	CHILD_CHECK(read(p->go[0], &b, 1) == 1);
+	/* The reclaimer, reading the connection, found it lost while the daemon restarted; the
+	 * next call connects anew: a lent publish, which the new daemon refuses. */
+	CHILD_CHECK(dlpc_publish(c, "ipc/taken", dev_tensor(base + IPC_NEW_AT, p->notify[1], 'T'),
+				 0) == -EEXIST);
+	CHILD_CHECK(dlpc_reconnects(c) == 1);
+	CHILD_CHECK(dlpc_publish(c, "ipc/new", dev_tensor(base + IPC_NEW_AT, p->notify[1], 'N'),
+				 0) == 1);
+	/* the handle goes; the connection stays, for ipc/new, until its RECLAIM */
+	dlpc_close(c);
+	CHILD_CHECK(write(p->ready[1], "2", 1) == 1);
+	/* idle: no libdlpc call from here on */
+	if (read(p->go[0], &b, 1) < 0)
+		return 1;
+	return 0;
+}
+
+static int ipc_attacher(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_attach(c, "ipc/new", NULL, &t) == 1);
+	CHILD_CHECK(t->dl_tensor.device.device_type == kDLCUDA && holds(t, 3.0f));
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+/* The next tag a deleter of the publisher wrote within @p ms, or -1. */
+static int next_tag(const struct ipc_pub *p, int ms)
+{
+	struct pollfd pfd = {.fd = p->notify[0], .events = POLLIN};
+	char b;
+
+	if (poll(&pfd, 1, ms) != 1 || read(p->notify[0], &b, 1) != 1)
+		return -1;
+	return b;
+}
+
+/*
+ * Legacy CUDA IPC publications are counted per connection. One lent on the first connection
+ * goes with it; after the reconnect (made inside a lent publish that is refused) only the new
+ * connection's count: a publication on it keeps the connection open after dlpc_close() (the
+ * entry is still there to attach), its RECLAIM is acted on while the publisher makes no call,
+ * and then nothing keeps the connection open (the first connection's publication, never to be
+ * reclaimed, does not count).
+ */
+START_TEST(ipc_count_per_connection)
+{
+	struct ipc_pub p;
+	dlpc_client *c;
+	pid_t pid;
+	char b;
+
+	setenv(DLPC_CUDA_LIBRARY_ENV, FAKE_CUDA_LIB, 1);
+	ck_assert_int_eq(pipe2(p.ready, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(p.go, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(p.notify, O_CLOEXEC), 0);
+	pid = spawn(ipc_publisher, &p);
+	close(p.ready[1]);
+	close(p.go[0]);
+	close(p.notify[1]);
+	ck_assert_msg(read(p.ready[0], &b, 1) == 1, "the publisher failed before publishing");
+	daemon_kill();
+	daemon_restart();
+	c = connect_or_die(&D);
+	ck_assert_dlpc(publish(c, "ipc/taken", 2.0f, 0), 1);
+	ck_assert_int_eq(write(p.go[1], "G", 1), 1);
+	ck_assert_msg(read(p.ready[0], &b, 1) == 1, "the publisher failed after the restart");
+	/* the refused publication was given back at once */
+	ck_assert_int_eq(next_tag(&p, 0), 'T');
+	ck_assert_int_eq(wait_child(spawn(ipc_attacher, NULL)), 0);
+	ck_assert_int_eq(next_tag(&p, 0), -1);
+	/* unpublished and released by all: reclaimed */
+	ck_assert_dlpc(dlpc_unpublish(c, "ipc/new"), 0);
+	ck_assert_int_eq(next_tag(&p, scaled_ms(5000)), 'N');
+	ck_assert_msg(wait_stat(c, conns_are, (void *)1, scaled_ms(5000)),
+		      "the publisher's connection stayed open after its last reclaim");
+	ck_assert_int_eq(next_tag(&p, 0), -1);
+	ck_assert_int_eq(write(p.go[1], "Q", 1), 1);
+	ck_assert_int_eq(wait_child(pid), 0);
+	close(p.ready[0]);
+	close(p.go[1]);
+	close(p.notify[0]);
+	dlpc_close(c);
+}
+END_TEST
+
 static Suite *reconnect_suite(void)
 {
 	Suite *s = suite_create("reconnect");
@@ -263,6 +706,12 @@ static Suite *reconnect_suite(void)
 	tcase_add_test(tc, waiting_attach_survives_restart);
 	tcase_add_test(tc, waiting_attach_times_out_while_down);
 	tcase_add_test(tc, cancel_while_down);
+	tcase_add_test(tc, activated_hello_bounded_by_wait);
+	tcase_add_test(tc, activated_hello_canceled);
+	tcase_add_test(tc, activated_daemon_answers);
+	tcase_add_test(tc, permanent_error_ends_wait);
+	tcase_add_test(tc, nested_call_keeps_epoch);
+	tcase_add_test(tc, ipc_count_per_connection);
 	suite_add_tcase(s, tc);
 	return s;
 }

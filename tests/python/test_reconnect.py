@@ -303,6 +303,58 @@ def test_waiting_attach_survives_a_restart(restarts, timeout):
     c.close()
 
 
+def test_signal_handler_calling_another_client_while_an_attach_waits(restarts):
+    """A signal handler that calls another client, on its second connection, while an attach
+    waits on this one: the tensor the attach returns still belongs to this client's connection,
+    so its release reaches the daemon (it used to be dropped as one of a replaced connection)."""
+    restarts.start()
+    other = dlpack_ipc.Client(socket=restarts.socket, reconnect=True)
+    other.stat()
+    restarts.kill(signal.SIGKILL)
+    restarts.start()
+    expect_reset(other.stat)
+    other.stat()
+    assert other.reconnects == 1
+    c = dlpack_ipc.Client(socket=restarts.socket, reconnect=True)
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(other.stat()["daemon_pid"])
+
+    def poke_then_publish():
+        wait_for_waiters(restarts, 1)
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs in the waiting thread
+            time.sleep(0.05)
+        with dlpack_ipc.Client(socket=restarts.socket) as p:
+            p.publish("rc/nested", np.arange(6, dtype=np.int32))
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    th = threading.Thread(target=poke_then_publish)
+    try:
+        th.start()
+        t = c.attach("rc/nested", timeout=30.0)
+    finally:
+        th.join(15)
+        signal.signal(signal.SIGUSR1, old)
+    assert calls == [restarts.proc.pid] * len(calls) and calls, calls
+    a = np.from_dlpack(t)
+    np.testing.assert_array_equal(a, np.arange(6, dtype=np.int32))
+    del a
+    t.release()
+    deadline = time.monotonic() + 10
+    while True:  # releases are fire-and-forget: they settle a little later
+        gc.collect()
+        st = restarts.stat()
+        if st["references"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert st["references"] == 0, st
+    c.close()
+    other.close()
+
+
 def test_empty_memory_outlives_the_connection(restarts):
     """empty() memory from before the restart is this process's: it publishes after it."""
     restarts.start()
