@@ -54,6 +54,8 @@ build() {
 	done
 	mkdir -p "$out"
 	out=$(cd "$out" && pwd)
+	# what an earlier build left there, perhaps of another version
+	rm -f "$out"/*.deb "$out"/*.changes "$out"/*.buildinfo "$out/build.log"
 	work=$(mktemp -d /tmp/dlpc-deb-XXXXXX)
 	# shellcheck disable=SC2064 # $work is fixed now
 	trap "rm -rf '$work'" RETURN
