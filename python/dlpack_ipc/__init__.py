@@ -17,6 +17,7 @@ The module-level functions then connect anew on the next call, as does a Client(
 a plain Client keeps raising ConnectionResetError. A failed call is never retried for you: a
 publish may or may not have happened. See Client for the rest of the rules.
 """
+import sys
 import threading
 from collections import namedtuple
 
@@ -53,6 +54,37 @@ published, or the one removed: dtype and shape are those of its tensor, or None 
 seq numbers the daemon's changes, 1, 2, 3..."""
 
 _list = list  # the builtin, before this module's list() shadows it
+
+
+def _publishable(obj):
+    """What publish() takes in place of obj, whose own DLPack export failed (called from C).
+
+    Returns (stand-in, dtype) where dtype names the dtype the stand-in's bytes are published as
+    (None: its own), or None to let the producer's error stand. Objects with the buffer protocol
+    (numpy 1.x's read-only arrays) never get here: publish() reads their buffer.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        t = obj.detach()  # a parameter, or any tensor that requires grad: its data
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        if t.dtype == torch.bool:
+            # torch 1.x has no DLPack bool: the same bytes as uint8, published as kDLBool
+            return t.view(torch.uint8), "bool"
+        if obj.requires_grad or obj.is_conj() or obj.is_neg():
+            return t, None
+        return None
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.ndarray):
+        if not obj.dtype.isnative:
+            return obj.astype(obj.dtype.newbyteorder("=")), None
+        return None
+    if np is not None and (hasattr(obj, "__array_interface__")
+                           or hasattr(obj, "__array_struct__")):
+        return np.asarray(obj), None
+    return None
 
 
 class Client(_CoreClient):

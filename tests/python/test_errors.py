@@ -139,22 +139,6 @@ def test_bad_arguments(ipc, daemon):
     assert daemon.stat()["entries"] == 0 and daemon.stat()["protocol_errors"] == 0
 
 
-def test_numpy_bool_export_is_numpy_s_to_refuse(ipc):
-    a = np.array([True, False, True])
-    try:
-        a.__dlpack__()
-    except BufferError:
-        # numpy 1.x refuses to export bool over DLPack; the error comes through unchanged
-        with pytest.raises(BufferError):
-            ipc.publish("bool", a)
-        assert ipc.list() == []
-        return
-    # numpy 2 exports it: published and read back as bool
-    assert ipc.publish("bool", a) == 1
-    t = ipc.attach("bool")
-    assert t.dtype == "bool" and np.from_dlpack(t).tolist() == [True, False, True]
-
-
 def test_errors_name_the_entry_for_bundles_and_waits(ipc):
     with pytest.raises(TimeoutError) as ei:
         ipc.attach_dict("some/bundle", timeout=0.1)
