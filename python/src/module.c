@@ -134,16 +134,48 @@ void ipc_interruptible(void)
 	dlpc_set_interrupt(main ? interrupt_check : NULL, NULL);
 }
 
+/*
+ * libdlpc's (and dlpackd's) message @p msg in Python's words: the C spellings of what a Python
+ * caller says otherwise are replaced by the Python ones. Decoded leniently (a message cut at
+ * its length limit may end inside a character). A new reference, or NULL with an exception.
+ */
+static PyObject *python_text(const char *msg)
+{
+	static const char *const words[][2] = {
+		{"publish with REPLACE", "publish with replace=True"},
+		{"dlpc_alloc_bundle: ", "empty_dict(): "},
+		{"dlpc_alloc: ", "empty(): "},
+		{"(dlpc_close() or dlpc_cancel())", "(Client.close())"},
+	};
+	PyObject *text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "replace");
+
+	for (size_t i = 0; text && i < sizeof(words) / sizeof(words[0]); i++) {
+		PyObject *from, *to, *t;
+
+		if (!strstr(msg, words[i][0]))
+			continue;
+		from = PyUnicode_FromString(words[i][0]);
+		to = PyUnicode_FromString(words[i][1]);
+		t = from && to ? PyUnicode_Replace(text, from, to, -1) : NULL;
+		Py_XDECREF(from);
+		Py_XDECREF(to);
+		Py_SETREF(text, t);
+	}
+	return text;
+}
+
 PyObject *ipc_raise(int err)
 {
 	const char *msg = dlpc_last_error();
-	PyObject *args;
+	PyObject *text, *args;
 
 	/* libdlpc's interrupt check ran a signal handler that raised: that exception is the one
 	 * to see, whatever the call then returned */
 	if (PyErr_Occurred())
 		return NULL;
-
+	text = python_text(msg);
+	if (!text)
+		return NULL;
 	if (conn_lost(err)) {
 		/* One error whatever the timing: whether a write found the socket closed (EPIPE)
 		 * or a read did (ECONNRESET) is a race, and means the same to the caller. (A
@@ -151,27 +183,31 @@ PyObject *ipc_raise(int err)
 		args = Py_BuildValue(
 			"(iN)", ECONNRESET,
 			strstr(msg, "dlpackd closed the connection")
-				? PyUnicode_FromString(msg)
-				: PyUnicode_FromFormat("dlpackd closed the connection (%s)", msg));
+				? Py_NewRef(text)
+				: PyUnicode_FromFormat("dlpackd closed the connection (%U)", text));
 		if (args) {
 			PyErr_SetObject(PyExc_OSError, args);
 			Py_DECREF(args);
 		}
+		Py_DECREF(text);
 		return NULL;
 	}
 
 	switch (err) {
 	case -ENOMEM:
+		Py_DECREF(text);
 		return PyErr_NoMemory();
 	case -EINVAL:
-		PyErr_SetString(PyExc_ValueError, msg);
+		PyErr_SetObject(PyExc_ValueError, text);
+		Py_DECREF(text);
 		return NULL;
 	case -ENOTSUP:
-		PyErr_SetString(PyExc_BufferError, msg);
+		PyErr_SetObject(PyExc_BufferError, text);
+		Py_DECREF(text);
 		return NULL;
 	}
 	/* OSError(errno, text) picks the subclass: FileNotFoundError, TimeoutError, ... */
-	args = Py_BuildValue("(is)", -err, msg);
+	args = Py_BuildValue("(iN)", -err, text);
 	if (args) {
 		PyErr_SetObject(PyExc_OSError, args);
 		Py_DECREF(args);
