@@ -642,11 +642,11 @@ static PyObject *tensor_repr(PyObject *obj)
 
 static PyMethodDef tensor_methods[] = {
 	{"__dlpack__", (PyCFunction)(void (*)(void))tensor_dlpack, METH_VARARGS | METH_KEYWORDS,
-	 "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+	 "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
 	 "Export as a DLPack capsule: a legacy \"dltensor\" unless max_version is (1, x) or "
 	 "later."},
 	{"__dlpack_device__", tensor_dlpack_device, METH_NOARGS,
-	 "__dlpack_device__()\n--\n\nThe (device type, device id) pair of the tensor."},
+	 "__dlpack_device__($self, /)\n--\n\nThe (device type, device id) pair of the tensor."},
 	{"torch", tensor_torch, METH_NOARGS,
 	 "torch($self, /)\n--\n\n"
 	 "The tensor as a torch.Tensor over the same memory: torch.from_dlpack(self), except "
@@ -654,7 +654,8 @@ static PyMethodDef tensor_methods[] = {
 	 "as uint8 and viewed as torch.bool. torch ignores the read-only flag (see attach's "
 	 "mode)."},
 	{"release", tensor_release, METH_NOARGS,
-	 "release()\n--\n\nDrop this object's hold on the memory. Arrays already made from it keep "
+	 "release($self, /)\n--\n\nDrop this object's hold on the memory. Arrays already made from "
+	 "it keep "
 	 "theirs. Idempotent."},
 	{"__enter__", tensor_enter, METH_NOARGS, NULL},
 	{"__exit__", tensor_exit, METH_VARARGS, NULL},
