@@ -90,7 +90,8 @@ for n in {dtypes!r}:
         want = numpy_values(name) if producer == "numpy" else torch_values(name)
         for t in (bundle[name], ipc.attach("dt/" + name)):
             if (t.dtype, t.shape) != (name, (2, 4)) or raw(t) != bytes_of(want):
-                bad.append(f"{name}: {t.dtype}{t.shape} {raw(t).hex()}, want {bytes_of(want).hex()}")
+                bad.append(f"{name}: {t.dtype}{t.shape} {raw(t).hex()}, "
+                           f"want {bytes_of(want).hex()}")
                 continue
             # numpy: from_dlpack, or for bool where numpy lacks DLPack bool the buffer protocol
             if name != "bfloat16":

@@ -54,7 +54,8 @@ READ_ONLY = {
                   np.broadcast_to(np.arange(5, dtype=np.int64), (3, 4, 5))),
     "broadcast_column": ("a = np.broadcast_to(np.array([[1.5], [2.5]]), (2, 6))",
                          np.broadcast_to(np.array([[1.5], [2.5]]), (2, 6))),
-    "sliding_window": ("a = np.lib.stride_tricks.sliding_window_view(np.arange(10, dtype=np.uint16), 4)",
+    "sliding_window": ("a = np.lib.stride_tricks.sliding_window_view("
+                       "np.arange(10, dtype=np.uint16), 4)",
                        np.lib.stride_tricks.sliding_window_view(np.arange(10, dtype=np.uint16), 4)),
     "scalar": ("a = np.array(-3.25, dtype=np.float32); a.setflags(write=False)",
                np.array(-3.25, dtype=np.float32)),
