@@ -47,11 +47,14 @@ def mypy(tmp_path):
 def test_stubs_agree_with_the_module(mypy):
     rc, out = mypy("mypy.stubtest", "--mypy-config-file", mypy.ini, "dlpack_ipc")
     assert rc == 0 and "Success" in out, out
+    assert "3 modules" in out, "dlpack_ipc, dlpack_ipc._core and dlpack_ipc.torch: " + out
 
 
 TYPED = '''
 from typing import Dict, List, Optional, Tuple
+import torch
 import dlpack_ipc
+import dlpack_ipc.torch
 from dlpack_ipc import EntryFlags, EntryInfo, SharedTensor, WatchEvent
 
 
@@ -82,6 +85,13 @@ def one(name: str) -> Optional[int]:
         return gen
 
 
+def load(model: "torch.nn.Module", name: str) -> List[str]:
+    dlpack_ipc.torch.share_module(model, name + "/src", replace=True)
+    got: dlpack_ipc.torch.IncompatibleKeys = dlpack_ipc.torch.attach_module(
+        model, name, timeout=5.0, requires_grad=False, strict=False)
+    return got.missing_keys + got.unexpected_keys
+
+
 def events(prefix: str) -> List[str]:
     with dlpack_ipc.watch(prefix) as w:
         evs: List[WatchEvent] = w.drain()
@@ -96,6 +106,7 @@ for e in dlpack_ipc.list():
 dlpack_ipc.publish("x", b"", replace="yes")
 dlpack_ipc.attach("x", mode="rw")
 n: str = dlpack_ipc.list()[0].generation
+dlpack_ipc.torch.attach_module(None, "x", strict="no")
 '''
 
 
@@ -106,7 +117,7 @@ def test_typed_code_checks_clean_and_wrong_code_does_not(mypy):
     assert rc == 0, out
     rc, out = mypy("mypy", "--config-file", mypy.ini, "--strict", "wrong.py")
     lines = [ln for ln in out.splitlines() if ": error:" in ln]
-    assert rc == 1 and [ln.split(":")[1] for ln in lines] == ["5", "6", "7", "8"], out
+    assert rc == 1 and [ln.split(":")[1] for ln in lines] == ["5", "6", "7", "8", "9"], out
 
 
 # ---- signatures and docstrings -------------------------------------------------------------
