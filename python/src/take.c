@@ -184,7 +184,8 @@ static int cuda_keep(struct ipc_taken *tk, const DLTensor *src)
  */
 static int take_capsule(struct ipc_taken *tk, PyObject *cap, const DLDataType *as)
 {
-	DLTensor *src;
+	const DLTensor *src;
+	DLTensor t;
 
 	/* From the rename on, the tensor is ours: ipc_taken_finish() runs its deleter. */
 	if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
@@ -219,22 +220,24 @@ static int take_capsule(struct ipc_taken *tk, PyObject *cap, const DLDataType *a
 		return -1;
 	}
 	Py_DECREF(cap);
+	/* the producer's struct stays as it made it: the dtype goes into our copy */
+	t = *src;
 	if (as) {
-		if (as->bits != src->dtype.bits || src->dtype.lanes != 1) {
+		if (as->bits != t.dtype.bits || t.dtype.lanes != 1) {
 			PyErr_SetString(PyExc_BufferError,
 					"cannot publish: the producer's stand-in has another "
 					"element size");
 			return -1;
 		}
-		src->dtype = *as;
+		t.dtype = *as;
 	}
-	if (src->device.device_type == kDLCUDA)
-		return cuda_keep(tk, src);
+	if (t.device.device_type == kDLCUDA)
+		return cuda_keep(tk, &t);
 	tk->v.version.major = DLPACK_MAJOR_VERSION;
 	tk->v.version.minor = DLPACK_MINOR_VERSION;
 	tk->v.manager_ctx = tk;
 	tk->v.deleter = noop_deleter;
-	tk->v.dl_tensor = *src;
+	tk->v.dl_tensor = t;
 	return 0;
 }
 
