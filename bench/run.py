@@ -4,8 +4,8 @@
 
     /usr/bin/python3 bench/run.py [--quick] [--build DIR] [--out DIR]
 
-Starts dlpackd on a socket in a temporary directory, runs the C harness (bench_c) and the
-Python harness (bench_py.py), prints a markdown table of every measurement and of the targets
+Starts dlpackd on a socket in a temporary directory, runs the C harness (bench_c), the
+Python harness (bench_py.py) and the model-loading one (bench_model.py), prints a markdown table of every measurement and of the targets
 (each a ratio measured in this run), and writes bench.json and bench.png into --out (default
 docs/). Stops the daemon and removes what it created; exits non-zero if a measurement is missing.
 --quick is the smoke test the test suite runs: small sizes, few repetitions, no plot.
@@ -290,8 +290,32 @@ def table(rows, sizes, map_sizes, checks):
     for desc, value, limit, met, lower in checks:
         v = "-" if value is None else f"{value:.2f}"
         tg.append(f"| {desc} | {v} | {'≤' if lower else '≥'} {limit:g} | {'yes' if met else 'no'} |")
+    out += [model_table(rows), ""]
     out.append("\n".join(tg))
     return "\n".join(out)
+
+
+MODEL_IMPLS = [("dlpack_ipc", "dlpack_ipc.torch.attach_module into a meta model"),
+               ("torch_load", "torch.load from /dev/shm + load_state_dict"),
+               ("torch_mp", "torch.multiprocessing: model.share_memory(), Queue")]
+
+
+def model_table(rows):
+    """Loading one model's weights in each of several workers, by way of loading."""
+    got = {r["impl"]: r for r in rows if r.get("group") == "model_load"}
+    ours = got.get("dlpack_ipc")
+    if not ours:
+        return ""
+    lines = [f"| a {ours['weights_mib']:.0f} MiB state dict into each of {ours['workers']} "
+             "workers | load, ms median | / ours | first full read, ms | USS growth per worker, "
+             "MiB |", "|---|---:|---:|---:|---:|"]
+    for impl, desc in MODEL_IMPLS:
+        r = got.get(impl)
+        if r:
+            ratio = r["median_load_ms"] / ours["median_load_ms"] if ours["median_load_ms"] else 0
+            lines.append(f"| {desc} | {r['median_load_ms']:.1f} | {ratio:.1f} | "
+                         f"{r['median_read_ms']:.1f} | {r['median_uss_delta_mib']:.1f} |")
+    return "\n".join(lines)
 
 
 def plot(rows, sizes, path):
@@ -362,6 +386,10 @@ def main():
             # every Python measurement is a latency: harness, its children and daemon on CPU 0
             os.sched_setaffinity(proc.pid, {0})
         rows += run_rows(cmd, env, pin=not args.no_pin)
+        # a model's weights into several workers: not a latency, so not pinned
+        cmd = [sys.executable, os.path.join(HERE, "bench_model.py"), "--socket", sock]
+        cmd += ["--quick"] if args.quick else []
+        rows += run_rows(cmd, env)
         stop_daemon(proc)
         proc = None
         # the same small publishes against a daemon that keeps its entries in an fd store
@@ -394,6 +422,9 @@ def main():
     checks = targets(rows, sizes, map_sizes)
     print(table(rows, sizes, map_sizes, checks))
     missing = [c[0] for c in checks if c[1] is None]
+    missing += [f"model_load {impl}" for impl, _ in MODEL_IMPLS
+                if not any(r.get("group") == "model_load" and r.get("impl") == impl
+                           for r in rows)]
     bad = [r for r in rows if any(isinstance(v, float) and not v == v for v in r.values())]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:

@@ -18,9 +18,14 @@
 /* One tensor to publish and where it goes in the storage. */
 struct slot {
 	const DLTensor *t;
+	const char *key; /* NULL for dlpc_publish()'s single tensor */
 	uint64_t nbytes, offset;
 	bool contiguous;
 };
+
+/* A slot in messages, as printf arguments for "%s%s%s": "tensor 'KEY'" or "the tensor". */
+#define SLOT_ARGS(s)                                                                               \
+	((s)->key ? "tensor '" : "the tensor"), ((s)->key ? (s)->key : ""), ((s)->key ? "'" : "")
 
 static bool is_contiguous(const DLTensor *t)
 {
@@ -158,41 +163,42 @@ static int allocate_rest(int fd, uint64_t size, const char *name)
 	return 0;
 }
 
-/* Check @p t and size it; the message names the tensor. */
-static int slot_init(struct slot *s, const DLManagedTensorVersioned *mt, const char *name, size_t i)
+/* Check @p t and size it; the message names the tensor by its @p key (NULL: the only one). */
+static int slot_init(struct slot *s, const DLManagedTensorVersioned *mt, const char *name,
+		     const char *key)
 {
 	const DLTensor *t = &mt->dl_tensor;
 
 	s->t = t;
+	s->key = key;
 	if (t->device.device_type != kDLCPU && t->device.device_type != kDLCUDA)
 		return dlpc__fail(-ENOTSUP,
-				  "cannot publish '%s': tensor %zu is on device type %d; only host "
+				  "cannot publish '%s': %s%s%s is on device type %d; only host "
 				  "(kDLCPU) and CUDA (kDLCUDA) memory can be shared",
-				  name, i, (int)t->device.device_type);
+				  name, SLOT_ARGS(s), (int)t->device.device_type);
 	if (t->ndim < 0 || t->ndim > DLPC_NDIM_MAX || (t->ndim > 0 && !t->shape))
 		return dlpc__fail(-EINVAL,
-				  "cannot publish '%s': tensor %zu has %d dimensions "
+				  "cannot publish '%s': %s%s%s has %d dimensions "
 				  "(0 to %d supported)",
-				  name, i, t->ndim, DLPC_NDIM_MAX);
+				  name, SLOT_ARGS(s), t->ndim, DLPC_NDIM_MAX);
 	if (dlpc__tensor_nbytes(t->dtype.bits, t->dtype.lanes, t->shape, (size_t)t->ndim,
 				&s->nbytes) < 0)
-		return dlpc__fail(-EINVAL,
-				  "cannot publish '%s': tensor %zu has a bad dtype or shape", name,
-				  i);
+		return dlpc__fail(-EINVAL, "cannot publish '%s': %s%s%s has a bad dtype or shape",
+				  name, SLOT_ARGS(s));
 	s->contiguous = is_contiguous(t);
 	if (t->device.device_type == kDLCUDA && !s->contiguous)
-		return dlpc__fail(
-			-ENOTSUP,
-			"cannot publish '%s': tensor %zu is a strided CUDA tensor; make it "
-			"contiguous first (device memory is shared in place, not copied)",
-			name, i);
+		return dlpc__fail(-ENOTSUP,
+				  "cannot publish '%s': %s%s%s is a strided CUDA tensor; make it "
+				  "contiguous first (device memory is shared in place, not copied)",
+				  name, SLOT_ARGS(s));
 	if (!s->contiguous && (t->dtype.bits * t->dtype.lanes) % 8 != 0)
 		return dlpc__fail(-ENOTSUP,
-				  "cannot publish '%s': tensor %zu is strided with "
+				  "cannot publish '%s': %s%s%s is strided with "
 				  "sub-byte elements",
-				  name, i);
+				  name, SLOT_ARGS(s));
 	if (s->nbytes > 0 && !t->data)
-		return dlpc__fail(-EINVAL, "cannot publish '%s': tensor %zu has no data", name, i);
+		return dlpc__fail(-EINVAL, "cannot publish '%s': %s%s%s has no data", name,
+				  SLOT_ARGS(s));
 	return 0;
 }
 
@@ -487,10 +493,11 @@ static int publish_cuda_bundle(dlpc_client *c, const char *name, size_t n,
 
 		if (d.device_type != kDLCUDA || d.device_id != ordinal)
 			return dlpc__fail(-ENOTSUP,
-					  "cannot publish '%s': tensor %zu is on device %d:%d and "
-					  "tensor 0 on CUDA device %d; a bundle's tensors are all "
+					  "cannot publish '%s': %s%s%s is on device %d:%d and "
+					  "%s%s%s on CUDA device %d; a bundle's tensors are all "
 					  "on one device",
-					  name, i, d.device_type, d.device_id, ordinal);
+					  name, SLOT_ARGS(&slots[i]), d.device_type, d.device_id,
+					  SLOT_ARGS(&slots[0]), ordinal);
 	}
 	snprintf(what, sizeof(what), "cannot publish '%s'", name);
 	req.name.data = (uint8_t *)name;
@@ -576,11 +583,12 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 			goto out;
 		}
 		if (dlpc__key_check((const uint8_t *)key, strlen(key), why, sizeof(why)) < 0) {
-			r = dlpc__fail(-EINVAL, "cannot publish '%s': tensor %zu: %s", name, i,
-				       why);
+			/* a key that is not valid text is named by its place */
+			r = dlpc__fail(-EINVAL, "cannot publish '%s': the key of tensor %zu: %s",
+				       name, i, why);
 			goto out;
 		}
-		r = slot_init(&slots[i], tensors[i], name, i);
+		r = slot_init(&slots[i], tensors[i], name, keys ? key : NULL);
 		if (r < 0)
 			goto out;
 		if (!dlpc__align_up(size, &slots[i].offset) ||
@@ -605,9 +613,9 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 		if (tensors[i]->dl_tensor.device.device_type != kDLCPU) {
 			r = dlpc__fail(
 				-ENOTSUP,
-				"cannot publish '%s': tensor %zu is a CUDA tensor and tensor "
-				"0 a host one; a bundle's tensors are all on one device",
-				name, i);
+				"cannot publish '%s': %s%s%s is a CUDA tensor and %s%s%s a host "
+				"one; a bundle's tensors are all on one device",
+				name, SLOT_ARGS(&slots[i]), SLOT_ARGS(&slots[0]));
 			goto out;
 		}
 	if (zc && zc->device)

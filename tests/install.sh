@@ -86,6 +86,8 @@ assert dlpack_ipc.__file__.startswith(__import__("os").environ["PYTHONPATH"]), d
 a = np.from_dlpack(dlpack_ipc.attach("install/pc"))
 assert (a == np.arange(1000, dtype=np.int32) * 7 - 3).all()
 print("python: installed dlpack_ipc attached install/pc")
+import dlpack_ipc.torch
+assert dlpack_ipc.torch.__file__.startswith(__import__("os").environ["PYTHONPATH"])
 PY
 fi
 kill -TERM "$daemon_pid"

@@ -17,18 +17,32 @@ The module-level functions then connect anew on the next call, as does a Client(
 a plain Client keeps raising ConnectionResetError. A failed call is never retried for you: a
 publish may or may not have happened. See Client for the rest of the rules.
 """
+import enum
+import sys
 import threading
 from collections import namedtuple
 
-from ._core import BUNDLE_MAX, NAME_MAX, NDIM_MAX, SharedTensor, libdlpc_version
+from . import _core
+from ._core import BUNDLE_MAX, KEY_MAX, NAME_MAX, NDIM_MAX, SharedTensor, libdlpc_version
 from ._core import Client as _CoreClient
 from ._core import Watch as _CoreWatch
 
 __all__ = [
-    "Client", "SharedTensor", "EntryInfo", "TensorInfo", "Owner", "publish", "publish_dict",
-    "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat", "watch", "Watch",
-    "WatchEvent",
+    "Client", "SharedTensor", "EntryInfo", "EntryFlags", "TensorInfo", "Owner", "publish",
+    "publish_dict", "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat",
+    "watch", "Watch", "WatchEvent",
 ]
+
+
+class EntryFlags(enum.IntFlag):
+    """How an entry was published: EntryInfo.flags and WatchEvent.flags.
+
+    EPHEMERAL  publish(..., ephemeral=True): it goes when its publisher's connection closes
+    WRITABLE   publish(..., writable=True): attachers may map it shared and writable
+    Test with `EntryFlags.WRITABLE in e.flags`; the values are libdlpc's DLPC_PUBLISH_* bits.
+    """
+    EPHEMERAL = _core.PUBLISH_EPHEMERAL
+    WRITABLE = _core.PUBLISH_WRITABLE
 
 TensorInfo = namedtuple("TensorInfo", "key dtype shape")
 TensorInfo.__doc__ = "One tensor of a listed entry."
@@ -38,7 +52,7 @@ EntryInfo = namedtuple("EntryInfo",
                        "name generation device tensors nbytes refs owner created flags")
 EntryInfo.__doc__ = """A published entry: tensors is a list of TensorInfo (empty when the
 entry is too large to describe in one reply), refs counts live attach references, created is in
-seconds since the epoch."""
+seconds since the epoch, flags is an EntryFlags."""
 
 WatchEvent = namedtuple("WatchEvent",
                         "kind name generation previous_generation device dtype shape ntensors "
@@ -50,9 +64,40 @@ published, or the one removed: dtype and shape are those of its tensor, or None 
 (ntensors says how many it holds). previous_generation is the generation a "replaced" took over
 (else 0); reason is "request" or "disconnect" (an ephemeral publisher went away) for
 "unpublished", else None; actor is the Owner (uid, pid) of the connection that made the change;
-seq numbers the daemon's changes, 1, 2, 3..."""
+seq numbers the daemon's changes, 1, 2, 3...; flags is an EntryFlags."""
 
 _list = list  # the builtin, before this module's list() shadows it
+
+
+def _publishable(obj):
+    """What publish() takes in place of obj, whose own DLPack export failed (called from C).
+
+    Returns (stand-in, dtype) where dtype names the dtype the stand-in's bytes are published as
+    (None: its own), or None to let the producer's error stand. Objects with the buffer protocol
+    (numpy 1.x's read-only arrays) never get here: publish() reads their buffer.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        t = obj.detach()  # a parameter, or any tensor that requires grad: its data
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        if t.dtype == torch.bool:
+            # torch 1.x has no DLPack bool: the same bytes as uint8, published as kDLBool
+            return t.view(torch.uint8), "bool"
+        if obj.requires_grad or obj.is_conj() or obj.is_neg():
+            return t, None
+        return None
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.ndarray):
+        if not obj.dtype.isnative:
+            return obj.astype(obj.dtype.newbyteorder("=")), None
+        return None
+    if np is not None and (hasattr(obj, "__array_interface__")
+                           or hasattr(obj, "__array_struct__")):
+        return np.asarray(obj), None
+    return None
 
 
 class Client(_CoreClient):
@@ -80,11 +125,14 @@ class Client(_CoreClient):
     still runs on the lost connection, calls fail as it did; the next one connects anew.
     """
 
+    def __init__(self, socket=None, *, reconnect=False):
+        super().__init__(socket, reconnect=reconnect)
+
     def list(self, prefix=""):
-        """Entries whose names start with prefix, sorted by name."""
+        """Entries whose names start with prefix, sorted by name, as EntryInfo tuples."""
         return [EntryInfo(e["name"], e["generation"], e["device"],
                           [TensorInfo(*t) for t in e["tensors"]], e["nbytes"], e["refs"],
-                          Owner(e["uid"], e["pid"]), e["created"], e["flags"])
+                          Owner(e["uid"], e["pid"]), e["created"], EntryFlags(e["flags"]))
                 for e in self._list(prefix)]
 
 
@@ -92,7 +140,7 @@ class Client(_CoreClient):
 def _event(d):
     return WatchEvent(d["kind"], d["name"], d["generation"], d["previous_generation"],
                       d["device"], d["dtype"], d["shape"], d["ntensors"], d["nbytes"], d["refs"],
-                      Owner(d["uid"], d["pid"]), d["created"], d["flags"], d["reason"],
+                      Owner(d["uid"], d["pid"]), d["created"], EntryFlags(d["flags"]), d["reason"],
                       Owner(d["actor_uid"], d["actor_pid"]), d["seq"])
 
 
@@ -166,13 +214,24 @@ def _reset_default():
 
 
 def publish(name, obj, *, replace=False, ephemeral=False, writable=False):
-    """Publish obj (anything with __dlpack__, or a DLPack capsule) under name; returns the
-    generation. Host data is copied into sealed shared memory, except memory from empty()."""
+    """Publish obj under name; returns the entry's generation (1, then one more per replace).
+
+    obj: anything with __dlpack__ (numpy, torch, CuPy, JAX), a DLPack capsule, an object with
+    the buffer protocol, or a SharedTensor. Host data is copied into sealed shared memory,
+    except memory from empty(), which is published as it is.
+    replace: take over a name already published (by this uid, or as root); without it a taken
+    name raises FileExistsError. Attachers of the old generation keep its bytes.
+    ephemeral: the entry goes when this process's connection closes.
+    writable: attachers may map it shared and writable (attach(mode="write")); otherwise the
+    memory is sealed read-only for every process, this one included.
+    """
     return _client().publish(name, obj, replace=replace, ephemeral=ephemeral, writable=writable)
 
 
 def publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=False):
-    """Publish a mapping of str to tensors (a state dict) as one bundle on one storage."""
+    """Publish a mapping of str keys to tensors (a state dict) as one bundle in one storage;
+    returns the generation. Values as for publish(); keys are at most KEY_MAX bytes of UTF-8,
+    and errors name the key. replace, ephemeral and writable as for publish()."""
     return _client().publish_dict(name, mapping, replace=replace, ephemeral=ephemeral,
                                   writable=writable)
 
@@ -203,7 +262,7 @@ def attach(name, *, timeout=None, mode=None, owner=None, writable=None):
 
 def attach_dict(name, *, timeout=None, mode=None, owner=None, writable=None):
     """Attach every tensor of a bundle, in one round trip and one mapping, as a dict of
-    SharedTensor by key. timeout, mode and owner as for attach()."""
+    SharedTensor by key. timeout, mode, writable and owner as for attach()."""
     return _client().attach_dict(name, timeout=timeout, mode=mode, owner=owner,
                                  writable=writable)
 
@@ -228,7 +287,8 @@ def empty_dict(spec, device="cpu"):
 
 
 def unpublish(name):
-    """Remove name; attached tensors stay valid until released."""
+    """Remove name (its publishing uid, or root, may); attached tensors stay valid until
+    released."""
     return _client().unpublish(name)
 
 

@@ -73,7 +73,7 @@ void ipc_call_end(ClientObject *self, dlpc_client *c, int r);
 PyObject *ipc_client_attach(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_attach_dict(PyObject *obj, PyObject *args, PyObject *kwargs);
 
-/* consume.c: Client.publish() and Client.publish_dict(). */
+/* publish.c: Client.publish() and Client.publish_dict(). */
 PyObject *ipc_client_publish(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwargs);
 
@@ -98,12 +98,13 @@ int ipc_dtype_parse(PyObject *o, DLDataType *dt);
 /* Install __dlpack_c_exchange_api__ on the SharedTensor type. */
 int ipc_exchange_install(PyTypeObject *tp);
 
-/* consume.c: taking tensors from DLPack producers for publishing. */
+/* take.c: taking tensors from producers (DLPack, the buffer protocol, stand-ins) to publish. */
 struct ipc_taken;
 /*
- * Take the DLPack tensor @p obj exports (a capsule, an object with __dlpack__, or a
- * SharedTensor). Returns NULL with an exception set. The producer's tensor is ours from the
- * moment its capsule is renamed: ipc_taken_finish() must run, with the GIL, on every path.
+ * Take the tensor @p obj holds: a SharedTensor, a DLPack capsule, what an object's __dlpack__
+ * exports, or where that refuses, its buffer or a stand-in (take.c). Returns NULL with an
+ * exception set. The producer's tensor is ours from the moment its capsule is renamed (or its
+ * buffer taken): ipc_taken_finish() must run, with the GIL, on every path.
  */
 struct ipc_taken *ipc_take(PyObject *obj);
 /* The tensor to hand to dlpc_publish*(); its deleter may run without the GIL. */

@@ -134,16 +134,48 @@ void ipc_interruptible(void)
 	dlpc_set_interrupt(main ? interrupt_check : NULL, NULL);
 }
 
+/*
+ * libdlpc's (and dlpackd's) message @p msg in Python's words: the C spellings of what a Python
+ * caller says otherwise are replaced by the Python ones. Decoded leniently (a message cut at
+ * its length limit may end inside a character). A new reference, or NULL with an exception.
+ */
+static PyObject *python_text(const char *msg)
+{
+	static const char *const words[][2] = {
+		{"publish with REPLACE", "publish with replace=True"},
+		{"dlpc_alloc_bundle: ", "empty_dict(): "},
+		{"dlpc_alloc: ", "empty(): "},
+		{"(dlpc_close() or dlpc_cancel())", "(Client.close())"},
+	};
+	PyObject *text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "replace");
+
+	for (size_t i = 0; text && i < sizeof(words) / sizeof(words[0]); i++) {
+		PyObject *from, *to, *t;
+
+		if (!strstr(msg, words[i][0]))
+			continue;
+		from = PyUnicode_FromString(words[i][0]);
+		to = PyUnicode_FromString(words[i][1]);
+		t = from && to ? PyUnicode_Replace(text, from, to, -1) : NULL;
+		Py_XDECREF(from);
+		Py_XDECREF(to);
+		Py_SETREF(text, t);
+	}
+	return text;
+}
+
 PyObject *ipc_raise(int err)
 {
 	const char *msg = dlpc_last_error();
-	PyObject *args;
+	PyObject *text, *args;
 
 	/* libdlpc's interrupt check ran a signal handler that raised: that exception is the one
 	 * to see, whatever the call then returned */
 	if (PyErr_Occurred())
 		return NULL;
-
+	text = python_text(msg);
+	if (!text)
+		return NULL;
 	if (conn_lost(err)) {
 		/* One error whatever the timing: whether a write found the socket closed (EPIPE)
 		 * or a read did (ECONNRESET) is a race, and means the same to the caller. (A
@@ -151,27 +183,31 @@ PyObject *ipc_raise(int err)
 		args = Py_BuildValue(
 			"(iN)", ECONNRESET,
 			strstr(msg, "dlpackd closed the connection")
-				? PyUnicode_FromString(msg)
-				: PyUnicode_FromFormat("dlpackd closed the connection (%s)", msg));
+				? Py_NewRef(text)
+				: PyUnicode_FromFormat("dlpackd closed the connection (%U)", text));
 		if (args) {
 			PyErr_SetObject(PyExc_OSError, args);
 			Py_DECREF(args);
 		}
+		Py_DECREF(text);
 		return NULL;
 	}
 
 	switch (err) {
 	case -ENOMEM:
+		Py_DECREF(text);
 		return PyErr_NoMemory();
 	case -EINVAL:
-		PyErr_SetString(PyExc_ValueError, msg);
+		PyErr_SetObject(PyExc_ValueError, text);
+		Py_DECREF(text);
 		return NULL;
 	case -ENOTSUP:
-		PyErr_SetString(PyExc_BufferError, msg);
+		PyErr_SetObject(PyExc_BufferError, text);
+		Py_DECREF(text);
 		return NULL;
 	}
 	/* OSError(errno, text) picks the subclass: FileNotFoundError, TimeoutError, ... */
-	args = Py_BuildValue("(is)", -err, msg);
+	args = Py_BuildValue("(iN)", -err, text);
 	if (args) {
 		PyErr_SetObject(PyExc_OSError, args);
 		Py_DECREF(args);
@@ -604,13 +640,14 @@ out:
 	return res;
 }
 
-static PyObject *client_unpublish(PyObject *obj, PyObject *args)
+static PyObject *client_unpublish(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
+	static char *kwlist[] = {"name", NULL};
 	const char *name;
 	dlpc_client *c;
 	int r;
 
-	if (!PyArg_ParseTuple(args, "s:unpublish", &name) ||
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:unpublish", kwlist, &name) ||
 	    !(c = ipc_call_begin((ClientObject *)obj)))
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
@@ -627,29 +664,70 @@ static PyObject *client_unpublish(PyObject *obj, PyObject *args)
 
 static PyMethodDef client_methods[] = {
 	{"publish", FN(ipc_client_publish), KW,
-	 "publish(name, obj, *, replace=False, ephemeral=False, writable=False) -> int"},
+	 "publish($self, /, name, obj, *, replace=False, ephemeral=False, writable=False)\n--\n\n"
+	 "Publish obj under name; returns the entry's generation (1 for a new name, one more "
+	 "for each replace).\n\n"
+	 "obj: anything with __dlpack__ (numpy, torch, CuPy, JAX), a DLPack capsule, an object "
+	 "with the buffer protocol, or a SharedTensor. Host data is copied into sealed shared "
+	 "memory, except memory from empty(), which is published as it is.\n"
+	 "replace: take over a name that is already published (by this uid, or as root); "
+	 "without it a taken name raises FileExistsError. Attachers of the old generation keep "
+	 "its bytes.\n"
+	 "ephemeral: the entry goes when this connection closes (close(), or the process "
+	 "exits).\n"
+	 "writable: attachers may map it shared and writable (attach(mode=\"write\")); "
+	 "otherwise the memory is sealed read-only for every process, this one included."},
 	{"publish_dict", FN(ipc_client_publish_dict), KW,
-	 "publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=False) -> int"},
+	 "publish_dict($self, /, name, mapping, *, replace=False, ephemeral=False, "
+	 "writable=False)\n--\n\n"
+	 "Publish a mapping of str keys to tensors (a state dict) as one bundle in one "
+	 "storage; returns the generation. Each value as for publish(); keys are at most 255 "
+	 "bytes of UTF-8, and errors name the key. A dict from empty_dict(), whole and in its "
+	 "order, is published without a copy. replace, ephemeral and writable as for "
+	 "publish()."},
 	{"attach", FN(ipc_client_attach), KW,
-	 "attach(name, *, timeout=None, mode='read', owner=None) -> SharedTensor\n\n"
-	 "Attach the tensor published under name. mode: 'read' (default: read-only flag, "
-	 "mapped copy-on-write so that a consumer ignoring the flag writes privately), "
-	 "'private' (writable, writes private), 'strict' (read-only mapping: a write is "
-	 "SIGSEGV), 'write' (shared writable, for entries published writable; writable=True "
-	 "is the older spelling). owner: accept only an entry published by that uid."},
+	 "attach($self, /, name, *, timeout=None, mode=None, writable=None, owner=None)\n--\n\n"
+	 "Attach the tensor published under name, as a SharedTensor.\n\n"
+	 "timeout: None fails at once if the name is absent (FileNotFoundError); a number "
+	 "waits that many seconds for it to be published (then TimeoutError); float(\"inf\") "
+	 "waits until it is. Ctrl-C interrupts a wait.\n"
+	 "mode: how this process maps the memory (None: \"read\"): \"read\" exports the "
+	 "read-only flag and maps copy-on-write, so that a consumer ignoring the flag (torch) "
+	 "writes into pages of its own; \"private\" is writable, its writes staying in this "
+	 "process; \"strict\" maps read-only (a write is SIGSEGV); \"write\" maps shared and "
+	 "writable, for an entry published writable=True.\n"
+	 "writable: writable=True is the older spelling of mode=\"write\".\n"
+	 "owner: a uid: an entry under name published by another uid counts as absent."},
 	{"attach_dict", FN(ipc_client_attach_dict), KW,
-	 "attach_dict(name, *, timeout=None, mode='read', owner=None) -> dict[str, "
-	 "SharedTensor]\n\n"
-	 "Attach every tensor of a bundle, in one round trip and one mapping; mode and owner "
-	 "as for attach()."},
-	{"empty", FN(client_empty), KW, "empty(shape, dtype, device='cpu') -> SharedTensor"},
+	 "attach_dict($self, /, name, *, timeout=None, mode=None, writable=None, owner=None)\n"
+	 "--\n\n"
+	 "Attach every tensor of a bundle, in one round trip and one mapping, as a dict of "
+	 "SharedTensor by key, in the publisher's order. timeout, mode, writable and owner as "
+	 "for attach()."},
+	{"empty", FN(client_empty), KW,
+	 "empty($self, /, shape, dtype, device='cpu')\n--\n\n"
+	 "Writable shared memory for a tensor of shape and dtype (\"float32\", a numpy or torch "
+	 "dtype) on device \"cpu\", \"cuda\" or \"cuda:N\" (CUDA VMM memory). Fill it in "
+	 "place; publish() then shares it without a copy, and a read-only publish makes it "
+	 "read-only here too."},
 	{"empty_dict", FN(client_empty_dict), KW,
-	 "empty_dict({key: (shape, dtype)}, device='cpu') -> dict of SharedTensor in one "
-	 "allocation"},
-	{"unpublish", client_unpublish, METH_VARARGS, "unpublish(name) -> None"},
-	{"_list", FN(ipc_client_list), KW, "_list(prefix='') -> list[dict]"},
-	{"stat", ipc_client_stat, METH_NOARGS, "stat() -> dict"},
-	{"close", client_close, METH_NOARGS, "close() -> None"},
+	 "empty_dict($self, /, spec, device='cpu')\n--\n\n"
+	 "A bundle to fill in place: spec {key: (shape, dtype)} gives {key: SharedTensor}, "
+	 "every tensor in one allocation (each at the next 256-byte boundary) on device. "
+	 "publish_dict() of the whole dict, in its order, shares the allocation without a "
+	 "copy."},
+	{"unpublish", FN(client_unpublish), KW,
+	 "unpublish($self, /, name)\n--\n\n"
+	 "Remove name (its publishing uid, or root, may). Attached tensors stay valid until "
+	 "they are released."},
+	{"_list", FN(ipc_client_list), KW, "_list($self, /, prefix='')\n--\n\nLIST, as dicts."},
+	{"stat", ipc_client_stat, METH_NOARGS,
+	 "stat($self, /)\n--\n\nThe daemon's counters, as a dict of ints (see "
+	 "dlpack_ipc.stat())."},
+	{"close", client_close, METH_NOARGS,
+	 "close($self, /)\n--\n\n"
+	 "Close the connection. A call waiting on it in another thread raises "
+	 "OSError(ECANCELED); later calls raise ValueError. Closing twice does nothing."},
 	{"__enter__", client_enter, METH_NOARGS, NULL},
 	{"__exit__", client_exit, METH_VARARGS, NULL},
 	{NULL},
@@ -708,7 +786,10 @@ static int module_exec(PyObject *m)
 	if (PyModule_AddStringConstant(m, "libdlpc_version", dlpc_version()) < 0 ||
 	    PyModule_AddIntConstant(m, "NAME_MAX", DLPC_NAME_MAX) < 0 ||
 	    PyModule_AddIntConstant(m, "NDIM_MAX", DLPC_NDIM_MAX) < 0 ||
-	    PyModule_AddIntConstant(m, "BUNDLE_MAX", DLPC_BUNDLE_MAX) < 0)
+	    PyModule_AddIntConstant(m, "BUNDLE_MAX", DLPC_BUNDLE_MAX) < 0 ||
+	    PyModule_AddIntConstant(m, "KEY_MAX", DLPC_KEY_MAX) < 0 ||
+	    PyModule_AddIntConstant(m, "PUBLISH_EPHEMERAL", DLPC_PUBLISH_EPHEMERAL) < 0 ||
+	    PyModule_AddIntConstant(m, "PUBLISH_WRITABLE", DLPC_PUBLISH_WRITABLE) < 0)
 		return -1;
 	return 0;
 }

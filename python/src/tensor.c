@@ -320,6 +320,60 @@ static PyObject *tensor_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs)
 	return PyCapsule_New(legacy, "dltensor", legacy_capsule_free);
 }
 
+/*
+ * SharedTensor.torch(): torch.from_dlpack(self); for a bool tensor where this torch cannot
+ * import DLPack's bool (torch 1.x), the same memory imported as uint8 and viewed as torch.bool.
+ * Zero-copy either way.
+ */
+static PyObject *tensor_torch(PyObject *obj, PyObject *unused)
+{
+	TensorObject *self = (TensorObject *)obj;
+	DLManagedTensorVersioned *t = ipc_tensor_live(self), *share;
+	PyObject *torch, *r, *cap, *u8, *dt;
+	DLManagedTensor *legacy;
+
+	(void)unused;
+	if (!t)
+		return NULL;
+	torch = PyImport_ImportModule("torch");
+	if (!torch)
+		return NULL;
+	r = PyObject_CallMethod(torch, "from_dlpack", "O", obj);
+	if (r || t->dl_tensor.dtype.code != kDLBool ||
+	    !(PyErr_ExceptionMatches(PyExc_RuntimeError) ||
+	      PyErr_ExceptionMatches(PyExc_BufferError) ||
+	      PyErr_ExceptionMatches(PyExc_TypeError) ||
+	      PyErr_ExceptionMatches(PyExc_ValueError))) {
+		Py_DECREF(torch);
+		return r;
+	}
+	PyErr_Clear();
+	/* what __dlpack__(stream=None) orders for a CUDA tensor: the legacy default stream */
+	if (t->dl_tensor.device.device_type == kDLCUDA && order_stream(self, t, Py_None) < 0)
+		goto out;
+	share = dlpc_tensor_share(t);
+	legacy = share ? dlpc_to_legacy(share) : NULL;
+	if (!legacy) {
+		PyErr_NoMemory();
+		goto out;
+	}
+	legacy->dl_tensor.dtype = (DLDataType){kDLUInt, 8, 1};
+	cap = PyCapsule_New(legacy, "dltensor", legacy_capsule_free);
+	if (!cap) {
+		legacy->deleter(legacy);
+		goto out;
+	}
+	u8 = PyObject_CallMethod(torch, "from_dlpack", "O", cap);
+	Py_DECREF(cap);
+	dt = u8 ? PyObject_GetAttrString(torch, "bool") : NULL;
+	r = dt ? PyObject_CallMethod(u8, "view", "O", dt) : NULL;
+	Py_XDECREF(dt);
+	Py_XDECREF(u8);
+out:
+	Py_DECREF(torch);
+	return r;
+}
+
 static PyObject *tensor_dlpack_device(PyObject *obj, PyObject *unused)
 {
 	DLManagedTensorVersioned *t = ipc_tensor_live((TensorObject *)obj);
@@ -588,13 +642,20 @@ static PyObject *tensor_repr(PyObject *obj)
 
 static PyMethodDef tensor_methods[] = {
 	{"__dlpack__", (PyCFunction)(void (*)(void))tensor_dlpack, METH_VARARGS | METH_KEYWORDS,
-	 "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+	 "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
 	 "Export as a DLPack capsule: a legacy \"dltensor\" unless max_version is (1, x) or "
 	 "later."},
 	{"__dlpack_device__", tensor_dlpack_device, METH_NOARGS,
-	 "__dlpack_device__()\n--\n\nThe (device type, device id) pair of the tensor."},
+	 "__dlpack_device__($self, /)\n--\n\nThe (device type, device id) pair of the tensor."},
+	{"torch", tensor_torch, METH_NOARGS,
+	 "torch($self, /)\n--\n\n"
+	 "The tensor as a torch.Tensor over the same memory: torch.from_dlpack(self), except "
+	 "that a bool tensor, which torch before 2.x cannot import through DLPack, is imported "
+	 "as uint8 and viewed as torch.bool. torch ignores the read-only flag (see attach's "
+	 "mode)."},
 	{"release", tensor_release, METH_NOARGS,
-	 "release()\n--\n\nDrop this object's hold on the memory. Arrays already made from it keep "
+	 "release($self, /)\n--\n\nDrop this object's hold on the memory. Arrays already made from "
+	 "it keep "
 	 "theirs. Idempotent."},
 	{"__enter__", tensor_enter, METH_NOARGS, NULL},
 	{"__exit__", tensor_exit, METH_VARARGS, NULL},

@@ -247,9 +247,11 @@ static PyObject *watch_exit(PyObject *obj, PyObject *args)
 
 static PyMethodDef watch_methods[] = {
 	{"_next", (PyCFunction)(void (*)(void))watch_next, METH_VARARGS | METH_KEYWORDS,
-	 "_next(timeout=None) -> dict | None"},
-	{"fileno", watch_fileno, METH_NOARGS, "fileno() -> int: the socket, for select/poll"},
-	{"close", watch_close, METH_NOARGS, "close() -> None"},
+	 "_next($self, /, timeout=None)\n--\n\nThe next event as a dict, or None."},
+	{"fileno", watch_fileno, METH_NOARGS,
+	 "fileno($self, /)\n--\n\nThe watch's socket, for select() and poll()."},
+	{"close", watch_close, METH_NOARGS,
+	 "close($self, /)\n--\n\nEnd the watch and its connection; iteration stops."},
 	{"__enter__", watch_enter, METH_NOARGS, NULL},
 	{"__exit__", watch_exit, METH_VARARGS, NULL},
 	{NULL},

@@ -1262,6 +1262,26 @@ START_TEST(test_legacy_and_errors)
 		       -EEXIST);
 	ck_assert_int_eq(deleted, 2);
 	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "already published"));
+	/* errors name a bundle's tensor by its key, and a single tensor as "the tensor" */
+	{
+		const char *keys[2] = {"emb.weight", "head.bias"};
+		DLManagedTensorVersioned *two[2] = {
+			host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, &deleted),
+			host_tensor(buf, (DLDataType){kDLFloat, 0, 1}, 1, shape, NULL, &deleted),
+		};
+
+		ck_assert_dlpc(dlpc_publish_bundle(c, "keys", 2, keys, two, 0), -EINVAL);
+		ck_assert_msg(strstr(dlpc_last_error(),
+				     "cannot publish 'keys': tensor 'head.bias' has a bad dtype"),
+			      "%s", dlpc_last_error());
+		t = host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, &deleted);
+		t->dl_tensor.device.device_type = kDLOpenCL;
+		ck_assert_dlpc(dlpc_publish(c, "one", t, 0), -ENOTSUP);
+		ck_assert_msg(
+			strstr(dlpc_last_error(), "cannot publish 'one': the tensor is on device"),
+			"%s", dlpc_last_error());
+		ck_assert_int_eq(deleted, 5);
+	}
 	ck_assert_dlpc(dlpc_unpublish(c, "absent"), -ENOENT);
 	ck_assert_str_eq(dlpc_strerror(-ENOENT), "no such name (or no daemon socket)");
 	ck_assert_dlpc(dlpc_connect("/nonexistent/dlpackd.sock", &none), -ENOENT);

@@ -139,20 +139,44 @@ def test_bad_arguments(ipc, daemon):
     assert daemon.stat()["entries"] == 0 and daemon.stat()["protocol_errors"] == 0
 
 
-def test_numpy_bool_export_is_numpy_s_to_refuse(ipc):
-    a = np.array([True, False, True])
-    try:
-        a.__dlpack__()
-    except BufferError:
-        # numpy 1.x refuses to export bool over DLPack; the error comes through unchanged
-        with pytest.raises(BufferError):
-            ipc.publish("bool", a)
-        assert ipc.list() == []
-        return
-    # numpy 2 exports it: published and read back as bool
-    assert ipc.publish("bool", a) == 1
-    t = ipc.attach("bool")
-    assert t.dtype == "bool" and np.from_dlpack(t).tolist() == [True, False, True]
+def test_messages_speak_python(ipc, py):
+    """What libdlpc and dlpackd say in C's words reaches Python in Python's: the keyword to
+    pass, the function called."""
+    py.check("""
+        import numpy as np, dlpack_ipc
+        dlpack_ipc.publish("taken", np.zeros(2))
+    """)
+    with pytest.raises(FileExistsError) as ei:
+        ipc.publish("taken", np.ones(2))
+    assert "publish with replace=True to take it over" in str(ei.value)
+    assert "REPLACE" not in str(ei.value)
+    with pytest.raises(ValueError) as ei:
+        ipc.empty((1 << 62, 8), "float32")
+    assert str(ei.value).startswith("empty(): ") and "dlpc_" not in str(ei.value)
+    with pytest.raises(ValueError) as ei:
+        ipc.empty_dict({"a": ((4,), "int8"), "b": ((1 << 62, 8), "float32")})
+    assert str(ei.value).startswith("empty_dict(): ") and "dlpc_" not in str(ei.value)
+
+
+def test_bundle_errors_name_the_key(ipc, daemon):
+    """Whoever refuses a bundle's tensor, the message names its key, not its place."""
+    import torch
+    deep = torch.zeros((1,) * (dlpack_ipc.NDIM_MAX + 1))
+    with pytest.raises(ValueError) as ei:
+        ipc.publish_dict("b", {"ok": torch.zeros(2), "deep.weight": deep})
+    assert (f"cannot publish 'b': tensor 'deep.weight' has {dlpack_ipc.NDIM_MAX + 1} "
+            "dimensions") in str(ei.value)
+    with pytest.raises(ValueError, match="the tensor has"):
+        ipc.publish("one", deep)
+    with pytest.raises(TypeError, match="cannot publish 'b': tensor 'l': cannot publish a list"):
+        ipc.publish_dict("b", {"ok": torch.zeros(2), "l": [1.0]})
+    with pytest.raises(TypeError, match=r"keys must be str, not int \(key 7\)"):
+        ipc.publish_dict("b", {"ok": torch.zeros(2), 7: torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"key 'a\\x00b' contains NUL"):
+        ipc.publish_dict("b", {"a\0b": torch.zeros(2)})
+    with pytest.raises(ValueError, match="is too long"):
+        ipc.publish_dict("b", {"k" * 256: torch.zeros(2)})
+    assert ipc.list() == [] and daemon.stat()["protocol_errors"] == 0
 
 
 def test_errors_name_the_entry_for_bundles_and_waits(ipc):

@@ -213,6 +213,7 @@ def test_close_wakes_a_thread_waiting_forever(daemon):
     assert not t.is_alive(), "Client.close() left the thread waiting"
     assert len(got) == 1 and isinstance(got[0], OSError), got
     assert got[0].errno == errno.ECANCELED, got[0]
+    assert "(Client.close())" in str(got[0]) and "dlpc_" not in str(got[0]), got[0]
     # (the STAT's own connection is the one left)
     daemon.wait_stat(lambda s: s["waiters"] == 0 and s["connections"] == 1,
                      what="the wait and the connection gone")

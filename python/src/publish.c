@@ -1,0 +1,173 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Client.publish() and Client.publish_dict(): arguments, the tensors taken (take.c), the call
+ * without the GIL, and errors that name the bundle's key.
+ */
+#include <string.h>
+
+#include "dlpack_ipc.h"
+
+static uint32_t publish_flags(int replace, int ephemeral, int writable)
+{
+	return (replace ? DLPC_PUBLISH_REPLACE : 0) | (ephemeral ? DLPC_PUBLISH_EPHEMERAL : 0) |
+	       (writable ? DLPC_PUBLISH_WRITABLE : 0);
+}
+
+/*
+ * Say which tensor of bundle @p name the exception set is about: the same type, the message
+ * prefixed with the key (for the plain exception types a producer raises; others stay as they
+ * are).
+ */
+static void name_key(const char *name, const char *key)
+{
+	static PyObject *const *const plain[] = {&PyExc_BufferError, &PyExc_TypeError,
+						 &PyExc_ValueError, &PyExc_RuntimeError};
+	PyObject *type, *value, *tb, *msg;
+
+	PyErr_Fetch(&type, &value, &tb);
+	for (size_t i = 0; i < sizeof(plain) / sizeof(plain[0]); i++) {
+		if (type != *plain[i])
+			continue;
+		PyErr_NormalizeException(&type, &value, &tb);
+		msg = PyUnicode_FromFormat("cannot publish '%s': tensor '%s': %S", name, key,
+					   value);
+		if (msg) {
+			PyErr_SetObject(type, msg);
+			Py_DECREF(msg);
+			Py_XDECREF(type);
+			Py_XDECREF(value);
+			Py_XDECREF(tb);
+			return;
+		}
+		PyErr_Clear();
+		break;
+	}
+	PyErr_Restore(type, value, tb);
+}
+
+/* Publish @p n objects, with @p keys (NULL: a single tensor). Returns the generation. */
+static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_t n,
+				 PyObject *const *objs, const char *const *keys, uint32_t flags)
+{
+	dlpc_client *c = ipc_call_begin(self);
+	struct ipc_taken **taken;
+	DLManagedTensorVersioned **tensors;
+	Py_ssize_t got = 0;
+	int r = 0;
+
+	if (!c)
+		return NULL;
+	taken = PyMem_Calloc((size_t)n + 1, sizeof(*taken));
+	tensors = PyMem_Calloc((size_t)n + 1, sizeof(*tensors));
+	if (!taken || !tensors) {
+		PyMem_Free(taken);
+		PyMem_Free(tensors);
+		ipc_call_end(self, c, 0);
+		return PyErr_NoMemory();
+	}
+	for (; got < n; got++) {
+		taken[got] = ipc_take(objs[got]);
+		if (!taken[got]) {
+			if (keys)
+				name_key(name, keys[got]);
+			break;
+		}
+	}
+	if (got == n) {
+		/* only now does libdlpc own them: a failed take above leaves every one to
+		 * ipc_taken_finish() */
+		for (Py_ssize_t i = 0; i < n; i++)
+			tensors[i] = ipc_taken_tensor(taken[i]);
+		Py_BEGIN_ALLOW_THREADS
+		if (keys)
+			r = dlpc_publish_bundle(c, name, (size_t)n, keys, tensors, flags);
+		else
+			r = dlpc_publish(c, name, tensors[0], flags);
+		Py_END_ALLOW_THREADS
+	}
+	/* the producers' deleters, with the GIL, whatever happened */
+	for (Py_ssize_t i = 0; i < got; i++)
+		ipc_taken_finish(taken[i]);
+	PyMem_Free(taken);
+	PyMem_Free(tensors);
+	ipc_call_end(self, c, r);
+	if (got < n)
+		return NULL;
+	if (r < 0)
+		return ipc_raise(r);
+	return PyLong_FromLong(r);
+}
+
+PyObject *ipc_client_publish(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "obj", "replace", "ephemeral", "writable", NULL};
+	int replace = 0, ephemeral = 0, writable = 0;
+	const char *name;
+	PyObject *tensor;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$ppp:publish", kwlist, &name, &tensor,
+					 &replace, &ephemeral, &writable))
+		return NULL;
+	return publish_objects((ClientObject *)obj, name, 1, &tensor, NULL,
+			       publish_flags(replace, ephemeral, writable));
+}
+
+PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "mapping", "replace", "ephemeral", "writable", NULL};
+	int replace = 0, ephemeral = 0, writable = 0;
+	const char *name, **keys = NULL;
+	PyObject *mapping, *items, **objs = NULL, *r = NULL;
+	Py_ssize_t n, len;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$ppp:publish_dict", kwlist, &name,
+					 &mapping, &replace, &ephemeral, &writable))
+		return NULL;
+	items = PyMapping_Items(mapping);
+	if (!items)
+		return NULL;
+	n = PyList_GET_SIZE(items);
+	if (n == 0) {
+		PyErr_SetString(PyExc_ValueError, "cannot publish an empty mapping");
+		goto out;
+	}
+	keys = PyMem_Calloc((size_t)n, sizeof(*keys));
+	objs = PyMem_Calloc((size_t)n, sizeof(*objs));
+	if (!keys || !objs) {
+		PyErr_NoMemory();
+		goto out;
+	}
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *kv = PyList_GET_ITEM(items, i);
+		PyObject *k = PyTuple_GET_ITEM(kv, 0);
+
+		if (!PyUnicode_Check(k)) {
+			PyErr_Format(
+				PyExc_TypeError,
+				"cannot publish '%s': keys must be str, not %.100s (key %.60R)",
+				name, Py_TYPE(k)->tp_name, k);
+			goto out;
+		}
+		/* valid while items holds the key */
+		keys[i] = PyUnicode_AsUTF8AndSize(k, &len);
+		if (!keys[i])
+			goto out;
+		if (strlen(keys[i]) != (size_t)len || len > DLPC_KEY_MAX) {
+			PyErr_Format(
+				PyExc_ValueError,
+				"cannot publish '%s': key %.60R %s (keys are at most %d bytes of "
+				"UTF-8)",
+				name, k, len > DLPC_KEY_MAX ? "is too long" : "contains NUL",
+				DLPC_KEY_MAX);
+			goto out;
+		}
+		objs[i] = PyTuple_GET_ITEM(kv, 1);
+	}
+	r = publish_objects((ClientObject *)obj, name, n, objs, keys,
+			    publish_flags(replace, ephemeral, writable));
+out:
+	PyMem_Free(keys);
+	PyMem_Free(objs);
+	Py_DECREF(items);
+	return r;
+}
