@@ -69,13 +69,14 @@ static bool take_abandoned(dlpc_client *c, uint32_t id, bool keep)
 	return false;
 }
 
-/* The reference an ATTACH reply grants (to be released by whoever cannot use it), or 0. */
+/* The reference an ATTACH or RECV reply grants (to be released by whoever cannot use it), or 0. */
 static uint64_t reply_ref(uint16_t type, const uint8_t *payload, size_t len)
 {
 	Dlpackd__V1__AttachReply *m;
 	uint64_t ref;
 
-	if (type != (DLPC_MSG_ATTACH | DLPC_MSG_REPLY))
+	/* a RECV reply is an AttachReply too: the message it carried is freed with it */
+	if (type != (DLPC_MSG_ATTACH | DLPC_MSG_REPLY) && type != (DLPC_MSG_RECV | DLPC_MSG_REPLY))
 		return 0;
 	m = dlpackd__v1__attach_reply__unpack(NULL, len, payload);
 	if (!m)

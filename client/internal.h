@@ -251,6 +251,23 @@ int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl);
 bool dlpc__interrupted(void);
 /* What dlpc__reader_turn() returns when the thread's interrupt check asked to give up. */
 #define DLPC__INTERRUPTED 2
+/* attach.c: turn an ATTACH (or RECV) reply that came by connection @p epoch, and its fd (-1 for
+ * legacy CUDA IPC), into a bundle mapped as DLPC_ATTACH_* @p flags say; consumes @p fd and, on
+ * failure, releases the reply's reference. Messages say "cannot attach '@p name'". */
+int dlpc__attach_build(dlpc_client *c, uint64_t epoch, const char *name,
+		       const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
+		       dlpc_bundle **ret);
+/* publish.c: where a publish's request goes instead of PUBLISH (a channel's SEND); @p fn sends
+ * @p req and the storage @p fd (not consumed) and returns 0 or a negative errno. */
+struct dlpc__sink {
+	int (*fn)(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1__Publish *req, int fd);
+	const char *channel;
+	const dlpc_send_opts *opts;
+};
+/* dlpc_publish_bundle() with its request going to @p sink; host tensors only. */
+int dlpc__publish_to(dlpc_client *c, const char *name, size_t n, const char *const keys[],
+		     DLManagedTensorVersioned *const tensors[], uint32_t flags,
+		     const struct dlpc__sink *sink);
 /* Fill @p e from a LIST or EVENT entry (strings copied); 0 or -ENOMEM (clear it anyway). */
 int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in);
 /* Free what dlpc__entry_fill() allocated. */

@@ -38,7 +38,11 @@
 	X(UNPUBLISH, unpublish, 5, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                 \
 	X(LIST, list, 6, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                           \
 	X(STAT, stat, 7, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                           \
-	X(WATCH, watch, 8, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)
+	X(WATCH, watch, 8, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                         \
+	/* protocol 1.6: channels */                                                               \
+	X(SEND, send, 9, DLPC_FRAME_MAX, 1, 1, 0, 0)                                               \
+	X(RECV, recv, 10, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                          \
+	X(CHANNEL, channel, 11, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)
 
 /* clang-format off */
 enum dlpc_msg_type {
@@ -51,6 +55,8 @@ enum dlpc_msg_type {
 	DLPC_MSG_EVENT = 0x4001,
 	/* ...or a reclaim notice to a legacy CUDA IPC (1.2) or lent VMM (1.5) publisher (id 0). */
 	DLPC_MSG_RECLAIM = 0x4002,
+	/* ...or a recycle notice to the sender of pooled channel messages (1.6, id 0). */
+	DLPC_MSG_RECYCLE = 0x4003,
 	/* A reply's type is its request's type with this bit set... */
 	DLPC_MSG_REPLY = 0x8000,
 	/* ...or exactly this, carrying an Error message. */
