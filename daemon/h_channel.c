@@ -480,7 +480,7 @@ static void empty_channel(struct dlpd_server *s, struct dlpd_channel *ch, const 
 		wait_free(w);
 		if (m)
 			msg_free(s, m);
-		dlpd_reply_error(p, id, EPIPE, "channel '%s' was removed", name);
+		dlpd_reply_error(p, id, EIDRM, "channel '%s' was removed", name);
 	}
 	while ((m = dlpd_channel_pop(&s->reg, ch)))
 		msg_free(s, m);

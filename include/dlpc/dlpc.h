@@ -673,7 +673,7 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * the receiver releases every tensor of it (or its connection closes); it is never given to
  * anyone else. A message sent is queued even if its sender exits afterwards; a send still
  * waiting for room when its connection closes is dropped. Removing a channel frees the messages
- * it queues and ends every send and receive waiting on it with -EPIPE; messages already
+ * it queues and ends every send and receive waiting on it with -EIDRM; messages already
  * received stay valid until released. Channels do not survive a daemon restart.
  *
  * Messages are sealed read-only like ordinary publishes (see dlpc_publish()).
@@ -713,7 +713,7 @@ DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t cap
 
 /**
  * Remove the channel @p name: its queued messages are freed and every send or receive waiting
- * on it fails with -EPIPE. Only its owner's uid or root may.
+ * on it fails with -EIDRM. Only its owner's uid or root may.
  * @return 0, -ENOENT if there is none, -EPERM.
  */
 DLPC_EXPORT int dlpc_channel_remove(dlpc_client *c, const char *name);
@@ -747,7 +747,7 @@ typedef struct dlpc_send_opts {
  * Like dlpc_publish(), the call takes ownership of @p t: its deleter runs exactly once, here.
  * Host tensors only.
  * @return 0; -ENOENT if no such channel is open, -EAGAIN if it is full and the call may not
- *         wait, -EPIPE if it was removed while the call waited, -ENOTSUP for a CUDA tensor or a
+ *         wait, -EIDRM if it was removed while the call waited, -ENOTSUP for a CUDA tensor or a
  *         daemon older than 1.6, -EDQUOT, or another negative errno of dlpc_publish().
  */
 DLPC_EXPORT int dlpc_send(dlpc_client *c, const char *channel, DLManagedTensorVersioned *t,
@@ -776,7 +776,7 @@ typedef struct dlpc_recv_opts {
  * like an attached entry (see dlpc_attach()), its storage freed once the tensor's deleter ran.
  * @p opts NULL: wait without end, read-only mapping. dlpc_tensor_attach_info() says who sent it
  * (generation: the message's sequence number in the channel).
- * @return 0; -EAGAIN (empty, timeout 0), -ETIMEDOUT, -ENOENT (no such channel), -EPIPE (it was
+ * @return 0; -EAGAIN (empty, timeout 0), -ETIMEDOUT, -ENOENT (no such channel), -EIDRM (it was
  *         removed while the call waited), -EINVAL if the next message is a bundle (it stays
  *         queued: receive it with dlpc_recv_bundle()), or another negative errno.
  */

@@ -345,14 +345,14 @@ START_TEST(test_sender_dies)
 }
 END_TEST
 
-/* ---- removal frees the queue and ends the waits ---- */
+/* ---- removal frees the queue and ends the waits with EIDRM ---- */
 
 static int removed_waiter(void *arg)
 {
 	dlpc_client *c = child_connect();
 	int64_t v;
 
-	CHILD_CHECK(recv_value(c, (const char *)arg, -1, &v, NULL) == -EPIPE);
+	CHILD_CHECK(recv_value(c, (const char *)arg, -1, &v, NULL) == -EIDRM);
 	CHILD_CHECK(strstr(dlpc_last_error(), "removed") != NULL);
 	dlpc_close(c);
 	return 0;
@@ -363,7 +363,7 @@ static int removed_sender(void *arg)
 	dlpc_client *c = child_connect();
 
 	(void)arg;
-	CHILD_CHECK(send_value(c, "rm", 9, 1, 0, -1) == -EPIPE);
+	CHILD_CHECK(send_value(c, "rm", 9, 1, 0, -1) == -EIDRM);
 	dlpc_close(c);
 	return 0;
 }
