@@ -18,6 +18,14 @@ Groups:
                                     process gets it, reads one element, acks on a second Queue
              dlpack_ipc             the same protocol, but the name goes through the Queue and the
                                     child attaches, torch.from_dlpack, reads, releases, acks
+  channel    torch_multiprocessing  hand-off of a tensor already in shared memory to a waiting child
+                                    process, which reads one element and acks one byte on a Unix
+                                    socket:
+                                    torch.multiprocessing Queue put / get
+             dlpack_channel         dlpack_ipc channel send of empty() memory (no copy) / recv,
+                                    torch.from_dlpack, release
+             fd_pass_mmap           the floor: the memfd passed over a Unix socket (SCM_RIGHTS),
+                                    mmap, read, munmap, close
   pipe_copy  multiprocessing_pipe   the bytes through multiprocessing.Pipe to a child that makes
                                     an array of them, reads one element and acks (<= 256 MiB)
   bundle     attach_dict            attach_dict of 500 tensors of 1024 float32 + release all
@@ -292,6 +300,138 @@ def bench_handoff(client, timer, socket, prefix, sizes):
             q.join_thread()
 
 
+# ---- channel: hand-off with a one-byte pipe ack, three ways -------------------------------------
+
+def _channel_child(socket, chname, inq, sock):
+    """Waits for tensors by the mode the parent names on inq, acks each with one byte on sock.
+
+    ("torch",): tensors come through inq until ("stop",); ("channel",): messages from the
+    channel until a bundle; ("fd",): memfds over sock until a message without one; ("end",)."""
+    import mmap
+    import socket as socketmod
+    try:
+        import torch
+        torch.set_num_threads(1)
+        ch = dlpack_ipc.Channel(chname, client=dlpack_ipc.Client(socket))
+    except BaseException as e:
+        inq.put(("error", f"child start: {e!r}"))
+        return
+    sock.sendall(b"r")
+    while True:
+        mode = inq.get()
+        if mode[0] == "end":
+            break
+        if mode[0] == "torch":
+            while True:
+                msg = inq.get()
+                if msg[0] == "stop":
+                    break
+                t = msg[1]
+                del msg
+                t[0].item()
+                del t
+                sock.sendall(b"1")
+        elif mode[0] == "channel":
+            while True:
+                st = ch.recv()
+                if isinstance(st, dict):
+                    del st
+                    break
+                t = torch.from_dlpack(st)
+                t[0].item()
+                del t
+                st.release()
+                sock.sendall(b"1")
+        else:
+            size = mode[1]
+            while True:
+                _, fds, _, _ = socketmod.recv_fds(sock, 8, 1)
+                if not fds:
+                    break
+                m = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
+                m[0]
+                m.close()
+                os.close(fds[0])
+                sock.sendall(b"1")
+        sock.sendall(b"d")
+
+
+def bench_channel(client, timer, socket, prefix, sizes):
+    import socket as socketmod
+    import torch
+    import torch.multiprocessing as tmp
+    torch.set_num_threads(1)
+    ctx = tmp.get_context("spawn")
+    chname = f"{prefix}/channel"
+    ch = client.channel(chname, 1)
+    inq = ctx.Queue()
+    # memfds go to the child over this socket, and its one-byte acks come back on it
+    ps, cs = socketmod.socketpair(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
+    proc = ctx.Process(target=_channel_child, args=(socket, chname, inq, cs), daemon=True,
+                       name="bench_py-channel")
+
+    def ack(want=b"1"):
+        got = ps.recv(1)
+        if got != want:
+            raise RuntimeError(f"channel child acked {got!r}")
+
+    try:
+        log("starting the channel child (spawn, imports torch)")
+        proc.start()
+        cs.close()
+        ack(b"r")
+        for size in sizes:
+            t = torch.from_numpy(filled(size)).share_memory_()
+            try:
+                inq.put(("torch",))
+                msg = ("t", t)
+
+                def torch_op():
+                    inq.put(msg)
+                    ack()
+                emit("channel", "torch_multiprocessing", size, timer.measure(torch_op))
+                inq.put(("stop",))
+                ack(b"d")
+            finally:
+                del msg, t
+            gc.collect()
+            buf = client.empty(size // 4, "float32")
+            torch.from_dlpack(buf).fill_(1.0)
+            inq.put(("channel",))
+
+            def channel_op():
+                ch.send(buf)
+                ack()
+            emit("channel", "dlpack_channel", size, timer.measure(channel_op))
+            ch.send_dict({"stop": np.zeros(1)})
+            ack(b"d")
+            del buf
+            fd = os.memfd_create("bench-floor", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+                with open(f"/proc/self/fd/{fd}", "r+b", buffering=0) as f:
+                    f.write(b"\1" * min(size, 1 << 20))
+                inq.put(("fd", size))
+
+                def fd_op():
+                    socketmod.send_fds(ps, [b"f"], [fd])
+                    ack()
+                emit("channel", "fd_pass_mmap", size, timer.measure(fd_op))
+                ps.sendall(b"s")
+                ack(b"d")
+            finally:
+                os.close(fd)
+    finally:
+        stop_child(proc, lambda: inq.put(("end",)))
+        ps.close()
+        inq.close()
+        inq.join_thread()
+        try:
+            ch.remove()
+        except OSError:
+            pass
+
+
 # ---- pipe_copy -----------------------------------------------------------------------------------
 
 def _pipe_child(conn):
@@ -441,6 +581,7 @@ def main():
         for label, run in [
             ("attach_py", lambda: bench_attach(client, timer, prefix, sizes)),
             ("handoff", lambda: bench_handoff(client, timer, args.socket, prefix, sizes)),
+            ("channel", lambda: bench_channel(client, timer, args.socket, prefix, sizes)),
             ("pipe_copy", lambda: bench_pipe(timer, sizes)),
             ("bundle", lambda: bench_bundle(client, timer, prefix)),
         ]:

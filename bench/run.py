@@ -182,6 +182,15 @@ def targets(rows, sizes, map_sizes):
         t, o = pick(rows, "handoff", "torch_multiprocessing", s), pick(rows, "handoff", "dlpack_ipc", s)
         add(f"torch.multiprocessing hand-off / ours, {human(s)}",
             ratio(t and t["median_us"], o and o["median_us"]), 20.0, lower_is_better=False)
+    # issue 17: a channel hand-off against torch.multiprocessing's queue and against the floor
+    for s in sizes:
+        t, o = pick(rows, "channel", "torch_multiprocessing", s), pick(rows, "channel", "dlpack_channel", s)
+        add(f"torch.multiprocessing queue hand-off / channel hand-off, {human(s)}",
+            ratio(t and t["median_us"], o and o["median_us"]), 10.0, lower_is_better=False)
+    for s in sizes:
+        o, f = pick(rows, "channel", "dlpack_channel", s), pick(rows, "channel", "fd_pass_mmap", s)
+        add(f"channel hand-off / floor (fd pass + mmap), {human(s)}",
+            ratio(o and o["median_us"], f and f["median_us"]), 2.0)
     b, one = pick(rows, "bundle_c", "attach_bundle"), pick(rows, "bundle_c", "single_x1")
     add("bundle of 500 / one single attach (C)", ratio(b and b["median_us"], one and one["median_us"]),
         3.0)
@@ -246,6 +255,10 @@ def table(rows, sizes, map_sizes, checks):
                ("attach_py", "shared_memory", "stdlib SharedMemory + ndarray + close"),
                ("handoff", "dlpack_ipc", "hand-off to a process: name + attach (ours)"),
                ("handoff", "torch_multiprocessing", "hand-off: torch.multiprocessing queue"),
+               ("channel", "dlpack_channel", "hand-off over a channel, socket ack (ours)"),
+               ("channel", "torch_multiprocessing",
+                "hand-off: torch.multiprocessing queue, socket ack"),
+               ("channel", "fd_pass_mmap", "hand-off floor: fd pass + mmap, socket ack"),
                ("pipe_copy", "multiprocessing_pipe", "copy through multiprocessing.Pipe")]
     for group, impl, desc in latency:
         cells = []

@@ -32,7 +32,7 @@ static const char usage_text[] =
 	"  ls [PREFIX] [--json]      list the entries whose names start with PREFIX\n"
 	"  stat [--json]             show the daemon's counters\n"
 	"  rm NAME                   unpublish NAME\n"
-	"  channels [PREFIX] [--json] list the channels whose names start with PREFIX\n"
+	"  channels [PREFIX] [--json]  list the channels whose names start with PREFIX\n"
 	"  rmchan NAME               remove the channel NAME and the messages it queues\n"
 	"  wait NAME [--timeout S]   wait until NAME is published (at most S seconds)\n"
 	"  ping                      check that the daemon answers\n"

@@ -721,6 +721,23 @@ static PyMethodDef client_methods[] = {
 	 "Remove name (its publishing uid, or root, may). Attached tensors stay valid until "
 	 "they are released."},
 	{"_list", FN(ipc_client_list), KW, "_list($self, /, prefix='')\n--\n\nLIST, as dicts."},
+	{"_channel_open", FN(ipc_client_channel_open), KW,
+	 "_channel_open($self, /, name, capacity=0)\n--\n\nOpen (create) a channel; its info "
+	 "as a dict, with created."},
+	{"_channel_remove", FN(ipc_client_channel_remove), KW,
+	 "_channel_remove($self, /, name)\n--\n\nRemove a channel."},
+	{"_channel_stat", FN(ipc_client_channel_stat), KW,
+	 "_channel_stat($self, /, name)\n--\n\nA channel's info, as a dict."},
+	{"_channel_list", FN(ipc_client_channel_list), KW,
+	 "_channel_list($self, /, prefix='')\n--\n\nLIST of channels, as dicts."},
+	{"_send", FN(ipc_client_send), KW,
+	 "_send($self, /, name, obj, *, timeout=None)\n--\n\nSend obj to a channel."},
+	{"_send_dict", FN(ipc_client_send_dict), KW,
+	 "_send_dict($self, /, name, mapping, *, timeout=None)\n--\n\nSend a bundle to a "
+	 "channel."},
+	{"_recv", FN(ipc_client_recv), KW,
+	 "_recv($self, /, name, *, timeout=None, mode=None, bundle=False)\n--\n\nReceive "
+	 "from a channel."},
 	{"stat", ipc_client_stat, METH_NOARGS,
 	 "stat($self, /)\n--\n\nThe daemon's counters, as a dict of ints (see "
 	 "dlpack_ipc.stat())."},
