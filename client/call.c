@@ -149,8 +149,13 @@ static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
 		c->reclaimed = v;
 		c->reclaimed_cap = cap;
 	}
-	memcpy(c->reclaimed + c->nreclaimed, m->tokens, m->n_tokens * sizeof(*m->tokens));
-	c->nreclaimed += m->n_tokens;
+	for (size_t i = 0; i < m->n_tokens; i++) {
+		/* a recycled channel buffer (pool.c) is free again; the rest is CUDA's */
+		if (m->tokens[i] & DLPC__POOL_TOKEN)
+			dlpc__pool_reclaimed(c, m->tokens[i]);
+		else
+			c->reclaimed[c->nreclaimed++] = m->tokens[i];
+	}
 	/* the reclaimer may be waiting for another reader's turn to end: this wakes it */
 	pthread_cond_broadcast(&c->cv);
 out:

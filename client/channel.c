@@ -209,6 +209,7 @@ static int send_sink(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1_
 	s.channel.len = strlen(sink->channel);
 	s.timeout_ms = timeout;
 	s.message = req;
+	s.pool_token = sink->pool_token;
 	r = dlpc__call_ex(c, DLPC_MSG_SEND, &s.base, &fd, 1, timeout, NULL,
 			  &dlpackd__v1__send_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
 			  NULL);
@@ -232,6 +233,7 @@ DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
 {
 	dlpc_send_opts o = {.size = sizeof(o), .flags = 0, .timeout_ms = -1};
 	struct dlpc__sink sink = {.fn = send_sink, .channel = channel, .opts = &o};
+	struct dlpc__region *pooled;
 	int r;
 
 	/* every path takes ownership of the tensors, as dlpc_publish() does */
@@ -252,7 +254,27 @@ DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
 		drop_tensors(n, tensors);
 		return r;
 	}
-	r = dlpc__publish_to(c, channel, n, n == 1 && !keys ? NULL : keys, tensors, 0, &sink);
+	/* recycled memory (pool.c) goes writable, marked with its token, and is in flight until
+	 * dlpackd gives it back */
+	pooled = n == 1 && tensors ? dlpc__view_region(tensors[0]) : NULL;
+	if (pooled && !pooled->pool_token)
+		pooled = NULL;
+	if (pooled && pooled->pool_owner != c) {
+		drop_tensors(n, tensors);
+		return dlpc__fail(-EINVAL,
+				  "cannot send to channel '%s': the tensor is pooled memory of "
+				  "another connection; send it on the one that allocated it",
+				  channel ? channel : "");
+	}
+	if (pooled) {
+		sink.pool_token = pooled->pool_token;
+		dlpc__pool_sending(c, sink.pool_token, true);
+	}
+	r = dlpc__publish_to(c, channel, n, n == 1 && !keys ? NULL : keys, tensors,
+			     pooled ? DLPC_PUBLISH_WRITABLE : 0, &sink);
+	/* refused: the buffer never left (a lost connection's never comes back either way) */
+	if (pooled && r < 0)
+		dlpc__pool_sending(c, sink.pool_token, false);
 	return r < 0 && channel ? reword(r, "cannot publish", "cannot send to", channel) : r;
 }
 

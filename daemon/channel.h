@@ -19,10 +19,11 @@ struct dlpd_msg {
 	struct dlpd_storage *st; /* held as by a name until received */
 	uint8_t *tensors_wire;	 /* the tensors as an AttachReply encodes them */
 	size_t tensors_wire_len;
-	uint32_t flags;	   /* DLPC_PUBLISH_WRITABLE for a pooled message */
-	uint32_t ntensors; /* 1, or a bundle's count */
-	uint64_t seq;	   /* its number in the channel, given when admitted */
-	uid_t uid;	   /* the sender's */
+	uint32_t flags;	     /* DLPC_PUBLISH_WRITABLE for a pooled message */
+	uint32_t ntensors;   /* 1, or a bundle's count */
+	uint64_t pool_token; /* a pooled message: its sender's buffer, told back by RECLAIM */
+	uint64_t seq;	     /* its number in the channel, given when admitted */
+	uid_t uid;	     /* the sender's */
 	pid_t pid;
 };
 

@@ -24,6 +24,7 @@
 #include "names.h"
 #include "peer.h"
 #include "quota.h"
+#include "reclaim.h"
 #include "util.h"
 
 #define RECV_FLAGS DLPC_ATTACH_SINGLE
@@ -130,6 +131,10 @@ static void admit(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, str
 	Dlpackd__V1__SendReply rep = DLPACKD__V1__SEND_REPLY__INIT;
 
 	dlpd_channel_push(&p->srv->reg, ch, m);
+	/* a pooled message's storage goes back to its sender (RECLAIM) once freed; only once
+	 * admitted, so that a refused SEND is never answered with a RECLAIM too */
+	if (m->pool_token)
+		dlpd_reclaim_watch(p, m->st, m->pool_token);
 	rep.seq = m->seq;
 	rep.depth = ch->depth;
 	dlpd_reply(p, DLPC_MSG_SEND | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
@@ -344,13 +349,13 @@ int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 	if (req->flags)
 		return dlpd_reply_error(p, id, EINVAL, "cannot send to channel '%s': flags 0x%x",
 					name, req->flags);
-	if (req->pool_token)
-		return dlpd_reply_error(p, id, ENOTSUP,
-					"cannot send to channel '%s': pooled messages are not "
-					"supported by this dlpackd",
-					name);
 	if (!req->message)
 		return dlpd_reply_error(p, id, EINVAL, "cannot send to channel '%s': no message",
+					name);
+	if (req->pool_token && !(req->message->flags & DLPC_PUBLISH_WRITABLE))
+		return dlpd_reply_error(p, id, EINVAL,
+					"cannot send to channel '%s': a pooled message is "
+					"writable by its sender; send it WRITABLE",
 					name);
 	r = check_message(req->message, f->fds[0], why, sizeof(why));
 	if (r < 0)
@@ -370,6 +375,8 @@ int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 		return dlpd_reply_error(p, id, EDQUOT, "cannot wait for room in channel '%s': %s",
 					name, why);
 	m = msg_new(p, req->message, f);
+	if (m)
+		m->pool_token = req->pool_token;
 	if (!m)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot send to channel '%s': out of memory",
 					name);

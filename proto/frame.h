@@ -55,8 +55,6 @@ enum dlpc_msg_type {
 	DLPC_MSG_EVENT = 0x4001,
 	/* ...or a reclaim notice to a legacy CUDA IPC (1.2) or lent VMM (1.5) publisher (id 0). */
 	DLPC_MSG_RECLAIM = 0x4002,
-	/* ...or a recycle notice to the sender of pooled channel messages (1.6, id 0). */
-	DLPC_MSG_RECYCLE = 0x4003,
 	/* A reply's type is its request's type with this bit set... */
 	DLPC_MSG_REPLY = 0x8000,
 	/* ...or exactly this, carrying an Error message. */

@@ -45,8 +45,6 @@
 /* Channels (protocol 1.6): DLPC_CHANNEL_CAPACITY_DEFAULT and _MAX are public (dlpc.h).
  * Channels count against --max-entries-per-uid like names; queued messages against their
  * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection. */
-/* Most pool tokens one RECYCLE notice carries (more go out in further frames). */
-#define DLPC_RECYCLE_BATCH_MAX 1024
 
 #endif
 /* Most publication tokens one RECLAIM notice carries (more go out in further frames). */
@@ -119,7 +117,7 @@
 /* Channels (protocol 1.6): DLPC_CHANNEL_CAPACITY_DEFAULT and _MAX are public (dlpc.h).
  * Channels count against --max-entries-per-uid like names; queued messages against their
  * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection. */
-/* Most pool tokens one RECYCLE notice carries (more go out in further frames). */
-#define DLPC_RECYCLE_BATCH_MAX 1024
+/* DLPC_POOL_BUFFERS_MAX (dlpc.h): buffers in one connection's pool of recycled channel
+ * memory. */
 
 #endif

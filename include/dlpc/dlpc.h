@@ -763,6 +763,28 @@ DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
 				 DLManagedTensorVersioned *const tensors[],
 				 const dlpc_send_opts *opts);
 
+/** Buffers one connection's pool of recycled channel memory holds (dlpc_channel_alloc()). */
+#define DLPC_POOL_BUFFERS_MAX 64
+
+/**
+ * Recycled memory for a message to @p channel: a writable host tensor of @p dtype and
+ * @p shape from this connection's pool. Send it with dlpc_send() on the same connection; once
+ * a receiver has released the message (or the channel dropped it) dlpackd gives the buffer back
+ * and a later dlpc_channel_alloc() of a size that fits (up to twice the need) hands it out
+ * again, already mapped: a steady pipeline asks the kernel for no fresh pages.
+ *
+ * A pooled message is NOT read-only: its buffer stays mapped writable in the sender, which can
+ * change it while a receiver reads it (receivers map it read-only or copy-on-write, so they
+ * cannot write it). That is the price of recycling, as with torch.multiprocessing; ordinary
+ * sends and publishes stay sealed read-only. Do not write a buffer after sending it.
+ *
+ * @return 0; -ENOBUFS when all DLPC_POOL_BUFFERS_MAX buffers are in flight or held,
+ *         -ENOTSUP for a daemon older than 1.6, -EINVAL, -ENOSPC.
+ */
+DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataType dtype,
+				   int32_t ndim, const int64_t *shape,
+				   DLManagedTensorVersioned **ret);
+
 /** Options of dlpc_recv() and dlpc_recv_bundle(). */
 typedef struct dlpc_recv_opts {
 	uint32_t size;	    /**< sizeof(dlpc_recv_opts) */

@@ -523,6 +523,64 @@ START_TEST(test_quota)
 }
 END_TEST
 
+/* ---- recycled buffers: the storage a receiver released comes back to its sender ---- */
+
+START_TEST(test_pool_recycles)
+{
+	dlpc_client *s = connect_or_die(&D), *r = connect_or_die(&D);
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	DLManagedTensorVersioned *t, *got, *held[DLPC_POOL_BUFFERS_MAX];
+	int64_t shape = 1 << 14;
+	DLDataType f32 = {kDLFloat, 32, 1};
+	dlpc_attach_info ai = {.size = sizeof(ai)};
+	uint64_t zero = 0;
+	void *first = NULL;
+
+	ck_assert_dlpc(dlpc_channel_open(s, "pool", 2, NULL), 1);
+	for (int round = 0; round < 5; round++) {
+		ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &t), 0);
+		/* after the first round, the same memory every time: nothing fresh */
+		if (round == 0)
+			first = t->dl_tensor.data;
+		else
+			ck_assert_ptr_eq(t->dl_tensor.data, first);
+		ck_assert(!(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY));
+		((float *)t->dl_tensor.data)[shape - 1] = (float)round;
+		ck_assert_dlpc(dlpc_send(s, "pool", t, 0), 0);
+		ck_assert_dlpc(dlpc_recv(r, "pool", &now, &got), 0);
+		ck_assert(((float *)got->dl_tensor.data)[shape - 1] == (float)round);
+		ck_assert_dlpc(dlpc_tensor_attach_info(got, &ai), 0);
+		ck_assert(ai.flags & DLPC_PUBLISH_WRITABLE);
+		got->deleter(got);
+		/* the release reaches the daemon with the receiver's next request */
+		ck_assert_uint_eq(stat_or_die(r).messages, 0);
+		ck_assert(wait_stat(s, storages_are, &zero, scaled_ms(5000)));
+	}
+	/* buffers a user holds are not handed out again; past the pool's size: ENOBUFS */
+	for (int i = 0; i < DLPC_POOL_BUFFERS_MAX; i++)
+		ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &held[i]), 0);
+	ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &t), -ENOBUFS);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "DLPC_POOL_BUFFERS_MAX"));
+	/* pooled memory goes only on the connection that allocated it */
+	ck_assert_dlpc(dlpc_send(r, "pool", held[0], 0), -EINVAL);
+	for (int i = 1; i < DLPC_POOL_BUFFERS_MAX; i++)
+		held[i]->deleter(held[i]);
+	ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &t), 0);
+	t->deleter(t);
+	/* a channel removed with a pooled message queued gives the buffer back too */
+	ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &t), 0);
+	first = t->dl_tensor.data;
+	ck_assert_dlpc(dlpc_send(s, "pool", t, 0), 0);
+	ck_assert_dlpc(dlpc_channel_remove(s, "pool"), 0);
+	ck_assert(wait_stat(s, storages_are, &zero, scaled_ms(5000)));
+	ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &t), 0);
+	ck_assert_ptr_eq(t->dl_tensor.data, first);
+	t->deleter(t);
+	dlpc_close(r);
+	dlpc_close(s);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("channel");
@@ -538,6 +596,7 @@ int main(void)
 	tcase_add_test(tc, test_remove_frees);
 	tcase_add_test(tc, test_bundles_and_limits);
 	tcase_add_test(tc, test_list_stat_watch);
+	tcase_add_test(tc, test_pool_recycles);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("quota");
 	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
