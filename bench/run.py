@@ -204,6 +204,9 @@ def targets(rows, sizes, map_sizes):
     add(f"publish copy path / memcpy into fresh memory, {human(mf and mf['size'])} (not a target of "
         "the issue: the floor a copy into new shared memory can reach)",
         ratio(cp and cp["median_us"], mf and mf["median_us"]), 1.25)
+    pl = pick(rows, "publish", "dlpc_pool")
+    add(f"publish into a recycled channel buffer (fill + send) / memcpy, {human(mc and mc['size'])}",
+        ratio(pl and pl["median_us"], mc and mc["median_us"]), 1.25)
     att = pick(rows, "attach_c", "dlpc", sizes[0])
     add("zero-copy publish / attach", ratio(zc and zc["median_us"], att and att["median_us"]), 2.0)
     # the integrity issue: copy-on-write mappings at no cost to readers (within 10% here)
@@ -281,6 +284,8 @@ def table(rows, sizes, map_sizes, checks):
                               ("publish", "dlpc_alloc", "dlpc_publish of dlpc_alloc memory"),
                               ("publish", "dlpc_alloc_written",
                                "dlpc_publish of dlpc_alloc memory written first"),
+                              ("publish", "dlpc_pool",
+                               "fill a recycled channel buffer (dlpc_channel_alloc) + dlpc_send"),
                               ("publish_small", "publish", "dlpc_publish, copy path, no fd store"),
                               ("publish_small", "publish_fdstore",
                                "dlpc_publish, copy path, with systemd's fd store"),
