@@ -26,6 +26,12 @@ Groups:
                                     torch.from_dlpack, release
              fd_pass_mmap           the floor: the memfd passed over a Unix socket (SCM_RIGHTS),
                                     mmap, read, munmap, close
+  pipeline   torch_queue            a producer process makes 64 MiB float32 batches as a DataLoader
+                                    worker does (a new shared-memory tensor, filled) and puts them
+                                    on a torch.multiprocessing Queue; this process takes them and
+                                    reads one element: the time between batches
+             channel_pool           the same batches filled into recycled channel buffers
+                                    (Channel.empty) and sent over a channel of 4
   pipe_copy  multiprocessing_pipe   the bytes through multiprocessing.Pipe to a child that makes
                                     an array of them, reads one element and acks (<= 256 MiB)
   bundle     attach_dict            attach_dict of 500 tensors of 1024 float32 + release all
@@ -432,6 +438,83 @@ def bench_channel(client, timer, socket, prefix, sizes):
             pass
 
 
+# ---- pipeline: a steady stream of 64 MiB batches -------------------------------------------------
+
+PIPELINE_BYTES = 64 << 20
+
+
+def _pipeline_child(socket, chname, q, kind, n, done):
+    """Make n batches of PIPELINE_BYTES, as a DataLoader worker (kind "torch") or into recycled
+    channel buffers (kind "channel"); stay until done is set (torch's fds are lent by the
+    process that put them, as a DataLoader's workers stay)."""
+    import torch
+    torch.set_num_threads(1)
+    elems = PIPELINE_BYTES // 4
+    if kind == "torch":
+        for k in range(n):
+            out = torch.empty(elems).share_memory_()
+            out.fill_(float(k))
+            q.put(out)
+            del out
+        done.wait(CHILD_TIMEOUT_S)
+        return
+    ch = dlpack_ipc.Channel(chname, client=dlpack_ipc.Client(socket))
+    for k in range(n):
+        buf = ch.empty(elems, "float32")
+        torch.from_dlpack(buf).fill_(float(k))
+        ch.send(buf)
+        del buf
+    done.wait(CHILD_TIMEOUT_S)
+
+
+def bench_pipeline(client, socket, prefix, quick):
+    import torch
+    import torch.multiprocessing as tmp
+    n, warm = (8, 2) if quick else (60, 10)
+    ctx = tmp.get_context("spawn")
+    chname = f"{prefix}/pipeline"
+    ch = client.channel(chname, 4)
+    try:
+        for kind in ("torch", "channel"):
+            q, done = ctx.Queue(4), ctx.Event()
+            proc = ctx.Process(target=_pipeline_child, args=(socket, chname, q, kind, n, done),
+                               daemon=True, name="bench_py-pipeline")
+            proc.start()
+            stamps = []
+            try:
+                for k in range(n):
+                    t = None
+                    if kind == "torch":
+                        t = q.get(timeout=CHILD_TIMEOUT_S)
+                        v = float(t[-1])
+                    else:
+                        st = ch.recv(timeout=CHILD_TIMEOUT_S)
+                        v = float(torch.from_dlpack(st)[-1])
+                        st.release()
+                        del st
+                    if v != float(k):
+                        raise RuntimeError(f"pipeline batch {k} holds {v}")
+                    stamps.append(time.perf_counter_ns())
+                    del t
+                done.set()
+                proc.join(CHILD_TIMEOUT_S)
+            finally:
+                stop_child(proc, lambda: None)
+                q.close()
+                q.join_thread()
+            gaps = sorted(b - a for a, b in zip(stamps[warm:], stamps[warm + 1:]))
+            mid = len(gaps) // 2
+            median = gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
+            p99 = gaps[max(0, math.ceil(0.99 * len(gaps)) - 1)]
+            emit("pipeline", "torch_queue" if kind == "torch" else "channel_pool",
+                 PIPELINE_BYTES, (median / 1e3, p99 / 1e3, len(gaps)))
+    finally:
+        try:
+            ch.remove()
+        except OSError:
+            pass
+
+
 # ---- pipe_copy -----------------------------------------------------------------------------------
 
 def _pipe_child(conn):
@@ -582,6 +665,7 @@ def main():
             ("attach_py", lambda: bench_attach(client, timer, prefix, sizes)),
             ("handoff", lambda: bench_handoff(client, timer, args.socket, prefix, sizes)),
             ("channel", lambda: bench_channel(client, timer, args.socket, prefix, sizes)),
+            ("pipeline", lambda: bench_pipeline(client, args.socket, prefix, args.quick)),
             ("pipe_copy", lambda: bench_pipe(timer, sizes)),
             ("bundle", lambda: bench_bundle(client, timer, prefix)),
         ]:

@@ -204,6 +204,10 @@ def targets(rows, sizes, map_sizes):
     add(f"publish copy path / memcpy into fresh memory, {human(mf and mf['size'])} (not a target of "
         "the issue: the floor a copy into new shared memory can reach)",
         ratio(cp and cp["median_us"], mf and mf["median_us"]), 1.25)
+    tq, cp_ = pick(rows, "pipeline", "torch_queue"), pick(rows, "pipeline", "channel_pool")
+    add("steady pipeline of 64 MiB batches, batches/s, channel with pool / torch DataLoader-style "
+        "queue", ratio(tq and tq["median_us"], cp_ and cp_["median_us"]), 3.0,
+        lower_is_better=False)
     pl = pick(rows, "publish", "dlpc_pool")
     add(f"publish into a recycled channel buffer (fill + send) / memcpy, {human(mc and mc['size'])}",
         ratio(pl and pl["median_us"], mc and mc["median_us"]), 1.25)
@@ -284,6 +288,12 @@ def table(rows, sizes, map_sizes, checks):
                               ("publish", "dlpc_alloc", "dlpc_publish of dlpc_alloc memory"),
                               ("publish", "dlpc_alloc_written",
                                "dlpc_publish of dlpc_alloc memory written first"),
+                              ("pipeline", "torch_queue",
+                               "64 MiB batch, DataLoader-style: new shared tensor, filled, "
+                               "torch.multiprocessing Queue (time between batches)"),
+                              ("pipeline", "channel_pool",
+                               "64 MiB batch filled into a recycled buffer, channel (time "
+                               "between batches)"),
                               ("publish", "dlpc_pool",
                                "fill a recycled channel buffer (dlpc_channel_alloc) + dlpc_send"),
                               ("publish_small", "publish", "dlpc_publish, copy path, no fd store"),

@@ -203,6 +203,18 @@ class Channel:
         """Send a mapping of str keys to tensors as one message (a bundle)."""
         self._client._send_dict(self.name, mapping, timeout=timeout)
 
+    def empty(self, shape, dtype):
+        """Recycled writable memory for a message: fill it, send() it, then drop it.
+
+        It comes from this connection's pool: once a receiver has released a message sent from
+        it, dlpackd gives the buffer back and a later empty() of a size that fits (up to twice
+        the need) hands out the same pages again, so a steady pipeline needs no fresh memory.
+        A pooled message is NOT read-only: the buffer stays writable here, and a write after
+        send() would change what a receiver reads (the trade torch.multiprocessing makes too).
+        Send it on this Channel's client; OSError(ENOBUFS) when all of the pool's buffers
+        (DLPC_POOL_BUFFERS_MAX, 64) are in flight or still held."""
+        return self._client._channel_empty(self.name, shape, dtype)
+
     def recv(self, *, timeout=None, mode=None):
         """The oldest message: a SharedTensor, or a dict of them by key for a bundle."""
         return self._client._recv(self.name, timeout=timeout, mode=mode)

@@ -356,3 +356,39 @@ PyObject *ipc_client_recv(PyObject *obj, PyObject *args, PyObject *kwargs)
 	Py_XDECREF(pname);
 	return res;
 }
+
+/* _channel_empty(name, shape, dtype): recycled writable memory from the connection's pool. */
+PyObject *ipc_client_channel_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "shape", "dtype", NULL};
+	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
+	PyObject *shape_o, *dtype_o, *key, *res;
+	int64_t shape[DLPC_NDIM_MAX];
+	DLManagedTensorVersioned *t;
+	const char *name;
+	DLDataType dt;
+	dlpc_client *c;
+	int ndim, r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOO:_channel_empty", kwlist, &name,
+					 &shape_o, &dtype_o) ||
+	    ipc_dtype_parse(dtype_o, &dt) < 0 || (ndim = ipc_parse_shape(shape_o, shape)) < 0)
+		return NULL;
+	c = ipc_call_begin((ClientObject *)obj);
+	if (!c)
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_channel_alloc(c, name, dt, (int32_t)ndim, shape, &t);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj, c, r);
+	if (r < 0)
+		return ipc_raise(r);
+	key = PyUnicode_FromString("");
+	if (!key) {
+		t->deleter(t);
+		return NULL;
+	}
+	res = ipc_tensor_new(st, t, Py_None, key, 0, true);
+	Py_DECREF(key);
+	return res;
+}

@@ -476,7 +476,7 @@ static int parse_device(const char *device, DLDevice *dev)
 
 /* An int or a sequence of ints >= 0 into @p shape (DLPC_NDIM_MAX of them at most). The number
  * of dimensions, or -1 with an exception. */
-static int parse_shape(PyObject *shape_o, int64_t shape[DLPC_NDIM_MAX])
+int ipc_parse_shape(PyObject *shape_o, int64_t shape[DLPC_NDIM_MAX])
 {
 	PyObject *seq = PyLong_Check(shape_o)
 				? PyTuple_Pack(1, shape_o)
@@ -522,7 +522,7 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 					 &device))
 		return NULL;
 	if (parse_device(device, &dev) < 0 || ipc_dtype_parse(dtype_o, &dt) < 0 ||
-	    (ndim = parse_shape(shape_o, shape)) < 0)
+	    (ndim = ipc_parse_shape(shape_o, shape)) < 0)
 		return NULL;
 	c = ipc_call_begin((ClientObject *)obj);
 	if (!c)
@@ -602,7 +602,7 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 			goto out;
 		}
 		if (ipc_dtype_parse(PyTuple_GET_ITEM(v, 1), &dtypes[i]) < 0 ||
-		    (ndims[i] = parse_shape(PyTuple_GET_ITEM(v, 0), dims[i])) < 0)
+		    (ndims[i] = ipc_parse_shape(PyTuple_GET_ITEM(v, 0), dims[i])) < 0)
 			goto out;
 		shapes[i] = dims[i];
 	}
@@ -734,6 +734,9 @@ static PyMethodDef client_methods[] = {
 	 "_send($self, /, name, obj, *, timeout=None)\n--\n\nSend obj to a channel."},
 	{"_send_dict", FN(ipc_client_send_dict), KW,
 	 "_send_dict($self, /, name, mapping, *, timeout=None)\n--\n\nSend a bundle to a "
+	 "channel."},
+	{"_channel_empty", FN(ipc_client_channel_empty), KW,
+	 "_channel_empty($self, /, name, shape, dtype)\n--\n\nRecycled memory for a "
 	 "channel."},
 	{"_recv", FN(ipc_client_recv), KW,
 	 "_recv($self, /, name, *, timeout=None, mode=None, bundle=False)\n--\n\nReceive "

@@ -182,3 +182,25 @@ def test_dlpackctl_channels(ipc, daemon):
                      what="the removed channel's message freed")
     r = run("rmchan", "ctl/q")
     assert r.returncode == 1 and "ctl/q" in r.stderr
+
+
+def test_pooled_empty_recycles(ipc, daemon):
+    """Channel.empty(): after a receive and release the same pages come back, writable."""
+    ch = dlpack_ipc.channel("py/pool", capacity=2)
+    rx = dlpack_ipc.Channel("py/pool", client=dlpack_ipc.Client(daemon.socket))
+    first = None
+    for i in range(4):
+        buf = ch.empty((256,), "float32")
+        x = torch.from_dlpack(buf)
+        x.fill_(float(i))
+        ptr = x.data_ptr()
+        first = ptr if first is None else first
+        assert ptr == first, "the buffer was not recycled"
+        ch.send(buf)
+        del buf, x
+        got = rx.recv(timeout=10)
+        assert float(torch.from_dlpack(got)[255]) == float(i)
+        del got
+        rx._client.stat()  # the release rides with this request
+        daemon.wait_stat(lambda s: s["storages"] == 0, what="the pooled message freed")
+    rx.remove()
