@@ -5,12 +5,14 @@
  * what LIST, STAT and WATCH say of channels.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 
 #include "harness.h"
+#include "raw.h"
 
 static struct daemon D;
 
@@ -581,6 +583,154 @@ START_TEST(test_pool_recycles)
 }
 END_TEST
 
+/* ---- malformed channel requests, from a raw client ---- */
+
+#define SEALS_RO (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL | F_SEAL_WRITE)
+
+/* A SEND to "raw" of one float32 of @p storage (@p nfds fds of it), with @p edit applied to
+ * the request first; the daemon's error code (0: admitted) and message. -1: it hung up. */
+static int raw_send_msg(int fd, int storage, unsigned nfds, void (*edit)(Dlpackd__V1__Send *),
+			char *msg, size_t len)
+{
+	Dlpackd__V1__Send req = DLPACKD__V1__SEND__INIT;
+	Dlpackd__V1__Publish pub = DLPACKD__V1__PUBLISH__INIT;
+	Dlpackd__V1__TensorDesc d = DLPACKD__V1__TENSOR_DESC__INIT, *dp = &d;
+	int fds[2] = {storage, storage};
+	int64_t one = 1;
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+
+	d.dtype_code = kDLFloat;
+	d.dtype_bits = 32;
+	d.dtype_lanes = 1;
+	d.n_shape = 1;
+	d.shape = &one;
+	pub.device_type = kDLCPU;
+	pub.storage_size = 4096;
+	pub.n_tensors = 1;
+	pub.tensors = &dp;
+	req.channel.data = (uint8_t *)"raw";
+	req.channel.len = 3;
+	req.message = &pub;
+	if (edit)
+		edit(&req);
+	raw_send(fd, DLPC_MSG_SEND, 5, &req.base, fds, nfds);
+	if (raw_recv(fd, &h, buf, sizeof(buf)) != 1)
+		return -1;
+	if (h.type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
+		int code;
+
+		ck_assert_ptr_nonnull(e);
+		code = e->code;
+		snprintf(msg, len, "%s", e->message);
+		dlpackd__v1__error__free_unpacked(e, NULL);
+		return code;
+	}
+	ck_assert_uint_eq(h.type, DLPC_MSG_SEND | DLPC_MSG_REPLY);
+	return 0;
+}
+
+static void named(Dlpackd__V1__Send *r)
+{
+	r->message->name.data = (uint8_t *)"x";
+	r->message->name.len = 1;
+}
+
+static void pooled_read_only(Dlpackd__V1__Send *r)
+{
+	r->pool_token = 7;
+}
+
+static void cuda(Dlpackd__V1__Send *r)
+{
+	r->message->device_type = kDLCUDA;
+}
+
+static void no_message(Dlpackd__V1__Send *r)
+{
+	r->message = NULL;
+}
+
+static void flagged(Dlpackd__V1__Send *r)
+{
+	r->flags = 4;
+}
+
+static void bad_channel(Dlpackd__V1__Send *r)
+{
+	r->channel.len = 0;
+}
+
+START_TEST(test_malformed)
+{
+	static const struct {
+		void (*edit)(Dlpackd__V1__Send *);
+		int seals, code;
+		const char *says;
+	} cases[] = {
+		{named, SEALS_RO, EINVAL, "no name"},
+		{pooled_read_only, SEALS_RO, EINVAL, "WRITABLE"},
+		{cuda, SEALS_RO, ENOTSUP, "host memory only"},
+		{no_message, SEALS_RO, EINVAL, "no message"},
+		{flagged, SEALS_RO, EINVAL, "flags"},
+		{bad_channel, SEALS_RO, EINVAL, "channel name"},
+		{NULL, 0, EPERM,
+		 "'raw'"}, /* unsealed: refused like a PUBLISH, naming the channel */
+	};
+	Dlpackd__V1__Recv rv = DLPACKD__V1__RECV__INIT;
+	Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
+	char msg[512];
+	int base, fd, st, code;
+
+	good_client_start(&D);
+	base = good_baseline();
+	ck_assert_dlpc(dlpc_channel_open(good_client(), "raw", 1, NULL), 1);
+	fd = raw_connect(&D);
+	raw_hello(fd, 1);
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		st = memfd_sealed(4096, cases[i].seals);
+		code = raw_send_msg(fd, st, 1, cases[i].edit, msg, sizeof(msg));
+		close(st);
+		if (cases[i].code == EPERM)
+			ck_assert_msg(code != 0 && code != -1, "case %zu: %d", i, code);
+		else
+			ck_assert_msg(code == cases[i].code, "case %zu: %d %s", i, code, msg);
+		ck_assert_msg(strstr(msg, cases[i].says), "case %zu: %s", i, msg);
+	}
+	/* refused, every one: nothing was queued */
+	ck_assert_uint_eq(stat_or_die(good_client()).messages, 0);
+	/* admitted once, then full: EAGAIN at once for timeout 0 */
+	st = memfd_sealed(4096, SEALS_RO);
+	ck_assert_int_eq(raw_send_msg(fd, st, 1, NULL, msg, sizeof(msg)), 0);
+	ck_assert_int_eq(raw_send_msg(fd, st, 1, NULL, msg, sizeof(msg)), EAGAIN);
+	close(st);
+	rv.channel.data = (uint8_t *)"raw";
+	rv.channel.len = 3;
+	rv.flags = 1;
+	raw_send(fd, DLPC_MSG_RECV, 6, &rv.base, NULL, 0);
+	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EINVAL);
+	co.op = 9;
+	co.name.data = (uint8_t *)"raw";
+	co.name.len = 3;
+	raw_send(fd, DLPC_MSG_CHANNEL, 7, &co.base, NULL, 0);
+	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EINVAL);
+	/* a SEND without its fd, or with two: a protocol violation, the connection dropped */
+	st = memfd_sealed(4096, SEALS_RO);
+	ck_assert_int_eq(raw_send_msg(fd, st, 0, NULL, msg, sizeof(msg)), EPROTO);
+	expect_dropped(fd);
+	fd = raw_connect(&D);
+	raw_hello(fd, 1);
+	ck_assert_int_eq(raw_send_msg(fd, st, 2, NULL, msg, sizeof(msg)), EPROTO);
+	expect_dropped(fd);
+	close(st);
+	good_client_check();
+	ck_assert_dlpc(dlpc_channel_remove(good_client(), "raw"), 0);
+	expect_fds(base);
+	good_client_stop();
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("channel");
@@ -597,6 +747,7 @@ int main(void)
 	tcase_add_test(tc, test_bundles_and_limits);
 	tcase_add_test(tc, test_list_stat_watch);
 	tcase_add_test(tc, test_pool_recycles);
+	tcase_add_test(tc, test_malformed);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("quota");
 	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
