@@ -90,7 +90,7 @@ int dlpd_channel_range(struct dlpd_registry *r, const uint8_t *prefix, size_t pl
 		for (struct dlpd_hnode *hn = r->channels.buckets[b]; hn; hn = hn->next) {
 			struct dlpd_channel *ch = dlpd_container_of(hn, struct dlpd_channel, node);
 
-			if (ch->len >= plen && memcmp(ch->name, prefix, plen) == 0 &&
+			if (ch->len >= plen && (plen == 0 || memcmp(ch->name, prefix, plen) == 0) &&
 			    (alen == 0 || dlpc__bytes_cmp(ch->name, ch->len, after, alen) > 0))
 				v[count++] = ch;
 		}
