@@ -510,6 +510,7 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 	struct dlpd_server *s = p->srv;
 	struct dlpd_channel *ch = dlpd_channel_find(&s->reg, req->name.data, req->name.len);
 	uint32_t cap = req->capacity ? req->capacity : DLPC_CHANNEL_CAPACITY_DEFAULT;
+	char desc[96];
 
 	if (req->capacity > DLPC_CHANNEL_CAPACITY_MAX)
 		return dlpd_reply_error(p, id, EINVAL,
@@ -535,6 +536,8 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					name);
 	ch->uid = p->uid;
 	ch->pid = p->pid;
+	dlpd_log(LOG_DEBUG, "%s: opened channel '%s', capacity %u",
+		 dlpd_peer_desc(p, desc, sizeof(desc)), name, cap);
 	notify(s, EV_CHANNEL_OPENED, ch, p);
 	return reply_info(p, id, ch, true);
 }
@@ -545,6 +548,7 @@ static int channel_remove(struct dlpd_peer *p, uint32_t id, struct dlpd_channel 
 	Dlpackd__V1__ChannelReply rep = DLPACKD__V1__CHANNEL_REPLY__INIT;
 	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
 	struct dlpd_server *s = p->srv;
+	char desc[96];
 	int r;
 
 	if (p->uid != 0 && p->uid != ch->uid)
@@ -553,6 +557,8 @@ static int channel_remove(struct dlpd_peer *p, uint32_t id, struct dlpd_channel 
 					name, (unsigned)ch->uid, (unsigned)p->uid);
 	/* the reply describes it as it was, messages included */
 	dlpd_channel_info(ch, &info);
+	dlpd_log(LOG_DEBUG, "%s: removed channel '%s' and its %u queued messages",
+		 dlpd_peer_desc(p, desc, sizeof(desc)), name, ch->depth);
 	rep.channel = &info;
 	r = dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 	empty_channel(s, ch, name);

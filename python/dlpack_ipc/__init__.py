@@ -182,8 +182,9 @@ class Channel:
 
     Delivery is at most once: a message is freed when its receiver drops every tensor of it, or
     when the receiver's process dies holding it, and is never given to another receiver;
-    interrupting a recv() (Ctrl-C) may drop the message it was about to get. Messages a sender
-    sent stay queued after it exits. remove() frees the queue; sends and receives waiting on it
+    interrupting a recv() (Ctrl-C) may drop the message it was about to get, and an interrupted
+    send() may still be delivered once room comes (while this connection stays open). Messages
+    a sender sent stay queued after it exits. remove() frees the queue; sends and receives waiting on it
     raise OSError(errno.EIDRM).
     """
 

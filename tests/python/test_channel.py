@@ -204,3 +204,39 @@ def test_pooled_empty_recycles(ipc, daemon):
         rx._client.stat()  # the release rides with this request
         daemon.wait_stat(lambda s: s["storages"] == 0, what="the pooled message freed")
     rx.remove()
+
+
+def test_ctrl_c_ends_a_waiting_recv_and_send(ipc, daemon):
+    """SIGINT raises KeyboardInterrupt in a recv() waiting on an empty channel and in a send()
+    waiting for room; nothing is left queued or waiting."""
+    from conftest import popen_py
+    dlpack_ipc.channel("py/int", capacity=1).send(np.zeros(1))
+    for op in ("dlpack_ipc.channel('py/int2').recv()",
+               "dlpack_ipc.channel('py/int').send(np.zeros(1))"):
+        p = popen_py(f"""
+            import sys, numpy as np, dlpack_ipc
+            print("ready", flush=True)
+            try:
+                {op}
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+                sys.exit(0)
+            sys.exit(3)
+        """)
+        assert p.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        name = "py/int2" if "recv" in op else "py/int"
+        while time.monotonic() < deadline:
+            try:
+                info = dlpack_ipc.Channel(name).stat()
+            except FileNotFoundError:
+                info = None
+            if info and (info.receivers_waiting or info.senders_waiting):
+                break
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=10)
+        assert p.returncode == 0 and "interrupted" in out, out + err
+    daemon.wait_stat(lambda s: s["messages"] == 1, what="only the first message queued")
+    info = dlpack_ipc.Channel("py/int").stat()
+    assert info.senders_waiting == 0 and info.receivers_waiting == 0
