@@ -731,6 +731,53 @@ START_TEST(test_malformed)
 }
 END_TEST
 
+/* --max-pending-per-connection counts waiting RECVs and SENDs; --max-refs-per-connection
+ * refuses a RECV, leaving the message queued. */
+START_TEST(test_connection_limits)
+{
+	static const char *const args[] = {"--max-pending-per-connection=2",
+					   "--max-refs-per-connection=1", NULL};
+	struct daemon_opts o = {.args = args};
+	Dlpackd__V1__Recv rv = DLPACKD__V1__RECV__INIT;
+	struct daemon q;
+	dlpc_client *c;
+	DLManagedTensorVersioned *held, *t;
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	char msg[512];
+	int fd;
+
+	daemon_start_with(&q, &o);
+	c = connect_or_die(&q);
+	ck_assert_dlpc(dlpc_channel_open(c, "lim", 1, NULL), 1);
+	fd = raw_connect(&q);
+	raw_hello(fd, 1);
+	rv.channel.data = (uint8_t *)"lim";
+	rv.channel.len = 3;
+	rv.timeout_ms = -1;
+	raw_send(fd, DLPC_MSG_RECV, 1, &rv.base, NULL, 0);
+	raw_send(fd, DLPC_MSG_RECV, 2, &rv.base, NULL, 0);
+	raw_send(fd, DLPC_MSG_RECV, 3, &rv.base, NULL, 0);
+	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EDQUOT);
+	ck_assert_ptr_nonnull(strstr(msg, "--max-pending-per-connection"));
+	ck_assert_ptr_nonnull(strstr(msg, "'lim'"));
+	ck_assert_uint_eq(chan_or_die(c, "lim").receivers_waiting, 2);
+	close(fd);
+	ck_assert(WAIT_CHAN(c, "lim", receivers_waiting, 0));
+	ck_assert_dlpc(send_value(c, "lim", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(dlpc_recv(c, "lim", &now, &held), 0);
+	ck_assert_dlpc(send_value(c, "lim", 2, 1, 0, -1), 0);
+	ck_assert_dlpc(dlpc_recv(c, "lim", &now, &t), -EDQUOT);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "--max-refs-per-connection"));
+	ck_assert_uint_eq(chan_or_die(c, "lim").depth, 1);
+	held->deleter(held);
+	ck_assert_dlpc(dlpc_recv(c, "lim", &now, &t), 0);
+	ck_assert_int_eq(*(int64_t *)t->dl_tensor.data, 2);
+	t->deleter(t);
+	dlpc_close(c);
+	daemon_stop(&q);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("channel");
@@ -752,6 +799,7 @@ int main(void)
 	tc = tcase_create("quota");
 	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
 	tcase_add_test(tc, test_quota);
+	tcase_add_test(tc, test_connection_limits);
 	suite_add_tcase(s, tc);
 	return run_suite(s);
 }
