@@ -125,19 +125,33 @@ static int give(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint3
 	return r;
 }
 
-/* Queue @p m on @p ch and answer its SEND @p id from @p p. */
-static void admit(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, struct dlpd_msg *m)
+/* Queue @p m, @p p's, on @p ch; its seq. */
+static uint64_t push(struct dlpd_peer *p, struct dlpd_channel *ch, struct dlpd_msg *m)
 {
-	Dlpackd__V1__SendReply rep = DLPACKD__V1__SEND_REPLY__INIT;
-
 	dlpd_channel_push(&p->srv->reg, ch, m);
 	/* a pooled message's storage goes back to its sender (RECLAIM) once freed; only once
 	 * admitted, so that a refused SEND is never answered with a RECLAIM too */
 	if (m->pool_token)
 		dlpd_reclaim_watch(p, m->st, m->pool_token);
-	rep.seq = m->seq;
-	rep.depth = ch->depth;
+	return m->seq;
+}
+
+/* Answer @p p's SEND @p id: its message was admitted with @p seq. */
+static void reply_sent(struct dlpd_peer *p, uint32_t id, uint64_t seq, uint32_t depth)
+{
+	Dlpackd__V1__SendReply rep = DLPACKD__V1__SEND_REPLY__INIT;
+
+	rep.seq = seq;
+	rep.depth = depth;
 	dlpd_reply(p, DLPC_MSG_SEND | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+}
+
+/* Queue @p m on @p ch and answer its SEND @p id from @p p. */
+static void admit(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, struct dlpd_msg *m)
+{
+	uint64_t seq = push(p, ch, m);
+
+	reply_sent(p, id, seq, ch->depth);
 }
 
 /* Hand queued messages to waiting receivers and admit waiting senders while either can move.
@@ -341,6 +355,7 @@ int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 	char why[256], name[DLPC_NAME_TEXT];
 	struct dlpd_channel *ch;
 	struct dlpd_msg *m;
+	uint64_t seq;
 	int r;
 
 	if (dlpc__name_check(req->channel.data, req->channel.len, why, sizeof(why)) < 0)
@@ -387,9 +402,12 @@ int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 		return dlpd_reply_error(
 			p, id, ENOMEM, "cannot wait for room in channel '%s': out of memory", name);
 	}
-	admit(p, id, ch, m);
-	/* a receiver waiting gets it now, in this turn */
+	seq = push(p, ch, m);
+	/* A receiver waiting gets it now, in this turn, and before the sender hears back: the
+	 * receiver's reply is written first, so on a busy CPU the receiver is not queued behind
+	 * the sender's wake-up. */
 	pump(s, ch);
+	reply_sent(p, id, seq, ch->depth);
 	return 0;
 }
 
