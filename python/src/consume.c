@@ -9,6 +9,8 @@
  * every path. CUDA tensors are the exception (cuda_keep below): libdlpc may keep them (legacy
  * IPC, lent VMM memory) until the daemon reclaims the entry.
  */
+#include <stdlib.h>
+
 #include "dlpack_ipc.h"
 
 static const char USED_VERSIONED[] = "used_dltensor_versioned";
@@ -55,27 +57,33 @@ static PyObject *export_capsule(PyObject *obj)
 
 	meth = PyObject_GetAttrString(obj, "__dlpack__");
 	if (!meth) {
-		PyErr_Format(PyExc_TypeError,
-			     "cannot publish a %.100s: it supports neither DLPack (__dlpack__) nor "
-			     "is it a DLPack capsule",
-			     Py_TYPE(obj)->tp_name);
+		PyObject *tn = PyType_GetQualName(Py_TYPE(obj));
+
+		if (tn)
+			PyErr_Format(PyExc_TypeError,
+				     "cannot publish a %U: it supports neither DLPack (__dlpack__) "
+				     "nor is it a DLPack capsule",
+				     tn);
+		Py_XDECREF(tn);
 		return NULL;
 	}
 	dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
 	if (dev) {
-		long type = PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2
-				    ? PyLong_AsLong(PyTuple_GET_ITEM(dev, 0))
+		long type = PyTuple_Check(dev) && PyTuple_Size(dev) == 2
+				    ? PyLong_AsLong(PyTuple_GetItem(dev, 0))
 				    : -1;
 
 		Py_DECREF(dev);
 		if (type != kDLCPU && type != kDLCUDA) {
+			PyObject *tn = PyErr_Occurred() ? NULL : PyType_GetQualName(Py_TYPE(obj));
+
 			Py_DECREF(meth);
-			if (!PyErr_Occurred())
-				PyErr_Format(
-					PyExc_BufferError,
-					"cannot publish a %.100s on DLPack device type %ld: only "
-					"host (CPU) and CUDA memory can be shared",
-					Py_TYPE(obj)->tp_name, type);
+			if (tn)
+				PyErr_Format(PyExc_BufferError,
+					     "cannot publish a %U on DLPack device type %ld: only "
+					     "host (CPU) and CUDA memory can be shared",
+					     tn, type);
+			Py_XDECREF(tn);
 			return NULL;
 		}
 		cuda = type == kDLCUDA;
@@ -223,13 +231,17 @@ struct ipc_taken *ipc_take(PyObject *obj)
 		src = &tk->legacy->dl_tensor;
 	} else {
 		const char *name = PyCapsule_CheckExact(cap) ? PyCapsule_GetName(cap) : NULL;
+		PyObject *tn;
 
 		PyErr_Clear();
-		PyErr_Format(PyExc_BufferError,
-			     "cannot publish: expected an unused DLPack capsule (\"dltensor\" or "
-			     "\"dltensor_versioned\"), got %s%s%s",
-			     name ? "a capsule named \"" : "a ",
-			     name ? name : Py_TYPE(cap)->tp_name, name ? "\"" : "");
+		tn = name ? PyUnicode_FromFormat("a capsule named \"%s\"", name)
+			  : PyType_GetQualName(Py_TYPE(cap));
+		if (tn)
+			PyErr_Format(PyExc_BufferError,
+				     "cannot publish: expected an unused DLPack capsule "
+				     "(\"dltensor\" or \"dltensor_versioned\"), got %s%U",
+				     name ? "" : "a ", tn);
+		Py_XDECREF(tn);
 		Py_DECREF(cap);
 		goto fail;
 	}
@@ -333,7 +345,7 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 	items = PyMapping_Items(mapping);
 	if (!items)
 		return NULL;
-	n = PyList_GET_SIZE(items);
+	n = PyList_Size(items);
 	if (n == 0) {
 		PyErr_SetString(PyExc_ValueError, "cannot publish an empty mapping");
 		goto out;
@@ -345,19 +357,22 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 		goto out;
 	}
 	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *kv = PyList_GET_ITEM(items, i);
-		PyObject *k = PyTuple_GET_ITEM(kv, 0);
+		PyObject *kv = PyList_GetItem(items, i);
+		PyObject *k = PyTuple_GetItem(kv, 0);
 
 		if (!PyUnicode_Check(k)) {
-			PyErr_Format(PyExc_TypeError, "keys must be str, not %.100s",
-				     Py_TYPE(k)->tp_name);
+			PyObject *tn = PyType_GetQualName(Py_TYPE(k));
+
+			if (tn)
+				PyErr_Format(PyExc_TypeError, "keys must be str, not %U", tn);
+			Py_XDECREF(tn);
 			goto out;
 		}
 		/* valid while items holds the key */
-		keys[i] = PyUnicode_AsUTF8(k);
+		keys[i] = PyUnicode_AsUTF8AndSize(k, NULL);
 		if (!keys[i])
 			goto out;
-		objs[i] = PyTuple_GET_ITEM(kv, 1);
+		objs[i] = PyTuple_GetItem(kv, 1);
 	}
 	r = publish_objects((ClientObject *)obj, name, n, objs, keys,
 			    publish_flags(replace, ephemeral, writable));
