@@ -20,7 +20,7 @@ publish may or may not have happened. See Client for the rest of the rules.
 import threading
 from collections import namedtuple
 
-from ._core import BUNDLE_MAX, NAME_MAX, NDIM_MAX, SharedTensor, libdlpc_version
+from ._core import BUNDLE_MAX, NAME_MAX, NDIM_MAX, SharedTensor, __version__, libdlpc_version
 from ._core import Client as _CoreClient
 from ._core import Watch as _CoreWatch
 

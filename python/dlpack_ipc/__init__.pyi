@@ -4,6 +4,7 @@ from typing import Any, Iterator, Literal, Mapping, NamedTuple, Optional, Sequen
 NAME_MAX: int
 NDIM_MAX: int
 BUNDLE_MAX: int
+__version__: str
 libdlpc_version: str
 
 # (stub only) How attach() maps an entry's memory (None: "read"):

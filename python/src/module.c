@@ -760,7 +760,9 @@ static int module_exec(PyObject *m)
 	if (ipc_exchange_install(st->tensor_type) < 0 || PyModule_AddType(m, st->client_type) < 0 ||
 	    PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->watch_type) < 0)
 		return -1;
-	if (PyModule_AddStringConstant(m, "libdlpc_version", dlpc_version()) < 0 ||
+	/* the project's version, as built (libdlpc_version: the library loaded, at run time) */
+	if (PyModule_AddStringConstant(m, "__version__", DLPD_VERSION) < 0 ||
+	    PyModule_AddStringConstant(m, "libdlpc_version", dlpc_version()) < 0 ||
 	    PyModule_AddIntConstant(m, "NAME_MAX", DLPC_NAME_MAX) < 0 ||
 	    PyModule_AddIntConstant(m, "NDIM_MAX", DLPC_NDIM_MAX) < 0 ||
 	    PyModule_AddIntConstant(m, "BUNDLE_MAX", DLPC_BUNDLE_MAX) < 0)
