@@ -5,8 +5,9 @@
 #
 #   pystack.sh setup PYTHON SRC DIR   make DIR/venv with PYTHON and tests/python/requirements-venv.txt
 #                                     (kept while both are unchanged), then `pip install SRC` into it
-#   pystack.sh test PYTHON SRC DIR    the pytest suite (tests/python, with tests/python/venv) with that
-#                                     venv's interpreter, against the dlpackd pip installed there
+#   pystack.sh test PYTHON SRC DIR    the pytest suite (tests/python, stack2026/ included) with
+#                                     that venv's interpreter, against the dlpackd pip installed
+#                                     there
 #   pystack.sh wheel PYTHON SRC DIR [PYTHON...]
 #                                     `pip wheel SRC` (build isolation, as users build it); install
 #                                     the wheel offline into fresh venvs of PYTHON and each further
