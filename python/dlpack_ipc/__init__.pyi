@@ -16,6 +16,7 @@ NAME_MAX: int
 NDIM_MAX: int
 BUNDLE_MAX: int
 KEY_MAX: int
+__version__: str
 libdlpc_version: str
 
 class EntryFlags(enum.IntFlag):
