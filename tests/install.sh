@@ -80,6 +80,16 @@ LD_LIBRARY_PATH=$lib "$dest$(full "$bindir")/dlpackctl" ping
 	/usr/bin/python3 -c 'import json, sys; print(sorted(e["name"] for e in json.load(sys.stdin)))')" \
 	= "['install/cmake', 'install/pc']" ]
 if [ -n "$pydir" ]; then
+	# the extension links the installed libdlpc.so.0 (one copy beside C code in a process);
+	# outside the loader's own path it finds it through its RUNPATH, relative to itself
+	core=$(echo "$dest$(full "$pydir")"/dlpack_ipc/_core*.so)
+	ldd "$core" | grep "libdlpc.so.0 => $lib/libdlpc.so.0" >/dev/null ||
+		{ ldd "$core" >&2; echo "$core does not use $lib/libdlpc.so.0" >&2; exit 1; }
+	if readelf -d "$core" | grep RUNPATH >/dev/null; then
+		found=$(env -u LD_LIBRARY_PATH ldd "$core" | sed -n 's/.*libdlpc.so.0 => \(.*\) (0x.*/\1/p')
+		[ -n "$found" ] && [ "$(readlink -f "$found")" = "$(readlink -f "$lib/libdlpc.so.0")" ] ||
+			{ readelf -d "$core" >&2; echo "$core: its RUNPATH misses $lib" >&2; exit 1; }
+	fi
 	PYTHONPATH=$dest$(full "$pydir") PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 - <<'PY'
 import numpy as np, dlpack_ipc
 assert dlpack_ipc.__file__.startswith(__import__("os").environ["PYTHONPATH"]), dlpack_ipc.__file__

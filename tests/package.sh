@@ -131,6 +131,9 @@ inside() {
 		"/usr/share/man/man3/dlpc.3.gz libdlpc-dev"
 		"/usr/lib/python3/dist-packages/dlpack_ipc/__init__.py python3-dlpack-ipc"
 		"/usr/lib/python3/dist-packages/dlpack_ipc/__init__.pyi python3-dlpack-ipc"
+		"/usr/lib/python3/dist-packages/dlpack_ipc/py.typed python3-dlpack-ipc"
+		"/usr/lib/python3/dist-packages/dlpack_ipc/torch.py python3-dlpack-ipc"
+		"/usr/lib/python3/dist-packages/dlpack_ipc/_core.abi3.so python3-dlpack-ipc"
 	)
 	for f in "${files[@]}"; do
 		set -- $f
@@ -139,8 +142,13 @@ inside() {
 		[ "$owner" = "$2" ] || die "$1 belongs to '$owner', not $2"
 		echo "  $1 ($2)"
 	done
-	compgen -G "/usr/lib/python3/dist-packages/dlpack_ipc/_core.cpython-*.so" >/dev/null ||
-		die "no dlpack_ipc/_core extension installed"
+	# the extension uses the packaged library, not a copy of its own
+	ext=/usr/lib/python3/dist-packages/dlpack_ipc/_core.abi3.so
+	loads=$(ldd "$ext" | awk '$1 == "libdlpc.so.0" { print $3 }')
+	[ -n "$loads" ] && [ "$(readlink -f "$loads")" = "$(readlink -f "/usr/lib/$ma/libdlpc.so.0")" ] ||
+		die "dlpack_ipc/_core.abi3.so loads '${loads:-no libdlpc.so.0}', not /usr/lib/$ma/libdlpc.so.0"
+	dpkg-query -W -f='${Depends}' python3-dlpack-ipc | grep -q libdlpc0 ||
+		die "python3-dlpack-ipc does not depend on libdlpc0"
 	[ "$(readelf -d "/usr/lib/$ma/libdlpc.so.0" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')" = \
 		libdlpc.so.0 ] || die "the SONAME of libdlpc.so.0 is not libdlpc.so.0 (libdlpc0)"
 

@@ -24,7 +24,15 @@ import threading
 from collections import namedtuple
 
 from . import _core
-from ._core import BUNDLE_MAX, KEY_MAX, NAME_MAX, NDIM_MAX, SharedTensor, libdlpc_version
+from ._core import (
+    BUNDLE_MAX,
+    KEY_MAX,
+    NAME_MAX,
+    NDIM_MAX,
+    SharedTensor,
+    __version__,
+    libdlpc_version,
+)
 from ._core import Client as _CoreClient
 from ._core import Watch as _CoreWatch
 

@@ -17,6 +17,7 @@ NAME_MAX: int
 NDIM_MAX: int
 BUNDLE_MAX: int
 KEY_MAX: int
+__version__: str
 libdlpc_version: str
 CHANNEL_CAPACITY_DEFAULT: int
 CHANNEL_CAPACITY_MAX: int

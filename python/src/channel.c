@@ -7,6 +7,7 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dlpack_ipc.h"
@@ -150,7 +151,7 @@ PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwarg
 		if (!d)
 			Py_CLEAR(list);
 		else
-			PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+			PyList_SetItem(list, (Py_ssize_t)i, d); /* steals d */
 	}
 	free(v);
 	return list;
@@ -235,7 +236,7 @@ PyObject *ipc_client_send_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
 	items = PyMapping_Items(mapping);
 	if (!items)
 		return NULL;
-	n = PyList_GET_SIZE(items);
+	n = PyList_Size(items);
 	if (n == 0 || n > DLPC_BUNDLE_MAX) {
 		PyErr_Format(PyExc_ValueError,
 			     "cannot send to channel '%s': %zd tensors; a message holds 1 to %d",
@@ -249,8 +250,8 @@ PyObject *ipc_client_send_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
 		goto out;
 	}
 	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *kv = PyList_GET_ITEM(items, i);
-		PyObject *k = PyTuple_GET_ITEM(kv, 0);
+		PyObject *kv = PyList_GetItem(items, i);
+		PyObject *k = PyTuple_GetItem(kv, 0);
 
 		if (!PyUnicode_Check(k)) {
 			PyErr_Format(PyExc_TypeError,
@@ -258,10 +259,10 @@ PyObject *ipc_client_send_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
 				     k);
 			goto out;
 		}
-		keys[i] = PyUnicode_AsUTF8(k);
+		keys[i] = PyUnicode_AsUTF8AndSize(k, NULL);
 		if (!keys[i])
 			goto out;
-		objs[i] = PyTuple_GET_ITEM(kv, 1);
+		objs[i] = PyTuple_GetItem(kv, 1);
 	}
 	res = send_objects((ClientObject *)obj, name, n, objs, keys, ms);
 out:

@@ -3,6 +3,8 @@
  * The DLPack C exchange API on SharedTensor: a type-level capsule "dlpack_exchange_api" whose
  * functions convert SharedTensors without calling Python methods.
  */
+#include <errno.h>
+
 #include "dlpack_ipc.h"
 #include "exchange.h"
 
@@ -59,8 +61,11 @@ static int x_from_py(void *py_object, DLManagedTensorVersioned **out)
 	DLManagedTensorVersioned *t;
 
 	if (!ipc_is_tensor(obj)) {
-		PyErr_Format(PyExc_TypeError, "expected a SharedTensor, got %.100s",
-			     Py_TYPE(obj)->tp_name);
+		PyObject *type = PyType_GetQualName(Py_TYPE(obj));
+
+		if (type)
+			PyErr_Format(PyExc_TypeError, "expected a SharedTensor, got %U", type);
+		Py_XDECREF(type);
 		return -1;
 	}
 	t = ipc_tensor_live((TensorObject *)obj);
@@ -138,9 +143,11 @@ int ipc_exchange_install(PyTypeObject *tp)
 	if (!cap)
 		return -1;
 	exchange_type = tp;
-	/* the type is immutable to Python code; its dict is set up here, once */
-	r = PyDict_SetItemString(tp->tp_dict, "__dlpack_c_exchange_api__", cap);
+	/*
+	 * A class attribute: the limited API has no way to put one into an immutable type (no
+	 * tp_dict, no PyType_Freeze() before 3.14), so SharedTensor is left mutable for this.
+	 */
+	r = PyObject_SetAttrString((PyObject *)tp, "__dlpack_c_exchange_api__", cap);
 	Py_DECREF(cap);
-	PyType_Modified(tp);
 	return r;
 }

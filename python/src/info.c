@@ -1,5 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Client.list() and Client.stat(): what the daemon holds, as Python data. */
+#include <stdio.h>
+
 #include "dlpack_ipc.h"
 
 static PyObject *entry_dict(const dlpc_entry_info *e)
@@ -11,8 +13,12 @@ static PyObject *entry_dict(const dlpc_entry_info *e)
 		const dlpc_tensor_info *t = &e->tensors[i];
 		PyObject *shape = PyTuple_New(t->ndim), *dtype = ipc_dtype_name(t->dtype), *item;
 
-		for (int32_t k = 0; shape && k < t->ndim; k++)
-			PyTuple_SET_ITEM(shape, k, PyLong_FromLongLong(t->shape[k]));
+		for (int32_t k = 0; shape && k < t->ndim; k++) {
+			PyObject *extent = PyLong_FromLongLong(t->shape[k]);
+
+			if (!extent || PyTuple_SetItem(shape, k, extent) < 0)
+				Py_CLEAR(shape);
+		}
 		item = shape && dtype ? Py_BuildValue("(sOO)", t->key, dtype, shape) : NULL;
 		if (!item || PyList_Append(tensors, item) < 0)
 			Py_CLEAR(tensors);
@@ -61,10 +67,8 @@ PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs)
 	for (size_t i = 0; list && i < n; i++) {
 		PyObject *d = entry_dict(&v[i]);
 
-		if (!d)
+		if (!d || PyList_SetItem(list, (Py_ssize_t)i, d) < 0)
 			Py_CLEAR(list);
-		else
-			PyList_SET_ITEM(list, (Py_ssize_t)i, d);
 	}
 	dlpc_list_free(v, n);
 	return list;

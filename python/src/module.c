@@ -12,6 +12,7 @@
  */
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -22,10 +23,31 @@ static struct PyModuleDef module_def;
 
 ipc_state *ipc_state_of_type(PyTypeObject *tp)
 {
-	/* by definition, so that Python subclasses (dlpack_ipc.Client) find it too */
-	PyObject *m = PyType_GetModuleByDef(tp, &module_def);
+	/*
+	 * By definition, so that Python subclasses (dlpack_ipc.Client) find it too: the first
+	 * class in the MRO that this module made. (PyType_GetModuleByDef() does the same, but
+	 * enters the limited API only in 3.13.)
+	 */
+	PyObject *mro = PyObject_GetAttrString((PyObject *)tp, "__mro__");
+	ipc_state *st = NULL;
+	Py_ssize_t n = mro ? PyTuple_Size(mro) : -1;
 
-	return m ? PyModule_GetState(m) : NULL;
+	for (Py_ssize_t i = 0; !st && i < n; i++) {
+		PyTypeObject *base = (PyTypeObject *)PyTuple_GetItem(mro, i);
+		PyObject *m;
+
+		if (!(PyType_GetFlags(base) & Py_TPFLAGS_HEAPTYPE))
+			continue;
+		m = PyType_GetModule(base);
+		if (!m)
+			PyErr_Clear(); /* a class made by Python code */
+		else if (PyModule_GetDef(m) == &module_def)
+			st = PyModule_GetState(m);
+	}
+	Py_XDECREF(mro);
+	if (!st && !PyErr_Occurred())
+		PyErr_Format(PyExc_TypeError, "%R is not a dlpack_ipc type", (PyObject *)tp);
+	return st;
 }
 
 /* A handle replaced (or closed) while calls were still running on it. */
@@ -42,6 +64,37 @@ static bool conn_lost(int r)
 }
 
 /*
+ * Set once the interpreter shuts down: its atexit callbacks run before it finalizes, and from
+ * then on no blocked call takes the GIL to run signal handlers. (Py_IsFinalizing() enters the
+ * limited API only in 3.13.)
+ */
+static atomic_bool finalizing;
+
+static PyObject *note_finalizing(PyObject *self, PyObject *unused)
+{
+	(void)self;
+	(void)unused;
+	atomic_store(&finalizing, true);
+	Py_RETURN_NONE;
+}
+
+static PyMethodDef note_finalizing_def = {"_note_finalizing", note_finalizing, METH_NOARGS, NULL};
+
+static int watch_finalizing(void)
+{
+	PyObject *atexit = PyImport_ImportModule("atexit"), *fn = NULL, *r = NULL;
+
+	if (atexit)
+		fn = PyCFunction_New(&note_finalizing_def, NULL);
+	if (fn)
+		r = PyObject_CallMethod(atexit, "register", "O", fn);
+	Py_XDECREF(r);
+	Py_XDECREF(fn);
+	Py_XDECREF(atexit);
+	return r ? 0 : -1;
+}
+
+/*
  * libdlpc's interrupt check (dlpc_set_interrupt()) for a thread blocked in a call without the
  * GIL: it takes the GIL and runs the Python signal handlers due. One that raises (Ctrl-C's
  * KeyboardInterrupt) ends the call with -EINTR, its exception left set for the caller to
@@ -53,13 +106,8 @@ static int interrupt_check(void *arg)
 	int stop;
 
 	(void)arg;
-#if PY_VERSION_HEX >= 0x030D0000
-	if (Py_IsFinalizing())
+	if (atomic_load(&finalizing))
 		return 0;
-#else
-	if (_Py_IsFinalizing())
-		return 0;
-#endif
 	g = PyGILState_Ensure();
 	stop = PyErr_CheckSignals() < 0;
 	PyGILState_Release(g);
@@ -159,7 +207,8 @@ static PyObject *python_text(const char *msg)
 		t = from && to ? PyUnicode_Replace(text, from, to, -1) : NULL;
 		Py_XDECREF(from);
 		Py_XDECREF(to);
-		Py_SETREF(text, t);
+		Py_DECREF(text);
+		text = t;
 	}
 	return text;
 }
@@ -384,7 +433,7 @@ static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 		if (!PyUnicode_FSConverter(sock, &bytes))
 			return -1;
 		free(self->path);
-		self->path = strdup(PyBytes_AS_STRING(bytes));
+		self->path = strdup(PyBytes_AsString(bytes));
 		Py_DECREF(bytes);
 		if (!self->path) {
 			PyErr_NoMemory();
@@ -426,7 +475,7 @@ static void client_dealloc(PyObject *obj)
 			dlpc_close(o->c);
 	forget_old(self);
 	free(self->path);
-	tp->tp_free(obj);
+	((freefunc)PyType_GetSlot(tp, Py_tp_free))(obj);
 	Py_DECREF(tp);
 }
 
@@ -485,7 +534,7 @@ int ipc_parse_shape(PyObject *shape_o, int64_t shape[DLPC_NDIM_MAX])
 
 	if (!seq)
 		return -1;
-	ndim = PySequence_Fast_GET_SIZE(seq);
+	ndim = PySequence_Size(seq);
 	if (ndim > DLPC_NDIM_MAX) {
 		Py_DECREF(seq);
 		PyErr_Format(PyExc_ValueError, "shape has %zd dimensions; at most %d", ndim,
@@ -493,7 +542,10 @@ int ipc_parse_shape(PyObject *shape_o, int64_t shape[DLPC_NDIM_MAX])
 		return -1;
 	}
 	for (Py_ssize_t i = 0; i < ndim; i++) {
-		shape[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+		PyObject *extent = PySequence_GetItem(seq, i);
+
+		shape[i] = extent ? PyLong_AsLongLong(extent) : -1;
+		Py_XDECREF(extent);
 		if (shape[i] < 0 && !PyErr_Occurred())
 			PyErr_SetString(PyExc_ValueError, "shape extents must be >= 0");
 		if (PyErr_Occurred()) {
@@ -569,15 +621,18 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 	if (parse_device(device, &dev) < 0)
 		return NULL;
 	if (!PyDict_Check(spec)) {
-		PyErr_Format(PyExc_TypeError,
-			     "spec must be a dict of key: (shape, dtype), not %.100s",
-			     Py_TYPE(spec)->tp_name);
+		PyObject *type = PyType_GetQualName(Py_TYPE(spec));
+
+		if (type)
+			PyErr_Format(PyExc_TypeError,
+				     "spec must be a dict of key: (shape, dtype), not %U", type);
+		Py_XDECREF(type);
 		return NULL;
 	}
 	items = PyDict_Items(spec);
 	if (!items)
 		return NULL;
-	n = PyList_GET_SIZE(items);
+	n = PyList_Size(items);
 	if (n < 1 || n > DLPC_BUNDLE_MAX) {
 		PyErr_Format(PyExc_ValueError, "spec has %zd tensors; 1 to %d", n, DLPC_BUNDLE_MAX);
 		goto out;
@@ -592,17 +647,17 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 		goto out;
 	}
 	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *kv = PyList_GET_ITEM(items, i), *k = PyTuple_GET_ITEM(kv, 0),
-			 *v = PyTuple_GET_ITEM(kv, 1);
+		PyObject *kv = PyList_GetItem(items, i), *k = PyTuple_GetItem(kv, 0),
+			 *v = PyTuple_GetItem(kv, 1);
 
-		if (!PyUnicode_Check(k) || !PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 2) {
+		if (!PyUnicode_Check(k) || !PyTuple_Check(v) || PyTuple_Size(v) != 2) {
 			PyErr_Format(PyExc_TypeError,
 				     "spec must map str keys to (shape, dtype) tuples; %R is not",
 				     k);
 			goto out;
 		}
-		if (ipc_dtype_parse(PyTuple_GET_ITEM(v, 1), &dtypes[i]) < 0 ||
-		    (ndims[i] = ipc_parse_shape(PyTuple_GET_ITEM(v, 0), dims[i])) < 0)
+		if (ipc_dtype_parse(PyTuple_GetItem(v, 1), &dtypes[i]) < 0 ||
+		    (ndims[i] = ipc_parse_shape(PyTuple_GetItem(v, 0), dims[i])) < 0)
 			goto out;
 		shapes[i] = dims[i];
 	}
@@ -619,7 +674,7 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 	}
 	res = PyDict_New();
 	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *k = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+		PyObject *k = PyTuple_GetItem(PyList_GetItem(items, i), 0);
 		/* each tensor goes into a SharedTensor, or is let go here */
 		PyObject *t = res ? ipc_tensor_new(st, ts[i], Py_None, k, 0, true) : NULL;
 
@@ -793,7 +848,8 @@ static int module_exec(PyObject *m)
 {
 	ipc_state *st = PyModule_GetState(m);
 
-	if (find_main_thread() < 0 || follow_main_thread_across_fork() < 0)
+	if (find_main_thread() < 0 || follow_main_thread_across_fork() < 0 ||
+	    watch_finalizing() < 0)
 		return -1;
 	st->client_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &client_spec, NULL);
 	st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ipc_tensor_spec, NULL);
@@ -803,7 +859,9 @@ static int module_exec(PyObject *m)
 	if (ipc_exchange_install(st->tensor_type) < 0 || PyModule_AddType(m, st->client_type) < 0 ||
 	    PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->watch_type) < 0)
 		return -1;
-	if (PyModule_AddStringConstant(m, "libdlpc_version", dlpc_version()) < 0 ||
+	/* the project's version, as built (libdlpc_version: the library loaded, at run time) */
+	if (PyModule_AddStringConstant(m, "__version__", DLPD_VERSION) < 0 ||
+	    PyModule_AddStringConstant(m, "libdlpc_version", dlpc_version()) < 0 ||
 	    PyModule_AddIntConstant(m, "NAME_MAX", DLPC_NAME_MAX) < 0 ||
 	    PyModule_AddIntConstant(m, "NDIM_MAX", DLPC_NDIM_MAX) < 0 ||
 	    PyModule_AddIntConstant(m, "BUNDLE_MAX", DLPC_BUNDLE_MAX) < 0 ||

@@ -3,6 +3,7 @@
  * Client.publish() and Client.publish_dict(): arguments, the tensors taken (take.c), the call
  * without the GIL, and errors that name the bundle's key.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "dlpack_ipc.h"
@@ -126,7 +127,7 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 	items = PyMapping_Items(mapping);
 	if (!items)
 		return NULL;
-	n = PyList_GET_SIZE(items);
+	n = PyList_Size(items);
 	if (n == 0) {
 		PyErr_SetString(PyExc_ValueError, "cannot publish an empty mapping");
 		goto out;
@@ -138,14 +139,18 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 		goto out;
 	}
 	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *kv = PyList_GET_ITEM(items, i);
-		PyObject *k = PyTuple_GET_ITEM(kv, 0);
+		PyObject *kv = PyList_GetItem(items, i);
+		PyObject *k = PyTuple_GetItem(kv, 0);
 
 		if (!PyUnicode_Check(k)) {
-			PyErr_Format(
-				PyExc_TypeError,
-				"cannot publish '%s': keys must be str, not %.100s (key %.60R)",
-				name, Py_TYPE(k)->tp_name, k);
+			PyObject *tn = PyType_GetQualName(Py_TYPE(k));
+
+			if (tn)
+				PyErr_Format(
+					PyExc_TypeError,
+					"cannot publish '%s': keys must be str, not %U (key %R)",
+					name, tn, k);
+			Py_XDECREF(tn);
 			goto out;
 		}
 		/* valid while items holds the key */
@@ -161,7 +166,7 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 				DLPC_KEY_MAX);
 			goto out;
 		}
-		objs[i] = PyTuple_GET_ITEM(kv, 1);
+		objs[i] = PyTuple_GetItem(kv, 1);
 	}
 	r = publish_objects((ClientObject *)obj, name, n, objs, keys,
 			    publish_flags(replace, ephemeral, writable));

@@ -10,6 +10,7 @@
  * every path. CUDA tensors are the exception (cuda_keep below): libdlpc may keep them (legacy
  * IPC, lent VMM memory) until the daemon reclaims the entry.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "dlpack_ipc.h"
@@ -66,27 +67,33 @@ static PyObject *export_capsule(PyObject *obj)
 
 	meth = PyObject_GetAttrString(obj, "__dlpack__");
 	if (!meth) {
-		PyErr_Format(PyExc_TypeError,
-			     "cannot publish a %.100s: it supports neither DLPack (__dlpack__) nor "
-			     "is it a DLPack capsule",
-			     Py_TYPE(obj)->tp_name);
+		PyObject *tn = PyType_GetQualName(Py_TYPE(obj));
+
+		if (tn)
+			PyErr_Format(PyExc_TypeError,
+				     "cannot publish a %U: it supports neither DLPack (__dlpack__) "
+				     "nor is it a DLPack capsule",
+				     tn);
+		Py_XDECREF(tn);
 		return NULL;
 	}
 	dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
 	if (dev) {
-		long type = PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2
-				    ? PyLong_AsLong(PyTuple_GET_ITEM(dev, 0))
+		long type = PyTuple_Check(dev) && PyTuple_Size(dev) == 2
+				    ? PyLong_AsLong(PyTuple_GetItem(dev, 0))
 				    : -1;
 
 		Py_DECREF(dev);
 		if (type != kDLCPU && type != kDLCUDA) {
+			PyObject *tn = PyErr_Occurred() ? NULL : PyType_GetQualName(Py_TYPE(obj));
+
 			Py_DECREF(meth);
-			if (!PyErr_Occurred())
-				PyErr_Format(
-					PyExc_BufferError,
-					"cannot publish a %.100s on DLPack device type %ld: only "
-					"host (CPU) and CUDA memory can be shared",
-					Py_TYPE(obj)->tp_name, type);
+			if (tn)
+				PyErr_Format(PyExc_BufferError,
+					     "cannot publish a %U on DLPack device type %ld: only "
+					     "host (CPU) and CUDA memory can be shared",
+					     tn, type);
+			Py_XDECREF(tn);
 			return NULL;
 		}
 		cuda = type == kDLCUDA;
@@ -209,13 +216,17 @@ static int take_capsule(struct ipc_taken *tk, PyObject *cap, const DLDataType *a
 		src = &tk->legacy->dl_tensor;
 	} else {
 		const char *name = PyCapsule_CheckExact(cap) ? PyCapsule_GetName(cap) : NULL;
+		PyObject *tn;
 
 		PyErr_Clear();
-		PyErr_Format(PyExc_BufferError,
-			     "cannot publish: expected an unused DLPack capsule (\"dltensor\" or "
-			     "\"dltensor_versioned\"), got %s%s%s",
-			     name ? "a capsule named \"" : "a ",
-			     name ? name : Py_TYPE(cap)->tp_name, name ? "\"" : "");
+		tn = name ? PyUnicode_FromFormat("a capsule named \"%s\"", name)
+			  : PyType_GetQualName(Py_TYPE(cap));
+		if (tn)
+			PyErr_Format(PyExc_BufferError,
+				     "cannot publish: expected an unused DLPack capsule "
+				     "(\"dltensor\" or \"dltensor_versioned\"), got %s%U",
+				     name ? "" : "a ", tn);
+		Py_XDECREF(tn);
 		Py_DECREF(cap);
 		return -1;
 	}
@@ -354,7 +365,7 @@ static PyObject *stand_in(PyObject *obj)
 		return NULL;
 	r = PyObject_CallMethod(mod, "_publishable", "O", obj);
 	Py_DECREF(mod);
-	if (r && r != Py_None && (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2)) {
+	if (r && r != Py_None && (!PyTuple_Check(r) || PyTuple_Size(r) != 2)) {
 		Py_DECREF(r);
 		PyErr_SetString(PyExc_SystemError, "dlpack_ipc._publishable() returned no pair");
 		return NULL;
@@ -429,13 +440,13 @@ static int take_stand_in(struct ipc_taken *tk, PyObject *obj)
 		Py_DECREF(sub);
 		return 0;
 	}
-	if (PyTuple_GET_ITEM(sub, 1) == Py_None) {
-		r = take_object(tk, PyTuple_GET_ITEM(sub, 0), false);
-	} else if (ipc_dtype_parse(PyTuple_GET_ITEM(sub, 1), &as) < 0) {
+	if (PyTuple_GetItem(sub, 1) == Py_None) {
+		r = take_object(tk, PyTuple_GetItem(sub, 0), false);
+	} else if (ipc_dtype_parse(PyTuple_GetItem(sub, 1), &as) < 0) {
 		r = -1;
 	} else {
 		/* the same bytes under another dtype: torch's uint8 view of a bool tensor */
-		cap = export_capsule(PyTuple_GET_ITEM(sub, 0));
+		cap = export_capsule(PyTuple_GetItem(sub, 0));
 		r = cap ? take_capsule(tk, cap, &as) : -1;
 	}
 	Py_DECREF(sub);

@@ -14,7 +14,7 @@ static void tensor_dealloc(PyObject *self);
 
 bool ipc_is_tensor(PyObject *o)
 {
-	return Py_TYPE(o)->tp_dealloc == tensor_dealloc;
+	return PyType_GetSlot(Py_TYPE(o), Py_tp_dealloc) == (void *)tensor_dealloc;
 }
 
 static const struct {
@@ -44,7 +44,7 @@ int ipc_dtype_parse(PyObject *o, DLDataType *dt)
 	PyObject *s = PyUnicode_Check(o) ? Py_NewRef(o)
 		      : PyType_Check(o)	 ? PyObject_GetAttrString(o, "__name__")
 					 : PyObject_Str(o);
-	const char *name = s ? PyUnicode_AsUTF8(s) : NULL;
+	const char *name = s ? PyUnicode_AsUTF8AndSize(s, NULL) : NULL;
 
 	if (!name) {
 		Py_XDECREF(s);
@@ -208,13 +208,13 @@ static int int_pair(PyObject *o, const char *what, long *a, long *b)
 {
 	if (!o || o == Py_None)
 		return 0;
-	if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 2) {
+	if (!PyTuple_Check(o) || PyTuple_Size(o) != 2) {
 		PyErr_Format(PyExc_TypeError, "%s must be a tuple of two integers, not %R", what,
 			     o);
 		return -1;
 	}
-	*a = PyLong_AsLong(PyTuple_GET_ITEM(o, 0));
-	*b = PyLong_AsLong(PyTuple_GET_ITEM(o, 1));
+	*a = PyLong_AsLong(PyTuple_GetItem(o, 0));
+	*b = PyLong_AsLong(PyTuple_GetItem(o, 1));
 	return PyErr_Occurred() ? -1 : 1;
 }
 
@@ -560,8 +560,12 @@ static PyObject *get_shape(PyObject *obj, void *closure)
 	if (!t)
 		return NULL;
 	shape = PyTuple_New(t->dl_tensor.ndim);
-	for (int i = 0; shape && i < t->dl_tensor.ndim; i++)
-		PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(t->dl_tensor.shape[i]));
+	for (int i = 0; shape && i < t->dl_tensor.ndim; i++) {
+		PyObject *extent = PyLong_FromLongLong(t->dl_tensor.shape[i]);
+
+		if (!extent || PyTuple_SetItem(shape, i, extent) < 0)
+			Py_CLEAR(shape);
+	}
 	return shape;
 }
 
@@ -703,6 +707,7 @@ static PyType_Slot tensor_slots[] = {
 PyType_Spec ipc_tensor_spec = {
 	.name = "dlpack_ipc.SharedTensor",
 	.basicsize = sizeof(TensorObject),
-	.flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+	/* not Py_TPFLAGS_IMMUTABLETYPE: ipc_exchange_install() sets a class attribute */
+	.flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
 	.slots = tensor_slots,
 };

@@ -38,7 +38,7 @@ static int watch_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 	if (sock != Py_None) {
 		if (!PyUnicode_FSConverter(sock, &bytes))
 			return -1;
-		path = PyBytes_AS_STRING(bytes);
+		path = PyBytes_AsString(bytes);
 	}
 	ipc_interruptible();
 	Py_BEGIN_ALLOW_THREADS
@@ -70,7 +70,7 @@ static void watch_dealloc(PyObject *obj)
 
 	/* never busy here: a waiting call holds a reference to self */
 	dlpc_watch_close(self->w);
-	tp->tp_free(obj);
+	((freefunc)PyType_GetSlot(tp, Py_tp_free))(obj);
 	Py_DECREF(tp);
 }
 
@@ -99,8 +99,12 @@ static PyObject *event_dict(const dlpc_watch_event *ev)
 	if (e->tensors && e->ntensors == 1) {
 		shape = PyTuple_New(e->tensors[0].ndim);
 		dtype = ipc_dtype_name(e->tensors[0].dtype);
-		for (int32_t k = 0; shape && k < e->tensors[0].ndim; k++)
-			PyTuple_SET_ITEM(shape, k, PyLong_FromLongLong(e->tensors[0].shape[k]));
+		for (int32_t k = 0; shape && k < e->tensors[0].ndim; k++) {
+			PyObject *extent = PyLong_FromLongLong(e->tensors[0].shape[k]);
+
+			if (!extent || PyTuple_SetItem(shape, k, extent) < 0)
+				Py_CLEAR(shape);
+		}
 		if (!shape || !dtype) {
 			Py_XDECREF(shape);
 			Py_XDECREF(dtype);

@@ -65,6 +65,7 @@ static long long now_ms(void)
 }
 
 static void *mgr_read(void *arg);
+static bool mgr_take(struct mgr *m, int ms);
 
 static void mgr_init(struct mgr *m, bool activate, unsigned store_max)
 {
@@ -101,11 +102,14 @@ static void mgr_init(struct mgr *m, bool activate, unsigned store_max)
 	ck_assert_int_eq(pthread_create(&m->reader, NULL, mgr_read, m), 0);
 }
 
+/* Storages named @p prefix... in the store, once every notification sent so far is taken. */
 static size_t store_count(struct mgr *m, const char *prefix)
 {
 	size_t n = 0;
 
 	pthread_mutex_lock(&m->mu);
+	while (mgr_take(m, 0))
+		;
 	for (size_t i = 0; i < m->nstore; i++)
 		n += strncmp(m->store[i].name, prefix, strlen(prefix)) == 0;
 	pthread_mutex_unlock(&m->mu);
@@ -933,6 +937,8 @@ static bool stored(struct mgr *m, const char *name)
 	bool found = false;
 
 	pthread_mutex_lock(&m->mu);
+	while (mgr_take(m, 0))
+		;
 	for (size_t i = 0; i < m->nstore && !found; i++)
 		found = strcmp(m->store[i].name, name) == 0;
 	pthread_mutex_unlock(&m->mu);

@@ -3,7 +3,9 @@
 
 Environment (CTest sets both):
   DLPACKD_BIN  the daemon binary (<build>/dlpackd); required
-  PYTHONPATH   must make `import dlpack_ipc` work (<build>/python)
+  PYTHONPATH   must make `import dlpack_ipc` work (<build>/python), unless the interpreter has
+               it installed (tests/pystack.sh: a venv where pip installed the project, and
+               DLPC_TEST_PIP_INSTALLED=1)
 """
 import gc
 import os

@@ -228,12 +228,14 @@ def test_mode_arguments(ipc, entries):
     entries.finish()
 
 
+# (everything imported before dropping to uid 65534: an interpreter under a 0700 home, as
+# pyenv's in /root, is out of that uid's reach)
 SQUATTER = f"""
     import os
+    import numpy as np, dlpack_ipc
     os.setgroups([])
     os.setgid({NOBODY})
     os.setuid({NOBODY})
-    import numpy as np, dlpack_ipc
     dlpack_ipc.publish("own/m", np.full(8, 7.0))
     print("ready", flush=True)
     dlpack_ipc.attach("own/go", timeout=60)
