@@ -18,6 +18,20 @@ Groups:
                                     process gets it, reads one element, acks on a second Queue
              dlpack_ipc             the same protocol, but the name goes through the Queue and the
                                     child attaches, torch.from_dlpack, reads, releases, acks
+  channel    torch_multiprocessing  hand-off of a tensor already in shared memory to a waiting child
+                                    process, which reads one element and acks one byte on a Unix
+                                    socket:
+                                    torch.multiprocessing Queue put / get
+             dlpack_channel         dlpack_ipc channel send of empty() memory (no copy) / recv,
+                                    torch.from_dlpack, release
+             fd_pass_mmap           the floor: the memfd passed over a Unix socket (SCM_RIGHTS),
+                                    mmap, read, munmap, close
+  pipeline   torch_queue            a producer process makes 64 MiB float32 batches as a DataLoader
+                                    worker does (a new shared-memory tensor, filled) and puts them
+                                    on a torch.multiprocessing Queue; this process takes them and
+                                    reads one element: the time between batches
+             channel_pool           the same batches filled into recycled channel buffers
+                                    (Channel.empty) and sent over a channel of 4
   pipe_copy  multiprocessing_pipe   the bytes through multiprocessing.Pipe to a child that makes
                                     an array of them, reads one element and acks (<= 256 MiB)
   bundle     attach_dict            attach_dict of 500 tensors of 1024 float32 + release all
@@ -292,6 +306,215 @@ def bench_handoff(client, timer, socket, prefix, sizes):
             q.join_thread()
 
 
+# ---- channel: hand-off with a one-byte pipe ack, three ways -------------------------------------
+
+def _channel_child(socket, chname, inq, sock):
+    """Waits for tensors by the mode the parent names on inq, acks each with one byte on sock.
+
+    ("torch",): tensors come through inq until ("stop",); ("channel",): messages from the
+    channel until a bundle; ("fd",): memfds over sock until a message without one; ("end",)."""
+    import mmap
+    import socket as socketmod
+    try:
+        import torch
+        torch.set_num_threads(1)
+        ch = dlpack_ipc.Channel(chname, client=dlpack_ipc.Client(socket))
+    except BaseException as e:
+        inq.put(("error", f"child start: {e!r}"))
+        return
+    sock.sendall(b"r")
+    while True:
+        mode = inq.get()
+        if mode[0] == "end":
+            break
+        if mode[0] == "torch":
+            while True:
+                msg = inq.get()
+                if msg[0] == "stop":
+                    break
+                t = msg[1]
+                del msg
+                t[0].item()
+                del t
+                sock.sendall(b"1")
+        elif mode[0] == "channel":
+            while True:
+                st = ch.recv()
+                if isinstance(st, dict):
+                    del st
+                    break
+                t = torch.from_dlpack(st)
+                t[0].item()
+                del t
+                st.release()
+                sock.sendall(b"1")
+        else:
+            size = mode[1]
+            while True:
+                _, fds, _, _ = socketmod.recv_fds(sock, 8, 1)
+                if not fds:
+                    break
+                m = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
+                m[0]
+                m.close()
+                os.close(fds[0])
+                sock.sendall(b"1")
+        sock.sendall(b"d")
+
+
+def bench_channel(client, timer, socket, prefix, sizes):
+    import socket as socketmod
+    import torch
+    import torch.multiprocessing as tmp
+    torch.set_num_threads(1)
+    ctx = tmp.get_context("spawn")
+    chname = f"{prefix}/channel"
+    ch = client.channel(chname, 1)
+    inq = ctx.Queue()
+    # memfds go to the child over this socket, and its one-byte acks come back on it
+    ps, cs = socketmod.socketpair(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
+    proc = ctx.Process(target=_channel_child, args=(socket, chname, inq, cs), daemon=True,
+                       name="bench_py-channel")
+
+    def ack(want=b"1"):
+        got = ps.recv(1)
+        if got != want:
+            raise RuntimeError(f"channel child acked {got!r}")
+
+    try:
+        log("starting the channel child (spawn, imports torch)")
+        proc.start()
+        cs.close()
+        ack(b"r")
+        for size in sizes:
+            t = torch.from_numpy(filled(size)).share_memory_()
+            try:
+                inq.put(("torch",))
+                msg = ("t", t)
+
+                def torch_op():
+                    inq.put(msg)
+                    ack()
+                emit("channel", "torch_multiprocessing", size, timer.measure(torch_op))
+                inq.put(("stop",))
+                ack(b"d")
+            finally:
+                del msg, t
+            gc.collect()
+            buf = client.empty(size // 4, "float32")
+            torch.from_dlpack(buf).fill_(1.0)
+            inq.put(("channel",))
+
+            def channel_op():
+                ch.send(buf)
+                ack()
+            emit("channel", "dlpack_channel", size, timer.measure(channel_op))
+            ch.send_dict({"stop": np.zeros(1)})
+            ack(b"d")
+            del buf
+            fd = os.memfd_create("bench-floor", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+                with open(f"/proc/self/fd/{fd}", "r+b", buffering=0) as f:
+                    f.write(b"\1" * min(size, 1 << 20))
+                inq.put(("fd", size))
+
+                def fd_op():
+                    socketmod.send_fds(ps, [b"f"], [fd])
+                    ack()
+                emit("channel", "fd_pass_mmap", size, timer.measure(fd_op))
+                ps.sendall(b"s")
+                ack(b"d")
+            finally:
+                os.close(fd)
+    finally:
+        stop_child(proc, lambda: inq.put(("end",)))
+        ps.close()
+        inq.close()
+        inq.join_thread()
+        try:
+            ch.remove()
+        except OSError:
+            pass
+
+
+# ---- pipeline: a steady stream of 64 MiB batches -------------------------------------------------
+
+PIPELINE_BYTES = 64 << 20
+
+
+def _pipeline_child(socket, chname, q, kind, n, done):
+    """Make n batches of PIPELINE_BYTES, as a DataLoader worker (kind "torch") or into recycled
+    channel buffers (kind "channel"); stay until done is set (torch's fds are lent by the
+    process that put them, as a DataLoader's workers stay)."""
+    import torch
+    torch.set_num_threads(1)
+    elems = PIPELINE_BYTES // 4
+    if kind == "torch":
+        for k in range(n):
+            out = torch.empty(elems).share_memory_()
+            out.fill_(float(k))
+            q.put(out)
+            del out
+        done.wait(CHILD_TIMEOUT_S)
+        return
+    ch = dlpack_ipc.Channel(chname, client=dlpack_ipc.Client(socket))
+    for k in range(n):
+        buf = ch.empty(elems, "float32")
+        torch.from_dlpack(buf).fill_(float(k))
+        ch.send(buf)
+        del buf
+    done.wait(CHILD_TIMEOUT_S)
+
+
+def bench_pipeline(client, socket, prefix, quick):
+    import torch
+    import torch.multiprocessing as tmp
+    n, warm = (8, 2) if quick else (60, 10)
+    ctx = tmp.get_context("spawn")
+    chname = f"{prefix}/pipeline"
+    ch = client.channel(chname, 4)
+    try:
+        for kind in ("torch", "channel"):
+            q, done = ctx.Queue(4), ctx.Event()
+            proc = ctx.Process(target=_pipeline_child, args=(socket, chname, q, kind, n, done),
+                               daemon=True, name="bench_py-pipeline")
+            proc.start()
+            stamps = []
+            try:
+                for k in range(n):
+                    t = None
+                    if kind == "torch":
+                        t = q.get(timeout=CHILD_TIMEOUT_S)
+                        v = float(t[-1])
+                    else:
+                        st = ch.recv(timeout=CHILD_TIMEOUT_S)
+                        v = float(torch.from_dlpack(st)[-1])
+                        st.release()
+                        del st
+                    if v != float(k):
+                        raise RuntimeError(f"pipeline batch {k} holds {v}")
+                    stamps.append(time.perf_counter_ns())
+                    del t
+                done.set()
+                proc.join(CHILD_TIMEOUT_S)
+            finally:
+                stop_child(proc, lambda: None)
+                q.close()
+                q.join_thread()
+            gaps = sorted(b - a for a, b in zip(stamps[warm:], stamps[warm + 1:]))
+            mid = len(gaps) // 2
+            median = gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
+            p99 = gaps[max(0, math.ceil(0.99 * len(gaps)) - 1)]
+            emit("pipeline", "torch_queue" if kind == "torch" else "channel_pool",
+                 PIPELINE_BYTES, (median / 1e3, p99 / 1e3, len(gaps)))
+    finally:
+        try:
+            ch.remove()
+        except OSError:
+            pass
+
+
 # ---- pipe_copy -----------------------------------------------------------------------------------
 
 def _pipe_child(conn):
@@ -441,6 +664,8 @@ def main():
         for label, run in [
             ("attach_py", lambda: bench_attach(client, timer, prefix, sizes)),
             ("handoff", lambda: bench_handoff(client, timer, args.socket, prefix, sizes)),
+            ("channel", lambda: bench_channel(client, timer, args.socket, prefix, sizes)),
+            ("pipeline", lambda: bench_pipeline(client, args.socket, prefix, args.quick)),
             ("pipe_copy", lambda: bench_pipe(timer, sizes)),
             ("bundle", lambda: bench_bundle(client, timer, prefix)),
         ]:

@@ -182,6 +182,15 @@ def targets(rows, sizes, map_sizes):
         t, o = pick(rows, "handoff", "torch_multiprocessing", s), pick(rows, "handoff", "dlpack_ipc", s)
         add(f"torch.multiprocessing hand-off / ours, {human(s)}",
             ratio(t and t["median_us"], o and o["median_us"]), 20.0, lower_is_better=False)
+    # issue 17: a channel hand-off against torch.multiprocessing's queue and against the floor
+    for s in sizes:
+        t, o = pick(rows, "channel", "torch_multiprocessing", s), pick(rows, "channel", "dlpack_channel", s)
+        add(f"torch.multiprocessing queue hand-off / channel hand-off, {human(s)}",
+            ratio(t and t["median_us"], o and o["median_us"]), 10.0, lower_is_better=False)
+    for s in sizes:
+        o, f = pick(rows, "channel", "dlpack_channel", s), pick(rows, "channel", "fd_pass_mmap", s)
+        add(f"channel hand-off / floor (fd pass + mmap), {human(s)}",
+            ratio(o and o["median_us"], f and f["median_us"]), 2.0)
     b, one = pick(rows, "bundle_c", "attach_bundle"), pick(rows, "bundle_c", "single_x1")
     add("bundle of 500 / one single attach (C)", ratio(b and b["median_us"], one and one["median_us"]),
         3.0)
@@ -195,6 +204,13 @@ def targets(rows, sizes, map_sizes):
     add(f"publish copy path / memcpy into fresh memory, {human(mf and mf['size'])} (not a target of "
         "the issue: the floor a copy into new shared memory can reach)",
         ratio(cp and cp["median_us"], mf and mf["median_us"]), 1.25)
+    tq, cp_ = pick(rows, "pipeline", "torch_queue"), pick(rows, "pipeline", "channel_pool")
+    add("steady pipeline of 64 MiB batches, batches/s, channel with pool / torch DataLoader-style "
+        "queue", ratio(tq and tq["median_us"], cp_ and cp_["median_us"]), 3.0,
+        lower_is_better=False)
+    pl = pick(rows, "publish", "dlpc_pool")
+    add(f"publish into a recycled channel buffer (fill + send) / memcpy, {human(mc and mc['size'])}",
+        ratio(pl and pl["median_us"], mc and mc["median_us"]), 1.25)
     att = pick(rows, "attach_c", "dlpc", sizes[0])
     add("zero-copy publish / attach", ratio(zc and zc["median_us"], att and att["median_us"]), 2.0)
     # the integrity issue: copy-on-write mappings at no cost to readers (within 10% here)
@@ -246,6 +262,10 @@ def table(rows, sizes, map_sizes, checks):
                ("attach_py", "shared_memory", "stdlib SharedMemory + ndarray + close"),
                ("handoff", "dlpack_ipc", "hand-off to a process: name + attach (ours)"),
                ("handoff", "torch_multiprocessing", "hand-off: torch.multiprocessing queue"),
+               ("channel", "dlpack_channel", "hand-off over a channel, socket ack (ours)"),
+               ("channel", "torch_multiprocessing",
+                "hand-off: torch.multiprocessing queue, socket ack"),
+               ("channel", "fd_pass_mmap", "hand-off floor: fd pass + mmap, socket ack"),
                ("pipe_copy", "multiprocessing_pipe", "copy through multiprocessing.Pipe")]
     for group, impl, desc in latency:
         cells = []
@@ -268,6 +288,14 @@ def table(rows, sizes, map_sizes, checks):
                               ("publish", "dlpc_alloc", "dlpc_publish of dlpc_alloc memory"),
                               ("publish", "dlpc_alloc_written",
                                "dlpc_publish of dlpc_alloc memory written first"),
+                              ("pipeline", "torch_queue",
+                               "64 MiB batch, DataLoader-style: new shared tensor, filled, "
+                               "torch.multiprocessing Queue (time between batches)"),
+                              ("pipeline", "channel_pool",
+                               "64 MiB batch filled into a recycled buffer, channel (time "
+                               "between batches)"),
+                              ("publish", "dlpc_pool",
+                               "fill a recycled channel buffer (dlpc_channel_alloc) + dlpc_send"),
                               ("publish_small", "publish", "dlpc_publish, copy path, no fd store"),
                               ("publish_small", "publish_fdstore",
                                "dlpc_publish, copy path, with systemd's fd store"),

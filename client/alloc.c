@@ -201,7 +201,7 @@ static int alloc_device(DLDevice device, const char *what)
 
 /* A new region of @p size bytes (> 0) on @p device, holding one reference (the caller's):
  * a memfd mapped here, or CUDA VMM memory exportable as an fd the daemon can hold. */
-static int alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret)
+int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret)
 {
 	struct dlpc__region *r = calloc(1, sizeof(*r));
 	int err;
@@ -258,7 +258,7 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
 	if (dlpc__tensor_nbytes(dtype.bits, dtype.lanes, shape, (size_t)ndim, &nbytes) < 0 ||
 	    !dlpc__align_up(nbytes, &size) || size > INT64_MAX)
 		return dlpc__fail(-EINVAL, "dlpc_alloc: bad dtype or shape");
-	err = alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc", &r);
+	err = dlpc__alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc", &r);
 	if (err < 0)
 		return err;
 	/* the region's own reference is handed to the view, which takes one more */
@@ -307,7 +307,7 @@ DLPC_EXPORT int dlpc_alloc_bundle(dlpc_client *c, DLDevice device, size_t n,
 		free(offsets);
 		return dlpc__fail(-EINVAL, "dlpc_alloc_bundle: too large");
 	}
-	err = alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc_bundle", &r);
+	err = dlpc__alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc_bundle", &r);
 	if (err == 0) {
 		/* the region keeps the layout: only all of it is published without a copy */
 		r->nparts = n;

@@ -179,9 +179,9 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 
 /* Turn an ATTACH reply that came by connection @p epoch and its fd (-1 for legacy CUDA IPC)
  * into a bundle. Consumes @p fd. */
-static int build_bundle(dlpc_client *c, uint64_t epoch, const char *name,
-			const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
-			dlpc_bundle **ret)
+int dlpc__attach_build(dlpc_client *c, uint64_t epoch, const char *name,
+		       const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
+		       dlpc_bundle **ret)
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
 	bool writable = flags & DLPC_ATTACH_WRITABLE;
@@ -443,7 +443,7 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 		dlpc__close(fd);
 		r = dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply", name);
 	} else {
-		r = build_bundle(c, epoch, name, rep, fd, flags, stream, ret);
+		r = dlpc__attach_build(c, epoch, name, rep, fd, flags, stream, ret);
 		if (r == 0)
 			r = (int)rep->generation;
 	}

@@ -69,13 +69,14 @@ static bool take_abandoned(dlpc_client *c, uint32_t id, bool keep)
 	return false;
 }
 
-/* The reference an ATTACH reply grants (to be released by whoever cannot use it), or 0. */
+/* The reference an ATTACH or RECV reply grants (to be released by whoever cannot use it), or 0. */
 static uint64_t reply_ref(uint16_t type, const uint8_t *payload, size_t len)
 {
 	Dlpackd__V1__AttachReply *m;
 	uint64_t ref;
 
-	if (type != (DLPC_MSG_ATTACH | DLPC_MSG_REPLY))
+	/* a RECV reply is an AttachReply too: the message it carried is freed with it */
+	if (type != (DLPC_MSG_ATTACH | DLPC_MSG_REPLY) && type != (DLPC_MSG_RECV | DLPC_MSG_REPLY))
 		return 0;
 	m = dlpackd__v1__attach_reply__unpack(NULL, len, payload);
 	if (!m)
@@ -148,8 +149,13 @@ static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
 		c->reclaimed = v;
 		c->reclaimed_cap = cap;
 	}
-	memcpy(c->reclaimed + c->nreclaimed, m->tokens, m->n_tokens * sizeof(*m->tokens));
-	c->nreclaimed += m->n_tokens;
+	for (size_t i = 0; i < m->n_tokens; i++) {
+		/* a recycled channel buffer (pool.c) is free again; the rest is CUDA's */
+		if (m->tokens[i] & DLPC__POOL_TOKEN)
+			dlpc__pool_reclaimed(c, m->tokens[i]);
+		else
+			c->reclaimed[c->nreclaimed++] = m->tokens[i];
+	}
 	/* the reclaimer may be waiting for another reader's turn to end: this wakes it */
 	pthread_cond_broadcast(&c->cv);
 out:

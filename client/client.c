@@ -138,6 +138,7 @@ static void client_free(dlpc_client *c)
 	dlpc__rx_clear(&c->rx);
 	dlpc__scratch_clear(&c->out);
 	free(c->reclaimed);
+	dlpc__pool_free(c->pool);
 	free(c->abandoned);
 	dlpc__close(c->wake_fd);
 	pthread_mutex_destroy(&c->mu);

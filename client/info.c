@@ -219,6 +219,9 @@ DLPC_EXPORT int dlpc_stat(dlpc_client *c, dlpc_stats *out)
 	s.uid_entries = rep->uid_entries;
 	s.uid_connections = rep->uid_connections;
 	s.uid_bytes_pinned = rep->uid_bytes_pinned;
+	s.channels = rep->channels;
+	s.messages = rep->messages;
+	s.uid_channels = rep->uid_channels;
 	dlpackd__v1__stat_reply__free_unpacked(rep, NULL);
 	/* copy only as much as the caller's struct holds, keeping its size field */
 	memcpy((char *)out + sizeof(out->size), (char *)&s + sizeof(s.size),

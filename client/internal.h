@@ -77,6 +77,7 @@ struct dlpc_client {
 	struct dlpc_client *connecting;
 	uint64_t epoch; /* connections before this one; a reference names the one it came by */
 	char path[108]; /* the socket, to connect to again */
+	struct dlpc__pool *pool; /* recycled buffers of dlpc_channel_alloc() (pool.c), or NULL */
 };
 
 /*
@@ -114,6 +115,10 @@ struct dlpc__region {
 	 * parts[i]; NULL: one, at 0), which a zero-copy publish must cover, all and in order */
 	size_t nparts;
 	uint64_t *parts;
+	/* dlpc_channel_alloc() memory: its pool token (DLPC__POOL_TOKEN set) and the connection
+	 * whose pool holds it (not a reference); 0 and NULL otherwise */
+	uint64_t pool_token;
+	const dlpc_client *pool_owner;
 };
 
 void dlpc__region_ref(struct dlpc__region *r);
@@ -251,6 +256,37 @@ int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl);
 bool dlpc__interrupted(void);
 /* What dlpc__reader_turn() returns when the thread's interrupt check asked to give up. */
 #define DLPC__INTERRUPTED 2
+/* attach.c: turn an ATTACH (or RECV) reply that came by connection @p epoch, and its fd (-1 for
+ * legacy CUDA IPC), into a bundle mapped as DLPC_ATTACH_* @p flags say; consumes @p fd and, on
+ * failure, releases the reply's reference. Messages say "cannot attach '@p name'". */
+int dlpc__attach_build(dlpc_client *c, uint64_t epoch, const char *name,
+		       const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
+		       dlpc_bundle **ret);
+/* publish.c: where a publish's request goes instead of PUBLISH (a channel's SEND); @p fn sends
+ * @p req and the storage @p fd (not consumed) and returns 0 or a negative errno. */
+struct dlpc__sink {
+	int (*fn)(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1__Publish *req, int fd);
+	const char *channel;
+	const dlpc_send_opts *opts;
+	uint64_t pool_token; /* a pooled message: its buffer's token; else 0 */
+};
+/* dlpc_publish_bundle() with its request going to @p sink; host tensors only. */
+int dlpc__publish_to(dlpc_client *c, const char *name, size_t n, const char *const keys[],
+		     DLManagedTensorVersioned *const tensors[], uint32_t flags,
+		     const struct dlpc__sink *sink);
+/* alloc.c: a new region of @p size bytes (> 0) on @p device holding one reference (the
+ * caller's); errors name @p what. */
+int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret);
+/* pool.c: recycled channel buffers. A pool token has this bit set (CUDA reclaim tokens, a
+ * counter from 1, never do). */
+#define DLPC__POOL_TOKEN (1ull << 63)
+struct dlpc__pool;
+/* Free @p p (NULL: nothing) and let go of its buffers. */
+void dlpc__pool_free(struct dlpc__pool *p);
+/* The buffer of @p token is (@p sending) or is not in flight in a message. */
+void dlpc__pool_sending(dlpc_client *c, uint64_t token, bool sending);
+/* RECLAIM of @p token came: its buffer is free again. Under c->mu. */
+void dlpc__pool_reclaimed(dlpc_client *c, uint64_t token);
 /* Fill @p e from a LIST or EVENT entry (strings copied); 0 or -ENOMEM (clear it anyway). */
 int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in);
 /* Free what dlpc__entry_fill() allocated. */

@@ -549,7 +549,8 @@ out:
 }
 
 static int publish(dlpc_client *c, const char *name, size_t n, const char *const keys[],
-		   DLManagedTensorVersioned *const tensors[], uint32_t flags)
+		   DLManagedTensorVersioned *const tensors[], uint32_t flags,
+		   const struct dlpc__sink *sink)
 {
 	bool kept = false;
 	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
@@ -598,6 +599,11 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 		}
 		fill_desc(&descs[i], &slots[i], key);
 		dptrs[i] = &descs[i];
+	}
+	if (sink && tensors[0]->dl_tensor.device.device_type != kDLCPU) {
+		r = dlpc__fail(-ENOTSUP, "cannot publish '%s': channels carry host tensors only",
+			       name);
+		goto out;
 	}
 	if (n == 1 && tensors[0]->dl_tensor.device.device_type == kDLCUDA) {
 		r = publish_cuda(c, name, tensors[0], &slots[0], dptrs, flags, &kept);
@@ -654,7 +660,13 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	req.storage_size = size;
 	req.n_tensors = n;
 	req.tensors = dptrs;
-	r = send_publish(c, &req, fd);
+	if (sink) {
+		/* a message has no name of its own */
+		req.name.len = 0;
+		r = sink->fn(c, sink, &req, fd);
+	} else {
+		r = send_publish(c, &req, fd);
+	}
 out:
 	if (!zc && fd >= 0)
 		close(fd);
@@ -673,12 +685,19 @@ out:
 DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVersioned *t,
 			     uint32_t flags)
 {
-	return publish(c, name, 1, NULL, &t, flags);
+	return publish(c, name, 1, NULL, &t, flags, NULL);
 }
 
 DLPC_EXPORT int dlpc_publish_bundle(dlpc_client *c, const char *name, size_t n,
 				    const char *const keys[],
 				    DLManagedTensorVersioned *const tensors[], uint32_t flags)
 {
-	return publish(c, name, n, keys, tensors, flags);
+	return publish(c, name, n, keys, tensors, flags, NULL);
+}
+
+int dlpc__publish_to(dlpc_client *c, const char *name, size_t n, const char *const keys[],
+		     DLManagedTensorVersioned *const tensors[], uint32_t flags,
+		     const struct dlpc__sink *sink)
+{
+	return publish(c, name, n, keys, tensors, flags, sink);
 }

@@ -82,6 +82,32 @@ static int ms_left(const struct timespec *deadline)
 	return ms < 0 ? 0 : ms > INT32_MAX ? INT32_MAX : (int)ms;
 }
 
+/* A channel event (protocol 1.6): its name in ev->entry.name, the rest of the entry zero.
+ * Consumes @p e. */
+static int channel_event(dlpc_watch *w, Dlpackd__V1__Event *e, dlpc_watch_event *ev)
+{
+	char *name = malloc(e->channel->name.len + 1);
+
+	if (!name) {
+		dlpackd__v1__event__free_unpacked(e, NULL);
+		return dlpc__fail(-ENOMEM, "watch on '%s': out of memory", w->prefix);
+	}
+	memcpy(name, e->channel->name.data, e->channel->name.len);
+	name[e->channel->name.len] = '\0';
+	memset(ev, 0, sizeof(*ev));
+	ev->kind = e->kind;
+	ev->reason = e->reason;
+	ev->seq = e->seq;
+	ev->actor_uid = e->actor_uid;
+	ev->actor_pid = e->actor_pid;
+	dlpackd__v1__event__free_unpacked(e, NULL);
+	dlpc__entry_clear(&w->entry);
+	memset(&w->entry, 0, sizeof(w->entry));
+	w->entry.name = name;
+	ev->entry = w->entry;
+	return 1;
+}
+
 /* Turn one frame into @p ev: 1, or a negative errno with the message set. */
 static int take_event(dlpc_watch *w, const struct dlpc__frame *f, dlpc_watch_event *ev)
 {
@@ -101,6 +127,9 @@ static int take_event(dlpc_watch *w, const struct dlpc__frame *f, dlpc_watch_eve
 		return dlpc__fail(-EPROTO, "watch on '%s': dlpackd sent frame type 0x%x id %u",
 				  w->prefix, f->hdr.type, f->hdr.id);
 	e = dlpackd__v1__event__unpack(NULL, f->hdr.len, f->payload);
+	if (e && e->channel &&
+	    (e->kind == DLPC_WATCH_CHANNEL_OPENED || e->kind == DLPC_WATCH_CHANNEL_REMOVED))
+		return channel_event(w, e, ev);
 	if (!e || !e->entry || e->kind < DLPC_WATCH_PUBLISHED || e->kind > DLPC_WATCH_UNPUBLISHED) {
 		if (e)
 			dlpackd__v1__event__free_unpacked(e, NULL);

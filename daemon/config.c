@@ -116,7 +116,7 @@ static const struct option_row options[] = {
 	OPT_SIZE("max-bytes-per-uid", "DLPACKD_MAX_BYTES_PER_UID", dlpd_limits.bytes_per_uid, 1,
 		 UINT64_MAX, "storage bytes one uid may hold, counted on the\ndeclared size"),
 	OPT_UINT("max-entries-per-uid", "DLPACKD_MAX_ENTRIES_PER_UID", dlpd_limits.entries_per_uid,
-		 1, UINT64_MAX, "names one uid may have published"),
+		 1, UINT64_MAX, "names and channels one uid may have"),
 	OPT_UINT("max-connections-per-uid", "DLPACKD_MAX_CONNECTIONS_PER_UID",
 		 dlpd_limits.connections_per_uid, 1, UINT64_MAX, "open connections of one uid"),
 	OPT_UINT("max-fd-share-per-uid", "DLPACKD_MAX_FD_SHARE_PER_UID",
@@ -127,7 +127,7 @@ static const struct option_row options[] = {
 		 "references one connection may hold"),
 	OPT_UINT("max-pending-per-connection", "DLPACKD_MAX_PENDING_PER_CONNECTION",
 		 dlpd_limits.pending_per_connection, 1, UINT64_MAX,
-		 "ATTACHes one connection may have waiting"),
+		 "ATTACH, SEND and RECV waiting per connection"),
 	OPT_UINT("frame-timeout-ms", "DLPACKD_FRAME_TIMEOUT_MS", dlpd_limits.frame_timeout_ms, 1,
 		 UINT64_MAX, "time a client has to finish a frame it began,\nand to send HELLO"),
 	/* at least one whole reply of the largest frame, or a big LIST page could drop a client

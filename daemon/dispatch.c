@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/socket.h>
 
+#include "channel.h"
 #include "dispatch.h"
 #include "handlers.h"
 #include "names.h"
@@ -86,6 +87,7 @@ static void destroy(struct dlpd_peer *p)
 	dlpd_watch_drop(p);
 	/* before its entries go: their storages must not queue notices for it */
 	dlpd_reclaim_drop_peer(p);
+	dlpd_channels_drop_peer(p);
 	dlpd_names_drop_peer(p);
 	p->usage->connections--;
 	dlpd_usage_put(&s->reg, p->usage);

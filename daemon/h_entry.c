@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "channel.h"
 #include "entry.h"
 #include "handlers.h"
 #include "names.h"
@@ -200,6 +201,8 @@ int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	if (req->prefix.len > DLPC_NAME_MAX || req->start_after.len > DLPC_NAME_MAX)
 		return dlpd_reply_error(p, id, EINVAL, "LIST prefix or cursor longer than %d bytes",
 					DLPC_NAME_MAX);
+	if (req->channels)
+		return dlpd_channels_list(p, id, req);
 	limit = req->limit == 0 || req->limit > DLPC_LIST_PAGE_MAX ? DLPC_LIST_PAGE_MAX
 								   : req->limit;
 	/* one more than a page, to know whether more follow */

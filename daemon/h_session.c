@@ -62,6 +62,7 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	rep.version_major = DLPC_PROTO_MAJOR;
 	rep.version_minor =
 		req->version_minor > DLPC_PROTO_MINOR ? DLPC_PROTO_MINOR : req->version_minor;
+	p->minor = rep.version_minor;
 	rep.server = "dlpackd " DLPD_VERSION;
 	rep.max_frame = DLPC_FRAME_MAX;
 	dlpd_log(LOG_DEBUG, "%s: connected with %s", dlpd_peer_desc(p, desc, sizeof(desc)), client);
@@ -116,5 +117,8 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	rep.uid_bytes_pinned = p->usage->pinned_bytes;
 	rep.uid_entries = p->usage->entries;
 	rep.uid_connections = p->usage->connections;
+	rep.channels = s->reg.channels.count;
+	rep.messages = s->reg.messages;
+	rep.uid_channels = p->usage->channels;
 	return dlpd_reply(p, DLPC_MSG_STAT | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }

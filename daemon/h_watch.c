@@ -26,10 +26,13 @@ int dlpd_on_watch(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	if (req->prefix.len > DLPC_NAME_MAX)
 		return dlpd_reply_error(p, id, EINVAL, "WATCH prefix longer than %d bytes",
 					DLPC_NAME_MAX);
-	if (!dlpd_list_empty(&p->held.ephemeral) || !dlpd_list_empty(&p->held.waiters))
-		return dlpd_reply_error(p, id, EBUSY,
-					"cannot watch on a connection that owns ephemeral entries "
-					"or waits in ATTACH; watch on a connection of its own");
+	if (!dlpd_list_empty(&p->held.ephemeral) || !dlpd_list_empty(&p->held.waiters) ||
+	    !dlpd_list_empty(&p->held.chan_waits))
+		return dlpd_reply_error(
+			p, id, EBUSY,
+			"cannot watch on a connection that owns ephemeral entries "
+			"or waits in ATTACH, SEND or RECV; watch on a connection of "
+			"its own");
 	rep.seq = s->event_seq;
 	rep.queue_max = p->srv->lim.watch_queue_bytes;
 	r = dlpd_reply(p, DLPC_MSG_WATCH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);

@@ -19,12 +19,12 @@
 #include "util.h"
 
 /*
- * @p st is held by nothing any more: tell its legacy CUDA IPC publisher, close its fd and free
+ * @p st is held by nothing any more (NULL: nothing to do): tell its legacy CUDA IPC publisher, close its fd and free
  * it. The fd is closed off the loop: the last close of a memfd frees its memory. A CUDA VMM
  * export is a driver's file whose close the daemon cannot vouch for, so it goes to the reaper
  * of client-sent fds, where a close that blocks stalls nothing else.
  */
-static void storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
+void dlpd_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 {
 	if (!st)
 		return;
@@ -174,15 +174,15 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 		dlpd_persist_removed(s, e);
 		dlpd_entry_free_unlinked(e);
 		st->names--;
-		storage_gone(s, st);
-		storage_gone(s, old_st);
+		dlpd_storage_gone(s, st);
+		dlpd_storage_gone(s, old_st);
 		return r;
 	}
 	/* Recorded before anyone hears of it, so that nobody is told of an entry a crash would
 	 * lose, and before the old storage leaves the fd store, so that a crash in between
 	 * finds one of the two entries whole. */
 	dlpd_persist_published(s, e, old_journaled);
-	storage_gone(s, old_st);
+	dlpd_storage_gone(s, old_st);
 	notify_watchers(s, old ? DLPC_WATCH_REPLACED : DLPC_WATCH_PUBLISHED, e, prev_gen, 0, e->uid,
 			e->pid);
 	wake_waiters(s, e);
@@ -194,12 +194,12 @@ void dlpd_names_remove(struct dlpd_server *s, struct dlpd_entry *e, int reason,
 {
 	dlpd_persist_removed(s, e);
 	notify_watchers(s, DLPC_WATCH_UNPUBLISHED, e, 0, reason, actor->uid, actor->pid);
-	storage_gone(s, dlpd_entry_unlink(&s->reg, e));
+	dlpd_storage_gone(s, dlpd_entry_unlink(&s->reg, e));
 }
 
 void dlpd_names_release(struct dlpd_peer *p, struct dlpd_ref *ref)
 {
-	storage_gone(p->srv, dlpd_ref_drop(&p->srv->reg, &p->held, ref));
+	dlpd_storage_gone(p->srv, dlpd_ref_drop(&p->srv->reg, &p->held, ref));
 }
 
 static void waiter_closed(uv_handle_t *h)
@@ -243,5 +243,5 @@ void dlpd_names_clear(struct dlpd_server *s)
 
 	/* no watcher and no connection is left to tell */
 	while ((e = dlpd_entry_any(&s->reg, &cursor)))
-		storage_gone(s, dlpd_entry_unlink(&s->reg, e));
+		dlpd_storage_gone(s, dlpd_entry_unlink(&s->reg, e));
 }

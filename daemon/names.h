@@ -31,6 +31,9 @@ void dlpd_names_release(struct dlpd_peer *p, struct dlpd_ref *ref);
 void dlpd_waiter_free(struct dlpd_peer *p, struct dlpd_waiter *w);
 /* Drop everything @p p holds: waiting attaches, ephemeral entries, references. */
 void dlpd_names_drop_peer(struct dlpd_peer *p);
+/* @p st is held by nothing any more (NULL: nothing to do): tell its lender, close its fd and
+ * free it. */
+void dlpd_storage_gone(struct dlpd_server *s, struct dlpd_storage *st);
 /* Free every entry at stop, once every connection is gone. */
 void dlpd_names_clear(struct dlpd_server *s);
 

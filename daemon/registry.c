@@ -27,6 +27,7 @@ void dlpd_registry_init(struct dlpd_registry *r)
 	dlpd_hmap_init(&r->names);
 	dlpd_hmap_init(&r->waitqs);
 	dlpd_hmap_init(&r->uids);
+	dlpd_hmap_init(&r->channels);
 }
 
 void dlpd_registry_clear(struct dlpd_registry *r)
@@ -37,6 +38,7 @@ void dlpd_registry_clear(struct dlpd_registry *r)
 	r->sorted_valid = false;
 	dlpd_hmap_clear(&r->waitqs);
 	dlpd_hmap_clear(&r->uids);
+	dlpd_hmap_clear(&r->channels);
 }
 
 void dlpd_holdings_init(struct dlpd_holdings *h)
@@ -45,6 +47,7 @@ void dlpd_holdings_init(struct dlpd_holdings *h)
 	dlpd_hmap_init(&h->refs);
 	dlpd_list_init(&h->ephemeral);
 	dlpd_list_init(&h->waiters);
+	dlpd_list_init(&h->chan_waits);
 }
 
 static bool entry_is(const struct dlpd_entry *e, const uint8_t *name, size_t len)
@@ -118,6 +121,11 @@ static struct dlpd_storage *storage_unhold(struct dlpd_storage *st, bool name)
 			pin_charge(st->pins[i].usage, st, 1);
 	}
 	return st->names > 0 || st->attach_refs > 0 ? NULL : st;
+}
+
+struct dlpd_storage *dlpd_storage_unname(struct dlpd_storage *st)
+{
+	return storage_unhold(st, true);
 }
 
 struct dlpd_storage *dlpd_entry_unlink(struct dlpd_registry *r, struct dlpd_entry *e)

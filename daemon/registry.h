@@ -33,6 +33,7 @@ struct dlpd_usage {
 	uint64_t storages;     /* storages it published and the daemon still holds */
 	uint64_t entries;      /* names it has published */
 	uint64_t connections;  /* its open connections */
+	uint64_t channels;     /* channels it opened (counted as entries too) */
 };
 
 /* The references one uid holds on one storage. */
@@ -116,6 +117,8 @@ struct dlpd_holdings {
 	struct dlpd_list ephemeral; /* entries it owns */
 	struct dlpd_list waiters;
 	uint64_t nwaiters;
+	struct dlpd_list chan_waits; /* its SENDs and RECVs waiting on channels (channel.h) */
+	uint64_t nchan_waits;
 };
 
 struct dlpd_registry {
@@ -127,7 +130,9 @@ struct dlpd_registry {
 	size_t nsorted, sorted_cap;
 	bool sorted_valid;
 	uint64_t storages, bytes, refs, waiters;
-	uint64_t storage_fds; /* storages that hold an fd (all but legacy CUDA IPC) */
+	uint64_t storage_fds;	   /* storages that hold an fd (all but legacy CUDA IPC) */
+	struct dlpd_hmap channels; /* dlpd_channel by name (channel.h) */
+	uint64_t messages;	   /* queued in channels, or waiting for room in one */
 };
 
 void dlpd_registry_init(struct dlpd_registry *r);
@@ -157,6 +162,9 @@ struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage
 /* Uncharge and free @p st, which nothing holds; its fd is the caller's to close. */
 void dlpd_storage_free(struct dlpd_registry *r, struct dlpd_storage *st);
 
+/* Drop the hold a name (or a queued channel message, which counts as one) has on @p st; returns
+ * @p st if nothing holds it any more (see dlpd_entry_unlink()). */
+struct dlpd_storage *dlpd_storage_unname(struct dlpd_storage *st);
 /* Does a reference of @p u's keep @p st alive? */
 bool dlpd_storage_pinned_by(const struct dlpd_storage *st, const struct dlpd_usage *u);
 /* A reference in @p h on @p st; NULL on ENOMEM. */

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "dispatch.h"
+#include "channel.h"
 #include "names.h"
 #include "peer.h"
 #include "persist.h"
@@ -430,6 +431,7 @@ void dlpd_server_stop(struct dlpd_server *s)
 
 void dlpd_server_free(struct dlpd_server *s)
 {
+	dlpd_channels_clear(s);
 	dlpd_names_clear(s);
 	dlpd_registry_clear(&s->reg);
 	dlpd_persist_free(s);

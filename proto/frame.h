@@ -38,7 +38,11 @@
 	X(UNPUBLISH, unpublish, 5, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                 \
 	X(LIST, list, 6, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                           \
 	X(STAT, stat, 7, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                           \
-	X(WATCH, watch, 8, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)
+	X(WATCH, watch, 8, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                         \
+	/* protocol 1.6: channels */                                                               \
+	X(SEND, send, 9, DLPC_FRAME_MAX, 1, 1, 0, 0)                                               \
+	X(RECV, recv, 10, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                          \
+	X(CHANNEL, channel, 11, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)
 
 /* clang-format off */
 enum dlpc_msg_type {

@@ -12,7 +12,7 @@
 
 /* Protocol version spoken by this tree. Peers must agree on the major; minor is negotiated. */
 #define DLPC_PROTO_MAJOR 1
-#define DLPC_PROTO_MINOR 5
+#define DLPC_PROTO_MINOR 6
 
 /* Size of the fixed frame header, bytes. */
 #define DLPC_FRAME_HDR_SIZE 12
@@ -42,6 +42,10 @@
 #define DLPC_RELEASE_DELAY_MS 5
 #if DLPC_RELEASE_PENDING_MAX > DLPC_RELEASE_BATCH_MAX
 #error "deferred releases must fit one RELEASE frame"
+/* Channels (protocol 1.6): DLPC_CHANNEL_CAPACITY_DEFAULT and _MAX are public (dlpc.h).
+ * Channels count against --max-entries-per-uid like names; queued messages against their
+ * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection. */
+
 #endif
 /* Most publication tokens one RECLAIM notice carries (more go out in further frames). */
 #define DLPC_RECLAIM_BATCH_MAX 1024
@@ -109,5 +113,11 @@
  * each can still be told why at HELLO; past that a connection is closed as soon as it is
  * accepted. */
 #define DLPC_UID_CONNECTIONS_SLACK 8
+
+/* Channels (protocol 1.6): DLPC_CHANNEL_CAPACITY_DEFAULT and _MAX are public (dlpc.h).
+ * Channels count against --max-entries-per-uid like names; queued messages against their
+ * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection. */
+/* DLPC_POOL_BUFFERS_MAX (dlpc.h): buffers in one connection's pool of recycled channel
+ * memory. */
 
 #endif

@@ -32,6 +32,8 @@ static const char usage_text[] =
 	"  ls [PREFIX] [--json]      list the entries whose names start with PREFIX\n"
 	"  stat [--json]             show the daemon's counters\n"
 	"  rm NAME                   unpublish NAME\n"
+	"  channels [PREFIX] [--json]  list the channels whose names start with PREFIX\n"
+	"  rmchan NAME               remove the channel NAME and the messages it queues\n"
 	"  wait NAME [--timeout S]   wait until NAME is published (at most S seconds)\n"
 	"  ping                      check that the daemon answers\n"
 	"  check [PREFIX] [--json]   attach every entry under PREFIX, report those that fail\n"
@@ -379,6 +381,12 @@ static int cmd_stat(dlpc_client *c, const struct args *a)
 		{"uid_bytes_pinned", s.uid_bytes_pinned},
 		{"uid_entries", s.uid_entries},
 		{"uid_connections", s.uid_connections},
+		{"channels", s.channels},
+		{"messages", s.messages},
+		{"req_send", s.req_send},
+		{"req_recv", s.req_recv},
+		{"req_channel", s.req_channel},
+		{"uid_channels", s.uid_channels},
 	};
 
 	if (r < 0)
@@ -404,6 +412,80 @@ static int cmd_rm(dlpc_client *c, const struct args *a)
 	int r = dlpc_unpublish(c, a->pos[0]);
 
 	return r < 0 ? fail("rm", a->pos[0], r) : 0;
+}
+
+static int cmd_channels(dlpc_client *c, const struct args *a)
+{
+	const char *prefix = a->npos ? a->pos[0] : "";
+	dlpc_channel_info *v;
+	size_t n, width = strlen("NAME");
+	int r = dlpc_channel_list(c, prefix, &v, &n);
+	struct json j;
+
+	if (r < 0)
+		return fail("channels", prefix, r);
+	if (a->json) {
+		json_init(&j, stdout);
+		json_arr_begin(&j);
+		for (size_t i = 0; i < n; i++) {
+			const struct {
+				const char *key;
+				uint64_t v;
+			} f[] = {
+				{"capacity", v[i].capacity},
+				{"depth", v[i].depth},
+				{"bytes_queued", v[i].bytes_queued},
+				{"sent", v[i].sent},
+				{"received", v[i].received},
+				{"receivers_waiting", v[i].receivers_waiting},
+				{"senders_waiting", v[i].senders_waiting},
+				{"owner_uid", v[i].owner_uid},
+			};
+
+			json_obj_begin(&j);
+			json_key(&j, "name");
+			json_str(&j, v[i].name, strlen(v[i].name));
+			for (size_t k = 0; k < sizeof(f) / sizeof(f[0]); k++) {
+				json_key(&j, f[k].key);
+				json_u64(&j, f[k].v);
+			}
+			json_key(&j, "owner_pid");
+			json_i64(&j, v[i].owner_pid);
+			json_key(&j, "created_ns");
+			json_i64(&j, v[i].created_ns);
+			json_obj_end(&j);
+		}
+		json_arr_end(&j);
+		putchar('\n');
+		free(v);
+		return 0;
+	}
+	for (size_t i = 0; i < n; i++)
+		if (text_width(v[i].name, strlen(v[i].name)) > width)
+			width = text_width(v[i].name, strlen(v[i].name));
+	put_padded("NAME", width + 2);
+	printf("%-9s %-10s %-10s %-10s %-9s %s\n", "DEPTH", "QUEUED", "SENT", "RECEIVED", "WAITING",
+	       "OWNER");
+	for (size_t i = 0; i < n; i++) {
+		char depth[32], size[32], waiting[32], user[64];
+
+		snprintf(depth, sizeof(depth), "%u/%u", v[i].depth, v[i].capacity);
+		snprintf(waiting, sizeof(waiting), "%ur %us", v[i].receivers_waiting,
+			 v[i].senders_waiting);
+		put_padded(v[i].name, width + 2);
+		printf("%-9s %-10s %-10" PRIu64 " %-10" PRIu64 " %-9s %s/%d\n", depth,
+		       size_text(v[i].bytes_queued, size, sizeof(size)), v[i].sent, v[i].received,
+		       waiting, user_text(v[i].owner_uid, user, sizeof(user)), (int)v[i].owner_pid);
+	}
+	free(v);
+	return 0;
+}
+
+static int cmd_rmchan(dlpc_client *c, const struct args *a)
+{
+	int r = dlpc_channel_remove(c, a->pos[0]);
+
+	return r < 0 ? fail("rmchan", a->pos[0], r) : 0;
 }
 
 static int cmd_wait(dlpc_client *c, const struct args *a)
@@ -522,16 +604,49 @@ static int cmd_check(dlpc_client *c, const struct args *a)
 }
 
 static const char *const kind_names[] = {
-	[DLPC_WATCH_PUBLISHED] = "published",
-	[DLPC_WATCH_REPLACED] = "replaced",
-	[DLPC_WATCH_UNPUBLISHED] = "unpublished",
+	[DLPC_WATCH_PUBLISHED] = "published",	       [DLPC_WATCH_REPLACED] = "replaced",
+	[DLPC_WATCH_UNPUBLISHED] = "unpublished",      [DLPC_WATCH_CHANNEL_OPENED] = "chan-opened",
+	[DLPC_WATCH_CHANNEL_REMOVED] = "chan-removed",
 };
+
+/* A channel opened or removed: its name, who did it. */
+static void print_channel_event(const dlpc_watch_event *ev, bool json)
+{
+	struct json j;
+
+	if (!json) {
+		printf("%-11s ", kind_names[ev->kind]);
+		text_put(stdout, ev->entry.name, strlen(ev->entry.name));
+		printf(" (by pid %d)\n", (int)ev->actor_pid);
+		fflush(stdout);
+		return;
+	}
+	json_init(&j, stdout);
+	json_obj_begin(&j);
+	json_key(&j, "event");
+	json_cstr(&j, kind_names[ev->kind]);
+	json_key(&j, "seq");
+	json_u64(&j, ev->seq);
+	json_key(&j, "channel");
+	json_str(&j, ev->entry.name, strlen(ev->entry.name));
+	json_key(&j, "actor_uid");
+	json_u64(&j, ev->actor_uid);
+	json_key(&j, "actor_pid");
+	json_i64(&j, ev->actor_pid);
+	json_obj_end(&j);
+	putchar('\n');
+	fflush(stdout);
+}
 
 static void print_event(const dlpc_watch_event *ev, bool json)
 {
 	const dlpc_entry_info *e = &ev->entry;
 	char type[160], dev[32], size[32], user[64];
 
+	if (ev->kind == DLPC_WATCH_CHANNEL_OPENED || ev->kind == DLPC_WATCH_CHANNEL_REMOVED) {
+		print_channel_event(ev, json);
+		return;
+	}
 	if (json) {
 		struct json j;
 
@@ -700,9 +815,11 @@ static const struct command {
 	int min_pos, max_pos;
 	bool json, timeout;
 } commands[] = {
-	{"ls", 0, 1, true, false},    {"stat", 0, 0, true, false},    {"rm", 1, 1, false, false},
-	{"wait", 1, 1, false, true},  {"ping", 0, 0, false, false},   {"watch", 0, 1, true, false},
-	{"check", 0, 1, true, false}, {"upgrade", 0, 0, false, true},
+	{"ls", 0, 1, true, false},	 {"stat", 0, 0, true, false},
+	{"rm", 1, 1, false, false},	 {"wait", 1, 1, false, true},
+	{"ping", 0, 0, false, false},	 {"watch", 0, 1, true, false},
+	{"check", 0, 1, true, false},	 {"upgrade", 0, 0, false, true},
+	{"channels", 0, 1, true, false}, {"rmchan", 1, 1, false, false},
 };
 
 static bool parse_seconds(const char *s, double *ret)
@@ -819,6 +936,10 @@ int main(int argc, char **argv)
 		r = cmd_check(c, &a);
 	else if (!strcmp(a.cmd, "upgrade"))
 		r = cmd_upgrade(c, &a);
+	else if (!strcmp(a.cmd, "channels"))
+		r = cmd_channels(c, &a);
+	else if (!strcmp(a.cmd, "rmchan"))
+		r = cmd_rmchan(c, &a);
 	else
 		r = cmd_ping(c, &a);
 	dlpc_close(c);

@@ -570,6 +570,13 @@ typedef struct dlpc_stats {
 	/** bytes of storages no name reaches any more that references of the caller's uid keep
 	 * alive (its quota counts them too; 0 from a daemon older than protocol 1.4) */
 	uint64_t uid_bytes_pinned;
+	uint64_t req_send;     /**< SEND requests served (protocol 1.6; 0 from older daemons) */
+	uint64_t req_recv;     /**< RECV requests served */
+	uint64_t req_channel;  /**< CHANNEL requests served */
+	uint64_t channels;     /**< channels open */
+	uint64_t messages;     /**< messages queued in channels, and sends waiting for room */
+	uint64_t uid_channels; /**< channels the caller's uid opened (its entry quota counts
+				    them) */
 } dlpc_stats;
 
 /**
@@ -592,6 +599,11 @@ typedef struct dlpc_watch dlpc_watch;
 #define DLPC_WATCH_BY_REQUEST 1
 /** Why an entry was unpublished: its ephemeral publisher's connection closed. */
 #define DLPC_WATCH_BY_DISCONNECT 2
+/** Watch event (protocol 1.6): a channel was opened; entry.name is its name, the rest of entry
+ * is zero. */
+#define DLPC_WATCH_CHANNEL_OPENED 4
+/** Watch event (protocol 1.6): a channel was removed (reason DLPC_WATCH_BY_REQUEST). */
+#define DLPC_WATCH_CHANNEL_REMOVED 5
 
 /** One change of the name map, as dlpc_watch_next() reports it. */
 typedef struct dlpc_watch_event {
@@ -647,6 +659,156 @@ DLPC_EXPORT int dlpc_watch_next(dlpc_watch *w, dlpc_watch_event *ev, int timeout
 
 /** Stop watching and free @p w. Accepts NULL; in a forked child it only frees memory. */
 DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
+
+/*
+ * ---- Channels (protocol 1.6) ----
+ *
+ * A channel is a named FIFO of messages held by dlpackd; a message is one tensor or a bundle.
+ * Each message goes to exactly one receiver, in the order the sends were answered. A receiver
+ * waiting in dlpc_recv() is handed a message in the daemon turn that admits it, so a hand-off
+ * costs the sender one round trip and the receiver none beyond its pending request. A channel
+ * holds at most its capacity of messages: further senders wait for room, or fail with -EAGAIN.
+ *
+ * Delivery is at most once: a received message belongs to its receiver, its storage freed when
+ * the receiver releases every tensor of it (or its connection closes); it is never given to
+ * anyone else. A message sent is queued even if its sender exits afterwards; a send still
+ * waiting for room when its connection closes is dropped. Removing a channel frees the messages
+ * it queues and ends every send and receive waiting on it with -EIDRM; messages already
+ * received stay valid until released. Channels do not survive a daemon restart.
+ *
+ * Messages are sealed read-only like ordinary publishes (see dlpc_publish()).
+ */
+
+/** Messages a channel queues when opened with capacity 0. */
+#define DLPC_CHANNEL_CAPACITY_DEFAULT 16
+/** The largest capacity a channel may be opened with. */
+#define DLPC_CHANNEL_CAPACITY_MAX 65536
+
+/** A channel, as dlpc_channel_open(), dlpc_channel_stat() and dlpc_channel_list() report it. */
+typedef struct dlpc_channel_info {
+	uint32_t size;		    /**< set by the caller to sizeof(dlpc_channel_info) */
+	uint32_t capacity;	    /**< most messages it queues */
+	uint32_t depth;		    /**< messages queued now */
+	uint32_t receivers_waiting; /**< dlpc_recv() calls waiting for a message */
+	uint32_t senders_waiting;   /**< dlpc_send() calls waiting for room */
+	uint32_t owner_uid;	    /**< who opened it (it, or root, may remove it) */
+	int32_t owner_pid;
+	uint64_t bytes_queued; /**< the queued messages' storage sizes */
+	uint64_t sent;	       /**< messages admitted since it was opened */
+	uint64_t received;     /**< messages handed to receivers */
+	int64_t created_ns;    /**< CLOCK_REALTIME when it was opened */
+	char name[DLPC_NAME_MAX + 1];
+} dlpc_channel_info;
+
+/**
+ * Open the channel @p name, creating it with @p capacity (0: DLPC_CHANNEL_CAPACITY_DEFAULT) if
+ * it does not exist. A channel counts as one entry against its uid's --max-entries-per-uid and
+ * lives until dlpc_channel_remove(). If @p info is not NULL (info->size set) it is filled.
+ * @return 1 if it was created, 0 if it existed; -EEXIST if it exists with another capacity than
+ *         a non-zero @p capacity, -EINVAL for a bad name or a capacity above
+ *         DLPC_CHANNEL_CAPACITY_MAX, -EDQUOT, -ENOTSUP for a daemon older than protocol 1.6.
+ */
+DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t capacity,
+				  dlpc_channel_info *info);
+
+/**
+ * Remove the channel @p name: its queued messages are freed and every send or receive waiting
+ * on it fails with -EIDRM. Only its owner's uid or root may.
+ * @return 0, -ENOENT if there is none, -EPERM.
+ */
+DLPC_EXPORT int dlpc_channel_remove(dlpc_client *c, const char *name);
+
+/** Describe the channel @p name into @p info (info->size set). @return 0 or -ENOENT. */
+DLPC_EXPORT int dlpc_channel_stat(dlpc_client *c, const char *name, dlpc_channel_info *info);
+
+/**
+ * Every channel whose name starts with @p prefix (NULL or "": all), sorted by name, in a new
+ * array of *@p n (*@p ret, freed with free(); NULL when there are none).
+ * @return 0 or a negative errno.
+ */
+DLPC_EXPORT int dlpc_channel_list(dlpc_client *c, const char *prefix, dlpc_channel_info **ret,
+				  size_t *n);
+
+/** dlpc_send(), dlpc_send_bundle(): fail with -EAGAIN at once when the channel is full. */
+#define DLPC_SEND_NOWAIT (1u << 0)
+
+/** Options of dlpc_send_bundle(). */
+typedef struct dlpc_send_opts {
+	uint32_t size;	    /**< sizeof(dlpc_send_opts) */
+	uint32_t flags;	    /**< DLPC_SEND_* bits */
+	int64_t timeout_ms; /**< the channel full: wait up to this long for room; < 0: without
+			       end; 0: as DLPC_SEND_NOWAIT */
+} dlpc_send_opts;
+
+/**
+ * Send @p t as one message to the channel @p channel, waiting for room as long as it takes
+ * (unless DLPC_SEND_NOWAIT is in @p flags). The tensor is copied into fresh shared memory, or
+ * sent as is if it is dlpc_alloc() memory (then it is sealed read-only, as by dlpc_publish()).
+ * Like dlpc_publish(), the call takes ownership of @p t: its deleter runs exactly once, here.
+ * Host tensors only.
+ * @return 0; -ENOENT if no such channel is open, -EAGAIN if it is full and the call may not
+ *         wait, -EIDRM if it was removed while the call waited, -ENOTSUP for a CUDA tensor or a
+ *         daemon older than 1.6, -EDQUOT, or another negative errno of dlpc_publish().
+ */
+DLPC_EXPORT int dlpc_send(dlpc_client *c, const char *channel, DLManagedTensorVersioned *t,
+			  uint32_t flags);
+
+/**
+ * Send @p n tensors under @p keys as one message (a bundle; with @p n 1, @p keys may be NULL
+ * and the message is one tensor). @p opts NULL: wait for room without end. Otherwise as
+ * dlpc_send(), -ETIMEDOUT when opts->timeout_ms passed without room.
+ */
+DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
+				 const char *const keys[],
+				 DLManagedTensorVersioned *const tensors[],
+				 const dlpc_send_opts *opts);
+
+/** Buffers one connection's pool of recycled channel memory holds (dlpc_channel_alloc()). */
+#define DLPC_POOL_BUFFERS_MAX 64
+
+/**
+ * Recycled memory for a message to @p channel: a writable host tensor of @p dtype and
+ * @p shape from this connection's pool. Send it with dlpc_send() on the same connection; once
+ * a receiver has released the message (or the channel dropped it) dlpackd gives the buffer back
+ * and a later dlpc_channel_alloc() of a size that fits (up to twice the need) hands it out
+ * again, already mapped: a steady pipeline asks the kernel for no fresh pages.
+ *
+ * A pooled message is NOT read-only: its buffer stays mapped writable in the sender, which can
+ * change it while a receiver reads it (receivers map it read-only or copy-on-write, so they
+ * cannot write it). That is the price of recycling, as with torch.multiprocessing; ordinary
+ * sends and publishes stay sealed read-only. Do not write a buffer after sending it.
+ *
+ * @return 0; -ENOBUFS when all DLPC_POOL_BUFFERS_MAX buffers are in flight or held,
+ *         -ENOTSUP for a daemon older than 1.6, -EINVAL, -ENOSPC.
+ */
+DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataType dtype,
+				   int32_t ndim, const int64_t *shape,
+				   DLManagedTensorVersioned **ret);
+
+/** Options of dlpc_recv() and dlpc_recv_bundle(). */
+typedef struct dlpc_recv_opts {
+	uint32_t size;	    /**< sizeof(dlpc_recv_opts) */
+	uint32_t flags;	    /**< DLPC_ATTACH_PRIVATE or DLPC_ATTACH_GUARDED: how to map it */
+	int64_t timeout_ms; /**< the channel empty: 0 fail with -EAGAIN; > 0 wait up to this
+			       long; < 0 wait without end */
+} dlpc_recv_opts;
+
+/**
+ * Receive the oldest message of the channel @p channel, a single tensor: mapped read-only
+ * like an attached entry (see dlpc_attach()), its storage freed once the tensor's deleter ran.
+ * @p opts NULL: wait without end, read-only mapping. dlpc_tensor_attach_info() says who sent it
+ * (generation: the message's sequence number in the channel).
+ * @return 0; -EAGAIN (empty, timeout 0), -ETIMEDOUT, -ENOENT (no such channel), -EIDRM (it was
+ *         removed while the call waited), -EINVAL if the next message is a bundle (it stays
+ *         queued: receive it with dlpc_recv_bundle()), or another negative errno.
+ */
+DLPC_EXPORT int dlpc_recv(dlpc_client *c, const char *channel, const dlpc_recv_opts *opts,
+			  DLManagedTensorVersioned **ret);
+
+/** Receive the oldest message of @p channel, a bundle or a single tensor (one tensor, key "").
+ * As dlpc_recv() otherwise. */
+DLPC_EXPORT int dlpc_recv_bundle(dlpc_client *c, const char *channel, const dlpc_recv_opts *opts,
+				 dlpc_bundle **ret);
 
 #ifdef __cplusplus
 }

@@ -18,6 +18,7 @@ a plain Client keeps raising ConnectionResetError. A failed call is never retrie
 publish may or may not have happened. See Client for the rest of the rules.
 """
 import enum
+import errno
 import sys
 import threading
 from collections import namedtuple
@@ -38,7 +39,8 @@ from ._core import Watch as _CoreWatch
 __all__ = [
     "Client", "SharedTensor", "EntryInfo", "EntryFlags", "TensorInfo", "Owner", "publish",
     "publish_dict", "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat",
-    "watch", "Watch", "WatchEvent",
+    "watch", "Watch", "WatchEvent", "channel", "channels", "Channel", "ChannelInfo",
+    "CHANNEL_CAPACITY_DEFAULT", "CHANNEL_CAPACITY_MAX",
 ]
 
 
@@ -67,7 +69,9 @@ WatchEvent = namedtuple("WatchEvent",
                         "nbytes refs owner created flags reason actor seq")
 WatchEvent.__doc__ = """One change of the daemon's names, as watch() reports it.
 
-kind is "published", "replaced" or "unpublished". The other fields describe the entry that was
+kind is "published", "replaced" or "unpublished"; or "channel_opened" or "channel_removed"
+for a channel under the prefix (then name is the channel's and the entry fields are zero or
+None). The other fields describe the entry that was
 published, or the one removed: dtype and shape are those of its tensor, or None for a bundle
 (ntensors says how many it holds). previous_generation is the generation a "replaced" took over
 (else 0); reason is "request" or "disconnect" (an ephemeral publisher went away) for
@@ -75,6 +79,22 @@ published, or the one removed: dtype and shape are those of its tensor, or None 
 seq numbers the daemon's changes, 1, 2, 3...; flags is an EntryFlags."""
 
 _list = list  # the builtin, before this module's list() shadows it
+
+CHANNEL_CAPACITY_DEFAULT = 16  # DLPC_CHANNEL_CAPACITY_DEFAULT
+CHANNEL_CAPACITY_MAX = 65536  # DLPC_CHANNEL_CAPACITY_MAX
+
+ChannelInfo = namedtuple("ChannelInfo",
+                         "name capacity depth bytes_queued sent received receivers_waiting "
+                         "senders_waiting owner created")
+ChannelInfo.__doc__ = """A channel: depth messages queued (bytes_queued bytes) of capacity, sent
+and received since it was opened, receivers and senders waiting now, the Owner that opened it,
+created in seconds since the epoch."""
+
+
+def _channel_info(d):
+    return ChannelInfo(d["name"], d["capacity"], d["depth"], d["bytes_queued"], d["sent"],
+                       d["received"], d["receivers_waiting"], d["senders_waiting"],
+                       Owner(d["uid"], d["pid"]), d["created"])
 
 
 def _publishable(obj):
@@ -142,6 +162,102 @@ class Client(_CoreClient):
                           [TensorInfo(*t) for t in e["tensors"]], e["nbytes"], e["refs"],
                           Owner(e["uid"], e["pid"]), e["created"], EntryFlags(e["flags"]))
                 for e in self._list(prefix)]
+
+    def channel(self, name, capacity=0):
+        """Open the channel name on this connection (see Channel)."""
+        return Channel(name, capacity, client=self)
+
+    def channels(self, prefix=""):
+        """Channels whose names start with prefix, sorted by name, as ChannelInfo tuples."""
+        return [_channel_info(d) for d in self._channel_list(prefix)]
+
+
+class Channel:
+    """A named FIFO of tensors held by dlpackd: Channel(name, capacity=0, *, client=None).
+
+    Opening creates the channel unless it exists, with room for capacity messages (0:
+    CHANNEL_CAPACITY_DEFAULT, 16; at most CHANNEL_CAPACITY_MAX); a channel opened already with
+    another non-zero capacity raises FileExistsError. It lives until remove(), not with this
+    object. client: the Client to use (None: the module's default one); a Channel used in a
+    forked child (a DataLoader worker) reconnects by itself, as a Client does.
+
+    send(obj) copies obj into sealed shared memory (no copy for empty() memory) and queues it;
+    recv() hands the oldest message to exactly one receiver, in order, mapped as attach() maps
+    (mode "read", "private" or "strict"). A receiver already waiting gets the message in the
+    daemon turn that queues it. A full channel makes send() wait (timeout=None: as long as it
+    takes; 0: BlockingIOError at once; seconds: then TimeoutError); an empty one makes recv()
+    wait the same way. Iterating receives until the channel is removed.
+
+    Delivery is at most once: a message is freed when its receiver drops every tensor of it, or
+    when the receiver's process dies holding it, and is never given to another receiver;
+    interrupting a recv() (Ctrl-C) may drop the message it was about to get, and an interrupted
+    send() may still be delivered once room comes (while this connection stays open). Messages
+    a sender sent stay queued after it exits. remove() frees the queue; sends and receives waiting on it
+    raise OSError(errno.EIDRM).
+    """
+
+    def __init__(self, name, capacity=0, *, client=None):
+        self._client = client if client is not None else _client()
+        self.name = name
+        self.capacity = self._client._channel_open(name, capacity)["capacity"]
+
+    def __repr__(self):
+        return f"dlpack_ipc.Channel({self.name!r}, capacity={self.capacity})"
+
+    def send(self, obj, *, timeout=None):
+        """Send obj (anything publish() takes) as one message."""
+        self._client._send(self.name, obj, timeout=timeout)
+
+    def send_dict(self, mapping, *, timeout=None):
+        """Send a mapping of str keys to tensors as one message (a bundle)."""
+        self._client._send_dict(self.name, mapping, timeout=timeout)
+
+    def empty(self, shape, dtype):
+        """Recycled writable memory for a message: fill it, send() it, then drop it.
+
+        It comes from this connection's pool: once a receiver has released a message sent from
+        it, dlpackd gives the buffer back and a later empty() of a size that fits (up to twice
+        the need) hands out the same pages again, so a steady pipeline needs no fresh memory.
+        A pooled message is NOT read-only: the buffer stays writable here, and a write after
+        send() would change what a receiver reads (the trade torch.multiprocessing makes too).
+        Send it on this Channel's client; OSError(ENOBUFS) when all of the pool's buffers
+        (DLPC_POOL_BUFFERS_MAX, 64) are in flight or still held."""
+        return self._client._channel_empty(self.name, shape, dtype)
+
+    def recv(self, *, timeout=None, mode=None):
+        """The oldest message: a SharedTensor, or a dict of them by key for a bundle."""
+        return self._client._recv(self.name, timeout=timeout, mode=mode)
+
+    def recv_dict(self, *, timeout=None, mode=None):
+        """The oldest message as a dict by key (a single tensor under the key "")."""
+        return self._client._recv(self.name, timeout=timeout, mode=mode, bundle=True)
+
+    def __iter__(self):
+        while True:
+            try:
+                yield self.recv()
+            except OSError as e:
+                if e.errno in (errno.EIDRM, errno.ENOENT):
+                    return
+                raise
+
+    def stat(self):
+        """This channel as a ChannelInfo."""
+        return _channel_info(self._client._channel_stat(self.name))
+
+    def remove(self):
+        """Remove the channel: its queued messages are freed (its opener's uid, or root)."""
+        self._client._channel_remove(self.name)
+
+
+def channel(name, capacity=0, *, client=None):
+    """Open (create unless it exists) the channel name: a Channel."""
+    return Channel(name, capacity, client=client)
+
+
+def channels(prefix=""):
+    """Channels whose names start with prefix, sorted by name, as ChannelInfo tuples."""
+    return _client().channels(prefix)
 
 
 
@@ -315,5 +431,7 @@ def stat():
     req_attach, req_release, req_unpublish, req_list, req_stat, req_watch (requests served);
     and for the caller's uid: uid_bytes_held (bytes of storages it published that a name
     still reaches), uid_bytes_pinned (bytes of unnamed storages its references keep alive;
-    both count against its quota), uid_entries, uid_connections."""
+    both count against its quota), uid_entries, uid_connections; channels: channels,
+    messages (queued, and sends waiting for room), req_send, req_recv, req_channel,
+    uid_channels."""
     return _client().stat()

@@ -81,6 +81,21 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_stat(PyObject *obj, PyObject *unused);
 
+/* module.c: a shape (an int or a sequence of ints) into @p shape; ndim, or -1 with an
+ * exception set. */
+int ipc_parse_shape(PyObject *o, int64_t shape[DLPC_NDIM_MAX]);
+
+/* channel.c: Client._channel_open(), _channel_remove(), _channel_stat(), _channel_list(),
+ * _send(), _send_dict() and _recv(), for dlpack_ipc.Channel. */
+PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_channel_remove(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_channel_stat(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_send(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_send_dict(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_recv(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_channel_empty(PyObject *obj, PyObject *args, PyObject *kwargs);
+
 /* watch.c: the Watch type over dlpc_watch. */
 extern PyType_Spec ipc_watch_spec;
 

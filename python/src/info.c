@@ -74,6 +74,28 @@ PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs)
 	return list;
 }
 
+/* The channel counters (protocol 1.6) added to the STAT dict @p d; @p d or NULL. */
+static PyObject *add_channel_stats(PyObject *d, const dlpc_stats *s)
+{
+	const struct {
+		const char *key;
+		uint64_t v;
+	} f[] = {
+		{"channels", s->channels},	 {"messages", s->messages},
+		{"req_send", s->req_send},	 {"req_recv", s->req_recv},
+		{"req_channel", s->req_channel}, {"uid_channels", s->uid_channels},
+	};
+
+	for (size_t i = 0; d && i < sizeof(f) / sizeof(f[0]); i++) {
+		PyObject *v = PyLong_FromUnsignedLongLong(f[i].v);
+
+		if (!v || PyDict_SetItemString(d, f[i].key, v) < 0)
+			Py_CLEAR(d);
+		Py_XDECREF(v);
+	}
+	return d;
+}
+
 PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 {
 	dlpc_client *c = ipc_call_begin((ClientObject *)obj);
@@ -89,17 +111,21 @@ PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 	ipc_call_end((ClientObject *)obj, c, r);
 	if (r < 0)
 		return ipc_raise(r);
-	return Py_BuildValue(
-		"{s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-		"s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
-		"daemon_pid", s.daemon_pid, "uptime_ms", s.uptime_ms, "connections", s.connections,
-		"entries", s.entries, "storages", s.storages, "bytes_held", s.bytes_held,
-		"references", s.references, "waiters", s.waiters, "fds_open", s.fds_open,
-		"fds_sent", s.fds_sent, "req_hello", s.req_hello, "req_publish", s.req_publish,
-		"req_attach", s.req_attach, "req_release", s.req_release, "req_unpublish",
-		s.req_unpublish, "req_list", s.req_list, "req_stat", s.req_stat, "protocol_errors",
-		s.protocol_errors, "fds_closing", s.fds_closing, "req_watch", s.req_watch,
-		"watchers", s.watchers, "events", s.events, "tx_queued", s.tx_queued, "queue_drops",
-		s.queue_drops, "uid_bytes_held", s.uid_bytes_held, "uid_entries", s.uid_entries,
-		"uid_connections", s.uid_connections, "uid_bytes_pinned", s.uid_bytes_pinned);
+	return add_channel_stats(
+		Py_BuildValue(
+			"{s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
+			"s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+			"daemon_pid", s.daemon_pid, "uptime_ms", s.uptime_ms, "connections",
+			s.connections, "entries", s.entries, "storages", s.storages, "bytes_held",
+			s.bytes_held, "references", s.references, "waiters", s.waiters, "fds_open",
+			s.fds_open, "fds_sent", s.fds_sent, "req_hello", s.req_hello, "req_publish",
+			s.req_publish, "req_attach", s.req_attach, "req_release", s.req_release,
+			"req_unpublish", s.req_unpublish, "req_list", s.req_list, "req_stat",
+			s.req_stat, "protocol_errors", s.protocol_errors, "fds_closing",
+			s.fds_closing, "req_watch", s.req_watch, "watchers", s.watchers, "events",
+			s.events, "tx_queued", s.tx_queued, "queue_drops", s.queue_drops,
+			"uid_bytes_held", s.uid_bytes_held, "uid_entries", s.uid_entries,
+			"uid_connections", s.uid_connections, "uid_bytes_pinned",
+			s.uid_bytes_pinned),
+		&s);
 }

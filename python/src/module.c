@@ -525,7 +525,7 @@ static int parse_device(const char *device, DLDevice *dev)
 
 /* An int or a sequence of ints >= 0 into @p shape (DLPC_NDIM_MAX of them at most). The number
  * of dimensions, or -1 with an exception. */
-static int parse_shape(PyObject *shape_o, int64_t shape[DLPC_NDIM_MAX])
+int ipc_parse_shape(PyObject *shape_o, int64_t shape[DLPC_NDIM_MAX])
 {
 	PyObject *seq = PyLong_Check(shape_o)
 				? PyTuple_Pack(1, shape_o)
@@ -574,7 +574,7 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 					 &device))
 		return NULL;
 	if (parse_device(device, &dev) < 0 || ipc_dtype_parse(dtype_o, &dt) < 0 ||
-	    (ndim = parse_shape(shape_o, shape)) < 0)
+	    (ndim = ipc_parse_shape(shape_o, shape)) < 0)
 		return NULL;
 	c = ipc_call_begin((ClientObject *)obj);
 	if (!c)
@@ -657,7 +657,7 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 			goto out;
 		}
 		if (ipc_dtype_parse(PyTuple_GetItem(v, 1), &dtypes[i]) < 0 ||
-		    (ndims[i] = parse_shape(PyTuple_GetItem(v, 0), dims[i])) < 0)
+		    (ndims[i] = ipc_parse_shape(PyTuple_GetItem(v, 0), dims[i])) < 0)
 			goto out;
 		shapes[i] = dims[i];
 	}
@@ -776,6 +776,26 @@ static PyMethodDef client_methods[] = {
 	 "Remove name (its publishing uid, or root, may). Attached tensors stay valid until "
 	 "they are released."},
 	{"_list", FN(ipc_client_list), KW, "_list($self, /, prefix='')\n--\n\nLIST, as dicts."},
+	{"_channel_open", FN(ipc_client_channel_open), KW,
+	 "_channel_open($self, /, name, capacity=0)\n--\n\nOpen (create) a channel; its info "
+	 "as a dict, with created."},
+	{"_channel_remove", FN(ipc_client_channel_remove), KW,
+	 "_channel_remove($self, /, name)\n--\n\nRemove a channel."},
+	{"_channel_stat", FN(ipc_client_channel_stat), KW,
+	 "_channel_stat($self, /, name)\n--\n\nA channel's info, as a dict."},
+	{"_channel_list", FN(ipc_client_channel_list), KW,
+	 "_channel_list($self, /, prefix='')\n--\n\nLIST of channels, as dicts."},
+	{"_send", FN(ipc_client_send), KW,
+	 "_send($self, /, name, obj, *, timeout=None)\n--\n\nSend obj to a channel."},
+	{"_send_dict", FN(ipc_client_send_dict), KW,
+	 "_send_dict($self, /, name, mapping, *, timeout=None)\n--\n\nSend a bundle to a "
+	 "channel."},
+	{"_channel_empty", FN(ipc_client_channel_empty), KW,
+	 "_channel_empty($self, /, name, shape, dtype)\n--\n\nRecycled memory for a "
+	 "channel."},
+	{"_recv", FN(ipc_client_recv), KW,
+	 "_recv($self, /, name, *, timeout=None, mode=None, bundle=False)\n--\n\nReceive "
+	 "from a channel."},
 	{"stat", ipc_client_stat, METH_NOARGS,
 	 "stat($self, /)\n--\n\nThe daemon's counters, as a dict of ints (see "
 	 "dlpack_ipc.stat())."},

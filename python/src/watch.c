@@ -86,6 +86,8 @@ static const char *const kinds[] = {
 	[DLPC_WATCH_PUBLISHED] = "published",
 	[DLPC_WATCH_REPLACED] = "replaced",
 	[DLPC_WATCH_UNPUBLISHED] = "unpublished",
+	[DLPC_WATCH_CHANNEL_OPENED] = "channel_opened",
+	[DLPC_WATCH_CHANNEL_REMOVED] = "channel_removed",
 };
 
 /* The event as a dict; the Python side makes the namedtuple. */

@@ -1,0 +1,387 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Channels (protocol 1.6): dlpc_send() lays a message out as a publish would (publish.c) and
+ * sends it with SEND instead of PUBLISH; dlpc_recv() maps a RECV reply as an attach would
+ * (attach.c); dlpc_channel_*() open, remove, describe and list channels.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define OP_OPEN 1
+#define OP_REMOVE 2
+#define OP_STAT 3
+#define SEND_FLAGS DLPC_SEND_NOWAIT
+#define RECV_LOCAL_FLAGS (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_WRITABLE)
+
+/* -ENOTSUP, message set, if @p c's daemon does not know channels. */
+static int need_channels(const dlpc_client *c, const char *what, const char *name)
+{
+	if (c->minor >= 6)
+		return 0;
+	return dlpc__fail(-ENOTSUP,
+			  "cannot %s channel '%s': dlpackd speaks protocol %d.%u, which has no "
+			  "channels (%d.6 does)",
+			  what, name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
+}
+
+/* The message publish.c or attach.c set says "cannot publish 'NAME'" or "cannot attach 'NAME'":
+ * say "cannot send to channel 'NAME'" (or receive from) instead. Returns @p r. */
+static int reword(int r, const char *from, const char *to, const char *name)
+{
+	char old[DLPC_ERROR_TEXT_MAX], head[DLPC_NAME_MAX + 32];
+	size_t hl;
+
+	snprintf(head, sizeof(head), "%s '%s'", from, name);
+	hl = strlen(head);
+	snprintf(old, sizeof(old), "%s", dlpc_last_error());
+	if (strncmp(old, head, hl) != 0)
+		return r;
+	return dlpc__fail(r, "%s channel '%s'%s", to, name, old + hl);
+}
+
+static void info_fill(dlpc_channel_info *out, const Dlpackd__V1__ChannelInfo *in)
+{
+	dlpc_channel_info i = {.size = sizeof(i)};
+	size_t len = in->name.len < DLPC_NAME_MAX ? in->name.len : DLPC_NAME_MAX;
+
+	i.capacity = in->capacity;
+	i.depth = in->depth;
+	i.receivers_waiting = in->receivers_waiting;
+	i.senders_waiting = in->senders_waiting;
+	i.owner_uid = in->owner_uid;
+	i.owner_pid = in->owner_pid;
+	i.bytes_queued = in->bytes_queued;
+	i.sent = in->sent;
+	i.received = in->received;
+	i.created_ns = in->created_ns;
+	memcpy(i.name, in->name.data, len);
+	i.name[len] = '\0';
+	/* only as much as the caller's struct holds, keeping its size field */
+	memcpy((char *)out + sizeof(out->size), (char *)&i + sizeof(i.size),
+	       (out->size < sizeof(i) ? out->size : sizeof(i)) - sizeof(i.size));
+}
+
+/* One CHANNEL request; fills @p info if not NULL. 1 if it created the channel, 0, or negative
+ * errno. */
+static int channel_call(dlpc_client *c, uint32_t op, const char *name, uint32_t capacity,
+			dlpc_channel_info *info, const char *what)
+{
+	Dlpackd__V1__Channel req = DLPACKD__V1__CHANNEL__INIT;
+	Dlpackd__V1__ChannelReply *rep;
+	int r;
+
+	if (!c)
+		return dlpc__fail(-EINVAL, "cannot %s channel: client is NULL", what);
+	if (info && info->size < offsetof(dlpc_channel_info, depth))
+		return dlpc__fail(-EINVAL, "cannot %s channel '%s': info->size is %u", what,
+				  name ? name : "", info->size);
+	r = dlpc__check(c);
+	if (r == 0)
+		r = dlpc__name_arg(name, "name a channel");
+	if (r == 0)
+		r = need_channels(c, what, name);
+	if (r < 0)
+		return r;
+	req.op = op;
+	req.name.data = (uint8_t *)name;
+	req.name.len = strlen(name);
+	req.capacity = capacity;
+	r = dlpc__call(c, DLPC_MSG_CHANNEL, &req.base, NULL, 0,
+		       &dlpackd__v1__channel_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
+		       NULL);
+	if (r < 0)
+		return r;
+	if (!rep->channel) {
+		dlpackd__v1__channel_reply__free_unpacked(rep, NULL);
+		return dlpc__fail(-EPROTO, "cannot %s channel '%s': dlpackd sent an unusable reply",
+				  what, name);
+	}
+	if (info)
+		info_fill(info, rep->channel);
+	r = rep->created ? 1 : 0;
+	dlpackd__v1__channel_reply__free_unpacked(rep, NULL);
+	return r;
+}
+
+DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t capacity,
+				  dlpc_channel_info *info)
+{
+	if (capacity > DLPC_CHANNEL_CAPACITY_MAX)
+		return dlpc__fail(-EINVAL,
+				  "cannot open channel '%s': capacity %u exceeds the limit of %d",
+				  name ? name : "", capacity, DLPC_CHANNEL_CAPACITY_MAX);
+	return channel_call(c, OP_OPEN, name, capacity, info, "open");
+}
+
+DLPC_EXPORT int dlpc_channel_remove(dlpc_client *c, const char *name)
+{
+	return channel_call(c, OP_REMOVE, name, 0, NULL, "remove");
+}
+
+DLPC_EXPORT int dlpc_channel_stat(dlpc_client *c, const char *name, dlpc_channel_info *info)
+{
+	if (!info)
+		return dlpc__fail(-EINVAL, "cannot describe channel: info is NULL");
+	return channel_call(c, OP_STAT, name, 0, info, "describe");
+}
+
+DLPC_EXPORT int dlpc_channel_list(dlpc_client *c, const char *prefix, dlpc_channel_info **ret,
+				  size_t *n)
+{
+	Dlpackd__V1__List req = DLPACKD__V1__LIST__INIT;
+	char after[DLPC_NAME_MAX + 1] = "";
+	dlpc_channel_info *v = NULL;
+	size_t count = 0, cap = 0;
+	int r;
+
+	if (!c || !ret || !n)
+		return dlpc__fail(-EINVAL, "cannot list channels: NULL argument");
+	*ret = NULL;
+	*n = 0;
+	prefix = prefix ? prefix : "";
+	if (strlen(prefix) > DLPC_NAME_MAX)
+		return dlpc__fail(-EINVAL, "cannot list channels: prefix longer than %d bytes",
+				  DLPC_NAME_MAX);
+	r = dlpc__check(c);
+	if (r == 0)
+		r = need_channels(c, "list", prefix);
+	if (r < 0)
+		return r;
+	req.prefix.data = (uint8_t *)prefix;
+	req.prefix.len = strlen(prefix);
+	req.channels = true;
+	for (;;) {
+		Dlpackd__V1__ListReply *rep;
+		bool more;
+
+		req.start_after.data = (uint8_t *)after;
+		req.start_after.len = strlen(after);
+		r = dlpc__call(c, DLPC_MSG_LIST, &req.base, NULL, 0,
+			       &dlpackd__v1__list_reply__descriptor, (ProtobufCMessage **)&rep,
+			       NULL, NULL);
+		if (r < 0)
+			goto fail;
+		if (count + rep->n_channels > cap) {
+			size_t ncap = (count + rep->n_channels) * 2;
+			dlpc_channel_info *nv = realloc(v, ncap * sizeof(*nv));
+
+			if (!nv) {
+				dlpackd__v1__list_reply__free_unpacked(rep, NULL);
+				r = dlpc__fail(-ENOMEM, "cannot list channels: out of memory");
+				goto fail;
+			}
+			v = nv;
+			cap = ncap;
+		}
+		for (size_t i = 0; i < rep->n_channels; i++) {
+			v[count].size = sizeof(*v);
+			info_fill(&v[count++], rep->channels[i]);
+		}
+		more = rep->more && rep->n_channels > 0;
+		dlpackd__v1__list_reply__free_unpacked(rep, NULL);
+		if (!more)
+			break;
+		snprintf(after, sizeof(after), "%s", v[count - 1].name);
+	}
+	*ret = v;
+	*n = count;
+	return 0;
+fail:
+	free(v);
+	return r;
+}
+
+/* The sink of dlpc__publish_to(): a SEND of the laid-out message. */
+static int send_sink(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1__Publish *req,
+		     int fd)
+{
+	Dlpackd__V1__Send s = DLPACKD__V1__SEND__INIT;
+	Dlpackd__V1__SendReply *rep;
+	const dlpc_send_opts *o = sink->opts;
+	int64_t timeout = o->flags & DLPC_SEND_NOWAIT ? 0 : o->timeout_ms;
+	int r;
+
+	s.channel.data = (uint8_t *)sink->channel;
+	s.channel.len = strlen(sink->channel);
+	s.timeout_ms = timeout;
+	s.message = req;
+	s.pool_token = sink->pool_token;
+	r = dlpc__call_ex(c, DLPC_MSG_SEND, &s.base, &fd, 1, timeout, NULL,
+			  &dlpackd__v1__send_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
+			  NULL);
+	if (r < 0)
+		return r;
+	dlpackd__v1__send_reply__free_unpacked(rep, NULL);
+	return 0;
+}
+
+static void drop_tensors(size_t n, DLManagedTensorVersioned *const tensors[])
+{
+	for (size_t i = 0; tensors && i < n; i++)
+		if (tensors[i] && tensors[i]->deleter)
+			tensors[i]->deleter(tensors[i]);
+}
+
+DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
+				 const char *const keys[],
+				 DLManagedTensorVersioned *const tensors[],
+				 const dlpc_send_opts *opts)
+{
+	dlpc_send_opts o = {.size = sizeof(o), .flags = 0, .timeout_ms = -1};
+	struct dlpc__sink sink = {.fn = send_sink, .channel = channel, .opts = &o};
+	struct dlpc__region *pooled;
+	int r;
+
+	/* every path takes ownership of the tensors, as dlpc_publish() does */
+	if (opts && opts->size < sizeof(o)) {
+		drop_tensors(n, tensors);
+		return dlpc__fail(-EINVAL, "cannot send to channel '%s': opts->size is %u",
+				  channel ? channel : "", opts->size);
+	}
+	if (opts)
+		o = *opts;
+	if (o.flags & ~SEND_FLAGS) {
+		drop_tensors(n, tensors);
+		return dlpc__fail(-EINVAL, "cannot send to channel '%s': unknown flags 0x%x",
+				  channel ? channel : "", o.flags & ~SEND_FLAGS);
+	}
+	if (c && channel && dlpc__check(c) == 0 && need_channels(c, "send to", channel) < 0) {
+		r = need_channels(c, "send to", channel);
+		drop_tensors(n, tensors);
+		return r;
+	}
+	/* recycled memory (pool.c) goes writable, marked with its token, and is in flight until
+	 * dlpackd gives it back */
+	pooled = n == 1 && tensors ? dlpc__view_region(tensors[0]) : NULL;
+	if (pooled && !pooled->pool_token)
+		pooled = NULL;
+	if (pooled && pooled->pool_owner != c) {
+		drop_tensors(n, tensors);
+		return dlpc__fail(-EINVAL,
+				  "cannot send to channel '%s': the tensor is pooled memory of "
+				  "another connection; send it on the one that allocated it",
+				  channel ? channel : "");
+	}
+	if (pooled) {
+		sink.pool_token = pooled->pool_token;
+		dlpc__pool_sending(c, sink.pool_token, true);
+	}
+	r = dlpc__publish_to(c, channel, n, n == 1 && !keys ? NULL : keys, tensors,
+			     pooled ? DLPC_PUBLISH_WRITABLE : 0, &sink);
+	/* refused: the buffer never left (a lost connection's never comes back either way) */
+	if (pooled && r < 0)
+		dlpc__pool_sending(c, sink.pool_token, false);
+	return r < 0 && channel ? reword(r, "cannot publish", "cannot send to", channel) : r;
+}
+
+DLPC_EXPORT int dlpc_send(dlpc_client *c, const char *channel, DLManagedTensorVersioned *t,
+			  uint32_t flags)
+{
+	dlpc_send_opts o = {.size = sizeof(o), .flags = flags, .timeout_ms = -1};
+
+	return dlpc_send_bundle(c, channel, 1, NULL, &t, &o);
+}
+
+/* Receive one message of @p channel into a bundle; @p single: refuse a bundle. */
+static int recv_ref(dlpc_client *c, const char *channel, const dlpc_recv_opts *opts, bool single,
+		    dlpc_bundle **ret)
+{
+	Dlpackd__V1__Recv req = DLPACKD__V1__RECV__INIT;
+	Dlpackd__V1__AttachReply *rep;
+	struct dlpc__call_info info = {0};
+	struct dlpc__arena arena;
+	uint32_t flags = 0;
+	int64_t timeout = -1;
+	int fd = -1, r;
+
+	if (opts && opts->size < sizeof(*opts))
+		return dlpc__fail(-EINVAL, "cannot receive from channel '%s': opts->size is %u",
+				  channel, opts->size);
+	if (opts) {
+		flags = opts->flags;
+		timeout = opts->timeout_ms;
+	}
+	if (flags & ~RECV_LOCAL_FLAGS)
+		return dlpc__fail(-EINVAL, "cannot receive from channel '%s': unknown flags 0x%x",
+				  channel, flags & ~RECV_LOCAL_FLAGS);
+	r = need_channels(c, "receive from", channel);
+	if (r < 0)
+		return r;
+	req.channel.data = (uint8_t *)channel;
+	req.channel.len = strlen(channel);
+	req.flags = single ? DLPC_ATTACH_SINGLE : 0;
+	req.timeout_ms = timeout;
+	dlpc__arena_init(&arena);
+	r = dlpc__call_ex(c, DLPC_MSG_RECV, &req.base, NULL, 0, timeout, &info,
+			  &dlpackd__v1__attach_reply__descriptor, (ProtobufCMessage **)&rep, &fd,
+			  &arena.alloc);
+	if (r < 0) {
+		dlpc__arena_clear(&arena);
+		if (r == -EMFILE || r == -ECANCELED) {
+			char why[DLPC_ERROR_TEXT_MAX];
+
+			snprintf(why, sizeof(why), "%s", dlpc_last_error());
+			r = dlpc__fail(r, "cannot receive from channel '%s': %s", channel, why);
+		}
+		return r;
+	}
+	if (fd < 0 || rep->device_type != kDLCPU || rep->cuda_ipc) {
+		if (rep->ref_id)
+			dlpc__release_epoch(c, rep->ref_id, info.epoch);
+		dlpc__close(fd);
+		dlpc__arena_clear(&arena);
+		return dlpc__fail(
+			-EPROTO, "cannot receive from channel '%s': dlpackd sent an unusable reply",
+			channel);
+	}
+	r = dlpc__attach_build(c, info.epoch, channel, rep, fd, flags, NULL, ret);
+	dlpc__arena_clear(&arena);
+	return r < 0 ? reword(r, "cannot attach", "cannot receive from", channel) : 0;
+}
+
+DLPC_EXPORT int dlpc_recv_bundle(dlpc_client *c, const char *channel, const dlpc_recv_opts *opts,
+				 dlpc_bundle **ret)
+{
+	int r;
+
+	if (!c || !ret)
+		return dlpc__fail(-EINVAL, "cannot receive: client or result pointer is NULL");
+	*ret = NULL;
+	r = dlpc__check(c);
+	if (r == 0)
+		r = dlpc__name_arg(channel, "receive");
+	if (r < 0)
+		return r;
+	dlpc__client_ref(c);
+	r = recv_ref(c, channel, opts, false, ret);
+	dlpc__client_unref(c);
+	return r;
+}
+
+DLPC_EXPORT int dlpc_recv(dlpc_client *c, const char *channel, const dlpc_recv_opts *opts,
+			  DLManagedTensorVersioned **ret)
+{
+	dlpc_bundle *b;
+	int r;
+
+	if (!c || !ret)
+		return dlpc__fail(-EINVAL, "cannot receive: client or result pointer is NULL");
+	*ret = NULL;
+	r = dlpc__check(c);
+	if (r == 0)
+		r = dlpc__name_arg(channel, "receive");
+	if (r < 0)
+		return r;
+	dlpc__client_ref(c);
+	r = recv_ref(c, channel, opts, true, &b);
+	dlpc__client_unref(c);
+	if (r < 0)
+		return r;
+	*ret = dlpc_bundle_take(b, 0);
+	dlpc_bundle_free(b);
+	return 0;
+}

@@ -1,0 +1,197 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Recycled buffers for channel messages (protocol 1.6): dlpc_channel_alloc() hands out host
+ * memory from a pool of the connection's, and a message sent from it carries the buffer's pool
+ * token. Once a receiver has released the message (or the channel dropped it), dlpackd sends
+ * the token back in a RECLAIM notice and the buffer is free to be filled again: a steady
+ * pipeline stops asking the kernel for fresh pages.
+ *
+ * A pooled buffer stays mapped writable here, so a pooled message is not read-only: its sender
+ * can write it while a receiver reads (the price of skipping fresh pages, as with
+ * torch.multiprocessing). Ordinary publishes and sends stay sealed read-only.
+ *
+ * The pool holds one reference on each buffer's region. A buffer is free when no message of
+ * it is in flight and nobody else holds its region (no view handed out is alive).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "util.h"
+
+struct pool_buf {
+	struct dlpc__region *r;
+	bool in_flight; /* sent: waiting for its RECLAIM */
+};
+
+struct dlpc__pool {
+	pthread_mutex_t mu;
+	struct pool_buf bufs[DLPC_POOL_BUFFERS_MAX];
+	unsigned n;
+};
+
+/* The pool of @p c, made on first use; NULL on ENOMEM. */
+static struct dlpc__pool *pool_of(dlpc_client *c)
+{
+	struct dlpc__pool *p;
+
+	pthread_mutex_lock(&c->mu);
+	p = c->pool;
+	if (!p) {
+		p = calloc(1, sizeof(*p));
+		if (p) {
+			pthread_mutex_init(&p->mu, NULL);
+			c->pool = p;
+		}
+	}
+	pthread_mutex_unlock(&c->mu);
+	return p;
+}
+
+void dlpc__pool_free(struct dlpc__pool *p)
+{
+	if (!p)
+		return;
+	for (unsigned i = 0; i < p->n; i++)
+		dlpc__region_unref(p->bufs[i].r);
+	pthread_mutex_destroy(&p->mu);
+	free(p);
+}
+
+static bool buf_free(const struct pool_buf *b)
+{
+	return !b->in_flight && atomic_load(&b->r->refs) == 1;
+}
+
+/* The smallest free buffer of at least @p size bytes (and at most twice that), or NULL. Under
+ * p->mu. */
+static struct pool_buf *find_free(struct dlpc__pool *p, uint64_t size)
+{
+	struct pool_buf *best = NULL;
+
+	for (unsigned i = 0; i < p->n; i++) {
+		struct pool_buf *b = &p->bufs[i];
+
+		if (buf_free(b) && b->r->len >= size && b->r->len / 2 <= size &&
+		    (!best || b->r->len < best->r->len))
+			best = b;
+	}
+	return best;
+}
+
+/* A free buffer's slot to replace: the smallest free one, or NULL. Under p->mu. */
+static struct pool_buf *find_evictable(struct dlpc__pool *p)
+{
+	struct pool_buf *best = NULL;
+
+	for (unsigned i = 0; i < p->n; i++)
+		if (buf_free(&p->bufs[i]) && (!best || p->bufs[i].r->len < best->r->len))
+			best = &p->bufs[i];
+	return best;
+}
+
+/* Read what dlpackd has sent (RECLAIM notices) without waiting. */
+static void drain(dlpc_client *c)
+{
+	struct timespec now;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	pthread_mutex_lock(&c->mu);
+	if (!c->broken && !c->closed)
+		dlpc__reader_turn(c, &now);
+	pthread_mutex_unlock(&c->mu);
+}
+
+DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataType dtype,
+				   int32_t ndim, const int64_t *shape,
+				   DLManagedTensorVersioned **ret)
+{
+	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
+	struct dlpc__region *r = NULL;
+	struct dlpc__pool *p;
+	struct pool_buf *b;
+	uint64_t nbytes, size;
+	int err;
+
+	if (!c || !ret || ndim < 0 || ndim > DLPC_NDIM_MAX || (ndim > 0 && !shape))
+		return dlpc__fail(-EINVAL, "dlpc_channel_alloc: bad arguments (ndim %d)",
+				  (int)ndim);
+	*ret = NULL;
+	if ((err = dlpc__check(c)) < 0 || (err = dlpc__name_arg(channel, "allocate for")) < 0)
+		return err;
+	if (c->minor < 6)
+		return dlpc__fail(
+			-ENOTSUP,
+			"cannot allocate for channel '%s': dlpackd speaks protocol %d.%u, "
+			"which has no channels (%d.6 does)",
+			channel, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
+	if (dlpc__tensor_nbytes(dtype.bits, dtype.lanes, shape, (size_t)ndim, &nbytes) < 0 ||
+	    !dlpc__align_up(nbytes, &size) || size > INT64_MAX)
+		return dlpc__fail(-EINVAL, "cannot allocate for channel '%s': bad dtype or shape",
+				  channel);
+	size = size ? size : DLPC_ALIGN;
+	p = pool_of(c);
+	if (!p)
+		return dlpc__fail(-ENOMEM, "cannot allocate for channel '%s': out of memory",
+				  channel);
+	pthread_mutex_lock(&p->mu);
+	b = find_free(p, size);
+	pthread_mutex_unlock(&p->mu);
+	if (!b) {
+		/* RECLAIM notices may wait in the socket: read them, then look again */
+		drain(c);
+		pthread_mutex_lock(&p->mu);
+		b = find_free(p, size);
+		pthread_mutex_unlock(&p->mu);
+	}
+	if (!b) {
+		struct pool_buf *slot;
+
+		err = dlpc__alloc_region(dev, size, "dlpc_channel_alloc", &r);
+		if (err < 0)
+			return err;
+		pthread_mutex_lock(&p->mu);
+		slot = p->n < DLPC_POOL_BUFFERS_MAX ? &p->bufs[p->n++] : find_evictable(p);
+		if (!slot) {
+			pthread_mutex_unlock(&p->mu);
+			dlpc__region_unref(r);
+			return dlpc__fail(
+				-ENOBUFS,
+				"cannot allocate for channel '%s': all %d buffers of this "
+				"connection's pool are in flight or in use "
+				"(DLPC_POOL_BUFFERS_MAX)",
+				channel, DLPC_POOL_BUFFERS_MAX);
+		}
+		if (slot->r)
+			dlpc__region_unref(slot->r);
+		/* pool tokens have the top bit set; CUDA reclaim tokens never do */
+		r->pool_token = DLPC__POOL_TOKEN | (uint64_t)(slot - p->bufs);
+		r->pool_owner = c;
+		slot->r = r;
+		slot->in_flight = false;
+		b = slot;
+		pthread_mutex_unlock(&p->mu);
+	}
+	/* the view holds its own region reference; the pool keeps its own */
+	*ret = dlpc__view_new(b->r, b->r->base, dev, dtype, ndim, shape, 0);
+	return *ret ? 0 : dlpc__fail(-ENOMEM, "dlpc_channel_alloc: out of memory");
+}
+
+void dlpc__pool_sending(dlpc_client *c, uint64_t token, bool sending)
+{
+	struct dlpc__pool *p = c->pool;
+	unsigned i = (unsigned)(token & ~DLPC__POOL_TOKEN);
+
+	if (!p || i >= DLPC_POOL_BUFFERS_MAX)
+		return;
+	pthread_mutex_lock(&p->mu);
+	if (i < p->n && p->bufs[i].r->pool_token == token)
+		p->bufs[i].in_flight = sending;
+	pthread_mutex_unlock(&p->mu);
+}
+
+void dlpc__pool_reclaimed(dlpc_client *c, uint64_t token)
+{
+	dlpc__pool_sending(c, token, false);
+}

@@ -1,0 +1,86 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Channels (protocol 1.6): named FIFOs of messages. A message is a storage and its tensors, an
+ * entry without a name; the queue holds its storage the way a name does (st->names), so until
+ * it is received it is charged to its sender's uid. Receiving it turns that hold into a
+ * reference of the receiver's (the storage is then charged to the receiver, like an unnamed
+ * storage it keeps alive) and the message itself is gone: it is received exactly once.
+ *
+ * channel.c holds the data (the map, the queues, what each connection waits for); h_channel.c
+ * the requests and the hand-offs between senders and receivers.
+ */
+#ifndef DLPD_CHANNEL_H
+#define DLPD_CHANNEL_H
+
+#include "state.h"
+
+struct dlpd_msg {
+	struct dlpd_list link;	 /* in ch->queue once admitted */
+	struct dlpd_storage *st; /* held as by a name until received */
+	uint8_t *tensors_wire;	 /* the tensors as an AttachReply encodes them */
+	size_t tensors_wire_len;
+	uint32_t flags;	     /* DLPC_PUBLISH_WRITABLE for a pooled message */
+	uint32_t ntensors;   /* 1, or a bundle's count */
+	uint64_t pool_token; /* a pooled message: its sender's buffer, told back by RECLAIM */
+	uint64_t seq;	     /* its number in the channel, given when admitted */
+	uid_t uid;	     /* the sender's */
+	pid_t pid;
+};
+
+struct dlpd_channel {
+	struct dlpd_hnode node; /* in registry.channels, hashed by name */
+	struct dlpd_list queue; /* dlpd_msg, oldest first */
+	uint32_t depth, capacity;
+	uint64_t bytes;			     /* the queued storages' sizes */
+	struct dlpd_list senders, receivers; /* dlpd_chan_wait, oldest first */
+	uint32_t nsenders, nreceivers;
+	uid_t uid; /* who opened it, charged with one entry */
+	pid_t pid;
+	struct dlpd_usage *usage;
+	int64_t created_ns;
+	uint64_t sent, received;
+	size_t len;
+	uint8_t name[];
+};
+
+/* A SEND waiting for room, or a RECV waiting for a message. */
+struct dlpd_chan_wait {
+	struct dlpd_list ch_link;   /* in ch->senders or ch->receivers */
+	struct dlpd_list peer_link; /* in holdings.chan_waits */
+	struct dlpd_channel *ch;
+	struct dlpd_peer *peer;
+	uint32_t req_id;
+	uint32_t flags;	      /* RECV: ATTACH_SINGLE */
+	struct dlpd_msg *msg; /* SEND: the message to admit; NULL for a RECV */
+	int64_t timeout_ms;   /* > 0: timer runs */
+	uv_timer_t timer;
+};
+
+struct dlpd_channel *dlpd_channel_find(struct dlpd_registry *r, const uint8_t *name, size_t len);
+/* A new empty channel named @p name, charged to @p u as one entry; NULL on ENOMEM. */
+struct dlpd_channel *dlpd_channel_new(struct dlpd_registry *r, const uint8_t *name, size_t len,
+				      uint32_t capacity, struct dlpd_usage *u);
+/* Take @p ch (empty, nobody waiting) out of the map, uncharge and free it. */
+void dlpd_channel_free(struct dlpd_registry *r, struct dlpd_channel *ch);
+/* A channel, to empty the map with at stop (see dlpd_hmap_next()); NULL when none is left. */
+struct dlpd_channel *dlpd_channel_any(struct dlpd_registry *r, size_t *cursor);
+/* Every channel whose name starts with @p prefix and comes after @p after, sorted by name, up
+ * to @p limit: a malloc'd array (the caller frees it), *@p n set. -ENOMEM. */
+int dlpd_channel_range(struct dlpd_registry *r, const uint8_t *prefix, size_t plen,
+		       const uint8_t *after, size_t alen, size_t limit, struct dlpd_channel ***ret,
+		       size_t *n);
+/* Append @p m to the queue (it holds m->st as a name does); gives it its seq. */
+void dlpd_channel_push(struct dlpd_registry *r, struct dlpd_channel *ch, struct dlpd_msg *m);
+/* Take the oldest message off the queue; NULL if empty. Its storage is still held. */
+struct dlpd_msg *dlpd_channel_pop(struct dlpd_registry *r, struct dlpd_channel *ch);
+/* What LIST, CHANNEL and watch events say of @p ch. */
+void dlpd_channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *info);
+
+/* h_channel.c: drop what @p p waits for on channels (its blocked SENDs' messages are freed). */
+void dlpd_channels_drop_peer(struct dlpd_peer *p);
+/* h_channel.c: free every channel and its messages at stop, once every connection is gone. */
+void dlpd_channels_clear(struct dlpd_server *s);
+/* h_channel.c: the channels part of a LIST reply (List.channels). */
+int dlpd_channels_list(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__List *req);
+
+#endif

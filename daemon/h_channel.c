@@ -1,0 +1,683 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Handlers for channels (protocol 1.6): SEND, RECV and CHANNEL, and the hand-offs between them.
+ *
+ * A channel never holds a message while a receiver waits, nor keeps a sender waiting while it
+ * has room: every change (a send admitted, a message taken, a wait ended) runs pump(), which
+ * hands queued messages to the oldest waiting receivers and admits the oldest waiting senders,
+ * in the same loop turn. So a receiver blocked in RECV gets a message in the turn its SEND
+ * arrives, and a message is handed to exactly one receiver: the RECV reply carries the only
+ * reference to its storage there is.
+ *
+ * Delivery is at most once. A message handed to a receiver is that receiver's: if its
+ * connection dies before it read the reply or released the message, the message is freed, never
+ * given to another. A SEND whose connection dies while it waits for room is dropped; messages
+ * a connection sent before it died stay queued for receivers.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "channel.h"
+#include "entry.h"
+#include "handlers.h"
+#include "names.h"
+#include "peer.h"
+#include "quota.h"
+#include "reclaim.h"
+#include "util.h"
+
+#define RECV_FLAGS DLPC_ATTACH_SINGLE
+#define OP_OPEN 1
+#define OP_REMOVE 2
+#define OP_STAT 3
+#define EV_CHANNEL_OPENED 4
+#define EV_CHANNEL_REMOVED 5
+
+static void channel_name(const struct dlpd_channel *ch, char *buf, size_t len)
+{
+	dlpc__printable(ch->name, ch->len, buf, len);
+}
+
+/* Free @p m, never received: its storage loses the queue's hold. */
+static void msg_free(struct dlpd_server *s, struct dlpd_msg *m)
+{
+	s->reg.messages--;
+	dlpd_storage_gone(s, dlpd_storage_unname(m->st));
+	free(m->tensors_wire);
+	free(m);
+}
+
+static void wait_closed(uv_handle_t *h)
+{
+	free(h->data);
+}
+
+/* Take @p w off its channel and its connection and free it; its message is the caller's. */
+static void wait_free(struct dlpd_chan_wait *w)
+{
+	dlpd_list_del(&w->ch_link);
+	dlpd_list_del(&w->peer_link);
+	w->peer->held.nchan_waits--;
+	if (w->msg)
+		w->ch->nsenders--;
+	else
+		w->ch->nreceivers--;
+	if (w->timeout_ms > 0) {
+		w->timer.data = w;
+		uv_close((uv_handle_t *)&w->timer, wait_closed);
+	} else {
+		free(w);
+	}
+}
+
+/*
+ * Answer @p p's RECV @p id with the oldest message of @p ch: a reference of its own on the
+ * storage and the storage's fd; the message leaves the channel. Refused (the message stays
+ * queued) for a connection being dropped, a bundle asked for as one tensor, or the reference
+ * limit. 0 or the reply's negative errno.
+ */
+static int give(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint32_t flags)
+{
+	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
+	struct dlpd_server *s = p->srv;
+	struct dlpd_msg *m = dlpd_container_of(ch->queue.next, struct dlpd_msg, link);
+	char name[DLPC_NAME_TEXT];
+	struct dlpd_ref *ref;
+	int r;
+
+	if (p->failed)
+		return -EPIPE;
+	channel_name(ch, name, sizeof(name));
+	if ((flags & DLPC_ATTACH_SINGLE) && m->ntensors != 1)
+		return dlpd_reply_error(p, id, EINVAL,
+					"the next message in channel '%s' is a bundle of %u "
+					"tensors; receive it as a bundle",
+					name, m->ntensors);
+	if (p->held.refs.count >= s->lim.refs_per_connection)
+		return dlpd_reply_error(
+			p, id, EDQUOT,
+			"cannot receive from channel '%s': this connection holds %zu references; "
+			"the limit is %llu (--max-refs-per-connection)",
+			name, p->held.refs.count, (unsigned long long)s->lim.refs_per_connection);
+	ref = dlpd_ref_new(&s->reg, &p->held, m->st);
+	if (!ref)
+		return dlpd_reply_error(p, id, ENOMEM,
+					"cannot receive from channel '%s': out of memory", name);
+	dlpd_channel_pop(&s->reg, ch);
+	ch->received++;
+	rep.generation = m->seq;
+	rep.ref_id = ref->id;
+	rep.flags = m->flags;
+	rep.device_type = kDLCPU;
+	rep.storage_size = m->st->size;
+	rep.owner_uid = (uint32_t)m->uid;
+	rep.owner_pid = (int32_t)m->pid;
+	r = dlpd_reply_tail(p, DLPC_MSG_RECV | DLPC_MSG_REPLY, id, &rep.base, m->tensors_wire,
+			    m->tensors_wire_len, &m->st->fd, 1);
+	if (r == 0)
+		s->stats.fds_sent++;
+	/* the reference holds it now: this cannot free it */
+	dlpd_storage_unname(m->st);
+	s->reg.messages--;
+	free(m->tensors_wire);
+	free(m);
+	return r;
+}
+
+/* Queue @p m, @p p's, on @p ch; its seq. */
+static uint64_t push(struct dlpd_peer *p, struct dlpd_channel *ch, struct dlpd_msg *m)
+{
+	dlpd_channel_push(&p->srv->reg, ch, m);
+	/* a pooled message's storage goes back to its sender (RECLAIM) once freed; only once
+	 * admitted, so that a refused SEND is never answered with a RECLAIM too */
+	if (m->pool_token)
+		dlpd_reclaim_watch(p, m->st, m->pool_token);
+	return m->seq;
+}
+
+/* Answer @p p's SEND @p id: its message was admitted with @p seq. */
+static void reply_sent(struct dlpd_peer *p, uint32_t id, uint64_t seq, uint32_t depth)
+{
+	Dlpackd__V1__SendReply rep = DLPACKD__V1__SEND_REPLY__INIT;
+
+	rep.seq = seq;
+	rep.depth = depth;
+	dlpd_reply(p, DLPC_MSG_SEND | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+}
+
+/* Queue @p m on @p ch and answer its SEND @p id from @p p. */
+static void admit(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, struct dlpd_msg *m)
+{
+	uint64_t seq = push(p, ch, m);
+
+	reply_sent(p, id, seq, ch->depth);
+}
+
+/* Hand queued messages to waiting receivers and admit waiting senders while either can move.
+ * A wait whose connection is being dropped ends without taking anything. */
+static void pump(struct dlpd_server *s, struct dlpd_channel *ch)
+{
+	for (;;) {
+		struct dlpd_chan_wait *w;
+
+		if (ch->depth > 0 && ch->nreceivers > 0) {
+			struct dlpd_peer *p;
+			uint32_t id, flags;
+
+			w = dlpd_container_of(ch->receivers.next, struct dlpd_chan_wait, ch_link);
+			p = w->peer;
+			id = w->req_id;
+			flags = w->flags;
+			wait_free(w);
+			give(p, id, ch, flags);
+			continue;
+		}
+		if (ch->nsenders > 0 && ch->depth < ch->capacity) {
+			struct dlpd_msg *m;
+			struct dlpd_peer *p;
+			uint32_t id;
+
+			w = dlpd_container_of(ch->senders.next, struct dlpd_chan_wait, ch_link);
+			m = w->msg;
+			p = w->peer;
+			id = w->req_id;
+			wait_free(w);
+			if (p->failed)
+				msg_free(s, m);
+			else
+				admit(p, id, ch, m);
+			continue;
+		}
+		return;
+	}
+}
+
+static void wait_expired(uv_timer_t *t)
+{
+	struct dlpd_chan_wait *w = t->data;
+	struct dlpd_server *s = w->peer->srv;
+	struct dlpd_channel *ch = w->ch;
+	struct dlpd_peer *p = w->peer;
+	struct dlpd_msg *m = w->msg;
+	long long ms = (long long)w->timeout_ms;
+	uint32_t id = w->req_id;
+	char name[DLPC_NAME_TEXT];
+
+	channel_name(ch, name, sizeof(name));
+	wait_free(w);
+	if (m) {
+		msg_free(s, m);
+		dlpd_reply_error(p, id, ETIMEDOUT,
+				 "channel '%s' had no room within %lld ms (%u messages queued, its "
+				 "capacity)",
+				 name, ms, ch->capacity);
+	} else {
+		dlpd_reply_error(p, id, ETIMEDOUT, "no message came in channel '%s' within %lld ms",
+				 name, ms);
+	}
+}
+
+/* Make @p p's request @p id wait on @p ch (@p m: a SEND's message) for @p timeout_ms (< 0:
+ * without end). 0 or -ENOMEM. */
+static int park(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, struct dlpd_msg *m,
+		uint32_t flags, int64_t timeout_ms)
+{
+	struct dlpd_chan_wait *w = calloc(1, sizeof(*w));
+
+	if (!w)
+		return -ENOMEM;
+	w->ch = ch;
+	w->peer = p;
+	w->req_id = id;
+	w->flags = flags;
+	w->msg = m;
+	w->timeout_ms = timeout_ms;
+	dlpd_list_add_tail(m ? &ch->senders : &ch->receivers, &w->ch_link);
+	dlpd_list_add_tail(&p->held.chan_waits, &w->peer_link);
+	p->held.nchan_waits++;
+	if (m)
+		ch->nsenders++;
+	else
+		ch->nreceivers++;
+	if (timeout_ms > 0) {
+		uv_timer_init(p->srv->loop, &w->timer);
+		w->timer.data = w;
+		uv_timer_start(&w->timer, wait_expired, (uint64_t)timeout_ms, 0);
+	}
+	return 0;
+}
+
+/* May @p p wait once more? 0, or -EDQUOT with the reason in @p why. */
+static int may_wait(const struct dlpd_peer *p, char *why, size_t whylen)
+{
+	uint64_t n = p->held.nwaiters + p->held.nchan_waits;
+
+	if (n < p->srv->lim.pending_per_connection)
+		return 0;
+	snprintf(why, whylen,
+		 "this connection has %llu requests waiting; the limit is %llu "
+		 "(--max-pending-per-connection)",
+		 (unsigned long long)n, (unsigned long long)p->srv->lim.pending_per_connection);
+	return -EDQUOT;
+}
+
+/* May @p p queue a message of @p size bytes (one storage fd)? 0 or -EDQUOT and why. */
+static int quota_message(const struct dlpd_peer *p, uint64_t size, char *why, size_t whylen)
+{
+	const struct dlpd_server *s = p->srv;
+	const struct dlpd_usage *u = p->usage;
+	uint64_t bytes = u->bytes + u->pinned_bytes, limit = s->lim.bytes_per_uid;
+	uint64_t uid_fds = u->storage_fds + u->pinned_fds + u->connections;
+
+	if (size > limit || bytes > limit - size) {
+		snprintf(why, whylen,
+			 "uid %u holds %llu bytes and asks for %llu more; the limit is %llu bytes "
+			 "(--max-bytes-per-uid)",
+			 (unsigned)p->uid, (unsigned long long)bytes, (unsigned long long)size,
+			 (unsigned long long)limit);
+		return -EDQUOT;
+	}
+	if (dlpd_fds_in_use(s) + 1 > s->fd_budget) {
+		snprintf(why, whylen,
+			 "dlpackd holds %llu storage and connection fds; its fd limit leaves room "
+			 "for %llu (RLIMIT_NOFILE minus %d in reserve)",
+			 (unsigned long long)dlpd_fds_in_use(s), (unsigned long long)s->fd_budget,
+			 DLPC_FD_RESERVE);
+		return -EDQUOT;
+	}
+	if (uid_fds + 1 > dlpd_uid_fd_share(s)) {
+		dlpd_uid_fd_share_why(p, uid_fds, why, whylen);
+		return -EDQUOT;
+	}
+	return 0;
+}
+
+/* Is @p pub a message a channel can carry? 0, or negative errno and why. */
+static int check_message(const Dlpackd__V1__Publish *pub, int fd, char *why, size_t whylen)
+{
+	int r;
+
+	if (pub->name.len != 0 || (pub->flags & ~DLPC_PUBLISH_WRITABLE)) {
+		snprintf(why, whylen, "a message has no name and no flags but WRITABLE");
+		return -EINVAL;
+	}
+	if (pub->device_type != kDLCPU || pub->device_id != 0 || pub->device_uuid.len ||
+	    pub->cuda_ipc || pub->reclaim_token) {
+		snprintf(why, whylen, "channels carry host memory only (device %d:%d)",
+			 pub->device_type, pub->device_id);
+		return -ENOTSUP;
+	}
+	if (pub->storage_size == 0 || pub->storage_size > INT64_MAX) {
+		snprintf(why, whylen, "bad storage size %llu",
+			 (unsigned long long)pub->storage_size);
+		return -EINVAL;
+	}
+	r = dlpd_entry_check_tensors(pub, why, whylen);
+	if (r < 0)
+		return r;
+	return dlpd_entry_check_storage(pub, fd, why, whylen);
+}
+
+/* A message of @p p's from the checked @p pub and the frame's fd (taken); NULL on ENOMEM. */
+static struct dlpd_msg *msg_new(struct dlpd_peer *p, Dlpackd__V1__Publish *pub,
+				struct dlpc__frame *f)
+{
+	struct dlpd_server *s = p->srv;
+	struct dlpd_msg *m = calloc(1, sizeof(*m));
+
+	if (!m)
+		return NULL;
+	dlpd_entry_drop_unknown_fields(pub);
+	m->tensors_wire = dlpd_entry_encode_tensors(pub, &m->tensors_wire_len);
+	m->st = m->tensors_wire ? dlpd_storage_new(&s->reg, p->usage, f->fds[0], pub->storage_size,
+						   kDLCPU, 0)
+				: NULL;
+	if (!m->st) {
+		free(m->tensors_wire);
+		free(m);
+		return NULL;
+	}
+	dlpc__frame_take_fd(f, 0);
+	m->st->names = 1;
+	m->flags = pub->flags;
+	m->ntensors = (uint32_t)pub->n_tensors;
+	m->uid = p->uid;
+	m->pid = p->pid;
+	s->reg.messages++;
+	return m;
+}
+
+int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struct dlpc__frame *f)
+{
+	Dlpackd__V1__Send *req = (Dlpackd__V1__Send *)*msg;
+	struct dlpd_server *s = p->srv;
+	char why[256], name[DLPC_NAME_TEXT];
+	struct dlpd_channel *ch;
+	struct dlpd_msg *m;
+	uint64_t seq;
+	int r;
+
+	if (dlpc__name_check(req->channel.data, req->channel.len, why, sizeof(why)) < 0)
+		return dlpd_reply_error(p, id, EINVAL, "cannot send: channel name: %s", why);
+	dlpc__printable(req->channel.data, req->channel.len, name, sizeof(name));
+	if (req->flags)
+		return dlpd_reply_error(p, id, EINVAL, "cannot send to channel '%s': flags 0x%x",
+					name, req->flags);
+	if (!req->message)
+		return dlpd_reply_error(p, id, EINVAL, "cannot send to channel '%s': no message",
+					name);
+	if (req->pool_token && !(req->message->flags & DLPC_PUBLISH_WRITABLE))
+		return dlpd_reply_error(p, id, EINVAL,
+					"cannot send to channel '%s': a pooled message is "
+					"writable by its sender; send it WRITABLE",
+					name);
+	r = check_message(req->message, f->fds[0], why, sizeof(why));
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot send to channel '%s': %s", name, why);
+	ch = dlpd_channel_find(&s->reg, req->channel.data, req->channel.len);
+	if (!ch)
+		return dlpd_reply_error(p, id, ENOENT, "no channel named '%s'; open it first",
+					name);
+	r = quota_message(p, req->message->storage_size, why, sizeof(why));
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot send to channel '%s': %s", name, why);
+	if ((ch->nsenders > 0 || ch->depth >= ch->capacity) && req->timeout_ms == 0)
+		return dlpd_reply_error(p, id, EAGAIN,
+					"channel '%s' is full (%u messages queued, its capacity)",
+					name, ch->depth);
+	if ((ch->nsenders > 0 || ch->depth >= ch->capacity) && may_wait(p, why, sizeof(why)) < 0)
+		return dlpd_reply_error(p, id, EDQUOT, "cannot wait for room in channel '%s': %s",
+					name, why);
+	m = msg_new(p, req->message, f);
+	if (m)
+		m->pool_token = req->pool_token;
+	if (!m)
+		return dlpd_reply_error(p, id, ENOMEM, "cannot send to channel '%s': out of memory",
+					name);
+	if (ch->nsenders > 0 || ch->depth >= ch->capacity) {
+		if (park(p, id, ch, m, 0, req->timeout_ms) == 0)
+			return 0;
+		msg_free(s, m);
+		return dlpd_reply_error(
+			p, id, ENOMEM, "cannot wait for room in channel '%s': out of memory", name);
+	}
+	seq = push(p, ch, m);
+	/* A receiver waiting gets it now, in this turn, and before the sender hears back: the
+	 * receiver's reply is written first, so on a busy CPU the receiver is not queued behind
+	 * the sender's wake-up. */
+	pump(s, ch);
+	reply_sent(p, id, seq, ch->depth);
+	return 0;
+}
+
+int dlpd_on_recv(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struct dlpc__frame *f)
+{
+	Dlpackd__V1__Recv *req = (Dlpackd__V1__Recv *)*msg;
+	struct dlpd_server *s = p->srv;
+	char why[256], name[DLPC_NAME_TEXT];
+	struct dlpd_channel *ch;
+	int r;
+
+	(void)f;
+	if (dlpc__name_check(req->channel.data, req->channel.len, why, sizeof(why)) < 0)
+		return dlpd_reply_error(p, id, EINVAL, "cannot receive: channel name: %s", why);
+	dlpc__printable(req->channel.data, req->channel.len, name, sizeof(name));
+	if (req->flags & ~RECV_FLAGS)
+		return dlpd_reply_error(p, id, EINVAL,
+					"cannot receive from channel '%s': unknown flags 0x%x",
+					name, req->flags & ~RECV_FLAGS);
+	ch = dlpd_channel_find(&s->reg, req->channel.data, req->channel.len);
+	if (!ch)
+		return dlpd_reply_error(p, id, ENOENT, "no channel named '%s'; open it first",
+					name);
+	if (ch->depth > 0) {
+		r = give(p, id, ch, req->flags);
+		/* room was made: a waiting sender comes in */
+		pump(s, ch);
+		return r;
+	}
+	if (req->timeout_ms == 0)
+		return dlpd_reply_error(p, id, EAGAIN, "channel '%s' is empty", name);
+	if (may_wait(p, why, sizeof(why)) < 0)
+		return dlpd_reply_error(p, id, EDQUOT,
+					"cannot wait for a message in channel '%s': %s", name, why);
+	if (park(p, id, ch, NULL, req->flags, req->timeout_ms) < 0)
+		return dlpd_reply_error(p, id, ENOMEM,
+					"cannot wait for a message in channel '%s': out of memory",
+					name);
+	return 0;
+}
+
+static bool watcher_wants(const struct dlpd_peer *w, const struct dlpd_channel *ch)
+{
+	return w->minor >= 6 && ch->len >= w->watch_prefix_len &&
+	       memcmp(ch->name, w->watch_prefix, w->watch_prefix_len) == 0;
+}
+
+/* Tell the watchers (1.6 and later) whose prefix matches that @p ch was opened or removed. */
+static void notify(struct dlpd_server *s, uint32_t kind, const struct dlpd_channel *ch,
+		   const struct dlpd_peer *actor)
+{
+	Dlpackd__V1__Event ev = DLPACKD__V1__EVENT__INIT;
+	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
+	ssize_t len = 0;
+	bool packed = false;
+
+	s->event_seq++;
+	for (struct dlpd_list *l = s->watchers.next; l != &s->watchers; l = l->next) {
+		struct dlpd_peer *w = dlpd_container_of(l, struct dlpd_peer, watch_link);
+
+		if (!watcher_wants(w, ch))
+			continue;
+		if (!packed) {
+			dlpd_channel_info(ch, &info);
+			ev.kind = kind;
+			ev.seq = s->event_seq;
+			ev.channel = &info;
+			ev.reason = kind == EV_CHANNEL_REMOVED ? DLPC_WATCH_BY_REQUEST : 0;
+			ev.actor_uid = actor->uid;
+			ev.actor_pid = actor->pid;
+			len = dlpc__msg_frame(&s->event_out, DLPC_MSG_EVENT, 0, &ev.base, 0);
+			packed = true;
+		}
+		if (len < 0)
+			dlpd_peer_fail(w, LOG_ERR, "cannot build an event: %s",
+				       strerror((int)-len));
+		else
+			dlpd_peer_send(w, s->event_out.p, (size_t)len, NULL, 0);
+	}
+}
+
+/* End every wait on @p ch with @p err and free every message it holds; @p ch stays. */
+static void empty_channel(struct dlpd_server *s, struct dlpd_channel *ch, const char *name)
+{
+	struct dlpd_msg *m;
+
+	while (!dlpd_list_empty(&ch->senders) || !dlpd_list_empty(&ch->receivers)) {
+		struct dlpd_list *l =
+			dlpd_list_empty(&ch->senders) ? ch->receivers.next : ch->senders.next;
+		struct dlpd_chan_wait *w = dlpd_container_of(l, struct dlpd_chan_wait, ch_link);
+		struct dlpd_peer *p = w->peer;
+		uint32_t id = w->req_id;
+
+		m = w->msg;
+		wait_free(w);
+		if (m)
+			msg_free(s, m);
+		dlpd_reply_error(p, id, EIDRM, "channel '%s' was removed", name);
+	}
+	while ((m = dlpd_channel_pop(&s->reg, ch)))
+		msg_free(s, m);
+}
+
+static int reply_info(struct dlpd_peer *p, uint32_t id, const struct dlpd_channel *ch, bool created)
+{
+	Dlpackd__V1__ChannelReply rep = DLPACKD__V1__CHANNEL_REPLY__INIT;
+	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
+
+	dlpd_channel_info(ch, &info);
+	rep.channel = &info;
+	rep.created = created;
+	return dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+}
+
+static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Channel *req,
+			const char *name)
+{
+	struct dlpd_server *s = p->srv;
+	struct dlpd_channel *ch = dlpd_channel_find(&s->reg, req->name.data, req->name.len);
+	uint32_t cap = req->capacity ? req->capacity : DLPC_CHANNEL_CAPACITY_DEFAULT;
+	char desc[96];
+
+	if (req->capacity > DLPC_CHANNEL_CAPACITY_MAX)
+		return dlpd_reply_error(p, id, EINVAL,
+					"cannot open channel '%s': capacity %u exceeds the limit "
+					"of %d messages",
+					name, req->capacity, DLPC_CHANNEL_CAPACITY_MAX);
+	if (ch && req->capacity && req->capacity != ch->capacity)
+		return dlpd_reply_error(p, id, EEXIST,
+					"channel '%s' is open already with capacity %u, not %u",
+					name, ch->capacity, req->capacity);
+	if (ch)
+		return reply_info(p, id, ch, false);
+	if (p->usage->entries + 1 > s->lim.entries_per_uid)
+		return dlpd_reply_error(p, id, EDQUOT,
+					"cannot open channel '%s': uid %u has %llu entries and "
+					"channels; the limit is %llu (--max-entries-per-uid)",
+					name, (unsigned)p->uid,
+					(unsigned long long)p->usage->entries,
+					(unsigned long long)s->lim.entries_per_uid);
+	ch = dlpd_channel_new(&s->reg, req->name.data, req->name.len, cap, p->usage);
+	if (!ch)
+		return dlpd_reply_error(p, id, ENOMEM, "cannot open channel '%s': out of memory",
+					name);
+	ch->uid = p->uid;
+	ch->pid = p->pid;
+	dlpd_log(LOG_DEBUG, "%s: opened channel '%s', capacity %u",
+		 dlpd_peer_desc(p, desc, sizeof(desc)), name, cap);
+	notify(s, EV_CHANNEL_OPENED, ch, p);
+	return reply_info(p, id, ch, true);
+}
+
+static int channel_remove(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch,
+			  const char *name)
+{
+	Dlpackd__V1__ChannelReply rep = DLPACKD__V1__CHANNEL_REPLY__INIT;
+	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
+	struct dlpd_server *s = p->srv;
+	char desc[96];
+	int r;
+
+	if (p->uid != 0 && p->uid != ch->uid)
+		return dlpd_reply_error(p, id, EPERM,
+					"channel '%s' belongs to uid %u; uid %u may not remove it",
+					name, (unsigned)ch->uid, (unsigned)p->uid);
+	/* the reply describes it as it was, messages included */
+	dlpd_channel_info(ch, &info);
+	dlpd_log(LOG_DEBUG, "%s: removed channel '%s' and its %u queued messages",
+		 dlpd_peer_desc(p, desc, sizeof(desc)), name, ch->depth);
+	rep.channel = &info;
+	r = dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+	empty_channel(s, ch, name);
+	notify(s, EV_CHANNEL_REMOVED, ch, p);
+	dlpd_channel_free(&s->reg, ch);
+	return r;
+}
+
+int dlpd_on_channel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struct dlpc__frame *f)
+{
+	Dlpackd__V1__Channel *req = (Dlpackd__V1__Channel *)*msg;
+	char why[160], name[DLPC_NAME_TEXT];
+	struct dlpd_channel *ch;
+
+	(void)f;
+	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
+		return dlpd_reply_error(p, id, EINVAL, "bad channel name: %s", why);
+	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
+	if (req->op == OP_OPEN)
+		return channel_open(p, id, req, name);
+	if (req->op != OP_REMOVE && req->op != OP_STAT)
+		return dlpd_reply_error(p, id, EINVAL, "CHANNEL operation %u is unknown", req->op);
+	ch = dlpd_channel_find(&p->srv->reg, req->name.data, req->name.len);
+	if (!ch)
+		return dlpd_reply_error(p, id, ENOENT, "no channel named '%s'", name);
+	if (req->op == OP_REMOVE)
+		return channel_remove(p, id, ch, name);
+	return reply_info(p, id, ch, false);
+}
+
+int dlpd_channels_list(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__List *req)
+{
+	Dlpackd__V1__ListReply rep = DLPACKD__V1__LIST_REPLY__INIT;
+	Dlpackd__V1__ChannelInfo *infos = NULL;
+	struct dlpd_channel **v;
+	size_t n, limit, room = DLPC_FRAME_MAX - 64;
+	int r;
+
+	limit = req->limit == 0 || req->limit > DLPC_LIST_PAGE_MAX ? DLPC_LIST_PAGE_MAX
+								   : req->limit;
+	r = dlpd_channel_range(&p->srv->reg, req->prefix.data, req->prefix.len,
+			       req->start_after.data, req->start_after.len, limit + 1, &v, &n);
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot list channels: out of memory");
+	rep.more = n > limit;
+	n = n < limit ? n : limit;
+	if (n > 0) {
+		infos = calloc(n, sizeof(*infos));
+		rep.channels = calloc(n, sizeof(*rep.channels));
+		if (!infos || !rep.channels) {
+			free(infos);
+			free(rep.channels);
+			free(v);
+			return dlpd_reply_error(p, id, ENOMEM,
+						"cannot list channels: out of memory");
+		}
+	}
+	for (size_t i = 0; i < n; i++) {
+		size_t sz;
+
+		dlpackd__v1__channel_info__init(&infos[i]);
+		dlpd_channel_info(v[i], &infos[i]);
+		sz = dlpackd__v1__channel_info__get_packed_size(&infos[i]) + 6;
+		if (sz > room) {
+			rep.more = true;
+			break;
+		}
+		room -= sz;
+		rep.channels[rep.n_channels++] = &infos[i];
+	}
+	r = dlpd_reply(p, DLPC_MSG_LIST | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
+	free(rep.channels);
+	free(infos);
+	free(v);
+	return r;
+}
+
+void dlpd_channels_drop_peer(struct dlpd_peer *p)
+{
+	while (!dlpd_list_empty(&p->held.chan_waits)) {
+		struct dlpd_chan_wait *w = dlpd_container_of(p->held.chan_waits.next,
+							     struct dlpd_chan_wait, peer_link);
+		struct dlpd_msg *m = w->msg;
+
+		wait_free(w);
+		if (m)
+			msg_free(p->srv, m);
+	}
+}
+
+void dlpd_channels_clear(struct dlpd_server *s)
+{
+	struct dlpd_channel *ch;
+	size_t cursor = 0;
+
+	while ((ch = dlpd_channel_any(&s->reg, &cursor))) {
+		char name[DLPC_NAME_TEXT];
+
+		channel_name(ch, name, sizeof(name));
+		empty_channel(s, ch, name);
+		dlpd_channel_free(&s->reg, ch);
+		cursor = 0;
+	}
+}

@@ -1,0 +1,395 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Channels (protocol 1.6) for dlpack_ipc.Channel (__init__.py): Client._channel_open(),
+ * _channel_remove(), _channel_stat(), _channel_list(), _send(), _recv(). Waits run in one
+ * libdlpc call with Ctrl-C checked by libdlpc's interrupt hook (ipc_interruptible()): a send
+ * cannot be cut into slices, since a send that timed out has given its tensor away.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dlpack_ipc.h"
+
+/* The attach modes a received message may be mapped with (see attach.c's). */
+static const struct {
+	const char *name;
+	uint32_t flags;
+} modes[] = {
+	{"read", DLPC_ATTACH_GUARDED},
+	{"private", DLPC_ATTACH_PRIVATE},
+	{"strict", 0},
+};
+
+/* timeout= in seconds as libdlpc's milliseconds: None or inf -> -1 (no end), 0 -> 0. */
+static int timeout_ms(PyObject *o, int64_t *ms)
+{
+	double s;
+
+	*ms = -1;
+	if (o == Py_None)
+		return 0;
+	s = PyFloat_AsDouble(o);
+	if (s == -1 && PyErr_Occurred())
+		return -1;
+	if (isnan(s) || s < 0) {
+		PyErr_Format(PyExc_ValueError, "timeout must be None or >= 0, not %R", o);
+		return -1;
+	}
+	if (isinf(s) || s > 1e12)
+		return 0;
+	*ms = (int64_t)ceil(s * 1000);
+	return 0;
+}
+
+static PyObject *info_dict(const dlpc_channel_info *i)
+{
+	return Py_BuildValue(
+		"{s:s,s:I,s:I,s:K,s:K,s:K,s:I,s:I,s:I,s:i,s:d}", "name", i->name, "capacity",
+		i->capacity, "depth", i->depth, "bytes_queued", (unsigned long long)i->bytes_queued,
+		"sent", (unsigned long long)i->sent, "received", (unsigned long long)i->received,
+		"receivers_waiting", i->receivers_waiting, "senders_waiting", i->senders_waiting,
+		"uid", i->owner_uid, "pid", i->owner_pid, "created", i->created_ns / 1e9);
+}
+
+PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "capacity", NULL};
+	dlpc_channel_info info = {.size = sizeof(info)};
+	unsigned long capacity = 0;
+	const char *name;
+	dlpc_client *c;
+	PyObject *d;
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|k:_channel_open", kwlist, &name,
+					 &capacity))
+		return NULL;
+	if (capacity > DLPC_CHANNEL_CAPACITY_MAX) {
+		PyErr_Format(PyExc_ValueError,
+			     "cannot open channel '%s': capacity %lu exceeds the limit of %d", name,
+			     capacity, DLPC_CHANNEL_CAPACITY_MAX);
+		return NULL;
+	}
+	if (!(c = ipc_call_begin((ClientObject *)obj)))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_channel_open(c, name, (uint32_t)capacity, &info);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj, c, r);
+	if (r < 0)
+		return ipc_raise(r);
+	d = info_dict(&info);
+	if (d && PyDict_SetItemString(d, "created", r == 1 ? Py_True : Py_False) < 0)
+		Py_CLEAR(d);
+	return d;
+}
+
+PyObject *ipc_client_channel_remove(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", NULL};
+	const char *name;
+	dlpc_client *c;
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:_channel_remove", kwlist, &name) ||
+	    !(c = ipc_call_begin((ClientObject *)obj)))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_channel_remove(c, name);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj, c, r);
+	if (r < 0)
+		return ipc_raise(r);
+	Py_RETURN_NONE;
+}
+
+PyObject *ipc_client_channel_stat(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", NULL};
+	dlpc_channel_info info = {.size = sizeof(info)};
+	const char *name;
+	dlpc_client *c;
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:_channel_stat", kwlist, &name) ||
+	    !(c = ipc_call_begin((ClientObject *)obj)))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_channel_stat(c, name, &info);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj, c, r);
+	if (r < 0)
+		return ipc_raise(r);
+	return info_dict(&info);
+}
+
+PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"prefix", NULL};
+	const char *prefix = "";
+	dlpc_channel_info *v;
+	PyObject *list;
+	dlpc_client *c;
+	size_t n;
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|s:_channel_list", kwlist, &prefix) ||
+	    !(c = ipc_call_begin((ClientObject *)obj)))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_channel_list(c, prefix, &v, &n);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj, c, r);
+	if (r < 0)
+		return ipc_raise(r);
+	list = PyList_New((Py_ssize_t)n);
+	for (size_t i = 0; list && i < n; i++) {
+		PyObject *d = info_dict(&v[i]);
+
+		if (!d)
+			Py_CLEAR(list);
+		else
+			PyList_SetItem(list, (Py_ssize_t)i, d); /* steals d */
+	}
+	free(v);
+	return list;
+}
+
+/*
+ * _send(name, obj, timeout=None) and _send_dict(name, mapping, timeout=None): @p n objects
+ * (keys NULL: one tensor) taken as publish() takes them, sent as one message.
+ */
+static PyObject *send_objects(ClientObject *self, const char *name, Py_ssize_t n,
+			      PyObject *const *objs, const char *const *keys, int64_t ms)
+{
+	dlpc_send_opts o = {
+		.size = sizeof(o), .timeout_ms = ms, .flags = ms == 0 ? DLPC_SEND_NOWAIT : 0};
+	dlpc_client *c = ipc_call_begin(self);
+	struct ipc_taken **taken;
+	DLManagedTensorVersioned **tensors;
+	Py_ssize_t got = 0;
+	int r = 0;
+
+	if (!c)
+		return NULL;
+	taken = PyMem_Calloc((size_t)n + 1, sizeof(*taken));
+	tensors = PyMem_Calloc((size_t)n + 1, sizeof(*tensors));
+	if (!taken || !tensors) {
+		PyMem_Free(taken);
+		PyMem_Free(tensors);
+		ipc_call_end(self, c, 0);
+		return PyErr_NoMemory();
+	}
+	for (; got < n; got++)
+		if (!(taken[got] = ipc_take(objs[got])))
+			break;
+	if (got == n) {
+		for (Py_ssize_t i = 0; i < n; i++)
+			tensors[i] = ipc_taken_tensor(taken[i]);
+		ipc_interruptible();
+		Py_BEGIN_ALLOW_THREADS
+		r = dlpc_send_bundle(c, name, (size_t)n, keys, tensors, &o);
+		Py_END_ALLOW_THREADS
+	}
+	for (Py_ssize_t i = 0; i < got; i++)
+		ipc_taken_finish(taken[i]);
+	PyMem_Free(taken);
+	PyMem_Free(tensors);
+	ipc_call_end(self, c, r);
+	if (got < n)
+		return NULL;
+	if (r < 0)
+		return ipc_raise(r);
+	Py_RETURN_NONE;
+}
+
+PyObject *ipc_client_send(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "obj", "timeout", NULL};
+	PyObject *o, *timeout = Py_None;
+	const char *name;
+	int64_t ms;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$O:send", kwlist, &name, &o, &timeout) ||
+	    timeout_ms(timeout, &ms) < 0)
+		return NULL;
+	return send_objects((ClientObject *)obj, name, 1, &o, NULL, ms);
+}
+
+PyObject *ipc_client_send_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "mapping", "timeout", NULL};
+	PyObject *mapping, *items = NULL, *res = NULL;
+	PyObject **objs = NULL;
+	const char **keys = NULL;
+	PyObject *timeout = Py_None;
+	const char *name;
+	Py_ssize_t n;
+	int64_t ms;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$O:send_dict", kwlist, &name, &mapping,
+					 &timeout) ||
+	    timeout_ms(timeout, &ms) < 0)
+		return NULL;
+	items = PyMapping_Items(mapping);
+	if (!items)
+		return NULL;
+	n = PyList_Size(items);
+	if (n == 0 || n > DLPC_BUNDLE_MAX) {
+		PyErr_Format(PyExc_ValueError,
+			     "cannot send to channel '%s': %zd tensors; a message holds 1 to %d",
+			     name, n, DLPC_BUNDLE_MAX);
+		goto out;
+	}
+	objs = PyMem_Calloc((size_t)n, sizeof(*objs));
+	keys = PyMem_Calloc((size_t)n, sizeof(*keys));
+	if (!objs || !keys) {
+		PyErr_NoMemory();
+		goto out;
+	}
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *kv = PyList_GetItem(items, i);
+		PyObject *k = PyTuple_GetItem(kv, 0);
+
+		if (!PyUnicode_Check(k)) {
+			PyErr_Format(PyExc_TypeError,
+				     "cannot send to channel '%s': keys must be str, not %R", name,
+				     k);
+			goto out;
+		}
+		keys[i] = PyUnicode_AsUTF8AndSize(k, NULL);
+		if (!keys[i])
+			goto out;
+		objs[i] = PyTuple_GetItem(kv, 1);
+	}
+	res = send_objects((ClientObject *)obj, name, n, objs, keys, ms);
+out:
+	PyMem_Free(objs);
+	PyMem_Free(keys);
+	Py_XDECREF(items);
+	return res;
+}
+
+/* Wrap a received tensor as a SharedTensor named after its channel. */
+static PyObject *wrap(ipc_state *st, DLManagedTensorVersioned *t, PyObject *name, PyObject *key,
+		      const char *mode)
+{
+	dlpc_attach_info info = {.size = sizeof(info)};
+	TensorObject *self;
+	int gen = 0;
+
+	if (dlpc_tensor_attach_info(t, &info) == 0)
+		gen = (int)(info.generation > INT32_MAX ? INT32_MAX : info.generation);
+	self = (TensorObject *)ipc_tensor_new(st, t, name, key, gen, false);
+	if (!self)
+		return NULL;
+	self->mode = mode;
+	self->has_owner = true;
+	self->owner_uid = info.owner_uid;
+	self->owner_pid = info.owner_pid;
+	return (PyObject *)self;
+}
+
+/* _recv(name, timeout=None, mode=None, bundle=False): a SharedTensor, or a dict by key. */
+PyObject *ipc_client_recv(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "timeout", "mode", "bundle", NULL};
+	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
+	dlpc_recv_opts o = {.size = sizeof(o)};
+	PyObject *timeout = Py_None, *pname, *res = NULL;
+	const char *name, *mode = "read";
+	int bundle = 0, r;
+	dlpc_bundle *b = NULL;
+	dlpc_client *c;
+	size_t i;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$Ozp:recv", kwlist, &name, &timeout,
+					 &mode, &bundle) ||
+	    timeout_ms(timeout, &o.timeout_ms) < 0)
+		return NULL;
+	mode = mode ? mode : "read";
+	for (i = 0; i < sizeof(modes) / sizeof(modes[0]); i++)
+		if (strcmp(mode, modes[i].name) == 0)
+			break;
+	if (i == sizeof(modes) / sizeof(modes[0]))
+		return PyErr_Format(PyExc_ValueError,
+				    "mode must be \"read\", \"private\" or \"strict\", not '%s'",
+				    mode);
+	o.flags = modes[i].flags;
+	mode = modes[i].name;
+	if (!(c = ipc_call_begin((ClientObject *)obj)))
+		return NULL;
+	ipc_interruptible();
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_recv_bundle(c, name, &o, &b);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj, c, r);
+	if (r < 0)
+		return ipc_raise(r);
+	pname = PyUnicode_FromString(name);
+	if (!bundle && pname) {
+		if (dlpc_bundle_count(b) != 1 || dlpc_bundle_key(b, 0)[0]) {
+			/* a bundle where one tensor was expected: the caller gets it as a dict */
+			bundle = 1;
+		} else {
+			PyObject *key = PyUnicode_FromString("");
+
+			res = key ? wrap(st, dlpc_bundle_take(b, 0), pname, key, mode) : NULL;
+			Py_XDECREF(key);
+		}
+	}
+	if (bundle && pname) {
+		res = PyDict_New();
+		for (i = 0; res && i < dlpc_bundle_count(b); i++) {
+			PyObject *key = PyUnicode_FromString(dlpc_bundle_key(b, i));
+			PyObject *t =
+				key ? wrap(st, dlpc_bundle_take(b, i), pname, key, mode) : NULL;
+
+			if (!t || PyDict_SetItem(res, key, t) < 0)
+				Py_CLEAR(res);
+			Py_XDECREF(key);
+			Py_XDECREF(t);
+		}
+	}
+	dlpc_bundle_free(b);
+	Py_XDECREF(pname);
+	return res;
+}
+
+/* _channel_empty(name, shape, dtype): recycled writable memory from the connection's pool. */
+PyObject *ipc_client_channel_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "shape", "dtype", NULL};
+	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
+	PyObject *shape_o, *dtype_o, *key, *res;
+	int64_t shape[DLPC_NDIM_MAX];
+	DLManagedTensorVersioned *t;
+	const char *name;
+	DLDataType dt;
+	dlpc_client *c;
+	int ndim, r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOO:_channel_empty", kwlist, &name,
+					 &shape_o, &dtype_o) ||
+	    ipc_dtype_parse(dtype_o, &dt) < 0 || (ndim = ipc_parse_shape(shape_o, shape)) < 0)
+		return NULL;
+	c = ipc_call_begin((ClientObject *)obj);
+	if (!c)
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_channel_alloc(c, name, dt, (int32_t)ndim, shape, &t);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj, c, r);
+	if (r < 0)
+		return ipc_raise(r);
+	key = PyUnicode_FromString("");
+	if (!key) {
+		t->deleter(t);
+		return NULL;
+	}
+	res = ipc_tensor_new(st, t, Py_None, key, 0, true);
+	Py_DECREF(key);
+	return res;
+}

@@ -1,0 +1,805 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Channels against a real dlpackd, driven from separate processes: order, exactly one receiver
+ * per message, backpressure, what a killed receiver or sender leaves, removal, the limits, and
+ * what LIST, STAT and WATCH say of channels.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include "harness.h"
+#include "raw.h"
+
+static struct daemon D;
+
+static void setup(void)
+{
+	daemon_start(&D);
+}
+
+static void teardown(void)
+{
+	daemon_stop(&D);
+}
+
+static dlpc_client *child_connect(void)
+{
+	dlpc_client *c = NULL;
+
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	return c;
+}
+
+/* Send one int64 @p v to @p ch (a vector of @p n copies of it); dlpc_send_bundle()'s result. */
+static int send_value(dlpc_client *c, const char *ch, int64_t v, int64_t n, uint32_t flags,
+		      int64_t timeout_ms)
+{
+	dlpc_send_opts o = {.size = sizeof(o), .flags = flags, .timeout_ms = timeout_ms};
+	int64_t *data = calloc((size_t)n, sizeof(*data));
+	DLManagedTensorVersioned *t;
+	int r;
+
+	for (int64_t i = 0; i < n; i++)
+		data[i] = v;
+	t = host_tensor(data, (DLDataType){kDLInt, 64, 1}, 1, &n, NULL, NULL);
+	r = dlpc_send_bundle(c, ch, 1, NULL, &t, &o);
+	free(data);
+	return r;
+}
+
+/* Receive one message of @p ch: its value into *@p v, the tensor into *@p keep if not NULL
+ * (else released). dlpc_recv()'s result. */
+static int recv_value(dlpc_client *c, const char *ch, int64_t timeout_ms, int64_t *v,
+		      DLManagedTensorVersioned **keep)
+{
+	dlpc_recv_opts o = {.size = sizeof(o), .timeout_ms = timeout_ms};
+	DLManagedTensorVersioned *t;
+	int r = dlpc_recv(c, ch, &o, &t);
+
+	if (r < 0)
+		return r;
+	*v = *(const int64_t *)t->dl_tensor.data;
+	if (keep)
+		*keep = t;
+	else
+		t->deleter(t);
+	return r;
+}
+
+static dlpc_channel_info chan_or_die(dlpc_client *c, const char *name)
+{
+	dlpc_channel_info i = {.size = sizeof(i)};
+
+	ck_assert_dlpc(dlpc_channel_stat(c, name, &i), 0);
+	return i;
+}
+
+/* Poll the channel until @p field reaches @p want; whether it did. */
+#define WAIT_CHAN(c, name, field, want)                                                            \
+	({                                                                                         \
+		bool _ok = false;                                                                  \
+		for (int _i = 0; _i < scaled_ms(5000) / 5 && !_ok; _i++) {                         \
+			_ok = chan_or_die(c, name).field == (want);                                \
+			if (!_ok)                                                                  \
+				usleep(5000);                                                      \
+		}                                                                                  \
+		_ok;                                                                               \
+	})
+
+static bool storages_are(const dlpc_stats *s, void *arg)
+{
+	return s->storages == *(uint64_t *)arg && s->messages == 0 && s->references == 0;
+}
+
+/* ---- order, through a small channel, from another process ---- */
+
+#define ORDER_N 200
+
+static int order_sender(void *arg)
+{
+	dlpc_client *c = child_connect();
+
+	(void)arg;
+	for (int64_t i = 0; i < ORDER_N; i++)
+		CHILD_CHECK(send_value(c, "ord", i, 1 + i % 7, 0, -1) == 0);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_order)
+{
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_channel_info info = {.size = sizeof(info)};
+	uint64_t zero = 0;
+	int fds0 = settled_fds(&D, c, 1);
+	pid_t s;
+
+	ck_assert_dlpc(dlpc_channel_open(c, "ord", 4, &info), 1);
+	ck_assert_uint_eq(info.capacity, 4);
+	ck_assert_str_eq(info.name, "ord");
+	s = spawn(order_sender, NULL);
+	for (int64_t i = 0; i < ORDER_N; i++) {
+		int64_t v = -1;
+
+		ck_assert_dlpc(recv_value(c, "ord", scaled_ms(5000), &v, NULL), 0);
+		ck_assert_int_eq(v, i);
+	}
+	ck_assert_int_eq(wait_child(s), 0);
+	info = chan_or_die(c, "ord");
+	ck_assert_uint_eq(info.sent, ORDER_N);
+	ck_assert_uint_eq(info.received, ORDER_N);
+	ck_assert_uint_eq(info.depth, 0);
+	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(2000)));
+	ck_assert_uint_eq(stat_or_die(c).req_send, ORDER_N);
+	ck_assert_dlpc(dlpc_channel_remove(c, "ord"), 0);
+	ck_assert_int_eq(settled_fds(&D, c, 1), fds0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- each message to exactly one of several receivers ---- */
+
+#define ONCE_N 300
+#define ONCE_RECEIVERS 3
+
+static int once_receiver(void *arg)
+{
+	int fd = *(int *)arg;
+	dlpc_client *c = child_connect();
+
+	for (;;) {
+		int64_t v;
+
+		CHILD_CHECK(recv_value(c, "once", -1, &v, NULL) == 0);
+		if (v < 0)
+			break;
+		CHILD_CHECK(write(fd, &v, sizeof(v)) == sizeof(v));
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_exactly_once)
+{
+	dlpc_client *c = connect_or_die(&D);
+	static unsigned char seen[ONCE_N];
+	pid_t r[ONCE_RECEIVERS];
+	int pfd[2], got = 0;
+	int64_t v;
+
+	ck_assert_dlpc(dlpc_channel_open(c, "once", 8, NULL), 1);
+	ck_assert_int_eq(pipe(pfd), 0);
+	for (int i = 0; i < ONCE_RECEIVERS; i++)
+		r[i] = spawn(once_receiver, &pfd[1]);
+	close(pfd[1]);
+	ck_assert(WAIT_CHAN(c, "once", receivers_waiting, ONCE_RECEIVERS));
+	for (int64_t i = 0; i < ONCE_N; i++)
+		ck_assert_dlpc(send_value(c, "once", i, 1, 0, -1), 0);
+	for (int i = 0; i < ONCE_RECEIVERS; i++)
+		ck_assert_dlpc(send_value(c, "once", -1, 1, 0, -1), 0);
+	while (read(pfd[0], &v, sizeof(v)) == sizeof(v)) {
+		ck_assert(v >= 0 && v < ONCE_N);
+		ck_assert_msg(!seen[v], "message %lld received twice", (long long)v);
+		seen[v] = 1;
+		got++;
+	}
+	ck_assert_int_eq(got, ONCE_N);
+	for (int i = 0; i < ONCE_RECEIVERS; i++)
+		ck_assert_int_eq(wait_child(r[i]), 0);
+	close(pfd[0]);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- backpressure ---- */
+
+static int blocked_sender(void *arg)
+{
+	dlpc_client *c = child_connect();
+
+	(void)arg;
+	CHILD_CHECK(send_value(c, "bp", 3, 1, 0, -1) == 0);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_backpressure)
+{
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_channel_info i;
+	pid_t s;
+	int64_t v;
+
+	ck_assert_dlpc(dlpc_channel_open(c, "bp", 2, NULL), 1);
+	ck_assert_dlpc(send_value(c, "bp", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(send_value(c, "bp", 2, 1, 0, -1), 0);
+	ck_assert_dlpc(send_value(c, "bp", 9, 1, DLPC_SEND_NOWAIT, -1), -EAGAIN);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'bp'"));
+	ck_assert_dlpc(send_value(c, "bp", 9, 1, 0, 0), -EAGAIN);
+	ck_assert_dlpc(send_value(c, "bp", 9, 1, 0, scaled_ms(100)), -ETIMEDOUT);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'bp'"));
+	i = chan_or_die(c, "bp");
+	ck_assert_uint_eq(i.depth, 2);
+	ck_assert_uint_eq(i.senders_waiting, 0);
+	ck_assert_uint_eq(stat_or_die(c).messages, 2);
+	/* a sender in another process waits, and goes on once a message is received */
+	s = spawn(blocked_sender, NULL);
+	ck_assert(WAIT_CHAN(c, "bp", senders_waiting, 1));
+	ck_assert_uint_eq(chan_or_die(c, "bp").depth, 2);
+	ck_assert_dlpc(recv_value(c, "bp", 0, &v, NULL), 0);
+	ck_assert_int_eq(v, 1);
+	ck_assert_int_eq(wait_child(s), 0);
+	ck_assert_dlpc(recv_value(c, "bp", 0, &v, NULL), 0);
+	ck_assert_int_eq(v, 2);
+	ck_assert_dlpc(recv_value(c, "bp", 0, &v, NULL), 0);
+	ck_assert_int_eq(v, 3);
+	ck_assert_dlpc(recv_value(c, "bp", 0, &v, NULL), -EAGAIN);
+	ck_assert_dlpc(recv_value(c, "bp", scaled_ms(50), &v, NULL), -ETIMEDOUT);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- a killed receiver's messages are freed; a killed waiter takes nothing ---- */
+
+static int holding_receiver(void *arg)
+{
+	int fd = *(int *)arg;
+	dlpc_client *c = child_connect();
+	DLManagedTensorVersioned *a, *b;
+	int64_t v;
+
+	CHILD_CHECK(recv_value(c, "kill", -1, &v, &a) == 0);
+	CHILD_CHECK(recv_value(c, "kill", -1, &v, &b) == 0);
+	CHILD_CHECK(write(fd, "x", 1) == 1);
+	pause();
+	return 0;
+}
+
+static int waiting_receiver(void *arg)
+{
+	dlpc_client *c = child_connect();
+	int64_t v;
+
+	(void)arg;
+	recv_value(c, "kill", -1, &v, NULL);
+	_exit(3);
+}
+
+START_TEST(test_killed_receiver)
+{
+	dlpc_client *c = connect_or_die(&D);
+	uint64_t zero = 0;
+	int fds0 = settled_fds(&D, c, 1);
+	int pfd[2];
+	char x;
+	pid_t r;
+	int64_t v;
+
+	ck_assert_int_eq(pipe(pfd), 0);
+	ck_assert_dlpc(dlpc_channel_open(c, "kill", 0, NULL), 1);
+	ck_assert_uint_eq(chan_or_die(c, "kill").capacity, DLPC_CHANNEL_CAPACITY_DEFAULT);
+	ck_assert_dlpc(send_value(c, "kill", 1, 1 << 16, 0, -1), 0);
+	ck_assert_dlpc(send_value(c, "kill", 2, 1 << 16, 0, -1), 0);
+	r = spawn(holding_receiver, &pfd[1]);
+	ck_assert_int_eq(read(pfd[0], &x, 1), 1);
+	/* received and held: charged to nobody's queue, still alive */
+	ck_assert_uint_eq(stat_or_die(c).storages, 2);
+	ck_assert_uint_eq(stat_or_die(c).references, 2);
+	ck_assert_uint_eq(stat_or_die(c).messages, 0);
+	kill(r, SIGKILL);
+	ck_assert_int_eq(wait_child(r), 128 + SIGKILL);
+	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
+	ck_assert_uint_eq(stat_or_die(c).bytes_held, 0);
+
+	/* a receiver killed while it waits takes no message with it */
+	r = spawn(waiting_receiver, NULL);
+	ck_assert(WAIT_CHAN(c, "kill", receivers_waiting, 1));
+	kill(r, SIGKILL);
+	ck_assert_int_eq(wait_child(r), 128 + SIGKILL);
+	ck_assert(WAIT_CHAN(c, "kill", receivers_waiting, 0));
+	ck_assert_dlpc(send_value(c, "kill", 7, 1, 0, -1), 0);
+	ck_assert_dlpc(recv_value(c, "kill", 0, &v, NULL), 0);
+	ck_assert_int_eq(v, 7);
+	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
+	ck_assert_int_eq(settled_fds(&D, c, 1), fds0);
+	close(pfd[0]);
+	close(pfd[1]);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- a sender that exits: what it sent stays; a send waiting for room goes ---- */
+
+static int send_and_exit(void *arg)
+{
+	dlpc_client *c = child_connect();
+
+	(void)arg;
+	CHILD_CHECK(send_value(c, "gone", 5, 1, 0, -1) == 0);
+	/* this one waits for room: the process dies with it */
+	send_value(c, "gone", 6, 1, 0, -1);
+	_exit(3);
+}
+
+START_TEST(test_sender_dies)
+{
+	dlpc_client *c = connect_or_die(&D);
+	uint64_t zero = 0;
+	pid_t s;
+	int64_t v;
+
+	ck_assert_dlpc(dlpc_channel_open(c, "gone", 1, NULL), 1);
+	s = spawn(send_and_exit, NULL);
+	ck_assert(WAIT_CHAN(c, "gone", senders_waiting, 1));
+	kill(s, SIGKILL);
+	ck_assert_int_eq(wait_child(s), 128 + SIGKILL);
+	ck_assert(WAIT_CHAN(c, "gone", senders_waiting, 0));
+	ck_assert_uint_eq(stat_or_die(c).messages, 1);
+	ck_assert_dlpc(recv_value(c, "gone", 0, &v, NULL), 0);
+	ck_assert_int_eq(v, 5);
+	ck_assert_dlpc(recv_value(c, "gone", 0, &v, NULL), -EAGAIN);
+	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- removal frees the queue and ends the waits with EIDRM ---- */
+
+static int removed_waiter(void *arg)
+{
+	dlpc_client *c = child_connect();
+	int64_t v;
+
+	CHILD_CHECK(recv_value(c, (const char *)arg, -1, &v, NULL) == -EIDRM);
+	CHILD_CHECK(strstr(dlpc_last_error(), "removed") != NULL);
+	dlpc_close(c);
+	return 0;
+}
+
+static int removed_sender(void *arg)
+{
+	dlpc_client *c = child_connect();
+
+	(void)arg;
+	CHILD_CHECK(send_value(c, "rm", 9, 1, 0, -1) == -EIDRM);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_remove_frees)
+{
+	dlpc_client *c = connect_or_die(&D);
+	uint64_t zero = 0;
+	DLManagedTensorVersioned *held;
+	pid_t w, s;
+	int64_t v;
+
+	ck_assert_dlpc(dlpc_channel_open(c, "rm", 3, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_open(c, "rm", 0, NULL), 0);
+	ck_assert_dlpc(dlpc_channel_open(c, "rm", 3, NULL), 0);
+	ck_assert_dlpc(dlpc_channel_open(c, "rm", 5, NULL), -EEXIST);
+	for (int i = 0; i < 3; i++)
+		ck_assert_dlpc(send_value(c, "rm", i, 4096, 0, -1), 0);
+	ck_assert_uint_eq(stat_or_die(c).storages, 3);
+	ck_assert_uint_eq(stat_or_die(c).uid_bytes_held, 3 * 4096 * 8);
+	/* one received and held survives the removal */
+	ck_assert_dlpc(recv_value(c, "rm", 0, &v, &held), 0);
+	s = spawn(removed_sender, NULL);
+	ck_assert_dlpc(send_value(c, "rm", 3, 1, 0, -1), 0);
+	ck_assert(WAIT_CHAN(c, "rm", senders_waiting, 1));
+	ck_assert_dlpc(dlpc_channel_open(c, "rm2", 0, NULL), 1);
+	w = spawn(removed_waiter, "rm2");
+	ck_assert(WAIT_CHAN(c, "rm2", receivers_waiting, 1));
+	ck_assert_dlpc(dlpc_channel_remove(c, "rm"), 0);
+	ck_assert_dlpc(dlpc_channel_remove(c, "rm2"), 0);
+	ck_assert_int_eq(wait_child(s), 0);
+	ck_assert_int_eq(wait_child(w), 0);
+	ck_assert_uint_eq(stat_or_die(c).channels, 0);
+	ck_assert_uint_eq(stat_or_die(c).messages, 0);
+	ck_assert_uint_eq(stat_or_die(c).storages, 1);
+	ck_assert_int_eq(((const int64_t *)held->dl_tensor.data)[4095], 0);
+	held->deleter(held);
+	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
+	ck_assert_dlpc(dlpc_channel_remove(c, "rm"), -ENOENT);
+	ck_assert_dlpc(recv_value(c, "rm", 0, &v, NULL), -ENOENT);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'rm'"));
+	ck_assert_dlpc(send_value(c, "rm", 1, 1, 0, -1), -ENOENT);
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- bundles, limits, LIST, STAT, WATCH ---- */
+
+START_TEST(test_bundles_and_limits)
+{
+	dlpc_client *c = connect_or_die(&D);
+	static float a[4] = {1, 2, 3, 4};
+	static int32_t b[3] = {7, 8, 9};
+	int64_t sa = 4, sb = 3;
+	const char *keys[] = {"a", "b"};
+	DLManagedTensorVersioned *ts[2], *t;
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	dlpc_bundle *bun;
+	dlpc_attach_info ai = {.size = sizeof(ai)};
+
+	ck_assert_dlpc(dlpc_channel_open(c, "bun", DLPC_CHANNEL_CAPACITY_MAX + 1, NULL), -EINVAL);
+	ck_assert_dlpc(dlpc_channel_open(c, "bun", DLPC_CHANNEL_CAPACITY_MAX, NULL), 1);
+	ts[0] = host_tensor(a, (DLDataType){kDLFloat, 32, 1}, 1, &sa, NULL, NULL);
+	ts[1] = host_tensor(b, (DLDataType){kDLInt, 32, 1}, 1, &sb, NULL, NULL);
+	ck_assert_dlpc(dlpc_send_bundle(c, "bun", 2, keys, ts, NULL), 0);
+	/* a bundle asked for as one tensor stays queued */
+	ck_assert_dlpc(dlpc_recv(c, "bun", &now, &t), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "bundle"));
+	ck_assert_dlpc(dlpc_recv_bundle(c, "bun", &now, &bun), 0);
+	ck_assert_uint_eq(dlpc_bundle_count(bun), 2);
+	ck_assert_str_eq(dlpc_bundle_key(bun, 1), "b");
+	t = dlpc_bundle_take(bun, 1);
+	ck_assert_int_eq(((int32_t *)t->dl_tensor.data)[2], 9);
+	ck_assert(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
+	ck_assert_dlpc(dlpc_tensor_attach_info(t, &ai), 0);
+	ck_assert_uint_eq(ai.generation, 1);
+	ck_assert_int_eq(ai.owner_pid, getpid());
+	t->deleter(t);
+	dlpc_bundle_free(bun);
+	ck_assert_dlpc(dlpc_channel_open(c, "", 0, NULL), -EINVAL);
+	ck_assert_dlpc(dlpc_recv(c, "bun", NULL, NULL), -EINVAL);
+	ck_assert_dlpc(dlpc_channel_remove(c, "bun"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+START_TEST(test_list_stat_watch)
+{
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_channel_info *v;
+	dlpc_watch_event ev;
+	dlpc_watch *w;
+	size_t n;
+	int err;
+
+	w = dlpc_watch_open(D.sock, "l/", &err);
+	ck_assert_ptr_nonnull(w);
+	ck_assert_dlpc(dlpc_channel_open(c, "l/b", 0, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_open(c, "l/a", 2, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_open(c, "m/c", 0, NULL), 1);
+	ck_assert_dlpc(send_value(c, "l/a", 1, 100, 0, -1), 0);
+	ck_assert_dlpc(dlpc_channel_list(c, "l/", &v, &n), 0);
+	ck_assert_uint_eq(n, 2);
+	ck_assert_str_eq(v[0].name, "l/a");
+	ck_assert_uint_eq(v[0].capacity, 2);
+	ck_assert_uint_eq(v[0].depth, 1);
+	ck_assert_uint_eq(v[0].bytes_queued, 800);
+	ck_assert_int_eq(v[0].owner_pid, getpid());
+	ck_assert_str_eq(v[1].name, "l/b");
+	free(v);
+	ck_assert_dlpc(dlpc_channel_list(c, NULL, &v, &n), 0);
+	ck_assert_uint_eq(n, 3);
+	free(v);
+	ck_assert_uint_eq(stat_or_die(c).channels, 3);
+	ck_assert_uint_eq(stat_or_die(c).uid_channels, 3);
+	/* a channel counts as an entry of its uid */
+	ck_assert_uint_eq(stat_or_die(c).uid_entries, 3);
+	ck_assert_dlpc(dlpc_channel_remove(c, "l/a"), 0);
+	ck_assert_dlpc(dlpc_watch_next(w, &ev, scaled_ms(5000)), 1);
+	ck_assert_uint_eq(ev.kind, DLPC_WATCH_CHANNEL_OPENED);
+	ck_assert_str_eq(ev.entry.name, "l/b");
+	ck_assert_dlpc(dlpc_watch_next(w, &ev, scaled_ms(5000)), 1);
+	ck_assert_uint_eq(ev.kind, DLPC_WATCH_CHANNEL_OPENED);
+	ck_assert_str_eq(ev.entry.name, "l/a");
+	ck_assert_dlpc(dlpc_watch_next(w, &ev, scaled_ms(5000)), 1);
+	ck_assert_uint_eq(ev.kind, DLPC_WATCH_CHANNEL_REMOVED);
+	ck_assert_str_eq(ev.entry.name, "l/a");
+	ck_assert_uint_eq(ev.reason, DLPC_WATCH_BY_REQUEST);
+	ck_assert_int_eq(ev.actor_pid, getpid());
+	dlpc_watch_close(w);
+	dlpc_close(c);
+}
+END_TEST
+
+/* A uid at --max-entries-per-uid opens no channel; a message over --max-bytes-per-uid is
+ * refused, naming the channel. */
+START_TEST(test_quota)
+{
+	static const char *const args[] = {"--max-entries-per-uid=2", "--max-bytes-per-uid=65536",
+					   NULL};
+	struct daemon_opts o = {.args = args};
+	struct daemon q;
+	dlpc_client *c;
+
+	daemon_start_with(&q, &o);
+	c = connect_or_die(&q);
+	ck_assert_dlpc(dlpc_channel_open(c, "q1", 0, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_open(c, "q2", 0, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_open(c, "q3", 0, NULL), -EDQUOT);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "--max-entries-per-uid"));
+	ck_assert_dlpc(send_value(c, "q1", 1, 4096, 0, -1), 0);
+	ck_assert_dlpc(send_value(c, "q1", 1, 8192, 0, -1), -EDQUOT);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "channel 'q1'"));
+	ck_assert_uint_eq(stat_or_die(c).storages, 1);
+	dlpc_close(c);
+	daemon_stop(&q);
+}
+END_TEST
+
+/* ---- recycled buffers: the storage a receiver released comes back to its sender ---- */
+
+START_TEST(test_pool_recycles)
+{
+	dlpc_client *s = connect_or_die(&D), *r = connect_or_die(&D);
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	DLManagedTensorVersioned *t, *got, *held[DLPC_POOL_BUFFERS_MAX];
+	int64_t shape = 1 << 14;
+	DLDataType f32 = {kDLFloat, 32, 1};
+	dlpc_attach_info ai = {.size = sizeof(ai)};
+	uint64_t zero = 0;
+	void *first = NULL;
+
+	ck_assert_dlpc(dlpc_channel_open(s, "pool", 2, NULL), 1);
+	for (int round = 0; round < 5; round++) {
+		ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &t), 0);
+		/* after the first round, the same memory every time: nothing fresh */
+		if (round == 0)
+			first = t->dl_tensor.data;
+		else
+			ck_assert_ptr_eq(t->dl_tensor.data, first);
+		ck_assert(!(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY));
+		((float *)t->dl_tensor.data)[shape - 1] = (float)round;
+		ck_assert_dlpc(dlpc_send(s, "pool", t, 0), 0);
+		ck_assert_dlpc(dlpc_recv(r, "pool", &now, &got), 0);
+		ck_assert(((float *)got->dl_tensor.data)[shape - 1] == (float)round);
+		ck_assert_dlpc(dlpc_tensor_attach_info(got, &ai), 0);
+		ck_assert(ai.flags & DLPC_PUBLISH_WRITABLE);
+		got->deleter(got);
+		/* the release reaches the daemon with the receiver's next request */
+		ck_assert_uint_eq(stat_or_die(r).messages, 0);
+		ck_assert(wait_stat(s, storages_are, &zero, scaled_ms(5000)));
+	}
+	/* buffers a user holds are not handed out again; past the pool's size: ENOBUFS */
+	for (int i = 0; i < DLPC_POOL_BUFFERS_MAX; i++)
+		ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &held[i]), 0);
+	ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &t), -ENOBUFS);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "DLPC_POOL_BUFFERS_MAX"));
+	/* pooled memory goes only on the connection that allocated it */
+	ck_assert_dlpc(dlpc_send(r, "pool", held[0], 0), -EINVAL);
+	for (int i = 1; i < DLPC_POOL_BUFFERS_MAX; i++)
+		held[i]->deleter(held[i]);
+	ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &t), 0);
+	t->deleter(t);
+	/* a channel removed with a pooled message queued gives the buffer back too */
+	ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &t), 0);
+	first = t->dl_tensor.data;
+	ck_assert_dlpc(dlpc_send(s, "pool", t, 0), 0);
+	ck_assert_dlpc(dlpc_channel_remove(s, "pool"), 0);
+	ck_assert(wait_stat(s, storages_are, &zero, scaled_ms(5000)));
+	ck_assert_dlpc(dlpc_channel_alloc(s, "pool", f32, 1, &shape, &t), 0);
+	ck_assert_ptr_eq(t->dl_tensor.data, first);
+	t->deleter(t);
+	dlpc_close(r);
+	dlpc_close(s);
+}
+END_TEST
+
+/* ---- malformed channel requests, from a raw client ---- */
+
+#define SEALS_RO (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL | F_SEAL_WRITE)
+
+/* A SEND to "raw" of one float32 of @p storage (@p nfds fds of it), with @p edit applied to
+ * the request first; the daemon's error code (0: admitted) and message. -1: it hung up. */
+static int raw_send_msg(int fd, int storage, unsigned nfds, void (*edit)(Dlpackd__V1__Send *),
+			char *msg, size_t len)
+{
+	Dlpackd__V1__Send req = DLPACKD__V1__SEND__INIT;
+	Dlpackd__V1__Publish pub = DLPACKD__V1__PUBLISH__INIT;
+	Dlpackd__V1__TensorDesc d = DLPACKD__V1__TENSOR_DESC__INIT, *dp = &d;
+	int fds[2] = {storage, storage};
+	int64_t one = 1;
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+
+	d.dtype_code = kDLFloat;
+	d.dtype_bits = 32;
+	d.dtype_lanes = 1;
+	d.n_shape = 1;
+	d.shape = &one;
+	pub.device_type = kDLCPU;
+	pub.storage_size = 4096;
+	pub.n_tensors = 1;
+	pub.tensors = &dp;
+	req.channel.data = (uint8_t *)"raw";
+	req.channel.len = 3;
+	req.message = &pub;
+	if (edit)
+		edit(&req);
+	raw_send(fd, DLPC_MSG_SEND, 5, &req.base, fds, nfds);
+	if (raw_recv(fd, &h, buf, sizeof(buf)) != 1)
+		return -1;
+	if (h.type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
+		int code;
+
+		ck_assert_ptr_nonnull(e);
+		code = e->code;
+		snprintf(msg, len, "%s", e->message);
+		dlpackd__v1__error__free_unpacked(e, NULL);
+		return code;
+	}
+	ck_assert_uint_eq(h.type, DLPC_MSG_SEND | DLPC_MSG_REPLY);
+	return 0;
+}
+
+static void named(Dlpackd__V1__Send *r)
+{
+	r->message->name.data = (uint8_t *)"x";
+	r->message->name.len = 1;
+}
+
+static void pooled_read_only(Dlpackd__V1__Send *r)
+{
+	r->pool_token = 7;
+}
+
+static void cuda(Dlpackd__V1__Send *r)
+{
+	r->message->device_type = kDLCUDA;
+}
+
+static void no_message(Dlpackd__V1__Send *r)
+{
+	r->message = NULL;
+}
+
+static void flagged(Dlpackd__V1__Send *r)
+{
+	r->flags = 4;
+}
+
+static void bad_channel(Dlpackd__V1__Send *r)
+{
+	r->channel.len = 0;
+}
+
+START_TEST(test_malformed)
+{
+	static const struct {
+		void (*edit)(Dlpackd__V1__Send *);
+		int seals, code;
+		const char *says;
+	} cases[] = {
+		{named, SEALS_RO, EINVAL, "no name"},
+		{pooled_read_only, SEALS_RO, EINVAL, "WRITABLE"},
+		{cuda, SEALS_RO, ENOTSUP, "host memory only"},
+		{no_message, SEALS_RO, EINVAL, "no message"},
+		{flagged, SEALS_RO, EINVAL, "flags"},
+		{bad_channel, SEALS_RO, EINVAL, "channel name"},
+		{NULL, 0, EPERM,
+		 "'raw'"}, /* unsealed: refused like a PUBLISH, naming the channel */
+	};
+	Dlpackd__V1__Recv rv = DLPACKD__V1__RECV__INIT;
+	Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
+	char msg[512];
+	int base, fd, st, code;
+
+	good_client_start(&D);
+	base = good_baseline();
+	ck_assert_dlpc(dlpc_channel_open(good_client(), "raw", 1, NULL), 1);
+	fd = raw_connect(&D);
+	raw_hello(fd, 1);
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		st = memfd_sealed(4096, cases[i].seals);
+		code = raw_send_msg(fd, st, 1, cases[i].edit, msg, sizeof(msg));
+		close(st);
+		if (cases[i].code == EPERM)
+			ck_assert_msg(code != 0 && code != -1, "case %zu: %d", i, code);
+		else
+			ck_assert_msg(code == cases[i].code, "case %zu: %d %s", i, code, msg);
+		ck_assert_msg(strstr(msg, cases[i].says), "case %zu: %s", i, msg);
+	}
+	/* refused, every one: nothing was queued */
+	ck_assert_uint_eq(stat_or_die(good_client()).messages, 0);
+	/* admitted once, then full: EAGAIN at once for timeout 0 */
+	st = memfd_sealed(4096, SEALS_RO);
+	ck_assert_int_eq(raw_send_msg(fd, st, 1, NULL, msg, sizeof(msg)), 0);
+	ck_assert_int_eq(raw_send_msg(fd, st, 1, NULL, msg, sizeof(msg)), EAGAIN);
+	close(st);
+	rv.channel.data = (uint8_t *)"raw";
+	rv.channel.len = 3;
+	rv.flags = 1;
+	raw_send(fd, DLPC_MSG_RECV, 6, &rv.base, NULL, 0);
+	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EINVAL);
+	co.op = 9;
+	co.name.data = (uint8_t *)"raw";
+	co.name.len = 3;
+	raw_send(fd, DLPC_MSG_CHANNEL, 7, &co.base, NULL, 0);
+	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EINVAL);
+	/* a SEND without its fd, or with two: a protocol violation, the connection dropped */
+	st = memfd_sealed(4096, SEALS_RO);
+	ck_assert_int_eq(raw_send_msg(fd, st, 0, NULL, msg, sizeof(msg)), EPROTO);
+	expect_dropped(fd);
+	fd = raw_connect(&D);
+	raw_hello(fd, 1);
+	ck_assert_int_eq(raw_send_msg(fd, st, 2, NULL, msg, sizeof(msg)), EPROTO);
+	expect_dropped(fd);
+	close(st);
+	good_client_check();
+	ck_assert_dlpc(dlpc_channel_remove(good_client(), "raw"), 0);
+	expect_fds(base);
+	good_client_stop();
+}
+END_TEST
+
+/* --max-pending-per-connection counts waiting RECVs and SENDs; --max-refs-per-connection
+ * refuses a RECV, leaving the message queued. */
+START_TEST(test_connection_limits)
+{
+	static const char *const args[] = {"--max-pending-per-connection=2",
+					   "--max-refs-per-connection=1", NULL};
+	struct daemon_opts o = {.args = args};
+	Dlpackd__V1__Recv rv = DLPACKD__V1__RECV__INIT;
+	struct daemon q;
+	dlpc_client *c;
+	DLManagedTensorVersioned *held, *t;
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	char msg[512];
+	int fd;
+
+	daemon_start_with(&q, &o);
+	c = connect_or_die(&q);
+	ck_assert_dlpc(dlpc_channel_open(c, "lim", 1, NULL), 1);
+	fd = raw_connect(&q);
+	raw_hello(fd, 1);
+	rv.channel.data = (uint8_t *)"lim";
+	rv.channel.len = 3;
+	rv.timeout_ms = -1;
+	raw_send(fd, DLPC_MSG_RECV, 1, &rv.base, NULL, 0);
+	raw_send(fd, DLPC_MSG_RECV, 2, &rv.base, NULL, 0);
+	raw_send(fd, DLPC_MSG_RECV, 3, &rv.base, NULL, 0);
+	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EDQUOT);
+	ck_assert_ptr_nonnull(strstr(msg, "--max-pending-per-connection"));
+	ck_assert_ptr_nonnull(strstr(msg, "'lim'"));
+	ck_assert_uint_eq(chan_or_die(c, "lim").receivers_waiting, 2);
+	close(fd);
+	ck_assert(WAIT_CHAN(c, "lim", receivers_waiting, 0));
+	ck_assert_dlpc(send_value(c, "lim", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(dlpc_recv(c, "lim", &now, &held), 0);
+	ck_assert_dlpc(send_value(c, "lim", 2, 1, 0, -1), 0);
+	ck_assert_dlpc(dlpc_recv(c, "lim", &now, &t), -EDQUOT);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "--max-refs-per-connection"));
+	ck_assert_uint_eq(chan_or_die(c, "lim").depth, 1);
+	held->deleter(held);
+	ck_assert_dlpc(dlpc_recv(c, "lim", &now, &t), 0);
+	ck_assert_int_eq(*(int64_t *)t->dl_tensor.data, 2);
+	t->deleter(t);
+	dlpc_close(c);
+	daemon_stop(&q);
+}
+END_TEST
+
+int main(void)
+{
+	Suite *s = suite_create("channel");
+	TCase *tc = tcase_create("channel");
+
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
+	tcase_add_test(tc, test_order);
+	tcase_add_test(tc, test_exactly_once);
+	tcase_add_test(tc, test_backpressure);
+	tcase_add_test(tc, test_killed_receiver);
+	tcase_add_test(tc, test_sender_dies);
+	tcase_add_test(tc, test_remove_frees);
+	tcase_add_test(tc, test_bundles_and_limits);
+	tcase_add_test(tc, test_list_stat_watch);
+	tcase_add_test(tc, test_pool_recycles);
+	tcase_add_test(tc, test_malformed);
+	suite_add_tcase(s, tc);
+	tc = tcase_create("quota");
+	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
+	tcase_add_test(tc, test_quota);
+	tcase_add_test(tc, test_connection_limits);
+	suite_add_tcase(s, tc);
+	return run_suite(s);
+}

@@ -1,0 +1,242 @@
+# SPDX-License-Identifier: Apache-2.0
+"""dlpack_ipc.channel: send/recv across interpreters, iteration, timeouts, bundles, removal."""
+import errno
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+
+import numpy as np
+import pytest
+import torch
+
+import dlpack_ipc
+
+
+def _sender(name, n, q):
+    try:
+        ch = dlpack_ipc.channel(name)
+        for i in range(n):
+            ch.send(torch.full((4, 8), float(i)))
+        q.put(("ok", os.getpid()))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_send_recv_across_processes(ipc, daemon, method):
+    ctx = multiprocessing.get_context(method)
+    ch = dlpack_ipc.channel("py/ch", capacity=3)
+    assert ch.capacity == 3
+    q = ctx.Queue()
+    p = ctx.Process(target=_sender, args=("py/ch", 40, q))
+    p.start()
+    try:
+        for i in range(40):
+            t = ch.recv(timeout=30)
+            assert t.shape == (4, 8) and t.dtype == "float32"
+            x = torch.from_dlpack(t)
+            assert float(x[3, 7]) == float(i)
+            assert t.owner.pid == p.pid
+            del x, t
+        res = q.get(timeout=60)
+        assert res[0] == "ok", res[1]
+    finally:
+        p.join(timeout=60)
+    info = ch.stat()
+    assert info.sent == 40 and info.received == 40 and info.depth == 0
+    daemon.wait_stat(lambda s: s["storages"] == 0 and s["references"] == 0,
+                     what="every message freed")
+    ch.remove()
+
+
+def test_timeouts_backpressure_and_bundles(ipc, daemon):
+    ch = dlpack_ipc.channel("py/bp", capacity=1)
+    with pytest.raises(BlockingIOError) as e:
+        ch.recv(timeout=0)
+    assert "py/bp" in str(e.value)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        ch.recv(timeout=0.1)
+    assert time.monotonic() - t0 >= 0.09
+    ch.send(np.arange(5, dtype=np.int64))
+    with pytest.raises(BlockingIOError):
+        ch.send(np.arange(3), timeout=0)
+    with pytest.raises(TimeoutError):
+        ch.send(np.arange(3), timeout=0.05)
+    assert ch.stat().depth == 1
+    got = ch.recv()
+    np.testing.assert_array_equal(np.from_dlpack(got), np.arange(5))
+    with pytest.raises(ValueError):
+        np.from_dlpack(got)[0] = 1  # read-only flag: numpy refuses
+    ch.send_dict({"a": np.ones(3, np.float32), "b": torch.arange(4)})
+    d = ch.recv()
+    assert sorted(d) == ["a", "b"]
+    assert torch.equal(torch.from_dlpack(d["b"]), torch.arange(4))
+    ch.send(np.zeros(2))
+    d = ch.recv_dict()
+    assert list(d) == [""]
+    names = [c.name for c in dlpack_ipc.channels("py/")]
+    assert names == ["py/bp"]
+    s = dlpack_ipc.stat()
+    assert s["channels"] == 1 and s["req_send"] >= 3
+    with pytest.raises(FileExistsError):
+        dlpack_ipc.channel("py/bp", capacity=5)
+    with pytest.raises(ValueError):
+        dlpack_ipc.channel("py/big", capacity=dlpack_ipc.CHANNEL_CAPACITY_MAX + 1)
+
+
+def _receiver(name, q):
+    try:
+        got = [int(np.from_dlpack(t)[0]) for t in dlpack_ipc.channel(name)]
+        q.put(("ok", got))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+def test_iteration_ends_when_removed(ipc, daemon):
+    ctx = multiprocessing.get_context("fork")
+    ch = dlpack_ipc.channel("py/it")
+    q = ctx.Queue()
+    p = ctx.Process(target=_receiver, args=("py/it", q))
+    p.start()
+    for i in range(10):
+        ch.send(np.array([i]))
+    daemon.wait_stat(lambda s: s["messages"] == 0, what="every message received")
+    deadline = time.monotonic() + 10
+    while ch.stat().receivers_waiting != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ch.remove()
+    res = q.get(timeout=30)
+    p.join(timeout=30)
+    assert res == ("ok", list(range(10)))
+    with pytest.raises(FileNotFoundError):
+        ch.send(np.array([1]))
+    with pytest.raises(OSError) as e:
+        dlpack_ipc.Channel("py/it2")._client._recv("py/it3", timeout=0)
+    assert e.value.errno == errno.ENOENT
+
+
+def _holder(name, q):
+    ch = dlpack_ipc.channel(name)
+    held = [ch.recv(), ch.recv()]
+    q.put(len(held))
+    signal.pause()
+
+
+def test_killed_receiver_frees_its_messages(ipc, daemon):
+    ctx = multiprocessing.get_context("fork")
+    ch = dlpack_ipc.channel("py/kill")
+    ch.send(np.ones(1 << 16))
+    ch.send(np.ones(1 << 16))
+    q = ctx.Queue()
+    p = ctx.Process(target=_holder, args=("py/kill", q))
+    p.start()
+    assert q.get(timeout=30) == 2
+    assert daemon.stat()["storages"] == 2
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(timeout=30)
+    daemon.wait_stat(lambda s: s["storages"] == 0 and s["bytes_held"] == 0,
+                     what="the killed receiver's messages freed")
+
+
+def test_dataloader_example(ipc, daemon):
+    """examples/dataloader_channel.py at a small size: every batch equals torch DataLoader's."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, DLPACKD_SOCKET=daemon.socket)
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "dataloader_channel.py"),
+                        "--batches", "6", "--workers", "2", "--batch-size", "4",
+                        "--shape", "3,8,8", "--check"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "every batch equals torch DataLoader's" in r.stdout
+    assert dlpack_ipc.channels() == []
+
+
+def test_dlpackctl_channels(ipc, daemon):
+    import json
+    import subprocess
+    ctl = os.environ.get("DLPACKCTL_BIN")
+    if not ctl:
+        pytest.fail("DLPACKCTL_BIN is not set", pytrace=False)
+    ch = dlpack_ipc.channel("ctl/q", capacity=4)
+    ch.send(np.zeros(100, np.float64))
+
+    def run(*args):
+        return subprocess.run([ctl, "--socket", daemon.socket, *args], capture_output=True,
+                              text=True, timeout=60)
+    r = run("channels", "--json")
+    assert r.returncode == 0, r.stderr
+    (c,) = json.loads(r.stdout)
+    assert (c["name"], c["capacity"], c["depth"], c["bytes_queued"]) == ("ctl/q", 4, 1, 800)
+    assert c["owner_pid"] == os.getpid()
+    r = run("channels", "ctl/")
+    assert r.returncode == 0 and "ctl/q" in r.stdout and "1/4" in r.stdout
+    assert "channels" in run("stat").stdout
+    r = run("rmchan", "ctl/q")
+    assert r.returncode == 0, r.stderr
+    daemon.wait_stat(lambda s: s["storages"] == 0 and s["channels"] == 0,
+                     what="the removed channel's message freed")
+    r = run("rmchan", "ctl/q")
+    assert r.returncode == 1 and "ctl/q" in r.stderr
+
+
+def test_pooled_empty_recycles(ipc, daemon):
+    """Channel.empty(): after a receive and release the same pages come back, writable."""
+    ch = dlpack_ipc.channel("py/pool", capacity=2)
+    rx = dlpack_ipc.Channel("py/pool", client=dlpack_ipc.Client(daemon.socket))
+    first = None
+    for i in range(4):
+        buf = ch.empty((256,), "float32")
+        x = torch.from_dlpack(buf)
+        x.fill_(float(i))
+        ptr = x.data_ptr()
+        first = ptr if first is None else first
+        assert ptr == first, "the buffer was not recycled"
+        ch.send(buf)
+        del buf, x
+        got = rx.recv(timeout=10)
+        assert float(torch.from_dlpack(got)[255]) == float(i)
+        del got
+        rx._client.stat()  # the release rides with this request
+        daemon.wait_stat(lambda s: s["storages"] == 0, what="the pooled message freed")
+    rx.remove()
+
+
+def test_ctrl_c_ends_a_waiting_recv_and_send(ipc, daemon):
+    """SIGINT raises KeyboardInterrupt in a recv() waiting on an empty channel and in a send()
+    waiting for room; nothing is left queued or waiting."""
+    from conftest import popen_py
+    dlpack_ipc.channel("py/int", capacity=1).send(np.zeros(1))
+    for op in ("dlpack_ipc.channel('py/int2').recv()",
+               "dlpack_ipc.channel('py/int').send(np.zeros(1))"):
+        p = popen_py(f"""
+            import sys, numpy as np, dlpack_ipc
+            print("ready", flush=True)
+            try:
+                {op}
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+                sys.exit(0)
+            sys.exit(3)
+        """)
+        assert p.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        name = "py/int2" if "recv" in op else "py/int"
+        while time.monotonic() < deadline:
+            try:
+                info = dlpack_ipc.Channel(name).stat()
+            except FileNotFoundError:
+                info = None
+            if info and (info.receivers_waiting or info.senders_waiting):
+                break
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=10)
+        assert p.returncode == 0 and "interrupted" in out, out + err
+    daemon.wait_stat(lambda s: s["messages"] == 1, what="only the first message queued")
+    info = dlpack_ipc.Channel("py/int").stat()
+    assert info.senders_waiting == 0 and info.receivers_waiting == 0
