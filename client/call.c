@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -170,6 +171,8 @@ static int deliver(dlpc_client *c, struct dlpc__frame *f, uint64_t *drop)
 
 	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_RECLAIM)
 		return take_reclaim(c, f);
+	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_INVALIDATE)
+		return dlpc__cache_invalidate(c, f) < 0 ? -EPROTO : 1;
 	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_ERROR) {
 		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, f->hdr.len, f->payload);
 
@@ -318,6 +321,7 @@ static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch
 
 		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
 			bool watch = f.hdr.type == (DLPC_MSG_WATCH | DLPC_MSG_REPLY);
+			bool inval = f.hdr.type == DLPC_MSG_INVALIDATE;
 			uint64_t drop = 0;
 
 			pthread_mutex_lock(&c->mu);
@@ -326,6 +330,8 @@ static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch
 			dlpc__frame_clear(&f);
 			if (drop)
 				dlpc__release_epoch(c, drop, epoch);
+			if (inval)
+				dlpc__cache_reap(c);
 			if (r < 0)
 				return r;
 			if (r == 0)
@@ -360,6 +366,71 @@ static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch
 		if (n < 0 && n != -EAGAIN)
 			return (int)n;
 	}
+}
+
+/*
+ * Deliver every frame the socket holds now, without waiting: 0, or a negative errno when the
+ * connection is lost. As the reader of connection @p epoch, without c->mu.
+ */
+static int read_ready(dlpc_client *c, uint64_t epoch)
+{
+	char why[160];
+
+	for (;;) {
+		struct dlpc__frame f;
+		ssize_t n;
+		int r;
+
+		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
+			bool inval = f.hdr.type == DLPC_MSG_INVALIDATE;
+			uint64_t drop = 0;
+
+			pthread_mutex_lock(&c->mu);
+			r = deliver(c, &f, &drop);
+			pthread_mutex_unlock(&c->mu);
+			dlpc__frame_clear(&f);
+			if (drop)
+				dlpc__release_epoch(c, drop, epoch);
+			if (inval)
+				dlpc__cache_reap(c);
+			if (r < 0)
+				return r;
+		}
+		if (r < 0)
+			return r;
+		n = dlpc__rx_read_flags(&c->rx, c->sock, MSG_DONTWAIT, why, sizeof(why));
+		if (n == -EAGAIN)
+			return 0;
+		if (n == 0)
+			return -ECONNRESET;
+		if (n < 0)
+			return (int)n;
+	}
+}
+
+int dlpc__drain(dlpc_client *c)
+{
+	uint64_t epoch;
+	int r;
+
+	pthread_mutex_lock(&c->mu);
+	/* a reader (another call's thread, the reclaimer) may hold frames it has not delivered
+	 * yet, or be about to read them: nothing here can vouch for what it has not seen */
+	if (c->reading || c->broken || c->closed || c->reclaimer) {
+		pthread_mutex_unlock(&c->mu);
+		return 0;
+	}
+	c->reading = true;
+	epoch = c->epoch;
+	pthread_mutex_unlock(&c->mu);
+	r = read_ready(c, epoch);
+	pthread_mutex_lock(&c->mu);
+	c->reading = false;
+	if (r < 0 && !c->broken)
+		c->broken = r;
+	pthread_cond_broadcast(&c->cv);
+	pthread_mutex_unlock(&c->mu);
+	return r == 0;
 }
 
 int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)

@@ -54,15 +54,22 @@ static pthread_mutex_t flush_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t flush_cv = PTHREAD_COND_INITIALIZER;
 static bool flusher_running; /* in this process: a forked child starts its own */
 static bool flush_wanted;
+/* when the caches' idle entries are next due to be evicted (monotonic ms; 0: none is idle) */
+static int64_t sweep_due;
 
 static void atfork_prepare(void)
 {
 	pthread_mutex_lock(&open_mu);
 	pthread_mutex_lock(&flush_mu);
+	/* the caches' locks are leaves: taken after these, by no thread holding one of them */
+	for (dlpc_client *c = open_clients; c; c = c->next_open)
+		dlpc__cache_lock(c, true);
 }
 
 static void atfork_parent(void)
 {
+	for (dlpc_client *c = open_clients; c; c = c->next_open)
+		dlpc__cache_lock(c, false);
 	pthread_mutex_unlock(&flush_mu);
 	pthread_mutex_unlock(&open_mu);
 }
@@ -77,6 +84,7 @@ static void atfork_child(void)
 		c->sock = -1;
 		dlpc__close(c->wake_fd);
 		c->wake_fd = -1;
+		dlpc__cache_forked(c);
 	}
 	/*
 	 * The parent's deferred releases are the parent's business, and no flusher runs here. The
@@ -85,6 +93,7 @@ static void atfork_child(void)
 	 */
 	flusher_running = false;
 	flush_wanted = false;
+	sweep_due = 0;
 	pthread_cond_init(&flush_cv, NULL);
 	pthread_mutex_init(&flush_mu, NULL);
 	pthread_mutex_unlock(&open_mu);
@@ -139,6 +148,7 @@ static void client_free(dlpc_client *c)
 	dlpc__scratch_clear(&c->out);
 	free(c->reclaimed);
 	free(c->abandoned);
+	dlpc__cache_clear(c);
 	dlpc__close(c->wake_fd);
 	pthread_mutex_destroy(&c->mu);
 	pthread_mutex_destroy(&c->wmu);
@@ -166,6 +176,8 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 	/* the connection may live on for attached mappings: tell the daemon what is released */
 	if (dlpc__ours(c)) {
 		dlpc__cancel_calls(c);
+		/* idle references go back now; those in use when their last tensor is released */
+		dlpc__cache_off(c);
 		pthread_mutex_lock(&c->wmu);
 		dlpc__flush_locked(c);
 		pthread_mutex_unlock(&c->wmu);
@@ -177,9 +189,24 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 ssize_t dlpc__pending_frame(dlpc_client *c)
 {
 	Dlpackd__V1__Release msg = DLPACKD__V1__RELEASE__INIT;
+	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	uint64_t rel[DLPC_RELEASE_PENDING_MAX], cached[DLPC_RELEASE_PENDING_MAX],
+		used[DLPC_RELEASE_PENDING_MAX];
 
-	msg.n_ref_ids = atomic_load_explicit(&c->npending, memory_order_relaxed);
-	msg.ref_ids = c->pending;
+	/* releases and the cache's marks (1.7) share the queue, told apart by tag bits */
+	msg.ref_ids = rel;
+	msg.cached_ids = cached;
+	msg.used_ids = used;
+	for (unsigned i = 0; i < n; i++) {
+		uint64_t v = c->pending[i];
+
+		if (v & DLPC__MARK_CACHED)
+			cached[msg.n_cached_ids++] = v & ~DLPC__MARK_CACHED;
+		else if (v & DLPC__MARK_USED)
+			used[msg.n_used_ids++] = v & ~DLPC__MARK_USED;
+		else
+			rel[msg.n_ref_ids++] = v;
+	}
 	return dlpc__msg_frame(&c->out, DLPC_MSG_RELEASE, 0, &msg.base, 0);
 }
 
@@ -248,6 +275,78 @@ static dlpc_client *next_pending(void)
  * DLPC_RELEASE_DELAY_MS and then sends whatever no request has carried in the meantime. A busy
  * connection's requests carry its releases long before that, so it wakes at most once per delay.
  */
+/* Evict the idle cache entries due by now in every open client; when the next are due (0:
+ * none is idle). */
+static int64_t sweep_caches(void)
+{
+	dlpc_client **v = NULL;
+	size_t n = 0, cap = 0;
+	int64_t next = 0;
+
+	pthread_mutex_lock(&open_mu);
+	for (dlpc_client *c = open_clients; c; c = c->next_open) {
+		if (!dlpc__ours(c))
+			continue;
+		if (n == cap) {
+			size_t ncap = cap ? cap * 2 : 8;
+			dlpc_client **nv = realloc(v, ncap * sizeof(*nv));
+
+			if (!nv)
+				break;
+			v = nv;
+			cap = ncap;
+		}
+		if (client_tryref(c))
+			v[n++] = c;
+	}
+	pthread_mutex_unlock(&open_mu);
+	for (size_t i = 0; i < n; i++) {
+		int64_t t = dlpc__cache_sweep(v[i]);
+
+		if (t && (!next || t < next))
+			next = t;
+		dlpc__client_unref(v[i]);
+	}
+	free(v);
+	/* out of memory for the list: look again soon */
+	if (n < cap || !v)
+		next = next ? next : dlpc__mono_ms() + 10;
+	return next;
+}
+
+/* Wait on flush_cv (under flush_mu) until a flush is wanted or the sweep is due. */
+static void flusher_wait(void)
+{
+	while (!flush_wanted) {
+		int64_t now = dlpc__mono_ms(), ms;
+		struct timespec ts;
+
+		if (!sweep_due) {
+			pthread_cond_wait(&flush_cv, &flush_mu);
+			continue;
+		}
+		if (now >= sweep_due)
+			return;
+		/* flush_cv runs on CLOCK_REALTIME: a jump of that clock only makes one look early
+		 * or late, and the next look is computed afresh */
+		ms = sweep_due - now;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		ts.tv_sec += (time_t)(ms / 1000);
+		ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+		if (ts.tv_nsec >= 1000000000L) {
+			ts.tv_sec++;
+			ts.tv_nsec -= 1000000000L;
+		}
+		pthread_cond_timedwait(&flush_cv, &flush_mu, &ts);
+	}
+}
+
+/*
+ * The library's thread. Deferred releases: woken by the first after a quiet spell, it sleeps
+ * DLPC_RELEASE_DELAY_MS and then sends whatever no request has carried in the meantime (a busy
+ * connection's requests carry its releases long before that, so it wakes at most once per
+ * delay). The caches: it evicts idle entries when their time is up (cache.c).
+ */
 static void *flusher(void *arg)
 {
 	const struct timespec delay = {.tv_nsec = DLPC_RELEASE_DELAY_MS * 1000000L};
@@ -256,11 +355,19 @@ static void *flusher(void *arg)
 	(void)arg;
 	pthread_mutex_lock(&flush_mu);
 	for (;;) {
-		while (!flush_wanted)
-			pthread_cond_wait(&flush_cv, &flush_mu);
+		bool flush, sweep;
+		int64_t next;
+
+		flusher_wait();
+		flush = flush_wanted;
 		flush_wanted = false;
+		sweep = sweep_due && dlpc__mono_ms() >= sweep_due;
+		if (sweep)
+			sweep_due = 0;
 		pthread_mutex_unlock(&flush_mu);
-		nanosleep(&delay, NULL);
+		if (flush)
+			nanosleep(&delay, NULL);
+		next = sweep ? sweep_caches() : 0;
 		while ((c = next_pending())) {
 			pthread_mutex_lock(&c->wmu);
 			dlpc__flush_locked(c);
@@ -268,6 +375,8 @@ static void *flusher(void *arg)
 			dlpc__client_unref(c);
 		}
 		pthread_mutex_lock(&flush_mu);
+		if (next && (!sweep_due || next < sweep_due))
+			sweep_due = next;
 	}
 	return NULL;
 }
@@ -308,28 +417,32 @@ static bool flush_soon(void)
 	return ok;
 }
 
-void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
+void dlpc__sweep_at(int64_t when)
 {
-	unsigned n;
-
-	/* in a forked child the reference is the parent's; the daemon drops it when the parent
-	 * releases it or goes away */
-	if (!dlpc__ours(c))
-		return;
-	pthread_mutex_lock(&c->wmu);
-	/* a reference of a connection replaced since died with it; its id may name another now */
-	if (epoch != c->epoch) {
-		pthread_mutex_unlock(&c->wmu);
-		return;
+	pthread_mutex_lock(&flush_mu);
+	if (!flusher_running)
+		flusher_running = dlpc__start_thread(flusher, NULL);
+	/* without the thread idle entries go when the bounds or a later release push them out */
+	if (flusher_running && (!sweep_due || when < sweep_due)) {
+		sweep_due = when;
+		pthread_cond_signal(&flush_cv);
 	}
-	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	pthread_mutex_unlock(&flush_mu);
+}
+
+/* Queue @p v (a reference id, maybe tagged) on c->pending and tell the flusher. Under wmu, which
+ * this releases. */
+static void pending_add(dlpc_client *c, uint64_t v)
+{
+	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+
 	/* full only if the last flush had no memory for its frame: try again; failing that, this
 	 * reference stays with the daemon until the connection closes */
 	if (n == DLPC_RELEASE_PENDING_MAX)
 		dlpc__flush_locked(c);
 	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
 	if (n < DLPC_RELEASE_PENDING_MAX) {
-		c->pending[n++] = ref_id;
+		c->pending[n++] = v;
 		atomic_store_explicit(&c->npending, n, memory_order_relaxed);
 	}
 	if (n == DLPC_RELEASE_PENDING_MAX)
@@ -340,6 +453,49 @@ void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
 		dlpc__flush_locked(c);
 		pthread_mutex_unlock(&c->wmu);
 	}
+}
+
+void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cached)
+{
+	uint64_t v = ref_id | (cached ? DLPC__MARK_CACHED : DLPC__MARK_USED);
+	uint64_t undo = ref_id | (cached ? DLPC__MARK_USED : DLPC__MARK_CACHED);
+	unsigned n;
+
+	if (!dlpc__ours(c))
+		return;
+	pthread_mutex_lock(&c->wmu);
+	if (epoch != c->epoch) {
+		pthread_mutex_unlock(&c->wmu);
+		return;
+	}
+	/* a mark not sent yet that this one undoes goes instead: a re-attach loop queues nothing
+	 * more than its last release's mark */
+	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	for (unsigned i = 0; i < n; i++)
+		if (c->pending[i] == undo || c->pending[i] == v) {
+			if (c->pending[i] == undo) {
+				c->pending[i] = c->pending[n - 1];
+				atomic_store_explicit(&c->npending, n - 1, memory_order_relaxed);
+			}
+			pthread_mutex_unlock(&c->wmu);
+			return;
+		}
+	pending_add(c, v);
+}
+
+void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
+{
+	/* in a forked child the reference is the parent's; the daemon drops it when the parent
+	 * releases it or goes away */
+	if (!dlpc__ours(c))
+		return;
+	pthread_mutex_lock(&c->wmu);
+	/* a reference of a connection replaced since died with it; its id may name another now */
+	if (epoch != c->epoch) {
+		pthread_mutex_unlock(&c->wmu);
+		return;
+	}
+	pending_add(c, ref_id);
 }
 
 void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch)
@@ -498,6 +654,7 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, i
 	pthread_cond_init(&c->cv, &ca);
 	pthread_condattr_destroy(&ca);
 	dlpc__rx_init(&c->rx);
+	pthread_mutex_init(&c->cache.mu, NULL);
 	/* a reply's fd that this process has no room for fails that call, not the connection */
 	c->rx.report_lost_fds = true;
 	if (!parent)
@@ -585,9 +742,9 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 	if (!ret)
 		return dlpc__fail(-EINVAL, "dlpc_connect: ret is NULL");
 	*ret = NULL;
-	if (flags & ~DLPC_CONNECT_RECONNECT)
+	if (flags & ~(DLPC_CONNECT_RECONNECT | DLPC_CONNECT_NO_CACHE))
 		return dlpc__fail(-EINVAL, "dlpc_connect_flags: unknown flags 0x%x",
-				  flags & ~DLPC_CONNECT_RECONNECT);
+				  flags & ~(DLPC_CONNECT_RECONNECT | DLPC_CONNECT_NO_CACHE));
 	if (socket_path) {
 		if (strlen(socket_path) >= sizeof(path))
 			return dlpc__fail(-ENAMETOOLONG, "socket path %s is too long", socket_path);
@@ -604,8 +761,15 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 	if (r < 0)
 		return r;
 	r = connect_new(path, timeout, NULL, 0, 0, ret);
-	if (r == 0)
-		(*ret)->reconnect = flags & DLPC_CONNECT_RECONNECT;
+	if (r < 0)
+		return r;
+	(*ret)->reconnect = flags & DLPC_CONNECT_RECONNECT;
+	(*ret)->no_cache = flags & DLPC_CONNECT_NO_CACHE;
+	r = dlpc__cache_init(*ret, (*ret)->no_cache);
+	if (r < 0) {
+		dlpc_close(*ret);
+		*ret = NULL;
+	}
 	return r;
 }
 
@@ -663,8 +827,15 @@ int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
 	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
 	c->epoch++;
 	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */
+	/* the cached references died with the old connection; the new one may not speak 1.7 */
+	dlpc__cache_drop(c);
+	pthread_mutex_lock(&c->cache.mu);
+	c->cache.on = !c->no_cache && !c->closed && c->minor >= 7 && c->cache.max_entries &&
+		      c->cache.max_bytes && c->cache.idle_ms;
+	pthread_mutex_unlock(&c->cache.mu);
 	pthread_mutex_unlock(&c->mu);
 	pthread_mutex_unlock(&c->wmu);
+	dlpc__cache_reap(c);
 	client_free(n);
 	return 0;
 }

@@ -16,6 +16,28 @@
 #include "msg.h"
 
 struct dlpc__call;
+struct dlpc__centry;
+
+/* Buckets of a client's cache table (cache.c), by name. */
+#define DLPC__CACHE_BUCKETS 64
+
+/*
+ * A client's cache of references by name (cache.c): every cacheable attach of a host entry,
+ * in use or idle since its last release, until its name moves on (INVALIDATE), the bounds or
+ * the idle time evict it, or the connection goes. Its lock is a leaf: nothing else is locked
+ * under it, and it is taken under c->mu (INVALIDATE) and under wmu and mu (reconnect).
+ */
+struct dlpc__cache {
+	pthread_mutex_t mu;
+	bool on; /* protocol 1.7, no DLPC_CONNECT_NO_CACHE, no bound set to 0: set at connect */
+	uint64_t max_entries, max_bytes;
+	int64_t idle_ms;
+	struct dlpc__centry *table[DLPC__CACHE_BUCKETS];
+	struct dlpc__centry *idle_head, *idle_tail; /* idle entries, most recently used first */
+	uint64_t nidle, idle_bytes;
+	uint64_t inval_seq; /* INVALIDATE frames received: an attach that saw one may not cache */
+	struct dlpc__centry *dead; /* unlinked with nobody using them, to be freed unlocked */
+};
 
 /*
  * One connection. Requests may come from many threads: each sends its frame under wmu, then
@@ -71,12 +93,14 @@ struct dlpc_client {
 	/* DLPC_CONNECT_RECONNECT: a call that finds the connection lost connects anew first
 	 * (dlpc__reconnect()). The fields below change under wmu and mu both. */
 	bool reconnect;
+	bool no_cache;	   /* DLPC_CONNECT_NO_CACHE */
 	bool reconnecting; /* a thread is connecting anew: others fail as the lost connection did */
 	/* the connection being made anew, until it replaces the lost one or fails: dlpc_close()
 	 * and dlpc_cancel() cancel its HELLO too (under mu) */
 	struct dlpc_client *connecting;
 	uint64_t epoch; /* connections before this one; a reference names the one it came by */
 	char path[108]; /* the socket, to connect to again */
+	struct dlpc__cache cache;
 };
 
 /*
@@ -103,7 +127,11 @@ struct dlpc__region {
 	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
 	uint64_t ref_id;
-	uint64_t epoch;	    /* the connection (client->epoch) ref_id belongs to */
+	uint64_t epoch; /* the connection (client->epoch) ref_id belongs to */
+	/* attached memory held through the client's cache: the entry holds the reference (the
+	 * region only one use of it), and takes back the mapping if it is @p shared read-only */
+	struct dlpc__centry *ce;
+	bool shared;
 	atomic_bool frozen; /* allocated memory sealed read-only (F_SEAL_WRITE), mapped read-only */
 	/* attached memory (protocol 1.3 and later): who published the entry, and what */
 	bool has_owner;
@@ -265,6 +293,63 @@ void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch);
 /* Make sure the reclaimer thread of @p c runs: it reads the connection whenever no request
  * does, so that RECLAIM notices are acted on while the process makes no calls. */
 void dlpc__reclaim_start(dlpc_client *c);
+
+/* ---- cache.c: references kept after their last release ---- */
+/* Tags of the ids in c->pending besides releases: a RELEASE mark (protocol 1.7). */
+#define DLPC__MARK_CACHED (1ull << 63)
+#define DLPC__MARK_USED (1ull << 62)
+
+/* Read the bounds ($DLPC_CACHE_*) and turn @p c's cache on unless @p off. 0, or -EINVAL for a
+ * value that is not a whole number. */
+int dlpc__cache_init(dlpc_client *c, bool off);
+/* Free what the cache holds (at client_free(): nothing uses it any more). */
+void dlpc__cache_clear(dlpc_client *c);
+/* Number of INVALIDATE frames @p c has received: an attach notes it before its request and
+ * caches the reference it gets only if it has not changed meanwhile. */
+uint64_t dlpc__cache_seq(dlpc_client *c);
+/* An entry answering an attach of @p name (with @p owner_uid, if @p owned; one tensor, if
+ * @p single) from the cache, in use once more; NULL: ask the daemon. For a shared read-only
+ * mapping (!@p cow) *@p map receives the idle mapping, if it kept one. */
+struct dlpc__centry *dlpc__cache_get(dlpc_client *c, const char *name, bool owned,
+				     uint32_t owner_uid, bool single, bool cow, void **map);
+/* What a region made from entry @p e needs of it. */
+void dlpc__cache_fill(const struct dlpc__centry *e, struct dlpc__region *m, int *fd,
+		      const uint8_t **table, size_t *table_len);
+/*
+ * Cache the reference of a reply just received (@p seq: dlpc__cache_seq() before its request),
+ * taking over @p fd; the entry is in use once. NULL (nothing taken) when it cannot be: the name
+ * is cached already, an invalidation came meanwhile, another connection, no memory.
+ */
+struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t epoch,
+					const char *name, const struct dlpc__region *m, int fd,
+					const uint8_t *table, size_t table_len);
+/* One use of @p e ends; its mapping @p base (NULL: none) goes back to it if @p shared and it
+ * has none (else it is unmapped). The last use makes it idle, or frees it if invalidated. */
+void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, bool shared);
+/* INVALIDATE frame @p f: forget the entry it names (under c->mu). 0 or -EPROTO. */
+int dlpc__cache_invalidate(dlpc_client *c, const struct dlpc__frame *f);
+/* Free the entries invalidated or dropped meanwhile (with no lock of @p c held). */
+void dlpc__cache_reap(dlpc_client *c);
+/* Forget every entry (connection replaced, dlpc_close()); free them with dlpc__cache_reap(). */
+void dlpc__cache_drop(dlpc_client *c);
+/* Turn the cache off for good and free what it holds (dlpc_close()). No lock held. */
+void dlpc__cache_off(dlpc_client *c);
+/* Evict what has been idle too long; the monotonic ms when the next entry expires, or 0. */
+int64_t dlpc__cache_sweep(dlpc_client *c);
+/* In a forked child: close the parent's cached fds and mappings, start the lock afresh. */
+void dlpc__cache_forked(dlpc_client *c);
+/* For fork: hold @p c's cache lock (prepare) or let go of it (parent). */
+void dlpc__cache_lock(dlpc_client *c, bool lock);
+/* Queue a RELEASE mark of reference @p ref_id of connection @p epoch: idle in the cache
+ * (@p cached) or in use again (client.c). */
+void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cached);
+/* Have the library's thread sweep the caches at monotonic ms @p when (client.c). */
+void dlpc__sweep_at(int64_t when);
+/* Read what @p c's socket holds without waiting, delivering it, if no other thread reads it:
+ * 1; 0 when another does (or the connection is lost or closed). */
+int dlpc__drain(dlpc_client *c);
+/* Monotonic milliseconds. */
+int64_t dlpc__mono_ms(void);
 
 /* ---- cuda.c: the CUDA driver, loaded at run time ---- */
 struct dlpc__gpu_map;

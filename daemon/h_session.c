@@ -62,6 +62,7 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	rep.version_major = DLPC_PROTO_MAJOR;
 	rep.version_minor =
 		req->version_minor > DLPC_PROTO_MINOR ? DLPC_PROTO_MINOR : req->version_minor;
+	p->minor = rep.version_minor;
 	rep.server = "dlpackd " DLPD_VERSION;
 	rep.max_frame = DLPC_FRAME_MAX;
 	dlpd_log(LOG_DEBUG, "%s: connected with %s", dlpd_peer_desc(p, desc, sizeof(desc)), client);
@@ -98,6 +99,8 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	rep.storages = s->reg.storages;
 	rep.bytes_held = s->reg.bytes;
 	rep.references = s->reg.refs;
+	rep.cached_references = s->reg.cached_refs;
+	rep.invalidations = s->stats.invalidations;
 	rep.waiters = s->reg.waiters;
 	/* pending first: only this thread adds to it, so fds_open is counted after */
 	rep.fds_closing = dlpd_reaper_pending() + s->peers_closing;

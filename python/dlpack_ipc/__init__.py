@@ -307,5 +307,7 @@ def stat():
     req_attach, req_release, req_unpublish, req_list, req_stat, req_watch (requests served);
     and for the caller's uid: uid_bytes_held (bytes of storages it published that a name
     still reaches), uid_bytes_pinned (bytes of unnamed storages its references keep alive;
-    both count against its quota), uid_entries, uid_connections."""
+    both count against its quota), uid_entries, uid_connections; cached_references (of
+    references, those idle in a client's cache of re-attaches, see dlpc(3)) and invalidations
+    (cache invalidations sent since start)."""
     return _client().stat()

@@ -87,7 +87,7 @@ PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 		return ipc_raise(r);
 	return Py_BuildValue(
 		"{s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-		"s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+		"s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
 		"daemon_pid", s.daemon_pid, "uptime_ms", s.uptime_ms, "connections", s.connections,
 		"entries", s.entries, "storages", s.storages, "bytes_held", s.bytes_held,
 		"references", s.references, "waiters", s.waiters, "fds_open", s.fds_open,
@@ -97,5 +97,6 @@ PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 		s.protocol_errors, "fds_closing", s.fds_closing, "req_watch", s.req_watch,
 		"watchers", s.watchers, "events", s.events, "tx_queued", s.tx_queued, "queue_drops",
 		s.queue_drops, "uid_bytes_held", s.uid_bytes_held, "uid_entries", s.uid_entries,
-		"uid_connections", s.uid_connections, "uid_bytes_pinned", s.uid_bytes_pinned);
+		"uid_connections", s.uid_connections, "uid_bytes_pinned", s.uid_bytes_pinned,
+		"cached_references", s.cached_references, "invalidations", s.invalidations);
 }
