@@ -15,7 +15,8 @@ Groups:
   attach_py  dlpack_ipc             attach + np.from_dlpack + read one element + release
                                     (a client without libdlpc's cache: one round trip each)
              dlpack_ipc_cached      the same on a client whose cache holds the entry (re-attach:
-                                    no round trip; the default mode maps copy-on-write afresh)
+                                    no round trip; the default mode's copy-on-write mapping is
+                                    handed out again, emptied of written pages)
              shared_memory          stdlib SharedMemory(name) + np.ndarray + read + close
   handoff    torch_multiprocessing  torch.multiprocessing Queue put of a shared tensor, a child
                                     process gets it, reads one element, acks on a second Queue

@@ -232,19 +232,22 @@ static uint64_t tensor_flags(uint32_t flags)
 		       : DLPACK_FLAG_BITMASK_READ_ONLY;
 }
 
-/* Map host storage @p fd of @p len bytes as @p flags ask; *@p shared: a shared read-only
- * mapping (which the cache may keep). MAP_FAILED with errno set on failure. */
-static void *map_host(int fd, size_t len, uint32_t flags, bool *shared)
+/* Map host storage @p fd of @p len bytes as @p flags ask; *@p kind: what the cache may keep
+ * it as (DLPC__MAP_*). MAP_FAILED with errno set on failure. */
+static void *map_host(int fd, size_t len, uint32_t flags, uint8_t *kind)
 {
 	bool writable = flags & DLPC_ATTACH_WRITABLE;
 	void *p;
 
-	*shared = false;
+	*kind = DLPC__MAP_OTHER;
 	/* copy-on-write: reads share the publisher's pages, a write copies one page */
-	if (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED))
+	if (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)) {
+		*kind = DLPC__MAP_COW;
 		return mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+	}
 	p = mmap(NULL, len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
-	*shared = p != MAP_FAILED && !writable;
+	if (p != MAP_FAILED && !writable)
+		*kind = DLPC__MAP_SHARED_RO;
 	/* Before Linux 6.7 a shared mapping of a read-write descriptor of an F_SEAL_WRITE memfd
 	 * is refused even read-only; a private read-only one reads the same pages, which nobody
 	 * can change. */
@@ -297,7 +300,7 @@ static int build_bundle(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq
 		if (r < 0)
 			goto fail;
 	} else {
-		m->base = map_host(fd, m->len, flags, &m->shared);
+		m->base = map_host(fd, m->len, flags, &m->map_kind);
 		if (m->base == MAP_FAILED) {
 			r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes%s: %m",
 				       name, m->len,
@@ -365,19 +368,19 @@ static int attach_cached(dlpc_client *c, const char *name, uint32_t flags, uint3
 		return 0;
 	m = calloc(1, sizeof(*m));
 	if (!m) {
-		dlpc__cache_put(c, e, map, true);
+		dlpc__cache_put(c, e, map, cow ? DLPC__MAP_COW : DLPC__MAP_SHARED_RO);
 		return dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
 	}
 	dlpc__cache_fill(e, m, &fd, &table, &table_len);
 	if (map) {
 		m->base = map;
-		m->shared = true;
+		m->map_kind = cow ? DLPC__MAP_COW : DLPC__MAP_SHARED_RO;
 	} else {
-		m->base = map_host(fd, m->len, flags, &m->shared);
+		m->base = map_host(fd, m->len, flags, &m->map_kind);
 		if (m->base == MAP_FAILED) {
 			r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name,
 				       m->len);
-			dlpc__cache_put(c, e, NULL, false);
+			dlpc__cache_put(c, e, NULL, DLPC__MAP_OTHER);
 			free(m);
 			return r;
 		}

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The cache of references (protocol 1.7). A host entry attached read-only is remembered by name
- * with its daemon reference, its storage fd, its tensor table and, while nobody uses it, its
- * shared read-only mapping. When its last tensor is released the entry stays, idle, for up to
+ * with its daemon reference, its storage fd, its tensor table and, while nobody uses them, a
+ * shared read-only mapping and a copy-on-write one (emptied of written pages). When its last tensor is released the entry stays, idle, for up to
  * idle_ms; an attach of the same name meanwhile is answered from it without a round trip.
  *
  * Why that is never stale: an attach that asks the daemon takes its reference with
@@ -40,7 +40,8 @@ struct dlpc__centry {
 	uint64_t generation, ref_id, epoch;
 	int fd;
 	size_t len;
-	void *map; /* a shared read-only mapping nobody uses, or NULL */
+	void *map;     /* a shared read-only mapping nobody uses, or NULL */
+	void *cow_map; /* a copy-on-write one, no private page left in it, or NULL */
 	bool has_owner;
 	uint32_t owner_uid, entry_flags;
 	int32_t owner_pid;
@@ -110,6 +111,8 @@ static void entry_free(dlpc_client *c, struct dlpc__centry *e)
 {
 	if (e->map)
 		munmap(e->map, e->len);
+	if (e->cow_map)
+		munmap(e->cow_map, e->len);
 	if (e->fd >= 0)
 		close(e->fd);
 	dlpc__release_epoch(c, e->ref_id, e->epoch);
@@ -193,7 +196,10 @@ struct dlpc__centry *dlpc__cache_get(dlpc_client *c, const char *name, bool owne
 		if (e->idle)
 			idle_unlink(k, e);
 		e->users++;
-		if (!cow) {
+		if (cow) {
+			*map = e->cow_map;
+			e->cow_map = NULL;
+		} else {
 			*map = e->map;
 			e->map = NULL;
 		}
@@ -275,7 +281,7 @@ struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t e
 	return e;
 }
 
-void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, bool shared)
+void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, int kind)
 {
 	size_t len = e->len;
 	struct dlpc__cache *k = &c->cache;
@@ -290,11 +296,20 @@ void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, bool sh
 			munmap(base, len);
 		return;
 	}
-	if (shared)
-		now = dlpc__mono_ms();
+	/*
+	 * A copy-on-write mapping may hold pages its user wrote: MADV_DONTNEED drops them (for a
+	 * private file mapping the next access reads the file again), so the next attacher sees
+	 * the storage's bytes, as from a fresh mapping, and no fault of a page not touched again.
+	 */
+	if (base && kind == DLPC__MAP_COW && (!e->linked || madvise(base, len, MADV_DONTNEED) < 0))
+		kind = DLPC__MAP_OTHER;
+	now = dlpc__mono_ms();
 	pthread_mutex_lock(&k->mu);
-	if (base && shared && e->linked && !e->map) {
+	if (base && kind == DLPC__MAP_SHARED_RO && e->linked && !e->map) {
 		e->map = base;
+		base = NULL;
+	} else if (base && kind == DLPC__MAP_COW && e->linked && !e->cow_map) {
+		e->cow_map = base;
 		base = NULL;
 	}
 	if (--e->users == 0) {
@@ -303,7 +318,7 @@ void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, bool sh
 		} else {
 			idle = true;
 			e->idle = true;
-			e->idle_since = now ? now : dlpc__mono_ms();
+			e->idle_since = now;
 			e->prev_idle = NULL;
 			e->next_idle = k->idle_head;
 			if (k->idle_head)
@@ -437,7 +452,9 @@ void dlpc__cache_forked(dlpc_client *c)
 		for (struct dlpc__centry *e = k->table[i]; e; e = e->next) {
 			if (e->map)
 				munmap(e->map, e->len);
-			e->map = NULL;
+			if (e->cow_map)
+				munmap(e->cow_map, e->len);
+			e->map = e->cow_map = NULL;
 			dlpc__close(e->fd);
 			e->fd = -1;
 		}

@@ -129,9 +129,9 @@ struct dlpc__region {
 	uint64_t ref_id;
 	uint64_t epoch; /* the connection (client->epoch) ref_id belongs to */
 	/* attached memory held through the client's cache: the entry holds the reference (the
-	 * region only one use of it), and takes back the mapping if it is @p shared read-only */
+	 * region only one use of it), and may take back the mapping (map_kind) */
 	struct dlpc__centry *ce;
-	bool shared;
+	uint8_t map_kind;   /* DLPC__MAP_* */
 	atomic_bool frozen; /* allocated memory sealed read-only (F_SEAL_WRITE), mapped read-only */
 	/* attached memory (protocol 1.3 and later): who published the entry, and what */
 	bool has_owner;
@@ -295,6 +295,10 @@ void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch);
 void dlpc__reclaim_start(dlpc_client *c);
 
 /* ---- cache.c: references kept after their last release ---- */
+/* What an attached host mapping is, for the cache to keep it for the next attach. */
+#define DLPC__MAP_OTHER 0     /* not to be handed out again: unmapped */
+#define DLPC__MAP_SHARED_RO 1 /* MAP_SHARED, PROT_READ */
+#define DLPC__MAP_COW 2	      /* MAP_PRIVATE, PROT_READ|PROT_WRITE */
 /* Tags of the ids in c->pending besides releases: a RELEASE mark (protocol 1.7). */
 #define DLPC__MARK_CACHED (1ull << 63)
 #define DLPC__MARK_USED (1ull << 62)
@@ -308,8 +312,8 @@ void dlpc__cache_clear(dlpc_client *c);
  * caches the reference it gets only if it has not changed meanwhile. */
 uint64_t dlpc__cache_seq(dlpc_client *c);
 /* An entry answering an attach of @p name (with @p owner_uid, if @p owned; one tensor, if
- * @p single) from the cache, in use once more; NULL: ask the daemon. For a shared read-only
- * mapping (!@p cow) *@p map receives the idle mapping, if it kept one. */
+ * @p single) from the cache, in use once more; NULL: ask the daemon. *@p map receives the idle
+ * mapping of the kind asked for (a copy-on-write one if @p cow), if it kept one. */
 struct dlpc__centry *dlpc__cache_get(dlpc_client *c, const char *name, bool owned,
 				     uint32_t owner_uid, bool single, bool cow, void **map);
 /* What a region made from entry @p e needs of it. */
@@ -323,9 +327,10 @@ void dlpc__cache_fill(const struct dlpc__centry *e, struct dlpc__region *m, int 
 struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t epoch,
 					const char *name, const struct dlpc__region *m, int fd,
 					const uint8_t *table, size_t table_len);
-/* One use of @p e ends; its mapping @p base (NULL: none) goes back to it if @p shared and it
- * has none (else it is unmapped). The last use makes it idle, or frees it if invalidated. */
-void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, bool shared);
+/* One use of @p e ends; its mapping @p base (NULL: none) of DLPC__MAP_* @p kind goes back to
+ * it if it has none of that kind (a copy-on-write one emptied of its private pages first), or
+ * is unmapped. The last use makes the entry idle, or frees it if invalidated. */
+void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, int kind);
 /* INVALIDATE frame @p f: forget the entry it names (under c->mu). 0 or -EPROTO. */
 int dlpc__cache_invalidate(dlpc_client *c, const struct dlpc__frame *f);
 /* Free the entries invalidated or dropped meanwhile (with no lock of @p c held). */

@@ -44,7 +44,7 @@ void dlpc__region_unref(struct dlpc__region *r)
 		return;
 	if (r->ce) {
 		/* the cache holds the reference, and may keep the mapping for the next attach */
-		dlpc__cache_put(r->client, r->ce, r->base, r->shared);
+		dlpc__cache_put(r->client, r->ce, r->base, r->map_kind);
 	} else if (!r->device) {
 		munmap(r->base, r->len);
 	} else if (r->client) {

@@ -213,10 +213,12 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
  *
  * The cache of idle references: when the last tensor of a host entry attached read-only
  * (default, DLPC_ATTACH_PRIVATE or DLPC_ATTACH_GUARDED) is released, the client keeps the
- * daemon's reference, the storage fd and, for a shared read-only mapping, the mapping itself
- * for up to $DLPC_CACHE_IDLE_MS; an attach of the same name meanwhile is answered locally, with
- * no round trip (the read-only mapping is handed out again; a copy-on-write one is mapped
- * afresh from the fd, so no write of an earlier attacher shows). Before answering from the
+ * daemon's reference, the storage fd and the mapping (one of each kind: shared read-only,
+ * copy-on-write) for up to $DLPC_CACHE_IDLE_MS; an attach of the same name meanwhile is
+ * answered locally, with no round trip, the mapping handed out again (a copy-on-write one is
+ * first emptied of the pages its user wrote, MADV_DONTNEED, so no write of an earlier
+ * attacher shows; one whose protection its user changed is not for reuse: do not mprotect()
+ * attached memory). Before answering from the
  * cache the client reads what its socket holds: dlpackd (protocol 1.7) writes an invalidation
  * to it before it answers a replace or unpublish of the entry, so an attach never returns an
  * entry whose replace or removal was answered before the attach began. The cache is bounded by
