@@ -49,10 +49,12 @@ TensorInfo.__doc__ = "One tensor of a listed entry."
 Owner = namedtuple("Owner", "uid pid")
 Owner.__doc__ = "Who published an entry, from the daemon's SO_PEERCRED."
 EntryInfo = namedtuple("EntryInfo",
-                       "name generation device tensors nbytes refs owner created flags")
+                       "name generation device tensors nbytes refs owner created flags "
+                       "cached_refs")
 EntryInfo.__doc__ = """A published entry: tensors is a list of TensorInfo (empty when the
-entry is too large to describe in one reply), refs counts live attach references, created is in
-seconds since the epoch, flags is an EntryFlags."""
+entry is too large to describe in one reply), refs counts live attach references (cached_refs of
+them idle in a client's cache of re-attaches), created is in seconds since the epoch, flags is an
+EntryFlags."""
 
 WatchEvent = namedtuple("WatchEvent",
                         "kind name generation previous_generation device dtype shape ntensors "
@@ -132,7 +134,8 @@ class Client(_CoreClient):
         """Entries whose names start with prefix, sorted by name, as EntryInfo tuples."""
         return [EntryInfo(e["name"], e["generation"], e["device"],
                           [TensorInfo(*t) for t in e["tensors"]], e["nbytes"], e["refs"],
-                          Owner(e["uid"], e["pid"]), e["created"], EntryFlags(e["flags"]))
+                          Owner(e["uid"], e["pid"]), e["created"], EntryFlags(e["flags"]),
+                          e["cached_refs"])
                 for e in self._list(prefix)]
 
 

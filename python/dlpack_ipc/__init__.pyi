@@ -50,6 +50,7 @@ class EntryInfo(NamedTuple):
     owner: Owner
     created: float
     flags: EntryFlags
+    cached_refs: int
 
 class WatchEvent(NamedTuple):
     kind: str

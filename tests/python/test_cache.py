@@ -21,7 +21,11 @@ def test_reattach_asks_the_daemon_once(ipc, daemon):
     daemon.wait_stat(lambda s: s["references"] == 1 and s["cached_references"] == 1,
                      what="one reference, cached")
     [e] = ipc.list("cache/")
-    assert e.refs == 1
+    assert (e.refs, e.cached_refs) == (1, 1)
+    with ipc.attach("cache/x"):
+        daemon.wait_stat(lambda s: s["cached_references"] == 0, what="in use: not cached")
+        [e] = ipc.list("cache/")
+        assert (e.refs, e.cached_refs) == (1, 0)
 
 
 def test_replace_and_unpublish_seen_at_once(ipc, daemon):
