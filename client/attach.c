@@ -360,7 +360,7 @@ static int attach_cached(dlpc_client *c, const char *name, uint32_t flags, uint3
 	int64_t n;
 	int fd, r;
 
-	if (!dlpc__drain(c))
+	if (!dlpc__drain(c, false))
 		return 0;
 	e = dlpc__cache_get(c, name, flags & DLPC_ATTACH_OWNER, owner_uid,
 			    extra & DLPC_ATTACH_SINGLE, cow, &map);

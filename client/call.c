@@ -128,7 +128,7 @@ static int conn_error(dlpc_client *c, int err)
 	return dlpc__fail(err, "connection to dlpackd lost: %s", strerror(-err));
 }
 
-/* Queue the tokens of a RECLAIM notice for the reclaimer thread. Called with c->mu held. */
+/* Queue the tokens of a RECLAIM notice for the library's thread. Called with c->mu held. */
 static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
 {
 	Dlpackd__V1__Reclaim *m = dlpackd__v1__reclaim__unpack(NULL, f->hdr.len, f->payload);
@@ -151,8 +151,8 @@ static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
 	}
 	memcpy(c->reclaimed + c->nreclaimed, m->tokens, m->n_tokens * sizeof(*m->tokens));
 	c->nreclaimed += m->n_tokens;
-	/* the reclaimer may be waiting for another reader's turn to end: this wakes it */
-	pthread_cond_broadcast(&c->cv);
+	/* the library's thread runs the deleters (loop.c) */
+	dlpc__loop_wake();
 out:
 	if (m)
 		dlpackd__v1__reclaim__free_unpacked(m, NULL);
@@ -408,15 +408,15 @@ static int read_ready(dlpc_client *c, uint64_t epoch)
 	}
 }
 
-int dlpc__drain(dlpc_client *c)
+int dlpc__drain(dlpc_client *c, bool closed_ok)
 {
 	uint64_t epoch;
 	int r;
 
 	pthread_mutex_lock(&c->mu);
-	/* a reader (another call's thread, the reclaimer) may hold frames it has not delivered
+	/* a reader (another call's thread, the library's) may hold frames it has not delivered
 	 * yet, or be about to read them: nothing here can vouch for what it has not seen */
-	if (c->reading || c->broken || c->closed || c->reclaimer) {
+	if (c->reading || c->broken || (c->closed && !closed_ok)) {
 		pthread_mutex_unlock(&c->mu);
 		return 0;
 	}
@@ -664,8 +664,7 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		return call_closed(c);
 	/* lost: with DLPC_CONNECT_RECONNECT connect anew, unless another call or the reader
 	 * still works on the old connection (it fails as that did; a later call connects) */
-	if (c->broken && c->reconnect && !c->calls && !c->reading && !c->reconnecting &&
-	    !c->reclaimer) {
+	if (c->broken && c->reconnect && !c->calls && !c->reading && !c->reconnecting) {
 		int64_t connect_ms, hello_ms;
 
 		reconnect_bounds(c, wait_ms, &connect_ms, &hello_ms);

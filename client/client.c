@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The connection: connect, HELLO, fork, deferred releases, the reclaimer, close (requests and
- * replies: call.c). */
+/* The connection: connect, HELLO, fork, deferred releases, close (requests and replies: call.c;
+ * the library's thread: loop.c). */
 #include <errno.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -49,18 +49,10 @@ static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
 static dlpc_client *open_clients;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
-/* The flusher thread of deferred releases (see dlpc__release_epoch) and what wakes it. */
-static pthread_mutex_t flush_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t flush_cv = PTHREAD_COND_INITIALIZER;
-static bool flusher_running; /* in this process: a forked child starts its own */
-static bool flush_wanted;
-/* when the caches' idle entries are next due to be evicted (monotonic ms; 0: none is idle) */
-static int64_t sweep_due;
-
 static void atfork_prepare(void)
 {
 	pthread_mutex_lock(&open_mu);
-	pthread_mutex_lock(&flush_mu);
+	dlpc__loop_atfork(0);
 	/* the caches' locks are leaves: taken after these, by no thread holding one of them */
 	for (dlpc_client *c = open_clients; c; c = c->next_open)
 		dlpc__cache_lock(c, true);
@@ -70,7 +62,7 @@ static void atfork_parent(void)
 {
 	for (dlpc_client *c = open_clients; c; c = c->next_open)
 		dlpc__cache_lock(c, false);
-	pthread_mutex_unlock(&flush_mu);
+	dlpc__loop_atfork(1);
 	pthread_mutex_unlock(&open_mu);
 }
 
@@ -86,16 +78,8 @@ static void atfork_child(void)
 		c->wake_fd = -1;
 		dlpc__cache_forked(c);
 	}
-	/*
-	 * The parent's deferred releases are the parent's business, and no flusher runs here. The
-	 * condition variable may still count the parent's flusher as a waiter, and signalling it
-	 * would then wait for that thread forever: start both afresh.
-	 */
-	flusher_running = false;
-	flush_wanted = false;
-	sweep_due = 0;
-	pthread_cond_init(&flush_cv, NULL);
-	pthread_mutex_init(&flush_mu, NULL);
+	/* the parent's deferred releases are the parent's business; no library thread runs here */
+	dlpc__loop_atfork(2);
 	pthread_mutex_unlock(&open_mu);
 }
 
@@ -178,6 +162,9 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 		dlpc__cancel_calls(c);
 		/* idle references go back now; those in use when their last tensor is released */
 		dlpc__cache_off(c);
+		/* the library's thread may be reading the socket for the cache: let it look again,
+		 * so that it holds the client no longer than the user does */
+		dlpc__loop_wake();
 		pthread_mutex_lock(&c->wmu);
 		dlpc__flush_locked(c);
 		pthread_mutex_unlock(&c->wmu);
@@ -256,129 +243,28 @@ static bool client_tryref(dlpc_client *c)
 	return false;
 }
 
-/* One open client of this process with deferred releases, referenced, or NULL. */
-static dlpc_client *next_pending(void)
+size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
 {
-	dlpc_client *c;
-
-	pthread_mutex_lock(&open_mu);
-	for (c = open_clients; c; c = c->next_open)
-		if (dlpc__ours(c) && atomic_load_explicit(&c->npending, memory_order_relaxed) &&
-		    client_tryref(c))
-			break;
-	pthread_mutex_unlock(&open_mu);
-	return c;
-}
-
-/*
- * The flusher: woken by the first deferred release after a quiet spell, it sleeps
- * DLPC_RELEASE_DELAY_MS and then sends whatever no request has carried in the meantime. A busy
- * connection's requests carry its releases long before that, so it wakes at most once per delay.
- */
-/* Evict the idle cache entries due by now in every open client; when the next are due (0:
- * none is idle). */
-static int64_t sweep_caches(void)
-{
-	dlpc_client **v = NULL;
-	size_t n = 0, cap = 0;
-	int64_t next = 0;
+	size_t n = 0;
 
 	pthread_mutex_lock(&open_mu);
 	for (dlpc_client *c = open_clients; c; c = c->next_open) {
 		if (!dlpc__ours(c))
 			continue;
-		if (n == cap) {
-			size_t ncap = cap ? cap * 2 : 8;
-			dlpc_client **nv = realloc(v, ncap * sizeof(*nv));
+		if (n == *cap) {
+			size_t ncap = *cap ? *cap * 2 : 8;
+			dlpc_client **nv = realloc(*buf, ncap * sizeof(*nv));
 
 			if (!nv)
 				break;
-			v = nv;
-			cap = ncap;
+			*buf = nv;
+			*cap = ncap;
 		}
 		if (client_tryref(c))
-			v[n++] = c;
+			(*buf)[n++] = c;
 	}
 	pthread_mutex_unlock(&open_mu);
-	for (size_t i = 0; i < n; i++) {
-		int64_t t = dlpc__cache_sweep(v[i]);
-
-		if (t && (!next || t < next))
-			next = t;
-		dlpc__client_unref(v[i]);
-	}
-	free(v);
-	/* out of memory for the list: look again soon */
-	if (n < cap || !v)
-		next = next ? next : dlpc__mono_ms() + 10;
-	return next;
-}
-
-/* Wait on flush_cv (under flush_mu) until a flush is wanted or the sweep is due. */
-static void flusher_wait(void)
-{
-	while (!flush_wanted) {
-		int64_t now = dlpc__mono_ms(), ms;
-		struct timespec ts;
-
-		if (!sweep_due) {
-			pthread_cond_wait(&flush_cv, &flush_mu);
-			continue;
-		}
-		if (now >= sweep_due)
-			return;
-		/* flush_cv runs on CLOCK_REALTIME: a jump of that clock only makes one look early
-		 * or late, and the next look is computed afresh */
-		ms = sweep_due - now;
-		clock_gettime(CLOCK_REALTIME, &ts);
-		ts.tv_sec += (time_t)(ms / 1000);
-		ts.tv_nsec += (long)(ms % 1000) * 1000000L;
-		if (ts.tv_nsec >= 1000000000L) {
-			ts.tv_sec++;
-			ts.tv_nsec -= 1000000000L;
-		}
-		pthread_cond_timedwait(&flush_cv, &flush_mu, &ts);
-	}
-}
-
-/*
- * The library's thread. Deferred releases: woken by the first after a quiet spell, it sleeps
- * DLPC_RELEASE_DELAY_MS and then sends whatever no request has carried in the meantime (a busy
- * connection's requests carry its releases long before that, so it wakes at most once per
- * delay). The caches: it evicts idle entries when their time is up (cache.c).
- */
-static void *flusher(void *arg)
-{
-	const struct timespec delay = {.tv_nsec = DLPC_RELEASE_DELAY_MS * 1000000L};
-	dlpc_client *c;
-
-	(void)arg;
-	pthread_mutex_lock(&flush_mu);
-	for (;;) {
-		bool flush, sweep;
-		int64_t next;
-
-		flusher_wait();
-		flush = flush_wanted;
-		flush_wanted = false;
-		sweep = sweep_due && dlpc__mono_ms() >= sweep_due;
-		if (sweep)
-			sweep_due = 0;
-		pthread_mutex_unlock(&flush_mu);
-		if (flush)
-			nanosleep(&delay, NULL);
-		next = sweep ? sweep_caches() : 0;
-		while ((c = next_pending())) {
-			pthread_mutex_lock(&c->wmu);
-			dlpc__flush_locked(c);
-			pthread_mutex_unlock(&c->wmu);
-			dlpc__client_unref(c);
-		}
-		pthread_mutex_lock(&flush_mu);
-		if (next && (!sweep_due || next < sweep_due))
-			sweep_due = next;
-	}
-	return NULL;
+	return n;
 }
 
 /* See internal.h. */
@@ -399,38 +285,7 @@ bool dlpc__start_thread(void *(*fn)(void *), void *arg)
 	return ok;
 }
 
-/* Make sure the flusher will look soon. false when it cannot run (no thread could be made). */
-static bool flush_soon(void)
-{
-	bool ok = true;
-
-	pthread_mutex_lock(&flush_mu);
-	if (!flusher_running) {
-		flusher_running = dlpc__start_thread(flusher, NULL);
-		ok = flusher_running;
-	}
-	if (ok && !flush_wanted) {
-		flush_wanted = true;
-		pthread_cond_signal(&flush_cv);
-	}
-	pthread_mutex_unlock(&flush_mu);
-	return ok;
-}
-
-void dlpc__sweep_at(int64_t when)
-{
-	pthread_mutex_lock(&flush_mu);
-	if (!flusher_running)
-		flusher_running = dlpc__start_thread(flusher, NULL);
-	/* without the thread idle entries go when the bounds or a later release push them out */
-	if (flusher_running && (!sweep_due || when < sweep_due)) {
-		sweep_due = when;
-		pthread_cond_signal(&flush_cv);
-	}
-	pthread_mutex_unlock(&flush_mu);
-}
-
-/* Queue @p v (a reference id, maybe tagged) on c->pending and tell the flusher. Under wmu, which
+/* Queue @p v (a reference id, maybe tagged) on c->pending and tell the library's thread. Under wmu, which
  * this releases. */
 static void pending_add(dlpc_client *c, uint64_t v)
 {
@@ -448,7 +303,7 @@ static void pending_add(dlpc_client *c, uint64_t v)
 	if (n == DLPC_RELEASE_PENDING_MAX)
 		dlpc__flush_locked(c);
 	pthread_mutex_unlock(&c->wmu);
-	if (n == 1 && !flush_soon()) {
+	if (n == 1 && !dlpc__loop_flush_soon()) {
 		pthread_mutex_lock(&c->wmu);
 		dlpc__flush_locked(c);
 		pthread_mutex_unlock(&c->wmu);
@@ -507,71 +362,10 @@ void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch)
 		return;
 	}
 	c->ipc_pubs += (unsigned)delta;
-	/* a publication taken back (its publish failed) may leave the reclaimer waiting for a
-	 * socket that has nothing more to say: let it look again */
+	/* a publication taken back (its publish failed) may leave the library's thread watching
+	 * a socket that has nothing more to say for it: let it look again */
 	if (c->ipc_pubs == 0 && c->reclaimer)
-		dlpc__wake_reader(c);
-	pthread_mutex_unlock(&c->mu);
-}
-
-/*
- * The reclaimer: one thread per connection with legacy CUDA IPC or lent VMM publications
- * outstanding. It
- * takes the reader's turn whenever no request holds it, so a RECLAIM notice is read as soon as
- * it arrives even if the process makes no further calls, and it runs the deleters of the
- * reclaimed publications itself, outside any lock and outside the reader's turn (a deleter may
- * call libdlpc). It holds a reference on the client, so the connection (and its ephemeral
- * entries) stays open after dlpc_close() until the last publication is reclaimed; it ends then,
- * or when the connection is lost (the publications are then kept until the process exits: the
- * daemon can no longer say whether some attacher still uses them).
- */
-static void *reclaimer(void *arg)
-{
-	dlpc_client *c = arg;
-
-	pthread_mutex_lock(&c->mu);
-	for (;;) {
-		if (c->nreclaimed) {
-			size_t n = c->nreclaimed;
-			uint64_t *v = malloc(n * sizeof(*v)), epoch = c->epoch;
-
-			if (v) {
-				memcpy(v, c->reclaimed, n * sizeof(*v));
-				c->nreclaimed = 0;
-			}
-			pthread_mutex_unlock(&c->mu);
-			for (size_t i = 0; v && i < n; i++)
-				if (dlpc__cuda_reclaim(v[i], true))
-					dlpc__reclaim_count(c, -1, epoch);
-			free(v);
-			pthread_mutex_lock(&c->mu);
-			if (!v) {
-				/* out of memory: try again in a moment */
-				pthread_mutex_unlock(&c->mu);
-				usleep(1000);
-				pthread_mutex_lock(&c->mu);
-			}
-			continue;
-		}
-		if (c->broken || c->ipc_pubs == 0)
-			break;
-		dlpc__reader_turn(c, NULL);
-	}
-	c->reclaimer = false;
-	pthread_mutex_unlock(&c->mu);
-	dlpc__client_unref(c);
-	return NULL;
-}
-
-void dlpc__reclaim_start(dlpc_client *c)
-{
-	pthread_mutex_lock(&c->mu);
-	if (!c->reclaimer && !c->broken) {
-		dlpc__client_ref(c);
-		c->reclaimer = dlpc__start_thread(reclaimer, c);
-		if (!c->reclaimer)
-			atomic_fetch_sub_explicit(&c->refs, 1, memory_order_relaxed);
-	}
+		dlpc__loop_wake();
 	pthread_mutex_unlock(&c->mu);
 }
 

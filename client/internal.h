@@ -43,8 +43,8 @@ struct dlpc__cache {
  * One connection. Requests may come from many threads: each sends its frame under wmu, then
  * waits for the reply carrying its id. Whichever waiting thread finds nobody reading becomes
  * the reader until some reply arrives or its own deadline passes, handing replies to their
- * callers (leader/follower). The one thread of the library's own only flushes deferred releases
- * (dlpc__release_epoch()).
+ * callers (leader/follower). The library's own thread (loop.c) flushes deferred releases, and
+ * takes the reader's turn without waiting to act on RECLAIM and INVALIDATE frames.
  *
  * The struct is refcounted: the user's handle counts once, each attached mapping once, and each
  * call in progress once (so dlpc_close() from another thread cannot free it under a waiting
@@ -73,12 +73,13 @@ struct dlpc_client {
 	uint32_t *abandoned;
 	size_t nabandoned, abandoned_cap;
 	/* legacy CUDA IPC publications awaiting their RECLAIM notice, the tokens of notices
-	 * received but not yet acted on, and whether the reclaimer thread runs (client.c) */
+	 * received but not yet acted on, and whether the library's thread holds the client to
+	 * read them (loop.c) */
 	unsigned ipc_pubs; /* of this connection (epoch): counted as their PUBLISH goes out */
 	uint64_t *reclaimed;
 	size_t nreclaimed, reclaimed_cap;
 	bool reclaimer;
-	int wake_fd; /* eventfd that ends the reader's wait for the socket (dlpc_close, reclaimer) */
+	int wake_fd;	    /* eventfd that ends the reader's wait for the socket (dlpc_close) */
 	char fatal[256];    /* the daemon's last word (an ERROR with id 0), if any */
 	struct dlpc__rx rx; /* used only by the current reader */
 
@@ -86,7 +87,7 @@ struct dlpc_client {
 	struct dlpc__scratch out;
 	/* references released by deleters but not yet told to the daemon (dlpc__release_epoch) */
 	uint64_t pending[DLPC_RELEASE_PENDING_MAX];
-	atomic_uint npending; /* written under wmu; read without it by the flusher's scan */
+	atomic_uint npending; /* written under wmu; read without it by the library's thread */
 
 	struct dlpc_client *next_open; /* in the list of open clients (client.c) */
 
@@ -231,7 +232,7 @@ int dlpc__call_ex(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, co
  * Fire-and-forget RELEASE of one reference, which came by connection @p epoch: dropped if the
  * client has connected anew since (that connection, and the reference with it, is gone); does
  * nothing in a forked child. The id waits in c->pending and goes out with the connection's next
- * request, or after DLPC_RELEASE_DELAY_MS through the library's flusher thread, whichever comes
+ * request, or after DLPC_RELEASE_DELAY_MS through the library's thread (loop.c), whichever comes
  * first.
  */
 void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch);
@@ -290,9 +291,21 @@ int dlpc__name_arg(const char *name, const char *what);
  * (or, with -1, take a failed one back); nothing once @p c has connected anew since: the count
  * went with that connection. */
 void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch);
-/* Make sure the reclaimer thread of @p c runs: it reads the connection whenever no request
- * does, so that RECLAIM notices are acted on while the process makes no calls. */
+/* Have the library's thread watch @p c (loop.c): it reads the connection whenever no request
+ * does, so that RECLAIM notices are acted on while the process makes no calls, and holds a
+ * reference on @p c until the last publication is reclaimed or the connection is lost. */
 void dlpc__reclaim_start(dlpc_client *c);
+
+/* ---- loop.c: the library's thread ---- */
+/* Make sure the thread will send deferred releases soon. false when it cannot run. */
+bool dlpc__loop_flush_soon(void);
+/* Have the thread look at everything again now (async-signal-safe, any lock held). */
+void dlpc__loop_wake(void);
+/* fork(): 0 before (lock), 1 in the parent after, 2 in the child (start afresh). */
+void dlpc__loop_atfork(int phase);
+/* Every open client of this process, each referenced (unref each), into *@p buf of *@p cap
+ * (grown as needed; the caller's to keep or free). Their number. */
+size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap);
 
 /* ---- cache.c: references kept after their last release ---- */
 /* What an attached host mapping is, for the cache to keep it for the next attach. */
@@ -351,8 +364,8 @@ void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cach
 /* Have the library's thread sweep the caches at monotonic ms @p when (client.c). */
 void dlpc__sweep_at(int64_t when);
 /* Read what @p c's socket holds without waiting, delivering it, if no other thread reads it:
- * 1; 0 when another does (or the connection is lost or closed). */
-int dlpc__drain(dlpc_client *c);
+ * 1; 0 when another does (or the connection is lost, or closed unless @p closed_ok). */
+int dlpc__drain(dlpc_client *c, bool closed_ok);
 /* Monotonic milliseconds. */
 int64_t dlpc__mono_ms(void);
 

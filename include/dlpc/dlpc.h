@@ -225,9 +225,11 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
  * $DLPC_CACHE_ENTRIES idle entries and $DLPC_CACHE_BYTES bytes (least recently used go first)
  * and dropped when the connection is lost or the process forks (a child has no use of its
  * parent's client). Not cached: CUDA entries, writable attaches (DLPC_ATTACH_WRITABLE),
- * DLPC_ATTACH_NO_CACHE, and attaches made while another thread of the process waits for a reply on the same client or a CUDA IPC publication awaits its reclaim
- * notice (those go to the daemon, which is always right). dlpc_stat() and dlpc_list() count
- * cached references apart (cached_references, cached_refs).
+ * DLPC_ATTACH_NO_CACHE, and attaches made while another thread of the process is reading
+ * the client's socket, waiting for a reply (those go to the daemon, which is always right).
+ * The library's thread reads the invalidations of idle entries as they come, so a replaced
+ * entry's storage is let go at once. dlpc_stat() and dlpc_list() count cached references apart
+ * (cached_references, cached_refs).
  *
  * With DLPC_CONNECT_RECONNECT a client outlives its connection: once a call has found the
  * connection lost (dlpackd stopped, restarted or upgraded in place; that call still fails, with
@@ -235,7 +237,9 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
  * call connects to the same socket again and sends HELLO before its request. While no daemon
  * listens that call fails as dlpc_connect() would (-ECONNREFUSED, -ENOENT) and the one after
  * tries again. A reconnect happens only when no other call is in progress on the client; until
- * then calls fail as the lost connection did.
+ * then calls fail as the lost connection did. (The library's thread reads the socket of a client
+ * with idle cached references or CUDA publications awaiting their reclaim notice: when it finds
+ * the loss first, no call fails for it, and the next call connects anew.)
  *
  * What a reconnect means: tensors attached before stay valid (their mappings are this
  * process's), and their deleters send nothing (the references died with the old connection;
