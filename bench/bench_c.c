@@ -238,13 +238,20 @@ static void floor_once(int fd, int idx, size_t size, volatile uint8_t *sink)
 
 /* ---- libdlpc ---- */
 
-static dlpc_client *connect_or_die(void)
+/* A client with @p flags: DLPC_CONNECT_NO_CACHE for every group that measures the round trip
+ * (the cache would answer their re-attaches of one name), 0 for the cache's own rows. */
+static dlpc_client *connect_flags_or_die(uint32_t flags)
 {
 	dlpc_client *c;
 
-	if (dlpc_connect(sock_path, &c) < 0)
+	if (dlpc_connect_flags(sock_path, flags, &c) < 0)
 		die("dlpc_connect");
 	return c;
+}
+
+static dlpc_client *connect_or_die(void)
+{
+	return connect_flags_or_die(DLPC_CONNECT_NO_CACHE);
 }
 
 static void publish_size(dlpc_client *c, const char *name, size_t size)
@@ -315,6 +322,62 @@ static void bench_attach(void)
 	kill(fpid, SIGKILL);
 	waitpid(fpid, NULL, 0);
 	unlink(floor_path);
+	dlpc_close(c);
+}
+
+/*
+ * Warm re-attach: attach + first byte + release of an unchanged entry by a client whose cache
+ * holds it (no round trip: the socket is read without waiting, the mapping handed out again),
+ * next to the same on a client without the cache, interleaved.
+ */
+static void bench_reattach(void)
+{
+	dlpc_client *c = connect_or_die(), *cached = connect_flags_or_die(0);
+	volatile uint8_t sink;
+	uint64_t *ns, *rt;
+	char name[64];
+	int n;
+
+	for (int i = 0; i < nsizes; i++) {
+		dlpc_stats s0 = {.size = sizeof(s0)}, s1 = {.size = sizeof(s1)};
+
+		snprintf(name, sizeof(name), "bench/reattach/%zu", sizes[i]);
+		publish_size(c, name, sizes[i]);
+		n = quick ? 200 : 5000;
+		ns = malloc(sizeof(*ns) * (size_t)n);
+		rt = malloc(sizeof(*rt) * (size_t)n);
+		if (!ns || !rt)
+			die("malloc");
+		fprintf(stderr, "reattach %zu bytes x %d\n", sizes[i], n);
+		for (int w = 0; w < 5; w++) {
+			dlpc_once(cached, name, &sink);
+			dlpc_once(c, name, &sink);
+		}
+		if (dlpc_stat(c, &s0) < 0)
+			die("dlpc_stat");
+		for (int r = 0; r < n; r++) {
+			uint64_t t0 = now_ns();
+
+			dlpc_once(cached, name, &sink);
+			ns[r] = now_ns() - t0;
+			t0 = now_ns();
+			dlpc_once(c, name, &sink);
+			rt[r] = now_ns() - t0;
+		}
+		if (dlpc_stat(c, &s1) < 0)
+			die("dlpc_stat");
+		/* every round trip is the uncached client's: the cache answered all of its own */
+		if (s1.req_attach - s0.req_attach != (uint64_t)n)
+			fprintf(stderr, "reattach: %llu ATTACH requests for %d uncached attaches\n",
+				(unsigned long long)(s1.req_attach - s0.req_attach), n);
+		row("reattach_c", "dlpc_cached", (long long)sizes[i], ns, n);
+		row("reattach_c", "dlpc", (long long)sizes[i], rt, n);
+		free(ns);
+		free(rt);
+		if (dlpc_unpublish(c, name) < 0)
+			die("dlpc_unpublish");
+	}
+	dlpc_close(cached);
 	dlpc_close(c);
 }
 
@@ -714,7 +777,8 @@ static void pin(bool on)
 
 /* ---- throughput: N processes attaching and releasing for a while ---- */
 
-static void throughput(const char *impl, int clients, double secs, const char *floor_path)
+static void throughput(const char *impl, int clients, double secs, const char *floor_path,
+		       uint32_t flags)
 {
 	int pipes[MAX_CLIENTS][2];
 	pid_t pids[MAX_CLIENTS];
@@ -727,7 +791,7 @@ static void throughput(const char *impl, int clients, double secs, const char *f
 		if (pids[k] == 0) {
 			volatile uint8_t sink;
 			uint64_t ops = 0, end;
-			dlpc_client *c = floor_path ? NULL : connect_or_die();
+			dlpc_client *c = floor_path ? NULL : connect_flags_or_die(flags);
 			int ffd = floor_path ? floor_connect(floor_path) : -1;
 
 			end = now_ns() + (uint64_t)(secs * 1e9);
@@ -774,8 +838,9 @@ static void bench_throughput(void)
 	publish_size(c, "bench/throughput", sizes[0]);
 	for (size_t i = 0; i < sizeof(counts) / sizeof(counts[0]); i++) {
 		fprintf(stderr, "throughput with %d clients\n", counts[i]);
-		throughput("floor", counts[i], secs, floor_path);
-		throughput("dlpc", counts[i], secs, NULL);
+		throughput("floor", counts[i], secs, floor_path, 0);
+		throughput("dlpc", counts[i], secs, NULL, DLPC_CONNECT_NO_CACHE);
+		throughput("dlpc_cached", counts[i], secs, NULL, 0);
 	}
 	kill(fpid, SIGKILL);
 	waitpid(fpid, NULL, 0);
@@ -920,6 +985,8 @@ int main(int argc, char **argv)
 	pin(true);
 	if (wanted("attach"))
 		bench_attach();
+	if (wanted("reattach"))
+		bench_reattach();
 	if (wanted("mapping"))
 		bench_mapping();
 	if (wanted("bundle"))

@@ -13,6 +13,10 @@ timed repetitions, each measured with time.perf_counter_ns after a few untimed w
 Groups:
 
   attach_py  dlpack_ipc             attach + np.from_dlpack + read one element + release
+                                    (a client without libdlpc's cache: one round trip each)
+             dlpack_ipc_cached      the same on a client whose cache holds the entry (re-attach:
+                                    no round trip; the default mode's copy-on-write mapping is
+                                    handed out again, emptied of written pages)
              shared_memory          stdlib SharedMemory(name) + np.ndarray + read + close
   handoff    torch_multiprocessing  torch.multiprocessing Queue put of a shared tensor, a child
                                     process gets it, reads one element, acks on a second Queue
@@ -170,6 +174,34 @@ def attach_dlpack_row(client, timer, prefix, size):
         unpublish_quietly(client, name)
 
 
+def attach_cached_row(socket, timer, prefix, size):
+    name = f"{prefix}/reattach/{size}"
+    # the other rows run without the cache (main() turns it off): this client has it on
+    saved = os.environ.pop("DLPC_CACHE_ENTRIES", None)
+    try:
+        client = dlpack_ipc.Client(socket)
+    finally:
+        if saved is not None:
+            os.environ["DLPC_CACHE_ENTRIES"] = saved
+    a = filled(size)
+    client.publish(name, a, ephemeral=True)
+    del a
+    try:
+        def op():
+            t = client.attach(name)
+            a = np.from_dlpack(t)
+            a[0]
+            del a
+            t.release()
+        before = client.stat()["req_attach"]
+        emit("attach_py", "dlpack_ipc_cached", size, timer.measure(op))
+        log(f"attach_py dlpack_ipc_cached: {client.stat()['req_attach'] - before} ATTACH "
+            "requests reached the daemon")
+    finally:
+        unpublish_quietly(client, name)
+        client.close()
+
+
 def attach_shm_row(timer, size):
     from multiprocessing import shared_memory
     # The creator lives in this process for the whole measurement and unlinks at the end: that
@@ -196,10 +228,11 @@ def attach_shm_row(timer, size):
         creator.unlink()
 
 
-def bench_attach(client, timer, prefix, sizes):
-    """Both rows of a size back to back, so that their ratio comes from the same conditions."""
+def bench_attach(client, timer, socket, prefix, sizes):
+    """The rows of a size back to back, so that their ratio comes from the same conditions."""
     for size in sizes:
         attach_dlpack_row(client, timer, prefix, size)
+        attach_cached_row(socket, timer, prefix, size)
         attach_shm_row(timer, size)
 
 
@@ -653,6 +686,9 @@ def main():
 
     timer = Timer(args.quick)
     prefix = f"bench_py/{os.getpid()}"
+    # every row but attach_py/dlpack_ipc_cached measures the round trip: no cache of idle
+    # references in this process or its children (read when a client connects)
+    os.environ["DLPC_CACHE_ENTRIES"] = "0"
     try:
         client = dlpack_ipc.Client(args.socket)
     except OSError as e:
@@ -662,7 +698,7 @@ def main():
     start = time.monotonic()
     try:
         for label, run in [
-            ("attach_py", lambda: bench_attach(client, timer, prefix, sizes)),
+            ("attach_py", lambda: bench_attach(client, timer, args.socket, prefix, sizes)),
             ("handoff", lambda: bench_handoff(client, timer, args.socket, prefix, sizes)),
             ("channel", lambda: bench_channel(client, timer, args.socket, prefix, sizes)),
             ("pipeline", lambda: bench_pipeline(client, args.socket, prefix, args.quick)),

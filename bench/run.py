@@ -178,6 +178,16 @@ def targets(rows, sizes, map_sizes):
         p, m = pick(rows, "attach_py", "dlpack_ipc", s), pick(rows, "attach_py", "shared_memory", s)
         add(f"Python attach+from_dlpack+release / SharedMemory, {human(s)}",
             ratio(p and p["median_us"], m and m["median_us"]), 1.0)
+    # the cache of idle references (issue 17.3)
+    for s in sizes:
+        r = pick(rows, "reattach_c", "dlpc_cached", s)
+        add(f"C warm re-attach + release, {human(s)}, us", r and r["median_us"], 2.0)
+    small, big = (pick(rows, "reattach_c", "dlpc_cached", s) for s in (sizes[0], sizes[-1]))
+    add(f"C warm re-attach {human(sizes[-1])} / {human(sizes[0])}",
+        ratio(big and big["median_us"], small and small["median_us"]), 1.3)
+    p, m = (pick(rows, "attach_py", i, sizes[0]) for i in ("dlpack_ipc_cached", "shared_memory"))
+    add(f"Python re-attach+from_dlpack+release / SharedMemory, {human(sizes[0])}",
+        ratio(p and p["median_us"], m and m["median_us"]), 0.5)
     for s in sizes:
         t, o = pick(rows, "handoff", "torch_multiprocessing", s), pick(rows, "handoff", "dlpack_ipc", s)
         add(f"torch.multiprocessing hand-off / ours, {human(s)}",
@@ -222,6 +232,9 @@ def targets(rows, sizes, map_sizes):
     tf, td = pick(rows, "throughput", "floor", clients=8), pick(rows, "throughput", "dlpc", clients=8)
     add("throughput at 8 clients / floor server's", ratio(td and td["ops_per_s"], tf and tf["ops_per_s"]),
         0.6, lower_is_better=False)
+    tc = pick(rows, "throughput", "dlpc_cached", clients=8)
+    add("throughput at 8 clients, cache on / off (a report, no target)",
+        ratio(tc and tc["ops_per_s"], td and td["ops_per_s"]), 1.0, lower_is_better=False)
     add("daemon idle RSS, MiB", metric(rows, "idle_rss"), 4.0)
     add("daemon RSS per entry, KiB", (metric(rows, "rss_per_entry") or 0) / 1024 or None, 1.0)
     add(f"LIST of {int(metric(rows, 'entries') or 0)} entries, ms", metric(rows, "list_ms"), 100.0)
@@ -258,7 +271,10 @@ def table(rows, sizes, map_sizes, checks):
              "|---|" + "---:|" * len(sizes)]
     latency = [("attach_c", "floor", "floor: AF_UNIX fd + mmap/munmap (C)"),
                ("attach_c", "dlpc", "dlpc_attach + read + release (C)"),
+               ("reattach_c", "dlpc_cached", "warm re-attach from the cache + read + release (C)"),
                ("attach_py", "dlpack_ipc", "attach + np.from_dlpack + release (Python)"),
+               ("attach_py", "dlpack_ipc_cached", "re-attach from the cache + np.from_dlpack + "
+                "release (Python)"),
                ("attach_py", "shared_memory", "stdlib SharedMemory + ndarray + close"),
                ("handoff", "dlpack_ipc", "hand-off to a process: name + attach (ours)"),
                ("handoff", "torch_multiprocessing", "hand-off: torch.multiprocessing queue"),
@@ -307,12 +323,16 @@ def table(rows, sizes, map_sizes, checks):
             size = f", {human(r['size'])}" if r.get("size") else ""
             other.append(f"| {desc}{size} | {r['median_us']:.1f} | {r['p99_us']:.1f} |")
     out += ["\n".join(other), "", mapping_table(rows, map_sizes), ""]
-    tp = ["| clients | floor ops/s | dlpackd ops/s | ratio |", "|---:|---:|---:|---:|"]
+    tp = ["| clients | floor ops/s | dlpackd ops/s | ratio | cache on, ops/s | cache on / off |",
+          "|---:|---:|---:|---:|---:|---:|"]
     for n in (1, 2, 4, 8):
         f, d = pick(rows, "throughput", "floor", clients=n), pick(rows, "throughput", "dlpc", clients=n)
+        cc = pick(rows, "throughput", "dlpc_cached", clients=n)
         if f and d:
             tp.append(f"| {n} | {f['ops_per_s']:.0f} | {d['ops_per_s']:.0f} | "
-                      f"{d['ops_per_s'] / f['ops_per_s']:.2f} |")
+                      f"{d['ops_per_s'] / f['ops_per_s']:.2f} | "
+                      f"{cc['ops_per_s'] if cc else 0:.0f} | "
+                      f"{cc['ops_per_s'] / d['ops_per_s'] if cc else 0:.2f} |")
     out += ["\n".join(tp), ""]
     tg = ["| target | measured | limit | met |", "|---|---:|---:|:---:|"]
     for desc, value, limit, met, lower in checks:

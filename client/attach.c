@@ -22,8 +22,9 @@
 /* Every DLPC_ATTACH_* flag; those of them that only this library acts on. */
 #define ATTACH_FLAGS                                                                               \
 	(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_DEFER_SYNC | DLPC_ATTACH_PRIVATE |                     \
-	 DLPC_ATTACH_GUARDED | DLPC_ATTACH_OWNER)
-#define LOCAL_FLAGS (DLPC_ATTACH_DEFER_SYNC | DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)
+	 DLPC_ATTACH_GUARDED | DLPC_ATTACH_OWNER | DLPC_ATTACH_NO_CACHE)
+#define LOCAL_FLAGS                                                                                \
+	(DLPC_ATTACH_DEFER_SYNC | DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_NO_CACHE)
 
 struct dlpc_bundle {
 	size_t n;
@@ -177,23 +178,96 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 	return 0;
 }
 
+/*
+ * The bundle of @p n views of region @p m (whose reference it takes over) on the tensors of
+ * @p table (checked: reply_sane()), with @p keybytes bytes of keys.
+ */
+static int bundle_new(struct dlpc__region *m, const uint8_t *table, size_t table_len, size_t n,
+		      size_t keybytes, DLDevice dev, uint64_t tflags, const char *name,
+		      dlpc_bundle **ret)
+{
+	struct dlpc__table_rec d;
+	dlpc_bundle *b = calloc(1, sizeof(*b));
+	size_t pos = 4;
+	char *kp;
+
+	if (b) {
+		b->region = m;
+		b->keys = malloc(n * sizeof(char *) + keybytes);
+		b->tensors = calloc(n, sizeof(*b->tensors));
+	}
+	if (!b || !b->keys || !b->tensors) {
+		if (b)
+			dlpc_bundle_free(b);
+		else
+			dlpc__region_unref(m);
+		return dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
+	}
+	b->n = n;
+	kp = (char *)(b->keys + b->n);
+	for (size_t i = 0; i < b->n; i++) {
+		/* checked by reply_sane(): cannot fail */
+		dlpc__table_next(table, table_len, &pos, &d);
+		b->keys[i] = kp;
+		if (d.key_len)
+			memcpy(kp, d.key, d.key_len);
+		kp[d.key_len] = '\0';
+		kp += d.key_len + 1;
+		b->tensors[i] = dlpc__view_new(m, (uint8_t *)m->base + d.offset, dev, d.dtype,
+					       d.ndim, d.shape, tflags);
+		if (!b->tensors[i]) {
+			dlpc_bundle_free(b);
+			return dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
+		}
+	}
+	*ret = b;
+	return 0;
+}
+
+/* The DLPack flags of tensors attached with DLPC_ATTACH_* @p flags. */
+static uint64_t tensor_flags(uint32_t flags)
+{
+	return (flags & (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_PRIVATE))
+		       ? 0
+		       : DLPACK_FLAG_BITMASK_READ_ONLY;
+}
+
+/* Map host storage @p fd of @p len bytes as @p flags ask; *@p kind: what the cache may keep
+ * it as (DLPC__MAP_*). MAP_FAILED with errno set on failure. */
+static void *map_host(int fd, size_t len, uint32_t flags, uint8_t *kind)
+{
+	bool writable = flags & DLPC_ATTACH_WRITABLE;
+	void *p;
+
+	*kind = DLPC__MAP_OTHER;
+	/* copy-on-write: reads share the publisher's pages, a write copies one page */
+	if (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)) {
+		*kind = DLPC__MAP_COW;
+		return mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+	}
+	p = mmap(NULL, len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+	if (p != MAP_FAILED && !writable)
+		*kind = DLPC__MAP_SHARED_RO;
+	/* Before Linux 6.7 a shared mapping of a read-write descriptor of an F_SEAL_WRITE memfd
+	 * is refused even read-only; a private read-only one reads the same pages, which nobody
+	 * can change. */
+	if (p == MAP_FAILED && errno == EPERM && !writable)
+		p = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0);
+	return p;
+}
+
 /* Turn an ATTACH reply that came by connection @p epoch and its fd (-1 for legacy CUDA IPC)
- * into a bundle. Consumes @p fd. */
-int dlpc__attach_build(dlpc_client *c, uint64_t epoch, const char *name,
+ * into a bundle; cache the reference if @p cache (@p seq: dlpc__cache_seq() before the
+ * request). Consumes @p fd. */
+int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq, const char *name,
 		       const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
 		       dlpc_bundle **ret)
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
 	bool writable = flags & DLPC_ATTACH_WRITABLE;
-	bool cow = flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED);
-	uint64_t tflags =
-		writable || (flags & DLPC_ATTACH_PRIVATE) ? 0 : DLPACK_FLAG_BITMASK_READ_ONLY;
 	struct dlpc__region *m = NULL;
-	struct dlpc__table_rec d;
-	dlpc_bundle *b;
-	size_t keybytes, pos = 4;
+	size_t keybytes;
 	int64_t n = reply_sane(rep, &keybytes);
-	char *kp;
 	int r;
 
 	if ((rep->device_type != kDLCPU || fd < 0) &&
@@ -214,13 +288,8 @@ int dlpc__attach_build(dlpc_client *c, uint64_t epoch, const char *name,
 				  "published writable)",
 				  name);
 	}
-	b = calloc(1, sizeof(*b));
 	m = calloc(1, sizeof(*m));
-	if (b) {
-		b->keys = malloc((size_t)n * sizeof(char *) + keybytes);
-		b->tensors = calloc((size_t)n, sizeof(*b->tensors));
-	}
-	if (!b || !m || !b->keys || !b->tensors) {
+	if (!m) {
 		r = dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
 		goto fail;
 	}
@@ -230,32 +299,17 @@ int dlpc__attach_build(dlpc_client *c, uint64_t epoch, const char *name,
 			     &dev);
 		if (r < 0)
 			goto fail;
-	} else if (cow) {
-		/* copy-on-write: reads share the publisher's pages, a write copies one page */
-		m->base = mmap(NULL, m->len, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-		if (m->base == MAP_FAILED) {
-			r = dlpc__fail(-errno,
-				       "cannot attach '%s': cannot map %zu bytes copy-on-write: %m",
-				       name, m->len);
-			goto fail;
-		}
 	} else {
-		m->base = mmap(NULL, m->len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED,
-			       fd, 0);
-		/* Before Linux 6.7 a shared mapping of a read-write descriptor of an F_SEAL_WRITE
-		 * memfd is refused even read-only; a private read-only one reads the same pages,
-		 * which nobody can change. */
-		if (m->base == MAP_FAILED && errno == EPERM && !writable)
-			m->base = mmap(NULL, m->len, PROT_READ, MAP_PRIVATE, fd, 0);
+		m->base = map_host(fd, m->len, flags, &m->map_kind);
 		if (m->base == MAP_FAILED) {
-			r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name,
-				       m->len);
+			r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes%s: %m",
+				       name, m->len,
+				       (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED))
+					       ? " copy-on-write"
+					       : "");
 			goto fail;
 		}
 	}
-	dlpc__close(fd);
-	fd = -1;
-	/* from here the region owns the reference: its last unref releases it */
 	m->fd = -1;
 	m->client = c;
 	m->ref_id = rep->ref_id;
@@ -265,46 +319,85 @@ int dlpc__attach_build(dlpc_client *c, uint64_t epoch, const char *name,
 	m->owner_pid = rep->owner_pid;
 	m->entry_flags = rep->flags;
 	m->generation = rep->generation;
+	/* host memory attached read-only: the cache may keep the reference and the fd */
+	if (cache && rep->device_type == kDLCPU && !writable) {
+		m->ce = dlpc__cache_insert(c, seq, epoch, name, m, fd, rep->tensor_table.data,
+					   rep->tensor_table.len);
+		if (m->ce)
+			fd = -1;
+	}
+	dlpc__close(fd);
+	/* from here the region owns the reference (or its use of the cache's): its last unref
+	 * releases it */
 	atomic_init(&m->refs, 1);
 	dlpc__client_ref(c);
-	b->region = m;
-	m = NULL;
-	b->n = (size_t)n;
-	kp = (char *)(b->keys + b->n);
-	for (size_t i = 0; i < b->n; i++) {
-		/* checked by reply_sane(): cannot fail */
-		dlpc__table_next(rep->tensor_table.data, rep->tensor_table.len, &pos, &d);
-		b->keys[i] = kp;
-		if (d.key_len)
-			memcpy(kp, d.key, d.key_len);
-		kp[d.key_len] = '\0';
-		kp += d.key_len + 1;
-		b->tensors[i] = dlpc__view_new(b->region, (uint8_t *)b->region->base + d.offset,
-					       dev, d.dtype, d.ndim, d.shape, tflags);
-		if (!b->tensors[i]) {
-			r = dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
-			goto fail;
-		}
-	}
-	*ret = b;
-	return 0;
+	r = bundle_new(m, rep->tensor_table.data, rep->tensor_table.len, (size_t)n, keybytes, dev,
+		       tensor_flags(flags), name, ret);
+	return r;
 fail:
-	/* the region owns the reference from the moment it is set; before that, give it back */
-	if (!b || !b->region)
-		dlpc__release_epoch(c, rep->ref_id, epoch);
+	dlpc__release_epoch(c, rep->ref_id, epoch);
 	free(m);
-	if (fd >= 0)
-		close(fd);
-	dlpc_bundle_free(b);
+	dlpc__close(fd);
 	return r;
 }
 
-static int64_t mono_ms(void)
+/*
+ * Answer an attach from the cache: the generation, 0 when it cannot (ask the daemon), or a
+ * negative errno. The socket is read first, so that every invalidation the daemon wrote before
+ * this attach began is applied (see cache.c).
+ */
+static int attach_cached(dlpc_client *c, const char *name, uint32_t flags, uint32_t extra,
+			 uint32_t owner_uid, dlpc_bundle **ret)
 {
-	struct timespec ts;
+	bool cow = flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED);
+	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
+	const uint8_t *table;
+	size_t table_len, keybytes = 0, pos = 4;
+	struct dlpc__centry *e;
+	struct dlpc__region *m;
+	struct dlpc__table_rec d;
+	void *map;
+	int64_t n;
+	int fd, r;
 
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+	if (!dlpc__drain(c, false))
+		return 0;
+	e = dlpc__cache_get(c, name, flags & DLPC_ATTACH_OWNER, owner_uid,
+			    extra & DLPC_ATTACH_SINGLE, cow, &map);
+	if (!e)
+		return 0;
+	m = calloc(1, sizeof(*m));
+	if (!m) {
+		dlpc__cache_put(c, e, map, cow ? DLPC__MAP_COW : DLPC__MAP_SHARED_RO);
+		return dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
+	}
+	dlpc__cache_fill(e, m, &fd, &table, &table_len);
+	if (map) {
+		m->base = map;
+		m->map_kind = cow ? DLPC__MAP_COW : DLPC__MAP_SHARED_RO;
+	} else {
+		m->base = map_host(fd, m->len, flags, &m->map_kind);
+		if (m->base == MAP_FAILED) {
+			r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes: %m", name,
+				       m->len);
+			dlpc__cache_put(c, e, NULL, DLPC__MAP_OTHER);
+			free(m);
+			return r;
+		}
+	}
+	m->fd = -1;
+	m->client = c;
+	m->ce = e;
+	atomic_init(&m->refs, 1);
+	dlpc__client_ref(c);
+	n = dlpc__table_count(table, table_len);
+	for (int64_t i = 0; i < n; i++) {
+		dlpc__table_next(table, table_len, &pos, &d);
+		keybytes += d.key_len + 1;
+	}
+	r = bundle_new(m, table, table_len, (size_t)n, keybytes, dev, tensor_flags(flags), name,
+		       ret);
+	return r < 0 ? r : (int)m->generation;
 }
 
 /*
@@ -319,7 +412,7 @@ static int attach_call(dlpc_client *c, Dlpackd__V1__Attach *req, int64_t timeout
 		       Dlpackd__V1__AttachReply **rep, int *fd, struct dlpc__arena *arena,
 		       uint64_t *epoch)
 {
-	int64_t end = timeout > 0 ? mono_ms() + timeout : 0, left = timeout, pause = 10;
+	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, left = timeout, pause = 10;
 	char why[DLPC_ERROR_TEXT_MAX];
 	int r;
 
@@ -348,7 +441,7 @@ static int attach_call(dlpc_client *c, Dlpackd__V1__Attach *req, int64_t timeout
 		if (!info.lost && !info.reconnect_err)
 			return r;
 		if (timeout > 0) {
-			left = end - mono_ms();
+			left = end - dlpc__mono_ms();
 			/* the last attempt's message goes into the new one: copied first, for it
 			 * lives in the very buffer the new one is written to */
 			snprintf(why, sizeof(why), "%s", dlpc_last_error());
@@ -365,7 +458,7 @@ static int attach_call(dlpc_client *c, Dlpackd__V1__Attach *req, int64_t timeout
 		pause = pause * 2 < DLPC_RECONNECT_BACKOFF_MAX_MS ? pause * 2
 								  : DLPC_RECONNECT_BACKOFF_MAX_MS;
 		if (timeout > 0) {
-			left = end - mono_ms();
+			left = end - dlpc__mono_ms();
 			if (left <= 0)
 				left = 1;
 		}
@@ -379,7 +472,8 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	Dlpackd__V1__Attach req = DLPACKD__V1__ATTACH__INIT;
 	Dlpackd__V1__AttachReply *rep;
 	struct dlpc__arena arena;
-	uint64_t epoch = 0;
+	uint64_t epoch = 0, seq = 0;
+	bool cache;
 	uint32_t flags = 0;
 	int64_t timeout = 0;
 	void *stream = NULL;
@@ -417,10 +511,18 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 				  "cannot attach '%s' with an owner check: dlpackd speaks protocol "
 				  "%d.%u, which does not know owners (%d.3 does)",
 				  name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
+	/* the cache serves read-only attaches (shared, or copy-on-write from the kept fd) */
+	cache = c->cache.on && !(flags & (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_NO_CACHE));
+	if (cache) {
+		r = attach_cached(c, name, flags, extra, req.owner_uid, ret);
+		if (r != 0)
+			return r;
+		seq = dlpc__cache_seq(c);
+	}
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
 	/* how this process maps the storage is its own business, not the daemon's */
-	req.flags = (flags & ~LOCAL_FLAGS) | extra;
+	req.flags = (flags & ~LOCAL_FLAGS) | extra | (cache ? DLPC_ATTACH_CACHEABLE : 0);
 	req.timeout_ms = timeout;
 	/* the reply lives until the bundle is built: unpack it into an arena, not a malloc per
 	 * field (a 500-tensor bundle would be 1,500 of them) */
@@ -443,7 +545,7 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 		dlpc__close(fd);
 		r = dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply", name);
 	} else {
-		r = dlpc__attach_build(c, epoch, name, rep, fd, flags, stream, ret);
+		r = dlpc__attach_build(c, epoch, cache, seq, name, rep, fd, flags, stream, ret);
 		if (r == 0)
 			r = (int)rep->generation;
 	}

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -128,7 +129,7 @@ static int conn_error(dlpc_client *c, int err)
 	return dlpc__fail(err, "connection to dlpackd lost: %s", strerror(-err));
 }
 
-/* Queue the tokens of a RECLAIM notice for the reclaimer thread. Called with c->mu held. */
+/* Queue the tokens of a RECLAIM notice for the library's thread. Called with c->mu held. */
 static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
 {
 	Dlpackd__V1__Reclaim *m = dlpackd__v1__reclaim__unpack(NULL, f->hdr.len, f->payload);
@@ -156,8 +157,8 @@ static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
 		else
 			c->reclaimed[c->nreclaimed++] = m->tokens[i];
 	}
-	/* the reclaimer may be waiting for another reader's turn to end: this wakes it */
-	pthread_cond_broadcast(&c->cv);
+	/* the library's thread runs the deleters (loop.c) */
+	dlpc__loop_wake();
 out:
 	if (m)
 		dlpackd__v1__reclaim__free_unpacked(m, NULL);
@@ -176,6 +177,8 @@ static int deliver(dlpc_client *c, struct dlpc__frame *f, uint64_t *drop)
 
 	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_RECLAIM)
 		return take_reclaim(c, f);
+	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_INVALIDATE)
+		return dlpc__cache_invalidate(c, f) < 0 ? -EPROTO : 1;
 	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_ERROR) {
 		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, f->hdr.len, f->payload);
 
@@ -324,6 +327,7 @@ static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch
 
 		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
 			bool watch = f.hdr.type == (DLPC_MSG_WATCH | DLPC_MSG_REPLY);
+			bool inval = f.hdr.type == DLPC_MSG_INVALIDATE;
 			uint64_t drop = 0;
 
 			pthread_mutex_lock(&c->mu);
@@ -332,6 +336,8 @@ static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch
 			dlpc__frame_clear(&f);
 			if (drop)
 				dlpc__release_epoch(c, drop, epoch);
+			if (inval)
+				dlpc__cache_reap(c);
 			if (r < 0)
 				return r;
 			if (r == 0)
@@ -366,6 +372,71 @@ static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch
 		if (n < 0 && n != -EAGAIN)
 			return (int)n;
 	}
+}
+
+/*
+ * Deliver every frame the socket holds now, without waiting: 0, or a negative errno when the
+ * connection is lost. As the reader of connection @p epoch, without c->mu.
+ */
+static int read_ready(dlpc_client *c, uint64_t epoch)
+{
+	char why[160];
+
+	for (;;) {
+		struct dlpc__frame f;
+		ssize_t n;
+		int r;
+
+		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
+			bool inval = f.hdr.type == DLPC_MSG_INVALIDATE;
+			uint64_t drop = 0;
+
+			pthread_mutex_lock(&c->mu);
+			r = deliver(c, &f, &drop);
+			pthread_mutex_unlock(&c->mu);
+			dlpc__frame_clear(&f);
+			if (drop)
+				dlpc__release_epoch(c, drop, epoch);
+			if (inval)
+				dlpc__cache_reap(c);
+			if (r < 0)
+				return r;
+		}
+		if (r < 0)
+			return r;
+		n = dlpc__rx_read_flags(&c->rx, c->sock, MSG_DONTWAIT, why, sizeof(why));
+		if (n == -EAGAIN)
+			return 0;
+		if (n == 0)
+			return -ECONNRESET;
+		if (n < 0)
+			return (int)n;
+	}
+}
+
+int dlpc__drain(dlpc_client *c, bool closed_ok)
+{
+	uint64_t epoch;
+	int r;
+
+	pthread_mutex_lock(&c->mu);
+	/* a reader (another call's thread, the library's) may hold frames it has not delivered
+	 * yet, or be about to read them: nothing here can vouch for what it has not seen */
+	if (c->reading || c->broken || (c->closed && !closed_ok)) {
+		pthread_mutex_unlock(&c->mu);
+		return 0;
+	}
+	c->reading = true;
+	epoch = c->epoch;
+	pthread_mutex_unlock(&c->mu);
+	r = read_ready(c, epoch);
+	pthread_mutex_lock(&c->mu);
+	c->reading = false;
+	if (r < 0 && !c->broken)
+		c->broken = r;
+	pthread_cond_broadcast(&c->cv);
+	pthread_mutex_unlock(&c->mu);
+	return r == 0;
 }
 
 int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
@@ -599,8 +670,7 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		return call_closed(c);
 	/* lost: with DLPC_CONNECT_RECONNECT connect anew, unless another call or the reader
 	 * still works on the old connection (it fails as that did; a later call connects) */
-	if (c->broken && c->reconnect && !c->calls && !c->reading && !c->reconnecting &&
-	    !c->reclaimer) {
+	if (c->broken && c->reconnect && !c->calls && !c->reading && !c->reconnecting) {
 		int64_t connect_ms, hello_ms;
 
 		reconnect_bounds(c, wait_ms, &connect_ms, &hello_ms);

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The connection: connect, HELLO, fork, deferred releases, the reclaimer, close (requests and
- * replies: call.c). */
+/* The connection: connect, HELLO, fork, deferred releases, close (requests and replies: call.c;
+ * the library's thread: loop.c). */
 #include <errno.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -49,21 +49,20 @@ static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
 static dlpc_client *open_clients;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
-/* The flusher thread of deferred releases (see dlpc__release_epoch) and what wakes it. */
-static pthread_mutex_t flush_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t flush_cv = PTHREAD_COND_INITIALIZER;
-static bool flusher_running; /* in this process: a forked child starts its own */
-static bool flush_wanted;
-
 static void atfork_prepare(void)
 {
 	pthread_mutex_lock(&open_mu);
-	pthread_mutex_lock(&flush_mu);
+	dlpc__loop_atfork(0);
+	/* the caches' locks are leaves: taken after these, by no thread holding one of them */
+	for (dlpc_client *c = open_clients; c; c = c->next_open)
+		dlpc__cache_lock(c, true);
 }
 
 static void atfork_parent(void)
 {
-	pthread_mutex_unlock(&flush_mu);
+	for (dlpc_client *c = open_clients; c; c = c->next_open)
+		dlpc__cache_lock(c, false);
+	dlpc__loop_atfork(1);
 	pthread_mutex_unlock(&open_mu);
 }
 
@@ -77,16 +76,10 @@ static void atfork_child(void)
 		c->sock = -1;
 		dlpc__close(c->wake_fd);
 		c->wake_fd = -1;
+		dlpc__cache_forked(c);
 	}
-	/*
-	 * The parent's deferred releases are the parent's business, and no flusher runs here. The
-	 * condition variable may still count the parent's flusher as a waiter, and signalling it
-	 * would then wait for that thread forever: start both afresh.
-	 */
-	flusher_running = false;
-	flush_wanted = false;
-	pthread_cond_init(&flush_cv, NULL);
-	pthread_mutex_init(&flush_mu, NULL);
+	/* the parent's deferred releases are the parent's business; no library thread runs here */
+	dlpc__loop_atfork(2);
 	pthread_mutex_unlock(&open_mu);
 }
 
@@ -140,6 +133,7 @@ static void client_free(dlpc_client *c)
 	free(c->reclaimed);
 	dlpc__pool_free(c->pool);
 	free(c->abandoned);
+	dlpc__cache_clear(c);
 	dlpc__close(c->wake_fd);
 	pthread_mutex_destroy(&c->mu);
 	pthread_mutex_destroy(&c->wmu);
@@ -167,6 +161,11 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 	/* the connection may live on for attached mappings: tell the daemon what is released */
 	if (dlpc__ours(c)) {
 		dlpc__cancel_calls(c);
+		/* idle references go back now; those in use when their last tensor is released */
+		dlpc__cache_off(c);
+		/* the library's thread may be reading the socket for the cache: let it look again,
+		 * so that it holds the client no longer than the user does */
+		dlpc__loop_wake();
 		pthread_mutex_lock(&c->wmu);
 		dlpc__flush_locked(c);
 		pthread_mutex_unlock(&c->wmu);
@@ -178,9 +177,24 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 ssize_t dlpc__pending_frame(dlpc_client *c)
 {
 	Dlpackd__V1__Release msg = DLPACKD__V1__RELEASE__INIT;
+	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	uint64_t rel[DLPC_RELEASE_PENDING_MAX], cached[DLPC_RELEASE_PENDING_MAX],
+		used[DLPC_RELEASE_PENDING_MAX];
 
-	msg.n_ref_ids = atomic_load_explicit(&c->npending, memory_order_relaxed);
-	msg.ref_ids = c->pending;
+	/* releases and the cache's marks (1.7) share the queue, told apart by tag bits */
+	msg.ref_ids = rel;
+	msg.cached_ids = cached;
+	msg.used_ids = used;
+	for (unsigned i = 0; i < n; i++) {
+		uint64_t v = c->pending[i];
+
+		if (v & DLPC__MARK_CACHED)
+			cached[msg.n_cached_ids++] = v & ~DLPC__MARK_CACHED;
+		else if (v & DLPC__MARK_USED)
+			used[msg.n_used_ids++] = v & ~DLPC__MARK_USED;
+		else
+			rel[msg.n_ref_ids++] = v;
+	}
 	return dlpc__msg_frame(&c->out, DLPC_MSG_RELEASE, 0, &msg.base, 0);
 }
 
@@ -230,47 +244,28 @@ static bool client_tryref(dlpc_client *c)
 	return false;
 }
 
-/* One open client of this process with deferred releases, referenced, or NULL. */
-static dlpc_client *next_pending(void)
+size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
 {
-	dlpc_client *c;
+	size_t n = 0;
 
 	pthread_mutex_lock(&open_mu);
-	for (c = open_clients; c; c = c->next_open)
-		if (dlpc__ours(c) && atomic_load_explicit(&c->npending, memory_order_relaxed) &&
-		    client_tryref(c))
-			break;
-	pthread_mutex_unlock(&open_mu);
-	return c;
-}
+	for (dlpc_client *c = open_clients; c; c = c->next_open) {
+		if (!dlpc__ours(c))
+			continue;
+		if (n == *cap) {
+			size_t ncap = *cap ? *cap * 2 : 8;
+			dlpc_client **nv = realloc(*buf, ncap * sizeof(*nv));
 
-/*
- * The flusher: woken by the first deferred release after a quiet spell, it sleeps
- * DLPC_RELEASE_DELAY_MS and then sends whatever no request has carried in the meantime. A busy
- * connection's requests carry its releases long before that, so it wakes at most once per delay.
- */
-static void *flusher(void *arg)
-{
-	const struct timespec delay = {.tv_nsec = DLPC_RELEASE_DELAY_MS * 1000000L};
-	dlpc_client *c;
-
-	(void)arg;
-	pthread_mutex_lock(&flush_mu);
-	for (;;) {
-		while (!flush_wanted)
-			pthread_cond_wait(&flush_cv, &flush_mu);
-		flush_wanted = false;
-		pthread_mutex_unlock(&flush_mu);
-		nanosleep(&delay, NULL);
-		while ((c = next_pending())) {
-			pthread_mutex_lock(&c->wmu);
-			dlpc__flush_locked(c);
-			pthread_mutex_unlock(&c->wmu);
-			dlpc__client_unref(c);
+			if (!nv)
+				break;
+			*buf = nv;
+			*cap = ncap;
 		}
-		pthread_mutex_lock(&flush_mu);
+		if (client_tryref(c))
+			(*buf)[n++] = c;
 	}
-	return NULL;
+	pthread_mutex_unlock(&open_mu);
+	return n;
 }
 
 /* See internal.h. */
@@ -291,28 +286,61 @@ bool dlpc__start_thread(void *(*fn)(void *), void *arg)
 	return ok;
 }
 
-/* Make sure the flusher will look soon. false when it cannot run (no thread could be made). */
-static bool flush_soon(void)
+/* Queue @p v (a reference id, maybe tagged) on c->pending and tell the library's thread. Under wmu, which
+ * this releases. */
+static void pending_add(dlpc_client *c, uint64_t v)
 {
-	bool ok = true;
+	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
 
-	pthread_mutex_lock(&flush_mu);
-	if (!flusher_running) {
-		flusher_running = dlpc__start_thread(flusher, NULL);
-		ok = flusher_running;
+	/* full only if the last flush had no memory for its frame: try again; failing that, this
+	 * reference stays with the daemon until the connection closes */
+	if (n == DLPC_RELEASE_PENDING_MAX)
+		dlpc__flush_locked(c);
+	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	if (n < DLPC_RELEASE_PENDING_MAX) {
+		c->pending[n++] = v;
+		atomic_store_explicit(&c->npending, n, memory_order_relaxed);
 	}
-	if (ok && !flush_wanted) {
-		flush_wanted = true;
-		pthread_cond_signal(&flush_cv);
+	if (n == DLPC_RELEASE_PENDING_MAX)
+		dlpc__flush_locked(c);
+	pthread_mutex_unlock(&c->wmu);
+	if (n == 1 && !dlpc__loop_flush_soon()) {
+		pthread_mutex_lock(&c->wmu);
+		dlpc__flush_locked(c);
+		pthread_mutex_unlock(&c->wmu);
 	}
-	pthread_mutex_unlock(&flush_mu);
-	return ok;
+}
+
+void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cached)
+{
+	uint64_t v = ref_id | (cached ? DLPC__MARK_CACHED : DLPC__MARK_USED);
+	uint64_t undo = ref_id | (cached ? DLPC__MARK_USED : DLPC__MARK_CACHED);
+	unsigned n;
+
+	if (!dlpc__ours(c))
+		return;
+	pthread_mutex_lock(&c->wmu);
+	if (epoch != c->epoch) {
+		pthread_mutex_unlock(&c->wmu);
+		return;
+	}
+	/* a mark not sent yet that this one undoes goes instead: a re-attach loop queues nothing
+	 * more than its last release's mark */
+	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	for (unsigned i = 0; i < n; i++)
+		if (c->pending[i] == undo || c->pending[i] == v) {
+			if (c->pending[i] == undo) {
+				c->pending[i] = c->pending[n - 1];
+				atomic_store_explicit(&c->npending, n - 1, memory_order_relaxed);
+			}
+			pthread_mutex_unlock(&c->wmu);
+			return;
+		}
+	pending_add(c, v);
 }
 
 void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
 {
-	unsigned n;
-
 	/* in a forked child the reference is the parent's; the daemon drops it when the parent
 	 * releases it or goes away */
 	if (!dlpc__ours(c))
@@ -323,24 +351,7 @@ void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
 		pthread_mutex_unlock(&c->wmu);
 		return;
 	}
-	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
-	/* full only if the last flush had no memory for its frame: try again; failing that, this
-	 * reference stays with the daemon until the connection closes */
-	if (n == DLPC_RELEASE_PENDING_MAX)
-		dlpc__flush_locked(c);
-	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
-	if (n < DLPC_RELEASE_PENDING_MAX) {
-		c->pending[n++] = ref_id;
-		atomic_store_explicit(&c->npending, n, memory_order_relaxed);
-	}
-	if (n == DLPC_RELEASE_PENDING_MAX)
-		dlpc__flush_locked(c);
-	pthread_mutex_unlock(&c->wmu);
-	if (n == 1 && !flush_soon()) {
-		pthread_mutex_lock(&c->wmu);
-		dlpc__flush_locked(c);
-		pthread_mutex_unlock(&c->wmu);
-	}
+	pending_add(c, ref_id);
 }
 
 void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch)
@@ -352,71 +363,10 @@ void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch)
 		return;
 	}
 	c->ipc_pubs += (unsigned)delta;
-	/* a publication taken back (its publish failed) may leave the reclaimer waiting for a
-	 * socket that has nothing more to say: let it look again */
+	/* a publication taken back (its publish failed) may leave the library's thread watching
+	 * a socket that has nothing more to say for it: let it look again */
 	if (c->ipc_pubs == 0 && c->reclaimer)
-		dlpc__wake_reader(c);
-	pthread_mutex_unlock(&c->mu);
-}
-
-/*
- * The reclaimer: one thread per connection with legacy CUDA IPC or lent VMM publications
- * outstanding. It
- * takes the reader's turn whenever no request holds it, so a RECLAIM notice is read as soon as
- * it arrives even if the process makes no further calls, and it runs the deleters of the
- * reclaimed publications itself, outside any lock and outside the reader's turn (a deleter may
- * call libdlpc). It holds a reference on the client, so the connection (and its ephemeral
- * entries) stays open after dlpc_close() until the last publication is reclaimed; it ends then,
- * or when the connection is lost (the publications are then kept until the process exits: the
- * daemon can no longer say whether some attacher still uses them).
- */
-static void *reclaimer(void *arg)
-{
-	dlpc_client *c = arg;
-
-	pthread_mutex_lock(&c->mu);
-	for (;;) {
-		if (c->nreclaimed) {
-			size_t n = c->nreclaimed;
-			uint64_t *v = malloc(n * sizeof(*v)), epoch = c->epoch;
-
-			if (v) {
-				memcpy(v, c->reclaimed, n * sizeof(*v));
-				c->nreclaimed = 0;
-			}
-			pthread_mutex_unlock(&c->mu);
-			for (size_t i = 0; v && i < n; i++)
-				if (dlpc__cuda_reclaim(v[i], true))
-					dlpc__reclaim_count(c, -1, epoch);
-			free(v);
-			pthread_mutex_lock(&c->mu);
-			if (!v) {
-				/* out of memory: try again in a moment */
-				pthread_mutex_unlock(&c->mu);
-				usleep(1000);
-				pthread_mutex_lock(&c->mu);
-			}
-			continue;
-		}
-		if (c->broken || c->ipc_pubs == 0)
-			break;
-		dlpc__reader_turn(c, NULL);
-	}
-	c->reclaimer = false;
-	pthread_mutex_unlock(&c->mu);
-	dlpc__client_unref(c);
-	return NULL;
-}
-
-void dlpc__reclaim_start(dlpc_client *c)
-{
-	pthread_mutex_lock(&c->mu);
-	if (!c->reclaimer && !c->broken) {
-		dlpc__client_ref(c);
-		c->reclaimer = dlpc__start_thread(reclaimer, c);
-		if (!c->reclaimer)
-			atomic_fetch_sub_explicit(&c->refs, 1, memory_order_relaxed);
-	}
+		dlpc__loop_wake();
 	pthread_mutex_unlock(&c->mu);
 }
 
@@ -499,6 +449,7 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, i
 	pthread_cond_init(&c->cv, &ca);
 	pthread_condattr_destroy(&ca);
 	dlpc__rx_init(&c->rx);
+	pthread_mutex_init(&c->cache.mu, NULL);
 	/* a reply's fd that this process has no room for fails that call, not the connection */
 	c->rx.report_lost_fds = true;
 	if (!parent)
@@ -586,9 +537,9 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 	if (!ret)
 		return dlpc__fail(-EINVAL, "dlpc_connect: ret is NULL");
 	*ret = NULL;
-	if (flags & ~DLPC_CONNECT_RECONNECT)
+	if (flags & ~(DLPC_CONNECT_RECONNECT | DLPC_CONNECT_NO_CACHE))
 		return dlpc__fail(-EINVAL, "dlpc_connect_flags: unknown flags 0x%x",
-				  flags & ~DLPC_CONNECT_RECONNECT);
+				  flags & ~(DLPC_CONNECT_RECONNECT | DLPC_CONNECT_NO_CACHE));
 	if (socket_path) {
 		if (strlen(socket_path) >= sizeof(path))
 			return dlpc__fail(-ENAMETOOLONG, "socket path %s is too long", socket_path);
@@ -605,8 +556,15 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 	if (r < 0)
 		return r;
 	r = connect_new(path, timeout, NULL, 0, 0, ret);
-	if (r == 0)
-		(*ret)->reconnect = flags & DLPC_CONNECT_RECONNECT;
+	if (r < 0)
+		return r;
+	(*ret)->reconnect = flags & DLPC_CONNECT_RECONNECT;
+	(*ret)->no_cache = flags & DLPC_CONNECT_NO_CACHE;
+	r = dlpc__cache_init(*ret, (*ret)->no_cache);
+	if (r < 0) {
+		dlpc_close(*ret);
+		*ret = NULL;
+	}
 	return r;
 }
 
@@ -664,8 +622,15 @@ int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
 	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
 	c->epoch++;
 	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */
+	/* the cached references died with the old connection; the new one may not speak 1.7 */
+	dlpc__cache_drop(c);
+	pthread_mutex_lock(&c->cache.mu);
+	c->cache.on = !c->no_cache && !c->closed && c->minor >= 7 && c->cache.max_entries &&
+		      c->cache.max_bytes && c->cache.idle_ms;
+	pthread_mutex_unlock(&c->cache.mu);
 	pthread_mutex_unlock(&c->mu);
 	pthread_mutex_unlock(&c->wmu);
+	dlpc__cache_reap(c);
 	client_free(n);
 	return 0;
 }

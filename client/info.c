@@ -71,6 +71,7 @@ int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in)
 	e->flags = in->flags;
 	e->nbytes = in->nbytes;
 	e->refs = in->refs;
+	e->cached_refs = in->cached_refs;
 	e->owner_uid = in->owner_uid;
 	e->owner_pid = in->owner_pid;
 	e->created_ns = in->created_ns;
@@ -222,6 +223,8 @@ DLPC_EXPORT int dlpc_stat(dlpc_client *c, dlpc_stats *out)
 	s.channels = rep->channels;
 	s.messages = rep->messages;
 	s.uid_channels = rep->uid_channels;
+	s.cached_references = rep->cached_references;
+	s.invalidations = rep->invalidations;
 	dlpackd__v1__stat_reply__free_unpacked(rep, NULL);
 	/* copy only as much as the caller's struct holds, keeping its size field */
 	memcpy((char *)out + sizeof(out->size), (char *)&s + sizeof(s.size),

@@ -16,13 +16,35 @@
 #include "msg.h"
 
 struct dlpc__call;
+struct dlpc__centry;
+
+/* Buckets of a client's cache table (cache.c), by name. */
+#define DLPC__CACHE_BUCKETS 64
+
+/*
+ * A client's cache of references by name (cache.c): every cacheable attach of a host entry,
+ * in use or idle since its last release, until its name moves on (INVALIDATE), the bounds or
+ * the idle time evict it, or the connection goes. Its lock is a leaf: nothing else is locked
+ * under it, and it is taken under c->mu (INVALIDATE) and under wmu and mu (reconnect).
+ */
+struct dlpc__cache {
+	pthread_mutex_t mu;
+	bool on; /* protocol 1.7, no DLPC_CONNECT_NO_CACHE, no bound set to 0: set at connect */
+	uint64_t max_entries, max_bytes;
+	int64_t idle_ms;
+	struct dlpc__centry *table[DLPC__CACHE_BUCKETS];
+	struct dlpc__centry *idle_head, *idle_tail; /* idle entries, most recently used first */
+	uint64_t nidle, idle_bytes;
+	uint64_t inval_seq; /* INVALIDATE frames received: an attach that saw one may not cache */
+	struct dlpc__centry *dead; /* unlinked with nobody using them, to be freed unlocked */
+};
 
 /*
  * One connection. Requests may come from many threads: each sends its frame under wmu, then
  * waits for the reply carrying its id. Whichever waiting thread finds nobody reading becomes
  * the reader until some reply arrives or its own deadline passes, handing replies to their
- * callers (leader/follower). The one thread of the library's own only flushes deferred releases
- * (dlpc__release_epoch()).
+ * callers (leader/follower). The library's own thread (loop.c) flushes deferred releases, and
+ * takes the reader's turn without waiting to act on RECLAIM and INVALIDATE frames.
  *
  * The struct is refcounted: the user's handle counts once, each attached mapping once, and each
  * call in progress once (so dlpc_close() from another thread cannot free it under a waiting
@@ -51,12 +73,13 @@ struct dlpc_client {
 	uint32_t *abandoned;
 	size_t nabandoned, abandoned_cap;
 	/* legacy CUDA IPC publications awaiting their RECLAIM notice, the tokens of notices
-	 * received but not yet acted on, and whether the reclaimer thread runs (client.c) */
+	 * received but not yet acted on, and whether the library's thread holds the client to
+	 * read them (loop.c) */
 	unsigned ipc_pubs; /* of this connection (epoch): counted as their PUBLISH goes out */
 	uint64_t *reclaimed;
 	size_t nreclaimed, reclaimed_cap;
 	bool reclaimer;
-	int wake_fd; /* eventfd that ends the reader's wait for the socket (dlpc_close, reclaimer) */
+	int wake_fd;	    /* eventfd that ends the reader's wait for the socket (dlpc_close) */
 	char fatal[256];    /* the daemon's last word (an ERROR with id 0), if any */
 	struct dlpc__rx rx; /* used only by the current reader */
 
@@ -64,13 +87,14 @@ struct dlpc_client {
 	struct dlpc__scratch out;
 	/* references released by deleters but not yet told to the daemon (dlpc__release_epoch) */
 	uint64_t pending[DLPC_RELEASE_PENDING_MAX];
-	atomic_uint npending; /* written under wmu; read without it by the flusher's scan */
+	atomic_uint npending; /* written under wmu; read without it by the library's thread */
 
 	struct dlpc_client *next_open; /* in the list of open clients (client.c) */
 
 	/* DLPC_CONNECT_RECONNECT: a call that finds the connection lost connects anew first
 	 * (dlpc__reconnect()). The fields below change under wmu and mu both. */
 	bool reconnect;
+	bool no_cache;	   /* DLPC_CONNECT_NO_CACHE */
 	bool reconnecting; /* a thread is connecting anew: others fail as the lost connection did */
 	/* the connection being made anew, until it replaces the lost one or fails: dlpc_close()
 	 * and dlpc_cancel() cancel its HELLO too (under mu) */
@@ -78,6 +102,7 @@ struct dlpc_client {
 	uint64_t epoch; /* connections before this one; a reference names the one it came by */
 	char path[108]; /* the socket, to connect to again */
 	struct dlpc__pool *pool; /* recycled buffers of dlpc_channel_alloc() (pool.c), or NULL */
+	struct dlpc__cache cache;
 };
 
 /*
@@ -104,7 +129,11 @@ struct dlpc__region {
 	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
 	uint64_t ref_id;
-	uint64_t epoch;	    /* the connection (client->epoch) ref_id belongs to */
+	uint64_t epoch; /* the connection (client->epoch) ref_id belongs to */
+	/* attached memory held through the client's cache: the entry holds the reference (the
+	 * region only one use of it), and may take back the mapping (map_kind) */
+	struct dlpc__centry *ce;
+	uint8_t map_kind;   /* DLPC__MAP_* */
 	atomic_bool frozen; /* allocated memory sealed read-only (F_SEAL_WRITE), mapped read-only */
 	/* attached memory (protocol 1.3 and later): who published the entry, and what */
 	bool has_owner;
@@ -208,7 +237,7 @@ int dlpc__call_ex(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, co
  * Fire-and-forget RELEASE of one reference, which came by connection @p epoch: dropped if the
  * client has connected anew since (that connection, and the reference with it, is gone); does
  * nothing in a forked child. The id waits in c->pending and goes out with the connection's next
- * request, or after DLPC_RELEASE_DELAY_MS through the library's flusher thread, whichever comes
+ * request, or after DLPC_RELEASE_DELAY_MS through the library's thread (loop.c), whichever comes
  * first.
  */
 void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch);
@@ -258,8 +287,9 @@ bool dlpc__interrupted(void);
 #define DLPC__INTERRUPTED 2
 /* attach.c: turn an ATTACH (or RECV) reply that came by connection @p epoch, and its fd (-1 for
  * legacy CUDA IPC), into a bundle mapped as DLPC_ATTACH_* @p flags say; consumes @p fd and, on
- * failure, releases the reply's reference. Messages say "cannot attach '@p name'". */
-int dlpc__attach_build(dlpc_client *c, uint64_t epoch, const char *name,
+ * failure, releases the reply's reference; keeps the reference in the cache if @p cache (@p seq:
+ * dlpc__cache_seq() before the request). Messages say "cannot attach '@p name'". */
+int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq, const char *name,
 		       const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
 		       dlpc_bundle **ret);
 /* publish.c: where a publish's request goes instead of PUBLISH (a channel's SEND); @p fn sends
@@ -298,9 +328,83 @@ int dlpc__name_arg(const char *name, const char *what);
  * (or, with -1, take a failed one back); nothing once @p c has connected anew since: the count
  * went with that connection. */
 void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch);
-/* Make sure the reclaimer thread of @p c runs: it reads the connection whenever no request
- * does, so that RECLAIM notices are acted on while the process makes no calls. */
+/* Have the library's thread watch @p c (loop.c): it reads the connection whenever no request
+ * does, so that RECLAIM notices are acted on while the process makes no calls, and holds a
+ * reference on @p c until the last publication is reclaimed or the connection is lost. */
 void dlpc__reclaim_start(dlpc_client *c);
+
+/* ---- loop.c: the library's thread ---- */
+/* Make sure the thread will send deferred releases soon. false when it cannot run. */
+bool dlpc__loop_flush_soon(void);
+/* Have the thread look at everything again now (async-signal-safe, any lock held). */
+void dlpc__loop_wake(void);
+/* fork(): 0 before (lock), 1 in the parent after, 2 in the child (start afresh). */
+void dlpc__loop_atfork(int phase);
+/* Every open client of this process, each referenced (unref each), into *@p buf of *@p cap
+ * (grown as needed; the caller's to keep or free). Their number. */
+size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap);
+
+/* ---- cache.c: references kept after their last release ---- */
+/* What an attached host mapping is, for the cache to keep it for the next attach. */
+#define DLPC__MAP_OTHER 0     /* not to be handed out again: unmapped */
+#define DLPC__MAP_SHARED_RO 1 /* MAP_SHARED, PROT_READ */
+#define DLPC__MAP_COW 2	      /* MAP_PRIVATE, PROT_READ|PROT_WRITE */
+/* Tags of the ids in c->pending besides releases: a RELEASE mark (protocol 1.7). */
+#define DLPC__MARK_CACHED (1ull << 63)
+#define DLPC__MARK_USED (1ull << 62)
+
+/* Read the bounds ($DLPC_CACHE_*) and turn @p c's cache on unless @p off. 0, or -EINVAL for a
+ * value that is not a whole number. */
+int dlpc__cache_init(dlpc_client *c, bool off);
+/* Free what the cache holds (at client_free(): nothing uses it any more). */
+void dlpc__cache_clear(dlpc_client *c);
+/* Number of INVALIDATE frames @p c has received: an attach notes it before its request and
+ * caches the reference it gets only if it has not changed meanwhile. */
+uint64_t dlpc__cache_seq(dlpc_client *c);
+/* An entry answering an attach of @p name (with @p owner_uid, if @p owned; one tensor, if
+ * @p single) from the cache, in use once more; NULL: ask the daemon. *@p map receives the idle
+ * mapping of the kind asked for (a copy-on-write one if @p cow), if it kept one. */
+struct dlpc__centry *dlpc__cache_get(dlpc_client *c, const char *name, bool owned,
+				     uint32_t owner_uid, bool single, bool cow, void **map);
+/* What a region made from entry @p e needs of it. */
+void dlpc__cache_fill(const struct dlpc__centry *e, struct dlpc__region *m, int *fd,
+		      const uint8_t **table, size_t *table_len);
+/*
+ * Cache the reference of a reply just received (@p seq: dlpc__cache_seq() before its request),
+ * taking over @p fd; the entry is in use once. NULL (nothing taken) when it cannot be: the name
+ * is cached already, an invalidation came meanwhile, another connection, no memory.
+ */
+struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t epoch,
+					const char *name, const struct dlpc__region *m, int fd,
+					const uint8_t *table, size_t table_len);
+/* One use of @p e ends; its mapping @p base (NULL: none) of DLPC__MAP_* @p kind goes back to
+ * it if it has none of that kind (a copy-on-write one emptied of its private pages first), or
+ * is unmapped. The last use makes the entry idle, or frees it if invalidated. */
+void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, int kind);
+/* INVALIDATE frame @p f: forget the entry it names (under c->mu). 0 or -EPROTO. */
+int dlpc__cache_invalidate(dlpc_client *c, const struct dlpc__frame *f);
+/* Free the entries invalidated or dropped meanwhile (with no lock of @p c held). */
+void dlpc__cache_reap(dlpc_client *c);
+/* Forget every entry (connection replaced, dlpc_close()); free them with dlpc__cache_reap(). */
+void dlpc__cache_drop(dlpc_client *c);
+/* Turn the cache off for good and free what it holds (dlpc_close()). No lock held. */
+void dlpc__cache_off(dlpc_client *c);
+/* Evict what has been idle too long; the monotonic ms when the next entry expires, or 0. */
+int64_t dlpc__cache_sweep(dlpc_client *c);
+/* In a forked child: close the parent's cached fds and mappings, start the lock afresh. */
+void dlpc__cache_forked(dlpc_client *c);
+/* For fork: hold @p c's cache lock (prepare) or let go of it (parent). */
+void dlpc__cache_lock(dlpc_client *c, bool lock);
+/* Queue a RELEASE mark of reference @p ref_id of connection @p epoch: idle in the cache
+ * (@p cached) or in use again (client.c). */
+void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cached);
+/* Have the library's thread sweep the caches at monotonic ms @p when (client.c). */
+void dlpc__sweep_at(int64_t when);
+/* Read what @p c's socket holds without waiting, delivering it, if no other thread reads it:
+ * 1; 0 when another does (or the connection is lost, or closed unless @p closed_ok). */
+int dlpc__drain(dlpc_client *c, bool closed_ok);
+/* Monotonic milliseconds. */
+int64_t dlpc__mono_ms(void);
 
 /* ---- cuda.c: the CUDA driver, loaded at run time ---- */
 struct dlpc__gpu_map;

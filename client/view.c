@@ -42,7 +42,10 @@ void dlpc__region_unref(struct dlpc__region *r)
 {
 	if (atomic_fetch_sub_explicit(&r->refs, 1, memory_order_acq_rel) != 1)
 		return;
-	if (!r->device) {
+	if (r->ce) {
+		/* the cache holds the reference, and may keep the mapping for the next attach */
+		dlpc__cache_put(r->client, r->ce, r->base, r->map_kind);
+	} else if (!r->device) {
 		munmap(r->base, r->len);
 	} else if (r->client) {
 		/* the consumer's queued kernels may still read it: the mapping goes and the
@@ -66,7 +69,8 @@ void dlpc__region_finish(struct dlpc__region *r)
 	if (r->fd >= 0)
 		close(r->fd);
 	if (r->client) {
-		dlpc__release_epoch(r->client, r->ref_id, r->epoch);
+		if (!r->ce)
+			dlpc__release_epoch(r->client, r->ref_id, r->epoch);
 		dlpc__client_unref(r->client);
 	}
 	free(r->parts);

@@ -9,7 +9,8 @@
 #include "peer.h"
 #include "util.h"
 
-#define ATTACH_FLAGS (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_SINGLE | DLPC_ATTACH_OWNER)
+#define ATTACH_FLAGS                                                                               \
+	(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_SINGLE | DLPC_ATTACH_OWNER | DLPC_ATTACH_CACHEABLE)
 
 /* Does @p e count for an attach that asked (DLPC_ATTACH_OWNER in @p flags) for @p owner? */
 static bool owner_ok(const struct dlpd_entry *e, uint32_t flags, uint32_t owner)
@@ -49,9 +50,11 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 	(void)f;
 	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EINVAL, "cannot attach: %s", why);
-	if (req->flags & ~ATTACH_FLAGS)
-		return dlpd_reply_error(p, id, EINVAL, "cannot attach: unknown flags 0x%x",
-					req->flags & ~ATTACH_FLAGS);
+	if ((req->flags & ~ATTACH_FLAGS) || ((req->flags & DLPC_ATTACH_CACHEABLE) && p->minor < 7))
+		return dlpd_reply_error(
+			p, id, EINVAL, "cannot attach: unknown flags 0x%x",
+			req->flags & ~(p->minor < 7 ? ATTACH_FLAGS & ~DLPC_ATTACH_CACHEABLE
+						    : ATTACH_FLAGS));
 	e = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
 	if (e && owner_ok(e, req->flags, req->owner_uid))
 		return dlpd_attach_answer(p, id, e, req->flags);
@@ -98,10 +101,26 @@ int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 
 	(void)id;
 	(void)f;
-	if (req->n_ref_ids > DLPC_RELEASE_BATCH_MAX) {
+	size_t n = req->n_ref_ids + req->n_cached_ids + req->n_used_ids;
+
+	if (n > DLPC_RELEASE_BATCH_MAX) {
 		dlpd_reply_error(p, 0, EPROTO, "RELEASE of %zu references exceeds the limit of %d",
-				 req->n_ref_ids, DLPC_RELEASE_BATCH_MAX);
+				 n, DLPC_RELEASE_BATCH_MAX);
 		return -EPROTO;
+	}
+	/* marks only change what STAT and LIST say: one for a reference released meanwhile (or
+	 * of a connection the client has since replaced) is no violation */
+	for (size_t i = 0; i < req->n_cached_ids; i++) {
+		struct dlpd_ref *ref = dlpd_ref_find(&p->held, req->cached_ids[i]);
+
+		if (ref)
+			dlpd_ref_mark(&p->srv->reg, ref, true);
+	}
+	for (size_t i = 0; i < req->n_used_ids; i++) {
+		struct dlpd_ref *ref = dlpd_ref_find(&p->held, req->used_ids[i]);
+
+		if (ref)
+			dlpd_ref_mark(&p->srv->reg, ref, false);
 	}
 	for (size_t i = 0; i < req->n_ref_ids; i++) {
 		struct dlpd_ref *ref = dlpd_ref_find(&p->held, req->ref_ids[i]);

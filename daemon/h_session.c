@@ -99,6 +99,8 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	rep.storages = s->reg.storages;
 	rep.bytes_held = s->reg.bytes;
 	rep.references = s->reg.refs;
+	rep.cached_references = s->reg.cached_refs;
+	rep.invalidations = s->stats.invalidations;
 	rep.waiters = s->reg.waiters;
 	/* pending first: only this thread adds to it, so fds_open is counted after */
 	rep.fds_closing = dlpd_reaper_pending() + s->peers_closing;

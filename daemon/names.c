@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "invalidate.h"
 #include "names.h"
 #include "peer.h"
 #include "persist.h"
@@ -120,6 +121,7 @@ int dlpd_attach_answer(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, u
 	ref = dlpd_ref_new(&s->reg, &p->held, e->st);
 	if (!ref)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot attach: out of memory");
+	ref->cacheable = flags & DLPC_ATTACH_CACHEABLE;
 	rep.generation = e->generation;
 	rep.ref_id = ref->id;
 	rep.flags = pub->flags;
@@ -163,8 +165,10 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 
 	/* Removing old first cannot make the link fail: the map has buckets already. Nothing
 	 * runs in between, so no attacher sees the name absent, and watchers see one REPLACED. */
-	if (old)
+	if (old) {
+		dlpd_invalidate(s, old);
 		old_st = dlpd_entry_unlink(&s->reg, old);
+	}
 	r = dlpd_entry_link(&s->reg, e, owner ? &owner->held : NULL);
 	if (r < 0) {
 		struct dlpd_storage *st = e->st;
@@ -192,6 +196,7 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 void dlpd_names_remove(struct dlpd_server *s, struct dlpd_entry *e, int reason,
 		       const struct dlpd_peer *actor)
 {
+	dlpd_invalidate(s, e);
 	dlpd_persist_removed(s, e);
 	notify_watchers(s, DLPC_WATCH_UNPUBLISHED, e, 0, reason, actor->uid, actor->pid);
 	dlpd_storage_gone(s, dlpd_entry_unlink(&s->reg, e));

@@ -156,6 +156,7 @@ struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage
 	st->usage = u;
 	st->charged = fd >= 0 ? size : 0;
 	dlpd_list_init(&st->reclaim_link);
+	dlpd_list_init(&st->refs);
 	u->storages++;
 	u->storage_fds += fd >= 0;
 	u->bytes += st->charged;
@@ -234,6 +235,9 @@ struct dlpd_ref *dlpd_ref_new(struct dlpd_registry *r, struct dlpd_holdings *h,
 		return NULL;
 	ref->id = ++h->next_ref;
 	ref->st = st;
+	ref->holder = h;
+	ref->cacheable = false;
+	ref->cached = false;
 	if (pin_add(st, h->usage) < 0) {
 		free(ref);
 		return NULL;
@@ -244,6 +248,7 @@ struct dlpd_ref *dlpd_ref_new(struct dlpd_registry *r, struct dlpd_holdings *h,
 		return NULL;
 	}
 	st->attach_refs++;
+	dlpd_list_add_tail(&st->refs, &ref->st_link);
 	r->refs++;
 	return ref;
 }
@@ -261,6 +266,15 @@ struct dlpd_ref *dlpd_ref_find(struct dlpd_holdings *h, uint64_t id)
 	return NULL;
 }
 
+void dlpd_ref_mark(struct dlpd_registry *r, struct dlpd_ref *ref, bool cached)
+{
+	if (ref->cached == cached)
+		return;
+	ref->cached = cached;
+	ref->st->cached_refs += cached ? 1 : (uint64_t)-1;
+	r->cached_refs += cached ? 1 : (uint64_t)-1;
+}
+
 struct dlpd_ref *dlpd_ref_any(struct dlpd_holdings *h, size_t *cursor)
 {
 	struct dlpd_hnode *n = dlpd_hmap_next(&h->refs, cursor);
@@ -274,6 +288,8 @@ struct dlpd_storage *dlpd_ref_drop(struct dlpd_registry *r, struct dlpd_holdings
 	struct dlpd_storage *st = ref->st;
 
 	dlpd_hmap_remove(&h->refs, &ref->node);
+	dlpd_ref_mark(r, ref, false);
+	dlpd_list_del(&ref->st_link);
 	r->refs--;
 	free(ref);
 	pin_drop(st, h->usage);
@@ -396,6 +412,7 @@ void dlpd_entry_info(const struct dlpd_entry *e, Dlpackd__V1__EntryInfo *info)
 	info->flags = e->pub->flags;
 	info->nbytes = e->st->size;
 	info->refs = e->st->attach_refs;
+	info->cached_refs = e->st->cached_refs;
 	info->owner_uid = e->uid;
 	info->owner_pid = e->pid;
 	info->created_ns = e->created_ns;

@@ -55,6 +55,8 @@ struct dlpd_storage {
 	struct dlpd_pin *pins; /* who holds those references, one per uid */
 	unsigned npins, pins_cap;
 	bool unnamed; /* no name reaches it any more: charged to the pins' uids, not usage's */
+	struct dlpd_list refs; /* every dlpd_ref on it (ref->st_link), for invalidations */
+	uint64_t cached_refs;  /* of attach_refs, those a client marked idle in its cache */
 	/* legacy CUDA IPC: the publishing connection, told (RECLAIM) when this is freed; NULL once
 	 * it is gone */
 	struct dlpd_peer *reclaim_peer;
@@ -86,6 +88,10 @@ struct dlpd_ref {
 	struct dlpd_hnode node; /* in holdings.refs, hashed by id */
 	uint64_t id;
 	struct dlpd_storage *st;
+	struct dlpd_holdings *holder; /* the holdings it is in */
+	struct dlpd_list st_link;     /* in st->refs */
+	bool cacheable;		      /* taken with DLPC_ATTACH_CACHEABLE: told of invalidations */
+	bool cached;		      /* marked idle in the client's cache (RELEASE cached_ids) */
 };
 
 /* The attaches waiting for one name, oldest first. */
@@ -133,6 +139,7 @@ struct dlpd_registry {
 	uint64_t storage_fds;	   /* storages that hold an fd (all but legacy CUDA IPC) */
 	struct dlpd_hmap channels; /* dlpd_channel by name (channel.h) */
 	uint64_t messages;	   /* queued in channels, or waiting for room in one */
+	uint64_t cached_refs;	   /* of refs, those marked idle in a client's cache */
 };
 
 void dlpd_registry_init(struct dlpd_registry *r);
@@ -174,6 +181,9 @@ struct dlpd_ref *dlpd_ref_find(struct dlpd_holdings *h, uint64_t id);
 /* Free @p ref; returns its storage if nothing holds it any more (see dlpd_entry_unlink()). */
 struct dlpd_storage *dlpd_ref_drop(struct dlpd_registry *r, struct dlpd_holdings *h,
 				   struct dlpd_ref *ref);
+/* Mark @p ref idle in its client's cache (@p cached) or in use again; counted for STAT and
+ * LIST. */
+void dlpd_ref_mark(struct dlpd_registry *r, struct dlpd_ref *ref, bool cached);
 /* A reference of @p h, to drop them all with (see dlpd_hmap_next()); NULL when none is left. */
 struct dlpd_ref *dlpd_ref_any(struct dlpd_holdings *h, size_t *cursor);
 

@@ -29,7 +29,8 @@ struct dlpd_stats {
 	uint64_t req[DLPC_MSG__REQUEST_COUNT];
 	uint64_t fds_sent;
 	uint64_t protocol_errors;
-	uint64_t queue_drops; /* connections dropped for a full output queue */
+	uint64_t queue_drops;	/* connections dropped for a full output queue */
+	uint64_t invalidations; /* INVALIDATE frames sent (invalidate.c) */
 };
 
 /* Entries that outlive the daemon (persist.c). */
@@ -73,6 +74,7 @@ struct dlpd_server {
 	uint64_t nwatchers, event_seq;	/* event_seq: changes of the name map so far */
 	struct dlpc__scratch event_out; /* an event is packed here once for every watcher */
 	struct dlpd_stats stats;
+	uint64_t inval_seq; /* invalidations so far (invalidate.c), to tell each peer once */
 	struct dlpd_limits lim;
 	uint64_t fd_budget; /* storages + connections allowed: RLIMIT_NOFILE - DLPC_FD_RESERVE */
 	uint64_t start_ms;
@@ -101,6 +103,7 @@ struct dlpd_peer {
 	bool hup;	/* it shut down its sending side: its buffered requests are still served */
 	bool lingering; /* destroyed, flushing its last frames (an ERROR) within a bound */
 	bool watching;	/* sent WATCH: receives events, sends nothing but RELEASE */
+	uint64_t inval_seen; /* the last invalidation it was sent (srv->inval_seq), invalidate.c */
 	struct dlpd_list watch_link; /* in srv->watchers */
 	struct dlpd_list fail_link;  /* in srv->failed while marked, then in srv->lingering */
 	size_t watch_prefix_len;

@@ -61,6 +61,8 @@ const char *dlpc__msg_name(uint16_t type, char *buf, size_t len)
 		snprintf(buf, len, "EVENT");
 	else if (type == DLPC_MSG_RECLAIM)
 		snprintf(buf, len, "RECLAIM");
+	else if (type == DLPC_MSG_INVALIDATE)
+		snprintf(buf, len, "INVALIDATE");
 	else if (base > 0 && base < DLPC_MSG__REQUEST_COUNT)
 		snprintf(buf, len, "%s%s", names[base], type & DLPC_MSG_REPLY ? " reply" : "");
 	else

@@ -55,6 +55,8 @@ enum dlpc_msg_type {
 	DLPC_MSG_EVENT = 0x4001,
 	/* ...or a reclaim notice to a legacy CUDA IPC (1.2) or lent VMM (1.5) publisher (id 0). */
 	DLPC_MSG_RECLAIM = 0x4002,
+	/* ...or an invalidation of a client's cached references (1.7, id 0). */
+	DLPC_MSG_INVALIDATE = 0x4004,
 	/* A reply's type is its request's type with this bit set... */
 	DLPC_MSG_REPLY = 0x8000,
 	/* ...or exactly this, carrying an Error message. */
@@ -64,6 +66,9 @@ enum dlpc_msg_type {
 
 /* ATTACH flag, internal to the protocol: fail unless the entry holds exactly one tensor. */
 #define DLPC_ATTACH_SINGLE (1u << 16)
+/* ATTACH flag, internal to the protocol (1.7): the client may keep the reference in its cache
+ * after its last use, so the daemon tells it (INVALIDATE) when the entry's name moves on. */
+#define DLPC_ATTACH_CACHEABLE (1u << 17)
 
 struct dlpc__hdr {
 	uint32_t len;

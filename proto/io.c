@@ -100,6 +100,11 @@ static int rx_reserve(struct dlpc__rx *rx)
 
 ssize_t dlpc__rx_read(struct dlpc__rx *rx, int sock, char *why, size_t whylen)
 {
+	return dlpc__rx_read_flags(rx, sock, 0, why, whylen);
+}
+
+ssize_t dlpc__rx_read_flags(struct dlpc__rx *rx, int sock, int flags, char *why, size_t whylen)
+{
 	union ctl_buf ctl;
 	struct iovec iov;
 	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
@@ -116,7 +121,7 @@ ssize_t dlpc__rx_read(struct dlpc__rx *rx, int sock, char *why, size_t whylen)
 	msg.msg_control = ctl.buf;
 	msg.msg_controllen = sizeof(ctl.buf);
 	do
-		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
 	while (n < 0 && errno == EINTR);
 	if (n < 0)
 		return errno == EWOULDBLOCK ? -EAGAIN : -errno;

@@ -71,6 +71,8 @@ bool dlpc__rx_partial(const struct dlpc__rx *rx);
  * what arrived is closed and the frame is later returned with its @c lost count set.
  */
 ssize_t dlpc__rx_read(struct dlpc__rx *rx, int sock, char *why, size_t whylen);
+/* dlpc__rx_read() with more recvmsg() @p flags (MSG_DONTWAIT: -EAGAIN when nothing is there). */
+ssize_t dlpc__rx_read_flags(struct dlpc__rx *rx, int sock, int flags, char *why, size_t whylen);
 /*
  * Take the next complete frame: 1 and @p f filled, 0 if more bytes are needed, or -EMSGSIZE /
  * -EPROTO for a bad header or fds that do not match it (@p why says which).

@@ -12,7 +12,7 @@
 
 /* Protocol version spoken by this tree. Peers must agree on the major; minor is negotiated. */
 #define DLPC_PROTO_MAJOR 1
-#define DLPC_PROTO_MINOR 6
+#define DLPC_PROTO_MINOR 7
 
 /* Size of the fixed frame header, bytes. */
 #define DLPC_FRAME_HDR_SIZE 12

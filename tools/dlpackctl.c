@@ -238,6 +238,8 @@ static void json_entry_fields(struct json *j, const dlpc_entry_info *e)
 	json_u64(j, e->nbytes);
 	json_key(j, "refs");
 	json_u64(j, e->refs);
+	json_key(j, "cached_refs");
+	json_u64(j, e->cached_refs);
 	json_key(j, "owner_uid");
 	json_u64(j, e->owner_uid);
 	json_key(j, "owner_user");
@@ -279,9 +281,9 @@ static void json_entry_fields(struct json *j, const dlpc_entry_info *e)
 static int cmd_ls(dlpc_client *c, const struct args *a)
 {
 	const char *prefix = a->npos ? a->pos[0] : "";
-	static const char *const head[] = {"NAME", "GEN",  "DEVICE", "TYPE",
-					   "SIZE", "REFS", "OWNER",  "AGE"};
-	enum { NCOL = 8 };
+	static const char *const head[] = {"NAME", "GEN",    "DEVICE", "TYPE", "SIZE",
+					   "REFS", "CACHED", "OWNER",  "AGE"};
+	enum { NCOL = 9 };
 	size_t width[NCOL], n;
 	dlpc_entry_info *v;
 	char(*cells)[NCOL][160]; /* column 0, the name, is printed from v[i] */
@@ -320,9 +322,10 @@ static int cmd_ls(dlpc_client *c, const struct args *a)
 		type_text(&v[i], cells[i][3], sizeof(cells[i][3]));
 		size_text(v[i].nbytes, cells[i][4], sizeof(cells[i][4]));
 		snprintf(cells[i][5], sizeof(cells[i][5]), "%" PRIu64, v[i].refs);
-		snprintf(cells[i][6], sizeof(cells[i][6]), "%s/%d",
+		snprintf(cells[i][6], sizeof(cells[i][6]), "%" PRIu64, v[i].cached_refs);
+		snprintf(cells[i][7], sizeof(cells[i][7]), "%s/%d",
 			 user_text(v[i].owner_uid, user, sizeof(user)), (int)v[i].owner_pid);
-		age_text(v[i].created_ns, cells[i][7], sizeof(cells[i][7]));
+		age_text(v[i].created_ns, cells[i][8], sizeof(cells[i][8]));
 		if (text_width(v[i].name, strlen(v[i].name)) > width[0])
 			width[0] = text_width(v[i].name, strlen(v[i].name));
 		for (int k = 1; k < NCOL; k++)
@@ -360,6 +363,8 @@ static int cmd_stat(dlpc_client *c, const struct args *a)
 		{"storages", s.storages},
 		{"bytes_held", s.bytes_held},
 		{"references", s.references},
+		{"cached_references", s.cached_references},
+		{"invalidations", s.invalidations},
 		{"waiters", s.waiters},
 		{"watchers", s.watchers},
 		{"events", s.events},

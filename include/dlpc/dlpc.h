@@ -155,6 +155,25 @@ typedef struct dlpc_attach_opts {
 #define DLPC_ATTACH_GUARDED (1u << 3)
 /** Attach: accept only an entry published by opts->owner_uid (see dlpc_attach_opts). */
 #define DLPC_ATTACH_OWNER (1u << 4)
+/** Attach: bypass the client's cache of idle references (see dlpc_connect_flags()): ask the
+ * daemon, and do not keep this reference once it is released. */
+#define DLPC_ATTACH_NO_CACHE (1u << 5)
+
+/** Environment: the most idle cached references a client keeps (read by dlpc_connect());
+ * 0 turns the cache off. */
+#define DLPC_CACHE_ENTRIES_ENV "DLPC_CACHE_ENTRIES"
+/** ...when $DLPC_CACHE_ENTRIES is unset. */
+#define DLPC_CACHE_ENTRIES_DEFAULT 64
+/** Environment: the most bytes of storage a client's idle cached references may keep alive;
+ * 0 turns the cache off. */
+#define DLPC_CACHE_BYTES_ENV "DLPC_CACHE_BYTES"
+/** ...when $DLPC_CACHE_BYTES is unset: 2 GiB. */
+#define DLPC_CACHE_BYTES_DEFAULT (2ull << 30)
+/** Environment: milliseconds a reference stays cached after its last release; 0 turns the
+ * cache off. */
+#define DLPC_CACHE_IDLE_MS_ENV "DLPC_CACHE_IDLE_MS"
+/** ...when $DLPC_CACHE_IDLE_MS is unset. */
+#define DLPC_CACHE_IDLE_MS_DEFAULT 1000
 
 /** The library's version as "MAJOR.MINOR.PATCH". */
 DLPC_EXPORT const char *dlpc_version(void);
@@ -186,9 +205,31 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
 
 /** dlpc_connect_flags(): connect anew after the connection is lost (see there). */
 #define DLPC_CONNECT_RECONNECT (1u << 0)
+/** dlpc_connect_flags(): keep no cache of idle references (see there). */
+#define DLPC_CONNECT_NO_CACHE (1u << 1)
 
 /**
- * dlpc_connect() with @p flags (0 or DLPC_CONNECT_RECONNECT).
+ * dlpc_connect() with @p flags (0, DLPC_CONNECT_RECONNECT, DLPC_CONNECT_NO_CACHE).
+ *
+ * The cache of idle references: when the last tensor of a host entry attached read-only
+ * (default, DLPC_ATTACH_PRIVATE or DLPC_ATTACH_GUARDED) is released, the client keeps the
+ * daemon's reference, the storage fd and the mapping (one of each kind: shared read-only,
+ * copy-on-write) for up to $DLPC_CACHE_IDLE_MS; an attach of the same name meanwhile is
+ * answered locally, with no round trip, the mapping handed out again (a copy-on-write one is
+ * first emptied of the pages its user wrote, MADV_DONTNEED, so no write of an earlier
+ * attacher shows; one whose protection its user changed is not for reuse: do not mprotect()
+ * attached memory). Before answering from the
+ * cache the client reads what its socket holds: dlpackd (protocol 1.7) writes an invalidation
+ * to it before it answers a replace or unpublish of the entry, so an attach never returns an
+ * entry whose replace or removal was answered before the attach began. The cache is bounded by
+ * $DLPC_CACHE_ENTRIES idle entries and $DLPC_CACHE_BYTES bytes (least recently used go first)
+ * and dropped when the connection is lost or the process forks (a child has no use of its
+ * parent's client). Not cached: CUDA entries, writable attaches (DLPC_ATTACH_WRITABLE),
+ * DLPC_ATTACH_NO_CACHE, and attaches made while another thread of the process is reading
+ * the client's socket, waiting for a reply (those go to the daemon, which is always right).
+ * The library's thread reads the invalidations of idle entries as they come, so a replaced
+ * entry's storage is let go at once. dlpc_stat() and dlpc_list() count cached references apart
+ * (cached_references, cached_refs).
  *
  * With DLPC_CONNECT_RECONNECT a client outlives its connection: once a call has found the
  * connection lost (dlpackd stopped, restarted or upgraded in place; that call still fails, with
@@ -196,7 +237,9 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
  * call connects to the same socket again and sends HELLO before its request. While no daemon
  * listens that call fails as dlpc_connect() would (-ECONNREFUSED, -ENOENT) and the one after
  * tries again. A reconnect happens only when no other call is in progress on the client; until
- * then calls fail as the lost connection did.
+ * then calls fail as the lost connection did. (The library's thread reads the socket of a client
+ * with idle cached references or CUDA publications awaiting their reclaim notice: when it finds
+ * the loss first, no call fails for it, and the next call connects anew.)
  *
  * What a reconnect means: tensors attached before stay valid (their mappings are this
  * process's), and their deleters send nothing (the references died with the old connection;
@@ -524,6 +567,7 @@ typedef struct dlpc_entry_info {
 	int64_t created_ns;	   /**< publication time, ns since the Unix epoch */
 	size_t ntensors;	   /**< tensors in the entry */
 	dlpc_tensor_info *tensors; /**< their descriptions; NULL if the daemon left them out */
+	uint64_t cached_refs;	   /**< of refs, those idle in a client's cache (protocol 1.7) */
 } dlpc_entry_info;
 
 /**
@@ -577,6 +621,10 @@ typedef struct dlpc_stats {
 	uint64_t messages;     /**< messages queued in channels, and sends waiting for room */
 	uint64_t uid_channels; /**< channels the caller's uid opened (its entry quota counts
 				    them) */
+	/** of references, those idle in a client's cache (0 before protocol 1.7) */
+	uint64_t cached_references;
+	/** cache invalidations dlpackd has sent, since it started (0 before protocol 1.7) */
+	uint64_t invalidations;
 } dlpc_stats;
 
 /**

@@ -59,10 +59,12 @@ TensorInfo.__doc__ = "One tensor of a listed entry."
 Owner = namedtuple("Owner", "uid pid")
 Owner.__doc__ = "Who published an entry, from the daemon's SO_PEERCRED."
 EntryInfo = namedtuple("EntryInfo",
-                       "name generation device tensors nbytes refs owner created flags")
+                       "name generation device tensors nbytes refs owner created flags "
+                       "cached_refs")
 EntryInfo.__doc__ = """A published entry: tensors is a list of TensorInfo (empty when the
-entry is too large to describe in one reply), refs counts live attach references, created is in
-seconds since the epoch, flags is an EntryFlags."""
+entry is too large to describe in one reply), refs counts live attach references (cached_refs of
+them idle in a client's cache of re-attaches), created is in seconds since the epoch, flags is an
+EntryFlags."""
 
 WatchEvent = namedtuple("WatchEvent",
                         "kind name generation previous_generation device dtype shape ntensors "
@@ -160,7 +162,8 @@ class Client(_CoreClient):
         """Entries whose names start with prefix, sorted by name, as EntryInfo tuples."""
         return [EntryInfo(e["name"], e["generation"], e["device"],
                           [TensorInfo(*t) for t in e["tensors"]], e["nbytes"], e["refs"],
-                          Owner(e["uid"], e["pid"]), e["created"], EntryFlags(e["flags"]))
+                          Owner(e["uid"], e["pid"]), e["created"], EntryFlags(e["flags"]),
+                          e["cached_refs"])
                 for e in self._list(prefix)]
 
     def channel(self, name, capacity=0):
@@ -433,5 +436,6 @@ def stat():
     still reaches), uid_bytes_pinned (bytes of unnamed storages its references keep alive;
     both count against its quota), uid_entries, uid_connections; channels: channels,
     messages (queued, and sends waiting for room), req_send, req_recv, req_channel,
-    uid_channels."""
+    uid_channels; cached_references (of references, those idle in a client's cache of
+    re-attaches, see dlpc(3)) and invalidations (cache invalidations sent since start)."""
     return _client().stat()

@@ -54,6 +54,7 @@ class EntryInfo(NamedTuple):
     owner: Owner
     created: float
     flags: EntryFlags
+    cached_refs: int
 
 class WatchEvent(NamedTuple):
     kind: str

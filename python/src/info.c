@@ -35,12 +35,12 @@ static PyObject *entry_dict(const dlpc_entry_info *e)
 		snprintf(device, sizeof(device), "cuda:%d", (int)e->device.device_id);
 	else
 		snprintf(device, sizeof(device), "other");
-	d = Py_BuildValue("{s:s,s:K,s:s,s:N,s:n,s:K,s:K,s:I,s:i,s:d,s:I}", "name", e->name,
+	d = Py_BuildValue("{s:s,s:K,s:s,s:N,s:n,s:K,s:K,s:K,s:I,s:i,s:d,s:I}", "name", e->name,
 			  "generation", (unsigned long long)e->generation, "device", device,
 			  "tensors", tensors, "ntensors", (Py_ssize_t)e->ntensors, "nbytes",
-			  (unsigned long long)e->nbytes, "refs", (unsigned long long)e->refs, "uid",
-			  e->owner_uid, "pid", e->owner_pid, "created", e->created_ns / 1e9,
-			  "flags", e->flags);
+			  (unsigned long long)e->nbytes, "refs", (unsigned long long)e->refs,
+			  "cached_refs", (unsigned long long)e->cached_refs, "uid", e->owner_uid,
+			  "pid", e->owner_pid, "created", e->created_ns / 1e9, "flags", e->flags);
 	return d;
 }
 
@@ -114,7 +114,7 @@ PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 	return add_channel_stats(
 		Py_BuildValue(
 			"{s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-			"s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+			"s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
 			"daemon_pid", s.daemon_pid, "uptime_ms", s.uptime_ms, "connections",
 			s.connections, "entries", s.entries, "storages", s.storages, "bytes_held",
 			s.bytes_held, "references", s.references, "waiters", s.waiters, "fds_open",
@@ -126,6 +126,7 @@ PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 			s.events, "tx_queued", s.tx_queued, "queue_drops", s.queue_drops,
 			"uid_bytes_held", s.uid_bytes_held, "uid_entries", s.uid_entries,
 			"uid_connections", s.uid_connections, "uid_bytes_pinned",
-			s.uid_bytes_pinned),
+			s.uid_bytes_pinned, "cached_references", s.cached_references,
+			"invalidations", s.invalidations),
 		&s);
 }

@@ -129,6 +129,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "dlpackd_for_others: other uids may connect (socket 0666 in a 0755 dir)"
     )
+    config.addinivalue_line(
+        "markers", "client_cache: libdlpc's cache of idle references stays on (DLPC_CACHE_*)"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -173,6 +176,12 @@ def daemon(request, tmp_path, monkeypatch, dlpackd_bin):
         time.sleep(0.01)
 
     monkeypatch.setenv("DLPACKD_SOCKET", sock)
+    # the tests count references as the daemon sees them: without libdlpc's cache of idle
+    # references (a re-attach would share one) unless marked client_cache (test_cache.py)
+    if request.node.get_closest_marker("client_cache") is None:
+        monkeypatch.setenv("DLPC_CACHE_ENTRIES", "0")
+    else:
+        monkeypatch.delenv("DLPC_CACHE_ENTRIES", raising=False)
     reset_default_client()
     try:
         yield d

@@ -74,11 +74,12 @@ def test_ls_json_matches_what_another_process_published(ctl, py, ipc):
     # every entry, and the table
     assert len(json.loads(ok(ctl("ls", "--json")).stdout)) == 3
     table = ok(ctl("ls", "m/")).stdout.splitlines()
-    assert table[0].split() == ["NAME", "GEN", "DEVICE", "TYPE", "SIZE", "REFS", "OWNER", "AGE"]
+    assert table[0].split() == ["NAME", "GEN", "DEVICE", "TYPE", "SIZE", "REFS", "CACHED", "OWNER",
+                                "AGE"]
     rows = {line.split()[0]: line.split() for line in table[1:]}
     assert set(rows) == {"m/bundle", "m/single"}
     assert rows["m/single"][1:4] == ["2", "cpu", "int16[5,7]"]
-    assert rows["m/single"][6] == "2" and rows["m/single"][7].endswith(f"/{pid}")
+    assert rows["m/single"][6:8] == ["2", "0"] and rows["m/single"][8].endswith(f"/{pid}")
     assert rows["m/bundle"][3] == "bundle(2)"
     assert json.loads(ok(ctl("ls", "nothing/", "--json")).stdout) == []
     for h in held[:2]:
