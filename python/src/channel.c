@@ -157,6 +157,12 @@ PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwarg
 	return list;
 }
 
+static int send_fn(dlpc_client *c, const char *name, size_t n, const char *const *keys,
+		   DLManagedTensorVersioned *const *tensors, void *arg)
+{
+	return dlpc_send_bundle(c, name, n, keys, tensors, arg);
+}
+
 /*
  * _send(name, obj, timeout=None) and _send_dict(name, mapping, timeout=None): @p n objects
  * (keys NULL: one tensor) taken as publish() takes them, sent as one message.
@@ -166,39 +172,9 @@ static PyObject *send_objects(ClientObject *self, const char *name, Py_ssize_t n
 {
 	dlpc_send_opts o = {
 		.size = sizeof(o), .timeout_ms = ms, .flags = ms == 0 ? DLPC_SEND_NOWAIT : 0};
-	dlpc_client *c = ipc_call_begin(self);
-	struct ipc_taken **taken;
-	DLManagedTensorVersioned **tensors;
-	Py_ssize_t got = 0;
-	int r = 0;
+	int r;
 
-	if (!c)
-		return NULL;
-	taken = PyMem_Calloc((size_t)n + 1, sizeof(*taken));
-	tensors = PyMem_Calloc((size_t)n + 1, sizeof(*tensors));
-	if (!taken || !tensors) {
-		PyMem_Free(taken);
-		PyMem_Free(tensors);
-		ipc_call_end(self, c, 0);
-		return PyErr_NoMemory();
-	}
-	for (; got < n; got++)
-		if (!(taken[got] = ipc_take(objs[got])))
-			break;
-	if (got == n) {
-		for (Py_ssize_t i = 0; i < n; i++)
-			tensors[i] = ipc_taken_tensor(taken[i]);
-		ipc_interruptible();
-		Py_BEGIN_ALLOW_THREADS
-		r = dlpc_send_bundle(c, name, (size_t)n, keys, tensors, &o);
-		Py_END_ALLOW_THREADS
-	}
-	for (Py_ssize_t i = 0; i < got; i++)
-		ipc_taken_finish(taken[i]);
-	PyMem_Free(taken);
-	PyMem_Free(tensors);
-	ipc_call_end(self, c, r);
-	if (got < n)
+	if (ipc_take_call(self, "send to channel", name, n, objs, keys, true, send_fn, &o, &r) < 0)
 		return NULL;
 	if (r < 0)
 		return ipc_raise(r);

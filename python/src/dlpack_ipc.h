@@ -126,5 +126,17 @@ struct ipc_taken *ipc_take(PyObject *obj);
 DLManagedTensorVersioned *ipc_taken_tensor(struct ipc_taken *tk);
 /* After dlpc_publish*() returned: run the producer's deleter (GIL held) and free @p tk. */
 void ipc_taken_finish(struct ipc_taken *tk);
+/* What ipc_take_call() hands the tensors to: a libdlpc call, run without the GIL. */
+typedef int (*ipc_tensors_fn)(dlpc_client *c, const char *name, size_t n, const char *const *keys,
+			      DLManagedTensorVersioned *const *tensors, void *arg);
+/*
+ * Take @p n objects as publish() takes them (@p keys: a bundle's, NULL for one tensor) and pass
+ * their tensors to @p fn, Ctrl-C checked if @p interruptible; every producer's deleter runs, with
+ * the GIL, whatever happens. A failed take names the key ("cannot @p verb '@p name': tensor
+ * 'key': ..."). 0 with fn's result in *@p ret, or -1 with an exception set (publish.c).
+ */
+int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssize_t n,
+		  PyObject *const *objs, const char *const *keys, bool interruptible,
+		  ipc_tensors_fn fn, void *arg, int *ret);
 
 #endif

@@ -19,7 +19,7 @@ static uint32_t publish_flags(int replace, int ephemeral, int writable)
  * prefixed with the key (for the plain exception types a producer raises; others stay as they
  * are).
  */
-static void name_key(const char *name, const char *key)
+static void name_key(const char *verb, const char *name, const char *key)
 {
 	static PyObject *const *const plain[] = {&PyExc_BufferError, &PyExc_TypeError,
 						 &PyExc_ValueError, &PyExc_RuntimeError};
@@ -30,7 +30,7 @@ static void name_key(const char *name, const char *key)
 		if (type != *plain[i])
 			continue;
 		PyErr_NormalizeException(&type, &value, &tb);
-		msg = PyUnicode_FromFormat("cannot publish '%s': tensor '%s': %S", name, key,
+		msg = PyUnicode_FromFormat("cannot %s '%s': tensor '%s': %S", verb, name, key,
 					   value);
 		if (msg) {
 			PyErr_SetObject(type, msg);
@@ -46,9 +46,9 @@ static void name_key(const char *name, const char *key)
 	PyErr_Restore(type, value, tb);
 }
 
-/* Publish @p n objects, with @p keys (NULL: a single tensor). Returns the generation. */
-static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_t n,
-				 PyObject *const *objs, const char *const *keys, uint32_t flags)
+int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssize_t n,
+		  PyObject *const *objs, const char *const *keys, bool interruptible,
+		  ipc_tensors_fn fn, void *arg, int *ret)
 {
 	dlpc_client *c = ipc_call_begin(self);
 	struct ipc_taken **taken;
@@ -57,20 +57,21 @@ static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_
 	int r = 0;
 
 	if (!c)
-		return NULL;
+		return -1;
 	taken = PyMem_Calloc((size_t)n + 1, sizeof(*taken));
 	tensors = PyMem_Calloc((size_t)n + 1, sizeof(*tensors));
 	if (!taken || !tensors) {
 		PyMem_Free(taken);
 		PyMem_Free(tensors);
 		ipc_call_end(self, c, 0);
-		return PyErr_NoMemory();
+		PyErr_NoMemory();
+		return -1;
 	}
 	for (; got < n; got++) {
 		taken[got] = ipc_take(objs[got]);
 		if (!taken[got]) {
 			if (keys)
-				name_key(name, keys[got]);
+				name_key(verb, name, keys[got]);
 			break;
 		}
 	}
@@ -79,11 +80,10 @@ static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_
 		 * ipc_taken_finish() */
 		for (Py_ssize_t i = 0; i < n; i++)
 			tensors[i] = ipc_taken_tensor(taken[i]);
+		if (interruptible)
+			ipc_interruptible();
 		Py_BEGIN_ALLOW_THREADS
-		if (keys)
-			r = dlpc_publish_bundle(c, name, (size_t)n, keys, tensors, flags);
-		else
-			r = dlpc_publish(c, name, tensors[0], flags);
+		r = fn(c, name, (size_t)n, keys, tensors, arg);
 		Py_END_ALLOW_THREADS
 	}
 	/* the producers' deleters, with the GIL, whatever happened */
@@ -93,6 +93,27 @@ static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_
 	PyMem_Free(tensors);
 	ipc_call_end(self, c, r);
 	if (got < n)
+		return -1;
+	*ret = r;
+	return 0;
+}
+
+static int publish_fn(dlpc_client *c, const char *name, size_t n, const char *const *keys,
+		      DLManagedTensorVersioned *const *tensors, void *arg)
+{
+	uint32_t flags = *(const uint32_t *)arg;
+
+	return keys ? dlpc_publish_bundle(c, name, n, keys, tensors, flags)
+		    : dlpc_publish(c, name, tensors[0], flags);
+}
+
+/* Publish @p n objects, with @p keys (NULL: a single tensor). Returns the generation. */
+static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_t n,
+				 PyObject *const *objs, const char *const *keys, uint32_t flags)
+{
+	int r;
+
+	if (ipc_take_call(self, "publish", name, n, objs, keys, false, publish_fn, &flags, &r) < 0)
 		return NULL;
 	if (r < 0)
 		return ipc_raise(r);
