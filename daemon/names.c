@@ -20,10 +20,11 @@
 #include "util.h"
 
 /*
- * @p st is held by nothing any more (NULL: nothing to do): tell its legacy CUDA IPC publisher, close its fd and free
- * it. The fd is closed off the loop: the last close of a memfd frees its memory. A CUDA VMM
- * export is a driver's file whose close the daemon cannot vouch for, so it goes to the reaper
- * of client-sent fds, where a close that blocks stalls nothing else.
+ * @p st is held by nothing any more (NULL: nothing to do): tell its legacy CUDA IPC publisher,
+ * close its fd and free it. A host storage's fd is closed off the loop unless it is small
+ * (dlpd_close_storage()): the last close of a memfd frees its memory. A CUDA VMM export is a
+ * driver's file whose close the daemon cannot vouch for, so it goes to the reaper of
+ * client-sent fds, where a close that blocks stalls nothing else.
  */
 void dlpd_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 {
@@ -33,7 +34,7 @@ void dlpd_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 		dlpd_reclaim_storage_freed(st);
 	dlpd_persist_storage_gone(s, st);
 	if (st->fd >= 0 && st->device_type == kDLCPU)
-		dlpd_close_later(st->fd);
+		dlpd_close_storage(st->fd);
 	else if (st->fd >= 0)
 		dlpd_close_untrusted(st->fd);
 	dlpd_storage_free(&s->reg, st);

@@ -4,7 +4,9 @@
  *
  * close() can take long: the last close of a storage memfd frees all its memory (a 1 GiB
  * storage takes tens of milliseconds), and an fd a client sent may sit on a filesystem that
- * stalls on close (FUSE). Neither may hold up the loop that serves every client. There are two:
+ * stalls on close (FUSE). Neither may hold up the loop that serves every client. (A storage
+ * of a few pages is the exception: freeing it costs less than waking a thread, so
+ * dlpd_close_storage() closes it on the loop.) There are two:
  * one for fds whose close the daemon can vouch for (host storages, which passed the checks of
  * storage.c and are shmem, and client sockets) and one for every other fd a client sent (those
  * refused, and CUDA VMM exports, which are the driver's files), so that a close that never
@@ -15,7 +17,9 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -35,7 +39,8 @@ struct reaper {
 	size_t n, cap;
 	unsigned closing; /* taken off the queue, close() not returned yet */
 	bool stop, running, done;
-	bool frozen; /* takes nothing more off the queue (dlpd_reaper_freeze()) */
+	bool frozen;   /* takes nothing more off the queue (dlpd_reaper_freeze()) */
+	size_t handed; /* fds ever queued */
 	pthread_t thread;
 };
 
@@ -144,6 +149,7 @@ static void queue(struct reaper *rp, int fd)
 		rp->cap = cap;
 	}
 	rp->fds[rp->n++] = fd;
+	rp->handed++;
 	pthread_cond_signal(&rp->cv);
 	pthread_mutex_unlock(&rp->mu);
 }
@@ -184,6 +190,25 @@ void dlpd_close_later(int fd)
 	queue(&own, fd);
 }
 
+void dlpd_close_storage(int fd)
+{
+	struct stat st;
+	bool frozen;
+
+	if (fd < 0)
+		return;
+	pthread_mutex_lock(&own.mu);
+	frozen = own.frozen;
+	pthread_mutex_unlock(&own.mu);
+	/* a frozen reaper keeps what it is given open (an upgrade is moving fds): so does this */
+	if (!frozen && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+	    (uint64_t)st.st_blocks * 512 <= DLPD_CLOSE_INLINE_BYTES) {
+		close(fd);
+		return;
+	}
+	queue(&own, fd);
+}
+
 void dlpd_close_untrusted(int fd)
 {
 	queue(&untrusted, fd);
@@ -192,6 +217,19 @@ void dlpd_close_untrusted(int fd)
 size_t dlpd_reaper_pending(void)
 {
 	return pending(&own) + pending(&untrusted);
+}
+
+size_t dlpd_reaper_handed(void)
+{
+	size_t n;
+
+	pthread_mutex_lock(&own.mu);
+	n = own.handed;
+	pthread_mutex_unlock(&own.mu);
+	pthread_mutex_lock(&untrusted.mu);
+	n += untrusted.handed;
+	pthread_mutex_unlock(&untrusted.mu);
+	return n;
 }
 
 /* Let @p rp take nothing more off its queue, and wait a moment for the close it took. */

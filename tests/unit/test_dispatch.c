@@ -17,6 +17,7 @@
 #include <malloc.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -25,6 +26,7 @@
 #include "io.h"
 #include "msg.h"
 #include "raw.h"
+#include "reaper.h"
 #include "server.h"
 
 #if defined(__has_feature)
@@ -563,6 +565,42 @@ START_TEST(test_entries_freed_at_stop)
 }
 END_TEST
 
+/* A memfd of @p size bytes, every page allocated, as a storage that passed storage.c is. */
+static int storage_fd(size_t size)
+{
+	int fd = memfd_create("test-storage", MFD_CLOEXEC);
+
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(ftruncate(fd, (off_t)size), 0);
+	ck_assert_int_eq(fallocate(fd, 0, 0, (off_t)size), 0);
+	return fd;
+}
+
+/* A storage of at most DLPD_CLOSE_INLINE_BYTES is closed at once, on the calling thread; a
+ * larger one goes to a reaper, which closes it before dlpd_reaper_stop() returns. */
+START_TEST(test_close_storage_inline)
+{
+	size_t handed;
+	int fd;
+
+	ck_assert_int_eq(dlpd_reaper_start(), 0);
+	handed = dlpd_reaper_handed();
+	fd = storage_fd(DLPD_CLOSE_INLINE_BYTES);
+	dlpd_close_storage(fd);
+	ck_assert_uint_eq(dlpd_reaper_handed(), handed);
+	ck_assert_int_eq(fcntl(fd, F_GETFD), -1);
+	ck_assert_int_eq(errno, EBADF);
+
+	fd = storage_fd(DLPD_CLOSE_INLINE_BYTES + 4096);
+	dlpd_close_storage(fd);
+	ck_assert_uint_eq(dlpd_reaper_handed(), handed + 1);
+	dlpd_reaper_stop();
+	ck_assert_uint_eq(dlpd_reaper_pending(), 0);
+	ck_assert_int_eq(fcntl(fd, F_GETFD), -1);
+	ck_assert_int_eq(errno, EBADF);
+}
+END_TEST
+
 static Suite *dispatch_suite(void)
 {
 	Suite *s = suite_create("dispatch");
@@ -583,6 +621,10 @@ static Suite *dispatch_suite(void)
 	tcase_add_test(tc, test_half_closed_client_gets_replies);
 	tcase_add_test(tc, test_watcher_overflows_during_teardown);
 	tcase_add_test(tc, test_entries_freed_at_stop);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("reaper");
+	tcase_add_test(tc, test_close_storage_inline);
 	suite_add_tcase(s, tc);
 	return s;
 }
