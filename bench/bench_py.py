@@ -3,6 +3,7 @@
 """Python half of the dlpackd benchmarks: dlpack_ipc against what Python offers without it.
 
     /usr/bin/python3 bench/bench_py.py --socket PATH [--quick] [--sizes 4096,65536,...]
+                                       [--only GROUP,...]
 
 Prints one JSON object per line on stdout and nothing else there (progress goes to stderr):
 
@@ -673,6 +674,8 @@ def main():
     ap.add_argument("--sizes", type=parse_sizes, default=None,
                     help="comma-separated byte counts of float32 data "
                          f"(default {','.join(map(str, DEFAULT_SIZES))})")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated groups to run (default: every group)")
     args = ap.parse_args()
     sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
 
@@ -705,6 +708,8 @@ def main():
             ("pipe_copy", lambda: bench_pipe(timer, sizes)),
             ("bundle", lambda: bench_bundle(client, timer, prefix)),
         ]:
+            if args.only is not None and label not in args.only.split(","):
+                continue
             try:
                 run()
             except Exception:
