@@ -654,6 +654,7 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 	if (!info)
 		info = &none;
 	info->sent = false;
+	info->answered = false;
 	info->epoch = 0;
 	info->lost = false;
 	info->reconnect_err = 0;
@@ -768,6 +769,7 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 	pthread_mutex_unlock(&c->mu);
 	if (!call.done)
 		return r;
+	info->answered = true;
 
 	r = 0;
 	if (call.lost) {

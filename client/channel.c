@@ -201,6 +201,7 @@ static int send_sink(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1_
 {
 	Dlpackd__V1__Send s = DLPACKD__V1__SEND__INIT;
 	Dlpackd__V1__SendReply *rep;
+	struct dlpc__call_info info = {0};
 	const dlpc_send_opts *o = sink->opts;
 	int64_t timeout = o->flags & DLPC_SEND_NOWAIT ? 0 : o->timeout_ms;
 	int r;
@@ -210,9 +211,11 @@ static int send_sink(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1_
 	s.timeout_ms = timeout;
 	s.message = req;
 	s.pool_token = sink->pool_token;
-	r = dlpc__call_ex(c, DLPC_MSG_SEND, &s.base, &fd, 1, timeout, NULL,
+	r = dlpc__call_ex(c, DLPC_MSG_SEND, &s.base, &fd, 1, timeout, &info,
 			  &dlpackd__v1__send_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
 			  NULL);
+	if (sink->unanswered)
+		*sink->unanswered = info.sent && !info.answered;
 	if (r < 0)
 		return r;
 	dlpackd__v1__send_reply__free_unpacked(rep, NULL);
@@ -232,7 +235,9 @@ DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
 				 const dlpc_send_opts *opts)
 {
 	dlpc_send_opts o = {.size = sizeof(o), .flags = 0, .timeout_ms = -1};
-	struct dlpc__sink sink = {.fn = send_sink, .channel = channel, .opts = &o};
+	bool unanswered = false;
+	struct dlpc__sink sink = {
+		.fn = send_sink, .channel = channel, .opts = &o, .unanswered = &unanswered};
 	struct dlpc__region *pooled;
 	int r;
 
@@ -272,8 +277,12 @@ DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
 	}
 	r = dlpc__publish_to(c, channel, n, n == 1 && !keys ? NULL : keys, tensors,
 			     pooled ? DLPC_PUBLISH_WRITABLE : 0, &sink);
-	/* refused: the buffer never left (a lost connection's never comes back either way) */
-	if (pooled && r < 0)
+	/* Refused, the buffer never left: it is free again. Sent but not answered (the connection
+	 * was lost, or the call gave up): the message may be queued and its RECLAIM may never
+	 * come, so the buffer leaves the pool rather than be filled again under a receiver. */
+	if (pooled && r < 0 && unanswered)
+		dlpc__pool_lost(c, sink.pool_token);
+	else if (pooled && r < 0)
 		dlpc__pool_sending(c, sink.pool_token, false);
 	return r < 0 && channel ? reword(r, "cannot publish", "cannot send to", channel) : r;
 }

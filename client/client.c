@@ -631,6 +631,8 @@ int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
 	pthread_mutex_unlock(&c->mu);
 	pthread_mutex_unlock(&c->wmu);
 	dlpc__cache_reap(c);
+	/* pooled buffers in flight on the old connection: their RECLAIM went with it */
+	dlpc__pool_reset(c);
 	client_free(n);
 	return 0;
 }

@@ -206,6 +206,8 @@ struct dlpc__call_info {
 	 * made, a reference or a lent publication, belongs to that connection */
 	bool sent;
 	uint64_t epoch;
+	/* out: a reply (an ERROR one included) came: the daemon has dealt with the request */
+	bool answered;
 	/* out: the call failed because the connection was lost, before or while it waited; or,
 	 * when connecting anew failed, that error (lost stays false) */
 	bool lost;
@@ -299,6 +301,7 @@ struct dlpc__sink {
 	const char *channel;
 	const dlpc_send_opts *opts;
 	uint64_t pool_token; /* a pooled message: its buffer's token; else 0 */
+	bool *unanswered;    /* set if the request went out and no reply came */
 };
 /* dlpc_publish_bundle() with its request going to @p sink; host tensors only. */
 int dlpc__publish_to(dlpc_client *c, const char *name, size_t n, const char *const keys[],
@@ -317,6 +320,12 @@ void dlpc__pool_free(struct dlpc__pool *p);
 void dlpc__pool_sending(dlpc_client *c, uint64_t token, bool sending);
 /* RECLAIM of @p token came: its buffer is free again. Under c->mu. */
 void dlpc__pool_reclaimed(dlpc_client *c, uint64_t token);
+/* The message of @p token's buffer may be queued, but no RECLAIM of it is sure to come: the
+ * buffer leaves the pool. Not under c->mu. */
+void dlpc__pool_lost(dlpc_client *c, uint64_t token);
+/* @p c connected anew: the buffers in flight on the old connection leave the pool. Not under
+ * c->mu. */
+void dlpc__pool_reset(dlpc_client *c);
 /* Fill @p e from a LIST or EVENT entry (strings copied); 0 or -ENOMEM (clear it anyway). */
 int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in);
 /* Free what dlpc__entry_fill() allocated. */

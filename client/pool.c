@@ -12,6 +12,12 @@
  *
  * The pool holds one reference on each buffer's region. A buffer is free when no message of
  * it is in flight and nobody else holds its region (no view handed out is alive).
+ *
+ * A buffer whose message may be queued but whose RECLAIM can no longer come (the connection
+ * that sent it was lost, or its SEND got no answer) leaves the pool: it is never handed out
+ * again, and its memory goes when the message and the views let go of it. Tokens carry a
+ * serial besides the slot, so a late RECLAIM of a buffer that left never frees the one that
+ * took its slot.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -27,9 +33,19 @@ struct pool_buf {
 
 struct dlpc__pool {
 	pthread_mutex_t mu;
-	struct pool_buf bufs[DLPC_POOL_BUFFERS_MAX];
+	struct pool_buf bufs[DLPC_POOL_BUFFERS_MAX]; /* r NULL: an empty slot */
 	unsigned n;
+	uint64_t serial; /* of the last buffer made */
 };
+
+/* A token: DLPC__POOL_TOKEN, a serial, and the slot in the low POOL_SLOT_BITS. */
+#define POOL_SLOT_BITS 8
+_Static_assert(DLPC_POOL_BUFFERS_MAX <= (1 << POOL_SLOT_BITS), "pool slots fit a token");
+
+static unsigned token_slot(uint64_t token)
+{
+	return (unsigned)(token & ((1u << POOL_SLOT_BITS) - 1));
+}
 
 /* The pool of @p c, made on first use; NULL on ENOMEM. */
 static struct dlpc__pool *pool_of(dlpc_client *c)
@@ -54,14 +70,15 @@ void dlpc__pool_free(struct dlpc__pool *p)
 	if (!p)
 		return;
 	for (unsigned i = 0; i < p->n; i++)
-		dlpc__region_unref(p->bufs[i].r);
+		if (p->bufs[i].r)
+			dlpc__region_unref(p->bufs[i].r);
 	pthread_mutex_destroy(&p->mu);
 	free(p);
 }
 
 static bool buf_free(const struct pool_buf *b)
 {
-	return !b->in_flight && atomic_load(&b->r->refs) == 1;
+	return b->r && !b->in_flight && atomic_load(&b->r->refs) == 1;
 }
 
 /* The smallest free buffer of at least @p size bytes (and at most twice that), or NULL. Under
@@ -78,6 +95,15 @@ static struct pool_buf *find_free(struct dlpc__pool *p, uint64_t size)
 			best = b;
 	}
 	return best;
+}
+
+/* An empty slot (its buffer left the pool), or NULL. Under p->mu. */
+static struct pool_buf *find_empty(struct dlpc__pool *p)
+{
+	for (unsigned i = 0; i < p->n; i++)
+		if (!p->bufs[i].r)
+			return &p->bufs[i];
+	return NULL;
 }
 
 /* A free buffer's slot to replace: the smallest free one, or NULL. Under p->mu. */
@@ -152,7 +178,11 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 		if (err < 0)
 			return err;
 		pthread_mutex_lock(&p->mu);
-		slot = p->n < DLPC_POOL_BUFFERS_MAX ? &p->bufs[p->n++] : find_evictable(p);
+		slot = find_empty(p);
+		if (!slot && p->n < DLPC_POOL_BUFFERS_MAX)
+			slot = &p->bufs[p->n++];
+		if (!slot)
+			slot = find_evictable(p);
 		if (!slot) {
 			pthread_mutex_unlock(&p->mu);
 			dlpc__region_unref(r);
@@ -166,7 +196,10 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 		if (slot->r)
 			dlpc__region_unref(slot->r);
 		/* pool tokens have the top bit set; CUDA reclaim tokens never do */
-		r->pool_token = DLPC__POOL_TOKEN | (uint64_t)(slot - p->bufs);
+		p->serial++;
+		r->pool_token = DLPC__POOL_TOKEN |
+				((p->serial << POOL_SLOT_BITS) & ~DLPC__POOL_TOKEN) |
+				(uint64_t)(slot - p->bufs);
 		r->pool_owner = c;
 		slot->r = r;
 		slot->in_flight = false;
@@ -181,14 +214,52 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 void dlpc__pool_sending(dlpc_client *c, uint64_t token, bool sending)
 {
 	struct dlpc__pool *p = c->pool;
-	unsigned i = (unsigned)(token & ~DLPC__POOL_TOKEN);
+	unsigned i = token_slot(token);
 
 	if (!p || i >= DLPC_POOL_BUFFERS_MAX)
 		return;
 	pthread_mutex_lock(&p->mu);
-	if (i < p->n && p->bufs[i].r->pool_token == token)
+	if (i < p->n && p->bufs[i].r && p->bufs[i].r->pool_token == token)
 		p->bufs[i].in_flight = sending;
 	pthread_mutex_unlock(&p->mu);
+}
+
+/* Take the buffers that @p all (every one in flight) or the one of @p token out of @p c's
+ * pool, and let go of the pool's references on them. */
+static void pool_leave(dlpc_client *c, bool all, uint64_t token)
+{
+	struct dlpc__region *gone[DLPC_POOL_BUFFERS_MAX];
+	struct dlpc__pool *p;
+	unsigned n = 0;
+
+	pthread_mutex_lock(&c->mu);
+	p = c->pool;
+	pthread_mutex_unlock(&c->mu);
+	if (!p)
+		return;
+	pthread_mutex_lock(&p->mu);
+	for (unsigned i = 0; i < p->n; i++) {
+		struct pool_buf *b = &p->bufs[i];
+
+		if (b->r && (all ? b->in_flight : b->r->pool_token == token)) {
+			gone[n++] = b->r;
+			b->r = NULL;
+			b->in_flight = false;
+		}
+	}
+	pthread_mutex_unlock(&p->mu);
+	for (unsigned i = 0; i < n; i++)
+		dlpc__region_unref(gone[i]);
+}
+
+void dlpc__pool_lost(dlpc_client *c, uint64_t token)
+{
+	pool_leave(c, false, token);
+}
+
+void dlpc__pool_reset(dlpc_client *c)
+{
+	pool_leave(c, true, 0);
 }
 
 void dlpc__pool_reclaimed(dlpc_client *c, uint64_t token)

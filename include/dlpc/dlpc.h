@@ -826,6 +826,10 @@ DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
  * cannot write it). That is the price of recycling, as with torch.multiprocessing; ordinary
  * sends and publishes stay sealed read-only. Do not write a buffer after sending it.
  *
+ * A buffer whose message may be queued but whose return can no longer come (in flight when the
+ * connection was lost, or sent without an answer: the call gave up) leaves the pool for good;
+ * its memory goes when the message and every handle on it are gone.
+ *
  * @return 0; -ENOBUFS when all DLPC_POOL_BUFFERS_MAX buffers are in flight or held,
  *         -ENOTSUP for a daemon older than 1.6, -EINVAL, -ENOSPC.
  */

@@ -695,6 +695,112 @@ START_TEST(ipc_count_per_connection)
 }
 END_TEST
 
+/* Pooled channel buffers in flight when the connection was lost never come back by RECLAIM
+ * (the daemon that queued their messages is gone): after the reconnect the pool lets go of
+ * them, so a producer that had every buffer in flight goes on allocating instead of failing
+ * with ENOBUFS for good, and recycles on the new connection. */
+START_TEST(pool_after_restart)
+{
+	DLDataType f32 = {kDLFloat, 32, 1};
+	dlpc_recv_opts ro = {.size = sizeof(ro), .timeout_ms = 0};
+	DLManagedTensorVersioned *t, *u;
+	int64_t shape[1] = {NV};
+	long long deadline;
+	dlpc_client *a;
+	int fds = fds_now(), r;
+	void *p;
+
+	ck_assert_dlpc(dlpc_connect_flags(D.sock, DLPC_CONNECT_RECONNECT, &a), 0);
+	ck_assert_dlpc(dlpc_channel_open(a, "pool/q", DLPC_POOL_BUFFERS_MAX, NULL), 1);
+	for (int i = 0; i < DLPC_POOL_BUFFERS_MAX; i++) {
+		ck_assert_dlpc(dlpc_channel_alloc(a, "pool/q", f32, 1, shape, &t), 0);
+		ck_assert_dlpc(dlpc_send(a, "pool/q", t, DLPC_SEND_NOWAIT), 0);
+	}
+	ck_assert_dlpc(dlpc_channel_alloc(a, "pool/q", f32, 1, shape, &t), -ENOBUFS);
+
+	daemon_kill();
+	daemon_restart();
+	r = dlpc_channel_open(a, "pool/q", 4, NULL);
+	ck_assert_msg(r == -ECONNRESET || r == -EPIPE, "first call after the kill: %d", r);
+	ck_assert_dlpc(dlpc_channel_open(a, "pool/q", 4, NULL), 1);
+	ck_assert_uint_eq(dlpc_reconnects(a), 1);
+	ck_assert_dlpc(dlpc_channel_alloc(a, "pool/q", f32, 1, shape, &t), 0);
+	p = t->dl_tensor.data;
+	ck_assert_dlpc(dlpc_send(a, "pool/q", t, 0), 0);
+	ck_assert_dlpc(dlpc_recv(a, "pool/q", &ro, &u), 0);
+	u->deleter(u);
+	/* the buffer comes back once the release has reached the daemon and its RECLAIM this
+	 * client, which reads it with the reply to a request */
+	deadline = now_ms() + scaled_ms(5000);
+	for (;;) {
+		dlpc_channel_info info = {.size = sizeof(info)};
+
+		ck_assert_dlpc(dlpc_channel_stat(a, "pool/q", &info), 0);
+		ck_assert_dlpc(dlpc_channel_alloc(a, "pool/q", f32, 1, shape, &t), 0);
+		if (t->dl_tensor.data == p)
+			break;
+		t->deleter(t);
+		ck_assert_msg(now_ms() < deadline, "the recycled buffer did not come back");
+		usleep(2000);
+	}
+	t->deleter(t);
+	ck_assert_dlpc(dlpc_channel_remove(a, "pool/q"), 0);
+	dlpc_close(a);
+	ck_assert_int_eq(fds_now(), fds);
+}
+END_TEST
+
+/* A pooled message whose SEND went out but got no answer (the daemon stopped answering, the
+ * call gave up) may be queued: its buffer leaves the pool instead of being handed out again
+ * under a receiver. Its late RECLAIM, once a receiver let go of it, frees nothing else: not
+ * the buffer that took its slot, in flight meanwhile. */
+START_TEST(pool_unanswered_send)
+{
+	DLDataType u8 = {kDLUInt, 8, 1};
+	dlpc_recv_opts ro = {.size = sizeof(ro), .timeout_ms = 0};
+	dlpc_channel_info info = {.size = sizeof(info)};
+	DLManagedTensorVersioned *t, *u;
+	int64_t shape[1] = {4096};
+	dlpc_client *a;
+	int r;
+
+	ck_assert_int_eq(setenv(DLPC_CALL_TIMEOUT_ENV, "300", 1), 0);
+	ck_assert_dlpc(dlpc_connect(D.sock, &a), 0);
+	ck_assert_dlpc(dlpc_channel_open(a, "pool/late", 4, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_alloc(a, "pool/late", u8, 1, shape, &t), 0);
+	memset(t->dl_tensor.data, 1, 4096);
+	/* (a send that may wait for room waits for its answer as long; one that may not is
+	 * bounded by DLPC_CALL_TIMEOUT_MS) */
+	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
+	r = dlpc_send(a, "pool/late", t, DLPC_SEND_NOWAIT);
+	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+	ck_assert_dlpc(r, -ETIMEDOUT);
+	/* the daemon took the message after all */
+	ck_assert_dlpc(dlpc_channel_stat(a, "pool/late", &info), 0);
+	ck_assert_uint_eq(info.depth, 1);
+	/* (addresses may repeat once a mapping is gone: the bytes tell the buffers apart) */
+	ck_assert_dlpc(dlpc_channel_alloc(a, "pool/late", u8, 1, shape, &t), 0);
+	memset(t->dl_tensor.data, 2, 4096);
+	ck_assert_dlpc(dlpc_send(a, "pool/late", t, 0), 0);
+	/* the first message, intact, then its RECLAIM (read with the reply to a STAT) */
+	ck_assert_dlpc(dlpc_recv(a, "pool/late", &ro, &u), 0);
+	ck_assert_uint_eq(((const uint8_t *)u->dl_tensor.data)[4095], 1);
+	u->deleter(u);
+	usleep(50 * 1000); /* the release goes out within DLPC_RELEASE_DELAY_MS */
+	ck_assert_dlpc(dlpc_channel_stat(a, "pool/late", &info), 0);
+	ck_assert_uint_eq(info.depth, 1);
+	/* the second is still queued: its buffer is not handed out */
+	ck_assert_dlpc(dlpc_channel_alloc(a, "pool/late", u8, 1, shape, &t), 0);
+	memset(t->dl_tensor.data, 3, 4096);
+	t->deleter(t);
+	ck_assert_dlpc(dlpc_recv(a, "pool/late", &ro, &u), 0);
+	ck_assert_uint_eq(((const uint8_t *)u->dl_tensor.data)[0], 2);
+	u->deleter(u);
+	ck_assert_dlpc(dlpc_channel_remove(a, "pool/late"), 0);
+	dlpc_close(a);
+}
+END_TEST
+
 static Suite *reconnect_suite(void)
 {
 	Suite *s = suite_create("reconnect");
@@ -712,6 +818,8 @@ static Suite *reconnect_suite(void)
 	tcase_add_test(tc, permanent_error_ends_wait);
 	tcase_add_test(tc, nested_call_keeps_epoch);
 	tcase_add_test(tc, ipc_count_per_connection);
+	tcase_add_test(tc, pool_after_restart);
+	tcase_add_test(tc, pool_unanswered_send);
 	suite_add_tcase(s, tc);
 	return s;
 }
