@@ -7,7 +7,8 @@
  * storage it keeps alive) and the message itself is gone: it is received exactly once.
  *
  * channel.c holds the data (the map, the queues, what each connection waits for); h_channel.c
- * the requests and the hand-offs between senders and receivers.
+ * SEND, RECV and the hand-offs between senders and receivers; h_channel_admin.c CHANNEL (open,
+ * remove, describe), LIST's channels and their watch events.
  */
 #ifndef DLPD_CHANNEL_H
 #define DLPD_CHANNEL_H
@@ -76,11 +77,14 @@ struct dlpd_msg *dlpd_channel_pop(struct dlpd_registry *r, struct dlpd_channel *
 /* What LIST, CHANNEL and watch events say of @p ch. */
 void dlpd_channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *info);
 
+/* h_channel.c: end every wait on @p ch with EIDRM ("channel '@p name' was removed") and free
+ * every message it holds; @p ch stays. */
+void dlpd_channel_empty(struct dlpd_server *s, struct dlpd_channel *ch, const char *name);
 /* h_channel.c: drop what @p p waits for on channels (its blocked SENDs' messages are freed). */
 void dlpd_channels_drop_peer(struct dlpd_peer *p);
 /* h_channel.c: free every channel and its messages at stop, once every connection is gone. */
 void dlpd_channels_clear(struct dlpd_server *s);
-/* h_channel.c: the channels part of a LIST reply (List.channels). */
+/* h_channel_admin.c: the channels part of a LIST reply (List.channels). */
 int dlpd_channels_list(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__List *req);
 
 #endif

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Handlers for channels (protocol 1.6): SEND, RECV and CHANNEL, and the hand-offs between them.
+ * Handlers for channels (protocol 1.6): SEND and RECV, and the hand-offs between them (CHANNEL,
+ * and the channels of a LIST, are in h_channel_admin.c).
  *
  * A channel never holds a message while a receiver waits, nor keeps a sender waiting while it
  * has room: every change (a send admitted, a message taken, a wait ended) runs pump(), which
@@ -28,11 +29,6 @@
 #include "util.h"
 
 #define RECV_FLAGS DLPC_ATTACH_SINGLE
-#define OP_OPEN 1
-#define OP_REMOVE 2
-#define OP_STAT 3
-#define EV_CHANNEL_OPENED 4
-#define EV_CHANNEL_REMOVED 5
 
 static void channel_name(const struct dlpd_channel *ch, char *buf, size_t len)
 {
@@ -449,48 +445,8 @@ int dlpd_on_recv(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 	return 0;
 }
 
-static bool watcher_wants(const struct dlpd_peer *w, const struct dlpd_channel *ch)
-{
-	return w->minor >= 6 && ch->len >= w->watch_prefix_len &&
-	       memcmp(ch->name, w->watch_prefix, w->watch_prefix_len) == 0;
-}
-
-/* Tell the watchers (1.6 and later) whose prefix matches that @p ch was opened or removed. */
-static void notify(struct dlpd_server *s, uint32_t kind, const struct dlpd_channel *ch,
-		   const struct dlpd_peer *actor)
-{
-	Dlpackd__V1__Event ev = DLPACKD__V1__EVENT__INIT;
-	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
-	ssize_t len = 0;
-	bool packed = false;
-
-	s->event_seq++;
-	for (struct dlpd_list *l = s->watchers.next; l != &s->watchers; l = l->next) {
-		struct dlpd_peer *w = dlpd_container_of(l, struct dlpd_peer, watch_link);
-
-		if (!watcher_wants(w, ch))
-			continue;
-		if (!packed) {
-			dlpd_channel_info(ch, &info);
-			ev.kind = kind;
-			ev.seq = s->event_seq;
-			ev.channel = &info;
-			ev.reason = kind == EV_CHANNEL_REMOVED ? DLPC_WATCH_BY_REQUEST : 0;
-			ev.actor_uid = actor->uid;
-			ev.actor_pid = actor->pid;
-			len = dlpc__msg_frame(&s->event_out, DLPC_MSG_EVENT, 0, &ev.base, 0);
-			packed = true;
-		}
-		if (len < 0)
-			dlpd_peer_fail(w, LOG_ERR, "cannot build an event: %s",
-				       strerror((int)-len));
-		else
-			dlpd_peer_send(w, s->event_out.p, (size_t)len, NULL, 0);
-	}
-}
-
 /* End every wait on @p ch with @p err and free every message it holds; @p ch stays. */
-static void empty_channel(struct dlpd_server *s, struct dlpd_channel *ch, const char *name)
+void dlpd_channel_empty(struct dlpd_server *s, struct dlpd_channel *ch, const char *name)
 {
 	struct dlpd_msg *m;
 
@@ -509,149 +465,6 @@ static void empty_channel(struct dlpd_server *s, struct dlpd_channel *ch, const 
 	}
 	while ((m = dlpd_channel_pop(&s->reg, ch)))
 		msg_free(s, m);
-}
-
-static int reply_info(struct dlpd_peer *p, uint32_t id, const struct dlpd_channel *ch, bool created)
-{
-	Dlpackd__V1__ChannelReply rep = DLPACKD__V1__CHANNEL_REPLY__INIT;
-	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
-
-	dlpd_channel_info(ch, &info);
-	rep.channel = &info;
-	rep.created = created;
-	return dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
-}
-
-static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Channel *req,
-			const char *name)
-{
-	struct dlpd_server *s = p->srv;
-	struct dlpd_channel *ch = dlpd_channel_find(&s->reg, req->name.data, req->name.len);
-	uint32_t cap = req->capacity ? req->capacity : DLPC_CHANNEL_CAPACITY_DEFAULT;
-	char desc[96];
-
-	if (req->capacity > DLPC_CHANNEL_CAPACITY_MAX)
-		return dlpd_reply_error(p, id, EINVAL,
-					"cannot open channel '%s': capacity %u exceeds the limit "
-					"of %d messages",
-					name, req->capacity, DLPC_CHANNEL_CAPACITY_MAX);
-	if (ch && req->capacity && req->capacity != ch->capacity)
-		return dlpd_reply_error(p, id, EEXIST,
-					"channel '%s' is open already with capacity %u, not %u",
-					name, ch->capacity, req->capacity);
-	if (ch)
-		return reply_info(p, id, ch, false);
-	if (p->usage->entries + 1 > s->lim.entries_per_uid)
-		return dlpd_reply_error(p, id, EDQUOT,
-					"cannot open channel '%s': uid %u has %llu entries and "
-					"channels; the limit is %llu (--max-entries-per-uid)",
-					name, (unsigned)p->uid,
-					(unsigned long long)p->usage->entries,
-					(unsigned long long)s->lim.entries_per_uid);
-	ch = dlpd_channel_new(&s->reg, req->name.data, req->name.len, cap, p->usage);
-	if (!ch)
-		return dlpd_reply_error(p, id, ENOMEM, "cannot open channel '%s': out of memory",
-					name);
-	ch->uid = p->uid;
-	ch->pid = p->pid;
-	dlpd_log(LOG_DEBUG, "%s: opened channel '%s', capacity %u",
-		 dlpd_peer_desc(p, desc, sizeof(desc)), name, cap);
-	notify(s, EV_CHANNEL_OPENED, ch, p);
-	return reply_info(p, id, ch, true);
-}
-
-static int channel_remove(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch,
-			  const char *name)
-{
-	Dlpackd__V1__ChannelReply rep = DLPACKD__V1__CHANNEL_REPLY__INIT;
-	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
-	struct dlpd_server *s = p->srv;
-	char desc[96];
-	int r;
-
-	if (p->uid != 0 && p->uid != ch->uid)
-		return dlpd_reply_error(p, id, EPERM,
-					"channel '%s' belongs to uid %u; uid %u may not remove it",
-					name, (unsigned)ch->uid, (unsigned)p->uid);
-	/* the reply describes it as it was, messages included */
-	dlpd_channel_info(ch, &info);
-	dlpd_log(LOG_DEBUG, "%s: removed channel '%s' and its %u queued messages",
-		 dlpd_peer_desc(p, desc, sizeof(desc)), name, ch->depth);
-	rep.channel = &info;
-	r = dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
-	empty_channel(s, ch, name);
-	notify(s, EV_CHANNEL_REMOVED, ch, p);
-	dlpd_channel_free(&s->reg, ch);
-	return r;
-}
-
-int dlpd_on_channel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struct dlpc__frame *f)
-{
-	Dlpackd__V1__Channel *req = (Dlpackd__V1__Channel *)*msg;
-	char why[160], name[DLPC_NAME_TEXT];
-	struct dlpd_channel *ch;
-
-	(void)f;
-	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
-		return dlpd_reply_error(p, id, EINVAL, "bad channel name: %s", why);
-	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
-	if (req->op == OP_OPEN)
-		return channel_open(p, id, req, name);
-	if (req->op != OP_REMOVE && req->op != OP_STAT)
-		return dlpd_reply_error(p, id, EINVAL, "CHANNEL operation %u is unknown", req->op);
-	ch = dlpd_channel_find(&p->srv->reg, req->name.data, req->name.len);
-	if (!ch)
-		return dlpd_reply_error(p, id, ENOENT, "no channel named '%s'", name);
-	if (req->op == OP_REMOVE)
-		return channel_remove(p, id, ch, name);
-	return reply_info(p, id, ch, false);
-}
-
-int dlpd_channels_list(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__List *req)
-{
-	Dlpackd__V1__ListReply rep = DLPACKD__V1__LIST_REPLY__INIT;
-	Dlpackd__V1__ChannelInfo *infos = NULL;
-	struct dlpd_channel **v;
-	size_t n, limit, room = DLPC_FRAME_MAX - 64;
-	int r;
-
-	limit = req->limit == 0 || req->limit > DLPC_LIST_PAGE_MAX ? DLPC_LIST_PAGE_MAX
-								   : req->limit;
-	r = dlpd_channel_range(&p->srv->reg, req->prefix.data, req->prefix.len,
-			       req->start_after.data, req->start_after.len, limit + 1, &v, &n);
-	if (r < 0)
-		return dlpd_reply_error(p, id, r, "cannot list channels: out of memory");
-	rep.more = n > limit;
-	n = n < limit ? n : limit;
-	if (n > 0) {
-		infos = calloc(n, sizeof(*infos));
-		rep.channels = calloc(n, sizeof(*rep.channels));
-		if (!infos || !rep.channels) {
-			free(infos);
-			free(rep.channels);
-			free(v);
-			return dlpd_reply_error(p, id, ENOMEM,
-						"cannot list channels: out of memory");
-		}
-	}
-	for (size_t i = 0; i < n; i++) {
-		size_t sz;
-
-		dlpackd__v1__channel_info__init(&infos[i]);
-		dlpd_channel_info(v[i], &infos[i]);
-		sz = dlpackd__v1__channel_info__get_packed_size(&infos[i]) + 6;
-		if (sz > room) {
-			rep.more = true;
-			break;
-		}
-		room -= sz;
-		rep.channels[rep.n_channels++] = &infos[i];
-	}
-	r = dlpd_reply(p, DLPC_MSG_LIST | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
-	free(rep.channels);
-	free(infos);
-	free(v);
-	return r;
 }
 
 void dlpd_channels_drop_peer(struct dlpd_peer *p)
@@ -676,7 +489,7 @@ void dlpd_channels_clear(struct dlpd_server *s)
 		char name[DLPC_NAME_TEXT];
 
 		channel_name(ch, name, sizeof(name));
-		empty_channel(s, ch, name);
+		dlpd_channel_empty(s, ch, name);
 		dlpd_channel_free(&s->reg, ch);
 		cursor = 0;
 	}

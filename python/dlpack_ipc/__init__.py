@@ -212,7 +212,8 @@ class Channel:
         self._client._send(self.name, obj, timeout=timeout)
 
     def send_dict(self, mapping, *, timeout=None):
-        """Send a mapping of str keys to tensors as one message (a bundle)."""
+        """Send a mapping of str keys to tensors as one message (a bundle); keys as for
+        publish_dict(), refused with the same errors."""
         self._client._send_dict(self.name, mapping, timeout=timeout)
 
     def empty(self, shape, dtype):

@@ -229,13 +229,8 @@ PyObject *ipc_client_send_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
 		PyObject *kv = PyList_GetItem(items, i);
 		PyObject *k = PyTuple_GetItem(kv, 0);
 
-		if (!PyUnicode_Check(k)) {
-			PyErr_Format(PyExc_TypeError,
-				     "cannot send to channel '%s': keys must be str, not %R", name,
-				     k);
-			goto out;
-		}
-		keys[i] = PyUnicode_AsUTF8AndSize(k, NULL);
+		/* valid while items holds the key */
+		keys[i] = ipc_bundle_key("send to channel", name, k);
 		if (!keys[i])
 			goto out;
 		objs[i] = PyTuple_GetItem(kv, 1);

@@ -138,5 +138,11 @@ typedef int (*ipc_tensors_fn)(dlpc_client *c, const char *name, size_t n, const 
 int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssize_t n,
 		  PyObject *const *objs, const char *const *keys, bool interruptible,
 		  ipc_tensors_fn fn, void *arg, int *ret);
+/*
+ * The UTF-8 of bundle key @p k (valid while @p k lives), or NULL with an exception set: a key is
+ * a str of at most DLPC_KEY_MAX bytes without NUL, and the message names it ("cannot @p verb
+ * '@p name': key ..."). The one check of publish_dict() and Channel.send_dict() (publish.c).
+ */
+const char *ipc_bundle_key(const char *verb, const char *name, PyObject *k);
 
 #endif

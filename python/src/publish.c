@@ -107,6 +107,35 @@ static int publish_fn(dlpc_client *c, const char *name, size_t n, const char *co
 		    : dlpc_publish(c, name, tensors[0], flags);
 }
 
+const char *ipc_bundle_key(const char *verb, const char *name, PyObject *k)
+{
+	const char *key;
+	Py_ssize_t len;
+
+	if (!PyUnicode_Check(k)) {
+		PyObject *tn = PyType_GetQualName(Py_TYPE(k));
+
+		if (tn)
+			PyErr_Format(PyExc_TypeError,
+				     "cannot %s '%s': keys must be str, not %U (key %R)", verb,
+				     name, tn, k);
+		Py_XDECREF(tn);
+		return NULL;
+	}
+	key = PyUnicode_AsUTF8AndSize(k, &len);
+	if (!key)
+		return NULL;
+	/* libdlpc sees a C string: a NUL inside would cut the key short without a word */
+	if (strlen(key) != (size_t)len || len > DLPC_KEY_MAX) {
+		PyErr_Format(PyExc_ValueError,
+			     "cannot %s '%s': key %.60R %s (keys are at most %d bytes of UTF-8)",
+			     verb, name, k, len > DLPC_KEY_MAX ? "is too long" : "contains NUL",
+			     DLPC_KEY_MAX);
+		return NULL;
+	}
+	return key;
+}
+
 /* Publish @p n objects, with @p keys (NULL: a single tensor). Returns the generation. */
 static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_t n,
 				 PyObject *const *objs, const char *const *keys, uint32_t flags)
@@ -140,7 +169,7 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 	int replace = 0, ephemeral = 0, writable = 0;
 	const char *name, **keys = NULL;
 	PyObject *mapping, *items, **objs = NULL, *r = NULL;
-	Py_ssize_t n, len;
+	Py_ssize_t n;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$ppp:publish_dict", kwlist, &name,
 					 &mapping, &replace, &ephemeral, &writable))
@@ -163,30 +192,10 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 		PyObject *kv = PyList_GetItem(items, i);
 		PyObject *k = PyTuple_GetItem(kv, 0);
 
-		if (!PyUnicode_Check(k)) {
-			PyObject *tn = PyType_GetQualName(Py_TYPE(k));
-
-			if (tn)
-				PyErr_Format(
-					PyExc_TypeError,
-					"cannot publish '%s': keys must be str, not %U (key %R)",
-					name, tn, k);
-			Py_XDECREF(tn);
-			goto out;
-		}
 		/* valid while items holds the key */
-		keys[i] = PyUnicode_AsUTF8AndSize(k, &len);
+		keys[i] = ipc_bundle_key("publish", name, k);
 		if (!keys[i])
 			goto out;
-		if (strlen(keys[i]) != (size_t)len || len > DLPC_KEY_MAX) {
-			PyErr_Format(
-				PyExc_ValueError,
-				"cannot publish '%s': key %.60R %s (keys are at most %d bytes of "
-				"UTF-8)",
-				name, k, len > DLPC_KEY_MAX ? "is too long" : "contains NUL",
-				DLPC_KEY_MAX);
-			goto out;
-		}
 		objs[i] = PyTuple_GetItem(kv, 1);
 	}
 	r = publish_objects((ClientObject *)obj, name, n, objs, keys,

@@ -1,12 +1,14 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Writes the seed corpus of fuzz_daemon (tests/fuzz/corpus/): real sessions made of valid
- * frames (HELLO, PUBLISH with its fd, ATTACH, RELEASE, LIST, STAT, UNPUBLISH, waiters, bundles)
- * and the classic bad ones (requests before HELLO, unknown types, wrong fd counts, fds split
+ * frames (HELLO, PUBLISH with its fd, ATTACH, RELEASE, LIST, STAT, UNPUBLISH, waiters, bundles;
+ * channels' SEND, RECV and CHANNEL (1.6); cacheable attaches, release marks and the
+ * INVALIDATE a replace causes (1.7)) and the classic bad ones (requests before HELLO, unknown types, wrong fd counts, fds split
  * from their frame, truncated frames, absurd lengths, bad storage fds).
  *
  *   mkcorpus DIR
  */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +61,17 @@ static void hello(struct input *in, uint32_t major)
 	Dlpackd__V1__Hello h = DLPACKD__V1__HELLO__INIT;
 
 	h.version_major = major;
+	h.client = "mkcorpus";
+	frame(in, DLPC_MSG_HELLO, 1, &h.base, 0, NULL, 0);
+}
+
+/* HELLO agreeing on @p minor (hello() sends minor 0: what 1.6 and 1.7 add stays unused). */
+static void hello_minor(struct input *in, uint32_t minor)
+{
+	Dlpackd__V1__Hello h = DLPACKD__V1__HELLO__INIT;
+
+	h.version_major = DLPC_PROTO_MAJOR;
+	h.version_minor = minor;
 	h.client = "mkcorpus";
 	frame(in, DLPC_MSG_HELLO, 1, &h.base, 0, NULL, 0);
 }
@@ -139,6 +152,116 @@ static void unpublish(struct input *in, uint32_t id, const char *name)
 	u.name.data = (uint8_t *)name;
 	u.name.len = strlen(name);
 	frame(in, DLPC_MSG_UNPUBLISH, id, &u.base, 0, NULL, 0);
+}
+
+/* RELEASE of @p nref ids of @p refs, marking @p cached idle and @p used in use again (1.7). */
+static void release_marks(struct input *in, uint64_t *refs, size_t nref, uint64_t *cached,
+			  size_t ncached, uint64_t *used, size_t nused)
+{
+	Dlpackd__V1__Release r = DLPACKD__V1__RELEASE__INIT;
+
+	r.n_ref_ids = nref;
+	r.ref_ids = refs;
+	r.n_cached_ids = ncached;
+	r.cached_ids = cached;
+	r.n_used_ids = nused;
+	r.used_ids = used;
+	frame(in, DLPC_MSG_RELEASE, 0, &r.base, 0, NULL, 0);
+}
+
+/* CHANNEL @p op (1 OPEN, 2 REMOVE, 3 STAT, others bad) of channel @p name. */
+static void channel(struct input *in, uint32_t id, uint32_t op, const char *name, uint32_t capacity)
+{
+	Dlpackd__V1__Channel c = DLPACKD__V1__CHANNEL__INIT;
+
+	c.op = op;
+	c.name.data = (uint8_t *)name;
+	c.name.len = strlen(name);
+	c.capacity = capacity;
+	frame(in, DLPC_MSG_CHANNEL, id, &c.base, 0, NULL, 0);
+}
+
+/* What a SEND carries besides its channel: the message, its fd and whatever edit a seed makes. */
+struct send_args {
+	uint32_t flags;	    /* Send.flags (0 is the only valid) */
+	uint32_t pub_flags; /* the message's PUBLISH flags */
+	unsigned ntensors;  /* 1 to 4 */
+	int64_t timeout_ms;
+	uint64_t pool_token;
+	const char *key; /* the first tensor's key (NULL: "" or "a") */
+	size_t key_len;
+	const char *msg_name; /* a name the message must not have */
+	uint32_t device_type; /* 0: host */
+	unsigned nfds;	      /* fds sent (the header declares 1) */
+	uint8_t kind;
+};
+
+/* SEND to channel @p name of @p a's message. */
+static void send_msg(struct input *in, uint32_t id, const char *name, const struct send_args *a)
+{
+	Dlpackd__V1__Send sr = DLPACKD__V1__SEND__INIT;
+	Dlpackd__V1__Publish p = DLPACKD__V1__PUBLISH__INIT;
+	Dlpackd__V1__TensorDesc descs[4], *ptrs[4];
+	int64_t shape[2] = {4, 4};
+	static const char *const keys[4] = {"a", "b", "c", "d"};
+
+	for (unsigned i = 0; i < a->ntensors; i++) {
+		dlpackd__v1__tensor_desc__init(&descs[i]);
+		descs[i].key.data = (uint8_t *)(a->ntensors > 1 ? keys[i] : "");
+		descs[i].key.len = a->ntensors > 1 ? 1 : 0;
+		descs[i].dtype_code = 2; /* kDLFloat */
+		descs[i].dtype_bits = 32;
+		descs[i].dtype_lanes = 1;
+		descs[i].n_shape = 2;
+		descs[i].shape = shape;
+		descs[i].offset = (uint64_t)i * 256;
+		ptrs[i] = &descs[i];
+	}
+	if (a->key) {
+		descs[0].key.data = (uint8_t *)a->key;
+		descs[0].key.len = a->key_len;
+	}
+	if (a->msg_name) {
+		p.name.data = (uint8_t *)a->msg_name;
+		p.name.len = strlen(a->msg_name);
+	}
+	p.flags = a->pub_flags;
+	p.device_type = a->device_type ? a->device_type : 1; /* kDLCPU */
+	p.storage_size = 4096;
+	p.n_tensors = a->ntensors;
+	p.tensors = ptrs;
+	sr.channel.data = (uint8_t *)name;
+	sr.channel.len = strlen(name);
+	sr.flags = a->flags;
+	sr.timeout_ms = a->timeout_ms;
+	sr.message = &p;
+	sr.pool_token = a->pool_token;
+	frame(in, DLPC_MSG_SEND, id, &sr.base, 1, &a->kind, a->nfds);
+}
+
+/* SEND of one read-only tensor, failing at once if the channel is full. */
+#define SEND_ONE (&(struct send_args){.ntensors = 1, .nfds = 1, .kind = FUZZ_FD_MEMFD_RO})
+
+static void recv_msg(struct input *in, uint32_t id, const char *name, uint32_t flags,
+		     int64_t timeout_ms)
+{
+	Dlpackd__V1__Recv r = DLPACKD__V1__RECV__INIT;
+
+	r.channel.data = (uint8_t *)name;
+	r.channel.len = strlen(name);
+	r.flags = flags;
+	r.timeout_ms = timeout_ms;
+	frame(in, DLPC_MSG_RECV, id, &r.base, 0, NULL, 0);
+}
+
+static void list_channels(struct input *in, uint32_t id, const char *prefix)
+{
+	Dlpackd__V1__List l = DLPACKD__V1__LIST__INIT;
+
+	l.prefix.data = (uint8_t *)prefix;
+	l.prefix.len = strlen(prefix);
+	l.channels = true;
+	frame(in, DLPC_MSG_LIST, id, &l.base, 0, NULL, 0);
 }
 
 static void raw_header(struct input *in, uint32_t len, uint16_t type, uint8_t nfds)
@@ -316,6 +439,231 @@ int main(int argc, char **argv)
 		attach(&in, 2, "never", 0, 1);
 		chunk(&in, FUZZ_WAIT | FUZZ_RUN, NULL, 0, NULL, 0);
 		stat_req(&in, 3);
+	});
+	/* ---- channels (1.6): SEND (9), RECV (10), CHANNEL (11) ---- */
+	SEED("channel", {
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		channel(&in, 2, 1, "c", 2);
+		channel(&in, 3, 1, "c", 0);
+		send_msg(&in, 4, "c", SEND_ONE);
+		send_msg(&in, 5, "c",
+			 &(struct send_args){.ntensors = 3,
+					     .pub_flags = DLPC_PUBLISH_WRITABLE,
+					     .nfds = 1,
+					     .kind = rw});
+		send_msg(&in, 6, "c", SEND_ONE); /* full: EAGAIN */
+		channel(&in, 7, 3, "c", 0);
+		list_channels(&in, 8, "");
+		recv_msg(&in, 9, "c", 0, 0);
+		recv_msg(&in, 10, "c", DLPC_ATTACH_SINGLE, 0); /* a bundle: refused, kept */
+		recv_msg(&in, 11, "c", 0, 0);
+		recv_msg(&in, 12, "c", 0, 0); /* empty: EAGAIN */
+		release(&in, 1);
+		release(&in, 2);
+		channel(&in, 13, 2, "c", 0);
+		stat_req(&in, 14);
+	});
+	SEED("channel-waits", {
+		/* a RECV that waits and is answered, one that expires, a SEND that waits for
+		 * room, one that expires, a remove that ends the waiting ones */
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		channel(&in, 2, 1, "w", 1);
+		recv_msg(&in, 3, "w", 0, -1);
+		send_msg(&in, 4, "w", SEND_ONE);
+		recv_msg(&in, 5, "w", 0, 1);
+		chunk(&in, FUZZ_WAIT | FUZZ_RUN, NULL, 0, NULL, 0);
+		send_msg(&in, 6, "w", SEND_ONE);
+		send_msg(&in, 7, "w",
+			 &(struct send_args){
+				 .ntensors = 1, .timeout_ms = -1, .nfds = 1, .kind = ro});
+		send_msg(
+			&in, 8, "w",
+			&(struct send_args){.ntensors = 1, .timeout_ms = 1, .nfds = 1, .kind = ro});
+		chunk(&in, FUZZ_WAIT | FUZZ_RUN, NULL, 0, NULL, 0);
+		recv_msg(&in, 9, "w", 0, 0);
+		channel(&in, 10, 1, "e", 0);
+		recv_msg(&in, 11, "e", 0, -1);
+		send_msg(&in, 12, "w",
+			 &(struct send_args){
+				 .ntensors = 1, .timeout_ms = -1, .nfds = 1, .kind = ro});
+		channel(&in, 13, 2, "w", 0);
+		channel(&in, 14, 2, "e", 0);
+	});
+	SEED("channel-hangup", {
+		/* the connection ends with a RECV and a SEND waiting and messages queued */
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		channel(&in, 2, 1, "h", 1);
+		channel(&in, 3, 1, "r", 0);
+		send_msg(&in, 4, "h", SEND_ONE);
+		send_msg(&in, 5, "h",
+			 &(struct send_args){
+				 .ntensors = 2, .timeout_ms = -1, .nfds = 1, .kind = ro});
+		recv_msg(&in, 6, "r", 0, -1);
+		chunk(&in, FUZZ_SHUTDOWN | FUZZ_RUN, NULL, 0, NULL, 0);
+	});
+	SEED("channel-pooled", {
+		/* a pooled message: received, released, its token told back (RECLAIM) */
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		channel(&in, 2, 1, "p", 4);
+		send_msg(&in, 3, "p",
+			 &(struct send_args){.ntensors = 1,
+					     .pub_flags = DLPC_PUBLISH_WRITABLE,
+					     .pool_token = (1ull << 63) | 1,
+					     .nfds = 1,
+					     .kind = rw});
+		send_msg(&in, 4, "p",
+			 &(struct send_args){.ntensors = 1,
+					     .pool_token = 2,
+					     .nfds = 1,
+					     .kind = ro}); /* not WRITABLE: EINVAL */
+		recv_msg(&in, 5, "p", 0, 0);
+		release(&in, 1);
+		stat_req(&in, 6);
+		channel(&in, 7, 2, "p", 0);
+	});
+	SEED("channel-refused", {
+		/* refused requests that leave the connection up: bad channel names and ops, a
+		 * message with a name, flags, a device, bad keys, a bad storage; no channel */
+		static char long_key[DLPC_KEY_MAX + 1];
+
+		memset(long_key, 'k', sizeof(long_key));
+		hello(&in, DLPC_PROTO_MAJOR); /* channels are served whatever the minor */
+		channel(&in, 2, 1, "", 0);
+		channel(&in, 3, 9, "c", 0);
+		channel(&in, 4, 1, "c", DLPC_CHANNEL_CAPACITY_MAX + 1);
+		channel(&in, 5, 1, "c", 1);
+		channel(&in, 6, 1, "c", 2); /* exists with another capacity */
+		channel(&in, 7, 3, "none", 0);
+		channel(&in, 8, 2, "none", 0);
+		send_msg(&in, 9, "", SEND_ONE);
+		send_msg(&in, 10, "none", SEND_ONE);
+		send_msg(&in, 11, "c",
+			 &(struct send_args){.ntensors = 1, .flags = 4, .nfds = 1, .kind = ro});
+		send_msg(
+			&in, 12, "c",
+			&(struct send_args){.ntensors = 1, .msg_name = "x", .nfds = 1, .kind = ro});
+		send_msg(&in, 13, "c",
+			 &(struct send_args){
+				 .ntensors = 1, .device_type = 2, .nfds = 1, .kind = ro});
+		send_msg(
+			&in, 14, "c",
+			&(struct send_args){
+				.ntensors = 2, .key = "a\0b", .key_len = 3, .nfds = 1, .kind = ro});
+		send_msg(&in, 15, "c",
+			 &(struct send_args){.ntensors = 2,
+					     .key = long_key,
+					     .key_len = sizeof(long_key),
+					     .nfds = 1,
+					     .kind = ro});
+		send_msg(&in, 16, "c",
+			 &(struct send_args){.ntensors = 2,
+					     .key = "b",
+					     .key_len = 1,
+					     .nfds = 1,
+					     .kind = ro}); /* "b" twice */
+		send_msg(&in, 17, "c",
+			 &(struct send_args){
+				 .ntensors = 1, .nfds = 1, .kind = FUZZ_FD_MEMFD_NOSEAL});
+		send_msg(&in, 18, "c",
+			 &(struct send_args){.ntensors = 1, .nfds = 1, .kind = FUZZ_FD_PIPE});
+		recv_msg(&in, 19, "c", 1, 0);
+		recv_msg(&in, 20, "none", 0, 0);
+		recv_msg(&in, 21, "", 0, 0);
+		channel(&in, 22, 2, "c", 0);
+		stat_req(&in, 23);
+	});
+	SEED("send-no-fd", {
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		channel(&in, 2, 1, "c", 0);
+		send_msg(&in, 3, "c", &(struct send_args){.ntensors = 1, .nfds = 0});
+	});
+	SEED("send-two-fds", {
+		static const uint8_t two[2] = {FUZZ_FD_MEMFD_RO, FUZZ_FD_MEMFD_RO};
+		Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		channel(&in, 2, 1, "c", 0);
+		/* SEND's header declaring two fds: a violation before its payload is parsed */
+		frame(&in, DLPC_MSG_SEND, 3, &st.base, 2, two, 2);
+	});
+	SEED("recv-with-fd", {
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		channel(&in, 2, 1, "c", 0);
+		send_msg(&in, 3, "c", SEND_ONE);
+		{
+			Dlpackd__V1__Recv r = DLPACKD__V1__RECV__INIT;
+
+			r.channel.data = (uint8_t *)"c";
+			r.channel.len = 1;
+			frame(&in, DLPC_MSG_RECV, 4, &r.base, 1, &ro, 1);
+		}
+	});
+	SEED("channel-before-hello", channel(&in, 1, 1, "c", 0));
+
+	/* ---- the client's cache (1.7): cacheable attaches, release marks, INVALIDATE ---- */
+	SEED("cache", {
+		uint64_t one = 1, two = 2;
+
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		publish(&in, 2, "k", 0, 1, ro);
+		attach(&in, 3, "k", DLPC_ATTACH_CACHEABLE, 0);
+		attach(&in, 4, "k", DLPC_ATTACH_CACHEABLE | DLPC_ATTACH_SINGLE, 0);
+		release_marks(&in, NULL, 0, &one, 1, NULL, 0);
+		list(&in, 5, "", 0);
+		stat_req(&in, 6);
+		release_marks(&in, NULL, 0, NULL, 0, &one, 1);
+		release_marks(&in, &two, 1, &one, 1, NULL, 0);	   /* marks, then the release */
+		release_marks(&in, NULL, 0, &two, 1, &two, 1);	   /* unknown ids: skipped */
+		publish(&in, 7, "k", DLPC_PUBLISH_REPLACE, 1, ro); /* INVALIDATE, then the reply */
+		attach(&in, 8, "k", DLPC_ATTACH_CACHEABLE, 0);
+		unpublish(&in, 9, "k"); /* INVALIDATE again */
+		release(&in, 1);
+		stat_req(&in, 10);
+	});
+	SEED("cache-ephemeral", {
+		/* the ephemeral publisher's entry goes with its connection, cached or not */
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		publish(&in, 2, "e", DLPC_PUBLISH_EPHEMERAL, 2, ro);
+		attach(&in, 3, "e", DLPC_ATTACH_CACHEABLE, 0);
+		attach(&in, 4, "e", DLPC_ATTACH_CACHEABLE, 0);
+	});
+	SEED("cache-unread", {
+		/* the client reads nothing while its cacheable references' entry is replaced:
+		 * the INVALIDATE may not fit the socket whole, which drops the connection */
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		publish(&in, 2, "u", 0, 4, ro);
+		frame_flags = FUZZ_RUN | FUZZ_HOLD;
+		for (uint32_t id = 3; id < 40; id++)
+			attach(&in, id, "u", DLPC_ATTACH_CACHEABLE, 0);
+		publish(&in, 40, "u", DLPC_PUBLISH_REPLACE, 4, ro);
+		frame_flags = FUZZ_RUN;
+		stat_req(&in, 41);
+	});
+	SEED("cacheable-old-minor", {
+		/* CACHEABLE is unknown below 1.7: EINVAL */
+		hello_minor(&in, 6);
+		publish(&in, 2, "o", 0, 1, ro);
+		attach(&in, 3, "o", DLPC_ATTACH_CACHEABLE, 0);
+		stat_req(&in, 4);
+	});
+	SEED("marks-too-many", {
+		/* the three lists together count against the 1024 ids of a RELEASE */
+		static uint64_t ids[600];
+
+		for (size_t i = 0; i < 600; i++)
+			ids[i] = i + 1;
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		release_marks(&in, NULL, 0, ids, 600, ids, 600);
+	});
+	SEED("invalidate-to-daemon", {
+		/* INVALIDATE travels only from the daemon: sent to it, an unknown type */
+		Dlpackd__V1__Invalidate iv = DLPACKD__V1__INVALIDATE__INIT;
+
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		iv.name.data = (uint8_t *)"k";
+		iv.name.len = 1;
+		iv.generation = 1;
+		frame(&in, DLPC_MSG_INVALIDATE, 0, &iv.base, 0, NULL, 0);
 	});
 	SEED("garbage", chunk(&in, FUZZ_RUN, NULL, 0, "GET / HTTP/1.1\r\n\r\n", 18));
 	return 0;

@@ -452,6 +452,88 @@ START_TEST(test_bundles_and_limits)
 }
 END_TEST
 
+/* ---- a bundle's keys: a SEND refuses what a PUBLISH refuses, in the same words ---- */
+
+#define KEYS_HEAD "cannot publish 'keys': "
+
+/* In another process: each bad key refused by dlpc_send_bundle() as dlpc_publish_bundle()
+ * refuses it, the message the same but its head, every tensor released; then a bundle whose
+ * key is exactly DLPC_KEY_MAX bytes sent. */
+static int bad_key_sender(void *arg)
+{
+	static char toolong[DLPC_KEY_MAX + 2], longest[DLPC_KEY_MAX + 1];
+	const char *const bad[] = {toolong, "\xc0\x80", "a\xff"};
+	dlpc_client *c = child_connect();
+	static float v[2] = {1, 2};
+	int64_t n = 2;
+	DLManagedTensorVersioned *ts[2];
+
+	(void)arg;
+	memset(toolong, 'k', DLPC_KEY_MAX + 1);
+	memset(longest, 'k', DLPC_KEY_MAX);
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		const char *keys[] = {"ok", bad[i]};
+		char pub[1024], want[1100];
+		int dead = 0;
+
+		for (int j = 0; j < 2; j++)
+			ts[j] = host_tensor(v, (DLDataType){kDLFloat, 32, 1}, 1, &n, NULL, &dead);
+		CHILD_CHECK(dlpc_publish_bundle(c, "keys", 2, keys, ts, 0) == -EINVAL);
+		snprintf(pub, sizeof(pub), "%s", dlpc_last_error());
+		CHILD_CHECK(strncmp(pub, KEYS_HEAD, strlen(KEYS_HEAD)) == 0);
+		CHILD_CHECK(strstr(pub, "the key of tensor 1: key is"));
+		snprintf(want, sizeof(want), "cannot send to channel 'keys': %s",
+			 pub + strlen(KEYS_HEAD));
+		for (int j = 0; j < 2; j++)
+			ts[j] = host_tensor(v, (DLDataType){kDLFloat, 32, 1}, 1, &n, NULL, &dead);
+		CHILD_CHECK(dlpc_send_bundle(c, "keys", 2, keys, ts, NULL) == -EINVAL);
+		if (strcmp(dlpc_last_error(), want) != 0) {
+			fprintf(stderr, "send says '%s'\npublish said '%s'\n", dlpc_last_error(),
+				pub);
+			return 1;
+		}
+		CHILD_CHECK(dead == 4);
+	}
+	{
+		const char *keys[] = {longest, ""};
+
+		for (int j = 0; j < 2; j++)
+			ts[j] = host_tensor(v, (DLDataType){kDLFloat, 32, 1}, 1, &n, NULL, NULL);
+		CHILD_CHECK(dlpc_send_bundle(c, "keys", 2, keys, ts, NULL) == 0);
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_bundle_keys)
+{
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	char longest[DLPC_KEY_MAX + 1];
+	dlpc_channel_info info;
+	dlpc_stats st;
+	dlpc_bundle *b;
+
+	memset(longest, 'k', DLPC_KEY_MAX);
+	longest[DLPC_KEY_MAX] = '\0';
+	ck_assert_dlpc(dlpc_channel_open(c, "keys", 4, NULL), 1);
+	ck_assert_int_eq(wait_child(spawn(bad_key_sender, NULL)), 0);
+	/* only the last message went out, and nothing was published */
+	info = chan_or_die(c, "keys");
+	ck_assert_uint_eq(info.sent, 1);
+	ck_assert_dlpc(dlpc_recv_bundle(c, "keys", &now, &b), 0);
+	ck_assert_uint_eq(dlpc_bundle_count(b), 2);
+	ck_assert_str_eq(dlpc_bundle_key(b, 0), longest);
+	ck_assert_str_eq(dlpc_bundle_key(b, 1), "");
+	dlpc_bundle_free(b);
+	st = stat_or_die(c);
+	ck_assert_uint_eq(st.entries, 0);
+	ck_assert_uint_eq(st.protocol_errors, 0);
+	ck_assert_dlpc(dlpc_channel_remove(c, "keys"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
 START_TEST(test_list_stat_watch)
 {
 	dlpc_client *c = connect_or_die(&D);
@@ -731,6 +813,108 @@ START_TEST(test_malformed)
 }
 END_TEST
 
+/* ---- a raw client's bad keys: SEND refused as PUBLISH is, by the daemon's one check ---- */
+
+static ProtobufCBinaryData raw_key;
+
+static void keyed(Dlpackd__V1__Send *r)
+{
+	r->message->tensors[0]->key = raw_key;
+}
+
+/* A PUBLISH of "raw" with the message raw_send_msg() sends, keyed raw_key; the daemon's
+ * error code (0: published) and message. */
+static int raw_publish_keyed(int fd, int storage, char *msg, size_t len)
+{
+	Dlpackd__V1__Publish pub = DLPACKD__V1__PUBLISH__INIT;
+	Dlpackd__V1__TensorDesc d = DLPACKD__V1__TENSOR_DESC__INIT, *dp = &d;
+	int64_t one = 1;
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+	int code = 0;
+
+	d.key = raw_key;
+	d.dtype_code = kDLFloat;
+	d.dtype_bits = 32;
+	d.dtype_lanes = 1;
+	d.n_shape = 1;
+	d.shape = &one;
+	pub.name.data = (uint8_t *)"raw";
+	pub.name.len = 3;
+	pub.device_type = kDLCPU;
+	pub.storage_size = 4096;
+	pub.n_tensors = 1;
+	pub.tensors = &dp;
+	raw_send(fd, DLPC_MSG_PUBLISH, 8, &pub.base, &storage, 1);
+	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
+	if (h.type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
+
+		ck_assert_ptr_nonnull(e);
+		code = e->code;
+		snprintf(msg, len, "%s", e->message);
+		dlpackd__v1__error__free_unpacked(e, NULL);
+	} else {
+		ck_assert_uint_eq(h.type, DLPC_MSG_PUBLISH | DLPC_MSG_REPLY);
+	}
+	return code;
+}
+
+START_TEST(test_raw_keys)
+{
+	static char toolong[DLPC_KEY_MAX + 1];
+	static const struct {
+		const char *key;
+		size_t len;
+		const char *says;
+	} cases[] = {
+		{"a\0b", 3, "contains NUL"},
+		{toolong, DLPC_KEY_MAX + 1, "more than the limit"},
+		{"\xc0\x80", 2, "not valid UTF-8"},
+	};
+	char pub[512], snd[512];
+	dlpc_stats st;
+	int base, fd;
+
+	memset(toolong, 'k', sizeof(toolong));
+	good_client_start(&D);
+	base = good_baseline();
+	ck_assert_dlpc(dlpc_channel_open(good_client(), "raw", 1, NULL), 1);
+	fd = raw_connect(&D);
+	raw_hello(fd, 1);
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		int mem = memfd_sealed(4096, SEALS_RO);
+
+		raw_key.data = (uint8_t *)cases[i].key;
+		raw_key.len = cases[i].len;
+		ck_assert_int_eq(raw_publish_keyed(fd, mem, pub, sizeof(pub)), EINVAL);
+		ck_assert_int_eq(raw_send_msg(fd, mem, 1, keyed, snd, sizeof(snd)), EINVAL);
+		close(mem);
+		ck_assert_msg(strncmp(pub, "cannot publish 'raw': ", 22) == 0, "%s", pub);
+		ck_assert_msg(strncmp(snd, "cannot send to channel 'raw': ", 30) == 0, "%s", snd);
+		ck_assert_str_eq(snd + 30, pub + 22);
+		ck_assert_msg(strstr(snd, cases[i].says), "case %zu: %s", i, snd);
+	}
+	/* refused as bad requests, not as violations: the same connection sends a good one */
+	raw_key.data = (uint8_t *)toolong;
+	raw_key.len = DLPC_KEY_MAX;
+	{
+		int mem = memfd_sealed(4096, SEALS_RO);
+
+		ck_assert_int_eq(raw_send_msg(fd, mem, 1, keyed, snd, sizeof(snd)), 0);
+		close(mem);
+	}
+	st = stat_or_die(good_client());
+	ck_assert_uint_eq(st.messages, 1);
+	ck_assert_uint_eq(st.protocol_errors, 0);
+	close(fd);
+	good_client_check();
+	ck_assert_dlpc(dlpc_channel_remove(good_client(), "raw"), 0);
+	expect_fds(base);
+	good_client_stop();
+}
+END_TEST
+
 /* --max-pending-per-connection counts waiting RECVs and SENDs; --max-refs-per-connection
  * refuses a RECV, leaving the message queued. */
 START_TEST(test_connection_limits)
@@ -792,9 +976,11 @@ int main(void)
 	tcase_add_test(tc, test_sender_dies);
 	tcase_add_test(tc, test_remove_frees);
 	tcase_add_test(tc, test_bundles_and_limits);
+	tcase_add_test(tc, test_bundle_keys);
 	tcase_add_test(tc, test_list_stat_watch);
 	tcase_add_test(tc, test_pool_recycles);
 	tcase_add_test(tc, test_malformed);
+	tcase_add_test(tc, test_raw_keys);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("quota");
 	tcase_set_timeout(tc, scaled_ms(60000) / 1000);

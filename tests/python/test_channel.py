@@ -240,3 +240,57 @@ def test_ctrl_c_ends_a_waiting_recv_and_send(ipc, daemon):
     daemon.wait_stat(lambda s: s["messages"] == 1, what="only the first message queued")
     info = dlpack_ipc.Channel("py/int").stat()
     assert info.senders_waiting == 0 and info.receivers_waiting == 0
+
+
+def _bad_key_sender(name, q):
+    """In another process: every bad key refused by send_dict() as publish_dict() refuses it,
+    then a bundle whose key is exactly KEY_MAX bytes sent."""
+    try:
+        ch = dlpack_ipc.channel(name)
+        out = []
+        for key in ("a\0b", "k" * (dlpack_ipc.KEY_MAX + 1), "é" * 128, 7):
+            got = []
+            for call in (lambda m: dlpack_ipc.publish_dict("py/keys", m),
+                         lambda m: ch.send_dict(m)):
+                try:
+                    call({"ok": np.zeros(2), key: np.ones(2)})
+                    got.append(None)
+                except (TypeError, ValueError) as e:
+                    got.append((type(e).__name__, str(e)))
+            out.append(got)
+        ch.send_dict({"k" * dlpack_ipc.KEY_MAX: np.arange(3), "": np.ones(1)})
+        q.put(("ok", out))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+def test_send_dict_refuses_the_keys_publish_dict_refuses(ipc, daemon):
+    """One key check for publish_dict() and send_dict(): a key with a NUL (which would reach
+    libdlpc cut short), one over KEY_MAX bytes, one of 256 bytes in 128 characters, one that is
+    not str: the same exception, the same words but the verb, and nothing sent or published."""
+    ch = dlpack_ipc.channel("py/keys", capacity=4)
+    q = multiprocessing.get_context("spawn").Queue()
+    p = multiprocessing.get_context("spawn").Process(target=_bad_key_sender,
+                                                     args=("py/keys", q))
+    p.start()
+    try:
+        res = q.get(timeout=60)
+    finally:
+        p.join(timeout=60)
+    assert res[0] == "ok", res[1]
+    says = ["contains NUL", "is too long", "is too long", "keys must be str, not int (key 7)"]
+    for (pub, snd), what in zip(res[1], says):
+        assert pub is not None and snd is not None, (pub, snd)
+        assert pub[0] == snd[0], (pub, snd)
+        assert pub[1].startswith("cannot publish 'py/keys': "), pub
+        assert snd[1] == pub[1].replace("cannot publish", "cannot send to channel", 1), (pub, snd)
+        assert what in snd[1], snd
+    assert ipc.list() == []
+    d = ch.recv_dict(timeout=0)
+    assert list(d) == ["k" * dlpack_ipc.KEY_MAX, ""]
+    np.testing.assert_array_equal(np.from_dlpack(d["k" * dlpack_ipc.KEY_MAX]), np.arange(3))
+    del d
+    info = ch.stat()
+    assert info.sent == 1 and info.depth == 0
+    assert daemon.stat()["protocol_errors"] == 0
+    ch.remove()
