@@ -969,6 +969,9 @@ static int unexportable(void *arg)
 		    -EINVAL);
 	CHILD_CHECK(strstr(dlpc_last_error(), "spans several VMM mappings"));
 	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	/* each refused tensor's deleter ran exactly once, before dlpc_publish() returned */
+	CHILD_CHECK(fcntl(fds[0], F_SETFL, O_NONBLOCK) == 0);
+	CHILD_CHECK(read(fds[0], &b, 1) < 0 && errno == EAGAIN);
 	CHILD_CHECK(log_count(getpid(), "cuMemExportToShareableHandle") == 0);
 	CHILD_CHECK(dlpc_attach(c, "gpu/x", NULL, &t) == -ENOENT);
 	dlpc_close(c);

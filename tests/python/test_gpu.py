@@ -264,6 +264,38 @@ def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
         ipc.empty((4,), "float32", device="cuda:x")
 
 
+def test_refused_cuda_publish_gives_the_producer_back(ipc, py, gpu_env):
+    """A CUDA publish that is refused (here stream-ordered pool memory; expandable segments'
+    several VMM mappings take the same path) runs the producer's deleter exactly once, before
+    publish raises. What keeps the producer alive afterwards is Python's own: the exception's
+    traceback holds dlpack_ipc.publish()'s frame and its obj (tests/gpu's expandable_segments
+    check measured torch's allocator before letting it go)."""
+    py.check(child("""
+        import dlpack_ipc, gc, weakref
+        class PoolArray(FakeCudaArray):
+            def __init__(self, n):
+                base = ctypes.c_uint64()
+                assert fake.cuMemAllocAsync(ctypes.byref(base), c_size_t(1 << 20), None) == 0
+                self.ptr, self.n, self.streams = base.value, n, []
+        a = PoolArray(16)
+        alive = weakref.ref(a)
+        try:
+            dlpack_ipc.publish("pgpu/refused", a)
+        except BufferError as e:
+            refused = e
+            assert "stream-ordered pool" in str(e), e
+            # the deleter ran once, inside publish
+            assert len(deleted) == 1, deleted
+        else:
+            raise AssertionError("stream-ordered pool memory was published")
+        del a, refused
+        gc.collect()
+        assert alive() is None
+        assert len(deleted) == 1, deleted
+        assert not dlpack_ipc.list("pgpu/refused")
+    """), env=gpu_env)
+
+
 def test_no_driver(ipc, py, gpu_env):
     env = dict(gpu_env, DLPC_CUDA_LIBRARY="/nonexistent/libcuda.so.1")
     py.check(child("""
