@@ -216,7 +216,6 @@ int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct 
 			return err;
 		}
 		r->device = true;
-		pthread_mutex_init(&r->sync_mu, NULL);
 	} else {
 		r->fd = dlpc__memfd_create(what, size, true);
 		if (r->fd < 0) {

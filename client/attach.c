@@ -168,9 +168,7 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 	}
 	m->ordinal = ordinal;
 	m->device = true;
-	pthread_mutex_init(&m->sync_mu, NULL);
-	/* a stream given at attach is where the consumer works; without one (and not deferred)
-	 * the host waited, and its work may go to any stream */
+	/* a stream given at attach is where the consumer works (the host waited without one) */
 	if (stream && !defer)
 		dlpc__region_note_stream(m, stream);
 	dev->device_type = kDLCUDA;

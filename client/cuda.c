@@ -64,6 +64,7 @@
 	X(cuEventSynchronize)                                                                      \
 	X(cuEventQuery)                                                                            \
 	X(cuStreamIsCapturing)                                                                     \
+	X(cuStreamGetFlags)                                                                        \
 	X(cuThreadExchangeStreamCaptureMode)                                                       \
 	X(cuEventDestroy)                                                                          \
 	X(cuIpcGetEventHandle)                                                                     \
@@ -604,26 +605,58 @@ static int wait_event(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *
 	return r;
 }
 
-void dlpc__cuda_release_sync(int ordinal, void *stream, bool all)
+void dlpc__cuda_release_sync(int ordinal, bool all)
 {
 	if (driver("release") < 0 || push_ctx(ordinal, "release") < 0)
 		return;
 	if (all)
 		cu.cuCtxSynchronize();
 	else
-		cu.cuStreamSynchronize((CUstream)stream);
+		cu.cuStreamSynchronize(CU_STREAM_LEGACY);
 	pop_ctx();
 }
 
 /* ---- letting go of attached memory after the consumer's work ---- */
 
+/*
+ * Why no stream of the consumer's is used here. DLPack leaves the stream a consumer names in
+ * __dlpack__(stream=...) (dlpc_tensor_wait(), dlpc_attach_opts.stream) the consumer's: the
+ * producer may use it during that call, no later. Consumers do destroy it before they drop the
+ * tensor (CuPy's `with cupy.cuda.Stream():` block ends, the array lives on), and a destroyed
+ * stream's handle is undefined behaviour in the driver (a segfault, seen on an H200). An event
+ * recorded on it at that call would come before the work that follows, so it orders nothing.
+ *
+ * What is safe at release, long after: the work queued on a destroyed stream still runs to its
+ * end, and the legacy default stream, which is never destroyed, follows the work of every
+ * blocking stream (the per-thread default streams and CuPy's and most other streams among
+ * them). So the release waits for an event recorded on the legacy stream. A non-blocking stream
+ * (PyTorch's side streams) is followed by no other stream: for a consumer that named one, known
+ * while its handle was valid (dlpc__cuda_stream_followed()), the library's thread synchronizes
+ * the whole context instead. That is correct for any stream but costs more: the release waits
+ * for all of the context's work queued by then, and the thread is blocked meanwhile (never the
+ * consumer); and while a graph captures in the context it cannot be done at all, so it waits
+ * for the capture to end (a capture on a non-blocking stream is invisible from here, and a
+ * synchronization that meets one fails it, as with the event's record during any capture).
+ */
+bool dlpc__cuda_stream_followed(void *stream)
+{
+	unsigned flags = 0;
+
+	if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD)
+		return true;
+	if (forked() || driver("stream") < 0)
+		return false; /* the release then waits on the host, for the whole context */
+	return cu.cuStreamGetFlags((CUstream)stream, &flags) == CUDA_SUCCESS &&
+	       !(flags & CU_STREAM_NON_BLOCKING);
+}
+
 /* An attached region whose last view is gone, waiting for the consumer's work on it. */
 struct retiring {
 	struct retiring *next;
 	struct dlpc__region *r;
-	CUstream stream; /* where the event is still to be recorded (NULL: recorded, or sync) */
-	CUevent ev;	 /* recorded after the consumer's work */
-	bool sync;	 /* no event to be had: synchronize the context instead */
+	bool record; /* the event is still to be recorded on the legacy stream */
+	CUevent ev;  /* recorded after the consumer's work */
+	bool sync;   /* synchronize the context instead (no event to be had, or not enough) */
 };
 
 static pthread_mutex_t retire_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -660,39 +693,36 @@ static bool capture_err(CUresult e)
 	       e == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
 }
 
-/*
- * Record @p x's event on x->stream, after the work queued there so far, unless a graph capture
- * is in the way: a record on a capturing stream would land in the graph, and the legacy stream
- * cannot be used at all while a blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT).
- * Then x->stream stays, for a later look. The caller's own stream is looked at only here, in
- * the deleter (@p first): once it captures, the legacy stream stands in for it, so the handle is
- * never used after the deleter returned (the caller may destroy it). In the device's context.
- */
-static void record_after(struct retiring *x, bool first)
+/* Is a blocking stream of the current context capturing a graph (the legacy stream unusable)? */
+static bool legacy_captured(void)
 {
-	CUstreamCaptureStatus st;
+	CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+	CUresult e = cu.cuStreamIsCapturing(CU_STREAM_LEGACY, &st);
+
+	return e == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ||
+	       (e == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE);
+}
+
+/*
+ * Record @p x's event on the legacy default stream, after the work of every blocking stream so
+ * far, unless a graph capture is in the way: the legacy stream cannot be used at all while a
+ * blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT). Then x->record stays, for a
+ * later look from the retiring thread (later is still after the consumer's work). Never on a
+ * stream of the consumer's (see dlpc__cuda_stream_followed()). In the device's context.
+ */
+static void record_after(struct retiring *x)
+{
 	CUresult e;
 
-	for (;;) {
-		st = CU_STREAM_CAPTURE_STATUS_NONE;
-		e = cu.cuStreamIsCapturing(x->stream, &st);
-		if (e != CUDA_ERROR_STREAM_CAPTURE_IMPLICIT &&
-		    (e != CUDA_SUCCESS || st == CU_STREAM_CAPTURE_STATUS_NONE))
-			break;
-		if (!first || x->stream == CU_STREAM_LEGACY)
-			return;
-		x->stream = CU_STREAM_LEGACY;
-	}
-	if (e == CUDA_SUCCESS && !x->ev)
-		e = cu.cuEventCreate(&x->ev, CU_EVENT_DISABLE_TIMING);
-	if (e == CUDA_SUCCESS)
-		e = cu.cuEventRecord(x->ev, x->stream);
-	if (capture_err(e)) {
-		x->stream = CU_STREAM_LEGACY; /* later, and never on the caller's stream */
+	if (legacy_captured())
 		return;
-	}
-	x->stream = NULL;
-	x->sync = e != CUDA_SUCCESS; /* a stream that is gone, no event to be had */
+	e = x->ev ? CUDA_SUCCESS : cu.cuEventCreate(&x->ev, CU_EVENT_DISABLE_TIMING);
+	if (e == CUDA_SUCCESS)
+		e = cu.cuEventRecord(x->ev, CU_STREAM_LEGACY);
+	if (capture_err(e))
+		return;
+	x->record = false;
+	x->sync = e != CUDA_SUCCESS; /* no event to be had */
 }
 
 /* Is the consumer's work on @p x's region done? Called on the retiring thread. */
@@ -703,17 +733,18 @@ static bool retire_due(struct retiring *x)
 
 	if (push_ctx(x->r->ordinal, "release") < 0)
 		return true;
-	if (x->stream)
-		record_after(x, false);
-	if (x->stream) {
+	if (x->record)
+		record_after(x);
+	if (x->record) {
 		done = false;
 	} else if (!x->sync) {
 		e = cu.cuEventQuery(x->ev);
 		done = e != CUDA_ERROR_NOT_READY;
 		x->sync = done && e != CUDA_SUCCESS;
 	}
-	/* rare (no event could be recorded): a capture makes it fail, so try again later */
-	if (x->sync && capture_err(cu.cuCtxSynchronize()))
+	/* a non-blocking stream, or no event: synchronizing during a capture would fail it, so
+	 * wait for a capture that can be seen to end, and try again after one that could not */
+	if (x->sync && (legacy_captured() || capture_err(cu.cuCtxSynchronize())))
 		done = false;
 	pop_ctx();
 	return done;
@@ -791,20 +822,21 @@ bool dlpc__cuda_retire(struct dlpc__region *r)
 		return false;
 	x->r = r;
 	/*
-	 * After the work queued so far on the one stream the consumer named; else on the legacy
-	 * default stream, which comes after the work of every blocking stream (each thread's
-	 * per-thread default stream included, so that one goes this way too: the deleter may run
-	 * on another thread, whose per-thread stream is another stream).
+	 * After the work queued so far on every blocking stream (an event on the legacy default
+	 * stream), or, once the consumer named a non-blocking stream, after all of the context's
+	 * work (synchronized on the retiring thread, not here: a deleter waits for nothing). The
+	 * consumer's stream itself may be gone by now.
 	 */
-	x->stream = r->sync_set && !r->sync_all ? (CUstream)r->sync_stream : CU_STREAM_LEGACY;
-	if (x->stream == CU_STREAM_PER_THREAD)
-		x->stream = CU_STREAM_LEGACY;
-	if (push_ctx(r->ordinal, "release") < 0) {
-		free(x);
-		return false;
+	x->sync = atomic_load(&r->sync_ctx);
+	x->record = !x->sync;
+	if (x->record) {
+		if (push_ctx(r->ordinal, "release") < 0) {
+			free(x);
+			return false;
+		}
+		record_after(x);
+		pop_ctx();
 	}
-	record_after(x, true);
-	pop_ctx();
 	pthread_mutex_lock(&retire_mu);
 	if (!retirer_running) {
 		retirer_running = dlpc__start_thread(retirer, NULL);

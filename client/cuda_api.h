@@ -81,7 +81,10 @@ typedef enum CUevent_flags_enum {
 } CUevent_flags;
 #define CU_STREAM_LEGACY ((CUstream)0x1)
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
-typedef enum CUstream_flags_enum { CU_STREAM_DEFAULT = 0x0 } CUstream_flags;
+typedef enum CUstream_flags_enum {
+	CU_STREAM_DEFAULT = 0x0,
+	CU_STREAM_NON_BLOCKING = 0x1
+} CUstream_flags;
 typedef enum CUstreamCaptureStatus_enum {
 	CU_STREAM_CAPTURE_STATUS_NONE = 0,
 	CU_STREAM_CAPTURE_STATUS_ACTIVE = 1,
@@ -170,6 +173,8 @@ CUresult CUDAAPI cuIpcGetEventHandle(CUipcEventHandle *pHandle, CUevent event);
 CUresult CUDAAPI cuIpcOpenEventHandle(CUevent *phEvent, CUipcEventHandle handle);
 CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags);
 CUresult CUDAAPI cuStreamSynchronize(CUstream hStream);
+CUresult CUDAAPI cuStreamQuery(CUstream hStream);
+CUresult CUDAAPI cuStreamGetFlags(CUstream hStream, unsigned int *flags);
 CUresult CUDAAPI cuCtxSynchronize(void);
 CUresult CUDAAPI cuMemcpyDtoD(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount);
 CUresult CUDAAPI cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr);

@@ -119,12 +119,13 @@ struct dlpc__region {
 	struct dlpc__gpu_map *gpu; /* CUDA: the mapping; NULL for the publisher's own pointer */
 	uint8_t uuid[DLPC_CUDA_UUID_SIZE]; /* CUDA dlpc_alloc memory: its device's UUID */
 	bool has_event; /* legacy CUDA IPC: ev_handle is the publisher's, for dlpc_tensor_wait() */
-	/* attached CUDA memory: the one stream the consumer was ordered on (attach or
-	 * dlpc_tensor_wait()), synchronized before the mapping goes; every stream of the context
-	 * (sync_all) when there was none, or more than one */
-	pthread_mutex_t sync_mu;
-	void *sync_stream;
-	bool sync_set, sync_all;
+	/* attached CUDA memory: how its release is ordered after the consumer's work. No stream
+	 * handle of the consumer's is kept: the consumer owns its streams and may destroy one
+	 * before the tensor is dropped (CuPy's `with Stream():`), and a destroyed handle must not
+	 * be used. The legacy default stream follows every blocking stream, so an event there is
+	 * enough, unless a stream the consumer named is non-blocking (or its flags could not be
+	 * read): then sync_ctx, and the whole context is synchronized instead (cuda.c). */
+	atomic_bool sync_ctx;
 	int ordinal;
 	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
@@ -456,22 +457,31 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			  int *ordinal);
 /*
  * Before attached device memory is unmapped and released: wait for the work the consumer queued
- * on it, on @p stream, or on every stream of the context if @p all. Errors are the driver's to
- * keep (a deleter cannot fail). Only where dlpc__cuda_retire() cannot take the region.
+ * on it, on the legacy default stream, or on every stream of the context if @p all. Errors are
+ * the driver's to keep (a deleter cannot fail). Only where dlpc__cuda_retire() cannot take the
+ * region.
  */
-void dlpc__cuda_release_sync(int ordinal, void *stream, bool all);
+void dlpc__cuda_release_sync(int ordinal, bool all);
 /*
  * Let go of the attached device region @p r (its last view gone) once the consumer's work on it
- * is done, without waiting here: an event is recorded on the consumer's stream and a thread of
- * the library's unmaps and releases when it completes (cuda.c). false when that cannot be
+ * is done, without waiting here: an event is recorded on the legacy default stream (or, for
+ * r->sync_ctx, the context is synchronized) and a thread of the library's unmaps and releases
+ * when it completes (cuda.c). No stream of the consumer's is used. false when that cannot be
  * arranged (no driver, a forked child, no memory or thread): the caller then lets go itself.
  */
 bool dlpc__cuda_retire(struct dlpc__region *r);
+/*
+ * Does the legacy default stream follow the work queued on the consumer's @p stream (NULL, the
+ * special handles, a blocking stream)? false for a non-blocking stream or one whose flags
+ * cannot be read. Only while @p stream is known to be valid: in the call it was passed to.
+ */
+bool dlpc__cuda_stream_followed(void *stream);
 /* How often the library's retiring thread looks at consumer work still running (ms). */
 #define DLPC_CUDA_RETIRE_POLL_MS 1
 /* The end of a region's teardown, once its memory is unmapped: release it, free it. */
 void dlpc__region_finish(struct dlpc__region *r);
-/* The consumer was ordered on @p stream: remember it for dlpc__cuda_retire(). */
+/* The consumer was ordered on @p stream (valid now, perhaps not later): note for
+ * dlpc__cuda_retire() whether the legacy default stream follows it; the handle is not kept. */
 void dlpc__region_note_stream(struct dlpc__region *r, void *stream);
 /* Order @p stream (NULL: this thread) on device @p ordinal after the event @p ev_handle. */
 int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,

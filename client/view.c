@@ -21,16 +21,8 @@ struct view {
 
 void dlpc__region_note_stream(struct dlpc__region *r, void *stream)
 {
-	pthread_mutex_lock(&r->sync_mu);
-	if (!stream) { /* the host waited: the work may go to any stream */
-		r->sync_all = true;
-	} else if (!r->sync_set) {
-		r->sync_stream = stream;
-		r->sync_set = true;
-	} else if (r->sync_stream != stream) {
-		r->sync_all = true;
-	}
-	pthread_mutex_unlock(&r->sync_mu);
+	if (!dlpc__cuda_stream_followed(stream))
+		atomic_store_explicit(&r->sync_ctx, true, memory_order_relaxed);
 }
 
 void dlpc__region_ref(struct dlpc__region *r)
@@ -53,7 +45,7 @@ void dlpc__region_unref(struct dlpc__region *r)
 		 * event, not by waiting here (a deleter may run anywhere, during a capture too). */
 		if (dlpc__cuda_retire(r))
 			return;
-		dlpc__cuda_release_sync(r->ordinal, r->sync_stream, r->sync_all || !r->sync_set);
+		dlpc__cuda_release_sync(r->ordinal, atomic_load(&r->sync_ctx));
 		if (r->gpu)
 			dlpc__cuda_unmap(r->gpu);
 	} else if (r->gpu) {
@@ -64,8 +56,6 @@ void dlpc__region_unref(struct dlpc__region *r)
 
 void dlpc__region_finish(struct dlpc__region *r)
 {
-	if (r->device)
-		pthread_mutex_destroy(&r->sync_mu);
 	if (r->fd >= 0)
 		close(r->fd);
 	if (r->client) {

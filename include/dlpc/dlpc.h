@@ -484,17 +484,23 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * is nothing to wait for. Meant for attaches with DLPC_ATTACH_DEFER_SYNC, where the consumer's
  * stream is known only later (DLPack's __dlpack__(stream=...)); may be called more than once.
  *
+ * @p stream stays the caller's, as DLPack says: it is used during this call only (and
+ * opts->stream during dlpc_attach() only), never kept, so the caller may destroy it before it
+ * drops the tensor.
+ *
  * An attached CUDA tensor is unmapped and released only after the consumer's work queued on it
  * (so the publisher never reuses memory a kernel still reads), without blocking its deleter:
- * the deleter records an event on the one stream the tensor was ordered on (opts->stream, or
- * this function's @p stream), and a thread of the library's unmaps and releases once the event
- * has completed (it looks about every millisecond). With no one stream known (the host waited,
- * several streams were named, or CU_STREAM_PER_THREAD, which differs from thread to thread) the
- * event goes on the legacy default stream, which follows every blocking stream but not those
- * created non-blocking: name such a stream. If the named stream is capturing a CUDA graph when
- * the tensor is dropped, the legacy stream stands in for it; while any blocking stream
- * captures, the legacy stream cannot be used, and the event is recorded once the capture ends.
- * The library keeps no handle on @p stream after the deleter returns. A deleter that cannot
+ * the deleter records an event on the legacy default stream, which follows the work of every
+ * blocking stream (destroyed ones included: their queued work still runs), and a thread of the
+ * library's unmaps and releases once the event has completed (it looks about every
+ * millisecond). The legacy stream does not follow streams created non-blocking: once a
+ * non-blocking stream was named (here or at attach), that thread synchronizes the whole
+ * context instead (cuCtxSynchronize), which waits for all of the context's work queued by
+ * then. Work that the consumer puts on a non-blocking stream it never named (after the host
+ * waited) is not waited for: name that stream. While any blocking stream captures a CUDA
+ * graph the legacy stream cannot be used, nor the context synchronized, and the release waits
+ * for the capture's end (a capture on a non-blocking stream cannot be seen, and a context
+ * synchronization that meets one invalidates it). A deleter that cannot
  * hand the tensor over (no memory, no thread) waits on the host instead. Once the process
  * exits (the library's atexit handler has run), no driver call is made any more: a deleter
  * then leaves the mapping alone and releases nothing, and dlpackd drops the reference with the

@@ -60,6 +60,7 @@
 #define FAKE_DEVICES_MAX 8
 #define FAKE_GRANULARITY (2u << 20) /* what current GPUs report */
 #define IPC_MAGIC 0x46414b45u	    /* "FAKE" */
+#define DEAD_MAGIC 0x44454144u	    /* "DEAD": a destroyed stream */
 
 struct ipc_mem {
 	uint32_t magic;
@@ -101,7 +102,8 @@ struct op {
 };
 
 struct CUstream_st {
-	uint32_t magic;
+	uint32_t magic;	   /* IPC_MAGIC; DEAD_MAGIC once destroyed */
+	unsigned flags;	   /* cuStreamCreate's: CU_STREAM_NON_BLOCKING or not */
 	bool held;	   /* fake_cuda_stream_hold(): its work does not complete */
 	unsigned releases; /* how many times it was let go */
 	bool capturing;	   /* fake_cuda_capture() */
@@ -138,7 +140,8 @@ static pid_t init_pid;	  /* the process that called cuInit, 0 before */
 static unsigned instance; /* the device instance this process runs on (device_start()) */
 static pthread_cond_t let_go_cv = PTHREAD_COND_INITIALIZER; /* a held stream was let go */
 static unsigned held_streams, captures;			    /* how many streams are so */
-static bool capture_broken; /* a call invalidated the captures under way */
+static unsigned held_blocking; /* held streams that are blocking: the legacy stream waits */
+static bool capture_broken;    /* a call invalidated the captures under way */
 /* Interprocess events of this process recorded behind work that has not run: each has a marker
  * file (marker_path()) while it is pending, which is how other processes see it. */
 static CUevent marked;
@@ -195,6 +198,27 @@ static bool made_stream(CUstream s)
 	return (uintptr_t)s > 2 && s->magic == IPC_MAGIC;
 }
 
+/*
+ * Is @p s usable by @p fn? The special streams (NULL, legacy, per-thread) are; a stream the fake
+ * made is until cuStreamDestroy. Using a destroyed stream is undefined behaviour with the real
+ * driver, which may crash on it at any later time: the fake aborts at once, naming the call,
+ * so a test sees a crash rather than an error code it might ignore.
+ */
+static bool stream_ok(CUstream s, const char *fn)
+{
+	if ((uintptr_t)s <= 2)
+		return true;
+	if (s->magic == DEAD_MAGIC) {
+		logf_("use-after-destroy %s stream=%p", fn, (void *)s);
+		fprintf(stderr,
+			"fake_cuda: %s: stream %p was destroyed by cuStreamDestroy; using it is "
+			"undefined behaviour (the real driver may crash): aborting\n",
+			fn, (void *)s);
+		abort();
+	}
+	return s->magic == IPC_MAGIC;
+}
+
 /* Where the marker of process @p pid's interprocess event @p id lies: beside the log. */
 static void marker_path(char *buf, size_t len, int32_t pid, uint32_t id)
 {
@@ -222,7 +246,7 @@ static bool pending(CUevent e)
 		return true;
 	/* the legacy stream waits for every (blocking) stream: pending while any is held */
 	if (e->behind_legacy)
-		return held_streams > 0;
+		return held_blocking > 0;
 	return e->behind && e->behind->held && e->behind->releases == e->behind_releases;
 }
 
@@ -910,7 +934,7 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
-	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
+	if (!stream_ok(hStream, "cuEventRecord"))
 		return CUDA_ERROR_INVALID_HANDLE;
 	pthread_mutex_lock(&mu);
 	if (legacy_unusable(hStream)) {
@@ -923,7 +947,7 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 	hEvent->behind = made_stream(hStream) && hStream->held ? hStream : NULL;
 	hEvent->behind_releases = hEvent->behind ? hStream->releases : 0;
 	hEvent->behind_legacy =
-		!made_stream(hStream) && hStream != CU_STREAM_PER_THREAD && held_streams > 0;
+		!made_stream(hStream) && hStream != CU_STREAM_PER_THREAD && held_blocking > 0;
 	hEvent->after_pid = made_stream(hStream) && blocked(hStream) ? hStream->wait_pid : 0;
 	hEvent->after_id = hEvent->after_pid ? hStream->wait_id : 0;
 	/* pending here: other processes that open it see so through its marker */
@@ -1055,21 +1079,49 @@ EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
 	if (!usable("cuStreamCreate"))
 		return CUDA_ERROR_NOT_INITIALIZED;
 	s = calloc(1, sizeof(*s));
-	(void)Flags;
 	if (!s)
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	s->magic = IPC_MAGIC;
+	s->flags = Flags;
 	s->ops_end = &s->ops;
 	*phStream = s;
-	logf_("cuStreamCreate stream=%p", (void *)s);
+	logf_("cuStreamCreate stream=%p%s", (void *)s,
+	      Flags & CU_STREAM_NON_BLOCKING ? " non-blocking" : "");
 	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamGetFlags(CUstream hStream, unsigned int *flags)
+{
+	if (!usable("cuStreamGetFlags"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (!stream_ok(hStream, "cuStreamGetFlags") || !flags)
+		return CUDA_ERROR_INVALID_HANDLE;
+	*flags = made_stream(hStream) ? hStream->flags : CU_STREAM_DEFAULT;
+	logf_("cuStreamGetFlags stream=%p flags=%u", (void *)hStream, *flags);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamQuery(CUstream hStream)
+{
+	bool busy;
+
+	if (!usable("cuStreamQuery"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (!stream_ok(hStream, "cuStreamQuery"))
+		return CUDA_ERROR_INVALID_HANDLE;
+	pthread_mutex_lock(&mu);
+	busy = made_stream(hStream) ? blocked(hStream)
+				    : hStream != CU_STREAM_PER_THREAD && held_blocking > 0;
+	pthread_mutex_unlock(&mu);
+	logf_("cuStreamQuery stream=%p", (void *)hStream);
+	return busy ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuStreamDestroy(CUstream hStream)
 {
 	if (!usable("cuStreamDestroy"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (!hStream || hStream->magic != IPC_MAGIC)
+	if ((uintptr_t)hStream <= 2 || !stream_ok(hStream, "cuStreamDestroy"))
 		return CUDA_ERROR_INVALID_HANDLE;
 	/* the work of a held stream still ends, and a capture ends with its stream */
 	fake_cuda_stream_hold(hStream, 0);
@@ -1082,7 +1134,7 @@ EXPORT CUresult cuStreamDestroy(CUstream hStream)
 		free(o);
 	}
 	/* kept, not freed: events recorded on it may still point at it (pending() reads it) */
-	hStream->magic = 0;
+	hStream->magic = DEAD_MAGIC;
 	hStream->ops = NULL;
 	hStream->ops_end = &hStream->ops;
 	hStream->next_dead = dead_streams;
@@ -1097,7 +1149,7 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 
 	if (!usable("cuStreamSynchronize"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
+	if (!stream_ok(hStream, "cuStreamSynchronize"))
 		return CUDA_ERROR_INVALID_HANDLE;
 	if (ctx_depth == 0)
 		return CUDA_ERROR_INVALID_CONTEXT;
@@ -1116,7 +1168,7 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 	pthread_mutex_lock(&mu);
 	/* the legacy stream waits for every (blocking) stream, held ones included */
 	while (made_stream(hStream) ? blocked(hStream)
-				    : hStream != CU_STREAM_PER_THREAD && held_streams > 0) {
+				    : hStream != CU_STREAM_PER_THREAD && held_blocking > 0) {
 		pthread_mutex_unlock(&mu);
 		usleep(1000);
 		pthread_mutex_lock(&mu);
@@ -1133,7 +1185,7 @@ EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *cap
 
 	if (!usable("cuStreamIsCapturing"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
+	if (!stream_ok(hStream, "cuStreamIsCapturing"))
 		return CUDA_ERROR_INVALID_HANDLE;
 	pthread_mutex_lock(&mu);
 	if (made_stream(hStream))
@@ -1168,10 +1220,12 @@ EXPORT void fake_cuda_stream_hold(CUstream s, int on)
 	if (on && !s->held) {
 		s->held = true;
 		held_streams++;
+		held_blocking += !(s->flags & CU_STREAM_NON_BLOCKING);
 	} else if (!on && s->held) {
 		s->held = false;
 		s->releases++;
 		held_streams--;
+		held_blocking -= !(s->flags & CU_STREAM_NON_BLOCKING);
 		/* its work runs, then what was recorded behind it completes */
 		run_ops(s);
 		sweep_markers();
@@ -1290,7 +1344,7 @@ EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int
 	if (!usable("cuStreamWaitEvent"))
 		return CUDA_ERROR_NOT_INITIALIZED;
 	/* the special streams (legacy 0x1, per-thread 0x2) and NULL are valid without a record */
-	if ((uintptr_t)hStream > 2 && hStream->magic != IPC_MAGIC)
+	if (!stream_ok(hStream, "cuStreamWaitEvent"))
 		return CUDA_ERROR_INVALID_HANDLE;
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;

@@ -249,13 +249,21 @@ def _publish_one(spec):
     r = {"checksum": checksum(view), "ptr": view.data_ptr()}
     fds = dlpack_ipc.stat()["fds_open"]
     t0 = time.perf_counter()
+    refused = None
     try:
         dlpack_ipc.publish(name, obj)
     except (BufferError, ValueError, OSError) as e:
-        del obj, view
+        refused = e
+    if refused is not None:
+        # libdlpc ran the producer's deleter before publish raised; what still holds the
+        # tensor is Python's: the exception's traceback keeps dlpack_ipc.publish()'s frame,
+        # and its `obj`, alive (so does the except block while it runs). Let all of it go
+        # before looking at torch's allocator.
+        r.update(published=False, error=f"{type(refused).__name__}: {refused}",
+                 error_type=type(refused).__name__)
+        del obj, view, refused
         gc.collect()
-        r.update(published=False, error=f"{type(e).__name__}: {e}", error_type=type(e).__name__,
-                 freed=memory_back(mem_before, 5, t0) is not None)
+        r["freed"] = memory_back(mem_before, 5, t0) is not None
         return r
     # the daemon holds an fd for a VMM entry (dlpc_alloc or lent), none for legacy IPC
     r.update(published=True, publish_s=time.perf_counter() - t0,

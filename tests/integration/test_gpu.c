@@ -334,8 +334,8 @@ static int attacher_main(void *arg)
 		CHILD_CHECK(log_count(getpid(), "cuStreamWaitEvent stream=0x2 ") == 1);
 		CHILD_CHECK(dlpc_tensor_wait(t, NULL) == 0);
 		CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") == 1);
-		/* two orderings, one on the host: no one stream is known, so the release comes
-		 * after an event on the legacy stream, which follows every blocking stream */
+		/* two orderings, one on the host: the release comes after an event on the legacy
+		 * stream, which follows every blocking stream */
 		t->deleter(t);
 		CHILD_CHECK(log_count2(getpid(), "cuEventRecord", "stream=0x1") == 1);
 		CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
@@ -362,11 +362,14 @@ static int attacher_main(void *arg)
 	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
 	t->deleter(t);
 	/* releasing comes after the consumer's queued work: an event recorded, in the deleter,
-	 * on the stream it was ordered on (when the host waited at attach, on the legacy stream,
-	 * which follows every blocking stream), looked at from the library's thread. The
-	 * deleter itself waits for nothing. */
-	snprintf(want, sizeof(want), "stream=%p", a->with_stream ? (void *)s : (void *)0x1);
-	CHILD_CHECK(log_count2(getpid(), "cuEventRecord", want) == 1);
+	 * on the legacy stream, which follows every blocking stream (s among them, which the
+	 * consumer may have destroyed by now: it is never used), looked at from the library's
+	 * thread. The deleter itself waits for nothing. */
+	CHILD_CHECK(log_count2(getpid(), "cuEventRecord", "stream=0x1") == 1);
+	if (a->with_stream) {
+		snprintf(want, sizeof(want), "stream=%p", (void *)s);
+		CHILD_CHECK(log_count2(getpid(), "cuEventRecord", want) == 0);
+	}
 	CHILD_CHECK(log_reaches(getpid(), "cuEventQuery", 1));
 	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
 	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
@@ -966,6 +969,9 @@ static int unexportable(void *arg)
 		    -EINVAL);
 	CHILD_CHECK(strstr(dlpc_last_error(), "spans several VMM mappings"));
 	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	/* each refused tensor's deleter ran exactly once, before dlpc_publish() returned */
+	CHILD_CHECK(fcntl(fds[0], F_SETFL, O_NONBLOCK) == 0);
+	CHILD_CHECK(read(fds[0], &b, 1) < 0 && errno == EAGAIN);
 	CHILD_CHECK(log_count(getpid(), "cuMemExportToShareableHandle") == 0);
 	CHILD_CHECK(dlpc_attach(c, "gpu/x", NULL, &t) == -ENOENT);
 	dlpc_close(c);
@@ -1348,9 +1354,11 @@ static int release_behind_held_work(void *arg)
 	/* a long kernel that reads the tensor runs on s, and the consumer drops the tensor */
 	fake_cuda_stream_hold(s, 1);
 	t->deleter(t);
-	/* the deleter returned at once, having recorded an event behind that kernel */
-	snprintf(want, sizeof(want), "stream=%p behind-held-work", (void *)s);
-	CHILD_CHECK(log_count2(getpid(), "cuEventRecord", want) == 1);
+	/* the deleter returned at once, having recorded an event behind that kernel, on the
+	 * legacy stream (which follows s, a blocking stream) */
+	CHILD_CHECK(log_count2(getpid(), "cuEventRecord", "stream=0x1 behind-held-work") == 1);
+	snprintf(want, sizeof(want), "stream=%p", (void *)s);
+	CHILD_CHECK(log_count2(getpid(), "cuEventRecord", want) == 0);
 	/* while it runs the memory stays mapped and referenced, so no RECLAIM can reach the
 	 * publisher; nothing waits on the host, the library's thread only looks */
 	CHILD_CHECK(refs_stay(c, 1));
@@ -1377,10 +1385,10 @@ END_TEST
 
 static int release_while_capturing(void *arg)
 {
-	DLManagedTensorVersioned *t[4] = {NULL};
+	DLManagedTensorVersioned *t[5] = {NULL};
 	dlpc_client *c = NULL;
-	CUstream s1, s2;
-	void *streams[4];
+	CUstream s1, s2, s3;
+	void *streams[5];
 
 	(void)arg;
 	alarm(30);
@@ -1388,40 +1396,45 @@ static int release_while_capturing(void *arg)
 	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
 	CHILD_CHECK(cuStreamCreate(&s1, 0) == CUDA_SUCCESS);
 	CHILD_CHECK(cuStreamCreate(&s2, 0) == CUDA_SUCCESS);
-	/* ordered on s1; on the host; on s2; on the legacy stream (Python's stream=1) */
+	CHILD_CHECK(cuStreamCreate(&s3, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+	/* ordered on s1; on the host; on s2; on the legacy stream (Python's stream=1); on s3, a
+	 * non-blocking stream, which the legacy stream does not follow */
 	streams[0] = s1;
 	streams[1] = NULL;
 	streams[2] = s2;
 	streams[3] = CU_STREAM_LEGACY;
-	for (int i = 0; i < 4; i++) {
+	streams[4] = s3;
+	for (int i = 0; i < 5; i++) {
 		dlpc_attach_opts o = {.size = sizeof(o), .stream = streams[i]};
 
 		CHILD_CHECK(dlpc_attach(c, "gpu/g", &o, &t[i]) == 1);
 	}
-	CHILD_CHECK(refs_now(c) == 4);
+	CHILD_CHECK(refs_now(c) == 5);
 	/* another thread of the process captures a graph on s2 (a blocking stream), in global
 	 * mode: synchronizing, or using the legacy stream, would invalidate it */
 	fake_cuda_capture(s2, 1);
-	/* ordered on s1: an event there, released */
-	t[0]->deleter(t[0]);
-	CHILD_CHECK(refs_reach(c, 3));
-	/* on the host (no one stream known), on the capturing stream, on the legacy stream: the
-	 * legacy stream would stand for them, and it cannot be used until the capture ends, so
-	 * the memory stays, and no event lands in the graph */
-	t[1]->deleter(t[1]);
-	t[2]->deleter(t[2]);
-	t[3]->deleter(t[3]);
-	CHILD_CHECK(refs_stay(c, 3));
+	/* the users of s1 and s3 are done with them, before the tensors ordered there are
+	 * dropped: the library holds no handle on either (the fake aborts on one) */
+	CHILD_CHECK(cuStreamDestroy(s1) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamDestroy(s3) == CUDA_SUCCESS);
+	/* each release waits for an event on the legacy stream, or (s3) for the context to be
+	 * synchronized: neither can be had until the capture ends, so the memory stays, and no
+	 * event lands in the graph */
+	for (int i = 0; i < 5; i++)
+		t[i]->deleter(t[i]);
+	CHILD_CHECK(refs_stay(c, 5));
 	CHILD_CHECK(log_count(getpid(), " captured") == 0);
 	CHILD_CHECK(log_count(getpid(), "cuEventRecord stream=") == 0); /* none refused */
+	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
 	/* s2 is destroyed as soon as its capture ends: the library holds no handle on it */
 	fake_cuda_capture(s2, 0);
 	CHILD_CHECK(cuStreamDestroy(s2) == CUDA_SUCCESS);
 	CHILD_CHECK(refs_reach(c, 0));
 	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
-	/* and the capture was never disturbed, nor the context synchronized */
+	/* and the capture was never disturbed; the context was synchronized for s3's only */
 	CHILD_CHECK(log_count(getpid(), "capture-invalidated") == 0);
-	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
+	CHILD_CHECK(log_count(getpid(), "use-after-destroy") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 1);
 	dlpc_close(c);
 	return 0;
 }
@@ -1432,6 +1445,74 @@ START_TEST(release_during_capture)
 
 	publisher_start(&p);
 	ck_assert_int_eq(wait_child(spawn(release_while_capturing, NULL)), 0);
+	publisher_stop(&p);
+}
+END_TEST
+
+/*
+ * CuPy's sequence: the consumer names a stream of its own (__dlpack__(stream=s) inside
+ * `with cupy.cuda.Stream():`), destroys that stream when the block ends, and only later drops
+ * the array. The deleter must not touch the destroyed stream (the fake aborts if it does, as
+ * the real driver may crash), and the release must still come after the work queued there.
+ */
+struct destroyed_stream {
+	bool at_attach; /* the stream named in dlpc_attach_opts, else in dlpc_tensor_wait() */
+	unsigned flags; /* cuStreamCreate's: CU_STREAM_NON_BLOCKING or not */
+};
+
+static int release_after_stream_destroyed(void *arg)
+{
+	struct destroyed_stream *d = arg;
+	dlpc_attach_opts o = {.size = sizeof(o)};
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	CUstream s;
+
+	alarm(30);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s, d->flags) == CUDA_SUCCESS);
+	if (d->at_attach)
+		o.stream = s;
+	else
+		o.flags = DLPC_ATTACH_DEFER_SYNC;
+	CHILD_CHECK(dlpc_attach(c, "gpu/s", &o, &t) == 1);
+	if (!d->at_attach)
+		CHILD_CHECK(dlpc_tensor_wait(t, s) == 0);
+	CHILD_CHECK(same(t->dl_tensor.data, NELEM, 1.0f));
+	CHILD_CHECK(refs_now(c) == 1);
+	/* the `with` block ends: the stream goes, its queued work still runs to its end */
+	CHILD_CHECK(cuStreamDestroy(s) == CUDA_SUCCESS);
+	/* the array is dropped later: the deleter runs, the stream handle long gone */
+	t->deleter(t);
+	CHILD_CHECK(refs_reach(c, 0));
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	CHILD_CHECK(log_count(getpid(), "use-after-destroy") == 0);
+	/* a blocking stream is followed by the legacy stream; a non-blocking one is not, so the
+	 * context is synchronized, on the library's thread */
+	if (d->flags & CU_STREAM_NON_BLOCKING)
+		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 1);
+	else
+		CHILD_CHECK(log_count2(getpid(), "cuEventRecord", "stream=0x1") == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(release_after_stream_destroyed_case)
+{
+	struct publisher p = {.names = {"gpu/s", NULL}};
+	struct destroyed_stream cases[] = {
+		{.at_attach = false, .flags = CU_STREAM_DEFAULT},
+		{.at_attach = true, .flags = CU_STREAM_DEFAULT},
+		{.at_attach = false, .flags = CU_STREAM_NON_BLOCKING},
+		{.at_attach = true, .flags = CU_STREAM_NON_BLOCKING},
+	};
+
+	publisher_start(&p);
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+		ck_assert_msg(wait_child(spawn(release_after_stream_destroyed, &cases[i])) == 0,
+			      "case %zu", i);
+	/* the publisher lived through it all: its entry is still there, unreferenced */
 	publisher_stop(&p);
 }
 END_TEST
@@ -1725,6 +1806,7 @@ static Suite *gpu_suite(void)
 		{"ipc_publish_unknown_outcome", ipc_publish_unknown_outcome},
 		{"release_after_consumer_work", release_after_consumer_work},
 		{"release_during_capture", release_during_capture},
+		{"release_after_stream_destroyed", release_after_stream_destroyed_case},
 		{"several_devices", several_devices},
 		{"wait_for_publisher_work", wait_for_publisher_work},
 	};

@@ -178,6 +178,59 @@ def test_publish_attach_streams(ipc, py, gpu_env, tmp_path):
             pub.wait()
 
 
+def test_stream_destroyed_before_the_array_is_dropped(ipc, py, gpu_env, tmp_path):
+    """CuPy's `with cupy.cuda.Stream(): y = cupy.from_dlpack(t)` then `del y` later: the
+    stream is destroyed when the block ends, before the deleter runs, which must not touch it
+    (the fake aborts, as the real driver may crash)."""
+    ready = str(tmp_path / "ready")
+    pub = py.popen(child(f"""
+        import dlpack_ipc, time
+        a = FakeCudaArray(100)
+        assert dlpack_ipc.publish("pgpu/s", a) == 1
+        open({ready!r}, "w").close()
+        deadline = time.monotonic() + 20
+        while not deleted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert deleted, "the producer's deleter never ran"
+    """), env=gpu_env)
+    try:
+        wait_file(ready)
+        py.check(child("""
+            import dlpack_ipc, gc, time
+            arrays = []
+            for flags in (0, 1):  # blocking (CuPy's default), then CU_STREAM_NON_BLOCKING
+                t = dlpack_ipc.attach("pgpu/s")
+                s = ctypes.c_void_p()
+                assert fake.cuStreamCreate(ctypes.byref(s), flags) == 0
+                cap = t.__dlpack__(stream=s.value, max_version=(1, 0))
+                assert capsule_floats(cap, 100) == [i * 0.5 for i in range(100)]
+                # the `with` block ends: the stream goes, the array lives on
+                assert fake.cuStreamDestroy_v2(s) == 0
+                arrays += [t, cap]
+            assert dlpack_ipc.stat()["references"] == 2
+            del t, cap
+            arrays.clear()
+            gc.collect()
+            # released by libdlpc's thread, with the consumer still connected
+            deadline = time.monotonic() + 10
+            while dlpack_ipc.stat()["references"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert dlpack_ipc.stat()["references"] == 0
+            assert not log_lines("use-after-destroy")
+            # a blocking stream's release waits on the legacy stream, a non-blocking one's on
+            # the whole context
+            assert [l for l in log_lines("cuEventRecord") if "stream=0x1" in l.split()]
+            assert log_lines("cuCtxSynchronize")
+        """), env=gpu_env)
+        ipc.unpublish("pgpu/s")
+        out, err = pub.communicate(timeout=30)
+        assert pub.returncode == 0, err
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+            pub.wait()
+
+
 def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
     py.check(child("""
         import dlpack_ipc
@@ -209,6 +262,38 @@ def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
     """), env=gpu_env)
     with pytest.raises(ValueError):
         ipc.empty((4,), "float32", device="cuda:x")
+
+
+def test_refused_cuda_publish_gives_the_producer_back(ipc, py, gpu_env):
+    """A CUDA publish that is refused (here stream-ordered pool memory; expandable segments'
+    several VMM mappings take the same path) runs the producer's deleter exactly once, before
+    publish raises. What keeps the producer alive afterwards is Python's own: the exception's
+    traceback holds dlpack_ipc.publish()'s frame and its obj (tests/gpu's expandable_segments
+    check measured torch's allocator before letting it go)."""
+    py.check(child("""
+        import dlpack_ipc, gc, weakref
+        class PoolArray(FakeCudaArray):
+            def __init__(self, n):
+                base = ctypes.c_uint64()
+                assert fake.cuMemAllocAsync(ctypes.byref(base), c_size_t(1 << 20), None) == 0
+                self.ptr, self.n, self.streams = base.value, n, []
+        a = PoolArray(16)
+        alive = weakref.ref(a)
+        try:
+            dlpack_ipc.publish("pgpu/refused", a)
+        except BufferError as e:
+            refused = e
+            assert "stream-ordered pool" in str(e), e
+            # the deleter ran once, inside publish
+            assert len(deleted) == 1, deleted
+        else:
+            raise AssertionError("stream-ordered pool memory was published")
+        del a, refused
+        gc.collect()
+        assert alive() is None
+        assert len(deleted) == 1, deleted
+        assert not dlpack_ipc.list("pgpu/refused")
+    """), env=gpu_env)
 
 
 def test_no_driver(ipc, py, gpu_env):

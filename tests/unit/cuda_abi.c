@@ -64,6 +64,7 @@ int main(void)
 	V(CU_EVENT_INTERPROCESS);
 	V((uintptr_t)CU_STREAM_LEGACY);
 	V((uintptr_t)CU_STREAM_PER_THREAD);
+	V(CU_STREAM_NON_BLOCKING);
 	V(CU_POINTER_ATTRIBUTE_CONTEXT);
 	V(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL);
 	V(CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE);
@@ -92,6 +93,7 @@ int main(void)
 	NAME(cuMemMap);
 	NAME(cuEventQuery);
 	NAME(cuStreamIsCapturing);
+	NAME(cuStreamGetFlags);
 	NAME(cuThreadExchangeStreamCaptureMode);
 	return 0;
 }
