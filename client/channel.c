@@ -5,9 +5,12 @@
  * (attach.c); dlpc_channel_*() open, remove, describe and list channels.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -295,6 +298,31 @@ DLPC_EXPORT int dlpc_send(dlpc_client *c, const char *channel, DLManagedTensorVe
 	return dlpc_send_bundle(c, channel, 1, NULL, &t, &o);
 }
 
+/*
+ * Is an fd free for the storage of a message? One whose fd this process could not take would be
+ * lost (delivery is at most once), so a receiver at its fd limit fails before it takes one.
+ * (Another thread that takes the last free fd while the reply is on its way can still make
+ * that message lost: the receive fails with -EMFILE then too.) 0 or -EMFILE.
+ */
+static int fd_room(dlpc_client *c, const char *channel)
+{
+	struct rlimit rl = {0};
+	int fd = fcntl(c->wake_fd, F_DUPFD_CLOEXEC, 0);
+
+	if (fd >= 0) {
+		close(fd);
+		return 0;
+	}
+	if (errno != EMFILE)
+		return 0; /* not a matter of room: the receive finds out what it is */
+	getrlimit(RLIMIT_NOFILE, &rl);
+	return dlpc__fail(-EMFILE,
+			  "cannot receive from channel '%s': no free file descriptor for a "
+			  "message's storage: this process has reached its limit of %llu open "
+			  "files (RLIMIT_NOFILE); the message is left queued",
+			  channel, (unsigned long long)rl.rlim_cur);
+}
+
 /* Receive one message of @p channel into a bundle; @p single: refuse a bundle. */
 static int recv_ref(dlpc_client *c, const char *channel, const dlpc_recv_opts *opts, bool single,
 		    dlpc_bundle **ret)
@@ -318,6 +346,8 @@ static int recv_ref(dlpc_client *c, const char *channel, const dlpc_recv_opts *o
 		return dlpc__fail(-EINVAL, "cannot receive from channel '%s': unknown flags 0x%x",
 				  channel, flags & ~RECV_LOCAL_FLAGS);
 	r = need_channels(c, "receive from", channel);
+	if (r == 0)
+		r = fd_room(c, channel);
 	if (r < 0)
 		return r;
 	req.channel.data = (uint8_t *)channel;

@@ -858,7 +858,10 @@ typedef struct dlpc_recv_opts {
  * (generation: the message's sequence number in the channel).
  * @return 0; -EAGAIN (empty, timeout 0), -ETIMEDOUT, -ENOENT (no such channel), -EIDRM (it was
  *         removed while the call waited), -EINVAL if the next message is a bundle (it stays
- *         queued: receive it with dlpc_recv_bundle()), or another negative errno.
+ *         queued: receive it with dlpc_recv_bundle()), -EMFILE when this process has no free
+ *         fd for the storage's (checked before a message is taken: it stays queued; another
+ *         thread taking the last fd meanwhile can still make one lost), or another negative
+ *         errno.
  */
 DLPC_EXPORT int dlpc_recv(dlpc_client *c, const char *channel, const dlpc_recv_opts *opts,
 			  DLManagedTensorVersioned **ret);

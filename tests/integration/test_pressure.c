@@ -164,6 +164,55 @@ static int attach_at_fd_limit(void *arg)
 	return 0;
 }
 
+/* A receiver at its fd limit: dlpc_recv fails with -EMFILE before it takes a message, which
+ * stays queued (delivery is at most once: a message whose fd could not be installed would be
+ * lost), and gets it once an fd is free. */
+static int recv_at_fd_limit(void *arg)
+{
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	dlpc_recv_opts wait = {.size = sizeof(wait), .timeout_ms = 5000};
+	dlpc_channel_info info = {.size = sizeof(info)};
+	const struct daemon *d = arg;
+	DLManagedTensorVersioned *t = NULL;
+	static uint8_t v[64];
+	int64_t n64[1] = {64};
+	dlpc_bundle *b = NULL;
+	int fill[128], n, fds0;
+	dlpc_client *c;
+
+	for (int i = 0; i < 64; i++)
+		v[i] = (uint8_t)i;
+	CHILD_CHECK(dlpc_connect(d->sock, &c) == 0);
+	CHILD_CHECK(dlpc_channel_open(c, "fdq", 4, NULL) >= 0);
+	CHILD_CHECK(dlpc_send(c, "fdq",
+			      host_tensor(v, (DLDataType){kDLUInt, 8, 1}, 1, n64, NULL, NULL),
+			      0) == 0);
+	fds0 = fd_count(getpid());
+	n = fill_fd_table(fill, 128, 64);
+
+	CHILD_CHECK(dlpc_recv(c, "fdq", &now, &t) == -EMFILE);
+	CHILD_CHECK(t == NULL);
+	CHILD_CHECK(error_says("cannot receive from channel 'fdq'") &&
+		    error_says("limit of 64 open files") && error_says("left queued"));
+	CHILD_CHECK(dlpc_recv(c, "fdq", &wait, &t) == -EMFILE);
+	CHILD_CHECK(dlpc_recv_bundle(c, "fdq", &now, &b) == -EMFILE);
+	CHILD_CHECK(dlpc_channel_stat(c, "fdq", &info) == 0);
+	CHILD_CHECK(info.depth == 1 && info.received == 0);
+
+	close(fill[--n]);
+	CHILD_CHECK(dlpc_recv(c, "fdq", &now, &t) == 0);
+	CHILD_CHECK(one_ok(t));
+	t->deleter(t);
+	while (n > 0)
+		close(fill[--n]);
+	CHILD_CHECK(dlpc_channel_stat(c, "fdq", &info) == 0);
+	CHILD_CHECK(info.depth == 0 && info.received == 1);
+	CHILD_CHECK(dlpc_channel_remove(c, "fdq") == 0);
+	CHILD_CHECK(fd_count(getpid()) == fds0);
+	dlpc_close(c);
+	return 0;
+}
+
 START_TEST(test_fd_limit)
 {
 	int baseline;
@@ -172,6 +221,7 @@ START_TEST(test_fd_limit)
 	publish_fixtures(good_client());
 	baseline = good_baseline();
 	ck_assert_int_eq(wait_child(spawn(attach_at_fd_limit, &D)), 0);
+	ck_assert_int_eq(wait_child(spawn(recv_at_fd_limit, &D)), 0);
 	good_client_check();
 	expect_fds(baseline);
 	ck_assert_uint_eq(stat_or_die(good_client()).protocol_errors, 0);
