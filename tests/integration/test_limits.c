@@ -332,6 +332,90 @@ START_TEST(test_ownership_across_uids)
 }
 END_TEST
 
+/* ---- channels across uids ---- */
+
+static int send_4k(dlpc_client *c, const char *channel)
+{
+	DLDataType f32 = {kDLFloat, 32, 1};
+	int64_t n = 1024;
+
+	return dlpc_send(c, channel, host_tensor(data, f32, 1, &n, NULL, NULL), DLPC_SEND_NOWAIT);
+}
+
+/* As nobody, on root's channel under a quota of 8 KiB: not its to remove; root's message is
+ * received and then charged to nobody while held; nobody's own messages are charged to it until
+ * received, and refused beyond its quota. */
+static int nobody_on_roots_channel(void *arg)
+{
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	dlpc_channel_info info = {.size = sizeof(info)};
+	dlpc_attach_info ai = {.size = sizeof(ai)};
+	dlpc_stats st = {.size = sizeof(st)};
+	DLManagedTensorVersioned *t;
+	dlpc_client *c;
+
+	(void)arg;
+	become_nobody();
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_channel_remove(c, "root/q") == -EPERM);
+	CHILD_CHECK(error_says("channel 'root/q' belongs to uid 0; uid 65534 may not remove it"));
+	CHILD_CHECK(dlpc_channel_stat(c, "root/q", &info) == 0);
+	CHILD_CHECK(info.owner_uid == 0 && info.depth == 1);
+	/* root's message: anyone may receive it; it says who sent it, and the one who holds it
+	 * pays for it */
+	CHILD_CHECK(dlpc_recv(c, "root/q", &now, &t) == 0);
+	CHILD_CHECK(dlpc_tensor_attach_info(t, &ai) == 0 && ai.owner_uid == 0);
+	CHILD_CHECK(((const float *)t->dl_tensor.data)[0] == 11.0f);
+	CHILD_CHECK(dlpc_stat(c, &st) == 0 && st.uid_bytes_pinned == 4096);
+	/* 4096 held and 4096 queued fill its 8 KiB; the next is refused and not queued */
+	data[0] = 22.0f;
+	CHILD_CHECK(send_4k(c, "root/q") == 0);
+	CHILD_CHECK(send_4k(c, "root/q") == -EDQUOT);
+	CHILD_CHECK(error_says("uid 65534 holds 8192 bytes and asks for 4096 more") &&
+		    error_says("--max-bytes-per-uid"));
+	CHILD_CHECK(dlpc_channel_stat(c, "root/q", &info) == 0 && info.depth == 1);
+	t->deleter(t);
+	CHILD_CHECK(dlpc_stat(c, &st) == 0 && st.uid_bytes_pinned == 0);
+	CHILD_CHECK(send_4k(c, "root/q") == 0);
+	CHILD_CHECK(dlpc_channel_stat(c, "root/q", &info) == 0 && info.depth == 2);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_channels_across_uids)
+{
+	static const char *const args[] = {"--max-bytes-per-uid", "8K", NULL};
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	dlpc_attach_info ai = {.size = sizeof(ai)};
+	DLManagedTensorVersioned *t;
+	dlpc_client *c;
+	pid_t child;
+
+	start(args, 0);
+	open_for_others();
+	c = connect_or_die(&D);
+	ck_assert_dlpc(dlpc_channel_open(c, "root/q", 8, NULL), 1);
+	data[0] = 11.0f;
+	ck_assert_dlpc(send_4k(c, "root/q"), 0);
+	ck_assert_uint_eq(stat_or_die(c).uid_bytes_held, 4096);
+	child = spawn(nobody_on_roots_channel, NULL);
+	ck_assert_int_eq(wait_child(child), 0);
+	/* received by nobody and released: root pays for nothing more; nobody's two messages
+	 * wait, charged to nobody, and say who sent them */
+	ck_assert_uint_eq(stat_or_die(c).uid_bytes_held, 0);
+	for (int i = 0; i < 2; i++) {
+		ck_assert_dlpc(dlpc_recv(c, "root/q", &now, &t), 0);
+		ck_assert_dlpc(dlpc_tensor_attach_info(t, &ai), 0);
+		ck_assert_uint_eq(ai.owner_uid, NOBODY);
+		ck_assert_int_eq(ai.owner_pid, child);
+		ck_assert(((const float *)t->dl_tensor.data)[0] == 22.0f);
+		t->deleter(t);
+	}
+	ck_assert_dlpc(dlpc_channel_remove(c, "root/q"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
 /* Is @p word one of the '_'-separated words of @p name? ("device_uuid" names no uid.) */
 static bool has_word(const char *name, const char *word)
 {
@@ -1605,6 +1689,7 @@ static Suite *limits_suite(void)
 	tcase_add_test(own, test_socket_permissions_decide_who_connects);
 	tcase_add_test(own, test_read_only_stays_read_only);
 	tcase_add_test(own, test_owner_filter);
+	tcase_add_test(own, test_channels_across_uids);
 	tcase_add_test(quota, test_limit_flags_checked);
 	tcase_add_test(quota, test_quota_entries_per_uid);
 	tcase_add_test(quota, test_quota_bytes_count_declared_size);
