@@ -118,6 +118,9 @@ int main(int argc, char **argv)
 	}
 	how.path = socket_path;
 	signal(SIGPIPE, SIG_IGN);
+	/* A write past RLIMIT_FSIZE (the state journal, a memfd) fails with EFBIG, which persist.c
+	 * answers, instead of killing the daemon. */
+	signal(SIGXFSZ, SIG_IGN);
 	raise_fd_limit();
 	/* Clients can connect as soon as the socket listens, which is before the signal handlers
 	 * exist: hold the signals back until they do, so that none kills us by default (SIGHUP

@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -46,6 +47,8 @@ struct mgr {
 	bool relative;	/* the daemon binds "dlpackd.sock" in dir, its working directory */
 	bool store_off; /* the daemon is told FDSTORE=0, the store still passes what it has */
 	unsigned store_max;
+	rlim_t fsize;	  /* not 0: the daemon's RLIMIT_FSIZE (soft and hard) */
+	char status[256]; /* the last STATUS= it sent */
 	struct stored store[STORE_MAX];
 	size_t nstore;
 	unsigned readies, reloads;
@@ -170,6 +173,8 @@ static bool mgr_take(struct mgr *m, int ms)
 			remove = true;
 		else if (strncmp(line, "FDNAME=", 7) == 0)
 			snprintf(name, sizeof(name), "%s", line + 7);
+		else if (strncmp(line, "STATUS=", 7) == 0)
+			snprintf(m->status, sizeof(m->status), "%s", line + 7);
 	}
 	if (remove)
 		store_remove(m, name);
@@ -276,6 +281,12 @@ static void mgr_start(struct mgr *m)
 		setenv("NOTIFY_SOCKET", m->notify, 1);
 		snprintf(store, sizeof(store), "%u", m->store_off ? 0 : m->store_max);
 		setenv("FDSTORE", store, 1);
+		if (m->fsize) {
+			struct rlimit rl = {m->fsize, m->fsize};
+
+			if (setrlimit(RLIMIT_FSIZE, &rl) < 0)
+				_exit(126);
+		}
 		if (m->relative && chdir(m->dir) < 0)
 			_exit(126);
 		if (m->activate)
@@ -1109,6 +1120,51 @@ START_TEST(test_store_full)
 }
 END_TEST
 
+/* A daemon under a file size limit (RLIMIT_FSIZE, `ulimit -f`, LimitFSIZE=) smaller than its
+ * state journal: the journal's write past the limit fails (EFBIG, not the SIGXFSZ that would
+ * kill the daemon), persistence stops with a message, the journal leaves the store, and every
+ * publish is still served. A restart then brings nothing back, rather than a journal that
+ * stopped halfway. */
+START_TEST(test_journal_past_file_size_limit)
+{
+	dlpc_entry_info *e;
+	struct mgr m;
+	dlpc_client *c;
+	char name[32];
+	size_t cnt;
+
+	mgr_init(&m, true, STORE_MAX);
+	m.fsize = 8192;
+	mgr_start(&m);
+	c = connect_to(&m);
+	for (int i = 0; i < 200; i++) {
+		snprintf(name, sizeof(name), "fsize/%d", i);
+		ck_assert_dlpc(publish(c, name, 1, 0), 1);
+	}
+	/* (the log, a file here, is cut short by the same limit: the status tells) */
+	mgr_drain(&m);
+	pthread_mutex_lock(&m.mu);
+	ck_assert_str_eq(m.status, "entries no longer persisted: cannot write the state journal");
+	pthread_mutex_unlock(&m.mu);
+	ck_assert_dlpc(dlpc_list(c, "fsize/", &e, &cnt), 0);
+	ck_assert_uint_eq(cnt, 200);
+	dlpc_list_free(e, cnt);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STATE), 0);
+	m.fsize = 0;
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(dlpc_list(c, "fsize/", &e, &cnt), 0);
+	ck_assert_uint_eq(cnt, 0);
+	dlpc_list_free(e, cnt);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 0);
+	mgr_clear(&m);
+}
+END_TEST
+
 /* The length of the newest journal in the store, and its name in @p name. */
 static off_t journal_len(struct mgr *m, char *name, size_t len)
 {
@@ -1452,6 +1508,7 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_compaction_on_removal);
 	tcase_add_test(tc, test_upgrade_held_storage);
 	tcase_add_test(tc, test_upgrade_relative_path);
+	tcase_add_test(tc, test_journal_past_file_size_limit);
 	suite_add_tcase(s, tc);
 	return s;
 }
