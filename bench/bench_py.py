@@ -29,6 +29,8 @@ Groups:
                                     torch.multiprocessing Queue put / get
              dlpack_channel         dlpack_ipc channel send of empty() memory (no copy) / recv,
                                     torch.from_dlpack, release
+             dlpack_channel_direct  the same over a direct channel (channel(direct=True)): the
+                                    message goes between the processes, not through dlpackd
              fd_pass_mmap           the floor: the memfd passed over a Unix socket (SCM_RIGHTS),
                                     mmap, read, munmap, close
   pipeline   torch_queue            a producer process makes 64 MiB float32 batches as a DataLoader
@@ -353,6 +355,7 @@ def _channel_child(socket, chname, inq, sock):
         import torch
         torch.set_num_threads(1)
         ch = dlpack_ipc.Channel(chname, client=dlpack_ipc.Client(socket))
+        dch = None
     except BaseException as e:
         inq.put(("error", f"child start: {e!r}"))
         return
@@ -371,9 +374,12 @@ def _channel_child(socket, chname, inq, sock):
                 t[0].item()
                 del t
                 sock.sendall(b"1")
-        elif mode[0] == "channel":
+        elif mode[0] in ("channel", "direct"):
+            if mode[0] == "direct" and dch is None:
+                dch = dlpack_ipc.Channel(chname + "-direct", direct=True, client=ch._client)
+            rch = dch if mode[0] == "direct" else ch
             while True:
-                st = ch.recv()
+                st = rch.recv()
                 if isinstance(st, dict):
                     del st
                     break
@@ -404,6 +410,7 @@ def bench_channel(client, timer, socket, prefix, sizes):
     ctx = tmp.get_context("spawn")
     chname = f"{prefix}/channel"
     ch = client.channel(chname, 1)
+    dch = client.channel(chname + "-direct", 1, direct=True)
     inq = ctx.Queue()
     # memfds go to the child over this socket, and its one-byte acks come back on it
     ps, cs = socketmod.socketpair(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
@@ -445,6 +452,14 @@ def bench_channel(client, timer, socket, prefix, sizes):
             emit("channel", "dlpack_channel", size, timer.measure(channel_op))
             ch.send_dict({"stop": np.zeros(1)})
             ack(b"d")
+            inq.put(("direct",))
+
+            def direct_op():
+                dch.send(buf)
+                ack()
+            emit("channel", "dlpack_channel_direct", size, timer.measure(direct_op))
+            dch.send_dict({"stop": np.zeros(1)})
+            ack(b"d")
             del buf
             fd = os.memfd_create("bench-floor", os.MFD_CLOEXEC)
             try:
@@ -466,10 +481,11 @@ def bench_channel(client, timer, socket, prefix, sizes):
         ps.close()
         inq.close()
         inq.join_thread()
-        try:
-            ch.remove()
-        except OSError:
-            pass
+        for c in (ch, dch):
+            try:
+                c.remove()
+            except OSError:
+                pass
 
 
 # ---- pipeline: a steady stream of 64 MiB batches -------------------------------------------------

@@ -118,6 +118,10 @@ void dlpc__cancel_calls(dlpc_client *c)
 		dlpc__cancel_calls(c->connecting);
 	pthread_cond_broadcast(&c->cv);
 	dlpc__wake_reader(c);
+	/* and every wait on a direct channel's end */
+	if (c->direct_wake >= 0 && eventfd_write(c->direct_wake, 1) < 0) {
+		/* the counter cannot overflow here; nothing to do */
+	}
 	pthread_mutex_unlock(&c->mu);
 }
 
@@ -788,9 +792,11 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		if (!*rep)
 			r = dlpc__fail(-EPROTO, "malformed reply from dlpackd");
 	}
-	for (unsigned i = 0; i < call.nfds; i++) {
+	for (unsigned i = 0, more = 0; i < call.nfds; i++) {
 		if (r == 0 && rfd && *rfd < 0)
 			*rfd = call.fds[i];
+		else if (r == 0 && more < info->nmore_fds)
+			info->more_fds[more++] = call.fds[i];
 		else
 			close(call.fds[i]);
 	}

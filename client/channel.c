@@ -61,6 +61,7 @@ static void info_fill(dlpc_channel_info *out, const Dlpackd__V1__ChannelInfo *in
 	i.sent = in->sent;
 	i.received = in->received;
 	i.created_ns = in->created_ns;
+	i.flags = in->flags;
 	memcpy(i.name, in->name.data, len);
 	i.name[len] = '\0';
 	/* only as much as the caller's struct holds, keeping its size field */
@@ -71,7 +72,7 @@ static void info_fill(dlpc_channel_info *out, const Dlpackd__V1__ChannelInfo *in
 /* One CHANNEL request; fills @p info if not NULL. 1 if it created the channel, 0, or negative
  * errno. */
 static int channel_call(dlpc_client *c, uint32_t op, const char *name, uint32_t capacity,
-			dlpc_channel_info *info, const char *what)
+			uint32_t flags, dlpc_channel_info *info, const char *what)
 {
 	Dlpackd__V1__Channel req = DLPACKD__V1__CHANNEL__INIT;
 	Dlpackd__V1__ChannelReply *rep;
@@ -93,6 +94,7 @@ static int channel_call(dlpc_client *c, uint32_t op, const char *name, uint32_t 
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
 	req.capacity = capacity;
+	req.flags = flags;
 	r = dlpc__call(c, DLPC_MSG_CHANNEL, &req.base, NULL, 0,
 		       &dlpackd__v1__channel_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
 		       NULL);
@@ -110,26 +112,40 @@ static int channel_call(dlpc_client *c, uint32_t op, const char *name, uint32_t 
 	return r;
 }
 
-DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t capacity,
-				  dlpc_channel_info *info)
+DLPC_EXPORT int dlpc_channel_open_flags(dlpc_client *c, const char *name, uint32_t capacity,
+					uint32_t flags, dlpc_channel_info *info)
 {
 	if (capacity > DLPC_CHANNEL_CAPACITY_MAX)
 		return dlpc__fail(-EINVAL,
 				  "cannot open channel '%s': capacity %u exceeds the limit of %d",
 				  name ? name : "", capacity, DLPC_CHANNEL_CAPACITY_MAX);
-	return channel_call(c, OP_OPEN, name, capacity, info, "open");
+	if (flags & ~DLPC_CHANNEL_DIRECT)
+		return dlpc__fail(-EINVAL, "cannot open channel '%s': unknown flags 0x%x",
+				  name ? name : "", flags & ~DLPC_CHANNEL_DIRECT);
+	if ((flags & DLPC_CHANNEL_DIRECT) && c && dlpc__check(c) == 0 && c->minor < 8)
+		return dlpc__fail(-ENOTSUP,
+				  "cannot open direct channel '%s': dlpackd speaks protocol %d.%u, "
+				  "which has no direct channels (%d.8 does)",
+				  name ? name : "", DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
+	return channel_call(c, OP_OPEN, name, capacity, flags, info, "open");
+}
+
+DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t capacity,
+				  dlpc_channel_info *info)
+{
+	return dlpc_channel_open_flags(c, name, capacity, 0, info);
 }
 
 DLPC_EXPORT int dlpc_channel_remove(dlpc_client *c, const char *name)
 {
-	return channel_call(c, OP_REMOVE, name, 0, NULL, "remove");
+	return channel_call(c, OP_REMOVE, name, 0, 0, NULL, "remove");
 }
 
 DLPC_EXPORT int dlpc_channel_stat(dlpc_client *c, const char *name, dlpc_channel_info *info)
 {
 	if (!info)
 		return dlpc__fail(-EINVAL, "cannot describe channel: info is NULL");
-	return channel_call(c, OP_STAT, name, 0, info, "describe");
+	return channel_call(c, OP_STAT, name, 0, 0, info, "describe");
 }
 
 DLPC_EXPORT int dlpc_channel_list(dlpc_client *c, const char *prefix, dlpc_channel_info **ret,
@@ -198,9 +214,9 @@ fail:
 	return r;
 }
 
-/* The sink of dlpc__publish_to(): a SEND of the laid-out message. */
-static int send_sink(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1__Publish *req,
-		     int fd)
+/* A SEND of the laid-out message to a queued channel. */
+static int send_queued(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1__Publish *req,
+		       int fd)
 {
 	Dlpackd__V1__Send s = DLPACKD__V1__SEND__INIT;
 	Dlpackd__V1__SendReply *rep;
@@ -223,6 +239,45 @@ static int send_sink(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1_
 		return r;
 	dlpackd__v1__send_reply__free_unpacked(rep, NULL);
 	return 0;
+}
+
+/*
+ * The sink of dlpc__publish_to(): the laid-out message to the channel, through the daemon (a
+ * queued channel) or straight to its receivers (a direct one). The sink still holds the message
+ * when it finds the channel made again, or of the other kind: it tries once more.
+ */
+static int send_sink(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1__Publish *req,
+		     int fd)
+{
+	const dlpc_send_opts *o = sink->opts;
+	int64_t timeout = o->flags & DLPC_SEND_NOWAIT ? 0 : o->timeout_ms;
+
+	for (int attempt = 0;; attempt++) {
+		struct dlpc__endpoint *e;
+		int r = dlpc__direct_get(c, sink->channel, &e);
+
+		if (r < 0)
+			return r;
+		if (r == 1 && sink->pool_token) {
+			dlpc__direct_put(c, e);
+			return dlpc__fail(-ENOTSUP,
+					  "cannot send to channel '%s': it is direct, and recycled "
+					  "buffers need a channel dlpackd queues",
+					  sink->channel);
+		}
+		r = r == 1 ? dlpc__direct_send(c, e, sink->channel, req, fd, timeout)
+			   : send_queued(c, sink, req, fd);
+		/* removed (and maybe made again), or now of the other kind: ask anew, once */
+		if (e && (r == -EPIPE || r == -EPROTOTYPE))
+			dlpc__direct_changed(c, e);
+		if (e)
+			dlpc__direct_put(c, e);
+		if ((r == -EPIPE || r == -EPROTOTYPE) && attempt == 0)
+			continue;
+		if (r == -EPIPE)
+			return dlpc__fail(-EIDRM, "channel '%s' was removed", sink->channel);
+		return r;
+	}
 }
 
 static void drop_tensors(size_t n, DLManagedTensorVersioned *const tensors[])
@@ -324,16 +379,15 @@ static int fd_room(dlpc_client *c, const char *channel)
 }
 
 /* Receive one message of @p channel into a bundle; @p single: refuse a bundle. */
+static int recv_queued(dlpc_client *c, const char *channel, uint32_t flags, int64_t timeout,
+		       bool single, dlpc_bundle **ret);
+
 static int recv_ref(dlpc_client *c, const char *channel, const dlpc_recv_opts *opts, bool single,
 		    dlpc_bundle **ret)
 {
-	Dlpackd__V1__Recv req = DLPACKD__V1__RECV__INIT;
-	Dlpackd__V1__AttachReply *rep;
-	struct dlpc__call_info info = {0};
-	struct dlpc__arena arena;
 	uint32_t flags = 0;
 	int64_t timeout = -1;
-	int fd = -1, r;
+	int r;
 
 	if (opts && opts->size < sizeof(*opts))
 		return dlpc__fail(-EINVAL, "cannot receive from channel '%s': opts->size is %u",
@@ -350,6 +404,40 @@ static int recv_ref(dlpc_client *c, const char *channel, const dlpc_recv_opts *o
 		r = fd_room(c, channel);
 	if (r < 0)
 		return r;
+	for (int attempt = 0;; attempt++) {
+		struct dlpc__endpoint *e;
+
+		r = dlpc__direct_get(c, channel, &e);
+		if (r < 0)
+			return reword(r, "cannot join", "cannot receive from", channel);
+		if (r == 1) {
+			r = dlpc__direct_recv(c, e, channel, flags, timeout, single, ret);
+			if (r < 0 && r != -EPIPE)
+				r = reword(r, "cannot attach", "cannot receive from", channel);
+		} else
+			r = recv_queued(c, channel, flags, timeout, single, ret);
+		if (e && (r == -EPIPE || r == -EPROTOTYPE))
+			dlpc__direct_changed(c, e);
+		if (e)
+			dlpc__direct_put(c, e);
+		if ((r == -EPIPE || r == -EPROTOTYPE) && attempt == 0)
+			continue;
+		if (r == -EPIPE)
+			return dlpc__fail(-EIDRM, "channel '%s' was removed", channel);
+		return r;
+	}
+}
+
+/* A RECV of a queued channel. */
+static int recv_queued(dlpc_client *c, const char *channel, uint32_t flags, int64_t timeout,
+		       bool single, dlpc_bundle **ret)
+{
+	Dlpackd__V1__Recv req = DLPACKD__V1__RECV__INIT;
+	Dlpackd__V1__AttachReply *rep;
+	struct dlpc__call_info info = {0};
+	struct dlpc__arena arena;
+	int fd = -1, r;
+
 	req.channel.data = (uint8_t *)channel;
 	req.channel.len = strlen(channel);
 	req.flags = single ? DLPC_ATTACH_SINGLE : 0;

@@ -77,6 +77,7 @@ static void atfork_child(void)
 		dlpc__close(c->wake_fd);
 		c->wake_fd = -1;
 		dlpc__cache_forked(c);
+		dlpc__direct_forked(c);
 	}
 	/* the parent's deferred releases are the parent's business; no library thread runs here */
 	dlpc__loop_atfork(2);
@@ -108,6 +109,16 @@ static int open_socket_listed(dlpc_client *c)
 	return r;
 }
 
+void dlpc__list_lock(void)
+{
+	pthread_mutex_lock(&open_mu);
+}
+
+void dlpc__list_unlock(void)
+{
+	pthread_mutex_unlock(&open_mu);
+}
+
 static void open_list_remove(dlpc_client *c)
 {
 	pthread_mutex_lock(&open_mu);
@@ -134,6 +145,8 @@ static void client_free(dlpc_client *c)
 	dlpc__pool_free(c->pool);
 	free(c->abandoned);
 	dlpc__cache_clear(c);
+	dlpc__direct_reset(c);
+	dlpc__close(c->direct_wake);
 	dlpc__close(c->wake_fd);
 	pthread_mutex_destroy(&c->mu);
 	pthread_mutex_destroy(&c->wmu);
@@ -341,6 +354,9 @@ void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cach
 
 void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
 {
+	/* a direct channel's message holds no reference of the daemon's */
+	if (ref_id == 0)
+		return;
 	/* in a forked child the reference is the parent's; the daemon drops it when the parent
 	 * releases it or goes away */
 	if (!dlpc__ours(c))
@@ -439,6 +455,7 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, i
 		return dlpc__fail(-ENOMEM, "out of memory");
 	c->pid = getpid();
 	c->wake_fd = -1;
+	c->direct_wake = -1;
 	c->fork_gen = __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
 	c->call_timeout_ms = timeout;
 	atomic_init(&c->refs, 1);
@@ -633,6 +650,8 @@ int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
 	dlpc__cache_reap(c);
 	/* pooled buffers in flight on the old connection: their RECLAIM went with it */
 	dlpc__pool_reset(c);
+	/* the channels the old daemon knew: a new one knows them anew, or not at all */
+	dlpc__direct_reset(c);
 	client_free(n);
 	return 0;
 }

@@ -103,6 +103,10 @@ struct dlpc_client {
 	char path[108]; /* the socket, to connect to again */
 	struct dlpc__pool *pool; /* recycled buffers of dlpc_channel_alloc() (pool.c), or NULL */
 	struct dlpc__cache cache;
+	/* channels used: direct ones' ends, queued ones noted (direct.c); under the open list's
+	 * lock (dlpc__list_lock()) */
+	struct dlpc__endpoint *endpoints;
+	int direct_wake; /* eventfd that ends waits on direct channels (dlpc_close()), or -1 */
 };
 
 /*
@@ -209,6 +213,10 @@ struct dlpc__call_info {
 	uint64_t epoch;
 	/* out: a reply (an ERROR one included) came: the daemon has dealt with the request */
 	bool answered;
+	/* in: room for the reply's fds past the first (which goes to the call's rfd), set to -1
+	 * where none came */
+	int *more_fds;
+	unsigned nmore_fds;
 	/* out: the call failed because the connection was lost, before or while it waited; or,
 	 * when connecting anew failed, that error (lost stays false) */
 	bool lost;
@@ -311,6 +319,33 @@ int dlpc__publish_to(dlpc_client *c, const char *name, size_t n, const char *con
 /* alloc.c: a new region of @p size bytes (> 0) on @p device holding one reference (the
  * caller's); errors name @p what. */
 int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret);
+/* direct.c: direct channels (1.8). */
+#define DLPC__CHANNEL_JOIN 4
+struct dlpc__endpoint;
+/* What @p name is, asked of the daemon the first time (CHANNEL JOIN): 1 direct, with *@p ret
+ * its endpoint in use (dlpc__direct_put() it); 0 queued by the daemon (*@p ret too, unless the
+ * daemon is older than 1.8: NULL); or a negative errno (-ENOENT). */
+int dlpc__direct_get(dlpc_client *c, const char *name, struct dlpc__endpoint **ret);
+void dlpc__direct_put(dlpc_client *c, struct dlpc__endpoint *e);
+/* @p e no longer says what its channel is (removed, made again, of the other kind): the next
+ * use asks anew. */
+void dlpc__direct_changed(dlpc_client *c, struct dlpc__endpoint *e);
+/* A new connection, or dlpc_close(): forget every channel. */
+void dlpc__direct_reset(dlpc_client *c);
+/* In a forked child: close the ends inherited. Under the open list's lock. */
+void dlpc__direct_forked(dlpc_client *c);
+/* Send the message @p req with its storage @p fd on the direct channel of @p e, waiting for
+ * room up to @p timeout ms (< 0: forever; 0: -EAGAIN at once). 0; -EPIPE if the channel was
+ * removed before the call waited (-EIDRM while it waited); a negative errno. */
+int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *channel,
+		      const Dlpackd__V1__Publish *req, int fd, int64_t timeout);
+/* Receive a message of the direct channel of @p e into *@p ret, as dlpc_recv_bundle() does;
+ * -EPIPE if the channel was removed before the call waited. */
+int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *channel, uint32_t flags,
+		      int64_t timeout, bool single, dlpc_bundle **ret);
+/* client.c: the lock of the open clients' list, which fork() takes */
+void dlpc__list_lock(void);
+void dlpc__list_unlock(void);
 /* pool.c: recycled channel buffers. A pool token has this bit set (CUDA reclaim tokens, a
  * counter from 1, never do). */
 #define DLPC__POOL_TOKEN (1ull << 63)

@@ -152,6 +152,19 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 			"cannot allocate for channel '%s': dlpackd speaks protocol %d.%u, "
 			"which has no channels (%d.6 does)",
 			channel, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
+	if (c->minor >= 8) {
+		struct dlpc__endpoint *e;
+		int kind = dlpc__direct_get(c, channel, &e);
+
+		if (e)
+			dlpc__direct_put(c, e);
+		/* (a channel that is not there yet may be made queued: its send will tell) */
+		if (kind == 1)
+			return dlpc__fail(-ENOTSUP,
+					  "cannot allocate for channel '%s': it is direct, and "
+					  "recycled buffers need a channel dlpackd queues",
+					  channel);
+	}
 	if (dlpc__tensor_nbytes(dtype.bits, dtype.lanes, shape, (size_t)ndim, &nbytes) < 0 ||
 	    !dlpc__align_up(nbytes, &size) || size > INT64_MAX)
 		return dlpc__fail(-EINVAL, "cannot allocate for channel '%s': bad dtype or shape",

@@ -37,6 +37,11 @@ struct dlpd_channel {
 	uint32_t nsenders, nreceivers;
 	uid_t uid; /* who opened it, charged with one entry */
 	pid_t pid;
+	/* A direct channel (1.8, direct.c): its messages go through this SOCK_SEQPACKET pair,
+	 * [0] the sending end, [1] the receiving end, never through the daemon, and the queue
+	 * above stays empty. -1 and -1 for a channel the daemon queues. */
+	int ends[2];
+	uint32_t direct_capacity; /* the messages the kernel lets the sending end queue */
 	struct dlpd_usage *usage;
 	int64_t created_ns;
 	uint64_t sent, received;
@@ -77,6 +82,15 @@ struct dlpd_msg *dlpd_channel_pop(struct dlpd_registry *r, struct dlpd_channel *
 /* What LIST, CHANNEL and watch events say of @p ch. */
 void dlpd_channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *info);
 
+/* direct.c: make @p ch direct, with room for about @p capacity messages (ch->direct_capacity
+ * says how many the kernel's buffers allow). 0, or a negative errno and why. */
+int dlpd_direct_open(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t capacity, char *why,
+		     size_t whylen);
+/* direct.c: shut @p ch's sockets (senders get EPIPE, receivers the end once the queue is empty),
+ * free what is still queued and let go of the daemon's ends. */
+void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch);
+/* direct.c: the records queued in @p ch's socket. */
+uint32_t dlpd_direct_depth(const struct dlpd_channel *ch);
 /* h_channel.c: end every wait on @p ch with EIDRM ("channel '@p name' was removed") and free
  * every message it holds; @p ch stays. */
 void dlpd_channel_empty(struct dlpd_server *s, struct dlpd_channel *ch, const char *name);

@@ -121,6 +121,16 @@ static int give(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint3
 	return r;
 }
 
+/* SEND or RECV of a direct channel: its messages never pass through the daemon. */
+static int direct_refused(struct dlpd_peer *p, uint32_t id, const char *verb, const char *name)
+{
+	return dlpd_reply_error(
+		p, id, EPROTOTYPE,
+		"cannot %s channel '%s' through dlpackd: it is direct, its messages "
+		"go between the processes that join it (CHANNEL JOIN)",
+		verb, name);
+}
+
 /* Queue @p m, @p p's, on @p ch; its seq. */
 static uint64_t push(struct dlpd_peer *p, struct dlpd_channel *ch, struct dlpd_msg *m)
 {
@@ -375,6 +385,8 @@ int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 	if (!ch)
 		return dlpd_reply_error(p, id, ENOENT, "no channel named '%s'; open it first",
 					name);
+	if (ch->ends[0] >= 0)
+		return direct_refused(p, id, "send to", name);
 	r = quota_message(p, req->message->storage_size, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot send to channel '%s': %s", name, why);
@@ -427,6 +439,8 @@ int dlpd_on_recv(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 	if (!ch)
 		return dlpd_reply_error(p, id, ENOENT, "no channel named '%s'; open it first",
 					name);
+	if (ch->ends[0] >= 0)
+		return direct_refused(p, id, "receive from", name);
 	if (ch->depth > 0) {
 		r = give(p, id, ch, req->flags);
 		/* room was made: a waiting sender comes in */
@@ -465,6 +479,7 @@ void dlpd_channel_empty(struct dlpd_server *s, struct dlpd_channel *ch, const ch
 	}
 	while ((m = dlpd_channel_pop(&s->reg, ch)))
 		msg_free(s, m);
+	dlpd_direct_close(s, ch);
 }
 
 void dlpd_channels_drop_peer(struct dlpd_peer *p)

@@ -11,11 +11,13 @@
 #include "channel.h"
 #include "handlers.h"
 #include "peer.h"
+#include "quota.h"
 #include "util.h"
 
 #define OP_OPEN 1
 #define OP_REMOVE 2
 #define OP_STAT 3
+#define OP_JOIN 4
 #define EV_CHANNEL_OPENED 4
 #define EV_CHANNEL_REMOVED 5
 
@@ -83,12 +85,26 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					"cannot open channel '%s': capacity %u exceeds the limit "
 					"of %d messages",
 					name, req->capacity, DLPC_CHANNEL_CAPACITY_MAX);
+	if (req->flags & ~(uint32_t)DLPC_CHANNEL_DIRECT)
+		return dlpd_reply_error(p, id, EINVAL, "cannot open channel '%s': flags 0x%x", name,
+					req->flags & ~(uint32_t)DLPC_CHANNEL_DIRECT);
 	if (ch && req->capacity && req->capacity != ch->capacity)
 		return dlpd_reply_error(p, id, EEXIST,
 					"channel '%s' is open already with capacity %u, not %u",
 					name, ch->capacity, req->capacity);
+	if (ch && (ch->ends[0] >= 0) != !!(req->flags & DLPC_CHANNEL_DIRECT))
+		return dlpd_reply_error(p, id, EEXIST,
+					"channel '%s' is open already as a %s channel", name,
+					ch->ends[0] >= 0 ? "direct" : "queued");
 	if (ch)
 		return reply_info(p, id, ch, false);
+	if ((req->flags & DLPC_CHANNEL_DIRECT) && dlpd_fds_in_use(s) + 2 > s->fd_budget)
+		return dlpd_reply_error(p, id, EDQUOT,
+					"cannot open channel '%s': dlpackd holds %llu storage, "
+					"connection and channel fds; its fd limit leaves room for "
+					"%llu (RLIMIT_NOFILE minus %d in reserve)",
+					name, (unsigned long long)dlpd_fds_in_use(s),
+					(unsigned long long)s->fd_budget, DLPC_FD_RESERVE);
 	if (p->usage->entries + 1 > s->lim.entries_per_uid)
 		return dlpd_reply_error(p, id, EDQUOT,
 					"cannot open channel '%s': uid %u has %llu entries and "
@@ -102,8 +118,19 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					name);
 	ch->uid = p->uid;
 	ch->pid = p->pid;
-	dlpd_log(LOG_DEBUG, "%s: opened channel '%s', capacity %u",
-		 dlpd_peer_desc(p, desc, sizeof(desc)), name, cap);
+	if (req->flags & DLPC_CHANNEL_DIRECT) {
+		char why[160];
+		int r = dlpd_direct_open(s, ch, cap, why, sizeof(why));
+
+		if (r < 0) {
+			dlpd_channel_free(&s->reg, ch);
+			return dlpd_reply_error(p, id, -r, "cannot open direct channel '%s': %s",
+						name, why);
+		}
+	}
+	dlpd_log(LOG_DEBUG, "%s: opened %schannel '%s', capacity %u",
+		 dlpd_peer_desc(p, desc, sizeof(desc)), ch->ends[0] >= 0 ? "direct " : "", name,
+		 ch->ends[0] >= 0 ? ch->direct_capacity : cap);
 	notify(s, EV_CHANNEL_OPENED, ch, p);
 	return reply_info(p, id, ch, true);
 }
@@ -133,6 +160,27 @@ static int channel_remove(struct dlpd_peer *p, uint32_t id, struct dlpd_channel 
 	return r;
 }
 
+/* Hand @p p the ends of the direct channel @p ch: its messages go between the processes. */
+static int channel_join(struct dlpd_peer *p, uint32_t id, const struct dlpd_channel *ch,
+			const char *name)
+{
+	Dlpackd__V1__ChannelReply rep = DLPACKD__V1__CHANNEL_REPLY__INIT;
+	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
+	int r;
+
+	if (ch->ends[0] < 0)
+		return dlpd_reply_error(p, id, EPROTOTYPE,
+					"channel '%s' is queued by dlpackd, not direct: send and "
+					"receive through dlpackd (SEND, RECV)",
+					name);
+	dlpd_channel_info(ch, &info);
+	rep.channel = &info;
+	r = dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, ch->ends, 2);
+	if (r == 0)
+		p->srv->stats.fds_sent += 2;
+	return r;
+}
+
 int dlpd_on_channel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struct dlpc__frame *f)
 {
 	Dlpackd__V1__Channel *req = (Dlpackd__V1__Channel *)*msg;
@@ -143,15 +191,20 @@ int dlpd_on_channel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, st
 	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EINVAL, "bad channel name: %s", why);
 	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
+	if (req->op == OP_OPEN && req->flags && p->minor < 8)
+		return dlpd_reply_error(p, id, EINVAL, "cannot open channel '%s': flags 0x%x", name,
+					req->flags);
 	if (req->op == OP_OPEN)
 		return channel_open(p, id, req, name);
-	if (req->op != OP_REMOVE && req->op != OP_STAT)
+	if (req->op != OP_REMOVE && req->op != OP_STAT && (req->op != OP_JOIN || p->minor < 8))
 		return dlpd_reply_error(p, id, EINVAL, "CHANNEL operation %u is unknown", req->op);
 	ch = dlpd_channel_find(&p->srv->reg, req->name.data, req->name.len);
 	if (!ch)
 		return dlpd_reply_error(p, id, ENOENT, "no channel named '%s'", name);
 	if (req->op == OP_REMOVE)
 		return channel_remove(p, id, ch, name);
+	if (req->op == OP_JOIN)
+		return channel_join(p, id, ch, name);
 	return reply_info(p, id, ch, false);
 }
 

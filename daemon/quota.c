@@ -12,7 +12,8 @@
 
 uint64_t dlpd_fds_in_use(const struct dlpd_server *s)
 {
-	return s->reg.storage_fds + s->npeers + s->peers_closing + dlpd_reaper_pending();
+	return s->reg.storage_fds + s->npeers + s->peers_closing + s->channel_fds +
+	       dlpd_reaper_pending();
 }
 
 int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,

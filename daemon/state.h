@@ -66,6 +66,7 @@ struct dlpd_server {
 	uv_poll_cb peer_io;	    /* dispatch.c's handler of a connection's socket events */
 	uint64_t npeers, next_serial;
 	uint64_t peers_closing; /* destroyed, socket not yet handed to the reaper */
+	uint64_t channel_fds;	/* the ends of direct channels (two each) */
 	struct dlpd_registry reg;
 	struct dlpc__scratch out;	/* outgoing frames are packed here */
 	struct dlpd_list watchers;	/* peers that sent WATCH, in the order they did */

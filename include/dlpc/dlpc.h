@@ -738,6 +738,29 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
 /** The largest capacity a channel may be opened with. */
 #define DLPC_CHANNEL_CAPACITY_MAX 65536
 
+/**
+ * dlpc_channel_open_flags(): a direct channel (protocol 1.8). Its messages go from sender to
+ * receiver through a socket pair that dlpackd makes and hands to every process that uses the
+ * channel, queued by the kernel, without the daemon between them: a hand-off costs about what
+ * passing an fd over a Unix socket costs. Delivery is as on any channel (exactly one receiver,
+ * in order, at most once; a receiver that dies holding a message frees it; removal ends sends
+ * and receives with -EIDRM and frees what is queued). What differs:
+ *  - the capacity is what the kernel lets the socket queue: the channel is opened with room
+ *    for @p capacity messages if the kernel's buffer limit (net.core.wmem_max) allows, fewer
+ *    otherwise; dlpc_channel_info.capacity says how many;
+ *  - STAT and LIST report the messages queued (depth) but not their bytes, the counts of sent
+ *    and received messages or the waiting calls (0): the daemon sees none of it;
+ *  - a message is checked by its receiver, with the checks dlpackd makes of a publish; one
+ *    that fails them (a hostile sender's) is dropped, and dlpc_recv() says so (-EBADMSG);
+ *  - a message describes at most about 1000 bytes of tensors (a few dozen tensors of a
+ *    bundle; -EMSGSIZE beyond); no recycled buffers (dlpc_channel_alloc(): -ENOTSUP); no
+ *    per-uid byte quota of the daemon's (the queued memory is the senders', in their memory
+ *    cgroups; the kernel bounds the fds in flight by the senders' RLIMIT_NOFILE);
+ *  - messages keep flowing between processes that joined if dlpackd dies; a process waiting
+ *    on the channel sees the daemon go and fails with -ECONNRESET.
+ */
+#define DLPC_CHANNEL_DIRECT (1u << 0)
+
 /** A channel, as dlpc_channel_open(), dlpc_channel_stat() and dlpc_channel_list() report it. */
 typedef struct dlpc_channel_info {
 	uint32_t size;		    /**< set by the caller to sizeof(dlpc_channel_info) */
@@ -752,6 +775,7 @@ typedef struct dlpc_channel_info {
 	uint64_t received;     /**< messages handed to receivers */
 	int64_t created_ns;    /**< CLOCK_REALTIME when it was opened */
 	char name[DLPC_NAME_MAX + 1];
+	uint32_t flags; /**< DLPC_CHANNEL_DIRECT for a direct channel (0 from daemons before 1.8) */
 } dlpc_channel_info;
 
 /**
@@ -764,6 +788,14 @@ typedef struct dlpc_channel_info {
  */
 DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t capacity,
 				  dlpc_channel_info *info);
+
+/**
+ * dlpc_channel_open() with @p flags: DLPC_CHANNEL_DIRECT opens (creates) a direct channel.
+ * @return as dlpc_channel_open(); -EEXIST also if the channel exists as the other kind,
+ *         -EINVAL for unknown flags, -ENOTSUP for a direct channel and a daemon older than 1.8.
+ */
+DLPC_EXPORT int dlpc_channel_open_flags(dlpc_client *c, const char *name, uint32_t capacity,
+					uint32_t flags, dlpc_channel_info *info);
 
 /**
  * Remove the channel @p name: its queued messages are freed and every send or receive waiting

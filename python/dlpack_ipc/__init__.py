@@ -87,16 +87,17 @@ CHANNEL_CAPACITY_MAX = 65536  # DLPC_CHANNEL_CAPACITY_MAX
 
 ChannelInfo = namedtuple("ChannelInfo",
                          "name capacity depth bytes_queued sent received receivers_waiting "
-                         "senders_waiting owner created")
+                         "senders_waiting owner created direct")
 ChannelInfo.__doc__ = """A channel: depth messages queued (bytes_queued bytes) of capacity, sent
 and received since it was opened, receivers and senders waiting now, the Owner that opened it,
-created in seconds since the epoch."""
+created in seconds since the epoch, and whether it is direct (its messages go between the
+processes; dlpackd counts only depth, the rest reads 0)."""
 
 
 def _channel_info(d):
     return ChannelInfo(d["name"], d["capacity"], d["depth"], d["bytes_queued"], d["sent"],
                        d["received"], d["receivers_waiting"], d["senders_waiting"],
-                       Owner(d["uid"], d["pid"]), d["created"])
+                       Owner(d["uid"], d["pid"]), d["created"], d["direct"])
 
 
 def _publishable(obj):
@@ -166,9 +167,9 @@ class Client(_CoreClient):
                           e["cached_refs"])
                 for e in self._list(prefix)]
 
-    def channel(self, name, capacity=0):
+    def channel(self, name, capacity=0, *, direct=False):
         """Open the channel name on this connection (see Channel)."""
-        return Channel(name, capacity, client=self)
+        return Channel(name, capacity, direct=direct, client=self)
 
     def channels(self, prefix=""):
         """Channels whose names start with prefix, sorted by name, as ChannelInfo tuples."""
@@ -176,7 +177,7 @@ class Client(_CoreClient):
 
 
 class Channel:
-    """A named FIFO of tensors held by dlpackd: Channel(name, capacity=0, *, client=None).
+    """A named FIFO of tensors: Channel(name, capacity=0, *, direct=False, client=None).
 
     Opening creates the channel unless it exists, with room for capacity messages (0:
     CHANNEL_CAPACITY_DEFAULT, 16; at most CHANNEL_CAPACITY_MAX); a channel opened already with
@@ -197,15 +198,27 @@ class Channel:
     send() may still be delivered once room comes (while this connection stays open). Messages
     a sender sent stay queued after it exits. remove() frees the queue; sends and receives waiting on it
     raise OSError(errno.EIDRM).
+
+    direct=True opens (creates) a direct channel: its messages go from sender to receiver through
+    a socket pair dlpackd hands to each process, queued by the kernel, never through the daemon
+    (a hand-off costs about what passing an fd over a Unix socket does). The same delivery; but
+    its capacity is what the kernel's buffer limit allows (self.capacity says), stat() counts
+    only the messages queued, each message describes at most about 1000 bytes of tensors (a few
+    dozen of a bundle), there are no recycled buffers (empty() raises), a receiver checks every
+    message itself and drops one that fails (OSError EBADMSG, naming its sender). self.direct
+    says which kind it is.
     """
 
-    def __init__(self, name, capacity=0, *, client=None):
+    def __init__(self, name, capacity=0, *, direct=False, client=None):
         self._client = client if client is not None else _client()
         self.name = name
-        self.capacity = self._client._channel_open(name, capacity)["capacity"]
+        info = self._client._channel_open(name, capacity, direct)
+        self.capacity = info["capacity"]
+        self.direct = info["direct"]
 
     def __repr__(self):
-        return f"dlpack_ipc.Channel({self.name!r}, capacity={self.capacity})"
+        return (f"dlpack_ipc.Channel({self.name!r}, capacity={self.capacity}"
+                f"{', direct=True' if self.direct else ''})")
 
     def send(self, obj, *, timeout=None):
         """Send obj (anything publish() takes) as one message."""
@@ -254,9 +267,9 @@ class Channel:
         self._client._channel_remove(self.name)
 
 
-def channel(name, capacity=0, *, client=None):
-    """Open (create unless it exists) the channel name: a Channel."""
-    return Channel(name, capacity, client=client)
+def channel(name, capacity=0, *, direct=False, client=None):
+    """Open (create unless it exists) the channel name: a Channel (direct: see Channel)."""
+    return Channel(name, capacity, direct=direct, client=client)
 
 
 def channels(prefix=""):

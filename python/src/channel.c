@@ -46,25 +46,26 @@ static int timeout_ms(PyObject *o, int64_t *ms)
 static PyObject *info_dict(const dlpc_channel_info *i)
 {
 	return Py_BuildValue(
-		"{s:s,s:I,s:I,s:K,s:K,s:K,s:I,s:I,s:I,s:i,s:d}", "name", i->name, "capacity",
+		"{s:s,s:I,s:I,s:K,s:K,s:K,s:I,s:I,s:I,s:i,s:d,s:O}", "name", i->name, "capacity",
 		i->capacity, "depth", i->depth, "bytes_queued", (unsigned long long)i->bytes_queued,
 		"sent", (unsigned long long)i->sent, "received", (unsigned long long)i->received,
 		"receivers_waiting", i->receivers_waiting, "senders_waiting", i->senders_waiting,
-		"uid", i->owner_uid, "pid", i->owner_pid, "created", i->created_ns / 1e9);
+		"uid", i->owner_uid, "pid", i->owner_pid, "created", i->created_ns / 1e9, "direct",
+		(i->flags & DLPC_CHANNEL_DIRECT) ? Py_True : Py_False);
 }
 
 PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
-	static char *kwlist[] = {"name", "capacity", NULL};
+	static char *kwlist[] = {"name", "capacity", "direct", NULL};
 	dlpc_channel_info info = {.size = sizeof(info)};
 	unsigned long capacity = 0;
 	const char *name;
 	dlpc_client *c;
+	int direct = 0, r;
 	PyObject *d;
-	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|k:_channel_open", kwlist, &name,
-					 &capacity))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|kp:_channel_open", kwlist, &name,
+					 &capacity, &direct))
 		return NULL;
 	if (capacity > DLPC_CHANNEL_CAPACITY_MAX) {
 		PyErr_Format(PyExc_ValueError,
@@ -75,7 +76,8 @@ PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwarg
 	if (!(c = ipc_call_begin((ClientObject *)obj)))
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_open(c, name, (uint32_t)capacity, &info);
+	r = dlpc_channel_open_flags(c, name, (uint32_t)capacity, direct ? DLPC_CHANNEL_DIRECT : 0,
+				    &info);
 	Py_END_ALLOW_THREADS
 	ipc_call_end((ClientObject *)obj, c, r);
 	if (r < 0)

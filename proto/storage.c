@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Host storage validation. The daemon never maps client memory; it only proves, from the fd
- * alone, that attachers can map it safely: a regular file on tmpfs (what memfd_create makes),
+ * Host storage validation, by dlpackd and by the receivers of direct channels (which take a
+ * sender's fd with no daemon between them). Neither maps the memory to judge it; the fd alone
+ * proves that attachers can map it safely: a regular file on tmpfs (what memfd_create makes),
  * sealed so that it can neither shrink (a SIGBUS in every attacher) nor grow, sealed against
  * writes unless published writable, with a final seal set (F_SEAL_SEAL: nobody holding the fd
  * can later add a write seal that breaks writable attaches), large enough for the tensors
@@ -50,7 +51,7 @@ static bool fully_allocated(const struct stat *st, uint64_t bsize)
 	return (uint64_t)st->st_blocks * 512 >= need;
 }
 
-int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t whylen)
+int dlpc__storage_check(int fd, uint64_t size, bool writable, char *why, size_t whylen)
 {
 	struct stat st;
 	struct statfs sfs;
@@ -161,7 +162,7 @@ int dlpd_storage_check(int fd, uint64_t size, bool writable, char *why, size_t w
  */
 #define NVIDIA_DEVICE_MAJOR 195
 
-int dlpd_device_storage_check(int fd, char *why, size_t whylen)
+int dlpc__device_storage_check(int fd, char *why, size_t whylen)
 {
 	struct statx sx;
 	int fl = fcntl(fd, F_GETFL);

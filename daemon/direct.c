@@ -1,0 +1,180 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Direct channels (protocol 1.8). The daemon makes a SOCK_SEQPACKET socket pair for the channel
+ * and hands its two ends to every process that joins it (CHANNEL JOIN); messages then go from
+ * sender to receiver as datagrams carrying the storage's fd, queued by the kernel. The daemon is
+ * not woken by a message: a hand-off costs what an fd passed over a Unix socket costs. What the
+ * kernel guarantees takes the place of what the daemon does for a queued channel: a datagram
+ * goes to exactly one receiver, in order; a receiver that dies holding a message closes its fd
+ * (and the storage goes with the last one); the sending end's buffer bounds the queue.
+ *
+ * What the daemon keeps: the name, the owner, the ends (so that a process may join at any time,
+ * and so that removal can shut them), and what STAT and LIST report. Each message is one record
+ * of DLPC_DIRECT_RECORD bytes (direct.h), so the bytes queued in the receiving end count the
+ * messages, and the kernel's size of one record with its fd (measured here, once per channel)
+ * turns a capacity in messages into the sending end's buffer size. The receivers check every
+ * message themselves, with the checks the daemon makes of a publish (proto/storage.c): the
+ * daemon never sees them. The receiving end passes credentials (SO_PASSCRED), so every message
+ * says, from the kernel, which process sent it.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <linux/sockios.h>
+
+#include "channel.h"
+#include "direct.h"
+#include "reaper.h"
+
+/* fds a hostile sender may put on one datagram (the kernel's SCM_MAX_FD) */
+#define DRAIN_FDS_MAX 253
+
+/* The kernel's size of one record with one fd queued in the pair @p ends: what the sending end's
+ * buffer is charged for it. 0 if it cannot be measured. */
+static int record_truesize(const int ends[2], char *why, size_t whylen)
+{
+	uint8_t rec[DLPC_DIRECT_RECORD] = {0};
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} ctl;
+	struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
+	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+	int fd = eventfd(0, EFD_CLOEXEC), queued = 0;
+	ssize_t n;
+
+	if (fd < 0) {
+		snprintf(why, whylen, "cannot make an eventfd: %s", strerror(errno));
+		return -errno;
+	}
+	memset(&ctl, 0, sizeof(ctl));
+	mh.msg_control = ctl.buf;
+	mh.msg_controllen = sizeof(ctl.buf);
+	ctl.h.cmsg_level = SOL_SOCKET;
+	ctl.h.cmsg_type = SCM_RIGHTS;
+	ctl.h.cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(&ctl.h), &fd, sizeof(int));
+	n = sendmsg(ends[0], &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+	close(fd);
+	if (n != (ssize_t)sizeof(rec) || ioctl(ends[0], SIOCOUTQ, &queued) < 0 || queued <= 0) {
+		snprintf(why, whylen, "cannot measure a record in its socket: %s",
+			 n < 0 ? strerror(errno) : "nothing queued");
+		return -EIO;
+	}
+	/* take it back out, closing the eventfd that came with it */
+	mh.msg_control = ctl.buf;
+	mh.msg_controllen = sizeof(ctl.buf);
+	n = recvmsg(ends[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+	for (struct cmsghdr *c = n > 0 ? CMSG_FIRSTHDR(&mh) : NULL; c; c = CMSG_NXTHDR(&mh, c))
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+			memcpy(&fd, CMSG_DATA(c), sizeof(int));
+			close(fd);
+		}
+	return queued;
+}
+
+int dlpd_direct_open(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t capacity, char *why,
+		     size_t whylen)
+{
+	int ends[2], one = 1, ts, buf, r;
+	socklen_t len = sizeof(buf);
+	uint64_t want;
+
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, ends) < 0) {
+		r = -errno;
+		snprintf(why, whylen, "cannot make its sockets: %s", strerror(errno));
+		return r;
+	}
+	if (setsockopt(ends[1], SOL_SOCKET, SO_PASSCRED, &one, sizeof(one)) < 0) {
+		r = -errno;
+		snprintf(why, whylen, "cannot have its sockets pass credentials: %s",
+			 strerror(errno));
+		goto fail;
+	}
+	ts = record_truesize(ends, why, whylen);
+	if (ts <= 0) {
+		r = ts < 0 ? ts : -EIO;
+		goto fail;
+	}
+	/* A datagram is taken while the buffer's use is below its size: k records fit a buffer
+	 * of k times one. The kernel doubles what it is told, caps it at net.core.wmem_max and
+	 * raises it to its minimum: what it ends up with says how many fit. */
+	want = (uint64_t)capacity * (uint64_t)ts / 2;
+	buf = want > INT32_MAX ? INT32_MAX : (int)want;
+	if (setsockopt(ends[0], SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf)) < 0 ||
+	    getsockopt(ends[0], SOL_SOCKET, SO_SNDBUF, &buf, &len) < 0) {
+		r = -errno;
+		snprintf(why, whylen, "cannot size its socket's buffer: %s", strerror(errno));
+		goto fail;
+	}
+	ch->ends[0] = ends[0];
+	ch->ends[1] = ends[1];
+	ch->direct_capacity = (uint32_t)(((uint64_t)buf + (uint64_t)ts - 1) / (uint64_t)ts);
+	s->channel_fds += 2;
+	return 0;
+fail:
+	close(ends[0]);
+	close(ends[1]);
+	return r;
+}
+
+void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch)
+{
+	uint8_t rec[DLPC_DIRECT_RECORD];
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int) * DRAIN_FDS_MAX) +
+			 CMSG_SPACE(sizeof(struct ucred))];
+	} ctl;
+
+	if (ch->ends[0] < 0)
+		return;
+	/* every dup of the pair, in every process that joined, sees it: sends fail with EPIPE,
+	 * receives get the end of the stream once nothing is queued */
+	shutdown(ch->ends[0], SHUT_RDWR);
+	/* Once shut, an empty queue reads as a datagram of 0 bytes, as does an empty datagram a
+	 * sender put there: the loop is bounded by what the buffer can hold instead (smaller
+	 * datagrams fit more of them; a process that joined may take some meanwhile). */
+	for (uint64_t round = 0; round < 4 * (uint64_t)ch->direct_capacity + 64; round++) {
+		struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
+		struct msghdr mh = {.msg_iov = &iov,
+				    .msg_iovlen = 1,
+				    .msg_control = ctl.buf,
+				    .msg_controllen = sizeof(ctl.buf)};
+		ssize_t n = recvmsg(ch->ends[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+
+		if (n < 0)
+			break;
+		/* fds a sender put there: their files are the sender's to vouch for, not ours */
+		for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+			size_t k;
+
+			if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+				continue;
+			k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+			for (size_t i = 0; i < k; i++) {
+				int fd;
+
+				memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+				dlpd_close_untrusted(fd);
+			}
+		}
+	}
+	dlpd_close_later(ch->ends[0]);
+	dlpd_close_later(ch->ends[1]);
+	ch->ends[0] = ch->ends[1] = -1;
+	s->channel_fds -= 2;
+}
+
+uint32_t dlpd_direct_depth(const struct dlpd_channel *ch)
+{
+	int bytes = 0;
+
+	if (ch->ends[1] < 0 || ioctl(ch->ends[1], SIOCINQ, &bytes) < 0 || bytes < 0)
+		return 0;
+	return (uint32_t)(bytes / DLPC_DIRECT_RECORD);
+}
