@@ -123,8 +123,8 @@ uint8_t *dlpd_entry_encode_tensors(const Dlpackd__V1__Publish *req, size_t *len)
 int dlpd_entry_check_storage(const Dlpackd__V1__Publish *req, int fd, char *why, size_t whylen)
 {
 	if (req->device_type == kDLCPU)
-		return dlpc__storage_check(fd, req->storage_size, req->flags & DLPC_PUBLISH_WRITABLE,
-					  why, whylen);
+		return dlpc__storage_check(fd, req->storage_size,
+					   req->flags & DLPC_PUBLISH_WRITABLE, why, whylen);
 	if (!req->cuda_ipc)
 		return dlpc__device_storage_check(fd, why, whylen);
 	return 0;

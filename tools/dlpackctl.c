@@ -458,6 +458,8 @@ static int cmd_channels(dlpc_client *c, const struct args *a)
 			json_i64(&j, v[i].owner_pid);
 			json_key(&j, "created_ns");
 			json_i64(&j, v[i].created_ns);
+			json_key(&j, "direct");
+			json_bool(&j, (v[i].flags & DLPC_CHANNEL_DIRECT) != 0);
 			json_obj_end(&j);
 		}
 		json_arr_end(&j);
@@ -478,9 +480,16 @@ static int cmd_channels(dlpc_client *c, const struct args *a)
 		snprintf(waiting, sizeof(waiting), "%ur %us", v[i].receivers_waiting,
 			 v[i].senders_waiting);
 		put_padded(v[i].name, width + 2);
-		printf("%-9s %-10s %-10" PRIu64 " %-10" PRIu64 " %-9s %s/%d\n", depth,
-		       size_text(v[i].bytes_queued, size, sizeof(size)), v[i].sent, v[i].received,
-		       waiting, user_text(v[i].owner_uid, user, sizeof(user)), (int)v[i].owner_pid);
+		/* a direct channel's messages never pass the daemon: it counts only the queue */
+		if (v[i].flags & DLPC_CHANNEL_DIRECT)
+			printf("%-9s %-10s %-10s %-10s %-9s %s/%d\n", depth, "direct", "-", "-",
+			       "-", user_text(v[i].owner_uid, user, sizeof(user)),
+			       (int)v[i].owner_pid);
+		else
+			printf("%-9s %-10s %-10" PRIu64 " %-10" PRIu64 " %-9s %s/%d\n", depth,
+			       size_text(v[i].bytes_queued, size, sizeof(size)), v[i].sent,
+			       v[i].received, waiting,
+			       user_text(v[i].owner_uid, user, sizeof(user)), (int)v[i].owner_pid);
 	}
 	free(v);
 	return 0;

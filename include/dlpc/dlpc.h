@@ -752,6 +752,8 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  *    and received messages or the waiting calls (0): the daemon sees none of it;
  *  - a message is checked by its receiver, with the checks dlpackd makes of a publish; one
  *    that fails them (a hostile sender's) is dropped, and dlpc_recv() says so (-EBADMSG);
+ *    a bundle that dlpc_recv() gets (a single tensor asked for) is dropped too (-EINVAL):
+ *    taken from the socket, it cannot be put back;
  *  - a message describes at most about 1000 bytes of tensors (a few dozen tensors of a
  *    bundle; -EMSGSIZE beyond); no recycled buffers (dlpc_channel_alloc(): -ENOTSUP); no
  *    per-uid byte quota of the daemon's (the queued memory is the senders', in their memory
