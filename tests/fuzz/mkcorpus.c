@@ -2,9 +2,10 @@
 /*
  * Writes the seed corpus of fuzz_daemon (tests/fuzz/corpus/): real sessions made of valid
  * frames (HELLO, PUBLISH with its fd, ATTACH, RELEASE, LIST, STAT, UNPUBLISH, waiters, bundles;
- * channels' SEND, RECV and CHANNEL (1.6); cacheable attaches, release marks and the
- * INVALIDATE a replace causes (1.7)) and the classic bad ones (requests before HELLO, unknown types, wrong fd counts, fds split
- * from their frame, truncated frames, absurd lengths, bad storage fds).
+ * channels' SEND, RECV and CHANNEL (1.6); cacheable attaches, release marks and the INVALIDATE
+ * a replace causes (1.7); direct channels, their JOIN (1.8)) and the classic bad ones (requests
+ * before HELLO, unknown types, wrong fd counts, fds split from their frame, truncated frames,
+ * absurd lengths, bad storage fds).
  *
  *   mkcorpus DIR
  */
@@ -169,8 +170,10 @@ static void release_marks(struct input *in, uint64_t *refs, size_t nref, uint64_
 	frame(in, DLPC_MSG_RELEASE, 0, &r.base, 0, NULL, 0);
 }
 
-/* CHANNEL @p op (1 OPEN, 2 REMOVE, 3 STAT, others bad) of channel @p name. */
-static void channel(struct input *in, uint32_t id, uint32_t op, const char *name, uint32_t capacity)
+/* CHANNEL @p op (1 OPEN, 2 REMOVE, 3 STAT, 4 JOIN, others bad) of channel @p name, with
+ * @p flags (1.8: CHANNEL_DIRECT on OPEN). */
+static void channel_flags(struct input *in, uint32_t id, uint32_t op, const char *name,
+			  uint32_t capacity, uint32_t flags)
 {
 	Dlpackd__V1__Channel c = DLPACKD__V1__CHANNEL__INIT;
 
@@ -178,7 +181,13 @@ static void channel(struct input *in, uint32_t id, uint32_t op, const char *name
 	c.name.data = (uint8_t *)name;
 	c.name.len = strlen(name);
 	c.capacity = capacity;
+	c.flags = flags;
 	frame(in, DLPC_MSG_CHANNEL, id, &c.base, 0, NULL, 0);
+}
+
+static void channel(struct input *in, uint32_t id, uint32_t op, const char *name, uint32_t capacity)
+{
+	channel_flags(in, id, op, name, capacity, 0);
 }
 
 /* What a SEND carries besides its channel: the message, its fd and whatever edit a seed makes. */
@@ -499,6 +508,42 @@ int main(int argc, char **argv)
 			 &(struct send_args){
 				 .ntensors = 2, .timeout_ms = -1, .nfds = 1, .kind = ro});
 		recv_msg(&in, 6, "r", 0, -1);
+		chunk(&in, FUZZ_SHUTDOWN | FUZZ_RUN, NULL, 0, NULL, 0);
+	});
+	SEED("channel-direct", {
+		/* (1.8) a direct channel: opened, joined (its two ends come with the reply),
+		 * described, listed; SEND and RECV on it refused (EPROTOTYPE), a JOIN of a queued
+		 * one too; the other kind refused (EEXIST), unknown flags; removed */
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		channel_flags(&in, 2, 1, "d", 4, DLPC_CHANNEL_DIRECT);
+		channel_flags(&in, 3, 1, "d", 0, DLPC_CHANNEL_DIRECT);
+		channel_flags(&in, 4, 1, "d", 0, 0);
+		channel_flags(&in, 5, 1, "x", 0, 2);
+		channel(&in, 6, 4, "d", 0);
+		channel(&in, 7, 3, "d", 0);
+		list_channels(&in, 8, "");
+		send_msg(&in, 9, "d", SEND_ONE);
+		recv_msg(&in, 10, "d", 0, 0);
+		channel(&in, 11, 1, "q", 0);
+		channel(&in, 12, 4, "q", 0);
+		channel(&in, 13, 4, "none", 0);
+		channel(&in, 14, 2, "d", 0);
+		channel(&in, 15, 2, "q", 0);
+		stat_req(&in, 16);
+	});
+	SEED("channel-direct-old", {
+		/* a 1.7 connection: no flags, no JOIN */
+		hello_minor(&in, 7);
+		channel_flags(&in, 2, 1, "d", 0, DLPC_CHANNEL_DIRECT);
+		channel(&in, 3, 1, "q", 0);
+		channel(&in, 4, 4, "q", 0);
+		channel(&in, 5, 2, "q", 0);
+	});
+	SEED("channel-direct-hangup", {
+		/* the connection ends with a direct channel open and joined */
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		channel_flags(&in, 2, 1, "dh", 1, DLPC_CHANNEL_DIRECT);
+		channel(&in, 3, 4, "dh", 0);
 		chunk(&in, FUZZ_SHUTDOWN | FUZZ_RUN, NULL, 0, NULL, 0);
 	});
 	SEED("channel-pooled", {
