@@ -89,6 +89,9 @@ int dlpd_direct_open(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t ca
 /* direct.c: shut @p ch's sockets (senders get EPIPE, receivers the end once the queue is empty),
  * free what is still queued and let go of the daemon's ends. */
 void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch);
+/* direct.c: shut every direct channel's sockets (an upgrade: the channels do not survive it,
+ * and processes that joined one must not go on using it). */
+void dlpd_direct_shutdown_all(struct dlpd_server *s);
 /* direct.c: the records queued in @p ch's socket. */
 uint32_t dlpd_direct_depth(const struct dlpd_channel *ch);
 /* h_channel.c: end every wait on @p ch with EIDRM ("channel '@p name' was removed") and free

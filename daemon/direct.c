@@ -18,7 +18,9 @@
  * says, from the kernel, which process sent it.
  */
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
@@ -26,6 +28,7 @@
 #include <unistd.h>
 #include <linux/sockios.h>
 
+#include "base.h"
 #include "channel.h"
 #include "direct.h"
 #include "reaper.h"
@@ -168,6 +171,23 @@ void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch)
 	dlpd_close_later(ch->ends[1]);
 	ch->ends[0] = ch->ends[1] = -1;
 	s->channel_fds -= 2;
+}
+
+void dlpd_direct_shutdown_all(struct dlpd_server *s)
+{
+	struct dlpd_channel **v;
+	size_t n;
+
+	if (dlpd_channel_range(&s->reg, (const uint8_t *)"", 0, (const uint8_t *)"", 0, SIZE_MAX,
+			       &v, &n) < 0) {
+		dlpd_log(LOG_WARNING, "cannot list the direct channels to shut: out of memory; "
+				      "processes that joined one keep it until they reconnect");
+		return;
+	}
+	for (size_t i = 0; i < n; i++)
+		if (v[i]->ends[0] >= 0)
+			shutdown(v[i]->ends[0], SHUT_RDWR);
+	free(v);
 }
 
 uint32_t dlpd_direct_depth(const struct dlpd_channel *ch)

@@ -28,6 +28,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "channel.h"
 #include "persist.h"
 #include "reaper.h"
 #include "upgrade.h"
@@ -196,6 +197,8 @@ void dlpd_upgrade(struct dlpd_server *s)
 		return;
 	}
 	dlpd_persist_drop_held(s);
+	/* channels do not survive: direct ones' users hear it now (EPIPE, end of stream) */
+	dlpd_direct_shutdown_all(s);
 	/* The new image holds these back until it can handle them (main.c); a signal sent
 	 * meanwhile waits instead of killing it by default. The mask survives the exec. */
 	sigemptyset(&hold);
