@@ -192,15 +192,17 @@ def targets(rows, sizes, map_sizes):
         t, o = pick(rows, "handoff", "torch_multiprocessing", s), pick(rows, "handoff", "dlpack_ipc", s)
         add(f"torch.multiprocessing hand-off / ours, {human(s)}",
             ratio(t and t["median_us"], o and o["median_us"]), 20.0, lower_is_better=False)
-    # issue 17: a channel hand-off against torch.multiprocessing's queue and against the floor
-    for s in sizes:
-        t, o = pick(rows, "channel", "torch_multiprocessing", s), pick(rows, "channel", "dlpack_channel", s)
-        add(f"torch.multiprocessing queue hand-off / channel hand-off, {human(s)}",
-            ratio(t and t["median_us"], o and o["median_us"]), 10.0, lower_is_better=False)
-    for s in sizes:
-        o, f = pick(rows, "channel", "dlpack_channel", s), pick(rows, "channel", "fd_pass_mmap", s)
-        add(f"channel hand-off / floor (fd pass + mmap), {human(s)}",
-            ratio(o and o["median_us"], f and f["median_us"]), 2.0)
+    # issue 17: a channel hand-off against torch.multiprocessing's queue and against the floor,
+    # on a channel the daemon queues and on a direct one
+    for impl, kind in (("dlpack_channel", "channel"), ("dlpack_channel_direct", "direct channel")):
+        for s in sizes:
+            t, o = pick(rows, "channel", "torch_multiprocessing", s), pick(rows, "channel", impl, s)
+            add(f"torch.multiprocessing queue hand-off / {kind} hand-off, {human(s)}",
+                ratio(t and t["median_us"], o and o["median_us"]), 10.0, lower_is_better=False)
+        for s in sizes:
+            o, f = pick(rows, "channel", impl, s), pick(rows, "channel", "fd_pass_mmap", s)
+            add(f"{kind} hand-off / floor (fd pass + mmap), {human(s)}",
+                ratio(o and o["median_us"], f and f["median_us"]), 2.0)
     b, one = pick(rows, "bundle_c", "attach_bundle"), pick(rows, "bundle_c", "single_x1")
     add("bundle of 500 / one single attach (C)", ratio(b and b["median_us"], one and one["median_us"]),
         3.0)
@@ -279,6 +281,8 @@ def table(rows, sizes, map_sizes, checks):
                ("handoff", "dlpack_ipc", "hand-off to a process: name + attach (ours)"),
                ("handoff", "torch_multiprocessing", "hand-off: torch.multiprocessing queue"),
                ("channel", "dlpack_channel", "hand-off over a channel, socket ack (ours)"),
+               ("channel", "dlpack_channel_direct",
+                "hand-off over a direct channel, socket ack (ours)"),
                ("channel", "torch_multiprocessing",
                 "hand-off: torch.multiprocessing queue, socket ack"),
                ("channel", "fd_pass_mmap", "hand-off floor: fd pass + mmap, socket ack"),
