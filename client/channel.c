@@ -138,7 +138,12 @@ DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t cap
 
 DLPC_EXPORT int dlpc_channel_remove(dlpc_client *c, const char *name)
 {
-	return channel_call(c, OP_REMOVE, name, 0, 0, NULL, "remove");
+	int r = channel_call(c, OP_REMOVE, name, 0, 0, NULL, "remove");
+
+	/* its ends, if this client joined it, are shut now: let go of them */
+	if (r >= 0)
+		dlpc__direct_forget(c, name);
+	return r;
 }
 
 DLPC_EXPORT int dlpc_channel_stat(dlpc_client *c, const char *name, dlpc_channel_info *info)
@@ -233,8 +238,9 @@ static int send_queued(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V
 	r = dlpc__call_ex(c, DLPC_MSG_SEND, &s.base, &fd, 1, timeout, &info,
 			  &dlpackd__v1__send_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
 			  NULL);
-	if (sink->unanswered)
-		*sink->unanswered = info.sent && !info.answered;
+	/* (a second attempt must not clear what the first found) */
+	if (sink->unanswered && info.sent && !info.answered)
+		*sink->unanswered = true;
 	if (r < 0)
 		return r;
 	dlpackd__v1__send_reply__free_unpacked(rep, NULL);
@@ -267,14 +273,15 @@ static int send_sink(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1_
 		}
 		r = r == 1 ? dlpc__direct_send(c, e, sink->channel, req, fd, timeout)
 			   : send_queued(c, sink, req, fd);
-		/* removed (and maybe made again), or now of the other kind: ask anew, once */
-		if (e && (r == -EPIPE || r == -EPROTOTYPE))
+		/* shut (removed and maybe made again, or shut by a process that joined), or now
+		 * of the other kind: ask anew, once */
+		if (e && (r == -ESHUTDOWN || r == -EPROTOTYPE))
 			dlpc__direct_changed(c, e);
 		if (e)
 			dlpc__direct_put(c, e);
-		if ((r == -EPIPE || r == -EPROTOTYPE) && attempt == 0)
+		if ((r == -ESHUTDOWN || r == -EPROTOTYPE) && attempt == 0)
 			continue;
-		if (r == -EPIPE)
+		if (r == -ESHUTDOWN)
 			return dlpc__fail(-EIDRM, "channel '%s' was removed", sink->channel);
 		return r;
 	}
@@ -412,17 +419,18 @@ static int recv_ref(dlpc_client *c, const char *channel, const dlpc_recv_opts *o
 			return reword(r, "cannot join", "cannot receive from", channel);
 		if (r == 1) {
 			r = dlpc__direct_recv(c, e, channel, flags, timeout, single, ret);
-			if (r < 0 && r != -EPIPE)
+			if (r < 0 && r != -ESHUTDOWN)
 				r = reword(r, "cannot attach", "cannot receive from", channel);
-		} else
+		} else {
 			r = recv_queued(c, channel, flags, timeout, single, ret);
-		if (e && (r == -EPIPE || r == -EPROTOTYPE))
+		}
+		if (e && (r == -ESHUTDOWN || r == -EPROTOTYPE))
 			dlpc__direct_changed(c, e);
 		if (e)
 			dlpc__direct_put(c, e);
-		if ((r == -EPIPE || r == -EPROTOTYPE) && attempt == 0)
+		if ((r == -ESHUTDOWN || r == -EPROTOTYPE) && attempt == 0)
 			continue;
-		if (r == -EPIPE)
+		if (r == -ESHUTDOWN)
 			return dlpc__fail(-EIDRM, "channel '%s' was removed", channel);
 		return r;
 	}

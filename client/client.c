@@ -456,6 +456,7 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, i
 	c->pid = getpid();
 	c->wake_fd = -1;
 	c->direct_wake = -1;
+	c->watches = NULL;
 	c->fork_gen = __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
 	c->call_timeout_ms = timeout;
 	atomic_init(&c->refs, 1);

@@ -13,9 +13,12 @@
  * is closed and dropped, and the receive says why and who sent it (the kernel's credentials).
  *
  * Endpoints belong to the connection they were joined on: a new connection (reconnect) joins
- * again, as does a use that finds the channel gone (EPIPE, end of stream) or its kind changed
- * (the daemon answers EPROTOTYPE). The list changes under the lock of the open clients' list,
- * so that a forked child finds it whole and closes the ends it inherited.
+ * again, as does a use that finds the pair shut (the channel removed, or its sockets shut by a
+ * process that joined it: the daemon then makes new ones) or its kind changed (the daemon
+ * answers EPROTOTYPE). A receiver that finds the pair shut drops what is still queued: removal
+ * frees a channel's messages. At most DLPC__ENDPOINTS_MAX channels are remembered per
+ * connection. The list, and the connections' dups that waits watch, change under the lock of
+ * the open clients' list, so that a forked child finds them whole and closes what it inherited.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -46,6 +49,18 @@ struct dlpc__endpoint {
 
 /* fds a datagram may bring (a hostile sender's: the kernel's SCM_MAX_FD) */
 #define RECV_FDS_MAX 253
+#ifndef SCM_PIDFD
+#define SCM_PIDFD 0x04 /* Linux 6.5: a pidfd a joiner may have asked for (SO_PASSPIDFD) */
+#endif
+
+/* What a wait on a direct channel watches besides the end: dlpc_close()/dlpc_cancel(), and the
+ * daemon's going away (the channel may then live on only among processes that joined it).
+ * Listed on the client while it waits, so that a forked child closes the dup. */
+struct dlpc__wait {
+	struct dlpc__wait *next;
+	int wake; /* c->direct_wake */
+	int sock; /* a dup of the connection's socket, for its hang-up */
+};
 
 static void endpoint_free(struct dlpc__endpoint *e)
 {
@@ -120,8 +135,44 @@ void dlpc__direct_forked(dlpc_client *c)
 		c->endpoints = e->next;
 		endpoint_free(e);
 	}
+	for (struct dlpc__wait *w = c->watches; w; w = w->next)
+		dlpc__close(w->sock);
+	c->watches = NULL;
 	dlpc__close(c->direct_wake);
 	c->direct_wake = -1;
+}
+
+void dlpc__direct_forget(dlpc_client *c, const char *name)
+{
+	struct dlpc__endpoint *gone = NULL;
+
+	dlpc__list_lock();
+	for (struct dlpc__endpoint *e = c->endpoints; e; e = e->next)
+		if (strcmp(e->name, name) == 0) {
+			unlink_locked(c, e);
+			if (e->users == 0)
+				gone = e;
+			break;
+		}
+	dlpc__list_unlock();
+	if (gone)
+		endpoint_free(gone);
+}
+
+/* Make room for one more endpoint in @p c's list: the least recently joined unused one goes
+ * once DLPC__ENDPOINTS_MAX are there. Under the list lock; what to free after, or NULL. */
+static struct dlpc__endpoint *evict_locked(dlpc_client *c)
+{
+	struct dlpc__endpoint *last = NULL;
+	size_t n = 0;
+
+	for (struct dlpc__endpoint *e = c->endpoints; e; e = e->next, n++)
+		if (e->users == 0)
+			last = e;
+	if (n < DLPC__ENDPOINTS_MAX || !last)
+		return NULL;
+	unlink_locked(c, last);
+	return last;
 }
 
 /* Ask the daemon what @p name is (CHANNEL JOIN) and remember it. 1 direct, 0 queued, or a
@@ -132,8 +183,9 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	Dlpackd__V1__ChannelReply *rep;
 	int more[1] = {-1}, fd = -1, r;
 	struct dlpc__call_info info = {.more_fds = more, .nmore_fds = 1};
-	struct dlpc__endpoint *e;
+	struct dlpc__endpoint *e, *old = NULL;
 	size_t len = strlen(name);
+	uint64_t epoch;
 
 	req.op = DLPC__CHANNEL_JOIN;
 	req.name.data = (uint8_t *)name;
@@ -167,11 +219,23 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	e->ends[0] = fd;
 	e->ends[1] = more[0];
 	e->users = 1;
+	pthread_mutex_lock(&c->mu);
+	epoch = c->epoch;
+	pthread_mutex_unlock(&c->mu);
 	dlpc__list_lock();
-	/* two threads may have joined at once: both work, the first listed is found next time */
-	e->next = c->endpoints;
-	c->endpoints = e;
+	/* Joined on a connection replaced since: used once, not listed (the reset that came with
+	 * the new connection has run, or runs after this, as the epoch moves first). Two threads
+	 * may join at once: both work, the first listed is found next time. */
+	if (e->epoch == epoch) {
+		old = evict_locked(c);
+		e->next = c->endpoints;
+		c->endpoints = e;
+	} else {
+		e->dropped = true;
+	}
 	dlpc__list_unlock();
+	if (old)
+		endpoint_free(old);
 	*ret = e;
 	return e->direct;
 }
@@ -205,14 +269,7 @@ void dlpc__direct_changed(dlpc_client *c, struct dlpc__endpoint *e)
 
 /* ---- waiting on an end ---- */
 
-/* What a wait on a direct channel watches besides the end: dlpc_close()/dlpc_cancel(), and the
- * daemon's going away (the channel may then live on only among processes that joined it). */
-struct watch {
-	int wake; /* c->direct_wake */
-	int sock; /* a dup of the connection's socket, for its hang-up */
-};
-
-static int watch_start(dlpc_client *c, struct watch *w)
+static int watch_start(dlpc_client *c, struct dlpc__wait *w)
 {
 	int r = 0;
 
@@ -220,6 +277,8 @@ static int watch_start(dlpc_client *c, struct watch *w)
 	if (c->direct_wake < 0)
 		c->direct_wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	w->wake = c->direct_wake;
+	/* listed before the dup is made, under the lock fork() takes: a child finds it */
+	dlpc__list_lock();
 	w->sock = c->broken ? -1 : fcntl(c->sock, F_DUPFD_CLOEXEC, 0);
 	if (c->closed)
 		r = -ECANCELED;
@@ -227,31 +286,64 @@ static int watch_start(dlpc_client *c, struct watch *w)
 		r = -ECONNRESET;
 	else if (w->wake < 0 || w->sock < 0)
 		r = -errno;
+	if (r == 0) {
+		w->next = c->watches;
+		c->watches = w;
+	} else {
+		dlpc__close(w->sock);
+		w->sock = -1;
+	}
+	dlpc__list_unlock();
 	pthread_mutex_unlock(&c->mu);
-	if (r < 0 && w->sock >= 0)
-		close(w->sock);
 	return r;
+}
+
+static void watch_end(dlpc_client *c, struct dlpc__wait *w)
+{
+	if (w->sock < 0)
+		return;
+	dlpc__list_lock();
+	for (struct dlpc__wait **pp = &c->watches; *pp; pp = &(*pp)->next)
+		if (*pp == w) {
+			*pp = w->next;
+			break;
+		}
+	dlpc__close(w->sock);
+	w->sock = -1;
+	dlpc__list_unlock();
 }
 
 /*
  * Wait until @p fd is ready for @p events, until @p end (monotonic ms; 0: forever), or until the
- * client is closed, the daemon goes away or the thread's interrupt check says to stop. 0 when
- * ready; -ETIMEDOUT, -ECANCELED, -ECONNRESET, -EINTR.
+ * client is closed, the daemon goes away or the thread's interrupt check says to stop (checked
+ * when due at *@p check_at). 0 when ready, or for POLLOUT when it is time to try again;
+ * -ETIMEDOUT, -ECANCELED, -ECONNRESET, -EINTR.
  */
-static int wait_end(dlpc_client *c, const struct watch *w, int fd, short events, int64_t end)
+static int wait_end(dlpc_client *c, const struct dlpc__wait *w, int fd, short events, int64_t end,
+		    int64_t *check_at)
 {
 	for (;;) {
 		struct pollfd p[3] = {{.fd = fd, .events = events},
 				      {.fd = w->wake, .events = POLLIN},
 				      {.fd = w->sock, .events = POLLRDHUP}};
 		int64_t left = end ? end - dlpc__mono_ms() : -1;
-		int ms = DLPC_INTERRUPT_CHECK_MS, r;
+		/* The kernel tells a writer of a Unix datagram socket only once its buffer is three
+		 * quarters free: a sender looks again every DLPC_DIRECT_RETRY_MS instead */
+		int ms = events == POLLOUT ? DLPC_DIRECT_RETRY_MS : DLPC_INTERRUPT_CHECK_MS, r;
 
 		if (end && left <= 0)
 			return -ETIMEDOUT;
 		if (left >= 0 && left < ms)
 			ms = (int)left;
 		r = poll(p, 3, ms);
+		if (r == 0 && events == POLLOUT) {
+			int64_t now = dlpc__mono_ms();
+
+			if (now < *check_at)
+				return 0;
+			*check_at = now + DLPC_INTERRUPT_CHECK_MS;
+			return dlpc__interrupted() ? -EINTR : 0;
+		}
 		if (r < 0 && errno != EINTR)
 			return -errno;
 		if (r > 0 && p[1].revents) {
@@ -270,11 +362,6 @@ static int wait_end(dlpc_client *c, const struct watch *w, int fd, short events,
 		if (dlpc__interrupted())
 			return -EINTR;
 	}
-}
-
-static void watch_end(struct watch *w)
-{
-	dlpc__close(w->sock);
 }
 
 /* The error of a wait that did not end ready, in words naming @p verb and @p channel. */
@@ -313,8 +400,9 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		struct cmsghdr h;
 		char buf[CMSG_SPACE(sizeof(int))];
 	} ctl;
-	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0;
-	struct watch w = {.wake = -1, .sock = -1};
+	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, check_at = 0;
+	struct dlpc__wait w = {.wake = -1, .sock = -1};
+	bool waited = false;
 	int r = 0;
 
 	if (tl > DLPC_DIRECT_TABLE_MAX)
@@ -345,8 +433,9 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		if (errno == EINTR)
 			continue;
 		if (errno == EPIPE) {
-			/* removed: the caller joins anew, and finds it gone or made again */
-			r = w.wake >= 0 ? -EIDRM : -EPIPE;
+			/* shut: removed, or shut by a process that joined; the caller joins anew */
+			r = waited ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
+				   : -ESHUTDOWN;
 			break;
 		}
 		if (errno == ETOOMANYREFS) {
@@ -366,11 +455,12 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 			r = dlpc__fail(-EAGAIN, "channel '%s' is full", channel);
 			break;
 		}
-		if (w.wake < 0 && (r = watch_start(c, &w)) < 0) {
+		if (!waited && (r = watch_start(c, &w)) < 0) {
 			r = wait_failed(r, "send to", channel, timeout);
 			break;
 		}
-		r = wait_end(c, &w, e->ends[0], POLLOUT, end);
+		waited = true;
+		r = wait_end(c, &w, e->ends[0], POLLOUT, end, &check_at);
 		if (r < 0) {
 			if (r == -ETIMEDOUT)
 				r = dlpc__fail(r,
@@ -382,33 +472,64 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 			break;
 		}
 	}
-	watch_end(&w);
-	if (r == -EIDRM)
-		r = dlpc__fail(r, "channel '%s' was removed", channel);
+	watch_end(c, &w);
 	return r;
 }
 
 /* ---- receiving ---- */
 
-/* Is the table @p t of @p len bytes whole, with keys of names' rules? A count, or -1. */
-static int64_t keys_sane(const uint8_t *t, size_t len, char *why, size_t whylen)
+/*
+ * Is the table @p t of @p len bytes whole, every tensor inside a storage of @p size bytes at an
+ * aligned offset, its keys of names' rules and, in a bundle, each once? As the daemon checks a
+ * publish's tensors (daemon/entry.c). The count, or -1 with the reason in @p why.
+ */
+static int64_t table_sane(const uint8_t *t, size_t len, uint64_t size, char *why, size_t whylen)
 {
 	int64_t n = dlpc__table_count(t, len);
-	struct dlpc__table_rec d;
-	size_t pos = 4;
+	size_t pos = 4, starts[DLPC_DIRECT_TABLE_MAX / DLPC_TABLE_REC_FIXED + 1];
+	struct dlpc__table_rec r, o;
 
-	if (n <= 0) {
+	if (size == 0) {
+		snprintf(why, whylen, "its storage_size is 0");
+		return -1;
+	}
+	if (n <= 0 || (size_t)n > sizeof(starts) / sizeof(starts[0])) {
 		snprintf(why, whylen, "its tensor table counts no tensor, or too many");
 		return -1;
 	}
 	for (int64_t i = 0; i < n; i++) {
-		if (dlpc__table_next(t, len, &pos, &d) < 0) {
+		uint64_t nbytes;
+
+		starts[i] = pos;
+		if (dlpc__table_next(t, len, &pos, &r) < 0 ||
+		    dlpc__tensor_nbytes(r.dtype.bits, r.dtype.lanes, r.shape, (size_t)r.ndim,
+					&nbytes) < 0) {
 			snprintf(why, whylen, "tensor %lld of its table is malformed",
 				 (long long)i);
 			return -1;
 		}
-		if ((n > 1 || d.key_len) && dlpc__key_check(d.key, d.key_len, why, whylen) < 0)
+		if (r.offset % DLPC_ALIGN != 0 || r.offset > size || nbytes > size - r.offset) {
+			snprintf(why, whylen,
+				 "tensor %lld: %llu bytes at offset %llu do not fit an aligned "
+				 "place "
+				 "in a storage of %llu bytes",
+				 (long long)i, (unsigned long long)nbytes,
+				 (unsigned long long)r.offset, (unsigned long long)size);
 			return -1;
+		}
+		if ((n > 1 || r.key_len) && dlpc__key_check(r.key, r.key_len, why, whylen) < 0)
+			return -1;
+		/* each key once: a record holds few enough tensors to compare every pair */
+		for (int64_t k = 0; k < i; k++) {
+			size_t at = starts[k];
+
+			dlpc__table_next(t, len, &at, &o);
+			if (o.key_len == r.key_len && memcmp(o.key, r.key, r.key_len) == 0) {
+				snprintf(why, whylen, "tensors %lld and %lld have the same key",
+					 (long long)k, (long long)i);
+				return -1;
+			}
+		}
 	}
 	if (pos != len) {
 		snprintf(why, whylen, "its tensor table has %zu bytes past its last tensor",
@@ -418,35 +539,109 @@ static int64_t keys_sane(const uint8_t *t, size_t len, char *why, size_t whylen)
 	return n;
 }
 
-/* Take the fds and the sender's credentials of a received datagram: *@p fd the first (or -1),
- * the others closed; how many there were. */
-static unsigned take_fds(struct msghdr *mh, int *fd, struct ucred *cred)
+/* Take the fds and the sender's credentials of a received datagram: *@p fd the first storage
+ * fd (or -1); every other fd (SCM_RIGHTS beyond the first, a pidfd a joiner asked for) goes to
+ * be closed. The number of SCM_RIGHTS fds; *@p odd set if any other control message came. */
+static unsigned take_fds(struct msghdr *mh, int *fd, struct ucred *cred, bool *odd)
 {
 	unsigned count = 0;
 
 	*fd = -1;
+	*odd = false;
 	for (struct cmsghdr *h = CMSG_FIRSTHDR(mh); h; h = CMSG_NXTHDR(mh, h)) {
-		if (h->cmsg_level != SOL_SOCKET)
-			continue;
-		if (h->cmsg_type == SCM_CREDENTIALS &&
+		size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+
+		if (h->cmsg_level == SOL_SOCKET && h->cmsg_type == SCM_CREDENTIALS &&
 		    h->cmsg_len >= CMSG_LEN(sizeof(struct ucred))) {
 			memcpy(cred, CMSG_DATA(h), sizeof(*cred));
-		} else if (h->cmsg_type == SCM_RIGHTS) {
-			size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-
-			for (size_t i = 0; i < k; i++) {
-				int x;
-
-				memcpy(&x, CMSG_DATA(h) + i * sizeof(int), sizeof(int));
-				if (*fd < 0)
-					*fd = x;
-				else
-					dlpc__close(x);
-				count++;
-			}
+			continue;
 		}
+		if (h->cmsg_level != SOL_SOCKET ||
+		    (h->cmsg_type != SCM_RIGHTS && h->cmsg_type != SCM_PIDFD)) {
+			*odd = true;
+			continue;
+		}
+		for (size_t i = 0; i < k; i++) {
+			int x;
+
+			memcpy(&x, CMSG_DATA(h) + i * sizeof(int), sizeof(int));
+			if (h->cmsg_type == SCM_RIGHTS && *fd < 0)
+				*fd = x;
+			else
+				dlpc__close_later(x);
+		}
+		if (h->cmsg_type == SCM_RIGHTS)
+			count += (unsigned)k;
+		else
+			*odd = true;
 	}
 	return count;
+}
+
+/* Is the pair of @p e shut (removed, or shut by a process that joined)? */
+static bool shut(const struct dlpc__endpoint *e)
+{
+	struct pollfd p = {.fd = e->ends[1], .events = POLLRDHUP};
+
+	return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP));
+}
+
+/* Drop what is still queued in the shut pair of @p e: removal frees a channel's messages. */
+static void drop_queued(struct dlpc__endpoint *e)
+{
+	uint8_t rec[DLPC_DIRECT_RECORD];
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int) * RECV_FDS_MAX) + CMSG_SPACE(sizeof(struct ucred)) +
+			 CMSG_SPACE(sizeof(int))];
+	} ctl;
+
+	for (;;) {
+		struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
+		struct msghdr mh = {.msg_iov = &iov,
+				    .msg_iovlen = 1,
+				    .msg_control = ctl.buf,
+				    .msg_controllen = sizeof(ctl.buf)};
+		struct ucred cred;
+		bool odd;
+		int fd;
+
+		/* shut, the end reads as 0 bytes with no control message, and never blocks */
+		if (recvmsg(e->ends[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) < 0 ||
+		    mh.msg_controllen == 0)
+			break;
+		take_fds(&mh, &fd, &cred, &odd);
+		dlpc__close_later(fd);
+	}
+}
+
+/*
+ * A bundle next in the channel of @p e, when a single tensor is asked for, stays queued as on a
+ * queued channel: a look at the record without taking it (no control buffer: no fd comes
+ * with a look) says so. -EINVAL then, else 0. (Another receiver may take that message between
+ * the look and the receive: the one received instead is checked again, and a bundle then is
+ * dropped.)
+ */
+static int single_waits(struct dlpc__endpoint *e, const char *channel)
+{
+	uint8_t rec[DLPC_DIRECT_RECORD];
+	const uint8_t *table;
+	size_t table_len;
+	uint64_t size;
+	char why[160];
+	int64_t n;
+	ssize_t got = recv(e->ends[1], rec, sizeof(rec), MSG_PEEK | MSG_DONTWAIT);
+
+	if (got != (ssize_t)sizeof(rec) ||
+	    dlpc__direct_decode(rec, sizeof(rec), &size, &table, &table_len, why, sizeof(why)) < 0)
+		return 0;
+	n = dlpc__table_count(table, table_len);
+	if (n <= 1)
+		return 0;
+	return dlpc__fail(-EINVAL,
+			  "the next message in channel '%s' is a bundle of %lld tensors; receive "
+			  "it as a bundle",
+			  channel, (long long)n);
 }
 
 int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *channel, uint32_t flags,
@@ -455,12 +650,14 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	uint8_t rec[DLPC_DIRECT_RECORD + 1];
 	union {
 		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int) * RECV_FDS_MAX) + CMSG_SPACE(sizeof(struct ucred))];
+		char buf[CMSG_SPACE(sizeof(int) * RECV_FDS_MAX) + CMSG_SPACE(sizeof(struct ucred)) +
+			 CMSG_SPACE(sizeof(int))];
 	} ctl;
 	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
-	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, n;
-	struct watch w = {.wake = -1, .sock = -1};
+	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, n, check_at = 0;
+	struct dlpc__wait w = {.wake = -1, .sock = -1};
 	struct ucred cred = {.pid = 0, .uid = (uid_t)-1};
+	bool waited = false, odd;
 	const uint8_t *table;
 	size_t table_len;
 	uint64_t size;
@@ -478,33 +675,48 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		mh.msg_iovlen = 1;
 		mh.msg_control = ctl.buf;
 		mh.msg_controllen = sizeof(ctl.buf);
+		if (single && (r = single_waits(e, channel)) < 0) {
+			watch_end(c, &w);
+			return r;
+		}
 		got = recvmsg(e->ends[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+		/* every datagram comes with the sender's credentials (SO_PASSCRED): 0 bytes and no
+		 * control message is the end of the stream, or a datagram of nothing from a
+		 * joiner that turned the credentials off */
 		if (got > 0 || (got == 0 && mh.msg_controllen > 0))
 			break;
+		if (got == 0 && !shut(e)) {
+			watch_end(c, &w);
+			return dlpc__fail(-EBADMSG,
+					  "cannot receive from channel '%s': an empty datagram "
+					  "without its sender's credentials came (a process that "
+					  "joined the channel turned them off); it was dropped",
+					  channel);
+		}
 		if (got == 0) {
-			/* the end of the stream: the channel was removed */
-			watch_end(&w);
-			return w.wake >= 0 ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
-					   : -EPIPE;
+			watch_end(c, &w);
+			return waited ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
+				      : -ESHUTDOWN;
 		}
 		if (errno == EINTR)
 			continue;
 		if (errno != EAGAIN) {
 			r = -errno;
-			watch_end(&w);
+			watch_end(c, &w);
 			return dlpc__fail(r, "cannot receive from channel '%s': %s", channel,
 					  strerror(-r));
 		}
 		if (timeout == 0) {
-			watch_end(&w);
+			watch_end(c, &w);
 			return dlpc__fail(-EAGAIN, "channel '%s' is empty", channel);
 		}
 		/* another receiver may take what made the end readable: then wait again */
-		r = w.wake < 0 ? watch_start(c, &w) : 0;
+		r = waited ? 0 : watch_start(c, &w);
+		waited = true;
 		if (r == 0)
-			r = wait_end(c, &w, e->ends[1], POLLIN, end);
+			r = wait_end(c, &w, e->ends[1], POLLIN, end, &check_at);
 		if (r < 0) {
-			watch_end(&w);
+			watch_end(c, &w);
 			return r == -ETIMEDOUT ? dlpc__fail(r,
 							    "no message came in channel '%s' "
 							    "within %lld ms",
@@ -512,8 +724,15 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 					       : wait_failed(r, "receive from", channel, timeout);
 		}
 	}
-	watch_end(&w);
-	nfds = take_fds(&mh, &fd, &cred);
+	watch_end(c, &w);
+	nfds = take_fds(&mh, &fd, &cred, &odd);
+	/* a message that came after the channel was removed is not delivered */
+	if (shut(e)) {
+		dlpc__close_later(fd);
+		drop_queued(e);
+		return waited ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
+			      : -ESHUTDOWN;
+	}
 	/* the message is this receiver's now: anything wrong with it drops it */
 	r = 0;
 	if (mh.msg_flags & MSG_CTRUNC) {
@@ -525,13 +744,16 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		snprintf(why, sizeof(why), "a datagram of %zd bytes, not a record of %d", got,
 			 DLPC_DIRECT_RECORD);
 		r = -EBADMSG;
+	} else if (odd) {
+		snprintf(why, sizeof(why), "a control message other than its fd came with it");
+		r = -EBADMSG;
 	} else if (dlpc__direct_decode(rec, (size_t)got, &size, &table, &table_len, why,
 				       sizeof(why)) < 0) {
 		r = -EBADMSG;
 	} else if (nfds != 1) {
 		snprintf(why, sizeof(why), "%u fds came with it, not one", nfds);
 		r = -EBADMSG;
-	} else if ((n = keys_sane(table, table_len, why, sizeof(why))) < 0) {
+	} else if ((n = table_sane(table, table_len, size, why, sizeof(why))) < 0) {
 		r = -EBADMSG;
 	} else if (single && n != 1) {
 		snprintf(why, sizeof(why),
@@ -543,8 +765,7 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		r = -EBADMSG;
 	}
 	if (r < 0) {
-		if (fd >= 0)
-			dlpc__close(fd);
+		dlpc__close_later(fd);
 		if (r == -EMFILE)
 			return r;
 		return dlpc__fail(r,

@@ -106,7 +106,9 @@ struct dlpc_client {
 	/* channels used: direct ones' ends, queued ones noted (direct.c); under the open list's
 	 * lock (dlpc__list_lock()) */
 	struct dlpc__endpoint *endpoints;
-	int direct_wake; /* eventfd that ends waits on direct channels (dlpc_close()), or -1 */
+	struct dlpc__wait
+		*watches; /* waits on direct channels, each with a dup of sock (direct.c) */
+	int direct_wake;  /* eventfd that ends waits on direct channels (dlpc_close()), or -1 */
 };
 
 /*
@@ -213,8 +215,8 @@ struct dlpc__call_info {
 	uint64_t epoch;
 	/* out: a reply (an ERROR one included) came: the daemon has dealt with the request */
 	bool answered;
-	/* in: room for the reply's fds past the first (which goes to the call's rfd), set to -1
-	 * where none came */
+	/* in: room for the reply's fds past the first (which goes to the call's rfd), kept as the
+	 * caller set them (-1) where none came */
 	int *more_fds;
 	unsigned nmore_fds;
 	/* out: the call failed because the connection was lost, before or while it waited; or,
@@ -321,6 +323,9 @@ int dlpc__publish_to(dlpc_client *c, const char *name, size_t n, const char *con
 int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret);
 /* direct.c: direct channels (1.8). */
 #define DLPC__CHANNEL_JOIN 4
+/* Channels a connection remembers (a direct one holds its two socket ends): the least recently
+ * joined unused one is forgotten beyond this. */
+#define DLPC__ENDPOINTS_MAX 64
 struct dlpc__endpoint;
 /* What @p name is, asked of the daemon the first time (CHANNEL JOIN): 1 direct, with *@p ret
  * its endpoint in use (dlpc__direct_put() it); 0 queued by the daemon (*@p ret too, unless the
@@ -332,17 +337,22 @@ void dlpc__direct_put(dlpc_client *c, struct dlpc__endpoint *e);
 void dlpc__direct_changed(dlpc_client *c, struct dlpc__endpoint *e);
 /* A new connection, or dlpc_close(): forget every channel. */
 void dlpc__direct_reset(dlpc_client *c);
+/* Forget the channel @p name (this client removed it). */
+void dlpc__direct_forget(dlpc_client *c, const char *name);
 /* In a forked child: close the ends inherited. Under the open list's lock. */
 void dlpc__direct_forked(dlpc_client *c);
 /* Send the message @p req with its storage @p fd on the direct channel of @p e, waiting for
- * room up to @p timeout ms (< 0: forever; 0: -EAGAIN at once). 0; -EPIPE if the channel was
- * removed before the call waited (-EIDRM while it waited); a negative errno. */
+ * room up to @p timeout ms (< 0: forever; 0: -EAGAIN at once). 0; -ESHUTDOWN if the channel's
+ * pair was shut before the call waited (-EIDRM while it waited); a negative errno. */
 int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *channel,
 		      const Dlpackd__V1__Publish *req, int fd, int64_t timeout);
 /* Receive a message of the direct channel of @p e into *@p ret, as dlpc_recv_bundle() does;
- * -EPIPE if the channel was removed before the call waited. */
+ * -ESHUTDOWN if the channel's pair was shut before the call waited. */
 int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *channel, uint32_t flags,
 		      int64_t timeout, bool single, dlpc_bundle **ret);
+/* loop.c: close @p fd on the library's thread (one a peer sent and libdlpc refused: its close
+ * may block), or here if that thread cannot run. */
+void dlpc__close_later(int fd);
 /* client.c: the lock of the open clients' list, which fork() takes */
 void dlpc__list_lock(void);
 void dlpc__list_unlock(void);

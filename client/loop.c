@@ -42,6 +42,10 @@ static int loop_fd = -1;
 static bool flush_wanted; /* deferred releases wait, to go at flush_due */
 static int64_t flush_due;
 static int64_t sweep_due; /* when the caches' idle entries are next due (monotonic ms; 0: none) */
+/* fds to close here, not on the thread that let go of them: what a peer sent that libdlpc
+ * refused, whose close may block (a file on a stalling filesystem) */
+static int *closing;
+static size_t nclosing, closing_cap;
 
 /* Wake the loop. Under loop_mu. */
 static void wake_locked(void)
@@ -75,6 +79,10 @@ void dlpc__loop_atfork(int phase)
 		woken = false;
 		flush_wanted = false;
 		sweep_due = 0;
+		/* the parent's to close; in the child, copies nobody else knows of */
+		for (size_t i = 0; i < nclosing; i++)
+			close(closing[i]);
+		nclosing = 0;
 		/* the parent's thread may count as a waiter of the condition variable */
 		pthread_cond_init(&loop_cv, NULL);
 		pthread_mutex_init(&loop_mu, NULL);
@@ -165,6 +173,17 @@ static void turn(void)
 	/* reclaims first: they may have been delivered by any reader since the last turn */
 	for (size_t i = 0; i < n; i++)
 		reclaim(v[i]);
+	for (;;) {
+		int fd = -1;
+
+		pthread_mutex_lock(&loop_mu);
+		if (nclosing)
+			fd = closing[--nclosing];
+		pthread_mutex_unlock(&loop_mu);
+		if (fd < 0)
+			break;
+		close(fd);
+	}
 	timeout = due(&flush, &sweep);
 	/* a sweep may fall due again while one runs (a slow machine): until none is due */
 	while (sweep) {
@@ -290,6 +309,31 @@ static bool start_locked(void)
 	if (!running)
 		running = dlpc__start_thread(loop_main, NULL);
 	return running;
+}
+
+void dlpc__close_later(int fd)
+{
+	if (fd < 0)
+		return;
+	pthread_mutex_lock(&loop_mu);
+	if (nclosing == closing_cap && start_locked()) {
+		size_t cap = closing_cap ? closing_cap * 2 : 16;
+		int *grown = realloc(closing, cap * sizeof(*grown));
+
+		if (grown) {
+			closing = grown;
+			closing_cap = cap;
+		}
+	}
+	if (nclosing < closing_cap && start_locked()) {
+		closing[nclosing++] = fd;
+		wake_locked();
+		fd = -1;
+	}
+	pthread_mutex_unlock(&loop_mu);
+	/* no thread, or no memory: here, then */
+	if (fd >= 0)
+		close(fd);
 }
 
 bool dlpc__loop_flush_soon(void)

@@ -86,9 +86,12 @@ void dlpd_channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *
  * says how many the kernel's buffers allow). 0, or a negative errno and why. */
 int dlpd_direct_open(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t capacity, char *why,
 		     size_t whylen);
-/* direct.c: shut @p ch's sockets (senders get EPIPE, receivers the end once the queue is empty),
- * free what is still queued and let go of the daemon's ends. */
+/* direct.c: shut @p ch's sockets (senders get EPIPE; receivers drop what is queued and read
+ * the end) and let go of the daemon's ends. */
 void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch);
+/* direct.c: if a process that joined @p ch shut its sockets, make new ones. 0, or a negative
+ * errno and why (the channel is then without sockets: the caller removes it). */
+int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why, size_t whylen);
 /* direct.c: shut every direct channel's sockets (an upgrade: the channels do not survive it,
  * and processes that joined one must not go on using it). */
 void dlpd_direct_shutdown_all(struct dlpd_server *s);

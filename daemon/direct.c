@@ -14,7 +14,7 @@
  * messages, and the kernel's size of one record with its fd (measured here, once per channel)
  * turns a capacity in messages into the sending end's buffer size. The receivers check every
  * message themselves, with the checks the daemon makes of a publish (proto/storage.c): the
- * daemon never sees them. The receiving end passes credentials (SO_PASSCRED), so every message
+ * daemon never sees them, and never reads what a channel queues (removal shuts the pair). The receiving end passes credentials (SO_PASSCRED), so every message
  * says, from the kernel, which process sent it.
  */
 #include <errno.h>
@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -32,9 +33,6 @@
 #include "channel.h"
 #include "direct.h"
 #include "reaper.h"
-
-/* fds a hostile sender may put on one datagram (the kernel's SCM_MAX_FD) */
-#define DRAIN_FDS_MAX 253
 
 /* The kernel's size of one record with one fd queued in the pair @p ends: what the sending end's
  * buffer is charged for it. 0 if it cannot be measured. */
@@ -125,52 +123,45 @@ fail:
 	return r;
 }
 
-void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch)
+/* Shut both sockets of @p ends: every copy, in every process that joined, sees it at once. */
+static void shut(const int ends[2])
 {
-	uint8_t rec[DLPC_DIRECT_RECORD];
-	union {
-		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int) * DRAIN_FDS_MAX) +
-			 CMSG_SPACE(sizeof(struct ucred))];
-	} ctl;
+	shutdown(ends[0], SHUT_RDWR);
+	shutdown(ends[1], SHUT_RDWR);
+}
 
-	if (ch->ends[0] < 0)
-		return;
-	/* every dup of the pair, in every process that joined, sees it: sends fail with EPIPE,
-	 * receives get the end of the stream once nothing is queued */
-	shutdown(ch->ends[0], SHUT_RDWR);
-	/* Once shut, an empty queue reads as a datagram of 0 bytes, as does an empty datagram a
-	 * sender put there: the loop is bounded by what the buffer can hold instead (smaller
-	 * datagrams fit more of them; a process that joined may take some meanwhile). */
-	for (uint64_t round = 0; round < 4 * (uint64_t)ch->direct_capacity + 64; round++) {
-		struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
-		struct msghdr mh = {.msg_iov = &iov,
-				    .msg_iovlen = 1,
-				    .msg_control = ctl.buf,
-				    .msg_controllen = sizeof(ctl.buf)};
-		ssize_t n = recvmsg(ch->ends[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-
-		if (n < 0)
-			break;
-		/* fds a sender put there: their files are the sender's to vouch for, not ours */
-		for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-			size_t k;
-
-			if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-				continue;
-			k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-			for (size_t i = 0; i < k; i++) {
-				int fd;
-
-				memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-				dlpd_close_untrusted(fd);
-			}
-		}
-	}
-	dlpd_close_later(ch->ends[0]);
-	dlpd_close_later(ch->ends[1]);
+/* Shut and let go of @p ch's pair. Nothing queued is read here: those are fds and records of
+ * whoever joined, not the daemon's to vouch for. The receivers drop what they find once the
+ * pair is shut (client/direct.c), and the last close of the pair frees the rest: the daemon's
+ * closes go to the thread for fds it cannot vouch for, where freeing them stalls nothing. */
+static void let_go(struct dlpd_server *s, struct dlpd_channel *ch)
+{
+	shut(ch->ends);
+	dlpd_close_untrusted(ch->ends[0]);
+	dlpd_close_untrusted(ch->ends[1]);
 	ch->ends[0] = ch->ends[1] = -1;
 	s->channel_fds -= 2;
+}
+
+void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch)
+{
+	if (ch->ends[0] >= 0)
+		let_go(s, ch);
+}
+
+int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why, size_t whylen)
+{
+	struct pollfd p[2] = {{.fd = ch->ends[0], .events = POLLRDHUP},
+			      {.fd = ch->ends[1], .events = POLLRDHUP}};
+
+	/* A process that joined holds the same sockets as every other: it can shut them for
+	 * all. Such a pair is given up for a new one, which every user joins anew. */
+	if (poll(p, 2, 0) <= 0 || !((p[0].revents | p[1].revents) & (POLLHUP | POLLRDHUP)))
+		return 0;
+	dlpd_log(LOG_NOTICE, "a direct channel's sockets were shut by a process that joined it: "
+			     "making new ones");
+	let_go(s, ch);
+	return dlpd_direct_open(s, ch, ch->capacity, why, whylen);
 }
 
 void dlpd_direct_shutdown_all(struct dlpd_server *s)
@@ -186,7 +177,7 @@ void dlpd_direct_shutdown_all(struct dlpd_server *s)
 	}
 	for (size_t i = 0; i < n; i++)
 		if (v[i]->ends[0] >= 0)
-			shutdown(v[i]->ends[0], SHUT_RDWR);
+			shut(v[i]->ends);
 	free(v);
 }
 

@@ -88,7 +88,9 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 	if (req->flags & ~(uint32_t)DLPC_CHANNEL_DIRECT)
 		return dlpd_reply_error(p, id, EINVAL, "cannot open channel '%s': flags 0x%x", name,
 					req->flags & ~(uint32_t)DLPC_CHANNEL_DIRECT);
-	if (ch && req->capacity && req->capacity != ch->capacity)
+	/* (a direct channel answers to the capacity asked for and to the one it got) */
+	if (ch && req->capacity && req->capacity != ch->capacity &&
+	    !(ch->ends[0] >= 0 && req->capacity == ch->direct_capacity))
 		return dlpd_reply_error(p, id, EEXIST,
 					"channel '%s' is open already with capacity %u, not %u",
 					name, ch->capacity, req->capacity);
@@ -135,12 +137,21 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 	return reply_info(p, id, ch, true);
 }
 
+/* Empty, tell and free @p ch, removed by @p p. */
+static void channel_drop(struct dlpd_peer *p, struct dlpd_channel *ch, const char *name)
+{
+	struct dlpd_server *s = p->srv;
+
+	dlpd_channel_empty(s, ch, name);
+	notify(s, EV_CHANNEL_REMOVED, ch, p);
+	dlpd_channel_free(&s->reg, ch);
+}
+
 static int channel_remove(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch,
 			  const char *name)
 {
 	Dlpackd__V1__ChannelReply rep = DLPACKD__V1__CHANNEL_REPLY__INIT;
 	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
-	struct dlpd_server *s = p->srv;
 	char desc[96];
 	int r;
 
@@ -154,25 +165,32 @@ static int channel_remove(struct dlpd_peer *p, uint32_t id, struct dlpd_channel 
 		 dlpd_peer_desc(p, desc, sizeof(desc)), name, ch->depth);
 	rep.channel = &info;
 	r = dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
-	dlpd_channel_empty(s, ch, name);
-	notify(s, EV_CHANNEL_REMOVED, ch, p);
-	dlpd_channel_free(&s->reg, ch);
+	channel_drop(p, ch, name);
 	return r;
 }
 
 /* Hand @p p the ends of the direct channel @p ch: its messages go between the processes. */
-static int channel_join(struct dlpd_peer *p, uint32_t id, const struct dlpd_channel *ch,
-			const char *name)
+static int channel_join(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, const char *name)
 {
 	Dlpackd__V1__ChannelReply rep = DLPACKD__V1__CHANNEL_REPLY__INIT;
 	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
 	int r;
+
+	char why[160];
 
 	if (ch->ends[0] < 0)
 		return dlpd_reply_error(p, id, EPROTOTYPE,
 					"channel '%s' is queued by dlpackd, not direct: send and "
 					"receive through dlpackd (SEND, RECV)",
 					name);
+	r = dlpd_direct_renew(p->srv, ch, why, sizeof(why));
+	if (r < 0) {
+		channel_drop(p, ch, name);
+		return dlpd_reply_error(p, id, -r,
+					"cannot join channel '%s': its sockets were shut, and new "
+					"ones: %s; it was removed",
+					name, why);
+	}
 	dlpd_channel_info(ch, &info);
 	rep.channel = &info;
 	r = dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, ch->ends, 2);

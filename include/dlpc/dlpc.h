@@ -747,19 +747,25 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * and receives with -EIDRM and frees what is queued). What differs:
  *  - the capacity is what the kernel lets the socket queue: the channel is opened with room
  *    for @p capacity messages if the kernel's buffer limit (net.core.wmem_max) allows, fewer
- *    otherwise; dlpc_channel_info.capacity says how many;
+ *    otherwise, and at least 2; dlpc_channel_info.capacity says how many (a waiting sender
+ *    looks for room every DLPC_DIRECT_RETRY_MS);
  *  - STAT and LIST report the messages queued (depth) but not their bytes, the counts of sent
  *    and received messages or the waiting calls (0): the daemon sees none of it;
  *  - a message is checked by its receiver, with the checks dlpackd makes of a publish; one
  *    that fails them (a hostile sender's) is dropped, and dlpc_recv() says so (-EBADMSG);
- *    a bundle that dlpc_recv() gets (a single tensor asked for) is dropped too (-EINVAL):
- *    taken from the socket, it cannot be put back;
+ *    dlpc_recv() leaves a bundle queued (-EINVAL) as on any channel, unless another receiver
+ *    took it between libdlpc's look and its receive: a bundle that comes then is dropped;
  *  - a message describes at most about 1000 bytes of tensors (a few dozen tensors of a
  *    bundle; -EMSGSIZE beyond); no recycled buffers (dlpc_channel_alloc(): -ENOTSUP); no
  *    per-uid byte quota of the daemon's (the queued memory is the senders', in their memory
  *    cgroups; the kernel bounds the fds in flight by the senders' RLIMIT_NOFILE);
  *  - messages keep flowing between processes that joined if dlpackd dies; a process waiting
- *    on the channel sees the daemon go and fails with -ECONNRESET.
+ *    on the channel sees the daemon go and fails with -ECONNRESET;
+ *  - every process that uses the channel holds the same sockets: any of them can end it for
+ *    all, as any receiver could take every message. They are trusted with its availability,
+ *    never with each other's memory (a receiver checks every message).
+ * Removal ends the sends and receives waiting on the channel with -EIDRM; later calls get
+ * -ENOENT.
  */
 #define DLPC_CHANNEL_DIRECT (1u << 0)
 
