@@ -20,6 +20,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <linux/sockios.h>
 
@@ -117,7 +118,35 @@ static dlpc_channel_info chan_or_die(dlpc_client *c, const char *name)
 		_ok;                                                                               \
 	})
 
-/* fds and mappings, in every process, of memfds libdlpc made for channel @p ch ("dlpc:CH"). */
+/* The parent of @p pid, or 0. */
+static pid_t parent_of(pid_t pid)
+{
+	char path[64], line[256];
+	FILE *f;
+	pid_t pp = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+	f = fopen(path, "re");
+	while (f && fgets(line, sizeof(line), f))
+		if (sscanf(line, "PPid: %d", &pp) == 1)
+			break;
+	if (f)
+		fclose(f);
+	return pp;
+}
+
+/* Is @p pid this process or one of its descendants (the daemon, the children)? Other
+ * suites running meanwhile make memfds of the same names. */
+static bool ours(pid_t pid)
+{
+	for (int depth = 0; pid > 1 && depth < 64; depth++, pid = parent_of(pid))
+		if (pid == getpid())
+			return true;
+	return false;
+}
+
+/* fds and mappings, in this process and its descendants, of memfds libdlpc made for channel
+ * @p ch ("dlpc:CH"). */
 static int memfds_held(const char *ch)
 {
 	char want[128], path[600], target[512], line[1024];
@@ -132,7 +161,7 @@ static int memfds_held(const char *ch)
 		struct dirent *f;
 		FILE *maps;
 
-		if (p->d_name[0] < '1' || p->d_name[0] > '9')
+		if (p->d_name[0] < '1' || p->d_name[0] > '9' || !ours(atoi(p->d_name)))
 			continue;
 		snprintf(path, sizeof(path), "/proc/%s/fd", p->d_name);
 		fds = opendir(path);
@@ -163,6 +192,28 @@ static int memfds_held(const char *ch)
 	}
 	closedir(proc);
 	return n;
+}
+
+/* Wait until the main thread of @p pid sits in poll(): a libdlpc call waiting on a direct
+ * channel's end (a child's earlier calls are done by then); whether it got there. */
+static bool waits_in_poll(pid_t pid)
+{
+	char path[64];
+	long nr = -1;
+
+	snprintf(path, sizeof(path), "/proc/%d/syscall", (int)pid);
+	for (int i = 0; i < scaled_ms(5000) / 5; i++) {
+		FILE *f = fopen(path, "re");
+
+		if (f && fscanf(f, "%ld", &nr) != 1)
+			nr = -1;
+		if (f)
+			fclose(f);
+		if (nr == SYS_poll || nr == SYS_ppoll)
+			return true;
+		usleep(5000);
+	}
+	return false;
 }
 
 /* Poll until memfds_held(@p ch) is @p want; whether it got there. */
@@ -390,6 +441,8 @@ static int blocked_sender(void *arg)
 	int fd = *(int *)arg;
 	dlpc_client *c = child_connect();
 
+	/* joined (the first use), then waiting */
+	CHILD_CHECK(send_value(c, "d/bp", 1000, 1, DLPC_SEND_NOWAIT, -1) == -EAGAIN);
 	CHILD_CHECK(write(fd, "s", 1) == 1);
 	CHILD_CHECK(send_value(c, "d/bp", 1000, 1, 0, -1) == 0);
 	CHILD_CHECK(write(fd, "d", 1) == 1);
@@ -428,9 +481,10 @@ START_TEST(test_backpressure)
 	s = spawn(blocked_sender, &pfd[1]);
 	ck_assert_int_eq(read(pfd[0], &x, 1), 1);
 	ck_assert_int_eq(x, 's');
-	/* still blocked: its message has no room */
+	/* blocked: its message has no room */
+	ck_assert(waits_in_poll(s));
 	pl = (struct pollfd){.fd = pfd[0], .events = POLLIN};
-	ck_assert_int_eq(poll(&pl, 1, scaled_ms(200)), 0);
+	ck_assert_int_eq(poll(&pl, 1, 0), 0);
 	ck_assert_uint_eq(chan_or_die(c, "d/bp").depth, cap);
 	ck_assert_dlpc(recv_value(c, "d/bp", 0, &v, NULL, NULL), 0);
 	ck_assert_int_eq(v, 0);
@@ -523,8 +577,9 @@ START_TEST(test_remove_frees)
 	w = spawn(removed_waiter, &pfd[1]);
 	ck_assert_int_eq(read(pfd[0], &x, 1), 1);
 	ck_assert_int_eq(read(pfd[0], &x, 1), 1);
-	/* both are past their first use; let them get to their waits */
-	usleep(scaled_ms(100) * 1000);
+	/* both are past their first use; now in their waits */
+	ck_assert(waits_in_poll(s));
+	ck_assert(waits_in_poll(w));
 	ck_assert_dlpc(dlpc_channel_remove(c, "d/rm"), 0);
 	ck_assert_dlpc(dlpc_channel_remove(c, "d/rm2"), 0);
 	ck_assert_int_eq(wait_child(s), 0);
@@ -630,7 +685,7 @@ START_TEST(test_daemon_killed)
 	ck_assert_int_eq(pipe(pfd), 0);
 	w = spawn(daemon_gone_waiter, &pfd[1]);
 	ck_assert_int_eq(read(pfd[0], &x, 1), 1);
-	usleep(scaled_ms(100) * 1000);
+	ck_assert(waits_in_poll(w));
 	dlpc_close(c);
 	ck_assert_int_eq(kill(D.pid, SIGKILL), 0);
 	ck_assert_int_eq(waitpid(D.pid, NULL, 0), D.pid);
