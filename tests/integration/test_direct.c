@@ -453,7 +453,7 @@ static int blocked_sender(void *arg)
 START_TEST(test_backpressure)
 {
 	dlpc_client *c = connect_or_die(&D);
-	dlpc_channel_info info = {.size = sizeof(info)};
+	dlpc_channel_info info = {.size = sizeof(info)}, big = {.size = sizeof(big)};
 	struct pollfd pl;
 	int pfd[2];
 	uint32_t cap;
@@ -476,6 +476,14 @@ START_TEST(test_backpressure)
 	info = chan_or_die(c, "d/bp");
 	ck_assert_uint_eq(info.depth, cap);
 	ck_assert_uint_eq(info.senders_waiting, 0);
+	/* a capacity past net.unix.max_dgram_qlen (10): what big.capacity says fits, exactly */
+	ck_assert_dlpc(open_direct(c, "d/bp64", 64, &big), 1);
+	ck_assert_uint_ge(big.capacity, 11);
+	ck_assert_uint_le(big.capacity, 64);
+	for (uint32_t i = 0; i < big.capacity; i++)
+		ck_assert_dlpc(send_value(c, "d/bp64", i, 1, DLPC_SEND_NOWAIT, -1), 0);
+	ck_assert_dlpc(send_value(c, "d/bp64", 99, 1, DLPC_SEND_NOWAIT, -1), -EAGAIN);
+	ck_assert_uint_eq(chan_or_die(c, "d/bp64").depth, big.capacity);
 	/* a sender in another process waits, and goes on once a message is received */
 	ck_assert_int_eq(pipe(pfd), 0);
 	s = spawn(blocked_sender, &pfd[1]);
@@ -861,6 +869,46 @@ START_TEST(test_bundle_as_single_stays_queued)
 }
 END_TEST
 
+/* A channel removed and made again under the same name, direct or queued: a client that had
+ * joined the old one finds the new one. */
+START_TEST(test_made_again)
+{
+	dlpc_client *c = connect_or_die(&D), *r = connect_or_die(&D);
+	dlpc_attach_info ai = {.size = sizeof(ai)};
+	DLManagedTensorVersioned *t;
+	int64_t v;
+
+	ck_assert_dlpc(open_direct(c, "d/again", 4, NULL), 1);
+	ck_assert_dlpc(send_value(c, "d/again", 1, 2, 0, -1), 0);
+	ck_assert_dlpc(recv_value(r, "d/again", 0, &v, NULL, NULL), 0);
+	ck_assert_int_eq(v, 1);
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/again"), 0);
+	ck_assert_dlpc(open_direct(c, "d/again", 4, NULL), 1);
+	ck_assert_dlpc(send_value(c, "d/again", 2, 2, 0, -1), 0);
+	ck_assert_dlpc(recv_value(r, "d/again", scaled_ms(5000), &v, NULL, NULL), 0);
+	ck_assert_int_eq(v, 2);
+	/* made again queued: through dlpackd now */
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/again"), 0);
+	ck_assert_dlpc(dlpc_channel_open(c, "d/again", 4, NULL), 1);
+	ck_assert_dlpc(send_value(c, "d/again", 3, 2, 0, -1), 0);
+	ck_assert_uint_eq(chan_or_die(c, "d/again").sent, 1);
+	ck_assert_dlpc(dlpc_recv(r, "d/again", NULL, &t), 0);
+	ck_assert_int_eq(*(const int64_t *)t->dl_tensor.data, 3);
+	ck_assert_dlpc(dlpc_tensor_attach_info(t, &ai), 0);
+	ck_assert_int_eq(ai.owner_pid, getpid());
+	t->deleter(t);
+	/* and direct again */
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/again"), 0);
+	ck_assert_dlpc(open_direct(c, "d/again", 4, NULL), 1);
+	ck_assert_dlpc(send_value(c, "d/again", 4, 2, 0, -1), 0);
+	ck_assert_uint_eq(chan_or_die(c, "d/again").depth, 1);
+	ck_assert_dlpc(recv_value(r, "d/again", scaled_ms(5000), &v, NULL, NULL), 0);
+	ck_assert_int_eq(v, 4);
+	dlpc_close(r);
+	dlpc_close(c);
+}
+END_TEST
+
 /* ---- 8: a hostile sender writing into the channel's socket ---- */
 
 /* A record of @p storage_size bytes describing @p n float32 tensors of @p elems elements each,
@@ -931,7 +979,7 @@ START_TEST(test_hostile_sender)
 		int fd;	     /* storage to send (closed here after), -1 none */
 		bool two;    /* send it twice */
 		bool bundle; /* a bundle: receive it with dlpc_recv_bundle() */
-	} cases[12];
+	} cases[16];
 	size_t nc = 0;
 	static uint8_t magic[DLPC_DIRECT_RECORD], past[DLPC_DIRECT_RECORD],
 		keyrec[DLPC_DIRECT_RECORD], zero[DLPC_DIRECT_RECORD];
@@ -958,6 +1006,7 @@ START_TEST(test_hostile_sender)
 #define CASE(w, d, l, f, t, b)                                                                     \
 	cases[nc++] =                                                                              \
 		(typeof(cases[0])){.what = w, .data = d, .len = l, .fd = f, .two = t, .bundle = b}
+	CASE("0 bytes, no fd", good, 0, -1, false, false);
 	CASE("100 bytes", good, 100, memfd_sealed(4096, SEALS_RO), false, false);
 	CASE("2048 bytes", big, sizeof(big), memfd_sealed(4096, SEALS_RO), false, false);
 	CASE("bad magic", magic, sizeof(magic), memfd_sealed(4096, SEALS_RO), false, false);
@@ -1132,6 +1181,7 @@ int main(void)
 	tcase_add_test(tc, test_daemon_killed);
 	tcase_add_test(tc, test_kinds);
 	tcase_add_test(tc, test_bundle_as_single_stays_queued);
+	tcase_add_test(tc, test_made_again);
 	tcase_add_test(tc, test_hostile_sender);
 	tcase_add_test(tc, test_fork);
 	suite_add_tcase(s, tc);
