@@ -294,3 +294,88 @@ def test_send_dict_refuses_the_keys_publish_dict_refuses(ipc, daemon):
     assert info.sent == 1 and info.depth == 0
     assert daemon.stat()["protocol_errors"] == 0
     ch.remove()
+
+
+def _direct_sender(name, n, q):
+    try:
+        ch = dlpack_ipc.channel(name, direct=True)
+        assert ch.direct
+        for i in range(n):
+            ch.send(torch.full((4, 8), float(i)) if i % 2 else np.full((4, 8), i, np.float32))
+        ch.send_dict({"a": np.arange(5, dtype=np.int64), "b": torch.ones(3, dtype=torch.float64)})
+        q.put(("ok", os.getpid()))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+def test_direct_channel_across_processes(ipc, daemon):
+    """A direct channel between two processes: numpy and torch in, torch.from_dlpack out, in
+    order, owned by the sender; a bundle via send_dict/recv_dict; nothing through dlpackd."""
+    ctx = multiprocessing.get_context("fork")
+    ch = dlpack_ipc.channel("py/direct", capacity=4, direct=True)
+    assert ch.direct and "direct=True" in repr(ch)
+    assert 2 <= ch.capacity <= 4
+    q = ctx.Queue()
+    p = ctx.Process(target=_direct_sender, args=("py/direct", 30, q))
+    p.start()
+    try:
+        for i in range(30):
+            t = ch.recv(timeout=30)
+            assert t.shape == (4, 8) and t.dtype == "float32"
+            x = torch.from_dlpack(t)
+            assert torch.equal(x, torch.full((4, 8), float(i)))
+            assert t.owner.pid == p.pid and t.owner.uid == os.getuid()
+            del x, t
+        d = ch.recv_dict(timeout=30)
+        assert list(d) == ["a", "b"]
+        np.testing.assert_array_equal(np.from_dlpack(d["a"]), np.arange(5))
+        assert torch.equal(torch.from_dlpack(d["b"]), torch.ones(3, dtype=torch.float64))
+        del d
+        res = q.get(timeout=60)
+        assert res[0] == "ok", res[1]
+    finally:
+        p.join(timeout=60)
+    info = ch.stat()
+    assert info.direct and info.depth == 0 and info.sent == 0 and info.received == 0
+    assert [c.direct for c in dlpack_ipc.channels("py/direct")] == [True]
+    s = daemon.stat()
+    assert s["storages"] == 0 and s["req_send"] == 0
+    ch.send(np.zeros(3))
+    assert ch.stat().depth == 1
+    assert not dlpack_ipc.channel("py/queued").stat().direct
+    with pytest.raises(FileExistsError):
+        dlpack_ipc.channel("py/queued", direct=True)
+    with pytest.raises(FileExistsError):
+        dlpack_ipc.channel("py/direct")
+    # no recycled buffers: ENOTSUP, which the module raises as BufferError throughout
+    with pytest.raises(BufferError, match="it is direct"):
+        ch.empty((4,), "float32")
+    ch.remove()
+
+
+def _direct_receiver(name, q):
+    try:
+        got = [int(np.from_dlpack(t)[0]) for t in dlpack_ipc.channel(name, direct=True)]
+        q.put(("ok", got))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+def test_direct_iteration_ends_when_removed(ipc, daemon):
+    ctx = multiprocessing.get_context("fork")
+    ch = dlpack_ipc.channel("py/dit", direct=True)
+    q = ctx.Queue()
+    p = ctx.Process(target=_direct_receiver, args=("py/dit", q))
+    p.start()
+    for i in range(10):
+        ch.send(np.array([i]))
+    deadline = time.monotonic() + 10
+    while ch.stat().depth and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the receiver back in its wait (either way iteration must end)
+    ch.remove()
+    res = q.get(timeout=30)
+    p.join(timeout=30)
+    assert res == ("ok", list(range(10)))
+    with pytest.raises(FileNotFoundError):
+        ch.send(np.array([1]))
