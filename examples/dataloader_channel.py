@@ -10,9 +10,11 @@ batches come out in order: each worker has a channel of its own and the main pro
 from them in turn.
 
     python3 examples/dataloader_channel.py [--batches N] [--workers W] [--batch-size B]
-                                           [--shape C,H,W] [--check]
+                                           [--shape C,H,W] [--direct] [--check]
 
---check also runs torch's own DataLoader over the same dataset and compares every batch.
+--direct uses direct channels: each batch goes from worker to main process through a socket
+pair dlpackd hands out, never through the daemon. --check also runs torch's own DataLoader over
+the same dataset and compares every batch.
 Needs a running dlpackd ($DLPACKD_SOCKET, or the default socket).
 """
 import argparse
@@ -40,10 +42,10 @@ class Synthetic(Dataset):
         return torch.rand(self.shape, generator=g), i % 10
 
 
-def _worker(dataset, batches, worker, nworkers, channel, capacity, collate):
+def _worker(dataset, batches, worker, nworkers, channel, capacity, direct, collate):
     """Collate the batches this worker owns (i % nworkers == worker) and send each in order."""
     torch.set_num_threads(1)
-    ch = dlpack_ipc.channel(channel, capacity)
+    ch = dlpack_ipc.channel(channel, capacity, direct=direct)
     for i in range(worker, len(batches), nworkers):
         data, labels = collate([dataset[j] for j in batches[i]])
         ch.send_dict({"data": data, "labels": labels})
@@ -54,9 +56,11 @@ class ChannelLoader:
     dlpackd channels for the worker-to-main transfer. Each batch is (data, labels); the tensors
     are the workers' memory, received without a copy (read-only: copy before writing)."""
 
-    def __init__(self, dataset, batch_size, num_workers=2, prefetch=2, collate=default_collate):
+    def __init__(self, dataset, batch_size, num_workers=2, prefetch=2, collate=default_collate,
+                 direct=False):
         self.dataset, self.batch_size = dataset, batch_size
         self.num_workers, self.prefetch, self.collate = num_workers, prefetch, collate
+        self.direct = direct
 
     def __len__(self):
         return (len(self.dataset) + self.batch_size - 1) // self.batch_size
@@ -66,11 +70,12 @@ class ChannelLoader:
         batches = [list(range(s, min(s + self.batch_size, n))) for s in range(0, n, self.batch_size)]
         tag = f"examples/loader/{os.getpid()}/{id(self)}"
         names = [f"{tag}/w{k}" for k in range(self.num_workers)]
-        channels = [dlpack_ipc.channel(name, self.prefetch) for name in names]
+        channels = [dlpack_ipc.channel(name, self.prefetch, direct=self.direct)
+                    for name in names]
         ctx = mp.get_context("fork")
         procs = [ctx.Process(target=_worker,
                              args=(self.dataset, batches, k, self.num_workers, names[k],
-                                   self.prefetch, self.collate), daemon=True)
+                                   self.prefetch, self.direct, self.collate), daemon=True)
                  for k in range(self.num_workers)]
         for p in procs:
             p.start()
@@ -97,13 +102,14 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--shape", default="3,32,32")
+    ap.add_argument("--direct", action="store_true")
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
     shape = tuple(int(s) for s in a.shape.split(","))
     ds = Synthetic(a.batches * a.batch_size, shape)
-    got = list(ChannelLoader(ds, a.batch_size, a.workers))
-    print(f"{len(got)} batches of {tuple(got[0][0].shape)} over dlpackd channels from "
-          f"{a.workers} workers")
+    got = list(ChannelLoader(ds, a.batch_size, a.workers, direct=a.direct))
+    print(f"{len(got)} batches of {tuple(got[0][0].shape)} over dlpackd "
+          f"{'direct ' if a.direct else ''}channels from {a.workers} workers")
     if a.check:
         ref = DataLoader(ds, batch_size=a.batch_size, num_workers=a.workers)
         for i, ((x, y), (rx, ry)) in enumerate(zip(got, ref)):

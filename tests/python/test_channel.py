@@ -141,18 +141,21 @@ def test_killed_receiver_frees_its_messages(ipc, daemon):
                      what="the killed receiver's messages freed")
 
 
-def test_dataloader_example(ipc, daemon):
-    """examples/dataloader_channel.py at a small size: every batch equals torch DataLoader's."""
+@pytest.mark.parametrize("direct", [False, True], ids=["queued", "direct"])
+def test_dataloader_example(ipc, daemon, direct):
+    """examples/dataloader_channel.py at a small size, over queued channels and over direct
+    ones: every batch equals torch DataLoader's."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, DLPACKD_SOCKET=daemon.socket)
     r = subprocess.run([sys.executable, os.path.join(root, "examples", "dataloader_channel.py"),
                         "--batches", "6", "--workers", "2", "--batch-size", "4",
-                        "--shape", "3,8,8", "--check"],
+                        "--shape", "3,8,8", "--check"] + (["--direct"] if direct else []),
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every batch equals torch DataLoader's" in r.stdout
+    assert ("direct channels" in r.stdout) == direct
     assert dlpack_ipc.channels() == []
 
 
@@ -182,6 +185,18 @@ def test_dlpackctl_channels(ipc, daemon):
                      what="the removed channel's message freed")
     r = run("rmchan", "ctl/q")
     assert r.returncode == 1 and "ctl/q" in r.stderr
+    # a direct channel: the daemon counts its queue only
+    dch = dlpack_ipc.channel("ctl/d", capacity=4, direct=True)
+    dch.send(np.zeros(100, np.float64))
+    r = run("channels", "--json")
+    assert r.returncode == 0, r.stderr
+    (c,) = json.loads(r.stdout)
+    assert (c["name"], c["direct"], c["depth"], c["bytes_queued"], c["sent"]) == \
+        ("ctl/d", True, 1, 0, 0)
+    assert c["capacity"] == dch.capacity
+    r = run("channels", "ctl/")
+    assert r.returncode == 0 and "direct" in r.stdout and f"1/{dch.capacity}" in r.stdout
+    assert run("rmchan", "ctl/d").returncode == 0
 
 
 def test_pooled_empty_recycles(ipc, daemon):
