@@ -1190,6 +1190,56 @@ START_TEST(test_fork)
 }
 END_TEST
 
+/* review2: a record whose table merely claims two tensors (its table is garbage) is not a
+ * bundle; libdlpc's look before a single-tensor receive trusts the count alone, so the record
+ * is never taken and dropped (-EBADMSG, as section 5.11 says), and every single-tensor receive
+ * fails with -EINVAL ("a bundle") for as long as it is there: one bad record jams the channel
+ * for every dlpc_recv() caller, and good messages behind it are never delivered to them. */
+START_TEST(test_review2_garbage_count_jams_single)
+{
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	uint8_t rec[DLPC_DIRECT_RECORD], table[8] = {2, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef};
+	DLManagedTensorVersioned *t = NULL;
+	int raw, ends[2], fd;
+	int64_t v = 0;
+	char msg[256];
+
+	ck_assert_dlpc(open_direct(c, "d/jam", 8, NULL), 1);
+	raw = raw_connect(&D);
+	raw_hello8(raw);
+	ck_assert_int_eq(raw_join(raw, "d/jam", ends, msg, sizeof(msg)), 0);
+	ck_assert_int_eq(dlpc__direct_encode(rec, 4096, table, sizeof(table)), 0);
+	fd = memfd_sealed(4096, SEALS_RO);
+	ck_assert_int_eq(send_fds_raw(ends[0], rec, sizeof(rec), &fd, 1), (ssize_t)sizeof(rec));
+	close(fd);
+	/* a good message behind it */
+	ck_assert_dlpc(send_value(c, "d/jam", 7, 4, 0, 1000), 0);
+	ck_assert_dlpc(dlpc_recv(c, "d/jam", &now, &t), -EBADMSG);
+	ck_assert_dlpc(recv_value(c, "d/jam", 0, &v, NULL, NULL), 0);
+	close(ends[0]);
+	close(ends[1]);
+	close(raw);
+	dlpc_close(c);
+}
+END_TEST
+
+/* review2: dlpc_cancel() is documented to make "every later call on it" return -ECANCELED;
+ * a direct channel's send and receive, once joined, never look at c->closed unless they wait. */
+START_TEST(test_review2_cancel_direct)
+{
+	dlpc_client *c = connect_or_die(&D);
+	int64_t v;
+
+	ck_assert_dlpc(open_direct(c, "d/cancel", 8, NULL), 1);
+	ck_assert_dlpc(send_value(c, "d/cancel", 1, 4, 0, 1000), 0);
+	dlpc_cancel(c);
+	ck_assert_dlpc(send_value(c, "d/cancel", 2, 4, 0, 1000), -ECANCELED);
+	ck_assert_dlpc(recv_value(c, "d/cancel", 1000, &v, NULL, NULL), -ECANCELED);
+	dlpc_close(c);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("direct");
@@ -1208,6 +1258,8 @@ int main(void)
 	tcase_add_test(tc, test_made_again);
 	tcase_add_test(tc, test_hostile_sender);
 	tcase_add_test(tc, test_fork);
+	tcase_add_test(tc, test_review2_garbage_count_jams_single);
+	tcase_add_test(tc, test_review2_cancel_direct);
 	suite_add_tcase(s, tc);
 	return run_suite(s);
 }
