@@ -1240,6 +1240,33 @@ START_TEST(test_review2_cancel_direct)
 }
 END_TEST
 
+/* review2: with DLPC_CONNECT_RECONNECT, "once a call has found the connection lost ... the
+ * next call connects ... again". A wait on a direct channel that sees the daemon go fails with
+ * -ECONNRESET but does not mark the connection lost, so no later call reconnects: every wait
+ * on the channel fails at once with -ECONNRESET, even after a new daemon listens. */
+START_TEST(test_review2_direct_wait_never_reconnects)
+{
+	dlpc_client *c = NULL, *probe = NULL;
+	int64_t v;
+
+	ck_assert_dlpc(dlpc_connect_flags(D.sock, DLPC_CONNECT_RECONNECT, &c), 0);
+	ck_assert_dlpc(open_direct(c, "d/rc", 0, NULL), 1);
+	ck_assert_dlpc(recv_value(c, "d/rc", 1, &v, NULL, NULL), -ETIMEDOUT);
+	ck_assert_int_eq(kill(D.pid, SIGKILL), 0);
+	ck_assert_int_eq(waitpid(D.pid, NULL, 0), D.pid);
+	ck_assert_dlpc(recv_value(c, "d/rc", 1000, &v, NULL, NULL), -ECONNRESET);
+	D.pid = daemon_spawn(D.sock, D.log);
+	for (int i = 0; i < scaled_ms(5000) && !probe; i++)
+		if (dlpc_connect(D.sock, &probe) < 0)
+			usleep(1000);
+	ck_assert_ptr_nonnull(probe);
+	dlpc_close(probe);
+	/* the channel did not survive: a reconnected client joins anew and finds none */
+	ck_assert_dlpc(recv_value(c, "d/rc", 1000, &v, NULL, NULL), -ENOENT);
+	dlpc_close(c);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("direct");
@@ -1260,6 +1287,7 @@ int main(void)
 	tcase_add_test(tc, test_fork);
 	tcase_add_test(tc, test_review2_garbage_count_jams_single);
 	tcase_add_test(tc, test_review2_cancel_direct);
+	tcase_add_test(tc, test_review2_direct_wait_never_reconnects);
 	suite_add_tcase(s, tc);
 	return run_suite(s);
 }
