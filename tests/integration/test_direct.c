@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -1267,6 +1268,56 @@ START_TEST(test_review2_direct_wait_never_reconnects)
 }
 END_TEST
 
+/* review2: threads of one client that use a channel for the first time at once each JOIN it
+ * and each list what they got: the list then holds the channel several times. Once the channel
+ * is removed and made again elsewhere, a call finds one stale copy (-ESHUTDOWN, joins again
+ * once), then the next stale copy, and fails with -EIDRM "was removed" on a live channel
+ * (dlpc_channel_remove() on this client forgets only the first copy, too). */
+static dlpc_client *dup_c;
+static char dup_name[64];
+static pthread_barrier_t dup_bar;
+
+static void *dup_first_use(void *arg)
+{
+	dlpc_recv_opts o = {.size = sizeof(o), .timeout_ms = 0};
+	DLManagedTensorVersioned *t;
+
+	(void)arg;
+	pthread_barrier_wait(&dup_bar);
+	dlpc_recv(dup_c, dup_name, &o, &t);
+	return NULL;
+}
+
+START_TEST(test_review2_concurrent_joins_list_duplicates)
+{
+	dlpc_client *other = connect_or_die(&D);
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
+	DLManagedTensorVersioned *t;
+	int bad = 0;
+
+	dup_c = connect_or_die(&D);
+	for (int k = 0; k < 20; k++) {
+		pthread_t th[8];
+
+		snprintf(dup_name, sizeof(dup_name), "d/dup%d", k);
+		ck_assert_dlpc(open_direct(other, dup_name, 8, NULL), 1);
+		pthread_barrier_init(&dup_bar, NULL, 8);
+		for (int i = 0; i < 8; i++)
+			ck_assert_int_eq(pthread_create(&th[i], NULL, dup_first_use, NULL), 0);
+		for (int i = 0; i < 8; i++)
+			pthread_join(th[i], NULL);
+		pthread_barrier_destroy(&dup_bar);
+		ck_assert_dlpc(dlpc_channel_remove(other, dup_name), 0);
+		ck_assert_dlpc(open_direct(other, dup_name, 8, NULL), 1);
+		if (dlpc_recv(dup_c, dup_name, &now, &t) != -EAGAIN)
+			bad++;
+	}
+	ck_assert_int_eq(bad, 0);
+	dlpc_close(dup_c);
+	dlpc_close(other);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("direct");
@@ -1288,6 +1339,7 @@ int main(void)
 	tcase_add_test(tc, test_review2_garbage_count_jams_single);
 	tcase_add_test(tc, test_review2_cancel_direct);
 	tcase_add_test(tc, test_review2_direct_wait_never_reconnects);
+	tcase_add_test(tc, test_review2_concurrent_joins_list_duplicates);
 	suite_add_tcase(s, tc);
 	return run_suite(s);
 }
