@@ -39,7 +39,8 @@
 /* A channel this connection used: a direct one's ends, or the note that it is queued. */
 struct dlpc__endpoint {
 	struct dlpc__endpoint *next;
-	uint64_t epoch; /* the connection it was learnt on */
+	struct dlpc__endpoint *all_next; /* in c->all_endpoints until freed: a child closes all */
+	uint64_t epoch;			 /* the connection it was learnt on */
 	bool direct;
 	int ends[2];	/* direct: [0] sends, [1] receives */
 	unsigned users; /* calls using the ends now */
@@ -62,8 +63,17 @@ struct dlpc__wait {
 	int sock; /* a dup of the connection's socket, for its hang-up */
 };
 
-static void endpoint_free(struct dlpc__endpoint *e)
+/* Let go of @p e, no longer listed or used: out of c->all_endpoints under the list lock, then
+ * its ends closed. */
+static void endpoint_free(dlpc_client *c, struct dlpc__endpoint *e)
 {
+	dlpc__list_lock();
+	for (struct dlpc__endpoint **pp = &c->all_endpoints; *pp; pp = &(*pp)->all_next)
+		if (*pp == e) {
+			*pp = e->all_next;
+			break;
+		}
+	dlpc__list_unlock();
 	if (e->direct) {
 		dlpc__close(e->ends[0]);
 		dlpc__close(e->ends[1]);
@@ -88,10 +98,9 @@ void dlpc__direct_put(dlpc_client *c, struct dlpc__endpoint *e)
 
 	dlpc__list_lock();
 	last = --e->users == 0 && e->dropped;
-	(void)c;
 	dlpc__list_unlock();
 	if (last)
-		endpoint_free(e);
+		endpoint_free(c, e);
 }
 
 /* Forget @p e (the channel went, or changed): the next use joins again. Its user keeps it. */
@@ -122,19 +131,25 @@ void dlpc__direct_reset(dlpc_client *c)
 		struct dlpc__endpoint *e = gone;
 
 		gone = e->next;
-		endpoint_free(e);
+		endpoint_free(c, e);
 	}
 }
 
 void dlpc__direct_forked(dlpc_client *c)
 {
-	/* the child: whatever held them is the parent's; no other thread runs here */
-	while (c->endpoints) {
-		struct dlpc__endpoint *e = c->endpoints;
+	/* the child: whatever held them is the parent's (in use by its threads or not); no other
+	 * thread runs here, and the list lock is held */
+	while (c->all_endpoints) {
+		struct dlpc__endpoint *e = c->all_endpoints;
 
-		c->endpoints = e->next;
-		endpoint_free(e);
+		c->all_endpoints = e->all_next;
+		if (e->direct) {
+			dlpc__close(e->ends[0]);
+			dlpc__close(e->ends[1]);
+		}
+		free(e);
 	}
+	c->endpoints = NULL;
 	for (struct dlpc__wait *w = c->watches; w; w = w->next)
 		dlpc__close(w->sock);
 	c->watches = NULL;
@@ -147,16 +162,23 @@ void dlpc__direct_forget(dlpc_client *c, const char *name)
 	struct dlpc__endpoint *gone = NULL;
 
 	dlpc__list_lock();
-	for (struct dlpc__endpoint *e = c->endpoints; e; e = e->next)
+	for (struct dlpc__endpoint *e = c->endpoints, *next; e; e = next) {
+		next = e->next;
 		if (strcmp(e->name, name) == 0) {
 			unlink_locked(c, e);
-			if (e->users == 0)
+			if (e->users == 0) {
+				e->next = gone;
 				gone = e;
-			break;
+			}
 		}
+	}
 	dlpc__list_unlock();
-	if (gone)
-		endpoint_free(gone);
+	while (gone) {
+		struct dlpc__endpoint *e = gone;
+
+		gone = e->next;
+		endpoint_free(c, e);
+	}
 }
 
 /* Make room for one more endpoint in @p c's list: the least recently joined unused one goes
@@ -183,7 +205,7 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	Dlpackd__V1__ChannelReply *rep;
 	int more[1] = {-1}, fd = -1, r;
 	struct dlpc__call_info info = {.more_fds = more, .nmore_fds = 1};
-	struct dlpc__endpoint *e, *old = NULL;
+	struct dlpc__endpoint *e, *old = NULL, *dup = NULL;
 	size_t len = strlen(name);
 	uint64_t epoch;
 
@@ -219,23 +241,41 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	e->ends[0] = fd;
 	e->ends[1] = more[0];
 	e->users = 1;
+	/* c->mu then the list lock (the order every path takes both in): the epoch cannot move
+	 * meanwhile. Joined on a connection replaced since: used once, never listed. Two threads
+	 * may join at once: the one listed first is the one both use. */
 	pthread_mutex_lock(&c->mu);
-	epoch = c->epoch;
-	pthread_mutex_unlock(&c->mu);
 	dlpc__list_lock();
-	/* Joined on a connection replaced since: used once, not listed (the reset that came with
-	 * the new connection has run, or runs after this, as the epoch moves first). Two threads
-	 * may join at once: both work, the first listed is found next time. */
-	if (e->epoch == epoch) {
-		old = evict_locked(c);
-		e->next = c->endpoints;
-		c->endpoints = e;
-	} else {
-		e->dropped = true;
+	epoch = c->epoch;
+	for (struct dlpc__endpoint *x = c->endpoints; x && e->epoch == epoch; x = x->next)
+		if (x->epoch == epoch && strcmp(x->name, name) == 0) {
+			x->users++;
+			dup = e;
+			e = x;
+			break;
+		}
+	if (!dup) {
+		e->all_next = c->all_endpoints;
+		c->all_endpoints = e;
+		if (e->epoch == epoch) {
+			old = evict_locked(c);
+			e->next = c->endpoints;
+			c->endpoints = e;
+		} else {
+			e->dropped = true;
+		}
 	}
 	dlpc__list_unlock();
+	pthread_mutex_unlock(&c->mu);
 	if (old)
-		endpoint_free(old);
+		endpoint_free(c, old);
+	if (dup) {
+		if (dup->direct) {
+			dlpc__close(dup->ends[0]);
+			dlpc__close(dup->ends[1]);
+		}
+		free(dup);
+	}
 	*ret = e;
 	return e->direct;
 }
@@ -244,12 +284,26 @@ int dlpc__direct_get(dlpc_client *c, const char *name, struct dlpc__endpoint **r
 {
 	uint64_t epoch;
 
+	uint32_t minor;
+	bool closed, broken;
+
 	*ret = NULL;
-	if (c->minor < 8)
-		return 0;
 	pthread_mutex_lock(&c->mu);
 	epoch = c->epoch;
+	minor = c->minor;
+	closed = c->closed;
+	broken = c->broken != 0;
 	pthread_mutex_unlock(&c->mu);
+	/* dlpc_cancel() ends every call after it, a direct one that need not wait too */
+	if (closed)
+		return dlpc__fail(-ECANCELED, "this client was closed or canceled (dlpc_close() "
+					      "or dlpc_cancel())");
+	if (minor < 8)
+		return 0;
+	/* the connection is lost: what it joined went with its daemon; asking anew connects again
+	 * (DLPC_CONNECT_RECONNECT) or says why not */
+	if (broken)
+		return join(c, name, ret);
 	dlpc__list_lock();
 	for (struct dlpc__endpoint *e = c->endpoints; e; e = e->next)
 		if (e->epoch == epoch && strcmp(e->name, name) == 0) {
@@ -355,8 +409,18 @@ static int wait_end(dlpc_client *c, const struct dlpc__wait *w, int fd, short ev
 			if (closed)
 				return -ECANCELED;
 		}
-		if (r > 0 && (p[2].revents & (POLLRDHUP | POLLHUP | POLLERR)))
+		if (r > 0 && (p[2].revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+			/* the connection is gone: so the next call knows (and, with
+			 * DLPC_CONNECT_RECONNECT, connects anew) */
+			pthread_mutex_lock(&c->mu);
+			if (!c->broken) {
+				c->broken = -ECONNRESET;
+				pthread_cond_broadcast(&c->cv);
+				dlpc__wake_reader(c);
+			}
+			pthread_mutex_unlock(&c->mu);
 			return -ECONNRESET;
+		}
 		if (r > 0 && p[0].revents)
 			return 0;
 		if (dlpc__interrupted())
@@ -542,18 +606,20 @@ static int64_t table_sane(const uint8_t *t, size_t len, uint64_t size, char *why
 /* Take the fds and the sender's credentials of a received datagram: *@p fd the first storage
  * fd (or -1); every other fd (SCM_RIGHTS beyond the first, a pidfd a joiner asked for) goes to
  * be closed. The number of SCM_RIGHTS fds; *@p odd set if any other control message came. */
-static unsigned take_fds(struct msghdr *mh, int *fd, struct ucred *cred, bool *odd)
+static unsigned take_fds(struct msghdr *mh, int *fd, struct ucred *cred, bool *odd, bool *credited)
 {
 	unsigned count = 0;
 
 	*fd = -1;
 	*odd = false;
+	*credited = false;
 	for (struct cmsghdr *h = CMSG_FIRSTHDR(mh); h; h = CMSG_NXTHDR(mh, h)) {
 		size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
 
 		if (h->cmsg_level == SOL_SOCKET && h->cmsg_type == SCM_CREDENTIALS &&
 		    h->cmsg_len >= CMSG_LEN(sizeof(struct ucred))) {
 			memcpy(cred, CMSG_DATA(h), sizeof(*cred));
+			*credited = true;
 			continue;
 		}
 		if (h->cmsg_level != SOL_SOCKET ||
@@ -603,14 +669,14 @@ static void drop_queued(struct dlpc__endpoint *e)
 				    .msg_control = ctl.buf,
 				    .msg_controllen = sizeof(ctl.buf)};
 		struct ucred cred;
-		bool odd;
+		bool odd, credited;
 		int fd;
 
 		/* shut, the end reads as 0 bytes with no control message, and never blocks */
 		if (recvmsg(e->ends[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) < 0 ||
 		    mh.msg_controllen == 0)
 			break;
-		take_fds(&mh, &fd, &cred, &odd);
+		take_fds(&mh, &fd, &cred, &odd, &credited);
 		dlpc__close_later(fd);
 	}
 }
@@ -625,17 +691,20 @@ static void drop_queued(struct dlpc__endpoint *e)
 static int single_waits(struct dlpc__endpoint *e, const char *channel)
 {
 	uint8_t rec[DLPC_DIRECT_RECORD];
+	struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
+	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
 	const uint8_t *table;
 	size_t table_len;
 	uint64_t size;
-	char why[160];
+	char why[256];
 	int64_t n;
-	ssize_t got = recv(e->ends[1], rec, sizeof(rec), MSG_PEEK | MSG_DONTWAIT);
+	ssize_t got = recvmsg(e->ends[1], &mh, MSG_PEEK | MSG_DONTWAIT);
 
-	if (got != (ssize_t)sizeof(rec) ||
+	/* only a well-formed bundle stays: anything else is taken, and dropped if bad */
+	if (got != (ssize_t)sizeof(rec) || (mh.msg_flags & MSG_TRUNC) ||
 	    dlpc__direct_decode(rec, sizeof(rec), &size, &table, &table_len, why, sizeof(why)) < 0)
 		return 0;
-	n = dlpc__table_count(table, table_len);
+	n = table_sane(table, table_len, size, why, sizeof(why));
 	if (n <= 1)
 		return 0;
 	return dlpc__fail(-EINVAL,
@@ -657,7 +726,7 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, n, check_at = 0;
 	struct dlpc__wait w = {.wake = -1, .sock = -1};
 	struct ucred cred = {.pid = 0, .uid = (uid_t)-1};
-	bool waited = false, odd;
+	bool waited = false, odd, credited;
 	const uint8_t *table;
 	size_t table_len;
 	uint64_t size;
@@ -725,7 +794,7 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		}
 	}
 	watch_end(c, &w);
-	nfds = take_fds(&mh, &fd, &cred, &odd);
+	nfds = take_fds(&mh, &fd, &cred, &odd, &credited);
 	/* a message that came after the channel was removed is not delivered */
 	if (shut(e)) {
 		dlpc__close_later(fd);
@@ -746,6 +815,11 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		r = -EBADMSG;
 	} else if (odd) {
 		snprintf(why, sizeof(why), "a control message other than its fd came with it");
+		r = -EBADMSG;
+	} else if (!credited) {
+		snprintf(why, sizeof(why),
+			 "it came without its sender's credentials (a process that joined the "
+			 "channel turned them off)");
 		r = -EBADMSG;
 	} else if (dlpc__direct_decode(rec, (size_t)got, &size, &table, &table_len, why,
 				       sizeof(why)) < 0) {

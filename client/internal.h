@@ -106,9 +106,10 @@ struct dlpc_client {
 	/* channels used: direct ones' ends, queued ones noted (direct.c); under the open list's
 	 * lock (dlpc__list_lock()) */
 	struct dlpc__endpoint *endpoints;
-	struct dlpc__wait
-		*watches; /* waits on direct channels, each with a dup of sock (direct.c) */
-	int direct_wake;  /* eventfd that ends waits on direct channels (dlpc_close()), or -1 */
+	struct dlpc__endpoint *all_endpoints; /* listed and dropped ones alike, until freed */
+	/* waits on direct channels, each with a dup of sock (direct.c) */
+	struct dlpc__wait *watches;
+	int direct_wake; /* eventfd that ends waits on direct channels (dlpc_close()), or -1 */
 };
 
 /*
@@ -350,8 +351,8 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
  * -ESHUTDOWN if the channel's pair was shut before the call waited. */
 int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *channel, uint32_t flags,
 		      int64_t timeout, bool single, dlpc_bundle **ret);
-/* loop.c: close @p fd on the library's thread (one a peer sent and libdlpc refused: its close
- * may block), or here if that thread cannot run. */
+/* loop.c: close @p fd on a thread of the library's own (one a peer sent and libdlpc refused:
+ * its close may block), or here if that thread cannot run. */
 void dlpc__close_later(int fd);
 /* client.c: the lock of the open clients' list, which fork() takes */
 void dlpc__list_lock(void);

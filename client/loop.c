@@ -16,6 +16,9 @@
  *    so that a replaced entry's storage is let go at once, and idle entries evicted when their
  *    time is up.
  *
+ * (A second thread, started when first needed, closes the fds a peer sent that libdlpc refused,
+ * dlpc__close_later(): such a close may block, and must not stop this loop.)
+ *
  * Reading a socket is taking the reader's turn without waiting (dlpc__drain()): when a call's
  * thread has it, that thread delivers what comes, and the loop looks again a little later
  * (DLPC__LOOP_BUSY_MS) or when woken (a RECLAIM delivered by another reader wakes it).
@@ -42,8 +45,12 @@ static int loop_fd = -1;
 static bool flush_wanted; /* deferred releases wait, to go at flush_due */
 static int64_t flush_due;
 static int64_t sweep_due; /* when the caches' idle entries are next due (monotonic ms; 0: none) */
-/* fds to close here, not on the thread that let go of them: what a peer sent that libdlpc
- * refused, whose close may block (a file on a stalling filesystem) */
+/* fds to close on a thread of their own (dlpc__close_later()): what a peer sent that libdlpc
+ * refused, whose close may block (a file on a stalling filesystem). Not this loop's thread:
+ * a close that never returns would stop the releases and the cache with it. */
+static pthread_mutex_t closer_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t closer_cv = PTHREAD_COND_INITIALIZER;
+static bool closer_running;
 static int *closing;
 static size_t nclosing, closing_cap;
 
@@ -79,10 +86,12 @@ void dlpc__loop_atfork(int phase)
 		woken = false;
 		flush_wanted = false;
 		sweep_due = 0;
-		/* the parent's to close; in the child, copies nobody else knows of */
-		for (size_t i = 0; i < nclosing; i++)
-			close(closing[i]);
+		/* the parent's to close: in the child they are copies, left to its exit or exec
+		 * (close-on-exec), as a close here could block fork() itself */
 		nclosing = 0;
+		closer_running = false;
+		pthread_cond_init(&closer_cv, NULL);
+		pthread_mutex_init(&closer_mu, NULL);
 		/* the parent's thread may count as a waiter of the condition variable */
 		pthread_cond_init(&loop_cv, NULL);
 		pthread_mutex_init(&loop_mu, NULL);
@@ -173,17 +182,7 @@ static void turn(void)
 	/* reclaims first: they may have been delivered by any reader since the last turn */
 	for (size_t i = 0; i < n; i++)
 		reclaim(v[i]);
-	for (;;) {
-		int fd = -1;
 
-		pthread_mutex_lock(&loop_mu);
-		if (nclosing)
-			fd = closing[--nclosing];
-		pthread_mutex_unlock(&loop_mu);
-		if (fd < 0)
-			break;
-		close(fd);
-	}
 	timeout = due(&flush, &sweep);
 	/* a sweep may fall due again while one runs (a slow machine): until none is due */
 	while (sweep) {
@@ -311,12 +310,31 @@ static bool start_locked(void)
 	return running;
 }
 
+static void *closer_main(void *arg)
+{
+	(void)arg;
+	pthread_mutex_lock(&closer_mu);
+	for (;;) {
+		int fd;
+
+		while (nclosing == 0)
+			pthread_cond_wait(&closer_cv, &closer_mu);
+		fd = closing[--nclosing];
+		pthread_mutex_unlock(&closer_mu);
+		close(fd);
+		pthread_mutex_lock(&closer_mu);
+	}
+	return NULL;
+}
+
 void dlpc__close_later(int fd)
 {
 	if (fd < 0)
 		return;
-	pthread_mutex_lock(&loop_mu);
-	if (nclosing == closing_cap && start_locked()) {
+	pthread_mutex_lock(&closer_mu);
+	if (!closer_running)
+		closer_running = dlpc__start_thread(closer_main, NULL);
+	if (closer_running && nclosing == closing_cap) {
 		size_t cap = closing_cap ? closing_cap * 2 : 16;
 		int *grown = realloc(closing, cap * sizeof(*grown));
 
@@ -325,12 +343,12 @@ void dlpc__close_later(int fd)
 			closing_cap = cap;
 		}
 	}
-	if (nclosing < closing_cap && start_locked()) {
+	if (closer_running && nclosing < closing_cap) {
 		closing[nclosing++] = fd;
-		wake_locked();
+		pthread_cond_signal(&closer_cv);
 		fd = -1;
 	}
-	pthread_mutex_unlock(&loop_mu);
+	pthread_mutex_unlock(&closer_mu);
 	/* no thread, or no memory: here, then */
 	if (fd >= 0)
 		close(fd);

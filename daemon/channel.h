@@ -89,8 +89,9 @@ int dlpd_direct_open(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t ca
 /* direct.c: shut @p ch's sockets (senders get EPIPE; receivers drop what is queued and read
  * the end) and let go of the daemon's ends. */
 void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch);
-/* direct.c: if a process that joined @p ch shut its sockets, make new ones. 0, or a negative
- * errno and why (the channel is then without sockets: the caller removes it). */
+/* direct.c: undo what a process that joined @p ch may have done to its sockets: credentials
+ * turned off, or the pair shut (new sockets then). 0, or a negative errno and why (the channel
+ * keeps its shut pair, and the next JOIN tries again). */
 int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why, size_t whylen);
 /* direct.c: shut every direct channel's sockets (an upgrade: the channels do not survive it,
  * and processes that joined one must not go on using it). */

@@ -32,6 +32,7 @@
 #include "base.h"
 #include "channel.h"
 #include "direct.h"
+#include "quota.h"
 #include "reaper.h"
 
 /* The kernel's size of one record with one fd queued in the pair @p ends: what the sending end's
@@ -153,15 +154,35 @@ int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why,
 {
 	struct pollfd p[2] = {{.fd = ch->ends[0], .events = POLLRDHUP},
 			      {.fd = ch->ends[1], .events = POLLRDHUP}};
+	int old[2] = {ch->ends[0], ch->ends[1]}, one = 1, r;
 
-	/* A process that joined holds the same sockets as every other: it can shut them for
-	 * all. Such a pair is given up for a new one, which every user joins anew. */
+	/* A process that joined holds the same sockets as every other: it may have turned the
+	 * credentials off (every joiner's receive then refuses what comes), or shut them for all.
+	 * The first is undone here; a shut pair is given up for a new one, which every user joins
+	 * anew. The old one stays until the new one is made. */
+	setsockopt(ch->ends[1], SOL_SOCKET, SO_PASSCRED, &one, sizeof(one));
 	if (poll(p, 2, 0) <= 0 || !((p[0].revents | p[1].revents) & (POLLHUP | POLLRDHUP)))
 		return 0;
+	if (dlpd_fds_in_use(s) + 2 > s->fd_budget) {
+		snprintf(why, whylen,
+			 "dlpackd holds %llu storage, connection and channel fds; its fd limit "
+			 "leaves room for %llu",
+			 (unsigned long long)dlpd_fds_in_use(s), (unsigned long long)s->fd_budget);
+		return -EDQUOT;
+	}
+	r = dlpd_direct_open(s, ch, ch->capacity, why, whylen);
+	if (r < 0) {
+		ch->ends[0] = old[0];
+		ch->ends[1] = old[1];
+		return r;
+	}
 	dlpd_log(LOG_NOTICE, "a direct channel's sockets were shut by a process that joined it: "
-			     "making new ones");
-	let_go(s, ch);
-	return dlpd_direct_open(s, ch, ch->capacity, why, whylen);
+			     "made new ones");
+	shut(old);
+	dlpd_close_untrusted(old[0]);
+	dlpd_close_untrusted(old[1]);
+	s->channel_fds -= 2;
+	return 0;
 }
 
 void dlpd_direct_shutdown_all(struct dlpd_server *s)

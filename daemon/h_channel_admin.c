@@ -184,13 +184,11 @@ static int channel_join(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *c
 					"receive through dlpackd (SEND, RECV)",
 					name);
 	r = dlpd_direct_renew(p->srv, ch, why, sizeof(why));
-	if (r < 0) {
-		channel_drop(p, ch, name);
+	if (r < 0)
 		return dlpd_reply_error(p, id, -r,
 					"cannot join channel '%s': its sockets were shut, and new "
-					"ones: %s; it was removed",
+					"ones cannot be had: %s",
 					name, why);
-	}
 	dlpd_channel_info(ch, &info);
 	rep.channel = &info;
 	r = dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, ch->ends, 2);

@@ -895,13 +895,15 @@ typedef struct dlpc_recv_opts {
  * Receive the oldest message of the channel @p channel, a single tensor: mapped read-only
  * like an attached entry (see dlpc_attach()), its storage freed once the tensor's deleter ran.
  * @p opts NULL: wait without end, read-only mapping. dlpc_tensor_attach_info() says who sent it
- * (generation: the message's sequence number in the channel).
+ * (generation: the message's sequence number in the channel; 0 on a direct channel).
  * @return 0; -EAGAIN (empty, timeout 0), -ETIMEDOUT, -ENOENT (no such channel), -EIDRM (it was
  *         removed while the call waited), -EINVAL if the next message is a bundle (it stays
  *         queued: receive it with dlpc_recv_bundle()), -EMFILE when this process has no free
  *         fd for the storage's (checked before a message is taken: it stays queued; another
- *         thread taking the last fd meanwhile can still make one lost), or another negative
- *         errno.
+ *         thread taking the last fd meanwhile can still make one lost); on a direct channel
+ *         also -EBADMSG (a message that failed the receiver's checks, dropped), -ECONNRESET
+ *         (the connection to dlpackd ended while the call waited); -ECANCELED after
+ *         dlpc_close() or dlpc_cancel(); or another negative errno.
  */
 DLPC_EXPORT int dlpc_recv(dlpc_client *c, const char *channel, const dlpc_recv_opts *opts,
 			  DLManagedTensorVersioned **ret);

@@ -1191,12 +1191,11 @@ START_TEST(test_fork)
 }
 END_TEST
 
-/* review2: a record whose table merely claims two tensors (its table is garbage) is not a
- * bundle; libdlpc's look before a single-tensor receive trusts the count alone, so the record
- * is never taken and dropped (-EBADMSG, as section 5.11 says), and every single-tensor receive
- * fails with -EINVAL ("a bundle") for as long as it is there: one bad record jams the channel
- * for every dlpc_recv() caller, and good messages behind it are never delivered to them. */
-START_TEST(test_review2_garbage_count_jams_single)
+/* A record whose table merely claims two tensors (its table is garbage) is not a bundle: a
+ * single-tensor receive takes it and drops it (-EBADMSG, as section 5.11 says), and the good
+ * message behind it comes next. (Before, libdlpc's look trusted the count alone: the record
+ * stayed, and every dlpc_recv() failed with -EINVAL "a bundle" for as long as it was there.) */
+START_TEST(test_malformed_bundle_not_kept_for_single)
 {
 	dlpc_client *c = connect_or_die(&D);
 	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
@@ -1225,9 +1224,9 @@ START_TEST(test_review2_garbage_count_jams_single)
 }
 END_TEST
 
-/* review2: dlpc_cancel() is documented to make "every later call on it" return -ECANCELED;
- * a direct channel's send and receive, once joined, never look at c->closed unless they wait. */
-START_TEST(test_review2_cancel_direct)
+/* dlpc_cancel() makes "every later call on it" return -ECANCELED: a direct channel's send and
+ * receive too, also those that need not wait (before, they looked only when they waited). */
+START_TEST(test_cancel_ends_direct_calls)
 {
 	dlpc_client *c = connect_or_die(&D);
 	int64_t v;
@@ -1241,11 +1240,11 @@ START_TEST(test_review2_cancel_direct)
 }
 END_TEST
 
-/* review2: with DLPC_CONNECT_RECONNECT, "once a call has found the connection lost ... the
- * next call connects ... again". A wait on a direct channel that sees the daemon go fails with
- * -ECONNRESET but does not mark the connection lost, so no later call reconnects: every wait
- * on the channel fails at once with -ECONNRESET, even after a new daemon listens. */
-START_TEST(test_review2_direct_wait_never_reconnects)
+/* With DLPC_CONNECT_RECONNECT, "once a call has found the connection lost ... the next call
+ * connects ... again": a wait on a direct channel that sees the daemon go marks the connection
+ * lost, so the next call connects to the new daemon, which has no such channel (before: every
+ * later wait failed at once with -ECONNRESET, even once a new daemon listened). */
+START_TEST(test_daemon_gone_then_reconnect)
 {
 	dlpc_client *c = NULL, *probe = NULL;
 	int64_t v;
@@ -1268,11 +1267,10 @@ START_TEST(test_review2_direct_wait_never_reconnects)
 }
 END_TEST
 
-/* review2: threads of one client that use a channel for the first time at once each JOIN it
- * and each list what they got: the list then holds the channel several times. Once the channel
- * is removed and made again elsewhere, a call finds one stale copy (-ESHUTDOWN, joins again
- * once), then the next stale copy, and fails with -EIDRM "was removed" on a live channel
- * (dlpc_channel_remove() on this client forgets only the first copy, too). */
+/* Threads of one client that use a channel for the first time at once each JOIN it; the
+ * channel is listed once, whatever they got. Once it is removed and made again elsewhere, the
+ * next call finds the pair shut, joins again and works (before: each thread's copy was listed,
+ * and a call went from one stale copy to the next and failed with -EIDRM on a live channel). */
 static dlpc_client *dup_c;
 static char dup_name[64];
 static pthread_barrier_t dup_bar;
@@ -1288,7 +1286,7 @@ static void *dup_first_use(void *arg)
 	return NULL;
 }
 
-START_TEST(test_review2_concurrent_joins_list_duplicates)
+START_TEST(test_concurrent_first_uses)
 {
 	dlpc_client *other = connect_or_die(&D);
 	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
@@ -1336,10 +1334,10 @@ int main(void)
 	tcase_add_test(tc, test_made_again);
 	tcase_add_test(tc, test_hostile_sender);
 	tcase_add_test(tc, test_fork);
-	tcase_add_test(tc, test_review2_garbage_count_jams_single);
-	tcase_add_test(tc, test_review2_cancel_direct);
-	tcase_add_test(tc, test_review2_direct_wait_never_reconnects);
-	tcase_add_test(tc, test_review2_concurrent_joins_list_duplicates);
+	tcase_add_test(tc, test_malformed_bundle_not_kept_for_single);
+	tcase_add_test(tc, test_cancel_ends_direct_calls);
+	tcase_add_test(tc, test_daemon_gone_then_reconnect);
+	tcase_add_test(tc, test_concurrent_first_uses);
 	suite_add_tcase(s, tc);
 	return run_suite(s);
 }
