@@ -322,12 +322,31 @@ int dlpc__publish_to(dlpc_client *c, const char *name, size_t n, const char *con
 /* alloc.c: a new region of @p size bytes (> 0) on @p device holding one reference (the
  * caller's); errors name @p what. */
 int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret);
-/* direct.c: direct channels (1.8). */
+/* direct.c, direct_io.c: direct channels (1.8). */
 #define DLPC__CHANNEL_JOIN 4
 /* Channels a connection remembers (a direct one holds its two socket ends): the least recently
  * joined unused one is forgotten beyond this. */
 #define DLPC__ENDPOINTS_MAX 64
-struct dlpc__endpoint;
+/* A channel this connection used: a direct one's ends, or the note that it is queued. */
+struct dlpc__endpoint {
+	struct dlpc__endpoint *next;
+	struct dlpc__endpoint *all_next; /* in c->all_endpoints until freed: a child closes all */
+	uint64_t epoch;			 /* the connection it was learnt on */
+	bool direct;
+	int ends[2];	/* direct: [0] sends, [1] receives */
+	unsigned users; /* calls using the ends now */
+	bool dropped;	/* out of the list: closed by its last user */
+	char name[];
+};
+
+/* What a wait on a direct channel watches besides the end: dlpc_close()/dlpc_cancel(), and the
+ * daemon's going away (the channel may then live on only among processes that joined it).
+ * Listed on the client while it waits, so that a forked child closes the dup. */
+struct dlpc__wait {
+	struct dlpc__wait *next;
+	int wake; /* c->direct_wake */
+	int sock; /* a dup of the connection's socket, for its hang-up */
+};
 /* What @p name is, asked of the daemon the first time (CHANNEL JOIN): 1 direct, with *@p ret
  * its endpoint in use (dlpc__direct_put() it); 0 queued by the daemon (*@p ret too, unless the
  * daemon is older than 1.8: NULL); or a negative errno (-ENOENT). */
@@ -342,12 +361,27 @@ void dlpc__direct_reset(dlpc_client *c);
 void dlpc__direct_forget(dlpc_client *c, const char *name);
 /* In a forked child: close the ends inherited. Under the open list's lock. */
 void dlpc__direct_forked(dlpc_client *c);
-/* Send the message @p req with its storage @p fd on the direct channel of @p e, waiting for
+/* direct.c: start watching, for a wait on a direct channel's end, what ends it besides the end:
+ * dlpc_close()/dlpc_cancel() and the connection's hang-up (listed on @p c for fork). 0 or a
+ * negative errno (-ECANCELED, -ECONNRESET). */
+int dlpc__direct_watch_start(dlpc_client *c, struct dlpc__wait *w);
+/* Stop watching (nothing if dlpc__direct_watch_start() failed or never ran: w->sock < 0). */
+void dlpc__direct_watch_end(dlpc_client *c, struct dlpc__wait *w);
+/* Wait until @p fd is ready for @p events, until @p end (monotonic ms; 0: forever), or until the
+ * client is closed, the daemon goes away (the connection is then marked lost) or the thread's
+ * interrupt check says to stop (checked when due at *@p check_at). 0 when ready, or for POLLOUT
+ * when it is time to try again; -ETIMEDOUT, -ECANCELED, -ECONNRESET, -EINTR. */
+int dlpc__direct_wait_end(dlpc_client *c, const struct dlpc__wait *w, int fd, short events,
+			  int64_t end, int64_t *check_at);
+/* The error of such a wait that did not end ready, in words naming @p verb and @p channel. */
+int dlpc__direct_wait_failed(int r, const char *verb, const char *channel, int64_t timeout);
+/* direct_io.c: send the message @p req with its storage @p fd on the direct channel of @p e, waiting for
  * room up to @p timeout ms (< 0: forever; 0: -EAGAIN at once). 0; -ESHUTDOWN if the channel's
  * pair was shut before the call waited (-EIDRM while it waited); a negative errno. */
 int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *channel,
 		      const Dlpackd__V1__Publish *req, int fd, int64_t timeout);
-/* Receive a message of the direct channel of @p e into *@p ret, as dlpc_recv_bundle() does;
+/* direct_io.c: receive a message of the direct channel of @p e into *@p ret, as
+ * dlpc_recv_bundle() does;
  * -ESHUTDOWN if the channel's pair was shut before the call waited. */
 int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *channel, uint32_t flags,
 		      int64_t timeout, bool single, dlpc_bundle **ret);
