@@ -9,7 +9,7 @@
  * Endpoints belong to the connection they were joined on: a new connection (reconnect) joins
  * again, as does a use that finds the pair shut (the channel removed, or its sockets shut by a
  * process that joined it: the daemon then makes new ones) or its kind changed (the daemon
- * answers EPROTOTYPE). At most DLPC__ENDPOINTS_MAX channels are remembered per connection.
+ * answers EPROTOTYPE). At most DLPC_DIRECT_ENDPOINTS_MAX channels are remembered per connection.
  * The list, every endpoint until it is freed, and the connections' dups that waits watch change
  * under the lock of the open clients' list, so that a forked child finds them whole and closes
  * what it inherited.
@@ -145,7 +145,7 @@ void dlpc__direct_forget(dlpc_client *c, const char *name)
 }
 
 /* Make room for one more endpoint in @p c's list: the least recently joined unused one goes
- * once DLPC__ENDPOINTS_MAX are there. Under the list lock; what to free after, or NULL. */
+ * once DLPC_DIRECT_ENDPOINTS_MAX are there. Under the list lock; what to free after, or NULL. */
 static struct dlpc__endpoint *evict_locked(dlpc_client *c)
 {
 	struct dlpc__endpoint *last = NULL;
@@ -154,7 +154,7 @@ static struct dlpc__endpoint *evict_locked(dlpc_client *c)
 	for (struct dlpc__endpoint *e = c->endpoints; e; e = e->next, n++)
 		if (e->users == 0)
 			last = e;
-	if (n < DLPC__ENDPOINTS_MAX || !last)
+	if (n < DLPC_DIRECT_ENDPOINTS_MAX || !last)
 		return NULL;
 	unlink_locked(c, last);
 	return last;

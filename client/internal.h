@@ -324,9 +324,6 @@ int dlpc__publish_to(dlpc_client *c, const char *name, size_t n, const char *con
 int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret);
 /* direct.c, direct_io.c: direct channels (1.8). */
 #define DLPC__CHANNEL_JOIN 4
-/* Channels a connection remembers (a direct one holds its two socket ends): the least recently
- * joined unused one is forgotten beyond this. */
-#define DLPC__ENDPOINTS_MAX 64
 /* A channel this connection used: a direct one's ends, or the note that it is queued. */
 struct dlpc__endpoint {
 	struct dlpc__endpoint *next;

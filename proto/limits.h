@@ -16,6 +16,9 @@
 
 /* A direct channel's record (1.8, direct.h): its size, bytes, every message one of these. */
 #define DLPC_DIRECT_RECORD 1024
+/* Channels one libdlpc connection remembers (a direct one holds its two socket ends): the least
+ * recently joined one not in use is forgotten beyond this. */
+#define DLPC_DIRECT_ENDPOINTS_MAX 64
 /* How often a sender waiting for room in a full direct channel tries again, ms: the kernel
  * wakes writers of a Unix datagram socket only once its buffer is three quarters free. */
 #define DLPC_DIRECT_RETRY_MS 1

@@ -27,6 +27,7 @@
 
 #include "direct.h"
 #include "harness.h"
+#include "limits.h"
 #include "raw.h"
 #include "table.h"
 
@@ -1191,6 +1192,45 @@ START_TEST(test_fork)
 }
 END_TEST
 
+/* A client that uses many direct channels remembers at most DLPC_DIRECT_ENDPOINTS_MAX of them:
+ * its fds stay bounded (two per remembered channel), and a channel it removes is forgotten at
+ * once. */
+START_TEST(test_endpoints_bounded)
+{
+	dlpc_client *owner = connect_or_die(&D), *c = connect_or_die(&D);
+	int n = DLPC_DIRECT_ENDPOINTS_MAX + 36, fds0, most = 0;
+	char name[64];
+	int64_t v;
+
+	/* the library's threads and a wait's eventfd come with the first use: count after it */
+	ck_assert_dlpc(open_direct(owner, "d/many/first", 0, NULL), 1);
+	ck_assert_dlpc(send_value(c, "d/many/first", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(recv_value(c, "d/many/first", 1000, &v, NULL, NULL), 0);
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/many/first"), 0);
+	fds0 = fd_count(getpid());
+	for (int i = 0; i < n; i++) {
+		snprintf(name, sizeof(name), "d/many/%d", i);
+		ck_assert_dlpc(open_direct(owner, name, 0, NULL), 1);
+		ck_assert_dlpc(send_value(c, name, i, 1, 0, -1), 0);
+		ck_assert_dlpc(recv_value(c, name, 1000, &v, NULL, NULL), 0);
+		ck_assert_int_eq(v, i);
+		if (fd_count(getpid()) - fds0 > most)
+			most = fd_count(getpid()) - fds0;
+	}
+	/* the owner's client joined none: only c holds ends */
+	ck_assert_int_le(most, 2 * DLPC_DIRECT_ENDPOINTS_MAX);
+	ck_assert_int_ge(most, 2 * DLPC_DIRECT_ENDPOINTS_MAX - 2);
+	/* removed by this client: forgotten at once, its ends closed */
+	for (int i = 0; i < n; i++) {
+		snprintf(name, sizeof(name), "d/many/%d", i);
+		ck_assert_dlpc(dlpc_channel_remove(c, name), 0);
+	}
+	ck_assert_int_eq(fd_count(getpid()), fds0);
+	dlpc_close(c);
+	dlpc_close(owner);
+}
+END_TEST
+
 /* A record whose table merely claims two tensors (its table is garbage) is not a bundle: a
  * single-tensor receive takes it and drops it (-EBADMSG, as section 5.11 says), and the good
  * message behind it comes next. (Before, libdlpc's look trusted the count alone: the record
@@ -1334,6 +1374,7 @@ int main(void)
 	tcase_add_test(tc, test_made_again);
 	tcase_add_test(tc, test_hostile_sender);
 	tcase_add_test(tc, test_fork);
+	tcase_add_test(tc, test_endpoints_bounded);
 	tcase_add_test(tc, test_malformed_bundle_not_kept_for_single);
 	tcase_add_test(tc, test_cancel_ends_direct_calls);
 	tcase_add_test(tc, test_daemon_gone_then_reconnect);
