@@ -8,7 +8,12 @@ export DLPACKD_SOCKET=$dir/dlpackd.sock
 "$1" >"$dir/log" 2>&1 &
 daemon=$!
 trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null; rm -rf "$dir"' EXIT
-for _ in $(seq 200); do [ -S "$DLPACKD_SOCKET" ] && break; sleep 0.05; done
+# the socket file exists a moment before the daemon listens on it: wait until it accepts
+listening() {
+	/usr/bin/python3 -c 'import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])' \
+		"$DLPACKD_SOCKET" 2>/dev/null
+}
+for _ in $(seq 200); do listening && break; sleep 0.05; done
 "$2" demo/weights
 out=$("$3" demo/weights)
 echo "$out"

@@ -65,8 +65,13 @@ done
 export DLPACKD_SOCKET=$tmp/dlpackd.sock
 "$dest$(full "$sbindir")/dlpackd" 2>"$tmp/dlpackd.log" &
 daemon_pid=$!
-for _ in $(seq 400); do [ -S "$DLPACKD_SOCKET" ] && break; sleep 0.05; done
-[ -S "$DLPACKD_SOCKET" ] || { cat "$tmp/dlpackd.log" >&2; exit 1; }
+# (the socket file exists a moment before the daemon listens on it: wait for an answer)
+for _ in $(seq 400); do
+	LD_LIBRARY_PATH=$lib "$dest$(full "$bindir")/dlpackctl" ping >/dev/null 2>&1 && break
+	sleep 0.05
+done
+LD_LIBRARY_PATH=$lib "$dest$(full "$bindir")/dlpackctl" ping >/dev/null ||
+	{ cat "$tmp/dlpackd.log" >&2; exit 1; }
 
 "$tmp/consumer_pc" publish install/pc
 "$tmp/cmake/consumer" publish install/cmake
