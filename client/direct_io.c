@@ -31,6 +31,14 @@
 #define SCM_PIDFD 0x04 /* Linux 6.5: a pidfd a joiner may have asked for (SO_PASSPIDFD) */
 #endif
 
+/* Room for what a datagram may bring: every fd a sender can put on it, its credentials, and a
+ * pidfd a joiner asked for. */
+union recv_ctl {
+	struct cmsghdr h;
+	char buf[CMSG_SPACE(sizeof(int) * RECV_FDS_MAX) + CMSG_SPACE(sizeof(struct ucred)) +
+		 CMSG_SPACE(sizeof(int))];
+};
+
 /* ---- sending ---- */
 
 int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *channel,
@@ -234,11 +242,7 @@ static bool shut(const struct dlpc__endpoint *e)
 static void drop_queued(struct dlpc__endpoint *e)
 {
 	uint8_t rec[DLPC_DIRECT_RECORD];
-	union {
-		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int) * RECV_FDS_MAX) + CMSG_SPACE(sizeof(struct ucred)) +
-			 CMSG_SPACE(sizeof(int))];
-	} ctl;
+	union recv_ctl ctl;
 
 	for (;;) {
 		struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
@@ -295,11 +299,7 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		      int64_t timeout, bool single, dlpc_bundle **ret)
 {
 	uint8_t rec[DLPC_DIRECT_RECORD + 1];
-	union {
-		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int) * RECV_FDS_MAX) + CMSG_SPACE(sizeof(struct ucred)) +
-			 CMSG_SPACE(sizeof(int))];
-	} ctl;
+	union recv_ctl ctl;
 	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
 	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, n, check_at = 0;
 	struct dlpc__wait w = {.wake = -1, .sock = -1};

@@ -131,23 +131,24 @@ static void shut(const int ends[2])
 	shutdown(ends[1], SHUT_RDWR);
 }
 
-/* Shut and let go of @p ch's pair. Nothing queued is read here: those are fds and records of
+/* Shut and let go of the pair @p ends. Nothing queued is read here: those are fds and records of
  * whoever joined, not the daemon's to vouch for. The receivers drop what they find once the
- * pair is shut (client/direct.c), and the last close of the pair frees the rest: the daemon's
+ * pair is shut (client/direct_io.c), and the last close of the pair frees the rest: the daemon's
  * closes go to the thread for fds it cannot vouch for, where freeing them stalls nothing. */
-static void let_go(struct dlpd_server *s, struct dlpd_channel *ch)
+static void let_go(struct dlpd_server *s, const int ends[2])
 {
-	shut(ch->ends);
-	dlpd_close_untrusted(ch->ends[0]);
-	dlpd_close_untrusted(ch->ends[1]);
-	ch->ends[0] = ch->ends[1] = -1;
+	shut(ends);
+	dlpd_close_untrusted(ends[0]);
+	dlpd_close_untrusted(ends[1]);
 	s->channel_fds -= 2;
 }
 
 void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch)
 {
-	if (ch->ends[0] >= 0)
-		let_go(s, ch);
+	if (ch->ends[0] >= 0) {
+		let_go(s, ch->ends);
+		ch->ends[0] = ch->ends[1] = -1;
+	}
 }
 
 int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why, size_t whylen)
@@ -170,18 +171,13 @@ int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why,
 			 (unsigned long long)dlpd_fds_in_use(s), (unsigned long long)s->fd_budget);
 		return -EDQUOT;
 	}
+	/* (dlpd_direct_open() sets the ends only once it made them) */
 	r = dlpd_direct_open(s, ch, ch->capacity, why, whylen);
-	if (r < 0) {
-		ch->ends[0] = old[0];
-		ch->ends[1] = old[1];
+	if (r < 0)
 		return r;
-	}
 	dlpd_log(LOG_NOTICE, "a direct channel's sockets were shut by a process that joined it: "
 			     "made new ones");
-	shut(old);
-	dlpd_close_untrusted(old[0]);
-	dlpd_close_untrusted(old[1]);
-	s->channel_fds -= 2;
+	let_go(s, old);
 	return 0;
 }
 

@@ -242,6 +242,15 @@ dlpc_stats stat_or_die(dlpc_client *c)
 	return s;
 }
 
+dlpc_channel_info chan_or_die(dlpc_client *c, const char *name)
+{
+	dlpc_channel_info i = {.size = sizeof(i)};
+
+	ck_assert_msg(dlpc_channel_stat(c, name, &i) == 0, "dlpc_channel_stat('%s'): %s", name,
+		      dlpc_last_error());
+	return i;
+}
+
 pid_t spawn(int (*fn)(void *), void *arg)
 {
 	pid_t pid = fork();

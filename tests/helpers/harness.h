@@ -55,6 +55,19 @@ int scaled_ms(int ms);
 
 dlpc_client *connect_or_die(const struct daemon *d);
 dlpc_stats stat_or_die(dlpc_client *c);
+/* The channel @p name as STAT describes it, or the test fails. */
+dlpc_channel_info chan_or_die(dlpc_client *c, const char *name);
+/* Poll the channel until @p field reaches @p want; whether it did (within a scaled 5 s). */
+#define WAIT_CHAN(c, name, field, want)                                                            \
+	({                                                                                         \
+		bool _ok = false;                                                                  \
+		for (int _i = 0; _i < scaled_ms(5000) / 5 && !_ok; _i++) {                         \
+			_ok = chan_or_die(c, name).field == (want);                                \
+			if (!_ok)                                                                  \
+				usleep(5000);                                                      \
+		}                                                                                  \
+		_ok;                                                                               \
+	})
 
 /* Run @p s in fork mode and free it; the process's exit status: 0 if every test passed. */
 int run_suite(Suite *s);

@@ -70,26 +70,6 @@ static int recv_value(dlpc_client *c, const char *ch, int64_t timeout_ms, int64_
 	return r;
 }
 
-static dlpc_channel_info chan_or_die(dlpc_client *c, const char *name)
-{
-	dlpc_channel_info i = {.size = sizeof(i)};
-
-	ck_assert_dlpc(dlpc_channel_stat(c, name, &i), 0);
-	return i;
-}
-
-/* Poll the channel until @p field reaches @p want; whether it did. */
-#define WAIT_CHAN(c, name, field, want)                                                            \
-	({                                                                                         \
-		bool _ok = false;                                                                  \
-		for (int _i = 0; _i < scaled_ms(5000) / 5 && !_ok; _i++) {                         \
-			_ok = chan_or_die(c, name).field == (want);                                \
-			if (!_ok)                                                                  \
-				usleep(5000);                                                      \
-		}                                                                                  \
-		_ok;                                                                               \
-	})
-
 static bool storages_are(const dlpc_stats *s, void *arg)
 {
 	return s->storages == *(uint64_t *)arg && s->messages == 0 && s->references == 0;
