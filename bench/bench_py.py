@@ -31,6 +31,10 @@ Groups:
                                     torch.from_dlpack, release
              dlpack_channel_direct  the same over a direct channel (channel(direct=True)): the
                                     message goes between the processes, not through dlpackd
+             dlpack_channel_direct_fresh  the same with the child's caches off: its storage
+                                    mapped anew for each message (the two rows above keep the
+                                    mapping of a storage that comes again, as a receiver does
+                                    by default)
              fd_pass_mmap           the floor: the memfd passed over a Unix socket (SCM_RIGHTS),
                                     mmap, read, munmap, close
   pipeline   torch_queue            a producer process makes 64 MiB float32 batches as a DataLoader
@@ -177,15 +181,20 @@ def attach_dlpack_row(client, timer, prefix, size):
         unpublish_quietly(client, name)
 
 
-def attach_cached_row(socket, timer, prefix, size):
-    name = f"{prefix}/reattach/{size}"
-    # the other rows run without the cache (main() turns it off): this client has it on
+def cached_client(socket):
+    """A client with libdlpc's caches at their defaults (main() turns them off for the rows that
+    measure a round trip or a fresh mapping)."""
     saved = os.environ.pop("DLPC_CACHE_ENTRIES", None)
     try:
-        client = dlpack_ipc.Client(socket)
+        return dlpack_ipc.Client(socket)
     finally:
         if saved is not None:
             os.environ["DLPC_CACHE_ENTRIES"] = saved
+
+
+def attach_cached_row(socket, timer, prefix, size):
+    name = f"{prefix}/reattach/{size}"
+    client = cached_client(socket)
     a = filled(size)
     client.publish(name, a, ephemeral=True)
     del a
@@ -354,8 +363,9 @@ def _channel_child(socket, chname, inq, sock):
     try:
         import torch
         torch.set_num_threads(1)
-        ch = dlpack_ipc.Channel(chname, client=dlpack_ipc.Client(socket))
-        dch = None
+        # as a user's receiver is: the mapping of a storage that comes again is kept (maps.c)
+        ch = dlpack_ipc.Channel(chname, client=cached_client(socket))
+        dch = fch = None
     except BaseException as e:
         inq.put(("error", f"child start: {e!r}"))
         return
@@ -374,10 +384,14 @@ def _channel_child(socket, chname, inq, sock):
                 t[0].item()
                 del t
                 sock.sendall(b"1")
-        elif mode[0] in ("channel", "direct"):
+        elif mode[0] in ("channel", "direct", "fresh"):
             if mode[0] == "direct" and dch is None:
                 dch = dlpack_ipc.Channel(chname + "-direct", direct=True, client=ch._client)
-            rch = dch if mode[0] == "direct" else ch
+            if mode[0] == "fresh" and fch is None:
+                # a client without the caches: every message mapped anew
+                fch = dlpack_ipc.Channel(chname + "-direct", direct=True,
+                                         client=dlpack_ipc.Client(socket))
+            rch = {"channel": ch, "direct": dch, "fresh": fch}[mode[0]]
             while True:
                 st = rch.recv()
                 if isinstance(st, dict):
@@ -458,6 +472,10 @@ def bench_channel(client, timer, socket, prefix, sizes):
                 dch.send(buf)
                 ack()
             emit("channel", "dlpack_channel_direct", size, timer.measure(direct_op))
+            dch.send_dict({"stop": np.zeros(1)})
+            ack(b"d")
+            inq.put(("fresh",))
+            emit("channel", "dlpack_channel_direct_fresh", size, timer.measure(direct_op))
             dch.send_dict({"stop": np.zeros(1)})
             ack(b"d")
             del buf

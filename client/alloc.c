@@ -175,6 +175,9 @@ int dlpc__region_seal(struct dlpc__region *r, const char *name, bool writable)
 {
 	int err;
 
+	/* sent again and again (a buffer a channel's sender reuses): nothing left to do */
+	if (!writable && atomic_load(&r->sealed_ro))
+		return 0;
 	pthread_mutex_lock(&seal_mu);
 	err = sealed_already(r->fd, name, writable);
 	if (err == 0 && writable)
@@ -183,8 +186,10 @@ int dlpc__region_seal(struct dlpc__region *r, const char *name, bool writable)
 		err = region_freeze(r, name);
 	else if (err > 0)
 		err = 0;
-	if (err == 0 && !writable)
+	if (err == 0 && !writable) {
 		atomic_store(&r->frozen, true);
+		atomic_store(&r->sealed_ro, true);
+	}
 	pthread_mutex_unlock(&seal_mu);
 	return err;
 }
@@ -235,6 +240,7 @@ int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct 
 	}
 	atomic_init(&r->refs, 1);
 	atomic_init(&r->frozen, false);
+	atomic_init(&r->sealed_ro, false);
 	r->nparts = 1;
 	*ret = r;
 	return 0;

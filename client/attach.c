@@ -298,7 +298,18 @@ int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq,
 		if (r < 0)
 			goto fail;
 	} else {
-		m->base = map_host(fd, m->len, flags, &m->map_kind);
+		uint8_t kind = (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED))
+				       ? DLPC__MAP_COW
+				       : DLPC__MAP_SHARED_RO;
+
+		/* a channel's message: its storage's mapping may be kept for its next message */
+		if ((flags & DLPC__ATTACH_KEEP_MAP) && !writable && !(flags & DLPC_ATTACH_NO_CACHE))
+			m->base = dlpc__maps_take(c, fd, m->len, kind, flags & DLPC__ATTACH_SEALED,
+						  &m->key, &m->keyed);
+		if (m->base)
+			m->map_kind = kind;
+		else
+			m->base = map_host(fd, m->len, flags, &m->map_kind);
 		if (m->base == MAP_FAILED) {
 			r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes%s: %m",
 				       name, m->len,

@@ -103,6 +103,8 @@ int dlpc__cache_init(dlpc_client *c, bool off)
 		return r;
 	k->idle_ms = idle > INT32_MAX ? INT32_MAX : (int64_t)idle;
 	k->on = !off && c->minor >= 7 && k->max_entries && k->max_bytes && k->idle_ms;
+	/* received storages' mappings need nothing of the daemon */
+	k->maps_on = !off && k->max_entries && k->max_bytes && k->idle_ms;
 	return 0;
 }
 
@@ -297,11 +299,11 @@ void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, int kin
 		return;
 	}
 	/*
-	 * A copy-on-write mapping may hold pages its user wrote: MADV_DONTNEED drops them (for a
-	 * private file mapping the next access reads the file again), so the next attacher sees
-	 * the storage's bytes, as from a fresh mapping, and no fault of a page not touched again.
+	 * A copy-on-write mapping may hold pages its user wrote: dlpc__cow_clean() drops them
+	 * (for a private file mapping the next access reads the file again), so the next
+	 * attacher sees the storage's bytes, as from a fresh mapping.
 	 */
-	if (base && kind == DLPC__MAP_COW && (!e->linked || madvise(base, len, MADV_DONTNEED) < 0))
+	if (base && kind == DLPC__MAP_COW && (!e->linked || dlpc__cow_clean(base, len) < 0))
 		kind = DLPC__MAP_OTHER;
 	now = dlpc__mono_ms();
 	pthread_mutex_lock(&k->mu);
@@ -408,17 +410,18 @@ void dlpc__cache_off(dlpc_client *c)
 	pthread_mutex_unlock(&c->cache.mu);
 	dlpc__cache_drop(c);
 	dlpc__cache_reap(c);
+	dlpc__maps_clear(c, true);
 }
 
 int64_t dlpc__cache_sweep(dlpc_client *c)
 {
 	struct dlpc__cache *k = &c->cache;
-	int64_t now = dlpc__mono_ms(), next = 0;
+	int64_t now = dlpc__mono_ms(), next = dlpc__maps_sweep(c, false);
 
 	pthread_mutex_lock(&k->mu);
 	while (k->idle_tail && now - k->idle_tail->idle_since >= k->idle_ms)
 		forget(k, k->idle_tail);
-	if (k->idle_tail)
+	if (k->idle_tail && (!next || k->idle_tail->idle_since + k->idle_ms < next))
 		next = k->idle_tail->idle_since + k->idle_ms;
 	pthread_mutex_unlock(&k->mu);
 	dlpc__cache_reap(c);
@@ -430,6 +433,7 @@ void dlpc__cache_clear(dlpc_client *c)
 	/* nothing uses an entry any more: every region held a reference on the client */
 	dlpc__cache_drop(c);
 	dlpc__cache_reap(c);
+	dlpc__maps_clear(c, true);
 	pthread_mutex_destroy(&c->cache.mu);
 }
 
@@ -460,4 +464,5 @@ void dlpc__cache_forked(dlpc_client *c)
 		}
 	k->on = false;
 	pthread_mutex_init(&k->mu, NULL);
+	dlpc__maps_forked(c);
 }

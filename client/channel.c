@@ -18,7 +18,8 @@
 #define OP_REMOVE 2
 #define OP_STAT 3
 #define SEND_FLAGS DLPC_SEND_NOWAIT
-#define RECV_LOCAL_FLAGS (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_WRITABLE)
+#define RECV_LOCAL_FLAGS                                                                           \
+	(DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_WRITABLE | DLPC_ATTACH_NO_CACHE)
 
 /* -ENOTSUP, message set, if @p c's daemon does not know channels. */
 static int need_channels(const dlpc_client *c, const char *what, const char *name)
@@ -411,6 +412,8 @@ static int recv_ref(dlpc_client *c, const char *channel, const dlpc_recv_opts *o
 		r = fd_room(c, channel);
 	if (r < 0)
 		return r;
+	/* a storage that comes again is mapped once (maps.c) */
+	flags |= DLPC__ATTACH_KEEP_MAP;
 	for (int attempt = 0;; attempt++) {
 		struct dlpc__endpoint *e;
 

@@ -56,10 +56,12 @@ static void atfork_prepare(void)
 	/* the caches' locks are leaves: taken after these, by no thread holding one of them */
 	for (dlpc_client *c = open_clients; c; c = c->next_open)
 		dlpc__cache_lock(c, true);
+	dlpc__maps_atfork(0);
 }
 
 static void atfork_parent(void)
 {
+	dlpc__maps_atfork(1);
 	for (dlpc_client *c = open_clients; c; c = c->next_open)
 		dlpc__cache_lock(c, false);
 	dlpc__loop_atfork(1);
@@ -79,6 +81,7 @@ static void atfork_child(void)
 		dlpc__cache_forked(c);
 		dlpc__direct_forked(c);
 	}
+	dlpc__maps_atfork(2);
 	/* the parent's deferred releases are the parent's business; no library thread runs here */
 	dlpc__loop_atfork(2);
 	pthread_mutex_unlock(&open_mu);

@@ -414,7 +414,8 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 			 "(receive bundles with dlpc_recv_bundle())",
 			 (long long)n);
 		r = -EINVAL;
-	} else if ((r = dlpc__storage_check(fd, size, false, why, sizeof(why))) < 0) {
+	} else if (!dlpc__maps_sealed(c, fd, size) &&
+		   (r = dlpc__storage_check(fd, size, false, why, sizeof(why))) < 0) {
 		r = -EBADMSG;
 	}
 	if (r < 0) {
@@ -434,5 +435,6 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	rep.tensor_table.len = table_len;
 	rep.owner_uid = (uint32_t)cred.uid;
 	rep.owner_pid = (int32_t)cred.pid;
-	return dlpc__attach_build(c, e->epoch, false, 0, channel, &rep, fd, flags, NULL, ret);
+	return dlpc__attach_build(c, e->epoch, false, 0, channel, &rep, fd,
+				  flags | DLPC__ATTACH_SEALED, NULL, ret);
 }

@@ -17,6 +17,7 @@
 
 struct dlpc__call;
 struct dlpc__centry;
+struct dlpc__mentry;
 
 /* Buckets of a client's cache table (cache.c), by name. */
 #define DLPC__CACHE_BUCKETS 64
@@ -37,6 +38,11 @@ struct dlpc__cache {
 	uint64_t nidle, idle_bytes;
 	uint64_t inval_seq; /* INVALIDATE frames received: an attach that saw one may not cache */
 	struct dlpc__centry *dead; /* unlinked with nobody using them, to be freed unlocked */
+	/* received storages' idle mappings (maps.c), under the same lock and bounds */
+	bool maps_on; /* no DLPC_CONNECT_NO_CACHE, no bound 0, not closed: set at connect */
+	struct dlpc__mentry *maps[DLPC__CACHE_BUCKETS];
+	struct dlpc__mentry *maps_head, *maps_tail; /* every storage seen, most recent first */
+	uint64_t maps_n, maps_nidle, maps_idle_bytes;
 };
 
 /*
@@ -117,6 +123,13 @@ struct dlpc_client {
  * by its views (and transiently by a bundle). The last unref unmaps it, then closes @p fd
  * (allocated memory) or sends RELEASE of @p ref_id through @p client (attached memory).
  */
+/* A storage's identity for maps.c: the file (device, inode) and its change time (an inode
+ * number is reused only by a later file, made at a later time), with the size mapped. */
+struct dlpc__mkey {
+	uint64_t dev, ino, len;
+	int64_t ctime_s, ctime_ns;
+};
+
 struct dlpc__region {
 	atomic_uint refs;
 	void *base;
@@ -141,8 +154,13 @@ struct dlpc__region {
 	/* attached memory held through the client's cache: the entry holds the reference (the
 	 * region only one use of it), and may take back the mapping (map_kind) */
 	struct dlpc__centry *ce;
+	/* a channel's message mapped read-only (map_kind DLPC__MAP_SHARED_RO): which storage,
+	 * for maps.c to keep the mapping for the storage's next message (keyed) */
+	bool keyed;
+	struct dlpc__mkey key;
 	uint8_t map_kind;   /* DLPC__MAP_* */
 	atomic_bool frozen; /* allocated memory sealed read-only (F_SEAL_WRITE), mapped read-only */
+	atomic_bool sealed_ro; /* ...and its seals final: sealing it read-only again is a no-op */
 	/* attached memory (protocol 1.3 and later): who published the entry, and what */
 	bool has_owner;
 	uint32_t owner_uid, entry_flags;
@@ -492,6 +510,44 @@ void dlpc__sweep_at(int64_t when);
 int dlpc__drain(dlpc_client *c, bool closed_ok);
 /* Monotonic milliseconds. */
 int64_t dlpc__mono_ms(void);
+
+/* ---- maps.c: idle mappings of storages that channels bring again ---- */
+/* Internal attach flag of channel receives: map a message's storage through maps.c. */
+#define DLPC__ATTACH_KEEP_MAP (1u << 31)
+
+/* Internal attach flag: the storage passed dlpc__storage_check() read-only (direct channels). */
+#define DLPC__ATTACH_SEALED (1u << 30)
+
+/* A mapping of DLPC__MAP_* @p kind (SHARED_RO or COW) of @p len bytes of storage @p fd for a
+ * message: an idle one kept from the same storage's earlier message, or NULL (map it). Fills
+ * *@p key for dlpc__maps_put() and sets *@p keyed, unless the storage cannot be told (fstat()
+ * failed, no memory) or the cache is off; remembers that the storage passed
+ * dlpc__storage_check() read-only if @p sealed. */
+void *dlpc__maps_take(dlpc_client *c, int fd, size_t len, uint8_t kind, bool sealed,
+		      struct dlpc__mkey *key, bool *keyed);
+/* Did storage @p fd, for @p len bytes, pass dlpc__storage_check() read-only in an earlier
+ * message? Such a storage cannot have changed since: its seals are final, its size sealed and
+ * no page of a write-sealed memfd can be taken away. */
+bool dlpc__maps_sealed(dlpc_client *c, int fd, size_t len);
+/* Empty copy-on-write mapping @p base of @p len bytes of the pages its user wrote, so that it
+ * shows the storage's bytes as a fresh mapping would: the written pages found (PAGEMAP_SCAN),
+ * or all (MADV_DONTNEED) where the kernel cannot tell. 0, or -1 with errno set. */
+int dlpc__cow_clean(void *base, size_t len);
+/* The last use of region @p r's mapping ends: keep it, idle, if its storage came more than
+ * once (true), else leave it to the caller to unmap (false). */
+bool dlpc__maps_put(dlpc_client *c, const struct dlpc__region *r);
+/* Unmap the idle mappings: all (@p all), or those idle past the bounds; the monotonic ms when
+ * the next one expires, or 0. Under no lock. */
+int64_t dlpc__maps_sweep(dlpc_client *c, bool all);
+/* Forget every storage and unmap the idle mappings (dlpc_close(), client_free()): @p off also
+ * turns the cache of mappings off for good. */
+void dlpc__maps_clear(dlpc_client *c, bool off);
+/* In a forked child (under no lock, the cache's lock started afresh): unmap the parent's idle
+ * mappings, keep nothing more. */
+void dlpc__maps_forked(dlpc_client *c);
+/* fork(): hold the lock of this process's pagemap fd (@p phase 0, prepare), let go of it (1,
+ * parent), or close the parent's fd and start afresh (2, child). */
+void dlpc__maps_atfork(int phase);
 
 /* ---- cuda.c: the CUDA driver, loaded at run time ---- */
 struct dlpc__gpu_map;

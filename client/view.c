@@ -38,7 +38,9 @@ void dlpc__region_unref(struct dlpc__region *r)
 		/* the cache holds the reference, and may keep the mapping for the next attach */
 		dlpc__cache_put(r->client, r->ce, r->base, r->map_kind);
 	} else if (!r->device) {
-		munmap(r->base, r->len);
+		/* a channel's message: kept for its storage's next message, or unmapped */
+		if (!r->keyed || !dlpc__maps_put(r->client, r))
+			munmap(r->base, r->len);
 	} else if (r->client) {
 		/* the consumer's queued kernels may still read it: the mapping goes and the
 		 * publisher hears it may reuse the memory only once they are done. Ordered by an

@@ -159,18 +159,18 @@ typedef struct dlpc_attach_opts {
  * daemon, and do not keep this reference once it is released. */
 #define DLPC_ATTACH_NO_CACHE (1u << 5)
 
-/** Environment: the most idle cached references a client keeps (read by dlpc_connect());
- * 0 turns the cache off. */
+/** Environment: the most idle cached references a client keeps, and the most received
+ * storages it remembers for their mappings (read by dlpc_connect()); 0 turns the cache off. */
 #define DLPC_CACHE_ENTRIES_ENV "DLPC_CACHE_ENTRIES"
 /** ...when $DLPC_CACHE_ENTRIES is unset. */
 #define DLPC_CACHE_ENTRIES_DEFAULT 64
-/** Environment: the most bytes of storage a client's idle cached references may keep alive;
- * 0 turns the cache off. */
+/** Environment: the most bytes of storage a client's idle cached references may keep alive,
+ * and as many its kept mappings of received storages; 0 turns the cache off. */
 #define DLPC_CACHE_BYTES_ENV "DLPC_CACHE_BYTES"
 /** ...when $DLPC_CACHE_BYTES is unset: 2 GiB. */
 #define DLPC_CACHE_BYTES_DEFAULT (2ull << 30)
-/** Environment: milliseconds a reference stays cached after its last release; 0 turns the
- * cache off. */
+/** Environment: milliseconds a reference (or a received storage's mapping) stays cached after
+ * its last release; 0 turns the cache off. */
 #define DLPC_CACHE_IDLE_MS_ENV "DLPC_CACHE_IDLE_MS"
 /** ...when $DLPC_CACHE_IDLE_MS is unset. */
 #define DLPC_CACHE_IDLE_MS_DEFAULT 1000
@@ -216,9 +216,9 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
  * daemon's reference, the storage fd and the mapping (one of each kind: shared read-only,
  * copy-on-write) for up to $DLPC_CACHE_IDLE_MS; an attach of the same name meanwhile is
  * answered locally, with no round trip, the mapping handed out again (a copy-on-write one is
- * first emptied of the pages its user wrote, MADV_DONTNEED, so no write of an earlier
- * attacher shows; one whose protection its user changed is not for reuse: do not mprotect()
- * attached memory). Before answering from the
+ * first emptied of the pages its user wrote, as below, so no write of an earlier attacher
+ * shows; one whose protection its user changed is not for reuse: do not mprotect() attached
+ * or received memory). Before answering from the
  * cache the client reads what its socket holds: dlpackd (protocol 1.7) writes an invalidation
  * to it before it answers a replace or unpublish of the entry, so an attach never returns an
  * entry whose replace or removal was answered before the attach began. The cache is bounded by
@@ -230,6 +230,20 @@ DLPC_EXPORT int dlpc_connect(const char *socket_path, dlpc_client **ret);
  * The library's thread reads the invalidations of idle entries as they come, so a replaced
  * entry's storage is let go at once. dlpc_stat() and dlpc_list() count cached references apart
  * (cached_references, cached_refs).
+ *
+ * The same flag and bounds govern the mappings a receiver keeps (dlpc_recv(),
+ * dlpc_recv_bundle()): when the last tensor of a host message mapped read-only or
+ * copy-on-write is released, its mapping is kept, idle, if its storage (the same memfd, told by
+ * device, inode and change time) already came in an earlier message, as a buffer its sender
+ * sends again and again does; the storage's next message is handed that mapping instead of a
+ * new one (and a direct channel's receiver skips the checks the storage passed). A storage seen
+ * once is never kept. A copy-on-write mapping is first emptied of the pages its user wrote
+ * (those the PAGEMAP_SCAN ioctl of Linux 6.7 finds, else all with MADV_DONTNEED); a shared one
+ * shows the storage's bytes as they are now, as a new mapping would. The cost: an idle kept
+ * mapping keeps its storage's memory alive after its sender let go of it, for up to
+ * $DLPC_CACHE_IDLE_MS. $DLPC_CACHE_ENTRIES bounds the storages remembered (kept or seen once),
+ * $DLPC_CACHE_BYTES the bytes kept; DLPC_ATTACH_NO_CACHE in a receive's flags keeps nothing of
+ * that message. Kept mappings go at dlpc_close() and in a forked child; not a lost connection.
  *
  * With DLPC_CONNECT_RECONNECT a client outlives its connection: once a call has found the
  * connection lost (dlpackd stopped, restarted or upgraded in place; that call still fails, with
@@ -886,7 +900,8 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 /** Options of dlpc_recv() and dlpc_recv_bundle(). */
 typedef struct dlpc_recv_opts {
 	uint32_t size;	    /**< sizeof(dlpc_recv_opts) */
-	uint32_t flags;	    /**< DLPC_ATTACH_PRIVATE or DLPC_ATTACH_GUARDED: how to map it */
+	uint32_t flags;	    /**< DLPC_ATTACH_PRIVATE or DLPC_ATTACH_GUARDED: how to map it;
+			       DLPC_ATTACH_NO_CACHE: do not keep its mapping (dlpc_connect_flags()) */
 	int64_t timeout_ms; /**< the channel empty: 0 fail with -EAGAIN; > 0 wait up to this
 			       long; < 0 wait without end */
 } dlpc_recv_opts;

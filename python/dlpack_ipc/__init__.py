@@ -207,6 +207,13 @@ class Channel:
     dozen of a bundle), there are no recycled buffers (empty() raises), a receiver checks every
     message itself and drops one that fails (OSError EBADMSG, naming its sender). self.direct
     says which kind it is.
+
+    A receiver keeps the mapping of a storage that comes again (a buffer the sender sends again
+    and again: empty() memory, or one array sent repeatedly): its next message is handed that
+    mapping instead of a new one, emptied first of what a consumer wrote into it in the default
+    mode. It keeps the storage's memory alive up to DLPC_CACHE_IDLE_MS (1 s) after the sender
+    let go of it; the DLPC_CACHE_* variables bound it, DLPC_CACHE_ENTRIES=0 turns it off
+    (see dlpc(3)).
     """
 
     def __init__(self, name, capacity=0, *, direct=False, client=None):

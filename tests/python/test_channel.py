@@ -394,3 +394,49 @@ def test_direct_iteration_ends_when_removed(ipc, daemon):
     assert res == ("ok", list(range(10)))
     with pytest.raises(FileNotFoundError):
         ch.send(np.array([1]))
+
+
+def _same_buffer_sender(name, direct, n, q):
+    try:
+        ch = dlpack_ipc.channel(name, direct=direct)
+        buf = dlpack_ipc.empty((64, 1024), "float32")
+        torch.from_dlpack(buf).copy_(torch.arange(64 * 1024, dtype=torch.float32).view(64, 1024))
+        for _ in range(n):
+            ch.send(buf)
+        q.put(("ok", None))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.client_cache
+@pytest.mark.parametrize("direct", [False, True], ids=["queued", "direct"])
+def test_kept_mapping_never_shows_a_consumers_writes(ipc, daemon, direct):
+    """One buffer sent again and again: from its second message on the receiver hands out the
+    mapping it kept (the same address), and what torch wrote into a received tensor (torch
+    ignores the read-only flag; the default mode maps copy-on-write) never shows in the next."""
+    ctx = multiprocessing.get_context("fork")
+    name = f"py/kept-{direct}"
+    ch = dlpack_ipc.channel(name, capacity=8, direct=direct)
+    q = ctx.Queue()
+    p = ctx.Process(target=_same_buffer_sender, args=(name, direct, 6, q))
+    p.start()
+    want = torch.arange(64 * 1024, dtype=torch.float32).view(64, 1024)
+    ptrs = []
+    try:
+        for i in range(6):
+            t = ch.recv(timeout=30)
+            x = torch.from_dlpack(t)
+            assert torch.equal(x, want), f"message {i} shows an earlier consumer's writes"
+            ptrs.append(x.data_ptr())
+            if i % 2:
+                x.fill_(-1.0)
+            else:
+                x[::3, 5] = 7.0
+            del x, t
+        res = q.get(timeout=60)
+        assert res[0] == "ok", res[1]
+    finally:
+        p.join(timeout=60)
+    # the second message's mapping was kept and handed out for the rest
+    assert len(set(ptrs[2:])) == 1 and ptrs[2] == ptrs[1], ptrs
+    ch.remove()
