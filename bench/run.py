@@ -283,6 +283,8 @@ def table(rows, sizes, map_sizes, checks):
                ("channel", "dlpack_channel", "hand-off over a channel, socket ack (ours)"),
                ("channel", "dlpack_channel_direct",
                 "hand-off over a direct channel, socket ack (ours)"),
+               ("channel", "dlpack_channel_direct_fresh",
+                "the same, receiver's caches off: a fresh mapping per message (ours)"),
                ("channel", "torch_multiprocessing",
                 "hand-off: torch.multiprocessing queue, socket ack"),
                ("channel", "fd_pass_mmap", "hand-off floor: fd pass + mmap, socket ack"),
