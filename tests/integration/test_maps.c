@@ -206,6 +206,56 @@ START_TEST(guarded_recurring_storage_is_kept)
 }
 END_TEST
 
+/* How many copy-on-write mappings (private, writable) of a memfd this process holds. */
+static int cow_mappings(void)
+{
+	FILE *f = fopen("/proc/self/maps", "r");
+	char line[512];
+	int n = 0;
+
+	ck_assert_ptr_nonnull(f);
+	while (fgets(line, sizeof(line), f))
+		n += strstr(line, " rw-p ") && strstr(line, "/memfd:");
+	fclose(f);
+	return n;
+}
+
+/* A storage whose kept copy-on-write mapping waits idle while its messages keep coming
+ * read-only, and another storage kept and taken in between: the copy-on-write mapping still
+ * goes after DLPC_CACHE_IDLE_MS. (maps.c moves the storage up the list with its old mapping,
+ * and the sweep stops at the first young mapping it meets: the other storage's.) */
+START_TEST(idle_mapping_of_other_kind_goes_in_time)
+{
+	static const int order[] = {0, 0, 1, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0,
+				    1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0};
+	struct plan p = {"m/kinds", 25, order};
+	dlpc_client *c;
+	pid_t pid;
+	int i = 0;
+
+	setenv(DLPC_CACHE_IDLE_MS_ENV, "300", 1);
+	c = connect_or_die(&D);
+	pid = start_sender(c, &p, true);
+	for (; i < 25; i++) {
+		/* storage 0 twice copy-on-write (its mapping kept so), then read-only */
+		DLManagedTensorVersioned *t = recv_or_die(c, p.ch, i < 2 ? DLPC_ATTACH_PRIVATE : 0);
+
+		ck_assert(holds(t, 1 + (unsigned)order[i]));
+		t->deleter(t);
+		if (i == 1)
+			ck_assert_int_eq(cow_mappings(), 1);
+		if (i >= 4 && order[i] == 0)
+			usleep((useconds_t)scaled_ms(60) * 1000);
+	}
+	ck_assert_int_eq(wait_child(pid), 0);
+	/* about 10 x 60 ms since storage 0's copy-on-write mapping was kept, idle, and never
+	 * handed out again: twice the idle time */
+	ck_assert_msg(cow_mappings() == 0,
+		      "a kept copy-on-write mapping outlived DLPC_CACHE_IDLE_MS (300 ms) by far");
+	dlpc_close(c);
+}
+END_TEST
+
 /* A fresh storage per message (a copy each time) is never kept: each message's mapping goes
  * with its last release. */
 START_TEST(fresh_storages_are_not_kept)
@@ -417,6 +467,7 @@ int main(void)
 	tcase_add_test(tc, opting_out_keeps_nothing);
 	tcase_add_test(tc, fork_and_close_let_go);
 	tcase_add_test(tc, recycled_buffer_shows_new_bytes);
+	tcase_add_test(tc, idle_mapping_of_other_kind_goes_in_time);
 	suite_add_tcase(s, tc);
 	return run_suite(s);
 }
