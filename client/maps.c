@@ -260,7 +260,14 @@ bool dlpc__maps_sealed(dlpc_client *c, int fd, size_t len)
 	struct dlpc__mkey key;
 	struct dlpc__mentry *e;
 	bool sealed;
+	int seals = fcntl(fd, F_GET_SEALS);
 
+	/* F_GET_SEALS first, as dlpc__storage_check() does: it answers from the inode, for shmem
+	 * and hugetlbfs alone, so that fstat() below never calls into a hostile sender's
+	 * filesystem (a FUSE server that never answers would block the receive) */
+	if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL)) !=
+				 (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL))
+		return false;
 	if (key_of(k, fd, len, &key) < 0)
 		return false;
 	pthread_mutex_lock(&k->mu);
