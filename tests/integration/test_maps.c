@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -559,7 +560,10 @@ START_TEST(direct_stalling_file_never_blocks_the_receiver)
 	ck_assert_ptr_nonnull(mkdtemp(dir));
 	snprintf(opts, sizeof(opts), "fd=%d,rootmode=40000,user_id=%u,group_id=%u", fuse,
 		 (unsigned)getuid(), (unsigned)getgid());
-	if (fuse < 0 || mount("dlpcstall", dir, "fuse", MS_NOSUID | MS_NODEV, opts) < 0) {
+	/* in a mount namespace of this test's own: the mount goes with it, whatever happens */
+	if (fuse < 0 || unshare(CLONE_NEWNS) < 0 ||
+	    mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0 ||
+	    mount("dlpcstall", dir, "fuse", MS_NOSUID | MS_NODEV, opts) < 0) {
 		fprintf(stderr, "skipped: cannot mount FUSE here: %s\n", strerror(errno));
 		if (fuse >= 0)
 			close(fuse);
