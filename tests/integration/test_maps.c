@@ -473,8 +473,10 @@ static void raw_join_or_die(int fd, const char *name, int ends[2])
 		char b[CMSG_SPACE(4 * sizeof(int))];
 	} ctl;
 	struct iovec iov = {.iov_base = hdr, .iov_len = sizeof(hdr)};
-	struct msghdr mh = {
-		.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b, .msg_controllen = sizeof(ctl.b)};
+	struct msghdr mh = {.msg_iov = &iov,
+			    .msg_iovlen = 1,
+			    .msg_control = ctl.b,
+			    .msg_controllen = sizeof(ctl.b)};
 	struct dlpc__hdr h;
 	unsigned n = 0;
 
