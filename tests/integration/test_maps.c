@@ -564,7 +564,7 @@ START_TEST(direct_stalling_file_never_blocks_the_receiver)
 		 (unsigned)getuid(), (unsigned)getgid());
 	/* in a mount namespace of this test's own: the mount goes with it, whatever happens */
 	if (fuse < 0 || unshare(CLONE_NEWNS) < 0 ||
-	    mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0 ||
+	    mount("none", "/", "none", MS_REC | MS_PRIVATE, NULL) < 0 ||
 	    mount("dlpcstall", dir, "fuse", MS_NOSUID | MS_NODEV, opts) < 0) {
 		fprintf(stderr, "skipped: cannot mount FUSE here: %s\n", strerror(errno));
 		if (fuse >= 0)
