@@ -260,7 +260,14 @@ bool dlpc__maps_sealed(dlpc_client *c, int fd, size_t len)
 	struct dlpc__mkey key;
 	struct dlpc__mentry *e;
 	bool sealed;
+	int seals = fcntl(fd, F_GET_SEALS);
 
+	/* F_GET_SEALS first, as dlpc__storage_check() does: it answers from the inode, for shmem
+	 * and hugetlbfs alone, so that fstat() below never calls into a hostile sender's
+	 * filesystem (a FUSE server that never answers would block the receive) */
+	if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL)) !=
+				 (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL))
+		return false;
 	if (key_of(k, fd, len, &key) < 0)
 		return false;
 	pthread_mutex_lock(&k->mu);
@@ -387,17 +394,15 @@ int64_t dlpc__maps_sweep(dlpc_client *c, bool all)
 	int64_t now = dlpc__mono_ms(), next = 0;
 
 	pthread_mutex_lock(&k->mu);
-	/* the kept mappings are in the list in the order they were kept (a storage's message
-	 * takes its mapping out when it moves the storage up): the first one still young ends
-	 * the sweep */
+	/* the whole list (at most $DLPC_CACHE_ENTRIES): the kept mappings are not in the order
+	 * they were kept (a message that wants another kind moves its storage up with its idle
+	 * mapping), so the first young one does not end the sweep */
 	for (struct dlpc__mentry *v = k->maps_tail, *newer; v; v = newer) {
 		newer = v->newer;
-		if (all || (v->map && now - v->idle_since >= k->idle_ms)) {
+		if (all || (v->map && now - v->idle_since >= k->idle_ms))
 			evict(k, v, &dead);
-		} else if (v->map) {
+		else if (v->map && (!next || v->idle_since + k->idle_ms < next))
 			next = v->idle_since + k->idle_ms;
-			break;
-		}
 	}
 	pthread_mutex_unlock(&k->mu);
 	free_dead(dead);

@@ -7,12 +7,20 @@
  * confused; the bounds, the idle time, the opt-outs, dlpc_close() and fork() let go of them.
  */
 #include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include "direct.h"
 #include "harness.h"
+#include "raw.h"
+#include "table.h"
 
 static struct daemon D;
 
@@ -203,6 +211,56 @@ END_TEST
 START_TEST(guarded_recurring_storage_is_kept)
 {
 	recurring(true, DLPC_ATTACH_GUARDED);
+}
+END_TEST
+
+/* How many copy-on-write mappings (private, writable) of a memfd this process holds. */
+static int cow_mappings(void)
+{
+	FILE *f = fopen("/proc/self/maps", "r");
+	char line[512];
+	int n = 0;
+
+	ck_assert_ptr_nonnull(f);
+	while (fgets(line, sizeof(line), f))
+		n += strstr(line, " rw-p ") && strstr(line, "/memfd:");
+	fclose(f);
+	return n;
+}
+
+/* A storage whose kept copy-on-write mapping waits idle while its messages keep coming
+ * read-only, and another storage kept and taken in between: the copy-on-write mapping still
+ * goes after DLPC_CACHE_IDLE_MS. (maps.c moves the storage up the list with its old mapping,
+ * and the sweep stops at the first young mapping it meets: the other storage's.) */
+START_TEST(idle_mapping_of_other_kind_goes_in_time)
+{
+	static const int order[] = {0, 0, 1, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0,
+				    1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0};
+	struct plan p = {"m/kinds", 25, order};
+	dlpc_client *c;
+	pid_t pid;
+	int i = 0;
+
+	setenv(DLPC_CACHE_IDLE_MS_ENV, "300", 1);
+	c = connect_or_die(&D);
+	pid = start_sender(c, &p, true);
+	for (; i < 25; i++) {
+		/* storage 0 twice copy-on-write (its mapping kept so), then read-only */
+		DLManagedTensorVersioned *t = recv_or_die(c, p.ch, i < 2 ? DLPC_ATTACH_PRIVATE : 0);
+
+		ck_assert(holds(t, 1 + (unsigned)order[i]));
+		t->deleter(t);
+		if (i == 1)
+			ck_assert_int_eq(cow_mappings(), 1);
+		if (i >= 4 && order[i] == 0)
+			usleep((useconds_t)scaled_ms(60) * 1000);
+	}
+	ck_assert_int_eq(wait_child(pid), 0);
+	/* about 10 x 60 ms since storage 0's copy-on-write mapping was kept, idle, and never
+	 * handed out again: twice the idle time */
+	ck_assert_msg(cow_mappings() == 0,
+		      "a kept copy-on-write mapping outlived DLPC_CACHE_IDLE_MS (300 ms) by far");
+	dlpc_close(c);
 }
 END_TEST
 
@@ -402,6 +460,149 @@ START_TEST(recycled_buffer_shows_new_bytes)
 }
 END_TEST
 
+/* ---- a hostile sender on a direct channel ---- */
+
+/* CHANNEL JOIN of @p name on the raw connection @p fd (HELLO 1.8 first): the two ends. */
+static void raw_join_or_die(int fd, const char *name, int ends[2])
+{
+	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
+	Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
+	uint8_t hdr[DLPC_FRAME_HDR_SIZE], buf[4096];
+	union {
+		struct cmsghdr c;
+		char b[CMSG_SPACE(4 * sizeof(int))];
+	} ctl;
+	struct iovec iov = {.iov_base = hdr, .iov_len = sizeof(hdr)};
+	struct msghdr mh = {.msg_iov = &iov,
+			    .msg_iovlen = 1,
+			    .msg_control = ctl.b,
+			    .msg_controllen = sizeof(ctl.b)};
+	struct dlpc__hdr h;
+	unsigned n = 0;
+
+	hello.version_major = DLPC_PROTO_MAJOR;
+	hello.version_minor = 8;
+	hello.client = "raw maps test client";
+	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
+	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
+	co.op = 4;
+	co.name.data = (uint8_t *)name;
+	co.name.len = strlen(name);
+	raw_send(fd, DLPC_MSG_CHANNEL, 8, &co.base, NULL, 0);
+	ck_assert_int_eq(recvmsg(fd, &mh, MSG_WAITALL | MSG_CMSG_CLOEXEC), sizeof(hdr));
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+			for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int) && n < 2;
+			     i++)
+				memcpy(&ends[n++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+	dlpc__hdr_decode(hdr, &h);
+	ck_assert_uint_eq(h.type, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY);
+	ck_assert_uint_eq(n, 2);
+	ck_assert_uint_le(h.len, sizeof(buf));
+	for (size_t got = 0; got < h.len;) {
+		ssize_t k = read(fd, buf + got, h.len - got);
+
+		ck_assert_int_gt(k, 0);
+		got += (size_t)k;
+	}
+}
+
+/* A direct record of a 4096-byte storage holding one float32 tensor of 4 elements. */
+static void small_record(uint8_t rec[DLPC_DIRECT_RECORD])
+{
+	Dlpackd__V1__TensorDesc d, *dp = &d;
+	uint8_t table[DLPC_DIRECT_TABLE_MAX];
+	int64_t elems = 4;
+
+	dlpackd__v1__tensor_desc__init(&d);
+	d.dtype_code = kDLFloat;
+	d.dtype_bits = 32;
+	d.dtype_lanes = 1;
+	d.n_shape = 1;
+	d.shape = &elems;
+	dlpc__table_encode(&dp, 1, table);
+	ck_assert_int_eq(dlpc__direct_encode(rec, 4096, table, dlpc__table_size(&dp, 1)), 0);
+}
+
+struct stalled_recv {
+	dlpc_client *c;
+	int r;
+	volatile int done;
+};
+
+static void *stalled_recv_thread(void *arg)
+{
+	struct stalled_recv *s = arg;
+	dlpc_recv_opts o = {.size = sizeof(o), .timeout_ms = scaled_ms(2000)};
+	DLManagedTensorVersioned *t = NULL;
+
+	s->r = dlpc_recv(s->c, "m/stall", &o, &t);
+	if (t)
+		t->deleter(t);
+	__atomic_store_n(&s->done, 1, __ATOMIC_RELEASE);
+	return NULL;
+}
+
+/* A hostile sender on a direct channel sends a descriptor of a file whose filesystem never
+ * answers (a FUSE mount whose server reads nothing): the receiver drops it with EBADMSG within
+ * its timeout, as the storage checks (F_GET_SEALS first, then cached attributes only) always
+ * did, and never blocks in an fstat() of it. Needs /dev/fuse and the right to mount (root). */
+START_TEST(direct_stalling_file_never_blocks_the_receiver)
+{
+	char dir[] = "/tmp/dlpc-maps-fuse-XXXXXX", opts[128];
+	uint8_t rec[DLPC_DIRECT_RECORD];
+	struct stalled_recv s = {0};
+	dlpc_recv_opts o = {.size = sizeof(o), .timeout_ms = 1};
+	DLManagedTensorVersioned *t = NULL;
+	int fuse, stall, raw, ends[2];
+	pthread_t th;
+	bool hung;
+
+	fuse = open("/dev/fuse", O_RDWR | O_CLOEXEC);
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	snprintf(opts, sizeof(opts), "fd=%d,rootmode=40000,user_id=%u,group_id=%u", fuse,
+		 (unsigned)getuid(), (unsigned)getgid());
+	/* in a mount namespace of this test's own: the mount goes with it, whatever happens */
+	if (fuse < 0 || unshare(CLONE_NEWNS) < 0 ||
+	    mount("none", "/", "none", MS_REC | MS_PRIVATE, NULL) < 0 ||
+	    mount("dlpcstall", dir, "fuse", MS_NOSUID | MS_NODEV, opts) < 0) {
+		fprintf(stderr, "skipped: cannot mount FUSE here: %s\n", strerror(errno));
+		if (fuse >= 0)
+			close(fuse);
+		rmdir(dir);
+		return;
+	}
+	/* no request to the server: an O_PATH open of the mount's root */
+	stall = open(dir, O_PATH | O_CLOEXEC);
+	ck_assert_int_ge(stall, 0);
+	s.c = connect_or_die(&D);
+	ck_assert_dlpc(dlpc_channel_open_flags(s.c, "m/stall", 4, DLPC_CHANNEL_DIRECT, NULL), 1);
+	ck_assert_dlpc(dlpc_recv(s.c, "m/stall", &o, &t), -ETIMEDOUT);
+	raw = raw_connect(&D);
+	raw_join_or_die(raw, "m/stall", ends);
+	close(ends[1]);
+	small_record(rec);
+	ck_assert_int_eq(send_fds_raw(ends[0], rec, sizeof(rec), &stall, 1), (ssize_t)sizeof(rec));
+	close(stall);
+	ck_assert_int_eq(pthread_create(&th, NULL, stalled_recv_thread, &s), 0);
+	for (int i = 0; i < scaled_ms(5000) / 10 && !__atomic_load_n(&s.done, __ATOMIC_ACQUIRE);
+	     i++)
+		usleep(10000);
+	hung = !__atomic_load_n(&s.done, __ATOMIC_ACQUIRE);
+	/* the server goes: a request it never answered fails, and the receive returns */
+	close(fuse);
+	umount2(dir, MNT_DETACH);
+	rmdir(dir);
+	pthread_join(th, NULL);
+	close(ends[0]);
+	close(raw);
+	ck_assert_msg(!hung, "dlpc_recv() blocked in the filesystem of a hostile sender's fd, "
+			     "past its timeout");
+	ck_assert_int_eq(s.r, -EBADMSG);
+	dlpc_close(s.c);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("maps");
@@ -417,6 +618,8 @@ int main(void)
 	tcase_add_test(tc, opting_out_keeps_nothing);
 	tcase_add_test(tc, fork_and_close_let_go);
 	tcase_add_test(tc, recycled_buffer_shows_new_bytes);
+	tcase_add_test(tc, idle_mapping_of_other_kind_goes_in_time);
+	tcase_add_test(tc, direct_stalling_file_never_blocks_the_receiver);
 	suite_add_tcase(s, tc);
 	return run_suite(s);
 }
