@@ -124,13 +124,19 @@ void dlpc__list_unlock(void)
 
 static void open_list_remove(dlpc_client *c)
 {
+	bool last;
+
 	pthread_mutex_lock(&open_mu);
 	for (dlpc_client **pp = &open_clients; *pp; pp = &(*pp)->next_open)
 		if (*pp == c) {
 			*pp = c->next_open;
 			break;
 		}
+	last = !open_clients;
 	pthread_mutex_unlock(&open_mu);
+	/* no client, so no mapping of one left to clean: the process's pagemap fd goes too */
+	if (last)
+		dlpc__maps_pagemap_close();
 }
 
 void dlpc__client_ref(dlpc_client *c)

@@ -154,8 +154,9 @@ struct dlpc__region {
 	/* attached memory held through the client's cache: the entry holds the reference (the
 	 * region only one use of it), and may take back the mapping (map_kind) */
 	struct dlpc__centry *ce;
-	/* a channel's message mapped read-only (map_kind DLPC__MAP_SHARED_RO): which storage,
-	 * for maps.c to keep the mapping for the storage's next message (keyed) */
+	/* a channel's message mapped read-only or copy-on-write (map_kind DLPC__MAP_SHARED_RO or
+	 * DLPC__MAP_COW): which storage, for maps.c to keep the mapping for the storage's next
+	 * message (keyed) */
 	bool keyed;
 	struct dlpc__mkey key;
 	uint8_t map_kind;   /* DLPC__MAP_* */
@@ -545,6 +546,8 @@ void dlpc__maps_clear(dlpc_client *c, bool off);
 /* In a forked child (under no lock, the cache's lock started afresh): unmap the parent's idle
  * mappings, keep nothing more. */
 void dlpc__maps_forked(dlpc_client *c);
+/* Close this process's /proc/self/pagemap, opened by dlpc__cow_clean() (its last client went). */
+void dlpc__maps_pagemap_close(void);
 /* fork(): hold the lock of this process's pagemap fd (@p phase 0, prepare), let go of it (1,
  * parent), or close the parent's fd and start afresh (2, child). */
 void dlpc__maps_atfork(int phase);

@@ -11,7 +11,7 @@
  * A storage is told by its file (device, inode), its change time and the length mapped
  * (struct dlpc__mkey); the fd of each message is still passed and closed. A shared read-only
  * mapping shows the storage's bytes as they are now, as a fresh one would; a copy-on-write one
- * is first emptied of the pages its user wrote (MADV_DONTNEED). Mappings of any other kind
+ * is first emptied of the pages its user wrote (dlpc__cow_clean()). Mappings of any other kind
  * (writable, or a read-only private one) are never kept.
  *
  * What it costs: an idle mapping keeps its storage's memory alive after the sender let go of
@@ -55,13 +55,16 @@ struct pm_scan_arg {
  * emptied whole. */
 #define COW_SCAN_RANGES 16
 
-/* This process's /proc/self/pagemap (opened by pagemap_pid), -1 before, -2 if it cannot be
- * scanned (no /proc, a kernel before 6.7). A forked child closes its parent's at the fork
+/* This process's /proc/self/pagemap, opened at the first scan (by pagemap_pid) and closed with
+ * the process's last client (dlpc__maps_pagemap_close()); pagemap_off: it cannot be scanned
+ * (no /proc, a kernel before 6.7). A forked child closes its parent's at the fork
  * (dlpc__maps_atfork()) and opens its own. */
 static pthread_mutex_t pagemap_mu = PTHREAD_MUTEX_INITIALIZER;
 static int pagemap_fd = -1;
+static bool pagemap_off;
 static pid_t pagemap_pid;
 
+/* The fd to scan with, or -1. */
 static int pagemap(void)
 {
 	pid_t pid = getpid();
@@ -69,17 +72,28 @@ static int pagemap(void)
 
 	pthread_mutex_lock(&pagemap_mu);
 	if (pagemap_pid != pid) {
-		pagemap_fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
-		/* out of fds or memory: not this time; no /proc, no right to it: never */
-		if (pagemap_fd >= 0 || (errno != EMFILE && errno != ENFILE && errno != ENOMEM)) {
+		fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+		/* out of fds or memory: not this time; no /proc, no right to it: not at all */
+		if (fd >= 0 || (errno != EMFILE && errno != ENFILE && errno != ENOMEM)) {
 			pagemap_pid = pid;
-			if (pagemap_fd < 0)
-				pagemap_fd = -2;
+			pagemap_fd = fd;
+			pagemap_off = fd < 0;
 		}
 	}
-	fd = pagemap_fd;
+	fd = pagemap_off ? -1 : pagemap_fd;
 	pthread_mutex_unlock(&pagemap_mu);
 	return fd;
+}
+
+void dlpc__maps_pagemap_close(void)
+{
+	pthread_mutex_lock(&pagemap_mu);
+	if (pagemap_fd >= 0)
+		close(pagemap_fd);
+	pagemap_fd = -1;
+	pagemap_off = false;
+	pagemap_pid = 0;
+	pthread_mutex_unlock(&pagemap_mu);
 }
 
 void dlpc__maps_atfork(int phase)
@@ -93,19 +107,19 @@ void dlpc__maps_atfork(int phase)
 		if (pagemap_fd >= 0)
 			close(pagemap_fd);
 		pagemap_fd = -1;
+		pagemap_off = false;
 		pagemap_pid = 0;
 		pthread_mutex_init(&pagemap_mu, NULL);
 	}
 }
 
-/* Stop using PAGEMAP_SCAN in this process: the kernel does not have it. */
-static void pagemap_unsupported(int fd)
+/* Stop scanning in this process: the kernel does not have PAGEMAP_SCAN. The fd stays open
+ * (another thread may be using it) until the last client goes. */
+static void pagemap_unsupported(void)
 {
 	pthread_mutex_lock(&pagemap_mu);
-	if (pagemap_fd == fd && pagemap_pid == getpid()) {
-		close(fd);
-		pagemap_fd = -2;
-	}
+	if (pagemap_pid == getpid())
+		pagemap_off = true;
 	pthread_mutex_unlock(&pagemap_mu);
 }
 
@@ -138,7 +152,7 @@ int dlpc__cow_clean(void *base, size_t len)
 		a.return_mask = PAGE_IS_PRESENT | PAGE_IS_SWAPPED;
 		n = ioctl(fd, PAGEMAP_SCAN, &a);
 		if (n < 0 && (errno == ENOTTY || errno == EINVAL))
-			pagemap_unsupported(fd);
+			pagemap_unsupported();
 	}
 	/* a scan that did not cover the whole range (more ranges than fit) empties it all */
 	if (n < 0 || (n == COW_SCAN_RANGES && a.walk_end < end))
@@ -281,7 +295,7 @@ void *dlpc__maps_take(dlpc_client *c, int fd, size_t len, uint8_t kind, bool sea
 		      struct dlpc__mkey *key, bool *keyed)
 {
 	struct dlpc__cache *k = &c->cache;
-	struct dlpc__mentry *e, *fresh, *dead = NULL;
+	struct dlpc__mentry *e, *fresh = NULL, *dead = NULL;
 	void *map = NULL;
 	uint32_t hash;
 
@@ -289,11 +303,19 @@ void *dlpc__maps_take(dlpc_client *c, int fd, size_t len, uint8_t kind, bool sea
 	if (key_of(k, fd, len, key) < 0)
 		return NULL;
 	hash = key_hash(key);
-	fresh = calloc(1, sizeof(*fresh));
 	pthread_mutex_lock(&k->mu);
-	if (!k->maps_on)
-		goto out;
 	e = find(k, key, hash);
+	/* a storage not seen yet: its entry is made with the lock let go */
+	if (!e && k->maps_on) {
+		pthread_mutex_unlock(&k->mu);
+		fresh = calloc(1, sizeof(*fresh));
+		pthread_mutex_lock(&k->mu);
+		e = find(k, key, hash);
+	}
+	if (!k->maps_on) {
+		e = NULL;
+		goto out;
+	}
 	if (e) {
 		if (e->seen < UINT32_MAX)
 			e->seen++;

@@ -6,6 +6,7 @@
  * message; a recycled buffer refilled by its sender shows its new bytes; two storages are never
  * confused; the bounds, the idle time, the opt-outs, dlpc_close() and fork() let go of them.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -139,6 +140,29 @@ static DLManagedTensorVersioned *recv_or_die(dlpc_client *c, const char *ch, uin
 
 	ck_assert_dlpc(dlpc_recv(c, ch, &o, &t), 0);
 	return t;
+}
+
+/* This process's fds open on a /proc/PID/pagemap. */
+static int pagemap_fds(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *de;
+	char path[300], target[128];
+	int n = 0;
+
+	ck_assert_ptr_nonnull(d);
+	while ((de = readdir(d))) {
+		ssize_t len;
+
+		snprintf(path, sizeof(path), "/proc/self/fd/%s", de->d_name);
+		len = readlink(path, target, sizeof(target) - 1);
+		if (len > 0) {
+			target[len] = '\0';
+			n += strstr(target, "/pagemap") != NULL;
+		}
+	}
+	closedir(d);
+	return n;
 }
 
 /* Wait until nothing is mapped at @p addr any more; whether it happened. */
@@ -319,7 +343,11 @@ START_TEST(copy_on_write_writes_never_show_again)
 		}
 	}
 	ck_assert_int_eq(wait_child(pid), 0);
+	/* the written pages were found through this process's one pagemap fd, which goes with
+	 * its last client */
+	ck_assert_int_eq(pagemap_fds(), 1);
 	dlpc_close(c);
+	ck_assert_int_eq(pagemap_fds(), 0);
 }
 END_TEST
 
