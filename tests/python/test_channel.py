@@ -398,6 +398,8 @@ def test_direct_iteration_ends_when_removed(ipc, daemon):
 
 def _same_buffer_sender(name, direct, n, q):
     try:
+        # a forked child: torch's thread pool is the parent's (OpenMP is not fork-safe)
+        torch.set_num_threads(1)
         ch = dlpack_ipc.channel(name, direct=direct)
         buf = dlpack_ipc.empty((64, 1024), "float32")
         torch.from_dlpack(buf).copy_(torch.arange(64 * 1024, dtype=torch.float32).view(64, 1024))

@@ -379,11 +379,16 @@ def test_old_connections_are_closed(restarts):
                 out.append(os.readlink(f"/proc/self/fd/{f}").split(":")[0])
             except OSError:  # listdir's own
                 pass
-        return sorted(out)
+        # libdlpc's fds of the process, made once and not per connection: its /proc/self/pagemap
+        # (opened at its first copy-on-write cleaning, kept while a client lives: dlpc(3)) and
+        # its thread's eventfd (made the first time that thread polls a socket, here for the
+        # cache's idle entries); run alone, this test sees them made during its loop
+        once = [f for f in out if f.endswith("/pagemap") or f.startswith("anon_inode")]
+        return sorted(f for f in out if f not in once), once
 
     restarts.start()
     dlpack_ipc.stat()
-    base = fds()
+    base, base_once = fds()
     for _ in range(3):
         t, a = publish_and_attach(dlpack_ipc)
         restarts.kill(signal.SIGKILL)
@@ -392,8 +397,10 @@ def test_old_connections_are_closed(restarts):
         check_works_on(dlpack_ipc, restarts, t, a)
         dlpack_ipc.unpublish("rc/w")
         del t, a  # the array held the old connection (its release would go there)
-    now = fds()
+    now, now_once = fds()
     assert now == base, f"{now} != {base}"
+    # at most the two made once (the client's own eventfd was in base_once already)
+    assert 0 <= len(now_once) - len(base_once) <= 2, (now_once, base_once)
     assert restarts.stat()["connections"] == 2  # the default client's and STAT's own
 
 
