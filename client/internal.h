@@ -504,8 +504,9 @@ void dlpc__cache_lock(dlpc_client *c, bool lock);
 /* Queue a RELEASE mark of reference @p ref_id of connection @p epoch: idle in the cache
  * (@p cached) or in use again (client.c). */
 void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cached);
-/* Have the library's thread sweep the caches at monotonic ms @p when (client.c). */
-void dlpc__sweep_at(int64_t when);
+/* Have the library's thread sweep the caches at monotonic ms @p when (loop.c); false when
+ * that thread cannot run (a process at its thread limit). */
+bool dlpc__sweep_at(int64_t when);
 /* Read what @p c's socket holds without waiting, delivering it, if no other thread reads it:
  * 1; 0 when another does (or the connection is lost, or closed unless @p closed_ok). */
 int dlpc__drain(dlpc_client *c, bool closed_ok);

@@ -369,15 +369,19 @@ bool dlpc__loop_flush_soon(void)
 	return ok;
 }
 
-void dlpc__sweep_at(int64_t when)
+bool dlpc__sweep_at(int64_t when)
 {
+	bool ok;
+
 	pthread_mutex_lock(&loop_mu);
 	/* without the thread idle entries go when the bounds or a later release push them out */
-	if (start_locked() && (!sweep_due || when < sweep_due)) {
+	ok = start_locked();
+	if (ok && (!sweep_due || when < sweep_due)) {
 		sweep_due = when;
 		wake_locked();
 	}
 	pthread_mutex_unlock(&loop_mu);
+	return ok;
 }
 
 void dlpc__reclaim_start(dlpc_client *c)

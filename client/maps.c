@@ -404,8 +404,10 @@ bool dlpc__maps_put(dlpc_client *c, const struct dlpc__region *r)
 	}
 	pthread_mutex_unlock(&k->mu);
 	free_dead(dead);
-	if (e)
-		dlpc__sweep_at(now + k->idle_ms);
+	/* with no library thread to sweep by time (it cannot start), each mapping kept sweeps
+	 * those idle too long, so they last no longer than the traffic that made them */
+	if (e && !dlpc__sweep_at(now + k->idle_ms))
+		dlpc__maps_sweep(c, false);
 	return e != NULL;
 }
 

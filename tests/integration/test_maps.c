@@ -9,13 +9,17 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "direct.h"
@@ -425,6 +429,61 @@ START_TEST(fork_and_close_let_go)
 }
 END_TEST
 
+/* A receiver with no library thread (its uid at RLIMIT_NPROC: pthread_create fails) keeps
+ * mappings all the same, and nothing sweeps them by time; each mapping it keeps sweeps those
+ * idle past DLPC_CACHE_IDLE_MS instead, so they last no longer than the traffic that made
+ * them. Storages A, A (kept), then after the idle time B, B (kept: A goes). */
+static int threadless_receiver(void *arg)
+{
+	const char *ch = arg;
+	dlpc_recv_opts o = {.size = sizeof(o), .timeout_ms = scaled_ms(5000)};
+	struct rlimit one = {1, 1};
+	DLManagedTensorVersioned *t;
+	dlpc_client *c;
+	void *a = NULL;
+
+	CHILD_CHECK(setgroups(0, NULL) == 0 && setgid(65534) == 0 && setuid(65534) == 0);
+	/* setuid made /proc/self root's: take it back, for /proc/self/maps */
+	CHILD_CHECK(prctl(PR_SET_DUMPABLE, 1) == 0);
+	CHILD_CHECK(setrlimit(RLIMIT_NPROC, &one) == 0);
+	setenv(DLPC_CACHE_IDLE_MS_ENV, "100", 1);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	for (int i = 0; i < 4; i++) {
+		CHILD_CHECK(dlpc_recv(c, ch, &o, &t) == 0);
+		CHILD_CHECK(holds(t, i < 2 ? 1 : 2));
+		if (i == 1)
+			a = t->dl_tensor.data;
+		t->deleter(t);
+		if (i == 1) {
+			CHILD_CHECK(mapped(a));
+			usleep(400 * 1000);
+			/* no thread: still there */
+			CHILD_CHECK(mapped(a));
+		}
+	}
+	/* B kept, A idle past its time: swept by B's keeping */
+	CHILD_CHECK(!mapped(a));
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(threadless_receiver_expires_by_traffic)
+{
+	static const int order[] = {0, 0, 1, 1};
+	struct plan p = {"m/threadless", 4, order};
+	dlpc_client *c = connect_or_die(&D);
+	pid_t rx;
+
+	/* nobody reaches the socket: the temp dir is 0700 and the socket 0660 root:root */
+	ck_assert_int_eq(chmod(D.dir, 0755), 0);
+	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	ck_assert_int_eq(wait_child(start_sender(c, &p, true)), 0);
+	rx = spawn(threadless_receiver, (void *)p.ch);
+	ck_assert_int_eq(wait_child(rx), 0);
+	dlpc_close(c);
+}
+END_TEST
+
 /* A recycled buffer (dlpc_channel_alloc) refilled by its sender between messages: the kept
  * mapping shows the new bytes, as a fresh one would. The sender waits for each message to be
  * taken and its buffer to come back before the next. */
@@ -646,6 +705,7 @@ int main(void)
 	tcase_add_test(tc, opting_out_keeps_nothing);
 	tcase_add_test(tc, fork_and_close_let_go);
 	tcase_add_test(tc, recycled_buffer_shows_new_bytes);
+	tcase_add_test(tc, threadless_receiver_expires_by_traffic);
 	tcase_add_test(tc, idle_mapping_of_other_kind_goes_in_time);
 	tcase_add_test(tc, direct_stalling_file_never_blocks_the_receiver);
 	suite_add_tcase(s, tc);
