@@ -259,7 +259,7 @@ static void *map_host(int fd, size_t len, uint32_t flags, uint8_t *kind)
  * request). Consumes @p fd. */
 int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq, const char *name,
 		       const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
-		       dlpc_bundle **ret)
+		       const struct dlpc__mkey *key, dlpc_bundle **ret)
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
 	bool writable = flags & DLPC_ATTACH_WRITABLE;
@@ -305,7 +305,7 @@ int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq,
 		/* a channel's message: its storage's mapping may be kept for its next message */
 		if ((flags & DLPC__ATTACH_KEEP_MAP) && !writable && !(flags & DLPC_ATTACH_NO_CACHE))
 			m->base = dlpc__maps_take(c, fd, m->len, kind, flags & DLPC__ATTACH_SEALED,
-						  &m->key, &m->keyed);
+						  key, &m->key, &m->keyed);
 		if (m->base)
 			m->map_kind = kind;
 		else
@@ -554,7 +554,8 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 		dlpc__close(fd);
 		r = dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply", name);
 	} else {
-		r = dlpc__attach_build(c, epoch, cache, seq, name, rep, fd, flags, stream, ret);
+		r = dlpc__attach_build(c, epoch, cache, seq, name, rep, fd, flags, stream, NULL,
+				       ret);
 		if (r == 0)
 			r = (int)rep->generation;
 	}

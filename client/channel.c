@@ -476,7 +476,7 @@ static int recv_queued(dlpc_client *c, const char *channel, uint32_t flags, int6
 			-EPROTO, "cannot receive from channel '%s': dlpackd sent an unusable reply",
 			channel);
 	}
-	r = dlpc__attach_build(c, info.epoch, false, 0, channel, rep, fd, flags, NULL, ret);
+	r = dlpc__attach_build(c, info.epoch, false, 0, channel, rep, fd, flags, NULL, NULL, ret);
 	dlpc__arena_clear(&arena);
 	return r < 0 ? reword(r, "cannot attach", "cannot receive from", channel) : 0;
 }

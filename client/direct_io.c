@@ -304,7 +304,8 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, n, check_at = 0;
 	struct dlpc__wait w = {.wake = -1, .sock = -1};
 	struct ucred cred = {.pid = 0, .uid = (uid_t)-1};
-	bool waited = false, odd, credited;
+	bool waited = false, odd, credited, keyed = false;
+	struct dlpc__mkey key;
 	const uint8_t *table;
 	size_t table_len;
 	uint64_t size;
@@ -414,7 +415,7 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 			 "(receive bundles with dlpc_recv_bundle())",
 			 (long long)n);
 		r = -EINVAL;
-	} else if (!dlpc__maps_sealed(c, fd, size) &&
+	} else if (!dlpc__maps_sealed(c, fd, size, &key, &keyed) &&
 		   (r = dlpc__storage_check(fd, size, false, why, sizeof(why))) < 0) {
 		r = -EBADMSG;
 	}
@@ -436,5 +437,5 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	rep.owner_uid = (uint32_t)cred.uid;
 	rep.owner_pid = (int32_t)cred.pid;
 	return dlpc__attach_build(c, e->epoch, false, 0, channel, &rep, fd,
-				  flags | DLPC__ATTACH_SEALED, NULL, ret);
+				  flags | DLPC__ATTACH_SEALED, NULL, keyed ? &key : NULL, ret);
 }

@@ -321,10 +321,11 @@ bool dlpc__interrupted(void);
 /* attach.c: turn an ATTACH (or RECV) reply that came by connection @p epoch, and its fd (-1 for
  * legacy CUDA IPC), into a bundle mapped as DLPC_ATTACH_* @p flags say; consumes @p fd and, on
  * failure, releases the reply's reference; keeps the reference in the cache if @p cache (@p seq:
- * dlpc__cache_seq() before the request). Messages say "cannot attach '@p name'". */
+ * dlpc__cache_seq() before the request); @p key: the storage as maps.c tells it, if known
+ * already (NULL: found out here if needed). Messages say "cannot attach '@p name'". */
 int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq, const char *name,
 		       const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
-		       dlpc_bundle **ret);
+		       const struct dlpc__mkey *key, dlpc_bundle **ret);
 /* publish.c: where a publish's request goes instead of PUBLISH (a channel's SEND); @p fn sends
  * @p req and the storage @p fd (not consumed) and returns 0 or a negative errno. */
 struct dlpc__sink {
@@ -522,15 +523,16 @@ int64_t dlpc__mono_ms(void);
 
 /* A mapping of DLPC__MAP_* @p kind (SHARED_RO or COW) of @p len bytes of storage @p fd for a
  * message: an idle one kept from the same storage's earlier message, or NULL (map it). Fills
- * *@p key for dlpc__maps_put() and sets *@p keyed, unless the storage cannot be told (fstat()
- * failed, no memory) or the cache is off; remembers that the storage passed
- * dlpc__storage_check() read-only if @p sealed. */
+ * *@p key (from @p known, or fstat() when NULL) for dlpc__maps_put() and sets *@p keyed, unless
+ * the storage cannot be told (fstat() failed, no memory) or the cache is off; remembers that
+ * the storage passed dlpc__storage_check() read-only if @p sealed. */
 void *dlpc__maps_take(dlpc_client *c, int fd, size_t len, uint8_t kind, bool sealed,
-		      struct dlpc__mkey *key, bool *keyed);
+		      const struct dlpc__mkey *known, struct dlpc__mkey *key, bool *keyed);
 /* Did storage @p fd, for @p len bytes, pass dlpc__storage_check() read-only in an earlier
  * message? Such a storage cannot have changed since: its seals are final, its size sealed and
- * no page of a write-sealed memfd can be taken away. */
-bool dlpc__maps_sealed(dlpc_client *c, int fd, size_t len);
+ * no page of a write-sealed memfd can be taken away. Fills *@p key and sets *@p keyed when it
+ * could tell the storage (for dlpc__maps_take()'s @p known: no second fstat()). */
+bool dlpc__maps_sealed(dlpc_client *c, int fd, size_t len, struct dlpc__mkey *key, bool *keyed);
 /* Empty copy-on-write mapping @p base of @p len bytes of the pages its user wrote, so that it
  * shows the storage's bytes as a fresh mapping would: the written pages found (PAGEMAP_SCAN),
  * or all (MADV_DONTNEED) where the kernel cannot tell. 0, or -1 with errno set. */

@@ -268,10 +268,9 @@ static int key_of(const struct dlpc__cache *k, int fd, size_t len, struct dlpc__
 	return 0;
 }
 
-bool dlpc__maps_sealed(dlpc_client *c, int fd, size_t len)
+bool dlpc__maps_sealed(dlpc_client *c, int fd, size_t len, struct dlpc__mkey *key, bool *keyed)
 {
 	struct dlpc__cache *k = &c->cache;
-	struct dlpc__mkey key;
 	struct dlpc__mentry *e;
 	bool sealed;
 	int seals = fcntl(fd, F_GET_SEALS);
@@ -279,20 +278,22 @@ bool dlpc__maps_sealed(dlpc_client *c, int fd, size_t len)
 	/* F_GET_SEALS first, as dlpc__storage_check() does: it answers from the inode, for shmem
 	 * and hugetlbfs alone, so that fstat() below never calls into a hostile sender's
 	 * filesystem (a FUSE server that never answers would block the receive) */
+	*keyed = false;
 	if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL)) !=
 				 (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL))
 		return false;
-	if (key_of(k, fd, len, &key) < 0)
+	if (key_of(k, fd, len, key) < 0)
 		return false;
+	*keyed = true;
 	pthread_mutex_lock(&k->mu);
-	e = find(k, &key, key_hash(&key));
+	e = find(k, key, key_hash(key));
 	sealed = e && e->sealed;
 	pthread_mutex_unlock(&k->mu);
 	return sealed;
 }
 
 void *dlpc__maps_take(dlpc_client *c, int fd, size_t len, uint8_t kind, bool sealed,
-		      struct dlpc__mkey *key, bool *keyed)
+		      const struct dlpc__mkey *known, struct dlpc__mkey *key, bool *keyed)
 {
 	struct dlpc__cache *k = &c->cache;
 	struct dlpc__mentry *e, *fresh = NULL, *dead = NULL;
@@ -300,7 +301,9 @@ void *dlpc__maps_take(dlpc_client *c, int fd, size_t len, uint8_t kind, bool sea
 	uint32_t hash;
 
 	*keyed = false;
-	if (key_of(k, fd, len, key) < 0)
+	if (known && __atomic_load_n(&k->maps_on, __ATOMIC_RELAXED))
+		*key = *known;
+	else if (known || key_of(k, fd, len, key) < 0)
 		return NULL;
 	hash = key_hash(key);
 	pthread_mutex_lock(&k->mu);
