@@ -397,7 +397,8 @@ bool dlpc__maps_put(dlpc_client *c, const struct dlpc__region *r)
 		list_push(k, e);
 		k->maps_nidle++;
 		k->maps_idle_bytes += r->len;
-		/* the bytes bound: the mappings kept longest ago go first (not this one: it fits) */
+		/* the bytes bound: the mappings of the storages used least recently go first (not
+		 * this one: its storage is the most recent, and it fits) */
 		for (struct dlpc__mentry *v = k->maps_tail, *newer;
 		     v && k->maps_idle_bytes > k->max_bytes; v = newer) {
 			newer = v->newer;
