@@ -410,7 +410,7 @@ void dlpc__cache_off(dlpc_client *c)
 	pthread_mutex_unlock(&c->cache.mu);
 	dlpc__cache_drop(c);
 	dlpc__cache_reap(c);
-	dlpc__maps_clear(c, true);
+	dlpc__maps_clear(c);
 }
 
 int64_t dlpc__cache_sweep(dlpc_client *c)
@@ -433,7 +433,7 @@ void dlpc__cache_clear(dlpc_client *c)
 	/* nothing uses an entry any more: every region held a reference on the client */
 	dlpc__cache_drop(c);
 	dlpc__cache_reap(c);
-	dlpc__maps_clear(c, true);
+	dlpc__maps_clear(c);
 	pthread_mutex_destroy(&c->cache.mu);
 }
 
@@ -464,5 +464,5 @@ void dlpc__cache_forked(dlpc_client *c)
 		}
 	k->on = false;
 	pthread_mutex_init(&k->mu, NULL);
-	dlpc__maps_forked(c);
+	dlpc__maps_clear(c);
 }

@@ -543,12 +543,10 @@ bool dlpc__maps_put(dlpc_client *c, const struct dlpc__region *r);
 /* Unmap the idle mappings: all (@p all), or those idle past the bounds; the monotonic ms when
  * the next one expires, or 0. Under no lock. */
 int64_t dlpc__maps_sweep(dlpc_client *c, bool all);
-/* Forget every storage and unmap the idle mappings (dlpc_close(), client_free()): @p off also
- * turns the cache of mappings off for good. */
-void dlpc__maps_clear(dlpc_client *c, bool off);
-/* In a forked child (under no lock, the cache's lock started afresh): unmap the parent's idle
- * mappings, keep nothing more. */
-void dlpc__maps_forked(dlpc_client *c);
+/* Turn the cache of mappings off for good, forget every storage and unmap the idle mappings
+ * (dlpc_close(), client_free(); in a forked child, the parent's, once the cache's lock is
+ * started afresh). */
+void dlpc__maps_clear(dlpc_client *c);
 /* Close this process's /proc/self/pagemap, opened by dlpc__cow_clean() (its last client went). */
 void dlpc__maps_pagemap_close(void);
 /* fork(): hold the lock of this process's pagemap fd (@p phase 0, prepare), let go of it (1,

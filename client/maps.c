@@ -437,18 +437,10 @@ int64_t dlpc__maps_sweep(dlpc_client *c, bool all)
 	return next;
 }
 
-void dlpc__maps_clear(dlpc_client *c, bool off)
+void dlpc__maps_clear(dlpc_client *c)
 {
-	if (off) {
-		pthread_mutex_lock(&c->cache.mu);
-		__atomic_store_n(&c->cache.maps_on, false, __ATOMIC_RELAXED);
-		pthread_mutex_unlock(&c->cache.mu);
-	}
-	dlpc__maps_sweep(c, true);
-}
-
-void dlpc__maps_forked(dlpc_client *c)
-{
+	pthread_mutex_lock(&c->cache.mu);
 	__atomic_store_n(&c->cache.maps_on, false, __ATOMIC_RELAXED);
+	pthread_mutex_unlock(&c->cache.mu);
 	dlpc__maps_sweep(c, true);
 }

@@ -46,6 +46,30 @@ int fd_count(pid_t pid)
 	return pid == getpid() ? n - 1 : n;
 }
 
+int fd_links(pid_t pid, bool (*match)(const char *target, void *arg), void *arg)
+{
+	char path[300], target[512];
+	struct dirent *de;
+	DIR *dir;
+	int n = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+	dir = opendir(path);
+	while (dir && (de = readdir(dir))) {
+		ssize_t len;
+
+		snprintf(path, sizeof(path), "/proc/%d/fd/%s", (int)pid, de->d_name);
+		len = readlink(path, target, sizeof(target) - 1);
+		if (len <= 0)
+			continue;
+		target[len] = '\0';
+		n += match(target, arg);
+	}
+	if (dir)
+		closedir(dir);
+	return n;
+}
+
 /* The daemon on @p sock, or (@p listen_fd >= 0) on the listening socket @p listen_fd passed as
  * socket activation passes it. */
 static pid_t spawn_daemon(const char *sock, const char *log, const struct daemon_opts *o,
@@ -330,6 +354,13 @@ DLManagedTensorVersioned *host_tensor(void *data, DLDataType dt, int ndim, const
 	h->t.dl_tensor.shape = h->dims;
 	h->t.dl_tensor.strides = strides ? h->dims + DLPC_NDIM_MAX : NULL;
 	return &h->t;
+}
+
+void caches_at_defaults(void)
+{
+	unsetenv(DLPC_CACHE_ENTRIES_ENV);
+	unsetenv(DLPC_CACHE_BYTES_ENV);
+	unsetenv(DLPC_CACHE_IDLE_MS_ENV);
 }
 
 int run_suite(Suite *s)

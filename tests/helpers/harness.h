@@ -50,6 +50,9 @@ bool log_has(const char *log, const char *text);
 ssize_t send_fds_raw(int sock, const void *data, size_t len, const int *fds, unsigned nfds);
 /* Open fds of a process, from /proc/PID/fd. */
 int fd_count(pid_t pid);
+/* The fds of process @p pid whose /proc/PID/fd link target (a path, "socket:[N]", ...) @p match
+ * accepts (@p arg passed on); 0 when the process is gone. */
+int fd_links(pid_t pid, bool (*match)(const char *target, void *arg), void *arg);
 /* Milliseconds scaled by DLPC_TEST_SLOW. */
 int scaled_ms(int ms);
 
@@ -69,6 +72,9 @@ dlpc_channel_info chan_or_die(dlpc_client *c, const char *name);
 		_ok;                                                                               \
 	})
 
+/* Undo what run_suite() set for the suites that count references: libdlpc's caches at their
+ * defaults ($DLPC_CACHE_* unset), for a suite that tests them. */
+void caches_at_defaults(void);
 /* Run @p s in fork mode and free it; the process's exit status: 0 if every test passed. */
 int run_suite(Suite *s);
 

@@ -18,11 +18,8 @@ static struct daemon D;
 
 static void setup(void)
 {
-	/* run_suite() turned the cache off for the other suites; here it is on, at its
-	 * defaults unless a test sets a bound */
-	unsetenv(DLPC_CACHE_ENTRIES_ENV);
-	unsetenv(DLPC_CACHE_BYTES_ENV);
-	unsetenv(DLPC_CACHE_IDLE_MS_ENV);
+	/* on, at their defaults unless a test sets a bound */
+	caches_at_defaults();
 	daemon_start(&D);
 }
 

@@ -127,11 +127,16 @@ static bool ours(pid_t pid)
 	return false;
 }
 
+static bool is_want(const char *target, void *arg)
+{
+	return strcmp(target, arg) == 0;
+}
+
 /* fds and mappings, in this process and its descendants, of memfds libdlpc made for channel
  * @p ch ("dlpc:CH"). */
 static int memfds_held(const char *ch)
 {
-	char want[128], path[600], target[512], line[1024];
+	char want[128], path[600], line[1024];
 	DIR *proc = opendir("/proc");
 	struct dirent *p;
 	int n = 0;
@@ -139,26 +144,11 @@ static int memfds_held(const char *ch)
 	ck_assert_ptr_nonnull(proc);
 	snprintf(want, sizeof(want), "/memfd:dlpc:%s (deleted)", ch);
 	while ((p = readdir(proc))) {
-		DIR *fds;
-		struct dirent *f;
 		FILE *maps;
 
 		if (p->d_name[0] < '1' || p->d_name[0] > '9' || !ours(atoi(p->d_name)))
 			continue;
-		snprintf(path, sizeof(path), "/proc/%s/fd", p->d_name);
-		fds = opendir(path);
-		while (fds && (f = readdir(fds))) {
-			ssize_t k;
-
-			snprintf(path, sizeof(path), "/proc/%s/fd/%s", p->d_name, f->d_name);
-			k = readlink(path, target, sizeof(target) - 1);
-			if (k <= 0)
-				continue;
-			target[k] = '\0';
-			n += strcmp(target, want) == 0;
-		}
-		if (fds)
-			closedir(fds);
+		n += fd_links(atoi(p->d_name), is_want, want);
 		snprintf(path, sizeof(path), "/proc/%s/maps", p->d_name);
 		maps = fopen(path, "re");
 		while (maps && fgets(line, sizeof(line), maps)) {
@@ -1087,28 +1077,27 @@ END_TEST
 
 /* ---- 9: a forked child closes the ends it inherited, and joins anew ---- */
 
+struct inodes {
+	unsigned long *ino;
+	int n, max;
+};
+
+static bool socket_inode(const char *target, void *arg)
+{
+	struct inodes *set = arg;
+
+	if (set->n < set->max && sscanf(target, "socket:[%lu]", &set->ino[set->n]) == 1)
+		set->n++;
+	return false;
+}
+
 /* The socket inodes open in this process ("socket:[N]"), at most @p max into @p ino. */
 static int sockets_open(unsigned long *ino, int max)
 {
-	DIR *d = opendir("/proc/self/fd");
-	struct dirent *f;
-	char path[300], target[128];
-	int n = 0;
+	struct inodes set = {ino, 0, max};
 
-	ck_assert_ptr_nonnull(d);
-	while ((f = readdir(d))) {
-		ssize_t k;
-
-		snprintf(path, sizeof(path), "/proc/self/fd/%s", f->d_name);
-		k = readlink(path, target, sizeof(target) - 1);
-		if (k <= 0)
-			continue;
-		target[k] = '\0';
-		if (n < max && sscanf(target, "socket:[%lu]", &ino[n]) == 1)
-			n++;
-	}
-	closedir(d);
-	return n;
+	fd_links(getpid(), socket_inode, &set);
+	return set.n;
 }
 
 static bool has(const unsigned long *set, int n, unsigned long x)

@@ -6,7 +6,6 @@
  * message; a recycled buffer refilled by its sender shows its new bytes; two storages are never
  * confused; the bounds, the idle time, the opt-outs, dlpc_close() and fork() let go of them.
  */
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -34,11 +33,8 @@ static struct daemon D;
 
 static void setup(void)
 {
-	/* run_suite() turned the caches off for the other suites: here they are at their
-	 * defaults unless a test sets a bound */
-	unsetenv(DLPC_CACHE_ENTRIES_ENV);
-	unsetenv(DLPC_CACHE_BYTES_ENV);
-	unsetenv(DLPC_CACHE_IDLE_MS_ENV);
+	/* on, at their defaults unless a test sets a bound */
+	caches_at_defaults();
 	daemon_start(&D);
 }
 
@@ -146,27 +142,16 @@ static DLManagedTensorVersioned *recv_or_die(dlpc_client *c, const char *ch, uin
 	return t;
 }
 
+static bool is_pagemap(const char *target, void *arg)
+{
+	(void)arg;
+	return strstr(target, "/pagemap") != NULL;
+}
+
 /* This process's fds open on a /proc/PID/pagemap. */
 static int pagemap_fds(void)
 {
-	DIR *d = opendir("/proc/self/fd");
-	struct dirent *de;
-	char path[300], target[128];
-	int n = 0;
-
-	ck_assert_ptr_nonnull(d);
-	while ((de = readdir(d))) {
-		ssize_t len;
-
-		snprintf(path, sizeof(path), "/proc/self/fd/%s", de->d_name);
-		len = readlink(path, target, sizeof(target) - 1);
-		if (len > 0) {
-			target[len] = '\0';
-			n += strstr(target, "/pagemap") != NULL;
-		}
-	}
-	closedir(d);
-	return n;
+	return fd_links(getpid(), is_pagemap, NULL);
 }
 
 /* Wait until nothing is mapped at @p addr any more; whether it happened. */
