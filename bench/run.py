@@ -101,7 +101,8 @@ def start_daemon(build, tmp, store=None):
     # one uid publishes the footprint run's entries: it may use the whole fd budget, not the
     # share (--max-fd-share-per-uid) a uid gets when others need room too
     proc = subprocess.Popen([os.path.join(build, "dlpackd"), "--socket", sock,
-                             "--log-level", "warning", "--max-fd-share-per-uid", "100"],
+                             "--log-level", "warning", "--max-fd-share-per-uid", "100",
+                             "--max-memory-per-uid", "1T"],
                             stdout=log, stderr=log, preexec_fn=fd_limit_for_daemon, env=env)
     for _ in range(500):
         try:

@@ -45,6 +45,7 @@ struct dlpd_channel *dlpd_channel_new(struct dlpd_registry *r, const uint8_t *na
 	ch->usage = u;
 	u->entries++;
 	u->channels++;
+	u->memory += DLPD_CHANNEL_COST + len;
 	return ch;
 }
 
@@ -53,6 +54,7 @@ void dlpd_channel_free(struct dlpd_registry *r, struct dlpd_channel *ch)
 	dlpd_hmap_remove(&r->channels, &ch->node);
 	ch->usage->entries--;
 	ch->usage->channels--;
+	ch->usage->memory -= DLPD_CHANNEL_COST + ch->len;
 	dlpd_usage_put(r, ch->usage);
 	free(ch);
 }

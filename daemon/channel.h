@@ -24,6 +24,7 @@ struct dlpd_msg {
 	uint32_t ntensors;   /* 1, or a bundle's count */
 	uint64_t pool_token; /* a pooled message: its sender's buffer, told back by RECLAIM */
 	uint64_t seq;	     /* its number in the channel, given when admitted */
+	uint64_t memory;     /* charged to st->usage's memory while queued */
 	uid_t uid;	     /* the sender's */
 	pid_t pid;
 };

@@ -34,6 +34,7 @@ struct dlpd_config dlpd_config = {
 struct dlpd_limits dlpd_limits = {
 	.bytes_per_uid = DLPC_UID_BYTES_DEFAULT,
 	.entries_per_uid = DLPC_UID_ENTRIES_DEFAULT,
+	.memory_per_uid = DLPC_UID_MEMORY_DEFAULT,
 	.connections_per_uid = DLPC_UID_CONNECTIONS_DEFAULT,
 	.fd_share_per_uid = DLPC_UID_FD_SHARE_DEFAULT,
 	.refs_per_connection = DLPC_CONN_REFS_DEFAULT,
@@ -117,6 +118,10 @@ static const struct option_row options[] = {
 		 UINT64_MAX, "storage bytes one uid may hold, counted on the\ndeclared size"),
 	OPT_UINT("max-entries-per-uid", "DLPACKD_MAX_ENTRIES_PER_UID", dlpd_limits.entries_per_uid,
 		 1, UINT64_MAX, "names and channels one uid may have"),
+	OPT_SIZE("max-memory-per-uid", "DLPACKD_MAX_MEMORY_PER_UID", dlpd_limits.memory_per_uid,
+		 4096, UINT64_MAX,
+		 "dlpackd's own memory that one uid's entries,\nmessages, channels and references "
+		 "may take"),
 	OPT_UINT("max-connections-per-uid", "DLPACKD_MAX_CONNECTIONS_PER_UID",
 		 dlpd_limits.connections_per_uid, 1, UINT64_MAX, "open connections of one uid"),
 	OPT_UINT("max-fd-share-per-uid", "DLPACKD_MAX_FD_SHARE_PER_UID",

@@ -30,6 +30,7 @@ const char *dlpd_config_bind_option_given(const char **env);
 struct dlpd_limits {
 	uint64_t bytes_per_uid;
 	uint64_t entries_per_uid;
+	uint64_t memory_per_uid; /* the daemon's memory its records take (limits.h) */
 	uint64_t connections_per_uid;
 	uint64_t fd_share_per_uid; /* percent of the fd budget */
 	uint64_t refs_per_connection;

@@ -39,6 +39,7 @@ static void channel_name(const struct dlpd_channel *ch, char *buf, size_t len)
 static void msg_free(struct dlpd_server *s, struct dlpd_msg *m)
 {
 	s->reg.messages--;
+	m->st->usage->memory -= m->memory;
 	dlpd_storage_gone(s, dlpd_storage_unname(m->st));
 	free(m->tensors_wire);
 	free(m);
@@ -78,7 +79,7 @@ static int give(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint3
 	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
 	struct dlpd_server *s = p->srv;
 	struct dlpd_msg *m = dlpd_container_of(ch->queue.next, struct dlpd_msg, link);
-	char name[DLPC_NAME_TEXT];
+	char name[DLPC_NAME_TEXT], why[256];
 	struct dlpd_ref *ref;
 	int r;
 
@@ -96,6 +97,10 @@ static int give(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint3
 			"cannot receive from channel '%s': this connection holds %zu references; "
 			"the limit is %llu (--max-refs-per-connection)",
 			name, p->held.refs.count, (unsigned long long)s->lim.refs_per_connection);
+	r = dlpd_quota_memory(p, DLPD_REF_COST, 0, why, sizeof(why));
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot receive from channel '%s': %s", name,
+					why);
 	ref = dlpd_ref_new(&s->reg, &p->held, m->st);
 	if (!ref)
 		return dlpd_reply_error(p, id, ENOMEM,
@@ -114,6 +119,7 @@ static int give(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint3
 	if (r == 0)
 		s->stats.fds_sent++;
 	/* the reference holds it now: this cannot free it */
+	m->st->usage->memory -= m->memory;
 	dlpd_storage_unname(m->st);
 	s->reg.messages--;
 	free(m->tensors_wire);
@@ -350,6 +356,8 @@ static struct dlpd_msg *msg_new(struct dlpd_peer *p, Dlpackd__V1__Publish *pub,
 	m->ntensors = (uint32_t)pub->n_tensors;
 	m->uid = p->uid;
 	m->pid = p->pid;
+	m->memory = dlpd_record_cost(f->hdr.len, pub->n_tensors);
+	m->st->usage->memory += m->memory;
 	s->reg.messages++;
 	return m;
 }
@@ -388,6 +396,10 @@ int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 	if (ch->ends[0] >= 0)
 		return direct_refused(p, id, "send to", name);
 	r = quota_message(p, req->message->storage_size, why, sizeof(why));
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot send to channel '%s': %s", name, why);
+	r = dlpd_quota_memory(p, dlpd_record_cost(f->hdr.len, req->message->n_tensors), 0, why,
+			      sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot send to channel '%s': %s", name, why);
 	if ((ch->nsenders > 0 || ch->depth >= ch->capacity) && req->timeout_ms == 0)

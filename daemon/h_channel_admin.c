@@ -78,7 +78,7 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 	struct dlpd_server *s = p->srv;
 	struct dlpd_channel *ch = dlpd_channel_find(&s->reg, req->name.data, req->name.len);
 	uint32_t cap = req->capacity ? req->capacity : DLPC_CHANNEL_CAPACITY_DEFAULT;
-	char desc[96];
+	char desc[96], why[256];
 
 	if (req->capacity > DLPC_CHANNEL_CAPACITY_MAX)
 		return dlpd_reply_error(p, id, EINVAL,
@@ -114,6 +114,8 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					name, (unsigned)p->uid,
 					(unsigned long long)p->usage->entries,
 					(unsigned long long)s->lim.entries_per_uid);
+	if (dlpd_quota_memory(p, DLPD_CHANNEL_COST + req->name.len, 0, why, sizeof(why)) < 0)
+		return dlpd_reply_error(p, id, EDQUOT, "cannot open channel '%s': %s", name, why);
 	ch = dlpd_channel_new(&s->reg, req->name.data, req->name.len, cap, p->usage);
 	if (!ch)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot open channel '%s': out of memory",
@@ -121,7 +123,6 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 	ch->uid = p->uid;
 	ch->pid = p->pid;
 	if (req->flags & DLPC_CHANNEL_DIRECT) {
-		char why[160];
 		int r = dlpd_direct_open(s, ch, cap, why, sizeof(why));
 
 		if (r < 0) {

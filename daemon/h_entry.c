@@ -123,6 +123,10 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 			       sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
+	r = dlpd_quota_memory(p, dlpd_record_cost(f->hdr.len, req->n_tensors),
+			      old && old->usage == p->usage ? old->memory : 0, why, sizeof(why));
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
 
 	dlpd_entry_drop_unknown_fields(req);
 	wire = dlpd_entry_encode_tensors(req, &wire_len);
@@ -148,6 +152,7 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	e->generation = old && old->generation < INT32_MAX ? old->generation + 1 : 1;
 	e->uid = p->uid;
 	e->usage = p->usage;
+	e->memory = dlpd_record_cost(f->hdr.len, req->n_tensors);
 	e->pid = p->pid;
 	e->created_ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
 	rep.generation = e->generation;

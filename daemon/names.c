@@ -15,6 +15,7 @@
 #include "names.h"
 #include "peer.h"
 #include "persist.h"
+#include "quota.h"
 #include "reaper.h"
 #include "reclaim.h"
 #include "util.h"
@@ -96,7 +97,7 @@ int dlpd_attach_answer(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, u
 	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
 	const Dlpackd__V1__Publish *pub = e->pub;
 	struct dlpd_server *s = p->srv;
-	char name[DLPC_NAME_TEXT];
+	char name[DLPC_NAME_TEXT], why[256];
 	struct dlpd_ref *ref;
 	int r;
 
@@ -119,6 +120,11 @@ int dlpd_attach_answer(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, u
 			"%llu (--max-refs-per-connection)",
 			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)),
 			p->held.refs.count, (unsigned long long)s->lim.refs_per_connection);
+	r = dlpd_quota_memory(p, DLPD_REF_COST, 0, why, sizeof(why));
+	if (r < 0)
+		return dlpd_reply_error(
+			p, id, r, "cannot attach '%s': %s",
+			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)), why);
 	ref = dlpd_ref_new(&s->reg, &p->held, e->st);
 	if (!ref)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot attach: out of memory");

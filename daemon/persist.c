@@ -740,6 +740,8 @@ static void restore_entry(struct restore *rs, struct live_rec *l)
 	e->generation = fx.generation;
 	e->uid = (uid_t)fx.uid;
 	e->usage = u;
+	e->memory =
+		dlpd_record_cost(protobuf_c_message_get_packed_size(&req->base), req->n_tensors);
 	e->pid = (pid_t)fx.pid;
 	e->created_ns = fx.created_ns;
 	e->tensors_wire = wire;

@@ -89,6 +89,21 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 	return 0;
 }
 
+int dlpd_quota_memory(const struct dlpd_peer *p, uint64_t more, uint64_t freed, char *why,
+		      size_t whylen)
+{
+	uint64_t held = p->usage->memory - freed, limit = p->srv->lim.memory_per_uid;
+
+	if (more <= limit && held <= limit - more)
+		return 0;
+	snprintf(why, whylen,
+		 "uid %u has %llu bytes of dlpackd's memory in entries, messages, channels and "
+		 "references, and this needs %llu more; the limit is %llu (--max-memory-per-uid)",
+		 (unsigned)p->uid, (unsigned long long)held, (unsigned long long)more,
+		 (unsigned long long)limit);
+	return -EDQUOT;
+}
+
 uint64_t dlpd_uid_fd_share(const struct dlpd_server *s)
 {
 	if (s->fd_budget == UINT64_MAX)

@@ -84,6 +84,7 @@ int dlpd_entry_link(struct dlpd_registry *r, struct dlpd_entry *e, struct dlpd_h
 		return err;
 	r->sorted_valid = false;
 	e->usage->entries++;
+	e->usage->memory += e->memory;
 	e->owner = owner;
 	if (owner)
 		dlpd_list_add_tail(&owner->ephemeral, &e->owner_link);
@@ -137,6 +138,7 @@ struct dlpd_storage *dlpd_entry_unlink(struct dlpd_registry *r, struct dlpd_entr
 	if (e->owner)
 		dlpd_list_del(&e->owner_link);
 	e->usage->entries--;
+	e->usage->memory -= e->memory;
 	dlpd_usage_put(r, e->usage);
 	dlpd_entry_free_unlinked(e);
 	return storage_unhold(st, true);
@@ -250,6 +252,7 @@ struct dlpd_ref *dlpd_ref_new(struct dlpd_registry *r, struct dlpd_holdings *h,
 	st->attach_refs++;
 	dlpd_list_add_tail(&st->refs, &ref->st_link);
 	r->refs++;
+	h->usage->memory += DLPD_REF_COST;
 	return ref;
 }
 
@@ -291,6 +294,7 @@ struct dlpd_storage *dlpd_ref_drop(struct dlpd_registry *r, struct dlpd_holdings
 	dlpd_ref_mark(r, ref, false);
 	dlpd_list_del(&ref->st_link);
 	r->refs--;
+	h->usage->memory -= DLPD_REF_COST;
 	free(ref);
 	pin_drop(st, h->usage);
 	return storage_unhold(st, false);
@@ -397,7 +401,8 @@ struct dlpd_usage *dlpd_usage_get(struct dlpd_registry *r, uid_t uid)
 
 void dlpd_usage_put(struct dlpd_registry *r, struct dlpd_usage *u)
 {
-	if (!u || u->storages || u->entries || u->connections || u->pinned_bytes || u->pinned_fds)
+	if (!u || u->storages || u->entries || u->connections || u->pinned_bytes || u->pinned_fds ||
+	    u->memory)
 		return;
 	dlpd_hmap_remove(&r->uids, &u->node);
 	free(u);

@@ -34,7 +34,27 @@ struct dlpd_usage {
 	uint64_t entries;      /* names it has published */
 	uint64_t connections;  /* its open connections */
 	uint64_t channels;     /* channels it opened (counted as entries too) */
+	uint64_t memory;       /* the daemon's memory its records take (DLPD_*_COST) */
 };
+
+/*
+ * What the daemon's records cost, as charged to a uid's memory (--max-memory-per-uid):
+ * estimates of what it allocates, malloc's overhead and the hash maps' slots included, measured
+ * with bench/neighbours.py (88 bytes a reference, 184 a channel, 728 an entry of one small
+ * tensor, 2.6 KiB of 10 and 112 KiB of 500 with 26-byte keys).
+ */
+#define DLPD_REF_COST 96
+#define DLPD_CHANNEL_COST 192
+#define DLPD_RECORD_COST 512
+/* What each tensor of an entry or message adds to its request's bytes once unpacked. */
+#define DLPD_TENSOR_COST 160
+/* What an entry or a queued message published by a request of @p wire_len bytes with
+ * @p ntensors tensors is charged: the request twice (unpacked, and its tensors encoded as attach
+ * replies carry them), and each tensor's unpacked structures. */
+static inline uint64_t dlpd_record_cost(size_t wire_len, size_t ntensors)
+{
+	return DLPD_RECORD_COST + 2 * (uint64_t)wire_len + DLPD_TENSOR_COST * (uint64_t)ntensors;
+}
 
 /* The references one uid holds on one storage. */
 struct dlpd_pin {
@@ -82,6 +102,7 @@ struct dlpd_entry {
 	struct dlpd_holdings *owner; /* the publishing connection's if ephemeral, else NULL */
 	struct dlpd_list owner_link; /* in owner->ephemeral */
 	uint64_t journaled;	     /* persist.c: bytes of its record in the journal, 0 if none */
+	uint64_t memory;	     /* charged to usage's memory while linked */
 };
 
 struct dlpd_ref {

@@ -100,6 +100,14 @@
 #define DLPC_UID_BYTES_DEFAULT (1ull << 40)
 /* Names one uid may have published at once. --max-entries-per-uid */
 #define DLPC_UID_ENTRIES_DEFAULT (1u << 20)
+/* Bytes of the daemon's own memory that one uid's records may take: its entries (the request
+ * that published each, its tensors as attach replies carry them), the messages it queued in
+ * channels, its channels and the references its connections hold. Each is charged with an
+ * estimate of what the daemon allocates for it (registry.h, DLPD_*_COST). The default keeps any
+ * one uid within 64 MiB of the daemon's memory: about 85,000 entries of one tensor, 500 of
+ * 500 tensors, or 700,000 references.
+ * --max-memory-per-uid */
+#define DLPC_UID_MEMORY_DEFAULT (64ull << 20)
 /* Open connections of one uid. --max-connections-per-uid */
 #define DLPC_UID_CONNECTIONS_DEFAULT 4096
 /* References (attaches not yet released) one connection may hold. --max-refs-per-connection */

@@ -798,6 +798,112 @@ START_TEST(test_quota_entries_per_uid)
 }
 END_TEST
 
+/* --max-memory-per-uid in the memory test: room for a few hundred references. */
+#define MEMORY_LIMIT 65536
+#define MEMORY_REFS_MAX 1024
+
+/* What the memory test's child tells its parent, and when the parent lets it go on. */
+struct memory_test {
+	int full[2], done[2];
+};
+
+/* Attach 'x' over two connections until the uid's memory is full; how many it took. */
+static size_t attach_until_full(dlpc_client *c[2], DLManagedTensorVersioned **held)
+{
+	size_t n = 0;
+	int r;
+
+	while (n < MEMORY_REFS_MAX && (r = dlpc_attach(c[n % 2], "x", NULL, &held[n])) == 1)
+		n++;
+	CHILD_CHECK(n < MEMORY_REFS_MAX && r == -EDQUOT);
+	CHILD_CHECK(error_says("cannot attach 'x': uid 65534 has") &&
+		    error_says("the limit is 65536 (--max-memory-per-uid)"));
+	return n;
+}
+
+static int nobody_memory(void *arg)
+{
+	static DLManagedTensorVersioned *held[MEMORY_REFS_MAX];
+	struct memory_test *t = arg;
+	dlpc_client *c[2];
+	size_t n, again;
+	char go;
+
+	become_nobody();
+	for (int i = 0; i < 2; i++)
+		CHILD_CHECK(dlpc_connect_flags(D.sock, DLPC_CONNECT_NO_CACHE, &c[i]) == 0);
+	/* the bound is the uid's, across its connections (each may hold 65536 references) */
+	n = attach_until_full(c, held);
+	CHILD_CHECK(n >= MEMORY_LIMIT / 128 && n <= MEMORY_LIMIT / 64);
+	/* while it is full, nothing else that takes the daemon's memory is let in */
+	CHILD_CHECK(publish(c[0], "nobody/e", 0) == -EDQUOT && error_says("--max-memory-per-uid"));
+	CHILD_CHECK(dlpc_channel_open(c[0], "nobody/ch", 0, NULL) == -EDQUOT &&
+		    error_says("--max-memory-per-uid"));
+	CHILD_CHECK(write(t->full[1], "f", 1) == 1);
+	CHILD_CHECK(read(t->done[0], &go, 1) == 1);
+	/* released references give their memory back: as many again, and no more */
+	for (size_t i = 0; i < n; i++)
+		held[i]->deleter(held[i]);
+	again = attach_until_full(c, held);
+	CHILD_CHECK(again == n);
+	for (size_t i = 0; i < n; i++)
+		held[i]->deleter(held[i]);
+	/* and so do unpublished entries: publish until full, unpublish, publish as many again */
+	for (n = 0; n < MEMORY_REFS_MAX; n++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "nobody/%zu", n);
+		if (publish(c[0], name, 0) != 1)
+			break;
+	}
+	CHILD_CHECK(n > 0 && n < MEMORY_LIMIT / 512 && error_says("--max-memory-per-uid"));
+	for (size_t i = 0; i < n; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "nobody/%zu", i);
+		CHILD_CHECK(dlpc_unpublish(c[0], name) == 0);
+	}
+	CHILD_CHECK(publish(c[0], "nobody/0", 0) == 1);
+	dlpc_close(c[0]);
+	dlpc_close(c[1]);
+	return 0;
+}
+
+/* One uid's references, entries and channels take at most --max-memory-per-uid of the daemon's
+ * memory, across all its connections; reaching it costs that uid alone; releasing gives it
+ * back. */
+START_TEST(test_memory_per_uid)
+{
+	static const char *const args[] = {"--max-memory-per-uid", "65536", NULL};
+	struct memory_test t;
+	DLManagedTensorVersioned *mine;
+	dlpc_client *c;
+	pid_t child;
+	char got;
+
+	ck_assert_int_eq(pipe2(t.full, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(t.done, O_CLOEXEC), 0);
+	start(args, 0);
+	open_for_others();
+	c = connect_or_die(&D);
+	ck_assert_dlpc(publish(c, "x", 0), 1);
+	child = spawn(nobody_memory, &t);
+	ck_assert_int_eq(read(t.full[0], &got, 1), 1);
+	/* root is another uid: it publishes, attaches and opens channels all along */
+	ck_assert_dlpc(publish(c, "root/y", 0), 1);
+	ck_assert_dlpc(dlpc_attach(c, "x", NULL, &mine), 1);
+	ck_assert_dlpc(dlpc_channel_open(c, "root/ch", 0, NULL), 1);
+	mine->deleter(mine);
+	ck_assert_int_eq(write(t.done[1], "g", 1), 1);
+	ck_assert_int_eq(wait_child(child), 0);
+	for (int i = 0; i < 2; i++) {
+		close(t.full[i]);
+		close(t.done[i]);
+	}
+	dlpc_close(c);
+}
+END_TEST
+
 /* A storage far larger than the one float it holds (16 MiB, allocated). */
 #define BIG (16ull << 20)
 
@@ -1692,6 +1798,7 @@ static Suite *limits_suite(void)
 	tcase_add_test(own, test_channels_across_uids);
 	tcase_add_test(quota, test_limit_flags_checked);
 	tcase_add_test(quota, test_quota_entries_per_uid);
+	tcase_add_test(quota, test_memory_per_uid);
 	tcase_add_test(quota, test_quota_bytes_count_declared_size);
 	tcase_add_test(quota, test_quota_bytes_held_until_freed);
 	tcase_add_test(quota, test_quota_connections_per_uid);
