@@ -90,6 +90,7 @@ static void destroy(struct dlpd_peer *p)
 	dlpd_channels_drop_peer(p);
 	dlpd_names_drop_peer(p);
 	p->usage->connections--;
+	p->usage->memory -= DLPD_CONNECTION_COST;
 	dlpd_usage_put(&s->reg, p->usage);
 	p->usage = NULL;
 	dlpc__rx_clear(&p->rx);
@@ -349,6 +350,7 @@ struct dlpd_peer *dlpd_peer_new(struct dlpd_server *s, int fd)
 		return NULL;
 	}
 	p->usage->connections++;
+	p->usage->memory += DLPD_CONNECTION_COST;
 	dlpc__rx_init(&p->rx);
 	dlpc__tx_init(&p->tx);
 	dlpd_holdings_init(&p->held);

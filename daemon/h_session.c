@@ -47,6 +47,15 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 			       (unsigned)p->uid, n, max);
 		return -EDQUOT;
 	}
+	/* and its memory among its uid's (which its records may have taken already) */
+	if (p->usage->memory > p->srv->lim.memory_per_uid) {
+		char why[256];
+
+		dlpd_quota_memory(p, DLPD_CONNECTION_COST, DLPD_CONNECTION_COST, why, sizeof(why));
+		dlpd_reply_error(p, id, EDQUOT, "%s", why);
+		dlpd_peer_fail(p, LOG_NOTICE, "refused: %s", why);
+		return -EDQUOT;
+	}
 	/* its connection counts among its uid's fds, which may not pass their share (at 100%
 	 * the share is the whole budget, where accept's own reserve rules) */
 	uid_fds = p->usage->storage_fds + p->usage->pinned_fds + p->usage->connections;

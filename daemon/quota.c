@@ -97,8 +97,9 @@ int dlpd_quota_memory(const struct dlpd_peer *p, uint64_t more, uint64_t freed, 
 	if (more <= limit && held <= limit - more)
 		return 0;
 	snprintf(why, whylen,
-		 "uid %u has %llu bytes of dlpackd's memory in entries, messages, channels and "
-		 "references, and this needs %llu more; the limit is %llu (--max-memory-per-uid)",
+		 "uid %u has %llu bytes of dlpackd's memory in connections, entries, messages, "
+		 "channels and references, and this needs %llu more; the limit is %llu "
+		 "(--max-memory-per-uid)",
 		 (unsigned)p->uid, (unsigned long long)held, (unsigned long long)more,
 		 (unsigned long long)limit);
 	return -EDQUOT;

@@ -40,11 +40,13 @@ struct dlpd_usage {
 /*
  * What the daemon's records cost, as charged to a uid's memory (--max-memory-per-uid):
  * estimates of what it allocates, malloc's overhead and the hash maps' slots included, measured
- * with bench/neighbours.py (88 bytes a reference, 184 a channel, 728 an entry of one small
- * tensor, 2.6 KiB of 10 and 112 KiB of 500 with 26-byte keys).
+ * with bench/neighbours.py (88 bytes a reference, 184 a channel, 5208 a connection, 728 an entry
+ * of one small tensor, 2.6 KiB of 10 and 112 KiB of 500 with 26-byte keys).
  */
 #define DLPD_REF_COST 96
 #define DLPD_CHANNEL_COST 192
+/* A connection: its state, libuv's handles, the kernel's socket buffers not included. */
+#define DLPD_CONNECTION_COST 5376
 #define DLPD_RECORD_COST 512
 /* What each tensor of an entry or message adds to its request's bytes once unpacked. */
 #define DLPD_TENSOR_COST 160

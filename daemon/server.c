@@ -123,6 +123,19 @@ static void on_accept(uv_poll_t *h, int status, int events)
 				DLPC_UID_CONNECTIONS_SLACK);
 			continue;
 		}
+		/* and for the memory its connections and records take */
+		if (p->usage->memory >
+		    s->lim.memory_per_uid + DLPC_UID_CONNECTIONS_SLACK * DLPD_CONNECTION_COST) {
+			dlpd_peer_fail(
+				p, LOG_WARNING,
+				"refused: uid %u has %llu bytes of dlpackd's memory, over the "
+				"limit of %llu (--max-memory-per-uid) by more than %d "
+				"connections",
+				(unsigned)p->uid, (unsigned long long)p->usage->memory,
+				(unsigned long long)s->lim.memory_per_uid,
+				DLPC_UID_CONNECTIONS_SLACK);
+			continue;
+		}
 		/* the same for its share of the fds, which HELLO enforces */
 		uid_fds = p->usage->storage_fds + p->usage->pinned_fds + p->usage->connections;
 		if (share < s->fd_budget && uid_fds > share + DLPC_UID_CONNECTIONS_SLACK) {

@@ -825,7 +825,7 @@ static int nobody_memory(void *arg)
 {
 	static DLManagedTensorVersioned *held[MEMORY_REFS_MAX];
 	struct memory_test *t = arg;
-	dlpc_client *c[2];
+	dlpc_client *c[2], *third;
 	size_t n, again;
 	char go;
 
@@ -838,6 +838,10 @@ static int nobody_memory(void *arg)
 	/* while it is full, nothing else that takes the daemon's memory is let in */
 	CHILD_CHECK(publish(c[0], "nobody/e", 0) == -EDQUOT && error_says("--max-memory-per-uid"));
 	CHILD_CHECK(dlpc_channel_open(c[0], "nobody/ch", 0, NULL) == -EDQUOT &&
+		    error_says("--max-memory-per-uid"));
+	/* a connection takes memory too: a third one is refused at HELLO */
+	CHILD_CHECK(dlpc_connect(D.sock, &third) == -EDQUOT &&
+		    error_says("connections, entries, messages, channels and references") &&
 		    error_says("--max-memory-per-uid"));
 	CHILD_CHECK(write(t->full[1], "f", 1) == 1);
 	CHILD_CHECK(read(t->done[0], &go, 1) == 1);
@@ -869,8 +873,8 @@ static int nobody_memory(void *arg)
 	return 0;
 }
 
-/* One uid's references, entries and channels take at most --max-memory-per-uid of the daemon's
- * memory, across all its connections; reaching it costs that uid alone; releasing gives it
+/* One uid's connections, references, entries and channels take at most --max-memory-per-uid of
+ * the daemon's memory, across all its connections; reaching it costs that uid alone; releasing gives it
  * back. */
 START_TEST(test_memory_per_uid)
 {
