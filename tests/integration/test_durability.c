@@ -853,6 +853,198 @@ START_TEST(test_upgrade_then_kill)
 }
 END_TEST
 
+/* ---- a storm of upgrades under waiting attaches ---- */
+
+/* SIGHUPs of the storm, and the pause between two. */
+#define STORM_SIGHUPS 100
+#define STORM_PAUSE_US 5000
+/* Waiting attaches started during the storm: C (libdlpc) and Python processes. */
+#define STORM_C 15
+#define STORM_PY 15
+/* Processes that connect (dlpc_connect(), no flags), ask STAT and close, over and over. */
+#define STORM_CONNECTORS 3
+
+static const char *storm_sock;
+
+/* A C process that starts a waiting attach during the storm: it must end with the entry. */
+static int storm_attacher(void *arg)
+{
+	dlpc_attach_opts o = {.size = sizeof(o), .timeout_ms = 60000};
+	DLManagedTensorVersioned *t;
+	static float want[NV];
+	dlpc_client *c;
+	int r;
+
+	(void)arg;
+	r = dlpc_connect_flags(storm_sock, DLPC_CONNECT_RECONNECT, &c);
+	if (r < 0) {
+		fprintf(stderr, "storm attacher %d: connect: %s\n", (int)getpid(),
+			dlpc_last_error());
+		return 1;
+	}
+	r = dlpc_attach(c, "storm/x", &o, &t);
+	if (r < 0) {
+		fprintf(stderr, "storm attacher %d: attach: %s\n", (int)getpid(),
+			dlpc_last_error());
+		return 1;
+	}
+	fill(want, "storm/x", 1);
+	CHILD_CHECK(r == 1 && t->dl_tensor.shape[0] == NV &&
+		    memcmp(t->dl_tensor.data, want, sizeof(want)) == 0);
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+/* A process that connects and closes until @p arg (a path) exists: every connect works. */
+static int storm_connector(void *arg)
+{
+	const char *stop = arg;
+	int n = 0;
+
+	while (access(stop, F_OK) != 0) {
+		dlpc_client *c;
+		int r = dlpc_connect(storm_sock, &c);
+
+		if (r < 0) {
+			fprintf(stderr, "storm connector %d: connect %d: %s\n", (int)getpid(), n,
+				dlpc_last_error());
+			return 1;
+		}
+		dlpc_close(c);
+		n++;
+	}
+	return n > 0 ? 0 : 2;
+}
+
+/* The Python half: dlpack_ipc.attach() with the module's own client, waiting; the bytes are
+ * fill()'s for ("storm/x", 1). */
+static const char storm_py[] =
+	"import sys, numpy as np, dlpack_ipc\n"
+	"name, gen = 'storm/x', 1\n"
+	"h = 2166136261\n"
+	"for b in name.encode():\n"
+	"    h = ((h ^ b) * 16777619) & 0xffffffff\n"
+	"s = h ^ ((gen * 2654435761) & 0xffffffff)\n"
+	"i = np.arange(1024, dtype=np.uint64)\n"
+	"want = (((s + i * 7919) & 0xffffffff) % 100003).astype(np.float32)\n"
+	"try:\n"
+	"    t = dlpack_ipc.attach(name, timeout=60)\n"
+	"except OSError as e:\n"
+	"    print('storm python attacher:', type(e).__name__, e, file=sys.stderr)\n"
+	"    sys.exit(1)\n"
+	"a = np.from_dlpack(t)\n"
+	"sys.exit(0 if a.shape == (1024,) and (a == want).all() else 3)\n";
+
+/* Start the Python attacher, or return -1 (and say why once) where it cannot run. */
+static pid_t storm_python(void)
+{
+#ifdef DLPC_TEST_PYTHONPATH
+	pid_t pid;
+
+	if (access(DLPC_TEST_PYTHON, X_OK) != 0)
+		return -1;
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		setenv("PYTHONPATH", DLPC_TEST_PYTHONPATH, 1);
+		setenv(DLPC_SOCKET_ENV, storm_sock, 1);
+		setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
+		execl(DLPC_TEST_PYTHON, DLPC_TEST_PYTHON, "-c", storm_py, (char *)NULL);
+		_exit(127);
+	}
+	return pid;
+#else
+	return -1;
+#endif
+}
+
+static void *storm_signals(void *arg)
+{
+	pid_t pid = *(pid_t *)arg;
+
+	for (int i = 0; i < STORM_SIGHUPS; i++) {
+		kill(pid, SIGHUP);
+		usleep(STORM_PAUSE_US);
+	}
+	return NULL;
+}
+
+/* 100 SIGHUPs 5 ms apart while 30 processes (C and Python) start a waiting attach of a name
+ * not published yet, and others connect over and over: no connect fails, and every attach
+ * ends with the entry once it is published after the storm. */
+START_TEST(test_upgrade_storm)
+{
+	pid_t att[STORM_C + STORM_PY], conn[STORM_CONNECTORS];
+	char stop[128];
+	int failed = 0, python = 0, fd;
+	long long deadline;
+	pthread_t storm;
+	dlpc_client *c = NULL;
+	struct mgr m;
+
+	mgr_init(&m, false, 0);
+	mgr_start(&m);
+	storm_sock = m.sock;
+	snprintf(stop, sizeof(stop), "%s/stop-connectors", m.dir);
+	for (int i = 0; i < STORM_CONNECTORS; i++)
+		conn[i] = spawn(storm_connector, stop);
+	ck_assert_int_eq(pthread_create(&storm, NULL, storm_signals, &m.pid), 0);
+	/* the attaches start during the storm, a C one and a Python one in turn */
+	for (int i = 0; i < STORM_C + STORM_PY; i++) {
+		att[i] = -1;
+		if (i % 2)
+			att[i] = storm_python();
+		python += att[i] >= 0;
+		if (att[i] < 0)
+			att[i] = spawn(storm_attacher, NULL);
+		usleep(STORM_SIGHUPS * STORM_PAUSE_US / (STORM_C + STORM_PY));
+	}
+	pthread_join(storm, NULL);
+	if (!python)
+		fprintf(stderr,
+			"upgrade storm: skipped: the Python half (dlpack_ipc is not built "
+			"or %s is absent); C attaches only\n",
+#ifdef DLPC_TEST_PYTHON
+			DLPC_TEST_PYTHON
+#else
+			"python3"
+#endif
+		);
+	/* every upgrade begun (RELOADING=1) has ended (READY=1): the publish is not the test */
+	deadline = now_ms() + scaled_ms(15000);
+	for (;;) {
+		unsigned ready, reloads;
+
+		pthread_mutex_lock(&m.mu);
+		ready = m.readies;
+		reloads = m.reloads;
+		pthread_mutex_unlock(&m.mu);
+		if (ready == reloads + 1)
+			break;
+		ck_assert_log(&m, now_ms() < deadline, "dlpackd did not come back after the storm");
+		usleep(10000);
+	}
+	ck_assert_dlpc(dlpc_connect(m.sock, &c), 0);
+	ck_assert_dlpc(publish(c, "storm/x", 1, 0), 1);
+	for (int i = 0; i < STORM_C + STORM_PY; i++)
+		failed += wait_child(att[i]) != 0;
+	fd = open(stop, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+	ck_assert_int_ge(fd, 0);
+	close(fd);
+	for (int i = 0; i < STORM_CONNECTORS; i++)
+		failed += wait_child(conn[i]) != 0;
+	fprintf(stderr,
+		"upgrade storm: %d of %d waiting attaches (%d Python) and %d connectors failed\n",
+		failed, STORM_C + STORM_PY, python, STORM_CONNECTORS);
+	ck_assert_log(&m, waitpid(m.pid, NULL, WNOHANG) == 0, "dlpackd died in the storm");
+	ck_assert_log(&m, failed == 0, "%d processes failed in the upgrade storm", failed);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
 /* ---- hostile state journals ---- */
 
 /* A memfd holding the bytes of (@p name, @p gen), sealed as a publish seals it, or not. */
@@ -1509,6 +1701,11 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_upgrade_held_storage);
 	tcase_add_test(tc, test_upgrade_relative_path);
 	tcase_add_test(tc, test_journal_past_file_size_limit);
+	suite_add_tcase(s, tc);
+	/* upgrades, restores and a slow service manager (CK_RUN_CASE=resilience) */
+	tc = tcase_create("resilience");
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_upgrade_storm);
 	suite_add_tcase(s, tc);
 	return s;
 }
