@@ -26,8 +26,9 @@
 #include "harness.h"
 #include "persist.h"
 
-/* The fds the fake manager keeps (FDSTORE=, FileDescriptorStoreMax=). */
-#define STORE_MAX 512
+/* The fds the fake manager keeps (FDSTORE=, FileDescriptorStoreMax=): more than
+ * DLPD_NOTIFY_QUEUE_MAX, for test_given_up_journal. */
+#define STORE_MAX 2048
 /* Floats in each test tensor. */
 #define NV 1024
 /* Load processes during a kill or an upgrade. */
@@ -57,6 +58,7 @@ struct mgr {
 	pthread_t reader;
 	pthread_mutex_t mu;
 	bool quit;
+	bool stalled; /* the reader takes nothing: a service manager that reads slowly */
 };
 
 static long long now_ms(void)
@@ -207,6 +209,10 @@ static void *mgr_read(void *arg)
 	while (!__atomic_load_n(&m->quit, __ATOMIC_ACQUIRE)) {
 		struct pollfd pfd = {.fd = m->notify_fd, .events = POLLIN};
 
+		if (__atomic_load_n(&m->stalled, __ATOMIC_ACQUIRE)) {
+			usleep(20000);
+			continue;
+		}
 		if (poll(&pfd, 1, 20) > 0)
 			mgr_drain(m);
 	}
@@ -1246,6 +1252,157 @@ START_TEST(test_hostile_journal)
 }
 END_TEST
 
+/* A complete journal of 10 entries and a newer one whose header is right but whose first record
+ * is damaged: the newer is skipped, with its reason, and the 10 entries come back. */
+START_TEST(test_damaged_newer_journal)
+{
+	struct journal j = {0}, bad = {0};
+	dlpc_entry_info *e;
+	struct mgr m;
+	dlpc_client *c;
+	char name[32];
+	size_t cnt;
+
+	mgr_init(&m, true, STORE_MAX);
+	for (int i = 0; i < 10; i++) {
+		snprintf(name, sizeof(name), "x/%d", i);
+		jput(&j, name, (uint64_t)i + 1, 1, 0, NV, NV * 4, false);
+		store_put(&m, storage_fd(name, 1, true), "st-%llx", (uint64_t)i + 1);
+	}
+	store_put(&m, journal_fd(&j, 5, true), "state-%llx", 5);
+	/* the same records, the first one's length damaged: nothing after it can be read */
+	for (int i = 0; i < 10; i++) {
+		snprintf(name, sizeof(name), "x/%d", i);
+		jput(&bad, name, (uint64_t)i + 1, 1, 0, NV, NV * 4, false);
+	}
+	{
+		struct dlpd_rec_hdr h;
+
+		memcpy(&h, bad.b, sizeof(h));
+		h.len ^= 0x40000000u;
+		memcpy(bad.b, &h, sizeof(h));
+	}
+	store_put(&m, journal_fd(&bad, 6, true), "state-%llx", 6);
+	free(j.b);
+	free(bad.b);
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(dlpc_list(c, "x/", &e, &cnt), 0);
+	dlpc_list_free(e, cnt);
+	ck_assert_log(&m, cnt == 10, "%zu of 10 entries restored", cnt);
+	for (int i = 0; i < 10; i++) {
+		snprintf(name, sizeof(name), "x/%d", i);
+		ck_assert_int_eq(attach_check(c, name), 1);
+	}
+	ck_assert_log(
+		&m,
+		log_has(m.log, "skipping state journal state-6: the record at byte 16 claims") &&
+			log_has(m.log, "from state journal state-5"),
+		"the skipped journal and its reason are not logged");
+	/* a journal of the next epoch replaces both */
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STATE), 1);
+	ck_assert_msg(stored(&m, "state-7"), "no journal of the next epoch");
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* The manager stops reading its notification socket (its queue holds net.unix.max_dgram_qlen
+ * datagrams, 10 by default) for longer than DLPD_NOTIFY_WAIT_MS while 30 entries are published,
+ * x/0 unpublished and x/1 replaced, then reads again: nothing is given up, and after a kill the
+ * restart has exactly what was there (no x/0, x/1 with its new bytes, the 30 new ones). */
+START_TEST(test_slow_manager)
+{
+	long long deadline;
+	dlpc_entry_info *e;
+	struct mgr m;
+	dlpc_client *c;
+	char name[32];
+	size_t cnt;
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(publish(c, "x/0", 1, 0), 1);
+	ck_assert_dlpc(publish(c, "x/1", 1, 0), 1);
+	mgr_drain(&m);
+	__atomic_store_n(&m.stalled, true, __ATOMIC_RELEASE);
+	for (int i = 0; i < 30; i++) {
+		snprintf(name, sizeof(name), "fill/%d", i);
+		ck_assert_dlpc(publish(c, name, 1, 0), 1);
+	}
+	ck_assert_dlpc(dlpc_unpublish(c, "x/0"), 0);
+	ck_assert_dlpc(publish(c, "x/1", 2, DLPC_PUBLISH_REPLACE), 2);
+	/* longer than a notification ever waited */
+	usleep((DLPD_NOTIFY_WAIT_MS + 500) * 1000);
+	__atomic_store_n(&m.stalled, false, __ATOMIC_RELEASE);
+	/* the manager catches up: x/1 and the 30 fill/ storages */
+	deadline = now_ms() + scaled_ms(5000);
+	while (store_count(&m, DLPD_FDNAME_STORAGE) != 31 && now_ms() < deadline)
+		usleep(10000);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	ck_assert_log(&m, attach_check(c, "x/0") == -ENOENT, "x/0, unpublished, came back");
+	ck_assert_log(&m, attach_check(c, "x/1") == 2, "x/1 did not come back as replaced");
+	ck_assert_dlpc(dlpc_list(c, "fill/", &e, &cnt), 0);
+	dlpc_list_free(e, cnt);
+	ck_assert_log(&m, cnt == 30, "%zu of 30 entries published meanwhile came back", cnt);
+	ck_assert_uint_eq(check_consistent(c, &m), 31);
+	ck_assert_log(&m, !log_has(m.log, "cannot hand a storage to the service manager"),
+		      "persistence was given up");
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* A manager that stops reading for good: once DLPD_NOTIFY_QUEUE_MAX notifications wait, the
+ * daemon gives up persisting, and the journal it gave up on, still in the store (its removal
+ * never reached the manager), is never restored: nothing comes back, not even an entry
+ * unpublished after the daemon gave up. */
+START_TEST(test_given_up_journal)
+{
+	dlpc_stats st;
+	struct mgr m;
+	dlpc_client *c;
+	char name[32];
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(publish(c, "gone/0", 1, 0), 1);
+	mgr_drain(&m);
+	__atomic_store_n(&m.stalled, true, __ATOMIC_RELEASE);
+	for (int i = 0; i < DLPD_NOTIFY_QUEUE_MAX + 20; i++) {
+		snprintf(name, sizeof(name), "many/%d", i);
+		ck_assert_dlpc(publish(c, name, 1, 0), 1);
+	}
+	ck_assert_dlpc(dlpc_unpublish(c, "gone/0"), 0);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	__atomic_store_n(&m.stalled, false, __ATOMIC_RELEASE);
+	mgr_drain(&m);
+	ck_assert_log(&m, log_has(m.log, "cannot hand a storage to the service manager"),
+		      "persistence was not given up");
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	st = stat_or_die(c);
+	ck_assert_log(&m, st.entries == 0, "%llu entries came back from a journal given up",
+		      (unsigned long long)st.entries);
+	ck_assert_log(&m, log_has(m.log, "was given up by the daemon that wrote it"),
+		      "the given-up journal is not named");
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
 /* Storages without any journal that reads: all closed and dropped, the daemon serves empty. */
 START_TEST(test_no_journal)
 {
@@ -1706,6 +1863,9 @@ static Suite *durability_suite(void)
 	tc = tcase_create("resilience");
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_upgrade_storm);
+	tcase_add_test(tc, test_damaged_newer_journal);
+	tcase_add_test(tc, test_slow_manager);
+	tcase_add_test(tc, test_given_up_journal);
 	suite_add_tcase(s, tc);
 	return s;
 }
