@@ -14,8 +14,9 @@
  * memfd of the next epoch, stored before the old one is dropped, so the store always holds a
  * complete record. A journal dropped (rewritten, or given up) is invalidated in place first
  * (journal_kill()): the store holds the same memfd, so it can never come back, whether or not
- * the service manager takes its removal. Notifications never block: those that find the
- * manager's queue full wait in order (systemd.c), and a rewrite waits for them.
+ * the service manager takes its removal. Notifications that find the manager's queue full wait
+ * in order (systemd.c): a publish waits for its storage's to go, for a bound, while the manager
+ * keeps up, and a rewrite waits until none is left.
  *
  * At start the journal of the highest epoch that reads whole (every record intact) is replayed
  * (a newer one that does not is skipped, and logged; only if none reads whole are the intact
@@ -323,6 +324,9 @@ static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st)
 		give_up(s, "cannot hand a storage to the service manager", -r);
 		return false;
 	}
+	/* in the store before the publish is answered, as long as the manager keeps up: a kill
+	 * loses nothing acknowledged (one that stalls delays this, it never ends persistence) */
+	dlpd_notify_settle();
 	st->stored = true;
 	p->storages_stored++;
 	p->warned_full = false;

@@ -295,11 +295,32 @@ static void queue_pop(void)
 	free(q);
 }
 
+/* The manager let a wait run out (dlpd_notify_settle()): no more waits until it catches up. */
+static bool manager_slow;
+
 static void on_queue_timer(uv_timer_t *t)
 {
 	(void)t;
-	if (dlpd_notify_flush(0) == 0)
+	if (dlpd_notify_flush(0) == 0) {
 		uv_timer_stop(&queue_timer);
+		manager_slow = false;
+	}
+}
+
+size_t dlpd_notify_settle(void)
+{
+	size_t left;
+
+	if (!queue_head)
+		return 0;
+	left = dlpd_notify_flush(manager_slow ? 0 : DLPD_NOTIFY_WAIT_MS);
+	if (left && !manager_slow)
+		dlpd_log(LOG_WARNING,
+			 "the service manager took no notification for %d ms; %zu wait for it, "
+			 "and the daemon goes on without waiting until it catches up",
+			 DLPD_NOTIFY_WAIT_MS, left);
+	manager_slow = left > 0;
+	return left;
 }
 
 static int queue_add(const char *msg, size_t len, const int *fds, size_t nfds)

@@ -53,6 +53,9 @@ int dlpd_notify_fds_now(const int *fds, size_t nfds, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 /* Send what waits, for up to @p wait_ms (0: what goes at once); how many still wait. */
 size_t dlpd_notify_flush(int wait_ms);
+/* Wait up to DLPD_NOTIFY_WAIT_MS for what waits to go, unless an earlier wait ran out and the
+ * manager has not caught up since (then only what goes at once); how many still wait. */
+size_t dlpd_notify_settle(void);
 /* How many notifications wait for room. */
 size_t dlpd_notify_queued(void);
 /* Offer what waits to the manager from @p loop's timer from now on. */
