@@ -479,7 +479,8 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, i
 	pthread_mutex_init(&c->cache.mu, NULL);
 	/* a reply's fd that this process has no room for fails that call, not the connection */
 	c->rx.report_lost_fds = true;
-	if (!parent)
+	/* dlpc_connect(): the call timeout, or the time left of it after a dropped HELLO */
+	if (!parent && connect_ms <= 0)
 		connect_ms = hello_ms = timeout;
 	r = open_socket_listed(c);
 	if (r < 0) {
@@ -555,6 +556,51 @@ fail:
 	return r;
 }
 
+/*
+ * connect_new() for dlpc_connect(), tried again while dlpackd drops the connection before it
+ * answers HELLO without saying why (-ECONNRESET, -EPIPE; a refusal comes with a reason): an
+ * upgrade in place closes the connections its old image accepted, and the new image, listening
+ * on the same socket, answers the next. Pausing 10 ms at first, then up to
+ * DLPC_RECONNECT_BACKOFF_MAX_MS, within the call timeout @p timeout (<= 0: no bound).
+ */
+static int connect_dropped_again(const char *path, int64_t timeout, dlpc_client **ret)
+{
+	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, left = 0, pause = 10;
+	char why[DLPC_ERROR_TEXT_MAX];
+	unsigned tries = 0;
+	int r;
+
+	for (;;) {
+		struct timespec ts;
+
+		r = connect_new(path, timeout, NULL, left, left, ret);
+		tries++;
+		if (r != -ECONNRESET && r != -EPIPE)
+			break;
+		if (end) {
+			left = end - dlpc__mono_ms();
+			if (left <= pause) {
+				snprintf(why, sizeof(why), "%s", dlpc_last_error());
+				return dlpc__fail(r,
+						  "cannot connect to dlpackd at %s: it closed each "
+						  "of %u connections before answering HELLO, for "
+						  "%lld ms (%s): %s",
+						  path, tries, (long long)timeout,
+						  DLPC_CALL_TIMEOUT_ENV, why);
+			}
+			left -= pause;
+		}
+		if (dlpc__interrupted())
+			return r;
+		ts.tv_sec = (time_t)(pause / 1000);
+		ts.tv_nsec = (long)(pause % 1000) * 1000000L;
+		nanosleep(&ts, NULL);
+		pause = pause * 2 < DLPC_RECONNECT_BACKOFF_MAX_MS ? pause * 2
+								  : DLPC_RECONNECT_BACKOFF_MAX_MS;
+	}
+	return r;
+}
+
 DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc_client **ret)
 {
 	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -582,7 +628,7 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 	r = call_timeout_env(&timeout);
 	if (r < 0)
 		return r;
-	r = connect_new(path, timeout, NULL, 0, 0, ret);
+	r = connect_dropped_again(path, timeout, ret);
 	if (r < 0)
 		return r;
 	(*ret)->reconnect = flags & DLPC_CONNECT_RECONNECT;

@@ -12,9 +12,15 @@
  * Publish request as received, plus sid, generation, owner and time) and a DEL for each removal.
  * A replace is a PUT alone. When the journal is long and mostly dead it is rewritten into a new
  * memfd of the next epoch, stored before the old one is dropped, so the store always holds a
- * complete record.
+ * complete record. A journal dropped (rewritten, or given up) is invalidated in place first
+ * (journal_kill()): the store holds the same memfd, so it can never come back, whether or not
+ * the service manager takes its removal. Notifications that find the manager's queue full wait
+ * in order (systemd.c): a publish waits for its storage's to go, for a bound, while the manager
+ * keeps up, and a rewrite waits until none is left.
  *
- * At start the journal of the highest epoch that reads as one is replayed, and each entry it
+ * At start the journal of the highest epoch that reads whole (every record intact) is replayed
+ * (a newer one that does not is skipped, and logged; only if none reads whole are the intact
+ * records of the newest that reads at all used), and each entry it
  * names goes through the checks of a publish (name, flags, device, tensors, the storage's seals
  * and size, the owner's quota) before it is trusted. One that fails is refused and logged
  * alone; a storage no entry claims is closed and dropped from the store. The record is written
@@ -47,6 +53,35 @@ static bool store_on(const struct dlpd_persist *p)
 	return p->store_max > 0 && !p->broken;
 }
 
+/*
+ * Make the journal @p fd one no restore takes: its header says it was given up. The service
+ * manager's store holds the same memfd, so this holds at once, whether or not the manager ever
+ * takes the FDSTOREREMOVE that follows. 0 or negative errno.
+ */
+static int journal_kill(int fd)
+{
+	static const char dead[8] = DLPD_JOURNAL_DEAD;
+
+	if (pwrite(fd, dead, sizeof(dead), 0) == (ssize_t)sizeof(dead))
+		return 0;
+	/* too short for a header: refused as well */
+	return ftruncate(fd, 0) == 0 ? 0 : -errno;
+}
+
+/* Drop the journal @p fd, of @p epoch, from the store for good: invalidated first, then the
+ * manager asked to let go of it; closed. */
+static void journal_drop(int fd, uint64_t epoch)
+{
+	int r = journal_kill(fd);
+
+	if (r < 0)
+		dlpd_log(LOG_ERR,
+			 "cannot invalidate state journal " DLPD_FDNAME_STATE "%" PRIx64 ": %s",
+			 epoch, strerror(-r));
+	dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64, epoch);
+	close(fd);
+}
+
 /* Persistence stops: say why and what it means, once. */
 static void give_up(struct dlpd_server *s, const char *what, int err)
 {
@@ -58,10 +93,12 @@ static void give_up(struct dlpd_server *s, const char *what, int err)
 	dlpd_log(LOG_ERR, "%s: %s; entries will not survive a restart of dlpackd from now on", what,
 		 strerror(err));
 	/* A journal that stops here would bring back, after a restart, entries removed since:
-	 * better none. A restart then closes every stored storage. */
-	if (p->journal_fd >= 0)
-		dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64,
-				p->epoch);
+	 * better none, whether or not the manager takes its removal. A restart then closes every
+	 * stored storage. */
+	if (p->journal_fd >= 0) {
+		journal_drop(p->journal_fd, p->epoch);
+		p->journal_fd = -1;
+	}
 	dlpd_notify("STATUS=entries no longer persisted: %s", what);
 }
 
@@ -191,29 +228,42 @@ static int write_journal(struct dlpd_server *s, uint64_t epoch, bool all, bool m
 	return 0;
 }
 
-/* Replace the journal by a new one of the next epoch holding only the live records (not
- * @p skip's): stored first, so that the store always holds a whole record. */
-static void compact(struct dlpd_server *s, const struct dlpd_entry *skip)
+/*
+ * Replace the journal by a new one of the next epoch holding only the live records (not
+ * @p skip's): in the store first (sent, not waiting in dlpd_notify_fds()'s queue), so that the
+ * store always holds a whole record, then the old one invalidated. While notifications wait
+ * for the service manager the rewrite waits too (the old journal stays whole), unless it
+ * @p must happen now: then it waits up to DLPD_NOTIFY_WAIT_MS for the manager, or gives up.
+ */
+static void compact(struct dlpd_server *s, const struct dlpd_entry *skip, bool must)
 {
 	struct dlpd_persist *p = &s->persist;
 	uint64_t len, live;
 	int fd, r;
 
+	if (must)
+		dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS);
+	else if (dlpd_notify_queued())
+		return;
 	r = write_journal(s, p->epoch + 1, false, true, skip, &fd, &len, &live);
 	if (r < 0) {
 		give_up(s, "cannot rewrite the state journal", -r);
 		return;
 	}
-	r = dlpd_notify_fds(&fd, 1, "FDSTORE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64,
-			    p->epoch + 1);
+	r = dlpd_notify_fds_now(&fd, 1, "FDSTORE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64,
+				p->epoch + 1);
+	if (r == -EAGAIN && !must) {
+		/* the manager's queue filled meanwhile: another time */
+		close(fd);
+		return;
+	}
 	if (r < 0) {
 		close(fd);
 		give_up(s, "cannot hand the state journal to the service manager", -r);
 		return;
 	}
-	dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64, p->epoch);
 	if (p->journal_fd >= 0)
-		close(p->journal_fd);
+		journal_drop(p->journal_fd, p->epoch);
 	dlpd_log(LOG_DEBUG, "state journal rewritten: %" PRIu64 " bytes, was %" PRIu64, len,
 		 p->journal_len);
 	p->journal_fd = fd;
@@ -237,7 +287,7 @@ static void append(struct dlpd_server *s, size_t len, const struct dlpd_entry *s
 	 * record describes a change already made to the names (or to @p skip), so the rewrite
 	 * holds it; one that would still be too long gives up. */
 	if (p->journal_len + len > DLPD_JOURNAL_MAX) {
-		compact(s, skip);
+		compact(s, skip, true);
 		return;
 	}
 	r = write_at(p->journal_fd, p->rec, len, p->journal_len);
@@ -247,7 +297,7 @@ static void append(struct dlpd_server *s, size_t len, const struct dlpd_entry *s
 	}
 	p->journal_len += len;
 	if (p->journal_len >= DLPD_JOURNAL_COMPACT_MIN && p->journal_len > 2 * p->live_len)
-		compact(s, skip);
+		compact(s, skip, false);
 }
 
 /* Hand @p st's fd to the store; false if it is not there (full, or the send failed). */
@@ -274,6 +324,9 @@ static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st)
 		give_up(s, "cannot hand a storage to the service manager", -r);
 		return false;
 	}
+	/* in the store before the publish is answered, as long as the manager keeps up: a kill
+	 * loses nothing acknowledged (one that stalls delays this, it never ends persistence) */
+	dlpd_notify_settle();
 	st->stored = true;
 	p->storages_stored++;
 	p->warned_full = false;
@@ -487,6 +540,14 @@ static uint8_t *read_journal(const struct passed *j, size_t *len)
 		got += (size_t)n;
 	}
 	memcpy(&jh, buf, sizeof(jh) <= got ? sizeof(jh) : 0);
+	if (got >= sizeof(jh) && memcmp(jh.magic, DLPD_JOURNAL_DEAD, sizeof(jh.magic)) == 0) {
+		dlpd_log(LOG_WARNING,
+			 "state journal %s was given up by the daemon that wrote it (it may miss "
+			 "removals made since); ignoring it",
+			 j->name);
+		free(buf);
+		return NULL;
+	}
 	if (got < sizeof(jh) || memcmp(jh.magic, DLPD_JOURNAL_MAGIC, sizeof(jh.magic)) != 0 ||
 	    jh.epoch != j->num) {
 		dlpd_log(LOG_ERR,
@@ -498,6 +559,56 @@ static uint8_t *read_journal(const struct passed *j, size_t *len)
 	}
 	*len = got;
 	return buf;
+}
+
+/* Does every record of the journal @p buf (@p len bytes, its header read) read whole: its
+ * length within the journal, its checksum right, a PUT's request decodable? If not, false and
+ * the first that does not, in @p why. */
+static bool journal_whole(const uint8_t *buf, size_t len, char *why, size_t whylen)
+{
+	size_t off = sizeof(struct dlpd_journal_hdr);
+
+	while (off < len) {
+		struct dlpd_rec_hdr h;
+		const uint8_t *payload;
+
+		if (len - off < sizeof(h)) {
+			snprintf(why, whylen, "it ends in a torn record at byte %zu", off);
+			return false;
+		}
+		memcpy(&h, buf + off, sizeof(h));
+		payload = buf + off + sizeof(h);
+		if (h.len > DLPD_REC_PAYLOAD_MAX || h.len > len - off - sizeof(h)) {
+			snprintf(why, whylen,
+				 "the record at byte %zu claims %u bytes, more than %s", off, h.len,
+				 h.len > DLPD_REC_PAYLOAD_MAX ? "a record may hold"
+							      : "the journal holds");
+			return false;
+		}
+		if (dlpd_journal_check(h.kind, h.flags, payload, h.len) != h.check ||
+		    (h.kind != DLPD_REC_PUT && h.kind != DLPD_REC_DEL)) {
+			snprintf(why, whylen, "the record at byte %zu is damaged (bad checksum)",
+				 off);
+			return false;
+		}
+		if (h.kind == DLPD_REC_PUT) {
+			Dlpackd__V1__Publish *pub =
+				h.len < sizeof(struct dlpd_put_fixed)
+					? NULL
+					: dlpackd__v1__publish__unpack(
+						  NULL, h.len - sizeof(struct dlpd_put_fixed),
+						  payload + sizeof(struct dlpd_put_fixed));
+
+			if (!pub) {
+				snprintf(why, whylen, "the entry at byte %zu cannot be decoded",
+					 off);
+				return false;
+			}
+			dlpackd__v1__publish__free_unpacked(pub, NULL);
+		}
+		off += sizeof(h) + h.len;
+	}
+	return true;
 }
 
 static void live_free(struct live_rec *l)
@@ -829,6 +940,7 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 	size_t len = 0, cursor = 0;
 	struct dlpd_hnode *node;
 	uint64_t top_epoch = 0;
+	bool whole = false;
 	int r;
 
 	p->store_max = dlpd_config.fd_store;
@@ -854,19 +966,47 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 	for (size_t i = 0; i < rs.njournals; i++)
 		if (rs.journals[i].num > top_epoch)
 			top_epoch = rs.journals[i].num;
-	while (!buf && rs.njournals) {
-		const struct passed *cand = NULL;
+	/* Newest first, the first that reads whole wins: a newer one damaged (its records can no
+	 * longer say what was removed) is skipped, with the reason. Only when none reads whole
+	 * are the intact records of the newest one that reads at all restored. */
+	for (;;) {
+		struct passed *cand = NULL;
+		uint8_t *b;
+		size_t blen;
+		char why[256];
 
 		for (size_t i = 0; i < rs.njournals; i++)
 			if (!rs.journals[i].claimed && (!cand || rs.journals[i].num > cand->num))
 				cand = &rs.journals[i];
 		if (!cand)
 			break;
-		((struct passed *)cand)->claimed = true;
-		buf = read_journal(cand, &len);
-		if (buf)
+		cand->claimed = true;
+		b = read_journal(cand, &blen);
+		if (!b)
+			continue;
+		if (journal_whole(b, blen, why, sizeof(why))) {
+			free(buf);
+			buf = b;
+			len = blen;
 			best = cand;
+			whole = true;
+			break;
+		}
+		dlpd_log(LOG_WARNING, "skipping state journal %s: %s; looking for an older one",
+			 cand->name, why);
+		if (buf) {
+			free(b);
+			continue;
+		}
+		buf = b;
+		len = blen;
+		best = cand;
 	}
+	if (best && !whole)
+		dlpd_log(LOG_WARNING,
+			 "no state journal reads whole: restoring the intact records of %s, the "
+			 "newest",
+			 best->name);
 	if (best) {
 		struct live_rec **order;
 		size_t k = 0;
@@ -923,12 +1063,12 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 				if (lasting(e) && !e->st->stored)
 					store_storage(s, e->st);
 			}
-		compact(s, NULL);
+		compact(s, NULL, true);
 	}
 	/* once the new journal is stored (if it could not be, no journal is better than one that
-	 * stops here: see give_up()) */
+	 * stops here: see give_up()), invalidated first so that none can come back */
 	for (size_t i = 0; i < rs.njournals; i++)
-		drop_passed(rs.journals[i].fd, rs.journals[i].name);
+		journal_drop(rs.journals[i].fd, rs.journals[i].num);
 	if (best || rs.nstorages)
 		dlpd_log(LOG_NOTICE,
 			 "restored %u entries (%llu bytes) from state journal %s; refused %u, "

@@ -25,6 +25,8 @@
  * byte order: the journal never leaves the machine.
  */
 #define DLPD_JOURNAL_MAGIC "DLPDJNL1"
+/* The magic of a journal the daemon gave up on or replaced: never restored. */
+#define DLPD_JOURNAL_DEAD "DLPDDEAD"
 struct dlpd_journal_hdr {
 	char magic[8];
 	uint64_t epoch; /* the number its fd name carries */

@@ -387,6 +387,7 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 	s->listen_poll.data = s;
 	uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
 	uv_timer_init(loop, &s->accept_retry);
+	dlpd_notify_start(loop);
 	s->accept_retry.data = s;
 	uv_signal_init(loop, &s->sig_term);
 	uv_signal_init(loop, &s->sig_int);
@@ -437,6 +438,7 @@ void dlpd_server_stop(struct dlpd_server *s)
 		uv_close((uv_handle_t *)&s->sig_term, NULL);
 		uv_close((uv_handle_t *)&s->sig_int, NULL);
 		uv_close((uv_handle_t *)&s->sig_hup, NULL);
+		dlpd_notify_stop();
 	}
 	dlpd_reclaim_stop(s);
 	dlpd_dispatch_stop(s);

@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
+#include <uv.h>
 
 #include "base.h"
 #include "systemd.h"
@@ -218,30 +219,17 @@ const char *dlpd_notify_socket(void)
 	return notify_len ? notify_env : NULL;
 }
 
-int dlpd_notify_fds(const int *fds, size_t nfds, const char *fmt, ...)
+/* One datagram now: 0, -EAGAIN when the manager's queue is full, or another negative errno. */
+static int send_now(const char *msg, size_t len, const int *fds, size_t nfds)
 {
 	union {
 		struct cmsghdr hdr;
 		char buf[CMSG_SPACE(sizeof(int) * DLPD_NOTIFY_FDS_MAX)];
 	} ctl;
-	struct msghdr mh = {.msg_name = &notify_addr, .msg_namelen = notify_len};
-	struct iovec iov;
-	uint64_t deadline, now;
-	char msg[256];
-	va_list ap;
-	int n, r;
+	struct msghdr mh = {0};
+	struct iovec iov = {.iov_base = (void *)msg, .iov_len = len};
+	int r;
 
-	if (!notify_len)
-		return -ENOTCONN;
-	if (nfds > DLPD_NOTIFY_FDS_MAX)
-		return -EINVAL;
-	va_start(ap, fmt);
-	n = vsnprintf(msg, sizeof(msg), fmt, ap);
-	va_end(ap);
-	if (n < 0 || (size_t)n >= sizeof(msg))
-		return -EMSGSIZE;
-	iov.iov_base = msg;
-	iov.iov_len = (size_t)n;
 	mh.msg_iov = &iov;
 	mh.msg_iovlen = 1;
 	if (nfds) {
@@ -256,7 +244,6 @@ int dlpd_notify_fds(const int *fds, size_t nfds, const char *fmt, ...)
 		c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
 		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
 	}
-	deadline = dlpd_now_ms() + DLPD_NOTIFY_WAIT_MS;
 	for (int tries = 0;; tries++) {
 		if (notify_fd < 0) {
 			r = notify_connect();
@@ -274,16 +261,208 @@ int dlpd_notify_fds(const int *fds, size_t nfds, const char *fmt, ...)
 		}
 		if (r == -EINTR)
 			continue;
-		if (r != -EAGAIN)
+		return r;
+	}
+}
+
+/*
+ * Notifications the manager's queue had no room for (it holds net.unix.max_dgram_qlen
+ * datagrams, 10 by default), in the order they were made, each with its own copies of its fds:
+ * sent by the loop's timer as the manager reads, and waited for at an upgrade and at stop. A
+ * notification made while some wait joins them, so the manager sees every one in order.
+ */
+struct queued {
+	struct queued *next;
+	size_t nfds, len;
+	int fds[DLPD_NOTIFY_FDS_MAX];
+	char msg[];
+};
+static struct queued *queue_head, **queue_tail = &queue_head;
+static size_t queue_len;
+static uv_timer_t queue_timer;
+static bool timer_on, queue_closed;
+
+static void queue_pop(void)
+{
+	struct queued *q = queue_head;
+
+	queue_head = q->next;
+	if (!queue_head)
+		queue_tail = &queue_head;
+	queue_len--;
+	for (size_t i = 0; i < q->nfds; i++)
+		close(q->fds[i]);
+	free(q);
+}
+
+/* The manager let a wait run out (dlpd_notify_settle()): no more waits until it catches up. */
+static bool manager_slow;
+
+static void on_queue_timer(uv_timer_t *t)
+{
+	(void)t;
+	if (dlpd_notify_flush(0) == 0) {
+		uv_timer_stop(&queue_timer);
+		manager_slow = false;
+	}
+}
+
+size_t dlpd_notify_settle(void)
+{
+	size_t left;
+
+	if (!queue_head)
+		return 0;
+	left = dlpd_notify_flush(manager_slow ? 0 : DLPD_NOTIFY_WAIT_MS);
+	if (left && !manager_slow)
+		dlpd_log(LOG_WARNING,
+			 "the service manager took no notification for %d ms; %zu wait for it, "
+			 "and the daemon goes on without waiting until it catches up",
+			 DLPD_NOTIFY_WAIT_MS, left);
+	manager_slow = left > 0;
+	return left;
+}
+
+static int queue_add(const char *msg, size_t len, const int *fds, size_t nfds)
+{
+	struct queued *q;
+
+	if (queue_len >= DLPD_NOTIFY_QUEUE_MAX || queue_closed)
+		return -ENOBUFS;
+	q = malloc(sizeof(*q) + len);
+	if (!q)
+		return -ENOMEM;
+	q->next = NULL;
+	q->len = len;
+	memcpy(q->msg, msg, len);
+	for (q->nfds = 0; q->nfds < nfds; q->nfds++) {
+		q->fds[q->nfds] = fcntl(fds[q->nfds], F_DUPFD_CLOEXEC, 3);
+		if (q->fds[q->nfds] < 0) {
+			int r = -errno;
+
+			while (q->nfds > 0)
+				close(q->fds[--q->nfds]);
+			free(q);
 			return r;
-		/* its queue is full: wait, within a bound, for it to read */
+		}
+	}
+	*queue_tail = q;
+	queue_tail = &q->next;
+	queue_len++;
+	if (timer_on && !uv_is_active((uv_handle_t *)&queue_timer))
+		uv_timer_start(&queue_timer, on_queue_timer, DLPD_NOTIFY_RETRY_MS,
+			       DLPD_NOTIFY_RETRY_MS);
+	return 0;
+}
+
+size_t dlpd_notify_flush(int wait_ms)
+{
+	uint64_t deadline = dlpd_now_ms() + (uint64_t)(wait_ms > 0 ? wait_ms : 0);
+
+	while (queue_head) {
+		struct queued *q = queue_head;
+		uint64_t now;
+		int r = send_now(q->msg, q->len, q->fds, q->nfds);
+
+		if (r == 0) {
+			queue_pop();
+			continue;
+		}
+		if (r != -EAGAIN) {
+			/* the manager went away: this one cannot be told any more */
+			dlpd_log(LOG_WARNING, "dropping a notification for the service manager: %s",
+				 strerror(-r));
+			queue_pop();
+			continue;
+		}
 		now = dlpd_now_ms();
 		if (now >= deadline)
-			return -ETIMEDOUT;
+			break;
 		struct pollfd pfd = {.fd = notify_fd, .events = POLLOUT};
 
 		poll(&pfd, 1, (int)(deadline - now));
 	}
+	return queue_len;
+}
+
+size_t dlpd_notify_queued(void)
+{
+	return queue_len;
+}
+
+void dlpd_notify_start(uv_loop_t *loop)
+{
+	uv_timer_init(loop, &queue_timer);
+	timer_on = true;
+	if (queue_head)
+		uv_timer_start(&queue_timer, on_queue_timer, DLPD_NOTIFY_RETRY_MS,
+			       DLPD_NOTIFY_RETRY_MS);
+}
+
+void dlpd_notify_stop(void)
+{
+	size_t left = dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS);
+
+	if (left)
+		dlpd_log(LOG_WARNING,
+			 "the service manager did not take %zu notifications within %d ms; "
+			 "dropping them (storages among them are not in its fd store)",
+			 left, DLPD_NOTIFY_WAIT_MS);
+	while (queue_head)
+		queue_pop();
+	queue_closed = true;
+	if (timer_on)
+		uv_close((uv_handle_t *)&queue_timer, NULL);
+	timer_on = false;
+}
+
+static int format(char *msg, size_t size, const char *fmt, va_list ap)
+{
+	int n = vsnprintf(msg, size, fmt, ap);
+
+	return n < 0 || (size_t)n >= size ? -EMSGSIZE : n;
+}
+
+int dlpd_notify_fds(const int *fds, size_t nfds, const char *fmt, ...)
+{
+	char msg[256];
+	va_list ap;
+	int n, r;
+
+	if (!notify_len)
+		return -ENOTCONN;
+	if (nfds > DLPD_NOTIFY_FDS_MAX)
+		return -EINVAL;
+	va_start(ap, fmt);
+	n = format(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (n < 0)
+		return n;
+	/* behind those waiting, never before them */
+	if (!queue_head) {
+		r = send_now(msg, (size_t)n, fds, nfds);
+		if (r != -EAGAIN)
+			return r;
+	}
+	return queue_add(msg, (size_t)n, fds, nfds);
+}
+
+int dlpd_notify_fds_now(const int *fds, size_t nfds, const char *fmt, ...)
+{
+	char msg[256];
+	va_list ap;
+	int n;
+
+	if (!notify_len)
+		return -ENOTCONN;
+	if (nfds > DLPD_NOTIFY_FDS_MAX)
+		return -EINVAL;
+	va_start(ap, fmt);
+	n = format(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (n < 0)
+		return n;
+	return queue_head ? -EAGAIN : send_now(msg, (size_t)n, fds, nfds);
 }
 
 void dlpd_notify(const char *fmt, ...)

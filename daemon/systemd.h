@@ -4,13 +4,20 @@
 #define DLPD_SYSTEMD_H
 
 #include <stddef.h>
+#include <uv.h>
 
 /* The most fds LISTEN_FDS may pass: the daemon's whole fd limit would be reached first. */
 #define DLPD_PASSED_FDS_MAX (1 << 20)
 /* The longest fd name systemd accepts (FDNAME=). */
 #define DLPD_FDNAME_MAX 255
-/* How long a notification may wait for room in the service manager's queue. */
+/* How long an upgrade or a stop waits for the service manager to take the notifications that
+ * found its queue full. */
 #define DLPD_NOTIFY_WAIT_MS 2000
+/* The most notifications (each with up to DLPD_NOTIFY_FDS_MAX fds) waiting for room in the
+ * service manager's queue; one more fails (-ENOBUFS). */
+#define DLPD_NOTIFY_QUEUE_MAX 1024
+/* How often the loop offers the waiting notifications to the service manager again. */
+#define DLPD_NOTIFY_RETRY_MS 20
 /* The most fds one notification carries. */
 #define DLPD_NOTIFY_FDS_MAX 4
 
@@ -35,10 +42,26 @@ int dlpd_notify_init(void);
 const char *dlpd_notify_socket(void);
 /* Send one notification ("READY=1", "STATUS=...") if a service manager asked for them. */
 void dlpd_notify(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-/* Send one notification carrying @p nfds fds (FDSTORE=1), waiting up to DLPD_NOTIFY_WAIT_MS
- * for room in the manager's queue. 0, -ENOTCONN without a service manager, -ETIMEDOUT, or the
- * negative errno of the send. */
+/* Send one notification carrying @p nfds fds (FDSTORE=1) without waiting: if the manager's
+ * queue is full, or notifications wait already, it waits behind them (with copies of the fds)
+ * and goes in order. 0 (sent or waiting), -ENOTCONN without a service manager, -ENOBUFS with
+ * DLPD_NOTIFY_QUEUE_MAX waiting, or the negative errno of the send. */
 int dlpd_notify_fds(const int *fds, size_t nfds, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
+/* The same, sent now or not at all: -EAGAIN if it would have to wait. */
+int dlpd_notify_fds_now(const int *fds, size_t nfds, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+/* Send what waits, for up to @p wait_ms (0: what goes at once); how many still wait. */
+size_t dlpd_notify_flush(int wait_ms);
+/* Wait up to DLPD_NOTIFY_WAIT_MS for what waits to go, unless an earlier wait ran out and the
+ * manager has not caught up since (then only what goes at once); how many still wait. */
+size_t dlpd_notify_settle(void);
+/* How many notifications wait for room. */
+size_t dlpd_notify_queued(void);
+/* Offer what waits to the manager from @p loop's timer from now on. */
+void dlpd_notify_start(uv_loop_t *loop);
+/* At stop: wait up to DLPD_NOTIFY_WAIT_MS for what waits, drop the rest (logged), and close
+ * the timer. */
+void dlpd_notify_stop(void);
 
 #endif

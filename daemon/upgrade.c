@@ -197,6 +197,22 @@ void dlpd_upgrade(struct dlpd_server *s)
 		return;
 	}
 	dlpd_persist_drop_held(s);
+	/* notifications waiting for room in the service manager's queue (storages for its fd
+	 * store, removals) would die with this image */
+	if (dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS) > 0) {
+		dlpd_log(LOG_ERR,
+			 "not upgrading: the service manager did not take %zu notifications within "
+			 "%d ms",
+			 dlpd_notify_queued(), DLPD_NOTIFY_WAIT_MS);
+		unsetenv("LISTEN_PID");
+		unsetenv("LISTEN_FDS");
+		unsetenv("LISTEN_FDNAMES");
+		unsetenv("NOTIFY_SOCKET");
+		close(journal);
+		free(h.fds);
+		free(h.names);
+		return;
+	}
 	/* channels do not survive: direct ones' users hear it now (EPIPE, end of stream) */
 	dlpd_direct_shutdown_all(s);
 	/* The new image holds these back until it can handle them (main.c); a signal sent

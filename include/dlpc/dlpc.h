@@ -195,6 +195,12 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
  * Reads $DLPC_CALL_TIMEOUT_MS (DLPC_CALL_TIMEOUT_ENV) once: the bound on this client's calls
  * that have no timeout of their own, and on each step of connecting (a daemon whose backlog is
  * full, or a socket that accepts and never answers HELLO).
+ *
+ * A connection that dlpackd closes before it answers HELLO, without an error saying why, is
+ * made again (an upgrade in place closes the connections its old image accepted; the new image
+ * answers on the same socket): pausing 10 ms at first, then up to DLPC_RECONNECT_BACKOFF_MAX_MS,
+ * until $DLPC_CALL_TIMEOUT_MS has passed since the call began, when it fails with -ECONNRESET
+ * or -EPIPE. A refusal (over a quota, another protocol) comes with its reason and is not retried.
  * @param socket_path the daemon's socket, or NULL for dlpc_default_socket()'s.
  * @param ret receives the client on success.
  * @return 0, -ECONNREFUSED or -ENOENT when no daemon listens, -EPROTO on a version mismatch,

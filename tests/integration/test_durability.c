@@ -26,8 +26,9 @@
 #include "harness.h"
 #include "persist.h"
 
-/* The fds the fake manager keeps (FDSTORE=, FileDescriptorStoreMax=). */
-#define STORE_MAX 512
+/* The fds the fake manager keeps (FDSTORE=, FileDescriptorStoreMax=): more than
+ * DLPD_NOTIFY_QUEUE_MAX, for test_given_up_journal. */
+#define STORE_MAX 2048
 /* Floats in each test tensor. */
 #define NV 1024
 /* Load processes during a kill or an upgrade. */
@@ -57,6 +58,7 @@ struct mgr {
 	pthread_t reader;
 	pthread_mutex_t mu;
 	bool quit;
+	bool stalled; /* the reader takes nothing: a service manager that reads slowly */
 };
 
 static long long now_ms(void)
@@ -207,6 +209,10 @@ static void *mgr_read(void *arg)
 	while (!__atomic_load_n(&m->quit, __ATOMIC_ACQUIRE)) {
 		struct pollfd pfd = {.fd = m->notify_fd, .events = POLLIN};
 
+		if (__atomic_load_n(&m->stalled, __ATOMIC_ACQUIRE)) {
+			usleep(20000);
+			continue;
+		}
 		if (poll(&pfd, 1, 20) > 0)
 			mgr_drain(m);
 	}
@@ -853,6 +859,198 @@ START_TEST(test_upgrade_then_kill)
 }
 END_TEST
 
+/* ---- a storm of upgrades under waiting attaches ---- */
+
+/* SIGHUPs of the storm, and the pause between two. */
+#define STORM_SIGHUPS 100
+#define STORM_PAUSE_US 5000
+/* Waiting attaches started during the storm: C (libdlpc) and Python processes. */
+#define STORM_C 15
+#define STORM_PY 15
+/* Processes that connect (dlpc_connect(), no flags), ask STAT and close, over and over. */
+#define STORM_CONNECTORS 3
+
+static const char *storm_sock;
+
+/* A C process that starts a waiting attach during the storm: it must end with the entry. */
+static int storm_attacher(void *arg)
+{
+	dlpc_attach_opts o = {.size = sizeof(o), .timeout_ms = 60000};
+	DLManagedTensorVersioned *t;
+	static float want[NV];
+	dlpc_client *c;
+	int r;
+
+	(void)arg;
+	r = dlpc_connect_flags(storm_sock, DLPC_CONNECT_RECONNECT, &c);
+	if (r < 0) {
+		fprintf(stderr, "storm attacher %d: connect: %s\n", (int)getpid(),
+			dlpc_last_error());
+		return 1;
+	}
+	r = dlpc_attach(c, "storm/x", &o, &t);
+	if (r < 0) {
+		fprintf(stderr, "storm attacher %d: attach: %s\n", (int)getpid(),
+			dlpc_last_error());
+		return 1;
+	}
+	fill(want, "storm/x", 1);
+	CHILD_CHECK(r == 1 && t->dl_tensor.shape[0] == NV &&
+		    memcmp(t->dl_tensor.data, want, sizeof(want)) == 0);
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+/* A process that connects and closes until @p arg (a path) exists: every connect works. */
+static int storm_connector(void *arg)
+{
+	const char *stop = arg;
+	int n = 0;
+
+	while (access(stop, F_OK) != 0) {
+		dlpc_client *c;
+		int r = dlpc_connect(storm_sock, &c);
+
+		if (r < 0) {
+			fprintf(stderr, "storm connector %d: connect %d: %s\n", (int)getpid(), n,
+				dlpc_last_error());
+			return 1;
+		}
+		dlpc_close(c);
+		n++;
+	}
+	return n > 0 ? 0 : 2;
+}
+
+/* The Python half: dlpack_ipc.attach() with the module's own client, waiting; the bytes are
+ * fill()'s for ("storm/x", 1). */
+static const char storm_py[] =
+	"import sys, numpy as np, dlpack_ipc\n"
+	"name, gen = 'storm/x', 1\n"
+	"h = 2166136261\n"
+	"for b in name.encode():\n"
+	"    h = ((h ^ b) * 16777619) & 0xffffffff\n"
+	"s = h ^ ((gen * 2654435761) & 0xffffffff)\n"
+	"i = np.arange(1024, dtype=np.uint64)\n"
+	"want = (((s + i * 7919) & 0xffffffff) % 100003).astype(np.float32)\n"
+	"try:\n"
+	"    t = dlpack_ipc.attach(name, timeout=60)\n"
+	"except OSError as e:\n"
+	"    print('storm python attacher:', type(e).__name__, e, file=sys.stderr)\n"
+	"    sys.exit(1)\n"
+	"a = np.from_dlpack(t)\n"
+	"sys.exit(0 if a.shape == (1024,) and (a == want).all() else 3)\n";
+
+/* Start the Python attacher, or return -1 (and say why once) where it cannot run. */
+static pid_t storm_python(void)
+{
+#ifdef DLPC_TEST_PYTHONPATH
+	pid_t pid;
+
+	if (access(DLPC_TEST_PYTHON, X_OK) != 0)
+		return -1;
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		setenv("PYTHONPATH", DLPC_TEST_PYTHONPATH, 1);
+		setenv(DLPC_SOCKET_ENV, storm_sock, 1);
+		setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
+		execl(DLPC_TEST_PYTHON, DLPC_TEST_PYTHON, "-c", storm_py, (char *)NULL);
+		_exit(127);
+	}
+	return pid;
+#else
+	return -1;
+#endif
+}
+
+static void *storm_signals(void *arg)
+{
+	pid_t pid = *(pid_t *)arg;
+
+	for (int i = 0; i < STORM_SIGHUPS; i++) {
+		kill(pid, SIGHUP);
+		usleep(STORM_PAUSE_US);
+	}
+	return NULL;
+}
+
+/* 100 SIGHUPs 5 ms apart while 30 processes (C and Python) start a waiting attach of a name
+ * not published yet, and others connect over and over: no connect fails, and every attach
+ * ends with the entry once it is published after the storm. */
+START_TEST(test_upgrade_storm)
+{
+	pid_t att[STORM_C + STORM_PY], conn[STORM_CONNECTORS];
+	char stop[128];
+	int failed = 0, python = 0, fd;
+	long long deadline;
+	pthread_t storm;
+	dlpc_client *c = NULL;
+	struct mgr m;
+
+	mgr_init(&m, false, 0);
+	mgr_start(&m);
+	storm_sock = m.sock;
+	snprintf(stop, sizeof(stop), "%s/stop-connectors", m.dir);
+	for (int i = 0; i < STORM_CONNECTORS; i++)
+		conn[i] = spawn(storm_connector, stop);
+	ck_assert_int_eq(pthread_create(&storm, NULL, storm_signals, &m.pid), 0);
+	/* the attaches start during the storm, a C one and a Python one in turn */
+	for (int i = 0; i < STORM_C + STORM_PY; i++) {
+		att[i] = -1;
+		if (i % 2)
+			att[i] = storm_python();
+		python += att[i] >= 0;
+		if (att[i] < 0)
+			att[i] = spawn(storm_attacher, NULL);
+		usleep(STORM_SIGHUPS * STORM_PAUSE_US / (STORM_C + STORM_PY));
+	}
+	pthread_join(storm, NULL);
+	if (!python)
+		fprintf(stderr,
+			"upgrade storm: skipped: the Python half (dlpack_ipc is not built "
+			"or %s is absent); C attaches only\n",
+#ifdef DLPC_TEST_PYTHON
+			DLPC_TEST_PYTHON
+#else
+			"python3"
+#endif
+		);
+	/* every upgrade begun (RELOADING=1) has ended (READY=1): the publish is not the test */
+	deadline = now_ms() + scaled_ms(15000);
+	for (;;) {
+		unsigned ready, reloads;
+
+		pthread_mutex_lock(&m.mu);
+		ready = m.readies;
+		reloads = m.reloads;
+		pthread_mutex_unlock(&m.mu);
+		if (ready == reloads + 1)
+			break;
+		ck_assert_log(&m, now_ms() < deadline, "dlpackd did not come back after the storm");
+		usleep(10000);
+	}
+	ck_assert_dlpc(dlpc_connect(m.sock, &c), 0);
+	ck_assert_dlpc(publish(c, "storm/x", 1, 0), 1);
+	for (int i = 0; i < STORM_C + STORM_PY; i++)
+		failed += wait_child(att[i]) != 0;
+	fd = open(stop, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+	ck_assert_int_ge(fd, 0);
+	close(fd);
+	for (int i = 0; i < STORM_CONNECTORS; i++)
+		failed += wait_child(conn[i]) != 0;
+	fprintf(stderr,
+		"upgrade storm: %d of %d waiting attaches (%d Python) and %d connectors failed\n",
+		failed, STORM_C + STORM_PY, python, STORM_CONNECTORS);
+	ck_assert_log(&m, waitpid(m.pid, NULL, WNOHANG) == 0, "dlpackd died in the storm");
+	ck_assert_log(&m, failed == 0, "%d processes failed in the upgrade storm", failed);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
 /* ---- hostile state journals ---- */
 
 /* A memfd holding the bytes of (@p name, @p gen), sealed as a publish seals it, or not. */
@@ -1048,6 +1246,157 @@ START_TEST(test_hostile_journal)
 	/* and it serves */
 	ck_assert_dlpc(publish(c, "new/d", 1, 0), 1);
 	ck_assert_uint_eq(check_consistent(c, &m), 2);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* A complete journal of 10 entries and a newer one whose header is right but whose first record
+ * is damaged: the newer is skipped, with its reason, and the 10 entries come back. */
+START_TEST(test_damaged_newer_journal)
+{
+	struct journal j = {0}, bad = {0};
+	dlpc_entry_info *e;
+	struct mgr m;
+	dlpc_client *c;
+	char name[32];
+	size_t cnt;
+
+	mgr_init(&m, true, STORE_MAX);
+	for (int i = 0; i < 10; i++) {
+		snprintf(name, sizeof(name), "x/%d", i);
+		jput(&j, name, (uint64_t)i + 1, 1, 0, NV, NV * 4, false);
+		store_put(&m, storage_fd(name, 1, true), "st-%llx", (uint64_t)i + 1);
+	}
+	store_put(&m, journal_fd(&j, 5, true), "state-%llx", 5);
+	/* the same records, the first one's length damaged: nothing after it can be read */
+	for (int i = 0; i < 10; i++) {
+		snprintf(name, sizeof(name), "x/%d", i);
+		jput(&bad, name, (uint64_t)i + 1, 1, 0, NV, NV * 4, false);
+	}
+	{
+		struct dlpd_rec_hdr h;
+
+		memcpy(&h, bad.b, sizeof(h));
+		h.len ^= 0x40000000u;
+		memcpy(bad.b, &h, sizeof(h));
+	}
+	store_put(&m, journal_fd(&bad, 6, true), "state-%llx", 6);
+	free(j.b);
+	free(bad.b);
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(dlpc_list(c, "x/", &e, &cnt), 0);
+	dlpc_list_free(e, cnt);
+	ck_assert_log(&m, cnt == 10, "%zu of 10 entries restored", cnt);
+	for (int i = 0; i < 10; i++) {
+		snprintf(name, sizeof(name), "x/%d", i);
+		ck_assert_int_eq(attach_check(c, name), 1);
+	}
+	ck_assert_log(
+		&m,
+		log_has(m.log, "skipping state journal state-6: the record at byte 16 claims") &&
+			log_has(m.log, "from state journal state-5"),
+		"the skipped journal and its reason are not logged");
+	/* a journal of the next epoch replaces both */
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STATE), 1);
+	ck_assert_msg(stored(&m, "state-7"), "no journal of the next epoch");
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* The manager stops reading its notification socket (its queue holds net.unix.max_dgram_qlen
+ * datagrams, 10 by default) for longer than DLPD_NOTIFY_WAIT_MS while 30 entries are published,
+ * x/0 unpublished and x/1 replaced, then reads again: nothing is given up, and after a kill the
+ * restart has exactly what was there (no x/0, x/1 with its new bytes, the 30 new ones). */
+START_TEST(test_slow_manager)
+{
+	long long deadline;
+	dlpc_entry_info *e;
+	struct mgr m;
+	dlpc_client *c;
+	char name[32];
+	size_t cnt;
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(publish(c, "x/0", 1, 0), 1);
+	ck_assert_dlpc(publish(c, "x/1", 1, 0), 1);
+	mgr_drain(&m);
+	__atomic_store_n(&m.stalled, true, __ATOMIC_RELEASE);
+	for (int i = 0; i < 30; i++) {
+		snprintf(name, sizeof(name), "fill/%d", i);
+		ck_assert_dlpc(publish(c, name, 1, 0), 1);
+	}
+	ck_assert_dlpc(dlpc_unpublish(c, "x/0"), 0);
+	ck_assert_dlpc(publish(c, "x/1", 2, DLPC_PUBLISH_REPLACE), 2);
+	/* longer than a notification ever waited */
+	usleep((DLPD_NOTIFY_WAIT_MS + 500) * 1000);
+	__atomic_store_n(&m.stalled, false, __ATOMIC_RELEASE);
+	/* the manager catches up: x/1 and the 30 fill/ storages */
+	deadline = now_ms() + scaled_ms(5000);
+	while (store_count(&m, DLPD_FDNAME_STORAGE) != 31 && now_ms() < deadline)
+		usleep(10000);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	ck_assert_log(&m, attach_check(c, "x/0") == -ENOENT, "x/0, unpublished, came back");
+	ck_assert_log(&m, attach_check(c, "x/1") == 2, "x/1 did not come back as replaced");
+	ck_assert_dlpc(dlpc_list(c, "fill/", &e, &cnt), 0);
+	dlpc_list_free(e, cnt);
+	ck_assert_log(&m, cnt == 30, "%zu of 30 entries published meanwhile came back", cnt);
+	ck_assert_uint_eq(check_consistent(c, &m), 31);
+	ck_assert_log(&m, !log_has(m.log, "cannot hand a storage to the service manager"),
+		      "persistence was given up");
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* A manager that stops reading for good: once DLPD_NOTIFY_QUEUE_MAX notifications wait, the
+ * daemon gives up persisting, and the journal it gave up on, still in the store (its removal
+ * never reached the manager), is never restored: nothing comes back, not even an entry
+ * unpublished after the daemon gave up. */
+START_TEST(test_given_up_journal)
+{
+	dlpc_stats st;
+	struct mgr m;
+	dlpc_client *c;
+	char name[32];
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(publish(c, "gone/0", 1, 0), 1);
+	mgr_drain(&m);
+	__atomic_store_n(&m.stalled, true, __ATOMIC_RELEASE);
+	for (int i = 0; i < DLPD_NOTIFY_QUEUE_MAX + 20; i++) {
+		snprintf(name, sizeof(name), "many/%d", i);
+		ck_assert_dlpc(publish(c, name, 1, 0), 1);
+	}
+	ck_assert_dlpc(dlpc_unpublish(c, "gone/0"), 0);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	__atomic_store_n(&m.stalled, false, __ATOMIC_RELEASE);
+	mgr_drain(&m);
+	ck_assert_log(&m, log_has(m.log, "cannot hand a storage to the service manager"),
+		      "persistence was not given up");
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	st = stat_or_die(c);
+	ck_assert_log(&m, st.entries == 0, "%llu entries came back from a journal given up",
+		      (unsigned long long)st.entries);
+	ck_assert_log(&m, log_has(m.log, "was given up by the daemon that wrote it"),
+		      "the given-up journal is not named");
 	dlpc_close(c);
 	mgr_kill(&m, SIGTERM);
 	mgr_clear(&m);
@@ -1509,6 +1858,14 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_upgrade_held_storage);
 	tcase_add_test(tc, test_upgrade_relative_path);
 	tcase_add_test(tc, test_journal_past_file_size_limit);
+	suite_add_tcase(s, tc);
+	/* upgrades, restores and a slow service manager (CK_RUN_CASE=resilience) */
+	tc = tcase_create("resilience");
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_upgrade_storm);
+	tcase_add_test(tc, test_damaged_newer_journal);
+	tcase_add_test(tc, test_slow_manager);
+	tcase_add_test(tc, test_given_up_journal);
 	suite_add_tcase(s, tc);
 	return s;
 }
