@@ -126,6 +126,11 @@
 /* Channels (protocol 1.6): DLPC_CHANNEL_CAPACITY_DEFAULT and _MAX are public (dlpc.h).
  * Channels count against --max-entries-per-uid like names; queued messages against their
  * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection. */
+/* Channels one uid may have open at once, queued and direct alike: a channel outlives the
+ * connection that opened it, until it is removed. A direct channel's socket pair (two fds,
+ * held by the daemon) counts against its opener's --max-fd-share-per-uid as well.
+ * --max-channels-per-uid */
+#define DLPC_UID_CHANNELS_DEFAULT 256
 /* DLPC_POOL_BUFFERS_MAX (dlpc.h): buffers in one connection's pool of recycled channel
  * memory. */
 
