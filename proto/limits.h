@@ -19,6 +19,14 @@
 /* Channels one libdlpc connection remembers (a direct one holds its two socket ends): the least
  * recently joined one not in use is forgotten beyond this. */
 #define DLPC_DIRECT_ENDPOINTS_MAX 64
+/* fds a process's libdlpc may hold that senders on direct channels sent and it refused, waiting
+ * for its one closer thread (whose close() may never return: a file on a stalled FUSE server, a
+ * socket holding such a file or a lingering socket in flight). A receive that refuses fds and
+ * leaves this many waiting bars its channel: the channel is not read (-EMFILE naming it and the
+ * bound) until fewer wait, while other channels go on. A receive takes a datagram whole, up to
+ * 253 fds (SCM_MAX_FD) and a pidfd, so a process holds at most this many plus 254 for each
+ * channel it receives from. */
+#define DLPC_CLOSING_MAX 64
 /* How often a sender waiting for room in a full direct channel tries again, ms: the kernel
  * wakes writers of a Unix datagram socket only once its buffer is three quarters free. */
 #define DLPC_DIRECT_RETRY_MS 1
