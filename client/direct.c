@@ -37,7 +37,12 @@ static void endpoint_free(dlpc_client *c, struct dlpc__endpoint *e)
 			break;
 		}
 	dlpc__list_unlock();
-	if (e->direct) {
+	if (e->direct && __atomic_load_n(&e->barred, __ATOMIC_RELAXED)) {
+		/* its senders sent fds whose close may block: what is still queued in the pair
+		 * (direct_io.c stopped taking it) is let go of with the pair's last close */
+		dlpc__close_later(e->ends[0]);
+		dlpc__close_later(e->ends[1]);
+	} else if (e->direct) {
 		dlpc__close(e->ends[0]);
 		dlpc__close(e->ends[1]);
 	}

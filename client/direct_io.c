@@ -25,7 +25,13 @@
 #include "table.h"
 #include "util.h"
 
-/* fds a datagram may bring (a hostile sender's: the kernel's SCM_MAX_FD) */
+/* fds a datagram may bring (a hostile sender's: the kernel's SCM_MAX_FD). Every one of them is
+ * taken: a control buffer with room for fewer would have the kernel drop the rest, and the last
+ * reference to a file dropped there is let go of in this thread on its way out of recvmsg(),
+ * where a lingering socket's close blocks the receive itself (measured: a TCP socket with
+ * SO_LINGER {1, 86400} and a full send queue held recvmsg() until killed). Taken, such a socket
+ * has its linger turned off, and whatever else may block goes to the closer thread, whose
+ * backlog DLPC_CLOSING_MAX bounds. */
 #define RECV_FDS_MAX 253
 #ifndef SCM_PIDFD
 #define SCM_PIDFD 0x04 /* Linux 6.5: a pidfd a joiner may have asked for (SO_PASSPIDFD) */
@@ -238,7 +244,32 @@ static bool shut(const struct dlpc__endpoint *e)
 	return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP));
 }
 
-/* Drop what is still queued in the shut pair of @p e: removal frees a channel's messages. */
+/* Is @p e barred (not read while DLPC_CLOSING_MAX refused fds wait to be closed)? */
+static bool barred(struct dlpc__endpoint *e)
+{
+	return __atomic_load_n(&e->barred, __ATOMIC_RELAXED);
+}
+
+static void bar(struct dlpc__endpoint *e, bool on)
+{
+	__atomic_store_n(&e->barred, on, __ATOMIC_RELAXED);
+}
+
+/* The error of a receive from @p channel that takes nothing more: @p held fds refused wait to be
+ * closed, and @p why (or NULL) what was dropped last. */
+static int barred_fail(const char *channel, size_t held, const char *why)
+{
+	return dlpc__fail(-EMFILE,
+			  "cannot receive from channel '%s': %s%s%zu fds that senders on direct "
+			  "channels sent and this process refused are waiting to be closed (a "
+			  "close that does not return holds them up); past DLPC_CLOSING_MAX (%d) "
+			  "a channel whose senders send such fds is not read until they are",
+			  channel, why ? why : "", why ? "; " : "", held, DLPC_CLOSING_MAX);
+}
+
+/* Drop what is still queued in the shut pair of @p e: removal frees a channel's messages. Past
+ * DLPC_CLOSING_MAX the rest stays queued, for the pair's last close (e is barred: its ends then
+ * go to the closer thread too). */
 static void drop_queued(struct dlpc__endpoint *e)
 {
 	uint8_t rec[DLPC_DIRECT_RECORD];
@@ -254,6 +285,10 @@ static void drop_queued(struct dlpc__endpoint *e)
 		bool odd, credited;
 		int fd;
 
+		if (dlpc__closing_held() >= DLPC_CLOSING_MAX) {
+			bar(e, true);
+			break;
+		}
 		/* shut, the end reads as 0 bytes with no control message, and never blocks */
 		if (recvmsg(e->ends[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) < 0 ||
 		    mh.msg_controllen == 0)
@@ -315,6 +350,14 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	ssize_t got;
 	int fd, r;
 
+	/* a channel that sent fds refused past the bound stays unread while they wait */
+	if (barred(e)) {
+		size_t held = dlpc__closing_held();
+
+		if (held >= DLPC_CLOSING_MAX)
+			return barred_fail(channel, held, NULL);
+		bar(e, false);
+	}
 	for (;;) {
 		struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
 
@@ -420,7 +463,19 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		r = -EBADMSG;
 	}
 	if (r < 0) {
+		size_t held;
+
 		dlpc__close_later(fd);
+		held = dlpc__closing_held();
+		if (held >= DLPC_CLOSING_MAX) {
+			char what[400];
+
+			bar(e, true);
+			snprintf(what, sizeof(what),
+				 "the message from pid %d (uid %d) was dropped (%s)", (int)cred.pid,
+				 (int)cred.uid, r == -EMFILE ? "more fds than room for them" : why);
+			return barred_fail(channel, held, what);
+		}
 		if (r == -EMFILE)
 			return r;
 		return dlpc__fail(r,

@@ -353,6 +353,9 @@ struct dlpc__endpoint {
 	int ends[2];	/* direct: [0] sends, [1] receives */
 	unsigned users; /* calls using the ends now */
 	bool dropped;	/* out of the list: closed by its last user */
+	/* (atomic) not read while DLPC_CLOSING_MAX fds wait to be closed: its senders sent fds
+	 * that were refused past that bound (direct_io.c); its ends go to be closed as those */
+	bool barred;
 	char name[];
 };
 
@@ -403,8 +406,11 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *channel, uint32_t flags,
 		      int64_t timeout, bool single, dlpc_bundle **ret);
 /* loop.c: close @p fd on a thread of the library's own (one a peer sent and libdlpc refused:
- * its close may block), or here if that thread cannot run. */
+ * its close may block), or here if that thread cannot run. A socket's SO_LINGER is turned off
+ * first. */
 void dlpc__close_later(int fd);
+/* loop.c: the fds dlpc__close_later() was given that are not closed yet (DLPC_CLOSING_MAX). */
+size_t dlpc__closing_held(void);
 /* client.c: the lock of the open clients' list, which fork() takes */
 void dlpc__list_lock(void);
 void dlpc__list_unlock(void);

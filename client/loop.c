@@ -17,7 +17,9 @@
  *    time is up.
  *
  * (A second thread, started when first needed, closes the fds a peer sent that libdlpc refused,
- * dlpc__close_later(): such a close may block, and must not stop this loop.)
+ * dlpc__close_later(): such a close may block, and must not stop this loop. One thread only,
+ * whatever blocks it: the fds it has yet to close are counted (dlpc__closing_held()), and past
+ * DLPC_CLOSING_MAX a direct channel that sends more is no longer read, direct_io.c.)
  *
  * Reading a socket is taking the reader's turn without waiting (dlpc__drain()): when a call's
  * thread has it, that thread delivers what comes, and the loop looks again a little later
@@ -28,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -53,6 +56,7 @@ static pthread_cond_t closer_cv = PTHREAD_COND_INITIALIZER;
 static bool closer_running;
 static int *closing;
 static size_t nclosing, closing_cap;
+static size_t closing_now; /* 1 while the thread is in close() */
 
 /* Wake the loop. Under loop_mu. */
 static void wake_locked(void)
@@ -89,6 +93,7 @@ void dlpc__loop_atfork(int phase)
 		/* the parent's to close: in the child they are copies, left to its exit or exec
 		 * (close-on-exec), as a close here could block fork() itself */
 		nclosing = 0;
+		closing_now = 0;
 		closer_running = false;
 		pthread_cond_init(&closer_cv, NULL);
 		pthread_mutex_init(&closer_mu, NULL);
@@ -320,17 +325,36 @@ static void *closer_main(void *arg)
 		while (nclosing == 0)
 			pthread_cond_wait(&closer_cv, &closer_mu);
 		fd = closing[--nclosing];
+		closing_now = 1;
 		pthread_mutex_unlock(&closer_mu);
 		close(fd);
 		pthread_mutex_lock(&closer_mu);
+		closing_now = 0;
 	}
 	return NULL;
 }
 
+size_t dlpc__closing_held(void)
+{
+	size_t n;
+
+	pthread_mutex_lock(&closer_mu);
+	n = nclosing + closing_now;
+	pthread_mutex_unlock(&closer_mu);
+	return n;
+}
+
 void dlpc__close_later(int fd)
 {
+	/* A socket's close waits out its SO_LINGER (a peer's TCP socket with a day of it and a
+	 * full send queue would hold the thread that long): the option is the fd holder's to set,
+	 * and this close has nothing to deliver. For any other fd the call fails (ENOTSOCK) and
+	 * changes nothing. */
+	static const struct linger none = {0, 0};
+
 	if (fd < 0)
 		return;
+	setsockopt(fd, SOL_SOCKET, SO_LINGER, &none, sizeof(none));
 	pthread_mutex_lock(&closer_mu);
 	if (!closer_running)
 		closer_running = dlpc__start_thread(closer_main, NULL);

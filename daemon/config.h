@@ -33,6 +33,7 @@ struct dlpd_limits {
 	uint64_t memory_per_uid; /* the daemon's memory its records take (limits.h) */
 	uint64_t connections_per_uid;
 	uint64_t fd_share_per_uid; /* percent of the fd budget */
+	uint64_t channels_per_uid;
 	uint64_t refs_per_connection;
 	uint64_t pending_per_connection;
 	uint64_t frame_timeout_ms;

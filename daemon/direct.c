@@ -16,6 +16,13 @@
  * message themselves, with the checks the daemon makes of a publish (proto/storage.c): the
  * daemon never sees them, and never reads what a channel queues (removal shuts the pair). The receiving end passes credentials (SO_PASSCRED), so every message
  * says, from the kernel, which process sent it.
+ *
+ * Whose fds: the pair the daemon holds (two fds per channel, for as long as the channel lives,
+ * whoever's connection opened it) is charged to the opener's uid, in its fd share
+ * (--max-fd-share-per-uid) as its storages and connections are, and the channels themselves to
+ * --max-channels-per-uid. A joiner's copies of the ends live in its own process, against its own
+ * RLIMIT_NOFILE, and cost the daemon nothing; what senders queue in the pair is charged by the
+ * kernel to the sender (its fds in flight, bounded by its RLIMIT_NOFILE).
  */
 #include <errno.h>
 #include <stdint.h>
@@ -117,6 +124,7 @@ int dlpd_direct_open(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t ca
 	ch->ends[1] = ends[1];
 	ch->direct_capacity = (uint32_t)(((uint64_t)buf + (uint64_t)ts - 1) / (uint64_t)ts);
 	s->channel_fds += 2;
+	ch->usage->channel_fds += 2;
 	return 0;
 fail:
 	close(ends[0]);
@@ -135,18 +143,19 @@ static void shut(const int ends[2])
  * whoever joined, not the daemon's to vouch for. The receivers drop what they find once the
  * pair is shut (client/direct_io.c), and the last close of the pair frees the rest: the daemon's
  * closes go to the thread for fds it cannot vouch for, where freeing them stalls nothing. */
-static void let_go(struct dlpd_server *s, const int ends[2])
+static void let_go(struct dlpd_server *s, struct dlpd_channel *ch, const int ends[2])
 {
 	shut(ends);
 	dlpd_close_untrusted(ends[0]);
 	dlpd_close_untrusted(ends[1]);
 	s->channel_fds -= 2;
+	ch->usage->channel_fds -= 2;
 }
 
 void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch)
 {
 	if (ch->ends[0] >= 0) {
-		let_go(s, ch->ends);
+		let_go(s, ch, ch->ends);
 		ch->ends[0] = ch->ends[1] = -1;
 	}
 }
@@ -177,7 +186,7 @@ int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why,
 		return r;
 	dlpd_log(LOG_NOTICE, "a direct channel's sockets were shut by a process that joined it: "
 			     "made new ones");
-	let_go(s, old);
+	let_go(s, ch, old);
 	return 0;
 }
 

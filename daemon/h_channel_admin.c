@@ -107,6 +107,27 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					"%llu (RLIMIT_NOFILE minus %d in reserve)",
 					name, (unsigned long long)dlpd_fds_in_use(s),
 					(unsigned long long)s->fd_budget, DLPC_FD_RESERVE);
+	if (p->usage->channels + 1 > s->lim.channels_per_uid)
+		return dlpd_reply_error(p, id, EDQUOT,
+					"cannot open channel '%s': uid %u has %llu channels open; "
+					"the limit is %llu (--max-channels-per-uid)",
+					name, (unsigned)p->uid,
+					(unsigned long long)p->usage->channels,
+					(unsigned long long)s->lim.channels_per_uid);
+	/* a direct channel's pair is held by the daemon for its opener's uid: in its fd share
+	 * (the joiners' copies are in their own processes, under their own RLIMIT_NOFILE) */
+	if (req->flags & DLPC_CHANNEL_DIRECT) {
+		const struct dlpd_usage *u = p->usage;
+		uint64_t uid_fds = u->storage_fds + u->pinned_fds + u->connections + u->channel_fds;
+
+		if (uid_fds + 2 > dlpd_uid_fd_share(s)) {
+			char why[256];
+
+			dlpd_uid_fd_share_why(p, uid_fds, why, sizeof(why));
+			return dlpd_reply_error(p, id, EDQUOT,
+						"cannot open direct channel '%s': %s", name, why);
+		}
+	}
 	if (p->usage->entries + 1 > s->lim.entries_per_uid)
 		return dlpd_reply_error(p, id, EDQUOT,
 					"cannot open channel '%s': uid %u has %llu entries and "

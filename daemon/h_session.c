@@ -58,7 +58,8 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	}
 	/* its connection counts among its uid's fds, which may not pass their share (at 100%
 	 * the share is the whole budget, where accept's own reserve rules) */
-	uid_fds = p->usage->storage_fds + p->usage->pinned_fds + p->usage->connections;
+	uid_fds = p->usage->storage_fds + p->usage->pinned_fds + p->usage->connections +
+		  p->usage->channel_fds;
 	if (dlpd_uid_fd_share(p->srv) < p->srv->fd_budget && uid_fds > dlpd_uid_fd_share(p->srv)) {
 		char why[256];
 

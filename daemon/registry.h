@@ -34,6 +34,7 @@ struct dlpd_usage {
 	uint64_t entries;      /* names it has published */
 	uint64_t connections;  /* its open connections */
 	uint64_t channels;     /* channels it opened (counted as entries too) */
+	uint64_t channel_fds;  /* the socket pairs of the direct ones among them (two each) */
 	uint64_t memory;       /* the daemon's memory its records take (DLPD_*_COST) */
 };
 

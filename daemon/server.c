@@ -137,7 +137,8 @@ static void on_accept(uv_poll_t *h, int status, int events)
 			continue;
 		}
 		/* the same for its share of the fds, which HELLO enforces */
-		uid_fds = p->usage->storage_fds + p->usage->pinned_fds + p->usage->connections;
+		uid_fds = p->usage->storage_fds + p->usage->pinned_fds + p->usage->connections +
+			  p->usage->channel_fds;
 		if (share < s->fd_budget && uid_fds > share + DLPC_UID_CONNECTIONS_SLACK) {
 			char why[256];
 

@@ -19,6 +19,14 @@
 /* Channels one libdlpc connection remembers (a direct one holds its two socket ends): the least
  * recently joined one not in use is forgotten beyond this. */
 #define DLPC_DIRECT_ENDPOINTS_MAX 64
+/* fds a process's libdlpc may hold that senders on direct channels sent and it refused, waiting
+ * for its one closer thread (whose close() may never return: a file on a stalled FUSE server, a
+ * socket holding such a file or a lingering socket in flight). A receive that refuses fds and
+ * leaves this many waiting bars its channel: the channel is not read (-EMFILE naming it and the
+ * bound) until fewer wait, while other channels go on. A receive takes a datagram whole, up to
+ * 253 fds (SCM_MAX_FD) and a pidfd, so a process holds at most this many plus 254 for each
+ * channel it receives from. */
+#define DLPC_CLOSING_MAX 64
 /* How often a sender waiting for room in a full direct channel tries again, ms: the kernel
  * wakes writers of a Unix datagram socket only once its buffer is three quarters free. */
 #define DLPC_DIRECT_RETRY_MS 1
@@ -134,6 +142,11 @@
 /* Channels (protocol 1.6): DLPC_CHANNEL_CAPACITY_DEFAULT and _MAX are public (dlpc.h).
  * Channels count against --max-entries-per-uid like names; queued messages against their
  * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection. */
+/* Channels one uid may have open at once, queued and direct alike: a channel outlives the
+ * connection that opened it, until it is removed. A direct channel's socket pair (two fds,
+ * held by the daemon) counts against its opener's --max-fd-share-per-uid as well.
+ * --max-channels-per-uid */
+#define DLPC_UID_CHANNELS_DEFAULT 256
 /* DLPC_POOL_BUFFERS_MAX (dlpc.h): buffers in one connection's pool of recycled channel
  * memory. */
 

@@ -772,7 +772,12 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  *  - STAT and LIST report the messages queued (depth) but not their bytes, the counts of sent
  *    and received messages or the waiting calls (0): the daemon sees none of it;
  *  - a message is checked by its receiver, with the checks dlpackd makes of a publish; one
- *    that fails them (a hostile sender's) is dropped, and dlpc_recv() says so (-EBADMSG);
+ *    that fails them (a hostile sender's) is dropped, and dlpc_recv() says so (-EBADMSG). Its
+ *    fds are closed on a thread of libdlpc's own (one per process), as such a close may never
+ *    return (a file on a stalled FUSE server); at most DLPC_CLOSING_MAX (64) may wait for it:
+ *    a channel that brings more refused fds once that many wait is no longer read (-EMFILE
+ *    naming the channel and the bound) until they are closed, other channels go on. A process
+ *    holds at most 64 + 253 such fds (+ a pidfd) per channel it receives from;
  *    dlpc_recv() leaves a bundle queued (-EINVAL) as on any channel, unless another receiver
  *    took it between libdlpc's look and its receive: a bundle that comes then is dropped;
  *  - a message describes at most about 1000 bytes of tensors (a few dozen tensors of a
@@ -922,7 +927,10 @@ typedef struct dlpc_recv_opts {
  *         queued: receive it with dlpc_recv_bundle()), -EMFILE when this process has no free
  *         fd for the storage's (checked before a message is taken: it stays queued; another
  *         thread taking the last fd meanwhile can still make one lost); on a direct channel
- *         also -EBADMSG (a message that failed the receiver's checks, dropped), -ECONNRESET
+ *         also -EBADMSG (a message that failed the receiver's checks, dropped), -EMFILE
+ *         naming DLPC_CLOSING_MAX (the channel's senders sent fds that were refused while
+ *         that many waited to be closed: nothing more is taken from it until they are),
+ *         -ECONNRESET
  *         (the connection to dlpackd ended while the call waited); -ECANCELED after
  *         dlpc_close() or dlpc_cancel(); or another negative errno.
  */

@@ -1765,6 +1765,7 @@ START_TEST(test_limit_flags_checked)
 	flag_refused("--max-bytes-per-uid", "17179869184T"); /* 2^64 */
 	flag_refused("--max-entries-per-uid", "0");
 	flag_refused("--max-connections-per-uid", "-1");
+	flag_refused("--max-channels-per-uid", "0");
 	flag_refused("--max-refs-per-connection", "1K"); /* suffixes are for sizes */
 	flag_refused("--max-pending-per-connection", "");
 	flag_refused("--frame-timeout-ms", "ten");
