@@ -46,6 +46,10 @@ DLManagedTensorVersioned *ipc_taken_tensor(struct ipc_taken *tk)
 
 void ipc_taken_finish(struct ipc_taken *tk)
 {
+	PyObject *type, *value, *tb;
+
+	/* a deleter may run Python code (ctypes, cffi): not with the caller's exception set */
+	PyErr_Fetch(&type, &value, &tb);
 	if (tk->own && !tk->handed)
 		tk->own->deleter(tk->own);
 	if (tk->legacy && tk->legacy->deleter)
@@ -57,6 +61,7 @@ void ipc_taken_finish(struct ipc_taken *tk)
 	PyMem_Free(tk->dims);
 	PyMem_Free(tk->packed);
 	PyMem_Free(tk);
+	PyErr_Restore(type, value, tb);
 }
 
 /*
