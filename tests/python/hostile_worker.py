@@ -4,7 +4,8 @@ with the example that caused it, not a dead pytest:
 
     python3 hostile_worker.py SURFACE MAX_EXAMPLES     (DLPACKD_SOCKET names the daemon)
 
-SURFACE is publish, publish_dict, send or attach. Hypothesis draws objects of every kind a user
+SURFACE is publish, publish_dict, send, attach (its modes and arguments) or tensor (empty()'s
+shape and dtype, a SharedTensor's __dlpack__ keywords). Hypothesis draws objects of every kind a user
 or a hostile producer can hand the module (numpy arrays and scalars of every dtype and byte
 order, their views, memoryviews of every format, array.array, ctypes, objects whose __dlpack__
 or __dlpack_device__ misbehave, hand-made DLPack capsules with any fields) and each call must
@@ -400,6 +401,24 @@ def _note(desc):
     print(desc, file=sys.stderr, flush=True)
 
 
+def _dtype_name(dtype):
+    """The dtype empty() makes of dtype, as SharedTensor.dtype names it."""
+    s = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or str(dtype)
+    return s[len("torch."):] if s.startswith("torch.") else s
+
+
+def _reserves_much(shape):
+    """Would empty(shape, ...) reserve more than 1 MiB that the machine has? (It reserves what it
+    is asked for: a few GiB that fit would be taken from the machine.)"""
+    ext = [shape] if isinstance(shape, int) else shape if isinstance(shape, (list, tuple)) else []
+    if not ext or not all(isinstance(e, int) for e in ext) or any(e < 0 for e in ext):
+        return False
+    n = 16  # the widest dtype's bytes
+    for e in ext:
+        n *= e
+    return 2**20 < n < 2**64
+
+
 def _deleted_once(desc):
     """No hand-made tensor's deleter ran twice (each is at its own address, kept alive)."""
     assert len(set(deleted)) == len(deleted), f"{desc}: a deleter ran twice"
@@ -488,9 +507,45 @@ def run(surface, n):
             _same(t, _numpy_expect(np.arange(4.0)), f"attach {kw}")
             t.release()
 
+    # extents small, negative or huge enough that the byte count overflows
+    _extent = st.one_of(st.integers(-3, 64), st.integers(2**62, 2**70),
+                        st.integers(-2**70, -2**62))
+    _anything = st.one_of(st.none(), st.booleans(), _extent,
+                          st.text(max_size=4), st.binary(max_size=4),
+                          st.floats(allow_nan=True, allow_infinity=True),
+                          st.tuples(_extent, _extent),
+                          st.lists(_extent, max_size=40),
+                          st.sampled_from([np.float32, np.dtype(">i4"), np.dtype("M8[s]"),
+                                           "float32", "bool", "int4", object, (1, 0), (2, 0),
+                                           (1, 0, 0), ("1", 0)]))
+
+    @_settings
+    @given(_anything, _anything, st.dictionaries(
+        st.sampled_from(["stream", "max_version", "dl_device", "copy"]), _anything))
+    def tensor(shape, dtype, dlpack_kw):
+        # empty()'s shape and dtype, and a SharedTensor's __dlpack__ keywords, arbitrary
+        _note(f"tensor shape={shape!r} dtype={dtype!r} __dlpack__({dlpack_kw!r})")
+        if _reserves_much(shape):
+            shape = (2, 3)
+        try:
+            t = dlpack_ipc.empty(shape, dtype)
+        except Exception:  # noqa: BLE001 - any Python exception is an answer
+            t = dlpack_ipc.empty((2, 3), "float32")
+        else:
+            assert t.dtype == _dtype_name(dtype), (t.dtype, dtype)
+        try:
+            cap = t.__dlpack__(**dlpack_kw)
+        except Exception:  # noqa: BLE001
+            cap = None
+        if cap is not None:
+            assert type(cap).__name__ == "PyCapsule", type(cap)
+        del cap
+        t.release()
+
     if surface == "attach":
         dlpack_ipc.publish("hostile/a", np.arange(4.0), writable=True)
-    fn = {"publish": publish, "publish_dict": publish_dict, "send": send, "attach": attach}
+    fn = {"publish": publish, "publish_dict": publish_dict, "send": send, "attach": attach,
+          "tensor": tensor}
     fn[surface]()
     print(f"{surface}: {n} examples, no crash; {len(deleted)} hand-made tensors deleted")
 

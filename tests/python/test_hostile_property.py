@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """No object crashes the module (issue 27, point 9): a property test with hypothesis over
-publish, publish_dict, Channel.send and attach's modes and arguments. Each surface runs in an
+publish, publish_dict, Channel.send, attach's modes and arguments, and empty() and
+SharedTensor.__dlpack__'s arguments. Each surface runs in an
 interpreter of its own (hostile_worker.py, which says what it draws and what it checks), so that
 a SIGSEGV is this test's failure, reported with the example that caused it, not pytest's end.
 
@@ -22,7 +23,7 @@ _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostile_work
 _EXAMPLES = int(os.environ.get("DLPC_HYPOTHESIS_EXAMPLES", "300"))
 
 
-@pytest.mark.parametrize("surface", ["publish", "publish_dict", "send", "attach"])
+@pytest.mark.parametrize("surface", ["publish", "publish_dict", "send", "attach", "tensor"])
 def test_no_object_crashes_the_module(daemon, surface):
     cp = subprocess.run([sys.executable, _WORKER, surface, str(_EXAMPLES)], env=_child_env(),
                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
