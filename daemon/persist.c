@@ -624,7 +624,9 @@ static struct live_rec *live_find(struct restore *rs, const uint8_t *name, size_
 	for (struct dlpd_hnode *n = dlpd_hmap_chain(&rs->live, h); n; n = n->next) {
 		struct live_rec *l = dlpd_container_of(n, struct live_rec, node);
 
-		if (n->hash == h && l->name.len == len && memcmp(l->name.data, name, len) == 0)
+		/* an empty name (refused later, by its check) unpacks with no data at all */
+		if (n->hash == h && l->name.len == len &&
+		    (len == 0 || memcmp(l->name.data, name, len) == 0))
 			return l;
 	}
 	return NULL;

@@ -366,7 +366,12 @@ def publish(name, obj, *, replace=False, ephemeral=False, writable=False):
 
     obj: anything with __dlpack__ (numpy, torch, CuPy, JAX), a DLPack capsule, an object with
     the buffer protocol, or a SharedTensor. Host data is copied into sealed shared memory,
-    except memory from empty(), which is published as it is.
+    except memory from empty(), which is published as it is. A numpy scalar goes as a 0-d
+    array. Of a buffer, the formats with a DLPack dtype are taken (?, b B h H i I l L q Q n N,
+    e f d, Zf Zd; native byte order); an object without __dlpack__ whose buffer has another
+    format raises TypeError naming it, and one whose buffer does not add up (length, shape)
+    ValueError. What DLPack cannot describe (object, string, datetime64 and timedelta64 arrays)
+    raises the producer's own error.
     replace: take over a name already published (by this uid, or as root); without it a taken
     name raises FileExistsError. Attachers of the old generation keep its bytes.
     ephemeral: the entry goes when this process's connection closes.

@@ -46,6 +46,10 @@ DLManagedTensorVersioned *ipc_taken_tensor(struct ipc_taken *tk)
 
 void ipc_taken_finish(struct ipc_taken *tk)
 {
+	PyObject *type, *value, *tb;
+
+	/* a deleter may run Python code (ctypes, cffi): not with the caller's exception set */
+	PyErr_Fetch(&type, &value, &tb);
 	if (tk->own && !tk->handed)
 		tk->own->deleter(tk->own);
 	if (tk->legacy && tk->legacy->deleter)
@@ -57,15 +61,21 @@ void ipc_taken_finish(struct ipc_taken *tk)
 	PyMem_Free(tk->dims);
 	PyMem_Free(tk->packed);
 	PyMem_Free(tk);
+	PyErr_Restore(type, value, tb);
 }
 
-/* Ask @p obj for a capsule: __dlpack__(max_version=(1, 0)), or __dlpack__() if it is older. */
-static PyObject *export_capsule(PyObject *obj)
+/*
+ * Ask @p obj for a capsule: __dlpack__(max_version=(1, 0)), or __dlpack__() if it is older.
+ * *absent (where not NULL) says whether it failed for want of a __dlpack__.
+ */
+static PyObject *export_capsule(PyObject *obj, bool *absent)
 {
 	PyObject *meth, *dev, *args, *kw, *cap;
 	bool cuda = false;
 
 	meth = PyObject_GetAttrString(obj, "__dlpack__");
+	if (absent)
+		*absent = !meth && PyErr_ExceptionMatches(PyExc_AttributeError);
 	if (!meth) {
 		PyObject *tn = PyType_GetQualName(Py_TYPE(obj));
 
@@ -254,8 +264,9 @@ static int take_capsule(struct ipc_taken *tk, PyObject *cap, const DLDataType *a
 
 /*
  * The DLPack type of the buffer-protocol format @p fmt with items of @p size bytes: native byte
- * order, one item per element. false for anything else (structs, foreign byte order, object
- * pointers, long double), which DLPack cannot say.
+ * order, one item per element, a size the format's kind can have. false for anything else
+ * (structs, foreign byte order, object pointers, char, long double, a size a producer got
+ * wrong), which DLPack cannot say.
  */
 static bool buffer_dtype(const char *fmt, Py_ssize_t size, DLDataType *dt)
 {
@@ -268,14 +279,14 @@ static bool buffer_dtype(const char *fmt, Py_ssize_t size, DLDataType *dt)
 		fmt = "B"; /* plain bytes */
 	if (*fmt == '@' || *fmt == '=' || *fmt == native)
 		fmt++;
-	*dt = (DLDataType){.bits = (uint8_t)(size * 8), .lanes = 1};
-	if (size < 1 || size > 16)
+	if (size != 1 && size != 2 && size != 4 && size != 8 && size != 16)
 		return false;
-	if (strcmp(fmt, "?") == 0)
+	*dt = (DLDataType){.bits = (uint8_t)(size * 8), .lanes = 1};
+	if (strcmp(fmt, "?") == 0 && size == 1)
 		dt->code = kDLBool;
-	else if (fmt[0] && !fmt[1] && strchr("bhilqn", fmt[0]))
+	else if (fmt[0] && !fmt[1] && strchr("bhilqn", fmt[0]) && size <= 8)
 		dt->code = kDLInt;
-	else if (fmt[0] && !fmt[1] && strchr("BHILQN", fmt[0]))
+	else if (fmt[0] && !fmt[1] && strchr("BHILQN", fmt[0]) && size <= 8)
 		dt->code = kDLUInt;
 	else if ((strcmp(fmt, "e") == 0 && size == 2) || (strcmp(fmt, "f") == 0 && size == 4) ||
 		 (strcmp(fmt, "d") == 0 && size == 8))
@@ -284,7 +295,42 @@ static bool buffer_dtype(const char *fmt, Py_ssize_t size, DLDataType *dt)
 		dt->code = kDLComplex;
 	else
 		return false;
-	return dt->code == kDLComplex || dt->code == kDLFloat || size <= 8;
+	return true;
+}
+
+/*
+ * Why the buffer @p b of @p obj cannot be published as it says it is laid out, as a new
+ * string: a producer's bug (the buffer protocol promises shape, and strides where asked for,
+ * and a length that is the item size times the item count). NULL where it is sound, or with
+ * an exception set.
+ */
+static PyObject *buffer_unsound(const Py_buffer *b)
+{
+	int64_t items = 1, n;
+
+	if (b->itemsize <= 0)
+		return PyUnicode_FromFormat("its item size is %zd", b->itemsize);
+	if (b->ndim < 0 || b->ndim > DLPC_NDIM_MAX)
+		return PyUnicode_FromFormat("it has %d dimensions (0 to %d can be published)",
+					    b->ndim, DLPC_NDIM_MAX);
+	if (b->ndim > 1 && !b->shape)
+		return PyUnicode_FromFormat("it has %d dimensions and no shape", b->ndim);
+	if (b->len < 0)
+		return PyUnicode_FromFormat("its length is %zd", b->len);
+	for (int i = 0; b->shape && i < b->ndim; i++) {
+		if (b->shape[i] < 0)
+			return PyUnicode_FromFormat("extent %d is %zd", i, b->shape[i]);
+		/* a zero extent makes the product 0: it stays 0 */
+		if (__builtin_mul_overflow(items, (int64_t)b->shape[i], &items))
+			return PyUnicode_FromFormat("its shape's item count overflows 64 bits");
+	}
+	if (b->ndim == 1 && !b->shape)
+		items = b->len / b->itemsize;
+	if (__builtin_mul_overflow(items, (int64_t)b->itemsize, &n) || n != (int64_t)b->len)
+		return PyUnicode_FromFormat("its length %zd is not its item size %zd times its "
+					    "%lld items",
+					    b->len, b->itemsize, (long long)items);
+	return NULL;
 }
 
 /*
@@ -292,24 +338,41 @@ static bool buffer_dtype(const char *fmt, Py_ssize_t size, DLDataType *dt)
  * arrays: np.load(mmap_mode="r"), np.frombuffer(bytes), np.broadcast_to(...)). The buffer is
  * held until the publish has copied it, like any host tensor; strides go along as they are (zero
  * and negative ones too), or, where they are not whole elements, the buffer is copied
- * C-contiguous first. 1 taken, 0 not applicable (no exception set), -1 with an exception.
+ * C-contiguous first. A buffer without strides is C-contiguous; one without a shape (ndim 1)
+ * is its length in items.
+ *
+ * 1 taken, 0 not applicable (no exception set; *why says, as a new string, why a buffer that
+ * was there cannot be published, and *why_type which exception that is: TypeError for its
+ * format or suboffsets, ValueError for a shape that does not add up), -1 with an exception.
  */
-static int take_buffer(struct ipc_taken *tk, PyObject *obj)
+static int take_buffer(struct ipc_taken *tk, PyObject *obj, PyObject **why, PyObject **why_type)
 {
 	Py_buffer *b = &tk->buf;
 	DLDataType dt;
 	bool whole = true;
 	int ndim;
+	int64_t stride = 1;
 
+	*why = NULL;
 	if (!PyObject_CheckBuffer(obj))
 		return 0;
 	if (PyObject_GetBuffer(obj, b, PyBUF_RECORDS_RO) < 0) {
 		PyErr_Clear();
 		return 0;
 	}
-	if (b->suboffsets || !buffer_dtype(b->format, b->itemsize, &dt)) {
+	*why = buffer_unsound(b);
+	*why_type = PyExc_ValueError;
+	if (!*why && !PyErr_Occurred())
+		*why_type = PyExc_TypeError;
+	if (!*why && !PyErr_Occurred() && b->suboffsets)
+		*why = PyUnicode_FromString("it is an indirect buffer (suboffsets)");
+	if (!*why && !PyErr_Occurred() && !buffer_dtype(b->format, b->itemsize, &dt))
+		*why = PyUnicode_FromFormat("its format '%s' (item size %zd) has no DLPack "
+					    "dtype",
+					    b->format ? b->format : "B", b->itemsize);
+	if (*why || PyErr_Occurred()) {
 		PyBuffer_Release(b);
-		return 0;
+		return *why ? 0 : -1;
 	}
 	tk->has_buf = true;
 	ndim = b->ndim;
@@ -320,10 +383,17 @@ static int take_buffer(struct ipc_taken *tk, PyObject *obj)
 			return -1;
 		}
 	}
-	for (int i = 0; i < ndim; i++) {
-		tk->dims[i] = b->shape[i];
-		tk->dims[ndim + i] = b->strides[i] / b->itemsize;
-		whole = whole && b->strides[i] % b->itemsize == 0;
+	/* from the last dimension: C-contiguous strides where the producer gave none */
+	for (int i = ndim - 1; i >= 0; i--) {
+		tk->dims[i] = b->shape ? b->shape[i] : b->len / b->itemsize;
+		if (b->strides) {
+			tk->dims[ndim + i] = b->strides[i] / b->itemsize;
+			whole = whole && b->strides[i] % b->itemsize == 0;
+		} else {
+			tk->dims[ndim + i] = stride;
+			/* no overflow: buffer_unsound() bounded the item count */
+			stride *= tk->dims[i] ? tk->dims[i] : 1;
+		}
 	}
 	tk->v.version.major = DLPACK_MAJOR_VERSION;
 	tk->v.version.minor = DLPACK_MINOR_VERSION;
@@ -446,7 +516,7 @@ static int take_stand_in(struct ipc_taken *tk, PyObject *obj)
 		r = -1;
 	} else {
 		/* the same bytes under another dtype: torch's uint8 view of a bool tensor */
-		cap = export_capsule(PyTuple_GetItem(sub, 0));
+		cap = export_capsule(PyTuple_GetItem(sub, 0), NULL);
 		r = cap ? take_capsule(tk, cap, &as) : -1;
 	}
 	Py_DECREF(sub);
@@ -454,15 +524,47 @@ static int take_stand_in(struct ipc_taken *tk, PyObject *obj)
 }
 
 /*
- * Take what @p obj exports through DLPack. Where it refuses, try in turn the buffer protocol and,
- * if @p ask, the stand-in dlpack_ipc._publishable() names (a torch tensor that requires grad,
- * with the conjugate or negative bit, or of dtype bool where torch has no DLPack bool; a numpy
- * array in foreign byte order; an object with only __array_interface__). If none applies, the
- * producer's own error stands. 0, or -1 with an exception set.
+ * Is @p obj a numpy scalar? Its buffer is not always its value: a datetime64's or timedelta64's
+ * is its 8 bytes as uint8. 1 yes, 0 no, -1 with an exception. Costs nothing where numpy was
+ * never imported.
+ */
+static int numpy_scalar(PyObject *obj)
+{
+	PyObject *name = PyUnicode_FromString("numpy"), *np, *generic;
+	int r;
+
+	if (!name)
+		return -1;
+	np = PyImport_GetModule(name);
+	Py_DECREF(name);
+	if (!np)
+		return PyErr_Occurred() ? -1 : 0;
+	generic = PyObject_GetAttrString(np, "generic");
+	Py_DECREF(np);
+	if (!generic) {
+		/* a numpy still being imported */
+		PyErr_Clear();
+		return 0;
+	}
+	r = PyObject_IsInstance(obj, generic);
+	Py_DECREF(generic);
+	return r;
+}
+
+/*
+ * Take what @p obj exports through DLPack. Where it refuses, try in turn the buffer protocol
+ * (not for a numpy scalar) and, if @p ask, the stand-in dlpack_ipc._publishable() names (a
+ * torch tensor that requires grad, with the conjugate or negative bit, or of dtype bool where
+ * torch has no DLPack bool; a numpy array in foreign byte order; a numpy scalar as a 0-d array;
+ * an object with only __array_interface__). If none applies, the producer's own error stands;
+ * for an object without __dlpack__, why its buffer would not do where it has one (TypeError
+ * for a format or layout DLPack cannot say, ValueError for a shape that does not add up). 0, or
+ * -1 with an exception set.
  */
 static int take_object(struct ipc_taken *tk, PyObject *obj, bool ask)
 {
-	PyObject *cap, *type, *value, *tb;
+	PyObject *cap, *type, *value, *tb, *why = NULL, *why_type = NULL;
+	bool absent = false;
 	int r = ask ? torch_negative(obj) : 0;
 
 	if (r < 0)
@@ -476,20 +578,36 @@ static int take_object(struct ipc_taken *tk, PyObject *obj, bool ask)
 					"(call resolve_neg() first)");
 		return r > 0 ? 0 : -1;
 	}
-	cap = export_capsule(obj);
+	cap = export_capsule(obj, &absent);
 	if (cap)
 		return take_capsule(tk, cap, NULL);
 	if (!refused())
 		return -1;
 	PyErr_Fetch(&type, &value, &tb);
-	r = take_buffer(tk, obj);
+	r = numpy_scalar(obj);
+	if (r == 0)
+		r = take_buffer(tk, obj, &why, &why_type);
+	else if (r > 0)
+		r = 0;
 	if (r == 0 && ask)
 		r = take_stand_in(tk, obj);
-	if (r == 0) {
+	if (r == 0 && absent && why) {
+		/* no DLPack at all: what is wrong with its buffer says more than that */
+		PyObject *tn = PyType_GetQualName(Py_TYPE(obj));
+
+		if (tn)
+			PyErr_Format(why_type,
+				     "cannot publish this %U through the buffer protocol: %U", tn,
+				     why);
+		Py_XDECREF(tn);
+		r = -1;
+	} else if (r == 0) {
 		/* nothing stands in: the producer's reason is the one to see */
+		Py_XDECREF(why);
 		PyErr_Restore(type, value, tb);
 		return -1;
 	}
+	Py_XDECREF(why);
 	Py_XDECREF(type);
 	Py_XDECREF(value);
 	Py_XDECREF(tb);

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Writes the seed corpus of fuzz_daemon (tests/fuzz/corpus/): real sessions made of valid
- * frames (HELLO, PUBLISH with its fd, ATTACH, RELEASE, LIST, STAT, UNPUBLISH, waiters, bundles;
- * channels' SEND, RECV and CHANNEL (1.6); cacheable attaches, release marks and the INVALIDATE
+ * frames (HELLO, PUBLISH with its fd, ATTACH, RELEASE, LIST, STAT, UNPUBLISH, WATCH, waiters,
+ * bundles; channels' SEND, RECV and CHANNEL (1.6); cacheable attaches, release marks and the INVALIDATE
  * a replace causes (1.7); direct channels, their JOIN (1.8)) and the classic bad ones (requests
  * before HELLO, unknown types, wrong fd counts, fds split from their frame, truncated frames,
  * absurd lengths, bad storage fds).
@@ -271,6 +271,16 @@ static void list_channels(struct input *in, uint32_t id, const char *prefix)
 	l.prefix.len = strlen(prefix);
 	l.channels = true;
 	frame(in, DLPC_MSG_LIST, id, &l.base, 0, NULL, 0);
+}
+
+/* WATCH of @p len bytes of @p prefix: the connection then only receives events. */
+static void watch(struct input *in, uint32_t id, const char *prefix, size_t len)
+{
+	Dlpackd__V1__Watch w = DLPACKD__V1__WATCH__INIT;
+
+	w.prefix.data = (uint8_t *)prefix;
+	w.prefix.len = len;
+	frame(in, DLPC_MSG_WATCH, id, &w.base, 0, NULL, 0);
 }
 
 static void raw_header(struct input *in, uint32_t len, uint16_t type, uint8_t nfds)
@@ -710,6 +720,30 @@ int main(int argc, char **argv)
 		iv.generation = 1;
 		frame(&in, DLPC_MSG_INVALIDATE, 0, &iv.base, 0, NULL, 0);
 	});
+	/* WATCH: a watching connection sends nothing but RELEASE; a prefix has at most 255
+	 * bytes; not before HELLO, nor twice */
+	SEED("watch", {
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		publish(&in, 2, "m/w", 0, 1, ro);
+		attach(&in, 3, "m/w", 0, 0);
+		watch(&in, 4, "m/", 2);
+		release(&in, 1);
+		stat_req(&in, 5);
+	});
+	SEED("watch-twice", {
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		watch(&in, 2, "", 0);
+		watch(&in, 3, "x", 1);
+	});
+	SEED("watch-prefix-long", {
+		static char prefix[300];
+
+		memset(prefix, 'p', sizeof(prefix));
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		watch(&in, 2, prefix, sizeof(prefix));
+		stat_req(&in, 3);
+	});
+	SEED("watch-before-hello", watch(&in, 1, "", 0));
 	SEED("garbage", chunk(&in, FUZZ_RUN, NULL, 0, "GET / HTTP/1.1\r\n\r\n", 18));
 	return 0;
 }
