@@ -34,6 +34,8 @@ struct dlpd_usage {
 	uint64_t entries;      /* names it has published */
 	uint64_t connections;  /* its open connections */
 	uint64_t channels;     /* channels it opened (counted as entries too) */
+	/* bytes of the daemon's memory its unfinished frames and waiting requests hold (mem.c) */
+	uint64_t pending_bytes;
 };
 
 /* The references one uid holds on one storage. */

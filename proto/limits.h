@@ -107,6 +107,17 @@
 /* Requests of one connection waiting for an answer (ATTACH waiting for a name).
  * --max-pending-per-connection */
 #define DLPC_CONN_PENDING_DEFAULT 1024
+/*
+ * Bytes of the daemon's memory that one uid's unfinished work may hold, across all of its
+ * connections: the receive buffers of frames not yet complete (a buffer grows to the frame's
+ * size, up to DLPC_FRAME_MAX, as soon as its header has arrived) and its waiting requests
+ * (ATTACH waiting for a name, SEND waiting for room, RECV waiting for a message), each counted
+ * at what it costs the daemon. A waiting request past it is refused with -EDQUOT; a connection
+ * whose frame would need more buffer is sent that -EDQUOT and dropped. The default bounds what
+ * a uid can make the daemon hold this way whatever its number of connections.
+ * --max-pending-bytes-per-uid
+ */
+#define DLPC_UID_PENDING_BYTES_DEFAULT (32ull << 20)
 /* Milliseconds a connection has to finish a frame it started, and to complete HELLO after
  * connecting. --frame-timeout-ms */
 #define DLPC_FRAME_TIMEOUT_MS_DEFAULT 10000
@@ -123,9 +134,18 @@
  * accepted. */
 #define DLPC_UID_CONNECTIONS_SLACK 8
 
+/* The daemon gives memory back to the system (malloc_trim()) once at least this many bytes of
+ * buffers, waiting requests and connections were freed, at most once per
+ * DLPC_MEM_TRIM_INTERVAL_MS; blocks larger than DLPC_MEM_MMAP_THRESHOLD (a large frame's
+ * receive buffer) are mapped on their own and go back as soon as they are freed. */
+#define DLPC_MEM_TRIM_AFTER (1u << 20)
+#define DLPC_MEM_TRIM_INTERVAL_MS 250
+#define DLPC_MEM_MMAP_THRESHOLD (128u << 10)
+
 /* Channels (protocol 1.6): DLPC_CHANNEL_CAPACITY_DEFAULT and _MAX are public (dlpc.h).
  * Channels count against --max-entries-per-uid like names; queued messages against their
- * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection. */
+ * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection
+ * and --max-pending-bytes-per-uid. */
 /* DLPC_POOL_BUFFERS_MAX (dlpc.h): buffers in one connection's pool of recycled channel
  * memory. */
 

@@ -1,0 +1,136 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * What a uid's unfinished work makes the daemon hold, and giving memory back.
+ *
+ * Two things grow with what a client sends rather than with what it publishes: the receive
+ * buffer of a frame not yet complete (up to DLPC_FRAME_MAX, for as long as the frame deadline
+ * allows) and requests that wait (an ATTACH for a name, a SEND for room, a RECV for a message).
+ * Both are charged to the uid, so that the sum over all of its connections stays within
+ * --max-pending-bytes-per-uid whatever their number. A receive buffer is charged at its
+ * capacity while it exists, and it exists only while it holds part of a frame (dispatch.c
+ * frees it as soon as it is empty), so idle connections cost nothing here.
+ *
+ * Freed memory goes back to the system: blocks past DLPC_MEM_MMAP_THRESHOLD are mapped on their
+ * own (the threshold is fixed, so glibc does not raise it after the first large free and keep
+ * later large buffers in the heap), and after many small frees (waiters, connections) the heap
+ * is trimmed, at most once per DLPC_MEM_TRIM_INTERVAL_MS.
+ */
+#include <errno.h>
+#include <malloc.h>
+#include <stdio.h>
+
+#include "mem.h"
+
+static void trim(uv_timer_t *t)
+{
+	struct dlpd_server *s = t->data;
+
+	s->mem_freed = 0;
+	s->mem_trimmed_ms = uv_now(s->loop);
+#ifdef __GLIBC__
+	malloc_trim(0);
+#endif
+}
+
+void dlpd_mem_init(struct dlpd_server *s)
+{
+#ifdef __GLIBC__
+	mallopt(M_MMAP_THRESHOLD, DLPC_MEM_MMAP_THRESHOLD);
+#endif
+	uv_timer_init(s->loop, &s->mem_trim);
+	s->mem_trim.data = s;
+	/* a trim to come is no reason to keep the loop running */
+	uv_unref((uv_handle_t *)&s->mem_trim);
+}
+
+void dlpd_mem_stop(struct dlpd_server *s)
+{
+	uv_close((uv_handle_t *)&s->mem_trim, NULL);
+}
+
+void dlpd_mem_freed(struct dlpd_server *s, uint64_t bytes)
+{
+	uint64_t now, next;
+
+	s->mem_freed += bytes;
+	if (s->mem_freed < DLPC_MEM_TRIM_AFTER || s->stopping ||
+	    uv_is_active((uv_handle_t *)&s->mem_trim))
+		return;
+	now = uv_now(s->loop);
+	next = s->mem_trimmed_ms + DLPC_MEM_TRIM_INTERVAL_MS;
+	/* never in the middle of a request: on a later turn of the loop */
+	uv_timer_start(&s->mem_trim, trim, next > now ? next - now : 0, 0);
+}
+
+int dlpd_mem_charge(struct dlpd_peer *p, uint64_t bytes, char *why, size_t whylen)
+{
+	struct dlpd_usage *u = p->usage;
+	uint64_t limit = p->srv->lim.pending_bytes_per_uid;
+
+	if (bytes > limit || u->pending_bytes > limit - bytes) {
+		snprintf(why, whylen,
+			 "uid %u holds %llu bytes of unfinished frames and waiting requests and "
+			 "asks for %llu more; the limit is %llu (--max-pending-bytes-per-uid)",
+			 (unsigned)p->uid, (unsigned long long)u->pending_bytes,
+			 (unsigned long long)bytes, (unsigned long long)limit);
+		return -EDQUOT;
+	}
+	u->pending_bytes += bytes;
+	return 0;
+}
+
+void dlpd_mem_uncharge(struct dlpd_server *s, struct dlpd_usage *u, uint64_t bytes)
+{
+	u->pending_bytes -= bytes;
+	dlpd_mem_freed(s, bytes);
+}
+
+void dlpd_mem_rx_limit(struct dlpd_peer *p)
+{
+	uint64_t limit = p->srv->lim.pending_bytes_per_uid, held = p->usage->pending_bytes;
+	uint64_t room = held < limit ? limit - held : 0;
+
+	/* What its own buffer holds is charged already: it may keep that. A buffer of
+	 * DLPC_RX_BUF_SIZE it may always have for a read, so that requests that fit one (RELEASE,
+	 * STAT, and whatever frees what the uid holds) are served even at the limit; if part of a
+	 * frame is left in it afterwards, dlpd_mem_rx_over() decides. */
+	size_t max = room > SIZE_MAX - p->rx.cap ? SIZE_MAX : p->rx.cap + (size_t)room;
+
+	p->rx.cap_max = max > DLPC_RX_BUF_SIZE ? max : DLPC_RX_BUF_SIZE;
+}
+
+void dlpd_mem_rx_account(struct dlpd_peer *p)
+{
+	size_t cap = p->rx.cap;
+
+	if (cap > p->rx_charged)
+		p->usage->pending_bytes += cap - p->rx_charged;
+	else if (cap < p->rx_charged)
+		dlpd_mem_uncharge(p->srv, p->usage, p->rx_charged - cap);
+	p->rx_charged = cap;
+}
+
+bool dlpd_mem_rx_over(const struct dlpd_peer *p)
+{
+	return p->rx_charged > 0 && p->usage->pending_bytes > p->srv->lim.pending_bytes_per_uid;
+}
+
+void dlpd_mem_rx_why(const struct dlpd_peer *p, uint32_t *id, char *why, size_t whylen)
+{
+	const struct dlpc__rx *rx = &p->rx;
+	size_t have = rx->end - rx->start;
+	char frame[64] = "a frame";
+	struct dlpc__hdr h;
+
+	*id = 0;
+	if (have >= DLPC_FRAME_HDR_SIZE) {
+		dlpc__hdr_decode(rx->buf + rx->start, &h);
+		*id = h.id;
+		snprintf(frame, sizeof(frame), "a frame of %u bytes (request %u)", h.len, h.id);
+	}
+	snprintf(why, whylen,
+		 "cannot buffer %s: uid %u holds %llu bytes of unfinished frames and waiting "
+		 "requests; the limit is %llu (--max-pending-bytes-per-uid)",
+		 frame, (unsigned)p->uid, (unsigned long long)p->usage->pending_bytes,
+		 (unsigned long long)p->srv->lim.pending_bytes_per_uid);
+}
