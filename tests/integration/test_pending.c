@@ -220,12 +220,12 @@ static void hold_clear(struct hold *h)
 	}
 }
 
-/* In the attacker: tell the test @p what, then wait for go. */
-static void hold_on(struct hold *h, const int what[2])
+/* In the attacker: tell the test @p what (@p len bytes), then wait for go. */
+static void hold_on(struct hold *h, const int *what, size_t len)
 {
 	char c;
 
-	CHILD_CHECK(write(h->ready[1], what, 2 * sizeof(int)) == 2 * sizeof(int));
+	CHILD_CHECK(write(h->ready[1], what, len) == (ssize_t)len);
 	CHILD_CHECK(read(h->go[0], &c, 1) == 1);
 }
 
@@ -265,7 +265,7 @@ static int send_partials(void *arg)
 		if (dlpc__send_counted(fds[i], buf, len, NULL, 0, &sent) < 0)
 			told[0]++;
 	}
-	hold_on(&a->hold, told);
+	hold_on(&a->hold, told, sizeof(told));
 	for (int i = 0; i < a->conns; i++)
 		close(fds[i]);
 	free(fds);
@@ -422,13 +422,51 @@ static void drain(int fd, struct dlpc__rx *rx, bool wait, uint32_t until, int *r
 	CHILD_CHECK(r == -EAGAIN && !wait);
 }
 
+/* Read every reply to what was sent on @p fd so far, counting EDQUOT refusals as drain() does:
+ * an attach that does not wait goes last, and once it is answered so is everything before. */
+static void sync_replies(int fd, struct dlpc__rx *rx, int *refused)
+{
+	Dlpackd__V1__Attach req = DLPACKD__V1__ATTACH__INIT;
+
+	req.name.data = (uint8_t *)"none";
+	req.name.len = 4;
+	req.timeout_ms = 0;
+	raw_send(fd, DLPC_MSG_ATTACH, 5, &req.base);
+	drain(fd, rx, true, 5, refused);
+}
+
+/* In the attacker at its limit: receives waiting forever on a channel of its own, on @p fd
+ * (which has none waiting, so the per-connection limit is not what refuses them); how many
+ * were refused for the limit. */
+static int recv_waits(int fd)
+{
+	Dlpackd__V1__Recv req = DLPACKD__V1__RECV__INIT;
+	struct dlpc__rx rx;
+	dlpc_client *c;
+	int refused = 0;
+
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(dlpc_channel_open(c, "nobody/q", 4, NULL) >= 0);
+	dlpc_close(c);
+	req.channel.data = (uint8_t *)"nobody/q";
+	req.channel.len = strlen("nobody/q");
+	req.timeout_ms = -1;
+	for (uint32_t k = 0; k < 8; k++)
+		raw_send(fd, DLPC_MSG_RECV, 20000 + k, &req.base);
+	dlpc__rx_init(&rx);
+	sync_replies(fd, &rx, &refused);
+	dlpc__rx_clear(&rx);
+	return refused;
+}
+
 /* As nobody: on each connection, as many attaches waiting forever for names never published
- * as the connection may have (each name its own, of 200 bytes); hold them until go. Tells the
- * test how many waits the daemon took and how many it refused. */
+ * as the connection may have (each name its own, of 200 bytes), then receives waiting on a
+ * channel; hold them until go. Tells the test how many attaches the daemon took and how many
+ * it refused, and how many of the receives it refused. */
 static int send_waits(void *arg)
 {
 	struct waits *a = arg;
-	int told[2] = {0, 0};
+	int told[3] = {0, 0, 0};
 	int *fds = calloc((size_t)a->conns, sizeof(int));
 	char name[256];
 
@@ -453,17 +491,13 @@ static int send_waits(void *arg)
 			if (k % 64 == 63)
 				drain(fds[i], &rx, false, 0, &refused);
 		}
-		/* an attach that does not wait: once it is answered, so is everything before */
-		req.name.data = (uint8_t *)"none";
-		req.name.len = 4;
-		req.timeout_ms = 0;
-		raw_send(fds[i], DLPC_MSG_ATTACH, 5, &req.base);
-		drain(fds[i], &rx, true, 5, &refused);
+		sync_replies(fds[i], &rx, &refused);
 		dlpc__rx_clear(&rx);
 		told[0] += DLPC_CONN_PENDING_DEFAULT - refused;
 		told[1] += refused;
 	}
-	hold_on(&a->hold, told);
+	told[2] = recv_waits(fds[a->conns - 1]);
+	hold_on(&a->hold, told, sizeof(told));
 	for (int i = 0; i < a->conns; i++)
 		close(fds[i]);
 	free(fds);
@@ -476,7 +510,7 @@ static bool waiters_are(const dlpc_stats *s, void *arg)
 }
 
 /* 16 connections with 1024 waiting attaches each against a 2 MiB limit: refused past it with
- * EDQUOT naming the limit, root's attaches still wait and are answered, the daemon stays
+ * EDQUOT naming the limit, and so are waiting receives on a channel then; root's attaches still wait and are answered, the daemon stays
  * within the limit and is back where it began once they close. */
 START_TEST(test_waiting_attaches_bounded)
 {
@@ -485,7 +519,7 @@ START_TEST(test_waiting_attaches_bounded)
 	long base, peak, back;
 	uint64_t zero = 0, held;
 	dlpc_client *c;
-	int told[2];
+	int told[3];
 	pid_t pid;
 
 	if (!rss_comparable())
@@ -504,12 +538,15 @@ START_TEST(test_waiting_attaches_bounded)
 	ck_assert(wait_stat(c, waiters_are, &zero, scaled_ms(5000)));
 	dlpc_close(c);
 	back = rss_back_to(base + DLPC_TEST_RSS_BACK);
-	printf("%d waiting attaches taken, %d refused: RSS %ld KiB, %ld KiB while held (+%ld), "
+	printf("%d waiting attaches taken, %d refused, %d receives refused: RSS %ld KiB, %ld KiB "
+	       "while held (+%ld), "
 	       "%ld KiB after (%+ld)\n",
-	       told[0], told[1], base, peak, peak - base, back, back - base);
+	       told[0], told[1], told[2], base, peak, peak - base, back, back - base);
 	fflush(stdout);
 	ck_assert_int_eq((uint64_t)told[0], held);
 	ck_assert_int_gt(told[1], 0);
+	/* at most one of the 8 receives fits in what the attaches left */
+	ck_assert_int_ge(told[2], 7);
 	/* each costs the daemon at least its 200-byte name and at most a kilobyte */
 	ck_assert_int_lt(told[0], (2 << 20) / 200);
 	ck_assert_int_gt(told[0], (2 << 20) / 1024);
