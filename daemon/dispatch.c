@@ -90,9 +90,7 @@ static void destroy(struct dlpd_peer *p)
 	dlpd_reclaim_drop_peer(p);
 	dlpd_channels_drop_peer(p);
 	dlpd_names_drop_peer(p);
-	dlpc__rx_clear(&p->rx);
-	dlpd_mem_rx_account(p);
-	dlpd_mem_freed(s, sizeof(*p));
+	dlpd_mem_forget(p);
 	p->usage->connections--;
 	dlpd_usage_put(&s->reg, p->usage);
 	p->usage = NULL;

@@ -2,11 +2,12 @@
 /*
  * What a uid's unfinished work makes the daemon hold, and giving memory back.
  *
- * Two things grow with what a client sends rather than with what it publishes: the receive
- * buffer of a frame not yet complete (up to DLPC_FRAME_MAX, for as long as the frame deadline
- * allows) and requests that wait (an ATTACH for a name, a SEND for room, a RECV for a message).
- * Both are charged to the uid, so that the sum over all of its connections stays within
- * --max-pending-bytes-per-uid whatever their number. A receive buffer is charged at its
+ * Three things grow with what a client sends or fails to read rather than with what it
+ * publishes: the receive buffer of a frame not yet complete (up to DLPC_FRAME_MAX, for as long
+ * as the frame deadline allows), requests that wait (an ATTACH for a name, a SEND for room, a
+ * RECV for a message) and output queued for a connection that does not read (up to
+ * --max-queue-bytes each). All are charged to the uid, so that the sum over all of its
+ * connections stays within --max-pending-bytes-per-uid whatever their number. A receive buffer is charged at its
  * capacity while it exists, and it exists only while it holds part of a frame (dispatch.c
  * frees it as soon as it is empty), so idle connections cost nothing here.
  *
@@ -69,8 +70,9 @@ int dlpd_mem_charge(struct dlpd_peer *p, uint64_t bytes, char *why, size_t whyle
 
 	if (bytes > limit || u->pending_bytes > limit - bytes) {
 		snprintf(why, whylen,
-			 "uid %u holds %llu bytes of unfinished frames and waiting requests and "
-			 "asks for %llu more; the limit is %llu (--max-pending-bytes-per-uid)",
+			 "uid %u holds %llu bytes of unfinished frames, waiting requests and "
+			 "unread replies and asks for %llu more; the limit is %llu "
+			 "(--max-pending-bytes-per-uid)",
 			 (unsigned)p->uid, (unsigned long long)u->pending_bytes,
 			 (unsigned long long)bytes, (unsigned long long)limit);
 		return -EDQUOT;
@@ -110,6 +112,44 @@ void dlpd_mem_rx_account(struct dlpd_peer *p)
 	p->rx_charged = cap;
 }
 
+void dlpd_mem_tx_account(struct dlpd_peer *p)
+{
+	size_t q = p->tx.bytes;
+
+	if (!p->usage)
+		return;
+	if (q > p->tx_charged)
+		p->usage->pending_bytes += q - p->tx_charged;
+	else if (q < p->tx_charged)
+		dlpd_mem_uncharge(p->srv, p->usage, p->tx_charged - q);
+	p->tx_charged = q;
+}
+
+bool dlpd_mem_tx_over(const struct dlpd_peer *p, char *why, size_t whylen)
+{
+	uint64_t limit = p->srv->lim.pending_bytes_per_uid;
+
+	if (!p->usage || p->tx_charged == 0 || p->usage->pending_bytes <= limit)
+		return false;
+	snprintf(why, whylen,
+		 "it stopped reading and %zu bytes wait for it; uid %u holds %llu bytes of "
+		 "unfinished frames, waiting requests and unread replies, over the limit of %llu "
+		 "(--max-pending-bytes-per-uid)",
+		 p->tx.bytes, (unsigned)p->uid, (unsigned long long)p->usage->pending_bytes,
+		 (unsigned long long)limit);
+	return true;
+}
+
+void dlpd_mem_forget(struct dlpd_peer *p)
+{
+	dlpc__rx_clear(&p->rx);
+	dlpd_mem_rx_account(p);
+	if (p->tx_charged)
+		dlpd_mem_uncharge(p->srv, p->usage, p->tx_charged);
+	p->tx_charged = 0;
+	dlpd_mem_freed(p->srv, sizeof(*p));
+}
+
 bool dlpd_mem_rx_over(const struct dlpd_peer *p)
 {
 	return p->rx_charged > 0 && p->usage->pending_bytes > p->srv->lim.pending_bytes_per_uid;
@@ -129,8 +169,8 @@ void dlpd_mem_rx_why(const struct dlpd_peer *p, uint32_t *id, char *why, size_t 
 		snprintf(frame, sizeof(frame), "a frame of %u bytes (request %u)", h.len, h.id);
 	}
 	snprintf(why, whylen,
-		 "cannot buffer %s: uid %u holds %llu bytes of unfinished frames and waiting "
-		 "requests; the limit is %llu (--max-pending-bytes-per-uid)",
+		 "cannot buffer %s: uid %u holds %llu bytes of unfinished frames, waiting "
+		 "requests and unread replies; the limit is %llu (--max-pending-bytes-per-uid)",
 		 frame, (unsigned)p->uid, (unsigned long long)p->usage->pending_bytes,
 		 (unsigned long long)p->srv->lim.pending_bytes_per_uid);
 }

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The daemon's memory that a uid's unfinished work holds (mem.c): receive buffers of frames not
- * yet complete and waiting requests, charged to the uid against --max-pending-bytes-per-uid;
- * and giving freed memory back to the system.
+ * yet complete, waiting requests and output its connections have not read, charged to the uid
+ * against --max-pending-bytes-per-uid; and giving freed memory back to the system.
  */
 #ifndef DLPD_MEM_H
 #define DLPD_MEM_H
@@ -30,6 +30,13 @@ void dlpd_mem_freed(struct dlpd_server *s, uint64_t bytes);
 void dlpd_mem_rx_limit(struct dlpd_peer *p);
 /* After @p p's receive buffer may have changed: charge its uid what it holds now. */
 void dlpd_mem_rx_account(struct dlpd_peer *p);
+/* After @p p's output queue changed: charge its uid what waits in it now. */
+void dlpd_mem_tx_account(struct dlpd_peer *p);
+/* Does what waits for @p p take its uid past the limit? Then @p why says so. */
+bool dlpd_mem_tx_over(const struct dlpd_peer *p, char *why, size_t whylen);
+/* @p p is destroyed: what still waits for it (an ERROR, for at most DLPC_ERROR_LINGER_MS) is no
+ * longer its uid's. */
+void dlpd_mem_forget(struct dlpd_peer *p);
 /* After @p p's frames were served: does part of a frame left in its buffer take its uid past
  * the limit? (Then it cannot be kept, and the connection goes.) */
 bool dlpd_mem_rx_over(const struct dlpd_peer *p);

@@ -121,6 +121,7 @@ struct dlpd_peer {
 	unsigned handles_open;	/* poll and deadline, until their uv_close() callbacks */
 	struct dlpc__rx rx;
 	size_t rx_charged; /* rx's buffer, as charged to its uid (mem.c) */
+	size_t tx_charged; /* tx's queued bytes, the same */
 	struct dlpc__tx tx;
 	struct dlpd_holdings held;     /* references, ephemeral entries, waiting attaches */
 	struct dlpd_list ipc_storages; /* legacy IPC or lent VMM storages it published, held */

@@ -112,9 +112,11 @@
  * connections: the receive buffers of frames not yet complete (a buffer grows to the frame's
  * size, up to DLPC_FRAME_MAX, as soon as its header has arrived) and its waiting requests
  * (ATTACH waiting for a name, SEND waiting for room, RECV waiting for a message), each counted
- * at what it costs the daemon. A waiting request past it is refused with -EDQUOT; a connection
- * whose frame would need more buffer is sent that -EDQUOT and dropped. The default bounds what
- * a uid can make the daemon hold this way whatever its number of connections.
+ * at what it costs the daemon, and the output queued for its connections that do not read. A
+ * waiting request past it is refused with -EDQUOT; a connection whose frame would need more
+ * buffer is sent that -EDQUOT and dropped, one whose output queue would pass it dropped. The
+ * default bounds what a uid can make the daemon hold this way whatever its number of
+ * connections.
  * --max-pending-bytes-per-uid
  */
 #define DLPC_UID_PENDING_BYTES_DEFAULT (32ull << 20)

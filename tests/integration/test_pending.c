@@ -108,15 +108,16 @@ static long rss_peak(int ms)
 	return peak;
 }
 
-/* Wait (a scaled 10 s at most) for the RSS to come down to @p kib; the last value seen. */
+/* Wait (a scaled 10 s at most) for the RSS to come down to @p kib; the value then, once a
+ * trim the daemon may have scheduled has run too. */
 static long rss_back_to(long kib)
 {
 	long long end = now_ms() + scaled_ms(10000);
-	long r;
 
-	while ((r = rss_kib()) > kib && now_ms() < end)
+	while (rss_kib() > kib && now_ms() < end)
 		usleep(20000);
-	return r;
+	usleep(300000);
+	return rss_kib();
 }
 
 /* In a child: become nobody, with no supplementary groups and @p nofile fds (0: as is). */
@@ -558,6 +559,99 @@ START_TEST(test_waiting_attaches_bounded)
 }
 END_TEST
 
+/* ---- replies a client does not read ---- */
+
+#define CHANNELS 2000
+
+/* As nobody: CHANNELS channels with names of 250 bytes, so that a LIST of them is a reply of
+ * about 600 KiB. */
+static int make_channels(void *arg)
+{
+	dlpc_client *c;
+	char name[256];
+
+	(void)arg;
+	become_nobody(0);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	for (int i = 0; i < CHANNELS; i++) {
+		int n = snprintf(name, sizeof(name), "nobody/%05d/", i);
+
+		memset(name + n, 'q', 250 - (size_t)n);
+		name[250] = 0;
+		CHILD_CHECK(dlpc_channel_open(c, name, 1, NULL) >= 0);
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+struct unread {
+	struct hold hold;
+	int conns;
+};
+
+/* As nobody: on each connection, a LIST of the channels, never read; hold them until go. Tells
+ * the test how many connections the daemon had closed by then. */
+static int list_unread(void *arg)
+{
+	struct unread *a = arg;
+	Dlpackd__V1__List req = DLPACKD__V1__LIST__INIT;
+	int *fds = calloc((size_t)a->conns, sizeof(int));
+	int told[2] = {0, 0};
+
+	CHILD_CHECK(fds);
+	become_nobody(0);
+	req.channels = true;
+	for (int i = 0; i < a->conns; i++) {
+		fds[i] = raw_connect();
+		raw_hello(fds[i]);
+		raw_send(fds[i], DLPC_MSG_LIST, 2, &req.base);
+	}
+	/* once root's STAT is answered the daemon has taken every LIST (the test checks) */
+	hold_on(&a->hold, told, sizeof(told));
+	for (int i = 0; i < a->conns; i++)
+		close(fds[i]);
+	free(fds);
+	return 0;
+}
+
+/* 128 connections that each ask for a LIST of 600 KiB and never read it, against an 8 MiB
+ * limit: the daemon holds no more than the limit of what waits for them (the connections past
+ * it are dropped, saying why), root works meanwhile, and all of it goes with them. */
+START_TEST(test_unread_replies_bounded)
+{
+	const char *args[] = {"--max-pending-bytes-per-uid=8M", NULL};
+	struct unread a = {.conns = 128};
+	long base, peak, back;
+	int told[2];
+	pid_t pid;
+
+	if (!rss_comparable())
+		return;
+	start(args, 0);
+	ck_assert_int_eq(wait_child(spawn(make_channels, NULL)), 0);
+	base = warm_rss();
+	hold_init(&a.hold);
+	pid = spawn(list_unread, &a);
+	ck_assert_int_eq(read(a.hold.ready[0], told, sizeof(told)), sizeof(told));
+	peak = rss_peak(scaled_ms(1000));
+	root_works();
+	ck_assert_int_eq(write(a.hold.go[1], "g", 1), 1);
+	ck_assert_int_eq(wait_child(pid), 0);
+	back = rss_back_to(base + DLPC_TEST_RSS_BACK);
+	printf("%d connections not reading a LIST of %d channels: RSS %ld KiB, %ld KiB while "
+	       "held (+%ld), %ld KiB after (%+ld)\n",
+	       a.conns, CHANNELS, base, peak, peak - base, back, back - base);
+	fflush(stdout);
+	ck_assert_msg(peak - base <= (8l << 10) + DLPC_TEST_RSS_BACK, "the daemon grew by %ld KiB",
+		      peak - base);
+	ck_assert_msg(back - base <= DLPC_TEST_RSS_BACK,
+		      "the daemon stayed %ld KiB above where it began", back - base);
+	ck_assert(log_has(D.log, "unread replies, over the limit of 8388608 "
+				 "(--max-pending-bytes-per-uid)"));
+	hold_clear(&a.hold);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("pending");
@@ -567,6 +661,7 @@ int main(void)
 	tcase_set_timeout(tc, scaled_ms(120000) / 1000);
 	tcase_add_test(tc, test_partial_frames_bounded);
 	tcase_add_test(tc, test_waiting_attaches_bounded);
+	tcase_add_test(tc, test_unread_replies_bounded);
 	tcase_add_test(tc, test_partial_frames_at_defaults);
 	suite_add_tcase(s, tc);
 	return run_suite(s);
