@@ -105,10 +105,15 @@ void dlpd_mem_rx_account(struct dlpd_peer *p)
 {
 	size_t cap = p->rx.cap;
 
-	if (cap > p->rx_charged)
+	if (cap > p->rx_charged) {
 		p->usage->pending_bytes += cap - p->rx_charged;
-	else if (cap < p->rx_charged)
-		dlpd_mem_uncharge(p->srv, p->usage, p->rx_charged - cap);
+	} else if (cap < p->rx_charged) {
+		p->usage->pending_bytes -= p->rx_charged - cap;
+		/* a buffer of DLPC_RX_BUF_SIZE goes after nearly every read, to be taken again by
+		 * the next: that is no reason to trim */
+		if (p->rx_charged > DLPC_RX_BUF_SIZE)
+			dlpd_mem_freed(p->srv, p->rx_charged - cap);
+	}
 	p->rx_charged = cap;
 }
 
@@ -142,12 +147,13 @@ bool dlpd_mem_tx_over(const struct dlpd_peer *p, char *why, size_t whylen)
 
 void dlpd_mem_forget(struct dlpd_peer *p)
 {
+	/* its buffer whatever its size: connections closing is when to give memory back */
+	dlpd_mem_freed(p->srv, sizeof(*p) + p->rx_charged);
 	dlpc__rx_clear(&p->rx);
 	dlpd_mem_rx_account(p);
 	if (p->tx_charged)
 		dlpd_mem_uncharge(p->srv, p->usage, p->tx_charged);
 	p->tx_charged = 0;
-	dlpd_mem_freed(p->srv, sizeof(*p));
 }
 
 bool dlpd_mem_rx_over(const struct dlpd_peer *p)
