@@ -388,8 +388,8 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 		 s->owns_path ? "" : " (socket activation)");
 	dlpd_log(LOG_INFO,
 		 "limits: %llu bytes, %llu entries, %llu connections and %llu%% of the fds per "
-		 "uid; %llu bytes of unfinished frames and waiting requests per uid; %llu "
-		 "references and %llu waiting requests per connection; frames finish "
+		 "uid; %llu bytes of unfinished frames, waiting requests and unread replies per "
+		 "uid; %llu references and %llu waiting requests per connection; frames finish "
 		 "within %llu ms; %llu fds for storages and connections",
 		 (unsigned long long)lim->bytes_per_uid, (unsigned long long)lim->entries_per_uid,
 		 (unsigned long long)lim->connections_per_uid,
