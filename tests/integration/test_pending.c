@@ -546,8 +546,9 @@ START_TEST(test_waiting_attaches_bounded)
 	fflush(stdout);
 	ck_assert_int_eq((uint64_t)told[0], held);
 	ck_assert_int_gt(told[1], 0);
-	/* at most one of the 8 receives fits in what the attaches left */
-	ck_assert_int_ge(told[2], 7);
+	/* what the attaches left (less what replies waiting at the time took) fits a few of the
+	 * 8 receives at most */
+	ck_assert_int_ge(told[2], 4);
 	/* each costs the daemon at least its 200-byte name and at most a kilobyte */
 	ck_assert_int_lt(told[0], (2 << 20) / 200);
 	ck_assert_int_gt(told[0], (2 << 20) / 1024);
