@@ -29,7 +29,8 @@
 #define DLPC_FRAME_MAX (8u << 20)
 /* Most fds one frame may carry. */
 #define DLPC_FRAME_FDS_MAX 4
-/* Receive buffer kept per connection between frames; a larger frame grows it until drained. */
+/* Receive buffer of a connection; a larger frame grows it until drained. libdlpc keeps it between
+ * frames; the daemon frees it whenever it holds no part of a frame. */
 #define DLPC_RX_BUF_SIZE (16u << 10)
 /* Name, key, ndim and bundle limits are public: see DLPC_NAME_MAX, DLPC_KEY_MAX, DLPC_NDIM_MAX,
  * DLPC_BUNDLE_MAX in dlpc.h. */
