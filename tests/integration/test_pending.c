@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Memory per uid (--max-pending-bytes-per-uid): what another user (uid 65534) can make the
- * daemon hold with frames it never finishes and with requests that wait, across as many
- * connections as it may open. The daemon's resident memory (VmRSS) stays within the bound
+ * daemon hold with frames it never finishes, with requests that wait and with replies it does
+ * not read, across as many connections as it may open. The daemon's resident memory (VmRSS) stays within the bound
  * while the attacker holds on, root goes on publishing and attaching meanwhile, and once the
  * attacker's connections close the daemon is back within DLPC_TEST_RSS_BACK of where it began.
  *
@@ -13,7 +13,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
-#include <poll.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
