@@ -61,7 +61,12 @@ struct dlpd_chan_wait {
 	struct dlpd_msg *msg; /* SEND: the message to admit; NULL for a RECV */
 	int64_t timeout_ms;   /* > 0: timer runs */
 	uv_timer_t timer;
+	uint64_t charged; /* to its uid's pending bytes (mem.c): itself and a SEND's message */
 };
+
+/* What a waiting SEND or RECV costs the daemon besides a SEND's message: the wait and
+ * allocator overhead. */
+#define DLPD_CHAN_WAIT_COST (sizeof(struct dlpd_chan_wait) + 32)
 
 struct dlpd_channel *dlpd_channel_find(struct dlpd_registry *r, const uint8_t *name, size_t len);
 /* A new empty channel named @p name, charged to @p u as one entry; NULL on ENOMEM. */

@@ -40,6 +40,7 @@ struct dlpd_limits dlpd_limits = {
 	.channels_per_uid = DLPC_UID_CHANNELS_DEFAULT,
 	.refs_per_connection = DLPC_CONN_REFS_DEFAULT,
 	.pending_per_connection = DLPC_CONN_PENDING_DEFAULT,
+	.pending_bytes_per_uid = DLPC_UID_PENDING_BYTES_DEFAULT,
 	.frame_timeout_ms = DLPC_FRAME_TIMEOUT_MS_DEFAULT,
 	.queue_bytes = DLPC_TX_QUEUE_MAX,
 	.queue_fds = DLPC_TX_QUEUE_FDS_MAX,
@@ -138,6 +139,10 @@ static const struct option_row options[] = {
 	OPT_UINT("max-pending-per-connection", "DLPACKD_MAX_PENDING_PER_CONNECTION",
 		 dlpd_limits.pending_per_connection, 1, UINT64_MAX,
 		 "ATTACH, SEND and RECV waiting per connection"),
+	/* below DLPC_FRAME_HDR_SIZE + DLPC_FRAME_MAX, the largest frames cannot be sent */
+	OPT_SIZE("max-pending-bytes-per-uid", "DLPACKD_MAX_PENDING_BYTES_PER_UID",
+		 dlpd_limits.pending_bytes_per_uid, DLPC_RX_BUF_SIZE, UINT64_MAX,
+		 "daemon memory one uid's unfinished frames and\nwaiting requests may hold"),
 	OPT_UINT("frame-timeout-ms", "DLPACKD_FRAME_TIMEOUT_MS", dlpd_limits.frame_timeout_ms, 1,
 		 UINT64_MAX, "time a client has to finish a frame it began,\nand to send HELLO"),
 	/* at least one whole reply of the largest frame, or a big LIST page could drop a client

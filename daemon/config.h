@@ -36,6 +36,7 @@ struct dlpd_limits {
 	uint64_t channels_per_uid;
 	uint64_t refs_per_connection;
 	uint64_t pending_per_connection;
+	uint64_t pending_bytes_per_uid; /* unfinished frames and waiting requests (mem.c) */
 	uint64_t frame_timeout_ms;
 	uint64_t queue_bytes;	    /* output queue of a connection that does not read */
 	uint64_t queue_fds;	    /* fds in that queue */

@@ -14,6 +14,7 @@
 #include "channel.h"
 #include "dispatch.h"
 #include "handlers.h"
+#include "mem.h"
 #include "names.h"
 #include "peer.h"
 #include "reaper.h"
@@ -89,11 +90,11 @@ static void destroy(struct dlpd_peer *p)
 	dlpd_reclaim_drop_peer(p);
 	dlpd_channels_drop_peer(p);
 	dlpd_names_drop_peer(p);
+	dlpd_mem_forget(p);
 	p->usage->connections--;
 	p->usage->memory -= DLPD_CONNECTION_COST;
 	dlpd_usage_put(&s->reg, p->usage);
 	p->usage = NULL;
-	dlpc__rx_clear(&p->rx);
 	uv_timer_stop(&p->deadline);
 	if (p->tx.head && !p->broken && !s->stopping) {
 		p->lingering = true;
@@ -228,6 +229,18 @@ static void dispatch(struct dlpd_peer *p, struct dlpc__frame *f)
 	}
 }
 
+/* @p p's unfinished frame would take its uid past --max-pending-bytes-per-uid. It cannot be
+ * refused on its own (its bytes keep coming): the connection goes, told why if it reads. */
+static void rx_over(struct dlpd_peer *p)
+{
+	char why[320];
+	uint32_t id;
+
+	dlpd_mem_rx_why(p, &id, why, sizeof(why));
+	dlpd_reply_error(p, id, EDQUOT, "%s; connection dropped", why);
+	dlpd_peer_fail(p, LOG_WARNING, "%s; dropped", why);
+}
+
 /*
  * Dispatch the complete frames buffered for @p p, but none while replies wait in its output
  * queue: a client that does not read is not served, and what it sent stays in the socket (and
@@ -251,6 +264,12 @@ static void process_frames(struct dlpd_peer *p)
 		dispatch(p, &f);
 		dlpc__frame_clear(&f);
 	}
+	/* a buffer that holds no part of a frame is freed, so that an idle connection holds none
+	 * (mem.c charges it to the uid while it exists) */
+	dlpc__rx_release(&p->rx);
+	dlpd_mem_rx_account(p);
+	if (!p->failed && dlpd_mem_rx_over(p))
+		rx_over(p);
 	if (p->failed || p->tx.head)
 		return;
 	/* every request it sent before hanging up is answered: now it is gone */
@@ -270,9 +289,15 @@ static void on_readable(struct dlpd_peer *p)
 	char why[160];
 	ssize_t n;
 
+	dlpd_mem_rx_limit(p);
 	n = dlpc__rx_read(&p->rx, p->fd, why, sizeof(why));
+	dlpd_mem_rx_account(p);
 	if (n == -EAGAIN)
 		return;
+	if (n == -EDQUOT) {
+		rx_over(p);
+		return;
+	}
 	if (n == -EPROTO) {
 		violation(p, 0, "%s", why);
 		return;

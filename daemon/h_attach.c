@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "handlers.h"
+#include "mem.h"
 #include "names.h"
 #include "peer.h"
 #include "util.h"
@@ -45,7 +46,7 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 	struct dlpd_server *s = p->srv;
 	struct dlpd_waiter *w;
 	struct dlpd_entry *e;
-	char why[160], name[DLPC_NAME_TEXT];
+	char why[256], name[DLPC_NAME_TEXT];
 
 	(void)f;
 	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
@@ -74,15 +75,20 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 					name, (unsigned long long)p->held.nwaiters,
 					(unsigned long long)s->lim.pending_per_connection);
 
+	if (dlpd_mem_charge(p, DLPD_ATTACH_WAIT_COST, why, sizeof(why)) < 0)
+		return dlpd_reply_error(p, id, EDQUOT, "cannot wait for '%s': %s", name, why);
 	w = calloc(1, sizeof(*w));
-	if (!w)
+	if (!w) {
+		dlpd_mem_uncharge(s, p->usage, DLPD_ATTACH_WAIT_COST);
 		return dlpd_reply_error(p, id, ENOMEM, "cannot wait for '%s': out of memory", name);
+	}
 	w->peer = p;
 	w->req_id = id;
 	w->flags = req->flags;
 	w->owner_uid = req->owner_uid;
 	if (dlpd_waiter_add(&s->reg, &p->held, w, req->name.data, req->name.len) < 0) {
 		free(w);
+		dlpd_mem_uncharge(s, p->usage, DLPD_ATTACH_WAIT_COST);
 		return dlpd_reply_error(p, id, ENOMEM, "cannot wait for '%s': out of memory", name);
 	}
 	if (req->timeout_ms > 0) {

@@ -22,6 +22,7 @@
 #include "channel.h"
 #include "entry.h"
 #include "handlers.h"
+#include "mem.h"
 #include "names.h"
 #include "peer.h"
 #include "quota.h"
@@ -56,6 +57,7 @@ static void wait_free(struct dlpd_chan_wait *w)
 	dlpd_list_del(&w->ch_link);
 	dlpd_list_del(&w->peer_link);
 	w->peer->held.nchan_waits--;
+	dlpd_mem_uncharge(w->peer->srv, w->peer->usage, w->charged);
 	if (w->msg)
 		w->ch->nsenders--;
 	else
@@ -231,14 +233,23 @@ static void wait_expired(uv_timer_t *t)
 }
 
 /* Make @p p's request @p id wait on @p ch (@p m: a SEND's message) for @p timeout_ms (< 0:
- * without end). 0 or -ENOMEM. */
+ * without end), charged to its uid with what it holds (mem.c). 0, or -EDQUOT or -ENOMEM and
+ * why. */
 static int park(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, struct dlpd_msg *m,
-		uint32_t flags, int64_t timeout_ms)
+		uint32_t flags, int64_t timeout_ms, char *why, size_t whylen)
 {
-	struct dlpd_chan_wait *w = calloc(1, sizeof(*w));
+	uint64_t cost = DLPD_CHAN_WAIT_COST + (m ? sizeof(*m) + m->tensors_wire_len : 0);
+	struct dlpd_chan_wait *w;
 
-	if (!w)
+	if (dlpd_mem_charge(p, cost, why, whylen) < 0)
+		return -EDQUOT;
+	w = calloc(1, sizeof(*w));
+	if (!w) {
+		dlpd_mem_uncharge(p->srv, p->usage, cost);
+		snprintf(why, whylen, "out of memory");
 		return -ENOMEM;
+	}
+	w->charged = cost;
 	w->ch = ch;
 	w->peer = p;
 	w->req_id = id;
@@ -416,11 +427,12 @@ int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 		return dlpd_reply_error(p, id, ENOMEM, "cannot send to channel '%s': out of memory",
 					name);
 	if (ch->nsenders > 0 || ch->depth >= ch->capacity) {
-		if (park(p, id, ch, m, 0, req->timeout_ms) == 0)
+		r = park(p, id, ch, m, 0, req->timeout_ms, why, sizeof(why));
+		if (r == 0)
 			return 0;
 		msg_free(s, m);
-		return dlpd_reply_error(
-			p, id, ENOMEM, "cannot wait for room in channel '%s': out of memory", name);
+		return dlpd_reply_error(p, id, r, "cannot wait for room in channel '%s': %s", name,
+					why);
 	}
 	seq = push(p, ch, m);
 	/* A receiver waiting gets it now, in this turn, and before the sender hears back: the
@@ -464,10 +476,10 @@ int dlpd_on_recv(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 	if (may_wait(p, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EDQUOT,
 					"cannot wait for a message in channel '%s': %s", name, why);
-	if (park(p, id, ch, NULL, req->flags, req->timeout_ms) < 0)
-		return dlpd_reply_error(p, id, ENOMEM,
-					"cannot wait for a message in channel '%s': out of memory",
-					name);
+	r = park(p, id, ch, NULL, req->flags, req->timeout_ms, why, sizeof(why));
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot wait for a message in channel '%s': %s",
+					name, why);
 	return 0;
 }
 

@@ -121,8 +121,6 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 		uint64_t uid_fds = u->storage_fds + u->pinned_fds + u->connections + u->channel_fds;
 
 		if (uid_fds + 2 > dlpd_uid_fd_share(s)) {
-			char why[256];
-
 			dlpd_uid_fd_share_why(p, uid_fds, why, sizeof(why));
 			return dlpd_reply_error(p, id, EDQUOT,
 						"cannot open direct channel '%s': %s", name, why);

@@ -48,7 +48,7 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 		return -EDQUOT;
 	}
 	/* and its memory among its uid's (which its records may have taken already) */
-	if (p->usage->memory > p->srv->lim.memory_per_uid) {
+	if (p->usage->memory + p->usage->pending_bytes > p->srv->lim.memory_per_uid) {
 		char why[256];
 
 		dlpd_quota_memory(p, DLPD_CONNECTION_COST, DLPD_CONNECTION_COST, why, sizeof(why));

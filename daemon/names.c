@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "invalidate.h"
+#include "mem.h"
 #include "names.h"
 #include "peer.h"
 #include "persist.h"
@@ -222,6 +223,7 @@ static void waiter_closed(uv_handle_t *h)
 void dlpd_waiter_free(struct dlpd_peer *p, struct dlpd_waiter *w)
 {
 	dlpd_waiter_unlink(&p->srv->reg, &p->held, w);
+	dlpd_mem_uncharge(p->srv, p->usage, DLPD_ATTACH_WAIT_COST);
 	if (w->timed) {
 		w->timer.data = w;
 		uv_close((uv_handle_t *)&w->timer, waiter_closed);

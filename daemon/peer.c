@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "mem.h"
 #include "peer.h"
 
 const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len)
@@ -66,6 +67,7 @@ int dlpd_peer_flush(struct dlpd_peer *p)
 {
 	int r = dlpc__tx_flush(&p->tx, p->fd);
 
+	dlpd_mem_tx_account(p);
 	if (r < 0) {
 		broken(p, r);
 		return r;
@@ -81,6 +83,7 @@ int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const 
 	uint64_t max = p->watching ? lim->watch_queue_bytes : lim->queue_bytes;
 	const char *limit = p->watching ? "--max-watch-queue-bytes, default DLPC_WATCH_QUEUE_MAX"
 					: "--max-queue-bytes, default DLPC_TX_QUEUE_MAX";
+	char why[320];
 	int r;
 
 	if (p->failed || p->broken)
@@ -92,6 +95,16 @@ int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const 
 	}
 	if (!p->tx.head)
 		return 0;
+	/* what waits counts against its uid, with its unfinished frames and waiting requests
+	 * (mem.c): so many connections that do not read cannot multiply the queue limit */
+	dlpd_mem_tx_account(p);
+	if (dlpd_mem_tx_over(p, why, sizeof(why))) {
+		p->srv->stats.queue_drops++;
+		p->broken = true;
+		dlpd_peer_fail(p, LOG_WARNING, "dropped: %s", why);
+		dlpd_peer_update_events(p);
+		return -ENOBUFS;
+	}
 	/* A client that does not read what it asked for (or, watching, cannot keep up) would
 	 * otherwise grow this queue without bound. */
 	if (p->tx.bytes > max || p->tx.nfds > lim->queue_fds) {

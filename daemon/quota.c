@@ -92,15 +92,18 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 int dlpd_quota_memory(const struct dlpd_peer *p, uint64_t more, uint64_t freed, char *why,
 		      size_t whylen)
 {
-	uint64_t held = p->usage->memory - freed, limit = p->srv->lim.memory_per_uid;
+	const struct dlpd_usage *u = p->usage;
+	uint64_t held = u->memory - freed + u->pending_bytes, limit = p->srv->lim.memory_per_uid;
 
 	if (more <= limit && held <= limit - more)
 		return 0;
 	snprintf(why, whylen,
 		 "uid %u has %llu bytes of dlpackd's memory in connections, entries, messages, "
-		 "channels and references, and this needs %llu more; the limit is %llu "
+		 "channels and references and %llu in unfinished frames, waiting requests and "
+		 "unread replies, and this needs %llu more; the limit is %llu "
 		 "(--max-memory-per-uid)",
-		 (unsigned)p->uid, (unsigned long long)held, (unsigned long long)more,
+		 (unsigned)p->uid, (unsigned long long)(u->memory - freed),
+		 (unsigned long long)u->pending_bytes, (unsigned long long)more,
 		 (unsigned long long)limit);
 	return -EDQUOT;
 }

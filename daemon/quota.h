@@ -13,8 +13,8 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 		       const struct dlpd_entry *old, char *why, size_t whylen);
 /*
  * May @p p's uid have records taking @p more bytes of the daemon's memory (registry.h,
- * DLPD_*_COST), of which @p freed come back at once (a replace)? 0, or -EDQUOT and why in
- * @p why.
+ * DLPD_*_COST), of which @p freed come back at once (a replace)? Its unfinished work (mem.c)
+ * counts against the same --max-memory-per-uid. 0, or -EDQUOT and why in @p why.
  */
 int dlpd_quota_memory(const struct dlpd_peer *p, uint64_t more, uint64_t freed, char *why,
 		      size_t whylen);

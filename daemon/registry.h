@@ -36,6 +36,8 @@ struct dlpd_usage {
 	uint64_t channels;     /* channels it opened (counted as entries too) */
 	uint64_t channel_fds;  /* the socket pairs of the direct ones among them (two each) */
 	uint64_t memory;       /* the daemon's memory its records take (DLPD_*_COST) */
+	/* bytes of the daemon's memory its unfinished frames and waiting requests hold (mem.c) */
+	uint64_t pending_bytes;
 };
 
 /*

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "dispatch.h"
+#include "mem.h"
 #include "channel.h"
 #include "names.h"
 #include "peer.h"
@@ -365,6 +366,7 @@ void dlpd_server_init(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 	dlpd_registry_init(&s->reg);
 	dlpd_dispatch_init(s);
 	dlpd_reclaim_init(s);
+	dlpd_mem_init(s);
 	s->start_ms = dlpd_now_ms();
 	dlpd_persist_init(s);
 }
@@ -401,11 +403,13 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 		 s->owns_path ? "" : " (socket activation)");
 	dlpd_log(LOG_INFO,
 		 "limits: %llu bytes, %llu entries, %llu connections and %llu%% of the fds per "
+		 "uid; %llu bytes of unfinished frames, waiting requests and unread replies per "
 		 "uid; %llu references and %llu waiting requests per connection; frames finish "
 		 "within %llu ms; %llu fds for storages and connections",
 		 (unsigned long long)lim->bytes_per_uid, (unsigned long long)lim->entries_per_uid,
 		 (unsigned long long)lim->connections_per_uid,
 		 (unsigned long long)lim->fd_share_per_uid,
+		 (unsigned long long)lim->pending_bytes_per_uid,
 		 (unsigned long long)lim->refs_per_connection,
 		 (unsigned long long)lim->pending_per_connection,
 		 (unsigned long long)lim->frame_timeout_ms, (unsigned long long)s->fd_budget);
@@ -443,6 +447,7 @@ void dlpd_server_stop(struct dlpd_server *s)
 	}
 	dlpd_reclaim_stop(s);
 	dlpd_dispatch_stop(s);
+	dlpd_mem_stop(s);
 }
 
 void dlpd_server_free(struct dlpd_server *s)

@@ -72,6 +72,9 @@ struct dlpd_server {
 	struct dlpd_list watchers;	/* peers that sent WATCH, in the order they did */
 	struct dlpd_list reclaimers;	/* peers with RECLAIM notices to send (reclaim.c) */
 	uv_timer_t reclaim_timer;	/* sends them on the next loop turn */
+	uv_timer_t mem_trim;		/* gives freed memory back (mem.c) */
+	uint64_t mem_freed;		/* bytes freed since the last time it did */
+	uint64_t mem_trimmed_ms;	/* loop time it last did */
 	uint64_t nwatchers, event_seq;	/* event_seq: changes of the name map so far */
 	struct dlpc__scratch event_out; /* an event is packed here once for every watcher */
 	struct dlpd_stats stats;
@@ -117,6 +120,8 @@ struct dlpd_peer {
 	uint64_t partial_since; /* loop time (ms) it began */
 	unsigned handles_open;	/* poll and deadline, until their uv_close() callbacks */
 	struct dlpc__rx rx;
+	size_t rx_charged; /* rx's buffer, as charged to its uid (mem.c) */
+	size_t tx_charged; /* tx's queued bytes, the same */
 	struct dlpc__tx tx;
 	struct dlpd_holdings held;     /* references, ephemeral entries, waiting attaches */
 	struct dlpd_list ipc_storages; /* legacy IPC or lent VMM storages it published, held */

@@ -48,6 +48,7 @@ void dlpc__rx_init(struct dlpc__rx *rx)
 {
 	memset(rx, 0, sizeof(*rx));
 	rx->want = DLPC_FRAME_HDR_SIZE;
+	rx->cap_max = SIZE_MAX;
 }
 
 void dlpc__rx_clear(struct dlpc__rx *rx)
@@ -61,19 +62,35 @@ void dlpc__rx_clear(struct dlpc__rx *rx)
 	rx->report_lost_fds = report; /* the owner's choice outlives the buffer */
 }
 
+void dlpc__rx_release(struct dlpc__rx *rx)
+{
+	if (rx->end > rx->start)
+		return;
+	free(rx->buf);
+	rx->buf = NULL;
+	rx->cap = rx->start = rx->end = 0;
+}
+
 bool dlpc__rx_partial(const struct dlpc__rx *rx)
 {
 	return rx->end > rx->start || rx->nbatch > 0;
 }
 
-/* Make room for rx->want unparsed bytes (at least one more than we have) to read into. */
+/* Make room for rx->want unparsed bytes (at least one more than we have) to read into; no
+ * fewer than RX_MIN unless rx->cap_max allows no more. */
 static int rx_reserve(struct dlpc__rx *rx)
 {
 	size_t have = rx->end - rx->start;
 	size_t need = rx->want > have ? rx->want : have + 1;
 
-	if (need < RX_MIN)
-		need = RX_MIN;
+	if (need > rx->cap && need > rx->cap_max)
+		return -EDQUOT;
+	if (need < RX_MIN) {
+		size_t floor = RX_MIN < rx->cap_max ? RX_MIN : rx->cap_max;
+
+		if (need < floor)
+			need = floor;
+	}
 	if (have == 0) {
 		rx->start = rx->end = 0;
 		if (rx->cap > RX_MIN && need == RX_MIN) {

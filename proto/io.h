@@ -45,6 +45,12 @@ struct dlpc__rx {
 	 * same, so the stream stays intact. Left false, any truncation is a protocol violation.
 	 */
 	bool report_lost_fds;
+	/*
+	 * The most the buffer may grow to (SIZE_MAX after init: no bound). A read that would need
+	 * a larger buffer reads nothing and fails with -EDQUOT. The daemon sets it before each
+	 * read from what the sending uid may still buffer (--max-pending-bytes-per-uid).
+	 */
+	size_t cap_max;
 };
 
 /* One received frame. It owns its fds: take one with dlpc__frame_take_fd(); clearing the frame
@@ -61,6 +67,8 @@ struct dlpc__frame {
 void dlpc__rx_init(struct dlpc__rx *rx);
 /* Free the buffer and close every fd still queued (report_lost_fds is kept). */
 void dlpc__rx_clear(struct dlpc__rx *rx);
+/* Free the buffer if it holds no unparsed byte (a later read allocates it again). */
+void dlpc__rx_release(struct dlpc__rx *rx);
 /* Does the buffer hold part of a frame (bytes or fds not yet claimed)? */
 bool dlpc__rx_partial(const struct dlpc__rx *rx);
 /*

@@ -37,7 +37,8 @@
 #define DLPC_FRAME_MAX (8u << 20)
 /* Most fds one frame may carry. */
 #define DLPC_FRAME_FDS_MAX 4
-/* Receive buffer kept per connection between frames; a larger frame grows it until drained. */
+/* Receive buffer of a connection; a larger frame grows it until drained. libdlpc keeps it between
+ * frames; the daemon frees it whenever it holds no part of a frame. */
 #define DLPC_RX_BUF_SIZE (16u << 10)
 /* Name, key, ndim and bundle limits are public: see DLPC_NAME_MAX, DLPC_KEY_MAX, DLPC_NDIM_MAX,
  * DLPC_BUNDLE_MAX in dlpc.h. */
@@ -108,12 +109,13 @@
 #define DLPC_UID_BYTES_DEFAULT (1ull << 40)
 /* Names one uid may have published at once. --max-entries-per-uid */
 #define DLPC_UID_ENTRIES_DEFAULT (1u << 20)
-/* Bytes of the daemon's own memory that one uid's records may take: its entries (the request
- * that published each, its tensors as attach replies carry them), the messages it queued in
- * channels, its channels and the references its connections hold. Each is charged with an
- * estimate of what the daemon allocates for it (registry.h, DLPD_*_COST). The default keeps any
- * one uid within 64 MiB of the daemon's memory: about 85,000 entries of one tensor, 500 of
- * 500 tensors, or 700,000 references.
+/* Bytes of the daemon's own memory that one uid may make it hold, whatever its number of
+ * connections: its connections, its entries (the request that published each, its tensors as
+ * attach replies carry them), the messages it queued in channels, its channels and the
+ * references its connections hold, each charged with an estimate of what the daemon allocates
+ * for it (registry.h, DLPD_*_COST), and its unfinished work (--max-pending-bytes-per-uid below,
+ * which it includes). The default keeps any one uid within 64 MiB: about 85,000 entries of one
+ * tensor, 500 of 500 tensors, or 700,000 references.
  * --max-memory-per-uid */
 #define DLPC_UID_MEMORY_DEFAULT (64ull << 20)
 /* Open connections of one uid. --max-connections-per-uid */
@@ -123,6 +125,19 @@
 /* Requests of one connection waiting for an answer (ATTACH waiting for a name).
  * --max-pending-per-connection */
 #define DLPC_CONN_PENDING_DEFAULT 1024
+/*
+ * Bytes of the daemon's memory that one uid's unfinished work may hold, across all of its
+ * connections: the receive buffers of frames not yet complete (a buffer grows to the frame's
+ * size, up to DLPC_FRAME_MAX, as soon as its header has arrived) and its waiting requests
+ * (ATTACH waiting for a name, SEND waiting for room, RECV waiting for a message), each counted
+ * at what it costs the daemon, and the output queued for its connections that do not read. A
+ * waiting request past it is refused with -EDQUOT; a connection whose frame would need more
+ * buffer is sent that -EDQUOT and dropped, one whose output queue would pass it dropped. The
+ * default bounds what a uid can make the daemon hold this way whatever its number of
+ * connections; it counts against --max-memory-per-uid as well.
+ * --max-pending-bytes-per-uid
+ */
+#define DLPC_UID_PENDING_BYTES_DEFAULT (32ull << 20)
 /* Milliseconds a connection has to finish a frame it started, and to complete HELLO after
  * connecting. --frame-timeout-ms */
 #define DLPC_FRAME_TIMEOUT_MS_DEFAULT 10000
@@ -139,9 +154,18 @@
  * accepted. */
 #define DLPC_UID_CONNECTIONS_SLACK 8
 
+/* The daemon gives memory back to the system (malloc_trim()) once at least this many bytes of
+ * buffers, waiting requests and connections were freed, at most once per
+ * DLPC_MEM_TRIM_INTERVAL_MS; blocks larger than DLPC_MEM_MMAP_THRESHOLD (a large frame's
+ * receive buffer) are mapped on their own and go back as soon as they are freed. */
+#define DLPC_MEM_TRIM_AFTER (1u << 20)
+#define DLPC_MEM_TRIM_INTERVAL_MS 250
+#define DLPC_MEM_MMAP_THRESHOLD (128u << 10)
+
 /* Channels (protocol 1.6): DLPC_CHANNEL_CAPACITY_DEFAULT and _MAX are public (dlpc.h).
  * Channels count against --max-entries-per-uid like names; queued messages against their
- * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection. */
+ * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection
+ * and --max-pending-bytes-per-uid. */
 /* Channels one uid may have open at once, queued and direct alike: a channel outlives the
  * connection that opened it, until it is removed. A direct channel's socket pair (two fds,
  * held by the daemon) counts against its opener's --max-fd-share-per-uid as well.

@@ -598,6 +598,59 @@ START_TEST(test_rx_max_header_waits)
 }
 END_TEST
 
+/*
+ * rx.cap_max: a read that needs a larger buffer fails with -EDQUOT and reads nothing; one that
+ * fits is served, in a buffer smaller than DLPC_RX_BUF_SIZE if that is all it allows; raised,
+ * the frame comes whole; dlpc__rx_release() frees a drained buffer and keeps one holding part
+ * of a frame.
+ */
+START_TEST(test_rx_cap_max)
+{
+	static uint8_t buf[2 * HDR + 4096];
+	uint8_t payload[4096];
+	struct dlpc__frame f;
+	struct dlpc__rx rx;
+	char why[256] = "";
+	size_t len;
+	int sv[2];
+
+	pattern(payload, sizeof(payload), 7);
+	len = frame_build(buf, DLPC_MSG_PUBLISH, 7, 0, payload, sizeof(payload));
+	pair_open(sv, true);
+	ck_assert_int_eq(write(sv[0], buf, len), (ssize_t)len);
+	dlpc__rx_init(&rx);
+	ck_assert_uint_eq(rx.cap_max, SIZE_MAX);
+	/* room for the header alone: it is read, the payload is refused */
+	rx.cap_max = HDR;
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), HDR);
+	ck_assert_uint_eq(rx.cap, HDR);
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 0);
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), -EDQUOT);
+	ck_assert_uint_eq(rx.cap, HDR);
+	/* held part of a frame: release keeps it */
+	dlpc__rx_release(&rx);
+	ck_assert_ptr_nonnull(rx.buf);
+	rx.cap_max = HDR + sizeof(payload);
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), (ssize_t)sizeof(payload));
+	ck_assert_uint_eq(rx.cap, HDR + sizeof(payload));
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 1);
+	ck_assert(pattern_ok(f.payload, sizeof(payload), 7));
+	dlpc__frame_clear(&f);
+	/* drained: release frees it, and the next read allocates DLPC_RX_BUF_SIZE again */
+	dlpc__rx_release(&rx);
+	ck_assert_ptr_null(rx.buf);
+	ck_assert_uint_eq(rx.cap, 0);
+	ck_assert_int_eq(write(sv[0], buf, len), (ssize_t)len);
+	rx.cap_max = SIZE_MAX;
+	ck_assert_int_eq(dlpc__rx_read(&rx, sv[1], why, sizeof(why)), (ssize_t)len);
+	ck_assert_uint_eq(rx.cap, DLPC_RX_BUF_SIZE);
+	ck_assert_int_eq(dlpc__rx_next(&rx, &f, why, sizeof(why)), 1);
+	dlpc__frame_clear(&f);
+	dlpc__rx_clear(&rx);
+	pair_close(sv);
+}
+END_TEST
+
 /* Too many fds or nonzero flags in a header: -EPROTO before the payload is awaited. */
 START_TEST(test_rx_bad_header)
 {
@@ -1060,6 +1113,7 @@ static Suite *io_suite(void)
 	tcase_add_loop_test(tc, test_rx_fds_lost, 0, 2);
 	tcase_add_test(tc, test_rx_fds_pile_up);
 	tcase_add_loop_test(tc, test_rx_oversized, 0, 3);
+	tcase_add_test(tc, test_rx_cap_max);
 	tcase_add_test(tc, test_rx_max_header_waits);
 	tcase_add_loop_test(tc, test_rx_bad_header, 0, 2);
 	tcase_add_test(tc, test_rx_eof_mid_frame);
