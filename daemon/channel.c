@@ -55,6 +55,7 @@ void dlpd_channel_free(struct dlpd_registry *r, struct dlpd_channel *ch)
 	ch->usage->entries--;
 	ch->usage->channels--;
 	ch->usage->memory -= DLPD_CHANNEL_COST + ch->len;
+	r->freed += DLPD_CHANNEL_COST + ch->len;
 	dlpd_usage_put(r, ch->usage);
 	free(ch);
 }

@@ -41,6 +41,7 @@ static void msg_free(struct dlpd_server *s, struct dlpd_msg *m)
 {
 	s->reg.messages--;
 	m->st->usage->memory -= m->memory;
+	s->reg.freed += m->memory;
 	dlpd_storage_gone(s, dlpd_storage_unname(m->st));
 	free(m->tensors_wire);
 	free(m);
@@ -122,6 +123,7 @@ static int give(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint3
 		s->stats.fds_sent++;
 	/* the reference holds it now: this cannot free it */
 	m->st->usage->memory -= m->memory;
+	s->reg.freed += m->memory;
 	dlpd_storage_unname(m->st);
 	s->reg.messages--;
 	free(m->tensors_wire);

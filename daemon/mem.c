@@ -34,6 +34,17 @@ static void trim(uv_timer_t *t)
 #endif
 }
 
+/* After each turn of the loop: what the registry's records freed counts towards a trim. */
+static void count_records(uv_check_t *c)
+{
+	struct dlpd_server *s = c->data;
+
+	if (s->reg.freed) {
+		dlpd_mem_freed(s, s->reg.freed);
+		s->reg.freed = 0;
+	}
+}
+
 void dlpd_mem_init(struct dlpd_server *s)
 {
 #ifdef __GLIBC__
@@ -43,11 +54,16 @@ void dlpd_mem_init(struct dlpd_server *s)
 	s->mem_trim.data = s;
 	/* a trim to come is no reason to keep the loop running */
 	uv_unref((uv_handle_t *)&s->mem_trim);
+	uv_check_init(s->loop, &s->mem_check);
+	s->mem_check.data = s;
+	uv_check_start(&s->mem_check, count_records);
+	uv_unref((uv_handle_t *)&s->mem_check);
 }
 
 void dlpd_mem_stop(struct dlpd_server *s)
 {
 	uv_close((uv_handle_t *)&s->mem_trim, NULL);
+	uv_close((uv_handle_t *)&s->mem_check, NULL);
 }
 
 void dlpd_mem_freed(struct dlpd_server *s, uint64_t bytes)

@@ -139,6 +139,7 @@ struct dlpd_storage *dlpd_entry_unlink(struct dlpd_registry *r, struct dlpd_entr
 		dlpd_list_del(&e->owner_link);
 	e->usage->entries--;
 	e->usage->memory -= e->memory;
+	r->freed += e->memory;
 	dlpd_usage_put(r, e->usage);
 	dlpd_entry_free_unlinked(e);
 	return storage_unhold(st, true);
@@ -295,6 +296,7 @@ struct dlpd_storage *dlpd_ref_drop(struct dlpd_registry *r, struct dlpd_holdings
 	dlpd_list_del(&ref->st_link);
 	r->refs--;
 	h->usage->memory -= DLPD_REF_COST;
+	r->freed += DLPD_REF_COST;
 	free(ref);
 	pin_drop(st, h->usage);
 	return storage_unhold(st, false);

@@ -43,13 +43,14 @@ struct dlpd_usage {
 /*
  * What the daemon's records cost, as charged to a uid's memory (--max-memory-per-uid):
  * estimates of what it allocates, malloc's overhead and the hash maps' slots included, measured
- * with bench/neighbours.py (88 bytes a reference, 184 a channel, 5208 a connection, 728 an entry
+ * with bench/neighbours.py (88 bytes a reference, 184 a channel, 1108 a connection, 728 an entry
  * of one small tensor, 2.6 KiB of 10 and 112 KiB of 500 with 26-byte keys).
  */
 #define DLPD_REF_COST 96
 #define DLPD_CHANNEL_COST 192
-/* A connection: its state, libuv's handles, the kernel's socket buffers not included. */
-#define DLPD_CONNECTION_COST 5376
+/* A connection: its state, libuv's handles, the kernel's socket buffers not included; its
+ * receive buffer, while it holds part of a frame, counts as unfinished work (mem.c). */
+#define DLPD_CONNECTION_COST 1280
 #define DLPD_RECORD_COST 512
 /* What each tensor of an entry or message adds to its request's bytes once unpacked. */
 #define DLPD_TENSOR_COST 160
@@ -166,6 +167,7 @@ struct dlpd_registry {
 	struct dlpd_hmap channels; /* dlpd_channel by name (channel.h) */
 	uint64_t messages;	   /* queued in channels, or waiting for room in one */
 	uint64_t cached_refs;	   /* of refs, those marked idle in a client's cache */
+	uint64_t freed; /* bytes of records uncharged since mem.c last counted them freed */
 };
 
 void dlpd_registry_init(struct dlpd_registry *r);

@@ -73,6 +73,7 @@ struct dlpd_server {
 	struct dlpd_list reclaimers;	/* peers with RECLAIM notices to send (reclaim.c) */
 	uv_timer_t reclaim_timer;	/* sends them on the next loop turn */
 	uv_timer_t mem_trim;		/* gives freed memory back (mem.c) */
+	uv_check_t mem_check;		/* counts what the registry freed (mem.c) */
 	uint64_t mem_freed;		/* bytes freed since the last time it did */
 	uint64_t mem_trimmed_ms;	/* loop time it last did */
 	uint64_t nwatchers, event_seq;	/* event_seq: changes of the name map so far */
