@@ -60,10 +60,6 @@
 #define DLPC_RELEASE_DELAY_MS 5
 #if DLPC_RELEASE_PENDING_MAX > DLPC_RELEASE_BATCH_MAX
 #error "deferred releases must fit one RELEASE frame"
-/* Channels (protocol 1.6): DLPC_CHANNEL_CAPACITY_DEFAULT and _MAX are public (dlpc.h).
- * Channels count against --max-entries-per-uid like names; queued messages against their
- * sender's --max-bytes-per-uid; waiting SENDs and RECVs against --max-pending-per-connection. */
-
 #endif
 /* Most publication tokens one RECLAIM notice carries (more go out in further frames). */
 #define DLPC_RECLAIM_BATCH_MAX 1024
