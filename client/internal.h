@@ -175,6 +175,9 @@ struct dlpc__region {
 	 * whose pool holds it (not a reference); 0 and NULL otherwise */
 	uint64_t pool_token;
 	const dlpc_client *pool_owner;
+	/* dlpc_channel_alloc() memory (pool_token set): an O_RDONLY descriptor of fd, the one its
+	 * messages carry, so that no receiver can map or write the buffer (pool.c) */
+	int pool_fd;
 };
 
 void dlpc__region_ref(struct dlpc__region *r);

@@ -881,10 +881,15 @@ DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
  * and a later dlpc_channel_alloc() of a size that fits (up to twice the need) hands it out
  * again, already mapped: a steady pipeline asks the kernel for no fresh pages.
  *
- * A pooled message is NOT read-only: its buffer stays mapped writable in the sender, which can
- * change it while a receiver reads it (receivers map it read-only or copy-on-write, so they
- * cannot write it). That is the price of recycling, as with torch.multiprocessing; ordinary
- * sends and publishes stay sealed read-only. Do not write a buffer after sending it.
+ * A pooled message is NOT read-only for its sender: its buffer stays mapped writable in the
+ * sender, which can change it while a receiver reads it. That is the price of recycling, as
+ * with torch.multiprocessing; ordinary sends and publishes stay sealed read-only. Do not write a
+ * buffer after sending it. Receivers cannot write it: the message carries a read-only
+ * descriptor (O_RDONLY) of a memfd without write permission bits, which a receiver can neither
+ * map writable, write, nor reopen read-write through /proc/self/fd; a receiver that wants to
+ * write receives it copy-on-write (DLPC_ATTACH_PRIVATE). Where /proc is not mounted, no
+ * read-only descriptor can be had: the tensor is then memory of its own, not pooled, sealed
+ * read-only when sent (as dlpc_alloc() memory is).
  *
  * A buffer whose message may be queued but whose return can no longer come (in flight when the
  * connection was lost, or sent without an answer: the call gave up) leaves the pool for good;

@@ -242,8 +242,9 @@ class Channel:
         It comes from this connection's pool: once a receiver has released a message sent from
         it, dlpackd gives the buffer back and a later empty() of a size that fits (up to twice
         the need) hands out the same pages again, so a steady pipeline needs no fresh memory.
-        A pooled message is NOT read-only: the buffer stays writable here, and a write after
-        send() would change what a receiver reads (the trade torch.multiprocessing makes too).
+        A pooled message is NOT read-only for its sender: the buffer stays writable here, and a
+        write after send() would change what a receiver reads (the trade torch.multiprocessing
+        makes too). Receivers cannot write it (they get a read-only descriptor).
         Send it on this Channel's client; OSError(ENOBUFS) when all of the pool's buffers
         (DLPC_POOL_BUFFERS_MAX, 64) are in flight or still held."""
         return self._client._channel_empty(self.name, shape, dtype)
