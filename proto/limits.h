@@ -23,6 +23,11 @@
  * wakes writers of a Unix datagram socket only once its buffer is three quarters free. */
 #define DLPC_DIRECT_RETRY_MS 1
 
+/* The longest socket path dlpackd binds itself, bytes: a socket address's 107 less the ".new"
+ * of the name it binds first and renames onto the path once it listens (daemon/server.c), so
+ * that the path never names a socket that refuses connections. */
+#define DLPC_DAEMON_SOCKET_PATH_MAX 103
+
 /* Size of the fixed frame header, bytes. */
 #define DLPC_FRAME_HDR_SIZE 12
 /* Largest frame payload (protobuf bytes after the header). */
