@@ -501,6 +501,30 @@ void dlpd_channels_drop_peer(struct dlpd_peer *p)
 	}
 }
 
+bool dlpd_channel_cancel(struct dlpd_peer *p, uint32_t id)
+{
+	struct dlpd_list *l;
+
+	for (l = p->held.chan_waits.next; l != &p->held.chan_waits; l = l->next) {
+		struct dlpd_chan_wait *w = dlpd_container_of(l, struct dlpd_chan_wait, peer_link);
+		struct dlpd_msg *m = w->msg;
+		char name[DLPC_NAME_TEXT];
+
+		if (w->req_id != id)
+			continue;
+		channel_name(w->ch, name, sizeof(name));
+		wait_free(w);
+		if (m)
+			msg_free(p->srv, m);
+		dlpd_reply_error(p, id, ECANCELED,
+				 m ? "the send to channel '%s' was canceled by the client"
+				   : "the receive from channel '%s' was canceled by the client",
+				 name);
+		return true;
+	}
+	return false;
+}
+
 void dlpd_channels_clear(struct dlpd_server *s)
 {
 	struct dlpd_channel *ch;

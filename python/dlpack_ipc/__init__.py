@@ -457,7 +457,7 @@ def stat():
     and for the caller's uid: uid_bytes_held (bytes of storages it published that a name
     still reaches), uid_bytes_pinned (bytes of unnamed storages its references keep alive;
     both count against its quota), uid_entries, uid_connections; channels: channels,
-    messages (queued, and sends waiting for room), req_send, req_recv, req_channel,
+    messages (queued, and sends waiting for room), req_send, req_recv, req_channel, req_cancel,
     uid_channels; cached_references (of references, those idle in a client's cache of
     re-attaches, see dlpc(3)) and invalidations (cache invalidations sent since start)."""
     return _client().stat()
