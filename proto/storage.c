@@ -51,7 +51,8 @@ static bool fully_allocated(const struct stat *st, uint64_t bsize)
 	return (uint64_t)st->st_blocks * 512 >= need;
 }
 
-int dlpc__storage_check(int fd, uint64_t size, unsigned kind, char *why, size_t whylen)
+int dlpc__storage_check(int fd, uint64_t size, enum dlpc__storage_kind kind, char *why,
+			size_t whylen)
 {
 	bool writable = kind != DLPC__STORAGE_SEALED;
 	struct stat st;

@@ -18,9 +18,9 @@ enum dlpc__storage_kind {
 	DLPC__STORAGE_POOLED = 2,
 };
 
-/* Is @p fd acceptable as host storage of @p kind (enum dlpc__storage_kind; a bool says
- * writable or not)? 0, or negative errno and the reason. */
-int dlpc__storage_check(int fd, uint64_t size, unsigned kind, char *why, size_t whylen);
+/* Is @p fd acceptable as host storage of @p kind? 0, or negative errno and the reason. */
+int dlpc__storage_check(int fd, uint64_t size, enum dlpc__storage_kind kind, char *why,
+			size_t whylen);
 /* The same for a CUDA VMM export fd, which the daemon cannot look into: a file of NVIDIA's
  * driver (a character device of its major), or shmem such as the memfd the fake driver of the
  * tests exports. A file on a disk or FUSE filesystem, whose close could block, is refused. */
