@@ -572,13 +572,17 @@ static int call_interrupted(uint16_t type)
  */
 static int call_stopped(dlpc_client *c, struct dlpc__call *call, uint16_t type)
 {
+	bool waits = false;
 	uint64_t ref = 0;
 
 	if (!call->canceled) /* dlpc_close() or dlpc_cancel() unlinked it and abandoned its id */
 		unlink_call(c, call);
 	if (!call->done && !call->canceled && !c->broken && !abandon(c, call->id))
 		c->broken = -ENOMEM; /* the reply could no longer be matched */
+	waits = !call->done && !c->broken;
 	pthread_mutex_unlock(&c->mu);
+	if (waits)
+		dlpc__cancel_wait(c, type, call->id, call->epoch);
 	if (call->done) {
 		ref = reply_ref(call->type, call->payload, call->len);
 		for (unsigned i = 0; i < call->nfds; i++)
@@ -753,9 +757,13 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		return call_stopped(c, &call, type);
 	info->lost = !call.done && !call.canceled && c->broken;
 	if (call.canceled) {
-		/* dlpc_close() unlinked it and abandoned its id */
+		/* dlpc_close() unlinked it and abandoned its id; the daemon may still hold it */
+		bool waits = !c->broken;
+
 		info->lost = false;
 		pthread_mutex_unlock(&c->mu);
+		if (waits)
+			dlpc__cancel_wait(c, type, call.id, call.epoch);
 		return dlpc__fail(-ECANCELED,
 				  "this client was closed or canceled (dlpc_close() "
 				  "or dlpc_cancel()) while the call waited for dlpackd");
@@ -764,9 +772,13 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 	if (!call.done && !c->broken) {
 		/* Out of time. The request may still take effect: its reply is dropped when it
 		 * comes, and an ATTACH reply's reference given back. */
-		if (!abandon(c, call.id))
+		bool waits = abandon(c, call.id);
+
+		if (!waits)
 			c->broken = -ENOMEM; /* the reply could no longer be matched */
 		pthread_mutex_unlock(&c->mu);
+		if (waits)
+			dlpc__cancel_wait(c, type, call.id, call.epoch);
 		return call_gave_up(type, bound, wait_ms);
 	}
 	r = call.done ? 0 : conn_error(c, c->broken);

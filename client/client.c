@@ -254,6 +254,37 @@ void dlpc__flush_locked(dlpc_client *c)
 	}
 }
 
+void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoch)
+{
+	Dlpackd__V1__Cancel msg = DLPACKD__V1__CANCEL__INIT;
+	size_t sent = 0;
+	ssize_t len;
+	int r;
+
+	if (type != DLPC_MSG_ATTACH && type != DLPC_MSG_RECV && type != DLPC_MSG_SEND)
+		return;
+	msg.request_id = id;
+	pthread_mutex_lock(&c->wmu);
+	/* a request of a connection replaced since died with it */
+	if (epoch != c->epoch || c->minor < 9) {
+		pthread_mutex_unlock(&c->wmu);
+		return;
+	}
+	/* (without memory for the frame, the wait ends when the connection does) */
+	len = dlpc__msg_frame(&c->out, DLPC_MSG_CANCEL, 0, &msg.base, 0);
+	r = len < 0 ? 0 : dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
+	pthread_mutex_unlock(&c->wmu);
+	/* a frame cut short breaks the stream: nothing may follow it */
+	if (r < 0 && sent > 0) {
+		pthread_mutex_lock(&c->mu);
+		if (!c->broken)
+			c->broken = r == -EAGAIN ? -ETIMEDOUT : r;
+		pthread_cond_broadcast(&c->cv);
+		dlpc__wake_reader(c);
+		pthread_mutex_unlock(&c->mu);
+	}
+}
+
 /* Take a reference on @p c unless its last one is already gone (it is being freed). */
 static bool client_tryref(dlpc_client *c)
 {

@@ -459,7 +459,8 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 			 (long long)n);
 		r = -EINVAL;
 	} else if (!dlpc__maps_sealed(c, fd, size, &key, &keyed) &&
-		   (r = dlpc__storage_check(fd, size, false, why, sizeof(why))) < 0) {
+		   (r = dlpc__storage_check(fd, size, DLPC__STORAGE_SEALED, why, sizeof(why))) <
+			   0) {
 		r = -EBADMSG;
 	}
 	if (r < 0) {

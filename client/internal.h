@@ -175,6 +175,9 @@ struct dlpc__region {
 	 * whose pool holds it (not a reference); 0 and NULL otherwise */
 	uint64_t pool_token;
 	const dlpc_client *pool_owner;
+	/* dlpc_channel_alloc() memory (pool_token set): an O_RDONLY descriptor of fd, the one its
+	 * messages carry, so that no receiver can map or write the buffer (pool.c) */
+	int pool_fd;
 };
 
 void dlpc__region_ref(struct dlpc__region *r);
@@ -301,6 +304,12 @@ bool dlpc__start_thread(void *(*fn)(void *), void *arg);
 ssize_t dlpc__pending_frame(dlpc_client *c);
 /* Send @p c's deferred releases now (see client.c). Under wmu, without c->mu. */
 void dlpc__flush_locked(dlpc_client *c);
+/* The caller stopped waiting for the reply to request @p id (@p type) of connection @p epoch
+ * (its deadline passed, it was canceled or interrupted): if the request may wait in the daemon
+ * (ATTACH, RECV, SEND), tell it (CANCEL, 1.9), so that the wait ends there at once instead of
+ * when the connection closes. Its ECANCELED reply is dropped as any late one. Not under c->mu
+ * or c->wmu. */
+void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoch);
 /* End the reader's wait for the socket: it then looks at the state of its call again. */
 void dlpc__wake_reader(dlpc_client *c);
 /* For dlpc_close(): no call starts any more; every call still waiting returns -ECANCELED. */

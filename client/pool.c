@@ -6,9 +6,13 @@
  * the token back in a RECLAIM notice and the buffer is free to be filled again: a steady
  * pipeline stops asking the kernel for fresh pages.
  *
- * A pooled buffer stays mapped writable here, so a pooled message is not read-only: its sender
- * can write it while a receiver reads (the price of skipping fresh pages, as with
- * torch.multiprocessing). Ordinary publishes and sends stay sealed read-only.
+ * A pooled buffer stays mapped writable here, so a pooled message is not sealed read-only: its
+ * sender can write it while a receiver reads (the price of skipping fresh pages, as with
+ * torch.multiprocessing). Its sender only: a message carries a read-only descriptor of the
+ * buffer (pool_readonly()), which no receiver can map writable, write, or reopen writable, so
+ * that nothing a receiver does reaches the receivers of the buffer's later messages. dlpackd
+ * refuses a pooled message whose descriptor is writable. Ordinary publishes and sends stay
+ * sealed read-only.
  *
  * The pool holds one reference on each buffer's region. A buffer is free when no message of
  * it is in flight and nobody else holds its region (no view handed out is alive).
@@ -20,8 +24,12 @@
  * took its slot.
  */
 #include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "internal.h"
 #include "util.h"
@@ -117,6 +125,32 @@ static struct pool_buf *find_evictable(struct dlpc__pool *p)
 	return best;
 }
 
+/*
+ * Make the descriptor that the messages of new pooled buffer @p r carry: r->pool_fd, an
+ * O_RDONLY reopen of its memfd through /proc/self/fd. No mapping of it can become writable, and
+ * write(), ftruncate() and fallocate() refuse it. Reopening a memfd through /proc/PID/fd checks
+ * the file's mode, not the descriptor's, so the memfd loses its write permission bits too: a
+ * receiver of another uid cannot reopen it read-write through its own /proc/self/fd (one of
+ * this uid could give the bits back: it may as well write into this process). Our own mapping,
+ * made from the read-write descriptor before, stays writable. 0, or -1 where /proc is not
+ * mounted (or the mode cannot change): the buffer cannot be pooled then.
+ */
+static int pool_readonly(struct dlpc__region *r)
+{
+	char path[32];
+
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", r->fd);
+	r->pool_fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (r->pool_fd < 0)
+		return -1;
+	if (fchmod(r->fd, 0444) < 0) {
+		close(r->pool_fd);
+		r->pool_fd = -1;
+		return -1;
+	}
+	return 0;
+}
+
 /* Read what dlpackd has sent (RECLAIM notices) without waiting. */
 static void drain(dlpc_client *c)
 {
@@ -190,6 +224,13 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 		err = dlpc__alloc_region(dev, size, "dlpc_channel_alloc", &r);
 		if (err < 0)
 			return err;
+		if (pool_readonly(r) < 0) {
+			/* no read-only descriptor to send: memory of its own, sealed read-only
+			 * when sent, as dlpc_alloc()'s is */
+			*ret = dlpc__view_new(r, r->base, dev, dtype, ndim, shape, 0);
+			dlpc__region_unref(r);
+			return *ret ? 0 : dlpc__fail(-ENOMEM, "dlpc_channel_alloc: out of memory");
+		}
 		pthread_mutex_lock(&p->mu);
 		slot = find_empty(p);
 		if (!slot && p->n < DLPC_POOL_BUFFERS_MAX)
@@ -198,6 +239,7 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 			slot = find_evictable(p);
 		if (!slot) {
 			pthread_mutex_unlock(&p->mu);
+			close(r->pool_fd); /* (not a pooled region yet: its unref leaves it) */
 			dlpc__region_unref(r);
 			return dlpc__fail(
 				-ENOBUFS,

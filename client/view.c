@@ -60,6 +60,8 @@ void dlpc__region_finish(struct dlpc__region *r)
 {
 	if (r->fd >= 0)
 		close(r->fd);
+	if (r->pool_token && r->pool_fd >= 0)
+		close(r->pool_fd);
 	if (r->client) {
 		if (!r->ce)
 			dlpc__release_epoch(r->client, r->ref_id, r->epoch);

@@ -109,6 +109,9 @@ uint32_t dlpd_direct_depth(const struct dlpd_channel *ch);
 void dlpd_channel_empty(struct dlpd_server *s, struct dlpd_channel *ch, const char *name);
 /* h_channel.c: drop what @p p waits for on channels (its blocked SENDs' messages are freed). */
 void dlpd_channels_drop_peer(struct dlpd_peer *p);
+/* End @p p's SEND or RECV @p id if it waits on a channel (CANCEL): ERROR ECANCELED, a SEND's
+ * message freed. Whether one did. */
+bool dlpd_channel_cancel(struct dlpd_peer *p, uint32_t id);
 /* h_channel.c: free every channel and its messages at stop, once every connection is gone. */
 void dlpd_channels_clear(struct dlpd_server *s);
 /* h_channel_admin.c: the channels part of a LIST reply (List.channels). */

@@ -170,8 +170,11 @@ static int parse_path(const struct option_row *o, const char *val, char *why, si
 		snprintf(why, len, "the path is empty");
 		return -1;
 	}
-	if (strlen(val) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
-		snprintf(why, len, "the path is longer than %zu bytes",
+	if (strlen(val) > DLPC_DAEMON_SOCKET_PATH_MAX) {
+		snprintf(why, len,
+			 "the path is longer than %d bytes (DLPC_DAEMON_SOCKET_PATH_MAX: a socket "
+			 "address holds %zu, and the socket is bound as PATH.new first)",
+			 DLPC_DAEMON_SOCKET_PATH_MAX,
 			 sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
 		return -1;
 	}

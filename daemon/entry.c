@@ -124,7 +124,10 @@ int dlpd_entry_check_storage(const Dlpackd__V1__Publish *req, int fd, char *why,
 {
 	if (req->device_type == kDLCPU)
 		return dlpc__storage_check(fd, req->storage_size,
-					   req->flags & DLPC_PUBLISH_WRITABLE, why, whylen);
+					   (req->flags & DLPC_PUBLISH_WRITABLE)
+						   ? DLPC__STORAGE_WRITABLE
+						   : DLPC__STORAGE_SEALED,
+					   why, whylen);
 	if (!req->cuda_ipc)
 		return dlpc__device_storage_check(fd, why, whylen);
 	return 0;

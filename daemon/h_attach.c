@@ -1,9 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Handlers for references: ATTACH (with its waiters) and RELEASE. */
+/* Handlers for references: ATTACH (with its waiters), RELEASE, and CANCEL of a waiting
+ * request. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "channel.h"
 #include "handlers.h"
 #include "mem.h"
 #include "names.h"
@@ -140,5 +142,30 @@ int dlpd_on_release(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 		}
 		dlpd_names_release(p, ref);
 	}
+	return 0;
+}
+
+int dlpd_on_cancel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
+{
+	Dlpackd__V1__Cancel *req = (Dlpackd__V1__Cancel *)*m;
+	struct dlpd_list *l;
+
+	(void)id;
+	(void)f;
+	/* a waiting ATTACH of this connection's, else a waiting SEND or RECV; an id that waits
+	 * no more (answered meanwhile) is no violation */
+	for (l = p->held.waiters.next; l != &p->held.waiters; l = l->next) {
+		struct dlpd_waiter *w = dlpd_container_of(l, struct dlpd_waiter, peer_link);
+		char name[DLPC_NAME_TEXT];
+
+		if (w->req_id != req->request_id)
+			continue;
+		dlpc__printable(w->q->name, w->q->len, name, sizeof(name));
+		dlpd_waiter_free(p, w);
+		dlpd_reply_error(p, req->request_id, ECANCELED,
+				 "the wait for '%s' was canceled by the client", name);
+		return 0;
+	}
+	dlpd_channel_cancel(p, req->request_id);
 	return 0;
 }

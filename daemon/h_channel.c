@@ -27,6 +27,7 @@
 #include "peer.h"
 #include "quota.h"
 #include "reclaim.h"
+#include "storage.h"
 #include "util.h"
 
 #define RECV_FLAGS DLPC_ATTACH_SINGLE
@@ -318,8 +319,10 @@ static int quota_message(const struct dlpd_peer *p, uint64_t size, char *why, si
 	return 0;
 }
 
-/* Is @p pub a message a channel can carry? 0, or negative errno and why. */
-static int check_message(const Dlpackd__V1__Publish *pub, int fd, char *why, size_t whylen)
+/* Is @p pub a message a channel can carry (@p pooled: a recycled buffer's)? 0, or negative
+ * errno and why. */
+static int check_message(const Dlpackd__V1__Publish *pub, int fd, bool pooled, char *why,
+			 size_t whylen)
 {
 	int r;
 
@@ -341,6 +344,9 @@ static int check_message(const Dlpackd__V1__Publish *pub, int fd, char *why, siz
 	r = dlpd_entry_check_tensors(pub, why, whylen);
 	if (r < 0)
 		return r;
+	if (pooled)
+		return dlpc__storage_check(fd, pub->storage_size, DLPC__STORAGE_POOLED, why,
+					   whylen);
 	return dlpd_entry_check_storage(pub, fd, why, whylen);
 }
 
@@ -399,7 +405,7 @@ int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 					"cannot send to channel '%s': a pooled message is "
 					"writable by its sender; send it WRITABLE",
 					name);
-	r = check_message(req->message, f->fds[0], why, sizeof(why));
+	r = check_message(req->message, f->fds[0], req->pool_token != 0, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot send to channel '%s': %s", name, why);
 	ch = dlpd_channel_find(&s->reg, req->channel.data, req->channel.len);
@@ -519,6 +525,30 @@ void dlpd_channels_drop_peer(struct dlpd_peer *p)
 		if (m)
 			msg_free(p->srv, m);
 	}
+}
+
+bool dlpd_channel_cancel(struct dlpd_peer *p, uint32_t id)
+{
+	struct dlpd_list *l;
+
+	for (l = p->held.chan_waits.next; l != &p->held.chan_waits; l = l->next) {
+		struct dlpd_chan_wait *w = dlpd_container_of(l, struct dlpd_chan_wait, peer_link);
+		struct dlpd_msg *m = w->msg;
+		char name[DLPC_NAME_TEXT];
+
+		if (w->req_id != id)
+			continue;
+		channel_name(w->ch, name, sizeof(name));
+		wait_free(w);
+		if (m)
+			msg_free(p->srv, m);
+		dlpd_reply_error(p, id, ECANCELED,
+				 m ? "the send to channel '%s' was canceled by the client"
+				   : "the receive from channel '%s' was canceled by the client",
+				 name);
+		return true;
+	}
+	return false;
 }
 
 void dlpd_channels_clear(struct dlpd_server *s)

@@ -242,19 +242,51 @@ static uint64_t fd_budget(void)
 	return rl.rlim_cur > DLPC_FD_RESERVE ? rl.rlim_cur - DLPC_FD_RESERVE : 0;
 }
 
+/*
+ * The suffix of the name a socket of our own is bound to first, in the socket's directory: it
+ * gets its mode and group and starts listening there, and only then is renamed onto the path,
+ * so the path never names a socket that refuses connections (a client that sees the file can
+ * connect at once). An upgraded image finds it in the name its listening socket was bound to.
+ */
+#define BIND_SUFFIX ".new"
+_Static_assert(sizeof(((struct sockaddr_un *)0)->sun_path) - sizeof(BIND_SUFFIX) ==
+		       DLPC_DAEMON_SOCKET_PATH_MAX,
+	       "PATH.new fits a socket address");
+
+/* Remove a socket left at @p path by a daemon that was killed; refuse anything else there. We
+ * hold the lock. 0 or negative errno. */
+static int clear_stale(const char *path)
+{
+	struct stat st;
+
+	if (lstat(path, &st) < 0)
+		return 0;
+	if (!S_ISSOCK(st.st_mode)) {
+		dlpd_log(LOG_ERR, "%s exists and is not a socket; not touching it", path);
+		return -EEXIST;
+	}
+	if (unlink(path) == 0)
+		dlpd_log(LOG_NOTICE, "removed stale socket %s", path);
+	return 0;
+}
+
 /* Bind and listen on @p path, a socket of our own with the configured mode and group. */
 static int bind_own(struct dlpd_server *s, const char *path)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	struct stat st;
+	const char *tmp = sa.sun_path;
 	int r;
 
-	if (strlen(path) >= sizeof(sa.sun_path)) {
-		dlpd_log(LOG_ERR, "socket path %s is longer than %zu bytes", path,
-			 sizeof(sa.sun_path) - 1);
+	/* (a path from the default, $XDG_RUNTIME_DIR's, is not checked by config.c) */
+	if (strlen(path) > DLPC_DAEMON_SOCKET_PATH_MAX) {
+		dlpd_log(LOG_ERR,
+			 "socket path %s is longer than %d bytes (DLPC_DAEMON_SOCKET_PATH_MAX: a "
+			 "socket address holds %zu, and the socket is bound as PATH" BIND_SUFFIX
+			 " first)",
+			 path, DLPC_DAEMON_SOCKET_PATH_MAX, sizeof(sa.sun_path) - 1);
 		return -ENAMETOOLONG;
 	}
-	strcpy(sa.sun_path, path);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s" BIND_SUFFIX, path);
 	s->path = strdup(path);
 	if (!s->path)
 		return -ENOMEM;
@@ -271,44 +303,47 @@ static int bind_own(struct dlpd_server *s, const char *path)
 		dlpd_log(LOG_ERR, "cannot check socket %s: %s", path, strerror(-r));
 		return r;
 	}
-	if (lstat(path, &st) == 0) {
-		if (!S_ISSOCK(st.st_mode)) {
-			dlpd_log(LOG_ERR, "%s exists and is not a socket; not touching it", path);
-			return -EEXIST;
-		}
-		if (unlink(path) == 0)
-			dlpd_log(LOG_NOTICE, "removed stale socket %s", path);
-	}
+	if ((r = clear_stale(path)) < 0 || (r = clear_stale(tmp)) < 0)
+		return r;
 	s->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (s->listen_fd < 0 || bind(s->listen_fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
 		r = -errno;
-		dlpd_log(LOG_ERR, "cannot bind %s: %m", path);
+		dlpd_log(LOG_ERR, "cannot bind %s: %m", tmp);
 		return r;
 	}
 	/* mode and group are right before listen(): until then nobody can connect */
-	if (chmod(path, dlpd_config.socket_mode) < 0) {
+	if (chmod(tmp, dlpd_config.socket_mode) < 0) {
 		r = -errno;
-		dlpd_log(LOG_ERR, "cannot set the mode of %s to %04o: %m", path,
+		dlpd_log(LOG_ERR, "cannot set the mode of %s to %04o: %m", tmp,
 			 dlpd_config.socket_mode);
-		unlink(path);
-		return r;
+		goto fail;
 	}
 	if (dlpd_config.socket_gid != (gid_t)-1 &&
-	    chown(path, (uid_t)-1, dlpd_config.socket_gid) < 0) {
+	    chown(tmp, (uid_t)-1, dlpd_config.socket_gid) < 0) {
 		r = -errno;
-		dlpd_log(LOG_ERR, "cannot give %s to group %u: %m", path,
+		dlpd_log(LOG_ERR, "cannot give %s to group %u: %m", tmp,
 			 (unsigned)dlpd_config.socket_gid);
-		unlink(path);
-		return r;
+		goto fail;
 	}
 	if (listen(s->listen_fd, SOMAXCONN) < 0) {
 		r = -errno;
-		dlpd_log(LOG_ERR, "cannot listen on %s: %m", path);
-		unlink(path);
-		return r;
+		dlpd_log(LOG_ERR, "cannot listen on %s: %m", tmp);
+		goto fail;
+	}
+	/* the path appears listening; never over something that came there meanwhile */
+	r = renameat2(AT_FDCWD, tmp, AT_FDCWD, path, RENAME_NOREPLACE);
+	if (r < 0 && (errno == EINVAL || errno == ENOSYS))
+		r = rename(tmp, path);
+	if (r < 0) {
+		r = -errno;
+		dlpd_log(LOG_ERR, "cannot rename %s to %s: %m", tmp, path);
+		goto fail;
 	}
 	s->owns_path = true;
 	return 0;
+fail:
+	unlink(tmp);
+	return r;
 }
 
 /* Adopt @p fd, a listening socket passed to us. Its path stays systemd's business, and is kept
@@ -337,7 +372,14 @@ static int adopt(struct dlpd_server *s, int fd, int lock_fd)
 		return -ENOMEM;
 	/* a path, absolute or relative (dlpackd does not change directory); not an abstract name */
 	if (lock_fd >= 0 && s->path[0] != '@') {
-		size_t ln = strlen(s->path) + sizeof(".lock");
+		size_t ln;
+
+		/* ours, bound as PATH.new and renamed to PATH (bind_own()) */
+		n = strlen(s->path);
+		if (n > strlen(BIND_SUFFIX) &&
+		    strcmp(s->path + n - strlen(BIND_SUFFIX), BIND_SUFFIX) == 0)
+			s->path[n - strlen(BIND_SUFFIX)] = '\0';
+		ln = strlen(s->path) + sizeof(".lock");
 
 		s->lock_path = malloc(ln);
 		if (!s->lock_path)

@@ -42,7 +42,9 @@
 	/* protocol 1.6: channels */                                                               \
 	X(SEND, send, 9, DLPC_FRAME_MAX, 1, 1, 0, 0)                                               \
 	X(RECV, recv, 10, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                          \
-	X(CHANNEL, channel, 11, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)
+	X(CHANNEL, channel, 11, DLPC_SMALL_MSG_MAX, 0, 0, 0, 0)                                    \
+	/* protocol 1.9: a waiting request the client gave up on ends at once */                   \
+	X(CANCEL, cancel, 12, DLPC_SMALL_MSG_MAX, 0, 0, 0, 1)
 
 /* clang-format off */
 enum dlpc_msg_type {

@@ -12,7 +12,7 @@
 
 /* Protocol version spoken by this tree. Peers must agree on the major; minor is negotiated. */
 #define DLPC_PROTO_MAJOR 1
-#define DLPC_PROTO_MINOR 8
+#define DLPC_PROTO_MINOR 9
 
 /* A direct channel's record (1.8, direct.h): its size, bytes, every message one of these. */
 #define DLPC_DIRECT_RECORD 1024
@@ -30,6 +30,11 @@
 /* How often a sender waiting for room in a full direct channel tries again, ms: the kernel
  * wakes writers of a Unix datagram socket only once its buffer is three quarters free. */
 #define DLPC_DIRECT_RETRY_MS 1
+
+/* The longest socket path dlpackd binds itself, bytes: a socket address's 107 less the ".new"
+ * of the name it binds first and renames onto the path once it listens (daemon/server.c), so
+ * that the path never names a socket that refuses connections. */
+#define DLPC_DAEMON_SOCKET_PATH_MAX 103
 
 /* Size of the fixed frame header, bytes. */
 #define DLPC_FRAME_HDR_SIZE 12

@@ -51,8 +51,10 @@ static bool fully_allocated(const struct stat *st, uint64_t bsize)
 	return (uint64_t)st->st_blocks * 512 >= need;
 }
 
-int dlpc__storage_check(int fd, uint64_t size, bool writable, char *why, size_t whylen)
+int dlpc__storage_check(int fd, uint64_t size, enum dlpc__storage_kind kind, char *why,
+			size_t whylen)
 {
+	bool writable = kind != DLPC__STORAGE_SEALED;
 	struct stat st;
 	struct statfs sfs;
 	int seals, fl;
@@ -133,9 +135,25 @@ int dlpc__storage_check(int fd, uint64_t size, bool writable, char *why, size_t 
 		snprintf(why, whylen, "storage published writable is sealed against writes");
 		return -EPERM;
 	}
-	if (writable && ((fl = fcntl(fd, F_GETFL)) < 0 || (fl & O_ACCMODE) != O_RDWR)) {
+	if (kind == DLPC__STORAGE_WRITABLE &&
+	    ((fl = fcntl(fd, F_GETFL)) < 0 || (fl & O_ACCMODE) != O_RDWR)) {
 		snprintf(why, whylen, "writable storage fd was not opened read-write");
 		return -EBADF;
+	}
+	/* a recycled buffer is written by its sender only, through a mapping of its own */
+	if (kind == DLPC__STORAGE_POOLED &&
+	    ((fl = fcntl(fd, F_GETFL)) < 0 || (fl & O_ACCMODE) != O_RDONLY)) {
+		snprintf(why, whylen,
+			 "a pooled message's storage fd is writable; it must be read-only "
+			 "(O_RDONLY), so that no receiver can write its sender's buffer");
+		return -EPERM;
+	}
+	if (kind == DLPC__STORAGE_POOLED && (st.st_mode & 0222)) {
+		snprintf(why, whylen,
+			 "a pooled message's storage memfd has write permission (mode 0%o); it "
+			 "must have none, so that no receiver can reopen it writable",
+			 (unsigned)(st.st_mode & 07777));
+		return -EPERM;
 	}
 	if ((uint64_t)st.st_size < size) {
 		snprintf(why, whylen, "storage memfd holds %lld bytes, the tensors need %llu",

@@ -391,6 +391,7 @@ static int cmd_stat(dlpc_client *c, const struct args *a)
 		{"req_send", s.req_send},
 		{"req_recv", s.req_recv},
 		{"req_channel", s.req_channel},
+		{"req_cancel", s.req_cancel},
 		{"uid_channels", s.uid_channels},
 	};
 

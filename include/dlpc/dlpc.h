@@ -25,6 +25,10 @@
  *   dropped, and the reference of a late ATTACH reply given back, when the connection next
  *   reads (with its next call). A request that timed out may still take effect. Only an attach
  *   with a negative timeout_ms waits without bound; dlpc_close() ends it.
+ * - A wait given up on the client's side (an attach, receive or send that timed out there, was
+ *   interrupted, or was ended by dlpc_cancel() or dlpc_close()) ends in dlpackd at once too:
+ *   the library tells it (CANCEL, protocol 1.9), so the wait does not stay registered there
+ *   until the connection closes (a send's message is not queued).
  * - A client-side shortage fails the one call, not the connection: a reply whose fd this
  *   process has no room for (RLIMIT_NOFILE reached) fails with -EMFILE, and the reference it
  *   carried goes back to the daemon.
@@ -300,10 +304,10 @@ DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c);
  * (see dlpc_publish()). Accepts NULL.
  *
  * May be called while other threads are blocked in calls on @p c (a waiting attach, or any
- * request dlpackd has not answered yet): each of them returns -ECANCELED at once, and what the
- * daemon answers later is dropped (a reference given back when the connection is read again,
- * or with the connection). As with any handle, no call may start on @p c once dlpc_close() has
- * been called.
+ * request dlpackd has not answered yet): each of them returns -ECANCELED at once, a wait of
+ * theirs ends in dlpackd too (CANCEL), and what the daemon answers later is dropped (a
+ * reference given back when the connection is read again, or with the connection). As with
+ * any handle, no call may start on @p c once dlpc_close() has been called.
  */
 DLPC_EXPORT void dlpc_close(dlpc_client *c);
 
@@ -651,6 +655,8 @@ typedef struct dlpc_stats {
 	uint64_t cached_references;
 	/** cache invalidations dlpackd has sent, since it started (0 before protocol 1.7) */
 	uint64_t invalidations;
+	/** CANCEL requests served: waits that clients gave up on (0 before protocol 1.9) */
+	uint64_t req_cancel;
 } dlpc_stats;
 
 /**
@@ -892,10 +898,15 @@ DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
  * and a later dlpc_channel_alloc() of a size that fits (up to twice the need) hands it out
  * again, already mapped: a steady pipeline asks the kernel for no fresh pages.
  *
- * A pooled message is NOT read-only: its buffer stays mapped writable in the sender, which can
- * change it while a receiver reads it (receivers map it read-only or copy-on-write, so they
- * cannot write it). That is the price of recycling, as with torch.multiprocessing; ordinary
- * sends and publishes stay sealed read-only. Do not write a buffer after sending it.
+ * A pooled message is NOT read-only for its sender: its buffer stays mapped writable in the
+ * sender, which can change it while a receiver reads it. That is the price of recycling, as
+ * with torch.multiprocessing; ordinary sends and publishes stay sealed read-only. Do not write a
+ * buffer after sending it. Receivers cannot write it: the message carries a read-only
+ * descriptor (O_RDONLY) of a memfd without write permission bits, which a receiver can neither
+ * map writable, write, nor reopen read-write through /proc/self/fd; a receiver that wants to
+ * write receives it copy-on-write (DLPC_ATTACH_PRIVATE). Where /proc is not mounted, no
+ * read-only descriptor can be had: the tensor is then memory of its own, not pooled, sealed
+ * read-only when sent (as dlpc_alloc() memory is).
  *
  * A buffer whose message may be queued but whose return can no longer come (in flight when the
  * connection was lost, or sent without an answer: the call gave up) leaves the pool for good;

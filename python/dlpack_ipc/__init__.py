@@ -242,8 +242,9 @@ class Channel:
         It comes from this connection's pool: once a receiver has released a message sent from
         it, dlpackd gives the buffer back and a later empty() of a size that fits (up to twice
         the need) hands out the same pages again, so a steady pipeline needs no fresh memory.
-        A pooled message is NOT read-only: the buffer stays writable here, and a write after
-        send() would change what a receiver reads (the trade torch.multiprocessing makes too).
+        A pooled message is NOT read-only for its sender: the buffer stays writable here, and a
+        write after send() would change what a receiver reads (the trade torch.multiprocessing
+        makes too). Receivers cannot write it (they get a read-only descriptor).
         Send it on this Channel's client; OSError(ENOBUFS) when all of the pool's buffers
         (DLPC_POOL_BUFFERS_MAX, 64) are in flight or still held."""
         return self._client._channel_empty(self.name, shape, dtype)
@@ -461,7 +462,7 @@ def stat():
     and for the caller's uid: uid_bytes_held (bytes of storages it published that a name
     still reaches), uid_bytes_pinned (bytes of unnamed storages its references keep alive;
     both count against its quota), uid_entries, uid_connections; channels: channels,
-    messages (queued, and sends waiting for room), req_send, req_recv, req_channel,
+    messages (queued, and sends waiting for room), req_send, req_recv, req_channel, req_cancel,
     uid_channels; cached_references (of references, those idle in a client's cache of
     re-attaches, see dlpc(3)) and invalidations (cache invalidations sent since start)."""
     return _client().stat()

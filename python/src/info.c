@@ -81,9 +81,10 @@ static PyObject *add_channel_stats(PyObject *d, const dlpc_stats *s)
 		const char *key;
 		uint64_t v;
 	} f[] = {
-		{"channels", s->channels},	 {"messages", s->messages},
-		{"req_send", s->req_send},	 {"req_recv", s->req_recv},
-		{"req_channel", s->req_channel}, {"uid_channels", s->uid_channels},
+		{"channels", s->channels},	   {"messages", s->messages},
+		{"req_send", s->req_send},	   {"req_recv", s->req_recv},
+		{"req_channel", s->req_channel},   {"req_cancel", s->req_cancel},
+		{"uid_channels", s->uid_channels},
 	};
 
 	for (size_t i = 0; d && i < sizeof(f) / sizeof(f[0]); i++) {

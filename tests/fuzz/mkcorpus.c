@@ -127,6 +127,15 @@ static void attach(struct input *in, uint32_t id, const char *name, uint32_t fla
 	frame(in, DLPC_MSG_ATTACH, id, &a.base, 0, NULL, 0);
 }
 
+/* CANCEL (1.9) of the wait of request @p which. */
+static void cancel(struct input *in, uint32_t which)
+{
+	Dlpackd__V1__Cancel c = DLPACKD__V1__CANCEL__INIT;
+
+	c.request_id = which;
+	frame(in, DLPC_MSG_CANCEL, 0, &c.base, 0, NULL, 0);
+}
+
 static void release(struct input *in, uint64_t ref)
 {
 	Dlpackd__V1__Release r = DLPACKD__V1__RELEASE__INIT;
@@ -507,6 +516,27 @@ int main(int argc, char **argv)
 				 .ntensors = 1, .timeout_ms = -1, .nfds = 1, .kind = ro});
 		channel(&in, 13, 2, "w", 0);
 		channel(&in, 14, 2, "e", 0);
+	});
+	/* ---- CANCEL (1.9): waits the client gave up on, and ids that wait no more ---- */
+	SEED("cancel", {
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		attach(&in, 2, "never", 0, -1);
+		attach(&in, 3, "never", 0, 1000);
+		channel(&in, 4, 1, "w", 1);
+		recv_msg(&in, 5, "w", 0, -1);
+		send_msg(&in, 6, "w", SEND_ONE);
+		send_msg(&in, 7, "w", SEND_ONE);
+		send_msg(&in, 8, "w",
+			 &(struct send_args){
+				 .ntensors = 1, .timeout_ms = -1, .nfds = 1, .kind = ro});
+		cancel(&in, 3);
+		cancel(&in, 8);
+		cancel(&in, 5); /* answered already */
+		cancel(&in, 99);
+		cancel(&in, 2);
+		cancel(&in, 2);
+		stat_req(&in, 9);
+		channel(&in, 10, 2, "w", 0);
 	});
 	SEED("channel-hangup", {
 		/* the connection ends with a RECV and a SEND waiting and messages queued */

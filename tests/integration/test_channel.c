@@ -6,9 +6,13 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include "harness.h"
@@ -645,6 +649,198 @@ START_TEST(test_pool_recycles)
 }
 END_TEST
 
+/* ---- recycled buffers: what a receiver got, it cannot write ---- */
+
+#define NOBODY 65534
+#define RO_ROUNDS 6
+#define RO_EVIL 0xee
+
+/* The attacker's pipes: it reports on ways[1], and writes whenever the test says so on go[0]
+ * (and answers on done[1]). */
+struct ro_pipes {
+	int ways[2], go[2], done[2];
+};
+
+/* A raw RECV of "ro" (waiting up to 5 s): the storage fd the daemon hands out. */
+static int raw_recv_storage(int fd)
+{
+	Dlpackd__V1__Recv rv = DLPACKD__V1__RECV__INIT;
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+	int st = -1;
+
+	rv.channel.data = (uint8_t *)"ro";
+	rv.channel.len = 2;
+	rv.timeout_ms = scaled_ms(5000);
+	raw_send(fd, DLPC_MSG_RECV, 2, &rv.base, NULL, 0);
+	CHILD_CHECK(raw_recv_fd(fd, &h, buf, sizeof(buf), &st) == 1);
+	CHILD_CHECK(h.type == (DLPC_MSG_RECV | DLPC_MSG_REPLY) && st >= 0);
+	return st;
+}
+
+/*
+ * uid 65534 receives a pooled message of root's and tries every way to keep write access to
+ * its buffer: a shared writable mapping, a read-only one made writable, write(), fallocate()
+ * (a punched hole reads as zeros), ftruncate(), fchmod(), and a reopen of /proc/self/fd/N
+ * read-write. It reports how many ways worked, lets go of the message (its connection closes),
+ * and then writes RO_EVIL through whatever it kept each time the test says so.
+ */
+static int pool_attacker(void *arg)
+{
+	struct ro_pipes *pp = arg;
+	int fd, st, rw = -1, ways = 0;
+	uint8_t *maps[2] = {NULL, NULL}, *m;
+	char path[64], go;
+	struct stat sb;
+	size_t len;
+
+	close(pp->ways[0]);
+	close(pp->go[1]);
+	close(pp->done[0]);
+	CHILD_CHECK(setgroups(0, NULL) == 0 && setgid(NOBODY) == 0 && setuid(NOBODY) == 0);
+	CHILD_CHECK(prctl(PR_SET_DUMPABLE, 1) == 0); /* /proc/self/fd ours to open */
+	fd = raw_connect(&D);
+	raw_hello(fd, 1);
+	st = raw_recv_storage(fd);
+	CHILD_CHECK(fstat(st, &sb) == 0 && sb.st_size > 0);
+	len = (size_t)sb.st_size;
+	m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, st, 0);
+	if (m != MAP_FAILED) {
+		fprintf(stderr, "pool attacker: mapped the buffer shared and writable\n");
+		maps[0] = m;
+		ways++;
+	}
+	m = mmap(NULL, len, PROT_READ, MAP_SHARED, st, 0);
+	CHILD_CHECK(m != MAP_FAILED);
+	if (mprotect(m, len, PROT_READ | PROT_WRITE) == 0) {
+		fprintf(stderr, "pool attacker: made a read-only shared mapping writable\n");
+		maps[1] = m;
+		ways++;
+	} else {
+		munmap(m, len);
+	}
+	if (pwrite(st, "x", 1, 0) == 1) {
+		fprintf(stderr, "pool attacker: write() to the fd it received\n");
+		ways++;
+	}
+	if (ftruncate(st, (off_t)len) == 0) {
+		fprintf(stderr, "pool attacker: ftruncate() of the fd it received\n");
+		ways++;
+	}
+	if (fallocate(st, FALLOC_FL_KEEP_SIZE, 0, (off_t)len) == 0) {
+		fprintf(stderr, "pool attacker: fallocate() of the fd it received\n");
+		ways++;
+	}
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", st);
+	rw = open(path, O_RDWR | O_CLOEXEC);
+	if (rw < 0 && fchmod(st, 0666) == 0) {
+		fprintf(stderr, "pool attacker: fchmod() of the fd it received\n");
+		ways++;
+		rw = open(path, O_RDWR | O_CLOEXEC);
+	}
+	if (rw >= 0) {
+		fprintf(stderr, "pool attacker: reopened /proc/self/fd/N read-write\n");
+		ways++;
+	}
+	/* the message goes back: its buffer returns to the sender's pool */
+	close(fd);
+	CHILD_CHECK(write(pp->ways[1], &ways, sizeof(ways)) == sizeof(ways));
+	while (read(pp->go[0], &go, 1) == 1) {
+		for (int i = 0; i < 2; i++)
+			if (maps[i])
+				memset(maps[i], RO_EVIL, len);
+		if (rw >= 0) {
+			memset(path, RO_EVIL, sizeof(path));
+			for (size_t off = 0; off < len; off += sizeof(path))
+				(void)!pwrite(rw, path, sizeof(path), (off_t)off);
+		}
+		(void)!fallocate(st, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)len);
+		CHILD_CHECK(write(pp->done[1], &go, 1) == 1);
+	}
+	return 0;
+}
+
+/* Are all @p n bytes at @p p equal to @p v? */
+static bool all_bytes(const uint8_t *p, size_t n, uint8_t v)
+{
+	for (size_t i = 0; i < n; i++)
+		if (p[i] != v)
+			return false;
+	return true;
+}
+
+START_TEST(test_pool_read_only)
+{
+	dlpc_client *s = connect_or_die(&D), *r = connect_or_die(&D);
+	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = scaled_ms(5000)};
+	DLManagedTensorVersioned *t, *got;
+	int64_t shape = 1 << 16;
+	DLDataType u8 = {kDLUInt, 8, 1};
+	struct ro_pipes pp;
+	int ways = -1, spoiled = 0;
+	uint64_t zero = 0;
+	void *first;
+	char go = 'g';
+	pid_t pid;
+
+	/* the attacker, another uid, may connect */
+	ck_assert_int_eq(chmod(D.dir, 0755), 0);
+	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	ck_assert_int_eq(pipe(pp.ways), 0);
+	ck_assert_int_eq(pipe(pp.go), 0);
+	ck_assert_int_eq(pipe(pp.done), 0);
+	ck_assert_dlpc(dlpc_channel_open(s, "ro", 2, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_alloc(s, "ro", u8, 1, &shape, &t), 0);
+	first = t->dl_tensor.data;
+	memset(first, 0x11, (size_t)shape);
+	ck_assert_dlpc(dlpc_send(s, "ro", t, 0), 0);
+	pid = spawn(pool_attacker, &pp);
+	close(pp.ways[1]);
+	close(pp.go[0]);
+	close(pp.done[1]);
+	ck_assert_int_eq(read(pp.ways[0], &ways, sizeof(ways)), sizeof(ways));
+	/* its release is in: the buffer is back in the sender's pool */
+	ck_assert(wait_stat(s, storages_are, &zero, scaled_ms(5000)));
+	for (int i = 0; i < RO_ROUNDS; i++) {
+		uint8_t v = (uint8_t)(0x20 + i);
+
+		/* the same buffer each time, which the attacker received first. Its RECLAIM comes
+		 * on the daemon's turn after the storage was freed: a buffer allocated before that
+		 * goes back to the pool, a STAT reads what came meanwhile, and the next one is the
+		 * first again */
+		for (int tries = 0;; tries++) {
+			ck_assert_dlpc(dlpc_channel_alloc(s, "ro", u8, 1, &shape, &t), 0);
+			if (t->dl_tensor.data == first)
+				break;
+			t->deleter(t);
+			ck_assert_msg(tries < 1000, "the first buffer never came back (round %d)",
+				      i);
+			stat_or_die(s);
+			usleep(1000);
+		}
+		memset(t->dl_tensor.data, v, (size_t)shape);
+		ck_assert_dlpc(dlpc_send(s, "ro", t, 0), 0);
+		/* the attacker writes what it can, while the message waits in the channel */
+		ck_assert_int_eq(write(pp.go[1], &go, 1), 1);
+		ck_assert_int_eq(read(pp.done[0], &go, 1), 1);
+		ck_assert_dlpc(dlpc_recv(r, "ro", &now, &got), 0);
+		spoiled += !all_bytes(got->dl_tensor.data, (size_t)shape, v);
+		got->deleter(got);
+		ck_assert_uint_eq(stat_or_die(r).messages, 0);
+		ck_assert(wait_stat(s, storages_are, &zero, scaled_ms(5000)));
+	}
+	close(pp.go[1]);
+	ck_assert_int_eq(wait_child(pid), 0);
+	close(pp.ways[0]);
+	close(pp.done[0]);
+	ck_assert_msg(spoiled == 0, "%d of %d later messages carried the attacker's bytes", spoiled,
+		      RO_ROUNDS);
+	ck_assert_msg(ways == 0, "uid %d kept %d ways to write a buffer it received", NOBODY, ways);
+	dlpc_close(r);
+	dlpc_close(s);
+}
+END_TEST
+
 /* ---- malformed channel requests, from a raw client ---- */
 
 #define SEALS_RO (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL | F_SEAL_WRITE)
@@ -704,6 +900,12 @@ static void pooled_read_only(Dlpackd__V1__Send *r)
 	r->pool_token = 7;
 }
 
+static void pooled_writable(Dlpackd__V1__Send *r)
+{
+	r->pool_token = 7;
+	r->message->flags = DLPC_PUBLISH_WRITABLE;
+}
+
 static void cuda(Dlpackd__V1__Send *r)
 {
 	r->message->device_type = kDLCUDA;
@@ -742,8 +944,8 @@ START_TEST(test_malformed)
 	};
 	Dlpackd__V1__Recv rv = DLPACKD__V1__RECV__INIT;
 	Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
-	char msg[512];
-	int base, fd, st, code;
+	char msg[512], path[64];
+	int base, fd, st, ro, code;
 
 	good_client_start(&D);
 	base = good_baseline();
@@ -760,6 +962,18 @@ START_TEST(test_malformed)
 			ck_assert_msg(code == cases[i].code, "case %zu: %d %s", i, code, msg);
 		ck_assert_msg(strstr(msg, cases[i].says), "case %zu: %s", i, msg);
 	}
+	/* a pooled message (writable by its sender) whose fd a receiver could write through:
+	 * read-write, or read-only of a memfd it could reopen read-write */
+	st = memfd_sealed(4096, SEALS_RO & ~F_SEAL_WRITE);
+	ck_assert_int_eq(raw_send_msg(fd, st, 1, pooled_writable, msg, sizeof(msg)), EPERM);
+	ck_assert_msg(strstr(msg, "O_RDONLY"), "%s", msg);
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", st);
+	ro = open(path, O_RDONLY | O_CLOEXEC);
+	ck_assert_int_ge(ro, 0);
+	ck_assert_int_eq(raw_send_msg(fd, ro, 1, pooled_writable, msg, sizeof(msg)), EPERM);
+	ck_assert_msg(strstr(msg, "write permission (mode 0"), "%s", msg);
+	close(ro);
+	close(st);
 	/* refused, every one: nothing was queued */
 	ck_assert_uint_eq(stat_or_die(good_client()).messages, 0);
 	/* admitted once, then full: EAGAIN at once for timeout 0 */
@@ -959,6 +1173,7 @@ int main(void)
 	tcase_add_test(tc, test_bundle_keys);
 	tcase_add_test(tc, test_list_stat_watch);
 	tcase_add_test(tc, test_pool_recycles);
+	tcase_add_test(tc, test_pool_read_only);
 	tcase_add_test(tc, test_malformed);
 	tcase_add_test(tc, test_raw_keys);
 	suite_add_tcase(s, tc);

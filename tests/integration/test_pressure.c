@@ -466,18 +466,16 @@ static int close_wakes_waiters(void *arg)
 			_exit(1);
 		}
 	}
-	/* lone is gone with its connection; kept's connection lives on for the held tensor,
-	 * its three waits still registered with the daemon */
-	CHILD_CHECK(waiters_become(probe, 3));
-	/* answering them now sends replies nobody reads: the daemon's references and fds are
-	 * the connection's, freed with it */
+	/* lone is gone with its connection; kept's connection lives on for the held tensor, but
+	 * its three waits leave the daemon at once: each call told it it gave up (CANCEL) */
+	CHILD_CHECK(waiters_become(probe, 0));
+	/* a publish now finds nobody waiting: nothing is sent to the closed client */
 	for (int i = 0; i < 64; i++)
 		bytes[i] = (uint8_t)i;
 	CHILD_CHECK(
 		dlpc_publish(probe, "cancel/later",
 			     host_tensor(bytes, (DLDataType){kDLUInt, 8, 1}, 1, n64, NULL, NULL),
 			     0) == 1);
-	CHILD_CHECK(waiters_become(probe, 0));
 	CHILD_CHECK(one_ok(held));
 	held->deleter(held);
 	CHILD_CHECK(refs_become(probe, refs0));
@@ -495,6 +493,147 @@ START_TEST(test_close_cancels_waiters)
 	publish_fixtures(good_client());
 	baseline = good_baseline();
 	ck_assert_int_eq(wait_child(spawn(close_wakes_waiters, &D)), 0);
+	good_client_check();
+	expect_fds(baseline);
+	ck_assert_uint_eq(stat_or_die(good_client()).waiters, 0);
+	good_client_stop();
+}
+END_TEST
+
+/* ---- 6b. a wait the client gives up on leaves the daemon at once (CANCEL) ---- */
+
+struct abandoning {
+	dlpc_client *c;
+	int kind;	   /* 0 an ATTACH, 1 a RECV, 2 a SEND: each waits without end */
+	volatile int stop; /* the thread's interrupt check says to give up */
+	int r;
+};
+
+static int stop_flag(void *arg)
+{
+	return __atomic_load_n(&((struct abandoning *)arg)->stop, __ATOMIC_RELAXED);
+}
+
+static void *wait_abandoned(void *arg)
+{
+	struct abandoning *a = arg;
+	dlpc_attach_opts forever = {.size = sizeof(forever), .timeout_ms = -1};
+	dlpc_recv_opts rforever = {.size = sizeof(rforever), .timeout_ms = -1};
+	dlpc_send_opts sforever = {.size = sizeof(sforever), .timeout_ms = -1};
+	DLManagedTensorVersioned *t = NULL;
+	static uint8_t byte;
+	int64_t one = 1;
+
+	dlpc_set_interrupt(stop_flag, a);
+	if (a->kind == 0)
+		a->r = dlpc_attach(a->c, "abandon/never", &forever, &t);
+	else if (a->kind == 1)
+		a->r = dlpc_recv(a->c, "abandon/empty", &rforever, &t);
+	else
+		a->r = dlpc_send_bundle(
+			a->c, "abandon/full", 1, NULL,
+			(DLManagedTensorVersioned *[]){host_tensor(
+				&byte, (DLDataType){kDLUInt, 8, 1}, 1, &one, NULL, NULL)},
+			&sforever);
+	if (t)
+		t->deleter(t);
+	return NULL;
+}
+
+/* Does @p probe see the three kinds of waits at @p n each (ATTACH waiters, receivers waiting
+ * on abandon/empty, senders waiting on abandon/full), within a scaled 10 s? */
+static bool waits_become(dlpc_client *probe, uint64_t n)
+{
+	long long deadline = now_ms() + scaled_ms(10000);
+	dlpc_channel_info e = {.size = sizeof(e)}, f = {.size = sizeof(f)};
+	dlpc_stats s = {.size = sizeof(s)};
+
+	for (;;) {
+		if (dlpc_stat(probe, &s) == 0 &&
+		    dlpc_channel_stat(probe, "abandon/empty", &e) == 0 &&
+		    dlpc_channel_stat(probe, "abandon/full", &f) == 0 && s.waiters == n &&
+		    e.receivers_waiting == n && f.senders_waiting == n)
+			return true;
+		if (now_ms() > deadline) {
+			fprintf(stderr,
+				"waits: %llu attaches, %u receives, %u sends; expected %llu\n",
+				(unsigned long long)s.waiters, e.receivers_waiting,
+				f.senders_waiting, (unsigned long long)n);
+			return false;
+		}
+		usleep(2000);
+	}
+}
+
+/* An ATTACH, a RECV and a SEND wait without end on clients that stay open; each is given up
+ * (the thread's interrupt check, then dlpc_cancel()), and the daemon drops the wait at once,
+ * not when the connection closes: STAT and the channels' counts say so while the clients are
+ * still connected. */
+static int abandoned_waits_leave(void *arg)
+{
+	const struct daemon *d = arg;
+	struct abandoning a[6];
+	pthread_t th[6];
+	dlpc_client *probe;
+	static uint8_t byte;
+	int64_t one = 1;
+	uint64_t sent0;
+
+	CHILD_CHECK(setenv("DLPC_CALL_TIMEOUT_MS", "0", 1) == 0);
+	CHILD_CHECK(dlpc_connect(d->sock, &probe) == 0);
+	CHILD_CHECK(dlpc_channel_open(probe, "abandon/empty", 1, NULL) == 1);
+	CHILD_CHECK(dlpc_channel_open(probe, "abandon/full", 1, NULL) == 1);
+	CHILD_CHECK(dlpc_send(probe, "abandon/full",
+			      host_tensor(&byte, (DLDataType){kDLUInt, 8, 1}, 1, &one, NULL, NULL),
+			      0) == 0);
+	for (int round = 0; round < 2; round++) {
+		for (int k = 0; k < 3; k++) {
+			struct abandoning *x = &a[round * 3 + k];
+
+			*x = (struct abandoning){.kind = k, .r = 1};
+			CHILD_CHECK(dlpc_connect(d->sock, &x->c) == 0);
+			CHILD_CHECK(pthread_create(&th[round * 3 + k], NULL, wait_abandoned, x) ==
+				    0);
+		}
+		CHILD_CHECK(waits_become(probe, 1));
+		sent0 = chan_or_die(probe, "abandon/full").sent;
+		for (int k = 0; k < 3; k++) {
+			struct abandoning *x = &a[round * 3 + k];
+
+			if (round == 0)
+				__atomic_store_n(&x->stop, 1, __ATOMIC_RELAXED);
+			else
+				dlpc_cancel(x->c);
+			CHILD_CHECK(pthread_join(th[round * 3 + k], NULL) == 0);
+			CHILD_CHECK(x->r == (round == 0 ? -EINTR : -ECANCELED));
+		}
+		/* gone from the daemon while the clients are still connected */
+		CHILD_CHECK(waits_become(probe, 0));
+		/* the abandoned SEND's message was never admitted */
+		CHILD_CHECK(chan_or_die(probe, "abandon/full").depth == 1);
+		CHILD_CHECK(chan_or_die(probe, "abandon/full").sent == sent0);
+		/* an interrupted client goes on; a canceled one says so */
+		for (int k = 0; k < 3; k++)
+			CHILD_CHECK(dlpc_stat(a[round * 3 + k].c,
+					      &(dlpc_stats){.size = sizeof(dlpc_stats)}) ==
+				    (round == 0 ? 0 : -ECANCELED));
+	}
+	CHILD_CHECK(stat_or_die(probe).req_cancel >= 6);
+	for (int i = 0; i < 6; i++)
+		dlpc_close(a[i].c);
+	CHILD_CHECK(dlpc_channel_remove(probe, "abandon/empty") == 0);
+	CHILD_CHECK(dlpc_channel_remove(probe, "abandon/full") == 0);
+	dlpc_close(probe);
+	return 0;
+}
+
+START_TEST(test_abandoned_waits_leave)
+{
+	int baseline;
+
+	good_client_start(&D);
+	baseline = good_baseline();
+	ck_assert_int_eq(wait_child(spawn(abandoned_waits_leave, &D)), 0);
 	good_client_check();
 	expect_fds(baseline);
 	ck_assert_uint_eq(stat_or_die(good_client()).waiters, 0);
@@ -718,6 +857,7 @@ static Suite *pressure_suite(void)
 	tcase_add_test(tc, test_stopped_daemon);
 	tcase_add_test(tc, test_mute_socket);
 	tcase_add_test(tc, test_close_cancels_waiters);
+	tcase_add_test(tc, test_abandoned_waits_leave);
 	tcase_add_test(tc, test_interrupt_and_cancel);
 	tcase_add_test(tc, test_interrupt_whatever_came);
 	suite_add_tcase(s, tc);

@@ -170,18 +170,22 @@ static int exit_status(pid_t pid)
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-/* Is a socket bound to @p path listening? /proc/net/unix lists it with the accepting flag
- * (__SO_ACCEPTCON, 0x10000) once listen() was called; the file exists from bind() on. */
+/* Is a socket at @p path listening? /proc/net/unix lists it with the accepting flag
+ * (__SO_ACCEPTCON, 0x10000) once listen() was called, under the name it was bound to: @p path
+ * (socket activation), or PATH.new, which the daemon renames to @p path once it listens. */
 static bool listening(const char *path)
 {
-	char line[512], sockpath[256];
+	char line[512], sockpath[256], bound[256];
 	unsigned long flags;
 	bool found = false;
 	FILE *f = fopen("/proc/net/unix", "re");
 
+	snprintf(bound, sizeof(bound), "%s.new", path);
 	while (f && !found && fgets(line, sizeof(line), f))
 		found = sscanf(line, "%*s %*s %*s %lx %*s %*s %*s %255s", &flags, sockpath) == 2 &&
-			strcmp(sockpath, path) == 0 && (flags & 0x10000);
+			(strcmp(sockpath, path) == 0 ||
+			 (strcmp(sockpath, bound) == 0 && access(path, F_OK) == 0)) &&
+			(flags & 0x10000);
 	if (f)
 		fclose(f);
 	return found;
@@ -486,6 +490,62 @@ START_TEST(test_own_socket_config)
 }
 END_TEST
 
+/*
+ * The socket file appears only once the daemon listens: a client that finds the path connects
+ * at once and is never refused. listen() is made to wait 300 ms first (a preloaded test double,
+ * helpers/listen_delay.c), so a socket file made before listen() would be found refusing
+ * connections for that long. Mode and group still apply, and no temporary name stays behind.
+ */
+START_TEST(test_socket_appears_listening)
+{
+	char *argv[] = {(char *)DLPACKD_BIN, (char *)"--socket-mode", (char *)"0660", NULL};
+	char sock_env[160], preload[300], tmp[160];
+	char *env[] = {sock_env, preload, (char *)"DLPC_TEST_LISTEN_DELAY_MS=300", NULL};
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int seen = 0, refused = 0, fd, r, err;
+	long long deadline;
+	struct svc s;
+	struct stat st;
+
+	svc_init(&s, false);
+	snprintf(sock_env, sizeof(sock_env), "DLPACKD_SOCKET=%s", s.sock);
+	snprintf(preload, sizeof(preload), "LD_PRELOAD=%s", LISTEN_DELAY_LIB);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", s.sock);
+	start(&s, argv, env, -1, NULL);
+	deadline = now_ms() + scaled_ms(10000);
+	for (;;) {
+		ck_assert_msg(now_ms() < deadline, "the daemon did not answer within 10 s");
+		if (access(s.sock, F_OK) != 0) {
+			usleep(100);
+			continue;
+		}
+		seen++;
+		fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		ck_assert_int_ge(fd, 0);
+		r = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+		err = errno;
+		close(fd);
+		if (r == 0)
+			break;
+		ck_assert_msg(err == ECONNREFUSED, "connect: %s", strerror(err));
+		refused++;
+		usleep(100);
+	}
+	ck_assert_msg(refused == 0,
+		      "%d of %d connects to the socket file were refused: it was there before the "
+		      "daemon listened",
+		      refused, seen);
+	ck_assert_int_eq(stat(s.sock, &st), 0);
+	ck_assert_msg((st.st_mode & 07777) == 0660, "socket mode %o", st.st_mode & 07777);
+	snprintf(tmp, sizeof(tmp), "%s.new", s.sock);
+	ck_assert_msg(access(tmp, F_OK) != 0, "%s is left behind", tmp);
+	ck_assert_int_eq(kill(s.pid, SIGTERM), 0);
+	ck_assert_int_eq(exit_status(s.pid), 0);
+	ck_assert_msg(access(s.sock, F_OK) != 0, "the socket stays after the daemon stopped");
+	svc_clear(&s);
+}
+END_TEST
+
 /* Bad values, from flags or environment: exit status 2 and a message naming the value. */
 START_TEST(test_bad_config_refused)
 {
@@ -507,7 +567,12 @@ START_TEST(test_bad_config_refused)
 		 "DLPACKD_SOCKET=/tmp/" /* 120 bytes: too long for sun_path */
 		 "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
 		 "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx",
-		 "longer than 107 bytes"},
+		 "longer than 103 bytes"},
+		{NULL,
+		 "DLPACKD_SOCKET=/tmp/" /* 104 bytes: PATH.new would not fit */
+		 "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+		 "xxxxxxxxxxxxxxxxxxxx",
+		 "DLPC_DAEMON_SOCKET_PATH_MAX"},
 		{"--no-such-flag", NULL, "unrecognized option"},
 		{"stray", NULL, "unexpected argument 'stray'"},
 	};
@@ -545,7 +610,8 @@ static Suite *service_suite(void)
 	tcase_set_timeout(cfg, scaled_ms(60000) / 1000);
 	tcase_add_test(cfg, test_own_socket_config);
 	tcase_add_test(cfg, test_flag_beats_bad_env_and_no_fds);
-	tcase_add_loop_test(cfg, test_bad_config_refused, 0, 14);
+	tcase_add_loop_test(cfg, test_bad_config_refused, 0, 15);
+	tcase_add_test(cfg, test_socket_appears_listening);
 	suite_add_tcase(s, cfg);
 	return s;
 }

@@ -257,6 +257,44 @@ def test_ctrl_c_ends_a_waiting_recv_and_send(ipc, daemon):
     assert info.senders_waiting == 0 and info.receivers_waiting == 0
 
 
+def test_ctrl_c_cancels_the_wait_in_the_daemon(ipc, daemon):
+    """A wait interrupted by Ctrl-C leaves the daemon at once (CANCEL), while the interrupted
+    process and its connection live on: an attach, a recv and a send, each waiting without end."""
+    from conftest import popen_py
+    dlpack_ipc.channel("py/cfull", capacity=1).send(np.zeros(1))
+    dlpack_ipc.channel("py/cempty")
+    ops = ("dlpack_ipc.attach('py/cnever', timeout=float('inf'))",
+           "dlpack_ipc.channel('py/cempty').recv()",
+           "dlpack_ipc.channel('py/cfull').send(np.zeros(1))")
+    for op in ops:
+        p = popen_py(f"""
+            import time, numpy as np, dlpack_ipc
+            print("ready", flush=True)
+            try:
+                {op}
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+            time.sleep(60)
+        """)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+
+            def waiting(s):
+                return (s["waiters"] + dlpack_ipc.Channel("py/cempty").stat().receivers_waiting
+                        + dlpack_ipc.Channel("py/cfull").stat().senders_waiting) == 1
+            daemon.wait_stat(waiting, what=f"one wait ({op})")
+            os.kill(p.pid, signal.SIGINT)
+            assert p.stdout.readline().strip() == "interrupted"
+            # gone from the daemon while the process (and its connection) lives
+            daemon.wait_stat(lambda s: not waiting(s) and s["connections"] >= 2,
+                             what=f"the interrupted wait gone ({op})")
+            assert p.poll() is None
+        finally:
+            p.kill()
+            p.communicate(timeout=10)
+    assert dlpack_ipc.Channel("py/cfull").stat().depth == 1
+
+
 def _bad_key_sender(name, q):
     """In another process: every bad key refused by send_dict() as publish_dict() refuses it,
     then a bundle whose key is exactly KEY_MAX bytes sent."""

@@ -141,9 +141,9 @@ START_TEST(test_msg_name)
 		{DLPC_MSG_REPLY | DLPC_MSG_STAT, "STAT reply"},
 		{DLPC_MSG_ERROR, "ERROR"},
 		{0, "type 0"},
-		{DLPC_MSG__REQUEST_COUNT, "type 12"},
+		{DLPC_MSG__REQUEST_COUNT, "type 13"},
 		{77, "type 77"},
-		{DLPC_MSG_REPLY | DLPC_MSG__REQUEST_COUNT, "type 32780"},
+		{DLPC_MSG_REPLY | DLPC_MSG__REQUEST_COUNT, "type 32781"},
 		{0x7fff, "type 32767"},
 		{0xffff, "type 65535"},
 	};
