@@ -100,7 +100,7 @@
 #define DLPC_WATCH_QUEUE_MAX (1u << 20)
 
 /*
- * Defaults of the daemon's resource limits; each has a dlpackd flag (README, "Security model").
+ * Defaults of the daemon's resource limits; each has a dlpackd flag (docs/security.md).
  * Every limit applies to root too. A request over a limit gets -EDQUOT and a message naming
  * the limit and its value.
  */
