@@ -31,6 +31,7 @@
 
 #include "base.h"
 #include "channel.h"
+#include "closer.h"
 #include "direct.h"
 #include "quota.h"
 #include "reaper.h"
@@ -133,20 +134,21 @@ static void shut(const int ends[2])
 
 /* Shut and let go of the pair @p ends. Nothing queued is read here: those are fds and records of
  * whoever joined, not the daemon's to vouch for. The receivers drop what they find once the
- * pair is shut (client/direct_io.c), and the last close of the pair frees the rest: the daemon's
- * closes go to the thread for fds it cannot vouch for, where freeing them stalls nothing. */
-static void let_go(struct dlpd_server *s, const int ends[2])
+ * pair is shut (client/direct_io.c), and the last close of the pair frees the rest (a lingering
+ * socket in flight there blocks it): the daemon's closes go to the closer of @p uid, who made the
+ * channel, where a close that blocks stalls nothing else. */
+static void let_go(struct dlpd_server *s, const int ends[2], uid_t uid)
 {
 	shut(ends);
-	dlpd_close_untrusted(ends[0]);
-	dlpd_close_untrusted(ends[1]);
+	dlpd_close_uid(uid, ends[0]);
+	dlpd_close_uid(uid, ends[1]);
 	s->channel_fds -= 2;
 }
 
 void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch)
 {
 	if (ch->ends[0] >= 0) {
-		let_go(s, ch->ends);
+		let_go(s, ch->ends, ch->uid);
 		ch->ends[0] = ch->ends[1] = -1;
 	}
 }
@@ -177,7 +179,7 @@ int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why,
 		return r;
 	dlpd_log(LOG_NOTICE, "a direct channel's sockets were shut by a process that joined it: "
 			     "made new ones");
-	let_go(s, old);
+	let_go(s, old, ch->uid);
 	return 0;
 }
 

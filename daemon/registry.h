@@ -34,6 +34,7 @@ struct dlpd_usage {
 	uint64_t entries;      /* names it has published */
 	uint64_t connections;  /* its open connections */
 	uint64_t channels;     /* channels it opened (counted as entries too) */
+	uint64_t closing;      /* fds of its handed to a closer and not closed yet (closer.c) */
 };
 
 /* The references one uid holds on one storage. */

@@ -26,9 +26,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "channel.h"
+#include "closer.h"
+#include "peer.h"
 #include "persist.h"
 #include "reaper.h"
 #include "upgrade.h"
@@ -86,10 +89,9 @@ struct handover {
 	size_t names_len, names_cap;
 };
 
-static int add(struct handover *h, int fd, const char *fmt, uint64_t num)
+static int add_named(struct handover *h, int fd, const char *name)
 {
-	char name[64];
-	int len = snprintf(name, sizeof(name), fmt, num);
+	int len = (int)strlen(name);
 
 	if (h->n == h->cap) {
 		size_t cap = h->cap ? h->cap * 2 : 64;
@@ -120,6 +122,14 @@ static int add(struct handover *h, int fd, const char *fmt, uint64_t num)
 	return 0;
 }
 
+static int add(struct handover *h, int fd, const char *fmt, uint64_t num)
+{
+	char name[64];
+
+	snprintf(name, sizeof(name), fmt, num);
+	return add_named(h, fd, name);
+}
+
 /* The fds the new image needs, and their names. */
 static int collect(struct dlpd_server *s, struct handover *h, int journal, uint64_t epoch)
 {
@@ -143,15 +153,131 @@ static int collect(struct dlpd_server *s, struct handover *h, int journal, uint6
 	return r;
 }
 
+/*
+ * Closes a closer has not finished (closer.c) must survive the exec at the numbers they have:
+ * moving one would close it, and a close may block. Those among the numbers the handed-over fds
+ * take (3 on) are handed over in place, named DLPD_FDNAME_CLOSING, the others moved around
+ * them. All are told to the new image in DLPD_CLOSING_ENV, with the uid each is charged to.
+ */
+static int add_closing(struct handover *h, const struct dlpd_closing *cl, size_t ncl, char **env)
+{
+	struct handover out = {0};
+	size_t n = h->n, k, next = 0, len = 0, cap = 64;
+	char *e = malloc(cap);
+	const char *names = h->names;
+	int r = 0;
+
+	if (!e)
+		return -ENOMEM;
+	e[0] = '\0';
+	/* the slots [3, 3 + n) take the n fds and every close whose number falls among them */
+	do {
+		k = 0;
+		for (size_t i = 0; i < ncl; i++)
+			k += cl[i].fd >= 3 && (size_t)cl[i].fd < 3 + n;
+		if (h->n + k == n)
+			break;
+		n = h->n + k;
+	} while (1);
+	for (size_t slot = 0; r == 0 && slot < n; slot++) {
+		bool closing = false;
+
+		for (size_t i = 0; i < ncl && !closing; i++)
+			closing = (size_t)cl[i].fd == 3 + slot;
+		if (closing) {
+			r = add_named(&out, 3 + (int)slot, DLPD_FDNAME_CLOSING);
+			continue;
+		}
+		/* the next of the fds to hand over, with its name */
+		{
+			const char *colon = strchr(names, ':');
+			size_t nlen = colon ? (size_t)(colon - names) : strlen(names);
+			char name[DLPD_FDNAME_MAX + 1];
+
+			snprintf(name, sizeof(name), "%.*s", (int)nlen, names);
+			r = add_named(&out, h->fds[next++], name);
+			names = colon ? colon + 1 : names + nlen;
+		}
+	}
+	for (size_t i = 0; r == 0 && i < ncl; i++) {
+		char item[48];
+		int il = snprintf(item, sizeof(item), "%s%d:%u", i ? "," : "", cl[i].fd,
+				  (unsigned)cl[i].uid);
+
+		if (len + (size_t)il + 1 > cap) {
+			char *ne;
+
+			cap = (len + (size_t)il + 1) * 2;
+			ne = realloc(e, cap);
+			if (!ne) {
+				r = -ENOMEM;
+				break;
+			}
+			e = ne;
+		}
+		memcpy(e + len, item, (size_t)il + 1);
+		len += (size_t)il;
+	}
+	if (r < 0) {
+		free(out.fds);
+		free(out.names);
+		free(e);
+		return r;
+	}
+	free(h->fds);
+	free(h->names);
+	*h = out;
+	*env = e;
+	return 0;
+}
+
 static void exec_image(const char *path)
 {
 	execv(path, saved_argv);
 	dlpd_log(LOG_ERR, "cannot execute %s: %m", path);
 }
 
+/* Hand what clients sent and no frame claimed to their uids' closers: the exec would close it,
+ * and such a close may block. */
+static void release_unread(struct dlpd_server *s)
+{
+	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next) {
+		struct dlpd_peer *p = dlpd_container_of(l, struct dlpd_peer, link);
+		uid_t was = dlpd_closer_charge(p->uid);
+
+		dlpc__rx_clear(&p->rx);
+		dlpd_closer_charge(was);
+	}
+}
+
+/* Hand the connections' sockets above the slots of the fds passed on (@p top on) to their uids'
+ * closers: a closer stuck on another uid's fd, holding the fd table the exec leaves behind, then
+ * keeps none of them open. Those below were replaced by place(). */
+static void release_sockets(struct dlpd_server *s, int top)
+{
+	struct dlpd_list *lists[] = {&s->peers, &s->lingering};
+
+	dlpd_closers_exec();
+	for (size_t i = 0; i < 2; i++)
+		for (struct dlpd_list *l = lists[i]->next; l != lists[i]; l = l->next) {
+			struct dlpd_peer *p =
+				i == 0 ? dlpd_container_of(l, struct dlpd_peer, link)
+				       : dlpd_container_of(l, struct dlpd_peer, fail_link);
+
+			if (p->fd < top)
+				continue;
+			shutdown(p->fd, SHUT_RDWR);
+			dlpd_close_uid(p->uid, p->fd);
+		}
+	dlpd_closers_quit_all();
+}
+
 void dlpd_upgrade(struct dlpd_server *s)
 {
 	struct handover h = {0};
+	struct dlpd_closing *cl = NULL;
+	char *closing_env = NULL;
+	size_t ncl = 0;
 	char pid[32], nfds[32];
 	sigset_t hold;
 	uint64_t epoch;
@@ -177,6 +303,23 @@ void dlpd_upgrade(struct dlpd_server *s)
 		free(h.names);
 		return;
 	}
+	release_unread(s);
+	r = dlpd_closers_handover(&cl, &ncl);
+	if (r == 0 && ncl)
+		r = add_closing(&h, cl, ncl, &closing_env);
+	free(cl);
+	if (r < 0) {
+		/* their unread fds are gone: the connections cannot go on */
+		dlpd_log(LOG_ERR, "not upgrading: cannot hand over %zu closes pending: %s", ncl,
+			 strerror(-r));
+		for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next)
+			dlpd_peer_fail(dlpd_container_of(l, struct dlpd_peer, link), LOG_DEBUG,
+				       "upgrade failed");
+		close(journal);
+		free(h.fds);
+		free(h.names);
+		return;
+	}
 	dlpd_log(LOG_NOTICE,
 		 "upgrading: executing %s with %zu fds (%zu entries); closing %llu connections",
 		 s->self_exe, h.n, s->reg.names.count, (unsigned long long)s->npeers);
@@ -185,8 +328,11 @@ void dlpd_upgrade(struct dlpd_server *s)
 	snprintf(nfds, sizeof(nfds), "%zu", h.n);
 	if (setenv("LISTEN_PID", pid, 1) < 0 || setenv("LISTEN_FDS", nfds, 1) < 0 ||
 	    setenv("LISTEN_FDNAMES", h.names, 1) < 0 ||
-	    (dlpd_notify_socket() && setenv("NOTIFY_SOCKET", dlpd_notify_socket(), 1) < 0)) {
+	    (dlpd_notify_socket() && setenv("NOTIFY_SOCKET", dlpd_notify_socket(), 1) < 0) ||
+	    (closing_env && setenv(DLPD_CLOSING_ENV, closing_env, 1) < 0)) {
 		dlpd_log(LOG_ERR, "not upgrading: cannot set the environment: %m");
+		unsetenv(DLPD_CLOSING_ENV);
+		free(closing_env);
 		unsetenv("LISTEN_PID");
 		unsetenv("LISTEN_FDS");
 		unsetenv("LISTEN_FDNAMES");
@@ -205,14 +351,18 @@ void dlpd_upgrade(struct dlpd_server *s)
 	sigaddset(&hold, SIGTERM);
 	sigaddset(&hold, SIGINT);
 	sigaddset(&hold, SIGHUP);
+	/* and a closer's exit: libuv's handler would write to a pipe that place() replaces */
+	sigaddset(&hold, SIGCHLD);
 	sigprocmask(SIG_BLOCK, &hold, NULL);
 	/* from here on the fds move: nothing may close one behind our back */
 	dlpd_reaper_freeze();
+	free(closing_env);
 	r = place(h.fds, h.n);
 	if (r < 0) {
 		dlpd_log(LOG_ERR, "upgrade failed moving the fds to hand over: %s", strerror(-r));
 		_exit(1);
 	}
+	release_sockets(s, 3 + (int)h.n);
 	exec_image(s->self_exe);
 	/* the image running now, whatever became of the file */
 	exec_image("/proc/self/exe");
