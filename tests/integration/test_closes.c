@@ -22,6 +22,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -353,6 +354,101 @@ START_TEST(lingering_socket_costs_its_sender)
 	dlpc_close(c2);
 	/* the peer resets the connection: the close returns, and everything queued after it */
 	close(l);
+	ck_assert_msg(wait_stat(c, nothing_closing, NULL, 10000), "closes still pending");
+	dlpc_close(c);
+}
+END_TEST
+
+/* STAT requests sent at once, whose replies fill the sockets between us and the daemon. */
+#define STATS 2048
+
+/* Does the daemon answer a HELLO within @p ms? */
+static bool answers_within(int ms)
+{
+	Dlpackd__V1__Hello h = DLPACKD__V1__HELLO__INIT;
+	struct pollfd p = {.events = POLLIN};
+	bool ok;
+
+	p.fd = sock_connect(D.sock);
+	if (p.fd < 0)
+		return false;
+	h.version_major = DLPC_PROTO_MAJOR;
+	h.client = "probe";
+	ok = frame_send(p.fd, DLPC_MSG_HELLO, &h.base, NULL, 0, NULL) == 0 &&
+	     poll(&p, 1, scaled_ms(ms)) == 1;
+	close(p.fd);
+	return ok;
+}
+
+/* As nobody: make the daemon stop reading its connection (replies it does not read), then
+ * send, in one sendmsg(), more fds than a frame may carry, the last a lingering socket whose
+ * only reference is then the one in flight; then read, so that the daemon reads them. */
+static int nobody_sends_excess_fds(void *arg)
+{
+	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+	int port = *(int *)arg, sock, p[2], fds[DLPC_FRAME_FDS_MAX + 1], queued = -1, now = 0;
+	struct dlpc__scratch s = {0};
+	static char junk[1 << 20];
+	char msg[512], byte = 0;
+	ssize_t len;
+
+	become_nobody();
+	lingering = lingering_socket(port);
+	sock = hello(D.sock, msg, sizeof(msg));
+	CHILD_CHECK(sock >= 0);
+	len = dlpc__msg_frame(&s, DLPC_MSG_STAT, 1, &st.base, 0);
+	CHILD_CHECK(len > 0 && (size_t)len * STATS <= sizeof(junk));
+	/* replies pile up unread: the daemon holds back, reading nothing more from us (the
+	 * requests go in one write, so that our socket keeps room for one more) */
+	for (int i = 0; i < STATS; i++)
+		memcpy(junk + (size_t)i * (size_t)len, s.p, (size_t)len);
+	CHILD_CHECK(dlpc__send_all(sock, junk, (size_t)len * STATS, NULL, 0) == 0);
+	dlpc__scratch_clear(&s);
+	while (now != queued) {
+		queued = now;
+		usleep(50000);
+		CHILD_CHECK(ioctl(sock, FIONREAD, &now) == 0);
+	}
+	CHILD_CHECK(pipe2(p, O_CLOEXEC) == 0);
+	for (int i = 0; i < DLPC_FRAME_FDS_MAX; i++)
+		fds[i] = p[0];
+	fds[DLPC_FRAME_FDS_MAX] = lingering;
+	CHILD_CHECK(send_fds_raw(sock, &byte, 1, fds, DLPC_FRAME_FDS_MAX + 1) == 1);
+	drop_ours();
+	close(p[0]);
+	close(p[1]);
+	/* now it reads them: a violation, and the end of the connection (unless it is stuck) */
+	for (;;) {
+		struct pollfd pf = {.fd = sock, .events = POLLIN};
+
+		if (poll(&pf, 1, scaled_ms(5000)) != 1 || read(sock, junk, sizeof(junk)) <= 0)
+			break;
+	}
+	close(sock);
+	return 0;
+}
+
+/* More fds in one message than a frame may carry, the one in excess a socket whose last close
+ * lingers: the daemon takes them all in and closes them in the sender's closer, and so keeps
+ * serving (the kernel would otherwise drop the excess in the daemon's own thread, where that
+ * last close would block it). */
+START_TEST(excess_fds_in_flight_block_nobody)
+{
+	dlpc_client *c;
+	bool answers;
+	int l, port;
+
+	start(NULL, 0);
+	ck_assert_int_eq(chmod(D.dir, 0755), 0);
+	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	l = silent_listener();
+	port = listener_port(l);
+	ck_assert_int_eq(wait_child(spawn(nobody_sends_excess_fds, &port)), 0);
+	answers = answers_within(5000);
+	/* the peer resets: a close blocked anywhere returns */
+	close(l);
+	ck_assert_msg(answers, "dlpackd stopped answering after fds in excess of a frame");
+	c = connect_or_die(&D);
 	ck_assert_msg(wait_stat(c, nothing_closing, NULL, 10000), "closes still pending");
 	dlpc_close(c);
 }
@@ -699,6 +795,7 @@ int main(void)
 	tcase_add_checked_fixture(linger, NULL, teardown);
 	tcase_set_timeout(linger, 120);
 	tcase_add_test(linger, lingering_socket_costs_its_sender);
+	tcase_add_test(linger, excess_fds_in_flight_block_nobody);
 	suite_add_tcase(s, linger);
 	tcase_add_checked_fixture(fuse, NULL, teardown);
 	tcase_set_timeout(fuse, 120);
