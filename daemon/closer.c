@@ -128,8 +128,9 @@ static __attribute__((noreturn)) void closer_main(int sock, int placeholder, pid
 {
 	int buf[BATCH];
 
-	/* killed with the daemon (SIGKILL), unless a close holds it */
+	/* killed with the daemon (SIGKILL), unless a close holds it; named for ps(1) */
 	prctl(PR_SET_PDEATHSIG, SIGKILL);
+	prctl(PR_SET_NAME, "dlpackd-closer");
 	if (parent_gone(parent))
 		_exit(0);
 	for (;;) {

@@ -214,7 +214,7 @@ static int silent_listener(void)
 	ck_assert_int_ge(l, 0);
 	ck_assert_int_eq(setsockopt(l, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small)), 0);
 	ck_assert_int_eq(bind(l, (struct sockaddr *)&a, sizeof(a)), 0);
-	ck_assert_int_eq(listen(l, 4), 0);
+	ck_assert_int_eq(listen(l, 128), 0);
 	return l;
 }
 
@@ -450,6 +450,98 @@ START_TEST(excess_fds_in_flight_block_nobody)
 	ck_assert_msg(answers, "dlpackd stopped answering after fds in excess of a frame");
 	c = connect_or_die(&D);
 	ck_assert_msg(wait_stat(c, nothing_closing, NULL, 10000), "closes still pending");
+	dlpc_close(c);
+}
+END_TEST
+
+/* Uids that jam a closer each: more than there may be closers. */
+#define JAM_UIDS (DLPC_CLOSERS_MAX + 6)
+#define JAM_UID0 20000
+
+struct jam {
+	int port;
+	uid_t uid;
+};
+
+/* As @p arg's uid: jam that uid's closer with a lingering socket. */
+static int uid_jams(void *arg)
+{
+	const struct jam *j = arg;
+	char msg[512];
+	int sock;
+
+	CHILD_CHECK(setgroups(0, NULL) == 0);
+	CHILD_CHECK(setgid(j->uid) == 0);
+	CHILD_CHECK(setuid(j->uid) == 0);
+	lingering = lingering_socket(j->port);
+	sock = hello(D.sock, msg, sizeof(msg));
+	CHILD_CHECK(sock >= 0);
+	CHILD_CHECK(publish_fd(sock, lingering, drop_ours, msg, sizeof(msg)) == EBADF);
+	close(sock);
+	return 0;
+}
+
+/* The daemon's child processes (its closers). */
+static int closers(void)
+{
+	char path[64], buf[8192];
+	int fd, n = 0;
+	ssize_t len;
+
+	snprintf(path, sizeof(path), "/proc/%d/task/%d/children", (int)D.pid, (int)D.pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	ck_assert_int_ge(fd, 0);
+	len = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	ck_assert_int_ge(len, 0);
+	buf[len] = '\0';
+	for (char *p = strtok(buf, " \n"); p; p = strtok(NULL, " \n"))
+		n++;
+	return n;
+}
+
+static bool closing_at_least(const dlpc_stats *s, void *arg)
+{
+	return s->fds_closing >= *(const uint64_t *)arg;
+}
+
+/* More uids than DLPC_CLOSERS_MAX jam their closers at once: there are never more closer
+ * processes than that (the other uids' closes wait, charged to them), root is served all
+ * along, and once the closes return every closer goes. */
+START_TEST(closers_are_bounded)
+{
+	uint64_t jammed = JAM_UIDS;
+	dlpc_client *c;
+	long long deadline;
+	int l, most = 0;
+
+	start(NULL, 0);
+	ck_assert_int_eq(chmod(D.dir, 0755), 0);
+	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	l = silent_listener();
+	for (int i = 0; i < JAM_UIDS; i++) {
+		struct jam j = {.port = listener_port(l), .uid = JAM_UID0 + (uid_t)i};
+
+		ck_assert_int_eq(wait_child(spawn(uid_jams, &j)), 0);
+		if (closers() > most)
+			most = closers();
+	}
+	c = connect_or_die(&D);
+	/* a lingering socket and a connection of each uid */
+	ck_assert(wait_stat(c, closing_at_least, &jammed, 5000));
+	if (closers() > most)
+		most = closers();
+	fprintf(stderr, "%d closers at most for %d jammed uids\n", most, JAM_UIDS);
+	ck_assert_int_eq(most, DLPC_CLOSERS_MAX);
+	ck_assert(answers_within(5000));
+	ck_assert_dlpc(publish(c, "root/during"), 1);
+	ck_assert_dlpc(dlpc_unpublish(c, "root/during"), 0);
+	close(l);
+	ck_assert_msg(wait_stat(c, nothing_closing, NULL, 20000), "closes still pending");
+	deadline = now_ms() + scaled_ms(10000);
+	while (closers() > 0 && now_ms() < deadline)
+		usleep(10000);
+	ck_assert_int_eq(closers(), 0);
 	dlpc_close(c);
 }
 END_TEST
@@ -796,6 +888,7 @@ int main(void)
 	tcase_set_timeout(linger, 120);
 	tcase_add_test(linger, lingering_socket_costs_its_sender);
 	tcase_add_test(linger, excess_fds_in_flight_block_nobody);
+	tcase_add_test(linger, closers_are_bounded);
 	suite_add_tcase(s, linger);
 	tcase_add_checked_fixture(fuse, NULL, teardown);
 	tcase_set_timeout(fuse, 120);
