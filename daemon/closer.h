@@ -17,7 +17,7 @@
 /* The uid of closes no client is charged with (fds queued to a connection that is gone). */
 #define DLPD_UID_NOBODY ((uid_t)-1)
 /* The environment variable an upgrading image passes its pending closes in ("fd:uid,..."). */
-#define DLPD_CLOSING_ENV "DLPACKD_CLOSING_FDS"
+#define DLPD_CLOSING_ENV "DLPD_CLOSING_FDS"
 /* The name an upgrading image gives, in LISTEN_FDNAMES, a pending close that sits among the
  * fds it passes (its number is kept, not moved). */
 #define DLPD_FDNAME_CLOSING "closing"
