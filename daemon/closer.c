@@ -32,6 +32,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/kcmp.h>
 #include <stdint.h>
 #include <poll.h>
 #include <pthread.h>
@@ -102,13 +103,16 @@ static struct {
 
 /* ---- in the closer process: async-signal-safe calls only ---- */
 
+/* Is the daemon gone, or has it executed a new image (which took a copy of the fd table and
+ * left us the old one)? A closer that is told so quits once nothing is left to close. */
 static bool parent_gone(pid_t parent)
 {
-	return getppid() != parent;
+	return getppid() != parent ||
+	       syscall(SYS_kcmp, (pid_t)getpid(), parent, KCMP_FILES, 0UL, 0UL) > 0;
 }
 
 /* Wait until @p sock is ready for @p events; false once the parent is gone (and nothing is
- * there). */
+ * there). A QUIT that did not fit in a busy closer's socket is not needed. */
 static bool wait_for(int sock, short events, pid_t parent)
 {
 	for (;;) {

@@ -876,6 +876,15 @@ START_TEST(upgrade_completes_with_close_stuck_in_fuse)
 	stall_abort(&fs, &h);
 	ck_assert_msg(up, "the upgraded dlpackd did not come up with a close stuck in FUSE");
 	ck_assert_uint_eq(n, 3);
+	/* the close returned: the new image's closes are done, and every closer, the old
+	 * image's included, is gone (reaped by the new image) */
+	c = connect_or_die(&D);
+	ck_assert_msg(wait_stat(c, nothing_closing, NULL, 10000), "closes still pending");
+	deadline = now_ms() + scaled_ms(10000);
+	while (closers() > 0 && now_ms() < deadline)
+		usleep(10000);
+	ck_assert_int_eq(closers(), 0);
+	dlpc_close(c);
 }
 END_TEST
 
