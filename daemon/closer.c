@@ -576,9 +576,12 @@ static void close_span(int lo, int hi)
 {
 	if (lo > hi)
 		return;
+	long most = sysconf(_SC_OPEN_MAX);
+
 	if (syscall(SYS_close_range, (unsigned)lo, (unsigned)hi, 0u) == 0)
 		return;
-	for (int fd = lo; fd <= hi && fd < 65536; fd++)
+	/* without close_range() (a seccomp filter): one by one, up to the fd limit */
+	for (int fd = lo; fd <= hi && fd < most; fd++)
 		close(fd);
 }
 
