@@ -793,18 +793,28 @@ START_TEST(stop_completes_with_close_stuck_in_fuse)
 	struct stall_fs fs;
 	struct holder h;
 	dlpc_client *c;
+	char msg[512];
 	bool gone;
 	pid_t old;
+	int conn;
 
 	if (!stall_mount(&fs))
 		return;
 	start(NULL, 0);
+	conn = hello(D.sock, msg, sizeof(msg));
+	ck_assert_int_ge(conn, 0);
 	send_stalling_file(&fs, &h);
 	old = D.pid;
 	ck_assert_int_eq(kill(old, SIGTERM), 0);
 	gone = exits_within(old, 2000);
 	if (gone) {
 		long long deadline = now_ms() + scaled_ms(5000);
+		struct pollfd p = {.fd = conn, .events = POLLIN};
+		char b;
+
+		/* a connection of the same uid as the stuck close sees its end */
+		ck_assert_int_eq(poll(&p, 1, scaled_ms(5000)), 1);
+		ck_assert_int_eq(read(conn, &b, 1), 0);
 
 		D.pid = daemon_spawn(D.sock, D.log);
 		while (dlpc_connect(D.sock, &c) < 0) {
@@ -816,6 +826,7 @@ START_TEST(stop_completes_with_close_stuck_in_fuse)
 	}
 	/* let the stuck close return, whatever happened, before anything can fail */
 	stall_abort(&fs, &h);
+	close(conn);
 	if (!gone) {
 		waitpid(old, NULL, 0);
 		started = false;
