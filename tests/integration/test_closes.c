@@ -899,6 +899,54 @@ START_TEST(upgrade_completes_with_close_stuck_in_fuse)
 }
 END_TEST
 
+/* An upgrade, then SIGTERM, with the close still stuck: the upgraded image, which took the
+ * close over, stops all the same, and a new daemon starts on the path. */
+START_TEST(upgrade_then_stop_with_close_stuck_in_fuse)
+{
+	const char *args[] = {"--log-level", "info", NULL};
+	struct stall_fs fs;
+	struct holder h;
+	dlpc_client *c;
+	long long deadline;
+	bool up = false, gone = false;
+	pid_t old;
+
+	if (!stall_mount(&fs))
+		return;
+	start(args, 0);
+	send_stalling_file(&fs, &h);
+	ck_assert_int_eq(kill(D.pid, SIGHUP), 0);
+	deadline = now_ms() + scaled_ms(5000);
+	while (!up && now_ms() < deadline) {
+		up = count_in_log(D.log, "listening on") >= 2;
+		usleep(5000);
+	}
+	old = D.pid;
+	if (up) {
+		ck_assert_int_eq(kill(old, SIGTERM), 0);
+		gone = exits_within(old, 2000);
+	}
+	if (gone) {
+		deadline = now_ms() + scaled_ms(5000);
+		D.pid = daemon_spawn(D.sock, D.log);
+		while (dlpc_connect(D.sock, &c) < 0) {
+			ck_assert_msg(now_ms() < deadline, "no new dlpackd on the path");
+			usleep(5000);
+		}
+		ck_assert_dlpc(publish(c, "after/stop"), 1);
+		dlpc_close(c);
+	}
+	stall_abort(&fs, &h);
+	if (!gone) {
+		kill(old, SIGTERM);
+		waitpid(old, NULL, 0);
+		started = false;
+	}
+	ck_assert_msg(up, "the upgraded dlpackd did not come up with a close stuck in FUSE");
+	ck_assert_msg(gone, "the upgraded dlpackd did not exit on SIGTERM with a close stuck");
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("closes");
@@ -914,6 +962,7 @@ int main(void)
 	tcase_set_timeout(fuse, 120);
 	tcase_add_test(fuse, stop_completes_with_close_stuck_in_fuse);
 	tcase_add_test(fuse, upgrade_completes_with_close_stuck_in_fuse);
+	tcase_add_test(fuse, upgrade_then_stop_with_close_stuck_in_fuse);
 	suite_add_tcase(s, fuse);
 	return run_suite(s);
 }
