@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -705,26 +706,64 @@ void dlpd_closers_quit_all(void)
 	}
 }
 
+int dlpd_closers_export(const struct dlpd_closing *cl, size_t n)
+{
+	char buf[4096], num[16];
+	size_t used = 0;
+	int fd, r = 0;
+
+	if (n == 0)
+		return 0;
+	/* without close-on-exec: the new image reads it first thing */
+	fd = memfd_create("dlpackd-closing", 0);
+	if (fd < 0)
+		return -errno;
+	for (size_t i = 0; r == 0 && i <= n; i++) {
+		if (i == n || used + 32 > sizeof(buf)) {
+			if (write(fd, buf, used) != (ssize_t)used)
+				r = -EIO;
+			used = 0;
+		}
+		if (i < n)
+			used += (size_t)snprintf(buf + used, sizeof(buf) - used, "%d:%u\n",
+						 cl[i].fd, (unsigned)cl[i].uid);
+	}
+	snprintf(num, sizeof(num), "%d", fd);
+	if (r == 0 && setenv(DLPD_CLOSING_ENV, num, 1) < 0)
+		r = -errno;
+	if (r < 0)
+		close(fd);
+	return r;
+}
+
 void dlpd_closers_adopt(void)
 {
 	const char *env = getenv(DLPD_CLOSING_ENV);
 	size_t n = 0, cap = 0;
+	char *end;
+	long list;
+	FILE *f;
 
 	if (!env)
 		return;
-	for (const char *p = env; *p;) {
-		char *end;
-		long fd = strtol(p, &end, 10);
-		unsigned long uid;
+	list = strtol(env, &end, 10);
+	unsetenv(DLPD_CLOSING_ENV);
+	if (*end || list < 0 || list > INT32_MAX || fcntl((int)list, F_GETFD) < 0)
+		return;
+	f = fdopen((int)list, "r");
+	if (!f) {
+		close((int)list);
+		return;
+	}
+	rewind(f);
+	for (;;) {
+		int fd;
+		unsigned uid;
 
-		if (end == p || *end != ':')
+		if (fscanf(f, "%d:%u\n", &fd, &uid) != 2)
 			break;
-		uid = strtoul(end + 1, &end, 10);
-		if (*end != ',' && *end != '\0')
-			break;
-		p = *end ? end + 1 : end;
 		/* only what is open here is ours: nothing else has been opened yet */
-		if (fd < 0 || fd > INT32_MAX || fcntl((int)fd, F_SETFD, FD_CLOEXEC) < 0)
+		if (fd < 0 || fd == (int)list || fcntl(fd, F_SETFD, FD_CLOEXEC) < 0)
 			continue;
 		if (n == cap) {
 			size_t c2 = cap ? cap * 2 : 64;
@@ -735,8 +774,8 @@ void dlpd_closers_adopt(void)
 			C.adopted = v;
 			cap = c2;
 		}
-		C.adopted[n++] = (struct dlpd_closing){(int)fd, (uid_t)uid};
+		C.adopted[n++] = (struct dlpd_closing){fd, (uid_t)uid};
 	}
+	fclose(f);
 	C.nadopted = n;
-	unsetenv(DLPD_CLOSING_ENV);
 }

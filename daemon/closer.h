@@ -16,7 +16,8 @@
 #define DLPD_CLOSER_LEAVE_MS 500
 /* The uid of closes no client is charged with (fds queued to a connection that is gone). */
 #define DLPD_UID_NOBODY ((uid_t)-1)
-/* The environment variable an upgrading image passes its pending closes in ("fd:uid,..."). */
+/* The environment variable in which an upgrading image names the fd (a memfd) of the list of
+ * its pending closes ("fd:uid" lines). */
 #define DLPD_CLOSING_ENV "DLPD_CLOSING_FDS"
 /* The name an upgrading image gives, in LISTEN_FDNAMES, a pending close that sits among the
  * fds it passes (its number is kept, not moved). */
@@ -64,6 +65,9 @@ int dlpd_closers_handover(struct dlpd_closing **ret, size_t *n);
 void dlpd_closers_exec(void);
 /* Tell every closer to quit once what it was handed is closed (an upgrade, before the exec). */
 void dlpd_closers_quit_all(void);
+/* For an upgrade, after the fds are in place: write the list of @p n pending closes to a memfd
+ * the new image inherits, named in DLPD_CLOSING_ENV. 0 or negative errno. */
+int dlpd_closers_export(const struct dlpd_closing *cl, size_t n);
 /* Take the closes an upgrading image passed (DLPD_CLOSING_ENV); call it before anything opens
  * an fd. dlpd_closers_init() hands them to our closers. */
 void dlpd_closers_adopt(void);

@@ -157,19 +157,15 @@ static int collect(struct dlpd_server *s, struct handover *h, int journal, uint6
  * Closes a closer has not finished (closer.c) must survive the exec at the numbers they have:
  * moving one would close it, and a close may block. Those among the numbers the handed-over fds
  * take (3 on) are handed over in place, named DLPD_FDNAME_CLOSING, the others moved around
- * them. All are told to the new image in DLPD_CLOSING_ENV, with the uid each is charged to.
+ * them. All are told to the new image by dlpd_closers_export(), with the uid each is charged to.
  */
-static int add_closing(struct handover *h, const struct dlpd_closing *cl, size_t ncl, char **env)
+static int add_closing(struct handover *h, const struct dlpd_closing *cl, size_t ncl)
 {
 	struct handover out = {0};
-	size_t n = h->n, k, next = 0, len = 0, cap = 64;
-	char *e = malloc(cap);
+	size_t n = h->n, k, next = 0;
 	const char *names = h->names;
 	int r = 0;
 
-	if (!e)
-		return -ENOMEM;
-	e[0] = '\0';
 	/* the slots [3, 3 + n) take the n fds and every close whose number falls among them */
 	do {
 		k = 0;
@@ -180,7 +176,10 @@ static int add_closing(struct handover *h, const struct dlpd_closing *cl, size_t
 		n = h->n + k;
 	} while (1);
 	for (size_t slot = 0; r == 0 && slot < n; slot++) {
+		const char *colon;
+		char name[DLPD_FDNAME_MAX + 1];
 		bool closing = false;
+		size_t nlen;
 
 		for (size_t i = 0; i < ncl && !closing; i++)
 			closing = (size_t)cl[i].fd == 3 + slot;
@@ -189,45 +188,20 @@ static int add_closing(struct handover *h, const struct dlpd_closing *cl, size_t
 			continue;
 		}
 		/* the next of the fds to hand over, with its name */
-		{
-			const char *colon = strchr(names, ':');
-			size_t nlen = colon ? (size_t)(colon - names) : strlen(names);
-			char name[DLPD_FDNAME_MAX + 1];
-
-			snprintf(name, sizeof(name), "%.*s", (int)nlen, names);
-			r = add_named(&out, h->fds[next++], name);
-			names = colon ? colon + 1 : names + nlen;
-		}
-	}
-	for (size_t i = 0; r == 0 && i < ncl; i++) {
-		char item[48];
-		int il = snprintf(item, sizeof(item), "%s%d:%u", i ? "," : "", cl[i].fd,
-				  (unsigned)cl[i].uid);
-
-		if (len + (size_t)il + 1 > cap) {
-			char *ne;
-
-			cap = (len + (size_t)il + 1) * 2;
-			ne = realloc(e, cap);
-			if (!ne) {
-				r = -ENOMEM;
-				break;
-			}
-			e = ne;
-		}
-		memcpy(e + len, item, (size_t)il + 1);
-		len += (size_t)il;
+		colon = strchr(names, ':');
+		nlen = colon ? (size_t)(colon - names) : strlen(names);
+		snprintf(name, sizeof(name), "%.*s", (int)nlen, names);
+		r = add_named(&out, h->fds[next++], name);
+		names = colon ? colon + 1 : names + nlen;
 	}
 	if (r < 0) {
 		free(out.fds);
 		free(out.names);
-		free(e);
 		return r;
 	}
 	free(h->fds);
 	free(h->names);
 	*h = out;
-	*env = e;
 	return 0;
 }
 
@@ -248,6 +222,15 @@ static void release_unread(struct dlpd_server *s)
 		dlpc__rx_clear(&p->rx);
 		dlpd_closer_charge(was);
 	}
+}
+
+/* The upgrade does not happen after release_unread(): the connections lost what they had sent
+ * and not yet framed, so they cannot go on. */
+static void abandon(struct dlpd_server *s)
+{
+	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next)
+		dlpd_peer_fail(dlpd_container_of(l, struct dlpd_peer, link), LOG_DEBUG,
+			       "upgrade failed");
 }
 
 /* Hand the connections' sockets above the slots of the fds passed on (@p top on) to their uids'
@@ -276,7 +259,6 @@ void dlpd_upgrade(struct dlpd_server *s)
 {
 	struct handover h = {0};
 	struct dlpd_closing *cl = NULL;
-	char *closing_env = NULL;
 	size_t ncl = 0;
 	char pid[32], nfds[32];
 	sigset_t hold;
@@ -306,15 +288,14 @@ void dlpd_upgrade(struct dlpd_server *s)
 	release_unread(s);
 	r = dlpd_closers_handover(&cl, &ncl);
 	if (r == 0 && ncl)
-		r = add_closing(&h, cl, ncl, &closing_env);
-	free(cl);
+		r = add_closing(&h, cl, ncl);
+	if (r == 0 && h.names_len > FDNAMES_MAX)
+		r = -E2BIG;
 	if (r < 0) {
-		/* their unread fds are gone: the connections cannot go on */
 		dlpd_log(LOG_ERR, "not upgrading: cannot hand over %zu closes pending: %s", ncl,
 			 strerror(-r));
-		for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next)
-			dlpd_peer_fail(dlpd_container_of(l, struct dlpd_peer, link), LOG_DEBUG,
-				       "upgrade failed");
+		abandon(s);
+		free(cl);
 		close(journal);
 		free(h.fds);
 		free(h.names);
@@ -328,11 +309,10 @@ void dlpd_upgrade(struct dlpd_server *s)
 	snprintf(nfds, sizeof(nfds), "%zu", h.n);
 	if (setenv("LISTEN_PID", pid, 1) < 0 || setenv("LISTEN_FDS", nfds, 1) < 0 ||
 	    setenv("LISTEN_FDNAMES", h.names, 1) < 0 ||
-	    (dlpd_notify_socket() && setenv("NOTIFY_SOCKET", dlpd_notify_socket(), 1) < 0) ||
-	    (closing_env && setenv(DLPD_CLOSING_ENV, closing_env, 1) < 0)) {
+	    (dlpd_notify_socket() && setenv("NOTIFY_SOCKET", dlpd_notify_socket(), 1) < 0)) {
 		dlpd_log(LOG_ERR, "not upgrading: cannot set the environment: %m");
-		unsetenv(DLPD_CLOSING_ENV);
-		free(closing_env);
+		abandon(s);
+		free(cl);
 		unsetenv("LISTEN_PID");
 		unsetenv("LISTEN_FDS");
 		unsetenv("LISTEN_FDNAMES");
@@ -356,12 +336,19 @@ void dlpd_upgrade(struct dlpd_server *s)
 	sigprocmask(SIG_BLOCK, &hold, NULL);
 	/* from here on the fds move: nothing may close one behind our back */
 	dlpd_reaper_freeze();
-	free(closing_env);
 	r = place(h.fds, h.n);
 	if (r < 0) {
 		dlpd_log(LOG_ERR, "upgrade failed moving the fds to hand over: %s", strerror(-r));
 		_exit(1);
 	}
+	/* (made now: its fd must not be one of the slots place() fills) */
+	r = dlpd_closers_export(cl, ncl);
+	if (r < 0)
+		dlpd_log(LOG_WARNING,
+			 "cannot tell the new image of %zu fds still closing (%s): they stay "
+			 "open there",
+			 ncl, strerror(-r));
+	free(cl);
 	release_sockets(s, 3 + (int)h.n);
 	exec_image(s->self_exe);
 	/* the image running now, whatever became of the file */

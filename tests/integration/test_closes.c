@@ -546,6 +546,67 @@ START_TEST(closers_are_bounded)
 }
 END_TEST
 
+static int count_in_log(const char *log, const char *text);
+
+/* An upgrade with a uid's closer jammed and its share of closes pending: every one of them is
+ * passed to the new image, which closes them (all but the jammed one are quick), serves root,
+ * and reaps the old closer once its close returns. */
+START_TEST(upgrade_passes_every_pending_close)
+{
+	const char *args[] = {"--log-level", "info", NULL};
+	dlpc_client *c;
+	long long deadline;
+	uint64_t pending;
+	int l, port;
+
+	start(args, ATTACK_NOFILE);
+	ck_assert_int_eq(chmod(D.dir, 0755), 0);
+	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	l = silent_listener();
+	port = listener_port(l);
+	ck_assert_int_eq(wait_child(spawn(nobody_jams_its_closer, &port)), 0);
+	c = connect_or_die(&D);
+	pending = stat_or_die(c).fds_closing;
+	dlpc_close(c);
+	ck_assert_uint_ge(pending, 200);
+	ck_assert_int_eq(kill(D.pid, SIGHUP), 0);
+	deadline = now_ms() + scaled_ms(5000);
+	while (count_in_log(D.log, "listening on") < 2 && now_ms() < deadline)
+		usleep(5000);
+	ck_assert_int_ge(count_in_log(D.log, "listening on"), 2);
+	ck_assert(log_has(D.log, "the previous image was closing are closed here"));
+	{
+		char line[1024];
+		long passed = -1;
+		FILE *f = fopen(D.log, "r");
+
+		while (f && fgets(line, sizeof(line), f)) {
+			char *at = strstr(line, " fds the previous image was closing");
+
+			while (at && at > line && at[-1] >= '0' && at[-1] <= '9')
+				at--;
+			if (at)
+				passed = strtol(at, NULL, 10);
+		}
+		if (f)
+			fclose(f);
+		fprintf(stderr, "%llu fds closing before the upgrade, %ld passed on\n",
+			(unsigned long long)pending, passed);
+		ck_assert_int_ge(passed, 200);
+	}
+	c = connect_or_die(&D);
+	/* the jammed close stays with the old closer: the new image is done with its copies */
+	ck_assert_msg(wait_stat(c, nothing_closing, NULL, 10000), "closes still pending");
+	ck_assert_dlpc(publish(c, "root/after"), 1);
+	close(l);
+	deadline = now_ms() + scaled_ms(10000);
+	while (closers() > 0 && now_ms() < deadline)
+		usleep(10000);
+	ck_assert_int_eq(closers(), 0);
+	dlpc_close(c);
+}
+END_TEST
+
 /* ---- a FUSE file system that never answers FLUSH ---- */
 
 struct stall_fs {
@@ -957,6 +1018,7 @@ int main(void)
 	tcase_add_test(linger, lingering_socket_costs_its_sender);
 	tcase_add_test(linger, excess_fds_in_flight_block_nobody);
 	tcase_add_test(linger, closers_are_bounded);
+	tcase_add_test(linger, upgrade_passes_every_pending_close);
 	suite_add_tcase(s, linger);
 	tcase_add_checked_fixture(fuse, NULL, teardown);
 	tcase_set_timeout(fuse, 120);
