@@ -9,8 +9,9 @@
  * store (persist.c).
  *
  * Connections are not handed over: each would need its queues, references and waiting
- * attaches carried across in a form both images agree on. They are closed by the exec; clients
- * made to reconnect do so on their next call, and only the references they held are lost
+ * attaches carried across in a form both images agree on. They are shut and their sockets
+ * handed to closers (closer.c), never closed by the exec; clients made to reconnect do so on
+ * their next call, and only the references they held are lost
  * (their mappings stay valid). The listening socket never closes, so a client connecting
  * meanwhile waits in its backlog and is served by the new image.
  *
@@ -233,33 +234,83 @@ static void abandon(struct dlpd_server *s)
 			       "upgrade failed");
 }
 
-/* Hand the connections' sockets above the slots of the fds passed on (@p top on) to their uids'
- * closers: a closer stuck on another uid's fd, holding the fd table the exec leaves behind, then
- * keeps none of them open. Those below were replaced by place(). */
-static void release_sockets(struct dlpd_server *s, int top)
+static int push_closing(struct dlpd_closing **v, size_t *n, size_t *cap, int fd, uid_t uid)
+{
+	if (*n == *cap) {
+		size_t c2 = *cap ? *cap * 2 : 64;
+		struct dlpd_closing *nv = realloc(*v, c2 * sizeof(*nv));
+
+		if (!nv)
+			return -ENOMEM;
+		*v = nv;
+		*cap = c2;
+	}
+	(*v)[(*n)++] = (struct dlpd_closing){fd, uid};
+	return 0;
+}
+
+/*
+ * Sockets whose last close frees what is in flight in them, fds clients sent that nobody read
+ * (a lingering socket among them makes that close wait): the connections' and the direct
+ * channels' ends. The exec would close them, and place() could replace them, in the daemon's
+ * thread; so they are counted with the closes pending (@p cl), and handed to closers at the
+ * last moment (hand_sockets()). The channels in @p chans (free() it).
+ */
+static int add_sockets(struct dlpd_server *s, struct dlpd_closing **cl, size_t *ncl,
+		       struct dlpd_channel ***chans, size_t *nchans)
+{
+	struct dlpd_list *lists[] = {&s->peers, &s->lingering};
+	size_t cap = *ncl;
+	int r = 0;
+
+	for (size_t i = 0; r == 0 && i < 2; i++)
+		for (struct dlpd_list *l = lists[i]->next; r == 0 && l != lists[i]; l = l->next) {
+			struct dlpd_peer *p =
+				i == 0 ? dlpd_container_of(l, struct dlpd_peer, link)
+				       : dlpd_container_of(l, struct dlpd_peer, fail_link);
+
+			r = push_closing(cl, ncl, &cap, p->fd, p->uid);
+		}
+	if (r == 0)
+		r = dlpd_channel_range(&s->reg, (const uint8_t *)"", 0, (const uint8_t *)"", 0,
+				       SIZE_MAX, chans, nchans);
+	for (size_t i = 0; r == 0 && i < *nchans; i++)
+		for (int e = 0; r == 0 && e < 2 && (*chans)[i]->ends[0] >= 0; e++)
+			r = push_closing(cl, ncl, &cap, (*chans)[i]->ends[e], (*chans)[i]->uid);
+	return r;
+}
+
+/* Hand add_sockets()'s sockets to their uids' closers, shut first (their clients see the end
+ * at once) and kept open across the exec (passed on as closes pending). */
+static void hand_sockets(struct dlpd_server *s, struct dlpd_channel **chans, size_t nchans)
 {
 	struct dlpd_list *lists[] = {&s->peers, &s->lingering};
 
-	dlpd_closers_exec();
 	for (size_t i = 0; i < 2; i++)
 		for (struct dlpd_list *l = lists[i]->next; l != lists[i]; l = l->next) {
 			struct dlpd_peer *p =
 				i == 0 ? dlpd_container_of(l, struct dlpd_peer, link)
 				       : dlpd_container_of(l, struct dlpd_peer, fail_link);
 
-			if (p->fd < top)
-				continue;
+			fcntl(p->fd, F_SETFD, 0);
 			shutdown(p->fd, SHUT_RDWR);
 			dlpd_close_uid(p->uid, p->fd);
 		}
-	dlpd_closers_quit_all();
+	for (size_t i = 0; i < nchans; i++)
+		if (chans[i]->ends[0] >= 0) {
+			fcntl(chans[i]->ends[0], F_SETFD, 0);
+			fcntl(chans[i]->ends[1], F_SETFD, 0);
+			dlpd_direct_close(s, chans[i]);
+		}
+	free(chans);
 }
 
 void dlpd_upgrade(struct dlpd_server *s)
 {
 	struct handover h = {0};
 	struct dlpd_closing *cl = NULL;
-	size_t ncl = 0;
+	struct dlpd_channel **chans = NULL;
+	size_t ncl = 0, nchans = 0;
 	char pid[32], nfds[32];
 	sigset_t hold;
 	uint64_t epoch;
@@ -287,6 +338,8 @@ void dlpd_upgrade(struct dlpd_server *s)
 	}
 	release_unread(s);
 	r = dlpd_closers_handover(&cl, &ncl);
+	if (r == 0)
+		r = add_sockets(s, &cl, &ncl, &chans, &nchans);
 	if (r == 0 && ncl)
 		r = add_closing(&h, cl, ncl);
 	if (r == 0 && h.names_len > FDNAMES_MAX)
@@ -296,6 +349,7 @@ void dlpd_upgrade(struct dlpd_server *s)
 			 strerror(-r));
 		abandon(s);
 		free(cl);
+		free(chans);
 		close(journal);
 		free(h.fds);
 		free(h.names);
@@ -313,6 +367,7 @@ void dlpd_upgrade(struct dlpd_server *s)
 		dlpd_log(LOG_ERR, "not upgrading: cannot set the environment: %m");
 		abandon(s);
 		free(cl);
+		free(chans);
 		unsetenv("LISTEN_PID");
 		unsetenv("LISTEN_FDS");
 		unsetenv("LISTEN_FDNAMES");
@@ -322,6 +377,8 @@ void dlpd_upgrade(struct dlpd_server *s)
 		free(h.names);
 		return;
 	}
+	/* no way back from here */
+	hand_sockets(s, chans, nchans);
 	dlpd_persist_drop_held(s);
 	/* channels do not survive: direct ones' users hear it now (EPIPE, end of stream) */
 	dlpd_direct_shutdown_all(s);
@@ -349,7 +406,9 @@ void dlpd_upgrade(struct dlpd_server *s)
 			 "open there",
 			 ncl, strerror(-r));
 	free(cl);
-	release_sockets(s, 3 + (int)h.n);
+	/* the loop's fds may be replaced: no more of it; the closers quit once they are done */
+	dlpd_closers_exec();
+	dlpd_closers_quit_all();
 	exec_image(s->self_exe);
 	/* the image running now, whatever became of the file */
 	exec_image("/proc/self/exe");

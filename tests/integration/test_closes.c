@@ -171,8 +171,8 @@ static int hello(const char *path, char *msg, size_t len)
 	return fd;
 }
 
-/* PUBLISH with @p storage as the storage of one float: the reply's code (see reply()). */
-static int publish_fd(int fd, int storage, void (*between)(void), char *msg, size_t len)
+/* Send a PUBLISH with @p storage as the storage of one float. 0 or negative errno. */
+static int publish_send(int fd, int storage, void (*between)(void))
 {
 	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
 	Dlpackd__V1__TensorDesc d = DLPACKD__V1__TENSOR_DESC__INIT, *dp = &d;
@@ -189,7 +189,13 @@ static int publish_fd(int fd, int storage, void (*between)(void), char *msg, siz
 	req.storage_size = 4096;
 	req.n_tensors = 1;
 	req.tensors = &dp;
-	if (frame_send(fd, DLPC_MSG_PUBLISH, &req.base, &storage, 1, between) < 0)
+	return frame_send(fd, DLPC_MSG_PUBLISH, &req.base, &storage, 1, between);
+}
+
+/* The same, and the reply's code (see reply()). */
+static int publish_fd(int fd, int storage, void (*between)(void), char *msg, size_t len)
+{
+	if (publish_send(fd, storage, between) < 0)
 		return -1;
 	return reply(fd, msg, len);
 }
@@ -383,23 +389,18 @@ static bool answers_within(int ms)
 /* As nobody: make the daemon stop reading its connection (replies it does not read), then
  * send, in one sendmsg(), more fds than a frame may carry, the last a lingering socket whose
  * only reference is then the one in flight; then read, so that the daemon reads them. */
-static int nobody_sends_excess_fds(void *arg)
+/* Make the daemon stop reading @p sock: STAT replies pile up unread, and it holds back. The
+ * requests go in one write, so that the socket keeps room for one more message. */
+static void hold_back(int sock)
 {
 	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
-	int port = *(int *)arg, sock, p[2], fds[DLPC_FRAME_FDS_MAX + 1], queued = -1, now = 0;
 	struct dlpc__scratch s = {0};
 	static char junk[1 << 20];
-	char msg[512], byte = 0;
+	int queued = -1, now = 0;
 	ssize_t len;
 
-	become_nobody();
-	lingering = lingering_socket(port);
-	sock = hello(D.sock, msg, sizeof(msg));
-	CHILD_CHECK(sock >= 0);
 	len = dlpc__msg_frame(&s, DLPC_MSG_STAT, 1, &st.base, 0);
 	CHILD_CHECK(len > 0 && (size_t)len * STATS <= sizeof(junk));
-	/* replies pile up unread: the daemon holds back, reading nothing more from us (the
-	 * requests go in one write, so that our socket keeps room for one more) */
 	for (int i = 0; i < STATS; i++)
 		memcpy(junk + (size_t)i * (size_t)len, s.p, (size_t)len);
 	CHILD_CHECK(dlpc__send_all(sock, junk, (size_t)len * STATS, NULL, 0) == 0);
@@ -409,6 +410,19 @@ static int nobody_sends_excess_fds(void *arg)
 		usleep(50000);
 		CHILD_CHECK(ioctl(sock, FIONREAD, &now) == 0);
 	}
+}
+
+static int nobody_sends_excess_fds(void *arg)
+{
+	int port = *(int *)arg, sock, p[2], fds[DLPC_FRAME_FDS_MAX + 1];
+	static char junk[1 << 20];
+	char msg[512], byte = 0;
+
+	become_nobody();
+	lingering = lingering_socket(port);
+	sock = hello(D.sock, msg, sizeof(msg));
+	CHILD_CHECK(sock >= 0);
+	hold_back(sock);
 	CHILD_CHECK(pipe2(p, O_CLOEXEC) == 0);
 	for (int i = 0; i < DLPC_FRAME_FDS_MAX; i++)
 		fds[i] = p[0];
@@ -603,6 +617,102 @@ START_TEST(upgrade_passes_every_pending_close)
 	while (closers() > 0 && now_ms() < deadline)
 		usleep(10000);
 	ck_assert_int_eq(closers(), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* Connections made and closed first, to free low fd numbers in the daemon. */
+#define UNREAD_LOW 32
+
+struct unread {
+	int port;
+	int ready[2], release[2]; /* pipes: the child is ready; the parent lets it go */
+};
+
+/* As nobody: make the daemon stop reading, send a PUBLISH carrying a lingering socket whose only
+ * reference is then the one in flight, unread, and stay connected until let go. */
+static int nobody_leaves_unread(void *arg)
+{
+	struct unread *u = arg;
+	char msg[512], b = 1;
+	int sock;
+
+	close(u->ready[0]);
+	close(u->release[1]);
+	become_nobody();
+	lingering = lingering_socket(u->port);
+	sock = hello(D.sock, msg, sizeof(msg));
+	CHILD_CHECK(sock >= 0);
+	hold_back(sock);
+	CHILD_CHECK(publish_send(sock, lingering, NULL) == 0);
+	drop_ours();
+	CHILD_CHECK(write(u->ready[1], &b, 1) == 1);
+	while (read(u->release[0], &b, 1) < 0 && errno == EINTR)
+		;
+	close(sock);
+	return 0;
+}
+
+/* An upgrade while a connection has a lingering socket in flight, unread (the daemon was holding
+ * back): its socket is closed by its uid's closer, not by the exec (or by the moves before it)
+ * in the daemon's thread, so the new image comes up. */
+START_TEST(upgrade_with_unread_lingering_socket)
+{
+	const char *args[] = {"--log-level", "info", NULL};
+	struct unread u;
+	long long deadline;
+	dlpc_client *c;
+	bool up = false;
+	pid_t child;
+	char b;
+	int l;
+
+	start(args, 0);
+	ck_assert_int_eq(chmod(D.dir, 0755), 0);
+	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	l = silent_listener();
+	u.port = listener_port(l);
+	/* low fd numbers freed in the daemon, for nobody's connection to take, under the numbers
+	 * of the storages the upgrade passes on (3 and up, one per entry) */
+	c = connect_or_die(&D);
+	{
+		char msg[512];
+		int conns[UNREAD_LOW];
+
+		for (int i = 0; i < UNREAD_LOW; i++)
+			ck_assert_int_ge(conns[i] = hello(D.sock, msg, sizeof(msg)), 0);
+		for (int i = 0; i < UNREAD_LOW; i++)
+			close(conns[i]);
+		ck_assert(wait_stat(c, nothing_closing, NULL, 10000));
+	}
+	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(u.release, O_CLOEXEC), 0);
+	child = spawn(nobody_leaves_unread, &u);
+	close(u.ready[1]);
+	close(u.release[0]);
+	ck_assert_int_eq(read(u.ready[0], &b, 1), 1);
+	for (int i = 0; i < 2 * UNREAD_LOW; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "keep/%d", i);
+		ck_assert_dlpc(publish(c, name), 1);
+	}
+	dlpc_close(c);
+	ck_assert_int_eq(kill(D.pid, SIGHUP), 0);
+	deadline = now_ms() + scaled_ms(5000);
+	while (!up && now_ms() < deadline) {
+		up = count_in_log(D.log, "listening on") >= 2 && answers_within(100);
+		usleep(5000);
+	}
+	/* let everything go, whatever happened */
+	close(u.release[1]);
+	close(u.ready[0]);
+	close(l);
+	ck_assert_int_eq(wait_child(child), 0);
+	ck_assert_msg(up, "the upgraded dlpackd did not come up");
+	c = connect_or_die(&D);
+	ck_assert_dlpc(publish(c, "after/upgrade"), 1);
+	ck_assert_msg(wait_stat(c, nothing_closing, NULL, 10000), "closes still pending");
 	dlpc_close(c);
 }
 END_TEST
@@ -1019,6 +1129,7 @@ int main(void)
 	tcase_add_test(linger, excess_fds_in_flight_block_nobody);
 	tcase_add_test(linger, closers_are_bounded);
 	tcase_add_test(linger, upgrade_passes_every_pending_close);
+	tcase_add_test(linger, upgrade_with_unread_lingering_socket);
 	suite_add_tcase(s, linger);
 	tcase_add_checked_fixture(fuse, NULL, teardown);
 	tcase_set_timeout(fuse, 120);
