@@ -418,7 +418,9 @@ static void listener_closed(uv_handle_t *h)
 {
 	struct dlpd_server *s = h->data;
 
-	close(s->listen_fd);
+	/* Its last close frees the connections still in its backlog, and with them what their
+	 * clients sent (a lingering socket among it makes that close wait): a closer's, then. */
+	dlpd_close_uid(DLPD_UID_NOBODY, s->listen_fd);
 	s->listen_fd = -1;
 }
 
