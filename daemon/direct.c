@@ -38,6 +38,7 @@
 
 #include "base.h"
 #include "channel.h"
+#include "closer.h"
 #include "direct.h"
 #include "quota.h"
 #include "reaper.h"
@@ -141,13 +142,14 @@ static void shut(const int ends[2])
 
 /* Shut and let go of the pair @p ends. Nothing queued is read here: those are fds and records of
  * whoever joined, not the daemon's to vouch for. The receivers drop what they find once the
- * pair is shut (client/direct_io.c), and the last close of the pair frees the rest: the daemon's
- * closes go to the thread for fds it cannot vouch for, where freeing them stalls nothing. */
+ * pair is shut (client/direct_io.c), and the last close of the pair frees the rest (a lingering
+ * socket in flight there blocks it): the daemon's closes go to the closer of the uid that made
+ * the channel, where a close that blocks stalls nothing else. */
 static void let_go(struct dlpd_server *s, struct dlpd_channel *ch, const int ends[2])
 {
 	shut(ends);
-	dlpd_close_untrusted(ends[0]);
-	dlpd_close_untrusted(ends[1]);
+	dlpd_close_uid(ch->uid, ends[0]);
+	dlpd_close_uid(ch->uid, ends[1]);
 	s->channel_fds -= 2;
 	ch->usage->channel_fds -= 2;
 }

@@ -12,11 +12,13 @@
 #include <sys/socket.h>
 
 #include "channel.h"
+#include "closer.h"
 #include "dispatch.h"
 #include "handlers.h"
 #include "mem.h"
 #include "names.h"
 #include "peer.h"
+#include "quota.h"
 #include "reaper.h"
 #include "reclaim.h"
 
@@ -48,16 +50,24 @@ static void peer_closed(uv_handle_t *h)
 	if (--p->handles_open > 0)
 		return;
 	p->srv->peers_closing--;
-	dlpd_close_later(p->fd);
+	/* Its last close frees what is still in flight in it: fds it sent that were never read
+	 * (a lingering socket among them blocks that close), so it is its uid's to close, after
+	 * whatever that uid's closer was given before. The client sees the end now. */
+	shutdown(p->fd, SHUT_RDWR);
+	dlpd_close_uid(p->uid, p->fd);
 	free(p);
 }
 
 static void close_handles(struct dlpd_peer *p)
 {
+	uid_t was;
+
 	if (uv_is_closing((uv_handle_t *)&p->poll))
 		return;
 	dlpd_list_del(&p->fail_link);
+	was = dlpd_closer_charge(p->uid);
 	dlpc__tx_clear(&p->tx);
+	dlpd_closer_charge(was);
 	uv_close((uv_handle_t *)&p->poll, peer_closed);
 	uv_close((uv_handle_t *)&p->deadline, peer_closed);
 }
@@ -90,7 +100,14 @@ static void destroy(struct dlpd_peer *p)
 	dlpd_reclaim_drop_peer(p);
 	dlpd_channels_drop_peer(p);
 	dlpd_names_drop_peer(p);
-	dlpd_mem_forget(p);
+	/* its receive buffer goes, and with it the fds it sent that no frame claimed: closed in
+	 * its uid's closer, charged to it */
+	{
+		uid_t was = dlpd_closer_charge(p->uid);
+
+		dlpd_mem_forget(p);
+		dlpd_closer_charge(was);
+	}
 	p->usage->connections--;
 	p->usage->memory -= DLPD_CONNECTION_COST;
 	dlpd_usage_put(&s->reg, p->usage);
@@ -178,6 +195,33 @@ static void violation(struct dlpd_peer *p, uint32_t id, const char *fmt, ...)
 	dlpd_peer_fail(p, LOG_WARNING, "protocol violation: %s", why);
 }
 
+/*
+ * A uid with closes pending whose fds (storages, connections and those closes) would pass its
+ * share with the fds of this request sends fds faster than they close (a close that blocks, on
+ * a stalled filesystem or a lingering socket): the request is refused with EDQUOT before it
+ * runs and the connection is closed, so that nothing more of that uid is read there. Its fds go
+ * to its closer, charged to it; new connections of the uid are refused while it is over its
+ * share (server.c, HELLO). A uid without closes pending is left to the request's own checks.
+ */
+static bool closing_over_share(struct dlpd_peer *p, const struct dlpc__frame *f, const char *name)
+{
+	const struct dlpd_server *s = p->srv;
+	const struct dlpd_usage *u = p->usage;
+	uint64_t share = dlpd_uid_fd_share(s), held;
+	char why[320];
+
+	if (f->nfds == 0 || u->closing == 0 || share >= s->fd_budget)
+		return false;
+	held = dlpd_uid_fds(u);
+	if (held + f->nfds <= share)
+		return false;
+	dlpd_uid_fd_share_why(p, held, why, sizeof(why));
+	dlpd_reply_error(p, f->hdr.id, EDQUOT, "%s; %s with %u fds refused, connection closed", why,
+			 name, f->nfds);
+	dlpd_peer_fail(p, LOG_WARNING, "refused: %s", why);
+	return true;
+}
+
 /* Run one complete frame through the table. */
 static void dispatch(struct dlpd_peer *p, struct dlpc__frame *f)
 {
@@ -213,6 +257,8 @@ static void dispatch(struct dlpd_peer *p, struct dlpc__frame *f)
 			  rq->max_len);
 		return;
 	}
+	if (closing_over_share(p, f, name))
+		return;
 	m = protobuf_c_message_unpack(rq->desc, NULL, f->hdr.len, f->payload);
 	if (!m) {
 		violation(p, f->hdr.id, "malformed %s payload", name);
@@ -343,8 +389,11 @@ static void on_poll(uv_poll_t *h, int status, int events)
 {
 	struct dlpd_peer *p = h->data;
 	struct dlpd_server *s = p->srv;
+	/* what it sent and is refused is closed in its uid's closer, charged to it */
+	uid_t was = dlpd_closer_charge(p->uid);
 
 	peer_io(p, status, events);
+	dlpd_closer_charge(was);
 	/* nothing of this event is on the stack any more: what it marked goes now, before the
 	 * next event of the same wait is handled */
 	teardown(&s->teardown);

@@ -294,7 +294,7 @@ static int quota_message(const struct dlpd_peer *p, uint64_t size, char *why, si
 	const struct dlpd_server *s = p->srv;
 	const struct dlpd_usage *u = p->usage;
 	uint64_t bytes = u->bytes + u->pinned_bytes, limit = s->lim.bytes_per_uid;
-	uint64_t uid_fds = u->storage_fds + u->pinned_fds + u->connections + u->channel_fds;
+	uint64_t uid_fds = dlpd_uid_fds(u);
 
 	if (size > limit || bytes > limit - size) {
 		snprintf(why, whylen,

@@ -118,7 +118,7 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 	 * (the joiners' copies are in their own processes, under their own RLIMIT_NOFILE) */
 	if (req->flags & DLPC_CHANNEL_DIRECT) {
 		const struct dlpd_usage *u = p->usage;
-		uint64_t uid_fds = u->storage_fds + u->pinned_fds + u->connections + u->channel_fds;
+		uint64_t uid_fds = dlpd_uid_fds(u);
 
 		if (uid_fds + 2 > dlpd_uid_fd_share(s)) {
 			dlpd_uid_fd_share_why(p, uid_fds, why, sizeof(why));

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "closer.h"
 #include "handlers.h"
 #include "peer.h"
 #include "quota.h"
@@ -58,8 +59,7 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	}
 	/* its connection counts among its uid's fds, which may not pass their share (at 100%
 	 * the share is the whole budget, where accept's own reserve rules) */
-	uid_fds = p->usage->storage_fds + p->usage->pinned_fds + p->usage->connections +
-		  p->usage->channel_fds;
+	uid_fds = dlpd_uid_fds(p->usage);
 	if (dlpd_uid_fd_share(p->srv) < p->srv->fd_budget && uid_fds > dlpd_uid_fd_share(p->srv)) {
 		char why[256];
 
@@ -113,7 +113,7 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	rep.invalidations = s->stats.invalidations;
 	rep.waiters = s->reg.waiters;
 	/* pending first: only this thread adds to it, so fds_open is counted after */
-	rep.fds_closing = dlpd_reaper_pending() + s->peers_closing;
+	rep.fds_closing = dlpd_reaper_pending() + dlpd_closers_fds() + s->peers_closing;
 	rep.fds_open = count_fds();
 	rep.fds_sent = s->stats.fds_sent;
 #define X(NAME, name, ...) rep.req_##name = s->stats.req[DLPC_MSG_##NAME];

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "base.h"
+#include "closer.h"
 #include "config.h"
 #include "reaper.h"
 #include "persist.h"
@@ -45,6 +46,9 @@ static int sort_passed(struct dlpd_passed_fd *fds, size_t n, struct dlpd_start *
 			fds[how->nrestore++] = fds[i];
 			continue;
 		}
+		/* a close the image we replaced left pending: dlpd_closers_adopt() took it */
+		if (strcmp(name, DLPD_FDNAME_CLOSING) == 0)
+			continue;
 		if (strcmp(name, "lock") == 0 && how->lock_fd < 0) {
 			how->lock_fd = fds[i].fd;
 			continue;
@@ -82,6 +86,8 @@ int main(int argc, char **argv)
 	uv_loop_t loop;
 	int r;
 
+	/* before anything opens an fd: the numbers it names are ours only until then */
+	dlpd_closers_adopt();
 	r = dlpd_config_load(argc, argv);
 	if (r != 0)
 		return r > 0 ? 0 : 2;
@@ -129,6 +135,9 @@ int main(int argc, char **argv)
 	sigaddset(&stop_signals, SIGTERM);
 	sigaddset(&stop_signals, SIGINT);
 	sigaddset(&stop_signals, SIGHUP);
+	/* the exits of closers (closer.c), an upgrading image's among them: reaped once the
+	 * handler is there */
+	sigaddset(&stop_signals, SIGCHLD);
 	sigprocmask(SIG_BLOCK, &stop_signals, NULL);
 	uv_loop_init(&loop);
 	r = dlpd_reaper_start();
@@ -144,6 +153,8 @@ int main(int argc, char **argv)
 		free(passed);
 		return 1;
 	}
+	/* fds a client sent that the wire layer drops go to their sender's closer (closer.c) */
+	dlpc__set_closer(dlpd_close_untrusted);
 	r = dlpd_server_start(&srv, &loop, &how, &dlpd_limits);
 	free(passed);
 	dlpd_upgrade_init(&srv, argv);
@@ -158,9 +169,11 @@ int main(int argc, char **argv)
 	}
 	uv_run(&loop, UV_RUN_DEFAULT);
 	dlpd_server_free(&srv);
+	dlpc__set_closer(NULL);
 	dlpd_reaper_stop();
 	uv_loop_close(&loop);
 	if (r == 0)
 		dlpd_log(LOG_NOTICE, "stopped");
+	dlpd_closers_leave();
 	return r == 0 ? 0 : 1;
 }

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "closer.h"
 #include "invalidate.h"
 #include "mem.h"
 #include "names.h"
@@ -25,8 +26,8 @@
  * @p st is held by nothing any more (NULL: nothing to do): tell its legacy CUDA IPC publisher,
  * close its fd and free it. A host storage's fd is closed off the loop unless it is small
  * (dlpd_close_storage()): the last close of a memfd frees its memory. A CUDA VMM export is a
- * driver's file whose close the daemon cannot vouch for, so it goes to the reaper of
- * client-sent fds, where a close that blocks stalls nothing else.
+ * driver's file whose close the daemon cannot vouch for, so it goes to its publisher's closer
+ * (closer.c), where a close that blocks stalls nothing else.
  */
 void dlpd_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 {
@@ -38,7 +39,7 @@ void dlpd_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 	if (st->fd >= 0 && st->device_type == kDLCPU)
 		dlpd_close_storage(st->fd);
 	else if (st->fd >= 0)
-		dlpd_close_untrusted(st->fd);
+		dlpd_close_uid(st->usage ? st->usage->uid : DLPD_UID_NOBODY, st->fd);
 	dlpd_storage_free(&s->reg, st);
 }
 

@@ -7,13 +7,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "closer.h"
 #include "quota.h"
 #include "reaper.h"
 
 uint64_t dlpd_fds_in_use(const struct dlpd_server *s)
 {
 	return s->reg.storage_fds + s->npeers + s->peers_closing + s->channel_fds +
-	       dlpd_reaper_pending();
+	       dlpd_reaper_pending() + dlpd_closers_fds();
 }
 
 int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
@@ -24,7 +25,7 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 	const struct dlpd_usage *u = p->usage;
 	/* what it publishes and what its references keep alive that no name reaches */
 	uint64_t bytes = u->bytes + u->pinned_bytes, entries = u->entries;
-	uint64_t uid_fds = u->storage_fds + u->pinned_fds + u->connections + u->channel_fds;
+	uint64_t uid_fds = dlpd_uid_fds(u);
 	uint64_t fds = dlpd_fds_in_use(s), comes_pinned = 0;
 	bool old_last_name = old && old->st->names == 1;
 
@@ -119,11 +120,15 @@ void dlpd_uid_fd_share_why(const struct dlpd_peer *p, uint64_t held, char *why, 
 {
 	const struct dlpd_server *s = p->srv;
 
+	char closing[64] = "";
+
+	if (p->usage && p->usage->closing)
+		snprintf(closing, sizeof(closing), " (%llu of them fds it sent, still closing)",
+			 (unsigned long long)p->usage->closing);
 	snprintf(why, whylen,
-		 "uid %u holds %llu storage, connection and direct channel fds; a uid may hold "
-		 "%llu%% of the %llu "
-		 "dlpackd has for them, %llu (--max-fd-share-per-uid)",
-		 (unsigned)p->uid, (unsigned long long)held,
+		 "uid %u holds %llu storage, connection and direct channel fds%s; a uid may hold "
+		 "%llu%% of the %llu dlpackd has for them, %llu (--max-fd-share-per-uid)",
+		 (unsigned)p->uid, (unsigned long long)held, closing,
 		 (unsigned long long)s->lim.fd_share_per_uid, (unsigned long long)s->fd_budget,
 		 (unsigned long long)dlpd_uid_fd_share(s));
 }

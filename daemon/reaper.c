@@ -6,12 +6,12 @@
  * storage takes tens of milliseconds), and an fd a client sent may sit on a filesystem that
  * stalls on close (FUSE). Neither may hold up the loop that serves every client. (A storage
  * of a few pages is the exception: freeing it costs less than waking a thread, so
- * dlpd_close_storage() closes it on the loop.) There are two:
- * one for fds whose close the daemon can vouch for (host storages, which passed the checks of
- * storage.c and are shmem, and client sockets) and one for every other fd a client sent (those
- * refused, and CUDA VMM exports, which are the driver's files), so that a close that never
- * returns stalls only the second. At stop the first is drained and joined; the second is given
- * a moment and then left to the process exit.
+ * dlpd_close_storage() closes it on the loop.) The reaper closes only fds whose close the
+ * daemon can vouch for: host storages, which passed the checks of storage.c and are shmem.
+ * Every other fd a client sent or can reach (refused ones, CUDA VMM exports, client sockets,
+ * whose last close frees the fds in flight in them) goes to the closer processes of closer.c,
+ * where a close that never returns stalls only its sender's closer. At stop the reaper is
+ * drained and joined.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -27,8 +27,6 @@
 #include "io.h"
 #include "reaper.h"
 
-/* How long stop waits for the reaper of client-sent fds. */
-#define UNTRUSTED_JOIN_MS 2000
 /* How long a freeze waits for a close taken off the queue to return. */
 #define FREEZE_WAIT_MS 100
 
@@ -45,7 +43,6 @@ struct reaper {
 };
 
 static struct reaper own = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-static struct reaper untrusted = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 static void *reap(void *arg)
 {
@@ -168,21 +165,14 @@ int dlpd_reaper_start(void)
 {
 	int r = start(&own);
 
-	if (r == 0)
-		r = start(&untrusted);
-	if (r < 0) {
-		stop(&own, -1);
+	if (r < 0)
 		return r;
-	}
-	dlpc__set_closer(dlpd_close_untrusted);
 	return 0;
 }
 
 void dlpd_reaper_stop(void)
 {
-	dlpc__set_closer(NULL);
 	stop(&own, -1);
-	stop(&untrusted, UNTRUSTED_JOIN_MS);
 }
 
 void dlpd_close_later(int fd)
@@ -209,14 +199,9 @@ void dlpd_close_storage(int fd)
 	queue(&own, fd);
 }
 
-void dlpd_close_untrusted(int fd)
-{
-	queue(&untrusted, fd);
-}
-
 size_t dlpd_reaper_pending(void)
 {
-	return pending(&own) + pending(&untrusted);
+	return pending(&own);
 }
 
 size_t dlpd_reaper_handed(void)
@@ -226,9 +211,6 @@ size_t dlpd_reaper_handed(void)
 	pthread_mutex_lock(&own.mu);
 	n = own.handed;
 	pthread_mutex_unlock(&own.mu);
-	pthread_mutex_lock(&untrusted.mu);
-	n += untrusted.handed;
-	pthread_mutex_unlock(&untrusted.mu);
 	return n;
 }
 
@@ -255,5 +237,4 @@ void dlpd_reaper_freeze(void)
 	/* A close taken off the queue, and still not returned after the wait, is in the kernel
 	 * (a stalled filesystem): its fd number is free already. */
 	freeze(&own);
-	freeze(&untrusted);
 }

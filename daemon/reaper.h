@@ -15,7 +15,7 @@
 int dlpd_reaper_start(void);
 /* Close what is queued, then stop the threads. */
 void dlpd_reaper_stop(void);
-/* Close an fd whose close cannot block (a host storage memfd, a client socket) off the loop. */
+/* Close an fd whose close cannot block (a host storage memfd) off the loop. */
 void dlpd_close_later(int fd);
 /*
  * Close the fd of a host storage (a sealed memfd or hugetlbfs file that passed storage.c's
@@ -23,16 +23,13 @@ void dlpd_close_later(int fd);
  * DLPD_CLOSE_INLINE_BYTES, which costs less than waking a reaper; off the loop otherwise.
  */
 void dlpd_close_storage(int fd);
-/* Close an fd a client sent (or one whose file the daemon cannot vouch for) off the loop, on
- * a thread of its own. */
-void dlpd_close_untrusted(int fd);
 /* Close nothing more: fds still queued stay open until the process executes a new image, which
  * closes them (they are all close-on-exec). Lets upgrade.c move fds to numbers the queues may
  * hold. */
 void dlpd_reaper_freeze(void);
-/* fds handed to the reapers and not closed yet. */
+/* fds handed to the reaper and not closed yet. */
 size_t dlpd_reaper_pending(void);
-/* fds ever handed to the reapers (since the process started). */
+/* fds ever handed to the reaper (since the process started). */
 size_t dlpd_reaper_handed(void);
 
 #endif

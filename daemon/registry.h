@@ -38,6 +38,7 @@ struct dlpd_usage {
 	uint64_t memory;       /* the daemon's memory its records take (DLPD_*_COST) */
 	/* bytes of the daemon's memory its unfinished frames and waiting requests hold (mem.c) */
 	uint64_t pending_bytes;
+	uint64_t closing;      /* fds of its handed to a closer and not closed yet (closer.c) */
 };
 
 /*
@@ -60,6 +61,14 @@ struct dlpd_usage {
 static inline uint64_t dlpd_record_cost(size_t wire_len, size_t ntensors)
 {
 	return DLPD_RECORD_COST + 2 * (uint64_t)wire_len + DLPD_TENSOR_COST * (uint64_t)ntensors;
+}
+
+/* The daemon's fds charged to @p u's share (--max-fd-share-per-uid): the storages it published
+ * or keeps alive, its connections, its direct channels' socket pairs and the fds it sent that a
+ * closer has not closed yet. */
+static inline uint64_t dlpd_uid_fds(const struct dlpd_usage *u)
+{
+	return u->storage_fds + u->pinned_fds + u->connections + u->channel_fds + u->closing;
 }
 
 /* The references one uid holds on one storage. */

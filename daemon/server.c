@@ -30,6 +30,7 @@
 #include "dispatch.h"
 #include "mem.h"
 #include "channel.h"
+#include "closer.h"
 #include "names.h"
 #include "peer.h"
 #include "persist.h"
@@ -138,8 +139,7 @@ static void on_accept(uv_poll_t *h, int status, int events)
 			continue;
 		}
 		/* the same for its share of the fds, which HELLO enforces */
-		uid_fds = p->usage->storage_fds + p->usage->pinned_fds + p->usage->connections +
-			  p->usage->channel_fds;
+		uid_fds = dlpd_uid_fds(p->usage);
 		if (share < s->fd_budget && uid_fds > share + DLPC_UID_CONNECTIONS_SLACK) {
 			char why[256];
 
@@ -181,6 +181,9 @@ static int probe(const char *path)
 	return r;
 }
 
+/* How long a starting daemon waits for the lock on its path to be let go. */
+#define LOCK_WAIT_MS 1000
+
 static int take_lock(struct dlpd_server *s)
 {
 	size_t n = strlen(s->path) + sizeof(".lock");
@@ -200,6 +203,12 @@ static int take_lock(struct dlpd_server *s)
 			dlpd_log(LOG_ERR, "cannot open lock file %s: %m", s->lock_path);
 			return r;
 		}
+		/* The closer processes of a daemon killed a moment ago (closer.c) share its fd
+		 * table, lock included, until they are gone too: give them that moment. */
+		for (int waited = 0; flock(s->lock_fd, LOCK_EX | LOCK_NB) < 0 &&
+				     errno == EWOULDBLOCK && waited < LOCK_WAIT_MS;
+		     waited += 10)
+			usleep(10000);
 		if (flock(s->lock_fd, LOCK_EX | LOCK_NB) < 0) {
 			int r = -errno;
 
@@ -441,6 +450,12 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 	uv_signal_start(&s->sig_term, on_signal, SIGTERM);
 	uv_signal_start(&s->sig_int, on_signal, SIGINT);
 	uv_signal_start(&s->sig_hup, on_signal, SIGHUP);
+	r = dlpd_closers_init(loop, &s->reg);
+	if (r < 0)
+		dlpd_log(LOG_WARNING,
+			 "cannot set up closer processes (%s): fds clients sent are "
+			 "closed on the reaper thread",
+			 strerror(-r));
 	dlpd_log(LOG_NOTICE, "dlpackd %s listening on %s%s", DLPD_VERSION, s->path,
 		 s->owns_path ? "" : " (socket activation)");
 	dlpd_log(LOG_INFO,
@@ -462,7 +477,9 @@ static void listener_closed(uv_handle_t *h)
 {
 	struct dlpd_server *s = h->data;
 
-	close(s->listen_fd);
+	/* Its last close frees the connections still in its backlog, and with them what their
+	 * clients sent (a lingering socket among it makes that close wait): a closer's, then. */
+	dlpd_close_uid(DLPD_UID_NOBODY, s->listen_fd);
 	s->listen_fd = -1;
 }
 
@@ -490,6 +507,7 @@ void dlpd_server_stop(struct dlpd_server *s)
 	dlpd_reclaim_stop(s);
 	dlpd_dispatch_stop(s);
 	dlpd_mem_stop(s);
+	dlpd_closers_stop();
 }
 
 void dlpd_server_free(struct dlpd_server *s)

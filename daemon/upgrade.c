@@ -9,8 +9,9 @@
  * store (persist.c).
  *
  * Connections are not handed over: each would need its queues, references and waiting
- * attaches carried across in a form both images agree on. They are closed by the exec; clients
- * made to reconnect do so on their next call, and only the references they held are lost
+ * attaches carried across in a form both images agree on. They are shut and their sockets
+ * handed to closers (closer.c), never closed by the exec; clients made to reconnect do so on
+ * their next call, and only the references they held are lost
  * (their mappings stay valid). The listening socket never closes, so a client connecting
  * meanwhile waits in its backlog and is served by the new image.
  *
@@ -26,9 +27,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "channel.h"
+#include "closer.h"
+#include "peer.h"
 #include "persist.h"
 #include "reaper.h"
 #include "upgrade.h"
@@ -86,10 +90,9 @@ struct handover {
 	size_t names_len, names_cap;
 };
 
-static int add(struct handover *h, int fd, const char *fmt, uint64_t num)
+static int add_named(struct handover *h, int fd, const char *name)
 {
-	char name[64];
-	int len = snprintf(name, sizeof(name), fmt, num);
+	int len = (int)strlen(name);
 
 	if (h->n == h->cap) {
 		size_t cap = h->cap ? h->cap * 2 : 64;
@@ -120,6 +123,14 @@ static int add(struct handover *h, int fd, const char *fmt, uint64_t num)
 	return 0;
 }
 
+static int add(struct handover *h, int fd, const char *fmt, uint64_t num)
+{
+	char name[64];
+
+	snprintf(name, sizeof(name), fmt, num);
+	return add_named(h, fd, name);
+}
+
 /* The fds the new image needs, and their names. */
 static int collect(struct dlpd_server *s, struct handover *h, int journal, uint64_t epoch)
 {
@@ -143,15 +154,163 @@ static int collect(struct dlpd_server *s, struct handover *h, int journal, uint6
 	return r;
 }
 
+/*
+ * Closes a closer has not finished (closer.c) must survive the exec at the numbers they have:
+ * moving one would close it, and a close may block. Those among the numbers the handed-over fds
+ * take (3 on) are handed over in place, named DLPD_FDNAME_CLOSING, the others moved around
+ * them. All are told to the new image by dlpd_closers_export(), with the uid each is charged to.
+ */
+static int add_closing(struct handover *h, const struct dlpd_closing *cl, size_t ncl)
+{
+	struct handover out = {0};
+	size_t n = h->n, k, next = 0;
+	const char *names = h->names;
+	int r = 0;
+
+	/* the slots [3, 3 + n) take the n fds and every close whose number falls among them */
+	do {
+		k = 0;
+		for (size_t i = 0; i < ncl; i++)
+			k += cl[i].fd >= 3 && (size_t)cl[i].fd < 3 + n;
+		if (h->n + k == n)
+			break;
+		n = h->n + k;
+	} while (1);
+	for (size_t slot = 0; r == 0 && slot < n; slot++) {
+		const char *colon;
+		char name[DLPD_FDNAME_MAX + 1];
+		bool closing = false;
+		size_t nlen;
+
+		for (size_t i = 0; i < ncl && !closing; i++)
+			closing = (size_t)cl[i].fd == 3 + slot;
+		if (closing) {
+			r = add_named(&out, 3 + (int)slot, DLPD_FDNAME_CLOSING);
+			continue;
+		}
+		/* the next of the fds to hand over, with its name */
+		colon = strchr(names, ':');
+		nlen = colon ? (size_t)(colon - names) : strlen(names);
+		snprintf(name, sizeof(name), "%.*s", (int)nlen, names);
+		r = add_named(&out, h->fds[next++], name);
+		names = colon ? colon + 1 : names + nlen;
+	}
+	if (r < 0) {
+		free(out.fds);
+		free(out.names);
+		return r;
+	}
+	free(h->fds);
+	free(h->names);
+	*h = out;
+	return 0;
+}
+
 static void exec_image(const char *path)
 {
 	execv(path, saved_argv);
 	dlpd_log(LOG_ERR, "cannot execute %s: %m", path);
 }
 
+/* Hand what clients sent and no frame claimed to their uids' closers: the exec would close it,
+ * and such a close may block. */
+static void release_unread(struct dlpd_server *s)
+{
+	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next) {
+		struct dlpd_peer *p = dlpd_container_of(l, struct dlpd_peer, link);
+		uid_t was = dlpd_closer_charge(p->uid);
+
+		dlpc__rx_clear(&p->rx);
+		dlpd_closer_charge(was);
+	}
+}
+
+/* The upgrade does not happen after release_unread(): the connections lost what they had sent
+ * and not yet framed, so they cannot go on. */
+static void abandon(struct dlpd_server *s)
+{
+	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next)
+		dlpd_peer_fail(dlpd_container_of(l, struct dlpd_peer, link), LOG_DEBUG,
+			       "upgrade failed");
+}
+
+static int push_closing(struct dlpd_closing **v, size_t *n, size_t *cap, int fd, uid_t uid)
+{
+	if (*n == *cap) {
+		size_t c2 = *cap ? *cap * 2 : 64;
+		struct dlpd_closing *nv = realloc(*v, c2 * sizeof(*nv));
+
+		if (!nv)
+			return -ENOMEM;
+		*v = nv;
+		*cap = c2;
+	}
+	(*v)[(*n)++] = (struct dlpd_closing){fd, uid};
+	return 0;
+}
+
+/*
+ * Sockets whose last close frees what is in flight in them, fds clients sent that nobody read
+ * (a lingering socket among them makes that close wait): the connections' and the direct
+ * channels' ends. The exec would close them, and place() could replace them, in the daemon's
+ * thread; so they are counted with the closes pending (@p cl), and handed to closers at the
+ * last moment (hand_sockets()). The channels in @p chans (free() it).
+ */
+static int add_sockets(struct dlpd_server *s, struct dlpd_closing **cl, size_t *ncl,
+		       struct dlpd_channel ***chans, size_t *nchans)
+{
+	struct dlpd_list *lists[] = {&s->peers, &s->lingering};
+	size_t cap = *ncl;
+	int r = 0;
+
+	for (size_t i = 0; r == 0 && i < 2; i++)
+		for (struct dlpd_list *l = lists[i]->next; r == 0 && l != lists[i]; l = l->next) {
+			struct dlpd_peer *p =
+				i == 0 ? dlpd_container_of(l, struct dlpd_peer, link)
+				       : dlpd_container_of(l, struct dlpd_peer, fail_link);
+
+			r = push_closing(cl, ncl, &cap, p->fd, p->uid);
+		}
+	if (r == 0)
+		r = dlpd_channel_range(&s->reg, (const uint8_t *)"", 0, (const uint8_t *)"", 0,
+				       SIZE_MAX, chans, nchans);
+	for (size_t i = 0; r == 0 && i < *nchans; i++)
+		for (int e = 0; r == 0 && e < 2 && (*chans)[i]->ends[0] >= 0; e++)
+			r = push_closing(cl, ncl, &cap, (*chans)[i]->ends[e], (*chans)[i]->uid);
+	return r;
+}
+
+/* Hand add_sockets()'s sockets to their uids' closers, shut first (their clients see the end
+ * at once) and kept open across the exec (passed on as closes pending). */
+static void hand_sockets(struct dlpd_server *s, struct dlpd_channel **chans, size_t nchans)
+{
+	struct dlpd_list *lists[] = {&s->peers, &s->lingering};
+
+	for (size_t i = 0; i < 2; i++)
+		for (struct dlpd_list *l = lists[i]->next; l != lists[i]; l = l->next) {
+			struct dlpd_peer *p =
+				i == 0 ? dlpd_container_of(l, struct dlpd_peer, link)
+				       : dlpd_container_of(l, struct dlpd_peer, fail_link);
+
+			fcntl(p->fd, F_SETFD, 0);
+			shutdown(p->fd, SHUT_RDWR);
+			dlpd_close_uid(p->uid, p->fd);
+		}
+	for (size_t i = 0; i < nchans; i++)
+		if (chans[i]->ends[0] >= 0) {
+			fcntl(chans[i]->ends[0], F_SETFD, 0);
+			fcntl(chans[i]->ends[1], F_SETFD, 0);
+			dlpd_direct_close(s, chans[i]);
+		}
+	free(chans);
+}
+
 void dlpd_upgrade(struct dlpd_server *s)
 {
 	struct handover h = {0};
+	struct dlpd_closing *cl = NULL;
+	struct dlpd_channel **chans = NULL;
+	size_t ncl = 0, nchans = 0;
 	char pid[32], nfds[32];
 	sigset_t hold;
 	uint64_t epoch;
@@ -177,6 +336,25 @@ void dlpd_upgrade(struct dlpd_server *s)
 		free(h.names);
 		return;
 	}
+	release_unread(s);
+	r = dlpd_closers_handover(&cl, &ncl);
+	if (r == 0)
+		r = add_sockets(s, &cl, &ncl, &chans, &nchans);
+	if (r == 0 && ncl)
+		r = add_closing(&h, cl, ncl);
+	if (r == 0 && h.names_len > FDNAMES_MAX)
+		r = -E2BIG;
+	if (r < 0) {
+		dlpd_log(LOG_ERR, "not upgrading: cannot hand over %zu closes pending: %s", ncl,
+			 strerror(-r));
+		abandon(s);
+		free(cl);
+		free(chans);
+		close(journal);
+		free(h.fds);
+		free(h.names);
+		return;
+	}
 	dlpd_log(LOG_NOTICE,
 		 "upgrading: executing %s with %zu fds (%zu entries); closing %llu connections",
 		 s->self_exe, h.n, s->reg.names.count, (unsigned long long)s->npeers);
@@ -187,6 +365,9 @@ void dlpd_upgrade(struct dlpd_server *s)
 	    setenv("LISTEN_FDNAMES", h.names, 1) < 0 ||
 	    (dlpd_notify_socket() && setenv("NOTIFY_SOCKET", dlpd_notify_socket(), 1) < 0)) {
 		dlpd_log(LOG_ERR, "not upgrading: cannot set the environment: %m");
+		abandon(s);
+		free(cl);
+		free(chans);
 		unsetenv("LISTEN_PID");
 		unsetenv("LISTEN_FDS");
 		unsetenv("LISTEN_FDNAMES");
@@ -196,6 +377,8 @@ void dlpd_upgrade(struct dlpd_server *s)
 		free(h.names);
 		return;
 	}
+	/* no way back from here */
+	hand_sockets(s, chans, nchans);
 	dlpd_persist_drop_held(s);
 	/* notifications waiting for room in the service manager's queue (storages for its fd
 	 * store, removals) would die with this image */
@@ -221,6 +404,8 @@ void dlpd_upgrade(struct dlpd_server *s)
 	sigaddset(&hold, SIGTERM);
 	sigaddset(&hold, SIGINT);
 	sigaddset(&hold, SIGHUP);
+	/* and a closer's exit: libuv's handler would write to a pipe that place() replaces */
+	sigaddset(&hold, SIGCHLD);
 	sigprocmask(SIG_BLOCK, &hold, NULL);
 	/* from here on the fds move: nothing may close one behind our back */
 	dlpd_reaper_freeze();
@@ -229,6 +414,17 @@ void dlpd_upgrade(struct dlpd_server *s)
 		dlpd_log(LOG_ERR, "upgrade failed moving the fds to hand over: %s", strerror(-r));
 		_exit(1);
 	}
+	/* (made now: its fd must not be one of the slots place() fills) */
+	r = dlpd_closers_export(cl, ncl);
+	if (r < 0)
+		dlpd_log(LOG_WARNING,
+			 "cannot tell the new image of %zu fds still closing (%s): they stay "
+			 "open there",
+			 ncl, strerror(-r));
+	free(cl);
+	/* the loop's fds may be replaced: no more of it; the closers quit once they are done */
+	dlpd_closers_exec();
+	dlpd_closers_quit_all();
 	exec_image(s->self_exe);
 	/* the image running now, whatever became of the file */
 	exec_image("/proc/self/exe");

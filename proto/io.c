@@ -11,10 +11,19 @@
 
 #define RX_MIN DLPC_RX_BUF_SIZE
 
-/* The control buffer of one recvmsg(): room for a frame's fds (CMSG_SPACE may round it up). */
+/*
+ * The most fds one sendmsg() can carry (the kernel's SCM_MAX_FD). The control buffer of one
+ * recvmsg() has room for all of them, not only for a frame's: the fds that do not fit are
+ * dropped by the kernel in the receiving thread, and dropping the last reference of one can
+ * block it (a TCP socket lingering with a full send queue). Those that arrive are closed
+ * through the closer (dlpc__set_closer()).
+ */
+#define RX_FDS_MAX 253
+
+/* The control buffer of one recvmsg() (CMSG_SPACE may round it up). */
 union ctl_buf {
 	struct cmsghdr align;
-	char buf[CMSG_SPACE(sizeof(int) * DLPC_FRAME_FDS_MAX)];
+	char buf[CMSG_SPACE(sizeof(int) * RX_FDS_MAX)];
 };
 /* fds that fit in it: fewer arriving with MSG_CTRUNC means the kernel could not install them */
 #define CTL_ROOM ((sizeof(union ctl_buf) - CMSG_LEN(0)) / sizeof(int))
@@ -125,7 +134,7 @@ ssize_t dlpc__rx_read_flags(struct dlpc__rx *rx, int sock, int flags, char *why,
 	union ctl_buf ctl;
 	struct iovec iov;
 	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
-	int fds[DLPC_FRAME_FDS_MAX * 2];
+	int fds[RX_FDS_MAX];
 	unsigned nfds = 0;
 	ssize_t n;
 	int r;
@@ -151,15 +160,13 @@ ssize_t dlpc__rx_read_flags(struct dlpc__rx *rx, int sock, int flags, char *why,
 			memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
 	}
 	if (msg.msg_flags & MSG_CTRUNC) {
-		/* A full control buffer means the peer sent more fds than a frame may carry; one
+		/* A full control buffer means the peer sent more fds than a message may carry; one
 		 * with room left means the kernel could not install them here (no free fd). */
 		bool lost = rx->report_lost_fds && nfds < CTL_ROOM;
 
 		close_fds(fds, nfds);
 		if (!lost) {
-			snprintf(why, whylen,
-				 "control data truncated: more than %d fds in one message",
-				 DLPC_FRAME_FDS_MAX);
+			snprintf(why, whylen, "control data truncated (%u fds arrived)", nfds);
 			return -EPROTO;
 		}
 		nfds = 0;
@@ -170,8 +177,14 @@ ssize_t dlpc__rx_read_flags(struct dlpc__rx *rx, int sock, int flags, char *why,
 		rx->batch[rx->nbatch++] = (struct dlpc__fdbatch){
 			.lost = true, .end = rx->off + (rx->end - rx->start) + (size_t)n};
 	}
+	if (nfds > DLPC_FRAME_FDS_MAX) {
+		close_fds(fds, nfds);
+		snprintf(why, whylen, "more than %d fds in one message (%u)", DLPC_FRAME_FDS_MAX,
+			 nfds);
+		return -EPROTO;
+	}
 	if (nfds > 0) {
-		if (rx->nbatch == DLPC_RX_BATCH_MAX || nfds > DLPC_FRAME_FDS_MAX) {
+		if (rx->nbatch == DLPC_RX_BATCH_MAX) {
 			close_fds(fds, nfds);
 			snprintf(why, whylen, "fds arrived faster than frames claimed them");
 			return -EPROTO;

@@ -142,14 +142,19 @@
 /* Milliseconds a connection has to finish a frame it started, and to complete HELLO after
  * connecting. --frame-timeout-ms */
 #define DLPC_FRAME_TIMEOUT_MS_DEFAULT 10000
-/* fds the daemon keeps out of the storage budget: its own (listener, lock, event loop, closer
- * threads) and those of frames being received. Storages and connections together may use
+/* fds the daemon keeps out of the storage budget: its own (listener, lock, event loop, reaper
+ * thread) and those of frames being received (closer processes' sockets count in the budget). Storages and connections together may use
  * RLIMIT_NOFILE minus this; a PUBLISH beyond that is refused. */
 #define DLPC_FD_RESERVE 32
 /* Percent of the fds for storages and connections (RLIMIT_NOFILE minus DLPC_FD_RESERVE) that
  * one uid's storages and connections may hold, so that no uid can take the fds every other
  * uid needs to publish. --max-fd-share-per-uid */
 #define DLPC_UID_FD_SHARE_DEFAULT 25
+/* Closer processes (daemon/closer.c) at once: each closes the fds one uid sent, so that a close
+ * that never returns (a stalled FUSE server, a lingering socket) holds up that uid's closes
+ * alone. Past this many uids with closes pending, the others' fds wait, still charged to them,
+ * until a closer is idle. */
+#define DLPC_CLOSERS_MAX 64
 /* Connections of one uid accepted beyond --max-connections-per-uid or its fd share, so that
  * each can still be told why at HELLO; past that a connection is closed as soon as it is
  * accepted. */
