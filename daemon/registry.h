@@ -38,7 +38,7 @@ struct dlpd_usage {
 	uint64_t memory;       /* the daemon's memory its records take (DLPD_*_COST) */
 	/* bytes of the daemon's memory its unfinished frames and waiting requests hold (mem.c) */
 	uint64_t pending_bytes;
-	uint64_t closing;      /* fds of its handed to a closer and not closed yet (closer.c) */
+	uint64_t closing; /* fds of its handed to a closer and not closed yet (closer.c) */
 };
 
 /*
