@@ -204,7 +204,9 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
  * made again (an upgrade in place closes the connections its old image accepted; the new image
  * answers on the same socket): pausing 10 ms at first, then up to DLPC_RECONNECT_BACKOFF_MAX_MS,
  * until $DLPC_CALL_TIMEOUT_MS has passed since the call began, when it fails with -ECONNRESET
- * or -EPIPE. A refusal (over a quota, another protocol) comes with its reason and is not retried.
+ * or -EPIPE. A refusal (over a quota, another protocol) comes with its reason and is not retried,
+ * also one that closes the connection as soon as it is accepted (a uid far over its limits):
+ * -EDQUOT at once, with dlpackd's words.
  * @param socket_path the daemon's socket, or NULL for dlpc_default_socket()'s.
  * @param ret receives the client on success.
  * @return 0, -ECONNREFUSED or -ENOENT when no daemon listens, -EPROTO on a version mismatch,

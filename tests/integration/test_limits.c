@@ -1215,6 +1215,45 @@ START_TEST(test_quota_connections_per_uid)
 }
 END_TEST
 
+/* In a child, as nobody: hold DLPC_UID_CONNECTIONS_SLACK + 2 connections that never send
+ * HELLO (the limit being 1), so that the next is refused as soon as it is accepted; then
+ * dlpc_connect() must fail at once with the daemon's reason, not retry it as if an upgrade had
+ * dropped it until the call timeout ends (or forever, without one). */
+static int nobody_refused_at_accept(void *arg)
+{
+	int socks[DLPC_UID_CONNECTIONS_SLACK + 2];
+	dlpc_client *c = NULL;
+	int r;
+
+	(void)arg;
+	become_nobody();
+	for (size_t i = 0; i < sizeof(socks) / sizeof(socks[0]); i++)
+		socks[i] = raw_connect();
+	/* long enough that a retry loop could not hide the refusal: it would end with it */
+	CHILD_CHECK(setenv(DLPC_CALL_TIMEOUT_ENV, "20000", 1) == 0);
+	r = dlpc_connect(D.sock, &c);
+	if (r != -EDQUOT || !error_says("--max-connections-per-uid")) {
+		fprintf(stderr, "dlpc_connect() = %d: %s\n", r, dlpc_last_error());
+		return 1;
+	}
+	CHILD_CHECK(c == NULL);
+	for (size_t i = 0; i < sizeof(socks) / sizeof(socks[0]); i++)
+		close(socks[i]);
+	return 0;
+}
+
+START_TEST(test_refused_at_accept_says_why)
+{
+	static const char *const args[] = {"--max-connections-per-uid", "1", "--frame-timeout-ms",
+					   "120000", NULL};
+
+	start(args, 0);
+	open_for_others();
+	ck_assert_int_eq(wait_child(spawn(nobody_refused_at_accept, NULL)), 0);
+	ck_assert(log_has(D.log, "(--max-connections-per-uid) by more than 8"));
+}
+END_TEST
+
 /* ---- per-connection limits ---- */
 
 START_TEST(test_refs_per_connection)
@@ -1808,6 +1847,7 @@ static Suite *limits_suite(void)
 	tcase_add_test(quota, test_quota_bytes_count_declared_size);
 	tcase_add_test(quota, test_quota_bytes_held_until_freed);
 	tcase_add_test(quota, test_quota_connections_per_uid);
+	tcase_add_test(quota, test_refused_at_accept_says_why);
 	tcase_add_test(quota, test_pinned_storage_charged_to_holder);
 	tcase_add_test(quota, test_replace_of_a_held_entry_counts_what_it_pins);
 	tcase_add_test(conn, test_refs_per_connection);
