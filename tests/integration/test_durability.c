@@ -9,6 +9,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
@@ -1361,6 +1362,64 @@ START_TEST(test_slow_manager)
 }
 END_TEST
 
+/* In a child, as nobody: publish and unpublish DLPD_NOTIFY_QUEUE_MAX entries, one after the
+ * other, while the manager does not read. */
+static int nobody_churns(void *arg)
+{
+	const struct mgr *m = arg;
+	dlpc_client *c;
+	char name[32];
+
+	CHILD_CHECK(setgroups(0, NULL) == 0);
+	CHILD_CHECK(setgid(65534) == 0 && setuid(65534) == 0);
+	CHILD_CHECK(dlpc_connect(m->sock, &c) == 0);
+	for (int i = 0; i < DLPD_NOTIFY_QUEUE_MAX; i++) {
+		snprintf(name, sizeof(name), "churn/%d", i);
+		CHILD_CHECK(publish(c, name, 1, 0) == 1);
+		CHILD_CHECK(dlpc_unpublish(c, name) == 0);
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+/* Another user publishes and unpublishes in a loop while the manager reads slowly: a storage
+ * whose FDSTORE=1 has not left when it goes leaves nothing behind (neither its FDSTORE nor an
+ * FDSTOREREMOVE waits for the manager), so the backlog does not grow with the churn and never
+ * ends persistence for everyone; what root published before and meanwhile survives a kill. */
+START_TEST(test_churn_while_manager_slow)
+{
+	long long deadline;
+	struct mgr m;
+	dlpc_client *c;
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(publish(c, "keep/0", 1, 0), 1);
+	mgr_drain(&m);
+	__atomic_store_n(&m.stalled, true, __ATOMIC_RELEASE);
+	ck_assert_int_eq(wait_child(spawn(nobody_churns, &m)), 0);
+	ck_assert_dlpc(publish(c, "keep/1", 1, 0), 1);
+	__atomic_store_n(&m.stalled, false, __ATOMIC_RELEASE);
+	deadline = now_ms() + scaled_ms(5000);
+	while (store_count(&m, DLPD_FDNAME_STORAGE) != 2 && now_ms() < deadline)
+		usleep(10000);
+	ck_assert_log(&m, !log_has(m.log, "cannot hand a storage to the service manager"),
+		      "persistence was given up");
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	ck_assert_log(&m, attach_check(c, "keep/0") == 1, "keep/0 did not come back");
+	ck_assert_log(&m, attach_check(c, "keep/1") == 1, "keep/1 did not come back");
+	ck_assert_uint_eq(stat_or_die(c).entries, 2);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
 /* A manager that stops reading for good: once DLPD_NOTIFY_QUEUE_MAX notifications wait, the
  * daemon gives up persisting, and the journal it gave up on, still in the store (its removal
  * never reached the manager), is never restored: nothing comes back, not even an entry
@@ -1865,6 +1924,7 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_upgrade_storm);
 	tcase_add_test(tc, test_damaged_newer_journal);
 	tcase_add_test(tc, test_slow_manager);
+	tcase_add_test(tc, test_churn_while_manager_slow);
 	tcase_add_test(tc, test_given_up_journal);
 	suite_add_tcase(s, tc);
 	return s;
