@@ -628,7 +628,8 @@ fail:
  * answers HELLO without saying why (-ECONNRESET, -EPIPE; a refusal comes with a reason): an
  * upgrade in place closes the connections its old image accepted, and the new image, listening
  * on the same socket, answers the next. Pausing 10 ms at first, then up to
- * DLPC_RECONNECT_BACKOFF_MAX_MS, within the call timeout @p timeout (<= 0: no bound).
+ * DLPC_RECONNECT_BACKOFF_MAX_MS, within the call timeout @p timeout (<= 0: at most
+ * DLPC_RECONNECT_DROPS_MAX connections).
  */
 static int connect_dropped_again(const char *path, int64_t timeout, dlpc_client **ret)
 {
@@ -644,6 +645,17 @@ static int connect_dropped_again(const char *path, int64_t timeout, dlpc_client 
 		tries++;
 		if (r != -ECONNRESET && r != -EPIPE)
 			break;
+		/* without a call timeout an upgrade's drops still end: a socket that closes every
+		 * connection without a word (not dlpackd's) is not tried forever */
+		if (!end && tries >= DLPC_RECONNECT_DROPS_MAX) {
+			snprintf(why, sizeof(why), "%s", dlpc_last_error());
+			return dlpc__fail(
+				r,
+				"cannot connect to dlpackd at %s: it closed each of %u "
+				"connections before answering HELLO (DLPC_RECONNECT_DROPS_MAX; "
+				"%s sets no bound): %s",
+				path, tries, DLPC_CALL_TIMEOUT_ENV, why);
+		}
 		if (end) {
 			left = end - dlpc__mono_ms();
 			if (left <= pause) {
