@@ -1819,6 +1819,23 @@ START_TEST(test_limit_flags_checked)
 	flag_refused("--max-queue-bytes", "8M"); /* below one largest frame and its header */
 	flag_refused("--max-queue-fds", "0");
 	flag_refused("DLPACKD_MAX_WATCH_QUEUE_BYTES", "lots");
+	/* below a connection and the receive buffer of its HELLO: no connection of any uid could
+	 * ever say HELLO */
+	flag_refused("--max-memory-per-uid", "16K");
+	flag_refused("DLPACKD_MAX_MEMORY_PER_UID", "17663");
+}
+END_TEST
+
+/* At the smallest --max-memory-per-uid the daemon takes, a uid can still connect. */
+START_TEST(test_memory_per_uid_at_its_minimum)
+{
+	static const char *const args[] = {"--max-memory-per-uid", "17664", NULL};
+	dlpc_client *c;
+
+	start(args, 0);
+	c = connect_or_die(&D);
+	ck_assert_uint_eq(stat_or_die(c).uid_connections, 1);
+	dlpc_close(c);
 }
 END_TEST
 
@@ -1844,6 +1861,7 @@ static Suite *limits_suite(void)
 	tcase_add_test(quota, test_limit_flags_checked);
 	tcase_add_test(quota, test_quota_entries_per_uid);
 	tcase_add_test(quota, test_memory_per_uid);
+	tcase_add_test(quota, test_memory_per_uid_at_its_minimum);
 	tcase_add_test(quota, test_quota_bytes_count_declared_size);
 	tcase_add_test(quota, test_quota_bytes_held_until_freed);
 	tcase_add_test(quota, test_quota_connections_per_uid);
