@@ -187,6 +187,8 @@ void dlpd_upgrade(struct dlpd_server *s)
 	    setenv("LISTEN_FDNAMES", h.names, 1) < 0 ||
 	    (dlpd_notify_socket() && setenv("NOTIFY_SOCKET", dlpd_notify_socket(), 1) < 0)) {
 		dlpd_log(LOG_ERR, "not upgrading: cannot set the environment: %m");
+		/* the reload the manager was told of ends here: this image serves on */
+		dlpd_notify("READY=1\nSTATUS=upgrade refused: cannot set the environment");
 		unsetenv("LISTEN_PID");
 		unsetenv("LISTEN_FDS");
 		unsetenv("LISTEN_FDNAMES");
@@ -204,6 +206,10 @@ void dlpd_upgrade(struct dlpd_server *s)
 			 "not upgrading: the service manager did not take %zu notifications within "
 			 "%d ms",
 			 dlpd_notify_queued(), DLPD_NOTIFY_WAIT_MS);
+		/* behind the RELOADING=1 that waits with the rest: the manager, once it reads,
+		 * sees the reload end and this image serving on */
+		dlpd_notify("READY=1\nSTATUS=upgrade refused: the service manager did not take "
+			    "its notifications in time");
 		unsetenv("LISTEN_PID");
 		unsetenv("LISTEN_FDS");
 		unsetenv("LISTEN_FDNAMES");

@@ -1420,6 +1420,53 @@ START_TEST(test_churn_while_manager_slow)
 }
 END_TEST
 
+/* An upgrade refused because the manager did not take what waited for it (SIGHUP while it does
+ * not read) has said RELOADING=1: it says READY=1 after it too, so the manager, once it reads
+ * again, does not hold the service as reloading for good; the daemon goes on serving. */
+START_TEST(test_refused_upgrade_says_ready)
+{
+	long long deadline;
+	unsigned ready = 0, reloads = 0;
+	struct mgr m;
+	dlpc_client *c;
+	char name[32];
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	mgr_drain(&m);
+	__atomic_store_n(&m.stalled, true, __ATOMIC_RELEASE);
+	for (int i = 0; i < 20; i++) {
+		snprintf(name, sizeof(name), "x/%d", i);
+		ck_assert_dlpc(publish(c, name, 1, 0), 1);
+	}
+	ck_assert_int_eq(kill(m.pid, SIGHUP), 0);
+	deadline = now_ms() + scaled_ms(15000);
+	while (!log_has(m.log, "not upgrading: the service manager did not take"))
+		ck_assert_log(&m, now_ms() < deadline, "the upgrade was not refused");
+	__atomic_store_n(&m.stalled, false, __ATOMIC_RELEASE);
+	deadline = now_ms() + scaled_ms(5000);
+	while (now_ms() < deadline) {
+		pthread_mutex_lock(&m.mu);
+		while (mgr_take(&m, 0))
+			;
+		ready = m.readies;
+		reloads = m.reloads;
+		pthread_mutex_unlock(&m.mu);
+		if (reloads == 1 && ready == 2)
+			break;
+		usleep(10000);
+	}
+	ck_assert_log(&m, reloads == 1 && ready == 2,
+		      "%u RELOADING=1 and %u READY=1 (one at start) told the manager", reloads,
+		      ready);
+	ck_assert_int_eq(attach_check(c, "x/19"), 1);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
 /* A manager that stops reading for good: once DLPD_NOTIFY_QUEUE_MAX notifications wait, the
  * daemon gives up persisting, and the journal it gave up on, still in the store (its removal
  * never reached the manager), is never restored: nothing comes back, not even an entry
@@ -1925,6 +1972,7 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_damaged_newer_journal);
 	tcase_add_test(tc, test_slow_manager);
 	tcase_add_test(tc, test_churn_while_manager_slow);
+	tcase_add_test(tc, test_refused_upgrade_says_ready);
 	tcase_add_test(tc, test_given_up_journal);
 	suite_add_tcase(s, tc);
 	return s;
