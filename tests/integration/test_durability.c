@@ -1389,6 +1389,7 @@ static int nobody_churns(void *arg)
 START_TEST(test_churn_while_manager_slow)
 {
 	long long deadline;
+	char last[32];
 	struct mgr m;
 	dlpc_client *c;
 
@@ -1401,11 +1402,18 @@ START_TEST(test_churn_while_manager_slow)
 	ck_assert_int_eq(wait_child(spawn(nobody_churns, &m)), 0);
 	ck_assert_dlpc(publish(c, "keep/1", 1, 0), 1);
 	__atomic_store_n(&m.stalled, false, __ATOMIC_RELEASE);
-	deadline = now_ms() + scaled_ms(5000);
-	while (store_count(&m, DLPD_FDNAME_STORAGE) != 2 && now_ms() < deadline)
+	/* keep/1's storage, the last of a fresh daemon's (keep/0 had 1, the churn the next
+	 * DLPD_NOTIFY_QUEUE_MAX), goes after everything before it: once it is in the store, the
+	 * store holds what the daemon meant it to */
+	snprintf(last, sizeof(last), DLPD_FDNAME_STORAGE "%x", 2 + DLPD_NOTIFY_QUEUE_MAX);
+	deadline = now_ms() + scaled_ms(10000);
+	while (!stored(&m, last)) {
+		ck_assert_log(&m, now_ms() < deadline, "%s never reached the store", last);
 		usleep(10000);
+	}
 	ck_assert_log(&m, !log_has(m.log, "cannot hand a storage to the service manager"),
 		      "persistence was given up");
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 2);
 	dlpc_close(c);
 	mgr_kill(&m, SIGKILL);
 	mgr_start(&m);
