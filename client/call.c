@@ -187,6 +187,7 @@ static int deliver(dlpc_client *c, struct dlpc__frame *f, uint64_t *drop)
 		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, f->hdr.len, f->payload);
 
 		snprintf(c->fatal, sizeof(c->fatal), "%s", e ? e->message : "(malformed ERROR)");
+		c->fatal_code = e && e->code > 0 ? e->code : 0;
 		if (e)
 			dlpackd__v1__error__free_unpacked(e, NULL);
 		return -EPROTO;

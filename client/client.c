@@ -285,6 +285,36 @@ void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoc
 	}
 }
 
+/*
+ * dlpackd closed @p c's new connection before HELLO was answered: read what it said first, if
+ * anything. A refusal at accept comes as an ERROR with id 0 written just before the close; when
+ * the close came before HELLO left, the send failed (EPIPE) and nothing was read, but the
+ * ERROR still waits in the socket.
+ */
+static void last_word(dlpc_client *c)
+{
+	uint8_t buf[DLPC_FRAME_HDR_SIZE + 1024];
+	Dlpackd__V1__Error *e;
+	struct dlpc__hdr h;
+	ssize_t n;
+
+	if (c->fatal[0] || c->rx.end > c->rx.start)
+		return;
+	n = recv(c->sock, buf, sizeof(buf), MSG_DONTWAIT);
+	if (n < (ssize_t)DLPC_FRAME_HDR_SIZE)
+		return;
+	dlpc__hdr_decode(buf, &h);
+	if (h.type != DLPC_MSG_ERROR || h.id != 0 || h.nfds ||
+	    h.len > (size_t)n - DLPC_FRAME_HDR_SIZE)
+		return;
+	e = dlpackd__v1__error__unpack(NULL, h.len, buf + DLPC_FRAME_HDR_SIZE);
+	if (!e)
+		return;
+	snprintf(c->fatal, sizeof(c->fatal), "%s", e->message);
+	c->fatal_code = e->code > 0 ? e->code : 0;
+	dlpackd__v1__error__free_unpacked(e, NULL);
+}
+
 /* Take a reference on @p c unless its last one is already gone (it is being freed). */
 static bool client_tryref(dlpc_client *c)
 {
@@ -562,6 +592,12 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, i
 		snprintf(why, sizeof(why), "%s", dlpc_last_error());
 		r = dlpc__fail(r, "cannot connect to dlpackd at %s: %s", path, why);
 	}
+	if (r == -EPIPE || r == -ECONNRESET || r == -EPROTO)
+		last_word(c);
+	/* refused with a reason (over a limit of its uid's at accept): not an upgrade's drop */
+	if (r < 0 && c->fatal_code && c->fatal[0])
+		r = dlpc__fail(-c->fatal_code, "cannot connect to dlpackd at %s: it refused: %s",
+			       path, c->fatal);
 	if (r < 0)
 		goto fail;
 	if (rep->version_major != DLPC_PROTO_MAJOR) {
@@ -592,7 +628,8 @@ fail:
  * answers HELLO without saying why (-ECONNRESET, -EPIPE; a refusal comes with a reason): an
  * upgrade in place closes the connections its old image accepted, and the new image, listening
  * on the same socket, answers the next. Pausing 10 ms at first, then up to
- * DLPC_RECONNECT_BACKOFF_MAX_MS, within the call timeout @p timeout (<= 0: no bound).
+ * DLPC_RECONNECT_BACKOFF_MAX_MS, within the call timeout @p timeout (<= 0: at most
+ * DLPC_RECONNECT_DROPS_MAX connections).
  */
 static int connect_dropped_again(const char *path, int64_t timeout, dlpc_client **ret)
 {
@@ -608,6 +645,17 @@ static int connect_dropped_again(const char *path, int64_t timeout, dlpc_client 
 		tries++;
 		if (r != -ECONNRESET && r != -EPIPE)
 			break;
+		/* without a call timeout an upgrade's drops still end: a socket that closes every
+		 * connection without a word (not dlpackd's) is not tried forever */
+		if (!end && tries >= DLPC_RECONNECT_DROPS_MAX) {
+			snprintf(why, sizeof(why), "%s", dlpc_last_error());
+			return dlpc__fail(
+				r,
+				"cannot connect to dlpackd at %s: it closed each of %u "
+				"connections before answering HELLO (DLPC_RECONNECT_DROPS_MAX; "
+				"%s sets no bound): %s",
+				path, tries, DLPC_CALL_TIMEOUT_ENV, why);
+		}
 		if (end) {
 			left = end - dlpc__mono_ms();
 			if (left <= pause) {

@@ -87,6 +87,7 @@ struct dlpc_client {
 	bool reclaimer;
 	int wake_fd;	    /* eventfd that ends the reader's wait for the socket (dlpc_close) */
 	char fatal[256];    /* the daemon's last word (an ERROR with id 0), if any */
+	int fatal_code;	    /* and its errno, positive */
 	struct dlpc__rx rx; /* used only by the current reader */
 
 	pthread_mutex_t wmu; /* serializes writes; protects out and pending */

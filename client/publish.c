@@ -627,8 +627,9 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 	if (zc && zc->device)
 		zc = NULL;
 	if (zc) {
-		/* offsets in descs already; a pooled buffer goes as its read-only descriptor */
-		fd = zc->pool_token ? zc->pool_fd : zc->fd;
+		/* offsets in descs already; a pooled buffer sent as one (with its token) goes as
+		 * its read-only descriptor, published as the memfd any allocation's is */
+		fd = sink && sink->pool_token ? zc->pool_fd : zc->fd;
 		size = zc->len;
 	} else {
 		size = size ? size : DLPC_ALIGN;

@@ -24,6 +24,7 @@
 #include "base.h"
 #include "config.h"
 #include "limits.h"
+#include "registry.h"
 
 struct dlpd_config dlpd_config = {
 	.socket_path = NULL,
@@ -121,7 +122,7 @@ static const struct option_row options[] = {
 	OPT_UINT("max-entries-per-uid", "DLPACKD_MAX_ENTRIES_PER_UID", dlpd_limits.entries_per_uid,
 		 1, UINT64_MAX, "names and channels one uid may have"),
 	OPT_SIZE("max-memory-per-uid", "DLPACKD_MAX_MEMORY_PER_UID", dlpd_limits.memory_per_uid,
-		 4096, UINT64_MAX,
+		 DLPD_MEMORY_PER_UID_MIN, UINT64_MAX,
 		 "dlpackd's own memory that one uid's entries,\nmessages, channels and references "
 		 "may take"),
 	OPT_UINT("max-connections-per-uid", "DLPACKD_MAX_CONNECTIONS_PER_UID",

@@ -377,6 +377,11 @@ void dlpd_persist_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 		return;
 	st->stored = false;
 	p->storages_stored--;
+	/* its FDSTORE=1 still waiting for the manager (which reads slowly) never goes, and then
+	 * there is nothing to remove: churn cannot make the backlog grow, nor keep memory alive
+	 * in it (the waiting notification holds a copy of the fd) */
+	if (dlpd_notify_unqueue("FDSTORE=1\nFDNAME=" DLPD_FDNAME_STORAGE "%" PRIx64, st->sid))
+		return;
 	/* even with the journal given up: a storage left there would hold a slot of the store
 	 * and its memory until the next restart */
 	dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STORAGE "%" PRIx64,

@@ -52,6 +52,9 @@ struct dlpd_usage {
 /* A connection: its state, libuv's handles, the kernel's socket buffers not included; its
  * receive buffer, while it holds part of a frame, counts as unfinished work (mem.c). */
 #define DLPD_CONNECTION_COST 1280
+/* The least --max-memory-per-uid may be: a connection and the receive buffer of its HELLO
+ * (mem.c), or no connection of any uid could ever say HELLO. */
+#define DLPD_MEMORY_PER_UID_MIN (DLPD_CONNECTION_COST + DLPC_RX_BUF_SIZE)
 #define DLPD_RECORD_COST 512
 /* What each tensor of an entry or message adds to its request's bytes once unpacked. */
 #define DLPD_TENSOR_COST 160

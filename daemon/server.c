@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <libgen.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +52,30 @@ static void accept_resume(uv_timer_t *t)
 
 	if (!s->stopping)
 		uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
+}
+
+/*
+ * Refuse @p p, just accepted, for a reason given by @p fmt: it is told why in an ERROR (id 0,
+ * @p err) before its socket closes, so that a client sees a refusal, not a connection dropped
+ * as an upgrade drops it (libdlpc connects again after those, until its call timeout). A new
+ * socket's buffer is empty: the ERROR leaves at once, and the connection costs nothing more.
+ */
+static void refuse(struct dlpd_peer *p, int err, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+static void refuse(struct dlpd_peer *p, int err, const char *fmt, ...)
+{
+	Dlpackd__V1__Error e = DLPACKD__V1__ERROR__INIT;
+	char why[384];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(why, sizeof(why), fmt, ap);
+	va_end(ap);
+	e.code = err;
+	e.message = why;
+	dlpd_reply(p, DLPC_MSG_ERROR, 0, &e.base, NULL, 0);
+	dlpd_peer_fail(p, LOG_WARNING, "refused: %s", why);
 }
 
 static void on_accept(uv_poll_t *h, int status, int events)
@@ -116,26 +141,24 @@ static void on_accept(uv_poll_t *h, int status, int events)
 		/* over its quota it is refused at HELLO, with the reason; far over it, at once */
 		if (p->usage->connections >
 		    s->lim.connections_per_uid + DLPC_UID_CONNECTIONS_SLACK) {
-			dlpd_peer_fail(
-				p, LOG_WARNING,
-				"refused: uid %u has %llu connections, over the limit of %llu "
-				"(--max-connections-per-uid) by more than %d",
-				(unsigned)p->uid, (unsigned long long)p->usage->connections - 1,
-				(unsigned long long)s->lim.connections_per_uid,
-				DLPC_UID_CONNECTIONS_SLACK);
+			refuse(p, EDQUOT,
+			       "uid %u has %llu connections, over the limit of %llu "
+			       "(--max-connections-per-uid) by more than %d",
+			       (unsigned)p->uid, (unsigned long long)p->usage->connections - 1,
+			       (unsigned long long)s->lim.connections_per_uid,
+			       DLPC_UID_CONNECTIONS_SLACK);
 			continue;
 		}
 		/* and for the memory its connections and records take */
 		if (p->usage->memory >
 		    s->lim.memory_per_uid + DLPC_UID_CONNECTIONS_SLACK * DLPD_CONNECTION_COST) {
-			dlpd_peer_fail(
-				p, LOG_WARNING,
-				"refused: uid %u has %llu bytes of dlpackd's memory, over the "
-				"limit of %llu (--max-memory-per-uid) by more than %d "
-				"connections",
-				(unsigned)p->uid, (unsigned long long)p->usage->memory,
-				(unsigned long long)s->lim.memory_per_uid,
-				DLPC_UID_CONNECTIONS_SLACK);
+			refuse(p, EDQUOT,
+			       "uid %u has %llu bytes of dlpackd's memory, over the "
+			       "limit of %llu (--max-memory-per-uid) by more than %d "
+			       "connections",
+			       (unsigned)p->uid, (unsigned long long)p->usage->memory,
+			       (unsigned long long)s->lim.memory_per_uid,
+			       DLPC_UID_CONNECTIONS_SLACK);
 			continue;
 		}
 		/* the same for its share of the fds, which HELLO enforces */
@@ -144,8 +167,7 @@ static void on_accept(uv_poll_t *h, int status, int events)
 			char why[256];
 
 			dlpd_uid_fd_share_why(p, uid_fds - 1, why, sizeof(why));
-			dlpd_peer_fail(p, LOG_WARNING, "refused: %s, by more than %d", why,
-				       DLPC_UID_CONNECTIONS_SLACK);
+			refuse(p, EDQUOT, "%s, by more than %d", why, DLPC_UID_CONNECTIONS_SLACK);
 			continue;
 		}
 		dlpd_log(LOG_DEBUG, "%s: accepted", dlpd_peer_desc(p, desc, sizeof(desc)));

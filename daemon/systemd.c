@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -271,6 +272,8 @@ static int send_now(const char *msg, size_t len, const int *fds, size_t nfds)
  * sent by the loop's timer as the manager reads, and waited for at an upgrade and at stop. A
  * notification made while some wait joins them, so the manager sees every one in order.
  */
+static int format(char *msg, size_t size, const char *fmt, va_list ap);
+
 struct queued {
 	struct queued *next;
 	size_t nfds, len;
@@ -383,6 +386,34 @@ size_t dlpd_notify_flush(int wait_ms)
 		poll(&pfd, 1, (int)(deadline - now));
 	}
 	return queue_len;
+}
+
+bool dlpd_notify_unqueue(const char *fmt, ...)
+{
+	char msg[256];
+	va_list ap;
+	int n;
+
+	va_start(ap, fmt);
+	n = format(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (n < 0)
+		return false;
+	for (struct queued **pp = &queue_head; *pp; pp = &(*pp)->next) {
+		struct queued *q = *pp;
+
+		if (q->len != (size_t)n || memcmp(q->msg, msg, (size_t)n) != 0)
+			continue;
+		*pp = q->next;
+		if (queue_tail == &q->next)
+			queue_tail = pp;
+		queue_len--;
+		for (size_t i = 0; i < q->nfds; i++)
+			close(q->fds[i]);
+		free(q);
+		return true;
+	}
+	return false;
 }
 
 size_t dlpd_notify_queued(void)

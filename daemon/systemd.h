@@ -3,6 +3,7 @@
 #ifndef DLPD_SYSTEMD_H
 #define DLPD_SYSTEMD_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <uv.h>
 
@@ -56,6 +57,9 @@ size_t dlpd_notify_flush(int wait_ms);
 /* Wait up to DLPD_NOTIFY_WAIT_MS for what waits to go, unless an earlier wait ran out and the
  * manager has not caught up since (then only what goes at once); how many still wait. */
 size_t dlpd_notify_settle(void);
+/* Take back the notification formatted as @p fmt if it still waits for room (never sent): true
+ * if one did (its fds closed), false if there is none (sent, or never made). */
+bool dlpd_notify_unqueue(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* How many notifications wait for room. */
 size_t dlpd_notify_queued(void);
 /* Offer what waits to the manager from @p loop's timer from now on. */

@@ -368,6 +368,32 @@ void dlpd_upgrade(struct dlpd_server *s)
 		abandon(s);
 		free(cl);
 		free(chans);
+		/* the reload the manager was told of ends here: this image serves on */
+		dlpd_notify("READY=1\nSTATUS=upgrade refused: cannot set the environment");
+		unsetenv("LISTEN_PID");
+		unsetenv("LISTEN_FDS");
+		unsetenv("LISTEN_FDNAMES");
+		unsetenv("NOTIFY_SOCKET");
+		close(journal);
+		free(h.fds);
+		free(h.names);
+		return;
+	}
+	dlpd_persist_drop_held(s);
+	/* notifications waiting for room in the service manager's queue (storages for its fd
+	 * store, removals) would die with this image */
+	if (dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS) > 0) {
+		dlpd_log(LOG_ERR,
+			 "not upgrading: the service manager did not take %zu notifications within "
+			 "%d ms",
+			 dlpd_notify_queued(), DLPD_NOTIFY_WAIT_MS);
+		/* behind the RELOADING=1 that waits with the rest: the manager, once it reads,
+		 * sees the reload end and this image serving on */
+		dlpd_notify("READY=1\nSTATUS=upgrade refused: the service manager did not take "
+			    "its notifications in time");
+		abandon(s);
+		free(cl);
+		free(chans);
 		unsetenv("LISTEN_PID");
 		unsetenv("LISTEN_FDS");
 		unsetenv("LISTEN_FDNAMES");
@@ -379,23 +405,6 @@ void dlpd_upgrade(struct dlpd_server *s)
 	}
 	/* no way back from here */
 	hand_sockets(s, chans, nchans);
-	dlpd_persist_drop_held(s);
-	/* notifications waiting for room in the service manager's queue (storages for its fd
-	 * store, removals) would die with this image */
-	if (dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS) > 0) {
-		dlpd_log(LOG_ERR,
-			 "not upgrading: the service manager did not take %zu notifications within "
-			 "%d ms",
-			 dlpd_notify_queued(), DLPD_NOTIFY_WAIT_MS);
-		unsetenv("LISTEN_PID");
-		unsetenv("LISTEN_FDS");
-		unsetenv("LISTEN_FDNAMES");
-		unsetenv("NOTIFY_SOCKET");
-		close(journal);
-		free(h.fds);
-		free(h.names);
-		return;
-	}
 	/* channels do not survive: direct ones' users hear it now (EPIPE, end of stream) */
 	dlpd_direct_shutdown_all(s);
 	/* The new image holds these back until it can handle them (main.c); a signal sent

@@ -203,8 +203,10 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
  * A connection that dlpackd closes before it answers HELLO, without an error saying why, is
  * made again (an upgrade in place closes the connections its old image accepted; the new image
  * answers on the same socket): pausing 10 ms at first, then up to DLPC_RECONNECT_BACKOFF_MAX_MS,
- * until $DLPC_CALL_TIMEOUT_MS has passed since the call began, when it fails with -ECONNRESET
- * or -EPIPE. A refusal (over a quota, another protocol) comes with its reason and is not retried.
+ * until $DLPC_CALL_TIMEOUT_MS has passed since the call began (without one, for at most
+ * DLPC_RECONNECT_DROPS_MAX connections), when it fails with -ECONNRESET or -EPIPE. A refusal (over a quota, another protocol) comes with its reason and is not retried,
+ * also one that closes the connection as soon as it is accepted (a uid far over its limits):
+ * -EDQUOT at once, with dlpackd's words.
  * @param socket_path the daemon's socket, or NULL for dlpc_default_socket()'s.
  * @param ret receives the client on success.
  * @return 0, -ECONNREFUSED or -ENOENT when no daemon listens, -EPROTO on a version mismatch,
@@ -293,6 +295,10 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 
 /** The longest pause between two attempts of a waiting attach to connect again. */
 #define DLPC_RECONNECT_BACKOFF_MAX_MS 200
+/** With no call timeout ($DLPC_CALL_TIMEOUT_MS 0 or negative), how many connections in a row
+ * dlpc_connect() lets dlpackd close before answering HELLO, without a reason, before it fails
+ * (about 10 s of pauses: an upgrade drops one or two). */
+#define DLPC_RECONNECT_DROPS_MAX 50
 
 /** How many times @p c has connected anew (DLPC_CONNECT_RECONNECT); 0 for NULL. */
 DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c);

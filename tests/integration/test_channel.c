@@ -769,6 +769,27 @@ static bool all_bytes(const uint8_t *p, size_t n, uint8_t v)
 	return true;
 }
 
+/* A recycled buffer published writable (dlpc_publish(), not a send) goes as the read-write
+ * memfd a writable publish is: the read-only descriptor is its messages' only. */
+START_TEST(test_pool_buffer_published_writable)
+{
+	dlpc_client *s = connect_or_die(&D), *r = connect_or_die(&D);
+	DLManagedTensorVersioned *t, *got;
+	int64_t shape = 4096;
+	DLDataType u8 = {kDLUInt, 8, 1};
+
+	ck_assert_dlpc(dlpc_channel_open(s, "pw", 2, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_alloc(s, "pw", u8, 1, &shape, &t), 0);
+	memset(t->dl_tensor.data, 0x5a, (size_t)shape);
+	ck_assert_dlpc(dlpc_publish(s, "pw/x", t, DLPC_PUBLISH_WRITABLE), 1);
+	ck_assert_dlpc(dlpc_attach(r, "pw/x", NULL, &got), 1);
+	ck_assert_uint_eq(((uint8_t *)got->dl_tensor.data)[shape - 1], 0x5a);
+	got->deleter(got);
+	dlpc_close(r);
+	dlpc_close(s);
+}
+END_TEST
+
 START_TEST(test_pool_read_only)
 {
 	dlpc_client *s = connect_or_die(&D), *r = connect_or_die(&D);
@@ -1174,6 +1195,7 @@ int main(void)
 	tcase_add_test(tc, test_list_stat_watch);
 	tcase_add_test(tc, test_pool_recycles);
 	tcase_add_test(tc, test_pool_read_only);
+	tcase_add_test(tc, test_pool_buffer_published_writable);
 	tcase_add_test(tc, test_malformed);
 	tcase_add_test(tc, test_raw_keys);
 	suite_add_tcase(s, tc);

@@ -9,6 +9,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
@@ -1361,6 +1362,119 @@ START_TEST(test_slow_manager)
 }
 END_TEST
 
+/* In a child, as nobody: publish and unpublish DLPD_NOTIFY_QUEUE_MAX entries, one after the
+ * other, while the manager does not read. */
+static int nobody_churns(void *arg)
+{
+	const struct mgr *m = arg;
+	dlpc_client *c;
+	char name[32];
+
+	CHILD_CHECK(setgroups(0, NULL) == 0);
+	CHILD_CHECK(setgid(65534) == 0 && setuid(65534) == 0);
+	CHILD_CHECK(dlpc_connect(m->sock, &c) == 0);
+	for (int i = 0; i < DLPD_NOTIFY_QUEUE_MAX; i++) {
+		snprintf(name, sizeof(name), "churn/%d", i);
+		CHILD_CHECK(publish(c, name, 1, 0) == 1);
+		CHILD_CHECK(dlpc_unpublish(c, name) == 0);
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+/* Another user publishes and unpublishes in a loop while the manager reads slowly: a storage
+ * whose FDSTORE=1 has not left when it goes leaves nothing behind (neither its FDSTORE nor an
+ * FDSTOREREMOVE waits for the manager), so the backlog does not grow with the churn and never
+ * ends persistence for everyone; what root published before and meanwhile survives a kill. */
+START_TEST(test_churn_while_manager_slow)
+{
+	long long deadline;
+	char last[32];
+	struct mgr m;
+	dlpc_client *c;
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(publish(c, "keep/0", 1, 0), 1);
+	mgr_drain(&m);
+	__atomic_store_n(&m.stalled, true, __ATOMIC_RELEASE);
+	ck_assert_int_eq(wait_child(spawn(nobody_churns, &m)), 0);
+	ck_assert_dlpc(publish(c, "keep/1", 1, 0), 1);
+	__atomic_store_n(&m.stalled, false, __ATOMIC_RELEASE);
+	/* keep/1's storage, the last of a fresh daemon's (keep/0 had 1, the churn the next
+	 * DLPD_NOTIFY_QUEUE_MAX), goes after everything before it: once it is in the store, the
+	 * store holds what the daemon meant it to */
+	snprintf(last, sizeof(last), DLPD_FDNAME_STORAGE "%x", 2 + DLPD_NOTIFY_QUEUE_MAX);
+	deadline = now_ms() + scaled_ms(10000);
+	while (!stored(&m, last)) {
+		ck_assert_log(&m, now_ms() < deadline, "%s never reached the store", last);
+		usleep(10000);
+	}
+	ck_assert_log(&m, !log_has(m.log, "cannot hand a storage to the service manager"),
+		      "persistence was given up");
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 2);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	mgr_start(&m);
+	mgr_drain(&m);
+	c = connect_to(&m);
+	ck_assert_log(&m, attach_check(c, "keep/0") == 1, "keep/0 did not come back");
+	ck_assert_log(&m, attach_check(c, "keep/1") == 1, "keep/1 did not come back");
+	ck_assert_uint_eq(stat_or_die(c).entries, 2);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
+/* An upgrade refused because the manager did not take what waited for it (SIGHUP while it does
+ * not read) has said RELOADING=1: it says READY=1 after it too, so the manager, once it reads
+ * again, does not hold the service as reloading for good; the daemon goes on serving. */
+START_TEST(test_refused_upgrade_says_ready)
+{
+	long long deadline;
+	unsigned ready = 0, reloads = 0;
+	struct mgr m;
+	dlpc_client *c;
+	char name[32];
+
+	mgr_init(&m, true, STORE_MAX);
+	mgr_start(&m);
+	c = connect_to(&m);
+	mgr_drain(&m);
+	__atomic_store_n(&m.stalled, true, __ATOMIC_RELEASE);
+	for (int i = 0; i < 20; i++) {
+		snprintf(name, sizeof(name), "x/%d", i);
+		ck_assert_dlpc(publish(c, name, 1, 0), 1);
+	}
+	ck_assert_int_eq(kill(m.pid, SIGHUP), 0);
+	deadline = now_ms() + scaled_ms(15000);
+	while (!log_has(m.log, "not upgrading: the service manager did not take"))
+		ck_assert_log(&m, now_ms() < deadline, "the upgrade was not refused");
+	__atomic_store_n(&m.stalled, false, __ATOMIC_RELEASE);
+	deadline = now_ms() + scaled_ms(5000);
+	while (now_ms() < deadline) {
+		pthread_mutex_lock(&m.mu);
+		while (mgr_take(&m, 0))
+			;
+		ready = m.readies;
+		reloads = m.reloads;
+		pthread_mutex_unlock(&m.mu);
+		if (reloads == 1 && ready == 2)
+			break;
+		usleep(10000);
+	}
+	ck_assert_log(&m, reloads == 1 && ready == 2,
+		      "%u RELOADING=1 and %u READY=1 (one at start) told the manager", reloads,
+		      ready);
+	ck_assert_int_eq(attach_check(c, "x/19"), 1);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+}
+END_TEST
+
 /* A manager that stops reading for good: once DLPD_NOTIFY_QUEUE_MAX notifications wait, the
  * daemon gives up persisting, and the journal it gave up on, still in the store (its removal
  * never reached the manager), is never restored: nothing comes back, not even an entry
@@ -1865,6 +1979,8 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_upgrade_storm);
 	tcase_add_test(tc, test_damaged_newer_journal);
 	tcase_add_test(tc, test_slow_manager);
+	tcase_add_test(tc, test_churn_while_manager_slow);
+	tcase_add_test(tc, test_refused_upgrade_says_ready);
 	tcase_add_test(tc, test_given_up_journal);
 	suite_add_tcase(s, tc);
 	return s;

@@ -1215,6 +1215,45 @@ START_TEST(test_quota_connections_per_uid)
 }
 END_TEST
 
+/* In a child, as nobody: hold DLPC_UID_CONNECTIONS_SLACK + 2 connections that never send
+ * HELLO (the limit being 1), so that the next is refused as soon as it is accepted; then
+ * dlpc_connect() must fail at once with the daemon's reason, not retry it as if an upgrade had
+ * dropped it until the call timeout ends (or forever, without one). */
+static int nobody_refused_at_accept(void *arg)
+{
+	int socks[DLPC_UID_CONNECTIONS_SLACK + 2];
+	dlpc_client *c = NULL;
+	int r;
+
+	(void)arg;
+	become_nobody();
+	for (size_t i = 0; i < sizeof(socks) / sizeof(socks[0]); i++)
+		socks[i] = raw_connect();
+	/* long enough that a retry loop could not hide the refusal: it would end with it */
+	CHILD_CHECK(setenv(DLPC_CALL_TIMEOUT_ENV, "20000", 1) == 0);
+	r = dlpc_connect(D.sock, &c);
+	if (r != -EDQUOT || !error_says("--max-connections-per-uid")) {
+		fprintf(stderr, "dlpc_connect() = %d: %s\n", r, dlpc_last_error());
+		return 1;
+	}
+	CHILD_CHECK(c == NULL);
+	for (size_t i = 0; i < sizeof(socks) / sizeof(socks[0]); i++)
+		close(socks[i]);
+	return 0;
+}
+
+START_TEST(test_refused_at_accept_says_why)
+{
+	static const char *const args[] = {"--max-connections-per-uid", "1", "--frame-timeout-ms",
+					   "120000", NULL};
+
+	start(args, 0);
+	open_for_others();
+	ck_assert_int_eq(wait_child(spawn(nobody_refused_at_accept, NULL)), 0);
+	ck_assert(log_has(D.log, "(--max-connections-per-uid) by more than 8"));
+}
+END_TEST
+
 /* ---- per-connection limits ---- */
 
 START_TEST(test_refs_per_connection)
@@ -1780,6 +1819,23 @@ START_TEST(test_limit_flags_checked)
 	flag_refused("--max-queue-bytes", "8M"); /* below one largest frame and its header */
 	flag_refused("--max-queue-fds", "0");
 	flag_refused("DLPACKD_MAX_WATCH_QUEUE_BYTES", "lots");
+	/* below a connection and the receive buffer of its HELLO: no connection of any uid could
+	 * ever say HELLO */
+	flag_refused("--max-memory-per-uid", "16K");
+	flag_refused("DLPACKD_MAX_MEMORY_PER_UID", "17663");
+}
+END_TEST
+
+/* At the smallest --max-memory-per-uid the daemon takes, a uid can still connect. */
+START_TEST(test_memory_per_uid_at_its_minimum)
+{
+	static const char *const args[] = {"--max-memory-per-uid", "17664", NULL};
+	dlpc_client *c;
+
+	start(args, 0);
+	c = connect_or_die(&D);
+	ck_assert_uint_eq(stat_or_die(c).uid_connections, 1);
+	dlpc_close(c);
 }
 END_TEST
 
@@ -1805,9 +1861,11 @@ static Suite *limits_suite(void)
 	tcase_add_test(quota, test_limit_flags_checked);
 	tcase_add_test(quota, test_quota_entries_per_uid);
 	tcase_add_test(quota, test_memory_per_uid);
+	tcase_add_test(quota, test_memory_per_uid_at_its_minimum);
 	tcase_add_test(quota, test_quota_bytes_count_declared_size);
 	tcase_add_test(quota, test_quota_bytes_held_until_freed);
 	tcase_add_test(quota, test_quota_connections_per_uid);
+	tcase_add_test(quota, test_refused_at_accept_says_why);
 	tcase_add_test(quota, test_pinned_storage_charged_to_holder);
 	tcase_add_test(quota, test_replace_of_a_held_entry_counts_what_it_pins);
 	tcase_add_test(conn, test_refs_per_connection);

@@ -393,6 +393,53 @@ START_TEST(test_mute_socket)
 }
 END_TEST
 
+/* A socket that accepts and closes every connection at once, without a word (not dlpackd, or
+ * one that never answers), with no call timeout: dlpc_connect() takes the first few closes for
+ * an upgrade's, then gives up after DLPC_RECONNECT_DROPS_MAX of them rather than trying
+ * forever. (alarm() only ends a child that would hang.) */
+static void *accept_and_close(void *arg)
+{
+	int listener = *(int *)arg;
+
+	for (;;) {
+		int fd = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+
+		if (fd >= 0)
+			close(fd);
+	}
+	return NULL;
+}
+
+static int connect_to_slamming_socket(void *arg)
+{
+	const struct daemon *d = arg;
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	dlpc_client *c = NULL;
+	pthread_t th;
+	int listener, r;
+
+	alarm(40);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/slam.sock", d->dir);
+	listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	CHILD_CHECK(listener >= 0);
+	CHILD_CHECK(bind(listener, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+	CHILD_CHECK(listen(listener, 8) == 0);
+	CHILD_CHECK(pthread_create(&th, NULL, accept_and_close, &listener) == 0);
+	CHILD_CHECK(setenv("DLPC_CALL_TIMEOUT_MS", "0", 1) == 0);
+	r = dlpc_connect(sa.sun_path, &c);
+	CHILD_CHECK(r == -ECONNRESET || r == -EPIPE);
+	CHILD_CHECK(c == NULL);
+	CHILD_CHECK(error_says(sa.sun_path) && error_says("DLPC_RECONNECT_DROPS_MAX"));
+	unlink(sa.sun_path);
+	return 0;
+}
+
+START_TEST(test_slamming_socket)
+{
+	ck_assert_int_eq(wait_child(spawn(connect_to_slamming_socket, &D)), 0);
+}
+END_TEST
+
 /* ---- 6. dlpc_close() while threads wait ---- */
 
 struct waiter {
@@ -856,6 +903,7 @@ static Suite *pressure_suite(void)
 	tcase_add_test(tc, test_fd_limit);
 	tcase_add_test(tc, test_stopped_daemon);
 	tcase_add_test(tc, test_mute_socket);
+	tcase_add_test(tc, test_slamming_socket);
 	tcase_add_test(tc, test_close_cancels_waiters);
 	tcase_add_test(tc, test_abandoned_waits_leave);
 	tcase_add_test(tc, test_interrupt_and_cancel);
