@@ -336,6 +336,27 @@ void dlpd_upgrade(struct dlpd_server *s)
 		free(h.names);
 		return;
 	}
+	dlpd_notify("RELOADING=1\nSTATUS=upgrading: executing %s", s->self_exe);
+	/* Storages only connections hold leave the store (the exec closes the connections), and
+	 * what waits for the service manager must reach it before this image goes: while it has
+	 * not, the connections are untouched and the upgrade can still be refused. */
+	dlpd_persist_drop_held(s);
+	/* notifications waiting for room in the service manager's queue (storages for its fd
+	 * store, removals) would die with this image */
+	if (dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS) > 0) {
+		dlpd_log(LOG_ERR,
+			 "not upgrading: the service manager did not take %zu notifications within "
+			 "%d ms",
+			 dlpd_notify_queued(), DLPD_NOTIFY_WAIT_MS);
+		/* behind the RELOADING=1 that waits with the rest: the manager, once it reads,
+		 * sees the reload end and this image serving on */
+		dlpd_notify("READY=1\nSTATUS=upgrade refused: the service manager did not take "
+			    "its notifications in time");
+		close(journal);
+		free(h.fds);
+		free(h.names);
+		return;
+	}
 	release_unread(s);
 	r = dlpd_closers_handover(&cl, &ncl);
 	if (r == 0)
@@ -350,6 +371,7 @@ void dlpd_upgrade(struct dlpd_server *s)
 		abandon(s);
 		free(cl);
 		free(chans);
+		dlpd_notify("READY=1\nSTATUS=upgrade refused: cannot hand over the closes pending");
 		close(journal);
 		free(h.fds);
 		free(h.names);
@@ -358,7 +380,6 @@ void dlpd_upgrade(struct dlpd_server *s)
 	dlpd_log(LOG_NOTICE,
 		 "upgrading: executing %s with %zu fds (%zu entries); closing %llu connections",
 		 s->self_exe, h.n, s->reg.names.count, (unsigned long long)s->npeers);
-	dlpd_notify("RELOADING=1\nSTATUS=upgrading: executing %s", s->self_exe);
 	snprintf(pid, sizeof(pid), "%d", (int)getpid());
 	snprintf(nfds, sizeof(nfds), "%zu", h.n);
 	if (setenv("LISTEN_PID", pid, 1) < 0 || setenv("LISTEN_FDS", nfds, 1) < 0 ||
@@ -370,30 +391,6 @@ void dlpd_upgrade(struct dlpd_server *s)
 		free(chans);
 		/* the reload the manager was told of ends here: this image serves on */
 		dlpd_notify("READY=1\nSTATUS=upgrade refused: cannot set the environment");
-		unsetenv("LISTEN_PID");
-		unsetenv("LISTEN_FDS");
-		unsetenv("LISTEN_FDNAMES");
-		unsetenv("NOTIFY_SOCKET");
-		close(journal);
-		free(h.fds);
-		free(h.names);
-		return;
-	}
-	dlpd_persist_drop_held(s);
-	/* notifications waiting for room in the service manager's queue (storages for its fd
-	 * store, removals) would die with this image */
-	if (dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS) > 0) {
-		dlpd_log(LOG_ERR,
-			 "not upgrading: the service manager did not take %zu notifications within "
-			 "%d ms",
-			 dlpd_notify_queued(), DLPD_NOTIFY_WAIT_MS);
-		/* behind the RELOADING=1 that waits with the rest: the manager, once it reads,
-		 * sees the reload end and this image serving on */
-		dlpd_notify("READY=1\nSTATUS=upgrade refused: the service manager did not take "
-			    "its notifications in time");
-		abandon(s);
-		free(cl);
-		free(chans);
 		unsetenv("LISTEN_PID");
 		unsetenv("LISTEN_FDS");
 		unsetenv("LISTEN_FDNAMES");
