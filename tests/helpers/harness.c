@@ -2,8 +2,10 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -405,4 +407,13 @@ ssize_t send_fds_raw(int sock, const void *data, size_t len, const int *fds, uns
 	n = sendmsg(sock, &msg, MSG_NOSIGNAL);
 	free(ctl);
 	return n;
+}
+
+void become_nobody(void)
+{
+	CHILD_CHECK(setgroups(0, NULL) == 0);
+	CHILD_CHECK(setgid(NOBODY) == 0);
+	CHILD_CHECK(setuid(NOBODY) == 0);
+	CHILD_CHECK(getuid() == NOBODY && geteuid() == NOBODY);
+	CHILD_CHECK(prctl(PR_SET_DUMPABLE, 1) == 0);
 }

@@ -96,6 +96,12 @@ bool wait_stat(dlpc_client *c, bool (*cond)(const dlpc_stats *s, void *arg), voi
 DLManagedTensorVersioned *host_tensor(void *data, DLDataType dt, int ndim, const int64_t *shape,
 				      const int64_t *strides, int *counter);
 
+/* The other user the suites act as: nobody. */
+#define NOBODY 65534
+/* In a child: become uid and gid NOBODY, with no supplementary groups, and dumpable again (setuid
+ * made /proc/self root's: so that /proc/self/fd is its own to open). Exits 1 if it cannot. */
+void become_nobody(void);
+
 /* In a child process: print and exit 1 when @p cond fails. */
 #define CHILD_CHECK(cond)                                                                          \
 	do {                                                                                       \

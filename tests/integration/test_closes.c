@@ -35,7 +35,6 @@
 #include "io.h"
 #include "msg.h"
 
-#define NOBODY 65534
 /* The attacker's connections, sending at once. */
 #define ATTACK_CONNS 8
 /* The daemon's RLIMIT_NOFILE in the first case: a share of 25% of 992 fds, 248. */
@@ -250,15 +249,6 @@ static int lingering_socket(int port)
 	}
 	CHILD_CHECK(setsockopt(s, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg)) == 0);
 	return s;
-}
-
-static void become_nobody(void)
-{
-	CHILD_CHECK(setgroups(0, NULL) == 0);
-	CHILD_CHECK(setgid(NOBODY) == 0);
-	CHILD_CHECK(setuid(NOBODY) == 0);
-	CHILD_CHECK(getuid() == NOBODY && geteuid() == NOBODY);
-	CHILD_CHECK(prctl(PR_SET_DUMPABLE, 1) == 0);
 }
 
 static int lingering = -1;

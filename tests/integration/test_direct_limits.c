@@ -28,8 +28,6 @@
 #include "raw.h"
 #include "table.h"
 
-#define NOBODY 65534
-
 static struct daemon D;
 static bool started;
 
@@ -49,16 +47,6 @@ static void teardown(void)
 	if (started)
 		daemon_stop(&D);
 	started = false;
-}
-
-/* In a child: become nobody, with no supplementary groups. */
-static void become_nobody(void)
-{
-	CHILD_CHECK(setgroups(0, NULL) == 0);
-	CHILD_CHECK(setgid(NOBODY) == 0);
-	CHILD_CHECK(setuid(NOBODY) == 0);
-	/* setuid made /proc/self root's: take it back, so that /proc/self/fd is ours to open */
-	CHILD_CHECK(prctl(PR_SET_DUMPABLE, 1) == 0);
 }
 
 static bool error_says(const char *text)

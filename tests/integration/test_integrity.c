@@ -34,7 +34,6 @@
 
 #define SEALS_RO (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL)
 #define SEALS_RW (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
-#define NOBODY 65534
 #define PAGE 4096
 #define SZ (4 * PAGE) /* every storage here: four pages */
 
@@ -68,16 +67,6 @@ static void open_for_others(void)
 {
 	ck_assert_int_eq(chmod(D.dir, 0755), 0);
 	ck_assert_int_eq(chmod(D.sock, 0666), 0);
-}
-
-/* In a child: become nobody, with no supplementary groups. */
-static void become_nobody(void)
-{
-	CHILD_CHECK(setgroups(0, NULL) == 0);
-	CHILD_CHECK(setgid(NOBODY) == 0);
-	CHILD_CHECK(setuid(NOBODY) == 0);
-	CHILD_CHECK(getuid() == NOBODY && geteuid() == NOBODY);
-	CHILD_CHECK(prctl(PR_SET_DUMPABLE, 1) == 0);
 }
 
 /* In a child that is meant to die of SIGSEGV: leave no core file behind. */

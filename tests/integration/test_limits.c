@@ -26,8 +26,6 @@
 #include "io.h"
 #include "msg.h"
 
-#define NOBODY 65534
-
 static struct daemon D;
 static bool started;
 
@@ -53,17 +51,6 @@ static void open_for_others(void)
 {
 	ck_assert_int_eq(chmod(D.dir, 0755), 0);
 	ck_assert_int_eq(chmod(D.sock, 0666), 0);
-}
-
-/* In a child: become nobody, with no supplementary groups. */
-static void become_nobody(void)
-{
-	CHILD_CHECK(setgroups(0, NULL) == 0);
-	CHILD_CHECK(setgid(NOBODY) == 0);
-	CHILD_CHECK(setuid(NOBODY) == 0);
-	CHILD_CHECK(getuid() == NOBODY && geteuid() == NOBODY);
-	/* setuid made /proc/self root's: take it back, so that /proc/self/fd is ours to open */
-	CHILD_CHECK(prctl(PR_SET_DUMPABLE, 1) == 0);
 }
 
 static float data[1024]; /* 4096 bytes: one storage of exactly that size */

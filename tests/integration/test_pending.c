@@ -26,7 +26,6 @@
 #include "io.h"
 #include "msg.h"
 
-#define NOBODY 65534
 /* How far above its starting point the daemon's RSS may stay once the attacker is gone (the
  * goal of issue 27: 4 MiB). */
 #define DLPC_TEST_RSS_BACK (4l << 10)
@@ -119,19 +118,15 @@ static long rss_back_to(long kib)
 	return rss_kib();
 }
 
-/* In a child: become nobody, with no supplementary groups and @p nofile fds (0: as is). */
-static void become_nobody(rlim_t nofile)
+/* In a child: become nobody (become_nobody()) with @p nofile fds (0: as is), SIGPIPE ignored. */
+static void nobody_with(rlim_t nofile)
 {
 	if (nofile) {
 		struct rlimit rl = {nofile, nofile};
 
 		CHILD_CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0);
 	}
-	CHILD_CHECK(setgroups(0, NULL) == 0);
-	CHILD_CHECK(setgid(NOBODY) == 0);
-	CHILD_CHECK(setuid(NOBODY) == 0);
-	CHILD_CHECK(getuid() == NOBODY && geteuid() == NOBODY);
-	CHILD_CHECK(prctl(PR_SET_DUMPABLE, 1) == 0);
+	become_nobody();
 	signal(SIGPIPE, SIG_IGN);
 }
 
@@ -253,7 +248,7 @@ static int send_partials(void *arg)
 	int told[2] = {0, 0};
 
 	CHILD_CHECK(buf && fds);
-	become_nobody(a->nofile);
+	nobody_with(a->nofile);
 	for (int i = 0; i < a->conns; i++) {
 		struct dlpc__hdr h = {.len = a->frame, .type = DLPC_MSG_PUBLISH, .id = 2};
 		size_t sent;
@@ -471,7 +466,7 @@ static int send_waits(void *arg)
 	char name[256];
 
 	CHILD_CHECK(fds);
-	become_nobody(0);
+	nobody_with(0);
 	for (int i = 0; i < a->conns; i++) {
 		Dlpackd__V1__Attach req = DLPACKD__V1__ATTACH__INIT;
 		struct dlpc__rx rx;
@@ -571,7 +566,7 @@ static int make_channels(void *arg)
 	char name[256];
 
 	(void)arg;
-	become_nobody(0);
+	nobody_with(0);
 	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
 	for (int i = 0; i < CHANNELS; i++) {
 		int n = snprintf(name, sizeof(name), "nobody/%05d/", i);
@@ -599,7 +594,7 @@ static int list_unread(void *arg)
 	int told[2] = {0, 0};
 
 	CHILD_CHECK(fds);
-	become_nobody(0);
+	nobody_with(0);
 	req.channels = true;
 	for (int i = 0; i < a->conns; i++) {
 		fds[i] = raw_connect();
