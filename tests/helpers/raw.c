@@ -6,7 +6,9 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include "direct.h"
 #include "raw.h"
+#include "table.h"
 
 /* The receive state of the one connection raw_recv() reads from at a time. */
 static struct dlpc__rx rx;
@@ -269,4 +271,65 @@ void good_client_stop(void)
 	held = NULL;
 	dlpc_close(good);
 	good = NULL;
+}
+
+/* CHANNEL JOIN of @p name on the raw connection @p fd (HELLO 1.8 first): the two ends. */
+void raw_join_or_die(int fd, const char *name, int ends[2])
+{
+	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
+	Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
+	uint8_t hdr[DLPC_FRAME_HDR_SIZE], buf[4096];
+	union {
+		struct cmsghdr c;
+		char b[CMSG_SPACE(4 * sizeof(int))];
+	} ctl;
+	struct iovec iov = {.iov_base = hdr, .iov_len = sizeof(hdr)};
+	struct msghdr mh = {.msg_iov = &iov,
+			    .msg_iovlen = 1,
+			    .msg_control = ctl.b,
+			    .msg_controllen = sizeof(ctl.b)};
+	struct dlpc__hdr h;
+	unsigned n = 0;
+
+	hello.version_major = DLPC_PROTO_MAJOR;
+	hello.version_minor = 8;
+	hello.client = "raw test client";
+	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
+	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1);
+	co.op = 4;
+	co.name.data = (uint8_t *)name;
+	co.name.len = strlen(name);
+	raw_send(fd, DLPC_MSG_CHANNEL, 8, &co.base, NULL, 0);
+	CHILD_CHECK(recvmsg(fd, &mh, MSG_WAITALL | MSG_CMSG_CLOEXEC) == sizeof(hdr));
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+			for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int) && n < 2;
+			     i++)
+				memcpy(&ends[n++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+	dlpc__hdr_decode(hdr, &h);
+	CHILD_CHECK(h.type == (DLPC_MSG_CHANNEL | DLPC_MSG_REPLY) && n == 2);
+	CHILD_CHECK(h.len <= sizeof(buf));
+	for (size_t got = 0; got < h.len;) {
+		ssize_t k = read(fd, buf + got, h.len - got);
+
+		CHILD_CHECK(k > 0);
+		got += (size_t)k;
+	}
+}
+
+/* A direct record of a 4096-byte storage holding one float32 tensor of 4 elements. */
+void raw_small_record(uint8_t rec[DLPC_DIRECT_RECORD])
+{
+	Dlpackd__V1__TensorDesc d, *dp = &d;
+	uint8_t table[DLPC_DIRECT_TABLE_MAX];
+	int64_t elems = 4;
+
+	dlpackd__v1__tensor_desc__init(&d);
+	d.dtype_code = kDLFloat;
+	d.dtype_bits = 32;
+	d.dtype_lanes = 1;
+	d.n_shape = 1;
+	d.shape = &elems;
+	dlpc__table_encode(&dp, 1, table);
+	CHILD_CHECK(dlpc__direct_encode(rec, 4096, table, dlpc__table_size(&dp, 1)) == 0);
 }

@@ -11,6 +11,7 @@
 
 #include "harness.h"
 #include "io.h"
+#include "limits.h"
 #include "msg.h"
 
 /* A blocking connection to @p d's socket (no HELLO yet). */
@@ -36,6 +37,12 @@ int memfd_sealed(size_t size, int seals);
  */
 int raw_publish(int fd, const char *name, size_t name_len, int storage, uint64_t size,
 		uint32_t flags, size_t ntensors, size_t ndim, char *msg, size_t len);
+
+/* CHANNEL JOIN of @p name on the raw connection @p fd (HELLO 1.8 first): the two ends of the
+ * direct channel's pair in @p ends. Exits 1 (CHILD_CHECK) if it cannot. */
+void raw_join_or_die(int fd, const char *name, int ends[2]);
+/* A direct channel's record of a 4096-byte storage holding one float32 tensor of 4 elements. */
+void raw_small_record(uint8_t rec[DLPC_DIRECT_RECORD]);
 
 /* A well-behaved client holding a reference across the abuse ("good", 256 bytes 0..255). */
 void good_client_start(const struct daemon *d);
