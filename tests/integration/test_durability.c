@@ -214,8 +214,13 @@ static void *mgr_read(void *arg)
 			usleep(20000);
 			continue;
 		}
-		if (poll(&pfd, 1, 20) > 0)
-			mgr_drain(m);
+		/* one at a time, so that a stall set while notifications keep coming stops it */
+		if (poll(&pfd, 1, 20) > 0) {
+			pthread_mutex_lock(&m->mu);
+			while (!__atomic_load_n(&m->stalled, __ATOMIC_ACQUIRE) && mgr_take(m, 0))
+				;
+			pthread_mutex_unlock(&m->mu);
+		}
 	}
 	return NULL;
 }
