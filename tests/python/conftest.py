@@ -11,7 +11,6 @@ import gc
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,14 +56,15 @@ def reset_default_client():
 
 
 def _can_connect(path):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """Does a dlpackd answer HELLO on path? A connect alone is not enough: the listening socket
+    of a daemon just killed stays open for a moment in its closer processes (dlpackd(8), CLOSING
+    DESCRIPTORS), and takes connections that are then reset."""
+    import dlpack_ipc
     try:
-        s.connect(path)
+        dlpack_ipc.Client(socket=path).close()
         return True
     except OSError:
         return False
-    finally:
-        s.close()
 
 
 class Daemon:
