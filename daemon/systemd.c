@@ -273,6 +273,8 @@ static int send_now(const char *msg, size_t len, const int *fds, size_t nfds)
  * notification made while some wait joins them, so the manager sees every one in order.
  */
 static int format(char *msg, size_t size, const char *fmt, va_list ap);
+/* The longest notification the daemon sends (its status lines included). */
+#define NOTIFY_MSG_MAX 256
 
 struct queued {
 	struct queued *next;
@@ -390,7 +392,7 @@ size_t dlpd_notify_flush(int wait_ms)
 
 bool dlpd_notify_unqueue(const char *fmt, ...)
 {
-	char msg[256];
+	char msg[NOTIFY_MSG_MAX];
 	va_list ap;
 	int n;
 
@@ -454,18 +456,25 @@ static int format(char *msg, size_t size, const char *fmt, va_list ap)
 	return n < 0 || (size_t)n >= size ? -EMSGSIZE : n;
 }
 
-int dlpd_notify_fds(const int *fds, size_t nfds, const char *fmt, ...)
+/* The notification of @p fmt into @p msg, if one can be sent with @p nfds fds: its length, or
+ * a negative errno. */
+static int prepare(char msg[NOTIFY_MSG_MAX], size_t nfds, const char *fmt, va_list ap)
 {
-	char msg[256];
-	va_list ap;
-	int n, r;
-
 	if (!notify_len)
 		return -ENOTCONN;
 	if (nfds > DLPD_NOTIFY_FDS_MAX)
 		return -EINVAL;
+	return format(msg, NOTIFY_MSG_MAX, fmt, ap);
+}
+
+int dlpd_notify_fds(const int *fds, size_t nfds, const char *fmt, ...)
+{
+	char msg[NOTIFY_MSG_MAX];
+	va_list ap;
+	int n, r;
+
 	va_start(ap, fmt);
-	n = format(msg, sizeof(msg), fmt, ap);
+	n = prepare(msg, nfds, fmt, ap);
 	va_end(ap);
 	if (n < 0)
 		return n;
@@ -480,16 +489,12 @@ int dlpd_notify_fds(const int *fds, size_t nfds, const char *fmt, ...)
 
 int dlpd_notify_fds_now(const int *fds, size_t nfds, const char *fmt, ...)
 {
-	char msg[256];
+	char msg[NOTIFY_MSG_MAX];
 	va_list ap;
 	int n;
 
-	if (!notify_len)
-		return -ENOTCONN;
-	if (nfds > DLPD_NOTIFY_FDS_MAX)
-		return -EINVAL;
 	va_start(ap, fmt);
-	n = format(msg, sizeof(msg), fmt, ap);
+	n = prepare(msg, nfds, fmt, ap);
 	va_end(ap);
 	if (n < 0)
 		return n;
@@ -498,7 +503,7 @@ int dlpd_notify_fds_now(const int *fds, size_t nfds, const char *fmt, ...)
 
 void dlpd_notify(const char *fmt, ...)
 {
-	char msg[256];
+	char msg[NOTIFY_MSG_MAX];
 	va_list ap;
 	int n, r;
 
