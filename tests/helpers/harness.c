@@ -417,3 +417,9 @@ void become_nobody(void)
 	CHILD_CHECK(getuid() == NOBODY && geteuid() == NOBODY);
 	CHILD_CHECK(prctl(PR_SET_DUMPABLE, 1) == 0);
 }
+
+void daemon_open_for_others(const struct daemon *d)
+{
+	ck_assert_int_eq(chmod(d->dir, 0755), 0);
+	ck_assert_int_eq(chmod(d->sock, 0666), 0);
+}

@@ -41,6 +41,8 @@ pid_t daemon_spawn(const char *sock, const char *log);
  * (LISTEN_PID, LISTEN_FDS=1). Returns its pid (no waiting): connections wait in the socket's
  * backlog until it accepts them. It leaves the socket file alone when it stops. */
 pid_t daemon_spawn_activated(int listen_fd, const char *log);
+/* Let other users reach @p d's socket: its temp dir is 0700 and the socket 0660 root:root. */
+void daemon_open_for_others(const struct daemon *d);
 /* SIGTERM, expect exit 0 and the socket removed; under a wrapper, no leak and no fd left. */
 void daemon_stop(struct daemon *d);
 /* Does the file @p log (a daemon's stderr) contain @p text so far? */

@@ -805,8 +805,7 @@ START_TEST(test_pool_read_only)
 	pid_t pid;
 
 	/* the attacker, another uid, may connect */
-	ck_assert_int_eq(chmod(D.dir, 0755), 0);
-	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	daemon_open_for_others(&D);
 	ck_assert_int_eq(pipe(pp.ways), 0);
 	ck_assert_int_eq(pipe(pp.go), 0);
 	ck_assert_int_eq(pipe(pp.done), 0);

@@ -331,8 +331,7 @@ START_TEST(lingering_socket_costs_its_sender)
 	int l, port;
 
 	start(args, ATTACK_NOFILE);
-	ck_assert_int_eq(chmod(D.dir, 0755), 0);
-	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	daemon_open_for_others(&D);
 	l = silent_listener();
 	port = listener_port(l);
 	ck_assert_int_eq(wait_child(spawn(nobody_jams_its_closer, &port)), 0);
@@ -443,8 +442,7 @@ START_TEST(excess_fds_in_flight_block_nobody)
 	int l, port;
 
 	start(NULL, 0);
-	ck_assert_int_eq(chmod(D.dir, 0755), 0);
-	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	daemon_open_for_others(&D);
 	l = silent_listener();
 	port = listener_port(l);
 	ck_assert_int_eq(wait_child(spawn(nobody_sends_excess_fds, &port)), 0);
@@ -520,8 +518,7 @@ START_TEST(closers_are_bounded)
 	int l, most = 0;
 
 	start(NULL, 0);
-	ck_assert_int_eq(chmod(D.dir, 0755), 0);
-	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	daemon_open_for_others(&D);
 	l = silent_listener();
 	for (int i = 0; i < JAM_UIDS; i++) {
 		struct jam j = {.port = listener_port(l), .uid = JAM_UID0 + (uid_t)i};
@@ -564,8 +561,7 @@ START_TEST(upgrade_passes_every_pending_close)
 	int l, port;
 
 	start(args, ATTACK_NOFILE);
-	ck_assert_int_eq(chmod(D.dir, 0755), 0);
-	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	daemon_open_for_others(&D);
 	l = silent_listener();
 	port = listener_port(l);
 	ck_assert_int_eq(wait_child(spawn(nobody_jams_its_closer, &port)), 0);
@@ -658,8 +654,7 @@ START_TEST(upgrade_with_unread_lingering_socket)
 	int l;
 
 	start(args, 0);
-	ck_assert_int_eq(chmod(D.dir, 0755), 0);
-	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	daemon_open_for_others(&D);
 	l = silent_listener();
 	u.port = listener_port(l);
 	/* low fd numbers freed in the daemon, for nobody's connection to take, under the numbers

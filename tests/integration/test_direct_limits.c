@@ -37,9 +37,7 @@ static void start(const char *const *args, unsigned long nofile)
 
 	daemon_start_with(&D, &o);
 	started = true;
-	/* let other users reach the socket: the temp dir is 0700 and the socket 0660 */
-	ck_assert_int_eq(chmod(D.dir, 0755), 0);
-	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	daemon_open_for_others(&D);
 }
 
 static void teardown(void)

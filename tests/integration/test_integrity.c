@@ -62,13 +62,6 @@ static void pattern(uint8_t *p, size_t n, uint8_t seed)
 		p[i] = (uint8_t)(i * 7 + seed);
 }
 
-/* Let other users reach the socket: the temp dir is 0700 and the socket 0660 root:root. */
-static void open_for_others(void)
-{
-	ck_assert_int_eq(chmod(D.dir, 0755), 0);
-	ck_assert_int_eq(chmod(D.sock, 0666), 0);
-}
-
 /* In a child that is meant to die of SIGSEGV: leave no core file behind. */
 static void no_core(void)
 {
@@ -214,7 +207,7 @@ static size_t watchers_start(struct watcher ws[2], const char *name)
 		fprintf(stderr, "not root: no watcher as uid %d (the second uid is skipped)\n",
 			NOBODY);
 	else
-		open_for_others();
+		daemon_open_for_others(&D);
 	for (size_t i = 0; i < n; i++) {
 		ws[i] = (struct watcher){.name = name, .nobody = i == 1};
 		ck_assert_int_eq(pipe2(ws[i].cmd, O_CLOEXEC), 0);

@@ -46,13 +46,6 @@ static void teardown(void)
 	started = false;
 }
 
-/* Let other users reach the socket: the temp dir is 0700 and the socket 0660 root:root. */
-static void open_for_others(void)
-{
-	ck_assert_int_eq(chmod(D.dir, 0755), 0);
-	ck_assert_int_eq(chmod(D.sock, 0666), 0);
-}
-
 static float data[1024]; /* 4096 bytes: one storage of exactly that size */
 
 /* Publish @p n floats of data (4 * n bytes, rounded up to 256, of storage) as @p name. */
@@ -296,7 +289,7 @@ START_TEST(test_ownership_across_uids)
 	pid_t child;
 
 	start(NULL, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	data[0] = 7.0f;
 	ck_assert_dlpc(publish(c, "root/entry", 0), 1);
@@ -379,7 +372,7 @@ START_TEST(test_channels_across_uids)
 	pid_t child;
 
 	start(args, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	ck_assert_dlpc(dlpc_channel_open(c, "root/q", 8, NULL), 1);
 	data[0] = 11.0f;
@@ -471,7 +464,7 @@ START_TEST(test_credentials_from_kernel_only)
 	no_identity_fields(&dlpackd__v1__unpublish__descriptor);
 	no_identity_fields(&dlpackd__v1__release__descriptor);
 	start(NULL, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	ck_assert_dlpc(publish(c, "root/entry", 0), 1);
 	child = spawn(claim_root, NULL);
@@ -570,7 +563,7 @@ START_TEST(test_read_only_stays_read_only)
 	int nobody = 1;
 
 	start(NULL, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	data[0] = 3.0f;
 	ck_assert_dlpc(publish(c, "ro", 0), 1);
@@ -667,7 +660,7 @@ START_TEST(test_owner_filter)
 	char text[160], x;
 
 	start(NULL, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	ck_assert_int_eq(pipe2(q.cmd, O_CLOEXEC), 0);
 	ck_assert_int_eq(pipe2(q.ans, O_CLOEXEC), 0);
@@ -760,7 +753,7 @@ START_TEST(test_quota_entries_per_uid)
 	int limit = 3;
 
 	start(args, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	ck_assert_dlpc(publish(c, "a", 0), 1);
 	ck_assert_dlpc(publish(c, "b", 0), 1);
@@ -876,7 +869,7 @@ START_TEST(test_memory_per_uid)
 	ck_assert_int_eq(pipe2(t.full, O_CLOEXEC), 0);
 	ck_assert_int_eq(pipe2(t.done, O_CLOEXEC), 0);
 	start(args, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	ck_assert_dlpc(publish(c, "x", 0), 1);
 	child = spawn(nobody_memory, &t);
@@ -921,7 +914,7 @@ START_TEST(test_quota_bytes_count_declared_size)
 	char msg[512];
 
 	start(args, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	/* 16 MiB holding one float count as 16 MiB: the declared storage, not the tensor */
 	raw_open(&r, "big");
@@ -1078,7 +1071,7 @@ START_TEST(test_pinned_storage_charged_to_holder)
 	char x;
 
 	start(args, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	ck_assert_int_eq(pipe2(pp.go, O_CLOEXEC), 0);
 	ck_assert_int_eq(pipe2(pp.done, O_CLOEXEC), 0);
 	c = connect_or_die(&D);
@@ -1129,7 +1122,7 @@ START_TEST(test_replace_of_a_held_entry_counts_what_it_pins)
 	uint64_t none = 0;
 
 	start(args, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	ck_assert_int_eq(wait_child(spawn(nobody_publishes_pinned, NULL)), 0);
 	c = connect_or_die(&D);
 	ck_assert_dlpc(dlpc_attach(c, "pinned", NULL, &held), 1);
@@ -1161,7 +1154,7 @@ START_TEST(test_quota_connections_per_uid)
 	uint64_t one = 1;
 
 	start(args, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	a = connect_or_die(&D);
 	b = connect_or_die(&D);
 	ck_assert_dlpc(dlpc_connect(D.sock, &x), -EDQUOT);
@@ -1235,7 +1228,7 @@ START_TEST(test_refused_at_accept_says_why)
 					   "120000", NULL};
 
 	start(args, 0);
-	open_for_others();
+	daemon_open_for_others(&D);
 	ck_assert_int_eq(wait_child(spawn(nobody_refused_at_accept, NULL)), 0);
 	ck_assert(log_has(D.log, "(--max-connections-per-uid) by more than 8"));
 }
@@ -1533,7 +1526,7 @@ START_TEST(test_fd_share_per_uid)
 	long n;
 
 	start(NULL, SHARE_NOFILE);
-	open_for_others();
+	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	baseline = settled_fds(&D, c, 1);
 	ck_assert_int_eq(wait_child(spawn(nobody_fills_its_share, NULL)), 0);

@@ -459,9 +459,7 @@ START_TEST(threadless_receiver_expires_by_traffic)
 	dlpc_client *c = connect_or_die(&D);
 	pid_t rx;
 
-	/* nobody reaches the socket: the temp dir is 0700 and the socket 0660 root:root */
-	ck_assert_int_eq(chmod(D.dir, 0755), 0);
-	ck_assert_int_eq(chmod(D.sock, 0666), 0);
+	daemon_open_for_others(&D);
 	ck_assert_int_eq(wait_child(start_sender(c, &p, true)), 0);
 	rx = spawn(threadless_receiver, (void *)p.ch);
 	ck_assert_int_eq(wait_child(rx), 0);
