@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "sockpath.h"
 #include "util.h"
 
 int dlpc__check(const dlpc_client *c)
@@ -680,9 +681,76 @@ static int connect_dropped_again(const char *path, int64_t timeout, dlpc_client 
 	return r;
 }
 
+/* Does an error of connecting to a socket say that no daemon of ours listens there (so that
+ * dlpc_connect(NULL) may look further)? */
+static bool nobody_there(int err)
+{
+	return err == -ENOENT || err == -ECONNREFUSED || err == -EACCES;
+}
+
+/* connect_dropped_again() to @p path, which @p rule named (NULL: the caller gave it), with a
+ * refused connect()'s message saying who may connect (dlpc__access_hint()). */
+static int connect_at(const char *path, const char *rule, int64_t timeout, dlpc_client **ret)
+{
+	char why[DLPC_ERROR_TEXT_MAX], hint[256] = "";
+	int r = connect_dropped_again(path, timeout, ret);
+
+	if (r >= 0 || (!rule && r != -EACCES))
+		return r;
+	snprintf(why, sizeof(why), "%s", dlpc_last_error());
+	if (r == -EACCES)
+		dlpc__access_hint(path, hint, sizeof(hint));
+	return dlpc__fail(r, "%s%s%s%s%s", why, rule ? " (the path of " : "", rule ? rule : "",
+			  rule ? ")" : "", hint);
+}
+
+/*
+ * dlpc_connect(NULL): the places of dlpc__socket_candidates() in turn, going on to the next while
+ * nobody listens at one (no socket, a stale one, or one this process may not use); a daemon that
+ * answers but fails (refuses, times out) ends the search with its error. The message of a
+ * failure names every path tried with its error.
+ */
+static int connect_default(int64_t timeout, dlpc_client **ret)
+{
+	struct dlpc__sockpath cand[DLPC__SOCKPATHS_MAX];
+	char tried[DLPC_ERROR_TEXT_MAX] = "", why[DLPC_ERROR_TEXT_MAX], hint[256] = "";
+	int n = dlpc__socket_candidates(cand), r = 0, err = 0;
+	size_t off = 0;
+
+	if (n < 0)
+		return dlpc__fail(n, "$%s is longer than a socket address allows (%zu bytes)",
+				  DLPC_SOCKET_ENV, sizeof(cand[0].path) - 1);
+	if (cand[0].env)
+		return connect_at(cand[0].path, cand[0].rule, timeout, ret);
+	for (int i = 0; i < n; i++) {
+		r = connect_dropped_again(cand[i].path, timeout, ret);
+		if (r >= 0)
+			return r;
+		if (!nobody_there(r)) {
+			if (!off)
+				return r;
+			snprintf(why, sizeof(why), "%s", dlpc_last_error());
+			return dlpc__fail(r, "%s (tried first: %s)", why, tried);
+		}
+		if (r == -EACCES && !hint[0])
+			dlpc__access_hint(cand[i].path, hint, sizeof(hint));
+		if (err != -EACCES)
+			err = r;
+		off += (size_t)snprintf(tried + off, sizeof(tried) - off, "%s%s (%s): %s",
+					off ? "; " : "", cand[i].path, cand[i].rule, strerror(-r));
+		if (off >= sizeof(tried))
+			off = sizeof(tried) - 1;
+	}
+	return dlpc__fail(err, "cannot connect to dlpackd: tried %s%s%s", tried,
+			  n < DLPC__SOCKPATHS_MAX ? " ($XDG_RUNTIME_DIR is not set)" : "",
+			  hint[0] ? hint
+				  : "; no dlpackd listens there: start one (the service, or "
+				    "'dlpackd' as yourself), or set $" DLPC_SOCKET_ENV
+				    " to a daemon's socket");
+}
+
 DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc_client **ret)
 {
-	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 	int64_t timeout;
 	int r;
 
@@ -692,22 +760,13 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 	if (flags & ~(DLPC_CONNECT_RECONNECT | DLPC_CONNECT_NO_CACHE))
 		return dlpc__fail(-EINVAL, "dlpc_connect_flags: unknown flags 0x%x",
 				  flags & ~(DLPC_CONNECT_RECONNECT | DLPC_CONNECT_NO_CACHE));
-	if (socket_path) {
-		if (strlen(socket_path) >= sizeof(path))
-			return dlpc__fail(-ENAMETOOLONG, "socket path %s is too long", socket_path);
-		strcpy(path, socket_path);
-	} else {
-		r = dlpc_default_socket(path, sizeof(path));
-		if (r < 0)
-			return dlpc__fail(r, "no dlpackd socket: %s; set %s",
-					  r == -ENOENT ? "XDG_RUNTIME_DIR is not set"
-						       : "the default path is too long",
-					  DLPC_SOCKET_ENV);
-	}
+	if (socket_path && strlen(socket_path) >= sizeof((*ret)->path))
+		return dlpc__fail(-ENAMETOOLONG, "socket path %s is too long", socket_path);
 	r = call_timeout_env(&timeout);
 	if (r < 0)
 		return r;
-	r = connect_dropped_again(path, timeout, ret);
+	r = socket_path ? connect_at(socket_path, NULL, timeout, ret)
+			: connect_default(timeout, ret);
 	if (r < 0)
 		return r;
 	(*ret)->reconnect = flags & DLPC_CONNECT_RECONNECT;
@@ -735,6 +794,11 @@ DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c)
 	n = c->epoch;
 	pthread_mutex_unlock((pthread_mutex_t *)&c->mu);
 	return n;
+}
+
+DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c)
+{
+	return c ? c->path : NULL;
 }
 
 int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)

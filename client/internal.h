@@ -221,10 +221,14 @@ static inline bool dlpc__ours(const dlpc_client *c)
 	return c->fork_gen == __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
 }
 
-/* Bytes of the message dlpc_last_error() keeps (longer ones are cut). */
-#define DLPC_ERROR_TEXT_MAX 512
+/* Bytes of the message dlpc_last_error() keeps (longer ones are cut): room for a failed
+ * connect's every path tried, with the hint of dlpc__access_hint(). */
+#define DLPC_ERROR_TEXT_MAX 1024
 /* error.c: record @p err and a message for dlpc_last_error() in this thread; returns @p err. */
 int dlpc__fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* discover.c: for a connect() to @p path refused with EACCES, "; the socket belongs to group
+ * 'dlpack': join it with ..." (empty when nothing can be said), into @p buf. */
+void dlpc__access_hint(const char *path, char *buf, size_t len);
 /* 0, or -EBADFD (with the message set) when @p c is used from a process that did not create it. */
 int dlpc__check(const dlpc_client *c);
 /* What one request says besides its result (dlpc__call_ex()). */

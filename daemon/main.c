@@ -16,6 +16,7 @@
 #include "reaper.h"
 #include "persist.h"
 #include "server.h"
+#include "sockpath.h"
 #include "systemd.h"
 #include "upgrade.h"
 
@@ -111,7 +112,9 @@ int main(int argc, char **argv)
 				 "ignoring --%s (or %s): the socket comes from socket activation",
 				 ignored, ignored_env);
 	} else if (!socket_path) {
-		r = dlpc_default_socket(defpath, sizeof(defpath));
+		/* not dlpc_default_socket(): that is where clients look, which is the system
+		 * socket for a user whose own daemon has not bound its socket yet */
+		r = dlpc__listen_socket(defpath, sizeof(defpath));
 		if (r < 0) {
 			dlpd_log(LOG_ERR, "no socket path: %s; pass --socket or set %s",
 				 r == -ENOENT ? "XDG_RUNTIME_DIR is not set"

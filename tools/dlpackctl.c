@@ -41,8 +41,9 @@ static const char usage_text[] =
 	"  upgrade [--timeout S]     have the daemon execute its binary again, keeping entries\n"
 	"\n"
 	"Options:\n"
-	"  --socket PATH   the daemon's socket (default: $DLPACKD_SOCKET, then\n"
-	"                  /run/dlpackd/dlpackd.sock for root, $XDG_RUNTIME_DIR/dlpackd.sock)\n"
+	"  --socket PATH   the daemon's socket (default: $DLPACKD_SOCKET if set, else\n"
+	"                  $XDG_RUNTIME_DIR/dlpackd.sock if it exists, else\n"
+	"                  /run/dlpackd/dlpackd.sock)\n"
 	"  --json          machine-readable output: one JSON document (ls, stat, check) or\n"
 	"                  one JSON object per line (watch)\n"
 	"  --timeout S     give up waiting after S seconds (wait: default forever;\n"
@@ -523,17 +524,13 @@ static int cmd_wait(dlpc_client *c, const struct args *a)
 static int cmd_ping(dlpc_client *c, const struct args *a)
 {
 	dlpc_stats s = {.size = sizeof(s)};
-	char path[108];
 	int r = dlpc_stat(c, &s);
 
+	(void)a;
 	if (r < 0)
 		return fail("ping", NULL, r);
-	if (a->socket)
-		snprintf(path, sizeof(path), "%s", a->socket);
-	else if (dlpc_default_socket(path, sizeof(path)) < 0)
-		snprintf(path, sizeof(path), "?");
-	printf("dlpackd pid %u answers on %s, up %.1f s\n", (unsigned)s.daemon_pid, path,
-	       (double)s.uptime_ms / 1000);
+	printf("dlpackd pid %u answers on %s, up %.1f s\n", (unsigned)s.daemon_pid,
+	       dlpc_socket_path(c), (double)s.uptime_ms / 1000);
 	return 0;
 }
 
@@ -746,10 +743,7 @@ static int daemon_pid(const char *socket_path)
 	socklen_t len = sizeof(cred);
 	int fd, r;
 
-	if (socket_path)
-		snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", socket_path);
-	else if ((r = dlpc_default_socket(sa.sun_path, sizeof(sa.sun_path))) < 0)
-		return r;
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", socket_path);
 	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -errno;
@@ -779,7 +773,7 @@ static int cmd_upgrade(dlpc_client *c, const struct args *a)
 
 	if (r < 0)
 		return fail("upgrade", NULL, r);
-	pid = daemon_pid(a->socket);
+	pid = daemon_pid(dlpc_socket_path(c));
 	if (pid <= 0) {
 		fprintf(stderr, "dlpackctl: upgrade: %s\n",
 			pid == 0

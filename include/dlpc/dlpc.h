@@ -75,7 +75,7 @@ extern "C" {
 
 /** Environment variable naming the daemon's socket; overrides the built-in default. */
 #define DLPC_SOCKET_ENV "DLPACKD_SOCKET"
-/** Default socket of a daemon run by root (the system service). */
+/** The system socket: the service's, and where a daemon run by root listens by default. */
 #define DLPC_SYSTEM_SOCKET "/run/dlpackd/dlpackd.sock"
 /** File name of a per-user daemon's socket inside $XDG_RUNTIME_DIR. */
 #define DLPC_USER_SOCKET_NAME "dlpackd.sock"
@@ -183,13 +183,17 @@ typedef struct dlpc_attach_opts {
 DLPC_EXPORT const char *dlpc_version(void);
 
 /**
- * Write the socket path used when none is given into @p buf.
+ * Write the socket path a client uses when none is given into @p buf.
  *
- * The order is: $DLPACKD_SOCKET, then DLPC_SYSTEM_SOCKET for root, then
- * $XDG_RUNTIME_DIR/dlpackd.sock for other users. The daemon, the library and dlpackctl all use
- * this function.
- * @return the path's length, -ENOENT if no rule applies (non-root without XDG_RUNTIME_DIR),
- *         -ENAMETOOLONG if it does not fit in @p len bytes or in a socket address.
+ * The rule (the same for every user, root included): $DLPACKD_SOCKET if set and not empty; else
+ * $XDG_RUNTIME_DIR/dlpackd.sock (a per-user daemon's) if XDG_RUNTIME_DIR is set and that file
+ * exists; else DLPC_SYSTEM_SOCKET, the service's, whose users are the group `dlpack`.
+ * dlpc_connect() with no path follows it, and also goes on to the system socket when nobody
+ * listens on an existing per-user socket (a stale one). The library, the Python module and
+ * dlpackctl all use this rule. A daemon started without --socket listens elsewhere: on
+ * $DLPACKD_SOCKET, else DLPC_SYSTEM_SOCKET when run by root, else on the per-user socket.
+ * @return the path's length, or -ENAMETOOLONG if it does not fit in @p len bytes or in a socket
+ *         address.
  */
 DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
 
@@ -207,9 +211,17 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
  * DLPC_RECONNECT_DROPS_MAX connections), when it fails with -ECONNRESET or -EPIPE. A refusal (over a quota, another protocol) comes with its reason and is not retried,
  * also one that closes the connection as soon as it is accepted (a uid far over its limits):
  * -EDQUOT at once, with dlpackd's words.
- * @param socket_path the daemon's socket, or NULL for dlpc_default_socket()'s.
+ * With @p socket_path NULL, the places of dlpc_default_socket() are tried in turn: only
+ * $DLPACKD_SOCKET when it is set; else the per-user socket, and the system socket when nothing
+ * listens on the first (no such file, connection refused, or permission denied), stopping at the
+ * first daemon that answers. On failure dlpc_last_error() names every path tried with its error
+ * and, where a socket's permissions kept the caller out (-EACCES), the group the socket belongs
+ * to and how to join it (`sudo usermod -aG GROUP $USER`, then log in again). The return value
+ * is then -EACCES if any path gave it, else the error of the last path tried.
+ * @param socket_path the daemon's socket, or NULL to look for it (dlpc_default_socket()).
  * @param ret receives the client on success.
- * @return 0, -ECONNREFUSED or -ENOENT when no daemon listens, -EPROTO on a version mismatch,
+ * @return 0, -ECONNREFUSED or -ENOENT when no daemon listens, -EACCES when the socket's
+ *         permissions keep the caller out, -EPROTO on a version mismatch,
  *         -ETIMEDOUT when nothing answered in time, -EINVAL when $DLPC_CALL_TIMEOUT_MS is not a
  *         whole number of milliseconds.
  */
@@ -302,6 +314,10 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 
 /** How many times @p c has connected anew (DLPC_CONNECT_RECONNECT); 0 for NULL. */
 DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c);
+
+/** The socket @p c connected to (the one found by dlpc_connect(NULL), or the one it was given);
+ * NULL for NULL. Valid as long as @p c. */
+DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c);
 
 /**
  * Give up the caller's handle, sending the releases still deferred. The connection itself stays
