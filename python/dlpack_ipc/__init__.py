@@ -8,8 +8,9 @@
     w = torch.from_dlpack(t).add_(1)                       # a private copy-on-write change
 
 Module-level functions use one default Client, created on first use, connected to the default
-socket ($DLPACKD_SOCKET, else /run/dlpackd/dlpackd.sock for root, else
-$XDG_RUNTIME_DIR/dlpackd.sock). A Client used in a forked child reconnects by itself.
+socket: $DLPACKD_SOCKET if set, else $XDG_RUNTIME_DIR/dlpackd.sock (a daemon of your own) if it
+exists, else /run/dlpackd/dlpackd.sock (the service's, for the group dlpack); a failure names
+every path tried. A Client used in a forked child reconnects by itself.
 
 When dlpackd stops or restarts, the call that finds the connection closed raises
 ConnectionResetError (whether it was sent before or during the restart, or the client sat idle).
