@@ -4,6 +4,8 @@
 # (tests/install/) against the installed tree twice: with pkg-config, and with
 # find_package(dlpc CONFIG) for the shared and the static library. Run them against the
 # installed dlpackd: each publishes in one process and the others attach and check the bytes.
+# Then the build tree's compile lines (dlpc-uninstalled.pc, and -I/-L/-rpath by hand), and
+# `scripts/dev install PREFIX` followed by the documented pkg-config line.
 # Usage: install.sh BUILD SRC PREFIX SBINDIR LIBDIR INCLUDEDIR MANDIR UNITDIR SYSUSERSDIR [PYDIR]
 set -euo pipefail
 build=$1 src=$2 prefix=$3 sbindir=$4 libdir=$5 includedir=$6 mandir=$7 unitdir=$8
@@ -105,6 +107,46 @@ import dlpack_ipc.torch
 assert dlpack_ipc.torch.__file__.startswith(__import__("os").environ["PYTHONPATH"])
 PY
 fi
+unset LD_LIBRARY_PATH
+
+# 3. The build tree, not installed: the two compile lines the docs give. Each program finds the
+# build tree's libdlpc.so.0 through its run path (no LD_LIBRARY_PATH).
+# shellcheck disable=SC2046 # word splitting of the flags is wanted
+cc -o "$tmp/tree_pc" "$src/tests/install/consumer.c" \
+	$(PKG_CONFIG_PATH=$build pkg-config --cflags --libs dlpc)
+cc -o "$tmp/tree_flags" "$src/tests/install/consumer.c" -I"$src/include" -L"$build" \
+	-Wl,-rpath,"$build" -ldlpc
+for prog in "$tmp/tree_pc" "$tmp/tree_flags"; do
+	ldd "$prog" | grep "libdlpc.so.0 => $build/libdlpc.so.0" >/dev/null ||
+		{ ldd "$prog" >&2; echo "$prog does not use $build/libdlpc.so.0" >&2; exit 1; }
+	"$prog" attach install/pc
+done
+echo "build tree: both compile lines ran against the daemon"
+
+# 4. scripts/dev install PREFIX (a build of its own, configured for PREFIX), then the documented
+# line: the program, and the installed dlpackctl, find PREFIX's library with no LD_LIBRARY_PATH.
+prefix_dir=$tmp/prefix
+DLPC_BUILD_DIR=$tmp/devbuild DLPC_CMAKE_ARGS="-DDLPC_BUILD_TESTS=OFF" DLPC_SKIP_DEPS=1 \
+	"$src/scripts/dev" install "$prefix_dir" >"$tmp/dev-install.log" 2>&1 ||
+	{ cat "$tmp/dev-install.log" >&2; exit 1; }
+for f in sbin/dlpackd bin/dlpackctl include/dlpc/dlpc.h lib/libdlpc.so.0 lib/pkgconfig/dlpc.pc \
+	share/man/man1/dlpackctl.1 share/man/man3/dlpc.3 share/man/man8/dlpackd.8; do
+	[ -e "$prefix_dir/$f" ] || { echo "scripts/dev install: missing $prefix_dir/$f" >&2; exit 1; }
+done
+grep -F "PKG_CONFIG_PATH=$prefix_dir/lib/pkgconfig pkg-config --cflags --libs dlpc" \
+	"$tmp/dev-install.log" >/dev/null ||
+	{ cat "$tmp/dev-install.log" >&2; echo "scripts/dev install gave no compile line" >&2; exit 1; }
+# shellcheck disable=SC2046 # word splitting of the flags is wanted
+cc -o "$tmp/prefix_pc" "$src/tests/install/consumer.c" \
+	$(PKG_CONFIG_PATH=$prefix_dir/lib/pkgconfig pkg-config --cflags --libs dlpc)
+ldd "$tmp/prefix_pc" | grep "libdlpc.so.0 => $prefix_dir/lib/libdlpc.so.0" >/dev/null ||
+	{ ldd "$tmp/prefix_pc" >&2; echo "prefix_pc does not use $prefix_dir/lib" >&2; exit 1; }
+"$tmp/prefix_pc" publish install/prefix
+"$tmp/prefix_pc" attach install/pc
+"$prefix_dir/bin/dlpackctl" ls install/prefix | grep install/prefix >/dev/null ||
+	{ echo "the installed dlpackctl does not see install/prefix" >&2; exit 1; }
+echo "scripts/dev install: the documented line ran against the daemon"
+
 kill -TERM "$daemon_pid"
 wait "$daemon_pid"
 daemon_pid=
