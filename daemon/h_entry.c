@@ -109,15 +109,25 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
 	old = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
-	if (old && !(req->flags & DLPC_PUBLISH_REPLACE))
+	/* REPLACE is offered only to whom it would serve: another uid's name stays its own */
+	if (old && !(req->flags & DLPC_PUBLISH_REPLACE) && may_change(p, old))
 		return dlpd_reply_error(p, id, EEXIST,
 					"'%s' is already published (generation %llu); publish with "
 					"REPLACE to take it over",
 					name, (unsigned long long)old->generation);
+	if (old && !(req->flags & DLPC_PUBLISH_REPLACE))
+		return dlpd_reply_error(
+			p, id, EEXIST,
+			"'%s' is already published (generation %llu) and belongs to "
+			"uid %u: only that uid or root may replace it; choose another "
+			"name",
+			name, (unsigned long long)old->generation, (unsigned)old->uid);
 	if (old && !may_change(p, old))
-		return dlpd_reply_error(p, id, EPERM,
-					"'%s' belongs to uid %u; uid %u may not replace it", name,
-					(unsigned)old->uid, (unsigned)p->uid);
+		return dlpd_reply_error(
+			p, id, EPERM,
+			"'%s' belongs to uid %u; uid %u may not replace it (only that "
+			"uid or root may)",
+			name, (unsigned)old->uid, (unsigned)p->uid);
 	/* legacy CUDA IPC memory stays the publisher's: it holds no fd and no bytes of ours */
 	r = dlpd_quota_publish(p, req->cuda_ipc ? 0 : req->storage_size, !req->cuda_ipc, old, why,
 			       sizeof(why));

@@ -270,10 +270,16 @@ static int nobody_and_root_entries(void *arg)
 	/* not ours: refused, and the message says whose it is and who asked */
 	CHILD_CHECK(publish(c, "root/entry", DLPC_PUBLISH_REPLACE) == -EPERM);
 	CHILD_CHECK(error_says("belongs to uid 0") && error_says("uid 65534 may not replace"));
+	/* taken by another uid: no word of REPLACE, which would fail as above */
+	CHILD_CHECK(publish(c, "root/entry", 0) == -EEXIST);
+	CHILD_CHECK(error_says("belongs to uid 0") && error_says("only that uid or root may"));
+	CHILD_CHECK(!error_says("REPLACE"));
 	CHILD_CHECK(dlpc_unpublish(c, "root/entry") == -EPERM);
 	CHILD_CHECK(error_says("belongs to uid 0") && error_says("uid 65534 may not unpublish"));
 	/* ours: the owner may replace and unpublish */
 	CHILD_CHECK(publish(c, "nobody/own", 0) == 1);
+	CHILD_CHECK(publish(c, "nobody/own", 0) == -EEXIST);
+	CHILD_CHECK(error_says("publish with REPLACE to take it over"));
 	CHILD_CHECK(publish(c, "nobody/own", DLPC_PUBLISH_REPLACE) == 2);
 	CHILD_CHECK(publish(c, "nobody/gone", 0) == 1);
 	CHILD_CHECK(dlpc_unpublish(c, "nobody/gone") == 0);
