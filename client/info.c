@@ -290,6 +290,11 @@ DLPC_EXPORT const char *dlpc_strerror(int err)
 		return "a dlpackd quota would be exceeded";
 	case -ENOSPC:
 		return "shared memory is full";
+	case -ETIMEDOUT:
+		/* not the C library's "Connection timed out": no connection timed out, a wait did
+		 * (for a name to appear, a channel's message or room, or dlpackd's answer) */
+		return "timed out: what was waited for (a name, a channel message, dlpackd's "
+		       "answer) did not come in time";
 	default:
 		s = err < 0 ? strerrordesc_np(-err) : NULL;
 		return s ? s : "unknown error";
