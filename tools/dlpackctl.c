@@ -48,7 +48,8 @@ static const char usage_text[] =
 	"                  one JSON object per line (watch)\n"
 	"  --timeout S     give up waiting after S seconds (wait: default forever;\n"
 	"                  upgrade: default 30)\n"
-	"  -h, --help      show this help and exit\n"
+	"  -h, --help      show this help and exit ('dlpackctl COMMAND --help': that\n"
+	"                  command's)\n"
 	"  -V, --version   show the version and exit\n"
 	"  --              end of options (for a NAME or PREFIX that starts with a dash)\n"
 	"\n"
@@ -214,6 +215,29 @@ static void put_padded(const char *s, size_t width)
 		putchar(' ');
 }
 
+/*
+ * Print a table: @p nrows rows (the first the heading) of @p ncol cells each, row by row in
+ * @p cell; every column as wide as its widest cell (as text_put() writes it, names escaped), two
+ * spaces apart, the last one unpadded.
+ */
+static void put_table(const char *const *cell, size_t nrows, size_t ncol)
+{
+	size_t width[16] = {0};
+
+	for (size_t i = 0; i < nrows; i++)
+		for (size_t k = 0; k < ncol && k < 16; k++) {
+			size_t w = text_width(cell[i * ncol + k], strlen(cell[i * ncol + k]));
+
+			if (w > width[k])
+				width[k] = w;
+		}
+	for (size_t i = 0; i < nrows; i++) {
+		for (size_t k = 0; k < ncol; k++)
+			put_padded(cell[i * ncol + k], k + 1 < ncol && k < 16 ? width[k] + 2 : 0);
+		putchar('\n');
+	}
+}
+
 /* ---- JSON ---- */
 
 /* The fields of an entry, into an object already open. */
@@ -285,9 +309,10 @@ static int cmd_ls(dlpc_client *c, const struct args *a)
 	static const char *const head[] = {"NAME", "GEN",    "DEVICE", "TYPE", "SIZE",
 					   "REFS", "CACHED", "OWNER",  "AGE"};
 	enum { NCOL = 9 };
-	size_t width[NCOL], n;
+	size_t n;
 	dlpc_entry_info *v;
 	char(*cells)[NCOL][160]; /* column 0, the name, is printed from v[i] */
+	const char **table;
 	int r = dlpc_list(c, prefix, &v, &n);
 
 	if (r < 0)
@@ -307,15 +332,19 @@ static int cmd_ls(dlpc_client *c, const struct args *a)
 		dlpc_list_free(v, n);
 		return 0;
 	}
-	cells = calloc(n ? n : 1, sizeof(*cells));
-	if (!cells) {
+	cells = calloc(n, sizeof(*cells));
+	table = calloc((n + 1) * NCOL, sizeof(*table));
+	if ((n && !cells) || !table) {
+		free(cells);
+		free(table);
 		dlpc_list_free(v, n);
 		fprintf(stderr, "dlpackctl: ls: out of memory\n");
 		return 1;
 	}
 	for (int k = 0; k < NCOL; k++)
-		width[k] = strlen(head[k]);
+		table[k] = head[k];
 	for (size_t i = 0; i < n; i++) {
+		const char **row = table + (i + 1) * NCOL;
 		char user[64];
 
 		snprintf(cells[i][1], sizeof(cells[i][1]), "%" PRIu64, v[i].generation);
@@ -327,22 +356,12 @@ static int cmd_ls(dlpc_client *c, const struct args *a)
 		snprintf(cells[i][7], sizeof(cells[i][7]), "%s/%d",
 			 user_text(v[i].owner_uid, user, sizeof(user)), (int)v[i].owner_pid);
 		age_text(v[i].created_ns, cells[i][8], sizeof(cells[i][8]));
-		if (text_width(v[i].name, strlen(v[i].name)) > width[0])
-			width[0] = text_width(v[i].name, strlen(v[i].name));
+		row[0] = v[i].name;
 		for (int k = 1; k < NCOL; k++)
-			if (strlen(cells[i][k]) > width[k])
-				width[k] = strlen(cells[i][k]);
+			row[k] = cells[i][k];
 	}
-	for (int k = 0; k < NCOL; k++) {
-		put_padded(head[k], k + 1 < NCOL ? width[k] + 2 : 0);
-	}
-	putchar('\n');
-	for (size_t i = 0; i < n; i++) {
-		put_padded(v[i].name, width[0] + 2);
-		for (int k = 1; k < NCOL; k++)
-			put_padded(cells[i][k], k + 1 < NCOL ? width[k] + 2 : 0);
-		putchar('\n');
-	}
+	put_table(table, n + 1, NCOL);
+	free(table);
 	free(cells);
 	dlpc_list_free(v, n);
 	return 0;
@@ -399,8 +418,13 @@ static int cmd_stat(dlpc_client *c, const struct args *a)
 	if (r < 0)
 		return fail("stat", NULL, r);
 	if (!a->json) {
+		int width = 0;
+
 		for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
-			printf("%-16s %" PRIu64 "\n", rows[i].name, rows[i].v);
+			if ((int)strlen(rows[i].name) > width)
+				width = (int)strlen(rows[i].name);
+		for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
+			printf("%-*s  %" PRIu64 "\n", width, rows[i].name, rows[i].v);
 		return 0;
 	}
 	json_init(&j, stdout);
@@ -421,12 +445,31 @@ static int cmd_rm(dlpc_client *c, const struct args *a)
 	return r < 0 ? fail("rm", a->pos[0], r) : 0;
 }
 
+/* WAITING of 'channels': "-" when nobody waits, else "2 recv", "1 send" or "2 recv, 1 send". */
+static const char *waiting_text(uint32_t recv, uint32_t send, char *buf, size_t len)
+{
+	if (!recv && !send)
+		snprintf(buf, len, "-");
+	else if (!send)
+		snprintf(buf, len, "%u recv", (unsigned)recv);
+	else if (!recv)
+		snprintf(buf, len, "%u send", (unsigned)send);
+	else
+		snprintf(buf, len, "%u recv, %u send", (unsigned)recv, (unsigned)send);
+	return buf;
+}
+
 static int cmd_channels(dlpc_client *c, const struct args *a)
 {
 	const char *prefix = a->npos ? a->pos[0] : "";
+	static const char *const head[] = {"NAME", "KIND",     "DEPTH",	  "QUEUED",
+					   "SENT", "RECEIVED", "WAITING", "OWNER"};
+	enum { NCOL = 8 };
 	dlpc_channel_info *v;
-	size_t n, width = strlen("NAME");
+	size_t n;
 	int r = dlpc_channel_list(c, prefix, &v, &n);
+	char(*cells)[NCOL][96]; /* column 0, the name, is printed from v[i] */
+	const char **table;
 	struct json j;
 
 	if (r < 0)
@@ -469,30 +512,43 @@ static int cmd_channels(dlpc_client *c, const struct args *a)
 		free(v);
 		return 0;
 	}
-	for (size_t i = 0; i < n; i++)
-		if (text_width(v[i].name, strlen(v[i].name)) > width)
-			width = text_width(v[i].name, strlen(v[i].name));
-	put_padded("NAME", width + 2);
-	printf("%-9s %-10s %-10s %-10s %-9s %s\n", "DEPTH", "QUEUED", "SENT", "RECEIVED", "WAITING",
-	       "OWNER");
-	for (size_t i = 0; i < n; i++) {
-		char depth[32], size[32], waiting[32], user[64];
-
-		snprintf(depth, sizeof(depth), "%u/%u", v[i].depth, v[i].capacity);
-		snprintf(waiting, sizeof(waiting), "%ur %us", v[i].receivers_waiting,
-			 v[i].senders_waiting);
-		put_padded(v[i].name, width + 2);
-		/* a direct channel's messages never pass the daemon: it counts only the queue */
-		if (v[i].flags & DLPC_CHANNEL_DIRECT)
-			printf("%-9s %-10s %-10s %-10s %-9s %s/%d\n", depth, "direct", "-", "-",
-			       "-", user_text(v[i].owner_uid, user, sizeof(user)),
-			       (int)v[i].owner_pid);
-		else
-			printf("%-9s %-10s %-10" PRIu64 " %-10" PRIu64 " %-9s %s/%d\n", depth,
-			       size_text(v[i].bytes_queued, size, sizeof(size)), v[i].sent,
-			       v[i].received, waiting,
-			       user_text(v[i].owner_uid, user, sizeof(user)), (int)v[i].owner_pid);
+	cells = calloc(n, sizeof(*cells));
+	table = calloc((n + 1) * NCOL, sizeof(*table));
+	if ((n && !cells) || !table) {
+		free(cells);
+		free(table);
+		free(v);
+		fprintf(stderr, "dlpackctl: channels: out of memory\n");
+		return 1;
 	}
+	for (int k = 0; k < NCOL; k++)
+		table[k] = head[k];
+	for (size_t i = 0; i < n; i++) {
+		const char **row = table + (i + 1) * NCOL;
+		char user[64];
+
+		row[0] = v[i].name;
+		for (int k = 1; k < NCOL; k++)
+			row[k] = cells[i][k];
+		snprintf(cells[i][2], sizeof(cells[i][2]), "%u/%u", v[i].depth, v[i].capacity);
+		snprintf(cells[i][7], sizeof(cells[i][7]), "%s/%d",
+			 user_text(v[i].owner_uid, user, sizeof(user)), (int)v[i].owner_pid);
+		/* a direct channel's messages never pass the daemon: it counts only the queue */
+		if (v[i].flags & DLPC_CHANNEL_DIRECT) {
+			row[1] = "direct";
+			row[3] = row[4] = row[5] = row[6] = "-";
+			continue;
+		}
+		row[1] = "queued";
+		size_text(v[i].bytes_queued, cells[i][3], sizeof(cells[i][3]));
+		snprintf(cells[i][4], sizeof(cells[i][4]), "%" PRIu64, v[i].sent);
+		snprintf(cells[i][5], sizeof(cells[i][5]), "%" PRIu64, v[i].received);
+		waiting_text(v[i].receivers_waiting, v[i].senders_waiting, cells[i][6],
+			     sizeof(cells[i][6]));
+	}
+	put_table(table, n + 1, NCOL);
+	free(table);
+	free(cells);
 	free(v);
 	return 0;
 }
@@ -823,13 +879,54 @@ static const struct command {
 	const char *name;
 	int min_pos, max_pos;
 	bool json, timeout;
+	const char *args; /* what follows the name in its usage line */
+	const char *help; /* what it does, for 'dlpackctl COMMAND --help' */
 } commands[] = {
-	{"ls", 0, 1, true, false},	 {"stat", 0, 0, true, false},
-	{"rm", 1, 1, false, false},	 {"wait", 1, 1, false, true},
-	{"ping", 0, 0, false, false},	 {"watch", 0, 1, true, false},
-	{"check", 0, 1, true, false},	 {"upgrade", 0, 0, false, true},
-	{"channels", 0, 1, true, false}, {"rmchan", 1, 1, false, false},
+	{"ls", 0, 1, true, false, "[PREFIX] [--json]",
+	 "List the entries whose names start with PREFIX (every entry without one): NAME, GEN\n"
+	 "(generation), DEVICE, TYPE (dtype and shape, or bundle(N)), SIZE, REFS (attach\n"
+	 "references), CACHED (of REFS, idle in clients' caches), OWNER (user/pid) and AGE.\n"
+	 "--json: one JSON array of objects.\n"},
+	{"stat", 0, 0, true, false, "[--json]",
+	 "Show the daemon's counters, one 'name value' per line (--json: one JSON object).\n"
+	 "The uid_ counters are the caller's uid's.\n"},
+	{"rm", 1, 1, false, false, "NAME",
+	 "Unpublish NAME. Tensors attached already stay valid; only the name's owner (its uid)\n"
+	 "or root may remove it.\n"},
+	{"wait", 1, 1, false, true, "NAME [--timeout S]",
+	 "Wait until NAME is published, at most S seconds (default: as long as it takes).\n"},
+	{"ping", 0, 0, false, false, "",
+	 "Check that the daemon answers: its pid, the socket it answers on, its uptime.\n"},
+	{"watch", 0, 1, true, false, "[PREFIX] [--json]",
+	 "Print publish, replace and unpublish events of the names under PREFIX as they happen,\n"
+	 "until interrupted (--json: one JSON object per line).\n"},
+	{"check", 0, 1, true, false, "[PREFIX] [--json]",
+	 "Attach every entry under PREFIX (importing GPU memory), let it go, and report those\n"
+	 "that fail; exit status 1 if any does.\n"},
+	{"upgrade", 0, 0, false, true, "[--timeout S]",
+	 "Have the daemon execute its binary again in place, keeping entries and socket; wait\n"
+	 "up to S seconds (default 30) for the new image to answer.\n"},
+	{"channels", 0, 1, true, false, "[PREFIX] [--json]",
+	 "List the channels whose names start with PREFIX: NAME, KIND (queued or direct),\n"
+	 "DEPTH (queued/capacity), QUEUED (bytes), SENT, RECEIVED, WAITING (receivers and\n"
+	 "senders waiting: '-' for none, else '2 recv, 1 send') and OWNER (user/pid).\n"
+	 "--json: one JSON array of objects.\n"},
+	{"rmchan", 1, 1, false, false, "NAME",
+	 "Remove the channel NAME and the messages it queues.\n"},
 };
+
+/* 'dlpackctl COMMAND --help': its usage line, what it does, the options it takes. */
+static void command_help(const struct command *cmd)
+{
+	printf("Usage: dlpackctl [--socket PATH] %s%s%s\n%s\nOptions:\n", cmd->name,
+	       cmd->args[0] ? " " : "", cmd->args, cmd->help);
+	printf("  --socket PATH   the daemon's socket (see 'dlpackctl --help')\n");
+	if (cmd->json)
+		printf("  --json          machine-readable output\n");
+	if (cmd->timeout)
+		printf("  --timeout S     give up waiting after S seconds\n");
+	printf("  -h, --help      show this help and exit\n");
+}
 
 static bool parse_seconds(const char *s, double *ret)
 {
@@ -855,7 +952,11 @@ static int parse(int argc, char **argv, struct args *a)
 		const char *val = NULL;
 
 		if (!opts_done && (!strcmp(arg, "-h") || !strcmp(arg, "--help"))) {
-			fputs(usage_text, stdout);
+			/* after a command: that command's help */
+			if (cmd)
+				command_help(cmd);
+			else
+				fputs(usage_text, stdout);
 			return -1;
 		}
 		if (!opts_done && (!strcmp(arg, "-V") || !strcmp(arg, "--version"))) {

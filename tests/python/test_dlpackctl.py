@@ -302,3 +302,111 @@ def test_help_matches_man_page(ctl_bin):
     assert mentioned <= help_opts, mentioned - help_opts
     man_mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", _man_text()))
     assert man_mentioned <= help_opts, man_mentioned - help_opts
+
+
+# ---- help per command, aligned tables, the connect error ----
+
+def test_each_command_has_its_own_help(ctl_bin):
+    top = subprocess.run([ctl_bin, "--help"], capture_output=True, text=True, check=True).stdout
+    cmds = [re.split(r"\s{2,}", line.strip())[0].split()[0]
+            for line in _help_sections(top)["Commands"]]
+    assert "ls" in cmds and "channels" in cmds
+    for cmd in cmds:
+        for flag in ("--help", "-h"):
+            cp = subprocess.run([ctl_bin, cmd, flag], capture_output=True, text=True)
+            assert cp.returncode == 0 and cp.stderr == "", (cmd, cp)
+            assert cp.stdout.startswith(f"Usage: dlpackctl [--socket PATH] {cmd}"), cp.stdout
+            assert cp.stdout != top and "Commands:" not in cp.stdout, cp.stdout
+    # the options a command takes, and no other
+    assert "--json" in ok(subprocess.run([ctl_bin, "ls", "--help"], capture_output=True,
+                                         text=True)).stdout
+    assert "--json" not in ok(subprocess.run([ctl_bin, "rm", "--help"], capture_output=True,
+                                             text=True)).stdout
+    assert "--timeout" in ok(subprocess.run([ctl_bin, "wait", "--help"], capture_output=True,
+                                            text=True)).stdout
+
+
+def _assert_aligned(text):
+    """Every cell of a table starts where its column's heading does, two spaces after the
+    cell before; the rows as lists of cells."""
+    head, *rows = text.rstrip("\n").split("\n")
+    starts = [m.start() for m in re.finditer(r"\S+", head)]
+    out = []
+    for row in rows:
+        cells = []
+        for k, at in enumerate(starts):
+            assert len(row) > at and row[at] != " ", (k, head, row)
+            if k:
+                assert row[at - 2:at] == "  ", (k, head, row)
+            end = starts[k + 1] if k + 1 < len(starts) else len(row)
+            cells.append(row[at:end].strip())
+        out.append(cells)
+    return out
+
+
+def _wait_channel(name, pred, what):
+    for _ in range(6000):
+        (info,) = [c for c in dlpack_ipc.channels(name) if c.name == name]
+        if pred(info):
+            return
+        import time
+        time.sleep(0.01)
+    pytest.fail(f"channel {name}: never {what}")
+
+
+def test_tables_align_and_waiting_reads(ctl, ipc, daemon):
+    import threading
+    long_name = "t/" + "a-rather-long-name-" * 4
+    ipc.publish(long_name, np.zeros((300, 300)))
+    ipc.publish("t/b", np.zeros(3, np.int8))
+    rows = _assert_aligned(ok(ctl("ls", "t/")).stdout)
+    assert [r[0] for r in rows] == [long_name, "t/b"]
+
+    idle = dlpack_ipc.channel("t/idle-" + "x" * 40, capacity=65536)
+    for _ in range(3):
+        idle.send(np.zeros(10000))
+    full = dlpack_ipc.channel("t/full", capacity=1)
+    full.send(np.zeros(1))
+    empty = dlpack_ipc.channel("t/empty")
+    other = dlpack_ipc.Client(daemon.socket)
+    got = []
+    # a receiver waits on t/empty, a sender on t/full (each on a connection of its own)
+    rx = threading.Thread(target=lambda: got.append(
+        dlpack_ipc.Channel("t/empty", client=other).recv(timeout=60)))
+    tx = threading.Thread(target=lambda: dlpack_ipc.Channel(
+        "t/full", client=dlpack_ipc.Client(daemon.socket)).send(np.ones(1), timeout=60))
+    rx.start()
+    tx.start()
+    try:
+        _wait_channel("t/empty", lambda c: c.receivers_waiting == 1, "a waiting receiver")
+        _wait_channel("t/full", lambda c: c.senders_waiting == 1, "a waiting sender")
+        rows = {r[0]: r for r in _assert_aligned(ok(ctl("channels", "t/")).stdout)}
+        head = ok(ctl("channels", "t/")).stdout.split("\n")[0].split()
+        waiting = {name: r[head.index("WAITING")] for name, r in rows.items()}
+        assert waiting == {"t/empty": "1 recv", "t/full": "1 send", idle.name: "-"}, waiting
+        assert rows["t/full"][head.index("KIND")] == "queued"
+        assert rows[idle.name][head.index("DEPTH")] == "3/65536"
+    finally:
+        empty.send(np.zeros(1))
+        full.recv(timeout=60)
+        rx.join(60)
+        tx.join(60)
+    assert len(got) == 1
+
+    # stat: every value in one column, however long the counter's name
+    lines = ok(ctl("stat")).stdout.splitlines()
+    starts = {re.search(r"\s(\d+)$", line).start(1) for line in lines}
+    assert len(starts) == 1, lines
+
+
+def test_connect_error_lists_every_path(ctl_bin, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "DLPACKD_SOCKET"}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+    cp = subprocess.run([ctl_bin, "ping"], capture_output=True, text=True, env=env)
+    if cp.returncode == 0:
+        # this machine runs the service: found on the system socket, past the per-user one
+        assert "answers on /run/dlpackd/dlpackd.sock" in cp.stdout, cp.stdout
+        return
+    assert cp.returncode == 1
+    assert f"{tmp_path}/dlpackd.sock ($XDG_RUNTIME_DIR/dlpackd.sock): No such file" in cp.stderr
+    assert "/run/dlpackd/dlpackd.sock (the system socket)" in cp.stderr, cp.stderr
