@@ -152,21 +152,24 @@ int dlpd_reply_tail(struct dlpd_peer *p, uint16_t type, uint32_t id, const Proto
 }
 
 /*
- * How loudly to log a refused request. Answers a client is built to expect (no such name, name
- * taken, wait expired) are routine; a protocol violation is logged by the mark that follows;
- * everything else (not allowed, invalid, unsupported, bad storage, out of memory) is a
- * rejection an operator may want to see.
+ * How loudly to log a refused request. A refusal is the client's business, and its answer says
+ * why: no such name, name taken, a wait expired or canceled, not allowed, invalid, over a quota,
+ * the other kind of channel, a channel empty, full or removed. All of that is routine for a
+ * daemon shared by many programs, so debug. A warning is for what an operator must act on: the
+ * daemon itself out of memory, fds or space. (A protocol violation is logged by the mark that
+ * follows it.)
  */
 static int refusal_prio(uint32_t code)
 {
 	switch (code) {
-	case ENOENT:
-	case EEXIST:
-	case ETIMEDOUT:
-	case EPROTO:
-		return LOG_DEBUG;
-	default:
+	case ENOMEM:
+	case EMFILE:
+	case ENFILE:
+	case ENOSPC:
+	case EIO:
 		return LOG_WARNING;
+	default:
+		return LOG_DEBUG;
 	}
 }
 
