@@ -99,7 +99,7 @@ overlay() {
 
 # The checks, as root inside the overlay; SHARE holds debs/, the test program and this script.
 inside() {
-	local share=$1 ma debs=() p f owner version sock run daemon_pid py user=nobody
+	local share=$1 ma debs=() p f owner version sock run daemon_pid py user=nobody deps
 	ma=$(dpkg-architecture -qDEB_HOST_MULTIARCH)
 	for p in "${packages[@]}"; do
 		f=$(compgen -G "$share/debs/${p}_*.deb") || die "no ${p}_*.deb in the packages"
@@ -149,6 +149,12 @@ inside() {
 		die "dlpack_ipc/_core.abi3.so loads '${loads:-no libdlpc.so.0}', not /usr/lib/$ma/libdlpc.so.0"
 	dpkg-query -W -f='${Depends}' python3-dlpack-ipc | grep -q libdlpc0 ||
 		die "python3-dlpack-ipc does not depend on libdlpc0"
+	# CPython 3.11 at least (the module's stable ABI, and its Python code): the source's
+	# X-Python3-Version says so to dh_python3, whose own guess for an abi3 module is 3~
+	deps=$(dpkg-query -W -f='${Depends}' python3-dlpack-ipc)
+	[[ $deps == *"python3 (>= 3.11)"* && $deps != *"(>= 3~)"* ]] ||
+		die "python3-dlpack-ipc depends on '$deps': not on python3 (>= 3.11)"
+	echo "  python3-dlpack-ipc: Depends: $deps"
 	[ "$(readelf -d "/usr/lib/$ma/libdlpc.so.0" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')" = \
 		libdlpc.so.0 ] || die "the SONAME of libdlpc.so.0 is not libdlpc.so.0 (libdlpc0)"
 
