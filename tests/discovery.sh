@@ -99,7 +99,7 @@ start() {
 }
 
 # "dlpackctl ping" as given (a prefix command and the environment), expecting the daemon $1 on
-# socket $2 to answer.
+# socket $2 to answer; and the Python module's default client, where it is built, the same.
 expect_ping() {
 	local pid=$1 sock=$2 out
 	shift 2
@@ -108,6 +108,11 @@ expect_ping() {
 	"dlpackd pid $pid answers on $sock,"*) ;;
 	*) fail "expected dlpackd pid $pid on $sock, got: $out" ;;
 	esac
+	[ -n "$python" ] || return 0
+	out=$("$@" PYTHONPATH="$build/python" "$python" -c '
+import dlpack_ipc
+print(dlpack_ipc.stat()["daemon_pid"])' 2>&1) || fail "Python: $out"
+	[ "$out" = "$pid" ] || fail "Python reached daemon '$out', not pid $pid"
 }
 
 # --- the system daemon: root, no --socket, the socket given to the group `dlpack` ---
