@@ -12,7 +12,7 @@
 
 #include "internal.h"
 
-/* The most memory getgrgid_r()/getpwuid_r() may take for one answer (a group of many members). */
+/* The most memory getgrgid_r() may take for one answer (a group of many members). */
 #define GETGR_BUF_MAX (1u << 20)
 
 /* Is @p gid this process's group now (effective or supplementary)? */
