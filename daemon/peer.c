@@ -153,7 +153,8 @@ int dlpd_reply_tail(struct dlpd_peer *p, uint16_t type, uint32_t id, const Proto
 
 /*
  * How loudly to log a refused request. Answers a client is built to expect (no such name, name
- * taken, wait expired) are routine; a protocol violation is logged by the mark that follows;
+ * taken, wait expired, a channel of another kind than it knew, a channel's stream ended) are
+ * routine; a protocol violation is logged by the mark that follows;
  * everything else (not allowed, invalid, unsupported, bad storage, out of memory) is a
  * rejection an operator may want to see.
  */
@@ -164,6 +165,8 @@ static int refusal_prio(uint32_t code)
 	case EEXIST:
 	case ETIMEDOUT:
 	case EPROTO:
+	case EPROTOTYPE:
+	case EPIPE:
 		return LOG_DEBUG;
 	default:
 		return LOG_WARNING;
