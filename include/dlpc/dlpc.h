@@ -914,8 +914,9 @@ DLPC_EXPORT int dlpc_channel_close(dlpc_client *c, const char *name);
 DLPC_EXPORT int dlpc_channel_close_flags(dlpc_client *c, const char *name, uint32_t flags);
 
 /**
- * Remove the channel @p name: its queued messages are freed and every send or receive waiting
- * on it fails with -EIDRM. Only its owner's uid or root may.
+ * Remove the channel @p name: its queued messages are freed, unread (to end a stream and keep
+ * them for the receivers, dlpc_channel_close()), and every send or receive waiting on it fails
+ * with -EIDRM. Only its owner's uid or root may.
  * @return 0, -ENOENT if there is none, -EPERM.
  */
 DLPC_EXPORT int dlpc_channel_remove(dlpc_client *c, const char *name);
