@@ -17,6 +17,7 @@
 #define OP_OPEN 1
 #define OP_REMOVE 2
 #define OP_STAT 3
+#define OPEN_FLAGS (DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_QUEUED)
 #define SEND_FLAGS DLPC_SEND_NOWAIT
 #define RECV_LOCAL_FLAGS                                                                           \
 	(DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_WRITABLE | DLPC_ATTACH_NO_CACHE)
@@ -63,6 +64,9 @@ static void info_fill(dlpc_channel_info *out, const Dlpackd__V1__ChannelInfo *in
 	i.received = in->received;
 	i.created_ns = in->created_ns;
 	i.flags = in->flags;
+	i.producers = in->producers;
+	i.producers_closed = in->producers_closed;
+	i.producers_expected = in->producers_expected;
 	memcpy(i.name, in->name.data, len);
 	i.name[len] = '\0';
 	/* only as much as the caller's struct holds, keeping its size field */
@@ -73,7 +77,8 @@ static void info_fill(dlpc_channel_info *out, const Dlpackd__V1__ChannelInfo *in
 /* One CHANNEL request; fills @p info if not NULL. 1 if it created the channel, 0, or negative
  * errno. */
 static int channel_call(dlpc_client *c, uint32_t op, const char *name, uint32_t capacity,
-			uint32_t flags, dlpc_channel_info *info, const char *what)
+			uint32_t flags, uint32_t producers, dlpc_channel_info *info,
+			const char *what)
 {
 	Dlpackd__V1__Channel req = DLPACKD__V1__CHANNEL__INIT;
 	Dlpackd__V1__ChannelReply *rep;
@@ -96,9 +101,12 @@ static int channel_call(dlpc_client *c, uint32_t op, const char *name, uint32_t 
 	req.name.len = strlen(name);
 	req.capacity = capacity;
 	req.flags = flags;
+	req.producers = producers;
 	r = dlpc__call(c, DLPC_MSG_CHANNEL, &req.base, NULL, 0,
 		       &dlpackd__v1__channel_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
 		       NULL);
+	if (r == -EPIPE && dlpc__check(c) < 0)
+		return dlpc__check(c); /* a lost connection is never the end of a stream */
 	if (r < 0)
 		return r;
 	if (!rep->channel) {
@@ -113,22 +121,61 @@ static int channel_call(dlpc_client *c, uint32_t op, const char *name, uint32_t 
 	return r;
 }
 
-DLPC_EXPORT int dlpc_channel_open_flags(dlpc_client *c, const char *name, uint32_t capacity,
-					uint32_t flags, dlpc_channel_info *info)
+DLPC_EXPORT int dlpc_channel_open_opts(dlpc_client *c, const char *name,
+				       const dlpc_channel_opts *opts, dlpc_channel_info *info)
 {
+	uint32_t capacity, flags, producers;
+
+	if (!opts || opts->size < sizeof(*opts))
+		return dlpc__fail(-EINVAL, "cannot open channel '%s': opts is NULL or too small",
+				  name ? name : "");
+	capacity = opts->capacity;
+	flags = opts->flags;
+	producers = opts->producers;
+	if (producers > DLPC_CHANNEL_PRODUCERS_MAX)
+		return dlpc__fail(-EINVAL,
+				  "cannot open channel '%s': %u producers exceeds the limit of %d "
+				  "(DLPC_CHANNEL_PRODUCERS_MAX)",
+				  name ? name : "", producers, DLPC_CHANNEL_PRODUCERS_MAX);
 	if (capacity > DLPC_CHANNEL_CAPACITY_MAX)
 		return dlpc__fail(-EINVAL,
 				  "cannot open channel '%s': capacity %u exceeds the limit of %d",
 				  name ? name : "", capacity, DLPC_CHANNEL_CAPACITY_MAX);
-	if (flags & ~DLPC_CHANNEL_DIRECT)
+	if (flags & ~OPEN_FLAGS)
 		return dlpc__fail(-EINVAL, "cannot open channel '%s': unknown flags 0x%x",
-				  name ? name : "", flags & ~DLPC_CHANNEL_DIRECT);
+				  name ? name : "", flags & ~OPEN_FLAGS);
+	if ((flags & OPEN_FLAGS) == OPEN_FLAGS)
+		return dlpc__fail(-EINVAL,
+				  "cannot open channel '%s': DLPC_CHANNEL_DIRECT and "
+				  "DLPC_CHANNEL_QUEUED together",
+				  name ? name : "");
+	if (c && dlpc__check(c) == 0 && c->minor < 10) {
+		/* before 1.10 no flag meant a queued channel, and there was no end of stream */
+		if (producers > 1)
+			return dlpc__fail(
+				-ENOTSUP,
+				"cannot open channel '%s' for %u producers: dlpackd "
+				"speaks protocol %d.%u, which has no end of stream (%d.10 "
+				"does)",
+				name ? name : "", producers, DLPC_PROTO_MAJOR, c->minor,
+				DLPC_PROTO_MAJOR);
+		flags &= ~DLPC_CHANNEL_QUEUED;
+		producers = 0;
+	}
 	if ((flags & DLPC_CHANNEL_DIRECT) && c && dlpc__check(c) == 0 && c->minor < 8)
 		return dlpc__fail(-ENOTSUP,
 				  "cannot open direct channel '%s': dlpackd speaks protocol %d.%u, "
 				  "which has no direct channels (%d.8 does)",
 				  name ? name : "", DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
-	return channel_call(c, OP_OPEN, name, capacity, flags, info, "open");
+	return channel_call(c, OP_OPEN, name, capacity, flags, producers, info, "open");
+}
+
+DLPC_EXPORT int dlpc_channel_open_flags(dlpc_client *c, const char *name, uint32_t capacity,
+					uint32_t flags, dlpc_channel_info *info)
+{
+	dlpc_channel_opts o = {.size = sizeof(o), .capacity = capacity, .flags = flags};
+
+	return dlpc_channel_open_opts(c, name, &o, info);
 }
 
 DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t capacity,
@@ -137,9 +184,44 @@ DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t cap
 	return dlpc_channel_open_flags(c, name, capacity, 0, info);
 }
 
+/* -ENOTSUP, message set, if @p c's daemon has no end of stream (before 1.10). */
+static int need_end(const dlpc_client *c, const char *what, const char *name)
+{
+	if (c->minor >= 10)
+		return 0;
+	return dlpc__fail(-ENOTSUP,
+			  "cannot %s channel '%s': dlpackd speaks protocol %d.%u, which has no end "
+			  "of stream (%d.10 does)",
+			  what, name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
+}
+
+DLPC_EXPORT int dlpc_channel_close_flags(dlpc_client *c, const char *name, uint32_t flags)
+{
+	int r;
+
+	if (flags & ~DLPC_CHANNEL_CLOSE_ALL)
+		return dlpc__fail(-EINVAL, "cannot close channel '%s': unknown flags 0x%x",
+				  name ? name : "", flags & ~DLPC_CHANNEL_CLOSE_ALL);
+	if (c && name && dlpc__check(c) == 0 && (r = need_end(c, "close", name)) < 0)
+		return r;
+	r = channel_call(c, DLPC__CHANNEL_CLOSE, name, 0, flags, 0, NULL, "close");
+	/* a direct channel's endpoint knew this connection as a producer: the next send asks
+	 * the daemon again, and is refused */
+	if (r >= 0) {
+		dlpc__direct_forget(c, name);
+		r = 0;
+	}
+	return r;
+}
+
+DLPC_EXPORT int dlpc_channel_close(dlpc_client *c, const char *name)
+{
+	return dlpc_channel_close_flags(c, name, 0);
+}
+
 DLPC_EXPORT int dlpc_channel_remove(dlpc_client *c, const char *name)
 {
-	int r = channel_call(c, OP_REMOVE, name, 0, 0, NULL, "remove");
+	int r = channel_call(c, OP_REMOVE, name, 0, 0, 0, NULL, "remove");
 
 	/* its ends, if this client joined it, are shut now: let go of them */
 	if (r >= 0)
@@ -151,7 +233,7 @@ DLPC_EXPORT int dlpc_channel_stat(dlpc_client *c, const char *name, dlpc_channel
 {
 	if (!info)
 		return dlpc__fail(-EINVAL, "cannot describe channel: info is NULL");
-	return channel_call(c, OP_STAT, name, 0, 0, info, "describe");
+	return channel_call(c, OP_STAT, name, 0, 0, 0, info, "describe");
 }
 
 DLPC_EXPORT int dlpc_channel_list(dlpc_client *c, const char *prefix, dlpc_channel_info **ret,
@@ -242,10 +324,28 @@ static int send_queued(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V
 	/* (a second attempt must not clear what the first found) */
 	if (sink->unanswered && info.sent && !info.answered)
 		*sink->unanswered = true;
+	/* -EPIPE is the end of a stream: a write that found the connection closed is not */
+	if (r == -EPIPE && !info.answered)
+		r = dlpc__fail(-ECONNRESET, "cannot send to channel '%s': %s", sink->channel,
+			       "the connection to dlpackd was lost");
 	if (r < 0)
 		return r;
 	dlpackd__v1__send_reply__free_unpacked(rep, NULL);
 	return 0;
+}
+
+/* Tell the daemon this connection produces to the direct channel of @p e (it sees no message
+ * of it), once per endpoint: it then counts this connection among the producers whose close
+ * or end its stream waits for. 1, or a negative errno (-EPIPE: the stream ended, or this
+ * connection closed its side). */
+static int produce(dlpc_client *c, struct dlpc__endpoint *e, const char *channel)
+{
+	int r = channel_call(c, DLPC__CHANNEL_PRODUCE, channel, 0, 0, 0, NULL, "send to");
+
+	if (r < 0)
+		return r;
+	__atomic_store_n(&e->producing, true, __ATOMIC_RELAXED);
+	return 1;
 }
 
 /*
@@ -272,8 +372,12 @@ static int send_sink(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1_
 					  "buffers need a channel dlpackd queues",
 					  sink->channel);
 		}
-		r = r == 1 ? dlpc__direct_send(c, e, sink->channel, req, fd, timeout)
-			   : send_queued(c, sink, req, fd);
+		if (r == 1 && !__atomic_load_n(&e->producing, __ATOMIC_RELAXED))
+			r = produce(c, e, sink->channel);
+		if (r == 1)
+			r = dlpc__direct_send(c, e, sink->channel, req, fd, timeout);
+		else if (r == 0)
+			r = send_queued(c, sink, req, fd);
 		/* shut (removed and maybe made again, or shut by a process that joined), or now
 		 * of the other kind: ask anew, once */
 		if (e && (r == -ESHUTDOWN || r == -EPROTOTYPE))
@@ -457,6 +561,9 @@ static int recv_queued(dlpc_client *c, const char *channel, uint32_t flags, int6
 	r = dlpc__call_ex(c, DLPC_MSG_RECV, &req.base, NULL, 0, timeout, &info,
 			  &dlpackd__v1__attach_reply__descriptor, (ProtobufCMessage **)&rep, &fd,
 			  &arena.alloc);
+	if (r == -EPIPE && !info.answered)
+		r = dlpc__fail(-ECONNRESET, "cannot receive from channel '%s': %s", channel,
+			       "the connection to dlpackd was lost");
 	if (r < 0) {
 		dlpc__arena_clear(&arena);
 		if (r == -EMFILE || r == -ECANCELED) {

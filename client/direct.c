@@ -175,6 +175,7 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	struct dlpc__call_info info = {.more_fds = more, .nmore_fds = 1};
 	struct dlpc__endpoint *e, *old = NULL, *dup = NULL;
 	size_t len = strlen(name);
+	bool ended = false, queued = false;
 	uint64_t epoch;
 
 	req.op = DLPC__CHANNEL_JOIN;
@@ -188,8 +189,15 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	} else if (r < 0) {
 		return r;
 	} else {
+		/* 1.10: a queued channel is answered without fds */
+		if (rep->channel) {
+			ended = rep->channel->flags & DLPC_CHANNEL_ENDED;
+			queued = !(rep->channel->flags & DLPC_CHANNEL_DIRECT);
+		}
 		dlpackd__v1__channel_reply__free_unpacked(rep, NULL);
-		if (fd < 0 || more[0] < 0) {
+		if (queued && fd < 0 && more[0] < 0) {
+			/* remembered as queued, as an EPROTOTYPE said before 1.10 */
+		} else if (queued || fd < 0 || more[0] < 0) {
 			dlpc__close(fd);
 			dlpc__close(more[0]);
 			return dlpc__fail(
@@ -206,6 +214,7 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	memcpy(e->name, name, len + 1);
 	e->epoch = info.epoch;
 	e->direct = fd >= 0;
+	e->ended = ended;
 	e->ends[0] = fd;
 	e->ends[1] = more[0];
 	e->users = 1;

@@ -45,6 +45,16 @@ union recv_ctl {
 		 CMSG_SPACE(sizeof(int))];
 };
 
+/* Is @p fd, an end of a direct channel's pair, shut both ways: was the channel removed? (Its
+ * stream's end shuts only the sending end, for writing: the receiving end then sees POLLRDHUP
+ * alone, and the sending end nothing.) */
+static bool hung_up(int fd)
+{
+	struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+
+	return poll(&p, 1, 0) > 0 && (p.revents & POLLHUP);
+}
+
 /* ---- sending ---- */
 
 int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *channel,
@@ -89,9 +99,18 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		if (errno == EINTR)
 			continue;
 		if (errno == EPIPE) {
-			/* shut: removed, or shut by a process that joined; the caller joins anew */
-			r = waited ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
-				   : -ESHUTDOWN;
+			/* shut: removed (both ends shut both ways), its stream ended (the sending
+			 * end shut for writing), or shut by a process that joined; the caller
+			 * joins anew, and learns which */
+			if (e->ended)
+				r = dlpc__fail(-EPIPE,
+					       "cannot send to channel '%s': its stream has ended "
+					       "(every producer closed it)",
+					       channel);
+			else if (waited && hung_up(e->ends[0]))
+				r = dlpc__fail(-EIDRM, "channel '%s' was removed", channel);
+			else
+				r = -ESHUTDOWN;
 			break;
 		}
 		if (errno == ETOOMANYREFS) {
@@ -236,8 +255,14 @@ static unsigned take_fds(struct msghdr *mh, int *fd, struct ucred *cred, bool *o
 	return count;
 }
 
-/* Is the pair of @p e shut (removed, or shut by a process that joined)? */
+/* Is the pair of @p e shut both ways (removed, or shut by a process that joined)? */
 static bool shut(const struct dlpc__endpoint *e)
+{
+	return hung_up(e->ends[1]);
+}
+
+/* Does the receiving end of @p e read its end: shut, or its stream ended (1.10)? */
+static bool at_end(const struct dlpc__endpoint *e)
 {
 	struct pollfd p = {.fd = e->ends[1], .events = POLLRDHUP};
 
@@ -376,7 +401,7 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 		 * joiner that turned the credentials off */
 		if (got > 0 || (got == 0 && mh.msg_controllen > 0))
 			break;
-		if (got == 0 && !shut(e)) {
+		if (got == 0 && !at_end(e)) {
 			dlpc__direct_watch_end(c, &w);
 			return dlpc__fail(-EBADMSG,
 					  "cannot receive from channel '%s': an empty datagram "
@@ -384,10 +409,21 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 					  "joined the channel turned them off); it was dropped",
 					  channel);
 		}
+		/* the end: of the stream once every message queued before it was read (the
+		 * daemon said so when this endpoint joined: otherwise it is asked, by joining
+		 * anew), or a removal */
+		if (got == 0 && !shut(e) && e->ended) {
+			dlpc__direct_watch_end(c, &w);
+			return dlpc__fail(-EPIPE,
+					  "channel '%s' has ended: every producer closed it and "
+					  "every message was received",
+					  channel);
+		}
 		if (got == 0) {
 			dlpc__direct_watch_end(c, &w);
-			return waited ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
-				      : -ESHUTDOWN;
+			return waited && shut(e)
+				       ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
+				       : -ESHUTDOWN;
 		}
 		if (errno == EINTR)
 			continue;

@@ -358,6 +358,8 @@ int dlpc__publish_to(dlpc_client *c, const char *name, size_t n, const char *con
 int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret);
 /* direct.c, direct_io.c: direct channels (1.8). */
 #define DLPC__CHANNEL_JOIN 4
+#define DLPC__CHANNEL_CLOSE 5
+#define DLPC__CHANNEL_PRODUCE 6
 /* A channel this connection used: a direct one's ends, or the note that it is queued. */
 struct dlpc__endpoint {
 	struct dlpc__endpoint *next;
@@ -370,6 +372,11 @@ struct dlpc__endpoint {
 	/* (atomic) not read while DLPC_CLOSING_MAX fds wait to be closed: its senders sent fds
 	 * that were refused past that bound (direct_io.c); its ends go to be closed as those */
 	bool barred;
+	/* its stream had ended when it was joined (1.10): the end read from its ends is the end of
+	 * the stream, not a removal to ask about */
+	bool ended;
+	/* (atomic) this connection told the daemon it produces to it (PRODUCE, 1.10) */
+	bool producing;
 	char name[];
 };
 

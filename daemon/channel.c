@@ -35,6 +35,7 @@ struct dlpd_channel *dlpd_channel_new(struct dlpd_registry *r, const uint8_t *na
 	dlpd_list_init(&ch->queue);
 	dlpd_list_init(&ch->senders);
 	dlpd_list_init(&ch->receivers);
+	dlpd_list_init(&ch->producers);
 	ch->ends[0] = ch->ends[1] = -1;
 	if (dlpd_hmap_insert(&r->channels, &ch->node, dlpd_hash_bytes(name, len)) < 0) {
 		free(ch);
@@ -141,8 +142,13 @@ void dlpd_channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *
 	info->received = ch->received;
 	info->receivers_waiting = ch->nreceivers;
 	info->senders_waiting = ch->nsenders;
+	info->producers = ch->producing;
+	info->producers_closed = ch->closed;
+	info->producers_expected = ch->expected ? ch->expected : 1;
+	if (ch->ended)
+		info->flags |= DLPC_CHANNEL_ENDED;
 	if (ch->ends[0] >= 0) {
-		info->flags = DLPC_CHANNEL_DIRECT;
+		info->flags |= DLPC_CHANNEL_DIRECT;
 		info->capacity = ch->direct_capacity;
 		info->depth = dlpd_direct_depth(ch);
 	}

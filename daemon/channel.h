@@ -46,9 +46,29 @@ struct dlpd_channel {
 	struct dlpd_usage *usage;
 	int64_t created_ns;
 	uint64_t sent, received;
+	/* End of stream (1.10): the connections that produce to it (dlpd_producer), how many of
+	 * them have not closed, how many closed (a connection that ended included), and how many
+	 * closes the end waits for at least. Once ended it stays so until removed. */
+	struct dlpd_list producers;
+	uint32_t producing, closed, expected;
+	bool ended;
 	size_t len;
 	uint8_t name[];
 };
+
+/* A connection that produces to a channel (1.10): made by its first SEND, a PRODUCE (a direct
+ * channel's sender, before its first message) or a CLOSE; kept, closed or not, until the
+ * connection or the channel goes, so that a closed producer's later sends are refused. */
+struct dlpd_producer {
+	struct dlpd_list ch_link;   /* in ch->producers */
+	struct dlpd_list peer_link; /* in holdings.producing */
+	struct dlpd_channel *ch;
+	struct dlpd_holdings *holder;
+	bool closed;
+};
+
+/* What a producer record costs its uid's memory (--max-memory-per-uid). */
+#define DLPD_PRODUCER_COST 96
 
 /* A SEND waiting for room, or a RECV waiting for a message. */
 struct dlpd_chan_wait {
@@ -102,12 +122,26 @@ int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why,
 /* direct.c: shut every direct channel's sockets (an upgrade: the channels do not survive it,
  * and processes that joined one must not go on using it). */
 void dlpd_direct_shutdown_all(struct dlpd_server *s);
+/* direct.c: end @p ch's stream (1.10): its sending end shut for writing, so that senders get
+ * EPIPE and receivers read what is queued, then the end (not a removal: nothing is dropped). */
+void dlpd_direct_end(struct dlpd_channel *ch);
 /* direct.c: the records queued in @p ch's socket. */
 uint32_t dlpd_direct_depth(const struct dlpd_channel *ch);
 /* h_channel.c: end every wait on @p ch with EIDRM ("channel '@p name' was removed") and free
  * every message it holds; @p ch stays. */
 void dlpd_channel_empty(struct dlpd_server *s, struct dlpd_channel *ch, const char *name);
-/* h_channel.c: drop what @p p waits for on channels (its blocked SENDs' messages are freed). */
+/* h_channel.c: @p p a producer of @p ch (1.10): 0, or -EPIPE (the stream ended, or @p p
+ * closed its side), -EDQUOT (DLPC_PRODUCING_MAX, memory) with why. */
+int dlpd_channel_produce(struct dlpd_peer *p, struct dlpd_channel *ch, char *why, size_t whylen);
+/* h_channel.c: @p p closes its side of @p ch (a record made if it had none): 0 or -EDQUOT. */
+int dlpd_channel_close_producer(struct dlpd_peer *p, struct dlpd_channel *ch, char *why,
+				size_t whylen);
+/* h_channel.c: end @p ch's stream now (close-all, or its last producer closed): waiting
+ * receivers get EPIPE, waiting senders too (their messages freed), a direct channel's sending
+ * end is shut for writing. */
+void dlpd_channel_end(struct dlpd_server *s, struct dlpd_channel *ch);
+/* h_channel.c: drop what @p p waits for on channels (its blocked SENDs' messages are freed)
+ * and its producer records (a producer not closed counts as closed: its stream may end). */
 void dlpd_channels_drop_peer(struct dlpd_peer *p);
 /* End @p p's SEND or RECV @p id if it waits on a channel (CANCEL): ERROR ECANCELED, a SEND's
  * message freed. Whether one did. */

@@ -173,7 +173,9 @@ int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why,
 	 * The first is undone here; a shut pair is given up for a new one, which every user joins
 	 * anew. The old one stays until the new one is made. */
 	setsockopt(ch->ends[1], SOL_SOCKET, SO_PASSCRED, &one, sizeof(one));
-	if (poll(p, 2, 0) <= 0 || !((p[0].revents | p[1].revents) & (POLLHUP | POLLRDHUP)))
+	/* an ended channel's pair is shut for writing on purpose: its receivers read the rest */
+	if (ch->ended || poll(p, 2, 0) <= 0 ||
+	    !((p[0].revents | p[1].revents) & (POLLHUP | POLLRDHUP)))
 		return 0;
 	if (dlpd_fds_in_use(s) + 2 > s->fd_budget) {
 		snprintf(why, whylen,
@@ -207,6 +209,15 @@ void dlpd_direct_shutdown_all(struct dlpd_server *s)
 		if (v[i]->ends[0] >= 0)
 			shut(v[i]->ends);
 	free(v);
+}
+
+void dlpd_direct_end(struct dlpd_channel *ch)
+{
+	/* Only the sending end, only for writing: the receiving end then reads every datagram
+	 * still queued, and 0 bytes after the last (POLLRDHUP without POLLHUP). A removal shuts
+	 * both ends both ways (POLLHUP): receivers tell the two apart by that (direct_io.c). */
+	if (ch->ends[0] >= 0)
+		shutdown(ch->ends[0], SHUT_WR);
 }
 
 uint32_t dlpd_direct_depth(const struct dlpd_channel *ch)

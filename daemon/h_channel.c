@@ -381,6 +381,142 @@ static struct dlpd_msg *msg_new(struct dlpd_peer *p, Dlpackd__V1__Publish *pub,
 	return m;
 }
 
+/* @p p's producer record of @p ch, or NULL. (A connection produces to few channels.) */
+static struct dlpd_producer *producer_find(struct dlpd_peer *p, const struct dlpd_channel *ch)
+{
+	for (struct dlpd_list *l = p->held.producing.next; l != &p->held.producing; l = l->next) {
+		struct dlpd_producer *pr = dlpd_container_of(l, struct dlpd_producer, peer_link);
+
+		if (pr->ch == ch)
+			return pr;
+	}
+	return NULL;
+}
+
+/* A new producer record of @p p's on @p ch, open; NULL with why (-EDQUOT or -ENOMEM in *@p r). */
+static struct dlpd_producer *producer_new(struct dlpd_peer *p, struct dlpd_channel *ch, int *r,
+					  char *why, size_t whylen)
+{
+	struct dlpd_producer *pr;
+
+	if (p->held.nproducing >= DLPC_PRODUCING_MAX) {
+		snprintf(why, whylen,
+			 "this connection is a producer of %llu channels; the limit is %d "
+			 "(DLPC_PRODUCING_MAX)",
+			 (unsigned long long)p->held.nproducing, DLPC_PRODUCING_MAX);
+		*r = -EDQUOT;
+		return NULL;
+	}
+	*r = dlpd_quota_memory(p, DLPD_PRODUCER_COST, 0, why, whylen);
+	if (*r < 0)
+		return NULL;
+	pr = calloc(1, sizeof(*pr));
+	if (!pr) {
+		snprintf(why, whylen, "out of memory");
+		*r = -ENOMEM;
+		return NULL;
+	}
+	pr->ch = ch;
+	pr->holder = &p->held;
+	dlpd_list_add_tail(&ch->producers, &pr->ch_link);
+	dlpd_list_add_tail(&p->held.producing, &pr->peer_link);
+	p->held.nproducing++;
+	p->usage->memory += DLPD_PRODUCER_COST;
+	ch->producing++;
+	return pr;
+}
+
+/* Free @p pr (its connection or its channel goes). */
+static void producer_free(struct dlpd_server *s, struct dlpd_producer *pr)
+{
+	dlpd_list_del(&pr->ch_link);
+	dlpd_list_del(&pr->peer_link);
+	pr->holder->nproducing--;
+	pr->holder->usage->memory -= DLPD_PRODUCER_COST;
+	s->reg.freed += DLPD_PRODUCER_COST;
+	free(pr);
+}
+
+/* @p pr closes: the stream ends once every producer has, and at least as many as expected. */
+static void producer_close(struct dlpd_server *s, struct dlpd_producer *pr)
+{
+	struct dlpd_channel *ch = pr->ch;
+
+	if (pr->closed)
+		return;
+	pr->closed = true;
+	ch->producing--;
+	ch->closed++;
+	if (!ch->ended && ch->producing == 0 && ch->closed >= (ch->expected ? ch->expected : 1))
+		dlpd_channel_end(s, ch);
+}
+
+int dlpd_channel_produce(struct dlpd_peer *p, struct dlpd_channel *ch, char *why, size_t whylen)
+{
+	struct dlpd_producer *pr = producer_find(p, ch);
+	int r = 0;
+
+	if (ch->ended) {
+		snprintf(why, whylen,
+			 "its stream has ended (every producer closed it); remove it and open it "
+			 "again for a new stream");
+		return -EPIPE;
+	}
+	if (pr && pr->closed) {
+		snprintf(why, whylen, "this connection closed its side of it (channel close)");
+		return -EPIPE;
+	}
+	if (!pr)
+		producer_new(p, ch, &r, why, whylen);
+	return r;
+}
+
+int dlpd_channel_close_producer(struct dlpd_peer *p, struct dlpd_channel *ch, char *why,
+				size_t whylen)
+{
+	struct dlpd_producer *pr = producer_find(p, ch);
+	int r = 0;
+
+	/* a connection that never sent closes as a producer that had nothing to send */
+	if (!pr && !ch->ended)
+		pr = producer_new(p, ch, &r, why, whylen);
+	if (pr)
+		producer_close(p->srv, pr);
+	return r;
+}
+
+void dlpd_channel_end(struct dlpd_server *s, struct dlpd_channel *ch)
+{
+	char name[DLPC_NAME_TEXT];
+
+	if (ch->ended)
+		return;
+	ch->ended = true;
+	channel_name(ch, name, sizeof(name));
+	dlpd_log(LOG_DEBUG, "channel '%s' ended: %u producers closed, %u messages still queued",
+		 name, ch->closed, ch->ends[0] >= 0 ? dlpd_direct_depth(ch) : ch->depth);
+	/* receivers wait only on an empty queue: each is told now */
+	while (!dlpd_list_empty(&ch->senders) || !dlpd_list_empty(&ch->receivers)) {
+		struct dlpd_list *l =
+			dlpd_list_empty(&ch->senders) ? ch->receivers.next : ch->senders.next;
+		struct dlpd_chan_wait *w = dlpd_container_of(l, struct dlpd_chan_wait, ch_link);
+		struct dlpd_peer *p = w->peer;
+		struct dlpd_msg *m = w->msg;
+		uint32_t id = w->req_id;
+
+		wait_free(w);
+		if (m)
+			msg_free(s, m);
+		dlpd_reply_error(p, id, EPIPE,
+				 m ? "cannot send to channel '%s': its stream was closed for every "
+				     "producer while the send waited for room"
+				   : "channel '%s' has ended: every producer closed it and every "
+				     "message was received",
+				 name);
+	}
+	dlpd_direct_end(ch);
+}
+
 int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struct dlpc__frame *f)
 {
 	Dlpackd__V1__Send *req = (Dlpackd__V1__Send *)*msg;
@@ -414,6 +550,9 @@ int dlpd_on_send(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 					name);
 	if (ch->ends[0] >= 0)
 		return direct_refused(p, id, "send to", name);
+	r = dlpd_channel_produce(p, ch, why, sizeof(why));
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot send to channel '%s': %s", name, why);
 	r = quota_message(p, req->message->storage_size, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot send to channel '%s': %s", name, why);
@@ -479,6 +618,12 @@ int dlpd_on_recv(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 		pump(s, ch);
 		return r;
 	}
+	if (ch->ended)
+		return dlpd_reply_error(
+			p, id, EPIPE,
+			"channel '%s' has ended: every producer closed it and every "
+			"message was received",
+			name);
 	if (req->timeout_ms == 0)
 		return dlpd_reply_error(p, id, EAGAIN, "channel '%s' is empty", name);
 	if (may_wait(p, why, sizeof(why)) < 0)
@@ -511,6 +656,9 @@ void dlpd_channel_empty(struct dlpd_server *s, struct dlpd_channel *ch, const ch
 	}
 	while ((m = dlpd_channel_pop(&s->reg, ch)))
 		msg_free(s, m);
+	while (!dlpd_list_empty(&ch->producers))
+		producer_free(s,
+			      dlpd_container_of(ch->producers.next, struct dlpd_producer, ch_link));
 	dlpd_direct_close(s, ch);
 }
 
@@ -524,6 +672,14 @@ void dlpd_channels_drop_peer(struct dlpd_peer *p)
 		wait_free(w);
 		if (m)
 			msg_free(p->srv, m);
+	}
+	/* a producer whose connection ends has closed: its consumers never wait on the dead */
+	while (!dlpd_list_empty(&p->held.producing)) {
+		struct dlpd_producer *pr =
+			dlpd_container_of(p->held.producing.next, struct dlpd_producer, peer_link);
+
+		producer_close(p->srv, pr);
+		producer_free(p->srv, pr);
 	}
 }
 

@@ -18,6 +18,9 @@
 #define OP_REMOVE 2
 #define OP_STAT 3
 #define OP_JOIN 4
+#define OP_CLOSE 5
+#define OP_PRODUCE 6
+#define OPEN_FLAGS (DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_QUEUED)
 #define EV_CHANNEL_OPENED 4
 #define EV_CHANNEL_REMOVED 5
 
@@ -85,22 +88,37 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					"cannot open channel '%s': capacity %u exceeds the limit "
 					"of %d messages",
 					name, req->capacity, DLPC_CHANNEL_CAPACITY_MAX);
-	if (req->flags & ~(uint32_t)DLPC_CHANNEL_DIRECT)
+	bool direct = req->flags & DLPC_CHANNEL_DIRECT;
+	/* before 1.10 no flag asked for a queued channel; since, it takes either kind */
+	bool any = !(req->flags & OPEN_FLAGS) && p->minor >= 10;
+
+	if ((req->flags & ~(uint32_t)OPEN_FLAGS) || (req->flags & OPEN_FLAGS) == OPEN_FLAGS ||
+	    ((req->flags & DLPC_CHANNEL_QUEUED) && p->minor < 10))
 		return dlpd_reply_error(p, id, EINVAL, "cannot open channel '%s': flags 0x%x", name,
-					req->flags & ~(uint32_t)DLPC_CHANNEL_DIRECT);
+					req->flags);
+	if (req->producers > DLPC_CHANNEL_PRODUCERS_MAX)
+		return dlpd_reply_error(p, id, EINVAL,
+					"cannot open channel '%s': %u producers exceeds the limit "
+					"of %d (DLPC_CHANNEL_PRODUCERS_MAX)",
+					name, req->producers, DLPC_CHANNEL_PRODUCERS_MAX);
+	if (ch && req->producers && req->producers != (ch->expected ? ch->expected : 1))
+		return dlpd_reply_error(p, id, EEXIST,
+					"channel '%s' is open already for %u producers, not %u",
+					name, ch->expected ? ch->expected : 1, req->producers);
 	/* (a direct channel answers to the capacity asked for and to the one it got) */
 	if (ch && req->capacity && req->capacity != ch->capacity &&
 	    !(ch->ends[0] >= 0 && req->capacity == ch->direct_capacity))
 		return dlpd_reply_error(p, id, EEXIST,
 					"channel '%s' is open already with capacity %u, not %u",
 					name, ch->capacity, req->capacity);
-	if (ch && (ch->ends[0] >= 0) != !!(req->flags & DLPC_CHANNEL_DIRECT))
+	if (ch && !any && (ch->ends[0] >= 0) != direct)
 		return dlpd_reply_error(p, id, EEXIST,
-					"channel '%s' is open already as a %s channel", name,
-					ch->ends[0] >= 0 ? "direct" : "queued");
+					"channel '%s' is open already as a %s channel; open it "
+					"without asking for a kind to use it as it is",
+					name, ch->ends[0] >= 0 ? "direct" : "queued");
 	if (ch)
 		return reply_info(p, id, ch, false);
-	if ((req->flags & DLPC_CHANNEL_DIRECT) && dlpd_fds_in_use(s) + 2 > s->fd_budget)
+	if (direct && dlpd_fds_in_use(s) + 2 > s->fd_budget)
 		return dlpd_reply_error(p, id, EDQUOT,
 					"cannot open channel '%s': dlpackd holds %llu storage, "
 					"connection and channel fds; its fd limit leaves room for "
@@ -116,7 +134,7 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					(unsigned long long)s->lim.channels_per_uid);
 	/* a direct channel's pair is held by the daemon for its opener's uid: in its fd share
 	 * (the joiners' copies are in their own processes, under their own RLIMIT_NOFILE) */
-	if (req->flags & DLPC_CHANNEL_DIRECT) {
+	if (direct) {
 		const struct dlpd_usage *u = p->usage;
 		uint64_t uid_fds = dlpd_uid_fds(u);
 
@@ -141,7 +159,8 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					name);
 	ch->uid = p->uid;
 	ch->pid = p->pid;
-	if (req->flags & DLPC_CHANNEL_DIRECT) {
+	ch->expected = req->producers;
+	if (direct) {
 		int r = dlpd_direct_open(s, ch, cap, why, sizeof(why));
 
 		if (r < 0) {
@@ -189,6 +208,45 @@ static int channel_remove(struct dlpd_peer *p, uint32_t id, struct dlpd_channel 
 	return r;
 }
 
+/* CLOSE (1.10): @p p's side of @p ch, or with CHANNEL_CLOSE_ALL every producer's. */
+static int channel_close(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Channel *req,
+			 struct dlpd_channel *ch, const char *name)
+{
+	char why[256], desc[96];
+	int r;
+
+	if (req->flags & ~(uint32_t)DLPC_CHANNEL_CLOSE_ALL)
+		return dlpd_reply_error(p, id, EINVAL, "cannot close channel '%s': flags 0x%x",
+					name, req->flags);
+	if (req->flags & DLPC_CHANNEL_CLOSE_ALL) {
+		if (p->uid != 0 && p->uid != ch->uid)
+			return dlpd_reply_error(p, id, EPERM,
+						"channel '%s' belongs to uid %u; uid %u may not "
+						"close it for every producer",
+						name, (unsigned)ch->uid, (unsigned)p->uid);
+		dlpd_log(LOG_DEBUG, "%s: closed channel '%s' for every producer",
+			 dlpd_peer_desc(p, desc, sizeof(desc)), name);
+		dlpd_channel_end(p->srv, ch);
+		return reply_info(p, id, ch, false);
+	}
+	r = dlpd_channel_close_producer(p, ch, why, sizeof(why));
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot close channel '%s': %s", name, why);
+	return reply_info(p, id, ch, false);
+}
+
+/* PRODUCE (1.10): @p p will send to the direct channel @p ch (the daemon sees no message). */
+static int channel_produce(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch,
+			   const char *name)
+{
+	char why[256];
+	int r = dlpd_channel_produce(p, ch, why, sizeof(why));
+
+	if (r < 0)
+		return dlpd_reply_error(p, id, r, "cannot send to channel '%s': %s", name, why);
+	return reply_info(p, id, ch, false);
+}
+
 /* Hand @p p the ends of the direct channel @p ch: its messages go between the processes. */
 static int channel_join(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, const char *name)
 {
@@ -198,6 +256,10 @@ static int channel_join(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *c
 
 	char why[160];
 
+	/* 1.10: a queued channel is said so by a reply without fds (not an error: every client
+	 * asks this of every channel it uses once) */
+	if (ch->ends[0] < 0 && p->minor >= 10)
+		return reply_info(p, id, ch, false);
 	if (ch->ends[0] < 0)
 		return dlpd_reply_error(p, id, EPROTOTYPE,
 					"channel '%s' is queued by dlpackd, not direct: send and "
@@ -232,7 +294,8 @@ int dlpd_on_channel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, st
 					req->flags);
 	if (req->op == OP_OPEN)
 		return channel_open(p, id, req, name);
-	if (req->op != OP_REMOVE && req->op != OP_STAT && (req->op != OP_JOIN || p->minor < 8))
+	if (req->op != OP_REMOVE && req->op != OP_STAT && (req->op != OP_JOIN || p->minor < 8) &&
+	    ((req->op != OP_CLOSE && req->op != OP_PRODUCE) || p->minor < 10))
 		return dlpd_reply_error(p, id, EINVAL, "CHANNEL operation %u is unknown", req->op);
 	ch = dlpd_channel_find(&p->srv->reg, req->name.data, req->name.len);
 	if (!ch)
@@ -241,6 +304,10 @@ int dlpd_on_channel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, st
 		return channel_remove(p, id, ch, name);
 	if (req->op == OP_JOIN)
 		return channel_join(p, id, ch, name);
+	if (req->op == OP_CLOSE)
+		return channel_close(p, id, req, ch, name);
+	if (req->op == OP_PRODUCE)
+		return channel_produce(p, id, ch, name);
 	return reply_info(p, id, ch, false);
 }
 

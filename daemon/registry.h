@@ -164,6 +164,8 @@ struct dlpd_holdings {
 	uint64_t nwaiters;
 	struct dlpd_list chan_waits; /* its SENDs and RECVs waiting on channels (channel.h) */
 	uint64_t nchan_waits;
+	struct dlpd_list producing; /* dlpd_producer: channels it produces to (channel.h) */
+	uint64_t nproducing;
 };
 
 struct dlpd_registry {

@@ -779,6 +779,17 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * it queues and ends every send and receive waiting on it with -EIDRM; messages already
  * received stay valid until released. Channels do not survive a daemon restart.
  *
+ * End of stream (protocol 1.10): a connection becomes a producer of a channel with its first
+ * send to it (or dlpc_channel_close()). dlpc_channel_close() says this producer sends no more;
+ * a producer's connection that ends (its process exits or crashes) counts as its close. Once
+ * every producer has closed, and at least as many as the channel was opened for
+ * (dlpc_channel_opts.producers, default 1), the stream has ended: receivers get every message
+ * still queued, then -EPIPE, and a receiver waiting then is woken with -EPIPE; sends fail with
+ * -EPIPE. dlpc_channel_close_flags() with DLPC_CHANNEL_CLOSE_ALL ends it for every producer at
+ * once. An ended channel stays ended (STAT shows DLPC_CHANNEL_ENDED) until it is removed; open
+ * it anew after dlpc_channel_remove() for a new stream. -EPIPE from these calls never means a
+ * lost connection: that is -ECONNRESET.
+ *
  * Messages are sealed read-only like ordinary publishes (see dlpc_publish()).
  */
 
@@ -822,6 +833,18 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * -ENOENT.
  */
 #define DLPC_CHANNEL_DIRECT (1u << 0)
+/** dlpc_channel_info.flags (protocol 1.10): the channel's stream has ended (see above). */
+#define DLPC_CHANNEL_ENDED (1u << 1)
+/**
+ * dlpc_channel_open_flags() (protocol 1.10): a queued channel, created as one, and -EEXIST if
+ * the channel exists as a direct one. Without DLPC_CHANNEL_QUEUED or DLPC_CHANNEL_DIRECT an
+ * existing channel is opened whatever its kind (info->flags says which), and a new one is
+ * queued: only creating a channel picks its kind. (Against a daemon before 1.10, no flag
+ * means DLPC_CHANNEL_QUEUED.)
+ */
+#define DLPC_CHANNEL_QUEUED (1u << 2)
+/** dlpc_channel_close_flags(): end the stream for every producer, not only this one. */
+#define DLPC_CHANNEL_CLOSE_ALL (1u << 0)
 
 /** A channel, as dlpc_channel_open(), dlpc_channel_stat() and dlpc_channel_list() report it. */
 typedef struct dlpc_channel_info {
@@ -837,7 +860,11 @@ typedef struct dlpc_channel_info {
 	uint64_t received;     /**< messages handed to receivers */
 	int64_t created_ns;    /**< CLOCK_REALTIME when it was opened */
 	char name[DLPC_NAME_MAX + 1];
-	uint32_t flags; /**< DLPC_CHANNEL_DIRECT for a direct channel (0 from daemons before 1.8) */
+	uint32_t flags; /**< DLPC_CHANNEL_DIRECT for a direct channel (0 from daemons before 1.8),
+			   DLPC_CHANNEL_ENDED once its stream has ended (1.10) */
+	uint32_t producers;	     /**< 1.10: producers that have not closed */
+	uint32_t producers_closed;   /**< 1.10: producers that closed (or whose connection ended) */
+	uint32_t producers_expected; /**< 1.10: closes the end waits for at least (as opened) */
 } dlpc_channel_info;
 
 /**
@@ -852,16 +879,60 @@ DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t cap
 				  dlpc_channel_info *info);
 
 /**
- * dlpc_channel_open() with @p flags: DLPC_CHANNEL_DIRECT opens (creates) a direct channel.
- * @return as dlpc_channel_open(); -EEXIST also if the channel exists as the other kind,
- *         -EINVAL for unknown flags, -ENOTSUP for a direct channel and a daemon older than 1.8.
+ * dlpc_channel_open() with @p flags: DLPC_CHANNEL_DIRECT opens (creates) a direct channel,
+ * DLPC_CHANNEL_QUEUED a queued one; neither opens an existing channel of either kind and
+ * creates a queued one.
+ * @return as dlpc_channel_open(); -EEXIST also if the channel exists as the other kind than
+ *         the one asked for (the message names its kind), -EINVAL for unknown flags, -ENOTSUP
+ *         for a direct channel and a daemon older than 1.8.
  */
 DLPC_EXPORT int dlpc_channel_open_flags(dlpc_client *c, const char *name, uint32_t capacity,
 					uint32_t flags, dlpc_channel_info *info);
 
+/** Options of dlpc_channel_open_opts(). */
+typedef struct dlpc_channel_opts {
+	uint32_t size;	    /**< sizeof(dlpc_channel_opts) */
+	uint32_t capacity;  /**< as dlpc_channel_open()'s */
+	uint32_t flags;	    /**< as dlpc_channel_open_flags()'s */
+	uint32_t producers; /**< a new channel: its stream ends only once at least this many
+			       producers closed (0: 1), so that producers starting at different
+			       times cannot end it early; at most DLPC_CHANNEL_PRODUCERS_MAX. An
+			       existing channel opened with another non-zero count: -EEXIST */
+} dlpc_channel_opts;
+
+/** The largest dlpc_channel_opts.producers. */
+#define DLPC_CHANNEL_PRODUCERS_MAX 65536
+/** Channels one connection may be a producer of at once (protocol 1.10): dlpackd keeps a small
+ * record for each (charged to the uid's --max-memory-per-uid) until the connection or the
+ * channel goes. */
+#define DLPC_PRODUCING_MAX 1024
+
+/** dlpc_channel_open_flags() with every option (protocol 1.10 for producers). */
+DLPC_EXPORT int dlpc_channel_open_opts(dlpc_client *c, const char *name,
+				       const dlpc_channel_opts *opts, dlpc_channel_info *info);
+
 /**
- * Remove the channel @p name: its queued messages are freed and every send or receive waiting
- * on it fails with -EIDRM. Only its owner's uid or root may.
+ * This connection sends no more to the channel @p name (protocol 1.10): it counts as a producer
+ * that has closed, whether or not it sent anything (a consumer does not call it). Once every
+ * producer has closed, and at least dlpc_channel_opts.producers of them, the stream ends (see
+ * "End of stream" above). Closing twice is as once. Its later sends fail with -EPIPE; it may
+ * still receive.
+ * @return 0; -ENOENT, -EDQUOT (the connection is a producer of DLPC_PRODUCING_MAX channels),
+ *         -ENOTSUP for a daemon older than 1.10.
+ */
+DLPC_EXPORT int dlpc_channel_close(dlpc_client *c, const char *name);
+
+/**
+ * dlpc_channel_close() with @p flags: DLPC_CHANNEL_CLOSE_ALL ends the stream at once for every
+ * producer (the channel's owner uid or root only: -EPERM); sends waiting for room fail with
+ * -EPIPE and their messages are dropped, what is queued stays for the receivers.
+ */
+DLPC_EXPORT int dlpc_channel_close_flags(dlpc_client *c, const char *name, uint32_t flags);
+
+/**
+ * Remove the channel @p name: its queued messages are freed, unread (to end a stream and keep
+ * them for the receivers, dlpc_channel_close()), and every send or receive waiting on it fails
+ * with -EIDRM. Only its owner's uid or root may.
  * @return 0, -ENOENT if there is none, -EPERM.
  */
 DLPC_EXPORT int dlpc_channel_remove(dlpc_client *c, const char *name);
@@ -894,8 +965,10 @@ typedef struct dlpc_send_opts {
  * sent as is if it is dlpc_alloc() memory (then it is sealed read-only, as by dlpc_publish()).
  * Like dlpc_publish(), the call takes ownership of @p t: its deleter runs exactly once, here.
  * Host tensors only.
+ * The first send makes this connection a producer of the channel (see "End of stream").
  * @return 0; -ENOENT if no such channel is open, -EAGAIN if it is full and the call may not
- *         wait, -EIDRM if it was removed while the call waited, -ENOTSUP for a CUDA tensor or a
+ *         wait, -EIDRM if it was removed while the call waited, -EPIPE if its stream has ended
+ *         or this connection closed it (dlpc_channel_close()), -ENOTSUP for a CUDA tensor or a
  *         daemon older than 1.6, -EDQUOT, or another negative errno of dlpc_publish().
  */
 DLPC_EXPORT int dlpc_send(dlpc_client *c, const char *channel, DLManagedTensorVersioned *t,
@@ -956,8 +1029,10 @@ typedef struct dlpc_recv_opts {
  * like an attached entry (see dlpc_attach()), its storage freed once the tensor's deleter ran.
  * @p opts NULL: wait without end, read-only mapping. dlpc_tensor_attach_info() says who sent it
  * (generation: the message's sequence number in the channel; 0 on a direct channel).
- * @return 0; -EAGAIN (empty, timeout 0), -ETIMEDOUT, -ENOENT (no such channel), -EIDRM (it was
- *         removed while the call waited), -EINVAL if the next message is a bundle (it stays
+ * @return 0; -EPIPE once the stream has ended and every message queued before the end was
+ *         received (a call waiting then is woken with it), -EAGAIN (empty, timeout 0),
+ *         -ETIMEDOUT, -ENOENT (no such channel), -EIDRM (it was removed while the call
+ *         waited), -EINVAL if the next message is a bundle (it stays
  *         queued: receive it with dlpc_recv_bundle()), -EMFILE when this process has no free
  *         fd for the storage's (checked before a message is taken: it stays queued; another
  *         thread taking the last fd meanwhile can still make one lost); on a direct channel

@@ -41,6 +41,7 @@ __all__ = [
     "Client", "SharedTensor", "EntryInfo", "EntryFlags", "TensorInfo", "Owner", "publish",
     "publish_dict", "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat",
     "watch", "Watch", "WatchEvent", "channel", "channels", "Channel", "ChannelInfo",
+    "ChannelClosed",
     "CHANNEL_CAPACITY_DEFAULT", "CHANNEL_CAPACITY_MAX",
 ]
 
@@ -88,17 +89,26 @@ CHANNEL_CAPACITY_MAX = 65536  # DLPC_CHANNEL_CAPACITY_MAX
 
 ChannelInfo = namedtuple("ChannelInfo",
                          "name capacity depth bytes_queued sent received receivers_waiting "
-                         "senders_waiting owner created direct")
+                         "senders_waiting owner created direct ended producers "
+                         "producers_closed")
 ChannelInfo.__doc__ = """A channel: depth messages queued (bytes_queued bytes) of capacity, sent
 and received since it was opened, receivers and senders waiting now, the Owner that opened it,
-created in seconds since the epoch, and whether it is direct (its messages go between the
-processes; dlpackd counts only depth, the rest reads 0)."""
+created in seconds since the epoch, whether it is direct (its messages go between the
+processes; dlpackd counts only depth, the rest reads 0), whether its stream has ended, and its
+producers that have not closed and that have."""
 
 
 def _channel_info(d):
     return ChannelInfo(d["name"], d["capacity"], d["depth"], d["bytes_queued"], d["sent"],
                        d["received"], d["receivers_waiting"], d["senders_waiting"],
-                       Owner(d["uid"], d["pid"]), d["created"], d["direct"])
+                       Owner(d["uid"], d["pid"]), d["created"], d["direct"], d["ended"],
+                       d["producers"], d["producers_closed"])
+
+
+class ChannelClosed(EOFError):
+    """The channel's stream has ended: every producer closed it (or it was closed for all),
+    and every message sent before that was received. Raised by Channel.recv(); iterating a
+    Channel stops on it."""
 
 
 def _publishable(obj):
@@ -168,9 +178,9 @@ class Client(_CoreClient):
                           e["cached_refs"])
                 for e in self._list(prefix)]
 
-    def channel(self, name, capacity=0, *, direct=False):
+    def channel(self, name, capacity=0, *, direct=None, producers=0):
         """Open the channel name on this connection (see Channel)."""
-        return Channel(name, capacity, direct=direct, client=self)
+        return Channel(name, capacity, direct=direct, producers=producers, client=self)
 
     def channels(self, prefix=""):
         """Channels whose names start with prefix, sorted by name, as ChannelInfo tuples."""
@@ -178,7 +188,11 @@ class Client(_CoreClient):
 
 
 class Channel:
-    """A named FIFO of tensors: Channel(name, capacity=0, *, direct=False, client=None).
+    """A named FIFO of tensors: Channel(name, capacity=0, *, direct=None, producers=0,
+    client=None). Producers send(), consumers recv() or iterate; a producer's close() (or the
+    end of its with block) says it sends no more, and once every producer has closed, the
+    consumers get what is still queued and then the end: recv() raises ChannelClosed and
+    `for msg in ch` stops.
 
     Opening creates the channel unless it exists, with room for capacity messages (0:
     CHANNEL_CAPACITY_DEFAULT, 16; at most CHANNEL_CAPACITY_MAX); a channel opened already with
@@ -191,23 +205,38 @@ class Channel:
     (mode "read", "private" or "strict"). A receiver already waiting gets the message in the
     daemon turn that queues it. A full channel makes send() wait (timeout=None: as long as it
     takes; 0: BlockingIOError at once; seconds: then TimeoutError); an empty one makes recv()
-    wait the same way. Iterating receives until the channel is removed.
+    wait the same way.
+
+    End of stream: a process (its connection to dlpackd) becomes a producer with its first
+    send(). close() ends its part; a producer whose process exits or dies without close() has
+    closed too, so consumers never wait on the dead. The stream ends once every producer has
+    closed, and at least `producers` of them (given when the channel is created; 0 means 1):
+    when producers start at different times, pass producers=N, or the first to finish may end
+    the stream before the others begin. close() on a Channel that only received does nothing,
+    so a consumer may use `with` too; close() on one that neither sent nor received counts as
+    a producer with nothing to send. close(all=True) ends the stream at once for every producer
+    (the channel's owner uid, or root). After the end, send() raises BrokenPipeError; the
+    channel stays ended until remove(), and is then opened anew for a new stream.
+
+    remove() is not an end: it frees every message still queued (they are lost) and makes sends
+    and receives waiting on it raise OSError(errno.EIDRM); iteration stops then too.
 
     Delivery is at most once: a message is freed when its receiver drops every tensor of it, or
     when the receiver's process dies holding it, and is never given to another receiver;
     interrupting a recv() (Ctrl-C) may drop the message it was about to get, and an interrupted
     send() may still be delivered once room comes (while this connection stays open). Messages
-    a sender sent stay queued after it exits. remove() frees the queue; sends and receives waiting on it
-    raise OSError(errno.EIDRM).
+    a sender sent stay queued after it exits.
 
-    direct=True opens (creates) a direct channel: its messages go from sender to receiver through
-    a socket pair dlpackd hands to each process, queued by the kernel, never through the daemon
-    (a hand-off costs about what passing an fd over a Unix socket does). The same delivery; but
-    its capacity is what the kernel's buffer limit allows (self.capacity says), stat() counts
-    only the messages queued, each message describes at most about 1000 bytes of tensors (a few
-    dozen of a bundle), there are no recycled buffers (empty() raises), a receiver checks every
-    message itself and drops one that fails (OSError EBADMSG, naming its sender). self.direct
-    says which kind it is.
+    Kinds: direct=True creates a direct channel: its messages go from sender to receiver
+    through a socket pair dlpackd hands to each process, queued by the kernel, never through
+    the daemon (a hand-off costs about what passing an fd over a Unix socket does). The same
+    delivery and end of stream; but its capacity is what the kernel's buffer limit allows
+    (self.capacity says), stat() counts only the messages queued, each message describes at
+    most about 1000 bytes of tensors (a few dozen of a bundle), there are no recycled buffers
+    (empty() raises), a receiver checks every message itself and drops one that fails (OSError
+    EBADMSG, naming its sender). direct=None (the default) opens an existing channel as the
+    kind it is and creates a queued one; direct=True or False asks for that kind and raises
+    FileExistsError, naming the kind, for a channel of the other. self.direct says which.
 
     A receiver keeps the mapping of a storage that comes again (a buffer the sender sends again
     and again: empty() memory, or one array sent repeatedly): its next message is handed that
@@ -217,10 +246,12 @@ class Channel:
     (see dlpc(3)).
     """
 
-    def __init__(self, name, capacity=0, *, direct=False, client=None):
+    def __init__(self, name, capacity=0, *, direct=None, producers=0, client=None):
         self._client = client if client is not None else _client()
         self.name = name
-        info = self._client._channel_open(name, capacity, direct)
+        self._sent = False
+        self._received = False
+        info = self._client._channel_open(name, capacity, direct, producers)
         self.capacity = info["capacity"]
         self.direct = info["direct"]
 
@@ -228,13 +259,25 @@ class Channel:
         return (f"dlpack_ipc.Channel({self.name!r}, capacity={self.capacity}"
                 f"{', direct=True' if self.direct else ''})")
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.close()
+        except FileNotFoundError:
+            pass  # removed meanwhile: nothing is left to end
+        return False
+
     def send(self, obj, *, timeout=None):
-        """Send obj (anything publish() takes) as one message."""
+        """Send obj (anything publish() takes) as one message; BrokenPipeError after the end."""
+        self._sent = True
         self._client._send(self.name, obj, timeout=timeout)
 
     def send_dict(self, mapping, *, timeout=None):
         """Send a mapping of str keys to tensors as one message (a bundle); keys as for
         publish_dict(), refused with the same errors."""
+        self._sent = True
         self._client._send_dict(self.name, mapping, timeout=timeout)
 
     def empty(self, shape, dtype):
@@ -251,34 +294,57 @@ class Channel:
         return self._client._channel_empty(self.name, shape, dtype)
 
     def recv(self, *, timeout=None, mode=None):
-        """The oldest message: a SharedTensor, or a dict of them by key for a bundle."""
-        return self._client._recv(self.name, timeout=timeout, mode=mode)
+        """The oldest message: a SharedTensor, or a dict of them by key for a bundle.
+        ChannelClosed once the stream has ended and nothing is left."""
+        self._received = True
+        try:
+            return self._client._recv(self.name, timeout=timeout, mode=mode)
+        except EOFError as e:
+            raise ChannelClosed(*e.args) from None
 
     def recv_dict(self, *, timeout=None, mode=None):
-        """The oldest message as a dict by key (a single tensor under the key "")."""
-        return self._client._recv(self.name, timeout=timeout, mode=mode, bundle=True)
+        """The oldest message as a dict by key (a single tensor under the key ""); as recv()."""
+        self._received = True
+        try:
+            return self._client._recv(self.name, timeout=timeout, mode=mode, bundle=True)
+        except EOFError as e:
+            raise ChannelClosed(*e.args) from None
 
     def __iter__(self):
+        """Every message, until the end of the stream (or the channel's removal)."""
         while True:
             try:
                 yield self.recv()
+            except ChannelClosed:
+                return
             except OSError as e:
                 if e.errno in (errno.EIDRM, errno.ENOENT):
                     return
                 raise
+
+    def close(self, all=False):
+        """This producer sends no more (see Channel: the stream ends once every producer
+        closed). Nothing on a Channel that only received. all=True: end the stream now for
+        every producer (its owner uid or root). Closing again is harmless."""
+        if not all and self._received and not self._sent:
+            return
+        self._client._channel_close(self.name, all)
 
     def stat(self):
         """This channel as a ChannelInfo."""
         return _channel_info(self._client._channel_stat(self.name))
 
     def remove(self):
-        """Remove the channel: its queued messages are freed (its opener's uid, or root)."""
+        """Remove the channel (its opener's uid, or root): every message still queued is
+        dropped, unread; waiting sends and receives raise OSError(errno.EIDRM). To end a
+        stream and keep what is queued for the consumers, close() instead."""
         self._client._channel_remove(self.name)
 
 
-def channel(name, capacity=0, *, direct=False, client=None):
-    """Open (create unless it exists) the channel name: a Channel (direct: see Channel)."""
-    return Channel(name, capacity, direct=direct, client=client)
+def channel(name, capacity=0, *, direct=None, producers=0, client=None):
+    """Open (create unless it exists) the channel name: a Channel (direct, producers: see
+    Channel). Use it in a with block: leaving it closes this producer's side."""
+    return Channel(name, capacity, direct=direct, producers=producers, client=client)
 
 
 def channels(prefix=""):

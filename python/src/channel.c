@@ -1,7 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Channels (protocol 1.6) for dlpack_ipc.Channel (__init__.py): Client._channel_open(),
- * _channel_remove(), _channel_stat(), _channel_list(), _send(), _recv(). Waits run in one
+ * _channel_close(), _channel_remove(), _channel_stat(), _channel_list(), _send(), _recv(). The
+ * end of a stream (libdlpc's -EPIPE, 1.10) is EOFError from _recv() (Channel makes it
+ * ChannelClosed) and BrokenPipeError from _send(): never the ConnectionResetError of a lost
+ * connection. Waits run in one
  * libdlpc call with Ctrl-C checked by libdlpc's interrupt hook (ipc_interruptible()): a send
  * cannot be cut into slices, since a send that timed out has given its tensor away.
  */
@@ -45,27 +48,49 @@ static int timeout_ms(PyObject *o, int64_t *ms)
 
 static PyObject *info_dict(const dlpc_channel_info *i)
 {
-	return Py_BuildValue(
-		"{s:s,s:I,s:I,s:K,s:K,s:K,s:I,s:I,s:I,s:i,s:d,s:O}", "name", i->name, "capacity",
-		i->capacity, "depth", i->depth, "bytes_queued", (unsigned long long)i->bytes_queued,
-		"sent", (unsigned long long)i->sent, "received", (unsigned long long)i->received,
-		"receivers_waiting", i->receivers_waiting, "senders_waiting", i->senders_waiting,
-		"uid", i->owner_uid, "pid", i->owner_pid, "created", i->created_ns / 1e9, "direct",
-		(i->flags & DLPC_CHANNEL_DIRECT) ? Py_True : Py_False);
+	return Py_BuildValue("{s:s,s:I,s:I,s:K,s:K,s:K,s:I,s:I,s:I,s:i,s:d,s:O,s:O,s:I,s:I,s:I}",
+			     "name", i->name, "capacity", i->capacity, "depth", i->depth,
+			     "bytes_queued", (unsigned long long)i->bytes_queued, "sent",
+			     (unsigned long long)i->sent, "received",
+			     (unsigned long long)i->received, "receivers_waiting",
+			     i->receivers_waiting, "senders_waiting", i->senders_waiting, "uid",
+			     i->owner_uid, "pid", i->owner_pid, "created", i->created_ns / 1e9,
+			     "direct", (i->flags & DLPC_CHANNEL_DIRECT) ? Py_True : Py_False,
+			     "ended", (i->flags & DLPC_CHANNEL_ENDED) ? Py_True : Py_False,
+			     "producers", i->producers, "producers_closed", i->producers_closed,
+			     "producers_expected", i->producers_expected);
+}
+
+/* The end of a stream: @p type (EOFError, or BrokenPipeError with errno EPIPE) with libdlpc's
+ * message. NULL. */
+static PyObject *raise_ended(PyObject *type)
+{
+	PyObject *a;
+
+	if (PyErr_Occurred())
+		return NULL;
+	a = type == PyExc_EOFError ? Py_BuildValue("(s)", dlpc_last_error())
+				   : Py_BuildValue("(is)", EPIPE, dlpc_last_error());
+	if (a) {
+		PyErr_SetObject(type, a);
+		Py_DECREF(a);
+	}
+	return NULL;
 }
 
 PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
-	static char *kwlist[] = {"name", "capacity", "direct", NULL};
+	static char *kwlist[] = {"name", "capacity", "direct", "producers", NULL};
 	dlpc_channel_info info = {.size = sizeof(info)};
-	unsigned long capacity = 0;
+	dlpc_channel_opts o = {.size = sizeof(o)};
+	unsigned long capacity = 0, producers = 0;
+	PyObject *d, *direct = Py_None;
 	const char *name;
 	dlpc_client *c;
-	int direct = 0, r;
-	PyObject *d;
+	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|kp:_channel_open", kwlist, &name,
-					 &capacity, &direct))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|kOk:_channel_open", kwlist, &name,
+					 &capacity, &direct, &producers))
 		return NULL;
 	if (capacity > DLPC_CHANNEL_CAPACITY_MAX) {
 		PyErr_Format(PyExc_ValueError,
@@ -73,11 +98,25 @@ PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwarg
 			     capacity, DLPC_CHANNEL_CAPACITY_MAX);
 		return NULL;
 	}
+	if (producers > DLPC_CHANNEL_PRODUCERS_MAX) {
+		PyErr_Format(PyExc_ValueError,
+			     "cannot open channel '%s': producers %lu exceeds the limit of %d",
+			     name, producers, DLPC_CHANNEL_PRODUCERS_MAX);
+		return NULL;
+	}
+	/* None: the kind it has, queued if new; True or False: that kind, or FileExistsError */
+	if (direct != Py_None) {
+		r = PyObject_IsTrue(direct);
+		if (r < 0)
+			return NULL;
+		o.flags = r ? DLPC_CHANNEL_DIRECT : DLPC_CHANNEL_QUEUED;
+	}
+	o.capacity = (uint32_t)capacity;
+	o.producers = (uint32_t)producers;
 	if (!(c = ipc_call_begin((ClientObject *)obj)))
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_open_flags(c, name, (uint32_t)capacity, direct ? DLPC_CHANNEL_DIRECT : 0,
-				    &info);
+	r = dlpc_channel_open_opts(c, name, &o, &info);
 	Py_END_ALLOW_THREADS
 	ipc_call_end((ClientObject *)obj, c, r);
 	if (r < 0)
@@ -100,6 +139,25 @@ PyObject *ipc_client_channel_remove(PyObject *obj, PyObject *args, PyObject *kwa
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
 	r = dlpc_channel_remove(c, name);
+	Py_END_ALLOW_THREADS
+	ipc_call_end((ClientObject *)obj, c, r);
+	if (r < 0)
+		return ipc_raise(r);
+	Py_RETURN_NONE;
+}
+
+PyObject *ipc_client_channel_close(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	static char *kwlist[] = {"name", "all", NULL};
+	const char *name;
+	dlpc_client *c;
+	int all = 0, r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|p:_channel_close", kwlist, &name, &all) ||
+	    !(c = ipc_call_begin((ClientObject *)obj)))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = dlpc_channel_close_flags(c, name, all ? DLPC_CHANNEL_CLOSE_ALL : 0);
 	Py_END_ALLOW_THREADS
 	ipc_call_end((ClientObject *)obj, c, r);
 	if (r < 0)
@@ -178,6 +236,8 @@ static PyObject *send_objects(ClientObject *self, const char *name, Py_ssize_t n
 
 	if (ipc_take_call(self, "send to channel", name, n, objs, keys, true, send_fn, &o, &r) < 0)
 		return NULL;
+	if (r == -EPIPE)
+		return raise_ended(PyExc_BrokenPipeError);
 	if (r < 0)
 		return ipc_raise(r);
 	Py_RETURN_NONE;
@@ -299,6 +359,8 @@ PyObject *ipc_client_recv(PyObject *obj, PyObject *args, PyObject *kwargs)
 	r = dlpc_recv_bundle(c, name, &o, &b);
 	Py_END_ALLOW_THREADS
 	ipc_call_end((ClientObject *)obj, c, r);
+	if (r == -EPIPE)
+		return raise_ended(PyExc_EOFError);
 	if (r < 0)
 		return ipc_raise(r);
 	pname = PyUnicode_FromString(name);

@@ -88,6 +88,7 @@ int ipc_parse_shape(PyObject *o, int64_t shape[DLPC_NDIM_MAX]);
 /* channel.c: Client._channel_open(), _channel_remove(), _channel_stat(), _channel_list(),
  * _send(), _send_dict() and _recv(), for dlpack_ipc.Channel. */
 PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwargs);
+PyObject *ipc_client_channel_close(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_channel_remove(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_channel_stat(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwargs);

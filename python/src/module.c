@@ -777,8 +777,12 @@ static PyMethodDef client_methods[] = {
 	 "they are released."},
 	{"_list", FN(ipc_client_list), KW, "_list($self, /, prefix='')\n--\n\nLIST, as dicts."},
 	{"_channel_open", FN(ipc_client_channel_open), KW,
-	 "_channel_open($self, /, name, capacity=0, direct=False)\n--\n\nOpen (create) a "
-	 "channel, direct or queued; its info as a dict, with created."},
+	 "_channel_open($self, /, name, capacity=0, direct=None, producers=0)\n--\n\nOpen "
+	 "(create) a channel, direct or queued (None: as it is); its info as a dict, with "
+	 "created."},
+	{"_channel_close", FN(ipc_client_channel_close), KW,
+	 "_channel_close($self, /, name, all=False)\n--\n\nThis connection sends no more to a "
+	 "channel (all: no producer does)."},
 	{"_channel_remove", FN(ipc_client_channel_remove), KW,
 	 "_channel_remove($self, /, name)\n--\n\nRemove a channel."},
 	{"_channel_stat", FN(ipc_client_channel_stat), KW,

@@ -2,9 +2,9 @@
 /*
  * Writes the seed corpus of fuzz_daemon (tests/fuzz/corpus/): real sessions made of valid
  * frames (HELLO, PUBLISH with its fd, ATTACH, RELEASE, LIST, STAT, UNPUBLISH, WATCH, waiters,
- * bundles; channels' SEND, RECV and CHANNEL (1.6); cacheable attaches, release marks and the INVALIDATE
- * a replace causes (1.7); direct channels, their JOIN (1.8)) and the classic bad ones (requests
- * before HELLO, unknown types, wrong fd counts, fds split from their frame, truncated frames,
+ * bundles; channels' SEND, RECV and CHANNEL (1.6); cacheable attaches, release marks and the
+ * INVALIDATE a replace causes (1.7); direct channels, their JOIN (1.8); end of stream (1.10)) and
+ * the classic bad ones (requests before HELLO, unknown types, wrong fd counts, fds split from their frame, truncated frames,
  * absurd lengths, bad storage fds).
  *
  *   mkcorpus DIR
@@ -179,8 +179,8 @@ static void release_marks(struct input *in, uint64_t *refs, size_t nref, uint64_
 	frame(in, DLPC_MSG_RELEASE, 0, &r.base, 0, NULL, 0);
 }
 
-/* CHANNEL @p op (1 OPEN, 2 REMOVE, 3 STAT, 4 JOIN, others bad) of channel @p name, with
- * @p flags (1.8: CHANNEL_DIRECT on OPEN). */
+/* CHANNEL @p op (1 OPEN, 2 REMOVE, 3 STAT, 4 JOIN, 5 CLOSE, 6 PRODUCE, others bad) of channel
+ * @p name, with @p flags (1.8: CHANNEL_DIRECT on OPEN; 1.10: CHANNEL_QUEUED, CLOSE_ALL). */
 static void channel_flags(struct input *in, uint32_t id, uint32_t op, const char *name,
 			  uint32_t capacity, uint32_t flags)
 {
@@ -570,6 +570,38 @@ int main(int argc, char **argv)
 		channel(&in, 14, 2, "d", 0);
 		channel(&in, 15, 2, "q", 0);
 		stat_req(&in, 16);
+	});
+	SEED("channel-end", {
+		/* (1.10) end of stream: a RECV waiting woken by the producer's CLOSE, a queued
+		 * message received after the end, SEND after it refused; PRODUCE and CLOSE of a
+		 * direct channel (its sending end shut), close-all, bad flags and producers */
+		hello_minor(&in, DLPC_PROTO_MINOR);
+		channel(&in, 2, 1, "e", 4);
+		recv_msg(&in, 3, "e", 0, -1);
+		channel(&in, 4, 6, "e", 0);
+		channel(&in, 5, 5, "e", 0);
+		channel(&in, 6, 1, "e2", 2);
+		send_msg(&in, 7, "e2", SEND_ONE);
+		channel(&in, 8, 5, "e2", 0);
+		channel(&in, 9, 5, "e2", 0);
+		send_msg(&in, 10, "e2", SEND_ONE);
+		recv_msg(&in, 11, "e2", 0, 0);
+		recv_msg(&in, 12, "e2", 0, 0);
+		channel_flags(&in, 13, 1, "d", 0, DLPC_CHANNEL_DIRECT);
+		channel(&in, 14, 6, "d", 0);
+		channel(&in, 15, 4, "d", 0);
+		channel_flags(&in, 16, 5, "d", 0, DLPC_CHANNEL_CLOSE_ALL);
+		channel(&in, 17, 6, "d", 0);
+		channel_flags(&in, 18, 5, "e2", 0, 8);
+		channel_flags(&in, 19, 1, "q", 0, DLPC_CHANNEL_QUEUED);
+		channel_flags(&in, 20, 1, "q", 0, DLPC_CHANNEL_QUEUED | DLPC_CHANNEL_DIRECT);
+		channel_flags(&in, 21, 1, "d", 0, DLPC_CHANNEL_QUEUED);
+		channel(&in, 22, 4, "q", 0);
+		channel(&in, 23, 6, "none", 0);
+		channel(&in, 24, 1, "e2", 0);
+		channel(&in, 25, 3, "e2", 0);
+		channel(&in, 26, 2, "e2", 0);
+		chunk(&in, FUZZ_SHUTDOWN | FUZZ_RUN, NULL, 0, NULL, 0);
 	});
 	SEED("channel-direct-old", {
 		/* a 1.7 connection: no flags, no JOIN */

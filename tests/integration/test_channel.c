@@ -18,6 +18,8 @@
 #include "harness.h"
 #include "raw.h"
 
+#define NOBODY 65534
+
 static struct daemon D;
 
 static void setup(void)
@@ -319,15 +321,320 @@ START_TEST(test_sender_dies)
 	ck_assert_dlpc(dlpc_channel_open(c, "gone", 1, NULL), 1);
 	s = spawn(send_and_exit, NULL);
 	ck_assert(WAIT_CHAN(c, "gone", senders_waiting, 1));
+	ck_assert_uint_eq(chan_or_die(c, "gone").producers, 1);
 	kill(s, SIGKILL);
 	ck_assert_int_eq(wait_child(s), 128 + SIGKILL);
 	ck_assert(WAIT_CHAN(c, "gone", senders_waiting, 0));
 	ck_assert_uint_eq(stat_or_die(c).messages, 1);
+	/* its only producer died without closing: that is its close, and the stream ended after
+	 * the message it sent */
+	ck_assert_uint_eq(chan_or_die(c, "gone").producers, 0);
+	ck_assert_uint_eq(chan_or_die(c, "gone").producers_closed, 1);
+	ck_assert(chan_or_die(c, "gone").flags & DLPC_CHANNEL_ENDED);
 	ck_assert_dlpc(recv_value(c, "gone", 0, &v, NULL), 0);
 	ck_assert_int_eq(v, 5);
-	ck_assert_dlpc(recv_value(c, "gone", 0, &v, NULL), -EAGAIN);
+	ck_assert_dlpc(recv_value(c, "gone", 0, &v, NULL), -EPIPE);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'gone' has ended"));
 	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
 	dlpc_close(c);
+}
+END_TEST
+
+/* ---- end of stream (1.10) ---- */
+
+#define END_N 50 /* messages each of two producers sends */
+
+/* A producer of "end": END_N values from arg's base, then its close. */
+static int end_producer(void *arg)
+{
+	int64_t base = *(int64_t *)arg;
+	dlpc_client *c = child_connect();
+	dlpc_channel_opts o = {.size = sizeof(o), .producers = 2};
+
+	CHILD_CHECK(dlpc_channel_open_opts(c, "end", &o, NULL) >= 0);
+	for (int64_t i = 0; i < END_N; i++)
+		CHILD_CHECK(send_value(c, "end", base + i, 1, 0, -1) == 0);
+	CHILD_CHECK(dlpc_channel_close(c, "end") == 0);
+	/* its own sends after its close are refused */
+	CHILD_CHECK(send_value(c, "end", -1, 1, 0, -1) == -EPIPE);
+	dlpc_close(c);
+	return 0;
+}
+
+/* Two producers, one slow consumer: every message of both, then the end, by itself (without
+ * the end the loop below never stops: a receive without a timeout waits for ever). */
+START_TEST(test_end_two_producers)
+{
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_channel_opts o = {.size = sizeof(o), .capacity = END_N, .producers = 2};
+	static unsigned char seen[2 * END_N];
+	int64_t bases[2] = {0, END_N}, v;
+	dlpc_channel_info i = {.size = sizeof(i)};
+	uint64_t zero = 0;
+	pid_t p[2];
+	int got = 0, r;
+
+	ck_assert_dlpc(dlpc_channel_open_opts(c, "end", &o, &i), 1);
+	ck_assert_uint_eq(i.producers_expected, 2);
+	p[0] = spawn(end_producer, &bases[0]);
+	/* the first producer may finish before the second starts: the stream waits for two (the
+	 * second waits for room: the first's messages fill the channel) */
+	ck_assert_int_eq(wait_child(p[0]), 0);
+	ck_assert(!(chan_or_die(c, "end").flags & DLPC_CHANNEL_ENDED));
+	p[1] = spawn(end_producer, &bases[1]);
+	while ((r = recv_value(c, "end", -1, &v, NULL)) == 0) {
+		ck_assert(v >= 0 && v < 2 * END_N && !seen[v]);
+		seen[v] = 1;
+		got++;
+		usleep(2000); /* a slow consumer: the producers wait for room */
+	}
+	ck_assert_dlpc(r, -EPIPE);
+	ck_assert_int_eq(got, 2 * END_N);
+	ck_assert_int_eq(wait_child(p[1]), 0);
+	i = chan_or_die(c, "end");
+	ck_assert(i.flags & DLPC_CHANNEL_ENDED);
+	ck_assert_uint_eq(i.producers, 0);
+	ck_assert_uint_eq(i.producers_closed, 2);
+	/* it stays ended: sends from anyone are refused, receives end at once */
+	ck_assert_dlpc(send_value(c, "end", 1, 1, 0, -1), -EPIPE);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'end'"));
+	ck_assert_dlpc(recv_value(c, "end", 0, &v, NULL), -EPIPE);
+	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
+	/* a new stream: remove, open again */
+	ck_assert_dlpc(dlpc_channel_remove(c, "end"), 0);
+	ck_assert_dlpc(dlpc_channel_open(c, "end", 0, &i), 1);
+	ck_assert(!(i.flags & DLPC_CHANNEL_ENDED));
+	ck_assert_dlpc(send_value(c, "end", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(dlpc_channel_remove(c, "end"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* A receiver waiting on an empty channel: its first message, then the end. */
+static int end_waiter(void *arg)
+{
+	dlpc_client *c = child_connect();
+	int64_t v;
+
+	(void)arg;
+	CHILD_CHECK(recv_value(c, "wake", -1, &v, NULL) == 0 && v == 7);
+	CHILD_CHECK(recv_value(c, "wake", -1, &v, NULL) == -EPIPE);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_end_wakes_waiter)
+{
+	dlpc_client *c = connect_or_die(&D), *other = connect_or_die(&D);
+	pid_t w;
+
+	ck_assert_dlpc(dlpc_channel_open(c, "wake", 0, NULL), 1);
+	w = spawn(end_waiter, NULL);
+	ck_assert(WAIT_CHAN(c, "wake", receivers_waiting, 1));
+	ck_assert_dlpc(send_value(c, "wake", 7, 1, 0, -1), 0);
+	ck_assert(WAIT_CHAN(c, "wake", received, 1));
+	ck_assert(WAIT_CHAN(c, "wake", receivers_waiting, 1));
+	/* a close by a connection that never sent counts as a producer's that had nothing to
+	 * send: the stream goes on while a producer that sent has not closed */
+	ck_assert_dlpc(dlpc_channel_close(other, "wake"), 0);
+	ck_assert_uint_eq(chan_or_die(c, "wake").producers, 1);
+	ck_assert_uint_eq(chan_or_die(c, "wake").producers_closed, 1);
+	ck_assert(!(chan_or_die(c, "wake").flags & DLPC_CHANNEL_ENDED));
+	ck_assert_uint_eq(chan_or_die(c, "wake").receivers_waiting, 1);
+	/* twice is as once */
+	ck_assert_dlpc(dlpc_channel_close(other, "wake"), 0);
+	ck_assert_uint_eq(chan_or_die(c, "wake").producers_closed, 1);
+	ck_assert_dlpc(dlpc_channel_close(c, "wake"), 0);
+	ck_assert_int_eq(wait_child(w), 0);
+	ck_assert(chan_or_die(c, "wake").flags & DLPC_CHANNEL_ENDED);
+	ck_assert_dlpc(dlpc_channel_close(c, "none"), -ENOENT);
+	ck_assert_dlpc(dlpc_channel_close_flags(c, "wake", 2), -EINVAL);
+	ck_assert_dlpc(dlpc_channel_remove(c, "wake"), 0);
+	dlpc_close(other);
+	dlpc_close(c);
+}
+END_TEST
+
+/* uid 65534 may not close "all" of root's for every producer, and may close its own side. */
+static int close_all_other_uid(void *arg)
+{
+	dlpc_client *c;
+
+	(void)arg;
+	CHILD_CHECK(setgroups(0, NULL) == 0 && setgid(NOBODY) == 0 && setuid(NOBODY) == 0);
+	c = child_connect();
+	CHILD_CHECK(dlpc_channel_close_flags(c, "all", DLPC_CHANNEL_CLOSE_ALL) == -EPERM);
+	CHILD_CHECK(strstr(dlpc_last_error(), "'all'") != NULL);
+	dlpc_close(c);
+	return 0;
+}
+
+/* Closed as a whole: what is queued is received, waiting senders and later sends get EPIPE. */
+START_TEST(test_end_close_all)
+{
+	dlpc_client *c = connect_or_die(&D), *p = connect_or_die(&D);
+	uint64_t zero = 0;
+	int64_t v;
+
+	daemon_open_for_others(&D);
+	ck_assert_dlpc(dlpc_channel_open(c, "all", 2, NULL), 1);
+	ck_assert_dlpc(send_value(p, "all", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(send_value(p, "all", 2, 1, 0, -1), 0);
+	ck_assert_int_eq(wait_child(spawn(close_all_other_uid, NULL)), 0);
+	ck_assert(!(chan_or_die(c, "all").flags & DLPC_CHANNEL_ENDED));
+	ck_assert_dlpc(dlpc_channel_close_flags(c, "all", DLPC_CHANNEL_CLOSE_ALL), 0);
+	ck_assert_uint_eq(chan_or_die(c, "all").producers, 1); /* p never closed */
+	ck_assert_dlpc(send_value(p, "all", 3, 1, 0, -1), -EPIPE);
+	ck_assert_dlpc(recv_value(c, "all", -1, &v, NULL), 0);
+	ck_assert_int_eq(v, 1);
+	ck_assert_dlpc(recv_value(c, "all", -1, &v, NULL), 0);
+	ck_assert_int_eq(v, 2);
+	ck_assert_dlpc(recv_value(c, "all", -1, &v, NULL), -EPIPE);
+	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
+	ck_assert_dlpc(dlpc_channel_remove(c, "all"), 0);
+	dlpc_close(p);
+	dlpc_close(c);
+}
+END_TEST
+
+/* remove() keeps its meaning after an end: what is queued is dropped. */
+START_TEST(test_end_then_remove_drops)
+{
+	dlpc_client *c = connect_or_die(&D);
+	uint64_t zero = 0;
+
+	ck_assert_dlpc(dlpc_channel_open(c, "rm", 4, NULL), 1);
+	ck_assert_dlpc(send_value(c, "rm", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(send_value(c, "rm", 2, 1, 0, -1), 0);
+	ck_assert_dlpc(dlpc_channel_close(c, "rm"), 0);
+	ck_assert_uint_eq(stat_or_die(c).messages, 2);
+	ck_assert_dlpc(dlpc_channel_remove(c, "rm"), 0);
+	ck_assert_uint_eq(stat_or_die(c).messages, 0);
+	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
+	dlpc_close(c);
+}
+END_TEST
+
+/* A producer's record is charged to its uid's --max-memory-per-uid, and given back with the
+ * channel. */
+START_TEST(test_end_memory_charged)
+{
+	static const char *const args[] = {"--max-memory-per-uid=20000", NULL};
+	struct daemon_opts dopts = {.args = args};
+	struct daemon q;
+	dlpc_client *c;
+	char name[32], other[32];
+	int n = 0, closed = 0, r;
+
+	daemon_start_with(&q, &dopts);
+	c = connect_or_die(&q);
+	/* channels until the uid's memory is full, then closes until that is too */
+	for (;; n++) {
+		snprintf(name, sizeof(name), "m/%03d", n);
+		if ((r = dlpc_channel_open(c, name, 1, NULL)) < 0)
+			break;
+	}
+	ck_assert_dlpc(r, -EDQUOT);
+	ck_assert_int_gt(n, 10);
+	for (; closed < n; closed++) {
+		snprintf(name, sizeof(name), "m/%03d", closed);
+		if ((r = dlpc_channel_close(c, name)) < 0)
+			break;
+	}
+	ck_assert_dlpc(r, -EDQUOT);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "--max-memory-per-uid"));
+	ck_assert_int_lt(closed, n);
+	/* a channel removed gives back its record and itself: the close fits now */
+	snprintf(other, sizeof(other), "m/%03d", closed == n - 1 ? 0 : n - 1);
+	ck_assert_dlpc(dlpc_channel_remove(c, other), 0);
+	ck_assert_dlpc(dlpc_channel_close(c, name), 0);
+	dlpc_close(c);
+	daemon_stop(&q);
+}
+END_TEST
+
+/* DLPC_PRODUCING_MAX and DLPC_CHANNEL_PRODUCERS_MAX. */
+START_TEST(test_end_limits)
+{
+	static const char *const args[] = {"--max-channels-per-uid=2000", NULL};
+	struct daemon_opts dopts = {.args = args};
+	struct daemon q;
+	dlpc_client *c;
+	dlpc_channel_opts o = {.size = sizeof(o), .producers = DLPC_CHANNEL_PRODUCERS_MAX + 1};
+	char name[32];
+
+	daemon_start_with(&q, &dopts);
+	c = connect_or_die(&q);
+	ck_assert_dlpc(dlpc_channel_open_opts(c, "lim", &o, NULL), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "DLPC_CHANNEL_PRODUCERS_MAX"));
+	o.producers = DLPC_CHANNEL_PRODUCERS_MAX;
+	ck_assert_dlpc(dlpc_channel_open_opts(c, "lim", &o, NULL), 1);
+	o.producers = 3;
+	ck_assert_dlpc(dlpc_channel_open_opts(c, "lim", &o, NULL), -EEXIST);
+	ck_assert_dlpc(dlpc_channel_remove(c, "lim"), 0);
+	for (int i = 0; i <= DLPC_PRODUCING_MAX; i++) {
+		snprintf(name, sizeof(name), "p/%d", i);
+		ck_assert_dlpc(dlpc_channel_open(c, name, 1, NULL), 1);
+		ck_assert_dlpc(dlpc_channel_close(c, name), i < DLPC_PRODUCING_MAX ? 0 : -EDQUOT);
+	}
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "DLPC_PRODUCING_MAX"));
+	/* removing one lets go of its record */
+	ck_assert_dlpc(dlpc_channel_remove(c, "p/0"), 0);
+	ck_assert_dlpc(dlpc_channel_close(c, name), 0);
+	dlpc_close(c);
+	daemon_stop(&q);
+}
+END_TEST
+
+/* The warnings in the daemon log @p log, printed; one a daemon under valgrind gives at start
+ * (it cannot run closer processes there) does not count. */
+static int warnings(const char *log)
+{
+	FILE *f = fopen(log, "r");
+	char line[2048];
+	int n = 0;
+
+	ck_assert_ptr_nonnull(f);
+	while (fgets(line, sizeof(line), f))
+		if (strstr(line, ": warning: ") &&
+		    !strstr(line, "cannot set up closer processes")) {
+			fprintf(stderr, "%s", line);
+			n++;
+		}
+	fclose(f);
+	return n;
+}
+
+/* An ordinary session on both kinds of channel leaves no warning in the daemon's log: every
+ * client asks the daemon the kind of each channel it uses (CHANNEL JOIN), which a queued one
+ * once answered with a refusal logged as a warning. */
+START_TEST(test_ordinary_session_quiet)
+{
+	dlpc_client *c = connect_or_die(&D), *r = connect_or_die(&D);
+	int64_t v;
+
+	ck_assert_dlpc(dlpc_channel_open(c, "quiet", 0, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_open(r, "quiet", 0, NULL), 0);
+	ck_assert_dlpc(dlpc_channel_open_flags(c, "quiet/d", 0, DLPC_CHANNEL_DIRECT, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_open(r, "quiet/d", 0, NULL), 0);
+	for (int k = 0; k < 3; k++) {
+		ck_assert_dlpc(send_value(c, "quiet", k, 1, 0, -1), 0);
+		ck_assert_dlpc(recv_value(r, "quiet", -1, &v, NULL), 0);
+		ck_assert_dlpc(send_value(c, "quiet/d", k, 1, 0, -1), 0);
+		ck_assert_dlpc(recv_value(r, "quiet/d", -1, &v, NULL), 0);
+	}
+	ck_assert_dlpc(dlpc_channel_close(c, "quiet"), 0);
+	ck_assert_dlpc(dlpc_channel_close(c, "quiet/d"), 0);
+	ck_assert_dlpc(recv_value(r, "quiet", -1, &v, NULL), -EPIPE);
+	ck_assert_dlpc(recv_value(r, "quiet/d", -1, &v, NULL), -EPIPE);
+	ck_assert_dlpc(dlpc_channel_remove(c, "quiet"), 0);
+	ck_assert_dlpc(dlpc_channel_remove(c, "quiet/d"), 0);
+	dlpc_close(r);
+	dlpc_close(c);
+	/* (the log is written before each reply: everything is in it by now) */
+	ck_assert_msg(warnings(D.log) == 0,
+		      "the daemon logged a warning in an ordinary session (%s)", D.log);
+	ck_assert(log_has(D.log, ": debug: "));
 }
 END_TEST
 
@@ -651,7 +958,6 @@ END_TEST
 
 /* ---- recycled buffers: what a receiver got, it cannot write ---- */
 
-#define NOBODY 65534
 #define RO_ROUNDS 6
 #define RO_EVIL 0xee
 
@@ -1188,6 +1494,11 @@ int main(void)
 	tcase_add_test(tc, test_backpressure);
 	tcase_add_test(tc, test_killed_receiver);
 	tcase_add_test(tc, test_sender_dies);
+	tcase_add_test(tc, test_end_two_producers);
+	tcase_add_test(tc, test_end_wakes_waiter);
+	tcase_add_test(tc, test_end_close_all);
+	tcase_add_test(tc, test_end_then_remove_drops);
+	tcase_add_test(tc, test_ordinary_session_quiet);
 	tcase_add_test(tc, test_remove_frees);
 	tcase_add_test(tc, test_bundles_and_limits);
 	tcase_add_test(tc, test_bundle_keys);
@@ -1201,6 +1512,8 @@ int main(void)
 	tc = tcase_create("quota");
 	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
 	tcase_add_test(tc, test_quota);
+	tcase_add_test(tc, test_end_limits);
+	tcase_add_test(tc, test_end_memory_charged);
 	tcase_add_test(tc, test_connection_limits);
 	suite_add_tcase(s, tc);
 	return run_suite(s);

@@ -201,18 +201,23 @@ static bool memfds_reach(const char *ch, int want)
 
 /* ---- raw access: HELLO 1.8, CHANNEL JOIN ---- */
 
-static void raw_hello8(int fd)
+static void raw_hello_minor(int fd, uint32_t minor)
 {
 	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
 	struct dlpc__hdr h;
 	uint8_t buf[512];
 
 	hello.version_major = DLPC_PROTO_MAJOR;
-	hello.version_minor = 8;
+	hello.version_minor = minor;
 	hello.client = "raw direct test client";
 	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
 	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
 	ck_assert_uint_eq(h.type, DLPC_MSG_HELLO | DLPC_MSG_REPLY);
+}
+
+static void raw_hello8(int fd)
+{
+	raw_hello_minor(fd, 8);
 }
 
 /* Read one frame with every fd it carries (at most 4) into @p fds; how many came. */
@@ -261,8 +266,8 @@ static int error_code(const uint8_t *buf, size_t len, char *msg, size_t msglen)
 	return code;
 }
 
-/* CHANNEL JOIN of @p name on the raw connection @p fd: 0 and the two ends, or the error code
- * (and its message in @p msg). */
+/* CHANNEL JOIN of @p name on the raw connection @p fd: 0 and the two ends, -1 for a reply
+ * without them (a queued channel, 1.10), or the error code (and its message in @p msg). */
 static int raw_join(int fd, const char *name, int ends[2], char *msg, size_t len)
 {
 	Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
@@ -281,6 +286,8 @@ static int raw_join(int fd, const char *name, int ends[2], char *msg, size_t len
 		return error_code(buf, h.len, msg, len);
 	}
 	ck_assert_uint_eq(h.type, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY);
+	if (n == 0)
+		return -1;
 	ck_assert_uint_eq(n, 2);
 	ends[0] = fds[0];
 	ends[1] = fds[1];
@@ -295,6 +302,165 @@ static int queued(int rx)
 	ck_assert_int_eq(ioctl(rx, SIOCINQ, &bytes), 0);
 	return bytes / DLPC_DIRECT_RECORD;
 }
+
+/* ---- end of stream (1.10) ---- */
+
+#define END_N 50 /* messages each of two producers sends */
+
+/* A producer of "d/end": END_N values from arg's base, then its close. */
+static int end_producer(void *arg)
+{
+	int64_t base = *(int64_t *)arg;
+	dlpc_client *c = child_connect();
+	dlpc_channel_opts o = {.size = sizeof(o), .producers = 2};
+	dlpc_channel_info i = {.size = sizeof(i)};
+
+	/* opened by name: a direct channel, as it is */
+	CHILD_CHECK(dlpc_channel_open_opts(c, "d/end", &o, &i) == 0);
+	CHILD_CHECK(i.flags & DLPC_CHANNEL_DIRECT);
+	for (int64_t k = 0; k < END_N; k++)
+		CHILD_CHECK(send_value(c, "d/end", base + k, 1, 0, -1) == 0);
+	CHILD_CHECK(dlpc_channel_close(c, "d/end") == 0);
+	/* its own sends after its close are refused */
+	CHILD_CHECK(send_value(c, "d/end", -1, 1, 0, -1) == -EPIPE);
+	dlpc_close(c);
+	return 0;
+}
+
+/* Two producers, one slow consumer: every message of both, then the end, by itself (without
+ * the end the loop below never stops: a receive without a timeout waits for ever). */
+START_TEST(test_end_two_producers)
+{
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_channel_opts o = {
+		.size = sizeof(o), .capacity = 8, .flags = DLPC_CHANNEL_DIRECT, .producers = 2};
+	static unsigned char seen[2 * END_N];
+	int64_t bases[2] = {0, END_N}, v;
+	dlpc_channel_info i = {.size = sizeof(i)};
+	pid_t p[2];
+	int got = 0, r;
+
+	ck_assert_dlpc(dlpc_channel_open_opts(c, "d/end", &o, &i), 1);
+	ck_assert_uint_eq(i.producers_expected, 2);
+	p[0] = spawn(end_producer, &bases[0]);
+	p[1] = spawn(end_producer, &bases[1]);
+	while ((r = recv_value(c, "d/end", -1, &v, NULL, NULL)) == 0) {
+		ck_assert(v >= 0 && v < 2 * END_N && !seen[v]);
+		seen[v] = 1;
+		got++;
+		usleep(2000); /* a slow consumer: the producers wait for room */
+	}
+	ck_assert_dlpc(r, -EPIPE);
+	ck_assert_int_eq(got, 2 * END_N);
+	ck_assert_int_eq(wait_child(p[0]), 0);
+	ck_assert_int_eq(wait_child(p[1]), 0);
+	i = chan_or_die(c, "d/end");
+	ck_assert_uint_eq(i.flags, DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_ENDED);
+	ck_assert_uint_eq(i.producers, 0);
+	ck_assert_uint_eq(i.producers_closed, 2);
+	/* it stays ended: sends from anyone are refused, receives end at once */
+	ck_assert_dlpc(send_value(c, "d/end", 1, 1, 0, -1), -EPIPE);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'d/end'"));
+	ck_assert_dlpc(recv_value(c, "d/end", 0, &v, NULL, NULL), -EPIPE);
+	/* a new stream: remove, open again */
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/end"), 0);
+	ck_assert_dlpc(open_direct(c, "d/end", 0, &i), 1);
+	ck_assert(!(i.flags & DLPC_CHANNEL_ENDED));
+	ck_assert_dlpc(send_value(c, "d/end", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(recv_value(c, "d/end", 0, &v, NULL, NULL), 0);
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/end"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* A receiver waiting on an empty direct channel: its first message, then the end. */
+static int end_waiter(void *arg)
+{
+	dlpc_client *c = child_connect();
+	int64_t v;
+
+	CHILD_CHECK(recv_value(c, "d/wake", -1, &v, NULL, NULL) == 0 && v == 7);
+	/* it says so when it waits: the test then closes */
+	CHILD_CHECK(write(*(int *)arg, "w", 1) == 1);
+	CHILD_CHECK(recv_value(c, "d/wake", -1, &v, NULL, NULL) == -EPIPE);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_end_wakes_waiter)
+{
+	dlpc_client *c = connect_or_die(&D);
+	int pfd[2];
+	char ch;
+	pid_t w;
+
+	ck_assert_int_eq(pipe(pfd), 0);
+	ck_assert_dlpc(open_direct(c, "d/wake", 0, NULL), 1);
+	w = spawn(end_waiter, &pfd[1]);
+	ck_assert_dlpc(send_value(c, "d/wake", 7, 1, 0, -1), 0);
+	ck_assert_int_eq(read(pfd[0], &ch, 1), 1);
+	usleep(20000); /* (most often it waits by now; either way it must end) */
+	ck_assert_dlpc(dlpc_channel_close(c, "d/wake"), 0);
+	ck_assert_int_eq(wait_child(w), 0);
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/wake"), 0);
+	close(pfd[0]);
+	close(pfd[1]);
+	dlpc_close(c);
+}
+END_TEST
+
+/* A producer that sends two messages and dies without closing. */
+static int end_crasher(void *arg)
+{
+	dlpc_client *c = child_connect();
+
+	(void)arg;
+	CHILD_CHECK(send_value(c, "d/crash", 1, 1, 0, -1) == 0);
+	CHILD_CHECK(send_value(c, "d/crash", 2, 1, 0, -1) == 0);
+	kill(getpid(), SIGKILL);
+	return 1;
+}
+
+START_TEST(test_end_producer_crash)
+{
+	dlpc_client *c = connect_or_die(&D);
+	int64_t v;
+
+	ck_assert_dlpc(open_direct(c, "d/crash", 8, NULL), 1);
+	ck_assert_int_eq(wait_child(spawn(end_crasher, NULL)), 128 + SIGKILL);
+	/* its connection's end is its close: the consumer gets what it sent, then the end */
+	ck_assert(WAIT_CHAN(c, "d/crash", producers_closed, 1));
+	ck_assert_dlpc(recv_value(c, "d/crash", -1, &v, NULL, NULL), 0);
+	ck_assert_int_eq(v, 1);
+	ck_assert_dlpc(recv_value(c, "d/crash", -1, &v, NULL, NULL), 0);
+	ck_assert_int_eq(v, 2);
+	ck_assert_dlpc(recv_value(c, "d/crash", -1, &v, NULL, NULL), -EPIPE);
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/crash"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* Closed as a whole by its owner: what is queued is received, later sends get EPIPE. */
+START_TEST(test_end_close_all)
+{
+	dlpc_client *c = connect_or_die(&D), *p = connect_or_die(&D);
+	int64_t v;
+
+	ck_assert_dlpc(open_direct(c, "d/all", 8, NULL), 1);
+	ck_assert_dlpc(send_value(p, "d/all", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(send_value(p, "d/all", 2, 1, 0, -1), 0);
+	ck_assert_dlpc(dlpc_channel_close_flags(c, "d/all", DLPC_CHANNEL_CLOSE_ALL), 0);
+	ck_assert_uint_eq(chan_or_die(c, "d/all").producers, 1); /* p never closed */
+	ck_assert_dlpc(send_value(p, "d/all", 3, 1, 0, -1), -EPIPE);
+	ck_assert_dlpc(recv_value(c, "d/all", -1, &v, NULL, NULL), 0);
+	ck_assert_int_eq(v, 1);
+	ck_assert_uint_eq(chan_or_die(c, "d/all").depth, 1);
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/all"), 0);
+	ck_assert_dlpc(recv_value(c, "d/all", 0, &v, NULL, NULL), -ENOENT);
+	dlpc_close(p);
+	dlpc_close(c);
+}
+END_TEST
 
 /* ---- 1: order and content, from another process ---- */
 
@@ -754,12 +920,39 @@ START_TEST(test_kinds)
 
 	ck_assert_dlpc(open_direct(c, "d/k", 8, &info), 1);
 	ck_assert_dlpc(dlpc_channel_open(c, "q/k", 8, NULL), 1);
-	/* the other kind: EEXIST, both ways */
-	ck_assert_dlpc(dlpc_channel_open(c, "d/k", 0, NULL), -EEXIST);
-	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "direct"));
+	/* the other kind asked for: EEXIST naming the kind, both ways */
+	ck_assert_dlpc(dlpc_channel_open_flags(c, "d/k", 0, DLPC_CHANNEL_QUEUED, NULL), -EEXIST);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "as a direct channel"));
 	ck_assert_dlpc(open_direct(c, "q/k", 0, NULL), -EEXIST);
-	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "queued"));
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "as a queued channel"));
+	/* no kind asked for: either is opened as it is (1.10) */
+	ck_assert_dlpc(dlpc_channel_open(c, "d/k", 0, &info), 0);
+	ck_assert_uint_eq(info.flags, DLPC_CHANNEL_DIRECT);
+	ck_assert_dlpc(dlpc_channel_open(c, "q/k", 0, &info), 0);
+	ck_assert_uint_eq(info.flags, 0);
+	ck_assert_dlpc(dlpc_channel_open_flags(c, "q/k", 0, DLPC_CHANNEL_QUEUED, NULL), 0);
 	ck_assert_dlpc(dlpc_channel_open_flags(c, "d/x", 0, 2, NULL), -EINVAL);
+	ck_assert_dlpc(dlpc_channel_open_flags(c, "d/x", 0,
+					       DLPC_CHANNEL_QUEUED | DLPC_CHANNEL_DIRECT, NULL),
+		       -EINVAL);
+	/* before 1.10 no flag is a queued channel: EEXIST for a direct one */
+	raw = raw_connect(&D);
+	raw_hello8(raw);
+	{
+		Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
+
+		co.op = 1;
+		co.name.data = (uint8_t *)"d/k";
+		co.name.len = 3;
+		raw_send(raw, DLPC_MSG_CHANNEL, 3, &co.base, NULL, 0);
+		ck_assert_int_eq(raw_error(raw, msg, sizeof(msg)), EEXIST);
+	}
+	close(raw);
+	/* 1.10: a JOIN of a queued channel is answered without fds, not refused */
+	raw = raw_connect(&D);
+	raw_hello_minor(raw, DLPC_PROTO_MINOR);
+	ck_assert_int_eq(raw_join(raw, "q/k", ends, msg, sizeof(msg)), -1);
+	close(raw);
 
 	/* raw SEND and RECV of a direct channel, JOIN of a queued or unknown one */
 	raw = raw_connect(&D);
@@ -1339,6 +1532,10 @@ int main(void)
 	tcase_add_test(tc, test_killed_receiver);
 	tcase_add_test(tc, test_daemon_killed);
 	tcase_add_test(tc, test_kinds);
+	tcase_add_test(tc, test_end_two_producers);
+	tcase_add_test(tc, test_end_wakes_waiter);
+	tcase_add_test(tc, test_end_producer_crash);
+	tcase_add_test(tc, test_end_close_all);
 	tcase_add_test(tc, test_bundle_as_single_stays_queued);
 	tcase_add_test(tc, test_made_again);
 	tcase_add_test(tc, test_hostile_sender);

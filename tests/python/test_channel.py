@@ -393,13 +393,19 @@ def test_direct_channel_across_processes(ipc, daemon):
     assert [c.direct for c in dlpack_ipc.channels("py/direct")] == [True]
     s = daemon.stat()
     assert s["storages"] == 0 and s["req_send"] == 0
-    ch.send(np.zeros(3))
-    assert ch.stat().depth == 1
+    # its only producer exited: that was its close, and the stream has ended
+    assert info.ended and info.producers == 0 and info.producers_closed == 1
+    with pytest.raises(BrokenPipeError, match="py/direct"):
+        ch.send(np.zeros(3))
+    with pytest.raises(dlpack_ipc.ChannelClosed):
+        ch.recv(timeout=0)
     assert not dlpack_ipc.channel("py/queued").stat().direct
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match="as a queued channel"):
         dlpack_ipc.channel("py/queued", direct=True)
-    with pytest.raises(FileExistsError):
-        dlpack_ipc.channel("py/direct")
+    # opened by name, a channel is the kind it is; asked for the other kind, refused
+    assert dlpack_ipc.channel("py/direct").direct
+    with pytest.raises(FileExistsError, match="as a direct channel"):
+        dlpack_ipc.channel("py/direct", direct=False)
     # no recycled buffers: ENOTSUP, which the module raises as BufferError throughout
     with pytest.raises(BufferError, match="it is direct"):
         ch.empty((4,), "float32")
@@ -480,3 +486,181 @@ def test_kept_mapping_never_shows_a_consumers_writes(ipc, daemon, direct):
     # the second message's mapping was kept and handed out for the rest
     assert len(set(ptrs[2:])) == 1 and ptrs[2] == ptrs[1], ptrs
     ch.remove()
+
+
+# ---- end of stream ----
+
+def _end_producer(name, base, n, q):
+    try:
+        with dlpack_ipc.channel(name) as ch:
+            for i in range(n):
+                ch.send(np.array([base + i]))
+        q.put(("ok", None))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["queued", "direct"])
+def test_end_two_producers_slow_consumer(ipc, daemon, direct):
+    """Two producer processes and a slow consumer: 100 messages of 100, then the loop ends by
+    itself (before end of stream it never did: only remove() ended it, dropping what was
+    queued)."""
+    ctx = multiprocessing.get_context("fork")
+    name = "py/end-d" if direct else "py/end"
+    ch = dlpack_ipc.channel(name, capacity=4, direct=direct, producers=2)
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_end_producer, args=(name, 50 * k, 50, q)) for k in range(2)]
+    for p in ps:
+        p.start()
+    got = []
+    with ch:
+        for t in ch:
+            got.append(int(np.from_dlpack(t)[0]))
+            del t
+            time.sleep(0.002)  # slow: the producers wait for room
+    for p in ps:
+        p.join(timeout=60)
+        assert q.get(timeout=10) == ("ok", None)
+    assert sorted(got) == list(range(100))
+    info = ch.stat()
+    assert info.ended and info.producers == 0 and info.producers_closed == 2
+    # the consumer's with block closed nothing: it only received
+    with pytest.raises(dlpack_ipc.ChannelClosed) as e:
+        ch.recv()
+    assert isinstance(e.value, EOFError) and name in str(e.value)
+    with pytest.raises(BrokenPipeError):
+        ch.send(np.zeros(1))
+    ch.remove()
+    # a new stream: open it again
+    with dlpack_ipc.channel(name, direct=direct) as ch2:
+        assert not ch2.stat().ended
+        ch2.send(np.array([7]))
+    assert [int(np.from_dlpack(t)[0]) for t in ch2] == [7]
+    ch2.remove()
+
+
+def _end_waiter(name, q):
+    try:
+        ch = dlpack_ipc.channel(name)
+        first = int(np.from_dlpack(ch.recv(timeout=30))[0])
+        q.put(("first", first))
+        try:
+            ch.recv()  # waits: woken by the end
+            q.put(("error", "a second message came"))
+        except dlpack_ipc.ChannelClosed as e:
+            q.put(("ok", str(e)))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["queued", "direct"])
+def test_end_wakes_a_waiting_receiver(ipc, daemon, direct):
+    ctx = multiprocessing.get_context("fork")
+    ch = dlpack_ipc.channel("py/wake", direct=direct)
+    q = ctx.Queue()
+    p = ctx.Process(target=_end_waiter, args=("py/wake", q))
+    p.start()
+    ch.send(np.array([5]))
+    assert q.get(timeout=30) == ("first", 5)
+    if not direct:
+        deadline = time.monotonic() + 10
+        while ch.stat().receivers_waiting != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ch.stat().receivers_waiting == 1
+    ch.close()
+    res = q.get(timeout=30)
+    p.join(timeout=30)
+    assert res[0] == "ok" and "py/wake" in res[1], res
+    ch.remove()
+
+
+def _crasher(name, q):
+    ch = dlpack_ipc.channel(name)
+    for i in range(3):
+        ch.send(np.array([i]))
+    q.put("sent")
+    q.close()
+    q.join_thread()  # (the queue's thread has written it before the kill)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["queued", "direct"])
+def test_end_when_a_producer_dies_without_close(ipc, daemon, direct):
+    """A producer killed before close(): its connection's end is its close, so the consumer
+    gets what it sent and its loop ends, rather than waiting on the dead for ever."""
+    ctx = multiprocessing.get_context("fork")
+    ch = dlpack_ipc.channel("py/crash", direct=direct)
+    q = ctx.Queue()
+    p = ctx.Process(target=_crasher, args=("py/crash", q))
+    p.start()
+    assert q.get(timeout=30) == "sent"
+    p.join(timeout=30)
+    assert p.exitcode == -signal.SIGKILL
+    assert [int(np.from_dlpack(t)[0]) for t in ch] == [0, 1, 2]
+    assert ch.stat().producers_closed == 1
+    ch.remove()
+
+
+def test_close_by_a_consumer_or_a_second_producer(ipc, daemon):
+    prod = dlpack_ipc.channel("py/who")
+    prod.send(np.array([1]))
+    cons = dlpack_ipc.Channel("py/who", client=dlpack_ipc.Client())
+    assert int(np.from_dlpack(cons.recv())[0]) == 1
+    cons.close()  # it only received: nothing
+    assert ch_state(prod) == (False, 1, 0)
+    # a connection that never sent nor received closes as a producer with nothing to send:
+    # the stream goes on while the producer that sent has not closed
+    other = dlpack_ipc.Channel("py/who", client=dlpack_ipc.Client())
+    other.close()
+    other.close()  # twice is as once
+    assert ch_state(prod) == (False, 1, 1)
+    with pytest.raises(BrokenPipeError, match="closed its side"):
+        other.send(np.array([2]))
+    prod.send(np.array([3]))
+    prod.close()
+    assert ch_state(prod) == (True, 0, 2)
+    assert [int(np.from_dlpack(t)[0]) for t in cons] == [3]
+    prod.remove()
+
+
+def ch_state(ch):
+    i = ch.stat()
+    return i.ended, i.producers, i.producers_closed
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["queued", "direct"])
+def test_close_all_and_remove(ipc, daemon, direct):
+    """close(all=True) ends the stream for every producer and keeps what is queued for the
+    consumers; remove() drops what is queued."""
+    ch = dlpack_ipc.channel("py/all", capacity=4, direct=direct)
+    prod = dlpack_ipc.Channel("py/all", client=dlpack_ipc.Client())
+    prod.send(np.array([1]))
+    prod.send(np.array([2]))
+    ch.close(all=True)
+    assert ch.stat().ended and ch.stat().producers == 1
+    with pytest.raises(BrokenPipeError):
+        prod.send(np.array([3]))
+    assert [int(np.from_dlpack(t)[0]) for t in ch] == [1, 2]
+    ch.remove()
+    # remove(): what is queued is dropped, unread
+    ch = dlpack_ipc.channel("py/all", direct=direct)
+    with ch:
+        ch.send(np.ones(1 << 14))
+        ch.send(np.ones(1 << 14))
+    assert ch.stat().depth == 2 and ch.stat().ended
+    ch.remove()
+    daemon.wait_stat(lambda s: s["storages"] == 0 and s["channels"] == 0,
+                     what="the removed channel's messages dropped")
+    assert "dropped" in dlpack_ipc.Channel.remove.__doc__
+
+
+def test_ordinary_channel_use_logs_no_warning(ipc, daemon):
+    """Opening, sending to and receiving from channels is no reason for the daemon to warn
+    (every client asked a queued channel's kind and was refused with a warning)."""
+    for direct in (False, True):
+        with dlpack_ipc.channel(f"py/quiet{int(direct)}", direct=direct) as ch:
+            ch.send(np.zeros(4))
+        assert len(list(dlpack_ipc.channel(f"py/quiet{int(direct)}"))) == 1
+        ch.remove()
+    daemon.wait_stat(lambda s: s["channels"] == 0, what="the channels removed")
+    assert ": warning: " not in daemon.log_text()
