@@ -154,7 +154,7 @@ int dlpd_reply_tail(struct dlpd_peer *p, uint16_t type, uint32_t id, const Proto
 /*
  * How loudly to log a refused request. A refusal is the client's business, and its answer says
  * why: no such name, name taken, a wait expired or canceled, not allowed, invalid, over a quota,
- * the other kind of channel, a channel empty, full or removed. All of that is routine for a
+ * the other kind of channel, a channel empty, full, ended or removed. All of that is routine for a
  * daemon shared by many programs, so debug. A warning is for what an operator must act on: the
  * daemon itself out of memory, fds or space. (A protocol violation is logged by the mark that
  * follows it.)
