@@ -29,7 +29,7 @@ import json
 import threading
 import typing
 import weakref
-from typing import Any, Dict, Iterator, List, Literal, Optional, Set, Tuple
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import torch
 
@@ -60,7 +60,7 @@ def _same_view(t: torch.Tensor) -> Optional[Tuple[Any, ...]]:
 
 
 def _nonpersistent(module: torch.nn.Module,
-                   prefix: str = "") -> Iterator[Tuple[str, torch.Tensor]]:
+                   prefix: str = "") -> typing.Iterator[Tuple[str, torch.Tensor]]:
     """(key, buffer) for each non-persistent buffer, under every path that reaches it, with
     the keys a state dict would give it."""
     for attr, b in module._buffers.items():
@@ -101,8 +101,24 @@ def _aliases_record(aliases: Dict[str, str]) -> bytes:
     return json.dumps({"aliases": aliases}, sort_keys=True).encode()
 
 
-# to_shared()'s modules: the uint8 tensor in the bucket that holds the aliases record
-_records: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+# to_shared()'s modules: their bucket, as SharedTensors by bundle key (libdlpc publishes its
+# own views of an allocation as they are; torch's re-export of them would be copied)
+_buckets: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, dlpack_ipc.SharedTensor]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _in_bucket(module: torch.nn.Module, out: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The bucket of to_shared(module) if out is exactly it, key by key, else None."""
+    held = _buckets.get(module)
+    if held is None or list(held) != list(out):
+        return None
+    for key, t in out.items():
+        if isinstance(t, bytes):
+            if held[key].torch().numpy().tobytes() != t:
+                return None
+        elif t.data_ptr() != held[key].data_ptr:
+            return None
+    return dict(held)
 
 
 def share_module(module: torch.nn.Module, name: str, *, replace: bool = False,
@@ -124,10 +140,8 @@ def share_module(module: torch.nn.Module, name: str, *, replace: bool = False,
     tensors, aliases = _bundle(module)
     out: Dict[str, Any] = dict(tensors)
     if aliases:
-        record = _aliases_record(aliases)
-        held = _records.get(module)
-        out[ALIASES_KEY] = (held if held is not None and bytes(held.numpy().tobytes()) == record
-                            else record)
+        out[ALIASES_KEY] = _aliases_record(aliases)
+    out = _in_bucket(module, out) or out
     return (client or dlpack_ipc).publish_dict(name, out, replace=replace,
                                                ephemeral=ephemeral, writable=writable)
 
@@ -156,9 +170,8 @@ def to_shared(module: torch.nn.Module, *,
             new.copy_(t)
             moved[id(t)] = new
         if record is not None:
-            held = bucket[ALIASES_KEY].torch()
-            held.copy_(torch.frombuffer(bytearray(record), dtype=torch.uint8))
-            _records[module] = held
+            bucket[ALIASES_KEY].torch().copy_(torch.tensor(list(record), dtype=torch.uint8))
+    _buckets[module] = bucket
     for key, owner_module, attr, is_param, old in _slots(module, nonpersistent=True):
         src = tensors.get(aliases.get(key, key))
         if src is None:
@@ -183,7 +196,7 @@ _Slot = Tuple[str, torch.nn.Module, str, bool, torch.Tensor]
 
 
 def _slots(module: torch.nn.Module, prefix: str = "", *,
-           nonpersistent: bool = False) -> Iterator[_Slot]:
+           nonpersistent: bool = False) -> typing.Iterator[_Slot]:
     """(key, module, attribute, is_parameter, tensor) for what state_dict() would hold, each
     parameter and persistent buffer under every path that reaches it; with nonpersistent=True
     the non-persistent buffers too, under NONPERSISTENT_PREFIX + key."""
