@@ -26,7 +26,9 @@ one parameter. Non-persistent buffers (such as a BERT's position_ids, which are 
 dict) are published under NONPERSISTENT_PREFIX + their state-dict-style key.
 """
 import json
+import select
 import threading
+import time
 import typing
 import weakref
 from typing import Any, Dict, List, Literal, Optional, Tuple
@@ -405,18 +407,30 @@ class Follower:
         self.generation = generation
         return True
 
-    def update(self) -> bool:
+    def update(self, timeout: Optional[float] = 0) -> bool:
         """Swap to the newest generation if a newer one was published: True if it swapped.
 
-        A newer generation that does not fit the module (keys, shapes, dtypes) raises as
-        attach_module() does, and the module keeps the generation it has. Called from a
-        thread inside `with self:` it raises RuntimeError (it would wait for itself)."""
+        timeout: how long to wait for a newer generation when there is none yet (0, the
+        default: not at all; None: as long as it takes; else seconds), for a worker that
+        has nothing to do until then. A newer generation that does not fit the module
+        (keys, shapes, dtypes) raises as attach_module() does, and the module keeps the
+        generation it has. Called from a thread inside `with self:` it raises RuntimeError
+        (it would wait for itself)."""
         if getattr(self._local, "depth", 0):
             raise RuntimeError(f"{self!r}: update() inside `with` of the same thread")
-        with self._cond:
-            while self._inside:
-                self._cond.wait()
-            return self._update()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                while self._inside:
+                    self._cond.wait()
+                if self._update():
+                    return True
+                watch = self._watch
+            left = None if deadline is None else deadline - time.monotonic()
+            if watch is None or (left is not None and left <= 0):
+                return False
+            # every event read was drained above: wait for the socket, then look again
+            select.select([watch], [], [], left)
 
     def __enter__(self) -> "Follower":
         with self._cond:
