@@ -349,6 +349,8 @@ class Follower:
         self._inside = 0  # threads inside `with self:`
         self._local = threading.local()
         self._stale = False  # an event said a newer generation may be there
+        self._gone = False  # an event said the name was unpublished since our attach
+        self.generation = 0
         # the watch first: a generation published after the attach below is an event
         self._watch: Optional[dlpack_ipc.Watch] = dlpack_ipc.watch(name, socket=socket)
         try:
@@ -384,10 +386,13 @@ class Follower:
             self._stale = True
             events = []
         for ev in events:
-            if ev.name == self.name and ev.kind in ("published", "replaced"):
-                # a name unpublished and published again starts over at generation 1
-                if ev.generation != self.generation or ev.kind == "published":
-                    self._stale = True
+            if ev.name != self.name:
+                continue
+            if ev.kind == "unpublished":
+                self._gone = True  # published again, it starts over at generation 1
+            elif ev.kind in ("published", "replaced") and (self._gone or
+                                                           ev.generation != self.generation):
+                self._stale = True
         return self._stale
 
     def _update(self) -> bool:
@@ -399,7 +404,7 @@ class Follower:
         except FileNotFoundError:
             self._stale = False  # unpublished again: keep what we have
             return False
-        self._stale = False
+        self._stale = self._gone = False
         generation = int(next(iter(shared.values())).generation) if shared else 0
         tensors = _tensors(shared)
         slots, _ = _plan(self.module, self.name, tensors, self._strict)

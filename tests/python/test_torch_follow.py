@@ -224,3 +224,28 @@ def test_a_generation_that_does_not_fit_is_refused(ipc, daemon):
     f.close()
     with pytest.raises(FileNotFoundError):
         dt.follow(build(0, device="meta"), "absent", timeout=0)
+
+
+def test_a_follower_waiting_for_the_first_generation(ipc, py):
+    """follow(timeout=...) waits for a name not published yet; the event of the generation it
+    then attached is no newer generation."""
+    got = {}
+
+    def follow():
+        got["f"] = dt.follow(build(0, device="meta"), "late", timeout=60)
+
+    t = threading.Thread(target=follow)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not ipc.stat()["waiters"]:  # the follower's attach waits for the name
+        assert time.monotonic() < deadline, "no attach waiting"
+        time.sleep(0.01)
+    py.check(MODEL + """
+import dlpack_ipc.torch as dt
+dt.share_module(build(1), "late")
+""")
+    t.join(60)
+    f = got["f"]
+    assert f.generation == 1 and torch.equal(run(f.module), expected(1))
+    assert f.update(timeout=0.2) is False, "generation 1's own event is not a newer one"
+    f.close()
