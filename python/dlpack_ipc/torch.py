@@ -156,8 +156,9 @@ def to_shared(module: torch.nn.Module, *,
     The values are copied once; parameters stay the same Parameter objects (their .data
     moves), so an optimizer holding them goes on working. The next share_module() of module
     then publishes that memory as it is, with no copy, and from then on it is read-only for
-    this process too (a write, such as an optimizer step, is a crash): call to_shared() again
-    before writing (a trainer: train, to_shared(), share_module(..., replace=True), train...).
+    this process too (a write, such as an optimizer step, is a segmentation fault): call
+    to_shared() again before writing (a trainer: train, to_shared(), share_module(...,
+    replace=True), train...).
     """
     tensors, aliases = _bundle(module)
     spec: Dict[str, Any] = {k: (tuple(t.shape), _dtype_name(k, t)) for k, t in tensors.items()}
