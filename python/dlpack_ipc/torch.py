@@ -327,7 +327,8 @@ class Follower:
     is inside, and until the block ends no swap happens (update() from another thread waits
     for every block to end), so a forward pass never sees half of one generation and half of
     the next. A generation's memory is freed once no tensor of it is referenced any more
-    (the module's were swapped, and nothing else holds one).
+    (the module's were swapped, and nothing else holds one). Each generation's parameters are
+    new Parameter objects: what holds the old ones (an optimizer) keeps the old generation.
 
     generation is the generation the module is bound to; name and module as given. close()
     stops following (a `with` block holds a generation, it does not close); the module keeps
