@@ -208,3 +208,31 @@ def test_share_module_refuses_what_it_cannot_share(ipc):
     with pytest.raises(TypeError, match="'_extra_state'"):
         dt.share_module(Extra(), "x")
     assert ipc.list() == []
+
+
+def test_to_shared_publishes_a_tied_module_without_a_copy(ipc, py):
+    """to_shared() moves a module with ties, a submodule under two names and a non-persistent
+    buffer into one dlpackd allocation (the aliases record in it too): share_module() then
+    publishes that allocation as it is, and another process attaches it."""
+    net = build(0)
+    params = list(net.parameters())
+    ref = build(0)
+    assert dt.to_shared(net) is net
+    assert list(net.parameters()) == params, "the same Parameter objects (an optimizer's)"
+    assert net.head.weight is net.emb.weight
+    maps = {mapping_of(t.data_ptr()) for t in [*net.parameters(), *net.buffers()]}
+    assert maps == {"/memfd:dlpc:dlpc_alloc_bundle (deleted)"}, maps
+    with torch.no_grad():
+        assert torch.equal(net(IDS), ref(IDS))
+    assert dt.share_module(net, "bucket") == 1
+    cp = py.check(MODEL + """
+import dlpack_ipc.torch as dt
+net = build(7, device="meta")
+dt.attach_module(net, "bucket")
+with open("/proc/self/maps") as f:
+    print(sorted({l.split(None, 5)[5].strip() for l in f if "memfd:dlpc" in l}))
+with torch.no_grad():
+    print(torch.equal(net(IDS), build(0)(IDS)), net.head.weight is net.emb.weight)
+""")
+    assert cp.stdout.split("\n")[:2] == ["['/memfd:dlpc:dlpc_alloc_bundle (deleted)']",
+                                         "True True"], cp.stdout
