@@ -2,10 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run every benchmark side by side against a private dlpackd and report ratios.
 
-    /usr/bin/python3 bench/run.py [--quick] [--build DIR] [--out DIR]
+    /usr/bin/python3 bench/run.py [--quick] [--build DIR] [--out DIR] [--python PYTHON]
 
 Starts dlpackd on a socket in a temporary directory, runs the C harness (bench_c), the
-Python harness (bench_py.py) and the model-loading one (bench_model.py), prints a markdown table of every measurement and of the targets
+Python harness (bench_py.py), the model-loading one (bench_model.py) and the weight-sync one
+(weight_sync.py), prints a markdown table of every measurement and of the targets
 (each a ratio measured in this run), and writes bench.json and bench.png into --out (default
 docs/). Stops the daemon and removes what it created; exits non-zero if a measurement is missing.
 --quick is the smoke test the test suite runs: small sizes, few repetitions, no plot.
@@ -238,6 +239,10 @@ def targets(rows, sizes, map_sizes):
     tc = pick(rows, "throughput", "dlpc_cached", clients=8)
     add("throughput at 8 clients, cache on / off (a report, no target)",
         ratio(tc and tc["ops_per_s"], td and td["ops_per_s"]), 1.0, lower_is_better=False)
+    fo, gb = pick(rows, "weight_sync", "follow"), pick(rows, "weight_sync", "gloo_broadcast")
+    add(f"weight sync to {fo and fo['workers']} workers, gloo broadcast / follow() (publish to "
+        "the last forward pass on the new weights)",
+        ratio(gb and gb["median_ms"], fo and fo["median_ms"]), 1.0, lower_is_better=False)
     add("daemon idle RSS, MiB", metric(rows, "idle_rss"), 4.0)
     add("daemon RSS per entry, KiB", (metric(rows, "rss_per_entry") or 0) / 1024 or None, 1.0)
     add(f"LIST of {int(metric(rows, 'entries') or 0)} entries, ms", metric(rows, "list_ms"), 100.0)
@@ -345,7 +350,7 @@ def table(rows, sizes, map_sizes, checks):
     for desc, value, limit, met, lower in checks:
         v = "-" if value is None else f"{value:.2f}"
         tg.append(f"| {desc} | {v} | {'≤' if lower else '≥'} {limit:g} | {'yes' if met else 'no'} |")
-    out += [model_table(rows), ""]
+    out += [model_table(rows), "", sync_table(rows), ""]
     out.append("\n".join(tg))
     return "\n".join(out)
 
@@ -370,6 +375,29 @@ def model_table(rows):
             ratio = r["median_load_ms"] / ours["median_load_ms"] if ours["median_load_ms"] else 0
             lines.append(f"| {desc} | {r['median_load_ms']:.1f} | {ratio:.1f} | "
                          f"{r['median_read_ms']:.1f} | {r['median_uss_delta_mib']:.1f} |")
+    return "\n".join(lines)
+
+
+SYNC_IMPLS = [("follow", "dlpack_ipc.torch: share_module(replace=True), workers follow()"),
+              ("follow_bucket", "the same, published from a to_shared() bucket"),
+              ("gloo_broadcast", "torch.distributed.broadcast over gloo, per parameter")]
+
+
+def sync_table(rows):
+    """A trainer's new weights to the workers, to their first forward pass on them."""
+    got = {r["impl"]: r for r in rows if r.get("group") == "weight_sync"}
+    ours = got.get("follow")
+    if not ours:
+        return ""
+    lines = [f"| new weights ({ours['weights_mib']:.0f} MiB) to {ours['workers']} workers, "
+             f"median of {ours['rounds']} | publish to last forward pass, ms | / follow() | "
+             "publish alone, ms |", "|---|---:|---:|---:|"]
+    for impl, desc in SYNC_IMPLS:
+        r = got.get(impl)
+        if r:
+            ratio = r["median_ms"] / ours["median_ms"] if ours["median_ms"] else 0
+            lines.append(f"| {desc} | {r['median_ms']:.1f} | {ratio:.1f} | "
+                         f"{r['median_publish_ms']:.1f} |")
     return "\n".join(lines)
 
 
@@ -419,6 +447,9 @@ def main():
     ap.add_argument("--no-pin", action="store_true",
                     help="let the scheduler place processes (latency then varies 2x run to run "
                          "on small VMs, with the two ends on the same CPU or not)")
+    ap.add_argument("--python", default=sys.executable,
+                    help="the interpreter of the torch benchmarks (bench_model.py, "
+                         "weight_sync.py); e.g. build/pystack/venv/bin/python for torch 2")
     args = ap.parse_args()
     build = os.path.abspath(args.build)
     sizes = [4096, MIB] if args.quick else [4096, 65536, MIB, 16 * MIB, 256 * MIB, 1 << 30]
@@ -442,7 +473,11 @@ def main():
             os.sched_setaffinity(proc.pid, {0})
         rows += run_rows(cmd, env, pin=not args.no_pin)
         # a model's weights into several workers: not a latency, so not pinned
-        cmd = [sys.executable, os.path.join(HERE, "bench_model.py"), "--socket", sock]
+        cmd = [args.python, os.path.join(HERE, "bench_model.py"), "--socket", sock]
+        cmd += ["--quick"] if args.quick else []
+        rows += run_rows(cmd, env)
+        # a trainer's new weights to four workers: follow() against a gloo broadcast
+        cmd = [args.python, os.path.join(HERE, "weight_sync.py"), "--socket", sock]
         cmd += ["--quick"] if args.quick else []
         rows += run_rows(cmd, env)
         stop_daemon(proc)
@@ -479,6 +514,9 @@ def main():
     missing = [c[0] for c in checks if c[1] is None]
     missing += [f"model_load {impl}" for impl, _ in MODEL_IMPLS
                 if not any(r.get("group") == "model_load" and r.get("impl") == impl
+                           for r in rows)]
+    missing += [f"weight_sync {impl}" for impl, _ in SYNC_IMPLS
+                if not any(r.get("group") == "weight_sync" and r.get("impl") == impl
                            for r in rows)]
     bad = [r for r in rows if any(isinstance(v, float) and not v == v for v in r.values())]
     os.makedirs(args.out, exist_ok=True)

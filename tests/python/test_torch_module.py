@@ -87,14 +87,18 @@ def test_attach_module_on_meta_is_zero_copy(ipc, py, daemon):
     assert net.head.weight is net.emb.weight, "the tie is one parameter again"
     assert net.again is net.block
     assert net.mask.dtype == torch.bool
-    assert net.scratch.is_meta, "the non-persistent buffer stays the module's own"
+    # the non-persistent buffer (not in a state dict) came from the bundle too: none on meta
+    assert torch.equal(net.scratch, torch.full((4,), 5.0))
+    assert mapping_of(net.scratch.data_ptr()).startswith("/memfd:dlpc:net")
+    assert not any(t.is_meta for t in [*net.parameters(), *net.buffers()])
     # the bundle held each tied tensor once, with the other keys as aliases
     bundle = ipc.attach_dict("net")
     aliases = json.loads(bytes(memoryview(bundle.pop(dt.ALIASES_KEY))))["aliases"]
     assert aliases == {"head.weight": "emb.weight", "again.0.weight": "block.0.weight",
                        "again.0.bias": "block.0.bias", "again.2.weight": "block.2.weight",
                        "again.2.bias": "block.2.bias"}
-    assert sorted(bundle) == sorted(k for k in ref.state_dict() if k not in aliases)
+    assert sorted(bundle) == sorted([k for k in ref.state_dict() if k not in aliases] +
+                                    [dt.NONPERSISTENT_PREFIX + "scratch"])
     del bundle
     # one attach: one reference, however many parameters
     daemon.wait_stat(lambda s: s["references"] == 1, what="the module's one reference")
@@ -128,17 +132,35 @@ print(all(torch.equal(v, ref.state_dict()[k]) for k, v in net.state_dict().items
 
 
 def test_plain_state_dict_bundles_attach_too(ipc, py):
-    """A bundle from publish_dict(model.state_dict()) (tied tensors published twice) attaches;
-    what the module ties stays tied."""
+    """A bundle from publish_dict(model.state_dict()) (tied tensors published twice, no
+    non-persistent buffers) attaches to a module built as usual, which keeps its own
+    non-persistent buffer; what the module ties stays tied. Built on meta, the module would
+    keep that buffer on meta: refused, naming it, before anything is replaced."""
     py.check(MODEL + """
 import dlpack_ipc
 dlpack_ipc.publish_dict("sd", build(0).state_dict())
 """)
-    net = build(1, device="meta")
+    net = build(1)
+    own = net.scratch
     assert dt.attach_module(net, "sd") == dt.IncompatibleKeys([], [])
     assert net.head.weight is net.emb.weight
+    assert net.scratch is own
     with torch.no_grad():
         assert torch.equal(net(IDS), build(0)(IDS))
+    meta = build(1, device="meta")
+    weight = meta.emb.weight
+    with pytest.raises(ValueError, match=r"cannot attach 'sd' to Net: scratch \(non-persistent "
+                                         r"buffer\) would stay on device 'meta'"):
+        dt.attach_module(meta, "sd")
+    assert meta.emb.weight is weight, "a refused attach replaces nothing"
+    # strict=False does not let a meta tensor through either
+    with pytest.raises(ValueError, match="would stay on device 'meta'"):
+        dt.attach_module(meta, "sd", strict=False)
+    extra = build(1, device="meta")
+    extra.extra = torch.nn.Linear(2, 2, device="meta")
+    py.check(SHARE.replace('"net"', '"full"'))
+    with pytest.raises(ValueError, match=r"extra.weight, extra.bias would stay on device"):
+        dt.attach_module(extra, "full", strict=False)
 
 
 def test_keys_shapes_and_dtypes_must_match(ipc, py):
@@ -186,3 +208,31 @@ def test_share_module_refuses_what_it_cannot_share(ipc):
     with pytest.raises(TypeError, match="'_extra_state'"):
         dt.share_module(Extra(), "x")
     assert ipc.list() == []
+
+
+def test_to_shared_publishes_a_tied_module_without_a_copy(ipc, py):
+    """to_shared() moves a module with ties, a submodule under two names and a non-persistent
+    buffer into one dlpackd allocation (the aliases record in it too): share_module() then
+    publishes that allocation as it is, and another process attaches it."""
+    net = build(0)
+    params = list(net.parameters())
+    ref = build(0)
+    assert dt.to_shared(net) is net
+    assert list(net.parameters()) == params, "the same Parameter objects (an optimizer's)"
+    assert net.head.weight is net.emb.weight
+    maps = {mapping_of(t.data_ptr()) for t in [*net.parameters(), *net.buffers()]}
+    assert maps == {"/memfd:dlpc:dlpc_alloc_bundle (deleted)"}, maps
+    with torch.no_grad():
+        assert torch.equal(net(IDS), ref(IDS))
+    assert dt.share_module(net, "bucket") == 1
+    cp = py.check(MODEL + """
+import dlpack_ipc.torch as dt
+net = build(7, device="meta")
+dt.attach_module(net, "bucket")
+with open("/proc/self/maps") as f:
+    print(sorted({l.split(None, 5)[5].strip() for l in f if "memfd:dlpc" in l}))
+with torch.no_grad():
+    print(torch.equal(net(IDS), build(0)(IDS)), net.head.weight is net.emb.weight)
+""")
+    assert cp.stdout.split("\n")[:2] == ["['/memfd:dlpc:dlpc_alloc_bundle (deleted)']",
+                                         "True True"], cp.stdout

@@ -92,6 +92,15 @@ def load(model: "torch.nn.Module", name: str) -> List[str]:
     return got.missing_keys + got.unexpected_keys
 
 
+def follow(model: "torch.nn.Module", name: str) -> int:
+    f: dlpack_ipc.torch.Follower = dlpack_ipc.torch.follow(model, name, timeout=5.0)
+    swapped: bool = f.update()
+    with f:
+        model(torch.zeros(1))
+    f.close()
+    return f.generation + int(swapped)
+
+
 def events(prefix: str) -> List[str]:
     with dlpack_ipc.watch(prefix) as w:
         evs: List[WatchEvent] = w.drain()
