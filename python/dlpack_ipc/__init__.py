@@ -393,8 +393,8 @@ def publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=Fals
 def attach(name, *, timeout=None, mode=None, owner=None, writable=None):
     """Attach the tensor published under name, as a SharedTensor.
 
-    timeout: None fails at once if absent, a number waits that many seconds, float("inf")
-    waits until it appears (Ctrl-C interrupts).
+    timeout: how long to wait for name to be published: None (or float("inf")) as long as it
+    takes (Ctrl-C interrupts), 0 not at all (FileNotFoundError), seconds then TimeoutError.
 
     mode says how this process maps the memory (None means "read"):
       "read"     (default) the read-only flag is exported, so numpy refuses writes; the memory

@@ -743,9 +743,9 @@ static PyMethodDef client_methods[] = {
 	{"attach", FN(ipc_client_attach), KW,
 	 "attach($self, /, name, *, timeout=None, mode=None, writable=None, owner=None)\n--\n\n"
 	 "Attach the tensor published under name, as a SharedTensor.\n\n"
-	 "timeout: None fails at once if the name is absent (FileNotFoundError); a number "
-	 "waits that many seconds for it to be published (then TimeoutError); float(\"inf\") "
-	 "waits until it is. Ctrl-C interrupts a wait.\n"
+	 "timeout: how long to wait for name to be published: None (or float(\"inf\")) as "
+	 "long as it takes, 0 not at all (FileNotFoundError), seconds then TimeoutError. "
+	 "Ctrl-C interrupts a wait.\n"
 	 "mode: how this process maps the memory (None: \"read\"): \"read\" exports the "
 	 "read-only flag and maps copy-on-write, so that a consumer ignoring the flag (torch) "
 	 "writes into pages of its own; \"private\" is writable, its writes staying in this "

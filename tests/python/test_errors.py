@@ -12,11 +12,11 @@ import dlpack_ipc
 
 def test_missing_name(ipc, daemon):
     with pytest.raises(FileNotFoundError) as ei:
-        ipc.attach("no/such/name")
+        ipc.attach("no/such/name", timeout=0)
     assert ei.value.errno == errno.ENOENT
     assert "no/such/name" in str(ei.value)
     with pytest.raises(FileNotFoundError, match="no/such/dict"):
-        ipc.attach_dict("no/such/dict")
+        ipc.attach_dict("no/such/dict", timeout=0)
     with pytest.raises(FileNotFoundError, match="no/such/entry"):
         ipc.unpublish("no/such/entry")
     assert daemon.stat()["protocol_errors"] == 0
@@ -46,7 +46,7 @@ def test_unpublish_then_attach(ipc, py):
     """)
     assert ipc.unpublish("gone") is None
     with pytest.raises(FileNotFoundError, match="gone"):
-        ipc.attach("gone")
+        ipc.attach("gone", timeout=0)
     assert ipc.publish("gone", np.zeros(3)) >= 1, "the name is free again"
     np.testing.assert_array_equal(np.from_dlpack(ipc.attach("gone")), np.zeros(3))
 
@@ -191,7 +191,7 @@ def test_errors_name_the_entry_for_bundles_and_waits(ipc):
 def test_daemon_survives_client_errors(ipc, daemon):
     for _ in range(20):
         with pytest.raises(FileNotFoundError):
-            ipc.attach("none")
+            ipc.attach("none", timeout=0)
     ipc.publish("ok", np.arange(2))
     st = daemon.stat()
     assert st["entries"] == 1 and st["protocol_errors"] == 0 and st["references"] == 0

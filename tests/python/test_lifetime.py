@@ -104,7 +104,7 @@ def test_unpublished_storage_freed_after_last_array(ipc, daemon, py):
     st = daemon.stat()
     assert st["entries"] == 0 and st["storages"] == 1 and st["bytes_held"] == held
     with pytest.raises(FileNotFoundError):
-        ipc.attach("life/x")
+        ipc.attach("life/x", timeout=0)
     np.testing.assert_array_equal(a, np.arange(1000))
     del t, a
     gc.collect()
@@ -123,7 +123,7 @@ def test_ephemeral_entry_vanishes_with_publisher(ipc, daemon, py):
     daemon.wait_stat(lambda s: s["entries"] == 1, what="ephemeral entry removed")
     assert [e.name for e in ipc.list("eph/")] == ["eph/keep"]
     with pytest.raises(FileNotFoundError, match="eph/x"):
-        ipc.attach("eph/x")
+        ipc.attach("eph/x", timeout=0)
 
 
 def test_ephemeral_attached_memory_survives_publisher(ipc, daemon, py):
