@@ -191,6 +191,7 @@ static PyObject *python_text(const char *msg)
 {
 	static const char *const words[][2] = {
 		{"publish with REPLACE", "publish with replace=True"},
+		{"attach it as a bundle", "attach it with attach_dict()"},
 		{"dlpc_alloc_bundle: ", "empty_dict(): "},
 		{"dlpc_alloc: ", "empty(): "},
 		{"(dlpc_close() or dlpc_cancel())", "(Client.close())"},
