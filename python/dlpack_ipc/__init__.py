@@ -17,6 +17,7 @@ The module-level functions then connect anew on the next call, as does a Client(
 a plain Client keeps raising ConnectionResetError. A failed call is never retried for you: a
 publish may or may not have happened. See Client for the rest of the rules.
 """
+import contextlib
 import enum
 import errno
 import sys
@@ -38,7 +39,7 @@ from ._core import Watch as _CoreWatch
 
 __all__ = [
     "Client", "SharedTensor", "EntryInfo", "EntryFlags", "TensorInfo", "Owner", "publish",
-    "publish_dict", "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat",
+    "publish_dict", "published", "published_dict", "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat",
     "watch", "Watch", "WatchEvent", "channel", "channels", "Channel", "ChannelInfo",
     "CHANNEL_CAPACITY_DEFAULT", "CHANNEL_CAPACITY_MAX",
 ]
@@ -388,6 +389,60 @@ def publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=Fals
     and errors name the key. replace, ephemeral and writable as for publish()."""
     return _client().publish_dict(name, mapping, replace=replace, ephemeral=ephemeral,
                                   writable=writable)
+
+
+def _entry(client, name):
+    """The EntryInfo published under name, or None."""
+    return next((e for e in client.list(name) if e.name == name), None)
+
+
+def _identity(entry):
+    """What tells one publish of a name from another: a generation starts again at 1 once the
+    name was unpublished, so the creation time and publisher count too."""
+    return entry and (entry.generation, entry.created, entry.owner)
+
+
+def _held(c, name, generation):
+    """The body of published(): yield generation, then unpublish it if it is still ours."""
+    # what this publish made, seen right after it: None if replaced or gone in between
+    mine = _identity(_entry(c, name))
+    if mine and mine[0] != generation:
+        mine = None
+    try:
+        yield generation
+    finally:
+        # a generation that replaced ours, or a name published anew, is not ours to remove
+        if mine and _identity(_entry(c, name)) == mine:
+            try:
+                c.unpublish(name)
+            except FileNotFoundError:
+                pass
+
+
+@contextlib.contextmanager
+def published(name, obj, *, client=None, ephemeral=True, **publish_kwargs):
+    """Publish obj under name for the duration of a with block; yields the generation.
+
+        with dlpack_ipc.published("weights", t):
+            ...  # other processes attach "weights" here
+
+    On exit, even by an exception, name is unpublished, unless it is gone already or another
+    publish took it over meanwhile (that one is left alone). ephemeral (True here) also
+    removes it if this process dies inside the block. Other keywords are publish()'s;
+    client: the Client to use (None: the module's default one).
+    """
+    c = client if client is not None else _client()
+    gen = c.publish(name, obj, ephemeral=ephemeral, **publish_kwargs)
+    yield from _held(c, name, gen)
+
+
+@contextlib.contextmanager
+def published_dict(name, mapping, *, client=None, ephemeral=True, **publish_kwargs):
+    """publish_dict() for the duration of a with block; yields the generation (see
+    published())."""
+    c = client if client is not None else _client()
+    gen = c.publish_dict(name, mapping, ephemeral=ephemeral, **publish_kwargs)
+    yield from _held(c, name, gen)
 
 
 def attach(name, *, timeout=None, mode=None, owner=None, writable=None):

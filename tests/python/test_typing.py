@@ -92,6 +92,12 @@ def load(model: "torch.nn.Module", name: str) -> List[str]:
     return got.missing_keys + got.unexpected_keys
 
 
+def scoped(name: str) -> int:
+    with dlpack_ipc.published(name, b"x", writable=True) as gen:
+        with dlpack_ipc.published_dict(name + "/d", {"a": b"y"}, ephemeral=False) as g2:
+            return gen + g2
+
+
 def events(prefix: str) -> List[str]:
     with dlpack_ipc.watch(prefix) as w:
         evs: List[WatchEvent] = w.drain()
