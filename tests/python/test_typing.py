@@ -47,7 +47,8 @@ def mypy(tmp_path):
 def test_stubs_agree_with_the_module(mypy):
     rc, out = mypy("mypy.stubtest", "--mypy-config-file", mypy.ini, "dlpack_ipc")
     assert rc == 0 and "Success" in out, out
-    assert "3 modules" in out, "dlpack_ipc, dlpack_ipc._core and dlpack_ipc.torch: " + out
+    assert "4 modules" in out, ("dlpack_ipc, dlpack_ipc._core, dlpack_ipc.torch and "
+                                "dlpack_ipc.__main__: " + out)
 
 
 TYPED = '''
