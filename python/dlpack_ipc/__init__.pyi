@@ -151,6 +151,7 @@ def published(name: str, obj: Any, *, client: Optional[Client] = ..., ephemeral:
 def published_dict(name: str, mapping: Mapping[str, Any], *, client: Optional[Client] = ...,
                    ephemeral: bool = ..., replace: bool = ...,
                    writable: bool = ...) -> ContextManager[int]: ...
+# timeout, everywhere: None waits as long as it takes, 0 not at all, seconds then TimeoutError
 def attach(name: str, *, timeout: Optional[float] = ..., mode: Optional[_AttachMode] = ...,
            owner: Optional[int] = ..., writable: Optional[bool] = ...) -> SharedTensor: ...
 def attach_dict(name: str, *, timeout: Optional[float] = ..., mode: Optional[_AttachMode] = ...,
