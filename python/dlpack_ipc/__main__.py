@@ -134,7 +134,7 @@ def cmd_channels(args):
         if ch.direct:  # its messages never pass the daemon: it counts only the queue
             rows.append([_text(ch.name), "direct", depth, "-", "-", "-", "-", owner])
             continue
-        waiting = " ".join(f"{n} {who}" for n, who in ((ch.receivers_waiting, "recv"),
+        waiting = ", ".join(f"{n} {who}" for n, who in ((ch.receivers_waiting, "recv"),
                                                         (ch.senders_waiting, "send")) if n)
         rows.append([_text(ch.name), "queued", depth, _size(ch.bytes_queued), ch.sent, ch.received,
                      waiting or "-", owner])

@@ -96,6 +96,28 @@ def test_channels_lists_both_kinds_aligned(ipc, daemon):
     q.remove()
 
 
+def test_channels_waiting_says_who_waits(ipc, daemon, py):
+    """WAITING reads as dlpackctl's: "-", "2 recv", "1 send" or "2 recv, 1 send"."""
+    ipc.channel("cli/w", 1)
+    waiters = [py.popen("""
+        import dlpack_ipc
+        try:
+            dlpack_ipc.channel("cli/w").recv()
+        except OSError:  # removed by the test
+            pass
+    """) for _ in range(2)]
+    try:
+        daemon.wait_stat(lambda s: ipc.channels("cli/w")[0].receivers_waiting == 2,
+                         what="two receivers waiting")
+        cp = cli("channels", "cli/w", socket=daemon.socket)
+        assert cp.returncode == 0, cp.stderr
+        assert re.split(r"\s{2,}", cp.stdout.splitlines()[1])[6] == "2 recv", cp.stdout
+    finally:
+        ipc.channel("cli/w").remove()
+        for p in waiters:
+            p.communicate(timeout=60)
+
+
 def test_watch_prints_events_until_interrupted(ipc, daemon, py):
     p = subprocess.Popen([sys.executable, "-m", "dlpack_ipc", "--socket", daemon.socket,
                           "watch", "cli/"], env=_child_env(), stdin=subprocess.DEVNULL,
