@@ -46,12 +46,15 @@ static void name_key(const char *verb, const char *name, const char *key)
 	PyErr_Restore(type, value, tb);
 }
 
-/* Is @p obj a mapping (a state dict) rather than a tensor? Tensors have no items(). */
+/*
+ * Is @p obj a mapping (a state dict) rather than a tensor? A tensor has __dlpack__ (looked up
+ * first: it is found at once, where a missing attribute costs an exception) and no items().
+ */
 static bool is_mapping(PyObject *obj)
 {
 	return PyDict_Check(obj) ||
-	       (PyObject_HasAttrString(obj, "items") && PyObject_HasAttrString(obj, "keys") &&
-		!PyObject_HasAttrString(obj, "__dlpack__"));
+	       (!PyObject_HasAttrString(obj, "__dlpack__") &&
+		PyObject_HasAttrString(obj, "items") && PyObject_HasAttrString(obj, "keys"));
 }
 
 /*

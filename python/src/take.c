@@ -102,8 +102,7 @@ static PyObject *export_capsule(PyObject *obj, bool *absent)
 				PyErr_Format(
 					PyExc_BufferError,
 					"cannot publish a tensor of type %U on DLPack device type "
-					"%ld: only "
-					"host (CPU) and CUDA memory can be shared",
+					"%ld: only host (CPU) and CUDA memory can be shared",
 					tn, type);
 			Py_XDECREF(tn);
 			return NULL;
