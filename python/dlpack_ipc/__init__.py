@@ -391,6 +391,16 @@ def _identity(entry):
     return entry and (entry.generation, entry.created, entry.owner)
 
 
+def _unpublish_if(c, name, mine):
+    """Unpublish name if it still holds the publish mine identifies (a generation that
+    replaced ours, or the name published anew, is not ours to remove)."""
+    if mine and _identity(_entry(c, name)) == mine:
+        try:
+            c.unpublish(name)
+        except FileNotFoundError:
+            pass
+
+
 def _held(c, name, generation):
     """The body of published(): yield generation, then unpublish it if it is still ours."""
     # what this publish made, seen right after it: None if replaced or gone in between
@@ -399,13 +409,15 @@ def _held(c, name, generation):
         mine = None
     try:
         yield generation
-    finally:
-        # a generation that replaced ours, or a name published anew, is not ours to remove
-        if mine and _identity(_entry(c, name)) == mine:
-            try:
-                c.unpublish(name)
-            except FileNotFoundError:
-                pass
+    except BaseException:
+        # the block's exception is the one to see: a client closed or a daemon gone meanwhile
+        # (whose ephemeral entry went with the connection) does not replace it
+        try:
+            _unpublish_if(c, name, mine)
+        except (OSError, ValueError):
+            pass
+        raise
+    _unpublish_if(c, name, mine)
 
 
 @contextlib.contextmanager

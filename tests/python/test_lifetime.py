@@ -320,6 +320,19 @@ def test_published_unpublishes_on_an_exception(ipc, daemon):
         with dlpack_ipc.published_dict("with/err", {"a": np.zeros(2)}):
             raise KeyError("a")
     assert dlpack_ipc.list() == []
+    # the block's exception stays the one raised, whatever the clean-up meets: here a client
+    # closed inside the block (its ephemeral entry went with its connection)
+    c = dlpack_ipc.Client()
+    with pytest.raises(KeyError):
+        with dlpack_ipc.published("with/closed", np.zeros(2), client=c):
+            c.close()
+            raise KeyError("b")
+    daemon.wait_stat(lambda s: s["entries"] == 0, what="the ephemeral entry gone")
+    # without an exception, the clean-up's own error is the one to see
+    c = dlpack_ipc.Client()
+    with pytest.raises(ValueError):
+        with dlpack_ipc.published("with/closed", np.zeros(2), client=c):
+            c.close()
 
 
 def test_published_leaves_what_replaced_it_alone(ipc, daemon, py):
