@@ -165,6 +165,8 @@ def cmd_watch(args):
         try:
             for ev in w:
                 print(_event_line(ev), flush=True)
+        except BrokenPipeError:
+            raise
         except OSError as e:
             raise _Failed(f"watch '{_text(args.prefix)}': {_reason(e)}") from None
     return 0
@@ -215,7 +217,9 @@ def main(argv=None):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         raise
-    except BrokenPipeError:  # a reader that went away (| head)
+    except BrokenPipeError as e:  # a reader that went away (| head)
+        print(f"{PROG}: {args.command}: cannot write the output: {e.strerror}", file=sys.stderr)
+        # nothing more goes there, nor does the interpreter's last flush at exit
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_FAILED

@@ -145,6 +145,31 @@ def test_watch_prints_events_until_interrupted(ipc, daemon, py):
     assert p.returncode == -signal.SIGINT and err == "", (p.returncode, err)
 
 
+def test_watch_whose_reader_went_away_fails_in_one_line(ipc, daemon):
+    """watch | head -1: once the reader is gone, the next event ends the watch with exit 1."""
+    p = subprocess.Popen([sys.executable, "-m", "dlpack_ipc", "--socket", daemon.socket,
+                          "watch"], env=_child_env(), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        daemon.wait_stat(lambda s: s["watchers"] == 1 or p.poll() is not None,
+                         what="the watch registered")
+        ipc.publish("cli/p1", np.zeros(1))
+        assert p.stdout.readline().split()[:2] == ["published", "cli/p1"]
+        p.stdout.close()
+        i = 0
+        while p.poll() is None:  # a pipe's buffer may take a few events first
+            ipc.publish("cli/more", np.zeros(1), replace=True)
+            i += 1
+            assert i < 100000, "watch never noticed its reader was gone"
+        err = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    assert p.returncode == 1
+    assert err == f"{PROG}: watch: cannot write the output: Broken pipe\n", err
+
+
 def test_usage_errors_exit_2_and_each_command_has_help(daemon):
     for args in ([], ["nosuch"], ["rm"], ["ls", "a", "b"], ["stat", "--bogus"]):
         cp = cli(*args)
