@@ -51,7 +51,8 @@ from ._core import Watch as _CoreWatch
 
 __all__ = [
     "Client", "SharedTensor", "EntryInfo", "EntryFlags", "TensorInfo", "Owner", "publish",
-    "publish_dict", "published", "published_dict", "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat",
+    "publish_dict", "published", "published_dict", "attach", "attach_dict", "empty",
+    "empty_dict", "unpublish", "list", "stat",
     "watch", "Watch", "WatchEvent", "channel", "channels", "Channel", "ChannelInfo",
     "CHANNEL_CAPACITY_DEFAULT", "CHANNEL_CAPACITY_MAX",
 ]

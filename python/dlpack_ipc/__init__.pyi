@@ -8,7 +8,8 @@ from typing import (Any, ContextManager, Iterator, Literal, Mapping, NamedTuple,
 
 __all__ = [
     "Client", "SharedTensor", "EntryInfo", "EntryFlags", "TensorInfo", "Owner", "publish",
-    "publish_dict", "published", "published_dict", "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat",
+    "publish_dict", "published", "published_dict", "attach", "attach_dict", "empty",
+    "empty_dict", "unpublish", "list", "stat",
     "watch", "Watch", "WatchEvent", "channel", "channels", "Channel", "ChannelInfo",
     "CHANNEL_CAPACITY_DEFAULT", "CHANNEL_CAPACITY_MAX",
 ]

@@ -168,7 +168,8 @@ def test_bundle_errors_name_the_key(ipc, daemon):
             "dimensions") in str(ei.value)
     with pytest.raises(ValueError, match="the tensor has"):
         ipc.publish("one", deep)
-    with pytest.raises(TypeError, match="cannot publish 'b': tensor 'l': cannot publish an object of type list"):
+    with pytest.raises(TypeError, match="cannot publish 'b': tensor 'l': cannot publish an "
+                                        "object of type list"):
         ipc.publish_dict("b", {"ok": torch.zeros(2), "l": [1.0]})
     with pytest.raises(TypeError, match=r"keys must be str, not int \(key 7\)"):
         ipc.publish_dict("b", {"ok": torch.zeros(2), 7: torch.zeros(2)})
