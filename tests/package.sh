@@ -131,6 +131,7 @@ inside() {
 		"/usr/share/man/man3/dlpc.3.gz libdlpc-dev"
 		"/usr/lib/python3/dist-packages/dlpack_ipc/__init__.py python3-dlpack-ipc"
 		"/usr/lib/python3/dist-packages/dlpack_ipc/__init__.pyi python3-dlpack-ipc"
+		"/usr/lib/python3/dist-packages/dlpack_ipc/__main__.py python3-dlpack-ipc"
 		"/usr/lib/python3/dist-packages/dlpack_ipc/py.typed python3-dlpack-ipc"
 		"/usr/lib/python3/dist-packages/dlpack_ipc/torch.py python3-dlpack-ipc"
 		"/usr/lib/python3/dist-packages/dlpack_ipc/_core.abi3.so python3-dlpack-ipc"

@@ -1,23 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
 """Share tensors between processes on one machine through dlpackd, zero-copy.
 
-    import numpy as np, torch, dlpack_ipc
-    dlpack_ipc.publish("weights", np.arange(6.0))          # in one process
-    t = dlpack_ipc.attach("weights", timeout=5)            # in another
-    a = np.from_dlpack(t)                                  # the same memory, read-only
-    w = torch.from_dlpack(t).add_(1)                       # a private copy-on-write change
+    import numpy as np, dlpack_ipc
+    with dlpack_ipc.published("weights", np.arange(6.0)):  # one process publishes ...
+        ...
+    t = dlpack_ipc.attach("weights")                        # another waits for it and maps it
+    a = np.from_dlpack(t)                                   # the same memory, read-only
 
-Module-level functions use one default Client, created on first use, connected to the default
-socket: $DLPACKD_SOCKET if set, else $XDG_RUNTIME_DIR/dlpackd.sock (a daemon of your own) if it
-exists, else /run/dlpackd/dlpackd.sock (the service's, for the group dlpack); a failure names
-every path tried. A Client used in a forked child reconnects by itself.
+The calls most people need:
+    published(name, obj)   publish for the duration of a with block, then unpublish
+    publish(name, obj)     publish until unpublish(); publish_dict() for a state dict
+    attach(name)           the tensor published under name; attach_dict() for a state dict
+    channel(name)          a named queue of tensors: send(), recv(), close(), for msg in ch
+    dlpack_ipc.torch       share_module() / attach_module(): a model's weights, zero-copy
 
-When dlpackd stops or restarts, the call that finds the connection closed raises
-ConnectionResetError (whether it was sent before or during the restart, or the client sat idle).
-The module-level functions then connect anew on the next call, as does a Client(reconnect=True);
-a plain Client keeps raising ConnectionResetError. A failed call is never retried for you: a
-publish may or may not have happened. See Client for the rest of the rules.
+The rest: empty() and empty_dict() (memory published without a copy), unpublish(), list(),
+stat(), watch() (changes as they happen), Client (a connection of one's own). help() of each
+says what it does; docs/python.md is the manual.
+
+Waiting: timeout=None waits as long as it takes (Ctrl-C interrupts), 0 not at all, a number
+of seconds then TimeoutError.
+
+The module-level functions share one Client, connected on first use to the default socket:
+$DLPACKD_SOCKET if set, else $XDG_RUNTIME_DIR/dlpackd.sock (a daemon of your own) if it
+exists, else /run/dlpackd/dlpackd.sock (the service's, for the group dlpack). If dlpackd
+restarts, the call that finds the connection closed raises ConnectionResetError and the next
+call connects anew (see Client). A Client used in a forked child reconnects by itself.
+
+From a shell: python -m dlpack_ipc ls | rm | stat | watch | channels (see its --help).
 """
+import contextlib
 import enum
 import errno
 import sys
@@ -39,7 +51,8 @@ from ._core import Watch as _CoreWatch
 
 __all__ = [
     "Client", "SharedTensor", "EntryInfo", "EntryFlags", "TensorInfo", "Owner", "publish",
-    "publish_dict", "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat",
+    "publish_dict", "published", "published_dict", "attach", "attach_dict", "empty",
+    "empty_dict", "unpublish", "list", "stat",
     "watch", "Watch", "WatchEvent", "channel", "channels", "Channel", "ChannelInfo",
     "ChannelClosed",
     "CHANNEL_CAPACITY_DEFAULT", "CHANNEL_CAPACITY_MAX",
@@ -73,14 +86,11 @@ WatchEvent = namedtuple("WatchEvent",
                         "nbytes refs owner created flags reason actor seq")
 WatchEvent.__doc__ = """One change of the daemon's names, as watch() reports it.
 
-kind is "published", "replaced" or "unpublished"; or "channel_opened" or "channel_removed"
-for a channel under the prefix (then name is the channel's and the entry fields are zero or
-None). The other fields describe the entry that was
-published, or the one removed: dtype and shape are those of its tensor, or None for a bundle
-(ntensors says how many it holds). previous_generation is the generation a "replaced" took over
-(else 0); reason is "request" or "disconnect" (an ephemeral publisher went away) for
-"unpublished", else None; actor is the Owner (uid, pid) of the connection that made the change;
-seq numbers the daemon's changes, 1, 2, 3...; flags is an EntryFlags."""
+kind: "published", "replaced" or "unpublished" (or "channel_opened", "channel_removed": then
+only name, actor and seq mean something). The other fields describe the entry published or
+removed: dtype and shape of its tensor (None for a bundle of ntensors); previous_generation
+is what a "replaced" took over; reason ("request" or "disconnect") why it was unpublished;
+actor the Owner that made the change; seq numbers the daemon's changes 1, 2, 3..."""
 
 _list = list  # the builtin, before this module's list() shadows it
 
@@ -143,28 +153,15 @@ def _publishable(obj):
 
 
 class Client(_CoreClient):
-    """A connection to dlpackd: Client(socket=None, *, reconnect=False). A context manager.
+    """A connection to dlpackd of one's own, with the module's calls as methods; a context
+    manager: Client(socket=None, *, reconnect=False).
 
     socket: the daemon's socket path (None: the default socket, see the module's doc).
-
-    When dlpackd closes the connection (it stopped, crashed or restarted), every call that finds
-    it closed raises ConnectionResetError: a call in flight, and the next call of an idle
-    client, alike. Such a call is not retried: whether a publish or unpublish took effect is
-    unknown (list() tells). Then:
-      reconnect=False  every later call raises ConnectionResetError: make a new Client.
-      reconnect=True   the next call connects anew (the module-level functions work so); if no
-                       dlpackd listens yet it raises ConnectionRefusedError or
-                       FileNotFoundError, and the call after tries again. An attach waiting
-                       for a name (timeout not 0) is the exception: it connects again by
-                       itself and goes on waiting, so it completes when the name is published
-                       on the restarted daemon; it raises at once an error of connecting
-                       again that waiting does not mend (permissions, a daemon of another
-                       protocol version). `reconnects` counts the new connections.
-    Tensors attached before the break stay valid: their mappings are this process's; their
-    releases are dropped with the old connection. Entries are the daemon's: those that are not
-    ephemeral survive a restart with systemd's fd store and an upgrade in place (dlpackd(8));
-    ephemeral ones end with the connection that published them. While another thread's call
-    still runs on the lost connection, calls fail as it did; the next one connects anew.
+    When dlpackd closes the connection (it stopped or restarted), the call that finds it
+    closed raises ConnectionResetError and is not retried. Then with reconnect=False every
+    later call raises it too; with reconnect=True (as the module-level functions) the next
+    call connects anew, and an attach waiting for a name reconnects and goes on waiting.
+    Tensors attached before stay valid. docs/python.md has the details.
     """
 
     def __init__(self, socket=None, *, reconnect=False):
@@ -361,17 +358,13 @@ def _event(d):
 
 
 class Watch(_CoreWatch):
-    """A watch on the names that start with a prefix: Watch(prefix="", socket=None).
+    """The changes of the names that start with prefix, as they happen: Watch(prefix="",
+    socket=None). Iterating yields a WatchEvent per change, in the daemon's order.
 
-    Iterating yields a WatchEvent per change, in the order the daemon applied them, waiting as
-    long as it takes (Ctrl-C interrupts within a tenth of a second). next_event(timeout) waits
-    at most timeout seconds and returns None if nothing came. The watch has a connection of its
-    own; close() (or leaving a with block) ends it and ends iteration. If the daemon drops the
-    watch (it stopped, or this watcher fell more than 1 MiB of events behind) the next read
-    raises ConnectionResetError: list() again before watching anew, events may be missing.
-    fileno() gives the socket for select()/poll(). One read can bring several events, so the
-    socket may stop being readable while events wait: when it is readable, call next_event(0)
-    until it returns None (drain()), and only then wait on the socket again.
+    Iterating waits as long as it takes (Ctrl-C interrupts); next_event(timeout) returns None
+    if nothing came in time. A connection of its own: close() or a with block ends it. If the
+    daemon drops the watch (it stopped, or this watcher fell behind) the next read raises
+    ConnectionResetError. For select()/poll() on fileno(): when readable, take drain().
     """
 
     def __iter__(self):
@@ -401,7 +394,8 @@ class Watch(_CoreWatch):
 
 
 def watch(prefix="", *, socket=None):
-    """Watch the names that start with prefix: an iterator of WatchEvent (see Watch)."""
+    """The changes of the names that start with prefix, as they happen: a Watch, an iterator
+    of WatchEvent."""
     return Watch(prefix, socket=socket)
 
 
@@ -430,18 +424,14 @@ def _reset_default():
 
 
 def publish(name, obj, *, replace=False, ephemeral=False, writable=False):
-    """Publish obj under name; returns the entry's generation (1, then one more per replace).
+    """Publish obj under name until unpublish(); returns the generation (1, then one more per
+    replace). published() unpublishes at the end of a with block instead.
 
-    obj: anything with __dlpack__ (numpy, torch, CuPy, JAX), a DLPack capsule, an object with
-    the buffer protocol, or a SharedTensor. Host data is copied into sealed shared memory,
-    except memory from empty(), which is published as it is. A numpy scalar goes as a 0-d
-    array. Of a buffer, the formats with a DLPack dtype are taken (?, b B h H i I l L q Q n N,
-    e f d, Zf Zd; native byte order); an object without __dlpack__ whose buffer has another
-    format raises TypeError naming it, and one whose buffer does not add up (length, shape)
-    ValueError. What DLPack cannot describe (object, string, datetime64 and timedelta64 arrays)
-    raises the producer's own error.
-    replace: take over a name already published (by this uid, or as root); without it a taken
-    name raises FileExistsError. Attachers of the old generation keep its bytes.
+    obj: a tensor or array (numpy, torch, CuPy, JAX: anything with __dlpack__), a DLPack
+    capsule, a buffer, or a SharedTensor; host data is copied into sealed shared memory,
+    memory from empty() is published as it is. A dict is publish_dict()'s.
+    replace: take over the name if it is published (by this uid, or as root); without it a
+    taken name raises FileExistsError. Attachers of the old generation keep its bytes.
     ephemeral: the entry goes when this process's connection closes.
     writable: attachers may map it shared and writable (attach(mode="write")); otherwise the
     memory is sealed read-only for every process, this one included.
@@ -450,33 +440,93 @@ def publish(name, obj, *, replace=False, ephemeral=False, writable=False):
 
 
 def publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=False):
-    """Publish a mapping of str keys to tensors (a state dict) as one bundle in one storage;
-    returns the generation. Values as for publish(); keys are at most KEY_MAX bytes of UTF-8,
-    and errors name the key. replace, ephemeral and writable as for publish()."""
+    """Publish a mapping of str keys to tensors (a state dict) as one entry; returns the
+    generation. Values as for publish(), keys at most KEY_MAX bytes of UTF-8; errors name the
+    key. replace, ephemeral and writable as for publish()."""
     return _client().publish_dict(name, mapping, replace=replace, ephemeral=ephemeral,
                                   writable=writable)
 
 
+def _entry(client, name):
+    """The EntryInfo published under name, or None."""
+    return next((e for e in client.list(name) if e.name == name), None)
+
+
+def _identity(entry):
+    """What tells one publish of a name from another: a generation starts again at 1 once the
+    name was unpublished, so the creation time and publisher count too."""
+    return entry and (entry.generation, entry.created, entry.owner)
+
+
+def _unpublish_if(c, name, mine):
+    """Unpublish name if it still holds the publish mine identifies (a generation that
+    replaced ours, or the name published anew, is not ours to remove)."""
+    if mine and _identity(_entry(c, name)) == mine:
+        try:
+            c.unpublish(name)
+        except FileNotFoundError:
+            pass
+
+
+def _held(c, name, generation):
+    """The body of published(): yield generation, then unpublish it if it is still ours."""
+    # what this publish made, seen right after it: None if replaced or gone in between
+    mine = _identity(_entry(c, name))
+    if mine and mine[0] != generation:
+        mine = None
+    try:
+        yield generation
+    except BaseException:
+        # the block's exception is the one to see: a client closed or a daemon gone meanwhile
+        # (whose ephemeral entry went with the connection) does not replace it
+        try:
+            _unpublish_if(c, name, mine)
+        except (OSError, ValueError):
+            pass
+        raise
+    _unpublish_if(c, name, mine)
+
+
+@contextlib.contextmanager
+def published(name, obj, *, client=None, ephemeral=True, **publish_kwargs):
+    """Publish obj under name for the duration of a with block; yields the generation.
+
+        with dlpack_ipc.published("weights", t):
+            ...  # other processes attach "weights" here
+
+    On exit, even by an exception, name is unpublished, unless it is gone already or another
+    publish took it over meanwhile (that one is left alone). ephemeral (True here) also
+    removes it if this process dies inside the block. Other keywords are publish()'s;
+    client: the Client to use (None: the module's default one).
+    """
+    c = client if client is not None else _client()
+    gen = c.publish(name, obj, ephemeral=ephemeral, **publish_kwargs)
+    yield from _held(c, name, gen)
+
+
+@contextlib.contextmanager
+def published_dict(name, mapping, *, client=None, ephemeral=True, **publish_kwargs):
+    """publish_dict() for the duration of a with block; yields the generation (see
+    published())."""
+    c = client if client is not None else _client()
+    gen = c.publish_dict(name, mapping, ephemeral=ephemeral, **publish_kwargs)
+    yield from _held(c, name, gen)
+
+
 def attach(name, *, timeout=None, mode=None, owner=None, writable=None):
-    """Attach the tensor published under name, as a SharedTensor.
+    """The tensor published under name, as a SharedTensor over the same memory (hand it to
+    np.from_dlpack or torch.from_dlpack). A state dict is attach_dict()'s.
 
-    timeout: None fails at once if absent, a number waits that many seconds, float("inf")
-    waits until it appears (Ctrl-C interrupts).
-
-    mode says how this process maps the memory (None means "read"):
-      "read"     (default) the read-only flag is exported, so numpy refuses writes; the memory
-                 is mapped copy-on-write, so a consumer that ignores the flag (torch) writes
-                 into pages of its own: nobody else sees the write and nothing crashes.
-      "private"  writable (no read-only flag), copy-on-write: writes stay in this process.
-      "strict"   the read-only flag and a read-only shared mapping: any write is SIGSEGV.
-      "write"    shared and writable: writes are seen by every process; the entry must have
-                 been published with writable=True. writable=True is the older spelling.
-    CUDA entries are shared in place: "read" and "strict" attach them read-only, "private" is
-    refused (BufferError).
-
-    owner: a uid; an entry under name published by another uid counts as absent (names are
-    first-come across users): FileNotFoundError naming both uids, or a wait goes on until that
-    uid publishes. SharedTensor.owner says who published what was attached.
+    timeout: how long to wait for name to be published: None (or float("inf")) as long as it
+    takes (Ctrl-C interrupts), 0 not at all (FileNotFoundError), seconds then TimeoutError.
+    mode: how this process maps the memory:
+      "read"     (default) read-only for numpy; a write by torch, which ignores the flag, goes
+                 to pages of this process's own (copy-on-write)
+      "private"  writable, copy-on-write: writes stay in this process
+      "strict"   mapped read-only: any write is SIGSEGV
+      "write"    shared and writable, for an entry published writable=True
+    writable=True is the older spelling of mode="write".
+    owner: a uid: an entry under name published by another uid counts as absent.
     """
     return _client().attach(name, timeout=timeout, mode=mode, owner=owner, writable=writable)
 
@@ -491,25 +541,21 @@ def attach_dict(name, *, timeout=None, mode=None, owner=None, writable=None):
 def empty(shape, dtype, device="cpu"):
     """Writable shared memory to fill in place; publish() then shares it without a copy.
 
-    device is "cpu", or "cuda" / "cuda:N" for CUDA VMM memory on that device; such memory
-    carries no event for attachers to wait on, so finish writing it (synchronize) before
-    publishing."""
+    device: "cpu", or "cuda" / "cuda:N" for CUDA memory on that device (synchronize before
+    publishing: attachers get no event to wait on)."""
     return _client().empty(shape, dtype, device)
 
 
 def empty_dict(spec, device="cpu"):
-    """A bundle to fill in place: {key: (shape, dtype)} -> {key: SharedTensor}, every tensor in
-    one allocation (each at the next 256-byte boundary) on device ("cpu", "cuda", "cuda:N").
-    publish_dict() of that whole dict, in its order, then shares the allocation without a copy,
-    on a device too (a weight-sync bucket: synchronize after filling it, before publishing); a
-    part of it is copied. On the host a read-only publish makes every tensor of the dict
-    read-only, as for empty()."""
+    """A state dict to fill in place: {key: (shape, dtype)} -> {key: SharedTensor} in one
+    allocation; publish_dict() of the whole dict, in its order, shares it without a copy.
+    device as for empty()."""
     return _client().empty_dict(spec, device)
 
 
 def unpublish(name):
-    """Remove name (its publishing uid, or root, may); attached tensors stay valid until
-    released."""
+    """Remove the entry name (its publisher's uid, or root, may); attached tensors stay valid
+    until released."""
     return _client().unpublish(name)
 
 

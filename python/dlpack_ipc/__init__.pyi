@@ -3,12 +3,13 @@
 # builtins.list (and dict, for symmetry, builtins.dict).
 import builtins
 import enum
-from typing import (Any, Iterator, Literal, Mapping, NamedTuple, Optional, Sequence, Tuple, Union,
-                    final)
+from typing import (Any, ContextManager, Iterator, Literal, Mapping, NamedTuple, Optional,
+                    Sequence, Tuple, Union, final)
 
 __all__ = [
     "Client", "SharedTensor", "EntryInfo", "EntryFlags", "TensorInfo", "Owner", "publish",
-    "publish_dict", "attach", "attach_dict", "empty", "empty_dict", "unpublish", "list", "stat",
+    "publish_dict", "published", "published_dict", "attach", "attach_dict", "empty",
+    "empty_dict", "unpublish", "list", "stat",
     "watch", "Watch", "WatchEvent", "channel", "channels", "Channel", "ChannelInfo",
     "ChannelClosed",
     "CHANNEL_CAPACITY_DEFAULT", "CHANNEL_CAPACITY_MAX",
@@ -147,6 +148,13 @@ def publish(name: str, obj: Any, *, replace: bool = ..., ephemeral: bool = ...,
             writable: bool = ...) -> int: ...
 def publish_dict(name: str, mapping: Mapping[str, Any], *, replace: bool = ...,
                  ephemeral: bool = ..., writable: bool = ...) -> int: ...
+# with published(name, obj): ... publishes, yields the generation, unpublishes on exit
+def published(name: str, obj: Any, *, client: Optional[Client] = ..., ephemeral: bool = ...,
+              replace: bool = ..., writable: bool = ...) -> ContextManager[int]: ...
+def published_dict(name: str, mapping: Mapping[str, Any], *, client: Optional[Client] = ...,
+                   ephemeral: bool = ..., replace: bool = ...,
+                   writable: bool = ...) -> ContextManager[int]: ...
+# timeout, everywhere: None waits as long as it takes, 0 not at all, seconds then TimeoutError
 def attach(name: str, *, timeout: Optional[float] = ..., mode: Optional[_AttachMode] = ...,
            owner: Optional[int] = ..., writable: Optional[bool] = ...) -> SharedTensor: ...
 def attach_dict(name: str, *, timeout: Optional[float] = ..., mode: Optional[_AttachMode] = ...,

@@ -104,11 +104,14 @@ static int parse(const char *fn, PyObject *args, PyObject *kwargs, struct attach
 	return resolve(req, mode, writable, owner);
 }
 
-/* Parse a timeout in seconds: None/0 -> fail at once, inf -> forever. -1 with an exception. */
+/*
+ * Parse a timeout in seconds as Python's own calls do (queue, threading): None or inf -> wait as
+ * long as it takes, 0 -> fail at once. -1 with an exception.
+ */
 static int parse_timeout(PyObject *o, double *secs, bool *forever)
 {
-	*forever = false;
-	*secs = 0;
+	*forever = true;
+	*secs = INFINITY;
 	if (o == Py_None)
 		return 0;
 	*secs = PyFloat_AsDouble(o);

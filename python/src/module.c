@@ -191,6 +191,7 @@ static PyObject *python_text(const char *msg)
 {
 	static const char *const words[][2] = {
 		{"publish with REPLACE", "publish with replace=True"},
+		{"attach it as a bundle", "attach it with attach_dict()"},
 		{"dlpc_alloc_bundle: ", "empty_dict(): "},
 		{"dlpc_alloc: ", "empty(): "},
 		{"(dlpc_close() or dlpc_cancel())", "(Client.close())"},
@@ -720,61 +721,42 @@ static PyObject *client_unpublish(PyObject *obj, PyObject *args, PyObject *kwarg
 static PyMethodDef client_methods[] = {
 	{"publish", FN(ipc_client_publish), KW,
 	 "publish($self, /, name, obj, *, replace=False, ephemeral=False, writable=False)\n--\n\n"
-	 "Publish obj under name; returns the entry's generation (1 for a new name, one more "
-	 "for each replace).\n\n"
-	 "obj: anything with __dlpack__ (numpy, torch, CuPy, JAX), a DLPack capsule, an object "
-	 "with the buffer protocol, or a SharedTensor. Host data is copied into sealed shared "
-	 "memory, except memory from empty(), which is published as it is.\n"
-	 "replace: take over a name that is already published (by this uid, or as root); "
-	 "without it a taken name raises FileExistsError. Attachers of the old generation keep "
-	 "its bytes.\n"
-	 "ephemeral: the entry goes when this connection closes (close(), or the process "
-	 "exits).\n"
-	 "writable: attachers may map it shared and writable (attach(mode=\"write\")); "
-	 "otherwise the memory is sealed read-only for every process, this one included."},
+	 "Publish obj under name until unpublish(); returns the generation (1, then one more\n"
+	 "per replace). As dlpack_ipc.publish(), on this connection:\n"
+	 "replace: take over the name if it is published (by this uid, or as root).\n"
+	 "ephemeral: the entry goes when this connection closes (close(), or the process exits).\n"
+	 "writable: attachers may map it shared and writable (attach(mode=\"write\"))."},
 	{"publish_dict", FN(ipc_client_publish_dict), KW,
 	 "publish_dict($self, /, name, mapping, *, replace=False, ephemeral=False, "
 	 "writable=False)\n--\n\n"
-	 "Publish a mapping of str keys to tensors (a state dict) as one bundle in one "
-	 "storage; returns the generation. Each value as for publish(); keys are at most 255 "
-	 "bytes of UTF-8, and errors name the key. A dict from empty_dict(), whole and in its "
-	 "order, is published without a copy. replace, ephemeral and writable as for "
-	 "publish()."},
+	 "Publish a mapping of str keys to tensors (a state dict) as one entry; returns the\n"
+	 "generation. replace, ephemeral and writable as for publish()."},
 	{"attach", FN(ipc_client_attach), KW,
 	 "attach($self, /, name, *, timeout=None, mode=None, writable=None, owner=None)\n--\n\n"
-	 "Attach the tensor published under name, as a SharedTensor.\n\n"
-	 "timeout: None fails at once if the name is absent (FileNotFoundError); a number "
-	 "waits that many seconds for it to be published (then TimeoutError); float(\"inf\") "
-	 "waits until it is. Ctrl-C interrupts a wait.\n"
-	 "mode: how this process maps the memory (None: \"read\"): \"read\" exports the "
-	 "read-only flag and maps copy-on-write, so that a consumer ignoring the flag (torch) "
-	 "writes into pages of its own; \"private\" is writable, its writes staying in this "
-	 "process; \"strict\" maps read-only (a write is SIGSEGV); \"write\" maps shared and "
-	 "writable, for an entry published writable=True.\n"
-	 "writable: writable=True is the older spelling of mode=\"write\".\n"
+	 "The tensor published under name, as a SharedTensor over the same memory.\n\n"
+	 "timeout: None (or float(\"inf\")) waits for name as long as it takes (Ctrl-C\n"
+	 "interrupts), 0 not at all (FileNotFoundError), seconds then TimeoutError.\n"
+	 "mode: \"read\" (the default: read-only, a stray write stays in this process),\n"
+	 "\"private\" (writable, copy-on-write), \"strict\" (a write is SIGSEGV) or \"write\"\n"
+	 "(shared writable; writable=True is the older spelling); see dlpack_ipc.attach().\n"
 	 "owner: a uid: an entry under name published by another uid counts as absent."},
 	{"attach_dict", FN(ipc_client_attach_dict), KW,
 	 "attach_dict($self, /, name, *, timeout=None, mode=None, writable=None, owner=None)\n"
 	 "--\n\n"
-	 "Attach every tensor of a bundle, in one round trip and one mapping, as a dict of "
-	 "SharedTensor by key, in the publisher's order. timeout, mode, writable and owner as "
-	 "for attach()."},
+	 "Every tensor of the state dict published under name, as a dict of SharedTensor by\n"
+	 "key in the publisher's order. timeout, mode, writable and owner as for attach()."},
 	{"empty", FN(client_empty), KW,
 	 "empty($self, /, shape, dtype, device='cpu')\n--\n\n"
-	 "Writable shared memory for a tensor of shape and dtype (\"float32\", a numpy or torch "
-	 "dtype) on device \"cpu\", \"cuda\" or \"cuda:N\" (CUDA VMM memory). Fill it in "
-	 "place; publish() then shares it without a copy, and a read-only publish makes it "
-	 "read-only here too."},
+	 "Writable shared memory for a tensor of shape and dtype, to fill in place; publish()\n"
+	 "then shares it without a copy. device: \"cpu\", \"cuda\" or \"cuda:N\"."},
 	{"empty_dict", FN(client_empty_dict), KW,
 	 "empty_dict($self, /, spec, device='cpu')\n--\n\n"
-	 "A bundle to fill in place: spec {key: (shape, dtype)} gives {key: SharedTensor}, "
-	 "every tensor in one allocation (each at the next 256-byte boundary) on device. "
-	 "publish_dict() of the whole dict, in its order, shares the allocation without a "
-	 "copy."},
+	 "A state dict to fill in place: {key: (shape, dtype)} -> {key: SharedTensor} in one\n"
+	 "allocation on device; publish_dict() of the whole dict shares it without a copy."},
 	{"unpublish", FN(client_unpublish), KW,
 	 "unpublish($self, /, name)\n--\n\n"
-	 "Remove name (its publishing uid, or root, may). Attached tensors stay valid until "
-	 "they are released."},
+	 "Remove the entry name (its publisher's uid, or root, may). Attached tensors stay\n"
+	 "valid until they are released."},
 	{"_list", FN(ipc_client_list), KW, "_list($self, /, prefix='')\n--\n\nLIST, as dicts."},
 	{"_channel_open", FN(ipc_client_channel_open), KW,
 	 "_channel_open($self, /, name, capacity=0, direct=None, producers=0)\n--\n\nOpen "

@@ -46,16 +46,51 @@ static void name_key(const char *verb, const char *name, const char *key)
 	PyErr_Restore(type, value, tb);
 }
 
+/*
+ * Is @p obj a mapping (a state dict) rather than a tensor? A tensor has __dlpack__ (looked up
+ * first: it is found at once, where a missing attribute costs an exception) and no items().
+ */
+static bool is_mapping(PyObject *obj)
+{
+	return PyDict_Check(obj) ||
+	       (!PyObject_HasAttrString(obj, "__dlpack__") &&
+		PyObject_HasAttrString(obj, "items") && PyObject_HasAttrString(obj, "keys"));
+}
+
+/*
+ * Refuse a mapping given where one tensor goes, naming the call that takes it: publish() ->
+ * publish_dict(), a channel's send() -> send_dict(). -1 with TypeError, else 0.
+ */
+static int refuse_mapping(const char *verb, const char *name, PyObject *obj)
+{
+	bool send = strcmp(verb, "publish") != 0;
+	PyObject *tn;
+
+	if (!is_mapping(obj))
+		return 0;
+	tn = PyType_GetQualName(Py_TYPE(obj));
+	if (tn)
+		PyErr_Format(PyExc_TypeError, "cannot %s '%s': %s takes one tensor, not %U; %s",
+			     verb, name, send ? "send()" : "publish()", tn,
+			     send ? "send_dict() sends a mapping of tensors as one message"
+				  : "publish_dict() publishes a mapping of tensors as one bundle");
+	Py_XDECREF(tn);
+	return -1;
+}
+
 int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssize_t n,
 		  PyObject *const *objs, const char *const *keys, bool interruptible,
 		  ipc_tensors_fn fn, void *arg, int *ret)
 {
-	dlpc_client *c = ipc_call_begin(self);
 	struct ipc_taken **taken;
 	DLManagedTensorVersioned **tensors;
 	Py_ssize_t got = 0;
+	dlpc_client *c;
 	int r = 0;
 
+	if (!keys && n == 1 && refuse_mapping(verb, name, objs[0]) < 0)
+		return -1;
+	c = ipc_call_begin(self);
 	if (!c)
 		return -1;
 	taken = PyMem_Calloc((size_t)n + 1, sizeof(*taken));
@@ -174,9 +209,25 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$ppp:publish_dict", kwlist, &name,
 					 &mapping, &replace, &ephemeral, &writable))
 		return NULL;
-	items = PyMapping_Items(mapping);
-	if (!items)
+	items = PyMapping_Check(mapping) ? PyMapping_Items(mapping) : NULL;
+	if (!items) {
+		PyObject *tn = PyType_GetQualName(Py_TYPE(mapping));
+
+		/* a non-mapping lacks items(): say what is wanted, not that an attribute is missing */
+		if (tn && (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_AttributeError))) {
+			PyErr_Clear();
+			PyErr_Format(
+				PyExc_TypeError,
+				"cannot publish '%s': publish_dict() takes a mapping of str keys "
+				"to tensors, not %U%s",
+				name, tn,
+				PyObject_HasAttrString(mapping, "__dlpack__")
+					? " (publish() publishes one tensor)"
+					: "");
+		}
+		Py_XDECREF(tn);
 		return NULL;
+	}
 	n = PyList_Size(items);
 	if (n == 0) {
 		PyErr_SetString(PyExc_ValueError, "cannot publish an empty mapping");

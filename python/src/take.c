@@ -81,8 +81,8 @@ static PyObject *export_capsule(PyObject *obj, bool *absent)
 
 		if (tn)
 			PyErr_Format(PyExc_TypeError,
-				     "cannot publish a %U: it supports neither DLPack (__dlpack__) "
-				     "nor is it a DLPack capsule",
+				     "cannot publish an object of type %U: it has no __dlpack__ "
+				     "method and is not a DLPack capsule",
 				     tn);
 		Py_XDECREF(tn);
 		return NULL;
@@ -99,10 +99,11 @@ static PyObject *export_capsule(PyObject *obj, bool *absent)
 
 			Py_DECREF(meth);
 			if (tn)
-				PyErr_Format(PyExc_BufferError,
-					     "cannot publish a %U on DLPack device type %ld: only "
-					     "host (CPU) and CUDA memory can be shared",
-					     tn, type);
+				PyErr_Format(
+					PyExc_BufferError,
+					"cannot publish a tensor of type %U on DLPack device type "
+					"%ld: only host (CPU) and CUDA memory can be shared",
+					tn, type);
 			Py_XDECREF(tn);
 			return NULL;
 		}

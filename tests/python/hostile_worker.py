@@ -497,8 +497,9 @@ def run(surface, n):
               f"timeout={timeout!r}")
         kw = {"mode": mode, "writable": writable, "owner": owner, "timeout": timeout}
         kw = {k: v for k, v in kw.items() if v is not None}
-        if isinstance(timeout, (int, float)) and timeout == timeout and timeout > 0.01:
-            kw["timeout"] = 0.01  # a wait for a name that never comes
+        if timeout is None or (isinstance(timeout, (int, float)) and timeout == timeout
+                               and timeout > 0.01):
+            kw["timeout"] = 0.01  # a wait for a name that never comes (None: forever)
         for name in ["hostile/a", "hostile/none"]:
             try:
                 t = dlpack_ipc.attach(name, **kw)

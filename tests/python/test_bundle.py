@@ -122,7 +122,7 @@ def test_attach_dict_of_single_tensor_and_missing(ipc, py):
     assert list(d) == [""]
     np.testing.assert_array_equal(np.from_dlpack(d[""]), np.arange(4))
     with pytest.raises(FileNotFoundError, match="nothere"):
-        ipc.attach_dict("nothere")
+        ipc.attach_dict("nothere", timeout=0)
     with pytest.raises(TimeoutError, match="nothere"):
         ipc.attach_dict("nothere", timeout=0.1)
 
@@ -208,7 +208,7 @@ def test_client_objects_and_context_manager(daemon):
         assert c1.stat()["entries"] == 1
         c1.unpublish("cl/x")
         with pytest.raises(FileNotFoundError):
-            c2.attach("cl/x")
+            c2.attach("cl/x", timeout=0)
         t.release()
     daemon.wait_stat(lambda s: s["references"] == 0 and s["storages"] == 0,
                      what="everything released")

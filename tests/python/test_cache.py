@@ -39,6 +39,6 @@ def test_replace_and_unpublish_seen_at_once(ipc, daemon):
                 assert int(np.from_dlpack(t)[0]) == i
     other.unpublish("cache/y")
     with pytest.raises(FileNotFoundError):
-        ipc.attach("cache/y")
+        ipc.attach("cache/y", timeout=0)
     assert daemon.stat()["invalidations"] > 0
     other.close()

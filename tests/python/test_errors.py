@@ -12,11 +12,11 @@ import dlpack_ipc
 
 def test_missing_name(ipc, daemon):
     with pytest.raises(FileNotFoundError) as ei:
-        ipc.attach("no/such/name")
+        ipc.attach("no/such/name", timeout=0)
     assert ei.value.errno == errno.ENOENT
     assert "no/such/name" in str(ei.value)
     with pytest.raises(FileNotFoundError, match="no/such/dict"):
-        ipc.attach_dict("no/such/dict")
+        ipc.attach_dict("no/such/dict", timeout=0)
     with pytest.raises(FileNotFoundError, match="no/such/entry"):
         ipc.unpublish("no/such/entry")
     assert daemon.stat()["protocol_errors"] == 0
@@ -46,7 +46,7 @@ def test_unpublish_then_attach(ipc, py):
     """)
     assert ipc.unpublish("gone") is None
     with pytest.raises(FileNotFoundError, match="gone"):
-        ipc.attach("gone")
+        ipc.attach("gone", timeout=0)
     assert ipc.publish("gone", np.zeros(3)) >= 1, "the name is free again"
     np.testing.assert_array_equal(np.from_dlpack(ipc.attach("gone")), np.zeros(3))
 
@@ -168,7 +168,8 @@ def test_bundle_errors_name_the_key(ipc, daemon):
             "dimensions") in str(ei.value)
     with pytest.raises(ValueError, match="the tensor has"):
         ipc.publish("one", deep)
-    with pytest.raises(TypeError, match="cannot publish 'b': tensor 'l': cannot publish a list"):
+    with pytest.raises(TypeError, match="cannot publish 'b': tensor 'l': cannot publish an "
+                                        "object of type list"):
         ipc.publish_dict("b", {"ok": torch.zeros(2), "l": [1.0]})
     with pytest.raises(TypeError, match=r"keys must be str, not int \(key 7\)"):
         ipc.publish_dict("b", {"ok": torch.zeros(2), 7: torch.zeros(2)})
@@ -191,7 +192,83 @@ def test_errors_name_the_entry_for_bundles_and_waits(ipc):
 def test_daemon_survives_client_errors(ipc, daemon):
     for _ in range(20):
         with pytest.raises(FileNotFoundError):
-            ipc.attach("none")
+            ipc.attach("none", timeout=0)
     ipc.publish("ok", np.arange(2))
     st = daemon.stat()
     assert st["entries"] == 1 and st["protocol_errors"] == 0 and st["references"] == 0
+
+
+# ---- messages that name the call to make instead ---------------------------------------------
+
+
+def test_bundle_attached_as_a_tensor_names_attach_dict(ipc, daemon):
+    ipc.publish_dict("bund", {"a": np.zeros(2), "b": np.ones(2)})
+    with pytest.raises(ValueError) as ei:
+        ipc.attach("bund", timeout=0)
+    assert "'bund' is a bundle of 2 tensors" in str(ei.value)
+    assert "attach_dict()" in str(ei.value)
+    assert sorted(ipc.attach_dict("bund", timeout=0)) == ["a", "b"]
+    assert daemon.stat()["protocol_errors"] == 0
+
+
+def test_a_mapping_where_a_tensor_goes_names_the_dict_call(ipc, daemon):
+    import collections
+    import torch
+    for m in ({"a": np.zeros(2)}, collections.OrderedDict(w=torch.zeros(2)),
+              torch.nn.Linear(2, 2).state_dict()):
+        with pytest.raises(TypeError) as ei:
+            ipc.publish("sd", m)
+        assert str(ei.value).startswith(
+            f"cannot publish 'sd': publish() takes one tensor, not {type(m).__name__}; "
+            "publish_dict()"), str(ei.value)
+    ch = ipc.channel("err/ch")
+    with pytest.raises(TypeError) as ei:
+        ch.send({"a": np.zeros(2)}, timeout=0)
+    assert "send() takes one tensor, not dict; send_dict()" in str(ei.value)
+    assert "publish" not in str(ei.value)
+    # and the other way round: what is not a mapping, given to publish_dict()
+    for obj, hint in ((np.zeros(2), " (publish() publishes one tensor)"), ([1, 2], ""),
+                      (3, "")):
+        with pytest.raises(TypeError) as ei:
+            ipc.publish_dict("sd", obj)
+        assert str(ei.value) == (f"cannot publish 'sd': publish_dict() takes a mapping of str "
+                                 f"keys to tensors, not {type(obj).__name__}{hint}")
+    ch.remove()
+    assert ipc.list() == [] and daemon.stat()["protocol_errors"] == 0
+
+
+@pytest.mark.parametrize("obj", [3, 2.5, object(), "str", None, [1.0]])
+def test_unpublishable_objects_read_as_english(ipc, obj):
+    """No "cannot publish a int": the type is named, not given an article."""
+    with pytest.raises(TypeError) as ei:
+        ipc.publish("x", obj)
+    msg = str(ei.value)
+    assert msg.startswith(f"cannot publish an object of type {type(obj).__qualname__}: "), msg
+    for wrong in ("a int", "a object", "a float", "a str", "a NoneType", "a list"):
+        assert wrong not in msg, msg
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to publish as uid 65534")
+@pytest.mark.dlpackd_for_others
+def test_another_uids_name_does_not_suggest_replace(ipc, daemon, py):
+    """replace=True cannot take over another uid's name (only its uid or root may): neither
+    the refusal of the publish nor that of the replace suggests it."""
+    ipc.publish("theirs", np.zeros(2))
+    cp = py.check("""
+        import os
+        import numpy as np, dlpack_ipc
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        for replace in (False, True):
+            try:
+                dlpack_ipc.publish("theirs", np.ones(2), replace=replace)
+            except OSError as e:
+                print(type(e).__name__, "|", e, flush=True)
+    """)
+    lines = cp.stdout.splitlines()
+    assert [ln.split(" | ")[0] for ln in lines] == ["FileExistsError", "PermissionError"], lines
+    for ln in lines:
+        assert "theirs" in ln, ln
+        assert "replace=True" not in ln and "REPLACE" not in ln, ln
+    np.testing.assert_array_equal(np.from_dlpack(ipc.attach("theirs", timeout=0)), 0.0)

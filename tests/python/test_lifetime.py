@@ -104,7 +104,7 @@ def test_unpublished_storage_freed_after_last_array(ipc, daemon, py):
     st = daemon.stat()
     assert st["entries"] == 0 and st["storages"] == 1 and st["bytes_held"] == held
     with pytest.raises(FileNotFoundError):
-        ipc.attach("life/x")
+        ipc.attach("life/x", timeout=0)
     np.testing.assert_array_equal(a, np.arange(1000))
     del t, a
     gc.collect()
@@ -123,7 +123,7 @@ def test_ephemeral_entry_vanishes_with_publisher(ipc, daemon, py):
     daemon.wait_stat(lambda s: s["entries"] == 1, what="ephemeral entry removed")
     assert [e.name for e in ipc.list("eph/")] == ["eph/keep"]
     with pytest.raises(FileNotFoundError, match="eph/x"):
-        ipc.attach("eph/x")
+        ipc.attach("eph/x", timeout=0)
 
 
 def test_ephemeral_attached_memory_survives_publisher(ipc, daemon, py):
@@ -274,3 +274,132 @@ def test_empty_dict_bucket_is_published_without_a_copy(ipc, daemon, py):
         ipc.empty_dict({})
     with pytest.raises(ValueError):
         ipc.empty_dict({"w": ((-1,), "float32")})
+
+
+# ---- published() / published_dict(): an entry for the duration of a with block ----------------
+
+ATTACH_AND_CHECK = """
+    import sys, numpy as np, dlpack_ipc
+    try:
+        t = dlpack_ipc.attach(sys.argv[1] if len(sys.argv) > 1 else "{name}", timeout=0)
+    except FileNotFoundError:
+        print("absent")
+    else:
+        print("present", np.from_dlpack(t).sum())
+"""
+
+
+def test_published_lives_for_the_with_block(ipc, daemon, py):
+    import dlpack_ipc
+    with dlpack_ipc.published("with/x", np.arange(4.0)) as gen:
+        assert gen == 1
+        assert py.check(ATTACH_AND_CHECK.format(name="with/x")).stdout.split() == \
+            ["present", "6.0"]
+        (e,) = dlpack_ipc.list("with/x")
+        assert dlpack_ipc.EntryFlags.EPHEMERAL in e.flags
+    assert dlpack_ipc.list() == []
+    assert py.check(ATTACH_AND_CHECK.format(name="with/x")).stdout.split() == ["absent"]
+    with dlpack_ipc.published_dict("with/d", {"a": np.ones(2), "b": np.ones(3)}) as gen:
+        assert gen == 1
+        assert sorted(py.check("""
+            import dlpack_ipc
+            print(*dlpack_ipc.attach_dict("with/d", timeout=0))
+        """).stdout.split()) == ["a", "b"]
+    assert dlpack_ipc.list() == []
+    assert daemon.stat()["protocol_errors"] == 0
+
+
+def test_published_unpublishes_on_an_exception(ipc, daemon):
+    import dlpack_ipc
+    with pytest.raises(ZeroDivisionError):
+        with dlpack_ipc.published("with/err", np.zeros(2), ephemeral=False):
+            assert [e.name for e in dlpack_ipc.list()] == ["with/err"]
+            1 / 0
+    assert dlpack_ipc.list() == []
+    with pytest.raises(KeyError):
+        with dlpack_ipc.published_dict("with/err", {"a": np.zeros(2)}):
+            raise KeyError("a")
+    assert dlpack_ipc.list() == []
+    # the block's exception stays the one raised, whatever the clean-up meets: here a client
+    # closed inside the block (its ephemeral entry went with its connection)
+    c = dlpack_ipc.Client()
+    with pytest.raises(KeyError):
+        with dlpack_ipc.published("with/closed", np.zeros(2), client=c):
+            c.close()
+            raise KeyError("b")
+    daemon.wait_stat(lambda s: s["entries"] == 0, what="the ephemeral entry gone")
+    # without an exception, the clean-up's own error is the one to see
+    c = dlpack_ipc.Client()
+    with pytest.raises(ValueError):
+        with dlpack_ipc.published("with/closed", np.zeros(2), client=c):
+            c.close()
+
+
+def test_published_leaves_what_replaced_it_alone(ipc, daemon, py):
+    """A generation published by someone else inside the block is not ours to unpublish."""
+    import dlpack_ipc
+    with dlpack_ipc.published("with/r", np.zeros(2)) as gen:
+        py.check("""
+            import numpy as np, dlpack_ipc
+            assert dlpack_ipc.publish("with/r", np.ones(2), replace=True) == 2
+        """)
+    (e,) = dlpack_ipc.list("with/r")
+    assert gen == 1 and e.generation == 2
+    np.testing.assert_array_equal(np.from_dlpack(dlpack_ipc.attach("with/r", timeout=0)), 1.0)
+    # gone already (unpublished inside, or unpublished and published anew): nothing to do
+    with dlpack_ipc.published("with/g", np.zeros(2)):
+        dlpack_ipc.unpublish("with/g")
+    with dlpack_ipc.published("with/g", np.zeros(2)):
+        dlpack_ipc.unpublish("with/g")
+        py.check("""
+            import numpy as np, dlpack_ipc
+            dlpack_ipc.publish("with/g", np.full(2, 5.0))
+        """)
+    np.testing.assert_array_equal(np.from_dlpack(dlpack_ipc.attach("with/g", timeout=0)), 5.0)
+    assert sorted(e.name for e in dlpack_ipc.list()) == ["with/g", "with/r"]
+
+
+RERUN = """
+    import subprocess, sys, numpy as np, dlpack_ipc
+    with dlpack_ipc.published("with/script", np.arange(3.0)):
+        out = subprocess.run([sys.executable, "-c", sys.argv[1]], capture_output=True,
+                             text=True, check=True).stdout
+    print(out.strip())
+"""
+
+
+def test_a_script_using_published_runs_twice(ipc, daemon, py):
+    """The script that publish() made fail on its second run (FileExistsError) runs again."""
+    import subprocess
+    import sys
+    import textwrap
+    from conftest import _child_env
+    for _ in range(2):
+        cp = subprocess.run([sys.executable, "-c", textwrap.dedent(RERUN),
+                             textwrap.dedent(ATTACH_AND_CHECK.format(name="with/script"))],
+                            env=_child_env(), capture_output=True, text=True, timeout=60)
+        assert cp.returncode == 0, py.describe(cp)
+        assert cp.stdout.split() == ["present", "3.0"], py.describe(cp)
+    import dlpack_ipc
+    assert dlpack_ipc.list() == []
+
+
+def test_published_entry_goes_with_a_killed_process(ipc, daemon, py):
+    """ephemeral (published()'s default): a process killed inside the block leaves no entry."""
+    import dlpack_ipc
+    p = py.popen("""
+        import time, numpy as np, dlpack_ipc
+        with dlpack_ipc.published("with/killed", np.zeros(2)):
+            print("in", flush=True)
+            time.sleep(600)
+    """)
+    try:
+        assert p.stdout.readline().strip() == "in", p.communicate()[1]
+        assert [e.name for e in dlpack_ipc.list()] == ["with/killed"]
+        p.kill()
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    daemon.wait_stat(lambda s: s["entries"] == 0, what="the entry gone with its publisher")

@@ -138,10 +138,44 @@ def test_attach_timeout_expires(ipc, daemon):
     with pytest.raises(TimeoutError) as ei:
         ipc.attach("wait/never", timeout=0.2)
     assert "wait/never" in str(ei.value)
-    for timeout in (None, 0):
-        with pytest.raises(FileNotFoundError, match="wait/never"):
-            ipc.attach("wait/never", timeout=timeout)
+    with pytest.raises(FileNotFoundError, match="wait/never"):
+        ipc.attach("wait/never", timeout=0)
+    with pytest.raises(FileNotFoundError, match="wait/never"):
+        ipc.attach_dict("wait/never", timeout=0)
+    for bad in (-1, -0.5, float("nan")):
+        with pytest.raises(ValueError, match="timeout"):
+            ipc.attach("wait/never", timeout=bad)
+        with pytest.raises(ValueError, match="timeout"):
+            ipc.attach_dict("wait/never", timeout=bad)
     daemon.wait_stat(lambda s: s["waiters"] == 0, what="no waiters left")
+
+
+@pytest.mark.parametrize("how", ["attach", "attach_dict", "module attach", "module attach_dict"])
+def test_timeout_none_waits_as_long_as_it_takes(ipc, daemon, py, how):
+    """timeout=None (the default) waits for the name, as queue.get() and Channel.recv() do."""
+    api = dlpack_ipc if how.startswith("module") else ipc
+    fn = getattr(api, how.split()[-1])
+    result = {}
+
+    def wait():
+        try:
+            result["v"] = fn("wait/none")  # no timeout: the default, None
+        except BaseException as e:
+            result["err"] = e
+
+    th = threading.Thread(target=wait, daemon=True)
+    th.start()
+    daemon.wait_stat(lambda s: s["waiters"] == 1, what="waiters == 1")
+    assert th.is_alive(), result
+    py.check("""
+        import numpy as np, dlpack_ipc
+        dlpack_ipc.publish("wait/none", np.arange(3))
+    """)
+    th.join(timeout=60)
+    assert not th.is_alive()
+    assert "err" not in result, result.get("err")
+    t = result["v"][""] if isinstance(result["v"], dict) else result["v"]
+    np.testing.assert_array_equal(np.from_dlpack(t), np.arange(3))
 
 
 def test_waiting_attach_lets_other_threads_run(ipc, daemon, py):
@@ -169,11 +203,15 @@ def test_waiting_attach_lets_other_threads_run(ipc, daemon, py):
     assert daemon.stat()["waiters"] == 0
 
 
-def test_keyboard_interrupt_stops_infinite_wait(daemon, py):
-    p = py.popen("""
+@pytest.mark.parametrize("call", ['attach("wait/forever")', 'attach_dict("wait/forever")',
+                                  'attach("wait/forever", timeout=None)',
+                                  'attach("wait/forever", timeout=float("inf"))',
+                                  'Client().attach("wait/forever")'])
+def test_keyboard_interrupt_stops_infinite_wait(daemon, py, call):
+    p = py.popen(f"""
         import sys, dlpack_ipc
         try:
-            dlpack_ipc.attach("wait/forever", timeout=float("inf"))
+            dlpack_ipc.{call}
         except KeyboardInterrupt:
             print("KeyboardInterrupt", flush=True)
             sys.exit(42)

@@ -47,7 +47,8 @@ def mypy(tmp_path):
 def test_stubs_agree_with_the_module(mypy):
     rc, out = mypy("mypy.stubtest", "--mypy-config-file", mypy.ini, "dlpack_ipc")
     assert rc == 0 and "Success" in out, out
-    assert "3 modules" in out, "dlpack_ipc, dlpack_ipc._core and dlpack_ipc.torch: " + out
+    assert "4 modules" in out, ("dlpack_ipc, dlpack_ipc._core, dlpack_ipc.torch and "
+                                "dlpack_ipc.__main__: " + out)
 
 
 TYPED = '''
@@ -99,6 +100,12 @@ def follow(model: "torch.nn.Module", name: str) -> int:
         model(torch.zeros(1))
     f.close()
     return f.generation + int(swapped)
+
+
+def scoped(name: str) -> int:
+    with dlpack_ipc.published(name, b"x", writable=True) as gen:
+        with dlpack_ipc.published_dict(name + "/d", {"a": b"y"}, ephemeral=False) as g2:
+            return gen + g2
 
 
 def events(prefix: str) -> List[str]:

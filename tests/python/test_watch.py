@@ -132,3 +132,29 @@ def test_ctrl_c_interrupts_a_waiting_watch(daemon, py):
             p.wait()
     assert p.returncode == 0, err
     assert out.strip() == "interrupted"
+
+
+@pytest.mark.parametrize("timeout", [None, float("inf")])
+def test_next_event_waits_as_long_as_it_takes(ipc, daemon, py, timeout):
+    """timeout=None and float("inf") wait for the next event, as attach() and recv() do; a
+    negative timeout is refused before anything is read."""
+    got = {}
+    with dlpack_ipc.watch("forever/") as w:
+        with pytest.raises(ValueError, match="timeout"):
+            w.next_event(timeout=-0.5)
+
+        def wait():
+            try:
+                got["ev"] = w.next_event(timeout)
+            except BaseException as e:  # reported by the main thread
+                got["err"] = e
+
+        th = threading.Thread(target=wait, daemon=True)
+        th.start()
+        py.check("""
+            import numpy as np, dlpack_ipc
+            dlpack_ipc.publish("forever/x", np.ones(1))
+        """)
+        th.join(timeout=60)
+        assert not th.is_alive() and "err" not in got, got
+        assert (got["ev"].kind, got["ev"].name) == ("published", "forever/x")

@@ -53,6 +53,12 @@ with dlpack_ipc.Client(socket={sock!r}) as c:
     assert child.returncode == 0, child.stderr
     got = ast.literal_eval(child.stdout)
     assert got == [[(r * 8 + k) * 3 - 7 for k in range(8)] for r in range(4)], got
+    # the wheel's command line (python -m dlpack_ipc) lists and removes it
+    ls = subprocess.run([sys.executable, "-m", "dlpack_ipc", "--socket", sock, "ls"],
+                        capture_output=True, text=True, timeout=60)
+    assert ls.returncode == 0 and "smoke/x" in ls.stdout, (ls.stdout, ls.stderr)
+    subprocess.run([sys.executable, "-m", "dlpack_ipc", "--socket", sock, "rm", "smoke/x"],
+                   check=True, timeout=60)
 finally:
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=15)

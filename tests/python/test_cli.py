@@ -1,0 +1,208 @@
+# SPDX-License-Identifier: Apache-2.0
+"""python -m dlpack_ipc: dlpackctl's ls, rm, stat, watch and channels for pip users, run as a
+command against a real daemon."""
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import _child_env
+
+PROG = "python -m dlpack_ipc"
+
+
+def cli(*args, socket=None, timeout=60):
+    """Run `python -m dlpack_ipc [--socket S] ARGS...`; the CompletedProcess."""
+    pre = ["--socket", socket] if socket else []
+    return subprocess.run([sys.executable, "-m", "dlpack_ipc", *pre, *args], env=_child_env(),
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def columns(line):
+    """The start of each column of a table line (cells are two or more spaces apart)."""
+    return [m.start() for m in re.finditer(r"(?:^|(?<=  ))\S", line)]
+
+
+def test_ls_shows_what_another_process_published(ipc, daemon, py):
+    py.check("""
+        import numpy as np, dlpack_ipc
+        dlpack_ipc.publish("cli/a", np.zeros((2, 3), np.float32))
+        dlpack_ipc.publish_dict("cli/long/bundle", {"w": np.zeros(4), "b": np.ones(2)})
+        dlpack_ipc.publish("other", np.zeros(1))
+    """)
+    cp = cli("ls", "cli/", socket=daemon.socket)
+    assert cp.returncode == 0 and cp.stderr == "", py.describe(cp)
+    head, *rows = cp.stdout.splitlines()
+    assert head.split() == ["NAME", "GEN", "DEVICE", "TYPE", "SIZE", "REFS", "CACHED", "OWNER",
+                            "AGE"]
+    assert [r.split()[0] for r in rows] == ["cli/a", "cli/long/bundle"]
+    assert rows[0].split()[1:4] == ["1", "cpu", "float32[2,3]"]
+    assert rows[1].split()[3] == "bundle(2)"
+    # aligned: every column starts where its heading does
+    for r in rows:
+        assert columns(r) == columns(head), cp.stdout
+    # the default socket ($DLPACKD_SOCKET, set by the fixture) and --socket after the command
+    for cp in (cli("ls"), cli("ls", "--socket", daemon.socket)):
+        assert cp.returncode == 0, cp.stderr
+        assert [r.split()[0] for r in cp.stdout.splitlines()[1:]] == \
+            ["cli/a", "cli/long/bundle", "other"]
+
+
+def test_rm_removes_and_a_bad_name_is_one_line_and_exit_1(ipc, daemon):
+    ipc.publish("cli/x", np.zeros(2))
+    ipc.publish("cli/y", np.zeros(2))
+    cp = cli("rm", "cli/x", socket=daemon.socket)
+    assert (cp.returncode, cp.stdout, cp.stderr) == (0, "", "")
+    assert [e.name for e in ipc.list()] == ["cli/y"]
+    # every name is tried; the one that fails is named, on one line
+    cp = cli("rm", "no/such", "cli/y", socket=daemon.socket)
+    assert cp.returncode == 1
+    assert cp.stderr == f"{PROG}: rm 'no/such': no entry named 'no/such'\n"
+    assert ipc.list() == []
+
+
+def test_stat_prints_the_counters_aligned(ipc, daemon):
+    ipc.publish("cli/s", np.zeros(2))
+    cp = cli("stat", socket=daemon.socket)
+    assert cp.returncode == 0 and cp.stderr == "", cp.stderr
+    rows = [ln.split() for ln in cp.stdout.splitlines()]
+    got = {k: int(v) for k, v in rows}
+    assert got["entries"] == 1 and got["daemon_pid"] == daemon.pid
+    assert set(got) == set(ipc.stat())
+    # aligned: every value starts in the same column
+    assert len({len(ln) - len(ln.split()[-1]) for ln in cp.stdout.splitlines()}) == 1, cp.stdout
+
+
+def test_channels_lists_both_kinds_aligned(ipc, daemon):
+    q = ipc.channel("cli/q")
+    q.send(np.zeros(4), timeout=0)
+    ipc.channel("cli/a-direct-channel", direct=True)
+    cp = cli("channels", "cli/", socket=daemon.socket)
+    assert cp.returncode == 0 and cp.stderr == "", cp.stderr
+    head, *rows = cp.stdout.splitlines()
+    assert head.split() == ["NAME", "KIND", "DEPTH", "QUEUED", "SENT", "RECEIVED", "WAITING",
+                            "OWNER"]
+    assert [r.split()[:2] for r in rows] == [["cli/a-direct-channel", "direct"],
+                                             ["cli/q", "queued"]]
+    assert rows[0].split()[2].startswith("0/") and rows[1].split()[2] == "1/16"
+    # bytes queued, sent, received, nobody waiting
+    assert re.split(r"\s{2,}", rows[1])[3:7] == ["32 B", "1", "0", "-"], rows[1]
+    for r in rows:
+        assert columns(r) == columns(head), cp.stdout
+    q.remove()
+
+
+def test_channels_waiting_says_who_waits(ipc, daemon, py):
+    """WAITING reads as dlpackctl's: "-", "2 recv", "1 send" or "2 recv, 1 send"."""
+    ipc.channel("cli/w", 1)
+    waiters = [py.popen("""
+        import dlpack_ipc
+        try:
+            dlpack_ipc.channel("cli/w").recv()
+        except OSError:  # removed by the test
+            pass
+    """) for _ in range(2)]
+    try:
+        daemon.wait_stat(lambda s: ipc.channels("cli/w")[0].receivers_waiting == 2,
+                         what="two receivers waiting")
+        cp = cli("channels", "cli/w", socket=daemon.socket)
+        assert cp.returncode == 0, cp.stderr
+        assert re.split(r"\s{2,}", cp.stdout.splitlines()[1])[6] == "2 recv", cp.stdout
+    finally:
+        ipc.channel("cli/w").remove()
+        for p in waiters:
+            p.communicate(timeout=60)
+
+
+def test_watch_prints_events_until_interrupted(ipc, daemon, py):
+    p = subprocess.Popen([sys.executable, "-m", "dlpack_ipc", "--socket", daemon.socket,
+                          "watch", "cli/"], env=_child_env(), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        daemon.wait_stat(lambda s: s["watchers"] == 1 or p.poll() is not None,
+                         what="the watch registered")
+        assert p.poll() is None, p.communicate()
+        ipc.publish("cli/w", np.zeros(3, np.int16))
+        ipc.publish("elsewhere", np.zeros(1))
+        ipc.unpublish("cli/w")
+        first = p.stdout.readline()
+        second = p.stdout.readline()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert first.split()[:4] == ["published", "cli/w", "gen", "1"], first
+    assert "int16[3]" in first
+    assert second.split()[:2] == ["unpublished", "cli/w"] and "(by pid" in second, second
+    assert out == ""
+    # it dies of the signal, as a C tool does, without a traceback
+    assert p.returncode == -signal.SIGINT and err == "", (p.returncode, err)
+
+
+def test_watch_whose_reader_went_away_fails_in_one_line(ipc, daemon):
+    """watch | head -1: once the reader is gone, the next event ends the watch with exit 1."""
+    p = subprocess.Popen([sys.executable, "-m", "dlpack_ipc", "--socket", daemon.socket,
+                          "watch"], env=_child_env(), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        daemon.wait_stat(lambda s: s["watchers"] == 1 or p.poll() is not None,
+                         what="the watch registered")
+        ipc.publish("cli/p1", np.zeros(1))
+        assert p.stdout.readline().split()[:2] == ["published", "cli/p1"]
+        p.stdout.close()
+        i = 0
+        while p.poll() is None:  # a pipe's buffer may take a few events first
+            ipc.publish("cli/more", np.zeros(1), replace=True)
+            i += 1
+            assert i < 100000, "watch never noticed its reader was gone"
+        err = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    assert p.returncode == 1
+    assert err == f"{PROG}: watch: cannot write the output: Broken pipe\n", err
+
+
+def test_usage_errors_exit_2_and_each_command_has_help(daemon):
+    for args in ([], ["nosuch"], ["rm"], ["ls", "a", "b"], ["stat", "--bogus"]):
+        cp = cli(*args)
+        assert cp.returncode == 2, (args, cp.stderr)
+        assert cp.stdout == "" and cp.stderr.startswith("usage: "), (args, cp.stderr)
+    for cmd in ("ls", "rm", "stat", "watch", "channels"):
+        cp = cli(cmd, "--help")
+        assert cp.returncode == 0 and cp.stdout.startswith(f"usage: {PROG} {cmd} "), cp.stdout
+    top = cli("--help")
+    assert top.returncode == 0
+    for cmd in ("ls", "rm", "stat", "watch", "channels"):
+        assert cmd in top.stdout
+
+
+def test_no_daemon_is_one_line_naming_the_socket(tmp_path):
+    path = str(tmp_path / "none.sock")
+    for cmd in ("ls", "stat", "channels", "watch"):
+        cp = cli(cmd, socket=path)
+        assert cp.returncode == 1, (cmd, cp.stderr)
+        assert cp.stderr.count("\n") == 1 and path in cp.stderr, (cmd, cp.stderr)
+        assert cp.stderr.startswith(f"{PROG}: {cmd}"), cp.stderr
+
+
+def test_names_with_control_characters_are_escaped(ipc, daemon):
+    ipc.publish("cli/\x1b[2J", np.zeros(1))
+    cp = cli("ls", socket=daemon.socket)
+    assert cp.returncode == 0 and "\x1b" not in cp.stdout
+    assert "cli/\\x1b[2J" in cp.stdout
+    cp = cli("rm", "cli/\x07", socket=daemon.socket)
+    assert cp.returncode == 1 and "\x07" not in cp.stderr and "cli/\\x07" in cp.stderr
+
+
+@pytest.mark.parametrize("cmd", ["ls", "channels"])
+def test_nothing_there_prints_the_heading(ipc, daemon, cmd):
+    cp = cli(cmd, socket=daemon.socket)
+    assert cp.returncode == 0 and len(cp.stdout.splitlines()) == 1, cp.stdout
