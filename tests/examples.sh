@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The README's C example, run for real: publish in one process, attach in another.
+# The example programs (examples/, docs/c.md), run for real: publish in one process, attach in
+# another.
 # Usage: examples.sh DLPACKD PUBLISH ATTACH
 set -euo pipefail
 dir=$(mktemp -d /tmp/dlpc-example-XXXXXX)
