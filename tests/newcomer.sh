@@ -5,9 +5,10 @@
 #   newcomer.sh PYTHON SRC [README]
 #
 # (README: the markdown file to take the examples from; default SRC/README.md)
-# 1. a fresh venv of PYTHON (no system site-packages), the Python stack the README's examples
-#    use (numpy and torch, pinned as in tests/python/requirements-venv.txt), then `pip install
-#    SRC` with build isolation, as a user installs the project;
+# 1. a fresh venv of PYTHON (no system site-packages), `pip install SRC` with build isolation
+#    as a user installs the project, then the Python stack the README's examples use (numpy and
+#    torch, pinned as in tests/python/requirements-venv.txt: an unpinned torch is a CUDA build
+#    of several GB);
 # 2. as an ordinary user (uid 65534 when run as root), with XDG_RUNTIME_DIR a fresh directory,
 #    HOME another, and no DLPACKD_SOCKET: the daemon started as the README says (the `dlpackd`
 #    pip put into the venv, on its default per-user socket);
@@ -27,7 +28,7 @@ req=$src/tests/python/requirements-venv.txt
 stack=(numpy torch)
 # how long one README block may run (the model example spawns four interpreters that import
 # torch)
-block_timeout=300
+block_timeout=120
 pip_q=(--quiet --disable-pip-version-check)
 
 fail() {
@@ -61,8 +62,8 @@ done
 "$python" -m venv "$tmp/venv"
 venv=$tmp/venv
 "$venv/bin/python" -c 'import sys; assert sys.prefix != sys.base_prefix' || fail "not a venv"
-"$venv/bin/python" -m pip install "${pip_q[@]}" "${pins[@]}"
 (cd "$src" && "$venv/bin/python" -m pip install "${pip_q[@]}" .)
+"$venv/bin/python" -m pip install "${pip_q[@]}" "${pins[@]}"
 echo "newcomer: venv with ${pins[*]} and the project in $((SECONDS - started)) s"
 "$venv/bin/python" -m pip list --disable-pip-version-check 2>/dev/null |
 	grep -E '^(dlpack-ipc|numpy|torch) '
