@@ -27,11 +27,9 @@ CONSUMER_DELAY_S = 0.01
 # how long the whole exchange may take before the watchdog calls it a hang
 LOOP_END_TIMEOUT_S = 60
 
-NAME = f"newcomer/slow-consumer-{os.getpid()}"
 
-
-def produce(k):
-    with dlpack_ipc.channel(NAME, producers=PRODUCERS) as ch:
+def produce(name, k):
+    with dlpack_ipc.channel(name, producers=PRODUCERS) as ch:
         for i in range(PER_PRODUCER):
             ch.send(np.array([k, i], dtype=np.int64))
 
@@ -44,11 +42,12 @@ def watchdog(done):
 
 
 def main():
-    ch = dlpack_ipc.channel(NAME, producers=PRODUCERS)
+    name = f"newcomer/slow-consumer-{os.getpid()}"  # the parent's: children are passed it
+    ch = dlpack_ipc.channel(name, producers=PRODUCERS)
     done = threading.Event()
     threading.Thread(target=watchdog, args=(done,), daemon=True).start()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=produce, args=(k,)) for k in range(PRODUCERS)]
+    procs = [ctx.Process(target=produce, args=(name, k)) for k in range(PRODUCERS)]
     for p in procs:
         p.start()
     got = []
