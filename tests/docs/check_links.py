@@ -26,7 +26,8 @@ FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)(?:\s+#+)?\s*$")
 SETEXT = re.compile(r"^ {0,3}(=+|-+)\s*$")
 # [text](target "title") and ![alt](target); the text may hold one level of brackets
-INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*(<[^>]*>|[^\s()]*(?:\([^\s()]*\)[^\s()]*)*)"
+INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]"
+                    r"\(\s*(<[^>]*>|[^\s()]*(?:\([^\s()]*\)[^\s()]*)*)"
                     r"(?:\s+(?:\"[^\"]*\"|'[^']*'|\([^)]*\)))?\s*\)")
 REFDEF = re.compile(r"^ {0,3}\[[^\]]+\]:\s*(<[^>]*>|\S+)")
 CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")

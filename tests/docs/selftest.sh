@@ -40,7 +40,8 @@ rc=0
 [ $rc -eq 1 ] || { echo "selftest: fail.md: exit $rc, not 1" >&2; cat "$out/fail" >&2; status=1; }
 check fail.md "$out/fail" \
 	'^docs: FAIL tests/docs/fixtures/fail\.md:5: python run: exit status 3$' \
-	'^docs: FAIL tests/docs/fixtures/fail\.md:13: python run: its stdout differs from the `output` block at tests/docs/fixtures/fail\.md:18' \
+	'^docs: FAIL tests/docs/fixtures/fail\.md:13: python run: its stdout differs' \
+	'^docs: FAIL .* the `output` block at tests/docs/fixtures/fail\.md:18, which expects:$' \
 	'^docs: FAIL tests/docs/fixtures/fail\.md:29: sh run: exit status 1$' \
 	"error: .undeclared. undeclared" \
 	'^docs: FAIL tests/docs/fixtures/fail\.md:35: sh run: still running after 3\.0 s \(killed\)$' \
