@@ -10,11 +10,12 @@
 #    torch, pinned as in tests/python/requirements-venv.txt: an unpinned torch is a CUDA build
 #    of several GB);
 # 2. as an ordinary user (uid 65534 when run as root), with XDG_RUNTIME_DIR a fresh directory,
-#    HOME another, and no DLPACKD_SOCKET: the daemon started as the README says (the `dlpackd`
-#    pip put into the venv, on its default per-user socket);
+#    HOME another, and no DLPACKD_SOCKET: the daemon started as the README says (`env/bin/dlpackd
+#    &`: the dlpackd pip put into the venv, on its default per-user socket);
 # 3. README.md's `python run` blocks, unmodified, extracted and run in order by
 #    tests/docs/run_blocks.py with the venv's interpreter in an empty directory; the README must
 #    have a model example with spawned workers and a channel example among them;
+#    and they leave no entry and no channel behind (`python -m dlpack_ipc ls`, `channels`);
 # 4. two producers and a slow consumer (tests/docs/slow_consumer.py): 100 of 100 messages, then
 #    the consumer's loop ends by itself;
 # 5. the daemon stopped with SIGTERM exits 0.
@@ -104,8 +105,9 @@ user_env=(env -u DLPACKD_SOCKET -u PYTHONPATH -u PYTHONHOME -u VIRTUAL_ENV
 	HOME="$tmp/home" XDG_RUNTIME_DIR="$tmp/run" TMPDIR="$tmp/work"
 	PATH="$venv/bin:/usr/bin:/bin" PYTHONDONTWRITEBYTECODE=1)
 
-# the daemon as the README starts it: `dlpackd` from the activated venv, in the background
-(cd "$tmp/work" && exec "${as_user[@]}" "${user_env[@]}" dlpackd) >"$tmp/dlpackd.log" 2>&1 &
+# the daemon as the README starts it: the venv's dlpackd, in the background
+(cd "$tmp/work" && exec "${as_user[@]}" "${user_env[@]}" "$venv/bin/dlpackd") \
+	>"$tmp/dlpackd.log" 2>&1 &
 daemon=$!
 sock=$tmp/run/dlpackd.sock
 for _ in $(seq 400); do
@@ -121,6 +123,20 @@ status=0
 (cd "$tmp/work" && "${as_user[@]}" "${user_env[@]}" python "$tmp/src/tests/docs/run_blocks.py" \
 	--src "$tmp/src" --python "$venv/bin/python" --no-daemon --bare --kinds python \
 	--timeout "$block_timeout" -v "$tmp/src/README.md") || status=1
+# the examples leave nothing behind: `python -m dlpack_ipc ls` (as the README shows it) and
+# `channels` list no entry below their header line
+for what in ls channels; do
+	left=$(cd "$tmp/work" && "${as_user[@]}" "${user_env[@]}" python -m dlpack_ipc "$what") || {
+		echo "newcomer: FAIL python -m dlpack_ipc $what" >&2
+		status=1
+		continue
+	}
+	if [ -n "$(tail -n +2 <<<"$left")" ]; then
+		echo "newcomer: FAIL README.md's examples left behind (python -m dlpack_ipc $what):" >&2
+		echo "$left" >&2
+		status=1
+	fi
+done
 (cd "$tmp/work" && "${as_user[@]}" "${user_env[@]}" timeout 120 \
 	python "$tmp/src/tests/docs/slow_consumer.py") || {
 	echo "newcomer: FAIL two producers and a slow consumer (tests/docs/slow_consumer.py)" >&2
