@@ -206,3 +206,12 @@ def test_names_with_control_characters_are_escaped(ipc, daemon):
 def test_nothing_there_prints_the_heading(ipc, daemon, cmd):
     cp = cli(cmd, socket=daemon.socket)
     assert cp.returncode == 0 and len(cp.stdout.splitlines()) == 1, cp.stdout
+
+
+@pytest.mark.parametrize("cmd", ["ls", "rm", "channels", "watch"])
+def test_a_name_too_long_is_one_line_and_exit_1(daemon, cmd):
+    # refused by the library before it asks the daemon: one line naming the limit, no traceback
+    cp = cli(cmd, "n" * 300, socket=daemon.socket)
+    assert cp.returncode == 1, (cmd, cp.stderr)
+    assert len(cp.stderr.splitlines()) == 1 and "Traceback" not in cp.stderr, cp.stderr
+    assert cp.stderr.startswith(f"{PROG}: {cmd} ") and "255" in cp.stderr, cp.stderr
