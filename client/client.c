@@ -741,8 +741,13 @@ static int connect_default(int64_t timeout, dlpc_client **ret)
 		if (off >= sizeof(tried))
 			off = sizeof(tried) - 1;
 	}
+	/* (the per-user socket is left out where XDG_RUNTIME_DIR is unset, or too long) */
 	return dlpc__fail(err, "cannot connect to dlpackd: tried %s%s%s", tried,
-			  n < DLPC__SOCKPATHS_MAX ? " ($XDG_RUNTIME_DIR is not set)" : "",
+			  n == DLPC__SOCKPATHS_MAX ? ""
+			  : getenv("XDG_RUNTIME_DIR") && *getenv("XDG_RUNTIME_DIR")
+				  ? " ($XDG_RUNTIME_DIR/" DLPC_USER_SOCKET_NAME
+				    " is longer than a socket address allows)"
+				  : " ($XDG_RUNTIME_DIR is not set)",
 			  hint[0] ? hint
 				  : "; no dlpackd listens there: start one (the service, or "
 				    "'dlpackd' as yourself), or set $" DLPC_SOCKET_ENV

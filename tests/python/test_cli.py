@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """python -m dlpack_ipc: dlpackctl's ls, rm, stat, watch and channels for pip users, run as a
 command against a real daemon."""
+import os
 import re
 import signal
 import subprocess
@@ -215,3 +216,18 @@ def test_a_name_too_long_is_one_line_and_exit_1(daemon, cmd):
     assert cp.returncode == 1, (cmd, cp.stderr)
     assert len(cp.stderr.splitlines()) == 1 and "Traceback" not in cp.stderr, cp.stderr
     assert cp.stderr.startswith(f"{PROG}: {cmd} ") and "255" in cp.stderr, cp.stderr
+
+
+def test_a_per_user_socket_path_too_long_is_named_so(tmp_path):
+    # XDG_RUNTIME_DIR set, but its dlpackd.sock longer than a socket address: the connect error
+    # says that, not that the variable is not set
+    if os.path.exists("/run/dlpackd/dlpackd.sock"):
+        pytest.skip("a system socket exists here: the search would reach it")
+    xdg = str(tmp_path / ("x" * 120))
+    cp = subprocess.run([sys.executable, "-m", "dlpack_ipc", "ls"],
+                        env=_child_env({"DLPACKD_SOCKET": None, "XDG_RUNTIME_DIR": xdg}),
+                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 1, cp.stderr
+    assert "is not set" not in cp.stderr, cp.stderr
+    assert "$XDG_RUNTIME_DIR/dlpackd.sock is longer than a socket address" in cp.stderr, \
+        cp.stderr
