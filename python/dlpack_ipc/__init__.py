@@ -259,11 +259,16 @@ class Channel:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         try:
             self.close()
         except FileNotFoundError:
             pass  # removed meanwhile: nothing is left to end
+        except (OSError, ValueError):
+            # the block's exception is the one to see: a client closed or a daemon gone
+            # meanwhile (whose connection's end closed this producer already) does not replace it
+            if exc_type is None:
+                raise
         return False
 
     def send(self, obj, *, timeout=None):
