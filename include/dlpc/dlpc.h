@@ -780,7 +780,8 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * received stay valid until released. Channels do not survive a daemon restart.
  *
  * End of stream (protocol 1.10): a connection becomes a producer of a channel with its first
- * send to it (or dlpc_channel_close()). dlpc_channel_close() says this producer sends no more;
+ * send to it (or dlpc_channel_close(), from the channel's owner uid or root: another uid's
+ * close before it sent changes nothing). dlpc_channel_close() says this producer sends no more;
  * a producer's connection that ends (its process exits or crashes) counts as its close. Once
  * every producer has closed, and at least as many as the channel was opened for
  * (dlpc_channel_opts.producers, default 1), the stream has ended: receivers get every message
