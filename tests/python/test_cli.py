@@ -231,3 +231,45 @@ def test_a_per_user_socket_path_too_long_is_named_so(tmp_path):
     assert "is not set" not in cp.stderr, cp.stderr
     assert "$XDG_RUNTIME_DIR/dlpackd.sock is longer than a socket address" in cp.stderr, \
         cp.stderr
+
+
+def test_a_per_user_socket_of_another_uid_is_not_used(dlpackd_bin, tmp_path):
+    """A process whose XDG_RUNTIME_DIR is another user's (su keeps it) does not talk to the
+    daemon that user runs there: dlpc_connect(NULL) takes a per-user socket only where the
+    daemon answering it runs as this process's own uid (a hostile user's daemon would hand it
+    descriptors and tensors of its choosing)."""
+    import shutil
+    import tempfile
+    import time
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run a daemon as uid 65534")
+    if os.path.exists("/run/dlpackd/dlpackd.sock"):
+        pytest.skip("a system socket exists here: the search would reach it")
+    xdg = tempfile.mkdtemp(prefix="dlpc-xdg-")
+    os.chmod(xdg, 0o777)
+    sock = os.path.join(xdg, "dlpackd.sock")
+    d = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                          dlpackd_bin, "--socket", sock, "--socket-mode", "0666"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 15
+        while not os.path.exists(sock):
+            assert d.poll() is None and time.monotonic() < deadline, "dlpackd did not start"
+            time.sleep(0.01)
+        env = _child_env({"DLPACKD_SOCKET": None, "XDG_RUNTIME_DIR": xdg})
+        cp = subprocess.run([sys.executable, "-m", "dlpack_ipc", "ls"], env=env,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=60)
+        assert cp.returncode == 1, (cp.stdout, cp.stderr)
+        assert sock in cp.stderr and "uid 65534" in cp.stderr, cp.stderr
+        # named on purpose it is used: $DLPACKD_SOCKET is the caller's own choice
+        env["DLPACKD_SOCKET"] = sock
+        cp = subprocess.run([sys.executable, "-m", "dlpack_ipc", "ls"], env=env,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=60)
+        assert cp.returncode == 0, cp.stderr
+    finally:
+        d.terminate()
+        d.wait(timeout=15)
+        shutil.rmtree(xdg, ignore_errors=True)
