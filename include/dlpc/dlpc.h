@@ -215,7 +215,7 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
  * $DLPACKD_SOCKET when it is set; else the per-user socket, and the system socket when nothing
  * listens on the first (no such file, connection refused, or permission denied) or the daemon
  * answering it runs as another uid than the caller's effective uid (a process that inherited
- * another user's XDG_RUNTIME_DIR, as su keeps it: -EPERM if nothing else answers), stopping at
+ * another user's XDG_RUNTIME_DIR, as su keeps it; the error names it), stopping at
  * the first daemon that answers. On failure dlpc_last_error() names every path tried with its error
  * and, where a socket's permissions kept the caller out (-EACCES), the group the socket belongs
  * to and how to join it (`sudo usermod -aG GROUP $USER`, then log in again). The return value
