@@ -187,7 +187,8 @@ DLPC_EXPORT const char *dlpc_version(void);
  *
  * The rule (the same for every user, root included): $DLPACKD_SOCKET if set and not empty; else
  * $XDG_RUNTIME_DIR/dlpackd.sock (a per-user daemon's) if XDG_RUNTIME_DIR is set and that file
- * exists and belongs to the caller's effective uid; else DLPC_SYSTEM_SOCKET, the service's, whose users are the group `dlpack`.
+ * exists and belongs to the caller's effective uid; else DLPC_SYSTEM_SOCKET, the service's,
+ * whose users are the group `dlpack`.
  * dlpc_connect() with no path follows it, and also goes on to the system socket when nobody
  * listens on an existing per-user socket (a stale one). The library, the Python module and
  * dlpackctl all use this rule. A daemon started without --socket listens elsewhere: on
@@ -215,9 +216,9 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
  * $DLPACKD_SOCKET when it is set; else the per-user socket, and the system socket when nothing
  * listens on the first (no such file, connection refused, or permission denied) or the daemon
  * answering it runs as another uid than the caller's effective uid (a process that inherited
- * another user's XDG_RUNTIME_DIR, as su keeps it; the error names it), stopping at
- * the first daemon that answers. On failure dlpc_last_error() names every path tried with its error
- * and, where a socket's permissions kept the caller out (-EACCES), the group the socket belongs
+ * another user's XDG_RUNTIME_DIR, as su keeps it; the error names it), stopping at the first
+ * daemon that answers. On failure dlpc_last_error() names every path tried with its error and,
+ * where a socket's permissions kept the caller out (-EACCES), the group the socket belongs
  * to and how to join it (`sudo usermod -aG GROUP $USER`, then log in again). The return value
  * is then -EACCES if any path gave it, else the error of the last path tried.
  * @param socket_path the daemon's socket, or NULL to look for it (dlpc_default_socket()).
