@@ -259,7 +259,7 @@ class Channel:
     def __enter__(self):
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, *exc):
         try:
             self.close()
         except FileNotFoundError:
@@ -267,7 +267,7 @@ class Channel:
         except (OSError, ValueError):
             # the block's exception is the one to see: a client closed or a daemon gone
             # meanwhile (whose connection's end closed this producer already) does not replace it
-            if exc_type is None:
+            if exc[0] is None:
                 raise
         return False
 
