@@ -704,6 +704,18 @@ static int connect_at(const char *path, const char *rule, int64_t timeout, dlpc_
 			  rule ? ")" : "", hint);
 }
 
+/* The uid of the process at the other end of the connected socket @p sock: 0 or -errno. */
+static int peer_uid(int sock, uid_t *uid)
+{
+	struct ucred cr;
+	socklen_t len = sizeof(cr);
+
+	if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cr, &len) < 0)
+		return -errno;
+	*uid = cr.uid;
+	return 0;
+}
+
 /*
  * dlpc_connect(NULL): the places of dlpc__socket_candidates() in turn, going on to the next while
  * nobody listens at one (no socket, a stale one, or one this process may not use); a daemon that
@@ -723,7 +735,26 @@ static int connect_default(int64_t timeout, dlpc_client **ret)
 	if (cand[0].env)
 		return connect_at(cand[0].path, cand[0].rule, timeout, ret);
 	for (int i = 0; i < n; i++) {
+		uid_t uid = 0;
+
 		r = connect_dropped_again(cand[i].path, timeout, ret);
+		/* the per-user socket counts only where its daemon runs as this process's uid: one
+		 * that inherited another user's XDG_RUNTIME_DIR (su keeps it) must not take that
+		 * user's daemon, which would hand it descriptors of its choosing, for its own */
+		if (r >= 0 && i == 0 && n > 1 &&
+		    (peer_uid((*ret)->sock, &uid) < 0 || uid != geteuid())) {
+			dlpc_close(*ret);
+			*ret = NULL;
+			err = err == -EACCES ? err : -EPERM;
+			off += (size_t)snprintf(tried + off, sizeof(tried) - off,
+						"%s%s (%s): its daemon runs as uid %u, not as this "
+						"process's uid %u",
+						off ? "; " : "", cand[i].path, cand[i].rule,
+						(unsigned)uid, (unsigned)geteuid());
+			if (off >= sizeof(tried))
+				off = sizeof(tried) - 1;
+			continue;
+		}
 		if (r >= 0)
 			return r;
 		if (!nobody_there(r)) {
@@ -741,8 +772,13 @@ static int connect_default(int64_t timeout, dlpc_client **ret)
 		if (off >= sizeof(tried))
 			off = sizeof(tried) - 1;
 	}
+	/* (the per-user socket is left out where XDG_RUNTIME_DIR is unset, or too long) */
 	return dlpc__fail(err, "cannot connect to dlpackd: tried %s%s%s", tried,
-			  n < DLPC__SOCKPATHS_MAX ? " ($XDG_RUNTIME_DIR is not set)" : "",
+			  n == DLPC__SOCKPATHS_MAX ? ""
+			  : getenv("XDG_RUNTIME_DIR") && *getenv("XDG_RUNTIME_DIR")
+				  ? " ($XDG_RUNTIME_DIR/" DLPC_USER_SOCKET_NAME
+				    " is longer than a socket address allows)"
+				  : " ($XDG_RUNTIME_DIR is not set)",
 			  hint[0] ? hint
 				  : "; no dlpackd listens there: start one (the service, or "
 				    "'dlpackd' as yourself), or set $" DLPC_SOCKET_ENV

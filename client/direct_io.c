@@ -102,13 +102,15 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 			/* shut: removed (both ends shut both ways), its stream ended (the sending
 			 * end shut for writing), or shut by a process that joined; the caller
 			 * joins anew, and learns which */
-			if (e->ended)
+			if (hung_up(e->ends[0]))
+				/* removed since (maybe opened anew, for a new stream) */
+				r = waited ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
+					   : -ESHUTDOWN;
+			else if (e->ended)
 				r = dlpc__fail(-EPIPE,
 					       "cannot send to channel '%s': its stream has ended "
 					       "(every producer closed it)",
 					       channel);
-			else if (waited && hung_up(e->ends[0]))
-				r = dlpc__fail(-EIDRM, "channel '%s' was removed", channel);
 			else
 				r = -ESHUTDOWN;
 			break;

@@ -133,7 +133,8 @@ void dlpd_channel_empty(struct dlpd_server *s, struct dlpd_channel *ch, const ch
 /* h_channel.c: @p p a producer of @p ch (1.10): 0, or -EPIPE (the stream ended, or @p p
  * closed its side), -EDQUOT (DLPC_PRODUCING_MAX, memory) with why. */
 int dlpd_channel_produce(struct dlpd_peer *p, struct dlpd_channel *ch, char *why, size_t whylen);
-/* h_channel.c: @p p closes its side of @p ch (a record made if it had none): 0 or -EDQUOT. */
+/* h_channel.c: @p p closes its side of @p ch (a record made if it had none, unless @p p is of
+ * another uid than @p ch's and not root: then nothing changes): 0 or -EDQUOT. */
 int dlpd_channel_close_producer(struct dlpd_peer *p, struct dlpd_channel *ch, char *why,
 				size_t whylen);
 /* h_channel.c: end @p ch's stream now (close-all, or its last producer closed): waiting

@@ -477,7 +477,12 @@ int dlpd_channel_close_producer(struct dlpd_peer *p, struct dlpd_channel *ch, ch
 	struct dlpd_producer *pr = producer_find(p, ch);
 	int r = 0;
 
-	/* a connection that never sent closes as a producer that had nothing to send */
+	/* A connection of another uid that never sent has no part in the stream: its CLOSE
+	 * changes nothing. (Counted, it would let any uid end a stream whose producers have not
+	 * begun, with no message of its own: what close-all refuses it.) */
+	if (!pr && p->uid != 0 && p->uid != ch->uid)
+		return 0;
+	/* one of the owner's that never sent closes as a producer that had nothing to send */
 	if (!pr && !ch->ended)
 		pr = producer_new(p, ch, &r, why, whylen);
 	if (pr)

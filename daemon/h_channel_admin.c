@@ -235,13 +235,22 @@ static int channel_close(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Ch
 	return reply_info(p, id, ch, false);
 }
 
-/* PRODUCE (1.10): @p p will send to the direct channel @p ch (the daemon sees no message). */
+/* PRODUCE (1.10): @p p will send to the direct channel @p ch (the daemon sees no message);
+ * EPROTOTYPE for a queued one. */
 static int channel_produce(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch,
 			   const char *name)
 {
 	char why[256];
-	int r = dlpd_channel_produce(p, ch, why, sizeof(why));
+	int r;
 
+	/* a queued channel's producers are the connections that send to it: a PRODUCE would
+	 * hold its stream open with no message, unseen */
+	if (ch->ends[0] < 0)
+		return dlpd_reply_error(p, id, EPROTOTYPE,
+					"channel '%s' is queued by dlpackd, not direct: its "
+					"producers are the connections that send to it",
+					name);
+	r = dlpd_channel_produce(p, ch, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot send to channel '%s': %s", name, why);
 	return reply_info(p, id, ch, false);

@@ -55,8 +55,9 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len)
 
 	if (n < 0)
 		return n;
-	/* the per-user socket counts only where it exists; the system socket is the last word */
-	if (n > 1 && stat(cand[0].path, &st) < 0)
+	/* the per-user socket counts only where it exists, and is this user's (dlpc_connect()
+	 * checks the daemon's uid); the system socket is the last word */
+	if (n > 1 && (stat(cand[0].path, &st) < 0 || st.st_uid != geteuid()))
 		i = 1;
 	return put(buf, len, cand[i].path, NULL);
 }

@@ -187,7 +187,8 @@ DLPC_EXPORT const char *dlpc_version(void);
  *
  * The rule (the same for every user, root included): $DLPACKD_SOCKET if set and not empty; else
  * $XDG_RUNTIME_DIR/dlpackd.sock (a per-user daemon's) if XDG_RUNTIME_DIR is set and that file
- * exists; else DLPC_SYSTEM_SOCKET, the service's, whose users are the group `dlpack`.
+ * exists and belongs to the caller's effective uid; else DLPC_SYSTEM_SOCKET, the service's,
+ * whose users are the group `dlpack`.
  * dlpc_connect() with no path follows it, and also goes on to the system socket when nobody
  * listens on an existing per-user socket (a stale one). The library, the Python module and
  * dlpackctl all use this rule. A daemon started without --socket listens elsewhere: on
@@ -213,9 +214,11 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
  * -EDQUOT at once, with dlpackd's words.
  * With @p socket_path NULL, the places of dlpc_default_socket() are tried in turn: only
  * $DLPACKD_SOCKET when it is set; else the per-user socket, and the system socket when nothing
- * listens on the first (no such file, connection refused, or permission denied), stopping at the
- * first daemon that answers. On failure dlpc_last_error() names every path tried with its error
- * and, where a socket's permissions kept the caller out (-EACCES), the group the socket belongs
+ * listens on the first (no such file, connection refused, or permission denied) or the daemon
+ * answering it runs as another uid than the caller's effective uid (a process that inherited
+ * another user's XDG_RUNTIME_DIR, as su keeps it; the error names it), stopping at the first
+ * daemon that answers. On failure dlpc_last_error() names every path tried with its error and,
+ * where a socket's permissions kept the caller out (-EACCES), the group the socket belongs
  * to and how to join it (`sudo usermod -aG GROUP $USER`, then log in again). The return value
  * is then -EACCES if any path gave it, else the error of the last path tried.
  * @param socket_path the daemon's socket, or NULL to look for it (dlpc_default_socket()).
@@ -780,7 +783,8 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * received stay valid until released. Channels do not survive a daemon restart.
  *
  * End of stream (protocol 1.10): a connection becomes a producer of a channel with its first
- * send to it (or dlpc_channel_close()). dlpc_channel_close() says this producer sends no more;
+ * send to it (or dlpc_channel_close(), from the channel's owner uid or root: another uid's
+ * close before it sent changes nothing). dlpc_channel_close() says this producer sends no more;
  * a producer's connection that ends (its process exits or crashes) counts as its close. Once
  * every producer has closed, and at least as many as the channel was opened for
  * (dlpc_channel_opts.producers, default 1), the stream has ended: receivers get every message

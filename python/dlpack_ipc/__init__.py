@@ -264,6 +264,11 @@ class Channel:
             self.close()
         except FileNotFoundError:
             pass  # removed meanwhile: nothing is left to end
+        except (OSError, ValueError):
+            # the block's exception is the one to see: a client closed or a daemon gone
+            # meanwhile (whose connection's end closed this producer already) does not replace it
+            if exc[0] is None:
+                raise
         return False
 
     def send(self, obj, *, timeout=None):

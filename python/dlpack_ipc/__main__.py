@@ -82,7 +82,7 @@ def cmd_ls(args):
     with _client(args) as c:
         try:
             entries = c.list(args.prefix)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a name the library refuses
             raise _Failed(f"ls '{_text(args.prefix)}': {_reason(e)}") from None
     rows = []
     for ent in entries:
@@ -103,7 +103,7 @@ def cmd_rm(args):
         for name in args.names:
             try:
                 c.unpublish(name)
-            except OSError as e:
+            except (OSError, ValueError) as e:  # ValueError: a name the library refuses
                 print(f"{PROG}: rm '{_text(name)}': {_reason(e)}", file=sys.stderr)
                 failed += 1
     return EXIT_FAILED if failed else 0
@@ -125,7 +125,7 @@ def cmd_channels(args):
     with _client(args) as c:
         try:
             chans = c.channels(args.prefix)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a name the library refuses
             raise _Failed(f"channels '{_text(args.prefix)}': {_reason(e)}") from None
     rows = []
     for ch in chans:
@@ -159,7 +159,7 @@ def _event_line(ev):
 def cmd_watch(args):
     try:
         w = dlpack_ipc.Watch(args.prefix, socket=args.socket)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a name the library refuses
         raise _Failed(f"watch '{_text(args.prefix)}': {_reason(e)}") from None
     with w:
         try:

@@ -271,7 +271,7 @@ PyObject *ipc_client_send_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
 					 &timeout) ||
 	    timeout_ms(timeout, &ms) < 0)
 		return NULL;
-	items = PyMapping_Items(mapping);
+	items = ipc_mapping_items("send to channel", name, mapping);
 	if (!items)
 		return NULL;
 	n = PyList_Size(items);

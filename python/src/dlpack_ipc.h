@@ -145,5 +145,8 @@ int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssi
  * '@p name': key ..."). The one check of publish_dict() and Channel.send_dict() (publish.c).
  */
 const char *ipc_bundle_key(const char *verb, const char *name, PyObject *k);
+/* publish.c: the items of @p mapping, for publish_dict() (@p verb "publish") or send_dict()
+ * ("send to channel"); NULL with TypeError naming the call where it is not a mapping. */
+PyObject *ipc_mapping_items(const char *verb, const char *name, PyObject *mapping);
 
 #endif

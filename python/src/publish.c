@@ -198,6 +198,28 @@ PyObject *ipc_client_publish(PyObject *obj, PyObject *args, PyObject *kwargs)
 			       publish_flags(replace, ephemeral, writable));
 }
 
+PyObject *ipc_mapping_items(const char *verb, const char *name, PyObject *mapping)
+{
+	bool send = strcmp(verb, "publish") != 0;
+	PyObject *items = PyMapping_Check(mapping) ? PyMapping_Items(mapping) : NULL, *tn;
+
+	if (items)
+		return items;
+	tn = PyType_GetQualName(Py_TYPE(mapping));
+	/* a non-mapping lacks items(): say what is wanted, not that an attribute is missing */
+	if (tn && (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_AttributeError))) {
+		PyErr_Clear();
+		PyErr_Format(PyExc_TypeError,
+			     "cannot %s '%s': %s takes a mapping of str keys to tensors, not %U%s",
+			     verb, name, send ? "send_dict()" : "publish_dict()", tn,
+			     !PyObject_HasAttrString(mapping, "__dlpack__") ? ""
+			     : send ? " (send() sends one tensor)"
+				    : " (publish() publishes one tensor)");
+	}
+	Py_XDECREF(tn);
+	return NULL;
+}
+
 PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
 	static char *kwlist[] = {"name", "mapping", "replace", "ephemeral", "writable", NULL};
@@ -209,25 +231,9 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO|$ppp:publish_dict", kwlist, &name,
 					 &mapping, &replace, &ephemeral, &writable))
 		return NULL;
-	items = PyMapping_Check(mapping) ? PyMapping_Items(mapping) : NULL;
-	if (!items) {
-		PyObject *tn = PyType_GetQualName(Py_TYPE(mapping));
-
-		/* a non-mapping lacks items(): say what is wanted, not that an attribute is missing */
-		if (tn && (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_AttributeError))) {
-			PyErr_Clear();
-			PyErr_Format(
-				PyExc_TypeError,
-				"cannot publish '%s': publish_dict() takes a mapping of str keys "
-				"to tensors, not %U%s",
-				name, tn,
-				PyObject_HasAttrString(mapping, "__dlpack__")
-					? " (publish() publishes one tensor)"
-					: "");
-		}
-		Py_XDECREF(tn);
+	items = ipc_mapping_items("publish", name, mapping);
+	if (!items)
 		return NULL;
-	}
 	n = PyList_Size(items);
 	if (n == 0) {
 		PyErr_SetString(PyExc_ValueError, "cannot publish an empty mapping");

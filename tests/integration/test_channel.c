@@ -497,6 +497,50 @@ START_TEST(test_end_close_all)
 }
 END_TEST
 
+/* uid 65534, which never sent to root's channel, closes it from two connections: without a
+ * message of its own that changes nothing (else it would end another uid's stream, which
+ * close-all refuses it). */
+static int bare_close_other_uid(void *arg)
+{
+	(void)arg;
+	CHILD_CHECK(setgroups(0, NULL) == 0 && setgid(NOBODY) == 0 && setuid(NOBODY) == 0);
+	for (int k = 0; k < 2; k++) {
+		dlpc_client *c = child_connect();
+
+		CHILD_CHECK(dlpc_channel_close(c, "bare") == 0);
+		dlpc_close(c);
+	}
+	return 0;
+}
+
+START_TEST(test_end_other_uid_bare_close)
+{
+	dlpc_client *c = connect_or_die(&D), *p = connect_or_die(&D);
+	dlpc_channel_opts o = {.size = sizeof(o), .producers = 2};
+	dlpc_channel_info i;
+	int64_t v;
+
+	daemon_open_for_others(&D);
+	ck_assert_dlpc(dlpc_channel_open_opts(c, "bare", &o, NULL), 1);
+	ck_assert_int_eq(wait_child(spawn(bare_close_other_uid, NULL)), 0);
+	i = chan_or_die(c, "bare");
+	ck_assert(!(i.flags & DLPC_CHANNEL_ENDED));
+	ck_assert_uint_eq(i.producers_closed, 0);
+	/* root's two producers: the stream is theirs */
+	ck_assert_dlpc(send_value(p, "bare", 5, 1, 0, -1), 0);
+	ck_assert_dlpc(dlpc_channel_close(p, "bare"), 0);
+	ck_assert(!(chan_or_die(c, "bare").flags & DLPC_CHANNEL_ENDED));
+	ck_assert_dlpc(dlpc_channel_close(c, "bare"), 0);
+	ck_assert(chan_or_die(c, "bare").flags & DLPC_CHANNEL_ENDED);
+	ck_assert_dlpc(recv_value(c, "bare", 0, &v, NULL), 0);
+	ck_assert_int_eq(v, 5);
+	ck_assert_dlpc(recv_value(c, "bare", 0, &v, NULL), -EPIPE);
+	ck_assert_dlpc(dlpc_channel_remove(c, "bare"), 0);
+	dlpc_close(p);
+	dlpc_close(c);
+}
+END_TEST
+
 /* remove() keeps its meaning after an end: what is queued is dropped. */
 START_TEST(test_end_then_remove_drops)
 {
@@ -1497,6 +1541,7 @@ int main(void)
 	tcase_add_test(tc, test_end_two_producers);
 	tcase_add_test(tc, test_end_wakes_waiter);
 	tcase_add_test(tc, test_end_close_all);
+	tcase_add_test(tc, test_end_other_uid_bare_close);
 	tcase_add_test(tc, test_end_then_remove_drops);
 	tcase_add_test(tc, test_ordinary_session_quiet);
 	tcase_add_test(tc, test_remove_frees);

@@ -373,6 +373,69 @@ START_TEST(test_end_two_producers)
 }
 END_TEST
 
+/* Another process removes "d/next" and opens it anew, for a new stream. */
+static int next_stream(void *arg)
+{
+	dlpc_client *c = child_connect();
+
+	(void)arg;
+	CHILD_CHECK(dlpc_channel_remove(c, "d/next") == 0);
+	CHILD_CHECK(open_direct(c, "d/next", 0, NULL) == 1);
+	dlpc_close(c);
+	return 0;
+}
+
+/* A process that read one stream to its end (its endpoint learned the end) sends on the next
+ * stream of the name, made by another process after a removal: the old end does not stick. */
+START_TEST(test_end_then_new_stream_send)
+{
+	dlpc_client *c = connect_or_die(&D);
+	int64_t v = -1;
+
+	ck_assert_dlpc(open_direct(c, "d/next", 0, NULL), 1);
+	ck_assert_dlpc(send_value(c, "d/next", 3, 1, 0, -1), 0);
+	ck_assert_dlpc(dlpc_channel_close(c, "d/next"), 0);
+	ck_assert_dlpc(recv_value(c, "d/next", 0, &v, NULL, NULL), 0);
+	ck_assert_int_eq(v, 3);
+	ck_assert_dlpc(recv_value(c, "d/next", 0, &v, NULL, NULL), -EPIPE);
+	ck_assert_int_eq(wait_child(spawn(next_stream, NULL)), 0);
+	ck_assert_dlpc(send_value(c, "d/next", 4, 1, 0, -1), 0);
+	ck_assert_dlpc(recv_value(c, "d/next", 0, &v, NULL, NULL), 0);
+	ck_assert_int_eq(v, 4);
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/next"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* PRODUCE is for a direct channel, whose messages the daemon never sees: on a queued one
+ * (whose producers are the connections that send to it) it is refused, and makes no producer
+ * that would hold the stream open, unseen, until its connection ends. */
+START_TEST(test_produce_on_queued_refused)
+{
+	Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
+	dlpc_client *c = connect_or_die(&D);
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+	char msg[256] = "";
+	int fd = raw_connect(&D), fds[4];
+
+	raw_hello_minor(fd, DLPC_PROTO_MINOR);
+	ck_assert_dlpc(dlpc_channel_open(c, "d/pq", 0, NULL), 1);
+	co.op = 6;
+	co.name.data = (uint8_t *)"d/pq";
+	co.name.len = 4;
+	raw_send(fd, DLPC_MSG_CHANNEL, 9, &co.base, NULL, 0);
+	ck_assert_uint_eq(raw_recv_all(fd, &h, buf, sizeof(buf), fds), 0);
+	ck_assert_uint_eq(h.type, DLPC_MSG_ERROR);
+	ck_assert_int_eq(error_code(buf, h.len, msg, sizeof(msg)), EPROTOTYPE);
+	ck_assert_ptr_nonnull(strstr(msg, "'d/pq'"));
+	ck_assert_uint_eq(chan_or_die(c, "d/pq").producers, 0);
+	close(fd);
+	ck_assert_dlpc(dlpc_channel_remove(c, "d/pq"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
 /* A receiver waiting on an empty direct channel: its first message, then the end. */
 static int end_waiter(void *arg)
 {
@@ -1533,6 +1596,8 @@ int main(void)
 	tcase_add_test(tc, test_daemon_killed);
 	tcase_add_test(tc, test_kinds);
 	tcase_add_test(tc, test_end_two_producers);
+	tcase_add_test(tc, test_end_then_new_stream_send);
+	tcase_add_test(tc, test_produce_on_queued_refused);
 	tcase_add_test(tc, test_end_wakes_waiter);
 	tcase_add_test(tc, test_end_producer_crash);
 	tcase_add_test(tc, test_end_close_all);

@@ -664,3 +664,27 @@ def test_ordinary_channel_use_logs_no_warning(ipc, daemon):
         ch.remove()
     daemon.wait_stat(lambda s: s["channels"] == 0, what="the channels removed")
     assert ": warning: " not in daemon.log_text()
+
+
+def test_with_block_exception_survives_a_failed_close(ipc, daemon):
+    """The exception raised in a `with channel` block is the one that propagates, even when
+    the close on leaving then fails (here the block closed the client: its connection, and
+    with it this producer, ended already)."""
+    import dlpack_ipc
+    c = dlpack_ipc.Client()
+    with pytest.raises(KeyError):
+        with dlpack_ipc.channel("with/err", client=c) as ch:
+            ch.send(np.zeros(2), timeout=0)
+            c.close()
+            raise KeyError("b")
+    # the message sent before stays for the consumer, then the end (the producer went)
+    rx = ipc.channel("with/err")
+    assert rx.recv(timeout=0).torch().tolist() == [0.0, 0.0]
+    with pytest.raises(dlpack_ipc.ChannelClosed):
+        rx.recv(timeout=0)
+    # without an exception in the block, the close's own error is the one to see
+    c = dlpack_ipc.Client()
+    with pytest.raises(ValueError):
+        with dlpack_ipc.channel("with/err", client=c):
+            c.close()
+    rx.remove()

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """python -m dlpack_ipc: dlpackctl's ls, rm, stat, watch and channels for pip users, run as a
 command against a real daemon."""
+import os
 import re
 import signal
 import subprocess
@@ -206,3 +207,69 @@ def test_names_with_control_characters_are_escaped(ipc, daemon):
 def test_nothing_there_prints_the_heading(ipc, daemon, cmd):
     cp = cli(cmd, socket=daemon.socket)
     assert cp.returncode == 0 and len(cp.stdout.splitlines()) == 1, cp.stdout
+
+
+@pytest.mark.parametrize("cmd", ["ls", "rm", "channels", "watch"])
+def test_a_name_too_long_is_one_line_and_exit_1(daemon, cmd):
+    # refused by the library before it asks the daemon: one line naming the limit, no traceback
+    cp = cli(cmd, "n" * 300, socket=daemon.socket)
+    assert cp.returncode == 1, (cmd, cp.stderr)
+    assert len(cp.stderr.splitlines()) == 1 and "Traceback" not in cp.stderr, cp.stderr
+    assert cp.stderr.startswith(f"{PROG}: {cmd} ") and "255" in cp.stderr, cp.stderr
+
+
+def test_a_per_user_socket_path_too_long_is_named_so(tmp_path):
+    # XDG_RUNTIME_DIR set, but its dlpackd.sock longer than a socket address: the connect error
+    # says that, not that the variable is not set
+    if os.path.exists("/run/dlpackd/dlpackd.sock"):
+        pytest.skip("a system socket exists here: the search would reach it")
+    xdg = str(tmp_path / ("x" * 120))
+    cp = subprocess.run([sys.executable, "-m", "dlpack_ipc", "ls"],
+                        env=_child_env({"DLPACKD_SOCKET": None, "XDG_RUNTIME_DIR": xdg}),
+                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 1, cp.stderr
+    assert "is not set" not in cp.stderr, cp.stderr
+    assert "$XDG_RUNTIME_DIR/dlpackd.sock is longer than a socket address" in cp.stderr, \
+        cp.stderr
+
+
+def test_a_per_user_socket_of_another_uid_is_not_used(dlpackd_bin, tmp_path):
+    """A process whose XDG_RUNTIME_DIR is another user's (su keeps it) does not talk to the
+    daemon that user runs there: dlpc_connect(NULL) takes a per-user socket only where the
+    daemon answering it runs as this process's own uid (a hostile user's daemon would hand it
+    descriptors and tensors of its choosing)."""
+    import shutil
+    import tempfile
+    import time
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run a daemon as uid 65534")
+    if os.path.exists("/run/dlpackd/dlpackd.sock"):
+        pytest.skip("a system socket exists here: the search would reach it")
+    xdg = tempfile.mkdtemp(prefix="dlpc-xdg-")
+    os.chmod(xdg, 0o777)
+    sock = os.path.join(xdg, "dlpackd.sock")
+    d = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                          dlpackd_bin, "--socket", sock, "--socket-mode", "0666"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 15
+        while not os.path.exists(sock):
+            assert d.poll() is None and time.monotonic() < deadline, "dlpackd did not start"
+            time.sleep(0.01)
+        env = _child_env({"DLPACKD_SOCKET": None, "XDG_RUNTIME_DIR": xdg})
+        cp = subprocess.run([sys.executable, "-m", "dlpack_ipc", "ls"], env=env,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=60)
+        assert cp.returncode == 1, (cp.stdout, cp.stderr)
+        assert sock in cp.stderr and "uid 65534" in cp.stderr, cp.stderr
+        # named on purpose it is used: $DLPACKD_SOCKET is the caller's own choice
+        env["DLPACKD_SOCKET"] = sock
+        cp = subprocess.run([sys.executable, "-m", "dlpack_ipc", "ls"], env=env,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=60)
+        assert cp.returncode == 0, cp.stderr
+    finally:
+        d.terminate()
+        d.wait(timeout=15)
+        shutil.rmtree(xdg, ignore_errors=True)

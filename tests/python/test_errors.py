@@ -233,6 +233,14 @@ def test_a_mapping_where_a_tensor_goes_names_the_dict_call(ipc, daemon):
             ipc.publish_dict("sd", obj)
         assert str(ei.value) == (f"cannot publish 'sd': publish_dict() takes a mapping of str "
                                  f"keys to tensors, not {type(obj).__name__}{hint}")
+    # what is not a mapping, given to send_dict(): the same TypeError, in a channel's words
+    for obj, hint in ((np.zeros(2), " (send() sends one tensor)"), ([1, 2], ""), (3, "")):
+        with pytest.raises(TypeError) as ei:
+            ch.send_dict(obj, timeout=0)
+        assert str(ei.value) == (f"cannot send to channel 'err/ch': send_dict() takes a "
+                                 f"mapping of str keys to tensors, not "
+                                 f"{type(obj).__name__}{hint}")
+    assert ch.stat().depth == 0
     ch.remove()
     assert ipc.list() == [] and daemon.stat()["protocol_errors"] == 0
 
