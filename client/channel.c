@@ -82,6 +82,7 @@ static int channel_call(dlpc_client *c, uint32_t op, const char *name, uint32_t 
 {
 	Dlpackd__V1__Channel req = DLPACKD__V1__CHANNEL__INIT;
 	Dlpackd__V1__ChannelReply *rep;
+	struct dlpc__call_info cinfo = {0};
 	int r;
 
 	if (!c)
@@ -102,11 +103,14 @@ static int channel_call(dlpc_client *c, uint32_t op, const char *name, uint32_t 
 	req.capacity = capacity;
 	req.flags = flags;
 	req.producers = producers;
-	r = dlpc__call(c, DLPC_MSG_CHANNEL, &req.base, NULL, 0,
-		       &dlpackd__v1__channel_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
-		       NULL);
-	if (r == -EPIPE && dlpc__check(c) < 0)
-		return dlpc__check(c); /* a lost connection is never the end of a stream */
+	r = dlpc__call_ex(c, DLPC_MSG_CHANNEL, &req.base, NULL, 0, 0, &cinfo,
+			  &dlpackd__v1__channel_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
+			  NULL);
+	/* -EPIPE is the end of a stream only when dlpackd said so: a connection found closed is
+	 * not (as for a send or a receive) */
+	if (r == -EPIPE && !cinfo.answered)
+		return dlpc__fail(-ECONNRESET, "cannot %s channel '%s': %s", what, name,
+				  "the connection to dlpackd was lost");
 	if (r < 0)
 		return r;
 	if (!rep->channel) {

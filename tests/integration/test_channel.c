@@ -559,6 +559,25 @@ START_TEST(test_end_then_remove_drops)
 }
 END_TEST
 
+/* -EPIPE from a channel call is the end of a stream only: a daemon gone under a close, a remove or
+ * an open reads as a lost connection (-ECONNRESET), as it does for a send or a receive. */
+START_TEST(test_lost_connection_is_not_the_end)
+{
+	struct daemon q;
+	dlpc_client *c;
+
+	daemon_start(&q);
+	c = connect_or_die(&q);
+	ck_assert_dlpc(dlpc_channel_open(c, "gone", 4, NULL), 1);
+	ck_assert_dlpc(send_value(c, "gone", 1, 1, 0, -1), 0);
+	daemon_stop(&q);
+	ck_assert_dlpc(dlpc_channel_close(c, "gone"), -ECONNRESET);
+	ck_assert_dlpc(dlpc_channel_remove(c, "gone"), -ECONNRESET);
+	ck_assert_dlpc(dlpc_channel_open(c, "gone", 4, NULL), -ECONNRESET);
+	dlpc_close(c);
+}
+END_TEST
+
 /* A producer's record is charged to its uid's --max-memory-per-uid, and given back with the
  * channel. */
 START_TEST(test_end_memory_charged)
@@ -1559,6 +1578,7 @@ int main(void)
 	tcase_add_test(tc, test_quota);
 	tcase_add_test(tc, test_end_limits);
 	tcase_add_test(tc, test_end_memory_charged);
+	tcase_add_test(tc, test_lost_connection_is_not_the_end);
 	tcase_add_test(tc, test_connection_limits);
 	suite_add_tcase(s, tc);
 	return run_suite(s);
