@@ -212,7 +212,8 @@ class Channel:
     when producers start at different times, pass producers=N, or the first to finish may end
     the stream before the others begin. close() on a Channel that only received does nothing,
     so a consumer may use `with` too; close() on one that neither sent nor received counts as
-    a producer with nothing to send. close(all=True) ends the stream at once for every producer
+    a producer with nothing to send where this process runs as the channel's owner uid or root
+    (of another uid, it does nothing: another uid takes part by sending). close(all=True) ends the stream at once for every producer
     (the channel's owner uid, or root). After the end, send() raises BrokenPipeError; the
     channel stays ended until remove(), and is then opened anew for a new stream.
 
