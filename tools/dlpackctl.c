@@ -459,12 +459,29 @@ static const char *waiting_text(uint32_t recv, uint32_t send, char *buf, size_t 
 	return buf;
 }
 
+/* STATE of 'channels': "open" or "ended", and once producers are known or more than one is
+ * expected, ", C/N closed": C closed of the N closes the end waits for as known now (those
+ * expected, or more where more producers came). */
+static const char *state_text(const dlpc_channel_info *i, char *buf, size_t len)
+{
+	const char *word = (i->flags & DLPC_CHANNEL_ENDED) ? "ended" : "open";
+	uint32_t known = i->producers + i->producers_closed;
+	uint32_t need = i->producers_expected > known ? i->producers_expected : known;
+
+	if (!known && need <= 1)
+		snprintf(buf, len, "%s", word);
+	else
+		snprintf(buf, len, "%s, %u/%u closed", word, (unsigned)i->producers_closed,
+			 (unsigned)need);
+	return buf;
+}
+
 static int cmd_channels(dlpc_client *c, const struct args *a)
 {
 	const char *prefix = a->npos ? a->pos[0] : "";
-	static const char *const head[] = {"NAME", "KIND",     "DEPTH",	  "QUEUED",
-					   "SENT", "RECEIVED", "WAITING", "OWNER"};
-	enum { NCOL = 8 };
+	static const char *const head[] = {"NAME",     "KIND",	  "DEPTH", "QUEUED", "SENT",
+					   "RECEIVED", "WAITING", "STATE", "OWNER"};
+	enum { NCOL = 9 };
 	dlpc_channel_info *v;
 	size_t n;
 	int r = dlpc_channel_list(c, prefix, &v, &n);
@@ -490,6 +507,9 @@ static int cmd_channels(dlpc_client *c, const struct args *a)
 				{"receivers_waiting", v[i].receivers_waiting},
 				{"senders_waiting", v[i].senders_waiting},
 				{"owner_uid", v[i].owner_uid},
+				{"producers", v[i].producers},
+				{"producers_closed", v[i].producers_closed},
+				{"producers_expected", v[i].producers_expected},
 			};
 
 			json_obj_begin(&j);
@@ -505,6 +525,8 @@ static int cmd_channels(dlpc_client *c, const struct args *a)
 			json_i64(&j, v[i].created_ns);
 			json_key(&j, "direct");
 			json_bool(&j, (v[i].flags & DLPC_CHANNEL_DIRECT) != 0);
+			json_key(&j, "ended");
+			json_bool(&j, (v[i].flags & DLPC_CHANNEL_ENDED) != 0);
 			json_obj_end(&j);
 		}
 		json_arr_end(&j);
@@ -531,7 +553,8 @@ static int cmd_channels(dlpc_client *c, const struct args *a)
 		for (int k = 1; k < NCOL; k++)
 			row[k] = cells[i][k];
 		snprintf(cells[i][2], sizeof(cells[i][2]), "%u/%u", v[i].depth, v[i].capacity);
-		snprintf(cells[i][7], sizeof(cells[i][7]), "%s/%d",
+		state_text(&v[i], cells[i][7], sizeof(cells[i][7]));
+		snprintf(cells[i][8], sizeof(cells[i][8]), "%s/%d",
 			 user_text(v[i].owner_uid, user, sizeof(user)), (int)v[i].owner_pid);
 		/* a direct channel's messages never pass the daemon: it counts only the queue */
 		if (v[i].flags & DLPC_CHANNEL_DIRECT) {
@@ -909,7 +932,9 @@ static const struct command {
 	{"channels", 0, 1, true, false, "[PREFIX] [--json]",
 	 "List the channels whose names start with PREFIX: NAME, KIND (queued or direct),\n"
 	 "DEPTH (queued/capacity), QUEUED (bytes), SENT, RECEIVED, WAITING (receivers and\n"
-	 "senders waiting: '-' for none, else '2 recv, 1 send') and OWNER (user/pid).\n"
+	 "senders waiting: '-' for none, else '2 recv, 1 send'), STATE (the stream: 'open'\n"
+	 "or 'ended', with ', 1/2 closed' once producers are known or several are expected:\n"
+	 "producers closed of the closes its end waits for) and OWNER (user/pid).\n"
 	 "--json: one JSON array of objects.\n"},
 	{"rmchan", 1, 1, false, false, "NAME",
 	 "Remove the channel NAME and the messages it queues.\n"},

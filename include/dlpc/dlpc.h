@@ -209,9 +209,10 @@ DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
  * made again (an upgrade in place closes the connections its old image accepted; the new image
  * answers on the same socket): pausing 10 ms at first, then up to DLPC_RECONNECT_BACKOFF_MAX_MS,
  * until $DLPC_CALL_TIMEOUT_MS has passed since the call began (without one, for at most
- * DLPC_RECONNECT_DROPS_MAX connections), when it fails with -ECONNRESET or -EPIPE. A refusal (over a quota, another protocol) comes with its reason and is not retried,
- * also one that closes the connection as soon as it is accepted (a uid far over its limits):
- * -EDQUOT at once, with dlpackd's words.
+ * DLPC_RECONNECT_DROPS_MAX connections), when it fails with -ECONNRESET or -EPIPE. A refusal
+ * (over a quota, another protocol) comes with its reason and is not retried, also one that
+ * closes the connection as soon as it is accepted (a uid far over its limits): -EDQUOT at once,
+ * with dlpackd's words.
  * With @p socket_path NULL, the places of dlpc_default_socket() are tried in turn: only
  * $DLPACKD_SOCKET when it is set; else the per-user socket, and the system socket when nothing
  * listens on the first (no such file, connection refused, or permission denied) or the daemon
@@ -384,8 +385,8 @@ DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg);
  * an attacher may still be using the memory. The same holds when such a publish ends with
  * -EINTR, -ETIMEDOUT, -ECANCELED or a lost connection after the request went out: the entry
  * may exist, so @p t is kept as if published. A request that never went out (the connection
- * was lost, or the client closed, before; connecting anew failed) gives @p t back. In a child forked from a process that used CUDA through the library, CUDA
- * tensors get -EBADFD.
+ * was lost, or the client closed, before; connecting anew failed) gives @p t back. In a child
+ * forked from a process that used CUDA through the library, CUDA tensors get -EBADFD.
  * @param flags DLPC_PUBLISH_* bits.
  * Unless published DLPC_PUBLISH_WRITABLE, the storage is sealed with F_SEAL_WRITE (plus
  * SHRINK, GROW and SEAL): from then on nobody can change it, the publisher included, and the

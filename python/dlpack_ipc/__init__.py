@@ -100,19 +100,20 @@ CHANNEL_CAPACITY_MAX = 65536  # DLPC_CHANNEL_CAPACITY_MAX
 ChannelInfo = namedtuple("ChannelInfo",
                          "name capacity depth bytes_queued sent received receivers_waiting "
                          "senders_waiting owner created direct ended producers "
-                         "producers_closed")
+                         "producers_closed producers_expected")
 ChannelInfo.__doc__ = """A channel: depth messages queued (bytes_queued bytes) of capacity, sent
 and received since it was opened, receivers and senders waiting now, the Owner that opened it,
 created in seconds since the epoch, whether it is direct (its messages go between the
-processes; dlpackd counts only depth, the rest reads 0), whether its stream has ended, and its
-producers that have not closed and that have."""
+processes; dlpackd counts only depth, the rest reads 0), whether its stream has ended, its
+producers that have not closed and that have, and producers_expected: the closes its end waits
+for at least (as opened; 0 from a daemon before protocol 1.10)."""
 
 
 def _channel_info(d):
     return ChannelInfo(d["name"], d["capacity"], d["depth"], d["bytes_queued"], d["sent"],
                        d["received"], d["receivers_waiting"], d["senders_waiting"],
                        Owner(d["uid"], d["pid"]), d["created"], d["direct"], d["ended"],
-                       d["producers"], d["producers_closed"])
+                       d["producers"], d["producers_closed"], d["producers_expected"])
 
 
 class ChannelClosed(EOFError):
@@ -211,7 +212,8 @@ class Channel:
     when producers start at different times, pass producers=N, or the first to finish may end
     the stream before the others begin. close() on a Channel that only received does nothing,
     so a consumer may use `with` too; close() on one that neither sent nor received counts as
-    a producer with nothing to send. close(all=True) ends the stream at once for every producer
+    a producer with nothing to send where this process runs as the channel's owner uid or root
+    (of another uid, it does nothing: another uid takes part by sending). close(all=True) ends the stream at once for every producer
     (the channel's owner uid, or root). After the end, send() raises BrokenPipeError; the
     channel stays ended until remove(), and is then opened anew for a new stream.
 

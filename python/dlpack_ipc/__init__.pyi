@@ -183,6 +183,7 @@ class ChannelInfo(NamedTuple):
     ended: bool
     producers: int
     producers_closed: int
+    producers_expected: int
 
 class ChannelClosed(EOFError): ...
 

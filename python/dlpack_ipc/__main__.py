@@ -121,6 +121,17 @@ def cmd_stat(args):
     return 0
 
 
+def _state(ch):
+    """STATE of channels: "open" or "ended", and once producers are known or several are
+    expected, ", C/N closed": C closed of the N closes the end waits for as known now."""
+    word = "ended" if ch.ended else "open"
+    known = ch.producers + ch.producers_closed
+    need = max(ch.producers_expected, known)
+    if not known and need <= 1:
+        return word
+    return f"{word}, {ch.producers_closed}/{need} closed"
+
+
 def cmd_channels(args):
     with _client(args) as c:
         try:
@@ -132,13 +143,14 @@ def cmd_channels(args):
         owner = f"{_user(ch.owner.uid)}/{ch.owner.pid}"
         depth = f"{ch.depth}/{ch.capacity}"
         if ch.direct:  # its messages never pass the daemon: it counts only the queue
-            rows.append([_text(ch.name), "direct", depth, "-", "-", "-", "-", owner])
+            rows.append([_text(ch.name), "direct", depth, "-", "-", "-", "-", _state(ch), owner])
             continue
         waiting = ", ".join(f"{n} {who}" for n, who in ((ch.receivers_waiting, "recv"),
                                                         (ch.senders_waiting, "send")) if n)
         rows.append([_text(ch.name), "queued", depth, _size(ch.bytes_queued), ch.sent, ch.received,
-                     waiting or "-", owner])
-    _table(["NAME", "KIND", "DEPTH", "QUEUED", "SENT", "RECEIVED", "WAITING", "OWNER"], rows)
+                     waiting or "-", _state(ch), owner])
+    _table(["NAME", "KIND", "DEPTH", "QUEUED", "SENT", "RECEIVED", "WAITING", "STATE", "OWNER"],
+           rows)
     return 0
 
 

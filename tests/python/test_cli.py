@@ -86,15 +86,40 @@ def test_channels_lists_both_kinds_aligned(ipc, daemon):
     assert cp.returncode == 0 and cp.stderr == "", cp.stderr
     head, *rows = cp.stdout.splitlines()
     assert head.split() == ["NAME", "KIND", "DEPTH", "QUEUED", "SENT", "RECEIVED", "WAITING",
-                            "OWNER"]
+                            "STATE", "OWNER"]
     assert [r.split()[:2] for r in rows] == [["cli/a-direct-channel", "direct"],
                                              ["cli/q", "queued"]]
     assert rows[0].split()[2].startswith("0/") and rows[1].split()[2] == "1/16"
-    # bytes queued, sent, received, nobody waiting
-    assert re.split(r"\s{2,}", rows[1])[3:7] == ["32 B", "1", "0", "-"], rows[1]
+    # bytes queued, sent, received, nobody waiting, this connection an open producer
+    assert re.split(r"\s{2,}", rows[1])[3:8] == ["32 B", "1", "0", "-", "open, 0/1 closed"], \
+        rows[1]
+    assert re.split(r"\s{2,}", rows[0])[3:8] == ["-", "-", "-", "-", "open"], rows[0]
     for r in rows:
         assert columns(r) == columns(head), cp.stdout
     q.remove()
+
+
+def test_channels_state_says_when_the_stream_ended(ipc, daemon, py):
+    """STATE reads as dlpackctl's: "open" or "ended", and ", C/N closed" once producers came."""
+    py.check("""
+        import numpy as np, dlpack_ipc
+        with dlpack_ipc.channel("cli/ended") as ch:
+            ch.send(np.zeros(2))
+        dlpack_ipc.channel("cli/two", producers=2).send(np.zeros(2))  # closed by its exit
+    """)
+    cp = cli("channels", "cli/", socket=daemon.socket)
+    assert cp.returncode == 0 and cp.stderr == "", cp.stderr
+    head, *rows = cp.stdout.splitlines()
+    state = {re.split(r"\s{2,}", r)[0]: re.split(r"\s{2,}", r)[7] for r in rows}
+    assert state == {"cli/ended": "ended, 1/1 closed", "cli/two": "open, 1/2 closed"}, cp.stdout
+    for r in rows:
+        assert columns(r) == columns(head), cp.stdout
+    # the message queued before the end is still there, and the end stays
+    ipc.channel("cli/ended").recv(timeout=60)
+    with pytest.raises(ipc.ChannelClosed):
+        ipc.channel("cli/ended").recv(timeout=60)
+    cp = cli("channels", "cli/ended", socket=daemon.socket)
+    assert re.split(r"\s{2,}", cp.stdout.splitlines()[1])[7] == "ended, 1/1 closed", cp.stdout
 
 
 def test_channels_waiting_says_who_waits(ipc, daemon, py):

@@ -410,3 +410,46 @@ def test_connect_error_lists_every_path(ctl_bin, tmp_path):
     assert cp.returncode == 1
     assert f"{tmp_path}/dlpackd.sock ($XDG_RUNTIME_DIR/dlpackd.sock): No such file" in cp.stderr
     assert "/run/dlpackd/dlpackd.sock (the system socket)" in cp.stderr, cp.stderr
+
+
+def test_channels_state_shows_the_stream(ctl, ipc, py):
+    """STATE: open or ended, with the producers that closed of the closes the end waits for;
+    --json: ended and the three producer counts."""
+    # producers in another process, which exits: its connection's end closes them
+    py.check("""
+        import numpy as np, dlpack_ipc
+        dlpack_ipc.channel("s/ended").send(np.zeros(2))
+        dlpack_ipc.channel("s/two", producers=2).send(np.zeros(2))
+    """)
+    ipc.channel("s/idle")
+    mine = ipc.channel("s/open")
+    mine.send(np.zeros(1))
+    assert ipc.channel("s/ended").stat().ended  # the end came with the producer's exit
+
+    out = ok(ctl("channels", "s/")).stdout
+    head = out.split("\n")[0].split()
+    assert head[-2:] == ["STATE", "OWNER"], head
+    state = {r[0]: r[head.index("STATE")] for r in _assert_aligned(out)}
+    assert state == {"s/ended": "ended, 1/1 closed", "s/idle": "open",
+                     "s/open": "open, 0/1 closed", "s/two": "open, 1/2 closed"}, out
+
+    got = {c["name"]: c for c in json.loads(ok(ctl("channels", "s/", "--json")).stdout)}
+    counts = {n: (c["ended"], c["producers"], c["producers_closed"], c["producers_expected"])
+              for n, c in got.items()}
+    assert counts == {"s/ended": (True, 0, 1, 1), "s/idle": (False, 0, 0, 1),
+                      "s/open": (False, 1, 0, 1), "s/two": (False, 0, 1, 2)}, counts
+    info = {c.name: c for c in ipc.channels("s/")}
+    assert info["s/two"].producers_expected == 2 and info["s/idle"].producers_expected == 1
+
+    # what was queued is still received after the end, and the stream stays ended
+    ipc.channel("s/ended").recv(timeout=60)
+    assert state_of(ctl, "s/ended") == "ended, 1/1 closed"
+    mine.close()
+    assert state_of(ctl, "s/open") == "ended, 1/1 closed"
+
+
+def state_of(ctl, name):
+    out = ok(ctl("channels", name)).stdout
+    head = out.split("\n")[0].split()
+    (row,) = [r for r in _assert_aligned(out) if r[0] == name]
+    return row[head.index("STATE")]
