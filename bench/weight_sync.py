@@ -11,8 +11,9 @@ One model (bench_model.Model: Linear layers and a tied embedding, M MiB of float
   follow          the trainer share_module(..., replace=True)s each new generation (a copy into
                   sealed shared memory); each worker, built on device="meta", follows it with
                   dt.follow() and waits in update(timeout=None)
-  follow_bucket   the same, the trainer moving the weights into dlpackd memory first
-                  (dt.to_shared(): the copy) and publishing that bucket as it is
+  follow_bucket   the same, the trainer training in dlpackd memory (dt.to_shared(), once at
+                  the start and again after each publish, which seals the bucket it
+                  publishes with no copy)
   gloo_broadcast  N + 1 processes in one gloo process group (torch.distributed, CPU); the
                   trainer (rank 0) torch.distributed.broadcast()s every parameter to the
                   workers, which hold a model of their own
@@ -27,7 +28,9 @@ pass of that generation. Prints one JSON object per line:
      "ms": [...], "median_ms": F, "publish_ms": [...], "median_publish_ms": F}
 
 ms: from the start of the publish to the last worker's forward pass done; publish_ms: the
-trainer's share_module() (or its broadcasts) alone.
+trainer's share_module() (or its broadcasts) alone; follow_bucket rows add copy_ms and
+median_copy_ms: the trainer's to_shared() after each publish (off the clock: the workers do not
+wait for it, but the trainer does before its next step).
 """
 import argparse
 import json
@@ -97,11 +100,13 @@ def run_follow(impl, model, shape, nworkers, socket, rounds):
     ctx = tmp.get_context("spawn")
     ready, out = ctx.Queue(), [ctx.Queue() for _ in range(nworkers)]
     dt.share_module(model, NAME, replace=True)  # generation 1: what the workers start from
+    if impl == "follow_bucket":
+        dt.to_shared(model)  # the trainer trains in dlpackd memory from now on
     procs = [ctx.Process(target=follow_worker, args=(shape, socket, rounds, ready, out[i]))
              for i in range(nworkers)]
     for p in procs:
         p.start()
-    ms, publish_ms = [], []
+    ms, publish_ms, copy_ms = [], [], []
     try:
         for r in range(rounds):
             for _ in range(nworkers):
@@ -111,9 +116,7 @@ def run_follow(impl, model, shape, nworkers, socket, rounds):
             if not math.isfinite(want):
                 raise RuntimeError(f"{impl}: the model's output is {want}")
             t0 = time.monotonic()
-            if impl == "follow_bucket":
-                dt.to_shared(model)
-            generation = dt.share_module(model, NAME, replace=True)
+            generation = dt.share_module(model, NAME, replace=True)  # bucket: no copy
             t1 = time.monotonic()
             done = []
             for q in out:
@@ -127,15 +130,18 @@ def run_follow(impl, model, shape, nworkers, socket, rounds):
             ms.append(round((max(done) - t0) * 1e3, 2))
             publish_ms.append(round((t1 - t0) * 1e3, 2))
             if impl == "follow_bucket":
-                # the published bucket is read-only: the next step() writes a copy
+                # the published bucket is read-only: the trainer copies its weights into a new
+                # one before its next step (its own cost, which the workers do not wait for)
+                t2 = time.monotonic()
                 dt.to_shared(model)
+                copy_ms.append(round((time.monotonic() - t2) * 1e3, 2))
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
                 p.join()
-    return ms, publish_ms
+    return ms, publish_ms, copy_ms
 
 
 # ---- torch.distributed.broadcast over gloo -------------------------------------------------
@@ -235,12 +241,16 @@ def main():
             model = Model(*shape).eval()
             if impl == "gloo_broadcast":
                 ms, publish_ms = run_gloo(shape, nworkers, rounds)
+                copy_ms = []
             else:
-                ms, publish_ms = run_follow(impl, model, shape, nworkers, args.socket, rounds)
+                ms, publish_ms, copy_ms = run_follow(impl, model, shape, nworkers, args.socket,
+                                                     rounds)
             row = {"group": "weight_sync", "impl": impl, "workers": nworkers,
                    "weights_mib": round(nbytes / (1 << 20), 1), "rounds": rounds,
                    "ms": ms, "median_ms": statistics.median(ms), "publish_ms": publish_ms,
                    "median_publish_ms": statistics.median(publish_ms)}
+            if copy_ms:
+                row.update(copy_ms=copy_ms, median_copy_ms=statistics.median(copy_ms))
             rows.append(row)
             log(f"{impl:<14} publish to {nworkers} forward passes {row['median_ms']:8.1f} ms "
                 f"(publish alone {row['median_publish_ms']:7.1f} ms)")
