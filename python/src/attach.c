@@ -1,18 +1,21 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Client.attach() and Client.attach_dict(): the attach modes (how this process maps an entry's
- * memory), the owner check, and waits cut into slices so that Ctrl-C interrupts them.
+ * memory), the owner check, and waits: one ATTACH request for the whole timeout, which Ctrl-C
+ * ends through libdlpc's interrupt check (ipc_interruptible()).
  */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
 #include "dlpack_ipc.h"
 
-/* Longest a wait runs without checking for signals (KeyboardInterrupt). */
-#define WAIT_SLICE_MS 100
+/*
+ * A timeout this long or longer (1e15 ms, some 31,700 years) waits without bound: a longer one
+ * could overflow int64 milliseconds, or libdlpc's clock plus the timeout.
+ */
+#define WAIT_BOUND_MS 1e15
 
 /*
  * The modes, by what the caller means to do with the memory. "read" is the default: it keeps
@@ -125,14 +128,6 @@ static int parse_timeout(PyObject *o, double *secs, bool *forever)
 	return 0;
 }
 
-static double now_s(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
 /* Raise TimeoutError for a wait on @p req that ran out after @p secs. */
 static void raise_timeout(const struct attach_req *req, double secs)
 {
@@ -151,49 +146,42 @@ static void raise_timeout(const struct attach_req *req, double secs)
 }
 
 /*
- * Attach, waiting in slices so that signals are seen. Fills *single or *bundle. Returns the
- * generation, or -1 with a Python exception set.
+ * Attach, waiting as one request for the whole timeout (libdlpc runs the main thread's interrupt
+ * check meanwhile, so Ctrl-C ends it, and a reconnecting client asks again for the time left
+ * after a daemon restart). Fills *single or *bundle. Returns the generation, or -1 with a Python
+ * exception set.
  */
 static int attach_waiting(ClientObject *self, const struct attach_req *req,
 			  DLManagedTensorVersioned **single, dlpc_bundle **bundle)
 {
 	dlpc_attach_opts opts = {
 		.size = sizeof(opts), .flags = req->flags, .owner_uid = req->owner_uid};
-	double secs, deadline;
 	dlpc_client *c;
+	double secs;
 	bool forever;
 	int r;
 
-	if (parse_timeout(req->timeout, &secs, &forever) < 0 || !(c = ipc_call_begin(self)))
+	if (parse_timeout(req->timeout, &secs, &forever) < 0)
 		return -1;
-	deadline = now_s() + secs;
-	for (;;) {
-		double left = deadline - now_s();
-
-		/* a slice is at least 1 ms: 0 would mean "fail at once", < 0 "forever" */
-		opts.timeout_ms = secs == 0 ? 0
-				  : forever || left * 1000 > WAIT_SLICE_MS
-					  ? WAIT_SLICE_MS
-					  : (left > 0 ? (int64_t)(left * 1000) : 0) + 1;
-		Py_BEGIN_ALLOW_THREADS
-		if (single)
-			r = dlpc_attach(c, req->name, &opts, single);
-		else
-			r = dlpc_attach_bundle(c, req->name, &opts, bundle);
-		Py_END_ALLOW_THREADS
-		if (r != -ETIMEDOUT)
-			break;
-		if (PyErr_CheckSignals() < 0) {
-			ipc_call_end(self, c, r);
-			return -1;
-		}
-		if (!forever && now_s() >= deadline) {
-			raise_timeout(req, secs);
-			ipc_call_end(self, c, r);
-			return -1;
-		}
-	}
+	/* a wait is at least 1 ms (0 would mean "fail at once"); beyond WAIT_BOUND_MS, none */
+	if (forever || secs * 1000 >= WAIT_BOUND_MS)
+		opts.timeout_ms = -1;
+	else
+		opts.timeout_ms = secs == 0 ? 0 : (int64_t)ceil(secs * 1000);
+	c = ipc_call_begin(self);
+	if (!c)
+		return -1;
+	Py_BEGIN_ALLOW_THREADS
+	if (single)
+		r = dlpc_attach(c, req->name, &opts, single);
+	else
+		r = dlpc_attach_bundle(c, req->name, &opts, bundle);
+	Py_END_ALLOW_THREADS
 	ipc_call_end(self, c, r);
+	if (r == -ETIMEDOUT && opts.timeout_ms > 0 && !PyErr_Occurred()) {
+		raise_timeout(req, secs);
+		return -1;
+	}
 	if (r < 0) {
 		ipc_raise(r);
 		return -1;

@@ -206,6 +206,7 @@ def test_waiting_attach_lets_other_threads_run(ipc, daemon, py):
 @pytest.mark.parametrize("call", ['attach("wait/forever")', 'attach_dict("wait/forever")',
                                   'attach("wait/forever", timeout=None)',
                                   'attach("wait/forever", timeout=float("inf"))',
+                                  'attach("wait/forever", timeout=1e300)',
                                   'Client().attach("wait/forever")'])
 def test_keyboard_interrupt_stops_infinite_wait(daemon, py, call):
     p = py.popen(f"""
@@ -251,3 +252,61 @@ def test_uncaught_keyboard_interrupt_in_wait(daemon, py):
             p.communicate()
     assert "KeyboardInterrupt" in err, err
     assert p.returncode != 0
+
+
+# A wait is one ATTACH for its whole timeout: the daemon parks one waiter, and nothing polls it.
+# (Cut into 100 ms slices, a 1.5 s wait was about 15 requests.) Two allows for nothing but
+# a reconnect, which does not happen here.
+WAIT_REQUESTS_MAX = 2
+
+
+def test_attach_wait_with_timeout_is_one_request(daemon, py):
+    before = daemon.stat()["req_attach"]
+    cp = py.check("""
+        import dlpack_ipc
+        try:
+            dlpack_ipc.attach("wait/counted", timeout=1.5)
+        except TimeoutError as e:
+            print("TimeoutError", e)
+    """)
+    assert cp.stdout.startswith("TimeoutError"), py.describe(cp)
+    sent = daemon.stat()["req_attach"] - before
+    assert 1 <= sent <= WAIT_REQUESTS_MAX, f"a 1.5 s wait sent {sent} ATTACH requests"
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+@pytest.mark.parametrize("call", ['attach("wait/counted")', 'attach_dict("wait/counted")'])
+def test_unbounded_attach_wait_is_one_request(daemon, py, call, where):
+    """Also on a thread other than the main one, which has no interrupt check."""
+    before = daemon.stat()["req_attach"]
+    p = py.popen(f"""
+        import threading, dlpack_ipc
+        def wait():
+            dlpack_ipc.{call}
+            print("attached", flush=True)
+        if "{where}" == "main":
+            wait()
+        else:
+            th = threading.Thread(target=wait)
+            th.start()
+            th.join()
+    """)
+    try:
+        daemon.wait_stat(lambda s: s["waiters"] == 1 or p.poll() is not None, what="waiter")
+        assert p.poll() is None, p.communicate()
+        time.sleep(1.5)
+        sent = daemon.stat()["req_attach"] - before
+        py.check("""
+            import numpy as np, dlpack_ipc
+            dlpack_ipc.publish_dict("wait/counted", {"a": np.arange(3)})
+        """ if "dict" in call else """
+            import numpy as np, dlpack_ipc
+            dlpack_ipc.publish("wait/counted", np.arange(3))
+        """)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0 and out.split() == ["attached"], f"{p.returncode}\n{out}\n{err}"
+    assert 1 <= sent <= WAIT_REQUESTS_MAX, f"a 1.5 s wait sent {sent} ATTACH requests"
