@@ -449,6 +449,110 @@ static int attach_expect(void *arg)
 	return 0;
 }
 
+/* The created_ns of @p name's entry, as LIST reports it (0 if absent). */
+static int64_t created_of(dlpc_client *c, const char *name, uint64_t *generation)
+{
+	dlpc_entry_info *list;
+	int64_t created = 0;
+	size_t n;
+
+	ck_assert_dlpc(dlpc_list(c, name, &list, &n), 0);
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(list[i].name, name)) {
+			created = list[i].created_ns;
+			*generation = list[i].generation;
+		}
+	dlpc_list_free(list, n);
+	return created;
+}
+
+struct unpub_args {
+	const char *name;
+	uint64_t generation;
+	int64_t created_ns;
+	int expect;
+};
+
+/* As uid nobody: dlpc_unpublish_if() returns a->expect. */
+static int unpublish_as_nobody(void *arg)
+{
+	const struct unpub_args *a = arg;
+	dlpc_client *c;
+
+	become_nobody();
+	c = child_connect();
+	CHILD_CHECK(dlpc_unpublish_if(c, a->name, a->generation, a->created_ns) == a->expect);
+	dlpc_close(c);
+	return 0;
+}
+
+/* UNPUBLISH with an expected generation and creation (1.11): removes only that entry, checked
+ * and removed in one step by the daemon; anything else is refused with ESTALE, changing nothing. */
+START_TEST(test_unpublish_if)
+{
+	struct pub_args v1 = {"cond", 1, 4096, 0, 1};
+	struct pub_args v2 = {"cond", 2, 4096, DLPC_PUBLISH_REPLACE, 2};
+	dlpc_client *c = connect_or_die(&D);
+	uint64_t gen = 0, gen2 = 0, gen_new = 0;
+	int64_t created1, created2, created_new;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
+	created1 = created_of(c, "cond", &gen);
+	ck_assert_uint_eq(gen, 1);
+	ck_assert_int_gt(created1, 0);
+	/* another generation expected, or the right one created at another time: refused */
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 2, 0), -ESTALE);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "cannot unpublish 'cond'"));
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "not the expected generation 2"));
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 1, created1 + 1), -ESTALE);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 0, created1 - 1), -ESTALE);
+	ck_assert_int_eq(created_of(c, "cond", &gen), created1);
+	ck_assert_uint_eq(stat_or_die(c).entries, 1);
+	/* another process replaced it: the expectation of generation 1 no longer removes it */
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v2)), 0);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 1, created1), -ESTALE);
+	created2 = created_of(c, "cond", &gen2);
+	ck_assert_uint_eq(gen2, 2);
+	ck_assert_int_gt(created2, created1);
+	/* another uid is refused as before, whatever it expects */
+	daemon_open_for_others(&D);
+	{
+		struct unpub_args right = {"cond", 2, created2, -EPERM};
+		struct unpub_args wrong = {"cond", 1, created1, -EPERM};
+
+		ck_assert_int_eq(wait_child(spawn(unpublish_as_nobody, &right)), 0);
+		ck_assert_int_eq(wait_child(spawn(unpublish_as_nobody, &wrong)), 0);
+	}
+	ck_assert_int_eq(created_of(c, "cond", &gen), created2);
+	/* the expected generation and creation: removed */
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 2, created2), 0);
+	ck_assert_uint_eq(stat_or_die(c).entries, 0);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 2, created2), -ENOENT);
+	/* freed, then published anew by another process: generation 1 again, but not the entry a
+	 * stale expectation of the first generation 1 means */
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
+	created_new = created_of(c, "cond", &gen_new);
+	ck_assert_uint_eq(gen_new, 1);
+	ck_assert_int_ne(created_new, created1);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 1, created1), -ESTALE);
+	ck_assert_int_eq(created_of(c, "cond", &gen), created_new);
+	/* generation alone, both 0 (unconditional), the current creation alone: each removes */
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 1, 0), 0);
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 0, 0), 0);
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 0, created_of(c, "cond", &gen)), 0);
+	ck_assert_uint_eq(stat_or_die(c).entries, 0);
+	ck_assert_dlpc(dlpc_unpublish_if(NULL, "cond", 1, 0), -EINVAL);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "", 1, 0), -EINVAL);
+	ck_assert_str_eq(
+		dlpc_strerror(-ESTALE),
+		"the name holds another entry than the one expected (replaced or published "
+		"anew)");
+	dlpc_close(c);
+}
+END_TEST
+
 START_TEST(test_replace_while_attached)
 {
 	struct pub_args v1 = {"w", 1, 1 << 20, 0, 1};
@@ -1307,6 +1411,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_bundle_one_round_trip);
 	tcase_add_test(tc, test_replace_while_attached);
 	tcase_add_test(tc, test_unpublish_while_attached);
+	tcase_add_test(tc, test_unpublish_if);
 	tcase_add_test(tc, test_sigkill_drops_references);
 	tcase_add_test(tc, test_ephemeral);
 	tcase_add_test(tc, test_attach_wait);
