@@ -598,6 +598,15 @@ DLPC_EXPORT int dlpc_unpublish_if(dlpc_client *c, const char *name, uint64_t gen
 				  int64_t created_ns);
 
 /**
+ * The entry that the calling thread's last successful publish through @p c made (by
+ * dlpc_publish() or dlpc_publish_bundle()): its generation and created_ns as the daemon
+ * answered, what dlpc_unpublish_if() takes to remove that entry and no other. Either pointer
+ * may be NULL. A daemon before protocol 1.11 does not say: *created_ns is then 0.
+ * @return 0, -ENOENT if this thread published nothing through @p c.
+ */
+DLPC_EXPORT int dlpc_last_published(dlpc_client *c, uint64_t *generation, int64_t *created_ns);
+
+/**
  * Wrap a versioned tensor for a consumer that only knows DLManagedTensor (DLPack < 1.0).
  * Takes ownership of @p t; the wrapper's deleter calls @p t's. The read-only flag cannot be
  * expressed in the legacy struct.
