@@ -543,6 +543,27 @@ START_TEST(test_unpublish_if)
 	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
 	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 0, created_of(c, "cond", &gen)), 0);
 	ck_assert_uint_eq(stat_or_die(c).entries, 0);
+	/* what a publish made, as its publisher learns it from the reply */
+	{
+		uint8_t buf[64] = {0};
+		int64_t shape[1] = {64}, ns = 0;
+		uint64_t g = 0;
+		dlpc_client *other = connect_or_die(&D);
+
+		ck_assert_dlpc(dlpc_last_published(c, &g, &ns), -ENOENT);
+		ck_assert_dlpc(dlpc_publish(c, "mine",
+					    host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape,
+							NULL, NULL),
+					    0),
+			       1);
+		ck_assert_dlpc(dlpc_last_published(c, &g, &ns), 0);
+		ck_assert_dlpc(dlpc_last_published(other, &g, NULL), -ENOENT);
+		ck_assert_uint_eq(g, 1);
+		ck_assert_int_eq(ns, created_of(c, "mine", &gen));
+		ck_assert_dlpc(dlpc_unpublish_if(other, "mine", g, ns + 1), -ESTALE);
+		ck_assert_dlpc(dlpc_unpublish_if(other, "mine", g, ns), 0);
+		dlpc_close(other);
+	}
 	ck_assert_dlpc(dlpc_unpublish_if(NULL, "cond", 1, 0), -EINVAL);
 	ck_assert_dlpc(dlpc_unpublish_if(c, "", 1, 0), -EINVAL);
 	ck_assert_str_eq(
