@@ -7,10 +7,14 @@
 #include <pthread.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "harness.h"
 #include "limits.h"
+#include "raw.h"
 
 static struct daemon D;
 
@@ -571,6 +575,61 @@ START_TEST(test_unpublish_if)
 		"the name holds another entry than the one expected (replaced or published "
 		"anew)");
 	dlpc_close(c);
+}
+END_TEST
+
+/* A daemon of protocol 1.10 on the listening socket *arg: answers HELLO, then expects an
+ * UNPUBLISH without any check (what it would not understand) and answers it. */
+static int old_daemon(void *arg)
+{
+	Dlpackd__V1__HelloReply hr = DLPACKD__V1__HELLO_REPLY__INIT;
+	Dlpackd__V1__UnpublishReply ur = DLPACKD__V1__UNPUBLISH_REPLY__INIT;
+	Dlpackd__V1__Unpublish *u;
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+	int fd = accept(*(int *)arg, NULL, NULL);
+
+	CHILD_CHECK(fd >= 0);
+	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1 && h.type == DLPC_MSG_HELLO);
+	hr.version_major = DLPC_PROTO_MAJOR;
+	hr.version_minor = 10;
+	hr.server = "dlpackd 1.10 stand-in";
+	hr.max_frame = DLPC_FRAME_MAX;
+	raw_send(fd, DLPC_MSG_HELLO | DLPC_MSG_REPLY, h.id, &hr.base, NULL, 0);
+	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1 && h.type == DLPC_MSG_UNPUBLISH);
+	u = dlpackd__v1__unpublish__unpack(NULL, h.len, buf);
+	CHILD_CHECK(u && u->generation == 0 && u->created_ns == 0);
+	dlpackd__v1__unpublish__free_unpacked(u, NULL);
+	ur.generation = 1;
+	raw_send(fd, DLPC_MSG_UNPUBLISH | DLPC_MSG_REPLY, h.id, &ur.base, NULL, 0);
+	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 0);
+	close(fd);
+	return 0;
+}
+
+/* A daemon before 1.11 would skip the check and remove whatever holds the name: libdlpc
+ * refuses a conditional unpublish to it (-ENOTSUP, nothing sent); the plain one still goes. */
+START_TEST(test_unpublish_if_old_daemon)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	dlpc_client *c = NULL;
+	pid_t pid;
+
+	ck_assert_int_ge(lfd, 0);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/old.sock", D.dir);
+	ck_assert_int_eq(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+	ck_assert_int_eq(listen(lfd, 1), 0);
+	pid = spawn(old_daemon, &lfd);
+	close(lfd);
+	ck_assert_dlpc(dlpc_connect(sa.sun_path, &c), 0);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "x", 1, 0), -ENOTSUP);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "protocol 1.10, this needs 1.11"));
+	ck_assert_dlpc(dlpc_unpublish_if(c, "x", 0, 123), -ENOTSUP);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "x", 0, 0), 0);
+	dlpc_close(c);
+	ck_assert_int_eq(wait_child(pid), 0);
+	unlink(sa.sun_path);
 }
 END_TEST
 
@@ -1433,6 +1492,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_replace_while_attached);
 	tcase_add_test(tc, test_unpublish_while_attached);
 	tcase_add_test(tc, test_unpublish_if);
+	tcase_add_test(tc, test_unpublish_if_old_daemon);
 	tcase_add_test(tc, test_sigkill_drops_references);
 	tcase_add_test(tc, test_ephemeral);
 	tcase_add_test(tc, test_attach_wait);
