@@ -7,7 +7,8 @@
 #include "internal.h"
 #include "util.h"
 
-DLPC_EXPORT int dlpc_unpublish(dlpc_client *c, const char *name)
+DLPC_EXPORT int dlpc_unpublish_if(dlpc_client *c, const char *name, uint64_t generation,
+				  int64_t created_ns)
 {
 	Dlpackd__V1__Unpublish req = DLPACKD__V1__UNPUBLISH__INIT;
 	Dlpackd__V1__UnpublishReply *rep;
@@ -21,8 +22,17 @@ DLPC_EXPORT int dlpc_unpublish(dlpc_client *c, const char *name)
 	r = dlpc__name_arg(name, "unpublish");
 	if (r < 0)
 		return r;
+	/* an older daemon skips the unknown fields and would remove whatever holds the name */
+	if ((generation || created_ns) && c->minor < 11)
+		return dlpc__fail(-ENOTSUP,
+				  "cannot unpublish '%s' only if it is generation %llu: the daemon "
+				  "speaks protocol %u.%u, this needs %u.11",
+				  name, (unsigned long long)generation, DLPC_PROTO_MAJOR, c->minor,
+				  DLPC_PROTO_MAJOR);
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
+	req.generation = generation;
+	req.created_ns = created_ns;
 	r = dlpc__call(c, DLPC_MSG_UNPUBLISH, &req.base, NULL, 0,
 		       &dlpackd__v1__unpublish_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
 		       NULL);
@@ -30,6 +40,11 @@ DLPC_EXPORT int dlpc_unpublish(dlpc_client *c, const char *name)
 		return r;
 	dlpackd__v1__unpublish_reply__free_unpacked(rep, NULL);
 	return 0;
+}
+
+DLPC_EXPORT int dlpc_unpublish(dlpc_client *c, const char *name)
+{
+	return dlpc_unpublish_if(c, name, 0, 0);
 }
 
 static char *dup_bytes(const ProtobufCBinaryData *b)
@@ -284,6 +299,9 @@ DLPC_EXPORT const char *dlpc_strerror(int err)
 		return "no such name (or no daemon socket)";
 	case -EEXIST:
 		return "name is already published";
+	case -ESTALE:
+		return "the name holds another entry than the one expected (replaced or published "
+		       "anew)";
 	case -EPROTO:
 		return "protocol error between libdlpc and dlpackd";
 	case -EDQUOT:

@@ -260,6 +260,24 @@ static struct dlpc__region *zero_copy_all(DLManagedTensorVersioned *const tensor
 	return r;
 }
 
+/* What the calling thread's last successful publish made (dlpc_last_published()). */
+static __thread struct {
+	const dlpc_client *c;
+	uint64_t generation;
+	int64_t created_ns;
+} last_published;
+
+DLPC_EXPORT int dlpc_last_published(dlpc_client *c, uint64_t *generation, int64_t *created_ns)
+{
+	if (!c || last_published.c != c)
+		return dlpc__fail(-ENOENT, "this thread published nothing through this client");
+	if (generation)
+		*generation = last_published.generation;
+	if (created_ns)
+		*created_ns = last_published.created_ns;
+	return 0;
+}
+
 /* Send @p req with the storage @p fd (none if -1), with @p info (NULL: none); the generation,
  * or a negative errno. */
 static int send_publish_info(dlpc_client *c, Dlpackd__V1__Publish *req, int fd,
@@ -277,6 +295,11 @@ static int send_publish_info(dlpc_client *c, Dlpackd__V1__Publish *req, int fd,
 		    ? (int)rep->generation
 		    : dlpc__fail(-EPROTO, "dlpackd returned generation %llu",
 				 (unsigned long long)rep->generation);
+	if (r > 0) {
+		last_published.c = c;
+		last_published.generation = rep->generation;
+		last_published.created_ns = rep->created_ns; /* 0 from a daemon before 1.11 */
+	}
 	dlpackd__v1__publish_reply__free_unpacked(rep, NULL);
 	return r;
 }

@@ -165,7 +165,11 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	e->memory = dlpd_record_cost(f->hdr.len, req->n_tensors);
 	e->pid = p->pid;
 	e->created_ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
+	if (e->created_ns <= s->reg.last_created_ns)
+		e->created_ns = s->reg.last_created_ns + 1;
+	s->reg.last_created_ns = e->created_ns;
 	rep.generation = e->generation;
+	rep.created_ns = e->created_ns;
 	dlpd_log(LOG_DEBUG, "%s: published '%s' generation %llu, %zu tensors, %llu bytes",
 		 dlpd_peer_desc(p, desc, sizeof(desc)), name, (unsigned long long)e->generation,
 		 req->n_tensors, (unsigned long long)req->storage_size);
@@ -198,6 +202,14 @@ int dlpd_on_unpublish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, st
 		return dlpd_reply_error(p, id, EPERM,
 					"'%s' belongs to uid %u; uid %u may not unpublish it", name,
 					(unsigned)e->uid, (unsigned)p->uid);
+	if ((req->generation && req->generation != e->generation) ||
+	    (req->created_ns && req->created_ns != e->created_ns))
+		return dlpd_reply_error(
+			p, id, ESTALE,
+			"cannot unpublish '%s': it is generation %llu created at %lld ns, "
+			"not the expected generation %llu created at %lld ns",
+			name, (unsigned long long)e->generation, (long long)e->created_ns,
+			(unsigned long long)req->generation, (long long)req->created_ns);
 	rep.generation = e->generation;
 	dlpd_names_remove(p->srv, e, DLPC_WATCH_BY_REQUEST, p);
 	return dlpd_reply(p, DLPC_MSG_UNPUBLISH | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);

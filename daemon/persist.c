@@ -862,6 +862,8 @@ static void restore_entry(struct restore *rs, struct live_rec *l)
 		dlpd_record_cost(protobuf_c_message_get_packed_size(&req->base), req->n_tensors);
 	e->pid = (pid_t)fx.pid;
 	e->created_ns = fx.created_ns;
+	if (e->created_ns > s->reg.last_created_ns)
+		s->reg.last_created_ns = e->created_ns;
 	e->tensors_wire = wire;
 	e->tensors_wire_len = wire_len;
 	if (dlpd_entry_link(&s->reg, e, NULL) < 0) {

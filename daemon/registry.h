@@ -182,6 +182,9 @@ struct dlpd_registry {
 	uint64_t messages;	   /* queued in channels, or waiting for room in one */
 	uint64_t cached_refs;	   /* of refs, those marked idle in a client's cache */
 	uint64_t freed; /* bytes of records uncharged since mem.c last counted them freed */
+	/* the newest entry's created_ns: each publish gets a later one, even if the clock steps
+	 * back, so that a name's entries never share one (UNPUBLISH's created_ns check, 1.11) */
+	int64_t last_created_ns;
 };
 
 void dlpd_registry_init(struct dlpd_registry *r);

@@ -12,7 +12,7 @@
 
 /* Protocol version spoken by this tree. Peers must agree on the major; minor is negotiated. */
 #define DLPC_PROTO_MAJOR 1
-#define DLPC_PROTO_MINOR 10
+#define DLPC_PROTO_MINOR 11
 
 /* A direct channel's record (1.8, direct.h): its size, bytes, every message one of these. */
 #define DLPC_DIRECT_RECORD 1024

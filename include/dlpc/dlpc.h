@@ -585,6 +585,28 @@ DLPC_EXPORT int dlpc_tensor_attach_info(const DLManagedTensorVersioned *t, dlpc_
 DLPC_EXPORT int dlpc_unpublish(dlpc_client *c, const char *name);
 
 /**
+ * Remove @p name only if it still is the entry of @p generation created at @p created_ns
+ * (dlpc_entry_info's fields; 0 for either: not checked, both 0: dlpc_unpublish()). The daemon
+ * checks and removes in one step, so a replace by another process that lands first is never
+ * removed. A generation starts again at 1 once a name is freed: pass @p created_ns too to tell
+ * a name published anew from the entry you mean (a daemon gives every publish its own).
+ * @return 0, -ESTALE if the name holds another generation or creation (nothing is removed),
+ *         -ENOENT if absent, -EPERM if published by another user, -ENOTSUP if a check was
+ *         asked of a daemon older than protocol 1.11 (it would remove the entry unchecked).
+ */
+DLPC_EXPORT int dlpc_unpublish_if(dlpc_client *c, const char *name, uint64_t generation,
+				  int64_t created_ns);
+
+/**
+ * The entry that the calling thread's last successful publish through @p c made (by
+ * dlpc_publish() or dlpc_publish_bundle()): its generation and created_ns as the daemon
+ * answered, what dlpc_unpublish_if() takes to remove that entry and no other. Either pointer
+ * may be NULL. A daemon before protocol 1.11 does not say: *created_ns is then 0.
+ * @return 0, -ENOENT if this thread published nothing through @p c.
+ */
+DLPC_EXPORT int dlpc_last_published(dlpc_client *c, uint64_t *generation, int64_t *created_ns);
+
+/**
  * Wrap a versioned tensor for a consumer that only knows DLManagedTensor (DLPack < 1.0).
  * Takes ownership of @p t; the wrapper's deleter calls @p t's. The read-only flag cannot be
  * expressed in the legacy struct.

@@ -75,10 +75,11 @@ Owner = namedtuple("Owner", "uid pid")
 Owner.__doc__ = "Who published an entry, from the daemon's SO_PEERCRED."
 EntryInfo = namedtuple("EntryInfo",
                        "name generation device tensors nbytes refs owner created flags "
-                       "cached_refs")
+                       "cached_refs created_ns")
 EntryInfo.__doc__ = """A published entry: tensors is a list of TensorInfo (empty when the
 entry is too large to describe in one reply), refs counts live attach references (cached_refs of
-them idle in a client's cache of re-attaches), created is in seconds since the epoch, flags is an
+them idle in a client's cache of re-attaches), created is in seconds since the epoch (created_ns
+the same in ns, exact: with generation it names this entry for unpublish()), flags is an
 EntryFlags."""
 
 WatchEvent = namedtuple("WatchEvent",
@@ -173,7 +174,7 @@ class Client(_CoreClient):
         return [EntryInfo(e["name"], e["generation"], e["device"],
                           [TensorInfo(*t) for t in e["tensors"]], e["nbytes"], e["refs"],
                           Owner(e["uid"], e["pid"]), e["created"], EntryFlags(e["flags"]),
-                          e["cached_refs"])
+                          e["cached_refs"], e["created_ns"])
                 for e in self._list(prefix)]
 
     def channel(self, name, capacity=0, *, direct=None, producers=0):
@@ -467,20 +468,34 @@ def _identity(entry):
 
 def _unpublish_if(c, name, mine):
     """Unpublish name if it still holds the publish mine identifies (a generation that
-    replaced ours, or the name published anew, is not ours to remove)."""
-    if mine and _identity(_entry(c, name)) == mine:
-        try:
-            c.unpublish(name)
-        except FileNotFoundError:
-            pass
+    replaced ours, or the name published anew, is not ours to remove). mine: (generation,
+    created_ns) from the publish's reply, which the daemon checks and acts on in one step; or
+    from a daemon before protocol 1.11, ("legacy", identity) checked here first."""
+    if not mine:
+        return
+    try:
+        if mine[0] != "legacy":
+            c.unpublish(name, generation=mine[0], created_ns=mine[1])
+        elif _identity(_entry(c, name)) == mine[1]:
+            c.unpublish(name)  # check, then act: a replace in between would be removed
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno != errno.ESTALE:  # replaced or published anew meanwhile: not ours
+            raise
 
 
 def _held(c, name, generation):
     """The body of published(): yield generation, then unpublish it if it is still ours."""
-    # what this publish made, seen right after it: None if replaced or gone in between
-    mine = _identity(_entry(c, name))
+    # what this publish made, as the daemon answered it (this thread's last publish on c)
+    mine = c._last_published()
     if mine and mine[0] != generation:
         mine = None
+    elif mine and not mine[1]:
+        # a daemon before 1.11 neither says nor checks: what LIST sees right after the
+        # publish, None if replaced or gone in between
+        seen = _identity(_entry(c, name))
+        mine = ("legacy", seen) if seen and seen[0] == generation else None
     try:
         yield generation
     except BaseException:
@@ -502,7 +517,9 @@ def published(name, obj, *, client=None, ephemeral=True, **publish_kwargs):
             ...  # other processes attach "weights" here
 
     On exit, even by an exception, name is unpublished, unless it is gone already or another
-    publish took it over meanwhile (that one is left alone). ephemeral (True here) also
+    publish took it over meanwhile (that one is left alone: the daemon removes the entry only
+    if it still is this publish's, in one step, so a replace that lands at any moment
+    survives; a daemon before protocol 1.11 cannot check, then it is looked up first). ephemeral (True here) also
     removes it if this process dies inside the block. Other keywords are publish()'s;
     client: the Client to use (None: the module's default one).
     """
@@ -560,10 +577,17 @@ def empty_dict(spec, device="cpu"):
     return _client().empty_dict(spec, device)
 
 
-def unpublish(name):
+def unpublish(name, *, generation=None, created_ns=None):
     """Remove the entry name (its publisher's uid, or root, may); attached tensors stay valid
-    until released."""
-    return _client().unpublish(name)
+    until released.
+
+    generation, created_ns (an EntryInfo's): remove it only if it still is that entry, checked
+    and removed in one step by the daemon; otherwise OSError with errno ESTALE, and nothing
+    changes. A generation starts again at 1 once a name is freed, so pass created_ns too to
+    tell the entry meant from one published anew. A daemon before protocol 1.11 cannot check:
+    OSError with errno ENOTSUP.
+    """
+    return _client().unpublish(name, generation=generation, created_ns=created_ns)
 
 
 def list(prefix=""):  # noqa: A001 - the documented name

@@ -35,12 +35,13 @@ static PyObject *entry_dict(const dlpc_entry_info *e)
 		snprintf(device, sizeof(device), "cuda:%d", (int)e->device.device_id);
 	else
 		snprintf(device, sizeof(device), "other");
-	d = Py_BuildValue("{s:s,s:K,s:s,s:N,s:n,s:K,s:K,s:K,s:I,s:i,s:d,s:I}", "name", e->name,
+	d = Py_BuildValue("{s:s,s:K,s:s,s:N,s:n,s:K,s:K,s:K,s:I,s:i,s:d,s:L,s:I}", "name", e->name,
 			  "generation", (unsigned long long)e->generation, "device", device,
 			  "tensors", tensors, "ntensors", (Py_ssize_t)e->ntensors, "nbytes",
 			  (unsigned long long)e->nbytes, "refs", (unsigned long long)e->refs,
 			  "cached_refs", (unsigned long long)e->cached_refs, "uid", e->owner_uid,
-			  "pid", e->owner_pid, "created", e->created_ns / 1e9, "flags", e->flags);
+			  "pid", e->owner_pid, "created", e->created_ns / 1e9, "created_ns",
+			  (long long)e->created_ns, "flags", e->flags);
 	return d;
 }
 

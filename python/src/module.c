@@ -696,23 +696,72 @@ out:
 	return res;
 }
 
+/* An optional expectation: None is 0 (not checked), otherwise an int above 0. */
+static int expected_arg(PyObject *o, const char *what, long long *out)
+{
+	*out = 0;
+	if (o == Py_None)
+		return 0;
+	*out = PyLong_AsLongLong(o);
+	if (*out == -1 && PyErr_Occurred())
+		return -1;
+	if (*out <= 0) {
+		PyErr_Format(PyExc_ValueError, "unpublish: %s must be None or above 0, not %lld",
+			     what, *out);
+		return -1;
+	}
+	return 0;
+}
+
 static PyObject *client_unpublish(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
-	static char *kwlist[] = {"name", NULL};
+	static char *kwlist[] = {"name", "generation", "created_ns", NULL};
+	PyObject *gen_o = Py_None, *created_o = Py_None;
+	long long gen, created;
 	const char *name;
 	dlpc_client *c;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:unpublish", kwlist, &name) ||
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$OO:unpublish", kwlist, &name, &gen_o,
+					 &created_o) ||
+	    expected_arg(gen_o, "generation", &gen) < 0 ||
+	    expected_arg(created_o, "created_ns", &created) < 0 ||
 	    !(c = ipc_call_begin((ClientObject *)obj)))
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_unpublish(c, name);
+	r = dlpc_unpublish_if(c, name, (uint64_t)gen, (int64_t)created);
 	Py_END_ALLOW_THREADS
 	ipc_call_end((ClientObject *)obj, c, r);
+	if (r == -ENOTSUP) {
+		/* a daemon before protocol 1.11: OSError, not the BufferError of a device */
+		PyObject *e = Py_BuildValue("(is)", ENOTSUP, dlpc_last_error());
+
+		if (e) {
+			PyErr_SetObject(PyExc_OSError, e);
+			Py_DECREF(e);
+		}
+		return NULL;
+	}
 	if (r < 0)
 		return ipc_raise(r);
 	Py_RETURN_NONE;
+}
+
+static PyObject *client_last_published(PyObject *obj, PyObject *unused)
+{
+	uint64_t gen;
+	int64_t created;
+	dlpc_client *c;
+	int r;
+
+	(void)unused;
+	if (!(c = ipc_call_begin((ClientObject *)obj)))
+		return NULL;
+	r = dlpc_last_published(c, &gen, &created);
+	ipc_call_end((ClientObject *)obj, c, r);
+	if (r < 0)
+		Py_RETURN_NONE;
+	return Py_BuildValue("(KL)", (unsigned long long)gen, (long long)created);
 }
 
 #define KW (METH_VARARGS | METH_KEYWORDS)
@@ -754,9 +803,18 @@ static PyMethodDef client_methods[] = {
 	 "A state dict to fill in place: {key: (shape, dtype)} -> {key: SharedTensor} in one\n"
 	 "allocation on device; publish_dict() of the whole dict shares it without a copy."},
 	{"unpublish", FN(client_unpublish), KW,
-	 "unpublish($self, /, name)\n--\n\n"
+	 "unpublish($self, /, name, *, generation=None, created_ns=None)\n--\n\n"
 	 "Remove the entry name (its publisher's uid, or root, may). Attached tensors stay\n"
-	 "valid until they are released."},
+	 "valid until they are released.\n"
+	 "generation, created_ns: remove it only if it still is that entry (EntryInfo's fields),\n"
+	 "checked and removed in one step by the daemon; otherwise OSError with errno ESTALE and\n"
+	 "nothing changes. A generation starts again at 1 once a name is freed: created_ns\n"
+	 "tells the entry meant from one published anew. A daemon before protocol 1.11 cannot\n"
+	 "check: OSError ENOTSUP."},
+	{"_last_published", FN(client_last_published), METH_NOARGS,
+	 "_last_published($self, /)\n--\n\n"
+	 "(generation, created_ns) of this thread's last publish on this client, or None;\n"
+	 "created_ns is 0 from a daemon before protocol 1.11."},
 	{"_list", FN(ipc_client_list), KW, "_list($self, /, prefix='')\n--\n\nLIST, as dicts."},
 	{"_channel_open", FN(ipc_client_channel_open), KW,
 	 "_channel_open($self, /, name, capacity=0, direct=None, producers=0)\n--\n\nOpen "

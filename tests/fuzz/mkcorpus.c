@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Writes the seed corpus of fuzz_daemon (tests/fuzz/corpus/): real sessions made of valid
- * frames (HELLO, PUBLISH with its fd, ATTACH, RELEASE, LIST, STAT, UNPUBLISH, WATCH, waiters,
- * bundles; channels' SEND, RECV and CHANNEL (1.6); cacheable attaches, release marks and the
+ * frames (HELLO, PUBLISH with its fd, ATTACH, RELEASE, LIST, STAT, UNPUBLISH (1.11: also
+ * conditional), WATCH, waiters, bundles; channels' SEND, RECV and CHANNEL (1.6); cacheable attaches, release marks and the
  * INVALIDATE a replace causes (1.7); direct channels, their JOIN (1.8); end of stream (1.10)) and
  * the classic bad ones (requests before HELLO, unknown types, wrong fd counts, fds split from their frame, truncated frames,
  * absurd lengths, bad storage fds).
@@ -161,6 +161,19 @@ static void unpublish(struct input *in, uint32_t id, const char *name)
 
 	u.name.data = (uint8_t *)name;
 	u.name.len = strlen(name);
+	frame(in, DLPC_MSG_UNPUBLISH, id, &u.base, 0, NULL, 0);
+}
+
+/* UNPUBLISH of @p name only if it is @p generation created at @p created_ns (1.11). */
+static void unpublish_if(struct input *in, uint32_t id, const char *name, uint64_t generation,
+			 int64_t created_ns)
+{
+	Dlpackd__V1__Unpublish u = DLPACKD__V1__UNPUBLISH__INIT;
+
+	u.name.data = (uint8_t *)name;
+	u.name.len = strlen(name);
+	u.generation = generation;
+	u.created_ns = created_ns;
 	frame(in, DLPC_MSG_UNPUBLISH, id, &u.base, 0, NULL, 0);
 }
 
@@ -347,6 +360,18 @@ int main(int argc, char **argv)
 		release(&in, 1);
 		unpublish(&in, 5, "m/w");
 		stat_req(&in, 6);
+	});
+	/* (1.11) conditional UNPUBLISH: another generation and another creation refused (ESTALE),
+	 * then the replacing generation removed */
+	SEED("unpublish-if", {
+		hello(&in, DLPC_PROTO_MAJOR);
+		publish(&in, 2, "u", 0, 1, ro);
+		unpublish_if(&in, 3, "u", 2, 0);
+		unpublish_if(&in, 4, "u", 1, 1);
+		publish(&in, 5, "u", DLPC_PUBLISH_REPLACE, 1, ro);
+		unpublish_if(&in, 6, "u", 1, 0);
+		unpublish_if(&in, 7, "u", 2, 0);
+		unpublish_if(&in, 8, "u", 2, 0);
 	});
 	SEED("bundle-writable", {
 		hello(&in, DLPC_PROTO_MAJOR);

@@ -7,10 +7,14 @@
 #include <pthread.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "harness.h"
 #include "limits.h"
+#include "raw.h"
 
 static struct daemon D;
 
@@ -448,6 +452,186 @@ static int attach_expect(void *arg)
 	dlpc_close(c);
 	return 0;
 }
+
+/* The created_ns of @p name's entry, as LIST reports it (0 if absent). */
+static int64_t created_of(dlpc_client *c, const char *name, uint64_t *generation)
+{
+	dlpc_entry_info *list;
+	int64_t created = 0;
+	size_t n;
+
+	ck_assert_dlpc(dlpc_list(c, name, &list, &n), 0);
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(list[i].name, name)) {
+			created = list[i].created_ns;
+			*generation = list[i].generation;
+		}
+	dlpc_list_free(list, n);
+	return created;
+}
+
+struct unpub_args {
+	const char *name;
+	uint64_t generation;
+	int64_t created_ns;
+	int expect;
+};
+
+/* As uid nobody: dlpc_unpublish_if() returns a->expect. */
+static int unpublish_as_nobody(void *arg)
+{
+	const struct unpub_args *a = arg;
+	dlpc_client *c;
+
+	become_nobody();
+	c = child_connect();
+	CHILD_CHECK(dlpc_unpublish_if(c, a->name, a->generation, a->created_ns) == a->expect);
+	dlpc_close(c);
+	return 0;
+}
+
+/* UNPUBLISH with an expected generation and creation (1.11): removes only that entry, checked
+ * and removed in one step by the daemon; anything else is refused with ESTALE, changing nothing. */
+START_TEST(test_unpublish_if)
+{
+	struct pub_args v1 = {"cond", 1, 4096, 0, 1};
+	struct pub_args v2 = {"cond", 2, 4096, DLPC_PUBLISH_REPLACE, 2};
+	dlpc_client *c = connect_or_die(&D);
+	uint64_t gen = 0, gen2 = 0, gen_new = 0;
+	int64_t created1, created2, created_new;
+
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
+	created1 = created_of(c, "cond", &gen);
+	ck_assert_uint_eq(gen, 1);
+	ck_assert_int_gt(created1, 0);
+	/* another generation expected, or the right one created at another time: refused */
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 2, 0), -ESTALE);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "cannot unpublish 'cond'"));
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "not the expected generation 2"));
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 1, created1 + 1), -ESTALE);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 0, created1 - 1), -ESTALE);
+	ck_assert_int_eq(created_of(c, "cond", &gen), created1);
+	ck_assert_uint_eq(stat_or_die(c).entries, 1);
+	/* another process replaced it: the expectation of generation 1 no longer removes it */
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v2)), 0);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 1, created1), -ESTALE);
+	created2 = created_of(c, "cond", &gen2);
+	ck_assert_uint_eq(gen2, 2);
+	ck_assert_int_gt(created2, created1);
+	/* another uid is refused as before, whatever it expects */
+	daemon_open_for_others(&D);
+	{
+		struct unpub_args right = {"cond", 2, created2, -EPERM};
+		struct unpub_args wrong = {"cond", 1, created1, -EPERM};
+
+		ck_assert_int_eq(wait_child(spawn(unpublish_as_nobody, &right)), 0);
+		ck_assert_int_eq(wait_child(spawn(unpublish_as_nobody, &wrong)), 0);
+	}
+	ck_assert_int_eq(created_of(c, "cond", &gen), created2);
+	/* the expected generation and creation: removed */
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 2, created2), 0);
+	ck_assert_uint_eq(stat_or_die(c).entries, 0);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 2, created2), -ENOENT);
+	/* freed, then published anew by another process: generation 1 again, but not the entry a
+	 * stale expectation of the first generation 1 means */
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
+	created_new = created_of(c, "cond", &gen_new);
+	ck_assert_uint_eq(gen_new, 1);
+	ck_assert_int_ne(created_new, created1);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 1, created1), -ESTALE);
+	ck_assert_int_eq(created_of(c, "cond", &gen), created_new);
+	/* generation alone, both 0 (unconditional), the current creation alone: each removes */
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 1, 0), 0);
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 0, 0), 0);
+	ck_assert_int_eq(wait_child(spawn(publish_bytes, &v1)), 0);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "cond", 0, created_of(c, "cond", &gen)), 0);
+	ck_assert_uint_eq(stat_or_die(c).entries, 0);
+	/* what a publish made, as its publisher learns it from the reply */
+	{
+		uint8_t buf[64] = {0};
+		int64_t shape[1] = {64}, ns = 0;
+		uint64_t g = 0;
+		dlpc_client *other = connect_or_die(&D);
+
+		ck_assert_dlpc(dlpc_last_published(c, &g, &ns), -ENOENT);
+		ck_assert_dlpc(dlpc_publish(c, "mine",
+					    host_tensor(buf, (DLDataType){kDLUInt, 8, 1}, 1, shape,
+							NULL, NULL),
+					    0),
+			       1);
+		ck_assert_dlpc(dlpc_last_published(c, &g, &ns), 0);
+		ck_assert_dlpc(dlpc_last_published(other, &g, NULL), -ENOENT);
+		ck_assert_uint_eq(g, 1);
+		ck_assert_int_eq(ns, created_of(c, "mine", &gen));
+		ck_assert_dlpc(dlpc_unpublish_if(other, "mine", g, ns + 1), -ESTALE);
+		ck_assert_dlpc(dlpc_unpublish_if(other, "mine", g, ns), 0);
+		dlpc_close(other);
+	}
+	ck_assert_dlpc(dlpc_unpublish_if(NULL, "cond", 1, 0), -EINVAL);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "", 1, 0), -EINVAL);
+	ck_assert_str_eq(
+		dlpc_strerror(-ESTALE),
+		"the name holds another entry than the one expected (replaced or published "
+		"anew)");
+	dlpc_close(c);
+}
+END_TEST
+
+/* A daemon of protocol 1.10 on the listening socket *arg: answers HELLO, then expects an
+ * UNPUBLISH without any check (what it would not understand) and answers it. */
+static int old_daemon(void *arg)
+{
+	Dlpackd__V1__HelloReply hr = DLPACKD__V1__HELLO_REPLY__INIT;
+	Dlpackd__V1__UnpublishReply ur = DLPACKD__V1__UNPUBLISH_REPLY__INIT;
+	Dlpackd__V1__Unpublish *u;
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+	int fd = accept(*(int *)arg, NULL, NULL);
+
+	CHILD_CHECK(fd >= 0);
+	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1 && h.type == DLPC_MSG_HELLO);
+	hr.version_major = DLPC_PROTO_MAJOR;
+	hr.version_minor = 10;
+	hr.server = "dlpackd 1.10 stand-in";
+	hr.max_frame = DLPC_FRAME_MAX;
+	raw_send(fd, DLPC_MSG_HELLO | DLPC_MSG_REPLY, h.id, &hr.base, NULL, 0);
+	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1 && h.type == DLPC_MSG_UNPUBLISH);
+	u = dlpackd__v1__unpublish__unpack(NULL, h.len, buf);
+	CHILD_CHECK(u && u->generation == 0 && u->created_ns == 0);
+	dlpackd__v1__unpublish__free_unpacked(u, NULL);
+	ur.generation = 1;
+	raw_send(fd, DLPC_MSG_UNPUBLISH | DLPC_MSG_REPLY, h.id, &ur.base, NULL, 0);
+	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 0);
+	close(fd);
+	return 0;
+}
+
+/* A daemon before 1.11 would skip the check and remove whatever holds the name: libdlpc
+ * refuses a conditional unpublish to it (-ENOTSUP, nothing sent); the plain one still goes. */
+START_TEST(test_unpublish_if_old_daemon)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	dlpc_client *c = NULL;
+	pid_t pid;
+
+	ck_assert_int_ge(lfd, 0);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/old.sock", D.dir);
+	ck_assert_int_eq(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+	ck_assert_int_eq(listen(lfd, 1), 0);
+	pid = spawn(old_daemon, &lfd);
+	close(lfd);
+	ck_assert_dlpc(dlpc_connect(sa.sun_path, &c), 0);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "x", 1, 0), -ENOTSUP);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "protocol 1.10, this needs 1.11"));
+	ck_assert_dlpc(dlpc_unpublish_if(c, "x", 0, 123), -ENOTSUP);
+	ck_assert_dlpc(dlpc_unpublish_if(c, "x", 0, 0), 0);
+	dlpc_close(c);
+	ck_assert_int_eq(wait_child(pid), 0);
+	unlink(sa.sun_path);
+}
+END_TEST
 
 START_TEST(test_replace_while_attached)
 {
@@ -1307,6 +1491,8 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_bundle_one_round_trip);
 	tcase_add_test(tc, test_replace_while_attached);
 	tcase_add_test(tc, test_unpublish_while_attached);
+	tcase_add_test(tc, test_unpublish_if);
+	tcase_add_test(tc, test_unpublish_if_old_daemon);
 	tcase_add_test(tc, test_sigkill_drops_references);
 	tcase_add_test(tc, test_ephemeral);
 	tcase_add_test(tc, test_attach_wait);

@@ -359,6 +359,71 @@ def test_published_leaves_what_replaced_it_alone(ipc, daemon, py):
     assert sorted(e.name for e in dlpack_ipc.list()) == ["with/g", "with/r"]
 
 
+def test_published_exit_leaves_a_replace_that_raced_it_alone(ipc, daemon, py):
+    """A replace by another process that lands after published()'s exit made sure the entry is
+    still its own, just before its UNPUBLISH goes out, survives: the daemon checks that the
+    entry is this publish's and removes it in one step (with a check first and an UNPUBLISH
+    after, this replace was removed)."""
+    import dlpack_ipc
+
+    class ReplacedBeforeUnpublish(dlpack_ipc.Client):
+        # the race, made deterministic: the replace lands after whatever published() checks
+        # on its side, right before its UNPUBLISH
+        def unpublish(self, name, **kw):
+            py.check("""
+                import numpy as np, dlpack_ipc
+                assert dlpack_ipc.publish("with/race", np.full(2, 7.0), replace=True) == 2
+            """)
+            return super().unpublish(name, **kw)
+
+    with ReplacedBeforeUnpublish() as c:
+        for publish_for_block, obj in ((dlpack_ipc.published, np.zeros(2)),
+                                       (dlpack_ipc.published_dict, {"a": np.zeros(2)})):
+            with publish_for_block("with/race", obj, client=c) as gen:
+                assert gen == 1
+            (e,) = dlpack_ipc.list("with/race")
+            assert e.generation == 2, publish_for_block
+            np.testing.assert_array_equal(
+                np.from_dlpack(dlpack_ipc.attach("with/race", timeout=0)), 7.0)
+            dlpack_ipc.unpublish("with/race")
+    assert dlpack_ipc.list() == []
+
+
+def test_unpublish_only_the_entry_meant(ipc, daemon, py):
+    """unpublish(name, generation=, created_ns=): that entry or nothing, also once the name
+    was freed and published anew at generation 1 by another process."""
+    import errno
+    import dlpack_ipc
+    assert dlpack_ipc.publish("only/x", np.zeros(2)) == 1
+    (e,) = dlpack_ipc.list("only/x")
+    assert e.created_ns > 0 and abs(e.created_ns / 1e9 - e.created) < 1e-3
+    for wrong in ({"generation": 2}, {"generation": 1, "created_ns": e.created_ns + 1}):
+        with pytest.raises(OSError) as ei:
+            dlpack_ipc.unpublish("only/x", **wrong)
+        assert ei.value.errno == errno.ESTALE, wrong
+        assert "cannot unpublish 'only/x'" in str(ei.value)
+    assert dlpack_ipc.list("only/x") == [e]
+    dlpack_ipc.unpublish("only/x", generation=1, created_ns=e.created_ns)
+    assert dlpack_ipc.list() == []
+    py.check("""
+        import numpy as np, dlpack_ipc
+        assert dlpack_ipc.publish("only/x", np.ones(2)) == 1
+    """)
+    (again,) = dlpack_ipc.list("only/x")
+    assert again.generation == 1 and again.created_ns != e.created_ns
+    with pytest.raises(OSError) as ei:
+        dlpack_ipc.unpublish("only/x", generation=1, created_ns=e.created_ns)
+    assert ei.value.errno == errno.ESTALE
+    assert dlpack_ipc.list("only/x") == [again]
+    for bad in ({"generation": 0}, {"created_ns": -1}):
+        with pytest.raises(ValueError, match="must be None or above 0"):
+            dlpack_ipc.unpublish("only/x", **bad)
+    dlpack_ipc.unpublish("only/x", generation=again.generation, created_ns=again.created_ns)
+    with pytest.raises(FileNotFoundError):
+        dlpack_ipc.unpublish("only/x", generation=1)
+    assert dlpack_ipc.list() == []
+
+
 RERUN = """
     import subprocess, sys, numpy as np, dlpack_ipc
     with dlpack_ipc.published("with/script", np.arange(3.0)):

@@ -471,9 +471,11 @@ START_TEST(test_half_closed_client_gets_replies)
 }
 END_TEST
 
-/* A name published ephemerally by @p fd (host memory, one float). */
-static void publish(int fd, struct dlpc__rx *rx, const char *name, uint32_t flags)
+/* A name published by @p fd (host memory, one float), with @p flags; the reply's created_ns. */
+static int64_t publish(int fd, struct dlpc__rx *rx, const char *name, uint32_t flags)
 {
+	Dlpackd__V1__PublishReply *rep;
+	int64_t created;
 	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
 	Dlpackd__V1__TensorDesc t = DLPACKD__V1__TENSOR_DESC__INIT;
 	Dlpackd__V1__TensorDesc *tp = &t;
@@ -497,8 +499,73 @@ static void publish(int fd, struct dlpc__rx *rx, const char *name, uint32_t flag
 	close(mfd);
 	ck_assert_int_eq(get(fd, rx, &f), 1);
 	ck_assert_uint_eq(f.hdr.type, DLPC_MSG_PUBLISH | DLPC_MSG_REPLY);
+	rep = dlpackd__v1__publish_reply__unpack(NULL, f.hdr.len, f.payload);
+	ck_assert_ptr_nonnull(rep);
+	created = rep->created_ns;
+	dlpackd__v1__publish_reply__free_unpacked(rep, NULL);
 	dlpc__frame_clear(&f);
+	return created;
 }
+
+/* An UNPUBLISH of @p name; the reply's type (an ERROR's code in *code). */
+static uint16_t unpublish(int fd, struct dlpc__rx *rx, const char *name, uint64_t generation,
+			  int64_t created_ns, int *code)
+{
+	Dlpackd__V1__Unpublish req = DLPACKD__V1__UNPUBLISH__INIT;
+	struct dlpc__frame f;
+	uint16_t type;
+
+	req.name.data = (uint8_t *)name;
+	req.name.len = strlen(name);
+	req.generation = generation;
+	req.created_ns = created_ns;
+	put_msg(fd, DLPC_MSG_UNPUBLISH, 4, &req.base, NULL, 0);
+	ck_assert_int_eq(get(fd, rx, &f), 1);
+	type = f.hdr.type;
+	*code = 0;
+	if (type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, f.hdr.len, f.payload);
+
+		ck_assert_ptr_nonnull(e);
+		*code = e->code;
+		dlpackd__v1__error__free_unpacked(e, NULL);
+	}
+	dlpc__frame_clear(&f);
+	return type;
+}
+
+/* A name's entries never share a created_ns, also if the clock steps back (here: the newest
+ * entry seems to come from an hour ahead): each publish gets one later than the last. */
+START_TEST(test_created_ns_only_grows)
+{
+	struct dlpc__rx rx;
+	struct timespec now;
+	int64_t ahead, first, again;
+	int fd, code;
+
+	dlpc__rx_init(&rx);
+	fd = client(NULL, 0, 0);
+	hello(fd, &rx);
+	clock_gettime(CLOCK_REALTIME, &now);
+	ahead = ((int64_t)now.tv_sec + 3600) * 1000000000;
+	srv.reg.last_created_ns = ahead;
+	first = publish(fd, &rx, "n", 0);
+	ck_assert_int_eq(first, ahead + 1);
+	ck_assert_uint_eq(unpublish(fd, &rx, "n", 1, first, &code),
+			  DLPC_MSG_UNPUBLISH | DLPC_MSG_REPLY);
+	again = publish(fd, &rx, "n", 0);
+	ck_assert_int_eq(again, ahead + 2);
+	/* generation 1 again, but not the entry first was */
+	ck_assert_uint_eq(unpublish(fd, &rx, "n", 1, first, &code), DLPC_MSG_ERROR);
+	ck_assert_int_eq(code, ESTALE);
+	ck_assert_uint_eq(srv.reg.names.count, 1);
+	ck_assert_uint_eq(unpublish(fd, &rx, "n", 1, again, &code),
+			  DLPC_MSG_UNPUBLISH | DLPC_MSG_REPLY);
+	ck_assert_uint_eq(srv.reg.names.count, 0);
+	dlpc__rx_clear(&rx);
+	close(fd);
+}
+END_TEST
 
 /*
  * A publisher's ephemeral entries vanish with it while a watcher that does not read overflows:
@@ -621,6 +688,7 @@ static Suite *dispatch_suite(void)
 	tcase_add_test(tc, test_half_closed_client_gets_replies);
 	tcase_add_test(tc, test_watcher_overflows_during_teardown);
 	tcase_add_test(tc, test_entries_freed_at_stop);
+	tcase_add_test(tc, test_created_ns_only_grows);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("reaper");
