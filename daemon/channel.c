@@ -147,9 +147,4 @@ void dlpd_channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *
 	info->producers_expected = ch->expected ? ch->expected : 1;
 	if (ch->ended)
 		info->flags |= DLPC_CHANNEL_ENDED;
-	if (ch->ends[0] >= 0) {
-		info->flags |= DLPC_CHANNEL_DIRECT;
-		info->capacity = ch->direct_capacity;
-		info->depth = dlpd_direct_depth(ch);
-	}
 }

@@ -8,7 +8,8 @@
  *
  * channel.c holds the data (the map, the queues, what each connection waits for); h_channel.c
  * SEND, RECV and the hand-offs between senders and receivers; h_channel_admin.c CHANNEL (open,
- * remove, describe), LIST's channels and their watch events.
+ * remove, describe), LIST's channels and their watch events; direct.c (direct.h) a direct channel's
+ * sockets.
  */
 #ifndef DLPD_CHANNEL_H
 #define DLPD_CHANNEL_H
@@ -105,28 +106,10 @@ int dlpd_channel_range(struct dlpd_registry *r, const uint8_t *prefix, size_t pl
 void dlpd_channel_push(struct dlpd_registry *r, struct dlpd_channel *ch, struct dlpd_msg *m);
 /* Take the oldest message off the queue; NULL if empty. Its storage is still held. */
 struct dlpd_msg *dlpd_channel_pop(struct dlpd_registry *r, struct dlpd_channel *ch);
-/* What LIST, CHANNEL and watch events say of @p ch. */
+/* What LIST, CHANNEL and watch events say of @p ch as a queued channel (a direct one's
+ * sockets add theirs: dlpd_direct_info()). */
 void dlpd_channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *info);
 
-/* direct.c: make @p ch direct, with room for about @p capacity messages (ch->direct_capacity
- * says how many the kernel's buffers allow). 0, or a negative errno and why. */
-int dlpd_direct_open(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t capacity, char *why,
-		     size_t whylen);
-/* direct.c: shut @p ch's sockets (senders get EPIPE; receivers drop what is queued and read
- * the end) and let go of the daemon's ends. */
-void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch);
-/* direct.c: undo what a process that joined @p ch may have done to its sockets: credentials
- * turned off, or the pair shut (new sockets then). 0, or a negative errno and why (the channel
- * keeps its shut pair, and the next JOIN tries again). */
-int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why, size_t whylen);
-/* direct.c: shut every direct channel's sockets (an upgrade: the channels do not survive it,
- * and processes that joined one must not go on using it). */
-void dlpd_direct_shutdown_all(struct dlpd_server *s);
-/* direct.c: end @p ch's stream (1.10): its sending end shut for writing, so that senders get
- * EPIPE and receivers read what is queued, then the end (not a removal: nothing is dropped). */
-void dlpd_direct_end(struct dlpd_channel *ch);
-/* direct.c: the records queued in @p ch's socket. */
-uint32_t dlpd_direct_depth(const struct dlpd_channel *ch);
 /* h_channel.c: end every wait on @p ch with EIDRM ("channel '@p name' was removed") and free
  * every message it holds; @p ch stays. */
 void dlpd_channel_empty(struct dlpd_server *s, struct dlpd_channel *ch, const char *name);

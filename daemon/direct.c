@@ -10,7 +10,7 @@
  *
  * What the daemon keeps: the name, the owner, the ends (so that a process may join at any time,
  * and so that removal can shut them), and what STAT and LIST report. Each message is one record
- * of DLPC_DIRECT_RECORD bytes (direct.h), so the bytes queued in the receiving end count the
+ * of DLPC_DIRECT_RECORD bytes (proto/direct.h), so the bytes queued in the receiving end count the
  * messages, and the kernel's size of one record with its fd (measured here, once per channel)
  * turns a capacity in messages into the sending end's buffer size. The receivers check every
  * message themselves, with the checks the daemon makes of a publish (proto/storage.c): the
@@ -40,6 +40,7 @@
 #include "channel.h"
 #include "closer.h"
 #include "direct.h"
+#include "limits.h"
 #include "quota.h"
 #include "reaper.h"
 
@@ -227,4 +228,13 @@ uint32_t dlpd_direct_depth(const struct dlpd_channel *ch)
 	if (ch->ends[1] < 0 || ioctl(ch->ends[1], SIOCINQ, &bytes) < 0 || bytes < 0)
 		return 0;
 	return (uint32_t)(bytes / DLPC_DIRECT_RECORD);
+}
+
+void dlpd_direct_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *info)
+{
+	if (ch->ends[0] < 0)
+		return;
+	info->flags |= DLPC_CHANNEL_DIRECT;
+	info->capacity = ch->direct_capacity;
+	info->depth = dlpd_direct_depth(ch);
 }

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "channel.h"
+#include "direct.h"
 #include "entry.h"
 #include "handlers.h"
 #include "mem.h"

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "channel.h"
+#include "direct.h"
 #include "handlers.h"
 #include "peer.h"
 #include "quota.h"
@@ -23,6 +24,13 @@
 #define OPEN_FLAGS (DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_QUEUED)
 #define EV_CHANNEL_OPENED 4
 #define EV_CHANNEL_REMOVED 5
+
+/* What LIST, CHANNEL and watch events say of @p ch, queued or direct. */
+static void channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *info)
+{
+	dlpd_channel_info(ch, info);
+	dlpd_direct_info(ch, info);
+}
 
 static bool watcher_wants(const struct dlpd_peer *w, const struct dlpd_channel *ch)
 {
@@ -46,7 +54,7 @@ static void notify(struct dlpd_server *s, uint32_t kind, const struct dlpd_chann
 		if (!watcher_wants(w, ch))
 			continue;
 		if (!packed) {
-			dlpd_channel_info(ch, &info);
+			channel_info(ch, &info);
 			ev.kind = kind;
 			ev.seq = s->event_seq;
 			ev.channel = &info;
@@ -69,7 +77,7 @@ static int reply_info(struct dlpd_peer *p, uint32_t id, const struct dlpd_channe
 	Dlpackd__V1__ChannelReply rep = DLPACKD__V1__CHANNEL_REPLY__INIT;
 	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
 
-	dlpd_channel_info(ch, &info);
+	channel_info(ch, &info);
 	rep.channel = &info;
 	rep.created = created;
 	return dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
@@ -199,7 +207,7 @@ static int channel_remove(struct dlpd_peer *p, uint32_t id, struct dlpd_channel 
 					"channel '%s' belongs to uid %u; uid %u may not remove it",
 					name, (unsigned)ch->uid, (unsigned)p->uid);
 	/* the reply describes it as it was, messages included */
-	dlpd_channel_info(ch, &info);
+	channel_info(ch, &info);
 	dlpd_log(LOG_DEBUG, "%s: removed channel '%s' and its %u queued messages",
 		 dlpd_peer_desc(p, desc, sizeof(desc)), name, ch->depth);
 	rep.channel = &info;
@@ -280,7 +288,7 @@ static int channel_join(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *c
 					"cannot join channel '%s': its sockets were shut, and new "
 					"ones cannot be had: %s",
 					name, why);
-	dlpd_channel_info(ch, &info);
+	channel_info(ch, &info);
 	rep.channel = &info;
 	r = dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, ch->ends, 2);
 	if (r == 0)
@@ -351,7 +359,7 @@ int dlpd_channels_list(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__List
 		size_t sz;
 
 		dlpackd__v1__channel_info__init(&infos[i]);
-		dlpd_channel_info(v[i], &infos[i]);
+		channel_info(v[i], &infos[i]);
 		sz = dlpackd__v1__channel_info__get_packed_size(&infos[i]) + 6;
 		if (sz > room) {
 			rep.more = true;

@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "channel.h"
+#include "direct.h"
 #include "closer.h"
 #include "peer.h"
 #include "persist.h"
