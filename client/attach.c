@@ -323,7 +323,6 @@ int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq,
 	m->client = c;
 	m->ref_id = rep->ref_id;
 	m->epoch = epoch;
-	m->has_owner = c->minor >= 3;
 	m->owner_uid = rep->owner_uid;
 	m->owner_pid = rep->owner_pid;
 	m->entry_flags = rep->flags;
@@ -515,11 +514,6 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 				  "cannot attach '%s': DLPC_ATTACH_WRITABLE (a shared writable "
 				  "mapping) and a copy-on-write mapping exclude each other",
 				  name);
-	if ((flags & DLPC_ATTACH_OWNER) && c->minor < 3)
-		return dlpc__fail(-ENOTSUP,
-				  "cannot attach '%s' with an owner check: dlpackd speaks protocol "
-				  "%d.%u, which does not know owners (%d.3 does)",
-				  name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
 	/* the cache serves read-only attaches (shared, or copy-on-write from the kept fd) */
 	cache = c->cache.on && !(flags & (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_NO_CACHE));
 	if (cache) {
@@ -648,10 +642,6 @@ DLPC_EXPORT int dlpc_tensor_attach_info(const DLManagedTensorVersioned *t, dlpc_
 	if (!r || !r->client)
 		return dlpc__fail(-EINVAL, "dlpc_tensor_attach_info: the tensor was not attached "
 					   "through libdlpc");
-	if (!r->has_owner)
-		return dlpc__fail(-ENOTSUP,
-				  "dlpc_tensor_attach_info: dlpackd speaks a protocol "
-				  "older than 1.3 and did not say who published the entry");
 #define SET(field)                                                                                 \
 	do {                                                                                       \
 		if (out->size >= offsetof(dlpc_attach_info, field) + sizeof(out->field))           \

@@ -53,11 +53,9 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 	(void)f;
 	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EINVAL, "cannot attach: %s", why);
-	if ((req->flags & ~ATTACH_FLAGS) || ((req->flags & DLPC_ATTACH_CACHEABLE) && p->minor < 7))
-		return dlpd_reply_error(
-			p, id, EINVAL, "cannot attach: unknown flags 0x%x",
-			req->flags & ~(p->minor < 7 ? ATTACH_FLAGS & ~DLPC_ATTACH_CACHEABLE
-						    : ATTACH_FLAGS));
+	if (req->flags & ~ATTACH_FLAGS)
+		return dlpd_reply_error(p, id, EINVAL, "cannot attach: unknown flags 0x%x",
+					req->flags & ~ATTACH_FLAGS);
 	e = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
 	if (e && owner_ok(e, req->flags, req->owner_uid))
 		return dlpd_attach_answer(p, id, e, req->flags);

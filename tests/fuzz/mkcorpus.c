@@ -62,11 +62,12 @@ static void hello(struct input *in, uint32_t major)
 	Dlpackd__V1__Hello h = DLPACKD__V1__HELLO__INIT;
 
 	h.version_major = major;
+	h.version_minor = DLPC_PROTO_MINOR;
 	h.client = "mkcorpus";
 	frame(in, DLPC_MSG_HELLO, 1, &h.base, 0, NULL, 0);
 }
 
-/* HELLO agreeing on @p minor (hello() sends minor 0: what 1.6 and 1.7 add stays unused). */
+/* HELLO of @p minor: only DLPC_PROTO_MINOR is accepted. */
 static void hello_minor(struct input *in, uint32_t minor)
 {
 	Dlpackd__V1__Hello h = DLPACKD__V1__HELLO__INIT;
@@ -628,14 +629,6 @@ int main(int argc, char **argv)
 		channel(&in, 26, 2, "e2", 0);
 		chunk(&in, FUZZ_SHUTDOWN | FUZZ_RUN, NULL, 0, NULL, 0);
 	});
-	SEED("channel-direct-old", {
-		/* a 1.7 connection: no flags, no JOIN */
-		hello_minor(&in, 7);
-		channel_flags(&in, 2, 1, "d", 0, DLPC_CHANNEL_DIRECT);
-		channel(&in, 3, 1, "q", 0);
-		channel(&in, 4, 4, "q", 0);
-		channel(&in, 5, 2, "q", 0);
-	});
 	SEED("channel-direct-hangup", {
 		/* the connection ends with a direct channel open and joined */
 		hello_minor(&in, DLPC_PROTO_MINOR);
@@ -669,7 +662,7 @@ int main(int argc, char **argv)
 		static char long_key[DLPC_KEY_MAX + 1];
 
 		memset(long_key, 'k', sizeof(long_key));
-		hello(&in, DLPC_PROTO_MAJOR); /* channels are served whatever the minor */
+		hello(&in, DLPC_PROTO_MAJOR);
 		channel(&in, 2, 1, "", 0);
 		channel(&in, 3, 9, "c", 0);
 		channel(&in, 4, 1, "c", DLPC_CHANNEL_CAPACITY_MAX + 1);
@@ -781,12 +774,10 @@ int main(int argc, char **argv)
 		frame_flags = FUZZ_RUN;
 		stat_req(&in, 41);
 	});
-	SEED("cacheable-old-minor", {
-		/* CACHEABLE is unknown below 1.7: EINVAL */
-		hello_minor(&in, 6);
+	SEED("version-minor-mismatch", {
+		/* another minor is refused like another major: ERROR and the connection ends */
+		hello_minor(&in, DLPC_PROTO_MINOR - 1);
 		publish(&in, 2, "o", 0, 1, ro);
-		attach(&in, 3, "o", DLPC_ATTACH_CACHEABLE, 0);
-		stat_req(&in, 4);
 	});
 	SEED("marks-too-many", {
 		/* the three lists together count against the 1024 ids of a RELEASE */
