@@ -6,7 +6,7 @@
  * idle_ms; an attach of the same name meanwhile is answered from it without a round trip.
  *
  * Why that is never stale: an attach that asks the daemon takes its reference with
- * DLPC_ATTACH_CACHEABLE, and the daemon writes an INVALIDATE frame to this connection's socket
+ * DLPC_WIRE_ATTACH_CACHEABLE, and the daemon writes an INVALIDATE frame to this connection's socket
  * before it answers any replace or unpublish of the entry. An attach answered from here first
  * reads whatever the socket holds (dlpc__drain()), so it sees the invalidation of every change
  * that was answered before it began. If another thread is reading the socket (its call waits)

@@ -19,7 +19,9 @@
 #define OP_STAT 3
 #define OPEN_FLAGS (DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_QUEUED)
 #define SEND_FLAGS DLPC_SEND_NOWAIT
-#define RECV_LOCAL_FLAGS                                                                           \
+/* The public attach flags dlpc_recv() takes: all acted on here (a RECV carries only
+ * DLPC_WIRE_RECV_FLAGS, which the library sets). */
+#define API_RECV_FLAGS                                                                             \
 	(DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_WRITABLE | DLPC_ATTACH_NO_CACHE)
 
 /* The message publish.c or attach.c set says "cannot publish 'NAME'" or "cannot attach 'NAME'":
@@ -461,9 +463,9 @@ static int recv_ref(dlpc_client *c, const char *channel, const dlpc_recv_opts *o
 		flags = opts->flags;
 		timeout = opts->timeout_ms;
 	}
-	if (flags & ~RECV_LOCAL_FLAGS)
+	if (flags & ~API_RECV_FLAGS)
 		return dlpc__fail(-EINVAL, "cannot receive from channel '%s': unknown flags 0x%x",
-				  channel, flags & ~RECV_LOCAL_FLAGS);
+				  channel, flags & ~API_RECV_FLAGS);
 	r = fd_room(c, channel);
 	if (r < 0)
 		return r;
@@ -506,7 +508,7 @@ static int recv_queued(dlpc_client *c, const char *channel, uint32_t flags, int6
 
 	req.channel.data = (uint8_t *)channel;
 	req.channel.len = strlen(channel);
-	req.flags = single ? DLPC_ATTACH_SINGLE : 0;
+	req.flags = single ? DLPC_WIRE_ATTACH_SINGLE : 0;
 	req.timeout_ms = timeout;
 	dlpc__arena_init(&arena);
 	r = dlpc__call_ex(c, DLPC_MSG_RECV, &req.base, NULL, 0, timeout, &info,

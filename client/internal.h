@@ -540,7 +540,9 @@ int dlpc__drain(dlpc_client *c, bool closed_ok);
 int64_t dlpc__mono_ms(void);
 
 /* ---- maps.c: idle mappings of storages that channels bring again ---- */
-/* Internal attach flag of channel receives: map a message's storage through maps.c. */
+/* The library's internal attach flags: they ride with the public DLPC_ATTACH_* flags between
+ * its own functions, on bits no public flag has (attach.c checks), and are never sent.
+ * Of channel receives: map a message's storage through maps.c. */
 #define DLPC__ATTACH_KEEP_MAP (1u << 31)
 
 /* Internal attach flag: the storage passed dlpc__storage_check() read-only (direct channels). */

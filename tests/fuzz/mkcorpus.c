@@ -378,7 +378,7 @@ int main(int argc, char **argv)
 		hello(&in, DLPC_PROTO_MAJOR);
 		publish(&in, 2, "b", DLPC_PUBLISH_WRITABLE, 3, rw);
 		attach(&in, 3, "b", DLPC_ATTACH_WRITABLE, 0);
-		attach(&in, 4, "b", DLPC_ATTACH_SINGLE, 0);
+		attach(&in, 4, "b", DLPC_WIRE_ATTACH_SINGLE, 0);
 		list(&in, 5, "", 1);
 	});
 	SEED("replace-ephemeral", {
@@ -509,7 +509,7 @@ int main(int argc, char **argv)
 		channel(&in, 7, 3, "c", 0);
 		list_channels(&in, 8, "");
 		recv_msg(&in, 9, "c", 0, 0);
-		recv_msg(&in, 10, "c", DLPC_ATTACH_SINGLE, 0); /* a bundle: refused, kept */
+		recv_msg(&in, 10, "c", DLPC_WIRE_ATTACH_SINGLE, 0); /* a bundle: refused, kept */
 		recv_msg(&in, 11, "c", 0, 0);
 		recv_msg(&in, 12, "c", 0, 0); /* empty: EAGAIN */
 		release(&in, 1);
@@ -741,8 +741,8 @@ int main(int argc, char **argv)
 
 		hello_minor(&in, DLPC_PROTO_MINOR);
 		publish(&in, 2, "k", 0, 1, ro);
-		attach(&in, 3, "k", DLPC_ATTACH_CACHEABLE, 0);
-		attach(&in, 4, "k", DLPC_ATTACH_CACHEABLE | DLPC_ATTACH_SINGLE, 0);
+		attach(&in, 3, "k", DLPC_WIRE_ATTACH_CACHEABLE, 0);
+		attach(&in, 4, "k", DLPC_WIRE_ATTACH_CACHEABLE | DLPC_WIRE_ATTACH_SINGLE, 0);
 		release_marks(&in, NULL, 0, &one, 1, NULL, 0);
 		list(&in, 5, "", 0);
 		stat_req(&in, 6);
@@ -750,7 +750,7 @@ int main(int argc, char **argv)
 		release_marks(&in, &two, 1, &one, 1, NULL, 0);	   /* marks, then the release */
 		release_marks(&in, NULL, 0, &two, 1, &two, 1);	   /* unknown ids: skipped */
 		publish(&in, 7, "k", DLPC_PUBLISH_REPLACE, 1, ro); /* INVALIDATE, then the reply */
-		attach(&in, 8, "k", DLPC_ATTACH_CACHEABLE, 0);
+		attach(&in, 8, "k", DLPC_WIRE_ATTACH_CACHEABLE, 0);
 		unpublish(&in, 9, "k"); /* INVALIDATE again */
 		release(&in, 1);
 		stat_req(&in, 10);
@@ -759,8 +759,8 @@ int main(int argc, char **argv)
 		/* the ephemeral publisher's entry goes with its connection, cached or not */
 		hello_minor(&in, DLPC_PROTO_MINOR);
 		publish(&in, 2, "e", DLPC_PUBLISH_EPHEMERAL, 2, ro);
-		attach(&in, 3, "e", DLPC_ATTACH_CACHEABLE, 0);
-		attach(&in, 4, "e", DLPC_ATTACH_CACHEABLE, 0);
+		attach(&in, 3, "e", DLPC_WIRE_ATTACH_CACHEABLE, 0);
+		attach(&in, 4, "e", DLPC_WIRE_ATTACH_CACHEABLE, 0);
 	});
 	SEED("cache-unread", {
 		/* the client reads nothing while its cacheable references' entry is replaced:
@@ -769,7 +769,7 @@ int main(int argc, char **argv)
 		publish(&in, 2, "u", 0, 4, ro);
 		frame_flags = FUZZ_RUN | FUZZ_HOLD;
 		for (uint32_t id = 3; id < 40; id++)
-			attach(&in, id, "u", DLPC_ATTACH_CACHEABLE, 0);
+			attach(&in, id, "u", DLPC_WIRE_ATTACH_CACHEABLE, 0);
 		publish(&in, 40, "u", DLPC_PUBLISH_REPLACE, 4, ro);
 		frame_flags = FUZZ_RUN;
 		stat_req(&in, 41);
