@@ -30,7 +30,7 @@ struct dlpc__mentry;
  */
 struct dlpc__cache {
 	pthread_mutex_t mu;
-	bool on; /* protocol 1.7, no DLPC_CONNECT_NO_CACHE, no bound set to 0: set at connect */
+	bool on; /* no DLPC_CONNECT_NO_CACHE, no bound set to 0: set at connect */
 	uint64_t max_entries, max_bytes;
 	int64_t idle_ms;
 	struct dlpc__centry *table[DLPC__CACHE_BUCKETS];
