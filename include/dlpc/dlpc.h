@@ -489,10 +489,11 @@ DLPC_EXPORT int dlpc_alloc_bundle(dlpc_client *c, DLDevice device, size_t n,
  *         expired or dlpackd did not answer in time (timeout_ms plus DLPC_CALL_GRACE_MS for a
  *         waiting attach, $DLPC_CALL_TIMEOUT_MS for timeout_ms 0), -EINVAL if the name holds a
  *         bundle of several tensors, -EACCES for a writable attach of a read-only entry,
- *         -ENOTSUP for a copy-on-write attach of a CUDA entry, -ENODEV without a CUDA driver or the entry's device,
- *         -EMFILE when this process has no free fd for the storage's (the message names the
- *         RLIMIT_NOFILE soft limit; the reference goes back to the daemon and the client stays
- *         usable), -ECANCELED when dlpc_close() was called meanwhile.
+ *         -ENOTSUP for a copy-on-write attach of a CUDA entry, -ENODEV without a CUDA driver
+ *         or the entry's device, -EMFILE when this process has no free fd for the storage's
+ *         (the message names the RLIMIT_NOFILE soft limit; the reference goes back to the
+ *         daemon and the client stays usable), -ECANCELED when dlpc_close() was called
+ *         meanwhile.
  */
 DLPC_EXPORT int dlpc_attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
 			    DLManagedTensorVersioned **ret);
