@@ -135,6 +135,11 @@ typedef struct dlpc_attach_opts {
 #define DLPC_PUBLISH_EPHEMERAL (1u << 1)
 /** Publish: attachers may map the storage writable. */
 #define DLPC_PUBLISH_WRITABLE (1u << 2)
+/*
+ * Attach flags (dlpc_attach_opts.flags, and those dlpc_recv_opts.flags names): the library's API.
+ * The library acts on most of them itself; only WRITABLE and OWNER of an attach reach dlpackd,
+ * whose protocol has attach flags of its own (docs/protocol.md, 5.2).
+ */
 /** Attach: map writable (the entry must have been published with DLPC_PUBLISH_WRITABLE). */
 #define DLPC_ATTACH_WRITABLE (1u << 0)
 /** Attach: do not order anything after a legacy CUDA IPC publisher's event (neither
