@@ -2,10 +2,14 @@
 /*
  * Writes the seed corpus of fuzz_daemon (tests/fuzz/corpus/): real sessions made of valid
  * frames (HELLO, PUBLISH with its fd, ATTACH, RELEASE, LIST, STAT, UNPUBLISH (1.11: also
- * conditional), WATCH, waiters, bundles; channels' SEND, RECV and CHANNEL (1.6); cacheable attaches, release marks and the
- * INVALIDATE a replace causes (1.7); direct channels, their JOIN (1.8); end of stream (1.10)) and
- * the classic bad ones (requests before HELLO, unknown types, wrong fd counts, fds split from their frame, truncated frames,
- * absurd lengths, bad storage fds).
+ * conditional), WATCH, waiters, bundles; channels' SEND, RECV and CHANNEL (1.6); cacheable
+ * attaches, release marks and the INVALIDATE a replace causes (1.7); direct channels, their JOIN
+ * (1.8); end of stream (1.10)) and the classic bad ones (requests before HELLO, unknown types,
+ * wrong fd counts, fds split from their frame, truncated frames, absurd lengths, bad storage
+ * fds).
+ *
+ * One builder per request; a seed is a short sequence of them, or a table of cases where it
+ * sends one request many ways.
  *
  *   mkcorpus DIR
  */
@@ -16,29 +20,28 @@
 
 #include "fuzz_daemon.h"
 #include "msg.h"
+#include "seed.h"
 
-struct input {
-	uint8_t buf[1 << 16];
-	size_t len;
-};
+/* CHANNEL's operations (dlpackd.proto); 9 is none. */
+enum { OPEN = 1, REMOVE, DESCRIBE, JOIN, CLOSE, PRODUCE, BAD_OP = 9 };
 
 /* One chunk: @p len bytes sent with fds of the given kinds. */
 static void chunk(struct input *in, unsigned flags, const uint8_t *kinds, unsigned nfds,
 		  const void *data, size_t len)
 {
-	if (in->len + 3 + nfds + len > sizeof(in->buf)) {
-		fprintf(stderr, "mkcorpus: input too large\n");
-		exit(1);
-	}
-	in->buf[in->len++] = (uint8_t)(flags | nfds);
-	if (nfds)
-		memcpy(in->buf + in->len, kinds, nfds);
-	in->len += nfds;
-	in->buf[in->len++] = (uint8_t)(len & 0xff);
-	in->buf[in->len++] = (uint8_t)(len >> 8);
-	if (len)
-		memcpy(in->buf + in->len, data, len);
-	in->len += len;
+	uint8_t ctl = (uint8_t)(flags | nfds),
+		lens[2] = {(uint8_t)(len & 0xff), (uint8_t)(len >> 8)};
+
+	seed_add(in, &ctl, 1);
+	seed_add(in, kinds, nfds);
+	seed_add(in, lens, 2);
+	seed_add(in, data, len);
+}
+
+/* A chunk of no bytes with control bits @p flags only (wait, shut down, run). */
+static void control(struct input *in, unsigned flags)
+{
+	chunk(in, flags, NULL, 0, NULL, 0);
 }
 
 /* Control bits of the chunks frame() makes. */
@@ -57,32 +60,73 @@ static void frame(struct input *in, uint16_t type, uint32_t id, const ProtobufCM
 	dlpc__scratch_clear(&s);
 }
 
-static void hello(struct input *in, uint32_t major)
+/* A STAT frame, sent as frame type @p type declaring @p declared fds and carrying @p nfds. */
+static void stat_as(struct input *in, uint16_t type, uint32_t id, unsigned declared,
+		    const uint8_t *kinds, unsigned nfds)
+{
+	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+
+	frame(in, type, id, &st.base, declared, kinds, nfds);
+}
+
+static void stat_req(struct input *in, uint32_t id)
+{
+	stat_as(in, DLPC_MSG_STAT, id, 0, NULL, 0);
+}
+
+/* HELLO of version @p major.@p minor. */
+static void hello_v(struct input *in, uint32_t major, uint32_t minor)
 {
 	Dlpackd__V1__Hello h = DLPACKD__V1__HELLO__INIT;
 
 	h.version_major = major;
-	h.version_minor = DLPC_PROTO_MINOR;
-	h.client = "mkcorpus";
-	frame(in, DLPC_MSG_HELLO, 1, &h.base, 0, NULL, 0);
-}
-
-/* HELLO of @p minor: only DLPC_PROTO_MINOR is accepted. */
-static void hello_minor(struct input *in, uint32_t minor)
-{
-	Dlpackd__V1__Hello h = DLPACKD__V1__HELLO__INIT;
-
-	h.version_major = DLPC_PROTO_MAJOR;
 	h.version_minor = minor;
 	h.client = "mkcorpus";
 	frame(in, DLPC_MSG_HELLO, 1, &h.base, 0, NULL, 0);
 }
 
-static void stat_req(struct input *in, uint32_t id)
+/* HELLO of this build's version: the only one the daemon accepts. */
+static void hello(struct input *in)
 {
-	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+	hello_v(in, DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR);
+}
 
-	frame(in, DLPC_MSG_STAT, id, &st.base, 0, NULL, 0);
+/* What a PUBLISH carries besides its name: the message, its fd and whatever edit a seed makes
+ * (a SEND carries one too). */
+struct msg_args {
+	uint32_t flags;	    /* Send.flags (0 is the only valid) */
+	uint32_t pub_flags; /* the message's PUBLISH flags */
+	unsigned ntensors;  /* 1 to 4 */
+	int64_t timeout_ms;
+	uint64_t pool_token;
+	const char *key; /* the first tensor's key (NULL: "" or "a") */
+	size_t key_len;
+	const char *msg_name; /* a SEND's message: a name it must not have */
+	uint32_t device_type; /* 0: host */
+	unsigned nfds;	      /* fds sent (the header declares 1) */
+	uint8_t kind;
+};
+
+/* Fill @p p (and @p descs, @p ptrs, @p shape it points to) as @p a says, named @p name. */
+static void message(Dlpackd__V1__Publish *p, Dlpackd__V1__TensorDesc *descs,
+		    Dlpackd__V1__TensorDesc **ptrs, int64_t shape[2], const char *name,
+		    const struct msg_args *a)
+{
+	shape[0] = shape[1] = 4;
+	seed_tensors(descs, ptrs, a->ntensors, shape, 2, 32, 0);
+	if (a->key) {
+		descs[0].key.data = (uint8_t *)a->key;
+		descs[0].key.len = a->key_len;
+	}
+	if (name) {
+		p->name.data = (uint8_t *)name;
+		p->name.len = strlen(name);
+	}
+	p->flags = a->pub_flags;
+	p->device_type = a->device_type ? a->device_type : 1; /* kDLCPU */
+	p->storage_size = 4096;
+	p->n_tensors = a->ntensors;
+	p->tensors = ptrs;
 }
 
 /* PUBLISH of @p ntensors float32 tensors of 16 elements with one fd of kind @p kind. */
@@ -90,29 +134,11 @@ static void publish(struct input *in, uint32_t id, const char *name, uint32_t fl
 		    unsigned ntensors, uint8_t kind)
 {
 	Dlpackd__V1__Publish p = DLPACKD__V1__PUBLISH__INIT;
-	Dlpackd__V1__TensorDesc descs[4], *ptrs[4];
-	int64_t shape[2] = {4, 4};
-	static const char *const keys[4] = {"a", "b", "c", "d"};
+	Dlpackd__V1__TensorDesc descs[SEED_TENSORS_MAX], *ptrs[SEED_TENSORS_MAX];
+	int64_t shape[2];
 
-	for (unsigned i = 0; i < ntensors; i++) {
-		dlpackd__v1__tensor_desc__init(&descs[i]);
-		descs[i].key.data = (uint8_t *)(ntensors > 1 ? keys[i] : "");
-		descs[i].key.len = ntensors > 1 ? 1 : 0;
-		descs[i].dtype_code = 2; /* kDLFloat */
-		descs[i].dtype_bits = 32;
-		descs[i].dtype_lanes = 1;
-		descs[i].n_shape = 2;
-		descs[i].shape = shape;
-		descs[i].offset = (uint64_t)i * 256;
-		ptrs[i] = &descs[i];
-	}
-	p.name.data = (uint8_t *)name;
-	p.name.len = strlen(name);
-	p.flags = flags;
-	p.device_type = 1; /* kDLCPU */
-	p.storage_size = 4096;
-	p.n_tensors = ntensors;
-	p.tensors = ptrs;
+	message(&p, descs, ptrs, shape, name,
+		&(struct msg_args){.pub_flags = flags, .ntensors = ntensors});
 	frame(in, DLPC_MSG_PUBLISH, id, &p.base, 1, &kind, 1);
 }
 
@@ -128,6 +154,16 @@ static void attach(struct input *in, uint32_t id, const char *name, uint32_t fla
 	frame(in, DLPC_MSG_ATTACH, id, &a.base, 0, NULL, 0);
 }
 
+/* ATTACHes @p first to @p last - 1 of @p name, sent without reading the replies (they pile up
+ * in the daemon's send queue: its socket buffer is small). */
+static void unread_attaches(struct input *in, uint32_t first, uint32_t last, const char *name,
+			    uint32_t flags)
+{
+	frame_flags = FUZZ_RUN | FUZZ_HOLD;
+	for (uint32_t id = first; id < last; id++)
+		attach(in, id, name, flags, 0);
+}
+
 /* CANCEL (1.9) of the wait of request @p which. */
 static void cancel(struct input *in, uint32_t which)
 {
@@ -135,47 +171,6 @@ static void cancel(struct input *in, uint32_t which)
 
 	c.request_id = which;
 	frame(in, DLPC_MSG_CANCEL, 0, &c.base, 0, NULL, 0);
-}
-
-static void release(struct input *in, uint64_t ref)
-{
-	Dlpackd__V1__Release r = DLPACKD__V1__RELEASE__INIT;
-
-	r.n_ref_ids = 1;
-	r.ref_ids = &ref;
-	frame(in, DLPC_MSG_RELEASE, 0, &r.base, 0, NULL, 0);
-}
-
-static void list(struct input *in, uint32_t id, const char *prefix, uint32_t limit)
-{
-	Dlpackd__V1__List l = DLPACKD__V1__LIST__INIT;
-
-	l.prefix.data = (uint8_t *)prefix;
-	l.prefix.len = strlen(prefix);
-	l.limit = limit;
-	frame(in, DLPC_MSG_LIST, id, &l.base, 0, NULL, 0);
-}
-
-static void unpublish(struct input *in, uint32_t id, const char *name)
-{
-	Dlpackd__V1__Unpublish u = DLPACKD__V1__UNPUBLISH__INIT;
-
-	u.name.data = (uint8_t *)name;
-	u.name.len = strlen(name);
-	frame(in, DLPC_MSG_UNPUBLISH, id, &u.base, 0, NULL, 0);
-}
-
-/* UNPUBLISH of @p name only if it is @p generation created at @p created_ns (1.11). */
-static void unpublish_if(struct input *in, uint32_t id, const char *name, uint64_t generation,
-			 int64_t created_ns)
-{
-	Dlpackd__V1__Unpublish u = DLPACKD__V1__UNPUBLISH__INIT;
-
-	u.name.data = (uint8_t *)name;
-	u.name.len = strlen(name);
-	u.generation = generation;
-	u.created_ns = created_ns;
-	frame(in, DLPC_MSG_UNPUBLISH, id, &u.base, 0, NULL, 0);
 }
 
 /* RELEASE of @p nref ids of @p refs, marking @p cached idle and @p used in use again (1.7). */
@@ -193,75 +188,83 @@ static void release_marks(struct input *in, uint64_t *refs, size_t nref, uint64_
 	frame(in, DLPC_MSG_RELEASE, 0, &r.base, 0, NULL, 0);
 }
 
-/* CHANNEL @p op (1 OPEN, 2 REMOVE, 3 STAT, 4 JOIN, 5 CLOSE, 6 PRODUCE, others bad) of channel
- * @p name, with @p flags (1.8: CHANNEL_DIRECT on OPEN; 1.10: CHANNEL_QUEUED, CLOSE_ALL). */
-static void channel_flags(struct input *in, uint32_t id, uint32_t op, const char *name,
-			  uint32_t capacity, uint32_t flags)
+static void release(struct input *in, uint64_t ref)
+{
+	release_marks(in, &ref, 1, NULL, 0, NULL, 0);
+}
+
+/* LIST of entries (or, @p channels, of channels) named from @p prefix. */
+static void list(struct input *in, uint32_t id, const char *prefix, uint32_t limit, bool channels)
+{
+	Dlpackd__V1__List l = DLPACKD__V1__LIST__INIT;
+
+	l.prefix.data = (uint8_t *)prefix;
+	l.prefix.len = strlen(prefix);
+	l.limit = limit;
+	l.channels = channels;
+	frame(in, DLPC_MSG_LIST, id, &l.base, 0, NULL, 0);
+}
+
+/* UNPUBLISH of @p name; only if it is @p generation created at @p created_ns where they are not
+ * 0 (1.11). */
+static void unpublish(struct input *in, uint32_t id, const char *name, uint64_t generation,
+		      int64_t created_ns)
+{
+	Dlpackd__V1__Unpublish u = DLPACKD__V1__UNPUBLISH__INIT;
+
+	u.name.data = (uint8_t *)name;
+	u.name.len = strlen(name);
+	u.generation = generation;
+	u.created_ns = created_ns;
+	frame(in, DLPC_MSG_UNPUBLISH, id, &u.base, 0, NULL, 0);
+}
+
+/* One CHANNEL request: its operation (an op of the enum above, or another, bad one), channel,
+ * capacity and flags (1.8: CHANNEL_DIRECT on OPEN; 1.10: CHANNEL_QUEUED, CLOSE_ALL). */
+struct chan_req {
+	uint32_t op;
+	const char *name;
+	uint32_t capacity, flags;
+};
+
+static void channel_req(struct input *in, uint32_t id, const struct chan_req *r)
 {
 	Dlpackd__V1__Channel c = DLPACKD__V1__CHANNEL__INIT;
 
-	c.op = op;
-	c.name.data = (uint8_t *)name;
-	c.name.len = strlen(name);
-	c.capacity = capacity;
-	c.flags = flags;
+	c.op = r->op;
+	c.name.data = (uint8_t *)r->name;
+	c.name.len = strlen(r->name);
+	c.capacity = r->capacity;
+	c.flags = r->flags;
 	frame(in, DLPC_MSG_CHANNEL, id, &c.base, 0, NULL, 0);
 }
 
 static void channel(struct input *in, uint32_t id, uint32_t op, const char *name, uint32_t capacity)
 {
-	channel_flags(in, id, op, name, capacity, 0);
+	channel_req(in, id, &(struct chan_req){op, name, capacity, 0});
 }
 
-/* What a SEND carries besides its channel: the message, its fd and whatever edit a seed makes. */
-struct send_args {
-	uint32_t flags;	    /* Send.flags (0 is the only valid) */
-	uint32_t pub_flags; /* the message's PUBLISH flags */
-	unsigned ntensors;  /* 1 to 4 */
-	int64_t timeout_ms;
-	uint64_t pool_token;
-	const char *key; /* the first tensor's key (NULL: "" or "a") */
-	size_t key_len;
-	const char *msg_name; /* a name the message must not have */
-	uint32_t device_type; /* 0: host */
-	unsigned nfds;	      /* fds sent (the header declares 1) */
-	uint8_t kind;
-};
+/* The CHANNEL requests of table @p reqs, ids from @p id on; the next id. */
+#define CHANNELS(in, id, ...)                                                                      \
+	channels(in, id, (const struct chan_req[]){__VA_ARGS__},                                   \
+		 sizeof((const struct chan_req[]){__VA_ARGS__}) / sizeof(struct chan_req))
+
+static uint32_t channels(struct input *in, uint32_t id, const struct chan_req *reqs, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		channel_req(in, id++, &reqs[i]);
+	return id;
+}
 
 /* SEND to channel @p name of @p a's message. */
-static void send_msg(struct input *in, uint32_t id, const char *name, const struct send_args *a)
+static void send_msg(struct input *in, uint32_t id, const char *name, const struct msg_args *a)
 {
 	Dlpackd__V1__Send sr = DLPACKD__V1__SEND__INIT;
 	Dlpackd__V1__Publish p = DLPACKD__V1__PUBLISH__INIT;
-	Dlpackd__V1__TensorDesc descs[4], *ptrs[4];
-	int64_t shape[2] = {4, 4};
-	static const char *const keys[4] = {"a", "b", "c", "d"};
+	Dlpackd__V1__TensorDesc descs[SEED_TENSORS_MAX], *ptrs[SEED_TENSORS_MAX];
+	int64_t shape[2];
 
-	for (unsigned i = 0; i < a->ntensors; i++) {
-		dlpackd__v1__tensor_desc__init(&descs[i]);
-		descs[i].key.data = (uint8_t *)(a->ntensors > 1 ? keys[i] : "");
-		descs[i].key.len = a->ntensors > 1 ? 1 : 0;
-		descs[i].dtype_code = 2; /* kDLFloat */
-		descs[i].dtype_bits = 32;
-		descs[i].dtype_lanes = 1;
-		descs[i].n_shape = 2;
-		descs[i].shape = shape;
-		descs[i].offset = (uint64_t)i * 256;
-		ptrs[i] = &descs[i];
-	}
-	if (a->key) {
-		descs[0].key.data = (uint8_t *)a->key;
-		descs[0].key.len = a->key_len;
-	}
-	if (a->msg_name) {
-		p.name.data = (uint8_t *)a->msg_name;
-		p.name.len = strlen(a->msg_name);
-	}
-	p.flags = a->pub_flags;
-	p.device_type = a->device_type ? a->device_type : 1; /* kDLCPU */
-	p.storage_size = 4096;
-	p.n_tensors = a->ntensors;
-	p.tensors = ptrs;
+	message(&p, descs, ptrs, shape, a->msg_name, a);
 	sr.channel.data = (uint8_t *)name;
 	sr.channel.len = strlen(name);
 	sr.flags = a->flags;
@@ -272,7 +275,10 @@ static void send_msg(struct input *in, uint32_t id, const char *name, const stru
 }
 
 /* SEND of one read-only tensor, failing at once if the channel is full. */
-#define SEND_ONE (&(struct send_args){.ntensors = 1, .nfds = 1, .kind = FUZZ_FD_MEMFD_RO})
+#define SEND_ONE (&(struct msg_args){.ntensors = 1, .nfds = 1, .kind = FUZZ_FD_MEMFD_RO})
+/* The same, waiting for room for ever. */
+#define SEND_WAIT                                                                                  \
+	(&(struct msg_args){.ntensors = 1, .timeout_ms = -1, .nfds = 1, .kind = FUZZ_FD_MEMFD_RO})
 
 static void recv_msg(struct input *in, uint32_t id, const char *name, uint32_t flags,
 		     int64_t timeout_ms)
@@ -284,16 +290,6 @@ static void recv_msg(struct input *in, uint32_t id, const char *name, uint32_t f
 	r.flags = flags;
 	r.timeout_ms = timeout_ms;
 	frame(in, DLPC_MSG_RECV, id, &r.base, 0, NULL, 0);
-}
-
-static void list_channels(struct input *in, uint32_t id, const char *prefix)
-{
-	Dlpackd__V1__List l = DLPACKD__V1__LIST__INIT;
-
-	l.prefix.data = (uint8_t *)prefix;
-	l.prefix.len = strlen(prefix);
-	l.channels = true;
-	frame(in, DLPC_MSG_LIST, id, &l.base, 0, NULL, 0);
 }
 
 /* WATCH of @p len bytes of @p prefix: the connection then only receives events. */
@@ -315,25 +311,26 @@ static void raw_header(struct input *in, uint32_t len, uint16_t type, uint8_t nf
 	chunk(in, FUZZ_RUN, NULL, 0, hdr, sizeof(hdr));
 }
 
-static const char *dir;
-
-static void save(const char *name, const struct input *in)
-{
-	char path[512];
-	FILE *f;
-
-	snprintf(path, sizeof(path), "%s/%s", dir, name);
-	f = fopen(path, "wb");
-	if (!f || fwrite(in->buf, 1, in->len, f) != in->len || fclose(f) != 0) {
-		perror(path);
-		exit(1);
-	}
-}
+/* STAT frames of a wrong type or with the wrong fds, after a HELLO */
+static const uint8_t seven_kinds[7] = {0, 1, 2, 3, 4, 5, 6};
+static const struct {
+	const char *name;
+	uint16_t type;
+	unsigned declared;
+	const uint8_t *kinds;
+	unsigned nfds;
+} bad_stats[] = {
+	{"unknown-type", 77, 0, NULL, 0},
+	{"fds-undeclared", DLPC_MSG_STAT, 0, seven_kinds, 1}, /* one read-only memfd */
+	{"fds-missing", DLPC_MSG_STAT, 1, NULL, 0},
+	{"fds-too-many", DLPC_MSG_STAT, 4, seven_kinds, 7},
+};
 
 int main(int argc, char **argv)
 {
-	static struct input in;
-	const uint8_t ro = FUZZ_FD_MEMFD_RO, rw = FUZZ_FD_MEMFD_RW;
+	static struct input input;
+	struct input *const in = &input;
+	const char *dir;
 
 	if (argc != 2) {
 		fprintf(stderr, "usage: mkcorpus DIR\n");
@@ -341,487 +338,436 @@ int main(int argc, char **argv)
 	}
 	dir = argv[1];
 
-#define SEED(name, ...)                                                                            \
+/* The seed @p name: what the statements after it send. SEED_UNREAD's client reads none of the
+ * daemon's replies: every frame goes with FUZZ_HOLD (as the committed seeds have always had it). */
+#define SEED_AS(name, flags, ...)                                                                  \
 	do {                                                                                       \
-		in.len = 0;                                                                        \
+		in->len = 0;                                                                       \
+		frame_flags = (flags);                                                             \
 		__VA_ARGS__;                                                                       \
-		save(name, &in);                                                                   \
+		seed_save(dir, name, in);                                                          \
 	} while (0)
+#define SEED(name, ...) SEED_AS(name, FUZZ_RUN, __VA_ARGS__)
+#define SEED_UNREAD(name, ...) SEED_AS(name, FUZZ_RUN | FUZZ_HOLD, __VA_ARGS__)
 
-	SEED("hello", hello(&in, DLPC_PROTO_MAJOR));
+	SEED("hello", { hello(in); });
 	SEED("hello-stat", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		stat_req(&in, 2);
+		hello(in);
+		stat_req(in, 2);
 	});
 	SEED("session", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		publish(&in, 2, "m/w", 0, 1, ro);
-		attach(&in, 3, "m/w", 0, 0);
-		list(&in, 4, "m/", 0);
-		release(&in, 1);
-		unpublish(&in, 5, "m/w");
-		stat_req(&in, 6);
+		hello(in);
+		publish(in, 2, "m/w", 0, 1, FUZZ_FD_MEMFD_RO);
+		attach(in, 3, "m/w", 0, 0);
+		list(in, 4, "m/", 0, false);
+		release(in, 1);
+		unpublish(in, 5, "m/w", 0, 0);
+		stat_req(in, 6);
 	});
 	/* (1.11) conditional UNPUBLISH: another generation and another creation refused (ESTALE),
 	 * then the replacing generation removed */
 	SEED("unpublish-if", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		publish(&in, 2, "u", 0, 1, ro);
-		unpublish_if(&in, 3, "u", 2, 0);
-		unpublish_if(&in, 4, "u", 1, 1);
-		publish(&in, 5, "u", DLPC_PUBLISH_REPLACE, 1, ro);
-		unpublish_if(&in, 6, "u", 1, 0);
-		unpublish_if(&in, 7, "u", 2, 0);
-		unpublish_if(&in, 8, "u", 2, 0);
+		static const struct {
+			uint64_t generation;
+			int64_t created_ns;
+		} tries[] = {{2, 0}, {1, 1}, {0, 0} /* the replace */, {1, 0}, {2, 0}, {2, 0}};
+
+		hello(in);
+		publish(in, 2, "u", 0, 1, FUZZ_FD_MEMFD_RO);
+		for (uint32_t i = 0; i < sizeof(tries) / sizeof(tries[0]); i++)
+			if (tries[i].generation)
+				unpublish(in, 3 + i, "u", tries[i].generation, tries[i].created_ns);
+			else
+				publish(in, 3 + i, "u", DLPC_PUBLISH_REPLACE, 1, FUZZ_FD_MEMFD_RO);
 	});
 	SEED("bundle-writable", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		publish(&in, 2, "b", DLPC_PUBLISH_WRITABLE, 3, rw);
-		attach(&in, 3, "b", DLPC_ATTACH_WRITABLE, 0);
-		attach(&in, 4, "b", DLPC_WIRE_ATTACH_SINGLE, 0);
-		list(&in, 5, "", 1);
+		hello(in);
+		publish(in, 2, "b", DLPC_PUBLISH_WRITABLE, 3, FUZZ_FD_MEMFD_RW);
+		attach(in, 3, "b", DLPC_WIRE_ATTACH_WRITABLE, 0);
+		attach(in, 4, "b", DLPC_WIRE_ATTACH_SINGLE, 0);
+		list(in, 5, "", 1, false);
 	});
 	SEED("replace-ephemeral", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		publish(&in, 2, "x", DLPC_PUBLISH_EPHEMERAL, 1, ro);
-		attach(&in, 3, "x", 0, 0);
-		publish(&in, 4, "x", DLPC_PUBLISH_REPLACE, 1, ro);
-		publish(&in, 5, "x", 0, 1, ro);
-		release(&in, 1);
+		hello(in);
+		publish(in, 2, "x", DLPC_PUBLISH_EPHEMERAL, 1, FUZZ_FD_MEMFD_RO);
+		attach(in, 3, "x", 0, 0);
+		publish(in, 4, "x", DLPC_PUBLISH_REPLACE, 1, FUZZ_FD_MEMFD_RO);
+		publish(in, 5, "x", 0, 1, FUZZ_FD_MEMFD_RO);
+		release(in, 1);
 	});
 	SEED("waiter", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		attach(&in, 2, "later", 0, -1);
-		attach(&in, 3, "later", 0, 1000);
-		publish(&in, 4, "later", 0, 1, ro);
+		hello(in);
+		attach(in, 2, "later", 0, -1);
+		attach(in, 3, "later", 0, 1000);
+		publish(in, 4, "later", 0, 1, FUZZ_FD_MEMFD_RO);
 	});
+	/* a PUBLISH with each kind of storage the daemon refuses, and a writable one of a sealed
+	 * memfd */
 	SEED("bad-storage", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		publish(&in, 2, "s0", 0, 1, FUZZ_FD_MEMFD_BARE);
-		publish(&in, 3, "s1", 0, 1, FUZZ_FD_MEMFD_NOSEAL);
-		publish(&in, 4, "s2", 0, 1, FUZZ_FD_PIPE);
-		publish(&in, 5, "s3", 0, 1, FUZZ_FD_FILE);
-		publish(&in, 6, "s4", 0, 1, FUZZ_FD_DEVNULL);
-		publish(&in, 7, "s5", 0, 1, FUZZ_FD_SOCKET);
-		publish(&in, 8, "s6", DLPC_PUBLISH_WRITABLE, 1, ro);
-	});
-	SEED("before-hello", stat_req(&in, 1));
-	SEED("version-mismatch", hello(&in, 99));
-	SEED("hello-twice", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		hello(&in, DLPC_PROTO_MAJOR);
-	});
-	SEED("unknown-type", {
-		Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
+		static const uint8_t kinds[] = {FUZZ_FD_MEMFD_BARE, FUZZ_FD_MEMFD_NOSEAL,
+						FUZZ_FD_PIPE,	    FUZZ_FD_FILE,
+						FUZZ_FD_DEVNULL,    FUZZ_FD_SOCKET};
+		char name[8];
 
-		hello(&in, DLPC_PROTO_MAJOR);
-		frame(&in, 77, 2, &st.base, 0, NULL, 0);
+		hello(in);
+		for (uint32_t i = 0; i < sizeof(kinds); i++) {
+			snprintf(name, sizeof(name), "s%u", i);
+			publish(in, 2 + i, name, 0, 1, kinds[i]);
+		}
+		publish(in, 8, "s6", DLPC_PUBLISH_WRITABLE, 1, FUZZ_FD_MEMFD_RO);
+	});
+	SEED("before-hello", { stat_req(in, 1); });
+	SEED("version-mismatch", { hello_v(in, 99, DLPC_PROTO_MINOR); });
+	SEED("hello-twice", {
+		hello(in);
+		hello(in);
 	});
 	SEED("release-unknown", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		release(&in, 12345);
+		hello(in);
+		release(in, 12345);
 	});
-	SEED("fds-undeclared", {
-		Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
-
-		hello(&in, DLPC_PROTO_MAJOR);
-		frame(&in, DLPC_MSG_STAT, 2, &st.base, 0, &ro, 1);
-	});
-	SEED("fds-missing", {
-		Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
-
-		hello(&in, DLPC_PROTO_MAJOR);
-		frame(&in, DLPC_MSG_STAT, 2, &st.base, 1, NULL, 0);
-	});
-	SEED("fds-too-many", {
-		static const uint8_t kinds[7] = {0, 1, 2, 3, 4, 5, 6};
-		Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
-
-		hello(&in, DLPC_PROTO_MAJOR);
-		frame(&in, DLPC_MSG_STAT, 2, &st.base, 4, kinds, 7);
-	});
+	for (size_t i = 0; i < sizeof(bad_stats) / sizeof(bad_stats[0]); i++)
+		SEED(bad_stats[i].name, {
+			hello(in);
+			stat_as(in, bad_stats[i].type, 2, bad_stats[i].declared, bad_stats[i].kinds,
+				bad_stats[i].nfds);
+		});
+	/* the header alone with the fd, the payload in a second sendmsg */
 	SEED("fds-split", {
-		/* the header alone with the fd, the payload in a second sendmsg */
+		static const uint8_t ro = FUZZ_FD_MEMFD_RO;
 		Dlpackd__V1__Publish p = DLPACKD__V1__PUBLISH__INIT;
 		struct dlpc__scratch s = {0};
 		ssize_t len;
 
-		hello(&in, DLPC_PROTO_MAJOR);
+		hello(in);
 		p.name.data = (uint8_t *)"split";
 		p.name.len = 5;
 		p.device_type = 1;
 		p.storage_size = 4096;
 		len = dlpc__msg_frame(&s, DLPC_MSG_PUBLISH, 2, &p.base, 1);
-		chunk(&in, FUZZ_RUN, NULL, 0, s.p, DLPC_FRAME_HDR_SIZE);
-		chunk(&in, FUZZ_RUN, &ro, 1, s.p + DLPC_FRAME_HDR_SIZE,
+		chunk(in, FUZZ_RUN, NULL, 0, s.p, DLPC_FRAME_HDR_SIZE);
+		chunk(in, FUZZ_RUN, &ro, 1, s.p + DLPC_FRAME_HDR_SIZE,
 		      (size_t)len - DLPC_FRAME_HDR_SIZE);
 		dlpc__scratch_clear(&s);
 	});
 	SEED("cut-short", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		raw_header(&in, 100, DLPC_MSG_LIST, 0);
-		chunk(&in, FUZZ_SHUTDOWN, NULL, 0, "abc", 3);
+		hello(in);
+		raw_header(in, 100, DLPC_MSG_LIST, 0);
+		chunk(in, FUZZ_SHUTDOWN, NULL, 0, "abc", 3);
 	});
-	SEED("len-max-plus-one", raw_header(&in, DLPC_FRAME_MAX + 1, DLPC_MSG_HELLO, 0));
-	SEED("len-2-32-minus-1", raw_header(&in, UINT32_MAX, DLPC_MSG_HELLO, 0));
+	SEED("len-max-plus-one", { raw_header(in, DLPC_FRAME_MAX + 1, DLPC_MSG_HELLO, 0); });
+	SEED("len-2-32-minus-1", { raw_header(in, UINT32_MAX, DLPC_MSG_HELLO, 0); });
 	SEED("not-protobuf", {
-		raw_header(&in, 8, DLPC_MSG_HELLO, 0);
-		chunk(&in, FUZZ_RUN, NULL, 0, "\xff\xff\xff\xff\xff\xff\xff\xff", 8);
+		raw_header(in, 8, DLPC_MSG_HELLO, 0);
+		chunk(in, FUZZ_RUN, NULL, 0, "\xff\xff\xff\xff\xff\xff\xff\xff", 8);
 	});
+	/* attach replies (each with an fd) pile up in the daemon's send queue */
 	SEED("unread-replies", {
-		/* attach replies (each with an fd) pile up in the daemon's send queue */
-		hello(&in, DLPC_PROTO_MAJOR);
-		publish(&in, 2, "q", 0, 2, ro);
-		frame_flags = FUZZ_RUN | FUZZ_HOLD;
-		for (uint32_t id = 3; id < 40; id++)
-			attach(&in, id, "q", 0, 0);
-		list(&in, 40, "", 0);
+		hello(in);
+		publish(in, 2, "q", 0, 2, FUZZ_FD_MEMFD_RO);
+		unread_attaches(in, 3, 40, "q", 0);
+		list(in, 40, "", 0, false);
 		frame_flags = FUZZ_RUN;
-		stat_req(&in, 41);
+		stat_req(in, 41);
 	});
+	/* dropped with replies and their fds still queued */
 	SEED("unread-then-violation", {
-		/* dropped with replies and their fds still queued */
-		hello(&in, DLPC_PROTO_MAJOR);
-		publish(&in, 2, "q", 0, 1, ro);
-		frame_flags = FUZZ_RUN | FUZZ_HOLD;
-		for (uint32_t id = 3; id < 40; id++)
-			attach(&in, id, "q", 0, 0);
-		release(&in, 999);
+		hello(in);
+		publish(in, 2, "q", 0, 1, FUZZ_FD_MEMFD_RO);
+		unread_attaches(in, 3, 40, "q", 0);
+		release(in, 999);
 	});
-	SEED("wait-expires", {
-		hello(&in, DLPC_PROTO_MAJOR);
-		attach(&in, 2, "never", 0, 1);
-		chunk(&in, FUZZ_WAIT | FUZZ_RUN, NULL, 0, NULL, 0);
-		stat_req(&in, 3);
+	SEED_UNREAD("wait-expires", {
+		hello(in);
+		attach(in, 2, "never", 0, 1);
+		control(in, FUZZ_WAIT | FUZZ_RUN);
+		stat_req(in, 3);
 	});
 	/* ---- channels (1.6): SEND (9), RECV (10), CHANNEL (11) ---- */
-	SEED("channel", {
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		channel(&in, 2, 1, "c", 2);
-		channel(&in, 3, 1, "c", 0);
-		send_msg(&in, 4, "c", SEND_ONE);
-		send_msg(&in, 5, "c",
-			 &(struct send_args){.ntensors = 3,
-					     .pub_flags = DLPC_PUBLISH_WRITABLE,
-					     .nfds = 1,
-					     .kind = rw});
-		send_msg(&in, 6, "c", SEND_ONE); /* full: EAGAIN */
-		channel(&in, 7, 3, "c", 0);
-		list_channels(&in, 8, "");
-		recv_msg(&in, 9, "c", 0, 0);
-		recv_msg(&in, 10, "c", DLPC_WIRE_ATTACH_SINGLE, 0); /* a bundle: refused, kept */
-		recv_msg(&in, 11, "c", 0, 0);
-		recv_msg(&in, 12, "c", 0, 0); /* empty: EAGAIN */
-		release(&in, 1);
-		release(&in, 2);
-		channel(&in, 13, 2, "c", 0);
-		stat_req(&in, 14);
+	SEED_UNREAD("channel", {
+		hello(in);
+		channel(in, 2, OPEN, "c", 2);
+		channel(in, 3, OPEN, "c", 0);
+		send_msg(in, 4, "c", SEND_ONE);
+		send_msg(in, 5, "c",
+			 &(struct msg_args){.ntensors = 3,
+					    .pub_flags = DLPC_PUBLISH_WRITABLE,
+					    .nfds = 1,
+					    .kind = FUZZ_FD_MEMFD_RW});
+		send_msg(in, 6, "c", SEND_ONE); /* full: EAGAIN */
+		channel(in, 7, DESCRIBE, "c", 0);
+		list(in, 8, "", 0, true);
+		recv_msg(in, 9, "c", 0, 0);
+		recv_msg(in, 10, "c", DLPC_WIRE_ATTACH_SINGLE, 0); /* a bundle: refused, kept */
+		recv_msg(in, 11, "c", 0, 0);
+		recv_msg(in, 12, "c", 0, 0); /* empty: EAGAIN */
+		release(in, 1);
+		release(in, 2);
+		channel(in, 13, REMOVE, "c", 0);
+		stat_req(in, 14);
 	});
-	SEED("channel-waits", {
-		/* a RECV that waits and is answered, one that expires, a SEND that waits for
-		 * room, one that expires, a remove that ends the waiting ones */
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		channel(&in, 2, 1, "w", 1);
-		recv_msg(&in, 3, "w", 0, -1);
-		send_msg(&in, 4, "w", SEND_ONE);
-		recv_msg(&in, 5, "w", 0, 1);
-		chunk(&in, FUZZ_WAIT | FUZZ_RUN, NULL, 0, NULL, 0);
-		send_msg(&in, 6, "w", SEND_ONE);
-		send_msg(&in, 7, "w",
-			 &(struct send_args){
-				 .ntensors = 1, .timeout_ms = -1, .nfds = 1, .kind = ro});
-		send_msg(
-			&in, 8, "w",
-			&(struct send_args){.ntensors = 1, .timeout_ms = 1, .nfds = 1, .kind = ro});
-		chunk(&in, FUZZ_WAIT | FUZZ_RUN, NULL, 0, NULL, 0);
-		recv_msg(&in, 9, "w", 0, 0);
-		channel(&in, 10, 1, "e", 0);
-		recv_msg(&in, 11, "e", 0, -1);
-		send_msg(&in, 12, "w",
-			 &(struct send_args){
-				 .ntensors = 1, .timeout_ms = -1, .nfds = 1, .kind = ro});
-		channel(&in, 13, 2, "w", 0);
-		channel(&in, 14, 2, "e", 0);
+	/* a RECV that waits and is answered, one that expires, a SEND that waits for room, one that
+	 * expires, a remove that ends the waiting ones */
+	SEED_UNREAD("channel-waits", {
+		hello(in);
+		channel(in, 2, OPEN, "w", 1);
+		recv_msg(in, 3, "w", 0, -1);
+		send_msg(in, 4, "w", SEND_ONE);
+		recv_msg(in, 5, "w", 0, 1);
+		control(in, FUZZ_WAIT | FUZZ_RUN);
+		send_msg(in, 6, "w", SEND_ONE);
+		send_msg(in, 7, "w", SEND_WAIT);
+		send_msg(in, 8, "w",
+			 &(struct msg_args){.ntensors = 1,
+					    .timeout_ms = 1,
+					    .nfds = 1,
+					    .kind = FUZZ_FD_MEMFD_RO});
+		control(in, FUZZ_WAIT | FUZZ_RUN);
+		recv_msg(in, 9, "w", 0, 0);
+		channel(in, 10, OPEN, "e", 0);
+		recv_msg(in, 11, "e", 0, -1);
+		send_msg(in, 12, "w", SEND_WAIT);
+		channel(in, 13, REMOVE, "w", 0);
+		channel(in, 14, REMOVE, "e", 0);
 	});
 	/* ---- CANCEL (1.9): waits the client gave up on, and ids that wait no more ---- */
-	SEED("cancel", {
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		attach(&in, 2, "never", 0, -1);
-		attach(&in, 3, "never", 0, 1000);
-		channel(&in, 4, 1, "w", 1);
-		recv_msg(&in, 5, "w", 0, -1);
-		send_msg(&in, 6, "w", SEND_ONE);
-		send_msg(&in, 7, "w", SEND_ONE);
-		send_msg(&in, 8, "w",
-			 &(struct send_args){
-				 .ntensors = 1, .timeout_ms = -1, .nfds = 1, .kind = ro});
-		cancel(&in, 3);
-		cancel(&in, 8);
-		cancel(&in, 5); /* answered already */
-		cancel(&in, 99);
-		cancel(&in, 2);
-		cancel(&in, 2);
-		stat_req(&in, 9);
-		channel(&in, 10, 2, "w", 0);
+	SEED_UNREAD("cancel", {
+		static const uint32_t cancels[] = {3, 8, 5 /* answered already */, 99, 2, 2};
+
+		hello(in);
+		attach(in, 2, "never", 0, -1);
+		attach(in, 3, "never", 0, 1000);
+		channel(in, 4, OPEN, "w", 1);
+		recv_msg(in, 5, "w", 0, -1);
+		send_msg(in, 6, "w", SEND_ONE);
+		send_msg(in, 7, "w", SEND_ONE);
+		send_msg(in, 8, "w", SEND_WAIT);
+		for (size_t i = 0; i < sizeof(cancels) / sizeof(cancels[0]); i++)
+			cancel(in, cancels[i]);
+		stat_req(in, 9);
+		channel(in, 10, REMOVE, "w", 0);
 	});
-	SEED("channel-hangup", {
-		/* the connection ends with a RECV and a SEND waiting and messages queued */
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		channel(&in, 2, 1, "h", 1);
-		channel(&in, 3, 1, "r", 0);
-		send_msg(&in, 4, "h", SEND_ONE);
-		send_msg(&in, 5, "h",
-			 &(struct send_args){
-				 .ntensors = 2, .timeout_ms = -1, .nfds = 1, .kind = ro});
-		recv_msg(&in, 6, "r", 0, -1);
-		chunk(&in, FUZZ_SHUTDOWN | FUZZ_RUN, NULL, 0, NULL, 0);
+	/* the connection ends with a RECV and a SEND waiting and messages queued */
+	SEED_UNREAD("channel-hangup", {
+		hello(in);
+		channel(in, 2, OPEN, "h", 1);
+		channel(in, 3, OPEN, "r", 0);
+		send_msg(in, 4, "h", SEND_ONE);
+		send_msg(in, 5, "h",
+			 &(struct msg_args){.ntensors = 2,
+					    .timeout_ms = -1,
+					    .nfds = 1,
+					    .kind = FUZZ_FD_MEMFD_RO});
+		recv_msg(in, 6, "r", 0, -1);
+		control(in, FUZZ_SHUTDOWN | FUZZ_RUN);
 	});
-	SEED("channel-direct", {
-		/* (1.8) a direct channel: opened, joined (its two ends come with the reply),
-		 * described, listed; SEND and RECV on it refused (EPROTOTYPE), a JOIN of a queued
-		 * one too; the other kind refused (EEXIST), unknown flags; removed */
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		channel_flags(&in, 2, 1, "d", 4, DLPC_CHANNEL_DIRECT);
-		channel_flags(&in, 3, 1, "d", 0, DLPC_CHANNEL_DIRECT);
-		channel_flags(&in, 4, 1, "d", 0, 0);
-		channel_flags(&in, 5, 1, "x", 0, 2);
-		channel(&in, 6, 4, "d", 0);
-		channel(&in, 7, 3, "d", 0);
-		list_channels(&in, 8, "");
-		send_msg(&in, 9, "d", SEND_ONE);
-		recv_msg(&in, 10, "d", 0, 0);
-		channel(&in, 11, 1, "q", 0);
-		channel(&in, 12, 4, "q", 0);
-		channel(&in, 13, 4, "none", 0);
-		channel(&in, 14, 2, "d", 0);
-		channel(&in, 15, 2, "q", 0);
-		stat_req(&in, 16);
+	/* (1.8) a direct channel: opened, joined (its two ends come with the reply), described,
+	 * listed; SEND and RECV on it refused (EPROTOTYPE), a JOIN of a queued one too; the other
+	 * kind refused (EEXIST), unknown flags; removed */
+	SEED_UNREAD("channel-direct", {
+		hello(in);
+		CHANNELS(in, 2, {OPEN, "d", 4, DLPC_CHANNEL_DIRECT},
+			 {OPEN, "d", 0, DLPC_CHANNEL_DIRECT}, {OPEN, "d", 0, 0}, {OPEN, "x", 0, 2},
+			 {JOIN, "d", 0, 0}, {DESCRIBE, "d", 0, 0});
+		list(in, 8, "", 0, true);
+		send_msg(in, 9, "d", SEND_ONE);
+		recv_msg(in, 10, "d", 0, 0);
+		CHANNELS(in, 11, {OPEN, "q", 0, 0}, {JOIN, "q", 0, 0}, {JOIN, "none", 0, 0},
+			 {REMOVE, "d", 0, 0}, {REMOVE, "q", 0, 0});
+		stat_req(in, 16);
 	});
-	SEED("channel-end", {
-		/* (1.10) end of stream: a RECV waiting woken by the producer's CLOSE, a queued
-		 * message received after the end, SEND after it refused; PRODUCE and CLOSE of a
-		 * direct channel (its sending end shut), close-all, bad flags and producers */
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		channel(&in, 2, 1, "e", 4);
-		recv_msg(&in, 3, "e", 0, -1);
-		channel(&in, 4, 6, "e", 0);
-		channel(&in, 5, 5, "e", 0);
-		channel(&in, 6, 1, "e2", 2);
-		send_msg(&in, 7, "e2", SEND_ONE);
-		channel(&in, 8, 5, "e2", 0);
-		channel(&in, 9, 5, "e2", 0);
-		send_msg(&in, 10, "e2", SEND_ONE);
-		recv_msg(&in, 11, "e2", 0, 0);
-		recv_msg(&in, 12, "e2", 0, 0);
-		channel_flags(&in, 13, 1, "d", 0, DLPC_CHANNEL_DIRECT);
-		channel(&in, 14, 6, "d", 0);
-		channel(&in, 15, 4, "d", 0);
-		channel_flags(&in, 16, 5, "d", 0, DLPC_CHANNEL_CLOSE_ALL);
-		channel(&in, 17, 6, "d", 0);
-		channel_flags(&in, 18, 5, "e2", 0, 8);
-		channel_flags(&in, 19, 1, "q", 0, DLPC_CHANNEL_QUEUED);
-		channel_flags(&in, 20, 1, "q", 0, DLPC_CHANNEL_QUEUED | DLPC_CHANNEL_DIRECT);
-		channel_flags(&in, 21, 1, "d", 0, DLPC_CHANNEL_QUEUED);
-		channel(&in, 22, 4, "q", 0);
-		channel(&in, 23, 6, "none", 0);
-		channel(&in, 24, 1, "e2", 0);
-		channel(&in, 25, 3, "e2", 0);
-		channel(&in, 26, 2, "e2", 0);
-		chunk(&in, FUZZ_SHUTDOWN | FUZZ_RUN, NULL, 0, NULL, 0);
+	/* (1.10) end of stream: a RECV waiting woken by the producer's CLOSE, a queued message
+	 * received after the end, SEND after it refused; PRODUCE and CLOSE of a direct channel (its
+	 * sending end shut), close-all, bad flags and producers */
+	SEED_UNREAD("channel-end", {
+		hello(in);
+		channel(in, 2, OPEN, "e", 4);
+		recv_msg(in, 3, "e", 0, -1);
+		CHANNELS(in, 4, {PRODUCE, "e", 0, 0}, {CLOSE, "e", 0, 0}, {OPEN, "e2", 2, 0});
+		send_msg(in, 7, "e2", SEND_ONE);
+		CHANNELS(in, 8, {CLOSE, "e2", 0, 0}, {CLOSE, "e2", 0, 0});
+		send_msg(in, 10, "e2", SEND_ONE);
+		recv_msg(in, 11, "e2", 0, 0);
+		recv_msg(in, 12, "e2", 0, 0);
+		CHANNELS(in, 13, {OPEN, "d", 0, DLPC_CHANNEL_DIRECT}, {PRODUCE, "d", 0, 0},
+			 {JOIN, "d", 0, 0}, {CLOSE, "d", 0, DLPC_CHANNEL_CLOSE_ALL},
+			 {PRODUCE, "d", 0, 0}, {CLOSE, "e2", 0, 8},
+			 {OPEN, "q", 0, DLPC_CHANNEL_QUEUED},
+			 {OPEN, "q", 0, DLPC_CHANNEL_QUEUED | DLPC_CHANNEL_DIRECT},
+			 {OPEN, "d", 0, DLPC_CHANNEL_QUEUED}, {JOIN, "q", 0, 0},
+			 {PRODUCE, "none", 0, 0}, {OPEN, "e2", 0, 0}, {DESCRIBE, "e2", 0, 0},
+			 {REMOVE, "e2", 0, 0});
+		control(in, FUZZ_SHUTDOWN | FUZZ_RUN);
 	});
-	SEED("channel-direct-hangup", {
-		/* the connection ends with a direct channel open and joined */
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		channel_flags(&in, 2, 1, "dh", 1, DLPC_CHANNEL_DIRECT);
-		channel(&in, 3, 4, "dh", 0);
-		chunk(&in, FUZZ_SHUTDOWN | FUZZ_RUN, NULL, 0, NULL, 0);
+	/* the connection ends with a direct channel open and joined */
+	SEED_UNREAD("channel-direct-hangup", {
+		hello(in);
+		CHANNELS(in, 2, {OPEN, "dh", 1, DLPC_CHANNEL_DIRECT}, {JOIN, "dh", 0, 0});
+		control(in, FUZZ_SHUTDOWN | FUZZ_RUN);
 	});
-	SEED("channel-pooled", {
-		/* a pooled message: received, released, its token told back (RECLAIM) */
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		channel(&in, 2, 1, "p", 4);
-		send_msg(&in, 3, "p",
-			 &(struct send_args){.ntensors = 1,
-					     .pub_flags = DLPC_PUBLISH_WRITABLE,
-					     .pool_token = (1ull << 63) | 1,
-					     .nfds = 1,
-					     .kind = rw});
-		send_msg(&in, 4, "p",
-			 &(struct send_args){.ntensors = 1,
-					     .pool_token = 2,
-					     .nfds = 1,
-					     .kind = ro}); /* not WRITABLE: EINVAL */
-		recv_msg(&in, 5, "p", 0, 0);
-		release(&in, 1);
-		stat_req(&in, 6);
-		channel(&in, 7, 2, "p", 0);
+	/* a pooled message: received, released, its token told back (RECLAIM) */
+	SEED_UNREAD("channel-pooled", {
+		hello(in);
+		channel(in, 2, OPEN, "p", 4);
+		send_msg(in, 3, "p",
+			 &(struct msg_args){.ntensors = 1,
+					    .pub_flags = DLPC_PUBLISH_WRITABLE,
+					    .pool_token = (1ull << 63) | 1,
+					    .nfds = 1,
+					    .kind = FUZZ_FD_MEMFD_RW});
+		send_msg(in, 4, "p",
+			 &(struct msg_args){.ntensors = 1,
+					    .pool_token = 2,
+					    .nfds = 1,
+					    .kind = FUZZ_FD_MEMFD_RO}); /* not WRITABLE: EINVAL */
+		recv_msg(in, 5, "p", 0, 0);
+		release(in, 1);
+		stat_req(in, 6);
+		channel(in, 7, REMOVE, "p", 0);
 	});
-	SEED("channel-refused", {
-		/* refused requests that leave the connection up: bad channel names and ops, a
-		 * message with a name, flags, a device, bad keys, a bad storage; no channel */
+	/* refused requests that leave the connection up: bad channel names and ops, a message with
+	 * a name, flags, a device, bad keys, a bad storage; no channel */
+	SEED_UNREAD("channel-refused", {
 		static char long_key[DLPC_KEY_MAX + 1];
+		const struct msg_args sends[] = {
+			{.ntensors = 1, .flags = 4, .nfds = 1},
+			{.ntensors = 1, .msg_name = "x", .nfds = 1},
+			{.ntensors = 1, .device_type = 2, .nfds = 1},
+			{.ntensors = 2, .key = "a\0b", .key_len = 3, .nfds = 1},
+			{.ntensors = 2, .key = long_key, .key_len = sizeof(long_key), .nfds = 1},
+			{.ntensors = 2, .key = "b", .key_len = 1, .nfds = 1}, /* "b" twice */
+			{.ntensors = 1, .nfds = 1, .kind = FUZZ_FD_MEMFD_NOSEAL},
+			{.ntensors = 1, .nfds = 1, .kind = FUZZ_FD_PIPE},
+		};
+		uint32_t id;
 
 		memset(long_key, 'k', sizeof(long_key));
-		hello(&in, DLPC_PROTO_MAJOR);
-		channel(&in, 2, 1, "", 0);
-		channel(&in, 3, 9, "c", 0);
-		channel(&in, 4, 1, "c", DLPC_CHANNEL_CAPACITY_MAX + 1);
-		channel(&in, 5, 1, "c", 1);
-		channel(&in, 6, 1, "c", 2); /* exists with another capacity */
-		channel(&in, 7, 3, "none", 0);
-		channel(&in, 8, 2, "none", 0);
-		send_msg(&in, 9, "", SEND_ONE);
-		send_msg(&in, 10, "none", SEND_ONE);
-		send_msg(&in, 11, "c",
-			 &(struct send_args){.ntensors = 1, .flags = 4, .nfds = 1, .kind = ro});
-		send_msg(
-			&in, 12, "c",
-			&(struct send_args){.ntensors = 1, .msg_name = "x", .nfds = 1, .kind = ro});
-		send_msg(&in, 13, "c",
-			 &(struct send_args){
-				 .ntensors = 1, .device_type = 2, .nfds = 1, .kind = ro});
-		send_msg(
-			&in, 14, "c",
-			&(struct send_args){
-				.ntensors = 2, .key = "a\0b", .key_len = 3, .nfds = 1, .kind = ro});
-		send_msg(&in, 15, "c",
-			 &(struct send_args){.ntensors = 2,
-					     .key = long_key,
-					     .key_len = sizeof(long_key),
-					     .nfds = 1,
-					     .kind = ro});
-		send_msg(&in, 16, "c",
-			 &(struct send_args){.ntensors = 2,
-					     .key = "b",
-					     .key_len = 1,
-					     .nfds = 1,
-					     .kind = ro}); /* "b" twice */
-		send_msg(&in, 17, "c",
-			 &(struct send_args){
-				 .ntensors = 1, .nfds = 1, .kind = FUZZ_FD_MEMFD_NOSEAL});
-		send_msg(&in, 18, "c",
-			 &(struct send_args){.ntensors = 1, .nfds = 1, .kind = FUZZ_FD_PIPE});
-		recv_msg(&in, 19, "c", 1, 0);
-		recv_msg(&in, 20, "none", 0, 0);
-		recv_msg(&in, 21, "", 0, 0);
-		channel(&in, 22, 2, "c", 0);
-		stat_req(&in, 23);
+		hello(in);
+		id = CHANNELS(in, 2, {OPEN, "", 0, 0}, {BAD_OP, "c", 0, 0},
+			      {OPEN, "c", DLPC_CHANNEL_CAPACITY_MAX + 1, 0}, {OPEN, "c", 1, 0},
+			      {OPEN, "c", 2, 0} /* exists with another capacity */,
+			      {DESCRIBE, "none", 0, 0}, {REMOVE, "none", 0, 0});
+		send_msg(in, id++, "", SEND_ONE);
+		send_msg(in, id++, "none", SEND_ONE);
+		for (size_t i = 0; i < sizeof(sends) / sizeof(sends[0]); i++)
+			send_msg(in, id++, "c", &sends[i]);
+		recv_msg(in, id++, "c", 1, 0);
+		recv_msg(in, id++, "none", 0, 0);
+		recv_msg(in, id++, "", 0, 0);
+		channel(in, id++, REMOVE, "c", 0);
+		stat_req(in, id);
 	});
-	SEED("send-no-fd", {
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		channel(&in, 2, 1, "c", 0);
-		send_msg(&in, 3, "c", &(struct send_args){.ntensors = 1, .nfds = 0});
+	SEED_UNREAD("send-no-fd", {
+		hello(in);
+		channel(in, 2, OPEN, "c", 0);
+		send_msg(in, 3, "c", &(struct msg_args){.ntensors = 1, .nfds = 0});
 	});
-	SEED("send-two-fds", {
+	/* SEND's header declaring two fds: a violation before its payload is parsed */
+	SEED_UNREAD("send-two-fds", {
 		static const uint8_t two[2] = {FUZZ_FD_MEMFD_RO, FUZZ_FD_MEMFD_RO};
-		Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
 
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		channel(&in, 2, 1, "c", 0);
-		/* SEND's header declaring two fds: a violation before its payload is parsed */
-		frame(&in, DLPC_MSG_SEND, 3, &st.base, 2, two, 2);
+		hello(in);
+		channel(in, 2, OPEN, "c", 0);
+		stat_as(in, DLPC_MSG_SEND, 3, 2, two, 2);
 	});
-	SEED("recv-with-fd", {
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		channel(&in, 2, 1, "c", 0);
-		send_msg(&in, 3, "c", SEND_ONE);
-		{
-			Dlpackd__V1__Recv r = DLPACKD__V1__RECV__INIT;
+	SEED_UNREAD("recv-with-fd", {
+		static const uint8_t ro = FUZZ_FD_MEMFD_RO;
+		Dlpackd__V1__Recv r = DLPACKD__V1__RECV__INIT;
 
-			r.channel.data = (uint8_t *)"c";
-			r.channel.len = 1;
-			frame(&in, DLPC_MSG_RECV, 4, &r.base, 1, &ro, 1);
-		}
+		hello(in);
+		channel(in, 2, OPEN, "c", 0);
+		send_msg(in, 3, "c", SEND_ONE);
+		r.channel.data = (uint8_t *)"c";
+		r.channel.len = 1;
+		frame(in, DLPC_MSG_RECV, 4, &r.base, 1, &ro, 1);
 	});
-	SEED("channel-before-hello", channel(&in, 1, 1, "c", 0));
-
+	SEED_UNREAD("channel-before-hello", { channel(in, 1, OPEN, "c", 0); });
 	/* ---- the client's cache (1.7): cacheable attaches, release marks, INVALIDATE ---- */
-	SEED("cache", {
+	SEED_UNREAD("cache", {
 		uint64_t one = 1, two = 2;
 
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		publish(&in, 2, "k", 0, 1, ro);
-		attach(&in, 3, "k", DLPC_WIRE_ATTACH_CACHEABLE, 0);
-		attach(&in, 4, "k", DLPC_WIRE_ATTACH_CACHEABLE | DLPC_WIRE_ATTACH_SINGLE, 0);
-		release_marks(&in, NULL, 0, &one, 1, NULL, 0);
-		list(&in, 5, "", 0);
-		stat_req(&in, 6);
-		release_marks(&in, NULL, 0, NULL, 0, &one, 1);
-		release_marks(&in, &two, 1, &one, 1, NULL, 0);	   /* marks, then the release */
-		release_marks(&in, NULL, 0, &two, 1, &two, 1);	   /* unknown ids: skipped */
-		publish(&in, 7, "k", DLPC_PUBLISH_REPLACE, 1, ro); /* INVALIDATE, then the reply */
-		attach(&in, 8, "k", DLPC_WIRE_ATTACH_CACHEABLE, 0);
-		unpublish(&in, 9, "k"); /* INVALIDATE again */
-		release(&in, 1);
-		stat_req(&in, 10);
+		hello(in);
+		publish(in, 2, "k", 0, 1, FUZZ_FD_MEMFD_RO);
+		attach(in, 3, "k", DLPC_WIRE_ATTACH_CACHEABLE, 0);
+		attach(in, 4, "k", DLPC_WIRE_ATTACH_CACHEABLE | DLPC_WIRE_ATTACH_SINGLE, 0);
+		release_marks(in, NULL, 0, &one, 1, NULL, 0);
+		list(in, 5, "", 0, false);
+		stat_req(in, 6);
+		release_marks(in, NULL, 0, NULL, 0, &one, 1);
+		release_marks(in, &two, 1, &one, 1, NULL, 0); /* marks, then the release */
+		release_marks(in, NULL, 0, &two, 1, &two, 1); /* unknown ids: skipped */
+		publish(in, 7, "k", DLPC_PUBLISH_REPLACE, 1,
+			FUZZ_FD_MEMFD_RO); /* INVALIDATE, the reply */
+		attach(in, 8, "k", DLPC_WIRE_ATTACH_CACHEABLE, 0);
+		unpublish(in, 9, "k", 0, 0); /* INVALIDATE again */
+		release(in, 1);
+		stat_req(in, 10);
 	});
-	SEED("cache-ephemeral", {
-		/* the ephemeral publisher's entry goes with its connection, cached or not */
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		publish(&in, 2, "e", DLPC_PUBLISH_EPHEMERAL, 2, ro);
-		attach(&in, 3, "e", DLPC_WIRE_ATTACH_CACHEABLE, 0);
-		attach(&in, 4, "e", DLPC_WIRE_ATTACH_CACHEABLE, 0);
+	/* the ephemeral publisher's entry goes with its connection, cached or not */
+	SEED_UNREAD("cache-ephemeral", {
+		hello(in);
+		publish(in, 2, "e", DLPC_PUBLISH_EPHEMERAL, 2, FUZZ_FD_MEMFD_RO);
+		attach(in, 3, "e", DLPC_WIRE_ATTACH_CACHEABLE, 0);
+		attach(in, 4, "e", DLPC_WIRE_ATTACH_CACHEABLE, 0);
 	});
-	SEED("cache-unread", {
-		/* the client reads nothing while its cacheable references' entry is replaced:
-		 * the INVALIDATE may not fit the socket whole, which drops the connection */
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		publish(&in, 2, "u", 0, 4, ro);
-		frame_flags = FUZZ_RUN | FUZZ_HOLD;
-		for (uint32_t id = 3; id < 40; id++)
-			attach(&in, id, "u", DLPC_WIRE_ATTACH_CACHEABLE, 0);
-		publish(&in, 40, "u", DLPC_PUBLISH_REPLACE, 4, ro);
+	/* the client reads nothing while its cacheable references' entry is replaced: the
+	 * INVALIDATE may not fit the socket whole, which drops the connection */
+	SEED_UNREAD("cache-unread", {
+		hello(in);
+		publish(in, 2, "u", 0, 4, FUZZ_FD_MEMFD_RO);
+		unread_attaches(in, 3, 40, "u", DLPC_WIRE_ATTACH_CACHEABLE);
+		publish(in, 40, "u", DLPC_PUBLISH_REPLACE, 4, FUZZ_FD_MEMFD_RO);
 		frame_flags = FUZZ_RUN;
-		stat_req(&in, 41);
+		stat_req(in, 41);
 	});
+	/* another minor is refused like another major: ERROR and the connection ends */
 	SEED("version-minor-mismatch", {
-		/* another minor is refused like another major: ERROR and the connection ends */
-		hello_minor(&in, DLPC_PROTO_MINOR - 1);
-		publish(&in, 2, "o", 0, 1, ro);
+		hello_v(in, DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR - 1);
+		publish(in, 2, "o", 0, 1, FUZZ_FD_MEMFD_RO);
 	});
+	/* the three lists together count against the 1024 ids of a RELEASE */
 	SEED("marks-too-many", {
-		/* the three lists together count against the 1024 ids of a RELEASE */
 		static uint64_t ids[600];
 
 		for (size_t i = 0; i < 600; i++)
 			ids[i] = i + 1;
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		release_marks(&in, NULL, 0, ids, 600, ids, 600);
+		hello(in);
+		release_marks(in, NULL, 0, ids, 600, ids, 600);
 	});
+	/* INVALIDATE travels only from the daemon: sent to it, an unknown type */
 	SEED("invalidate-to-daemon", {
-		/* INVALIDATE travels only from the daemon: sent to it, an unknown type */
 		Dlpackd__V1__Invalidate iv = DLPACKD__V1__INVALIDATE__INIT;
 
-		hello_minor(&in, DLPC_PROTO_MINOR);
+		hello(in);
 		iv.name.data = (uint8_t *)"k";
 		iv.name.len = 1;
 		iv.generation = 1;
-		frame(&in, DLPC_MSG_INVALIDATE, 0, &iv.base, 0, NULL, 0);
+		frame(in, DLPC_MSG_INVALIDATE, 0, &iv.base, 0, NULL, 0);
 	});
-	/* WATCH: a watching connection sends nothing but RELEASE; a prefix has at most 255
-	 * bytes; not before HELLO, nor twice */
+	/* WATCH: a watching connection sends nothing but RELEASE; a prefix has at most 255 bytes;
+	 * not before HELLO, nor twice */
 	SEED("watch", {
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		publish(&in, 2, "m/w", 0, 1, ro);
-		attach(&in, 3, "m/w", 0, 0);
-		watch(&in, 4, "m/", 2);
-		release(&in, 1);
-		stat_req(&in, 5);
+		hello(in);
+		publish(in, 2, "m/w", 0, 1, FUZZ_FD_MEMFD_RO);
+		attach(in, 3, "m/w", 0, 0);
+		watch(in, 4, "m/", 2);
+		release(in, 1);
+		stat_req(in, 5);
 	});
 	SEED("watch-twice", {
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		watch(&in, 2, "", 0);
-		watch(&in, 3, "x", 1);
+		hello(in);
+		watch(in, 2, "", 0);
+		watch(in, 3, "x", 1);
 	});
 	SEED("watch-prefix-long", {
 		static char prefix[300];
 
 		memset(prefix, 'p', sizeof(prefix));
-		hello_minor(&in, DLPC_PROTO_MINOR);
-		watch(&in, 2, prefix, sizeof(prefix));
-		stat_req(&in, 3);
+		hello(in);
+		watch(in, 2, prefix, sizeof(prefix));
+		stat_req(in, 3);
 	});
-	SEED("watch-before-hello", watch(&in, 1, "", 0));
-	SEED("garbage", chunk(&in, FUZZ_RUN, NULL, 0, "GET / HTTP/1.1\r\n\r\n", 18));
+	SEED("watch-before-hello", { watch(in, 1, "", 0); });
+	SEED("garbage", { chunk(in, FUZZ_RUN, NULL, 0, "GET / HTTP/1.1\r\n\r\n", 18); });
 	return 0;
 }

@@ -15,35 +15,21 @@
 
 #include "persist.h"
 #include "fuzz_journal.h"
-
-struct input {
-	uint8_t buf[1 << 16];
-	size_t len;
-};
-
-static void add(struct input *in, const void *p, size_t len)
-{
-	if (in->len + len > sizeof(in->buf)) {
-		fprintf(stderr, "mkjournal: input too large\n");
-		exit(1);
-	}
-	memcpy(in->buf + in->len, p, len);
-	in->len += len;
-}
+#include "seed.h"
 
 /* One record of target kind @p ctl (FJ_REC_* and flag bits) with payload @p p. */
 static void record(struct input *in, uint8_t ctl, const void *p, size_t len)
 {
 	uint8_t h[3] = {ctl, (uint8_t)(len & 0xff), (uint8_t)(len >> 8)};
 
-	add(in, h, sizeof(h));
-	add(in, p, len);
+	seed_add(in, h, sizeof(h));
+	seed_add(in, p, len);
 }
 
 static void start(struct input *in, uint8_t ctl)
 {
 	in->len = 0;
-	add(in, &ctl, 1);
+	seed_add(in, &ctl, 1);
 }
 
 /* What a PUT says besides its name. */
@@ -64,9 +50,8 @@ static void put(struct input *in, uint8_t flags, const char *name, size_t name_l
 		const struct put_args *a)
 {
 	Dlpackd__V1__Publish p = DLPACKD__V1__PUBLISH__INIT;
-	Dlpackd__V1__TensorDesc descs[4], *ptrs[4];
+	Dlpackd__V1__TensorDesc descs[SEED_TENSORS_MAX], *ptrs[SEED_TENSORS_MAX];
 	int64_t shape[40];
-	static const char *const keys[4] = {"a", "b", "c", "d"};
 	struct dlpd_put_fixed fx = {.sid = a->sid,
 				    .generation = a->generation,
 				    .uid = a->uid,
@@ -78,18 +63,8 @@ static void put(struct input *in, uint8_t flags, const char *name, size_t name_l
 
 	for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++)
 		shape[i] = 4;
-	for (unsigned i = 0; i < n; i++) {
-		dlpackd__v1__tensor_desc__init(&descs[i]);
-		descs[i].key.data = (uint8_t *)(n > 1 ? keys[i] : "");
-		descs[i].key.len = n > 1 ? 1 : 0;
-		descs[i].dtype_code = 2; /* kDLFloat */
-		descs[i].dtype_bits = a->dtype_bits ? a->dtype_bits : 32;
-		descs[i].dtype_lanes = 1;
-		descs[i].n_shape = a->ndim ? a->ndim : 2;
-		descs[i].shape = shape;
-		descs[i].offset = a->offset + (uint64_t)i * 256;
-		ptrs[i] = &descs[i];
-	}
+	seed_tensors(descs, ptrs, n, shape, a->ndim ? a->ndim : 2,
+		     a->dtype_bits ? a->dtype_bits : 32, a->offset);
 	p.name.data = (uint8_t *)name;
 	p.name.len = name_len;
 	p.flags = a->flags;
@@ -119,15 +94,7 @@ static const char *dir;
 
 static void save(const char *name, const struct input *in)
 {
-	char path[512];
-	FILE *f;
-
-	snprintf(path, sizeof(path), "%s/%s", dir, name);
-	f = fopen(path, "wb");
-	if (!f || fwrite(in->buf, 1, in->len, f) != in->len || fclose(f) != 0) {
-		perror(path);
-		exit(1);
-	}
+	seed_save(dir, name, in);
 }
 
 #define STORAGES(n, kind) ((uint8_t)((n) | (kind) << FJ_KIND_SHIFT))

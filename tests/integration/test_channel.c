@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Channels against a real dlpackd, driven from separate processes: order, exactly one receiver
- * per message, backpressure, what a killed receiver or sender leaves, removal, the limits, and
- * what LIST, STAT and WATCH say of channels.
+ * Queued channels against a real dlpackd, driven from separate processes: the tests both kinds
+ * of channel share (channel_kinds.c), run for a queued channel, and what only a queued channel
+ * has: streams ended by other uids, recycled buffers (the pool), a bundle's keys checked as a
+ * PUBLISH checks them, what LIST, STAT and WATCH say of channels, malformed requests from a raw
+ * client, and the daemon's limits.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -15,487 +17,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 
-#include "harness.h"
-#include "raw.h"
-
-#define NOBODY 65534
-
-static struct daemon D;
-
-static void setup(void)
-{
-	daemon_start(&D);
-}
-
-static void teardown(void)
-{
-	daemon_stop(&D);
-}
-
-static dlpc_client *child_connect(void)
-{
-	dlpc_client *c = NULL;
-
-	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
-	return c;
-}
-
-/* Send one int64 @p v to @p ch (a vector of @p n copies of it); dlpc_send_bundle()'s result. */
-static int send_value(dlpc_client *c, const char *ch, int64_t v, int64_t n, uint32_t flags,
-		      int64_t timeout_ms)
-{
-	dlpc_send_opts o = {.size = sizeof(o), .flags = flags, .timeout_ms = timeout_ms};
-	int64_t *data = calloc((size_t)n, sizeof(*data));
-	DLManagedTensorVersioned *t;
-	int r;
-
-	for (int64_t i = 0; i < n; i++)
-		data[i] = v;
-	t = host_tensor(data, (DLDataType){kDLInt, 64, 1}, 1, &n, NULL, NULL);
-	r = dlpc_send_bundle(c, ch, 1, NULL, &t, &o);
-	free(data);
-	return r;
-}
-
-/* Receive one message of @p ch: its value into *@p v, the tensor into *@p keep if not NULL
- * (else released). dlpc_recv()'s result. */
-static int recv_value(dlpc_client *c, const char *ch, int64_t timeout_ms, int64_t *v,
-		      DLManagedTensorVersioned **keep)
-{
-	dlpc_recv_opts o = {.size = sizeof(o), .timeout_ms = timeout_ms};
-	DLManagedTensorVersioned *t;
-	int r = dlpc_recv(c, ch, &o, &t);
-
-	if (r < 0)
-		return r;
-	*v = *(const int64_t *)t->dl_tensor.data;
-	if (keep)
-		*keep = t;
-	else
-		t->deleter(t);
-	return r;
-}
-
-static bool storages_are(const dlpc_stats *s, void *arg)
-{
-	return s->storages == *(uint64_t *)arg && s->messages == 0 && s->references == 0;
-}
-
-/* ---- order, through a small channel, from another process ---- */
-
-#define ORDER_N 200
-
-static int order_sender(void *arg)
-{
-	dlpc_client *c = child_connect();
-
-	(void)arg;
-	for (int64_t i = 0; i < ORDER_N; i++)
-		CHILD_CHECK(send_value(c, "ord", i, 1 + i % 7, 0, -1) == 0);
-	dlpc_close(c);
-	return 0;
-}
-
-START_TEST(test_order)
-{
-	dlpc_client *c = connect_or_die(&D);
-	dlpc_channel_info info = {.size = sizeof(info)};
-	uint64_t zero = 0;
-	int fds0 = settled_fds(&D, c, 1);
-	pid_t s;
-
-	ck_assert_dlpc(dlpc_channel_open(c, "ord", 4, &info), 1);
-	ck_assert_uint_eq(info.capacity, 4);
-	ck_assert_str_eq(info.name, "ord");
-	s = spawn(order_sender, NULL);
-	for (int64_t i = 0; i < ORDER_N; i++) {
-		int64_t v = -1;
-
-		ck_assert_dlpc(recv_value(c, "ord", scaled_ms(5000), &v, NULL), 0);
-		ck_assert_int_eq(v, i);
-	}
-	ck_assert_int_eq(wait_child(s), 0);
-	info = chan_or_die(c, "ord");
-	ck_assert_uint_eq(info.sent, ORDER_N);
-	ck_assert_uint_eq(info.received, ORDER_N);
-	ck_assert_uint_eq(info.depth, 0);
-	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(2000)));
-	ck_assert_uint_eq(stat_or_die(c).req_send, ORDER_N);
-	ck_assert_dlpc(dlpc_channel_remove(c, "ord"), 0);
-	ck_assert_int_eq(settled_fds(&D, c, 1), fds0);
-	dlpc_close(c);
-}
-END_TEST
-
-/* ---- each message to exactly one of several receivers ---- */
-
-#define ONCE_N 300
-#define ONCE_RECEIVERS 3
-
-static int once_receiver(void *arg)
-{
-	int fd = *(int *)arg;
-	dlpc_client *c = child_connect();
-
-	for (;;) {
-		int64_t v;
-
-		CHILD_CHECK(recv_value(c, "once", -1, &v, NULL) == 0);
-		if (v < 0)
-			break;
-		CHILD_CHECK(write(fd, &v, sizeof(v)) == sizeof(v));
-	}
-	dlpc_close(c);
-	return 0;
-}
-
-START_TEST(test_exactly_once)
-{
-	dlpc_client *c = connect_or_die(&D);
-	static unsigned char seen[ONCE_N];
-	pid_t r[ONCE_RECEIVERS];
-	int pfd[2], got = 0;
-	int64_t v;
-
-	ck_assert_dlpc(dlpc_channel_open(c, "once", 8, NULL), 1);
-	ck_assert_int_eq(pipe(pfd), 0);
-	for (int i = 0; i < ONCE_RECEIVERS; i++)
-		r[i] = spawn(once_receiver, &pfd[1]);
-	close(pfd[1]);
-	ck_assert(WAIT_CHAN(c, "once", receivers_waiting, ONCE_RECEIVERS));
-	for (int64_t i = 0; i < ONCE_N; i++)
-		ck_assert_dlpc(send_value(c, "once", i, 1, 0, -1), 0);
-	for (int i = 0; i < ONCE_RECEIVERS; i++)
-		ck_assert_dlpc(send_value(c, "once", -1, 1, 0, -1), 0);
-	while (read(pfd[0], &v, sizeof(v)) == sizeof(v)) {
-		ck_assert(v >= 0 && v < ONCE_N);
-		ck_assert_msg(!seen[v], "message %lld received twice", (long long)v);
-		seen[v] = 1;
-		got++;
-	}
-	ck_assert_int_eq(got, ONCE_N);
-	for (int i = 0; i < ONCE_RECEIVERS; i++)
-		ck_assert_int_eq(wait_child(r[i]), 0);
-	close(pfd[0]);
-	dlpc_close(c);
-}
-END_TEST
-
-/* ---- backpressure ---- */
-
-static int blocked_sender(void *arg)
-{
-	dlpc_client *c = child_connect();
-
-	(void)arg;
-	CHILD_CHECK(send_value(c, "bp", 3, 1, 0, -1) == 0);
-	dlpc_close(c);
-	return 0;
-}
-
-START_TEST(test_backpressure)
-{
-	dlpc_client *c = connect_or_die(&D);
-	dlpc_channel_info i;
-	pid_t s;
-	int64_t v;
-
-	ck_assert_dlpc(dlpc_channel_open(c, "bp", 2, NULL), 1);
-	ck_assert_dlpc(send_value(c, "bp", 1, 1, 0, -1), 0);
-	ck_assert_dlpc(send_value(c, "bp", 2, 1, 0, -1), 0);
-	ck_assert_dlpc(send_value(c, "bp", 9, 1, DLPC_SEND_NOWAIT, -1), -EAGAIN);
-	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'bp'"));
-	ck_assert_dlpc(send_value(c, "bp", 9, 1, 0, 0), -EAGAIN);
-	ck_assert_dlpc(send_value(c, "bp", 9, 1, 0, scaled_ms(100)), -ETIMEDOUT);
-	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'bp'"));
-	i = chan_or_die(c, "bp");
-	ck_assert_uint_eq(i.depth, 2);
-	ck_assert_uint_eq(i.senders_waiting, 0);
-	ck_assert_uint_eq(stat_or_die(c).messages, 2);
-	/* a sender in another process waits, and goes on once a message is received */
-	s = spawn(blocked_sender, NULL);
-	ck_assert(WAIT_CHAN(c, "bp", senders_waiting, 1));
-	ck_assert_uint_eq(chan_or_die(c, "bp").depth, 2);
-	ck_assert_dlpc(recv_value(c, "bp", 0, &v, NULL), 0);
-	ck_assert_int_eq(v, 1);
-	ck_assert_int_eq(wait_child(s), 0);
-	ck_assert_dlpc(recv_value(c, "bp", 0, &v, NULL), 0);
-	ck_assert_int_eq(v, 2);
-	ck_assert_dlpc(recv_value(c, "bp", 0, &v, NULL), 0);
-	ck_assert_int_eq(v, 3);
-	ck_assert_dlpc(recv_value(c, "bp", 0, &v, NULL), -EAGAIN);
-	ck_assert_dlpc(recv_value(c, "bp", scaled_ms(50), &v, NULL), -ETIMEDOUT);
-	dlpc_close(c);
-}
-END_TEST
-
-/* ---- a killed receiver's messages are freed; a killed waiter takes nothing ---- */
-
-static int holding_receiver(void *arg)
-{
-	int fd = *(int *)arg;
-	dlpc_client *c = child_connect();
-	DLManagedTensorVersioned *a, *b;
-	int64_t v;
-
-	CHILD_CHECK(recv_value(c, "kill", -1, &v, &a) == 0);
-	CHILD_CHECK(recv_value(c, "kill", -1, &v, &b) == 0);
-	CHILD_CHECK(write(fd, "x", 1) == 1);
-	pause();
-	return 0;
-}
-
-static int waiting_receiver(void *arg)
-{
-	dlpc_client *c = child_connect();
-	int64_t v;
-
-	(void)arg;
-	recv_value(c, "kill", -1, &v, NULL);
-	_exit(3);
-}
-
-START_TEST(test_killed_receiver)
-{
-	dlpc_client *c = connect_or_die(&D);
-	uint64_t zero = 0;
-	int fds0 = settled_fds(&D, c, 1);
-	int pfd[2];
-	char x;
-	pid_t r;
-	int64_t v;
-
-	ck_assert_int_eq(pipe(pfd), 0);
-	ck_assert_dlpc(dlpc_channel_open(c, "kill", 0, NULL), 1);
-	ck_assert_uint_eq(chan_or_die(c, "kill").capacity, DLPC_CHANNEL_CAPACITY_DEFAULT);
-	ck_assert_dlpc(send_value(c, "kill", 1, 1 << 16, 0, -1), 0);
-	ck_assert_dlpc(send_value(c, "kill", 2, 1 << 16, 0, -1), 0);
-	r = spawn(holding_receiver, &pfd[1]);
-	ck_assert_int_eq(read(pfd[0], &x, 1), 1);
-	/* received and held: charged to nobody's queue, still alive */
-	ck_assert_uint_eq(stat_or_die(c).storages, 2);
-	ck_assert_uint_eq(stat_or_die(c).references, 2);
-	ck_assert_uint_eq(stat_or_die(c).messages, 0);
-	kill(r, SIGKILL);
-	ck_assert_int_eq(wait_child(r), 128 + SIGKILL);
-	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
-	ck_assert_uint_eq(stat_or_die(c).bytes_held, 0);
-
-	/* a receiver killed while it waits takes no message with it */
-	r = spawn(waiting_receiver, NULL);
-	ck_assert(WAIT_CHAN(c, "kill", receivers_waiting, 1));
-	kill(r, SIGKILL);
-	ck_assert_int_eq(wait_child(r), 128 + SIGKILL);
-	ck_assert(WAIT_CHAN(c, "kill", receivers_waiting, 0));
-	ck_assert_dlpc(send_value(c, "kill", 7, 1, 0, -1), 0);
-	ck_assert_dlpc(recv_value(c, "kill", 0, &v, NULL), 0);
-	ck_assert_int_eq(v, 7);
-	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
-	ck_assert_int_eq(settled_fds(&D, c, 1), fds0);
-	close(pfd[0]);
-	close(pfd[1]);
-	dlpc_close(c);
-}
-END_TEST
-
-/* ---- a sender that exits: what it sent stays; a send waiting for room goes ---- */
-
-static int send_and_exit(void *arg)
-{
-	dlpc_client *c = child_connect();
-
-	(void)arg;
-	CHILD_CHECK(send_value(c, "gone", 5, 1, 0, -1) == 0);
-	/* this one waits for room: the process dies with it */
-	send_value(c, "gone", 6, 1, 0, -1);
-	_exit(3);
-}
-
-START_TEST(test_sender_dies)
-{
-	dlpc_client *c = connect_or_die(&D);
-	uint64_t zero = 0;
-	pid_t s;
-	int64_t v;
-
-	ck_assert_dlpc(dlpc_channel_open(c, "gone", 1, NULL), 1);
-	s = spawn(send_and_exit, NULL);
-	ck_assert(WAIT_CHAN(c, "gone", senders_waiting, 1));
-	ck_assert_uint_eq(chan_or_die(c, "gone").producers, 1);
-	kill(s, SIGKILL);
-	ck_assert_int_eq(wait_child(s), 128 + SIGKILL);
-	ck_assert(WAIT_CHAN(c, "gone", senders_waiting, 0));
-	ck_assert_uint_eq(stat_or_die(c).messages, 1);
-	/* its only producer died without closing: that is its close, and the stream ended after
-	 * the message it sent */
-	ck_assert_uint_eq(chan_or_die(c, "gone").producers, 0);
-	ck_assert_uint_eq(chan_or_die(c, "gone").producers_closed, 1);
-	ck_assert(chan_or_die(c, "gone").flags & DLPC_CHANNEL_ENDED);
-	ck_assert_dlpc(recv_value(c, "gone", 0, &v, NULL), 0);
-	ck_assert_int_eq(v, 5);
-	ck_assert_dlpc(recv_value(c, "gone", 0, &v, NULL), -EPIPE);
-	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'gone' has ended"));
-	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
-	dlpc_close(c);
-}
-END_TEST
-
-/* ---- end of stream (1.10) ---- */
-
-#define END_N 50 /* messages each of two producers sends */
-
-/* A producer of "end": END_N values from arg's base, then its close. */
-static int end_producer(void *arg)
-{
-	int64_t base = *(int64_t *)arg;
-	dlpc_client *c = child_connect();
-	dlpc_channel_opts o = {.size = sizeof(o), .producers = 2};
-
-	CHILD_CHECK(dlpc_channel_open_opts(c, "end", &o, NULL) >= 0);
-	for (int64_t i = 0; i < END_N; i++)
-		CHILD_CHECK(send_value(c, "end", base + i, 1, 0, -1) == 0);
-	CHILD_CHECK(dlpc_channel_close(c, "end") == 0);
-	/* its own sends after its close are refused */
-	CHILD_CHECK(send_value(c, "end", -1, 1, 0, -1) == -EPIPE);
-	dlpc_close(c);
-	return 0;
-}
-
-/* Two producers, one slow consumer: every message of both, then the end, by itself (without
- * the end the loop below never stops: a receive without a timeout waits for ever). */
-START_TEST(test_end_two_producers)
-{
-	dlpc_client *c = connect_or_die(&D);
-	dlpc_channel_opts o = {.size = sizeof(o), .capacity = END_N, .producers = 2};
-	static unsigned char seen[2 * END_N];
-	int64_t bases[2] = {0, END_N}, v;
-	dlpc_channel_info i = {.size = sizeof(i)};
-	uint64_t zero = 0;
-	pid_t p[2];
-	int got = 0, r;
-
-	ck_assert_dlpc(dlpc_channel_open_opts(c, "end", &o, &i), 1);
-	ck_assert_uint_eq(i.producers_expected, 2);
-	p[0] = spawn(end_producer, &bases[0]);
-	/* the first producer may finish before the second starts: the stream waits for two (the
-	 * second waits for room: the first's messages fill the channel) */
-	ck_assert_int_eq(wait_child(p[0]), 0);
-	ck_assert(!(chan_or_die(c, "end").flags & DLPC_CHANNEL_ENDED));
-	p[1] = spawn(end_producer, &bases[1]);
-	while ((r = recv_value(c, "end", -1, &v, NULL)) == 0) {
-		ck_assert(v >= 0 && v < 2 * END_N && !seen[v]);
-		seen[v] = 1;
-		got++;
-		usleep(2000); /* a slow consumer: the producers wait for room */
-	}
-	ck_assert_dlpc(r, -EPIPE);
-	ck_assert_int_eq(got, 2 * END_N);
-	ck_assert_int_eq(wait_child(p[1]), 0);
-	i = chan_or_die(c, "end");
-	ck_assert(i.flags & DLPC_CHANNEL_ENDED);
-	ck_assert_uint_eq(i.producers, 0);
-	ck_assert_uint_eq(i.producers_closed, 2);
-	/* it stays ended: sends from anyone are refused, receives end at once */
-	ck_assert_dlpc(send_value(c, "end", 1, 1, 0, -1), -EPIPE);
-	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'end'"));
-	ck_assert_dlpc(recv_value(c, "end", 0, &v, NULL), -EPIPE);
-	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
-	/* a new stream: remove, open again */
-	ck_assert_dlpc(dlpc_channel_remove(c, "end"), 0);
-	ck_assert_dlpc(dlpc_channel_open(c, "end", 0, &i), 1);
-	ck_assert(!(i.flags & DLPC_CHANNEL_ENDED));
-	ck_assert_dlpc(send_value(c, "end", 1, 1, 0, -1), 0);
-	ck_assert_dlpc(dlpc_channel_remove(c, "end"), 0);
-	dlpc_close(c);
-}
-END_TEST
-
-/* A receiver waiting on an empty channel: its first message, then the end. */
-static int end_waiter(void *arg)
-{
-	dlpc_client *c = child_connect();
-	int64_t v;
-
-	(void)arg;
-	CHILD_CHECK(recv_value(c, "wake", -1, &v, NULL) == 0 && v == 7);
-	CHILD_CHECK(recv_value(c, "wake", -1, &v, NULL) == -EPIPE);
-	dlpc_close(c);
-	return 0;
-}
-
-START_TEST(test_end_wakes_waiter)
-{
-	dlpc_client *c = connect_or_die(&D), *other = connect_or_die(&D);
-	pid_t w;
-
-	ck_assert_dlpc(dlpc_channel_open(c, "wake", 0, NULL), 1);
-	w = spawn(end_waiter, NULL);
-	ck_assert(WAIT_CHAN(c, "wake", receivers_waiting, 1));
-	ck_assert_dlpc(send_value(c, "wake", 7, 1, 0, -1), 0);
-	ck_assert(WAIT_CHAN(c, "wake", received, 1));
-	ck_assert(WAIT_CHAN(c, "wake", receivers_waiting, 1));
-	/* a close by a connection that never sent counts as a producer's that had nothing to
-	 * send: the stream goes on while a producer that sent has not closed */
-	ck_assert_dlpc(dlpc_channel_close(other, "wake"), 0);
-	ck_assert_uint_eq(chan_or_die(c, "wake").producers, 1);
-	ck_assert_uint_eq(chan_or_die(c, "wake").producers_closed, 1);
-	ck_assert(!(chan_or_die(c, "wake").flags & DLPC_CHANNEL_ENDED));
-	ck_assert_uint_eq(chan_or_die(c, "wake").receivers_waiting, 1);
-	/* twice is as once */
-	ck_assert_dlpc(dlpc_channel_close(other, "wake"), 0);
-	ck_assert_uint_eq(chan_or_die(c, "wake").producers_closed, 1);
-	ck_assert_dlpc(dlpc_channel_close(c, "wake"), 0);
-	ck_assert_int_eq(wait_child(w), 0);
-	ck_assert(chan_or_die(c, "wake").flags & DLPC_CHANNEL_ENDED);
-	ck_assert_dlpc(dlpc_channel_close(c, "none"), -ENOENT);
-	ck_assert_dlpc(dlpc_channel_close_flags(c, "wake", 2), -EINVAL);
-	ck_assert_dlpc(dlpc_channel_remove(c, "wake"), 0);
-	dlpc_close(other);
-	dlpc_close(c);
-}
-END_TEST
-
-/* uid 65534 may not close "all" of root's for every producer, and may close its own side. */
-static int close_all_other_uid(void *arg)
-{
-	dlpc_client *c;
-
-	(void)arg;
-	CHILD_CHECK(setgroups(0, NULL) == 0 && setgid(NOBODY) == 0 && setuid(NOBODY) == 0);
-	c = child_connect();
-	CHILD_CHECK(dlpc_channel_close_flags(c, "all", DLPC_CHANNEL_CLOSE_ALL) == -EPERM);
-	CHILD_CHECK(strstr(dlpc_last_error(), "'all'") != NULL);
-	dlpc_close(c);
-	return 0;
-}
-
-/* Closed as a whole: what is queued is received, waiting senders and later sends get EPIPE. */
-START_TEST(test_end_close_all)
-{
-	dlpc_client *c = connect_or_die(&D), *p = connect_or_die(&D);
-	uint64_t zero = 0;
-	int64_t v;
-
-	daemon_open_for_others(&D);
-	ck_assert_dlpc(dlpc_channel_open(c, "all", 2, NULL), 1);
-	ck_assert_dlpc(send_value(p, "all", 1, 1, 0, -1), 0);
-	ck_assert_dlpc(send_value(p, "all", 2, 1, 0, -1), 0);
-	ck_assert_int_eq(wait_child(spawn(close_all_other_uid, NULL)), 0);
-	ck_assert(!(chan_or_die(c, "all").flags & DLPC_CHANNEL_ENDED));
-	ck_assert_dlpc(dlpc_channel_close_flags(c, "all", DLPC_CHANNEL_CLOSE_ALL), 0);
-	ck_assert_uint_eq(chan_or_die(c, "all").producers, 1); /* p never closed */
-	ck_assert_dlpc(send_value(p, "all", 3, 1, 0, -1), -EPIPE);
-	ck_assert_dlpc(recv_value(c, "all", -1, &v, NULL), 0);
-	ck_assert_int_eq(v, 1);
-	ck_assert_dlpc(recv_value(c, "all", -1, &v, NULL), 0);
-	ck_assert_int_eq(v, 2);
-	ck_assert_dlpc(recv_value(c, "all", -1, &v, NULL), -EPIPE);
-	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
-	ck_assert_dlpc(dlpc_channel_remove(c, "all"), 0);
-	dlpc_close(p);
-	dlpc_close(c);
-}
-END_TEST
+#include "channel_kinds.h"
 
 /* uid 65534, which never sent to root's channel, closes it from two connections: without a
  * message of its own that changes nothing (else it would end another uid's stream, which
@@ -532,9 +54,9 @@ START_TEST(test_end_other_uid_bare_close)
 	ck_assert(!(chan_or_die(c, "bare").flags & DLPC_CHANNEL_ENDED));
 	ck_assert_dlpc(dlpc_channel_close(c, "bare"), 0);
 	ck_assert(chan_or_die(c, "bare").flags & DLPC_CHANNEL_ENDED);
-	ck_assert_dlpc(recv_value(c, "bare", 0, &v, NULL), 0);
+	ck_assert_dlpc(recv_value(c, "bare", 0, &v, NULL, NULL), 0);
 	ck_assert_int_eq(v, 5);
-	ck_assert_dlpc(recv_value(c, "bare", 0, &v, NULL), -EPIPE);
+	ck_assert_dlpc(recv_value(c, "bare", 0, &v, NULL, NULL), -EPIPE);
 	ck_assert_dlpc(dlpc_channel_remove(c, "bare"), 0);
 	dlpc_close(p);
 	dlpc_close(c);
@@ -555,25 +77,6 @@ START_TEST(test_end_then_remove_drops)
 	ck_assert_dlpc(dlpc_channel_remove(c, "rm"), 0);
 	ck_assert_uint_eq(stat_or_die(c).messages, 0);
 	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
-	dlpc_close(c);
-}
-END_TEST
-
-/* -EPIPE from a channel call is the end of a stream only: a daemon gone under a close, a remove or
- * an open reads as a lost connection (-ECONNRESET), as it does for a send or a receive. */
-START_TEST(test_lost_connection_is_not_the_end)
-{
-	struct daemon q;
-	dlpc_client *c;
-
-	daemon_start(&q);
-	c = connect_or_die(&q);
-	ck_assert_dlpc(dlpc_channel_open(c, "gone", 4, NULL), 1);
-	ck_assert_dlpc(send_value(c, "gone", 1, 1, 0, -1), 0);
-	daemon_stop(&q);
-	ck_assert_dlpc(dlpc_channel_close(c, "gone"), -ECONNRESET);
-	ck_assert_dlpc(dlpc_channel_remove(c, "gone"), -ECONNRESET);
-	ck_assert_dlpc(dlpc_channel_open(c, "gone", 4, NULL), -ECONNRESET);
 	dlpc_close(c);
 }
 END_TEST
@@ -682,14 +185,14 @@ START_TEST(test_ordinary_session_quiet)
 	ck_assert_dlpc(dlpc_channel_open(r, "quiet/d", 0, NULL), 0);
 	for (int k = 0; k < 3; k++) {
 		ck_assert_dlpc(send_value(c, "quiet", k, 1, 0, -1), 0);
-		ck_assert_dlpc(recv_value(r, "quiet", -1, &v, NULL), 0);
+		ck_assert_dlpc(recv_value(r, "quiet", -1, &v, NULL, NULL), 0);
 		ck_assert_dlpc(send_value(c, "quiet/d", k, 1, 0, -1), 0);
-		ck_assert_dlpc(recv_value(r, "quiet/d", -1, &v, NULL), 0);
+		ck_assert_dlpc(recv_value(r, "quiet/d", -1, &v, NULL, NULL), 0);
 	}
 	ck_assert_dlpc(dlpc_channel_close(c, "quiet"), 0);
 	ck_assert_dlpc(dlpc_channel_close(c, "quiet/d"), 0);
-	ck_assert_dlpc(recv_value(r, "quiet", -1, &v, NULL), -EPIPE);
-	ck_assert_dlpc(recv_value(r, "quiet/d", -1, &v, NULL), -EPIPE);
+	ck_assert_dlpc(recv_value(r, "quiet", -1, &v, NULL, NULL), -EPIPE);
+	ck_assert_dlpc(recv_value(r, "quiet/d", -1, &v, NULL, NULL), -EPIPE);
 	ck_assert_dlpc(dlpc_channel_remove(c, "quiet"), 0);
 	ck_assert_dlpc(dlpc_channel_remove(c, "quiet/d"), 0);
 	dlpc_close(r);
@@ -701,110 +204,7 @@ START_TEST(test_ordinary_session_quiet)
 }
 END_TEST
 
-/* ---- removal frees the queue and ends the waits with EIDRM ---- */
-
-static int removed_waiter(void *arg)
-{
-	dlpc_client *c = child_connect();
-	int64_t v;
-
-	CHILD_CHECK(recv_value(c, (const char *)arg, -1, &v, NULL) == -EIDRM);
-	CHILD_CHECK(strstr(dlpc_last_error(), "removed") != NULL);
-	dlpc_close(c);
-	return 0;
-}
-
-static int removed_sender(void *arg)
-{
-	dlpc_client *c = child_connect();
-
-	(void)arg;
-	CHILD_CHECK(send_value(c, "rm", 9, 1, 0, -1) == -EIDRM);
-	dlpc_close(c);
-	return 0;
-}
-
-START_TEST(test_remove_frees)
-{
-	dlpc_client *c = connect_or_die(&D);
-	uint64_t zero = 0;
-	DLManagedTensorVersioned *held;
-	pid_t w, s;
-	int64_t v;
-
-	ck_assert_dlpc(dlpc_channel_open(c, "rm", 3, NULL), 1);
-	ck_assert_dlpc(dlpc_channel_open(c, "rm", 0, NULL), 0);
-	ck_assert_dlpc(dlpc_channel_open(c, "rm", 3, NULL), 0);
-	ck_assert_dlpc(dlpc_channel_open(c, "rm", 5, NULL), -EEXIST);
-	for (int i = 0; i < 3; i++)
-		ck_assert_dlpc(send_value(c, "rm", i, 4096, 0, -1), 0);
-	ck_assert_uint_eq(stat_or_die(c).storages, 3);
-	ck_assert_uint_eq(stat_or_die(c).uid_bytes_held, 3 * 4096 * 8);
-	/* one received and held survives the removal */
-	ck_assert_dlpc(recv_value(c, "rm", 0, &v, &held), 0);
-	s = spawn(removed_sender, NULL);
-	ck_assert_dlpc(send_value(c, "rm", 3, 1, 0, -1), 0);
-	ck_assert(WAIT_CHAN(c, "rm", senders_waiting, 1));
-	ck_assert_dlpc(dlpc_channel_open(c, "rm2", 0, NULL), 1);
-	w = spawn(removed_waiter, "rm2");
-	ck_assert(WAIT_CHAN(c, "rm2", receivers_waiting, 1));
-	ck_assert_dlpc(dlpc_channel_remove(c, "rm"), 0);
-	ck_assert_dlpc(dlpc_channel_remove(c, "rm2"), 0);
-	ck_assert_int_eq(wait_child(s), 0);
-	ck_assert_int_eq(wait_child(w), 0);
-	ck_assert_uint_eq(stat_or_die(c).channels, 0);
-	ck_assert_uint_eq(stat_or_die(c).messages, 0);
-	ck_assert_uint_eq(stat_or_die(c).storages, 1);
-	ck_assert_int_eq(((const int64_t *)held->dl_tensor.data)[4095], 0);
-	held->deleter(held);
-	ck_assert(wait_stat(c, storages_are, &zero, scaled_ms(5000)));
-	ck_assert_dlpc(dlpc_channel_remove(c, "rm"), -ENOENT);
-	ck_assert_dlpc(recv_value(c, "rm", 0, &v, NULL), -ENOENT);
-	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "'rm'"));
-	ck_assert_dlpc(send_value(c, "rm", 1, 1, 0, -1), -ENOENT);
-	dlpc_close(c);
-}
-END_TEST
-
 /* ---- bundles, limits, LIST, STAT, WATCH ---- */
-
-START_TEST(test_bundles_and_limits)
-{
-	dlpc_client *c = connect_or_die(&D);
-	static float a[4] = {1, 2, 3, 4};
-	static int32_t b[3] = {7, 8, 9};
-	int64_t sa = 4, sb = 3;
-	const char *keys[] = {"a", "b"};
-	DLManagedTensorVersioned *ts[2], *t;
-	dlpc_recv_opts now = {.size = sizeof(now), .timeout_ms = 0};
-	dlpc_bundle *bun;
-	dlpc_attach_info ai = {.size = sizeof(ai)};
-
-	ck_assert_dlpc(dlpc_channel_open(c, "bun", DLPC_CHANNEL_CAPACITY_MAX + 1, NULL), -EINVAL);
-	ck_assert_dlpc(dlpc_channel_open(c, "bun", DLPC_CHANNEL_CAPACITY_MAX, NULL), 1);
-	ts[0] = host_tensor(a, (DLDataType){kDLFloat, 32, 1}, 1, &sa, NULL, NULL);
-	ts[1] = host_tensor(b, (DLDataType){kDLInt, 32, 1}, 1, &sb, NULL, NULL);
-	ck_assert_dlpc(dlpc_send_bundle(c, "bun", 2, keys, ts, NULL), 0);
-	/* a bundle asked for as one tensor stays queued */
-	ck_assert_dlpc(dlpc_recv(c, "bun", &now, &t), -EINVAL);
-	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "bundle"));
-	ck_assert_dlpc(dlpc_recv_bundle(c, "bun", &now, &bun), 0);
-	ck_assert_uint_eq(dlpc_bundle_count(bun), 2);
-	ck_assert_str_eq(dlpc_bundle_key(bun, 1), "b");
-	t = dlpc_bundle_take(bun, 1);
-	ck_assert_int_eq(((int32_t *)t->dl_tensor.data)[2], 9);
-	ck_assert(t->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
-	ck_assert_dlpc(dlpc_tensor_attach_info(t, &ai), 0);
-	ck_assert_uint_eq(ai.generation, 1);
-	ck_assert_int_eq(ai.owner_pid, getpid());
-	t->deleter(t);
-	dlpc_bundle_free(bun);
-	ck_assert_dlpc(dlpc_channel_open(c, "", 0, NULL), -EINVAL);
-	ck_assert_dlpc(dlpc_recv(c, "bun", NULL, NULL), -EINVAL);
-	ck_assert_dlpc(dlpc_channel_remove(c, "bun"), 0);
-	dlpc_close(c);
-}
-END_TEST
 
 /* ---- a bundle's keys: a SEND refuses what a PUBLISH refuses, in the same words ---- */
 
@@ -1232,52 +632,6 @@ END_TEST
 
 /* ---- malformed channel requests, from a raw client ---- */
 
-#define SEALS_RO (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL | F_SEAL_WRITE)
-
-/* A SEND to "raw" of one float32 of @p storage (@p nfds fds of it), with @p edit applied to
- * the request first; the daemon's error code (0: admitted) and message. -1: it hung up. */
-static int raw_send_msg(int fd, int storage, unsigned nfds, void (*edit)(Dlpackd__V1__Send *),
-			char *msg, size_t len)
-{
-	Dlpackd__V1__Send req = DLPACKD__V1__SEND__INIT;
-	Dlpackd__V1__Publish pub = DLPACKD__V1__PUBLISH__INIT;
-	Dlpackd__V1__TensorDesc d = DLPACKD__V1__TENSOR_DESC__INIT, *dp = &d;
-	int fds[2] = {storage, storage};
-	int64_t one = 1;
-	struct dlpc__hdr h;
-	uint8_t buf[4096];
-
-	d.dtype_code = kDLFloat;
-	d.dtype_bits = 32;
-	d.dtype_lanes = 1;
-	d.n_shape = 1;
-	d.shape = &one;
-	pub.device_type = kDLCPU;
-	pub.storage_size = 4096;
-	pub.n_tensors = 1;
-	pub.tensors = &dp;
-	req.channel.data = (uint8_t *)"raw";
-	req.channel.len = 3;
-	req.message = &pub;
-	if (edit)
-		edit(&req);
-	raw_send(fd, DLPC_MSG_SEND, 5, &req.base, fds, nfds);
-	if (raw_recv(fd, &h, buf, sizeof(buf)) != 1)
-		return -1;
-	if (h.type == DLPC_MSG_ERROR) {
-		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
-		int code;
-
-		ck_assert_ptr_nonnull(e);
-		code = e->code;
-		snprintf(msg, len, "%s", e->message);
-		dlpackd__v1__error__free_unpacked(e, NULL);
-		return code;
-	}
-	ck_assert_uint_eq(h.type, DLPC_MSG_SEND | DLPC_MSG_REPLY);
-	return 0;
-}
-
 static void named(Dlpackd__V1__Send *r)
 {
 	r->message->name.data = (uint8_t *)"x";
@@ -1343,7 +697,7 @@ START_TEST(test_malformed)
 	raw_hello(fd, 1);
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
 		st = memfd_sealed(4096, cases[i].seals);
-		code = raw_send_msg(fd, st, 1, cases[i].edit, msg, sizeof(msg));
+		code = raw_send_msg(fd, "raw", st, 1, cases[i].edit, msg, sizeof(msg));
 		close(st);
 		if (cases[i].code == EPERM)
 			ck_assert_msg(code != 0 && code != -1, "case %zu: %d", i, code);
@@ -1354,12 +708,12 @@ START_TEST(test_malformed)
 	/* a pooled message (writable by its sender) whose fd a receiver could write through:
 	 * read-write, or read-only of a memfd it could reopen read-write */
 	st = memfd_sealed(4096, SEALS_RO & ~F_SEAL_WRITE);
-	ck_assert_int_eq(raw_send_msg(fd, st, 1, pooled_writable, msg, sizeof(msg)), EPERM);
+	ck_assert_int_eq(raw_send_msg(fd, "raw", st, 1, pooled_writable, msg, sizeof(msg)), EPERM);
 	ck_assert_msg(strstr(msg, "O_RDONLY"), "%s", msg);
 	snprintf(path, sizeof(path), "/proc/self/fd/%d", st);
 	ro = open(path, O_RDONLY | O_CLOEXEC);
 	ck_assert_int_ge(ro, 0);
-	ck_assert_int_eq(raw_send_msg(fd, ro, 1, pooled_writable, msg, sizeof(msg)), EPERM);
+	ck_assert_int_eq(raw_send_msg(fd, "raw", ro, 1, pooled_writable, msg, sizeof(msg)), EPERM);
 	ck_assert_msg(strstr(msg, "write permission (mode 0"), "%s", msg);
 	close(ro);
 	close(st);
@@ -1367,8 +721,8 @@ START_TEST(test_malformed)
 	ck_assert_uint_eq(stat_or_die(good_client()).messages, 0);
 	/* admitted once, then full: EAGAIN at once for timeout 0 */
 	st = memfd_sealed(4096, SEALS_RO);
-	ck_assert_int_eq(raw_send_msg(fd, st, 1, NULL, msg, sizeof(msg)), 0);
-	ck_assert_int_eq(raw_send_msg(fd, st, 1, NULL, msg, sizeof(msg)), EAGAIN);
+	ck_assert_int_eq(raw_send_msg(fd, "raw", st, 1, NULL, msg, sizeof(msg)), 0);
+	ck_assert_int_eq(raw_send_msg(fd, "raw", st, 1, NULL, msg, sizeof(msg)), EAGAIN);
 	close(st);
 	rv.channel.data = (uint8_t *)"raw";
 	rv.channel.len = 3;
@@ -1382,11 +736,11 @@ START_TEST(test_malformed)
 	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EINVAL);
 	/* a SEND without its fd, or with two: a protocol violation, the connection dropped */
 	st = memfd_sealed(4096, SEALS_RO);
-	ck_assert_int_eq(raw_send_msg(fd, st, 0, NULL, msg, sizeof(msg)), EPROTO);
+	ck_assert_int_eq(raw_send_msg(fd, "raw", st, 0, NULL, msg, sizeof(msg)), EPROTO);
 	expect_dropped(fd);
 	fd = raw_connect(&D);
 	raw_hello(fd, 1);
-	ck_assert_int_eq(raw_send_msg(fd, st, 2, NULL, msg, sizeof(msg)), EPROTO);
+	ck_assert_int_eq(raw_send_msg(fd, "raw", st, 2, NULL, msg, sizeof(msg)), EPROTO);
 	expect_dropped(fd);
 	close(st);
 	good_client_check();
@@ -1430,16 +784,10 @@ static int raw_publish_keyed(int fd, int storage, char *msg, size_t len)
 	pub.tensors = &dp;
 	raw_send(fd, DLPC_MSG_PUBLISH, 8, &pub.base, &storage, 1);
 	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
-	if (h.type == DLPC_MSG_ERROR) {
-		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
-
-		ck_assert_ptr_nonnull(e);
-		code = e->code;
-		snprintf(msg, len, "%s", e->message);
-		dlpackd__v1__error__free_unpacked(e, NULL);
-	} else {
+	if (h.type == DLPC_MSG_ERROR)
+		code = error_code(buf, h.len, msg, len);
+	else
 		ck_assert_uint_eq(h.type, DLPC_MSG_PUBLISH | DLPC_MSG_REPLY);
-	}
 	return code;
 }
 
@@ -1471,7 +819,7 @@ START_TEST(test_raw_keys)
 		raw_key.data = (uint8_t *)cases[i].key;
 		raw_key.len = cases[i].len;
 		ck_assert_int_eq(raw_publish_keyed(fd, mem, pub, sizeof(pub)), EINVAL);
-		ck_assert_int_eq(raw_send_msg(fd, mem, 1, keyed, snd, sizeof(snd)), EINVAL);
+		ck_assert_int_eq(raw_send_msg(fd, "raw", mem, 1, keyed, snd, sizeof(snd)), EINVAL);
 		close(mem);
 		ck_assert_msg(strncmp(pub, "cannot publish 'raw': ", 22) == 0, "%s", pub);
 		ck_assert_msg(strncmp(snd, "cannot send to channel 'raw': ", 30) == 0, "%s", snd);
@@ -1484,7 +832,7 @@ START_TEST(test_raw_keys)
 	{
 		int mem = memfd_sealed(4096, SEALS_RO);
 
-		ck_assert_int_eq(raw_send_msg(fd, mem, 1, keyed, snd, sizeof(snd)), 0);
+		ck_assert_int_eq(raw_send_msg(fd, "raw", mem, 1, keyed, snd, sizeof(snd)), 0);
 		close(mem);
 	}
 	st = stat_or_die(good_client());
@@ -1547,24 +895,12 @@ END_TEST
 
 int main(void)
 {
-	Suite *s = suite_create("channel");
-	TCase *tc = tcase_create("channel");
+	TCase *tc, *plain;
+	Suite *s = channel_suite("channel", QUEUED, &tc, &plain);
 
-	tcase_add_checked_fixture(tc, setup, teardown);
-	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
-	tcase_add_test(tc, test_order);
-	tcase_add_test(tc, test_exactly_once);
-	tcase_add_test(tc, test_backpressure);
-	tcase_add_test(tc, test_killed_receiver);
-	tcase_add_test(tc, test_sender_dies);
-	tcase_add_test(tc, test_end_two_producers);
-	tcase_add_test(tc, test_end_wakes_waiter);
-	tcase_add_test(tc, test_end_close_all);
 	tcase_add_test(tc, test_end_other_uid_bare_close);
 	tcase_add_test(tc, test_end_then_remove_drops);
 	tcase_add_test(tc, test_ordinary_session_quiet);
-	tcase_add_test(tc, test_remove_frees);
-	tcase_add_test(tc, test_bundles_and_limits);
 	tcase_add_test(tc, test_bundle_keys);
 	tcase_add_test(tc, test_list_stat_watch);
 	tcase_add_test(tc, test_pool_recycles);
@@ -1572,14 +908,9 @@ int main(void)
 	tcase_add_test(tc, test_pool_buffer_published_writable);
 	tcase_add_test(tc, test_malformed);
 	tcase_add_test(tc, test_raw_keys);
-	suite_add_tcase(s, tc);
-	tc = tcase_create("quota");
-	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
-	tcase_add_test(tc, test_quota);
-	tcase_add_test(tc, test_end_limits);
-	tcase_add_test(tc, test_end_memory_charged);
-	tcase_add_test(tc, test_lost_connection_is_not_the_end);
-	tcase_add_test(tc, test_connection_limits);
-	suite_add_tcase(s, tc);
+	tcase_add_test(plain, test_quota);
+	tcase_add_test(plain, test_end_limits);
+	tcase_add_test(plain, test_end_memory_charged);
+	tcase_add_test(plain, test_connection_limits);
 	return run_suite(s);
 }
