@@ -52,14 +52,6 @@ struct dlpc__centry {
 	char name[];
 };
 
-int64_t dlpc__mono_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* FNV-1a of @p len bytes at @p p. */
 static uint32_t name_hash(const char *p, size_t len)
 {

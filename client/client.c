@@ -18,27 +18,6 @@
 #include "sockpath.h"
 #include "util.h"
 
-int dlpc__check(const dlpc_client *c)
-{
-	if (!dlpc__ours(c))
-		return dlpc__fail(-EBADFD,
-				  "this dlpc_client belongs to process %d; a forked child must "
-				  "call dlpc_connect() itself",
-				  (int)c->pid);
-	return 0;
-}
-
-int dlpc__name_arg(const char *name, const char *what)
-{
-	char why[160];
-
-	if (!name)
-		return dlpc__fail(-EINVAL, "cannot %s: name is NULL", what);
-	if (dlpc__name_check((const uint8_t *)name, strlen(name), why, sizeof(why)) < 0)
-		return dlpc__fail(-EINVAL, "cannot %s: %s", what, why);
-	return 0;
-}
-
 /*
  * Every open client, so that a forked child can close the sockets it inherited: otherwise a
  * child (a DataLoader worker, a preforked server) would keep its parent's connection, with its
@@ -350,24 +329,6 @@ size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
 	}
 	pthread_mutex_unlock(&open_mu);
 	return n;
-}
-
-/* See internal.h. */
-bool dlpc__start_thread(void *(*fn)(void *), void *arg)
-{
-	sigset_t all, old;
-	pthread_attr_t attr;
-	pthread_t t;
-	bool ok;
-
-	sigfillset(&all);
-	pthread_attr_init(&attr);
-	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-	pthread_sigmask(SIG_SETMASK, &all, &old);
-	ok = pthread_create(&t, &attr, fn, arg) == 0;
-	pthread_sigmask(SIG_SETMASK, &old, NULL);
-	pthread_attr_destroy(&attr);
-	return ok;
 }
 
 /* Queue @p v (a reference id, maybe tagged) on c->pending and tell the library's thread. Under wmu, which

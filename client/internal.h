@@ -221,6 +221,24 @@ static inline bool dlpc__ours(const dlpc_client *c)
 	return c->fork_gen == __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
 }
 
+/* ---- base.c: what every file may use; it uses nothing of the library's but error.c ---- */
+/* Monotonic milliseconds. */
+int64_t dlpc__mono_ms(void);
+/* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it
+ * (the user's handlers never run there). false if none could be made. */
+bool dlpc__start_thread(void *(*fn)(void *), void *arg);
+/* 0, or -EBADFD (with the message set) when @p c is used from a process that did not create it. */
+int dlpc__check(const dlpc_client *c);
+/* Validate a user-supplied name; 0 or -EINVAL with the message set. */
+int dlpc__name_arg(const char *name, const char *what);
+/* Close @p fd on a thread of the library's own (one a peer sent and libdlpc refused: its close
+ * may block), or here if that thread cannot run. A socket's SO_LINGER is turned off first. */
+void dlpc__close_later(int fd);
+/* The fds dlpc__close_later() was given that are not closed yet (DLPC_CLOSING_MAX). */
+size_t dlpc__closing_held(void);
+/* In a forked child: the parent's fds to close are the parent's; start the closing afresh. */
+void dlpc__closer_forked(void);
+
 /* Bytes of the message dlpc_last_error() keeps (longer ones are cut): room for a failed
  * connect's every path tried, with the hint of dlpc__access_hint(). */
 #define DLPC_ERROR_TEXT_MAX 1024
@@ -229,8 +247,6 @@ int dlpc__fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3
 /* discover.c: for a connect() to @p path refused with EACCES, "; the socket belongs to group
  * 'dlpack': join it with ..." (empty when nothing can be said), into @p buf. */
 void dlpc__access_hint(const char *path, char *buf, size_t len);
-/* 0, or -EBADFD (with the message set) when @p c is used from a process that did not create it. */
-int dlpc__check(const dlpc_client *c);
 /* What one request says besides its result (dlpc__call_ex()). */
 struct dlpc__call_info {
 	/* in: the request lends memory that the daemon gives back by RECLAIM (legacy CUDA IPC, a
@@ -300,9 +316,6 @@ static inline bool dlpc__reconnect_transient(int err)
 int dlpc__pause_lost(dlpc_client *c, int64_t ms);
 void dlpc__client_ref(dlpc_client *c);
 void dlpc__client_unref(dlpc_client *c);
-/* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it
- * (the user's handlers never run there). false if none could be made. */
-bool dlpc__start_thread(void *(*fn)(void *), void *arg);
 
 /* ---- client.c and call.c: the connection's request machinery ---- */
 /* Frame @p c's deferred releases at offset 0 of c->out. Length, or negative errno. Under wmu. */
@@ -426,12 +439,6 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
  * -ESHUTDOWN if the channel's pair was shut before the call waited. */
 int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *channel, uint32_t flags,
 		      int64_t timeout, bool single, dlpc_bundle **ret);
-/* loop.c: close @p fd on a thread of the library's own (one a peer sent and libdlpc refused:
- * its close may block), or here if that thread cannot run. A socket's SO_LINGER is turned off
- * first. */
-void dlpc__close_later(int fd);
-/* loop.c: the fds dlpc__close_later() was given that are not closed yet (DLPC_CLOSING_MAX). */
-size_t dlpc__closing_held(void);
 /* client.c: the lock of the open clients' list, which fork() takes */
 void dlpc__list_lock(void);
 void dlpc__list_unlock(void);
@@ -455,8 +462,6 @@ void dlpc__pool_reset(dlpc_client *c);
 int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in);
 /* Free what dlpc__entry_fill() allocated. */
 void dlpc__entry_clear(dlpc_entry_info *e);
-/* Validate a user-supplied name; 0 or -EINVAL with the message set. */
-int dlpc__name_arg(const char *name, const char *what);
 
 /* Count a legacy CUDA IPC publication of @p c's connection @p epoch until its RECLAIM notice
  * (or, with -1, take a failed one back); nothing once @p c has connected anew since: the count
@@ -538,8 +543,6 @@ bool dlpc__sweep_at(int64_t when);
 /* Read what @p c's socket holds without waiting, delivering it, if no other thread reads it:
  * 1; 0 when another does (or the connection is lost, or closed unless @p closed_ok). */
 int dlpc__drain(dlpc_client *c, bool closed_ok);
-/* Monotonic milliseconds. */
-int64_t dlpc__mono_ms(void);
 
 /* ---- maps.c: idle mappings of storages that channels bring again ---- */
 /* Internal attach flag of channel receives: map a message's storage through maps.c. */

@@ -48,15 +48,6 @@ static int loop_fd = -1;
 static bool flush_wanted; /* deferred releases wait, to go at flush_due */
 static int64_t flush_due;
 static int64_t sweep_due; /* when the caches' idle entries are next due (monotonic ms; 0: none) */
-/* fds to close on a thread of their own (dlpc__close_later()): what a peer sent that libdlpc
- * refused, whose close may block (a file on a stalling filesystem). Not this loop's thread:
- * a close that never returns would stop the releases and the cache with it. */
-static pthread_mutex_t closer_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t closer_cv = PTHREAD_COND_INITIALIZER;
-static bool closer_running;
-static int *closing;
-static size_t nclosing, closing_cap;
-static size_t closing_now; /* 1 while the thread is in close() */
 
 /* Wake the loop. Under loop_mu. */
 static void wake_locked(void)
@@ -90,13 +81,7 @@ void dlpc__loop_atfork(int phase)
 		woken = false;
 		flush_wanted = false;
 		sweep_due = 0;
-		/* the parent's to close: in the child they are copies, left to its exit or exec
-		 * (close-on-exec), as a close here could block fork() itself */
-		nclosing = 0;
-		closing_now = 0;
-		closer_running = false;
-		pthread_cond_init(&closer_cv, NULL);
-		pthread_mutex_init(&closer_mu, NULL);
+		dlpc__closer_forked();
 		/* the parent's thread may count as a waiter of the condition variable */
 		pthread_cond_init(&loop_cv, NULL);
 		pthread_mutex_init(&loop_mu, NULL);
@@ -313,69 +298,6 @@ static bool start_locked(void)
 	if (!running)
 		running = dlpc__start_thread(loop_main, NULL);
 	return running;
-}
-
-static void *closer_main(void *arg)
-{
-	(void)arg;
-	pthread_mutex_lock(&closer_mu);
-	for (;;) {
-		int fd;
-
-		while (nclosing == 0)
-			pthread_cond_wait(&closer_cv, &closer_mu);
-		fd = closing[--nclosing];
-		closing_now = 1;
-		pthread_mutex_unlock(&closer_mu);
-		close(fd);
-		pthread_mutex_lock(&closer_mu);
-		closing_now = 0;
-	}
-	return NULL;
-}
-
-size_t dlpc__closing_held(void)
-{
-	size_t n;
-
-	pthread_mutex_lock(&closer_mu);
-	n = nclosing + closing_now;
-	pthread_mutex_unlock(&closer_mu);
-	return n;
-}
-
-void dlpc__close_later(int fd)
-{
-	/* A socket's close waits out its SO_LINGER (a peer's TCP socket with a day of it and a
-	 * full send queue would hold the thread that long): the option is the fd holder's to set,
-	 * and this close has nothing to deliver. For any other fd the call fails (ENOTSOCK) and
-	 * changes nothing. */
-	static const struct linger none = {0, 0};
-
-	if (fd < 0)
-		return;
-	setsockopt(fd, SOL_SOCKET, SO_LINGER, &none, sizeof(none));
-	pthread_mutex_lock(&closer_mu);
-	if (!closer_running)
-		closer_running = dlpc__start_thread(closer_main, NULL);
-	if (closer_running && nclosing == closing_cap) {
-		size_t cap = closing_cap ? closing_cap * 2 : 16;
-		int *grown = realloc(closing, cap * sizeof(*grown));
-
-		if (grown) {
-			closing = grown;
-			closing_cap = cap;
-		}
-	}
-	if (closer_running && nclosing < closing_cap) {
-		closing[nclosing++] = fd;
-		pthread_cond_signal(&closer_cv);
-		fd = -1;
-	}
-	pthread_mutex_unlock(&closer_mu);
-	/* no thread, or no memory: here, then */
-	if (fd >= 0)
-		close(fd);
 }
 
 bool dlpc__loop_flush_soon(void)
