@@ -458,3 +458,65 @@ void dlpc__cache_forked(dlpc_client *c)
 	pthread_mutex_init(&k->mu, NULL);
 	dlpc__maps_clear(c);
 }
+
+static void cache_init_lock(dlpc_client *c)
+{
+	pthread_mutex_init(&c->cache.mu, NULL);
+}
+
+/* Connected anew: the cached references died with the old connection. Under c->wmu and c->mu. */
+static void cache_reset_locked(dlpc_client *c)
+{
+	dlpc__cache_drop(c);
+	pthread_mutex_lock(&c->cache.mu);
+	c->cache.on = !c->no_cache && !c->closed && c->minor >= 7 && c->cache.max_entries &&
+		      c->cache.max_bytes && c->cache.idle_ms;
+	pthread_mutex_unlock(&c->cache.mu);
+}
+
+static void cache_fork(dlpc_client *c, int phase)
+{
+	if (phase == 2)
+		dlpc__cache_forked(c);
+	else
+		dlpc__cache_lock(c, phase == 0);
+}
+
+/* Idle entries: the library's thread reads the socket so that their invalidations free their
+ * storage at once. */
+static bool cache_wants_reading(dlpc_client *c)
+{
+	bool idle;
+
+	pthread_mutex_lock(&c->cache.mu);
+	idle = c->cache.nidle > 0;
+	pthread_mutex_unlock(&c->cache.mu);
+	return idle;
+}
+
+static int take_invalidate(dlpc_client *c, const struct dlpc__frame *f)
+{
+	return dlpc__cache_invalidate(c, f) < 0 ? -EPROTO : 1;
+}
+
+void dlpc__cache_register(void)
+{
+	static const struct dlpc__hooks hooks = {
+		.init = cache_init_lock,
+		.reset_locked = cache_reset_locked,
+		.reset = dlpc__cache_reap,
+		.close = dlpc__cache_off,
+		.free = dlpc__cache_clear,
+		.fork = cache_fork,
+		.wants_reading = cache_wants_reading,
+		.sweep = dlpc__cache_sweep,
+	};
+	static const struct dlpc__notice invalidate = {
+		.type = DLPC_MSG_INVALIDATE,
+		.take = take_invalidate,
+		.after = dlpc__cache_reap,
+	};
+
+	dlpc__hooks_add(&hooks);
+	dlpc__notice_add(&invalidate);
+}

@@ -133,6 +133,15 @@ static int conn_error(dlpc_client *c, int err)
 	return dlpc__fail(err, "connection to dlpackd lost: %s", strerror(-err));
 }
 
+/* Is RECLAIM's @p token a feature's (dealt with then)? Under c->mu. */
+static bool reclaimed_by_feature(dlpc_client *c, uint64_t token)
+{
+	for (size_t i = 0; i < dlpc__nhooks; i++)
+		if (dlpc__hooks[i]->reclaimed && dlpc__hooks[i]->reclaimed(c, token))
+			return true;
+	return false;
+}
+
 /* Queue the tokens of a RECLAIM notice for the library's thread. Called with c->mu held. */
 static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
 {
@@ -155,10 +164,9 @@ static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
 		c->reclaimed_cap = cap;
 	}
 	for (size_t i = 0; i < m->n_tokens; i++) {
-		/* a recycled channel buffer (pool.c) is free again; the rest is CUDA's */
-		if (m->tokens[i] & DLPC__POOL_TOKEN)
-			dlpc__pool_reclaimed(c, m->tokens[i]);
-		else
+		/* a feature's token (a recycled channel buffer's) is dealt with now; the rest are
+		 * publications whose deleters the library's thread runs */
+		if (!reclaimed_by_feature(c, m->tokens[i]))
 			c->reclaimed[c->nreclaimed++] = m->tokens[i];
 	}
 	/* the library's thread runs the deleters (loop.c) */
@@ -177,12 +185,13 @@ out:
  */
 static int deliver(dlpc_client *c, struct dlpc__frame *f, uint64_t *drop)
 {
+	const struct dlpc__notice *notice;
 	struct dlpc__call *call;
 
 	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_RECLAIM)
 		return take_reclaim(c, f);
-	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_INVALIDATE)
-		return dlpc__cache_invalidate(c, f) < 0 ? -EPROTO : 1;
+	if (f->hdr.id == 0 && (notice = dlpc__notice_find(f->hdr.type)))
+		return notice->take(c, f);
 	if (f->hdr.id == 0 && f->hdr.type == DLPC_MSG_ERROR) {
 		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, f->hdr.len, f->payload);
 
@@ -213,6 +222,28 @@ static int deliver(dlpc_client *c, struct dlpc__frame *f, uint64_t *drop)
 		call->fds[i] = dlpc__frame_take_fd(f, i);
 	call->done = true;
 	return 0;
+}
+
+/*
+ * deliver() frame @p f as the reader of connection @p epoch, without c->mu, and clear it; then
+ * release the reference of a reply dropped, and run the notice's step that wants no lock. What
+ * deliver() returned.
+ */
+static int deliver_unlocked(dlpc_client *c, struct dlpc__frame *f, uint64_t epoch)
+{
+	const struct dlpc__notice *notice = dlpc__notice_find(f->hdr.type);
+	uint64_t drop = 0;
+	int r;
+
+	pthread_mutex_lock(&c->mu);
+	r = deliver(c, f, &drop);
+	pthread_mutex_unlock(&c->mu);
+	dlpc__frame_clear(f);
+	if (drop)
+		dlpc__release_epoch(c, drop, epoch);
+	if (notice && notice->after)
+		notice->after(c);
+	return r;
 }
 
 /* Milliseconds until @p dl (CLOCK_MONOTONIC), rounded up, for poll(); 0 once it has passed. */
@@ -332,17 +363,8 @@ static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch
 
 		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
 			bool watch = f.hdr.type == (DLPC_MSG_WATCH | DLPC_MSG_REPLY);
-			bool inval = f.hdr.type == DLPC_MSG_INVALIDATE;
-			uint64_t drop = 0;
 
-			pthread_mutex_lock(&c->mu);
-			r = deliver(c, &f, &drop);
-			pthread_mutex_unlock(&c->mu);
-			dlpc__frame_clear(&f);
-			if (drop)
-				dlpc__release_epoch(c, drop, epoch);
-			if (inval)
-				dlpc__cache_reap(c);
+			r = deliver_unlocked(c, &f, epoch);
 			if (r < 0)
 				return r;
 			if (r == 0)
@@ -393,17 +415,7 @@ static int read_ready(dlpc_client *c, uint64_t epoch)
 		int r;
 
 		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
-			bool inval = f.hdr.type == DLPC_MSG_INVALIDATE;
-			uint64_t drop = 0;
-
-			pthread_mutex_lock(&c->mu);
-			r = deliver(c, &f, &drop);
-			pthread_mutex_unlock(&c->mu);
-			dlpc__frame_clear(&f);
-			if (drop)
-				dlpc__release_epoch(c, drop, epoch);
-			if (inval)
-				dlpc__cache_reap(c);
+			r = deliver_unlocked(c, &f, epoch);
 			if (r < 0)
 				return r;
 		}

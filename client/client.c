@@ -29,21 +29,46 @@ static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
 static dlpc_client *open_clients;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
+const struct dlpc__hooks *dlpc__hooks[DLPC__HOOKS_MAX];
+size_t dlpc__nhooks;
+static const struct dlpc__notice *notices[DLPC__NOTICES_MAX];
+static size_t nnotices;
+
+void dlpc__hooks_add(const struct dlpc__hooks *h)
+{
+	if (dlpc__nhooks < DLPC__HOOKS_MAX)
+		dlpc__hooks[dlpc__nhooks++] = h;
+}
+
+void dlpc__notice_add(const struct dlpc__notice *n)
+{
+	if (nnotices < DLPC__NOTICES_MAX)
+		notices[nnotices++] = n;
+}
+
+const struct dlpc__notice *dlpc__notice_find(uint16_t type)
+{
+	for (size_t i = 0; i < nnotices; i++)
+		if (notices[i]->type == type)
+			return notices[i];
+	return NULL;
+}
+
 static void atfork_prepare(void)
 {
 	pthread_mutex_lock(&open_mu);
 	dlpc__loop_atfork(0);
-	/* the caches' locks are leaves: taken after these, by no thread holding one of them */
+	/* the features' locks are leaves: taken after these, by no thread holding one of them */
 	for (dlpc_client *c = open_clients; c; c = c->next_open)
-		dlpc__cache_lock(c, true);
-	dlpc__maps_atfork(0);
+		DLPC__HOOKS_RUN(fork, c, 0);
+	DLPC__HOOKS_RUN(atfork, 0);
 }
 
 static void atfork_parent(void)
 {
-	dlpc__maps_atfork(1);
+	DLPC__HOOKS_RUN(atfork, 1);
 	for (dlpc_client *c = open_clients; c; c = c->next_open)
-		dlpc__cache_lock(c, false);
+		DLPC__HOOKS_RUN(fork, c, 1);
 	dlpc__loop_atfork(1);
 	pthread_mutex_unlock(&open_mu);
 }
@@ -58,10 +83,9 @@ static void atfork_child(void)
 		c->sock = -1;
 		dlpc__close(c->wake_fd);
 		c->wake_fd = -1;
-		dlpc__cache_forked(c);
-		dlpc__direct_forked(c);
+		DLPC__HOOKS_RUN(fork, c, 2);
 	}
-	dlpc__maps_atfork(2);
+	DLPC__HOOKS_RUN(atfork, 2);
 	/* the parent's deferred releases are the parent's business; no library thread runs here */
 	dlpc__loop_atfork(2);
 	pthread_mutex_unlock(&open_mu);
@@ -116,7 +140,7 @@ static void open_list_remove(dlpc_client *c)
 	pthread_mutex_unlock(&open_mu);
 	/* no client, so no mapping of one left to clean: the process's pagemap fd goes too */
 	if (last)
-		dlpc__maps_pagemap_close();
+		DLPC__HOOKS_RUN(last_client);
 }
 
 void dlpc__client_ref(dlpc_client *c)
@@ -131,10 +155,8 @@ static void client_free(dlpc_client *c)
 	dlpc__rx_clear(&c->rx);
 	dlpc__scratch_clear(&c->out);
 	free(c->reclaimed);
-	dlpc__pool_free(c->pool);
 	free(c->abandoned);
-	dlpc__cache_clear(c);
-	dlpc__direct_reset(c);
+	DLPC__HOOKS_RUN(free, c);
 	dlpc__close(c->direct_wake);
 	dlpc__close(c->wake_fd);
 	pthread_mutex_destroy(&c->mu);
@@ -163,8 +185,9 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 	/* the connection may live on for attached mappings: tell the daemon what is released */
 	if (dlpc__ours(c)) {
 		dlpc__cancel_calls(c);
-		/* idle references go back now; those in use when their last tensor is released */
-		dlpc__cache_off(c);
+		/* the cache's idle references go back now; those in use when their last tensor is
+		 * released */
+		DLPC__HOOKS_RUN(close, c);
 		/* the library's thread may be reading the socket for the cache: let it look again,
 		 * so that it holds the client no longer than the user does */
 		dlpc__loop_wake();
@@ -499,7 +522,7 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, i
 	pthread_cond_init(&c->cv, &ca);
 	pthread_condattr_destroy(&ca);
 	dlpc__rx_init(&c->rx);
-	pthread_mutex_init(&c->cache.mu, NULL);
+	DLPC__HOOKS_RUN(init, c);
 	/* a reply's fd that this process has no room for fails that call, not the connection */
 	c->rx.report_lost_fds = true;
 	/* dlpc_connect(): the call timeout, or the time left of it after a dropped HELLO */
@@ -746,6 +769,18 @@ static int connect_default(int64_t timeout, dlpc_client **ret)
 				    " to a daemon's socket");
 }
 
+/* The features, in the order their hooks run. */
+static pthread_once_t features_once = PTHREAD_ONCE_INIT;
+
+static void features_register(void)
+{
+	dlpc__pool_register();
+	dlpc__cache_register();
+	dlpc__maps_register();
+	dlpc__direct_register();
+	dlpc__cuda_register();
+}
+
 DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc_client **ret)
 {
 	int64_t timeout;
@@ -762,6 +797,7 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 	r = call_timeout_env(&timeout);
 	if (r < 0)
 		return r;
+	pthread_once(&features_once, features_register);
 	r = socket_path ? connect_at(socket_path, NULL, timeout, ret)
 			: connect_default(timeout, ret);
 	if (r < 0)
@@ -835,19 +871,12 @@ int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
 	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
 	c->epoch++;
 	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */
-	/* the cached references died with the old connection; the new one may not speak 1.7 */
-	dlpc__cache_drop(c);
-	pthread_mutex_lock(&c->cache.mu);
-	c->cache.on = !c->no_cache && !c->closed && c->minor >= 7 && c->cache.max_entries &&
-		      c->cache.max_bytes && c->cache.idle_ms;
-	pthread_mutex_unlock(&c->cache.mu);
+	/* what the features kept of the old connection goes with it (the cached references,
+	 * pooled buffers in flight, the channels the old daemon knew) */
+	DLPC__HOOKS_RUN(reset_locked, c);
 	pthread_mutex_unlock(&c->mu);
 	pthread_mutex_unlock(&c->wmu);
-	dlpc__cache_reap(c);
-	/* pooled buffers in flight on the old connection: their RECLAIM went with it */
-	dlpc__pool_reset(c);
-	/* the channels the old daemon knew: a new one knows them anew, or not at all */
-	dlpc__direct_reset(c);
+	DLPC__HOOKS_RUN(reset, c);
 	client_free(n);
 	return 0;
 }

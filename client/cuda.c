@@ -1159,3 +1159,15 @@ int dlpc__cuda_vmm_import(int fd, uint64_t size, const uint8_t uuid[DLPC_CUDA_UU
 	*ordinal = ord;
 	return 0;
 }
+
+static bool cuda_reclaim_run(uint64_t token)
+{
+	return dlpc__cuda_reclaim(token, true);
+}
+
+void dlpc__cuda_register(void)
+{
+	static const struct dlpc__hooks hooks = {.reclaim_run = cuda_reclaim_run};
+
+	dlpc__hooks_add(&hooks);
+}

@@ -429,3 +429,20 @@ int dlpc__direct_wait_failed(int r, const char *verb, const char *channel, int64
 		return dlpc__fail(r, "cannot %s channel '%s': %s", verb, channel, strerror(-r));
 	}
 }
+
+static void direct_fork(dlpc_client *c, int phase)
+{
+	if (phase == 2)
+		dlpc__direct_forked(c);
+}
+
+void dlpc__direct_register(void)
+{
+	static const struct dlpc__hooks hooks = {
+		.reset = dlpc__direct_reset,
+		.free = dlpc__direct_reset,
+		.fork = direct_fork,
+	};
+
+	dlpc__hooks_add(&hooks);
+}

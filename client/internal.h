@@ -298,6 +298,80 @@ int dlpc__call_ex(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, co
  * first.
  */
 void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch);
+/* ---- the connection core's two tables: how features hang off a connection ---- */
+/*
+ * A notice: a frame with id 0 that a feature acts on (INVALIDATE: the cache). @p take runs on
+ * the reader, under c->mu: 0 when the frame counts as delivered (it ends the reader's wait as a
+ * reply does), 1 when it does not, or a negative errno that ends the connection. @p after (NULL:
+ * none) runs next on the reader, with no lock of c's held, whatever @p take returned.
+ */
+struct dlpc__notice {
+	uint16_t type;
+	int (*take)(dlpc_client *c, const struct dlpc__frame *f);
+	void (*after)(dlpc_client *c);
+};
+
+/*
+ * What a feature does at a connection's turning points (reset, fork, close, free) and for the
+ * library's thread. Every slot may be NULL. The core calls the registered tables in the order
+ * they were registered, each feature keeping its own state and lock; it names no feature.
+ */
+struct dlpc__hooks {
+	/* a new dlpc_client, before it connects: set up the feature's state (its lock) */
+	void (*init)(dlpc_client *c);
+	/* @p c connected anew (dlpc__reconnect()): under c->wmu and c->mu ... */
+	void (*reset_locked)(dlpc_client *c);
+	/* ... then with no lock of c's held: what belonged to the old connection goes */
+	void (*reset)(dlpc_client *c);
+	/* dlpc_close() in the process that connected, no lock held */
+	void (*close)(dlpc_client *c);
+	/* the last reference on @p c went: nothing uses it any more, free what the feature holds */
+	void (*free)(dlpc_client *c);
+	/* fork(), for each open client, under the open clients' list's lock: @p phase 0 before
+	 * (take the feature's locks), 1 in the parent after (let go), 2 in the child (start
+	 * afresh, letting go of the parent's fds) */
+	void (*fork)(dlpc_client *c, int phase);
+	/* fork(), once for the process: after the clients' (phase 0 and 2), before them (1) */
+	void (*atfork)(int phase);
+	/* the process's last open client went */
+	void (*last_client)(void);
+	/* the library's thread: should it read @p c's socket when no call does? Under c->mu. */
+	bool (*wants_reading)(dlpc_client *c);
+	/* the library's thread, when a sweep is due (dlpc__sweep_at()): let go of what has been idle
+	 * too long; the monotonic ms when the next is due, or 0 */
+	int64_t (*sweep)(dlpc_client *c);
+	/* a RECLAIM notice's @p token, under c->mu: true when it is the feature's, and dealt with */
+	bool (*reclaimed)(dlpc_client *c, uint64_t token);
+	/* the library's thread, no lock held: run the deleter of the publication of @p token; true
+	 * when it was the feature's */
+	bool (*reclaim_run)(uint64_t token);
+};
+
+/* How many features may register (DLPC__NOTICES_MAX: notices). */
+#define DLPC__HOOKS_MAX 8
+#define DLPC__NOTICES_MAX 4
+/* Register a feature's table (static, never freed), before the first connection (client.c). */
+void dlpc__hooks_add(const struct dlpc__hooks *h);
+void dlpc__notice_add(const struct dlpc__notice *n);
+/* The notice registered for frames of @p type, or NULL. */
+const struct dlpc__notice *dlpc__notice_find(uint16_t type);
+/* Call slot @p slot of every registered table that has one, with @p c. */
+#define DLPC__HOOKS_RUN(slot, ...)                                                                 \
+	do {                                                                                       \
+		for (size_t hook_i_ = 0; hook_i_ < dlpc__nhooks; hook_i_++)                        \
+			if (dlpc__hooks[hook_i_]->slot)                                            \
+				dlpc__hooks[hook_i_]->slot(__VA_ARGS__);                           \
+	} while (0)
+/* The registered tables (for DLPC__HOOKS_RUN()). */
+extern const struct dlpc__hooks *dlpc__hooks[DLPC__HOOKS_MAX];
+extern size_t dlpc__nhooks;
+/* Each feature's registration (client.c calls them once, before the first connection). */
+void dlpc__cache_register(void);
+void dlpc__maps_register(void);
+void dlpc__pool_register(void);
+void dlpc__direct_register(void);
+void dlpc__cuda_register(void);
+
 /* Replace @p c's lost connection by a new one to the same socket (HELLO included), waiting
  * @p connect_ms at most for connect() and @p hello_ms for HELLO (<= 0: no bound). 0, or the
  * negative errno of connecting (the old connection's error stays): -ECANCELED when

@@ -92,16 +92,23 @@ void dlpc__loop_atfork(int phase)
  * entries whose invalidations should free their storage? Under c->mu. */
 static bool wants_reading(dlpc_client *c)
 {
-	bool idle;
-
 	if (c->broken || c->sock < 0)
 		return false;
 	if (c->reclaimer)
 		return true;
-	pthread_mutex_lock(&c->cache.mu);
-	idle = c->cache.nidle > 0;
-	pthread_mutex_unlock(&c->cache.mu);
-	return idle;
+	for (size_t i = 0; i < dlpc__nhooks; i++)
+		if (dlpc__hooks[i]->wants_reading && dlpc__hooks[i]->wants_reading(c))
+			return true;
+	return false;
+}
+
+/* Run the deleter of the publication of RECLAIM's @p token: true if a feature knew it. */
+static bool reclaim_run(uint64_t token)
+{
+	for (size_t i = 0; i < dlpc__nhooks; i++)
+		if (dlpc__hooks[i]->reclaim_run && dlpc__hooks[i]->reclaim_run(token))
+			return true;
+	return false;
 }
 
 /* Run the deleters of @p c's reclaimed publications; let go of the loop's hold on @p c when
@@ -122,7 +129,7 @@ static void reclaim(dlpc_client *c)
 		pthread_mutex_unlock(&c->mu);
 		/* a deleter may call libdlpc: no lock held */
 		for (size_t i = 0; i < n; i++)
-			if (dlpc__cuda_reclaim(v[i], true))
+			if (reclaim_run(v[i]))
 				dlpc__reclaim_count(c, -1, epoch);
 		free(v);
 		pthread_mutex_lock(&c->mu);
@@ -177,12 +184,13 @@ static void turn(void)
 	/* a sweep may fall due again while one runs (a slow machine): until none is due */
 	while (sweep) {
 		next = 0;
-		for (size_t i = 0; i < n; i++) {
-			int64_t t = dlpc__cache_sweep(v[i]);
+		for (size_t i = 0; i < n; i++)
+			for (size_t h = 0; h < dlpc__nhooks; h++) {
+				int64_t t = dlpc__hooks[h]->sweep ? dlpc__hooks[h]->sweep(v[i]) : 0;
 
-			if (t && (!next || t < next))
-				next = t;
-		}
+				if (t && (!next || t < next))
+					next = t;
+			}
 		if (next)
 			dlpc__sweep_at(next);
 		/* what became due meanwhile, and the next deadline: a flush taken now stays taken */

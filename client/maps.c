@@ -444,3 +444,13 @@ void dlpc__maps_clear(dlpc_client *c)
 	pthread_mutex_unlock(&c->cache.mu);
 	dlpc__maps_sweep(c, true);
 }
+
+void dlpc__maps_register(void)
+{
+	static const struct dlpc__hooks hooks = {
+		.atfork = dlpc__maps_atfork,
+		.last_client = dlpc__maps_pagemap_close,
+	};
+
+	dlpc__hooks_add(&hooks);
+}
