@@ -23,6 +23,27 @@ int64_t dlpc__mono_ms(void)
 	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* Has @p dl passed? */
+bool dlpc__passed(const struct timespec *dl)
+{
+	struct timespec now;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return now.tv_sec > dl->tv_sec || (now.tv_sec == dl->tv_sec && now.tv_nsec >= dl->tv_nsec);
+}
+
+/* @p ms from now on CLOCK_MONOTONIC. */
+void dlpc__deadline_in(struct timespec *dl, int64_t ms)
+{
+	clock_gettime(CLOCK_MONOTONIC, dl);
+	dl->tv_sec += (time_t)(ms / 1000);
+	dl->tv_nsec += (long)(ms % 1000) * 1000000;
+	if (dl->tv_nsec >= 1000000000) {
+		dl->tv_sec++;
+		dl->tv_nsec -= 1000000000;
+	}
+}
+
 /* See internal.h. */
 bool dlpc__start_thread(void *(*fn)(void *), void *arg)
 {

@@ -4,6 +4,7 @@
 #define DLPC_CLIENT_INTERNAL_H
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -15,7 +16,21 @@
 #include "limits.h"
 #include "msg.h"
 
-struct dlpc__call;
+/* A request waiting for its reply (call.c; matched by the reader, reader.c). Lives on its
+ * caller's stack. */
+struct dlpc__call {
+	struct dlpc__call *next;
+	uint32_t id;
+	bool done;
+	bool canceled; /* by dlpc_close(): already unlinked, its id abandoned */
+	uint16_t type;
+	uint8_t *payload;
+	size_t len;
+	int fds[DLPC_FRAME_FDS_MAX];
+	unsigned nfds;
+	unsigned lost;	/* fds of the reply this process had no room for */
+	uint64_t epoch; /* the connection (c->epoch) the request went out on */
+};
 struct dlpc__centry;
 struct dlpc__mentry;
 
@@ -224,6 +239,10 @@ static inline bool dlpc__ours(const dlpc_client *c)
 /* ---- base.c: what every file may use; it uses nothing of the library's but error.c ---- */
 /* Monotonic milliseconds. */
 int64_t dlpc__mono_ms(void);
+/* Has @p dl (CLOCK_MONOTONIC) passed? */
+bool dlpc__passed(const struct timespec *dl);
+/* @p ms from now on CLOCK_MONOTONIC. */
+void dlpc__deadline_in(struct timespec *dl, int64_t ms);
 /* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it
  * (the user's handlers never run there). false if none could be made. */
 bool dlpc__start_thread(void *(*fn)(void *), void *arg);
@@ -298,6 +317,54 @@ int dlpc__call_ex(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, co
  * first.
  */
 void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch);
+/* ---- conn.c: a dlpc_client's life ---- */
+/* A new client, its socket made (not connected) and listed for fork, calls bounded by @p timeout
+ * ms: 0, or a negative errno with the message set. */
+int dlpc__client_new(int64_t timeout, dlpc_client **ret);
+/* Free @p c now (its last reference went, or it never connected). */
+void dlpc__client_free(dlpc_client *c);
+/* @p c's lost connection is replaced by @p n's, just connected (HELLO done): the sockets and
+ * buffers change places (n takes the old ones, to be freed), what belonged to the old connection
+ * is void, its count (c->epoch) goes up and the features reset. */
+void dlpc__client_adopt(dlpc_client *c, dlpc_client *n);
+/* call.c: a new connection to @p path, HELLO done, with calls bounded by @p timeout ms. For
+ * dlpc__reconnect() of @p parent (NULL: dlpc_connect()), connect() waits at most @p connect_ms and
+ * HELLO @p hello_ms, and dlpc_close() or dlpc_cancel() of @p parent cancels the HELLO. */
+int dlpc__connect_new(const char *path, int64_t timeout, dlpc_client *parent, int64_t connect_ms,
+		      int64_t hello_ms, dlpc_client **ret);
+
+/* ---- reader.c: the reader's turn ---- */
+/* Remember that nobody waits for the reply to @p id any more. false if out of memory. Under
+ * c->mu. */
+bool dlpc__abandon(dlpc_client *c, uint32_t id);
+/* Was the reply to @p id abandoned? Unless @p keep, forget the id then (its reply has come).
+ * Under c->mu. */
+bool dlpc__take_abandoned(dlpc_client *c, uint32_t id, bool keep);
+/* The reference an ATTACH or RECV reply grants (to be released by whoever cannot use it), or 0. */
+uint64_t dlpc__reply_ref(uint16_t type, const uint8_t *payload, size_t len);
+/* The connection is gone: say why, in the daemon's words when it left some. Under c->mu. */
+int dlpc__conn_error(dlpc_client *c, int err);
+/* A call starts: the thread's interrupt check is next due in DLPC_INTERRUPT_CHECK_MS. */
+void dlpc__interrupt_arm(void);
+
+/* ---- loop.c: when the library's thread runs, and what wakes it ---- */
+/* How soon the loop looks again at a socket whose reader's turn another thread held (ms). */
+#define DLPC__LOOP_BUSY_MS 10
+/* What the thread does, turn after turn (serve.c); set before the first connection. */
+void dlpc__loop_init(void (*turn)(void));
+/* Start the thread unless it runs, and wake it. false when it cannot run. */
+bool dlpc__loop_start(void);
+/* The poll() timeout until the next deadline (-1: none), and what is due now (taken). */
+int dlpc__loop_due(bool *flush, bool *sweep);
+/* Wait until woken, @p timeout ms (< 0: no bound) pass or, when @p np > 1, one of the sockets
+ * p[1..@p np) is ready (p[0] is set to the loop's wake-up). How many entries of @p p to look at
+ * for revents (0: none). */
+size_t dlpc__loop_wait(struct pollfd *p, size_t np, int timeout);
+/* The turn has looked at everything: a wake-up before now is spent. */
+void dlpc__loop_looked(void);
+/* serve.c: hand the thread its turn (dlpc__loop_init()). */
+void dlpc__serve_register(void);
+
 /* ---- the connection core's two tables: how features hang off a connection ---- */
 /*
  * A notice: a frame with id 0 that a feature acts on (INVALIDATE: the cache). @p take runs on
