@@ -175,6 +175,200 @@ static int call_closed(dlpc_client *c)
 			  "this client was closed or canceled (dlpc_close() or dlpc_cancel())");
 }
 
+/*
+ * Connect anew before a call, if the connection is lost and DLPC_CONNECT_RECONNECT says so,
+ * unless another call or the reader still works on the old connection (it fails as that did; a
+ * later call connects). Under c->mu: held again on 0, released on failure.
+ */
+static int call_reconnect(dlpc_client *c, int64_t wait_ms, struct dlpc__call_info *info)
+{
+	int64_t connect_ms, hello_ms;
+	int r;
+
+	if (!c->broken || !c->reconnect || c->calls || c->reading || c->reconnecting)
+		return 0;
+	reconnect_bounds(c, wait_ms, &connect_ms, &hello_ms);
+	c->reconnecting = true;
+	pthread_mutex_unlock(&c->mu);
+	r = dlpc__reconnect(c, connect_ms, hello_ms);
+	pthread_mutex_lock(&c->mu);
+	c->reconnecting = false;
+	if (c->closed)
+		return call_closed(c);
+	if (r < 0) {
+		info->reconnect_err = r;
+		pthread_mutex_unlock(&c->mu);
+	}
+	return r;
+}
+
+/* Give @p call an id on @p c's connection and list it, connecting anew first if need be. 0, or a
+ * negative errno (closed, lost). Without c->mu either way. */
+static int call_start(dlpc_client *c, struct dlpc__call *call, int64_t wait_ms,
+		      struct dlpc__call_info *info)
+{
+	int r;
+
+	pthread_mutex_lock(&c->mu);
+	if (c->closed)
+		return call_closed(c);
+	r = call_reconnect(c, wait_ms, info);
+	if (r < 0)
+		return r;
+	if (c->broken) {
+		info->lost = true;
+		r = dlpc__conn_error(c, c->broken);
+		pthread_mutex_unlock(&c->mu);
+		return r;
+	}
+	/* From here the request belongs to this connection: so does what it makes (a reference,
+	 * a lent publication counted now, before any RECLAIM of it can come). */
+	call->epoch = c->epoch;
+	info->epoch = c->epoch;
+	info->sent = true;
+	if (info->lend)
+		c->ipc_pubs++;
+	/* ids still owed a reply are skipped, so that the reply is not taken for this call's */
+	do
+		call->id = ++c->next_id;
+	while (call->id == 0 || dlpc__take_abandoned(c, call->id, true));
+	call->next = c->calls;
+	c->calls = call;
+	pthread_mutex_unlock(&c->mu);
+	return 0;
+}
+
+/* The request of @p call failed (@p r) before its first byte left: it is taken back, and the
+ * connection is as good as it was. Under c->mu, which this releases. */
+static int call_refused(dlpc_client *c, struct dlpc__call *call, int r, const ProtobufCMessage *req,
+			struct dlpc__call_info *info)
+{
+	if (!call->canceled)
+		unlink_call(c, call);
+	pthread_mutex_unlock(&c->mu);
+	info->sent = false;
+	if (info->lend)
+		dlpc__reclaim_count(c, -1, call->epoch);
+	if (r == -EMSGSIZE)
+		return dlpc__fail(r, "request of %zu bytes exceeds the frame limit of %u bytes",
+				  protobuf_c_message_get_packed_size(req), DLPC_FRAME_MAX);
+	if (r == -ETIMEDOUT)
+		return dlpc__fail(r,
+				  "dlpackd did not take the request within %lld ms (%s): it may be "
+				  "stopped or overloaded",
+				  (long long)c->call_timeout_ms, DLPC_CALL_TIMEOUT_ENV);
+	return dlpc__fail(r, "cannot send the request to dlpackd: %s", strerror(-r));
+}
+
+/* Send @p call's request: 0, with c->mu held; or the error of a request refused before it left,
+ * without. A request cut short breaks the connection (the wait for its reply then ends). */
+static int call_send(dlpc_client *c, struct dlpc__call *call, uint16_t type,
+		     const ProtobufCMessage *req, const int *fds, unsigned nfds,
+		     struct dlpc__call_info *info)
+{
+	size_t sent = 0;
+	ssize_t len;
+	int r;
+
+	pthread_mutex_lock(&c->wmu);
+	len = send_request(c, type, call->id, req, fds, nfds, &sent);
+	r = len < 0 ? (int)len : 0;
+	pthread_mutex_unlock(&c->wmu);
+	/* the socket's send timeout (SO_SNDTIMEO) expired: the daemon does not read */
+	if (r == -EAGAIN)
+		r = -ETIMEDOUT;
+	pthread_mutex_lock(&c->mu);
+	/* too large, out of memory, an fd the kernel would not pass, a daemon that does not read */
+	if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF)
+		return call_refused(c, call, r, req, info);
+	if (r < 0 && !c->broken) {
+		c->broken = r;
+		pthread_cond_broadcast(&c->cv);
+	}
+	return 0;
+}
+
+/* Wait for @p call's reply until @p dl (NULL: none). Under c->mu, which this releases. 0 when
+ * the reply came; else the call is over (canceled, out of time, interrupted, connection lost). */
+static int call_wait(dlpc_client *c, struct dlpc__call *call, uint16_t type,
+		     const struct timespec *dl, int64_t bound, int64_t wait_ms,
+		     struct dlpc__call_info *info)
+{
+	bool stopped = false, waits;
+	int r;
+
+	while (!call->done && !call->canceled && !c->broken && !(dl && dlpc__passed(dl)) &&
+	       !stopped)
+		stopped = dlpc__reader_turn(c, dl) == DLPC__INTERRUPTED;
+	if (stopped)
+		return call_stopped(c, call, type);
+	info->lost = !call->done && !call->canceled && c->broken;
+	if (call->canceled) {
+		/* dlpc_close() unlinked it and abandoned its id; the daemon may still hold it */
+		waits = !c->broken;
+		info->lost = false;
+		pthread_mutex_unlock(&c->mu);
+		if (waits)
+			dlpc__cancel_wait(c, type, call->id, call->epoch);
+		return dlpc__fail(-ECANCELED,
+				  "this client was closed or canceled (dlpc_close() "
+				  "or dlpc_cancel()) while the call waited for dlpackd");
+	}
+	unlink_call(c, call);
+	if (!call->done && !c->broken) {
+		/* Out of time. The request may still take effect: its reply is dropped when it
+		 * comes, and an ATTACH reply's reference given back. */
+		waits = dlpc__abandon(c, call->id);
+		if (!waits)
+			c->broken = -ENOMEM; /* the reply could no longer be matched */
+		pthread_mutex_unlock(&c->mu);
+		if (waits)
+			dlpc__cancel_wait(c, type, call->id, call->epoch);
+		return call_gave_up(type, bound, wait_ms);
+	}
+	r = call->done ? 0 : dlpc__conn_error(c, c->broken);
+	pthread_mutex_unlock(&c->mu);
+	if (call->done)
+		info->answered = true;
+	return r;
+}
+
+/* The reply to @p call (of @p type) came: unpack it into *@p rep with @p rdesc and hand out its
+ * fds (*@p rfd, then info->more_fds; the rest closed). 0, or the error it says. */
+static int call_reply(dlpc_client *c, struct dlpc__call *call, uint16_t type,
+		      const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep, int *rfd,
+		      struct dlpc__call_info *info, ProtobufCAllocator *alloc)
+{
+	int r = 0;
+
+	if (call->lost) {
+		r = fds_lost(c, call);
+	} else if (call->type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, call->len, call->payload);
+
+		r = e && e->code > 0 ? dlpc__fail(-e->code, "%s", e->message)
+				     : dlpc__fail(-EPROTO, "malformed ERROR reply from dlpackd");
+		if (e)
+			dlpackd__v1__error__free_unpacked(e, NULL);
+	} else if (call->type != (type | DLPC_MSG_REPLY)) {
+		r = dlpc__fail(-EPROTO, "dlpackd answered with frame type 0x%x", call->type);
+	} else {
+		*rep = protobuf_c_message_unpack(rdesc, alloc, call->len, call->payload);
+		if (!*rep)
+			r = dlpc__fail(-EPROTO, "malformed reply from dlpackd");
+	}
+	for (unsigned i = 0, more = 0; i < call->nfds; i++) {
+		if (r == 0 && rfd && *rfd < 0)
+			*rfd = call->fds[i];
+		else if (r == 0 && more < info->nmore_fds)
+			info->more_fds[more++] = call->fds[i];
+		else
+			close(call->fds[i]);
+	}
+	free(call->payload);
+	return r;
+}
+
 /* dlpc__call() bounded by @p bound ms (<= 0: not at all); @p wait_ms is for the message and for
  * connecting anew. */
 static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
@@ -185,9 +379,6 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 	struct dlpc__call_info none = {0};
 	struct dlpc__call call = {0};
 	struct timespec deadline, *dl = NULL;
-	bool stopped = false;
-	size_t sent = 0;
-	ssize_t len;
 	int r;
 
 	if (!info)
@@ -205,145 +396,13 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		dl = &deadline;
 	}
 	dlpc__interrupt_arm();
-	pthread_mutex_lock(&c->mu);
-	if (c->closed)
-		return call_closed(c);
-	/* lost: with DLPC_CONNECT_RECONNECT connect anew, unless another call or the reader
-	 * still works on the old connection (it fails as that did; a later call connects) */
-	if (c->broken && c->reconnect && !c->calls && !c->reading && !c->reconnecting) {
-		int64_t connect_ms, hello_ms;
-
-		reconnect_bounds(c, wait_ms, &connect_ms, &hello_ms);
-		c->reconnecting = true;
-		pthread_mutex_unlock(&c->mu);
-		r = dlpc__reconnect(c, connect_ms, hello_ms);
-		pthread_mutex_lock(&c->mu);
-		c->reconnecting = false;
-		if (c->closed)
-			return call_closed(c);
-		if (r < 0) {
-			info->reconnect_err = r;
-			pthread_mutex_unlock(&c->mu);
-			return r;
-		}
-	}
-	if (c->broken) {
-		info->lost = true;
-		r = dlpc__conn_error(c, c->broken);
-		pthread_mutex_unlock(&c->mu);
-		return r;
-	}
-	/* From here the request belongs to this connection: so does what it makes (a reference,
-	 * a lent publication counted now, before any RECLAIM of it can come). */
-	call.epoch = c->epoch;
-	info->epoch = c->epoch;
-	info->sent = true;
-	if (info->lend)
-		c->ipc_pubs++;
-	/* ids still owed a reply are skipped, so that the reply is not taken for this call's */
-	do
-		call.id = ++c->next_id;
-	while (call.id == 0 || dlpc__take_abandoned(c, call.id, true));
-	call.next = c->calls;
-	c->calls = &call;
-	pthread_mutex_unlock(&c->mu);
-
-	pthread_mutex_lock(&c->wmu);
-	len = send_request(c, type, call.id, req, fds, nfds, &sent);
-	r = len < 0 ? (int)len : 0;
-	pthread_mutex_unlock(&c->wmu);
-	/* the socket's send timeout (SO_SNDTIMEO) expired: the daemon does not read */
-	if (r == -EAGAIN)
-		r = -ETIMEDOUT;
-
-	pthread_mutex_lock(&c->mu);
-	/* a request that failed before its first byte left (too large, out of memory, an fd the
-	 * kernel would not pass, a daemon that does not read) leaves the connection as good as it
-	 * was */
-	if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF) {
-		if (!call.canceled)
-			unlink_call(c, &call);
-		pthread_mutex_unlock(&c->mu);
-		info->sent = false;
-		if (info->lend)
-			dlpc__reclaim_count(c, -1, call.epoch);
-		if (r == -EMSGSIZE)
-			return dlpc__fail(
-				r, "request of %zu bytes exceeds the frame limit of %u bytes",
-				protobuf_c_message_get_packed_size(req), DLPC_FRAME_MAX);
-		if (r == -ETIMEDOUT)
-			return dlpc__fail(r,
-					  "dlpackd did not take the request within %lld ms (%s): "
-					  "it may be stopped or overloaded",
-					  (long long)c->call_timeout_ms, DLPC_CALL_TIMEOUT_ENV);
-		return dlpc__fail(r, "cannot send the request to dlpackd: %s", strerror(-r));
-	}
-	if (r < 0 && !c->broken) {
-		c->broken = r;
-		pthread_cond_broadcast(&c->cv);
-	}
-	while (!call.done && !call.canceled && !c->broken && !(dl && dlpc__passed(dl)) && !stopped)
-		stopped = dlpc__reader_turn(c, dl) == DLPC__INTERRUPTED;
-	if (stopped)
-		return call_stopped(c, &call, type);
-	info->lost = !call.done && !call.canceled && c->broken;
-	if (call.canceled) {
-		/* dlpc_close() unlinked it and abandoned its id; the daemon may still hold it */
-		bool waits = !c->broken;
-
-		info->lost = false;
-		pthread_mutex_unlock(&c->mu);
-		if (waits)
-			dlpc__cancel_wait(c, type, call.id, call.epoch);
-		return dlpc__fail(-ECANCELED,
-				  "this client was closed or canceled (dlpc_close() "
-				  "or dlpc_cancel()) while the call waited for dlpackd");
-	}
-	unlink_call(c, &call);
-	if (!call.done && !c->broken) {
-		/* Out of time. The request may still take effect: its reply is dropped when it
-		 * comes, and an ATTACH reply's reference given back. */
-		bool waits = dlpc__abandon(c, call.id);
-
-		if (!waits)
-			c->broken = -ENOMEM; /* the reply could no longer be matched */
-		pthread_mutex_unlock(&c->mu);
-		if (waits)
-			dlpc__cancel_wait(c, type, call.id, call.epoch);
-		return call_gave_up(type, bound, wait_ms);
-	}
-	r = call.done ? 0 : dlpc__conn_error(c, c->broken);
-	pthread_mutex_unlock(&c->mu);
-	if (!call.done)
-		return r;
-	info->answered = true;
-
-	r = 0;
-	if (call.lost) {
-		r = fds_lost(c, &call);
-	} else if (call.type == DLPC_MSG_ERROR) {
-		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, call.len, call.payload);
-
-		r = e && e->code > 0 ? dlpc__fail(-e->code, "%s", e->message)
-				     : dlpc__fail(-EPROTO, "malformed ERROR reply from dlpackd");
-		if (e)
-			dlpackd__v1__error__free_unpacked(e, NULL);
-	} else if (call.type != (type | DLPC_MSG_REPLY)) {
-		r = dlpc__fail(-EPROTO, "dlpackd answered with frame type 0x%x", call.type);
-	} else {
-		*rep = protobuf_c_message_unpack(rdesc, alloc, call.len, call.payload);
-		if (!*rep)
-			r = dlpc__fail(-EPROTO, "malformed reply from dlpackd");
-	}
-	for (unsigned i = 0, more = 0; i < call.nfds; i++) {
-		if (r == 0 && rfd && *rfd < 0)
-			*rfd = call.fds[i];
-		else if (r == 0 && more < info->nmore_fds)
-			info->more_fds[more++] = call.fds[i];
-		else
-			close(call.fds[i]);
-	}
-	free(call.payload);
+	r = call_start(c, &call, wait_ms, info);
+	if (r == 0)
+		r = call_send(c, &call, type, req, fds, nfds, info);
+	if (r == 0)
+		r = call_wait(c, &call, type, dl, bound, wait_ms, info);
+	if (r == 0)
+		r = call_reply(c, &call, type, rdesc, rep, rfd, info, alloc);
 	return r;
 }
 
@@ -459,57 +518,51 @@ static void send_timeout(int sock, int64_t ms)
 }
 
 /*
- * A new connection to @p path, HELLO done, with calls bounded by @p timeout ms. For
- * dlpc__reconnect() of @p parent (NULL: dlpc_connect()), connect() waits at most @p connect_ms
- * and HELLO @p hello_ms (the time left of a waiting call, which may be shorter), and
- * dlpc_close() or dlpc_cancel() of @p parent cancels the HELLO.
+ * connect() @p c's socket to @p path, waiting @p connect_ms at most while the daemon's backlog is
+ * full; then every write gives up after @p timeout (the call timeout): a daemon that stops
+ * reading cannot hold the caller forever. When connecting @p again, a signal does not end it
+ * unless the thread's interrupt check says stop. 0, or a negative errno with the message set.
  */
-int dlpc__connect_new(const char *path, int64_t timeout, dlpc_client *parent, int64_t connect_ms,
-		      int64_t hello_ms, dlpc_client **ret)
+static int connect_socket(dlpc_client *c, const char *path, bool again, int64_t connect_ms,
+			  int64_t timeout)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
-	Dlpackd__V1__HelloReply *rep;
-	dlpc_client *c;
-	int r;
 
-	/* dlpc_connect(): the call timeout, or the time left of it after a dropped HELLO */
-	if (!parent && connect_ms <= 0)
-		connect_ms = hello_ms = timeout;
-	r = dlpc__client_new(timeout, &c);
-	if (r < 0)
-		return r;
-	if (parent && (r = connecting(parent, c)) < 0)
-		goto fail;
-	/* Every write, and connect()'s wait while the daemon's backlog is full, gives up after the
-	 * call timeout: a daemon that stops reading cannot hold the caller forever. */
 	send_timeout(c->sock, connect_ms);
 	strcpy(sa.sun_path, path);
 	while (connect(c->sock, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
-		/* a signal handler ran (with SO_SNDTIMEO set, connect() is never restarted):
-		 * connecting anew goes on unless the thread's interrupt check says stop */
-		if (errno == EINTR && parent && !dlpc__interrupted())
+		/* a signal handler ran (with SO_SNDTIMEO set, connect() is never restarted) */
+		if (errno == EINTR && again && !dlpc__interrupted())
 			continue;
 		if (errno == EAGAIN)
-			r = dlpc__fail(-ETIMEDOUT,
-				       "cannot connect to dlpackd at %s: it did not accept the "
-				       "connection within %lld ms (%s)",
-				       path, (long long)connect_ms,
-				       connect_ms == timeout ? DLPC_CALL_TIMEOUT_ENV
-							     : "its backlog is full");
-		else
-			r = dlpc__fail(-errno, "cannot connect to dlpackd at %s: %m", path);
-		goto fail;
+			return dlpc__fail(-ETIMEDOUT,
+					  "cannot connect to dlpackd at %s: it did not accept the "
+					  "connection within %lld ms (%s)",
+					  path, (long long)connect_ms,
+					  connect_ms == timeout ? DLPC_CALL_TIMEOUT_ENV
+								: "its backlog is full");
+		return dlpc__fail(-errno, "cannot connect to dlpackd at %s: %m", path);
 	}
 	if (connect_ms != timeout)
 		send_timeout(c->sock, timeout);
-	hello.version_major = DLPC_PROTO_MAJOR;
-	hello.version_minor = DLPC_PROTO_MINOR;
-	hello.client = "libdlpc " DLPD_VERSION;
+	return 0;
+}
+
+/* HELLO on @p c, just connected to @p path, waiting @p hello_ms for the answer (the call
+ * timeout @p timeout, or the time left of a waiting call). 0, or a negative errno with the
+ * message set: the daemon's own words when it refused. */
+static int hello(dlpc_client *c, const char *path, int64_t timeout, int64_t hello_ms)
+{
+	Dlpackd__V1__Hello msg = DLPACKD__V1__HELLO__INIT;
+	Dlpackd__V1__HelloReply *rep;
+	int r;
+
+	msg.version_major = DLPC_PROTO_MAJOR;
+	msg.version_minor = DLPC_PROTO_MINOR;
+	msg.client = "libdlpc " DLPD_VERSION;
 	c->call_timeout_ms = hello_ms;
-	r = dlpc__call(c, DLPC_MSG_HELLO, &hello.base, NULL, 0,
-		       &dlpackd__v1__hello_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
-		       NULL);
+	r = dlpc__call(c, DLPC_MSG_HELLO, &msg.base, NULL, 0, &dlpackd__v1__hello_reply__descriptor,
+		       (ProtobufCMessage **)&rep, NULL, NULL);
 	c->call_timeout_ms = timeout;
 	if (r == -ETIMEDOUT && hello_ms != timeout)
 		r = dlpc__fail(r,
@@ -530,7 +583,7 @@ int dlpc__connect_new(const char *path, int64_t timeout, dlpc_client *parent, in
 		r = dlpc__fail(-c->fatal_code, "cannot connect to dlpackd at %s: it refused: %s",
 			       path, c->fatal);
 	if (r < 0)
-		goto fail;
+		return r;
 	if (rep->version_major != DLPC_PROTO_MAJOR) {
 		r = dlpc__fail(-EPROTO,
 			       "protocol version mismatch: libdlpc speaks %d.%d, dlpackd at %s "
@@ -538,20 +591,40 @@ int dlpc__connect_new(const char *path, int64_t timeout, dlpc_client *parent, in
 			       DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR, path, rep->version_major,
 			       rep->version_minor);
 		dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
-		goto fail;
+		return r;
 	}
 	c->minor = rep->version_minor;
 	dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
-	snprintf(c->path, sizeof(c->path), "%s", path);
+	return 0;
+}
+
+int dlpc__connect_new(const char *path, int64_t timeout, dlpc_client *parent, int64_t connect_ms,
+		      int64_t hello_ms, dlpc_client **ret)
+{
+	dlpc_client *c;
+	int r;
+
+	/* dlpc_connect(): the call timeout, or the time left of it after a dropped HELLO */
+	if (!parent && connect_ms <= 0)
+		connect_ms = hello_ms = timeout;
+	r = dlpc__client_new(timeout, &c);
+	if (r < 0)
+		return r;
+	if (parent)
+		r = connecting(parent, c);
+	if (r == 0)
+		r = connect_socket(c, path, parent != NULL, connect_ms, timeout);
+	if (r == 0)
+		r = hello(c, path, timeout, hello_ms);
 	if (parent)
 		connecting(parent, NULL);
+	if (r < 0) {
+		dlpc__client_free(c);
+		return r;
+	}
+	snprintf(c->path, sizeof(c->path), "%s", path);
 	*ret = c;
 	return 0;
-fail:
-	if (parent)
-		connecting(parent, NULL);
-	dlpc__client_free(c);
-	return r;
 }
 
 int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
