@@ -175,6 +175,20 @@ void dlpc__wake_reader(dlpc_client *c)
 	}
 }
 
+/* A write of @p c's that failed (@p r) after @p sent bytes left cut its frame short: that breaks
+ * the stream, nothing may follow it. Without c->mu. */
+static void cut_short(dlpc_client *c, int r, size_t sent)
+{
+	if (r >= 0 || sent == 0)
+		return;
+	pthread_mutex_lock(&c->mu);
+	if (!c->broken)
+		c->broken = r == -EAGAIN ? -ETIMEDOUT : r;
+	pthread_cond_broadcast(&c->cv);
+	dlpc__wake_reader(c);
+	pthread_mutex_unlock(&c->mu);
+}
+
 /* Frame @p c's deferred releases at offset 0 of c->out. Length, or negative errno. Under wmu. */
 ssize_t dlpc__pending_frame(dlpc_client *c)
 {
@@ -223,15 +237,7 @@ void dlpc__flush_locked(dlpc_client *c)
 	if (r == -EAGAIN && sent == 0)
 		return;
 	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
-	/* a frame cut short breaks the stream: nothing may follow it */
-	if (r < 0 && sent > 0) {
-		pthread_mutex_lock(&c->mu);
-		if (!c->broken)
-			c->broken = r == -EAGAIN ? -ETIMEDOUT : r;
-		pthread_cond_broadcast(&c->cv);
-		dlpc__wake_reader(c);
-		pthread_mutex_unlock(&c->mu);
-	}
+	cut_short(c, r, sent);
 }
 
 void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoch)
@@ -254,15 +260,7 @@ void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoc
 	len = dlpc__msg_frame(&c->out, DLPC_MSG_CANCEL, 0, &msg.base, 0);
 	r = len < 0 ? 0 : dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
 	pthread_mutex_unlock(&c->wmu);
-	/* a frame cut short breaks the stream: nothing may follow it */
-	if (r < 0 && sent > 0) {
-		pthread_mutex_lock(&c->mu);
-		if (!c->broken)
-			c->broken = r == -EAGAIN ? -ETIMEDOUT : r;
-		pthread_cond_broadcast(&c->cv);
-		dlpc__wake_reader(c);
-		pthread_mutex_unlock(&c->mu);
-	}
+	cut_short(c, r, sent);
 }
 
 /* Take a reference on @p c unless its last one is already gone (it is being freed). */
