@@ -584,16 +584,16 @@ static int hello(dlpc_client *c, const char *path, int64_t timeout, int64_t hell
 			       path, c->fatal);
 	if (r < 0)
 		return r;
-	if (rep->version_major != DLPC_PROTO_MAJOR) {
+	/* one version only: a daemon of another build is refused, whichever is newer */
+	if (rep->version_major != DLPC_PROTO_MAJOR || rep->version_minor != DLPC_PROTO_MINOR) {
 		r = dlpc__fail(-EPROTO,
 			       "protocol version mismatch: libdlpc speaks %d.%d, dlpackd at %s "
-			       "speaks %u.%u",
+			       "speaks %u.%u; " DLPC_PROTO_MISMATCH_ADVICE,
 			       DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR, path, rep->version_major,
 			       rep->version_minor);
 		dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
 		return r;
 	}
-	c->minor = rep->version_minor;
 	dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
 	return 0;
 }

@@ -252,7 +252,7 @@ void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoc
 	msg.request_id = id;
 	pthread_mutex_lock(&c->wmu);
 	/* a request of a connection replaced since died with it */
-	if (epoch != c->epoch || c->minor < 9) {
+	if (epoch != c->epoch) {
 		pthread_mutex_unlock(&c->wmu);
 		return;
 	}
@@ -445,7 +445,6 @@ void dlpc__client_adopt(dlpc_client *c, dlpc_client *n)
 	rx = c->rx;
 	c->rx = n->rx;
 	n->rx = rx;
-	c->minor = n->minor;
 	c->broken = 0;
 	c->fatal[0] = '\0';
 	c->next_id = 0;
