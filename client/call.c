@@ -5,6 +5,7 @@
  * (DLPC_CONNECT_RECONNECT); replies whose fds this process had no room for fail their call.
  * Connecting: a new connection's socket and HELLO, and connecting anew.
  */
+#include <assert.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -421,6 +422,7 @@ int dlpc__call_ex(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, co
 	int64_t bound = c->call_timeout_ms;
 	int r;
 
+	assert(rep && rdesc);
 	if (wait_ms < 0 || wait_ms > INT64_MAX - DLPC_CALL_GRACE_MS)
 		bound = -1;
 	else if (wait_ms > 0)
@@ -528,6 +530,8 @@ static int connect_socket(dlpc_client *c, const char *path, bool again, int64_t 
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 
+	/* dlpc_connect_flags() refused a longer path; c->path holds what was reached */
+	assert(strlen(path) < sizeof(sa.sun_path) && strlen(path) < sizeof(c->path));
 	send_timeout(c->sock, connect_ms);
 	strcpy(sa.sun_path, path);
 	while (connect(c->sock, (struct sockaddr *)&sa, sizeof(sa)) < 0) {

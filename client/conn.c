@@ -5,6 +5,7 @@
  * hooks), and the releases deferred until the connection's next request (requests and replies:
  * reader.c and call.c; connecting: call.c; the library's thread: loop.c and serve.c).
  */
+#include <assert.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,12 +33,15 @@ static size_t nnotices;
 
 void dlpc__hooks_add(const struct dlpc__hooks *h)
 {
+	assert(dlpc__nhooks < DLPC__HOOKS_MAX);
 	if (dlpc__nhooks < DLPC__HOOKS_MAX)
 		dlpc__hooks[dlpc__nhooks++] = h;
 }
 
 void dlpc__notice_add(const struct dlpc__notice *n)
 {
+	/* one feature a notice, with its handler */
+	assert(nnotices < DLPC__NOTICES_MAX && n->take && !dlpc__notice_find(n->type));
 	if (nnotices < DLPC__NOTICES_MAX)
 		notices[nnotices++] = n;
 }
@@ -163,7 +167,10 @@ void dlpc__client_free(dlpc_client *c)
 
 void dlpc__client_unref(dlpc_client *c)
 {
-	if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) == 1)
+	unsigned was = atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel);
+
+	assert(was > 0);
+	if (was == 1)
 		dlpc__client_free(c);
 }
 
@@ -428,6 +435,7 @@ void dlpc__client_adopt(dlpc_client *c, dlpc_client *n)
 	eventfd_t v;
 	int sock;
 
+	assert(c != n && n->epoch == 0);
 	/* Whatever belonged to the old connection is void: its references (the daemon dropped
 	 * them with it: releases of its epoch are dropped), the replies owed to abandoned calls,
 	 * and the count of legacy CUDA IPC publications whose RECLAIM it would have carried (they

@@ -25,6 +25,7 @@
  * thread has it, that thread delivers what comes, and the loop looks again a little later
  * (DLPC__LOOP_BUSY_MS) or when woken (a RECLAIM delivered by another reader wakes it).
  */
+#include <assert.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdlib.h>
@@ -146,6 +147,7 @@ static bool start_locked(void)
 
 void dlpc__loop_init(void (*turn)(void))
 {
+	assert(turn);
 	pthread_mutex_lock(&loop_mu);
 	turn_fn = turn;
 	pthread_mutex_unlock(&loop_mu);
