@@ -37,7 +37,7 @@ struct dlpc__centry {
 	bool idle;   /* in the idle list */
 	unsigned users;
 	int64_t idle_since; /* monotonic ms of its last release */
-	uint64_t generation, ref_id, epoch;
+	uint64_t generation, ref_id, conn_seq;
 	int fd;
 	size_t len;
 	void *map;     /* a shared read-only mapping nobody uses, or NULL */
@@ -108,7 +108,7 @@ static void entry_free(dlpc_client *c, struct dlpc__centry *e)
 		munmap(e->cow_map, e->len);
 	if (e->fd >= 0)
 		close(e->fd);
-	dlpc__release_epoch(c, e->ref_id, e->epoch);
+	dlpc__release_ref(c, e->ref_id, e->conn_seq);
 	free(e->table);
 	free(e);
 }
@@ -199,7 +199,7 @@ struct dlpc__centry *dlpc__cache_get(dlpc_client *c, const char *name, bool owne
 	}
 	pthread_mutex_unlock(&k->mu);
 	if (was_idle)
-		dlpc__mark_epoch(c, e->ref_id, e->epoch, false);
+		dlpc__mark_ref(c, e->ref_id, e->conn_seq, false);
 	return e;
 }
 
@@ -208,7 +208,7 @@ void dlpc__cache_fill(const struct dlpc__centry *e, struct dlpc__region *m, int 
 {
 	m->len = e->len;
 	m->ref_id = e->ref_id;
-	m->epoch = e->epoch;
+	m->conn_seq = e->conn_seq;
 	m->owner_uid = e->owner_uid;
 	m->owner_pid = e->owner_pid;
 	m->entry_flags = e->entry_flags;
@@ -218,7 +218,7 @@ void dlpc__cache_fill(const struct dlpc__centry *e, struct dlpc__region *m, int 
 	*table_len = e->table_len;
 }
 
-struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t epoch,
+struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t conn_seq,
 					const char *name, const struct dlpc__region *m, int fd,
 					const uint8_t *table, size_t table_len)
 {
@@ -247,7 +247,7 @@ struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t e
 	e->len = m->len;
 	e->generation = m->generation;
 	e->ref_id = m->ref_id;
-	e->epoch = epoch;
+	e->conn_seq = conn_seq;
 	e->owner_uid = m->owner_uid;
 	e->owner_pid = m->owner_pid;
 	e->entry_flags = m->entry_flags;
@@ -255,7 +255,7 @@ struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t e
 	/* An INVALIDATE read since the request went out may have been this entry's, read before
 	 * this thread got here: then it must not be cached. Nor may a reference of a connection
 	 * replaced meanwhile. */
-	ok = k->on && k->inval_seq == seq && epoch == c->epoch && !find(k, name, len, hash);
+	ok = k->on && k->inval_seq == seq && conn_seq == c->conn_seq && !find(k, name, len, hash);
 	if (ok) {
 		struct dlpc__centry **b = &k->table[hash % DLPC__CACHE_BUCKETS];
 
@@ -277,7 +277,7 @@ void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, int kin
 	size_t len = e->len;
 	struct dlpc__cache *k = &c->cache;
 	struct dlpc__centry *dead = NULL, *v;
-	uint64_t ref_id = e->ref_id, epoch = e->epoch;
+	uint64_t ref_id = e->ref_id, conn_seq = e->conn_seq;
 	bool idle = false;
 	int64_t now = 0;
 
@@ -337,7 +337,7 @@ void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, int kin
 		munmap(base, len);
 	/* e may be evicted and freed by another thread from here: use the copies */
 	if (idle) {
-		dlpc__mark_epoch(c, ref_id, epoch, true);
+		dlpc__mark_ref(c, ref_id, conn_seq, true);
 		dlpc__sweep_at(now + k->idle_ms);
 	}
 	if (dead)

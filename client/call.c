@@ -114,7 +114,7 @@ static int call_stopped(dlpc_client *c, struct dlpc__call *call, uint16_t type)
 	waits = !call->done && !c->broken;
 	pthread_mutex_unlock(&c->mu);
 	if (waits)
-		dlpc__cancel_wait(c, type, call->id, call->epoch);
+		dlpc__cancel_wait(c, type, call->id, call->conn_seq);
 	if (call->done) {
 		ref = dlpc__reply_ref(call->type, call->payload, call->len);
 		for (unsigned i = 0; i < call->nfds; i++)
@@ -123,7 +123,7 @@ static int call_stopped(dlpc_client *c, struct dlpc__call *call, uint16_t type)
 		/* the reference is the connection's the request went out on: another thread may
 		 * have connected anew since c->mu was let go */
 		if (ref)
-			dlpc__release_epoch(c, ref, call->epoch);
+			dlpc__release_ref(c, ref, call->conn_seq);
 	}
 	return call_interrupted(type);
 }
@@ -136,7 +136,7 @@ static int fds_lost(dlpc_client *c, const struct dlpc__call *call)
 
 	/* of the connection the request went out on, which may have been replaced already */
 	if (ref)
-		dlpc__release_epoch(c, ref, call->epoch);
+		dlpc__release_ref(c, ref, call->conn_seq);
 	getrlimit(RLIMIT_NOFILE, &rl);
 	if (rl.rlim_cur == RLIM_INFINITY)
 		return dlpc__fail(-EMFILE,
@@ -224,8 +224,8 @@ static int call_start(dlpc_client *c, struct dlpc__call *call, int64_t wait_ms,
 	}
 	/* From here the request belongs to this connection: so does what it makes (a reference,
 	 * a lent publication counted now, before any RECLAIM of it can come). */
-	call->epoch = c->epoch;
-	info->epoch = c->epoch;
+	call->conn_seq = c->conn_seq;
+	info->conn_seq = c->conn_seq;
 	info->sent = true;
 	if (info->lend)
 		c->ipc_pubs++;
@@ -249,7 +249,7 @@ static int call_refused(dlpc_client *c, struct dlpc__call *call, int r, const Pr
 	pthread_mutex_unlock(&c->mu);
 	info->sent = false;
 	if (info->lend)
-		dlpc__reclaim_count(c, -1, call->epoch);
+		dlpc__reclaim_count(c, -1, call->conn_seq);
 	if (r == -EMSGSIZE)
 		return dlpc__fail(r, "request of %zu bytes exceeds the frame limit of %u bytes",
 				  protobuf_c_message_get_packed_size(req), DLPC_FRAME_MAX);
@@ -310,7 +310,7 @@ static int call_wait(dlpc_client *c, struct dlpc__call *call, uint16_t type,
 		info->lost = false;
 		pthread_mutex_unlock(&c->mu);
 		if (waits)
-			dlpc__cancel_wait(c, type, call->id, call->epoch);
+			dlpc__cancel_wait(c, type, call->id, call->conn_seq);
 		return dlpc__fail(-ECANCELED,
 				  "this client was closed or canceled (dlpc_close() "
 				  "or dlpc_cancel()) while the call waited for dlpackd");
@@ -324,7 +324,7 @@ static int call_wait(dlpc_client *c, struct dlpc__call *call, uint16_t type,
 			c->broken = -ENOMEM; /* the reply could no longer be matched */
 		pthread_mutex_unlock(&c->mu);
 		if (waits)
-			dlpc__cancel_wait(c, type, call->id, call->epoch);
+			dlpc__cancel_wait(c, type, call->id, call->conn_seq);
 		return call_gave_up(type, bound, wait_ms);
 	}
 	r = call->done ? 0 : dlpc__conn_error(c, c->broken);
@@ -386,7 +386,7 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		info = &none;
 	info->sent = false;
 	info->answered = false;
-	info->epoch = 0;
+	info->conn_seq = 0;
 	info->lost = false;
 	info->reconnect_err = 0;
 	if (rfd)

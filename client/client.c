@@ -258,7 +258,7 @@ DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c)
 	if (!c)
 		return 0;
 	pthread_mutex_lock((pthread_mutex_t *)&c->mu);
-	n = c->epoch;
+	n = c->conn_seq;
 	pthread_mutex_unlock((pthread_mutex_t *)&c->mu);
 	return n;
 }

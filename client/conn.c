@@ -247,7 +247,7 @@ void dlpc__flush_locked(dlpc_client *c)
 	cut_short(c, r, sent);
 }
 
-void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoch)
+void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t conn_seq)
 {
 	Dlpackd__V1__Cancel msg = DLPACKD__V1__CANCEL__INIT;
 	size_t sent = 0;
@@ -259,7 +259,7 @@ void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoc
 	msg.request_id = id;
 	pthread_mutex_lock(&c->wmu);
 	/* a request of a connection replaced since died with it */
-	if (epoch != c->epoch) {
+	if (conn_seq != c->conn_seq) {
 		pthread_mutex_unlock(&c->wmu);
 		return;
 	}
@@ -331,7 +331,7 @@ static void pending_add(dlpc_client *c, uint64_t v)
 	}
 }
 
-void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cached)
+void dlpc__mark_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq, bool cached)
 {
 	uint64_t v = ref_id | (cached ? DLPC__MARK_CACHED : DLPC__MARK_USED);
 	uint64_t undo = ref_id | (cached ? DLPC__MARK_USED : DLPC__MARK_CACHED);
@@ -340,7 +340,7 @@ void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cach
 	if (!dlpc__ours(c))
 		return;
 	pthread_mutex_lock(&c->wmu);
-	if (epoch != c->epoch) {
+	if (conn_seq != c->conn_seq) {
 		pthread_mutex_unlock(&c->wmu);
 		return;
 	}
@@ -359,7 +359,7 @@ void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cach
 	pending_add(c, v);
 }
 
-void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
+void dlpc__release_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq)
 {
 	/* a direct channel's message holds no reference of the daemon's */
 	if (ref_id == 0)
@@ -370,18 +370,18 @@ void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
 		return;
 	pthread_mutex_lock(&c->wmu);
 	/* a reference of a connection replaced since died with it; its id may name another now */
-	if (epoch != c->epoch) {
+	if (conn_seq != c->conn_seq) {
 		pthread_mutex_unlock(&c->wmu);
 		return;
 	}
 	pending_add(c, ref_id);
 }
 
-void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch)
+void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t conn_seq)
 {
 	pthread_mutex_lock(&c->mu);
 	/* a publication of a connection replaced since went with it, and so did its count */
-	if (epoch != c->epoch) {
+	if (conn_seq != c->conn_seq) {
 		pthread_mutex_unlock(&c->mu);
 		return;
 	}
@@ -435,9 +435,9 @@ void dlpc__client_adopt(dlpc_client *c, dlpc_client *n)
 	eventfd_t v;
 	int sock;
 
-	assert(c != n && n->epoch == 0);
+	assert(c != n && n->conn_seq == 0);
 	/* Whatever belonged to the old connection is void: its references (the daemon dropped
-	 * them with it: releases of its epoch are dropped), the replies owed to abandoned calls,
+	 * them with it: releases naming it are dropped), the replies owed to abandoned calls,
 	 * and the count of legacy CUDA IPC publications whose RECLAIM it would have carried (they
 	 * are kept, as after any lost connection: nobody can say any more whether an attacher
 	 * still uses them; only the new connection's own count from now on). The sockets change
@@ -460,7 +460,7 @@ void dlpc__client_adopt(dlpc_client *c, dlpc_client *n)
 	c->ipc_pubs = 0;
 	c->nreclaimed = 0;
 	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
-	c->epoch++;
+	c->conn_seq++;
 	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */
 	/* what the features kept of the old connection goes with it (the cached references,
 	 * pooled buffers in flight, the channels the old daemon knew) */

@@ -28,8 +28,8 @@ struct dlpc__call {
 	size_t len;
 	int fds[DLPC_FRAME_FDS_MAX];
 	unsigned nfds;
-	unsigned lost;	/* fds of the reply this process had no room for */
-	uint64_t epoch; /* the connection (c->epoch) the request went out on */
+	unsigned lost;	   /* fds of the reply this process had no room for */
+	uint64_t conn_seq; /* the connection (c->conn_seq) the request went out on */
 };
 struct dlpc__centry;
 struct dlpc__mentry;
@@ -95,7 +95,7 @@ struct dlpc_client {
 	/* legacy CUDA IPC publications awaiting their RECLAIM notice, the tokens of notices
 	 * received but not yet acted on, and whether the library's thread holds the client to
 	 * read them (loop.c) */
-	unsigned ipc_pubs; /* of this connection (epoch): counted as their PUBLISH goes out */
+	unsigned ipc_pubs; /* of this connection (c->conn_seq): counted as their PUBLISH goes out */
 	uint64_t *reclaimed;
 	size_t nreclaimed, reclaimed_cap;
 	bool reclaimer;
@@ -106,7 +106,7 @@ struct dlpc_client {
 
 	pthread_mutex_t wmu; /* serializes writes; protects out and pending */
 	struct dlpc__scratch out;
-	/* references released by deleters but not yet told to the daemon (dlpc__release_epoch) */
+	/* references released by deleters but not yet told to the daemon (dlpc__release_ref) */
 	uint64_t pending[DLPC_RELEASE_PENDING_MAX];
 	atomic_uint npending; /* written under wmu; read without it by the library's thread */
 
@@ -120,8 +120,10 @@ struct dlpc_client {
 	/* the connection being made anew, until it replaces the lost one or fails: dlpc_close()
 	 * and dlpc_cancel() cancel its HELLO too (under mu) */
 	struct dlpc_client *connecting;
-	uint64_t epoch; /* connections before this one; a reference names the one it came by */
-	char path[108]; /* the socket, to connect to again */
+	/* the connection's number: how many were made before it (dlpc_reconnects()); a reference,
+	 * a call, a cache entry or a channel's endpoint names the one it came by */
+	uint64_t conn_seq;
+	char path[108];		 /* the socket, to connect to again */
 	struct dlpc__pool *pool; /* recycled buffers of dlpc_channel_alloc() (pool.c), or NULL */
 	struct dlpc__cache cache;
 	/* channels used: direct ones' ends, queued ones noted (direct.c); under the open list's
@@ -165,7 +167,7 @@ struct dlpc__region {
 	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
 	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
 	uint64_t ref_id;
-	uint64_t epoch; /* the connection (client->epoch) ref_id belongs to */
+	uint64_t conn_seq; /* the connection (client->conn_seq) ref_id belongs to */
 	/* attached memory held through the client's cache: the entry holds the reference (the
 	 * region only one use of it), and may take back the mapping (map_kind) */
 	struct dlpc__centry *ce;
@@ -270,10 +272,10 @@ struct dlpc__call_info {
 	 * lent VMM fd): it is counted in c->ipc_pubs as it goes out, on the connection it goes
 	 * out on, so that a count never outlives its connection */
 	bool lend;
-	/* out: the request went out (or may have) on connection @p epoch (c->epoch then): what it
+	/* out: the request went out (or may have) on connection @p conn_seq (c->conn_seq then): what it
 	 * made, a reference or a lent publication, belongs to that connection */
 	bool sent;
-	uint64_t epoch;
+	uint64_t conn_seq;
 	/* out: a reply (an ERROR one included) came: the daemon has dealt with the request */
 	bool answered;
 	/* in: room for the reply's fds past the first (which goes to the call's rfd), kept as the
@@ -308,13 +310,13 @@ int dlpc__call_ex(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, co
 		  const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep, int *rfd,
 		  ProtobufCAllocator *alloc);
 /*
- * Fire-and-forget RELEASE of one reference, which came by connection @p epoch: dropped if the
+ * Fire-and-forget RELEASE of one reference, which came by connection @p conn_seq: dropped if the
  * client has connected anew since (that connection, and the reference with it, is gone); does
  * nothing in a forked child. The id waits in c->pending and goes out with the connection's next
  * request, or after DLPC_RELEASE_DELAY_MS through the library's thread (loop.c), whichever comes
  * first.
  */
-void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch);
+void dlpc__release_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq);
 /* ---- conn.c: a dlpc_client's life ---- */
 /* A new client, its socket made (not connected) and listed for fork, calls bounded by @p timeout
  * ms: 0, or a negative errno with the message set. */
@@ -323,7 +325,7 @@ int dlpc__client_new(int64_t timeout, dlpc_client **ret);
 void dlpc__client_free(dlpc_client *c);
 /* @p c's lost connection is replaced by @p n's, just connected (HELLO done): the sockets and
  * buffers change places (n takes the old ones, to be freed), what belonged to the old connection
- * is void, its count (c->epoch) goes up and the features reset. */
+ * is void, its count (c->conn_seq) goes up and the features reset. */
 void dlpc__client_adopt(dlpc_client *c, dlpc_client *n);
 /* call.c: a new connection to @p path, HELLO done, with calls bounded by @p timeout ms. For
  * dlpc__reconnect() of @p parent (NULL: dlpc_connect()), connect() waits at most @p connect_ms and
@@ -461,12 +463,12 @@ void dlpc__client_unref(dlpc_client *c);
 ssize_t dlpc__pending_frame(dlpc_client *c);
 /* Send @p c's deferred releases now (see client.c). Under wmu, without c->mu. */
 void dlpc__flush_locked(dlpc_client *c);
-/* The caller stopped waiting for the reply to request @p id (@p type) of connection @p epoch
+/* The caller stopped waiting for the reply to request @p id (@p type) of connection @p conn_seq
  * (its deadline passed, it was canceled or interrupted): if the request may wait in the daemon
  * (ATTACH, RECV, SEND), tell it (CANCEL, 1.9), so that the wait ends there at once instead of
  * when the connection closes. Its ECANCELED reply is dropped as any late one. Not under c->mu
  * or c->wmu. */
-void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoch);
+void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t conn_seq);
 /* End the reader's wait for the socket: it then looks at the state of its call again. */
 void dlpc__wake_reader(dlpc_client *c);
 /* For dlpc_close(): no call starts any more; every call still waiting returns -ECANCELED. */
@@ -484,14 +486,15 @@ int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl);
 bool dlpc__interrupted(void);
 /* What dlpc__reader_turn() returns when the thread's interrupt check asked to give up. */
 #define DLPC__INTERRUPTED 2
-/* attach.c: turn an ATTACH (or RECV) reply that came by connection @p epoch, and its fd (-1 for
+/* attach.c: turn an ATTACH (or RECV) reply that came by connection @p conn_seq, and its fd (-1 for
  * legacy CUDA IPC), into a bundle mapped as DLPC_ATTACH_* @p flags say; consumes @p fd and, on
  * failure, releases the reply's reference; keeps the reference in the cache if @p cache (@p seq:
  * dlpc__cache_seq() before the request); @p key: the storage as maps.c tells it, if known
  * already (NULL: found out here if needed). Messages say "cannot attach '@p name'". */
-int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq, const char *name,
-		       const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
-		       const struct dlpc__mkey *key, dlpc_bundle **ret);
+int dlpc__attach_build(dlpc_client *c, uint64_t conn_seq, bool cache, uint64_t seq,
+		       const char *name, const Dlpackd__V1__AttachReply *rep, int fd,
+		       uint32_t flags, void *stream, const struct dlpc__mkey *key,
+		       dlpc_bundle **ret);
 /* publish.c: where a publish's request goes instead of PUBLISH (a channel's SEND); @p fn sends
  * @p req and the storage @p fd (not consumed) and returns 0 or a negative errno. */
 struct dlpc__sink {
@@ -516,7 +519,7 @@ int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct 
 struct dlpc__endpoint {
 	struct dlpc__endpoint *next;
 	struct dlpc__endpoint *all_next; /* in c->all_endpoints until freed: a child closes all */
-	uint64_t epoch;			 /* the connection it was learnt on */
+	uint64_t conn_seq;		 /* the connection it was learnt on */
 	bool direct;
 	int ends[2];	/* direct: [0] sends, [1] receives */
 	unsigned users; /* calls using the ends now */
@@ -602,10 +605,10 @@ int dlpc__entry_fill(dlpc_entry_info *e, const Dlpackd__V1__EntryInfo *in);
 /* Free what dlpc__entry_fill() allocated. */
 void dlpc__entry_clear(dlpc_entry_info *e);
 
-/* Count a legacy CUDA IPC publication of @p c's connection @p epoch until its RECLAIM notice
+/* Count a legacy CUDA IPC publication of @p c's connection @p conn_seq until its RECLAIM notice
  * (or, with -1, take a failed one back); nothing once @p c has connected anew since: the count
  * went with that connection. */
-void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch);
+void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t conn_seq);
 /* Have the library's thread watch @p c (loop.c): it reads the connection whenever no request
  * does, so that RECLAIM notices are acted on while the process makes no calls, and holds a
  * reference on @p c until the last publication is reclaimed or the connection is lost. */
@@ -652,7 +655,7 @@ void dlpc__cache_fill(const struct dlpc__centry *e, struct dlpc__region *m, int 
  * taking over @p fd; the entry is in use once. NULL (nothing taken) when it cannot be: the name
  * is cached already, an invalidation came meanwhile, another connection, no memory.
  */
-struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t epoch,
+struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t conn_seq,
 					const char *name, const struct dlpc__region *m, int fd,
 					const uint8_t *table, size_t table_len);
 /* One use of @p e ends; its mapping @p base (NULL: none) of DLPC__MAP_* @p kind goes back to
@@ -673,9 +676,9 @@ int64_t dlpc__cache_sweep(dlpc_client *c);
 void dlpc__cache_forked(dlpc_client *c);
 /* For fork: hold @p c's cache lock (prepare) or let go of it (parent). */
 void dlpc__cache_lock(dlpc_client *c, bool lock);
-/* Queue a RELEASE mark of reference @p ref_id of connection @p epoch: idle in the cache
+/* Queue a RELEASE mark of reference @p ref_id of connection @p conn_seq: idle in the cache
  * (@p cached) or in use again (client.c). */
-void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cached);
+void dlpc__mark_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq, bool cached);
 /* Have the library's thread sweep the caches at monotonic ms @p when (loop.c); false when
  * that thread cannot run (a process at its thread limit). */
 bool dlpc__sweep_at(int64_t when);

@@ -202,11 +202,11 @@ static int deliver(dlpc_client *c, struct dlpc__frame *f, uint64_t *drop)
 }
 
 /*
- * deliver() frame @p f as the reader of connection @p epoch, without c->mu, and clear it; then
+ * deliver() frame @p f as the reader of connection @p conn_seq, without c->mu, and clear it; then
  * release the reference of a reply dropped, and run the notice's step that wants no lock. What
  * deliver() returned.
  */
-static int deliver_unlocked(dlpc_client *c, struct dlpc__frame *f, uint64_t epoch)
+static int deliver_unlocked(dlpc_client *c, struct dlpc__frame *f, uint64_t conn_seq)
 {
 	const struct dlpc__notice *notice = dlpc__notice_find(f->hdr.type);
 	uint64_t drop = 0;
@@ -217,7 +217,7 @@ static int deliver_unlocked(dlpc_client *c, struct dlpc__frame *f, uint64_t epoc
 	pthread_mutex_unlock(&c->mu);
 	dlpc__frame_clear(f);
 	if (drop)
-		dlpc__release_epoch(c, drop, epoch);
+		dlpc__release_ref(c, drop, conn_seq);
 	if (notice && notice->after)
 		notice->after(c);
 	return r;
@@ -304,9 +304,9 @@ static int poll_ms(const struct timespec *dl)
  * (1) when @p dl (NULL: none) passes, the interrupt check falls due or c->wake_fd is signalled
  * with nothing delivered, and (CHECK_INTERRUPT) when a signal interrupts the wait and there is
  * an interrupt check to run. A negative errno: the connection is lost. Called without c->mu,
- * as the reader of connection @p epoch (no other can replace it meanwhile).
+ * as the reader of connection @p conn_seq (no other can replace it meanwhile).
  */
-static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch)
+static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t conn_seq)
 {
 	char why[160];
 
@@ -320,7 +320,7 @@ static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch
 		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
 			bool watch = f.hdr.type == (DLPC_MSG_WATCH | DLPC_MSG_REPLY);
 
-			r = deliver_unlocked(c, &f, epoch);
+			r = deliver_unlocked(c, &f, conn_seq);
 			if (r < 0)
 				return r;
 			if (r == 0)
@@ -359,9 +359,9 @@ static int read_frames(dlpc_client *c, const struct timespec *dl, uint64_t epoch
 
 /*
  * Deliver every frame the socket holds now, without waiting: 0, or a negative errno when the
- * connection is lost. As the reader of connection @p epoch, without c->mu.
+ * connection is lost. As the reader of connection @p conn_seq, without c->mu.
  */
-static int read_ready(dlpc_client *c, uint64_t epoch)
+static int read_ready(dlpc_client *c, uint64_t conn_seq)
 {
 	char why[160];
 
@@ -371,7 +371,7 @@ static int read_ready(dlpc_client *c, uint64_t epoch)
 		int r;
 
 		while ((r = dlpc__rx_next(&c->rx, &f, why, sizeof(why))) == 1) {
-			r = deliver_unlocked(c, &f, epoch);
+			r = deliver_unlocked(c, &f, conn_seq);
 			if (r < 0)
 				return r;
 		}
@@ -389,7 +389,7 @@ static int read_ready(dlpc_client *c, uint64_t epoch)
 
 int dlpc__drain(dlpc_client *c, bool closed_ok)
 {
-	uint64_t epoch;
+	uint64_t conn_seq;
 	int r;
 
 	pthread_mutex_lock(&c->mu);
@@ -400,9 +400,9 @@ int dlpc__drain(dlpc_client *c, bool closed_ok)
 		return 0;
 	}
 	c->reading = true;
-	epoch = c->epoch;
+	conn_seq = c->conn_seq;
 	pthread_mutex_unlock(&c->mu);
-	r = read_ready(c, epoch);
+	r = read_ready(c, conn_seq);
 	pthread_mutex_lock(&c->mu);
 	c->reading = false;
 	if (r < 0 && !c->broken)
@@ -432,11 +432,11 @@ int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl)
 			until = *dl;
 		pthread_cond_timedwait(&c->cv, &c->mu, &until);
 	} else {
-		uint64_t epoch = c->epoch;
+		uint64_t conn_seq = c->conn_seq;
 
 		c->reading = true;
 		pthread_mutex_unlock(&c->mu);
-		r = read_frames(c, dl, epoch);
+		r = read_frames(c, dl, conn_seq);
 		pthread_mutex_lock(&c->mu);
 		c->reading = false;
 		if (r < 0 && !c->broken)

@@ -22,7 +22,7 @@ void dlpc__region_finish(struct dlpc__region *r)
 		close(r->pool_fd);
 	if (r->client) {
 		if (!r->ce)
-			dlpc__release_epoch(r->client, r->ref_id, r->epoch);
+			dlpc__release_ref(r->client, r->ref_id, r->conn_seq);
 		dlpc__client_unref(r->client);
 	}
 	free(r->parts);

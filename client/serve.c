@@ -43,7 +43,7 @@ static void reclaim(dlpc_client *c)
 	pthread_mutex_lock(&c->mu);
 	while (c->nreclaimed) {
 		size_t n = c->nreclaimed;
-		uint64_t *v = malloc(n * sizeof(*v)), epoch = c->epoch;
+		uint64_t *v = malloc(n * sizeof(*v)), conn_seq = c->conn_seq;
 
 		if (!v)
 			break; /* out of memory: the next turn tries again */
@@ -53,7 +53,7 @@ static void reclaim(dlpc_client *c)
 		/* a deleter may call libdlpc: no lock held */
 		for (size_t i = 0; i < n; i++)
 			if (reclaim_run(v[i]))
-				dlpc__reclaim_count(c, -1, epoch);
+				dlpc__reclaim_count(c, -1, conn_seq);
 		free(v);
 		pthread_mutex_lock(&c->mu);
 	}
