@@ -12,7 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "core.h"
 #include "util.h"
 
 int64_t dlpc__mono_ms(void)

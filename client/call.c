@@ -17,7 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "core.h"
 
 static void unlink_call(dlpc_client *c, struct dlpc__call *call)
 {

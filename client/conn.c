@@ -13,7 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "core.h"
 
 /*
  * Every open client, so that a forked child can close the sockets it inherited: otherwise a

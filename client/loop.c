@@ -34,7 +34,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "core.h"
 
 static pthread_mutex_t loop_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t loop_cv = PTHREAD_COND_INITIALIZER; /* waited on with no socket to read */

@@ -15,7 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "core.h"
 
 /* Remember that nobody waits for the reply to @p id any more. false if out of memory. Under
  * c->mu. */

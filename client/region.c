@@ -7,7 +7,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "core.h"
+#include "region.h"
 
 void dlpc__region_ref(struct dlpc__region *r)
 {

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "core.h"
 
 /* Is @p c's socket one the loop should read: publications awaiting RECLAIM, or idle cache
  * entries whose invalidations should free their storage? Under c->mu. */
