@@ -331,19 +331,32 @@ static void pending_add(dlpc_client *c, uint64_t v)
 	}
 }
 
+/*
+ * Take c->wmu to queue something about a reference of connection @p conn_seq: true. false (no
+ * lock taken) in a forked child, where the reference is the parent's (the daemon drops it when
+ * the parent releases it or goes away), and when @p c has connected anew since: the reference
+ * died with its connection, and its id may name another now.
+ */
+static bool pending_lock(dlpc_client *c, uint64_t conn_seq)
+{
+	if (!dlpc__ours(c))
+		return false;
+	pthread_mutex_lock(&c->wmu);
+	if (conn_seq != c->conn_seq) {
+		pthread_mutex_unlock(&c->wmu);
+		return false;
+	}
+	return true;
+}
+
 void dlpc__mark_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq, bool cached)
 {
 	uint64_t v = ref_id | (cached ? DLPC__MARK_CACHED : DLPC__MARK_USED);
 	uint64_t undo = ref_id | (cached ? DLPC__MARK_USED : DLPC__MARK_CACHED);
 	unsigned n;
 
-	if (!dlpc__ours(c))
+	if (!pending_lock(c, conn_seq))
 		return;
-	pthread_mutex_lock(&c->wmu);
-	if (conn_seq != c->conn_seq) {
-		pthread_mutex_unlock(&c->wmu);
-		return;
-	}
 	/* a mark not sent yet that this one undoes goes instead: a re-attach loop queues nothing
 	 * more than its last release's mark */
 	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
@@ -364,16 +377,8 @@ void dlpc__release_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq)
 	/* a direct channel's message holds no reference of the daemon's */
 	if (ref_id == 0)
 		return;
-	/* in a forked child the reference is the parent's; the daemon drops it when the parent
-	 * releases it or goes away */
-	if (!dlpc__ours(c))
+	if (!pending_lock(c, conn_seq))
 		return;
-	pthread_mutex_lock(&c->wmu);
-	/* a reference of a connection replaced since died with it; its id may name another now */
-	if (conn_seq != c->conn_seq) {
-		pthread_mutex_unlock(&c->wmu);
-		return;
-	}
 	pending_add(c, ref_id);
 }
 
