@@ -24,7 +24,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "cache.h"
+#include "core.h"
+#include "region.h"
 #include "table.h"
 #include "util.h"
 

@@ -131,4 +131,8 @@ void dlpc__maps_pagemap_close(void);
  * parent), or close the parent's fd and start afresh (2, child). */
 void dlpc__maps_atfork(int phase);
 
+/* Register the cache's and the mappings' tables on the connection core (client.c, once). */
+void dlpc__cache_register(void);
+void dlpc__maps_register(void);
+
 #endif

@@ -38,7 +38,9 @@
 #include <unistd.h>
 
 #include "cuda_api.h"
-#include "internal.h"
+#include "core.h"
+#include "region.h"
+#include "gpu.h"
 
 #define XSTR(x) STR(x)
 #define STR(x) #x

@@ -96,4 +96,7 @@ int dlpc__cuda_check(const char *what);
 /* Drop one use of @p m: the last closes the IPC handle or unmaps the VMM range. */
 void dlpc__cuda_unmap(struct dlpc__gpu_map *m);
 
+/* Register the CUDA publications' reclaim on the connection core (client.c, once). */
+void dlpc__cuda_register(void);
+
 #endif

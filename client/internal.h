@@ -16,11 +16,8 @@
 #include "region.h"
 
 /* Each feature's registration (client.c calls them once, before the first connection). */
-void dlpc__cache_register(void);
-void dlpc__maps_register(void);
 void dlpc__pool_register(void);
 void dlpc__direct_register(void);
-void dlpc__cuda_register(void);
 
 /* attach.c: turn an ATTACH (or RECV) reply that came by connection @p conn_seq, and its fd (-1 for
  * legacy CUDA IPC), into a bundle mapped as DLPC_ATTACH_* @p flags say; consumes @p fd and, on
@@ -44,9 +41,6 @@ struct dlpc__sink {
 int dlpc__publish_to(dlpc_client *c, const char *name, size_t n, const char *const keys[],
 		     DLManagedTensorVersioned *const tensors[], uint32_t flags,
 		     const struct dlpc__sink *sink);
-/* alloc.c: a new region of @p size bytes (> 0) on @p device holding one reference (the
- * caller's); errors name @p what. */
-int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret);
 /* direct.c, direct_io.c: direct channels (1.8). */
 #define DLPC__CHANNEL_JOIN 4
 #define DLPC__CHANNEL_CLOSE 5

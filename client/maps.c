@@ -31,7 +31,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "cache.h"
+#include "core.h"
+#include "region.h"
 
 /* PAGEMAP_SCAN (Linux 6.7), for system headers older than that: the ioctl on /proc/PID/pagemap
  * that reports which pages of a range are present, swapped, file-backed, by page-table walk. */

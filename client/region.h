@@ -113,4 +113,8 @@ void dlpc__region_finish(struct dlpc__region *r);
  * dlpc__cuda_retire() whether the legacy default stream follows it; the handle is not kept. */
 void dlpc__region_note_stream(struct dlpc__region *r, void *stream);
 
+/* alloc.c: a new region of @p size bytes (> 0) on @p device holding one reference (the
+ * caller's); errors name @p what. */
+int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret);
+
 #endif

@@ -11,7 +11,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "core.h"
+#include "region.h"
+#include "gpu.h"
 
 struct view {
 	DLManagedTensorVersioned t;
