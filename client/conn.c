@@ -157,7 +157,6 @@ void dlpc__client_free(dlpc_client *c)
 	free(c->reclaimed);
 	free(c->abandoned);
 	DLPC__HOOKS_RUN(free, c);
-	dlpc__close(c->direct_wake);
 	dlpc__close(c->wake_fd);
 	pthread_mutex_destroy(&c->mu);
 	pthread_mutex_destroy(&c->wmu);

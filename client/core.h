@@ -198,6 +198,8 @@ struct dlpc__hooks {
 	void (*reset)(dlpc_client *c);
 	/* dlpc_close() in the process that connected, no lock held */
 	void (*close)(dlpc_client *c);
+	/* dlpc_close() or dlpc_cancel(), under c->mu: end the feature's own waits at once */
+	void (*cancel)(dlpc_client *c);
 	/* the last reference on @p c went: nothing uses it any more, free what the feature holds */
 	void (*free)(dlpc_client *c);
 	/* fork(), for each open client, under the open clients' list's lock: @p phase 0 before

@@ -418,6 +418,20 @@ int dlpc__direct_wait_failed(int r, const char *verb, const char *channel, int64
 	}
 }
 
+/* dlpc_close(), dlpc_cancel(): every wait on a direct channel's end ends. Under c->mu. */
+static void direct_cancel(dlpc_client *c)
+{
+	if (c->direct_wake >= 0 && eventfd_write(c->direct_wake, 1) < 0) {
+		/* the counter cannot overflow here; nothing to do */
+	}
+}
+
+static void direct_free(dlpc_client *c)
+{
+	dlpc__direct_reset(c);
+	dlpc__close(c->direct_wake);
+}
+
 static void direct_fork(dlpc_client *c, int phase)
 {
 	if (phase == 2)
@@ -428,7 +442,8 @@ void dlpc__direct_register(void)
 {
 	static const struct dlpc__hooks hooks = {
 		.reset = dlpc__direct_reset,
-		.free = dlpc__direct_reset,
+		.cancel = direct_cancel,
+		.free = direct_free,
 		.fork = direct_fork,
 	};
 

@@ -95,10 +95,8 @@ void dlpc__cancel_calls(dlpc_client *c)
 		dlpc__cancel_calls(c->connecting);
 	pthread_cond_broadcast(&c->cv);
 	dlpc__wake_reader(c);
-	/* and every wait on a direct channel's end */
-	if (c->direct_wake >= 0 && eventfd_write(c->direct_wake, 1) < 0) {
-		/* the counter cannot overflow here; nothing to do */
-	}
+	/* and the features' own waits (on a direct channel's end) */
+	DLPC__HOOKS_RUN(cancel, c);
 	pthread_mutex_unlock(&c->mu);
 }
 
