@@ -2,8 +2,9 @@
 /*
  * The cache of references (protocol 1.7). A host entry attached read-only is remembered by name
  * with its daemon reference, its storage fd, its tensor table and, while nobody uses them, a
- * shared read-only mapping and a copy-on-write one (emptied of written pages). When its last tensor is released the entry stays, idle, for up to
- * idle_ms; an attach of the same name meanwhile is answered from it without a round trip.
+ * shared read-only mapping and a copy-on-write one (emptied of written pages). When its last
+ * tensor is released the entry stays, idle, for up to idle_ms; an attach of the same name
+ * meanwhile is answered from it without a round trip.
  *
  * Why that is never stale: an attach that asks the daemon takes its reference with
  * DLPC_WIRE_ATTACH_CACHEABLE, and the daemon writes an INVALIDATE frame to this connection's socket

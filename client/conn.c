@@ -305,8 +305,8 @@ size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
 	return n;
 }
 
-/* Queue @p v (a reference id, maybe tagged) on c->pending and tell the library's thread. Under wmu, which
- * this releases. */
+/* Queue @p v (a reference id, maybe tagged) on c->pending and tell the library's thread. Under
+ * wmu, which this releases. */
 static void pending_add(dlpc_client *c, uint64_t v)
 {
 	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);

@@ -41,8 +41,8 @@ struct dlpc__call {
  * One connection. Requests may come from many threads: each sends its frame under wmu, then
  * waits for the reply carrying its id. Whichever waiting thread finds nobody reading becomes
  * the reader until some reply arrives or its own deadline passes, handing replies to their
- * callers (leader/follower). The library's own thread (loop.c, serve.c) flushes deferred releases, and
- * takes the reader's turn without waiting to act on RECLAIM and INVALIDATE frames.
+ * callers (leader/follower). The library's own thread (loop.c, serve.c) flushes deferred
+ * releases, and takes the reader's turn without waiting to act on RECLAIM and INVALIDATE frames.
  *
  * The struct is refcounted: the user's handle counts once, each attached mapping once, and each
  * call in progress once (so dlpc_close() from another thread cannot free it under a waiting
@@ -304,9 +304,9 @@ struct dlpc__call_info {
  * caller frees it, with @p alloc: NULL for the default allocator, or an arena's). If @p rfd is
  * not NULL it receives the reply's fd (or -1).
  * An ERROR reply returns its negative code and sets the thread's message. The wait is bounded by
- * c->call_timeout_ms (-ETIMEDOUT); -ECANCELED once dlpc_close() or dlpc_cancel() was called; -EMFILE when the
- * reply's fds could not be received (an ATTACH reply's reference is released). After these the
- * connection stays usable: a reply that comes later is dropped.
+ * c->call_timeout_ms (-ETIMEDOUT); -ECANCELED once dlpc_close() or dlpc_cancel() was called;
+ * -EMFILE when the reply's fds could not be received (an ATTACH reply's reference is released).
+ * After these the connection stays usable: a reply that comes later is dropped.
  */
 int dlpc__call(dlpc_client *c, uint16_t type, const ProtobufCMessage *req, const int *fds,
 	       unsigned nfds, const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **rep,

@@ -1,7 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The library's thread: one per process, started when first needed, with every signal blocked.
- * An event loop (poll()) that serves, for every open client of the process:
+ * This file says when it runs and what wakes it (deadlines, wake-ups, the sockets it polls);
+ * what it does each turn is serve.c's, handed over by dlpc__loop_init(). An event loop (poll())
+ * that serves, for every open client of the process:
  *
  *  - deferred releases (and the cache's marks): sent DLPC_RELEASE_DELAY_MS after the first of
  *    a quiet spell, unless a request of the connection carried them first;
@@ -12,14 +14,14 @@
  *    the connection open after dlpc_close() until the last publication is reclaimed (or the
  *    connection is lost: the publications are then kept until the process exits, nobody can say
  *    any more whether an attacher still uses them);
- *  - the cache (cache.c): INVALIDATE frames read from the sockets of clients with idle entries,
- *    so that a replaced entry's storage is let go at once, and idle entries evicted when their
- *    time is up.
+ *  - the features' hooks (struct dlpc__hooks): the cache (cache.c) has INVALIDATE frames read
+ *    from the sockets of clients with idle entries, so that a replaced entry's storage is let go
+ *    at once, and its idle entries evicted when their time is up.
  *
- * (A second thread, started when first needed, closes the fds a peer sent that libdlpc refused,
- * dlpc__close_later(): such a close may block, and must not stop this loop. One thread only,
- * whatever blocks it: the fds it has yet to close are counted (dlpc__closing_held()), and past
- * DLPC_CLOSING_MAX a direct channel that sends more is no longer read, direct_io.c.)
+ * (A second thread, base.c's, started when first needed, closes the fds a peer sent that libdlpc
+ * refused, dlpc__close_later(): such a close may block, and must not stop this loop. One thread
+ * only, whatever blocks it: the fds it has yet to close are counted (dlpc__closing_held()), and
+ * past DLPC_CLOSING_MAX a direct channel that sends more is no longer read, direct_io.c.)
  *
  * Reading a socket is taking the reader's turn without waiting (dlpc__drain()): when a call's
  * thread has it, that thread delivers what comes, and the loop looks again a little later

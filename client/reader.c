@@ -144,7 +144,7 @@ static int take_reclaim(dlpc_client *c, const struct dlpc__frame *f)
 		if (!reclaimed_by_feature(c, m->tokens[i]))
 			c->reclaimed[c->nreclaimed++] = m->tokens[i];
 	}
-	/* the library's thread runs the deleters (loop.c) */
+	/* the library's thread runs the deleters (serve.c) */
 	dlpc__loop_wake();
 out:
 	if (m)
