@@ -8,7 +8,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "core.h"
+#include "region.h"
+#include "gpu.h"
 #include "util.h"
 
 #ifndef MFD_NOEXEC_SEAL

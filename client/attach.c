@@ -264,12 +264,13 @@ static void *map_host(int fd, size_t len, uint32_t flags, uint8_t *kind)
 	return p;
 }
 
-/* Turn an ATTACH reply that came by connection @p epoch and its fd (-1 for legacy CUDA IPC)
+/* Turn an ATTACH reply that came by connection @p conn_seq and its fd (-1 for legacy CUDA IPC)
  * into a bundle; cache the reference if @p cache (@p seq: dlpc__cache_seq() before the
  * request). Consumes @p fd. */
-int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq, const char *name,
-		       const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags, void *stream,
-		       const struct dlpc__mkey *key, dlpc_bundle **ret)
+int dlpc__attach_build(dlpc_client *c, uint64_t conn_seq, bool cache, uint64_t seq,
+		       const char *name, const Dlpackd__V1__AttachReply *rep, int fd,
+		       uint32_t flags, void *stream, const struct dlpc__mkey *key,
+		       dlpc_bundle **ret)
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
 	bool writable = flags & DLPC_ATTACH_WRITABLE;
@@ -282,13 +283,13 @@ int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq,
 	    (rep->device_type != kDLCUDA || !cuda_sane(rep, fd)))
 		n = -1;
 	if (n < 0) {
-		dlpc__release_epoch(c, rep->ref_id, epoch);
+		dlpc__release_ref(c, rep->ref_id, conn_seq);
 		dlpc__close(fd);
 		return dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply",
 				  name);
 	}
 	if (rep->device_type == kDLCUDA && (flags & DLPC_ATTACH_PRIVATE)) {
-		dlpc__release_epoch(c, rep->ref_id, epoch);
+		dlpc__release_ref(c, rep->ref_id, conn_seq);
 		dlpc__close(fd);
 		return dlpc__fail(-ENOTSUP,
 				  "cannot attach '%s' copy-on-write: it is CUDA memory, which is "
@@ -332,14 +333,14 @@ int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq,
 	m->fd = -1;
 	m->client = c;
 	m->ref_id = rep->ref_id;
-	m->epoch = epoch;
+	m->conn_seq = conn_seq;
 	m->owner_uid = rep->owner_uid;
 	m->owner_pid = rep->owner_pid;
 	m->entry_flags = rep->flags;
 	m->generation = rep->generation;
 	/* host memory attached read-only: the cache may keep the reference and the fd */
 	if (cache && rep->device_type == kDLCPU && !writable) {
-		m->ce = dlpc__cache_insert(c, seq, epoch, name, m, fd, rep->tensor_table.data,
+		m->ce = dlpc__cache_insert(c, seq, conn_seq, name, m, fd, rep->tensor_table.data,
 					   rep->tensor_table.len);
 		if (m->ce)
 			fd = -1;
@@ -353,7 +354,7 @@ int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq,
 		       tensor_flags(flags), name, ret);
 	return r;
 fail:
-	dlpc__release_epoch(c, rep->ref_id, epoch);
+	dlpc__release_ref(c, rep->ref_id, conn_seq);
 	free(m);
 	dlpc__close(fd);
 	return r;
@@ -419,7 +420,7 @@ static int attach_cached(dlpc_client *c, const char *name, uint32_t flags, uint3
 }
 
 /*
- * Send @p req and wait for its reply, which came by connection *@p epoch. A waiting attach of a
+ * Send @p req and wait for its reply, which came by connection *@p conn_seq. A waiting attach of a
  * client made with DLPC_CONNECT_RECONNECT rides through a daemon restart: if the connection is
  * lost while it waits, it connects again (call_bounded() does, at the next request, within the
  * time left) and asks anew for the time left, pausing between attempts while no daemon answers.
@@ -428,7 +429,7 @@ static int attach_cached(dlpc_client *c, const char *name, uint32_t flags, uint3
  */
 static int attach_call(dlpc_client *c, Dlpackd__V1__Attach *req, int64_t timeout,
 		       Dlpackd__V1__AttachReply **rep, int *fd, struct dlpc__arena *arena,
-		       uint64_t *epoch)
+		       uint64_t *conn_seq)
 {
 	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, left = timeout, pause = 10;
 	char why[DLPC_ERROR_TEXT_MAX];
@@ -441,7 +442,7 @@ static int attach_call(dlpc_client *c, Dlpackd__V1__Attach *req, int64_t timeout
 		r = dlpc__call_ex(c, DLPC_MSG_ATTACH, &req->base, NULL, 0, left, &info,
 				  &dlpackd__v1__attach_reply__descriptor, (ProtobufCMessage **)rep,
 				  fd, &arena->alloc);
-		*epoch = info.epoch;
+		*conn_seq = info.conn_seq;
 		if (r >= 0 || timeout == 0 || !c->reconnect)
 			return r;
 		/* the thread's interrupt check ended it: as for any call */
@@ -490,7 +491,7 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	Dlpackd__V1__Attach req = DLPACKD__V1__ATTACH__INIT;
 	Dlpackd__V1__AttachReply *rep;
 	struct dlpc__arena arena;
-	uint64_t epoch = 0, seq = 0;
+	uint64_t conn_seq = 0, seq = 0;
 	bool cache;
 	uint32_t flags = 0;
 	int64_t timeout = 0;
@@ -540,7 +541,7 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	/* the reply lives until the bundle is built: unpack it into an arena, not a malloc per
 	 * field (a 500-tensor bundle would be 1,500 of them) */
 	dlpc__arena_init(&arena);
-	r = attach_call(c, &req, timeout, &rep, &fd, &arena, &epoch);
+	r = attach_call(c, &req, timeout, &rep, &fd, &arena, &conn_seq);
 	if (r < 0) {
 		dlpc__arena_clear(&arena);
 		/* the library's own reasons, which do not name the entry yet */
@@ -554,11 +555,11 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	}
 	if ((fd < 0 && !rep->cuda_ipc) || rep->generation == 0 || rep->generation > INT32_MAX) {
 		if (rep->ref_id)
-			dlpc__release_epoch(c, rep->ref_id, epoch);
+			dlpc__release_ref(c, rep->ref_id, conn_seq);
 		dlpc__close(fd);
 		r = dlpc__fail(-EPROTO, "cannot attach '%s': dlpackd sent an unusable reply", name);
 	} else {
-		r = dlpc__attach_build(c, epoch, cache, seq, name, rep, fd, flags, stream, NULL,
+		r = dlpc__attach_build(c, conn_seq, cache, seq, name, rep, fd, flags, stream, NULL,
 				       ret);
 		if (r == 0)
 			r = (int)rep->generation;

@@ -2,8 +2,9 @@
 /*
  * The cache of references (protocol 1.7). A host entry attached read-only is remembered by name
  * with its daemon reference, its storage fd, its tensor table and, while nobody uses them, a
- * shared read-only mapping and a copy-on-write one (emptied of written pages). When its last tensor is released the entry stays, idle, for up to
- * idle_ms; an attach of the same name meanwhile is answered from it without a round trip.
+ * shared read-only mapping and a copy-on-write one (emptied of written pages). When its last
+ * tensor is released the entry stays, idle, for up to idle_ms; an attach of the same name
+ * meanwhile is answered from it without a round trip.
  *
  * Why that is never stale: an attach that asks the daemon takes its reference with
  * DLPC_WIRE_ATTACH_CACHEABLE, and the daemon writes an INVALIDATE frame to this connection's socket
@@ -24,7 +25,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "cache.h"
+#include "core.h"
+#include "region.h"
 #include "table.h"
 #include "util.h"
 
@@ -37,7 +40,7 @@ struct dlpc__centry {
 	bool idle;   /* in the idle list */
 	unsigned users;
 	int64_t idle_since; /* monotonic ms of its last release */
-	uint64_t generation, ref_id, epoch;
+	uint64_t generation, ref_id, conn_seq;
 	int fd;
 	size_t len;
 	void *map;     /* a shared read-only mapping nobody uses, or NULL */
@@ -50,14 +53,6 @@ struct dlpc__centry {
 	size_t name_len;
 	char name[];
 };
-
-int64_t dlpc__mono_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* FNV-1a of @p len bytes at @p p. */
 static uint32_t name_hash(const char *p, size_t len)
@@ -116,7 +111,7 @@ static void entry_free(dlpc_client *c, struct dlpc__centry *e)
 		munmap(e->cow_map, e->len);
 	if (e->fd >= 0)
 		close(e->fd);
-	dlpc__release_epoch(c, e->ref_id, e->epoch);
+	dlpc__release_ref(c, e->ref_id, e->conn_seq);
 	free(e->table);
 	free(e);
 }
@@ -207,7 +202,7 @@ struct dlpc__centry *dlpc__cache_get(dlpc_client *c, const char *name, bool owne
 	}
 	pthread_mutex_unlock(&k->mu);
 	if (was_idle)
-		dlpc__mark_epoch(c, e->ref_id, e->epoch, false);
+		dlpc__mark_ref(c, e->ref_id, e->conn_seq, false);
 	return e;
 }
 
@@ -216,7 +211,7 @@ void dlpc__cache_fill(const struct dlpc__centry *e, struct dlpc__region *m, int 
 {
 	m->len = e->len;
 	m->ref_id = e->ref_id;
-	m->epoch = e->epoch;
+	m->conn_seq = e->conn_seq;
 	m->owner_uid = e->owner_uid;
 	m->owner_pid = e->owner_pid;
 	m->entry_flags = e->entry_flags;
@@ -226,7 +221,7 @@ void dlpc__cache_fill(const struct dlpc__centry *e, struct dlpc__region *m, int 
 	*table_len = e->table_len;
 }
 
-struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t epoch,
+struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t conn_seq,
 					const char *name, const struct dlpc__region *m, int fd,
 					const uint8_t *table, size_t table_len)
 {
@@ -255,7 +250,7 @@ struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t e
 	e->len = m->len;
 	e->generation = m->generation;
 	e->ref_id = m->ref_id;
-	e->epoch = epoch;
+	e->conn_seq = conn_seq;
 	e->owner_uid = m->owner_uid;
 	e->owner_pid = m->owner_pid;
 	e->entry_flags = m->entry_flags;
@@ -263,7 +258,7 @@ struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t e
 	/* An INVALIDATE read since the request went out may have been this entry's, read before
 	 * this thread got here: then it must not be cached. Nor may a reference of a connection
 	 * replaced meanwhile. */
-	ok = k->on && k->inval_seq == seq && epoch == c->epoch && !find(k, name, len, hash);
+	ok = k->on && k->inval_seq == seq && conn_seq == c->conn_seq && !find(k, name, len, hash);
 	if (ok) {
 		struct dlpc__centry **b = &k->table[hash % DLPC__CACHE_BUCKETS];
 
@@ -285,7 +280,7 @@ void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, int kin
 	size_t len = e->len;
 	struct dlpc__cache *k = &c->cache;
 	struct dlpc__centry *dead = NULL, *v;
-	uint64_t ref_id = e->ref_id, epoch = e->epoch;
+	uint64_t ref_id = e->ref_id, conn_seq = e->conn_seq;
 	bool idle = false;
 	int64_t now = 0;
 
@@ -345,7 +340,7 @@ void dlpc__cache_put(dlpc_client *c, struct dlpc__centry *e, void *base, int kin
 		munmap(base, len);
 	/* e may be evicted and freed by another thread from here: use the copies */
 	if (idle) {
-		dlpc__mark_epoch(c, ref_id, epoch, true);
+		dlpc__mark_ref(c, ref_id, conn_seq, true);
 		dlpc__sweep_at(now + k->idle_ms);
 	}
 	if (dead)
@@ -462,4 +457,66 @@ void dlpc__cache_forked(dlpc_client *c)
 	k->on = false;
 	pthread_mutex_init(&k->mu, NULL);
 	dlpc__maps_clear(c);
+}
+
+static void cache_init_lock(dlpc_client *c)
+{
+	pthread_mutex_init(&c->cache.mu, NULL);
+}
+
+/* Connected anew: the cached references died with the old connection. Under c->wmu and c->mu. */
+static void cache_reset_locked(dlpc_client *c)
+{
+	dlpc__cache_drop(c);
+	pthread_mutex_lock(&c->cache.mu);
+	c->cache.on = !c->no_cache && !c->closed && c->cache.max_entries && c->cache.max_bytes &&
+		      c->cache.idle_ms;
+	pthread_mutex_unlock(&c->cache.mu);
+}
+
+static void cache_fork(dlpc_client *c, int phase)
+{
+	if (phase == 2)
+		dlpc__cache_forked(c);
+	else
+		dlpc__cache_lock(c, phase == 0);
+}
+
+/* Idle entries: the library's thread reads the socket so that their invalidations free their
+ * storage at once. */
+static bool cache_wants_reading(dlpc_client *c)
+{
+	bool idle;
+
+	pthread_mutex_lock(&c->cache.mu);
+	idle = c->cache.nidle > 0;
+	pthread_mutex_unlock(&c->cache.mu);
+	return idle;
+}
+
+static int take_invalidate(dlpc_client *c, const struct dlpc__frame *f)
+{
+	return dlpc__cache_invalidate(c, f) < 0 ? -EPROTO : 1;
+}
+
+void dlpc__cache_register(void)
+{
+	static const struct dlpc__hooks hooks = {
+		.init = cache_init_lock,
+		.reset_locked = cache_reset_locked,
+		.reset = dlpc__cache_reap,
+		.close = dlpc__cache_off,
+		.free = dlpc__cache_clear,
+		.fork = cache_fork,
+		.wants_reading = cache_wants_reading,
+		.sweep = dlpc__cache_sweep,
+	};
+	static const struct dlpc__notice invalidate = {
+		.type = DLPC_MSG_INVALIDATE,
+		.take = take_invalidate,
+		.after = dlpc__cache_reap,
+	};
+
+	dlpc__hooks_add(&hooks);
+	dlpc__notice_add(&invalidate);
 }

@@ -529,14 +529,15 @@ static int recv_queued(dlpc_client *c, const char *channel, uint32_t flags, int6
 	}
 	if (fd < 0 || rep->device_type != kDLCPU || rep->cuda_ipc) {
 		if (rep->ref_id)
-			dlpc__release_epoch(c, rep->ref_id, info.epoch);
+			dlpc__release_ref(c, rep->ref_id, info.conn_seq);
 		dlpc__close(fd);
 		dlpc__arena_clear(&arena);
 		return dlpc__fail(
 			-EPROTO, "cannot receive from channel '%s': dlpackd sent an unusable reply",
 			channel);
 	}
-	r = dlpc__attach_build(c, info.epoch, false, 0, channel, rep, fd, flags, NULL, NULL, ret);
+	r = dlpc__attach_build(c, info.conn_seq, false, 0, channel, rep, fd, flags, NULL, NULL,
+			       ret);
 	dlpc__arena_clear(&arena);
 	return r < 0 ? reword(r, "cannot attach", "cannot receive from", channel) : 0;
 }

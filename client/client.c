@@ -1,6 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The connection: connect, HELLO, fork, deferred releases, close (requests and replies: call.c;
- * the library's thread: loop.c). */
+/*
+ * dlpc_connect(): where the daemon is, and trying again while it drops connections before HELLO;
+ * the features registered on the connection core once, before the first connection (the core:
+ * conn.c, reader.c, call.c, loop.c, serve.c).
+ */
 #include <errno.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -17,445 +20,6 @@
 #include "internal.h"
 #include "sockpath.h"
 #include "util.h"
-
-int dlpc__check(const dlpc_client *c)
-{
-	if (!dlpc__ours(c))
-		return dlpc__fail(-EBADFD,
-				  "this dlpc_client belongs to process %d; a forked child must "
-				  "call dlpc_connect() itself",
-				  (int)c->pid);
-	return 0;
-}
-
-int dlpc__name_arg(const char *name, const char *what)
-{
-	char why[160];
-
-	if (!name)
-		return dlpc__fail(-EINVAL, "cannot %s: name is NULL", what);
-	if (dlpc__name_check((const uint8_t *)name, strlen(name), why, sizeof(why)) < 0)
-		return dlpc__fail(-EINVAL, "cannot %s: %s", what, why);
-	return 0;
-}
-
-/*
- * Every open client, so that a forked child can close the sockets it inherited: otherwise a
- * child (a DataLoader worker, a preforked server) would keep its parent's connection, with its
- * references and ephemeral entries, alive after the parent closed it or died. The child cannot
- * use them anyway (dlpc__check). fork() takes the list lock first, so the list is whole in the
- * child.
- */
-static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
-static dlpc_client *open_clients;
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-
-static void atfork_prepare(void)
-{
-	pthread_mutex_lock(&open_mu);
-	dlpc__loop_atfork(0);
-	/* the caches' locks are leaves: taken after these, by no thread holding one of them */
-	for (dlpc_client *c = open_clients; c; c = c->next_open)
-		dlpc__cache_lock(c, true);
-	dlpc__maps_atfork(0);
-}
-
-static void atfork_parent(void)
-{
-	dlpc__maps_atfork(1);
-	for (dlpc_client *c = open_clients; c; c = c->next_open)
-		dlpc__cache_lock(c, false);
-	dlpc__loop_atfork(1);
-	pthread_mutex_unlock(&open_mu);
-}
-
-unsigned dlpc__fork_gen;
-
-static void atfork_child(void)
-{
-	__atomic_add_fetch(&dlpc__fork_gen, 1, __ATOMIC_RELAXED);
-	for (dlpc_client *c = open_clients; c; c = c->next_open) {
-		dlpc__close(c->sock);
-		c->sock = -1;
-		dlpc__close(c->wake_fd);
-		c->wake_fd = -1;
-		dlpc__cache_forked(c);
-		dlpc__direct_forked(c);
-	}
-	dlpc__maps_atfork(2);
-	/* the parent's deferred releases are the parent's business; no library thread runs here */
-	dlpc__loop_atfork(2);
-	pthread_mutex_unlock(&open_mu);
-}
-
-static void atfork_register(void)
-{
-	pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
-}
-
-/* Create @p c's socket and wake-up eventfd and list them in one step: a fork in between would
- * leave the child fds the list does not know, so the child would not close them. 0 or negative
- * errno. */
-static int open_socket_listed(dlpc_client *c)
-{
-	int r = 0;
-
-	pthread_once(&atfork_once, atfork_register);
-	pthread_mutex_lock(&open_mu);
-	c->sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	if (c->sock < 0)
-		r = -errno;
-	else if ((c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0)
-		r = -errno;
-	c->next_open = open_clients;
-	open_clients = c;
-	pthread_mutex_unlock(&open_mu);
-	return r;
-}
-
-void dlpc__list_lock(void)
-{
-	pthread_mutex_lock(&open_mu);
-}
-
-void dlpc__list_unlock(void)
-{
-	pthread_mutex_unlock(&open_mu);
-}
-
-static void open_list_remove(dlpc_client *c)
-{
-	bool last;
-
-	pthread_mutex_lock(&open_mu);
-	for (dlpc_client **pp = &open_clients; *pp; pp = &(*pp)->next_open)
-		if (*pp == c) {
-			*pp = c->next_open;
-			break;
-		}
-	last = !open_clients;
-	pthread_mutex_unlock(&open_mu);
-	/* no client, so no mapping of one left to clean: the process's pagemap fd goes too */
-	if (last)
-		dlpc__maps_pagemap_close();
-}
-
-void dlpc__client_ref(dlpc_client *c)
-{
-	atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
-}
-
-static void client_free(dlpc_client *c)
-{
-	open_list_remove(c);
-	dlpc__close(c->sock);
-	dlpc__rx_clear(&c->rx);
-	dlpc__scratch_clear(&c->out);
-	free(c->reclaimed);
-	dlpc__pool_free(c->pool);
-	free(c->abandoned);
-	dlpc__cache_clear(c);
-	dlpc__direct_reset(c);
-	dlpc__close(c->direct_wake);
-	dlpc__close(c->wake_fd);
-	pthread_mutex_destroy(&c->mu);
-	pthread_mutex_destroy(&c->wmu);
-	pthread_cond_destroy(&c->cv);
-	free(c);
-}
-
-void dlpc__client_unref(dlpc_client *c)
-{
-	if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) == 1)
-		client_free(c);
-}
-
-DLPC_EXPORT void dlpc_cancel(dlpc_client *c)
-{
-	/* in a forked child no call of the parent's waits here, and its locks may be held */
-	if (c && dlpc__ours(c))
-		dlpc__cancel_calls(c);
-}
-
-DLPC_EXPORT void dlpc_close(dlpc_client *c)
-{
-	if (!c)
-		return;
-	/* the connection may live on for attached mappings: tell the daemon what is released */
-	if (dlpc__ours(c)) {
-		dlpc__cancel_calls(c);
-		/* idle references go back now; those in use when their last tensor is released */
-		dlpc__cache_off(c);
-		/* the library's thread may be reading the socket for the cache: let it look again,
-		 * so that it holds the client no longer than the user does */
-		dlpc__loop_wake();
-		pthread_mutex_lock(&c->wmu);
-		dlpc__flush_locked(c);
-		pthread_mutex_unlock(&c->wmu);
-	}
-	dlpc__client_unref(c);
-}
-
-/* Frame @p c's deferred releases at offset 0 of c->out. Length, or negative errno. Under wmu. */
-ssize_t dlpc__pending_frame(dlpc_client *c)
-{
-	Dlpackd__V1__Release msg = DLPACKD__V1__RELEASE__INIT;
-	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
-	uint64_t rel[DLPC_RELEASE_PENDING_MAX], cached[DLPC_RELEASE_PENDING_MAX],
-		used[DLPC_RELEASE_PENDING_MAX];
-
-	/* releases and the cache's marks (1.7) share the queue, told apart by tag bits */
-	msg.ref_ids = rel;
-	msg.cached_ids = cached;
-	msg.used_ids = used;
-	for (unsigned i = 0; i < n; i++) {
-		uint64_t v = c->pending[i];
-
-		if (v & DLPC__MARK_CACHED)
-			cached[msg.n_cached_ids++] = v & ~DLPC__MARK_CACHED;
-		else if (v & DLPC__MARK_USED)
-			used[msg.n_used_ids++] = v & ~DLPC__MARK_USED;
-		else
-			rel[msg.n_ref_ids++] = v;
-	}
-	return dlpc__msg_frame(&c->out, DLPC_MSG_RELEASE, 0, &msg.base, 0);
-}
-
-/*
- * Send @p c's deferred releases now. Under wmu. A failed write means the connection is gone,
- * and the references with it; either way none is pending any more (unless the frame could
- * not even be built, or the daemon took none of it within the send timeout: then they wait for
- * the next try).
- */
-void dlpc__flush_locked(dlpc_client *c)
-{
-	size_t sent;
-	ssize_t len;
-	int r;
-
-	if (!atomic_load_explicit(&c->npending, memory_order_relaxed))
-		return;
-	len = dlpc__pending_frame(c);
-	/* out of memory for the frame: keep them for the next try rather than lose them */
-	if (len < 0)
-		return;
-	r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
-	/* the daemon took nothing within the send timeout (it is stopped): keep them too */
-	if (r == -EAGAIN && sent == 0)
-		return;
-	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
-	/* a frame cut short breaks the stream: nothing may follow it */
-	if (r < 0 && sent > 0) {
-		pthread_mutex_lock(&c->mu);
-		if (!c->broken)
-			c->broken = r == -EAGAIN ? -ETIMEDOUT : r;
-		pthread_cond_broadcast(&c->cv);
-		dlpc__wake_reader(c);
-		pthread_mutex_unlock(&c->mu);
-	}
-}
-
-void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoch)
-{
-	Dlpackd__V1__Cancel msg = DLPACKD__V1__CANCEL__INIT;
-	size_t sent = 0;
-	ssize_t len;
-	int r;
-
-	if (type != DLPC_MSG_ATTACH && type != DLPC_MSG_RECV && type != DLPC_MSG_SEND)
-		return;
-	msg.request_id = id;
-	pthread_mutex_lock(&c->wmu);
-	/* a request of a connection replaced since died with it */
-	if (epoch != c->epoch) {
-		pthread_mutex_unlock(&c->wmu);
-		return;
-	}
-	/* (without memory for the frame, the wait ends when the connection does) */
-	len = dlpc__msg_frame(&c->out, DLPC_MSG_CANCEL, 0, &msg.base, 0);
-	r = len < 0 ? 0 : dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
-	pthread_mutex_unlock(&c->wmu);
-	/* a frame cut short breaks the stream: nothing may follow it */
-	if (r < 0 && sent > 0) {
-		pthread_mutex_lock(&c->mu);
-		if (!c->broken)
-			c->broken = r == -EAGAIN ? -ETIMEDOUT : r;
-		pthread_cond_broadcast(&c->cv);
-		dlpc__wake_reader(c);
-		pthread_mutex_unlock(&c->mu);
-	}
-}
-
-/*
- * dlpackd closed @p c's new connection before HELLO was answered: read what it said first, if
- * anything. A refusal at accept comes as an ERROR with id 0 written just before the close; when
- * the close came before HELLO left, the send failed (EPIPE) and nothing was read, but the
- * ERROR still waits in the socket.
- */
-static void last_word(dlpc_client *c)
-{
-	uint8_t buf[DLPC_FRAME_HDR_SIZE + 1024];
-	Dlpackd__V1__Error *e;
-	struct dlpc__hdr h;
-	ssize_t n;
-
-	if (c->fatal[0] || c->rx.end > c->rx.start)
-		return;
-	n = recv(c->sock, buf, sizeof(buf), MSG_DONTWAIT);
-	if (n < (ssize_t)DLPC_FRAME_HDR_SIZE)
-		return;
-	dlpc__hdr_decode(buf, &h);
-	if (h.type != DLPC_MSG_ERROR || h.id != 0 || h.nfds ||
-	    h.len > (size_t)n - DLPC_FRAME_HDR_SIZE)
-		return;
-	e = dlpackd__v1__error__unpack(NULL, h.len, buf + DLPC_FRAME_HDR_SIZE);
-	if (!e)
-		return;
-	snprintf(c->fatal, sizeof(c->fatal), "%s", e->message);
-	c->fatal_code = e->code > 0 ? e->code : 0;
-	dlpackd__v1__error__free_unpacked(e, NULL);
-}
-
-/* Take a reference on @p c unless its last one is already gone (it is being freed). */
-static bool client_tryref(dlpc_client *c)
-{
-	unsigned n = atomic_load_explicit(&c->refs, memory_order_relaxed);
-
-	while (n)
-		if (atomic_compare_exchange_weak_explicit(&c->refs, &n, n + 1, memory_order_acquire,
-							  memory_order_relaxed))
-			return true;
-	return false;
-}
-
-size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
-{
-	size_t n = 0;
-
-	pthread_mutex_lock(&open_mu);
-	for (dlpc_client *c = open_clients; c; c = c->next_open) {
-		if (!dlpc__ours(c))
-			continue;
-		if (n == *cap) {
-			size_t ncap = *cap ? *cap * 2 : 8;
-			dlpc_client **nv = realloc(*buf, ncap * sizeof(*nv));
-
-			if (!nv)
-				break;
-			*buf = nv;
-			*cap = ncap;
-		}
-		if (client_tryref(c))
-			(*buf)[n++] = c;
-	}
-	pthread_mutex_unlock(&open_mu);
-	return n;
-}
-
-/* See internal.h. */
-bool dlpc__start_thread(void *(*fn)(void *), void *arg)
-{
-	sigset_t all, old;
-	pthread_attr_t attr;
-	pthread_t t;
-	bool ok;
-
-	sigfillset(&all);
-	pthread_attr_init(&attr);
-	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-	pthread_sigmask(SIG_SETMASK, &all, &old);
-	ok = pthread_create(&t, &attr, fn, arg) == 0;
-	pthread_sigmask(SIG_SETMASK, &old, NULL);
-	pthread_attr_destroy(&attr);
-	return ok;
-}
-
-/* Queue @p v (a reference id, maybe tagged) on c->pending and tell the library's thread. Under wmu, which
- * this releases. */
-static void pending_add(dlpc_client *c, uint64_t v)
-{
-	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
-
-	/* full only if the last flush had no memory for its frame: try again; failing that, this
-	 * reference stays with the daemon until the connection closes */
-	if (n == DLPC_RELEASE_PENDING_MAX)
-		dlpc__flush_locked(c);
-	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
-	if (n < DLPC_RELEASE_PENDING_MAX) {
-		c->pending[n++] = v;
-		atomic_store_explicit(&c->npending, n, memory_order_relaxed);
-	}
-	if (n == DLPC_RELEASE_PENDING_MAX)
-		dlpc__flush_locked(c);
-	pthread_mutex_unlock(&c->wmu);
-	if (n == 1 && !dlpc__loop_flush_soon()) {
-		pthread_mutex_lock(&c->wmu);
-		dlpc__flush_locked(c);
-		pthread_mutex_unlock(&c->wmu);
-	}
-}
-
-void dlpc__mark_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch, bool cached)
-{
-	uint64_t v = ref_id | (cached ? DLPC__MARK_CACHED : DLPC__MARK_USED);
-	uint64_t undo = ref_id | (cached ? DLPC__MARK_USED : DLPC__MARK_CACHED);
-	unsigned n;
-
-	if (!dlpc__ours(c))
-		return;
-	pthread_mutex_lock(&c->wmu);
-	if (epoch != c->epoch) {
-		pthread_mutex_unlock(&c->wmu);
-		return;
-	}
-	/* a mark not sent yet that this one undoes goes instead: a re-attach loop queues nothing
-	 * more than its last release's mark */
-	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
-	for (unsigned i = 0; i < n; i++)
-		if (c->pending[i] == undo || c->pending[i] == v) {
-			if (c->pending[i] == undo) {
-				c->pending[i] = c->pending[n - 1];
-				atomic_store_explicit(&c->npending, n - 1, memory_order_relaxed);
-			}
-			pthread_mutex_unlock(&c->wmu);
-			return;
-		}
-	pending_add(c, v);
-}
-
-void dlpc__release_epoch(dlpc_client *c, uint64_t ref_id, uint64_t epoch)
-{
-	/* a direct channel's message holds no reference of the daemon's */
-	if (ref_id == 0)
-		return;
-	/* in a forked child the reference is the parent's; the daemon drops it when the parent
-	 * releases it or goes away */
-	if (!dlpc__ours(c))
-		return;
-	pthread_mutex_lock(&c->wmu);
-	/* a reference of a connection replaced since died with it; its id may name another now */
-	if (epoch != c->epoch) {
-		pthread_mutex_unlock(&c->wmu);
-		return;
-	}
-	pending_add(c, ref_id);
-}
-
-void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t epoch)
-{
-	pthread_mutex_lock(&c->mu);
-	/* a publication of a connection replaced since went with it, and so did its count */
-	if (epoch != c->epoch) {
-		pthread_mutex_unlock(&c->mu);
-		return;
-	}
-	c->ipc_pubs += (unsigned)delta;
-	/* a publication taken back (its publish failed) may leave the library's thread watching
-	 * a socket that has nothing more to say for it: let it look again */
-	if (c->ipc_pubs == 0 && c->reclaimer)
-		dlpc__loop_wake();
-	pthread_mutex_unlock(&c->mu);
-}
 
 /* The bound on calls without a timeout of their own: $DLPC_CALL_TIMEOUT_MS, else the default
  * (<= 0: none). 0, or -EINVAL for a value that is not a whole number of milliseconds. */
@@ -477,153 +41,6 @@ static int call_timeout_env(int64_t *ms)
 	return 0;
 }
 
-/* Say whether @p parent, connecting anew through @p c, may go on; and let dlpc_close() and
- * dlpc_cancel() of @p parent cancel @p c's HELLO (NULL: no more). 0 or -ECANCELED. */
-static int connecting(dlpc_client *parent, dlpc_client *c)
-{
-	int r = 0;
-
-	pthread_mutex_lock(&parent->mu);
-	if (c && parent->closed)
-		r = dlpc__fail(-ECANCELED, "this client was closed or canceled (dlpc_close() or "
-					   "dlpc_cancel()) while it connected anew");
-	else
-		parent->connecting = c;
-	pthread_mutex_unlock(&parent->mu);
-	return r;
-}
-
-/* SO_SNDTIMEO of @p sock: @p ms (<= 0: none). */
-static void send_timeout(int sock, int64_t ms)
-{
-	struct timeval tv = {0};
-
-	if (ms > 0) {
-		tv.tv_sec = (time_t)(ms / 1000);
-		tv.tv_usec = (suseconds_t)(ms % 1000) * 1000;
-	}
-	setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-}
-
-/*
- * A new connection to @p path, HELLO done, with calls bounded by @p timeout ms. For
- * dlpc__reconnect() of @p parent (NULL: dlpc_connect()), connect() waits at most @p connect_ms
- * and HELLO @p hello_ms (the time left of a waiting call, which may be shorter), and
- * dlpc_close() or dlpc_cancel() of @p parent cancels the HELLO.
- */
-static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, int64_t connect_ms,
-		       int64_t hello_ms, dlpc_client **ret)
-{
-	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
-	Dlpackd__V1__HelloReply *rep;
-	pthread_condattr_t ca;
-	dlpc_client *c;
-	int r;
-
-	c = calloc(1, sizeof(*c));
-	if (!c)
-		return dlpc__fail(-ENOMEM, "out of memory");
-	c->pid = getpid();
-	c->wake_fd = -1;
-	c->direct_wake = -1;
-	c->watches = NULL;
-	c->fork_gen = __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
-	c->call_timeout_ms = timeout;
-	atomic_init(&c->refs, 1);
-	pthread_mutex_init(&c->mu, NULL);
-	pthread_mutex_init(&c->wmu, NULL);
-	pthread_condattr_init(&ca);
-	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-	pthread_cond_init(&c->cv, &ca);
-	pthread_condattr_destroy(&ca);
-	dlpc__rx_init(&c->rx);
-	pthread_mutex_init(&c->cache.mu, NULL);
-	/* a reply's fd that this process has no room for fails that call, not the connection */
-	c->rx.report_lost_fds = true;
-	/* dlpc_connect(): the call timeout, or the time left of it after a dropped HELLO */
-	if (!parent && connect_ms <= 0)
-		connect_ms = hello_ms = timeout;
-	r = open_socket_listed(c);
-	if (r < 0) {
-		r = dlpc__fail(r, "cannot create a socket: %s", strerror(-r));
-		goto fail;
-	}
-	if (parent && (r = connecting(parent, c)) < 0)
-		goto fail;
-	/* Every write, and connect()'s wait while the daemon's backlog is full, gives up after the
-	 * call timeout: a daemon that stops reading cannot hold the caller forever. */
-	send_timeout(c->sock, connect_ms);
-	strcpy(sa.sun_path, path);
-	while (connect(c->sock, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
-		/* a signal handler ran (with SO_SNDTIMEO set, connect() is never restarted):
-		 * connecting anew goes on unless the thread's interrupt check says stop */
-		if (errno == EINTR && parent && !dlpc__interrupted())
-			continue;
-		if (errno == EAGAIN)
-			r = dlpc__fail(-ETIMEDOUT,
-				       "cannot connect to dlpackd at %s: it did not accept the "
-				       "connection within %lld ms (%s)",
-				       path, (long long)connect_ms,
-				       connect_ms == timeout ? DLPC_CALL_TIMEOUT_ENV
-							     : "its backlog is full");
-		else
-			r = dlpc__fail(-errno, "cannot connect to dlpackd at %s: %m", path);
-		goto fail;
-	}
-	if (connect_ms != timeout)
-		send_timeout(c->sock, timeout);
-	hello.version_major = DLPC_PROTO_MAJOR;
-	hello.version_minor = DLPC_PROTO_MINOR;
-	hello.client = "libdlpc " DLPD_VERSION;
-	c->call_timeout_ms = hello_ms;
-	r = dlpc__call(c, DLPC_MSG_HELLO, &hello.base, NULL, 0,
-		       &dlpackd__v1__hello_reply__descriptor, (ProtobufCMessage **)&rep, NULL,
-		       NULL);
-	c->call_timeout_ms = timeout;
-	if (r == -ETIMEDOUT && hello_ms != timeout)
-		r = dlpc__fail(r,
-			       "cannot connect to dlpackd at %s: it did not answer HELLO within "
-			       "%lld ms, the time left to wait: it may be starting (socket "
-			       "activation), stopped or overloaded",
-			       path, (long long)hello_ms);
-	else if (r == -ETIMEDOUT) {
-		char why[DLPC_ERROR_TEXT_MAX];
-
-		snprintf(why, sizeof(why), "%s", dlpc_last_error());
-		r = dlpc__fail(r, "cannot connect to dlpackd at %s: %s", path, why);
-	}
-	if (r == -EPIPE || r == -ECONNRESET || r == -EPROTO)
-		last_word(c);
-	/* refused with a reason (over a limit of its uid's at accept): not an upgrade's drop */
-	if (r < 0 && c->fatal_code && c->fatal[0])
-		r = dlpc__fail(-c->fatal_code, "cannot connect to dlpackd at %s: it refused: %s",
-			       path, c->fatal);
-	if (r < 0)
-		goto fail;
-	/* one version only: a daemon of another build is refused, whichever is newer */
-	if (rep->version_major != DLPC_PROTO_MAJOR || rep->version_minor != DLPC_PROTO_MINOR) {
-		r = dlpc__fail(-EPROTO,
-			       "protocol version mismatch: libdlpc speaks %d.%d, dlpackd at %s "
-			       "speaks %u.%u; " DLPC_PROTO_MISMATCH_ADVICE,
-			       DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR, path, rep->version_major,
-			       rep->version_minor);
-		dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
-		goto fail;
-	}
-	dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
-	snprintf(c->path, sizeof(c->path), "%s", path);
-	if (parent)
-		connecting(parent, NULL);
-	*ret = c;
-	return 0;
-fail:
-	if (parent)
-		connecting(parent, NULL);
-	client_free(c);
-	return r;
-}
-
 /*
  * connect_new() for dlpc_connect(), tried again while dlpackd drops the connection before it
  * answers HELLO without saying why (-ECONNRESET, -EPIPE; a refusal comes with a reason): an
@@ -642,7 +59,7 @@ static int connect_dropped_again(const char *path, int64_t timeout, dlpc_client 
 	for (;;) {
 		struct timespec ts;
 
-		r = connect_new(path, timeout, NULL, left, left, ret);
+		r = dlpc__connect_new(path, timeout, NULL, left, left, ret);
 		tries++;
 		if (r != -ECONNRESET && r != -EPIPE)
 			break;
@@ -785,6 +202,19 @@ static int connect_default(int64_t timeout, dlpc_client **ret)
 				    " to a daemon's socket");
 }
 
+/* The features, in the order their hooks run. */
+static pthread_once_t features_once = PTHREAD_ONCE_INIT;
+
+static void features_register(void)
+{
+	dlpc__serve_register();
+	dlpc__pool_register();
+	dlpc__cache_register();
+	dlpc__maps_register();
+	dlpc__direct_register();
+	dlpc__cuda_register();
+}
+
 DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc_client **ret)
 {
 	int64_t timeout;
@@ -801,6 +231,7 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 	r = call_timeout_env(&timeout);
 	if (r < 0)
 		return r;
+	pthread_once(&features_once, features_register);
 	r = socket_path ? connect_at(socket_path, NULL, timeout, ret)
 			: connect_default(timeout, ret);
 	if (r < 0)
@@ -827,7 +258,7 @@ DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c)
 	if (!c)
 		return 0;
 	pthread_mutex_lock((pthread_mutex_t *)&c->mu);
-	n = c->epoch;
+	n = c->conn_seq;
 	pthread_mutex_unlock((pthread_mutex_t *)&c->mu);
 	return n;
 }
@@ -835,59 +266,6 @@ DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c)
 DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c)
 {
 	return c ? c->path : NULL;
-}
-
-int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
-{
-	struct dlpc__rx rx;
-	dlpc_client *n;
-	eventfd_t v;
-	int r = connect_new(c->path, c->call_timeout_ms, c, connect_ms, hello_ms, &n), sock;
-
-	if (r < 0)
-		return r;
-	/* The new connection's socket and buffer become c's; c's old ones go with n. Whatever
-	 * belonged to the old connection is void: its references (the daemon dropped them with
-	 * it: releases of its epoch are dropped), the replies owed to abandoned calls, and the
-	 * count of legacy CUDA IPC publications whose RECLAIM it would have carried (they are
-	 * kept, as after any lost connection: nobody can say any more whether an attacher still
-	 * uses them; only the new connection's own count from now on). The sockets change places
-	 * under the lock of the open clients' list too, so that a fork meanwhile finds each
-	 * listed once, and its child closes both. */
-	pthread_mutex_lock(&c->wmu);
-	pthread_mutex_lock(&c->mu);
-	pthread_mutex_lock(&open_mu);
-	sock = c->sock;
-	c->sock = n->sock;
-	n->sock = sock;
-	pthread_mutex_unlock(&open_mu);
-	rx = c->rx;
-	c->rx = n->rx;
-	n->rx = rx;
-	c->broken = 0;
-	c->fatal[0] = '\0';
-	c->next_id = 0;
-	c->nabandoned = 0;
-	c->ipc_pubs = 0;
-	c->nreclaimed = 0;
-	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
-	c->epoch++;
-	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */
-	/* the cached references died with the old connection */
-	dlpc__cache_drop(c);
-	pthread_mutex_lock(&c->cache.mu);
-	c->cache.on = !c->no_cache && !c->closed && c->cache.max_entries && c->cache.max_bytes &&
-		      c->cache.idle_ms;
-	pthread_mutex_unlock(&c->cache.mu);
-	pthread_mutex_unlock(&c->mu);
-	pthread_mutex_unlock(&c->wmu);
-	dlpc__cache_reap(c);
-	/* pooled buffers in flight on the old connection: their RECLAIM went with it */
-	dlpc__pool_reset(c);
-	/* the channels the old daemon knew: a new one knows them anew, or not at all */
-	dlpc__direct_reset(c);
-	client_free(n);
-	return 0;
 }
 
 DLPC_EXPORT const char *dlpc_version(void)

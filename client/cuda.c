@@ -38,7 +38,9 @@
 #include <unistd.h>
 
 #include "cuda_api.h"
-#include "internal.h"
+#include "core.h"
+#include "region.h"
+#include "gpu.h"
 
 #define XSTR(x) STR(x)
 #define STR(x) #x
@@ -1158,4 +1160,16 @@ int dlpc__cuda_vmm_import(int fd, uint64_t size, const uint8_t uuid[DLPC_CUDA_UU
 	*base = (void *)(uintptr_t)m->base;
 	*ordinal = ord;
 	return 0;
+}
+
+static bool cuda_reclaim_run(uint64_t token)
+{
+	return dlpc__cuda_reclaim(token, true);
+}
+
+void dlpc__cuda_register(void)
+{
+	static const struct dlpc__hooks hooks = {.reclaim_run = cuda_reclaim_run};
+
+	dlpc__hooks_add(&hooks);
 }

@@ -176,7 +176,7 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	struct dlpc__endpoint *e, *old = NULL, *dup = NULL;
 	size_t len = strlen(name);
 	bool ended = false, queued = false;
-	uint64_t epoch;
+	uint64_t conn_seq;
 
 	req.op = DLPC__CHANNEL_JOIN;
 	req.name.data = (uint8_t *)name;
@@ -205,20 +205,20 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 		return dlpc__fail(-ENOMEM, "cannot join channel '%s': out of memory", name);
 	}
 	memcpy(e->name, name, len + 1);
-	e->epoch = info.epoch;
+	e->conn_seq = info.conn_seq;
 	e->direct = fd >= 0;
 	e->ended = ended;
 	e->ends[0] = fd;
 	e->ends[1] = more[0];
 	e->users = 1;
-	/* c->mu then the list lock (the order every path takes both in): the epoch cannot move
+	/* c->mu then the list lock (the order every path takes both in): c->conn_seq cannot move
 	 * meanwhile. Joined on a connection replaced since: used once, never listed. Two threads
 	 * may join at once: the one listed first is the one both use. */
 	pthread_mutex_lock(&c->mu);
 	dlpc__list_lock();
-	epoch = c->epoch;
-	for (struct dlpc__endpoint *x = c->endpoints; x && e->epoch == epoch; x = x->next)
-		if (x->epoch == epoch && strcmp(x->name, name) == 0) {
+	conn_seq = c->conn_seq;
+	for (struct dlpc__endpoint *x = c->endpoints; x && e->conn_seq == conn_seq; x = x->next)
+		if (x->conn_seq == conn_seq && strcmp(x->name, name) == 0) {
 			x->users++;
 			dup = e;
 			e = x;
@@ -227,7 +227,7 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	if (!dup) {
 		e->all_next = c->all_endpoints;
 		c->all_endpoints = e;
-		if (e->epoch == epoch) {
+		if (e->conn_seq == conn_seq) {
 			old = evict_locked(c);
 			e->next = c->endpoints;
 			c->endpoints = e;
@@ -252,12 +252,12 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 
 int dlpc__direct_get(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 {
-	uint64_t epoch;
+	uint64_t conn_seq;
 	bool closed, broken;
 
 	*ret = NULL;
 	pthread_mutex_lock(&c->mu);
-	epoch = c->epoch;
+	conn_seq = c->conn_seq;
 	closed = c->closed;
 	broken = c->broken != 0;
 	pthread_mutex_unlock(&c->mu);
@@ -271,7 +271,7 @@ int dlpc__direct_get(dlpc_client *c, const char *name, struct dlpc__endpoint **r
 		return join(c, name, ret);
 	dlpc__list_lock();
 	for (struct dlpc__endpoint *e = c->endpoints; e; e = e->next)
-		if (e->epoch == epoch && strcmp(e->name, name) == 0) {
+		if (e->conn_seq == conn_seq && strcmp(e->name, name) == 0) {
 			e->users++;
 			dlpc__list_unlock();
 			*ret = e;
@@ -416,4 +416,36 @@ int dlpc__direct_wait_failed(int r, const char *verb, const char *channel, int64
 	default:
 		return dlpc__fail(r, "cannot %s channel '%s': %s", verb, channel, strerror(-r));
 	}
+}
+
+/* dlpc_close(), dlpc_cancel(): every wait on a direct channel's end ends. Under c->mu. */
+static void direct_cancel(dlpc_client *c)
+{
+	if (c->direct_wake >= 0 && eventfd_write(c->direct_wake, 1) < 0) {
+		/* the counter cannot overflow here; nothing to do */
+	}
+}
+
+static void direct_free(dlpc_client *c)
+{
+	dlpc__direct_reset(c);
+	dlpc__close(c->direct_wake);
+}
+
+static void direct_fork(dlpc_client *c, int phase)
+{
+	if (phase == 2)
+		dlpc__direct_forked(c);
+}
+
+void dlpc__direct_register(void)
+{
+	static const struct dlpc__hooks hooks = {
+		.reset = dlpc__direct_reset,
+		.cancel = direct_cancel,
+		.free = direct_free,
+		.fork = direct_fork,
+	};
+
+	dlpc__hooks_add(&hooks);
 }

@@ -530,6 +530,6 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	rep.tensor_table.len = table_len;
 	rep.owner_uid = (uint32_t)cred.uid;
 	rep.owner_pid = (int32_t)cred.pid;
-	return dlpc__attach_build(c, e->epoch, false, 0, channel, &rep, fd,
+	return dlpc__attach_build(c, e->conn_seq, false, 0, channel, &rep, fd,
 				  flags | DLPC__ATTACH_SEALED, NULL, keyed ? &key : NULL, ret);
 }

@@ -31,7 +31,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "cache.h"
+#include "core.h"
+#include "region.h"
 
 /* PAGEMAP_SCAN (Linux 6.7), for system headers older than that: the ioctl on /proc/PID/pagemap
  * that reports which pages of a range are present, swapped, file-backed, by page-table walk. */
@@ -443,4 +445,14 @@ void dlpc__maps_clear(dlpc_client *c)
 	__atomic_store_n(&c->cache.maps_on, false, __ATOMIC_RELAXED);
 	pthread_mutex_unlock(&c->cache.mu);
 	dlpc__maps_sweep(c, true);
+}
+
+void dlpc__maps_register(void)
+{
+	static const struct dlpc__hooks hooks = {
+		.atfork = dlpc__maps_atfork,
+		.last_client = dlpc__maps_pagemap_close,
+	};
+
+	dlpc__hooks_add(&hooks);
 }

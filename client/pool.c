@@ -312,3 +312,28 @@ void dlpc__pool_reclaimed(dlpc_client *c, uint64_t token)
 {
 	dlpc__pool_sending(c, token, false);
 }
+
+static void pool_free_hook(dlpc_client *c)
+{
+	dlpc__pool_free(c->pool);
+}
+
+/* A recycled channel buffer's token: free again. */
+static bool pool_reclaimed_hook(dlpc_client *c, uint64_t token)
+{
+	if (!(token & DLPC__POOL_TOKEN))
+		return false;
+	dlpc__pool_reclaimed(c, token);
+	return true;
+}
+
+void dlpc__pool_register(void)
+{
+	static const struct dlpc__hooks hooks = {
+		.reset = dlpc__pool_reset,
+		.free = pool_free_hook,
+		.reclaimed = pool_reclaimed_hook,
+	};
+
+	dlpc__hooks_add(&hooks);
+}

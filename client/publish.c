@@ -361,7 +361,7 @@ static int lent(dlpc_client *c, int r, const struct dlpc__call_info *info, uint6
 		return r;
 	}
 	if (r < 0 && !unknown) {
-		dlpc__reclaim_count(c, -1, info->epoch);
+		dlpc__reclaim_count(c, -1, info->conn_seq);
 		dlpc__cuda_reclaim(token, false);
 		return r;
 	}

@@ -11,7 +11,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "core.h"
+#include "region.h"
+#include "gpu.h"
 
 struct view {
 	DLManagedTensorVersioned t;
@@ -23,11 +25,6 @@ void dlpc__region_note_stream(struct dlpc__region *r, void *stream)
 {
 	if (!dlpc__cuda_stream_followed(stream))
 		atomic_store_explicit(&r->sync_ctx, true, memory_order_relaxed);
-}
-
-void dlpc__region_ref(struct dlpc__region *r)
-{
-	atomic_fetch_add_explicit(&r->refs, 1, memory_order_relaxed);
 }
 
 void dlpc__region_unref(struct dlpc__region *r)
@@ -54,21 +51,6 @@ void dlpc__region_unref(struct dlpc__region *r)
 		dlpc__cuda_unmap(r->gpu);
 	}
 	dlpc__region_finish(r);
-}
-
-void dlpc__region_finish(struct dlpc__region *r)
-{
-	if (r->fd >= 0)
-		close(r->fd);
-	if (r->pool_token && r->pool_fd >= 0)
-		close(r->pool_fd);
-	if (r->client) {
-		if (!r->ce)
-			dlpc__release_epoch(r->client, r->ref_id, r->epoch);
-		dlpc__client_unref(r->client);
-	}
-	free(r->parts);
-	free(r);
 }
 
 static void view_deleter(DLManagedTensorVersioned *t)

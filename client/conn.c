@@ -1,0 +1,475 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The connection core's object: a dlpc_client's life (made, referenced, freed), the list of open
+ * clients that fork() walks, the tables through which features hang off a connection (notices,
+ * hooks), and the releases deferred until the connection's next request (requests and replies:
+ * reader.c and call.c; connecting: call.c; the library's thread: loop.c and serve.c).
+ */
+#include <assert.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "core.h"
+
+/*
+ * Every open client, so that a forked child can close the sockets it inherited: otherwise a
+ * child (a DataLoader worker, a preforked server) would keep its parent's connection, with its
+ * references and ephemeral entries, alive after the parent closed it or died. The child cannot
+ * use them anyway (dlpc__check). fork() takes the list lock first, so the list is whole in the
+ * child.
+ */
+static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
+static dlpc_client *open_clients;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+const struct dlpc__hooks *dlpc__hooks[DLPC__HOOKS_MAX];
+size_t dlpc__nhooks;
+static const struct dlpc__notice *notices[DLPC__NOTICES_MAX];
+static size_t nnotices;
+
+void dlpc__hooks_add(const struct dlpc__hooks *h)
+{
+	assert(dlpc__nhooks < DLPC__HOOKS_MAX);
+	if (dlpc__nhooks < DLPC__HOOKS_MAX)
+		dlpc__hooks[dlpc__nhooks++] = h;
+}
+
+void dlpc__notice_add(const struct dlpc__notice *n)
+{
+	/* one feature a notice, with its handler */
+	assert(nnotices < DLPC__NOTICES_MAX && n->take && !dlpc__notice_find(n->type));
+	if (nnotices < DLPC__NOTICES_MAX)
+		notices[nnotices++] = n;
+}
+
+const struct dlpc__notice *dlpc__notice_find(uint16_t type)
+{
+	for (size_t i = 0; i < nnotices; i++)
+		if (notices[i]->type == type)
+			return notices[i];
+	return NULL;
+}
+
+static void atfork_prepare(void)
+{
+	pthread_mutex_lock(&open_mu);
+	dlpc__loop_atfork(0);
+	/* the features' locks are leaves: taken after these, by no thread holding one of them */
+	for (dlpc_client *c = open_clients; c; c = c->next_open)
+		DLPC__HOOKS_RUN(fork, c, 0);
+	DLPC__HOOKS_RUN(atfork, 0);
+}
+
+static void atfork_parent(void)
+{
+	DLPC__HOOKS_RUN(atfork, 1);
+	for (dlpc_client *c = open_clients; c; c = c->next_open)
+		DLPC__HOOKS_RUN(fork, c, 1);
+	dlpc__loop_atfork(1);
+	pthread_mutex_unlock(&open_mu);
+}
+
+unsigned dlpc__fork_gen;
+
+static void atfork_child(void)
+{
+	__atomic_add_fetch(&dlpc__fork_gen, 1, __ATOMIC_RELAXED);
+	for (dlpc_client *c = open_clients; c; c = c->next_open) {
+		dlpc__close(c->sock);
+		c->sock = -1;
+		dlpc__close(c->wake_fd);
+		c->wake_fd = -1;
+		DLPC__HOOKS_RUN(fork, c, 2);
+	}
+	DLPC__HOOKS_RUN(atfork, 2);
+	/* the parent's deferred releases are the parent's business; no library thread runs here */
+	dlpc__loop_atfork(2);
+	pthread_mutex_unlock(&open_mu);
+}
+
+static void atfork_register(void)
+{
+	pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+}
+
+/* Create @p c's socket and wake-up eventfd and list them in one step: a fork in between would
+ * leave the child fds the list does not know, so the child would not close them. 0 or negative
+ * errno. */
+static int open_socket_listed(dlpc_client *c)
+{
+	int r = 0;
+
+	pthread_once(&atfork_once, atfork_register);
+	pthread_mutex_lock(&open_mu);
+	c->sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (c->sock < 0)
+		r = -errno;
+	else if ((c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0)
+		r = -errno;
+	c->next_open = open_clients;
+	open_clients = c;
+	pthread_mutex_unlock(&open_mu);
+	return r;
+}
+
+void dlpc__list_lock(void)
+{
+	pthread_mutex_lock(&open_mu);
+}
+
+void dlpc__list_unlock(void)
+{
+	pthread_mutex_unlock(&open_mu);
+}
+
+static void open_list_remove(dlpc_client *c)
+{
+	bool last;
+
+	pthread_mutex_lock(&open_mu);
+	for (dlpc_client **pp = &open_clients; *pp; pp = &(*pp)->next_open)
+		if (*pp == c) {
+			*pp = c->next_open;
+			break;
+		}
+	last = !open_clients;
+	pthread_mutex_unlock(&open_mu);
+	/* no client, so no mapping of one left to clean: the process's pagemap fd goes too */
+	if (last)
+		DLPC__HOOKS_RUN(last_client);
+}
+
+void dlpc__client_ref(dlpc_client *c)
+{
+	atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
+}
+
+void dlpc__client_free(dlpc_client *c)
+{
+	open_list_remove(c);
+	dlpc__close(c->sock);
+	dlpc__rx_clear(&c->rx);
+	dlpc__scratch_clear(&c->out);
+	free(c->reclaimed);
+	free(c->abandoned);
+	DLPC__HOOKS_RUN(free, c);
+	dlpc__close(c->wake_fd);
+	pthread_mutex_destroy(&c->mu);
+	pthread_mutex_destroy(&c->wmu);
+	pthread_cond_destroy(&c->cv);
+	free(c);
+}
+
+void dlpc__client_unref(dlpc_client *c)
+{
+	unsigned was = atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel);
+
+	assert(was > 0);
+	if (was == 1)
+		dlpc__client_free(c);
+}
+
+/* End the reader's wait for the socket (it then looks at the state of its call). */
+void dlpc__wake_reader(dlpc_client *c)
+{
+	if (c->wake_fd >= 0 && eventfd_write(c->wake_fd, 1) < 0) {
+		/* the counter cannot overflow here; nothing to do */
+	}
+}
+
+/* A write of @p c's that failed (@p r) after @p sent bytes left cut its frame short: that breaks
+ * the stream, nothing may follow it. Without c->mu. */
+static void cut_short(dlpc_client *c, int r, size_t sent)
+{
+	if (r >= 0 || sent == 0)
+		return;
+	pthread_mutex_lock(&c->mu);
+	if (!c->broken)
+		c->broken = r == -EAGAIN ? -ETIMEDOUT : r;
+	pthread_cond_broadcast(&c->cv);
+	dlpc__wake_reader(c);
+	pthread_mutex_unlock(&c->mu);
+}
+
+/* Frame @p c's deferred releases at offset 0 of c->out. Length, or negative errno. Under wmu. */
+ssize_t dlpc__pending_frame(dlpc_client *c)
+{
+	Dlpackd__V1__Release msg = DLPACKD__V1__RELEASE__INIT;
+	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	uint64_t rel[DLPC_RELEASE_PENDING_MAX], cached[DLPC_RELEASE_PENDING_MAX],
+		used[DLPC_RELEASE_PENDING_MAX];
+
+	/* releases and the cache's marks (1.7) share the queue, told apart by tag bits */
+	msg.ref_ids = rel;
+	msg.cached_ids = cached;
+	msg.used_ids = used;
+	for (unsigned i = 0; i < n; i++) {
+		uint64_t v = c->pending[i];
+
+		if (v & DLPC__MARK_CACHED)
+			cached[msg.n_cached_ids++] = v & ~DLPC__MARK_CACHED;
+		else if (v & DLPC__MARK_USED)
+			used[msg.n_used_ids++] = v & ~DLPC__MARK_USED;
+		else
+			rel[msg.n_ref_ids++] = v;
+	}
+	return dlpc__msg_frame(&c->out, DLPC_MSG_RELEASE, 0, &msg.base, 0);
+}
+
+/*
+ * Send @p c's deferred releases now. Under wmu. A failed write means the connection is gone,
+ * and the references with it; either way none is pending any more (unless the frame could
+ * not even be built, or the daemon took none of it within the send timeout: then they wait for
+ * the next try).
+ */
+void dlpc__flush_locked(dlpc_client *c)
+{
+	size_t sent;
+	ssize_t len;
+	int r;
+
+	if (!atomic_load_explicit(&c->npending, memory_order_relaxed))
+		return;
+	len = dlpc__pending_frame(c);
+	/* out of memory for the frame: keep them for the next try rather than lose them */
+	if (len < 0)
+		return;
+	r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
+	/* the daemon took nothing within the send timeout (it is stopped): keep them too */
+	if (r == -EAGAIN && sent == 0)
+		return;
+	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
+	cut_short(c, r, sent);
+}
+
+void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t conn_seq)
+{
+	Dlpackd__V1__Cancel msg = DLPACKD__V1__CANCEL__INIT;
+	size_t sent = 0;
+	ssize_t len;
+	int r;
+
+	if (type != DLPC_MSG_ATTACH && type != DLPC_MSG_RECV && type != DLPC_MSG_SEND)
+		return;
+	msg.request_id = id;
+	pthread_mutex_lock(&c->wmu);
+	/* a request of a connection replaced since died with it */
+	if (conn_seq != c->conn_seq) {
+		pthread_mutex_unlock(&c->wmu);
+		return;
+	}
+	/* (without memory for the frame, the wait ends when the connection does) */
+	len = dlpc__msg_frame(&c->out, DLPC_MSG_CANCEL, 0, &msg.base, 0);
+	r = len < 0 ? 0 : dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
+	pthread_mutex_unlock(&c->wmu);
+	cut_short(c, r, sent);
+}
+
+/* Take a reference on @p c unless its last one is already gone (it is being freed). */
+static bool client_tryref(dlpc_client *c)
+{
+	unsigned n = atomic_load_explicit(&c->refs, memory_order_relaxed);
+
+	while (n)
+		if (atomic_compare_exchange_weak_explicit(&c->refs, &n, n + 1, memory_order_acquire,
+							  memory_order_relaxed))
+			return true;
+	return false;
+}
+
+size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
+{
+	size_t n = 0;
+
+	pthread_mutex_lock(&open_mu);
+	for (dlpc_client *c = open_clients; c; c = c->next_open) {
+		if (!dlpc__ours(c))
+			continue;
+		if (n == *cap) {
+			size_t ncap = *cap ? *cap * 2 : 8;
+			dlpc_client **nv = realloc(*buf, ncap * sizeof(*nv));
+
+			if (!nv)
+				break;
+			*buf = nv;
+			*cap = ncap;
+		}
+		if (client_tryref(c))
+			(*buf)[n++] = c;
+	}
+	pthread_mutex_unlock(&open_mu);
+	return n;
+}
+
+/* Queue @p v (a reference id, maybe tagged) on c->pending and tell the library's thread. Under
+ * wmu, which this releases. */
+static void pending_add(dlpc_client *c, uint64_t v)
+{
+	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+
+	/* full only if the last flush had no memory for its frame: try again; failing that, this
+	 * reference stays with the daemon until the connection closes */
+	if (n == DLPC_RELEASE_PENDING_MAX)
+		dlpc__flush_locked(c);
+	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	if (n < DLPC_RELEASE_PENDING_MAX) {
+		c->pending[n++] = v;
+		atomic_store_explicit(&c->npending, n, memory_order_relaxed);
+	}
+	if (n == DLPC_RELEASE_PENDING_MAX)
+		dlpc__flush_locked(c);
+	pthread_mutex_unlock(&c->wmu);
+	if (n == 1 && !dlpc__loop_flush_soon()) {
+		pthread_mutex_lock(&c->wmu);
+		dlpc__flush_locked(c);
+		pthread_mutex_unlock(&c->wmu);
+	}
+}
+
+/*
+ * Take c->wmu to queue something about a reference of connection @p conn_seq: true. false (no
+ * lock taken) in a forked child, where the reference is the parent's (the daemon drops it when
+ * the parent releases it or goes away), and when @p c has connected anew since: the reference
+ * died with its connection, and its id may name another now.
+ */
+static bool pending_lock(dlpc_client *c, uint64_t conn_seq)
+{
+	if (!dlpc__ours(c))
+		return false;
+	pthread_mutex_lock(&c->wmu);
+	if (conn_seq != c->conn_seq) {
+		pthread_mutex_unlock(&c->wmu);
+		return false;
+	}
+	return true;
+}
+
+void dlpc__mark_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq, bool cached)
+{
+	uint64_t v = ref_id | (cached ? DLPC__MARK_CACHED : DLPC__MARK_USED);
+	uint64_t undo = ref_id | (cached ? DLPC__MARK_USED : DLPC__MARK_CACHED);
+	unsigned n;
+
+	if (!pending_lock(c, conn_seq))
+		return;
+	/* a mark not sent yet that this one undoes goes instead: a re-attach loop queues nothing
+	 * more than its last release's mark */
+	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	for (unsigned i = 0; i < n; i++)
+		if (c->pending[i] == undo || c->pending[i] == v) {
+			if (c->pending[i] == undo) {
+				c->pending[i] = c->pending[n - 1];
+				atomic_store_explicit(&c->npending, n - 1, memory_order_relaxed);
+			}
+			pthread_mutex_unlock(&c->wmu);
+			return;
+		}
+	pending_add(c, v);
+}
+
+void dlpc__release_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq)
+{
+	/* a direct channel's message holds no reference of the daemon's */
+	if (ref_id == 0)
+		return;
+	if (!pending_lock(c, conn_seq))
+		return;
+	pending_add(c, ref_id);
+}
+
+void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t conn_seq)
+{
+	pthread_mutex_lock(&c->mu);
+	/* a publication of a connection replaced since went with it, and so did its count */
+	if (conn_seq != c->conn_seq) {
+		pthread_mutex_unlock(&c->mu);
+		return;
+	}
+	c->ipc_pubs += (unsigned)delta;
+	/* a publication taken back (its publish failed) may leave the library's thread watching
+	 * a socket that has nothing more to say for it: let it look again */
+	if (c->ipc_pubs == 0 && c->reclaimer)
+		dlpc__loop_wake();
+	pthread_mutex_unlock(&c->mu);
+}
+
+int dlpc__client_new(int64_t timeout, dlpc_client **ret)
+{
+	pthread_condattr_t ca;
+	dlpc_client *c;
+	int r;
+
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		return dlpc__fail(-ENOMEM, "out of memory");
+	c->pid = getpid();
+	c->wake_fd = -1;
+	c->direct_wake = -1;
+	c->watches = NULL;
+	c->fork_gen = __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
+	c->call_timeout_ms = timeout;
+	atomic_init(&c->refs, 1);
+	pthread_mutex_init(&c->mu, NULL);
+	pthread_mutex_init(&c->wmu, NULL);
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&c->cv, &ca);
+	pthread_condattr_destroy(&ca);
+	dlpc__rx_init(&c->rx);
+	DLPC__HOOKS_RUN(init, c);
+	/* a reply's fd that this process has no room for fails that call, not the connection */
+	c->rx.report_lost_fds = true;
+	r = open_socket_listed(c);
+	if (r < 0) {
+		r = dlpc__fail(r, "cannot create a socket: %s", strerror(-r));
+		dlpc__client_free(c);
+		return r;
+	}
+	*ret = c;
+	return 0;
+}
+
+void dlpc__client_adopt(dlpc_client *c, dlpc_client *n)
+{
+	struct dlpc__rx rx;
+	eventfd_t v;
+	int sock;
+
+	assert(c != n && n->conn_seq == 0);
+	/* Whatever belonged to the old connection is void: its references (the daemon dropped
+	 * them with it: releases naming it are dropped), the replies owed to abandoned calls,
+	 * and the count of legacy CUDA IPC publications whose RECLAIM it would have carried (they
+	 * are kept, as after any lost connection: nobody can say any more whether an attacher
+	 * still uses them; only the new connection's own count from now on). The sockets change
+	 * places under the lock of the open clients' list too, so that a fork meanwhile finds
+	 * each listed once, and its child closes both. */
+	pthread_mutex_lock(&c->wmu);
+	pthread_mutex_lock(&c->mu);
+	pthread_mutex_lock(&open_mu);
+	sock = c->sock;
+	c->sock = n->sock;
+	n->sock = sock;
+	pthread_mutex_unlock(&open_mu);
+	rx = c->rx;
+	c->rx = n->rx;
+	n->rx = rx;
+	c->broken = 0;
+	c->fatal[0] = '\0';
+	c->next_id = 0;
+	c->nabandoned = 0;
+	c->ipc_pubs = 0;
+	c->nreclaimed = 0;
+	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
+	c->conn_seq++;
+	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */
+	/* what the features kept of the old connection goes with it (the cached references,
+	 * pooled buffers in flight, the channels the old daemon knew) */
+	DLPC__HOOKS_RUN(reset_locked, c);
+	pthread_mutex_unlock(&c->mu);
+	pthread_mutex_unlock(&c->wmu);
+	DLPC__HOOKS_RUN(reset, c);
+}

@@ -1,0 +1,120 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* libdlpc: regions (the mappings its tensors point into) and their views (region.c, view.c),
+ * and the memfds behind them. */
+#ifndef DLPC_CLIENT_REGION_H
+#define DLPC_CLIENT_REGION_H
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include <dlpc/dlpc.h>
+
+#include "limits.h"
+
+struct dlpc__centry;
+struct dlpc__gpu_map;
+
+/*
+ * A mapping of shared memory that views (the tensors libdlpc hands out) point into. Refcounted
+ * by its views (and transiently by a bundle). The last unref unmaps it, then closes @p fd
+ * (allocated memory) or sends RELEASE of @p ref_id through @p client (attached memory).
+ */
+/* A storage's identity for maps.c: the file (device, inode) and its change time (an inode
+ * number is reused only by a later file, made at a later time), with the size mapped. */
+struct dlpc__mkey {
+	uint64_t dev, ino, len;
+	int64_t ctime_s, ctime_ns;
+};
+
+struct dlpc__region {
+	atomic_uint refs;
+	void *base;
+	size_t len;
+	int fd; /* dlpc_alloc memory: its memfd (CUDA: its VMM export fd); attached memory: -1 */
+	bool device;		   /* CUDA memory: gpu says how to let go of it */
+	struct dlpc__gpu_map *gpu; /* CUDA: the mapping; NULL for the publisher's own pointer */
+	uint8_t uuid[DLPC_CUDA_UUID_SIZE]; /* CUDA dlpc_alloc memory: its device's UUID */
+	bool has_event; /* legacy CUDA IPC: ev_handle is the publisher's, for dlpc_tensor_wait() */
+	/* attached CUDA memory: how its release is ordered after the consumer's work. No stream
+	 * handle of the consumer's is kept: the consumer owns its streams and may destroy one
+	 * before the tensor is dropped (CuPy's `with Stream():`), and a destroyed handle must not
+	 * be used. The legacy default stream follows every blocking stream, so an event there is
+	 * enough, unless a stream the consumer named is non-blocking (or its flags could not be
+	 * read): then sync_ctx, and the whole context is synchronized instead (cuda.c). */
+	atomic_bool sync_ctx;
+	int ordinal;
+	uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE];
+	dlpc_client *client; /* attached memory: holds a client reference; else NULL */
+	uint64_t ref_id;
+	uint64_t conn_seq; /* the connection (client->conn_seq) ref_id belongs to */
+	/* attached memory held through the client's cache: the entry holds the reference (the
+	 * region only one use of it), and may take back the mapping (map_kind) */
+	struct dlpc__centry *ce;
+	/* a channel's message mapped read-only or copy-on-write (map_kind DLPC__MAP_SHARED_RO or
+	 * DLPC__MAP_COW): which storage, for maps.c to keep the mapping for the storage's next
+	 * message (keyed) */
+	bool keyed;
+	struct dlpc__mkey key;
+	uint8_t map_kind;   /* DLPC__MAP_* */
+	atomic_bool frozen; /* allocated memory sealed read-only (F_SEAL_WRITE), mapped read-only */
+	atomic_bool sealed_ro; /* ...and its seals final: sealing it read-only again is a no-op */
+	/* attached memory: who published the entry, and what */
+	uint32_t owner_uid, entry_flags;
+	int32_t owner_pid;
+	uint64_t generation;
+	/* allocated memory: the tensors dlpc_alloc_bundle() laid out in it (nparts of them, at
+	 * parts[i]; NULL: one, at 0), which a zero-copy publish must cover, all and in order */
+	size_t nparts;
+	uint64_t *parts;
+	/* dlpc_channel_alloc() memory: its pool token (DLPC__POOL_TOKEN set) and the connection
+	 * whose pool holds it (not a reference); 0 and NULL otherwise */
+	uint64_t pool_token;
+	const dlpc_client *pool_owner;
+	/* dlpc_channel_alloc() memory (pool_token set): an O_RDONLY descriptor of fd, the one its
+	 * messages carry, so that no receiver can map or write the buffer (pool.c) */
+	int pool_fd;
+};
+
+void dlpc__region_ref(struct dlpc__region *r);
+void dlpc__region_unref(struct dlpc__region *r);
+/* A C-contiguous view of @p r at @p data; takes its own region reference. NULL on ENOMEM. */
+DLManagedTensorVersioned *dlpc__view_new(struct dlpc__region *r, void *data, DLDevice dev,
+					 DLDataType dtype, int ndim, const int64_t *shape,
+					 uint64_t flags);
+/* The region of a tensor libdlpc made, or NULL for any other tensor. */
+struct dlpc__region *dlpc__view_region(const DLManagedTensorVersioned *t);
+/* Refuse (-EFBIG, -ENOSPC, message naming @p name) a memfd of @p size bytes that this process
+ * could not fill: over RLIMIT_FSIZE, the machine's memory and swap, or its memory cgroups' room
+ * (room.c). 0 if it fits. */
+int dlpc__size_fits(const char *name, uint64_t size);
+/* A memfd of @p size bytes labelled after @p name, its pages allocated now if @p reserve (for
+ * memory that will be written through a mapping); fd or negative errno. */
+int dlpc__memfd_create(const char *name, uint64_t size, bool reserve);
+/* The negative errno for a failed write or reservation of shared memory: a full /dev/shm
+ * (ENOSPC) and a full memory cgroup (ENOMEM) are both -ENOSPC, "shared memory is full". */
+static inline int dlpc__space_err(int err)
+{
+	return err == ENOSPC || err == ENOMEM ? -ENOSPC : -err;
+}
+
+/* Seal a storage memfd that nothing maps for publishing: F_SEAL_SHRINK, GROW and SEAL, plus
+ * F_SEAL_WRITE unless @p writable. 0 or negative errno. */
+int dlpc__memfd_seal(int fd, const char *name, bool writable);
+/* The same for dlpc_alloc() memory @p r, which this process maps: a read-only seal first makes
+ * our own mapping read-only for good, in place. 0, -EBUSY if a writable mapping of it survives
+ * in another process, or another negative errno. */
+int dlpc__region_seal(struct dlpc__region *r, const char *name, bool writable);
+
+/* The end of a region's teardown, once its memory is unmapped: release it, free it. */
+void dlpc__region_finish(struct dlpc__region *r);
+/* The consumer was ordered on @p stream (valid now, perhaps not later): note for
+ * dlpc__cuda_retire() whether the legacy default stream follows it; the handle is not kept. */
+void dlpc__region_note_stream(struct dlpc__region *r, void *stream);
+
+/* alloc.c: a new region of @p size bytes (> 0) on @p device holding one reference (the
+ * caller's); errors name @p what. */
+int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret);
+
+#endif
