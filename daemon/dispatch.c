@@ -429,7 +429,6 @@ struct dlpd_peer *dlpd_peer_new(struct dlpd_server *s, int fd)
 	dlpc__tx_init(&p->tx);
 	dlpd_holdings_init(&p->held);
 	p->held.usage = p->usage;
-	dlpd_list_init(&p->ipc_storages);
 	dlpd_list_init(&p->reclaim_link);
 	dlpd_list_init(&p->watch_link);
 	dlpd_list_init(&p->fail_link);

@@ -33,7 +33,7 @@ void dlpd_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 {
 	if (!st)
 		return;
-	if (st->reclaim_peer)
+	if (st->reclaim_holder)
 		dlpd_reclaim_storage_freed(st);
 	dlpd_persist_storage_gone(s, st);
 	if (st->fd >= 0 && st->device_type == kDLCPU)
@@ -157,10 +157,11 @@ static void wake_waiters(struct dlpd_server *s, struct dlpd_entry *e)
 	struct dlpd_waiter *w;
 
 	while ((w = dlpd_waitq_first_match(&s->reg, name->data, name->len, (uint32_t)e->uid))) {
-		struct dlpd_peer *p = w->peer;
+		struct dlpd_attach_wait *aw = dlpd_container_of(w, struct dlpd_attach_wait, w);
+		struct dlpd_peer *p = aw->peer;
 		uint32_t id = w->req_id, flags = w->flags;
 
-		dlpd_waiter_free(p, w);
+		dlpd_waiter_free(aw);
 		dlpd_attach_answer(p, id, e, flags);
 	}
 }
@@ -221,15 +222,17 @@ static void waiter_closed(uv_handle_t *h)
 	free(h->data);
 }
 
-void dlpd_waiter_free(struct dlpd_peer *p, struct dlpd_waiter *w)
+void dlpd_waiter_free(struct dlpd_attach_wait *aw)
 {
-	dlpd_waiter_unlink(&p->srv->reg, &p->held, w);
+	struct dlpd_peer *p = aw->peer;
+
+	dlpd_waiter_unlink(&p->srv->reg, &p->held, &aw->w);
 	dlpd_mem_uncharge(p->srv, p->usage, DLPD_ATTACH_WAIT_COST);
-	if (w->timed) {
-		w->timer.data = w;
-		uv_close((uv_handle_t *)&w->timer, waiter_closed);
+	if (aw->timed) {
+		aw->timer.data = aw;
+		uv_close((uv_handle_t *)&aw->timer, waiter_closed);
 	} else {
-		free(w);
+		free(aw);
 	}
 }
 
@@ -239,8 +242,7 @@ void dlpd_names_drop_peer(struct dlpd_peer *p)
 	size_t cursor = 0;
 
 	while (!dlpd_list_empty(&p->held.waiters))
-		dlpd_waiter_free(
-			p, dlpd_container_of(p->held.waiters.next, struct dlpd_waiter, peer_link));
+		dlpd_waiter_free(dlpd_attach_wait_of(p->held.waiters.next));
 	while (!dlpd_list_empty(&p->held.ephemeral))
 		dlpd_names_remove(
 			p->srv,

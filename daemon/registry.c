@@ -49,6 +49,7 @@ void dlpd_holdings_init(struct dlpd_holdings *h)
 	dlpd_list_init(&h->waiters);
 	dlpd_list_init(&h->chan_waits);
 	dlpd_list_init(&h->producing);
+	dlpd_list_init(&h->lent);
 }
 
 static bool entry_is(const struct dlpd_entry *e, const uint8_t *name, size_t len)

@@ -124,12 +124,27 @@ struct dlpd_peer {
 	size_t rx_charged; /* rx's buffer, as charged to its uid (mem.c) */
 	size_t tx_charged; /* tx's queued bytes, the same */
 	struct dlpc__tx tx;
-	struct dlpd_holdings held;     /* references, ephemeral entries, waiting attaches */
-	struct dlpd_list ipc_storages; /* legacy IPC or lent VMM storages it published, held */
-	uint64_t *reclaims;	       /* their tokens, freed but not yet told (reclaim.c) */
+	struct dlpd_holdings held; /* references, ephemeral entries, waiting attaches */
+	uint64_t *
+		reclaims; /* tokens of its lent storages (held.lent), freed but not yet told (reclaim.c) */
 	size_t nreclaims, reclaims_cap;
 	struct dlpd_list reclaim_link; /* in srv->reclaimers while nreclaims > 0 */
 	struct dlpd_list link;	       /* in srv->peers */
 };
+
+/* An ATTACH waiting for its name: the registry's record (w) and the connection's side. */
+struct dlpd_attach_wait {
+	struct dlpd_waiter w;
+	struct dlpd_peer *peer; /* to be answered */
+	bool timed;		/* timer runs (w.timeout_ms > 0) */
+	uv_timer_t timer;
+};
+
+/* The wait whose w.peer_link is @p l (in holdings.waiters). */
+static inline struct dlpd_attach_wait *dlpd_attach_wait_of(struct dlpd_list *l)
+{
+	return dlpd_container_of(dlpd_container_of(l, struct dlpd_waiter, peer_link),
+				 struct dlpd_attach_wait, w);
+}
 
 #endif
