@@ -11,10 +11,10 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include "channel.h"
 #include "closer.h"
 #include "dispatch.h"
 #include "handlers.h"
+#include "handoff.h"
 #include "mem.h"
 #include "names.h"
 #include "peer.h"

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "channel.h"
 #include "handlers.h"
+#include "handoff.h"
 #include "mem.h"
 #include "names.h"
 #include "peer.h"

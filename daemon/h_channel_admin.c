@@ -8,9 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "channel.h"
 #include "direct.h"
 #include "handlers.h"
+#include "handoff.h"
 #include "peer.h"
 #include "quota.h"
 #include "util.h"

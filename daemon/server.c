@@ -28,10 +28,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "dispatch.h"
-#include "mem.h"
-#include "channel.h"
 #include "closer.h"
+#include "dispatch.h"
+#include "handoff.h"
+#include "mem.h"
 #include "names.h"
 #include "peer.h"
 #include "persist.h"
