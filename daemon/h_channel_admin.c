@@ -331,30 +331,25 @@ int dlpd_on_channel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, st
 int dlpd_channels_list(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__List *req)
 {
 	Dlpackd__V1__ListReply rep = DLPACKD__V1__LIST_REPLY__INIT;
-	Dlpackd__V1__ChannelInfo *infos = NULL;
+	Dlpackd__V1__ChannelInfo *infos;
+	void *room_infos, *room_ptrs;
 	struct dlpd_channel **v;
 	size_t n, limit, room = DLPC_FRAME_MAX - 64;
 	int r;
 
-	limit = req->limit == 0 || req->limit > DLPC_LIST_PAGE_MAX ? DLPC_LIST_PAGE_MAX
-								   : req->limit;
+	limit = dlpd_list_limit(req->limit);
 	r = dlpd_channel_range(&p->srv->reg, req->prefix.data, req->prefix.len,
 			       req->start_after.data, req->start_after.len, limit + 1, &v, &n);
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot list channels: out of memory");
 	rep.more = n > limit;
 	n = n < limit ? n : limit;
-	if (n > 0) {
-		infos = calloc(n, sizeof(*infos));
-		rep.channels = calloc(n, sizeof(*rep.channels));
-		if (!infos || !rep.channels) {
-			free(infos);
-			free(rep.channels);
-			free(v);
-			return dlpd_reply_error(p, id, ENOMEM,
-						"cannot list channels: out of memory");
-		}
+	if (dlpd_list_room(n, sizeof(*infos), &room_infos, &room_ptrs) < 0) {
+		free(v);
+		return dlpd_reply_error(p, id, ENOMEM, "cannot list channels: out of memory");
 	}
+	infos = room_infos;
+	rep.channels = room_ptrs;
 	for (size_t i = 0; i < n; i++) {
 		size_t sz;
 
