@@ -7,18 +7,18 @@
  * LISTEN_FDS/LISTEN_FDNAMES). Every entry that may outlive its connection (not ephemeral, not
  * legacy CUDA IPC) gets a storage id (sid), and with the store on its storage fd goes there as
  * "st-<sid>" the moment it is published. What the fds mean (names, generations, owners, flags,
- * tensor tables) is in the state journal, a memfd in the store as "state-<epoch>": records
+ * tensor tables) is in the state journal, a memfd in the store as "state-<generation>": records
  * appended with pwrite() before a publish or unpublish is answered, a PUT for each entry (its
  * Publish request as received, plus sid, generation, owner and time) and a DEL for each removal.
  * A replace is a PUT alone. When the journal is long and mostly dead it is rewritten into a new
- * memfd of the next epoch, stored before the old one is dropped, so the store always holds a
+ * memfd of the next generation, stored before the old one is dropped, so the store always holds a
  * complete record. A journal dropped (rewritten, or given up) is invalidated in place first
  * (journal_kill()): the store holds the same memfd, so it can never come back, whether or not
  * the service manager takes its removal. Notifications that find the manager's queue full wait
  * in order (systemd.c): a publish waits for its storage's to go, for a bound, while the manager
  * keeps up, and a rewrite waits until none is left.
  *
- * At start the journal of the highest epoch that reads whole (every record intact) is replayed
+ * At start the journal of the highest generation that reads whole (every record intact) is replayed
  * (a newer one that does not is skipped, and logged; only if none reads whole are the intact
  * records of the newest that reads at all used), and each entry it
  * names goes through the checks of a publish (name, flags, device, tensors, the storage's seals
@@ -68,17 +68,17 @@ static int journal_kill(int fd)
 	return ftruncate(fd, 0) == 0 ? 0 : -errno;
 }
 
-/* Drop the journal @p fd, of @p epoch, from the store for good: invalidated first, then the
+/* Drop the journal @p fd, of @p gen, from the store for good: invalidated first, then the
  * manager asked to let go of it; closed. */
-static void journal_drop(int fd, uint64_t epoch)
+static void journal_drop(int fd, uint64_t gen)
 {
 	int r = journal_kill(fd);
 
 	if (r < 0)
 		dlpd_log(LOG_ERR,
 			 "cannot invalidate state journal " DLPD_FDNAME_STATE "%" PRIx64 ": %s",
-			 epoch, strerror(-r));
-	dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64, epoch);
+			 gen, strerror(-r));
+	dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64, gen);
 	close(fd);
 }
 
@@ -96,7 +96,7 @@ static void give_up(struct dlpd_server *s, const char *what, int err)
 	 * better none, whether or not the manager takes its removal. A restart then closes every
 	 * stored storage. */
 	if (p->journal_fd >= 0) {
-		journal_drop(p->journal_fd, p->epoch);
+		journal_drop(p->journal_fd, p->journal_gen);
 		p->journal_fd = -1;
 	}
 	dlpd_notify("STATUS=entries no longer persisted: %s", what);
@@ -180,17 +180,17 @@ static bool lasting(const struct dlpd_entry *e)
 }
 
 /*
- * A new journal of epoch @p epoch holding a PUT of every lasting entry (@p all) or of those
+ * A new journal of generation @p gen holding a PUT of every lasting entry (@p all) or of those
  * whose storage is stored (!@p all, for the store), but @p skip, an entry being removed. The
  * memfd in @p fd; each entry's journaled is set (to 0 where it has no record) when @p mark.
  * -EFBIG if it would be longer than a restore reads.
  */
-static int write_journal(struct dlpd_server *s, uint64_t epoch, bool all, bool mark,
+static int write_journal(struct dlpd_server *s, uint64_t gen, bool all, bool mark,
 			 const struct dlpd_entry *skip, int *fd, uint64_t *len_out,
 			 uint64_t *live_out)
 {
 	struct dlpd_persist *p = &s->persist;
-	struct dlpd_journal_hdr jh = {.epoch = epoch};
+	struct dlpd_journal_hdr jh = {.journal_gen = gen};
 	uint64_t off = sizeof(jh), live = 0;
 	struct dlpd_hmap *m = &s->reg.names;
 	int jfd, r;
@@ -229,7 +229,7 @@ static int write_journal(struct dlpd_server *s, uint64_t epoch, bool all, bool m
 }
 
 /*
- * Replace the journal by a new one of the next epoch holding only the live records (not
+ * Replace the journal by a new one of the next generation holding only the live records (not
  * @p skip's): in the store first (sent, not waiting in dlpd_notify_fds()'s queue), so that the
  * store always holds a whole record, then the old one invalidated. While notifications wait
  * for the service manager the rewrite waits too (the old journal stays whole), unless it
@@ -245,13 +245,13 @@ static void compact(struct dlpd_server *s, const struct dlpd_entry *skip, bool m
 		dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS);
 	else if (dlpd_notify_queued())
 		return;
-	r = write_journal(s, p->epoch + 1, false, true, skip, &fd, &len, &live);
+	r = write_journal(s, p->journal_gen + 1, false, true, skip, &fd, &len, &live);
 	if (r < 0) {
 		give_up(s, "cannot rewrite the state journal", -r);
 		return;
 	}
 	r = dlpd_notify_fds_now(&fd, 1, "FDSTORE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64,
-				p->epoch + 1);
+				p->journal_gen + 1);
 	if (r == -EAGAIN && !must) {
 		/* the manager's queue filled meanwhile: another time */
 		close(fd);
@@ -263,11 +263,11 @@ static void compact(struct dlpd_server *s, const struct dlpd_entry *skip, bool m
 		return;
 	}
 	if (p->journal_fd >= 0)
-		journal_drop(p->journal_fd, p->epoch);
+		journal_drop(p->journal_fd, p->journal_gen);
 	dlpd_log(LOG_DEBUG, "state journal rewritten: %" PRIu64 " bytes, was %" PRIu64, len,
 		 p->journal_len);
 	p->journal_fd = fd;
-	p->epoch++;
+	p->journal_gen++;
 	p->journal_len = len;
 	p->live_len = live;
 }
@@ -403,15 +403,15 @@ void dlpd_persist_drop_held(struct dlpd_server *s)
 	}
 }
 
-int dlpd_persist_snapshot(struct dlpd_server *s, int *fd, uint64_t *epoch)
+int dlpd_persist_snapshot(struct dlpd_server *s, int *fd, uint64_t *gen)
 {
 	uint64_t len, live;
 	int r;
 
-	/* the next epoch: it wins over the journal in the store, which the new image drops */
-	r = write_journal(s, s->persist.epoch + 1, true, false, NULL, fd, &len, &live);
+	/* the next generation: it wins over the journal in the store, which the new image drops */
+	r = write_journal(s, s->persist.journal_gen + 1, true, false, NULL, fd, &len, &live);
 	if (r == 0)
-		*epoch = s->persist.epoch + 1;
+		*gen = s->persist.journal_gen + 1;
 	return r;
 }
 
@@ -554,9 +554,9 @@ static uint8_t *read_journal(const struct passed *j, size_t *len)
 		return NULL;
 	}
 	if (got < sizeof(jh) || memcmp(jh.magic, DLPD_JOURNAL_MAGIC, sizeof(jh.magic)) != 0 ||
-	    jh.epoch != j->num) {
+	    jh.journal_gen != j->num) {
 		dlpd_log(LOG_ERR,
-			 "state journal %s is not one of dlpackd's (bad header or epoch); "
+			 "state journal %s is not one of dlpackd's (bad header or generation); "
 			 "ignoring it",
 			 j->name);
 		free(buf);
@@ -1101,7 +1101,7 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 	const struct passed *best;
 	uint8_t *buf;
 	size_t len;
-	uint64_t top_epoch = 0;
+	uint64_t top_gen = 0;
 	bool whole;
 	int r;
 
@@ -1119,8 +1119,8 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 	/* the newest journal that reads as one; a rewrite stores the new one before it drops the
 	 * old, so both may be here */
 	for (size_t i = 0; i < rs.njournals; i++)
-		if (rs.journals[i].num > top_epoch)
-			top_epoch = rs.journals[i].num;
+		if (rs.journals[i].num > top_gen)
+			top_gen = rs.journals[i].num;
 	best = journal_choose(&rs, &buf, &len, &whole);
 	if (best && !whole)
 		dlpd_log(LOG_WARNING,
@@ -1137,7 +1137,7 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 	free(buf);
 	dlpd_hmap_clear(&rs.live);
 	close_orphans(&rs);
-	p->epoch = top_epoch;
+	p->journal_gen = top_gen;
 	if (p->store_max)
 		store_restored(s);
 	/* once the new journal is stored (if it could not be, no journal is better than one that

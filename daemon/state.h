@@ -38,11 +38,12 @@ struct dlpd_persist {
 	uint64_t store_max;	  /* fds the service manager keeps for us (--fd-store); 0: none */
 	uint64_t storages_stored; /* storage fds of ours in the store */
 	int journal_fd;		  /* the state journal, -1 without a store */
-	uint64_t epoch;		  /* the journal's: its name in the store is state-<epoch> */
-	uint64_t journal_len;	  /* bytes written */
-	uint64_t live_len;	  /* of them, records of entries that still exist */
-	uint64_t next_sid;	  /* the last storage id given */
-	bool broken;		  /* the store or the journal failed: nothing more is recorded */
+	/* the journal's generation: its name in the store is state-<journal_gen> */
+	uint64_t journal_gen;
+	uint64_t journal_len; /* bytes written */
+	uint64_t live_len;    /* of them, records of entries that still exist */
+	uint64_t next_sid;    /* the last storage id given */
+	bool broken;	      /* the store or the journal failed: nothing more is recorded */
 	bool warned_full;
 	uint8_t *rec; /* a record is built here */
 	size_t rec_cap;

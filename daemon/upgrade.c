@@ -133,7 +133,7 @@ static int add(struct handover *h, int fd, const char *fmt, uint64_t num)
 }
 
 /* The fds the new image needs, and their names. */
-static int collect(struct dlpd_server *s, struct handover *h, int journal, uint64_t epoch)
+static int collect(struct dlpd_server *s, struct handover *h, int journal, uint64_t gen)
 {
 	struct dlpd_hmap *m = &s->reg.names;
 	int r = add(h, s->listen_fd, "listen", 0);
@@ -141,10 +141,11 @@ static int collect(struct dlpd_server *s, struct handover *h, int journal, uint6
 	if (r == 0 && s->owns_path)
 		r = add(h, s->lock_fd, "lock", 0);
 	if (r == 0)
-		r = add(h, journal, DLPD_FDNAME_STATE "%" PRIx64, epoch);
+		r = add(h, journal, DLPD_FDNAME_STATE "%" PRIx64, gen);
 	/* the journal in the fd store, older: the new image drops it from the store */
 	if (r == 0 && s->persist.journal_fd >= 0)
-		r = add(h, s->persist.journal_fd, DLPD_FDNAME_STATE "%" PRIx64, s->persist.epoch);
+		r = add(h, s->persist.journal_fd, DLPD_FDNAME_STATE "%" PRIx64,
+			s->persist.journal_gen);
 	for (size_t b = 0; r == 0 && b < m->nbuckets; b++)
 		for (struct dlpd_hnode *n = m->buckets[b]; r == 0 && n; n = n->next) {
 			struct dlpd_entry *e = dlpd_container_of(n, struct dlpd_entry, node);
@@ -310,7 +311,7 @@ static void hand_sockets(struct dlpd_server *s, struct dlpd_channel **chans, siz
  * of the journal (in *@p journal), into @p h. false, logged, if not. */
 static bool handover_prepare(struct dlpd_server *s, struct handover *h, int *journal)
 {
-	uint64_t epoch;
+	uint64_t gen;
 	int r;
 
 	if (!s->self_exe || access(s->self_exe, X_OK) < 0) {
@@ -319,9 +320,9 @@ static bool handover_prepare(struct dlpd_server *s, struct handover *h, int *jou
 			 s->self_exe ? strerror(errno) : "readlink /proc/self/exe failed at start");
 		return false;
 	}
-	r = dlpd_persist_snapshot(s, journal, &epoch);
+	r = dlpd_persist_snapshot(s, journal, &gen);
 	if (r == 0)
-		r = collect(s, h, *journal, epoch);
+		r = collect(s, h, *journal, gen);
 	if (r == 0 && h->names_len > FDNAMES_MAX)
 		r = -E2BIG;
 	if (r < 0) {
