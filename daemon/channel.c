@@ -52,6 +52,7 @@ struct dlpd_channel *dlpd_channel_new(struct dlpd_registry *r, const uint8_t *na
 
 void dlpd_channel_free(struct dlpd_registry *r, struct dlpd_channel *ch)
 {
+	dlpd_assert(ch->depth == 0 && ch->nsenders == 0 && ch->nreceivers == 0);
 	dlpd_hmap_remove(&r->channels, &ch->node);
 	ch->usage->entries--;
 	ch->usage->channels--;

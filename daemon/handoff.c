@@ -84,7 +84,7 @@ static int give(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint3
 	struct dlpd_ref *ref;
 	int r;
 
-	if (p->failed)
+	if (dlpd_peer_marked(p))
 		return -EPIPE;
 	channel_name(ch, name, sizeof(name));
 	if ((flags & DLPC_ATTACH_SINGLE) && m->ntensors != 1)
@@ -153,7 +153,10 @@ static void reply_sent(struct dlpd_peer *p, uint32_t id, uint64_t seq, uint32_t 
 /* Queue @p m on @p ch and answer its SEND @p id from @p p. */
 static void admit(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, struct dlpd_msg *m)
 {
-	uint64_t seq = push(p, ch, m);
+	uint64_t seq;
+
+	dlpd_assert(ch->depth < ch->capacity && ch->nsenders == 0);
+	seq = push(p, ch, m);
 
 	reply_sent(p, id, seq, ch->depth);
 }
@@ -187,7 +190,7 @@ static void pump(struct dlpd_server *s, struct dlpd_channel *ch)
 			p = w->peer;
 			id = w->req_id;
 			wait_free(w);
-			if (p->failed)
+			if (dlpd_peer_marked(p))
 				dlpd_msg_free(s, m);
 			else
 				admit(p, id, ch, m);
@@ -200,7 +203,10 @@ static void pump(struct dlpd_server *s, struct dlpd_channel *ch)
 void dlpd_handoff_send(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch,
 		       struct dlpd_msg *m)
 {
-	uint64_t seq = push(p, ch, m);
+	uint64_t seq;
+
+	dlpd_assert(ch->depth < ch->capacity && ch->nsenders == 0);
+	seq = push(p, ch, m);
 
 	/* A receiver waiting gets it now, in this turn, and before the sender hears back: the
 	 * receiver's reply is written first, so on a busy CPU the receiver is not queued behind
@@ -211,7 +217,10 @@ void dlpd_handoff_send(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch
 
 int dlpd_handoff_recv(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint32_t flags)
 {
-	int r = give(p, id, ch, flags);
+	int r;
+
+	dlpd_assert(ch->depth > 0);
+	r = give(p, id, ch, flags);
 
 	/* room was made: a waiting sender comes in */
 	pump(p->srv, ch);

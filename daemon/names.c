@@ -104,7 +104,7 @@ int dlpd_attach_answer(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, u
 	int r;
 
 	/* a marked connection would never read the reference it was given */
-	if (p->failed)
+	if (dlpd_peer_marked(p))
 		return -EPIPE;
 	if ((flags & DLPC_ATTACH_WRITABLE) && !(pub->flags & DLPC_PUBLISH_WRITABLE))
 		return dlpd_reply_error(
@@ -173,6 +173,7 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 	struct dlpd_storage *old_st = NULL;
 	int r;
 
+	dlpd_assert(e->st->names == 1 && e->st->attach_refs == 0);
 	/* Removing old first cannot make the link fail: the map has buckets already. Nothing
 	 * runs in between, so no attacher sees the name absent, and watchers see one REPLACED. */
 	if (old) {

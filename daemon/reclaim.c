@@ -27,7 +27,7 @@ static void reclaim_flush(uv_timer_t *t)
 		size_t done = 0;
 
 		dlpd_list_del(&p->reclaim_link);
-		while (done < p->nreclaims && !p->failed) {
+		while (done < p->nreclaims && !dlpd_peer_marked(p)) {
 			size_t n = p->nreclaims - done;
 
 			msg.n_tokens = n > DLPC_RECLAIM_BATCH_MAX ? DLPC_RECLAIM_BATCH_MAX : n;
@@ -37,7 +37,7 @@ static void reclaim_flush(uv_timer_t *t)
 			if (dlpd_reply(p, DLPC_MSG_RECLAIM, 0, &msg.base, NULL, 0) < 0)
 				break;
 		}
-		if (!p->failed)
+		if (!dlpd_peer_marked(p))
 			p->nreclaims = 0;
 	}
 }
@@ -67,7 +67,7 @@ void dlpd_reclaim_storage_freed(struct dlpd_storage *st)
 
 	dlpd_list_del(&st->reclaim_link);
 	st->reclaim_holder = NULL;
-	if (s->stopping || p->failed)
+	if (s->stopping || dlpd_peer_marked(p))
 		return;
 	if (p->nreclaims == p->reclaims_cap) {
 		size_t cap = p->reclaims_cap ? p->reclaims_cap * 2 : 16;

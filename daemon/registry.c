@@ -32,6 +32,7 @@ void dlpd_registry_init(struct dlpd_registry *r)
 
 void dlpd_registry_clear(struct dlpd_registry *r)
 {
+	dlpd_assert(r->names.count == 0 && r->channels.count == 0);
 	dlpd_hmap_clear(&r->names);
 	free(r->sorted);
 	r->sorted = NULL;
@@ -173,6 +174,7 @@ struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage
 
 void dlpd_storage_free(struct dlpd_registry *r, struct dlpd_storage *st)
 {
+	dlpd_assert(st->names == 0 && st->attach_refs == 0);
 	r->storages--;
 	r->storage_fds -= st->fd >= 0;
 	r->bytes -= st->size;

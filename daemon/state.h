@@ -90,6 +90,19 @@ struct dlpd_server {
 	bool upgrading; /* stopping to execute the binary again (upgrade.c) */
 };
 
+/*
+ * Where a connection is in its life; it only ever moves down this list (LINGERING only for one
+ * with frames left to flush). What may happen at any step is kept apart, in dlpd_peer: it sent
+ * WATCH (watching), it shut down its sending side (hup), its socket failed (broken).
+ */
+enum dlpd_conn_state {
+	DLPD_CONN_GREETING,  /* accepted: only HELLO is served, due within the frame deadline */
+	DLPD_CONN_SERVING,   /* said HELLO: its requests are served */
+	DLPD_CONN_MARKED,    /* dlpd_peer_fail(): reads nothing, takes no new frames, waits in
+			      * srv->failed to be destroyed (dispatch.c) */
+	DLPD_CONN_LINGERING, /* destroyed, flushing its last frames (an ERROR) within a bound */
+};
+
 struct dlpd_peer {
 	struct dlpd_server *srv;
 	uv_poll_t poll;
@@ -100,15 +113,12 @@ struct dlpd_peer {
 	uint64_t serial;
 	struct dlpd_usage *usage; /* its uid's, charged with this connection */
 	int events;		  /* uv_poll events currently asked for */
-	bool hello;
+	enum dlpd_conn_state state;
 	uint32_t minor; /* the protocol minor version agreed at HELLO */
-	/* Marked (dlpd_peer_fail()): reads nothing, takes no new frames, waits in srv->failed
-	 * to be destroyed. */
-	bool failed;
 	bool broken;	/* its socket failed, or its queue overflowed: nothing more is written */
 	bool hup;	/* it shut down its sending side: its buffered requests are still served */
-	bool lingering; /* destroyed, flushing its last frames (an ERROR) within a bound */
-	bool watching;	/* sent WATCH: receives events, sends nothing but RELEASE */
+	bool watching;	/* sent WATCH: receives events, sends nothing but RELEASE (until it is
+			 * destroyed, marked or not: dlpd_watch_drop()) */
 	uint64_t inval_seen; /* the last invalidation it was sent (srv->inval_seq), invalidate.c */
 	struct dlpd_list watch_link; /* in srv->watchers */
 	struct dlpd_list fail_link;  /* in srv->failed while marked, then in srv->lingering */
@@ -132,6 +142,12 @@ struct dlpd_peer {
 	struct dlpd_list reclaim_link; /* in srv->reclaimers while nreclaims > 0 */
 	struct dlpd_list link;	       /* in srv->peers */
 };
+
+/* Was @p p marked (dlpd_peer_fail()), lingering or not? Then nothing new is done for it. */
+static inline bool dlpd_peer_marked(const struct dlpd_peer *p)
+{
+	return p->state >= DLPD_CONN_MARKED;
+}
 
 /* An ATTACH waiting for its name: the registry's record (w) and the connection's side. */
 struct dlpd_attach_wait {
