@@ -16,8 +16,6 @@
 #include "storage.h"
 #include "util.h"
 
-#define RECV_FLAGS DLPC_ATTACH_SINGLE
-
 /* SEND or RECV of a direct channel: its messages never pass through the daemon. */
 static int direct_refused(struct dlpd_peer *p, uint32_t id, const char *verb, const char *name)
 {
@@ -214,10 +212,10 @@ int dlpd_on_recv(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 	if (dlpc__name_check(req->channel.data, req->channel.len, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EINVAL, "cannot receive: channel name: %s", why);
 	dlpc__printable(req->channel.data, req->channel.len, name, sizeof(name));
-	if (req->flags & ~RECV_FLAGS)
+	if (req->flags & ~DLPC_WIRE_RECV_FLAGS)
 		return dlpd_reply_error(p, id, EINVAL,
 					"cannot receive from channel '%s': unknown flags 0x%x",
-					name, req->flags & ~RECV_FLAGS);
+					name, req->flags & ~DLPC_WIRE_RECV_FLAGS);
 	ch = dlpd_channel_find(&s->reg, req->channel.data, req->channel.len);
 	if (!ch)
 		return dlpd_reply_error(p, id, ENOENT, "no channel named '%s'; open it first",

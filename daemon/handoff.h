@@ -52,7 +52,7 @@ void dlpd_handoff_send(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch
  * Answer @p p's RECV @p id with the oldest message of @p ch (not empty): a reference of its own
  * on the storage and the storage's fd; the message leaves the channel and a waiting sender
  * takes its room. Refused (the message stays queued) for a connection being dropped, a bundle
- * asked for as one tensor (DLPC_ATTACH_SINGLE in @p flags), or the reference limit. 0 or the
+ * asked for as one tensor (DLPC_WIRE_ATTACH_SINGLE in @p flags), or the reference limit. 0 or the
  * reply's negative errno.
  */
 int dlpd_handoff_recv(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint32_t flags);

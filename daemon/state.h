@@ -114,10 +114,9 @@ struct dlpd_peer {
 	struct dlpd_usage *usage; /* its uid's, charged with this connection */
 	int events;		  /* uv_poll events currently asked for */
 	enum dlpd_conn_state state;
-	uint32_t minor; /* the protocol minor version agreed at HELLO */
-	bool broken;	/* its socket failed, or its queue overflowed: nothing more is written */
-	bool hup;	/* it shut down its sending side: its buffered requests are still served */
-	bool watching;	/* sent WATCH: receives events, sends nothing but RELEASE (until it is
+	bool broken;   /* its socket failed, or its queue overflowed: nothing more is written */
+	bool hup;      /* it shut down its sending side: its buffered requests are still served */
+	bool watching; /* sent WATCH: receives events, sends nothing but RELEASE (until it is
 			 * destroyed, marked or not: dlpd_watch_drop()) */
 	uint64_t inval_seen; /* the last invalidation it was sent (srv->inval_seq), invalidate.c */
 	struct dlpd_list watch_link; /* in srv->watchers */
