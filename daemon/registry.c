@@ -113,6 +113,7 @@ static void pin_charge(struct dlpd_usage *u, const struct dlpd_storage *st, int 
 /* Drop one holder of @p st (a name when @p name is true, else a reference). */
 static struct dlpd_storage *storage_unhold(struct dlpd_storage *st, bool name)
 {
+	dlpd_assert(name ? st->names > 0 : st->attach_refs > 0);
 	if (name)
 		st->names--;
 	else
@@ -296,6 +297,7 @@ struct dlpd_storage *dlpd_ref_drop(struct dlpd_registry *r, struct dlpd_holdings
 {
 	struct dlpd_storage *st = ref->st;
 
+	dlpd_assert(ref->holder == h);
 	dlpd_hmap_remove(&h->refs, &ref->node);
 	dlpd_ref_mark(r, ref, false);
 	dlpd_list_del(&ref->st_link);
@@ -365,6 +367,7 @@ void dlpd_waiter_unlink(struct dlpd_registry *r, struct dlpd_holdings *h, struct
 {
 	struct dlpd_waitq *q = w->q;
 
+	dlpd_assert(q != NULL); /* queued, not unlinked already */
 	dlpd_list_del(&w->q_link);
 	dlpd_list_del(&w->peer_link);
 	r->waiters--;
