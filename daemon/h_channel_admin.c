@@ -2,7 +2,8 @@
 /*
  * Handlers for channels (protocol 1.6) that manage them rather than carry messages: CHANNEL
  * (open, remove, describe), the channels of a LIST, and the watch events of opening and
- * removing one. The messages' way through a channel, SEND and RECV, is h_channel.c's.
+ * removing one. The messages' way through a channel, SEND and RECV, is h_channel.c's; emptying
+ * a channel and ending its stream are handoff.c's.
  */
 #include <errno.h>
 #include <stdlib.h>

@@ -158,9 +158,9 @@ struct dlpd_holdings {
 	struct dlpd_list ephemeral; /* entries it owns */
 	struct dlpd_list waiters;
 	uint64_t nwaiters;
-	struct dlpd_list chan_waits; /* its SENDs and RECVs waiting on channels (channel.h) */
+	struct dlpd_list chan_waits; /* its SENDs and RECVs waiting on channels (handoff.h) */
 	uint64_t nchan_waits;
-	struct dlpd_list producing; /* dlpd_producer: channels it produces to (channel.h) */
+	struct dlpd_list producing; /* dlpd_producer: channels it produces to (handoff.h) */
 	uint64_t nproducing;
 	/* legacy IPC or lent VMM storages it published, held (st->reclaim_link, reclaim.c) */
 	struct dlpd_list lent;
