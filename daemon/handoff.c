@@ -153,10 +153,7 @@ static void reply_sent(struct dlpd_peer *p, uint32_t id, uint64_t seq, uint32_t 
 /* Queue @p m on @p ch and answer its SEND @p id from @p p. */
 static void admit(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, struct dlpd_msg *m)
 {
-	uint64_t seq;
-
-	dlpd_assert(ch->depth < ch->capacity && ch->nsenders == 0);
-	seq = push(p, ch, m);
+	uint64_t seq = push(p, ch, m);
 
 	reply_sent(p, id, seq, ch->depth);
 }
@@ -207,7 +204,6 @@ void dlpd_handoff_send(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch
 
 	dlpd_assert(ch->depth < ch->capacity && ch->nsenders == 0);
 	seq = push(p, ch, m);
-
 	/* A receiver waiting gets it now, in this turn, and before the sender hears back: the
 	 * receiver's reply is written first, so on a busy CPU the receiver is not queued behind
 	 * the sender's wake-up. */
@@ -221,7 +217,6 @@ int dlpd_handoff_recv(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch,
 
 	dlpd_assert(ch->depth > 0);
 	r = give(p, id, ch, flags);
-
 	/* room was made: a waiting sender comes in */
 	pump(p->srv, ch);
 	return r;

@@ -902,6 +902,7 @@ static void restore_entry(struct restore *rs, struct live_rec *l)
 	if (dlpd_entry_link(&s->reg, e, NULL) < 0) {
 		/* the storage goes with the fd, closed as an orphan below */
 		dlpd_entry_free_unlinked(e);
+		st->names = 0;			/* the entry that held it never got its name */
 		dlpd_storage_free(&s->reg, st); /* and u, if nothing else is charged to it */
 		dlpd_log(LOG_ERR, "not restoring '%s': out of memory", name);
 		rs->refused++;
