@@ -135,6 +135,11 @@ typedef struct dlpc_attach_opts {
 #define DLPC_PUBLISH_EPHEMERAL (1u << 1)
 /** Publish: attachers may map the storage writable. */
 #define DLPC_PUBLISH_WRITABLE (1u << 2)
+/*
+ * Attach flags (dlpc_attach_opts.flags, and those dlpc_recv_opts.flags names): the library's API.
+ * The library acts on most of them itself; only WRITABLE and OWNER of an attach reach dlpackd,
+ * whose protocol has attach flags of its own (docs/protocol.md, 5.2).
+ */
 /** Attach: map writable (the entry must have been published with DLPC_PUBLISH_WRITABLE). */
 #define DLPC_ATTACH_WRITABLE (1u << 0)
 /** Attach: do not order anything after a legacy CUDA IPC publisher's event (neither
@@ -489,10 +494,11 @@ DLPC_EXPORT int dlpc_alloc_bundle(dlpc_client *c, DLDevice device, size_t n,
  *         expired or dlpackd did not answer in time (timeout_ms plus DLPC_CALL_GRACE_MS for a
  *         waiting attach, $DLPC_CALL_TIMEOUT_MS for timeout_ms 0), -EINVAL if the name holds a
  *         bundle of several tensors, -EACCES for a writable attach of a read-only entry,
- *         -ENOTSUP for a copy-on-write attach of a CUDA entry, -ENODEV without a CUDA driver or the entry's device,
- *         -EMFILE when this process has no free fd for the storage's (the message names the
- *         RLIMIT_NOFILE soft limit; the reference goes back to the daemon and the client stays
- *         usable), -ECANCELED when dlpc_close() was called meanwhile.
+ *         -ENOTSUP for a copy-on-write attach of a CUDA entry, -ENODEV without a CUDA driver
+ *         or the entry's device, -EMFILE when this process has no free fd for the storage's
+ *         (the message names the RLIMIT_NOFILE soft limit; the reference goes back to the
+ *         daemon and the client stays usable), -ECANCELED when dlpc_close() was called
+ *         meanwhile.
  */
 DLPC_EXPORT int dlpc_attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
 			    DLManagedTensorVersioned **ret);
