@@ -229,6 +229,48 @@ START_TEST(test_backpressure)
 }
 END_TEST
 
+/* ---- senders waiting for room go in, in turn, one per message received ---- */
+
+static int queued_sender(void *arg)
+{
+	dlpc_client *c = child_connect();
+
+	CHILD_CHECK(send_value(c, "bq", *(const int64_t *)arg, 1, 0, -1) == 0);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_backpressure_queue)
+{
+	dlpc_client *c = connect_or_die(&D);
+	int64_t three = 3, four = 4, v;
+	pid_t s3, s4;
+
+	ck_assert_dlpc(dlpc_channel_open(c, "bq", 2, NULL), 1);
+	ck_assert_dlpc(send_value(c, "bq", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(send_value(c, "bq", 2, 1, 0, -1), 0);
+	s3 = spawn(queued_sender, &three);
+	ck_assert(WAIT_CHAN(c, "bq", senders_waiting, 1));
+	s4 = spawn(queued_sender, &four);
+	ck_assert(WAIT_CHAN(c, "bq", senders_waiting, 2));
+	/* room for one: the oldest sender goes in, the other still waits behind it */
+	ck_assert_dlpc(recv_value(c, "bq", 0, &v, NULL), 0);
+	ck_assert_int_eq(v, 1);
+	ck_assert_int_eq(wait_child(s3), 0);
+	ck_assert_uint_eq(chan_or_die(c, "bq").senders_waiting, 1);
+	ck_assert_uint_eq(chan_or_die(c, "bq").depth, 2);
+	ck_assert_dlpc(recv_value(c, "bq", 0, &v, NULL), 0);
+	ck_assert_int_eq(v, 2);
+	ck_assert_int_eq(wait_child(s4), 0);
+	for (int64_t want = 3; want <= 4; want++) {
+		ck_assert_dlpc(recv_value(c, "bq", 0, &v, NULL), 0);
+		ck_assert_int_eq(v, want);
+	}
+	ck_assert_dlpc(recv_value(c, "bq", 0, &v, NULL), -EAGAIN);
+	dlpc_close(c);
+}
+END_TEST
+
 /* ---- a killed receiver's messages are freed; a killed waiter takes nothing ---- */
 
 static int holding_receiver(void *arg)
@@ -1555,6 +1597,7 @@ int main(void)
 	tcase_add_test(tc, test_order);
 	tcase_add_test(tc, test_exactly_once);
 	tcase_add_test(tc, test_backpressure);
+	tcase_add_test(tc, test_backpressure_queue);
 	tcase_add_test(tc, test_killed_receiver);
 	tcase_add_test(tc, test_sender_dies);
 	tcase_add_test(tc, test_end_two_producers);
