@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * What every daemon file may use and what uses nothing of the daemon's: intrusive lists, the
- * hash map (hmap.c), logging (log.c) and the monotonic clock.
+ * hash map (hmap.c), logging (log.c), the monotonic clock and dlpd_assert().
  */
 #ifndef DLPD_BASE_H
 #define DLPD_BASE_H
@@ -10,8 +10,25 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <syslog.h>
 #include <time.h>
+
+/*
+ * An invariant, or a precondition a header states: checked in every build (NDEBUG or not), so
+ * cheap ones only. A daemon that broke one would go on with corrupt state: it stops instead,
+ * saying where.
+ */
+#define dlpd_assert(cond)                                                                          \
+	((cond) ? (void)0 : dlpd_assert_failed(#cond, __FILE__, __LINE__, __func__))
+
+__attribute__((noreturn, cold)) static inline void
+dlpd_assert_failed(const char *cond, const char *file, int line, const char *func)
+{
+	fprintf(stderr, "dlpackd: %s:%d: %s: assertion failed: %s\n", file, line, func, cond);
+	abort();
+}
 
 /* ---- intrusive doubly linked list ---- */
 struct dlpd_list {

@@ -52,6 +52,7 @@ struct dlpd_channel *dlpd_channel_new(struct dlpd_registry *r, const uint8_t *na
 
 void dlpd_channel_free(struct dlpd_registry *r, struct dlpd_channel *ch)
 {
+	dlpd_assert(ch->depth == 0 && ch->nsenders == 0 && ch->nreceivers == 0);
 	dlpd_hmap_remove(&r->channels, &ch->node);
 	ch->usage->entries--;
 	ch->usage->channels--;
@@ -108,6 +109,7 @@ int dlpd_channel_range(struct dlpd_registry *r, const uint8_t *prefix, size_t pl
 void dlpd_channel_push(struct dlpd_registry *r, struct dlpd_channel *ch, struct dlpd_msg *m)
 {
 	(void)r;
+	dlpd_assert(ch->ends[0] < 0); /* a direct channel's messages never pass here */
 	m->seq = ++ch->sent;
 	dlpd_list_add_tail(&ch->queue, &m->link);
 	ch->depth++;

@@ -6,10 +6,10 @@
  * reference of the receiver's (the storage is then charged to the receiver, like an unnamed
  * storage it keeps alive) and the message itself is gone: it is received exactly once.
  *
- * channel.c holds the data (the map, the queues, what each connection waits for); h_channel.c
- * SEND, RECV and the hand-offs between senders and receivers; h_channel_admin.c CHANNEL (open,
- * remove, describe), LIST's channels and their watch events; direct.c (direct.h) a direct channel's
- * sockets.
+ * channel.c holds the data (the map, the queues); handoff.c (handoff.h) the hand-offs between
+ * senders and receivers, what each connection waits for, producers and emptying a channel;
+ * h_channel.c SEND and RECV; h_channel_admin.c CHANNEL (open, remove, describe), LIST's
+ * channels and their watch events; direct.c (direct.h) a direct channel's sockets.
  */
 #ifndef DLPD_CHANNEL_H
 #define DLPD_CHANNEL_H
@@ -57,38 +57,6 @@ struct dlpd_channel {
 	uint8_t name[];
 };
 
-/* A connection that produces to a channel (1.10): made by its first SEND, a PRODUCE (a direct
- * channel's sender, before its first message) or a CLOSE; kept, closed or not, until the
- * connection or the channel goes, so that a closed producer's later sends are refused. */
-struct dlpd_producer {
-	struct dlpd_list ch_link;   /* in ch->producers */
-	struct dlpd_list peer_link; /* in holdings.producing */
-	struct dlpd_channel *ch;
-	struct dlpd_holdings *holder;
-	bool closed;
-};
-
-/* What a producer record costs its uid's memory (--max-memory-per-uid). */
-#define DLPD_PRODUCER_COST 96
-
-/* A SEND waiting for room, or a RECV waiting for a message. */
-struct dlpd_chan_wait {
-	struct dlpd_list ch_link;   /* in ch->senders or ch->receivers */
-	struct dlpd_list peer_link; /* in holdings.chan_waits */
-	struct dlpd_channel *ch;
-	struct dlpd_peer *peer;
-	uint32_t req_id;
-	uint32_t flags;	      /* RECV: ATTACH_SINGLE */
-	struct dlpd_msg *msg; /* SEND: the message to admit; NULL for a RECV */
-	int64_t timeout_ms;   /* > 0: timer runs */
-	uv_timer_t timer;
-	uint64_t charged; /* to its uid's pending bytes (mem.c): itself and a SEND's message */
-};
-
-/* What a waiting SEND or RECV costs the daemon besides a SEND's message: the wait and
- * allocator overhead. */
-#define DLPD_CHAN_WAIT_COST (sizeof(struct dlpd_chan_wait) + 32)
-
 struct dlpd_channel *dlpd_channel_find(struct dlpd_registry *r, const uint8_t *name, size_t len);
 /* A new empty channel named @p name, charged to @p u as one entry; NULL on ENOMEM. */
 struct dlpd_channel *dlpd_channel_new(struct dlpd_registry *r, const uint8_t *name, size_t len,
@@ -110,28 +78,6 @@ struct dlpd_msg *dlpd_channel_pop(struct dlpd_registry *r, struct dlpd_channel *
  * sockets add theirs: dlpd_direct_info()). */
 void dlpd_channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *info);
 
-/* h_channel.c: end every wait on @p ch with EIDRM ("channel '@p name' was removed") and free
- * every message it holds; @p ch stays. */
-void dlpd_channel_empty(struct dlpd_server *s, struct dlpd_channel *ch, const char *name);
-/* h_channel.c: @p p a producer of @p ch (1.10): 0, or -EPIPE (the stream ended, or @p p
- * closed its side), -EDQUOT (DLPC_PRODUCING_MAX, memory) with why. */
-int dlpd_channel_produce(struct dlpd_peer *p, struct dlpd_channel *ch, char *why, size_t whylen);
-/* h_channel.c: @p p closes its side of @p ch (a record made if it had none, unless @p p is of
- * another uid than @p ch's and not root: then nothing changes): 0 or -EDQUOT. */
-int dlpd_channel_close_producer(struct dlpd_peer *p, struct dlpd_channel *ch, char *why,
-				size_t whylen);
-/* h_channel.c: end @p ch's stream now (close-all, or its last producer closed): waiting
- * receivers get EPIPE, waiting senders too (their messages freed), a direct channel's sending
- * end is shut for writing. */
-void dlpd_channel_end(struct dlpd_server *s, struct dlpd_channel *ch);
-/* h_channel.c: drop what @p p waits for on channels (its blocked SENDs' messages are freed)
- * and its producer records (a producer not closed counts as closed: its stream may end). */
-void dlpd_channels_drop_peer(struct dlpd_peer *p);
-/* End @p p's SEND or RECV @p id if it waits on a channel (CANCEL): ERROR ECANCELED, a SEND's
- * message freed. Whether one did. */
-bool dlpd_channel_cancel(struct dlpd_peer *p, uint32_t id);
-/* h_channel.c: free every channel and its messages at stop, once every connection is gone. */
-void dlpd_channels_clear(struct dlpd_server *s);
 /* h_channel_admin.c: the channels part of a LIST reply (List.channels). */
 int dlpd_channels_list(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__List *req);
 

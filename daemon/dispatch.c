@@ -11,10 +11,10 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include "channel.h"
 #include "closer.h"
 #include "dispatch.h"
 #include "handlers.h"
+#include "handoff.h"
 #include "mem.h"
 #include "names.h"
 #include "peer.h"
@@ -91,6 +91,7 @@ static void destroy(struct dlpd_peer *p)
 {
 	struct dlpd_server *s = p->srv;
 
+	dlpd_assert(p->state == DLPD_CONN_MARKED);
 	dlpd_list_del(&p->fail_link);
 	dlpd_list_del(&p->link);
 	s->npeers--;
@@ -114,7 +115,7 @@ static void destroy(struct dlpd_peer *p)
 	p->usage = NULL;
 	uv_timer_stop(&p->deadline);
 	if (p->tx.head && !p->broken && !s->stopping) {
-		p->lingering = true;
+		p->state = DLPD_CONN_LINGERING;
 		dlpd_list_add_tail(&s->lingering, &p->fail_link);
 		dlpd_peer_update_events(p);
 		uv_timer_start(&p->deadline, linger_expired, DLPC_ERROR_LINGER_MS, 0);
@@ -143,14 +144,15 @@ static void deadline_check(uv_timer_t *t)
 	uint64_t waited;
 
 	/* held back (below) is not stalled: the clock restarts when reading does */
-	if (p->failed || p->tx.head || (p->hello && !dlpc__rx_partial(&p->rx)))
+	if (dlpd_peer_marked(p) || p->tx.head ||
+	    (p->state == DLPD_CONN_SERVING && !dlpc__rx_partial(&p->rx)))
 		return;
 	waited = uv_now(p->srv->loop) - p->partial_since;
 	if (waited < limit) {
 		uv_timer_start(&p->deadline, deadline_check, limit - waited, 0);
 		return;
 	}
-	if (!p->hello)
+	if (p->state == DLPD_CONN_GREETING)
 		dlpd_peer_fail(
 			p, LOG_WARNING,
 			"no complete HELLO within %llu ms of connecting (--frame-timeout-ms); "
@@ -240,7 +242,7 @@ static void dispatch(struct dlpd_peer *p, struct dlpc__frame *f)
 		violation(p, f->hdr.id, "%s on a watching connection", name);
 		return;
 	}
-	if (!p->hello && !rq->before_hello) {
+	if (p->state == DLPD_CONN_GREETING && !rq->before_hello) {
 		violation(p, f->hdr.id, "%s before HELLO", name);
 		return;
 	}
@@ -296,7 +298,7 @@ static void process_frames(struct dlpd_peer *p)
 {
 	char why[160];
 
-	while (!p->failed && !p->tx.head) {
+	while (!dlpd_peer_marked(p) && !p->tx.head) {
 		struct dlpc__frame f;
 		int r = dlpc__rx_next(&p->rx, &f, why, sizeof(why));
 
@@ -314,9 +316,9 @@ static void process_frames(struct dlpd_peer *p)
 	 * (mem.c charges it to the uid while it exists) */
 	dlpc__rx_release(&p->rx);
 	dlpd_mem_rx_account(p);
-	if (!p->failed && dlpd_mem_rx_over(p))
+	if (!dlpd_peer_marked(p) && dlpd_mem_rx_over(p))
 		rx_over(p);
-	if (p->failed || p->tx.head)
+	if (dlpd_peer_marked(p) || p->tx.head)
 		return;
 	/* every request it sent before hanging up is answered: now it is gone */
 	if (p->hup) {
@@ -364,12 +366,12 @@ static void on_readable(struct dlpd_peer *p)
 
 static void peer_io(struct dlpd_peer *p, int status, int events)
 {
-	if (p->lingering) {
+	if (p->state == DLPD_CONN_LINGERING) {
 		if (status < 0 || dlpd_peer_flush(p) != 0)
 			close_handles(p);
 		return;
 	}
-	if (p->failed)
+	if (dlpd_peer_marked(p))
 		return;
 	if (status < 0) {
 		p->broken = true;
@@ -429,7 +431,6 @@ struct dlpd_peer *dlpd_peer_new(struct dlpd_server *s, int fd)
 	dlpc__tx_init(&p->tx);
 	dlpd_holdings_init(&p->held);
 	p->held.usage = p->usage;
-	dlpd_list_init(&p->ipc_storages);
 	dlpd_list_init(&p->reclaim_link);
 	dlpd_list_init(&p->watch_link);
 	dlpd_list_init(&p->fail_link);

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "channel.h"
 #include "handlers.h"
+#include "handoff.h"
 #include "mem.h"
 #include "names.h"
 #include "peer.h"
@@ -20,8 +20,9 @@ static bool owner_ok(const struct dlpd_entry *e, uint32_t flags, uint32_t owner)
 
 static void waiter_expired(uv_timer_t *t)
 {
-	struct dlpd_waiter *w = t->data;
-	struct dlpd_peer *p = w->peer;
+	struct dlpd_attach_wait *aw = t->data;
+	struct dlpd_waiter *w = &aw->w;
+	struct dlpd_peer *p = aw->peer;
 	uint32_t id = w->req_id;
 	long long ms = (long long)w->timeout_ms;
 	bool owned = w->flags & DLPC_WIRE_ATTACH_OWNER;
@@ -29,7 +30,7 @@ static void waiter_expired(uv_timer_t *t)
 	char name[DLPC_NAME_TEXT];
 
 	dlpc__printable(w->q->name, w->q->len, name, sizeof(name));
-	dlpd_waiter_free(p, w);
+	dlpd_waiter_free(aw);
 	if (owned)
 		dlpd_reply_error(p, id, ETIMEDOUT,
 				 "no entry named '%s' published by uid %u appeared within %lld ms",
@@ -43,7 +44,7 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 {
 	Dlpackd__V1__Attach *req = (Dlpackd__V1__Attach *)*m;
 	struct dlpd_server *s = p->srv;
-	struct dlpd_waiter *w;
+	struct dlpd_attach_wait *aw;
 	struct dlpd_entry *e;
 	char why[256], name[DLPC_NAME_TEXT];
 
@@ -74,26 +75,26 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 
 	if (dlpd_mem_charge(p, DLPD_ATTACH_WAIT_COST, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EDQUOT, "cannot wait for '%s': %s", name, why);
-	w = calloc(1, sizeof(*w));
-	if (!w) {
+	aw = calloc(1, sizeof(*aw));
+	if (!aw) {
 		dlpd_mem_uncharge(s, p->usage, DLPD_ATTACH_WAIT_COST);
 		return dlpd_reply_error(p, id, ENOMEM, "cannot wait for '%s': out of memory", name);
 	}
-	w->peer = p;
-	w->req_id = id;
-	w->flags = req->flags;
-	w->owner_uid = req->owner_uid;
-	if (dlpd_waiter_add(&s->reg, &p->held, w, req->name.data, req->name.len) < 0) {
-		free(w);
+	aw->peer = p;
+	aw->w.req_id = id;
+	aw->w.flags = req->flags;
+	aw->w.owner_uid = req->owner_uid;
+	if (dlpd_waiter_add(&s->reg, &p->held, &aw->w, req->name.data, req->name.len) < 0) {
+		free(aw);
 		dlpd_mem_uncharge(s, p->usage, DLPD_ATTACH_WAIT_COST);
 		return dlpd_reply_error(p, id, ENOMEM, "cannot wait for '%s': out of memory", name);
 	}
 	if (req->timeout_ms > 0) {
-		uv_timer_init(s->loop, &w->timer);
-		w->timer.data = w;
-		w->timed = true;
-		w->timeout_ms = req->timeout_ms;
-		uv_timer_start(&w->timer, waiter_expired, (uint64_t)req->timeout_ms, 0);
+		uv_timer_init(s->loop, &aw->timer);
+		aw->timer.data = aw;
+		aw->timed = true;
+		aw->w.timeout_ms = req->timeout_ms;
+		uv_timer_start(&aw->timer, waiter_expired, (uint64_t)req->timeout_ms, 0);
 	}
 	return 0;
 }
@@ -150,13 +151,13 @@ int dlpd_on_cancel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 	/* a waiting ATTACH of this connection's, else a waiting SEND or RECV; an id that waits
 	 * no more (answered meanwhile) is no violation */
 	for (l = p->held.waiters.next; l != &p->held.waiters; l = l->next) {
-		struct dlpd_waiter *w = dlpd_container_of(l, struct dlpd_waiter, peer_link);
+		struct dlpd_attach_wait *aw = dlpd_attach_wait_of(l);
 		char name[DLPC_NAME_TEXT];
 
-		if (w->req_id != req->request_id)
+		if (aw->w.req_id != req->request_id)
 			continue;
-		dlpc__printable(w->q->name, w->q->len, name, sizeof(name));
-		dlpd_waiter_free(p, w);
+		dlpc__printable(aw->w.q->name, aw->w.q->len, name, sizeof(name));
+		dlpd_waiter_free(aw);
 		dlpd_reply_error(p, req->request_id, ECANCELED,
 				 "the wait for '%s' was canceled by the client", name);
 		return 0;

@@ -2,15 +2,16 @@
 /*
  * Handlers for channels (protocol 1.6) that manage them rather than carry messages: CHANNEL
  * (open, remove, describe), the channels of a LIST, and the watch events of opening and
- * removing one. The messages' way through a channel, SEND and RECV, is h_channel.c's.
+ * removing one. The messages' way through a channel, SEND and RECV, is h_channel.c's; emptying
+ * a channel and ending its stream are handoff.c's.
  */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "channel.h"
 #include "direct.h"
 #include "handlers.h"
+#include "handoff.h"
 #include "peer.h"
 #include "quota.h"
 #include "util.h"
@@ -83,13 +84,85 @@ static int reply_info(struct dlpd_peer *p, uint32_t id, const struct dlpd_channe
 	return dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }
 
+/* An OPEN of @p ch, which exists: answered with its info if it asks for nothing @p ch is not
+ * (its producers, its capacity, its kind: @p direct, or either for @p any). */
+static int channel_reopen(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Channel *req,
+			  const struct dlpd_channel *ch, bool direct, bool any, const char *name)
+{
+	if (req->producers && req->producers != (ch->expected ? ch->expected : 1))
+		return dlpd_reply_error(p, id, EEXIST,
+					"channel '%s' is open already for %u producers, not %u",
+					name, ch->expected ? ch->expected : 1, req->producers);
+	/* (a direct channel answers to the capacity asked for and to the one it got) */
+	if (req->capacity && req->capacity != ch->capacity &&
+	    !(ch->ends[0] >= 0 && req->capacity == ch->direct_capacity))
+		return dlpd_reply_error(p, id, EEXIST,
+					"channel '%s' is open already with capacity %u, not %u",
+					name, ch->capacity, req->capacity);
+	if (!any && (ch->ends[0] >= 0) != direct)
+		return dlpd_reply_error(p, id, EEXIST,
+					"channel '%s' is open already as a %s channel; open it "
+					"without asking for a kind to use it as it is",
+					name, ch->ends[0] >= 0 ? "direct" : "queued");
+	return reply_info(p, id, ch, false);
+}
+
+/* May @p p open a new channel named @p name (@p direct: with its socket pair)? 0, or -EDQUOT
+ * and the whole reason in @p msg: the daemon's fds, the uid's channels, fds, entries and
+ * memory. */
+static int channel_quota(const struct dlpd_peer *p, size_t name_len, bool direct, const char *name,
+			 char *msg, size_t msglen)
+{
+	const struct dlpd_server *s = p->srv;
+	char why[256];
+
+	if (direct && dlpd_fds_in_use(s) + 2 > s->fd_budget) {
+		snprintf(
+			msg, msglen,
+			"cannot open channel '%s': dlpackd holds %llu storage, connection and "
+			"channel fds; its fd limit leaves room for %llu (RLIMIT_NOFILE minus %d in "
+			"reserve)",
+			name, (unsigned long long)dlpd_fds_in_use(s),
+			(unsigned long long)s->fd_budget, DLPC_FD_RESERVE);
+		return -EDQUOT;
+	}
+	if (p->usage->channels + 1 > s->lim.channels_per_uid) {
+		snprintf(msg, msglen,
+			 "cannot open channel '%s': uid %u has %llu channels open; the limit is "
+			 "%llu (--max-channels-per-uid)",
+			 name, (unsigned)p->uid, (unsigned long long)p->usage->channels,
+			 (unsigned long long)s->lim.channels_per_uid);
+		return -EDQUOT;
+	}
+	/* a direct channel's pair is held by the daemon for its opener's uid: in its fd share
+	 * (the joiners' copies are in their own processes, under their own RLIMIT_NOFILE) */
+	if (direct && dlpd_uid_fds(p->usage) + 2 > dlpd_uid_fd_share(s)) {
+		dlpd_uid_fd_share_why(p, dlpd_uid_fds(p->usage), why, sizeof(why));
+		snprintf(msg, msglen, "cannot open direct channel '%s': %s", name, why);
+		return -EDQUOT;
+	}
+	if (p->usage->entries + 1 > s->lim.entries_per_uid) {
+		snprintf(msg, msglen,
+			 "cannot open channel '%s': uid %u has %llu entries and channels; the "
+			 "limit is %llu (--max-entries-per-uid)",
+			 name, (unsigned)p->uid, (unsigned long long)p->usage->entries,
+			 (unsigned long long)s->lim.entries_per_uid);
+		return -EDQUOT;
+	}
+	if (dlpd_quota_memory(p, DLPD_CHANNEL_COST + name_len, 0, why, sizeof(why)) < 0) {
+		snprintf(msg, msglen, "cannot open channel '%s': %s", name, why);
+		return -EDQUOT;
+	}
+	return 0;
+}
+
 static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Channel *req,
 			const char *name)
 {
 	struct dlpd_server *s = p->srv;
 	struct dlpd_channel *ch = dlpd_channel_find(&s->reg, req->name.data, req->name.len);
 	uint32_t cap = req->capacity ? req->capacity : DLPC_CHANNEL_CAPACITY_DEFAULT;
-	char desc[96], why[256];
+	char desc[96], why[256], msg[DLPC_NAME_TEXT + 512];
 
 	if (req->capacity > DLPC_CHANNEL_CAPACITY_MAX)
 		return dlpd_reply_error(p, id, EINVAL,
@@ -108,58 +181,10 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					"cannot open channel '%s': %u producers exceeds the limit "
 					"of %d (DLPC_CHANNEL_PRODUCERS_MAX)",
 					name, req->producers, DLPC_CHANNEL_PRODUCERS_MAX);
-	if (ch && req->producers && req->producers != (ch->expected ? ch->expected : 1))
-		return dlpd_reply_error(p, id, EEXIST,
-					"channel '%s' is open already for %u producers, not %u",
-					name, ch->expected ? ch->expected : 1, req->producers);
-	/* (a direct channel answers to the capacity asked for and to the one it got) */
-	if (ch && req->capacity && req->capacity != ch->capacity &&
-	    !(ch->ends[0] >= 0 && req->capacity == ch->direct_capacity))
-		return dlpd_reply_error(p, id, EEXIST,
-					"channel '%s' is open already with capacity %u, not %u",
-					name, ch->capacity, req->capacity);
-	if (ch && !any && (ch->ends[0] >= 0) != direct)
-		return dlpd_reply_error(p, id, EEXIST,
-					"channel '%s' is open already as a %s channel; open it "
-					"without asking for a kind to use it as it is",
-					name, ch->ends[0] >= 0 ? "direct" : "queued");
 	if (ch)
-		return reply_info(p, id, ch, false);
-	if (direct && dlpd_fds_in_use(s) + 2 > s->fd_budget)
-		return dlpd_reply_error(p, id, EDQUOT,
-					"cannot open channel '%s': dlpackd holds %llu storage, "
-					"connection and channel fds; its fd limit leaves room for "
-					"%llu (RLIMIT_NOFILE minus %d in reserve)",
-					name, (unsigned long long)dlpd_fds_in_use(s),
-					(unsigned long long)s->fd_budget, DLPC_FD_RESERVE);
-	if (p->usage->channels + 1 > s->lim.channels_per_uid)
-		return dlpd_reply_error(p, id, EDQUOT,
-					"cannot open channel '%s': uid %u has %llu channels open; "
-					"the limit is %llu (--max-channels-per-uid)",
-					name, (unsigned)p->uid,
-					(unsigned long long)p->usage->channels,
-					(unsigned long long)s->lim.channels_per_uid);
-	/* a direct channel's pair is held by the daemon for its opener's uid: in its fd share
-	 * (the joiners' copies are in their own processes, under their own RLIMIT_NOFILE) */
-	if (direct) {
-		const struct dlpd_usage *u = p->usage;
-		uint64_t uid_fds = dlpd_uid_fds(u);
-
-		if (uid_fds + 2 > dlpd_uid_fd_share(s)) {
-			dlpd_uid_fd_share_why(p, uid_fds, why, sizeof(why));
-			return dlpd_reply_error(p, id, EDQUOT,
-						"cannot open direct channel '%s': %s", name, why);
-		}
-	}
-	if (p->usage->entries + 1 > s->lim.entries_per_uid)
-		return dlpd_reply_error(p, id, EDQUOT,
-					"cannot open channel '%s': uid %u has %llu entries and "
-					"channels; the limit is %llu (--max-entries-per-uid)",
-					name, (unsigned)p->uid,
-					(unsigned long long)p->usage->entries,
-					(unsigned long long)s->lim.entries_per_uid);
-	if (dlpd_quota_memory(p, DLPD_CHANNEL_COST + req->name.len, 0, why, sizeof(why)) < 0)
-		return dlpd_reply_error(p, id, EDQUOT, "cannot open channel '%s': %s", name, why);
+		return channel_reopen(p, id, req, ch, direct, any, name);
+	if (channel_quota(p, req->name.len, direct, name, msg, sizeof(msg)) < 0)
+		return dlpd_reply_error(p, id, EDQUOT, "%s", msg);
 	ch = dlpd_channel_new(&s->reg, req->name.data, req->name.len, cap, p->usage);
 	if (!ch)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot open channel '%s': out of memory",
@@ -322,30 +347,25 @@ int dlpd_on_channel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, st
 int dlpd_channels_list(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__List *req)
 {
 	Dlpackd__V1__ListReply rep = DLPACKD__V1__LIST_REPLY__INIT;
-	Dlpackd__V1__ChannelInfo *infos = NULL;
+	Dlpackd__V1__ChannelInfo *infos;
+	void *room_infos, *room_ptrs;
 	struct dlpd_channel **v;
 	size_t n, limit, room = DLPC_FRAME_MAX - 64;
 	int r;
 
-	limit = req->limit == 0 || req->limit > DLPC_LIST_PAGE_MAX ? DLPC_LIST_PAGE_MAX
-								   : req->limit;
+	limit = dlpd_list_limit(req->limit);
 	r = dlpd_channel_range(&p->srv->reg, req->prefix.data, req->prefix.len,
 			       req->start_after.data, req->start_after.len, limit + 1, &v, &n);
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot list channels: out of memory");
 	rep.more = n > limit;
 	n = n < limit ? n : limit;
-	if (n > 0) {
-		infos = calloc(n, sizeof(*infos));
-		rep.channels = calloc(n, sizeof(*rep.channels));
-		if (!infos || !rep.channels) {
-			free(infos);
-			free(rep.channels);
-			free(v);
-			return dlpd_reply_error(p, id, ENOMEM,
-						"cannot list channels: out of memory");
-		}
+	if (dlpd_list_room(n, sizeof(*infos), &room_infos, &room_ptrs) < 0) {
+		free(v);
+		return dlpd_reply_error(p, id, ENOMEM, "cannot list channels: out of memory");
 	}
+	infos = room_infos;
+	rep.channels = room_ptrs;
 	for (size_t i = 0; i < n; i++) {
 		size_t sz;
 

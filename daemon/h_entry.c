@@ -72,6 +72,82 @@ static bool may_change(const struct dlpd_peer *p, const struct dlpd_entry *e)
 	return p->uid == 0 || p->uid == e->uid;
 }
 
+/* Is @p req a publish the daemon can take: its flags, device, storage size, tensors and
+ * storage? 0, or negative errno and why; -EPROTO for an fd count that contradicts it. */
+static int check_publish(const struct dlpd_peer *p, Dlpackd__V1__Publish *req,
+			 const struct dlpc__frame *f, char *why, size_t whylen)
+{
+	int r;
+
+	if (req->flags & ~DLPC_PUBLISH_FLAGS_ALL) {
+		snprintf(why, whylen, "unknown flags 0x%x", req->flags & ~DLPC_PUBLISH_FLAGS_ALL);
+		return -EINVAL;
+	}
+	r = check_device(p, req, f, why, whylen);
+	if (r < 0)
+		return r;
+	if (req->storage_size == 0 || req->storage_size > INT64_MAX) {
+		snprintf(why, whylen, "bad storage size %llu",
+			 (unsigned long long)req->storage_size);
+		return -EINVAL;
+	}
+	r = dlpd_entry_check_tensors(req, why, whylen);
+	if (r < 0)
+		return r;
+	return dlpd_entry_check_storage(req, f->nfds ? f->fds[0] : -1, why, whylen);
+}
+
+/*
+ * The entry the checked PUBLISH *@p m makes for @p p, replacing @p old (NULL if none): on a new
+ * storage of the frame's fd (taken), charged to @p p's uid, the request taken over (*@p m set
+ * to NULL); not visible yet. NULL on ENOMEM, with nothing taken.
+ */
+static struct dlpd_entry *entry_new(struct dlpd_peer *p, ProtobufCMessage **m,
+				    struct dlpc__frame *f, const struct dlpd_entry *old)
+{
+	Dlpackd__V1__Publish *req = (Dlpackd__V1__Publish *)*m;
+	struct dlpd_server *s = p->srv;
+	struct dlpd_storage *st;
+	struct dlpd_entry *e;
+	struct timespec now;
+	uint8_t *wire;
+	size_t wire_len;
+
+	dlpd_entry_drop_unknown_fields(req);
+	wire = dlpd_entry_encode_tensors(req, &wire_len);
+	e = wire ? calloc(1, sizeof(*e)) : NULL;
+	/* charged to the connection's uid, whose usage record its connection keeps alive */
+	st = e ? dlpd_storage_new(&s->reg, p->usage, f->nfds ? f->fds[0] : -1, req->storage_size,
+				  req->device_type, req->device_id)
+	       : NULL;
+	if (!st) {
+		free(e);
+		free(wire);
+		return NULL;
+	}
+	if (f->nfds)
+		dlpc__frame_take_fd(f, 0);
+	st->names = 1;
+	e->st = st;
+	e->pub = req;
+	*m = NULL;
+	/* what the entry is, not how it was published */
+	req->flags &= ~DLPC_PUBLISH_REPLACE;
+	clock_gettime(CLOCK_REALTIME, &now);
+	e->generation = old && old->generation < INT32_MAX ? old->generation + 1 : 1;
+	e->uid = p->uid;
+	e->usage = p->usage;
+	e->memory = dlpd_record_cost(f->hdr.len, req->n_tensors);
+	e->pid = p->pid;
+	e->created_ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
+	if (e->created_ns <= s->reg.last_created_ns)
+		e->created_ns = s->reg.last_created_ns + 1;
+	s->reg.last_created_ns = e->created_ns;
+	e->tensors_wire = wire;
+	e->tensors_wire_len = wire_len;
+	return e;
+}
+
 int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
 {
 	Dlpackd__V1__Publish *req = (Dlpackd__V1__Publish *)*m;
@@ -79,33 +155,18 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 	struct dlpd_server *s = p->srv;
 	struct dlpd_entry *old, *e;
 	struct dlpd_storage *st;
-	uint8_t *wire;
-	size_t wire_len;
 	char why[256], name[DLPC_NAME_TEXT], desc[96];
-	struct timespec now;
 	int r;
 
 	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EINVAL, "cannot publish: %s", why);
 	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
-	if (req->flags & ~DLPC_PUBLISH_FLAGS_ALL)
-		return dlpd_reply_error(p, id, EINVAL, "cannot publish '%s': unknown flags 0x%x",
-					name, req->flags & ~DLPC_PUBLISH_FLAGS_ALL);
-	r = check_device(p, req, f, why, sizeof(why));
+	r = check_publish(p, req, f, why, sizeof(why));
 	if (r == -EPROTO) {
 		dlpd_reply_error(p, id, EPROTO, "cannot publish '%s': %s", name, why);
 		dlpd_peer_fail(p, LOG_WARNING, "protocol violation: PUBLISH: %s", why);
 		return -EPROTO;
 	}
-	if (r < 0)
-		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
-	if (req->storage_size == 0 || req->storage_size > INT64_MAX)
-		return dlpd_reply_error(p, id, EINVAL, "cannot publish '%s': bad storage size %llu",
-					name, (unsigned long long)req->storage_size);
-	r = dlpd_entry_check_tensors(req, why, sizeof(why));
-	if (r < 0)
-		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
-	r = dlpd_entry_check_storage(req, f->nfds ? f->fds[0] : -1, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
 	old = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
@@ -137,44 +198,15 @@ int dlpd_on_publish(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, stru
 			      old && old->usage == p->usage ? old->memory : 0, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, r, "cannot publish '%s': %s", name, why);
-
-	dlpd_entry_drop_unknown_fields(req);
-	wire = dlpd_entry_encode_tensors(req, &wire_len);
-	e = wire ? calloc(1, sizeof(*e)) : NULL;
-	/* charged to the connection's uid, whose usage record its connection keeps alive */
-	st = e ? dlpd_storage_new(&s->reg, p->usage, f->nfds ? f->fds[0] : -1, req->storage_size,
-				  req->device_type, req->device_id)
-	       : NULL;
-	if (!st) {
-		free(e);
-		free(wire);
+	e = entry_new(p, m, f, old);
+	if (!e)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
-	}
-	if (f->nfds)
-		dlpc__frame_take_fd(f, 0);
-	st->names = 1;
-	e->st = st;
-	e->pub = req;
-	*m = NULL;
-	/* what the entry is, not how it was published */
-	req->flags &= ~DLPC_PUBLISH_REPLACE;
-	clock_gettime(CLOCK_REALTIME, &now);
-	e->generation = old && old->generation < INT32_MAX ? old->generation + 1 : 1;
-	e->uid = p->uid;
-	e->usage = p->usage;
-	e->memory = dlpd_record_cost(f->hdr.len, req->n_tensors);
-	e->pid = p->pid;
-	e->created_ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
-	if (e->created_ns <= s->reg.last_created_ns)
-		e->created_ns = s->reg.last_created_ns + 1;
-	s->reg.last_created_ns = e->created_ns;
+	st = e->st;
 	rep.generation = e->generation;
 	rep.created_ns = e->created_ns;
 	dlpd_log(LOG_DEBUG, "%s: published '%s' generation %llu, %zu tensors, %llu bytes",
 		 dlpd_peer_desc(p, desc, sizeof(desc)), name, (unsigned long long)e->generation,
 		 req->n_tensors, (unsigned long long)req->storage_size);
-	e->tensors_wire = wire;
-	e->tensors_wire_len = wire_len;
 	if (dlpd_names_publish(s, e, old, req->flags & DLPC_PUBLISH_EPHEMERAL ? p : NULL) < 0)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot publish '%s': out of memory", name);
 	/* memory its publisher keeps or lends goes back to it when freed: only once published,
@@ -219,7 +251,8 @@ int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 {
 	Dlpackd__V1__List *req = (Dlpackd__V1__List *)*m;
 	Dlpackd__V1__ListReply rep = DLPACKD__V1__LIST_REPLY__INIT;
-	Dlpackd__V1__EntryInfo *infos = NULL;
+	Dlpackd__V1__EntryInfo *infos;
+	void *room_infos, *room_ptrs;
 	struct dlpd_entry **v;
 	size_t n, limit, room = DLPC_FRAME_MAX - 64;
 	int r;
@@ -230,8 +263,7 @@ int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 					DLPC_NAME_MAX);
 	if (req->channels)
 		return dlpd_channels_list(p, id, req);
-	limit = req->limit == 0 || req->limit > DLPC_LIST_PAGE_MAX ? DLPC_LIST_PAGE_MAX
-								   : req->limit;
+	limit = dlpd_list_limit(req->limit);
 	/* one more than a page, to know whether more follow */
 	r = dlpd_registry_range(&p->srv->reg, req->prefix.data, req->prefix.len,
 				req->start_after.data, req->start_after.len, limit + 1, &v, &n);
@@ -239,15 +271,10 @@ int dlpd_on_list(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 		return dlpd_reply_error(p, id, r, "cannot list: out of memory");
 	rep.more = n > limit;
 	n = n < limit ? n : limit;
-	if (n > 0) {
-		infos = calloc(n, sizeof(*infos));
-		rep.entries = calloc(n, sizeof(*rep.entries));
-		if (!infos || !rep.entries) {
-			free(infos);
-			free(rep.entries);
-			return dlpd_reply_error(p, id, ENOMEM, "cannot list: out of memory");
-		}
-	}
+	if (dlpd_list_room(n, sizeof(*infos), &room_infos, &room_ptrs) < 0)
+		return dlpd_reply_error(p, id, ENOMEM, "cannot list: out of memory");
+	infos = room_infos;
+	rep.entries = room_ptrs;
 	for (size_t i = 0; i < n; i++) {
 		Dlpackd__V1__EntryInfo *info = &infos[i];
 		const struct dlpd_entry *e = v[i];

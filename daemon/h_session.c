@@ -20,7 +20,7 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	uint64_t uid_fds;
 
 	(void)f;
-	if (p->hello) {
+	if (p->state != DLPD_CONN_GREETING) {
 		dlpd_reply_error(p, id, EPROTO, "HELLO sent twice");
 		return -EPROTO;
 	}
@@ -70,7 +70,7 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 		dlpd_peer_fail(p, LOG_NOTICE, "refused: %s", why);
 		return -EDQUOT;
 	}
-	p->hello = true;
+	p->state = DLPD_CONN_SERVING;
 	rep.version_major = DLPC_PROTO_MAJOR;
 	rep.version_minor = DLPC_PROTO_MINOR;
 	rep.server = "dlpackd " DLPD_VERSION;

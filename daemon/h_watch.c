@@ -6,7 +6,6 @@
  * (id 0) to it (names.c sends them), and the only frame it may still send is RELEASE. A watcher
  * owns no ephemeral entry and no waiting ATTACH, so destroying one never changes the name map.
  */
-#include <assert.h>
 #include <errno.h>
 #include <string.h>
 
@@ -55,7 +54,7 @@ void dlpd_watch_drop(struct dlpd_peer *p)
 	if (!p->watching)
 		return;
 	/* what makes dropping a watcher safe in the middle of delivering an event */
-	assert(dlpd_list_empty(&p->held.ephemeral) && dlpd_list_empty(&p->held.waiters));
+	dlpd_assert(dlpd_list_empty(&p->held.ephemeral) && dlpd_list_empty(&p->held.waiters));
 	dlpd_list_del(&p->watch_link);
 	p->srv->nwatchers--;
 	p->watching = false;

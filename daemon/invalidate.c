@@ -31,7 +31,8 @@ void dlpd_invalidate(struct dlpd_server *s, const struct dlpd_entry *e)
 		struct dlpd_ref *ref = dlpd_container_of(l, struct dlpd_ref, st_link);
 		struct dlpd_peer *p = dlpd_container_of(ref->holder, struct dlpd_peer, held);
 
-		if (!ref->cacheable || p->inval_seen == s->inval_seq || p->failed || p->broken)
+		if (!ref->cacheable || p->inval_seen == s->inval_seq || dlpd_peer_marked(p) ||
+		    p->broken)
 			continue;
 		p->inval_seen = s->inval_seq;
 		if (!built) {

@@ -75,9 +75,65 @@ static int sort_passed(struct dlpd_passed_fd *fds, size_t n, struct dlpd_start *
 	return 0;
 }
 
+/* The socket to listen on, into how->path: the one socket activation passed (--socket is then
+ * ignored), --socket, or the default one (written into @p defpath). 0, or -1 logged. */
+static int choose_socket(struct dlpd_start *how, char *defpath, size_t size)
+{
+	const char *socket_path = dlpd_config.socket_path, *ignored, *ignored_env;
+	int r;
+
+	if (how->listen_fd >= 0) {
+		ignored = dlpd_config_bind_option_given(&ignored_env);
+		if (ignored && how->lock_fd < 0)
+			dlpd_log(LOG_WARNING,
+				 "ignoring --%s (or %s): the socket comes from socket activation",
+				 ignored, ignored_env);
+	} else if (!socket_path) {
+		/* not dlpc_default_socket(): that is where clients look, which is the system
+		 * socket for a user whose own daemon has not bound its socket yet */
+		r = dlpc__listen_socket(defpath, size);
+		if (r < 0) {
+			dlpd_log(LOG_ERR, "no socket path: %s; pass --socket or set %s",
+				 r == -ENOENT ? "XDG_RUNTIME_DIR is not set"
+					      : "the path is too long",
+				 DLPC_SOCKET_ENV);
+			return -1;
+		}
+		socket_path = defpath;
+	}
+	how->path = socket_path;
+	return 0;
+}
+
+/* Clients can connect as soon as the socket listens, which is before the signal handlers
+ * exist: hold the signals back (@p set) until they do, so that none kills us by default
+ * (SIGHUP included: an upgrade executes us with the socket already listening). */
+static void hold_signals(sigset_t *set)
+{
+	sigemptyset(set);
+	sigaddset(set, SIGTERM);
+	sigaddset(set, SIGINT);
+	sigaddset(set, SIGHUP);
+	/* the exits of closers (closer.c), an upgrading image's among them: reaped once the
+	 * handler is there */
+	sigaddset(set, SIGCHLD);
+	sigprocmask(SIG_BLOCK, set, NULL);
+}
+
+/* Close what was passed at start (@p passed, freed), the daemon not starting. */
+static void close_passed(const struct dlpd_start *how, struct dlpd_passed_fd *passed)
+{
+	for (size_t i = 0; i < how->nrestore; i++)
+		close(passed[i].fd);
+	if (how->listen_fd >= 0)
+		close(how->listen_fd);
+	if (how->lock_fd >= 0)
+		close(how->lock_fd);
+	free(passed);
+}
+
 int main(int argc, char **argv)
 {
-	const char *socket_path, *ignored, *ignored_env;
 	char defpath[108], why[160];
 	struct dlpd_start how = {.listen_fd = -1, .lock_fd = -1};
 	struct dlpd_passed_fd *passed = NULL;
@@ -104,56 +160,22 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	how.restore = passed;
-	socket_path = dlpd_config.socket_path;
-	if (how.listen_fd >= 0) {
-		ignored = dlpd_config_bind_option_given(&ignored_env);
-		if (ignored && how.lock_fd < 0)
-			dlpd_log(LOG_WARNING,
-				 "ignoring --%s (or %s): the socket comes from socket activation",
-				 ignored, ignored_env);
-	} else if (!socket_path) {
-		/* not dlpc_default_socket(): that is where clients look, which is the system
-		 * socket for a user whose own daemon has not bound its socket yet */
-		r = dlpc__listen_socket(defpath, sizeof(defpath));
-		if (r < 0) {
-			dlpd_log(LOG_ERR, "no socket path: %s; pass --socket or set %s",
-				 r == -ENOENT ? "XDG_RUNTIME_DIR is not set"
-					      : "the path is too long",
-				 DLPC_SOCKET_ENV);
-			free(passed);
-			return 2;
-		}
-		socket_path = defpath;
+	if (choose_socket(&how, defpath, sizeof(defpath)) < 0) {
+		free(passed);
+		return 2;
 	}
-	how.path = socket_path;
 	signal(SIGPIPE, SIG_IGN);
 	/* A write past RLIMIT_FSIZE (the state journal, a memfd) fails with EFBIG, which persist.c
 	 * answers, instead of killing the daemon. */
 	signal(SIGXFSZ, SIG_IGN);
 	raise_fd_limit();
-	/* Clients can connect as soon as the socket listens, which is before the signal handlers
-	 * exist: hold the signals back until they do, so that none kills us by default (SIGHUP
-	 * included: an upgrade executes us with the socket already listening). */
-	sigemptyset(&stop_signals);
-	sigaddset(&stop_signals, SIGTERM);
-	sigaddset(&stop_signals, SIGINT);
-	sigaddset(&stop_signals, SIGHUP);
-	/* the exits of closers (closer.c), an upgrading image's among them: reaped once the
-	 * handler is there */
-	sigaddset(&stop_signals, SIGCHLD);
-	sigprocmask(SIG_BLOCK, &stop_signals, NULL);
+	hold_signals(&stop_signals);
 	uv_loop_init(&loop);
 	r = dlpd_reaper_start();
 	if (r < 0) {
 		dlpd_log(LOG_ERR, "cannot start the fd reaper thread: %s", strerror(-r));
 		uv_loop_close(&loop);
-		for (size_t i = 0; i < how.nrestore; i++)
-			close(passed[i].fd);
-		if (how.listen_fd >= 0)
-			close(how.listen_fd);
-		if (how.lock_fd >= 0)
-			close(how.lock_fd);
-		free(passed);
+		close_passed(&how, passed);
 		return 1;
 	}
 	/* fds a client sent that the wire layer drops go to their sender's closer (closer.c) */

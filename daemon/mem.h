@@ -12,7 +12,7 @@
 /* What a waiting ATTACH costs the daemon: the waiter, the queue of its name (counted for each
  * waiter, as if every name were waited for once), and allocator and hash-map overhead. */
 #define DLPD_ATTACH_WAIT_COST                                                                      \
-	(sizeof(struct dlpd_waiter) + sizeof(struct dlpd_waitq) + DLPC_NAME_MAX + 64)
+	(sizeof(struct dlpd_attach_wait) + sizeof(struct dlpd_waitq) + DLPC_NAME_MAX + 64)
 
 void dlpd_mem_init(struct dlpd_server *s);
 void dlpd_mem_stop(struct dlpd_server *s);

@@ -33,7 +33,7 @@ void dlpd_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 {
 	if (!st)
 		return;
-	if (st->reclaim_peer)
+	if (st->reclaim_holder)
 		dlpd_reclaim_storage_freed(st);
 	dlpd_persist_storage_gone(s, st);
 	if (st->fd >= 0 && st->device_type == kDLCPU)
@@ -104,7 +104,7 @@ int dlpd_attach_answer(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, u
 	int r;
 
 	/* a marked connection would never read the reference it was given */
-	if (p->failed)
+	if (dlpd_peer_marked(p))
 		return -EPIPE;
 	if ((flags & DLPC_WIRE_ATTACH_WRITABLE) && !(pub->flags & DLPC_PUBLISH_WRITABLE))
 		return dlpd_reply_error(
@@ -157,10 +157,11 @@ static void wake_waiters(struct dlpd_server *s, struct dlpd_entry *e)
 	struct dlpd_waiter *w;
 
 	while ((w = dlpd_waitq_first_match(&s->reg, name->data, name->len, (uint32_t)e->uid))) {
-		struct dlpd_peer *p = w->peer;
+		struct dlpd_attach_wait *aw = dlpd_container_of(w, struct dlpd_attach_wait, w);
+		struct dlpd_peer *p = aw->peer;
 		uint32_t id = w->req_id, flags = w->flags;
 
-		dlpd_waiter_free(p, w);
+		dlpd_waiter_free(aw);
 		dlpd_attach_answer(p, id, e, flags);
 	}
 }
@@ -172,6 +173,7 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 	struct dlpd_storage *old_st = NULL;
 	int r;
 
+	dlpd_assert(e->st->names == 1 && e->st->attach_refs == 0);
 	/* Removing old first cannot make the link fail: the map has buckets already. Nothing
 	 * runs in between, so no attacher sees the name absent, and watchers see one REPLACED. */
 	if (old) {
@@ -221,15 +223,17 @@ static void waiter_closed(uv_handle_t *h)
 	free(h->data);
 }
 
-void dlpd_waiter_free(struct dlpd_peer *p, struct dlpd_waiter *w)
+void dlpd_waiter_free(struct dlpd_attach_wait *aw)
 {
-	dlpd_waiter_unlink(&p->srv->reg, &p->held, w);
+	struct dlpd_peer *p = aw->peer;
+
+	dlpd_waiter_unlink(&p->srv->reg, &p->held, &aw->w);
 	dlpd_mem_uncharge(p->srv, p->usage, DLPD_ATTACH_WAIT_COST);
-	if (w->timed) {
-		w->timer.data = w;
-		uv_close((uv_handle_t *)&w->timer, waiter_closed);
+	if (aw->timed) {
+		aw->timer.data = aw;
+		uv_close((uv_handle_t *)&aw->timer, waiter_closed);
 	} else {
-		free(w);
+		free(aw);
 	}
 }
 
@@ -239,8 +243,7 @@ void dlpd_names_drop_peer(struct dlpd_peer *p)
 	size_t cursor = 0;
 
 	while (!dlpd_list_empty(&p->held.waiters))
-		dlpd_waiter_free(
-			p, dlpd_container_of(p->held.waiters.next, struct dlpd_waiter, peer_link));
+		dlpd_waiter_free(dlpd_attach_wait_of(p->held.waiters.next));
 	while (!dlpd_list_empty(&p->held.ephemeral))
 		dlpd_names_remove(
 			p->srv,

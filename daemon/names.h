@@ -27,8 +27,8 @@ void dlpd_names_remove(struct dlpd_server *s, struct dlpd_entry *e, int reason,
 int dlpd_attach_answer(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, uint32_t flags);
 /* Drop @p ref, one of @p p's references. */
 void dlpd_names_release(struct dlpd_peer *p, struct dlpd_ref *ref);
-/* Take @p w off its queue and free it (after its timer closed, if it had one). */
-void dlpd_waiter_free(struct dlpd_peer *p, struct dlpd_waiter *w);
+/* Take @p aw off its queue and free it (after its timer closed, if it had one). */
+void dlpd_waiter_free(struct dlpd_attach_wait *aw);
 /* Drop everything @p p holds: waiting attaches, ephemeral entries, references. */
 void dlpd_names_drop_peer(struct dlpd_peer *p);
 /* @p st is held by nothing any more (NULL: nothing to do): tell its lender, close its fd and

@@ -23,12 +23,12 @@ void dlpd_peer_update_events(struct dlpd_peer *p)
 {
 	int events = 0;
 
-	if (p->broken || (p->failed && !p->lingering))
+	if (p->broken || p->state == DLPD_CONN_MARKED)
 		events = 0;
 	else if (p->tx.head)
 		/* backpressure: nothing is read while replies wait (see dispatch.c) */
 		events = UV_WRITABLE;
-	else if (!p->failed && !p->hup)
+	else if (!dlpd_peer_marked(p) && !p->hup)
 		events = UV_READABLE | UV_DISCONNECT;
 	if (events == p->events)
 		return;
@@ -44,9 +44,9 @@ void dlpd_peer_fail(struct dlpd_peer *p, int prio, const char *fmt, ...)
 	char msg[512], desc[96];
 	va_list ap;
 
-	if (p->failed)
+	if (dlpd_peer_marked(p))
 		return;
-	p->failed = true;
+	p->state = DLPD_CONN_MARKED;
 	va_start(ap, fmt);
 	vsnprintf(msg, sizeof(msg), fmt, ap);
 	va_end(ap);
@@ -86,7 +86,7 @@ int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const 
 	char why[320];
 	int r;
 
-	if (p->failed || p->broken)
+	if (dlpd_peer_marked(p) || p->broken)
 		return -EPIPE;
 	r = dlpc__tx_send(&p->tx, p->fd, frame, len, fds, nfds);
 	if (r < 0) {
@@ -141,7 +141,7 @@ int dlpd_reply_tail(struct dlpd_peer *p, uint16_t type, uint32_t id, const Proto
 	struct dlpc__scratch *out = &p->srv->out;
 	ssize_t len;
 
-	if (p->failed || p->broken)
+	if (dlpd_peer_marked(p) || p->broken)
 		return -EPIPE;
 	len = dlpc__msg_frame_tail(out, type, id, m, tail, tail_len, nfds);
 	if (len < 0) {

@@ -7,18 +7,18 @@
  * LISTEN_FDS/LISTEN_FDNAMES). Every entry that may outlive its connection (not ephemeral, not
  * legacy CUDA IPC) gets a storage id (sid), and with the store on its storage fd goes there as
  * "st-<sid>" the moment it is published. What the fds mean (names, generations, owners, flags,
- * tensor tables) is in the state journal, a memfd in the store as "state-<epoch>": records
+ * tensor tables) is in the state journal, a memfd in the store as "state-<generation>": records
  * appended with pwrite() before a publish or unpublish is answered, a PUT for each entry (its
  * Publish request as received, plus sid, generation, owner and time) and a DEL for each removal.
  * A replace is a PUT alone. When the journal is long and mostly dead it is rewritten into a new
- * memfd of the next epoch, stored before the old one is dropped, so the store always holds a
+ * memfd of the next generation, stored before the old one is dropped, so the store always holds a
  * complete record. A journal dropped (rewritten, or given up) is invalidated in place first
  * (journal_kill()): the store holds the same memfd, so it can never come back, whether or not
  * the service manager takes its removal. Notifications that find the manager's queue full wait
  * in order (systemd.c): a publish waits for its storage's to go, for a bound, while the manager
  * keeps up, and a rewrite waits until none is left.
  *
- * At start the journal of the highest epoch that reads whole (every record intact) is replayed
+ * At start the journal of the highest generation that reads whole (every record intact) is replayed
  * (a newer one that does not is skipped, and logged; only if none reads whole are the intact
  * records of the newest that reads at all used), and each entry it
  * names goes through the checks of a publish (name, flags, device, tensors, the storage's seals
@@ -68,17 +68,17 @@ static int journal_kill(int fd)
 	return ftruncate(fd, 0) == 0 ? 0 : -errno;
 }
 
-/* Drop the journal @p fd, of @p epoch, from the store for good: invalidated first, then the
+/* Drop the journal @p fd, of @p gen, from the store for good: invalidated first, then the
  * manager asked to let go of it; closed. */
-static void journal_drop(int fd, uint64_t epoch)
+static void journal_drop(int fd, uint64_t gen)
 {
 	int r = journal_kill(fd);
 
 	if (r < 0)
 		dlpd_log(LOG_ERR,
 			 "cannot invalidate state journal " DLPD_FDNAME_STATE "%" PRIx64 ": %s",
-			 epoch, strerror(-r));
-	dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64, epoch);
+			 gen, strerror(-r));
+	dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64, gen);
 	close(fd);
 }
 
@@ -96,7 +96,7 @@ static void give_up(struct dlpd_server *s, const char *what, int err)
 	 * better none, whether or not the manager takes its removal. A restart then closes every
 	 * stored storage. */
 	if (p->journal_fd >= 0) {
-		journal_drop(p->journal_fd, p->epoch);
+		journal_drop(p->journal_fd, p->journal_gen);
 		p->journal_fd = -1;
 	}
 	dlpd_notify("STATUS=entries no longer persisted: %s", what);
@@ -180,17 +180,17 @@ static bool lasting(const struct dlpd_entry *e)
 }
 
 /*
- * A new journal of epoch @p epoch holding a PUT of every lasting entry (@p all) or of those
+ * A new journal of generation @p gen holding a PUT of every lasting entry (@p all) or of those
  * whose storage is stored (!@p all, for the store), but @p skip, an entry being removed. The
  * memfd in @p fd; each entry's journaled is set (to 0 where it has no record) when @p mark.
  * -EFBIG if it would be longer than a restore reads.
  */
-static int write_journal(struct dlpd_server *s, uint64_t epoch, bool all, bool mark,
+static int write_journal(struct dlpd_server *s, uint64_t gen, bool all, bool mark,
 			 const struct dlpd_entry *skip, int *fd, uint64_t *len_out,
 			 uint64_t *live_out)
 {
 	struct dlpd_persist *p = &s->persist;
-	struct dlpd_journal_hdr jh = {.epoch = epoch};
+	struct dlpd_journal_hdr jh = {.journal_gen = gen};
 	uint64_t off = sizeof(jh), live = 0;
 	struct dlpd_hmap *m = &s->reg.names;
 	int jfd, r;
@@ -229,7 +229,7 @@ static int write_journal(struct dlpd_server *s, uint64_t epoch, bool all, bool m
 }
 
 /*
- * Replace the journal by a new one of the next epoch holding only the live records (not
+ * Replace the journal by a new one of the next generation holding only the live records (not
  * @p skip's): in the store first (sent, not waiting in dlpd_notify_fds()'s queue), so that the
  * store always holds a whole record, then the old one invalidated. While notifications wait
  * for the service manager the rewrite waits too (the old journal stays whole), unless it
@@ -245,13 +245,13 @@ static void compact(struct dlpd_server *s, const struct dlpd_entry *skip, bool m
 		dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS);
 	else if (dlpd_notify_queued())
 		return;
-	r = write_journal(s, p->epoch + 1, false, true, skip, &fd, &len, &live);
+	r = write_journal(s, p->journal_gen + 1, false, true, skip, &fd, &len, &live);
 	if (r < 0) {
 		give_up(s, "cannot rewrite the state journal", -r);
 		return;
 	}
 	r = dlpd_notify_fds_now(&fd, 1, "FDSTORE=1\nFDNAME=" DLPD_FDNAME_STATE "%" PRIx64,
-				p->epoch + 1);
+				p->journal_gen + 1);
 	if (r == -EAGAIN && !must) {
 		/* the manager's queue filled meanwhile: another time */
 		close(fd);
@@ -263,11 +263,11 @@ static void compact(struct dlpd_server *s, const struct dlpd_entry *skip, bool m
 		return;
 	}
 	if (p->journal_fd >= 0)
-		journal_drop(p->journal_fd, p->epoch);
+		journal_drop(p->journal_fd, p->journal_gen);
 	dlpd_log(LOG_DEBUG, "state journal rewritten: %" PRIu64 " bytes, was %" PRIu64, len,
 		 p->journal_len);
 	p->journal_fd = fd;
-	p->epoch++;
+	p->journal_gen++;
 	p->journal_len = len;
 	p->live_len = live;
 }
@@ -403,15 +403,15 @@ void dlpd_persist_drop_held(struct dlpd_server *s)
 	}
 }
 
-int dlpd_persist_snapshot(struct dlpd_server *s, int *fd, uint64_t *epoch)
+int dlpd_persist_snapshot(struct dlpd_server *s, int *fd, uint64_t *gen)
 {
 	uint64_t len, live;
 	int r;
 
-	/* the next epoch: it wins over the journal in the store, which the new image drops */
-	r = write_journal(s, s->persist.epoch + 1, true, false, NULL, fd, &len, &live);
+	/* the next generation: it wins over the journal in the store, which the new image drops */
+	r = write_journal(s, s->persist.journal_gen + 1, true, false, NULL, fd, &len, &live);
 	if (r == 0)
-		*epoch = s->persist.epoch + 1;
+		*gen = s->persist.journal_gen + 1;
 	return r;
 }
 
@@ -554,9 +554,9 @@ static uint8_t *read_journal(const struct passed *j, size_t *len)
 		return NULL;
 	}
 	if (got < sizeof(jh) || memcmp(jh.magic, DLPD_JOURNAL_MAGIC, sizeof(jh.magic)) != 0 ||
-	    jh.epoch != j->num) {
+	    jh.journal_gen != j->num) {
 		dlpd_log(LOG_ERR,
-			 "state journal %s is not one of dlpackd's (bad header or epoch); "
+			 "state journal %s is not one of dlpackd's (bad header or generation); "
 			 "ignoring it",
 			 j->name);
 		free(buf);
@@ -782,62 +782,111 @@ static int restore_check_request(const Dlpackd__V1__Publish *req, char *why, siz
 	return dlpd_entry_check_tensors(req, why, whylen);
 }
 
+/* Does @p l (its fixed part @p fx) pass every check against what was passed back and the
+ * limits in force? 0 with its storage's passed fd in *@p spp; else negative errno and why.
+ * Its uid's usage is in *@p up once looked up (the caller puts it back on failure). */
+static int restore_check(struct restore *rs, const struct live_rec *l,
+			 const struct dlpd_put_fixed *fx, struct passed **spp,
+			 struct dlpd_usage **up, char *why, size_t whylen)
+{
+	struct dlpd_server *s = rs->s;
+	const Dlpackd__V1__Publish *req = l->pub;
+	struct passed *sp;
+	int r = restore_check_request(req, why, whylen);
+
+	if (r < 0)
+		return r;
+	if (fx->generation == 0 || fx->generation > INT32_MAX) {
+		snprintf(why, whylen, "bad generation %llu", (unsigned long long)fx->generation);
+		return -EINVAL;
+	}
+	sp = find_storage(rs, fx->sid);
+	if (!sp) {
+		snprintf(why, whylen,
+			 "its storage " DLPD_FDNAME_STORAGE "%" PRIx64 " was not passed back",
+			 fx->sid);
+		return -ENOENT;
+	}
+	if (sp->claimed) {
+		snprintf(why, whylen,
+			 "its storage " DLPD_FDNAME_STORAGE "%" PRIx64 " belongs to another entry",
+			 fx->sid);
+		return -EINVAL;
+	}
+	r = dlpd_entry_check_storage(req, sp->fd, why, whylen);
+	if (r < 0)
+		return r;
+	*up = dlpd_usage_get(&s->reg, (uid_t)fx->uid);
+	if (!*up) {
+		snprintf(why, whylen, "out of memory");
+		return -ENOMEM;
+	}
+	*spp = sp;
+	return restore_quota(s, *up, req->storage_size, why, whylen);
+}
+
+/* The entry @p l describes, checked: its request taken over, on a new storage of @p sp's fd
+ * charged to @p u; not linked yet. NULL on ENOMEM, with @p l unchanged. */
+static struct dlpd_entry *restore_build(struct restore *rs, struct live_rec *l,
+					const struct dlpd_put_fixed *fx, const struct passed *sp,
+					struct dlpd_usage *u)
+{
+	struct dlpd_server *s = rs->s;
+	Dlpackd__V1__Publish *req = l->pub;
+	struct dlpd_storage *st;
+	struct dlpd_entry *e;
+	uint8_t *wire;
+	size_t wire_len;
+
+	dlpd_entry_drop_unknown_fields(req);
+	wire = dlpd_entry_encode_tensors(req, &wire_len);
+	e = wire ? calloc(1, sizeof(*e)) : NULL;
+	st = e ? dlpd_storage_new(&s->reg, u, sp->fd, req->storage_size, req->device_type,
+				  req->device_id)
+	       : NULL;
+	if (!st) {
+		free(e);
+		free(wire);
+		return NULL;
+	}
+	st->names = 1;
+	st->sid = fx->sid;
+	st->stored = s->persist.store_max && (l->flags & DLPD_REC_STORED);
+	e->st = st;
+	e->pub = req;
+	l->pub = NULL;
+	e->generation = fx->generation;
+	e->uid = (uid_t)fx->uid;
+	e->usage = u;
+	e->memory =
+		dlpd_record_cost(protobuf_c_message_get_packed_size(&req->base), req->n_tensors);
+	e->pid = (pid_t)fx->pid;
+	e->created_ns = fx->created_ns;
+	if (e->created_ns > s->reg.last_created_ns)
+		s->reg.last_created_ns = e->created_ns;
+	e->tensors_wire = wire;
+	e->tensors_wire_len = wire_len;
+	return e;
+}
+
 /* Trust @p l (its request taken over) if it passes every check; log why not otherwise. */
 static void restore_entry(struct restore *rs, struct live_rec *l)
 {
 	struct dlpd_server *s = rs->s;
-	Dlpackd__V1__Publish *req = l->pub;
 	struct dlpd_put_fixed fx;
-	struct passed *sp;
+	struct passed *sp = NULL;
 	struct dlpd_usage *u = NULL;
 	struct dlpd_entry *e = NULL;
-	struct dlpd_storage *st = NULL;
+	struct dlpd_storage *st;
 	char why[256], name[DLPC_NAME_TEXT];
-	uint8_t *wire = NULL;
-	size_t wire_len;
 	int r;
 
 	memcpy(&fx, l->payload, sizeof(fx));
-	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
-	r = restore_check_request(req, why, sizeof(why));
-	if (r == 0 && (fx.generation == 0 || fx.generation > INT32_MAX)) {
-		snprintf(why, sizeof(why), "bad generation %llu",
-			 (unsigned long long)fx.generation);
-		r = -EINVAL;
-	}
-	sp = r == 0 ? find_storage(rs, fx.sid) : NULL;
-	if (r == 0 && !sp) {
-		snprintf(why, sizeof(why),
-			 "its storage " DLPD_FDNAME_STORAGE "%" PRIx64 " was not passed back",
-			 fx.sid);
-		r = -ENOENT;
-	} else if (r == 0 && sp->claimed) {
-		snprintf(why, sizeof(why),
-			 "its storage " DLPD_FDNAME_STORAGE "%" PRIx64 " belongs to another entry",
-			 fx.sid);
-		r = -EINVAL;
-	}
-	if (r == 0)
-		r = dlpd_entry_check_storage(req, sp->fd, why, sizeof(why));
+	dlpc__printable(l->pub->name.data, l->pub->name.len, name, sizeof(name));
+	r = restore_check(rs, l, &fx, &sp, &u, why, sizeof(why));
 	if (r == 0) {
-		u = dlpd_usage_get(&s->reg, (uid_t)fx.uid);
-		if (!u) {
-			snprintf(why, sizeof(why), "out of memory");
-			r = -ENOMEM;
-		}
-	}
-	if (r == 0)
-		r = restore_quota(s, u, req->storage_size, why, sizeof(why));
-	if (r == 0) {
-		dlpd_entry_drop_unknown_fields(req);
-		wire = dlpd_entry_encode_tensors(req, &wire_len);
-		e = wire ? calloc(1, sizeof(*e)) : NULL;
-		st = e ? dlpd_storage_new(&s->reg, u, sp->fd, req->storage_size, req->device_type,
-					  req->device_id)
-		       : NULL;
-		if (!st) {
-			free(e);
-			free(wire);
+		e = restore_build(rs, l, &fx, sp, u);
+		if (!e) {
 			snprintf(why, sizeof(why), "out of memory");
 			r = -ENOMEM;
 		}
@@ -849,26 +898,11 @@ static void restore_entry(struct restore *rs, struct live_rec *l)
 		dlpd_usage_put(&s->reg, u);
 		return;
 	}
-	st->names = 1;
-	st->sid = fx.sid;
-	st->stored = s->persist.store_max && (l->flags & DLPD_REC_STORED);
-	e->st = st;
-	e->pub = req;
-	l->pub = NULL;
-	e->generation = fx.generation;
-	e->uid = (uid_t)fx.uid;
-	e->usage = u;
-	e->memory =
-		dlpd_record_cost(protobuf_c_message_get_packed_size(&req->base), req->n_tensors);
-	e->pid = (pid_t)fx.pid;
-	e->created_ns = fx.created_ns;
-	if (e->created_ns > s->reg.last_created_ns)
-		s->reg.last_created_ns = e->created_ns;
-	e->tensors_wire = wire;
-	e->tensors_wire_len = wire_len;
+	st = e->st;
 	if (dlpd_entry_link(&s->reg, e, NULL) < 0) {
 		/* the storage goes with the fd, closed as an orphan below */
 		dlpd_entry_free_unlinked(e);
+		st->names = 0;			/* the entry that held it never got its name */
 		dlpd_storage_free(&s->reg, st); /* and u, if nothing else is charged to it */
 		dlpd_log(LOG_ERR, "not restoring '%s': out of memory", name);
 		rs->refused++;
@@ -940,18 +974,9 @@ static int sort_passed(struct restore *rs, struct dlpd_passed_fd *fds, size_t n)
 	return 0;
 }
 
-int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size_t n)
+/* The fd store in use: --fd-store, unless no service manager is there to keep fds. */
+static void store_choose(struct dlpd_persist *p)
 {
-	struct dlpd_persist *p = &s->persist;
-	struct restore rs = {.s = s};
-	const struct passed *best = NULL;
-	uint8_t *buf = NULL;
-	size_t len = 0, cursor = 0;
-	struct dlpd_hnode *node;
-	uint64_t top_epoch = 0;
-	bool whole = false;
-	int r;
-
 	p->store_max = dlpd_config.fd_store;
 	if (p->store_max && !dlpd_notify_socket()) {
 		dlpd_log(LOG_WARNING,
@@ -960,6 +985,128 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 			 (unsigned long long)p->store_max);
 		p->store_max = 0;
 	}
+}
+
+/*
+ * The journal to restore from, read into *@p buf (*@p len bytes); NULL if none reads. Newest
+ * first, the first that reads whole wins: a newer one damaged (its records can no longer say
+ * what was removed) is skipped, with the reason. Only when none reads whole are the intact
+ * records of the newest one that reads at all restored (*@p whole false).
+ */
+static const struct passed *journal_choose(struct restore *rs, uint8_t **buf, size_t *len,
+					   bool *whole)
+{
+	const struct passed *best = NULL;
+
+	*buf = NULL;
+	*len = 0;
+	*whole = false;
+	for (;;) {
+		struct passed *cand = NULL;
+		uint8_t *b;
+		size_t blen;
+		char why[256];
+
+		for (size_t i = 0; i < rs->njournals; i++)
+			if (!rs->journals[i].claimed && (!cand || rs->journals[i].num > cand->num))
+				cand = &rs->journals[i];
+		if (!cand)
+			return best;
+		cand->claimed = true;
+		b = read_journal(cand, &blen);
+		if (!b)
+			continue;
+		if (journal_whole(b, blen, why, sizeof(why))) {
+			free(*buf);
+			*buf = b;
+			*len = blen;
+			*whole = true;
+			return cand;
+		}
+		dlpd_log(LOG_WARNING, "skipping state journal %s: %s; looking for an older one",
+			 cand->name, why);
+		if (*buf) {
+			free(b);
+			continue;
+		}
+		*buf = b;
+		*len = blen;
+		best = cand;
+	}
+}
+
+/* Replay the journal @p jname (@p len bytes at @p buf) and restore its live entries in the
+ * journal's order: of two entries claiming one storage, the first wins. */
+static void restore_journal(struct restore *rs, const uint8_t *buf, size_t len, const char *jname)
+{
+	struct live_rec **order;
+	struct dlpd_hnode *node;
+	size_t k = 0, cursor = 0;
+
+	replay(rs, buf, len, jname);
+	order = malloc((rs->live.count ? rs->live.count : 1) * sizeof(*order));
+	while ((node = dlpd_hmap_next(&rs->live, &cursor))) {
+		struct live_rec *l = dlpd_container_of(node, struct live_rec, node);
+
+		dlpd_hmap_remove(&rs->live, node);
+		if (order) {
+			order[k++] = l;
+			continue;
+		}
+		dlpd_log(LOG_ERR, "not restoring '%.*s': out of memory", (int)l->name.len,
+			 (const char *)l->name.data);
+		rs->refused++;
+		live_free(l);
+	}
+	if (order)
+		qsort(order, k, sizeof(*order), by_offset);
+	for (size_t i = 0; i < k; i++) {
+		restore_entry(rs, order[i]);
+		live_free(order[i]);
+	}
+	free(order);
+}
+
+/* Close the passed storages no restored entry claimed. */
+static void close_orphans(struct restore *rs)
+{
+	for (size_t i = 0; i < rs->nstorages; i++)
+		if (!rs->storages[i].claimed) {
+			dlpd_log(LOG_WARNING, "closing storage %s: no entry names it",
+				 rs->storages[i].name);
+			drop_passed(rs->storages[i].fd, rs->storages[i].name);
+			rs->orphans++;
+		}
+}
+
+/* A fresh journal of what came back, with the storages an upgrade passed that are not in the
+ * store yet. */
+static void store_restored(struct dlpd_server *s)
+{
+	struct dlpd_hnode **b = s->reg.names.buckets;
+
+	for (size_t i = 0; i < s->reg.names.nbuckets; i++)
+		for (struct dlpd_hnode *x = b[i]; x; x = x->next) {
+			struct dlpd_entry *e = dlpd_container_of(x, struct dlpd_entry, node);
+
+			if (lasting(e) && !e->st->stored)
+				store_storage(s, e->st);
+		}
+	compact(s, NULL, true);
+}
+
+int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size_t n)
+{
+	struct dlpd_persist *p = &s->persist;
+	struct restore rs = {.s = s};
+	const struct passed *best;
+	uint8_t *buf;
+	size_t len;
+	uint64_t top_gen = 0;
+	bool whole;
+	int r;
+
+	store_choose(p);
 	dlpd_hmap_init(&rs.live);
 	r = sort_passed(&rs, fds, n);
 	if (r < 0) {
@@ -973,107 +1120,27 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
 	/* the newest journal that reads as one; a rewrite stores the new one before it drops the
 	 * old, so both may be here */
 	for (size_t i = 0; i < rs.njournals; i++)
-		if (rs.journals[i].num > top_epoch)
-			top_epoch = rs.journals[i].num;
-	/* Newest first, the first that reads whole wins: a newer one damaged (its records can no
-	 * longer say what was removed) is skipped, with the reason. Only when none reads whole
-	 * are the intact records of the newest one that reads at all restored. */
-	for (;;) {
-		struct passed *cand = NULL;
-		uint8_t *b;
-		size_t blen;
-		char why[256];
-
-		for (size_t i = 0; i < rs.njournals; i++)
-			if (!rs.journals[i].claimed && (!cand || rs.journals[i].num > cand->num))
-				cand = &rs.journals[i];
-		if (!cand)
-			break;
-		cand->claimed = true;
-		b = read_journal(cand, &blen);
-		if (!b)
-			continue;
-		if (journal_whole(b, blen, why, sizeof(why))) {
-			free(buf);
-			buf = b;
-			len = blen;
-			best = cand;
-			whole = true;
-			break;
-		}
-		dlpd_log(LOG_WARNING, "skipping state journal %s: %s; looking for an older one",
-			 cand->name, why);
-		if (buf) {
-			free(b);
-			continue;
-		}
-		buf = b;
-		len = blen;
-		best = cand;
-	}
+		if (rs.journals[i].num > top_gen)
+			top_gen = rs.journals[i].num;
+	best = journal_choose(&rs, &buf, &len, &whole);
 	if (best && !whole)
 		dlpd_log(LOG_WARNING,
 			 "no state journal reads whole: restoring the intact records of %s, the "
 			 "newest",
 			 best->name);
-	if (best) {
-		struct live_rec **order;
-		size_t k = 0;
-
-		replay(&rs, buf, len, best->name);
-		/* in the journal's order: of two entries claiming one storage, the first wins */
-		order = malloc((rs.live.count ? rs.live.count : 1) * sizeof(*order));
-		while ((node = dlpd_hmap_next(&rs.live, &cursor))) {
-			struct live_rec *l = dlpd_container_of(node, struct live_rec, node);
-
-			dlpd_hmap_remove(&rs.live, node);
-			if (order) {
-				order[k++] = l;
-				continue;
-			}
-			dlpd_log(LOG_ERR, "not restoring '%.*s': out of memory", (int)l->name.len,
-				 (const char *)l->name.data);
-			rs.refused++;
-			live_free(l);
-		}
-		if (order)
-			qsort(order, k, sizeof(*order), by_offset);
-		for (size_t i = 0; i < k; i++) {
-			restore_entry(&rs, order[i]);
-			live_free(order[i]);
-		}
-		free(order);
-	} else if (rs.nstorages) {
+	if (best)
+		restore_journal(&rs, buf, len, best->name);
+	else if (rs.nstorages)
 		dlpd_log(LOG_ERR,
 			 "%zu storages were passed without a state journal that reads; "
 			 "closing them",
 			 rs.nstorages);
-	}
 	free(buf);
 	dlpd_hmap_clear(&rs.live);
-	for (size_t i = 0; i < rs.nstorages; i++)
-		if (!rs.storages[i].claimed) {
-			dlpd_log(LOG_WARNING, "closing storage %s: no entry names it",
-				 rs.storages[i].name);
-			drop_passed(rs.storages[i].fd, rs.storages[i].name);
-			rs.orphans++;
-		}
-	p->epoch = top_epoch;
-	/* a fresh journal of what came back, then the old ones go */
-	if (p->store_max) {
-		struct dlpd_hnode **b = s->reg.names.buckets;
-
-		/* storages an upgrade passed that are not in the store yet */
-		for (size_t i = 0; i < s->reg.names.nbuckets; i++)
-			for (struct dlpd_hnode *x = b[i]; x; x = x->next) {
-				struct dlpd_entry *e =
-					dlpd_container_of(x, struct dlpd_entry, node);
-
-				if (lasting(e) && !e->st->stored)
-					store_storage(s, e->st);
-			}
-		compact(s, NULL, true);
-	}
+	close_orphans(&rs);
+	p->journal_gen = top_gen;
+	if (p->store_max)
+		store_restored(s);
 	/* once the new journal is stored (if it could not be, no journal is better than one that
 	 * stops here: see give_up()), invalidated first so that none can come back */
 	for (size_t i = 0; i < rs.njournals; i++)

@@ -11,7 +11,7 @@
 
 /* Names of our fds in the store and across an upgrade; the number follows in hex. */
 #define DLPD_FDNAME_STORAGE "st-"  /* a storage, by its sid */
-#define DLPD_FDNAME_STATE "state-" /* the state journal, by its epoch */
+#define DLPD_FDNAME_STATE "state-" /* the state journal, by its generation (journal_gen) */
 /* Fds of the store the journal needs: its own, and a second while it is rewritten. */
 #define DLPD_STORE_STATE_FDS 2
 /* A journal is rewritten once it is this long and more than twice its live records. */
@@ -29,7 +29,7 @@
 #define DLPD_JOURNAL_DEAD "DLPDDEAD"
 struct dlpd_journal_hdr {
 	char magic[8];
-	uint64_t epoch; /* the number its fd name carries */
+	uint64_t journal_gen; /* its generation: the number its fd name carries */
 };
 
 enum { DLPD_REC_PUT = 1, DLPD_REC_DEL = 2 };
@@ -79,8 +79,8 @@ void dlpd_persist_storage_gone(struct dlpd_server *s, struct dlpd_storage *st);
  * their references hold, which the new image will not know. */
 void dlpd_persist_drop_held(struct dlpd_server *s);
 /* A fresh state record of every entry that can outlive the daemon, for an upgrade: a memfd in
- * @p fd, its epoch in @p epoch. 0 or negative errno. */
-int dlpd_persist_snapshot(struct dlpd_server *s, int *fd, uint64_t *epoch);
+ * @p fd, its generation in @p gen. 0 or negative errno. */
+int dlpd_persist_snapshot(struct dlpd_server *s, int *fd, uint64_t *gen);
 void dlpd_persist_free(struct dlpd_server *s);
 
 #endif

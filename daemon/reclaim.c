@@ -27,7 +27,7 @@ static void reclaim_flush(uv_timer_t *t)
 		size_t done = 0;
 
 		dlpd_list_del(&p->reclaim_link);
-		while (done < p->nreclaims && !p->failed) {
+		while (done < p->nreclaims && !dlpd_peer_marked(p)) {
 			size_t n = p->nreclaims - done;
 
 			msg.n_tokens = n > DLPC_RECLAIM_BATCH_MAX ? DLPC_RECLAIM_BATCH_MAX : n;
@@ -37,7 +37,7 @@ static void reclaim_flush(uv_timer_t *t)
 			if (dlpd_reply(p, DLPC_MSG_RECLAIM, 0, &msg.base, NULL, 0) < 0)
 				break;
 		}
-		if (!p->failed)
+		if (!dlpd_peer_marked(p))
 			p->nreclaims = 0;
 	}
 }
@@ -55,19 +55,19 @@ void dlpd_reclaim_stop(struct dlpd_server *s)
 
 void dlpd_reclaim_watch(struct dlpd_peer *p, struct dlpd_storage *st, uint64_t token)
 {
-	st->reclaim_peer = p;
+	st->reclaim_holder = &p->held;
 	st->reclaim_token = token;
-	dlpd_list_add_tail(&p->ipc_storages, &st->reclaim_link);
+	dlpd_list_add_tail(&p->held.lent, &st->reclaim_link);
 }
 
 void dlpd_reclaim_storage_freed(struct dlpd_storage *st)
 {
-	struct dlpd_peer *p = st->reclaim_peer;
+	struct dlpd_peer *p = dlpd_container_of(st->reclaim_holder, struct dlpd_peer, held);
 	struct dlpd_server *s = p->srv;
 
 	dlpd_list_del(&st->reclaim_link);
-	st->reclaim_peer = NULL;
-	if (s->stopping || p->failed)
+	st->reclaim_holder = NULL;
+	if (s->stopping || dlpd_peer_marked(p))
 		return;
 	if (p->nreclaims == p->reclaims_cap) {
 		size_t cap = p->reclaims_cap ? p->reclaims_cap * 2 : 16;
@@ -92,12 +92,12 @@ void dlpd_reclaim_storage_freed(struct dlpd_storage *st)
 
 void dlpd_reclaim_drop_peer(struct dlpd_peer *p)
 {
-	while (!dlpd_list_empty(&p->ipc_storages)) {
+	while (!dlpd_list_empty(&p->held.lent)) {
 		struct dlpd_storage *st =
-			dlpd_container_of(p->ipc_storages.next, struct dlpd_storage, reclaim_link);
+			dlpd_container_of(p->held.lent.next, struct dlpd_storage, reclaim_link);
 
 		dlpd_list_del(&st->reclaim_link);
-		st->reclaim_peer = NULL;
+		st->reclaim_holder = NULL;
 	}
 	dlpd_list_del(&p->reclaim_link);
 	free(p->reclaims);

@@ -33,6 +33,7 @@ void dlpd_registry_init(struct dlpd_registry *r)
 
 void dlpd_registry_clear(struct dlpd_registry *r)
 {
+	dlpd_assert(r->names.count == 0 && r->channels.count == 0);
 	dlpd_hmap_clear(&r->names);
 	free(r->sorted);
 	r->sorted = NULL;
@@ -50,6 +51,7 @@ void dlpd_holdings_init(struct dlpd_holdings *h)
 	dlpd_list_init(&h->waiters);
 	dlpd_list_init(&h->chan_waits);
 	dlpd_list_init(&h->producing);
+	dlpd_list_init(&h->lent);
 }
 
 static bool entry_is(const struct dlpd_entry *e, const uint8_t *name, size_t len)
@@ -111,6 +113,7 @@ static void pin_charge(struct dlpd_usage *u, const struct dlpd_storage *st, int 
 /* Drop one holder of @p st (a name when @p name is true, else a reference). */
 static struct dlpd_storage *storage_unhold(struct dlpd_storage *st, bool name)
 {
+	dlpd_assert(name ? st->names > 0 : st->attach_refs > 0);
 	if (name)
 		st->names--;
 	else
@@ -173,6 +176,7 @@ struct dlpd_storage *dlpd_storage_new(struct dlpd_registry *r, struct dlpd_usage
 
 void dlpd_storage_free(struct dlpd_registry *r, struct dlpd_storage *st)
 {
+	dlpd_assert(st->names == 0 && st->attach_refs == 0);
 	r->storages--;
 	r->storage_fds -= st->fd >= 0;
 	r->bytes -= st->size;
@@ -293,6 +297,7 @@ struct dlpd_storage *dlpd_ref_drop(struct dlpd_registry *r, struct dlpd_holdings
 {
 	struct dlpd_storage *st = ref->st;
 
+	dlpd_assert(ref->holder == h);
 	dlpd_hmap_remove(&h->refs, &ref->node);
 	dlpd_ref_mark(r, ref, false);
 	dlpd_list_del(&ref->st_link);
@@ -362,6 +367,7 @@ void dlpd_waiter_unlink(struct dlpd_registry *r, struct dlpd_holdings *h, struct
 {
 	struct dlpd_waitq *q = w->q;
 
+	dlpd_assert(q != NULL); /* queued, not unlinked already */
 	dlpd_list_del(&w->q_link);
 	dlpd_list_del(&w->peer_link);
 	r->waiters--;

@@ -11,12 +11,9 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
-#include <uv.h>
 
 #include "base.h"
 #include "dlpackd.pb-c.h"
-
-struct dlpd_peer;
 
 /*
  * What one uid holds: charged at publish and accept, released when freed. A storage is charged
@@ -95,10 +92,10 @@ struct dlpd_storage {
 	bool unnamed; /* no name reaches it any more: charged to the pins' uids, not usage's */
 	struct dlpd_list refs; /* every dlpd_ref on it (ref->st_link), for invalidations */
 	uint64_t cached_refs;  /* of attach_refs, those a client marked idle in its cache */
-	/* legacy CUDA IPC: the publishing connection, told (RECLAIM) when this is freed; NULL once
-	 * it is gone */
-	struct dlpd_peer *reclaim_peer;
-	struct dlpd_list reclaim_link; /* in reclaim_peer->ipc_storages */
+	/* legacy CUDA IPC: what the publishing connection holds, told (RECLAIM, reclaim.c) when
+	 * this is freed; NULL once it is gone */
+	struct dlpd_holdings *reclaim_holder;
+	struct dlpd_list reclaim_link; /* in reclaim_holder->lent */
 	uint64_t reclaim_token;
 	/* persist.c: the number that names it across restarts (0: it cannot outlive the daemon:
 	 * ephemeral, or legacy CUDA IPC), and whether the service manager keeps its fd */
@@ -141,17 +138,16 @@ struct dlpd_waitq {
 	uint8_t name[];
 };
 
+/* An attach waiting in a queue. The connection's side of it (who to answer, its timer) is
+ * the handlers' (struct dlpd_attach_wait, names.h), which holds one of these. */
 struct dlpd_waiter {
 	struct dlpd_list peer_link; /* in holdings.waiters */
 	struct dlpd_list q_link;    /* in q->waiters */
 	struct dlpd_waitq *q;
-	struct dlpd_peer *peer;
 	uint32_t req_id;
 	uint32_t flags;
 	uint32_t owner_uid; /* with DLPC_WIRE_ATTACH_OWNER: only this uid's entry answers */
-	int64_t timeout_ms;
-	bool timed;
-	uv_timer_t timer;
+	int64_t timeout_ms; /* > 0: it ends then */
 };
 
 /* What one connection holds in the registry: dropped when it goes. */
@@ -162,10 +158,12 @@ struct dlpd_holdings {
 	struct dlpd_list ephemeral; /* entries it owns */
 	struct dlpd_list waiters;
 	uint64_t nwaiters;
-	struct dlpd_list chan_waits; /* its SENDs and RECVs waiting on channels (channel.h) */
+	struct dlpd_list chan_waits; /* its SENDs and RECVs waiting on channels (handoff.h) */
 	uint64_t nchan_waits;
-	struct dlpd_list producing; /* dlpd_producer: channels it produces to (channel.h) */
+	struct dlpd_list producing; /* dlpd_producer: channels it produces to (handoff.h) */
 	uint64_t nproducing;
+	/* legacy IPC or lent VMM storages it published, held (st->reclaim_link, reclaim.c) */
+	struct dlpd_list lent;
 };
 
 struct dlpd_registry {
@@ -238,7 +236,7 @@ int dlpd_waiter_add(struct dlpd_registry *r, struct dlpd_holdings *h, struct dlp
 /* The oldest waiter for @p name that an entry published by @p uid answers, or NULL. */
 struct dlpd_waiter *dlpd_waitq_first_match(struct dlpd_registry *r, const uint8_t *name, size_t len,
 					   uint32_t uid);
-/* Take @p w off its queue and off @p h; freeing it (and its timer) is the caller's. */
+/* Take @p w off its queue and off @p h; freeing it is the caller's. */
 void dlpd_waiter_unlink(struct dlpd_registry *r, struct dlpd_holdings *h, struct dlpd_waiter *w);
 
 /* The usage of @p uid, created empty if it has none; NULL on ENOMEM. Free it with

@@ -28,10 +28,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "dispatch.h"
-#include "mem.h"
-#include "channel.h"
 #include "closer.h"
+#include "dispatch.h"
+#include "handoff.h"
+#include "mem.h"
 #include "names.h"
 #include "peer.h"
 #include "persist.h"
@@ -78,6 +78,51 @@ static void refuse(struct dlpd_peer *p, int err, const char *fmt, ...)
 	dlpd_peer_fail(p, LOG_WARNING, "refused: %s", why);
 }
 
+/* Stop accepting for ACCEPT_RETRY_MS: the connections open are served meanwhile. */
+static void accept_pause(struct dlpd_server *s)
+{
+	s->accept_paused = true;
+	uv_poll_stop(&s->listen_poll);
+	uv_timer_start(&s->accept_retry, accept_resume, ACCEPT_RETRY_MS, 0);
+}
+
+/* Refuse @p p, just accepted, at once if its uid is far over a quota (its connections, the
+ * memory they and its records take, its share @p share of the fds); only over one, it is
+ * refused at HELLO, with the reason. Whether it was refused. */
+static bool refused_far_over(struct dlpd_peer *p, uint64_t share)
+{
+	struct dlpd_server *s = p->srv;
+	uint64_t uid_fds;
+
+	if (p->usage->connections > s->lim.connections_per_uid + DLPC_UID_CONNECTIONS_SLACK) {
+		refuse(p, EDQUOT,
+		       "uid %u has %llu connections, over the limit of %llu "
+		       "(--max-connections-per-uid) by more than %d",
+		       (unsigned)p->uid, (unsigned long long)p->usage->connections - 1,
+		       (unsigned long long)s->lim.connections_per_uid, DLPC_UID_CONNECTIONS_SLACK);
+		return true;
+	}
+	if (p->usage->memory >
+	    s->lim.memory_per_uid + DLPC_UID_CONNECTIONS_SLACK * DLPD_CONNECTION_COST) {
+		refuse(p, EDQUOT,
+		       "uid %u has %llu bytes of dlpackd's memory, over the "
+		       "limit of %llu (--max-memory-per-uid) by more than %d "
+		       "connections",
+		       (unsigned)p->uid, (unsigned long long)p->usage->memory,
+		       (unsigned long long)s->lim.memory_per_uid, DLPC_UID_CONNECTIONS_SLACK);
+		return true;
+	}
+	uid_fds = dlpd_uid_fds(p->usage);
+	if (share < s->fd_budget && uid_fds > share + DLPC_UID_CONNECTIONS_SLACK) {
+		char why[256];
+
+		dlpd_uid_fd_share_why(p, uid_fds - 1, why, sizeof(why));
+		refuse(p, EDQUOT, "%s, by more than %d", why, DLPC_UID_CONNECTIONS_SLACK);
+		return true;
+	}
+	return false;
+}
+
 static void on_accept(uv_poll_t *h, int status, int events)
 {
 	struct dlpd_server *s = h->data;
@@ -85,7 +130,7 @@ static void on_accept(uv_poll_t *h, int status, int events)
 	(void)status;
 	(void)events;
 	while (!s->stopping) {
-		uint64_t fds = dlpd_fds_in_use(s), share = dlpd_uid_fd_share(s), uid_fds;
+		uint64_t fds = dlpd_fds_in_use(s), share = dlpd_uid_fd_share(s);
 		struct dlpd_peer *p;
 		char desc[96];
 		int fd;
@@ -103,9 +148,7 @@ static void on_accept(uv_poll_t *h, int status, int events)
 					"the open connections and retrying every %d ms",
 					(unsigned long long)fds, DLPC_FD_RESERVE / 2,
 					ACCEPT_RETRY_MS);
-			s->accept_paused = true;
-			uv_poll_stop(&s->listen_poll);
-			uv_timer_start(&s->accept_retry, accept_resume, ACCEPT_RETRY_MS, 0);
+			accept_pause(s);
 			return;
 		}
 		fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -123,9 +166,7 @@ static void on_accept(uv_poll_t *h, int status, int events)
 					 "ones "
 					 "and retrying every %d ms",
 					 (unsigned long long)s->npeers, ACCEPT_RETRY_MS);
-			s->accept_paused = true;
-			uv_poll_stop(&s->listen_poll);
-			uv_timer_start(&s->accept_retry, accept_resume, ACCEPT_RETRY_MS, 0);
+			accept_pause(s);
 			return;
 		}
 		if (s->accept_paused) {
@@ -138,38 +179,8 @@ static void on_accept(uv_poll_t *h, int status, int events)
 			close(fd);
 			continue;
 		}
-		/* over its quota it is refused at HELLO, with the reason; far over it, at once */
-		if (p->usage->connections >
-		    s->lim.connections_per_uid + DLPC_UID_CONNECTIONS_SLACK) {
-			refuse(p, EDQUOT,
-			       "uid %u has %llu connections, over the limit of %llu "
-			       "(--max-connections-per-uid) by more than %d",
-			       (unsigned)p->uid, (unsigned long long)p->usage->connections - 1,
-			       (unsigned long long)s->lim.connections_per_uid,
-			       DLPC_UID_CONNECTIONS_SLACK);
+		if (refused_far_over(p, share))
 			continue;
-		}
-		/* and for the memory its connections and records take */
-		if (p->usage->memory >
-		    s->lim.memory_per_uid + DLPC_UID_CONNECTIONS_SLACK * DLPD_CONNECTION_COST) {
-			refuse(p, EDQUOT,
-			       "uid %u has %llu bytes of dlpackd's memory, over the "
-			       "limit of %llu (--max-memory-per-uid) by more than %d "
-			       "connections",
-			       (unsigned)p->uid, (unsigned long long)p->usage->memory,
-			       (unsigned long long)s->lim.memory_per_uid,
-			       DLPC_UID_CONNECTIONS_SLACK);
-			continue;
-		}
-		/* the same for its share of the fds, which HELLO enforces */
-		uid_fds = dlpd_uid_fds(p->usage);
-		if (share < s->fd_budget && uid_fds > share + DLPC_UID_CONNECTIONS_SLACK) {
-			char why[256];
-
-			dlpd_uid_fd_share_why(p, uid_fds - 1, why, sizeof(why));
-			refuse(p, EDQUOT, "%s, by more than %d", why, DLPC_UID_CONNECTIONS_SLACK);
-			continue;
-		}
 		dlpd_log(LOG_DEBUG, "%s: accepted", dlpd_peer_desc(p, desc, sizeof(desc)));
 	}
 }

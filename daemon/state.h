@@ -38,11 +38,12 @@ struct dlpd_persist {
 	uint64_t store_max;	  /* fds the service manager keeps for us (--fd-store); 0: none */
 	uint64_t storages_stored; /* storage fds of ours in the store */
 	int journal_fd;		  /* the state journal, -1 without a store */
-	uint64_t epoch;		  /* the journal's: its name in the store is state-<epoch> */
-	uint64_t journal_len;	  /* bytes written */
-	uint64_t live_len;	  /* of them, records of entries that still exist */
-	uint64_t next_sid;	  /* the last storage id given */
-	bool broken;		  /* the store or the journal failed: nothing more is recorded */
+	/* the journal's generation: its name in the store is state-<journal_gen> */
+	uint64_t journal_gen;
+	uint64_t journal_len; /* bytes written */
+	uint64_t live_len;    /* of them, records of entries that still exist */
+	uint64_t next_sid;    /* the last storage id given */
+	bool broken;	      /* the store or the journal failed: nothing more is recorded */
 	bool warned_full;
 	uint8_t *rec; /* a record is built here */
 	size_t rec_cap;
@@ -89,6 +90,19 @@ struct dlpd_server {
 	bool upgrading; /* stopping to execute the binary again (upgrade.c) */
 };
 
+/*
+ * Where a connection is in its life; it only ever moves down this list (LINGERING only for one
+ * with frames left to flush). What may happen at any step is kept apart, in dlpd_peer: it sent
+ * WATCH (watching), it shut down its sending side (hup), its socket failed (broken).
+ */
+enum dlpd_conn_state {
+	DLPD_CONN_GREETING,  /* accepted: only HELLO is served, due within the frame deadline */
+	DLPD_CONN_SERVING,   /* said HELLO: its requests are served */
+	DLPD_CONN_MARKED,    /* dlpd_peer_fail(): reads nothing, takes no new frames, waits in
+			      * srv->failed to be destroyed (dispatch.c) */
+	DLPD_CONN_LINGERING, /* destroyed, flushing its last frames (an ERROR) within a bound */
+};
+
 struct dlpd_peer {
 	struct dlpd_server *srv;
 	uv_poll_t poll;
@@ -99,14 +113,11 @@ struct dlpd_peer {
 	uint64_t serial;
 	struct dlpd_usage *usage; /* its uid's, charged with this connection */
 	int events;		  /* uv_poll events currently asked for */
-	bool hello;
-	/* Marked (dlpd_peer_fail()): reads nothing, takes no new frames, waits in srv->failed
-	 * to be destroyed. */
-	bool failed;
-	bool broken;	/* its socket failed, or its queue overflowed: nothing more is written */
-	bool hup;	/* it shut down its sending side: its buffered requests are still served */
-	bool lingering; /* destroyed, flushing its last frames (an ERROR) within a bound */
-	bool watching;	/* sent WATCH: receives events, sends nothing but RELEASE */
+	enum dlpd_conn_state state;
+	bool broken;   /* its socket failed, or its queue overflowed: nothing more is written */
+	bool hup;      /* it shut down its sending side: its buffered requests are still served */
+	bool watching; /* sent WATCH: receives events, sends nothing but RELEASE (until it is
+			 * destroyed, marked or not: dlpd_watch_drop()) */
 	uint64_t inval_seen; /* the last invalidation it was sent (srv->inval_seq), invalidate.c */
 	struct dlpd_list watch_link; /* in srv->watchers */
 	struct dlpd_list fail_link;  /* in srv->failed while marked, then in srv->lingering */
@@ -123,12 +134,33 @@ struct dlpd_peer {
 	size_t rx_charged; /* rx's buffer, as charged to its uid (mem.c) */
 	size_t tx_charged; /* tx's queued bytes, the same */
 	struct dlpc__tx tx;
-	struct dlpd_holdings held;     /* references, ephemeral entries, waiting attaches */
-	struct dlpd_list ipc_storages; /* legacy IPC or lent VMM storages it published, held */
-	uint64_t *reclaims;	       /* their tokens, freed but not yet told (reclaim.c) */
+	struct dlpd_holdings held; /* references, ephemeral entries, waiting attaches */
+	uint64_t *
+		reclaims; /* tokens of its lent storages (held.lent), freed but not yet told (reclaim.c) */
 	size_t nreclaims, reclaims_cap;
 	struct dlpd_list reclaim_link; /* in srv->reclaimers while nreclaims > 0 */
 	struct dlpd_list link;	       /* in srv->peers */
 };
+
+/* Was @p p marked (dlpd_peer_fail()), lingering or not? Then nothing new is done for it. */
+static inline bool dlpd_peer_marked(const struct dlpd_peer *p)
+{
+	return p->state >= DLPD_CONN_MARKED;
+}
+
+/* An ATTACH waiting for its name: the registry's record (w) and the connection's side. */
+struct dlpd_attach_wait {
+	struct dlpd_waiter w;
+	struct dlpd_peer *peer; /* to be answered */
+	bool timed;		/* timer runs (w.timeout_ms > 0) */
+	uv_timer_t timer;
+};
+
+/* The wait whose w.peer_link is @p l (in holdings.waiters). */
+static inline struct dlpd_attach_wait *dlpd_attach_wait_of(struct dlpd_list *l)
+{
+	return dlpd_container_of(dlpd_container_of(l, struct dlpd_waiter, peer_link),
+				 struct dlpd_attach_wait, w);
+}
 
 #endif

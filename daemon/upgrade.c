@@ -133,7 +133,7 @@ static int add(struct handover *h, int fd, const char *fmt, uint64_t num)
 }
 
 /* The fds the new image needs, and their names. */
-static int collect(struct dlpd_server *s, struct handover *h, int journal, uint64_t epoch)
+static int collect(struct dlpd_server *s, struct handover *h, int journal, uint64_t gen)
 {
 	struct dlpd_hmap *m = &s->reg.names;
 	int r = add(h, s->listen_fd, "listen", 0);
@@ -141,10 +141,11 @@ static int collect(struct dlpd_server *s, struct handover *h, int journal, uint6
 	if (r == 0 && s->owns_path)
 		r = add(h, s->lock_fd, "lock", 0);
 	if (r == 0)
-		r = add(h, journal, DLPD_FDNAME_STATE "%" PRIx64, epoch);
+		r = add(h, journal, DLPD_FDNAME_STATE "%" PRIx64, gen);
 	/* the journal in the fd store, older: the new image drops it from the store */
 	if (r == 0 && s->persist.journal_fd >= 0)
-		r = add(h, s->persist.journal_fd, DLPD_FDNAME_STATE "%" PRIx64, s->persist.epoch);
+		r = add(h, s->persist.journal_fd, DLPD_FDNAME_STATE "%" PRIx64,
+			s->persist.journal_gen);
 	for (size_t b = 0; r == 0 && b < m->nbuckets; b++)
 		for (struct dlpd_hnode *n = m->buckets[b]; r == 0 && n; n = n->next) {
 			struct dlpd_entry *e = dlpd_container_of(n, struct dlpd_entry, node);
@@ -306,102 +307,113 @@ static void hand_sockets(struct dlpd_server *s, struct dlpd_channel **chans, siz
 	free(chans);
 }
 
-void dlpd_upgrade(struct dlpd_server *s)
+/* Can the binary be executed? Then what the new image takes over, the entries and a snapshot
+ * of the journal (in *@p journal), into @p h. false, logged, if not. */
+static bool handover_prepare(struct dlpd_server *s, struct handover *h, int *journal)
 {
-	struct handover h = {0};
-	struct dlpd_closing *cl = NULL;
-	struct dlpd_channel **chans = NULL;
-	size_t ncl = 0, nchans = 0;
-	char pid[32], nfds[32];
-	sigset_t hold;
-	uint64_t epoch;
-	int journal = -1, r;
+	uint64_t gen;
+	int r;
 
 	if (!s->self_exe || access(s->self_exe, X_OK) < 0) {
 		dlpd_log(LOG_ERR, "not upgrading: cannot execute %s: %s",
 			 s->self_exe ? s->self_exe : "the binary (its path is unknown)",
 			 s->self_exe ? strerror(errno) : "readlink /proc/self/exe failed at start");
-		return;
+		return false;
 	}
-	r = dlpd_persist_snapshot(s, &journal, &epoch);
+	r = dlpd_persist_snapshot(s, journal, &gen);
 	if (r == 0)
-		r = collect(s, &h, journal, epoch);
-	if (r == 0 && h.names_len > FDNAMES_MAX)
+		r = collect(s, h, *journal, gen);
+	if (r == 0 && h->names_len > FDNAMES_MAX)
 		r = -E2BIG;
 	if (r < 0) {
 		dlpd_log(LOG_ERR, "not upgrading: cannot hand over %zu entries: %s",
 			 s->reg.names.count, strerror(-r));
-		if (journal >= 0)
-			close(journal);
-		free(h.fds);
-		free(h.names);
-		return;
+		return false;
 	}
-	dlpd_notify("RELOADING=1\nSTATUS=upgrading: executing %s", s->self_exe);
-	/* Storages only connections hold leave the store (the exec closes the connections), and
-	 * what waits for the service manager must reach it before this image goes: while it has
-	 * not, the connections are untouched and the upgrade can still be refused. */
+	return true;
+}
+
+/* Drop what handover_prepare() gathered, the upgrade refused. */
+static void handover_free(struct handover *h, int journal)
+{
+	if (journal >= 0)
+		close(journal);
+	free(h->fds);
+	free(h->names);
+}
+
+/* Storages only connections hold leave the store (the exec closes the connections), and what
+ * waits for the service manager must reach it before this image goes: while it has not, the
+ * connections are untouched and the upgrade can still be refused. false (refused, and the
+ * manager told) if it did not in time. */
+static bool notices_flushed(struct dlpd_server *s)
+{
 	dlpd_persist_drop_held(s);
 	/* notifications waiting for room in the service manager's queue (storages for its fd
 	 * store, removals) would die with this image */
-	if (dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS) > 0) {
-		dlpd_log(LOG_ERR,
-			 "not upgrading: the service manager did not take %zu notifications within "
-			 "%d ms",
-			 dlpd_notify_queued(), DLPD_NOTIFY_WAIT_MS);
-		/* behind the RELOADING=1 that waits with the rest: the manager, once it reads,
-		 * sees the reload end and this image serving on */
-		dlpd_notify("READY=1\nSTATUS=upgrade refused: the service manager did not take "
-			    "its notifications in time");
-		close(journal);
-		free(h.fds);
-		free(h.names);
-		return;
-	}
+	if (dlpd_notify_flush(DLPD_NOTIFY_WAIT_MS) == 0)
+		return true;
+	dlpd_log(LOG_ERR,
+		 "not upgrading: the service manager did not take %zu notifications within "
+		 "%d ms",
+		 dlpd_notify_queued(), DLPD_NOTIFY_WAIT_MS);
+	/* behind the RELOADING=1 that waits with the rest: the manager, once it reads, sees the
+	 * reload end and this image serving on */
+	dlpd_notify("READY=1\nSTATUS=upgrade refused: the service manager did not take "
+		    "its notifications in time");
+	return false;
+}
+
+/* The closes pending the new image takes over, into @p h: the closers' (*@p cl, *@p ncl) and
+ * the sockets (add_sockets(): the channels in *@p chans). 0 or negative errno. */
+static int gather_closes(struct dlpd_server *s, struct handover *h, struct dlpd_closing **cl,
+			 size_t *ncl, struct dlpd_channel ***chans, size_t *nchans)
+{
+	int r;
+
 	release_unread(s);
-	r = dlpd_closers_handover(&cl, &ncl);
+	r = dlpd_closers_handover(cl, ncl);
 	if (r == 0)
-		r = add_sockets(s, &cl, &ncl, &chans, &nchans);
-	if (r == 0 && ncl)
-		r = add_closing(&h, cl, ncl);
-	if (r == 0 && h.names_len > FDNAMES_MAX)
+		r = add_sockets(s, cl, ncl, chans, nchans);
+	if (r == 0 && *ncl)
+		r = add_closing(h, *cl, *ncl);
+	if (r == 0 && h->names_len > FDNAMES_MAX)
 		r = -E2BIG;
-	if (r < 0) {
-		dlpd_log(LOG_ERR, "not upgrading: cannot hand over %zu closes pending: %s", ncl,
-			 strerror(-r));
-		abandon(s);
-		free(cl);
-		free(chans);
-		dlpd_notify("READY=1\nSTATUS=upgrade refused: cannot hand over the closes pending");
-		close(journal);
-		free(h.fds);
-		free(h.names);
-		return;
-	}
-	dlpd_log(LOG_NOTICE,
-		 "upgrading: executing %s with %zu fds (%zu entries); closing %llu connections",
-		 s->self_exe, h.n, s->reg.names.count, (unsigned long long)s->npeers);
+	return r;
+}
+
+/* The environment of a socket-activated start, with @p h's fds. 0, or -1 (logged). */
+static int set_listen_env(const struct handover *h)
+{
+	char pid[32], nfds[32];
+
 	snprintf(pid, sizeof(pid), "%d", (int)getpid());
-	snprintf(nfds, sizeof(nfds), "%zu", h.n);
+	snprintf(nfds, sizeof(nfds), "%zu", h->n);
 	if (setenv("LISTEN_PID", pid, 1) < 0 || setenv("LISTEN_FDS", nfds, 1) < 0 ||
-	    setenv("LISTEN_FDNAMES", h.names, 1) < 0 ||
+	    setenv("LISTEN_FDNAMES", h->names, 1) < 0 ||
 	    (dlpd_notify_socket() && setenv("NOTIFY_SOCKET", dlpd_notify_socket(), 1) < 0)) {
 		dlpd_log(LOG_ERR, "not upgrading: cannot set the environment: %m");
-		abandon(s);
-		free(cl);
-		free(chans);
-		/* the reload the manager was told of ends here: this image serves on */
-		dlpd_notify("READY=1\nSTATUS=upgrade refused: cannot set the environment");
-		unsetenv("LISTEN_PID");
-		unsetenv("LISTEN_FDS");
-		unsetenv("LISTEN_FDNAMES");
-		unsetenv("NOTIFY_SOCKET");
-		close(journal);
-		free(h.fds);
-		free(h.names);
-		return;
+		return -1;
 	}
-	/* no way back from here */
+	return 0;
+}
+
+static void unset_listen_env(void)
+{
+	unsetenv("LISTEN_PID");
+	unsetenv("LISTEN_FDS");
+	unsetenv("LISTEN_FDNAMES");
+	unsetenv("NOTIFY_SOCKET");
+}
+
+/* No way back: hand the sockets to closers, move @p h's fds to their slots and execute the
+ * binary, telling it of the closes pending @p cl. Returns only by exiting. */
+static void handover_exec(struct dlpd_server *s, struct handover *h, struct dlpd_closing *cl,
+			  size_t ncl, struct dlpd_channel **chans, size_t nchans)
+{
+	sigset_t hold;
+	int r;
+
 	hand_sockets(s, chans, nchans);
 	/* channels do not survive: direct ones' users hear it now (EPIPE, end of stream) */
 	dlpd_direct_shutdown_all(s);
@@ -416,7 +428,7 @@ void dlpd_upgrade(struct dlpd_server *s)
 	sigprocmask(SIG_BLOCK, &hold, NULL);
 	/* from here on the fds move: nothing may close one behind our back */
 	dlpd_reaper_freeze();
-	r = place(h.fds, h.n);
+	r = place(h->fds, h->n);
 	if (r < 0) {
 		dlpd_log(LOG_ERR, "upgrade failed moving the fds to hand over: %s", strerror(-r));
 		_exit(1);
@@ -436,4 +448,48 @@ void dlpd_upgrade(struct dlpd_server *s)
 	/* the image running now, whatever became of the file */
 	exec_image("/proc/self/exe");
 	_exit(1);
+}
+
+void dlpd_upgrade(struct dlpd_server *s)
+{
+	struct handover h = {0};
+	struct dlpd_closing *cl = NULL;
+	struct dlpd_channel **chans = NULL;
+	size_t ncl = 0, nchans = 0;
+	int journal = -1, r;
+
+	if (!handover_prepare(s, &h, &journal)) {
+		handover_free(&h, journal);
+		return;
+	}
+	dlpd_notify("RELOADING=1\nSTATUS=upgrading: executing %s", s->self_exe);
+	if (!notices_flushed(s)) {
+		handover_free(&h, journal);
+		return;
+	}
+	r = gather_closes(s, &h, &cl, &ncl, &chans, &nchans);
+	if (r < 0) {
+		dlpd_log(LOG_ERR, "not upgrading: cannot hand over %zu closes pending: %s", ncl,
+			 strerror(-r));
+		abandon(s);
+		free(cl);
+		free(chans);
+		dlpd_notify("READY=1\nSTATUS=upgrade refused: cannot hand over the closes pending");
+		handover_free(&h, journal);
+		return;
+	}
+	dlpd_log(LOG_NOTICE,
+		 "upgrading: executing %s with %zu fds (%zu entries); closing %llu connections",
+		 s->self_exe, h.n, s->reg.names.count, (unsigned long long)s->npeers);
+	if (set_listen_env(&h) < 0) {
+		abandon(s);
+		free(cl);
+		free(chans);
+		/* the reload the manager was told of ends here: this image serves on */
+		dlpd_notify("READY=1\nSTATUS=upgrade refused: cannot set the environment");
+		unset_listen_env();
+		handover_free(&h, journal);
+		return;
+	}
+	handover_exec(s, &h, cl, ncl, chans, nchans);
 }

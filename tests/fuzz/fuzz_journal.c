@@ -93,7 +93,7 @@ static void put(int fd, const void *p, size_t len)
 static int journal(uint64_t epoch, bool bad, const uint8_t *data, size_t size)
 {
 	static const uint16_t kinds[] = {DLPD_REC_PUT, DLPD_REC_DEL, 3};
-	struct dlpd_journal_hdr jh = {.epoch = epoch};
+	struct dlpd_journal_hdr jh = {.journal_gen = epoch};
 	int fd = memfd_create("fuzz-journal", MFD_CLOEXEC);
 	size_t i = 0;
 

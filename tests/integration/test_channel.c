@@ -19,6 +19,48 @@
 
 #include "channel_kinds.h"
 
+/* ---- senders waiting for room go in, in turn, one per message received ---- */
+
+static int queued_sender(void *arg)
+{
+	dlpc_client *c = child_connect();
+
+	CHILD_CHECK(send_value(c, "bq", *(const int64_t *)arg, 1, 0, -1) == 0);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(test_backpressure_queue)
+{
+	dlpc_client *c = connect_or_die(&D);
+	int64_t three = 3, four = 4, v;
+	pid_t s3, s4;
+
+	ck_assert_dlpc(dlpc_channel_open(c, "bq", 2, NULL), 1);
+	ck_assert_dlpc(send_value(c, "bq", 1, 1, 0, -1), 0);
+	ck_assert_dlpc(send_value(c, "bq", 2, 1, 0, -1), 0);
+	s3 = spawn(queued_sender, &three);
+	ck_assert(WAIT_CHAN(c, "bq", senders_waiting, 1));
+	s4 = spawn(queued_sender, &four);
+	ck_assert(WAIT_CHAN(c, "bq", senders_waiting, 2));
+	/* room for one: the oldest sender goes in, the other still waits behind it */
+	ck_assert_dlpc(recv_value(c, "bq", 0, &v, NULL, NULL), 0);
+	ck_assert_int_eq(v, 1);
+	ck_assert_int_eq(wait_child(s3), 0);
+	ck_assert_uint_eq(chan_or_die(c, "bq").senders_waiting, 1);
+	ck_assert_uint_eq(chan_or_die(c, "bq").depth, 2);
+	ck_assert_dlpc(recv_value(c, "bq", 0, &v, NULL, NULL), 0);
+	ck_assert_int_eq(v, 2);
+	ck_assert_int_eq(wait_child(s4), 0);
+	for (int64_t want = 3; want <= 4; want++) {
+		ck_assert_dlpc(recv_value(c, "bq", 0, &v, NULL, NULL), 0);
+		ck_assert_int_eq(v, want);
+	}
+	ck_assert_dlpc(recv_value(c, "bq", 0, &v, NULL, NULL), -EAGAIN);
+	dlpc_close(c);
+}
+END_TEST
+
 /* uid 65534, which never sent to root's channel, closes it from two connections: without a
  * message of its own that changes nothing (else it would end another uid's stream, which
  * close-all refuses it). */
@@ -898,6 +940,7 @@ int main(void)
 	TCase *tc, *plain;
 	Suite *s = channel_suite("channel", QUEUED, &tc, &plain);
 
+	tcase_add_test(tc, test_backpressure_queue);
 	tcase_add_test(tc, test_end_other_uid_bare_close);
 	tcase_add_test(tc, test_end_then_remove_drops);
 	tcase_add_test(tc, test_ordinary_session_quiet);

@@ -1128,7 +1128,7 @@ static void jput(struct journal *j, const char *name, uint64_t sid, uint64_t gen
 /* A memfd holding @p j behind a header of @p epoch (@p magic: a right one or not). */
 static int journal_fd(const struct journal *j, uint64_t epoch, bool magic)
 {
-	struct dlpd_journal_hdr h = {.epoch = epoch};
+	struct dlpd_journal_hdr h = {.journal_gen = epoch};
 	int fd = memfd_create("journal", MFD_CLOEXEC);
 
 	memcpy(h.magic, magic ? DLPD_JOURNAL_MAGIC : "NOTOURS!", sizeof(h.magic));
