@@ -165,22 +165,21 @@ static struct dlpc__endpoint *evict_locked(dlpc_client *c)
 	return last;
 }
 
-/* Ask the daemon what @p name is (CHANNEL JOIN) and remember it. 1 direct, 0 queued, or a
- * negative errno (-ENOENT: no such channel). */
-static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
+/* Ask the daemon what @p name is (CHANNEL JOIN): a direct channel's pair of ends in @p ends (-1
+ * each for a queued one), whether its stream has *@p ended, and the *@p epoch of the connection
+ * that asked. 0, or a negative errno (-ENOENT: no such channel). */
+static int ask_join(dlpc_client *c, const char *name, int ends[2], bool *ended, uint64_t *epoch)
 {
 	Dlpackd__V1__Channel req = DLPACKD__V1__CHANNEL__INIT;
 	Dlpackd__V1__ChannelReply *rep;
 	int more[1] = {-1}, fd = -1, r;
 	struct dlpc__call_info info = {.more_fds = more, .nmore_fds = 1};
-	struct dlpc__endpoint *e, *old = NULL, *dup = NULL;
-	size_t len = strlen(name);
-	bool ended = false, queued = false;
-	uint64_t epoch;
+	bool queued = false;
 
+	*ended = false;
 	req.op = DLPC__CHANNEL_JOIN;
 	req.name.data = (uint8_t *)name;
-	req.name.len = len;
+	req.name.len = strlen(name);
 	r = dlpc__call_ex(c, DLPC_MSG_CHANNEL, &req.base, NULL, 0, 0, &info,
 			  &dlpackd__v1__channel_reply__descriptor, (ProtobufCMessage **)&rep, &fd,
 			  NULL);
@@ -191,7 +190,7 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	} else {
 		/* 1.10: a queued channel is answered without fds */
 		if (rep->channel) {
-			ended = rep->channel->flags & DLPC_CHANNEL_ENDED;
+			*ended = rep->channel->flags & DLPC_CHANNEL_ENDED;
 			queued = !(rep->channel->flags & DLPC_CHANNEL_DIRECT);
 		}
 		dlpackd__v1__channel_reply__free_unpacked(rep, NULL);
@@ -205,19 +204,19 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 				name);
 		}
 	}
-	e = calloc(1, sizeof(*e) + len + 1);
-	if (!e) {
-		dlpc__close(fd);
-		dlpc__close(more[0]);
-		return dlpc__fail(-ENOMEM, "cannot join channel '%s': out of memory", name);
-	}
-	memcpy(e->name, name, len + 1);
-	e->epoch = info.epoch;
-	e->direct = fd >= 0;
-	e->ended = ended;
-	e->ends[0] = fd;
-	e->ends[1] = more[0];
-	e->users = 1;
+	ends[0] = fd;
+	ends[1] = more[0];
+	*epoch = info.epoch;
+	return 0;
+}
+
+/* List the endpoint @p e, just joined, in @p c (making room for it), or, when another thread
+ * listed one of the same channel meanwhile, free @p e for that one. The endpoint to use. */
+static struct dlpc__endpoint *endpoint_add(dlpc_client *c, struct dlpc__endpoint *e)
+{
+	struct dlpc__endpoint *old = NULL, *dup = NULL;
+	uint64_t epoch;
+
 	/* c->mu then the list lock (the order every path takes both in): the epoch cannot move
 	 * meanwhile. Joined on a connection replaced since: used once, never listed. Two threads
 	 * may join at once: the one listed first is the one both use. */
@@ -225,7 +224,7 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 	dlpc__list_lock();
 	epoch = c->epoch;
 	for (struct dlpc__endpoint *x = c->endpoints; x && e->epoch == epoch; x = x->next)
-		if (x->epoch == epoch && strcmp(x->name, name) == 0) {
+		if (x->epoch == epoch && strcmp(x->name, e->name) == 0) {
 			x->users++;
 			dup = e;
 			e = x;
@@ -253,8 +252,37 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 		}
 		free(dup);
 	}
-	*ret = e;
-	return e->direct;
+	return e;
+}
+
+/* Ask the daemon what @p name is (CHANNEL JOIN) and remember it. 1 direct, 0 queued, or a
+ * negative errno (-ENOENT: no such channel). */
+static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
+{
+	size_t len = strlen(name);
+	struct dlpc__endpoint *e;
+	int ends[2] = {-1, -1}, r;
+	bool ended = false;
+	uint64_t epoch = 0;
+
+	r = ask_join(c, name, ends, &ended, &epoch);
+	if (r < 0)
+		return r;
+	e = calloc(1, sizeof(*e) + len + 1);
+	if (!e) {
+		dlpc__close(ends[0]);
+		dlpc__close(ends[1]);
+		return dlpc__fail(-ENOMEM, "cannot join channel '%s': out of memory", name);
+	}
+	memcpy(e->name, name, len + 1);
+	e->epoch = epoch;
+	e->direct = ends[0] >= 0;
+	e->ended = ended;
+	e->ends[0] = ends[0];
+	e->ends[1] = ends[1];
+	e->users = 1;
+	*ret = endpoint_add(c, e);
+	return (*ret)->direct;
 }
 
 int dlpc__direct_get(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
