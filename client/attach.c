@@ -7,6 +7,7 @@
  * it is freed, by the bundle. The last one unmaps, sends RELEASE and drops the region's
  * reference on the client.
  */
+#include <assert.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
@@ -204,8 +205,11 @@ static int bundle_new(struct dlpc__region *m, const uint8_t *table, size_t table
 	b->n = n;
 	kp = (char *)(b->keys + b->n);
 	for (size_t i = 0; i < b->n; i++) {
+		int sane = dlpc__table_next(table, table_len, &pos, &d);
+
 		/* checked by reply_sane(): cannot fail */
-		dlpc__table_next(table, table_len, &pos, &d);
+		assert(sane == 0);
+		(void)sane;
 		b->keys[i] = kp;
 		if (d.key_len)
 			memcpy(kp, d.key, d.key_len);

@@ -14,6 +14,7 @@
  * under the lock of the open clients' list, so that a forked child finds them whole and closes
  * what it inherited.
  */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -31,6 +32,7 @@
 static void endpoint_free(dlpc_client *c, struct dlpc__endpoint *e)
 {
 	dlpc__list_lock();
+	assert(e->users == 0 && e->dropped);
 	for (struct dlpc__endpoint **pp = &c->all_endpoints; *pp; pp = &(*pp)->all_next)
 		if (*pp == e) {
 			*pp = e->all_next;
@@ -65,6 +67,7 @@ void dlpc__direct_put(dlpc_client *c, struct dlpc__endpoint *e)
 	bool last;
 
 	dlpc__list_lock();
+	assert(e->users > 0);
 	last = --e->users == 0 && e->dropped;
 	dlpc__list_unlock();
 	if (last)

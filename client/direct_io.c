@@ -11,6 +11,7 @@
  * says why and who sent it (the kernel's credentials). A receiver that finds the pair shut
  * drops what is still queued: removal frees a channel's messages.
  */
+#include <assert.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -117,6 +118,7 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	bool waited = false;
 	int r = 0;
 
+	assert(e->direct);
 	if (tl > DLPC_DIRECT_TABLE_MAX)
 		return dlpc__fail(-EMSGSIZE,
 				  "cannot send to channel '%s': the message's %zu tensors take %zu "
@@ -570,6 +572,7 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	struct incoming m;
 	int r;
 
+	assert(e->direct);
 	/* a channel that sent fds refused past the bound stays unread while they wait */
 	if (barred(e)) {
 		size_t held = dlpc__closing_held();

@@ -23,6 +23,7 @@
  * serial besides the slot, so a late RECLAIM of a buffer that left never frees the one that
  * took its slot.
  */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -189,6 +190,7 @@ static int pool_add(dlpc_client *c, struct dlpc__pool *p, struct dlpc__region *r
 {
 	struct pool_buf *slot;
 
+	assert(r->pool_fd >= 0);
 	pthread_mutex_lock(&p->mu);
 	slot = find_empty(p);
 	if (!slot && p->n < DLPC_POOL_BUFFERS_MAX)
@@ -289,6 +291,7 @@ void dlpc__pool_sending(dlpc_client *c, uint64_t token, bool sending)
 	struct dlpc__pool *p = c->pool;
 	unsigned i = token_slot(token);
 
+	assert(token & DLPC__POOL_TOKEN);
 	if (!p || i >= DLPC_POOL_BUFFERS_MAX)
 		return;
 	pthread_mutex_lock(&p->mu);
@@ -327,6 +330,7 @@ static void pool_leave(dlpc_client *c, bool all, uint64_t token)
 
 void dlpc__pool_lost(dlpc_client *c, uint64_t token)
 {
+	assert(token & DLPC__POOL_TOKEN);
 	pool_leave(c, false, token);
 }
 
