@@ -20,12 +20,22 @@
 #include "table.h"
 #include "util.h"
 
-/* Every DLPC_ATTACH_* flag; those of them that only this library acts on. */
-#define ATTACH_FLAGS                                                                               \
-	(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_DEFER_SYNC | DLPC_ATTACH_PRIVATE |                     \
-	 DLPC_ATTACH_GUARDED | DLPC_ATTACH_OWNER | DLPC_ATTACH_NO_CACHE)
-#define LOCAL_FLAGS                                                                                \
+/*
+ * The public attach flags (DLPC_ATTACH_*, dlpc/dlpc.h) that dlpc_attach() takes: those sent in
+ * Attach.flags as they are (proto/frame.h checks that their bits are the wire's), and those this
+ * library acts on alone. The wire's own flags (DLPC_WIRE_ATTACH_SINGLE and _CACHEABLE, the
+ * `extra` of the functions below) are the library's to add; its internal ones (DLPC__ATTACH_*,
+ * internal.h) never come this way.
+ */
+#define API_ATTACH_FLAGS (API_ATTACH_SENT | API_ATTACH_LOCAL)
+#define API_ATTACH_SENT (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_OWNER)
+#define API_ATTACH_LOCAL                                                                           \
 	(DLPC_ATTACH_DEFER_SYNC | DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_NO_CACHE)
+_Static_assert((API_ATTACH_SENT & API_ATTACH_LOCAL) == 0, "an attach flag is sent or local");
+_Static_assert((API_ATTACH_SENT & ~DLPC_WIRE_ATTACH_FLAGS) == 0,
+	       "the attach flags sent are wire flags");
+_Static_assert((API_ATTACH_FLAGS & (DLPC__ATTACH_KEEP_MAP | DLPC__ATTACH_SEALED)) == 0,
+	       "the library's internal attach flags are no public ones");
 
 struct dlpc_bundle {
 	size_t n;
@@ -347,7 +357,6 @@ int dlpc__attach_build(dlpc_client *c, uint64_t epoch, bool cache, uint64_t seq,
 	m->client = c;
 	m->ref_id = rep->ref_id;
 	m->epoch = epoch;
-	m->has_owner = c->minor >= 3;
 	m->owner_uid = rep->owner_uid;
 	m->owner_pid = rep->owner_pid;
 	m->entry_flags = rep->flags;
@@ -396,7 +405,7 @@ static int attach_cached(dlpc_client *c, const char *name, uint32_t flags, uint3
 	if (!dlpc__drain(c, false))
 		return 0;
 	e = dlpc__cache_get(c, name, flags & DLPC_ATTACH_OWNER, owner_uid,
-			    extra & DLPC_ATTACH_SINGLE, cow, &map);
+			    extra & DLPC_WIRE_ATTACH_SINGLE, cow, &map);
 	if (!e)
 		return 0;
 	m = calloc(1, sizeof(*m));
@@ -543,19 +552,14 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	r = attach_opts_read(name, opts, &flags, &timeout, &stream, &req.owner_uid);
 	if (r < 0)
 		return r;
-	if (flags & ~ATTACH_FLAGS)
+	if (flags & ~API_ATTACH_FLAGS)
 		return dlpc__fail(-EINVAL, "cannot attach '%s': unknown flags 0x%x", name,
-				  flags & ~ATTACH_FLAGS);
+				  flags & ~API_ATTACH_FLAGS);
 	if ((flags & DLPC_ATTACH_WRITABLE) && (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)))
 		return dlpc__fail(-EINVAL,
 				  "cannot attach '%s': DLPC_ATTACH_WRITABLE (a shared writable "
 				  "mapping) and a copy-on-write mapping exclude each other",
 				  name);
-	if ((flags & DLPC_ATTACH_OWNER) && c->minor < 3)
-		return dlpc__fail(-ENOTSUP,
-				  "cannot attach '%s' with an owner check: dlpackd speaks protocol "
-				  "%d.%u, which does not know owners (%d.3 does)",
-				  name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
 	/* the cache serves read-only attaches (shared, or copy-on-write from the kept fd) */
 	cache = c->cache.on && !(flags & (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_NO_CACHE));
 	if (cache) {
@@ -567,7 +571,7 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
 	/* how this process maps the storage is its own business, not the daemon's */
-	req.flags = (flags & ~LOCAL_FLAGS) | extra | (cache ? DLPC_ATTACH_CACHEABLE : 0);
+	req.flags = (flags & API_ATTACH_SENT) | extra | (cache ? DLPC_WIRE_ATTACH_CACHEABLE : 0);
 	req.timeout_ms = timeout;
 	/* the reply lives until the bundle is built: unpack it into an arena, not a malloc per
 	 * field (a 500-tensor bundle would be 1,500 of them) */
@@ -632,7 +636,7 @@ DLPC_EXPORT int dlpc_attach(dlpc_client *c, const char *name, const dlpc_attach_
 	if (!ret)
 		return dlpc__fail(-EINVAL, "cannot attach: result pointer is NULL");
 	*ret = NULL;
-	r = attach(c, name, opts, DLPC_ATTACH_SINGLE, &b);
+	r = attach(c, name, opts, DLPC_WIRE_ATTACH_SINGLE, &b);
 	if (r < 0)
 		return r;
 	*ret = dlpc_bundle_take(b, 0);
@@ -684,10 +688,6 @@ DLPC_EXPORT int dlpc_tensor_attach_info(const DLManagedTensorVersioned *t, dlpc_
 	if (!r || !r->client)
 		return dlpc__fail(-EINVAL, "dlpc_tensor_attach_info: the tensor was not attached "
 					   "through libdlpc");
-	if (!r->has_owner)
-		return dlpc__fail(-ENOTSUP,
-				  "dlpc_tensor_attach_info: dlpackd speaks a protocol "
-				  "older than 1.3 and did not say who published the entry");
 #define SET(field)                                                                                 \
 	do {                                                                                       \
 		if (out->size >= offsetof(dlpc_attach_info, field) + sizeof(out->field))           \

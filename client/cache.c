@@ -6,7 +6,7 @@
  * idle_ms; an attach of the same name meanwhile is answered from it without a round trip.
  *
  * Why that is never stale: an attach that asks the daemon takes its reference with
- * DLPC_ATTACH_CACHEABLE, and the daemon writes an INVALIDATE frame to this connection's socket
+ * DLPC_WIRE_ATTACH_CACHEABLE, and the daemon writes an INVALIDATE frame to this connection's socket
  * before it answers any replace or unpublish of the entry. An attach answered from here first
  * reads whatever the socket holds (dlpc__drain()), so it sees the invalidation of every change
  * that was answered before it began. If another thread is reading the socket (its call waits)
@@ -42,7 +42,6 @@ struct dlpc__centry {
 	size_t len;
 	void *map;     /* a shared read-only mapping nobody uses, or NULL */
 	void *cow_map; /* a copy-on-write one, no private page left in it, or NULL */
-	bool has_owner;
 	uint32_t owner_uid, entry_flags;
 	int32_t owner_pid;
 	size_t ntensors;
@@ -102,7 +101,7 @@ int dlpc__cache_init(dlpc_client *c, bool off)
 	if (r < 0)
 		return r;
 	k->idle_ms = idle > INT32_MAX ? INT32_MAX : (int64_t)idle;
-	k->on = !off && c->minor >= 7 && k->max_entries && k->max_bytes && k->idle_ms;
+	k->on = !off && k->max_entries && k->max_bytes && k->idle_ms;
 	/* received storages' mappings need nothing of the daemon */
 	k->maps_on = !off && k->max_entries && k->max_bytes && k->idle_ms;
 	return 0;
@@ -218,7 +217,6 @@ void dlpc__cache_fill(const struct dlpc__centry *e, struct dlpc__region *m, int 
 	m->len = e->len;
 	m->ref_id = e->ref_id;
 	m->epoch = e->epoch;
-	m->has_owner = e->has_owner;
 	m->owner_uid = e->owner_uid;
 	m->owner_pid = e->owner_pid;
 	m->entry_flags = e->entry_flags;
@@ -258,7 +256,6 @@ struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t e
 	e->generation = m->generation;
 	e->ref_id = m->ref_id;
 	e->epoch = epoch;
-	e->has_owner = m->has_owner;
 	e->owner_uid = m->owner_uid;
 	e->owner_pid = m->owner_pid;
 	e->entry_flags = m->entry_flags;

@@ -20,19 +20,10 @@
 #define OP_STAT 3
 #define OPEN_FLAGS (DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_QUEUED)
 #define SEND_FLAGS DLPC_SEND_NOWAIT
-#define RECV_LOCAL_FLAGS                                                                           \
+/* The public attach flags dlpc_recv() takes: all acted on here (a RECV carries only
+ * DLPC_WIRE_RECV_FLAGS, which the library sets). */
+#define API_RECV_FLAGS                                                                             \
 	(DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_WRITABLE | DLPC_ATTACH_NO_CACHE)
-
-/* -ENOTSUP, message set, if @p c's daemon does not know channels. */
-static int need_channels(const dlpc_client *c, const char *what, const char *name)
-{
-	if (c->minor >= 6)
-		return 0;
-	return dlpc__fail(-ENOTSUP,
-			  "cannot %s channel '%s': dlpackd speaks protocol %d.%u, which has no "
-			  "channels (%d.6 does)",
-			  what, name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
-}
 
 /* The message publish.c or attach.c set says "cannot publish 'NAME'" or "cannot attach 'NAME'":
  * say "cannot send to channel 'NAME'" (or receive from) instead. Returns @p r. */
@@ -94,8 +85,6 @@ static int channel_call(dlpc_client *c, uint32_t op, const char *name, uint32_t 
 	r = dlpc__check(c);
 	if (r == 0)
 		r = dlpc__name_arg(name, "name a channel");
-	if (r == 0)
-		r = need_channels(c, what, name);
 	if (r < 0)
 		return r;
 	req.op = op;
@@ -154,24 +143,6 @@ DLPC_EXPORT int dlpc_channel_open_opts(dlpc_client *c, const char *name,
 				  "cannot open channel '%s': DLPC_CHANNEL_DIRECT and "
 				  "DLPC_CHANNEL_QUEUED together",
 				  name ? name : "");
-	if (c && dlpc__check(c) == 0 && c->minor < 10) {
-		/* before 1.10 no flag meant a queued channel, and there was no end of stream */
-		if (producers > 1)
-			return dlpc__fail(
-				-ENOTSUP,
-				"cannot open channel '%s' for %u producers: dlpackd "
-				"speaks protocol %d.%u, which has no end of stream (%d.10 "
-				"does)",
-				name ? name : "", producers, DLPC_PROTO_MAJOR, c->minor,
-				DLPC_PROTO_MAJOR);
-		flags &= ~DLPC_CHANNEL_QUEUED;
-		producers = 0;
-	}
-	if ((flags & DLPC_CHANNEL_DIRECT) && c && dlpc__check(c) == 0 && c->minor < 8)
-		return dlpc__fail(-ENOTSUP,
-				  "cannot open direct channel '%s': dlpackd speaks protocol %d.%u, "
-				  "which has no direct channels (%d.8 does)",
-				  name ? name : "", DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
 	return channel_call(c, OP_OPEN, name, capacity, flags, producers, info, "open");
 }
 
@@ -189,17 +160,6 @@ DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t cap
 	return dlpc_channel_open_flags(c, name, capacity, 0, info);
 }
 
-/* -ENOTSUP, message set, if @p c's daemon has no end of stream (before 1.10). */
-static int need_end(const dlpc_client *c, const char *what, const char *name)
-{
-	if (c->minor >= 10)
-		return 0;
-	return dlpc__fail(-ENOTSUP,
-			  "cannot %s channel '%s': dlpackd speaks protocol %d.%u, which has no end "
-			  "of stream (%d.10 does)",
-			  what, name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
-}
-
 DLPC_EXPORT int dlpc_channel_close_flags(dlpc_client *c, const char *name, uint32_t flags)
 {
 	int r;
@@ -207,8 +167,6 @@ DLPC_EXPORT int dlpc_channel_close_flags(dlpc_client *c, const char *name, uint3
 	if (flags & ~DLPC_CHANNEL_CLOSE_ALL)
 		return dlpc__fail(-EINVAL, "cannot close channel '%s': unknown flags 0x%x",
 				  name ? name : "", flags & ~DLPC_CHANNEL_CLOSE_ALL);
-	if (c && name && dlpc__check(c) == 0 && (r = need_end(c, "close", name)) < 0)
-		return r;
 	r = channel_call(c, DLPC__CHANNEL_CLOSE, name, 0, flags, 0, NULL, "close");
 	/* a direct channel's endpoint knew this connection as a producer: the next send asks
 	 * the daemon again, and is refused */
@@ -259,8 +217,6 @@ DLPC_EXPORT int dlpc_channel_list(dlpc_client *c, const char *prefix, dlpc_chann
 		return dlpc__fail(-EINVAL, "cannot list channels: prefix longer than %d bytes",
 				  DLPC_NAME_MAX);
 	r = dlpc__check(c);
-	if (r == 0)
-		r = need_channels(c, "list", prefix);
 	if (r < 0)
 		return r;
 	req.prefix.data = (uint8_t *)prefix;
@@ -431,11 +387,6 @@ DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
 		return dlpc__fail(-EINVAL, "cannot send to channel '%s': unknown flags 0x%x",
 				  channel ? channel : "", o.flags & ~SEND_FLAGS);
 	}
-	if (c && channel && dlpc__check(c) == 0 && need_channels(c, "send to", channel) < 0) {
-		r = need_channels(c, "send to", channel);
-		drop_tensors(n, tensors);
-		return r;
-	}
 	/* recycled memory (pool.c) goes writable, marked with its token, and is in flight until
 	 * dlpackd gives it back */
 	pooled = n == 1 && tensors ? dlpc__view_region(tensors[0]) : NULL;
@@ -515,12 +466,10 @@ static int recv_ref(dlpc_client *c, const char *channel, const dlpc_recv_opts *o
 		flags = opts->flags;
 		timeout = opts->timeout_ms;
 	}
-	if (flags & ~RECV_LOCAL_FLAGS)
+	if (flags & ~API_RECV_FLAGS)
 		return dlpc__fail(-EINVAL, "cannot receive from channel '%s': unknown flags 0x%x",
-				  channel, flags & ~RECV_LOCAL_FLAGS);
-	r = need_channels(c, "receive from", channel);
-	if (r == 0)
-		r = fd_room(c, channel);
+				  channel, flags & ~API_RECV_FLAGS);
+	r = fd_room(c, channel);
 	if (r < 0)
 		return r;
 	/* a storage that comes again is mapped once (maps.c) */
@@ -562,7 +511,7 @@ static int recv_queued(dlpc_client *c, const char *channel, uint32_t flags, int6
 
 	req.channel.data = (uint8_t *)channel;
 	req.channel.len = strlen(channel);
-	req.flags = single ? DLPC_ATTACH_SINGLE : 0;
+	req.flags = single ? DLPC_WIRE_ATTACH_SINGLE : 0;
 	req.timeout_ms = timeout;
 	dlpc__arena_init(&arena);
 	r = dlpc__call_ex(c, DLPC_MSG_RECV, &req.base, NULL, 0, timeout, &info,

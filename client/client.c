@@ -267,7 +267,7 @@ void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t epoc
 	msg.request_id = id;
 	pthread_mutex_lock(&c->wmu);
 	/* a request of a connection replaced since died with it */
-	if (epoch != c->epoch || c->minor < 9) {
+	if (epoch != c->epoch) {
 		pthread_mutex_unlock(&c->wmu);
 		return;
 	}
@@ -601,16 +601,16 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, i
 			       path, c->fatal);
 	if (r < 0)
 		goto fail;
-	if (rep->version_major != DLPC_PROTO_MAJOR) {
+	/* one version only: a daemon of another build is refused, whichever is newer */
+	if (rep->version_major != DLPC_PROTO_MAJOR || rep->version_minor != DLPC_PROTO_MINOR) {
 		r = dlpc__fail(-EPROTO,
 			       "protocol version mismatch: libdlpc speaks %d.%d, dlpackd at %s "
-			       "speaks %u.%u",
+			       "speaks %u.%u; " DLPC_PROTO_MISMATCH_ADVICE,
 			       DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR, path, rep->version_major,
 			       rep->version_minor);
 		dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
 		goto fail;
 	}
-	c->minor = rep->version_minor;
 	dlpackd__v1__hello_reply__free_unpacked(rep, NULL);
 	snprintf(c->path, sizeof(c->path), "%s", path);
 	if (parent)
@@ -864,7 +864,6 @@ int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
 	rx = c->rx;
 	c->rx = n->rx;
 	n->rx = rx;
-	c->minor = n->minor;
 	c->broken = 0;
 	c->fatal[0] = '\0';
 	c->next_id = 0;
@@ -874,11 +873,11 @@ int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
 	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
 	c->epoch++;
 	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */
-	/* the cached references died with the old connection; the new one may not speak 1.7 */
+	/* the cached references died with the old connection */
 	dlpc__cache_drop(c);
 	pthread_mutex_lock(&c->cache.mu);
-	c->cache.on = !c->no_cache && !c->closed && c->minor >= 7 && c->cache.max_entries &&
-		      c->cache.max_bytes && c->cache.idle_ms;
+	c->cache.on = !c->no_cache && !c->closed && c->cache.max_entries && c->cache.max_bytes &&
+		      c->cache.idle_ms;
 	pthread_mutex_unlock(&c->cache.mu);
 	pthread_mutex_unlock(&c->mu);
 	pthread_mutex_unlock(&c->wmu);

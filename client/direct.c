@@ -186,26 +186,19 @@ static int ask_join(dlpc_client *c, const char *name, int ends[2], bool *ended, 
 	r = dlpc__call_ex(c, DLPC_MSG_CHANNEL, &req.base, NULL, 0, 0, &info,
 			  &dlpackd__v1__channel_reply__descriptor, (ProtobufCMessage **)&rep, &fd,
 			  NULL);
-	if (r == -EPROTOTYPE) {
-		fd = -1;
-	} else if (r < 0) {
+	if (r < 0)
 		return r;
-	} else {
-		/* 1.10: a queued channel is answered without fds */
-		if (rep->channel) {
-			*ended = rep->channel->flags & DLPC_CHANNEL_ENDED;
-			queued = !(rep->channel->flags & DLPC_CHANNEL_DIRECT);
-		}
-		dlpackd__v1__channel_reply__free_unpacked(rep, NULL);
-		if (queued && fd < 0 && more[0] < 0) {
-			/* remembered as queued, as an EPROTOTYPE said before 1.10 */
-		} else if (queued || fd < 0 || more[0] < 0) {
-			dlpc__close(fd);
-			dlpc__close(more[0]);
-			return dlpc__fail(
-				-EPROTO, "cannot join channel '%s': dlpackd sent an unusable reply",
-				name);
-		}
+	/* a queued channel is answered without fds */
+	if (rep->channel) {
+		*ended = rep->channel->flags & DLPC_CHANNEL_ENDED;
+		queued = !(rep->channel->flags & DLPC_CHANNEL_DIRECT);
+	}
+	dlpackd__v1__channel_reply__free_unpacked(rep, NULL);
+	if (queued ? fd >= 0 || more[0] >= 0 : fd < 0 || more[0] < 0) {
+		dlpc__close(fd);
+		dlpc__close(more[0]);
+		return dlpc__fail(-EPROTO,
+				  "cannot join channel '%s': dlpackd sent an unusable reply", name);
 	}
 	ends[0] = fd;
 	ends[1] = more[0];
@@ -291,14 +284,11 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 int dlpc__direct_get(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 {
 	uint64_t epoch;
-
-	uint32_t minor;
 	bool closed, broken;
 
 	*ret = NULL;
 	pthread_mutex_lock(&c->mu);
 	epoch = c->epoch;
-	minor = c->minor;
 	closed = c->closed;
 	broken = c->broken != 0;
 	pthread_mutex_unlock(&c->mu);
@@ -306,8 +296,6 @@ int dlpc__direct_get(dlpc_client *c, const char *name, struct dlpc__endpoint **r
 	if (closed)
 		return dlpc__fail(-ECANCELED, "this client was closed or canceled (dlpc_close() "
 					      "or dlpc_cancel())");
-	if (minor < 8)
-		return 0;
 	/* the connection is lost: what it joined went with its daemon; asking anew connects again
 	 * (DLPC_CONNECT_RECONNECT) or says why not */
 	if (broken)

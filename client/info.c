@@ -22,13 +22,6 @@ DLPC_EXPORT int dlpc_unpublish_if(dlpc_client *c, const char *name, uint64_t gen
 	r = dlpc__name_arg(name, "unpublish");
 	if (r < 0)
 		return r;
-	/* an older daemon skips the unknown fields and would remove whatever holds the name */
-	if ((generation || created_ns) && c->minor < 11)
-		return dlpc__fail(-ENOTSUP,
-				  "cannot unpublish '%s' only if it is generation %llu: the daemon "
-				  "speaks protocol %u.%u, this needs %u.11",
-				  name, (unsigned long long)generation, DLPC_PROTO_MAJOR, c->minor,
-				  DLPC_PROTO_MAJOR);
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
 	req.generation = generation;

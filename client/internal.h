@@ -30,7 +30,7 @@ struct dlpc__mentry;
  */
 struct dlpc__cache {
 	pthread_mutex_t mu;
-	bool on; /* protocol 1.7, no DLPC_CONNECT_NO_CACHE, no bound set to 0: set at connect */
+	bool on; /* no DLPC_CONNECT_NO_CACHE, no bound set to 0: set at connect */
 	uint64_t max_entries, max_bytes;
 	int64_t idle_ms;
 	struct dlpc__centry *table[DLPC__CACHE_BUCKETS];
@@ -72,7 +72,6 @@ struct dlpc_client {
 	bool closed; /* dlpc_close() or dlpc_cancel() was called: no new call starts */
 	int broken;  /* 0, or the negative errno that ended the connection */
 	uint32_t next_id;
-	uint32_t minor; /* protocol minor version agreed at HELLO */
 	struct dlpc__call *calls;
 	/* ids of requests whose callers stopped waiting (deadline passed, or dlpc_close()): their
 	 * replies are dropped when they come, an ATTACH reply's reference released */
@@ -163,8 +162,7 @@ struct dlpc__region {
 	uint8_t map_kind;   /* DLPC__MAP_* */
 	atomic_bool frozen; /* allocated memory sealed read-only (F_SEAL_WRITE), mapped read-only */
 	atomic_bool sealed_ro; /* ...and its seals final: sealing it read-only again is a no-op */
-	/* attached memory (protocol 1.3 and later): who published the entry, and what */
-	bool has_owner;
+	/* attached memory: who published the entry, and what */
 	uint32_t owner_uid, entry_flags;
 	int32_t owner_pid;
 	uint64_t generation;
@@ -389,8 +387,8 @@ struct dlpc__wait {
 	int sock; /* a dup of the connection's socket, for its hang-up */
 };
 /* What @p name is, asked of the daemon the first time (CHANNEL JOIN): 1 direct, with *@p ret
- * its endpoint in use (dlpc__direct_put() it); 0 queued by the daemon (*@p ret too, unless the
- * daemon is older than 1.8: NULL); or a negative errno (-ENOENT). */
+ * its endpoint in use (dlpc__direct_put() it); 0 queued by the daemon (*@p ret too); or a
+ * negative errno (-ENOENT). */
 int dlpc__direct_get(dlpc_client *c, const char *name, struct dlpc__endpoint **ret);
 void dlpc__direct_put(dlpc_client *c, struct dlpc__endpoint *e);
 /* @p e no longer says what its channel is (removed, made again, of the other kind): the next
@@ -542,7 +540,9 @@ int dlpc__drain(dlpc_client *c, bool closed_ok);
 int64_t dlpc__mono_ms(void);
 
 /* ---- maps.c: idle mappings of storages that channels bring again ---- */
-/* Internal attach flag of channel receives: map a message's storage through maps.c. */
+/* The library's internal attach flags: they ride with the public DLPC_ATTACH_* flags between
+ * its own functions, on bits no public flag has (attach.c checks), and are never sent.
+ * Of channel receives: map a message's storage through maps.c. */
 #define DLPC__ATTACH_KEEP_MAP (1u << 31)
 
 /* Internal attach flag: the storage passed dlpc__storage_check() read-only (direct channels). */

@@ -227,10 +227,11 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 {
 	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
 	struct dlpc__region *r = NULL;
+	struct dlpc__endpoint *e;
 	struct dlpc__pool *p;
 	struct pool_buf *b;
 	uint64_t nbytes, size;
-	int err;
+	int err, kind;
 
 	if (!c || !ret || ndim < 0 || ndim > DLPC_NDIM_MAX || (ndim > 0 && !shape))
 		return dlpc__fail(-EINVAL, "dlpc_channel_alloc: bad arguments (ndim %d)",
@@ -238,25 +239,15 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 	*ret = NULL;
 	if ((err = dlpc__check(c)) < 0 || (err = dlpc__name_arg(channel, "allocate for")) < 0)
 		return err;
-	if (c->minor < 6)
-		return dlpc__fail(
-			-ENOTSUP,
-			"cannot allocate for channel '%s': dlpackd speaks protocol %d.%u, "
-			"which has no channels (%d.6 does)",
-			channel, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
-	if (c->minor >= 8) {
-		struct dlpc__endpoint *e;
-		int kind = dlpc__direct_get(c, channel, &e);
-
-		if (e)
-			dlpc__direct_put(c, e);
-		/* (a channel that is not there yet may be made queued: its send will tell) */
-		if (kind == 1)
-			return dlpc__fail(-ENOTSUP,
-					  "cannot allocate for channel '%s': it is direct, and "
-					  "recycled buffers need a channel dlpackd queues",
-					  channel);
-	}
+	kind = dlpc__direct_get(c, channel, &e);
+	if (e)
+		dlpc__direct_put(c, e);
+	/* (a channel that is not there yet may be made queued: its send will tell) */
+	if (kind == 1)
+		return dlpc__fail(-ENOTSUP,
+				  "cannot allocate for channel '%s': it is direct, and recycled "
+				  "buffers need a channel dlpackd queues",
+				  channel);
 	if (dlpc__tensor_nbytes(dtype.bits, dtype.lanes, shape, (size_t)ndim, &nbytes) < 0 ||
 	    !dlpc__align_up(nbytes, &size) || size > INT64_MAX)
 		return dlpc__fail(-EINVAL, "cannot allocate for channel '%s': bad dtype or shape",

@@ -298,7 +298,7 @@ static int send_publish_info(dlpc_client *c, Dlpackd__V1__Publish *req, int fd,
 	if (r > 0) {
 		last_published.c = c;
 		last_published.generation = rep->generation;
-		last_published.created_ns = rep->created_ns; /* 0 from a daemon before 1.11 */
+		last_published.created_ns = rep->created_ns;
 	}
 	dlpackd__v1__publish_reply__free_unpacked(rep, NULL);
 	return r;
@@ -417,11 +417,6 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 	struct dlpc__ipc_export x;
 	int r;
 
-	if (c->minor < 2)
-		return dlpc__fail(-ENOTSUP,
-				  "cannot publish '%s': dlpackd speaks protocol %d.%u; CUDA "
-				  "tensors need %d.2",
-				  name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
 	req.name.data = (uint8_t *)name;
 	req.name.len = strlen(name);
 	req.flags = flags;
@@ -447,14 +442,6 @@ static int publish_cuda(dlpc_client *c, const char *name, DLManagedTensorVersion
 	r = dlpc__cuda_ipc_export(t, s->nbytes, name, &x);
 	if (r < 0)
 		return r;
-	if (x.fd >= 0 && c->minor < 5) {
-		dlpc__cuda_reclaim(x.token, false);
-		close(x.fd);
-		return dlpc__fail(-ENOTSUP,
-				  "cannot publish '%s': its memory is a CUDA VMM mapping, lent by "
-				  "its export fd, which needs protocol %d.5 (dlpackd speaks %d.%u)",
-				  name, DLPC_PROTO_MAJOR, DLPC_PROTO_MAJOR, c->minor);
-	}
 	if (x.fd >= 0) {
 		/* lent, not given: the entry goes with this connection, and the memory comes
 		 * back (RECLAIM) like legacy IPC memory */
@@ -506,11 +493,6 @@ static int publish_cuda_bundle(dlpc_client *c, const char *name, size_t n,
 	void *base;
 	int fd, r;
 
-	if (c->minor < 2)
-		return dlpc__fail(-ENOTSUP,
-				  "cannot publish '%s': dlpackd speaks protocol %d.%u; CUDA "
-				  "tensors need %d.2",
-				  name, DLPC_PROTO_MAJOR, c->minor, DLPC_PROTO_MAJOR);
 	for (size_t i = 0; i < n; i++) {
 		DLDevice d = tensors[i]->dl_tensor.device;
 

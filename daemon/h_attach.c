@@ -12,13 +12,10 @@
 #include "peer.h"
 #include "util.h"
 
-#define ATTACH_FLAGS                                                                               \
-	(DLPC_ATTACH_WRITABLE | DLPC_ATTACH_SINGLE | DLPC_ATTACH_OWNER | DLPC_ATTACH_CACHEABLE)
-
-/* Does @p e count for an attach that asked (DLPC_ATTACH_OWNER in @p flags) for @p owner? */
+/* Does @p e count for an attach that asked (DLPC_WIRE_ATTACH_OWNER in @p flags) for @p owner? */
 static bool owner_ok(const struct dlpd_entry *e, uint32_t flags, uint32_t owner)
 {
-	return !(flags & DLPC_ATTACH_OWNER) || e->uid == (uid_t)owner;
+	return !(flags & DLPC_WIRE_ATTACH_OWNER) || e->uid == (uid_t)owner;
 }
 
 static void waiter_expired(uv_timer_t *t)
@@ -27,7 +24,7 @@ static void waiter_expired(uv_timer_t *t)
 	struct dlpd_peer *p = w->peer;
 	uint32_t id = w->req_id;
 	long long ms = (long long)w->timeout_ms;
-	bool owned = w->flags & DLPC_ATTACH_OWNER;
+	bool owned = w->flags & DLPC_WIRE_ATTACH_OWNER;
 	uint32_t owner = w->owner_uid;
 	char name[DLPC_NAME_TEXT];
 
@@ -53,11 +50,9 @@ int dlpd_on_attach(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struc
 	(void)f;
 	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EINVAL, "cannot attach: %s", why);
-	if ((req->flags & ~ATTACH_FLAGS) || ((req->flags & DLPC_ATTACH_CACHEABLE) && p->minor < 7))
-		return dlpd_reply_error(
-			p, id, EINVAL, "cannot attach: unknown flags 0x%x",
-			req->flags & ~(p->minor < 7 ? ATTACH_FLAGS & ~DLPC_ATTACH_CACHEABLE
-						    : ATTACH_FLAGS));
+	if (req->flags & ~DLPC_WIRE_ATTACH_FLAGS)
+		return dlpd_reply_error(p, id, EINVAL, "cannot attach: unknown flags 0x%x",
+					req->flags & ~DLPC_WIRE_ATTACH_FLAGS);
 	e = dlpd_entry_find(&s->reg, req->name.data, req->name.len);
 	if (e && owner_ok(e, req->flags, req->owner_uid))
 		return dlpd_attach_answer(p, id, e, req->flags);

@@ -31,8 +31,6 @@
 #include "storage.h"
 #include "util.h"
 
-#define RECV_FLAGS DLPC_ATTACH_SINGLE
-
 static void channel_name(const struct dlpd_channel *ch, char *buf, size_t len)
 {
 	dlpc__printable(ch->name, ch->len, buf, len);
@@ -91,7 +89,7 @@ static int give(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint3
 	if (p->failed)
 		return -EPIPE;
 	channel_name(ch, name, sizeof(name));
-	if ((flags & DLPC_ATTACH_SINGLE) && m->ntensors != 1)
+	if ((flags & DLPC_WIRE_ATTACH_SINGLE) && m->ntensors != 1)
 		return dlpd_reply_error(p, id, EINVAL,
 					"the next message in channel '%s' is a bundle of %u "
 					"tensors; receive it as a bundle",
@@ -608,10 +606,10 @@ int dlpd_on_recv(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, struc
 	if (dlpc__name_check(req->channel.data, req->channel.len, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EINVAL, "cannot receive: channel name: %s", why);
 	dlpc__printable(req->channel.data, req->channel.len, name, sizeof(name));
-	if (req->flags & ~RECV_FLAGS)
+	if (req->flags & ~DLPC_WIRE_RECV_FLAGS)
 		return dlpd_reply_error(p, id, EINVAL,
 					"cannot receive from channel '%s': unknown flags 0x%x",
-					name, req->flags & ~RECV_FLAGS);
+					name, req->flags & ~DLPC_WIRE_RECV_FLAGS);
 	ch = dlpd_channel_find(&s->reg, req->channel.data, req->channel.len);
 	if (!ch)
 		return dlpd_reply_error(p, id, ENOENT, "no channel named '%s'; open it first",

@@ -34,11 +34,11 @@ static void channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo
 
 static bool watcher_wants(const struct dlpd_peer *w, const struct dlpd_channel *ch)
 {
-	return w->minor >= 6 && ch->len >= w->watch_prefix_len &&
+	return ch->len >= w->watch_prefix_len &&
 	       memcmp(ch->name, w->watch_prefix, w->watch_prefix_len) == 0;
 }
 
-/* Tell the watchers (1.6 and later) whose prefix matches that @p ch was opened or removed. */
+/* Tell the watchers whose prefix matches that @p ch was opened or removed. */
 static void notify(struct dlpd_server *s, uint32_t kind, const struct dlpd_channel *ch,
 		   const struct dlpd_peer *actor)
 {
@@ -97,11 +97,10 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					"of %d messages",
 					name, req->capacity, DLPC_CHANNEL_CAPACITY_MAX);
 	bool direct = req->flags & DLPC_CHANNEL_DIRECT;
-	/* before 1.10 no flag asked for a queued channel; since, it takes either kind */
-	bool any = !(req->flags & OPEN_FLAGS) && p->minor >= 10;
+	/* no flag takes a channel of either kind */
+	bool any = !(req->flags & OPEN_FLAGS);
 
-	if ((req->flags & ~(uint32_t)OPEN_FLAGS) || (req->flags & OPEN_FLAGS) == OPEN_FLAGS ||
-	    ((req->flags & DLPC_CHANNEL_QUEUED) && p->minor < 10))
+	if ((req->flags & ~(uint32_t)OPEN_FLAGS) || (req->flags & OPEN_FLAGS) == OPEN_FLAGS)
 		return dlpd_reply_error(p, id, EINVAL, "cannot open channel '%s': flags 0x%x", name,
 					req->flags);
 	if (req->producers > DLPC_CHANNEL_PRODUCERS_MAX)
@@ -273,15 +272,10 @@ static int channel_join(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *c
 
 	char why[160];
 
-	/* 1.10: a queued channel is said so by a reply without fds (not an error: every client
-	 * asks this of every channel it uses once) */
-	if (ch->ends[0] < 0 && p->minor >= 10)
-		return reply_info(p, id, ch, false);
+	/* a queued channel is said so by a reply without fds (not an error: every client asks
+	 * this of every channel it uses once) */
 	if (ch->ends[0] < 0)
-		return dlpd_reply_error(p, id, EPROTOTYPE,
-					"channel '%s' is queued by dlpackd, not direct: send and "
-					"receive through dlpackd (SEND, RECV)",
-					name);
+		return reply_info(p, id, ch, false);
 	r = dlpd_direct_renew(p->srv, ch, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, -r,
@@ -306,13 +300,10 @@ int dlpd_on_channel(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **msg, st
 	if (dlpc__name_check(req->name.data, req->name.len, why, sizeof(why)) < 0)
 		return dlpd_reply_error(p, id, EINVAL, "bad channel name: %s", why);
 	dlpc__printable(req->name.data, req->name.len, name, sizeof(name));
-	if (req->op == OP_OPEN && req->flags && p->minor < 8)
-		return dlpd_reply_error(p, id, EINVAL, "cannot open channel '%s': flags 0x%x", name,
-					req->flags);
 	if (req->op == OP_OPEN)
 		return channel_open(p, id, req, name);
-	if (req->op != OP_REMOVE && req->op != OP_STAT && (req->op != OP_JOIN || p->minor < 8) &&
-	    ((req->op != OP_CLOSE && req->op != OP_PRODUCE) || p->minor < 10))
+	if (req->op != OP_REMOVE && req->op != OP_STAT && req->op != OP_JOIN &&
+	    req->op != OP_CLOSE && req->op != OP_PRODUCE)
 		return dlpd_reply_error(p, id, EINVAL, "CHANNEL operation %u is unknown", req->op);
 	ch = dlpd_channel_find(&p->srv->reg, req->name.data, req->name.len);
 	if (!ch)

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Handlers for the session itself: HELLO (version negotiation) and STAT (counters). */
+/* Handlers for the session itself: HELLO (the version check) and STAT (counters). */
 #include <dirent.h>
 #include <errno.h>
 #include <string.h>
@@ -25,11 +25,13 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 		return -EPROTO;
 	}
 	dlpc__printable((const uint8_t *)req->client, strlen(req->client), client, sizeof(client));
-	if (req->version_major != DLPC_PROTO_MAJOR) {
-		dlpd_reply_error(
-			p, id, EPROTO,
-			"protocol version mismatch: client speaks %u.%u, dlpackd speaks %u.%u",
-			req->version_major, req->version_minor, DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR);
+	/* one version only: a client of another build is refused, whichever is newer */
+	if (req->version_major != DLPC_PROTO_MAJOR || req->version_minor != DLPC_PROTO_MINOR) {
+		dlpd_reply_error(p, id, EPROTO,
+				 "protocol version mismatch: client speaks %u.%u, dlpackd speaks "
+				 "%u.%u; " DLPC_PROTO_MISMATCH_ADVICE,
+				 req->version_major, req->version_minor, DLPC_PROTO_MAJOR,
+				 DLPC_PROTO_MINOR);
 		dlpd_peer_fail(p, LOG_WARNING, "protocol version mismatch: client %s speaks %u.%u",
 			       client, req->version_major, req->version_minor);
 		return -EPROTO;
@@ -70,9 +72,7 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	}
 	p->hello = true;
 	rep.version_major = DLPC_PROTO_MAJOR;
-	rep.version_minor =
-		req->version_minor > DLPC_PROTO_MINOR ? DLPC_PROTO_MINOR : req->version_minor;
-	p->minor = rep.version_minor;
+	rep.version_minor = DLPC_PROTO_MINOR;
 	rep.server = "dlpackd " DLPD_VERSION;
 	rep.max_frame = DLPC_FRAME_MAX;
 	dlpd_log(LOG_DEBUG, "%s: connected with %s", dlpd_peer_desc(p, desc, sizeof(desc)), client);

@@ -106,11 +106,11 @@ int dlpd_attach_answer(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, u
 	/* a marked connection would never read the reference it was given */
 	if (p->failed)
 		return -EPIPE;
-	if ((flags & DLPC_ATTACH_WRITABLE) && !(pub->flags & DLPC_PUBLISH_WRITABLE))
+	if ((flags & DLPC_WIRE_ATTACH_WRITABLE) && !(pub->flags & DLPC_PUBLISH_WRITABLE))
 		return dlpd_reply_error(
 			p, id, EACCES, "'%s' was not published writable; attach it read-only",
 			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)));
-	if ((flags & DLPC_ATTACH_SINGLE) && pub->n_tensors != 1)
+	if ((flags & DLPC_WIRE_ATTACH_SINGLE) && pub->n_tensors != 1)
 		return dlpd_reply_error(
 			p, id, EINVAL, "'%s' is a bundle of %zu tensors; attach it as a bundle",
 			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)),
@@ -130,7 +130,7 @@ int dlpd_attach_answer(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, u
 	ref = dlpd_ref_new(&s->reg, &p->held, e->st);
 	if (!ref)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot attach: out of memory");
-	ref->cacheable = flags & DLPC_ATTACH_CACHEABLE;
+	ref->cacheable = flags & DLPC_WIRE_ATTACH_CACHEABLE;
 	rep.generation = e->generation;
 	rep.ref_id = ref->id;
 	rep.flags = pub->flags;

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "frame.h"
 #include "registry.h"
 #include "util.h"
 
@@ -351,7 +352,7 @@ struct dlpd_waiter *dlpd_waitq_first_match(struct dlpd_registry *r, const uint8_
 	for (struct dlpd_list *l = q->waiters.next; l != &q->waiters; l = l->next) {
 		struct dlpd_waiter *w = dlpd_container_of(l, struct dlpd_waiter, q_link);
 
-		if (!(w->flags & DLPC_ATTACH_OWNER) || w->owner_uid == uid)
+		if (!(w->flags & DLPC_WIRE_ATTACH_OWNER) || w->owner_uid == uid)
 			return w;
 	}
 	return NULL;

@@ -129,7 +129,7 @@ struct dlpd_ref {
 	struct dlpd_storage *st;
 	struct dlpd_holdings *holder; /* the holdings it is in */
 	struct dlpd_list st_link;     /* in st->refs */
-	bool cacheable;		      /* taken with DLPC_ATTACH_CACHEABLE: told of invalidations */
+	bool cacheable;		      /* DLPC_WIRE_ATTACH_CACHEABLE: told of invalidations */
 	bool cached;		      /* marked idle in the client's cache (RELEASE cached_ids) */
 };
 
@@ -148,7 +148,7 @@ struct dlpd_waiter {
 	struct dlpd_peer *peer;
 	uint32_t req_id;
 	uint32_t flags;
-	uint32_t owner_uid; /* with DLPC_ATTACH_OWNER in flags: only this uid's entry answers */
+	uint32_t owner_uid; /* with DLPC_WIRE_ATTACH_OWNER: only this uid's entry answers */
 	int64_t timeout_ms;
 	bool timed;
 	uv_timer_t timer;

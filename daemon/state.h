@@ -100,7 +100,6 @@ struct dlpd_peer {
 	struct dlpd_usage *usage; /* its uid's, charged with this connection */
 	int events;		  /* uv_poll events currently asked for */
 	bool hello;
-	uint32_t minor; /* the protocol minor version agreed at HELLO */
 	/* Marked (dlpd_peer_fail()): reads nothing, takes no new frames, waits in srv->failed
 	 * to be destroyed. */
 	bool failed;

@@ -66,11 +66,31 @@ enum dlpc_msg_type {
 };
 /* clang-format on */
 
-/* ATTACH flag, internal to the protocol: fail unless the entry holds exactly one tensor. */
-#define DLPC_ATTACH_SINGLE (1u << 16)
-/* ATTACH flag, internal to the protocol (1.7): the client may keep the reference in its cache
- * after its last use, so the daemon tells it (INVALIDATE) when the entry's name moves on. */
-#define DLPC_ATTACH_CACHEABLE (1u << 17)
+/*
+ * The flags of Attach.flags and Recv.flags on the wire (docs/protocol.md 5.2, 5.9): the only
+ * attach flags the daemon knows. The public DLPC_ATTACH_* flags (dlpc/dlpc.h) are the library's
+ * API; of them only WRITABLE and OWNER travel, with the same bits (checked below), and libdlpc
+ * acts on the others itself. Bits 16 and up are the protocol's own, set by libdlpc.
+ */
+/* Map the storage writable: the entry must have been published writable. */
+#define DLPC_WIRE_ATTACH_WRITABLE (1u << 0)
+/* Only an entry published by Attach.owner_uid counts; another uid's under the name is absent. */
+#define DLPC_WIRE_ATTACH_OWNER (1u << 4)
+/* Refuse unless the entry (or message) holds exactly one tensor. */
+#define DLPC_WIRE_ATTACH_SINGLE (1u << 16)
+/* The client may keep the reference in its cache after its last use, so the daemon tells it
+ * (INVALIDATE) when the entry's name moves on. */
+#define DLPC_WIRE_ATTACH_CACHEABLE (1u << 17)
+/* Every flag an ATTACH may carry, and a RECV; others are refused (EINVAL). */
+#define DLPC_WIRE_ATTACH_FLAGS                                                                     \
+	(DLPC_WIRE_ATTACH_WRITABLE | DLPC_WIRE_ATTACH_OWNER | DLPC_WIRE_ATTACH_SINGLE |            \
+	 DLPC_WIRE_ATTACH_CACHEABLE)
+#define DLPC_WIRE_RECV_FLAGS DLPC_WIRE_ATTACH_SINGLE
+/* libdlpc sends these public flags as they are */
+_Static_assert(DLPC_WIRE_ATTACH_WRITABLE == DLPC_ATTACH_WRITABLE,
+	       "DLPC_ATTACH_WRITABLE travels as DLPC_WIRE_ATTACH_WRITABLE");
+_Static_assert(DLPC_WIRE_ATTACH_OWNER == DLPC_ATTACH_OWNER,
+	       "DLPC_ATTACH_OWNER travels as DLPC_WIRE_ATTACH_OWNER");
 
 struct dlpc__hdr {
 	uint32_t len;

@@ -10,9 +10,14 @@
 
 #include <dlpc/dlpc.h>
 
-/* Protocol version spoken by this tree. Peers must agree on the major; minor is negotiated. */
+/* Protocol version spoken by this tree, the only one: the daemon and libdlpc ship together, so
+ * HELLO refuses a peer of any other version, major or minor, both ways (docs/protocol.md,
+ * section 3), with a text that names both versions and ends with DLPC_PROTO_MISMATCH_ADVICE. */
 #define DLPC_PROTO_MAJOR 1
 #define DLPC_PROTO_MINOR 11
+#define DLPC_PROTO_MISMATCH_ADVICE                                                                 \
+	"libdlpc and dlpackd must come from the same build: after an upgrade, restart dlpackd "    \
+	"(dlpackctl upgrade) and the programs that use libdlpc"
 
 /* A direct channel's record (1.8, direct.h): its size, bytes, every message one of these. */
 #define DLPC_DIRECT_RECORD 1024

@@ -843,16 +843,25 @@ static uint64_t mono_ms(void)
 }
 
 /* SIGHUP the daemon (it executes its binary again, keeping entries and socket), then wait for
- * the new image: the same pid answering with an uptime that began after the signal. */
+ * the new image: the same pid answering with an uptime that began after the signal. @p c is
+ * NULL when the daemon speaks another protocol version (another build, the one to replace):
+ * the pid comes from the socket alone, and the new image must speak this dlpackctl's. */
 static int cmd_upgrade(dlpc_client *c, const struct args *a)
 {
 	dlpc_stats before = {.size = sizeof(before)}, after = {.size = sizeof(after)};
 	uint64_t t0, limit = a->has_timeout ? (uint64_t)(a->timeout * 1000) : 30000;
-	int r = dlpc_stat(c, &before), pid;
+	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	int r = c ? dlpc_stat(c, &before) : 0, pid;
 
 	if (r < 0)
 		return fail("upgrade", NULL, r);
-	pid = daemon_pid(dlpc_socket_path(c));
+	if (c)
+		snprintf(path, sizeof(path), "%s", dlpc_socket_path(c));
+	else if (a->socket)
+		snprintf(path, sizeof(path), "%s", a->socket);
+	else if ((r = dlpc_default_socket(path, sizeof(path))) < 0)
+		return fail("upgrade", NULL, r);
+	pid = daemon_pid(path);
 	if (pid <= 0) {
 		fprintf(stderr, "dlpackctl: upgrade: %s\n",
 			pid == 0
@@ -890,9 +899,14 @@ static int cmd_upgrade(dlpc_client *c, const struct args *a)
 			return 1;
 		}
 	}
-	printf("dlpackd pid %u upgraded in place: %llu entries (%llu before)\n",
-	       (unsigned)after.daemon_pid, (unsigned long long)after.entries,
-	       (unsigned long long)before.entries);
+	if (c)
+		printf("dlpackd pid %u upgraded in place: %llu entries (%llu before)\n",
+		       (unsigned)after.daemon_pid, (unsigned long long)after.entries,
+		       (unsigned long long)before.entries);
+	else
+		printf("dlpackd pid %u upgraded in place from another protocol version: %llu "
+		       "entries\n",
+		       (unsigned)after.daemon_pid, (unsigned long long)after.entries);
 	return 0;
 }
 
@@ -1057,6 +1071,11 @@ int main(int argc, char **argv)
 	if (!strcmp(a.cmd, "watch"))
 		return cmd_watch(&a);
 	r = dlpc_connect(a.socket, &c);
+	/* a daemon of another build (another protocol version) is what an upgrade replaces */
+	if (r == -EPROTO && !strcmp(a.cmd, "upgrade")) {
+		fprintf(stderr, "dlpackctl: upgrade: %s\n", dlpc_last_error());
+		return cmd_upgrade(NULL, &a);
+	}
 	if (r < 0)
 		return fail(a.cmd, NULL, r);
 	if (!strcmp(a.cmd, "ls"))

@@ -135,6 +135,11 @@ typedef struct dlpc_attach_opts {
 #define DLPC_PUBLISH_EPHEMERAL (1u << 1)
 /** Publish: attachers may map the storage writable. */
 #define DLPC_PUBLISH_WRITABLE (1u << 2)
+/*
+ * Attach flags (dlpc_attach_opts.flags, and those dlpc_recv_opts.flags names): the library's API.
+ * The library acts on most of them itself; only WRITABLE and OWNER of an attach reach dlpackd,
+ * whose protocol has attach flags of its own (docs/protocol.md, 5.2).
+ */
 /** Attach: map writable (the entry must have been published with DLPC_PUBLISH_WRITABLE). */
 #define DLPC_ATTACH_WRITABLE (1u << 0)
 /** Attach: do not order anything after a legacy CUDA IPC publisher's event (neither
@@ -199,7 +204,9 @@ DLPC_EXPORT const char *dlpc_version(void);
 DLPC_EXPORT int dlpc_default_socket(char *buf, size_t len);
 
 /**
- * Connect to dlpackd and agree on the protocol version.
+ * Connect to dlpackd. Both must speak the same protocol version (they come from the same build):
+ * another one, major or minor, fails with -EPROTO, the message naming both versions and what to
+ * do (restart dlpackd after an upgrade, and the programs that use libdlpc).
  *
  * Reads $DLPC_CALL_TIMEOUT_MS (DLPC_CALL_TIMEOUT_ENV) once: the bound on this client's calls
  * that have no timeout of their own, and on each step of connecting (a daemon whose backlog is
@@ -487,11 +494,11 @@ DLPC_EXPORT int dlpc_alloc_bundle(dlpc_client *c, DLDevice device, size_t n,
  *         expired or dlpackd did not answer in time (timeout_ms plus DLPC_CALL_GRACE_MS for a
  *         waiting attach, $DLPC_CALL_TIMEOUT_MS for timeout_ms 0), -EINVAL if the name holds a
  *         bundle of several tensors, -EACCES for a writable attach of a read-only entry,
- *         -ENOTSUP for a copy-on-write attach of a CUDA entry or an owner check against a
- *         daemon older than protocol 1.3, -ENODEV without a CUDA driver or the entry's device,
- *         -EMFILE when this process has no free fd for the storage's (the message names the
- *         RLIMIT_NOFILE soft limit; the reference goes back to the daemon and the client stays
- *         usable), -ECANCELED when dlpc_close() was called meanwhile.
+ *         -ENOTSUP for a copy-on-write attach of a CUDA entry, -ENODEV without a CUDA driver
+ *         or the entry's device, -EMFILE when this process has no free fd for the storage's
+ *         (the message names the RLIMIT_NOFILE soft limit; the reference goes back to the
+ *         daemon and the client stays usable), -ECANCELED when dlpc_close() was called
+ *         meanwhile.
  */
 DLPC_EXPORT int dlpc_attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
 			    DLManagedTensorVersioned **ret);
@@ -573,8 +580,7 @@ typedef struct dlpc_attach_info {
  * one) came from, and which generation. Set out->size to sizeof(*out) first; fields past that
  * size are left alone. Names are first-come across uids: check the owner here, or ask for it
  * up front with DLPC_ATTACH_OWNER, before trusting the bytes.
- * @return 0, -EINVAL for a tensor that was not attached through libdlpc, -ENOTSUP if the daemon
- *         speaks a protocol older than 1.3 (it does not say who published).
+ * @return 0, -EINVAL for a tensor that was not attached through libdlpc.
  */
 DLPC_EXPORT int dlpc_tensor_attach_info(const DLManagedTensorVersioned *t, dlpc_attach_info *out);
 
@@ -591,8 +597,7 @@ DLPC_EXPORT int dlpc_unpublish(dlpc_client *c, const char *name);
  * removed. A generation starts again at 1 once a name is freed: pass @p created_ns too to tell
  * a name published anew from the entry you mean (a daemon gives every publish its own).
  * @return 0, -ESTALE if the name holds another generation or creation (nothing is removed),
- *         -ENOENT if absent, -EPERM if published by another user, -ENOTSUP if a check was
- *         asked of a daemon older than protocol 1.11 (it would remove the entry unchecked).
+ *         -ENOENT if absent, -EPERM if published by another user.
  */
 DLPC_EXPORT int dlpc_unpublish_if(dlpc_client *c, const char *name, uint64_t generation,
 				  int64_t created_ns);
@@ -601,7 +606,7 @@ DLPC_EXPORT int dlpc_unpublish_if(dlpc_client *c, const char *name, uint64_t gen
  * The entry that the calling thread's last successful publish through @p c made (by
  * dlpc_publish() or dlpc_publish_bundle()): its generation and created_ns as the daemon
  * answered, what dlpc_unpublish_if() takes to remove that entry and no other. Either pointer
- * may be NULL. A daemon before protocol 1.11 does not say: *created_ns is then 0.
+ * may be NULL.
  * @return 0, -ENOENT if this thread published nothing through @p c.
  */
 DLPC_EXPORT int dlpc_last_published(dlpc_client *c, uint64_t *generation, int64_t *created_ns);
@@ -691,20 +696,20 @@ typedef struct dlpc_stats {
 	uint64_t uid_entries;	  /**< entries the caller's uid has published */
 	uint64_t uid_connections; /**< connections of the caller's uid, this one included */
 	/** bytes of storages no name reaches any more that references of the caller's uid keep
-	 * alive (its quota counts them too; 0 from a daemon older than protocol 1.4) */
+	 * alive (its quota counts them too) */
 	uint64_t uid_bytes_pinned;
-	uint64_t req_send;     /**< SEND requests served (protocol 1.6; 0 from older daemons) */
+	uint64_t req_send;     /**< SEND requests served */
 	uint64_t req_recv;     /**< RECV requests served */
 	uint64_t req_channel;  /**< CHANNEL requests served */
 	uint64_t channels;     /**< channels open */
 	uint64_t messages;     /**< messages queued in channels, and sends waiting for room */
 	uint64_t uid_channels; /**< channels the caller's uid opened (its entry quota counts
 				    them) */
-	/** of references, those idle in a client's cache (0 before protocol 1.7) */
+	/** of references, those idle in a client's cache */
 	uint64_t cached_references;
-	/** cache invalidations dlpackd has sent, since it started (0 before protocol 1.7) */
+	/** cache invalidations dlpackd has sent, since it started */
 	uint64_t invalidations;
-	/** CANCEL requests served: waits that clients gave up on (0 before protocol 1.9) */
+	/** CANCEL requests served: waits that clients gave up on */
 	uint64_t req_cancel;
 } dlpc_stats;
 
@@ -866,8 +871,7 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * dlpc_channel_open_flags() (protocol 1.10): a queued channel, created as one, and -EEXIST if
  * the channel exists as a direct one. Without DLPC_CHANNEL_QUEUED or DLPC_CHANNEL_DIRECT an
  * existing channel is opened whatever its kind (info->flags says which), and a new one is
- * queued: only creating a channel picks its kind. (Against a daemon before 1.10, no flag
- * means DLPC_CHANNEL_QUEUED.)
+ * queued: only creating a channel picks its kind.
  */
 #define DLPC_CHANNEL_QUEUED (1u << 2)
 /** dlpc_channel_close_flags(): end the stream for every producer, not only this one. */
@@ -887,7 +891,7 @@ typedef struct dlpc_channel_info {
 	uint64_t received;     /**< messages handed to receivers */
 	int64_t created_ns;    /**< CLOCK_REALTIME when it was opened */
 	char name[DLPC_NAME_MAX + 1];
-	uint32_t flags; /**< DLPC_CHANNEL_DIRECT for a direct channel (0 from daemons before 1.8),
+	uint32_t flags;		     /**< DLPC_CHANNEL_DIRECT for a direct channel,
 			   DLPC_CHANNEL_ENDED once its stream has ended (1.10) */
 	uint32_t producers;	     /**< 1.10: producers that have not closed */
 	uint32_t producers_closed;   /**< 1.10: producers that closed (or whose connection ended) */
@@ -900,7 +904,7 @@ typedef struct dlpc_channel_info {
  * lives until dlpc_channel_remove(). If @p info is not NULL (info->size set) it is filled.
  * @return 1 if it was created, 0 if it existed; -EEXIST if it exists with another capacity than
  *         a non-zero @p capacity, -EINVAL for a bad name or a capacity above
- *         DLPC_CHANNEL_CAPACITY_MAX, -EDQUOT, -ENOTSUP for a daemon older than protocol 1.6.
+ *         DLPC_CHANNEL_CAPACITY_MAX, -EDQUOT.
  */
 DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t capacity,
 				  dlpc_channel_info *info);
@@ -910,8 +914,7 @@ DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t cap
  * DLPC_CHANNEL_QUEUED a queued one; neither opens an existing channel of either kind and
  * creates a queued one.
  * @return as dlpc_channel_open(); -EEXIST also if the channel exists as the other kind than
- *         the one asked for (the message names its kind), -EINVAL for unknown flags, -ENOTSUP
- *         for a direct channel and a daemon older than 1.8.
+ *         the one asked for (the message names its kind), -EINVAL for unknown flags.
  */
 DLPC_EXPORT int dlpc_channel_open_flags(dlpc_client *c, const char *name, uint32_t capacity,
 					uint32_t flags, dlpc_channel_info *info);
@@ -944,8 +947,7 @@ DLPC_EXPORT int dlpc_channel_open_opts(dlpc_client *c, const char *name,
  * producer has closed, and at least dlpc_channel_opts.producers of them, the stream ends (see
  * "End of stream" above). Closing twice is as once. Its later sends fail with -EPIPE; it may
  * still receive.
- * @return 0; -ENOENT, -EDQUOT (the connection is a producer of DLPC_PRODUCING_MAX channels),
- *         -ENOTSUP for a daemon older than 1.10.
+ * @return 0; -ENOENT, -EDQUOT (the connection is a producer of DLPC_PRODUCING_MAX channels).
  */
 DLPC_EXPORT int dlpc_channel_close(dlpc_client *c, const char *name);
 
@@ -995,8 +997,8 @@ typedef struct dlpc_send_opts {
  * The first send makes this connection a producer of the channel (see "End of stream").
  * @return 0; -ENOENT if no such channel is open, -EAGAIN if it is full and the call may not
  *         wait, -EIDRM if it was removed while the call waited, -EPIPE if its stream has ended
- *         or this connection closed it (dlpc_channel_close()), -ENOTSUP for a CUDA tensor or a
- *         daemon older than 1.6, -EDQUOT, or another negative errno of dlpc_publish().
+ *         or this connection closed it (dlpc_channel_close()), -ENOTSUP for a CUDA tensor,
+ *         -EDQUOT, or another negative errno of dlpc_publish().
  */
 DLPC_EXPORT int dlpc_send(dlpc_client *c, const char *channel, DLManagedTensorVersioned *t,
 			  uint32_t flags);
@@ -1036,7 +1038,7 @@ DLPC_EXPORT int dlpc_send_bundle(dlpc_client *c, const char *channel, size_t n,
  * its memory goes when the message and every handle on it are gone.
  *
  * @return 0; -ENOBUFS when all DLPC_POOL_BUFFERS_MAX buffers are in flight or held,
- *         -ENOTSUP for a daemon older than 1.6, -EINVAL, -ENOSPC.
+ *         -EINVAL, -ENOSPC.
  */
 DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataType dtype,
 				   int32_t ndim, const int64_t *shape,

@@ -107,7 +107,7 @@ and received since it was opened, receivers and senders waiting now, the Owner t
 created in seconds since the epoch, whether it is direct (its messages go between the
 processes; dlpackd counts only depth, the rest reads 0), whether its stream has ended, its
 producers that have not closed and that have, and producers_expected: the closes its end waits
-for at least (as opened; 0 from a daemon before protocol 1.10)."""
+for at least (as opened)."""
 
 
 def _channel_info(d):
@@ -455,29 +455,14 @@ def publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=Fals
                                   writable=writable)
 
 
-def _entry(client, name):
-    """The EntryInfo published under name, or None."""
-    return next((e for e in client.list(name) if e.name == name), None)
-
-
-def _identity(entry):
-    """What tells one publish of a name from another: a generation starts again at 1 once the
-    name was unpublished, so the creation time and publisher count too."""
-    return entry and (entry.generation, entry.created, entry.owner)
-
-
 def _unpublish_if(c, name, mine):
     """Unpublish name if it still holds the publish mine identifies (a generation that
     replaced ours, or the name published anew, is not ours to remove). mine: (generation,
-    created_ns) from the publish's reply, which the daemon checks and acts on in one step; or
-    from a daemon before protocol 1.11, ("legacy", identity) checked here first."""
+    created_ns) from the publish's reply, which the daemon checks and acts on in one step."""
     if not mine:
         return
     try:
-        if mine[0] != "legacy":
-            c.unpublish(name, generation=mine[0], created_ns=mine[1])
-        elif _identity(_entry(c, name)) == mine[1]:
-            c.unpublish(name)  # check, then act: a replace in between would be removed
+        c.unpublish(name, generation=mine[0], created_ns=mine[1])
     except FileNotFoundError:
         pass
     except OSError as e:
@@ -491,11 +476,6 @@ def _held(c, name, generation):
     mine = c._last_published()
     if mine and mine[0] != generation:
         mine = None
-    elif mine and not mine[1]:
-        # a daemon before 1.11 neither says nor checks: what LIST sees right after the
-        # publish, None if replaced or gone in between
-        seen = _identity(_entry(c, name))
-        mine = ("legacy", seen) if seen and seen[0] == generation else None
     try:
         yield generation
     except BaseException:
@@ -519,9 +499,9 @@ def published(name, obj, *, client=None, ephemeral=True, **publish_kwargs):
     On exit, even by an exception, name is unpublished, unless it is gone already or another
     publish took it over meanwhile (that one is left alone: the daemon removes the entry only
     if it still is this publish's, in one step, so a replace that lands at any moment
-    survives; a daemon before protocol 1.11 cannot check, then it is looked up first). ephemeral (True here) also
-    removes it if this process dies inside the block. Other keywords are publish()'s;
-    client: the Client to use (None: the module's default one).
+    survives). ephemeral (True here) also removes it if this process dies inside the block.
+    Other keywords are publish()'s; client: the Client to use (None: the module's default
+    one).
     """
     c = client if client is not None else _client()
     gen = c.publish(name, obj, ephemeral=ephemeral, **publish_kwargs)
@@ -584,8 +564,7 @@ def unpublish(name, *, generation=None, created_ns=None):
     generation, created_ns (an EntryInfo's): remove it only if it still is that entry, checked
     and removed in one step by the daemon; otherwise OSError with errno ESTALE, and nothing
     changes. A generation starts again at 1 once a name is freed, so pass created_ns too to
-    tell the entry meant from one published anew. A daemon before protocol 1.11 cannot check:
-    OSError with errno ENOTSUP.
+    tell the entry meant from one published anew.
     """
     return _client().unpublish(name, generation=generation, created_ns=created_ns)
 

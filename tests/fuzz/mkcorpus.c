@@ -62,11 +62,12 @@ static void hello(struct input *in, uint32_t major)
 	Dlpackd__V1__Hello h = DLPACKD__V1__HELLO__INIT;
 
 	h.version_major = major;
+	h.version_minor = DLPC_PROTO_MINOR;
 	h.client = "mkcorpus";
 	frame(in, DLPC_MSG_HELLO, 1, &h.base, 0, NULL, 0);
 }
 
-/* HELLO agreeing on @p minor (hello() sends minor 0: what 1.6 and 1.7 add stays unused). */
+/* HELLO of @p minor: only DLPC_PROTO_MINOR is accepted. */
 static void hello_minor(struct input *in, uint32_t minor)
 {
 	Dlpackd__V1__Hello h = DLPACKD__V1__HELLO__INIT;
@@ -377,7 +378,7 @@ int main(int argc, char **argv)
 		hello(&in, DLPC_PROTO_MAJOR);
 		publish(&in, 2, "b", DLPC_PUBLISH_WRITABLE, 3, rw);
 		attach(&in, 3, "b", DLPC_ATTACH_WRITABLE, 0);
-		attach(&in, 4, "b", DLPC_ATTACH_SINGLE, 0);
+		attach(&in, 4, "b", DLPC_WIRE_ATTACH_SINGLE, 0);
 		list(&in, 5, "", 1);
 	});
 	SEED("replace-ephemeral", {
@@ -508,7 +509,7 @@ int main(int argc, char **argv)
 		channel(&in, 7, 3, "c", 0);
 		list_channels(&in, 8, "");
 		recv_msg(&in, 9, "c", 0, 0);
-		recv_msg(&in, 10, "c", DLPC_ATTACH_SINGLE, 0); /* a bundle: refused, kept */
+		recv_msg(&in, 10, "c", DLPC_WIRE_ATTACH_SINGLE, 0); /* a bundle: refused, kept */
 		recv_msg(&in, 11, "c", 0, 0);
 		recv_msg(&in, 12, "c", 0, 0); /* empty: EAGAIN */
 		release(&in, 1);
@@ -628,14 +629,6 @@ int main(int argc, char **argv)
 		channel(&in, 26, 2, "e2", 0);
 		chunk(&in, FUZZ_SHUTDOWN | FUZZ_RUN, NULL, 0, NULL, 0);
 	});
-	SEED("channel-direct-old", {
-		/* a 1.7 connection: no flags, no JOIN */
-		hello_minor(&in, 7);
-		channel_flags(&in, 2, 1, "d", 0, DLPC_CHANNEL_DIRECT);
-		channel(&in, 3, 1, "q", 0);
-		channel(&in, 4, 4, "q", 0);
-		channel(&in, 5, 2, "q", 0);
-	});
 	SEED("channel-direct-hangup", {
 		/* the connection ends with a direct channel open and joined */
 		hello_minor(&in, DLPC_PROTO_MINOR);
@@ -669,7 +662,7 @@ int main(int argc, char **argv)
 		static char long_key[DLPC_KEY_MAX + 1];
 
 		memset(long_key, 'k', sizeof(long_key));
-		hello(&in, DLPC_PROTO_MAJOR); /* channels are served whatever the minor */
+		hello(&in, DLPC_PROTO_MAJOR);
 		channel(&in, 2, 1, "", 0);
 		channel(&in, 3, 9, "c", 0);
 		channel(&in, 4, 1, "c", DLPC_CHANNEL_CAPACITY_MAX + 1);
@@ -748,8 +741,8 @@ int main(int argc, char **argv)
 
 		hello_minor(&in, DLPC_PROTO_MINOR);
 		publish(&in, 2, "k", 0, 1, ro);
-		attach(&in, 3, "k", DLPC_ATTACH_CACHEABLE, 0);
-		attach(&in, 4, "k", DLPC_ATTACH_CACHEABLE | DLPC_ATTACH_SINGLE, 0);
+		attach(&in, 3, "k", DLPC_WIRE_ATTACH_CACHEABLE, 0);
+		attach(&in, 4, "k", DLPC_WIRE_ATTACH_CACHEABLE | DLPC_WIRE_ATTACH_SINGLE, 0);
 		release_marks(&in, NULL, 0, &one, 1, NULL, 0);
 		list(&in, 5, "", 0);
 		stat_req(&in, 6);
@@ -757,7 +750,7 @@ int main(int argc, char **argv)
 		release_marks(&in, &two, 1, &one, 1, NULL, 0);	   /* marks, then the release */
 		release_marks(&in, NULL, 0, &two, 1, &two, 1);	   /* unknown ids: skipped */
 		publish(&in, 7, "k", DLPC_PUBLISH_REPLACE, 1, ro); /* INVALIDATE, then the reply */
-		attach(&in, 8, "k", DLPC_ATTACH_CACHEABLE, 0);
+		attach(&in, 8, "k", DLPC_WIRE_ATTACH_CACHEABLE, 0);
 		unpublish(&in, 9, "k"); /* INVALIDATE again */
 		release(&in, 1);
 		stat_req(&in, 10);
@@ -766,8 +759,8 @@ int main(int argc, char **argv)
 		/* the ephemeral publisher's entry goes with its connection, cached or not */
 		hello_minor(&in, DLPC_PROTO_MINOR);
 		publish(&in, 2, "e", DLPC_PUBLISH_EPHEMERAL, 2, ro);
-		attach(&in, 3, "e", DLPC_ATTACH_CACHEABLE, 0);
-		attach(&in, 4, "e", DLPC_ATTACH_CACHEABLE, 0);
+		attach(&in, 3, "e", DLPC_WIRE_ATTACH_CACHEABLE, 0);
+		attach(&in, 4, "e", DLPC_WIRE_ATTACH_CACHEABLE, 0);
 	});
 	SEED("cache-unread", {
 		/* the client reads nothing while its cacheable references' entry is replaced:
@@ -776,17 +769,15 @@ int main(int argc, char **argv)
 		publish(&in, 2, "u", 0, 4, ro);
 		frame_flags = FUZZ_RUN | FUZZ_HOLD;
 		for (uint32_t id = 3; id < 40; id++)
-			attach(&in, id, "u", DLPC_ATTACH_CACHEABLE, 0);
+			attach(&in, id, "u", DLPC_WIRE_ATTACH_CACHEABLE, 0);
 		publish(&in, 40, "u", DLPC_PUBLISH_REPLACE, 4, ro);
 		frame_flags = FUZZ_RUN;
 		stat_req(&in, 41);
 	});
-	SEED("cacheable-old-minor", {
-		/* CACHEABLE is unknown below 1.7: EINVAL */
-		hello_minor(&in, 6);
+	SEED("version-minor-mismatch", {
+		/* another minor is refused like another major: ERROR and the connection ends */
+		hello_minor(&in, DLPC_PROTO_MINOR - 1);
 		publish(&in, 2, "o", 0, 1, ro);
-		attach(&in, 3, "o", DLPC_ATTACH_CACHEABLE, 0);
-		stat_req(&in, 4);
 	});
 	SEED("marks-too-many", {
 		/* the three lists together count against the 1024 ids of a RELEASE */

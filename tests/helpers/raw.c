@@ -88,6 +88,7 @@ void raw_hello(int fd, uint32_t major)
 	uint8_t buf[512];
 
 	hello.version_major = major;
+	hello.version_minor = DLPC_PROTO_MINOR;
 	hello.client = "raw test client";
 	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
 	ck_assert_int_eq(raw_recv(fd, &h, buf, sizeof(buf)), 1);
@@ -292,7 +293,7 @@ void raw_join_or_die(int fd, const char *name, int ends[2])
 	unsigned n = 0;
 
 	hello.version_major = DLPC_PROTO_MAJOR;
-	hello.version_minor = 8;
+	hello.version_minor = DLPC_PROTO_MINOR;
 	hello.client = "raw test client";
 	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
 	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1);

@@ -161,6 +161,7 @@ static int hello(const char *path, char *msg, size_t len)
 	if (fd < 0)
 		return -1;
 	h.version_major = DLPC_PROTO_MAJOR;
+	h.version_minor = DLPC_PROTO_MINOR;
 	h.client = "test_closes";
 	if (frame_send(fd, DLPC_MSG_HELLO, &h.base, NULL, 0, NULL) < 0 ||
 	    reply(fd, msg, len) != 0) {
@@ -368,6 +369,7 @@ static bool answers_within(int ms)
 	if (p.fd < 0)
 		return false;
 	h.version_major = DLPC_PROTO_MAJOR;
+	h.version_minor = DLPC_PROTO_MINOR;
 	h.client = "probe";
 	ok = frame_send(p.fd, DLPC_MSG_HELLO, &h.base, NULL, 0, NULL) == 0 &&
 	     poll(&p, 1, scaled_ms(ms)) == 1;

@@ -578,57 +578,65 @@ START_TEST(test_unpublish_if)
 }
 END_TEST
 
-/* A daemon of protocol 1.10 on the listening socket *arg: answers HELLO, then expects an
- * UNPUBLISH without any check (what it would not understand) and answers it. */
-static int old_daemon(void *arg)
+/* A dlpackd of another protocol minor on a listening socket: answers HELLO with @p minor, then
+ * expects the client to hang up without another frame. */
+struct other_daemon {
+	int lfd;
+	uint32_t minor;
+};
+
+static int other_minor_daemon(void *arg)
 {
+	const struct other_daemon *o = arg;
 	Dlpackd__V1__HelloReply hr = DLPACKD__V1__HELLO_REPLY__INIT;
-	Dlpackd__V1__UnpublishReply ur = DLPACKD__V1__UNPUBLISH_REPLY__INIT;
-	Dlpackd__V1__Unpublish *u;
 	struct dlpc__hdr h;
 	uint8_t buf[4096];
-	int fd = accept(*(int *)arg, NULL, NULL);
+	int fd = accept(o->lfd, NULL, NULL);
 
 	CHILD_CHECK(fd >= 0);
 	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1 && h.type == DLPC_MSG_HELLO);
 	hr.version_major = DLPC_PROTO_MAJOR;
-	hr.version_minor = 10;
-	hr.server = "dlpackd 1.10 stand-in";
+	hr.version_minor = o->minor;
+	hr.server = "dlpackd of another build";
 	hr.max_frame = DLPC_FRAME_MAX;
 	raw_send(fd, DLPC_MSG_HELLO | DLPC_MSG_REPLY, h.id, &hr.base, NULL, 0);
-	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1 && h.type == DLPC_MSG_UNPUBLISH);
-	u = dlpackd__v1__unpublish__unpack(NULL, h.len, buf);
-	CHILD_CHECK(u && u->generation == 0 && u->created_ns == 0);
-	dlpackd__v1__unpublish__free_unpacked(u, NULL);
-	ur.generation = 1;
-	raw_send(fd, DLPC_MSG_UNPUBLISH | DLPC_MSG_REPLY, h.id, &ur.base, NULL, 0);
 	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 0);
 	close(fd);
 	return 0;
 }
 
-/* A daemon before 1.11 would skip the check and remove whatever holds the name: libdlpc
- * refuses a conditional unpublish to it (-ENOTSUP, nothing sent); the plain one still goes. */
-START_TEST(test_unpublish_if_old_daemon)
+/* One protocol version: libdlpc refuses a daemon that answers HELLO with another minor, older
+ * or newer (-EPROTO), and says which versions met and what to do. */
+START_TEST(test_connect_other_minor)
 {
+	const uint32_t minors[] = {DLPC_PROTO_MINOR - 1, DLPC_PROTO_MINOR + 1};
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	dlpc_client *c = NULL;
-	pid_t pid;
+	char want[128];
 
-	ck_assert_int_ge(lfd, 0);
-	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/old.sock", D.dir);
-	ck_assert_int_eq(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-	ck_assert_int_eq(listen(lfd, 1), 0);
-	pid = spawn(old_daemon, &lfd);
-	close(lfd);
-	ck_assert_dlpc(dlpc_connect(sa.sun_path, &c), 0);
-	ck_assert_dlpc(dlpc_unpublish_if(c, "x", 1, 0), -ENOTSUP);
-	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "protocol 1.10, this needs 1.11"));
-	ck_assert_dlpc(dlpc_unpublish_if(c, "x", 0, 123), -ENOTSUP);
-	ck_assert_dlpc(dlpc_unpublish_if(c, "x", 0, 0), 0);
-	dlpc_close(c);
-	ck_assert_int_eq(wait_child(pid), 0);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/other.sock", D.dir);
+	for (size_t i = 0; i < sizeof(minors) / sizeof(minors[0]); i++) {
+		struct other_daemon o = {.lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0),
+					 .minor = minors[i]};
+		dlpc_client *c = NULL;
+		pid_t pid;
+
+		ck_assert_int_ge(o.lfd, 0);
+		unlink(sa.sun_path);
+		ck_assert_int_eq(bind(o.lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+		ck_assert_int_eq(listen(o.lfd, 1), 0);
+		pid = spawn(other_minor_daemon, &o);
+		close(o.lfd);
+		ck_assert_dlpc(dlpc_connect(sa.sun_path, &c), -EPROTO);
+		ck_assert_ptr_null(c);
+		snprintf(want, sizeof(want), "libdlpc speaks %d.%d", DLPC_PROTO_MAJOR,
+			 DLPC_PROTO_MINOR);
+		ck_assert_msg(strstr(dlpc_last_error(), want), "%s", dlpc_last_error());
+		snprintf(want, sizeof(want), "speaks %d.%u;", DLPC_PROTO_MAJOR, minors[i]);
+		ck_assert_msg(strstr(dlpc_last_error(), want), "%s", dlpc_last_error());
+		ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "same build"));
+		ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "restart dlpackd"));
+		ck_assert_int_eq(wait_child(pid), 0);
+	}
 	unlink(sa.sun_path);
 }
 END_TEST
@@ -1492,7 +1500,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_replace_while_attached);
 	tcase_add_test(tc, test_unpublish_while_attached);
 	tcase_add_test(tc, test_unpublish_if);
-	tcase_add_test(tc, test_unpublish_if_old_daemon);
+	tcase_add_test(tc, test_connect_other_minor);
 	tcase_add_test(tc, test_sigkill_drops_references);
 	tcase_add_test(tc, test_ephemeral);
 	tcase_add_test(tc, test_attach_wait);

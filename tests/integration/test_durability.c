@@ -26,6 +26,7 @@
 #include "cuda_api.h"
 #include "harness.h"
 #include "persist.h"
+#include "raw.h"
 
 /* The fds the fake manager keeps (FDSTORE=, FileDescriptorStoreMax=): more than
  * DLPD_NOTIFY_QUEUE_MAX, for test_given_up_journal. */
@@ -1963,6 +1964,114 @@ START_TEST(test_gpu_entries)
 }
 END_TEST
 
+/* ---- dlpackctl upgrade of a daemon of another build ---- */
+
+static volatile sig_atomic_t hup_seen;
+
+static void on_hup(int sig)
+{
+	(void)sig;
+	hup_seen = 1;
+}
+
+/* A stand-in for a dlpackd of another build on socket @p path: it answers HELLO with another
+ * protocol minor until it gets SIGHUP (an upgrade's signal), then as an image of this build, and
+ * answers that connection's STAT as a new image does (uptime 0, 3 entries). It writes a byte to
+ * @p ready once it listens. */
+struct other_build {
+	const char *path;
+	int ready;
+};
+
+static int other_build_daemon(void *arg)
+{
+	const struct other_build *o = arg;
+	struct sigaction sa = {.sa_handler = on_hup}; /* no SA_RESTART: accept() sees EINTR */
+	struct sockaddr_un un = {.sun_family = AF_UNIX};
+	int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	CHILD_CHECK(sigaction(SIGHUP, &sa, NULL) == 0 && lfd >= 0);
+	snprintf(un.sun_path, sizeof(un.sun_path), "%s", o->path);
+	CHILD_CHECK(bind(lfd, (struct sockaddr *)&un, sizeof(un)) == 0 && listen(lfd, 8) == 0);
+	CHILD_CHECK(write(o->ready, "r", 1) == 1);
+	for (;;) {
+		Dlpackd__V1__HelloReply hr = DLPACKD__V1__HELLO_REPLY__INIT;
+		Dlpackd__V1__StatReply sr = DLPACKD__V1__STAT_REPLY__INIT;
+		int fd = accept(lfd, NULL, NULL);
+		struct dlpc__hdr h;
+		uint8_t buf[4096];
+		bool upgraded;
+
+		if (fd < 0 && errno == EINTR)
+			continue;
+		CHILD_CHECK(fd >= 0);
+		/* dlpackctl's look at who listens sends nothing */
+		if (raw_recv(fd, &h, buf, sizeof(buf)) == 0) {
+			close(fd);
+			continue;
+		}
+		CHILD_CHECK(h.type == DLPC_MSG_HELLO);
+		upgraded = hup_seen;
+		hr.version_major = DLPC_PROTO_MAJOR;
+		hr.version_minor = upgraded ? DLPC_PROTO_MINOR : DLPC_PROTO_MINOR - 1;
+		hr.server = "dlpackd of another build";
+		hr.max_frame = DLPC_FRAME_MAX;
+		raw_send(fd, DLPC_MSG_HELLO | DLPC_MSG_REPLY, h.id, &hr.base, NULL, 0);
+		if (upgraded) {
+			CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1 &&
+				    h.type == DLPC_MSG_STAT);
+			sr.daemon_pid = (uint32_t)getpid();
+			sr.entries = 3;
+			raw_send(fd, DLPC_MSG_STAT | DLPC_MSG_REPLY, h.id, &sr.base, NULL, 0);
+		}
+		CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 0);
+		close(fd);
+		if (upgraded)
+			return 0;
+	}
+}
+
+/* dlpackctl upgrade is how a daemon of another build (another protocol version, which this
+ * dlpackctl cannot talk to) is replaced: it says so, signals it all the same, and waits for an
+ * image it can talk to. It used to fail at connecting. */
+START_TEST(test_upgrade_other_version)
+{
+	char dir[] = "/tmp/dlpc-upgrade-XXXXXX", sock[64], out[64], cmd[512], text[2048] = "",
+	     want[128], b;
+	struct other_build o;
+	int ready[2], r;
+	pid_t pid;
+	FILE *f;
+
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	snprintf(sock, sizeof(sock), "%s/other.sock", dir);
+	snprintf(out, sizeof(out), "%s/ctl.out", dir);
+	ck_assert_int_eq(pipe2(ready, O_CLOEXEC), 0);
+	o.path = sock;
+	o.ready = ready[1];
+	pid = spawn(other_build_daemon, &o);
+	close(ready[1]);
+	ck_assert_int_eq(read(ready[0], &b, 1), 1);
+	close(ready[0]);
+	snprintf(cmd, sizeof(cmd), "%s --socket %s upgrade >%s 2>&1", DLPACKCTL_BIN, sock, out);
+	r = system(cmd);
+	f = fopen(out, "r");
+	ck_assert_ptr_nonnull(f);
+	text[fread(text, 1, sizeof(text) - 1, f)] = '\0';
+	fclose(f);
+	ck_assert_msg(r == 0, "dlpackctl upgrade: %s", text);
+	snprintf(want, sizeof(want), "dlpackd at %s speaks %d.%d;", sock, DLPC_PROTO_MAJOR,
+		 DLPC_PROTO_MINOR - 1);
+	ck_assert_msg(strstr(text, want), "%s", text);
+	ck_assert_msg(strstr(text, "upgraded in place from another protocol version: 3 entries"),
+		      "%s", text);
+	ck_assert_int_eq(wait_child(pid), 0);
+	unlink(out);
+	unlink(sock);
+	rmdir(dir);
+}
+END_TEST
+
 static Suite *durability_suite(void)
 {
 	Suite *s = suite_create("durability");
@@ -1979,6 +2088,7 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_compaction_on_removal);
 	tcase_add_test(tc, test_upgrade_held_storage);
 	tcase_add_test(tc, test_upgrade_relative_path);
+	tcase_add_test(tc, test_upgrade_other_version);
 	tcase_add_test(tc, test_journal_past_file_size_limit);
 	suite_add_tcase(s, tc);
 	/* upgrades, restores and a slow service manager (CK_RUN_CASE=resilience) */

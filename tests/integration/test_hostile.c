@@ -128,6 +128,10 @@ START_TEST(test_session_rules)
 	Dlpackd__V1__Stat st = DLPACKD__V1__STAT__INIT;
 	Dlpackd__V1__Release rel = DLPACKD__V1__RELEASE__INIT;
 	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
+	const uint32_t other[][2] = {{99, 3},
+				     {DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR - 1},
+				     {DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR + 1},
+				     {DLPC_PROTO_MAJOR, 0}};
 	uint64_t bogus = 12345;
 	char msg[512], want[64];
 	int baseline, fd;
@@ -142,16 +146,23 @@ START_TEST(test_session_rules)
 	ck_assert_ptr_nonnull(strstr(msg, "before HELLO"));
 	expect_dropped(fd);
 
-	/* a version mismatch names both versions */
-	fd = raw_connect(&D);
-	hello.version_major = 99;
-	hello.version_minor = 3;
-	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
-	ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
-	ck_assert_ptr_nonnull(strstr(msg, "client speaks 99.3"));
-	snprintf(want, sizeof(want), "dlpackd speaks %d.%d", DLPC_PROTO_MAJOR, DLPC_PROTO_MINOR);
-	ck_assert_ptr_nonnull(strstr(msg, want));
-	expect_dropped(fd);
+	/* one protocol version: another major, or another minor older or newer, is refused
+	 * alike, naming both versions and what to do */
+	for (size_t i = 0; i < sizeof(other) / sizeof(other[0]); i++) {
+		fd = raw_connect(&D);
+		hello.version_major = other[i][0];
+		hello.version_minor = other[i][1];
+		raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
+		ck_assert_int_eq(raw_error(fd, msg, sizeof(msg)), EPROTO);
+		snprintf(want, sizeof(want), "client speaks %u.%u", other[i][0], other[i][1]);
+		ck_assert_msg(strstr(msg, want), "%s", msg);
+		snprintf(want, sizeof(want), "dlpackd speaks %d.%d", DLPC_PROTO_MAJOR,
+			 DLPC_PROTO_MINOR);
+		ck_assert_msg(strstr(msg, want), "%s", msg);
+		ck_assert_msg(strstr(msg, "same build") && strstr(msg, "restart dlpackd"), "%s",
+			      msg);
+		expect_dropped(fd);
+	}
 
 	/* an unknown message type */
 	fd = raw_connect(&D);
@@ -165,6 +176,7 @@ START_TEST(test_session_rules)
 	fd = raw_connect(&D);
 	raw_hello(fd, DLPC_PROTO_MAJOR);
 	hello.version_major = DLPC_PROTO_MAJOR;
+	hello.version_minor = DLPC_PROTO_MINOR;
 	raw_send(fd, DLPC_MSG_HELLO, 2, &hello.base, NULL, 0);
 	expect_dropped(fd);
 

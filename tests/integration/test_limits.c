@@ -155,6 +155,7 @@ static void raw_open(struct raw_rx *r, const char *client)
 	r->fd = raw_connect();
 	dlpc__rx_init(&r->rx);
 	hello.version_major = DLPC_PROTO_MAJOR;
+	hello.version_minor = DLPC_PROTO_MINOR;
 	hello.client = (char *)client;
 	raw_send(r->fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0, NULL, 0);
 	CHILD_CHECK(raw_next(r, &f) == 1);

@@ -187,6 +187,7 @@ static void raw_hello(int fd)
 
 	dlpc__rx_init(&rx);
 	hello.version_major = DLPC_PROTO_MAJOR;
+	hello.version_minor = DLPC_PROTO_MINOR;
 	hello.client = "test_pending";
 	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base);
 	CHILD_CHECK(raw_next(fd, &rx, &h, buf, sizeof(buf), true) == 1);
