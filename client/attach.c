@@ -7,6 +7,7 @@
  * it is freed, by the bundle. The last one unmaps, sends RELEASE and drops the region's
  * reference on the client.
  */
+#include <assert.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
@@ -214,8 +215,11 @@ static int bundle_new(struct dlpc__region *m, const uint8_t *table, size_t table
 	b->n = n;
 	kp = (char *)(b->keys + b->n);
 	for (size_t i = 0; i < b->n; i++) {
+		int sane = dlpc__table_next(table, table_len, &pos, &d);
+
 		/* checked by reply_sane(): cannot fail */
-		dlpc__table_next(table, table_len, &pos, &d);
+		assert(sane == 0);
+		(void)sane;
 		b->keys[i] = kp;
 		if (d.key_len)
 			memcpy(kp, d.key, d.key_len);
@@ -264,20 +268,14 @@ static void *map_host(int fd, size_t len, uint32_t flags, uint8_t *kind)
 	return p;
 }
 
-/* Turn an ATTACH reply that came by connection @p conn_seq and its fd (-1 for legacy CUDA IPC)
- * into a bundle; cache the reference if @p cache (@p seq: dlpc__cache_seq() before the
- * request). Consumes @p fd. */
-int dlpc__attach_build(dlpc_client *c, uint64_t conn_seq, bool cache, uint64_t seq,
-		       const char *name, const Dlpackd__V1__AttachReply *rep, int fd,
-		       uint32_t flags, void *stream, const struct dlpc__mkey *key,
-		       dlpc_bundle **ret)
+/* How many tensors the ATTACH reply @p rep (with @p fd) holds, when this process can use it as
+ * @p flags ask (*@p keybytes: the bytes of their keys); else, having released its reference and
+ * closed @p fd, a negative errno. */
+static int64_t reply_usable(dlpc_client *c, uint64_t conn_seq, const char *name,
+			    const Dlpackd__V1__AttachReply *rep, int fd, uint32_t flags,
+			    size_t *keybytes)
 {
-	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
-	bool writable = flags & DLPC_ATTACH_WRITABLE;
-	struct dlpc__region *m = NULL;
-	size_t keybytes;
-	int64_t n = reply_sane(rep, &keybytes);
-	int r;
+	int64_t n = reply_sane(rep, keybytes);
 
 	if ((rep->device_type != kDLCPU || fd < 0) &&
 	    (rep->device_type != kDLCUDA || !cuda_sane(rep, fd)))
@@ -297,39 +295,65 @@ int dlpc__attach_build(dlpc_client *c, uint64_t conn_seq, bool cache, uint64_t s
 				  "published writable)",
 				  name);
 	}
+	return n;
+}
+
+/* Map the host storage @p fd of region @p m (m->len bytes) as @p flags ask: a channel's message
+ * may take a mapping kept from its last one (@p key: its storage's, or NULL). 0, or a negative
+ * errno. */
+static int map_host_storage(dlpc_client *c, const char *name, int fd, uint32_t flags,
+			    const struct dlpc__mkey *key, struct dlpc__region *m)
+{
+	bool writable = flags & DLPC_ATTACH_WRITABLE;
+	uint8_t kind = (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)) ? DLPC__MAP_COW
+									     : DLPC__MAP_SHARED_RO;
+
+	/* a channel's message: its storage's mapping may be kept for its next message */
+	if ((flags & DLPC__ATTACH_KEEP_MAP) && !writable && !(flags & DLPC_ATTACH_NO_CACHE))
+		m->base = dlpc__maps_take(c, fd, m->len, kind, flags & DLPC__ATTACH_SEALED, key,
+					  &m->key, &m->keyed);
+	if (m->base)
+		m->map_kind = kind;
+	else
+		m->base = map_host(fd, m->len, flags, &m->map_kind);
+	if (m->base == MAP_FAILED)
+		return dlpc__fail(
+			-errno, "cannot attach '%s': cannot map %zu bytes%s: %m", name, m->len,
+			(flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)) ? " copy-on-write"
+									      : "");
+	return 0;
+}
+
+/* Turn an ATTACH reply that came by connection @p conn_seq and its fd (-1 for legacy CUDA IPC)
+ * into a bundle; cache the reference if @p cache (@p seq: dlpc__cache_seq() before the
+ * request). Consumes @p fd. */
+int dlpc__attach_build(dlpc_client *c, uint64_t conn_seq, bool cache, uint64_t seq,
+		       const char *name, const Dlpackd__V1__AttachReply *rep, int fd,
+		       uint32_t flags, void *stream, const struct dlpc__mkey *key,
+		       dlpc_bundle **ret)
+{
+	DLDevice dev = {.device_type = kDLCPU, .device_id = 0};
+	bool writable = flags & DLPC_ATTACH_WRITABLE;
+	struct dlpc__region *m = NULL;
+	size_t keybytes;
+	int64_t n = reply_usable(c, conn_seq, name, rep, fd, flags, &keybytes);
+	int r;
+
+	if (n < 0)
+		return (int)n;
 	m = calloc(1, sizeof(*m));
 	if (!m) {
 		r = dlpc__fail(-ENOMEM, "cannot attach '%s': out of memory", name);
 		goto fail;
 	}
 	m->len = (size_t)rep->storage_size;
-	if (rep->device_type == kDLCUDA) {
+	if (rep->device_type == kDLCUDA)
 		r = map_cuda(name, rep, fd, stream, flags & DLPC_ATTACH_DEFER_SYNC, writable, m,
 			     &dev);
-		if (r < 0)
-			goto fail;
-	} else {
-		uint8_t kind = (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED))
-				       ? DLPC__MAP_COW
-				       : DLPC__MAP_SHARED_RO;
-
-		/* a channel's message: its storage's mapping may be kept for its next message */
-		if ((flags & DLPC__ATTACH_KEEP_MAP) && !writable && !(flags & DLPC_ATTACH_NO_CACHE))
-			m->base = dlpc__maps_take(c, fd, m->len, kind, flags & DLPC__ATTACH_SEALED,
-						  key, &m->key, &m->keyed);
-		if (m->base)
-			m->map_kind = kind;
-		else
-			m->base = map_host(fd, m->len, flags, &m->map_kind);
-		if (m->base == MAP_FAILED) {
-			r = dlpc__fail(-errno, "cannot attach '%s': cannot map %zu bytes%s: %m",
-				       name, m->len,
-				       (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED))
-					       ? " copy-on-write"
-					       : "");
-			goto fail;
-		}
-	}
+	else
+		r = map_host_storage(c, name, fd, flags, key, m);
+	if (r < 0)
+		goto fail;
 	m->fd = -1;
 	m->client = c;
 	m->ref_id = rep->ref_id;
@@ -484,6 +508,31 @@ static int attach_call(dlpc_client *c, Dlpackd__V1__Attach *req, int64_t timeout
 	}
 }
 
+/* Read the options @p opts (or NULL) of an attach of @p name: its DLPC_ATTACH_* *@p flags,
+ * *@p timeout, CUDA *@p stream and the *@p owner_uid it asks for, as far as opts->size says
+ * they are there. 0, or -EINVAL. */
+static int attach_opts_read(const char *name, const dlpc_attach_opts *opts, uint32_t *flags,
+			    int64_t *timeout, void **stream, uint32_t *owner_uid)
+{
+	if (!opts)
+		return 0;
+	if (opts->size < offsetof(dlpc_attach_opts, stream))
+		return dlpc__fail(-EINVAL, "cannot attach '%s': opts->size is %u", name,
+				  opts->size);
+	*flags = opts->flags;
+	*timeout = opts->timeout_ms;
+	if (opts->size >= offsetof(dlpc_attach_opts, stream) + sizeof(opts->stream))
+		*stream = opts->stream;
+	if (opts->size >= offsetof(dlpc_attach_opts, owner_uid) + sizeof(opts->owner_uid))
+		*owner_uid = opts->owner_uid;
+	else if (*flags & DLPC_ATTACH_OWNER)
+		return dlpc__fail(-EINVAL,
+				  "cannot attach '%s': DLPC_ATTACH_OWNER needs "
+				  "opts->owner_uid (opts->size is %u)",
+				  name, opts->size);
+	return 0;
+}
+
 /* attach() once it holds a reference on @p c. */
 static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
 		      uint32_t extra, dlpc_bundle **ret)
@@ -501,22 +550,9 @@ static int attach_ref(dlpc_client *c, const char *name, const dlpc_attach_opts *
 	r = dlpc__name_arg(name, "attach");
 	if (r < 0)
 		return r;
-	if (opts) {
-		if (opts->size < offsetof(dlpc_attach_opts, stream))
-			return dlpc__fail(-EINVAL, "cannot attach '%s': opts->size is %u", name,
-					  opts->size);
-		flags = opts->flags;
-		timeout = opts->timeout_ms;
-		if (opts->size >= offsetof(dlpc_attach_opts, stream) + sizeof(opts->stream))
-			stream = opts->stream;
-		if (opts->size >= offsetof(dlpc_attach_opts, owner_uid) + sizeof(opts->owner_uid))
-			req.owner_uid = opts->owner_uid;
-		else if (flags & DLPC_ATTACH_OWNER)
-			return dlpc__fail(-EINVAL,
-					  "cannot attach '%s': DLPC_ATTACH_OWNER needs "
-					  "opts->owner_uid (opts->size is %u)",
-					  name, opts->size);
-	}
+	r = attach_opts_read(name, opts, &flags, &timeout, &stream, &req.owner_uid);
+	if (r < 0)
+		return r;
 	if (flags & ~API_ATTACH_FLAGS)
 		return dlpc__fail(-EINVAL, "cannot attach '%s': unknown flags 0x%x", name,
 				  flags & ~API_ATTACH_FLAGS);

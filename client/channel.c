@@ -4,6 +4,7 @@
  * sends it with SEND instead of PUBLISH; dlpc_recv() maps a RECV reply as an attach would
  * (attach.c); dlpc_channel_*() open, remove, describe and list channels.
  */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -300,8 +301,10 @@ static int send_queued(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V
  * connection closed its side). */
 static int produce(dlpc_client *c, struct dlpc__endpoint *e, const char *channel)
 {
-	int r = channel_call(c, DLPC__CHANNEL_PRODUCE, channel, 0, 0, 0, NULL, "send to");
+	int r;
 
+	assert(e->direct);
+	r = channel_call(c, DLPC__CHANNEL_PRODUCE, channel, 0, 0, 0, NULL, "send to");
 	if (r < 0)
 		return r;
 	__atomic_store_n(&e->producing, true, __ATOMIC_RELAXED);

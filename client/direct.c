@@ -14,6 +14,7 @@
  * under the lock of the open clients' list, so that a forked child finds them whole and closes
  * what it inherited.
  */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -31,6 +32,7 @@
 static void endpoint_free(dlpc_client *c, struct dlpc__endpoint *e)
 {
 	dlpc__list_lock();
+	assert(e->users == 0 && e->dropped);
 	for (struct dlpc__endpoint **pp = &c->all_endpoints; *pp; pp = &(*pp)->all_next)
 		if (*pp == e) {
 			*pp = e->all_next;
@@ -65,6 +67,7 @@ void dlpc__direct_put(dlpc_client *c, struct dlpc__endpoint *e)
 	bool last;
 
 	dlpc__list_lock();
+	assert(e->users > 0);
 	last = --e->users == 0 && e->dropped;
 	dlpc__list_unlock();
 	if (last)
@@ -165,22 +168,21 @@ static struct dlpc__endpoint *evict_locked(dlpc_client *c)
 	return last;
 }
 
-/* Ask the daemon what @p name is (CHANNEL JOIN) and remember it. 1 direct, 0 queued, or a
- * negative errno (-ENOENT: no such channel). */
-static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
+/* Ask the daemon what @p name is (CHANNEL JOIN): a direct channel's pair of ends in @p ends (-1
+ * each for a queued one), whether its stream has *@p ended, and the *@p conn_seq of the connection
+ * that asked. 0, or a negative errno (-ENOENT: no such channel). */
+static int ask_join(dlpc_client *c, const char *name, int ends[2], bool *ended, uint64_t *conn_seq)
 {
 	Dlpackd__V1__Channel req = DLPACKD__V1__CHANNEL__INIT;
 	Dlpackd__V1__ChannelReply *rep;
 	int more[1] = {-1}, fd = -1, r;
 	struct dlpc__call_info info = {.more_fds = more, .nmore_fds = 1};
-	struct dlpc__endpoint *e, *old = NULL, *dup = NULL;
-	size_t len = strlen(name);
-	bool ended = false, queued = false;
-	uint64_t conn_seq;
+	bool queued = false;
 
+	*ended = false;
 	req.op = DLPC__CHANNEL_JOIN;
 	req.name.data = (uint8_t *)name;
-	req.name.len = len;
+	req.name.len = strlen(name);
 	r = dlpc__call_ex(c, DLPC_MSG_CHANNEL, &req.base, NULL, 0, 0, &info,
 			  &dlpackd__v1__channel_reply__descriptor, (ProtobufCMessage **)&rep, &fd,
 			  NULL);
@@ -188,7 +190,7 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 		return r;
 	/* a queued channel is answered without fds */
 	if (rep->channel) {
-		ended = rep->channel->flags & DLPC_CHANNEL_ENDED;
+		*ended = rep->channel->flags & DLPC_CHANNEL_ENDED;
 		queued = !(rep->channel->flags & DLPC_CHANNEL_DIRECT);
 	}
 	dlpackd__v1__channel_reply__free_unpacked(rep, NULL);
@@ -198,27 +200,27 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 		return dlpc__fail(-EPROTO,
 				  "cannot join channel '%s': dlpackd sent an unusable reply", name);
 	}
-	e = calloc(1, sizeof(*e) + len + 1);
-	if (!e) {
-		dlpc__close(fd);
-		dlpc__close(more[0]);
-		return dlpc__fail(-ENOMEM, "cannot join channel '%s': out of memory", name);
-	}
-	memcpy(e->name, name, len + 1);
-	e->conn_seq = info.conn_seq;
-	e->direct = fd >= 0;
-	e->ended = ended;
-	e->ends[0] = fd;
-	e->ends[1] = more[0];
-	e->users = 1;
-	/* c->mu then the list lock (the order every path takes both in): c->conn_seq cannot move
+	ends[0] = fd;
+	ends[1] = more[0];
+	*conn_seq = info.conn_seq;
+	return 0;
+}
+
+/* List the endpoint @p e, just joined, in @p c (making room for it), or, when another thread
+ * listed one of the same channel meanwhile, free @p e for that one. The endpoint to use. */
+static struct dlpc__endpoint *endpoint_add(dlpc_client *c, struct dlpc__endpoint *e)
+{
+	struct dlpc__endpoint *old = NULL, *dup = NULL;
+	uint64_t conn_seq;
+
+	/* c->mu then the list lock (the order every path takes both in): the conn_seq cannot move
 	 * meanwhile. Joined on a connection replaced since: used once, never listed. Two threads
 	 * may join at once: the one listed first is the one both use. */
 	pthread_mutex_lock(&c->mu);
 	dlpc__list_lock();
 	conn_seq = c->conn_seq;
 	for (struct dlpc__endpoint *x = c->endpoints; x && e->conn_seq == conn_seq; x = x->next)
-		if (x->conn_seq == conn_seq && strcmp(x->name, name) == 0) {
+		if (x->conn_seq == conn_seq && strcmp(x->name, e->name) == 0) {
 			x->users++;
 			dup = e;
 			e = x;
@@ -246,8 +248,37 @@ static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
 		}
 		free(dup);
 	}
-	*ret = e;
-	return e->direct;
+	return e;
+}
+
+/* Ask the daemon what @p name is (CHANNEL JOIN) and remember it. 1 direct, 0 queued, or a
+ * negative errno (-ENOENT: no such channel). */
+static int join(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)
+{
+	size_t len = strlen(name);
+	struct dlpc__endpoint *e;
+	int ends[2] = {-1, -1}, r;
+	bool ended = false;
+	uint64_t conn_seq = 0;
+
+	r = ask_join(c, name, ends, &ended, &conn_seq);
+	if (r < 0)
+		return r;
+	e = calloc(1, sizeof(*e) + len + 1);
+	if (!e) {
+		dlpc__close(ends[0]);
+		dlpc__close(ends[1]);
+		return dlpc__fail(-ENOMEM, "cannot join channel '%s': out of memory", name);
+	}
+	memcpy(e->name, name, len + 1);
+	e->conn_seq = conn_seq;
+	e->direct = ends[0] >= 0;
+	e->ended = ended;
+	e->ends[0] = ends[0];
+	e->ends[1] = ends[1];
+	e->users = 1;
+	*ret = endpoint_add(c, e);
+	return (*ret)->direct;
 }
 
 int dlpc__direct_get(dlpc_client *c, const char *name, struct dlpc__endpoint **ret)

@@ -11,6 +11,7 @@
  * says why and who sent it (the kernel's credentials). A receiver that finds the pair shut
  * drops what is still queued: removal frees a channel's messages.
  */
+#include <assert.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -57,20 +58,67 @@ static bool hung_up(int fd)
 
 /* ---- sending ---- */
 
+/* Send the record @p rec with the storage's @p fd on the sending end @p end, not waiting: what
+ * sendmsg() says. */
+static ssize_t send_record(int end, const uint8_t rec[DLPC_DIRECT_RECORD], int fd)
+{
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} ctl;
+	struct iovec iov = {.iov_base = (void *)rec, .iov_len = DLPC_DIRECT_RECORD};
+	struct msghdr mh = {.msg_iov = &iov,
+			    .msg_iovlen = 1,
+			    .msg_control = ctl.buf,
+			    .msg_controllen = sizeof(ctl.buf)};
+
+	memset(&ctl, 0, sizeof(ctl));
+	ctl.h.cmsg_level = SOL_SOCKET;
+	ctl.h.cmsg_type = SCM_RIGHTS;
+	ctl.h.cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(&ctl.h), &fd, sizeof(int));
+	return sendmsg(end, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+/* The error of a send to the channel of @p e that failed with @p err (neither EINTR nor EAGAIN),
+ * after the send @p waited for room or not. */
+static int send_failed(const struct dlpc__endpoint *e, const char *channel, int err, bool waited)
+{
+	if (err == EPIPE) {
+		/* shut: removed (both ends shut both ways), its stream ended (the sending end shut
+		 * for writing), or shut by a process that joined; the caller joins anew, and
+		 * learns which */
+		if (hung_up(e->ends[0]))
+			/* removed since (maybe opened anew, for a new stream) */
+			return waited ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
+				      : -ESHUTDOWN;
+		if (e->ended)
+			return dlpc__fail(-EPIPE,
+					  "cannot send to channel '%s': its stream has ended "
+					  "(every producer closed it)",
+					  channel);
+		return -ESHUTDOWN;
+	}
+	if (err == ETOOMANYREFS)
+		return dlpc__fail(-ETOOMANYREFS,
+				  "cannot send to channel '%s': this user has too many fds in "
+				  "flight in Unix sockets (the kernel bounds them by "
+				  "RLIMIT_NOFILE)",
+				  channel);
+	return dlpc__fail(-err, "cannot send to channel '%s': %s", channel, strerror(err));
+}
+
 int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *channel,
 		      const Dlpackd__V1__Publish *req, int fd, int64_t timeout)
 {
 	uint8_t rec[DLPC_DIRECT_RECORD], table[DLPC_DIRECT_TABLE_MAX];
 	size_t tl = dlpc__table_size(req->tensors, req->n_tensors);
-	union {
-		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int))];
-	} ctl;
 	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, check_at = 0;
 	struct dlpc__wait w = {.wake = -1, .sock = -1};
 	bool waited = false;
 	int r = 0;
 
+	assert(e->direct);
 	if (tl > DLPC_DIRECT_TABLE_MAX)
 		return dlpc__fail(-EMSGSIZE,
 				  "cannot send to channel '%s': the message's %zu tensors take %zu "
@@ -79,53 +127,16 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	dlpc__table_encode(req->tensors, req->n_tensors, table);
 	dlpc__direct_encode(rec, req->storage_size, table, tl);
 	for (;;) {
-		struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
-		struct msghdr mh = {.msg_iov = &iov,
-				    .msg_iovlen = 1,
-				    .msg_control = ctl.buf,
-				    .msg_controllen = sizeof(ctl.buf)};
-		ssize_t n;
+		ssize_t n = send_record(e->ends[0], rec, fd);
 
-		memset(&ctl, 0, sizeof(ctl));
-		ctl.h.cmsg_level = SOL_SOCKET;
-		ctl.h.cmsg_type = SCM_RIGHTS;
-		ctl.h.cmsg_len = CMSG_LEN(sizeof(int));
-		memcpy(CMSG_DATA(&ctl.h), &fd, sizeof(int));
-		n = sendmsg(e->ends[0], &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
 		if (n == (ssize_t)sizeof(rec))
 			break;
 		if (n >= 0)
 			errno = EIO; /* a datagram goes whole or not at all */
 		if (errno == EINTR)
 			continue;
-		if (errno == EPIPE) {
-			/* shut: removed (both ends shut both ways), its stream ended (the sending
-			 * end shut for writing), or shut by a process that joined; the caller
-			 * joins anew, and learns which */
-			if (hung_up(e->ends[0]))
-				/* removed since (maybe opened anew, for a new stream) */
-				r = waited ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
-					   : -ESHUTDOWN;
-			else if (e->ended)
-				r = dlpc__fail(-EPIPE,
-					       "cannot send to channel '%s': its stream has ended "
-					       "(every producer closed it)",
-					       channel);
-			else
-				r = -ESHUTDOWN;
-			break;
-		}
-		if (errno == ETOOMANYREFS) {
-			r = dlpc__fail(-ETOOMANYREFS,
-				       "cannot send to channel '%s': this user has too many fds in "
-				       "flight in Unix sockets (the kernel bounds them by "
-				       "RLIMIT_NOFILE)",
-				       channel);
-			break;
-		}
 		if (errno != EAGAIN) {
-			r = dlpc__fail(-errno, "cannot send to channel '%s': %s", channel,
-				       strerror(errno));
+			r = send_failed(e, channel, errno, waited);
 			break;
 		}
 		if (timeout == 0) {
@@ -357,26 +368,211 @@ static int single_waits(struct dlpc__endpoint *e, const char *channel)
 			  channel, (long long)n);
 }
 
+/* A datagram taken from a direct channel, and what its receive learns of it on the way to
+ * delivering it. */
+struct incoming {
+	uint8_t rec[DLPC_DIRECT_RECORD + 1];
+	union recv_ctl ctl;
+	struct iovec iov;
+	struct msghdr mh;
+	ssize_t got;	      /* its bytes */
+	bool waited;	      /* the receive waited for it */
+	int fd;		      /* the storage's fd, or -1 */
+	unsigned nfds;	      /* SCM_RIGHTS fds that came with it */
+	struct ucred cred;    /* its sender's */
+	bool odd, credited;   /* as take_fds() says */
+	uint64_t size;	      /* of its storage */
+	const uint8_t *table; /* its tensor table, in rec */
+	size_t table_len;
+	struct dlpc__mkey key; /* the storage's, where this process mapped it already */
+	bool keyed;
+	char why[256]; /* what is wrong with it */
+};
+
+/* What a read of nothing from the receiving end of @p e means, @p waited for or not: a datagram
+ * of nothing without credentials, the end of the channel's stream, or its removal. The error. */
+static int read_nothing(const struct dlpc__endpoint *e, const char *channel, bool waited)
+{
+	if (!at_end(e))
+		return dlpc__fail(-EBADMSG,
+				  "cannot receive from channel '%s': an empty datagram "
+				  "without its sender's credentials came (a process that "
+				  "joined the channel turned them off); it was dropped",
+				  channel);
+	/* the end: of the stream once every message queued before it was read (the daemon said
+	 * so when this endpoint joined: otherwise it is asked, by joining anew), or a removal */
+	if (!shut(e) && e->ended)
+		return dlpc__fail(-EPIPE,
+				  "channel '%s' has ended: every producer closed it and "
+				  "every message was received",
+				  channel);
+	return waited && shut(e) ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
+				 : -ESHUTDOWN;
+}
+
+/* Take the next datagram from the channel of @p e into @p m, waiting up to @p timeout ms (0: not
+ * at all, <0: forever) for one to come. 0, or the error. */
+static int wait_datagram(dlpc_client *c, struct dlpc__endpoint *e, const char *channel,
+			 int64_t timeout, bool single, struct incoming *m)
+{
+	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, check_at = 0;
+	struct dlpc__wait w = {.wake = -1, .sock = -1};
+	int r;
+
+	for (;;) {
+		m->iov = (struct iovec){.iov_base = m->rec, .iov_len = sizeof(m->rec)};
+		memset(&m->mh, 0, sizeof(m->mh));
+		m->mh.msg_iov = &m->iov;
+		m->mh.msg_iovlen = 1;
+		m->mh.msg_control = m->ctl.buf;
+		m->mh.msg_controllen = sizeof(m->ctl.buf);
+		if (single && (r = single_waits(e, channel)) < 0)
+			break;
+		m->got = recvmsg(e->ends[1], &m->mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+		/* every datagram comes with the sender's credentials (SO_PASSCRED): 0 bytes and no
+		 * control message is the end of the stream, or a datagram of nothing from a
+		 * joiner that turned the credentials off */
+		if (m->got > 0 || (m->got == 0 && m->mh.msg_controllen > 0)) {
+			r = 0;
+			break;
+		}
+		if (m->got == 0) {
+			r = read_nothing(e, channel, m->waited);
+			break;
+		}
+		if (errno == EINTR)
+			continue;
+		if (errno != EAGAIN) {
+			r = -errno;
+			r = dlpc__fail(r, "cannot receive from channel '%s': %s", channel,
+				       strerror(-r));
+			break;
+		}
+		if (timeout == 0) {
+			r = dlpc__fail(-EAGAIN, "channel '%s' is empty", channel);
+			break;
+		}
+		/* another receiver may take what made the end readable: then wait again */
+		r = m->waited ? 0 : dlpc__direct_watch_start(c, &w);
+		m->waited = true;
+		if (r == 0)
+			r = dlpc__direct_wait_end(c, &w, e->ends[1], POLLIN, end, &check_at);
+		if (r < 0) {
+			r = r == -ETIMEDOUT
+				    ? dlpc__fail(r,
+						 "no message came in channel '%s' "
+						 "within %lld ms",
+						 channel, (long long)timeout)
+				    : dlpc__direct_wait_failed(r, "receive from", channel, timeout);
+			break;
+		}
+	}
+	dlpc__direct_watch_end(c, &w);
+	return r;
+}
+
+/* Is the message in @p m whole and sound: one record, one sealed storage's fd, the sender's
+ * credentials, a sane table (of one tensor when @p single)? 0, or the error with the reason in
+ * m->why (-EMFILE, for fds lost for want of room, has failed already). */
+static int check_message(dlpc_client *c, const char *channel, bool single, struct incoming *m)
+{
+	int64_t n;
+
+	if (m->mh.msg_flags & MSG_CTRUNC)
+		return dlpc__fail(-EMFILE,
+				  "cannot receive from channel '%s': a message came with more fds "
+				  "than this process had room for; it was lost",
+				  channel);
+	if (m->mh.msg_flags & MSG_TRUNC || m->got != DLPC_DIRECT_RECORD) {
+		snprintf(m->why, sizeof(m->why), "a datagram of %zd bytes, not a record of %d",
+			 m->got, DLPC_DIRECT_RECORD);
+		return -EBADMSG;
+	}
+	if (m->odd) {
+		snprintf(m->why, sizeof(m->why),
+			 "a control message other than its fd came with it");
+		return -EBADMSG;
+	}
+	if (!m->credited) {
+		snprintf(m->why, sizeof(m->why),
+			 "it came without its sender's credentials (a process that joined the "
+			 "channel turned them off)");
+		return -EBADMSG;
+	}
+	if (dlpc__direct_decode(m->rec, (size_t)m->got, &m->size, &m->table, &m->table_len, m->why,
+				sizeof(m->why)) < 0)
+		return -EBADMSG;
+	if (m->nfds != 1) {
+		snprintf(m->why, sizeof(m->why), "%u fds came with it, not one", m->nfds);
+		return -EBADMSG;
+	}
+	if ((n = table_sane(m->table, m->table_len, m->size, m->why, sizeof(m->why))) < 0)
+		return -EBADMSG;
+	if (single && n != 1) {
+		snprintf(m->why, sizeof(m->why),
+			 "it is a bundle of %lld tensors, and a single tensor was asked for "
+			 "(receive bundles with dlpc_recv_bundle())",
+			 (long long)n);
+		return -EINVAL;
+	}
+	if (!dlpc__maps_sealed(c, m->fd, m->size, &m->key, &m->keyed) &&
+	    dlpc__storage_check(m->fd, m->size, DLPC__STORAGE_SEALED, m->why, sizeof(m->why)) < 0)
+		return -EBADMSG;
+	return 0;
+}
+
+/* Drop the message in @p m, found wrong (@p r, as check_message() says): its fd goes to be
+ * closed, and past DLPC_CLOSING_MAX fds waiting for that, @p e is barred. The error. */
+static int drop_message(struct dlpc__endpoint *e, const char *channel, const struct incoming *m,
+			int r)
+{
+	size_t held;
+
+	dlpc__close_later(m->fd);
+	held = dlpc__closing_held();
+	if (held >= DLPC_CLOSING_MAX) {
+		char what[400];
+
+		bar(e, true);
+		snprintf(what, sizeof(what), "the message from pid %d (uid %d) was dropped (%s)",
+			 (int)m->cred.pid, (int)m->cred.uid,
+			 r == -EMFILE ? "more fds than room for them" : m->why);
+		return barred_fail(channel, held, what);
+	}
+	if (r == -EMFILE)
+		return r;
+	return dlpc__fail(r,
+			  "cannot receive from channel '%s': the message from pid %d (uid "
+			  "%d) was dropped: %s",
+			  channel, (int)m->cred.pid, (int)m->cred.uid, m->why);
+}
+
+/* Hand the sound message in @p m to the caller, as an attach of its storage would. */
+static int deliver(dlpc_client *c, struct dlpc__endpoint *e, const char *channel, uint32_t flags,
+		   struct incoming *m, dlpc_bundle **ret)
+{
+	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
+
+	rep.generation = 0;
+	rep.ref_id = 0; /* no reference of the daemon's: the fd is the message */
+	rep.device_type = kDLCPU;
+	rep.storage_size = m->size;
+	rep.tensor_table.data = (uint8_t *)m->table;
+	rep.tensor_table.len = m->table_len;
+	rep.owner_uid = (uint32_t)m->cred.uid;
+	rep.owner_pid = (int32_t)m->cred.pid;
+	return dlpc__attach_build(c, e->conn_seq, false, 0, channel, &rep, m->fd,
+				  flags | DLPC__ATTACH_SEALED, NULL, m->keyed ? &m->key : NULL,
+				  ret);
+}
+
 int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *channel, uint32_t flags,
 		      int64_t timeout, bool single, dlpc_bundle **ret)
 {
-	uint8_t rec[DLPC_DIRECT_RECORD + 1];
-	union recv_ctl ctl;
-	Dlpackd__V1__AttachReply rep = DLPACKD__V1__ATTACH_REPLY__INIT;
-	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, n, check_at = 0;
-	struct dlpc__wait w = {.wake = -1, .sock = -1};
-	struct ucred cred = {.pid = 0, .uid = (uid_t)-1};
-	bool waited = false, odd, credited, keyed = false;
-	struct dlpc__mkey key;
-	const uint8_t *table;
-	size_t table_len;
-	uint64_t size;
-	char why[256];
-	struct msghdr mh;
-	unsigned nfds;
-	ssize_t got;
-	int fd, r;
+	struct incoming m;
+	int r;
 
+	assert(e->direct);
 	/* a channel that sent fds refused past the bound stays unread while they wait */
 	if (barred(e)) {
 		size_t held = dlpc__closing_held();
@@ -385,151 +581,23 @@ int dlpc__direct_recv(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 			return barred_fail(channel, held, NULL);
 		bar(e, false);
 	}
-	for (;;) {
-		struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
-
-		memset(&mh, 0, sizeof(mh));
-		mh.msg_iov = &iov;
-		mh.msg_iovlen = 1;
-		mh.msg_control = ctl.buf;
-		mh.msg_controllen = sizeof(ctl.buf);
-		if (single && (r = single_waits(e, channel)) < 0) {
-			dlpc__direct_watch_end(c, &w);
-			return r;
-		}
-		got = recvmsg(e->ends[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-		/* every datagram comes with the sender's credentials (SO_PASSCRED): 0 bytes and no
-		 * control message is the end of the stream, or a datagram of nothing from a
-		 * joiner that turned the credentials off */
-		if (got > 0 || (got == 0 && mh.msg_controllen > 0))
-			break;
-		if (got == 0 && !at_end(e)) {
-			dlpc__direct_watch_end(c, &w);
-			return dlpc__fail(-EBADMSG,
-					  "cannot receive from channel '%s': an empty datagram "
-					  "without its sender's credentials came (a process that "
-					  "joined the channel turned them off); it was dropped",
-					  channel);
-		}
-		/* the end: of the stream once every message queued before it was read (the
-		 * daemon said so when this endpoint joined: otherwise it is asked, by joining
-		 * anew), or a removal */
-		if (got == 0 && !shut(e) && e->ended) {
-			dlpc__direct_watch_end(c, &w);
-			return dlpc__fail(-EPIPE,
-					  "channel '%s' has ended: every producer closed it and "
-					  "every message was received",
-					  channel);
-		}
-		if (got == 0) {
-			dlpc__direct_watch_end(c, &w);
-			return waited && shut(e)
-				       ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
-				       : -ESHUTDOWN;
-		}
-		if (errno == EINTR)
-			continue;
-		if (errno != EAGAIN) {
-			r = -errno;
-			dlpc__direct_watch_end(c, &w);
-			return dlpc__fail(r, "cannot receive from channel '%s': %s", channel,
-					  strerror(-r));
-		}
-		if (timeout == 0) {
-			dlpc__direct_watch_end(c, &w);
-			return dlpc__fail(-EAGAIN, "channel '%s' is empty", channel);
-		}
-		/* another receiver may take what made the end readable: then wait again */
-		r = waited ? 0 : dlpc__direct_watch_start(c, &w);
-		waited = true;
-		if (r == 0)
-			r = dlpc__direct_wait_end(c, &w, e->ends[1], POLLIN, end, &check_at);
-		if (r < 0) {
-			dlpc__direct_watch_end(c, &w);
-			return r == -ETIMEDOUT ? dlpc__fail(r,
-							    "no message came in channel '%s' "
-							    "within %lld ms",
-							    channel, (long long)timeout)
-					       : dlpc__direct_wait_failed(r, "receive from",
-									  channel, timeout);
-		}
-	}
-	dlpc__direct_watch_end(c, &w);
-	nfds = take_fds(&mh, &fd, &cred, &odd, &credited);
+	m.waited = false;
+	m.keyed = false;
+	m.cred = (struct ucred){.pid = 0, .uid = (uid_t)-1};
+	r = wait_datagram(c, e, channel, timeout, single, &m);
+	if (r < 0)
+		return r;
+	m.nfds = take_fds(&m.mh, &m.fd, &m.cred, &m.odd, &m.credited);
 	/* a message that came after the channel was removed is not delivered */
 	if (shut(e)) {
-		dlpc__close_later(fd);
+		dlpc__close_later(m.fd);
 		drop_queued(e);
-		return waited ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
-			      : -ESHUTDOWN;
+		return m.waited ? dlpc__fail(-EIDRM, "channel '%s' was removed", channel)
+				: -ESHUTDOWN;
 	}
 	/* the message is this receiver's now: anything wrong with it drops it */
-	r = 0;
-	if (mh.msg_flags & MSG_CTRUNC) {
-		r = dlpc__fail(-EMFILE,
-			       "cannot receive from channel '%s': a message came with more fds "
-			       "than this process had room for; it was lost",
-			       channel);
-	} else if (mh.msg_flags & MSG_TRUNC || got != DLPC_DIRECT_RECORD) {
-		snprintf(why, sizeof(why), "a datagram of %zd bytes, not a record of %d", got,
-			 DLPC_DIRECT_RECORD);
-		r = -EBADMSG;
-	} else if (odd) {
-		snprintf(why, sizeof(why), "a control message other than its fd came with it");
-		r = -EBADMSG;
-	} else if (!credited) {
-		snprintf(why, sizeof(why),
-			 "it came without its sender's credentials (a process that joined the "
-			 "channel turned them off)");
-		r = -EBADMSG;
-	} else if (dlpc__direct_decode(rec, (size_t)got, &size, &table, &table_len, why,
-				       sizeof(why)) < 0) {
-		r = -EBADMSG;
-	} else if (nfds != 1) {
-		snprintf(why, sizeof(why), "%u fds came with it, not one", nfds);
-		r = -EBADMSG;
-	} else if ((n = table_sane(table, table_len, size, why, sizeof(why))) < 0) {
-		r = -EBADMSG;
-	} else if (single && n != 1) {
-		snprintf(why, sizeof(why),
-			 "it is a bundle of %lld tensors, and a single tensor was asked for "
-			 "(receive bundles with dlpc_recv_bundle())",
-			 (long long)n);
-		r = -EINVAL;
-	} else if (!dlpc__maps_sealed(c, fd, size, &key, &keyed) &&
-		   (r = dlpc__storage_check(fd, size, DLPC__STORAGE_SEALED, why, sizeof(why))) <
-			   0) {
-		r = -EBADMSG;
-	}
-	if (r < 0) {
-		size_t held;
-
-		dlpc__close_later(fd);
-		held = dlpc__closing_held();
-		if (held >= DLPC_CLOSING_MAX) {
-			char what[400];
-
-			bar(e, true);
-			snprintf(what, sizeof(what),
-				 "the message from pid %d (uid %d) was dropped (%s)", (int)cred.pid,
-				 (int)cred.uid, r == -EMFILE ? "more fds than room for them" : why);
-			return barred_fail(channel, held, what);
-		}
-		if (r == -EMFILE)
-			return r;
-		return dlpc__fail(r,
-				  "cannot receive from channel '%s': the message from pid %d (uid "
-				  "%d) was dropped: %s",
-				  channel, (int)cred.pid, (int)cred.uid, why);
-	}
-	rep.generation = 0;
-	rep.ref_id = 0; /* no reference of the daemon's: the fd is the message */
-	rep.device_type = kDLCPU;
-	rep.storage_size = size;
-	rep.tensor_table.data = (uint8_t *)table;
-	rep.tensor_table.len = table_len;
-	rep.owner_uid = (uint32_t)cred.uid;
-	rep.owner_pid = (int32_t)cred.pid;
-	return dlpc__attach_build(c, e->conn_seq, false, 0, channel, &rep, fd,
-				  flags | DLPC__ATTACH_SEALED, NULL, keyed ? &key : NULL, ret);
+	r = check_message(c, channel, single, &m);
+	if (r < 0)
+		return drop_message(e, channel, &m, r);
+	return deliver(c, e, channel, flags, &m, ret);
 }

@@ -23,6 +23,7 @@
  * serial besides the slot, so a late RECLAIM of a buffer that left never frees the one that
  * took its slot.
  */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -163,6 +164,63 @@ static void drain(dlpc_client *c)
 	pthread_mutex_unlock(&c->mu);
 }
 
+/* A free buffer of at least @p size bytes in @p p, or NULL; when none is, after reading the
+ * RECLAIM notices that may wait in the socket of @p c. */
+static struct pool_buf *find_reusable(dlpc_client *c, struct dlpc__pool *p, uint64_t size)
+{
+	struct pool_buf *b;
+
+	pthread_mutex_lock(&p->mu);
+	b = find_free(p, size);
+	pthread_mutex_unlock(&p->mu);
+	if (!b) {
+		/* RECLAIM notices may wait in the socket: read them, then look again */
+		drain(c);
+		pthread_mutex_lock(&p->mu);
+		b = find_free(p, size);
+		pthread_mutex_unlock(&p->mu);
+	}
+	return b;
+}
+
+/* Give the new region @p r (with its read-only descriptor) of @p c a slot of the pool @p p and a
+ * pool token: *@p ret its slot. Without a slot to spare, @p r goes and -ENOBUFS comes. */
+static int pool_add(dlpc_client *c, struct dlpc__pool *p, struct dlpc__region *r,
+		    const char *channel, struct pool_buf **ret)
+{
+	struct pool_buf *slot;
+
+	assert(r->pool_fd >= 0);
+	pthread_mutex_lock(&p->mu);
+	slot = find_empty(p);
+	if (!slot && p->n < DLPC_POOL_BUFFERS_MAX)
+		slot = &p->bufs[p->n++];
+	if (!slot)
+		slot = find_evictable(p);
+	if (!slot) {
+		pthread_mutex_unlock(&p->mu);
+		close(r->pool_fd); /* (not a pooled region yet: its unref leaves it) */
+		dlpc__region_unref(r);
+		return dlpc__fail(-ENOBUFS,
+				  "cannot allocate for channel '%s': all %d buffers of this "
+				  "connection's pool are in flight or in use "
+				  "(DLPC_POOL_BUFFERS_MAX)",
+				  channel, DLPC_POOL_BUFFERS_MAX);
+	}
+	if (slot->r)
+		dlpc__region_unref(slot->r);
+	/* pool tokens have the top bit set; CUDA reclaim tokens never do */
+	p->serial++;
+	r->pool_token = DLPC__POOL_TOKEN | ((p->serial << POOL_SLOT_BITS) & ~DLPC__POOL_TOKEN) |
+			(uint64_t)(slot - p->bufs);
+	r->pool_owner = c;
+	slot->r = r;
+	slot->in_flight = false;
+	*ret = slot;
+	pthread_mutex_unlock(&p->mu);
+	return 0;
+}
+
 DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataType dtype,
 				   int32_t ndim, const int64_t *shape,
 				   DLManagedTensorVersioned **ret)
@@ -199,19 +257,8 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 	if (!p)
 		return dlpc__fail(-ENOMEM, "cannot allocate for channel '%s': out of memory",
 				  channel);
-	pthread_mutex_lock(&p->mu);
-	b = find_free(p, size);
-	pthread_mutex_unlock(&p->mu);
+	b = find_reusable(c, p, size);
 	if (!b) {
-		/* RECLAIM notices may wait in the socket: read them, then look again */
-		drain(c);
-		pthread_mutex_lock(&p->mu);
-		b = find_free(p, size);
-		pthread_mutex_unlock(&p->mu);
-	}
-	if (!b) {
-		struct pool_buf *slot;
-
 		err = dlpc__alloc_region(dev, size, "dlpc_channel_alloc", &r);
 		if (err < 0)
 			return err;
@@ -222,35 +269,8 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 			dlpc__region_unref(r);
 			return *ret ? 0 : dlpc__fail(-ENOMEM, "dlpc_channel_alloc: out of memory");
 		}
-		pthread_mutex_lock(&p->mu);
-		slot = find_empty(p);
-		if (!slot && p->n < DLPC_POOL_BUFFERS_MAX)
-			slot = &p->bufs[p->n++];
-		if (!slot)
-			slot = find_evictable(p);
-		if (!slot) {
-			pthread_mutex_unlock(&p->mu);
-			close(r->pool_fd); /* (not a pooled region yet: its unref leaves it) */
-			dlpc__region_unref(r);
-			return dlpc__fail(
-				-ENOBUFS,
-				"cannot allocate for channel '%s': all %d buffers of this "
-				"connection's pool are in flight or in use "
-				"(DLPC_POOL_BUFFERS_MAX)",
-				channel, DLPC_POOL_BUFFERS_MAX);
-		}
-		if (slot->r)
-			dlpc__region_unref(slot->r);
-		/* pool tokens have the top bit set; CUDA reclaim tokens never do */
-		p->serial++;
-		r->pool_token = DLPC__POOL_TOKEN |
-				((p->serial << POOL_SLOT_BITS) & ~DLPC__POOL_TOKEN) |
-				(uint64_t)(slot - p->bufs);
-		r->pool_owner = c;
-		slot->r = r;
-		slot->in_flight = false;
-		b = slot;
-		pthread_mutex_unlock(&p->mu);
+		if ((err = pool_add(c, p, r, channel, &b)) < 0)
+			return err;
 	}
 	/* the view holds its own region reference; the pool keeps its own */
 	*ret = dlpc__view_new(b->r, b->r->base, dev, dtype, ndim, shape, 0);
@@ -262,6 +282,7 @@ void dlpc__pool_sending(dlpc_client *c, uint64_t token, bool sending)
 	struct dlpc__pool *p = c->pool;
 	unsigned i = token_slot(token);
 
+	assert(token & DLPC__POOL_TOKEN);
 	if (!p || i >= DLPC_POOL_BUFFERS_MAX)
 		return;
 	pthread_mutex_lock(&p->mu);
@@ -300,6 +321,7 @@ static void pool_leave(dlpc_client *c, bool all, uint64_t token)
 
 void dlpc__pool_lost(dlpc_client *c, uint64_t token)
 {
+	assert(token & DLPC__POOL_TOKEN);
 	pool_leave(c, false, token);
 }
 

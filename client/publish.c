@@ -553,82 +553,61 @@ out:
 	return r;
 }
 
-static int publish(dlpc_client *c, const char *name, size_t n, const char *const keys[],
-		   DLManagedTensorVersioned *const tensors[], uint32_t flags,
-		   const struct dlpc__sink *sink)
+/*
+ * Check the @p n tensors and their @p keys (NULL: none) of the publish of @p name, and lay them
+ * out in one storage: each one's slot (at an aligned offset) and its description in @p descs,
+ * pointed at by @p dptrs. *@p size the bytes they take in all. 0, or a negative errno.
+ */
+static int lay_out(const char *name, size_t n, const char *const keys[],
+		   DLManagedTensorVersioned *const tensors[], struct slot *slots,
+		   Dlpackd__V1__TensorDesc *descs, Dlpackd__V1__TensorDesc **dptrs, uint64_t *size)
 {
-	bool kept = false;
-	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
-	Dlpackd__V1__TensorDesc *descs = NULL, **dptrs = NULL;
-	struct slot *slots = NULL;
-	struct dlpc__region *zc = NULL;
-	dlpc_client *held = NULL;
-	uint64_t size = 0;
-	int fd = -1, r;
+	int r;
 
-	r = publish_args(c, name, n, tensors, keys, flags);
-	if (r < 0)
-		goto out;
-	/* a dlpc_close() from another thread meanwhile must not free the client under us */
-	dlpc__client_ref(c);
-	held = c;
-	slots = calloc(n, sizeof(*slots));
-	descs = calloc(n, sizeof(*descs));
-	dptrs = calloc(n, sizeof(*dptrs));
-	if (!slots || !descs || !dptrs) {
-		r = dlpc__fail(-ENOMEM, "cannot publish '%s': out of memory", name);
-		goto out;
-	}
 	for (size_t i = 0; i < n; i++) {
 		const char *key = keys ? keys[i] : "";
 		char why[160];
 
-		if (!tensors[i] || !key) {
-			r = dlpc__fail(-EINVAL, "cannot publish '%s': tensor or key %zu is NULL",
-				       name, i);
-			goto out;
-		}
-		if (dlpc__key_check((const uint8_t *)key, strlen(key), why, sizeof(why)) < 0) {
+		if (!tensors[i] || !key)
+			return dlpc__fail(-EINVAL, "cannot publish '%s': tensor or key %zu is NULL",
+					  name, i);
+		if (dlpc__key_check((const uint8_t *)key, strlen(key), why, sizeof(why)) < 0)
 			/* a key that is not valid text is named by its place */
-			r = dlpc__fail(-EINVAL, "cannot publish '%s': the key of tensor %zu: %s",
-				       name, i, why);
-			goto out;
-		}
+			return dlpc__fail(-EINVAL, "cannot publish '%s': the key of tensor %zu: %s",
+					  name, i, why);
 		r = slot_init(&slots[i], tensors[i], name, keys ? key : NULL);
 		if (r < 0)
-			goto out;
-		if (!dlpc__align_up(size, &slots[i].offset) ||
-		    __builtin_add_overflow(slots[i].offset, slots[i].nbytes, &size)) {
-			r = dlpc__fail(-EOVERFLOW, "cannot publish '%s': tensors too large", name);
-			goto out;
-		}
+			return r;
+		if (!dlpc__align_up(*size, &slots[i].offset) ||
+		    __builtin_add_overflow(slots[i].offset, slots[i].nbytes, size))
+			return dlpc__fail(-EOVERFLOW, "cannot publish '%s': tensors too large",
+					  name);
 		fill_desc(&descs[i], &slots[i], key);
 		dptrs[i] = &descs[i];
 	}
-	if (sink && tensors[0]->dl_tensor.device.device_type != kDLCPU) {
-		r = dlpc__fail(-ENOTSUP, "cannot publish '%s': channels carry host tensors only",
-			       name);
-		goto out;
-	}
-	if (n == 1 && tensors[0]->dl_tensor.device.device_type == kDLCUDA) {
-		r = publish_cuda(c, name, tensors[0], &slots[0], dptrs, flags, &kept);
-		goto out;
-	}
-	zc = zero_copy_all(tensors, slots, descs, n);
-	if (tensors[0]->dl_tensor.device.device_type == kDLCUDA) {
-		r = publish_cuda_bundle(c, name, n, tensors, slots, dptrs, size, flags, zc);
-		zc = NULL; /* not this path's to seal, nor its fd to keep open */
-		goto out;
-	}
+	return 0;
+}
+
+/*
+ * Publish @p n host tensors laid out in @p slots (@p size bytes) as one sealed memfd, or send
+ * them as a message through @p sink (not NULL): the memfd of their one zero-copy allocation
+ * (@p zc, or NULL), or one written here. The generation (0 for a message) or a negative errno.
+ */
+static int publish_host(dlpc_client *c, const char *name, size_t n,
+			DLManagedTensorVersioned *const tensors[], const struct slot *slots,
+			Dlpackd__V1__TensorDesc **dptrs, uint64_t size, uint32_t flags,
+			const struct dlpc__sink *sink, struct dlpc__region *zc)
+{
+	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
+	int fd = -1, r;
+
 	for (size_t i = 0; i < n; i++)
-		if (tensors[i]->dl_tensor.device.device_type != kDLCPU) {
-			r = dlpc__fail(
+		if (tensors[i]->dl_tensor.device.device_type != kDLCPU)
+			return dlpc__fail(
 				-ENOTSUP,
 				"cannot publish '%s': %s%s%s is a CUDA tensor and %s%s%s a host "
 				"one; a bundle's tensors are all on one device",
 				name, SLOT_ARGS(&slots[i]), SLOT_ARGS(&slots[0]));
-			goto out;
-		}
 	if (zc && zc->device)
 		zc = NULL;
 	if (zc) {
@@ -642,10 +621,8 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 		 * only to be overwritten. Pages are allocated as they are written, so memory that
 		 * cannot be had fails here, at publish, like a reservation would. */
 		fd = dlpc__memfd_create(name, size, false);
-		if (fd < 0) {
-			r = fd;
-			goto out;
-		}
+		if (fd < 0)
+			return fd;
 		r = write_slots(fd, slots, n, name);
 		if (r == 0)
 			r = allocate_rest(fd, size, name);
@@ -676,6 +653,52 @@ static int publish(dlpc_client *c, const char *name, size_t n, const char *const
 out:
 	if (!zc && fd >= 0)
 		close(fd);
+	return r;
+}
+
+static int publish(dlpc_client *c, const char *name, size_t n, const char *const keys[],
+		   DLManagedTensorVersioned *const tensors[], uint32_t flags,
+		   const struct dlpc__sink *sink)
+{
+	bool kept = false;
+	Dlpackd__V1__TensorDesc *descs = NULL, **dptrs = NULL;
+	struct slot *slots = NULL;
+	struct dlpc__region *zc;
+	dlpc_client *held = NULL;
+	uint64_t size = 0;
+	int r;
+
+	r = publish_args(c, name, n, tensors, keys, flags);
+	if (r < 0)
+		goto out;
+	/* a dlpc_close() from another thread meanwhile must not free the client under us */
+	dlpc__client_ref(c);
+	held = c;
+	slots = calloc(n, sizeof(*slots));
+	descs = calloc(n, sizeof(*descs));
+	dptrs = calloc(n, sizeof(*dptrs));
+	if (!slots || !descs || !dptrs) {
+		r = dlpc__fail(-ENOMEM, "cannot publish '%s': out of memory", name);
+		goto out;
+	}
+	r = lay_out(name, n, keys, tensors, slots, descs, dptrs, &size);
+	if (r < 0)
+		goto out;
+	if (sink && tensors[0]->dl_tensor.device.device_type != kDLCPU) {
+		r = dlpc__fail(-ENOTSUP, "cannot publish '%s': channels carry host tensors only",
+			       name);
+		goto out;
+	}
+	if (n == 1 && tensors[0]->dl_tensor.device.device_type == kDLCUDA) {
+		r = publish_cuda(c, name, tensors[0], &slots[0], dptrs, flags, &kept);
+		goto out;
+	}
+	zc = zero_copy_all(tensors, slots, descs, n);
+	if (tensors[0]->dl_tensor.device.device_type == kDLCUDA)
+		r = publish_cuda_bundle(c, name, n, tensors, slots, dptrs, size, flags, zc);
+	else
+		r = publish_host(c, name, n, tensors, slots, dptrs, size, flags, sink, zc);
+out:
 	free(dptrs);
 	free(descs);
 	free(slots);

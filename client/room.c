@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Room for shared memory: the file size limit, the machine's memory, the memory cgroups. */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -120,6 +121,7 @@ static ssize_t read_text(const char *path, char *buf, size_t len)
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
 	ssize_t n;
 
+	assert(len > 0);
 	if (fd < 0)
 		return -1;
 	n = read(fd, buf, len - 1);

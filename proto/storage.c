@@ -51,45 +51,47 @@ static bool fully_allocated(const struct stat *st, uint64_t bsize)
 	return (uint64_t)st->st_blocks * 512 >= need;
 }
 
-int dlpc__storage_check(int fd, uint64_t size, enum dlpc__storage_kind kind, char *why,
-			size_t whylen)
+/* Why @p fd, which F_GET_SEALS just refused (errno still its), cannot be a memfd: its kind, an
+ * O_PATH descriptor, or the refusal. -EBADF, the reason in @p why. */
+static int not_sealable(int fd, char *why, size_t whylen)
 {
-	bool writable = kind != DLPC__STORAGE_SEALED;
-	struct stat st;
-	struct statfs sfs;
-	int seals, fl;
+	int err = errno, fl;
+	struct statx sx;
 
-	/* F_GET_SEALS first: it answers from the inode without calling into the file's
-	 * filesystem, so a descriptor on a stalling filesystem (FUSE) cannot block the daemon in
-	 * fstat() below; it fails for anything that is not shmem or hugetlbfs, and for O_PATH. */
-	seals = fcntl(fd, F_GET_SEALS);
-	if (seals < 0) {
-		int err = errno;
-		struct statx sx;
+	/* naming the kind: cached attributes only, still no call into the filesystem */
+	if (statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_TYPE, &sx) == 0 &&
+	    !S_ISREG(sx.stx_mode))
+		snprintf(why, whylen, "storage fd is %s, not a memfd", file_kind(sx.stx_mode));
+	else if ((fl = fcntl(fd, F_GETFL)) >= 0 && (fl & O_PATH))
+		snprintf(why, whylen, "storage fd is an O_PATH descriptor, not a memfd");
+	else
+		snprintf(why, whylen,
+			 "storage fd is a file that cannot be sealed (not a memfd): %s",
+			 strerror(err));
+	return -EBADF;
+}
 
-		/* naming the kind: cached attributes only, still no call into the filesystem */
-		if (statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_TYPE, &sx) == 0 &&
-		    !S_ISREG(sx.stx_mode))
-			snprintf(why, whylen, "storage fd is %s, not a memfd",
-				 file_kind(sx.stx_mode));
-		else if ((fl = fcntl(fd, F_GETFL)) >= 0 && (fl & O_PATH))
-			snprintf(why, whylen, "storage fd is an O_PATH descriptor, not a memfd");
-		else
-			snprintf(why, whylen,
-				 "storage fd is a file that cannot be sealed (not a memfd): %s",
-				 strerror(err));
-		return -EBADF;
-	}
-	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+/* Is @p fd a regular file on tmpfs or hugetlbfs (*@p st and *@p sfs: what fstat() and fstatfs()
+ * say of it)? 0, or -EBADF and the reason. */
+static int on_memfd_fs(int fd, struct stat *st, struct statfs *sfs, char *why, size_t whylen)
+{
+	if (fstat(fd, st) < 0 || !S_ISREG(st->st_mode)) {
 		snprintf(why, whylen, "storage fd is not a regular file, not a memfd");
 		return -EBADF;
 	}
-	if (fstatfs(fd, &sfs) < 0 ||
-	    (sfs.f_type != TMPFS_MAGIC && sfs.f_type != (typeof(sfs.f_type))HUGETLBFS_MAGIC)) {
+	if (fstatfs(fd, sfs) < 0 ||
+	    (sfs->f_type != TMPFS_MAGIC && sfs->f_type != (typeof(sfs->f_type))HUGETLBFS_MAGIC)) {
 		snprintf(why, whylen, "storage fd is on filesystem 0x%lx, not a memfd",
-			 (unsigned long)sfs.f_type);
+			 (unsigned long)sfs->f_type);
 		return -EBADF;
 	}
+	return 0;
+}
+
+/* Do the @p seals of a memfd hold its size, its contents unless @p writable (and not its
+ * contents if so), and themselves? 0, or -EPERM and the reason. */
+static int seals_sound(int seals, bool writable, char *why, size_t whylen)
+{
 	if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
 		bool shrink = !(seals & F_SEAL_SHRINK), grow = !(seals & F_SEAL_GROW);
 		const char *missing = shrink && grow ? "F_SEAL_SHRINK and F_SEAL_GROW"
@@ -135,6 +137,17 @@ int dlpc__storage_check(int fd, uint64_t size, enum dlpc__storage_kind kind, cha
 		snprintf(why, whylen, "storage published writable is sealed against writes");
 		return -EPERM;
 	}
+	return 0;
+}
+
+/* Does the access of @p fd (mode in @p st) suit storage of @p kind: read-write when writable;
+ * read-only, with no write permission to reopen it by, when pooled? 0, or a negative errno and
+ * the reason. */
+static int access_sound(int fd, const struct stat *st, enum dlpc__storage_kind kind, char *why,
+			size_t whylen)
+{
+	int fl;
+
 	if (kind == DLPC__STORAGE_WRITABLE &&
 	    ((fl = fcntl(fd, F_GETFL)) < 0 || (fl & O_ACCMODE) != O_RDWR)) {
 		snprintf(why, whylen, "writable storage fd was not opened read-write");
@@ -148,13 +161,33 @@ int dlpc__storage_check(int fd, uint64_t size, enum dlpc__storage_kind kind, cha
 			 "(O_RDONLY), so that no receiver can write its sender's buffer");
 		return -EPERM;
 	}
-	if (kind == DLPC__STORAGE_POOLED && (st.st_mode & 0222)) {
+	if (kind == DLPC__STORAGE_POOLED && (st->st_mode & 0222)) {
 		snprintf(why, whylen,
 			 "a pooled message's storage memfd has write permission (mode 0%o); it "
 			 "must have none, so that no receiver can reopen it writable",
-			 (unsigned)(st.st_mode & 07777));
+			 (unsigned)(st->st_mode & 07777));
 		return -EPERM;
 	}
+	return 0;
+}
+
+int dlpc__storage_check(int fd, uint64_t size, enum dlpc__storage_kind kind, char *why,
+			size_t whylen)
+{
+	struct stat st;
+	struct statfs sfs;
+	int seals, r;
+
+	/* F_GET_SEALS first: it answers from the inode without calling into the file's
+	 * filesystem, so a descriptor on a stalling filesystem (FUSE) cannot block the daemon in
+	 * fstat() below; it fails for anything that is not shmem or hugetlbfs, and for O_PATH. */
+	seals = fcntl(fd, F_GET_SEALS);
+	if (seals < 0)
+		return not_sealable(fd, why, whylen);
+	if ((r = on_memfd_fs(fd, &st, &sfs, why, whylen)) < 0 ||
+	    (r = seals_sound(seals, kind != DLPC__STORAGE_SEALED, why, whylen)) < 0 ||
+	    (r = access_sound(fd, &st, kind, why, whylen)) < 0)
+		return r;
 	if ((uint64_t)st.st_size < size) {
 		snprintf(why, whylen, "storage memfd holds %lld bytes, the tensors need %llu",
 			 (long long)st.st_size, (unsigned long long)size);
