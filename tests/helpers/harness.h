@@ -66,7 +66,7 @@ dlpc_channel_info chan_or_die(dlpc_client *c, const char *name);
 #define WAIT_CHAN(c, name, field, want)                                                            \
 	({                                                                                         \
 		bool _ok = false;                                                                  \
-		for (int _i = 0; _i < scaled_ms(5000) / 5 && !_ok; _i++) {                         \
+		for (int _try = 0; _try < scaled_ms(5000) / 5 && !_ok; _try++) {                   \
 			_ok = chan_or_die(c, name).field == (want);                                \
 			if (!_ok)                                                                  \
 				usleep(5000);                                                      \
