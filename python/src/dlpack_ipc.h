@@ -49,13 +49,20 @@ typedef struct {
 	bool legacy_ordered; /* the legacy stream waits for the publisher (exchange.c) */
 } TensorObject;
 
-/* module.c */
+/* state.c: the module definition the state belongs to (set by PyInit__core, module.c). */
+extern const struct PyModuleDef *ipc_state_def;
+/* The state of the module that made @p tp or one of its bases; NULL with TypeError. */
 ipc_state *ipc_state_of_type(PyTypeObject *tp);
+
 /*
- * Raise the OSError subclass for a negative errno with dlpc_last_error() as the message; a lost
- * connection (-EPIPE or -ECONNRESET alike) is ConnectionResetError.
+ * errors.c: raise the OSError subclass for a negative errno with dlpc_last_error() as the
+ * message; a lost connection (-EPIPE or -ECONNRESET alike) is ConnectionResetError. Returns
+ * NULL; where an exception is set already (a signal handler run by libdlpc's interrupt check,
+ * or a call that could not begin), that one stays.
  */
 PyObject *ipc_raise(int err);
+
+/* module.c */
 /* Let Ctrl-C end this thread's libdlpc calls even while dlpackd does not answer (sets the
  * thread's dlpc_set_interrupt() check). With the GIL. */
 void ipc_interruptible(void);
