@@ -5,6 +5,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdbool.h>
 #include <sys/types.h>
 
@@ -71,10 +72,38 @@ void ipc_interruptible(void);
  * a Client made with reconnect=True; NULL with an exception set.
  */
 dlpc_client *ipc_client(ClientObject *self);
-/* The same, kept valid until ipc_call_end() even if the Client is closed or replaces it. */
+/*
+ * The same, kept valid until ipc_call_end() even if the Client is closed or replaces it. Calls
+ * go through IPC_CALL(); only a call that runs Python code between the two (ipc_take_call())
+ * or keeps the GIL (Client._last_published()) uses these directly.
+ */
 dlpc_client *ipc_call_begin(ClientObject *self);
 /* End a call begun on @p c; @p r is what libdlpc returned (a lost connection is noted). */
 void ipc_call_end(ClientObject *self, dlpc_client *c, int r);
+/* What IPC_CALL() leaves in its result where the call could not begin (an exception is set). */
+#define IPC_CALL_NOT_BEGUN INT_MIN
+/*
+ * The one way to call libdlpc on a Client: begin the call on @p self (ClientObject *), naming its
+ * handle @p c, evaluate @p call (an expression using @p c) without the GIL, Ctrl-C checked
+ * (ipc_call_begin() sets the interrupt check), store its result in @p r (int) and end the call
+ * with the GIL held again. Where the call cannot begin (the Client is closed, or connecting anew
+ * failed) @p call does not run and @p r is IPC_CALL_NOT_BEGUN, an exception set: a negative @p r
+ * goes to ipc_raise(), which then keeps that exception.
+ */
+#define IPC_CALL(self, c, r, call)                                                                 \
+	do {                                                                                       \
+		dlpc_client *c = ipc_call_begin(self);                                             \
+		PyThreadState *ipc_saved_;                                                         \
+                                                                                                   \
+		if (!c) {                                                                          \
+			(r) = IPC_CALL_NOT_BEGUN;                                                  \
+			break;                                                                     \
+		}                                                                                  \
+		ipc_saved_ = PyEval_SaveThread();                                                  \
+		(r) = (call);                                                                      \
+		PyEval_RestoreThread(ipc_saved_);                                                  \
+		ipc_call_end(self, c, r);                                                          \
+	} while (0)
 
 /* attach.c: Client.attach() and Client.attach_dict(). */
 PyObject *ipc_client_attach(PyObject *obj, PyObject *args, PyObject *kwargs);

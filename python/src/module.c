@@ -448,7 +448,6 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	int64_t shape[DLPC_NDIM_MAX];
 	DLManagedTensorVersioned *t;
 	DLDataType dt;
-	dlpc_client *c;
 	int ndim, r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|s:empty", kwlist, &shape_o, &dtype_o,
@@ -457,13 +456,7 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	if (parse_device(device, &dev) < 0 || ipc_dtype_parse(dtype_o, &dt) < 0 ||
 	    (ndim = ipc_parse_shape(shape_o, shape)) < 0)
 		return NULL;
-	c = ipc_call_begin((ClientObject *)obj);
-	if (!c)
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_alloc(c, dev, dt, (int32_t)ndim, shape, &t);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_alloc(c, dev, dt, (int32_t)ndim, shape, &t));
 	if (r < 0)
 		return ipc_raise(r);
 	key = PyUnicode_FromString("");
@@ -494,7 +487,6 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 	int32_t *ndims = NULL;
 	Py_ssize_t n;
 	DLDevice dev;
-	dlpc_client *c;
 	int r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|s:empty_dict", kwlist, &spec, &device))
@@ -542,13 +534,8 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 			goto out;
 		shapes[i] = dims[i];
 	}
-	c = ipc_call_begin((ClientObject *)obj);
-	if (!c)
-		goto out;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_alloc_bundle(c, dev, (size_t)n, dtypes, ndims, shapes, ts);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r,
+		 dlpc_alloc_bundle(c, dev, (size_t)n, dtypes, ndims, shapes, ts));
 	if (r < 0) {
 		ipc_raise(r);
 		goto out;
@@ -599,19 +586,15 @@ static PyObject *client_unpublish(PyObject *obj, PyObject *args, PyObject *kwarg
 	PyObject *gen_o = Py_None, *created_o = Py_None;
 	long long gen, created;
 	const char *name;
-	dlpc_client *c;
 	int r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$OO:unpublish", kwlist, &name, &gen_o,
 					 &created_o) ||
 	    expected_arg(gen_o, "generation", &gen) < 0 ||
-	    expected_arg(created_o, "created_ns", &created) < 0 ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	    expected_arg(created_o, "created_ns", &created) < 0)
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_unpublish_if(c, name, (uint64_t)gen, (int64_t)created);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r,
+		 dlpc_unpublish_if(c, name, (uint64_t)gen, (int64_t)created));
 	if (r == -ENOTSUP) {
 		/* a daemon before protocol 1.11: OSError, not the BufferError of a device */
 		PyObject *e = Py_BuildValue("(is)", ENOTSUP, dlpc_last_error());
