@@ -63,7 +63,18 @@ ipc_state *ipc_state_of_type(PyTypeObject *tp);
  */
 PyObject *ipc_raise(int err);
 
-/* module.c */
+/* client.c: a Client's connection and the calls on it. */
+/* Find the main thread and follow it across fork; note the interpreter's shutdown. For the
+ * module's exec; -1 with an exception. */
+int ipc_calls_setup(void);
+/* Connect @p self (path and reconnect set) for Client.__init__; 0, or -1 with an exception. */
+int ipc_client_connect(ClientObject *self);
+/* Close @p self's connection (Client.close()): calls waiting on it in other threads return. */
+void ipc_client_close(ClientObject *self);
+/* Close it and every replaced handle, for the Client's dealloc. */
+void ipc_client_release(ClientObject *self);
+/* How many times @p self's connection was made anew after a lost one (0 once closed). */
+unsigned long long ipc_client_reconnects(ClientObject *self);
 /* Let Ctrl-C end this thread's libdlpc calls even while dlpackd does not answer (sets the
  * thread's dlpc_set_interrupt() check). With the GIL. */
 void ipc_interruptible(void);
@@ -117,10 +128,6 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_stat(PyObject *obj, PyObject *unused);
 
-/* module.c: a shape (an int or a sequence of ints) into @p shape; ndim, or -1 with an
- * exception set. */
-int ipc_parse_shape(PyObject *o, int64_t shape[DLPC_NDIM_MAX]);
-
 /* channel.c: Client._channel_open(), _channel_remove(), _channel_stat(), _channel_list(),
  * _send(), _send_dict() and _recv(), for dlpack_ipc.Channel. */
 PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwargs);
@@ -147,6 +154,8 @@ DLManagedTensorVersioned *ipc_tensor_live(TensorObject *self);
 /* "float32", "bfloat16", ...; parse the reverse. */
 PyObject *ipc_dtype_name(DLDataType dt);
 int ipc_dtype_parse(PyObject *o, DLDataType *dt);
+/* A shape (an int or a sequence of ints) into @p shape; ndim, or -1 with an exception set. */
+int ipc_parse_shape(PyObject *o, int64_t shape[DLPC_NDIM_MAX]);
 /* Install __dlpack_c_exchange_api__ on the SharedTensor type. */
 int ipc_exchange_install(PyTypeObject *tp);
 
