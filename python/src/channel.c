@@ -86,7 +86,6 @@ PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwarg
 	unsigned long capacity = 0, producers = 0;
 	PyObject *d, *direct = Py_None;
 	const char *name;
-	dlpc_client *c;
 	int r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|kOk:_channel_open", kwlist, &name,
@@ -113,12 +112,7 @@ PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwarg
 	}
 	o.capacity = (uint32_t)capacity;
 	o.producers = (uint32_t)producers;
-	if (!(c = ipc_call_begin((ClientObject *)obj)))
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_open_opts(c, name, &o, &info);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_channel_open_opts(c, name, &o, &info));
 	if (r < 0)
 		return ipc_raise(r);
 	d = info_dict(&info);
@@ -131,16 +125,11 @@ PyObject *ipc_client_channel_remove(PyObject *obj, PyObject *args, PyObject *kwa
 {
 	static char *kwlist[] = {"name", NULL};
 	const char *name;
-	dlpc_client *c;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:_channel_remove", kwlist, &name) ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:_channel_remove", kwlist, &name))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_remove(c, name);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_channel_remove(c, name));
 	if (r < 0)
 		return ipc_raise(r);
 	Py_RETURN_NONE;
@@ -150,16 +139,12 @@ PyObject *ipc_client_channel_close(PyObject *obj, PyObject *args, PyObject *kwar
 {
 	static char *kwlist[] = {"name", "all", NULL};
 	const char *name;
-	dlpc_client *c;
 	int all = 0, r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|p:_channel_close", kwlist, &name, &all) ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|p:_channel_close", kwlist, &name, &all))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_close_flags(c, name, all ? DLPC_CHANNEL_CLOSE_ALL : 0);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r,
+		 dlpc_channel_close_flags(c, name, all ? DLPC_CHANNEL_CLOSE_ALL : 0));
 	if (r < 0)
 		return ipc_raise(r);
 	Py_RETURN_NONE;
@@ -170,16 +155,11 @@ PyObject *ipc_client_channel_stat(PyObject *obj, PyObject *args, PyObject *kwarg
 	static char *kwlist[] = {"name", NULL};
 	dlpc_channel_info info = {.size = sizeof(info)};
 	const char *name;
-	dlpc_client *c;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:_channel_stat", kwlist, &name) ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:_channel_stat", kwlist, &name))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_stat(c, name, &info);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_channel_stat(c, name, &info));
 	if (r < 0)
 		return ipc_raise(r);
 	return info_dict(&info);
@@ -191,17 +171,12 @@ PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwarg
 	const char *prefix = "";
 	dlpc_channel_info *v;
 	PyObject *list;
-	dlpc_client *c;
 	size_t n;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|s:_channel_list", kwlist, &prefix) ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|s:_channel_list", kwlist, &prefix))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_list(c, prefix, &v, &n);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_channel_list(c, prefix, &v, &n));
 	if (r < 0)
 		return ipc_raise(r);
 	list = PyList_New((Py_ssize_t)n);
@@ -335,7 +310,6 @@ PyObject *ipc_client_recv(PyObject *obj, PyObject *args, PyObject *kwargs)
 	const char *name, *mode = "read";
 	int bundle = 0, r;
 	dlpc_bundle *b = NULL;
-	dlpc_client *c;
 	size_t i;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$Ozp:recv", kwlist, &name, &timeout,
@@ -352,13 +326,7 @@ PyObject *ipc_client_recv(PyObject *obj, PyObject *args, PyObject *kwargs)
 				    mode);
 	o.flags = modes[i].flags;
 	mode = modes[i].name;
-	if (!(c = ipc_call_begin((ClientObject *)obj)))
-		return NULL;
-	ipc_interruptible();
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_recv_bundle(c, name, &o, &b);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_recv_bundle(c, name, &o, &b));
 	if (r == -EPIPE)
 		return raise_ended(PyExc_EOFError);
 	if (r < 0)
@@ -403,20 +371,14 @@ PyObject *ipc_client_channel_empty(PyObject *obj, PyObject *args, PyObject *kwar
 	DLManagedTensorVersioned *t;
 	const char *name;
 	DLDataType dt;
-	dlpc_client *c;
 	int ndim, r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOO:_channel_empty", kwlist, &name,
 					 &shape_o, &dtype_o) ||
 	    ipc_dtype_parse(dtype_o, &dt) < 0 || (ndim = ipc_parse_shape(shape_o, shape)) < 0)
 		return NULL;
-	c = ipc_call_begin((ClientObject *)obj);
-	if (!c)
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_alloc(c, name, dt, (int32_t)ndim, shape, &t);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r,
+		 dlpc_channel_alloc(c, name, dt, (int32_t)ndim, shape, &t));
 	if (r < 0)
 		return ipc_raise(r);
 	key = PyUnicode_FromString("");

@@ -5,6 +5,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdbool.h>
 #include <sys/types.h>
 
@@ -49,13 +50,31 @@ typedef struct {
 	bool legacy_ordered; /* the legacy stream waits for the publisher (exchange.c) */
 } TensorObject;
 
-/* module.c */
+/* state.c: the module definition the state belongs to (set by PyInit__core, module.c). */
+extern const struct PyModuleDef *ipc_state_def;
+/* The state of the module that made @p tp or one of its bases; NULL with TypeError. */
 ipc_state *ipc_state_of_type(PyTypeObject *tp);
+
 /*
- * Raise the OSError subclass for a negative errno with dlpc_last_error() as the message; a lost
- * connection (-EPIPE or -ECONNRESET alike) is ConnectionResetError.
+ * errors.c: raise the OSError subclass for a negative errno with dlpc_last_error() as the
+ * message; a lost connection (-EPIPE or -ECONNRESET alike) is ConnectionResetError. Returns
+ * NULL; where an exception is set already (a signal handler run by libdlpc's interrupt check,
+ * or a call that could not begin), that one stays.
  */
 PyObject *ipc_raise(int err);
+
+/* client.c: a Client's connection and the calls on it. */
+/* Find the main thread and follow it across fork; note the interpreter's shutdown. For the
+ * module's exec; -1 with an exception. */
+int ipc_calls_setup(void);
+/* Connect @p self (path and reconnect set) for Client.__init__; 0, or -1 with an exception. */
+int ipc_client_connect(ClientObject *self);
+/* Close @p self's connection (Client.close()): calls waiting on it in other threads return. */
+void ipc_client_close(ClientObject *self);
+/* Close it and every replaced handle, for the Client's dealloc. */
+void ipc_client_release(ClientObject *self);
+/* How many times @p self's connection was made anew after a lost one (0 once closed). */
+unsigned long long ipc_client_reconnects(ClientObject *self);
 /* Let Ctrl-C end this thread's libdlpc calls even while dlpackd does not answer (sets the
  * thread's dlpc_set_interrupt() check). With the GIL. */
 void ipc_interruptible(void);
@@ -64,10 +83,38 @@ void ipc_interruptible(void);
  * a Client made with reconnect=True; NULL with an exception set.
  */
 dlpc_client *ipc_client(ClientObject *self);
-/* The same, kept valid until ipc_call_end() even if the Client is closed or replaces it. */
+/*
+ * The same, kept valid until ipc_call_end() even if the Client is closed or replaces it. Calls
+ * go through IPC_CALL(); only a call that runs Python code between the two (ipc_take_call())
+ * or keeps the GIL (Client._last_published()) uses these directly.
+ */
 dlpc_client *ipc_call_begin(ClientObject *self);
 /* End a call begun on @p c; @p r is what libdlpc returned (a lost connection is noted). */
 void ipc_call_end(ClientObject *self, dlpc_client *c, int r);
+/* What IPC_CALL() leaves in its result where the call could not begin (an exception is set). */
+#define IPC_CALL_NOT_BEGUN INT_MIN
+/*
+ * The one way to call libdlpc on a Client: begin the call on @p self (ClientObject *), naming its
+ * handle @p c, evaluate @p call (an expression using @p c) without the GIL, Ctrl-C checked
+ * (ipc_call_begin() sets the interrupt check), store its result in @p r (int) and end the call
+ * with the GIL held again. Where the call cannot begin (the Client is closed, or connecting anew
+ * failed) @p call does not run and @p r is IPC_CALL_NOT_BEGUN, an exception set: a negative @p r
+ * goes to ipc_raise(), which then keeps that exception.
+ */
+#define IPC_CALL(self, c, r, call)                                                                 \
+	do {                                                                                       \
+		dlpc_client *c = ipc_call_begin(self);                                             \
+		PyThreadState *ipc_saved_;                                                         \
+                                                                                                   \
+		if (!c) {                                                                          \
+			(r) = IPC_CALL_NOT_BEGUN;                                                  \
+			break;                                                                     \
+		}                                                                                  \
+		ipc_saved_ = PyEval_SaveThread();                                                  \
+		(r) = (call);                                                                      \
+		PyEval_RestoreThread(ipc_saved_);                                                  \
+		ipc_call_end(self, c, r);                                                          \
+	} while (0)
 
 /* attach.c: Client.attach() and Client.attach_dict(). */
 PyObject *ipc_client_attach(PyObject *obj, PyObject *args, PyObject *kwargs);
@@ -80,10 +127,6 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 /* info.c: Client._list() and Client.stat(). */
 PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_stat(PyObject *obj, PyObject *unused);
-
-/* module.c: a shape (an int or a sequence of ints) into @p shape; ndim, or -1 with an
- * exception set. */
-int ipc_parse_shape(PyObject *o, int64_t shape[DLPC_NDIM_MAX]);
 
 /* channel.c: Client._channel_open(), _channel_remove(), _channel_stat(), _channel_list(),
  * _send(), _send_dict() and _recv(), for dlpack_ipc.Channel. */
@@ -111,6 +154,8 @@ DLManagedTensorVersioned *ipc_tensor_live(TensorObject *self);
 /* "float32", "bfloat16", ...; parse the reverse. */
 PyObject *ipc_dtype_name(DLDataType dt);
 int ipc_dtype_parse(PyObject *o, DLDataType *dt);
+/* A shape (an int or a sequence of ints) into @p shape; ndim, or -1 with an exception set. */
+int ipc_parse_shape(PyObject *o, int64_t shape[DLPC_NDIM_MAX]);
 /* Install __dlpack_c_exchange_api__ on the SharedTensor type. */
 int ipc_exchange_install(PyTypeObject *tp);
 

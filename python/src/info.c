@@ -50,18 +50,13 @@ PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs)
 	static char *kwlist[] = {"prefix", NULL};
 	const char *prefix = "";
 	dlpc_entry_info *v;
-	dlpc_client *c;
 	PyObject *list;
 	size_t n;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|s:list", kwlist, &prefix) ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|s:list", kwlist, &prefix))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_list(c, prefix, &v, &n);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_list(c, prefix, &v, &n));
 	if (r < 0)
 		return ipc_raise(r);
 	list = PyList_New((Py_ssize_t)n);
@@ -100,17 +95,11 @@ static PyObject *add_channel_stats(PyObject *d, const dlpc_stats *s)
 
 PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 {
-	dlpc_client *c = ipc_call_begin((ClientObject *)obj);
 	dlpc_stats s = {.size = sizeof(s)};
 	int r;
 
 	(void)unused;
-	if (!c)
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_stat(c, &s);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_stat(c, &s));
 	if (r < 0)
 		return ipc_raise(r);
 	return add_channel_stats(

@@ -1,422 +1,14 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * dlpack_ipc._core: the Client type over libdlpc and module setup (multi-phase init, heap types
- * in module state). Every call that may block releases the GIL. Attaching is in attach.c.
- *
- * A Client connects anew when its handle cannot serve: in a forked child (a new handle), and
- * (reconnect=True, as the module's default client is made) on the call after one that found the
- * connection lost, which libdlpc does itself (DLPC_CONNECT_RECONNECT). That call raised
- * ConnectionResetError; a call is never retried, since whether a lost request took effect is
- * unknown, except a waiting attach, which libdlpc asks again. Calls still running on a replaced
- * or closed handle keep it alive until the last of them ends (ipc_call_begin/ipc_call_end).
+ * in module state). Every call that may block releases the GIL (IPC_CALL()). The connection
+ * under a Client, and connecting anew, are in client.c; attaching is in attach.c.
  */
 #include <errno.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "dlpack_ipc.h"
-
-static struct PyModuleDef module_def;
-
-ipc_state *ipc_state_of_type(PyTypeObject *tp)
-{
-	/*
-	 * By definition, so that Python subclasses (dlpack_ipc.Client) find it too: the first
-	 * class in the MRO that this module made. (PyType_GetModuleByDef() does the same, but
-	 * enters the limited API only in 3.13.)
-	 */
-	PyObject *mro = PyObject_GetAttrString((PyObject *)tp, "__mro__");
-	ipc_state *st = NULL;
-	Py_ssize_t n = mro ? PyTuple_Size(mro) : -1;
-
-	for (Py_ssize_t i = 0; !st && i < n; i++) {
-		PyTypeObject *base = (PyTypeObject *)PyTuple_GetItem(mro, i);
-		PyObject *m;
-
-		if (!(PyType_GetFlags(base) & Py_TPFLAGS_HEAPTYPE))
-			continue;
-		m = PyType_GetModule(base);
-		if (!m)
-			PyErr_Clear(); /* a class made by Python code */
-		else if (PyModule_GetDef(m) == &module_def)
-			st = PyModule_GetState(m);
-	}
-	Py_XDECREF(mro);
-	if (!st && !PyErr_Occurred())
-		PyErr_Format(PyExc_TypeError, "%R is not a dlpack_ipc type", (PyObject *)tp);
-	return st;
-}
-
-/* A handle replaced (or closed) while calls were still running on it. */
-struct ipc_old_handle {
-	struct ipc_old_handle *next;
-	dlpc_client *c;
-	unsigned busy; /* calls still on c: the last one closes it */
-};
-
-/* Is @p r libdlpc's word that the connection is gone (dlpackd closed it: stopped, restarted)? */
-static bool conn_lost(int r)
-{
-	return r == -EPIPE || r == -ECONNRESET;
-}
-
-/*
- * Set once the interpreter shuts down: its atexit callbacks run before it finalizes, and from
- * then on no blocked call takes the GIL to run signal handlers. (Py_IsFinalizing() enters the
- * limited API only in 3.13.)
- */
-static atomic_bool finalizing;
-
-static PyObject *note_finalizing(PyObject *self, PyObject *unused)
-{
-	(void)self;
-	(void)unused;
-	atomic_store(&finalizing, true);
-	Py_RETURN_NONE;
-}
-
-static PyMethodDef note_finalizing_def = {"_note_finalizing", note_finalizing, METH_NOARGS, NULL};
-
-static int watch_finalizing(void)
-{
-	PyObject *atexit = PyImport_ImportModule("atexit"), *fn = NULL, *r = NULL;
-
-	if (atexit)
-		fn = PyCFunction_New(&note_finalizing_def, NULL);
-	if (fn)
-		r = PyObject_CallMethod(atexit, "register", "O", fn);
-	Py_XDECREF(r);
-	Py_XDECREF(fn);
-	Py_XDECREF(atexit);
-	return r ? 0 : -1;
-}
-
-/*
- * libdlpc's interrupt check (dlpc_set_interrupt()) for a thread blocked in a call without the
- * GIL: it takes the GIL and runs the Python signal handlers due. One that raises (Ctrl-C's
- * KeyboardInterrupt) ends the call with -EINTR, its exception left set for the caller to
- * return; one that does not lets the call go on waiting, as Python does for system calls.
- */
-static int interrupt_check(void *arg)
-{
-	PyGILState_STATE g;
-	int stop;
-
-	(void)arg;
-	if (atomic_load(&finalizing))
-		return 0;
-	g = PyGILState_Ensure();
-	stop = PyErr_CheckSignals() < 0;
-	PyGILState_Release(g);
-	return stop;
-}
-
-/* The thread Python runs signal handlers on (threading.main_thread()); 0: not known. */
-static unsigned long main_thread;
-
-static int find_main_thread(void)
-{
-	PyObject *threading, *t = NULL, *ident = NULL;
-
-	threading = PyImport_ImportModule("threading");
-	if (threading)
-		t = PyObject_CallMethod(threading, "main_thread", NULL);
-	if (t)
-		ident = PyObject_GetAttrString(t, "ident");
-	if (ident)
-		main_thread = PyLong_AsUnsignedLong(ident);
-	Py_XDECREF(ident);
-	Py_XDECREF(t);
-	Py_XDECREF(threading);
-	return PyErr_Occurred() ? -1 : 0;
-}
-
-/* In a child forked from another thread, that thread is the main one (os.register_at_fork). */
-static PyObject *after_fork_in_child(PyObject *self, PyObject *unused)
-{
-	(void)self;
-	(void)unused;
-	main_thread = PyThread_get_thread_ident();
-	Py_RETURN_NONE;
-}
-
-static PyMethodDef after_fork_def = {"_after_fork_in_child", after_fork_in_child, METH_NOARGS,
-				     NULL};
-
-static int follow_main_thread_across_fork(void)
-{
-	PyObject *os = PyImport_ImportModule("os"), *reg = NULL, *fn = NULL, *kw = NULL,
-		 *args = NULL, *r = NULL;
-
-	if (os)
-		reg = PyObject_GetAttrString(os, "register_at_fork");
-	if (reg)
-		fn = PyCFunction_New(&after_fork_def, NULL);
-	if (fn)
-		kw = Py_BuildValue("{s:O}", "after_in_child", fn);
-	if (kw)
-		args = PyTuple_New(0);
-	if (args)
-		r = PyObject_Call(reg, args, kw);
-	Py_XDECREF(r);
-	Py_XDECREF(args);
-	Py_XDECREF(kw);
-	Py_XDECREF(fn);
-	Py_XDECREF(reg);
-	Py_XDECREF(os);
-	return r ? 0 : -1;
-}
-
-/*
- * Only the main thread runs signal handlers, so only its calls get the check: another thread's
- * would take the GIL every DLPC_INTERRUPT_CHECK_MS for nothing, and could be caught taking it
- * while the interpreter shuts down.
- */
-void ipc_interruptible(void)
-{
-	bool main = main_thread && PyThread_get_thread_ident() == main_thread;
-
-	dlpc_set_interrupt(main ? interrupt_check : NULL, NULL);
-}
-
-/*
- * libdlpc's (and dlpackd's) message @p msg in Python's words: the C spellings of what a Python
- * caller says otherwise are replaced by the Python ones. Decoded leniently (a message cut at
- * its length limit may end inside a character). A new reference, or NULL with an exception.
- */
-static PyObject *python_text(const char *msg)
-{
-	static const char *const words[][2] = {
-		{"publish with REPLACE", "publish with replace=True"},
-		{"attach it as a bundle", "attach it with attach_dict()"},
-		{"dlpc_alloc_bundle: ", "empty_dict(): "},
-		{"dlpc_alloc: ", "empty(): "},
-		{"(dlpc_close() or dlpc_cancel())", "(Client.close())"},
-	};
-	PyObject *text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "replace");
-
-	for (size_t i = 0; text && i < sizeof(words) / sizeof(words[0]); i++) {
-		PyObject *from, *to, *t;
-
-		if (!strstr(msg, words[i][0]))
-			continue;
-		from = PyUnicode_FromString(words[i][0]);
-		to = PyUnicode_FromString(words[i][1]);
-		t = from && to ? PyUnicode_Replace(text, from, to, -1) : NULL;
-		Py_XDECREF(from);
-		Py_XDECREF(to);
-		Py_DECREF(text);
-		text = t;
-	}
-	return text;
-}
-
-PyObject *ipc_raise(int err)
-{
-	const char *msg = dlpc_last_error();
-	PyObject *text, *args;
-
-	/* libdlpc's interrupt check ran a signal handler that raised: that exception is the one
-	 * to see, whatever the call then returned */
-	if (PyErr_Occurred())
-		return NULL;
-	text = python_text(msg);
-	if (!text)
-		return NULL;
-	if (conn_lost(err)) {
-		/* One error whatever the timing: whether a write found the socket closed (EPIPE)
-		 * or a read did (ECONNRESET) is a race, and means the same to the caller. (A
-		 * watch's message says so already.) */
-		args = Py_BuildValue(
-			"(iN)", ECONNRESET,
-			strstr(msg, "dlpackd closed the connection")
-				? Py_NewRef(text)
-				: PyUnicode_FromFormat("dlpackd closed the connection (%U)", text));
-		if (args) {
-			PyErr_SetObject(PyExc_OSError, args);
-			Py_DECREF(args);
-		}
-		Py_DECREF(text);
-		return NULL;
-	}
-
-	switch (err) {
-	case -ENOMEM:
-		Py_DECREF(text);
-		return PyErr_NoMemory();
-	case -EINVAL:
-		PyErr_SetObject(PyExc_ValueError, text);
-		Py_DECREF(text);
-		return NULL;
-	case -ENOTSUP:
-		PyErr_SetObject(PyExc_BufferError, text);
-		Py_DECREF(text);
-		return NULL;
-	}
-	/* OSError(errno, text) picks the subclass: FileNotFoundError, TimeoutError, ... */
-	args = Py_BuildValue("(iN)", -err, text);
-	if (args) {
-		PyErr_SetObject(PyExc_OSError, args);
-		Py_DECREF(args);
-	}
-	return NULL;
-}
-
-static int connect_to(const char *path, bool reconnect, dlpc_client **c)
-{
-	uint32_t flags = reconnect ? DLPC_CONNECT_RECONNECT : 0;
-	int r;
-
-	ipc_interruptible();
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_connect_flags(path, flags, c);
-	Py_END_ALLOW_THREADS
-	if (r < 0) {
-		ipc_raise(r);
-		return -1;
-	}
-	return 0;
-}
-
-/* Bumped in each forked child; a Client made under another value belongs to a parent. (Cheaper
- * than a getpid() system call on every call.) */
-static unsigned fork_gen;
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-
-static void after_fork_child(void)
-{
-	__atomic_add_fetch(&fork_gen, 1, __ATOMIC_RELAXED);
-}
-
-static void atfork_register(void)
-{
-	pthread_atfork(NULL, NULL, after_fork_child);
-}
-
-static unsigned current_fork_gen(void)
-{
-	return __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
-}
-
-/*
- * Give up the handle @p c, which @p busy calls still use: the last of them closes it, or it is
- * closed now if none does. With the GIL.
- */
-static void retire(ClientObject *self, dlpc_client *c, unsigned busy)
-{
-	struct ipc_old_handle *o;
-
-	if (!busy) {
-		dlpc_close(c);
-		return;
-	}
-	o = malloc(sizeof(*o));
-	/* out of memory: leak the handle rather than free it under a running call */
-	if (!o)
-		return;
-	*o = (struct ipc_old_handle){.next = self->old, .c = c, .busy = busy};
-	self->old = o;
-}
-
-/* Forget the replaced handles of a parent process without touching them (see replace()). */
-static void forget_old(ClientObject *self)
-{
-	while (self->old) {
-		struct ipc_old_handle *o = self->old;
-
-		self->old = o->next;
-		free(o);
-	}
-}
-
-/*
- * Connect anew and make the new handle the one later calls use. The GIL is released while
- * connecting, so another thread may replace the handle, or close the Client, meanwhile: the
- * first to finish wins. Returns 0, or -1 with an exception set: the old handle then stays (still
- * lost, for a reconnect) and the next call tries again.
- */
-static int replace(ClientObject *self)
-{
-	unsigned epoch = self->epoch, gen = current_fork_gen();
-	dlpc_client *c;
-
-	if (connect_to(self->path, self->reconnect, &c) < 0)
-		return -1;
-	if (!self->c || self->epoch != epoch) {
-		dlpc_close(c);
-		if (!self->c) {
-			PyErr_SetString(PyExc_ValueError, "the Client is closed");
-			return -1;
-		}
-		return 0;
-	}
-	if (self->fork_gen != gen) {
-		/* A forked child: the parent's handles are not ours to use or free (their
-		 * mutexes may be held by parent threads that do not exist here; libdlpc already
-		 * closed their sockets here). Their memory stays. */
-		forget_old(self);
-	} else {
-		retire(self, self->c, self->busy);
-	}
-	self->c = c;
-	self->busy = 0;
-	self->fork_gen = gen;
-	self->epoch++;
-	return 0;
-}
-
-dlpc_client *ipc_client(ClientObject *self)
-{
-	if (!self->c) {
-		PyErr_SetString(PyExc_ValueError, "the Client is closed");
-		return NULL;
-	}
-	/* after a lost connection libdlpc connects anew itself (DLPC_CONNECT_RECONNECT) */
-	if (self->fork_gen != current_fork_gen() && replace(self) < 0)
-		return NULL;
-	return self->c;
-}
-
-/*
- * Begin a call on the connection: the handle stays valid until ipc_call_end(), even if another
- * thread (or Python code run by __dlpack__) closes the Client, or replaces its handle,
- * meanwhile. With the GIL held.
- */
-dlpc_client *ipc_call_begin(ClientObject *self)
-{
-	dlpc_client *c = ipc_client(self);
-
-	ipc_interruptible();
-	if (c)
-		self->busy++;
-	return c;
-}
-
-/* End a call begun with ipc_call_begin() on @p c, which returned @p r. With the GIL. */
-void ipc_call_end(ClientObject *self, dlpc_client *c, int r)
-{
-	struct ipc_old_handle **pp, *o;
-
-	(void)r;
-	if (c == self->c) {
-		self->busy--;
-		return;
-	}
-	for (pp = &self->old; (o = *pp); pp = &o->next) {
-		if (o->c != c)
-			continue;
-		if (--o->busy == 0) {
-			*pp = o->next;
-			dlpc_close(c);
-			free(o);
-		}
-		return;
-	}
-	/* not found: a call begun in the parent process, ending in a forked child */
-}
 
 static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
@@ -441,27 +33,7 @@ static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 			return -1;
 		}
 	}
-	pthread_once(&atfork_once, atfork_register);
-	self->fork_gen = current_fork_gen();
-	if (connect_to(self->path, self->reconnect, &self->c) < 0)
-		return -1;
-	self->busy = 0;
-	self->epoch++;
-	return 0;
-}
-
-static void client_close_now(ClientObject *self)
-{
-	/* in a forked child the handles are the parent's: leave them alone */
-	if (self->c && self->fork_gen == current_fork_gen()) {
-		/* threads blocked in calls on it (an attach that waits forever) return at once */
-		if (self->busy)
-			dlpc_cancel(self->c);
-		retire(self, self->c, self->busy);
-	}
-	self->c = NULL;
-	self->busy = 0;
-	self->epoch++;
+	return ipc_client_connect(self);
 }
 
 static void client_dealloc(PyObject *obj)
@@ -469,12 +41,7 @@ static void client_dealloc(PyObject *obj)
 	ClientObject *self = (ClientObject *)obj;
 	PyTypeObject *tp = Py_TYPE(obj);
 
-	client_close_now(self);
-	/* no call runs on a Client being freed (each holds a reference), so none is on these */
-	if (self->fork_gen == current_fork_gen())
-		for (struct ipc_old_handle *o = self->old; o; o = o->next)
-			dlpc_close(o->c);
-	forget_old(self);
+	ipc_client_release(self);
 	free(self->path);
 	((freefunc)PyType_GetSlot(tp, Py_tp_free))(obj);
 	Py_DECREF(tp);
@@ -483,7 +50,7 @@ static void client_dealloc(PyObject *obj)
 static PyObject *client_close(PyObject *obj, PyObject *unused)
 {
 	(void)unused;
-	client_close_now((ClientObject *)obj);
+	ipc_client_close((ClientObject *)obj);
 	Py_RETURN_NONE;
 }
 
@@ -496,7 +63,7 @@ static PyObject *client_enter(PyObject *obj, PyObject *unused)
 static PyObject *client_exit(PyObject *obj, PyObject *args)
 {
 	(void)args;
-	client_close_now((ClientObject *)obj);
+	ipc_client_close((ClientObject *)obj);
 	Py_RETURN_FALSE;
 }
 
@@ -524,40 +91,6 @@ static int parse_device(const char *device, DLDevice *dev)
 	return 0;
 }
 
-/* An int or a sequence of ints >= 0 into @p shape (DLPC_NDIM_MAX of them at most). The number
- * of dimensions, or -1 with an exception. */
-int ipc_parse_shape(PyObject *shape_o, int64_t shape[DLPC_NDIM_MAX])
-{
-	PyObject *seq = PyLong_Check(shape_o)
-				? PyTuple_Pack(1, shape_o)
-				: PySequence_Fast(shape_o, "shape must be a sequence of ints");
-	Py_ssize_t ndim;
-
-	if (!seq)
-		return -1;
-	ndim = PySequence_Size(seq);
-	if (ndim > DLPC_NDIM_MAX) {
-		Py_DECREF(seq);
-		PyErr_Format(PyExc_ValueError, "shape has %zd dimensions; at most %d", ndim,
-			     DLPC_NDIM_MAX);
-		return -1;
-	}
-	for (Py_ssize_t i = 0; i < ndim; i++) {
-		PyObject *extent = PySequence_GetItem(seq, i);
-
-		shape[i] = extent ? PyLong_AsLongLong(extent) : -1;
-		Py_XDECREF(extent);
-		if (shape[i] < 0 && !PyErr_Occurred())
-			PyErr_SetString(PyExc_ValueError, "shape extents must be >= 0");
-		if (PyErr_Occurred()) {
-			Py_DECREF(seq);
-			return -1;
-		}
-	}
-	Py_DECREF(seq);
-	return (int)ndim;
-}
-
 static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
 	static char *kwlist[] = {"shape", "dtype", "device", NULL};
@@ -568,7 +101,6 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	int64_t shape[DLPC_NDIM_MAX];
 	DLManagedTensorVersioned *t;
 	DLDataType dt;
-	dlpc_client *c;
 	int ndim, r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|s:empty", kwlist, &shape_o, &dtype_o,
@@ -577,13 +109,7 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	if (parse_device(device, &dev) < 0 || ipc_dtype_parse(dtype_o, &dt) < 0 ||
 	    (ndim = ipc_parse_shape(shape_o, shape)) < 0)
 		return NULL;
-	c = ipc_call_begin((ClientObject *)obj);
-	if (!c)
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_alloc(c, dev, dt, (int32_t)ndim, shape, &t);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_alloc(c, dev, dt, (int32_t)ndim, shape, &t));
 	if (r < 0)
 		return ipc_raise(r);
 	key = PyUnicode_FromString("");
@@ -614,7 +140,6 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 	int32_t *ndims = NULL;
 	Py_ssize_t n;
 	DLDevice dev;
-	dlpc_client *c;
 	int r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|s:empty_dict", kwlist, &spec, &device))
@@ -662,13 +187,8 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 			goto out;
 		shapes[i] = dims[i];
 	}
-	c = ipc_call_begin((ClientObject *)obj);
-	if (!c)
-		goto out;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_alloc_bundle(c, dev, (size_t)n, dtypes, ndims, shapes, ts);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r,
+		 dlpc_alloc_bundle(c, dev, (size_t)n, dtypes, ndims, shapes, ts));
 	if (r < 0) {
 		ipc_raise(r);
 		goto out;
@@ -719,19 +239,15 @@ static PyObject *client_unpublish(PyObject *obj, PyObject *args, PyObject *kwarg
 	PyObject *gen_o = Py_None, *created_o = Py_None;
 	long long gen, created;
 	const char *name;
-	dlpc_client *c;
 	int r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$OO:unpublish", kwlist, &name, &gen_o,
 					 &created_o) ||
 	    expected_arg(gen_o, "generation", &gen) < 0 ||
-	    expected_arg(created_o, "created_ns", &created) < 0 ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	    expected_arg(created_o, "created_ns", &created) < 0)
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_unpublish_if(c, name, (uint64_t)gen, (int64_t)created);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r,
+		 dlpc_unpublish_if(c, name, (uint64_t)gen, (int64_t)created));
 	if (r == -ENOTSUP) {
 		/* a daemon before protocol 1.11: OSError, not the BufferError of a device */
 		PyObject *e = Py_BuildValue("(is)", ENOTSUP, dlpc_last_error());
@@ -857,10 +373,7 @@ static PyObject *client_reconnects(PyObject *obj, void *unused)
 	ClientObject *self = (ClientObject *)obj;
 
 	(void)unused;
-	/* a closed Client, or one not yet used in a forked child, has connected anew 0 times */
-	if (!self->c || self->fork_gen != current_fork_gen())
-		return PyLong_FromLong(0);
-	return PyLong_FromUnsignedLongLong(dlpc_reconnects(self->c));
+	return PyLong_FromUnsignedLongLong(ipc_client_reconnects(self));
 }
 
 static PyGetSetDef client_getset[] = {
@@ -892,8 +405,7 @@ static int module_exec(PyObject *m)
 {
 	ipc_state *st = PyModule_GetState(m);
 
-	if (find_main_thread() < 0 || follow_main_thread_across_fork() < 0 ||
-	    watch_finalizing() < 0)
+	if (ipc_calls_setup() < 0)
 		return -1;
 	st->client_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &client_spec, NULL);
 	st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ipc_tensor_spec, NULL);
@@ -955,5 +467,6 @@ PyMODINIT_FUNC PyInit__core(void);
 
 PyMODINIT_FUNC PyInit__core(void)
 {
+	ipc_state_def = &module_def;
 	return PyModuleDef_Init(&module_def);
 }
