@@ -124,17 +124,19 @@ PyObject *ipc_client_attach_dict(PyObject *obj, PyObject *args, PyObject *kwargs
 PyObject *ipc_client_publish(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwargs);
 
-/* info.c: Client._list() and Client.stat(). */
+/* info.c: Client._list(), _channel_list() and stat(); a channel's info as a dict (for
+ * _channel_open() and _channel_stat()). */
+PyObject *ipc_channel_dict(const dlpc_channel_info *i);
 PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_stat(PyObject *obj, PyObject *unused);
+PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwargs);
 
-/* channel.c: Client._channel_open(), _channel_remove(), _channel_stat(), _channel_list(),
- * _send(), _send_dict() and _recv(), for dlpack_ipc.Channel. */
+/* channel.c: Client._channel_open(), _channel_remove(), _channel_stat(), _send(), _send_dict()
+ * and _recv(), for dlpack_ipc.Channel. */
 PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_channel_close(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_channel_remove(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_channel_stat(PyObject *obj, PyObject *args, PyObject *kwargs);
-PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_send(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_send_dict(PyObject *obj, PyObject *args, PyObject *kwargs);
 PyObject *ipc_client_recv(PyObject *obj, PyObject *args, PyObject *kwargs);
@@ -190,6 +192,13 @@ int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssi
  * '@p name': key ..."). The one check of publish_dict() and Channel.send_dict() (publish.c).
  */
 const char *ipc_bundle_key(const char *verb, const char *name, PyObject *k);
+/*
+ * publish.c: the keys and objects of a mapping's @p items (ipc_mapping_items()) for
+ * ipc_take_call(), each key checked by ipc_bundle_key(); valid while @p items lives. 0, or -1
+ * with an exception; either way the caller frees *@p keys and *@p objs with PyMem_Free().
+ */
+int ipc_bundle_split(const char *verb, const char *name, PyObject *items, const char ***keys,
+		     PyObject ***objs);
 /* publish.c: the items of @p mapping, for publish_dict() (@p verb "publish") or send_dict()
  * ("send to channel"); NULL with TypeError naming the call where it is not a mapping. */
 PyObject *ipc_mapping_items(const char *verb, const char *name, PyObject *mapping);
