@@ -54,19 +54,6 @@ static PyObject *client_close(PyObject *obj, PyObject *unused)
 	Py_RETURN_NONE;
 }
 
-static PyObject *client_enter(PyObject *obj, PyObject *unused)
-{
-	(void)unused;
-	return Py_NewRef(obj);
-}
-
-static PyObject *client_exit(PyObject *obj, PyObject *args)
-{
-	(void)args;
-	ipc_client_close((ClientObject *)obj);
-	Py_RETURN_FALSE;
-}
-
 /* "cpu", "cuda" or "cuda:N" as a DLDevice. 0, or -1 with ValueError. */
 static int parse_device(const char *device, DLDevice *dev)
 {
@@ -122,6 +109,98 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	return res;
 }
 
+/* The spec of empty_dict() as dlpc_alloc_bundle() takes it. */
+struct bundle_spec {
+	PyObject *items; /* the spec's (key, (shape, dtype)) pairs */
+	size_t n;
+	DLDataType *dtypes;
+	int32_t *ndims;
+	int64_t (*dims)[DLPC_NDIM_MAX];
+	const int64_t **shapes; /* shapes[i] is dims[i] */
+	DLManagedTensorVersioned **ts;
+};
+
+static void spec_free(struct bundle_spec *b)
+{
+	Py_XDECREF(b->items);
+	free(b->dtypes);
+	free(b->ndims);
+	free(b->dims);
+	free(b->shapes);
+	free(b->ts);
+}
+
+/* Check @p spec (a dict of key: (shape, dtype)) and fill @p b from it. 0, or -1 with an
+ * exception; either way spec_free() frees @p b. */
+static int spec_parse(PyObject *spec, struct bundle_spec *b)
+{
+	Py_ssize_t n;
+
+	if (!PyDict_Check(spec)) {
+		PyObject *type = PyType_GetQualName(Py_TYPE(spec));
+
+		if (type)
+			PyErr_Format(PyExc_TypeError,
+				     "spec must be a dict of key: (shape, dtype), not %U", type);
+		Py_XDECREF(type);
+		return -1;
+	}
+	b->items = PyDict_Items(spec);
+	if (!b->items)
+		return -1;
+	n = PyList_Size(b->items);
+	if (n < 1 || n > DLPC_BUNDLE_MAX) {
+		PyErr_Format(PyExc_ValueError, "spec has %zd tensors; 1 to %d", n, DLPC_BUNDLE_MAX);
+		return -1;
+	}
+	b->n = (size_t)n;
+	b->dtypes = calloc(b->n, sizeof(*b->dtypes));
+	b->ndims = calloc(b->n, sizeof(*b->ndims));
+	b->dims = calloc(b->n, sizeof(*b->dims));
+	b->shapes = calloc(b->n, sizeof(*b->shapes));
+	b->ts = calloc(b->n, sizeof(*b->ts));
+	if (!b->dtypes || !b->ndims || !b->dims || !b->shapes || !b->ts) {
+		PyErr_NoMemory();
+		return -1;
+	}
+	for (size_t i = 0; i < b->n; i++) {
+		PyObject *kv = PyList_GetItem(b->items, (Py_ssize_t)i), *k = PyTuple_GetItem(kv, 0),
+			 *v = PyTuple_GetItem(kv, 1);
+
+		if (!PyUnicode_Check(k) || !PyTuple_Check(v) || PyTuple_Size(v) != 2) {
+			PyErr_Format(PyExc_TypeError,
+				     "spec must map str keys to (shape, dtype) tuples; %R is not",
+				     k);
+			return -1;
+		}
+		if (ipc_dtype_parse(PyTuple_GetItem(v, 1), &b->dtypes[i]) < 0 ||
+		    (b->ndims[i] = ipc_parse_shape(PyTuple_GetItem(v, 0), b->dims[i])) < 0)
+			return -1;
+		b->shapes[i] = b->dims[i];
+	}
+	return 0;
+}
+
+/* The tensors allocated for @p b as a dict of SharedTensor by key; each tensor goes into one,
+ * or is let go here. NULL with an exception. */
+static PyObject *spec_tensors(ipc_state *st, struct bundle_spec *b)
+{
+	PyObject *res = PyDict_New();
+
+	for (size_t i = 0; i < b->n; i++) {
+		PyObject *k = PyTuple_GetItem(PyList_GetItem(b->items, (Py_ssize_t)i), 0);
+		PyObject *t = res ? ipc_tensor_new(st, b->ts[i], Py_None, k, 0, true) : NULL;
+
+		if (!res)
+			b->ts[i]->deleter(b->ts[i]);
+		if (res && (!t || PyDict_SetItem(res, k, t) < 0))
+			Py_CLEAR(res);
+		Py_XDECREF(t);
+		b->ts[i] = NULL;
+	}
+	return res;
+}
+
 /*
  * empty_dict({key: (shape, dtype), ...}, device): the tensors of a bundle in one allocation
  * (dlpc_alloc_bundle()), as a dict of SharedTensor in the mapping's order; publish_dict() of
@@ -131,14 +210,9 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 {
 	static char *kwlist[] = {"spec", "device", NULL};
 	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
-	PyObject *spec, *items, *res = NULL;
+	struct bundle_spec b = {0};
 	const char *device = "cpu";
-	DLManagedTensorVersioned **ts = NULL;
-	const int64_t **shapes = NULL;
-	int64_t(*dims)[DLPC_NDIM_MAX] = NULL;
-	DLDataType *dtypes = NULL;
-	int32_t *ndims = NULL;
-	Py_ssize_t n;
+	PyObject *spec, *res = NULL;
 	DLDevice dev;
 	int r;
 
@@ -146,73 +220,15 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 		return NULL;
 	if (parse_device(device, &dev) < 0)
 		return NULL;
-	if (!PyDict_Check(spec)) {
-		PyObject *type = PyType_GetQualName(Py_TYPE(spec));
-
-		if (type)
-			PyErr_Format(PyExc_TypeError,
-				     "spec must be a dict of key: (shape, dtype), not %U", type);
-		Py_XDECREF(type);
-		return NULL;
+	if (spec_parse(spec, &b) == 0) {
+		IPC_CALL((ClientObject *)obj, c, r,
+			 dlpc_alloc_bundle(c, dev, b.n, b.dtypes, b.ndims, b.shapes, b.ts));
+		if (r < 0)
+			ipc_raise(r);
+		else
+			res = spec_tensors(st, &b);
 	}
-	items = PyDict_Items(spec);
-	if (!items)
-		return NULL;
-	n = PyList_Size(items);
-	if (n < 1 || n > DLPC_BUNDLE_MAX) {
-		PyErr_Format(PyExc_ValueError, "spec has %zd tensors; 1 to %d", n, DLPC_BUNDLE_MAX);
-		goto out;
-	}
-	ts = calloc((size_t)n, sizeof(*ts));
-	shapes = calloc((size_t)n, sizeof(*shapes));
-	dims = calloc((size_t)n, sizeof(*dims));
-	dtypes = calloc((size_t)n, sizeof(*dtypes));
-	ndims = calloc((size_t)n, sizeof(*ndims));
-	if (!ts || !shapes || !dims || !dtypes || !ndims) {
-		PyErr_NoMemory();
-		goto out;
-	}
-	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *kv = PyList_GetItem(items, i), *k = PyTuple_GetItem(kv, 0),
-			 *v = PyTuple_GetItem(kv, 1);
-
-		if (!PyUnicode_Check(k) || !PyTuple_Check(v) || PyTuple_Size(v) != 2) {
-			PyErr_Format(PyExc_TypeError,
-				     "spec must map str keys to (shape, dtype) tuples; %R is not",
-				     k);
-			goto out;
-		}
-		if (ipc_dtype_parse(PyTuple_GetItem(v, 1), &dtypes[i]) < 0 ||
-		    (ndims[i] = ipc_parse_shape(PyTuple_GetItem(v, 0), dims[i])) < 0)
-			goto out;
-		shapes[i] = dims[i];
-	}
-	IPC_CALL((ClientObject *)obj, c, r,
-		 dlpc_alloc_bundle(c, dev, (size_t)n, dtypes, ndims, shapes, ts));
-	if (r < 0) {
-		ipc_raise(r);
-		goto out;
-	}
-	res = PyDict_New();
-	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *k = PyTuple_GetItem(PyList_GetItem(items, i), 0);
-		/* each tensor goes into a SharedTensor, or is let go here */
-		PyObject *t = res ? ipc_tensor_new(st, ts[i], Py_None, k, 0, true) : NULL;
-
-		if (!res)
-			ts[i]->deleter(ts[i]);
-		if (res && (!t || PyDict_SetItem(res, k, t) < 0))
-			Py_CLEAR(res);
-		Py_XDECREF(t);
-		ts[i] = NULL;
-	}
-out:
-	Py_DECREF(items);
-	free(ts);
-	free(shapes);
-	free(dims);
-	free(dtypes);
-	free(ndims);
+	spec_free(&b);
 	return res;
 }
 
@@ -363,8 +379,6 @@ static PyMethodDef client_methods[] = {
 	 "close($self, /)\n--\n\n"
 	 "Close the connection. A call waiting on it in another thread raises "
 	 "OSError(ECANCELED); later calls raise ValueError. Closing twice does nothing."},
-	{"__enter__", client_enter, METH_NOARGS, NULL},
-	{"__exit__", client_exit, METH_VARARGS, NULL},
 	{NULL},
 };
 

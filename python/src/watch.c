@@ -238,19 +238,6 @@ static PyObject *watch_closed(PyObject *obj, void *unused)
 	return PyBool_FromLong(!self->w || self->close_pending);
 }
 
-static PyObject *watch_enter(PyObject *obj, PyObject *unused)
-{
-	(void)unused;
-	return Py_NewRef(obj);
-}
-
-static PyObject *watch_exit(PyObject *obj, PyObject *args)
-{
-	(void)args;
-	watch_close_now((WatchObject *)obj);
-	Py_RETURN_FALSE;
-}
-
 static PyMethodDef watch_methods[] = {
 	{"_next", (PyCFunction)(void (*)(void))watch_next, METH_VARARGS | METH_KEYWORDS,
 	 "_next($self, /, timeout=None)\n--\n\nThe next event as a dict, or None."},
@@ -258,8 +245,6 @@ static PyMethodDef watch_methods[] = {
 	 "fileno($self, /)\n--\n\nThe watch's socket, for select() and poll()."},
 	{"close", watch_close, METH_NOARGS,
 	 "close($self, /)\n--\n\nEnd the watch and its connection; iteration stops."},
-	{"__enter__", watch_enter, METH_NOARGS, NULL},
-	{"__exit__", watch_exit, METH_VARARGS, NULL},
 	{NULL},
 };
 
