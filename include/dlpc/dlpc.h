@@ -319,6 +319,10 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 /** How many times @p c has connected anew (DLPC_CONNECT_RECONNECT); 0 for NULL. */
 DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c);
 
+/** 1 if @p c was made by another process, of which this one is a forked child (its calls fail
+ * with -EBADFD: connect anew), 0 if by this one or for NULL. */
+DLPC_EXPORT int dlpc_inherited(const dlpc_client *c);
+
 /** The socket @p c connected to (the one found by dlpc_connect(NULL), or the one it was given);
  * NULL for NULL. Valid as long as @p c. */
 DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c);
