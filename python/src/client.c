@@ -11,7 +11,6 @@
  * or closed handle keep it alive until the last of them ends (ipc_call_begin/ipc_call_end).
  */
 #include <errno.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
@@ -159,26 +158,6 @@ static int connect_to(const char *path, bool reconnect, dlpc_client **c)
 	return 0;
 }
 
-/* Bumped in each forked child; a Client made under another value belongs to a parent. (Cheaper
- * than a getpid() system call on every call.) */
-static unsigned fork_gen;
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-
-static void after_fork_child(void)
-{
-	__atomic_add_fetch(&fork_gen, 1, __ATOMIC_RELAXED);
-}
-
-static void atfork_register(void)
-{
-	pthread_atfork(NULL, NULL, after_fork_child);
-}
-
-static unsigned current_fork_gen(void)
-{
-	return __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
-}
-
 /*
  * Give up the handle @p c, which @p busy calls still use: the last of them closes it, or it is
  * closed now if none does. With the GIL.
@@ -218,7 +197,7 @@ static void forget_old(ClientObject *self)
  */
 static int replace(ClientObject *self)
 {
-	unsigned epoch = self->epoch, gen = current_fork_gen();
+	unsigned epoch = self->epoch;
 	dlpc_client *c;
 
 	if (connect_to(self->path, self->reconnect, &c) < 0)
@@ -231,7 +210,7 @@ static int replace(ClientObject *self)
 		}
 		return 0;
 	}
-	if (self->fork_gen != gen) {
+	if (dlpc_inherited(self->c)) {
 		/* A forked child: the parent's handles are not ours to use or free (their
 		 * mutexes may be held by parent threads that do not exist here; libdlpc already
 		 * closed their sockets here). Their memory stays. */
@@ -241,7 +220,6 @@ static int replace(ClientObject *self)
 	}
 	self->c = c;
 	self->busy = 0;
-	self->fork_gen = gen;
 	self->epoch++;
 	return 0;
 }
@@ -252,8 +230,9 @@ dlpc_client *ipc_client(ClientObject *self)
 		PyErr_SetString(PyExc_ValueError, "the Client is closed");
 		return NULL;
 	}
-	/* after a lost connection libdlpc connects anew itself (DLPC_CONNECT_RECONNECT) */
-	if (self->fork_gen != current_fork_gen() && replace(self) < 0)
+	/* after a lost connection libdlpc connects anew itself (DLPC_CONNECT_RECONNECT); in a
+	 * forked child (libdlpc says whose the handle is) the Client does */
+	if (dlpc_inherited(self->c) && replace(self) < 0)
 		return NULL;
 	return self->c;
 }
@@ -306,8 +285,6 @@ int ipc_calls_setup(void)
 
 int ipc_client_connect(ClientObject *self)
 {
-	pthread_once(&atfork_once, atfork_register);
-	self->fork_gen = current_fork_gen();
 	if (connect_to(self->path, self->reconnect, &self->c) < 0)
 		return -1;
 	self->busy = 0;
@@ -318,7 +295,7 @@ int ipc_client_connect(ClientObject *self)
 void ipc_client_close(ClientObject *self)
 {
 	/* in a forked child the handles are the parent's: leave them alone */
-	if (self->c && self->fork_gen == current_fork_gen()) {
+	if (self->c && !dlpc_inherited(self->c)) {
 		/* threads blocked in calls on it (an attach that waits forever) return at once */
 		if (self->busy)
 			dlpc_cancel(self->c);
@@ -333,8 +310,8 @@ void ipc_client_release(ClientObject *self)
 {
 	ipc_client_close(self);
 	/* no call runs on a Client being freed (each holds a reference), so none is on these */
-	if (self->fork_gen == current_fork_gen())
-		for (struct ipc_old_handle *o = self->old; o; o = o->next)
+	for (struct ipc_old_handle *o = self->old; o; o = o->next)
+		if (!dlpc_inherited(o->c))
 			dlpc_close(o->c);
 	forget_old(self);
 }
@@ -342,7 +319,7 @@ void ipc_client_release(ClientObject *self)
 unsigned long long ipc_client_reconnects(ClientObject *self)
 {
 	/* a closed Client, or one not yet used in a forked child, has connected anew 0 times */
-	if (!self->c || self->fork_gen != current_fork_gen())
+	if (!self->c || dlpc_inherited(self->c))
 		return 0;
 	return dlpc_reconnects(self->c);
 }

@@ -23,12 +23,11 @@ struct ipc_old_handle;
 
 /*
  * A connection; connects anew by itself in a forked child, and (libdlpc does) after the
- * connection broke when made with reconnect=True (see module.c). Every field is guarded by the
+ * connection broke when made with reconnect=True (see client.c). Every field is guarded by the
  * GIL.
  */
 typedef struct {
 	PyObject_HEAD dlpc_client *c; /* NULL once closed */
-	unsigned fork_gen;	      /* see module.c */
 	unsigned busy;		      /* calls in flight on c (see ipc_call_begin) */
 	unsigned epoch;		      /* bumped each time c is replaced */
 	bool reconnect;		      /* c made with DLPC_CONNECT_RECONNECT */
