@@ -167,7 +167,7 @@ static PyObject *send_objects(ClientObject *self, const char *name, Py_ssize_t n
 		.size = sizeof(o), .timeout_ms = ms, .flags = ms == 0 ? DLPC_SEND_NOWAIT : 0};
 	int r;
 
-	if (ipc_take_call(self, "send to channel", name, n, objs, keys, true, send_fn, &o, &r) < 0)
+	if (ipc_take_call(self, "send to channel", name, n, objs, keys, send_fn, &o, &r) < 0)
 		return NULL;
 	if (r == -EPIPE)
 		return raise_ended(PyExc_BrokenPipeError);

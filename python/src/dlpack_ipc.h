@@ -83,12 +83,12 @@ void ipc_interruptible(void);
  */
 dlpc_client *ipc_client(ClientObject *self);
 /*
- * The same, kept valid until ipc_call_end() even if the Client is closed or replaces it. Calls
- * go through IPC_CALL(); only a call that runs Python code between the two (ipc_take_call())
- * or keeps the GIL (Client._last_published()) uses these directly.
+ * The same, kept valid until ipc_call_end() even if the Client is closed or replaces it, with
+ * this thread's interrupt check set (ipc_interruptible()). Calls go through IPC_CALL(); only
+ * ipc_take_call(), which runs Python code between the two, uses these directly.
  */
 dlpc_client *ipc_call_begin(ClientObject *self);
-/* End a call begun on @p c; @p r is what libdlpc returned (a lost connection is noted). */
+/* End a call begun on @p c, which returned @p r. */
 void ipc_call_end(ClientObject *self, dlpc_client *c, int r);
 /* What IPC_CALL() leaves in its result where the call could not begin (an exception is set). */
 #define IPC_CALL_NOT_BEGUN INT_MIN
@@ -178,13 +178,13 @@ typedef int (*ipc_tensors_fn)(dlpc_client *c, const char *name, size_t n, const 
 			      DLManagedTensorVersioned *const *tensors, void *arg);
 /*
  * Take @p n objects as publish() takes them (@p keys: a bundle's, NULL for one tensor) and pass
- * their tensors to @p fn, Ctrl-C checked if @p interruptible; every producer's deleter runs, with
+ * their tensors to @p fn, Ctrl-C checked as in IPC_CALL(); every producer's deleter runs, with
  * the GIL, whatever happens. A failed take names the key ("cannot @p verb '@p name': tensor
  * 'key': ..."). 0 with fn's result in *@p ret, or -1 with an exception set (publish.c).
  */
 int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssize_t n,
-		  PyObject *const *objs, const char *const *keys, bool interruptible,
-		  ipc_tensors_fn fn, void *arg, int *ret);
+		  PyObject *const *objs, const char *const *keys, ipc_tensors_fn fn, void *arg,
+		  int *ret);
 /*
  * The UTF-8 of bundle key @p k (valid while @p k lives), or NULL with an exception set: a key is
  * a str of at most DLPC_KEY_MAX bytes without NUL, and the message names it ("cannot @p verb

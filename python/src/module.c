@@ -281,17 +281,15 @@ static PyObject *client_unpublish(PyObject *obj, PyObject *args, PyObject *kwarg
 
 static PyObject *client_last_published(PyObject *obj, PyObject *unused)
 {
+	dlpc_client *c = ipc_client((ClientObject *)obj);
 	uint64_t gen;
 	int64_t created;
-	dlpc_client *c;
-	int r;
 
 	(void)unused;
-	if (!(c = ipc_call_begin((ClientObject *)obj)))
+	/* the GIL is kept: nothing closes or replaces the handle meanwhile */
+	if (!c)
 		return NULL;
-	r = dlpc_last_published(c, &gen, &created);
-	ipc_call_end((ClientObject *)obj, c, r);
-	if (r < 0)
+	if (dlpc_last_published(c, &gen, &created) < 0)
 		Py_RETURN_NONE;
 	return Py_BuildValue("(KL)", (unsigned long long)gen, (long long)created);
 }

@@ -79,8 +79,8 @@ static int refuse_mapping(const char *verb, const char *name, PyObject *obj)
 }
 
 int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssize_t n,
-		  PyObject *const *objs, const char *const *keys, bool interruptible,
-		  ipc_tensors_fn fn, void *arg, int *ret)
+		  PyObject *const *objs, const char *const *keys, ipc_tensors_fn fn, void *arg,
+		  int *ret)
 {
 	struct ipc_taken **taken;
 	DLManagedTensorVersioned **tensors;
@@ -115,8 +115,6 @@ int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssi
 		 * ipc_taken_finish() */
 		for (Py_ssize_t i = 0; i < n; i++)
 			tensors[i] = ipc_taken_tensor(taken[i]);
-		if (interruptible)
-			ipc_interruptible();
 		Py_BEGIN_ALLOW_THREADS
 		r = fn(c, name, (size_t)n, keys, tensors, arg);
 		Py_END_ALLOW_THREADS
@@ -177,7 +175,7 @@ static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_
 {
 	int r;
 
-	if (ipc_take_call(self, "publish", name, n, objs, keys, false, publish_fn, &flags, &r) < 0)
+	if (ipc_take_call(self, "publish", name, n, objs, keys, publish_fn, &flags, &r) < 0)
 		return NULL;
 	if (r < 0)
 		return ipc_raise(r);
