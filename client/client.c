@@ -620,7 +620,8 @@ static int connect_new(const char *path, int64_t timeout, dlpc_client *parent, i
 fail:
 	if (parent)
 		connecting(parent, NULL);
-	client_free(c);
+	/* listed since open_socket_listed(): the library's thread may hold a reference to it */
+	dlpc__client_unref(c);
 	return r;
 }
 
@@ -892,7 +893,8 @@ int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
 	dlpc__pool_reset(c);
 	/* the channels the old daemon knew: a new one knows them anew, or not at all */
 	dlpc__direct_reset(c);
-	client_free(n);
+	/* n (now the old connection's) is listed: the library's thread may hold a reference */
+	dlpc__client_unref(n);
 	return 0;
 }
 
