@@ -623,7 +623,8 @@ int dlpc__connect_new(const char *path, int64_t timeout, dlpc_client *parent, in
 	if (parent)
 		connecting(parent, NULL);
 	if (r < 0) {
-		dlpc__client_free(c);
+		/* listed since dlpc__client_new(): the library's thread may hold a reference to it */
+		dlpc__client_unref(c);
 		return r;
 	}
 	snprintf(c->path, sizeof(c->path), "%s", path);
@@ -640,6 +641,7 @@ int dlpc__reconnect(dlpc_client *c, int64_t connect_ms, int64_t hello_ms)
 		return r;
 	/* the new connection's socket and buffer become c's; c's old ones go with n */
 	dlpc__client_adopt(c, n);
-	dlpc__client_free(n);
+	/* n (now the old connection's) is listed: the library's thread may hold a reference */
+	dlpc__client_unref(n);
 	return 0;
 }

@@ -263,6 +263,11 @@ DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c)
 	return n;
 }
 
+DLPC_EXPORT int dlpc_inherited(const dlpc_client *c)
+{
+	return c && !dlpc__ours(c);
+}
+
 DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c)
 {
 	return c ? c->path : NULL;

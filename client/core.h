@@ -267,6 +267,8 @@ int dlpc__reader_turn(dlpc_client *c, const struct timespec *dl);
 /* Does the calling thread's interrupt check (dlpc_set_interrupt()) say to give up? false
  * without one. Called without any lock of the library's. */
 bool dlpc__interrupted(void);
+/* Has the calling thread an interrupt check (dlpc_set_interrupt())? */
+bool dlpc__interrupt_set(void);
 /* What dlpc__reader_turn() returns when the thread's interrupt check asked to give up. */
 #define DLPC__INTERRUPTED 2
 /* Read what @p c's socket holds without waiting, delivering it, if no other thread reads it:

@@ -275,6 +275,11 @@ bool dlpc__interrupted(void)
 	return interrupt_fn && interrupt_fn(interrupt_arg);
 }
 
+bool dlpc__interrupt_set(void)
+{
+	return interrupt_fn != NULL;
+}
+
 /* When the thread's interrupt check is next due (set as each call starts, and after each check). */
 static __thread struct timespec check_due;
 

@@ -158,7 +158,8 @@ DLPC_EXPORT int dlpc_watch_next(dlpc_watch *w, dlpc_watch_event *ev, int timeout
 {
 	struct timespec deadline;
 	char why[160];
-	int r;
+	bool check;
+	int r, ms;
 
 	if (!w || !ev)
 		return dlpc__fail(-EINVAL, "dlpc_watch_next: NULL argument");
@@ -194,9 +195,15 @@ DLPC_EXPORT int dlpc_watch_next(dlpc_watch *w, dlpc_watch_event *ev, int timeout
 			r = dlpc__fail(r, "watch on '%s': %s", w->prefix, why);
 			break;
 		}
-		r = poll(&pfd, 1, timeout_ms > 0 ? ms_left(&deadline) : timeout_ms);
-		if (r < 0 && errno == EINTR)
-			return dlpc__fail(-EINTR, "watch on '%s': interrupted", w->prefix);
+		ms = timeout_ms > 0 ? ms_left(&deadline) : timeout_ms;
+		/* the thread's interrupt check runs at least every DLPC_INTERRUPT_CHECK_MS */
+		check = dlpc__interrupt_set() && (ms < 0 || ms > DLPC_INTERRUPT_CHECK_MS);
+		r = poll(&pfd, 1, check ? DLPC_INTERRUPT_CHECK_MS : ms);
+		if ((r < 0 && errno == EINTR) || (r == 0 && check)) {
+			if (!dlpc__interrupt_set() || dlpc__interrupted())
+				return dlpc__fail(-EINTR, "watch on '%s': interrupted", w->prefix);
+			continue;
+		}
 		if (r < 0) {
 			r = dlpc__fail(-errno, "watch on '%s': poll failed: %m", w->prefix);
 			break;

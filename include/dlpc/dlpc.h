@@ -326,6 +326,10 @@ DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc
 /** How many times @p c has connected anew (DLPC_CONNECT_RECONNECT); 0 for NULL. */
 DLPC_EXPORT uint64_t dlpc_reconnects(const dlpc_client *c);
 
+/** 1 if @p c was made by another process, of which this one is a forked child (its calls fail
+ * with -EBADFD: connect anew), 0 if by this one or for NULL. */
+DLPC_EXPORT int dlpc_inherited(const dlpc_client *c);
+
 /** The socket @p c connected to (the one found by dlpc_connect(NULL), or the one it was given);
  * NULL for NULL. Valid as long as @p c. */
 DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c);
@@ -359,12 +363,12 @@ typedef int (*dlpc_interrupt_fn)(void *arg);
  * for dlpackd in any call, the library runs @p fn(@p arg), without holding any of its locks,
  * whenever a signal interrupts the wait and at least every DLPC_INTERRUPT_CHECK_MS. Only the
  * wait for a reply runs it: connect(2) and sending a request into a full socket are bounded by
- * the call's timeout instead. If @p fn returns non-zero the call gives up with -EINTR, whatever
- * came meanwhile (a reply that arrived while @p fn ran, or a dlpc_cancel() from it), and the
- * connection stays usable: as after -ETIMEDOUT, that reply or a later one is dropped (an ATTACH
- * reply's reference given back) and the request may still have taken effect. A language
- * runtime uses this to let Ctrl-C interrupt a call to a daemon that does not answer (the Python
- * module does).
+ * the call's timeout instead; dlpc_watch_next() runs it too while it waits for an event. If @p fn
+ * returns non-zero the call gives up with -EINTR, whatever came meanwhile (a reply that arrived
+ * while @p fn ran, or a dlpc_cancel() from it), and the connection stays usable: as after
+ * -ETIMEDOUT, that reply or a later one is dropped (an ATTACH reply's reference given back) and
+ * the request may still have taken effect. A language runtime uses this to let Ctrl-C interrupt
+ * a call to a daemon that does not answer (the Python module does).
  */
 DLPC_EXPORT void dlpc_set_interrupt(dlpc_interrupt_fn fn, void *arg);
 
@@ -784,7 +788,8 @@ DLPC_EXPORT int dlpc_watch_fd(const dlpc_watch *w);
  * @p ev and its strings belong to the watch and stay valid until the next call on it or
  * dlpc_watch_close().
  * @param timeout_ms 0: do not wait; > 0: wait up to this many ms; < 0: wait forever.
- * @return 1 and @p ev filled, 0 if none came in time, -EINTR if a signal interrupted the wait,
+ * @return 1 and @p ev filled, 0 if none came in time, -EINTR if a signal interrupted the wait
+ *         (with an interrupt check, dlpc_set_interrupt(): if the check said to stop),
  *         -ECONNRESET when the daemon closed the watch (it stopped, or the watcher fell too far
  *         behind), another negative errno on failure. After a failure other than -EINTR the
  *         watch is finished: close it and open a new one.

@@ -154,7 +154,18 @@ def _publishable(obj):
     return None
 
 
-class Client(_CoreClient):
+class _Closing:
+    """A with block closes it (close())."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class Client(_Closing, _CoreClient):
     """A connection to dlpackd of one's own, with the module's calls as methods; a context
     manager: Client(socket=None, *, reconnect=False).
 
@@ -365,7 +376,7 @@ def _event(d):
                       Owner(d["actor_uid"], d["actor_pid"]), d["seq"])
 
 
-class Watch(_CoreWatch):
+class Watch(_Closing, _CoreWatch):
     """The changes of the names that start with prefix, as they happen: Watch(prefix="",
     socket=None). Iterating yields a WatchEvent per change, in the daemon's order.
 

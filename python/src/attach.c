@@ -156,7 +156,6 @@ static int attach_waiting(ClientObject *self, const struct attach_req *req,
 {
 	dlpc_attach_opts opts = {
 		.size = sizeof(opts), .flags = req->flags, .owner_uid = req->owner_uid};
-	dlpc_client *c;
 	double secs;
 	bool forever;
 	int r;
@@ -168,16 +167,9 @@ static int attach_waiting(ClientObject *self, const struct attach_req *req,
 		opts.timeout_ms = -1;
 	else
 		opts.timeout_ms = secs == 0 ? 0 : (int64_t)ceil(secs * 1000);
-	c = ipc_call_begin(self);
-	if (!c)
-		return -1;
-	Py_BEGIN_ALLOW_THREADS
-	if (single)
-		r = dlpc_attach(c, req->name, &opts, single);
-	else
-		r = dlpc_attach_bundle(c, req->name, &opts, bundle);
-	Py_END_ALLOW_THREADS
-	ipc_call_end(self, c, r);
+	IPC_CALL(self, c, r,
+		 single ? dlpc_attach(c, req->name, &opts, single)
+			: dlpc_attach_bundle(c, req->name, &opts, bundle));
 	if (r == -ETIMEDOUT && opts.timeout_ms > 0 && !PyErr_Occurred()) {
 		raise_timeout(req, secs);
 		return -1;
@@ -199,7 +191,7 @@ static PyObject *wrap(ipc_state *st, const struct attach_req *req, DLManagedTens
 	if (!self)
 		return NULL;
 	self->mode = req->mode;
-	/* fails only against a daemon older than protocol 1.3: then the owner is unknown */
+	/* who published it (a tensor attached through libdlpc always has an owner) */
 	if (dlpc_tensor_attach_info(t, &info) == 0) {
 		self->has_owner = true;
 		self->owner_uid = info.owner_uid;

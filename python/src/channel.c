@@ -1,12 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Channels (protocol 1.6) for dlpack_ipc.Channel (__init__.py): Client._channel_open(),
- * _channel_close(), _channel_remove(), _channel_stat(), _channel_list(), _send(), _recv(). The
- * end of a stream (libdlpc's -EPIPE, 1.10) is EOFError from _recv() (Channel makes it
- * ChannelClosed) and BrokenPipeError from _send(): never the ConnectionResetError of a lost
- * connection. Waits run in one
- * libdlpc call with Ctrl-C checked by libdlpc's interrupt hook (ipc_interruptible()): a send
- * cannot be cut into slices, since a send that timed out has given its tensor away.
+ * _channel_close(), _channel_remove(), _channel_stat(), _send(), _recv() (_channel_list() is in
+ * info.c). The end of a stream (libdlpc's -EPIPE, 1.10) is EOFError from _recv() (Channel makes
+ * it ChannelClosed) and BrokenPipeError from _send(): never the ConnectionResetError of a lost
+ * connection. Waits run in one libdlpc call with Ctrl-C checked by libdlpc's interrupt hook
+ * (ipc_interruptible()): a send cannot be cut into slices, since a send that timed out has given
+ * its tensor away.
  */
 #include <errno.h>
 #include <math.h>
@@ -46,21 +46,6 @@ static int timeout_ms(PyObject *o, int64_t *ms)
 	return 0;
 }
 
-static PyObject *info_dict(const dlpc_channel_info *i)
-{
-	return Py_BuildValue("{s:s,s:I,s:I,s:K,s:K,s:K,s:I,s:I,s:I,s:i,s:d,s:O,s:O,s:I,s:I,s:I}",
-			     "name", i->name, "capacity", i->capacity, "depth", i->depth,
-			     "bytes_queued", (unsigned long long)i->bytes_queued, "sent",
-			     (unsigned long long)i->sent, "received",
-			     (unsigned long long)i->received, "receivers_waiting",
-			     i->receivers_waiting, "senders_waiting", i->senders_waiting, "uid",
-			     i->owner_uid, "pid", i->owner_pid, "created", i->created_ns / 1e9,
-			     "direct", (i->flags & DLPC_CHANNEL_DIRECT) ? Py_True : Py_False,
-			     "ended", (i->flags & DLPC_CHANNEL_ENDED) ? Py_True : Py_False,
-			     "producers", i->producers, "producers_closed", i->producers_closed,
-			     "producers_expected", i->producers_expected);
-}
-
 /* The end of a stream: @p type (EOFError, or BrokenPipeError with errno EPIPE) with libdlpc's
  * message. NULL. */
 static PyObject *raise_ended(PyObject *type)
@@ -86,7 +71,6 @@ PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwarg
 	unsigned long capacity = 0, producers = 0;
 	PyObject *d, *direct = Py_None;
 	const char *name;
-	dlpc_client *c;
 	int r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|kOk:_channel_open", kwlist, &name,
@@ -113,15 +97,10 @@ PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwarg
 	}
 	o.capacity = (uint32_t)capacity;
 	o.producers = (uint32_t)producers;
-	if (!(c = ipc_call_begin((ClientObject *)obj)))
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_open_opts(c, name, &o, &info);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_channel_open_opts(c, name, &o, &info));
 	if (r < 0)
 		return ipc_raise(r);
-	d = info_dict(&info);
+	d = ipc_channel_dict(&info);
 	if (d && PyDict_SetItemString(d, "created", r == 1 ? Py_True : Py_False) < 0)
 		Py_CLEAR(d);
 	return d;
@@ -131,16 +110,11 @@ PyObject *ipc_client_channel_remove(PyObject *obj, PyObject *args, PyObject *kwa
 {
 	static char *kwlist[] = {"name", NULL};
 	const char *name;
-	dlpc_client *c;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:_channel_remove", kwlist, &name) ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:_channel_remove", kwlist, &name))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_remove(c, name);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_channel_remove(c, name));
 	if (r < 0)
 		return ipc_raise(r);
 	Py_RETURN_NONE;
@@ -150,16 +124,12 @@ PyObject *ipc_client_channel_close(PyObject *obj, PyObject *args, PyObject *kwar
 {
 	static char *kwlist[] = {"name", "all", NULL};
 	const char *name;
-	dlpc_client *c;
 	int all = 0, r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|p:_channel_close", kwlist, &name, &all) ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|p:_channel_close", kwlist, &name, &all))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_close_flags(c, name, all ? DLPC_CHANNEL_CLOSE_ALL : 0);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r,
+		 dlpc_channel_close_flags(c, name, all ? DLPC_CHANNEL_CLOSE_ALL : 0));
 	if (r < 0)
 		return ipc_raise(r);
 	Py_RETURN_NONE;
@@ -170,51 +140,14 @@ PyObject *ipc_client_channel_stat(PyObject *obj, PyObject *args, PyObject *kwarg
 	static char *kwlist[] = {"name", NULL};
 	dlpc_channel_info info = {.size = sizeof(info)};
 	const char *name;
-	dlpc_client *c;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:_channel_stat", kwlist, &name) ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s:_channel_stat", kwlist, &name))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_stat(c, name, &info);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_channel_stat(c, name, &info));
 	if (r < 0)
 		return ipc_raise(r);
-	return info_dict(&info);
-}
-
-PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwargs)
-{
-	static char *kwlist[] = {"prefix", NULL};
-	const char *prefix = "";
-	dlpc_channel_info *v;
-	PyObject *list;
-	dlpc_client *c;
-	size_t n;
-	int r;
-
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|s:_channel_list", kwlist, &prefix) ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_list(c, prefix, &v, &n);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
-	if (r < 0)
-		return ipc_raise(r);
-	list = PyList_New((Py_ssize_t)n);
-	for (size_t i = 0; list && i < n; i++) {
-		PyObject *d = info_dict(&v[i]);
-
-		if (!d)
-			Py_CLEAR(list);
-		else
-			PyList_SetItem(list, (Py_ssize_t)i, d); /* steals d */
-	}
-	free(v);
-	return list;
+	return ipc_channel_dict(&info);
 }
 
 static int send_fn(dlpc_client *c, const char *name, size_t n, const char *const *keys,
@@ -234,7 +167,7 @@ static PyObject *send_objects(ClientObject *self, const char *name, Py_ssize_t n
 		.size = sizeof(o), .timeout_ms = ms, .flags = ms == 0 ? DLPC_SEND_NOWAIT : 0};
 	int r;
 
-	if (ipc_take_call(self, "send to channel", name, n, objs, keys, true, send_fn, &o, &r) < 0)
+	if (ipc_take_call(self, "send to channel", name, n, objs, keys, send_fn, &o, &r) < 0)
 		return NULL;
 	if (r == -EPIPE)
 		return raise_ended(PyExc_BrokenPipeError);
@@ -259,11 +192,8 @@ PyObject *ipc_client_send(PyObject *obj, PyObject *args, PyObject *kwargs)
 PyObject *ipc_client_send_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
 	static char *kwlist[] = {"name", "mapping", "timeout", NULL};
-	PyObject *mapping, *items = NULL, *res = NULL;
-	PyObject **objs = NULL;
-	const char **keys = NULL;
-	PyObject *timeout = Py_None;
-	const char *name;
+	PyObject *mapping, *items, *timeout = Py_None, **objs = NULL, *res = NULL;
+	const char *name, **keys = NULL;
 	Py_ssize_t n;
 	int64_t ms;
 
@@ -275,33 +205,15 @@ PyObject *ipc_client_send_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
 	if (!items)
 		return NULL;
 	n = PyList_Size(items);
-	if (n == 0 || n > DLPC_BUNDLE_MAX) {
+	if (n == 0 || n > DLPC_BUNDLE_MAX)
 		PyErr_Format(PyExc_ValueError,
 			     "cannot send to channel '%s': %zd tensors; a message holds 1 to %d",
 			     name, n, DLPC_BUNDLE_MAX);
-		goto out;
-	}
-	objs = PyMem_Calloc((size_t)n, sizeof(*objs));
-	keys = PyMem_Calloc((size_t)n, sizeof(*keys));
-	if (!objs || !keys) {
-		PyErr_NoMemory();
-		goto out;
-	}
-	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *kv = PyList_GetItem(items, i);
-		PyObject *k = PyTuple_GetItem(kv, 0);
-
-		/* valid while items holds the key */
-		keys[i] = ipc_bundle_key("send to channel", name, k);
-		if (!keys[i])
-			goto out;
-		objs[i] = PyTuple_GetItem(kv, 1);
-	}
-	res = send_objects((ClientObject *)obj, name, n, objs, keys, ms);
-out:
+	else if (ipc_bundle_split("send to channel", name, items, &keys, &objs) == 0)
+		res = send_objects((ClientObject *)obj, name, n, objs, keys, ms);
 	PyMem_Free(objs);
 	PyMem_Free(keys);
-	Py_XDECREF(items);
+	Py_DECREF(items);
 	return res;
 }
 
@@ -335,7 +247,6 @@ PyObject *ipc_client_recv(PyObject *obj, PyObject *args, PyObject *kwargs)
 	const char *name, *mode = "read";
 	int bundle = 0, r;
 	dlpc_bundle *b = NULL;
-	dlpc_client *c;
 	size_t i;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$Ozp:recv", kwlist, &name, &timeout,
@@ -352,13 +263,7 @@ PyObject *ipc_client_recv(PyObject *obj, PyObject *args, PyObject *kwargs)
 				    mode);
 	o.flags = modes[i].flags;
 	mode = modes[i].name;
-	if (!(c = ipc_call_begin((ClientObject *)obj)))
-		return NULL;
-	ipc_interruptible();
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_recv_bundle(c, name, &o, &b);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_recv_bundle(c, name, &o, &b));
 	if (r == -EPIPE)
 		return raise_ended(PyExc_EOFError);
 	if (r < 0)
@@ -403,20 +308,14 @@ PyObject *ipc_client_channel_empty(PyObject *obj, PyObject *args, PyObject *kwar
 	DLManagedTensorVersioned *t;
 	const char *name;
 	DLDataType dt;
-	dlpc_client *c;
 	int ndim, r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOO:_channel_empty", kwlist, &name,
 					 &shape_o, &dtype_o) ||
 	    ipc_dtype_parse(dtype_o, &dt) < 0 || (ndim = ipc_parse_shape(shape_o, shape)) < 0)
 		return NULL;
-	c = ipc_call_begin((ClientObject *)obj);
-	if (!c)
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_channel_alloc(c, name, dt, (int32_t)ndim, shape, &t);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r,
+		 dlpc_channel_alloc(c, name, dt, (int32_t)ndim, shape, &t));
 	if (r < 0)
 		return ipc_raise(r);
 	key = PyUnicode_FromString("");

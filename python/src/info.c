@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Client.list() and Client.stat(): what the daemon holds, as Python data. */
+/* Client._list(), _channel_list() and stat(): what the daemon holds, as Python data. */
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "dlpack_ipc.h"
 
@@ -45,34 +46,61 @@ static PyObject *entry_dict(const dlpc_entry_info *e)
 	return d;
 }
 
-PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs)
+PyObject *ipc_channel_dict(const dlpc_channel_info *i)
+{
+	return Py_BuildValue("{s:s,s:I,s:I,s:K,s:K,s:K,s:I,s:I,s:I,s:i,s:d,s:O,s:O,s:I,s:I,s:I}",
+			     "name", i->name, "capacity", i->capacity, "depth", i->depth,
+			     "bytes_queued", (unsigned long long)i->bytes_queued, "sent",
+			     (unsigned long long)i->sent, "received",
+			     (unsigned long long)i->received, "receivers_waiting",
+			     i->receivers_waiting, "senders_waiting", i->senders_waiting, "uid",
+			     i->owner_uid, "pid", i->owner_pid, "created", i->created_ns / 1e9,
+			     "direct", (i->flags & DLPC_CHANNEL_DIRECT) ? Py_True : Py_False,
+			     "ended", (i->flags & DLPC_CHANNEL_ENDED) ? Py_True : Py_False,
+			     "producers", i->producers, "producers_closed", i->producers_closed,
+			     "producers_expected", i->producers_expected);
+}
+
+/* _list() (LIST) or, @p channels, _channel_list() (LIST of channels): a list of dicts. */
+static PyObject *list_call(PyObject *obj, PyObject *args, PyObject *kwargs, bool channels)
 {
 	static char *kwlist[] = {"prefix", NULL};
 	const char *prefix = "";
-	dlpc_entry_info *v;
-	dlpc_client *c;
+	dlpc_channel_info *cv = NULL;
+	dlpc_entry_info *ev = NULL;
 	PyObject *list;
-	size_t n;
+	size_t n = 0;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|s:list", kwlist, &prefix) ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, channels ? "|s:_channel_list" : "|s:list",
+					 kwlist, &prefix))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_list(c, prefix, &v, &n);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r,
+		 channels ? dlpc_channel_list(c, prefix, &cv, &n) : dlpc_list(c, prefix, &ev, &n));
 	if (r < 0)
 		return ipc_raise(r);
 	list = PyList_New((Py_ssize_t)n);
 	for (size_t i = 0; list && i < n; i++) {
-		PyObject *d = entry_dict(&v[i]);
+		PyObject *d = channels ? ipc_channel_dict(&cv[i]) : entry_dict(&ev[i]);
 
-		if (!d || PyList_SetItem(list, (Py_ssize_t)i, d) < 0)
+		if (!d || PyList_SetItem(list, (Py_ssize_t)i, d) < 0) /* steals d */
 			Py_CLEAR(list);
 	}
-	dlpc_list_free(v, n);
+	if (channels)
+		free(cv);
+	else
+		dlpc_list_free(ev, n);
 	return list;
+}
+
+PyObject *ipc_client_list(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	return list_call(obj, args, kwargs, false);
+}
+
+PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwargs)
+{
+	return list_call(obj, args, kwargs, true);
 }
 
 /* The channel counters (protocol 1.6) added to the STAT dict @p d; @p d or NULL. */
@@ -100,17 +128,11 @@ static PyObject *add_channel_stats(PyObject *d, const dlpc_stats *s)
 
 PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 {
-	dlpc_client *c = ipc_call_begin((ClientObject *)obj);
 	dlpc_stats s = {.size = sizeof(s)};
 	int r;
 
 	(void)unused;
-	if (!c)
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_stat(c, &s);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_stat(c, &s));
 	if (r < 0)
 		return ipc_raise(r);
 	return add_channel_stats(

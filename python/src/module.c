@@ -1,422 +1,14 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * dlpack_ipc._core: the Client type over libdlpc and module setup (multi-phase init, heap types
- * in module state). Every call that may block releases the GIL. Attaching is in attach.c.
- *
- * A Client connects anew when its handle cannot serve: in a forked child (a new handle), and
- * (reconnect=True, as the module's default client is made) on the call after one that found the
- * connection lost, which libdlpc does itself (DLPC_CONNECT_RECONNECT). That call raised
- * ConnectionResetError; a call is never retried, since whether a lost request took effect is
- * unknown, except a waiting attach, which libdlpc asks again. Calls still running on a replaced
- * or closed handle keep it alive until the last of them ends (ipc_call_begin/ipc_call_end).
+ * in module state). Every call that may block releases the GIL (IPC_CALL()). The connection
+ * under a Client, and connecting anew, are in client.c; attaching is in attach.c.
  */
 #include <errno.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "dlpack_ipc.h"
-
-static struct PyModuleDef module_def;
-
-ipc_state *ipc_state_of_type(PyTypeObject *tp)
-{
-	/*
-	 * By definition, so that Python subclasses (dlpack_ipc.Client) find it too: the first
-	 * class in the MRO that this module made. (PyType_GetModuleByDef() does the same, but
-	 * enters the limited API only in 3.13.)
-	 */
-	PyObject *mro = PyObject_GetAttrString((PyObject *)tp, "__mro__");
-	ipc_state *st = NULL;
-	Py_ssize_t n = mro ? PyTuple_Size(mro) : -1;
-
-	for (Py_ssize_t i = 0; !st && i < n; i++) {
-		PyTypeObject *base = (PyTypeObject *)PyTuple_GetItem(mro, i);
-		PyObject *m;
-
-		if (!(PyType_GetFlags(base) & Py_TPFLAGS_HEAPTYPE))
-			continue;
-		m = PyType_GetModule(base);
-		if (!m)
-			PyErr_Clear(); /* a class made by Python code */
-		else if (PyModule_GetDef(m) == &module_def)
-			st = PyModule_GetState(m);
-	}
-	Py_XDECREF(mro);
-	if (!st && !PyErr_Occurred())
-		PyErr_Format(PyExc_TypeError, "%R is not a dlpack_ipc type", (PyObject *)tp);
-	return st;
-}
-
-/* A handle replaced (or closed) while calls were still running on it. */
-struct ipc_old_handle {
-	struct ipc_old_handle *next;
-	dlpc_client *c;
-	unsigned busy; /* calls still on c: the last one closes it */
-};
-
-/* Is @p r libdlpc's word that the connection is gone (dlpackd closed it: stopped, restarted)? */
-static bool conn_lost(int r)
-{
-	return r == -EPIPE || r == -ECONNRESET;
-}
-
-/*
- * Set once the interpreter shuts down: its atexit callbacks run before it finalizes, and from
- * then on no blocked call takes the GIL to run signal handlers. (Py_IsFinalizing() enters the
- * limited API only in 3.13.)
- */
-static atomic_bool finalizing;
-
-static PyObject *note_finalizing(PyObject *self, PyObject *unused)
-{
-	(void)self;
-	(void)unused;
-	atomic_store(&finalizing, true);
-	Py_RETURN_NONE;
-}
-
-static PyMethodDef note_finalizing_def = {"_note_finalizing", note_finalizing, METH_NOARGS, NULL};
-
-static int watch_finalizing(void)
-{
-	PyObject *atexit = PyImport_ImportModule("atexit"), *fn = NULL, *r = NULL;
-
-	if (atexit)
-		fn = PyCFunction_New(&note_finalizing_def, NULL);
-	if (fn)
-		r = PyObject_CallMethod(atexit, "register", "O", fn);
-	Py_XDECREF(r);
-	Py_XDECREF(fn);
-	Py_XDECREF(atexit);
-	return r ? 0 : -1;
-}
-
-/*
- * libdlpc's interrupt check (dlpc_set_interrupt()) for a thread blocked in a call without the
- * GIL: it takes the GIL and runs the Python signal handlers due. One that raises (Ctrl-C's
- * KeyboardInterrupt) ends the call with -EINTR, its exception left set for the caller to
- * return; one that does not lets the call go on waiting, as Python does for system calls.
- */
-static int interrupt_check(void *arg)
-{
-	PyGILState_STATE g;
-	int stop;
-
-	(void)arg;
-	if (atomic_load(&finalizing))
-		return 0;
-	g = PyGILState_Ensure();
-	stop = PyErr_CheckSignals() < 0;
-	PyGILState_Release(g);
-	return stop;
-}
-
-/* The thread Python runs signal handlers on (threading.main_thread()); 0: not known. */
-static unsigned long main_thread;
-
-static int find_main_thread(void)
-{
-	PyObject *threading, *t = NULL, *ident = NULL;
-
-	threading = PyImport_ImportModule("threading");
-	if (threading)
-		t = PyObject_CallMethod(threading, "main_thread", NULL);
-	if (t)
-		ident = PyObject_GetAttrString(t, "ident");
-	if (ident)
-		main_thread = PyLong_AsUnsignedLong(ident);
-	Py_XDECREF(ident);
-	Py_XDECREF(t);
-	Py_XDECREF(threading);
-	return PyErr_Occurred() ? -1 : 0;
-}
-
-/* In a child forked from another thread, that thread is the main one (os.register_at_fork). */
-static PyObject *after_fork_in_child(PyObject *self, PyObject *unused)
-{
-	(void)self;
-	(void)unused;
-	main_thread = PyThread_get_thread_ident();
-	Py_RETURN_NONE;
-}
-
-static PyMethodDef after_fork_def = {"_after_fork_in_child", after_fork_in_child, METH_NOARGS,
-				     NULL};
-
-static int follow_main_thread_across_fork(void)
-{
-	PyObject *os = PyImport_ImportModule("os"), *reg = NULL, *fn = NULL, *kw = NULL,
-		 *args = NULL, *r = NULL;
-
-	if (os)
-		reg = PyObject_GetAttrString(os, "register_at_fork");
-	if (reg)
-		fn = PyCFunction_New(&after_fork_def, NULL);
-	if (fn)
-		kw = Py_BuildValue("{s:O}", "after_in_child", fn);
-	if (kw)
-		args = PyTuple_New(0);
-	if (args)
-		r = PyObject_Call(reg, args, kw);
-	Py_XDECREF(r);
-	Py_XDECREF(args);
-	Py_XDECREF(kw);
-	Py_XDECREF(fn);
-	Py_XDECREF(reg);
-	Py_XDECREF(os);
-	return r ? 0 : -1;
-}
-
-/*
- * Only the main thread runs signal handlers, so only its calls get the check: another thread's
- * would take the GIL every DLPC_INTERRUPT_CHECK_MS for nothing, and could be caught taking it
- * while the interpreter shuts down.
- */
-void ipc_interruptible(void)
-{
-	bool main = main_thread && PyThread_get_thread_ident() == main_thread;
-
-	dlpc_set_interrupt(main ? interrupt_check : NULL, NULL);
-}
-
-/*
- * libdlpc's (and dlpackd's) message @p msg in Python's words: the C spellings of what a Python
- * caller says otherwise are replaced by the Python ones. Decoded leniently (a message cut at
- * its length limit may end inside a character). A new reference, or NULL with an exception.
- */
-static PyObject *python_text(const char *msg)
-{
-	static const char *const words[][2] = {
-		{"publish with REPLACE", "publish with replace=True"},
-		{"attach it as a bundle", "attach it with attach_dict()"},
-		{"dlpc_alloc_bundle: ", "empty_dict(): "},
-		{"dlpc_alloc: ", "empty(): "},
-		{"(dlpc_close() or dlpc_cancel())", "(Client.close())"},
-	};
-	PyObject *text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "replace");
-
-	for (size_t i = 0; text && i < sizeof(words) / sizeof(words[0]); i++) {
-		PyObject *from, *to, *t;
-
-		if (!strstr(msg, words[i][0]))
-			continue;
-		from = PyUnicode_FromString(words[i][0]);
-		to = PyUnicode_FromString(words[i][1]);
-		t = from && to ? PyUnicode_Replace(text, from, to, -1) : NULL;
-		Py_XDECREF(from);
-		Py_XDECREF(to);
-		Py_DECREF(text);
-		text = t;
-	}
-	return text;
-}
-
-PyObject *ipc_raise(int err)
-{
-	const char *msg = dlpc_last_error();
-	PyObject *text, *args;
-
-	/* libdlpc's interrupt check ran a signal handler that raised: that exception is the one
-	 * to see, whatever the call then returned */
-	if (PyErr_Occurred())
-		return NULL;
-	text = python_text(msg);
-	if (!text)
-		return NULL;
-	if (conn_lost(err)) {
-		/* One error whatever the timing: whether a write found the socket closed (EPIPE)
-		 * or a read did (ECONNRESET) is a race, and means the same to the caller. (A
-		 * watch's message says so already.) */
-		args = Py_BuildValue(
-			"(iN)", ECONNRESET,
-			strstr(msg, "dlpackd closed the connection")
-				? Py_NewRef(text)
-				: PyUnicode_FromFormat("dlpackd closed the connection (%U)", text));
-		if (args) {
-			PyErr_SetObject(PyExc_OSError, args);
-			Py_DECREF(args);
-		}
-		Py_DECREF(text);
-		return NULL;
-	}
-
-	switch (err) {
-	case -ENOMEM:
-		Py_DECREF(text);
-		return PyErr_NoMemory();
-	case -EINVAL:
-		PyErr_SetObject(PyExc_ValueError, text);
-		Py_DECREF(text);
-		return NULL;
-	case -ENOTSUP:
-		PyErr_SetObject(PyExc_BufferError, text);
-		Py_DECREF(text);
-		return NULL;
-	}
-	/* OSError(errno, text) picks the subclass: FileNotFoundError, TimeoutError, ... */
-	args = Py_BuildValue("(iN)", -err, text);
-	if (args) {
-		PyErr_SetObject(PyExc_OSError, args);
-		Py_DECREF(args);
-	}
-	return NULL;
-}
-
-static int connect_to(const char *path, bool reconnect, dlpc_client **c)
-{
-	uint32_t flags = reconnect ? DLPC_CONNECT_RECONNECT : 0;
-	int r;
-
-	ipc_interruptible();
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_connect_flags(path, flags, c);
-	Py_END_ALLOW_THREADS
-	if (r < 0) {
-		ipc_raise(r);
-		return -1;
-	}
-	return 0;
-}
-
-/* Bumped in each forked child; a Client made under another value belongs to a parent. (Cheaper
- * than a getpid() system call on every call.) */
-static unsigned fork_gen;
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-
-static void after_fork_child(void)
-{
-	__atomic_add_fetch(&fork_gen, 1, __ATOMIC_RELAXED);
-}
-
-static void atfork_register(void)
-{
-	pthread_atfork(NULL, NULL, after_fork_child);
-}
-
-static unsigned current_fork_gen(void)
-{
-	return __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
-}
-
-/*
- * Give up the handle @p c, which @p busy calls still use: the last of them closes it, or it is
- * closed now if none does. With the GIL.
- */
-static void retire(ClientObject *self, dlpc_client *c, unsigned busy)
-{
-	struct ipc_old_handle *o;
-
-	if (!busy) {
-		dlpc_close(c);
-		return;
-	}
-	o = malloc(sizeof(*o));
-	/* out of memory: leak the handle rather than free it under a running call */
-	if (!o)
-		return;
-	*o = (struct ipc_old_handle){.next = self->old, .c = c, .busy = busy};
-	self->old = o;
-}
-
-/* Forget the replaced handles of a parent process without touching them (see replace()). */
-static void forget_old(ClientObject *self)
-{
-	while (self->old) {
-		struct ipc_old_handle *o = self->old;
-
-		self->old = o->next;
-		free(o);
-	}
-}
-
-/*
- * Connect anew and make the new handle the one later calls use. The GIL is released while
- * connecting, so another thread may replace the handle, or close the Client, meanwhile: the
- * first to finish wins. Returns 0, or -1 with an exception set: the old handle then stays (still
- * lost, for a reconnect) and the next call tries again.
- */
-static int replace(ClientObject *self)
-{
-	unsigned epoch = self->epoch, gen = current_fork_gen();
-	dlpc_client *c;
-
-	if (connect_to(self->path, self->reconnect, &c) < 0)
-		return -1;
-	if (!self->c || self->epoch != epoch) {
-		dlpc_close(c);
-		if (!self->c) {
-			PyErr_SetString(PyExc_ValueError, "the Client is closed");
-			return -1;
-		}
-		return 0;
-	}
-	if (self->fork_gen != gen) {
-		/* A forked child: the parent's handles are not ours to use or free (their
-		 * mutexes may be held by parent threads that do not exist here; libdlpc already
-		 * closed their sockets here). Their memory stays. */
-		forget_old(self);
-	} else {
-		retire(self, self->c, self->busy);
-	}
-	self->c = c;
-	self->busy = 0;
-	self->fork_gen = gen;
-	self->epoch++;
-	return 0;
-}
-
-dlpc_client *ipc_client(ClientObject *self)
-{
-	if (!self->c) {
-		PyErr_SetString(PyExc_ValueError, "the Client is closed");
-		return NULL;
-	}
-	/* after a lost connection libdlpc connects anew itself (DLPC_CONNECT_RECONNECT) */
-	if (self->fork_gen != current_fork_gen() && replace(self) < 0)
-		return NULL;
-	return self->c;
-}
-
-/*
- * Begin a call on the connection: the handle stays valid until ipc_call_end(), even if another
- * thread (or Python code run by __dlpack__) closes the Client, or replaces its handle,
- * meanwhile. With the GIL held.
- */
-dlpc_client *ipc_call_begin(ClientObject *self)
-{
-	dlpc_client *c = ipc_client(self);
-
-	ipc_interruptible();
-	if (c)
-		self->busy++;
-	return c;
-}
-
-/* End a call begun with ipc_call_begin() on @p c, which returned @p r. With the GIL. */
-void ipc_call_end(ClientObject *self, dlpc_client *c, int r)
-{
-	struct ipc_old_handle **pp, *o;
-
-	(void)r;
-	if (c == self->c) {
-		self->busy--;
-		return;
-	}
-	for (pp = &self->old; (o = *pp); pp = &o->next) {
-		if (o->c != c)
-			continue;
-		if (--o->busy == 0) {
-			*pp = o->next;
-			dlpc_close(c);
-			free(o);
-		}
-		return;
-	}
-	/* not found: a call begun in the parent process, ending in a forked child */
-}
 
 static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
@@ -441,27 +33,7 @@ static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 			return -1;
 		}
 	}
-	pthread_once(&atfork_once, atfork_register);
-	self->fork_gen = current_fork_gen();
-	if (connect_to(self->path, self->reconnect, &self->c) < 0)
-		return -1;
-	self->busy = 0;
-	self->epoch++;
-	return 0;
-}
-
-static void client_close_now(ClientObject *self)
-{
-	/* in a forked child the handles are the parent's: leave them alone */
-	if (self->c && self->fork_gen == current_fork_gen()) {
-		/* threads blocked in calls on it (an attach that waits forever) return at once */
-		if (self->busy)
-			dlpc_cancel(self->c);
-		retire(self, self->c, self->busy);
-	}
-	self->c = NULL;
-	self->busy = 0;
-	self->epoch++;
+	return ipc_client_connect(self);
 }
 
 static void client_dealloc(PyObject *obj)
@@ -469,12 +41,7 @@ static void client_dealloc(PyObject *obj)
 	ClientObject *self = (ClientObject *)obj;
 	PyTypeObject *tp = Py_TYPE(obj);
 
-	client_close_now(self);
-	/* no call runs on a Client being freed (each holds a reference), so none is on these */
-	if (self->fork_gen == current_fork_gen())
-		for (struct ipc_old_handle *o = self->old; o; o = o->next)
-			dlpc_close(o->c);
-	forget_old(self);
+	ipc_client_release(self);
 	free(self->path);
 	((freefunc)PyType_GetSlot(tp, Py_tp_free))(obj);
 	Py_DECREF(tp);
@@ -483,21 +50,8 @@ static void client_dealloc(PyObject *obj)
 static PyObject *client_close(PyObject *obj, PyObject *unused)
 {
 	(void)unused;
-	client_close_now((ClientObject *)obj);
+	ipc_client_close((ClientObject *)obj);
 	Py_RETURN_NONE;
-}
-
-static PyObject *client_enter(PyObject *obj, PyObject *unused)
-{
-	(void)unused;
-	return Py_NewRef(obj);
-}
-
-static PyObject *client_exit(PyObject *obj, PyObject *args)
-{
-	(void)args;
-	client_close_now((ClientObject *)obj);
-	Py_RETURN_FALSE;
 }
 
 /* "cpu", "cuda" or "cuda:N" as a DLDevice. 0, or -1 with ValueError. */
@@ -524,40 +78,6 @@ static int parse_device(const char *device, DLDevice *dev)
 	return 0;
 }
 
-/* An int or a sequence of ints >= 0 into @p shape (DLPC_NDIM_MAX of them at most). The number
- * of dimensions, or -1 with an exception. */
-int ipc_parse_shape(PyObject *shape_o, int64_t shape[DLPC_NDIM_MAX])
-{
-	PyObject *seq = PyLong_Check(shape_o)
-				? PyTuple_Pack(1, shape_o)
-				: PySequence_Fast(shape_o, "shape must be a sequence of ints");
-	Py_ssize_t ndim;
-
-	if (!seq)
-		return -1;
-	ndim = PySequence_Size(seq);
-	if (ndim > DLPC_NDIM_MAX) {
-		Py_DECREF(seq);
-		PyErr_Format(PyExc_ValueError, "shape has %zd dimensions; at most %d", ndim,
-			     DLPC_NDIM_MAX);
-		return -1;
-	}
-	for (Py_ssize_t i = 0; i < ndim; i++) {
-		PyObject *extent = PySequence_GetItem(seq, i);
-
-		shape[i] = extent ? PyLong_AsLongLong(extent) : -1;
-		Py_XDECREF(extent);
-		if (shape[i] < 0 && !PyErr_Occurred())
-			PyErr_SetString(PyExc_ValueError, "shape extents must be >= 0");
-		if (PyErr_Occurred()) {
-			Py_DECREF(seq);
-			return -1;
-		}
-	}
-	Py_DECREF(seq);
-	return (int)ndim;
-}
-
 static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
 	static char *kwlist[] = {"shape", "dtype", "device", NULL};
@@ -568,7 +88,6 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	int64_t shape[DLPC_NDIM_MAX];
 	DLManagedTensorVersioned *t;
 	DLDataType dt;
-	dlpc_client *c;
 	int ndim, r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|s:empty", kwlist, &shape_o, &dtype_o,
@@ -577,13 +96,7 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	if (parse_device(device, &dev) < 0 || ipc_dtype_parse(dtype_o, &dt) < 0 ||
 	    (ndim = ipc_parse_shape(shape_o, shape)) < 0)
 		return NULL;
-	c = ipc_call_begin((ClientObject *)obj);
-	if (!c)
-		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_alloc(c, dev, dt, (int32_t)ndim, shape, &t);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
+	IPC_CALL((ClientObject *)obj, c, r, dlpc_alloc(c, dev, dt, (int32_t)ndim, shape, &t));
 	if (r < 0)
 		return ipc_raise(r);
 	key = PyUnicode_FromString("");
@@ -596,6 +109,98 @@ static PyObject *client_empty(PyObject *obj, PyObject *args, PyObject *kwargs)
 	return res;
 }
 
+/* The spec of empty_dict() as dlpc_alloc_bundle() takes it. */
+struct bundle_spec {
+	PyObject *items; /* the spec's (key, (shape, dtype)) pairs */
+	size_t n;
+	DLDataType *dtypes;
+	int32_t *ndims;
+	int64_t (*dims)[DLPC_NDIM_MAX];
+	const int64_t **shapes; /* shapes[i] is dims[i] */
+	DLManagedTensorVersioned **ts;
+};
+
+static void spec_free(struct bundle_spec *b)
+{
+	Py_XDECREF(b->items);
+	free(b->dtypes);
+	free(b->ndims);
+	free(b->dims);
+	free(b->shapes);
+	free(b->ts);
+}
+
+/* Check @p spec (a dict of key: (shape, dtype)) and fill @p b from it. 0, or -1 with an
+ * exception; either way spec_free() frees @p b. */
+static int spec_parse(PyObject *spec, struct bundle_spec *b)
+{
+	Py_ssize_t n;
+
+	if (!PyDict_Check(spec)) {
+		PyObject *type = PyType_GetQualName(Py_TYPE(spec));
+
+		if (type)
+			PyErr_Format(PyExc_TypeError,
+				     "spec must be a dict of key: (shape, dtype), not %U", type);
+		Py_XDECREF(type);
+		return -1;
+	}
+	b->items = PyDict_Items(spec);
+	if (!b->items)
+		return -1;
+	n = PyList_Size(b->items);
+	if (n < 1 || n > DLPC_BUNDLE_MAX) {
+		PyErr_Format(PyExc_ValueError, "spec has %zd tensors; 1 to %d", n, DLPC_BUNDLE_MAX);
+		return -1;
+	}
+	b->n = (size_t)n;
+	b->dtypes = calloc(b->n, sizeof(*b->dtypes));
+	b->ndims = calloc(b->n, sizeof(*b->ndims));
+	b->dims = calloc(b->n, sizeof(*b->dims));
+	b->shapes = calloc(b->n, sizeof(*b->shapes));
+	b->ts = calloc(b->n, sizeof(*b->ts));
+	if (!b->dtypes || !b->ndims || !b->dims || !b->shapes || !b->ts) {
+		PyErr_NoMemory();
+		return -1;
+	}
+	for (size_t i = 0; i < b->n; i++) {
+		PyObject *kv = PyList_GetItem(b->items, (Py_ssize_t)i), *k = PyTuple_GetItem(kv, 0),
+			 *v = PyTuple_GetItem(kv, 1);
+
+		if (!PyUnicode_Check(k) || !PyTuple_Check(v) || PyTuple_Size(v) != 2) {
+			PyErr_Format(PyExc_TypeError,
+				     "spec must map str keys to (shape, dtype) tuples; %R is not",
+				     k);
+			return -1;
+		}
+		if (ipc_dtype_parse(PyTuple_GetItem(v, 1), &b->dtypes[i]) < 0 ||
+		    (b->ndims[i] = ipc_parse_shape(PyTuple_GetItem(v, 0), b->dims[i])) < 0)
+			return -1;
+		b->shapes[i] = b->dims[i];
+	}
+	return 0;
+}
+
+/* The tensors allocated for @p b as a dict of SharedTensor by key; each tensor goes into one,
+ * or is let go here. NULL with an exception. */
+static PyObject *spec_tensors(ipc_state *st, struct bundle_spec *b)
+{
+	PyObject *res = PyDict_New();
+
+	for (size_t i = 0; i < b->n; i++) {
+		PyObject *k = PyTuple_GetItem(PyList_GetItem(b->items, (Py_ssize_t)i), 0);
+		PyObject *t = res ? ipc_tensor_new(st, b->ts[i], Py_None, k, 0, true) : NULL;
+
+		if (!res)
+			b->ts[i]->deleter(b->ts[i]);
+		if (res && (!t || PyDict_SetItem(res, k, t) < 0))
+			Py_CLEAR(res);
+		Py_XDECREF(t);
+		b->ts[i] = NULL;
+	}
+	return res;
+}
+
 /*
  * empty_dict({key: (shape, dtype), ...}, device): the tensors of a bundle in one allocation
  * (dlpc_alloc_bundle()), as a dict of SharedTensor in the mapping's order; publish_dict() of
@@ -605,94 +210,25 @@ static PyObject *client_empty_dict(PyObject *obj, PyObject *args, PyObject *kwar
 {
 	static char *kwlist[] = {"spec", "device", NULL};
 	ipc_state *st = ipc_state_of_type(Py_TYPE(obj));
-	PyObject *spec, *items, *res = NULL;
+	struct bundle_spec b = {0};
 	const char *device = "cpu";
-	DLManagedTensorVersioned **ts = NULL;
-	const int64_t **shapes = NULL;
-	int64_t(*dims)[DLPC_NDIM_MAX] = NULL;
-	DLDataType *dtypes = NULL;
-	int32_t *ndims = NULL;
-	Py_ssize_t n;
+	PyObject *spec, *res = NULL;
 	DLDevice dev;
-	dlpc_client *c;
 	int r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|s:empty_dict", kwlist, &spec, &device))
 		return NULL;
 	if (parse_device(device, &dev) < 0)
 		return NULL;
-	if (!PyDict_Check(spec)) {
-		PyObject *type = PyType_GetQualName(Py_TYPE(spec));
-
-		if (type)
-			PyErr_Format(PyExc_TypeError,
-				     "spec must be a dict of key: (shape, dtype), not %U", type);
-		Py_XDECREF(type);
-		return NULL;
+	if (spec_parse(spec, &b) == 0) {
+		IPC_CALL((ClientObject *)obj, c, r,
+			 dlpc_alloc_bundle(c, dev, b.n, b.dtypes, b.ndims, b.shapes, b.ts));
+		if (r < 0)
+			ipc_raise(r);
+		else
+			res = spec_tensors(st, &b);
 	}
-	items = PyDict_Items(spec);
-	if (!items)
-		return NULL;
-	n = PyList_Size(items);
-	if (n < 1 || n > DLPC_BUNDLE_MAX) {
-		PyErr_Format(PyExc_ValueError, "spec has %zd tensors; 1 to %d", n, DLPC_BUNDLE_MAX);
-		goto out;
-	}
-	ts = calloc((size_t)n, sizeof(*ts));
-	shapes = calloc((size_t)n, sizeof(*shapes));
-	dims = calloc((size_t)n, sizeof(*dims));
-	dtypes = calloc((size_t)n, sizeof(*dtypes));
-	ndims = calloc((size_t)n, sizeof(*ndims));
-	if (!ts || !shapes || !dims || !dtypes || !ndims) {
-		PyErr_NoMemory();
-		goto out;
-	}
-	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *kv = PyList_GetItem(items, i), *k = PyTuple_GetItem(kv, 0),
-			 *v = PyTuple_GetItem(kv, 1);
-
-		if (!PyUnicode_Check(k) || !PyTuple_Check(v) || PyTuple_Size(v) != 2) {
-			PyErr_Format(PyExc_TypeError,
-				     "spec must map str keys to (shape, dtype) tuples; %R is not",
-				     k);
-			goto out;
-		}
-		if (ipc_dtype_parse(PyTuple_GetItem(v, 1), &dtypes[i]) < 0 ||
-		    (ndims[i] = ipc_parse_shape(PyTuple_GetItem(v, 0), dims[i])) < 0)
-			goto out;
-		shapes[i] = dims[i];
-	}
-	c = ipc_call_begin((ClientObject *)obj);
-	if (!c)
-		goto out;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_alloc_bundle(c, dev, (size_t)n, dtypes, ndims, shapes, ts);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
-	if (r < 0) {
-		ipc_raise(r);
-		goto out;
-	}
-	res = PyDict_New();
-	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *k = PyTuple_GetItem(PyList_GetItem(items, i), 0);
-		/* each tensor goes into a SharedTensor, or is let go here */
-		PyObject *t = res ? ipc_tensor_new(st, ts[i], Py_None, k, 0, true) : NULL;
-
-		if (!res)
-			ts[i]->deleter(ts[i]);
-		if (res && (!t || PyDict_SetItem(res, k, t) < 0))
-			Py_CLEAR(res);
-		Py_XDECREF(t);
-		ts[i] = NULL;
-	}
-out:
-	Py_DECREF(items);
-	free(ts);
-	free(shapes);
-	free(dims);
-	free(dtypes);
-	free(ndims);
+	spec_free(&b);
 	return res;
 }
 
@@ -719,29 +255,15 @@ static PyObject *client_unpublish(PyObject *obj, PyObject *args, PyObject *kwarg
 	PyObject *gen_o = Py_None, *created_o = Py_None;
 	long long gen, created;
 	const char *name;
-	dlpc_client *c;
 	int r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$OO:unpublish", kwlist, &name, &gen_o,
 					 &created_o) ||
 	    expected_arg(gen_o, "generation", &gen) < 0 ||
-	    expected_arg(created_o, "created_ns", &created) < 0 ||
-	    !(c = ipc_call_begin((ClientObject *)obj)))
+	    expected_arg(created_o, "created_ns", &created) < 0)
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	r = dlpc_unpublish_if(c, name, (uint64_t)gen, (int64_t)created);
-	Py_END_ALLOW_THREADS
-	ipc_call_end((ClientObject *)obj, c, r);
-	if (r == -ENOTSUP) {
-		/* a daemon before protocol 1.11: OSError, not the BufferError of a device */
-		PyObject *e = Py_BuildValue("(is)", ENOTSUP, dlpc_last_error());
-
-		if (e) {
-			PyErr_SetObject(PyExc_OSError, e);
-			Py_DECREF(e);
-		}
-		return NULL;
-	}
+	IPC_CALL((ClientObject *)obj, c, r,
+		 dlpc_unpublish_if(c, name, (uint64_t)gen, (int64_t)created));
 	if (r < 0)
 		return ipc_raise(r);
 	Py_RETURN_NONE;
@@ -749,17 +271,15 @@ static PyObject *client_unpublish(PyObject *obj, PyObject *args, PyObject *kwarg
 
 static PyObject *client_last_published(PyObject *obj, PyObject *unused)
 {
+	dlpc_client *c = ipc_client((ClientObject *)obj);
 	uint64_t gen;
 	int64_t created;
-	dlpc_client *c;
-	int r;
 
 	(void)unused;
-	if (!(c = ipc_call_begin((ClientObject *)obj)))
+	/* the GIL is kept: nothing closes or replaces the handle meanwhile */
+	if (!c)
 		return NULL;
-	r = dlpc_last_published(c, &gen, &created);
-	ipc_call_end((ClientObject *)obj, c, r);
-	if (r < 0)
+	if (dlpc_last_published(c, &gen, &created) < 0)
 		Py_RETURN_NONE;
 	return Py_BuildValue("(KL)", (unsigned long long)gen, (long long)created);
 }
@@ -809,12 +329,10 @@ static PyMethodDef client_methods[] = {
 	 "generation, created_ns: remove it only if it still is that entry (EntryInfo's fields),\n"
 	 "checked and removed in one step by the daemon; otherwise OSError with errno ESTALE and\n"
 	 "nothing changes. A generation starts again at 1 once a name is freed: created_ns\n"
-	 "tells the entry meant from one published anew. A daemon before protocol 1.11 cannot\n"
-	 "check: OSError ENOTSUP."},
+	 "tells the entry meant from one published anew."},
 	{"_last_published", FN(client_last_published), METH_NOARGS,
 	 "_last_published($self, /)\n--\n\n"
-	 "(generation, created_ns) of this thread's last publish on this client, or None;\n"
-	 "created_ns is 0 from a daemon before protocol 1.11."},
+	 "(generation, created_ns) of this thread's last publish on this client, or None."},
 	{"_list", FN(ipc_client_list), KW, "_list($self, /, prefix='')\n--\n\nLIST, as dicts."},
 	{"_channel_open", FN(ipc_client_channel_open), KW,
 	 "_channel_open($self, /, name, capacity=0, direct=None, producers=0)\n--\n\nOpen "
@@ -847,8 +365,6 @@ static PyMethodDef client_methods[] = {
 	 "close($self, /)\n--\n\n"
 	 "Close the connection. A call waiting on it in another thread raises "
 	 "OSError(ECANCELED); later calls raise ValueError. Closing twice does nothing."},
-	{"__enter__", client_enter, METH_NOARGS, NULL},
-	{"__exit__", client_exit, METH_VARARGS, NULL},
 	{NULL},
 };
 
@@ -857,10 +373,7 @@ static PyObject *client_reconnects(PyObject *obj, void *unused)
 	ClientObject *self = (ClientObject *)obj;
 
 	(void)unused;
-	/* a closed Client, or one not yet used in a forked child, has connected anew 0 times */
-	if (!self->c || self->fork_gen != current_fork_gen())
-		return PyLong_FromLong(0);
-	return PyLong_FromUnsignedLongLong(dlpc_reconnects(self->c));
+	return PyLong_FromUnsignedLongLong(ipc_client_reconnects(self));
 }
 
 static PyGetSetDef client_getset[] = {
@@ -892,8 +405,7 @@ static int module_exec(PyObject *m)
 {
 	ipc_state *st = PyModule_GetState(m);
 
-	if (find_main_thread() < 0 || follow_main_thread_across_fork() < 0 ||
-	    watch_finalizing() < 0)
+	if (ipc_calls_setup() < 0)
 		return -1;
 	st->client_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &client_spec, NULL);
 	st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ipc_tensor_spec, NULL);
@@ -955,5 +467,6 @@ PyMODINIT_FUNC PyInit__core(void);
 
 PyMODINIT_FUNC PyInit__core(void)
 {
+	ipc_state_def = &module_def;
 	return PyModuleDef_Init(&module_def);
 }

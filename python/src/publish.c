@@ -79,8 +79,8 @@ static int refuse_mapping(const char *verb, const char *name, PyObject *obj)
 }
 
 int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssize_t n,
-		  PyObject *const *objs, const char *const *keys, bool interruptible,
-		  ipc_tensors_fn fn, void *arg, int *ret)
+		  PyObject *const *objs, const char *const *keys, ipc_tensors_fn fn, void *arg,
+		  int *ret)
 {
 	struct ipc_taken **taken;
 	DLManagedTensorVersioned **tensors;
@@ -115,8 +115,6 @@ int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssi
 		 * ipc_taken_finish() */
 		for (Py_ssize_t i = 0; i < n; i++)
 			tensors[i] = ipc_taken_tensor(taken[i]);
-		if (interruptible)
-			ipc_interruptible();
 		Py_BEGIN_ALLOW_THREADS
 		r = fn(c, name, (size_t)n, keys, tensors, arg);
 		Py_END_ALLOW_THREADS
@@ -177,7 +175,7 @@ static PyObject *publish_objects(ClientObject *self, const char *name, Py_ssize_
 {
 	int r;
 
-	if (ipc_take_call(self, "publish", name, n, objs, keys, false, publish_fn, &flags, &r) < 0)
+	if (ipc_take_call(self, "publish", name, n, objs, keys, publish_fn, &flags, &r) < 0)
 		return NULL;
 	if (r < 0)
 		return ipc_raise(r);
@@ -220,6 +218,29 @@ PyObject *ipc_mapping_items(const char *verb, const char *name, PyObject *mappin
 	return NULL;
 }
 
+int ipc_bundle_split(const char *verb, const char *name, PyObject *items, const char ***keys,
+		     PyObject ***objs)
+{
+	Py_ssize_t n = PyList_Size(items);
+
+	*keys = PyMem_Calloc((size_t)n, sizeof(**keys));
+	*objs = PyMem_Calloc((size_t)n, sizeof(**objs));
+	if (!*keys || !*objs) {
+		PyErr_NoMemory();
+		return -1;
+	}
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *kv = PyList_GetItem(items, i);
+
+		/* valid while items holds the key */
+		(*keys)[i] = ipc_bundle_key(verb, name, PyTuple_GetItem(kv, 0));
+		if (!(*keys)[i])
+			return -1;
+		(*objs)[i] = PyTuple_GetItem(kv, 1);
+	}
+	return 0;
+}
+
 PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
 	static char *kwlist[] = {"name", "mapping", "replace", "ephemeral", "writable", NULL};
@@ -235,29 +256,11 @@ PyObject *ipc_client_publish_dict(PyObject *obj, PyObject *args, PyObject *kwarg
 	if (!items)
 		return NULL;
 	n = PyList_Size(items);
-	if (n == 0) {
+	if (n == 0)
 		PyErr_SetString(PyExc_ValueError, "cannot publish an empty mapping");
-		goto out;
-	}
-	keys = PyMem_Calloc((size_t)n, sizeof(*keys));
-	objs = PyMem_Calloc((size_t)n, sizeof(*objs));
-	if (!keys || !objs) {
-		PyErr_NoMemory();
-		goto out;
-	}
-	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *kv = PyList_GetItem(items, i);
-		PyObject *k = PyTuple_GetItem(kv, 0);
-
-		/* valid while items holds the key */
-		keys[i] = ipc_bundle_key("publish", name, k);
-		if (!keys[i])
-			goto out;
-		objs[i] = PyTuple_GetItem(kv, 1);
-	}
-	r = publish_objects((ClientObject *)obj, name, n, objs, keys,
-			    publish_flags(replace, ephemeral, writable));
-out:
+	else if (ipc_bundle_split("publish", name, items, &keys, &objs) == 0)
+		r = publish_objects((ClientObject *)obj, name, n, objs, keys,
+				    publish_flags(replace, ephemeral, writable));
 	PyMem_Free(keys);
 	PyMem_Free(objs);
 	Py_DECREF(items);

@@ -454,30 +454,42 @@ static bool refused(void)
 }
 
 /*
+ * Is @p obj an instance of @p attr of the module @p module? 1 yes, 0 no, -1 with an exception.
+ * Costs nothing where @p module was never imported; 0 while it is still being imported (and has
+ * no @p attr yet).
+ */
+static int instance_of_imported(PyObject *obj, const char *module, const char *attr)
+{
+	PyObject *name = PyUnicode_FromString(module), *m, *type;
+	int r;
+
+	if (!name)
+		return -1;
+	m = PyImport_GetModule(name);
+	Py_DECREF(name);
+	if (!m)
+		return PyErr_Occurred() ? -1 : 0;
+	type = PyObject_GetAttrString(m, attr);
+	Py_DECREF(m);
+	if (!type) {
+		PyErr_Clear();
+		return 0;
+	}
+	r = PyObject_IsInstance(obj, type);
+	Py_DECREF(type);
+	return r;
+}
+
+/*
  * Is @p obj a torch tensor with its negative bit set (a view such as x.conj().imag)? torch
  * exports those through DLPack without applying the bit: the values would come out negated.
  * 1 yes, 0 no, -1 with an exception. Costs nothing where torch was never imported.
  */
 static int torch_negative(PyObject *obj)
 {
-	PyObject *name = PyUnicode_FromString("torch"), *torch, *tensor_type, *neg;
-	int r;
+	PyObject *neg;
+	int r = instance_of_imported(obj, "torch", "Tensor");
 
-	if (!name)
-		return -1;
-	torch = PyImport_GetModule(name);
-	Py_DECREF(name);
-	if (!torch)
-		return PyErr_Occurred() ? -1 : 0;
-	tensor_type = PyObject_GetAttrString(torch, "Tensor");
-	Py_DECREF(torch);
-	if (!tensor_type) {
-		/* a torch still being imported */
-		PyErr_Clear();
-		return 0;
-	}
-	r = PyObject_IsInstance(obj, tensor_type);
-	Py_DECREF(tensor_type);
 	if (r <= 0)
 		return r;
 	neg = PyObject_CallMethod(obj, "is_neg", NULL);
@@ -531,25 +543,7 @@ static int take_stand_in(struct ipc_taken *tk, PyObject *obj)
  */
 static int numpy_scalar(PyObject *obj)
 {
-	PyObject *name = PyUnicode_FromString("numpy"), *np, *generic;
-	int r;
-
-	if (!name)
-		return -1;
-	np = PyImport_GetModule(name);
-	Py_DECREF(name);
-	if (!np)
-		return PyErr_Occurred() ? -1 : 0;
-	generic = PyObject_GetAttrString(np, "generic");
-	Py_DECREF(np);
-	if (!generic) {
-		/* a numpy still being imported */
-		PyErr_Clear();
-		return 0;
-	}
-	r = PyObject_IsInstance(obj, generic);
-	Py_DECREF(generic);
-	return r;
+	return instance_of_imported(obj, "numpy", "generic");
 }
 
 /*

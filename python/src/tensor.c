@@ -711,3 +711,37 @@ PyType_Spec ipc_tensor_spec = {
 	.flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
 	.slots = tensor_slots,
 };
+
+/* An int or a sequence of ints >= 0 into @p shape (DLPC_NDIM_MAX of them at most). The number
+ * of dimensions, or -1 with an exception. */
+int ipc_parse_shape(PyObject *shape_o, int64_t shape[DLPC_NDIM_MAX])
+{
+	PyObject *seq = PyLong_Check(shape_o)
+				? PyTuple_Pack(1, shape_o)
+				: PySequence_Fast(shape_o, "shape must be a sequence of ints");
+	Py_ssize_t ndim;
+
+	if (!seq)
+		return -1;
+	ndim = PySequence_Size(seq);
+	if (ndim > DLPC_NDIM_MAX) {
+		Py_DECREF(seq);
+		PyErr_Format(PyExc_ValueError, "shape has %zd dimensions; at most %d", ndim,
+			     DLPC_NDIM_MAX);
+		return -1;
+	}
+	for (Py_ssize_t i = 0; i < ndim; i++) {
+		PyObject *extent = PySequence_GetItem(seq, i);
+
+		shape[i] = extent ? PyLong_AsLongLong(extent) : -1;
+		Py_XDECREF(extent);
+		if (shape[i] < 0 && !PyErr_Occurred())
+			PyErr_SetString(PyExc_ValueError, "shape extents must be >= 0");
+		if (PyErr_Occurred()) {
+			Py_DECREF(seq);
+			return -1;
+		}
+	}
+	Py_DECREF(seq);
+	return (int)ndim;
+}

@@ -1,18 +1,17 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * dlpack_ipc._core.Watch: dlpc_watch for Python. Waits run without the GIL in slices of
- * WATCH_SLICE_MS, checking for signals between them, so Ctrl-C interrupts a watch promptly.
+ * dlpack_ipc._core.Watch: dlpc_watch for Python. A wait is one dlpc_watch_next() without the GIL;
+ * Ctrl-C interrupts it through libdlpc's interrupt check, as it does a call on a Client.
  */
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #include "dlpack_ipc.h"
-
-/* Longest a wait runs without checking for signals (KeyboardInterrupt). */
-#define WATCH_SLICE_MS 100
 
 typedef struct {
 	PyObject_HEAD dlpc_watch *w;
@@ -55,7 +54,13 @@ static int watch_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 
 static void watch_close_now(WatchObject *self)
 {
+	int fd;
+
 	if (self->busy) {
+		/* the waiting call closes it once woken: a socket shut down reads as ended */
+		fd = self->close_pending ? -1 : dlpc_watch_fd(self->w);
+		if (fd >= 0)
+			shutdown(fd, SHUT_RDWR);
 		self->close_pending = true;
 		return;
 	}
@@ -138,6 +143,42 @@ static PyObject *event_dict(const dlpc_watch_event *ev)
 	return d;
 }
 
+/* Seconds from now until @p deadline (CLOCK_MONOTONIC seconds) as dlpc_watch_next()'s timeout:
+ * -1 without one, at most INT_MAX ms (some 24 days) at a time, 0 once it passed. */
+static int wait_ms(double deadline)
+{
+	double ms;
+
+	if (isinf(deadline))
+		return -1;
+	ms = ceil((deadline - now_s()) * 1000);
+	return ms <= 0 ? 0 : ms >= INT_MAX ? INT_MAX : (int)ms;
+}
+
+/*
+ * Wait for the next event until @p deadline as one dlpc_watch_next(), Ctrl-C checked by
+ * libdlpc's interrupt check (ipc_interruptible()); another thread's close() wakes it (see
+ * watch_close_now()). Asked again only after a signal on a thread without the check, whose
+ * handlers Python runs elsewhere, or after INT_MAX ms. With the GIL; 1, 0 (none in time) or a
+ * negative errno, or -EINTR with an exception set.
+ */
+static int wait_event(WatchObject *self, double deadline, dlpc_watch_event *ev)
+{
+	dlpc_watch *w = self->w;
+	int r, ms;
+
+	do {
+		ms = wait_ms(deadline);
+		ipc_interruptible();
+		Py_BEGIN_ALLOW_THREADS
+		r = dlpc_watch_next(w, ev, ms);
+		Py_END_ALLOW_THREADS
+		if (r == -EINTR && !PyErr_Occurred() && PyErr_CheckSignals() == 0)
+			r = 0;
+	} while (r == 0 && ms != 0 && !self->close_pending && wait_ms(deadline) != 0);
+	return r;
+}
+
 /* _next(timeout=None): the next event as a dict, or None when @p timeout seconds passed. */
 static PyObject *watch_next(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
@@ -145,7 +186,7 @@ static PyObject *watch_next(PyObject *obj, PyObject *args, PyObject *kwargs)
 	WatchObject *self = (WatchObject *)obj;
 	PyObject *timeout = Py_None, *ret = NULL;
 	dlpc_watch_event ev;
-	double secs = INFINITY, deadline;
+	double secs = INFINITY;
 	int r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:_next", kwlist, &timeout))
@@ -170,36 +211,17 @@ static PyObject *watch_next(PyObject *obj, PyObject *args, PyObject *kwargs)
 	}
 	self->busy = true;
 	Py_INCREF(obj);
-	deadline = now_s() + secs;
-	for (;;) {
-		double left = deadline - now_s();
-		int ms = left * 1000 > WATCH_SLICE_MS ? WATCH_SLICE_MS
-			 : left > 0		      ? (int)ceil(left * 1000)
-						      : 0;
-		dlpc_watch *w = self->w;
-
-		Py_BEGIN_ALLOW_THREADS
-		r = dlpc_watch_next(w, &ev, ms);
-		Py_END_ALLOW_THREADS
-		if (r == 1) {
-			ret = event_dict(&ev);
-			break;
-		}
-		if (r < 0 && r != -EINTR) {
-			ipc_raise(r);
-			break;
-		}
-		if (PyErr_CheckSignals() < 0)
-			break;
-		if (self->close_pending) {
-			PyErr_SetString(PyExc_ValueError, "the Watch was closed while waiting");
-			break;
-		}
-		if (now_s() >= deadline) {
-			ret = Py_NewRef(Py_None);
-			break;
-		}
-	}
+	r = wait_event(self, now_s() + secs, &ev);
+	if (r == 1)
+		ret = event_dict(&ev);
+	else if (PyErr_Occurred())
+		; /* a signal handler raised (KeyboardInterrupt) */
+	else if (self->close_pending)
+		PyErr_SetString(PyExc_ValueError, "the Watch was closed while waiting");
+	else if (r < 0)
+		ipc_raise(r);
+	else
+		ret = Py_NewRef(Py_None);
 	self->busy = false;
 	if (self->close_pending) {
 		self->close_pending = false;
@@ -238,19 +260,6 @@ static PyObject *watch_closed(PyObject *obj, void *unused)
 	return PyBool_FromLong(!self->w || self->close_pending);
 }
 
-static PyObject *watch_enter(PyObject *obj, PyObject *unused)
-{
-	(void)unused;
-	return Py_NewRef(obj);
-}
-
-static PyObject *watch_exit(PyObject *obj, PyObject *args)
-{
-	(void)args;
-	watch_close_now((WatchObject *)obj);
-	Py_RETURN_FALSE;
-}
-
 static PyMethodDef watch_methods[] = {
 	{"_next", (PyCFunction)(void (*)(void))watch_next, METH_VARARGS | METH_KEYWORDS,
 	 "_next($self, /, timeout=None)\n--\n\nThe next event as a dict, or None."},
@@ -258,8 +267,6 @@ static PyMethodDef watch_methods[] = {
 	 "fileno($self, /)\n--\n\nThe watch's socket, for select() and poll()."},
 	{"close", watch_close, METH_NOARGS,
 	 "close($self, /)\n--\n\nEnd the watch and its connection; iteration stops."},
-	{"__enter__", watch_enter, METH_NOARGS, NULL},
-	{"__exit__", watch_exit, METH_VARARGS, NULL},
 	{NULL},
 };
 

@@ -10,6 +10,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -801,6 +802,81 @@ START_TEST(pool_unanswered_send)
 }
 END_TEST
 
+/* Attempts to connect anew that fail in failed_reconnects_while_the_library_thread_turns (ASan
+ * reported the use-after-free it guards against in the first run with the bug). */
+#define FAILED_RECONNECTS 100000
+
+/* Another client's attaches and releases, whose deferred releases the library's thread flushes:
+ * each flush is a turn of that thread, which takes references to every open client. */
+struct churn {
+	dlpc_client *c;
+	atomic_bool stop;
+	int err; /* the first failure, or 0 */
+	unsigned long n;
+};
+
+static void *churn(void *arg)
+{
+	struct churn *ch = arg;
+
+	while (!atomic_load(&ch->stop) && !ch->err) {
+		DLManagedTensorVersioned *t;
+		int r = dlpc_attach(ch->c, "r/churn", NULL, &t);
+
+		if (r < 0)
+			ch->err = r;
+		else
+			t->deleter(t);
+		ch->n++;
+	}
+	return NULL;
+}
+
+/* Connecting anew fails over and over (nobody listens) while the library's thread turns: the
+ * client of each attempt is on the list of open clients from the start, so the thread may hold a
+ * reference to it, and it must be let go by that reference, not freed under the thread (under
+ * ASan, a heap-use-after-free in the thread before the fix). Then the daemon comes back and the
+ * client connects anew. */
+START_TEST(failed_reconnects_while_the_library_thread_turns)
+{
+	struct churn ch = {.err = 0};
+	dlpc_stats st = {.size = sizeof(st)};
+	long long deadline;
+	struct daemon d2;
+	dlpc_client *y;
+	pthread_t t;
+	int r;
+
+	daemon_start(&d2);
+	ck_assert_dlpc(dlpc_connect_flags(D.sock, DLPC_CONNECT_NO_CACHE, &ch.c), 0);
+	ck_assert_dlpc(publish(ch.c, "r/churn", 1.0f, 0), 1);
+	ck_assert_dlpc(dlpc_connect_flags(d2.sock, DLPC_CONNECT_RECONNECT, &y), 0);
+	ck_assert_int_eq(kill(d2.pid, SIGKILL), 0);
+	ck_assert_int_eq(waitpid(d2.pid, NULL, 0), d2.pid);
+	ck_assert_int_eq(pthread_create(&t, NULL, churn, &ch), 0);
+	/* fewer under a slow wrapper (valgrind): each attempt is a socket and a connect() */
+	for (int i = 0; i < FAILED_RECONNECTS / (scaled_ms(1000) / 1000); i++) {
+		r = dlpc_stat(y, &st);
+		ck_assert_msg(r == -ECONNREFUSED || r == -ECONNRESET || r == -EPIPE,
+			      "a call while no daemon listens: %d", r);
+	}
+	atomic_store(&ch.stop, true);
+	ck_assert_int_eq(pthread_join(t, NULL), 0);
+	ck_assert_dlpc(ch.err, 0);
+	ck_assert_uint_gt(ch.n, 0);
+	d2.pid = daemon_spawn(d2.sock, d2.log);
+	deadline = now_ms() + scaled_ms(10000);
+	while ((r = dlpc_stat(y, &st)) < 0) {
+		ck_assert_msg(now_ms() < deadline, "no reconnect to the new dlpackd: %d", r);
+		usleep(5000);
+	}
+	ck_assert_uint_eq(dlpc_reconnects(y), 1);
+	dlpc_close(y);
+	dlpc_close(ch.c);
+	daemon_stop(&d2);
+}
+END_TEST
+
 static Suite *reconnect_suite(void)
 {
 	Suite *s = suite_create("reconnect");
@@ -820,6 +896,7 @@ static Suite *reconnect_suite(void)
 	tcase_add_test(tc, ipc_count_per_connection);
 	tcase_add_test(tc, pool_after_restart);
 	tcase_add_test(tc, pool_unanswered_send);
+	tcase_add_test(tc, failed_reconnects_while_the_library_thread_turns);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""multiprocessing (fork and spawn) workers, and attach waiting for a name."""
+"""multiprocessing (fork and spawn) workers, and attach (and receive) waiting as one request."""
 import multiprocessing
 import signal
 import threading
@@ -310,3 +310,56 @@ def test_unbounded_attach_wait_is_one_request(daemon, py, call, where):
             p.communicate()
     assert p.returncode == 0 and out.split() == ["attached"], f"{p.returncode}\n{out}\n{err}"
     assert 1 <= sent <= WAIT_REQUESTS_MAX, f"a 1.5 s wait sent {sent} ATTACH requests"
+
+
+def test_recv_wait_with_timeout_is_one_request(daemon, py):
+    """A receive that waits on an empty channel and times out sends one RECV for its whole
+    timeout, as an attach sends one ATTACH."""
+    before = daemon.stat()["req_recv"]
+    cp = py.check("""
+        import dlpack_ipc
+        try:
+            dlpack_ipc.Channel("wait/recv-counted").recv(timeout=1.5)
+        except TimeoutError as e:
+            print("TimeoutError", e)
+    """)
+    assert cp.stdout.startswith("TimeoutError"), py.describe(cp)
+    sent = daemon.stat()["req_recv"] - before
+    assert 1 <= sent <= WAIT_REQUESTS_MAX, f"a 1.5 s receive sent {sent} RECV requests"
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_unbounded_recv_wait_is_one_request(daemon, py, where):
+    """A receive without a timeout that ends when a message comes is one RECV, also on a thread
+    other than the main one (which has no interrupt check)."""
+    before = daemon.stat()["req_recv"]
+    p = py.popen(f"""
+        import threading, dlpack_ipc
+        def wait():
+            t = dlpack_ipc.Channel("wait/recv-unbounded").recv()
+            print("received", bytes(memoryview(t)).hex(), flush=True)
+        if "{where}" == "main":
+            wait()
+        else:
+            th = threading.Thread(target=wait)
+            th.start()
+            th.join()
+    """)
+    try:
+        with dlpack_ipc.Client(socket=daemon.socket) as c:
+            ch = c.channel("wait/recv-unbounded")
+            deadline = time.monotonic() + 10
+            while ch.stat().receivers_waiting != 1 and p.poll() is None:
+                assert time.monotonic() < deadline, "the receive did not wait"
+                time.sleep(0.01)
+            assert p.poll() is None, p.communicate()
+            time.sleep(1.5)
+            sent = daemon.stat()["req_recv"] - before
+            ch.send(np.arange(3, dtype=np.uint8))
+            out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0 and out.split() == ["received", "000102"], f"{out}\n{err}"
+    assert 1 <= sent <= WAIT_REQUESTS_MAX, f"a 1.5 s receive sent {sent} RECV requests"

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -27,6 +28,16 @@ NO_DAEMON = (ConnectionRefusedError, FileNotFoundError)
 DOCUMENTED = (ConnectionResetError,) + NO_DAEMON
 
 KILLS = [pytest.param(signal.SIGKILL, id="SIGKILL"), pytest.param(signal.SIGTERM, id="SIGTERM")]
+
+
+def _accepts_connect(path):
+    """Does anything hold a listening socket on path (connect() alone, no HELLO)?"""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+            return True
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
 
 
 class Restarts:
@@ -71,6 +82,13 @@ class Restarts:
             assert not os.path.exists(self.socket), "dlpackd left its socket behind"
         else:
             assert rc == -sig
+            # Its closers (dlpackd(8), CLOSING DESCRIPTORS) share its fd table and hold the
+            # listening socket until they notice and quit: a connect meanwhile lands in a
+            # backlog that nobody accepts, and is reset. Nobody listens once one is refused.
+            deadline = time.monotonic() + 10
+            while _accepts_connect(self.socket):
+                assert time.monotonic() < deadline, "the killed dlpackd's socket still accepts"
+                time.sleep(0.01)
 
     def stat(self):
         """STAT of the running dlpackd, through a connection of its own."""

@@ -134,6 +134,33 @@ def test_ctrl_c_interrupts_a_waiting_watch(daemon, py):
     assert out.strip() == "interrupted"
 
 
+def test_a_signal_handler_that_returns_lets_the_watch_wait_on(daemon, py):
+    """A signal whose handler does not raise runs its handler during the wait (libdlpc's
+    interrupt check), and the same wait goes on to deliver the next event."""
+    p = py.popen("""
+        import signal, dlpack_ipc
+        signal.signal(signal.SIGUSR1, lambda *a: print("handled", flush=True))
+        w = dlpack_ipc.watch("sig/")
+        print("ready", flush=True)
+        ev = w.next_event(timeout=None)
+        print("event", ev.name, flush=True)
+    """)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        daemon.wait_stat(lambda s: s["watchers"] == 1, what="watchers == 1")
+        os.kill(p.pid, signal.SIGUSR1)
+        assert p.stdout.readline().strip() == "handled"
+        with dlpack_ipc.Client(socket=daemon.socket) as c:
+            c.publish("sig/after", np.ones(1))
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err
+    assert out.strip() == "event sig/after"
+
+
 @pytest.mark.parametrize("timeout", [None, float("inf")])
 def test_next_event_waits_as_long_as_it_takes(ipc, daemon, py, timeout):
     """timeout=None and float("inf") wait for the next event, as attach() and recv() do; a
