@@ -9,8 +9,8 @@ For a change that should not change speed (a restructuring), "within noise" is o
 when both trees ran on the same machine in the same minutes. Each round runs both builds, in
 the order old-new on even rounds and new-old on odd ones, each against a private dlpackd of its
 own build: bench_c's attach, reattach, bundle and publish_small groups, and bench_py.py's
-attach_py, handoff, channel and bundle groups (the Python module of that build). Every measurement is
-pinned to CPU 0, as bench/run.py pins them.
+attach_py, handoff, channel and bundle groups (the Python module of that build). Every
+measurement is pinned to CPU 0, as bench/run.py pins them.
 
 Prints, for every row, the median over the rounds of each build, the ratio new/old and the
 noise: the larger of the two builds' spreads between their own rounds, (max - min) / median.
