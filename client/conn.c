@@ -148,7 +148,9 @@ void dlpc__client_ref(dlpc_client *c)
 	atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
 }
 
-void dlpc__client_free(dlpc_client *c)
+/* Free @p c now: its last reference went. A listed client is never freed otherwise, as the
+ * library's thread may hold a reference to it (dlpc__clients_ref()). */
+static void client_free(dlpc_client *c)
 {
 	open_list_remove(c);
 	dlpc__close(c->sock);
@@ -170,7 +172,7 @@ void dlpc__client_unref(dlpc_client *c)
 
 	assert(was > 0);
 	if (was == 1)
-		dlpc__client_free(c);
+		client_free(c);
 }
 
 /* End the reader's wait for the socket (it then looks at the state of its call). */
@@ -426,7 +428,8 @@ int dlpc__client_new(int64_t timeout, dlpc_client **ret)
 	r = open_socket_listed(c);
 	if (r < 0) {
 		r = dlpc__fail(r, "cannot create a socket: %s", strerror(-r));
-		dlpc__client_free(c);
+		/* listed even so: the library's thread may hold a reference to it */
+		dlpc__client_unref(c);
 		return r;
 	}
 	*ret = c;

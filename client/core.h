@@ -126,8 +126,6 @@ static inline bool dlpc__ours(const dlpc_client *c)
 /* A new client, its socket made (not connected) and listed for fork, calls bounded by @p timeout
  * ms: 0, or a negative errno with the message set. */
 int dlpc__client_new(int64_t timeout, dlpc_client **ret);
-/* Free @p c now (its last reference went, or it never connected). */
-void dlpc__client_free(dlpc_client *c);
 /* @p c's lost connection is replaced by @p n's, just connected (HELLO done): the sockets and
  * buffers change places (n takes the old ones, to be freed), what belonged to the old connection
  * is void, its count (c->conn_seq) goes up and the features reset. */
