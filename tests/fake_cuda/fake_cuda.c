@@ -33,7 +33,10 @@
  *
  * Work on a stream is complete when the call returns, unless a test holds the stream
  * (fake_cuda_stream_hold(), standing for a long kernel): then events recorded on it stay
- * pending (cuEventQuery: CUDA_ERROR_NOT_READY) and synchronizing waits, until it is let go. A
+ * pending (cuEventQuery: CUDA_ERROR_NOT_READY) and synchronizing waits, until it is let go,
+ * destroyed or not. Work the tests queue (fake_cuda_write_later(), _read_later()) runs in
+ * stream order, after the events its stream waits for; memory it uses that is freed or
+ * unmapped before it ran aborts the process ("freed-under-pending-work"). A
  * test can also start a capture on a stream (fake_cuda_capture(), as another thread of the
  * process would, in global mode): while one runs, a potentially unsafe call (synchronizing,
  * unmapping) from a thread not in relaxed mode (cuThreadExchangeStreamCaptureMode) fails and
@@ -109,8 +112,15 @@ struct CUstream_st {
 	bool capturing;	   /* fake_cuda_capture() */
 	int32_t wait_pid;  /* waits for that process's interprocess event (0: none) */
 	uint32_t wait_id;
+	/* waits for an event of this process's (cuStreamWaitEvent): recorded behind the work of
+	 * held stream wait_on, up to its let-go number wait_releases, or on the legacy stream
+	 * while a blocking stream was held (wait_legacy) */
+	CUstream wait_on;
+	unsigned wait_releases;
+	bool wait_legacy;
 	struct op *ops, **ops_end; /* queued work, in order */
 	CUstream next_dead;	   /* once destroyed */
+	CUstream next_all;	   /* every stream made, destroyed ones included */
 };
 
 struct CUevent_st {
@@ -123,6 +133,9 @@ struct CUevent_st {
 	bool behind_legacy; /* recorded on the legacy stream while a stream was held */
 	int32_t after_pid;  /* recorded on a stream waiting for that process's event */
 	uint32_t after_id;
+	CUstream via; /* recorded on a stream waiting for held stream via (its wait_on) */
+	unsigned via_releases;
+	bool via_legacy;     /* recorded on a stream waiting for the legacy stream's held work */
 	CUevent next_marked; /* see marked */
 	bool marked;
 };
@@ -145,7 +158,11 @@ static bool capture_broken;    /* a call invalidated the captures under way */
 /* Interprocess events of this process recorded behind work that has not run: each has a marker
  * file (marker_path()) while it is pending, which is how other processes see it. */
 static CUevent marked;
-static CUstream dead_streams;			  /* destroyed streams (see cuStreamDestroy) */
+static CUstream dead_streams; /* destroyed streams (see cuStreamDestroy) */
+static CUstream all_streams;  /* every stream made (next_all) */
+/* The queue of work the hooks put on the legacy stream (NULL, CU_STREAM_LEGACY) or the
+ * per-thread default stream, which the fake does not tell apart from it. */
+static struct CUstream_st legacy_q = {.magic = IPC_MAGIC, .ops_end = &legacy_q.ops};
 static __thread CUstreamCaptureMode capture_mode; /* GLOBAL, the default */
 /* Interprocess events alive in this process (created or opened), and how many the fake allows
  * ($FAKE_CUDA_IPC_EVENTS_MAX, default FAKE_IPC_EVENTS_MAX): the real driver runs out of them
@@ -244,18 +261,32 @@ static bool pending(CUevent e)
 		return remote_pending(e->pid, e->id);
 	if (e->after_pid && remote_pending(e->after_pid, e->after_id))
 		return true;
+	/* recorded on a stream that waited for another stream's work that has not run */
+	if ((e->via && e->via->held && e->via->releases == e->via_releases) ||
+	    (e->via_legacy && held_blocking > 0))
+		return true;
 	/* the legacy stream waits for every (blocking) stream: pending while any is held */
 	if (e->behind_legacy)
 		return held_blocking > 0;
 	return e->behind && e->behind->held && e->behind->releases == e->behind_releases;
 }
 
-/* Can work on @p s not run yet (held, or waiting for another process's event)? With mu. */
+/*
+ * Can work on @p s not run yet (held, or waiting for an event whose work has not run: another
+ * process's, or this one's behind a held stream)? The legacy stream's queue waits for every
+ * held blocking stream. With mu.
+ */
 static bool blocked(CUstream s)
 {
+	if (s == &legacy_q)
+		return held_blocking > 0;
 	if (s->wait_pid && !remote_pending(s->wait_pid, s->wait_id))
 		s->wait_pid = 0;
-	return s->held || s->wait_pid;
+	if (s->wait_on && !(s->wait_on->held && s->wait_on->releases == s->wait_releases))
+		s->wait_on = NULL;
+	if (s->wait_legacy && held_blocking == 0)
+		s->wait_legacy = false;
+	return s->held || s->wait_pid || s->wait_on || s->wait_legacy;
 }
 
 /* Run @p s's queued work if it can run. Called with mu. */
@@ -272,6 +303,51 @@ static void run_ops(CUstream s)
 		free(o);
 	}
 	s->ops_end = &s->ops;
+}
+
+/* Run the queued work of every stream (destroyed ones too) that can run now. With mu. */
+static void run_all(void)
+{
+	for (CUstream s = all_streams; s; s = s->next_all)
+		run_ops(s);
+	run_ops(&legacy_q);
+}
+
+/* Does queued work @p o touch [@p base, @p base + @p size)? */
+static bool op_touches(const struct op *o, uintptr_t base, size_t size)
+{
+	uintptr_t d = (uintptr_t)o->dst, s = (uintptr_t)o->src;
+
+	return (d < base + size && base < d + o->n) ||
+	       (!o->copy && s < base + size && base < s + o->n);
+}
+
+/*
+ * Memory at [@p base, @p base + @p size) is about to be unmapped or freed by @p fn. Work still
+ * queued on a stream that reads or writes it would fault on the device (an illegal address,
+ * which ends the context): the fake logs "freed-under-pending-work <function>", says so on
+ * stderr and aborts, so that a release ordered too early fails by construction.
+ */
+static void check_no_work_on(uintptr_t base, size_t size, const char *fn)
+{
+	bool busy = false;
+
+	pthread_mutex_lock(&mu);
+	run_all();
+	for (CUstream s = all_streams; s && !busy; s = s->next_all)
+		for (struct op *o = s->ops; o && !busy; o = o->next)
+			busy = op_touches(o, base, size);
+	for (struct op *o = legacy_q.ops; o && !busy; o = o->next)
+		busy = op_touches(o, base, size);
+	pthread_mutex_unlock(&mu);
+	if (!busy)
+		return;
+	logf_("freed-under-pending-work %s ptr=%#lx", fn, (unsigned long)base);
+	fprintf(stderr,
+		"fake_cuda: %s: memory at %#lx is still used by work queued on a stream that has "
+		"not run (a kernel would fault on it): aborting\n",
+		fn, (unsigned long)base);
+	abort();
 }
 
 /* Take down the markers of this process's events that are no longer pending. With mu. */
@@ -331,6 +407,7 @@ EXPORT void fake_cuda_stream_hold(CUstream s, int on);
 EXPORT void fake_cuda_capture(CUstream s, int on);
 EXPORT void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n);
 EXPORT void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
+EXPORT unsigned fake_cuda_live(void);
 
 static bool env_on(const char *name)
 {
@@ -799,6 +876,7 @@ EXPORT CUresult cuMemFree(CUdeviceptr dptr)
 	if (!o)
 		return CUDA_ERROR_INVALID_VALUE;
 	logf_("cuMemFree ptr=%#llx id=%u", (unsigned long long)dptr, o->id);
+	check_no_work_on(o->base, o->size, "cuMemFree");
 	munmap((void *)o->base, o->size);
 	close(o->fd);
 	free(o);
@@ -901,6 +979,7 @@ EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
 	if (!o)
 		return CUDA_ERROR_INVALID_VALUE;
 	logf_("cuIpcCloseMemHandle ptr=%#llx", (unsigned long long)dptr);
+	check_no_work_on(o->base, o->size, "cuIpcCloseMemHandle");
 	munmap((void *)o->base, o->size);
 	free(o);
 	return CUDA_SUCCESS;
@@ -950,6 +1029,9 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 		!made_stream(hStream) && hStream != CU_STREAM_PER_THREAD && held_blocking > 0;
 	hEvent->after_pid = made_stream(hStream) && blocked(hStream) ? hStream->wait_pid : 0;
 	hEvent->after_id = hEvent->after_pid ? hStream->wait_id : 0;
+	hEvent->via = made_stream(hStream) ? hStream->wait_on : NULL;
+	hEvent->via_releases = hEvent->via ? hStream->wait_releases : 0;
+	hEvent->via_legacy = made_stream(hStream) && hStream->wait_legacy;
 	/* pending here: other processes that open it see so through its marker */
 	if ((hEvent->flags & CU_EVENT_INTERPROCESS) && !hEvent->marked && pending(hEvent)) {
 		char path[600];
@@ -1084,6 +1166,10 @@ EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
 	s->magic = IPC_MAGIC;
 	s->flags = Flags;
 	s->ops_end = &s->ops;
+	pthread_mutex_lock(&mu);
+	s->next_all = all_streams;
+	all_streams = s;
+	pthread_mutex_unlock(&mu);
 	*phStream = s;
 	logf_("cuStreamCreate stream=%p%s", (void *)s,
 	      Flags & CU_STREAM_NON_BLOCKING ? " non-blocking" : "");
@@ -1123,20 +1209,15 @@ EXPORT CUresult cuStreamDestroy(CUstream hStream)
 		return CUDA_ERROR_NOT_INITIALIZED;
 	if ((uintptr_t)hStream <= 2 || !stream_ok(hStream, "cuStreamDestroy"))
 		return CUDA_ERROR_INVALID_HANDLE;
-	/* the work of a held stream still ends, and a capture ends with its stream */
-	fake_cuda_stream_hold(hStream, 0);
+	/* a capture ends with its stream; its queued work does not: as with the real driver,
+	 * cuStreamDestroy returns at once and that work still runs to its end (a held stream's
+	 * when the test lets it go) */
 	fake_cuda_capture(hStream, 0);
+	logf_("cuStreamDestroy stream=%p%s", (void *)hStream, hStream->held ? " held" : "");
 	pthread_mutex_lock(&mu);
 	run_ops(hStream);
-	for (struct op *o = hStream->ops, *next; o; o = next) { /* never to run */
-		next = o->next;
-		free(o->copy);
-		free(o);
-	}
 	/* kept, not freed: events recorded on it may still point at it (pending() reads it) */
 	hStream->magic = DEAD_MAGIC;
-	hStream->ops = NULL;
-	hStream->ops_end = &hStream->ops;
 	hStream->next_dead = dead_streams;
 	dead_streams = hStream;
 	pthread_mutex_unlock(&mu);
@@ -1173,8 +1254,7 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 		usleep(1000);
 		pthread_mutex_lock(&mu);
 	}
-	if (made_stream(hStream))
-		run_ops(hStream);
+	run_ops(made_stream(hStream) ? hStream : &legacy_q);
 	pthread_mutex_unlock(&mu);
 	return CUDA_SUCCESS;
 }
@@ -1226,8 +1306,9 @@ EXPORT void fake_cuda_stream_hold(CUstream s, int on)
 		s->releases++;
 		held_streams--;
 		held_blocking -= !(s->flags & CU_STREAM_NON_BLOCKING);
-		/* its work runs, then what was recorded behind it completes */
-		run_ops(s);
+		/* its work runs, then what was recorded behind it completes, and the work of
+		 * streams that waited for it */
+		run_all();
 		sweep_markers();
 		pthread_cond_broadcast(&let_go_cv);
 	}
@@ -1244,6 +1325,10 @@ static void later(CUstream s, void *dst, const void *src, size_t n, bool take)
 {
 	struct op *o = calloc(1, sizeof(*o));
 
+	if ((uintptr_t)s <= 2)
+		s = &legacy_q;
+	else
+		stream_ok(s, "fake_cuda_write_later/read_later");
 	pthread_mutex_lock(&mu);
 	if (!blocked(s) || !o || (take && !(o->copy = malloc(n)))) {
 		memcpy(dst, src, n);
@@ -1333,6 +1418,7 @@ EXPORT CUresult cuCtxSynchronize(void)
 	pthread_mutex_lock(&mu);
 	while (held_streams > 0)
 		pthread_cond_wait(&let_go_cv, &mu);
+	run_all();
 	pthread_mutex_unlock(&mu);
 	return CUDA_SUCCESS;
 }
@@ -1350,10 +1436,21 @@ EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int
 		return CUDA_ERROR_INVALID_HANDLE;
 	pthread_mutex_lock(&mu);
 	implicit = legacy_unusable(hStream);
-	/* later work on the stream waits for another process's pending event */
+	/* later work on the stream waits for another process's pending event, or for the
+	 * work this process's event was recorded behind */
 	if (!implicit && made_stream(hStream) && hEvent->pid != getpid() && pending(hEvent)) {
 		hStream->wait_pid = hEvent->pid;
 		hStream->wait_id = hEvent->id;
+	} else if (!implicit && made_stream(hStream) && pending(hEvent)) {
+		CUstream on = hEvent->behind ? hEvent->behind : hEvent->via;
+
+		if (on) {
+			hStream->wait_on = on;
+			hStream->wait_releases =
+				hEvent->behind ? hEvent->behind_releases : hEvent->via_releases;
+		} else {
+			hStream->wait_legacy = true;
+		}
 	}
 	pthread_mutex_unlock(&mu);
 	logf_("cuStreamWaitEvent stream=%p event=%d:%u flags=%u%s", (void *)hStream, hEvent->pid,
@@ -1591,6 +1688,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 	if (!r || size > r->size)
 		return CUDA_ERROR_INVALID_VALUE;
+	check_no_work_on(r->base, size, "cuMemUnmap");
 	if (mmap((void *)r->base, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1,
 		 0) == MAP_FAILED)
 		return CUDA_ERROR_UNKNOWN;
@@ -1622,4 +1720,18 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
 								       : PROT_READ) < 0)
 		return CUDA_ERROR_INVALID_VALUE;
 	return CUDA_SUCCESS;
+}
+
+/* Test hook: how many allocations, imports, reservations and VMM handle references (its
+ * creator's, each mapping's, each retain's) this process holds: a refused publish must leave
+ * it as it was. */
+EXPORT unsigned fake_cuda_live(void)
+{
+	unsigned n = 0;
+
+	pthread_mutex_lock(&mu);
+	for (struct obj *o = objs; o; o = o->next)
+		n += o->kind == VMM_HANDLE ? o->refs : 1;
+	pthread_mutex_unlock(&mu);
+	return n;
 }

@@ -1517,6 +1517,88 @@ START_TEST(release_after_stream_destroyed_case)
 }
 END_TEST
 
+/*
+ * Ordering by construction: the consumer's kernel that reads the attached tensor is queued
+ * behind a long one (a held stream), and the consumer drops the tensor at once. The fake aborts
+ * if the memory is unmapped while that read is still queued (as a kernel would fault on it),
+ * so any release that does not wait for it fails here, whatever the log says. The kernel runs
+ * on a stream named at attach or in dlpc_tensor_wait(), blocking or not, destroyed before the
+ * tensor is dropped or not, or on a blocking stream the consumer never named.
+ */
+struct queued_read {
+	bool named; /* the stream is named (attach or dlpc_tensor_wait()); else the host waits */
+	bool at_attach; /* named in dlpc_attach_opts, else in dlpc_tensor_wait() */
+	unsigned flags; /* cuStreamCreate's */
+	bool destroy;	/* the stream is destroyed before the tensor is dropped */
+};
+
+void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
+
+static int release_after_queued_read(void *arg)
+{
+	struct queued_read *q = arg;
+	dlpc_attach_opts o = {.size = sizeof(o)};
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	float got[NELEM] = {0};
+	CUstream s;
+
+	alarm(30);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s, q->flags) == CUDA_SUCCESS);
+	if (q->named && q->at_attach)
+		o.stream = s;
+	else if (q->named)
+		o.flags = DLPC_ATTACH_DEFER_SYNC;
+	CHILD_CHECK(dlpc_attach(c, "gpu/s", &o, &t) == 1);
+	if (q->named && !q->at_attach)
+		CHILD_CHECK(dlpc_tensor_wait(t, s) == 0);
+	/* a long kernel, then one that reads the tensor; the consumer drops it at once */
+	fake_cuda_stream_hold(s, 1);
+	fake_cuda_read_later(s, t->dl_tensor.data, got, sizeof(got));
+	if (q->destroy)
+		CHILD_CHECK(cuStreamDestroy(s) == CUDA_SUCCESS);
+	t->deleter(t);
+	/* the memory stays mapped and referenced while the read is queued */
+	CHILD_CHECK(refs_stay(c, 1));
+	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
+	/* the kernels end (the test's hook still reaches a destroyed stream's work) */
+	fake_cuda_stream_hold(s, 0);
+	CHILD_CHECK(refs_reach(c, 0));
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	CHILD_CHECK(same(got, NELEM, 1.0f));
+	CHILD_CHECK(log_count(getpid(), "freed-under-pending-work") == 0);
+	CHILD_CHECK(log_count(getpid(), "use-after-destroy") == 0);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(release_after_queued_reads)
+{
+	struct publisher p = {.names = {"gpu/s", NULL}};
+	struct queued_read cases[] = {
+		{.named = true, .at_attach = true, .flags = CU_STREAM_DEFAULT},
+		{.named = true, .at_attach = false, .flags = CU_STREAM_DEFAULT},
+		{.named = true, .at_attach = true, .flags = CU_STREAM_NON_BLOCKING},
+		{.named = true, .at_attach = false, .flags = CU_STREAM_NON_BLOCKING},
+		{.named = true, .at_attach = true, .flags = CU_STREAM_DEFAULT, .destroy = true},
+		{.named = true,
+		 .at_attach = true,
+		 .flags = CU_STREAM_NON_BLOCKING,
+		 .destroy = true},
+		{.named = false, .flags = CU_STREAM_DEFAULT},
+		{.named = false, .flags = CU_STREAM_DEFAULT, .destroy = true},
+	};
+
+	publisher_start(&p);
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+		ck_assert_msg(wait_child(spawn(release_after_queued_read, &cases[i])) == 0,
+			      "case %zu", i);
+	publisher_stop(&p);
+}
+END_TEST
+
 /* ---- 18. several devices ---- */
 
 /*
@@ -1807,6 +1889,7 @@ static Suite *gpu_suite(void)
 		{"release_after_consumer_work", release_after_consumer_work},
 		{"release_during_capture", release_during_capture},
 		{"release_after_stream_destroyed", release_after_stream_destroyed_case},
+		{"release_after_queued_reads", release_after_queued_reads},
 		{"several_devices", several_devices},
 		{"wait_for_publisher_work", wait_for_publisher_work},
 	};
