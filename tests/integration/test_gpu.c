@@ -1533,6 +1533,7 @@ struct queued_read {
 };
 
 void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
+void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n);
 
 static int release_after_queued_read(void *arg)
 {
@@ -1596,6 +1597,57 @@ START_TEST(release_after_queued_reads)
 		ck_assert_msg(wait_child(spawn(release_after_queued_read, &cases[i])) == 0,
 			      "case %zu", i);
 	publisher_stop(&p);
+}
+END_TEST
+
+/*
+ * The fake's own stream rules, which the ordering tests above rest on: an event is a point in
+ * its stream's queue and cuStreamWaitEvent orders another stream after it; the legacy stream
+ * follows held blocking streams, not non-blocking ones; a destroyed stream's work still runs.
+ */
+static int fake_stream_rules(void *arg)
+{
+	int v = 0, one = 1, two = 2, three = 3;
+	CUstream a, b, nb;
+	CUevent e;
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&a, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&b, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&nb, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS);
+	/* b waits for an event recorded behind a's long kernel: b's work waits too */
+	fake_cuda_stream_hold(a, 1);
+	CHILD_CHECK(cuEventRecord(e, a) == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventQuery(e) == CUDA_ERROR_NOT_READY);
+	CHILD_CHECK(cuStreamWaitEvent(b, e, 0) == CUDA_SUCCESS);
+	fake_cuda_write_later(b, &v, &one, sizeof(v));
+	CHILD_CHECK(v == 0 && cuStreamQuery(b) == CUDA_ERROR_NOT_READY);
+	/* a non-blocking stream is not held back by a, nor is the legacy stream by nb */
+	fake_cuda_write_later(nb, &v, &two, sizeof(v));
+	CHILD_CHECK(v == 2);
+	fake_cuda_stream_hold(nb, 1);
+	/* the legacy stream's work waits for a (blocking), and a's destruction does not end it */
+	fake_cuda_write_later(CU_STREAM_LEGACY, &v, &three, sizeof(v));
+	CHILD_CHECK(v == 2);
+	CHILD_CHECK(cuStreamDestroy(a) == CUDA_SUCCESS);
+	CHILD_CHECK(v == 2 && cuEventQuery(e) == CUDA_ERROR_NOT_READY);
+	/* a's kernel ends: b's write, then the legacy stream's, in that order of release */
+	fake_cuda_stream_hold(a, 0);
+	CHILD_CHECK(cuEventQuery(e) == CUDA_SUCCESS);
+	CHILD_CHECK(v == 3 && cuStreamQuery(b) == CUDA_SUCCESS);
+	fake_cuda_stream_hold(nb, 0);
+	CHILD_CHECK(cuStreamDestroy(b) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamDestroy(nb) == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventDestroy(e) == CUDA_SUCCESS);
+	return 0;
+}
+
+START_TEST(fake_streams)
+{
+	ck_assert_int_eq(wait_child(spawn(fake_stream_rules, NULL)), 0);
 }
 END_TEST
 
@@ -1721,7 +1773,6 @@ END_TEST
 
 /* ---- 19. the publisher's work still running ---- */
 
-void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n);
 void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
 
 struct slow {
@@ -1890,6 +1941,7 @@ static Suite *gpu_suite(void)
 		{"release_during_capture", release_during_capture},
 		{"release_after_stream_destroyed", release_after_stream_destroyed_case},
 		{"release_after_queued_reads", release_after_queued_reads},
+		{"fake_streams", fake_streams},
 		{"several_devices", several_devices},
 		{"wait_for_publisher_work", wait_for_publisher_work},
 	};
