@@ -106,6 +106,13 @@ static bool refs_stay(dlpc_client *c, uint64_t n)
 	return true;
 }
 
+/* fake_cuda's test hooks (tests/fake_cuda/README.md) */
+void fake_cuda_stream_hold(CUstream s, int on);
+void fake_cuda_capture(CUstream s, int on);
+void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
+void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n);
+unsigned fake_cuda_live(void);
+
 /* ---- device tensors over fake device memory ---- */
 
 struct devt {
@@ -944,7 +951,9 @@ static int unexportable(void *arg)
 				    .requestedHandleTypes = posix,
 				    .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
 	CUdeviceptr pool, plain, split;
+	int64_t stride2[1] = {2};
 	size_t gran = 0;
+	unsigned live;
 	int fds[2];
 	char b;
 
@@ -954,21 +963,37 @@ static int unexportable(void *arg)
 	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
 	CHILD_CHECK(cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) ==
 		    CUDA_SUCCESS);
+	/* each refusal leaves the producer's memory as it was: libdlpc holds no import,
+	 * mapping or handle reference of it afterwards (fake_cuda_live() unchanged) */
 	CHILD_CHECK(cuMemAllocAsync(&pool, ALLOC_BYTES, NULL) == CUDA_SUCCESS);
+	live = fake_cuda_live();
 	CHILD_CHECK(dlpc_publish(c, "gpu/x", dev_tensor(pool, NELEM, fds[1]), 0) == -ENOTSUP);
 	CHILD_CHECK(strstr(dlpc_last_error(), "stream-ordered pool") &&
 		    strstr(dlpc_last_error(), "backend:cudaMallocAsync"));
 	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	CHILD_CHECK(fake_cuda_live() == live);
 	plain = vmm_mapping(gran, gran, none);
+	live = fake_cuda_live();
 	CHILD_CHECK(dlpc_publish(c, "gpu/x", dev_tensor(plain, NELEM, fds[1]), 0) == -ENOTSUP);
 	CHILD_CHECK(strstr(dlpc_last_error(), "expandable_segments"));
 	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	CHILD_CHECK(fake_cuda_live() == live);
 	/* a tensor that runs from one mapping into the next */
 	split = vmm_mapping(gran, 2 * gran, posix);
+	live = fake_cuda_live();
 	CHILD_CHECK(dlpc_publish(c, "gpu/x", dev_tensor(split + gran - 16, NELEM, fds[1]), 0) ==
 		    -EINVAL);
 	CHILD_CHECK(strstr(dlpc_last_error(), "spans several VMM mappings"));
 	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	CHILD_CHECK(fake_cuda_live() == live);
+	/* a strided tensor of exportable memory: refused before anything is exported */
+	t = dev_tensor(split, NELEM / 2, fds[1]);
+	t->dl_tensor.strides = stride2;
+	CHILD_CHECK(dlpc_publish(c, "gpu/x", t, 0) == -ENOTSUP);
+	CHILD_CHECK(strstr(dlpc_last_error(), "strided"));
+	CHILD_CHECK(read(fds[0], &b, 1) == 1);
+	CHILD_CHECK(fake_cuda_live() == live);
+	t = NULL;
 	/* each refused tensor's deleter ran exactly once, before dlpc_publish() returned */
 	CHILD_CHECK(fcntl(fds[0], F_SETFL, O_NONBLOCK) == 0);
 	CHILD_CHECK(read(fds[0], &b, 1) < 0 && errno == EAGAIN);
@@ -1331,10 +1356,6 @@ END_TEST
 
 /* ---- 17. release ordered after the consumer's work ---- */
 
-/* fake_cuda's test hooks (tests/fake_cuda/README.md) */
-void fake_cuda_stream_hold(CUstream s, int on);
-void fake_cuda_capture(CUstream s, int on);
-
 static int release_behind_held_work(void *arg)
 {
 	dlpc_attach_opts o = {.size = sizeof(o)};
@@ -1531,9 +1552,6 @@ struct queued_read {
 	unsigned flags; /* cuStreamCreate's */
 	bool destroy;	/* the stream is destroyed before the tensor is dropped */
 };
-
-void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
-void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n);
 
 static int release_after_queued_read(void *arg)
 {
@@ -1772,8 +1790,6 @@ START_TEST(several_devices)
 END_TEST
 
 /* ---- 19. the publisher's work still running ---- */
-
-void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
 
 struct slow {
 	int ready[2]; /* the publisher: published; each consumer: about to wait */
