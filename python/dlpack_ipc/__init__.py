@@ -455,15 +455,26 @@ def publish(name, obj, *, replace=False, ephemeral=False, writable=False):
     writable: attachers may map it shared and writable (attach(mode="write")); otherwise the
     memory is sealed read-only for every process, this one included.
     """
-    return _client().publish(name, obj, replace=replace, ephemeral=ephemeral, writable=writable)
+    try:
+        return _client().publish(name, obj, replace=replace, ephemeral=ephemeral,
+                                 writable=writable)
+    except BaseException:
+        # the traceback keeps this frame: not obj with it, so that a refused tensor's memory
+        # is its producer's again at once (the caller may need it for a fallback copy)
+        del obj
+        raise
 
 
 def publish_dict(name, mapping, *, replace=False, ephemeral=False, writable=False):
     """Publish a mapping of str keys to tensors (a state dict) as one entry; returns the
     generation. Values as for publish(), keys at most KEY_MAX bytes of UTF-8; errors name the
     key. replace, ephemeral and writable as for publish()."""
-    return _client().publish_dict(name, mapping, replace=replace, ephemeral=ephemeral,
-                                  writable=writable)
+    try:
+        return _client().publish_dict(name, mapping, replace=replace, ephemeral=ephemeral,
+                                      writable=writable)
+    except BaseException:
+        del mapping  # as in publish(): the traceback keeps this frame, not the tensors
+        raise
 
 
 def _unpublish_if(c, name, mine):
@@ -515,7 +526,11 @@ def published(name, obj, *, client=None, ephemeral=True, **publish_kwargs):
     one).
     """
     c = client if client is not None else _client()
-    gen = c.publish(name, obj, ephemeral=ephemeral, **publish_kwargs)
+    try:
+        gen = c.publish(name, obj, ephemeral=ephemeral, **publish_kwargs)
+    except BaseException:
+        del obj  # as in publish()
+        raise
     yield from _held(c, name, gen)
 
 
@@ -524,7 +539,11 @@ def published_dict(name, mapping, *, client=None, ephemeral=True, **publish_kwar
     """publish_dict() for the duration of a with block; yields the generation (see
     published())."""
     c = client if client is not None else _client()
-    gen = c.publish_dict(name, mapping, ephemeral=ephemeral, **publish_kwargs)
+    try:
+        gen = c.publish_dict(name, mapping, ephemeral=ephemeral, **publish_kwargs)
+    except BaseException:
+        del mapping  # as in publish()
+        raise
     yield from _held(c, name, gen)
 
 

@@ -255,15 +255,15 @@ def _publish_one(spec):
     except (BufferError, ValueError, OSError) as e:
         refused = e
     if refused is not None:
-        # libdlpc ran the producer's deleter before publish raised; what still holds the
-        # tensor is Python's: the exception's traceback keeps dlpack_ipc.publish()'s frame,
-        # and its `obj`, alive (so does the except block while it runs). Let all of it go
-        # before looking at torch's allocator.
+        # libdlpc ran the producer's deleter before publish raised, and no frame of
+        # dlpack_ipc's in the exception's traceback keeps the tensor: once this role drops its
+        # own references, the memory is torch's again while the exception is still alive (a
+        # caller's fallback copy needs it there)
         r.update(published=False, error=f"{type(refused).__name__}: {refused}",
                  error_type=type(refused).__name__)
-        del obj, view, refused
-        gc.collect()
+        del obj, view
         r["freed"] = memory_back(mem_before, 5, t0) is not None
+        del refused
         return r
     # the daemon holds an fd for a VMM entry (dlpc_alloc or lent), none for legacy IPC
     r.update(published=True, publish_s=time.perf_counter() - t0,

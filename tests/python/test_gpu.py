@@ -296,6 +296,39 @@ def test_refused_cuda_publish_gives_the_producer_back(ipc, py, gpu_env):
     """), env=gpu_env)
 
 
+def test_refused_cuda_publish_frees_while_the_exception_lives(ipc, py, gpu_env):
+    """A refused CUDA publish leaves the producer to its caller at once: while the exception is
+    still alive (inside the except block, where a caller falls back to a copy that needs the
+    memory), no frame of dlpack_ipc's in its traceback (publish(), publish_dict(), published())
+    keeps the producer."""
+    py.check(child("""
+        import dlpack_ipc, weakref
+        class PoolArray(FakeCudaArray):
+            def __init__(self, n):
+                base = ctypes.c_uint64()
+                assert fake.cuMemAllocAsync(ctypes.byref(base), c_size_t(1 << 20), None) == 0
+                self.ptr, self.n, self.streams = base.value, n, []
+        for how in ("publish", "publish_dict", "published"):
+            a = PoolArray(16)
+            alive = weakref.ref(a)
+            try:
+                if how == "publish":
+                    dlpack_ipc.publish("pgpu/refused", a)
+                elif how == "publish_dict":  # a bundle is copied, pool memory too, but not
+                    # across devices
+                    dlpack_ipc.publish_dict("pgpu/refused", {"w": a, "b": bytearray(8)})
+                else:
+                    with dlpack_ipc.published("pgpu/refused", a):
+                        pass
+            except BufferError as e:
+                assert "stream-ordered pool" in str(e) or "one device" in str(e), e
+                del a
+                assert alive() is None, (how, e.__traceback__)
+            else:
+                raise AssertionError(f"{how} was not refused")
+    """), env=gpu_env)
+
+
 def test_no_driver(ipc, py, gpu_env):
     env = dict(gpu_env, DLPC_CUDA_LIBRARY="/nonexistent/libcuda.so.1")
     py.check(child("""
