@@ -72,6 +72,7 @@
 	X(cuIpcGetEventHandle)                                                                     \
 	X(cuIpcOpenEventHandle)                                                                    \
 	X(cuStreamWaitEvent)                                                                       \
+	X(cuLaunchHostFunc)                                                                        \
 	X(cuStreamSynchronize)                                                                     \
 	X(cuCtxSynchronize)                                                                        \
 	X(cuMemcpyDtoD)                                                                            \
@@ -658,6 +659,7 @@ struct retiring {
 	struct dlpc__region *r;
 	bool record; /* the event is still to be recorded on the legacy stream */
 	CUevent ev;  /* recorded after the consumer's work */
+	bool wake;   /* and a host function behind it wakes the retiring thread (retire_wake()) */
 	bool sync;   /* synchronize the context instead (no event to be had, or not enough) */
 };
 
@@ -666,8 +668,9 @@ static pthread_cond_t retire_cv = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t retire_idle_cv = PTHREAD_COND_INITIALIZER;
 static struct retiring *retiring;
 static bool retirer_running;
-static bool retire_busy;     /* the retiring thread is working through a batch */
-static bool retire_stopping; /* the process is exiting: no more driver calls from it */
+static bool retire_busy;      /* the retiring thread is working through a batch */
+static bool retire_stopping;  /* the process is exiting: no more driver calls from it */
+static unsigned retire_wakes; /* host functions run and releases queued: something to look at */
 
 /*
  * At exit: let the retiring thread finish the batch it is on, then stop it, so that none of
@@ -693,6 +696,19 @@ static bool capture_err(CUresult e)
 	return e == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED ||
 	       e == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED ||
 	       e == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+}
+
+/*
+ * A host function, on a thread of the driver's, once the legacy stream reached it: a release
+ * may be due. It makes no driver call (the driver forbids it) and waits for no GPU work.
+ */
+static void retire_wake(void *arg)
+{
+	(void)arg;
+	pthread_mutex_lock(&retire_mu);
+	retire_wakes++;
+	pthread_cond_signal(&retire_cv);
+	pthread_mutex_unlock(&retire_mu);
 }
 
 /* Is a blocking stream of the current context capturing a graph (the legacy stream unusable)? */
@@ -725,6 +741,9 @@ static void record_after(struct retiring *x)
 		return;
 	x->record = false;
 	x->sync = e != CUDA_SUCCESS; /* no event to be had */
+	/* stream order: the host function runs once the event has completed */
+	x->wake = !x->sync &&
+		  cu.cuLaunchHostFunc(CU_STREAM_LEGACY, retire_wake, NULL) == CUDA_SUCCESS;
 }
 
 /* Is the consumer's work on @p x's region done? Called on the retiring thread. */
@@ -753,16 +772,47 @@ static bool retire_due(struct retiring *x)
 }
 
 /*
- * The retiring thread: looks at the waiting regions every DLPC_CUDA_RETIRE_POLL_MS while there
- * are any, and lets go of each whose consumer work is done (unmap, RELEASE). It runs in relaxed
- * capture mode: its calls (unmapping among them) are not refused while another thread captures
- * a graph in global mode.
+ * Let go of each region of @p todo whose consumer work is done (unmap, RELEASE); the others
+ * are returned, and *@p poll says whether one of them has no host function to wake the
+ * retiring thread (a graph capture was in the way of its event).
+ */
+static struct retiring *retire_batch(struct retiring *todo, bool *poll)
+{
+	struct retiring *left = NULL, *x;
+
+	*poll = false;
+	while ((x = todo)) {
+		todo = x->next;
+		if (!retire_due(x)) {
+			*poll |= !x->wake;
+			x->next = left;
+			left = x;
+			continue;
+		}
+		if (x->ev)
+			cu.cuEventDestroy(x->ev);
+		if (x->r->gpu)
+			dlpc__cuda_unmap(x->r->gpu);
+		dlpc__region_finish(x->r);
+		free(x);
+	}
+	return left;
+}
+
+/*
+ * The retiring thread: looks at the waiting regions when a host function behind their events
+ * (retire_wake()) or a new release says so, and lets go of each whose consumer work is done.
+ * Only while a graph capture keeps an event from being recorded does it look every
+ * DLPC_CUDA_RETIRE_POLL_MS instead. It runs in relaxed capture mode: its calls (unmapping
+ * among them) are not refused while another thread captures a graph in global mode.
  */
 static void *retirer(void *arg)
 {
-	const struct timespec poll = {.tv_nsec = DLPC_CUDA_RETIRE_POLL_MS * 1000000L};
+	const struct timespec poll_ts = {.tv_nsec = DLPC_CUDA_RETIRE_POLL_MS * 1000000L};
 	CUstreamCaptureMode relaxed = CU_STREAM_CAPTURE_MODE_RELAXED;
-	struct retiring *todo, *left, *x;
+	struct retiring *left, *x;
+	unsigned seen;
+	bool poll, waiting;
 
 	(void)arg;
 	cu.cuThreadExchangeStreamCaptureMode(&relaxed);
@@ -772,27 +822,15 @@ static void *retirer(void *arg)
 			pthread_cond_wait(&retire_cv, &retire_mu);
 		if (retire_stopping)
 			break;
-		todo = retiring;
+		left = retiring;
 		retiring = NULL;
 		retire_busy = true;
+		seen = retire_wakes;
 		pthread_mutex_unlock(&retire_mu);
-		left = NULL;
-		while ((x = todo)) {
-			todo = x->next;
-			if (!retire_due(x)) {
-				x->next = left;
-				left = x;
-				continue;
-			}
-			if (x->ev)
-				cu.cuEventDestroy(x->ev);
-			if (x->r->gpu)
-				dlpc__cuda_unmap(x->r->gpu);
-			dlpc__region_finish(x->r);
-			free(x);
-		}
-		if (left)
-			nanosleep(&poll, NULL);
+		left = retire_batch(left, &poll);
+		waiting = left != NULL;
+		if (waiting && poll)
+			nanosleep(&poll_ts, NULL);
 		pthread_mutex_lock(&retire_mu);
 		while ((x = left)) {
 			left = x->next;
@@ -801,6 +839,9 @@ static void *retirer(void *arg)
 		}
 		retire_busy = false;
 		pthread_cond_broadcast(&retire_idle_cv);
+		/* each waiting release has a host function to come: sleep until one runs */
+		while (waiting && !poll && retire_wakes == seen && !retire_stopping)
+			pthread_cond_wait(&retire_cv, &retire_mu);
 	}
 	pthread_mutex_unlock(&retire_mu);
 	return NULL;
@@ -848,6 +889,7 @@ bool dlpc__cuda_retire(struct dlpc__region *r)
 	if (retirer_running) {
 		x->next = retiring;
 		retiring = x;
+		retire_wakes++;
 		pthread_cond_signal(&retire_cv);
 	}
 	pthread_mutex_unlock(&retire_mu);

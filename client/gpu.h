@@ -73,7 +73,8 @@ bool dlpc__cuda_retire(struct dlpc__region *r);
  * cannot be read. Only while @p stream is known to be valid: in the call it was passed to.
  */
 bool dlpc__cuda_stream_followed(void *stream);
-/* How often the library's retiring thread looks at consumer work still running (ms). */
+/* How often the library's retiring thread looks at consumer work still running while a graph
+ * capture keeps it from recording the event and host function that would wake it (ms). */
 #define DLPC_CUDA_RETIRE_POLL_MS 1
 /* Order @p stream (NULL: this thread) on device @p ordinal after the event @p ev_handle. */
 int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,

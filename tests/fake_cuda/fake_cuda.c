@@ -95,13 +95,16 @@ struct obj {
 	int dev;	 /* ALLOC, IMPORT, VMM_HANDLE: the device it lives on */
 };
 
-/* Work queued on a stream that cannot run yet (fake_cuda_write_later(), _read_later()). */
+/* Work queued on a stream that cannot run yet (fake_cuda_write_later(), _read_later(), or a
+ * host function of cuLaunchHostFunc()). */
 struct op {
 	struct op *next;
 	void *dst;
 	const void *src;
 	size_t n;
-	void *copy; /* a write's bytes, taken when it was queued */
+	void *copy;  /* a write's bytes, taken when it was queued */
+	CUhostFn fn; /* a host function: called on the fake's host-function thread */
+	void *arg;
 };
 
 struct CUstream_st {
@@ -163,6 +166,10 @@ static CUstream all_streams;  /* every stream made (next_all) */
 /* The queue of work the hooks put on the legacy stream (NULL, CU_STREAM_LEGACY) or the
  * per-thread default stream, which the fake does not tell apart from it. */
 static struct CUstream_st legacy_q = {.magic = IPC_MAGIC, .ops_end = &legacy_q.ops};
+/* Host functions whose turn has come, for the fake's host-function thread (as the driver has
+ * one of its own: never the caller's thread), in order. */
+static struct op *host_fns, **host_fns_end = &host_fns;
+static pthread_cond_t host_fns_cv = PTHREAD_COND_INITIALIZER;
 static __thread CUstreamCaptureMode capture_mode; /* GLOBAL, the default */
 /* Interprocess events alive in this process (created or opened), and how many the fake allows
  * ($FAKE_CUDA_IPC_EVENTS_MAX, default FAKE_IPC_EVENTS_MAX): the real driver runs out of them
@@ -298,6 +305,13 @@ static void run_ops(CUstream s)
 		return;
 	while ((o = s->ops)) {
 		s->ops = o->next;
+		if (o->fn) {
+			o->next = NULL;
+			*host_fns_end = o;
+			host_fns_end = &o->next;
+			pthread_cond_signal(&host_fns_cv);
+			continue;
+		}
 		memcpy(o->dst, o->copy ? o->copy : o->src, o->n);
 		free(o->copy);
 		free(o);
@@ -1456,6 +1470,80 @@ EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int
 	logf_("cuStreamWaitEvent stream=%p event=%d:%u flags=%u%s", (void *)hStream, hEvent->pid,
 	      hEvent->id, Flags, implicit ? " refused: a blocking stream captures" : "");
 	return implicit ? CUDA_ERROR_STREAM_CAPTURE_IMPLICIT : CUDA_SUCCESS;
+}
+
+/* The driver's host-function thread: runs each host function once its stream reached it. */
+static void *host_fn_thread(void *arg)
+{
+	struct op *o;
+
+	(void)arg;
+	pthread_mutex_lock(&mu);
+	for (;;) {
+		while (!host_fns)
+			pthread_cond_wait(&host_fns_cv, &mu);
+		o = host_fns;
+		host_fns = o->next;
+		if (!host_fns)
+			host_fns_end = &host_fns;
+		pthread_mutex_unlock(&mu);
+		logf_("host-function runs");
+		o->fn(o->arg);
+		free(o);
+		pthread_mutex_lock(&mu);
+	}
+	return NULL;
+}
+
+static void host_fn_thread_start(void)
+{
+	pthread_t t;
+
+	if (pthread_create(&t, NULL, host_fn_thread, NULL) == 0)
+		pthread_detach(t);
+}
+
+/*
+ * A host function runs on a thread of the driver's once the work queued before it on the
+ * stream has run (at once when there is none), never on the caller's thread. On the legacy
+ * stream while a blocking stream captures: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT; on a capturing
+ * stream it goes into the graph (here: never runs).
+ */
+EXPORT CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
+{
+	static pthread_once_t once = PTHREAD_ONCE_INIT;
+	CUstream q = (uintptr_t)hStream <= 2 ? &legacy_q : hStream;
+	struct op *o;
+	CUresult r = CUDA_SUCCESS;
+
+	if (!usable("cuLaunchHostFunc"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (!stream_ok(hStream, "cuLaunchHostFunc"))
+		return CUDA_ERROR_INVALID_HANDLE;
+	if (!fn)
+		return CUDA_ERROR_INVALID_VALUE;
+	o = calloc(1, sizeof(*o));
+	if (!o)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	o->fn = fn;
+	o->arg = userData;
+	pthread_once(&once, host_fn_thread_start);
+	pthread_mutex_lock(&mu);
+	if (legacy_unusable(hStream)) {
+		r = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+	} else if (made_stream(hStream) && hStream->capturing) {
+		free(o); /* a node of the graph */
+		o = NULL;
+	} else {
+		*q->ops_end = o;
+		q->ops_end = &o->next;
+		run_ops(q);
+		o = NULL;
+	}
+	pthread_mutex_unlock(&mu);
+	free(o);
+	logf_("cuLaunchHostFunc stream=%p result=%d", (void *)hStream, (int)r);
+	return r;
 }
 
 EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,

@@ -1356,6 +1356,13 @@ END_TEST
 
 /* ---- 17. release ordered after the consumer's work ---- */
 
+/*
+ * How many times the library's retiring thread may look at a release's event while the
+ * consumer's kernel runs, however long it runs: once when the release comes, once more for
+ * another release or a spurious wake-up. A thread that polled would look every millisecond.
+ */
+#define PENDING_QUERIES_MAX 3
+
 static int release_behind_held_work(void *arg)
 {
 	dlpc_attach_opts o = {.size = sizeof(o)};
@@ -1381,9 +1388,15 @@ static int release_behind_held_work(void *arg)
 	snprintf(want, sizeof(want), "stream=%p", (void *)s);
 	CHILD_CHECK(log_count2(getpid(), "cuEventRecord", want) == 0);
 	/* while it runs the memory stays mapped and referenced, so no RECLAIM can reach the
-	 * publisher; nothing waits on the host, the library's thread only looks */
+	 * publisher; nothing waits on the host, and the library's thread, once it found the
+	 * event not ready, sleeps until the host function behind it runs: it does not poll */
+	CHILD_CHECK(log_count(getpid(), "cuLaunchHostFunc stream=0x1 result=0") == 1);
 	CHILD_CHECK(refs_stay(c, 1));
 	CHILD_CHECK(log_appears(getpid(), "result=600")); /* cuEventQuery: not ready */
+	CHILD_CHECK(log_count(getpid(), "cuEventQuery") <= PENDING_QUERIES_MAX);
+	/* and it stays asleep for as long as the kernel runs */
+	usleep(200000);
+	CHILD_CHECK(log_count(getpid(), "cuEventQuery") <= PENDING_QUERIES_MAX);
 	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
 	CHILD_CHECK(log_count(getpid(), "Synchronize") == 0);
 	/* the kernel ends: unmapped and released without another call of the consumer's */

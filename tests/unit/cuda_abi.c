@@ -87,6 +87,7 @@ int main(void)
 	NAME(cuMemAlloc);
 	NAME(cuMemFree);
 	NAME(cuStreamWaitEvent);
+	NAME(cuLaunchHostFunc);
 	NAME(cuEventRecord);
 	NAME(cuIpcGetMemHandle);
 	NAME(cuMemCreate);
