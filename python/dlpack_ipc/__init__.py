@@ -547,7 +547,7 @@ def published_dict(name, mapping, *, client=None, ephemeral=True, **publish_kwar
     yield from _held(c, name, gen)
 
 
-def attach(name, *, timeout=None, mode=None, owner=None, writable=None):
+def attach(name, *, timeout=None, mode=None, owner=None, writable=None, stream=None):
     """The tensor published under name, as a SharedTensor over the same memory (hand it to
     np.from_dlpack or torch.from_dlpack). A state dict is attach_dict()'s.
 
@@ -561,15 +561,20 @@ def attach(name, *, timeout=None, mode=None, owner=None, writable=None):
       "write"    shared and writable, for an entry published writable=True
     writable=True is the older spelling of mode="write".
     owner: a uid: an entry under name published by another uid counts as absent.
+    stream: CUDA entries: the stream this process works on (an int: a cudaStream_t such as
+    torch.cuda.current_stream().cuda_stream, 1 the legacy default stream, 2 the per-thread
+    one), ordered after the publisher at once and followed by the release (docs/gpu.md,
+    "Which stream orders what"); None: named later, by __dlpack__(stream=...).
     """
-    return _client().attach(name, timeout=timeout, mode=mode, owner=owner, writable=writable)
+    return _client().attach(name, timeout=timeout, mode=mode, owner=owner, writable=writable,
+                            stream=stream)
 
 
-def attach_dict(name, *, timeout=None, mode=None, owner=None, writable=None):
+def attach_dict(name, *, timeout=None, mode=None, owner=None, writable=None, stream=None):
     """Attach every tensor of a bundle, in one round trip and one mapping, as a dict of
-    SharedTensor by key. timeout, mode, writable and owner as for attach()."""
+    SharedTensor by key. timeout, mode, writable, owner and stream as for attach()."""
     return _client().attach_dict(name, timeout=timeout, mode=mode, owner=owner,
-                                 writable=writable)
+                                 writable=writable, stream=stream)
 
 
 def empty(shape, dtype, device="cpu"):

@@ -39,6 +39,7 @@ struct attach_req {
 	const char *mode; /* one of modes[].name: static storage */
 	uint32_t flags;	  /* DLPC_ATTACH_* */
 	uint32_t owner_uid;
+	void *stream; /* CUDA entries: the consumer's stream, named at attach (NULL: later) */
 };
 
 /* Resolve mode=, writable= (the older spelling of mode="write") and owner= into @p req. */
@@ -92,19 +93,51 @@ static int resolve(struct attach_req *req, const char *mode, PyObject *writable,
 	return 0;
 }
 
+/*
+ * stream=: the CUDA stream the consumer works on, named at attach (docs/gpu.md, "Which stream
+ * orders what"): 1 the legacy default stream, 2 the per-thread default stream, any other
+ * positive integer a cudaStream_t / CUstream. The attach then orders it after the publisher
+ * (no host wait) and the release after it, as dlpc_attach_opts.stream does. 0, -1 with an
+ * exception.
+ */
+static int resolve_stream(struct attach_req *req, PyObject *stream)
+{
+	long long s;
+
+	if (!stream || stream == Py_None)
+		return 0;
+	s = PyLong_Check(stream) && !PyBool_Check(stream) ? PyLong_AsLongLong(stream) : 0;
+	if (s == -1 && PyErr_Occurred())
+		PyErr_Clear();
+	if (s <= 0) {
+		PyErr_Format(
+			PyExc_ValueError,
+			"stream must be None, 1 (legacy default), 2 (per-thread default) or a "
+			"CUDA stream pointer (an int such as torch.cuda.Stream's cuda_stream), "
+			"not %R",
+			stream);
+		return -1;
+	}
+	req->stream = (void *)(uintptr_t)s;
+	req->flags &= ~(uint32_t)DLPC_ATTACH_DEFER_SYNC;
+	return 0;
+}
+
 static int parse(const char *fn, PyObject *args, PyObject *kwargs, struct attach_req *req)
 {
-	static char *kwlist[] = {"name", "timeout", "mode", "writable", "owner", NULL};
-	PyObject *writable = NULL, *owner = NULL;
+	static char *kwlist[] = {"name", "timeout", "mode", "writable", "owner", "stream", NULL};
+	PyObject *writable = NULL, *owner = NULL, *stream = NULL;
 	const char *mode = NULL;
 	char fmt[32];
 
-	snprintf(fmt, sizeof(fmt), "s|$OzOO:%s", fn);
+	snprintf(fmt, sizeof(fmt), "s|$OzOOO:%s", fn);
 	req->timeout = Py_None;
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, fmt, kwlist, &req->name, &req->timeout,
-					 &mode, &writable, &owner))
+					 &mode, &writable, &owner, &stream))
 		return -1;
-	return resolve(req, mode, writable, owner);
+	if (resolve(req, mode, writable, owner) < 0)
+		return -1;
+	return resolve_stream(req, stream);
 }
 
 /*
@@ -154,8 +187,10 @@ static void raise_timeout(const struct attach_req *req, double secs)
 static int attach_waiting(ClientObject *self, const struct attach_req *req,
 			  DLManagedTensorVersioned **single, dlpc_bundle **bundle)
 {
-	dlpc_attach_opts opts = {
-		.size = sizeof(opts), .flags = req->flags, .owner_uid = req->owner_uid};
+	dlpc_attach_opts opts = {.size = sizeof(opts),
+				 .flags = req->flags,
+				 .owner_uid = req->owner_uid,
+				 .stream = req->stream};
 	double secs;
 	bool forever;
 	int r;

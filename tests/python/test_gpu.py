@@ -231,6 +231,67 @@ def test_stream_destroyed_before_the_array_is_dropped(ipc, py, gpu_env, tmp_path
             pub.wait()
 
 
+def test_attach_names_the_consumer_stream(ipc, py, gpu_env, tmp_path):
+    """attach(stream=s): s waits for the publisher at once (no host wait), and the release
+    follows the work queued on s even when s is non-blocking and the tensor reaches its
+    consumer without __dlpack__(stream=s) (the exchange API, a capsule taken with stream=None):
+    a read queued on s behind a long kernel is still to run when the tensor is dropped, and
+    the fake aborts if the memory goes before it."""
+    ready = str(tmp_path / "ready")
+    pub = py.popen(child(f"""
+        import dlpack_ipc, time
+        a = FakeCudaArray(100)
+        assert dlpack_ipc.publish("pgpu/st", a) == 1
+        open({ready!r}, "w").close()
+        deadline = time.monotonic() + 20
+        while not deleted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert deleted, "the producer's deleter never ran"
+    """), env=gpu_env)
+    try:
+        wait_file(ready)
+        py.check(child("""
+            import dlpack_ipc, gc, time
+            fake.fake_cuda_read_later.argtypes = [c_void_p, c_void_p, c_void_p, c_size_t]
+            fake.fake_cuda_stream_hold.argtypes = [c_void_p, c_int]
+            for bad in (0, -1, True, "1", 1.5):
+                try:
+                    dlpack_ipc.attach("pgpu/st", stream=bad)
+                except ValueError:
+                    pass
+                else:
+                    raise AssertionError(f"stream={bad!r} accepted")
+            s = ctypes.c_void_p()
+            assert fake.cuStreamCreate(ctypes.byref(s), 1) == 0  # CU_STREAM_NON_BLOCKING
+            t = dlpack_ipc.attach("pgpu/st", stream=s.value)
+            assert len(log_lines("cuStreamWaitEvent stream=%#x " % s.value)) == 1
+            assert not log_lines("cuEventSynchronize")
+            cap = t.__dlpack__(stream=None, max_version=(1, 0))  # the legacy stream's
+            ptr = Managed.from_address(api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
+            got = (c_float * 100)()
+            fake.fake_cuda_stream_hold(s, 1)
+            fake.fake_cuda_read_later(s, ptr.dl_tensor.data, ctypes.addressof(got), 400)
+            del t, cap, ptr
+            gc.collect()
+            time.sleep(0.2)
+            assert dlpack_ipc.stat()["references"] == 1  # the read is still queued
+            fake.fake_cuda_stream_hold(s, 0)
+            deadline = time.monotonic() + 10
+            while dlpack_ipc.stat()["references"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert dlpack_ipc.stat()["references"] == 0
+            assert list(got) == [i * 0.5 for i in range(100)]
+            assert not log_lines("freed-under-pending-work")
+        """), env=gpu_env)
+        ipc.unpublish("pgpu/st")
+        out, err = pub.communicate(timeout=30)
+        assert pub.returncode == 0, err
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+            pub.wait()
+
+
 def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
     py.check(child("""
         import dlpack_ipc
