@@ -292,6 +292,21 @@ def test_attach_names_the_consumer_stream(ipc, py, gpu_env, tmp_path):
             pub.wait()
 
 
+def test_attach_stream_is_ignored_for_host_entries(ipc):
+    """stream= names a CUDA stream: a host entry attaches as without it (no driver is loaded
+    here, so any use of the handle would fail)."""
+    ipc.publish("pgpu/host", np.arange(4, dtype=np.float32))
+    ipc.publish_dict("pgpu/hostd", {"a": np.ones(2, dtype=np.int64)})
+    t = ipc.attach("pgpu/host", stream=12345)
+    d = ipc.attach_dict("pgpu/hostd", stream=12345)
+    assert np.from_dlpack(t).tolist() == [0, 1, 2, 3]
+    assert np.from_dlpack(d["a"]).tolist() == [1, 1]
+    t.release()
+    d["a"].release()
+    ipc.unpublish("pgpu/host")
+    ipc.unpublish("pgpu/hostd")
+
+
 def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
     py.check(child("""
         import dlpack_ipc
