@@ -293,8 +293,7 @@ def test_attach_names_the_consumer_stream(ipc, py, gpu_env, tmp_path):
 
 
 def test_attach_stream_is_ignored_for_host_entries(ipc):
-    """stream= names a CUDA stream: a host entry attaches as without it (no driver is loaded
-    here, so any use of the handle would fail)."""
+    """stream= names a CUDA stream: a host entry attaches as without it."""
     ipc.publish("pgpu/host", np.arange(4, dtype=np.float32))
     ipc.publish_dict("pgpu/hostd", {"a": np.ones(2, dtype=np.int64)})
     t = ipc.attach("pgpu/host", stream=12345)
