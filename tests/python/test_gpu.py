@@ -118,14 +118,17 @@ def wait_file(path, timeout=10.0):
         time.sleep(0.01)
 
 
-def test_publish_attach_streams(ipc, py, gpu_env, tmp_path):
+def with_publisher(ipc, py, gpu_env, tmp_path, name, consumer, array="FakeCudaArray(100)",
+                   check="pass"):
+    """Publish `array` as name from a child interpreter (then `check`, one line, runs there),
+    which stays until the entry is reclaimed and the producer's deleter has run; run `consumer`
+    in another; then unpublish and see the publisher end well."""
     ready = str(tmp_path / "ready")
     pub = py.popen(child(f"""
         import dlpack_ipc, time
-        a = FakeCudaArray(100, offset=1000)
-        assert dlpack_ipc.publish("pgpu/a", a) == 1
-        # the producer was asked for its work ordered before the legacy default stream
-        assert a.streams == [1], a.streams
+        a = {array}
+        assert dlpack_ipc.publish({name!r}, a) == 1
+        {check}
         open({ready!r}, "w").close()
         # idle until the entry is reclaimed: the deleter runs on libdlpc's thread
         deadline = time.monotonic() + 20
@@ -135,7 +138,19 @@ def test_publish_attach_streams(ipc, py, gpu_env, tmp_path):
     """), env=gpu_env)
     try:
         wait_file(ready)
-        py.check(child("""
+        py.check(child(consumer), env=gpu_env)
+        ipc.unpublish(name)
+        out, err = pub.communicate(timeout=30)
+        assert pub.returncode == 0, err
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+            pub.wait()
+
+
+def test_publish_attach_streams(ipc, py, gpu_env, tmp_path):
+    # the producer was asked for its work ordered before the legacy default stream
+    with_publisher(ipc, py, gpu_env, tmp_path, "pgpu/a", """
             import dlpack_ipc, numpy as np
             t = dlpack_ipc.attach("pgpu/a")
             assert t.device == "cuda:0", t.device
@@ -168,34 +183,16 @@ def test_publish_attach_streams(ipc, py, gpu_env, tmp_path):
             # the host never waited
             assert not log_lines("cuEventSynchronize")
             assert len(log_lines("cuIpcOpenMemHandle")) == 1
-        """), env=gpu_env)
-        ipc.unpublish("pgpu/a")
-        out, err = pub.communicate(timeout=30)
-        assert pub.returncode == 0, err
-    finally:
-        if pub.poll() is None:
-            pub.kill()
-            pub.wait()
+        """,
+                   array="FakeCudaArray(100, offset=1000)",
+                   check="assert a.streams == [1], a.streams")
 
 
 def test_stream_destroyed_before_the_array_is_dropped(ipc, py, gpu_env, tmp_path):
     """CuPy's `with cupy.cuda.Stream(): y = cupy.from_dlpack(t)` then `del y` later: the
     stream is destroyed when the block ends, before the deleter runs, which must not touch it
     (the fake aborts, as the real driver may crash)."""
-    ready = str(tmp_path / "ready")
-    pub = py.popen(child(f"""
-        import dlpack_ipc, time
-        a = FakeCudaArray(100)
-        assert dlpack_ipc.publish("pgpu/s", a) == 1
-        open({ready!r}, "w").close()
-        deadline = time.monotonic() + 20
-        while not deleted and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert deleted, "the producer's deleter never ran"
-    """), env=gpu_env)
-    try:
-        wait_file(ready)
-        py.check(child("""
+    with_publisher(ipc, py, gpu_env, tmp_path, 'pgpu/s', """
             import dlpack_ipc, gc, time
             arrays = []
             for flags in (0, 1):  # blocking (CuPy's default), then CU_STREAM_NON_BLOCKING
@@ -221,14 +218,7 @@ def test_stream_destroyed_before_the_array_is_dropped(ipc, py, gpu_env, tmp_path
             # the whole context
             assert [l for l in log_lines("cuEventRecord") if "stream=0x1" in l.split()]
             assert log_lines("cuCtxSynchronize")
-        """), env=gpu_env)
-        ipc.unpublish("pgpu/s")
-        out, err = pub.communicate(timeout=30)
-        assert pub.returncode == 0, err
-    finally:
-        if pub.poll() is None:
-            pub.kill()
-            pub.wait()
+        """)
 
 
 def test_attach_names_the_consumer_stream(ipc, py, gpu_env, tmp_path):
@@ -237,20 +227,7 @@ def test_attach_names_the_consumer_stream(ipc, py, gpu_env, tmp_path):
     consumer without __dlpack__(stream=s) (the exchange API, a capsule taken with stream=None):
     a read queued on s behind a long kernel is still to run when the tensor is dropped, and
     the fake aborts if the memory goes before it."""
-    ready = str(tmp_path / "ready")
-    pub = py.popen(child(f"""
-        import dlpack_ipc, time
-        a = FakeCudaArray(100)
-        assert dlpack_ipc.publish("pgpu/st", a) == 1
-        open({ready!r}, "w").close()
-        deadline = time.monotonic() + 20
-        while not deleted and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert deleted, "the producer's deleter never ran"
-    """), env=gpu_env)
-    try:
-        wait_file(ready)
-        py.check(child("""
+    with_publisher(ipc, py, gpu_env, tmp_path, 'pgpu/st', """
             import dlpack_ipc, gc, time
             fake.fake_cuda_read_later.argtypes = [c_void_p, c_void_p, c_void_p, c_size_t]
             fake.fake_cuda_stream_hold.argtypes = [c_void_p, c_int]
@@ -282,14 +259,7 @@ def test_attach_names_the_consumer_stream(ipc, py, gpu_env, tmp_path):
             assert dlpack_ipc.stat()["references"] == 0
             assert list(got) == [i * 0.5 for i in range(100)]
             assert not log_lines("freed-under-pending-work")
-        """), env=gpu_env)
-        ipc.unpublish("pgpu/st")
-        out, err = pub.communicate(timeout=30)
-        assert pub.returncode == 0, err
-    finally:
-        if pub.poll() is None:
-            pub.kill()
-            pub.wait()
+        """)
 
 
 def test_attach_stream_is_ignored_for_host_entries(ipc):
