@@ -90,6 +90,13 @@ class FakeCudaArray:
         _keep[ctypes.addressof(m)] = (m, shape)
         return api.PyCapsule_New(ctypes.addressof(m), b"dltensor_versioned", None)
 
+class PoolArray(FakeCudaArray):
+    """n float32 from a stream-ordered pool (cuMemAllocAsync), which CUDA IPC cannot export."""
+    def __init__(self, n):
+        base = ctypes.c_uint64()
+        assert fake.cuMemAllocAsync(ctypes.byref(base), c_size_t(1 << 20), None) == 0
+        self.ptr, self.n, self.streams = base.value, n, []
+
 def capsule_floats(cap, n):
     m = Managed.from_address(api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
     return list((c_float * n).from_address(m.dl_tensor.data))
@@ -312,16 +319,9 @@ def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
 def test_refused_cuda_publish_gives_the_producer_back(ipc, py, gpu_env):
     """A CUDA publish that is refused (here stream-ordered pool memory; expandable segments'
     several VMM mappings take the same path) runs the producer's deleter exactly once, before
-    publish raises. What keeps the producer alive afterwards is Python's own: the exception's
-    traceback holds dlpack_ipc.publish()'s frame and its obj (tests/gpu's expandable_segments
-    check measured torch's allocator before letting it go)."""
+    publish raises."""
     py.check(child("""
         import dlpack_ipc, gc, weakref
-        class PoolArray(FakeCudaArray):
-            def __init__(self, n):
-                base = ctypes.c_uint64()
-                assert fake.cuMemAllocAsync(ctypes.byref(base), c_size_t(1 << 20), None) == 0
-                self.ptr, self.n, self.streams = base.value, n, []
         a = PoolArray(16)
         alive = weakref.ref(a)
         try:
@@ -348,11 +348,6 @@ def test_refused_cuda_publish_frees_while_the_exception_lives(ipc, py, gpu_env):
     keeps the producer."""
     py.check(child("""
         import dlpack_ipc, weakref
-        class PoolArray(FakeCudaArray):
-            def __init__(self, n):
-                base = ctypes.c_uint64()
-                assert fake.cuMemAllocAsync(ctypes.byref(base), c_size_t(1 << 20), None) == 0
-                self.ptr, self.n, self.streams = base.value, n, []
         for how in ("publish", "publish_dict", "published"):
             a = PoolArray(16)
             alive = weakref.ref(a)
