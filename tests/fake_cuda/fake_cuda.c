@@ -108,9 +108,11 @@ struct op {
 };
 
 struct CUstream_st {
-	uint32_t magic;	   /* IPC_MAGIC; DEAD_MAGIC once destroyed */
-	unsigned flags;	   /* cuStreamCreate's: CU_STREAM_NON_BLOCKING or not */
-	bool held;	   /* fake_cuda_stream_hold(): its work does not complete */
+	uint32_t magic; /* IPC_MAGIC; DEAD_MAGIC once destroyed */
+	unsigned flags; /* cuStreamCreate's: CU_STREAM_NON_BLOCKING or not */
+	bool held;	/* fake_cuda_stream_hold(): its work does not complete */
+	uint64_t
+		until; /* held by fake_cuda_kernel() until the clock reaches it (0: until let go) */
 	unsigned releases; /* how many times it was let go */
 	bool capturing;	   /* fake_cuda_capture() */
 	int32_t wait_pid;  /* waits for that process's interprocess event (0: none) */
@@ -157,6 +159,7 @@ static unsigned instance; /* the device instance this process runs on (device_st
 static pthread_cond_t let_go_cv = PTHREAD_COND_INITIALIZER; /* a held stream was let go */
 static unsigned held_streams, captures;			    /* how many streams are so */
 static unsigned held_blocking; /* held streams that are blocking: the legacy stream waits */
+static uint64_t fake_clock;    /* the fake's time, in ticks (fake_cuda_kernel()) */
 static bool capture_broken;    /* a call invalidated the captures under way */
 /* Interprocess events of this process recorded behind work that has not run: each has a marker
  * file (marker_path()) while it is pending, which is how other processes see it. */
@@ -422,6 +425,9 @@ EXPORT void fake_cuda_capture(CUstream s, int on);
 EXPORT void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n);
 EXPORT void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
 EXPORT unsigned fake_cuda_live(void);
+EXPORT void fake_cuda_kernel(CUstream s, unsigned ticks);
+EXPORT void fake_cuda_clock_advance(unsigned ticks);
+static bool time_step(void);
 
 static bool env_on(const char *name)
 {
@@ -1094,6 +1100,8 @@ EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 	logf_("cuEventSynchronize event=%d:%u", hEvent->pid, hEvent->id);
 	pthread_mutex_lock(&mu);
 	while (pending(hEvent)) {
+		if (time_step())
+			continue;
 		/* another process's work ends without a word to this one: look again */
 		pthread_mutex_unlock(&mu);
 		usleep(1000);
@@ -1264,6 +1272,8 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 	/* the legacy stream waits for every (blocking) stream, held ones included */
 	while (made_stream(hStream) ? blocked(hStream)
 				    : hStream != CU_STREAM_PER_THREAD && held_blocking > 0) {
+		if (time_step())
+			continue;
 		pthread_mutex_unlock(&mu);
 		usleep(1000);
 		pthread_mutex_lock(&mu);
@@ -1307,10 +1317,9 @@ EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)
 	return CUDA_SUCCESS;
 }
 
-/* Test hook: hold @p s (a long kernel runs on it) or let it go. */
-EXPORT void fake_cuda_stream_hold(CUstream s, int on)
+/* Hold @p s, or let it go (its long kernel ends). With mu. */
+static void hold_locked(CUstream s, bool on)
 {
-	pthread_mutex_lock(&mu);
 	if (on && !s->held) {
 		s->held = true;
 		held_streams++;
@@ -1326,8 +1335,72 @@ EXPORT void fake_cuda_stream_hold(CUstream s, int on)
 		sweep_markers();
 		pthread_cond_broadcast(&let_go_cv);
 	}
+	s->until = 0;
+}
+
+/* Test hook: hold @p s (a long kernel runs on it, until let go) or let it go. */
+EXPORT void fake_cuda_stream_hold(CUstream s, int on)
+{
+	pthread_mutex_lock(&mu);
+	hold_locked(s, on);
 	pthread_mutex_unlock(&mu);
 	logf_("hold stream=%p %s", (void *)s, on ? "on" : "off");
+}
+
+/*
+ * Test hook: a kernel of @p ticks on @p s, after the kernels queued there before it: the
+ * stream is held until the fake's clock reaches its end. The clock moves when a test advances
+ * it (fake_cuda_clock_advance()) and when a call waits for such work (cuStreamSynchronize,
+ * cuEventSynchronize, cuCtxSynchronize: time passes while the host waits); never by itself, and
+ * never when a call only looks (cuEventQuery, cuStreamQuery). On a stream held until let go,
+ * the kernel ends when it is let go.
+ */
+EXPORT void fake_cuda_kernel(CUstream s, unsigned ticks)
+{
+	pthread_mutex_lock(&mu);
+	if (!s->held) {
+		hold_locked(s, true);
+		s->until = fake_clock + ticks;
+	} else if (s->until) {
+		s->until += ticks;
+	}
+	pthread_mutex_unlock(&mu);
+	logf_("kernel stream=%p ticks=%u", (void *)s, ticks);
+}
+
+/* Let go of every stream whose timed work ends by @p t, the clock then at @p t. With mu. */
+static void time_to(uint64_t t)
+{
+	if (t > fake_clock)
+		fake_clock = t;
+	for (CUstream s = all_streams; s; s = s->next_all)
+		if (s->held && s->until && s->until <= fake_clock)
+			hold_locked(s, false);
+}
+
+/* Test hook: @p ticks of the fake's time pass. */
+EXPORT void fake_cuda_clock_advance(unsigned ticks)
+{
+	pthread_mutex_lock(&mu);
+	time_to(fake_clock + ticks);
+	pthread_mutex_unlock(&mu);
+	logf_("clock advance=%u", ticks);
+}
+
+/*
+ * A call waits for work that is not done: if timed work is held, time passes to the end of the
+ * earliest such kernel (true), else nothing can move time (false). With mu.
+ */
+static bool time_step(void)
+{
+	uint64_t next = 0;
+
+	for (CUstream s = all_streams; s; s = s->next_all)
+		if (s->held && s->until && (!next || s->until < next))
+			next = s->until;
+	if (next)
+		time_to(next);
+	return next != 0;
 }
 
 /*
@@ -1431,7 +1504,8 @@ EXPORT CUresult cuCtxSynchronize(void)
 	}
 	pthread_mutex_lock(&mu);
 	while (held_streams > 0)
-		pthread_cond_wait(&let_go_cv, &mu);
+		if (!time_step())
+			pthread_cond_wait(&let_go_cv, &mu);
 	run_all();
 	pthread_mutex_unlock(&mu);
 	return CUDA_SUCCESS;

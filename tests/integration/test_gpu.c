@@ -112,6 +112,8 @@ void fake_cuda_capture(CUstream s, int on);
 void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t n);
 void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n);
 unsigned fake_cuda_live(void);
+void fake_cuda_kernel(CUstream s, unsigned ticks);
+void fake_cuda_clock_advance(unsigned ticks);
 
 /* ---- device tensors over fake device memory ---- */
 
@@ -1676,9 +1678,51 @@ static int fake_stream_rules(void *arg)
 	return 0;
 }
 
+/* The fake's clock: timed kernels end when it reaches them, which looking does not do and
+ * waiting (synchronizing) does. */
+static int fake_clock_rules(void *arg)
+{
+	CUcontext ctx;
+	CUdevice dev;
+	CUstream s;
+	CUevent e;
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuDeviceGet(&dev, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS);
+	CHILD_CHECK(cuCtxPushCurrent(ctx) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS);
+	/* two kernels of 5 and 3 ticks, then an event */
+	fake_cuda_kernel(s, 5);
+	fake_cuda_kernel(s, 3);
+	CHILD_CHECK(cuEventRecord(e, s) == CUDA_SUCCESS);
+	for (int i = 0; i < 100; i++)
+		CHILD_CHECK(cuEventQuery(e) == CUDA_ERROR_NOT_READY);
+	fake_cuda_clock_advance(7);
+	CHILD_CHECK(cuEventQuery(e) == CUDA_ERROR_NOT_READY);
+	fake_cuda_clock_advance(1);
+	CHILD_CHECK(cuEventQuery(e) == CUDA_SUCCESS);
+	/* waiting lets the time pass: the legacy stream follows the timed blocking stream */
+	fake_cuda_kernel(s, 1000);
+	CHILD_CHECK(cuEventRecord(e, CU_STREAM_LEGACY) == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventQuery(e) == CUDA_ERROR_NOT_READY);
+	CHILD_CHECK(cuStreamSynchronize(CU_STREAM_LEGACY) == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventQuery(e) == CUDA_SUCCESS);
+	fake_cuda_kernel(s, 10);
+	CHILD_CHECK(cuCtxSynchronize() == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamQuery(s) == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventDestroy(e) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamDestroy(s) == CUDA_SUCCESS);
+	return 0;
+}
+
 START_TEST(fake_streams)
 {
 	ck_assert_int_eq(wait_child(spawn(fake_stream_rules, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(fake_clock_rules, NULL)), 0);
 }
 END_TEST
 
