@@ -32,7 +32,8 @@
  * persistence mode (device_start() below).
  *
  * Work on a stream is complete when the call returns, unless a test holds the stream
- * (fake_cuda_stream_hold(), standing for a long kernel): then events recorded on it stay
+ * (fake_cuda_stream_hold(), standing for a long kernel, or fake_cuda_kernel(), one that ends
+ * when the fake's clock says so): then events recorded on it stay
  * pending (cuEventQuery: CUDA_ERROR_NOT_READY) and synchronizing waits, until it is let go,
  * destroyed or not. Work the tests queue (fake_cuda_write_later(), _read_later()) runs in
  * stream order, after the events its stream waits for; memory it uses that is freed or

@@ -1566,6 +1566,7 @@ struct queued_read {
 	bool at_attach; /* named in dlpc_attach_opts, else in dlpc_tensor_wait() */
 	unsigned flags; /* cuStreamCreate's */
 	bool destroy;	/* the stream is destroyed before the tensor is dropped */
+	unsigned ticks; /* the long kernel takes that many ticks of the fake's clock (0: held) */
 };
 
 static int release_after_queued_read(void *arg)
@@ -1589,7 +1590,10 @@ static int release_after_queued_read(void *arg)
 	if (q->named && !q->at_attach)
 		CHILD_CHECK(dlpc_tensor_wait(t, s) == 0);
 	/* a long kernel, then one that reads the tensor; the consumer drops it at once */
-	fake_cuda_stream_hold(s, 1);
+	if (q->ticks)
+		fake_cuda_kernel(s, q->ticks);
+	else
+		fake_cuda_stream_hold(s, 1);
 	fake_cuda_read_later(s, t->dl_tensor.data, got, sizeof(got));
 	if (q->destroy)
 		CHILD_CHECK(cuStreamDestroy(s) == CUDA_SUCCESS);
@@ -1598,7 +1602,13 @@ static int release_after_queued_read(void *arg)
 	CHILD_CHECK(refs_stay(c, 1));
 	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
 	/* the kernels end (the test's hook still reaches a destroyed stream's work) */
-	fake_cuda_stream_hold(s, 0);
+	if (q->ticks) {
+		fake_cuda_clock_advance(q->ticks - 1);
+		CHILD_CHECK(refs_stay(c, 1));
+		fake_cuda_clock_advance(1);
+	} else {
+		fake_cuda_stream_hold(s, 0);
+	}
 	CHILD_CHECK(refs_reach(c, 0));
 	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
 	CHILD_CHECK(same(got, NELEM, 1.0f));
@@ -1623,6 +1633,9 @@ START_TEST(release_after_queued_reads)
 		 .destroy = true},
 		{.named = false, .flags = CU_STREAM_DEFAULT},
 		{.named = false, .flags = CU_STREAM_DEFAULT, .destroy = true},
+		/* a kernel timed on the fake's clock, which only the test moves here (a release
+		 * for a non-blocking stream synchronizes the context: the time would pass then) */
+		{.named = true, .at_attach = true, .flags = CU_STREAM_DEFAULT, .ticks = 50},
 	};
 
 	publisher_start(&p);
