@@ -619,8 +619,11 @@ START_TEST(test_prefer_direct)
 {
 	static const char *const names[] = {"p/d", "p/q", "p/probe", "p/held", "p/big"};
 	dlpc_channel_info info = {.size = sizeof(info)}, probe = {.size = sizeof(probe)};
+	Dlpackd__V1__Channel req = DLPACKD__V1__CHANNEL__INIT;
 	uint32_t max = DLPC_CHANNEL_CAPACITY_MAX, big_flags;
 	dlpc_client *c = connect_or_die(&D);
+	char msg[512];
+	int raw;
 	pid_t p;
 
 	ck_assert_dlpc(prefer(c, "p/d", 0, &info), 1);
@@ -651,6 +654,16 @@ START_TEST(test_prefer_direct)
 	ck_assert_dlpc(dlpc_channel_open_flags(
 			       c, "p/x", 0, DLPC_CHANNEL_PREFER_DIRECT | DLPC_CHANNEL_QUEUED, NULL),
 		       -EINVAL);
+	/* the daemon refuses them too, from a client that skips libdlpc's check */
+	raw = raw_connect(&D);
+	raw_hello(raw, DLPC_PROTO_MAJOR);
+	req.op = 1;
+	req.name.data = (uint8_t *)"p/x";
+	req.name.len = 3;
+	req.flags = DLPC_CHANNEL_PREFER_DIRECT | DLPC_CHANNEL_DIRECT;
+	raw_send(raw, DLPC_MSG_CHANNEL, 7, &req.base, NULL, 0);
+	ck_assert_int_eq(raw_error(raw, msg, sizeof(msg)), EINVAL);
+	close(raw);
 	p = fork();
 	ck_assert_int_ge(p, 0);
 	if (p == 0)
