@@ -876,7 +876,8 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * dlpc_channel_open_flags() (protocol 1.10): a queued channel, created as one, and -EEXIST if
  * the channel exists as a direct one. Without DLPC_CHANNEL_QUEUED or DLPC_CHANNEL_DIRECT an
  * existing channel is opened whatever its kind (info->flags says which), and a new one is
- * queued: only creating a channel picks its kind.
+ * queued (DLPC_CHANNEL_PREFER_DIRECT: direct where it can serve): only creating a channel picks
+ * its kind.
  */
 #define DLPC_CHANNEL_QUEUED (1u << 2)
 /**
