@@ -541,7 +541,7 @@ def bench_pipeline(client, socket, prefix, quick):
     n, warm = (8, 2) if quick else (60, 10)
     ctx = tmp.get_context("spawn")
     chname = f"{prefix}/pipeline"
-    ch = client.channel(chname, 4)
+    ch = client.channel(chname, 4, direct=False)  # its producer takes Channel.empty() buffers
     try:
         for kind in ("torch", "channel"):
             q, done = ctx.Queue(4), ctx.Event()

@@ -18,7 +18,7 @@
 #define OP_OPEN 1
 #define OP_REMOVE 2
 #define OP_STAT 3
-#define OPEN_FLAGS (DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_QUEUED)
+#define OPEN_FLAGS (DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_QUEUED | DLPC_CHANNEL_PREFER_DIRECT)
 #define SEND_FLAGS DLPC_SEND_NOWAIT
 /* The public attach flags dlpc_recv() takes: all acted on here (a RECV carries only
  * DLPC_WIRE_RECV_FLAGS, which the library sets). */
@@ -138,11 +138,12 @@ DLPC_EXPORT int dlpc_channel_open_opts(dlpc_client *c, const char *name,
 	if (flags & ~OPEN_FLAGS)
 		return dlpc__fail(-EINVAL, "cannot open channel '%s': unknown flags 0x%x",
 				  name ? name : "", flags & ~OPEN_FLAGS);
-	if ((flags & OPEN_FLAGS) == OPEN_FLAGS)
+	if (flags & (flags - 1))
 		return dlpc__fail(-EINVAL,
-				  "cannot open channel '%s': DLPC_CHANNEL_DIRECT and "
-				  "DLPC_CHANNEL_QUEUED together",
-				  name ? name : "");
+				  "cannot open channel '%s': flags 0x%x: at most one of "
+				  "DLPC_CHANNEL_DIRECT, DLPC_CHANNEL_QUEUED and "
+				  "DLPC_CHANNEL_PREFER_DIRECT",
+				  name ? name : "", flags);
 	return channel_call(c, OP_OPEN, name, capacity, flags, producers, info, "open");
 }
 
@@ -332,7 +333,8 @@ static int send_sink(dlpc_client *c, const struct dlpc__sink *sink, Dlpackd__V1_
 			dlpc__direct_put(c, e);
 			return dlpc__fail(-ENOTSUP,
 					  "cannot send to channel '%s': it is direct, and recycled "
-					  "buffers need a channel dlpackd queues",
+					  "buffers need a channel dlpackd queues: create it "
+					  "queued (DLPC_CHANNEL_QUEUED; in Python, direct=False)",
 					  sink->channel);
 		}
 		if (r == 1 && !__atomic_load_n(&e->producing, __ATOMIC_RELAXED))

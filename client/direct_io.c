@@ -122,7 +122,9 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 	if (tl > DLPC_DIRECT_TABLE_MAX)
 		return dlpc__fail(-EMSGSIZE,
 				  "cannot send to channel '%s': the message's %zu tensors take %zu "
-				  "bytes to describe; a direct channel's record holds %d",
+				  "bytes to describe; a direct channel's record holds %d (a "
+				  "queued channel takes any: create it with DLPC_CHANNEL_QUEUED; "
+				  "in Python, direct=False)",
 				  channel, req->n_tensors, tl, DLPC_DIRECT_TABLE_MAX);
 	dlpc__table_encode(req->tensors, req->n_tensors, table);
 	dlpc__direct_encode(rec, req->storage_size, table, tl);

@@ -246,7 +246,8 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 	if (kind == 1)
 		return dlpc__fail(-ENOTSUP,
 				  "cannot allocate for channel '%s': it is direct, and recycled "
-				  "buffers need a channel dlpackd queues",
+				  "buffers need a channel dlpackd queues: create it queued "
+				  "(DLPC_CHANNEL_QUEUED; in Python, direct=False)",
 				  channel);
 	if (dlpc__tensor_nbytes(dtype.bits, dtype.lanes, shape, (size_t)ndim, &nbytes) < 0 ||
 	    !dlpc__align_up(nbytes, &size) || size > INT64_MAX)

@@ -149,4 +149,5 @@ void dlpd_channel_info(const struct dlpd_channel *ch, Dlpackd__V1__ChannelInfo *
 	info->producers_expected = ch->expected ? ch->expected : 1;
 	if (ch->ended)
 		info->flags |= DLPC_CHANNEL_ENDED;
+	info->flags |= ch->fallback;
 }

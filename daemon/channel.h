@@ -44,6 +44,8 @@ struct dlpd_channel {
 	 * above stays empty. -1 and -1 for a channel the daemon queues. */
 	int ends[2];
 	uint32_t direct_capacity; /* the messages the kernel lets the sending end queue */
+	/* DLPC_CHANNEL_FALLBACK_*: why an OPEN with DLPC_CHANNEL_PREFER_DIRECT made it queued */
+	uint32_t fallback;
 	struct dlpd_usage *usage;
 	int64_t created_ns;
 	uint64_t sent, received;

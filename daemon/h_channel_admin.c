@@ -22,7 +22,8 @@
 #define OP_JOIN 4
 #define OP_CLOSE 5
 #define OP_PRODUCE 6
-#define OPEN_FLAGS (DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_QUEUED)
+#define KIND_FLAGS (DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_QUEUED)
+#define OPEN_FLAGS (KIND_FLAGS | DLPC_CHANNEL_PREFER_DIRECT)
 #define EV_CHANNEL_OPENED 4
 #define EV_CHANNEL_REMOVED 5
 
@@ -156,12 +157,27 @@ static int channel_quota(const struct dlpd_peer *p, size_t name_len, bool direct
 	return 0;
 }
 
+/* Make the new @p ch direct (@p prefer: only where a direct channel holds @p cap messages,
+ * queued with the reason in ch->fallback otherwise). 0, or negative errno and why. */
+static int make_direct(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t cap, bool prefer,
+		       char *why, size_t whylen)
+{
+	int r = dlpd_direct_open(s, ch, cap, why, whylen);
+
+	if (r < 0 || !prefer || ch->direct_capacity >= cap)
+		return r;
+	dlpd_direct_close(s, ch);
+	ch->fallback = DLPC_CHANNEL_FALLBACK_CAPACITY;
+	return 0;
+}
+
 static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Channel *req,
 			const char *name)
 {
 	struct dlpd_server *s = p->srv;
 	struct dlpd_channel *ch = dlpd_channel_find(&s->reg, req->name.data, req->name.len);
 	uint32_t cap = req->capacity ? req->capacity : DLPC_CHANNEL_CAPACITY_DEFAULT;
+	uint32_t kind = req->flags & OPEN_FLAGS, fallback = 0;
 	char desc[96], why[256], msg[DLPC_NAME_TEXT + 512];
 
 	if (req->capacity > DLPC_CHANNEL_CAPACITY_MAX)
@@ -169,11 +185,10 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					"cannot open channel '%s': capacity %u exceeds the limit "
 					"of %d messages",
 					name, req->capacity, DLPC_CHANNEL_CAPACITY_MAX);
-	bool direct = req->flags & DLPC_CHANNEL_DIRECT;
-	/* no flag takes a channel of either kind */
-	bool any = !(req->flags & OPEN_FLAGS);
+	bool direct = kind & DLPC_CHANNEL_DIRECT, prefer = kind & DLPC_CHANNEL_PREFER_DIRECT;
 
-	if ((req->flags & ~(uint32_t)OPEN_FLAGS) || (req->flags & OPEN_FLAGS) == OPEN_FLAGS)
+	/* at most one of the three; without DIRECT or QUEUED a channel of either kind is taken */
+	if ((req->flags & ~(uint32_t)OPEN_FLAGS) || (kind & (kind - 1)))
 		return dlpd_reply_error(p, id, EINVAL, "cannot open channel '%s': flags 0x%x", name,
 					req->flags);
 	if (req->producers > DLPC_CHANNEL_PRODUCERS_MAX)
@@ -182,9 +197,12 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 					"of %d (DLPC_CHANNEL_PRODUCERS_MAX)",
 					name, req->producers, DLPC_CHANNEL_PRODUCERS_MAX);
 	if (ch)
-		return channel_reopen(p, id, req, ch, direct, any, name);
+		return channel_reopen(p, id, req, ch, direct, !(kind & KIND_FLAGS), name);
 	if (channel_quota(p, req->name.len, direct, name, msg, sizeof(msg)) < 0)
 		return dlpd_reply_error(p, id, EDQUOT, "%s", msg);
+	/* (the quota of a queued one passed: what a direct one lacks is fds) */
+	if (prefer && channel_quota(p, req->name.len, true, name, msg, sizeof(msg)) < 0)
+		fallback = DLPC_CHANNEL_FALLBACK_FDS;
 	ch = dlpd_channel_new(&s->reg, req->name.data, req->name.len, cap, p->usage);
 	if (!ch)
 		return dlpd_reply_error(p, id, ENOMEM, "cannot open channel '%s': out of memory",
@@ -192,8 +210,9 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 	ch->uid = p->uid;
 	ch->pid = p->pid;
 	ch->expected = req->producers;
-	if (direct) {
-		int r = dlpd_direct_open(s, ch, cap, why, sizeof(why));
+	ch->fallback = fallback;
+	if (direct || (prefer && !fallback)) {
+		int r = make_direct(s, ch, cap, prefer, why, sizeof(why));
 
 		if (r < 0) {
 			dlpd_channel_free(&s->reg, ch);
@@ -201,9 +220,13 @@ static int channel_open(struct dlpd_peer *p, uint32_t id, const Dlpackd__V1__Cha
 						name, why);
 		}
 	}
-	dlpd_log(LOG_DEBUG, "%s: opened %schannel '%s', capacity %u",
+	dlpd_log(LOG_DEBUG, "%s: opened %schannel '%s', capacity %u%s",
 		 dlpd_peer_desc(p, desc, sizeof(desc)), ch->ends[0] >= 0 ? "direct " : "", name,
-		 ch->ends[0] >= 0 ? ch->direct_capacity : cap);
+		 ch->ends[0] >= 0 ? ch->direct_capacity : cap,
+		 ch->fallback == DLPC_CHANNEL_FALLBACK_CAPACITY
+			 ? " (queued: a direct one holds fewer here)"
+		 : ch->fallback ? " (queued: no fds for a direct one)"
+				: "");
 	notify(s, EV_CHANNEL_OPENED, ch, p);
 	return reply_info(p, id, ch, true);
 }

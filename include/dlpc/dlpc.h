@@ -877,9 +877,27 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * dlpc_channel_open_flags() (protocol 1.10): a queued channel, created as one, and -EEXIST if
  * the channel exists as a direct one. Without DLPC_CHANNEL_QUEUED or DLPC_CHANNEL_DIRECT an
  * existing channel is opened whatever its kind (info->flags says which), and a new one is
- * queued: only creating a channel picks its kind.
+ * queued (DLPC_CHANNEL_PREFER_DIRECT: direct where it can serve): only creating a channel picks
+ * its kind.
  */
 #define DLPC_CHANNEL_QUEUED (1u << 2)
+/**
+ * dlpc_channel_open_flags(): the kind dlpack_ipc.channel() picks by default (docs/channels.md,
+ * "Which kind"): an existing channel is opened as the kind it is; a new one is direct where
+ * the direct kind can serve, and queued where it cannot: where the kernel lets a direct channel
+ * queue fewer messages than @p capacity (dlpc_channel_info.flags then has
+ * DLPC_CHANNEL_FALLBACK_CAPACITY), or where dlpackd's fds or the uid's fd share have no room for
+ * its two sockets (DLPC_CHANNEL_FALLBACK_FDS). Not with DLPC_CHANNEL_DIRECT or
+ * DLPC_CHANNEL_QUEUED (-EINVAL). Without any of the three flags, a new channel is queued.
+ */
+#define DLPC_CHANNEL_PREFER_DIRECT (1u << 3)
+/** dlpc_channel_info.flags: DLPC_CHANNEL_PREFER_DIRECT made this channel queued, as a direct
+ * one could not queue its capacity (the kernel's socket buffer limit, net.core.wmem_max). */
+#define DLPC_CHANNEL_FALLBACK_CAPACITY (1u << 4)
+/** dlpc_channel_info.flags: DLPC_CHANNEL_PREFER_DIRECT made this channel queued, as dlpackd's
+ * fd limit or the uid's fd share (--max-fd-share-per-uid) had no room for a direct one's two
+ * sockets. */
+#define DLPC_CHANNEL_FALLBACK_FDS (1u << 5)
 /** dlpc_channel_close_flags(): end the stream for every producer, not only this one. */
 #define DLPC_CHANNEL_CLOSE_ALL (1u << 0)
 
@@ -898,7 +916,9 @@ typedef struct dlpc_channel_info {
 	int64_t created_ns;    /**< CLOCK_REALTIME when it was opened */
 	char name[DLPC_NAME_MAX + 1];
 	uint32_t flags;		     /**< DLPC_CHANNEL_DIRECT for a direct channel,
-			   DLPC_CHANNEL_ENDED once its stream has ended (1.10) */
+			   DLPC_CHANNEL_ENDED once its stream has ended (1.10),
+			   DLPC_CHANNEL_FALLBACK_* for a queued one that
+			   DLPC_CHANNEL_PREFER_DIRECT made queued */
 	uint32_t producers;	     /**< 1.10: producers that have not closed */
 	uint32_t producers_closed;   /**< 1.10: producers that closed (or whose connection ended) */
 	uint32_t producers_expected; /**< 1.10: closes the end waits for at least (as opened) */
@@ -918,9 +938,12 @@ DLPC_EXPORT int dlpc_channel_open(dlpc_client *c, const char *name, uint32_t cap
 /**
  * dlpc_channel_open() with @p flags: DLPC_CHANNEL_DIRECT opens (creates) a direct channel,
  * DLPC_CHANNEL_QUEUED a queued one; neither opens an existing channel of either kind and
- * creates a queued one.
+ * creates a queued one; DLPC_CHANNEL_PREFER_DIRECT opens an existing channel of either kind and
+ * creates a direct one where that kind can serve (dlpack_ipc.channel()'s default; the rule is
+ * docs/channels.md's "Which kind").
  * @return as dlpc_channel_open(); -EEXIST also if the channel exists as the other kind than
- *         the one asked for (the message names its kind), -EINVAL for unknown flags.
+ *         the one asked for (the message names its kind), -EINVAL for unknown flags or more
+ *         than one of the three.
  */
 DLPC_EXPORT int dlpc_channel_open_flags(dlpc_client *c, const char *name, uint32_t capacity,
 					uint32_t flags, dlpc_channel_info *info);

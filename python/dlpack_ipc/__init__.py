@@ -238,15 +238,19 @@ class Channel:
     send() may still be delivered once room comes (while this connection stays open). Messages
     a sender sent stay queued after it exits.
 
-    Kinds: direct=True creates a direct channel: its messages go from sender to receiver
-    through a socket pair dlpackd hands to each process, queued by the kernel, never through
-    the daemon (a hand-off costs about what passing an fd over a Unix socket does). The same
-    delivery and end of stream; but its capacity is what the kernel's buffer limit allows
-    (self.capacity says), stat() counts only the messages queued, each message describes at
-    most about 1000 bytes of tensors (a few dozen of a bundle), there are no recycled buffers
-    (empty() raises), a receiver checks every message itself and drops one that fails (OSError
-    EBADMSG, naming its sender). direct=None (the default) opens an existing channel as the
-    kind it is and creates a queued one; direct=True or False asks for that kind and raises
+    Kinds (the rule: docs/channels.md, "Which kind"): a direct channel's messages go from
+    sender to receiver through a socket pair dlpackd hands to each process, queued by the
+    kernel, never through the daemon (a hand-off costs about what passing an fd over a Unix
+    socket does); a queued one's go through dlpackd. The same delivery and end of stream; but
+    a direct channel's capacity is what the kernel's buffer limit allows (self.capacity says),
+    stat() counts only the messages queued, each message describes at most about 1000 bytes of
+    tensors (a few dozen of a bundle: OSError EMSGSIZE beyond), there are no recycled buffers
+    (empty() raises BufferError), a receiver checks every message itself and drops one that
+    fails (OSError EBADMSG, naming its sender). direct=None (the default) opens an existing
+    channel as the kind it is and creates a direct one where that kind can serve, a queued one
+    where it cannot (a capacity beyond what the kernel lets a direct channel queue, or no fds
+    for its sockets); self.fallback then says why (None otherwise). direct=False asks for the
+    queued kind (for empty() or large bundles), direct=True for the direct one; either raises
     FileExistsError, naming the kind, for a channel of the other. self.direct says which.
 
     A receiver keeps the mapping of a storage that comes again (a buffer the sender sends again
@@ -265,10 +269,11 @@ class Channel:
         info = self._client._channel_open(name, capacity, direct, producers)
         self.capacity = info["capacity"]
         self.direct = info["direct"]
+        self.fallback = info["fallback"]
 
     def __repr__(self):
         return (f"dlpack_ipc.Channel({self.name!r}, capacity={self.capacity}"
-                f"{', direct=True' if self.direct else ''})")
+                f", direct={self.direct})")
 
     def __enter__(self):
         return self
@@ -359,7 +364,8 @@ class Channel:
 
 def channel(name, capacity=0, *, direct=None, producers=0, client=None):
     """Open (create unless it exists) the channel name: a Channel (direct, producers: see
-    Channel). Use it in a with block: leaving it closes this producer's side."""
+    Channel; a new one is direct where that kind can serve, docs/channels.md "Which kind").
+    Use it in a with block: leaving it closes this producer's side."""
     return Channel(name, capacity, direct=direct, producers=producers, client=client)
 
 

@@ -197,7 +197,10 @@ _RecvMode = Literal["read", "private", "strict"]
 class Channel:
     name: str
     capacity: int
+    # the kind: direct=None makes a new channel direct where it can serve (docs/channels.md,
+    # "Which kind"); fallback: why it made one queued instead, or None
     direct: bool
+    fallback: Optional[str]
     def __init__(self, name: str, capacity: int = ..., *, direct: Optional[bool] = ...,
                  producers: int = ..., client: Optional[Client] = ...) -> None: ...
     def __enter__(self) -> Channel: ...

@@ -88,7 +88,9 @@ PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwarg
 			     name, producers, DLPC_CHANNEL_PRODUCERS_MAX);
 		return NULL;
 	}
-	/* None: the kind it has, queued if new; True or False: that kind, or FileExistsError */
+	/* None: the kind it has, or where new the one DLPC_CHANNEL_PREFER_DIRECT picks;
+	 * True or False: that kind, or FileExistsError */
+	o.flags = DLPC_CHANNEL_PREFER_DIRECT;
 	if (direct != Py_None) {
 		r = PyObject_IsTrue(direct);
 		if (r < 0)

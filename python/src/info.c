@@ -46,19 +46,33 @@ static PyObject *entry_dict(const dlpc_entry_info *e)
 	return d;
 }
 
+/* Why DLPC_CHANNEL_PREFER_DIRECT (Channel's direct=None) made a channel queued; NULL if it
+ * did not. */
+static const char *fallback_why(uint32_t flags)
+{
+	if (flags & DLPC_CHANNEL_FALLBACK_CAPACITY)
+		return "a direct channel cannot queue that many messages here (the kernel's "
+		       "socket buffer limit, net.core.wmem_max), so it was made queued";
+	if (flags & DLPC_CHANNEL_FALLBACK_FDS)
+		return "dlpackd's fd limit or this uid's fd share (--max-fd-share-per-uid) had no "
+		       "room for a direct channel's two sockets, so it was made queued";
+	return NULL;
+}
+
 PyObject *ipc_channel_dict(const dlpc_channel_info *i)
 {
-	return Py_BuildValue("{s:s,s:I,s:I,s:K,s:K,s:K,s:I,s:I,s:I,s:i,s:d,s:O,s:O,s:I,s:I,s:I}",
-			     "name", i->name, "capacity", i->capacity, "depth", i->depth,
-			     "bytes_queued", (unsigned long long)i->bytes_queued, "sent",
-			     (unsigned long long)i->sent, "received",
-			     (unsigned long long)i->received, "receivers_waiting",
-			     i->receivers_waiting, "senders_waiting", i->senders_waiting, "uid",
-			     i->owner_uid, "pid", i->owner_pid, "created", i->created_ns / 1e9,
-			     "direct", (i->flags & DLPC_CHANNEL_DIRECT) ? Py_True : Py_False,
-			     "ended", (i->flags & DLPC_CHANNEL_ENDED) ? Py_True : Py_False,
-			     "producers", i->producers, "producers_closed", i->producers_closed,
-			     "producers_expected", i->producers_expected);
+	return Py_BuildValue(
+		"{s:s,s:I,s:I,s:K,s:K,s:K,s:I,s:I,s:I,s:i,s:d,s:O,s:O,s:I,s:I,s:I,"
+		"s:z}",
+		"name", i->name, "capacity", i->capacity, "depth", i->depth, "bytes_queued",
+		(unsigned long long)i->bytes_queued, "sent", (unsigned long long)i->sent,
+		"received", (unsigned long long)i->received, "receivers_waiting",
+		i->receivers_waiting, "senders_waiting", i->senders_waiting, "uid", i->owner_uid,
+		"pid", i->owner_pid, "created", i->created_ns / 1e9, "direct",
+		(i->flags & DLPC_CHANNEL_DIRECT) ? Py_True : Py_False, "ended",
+		(i->flags & DLPC_CHANNEL_ENDED) ? Py_True : Py_False, "producers", i->producers,
+		"producers_closed", i->producers_closed, "producers_expected",
+		i->producers_expected, "fallback", fallback_why(i->flags));
 }
 
 /* _list() (LIST) or, @p channels, _channel_list() (LIST of channels): a list of dicts. */

@@ -591,12 +591,98 @@ START_TEST(test_concurrent_first_uses)
 }
 END_TEST
 
+static int prefer(dlpc_client *c, const char *name, uint32_t cap, dlpc_channel_info *info)
+{
+	return dlpc_channel_open_flags(c, name, cap, DLPC_CHANNEL_PREFER_DIRECT, info);
+}
+
+/* In another process: the channels test_prefer_direct made, opened by name as they are, and a
+ * message through the one that is direct. */
+static void prefer_child(uint32_t big_flags)
+{
+	dlpc_channel_info info = {.size = sizeof(info)};
+	dlpc_client *k = child_connect();
+	int64_t v;
+
+	CHILD_CHECK(prefer(k, "p/d", 0, &info) == 0 && info.flags == DLPC_CHANNEL_DIRECT);
+	CHILD_CHECK(prefer(k, "p/q", 0, &info) == 0 && info.flags == 0);
+	CHILD_CHECK(prefer(k, "p/big", 0, &info) == 0 && info.flags == big_flags);
+	CHILD_CHECK(recv_value(k, "p/d", scaled_ms(5000), &v, NULL, NULL) == 0 && v == 3);
+	dlpc_close(k);
+	_exit(0);
+}
+
+/* DLPC_CHANNEL_PREFER_DIRECT (dlpack_ipc.channel()'s default): a new channel is direct where
+ * that kind queues its capacity, and queued, saying why, where it cannot; an existing channel
+ * is opened as the kind it is, in another process too; it goes with no other kind flag. */
+START_TEST(test_prefer_direct)
+{
+	static const char *const names[] = {"p/d", "p/q", "p/probe", "p/held", "p/big"};
+	dlpc_channel_info info = {.size = sizeof(info)}, probe = {.size = sizeof(probe)};
+	Dlpackd__V1__Channel req = DLPACKD__V1__CHANNEL__INIT;
+	uint32_t max = DLPC_CHANNEL_CAPACITY_MAX, big_flags;
+	dlpc_client *c = connect_or_die(&D);
+	char msg[512];
+	int raw;
+	pid_t p;
+
+	ck_assert_dlpc(prefer(c, "p/d", 0, &info), 1);
+	ck_assert_uint_eq(info.flags, DLPC_CHANNEL_DIRECT);
+	ck_assert_uint_ge(info.capacity, DLPC_CHANNEL_CAPACITY_DEFAULT);
+	ck_assert_dlpc(dlpc_channel_open_flags(c, "p/q", 4, DLPC_CHANNEL_QUEUED, NULL), 1);
+	/* the most a direct channel queues here (the kernel's buffer limit) */
+	ck_assert_dlpc(open_direct(c, "p/probe", max, &probe), 1);
+	ck_assert_dlpc(prefer(c, "p/held", probe.capacity, &info), 1);
+	ck_assert_uint_eq(info.flags, DLPC_CHANNEL_DIRECT);
+	if (probe.capacity < max) {
+		/* one more than that: queued, with the capacity asked for */
+		ck_assert_dlpc(prefer(c, "p/big", probe.capacity + 1, &info), 1);
+		big_flags = DLPC_CHANNEL_FALLBACK_CAPACITY;
+		ck_assert_uint_eq(info.capacity, probe.capacity + 1);
+	} else {
+		ck_assert_dlpc(prefer(c, "p/big", max, &info), 1);
+		big_flags = DLPC_CHANNEL_DIRECT;
+	}
+	ck_assert_uint_eq(info.flags, big_flags);
+	ck_assert_dlpc(dlpc_channel_stat(c, "p/big", &info), 0);
+	ck_assert_uint_eq(info.flags, big_flags);
+	/* with another kind flag: refused, naming the three */
+	ck_assert_dlpc(dlpc_channel_open_flags(
+			       c, "p/x", 0, DLPC_CHANNEL_PREFER_DIRECT | DLPC_CHANNEL_DIRECT, NULL),
+		       -EINVAL);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "DLPC_CHANNEL_PREFER_DIRECT"));
+	ck_assert_dlpc(dlpc_channel_open_flags(
+			       c, "p/x", 0, DLPC_CHANNEL_PREFER_DIRECT | DLPC_CHANNEL_QUEUED, NULL),
+		       -EINVAL);
+	/* the daemon refuses them too, from a client that skips libdlpc's check */
+	raw = raw_connect(&D);
+	raw_hello(raw, DLPC_PROTO_MAJOR);
+	req.op = 1;
+	req.name.data = (uint8_t *)"p/x";
+	req.name.len = 3;
+	req.flags = DLPC_CHANNEL_PREFER_DIRECT | DLPC_CHANNEL_DIRECT;
+	raw_send(raw, DLPC_MSG_CHANNEL, 7, &req.base, NULL, 0);
+	ck_assert_int_eq(raw_error(raw, msg, sizeof(msg)), EINVAL);
+	close(raw);
+	p = fork();
+	ck_assert_int_ge(p, 0);
+	if (p == 0)
+		prefer_child(big_flags);
+	ck_assert_dlpc(send_value(c, "p/d", 3, 4, 0, -1), 0);
+	ck_assert_int_eq(wait_child(p), 0);
+	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+		ck_assert_dlpc(dlpc_channel_remove(c, names[i]), 0);
+	dlpc_close(c);
+}
+END_TEST
+
 int main(void)
 {
 	TCase *tc, *plain;
 	Suite *s = channel_suite("direct", DIRECT, &tc, &plain);
 
 	tcase_add_test(tc, test_kinds);
+	tcase_add_test(tc, test_prefer_direct);
 	tcase_add_test(tc, test_produce_on_queued_refused);
 	tcase_add_test(tc, test_made_again);
 	tcase_add_test(tc, test_hostile_sender);

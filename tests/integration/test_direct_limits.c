@@ -90,6 +90,7 @@ static long fill_with_channels(dlpc_client *c, const char *prefix, int *r)
 
 static int nobody_opens_channels(void *arg)
 {
+	dlpc_channel_info info = {.size = sizeof(info)};
 	long *opened = arg;
 	dlpc_client *c;
 	int r;
@@ -104,6 +105,12 @@ static int nobody_opens_channels(void *arg)
 	CHILD_CHECK(1 + 2 * *opened <= share_named() && 1 + 2 * (*opened + 1) > share_named());
 	CHILD_CHECK(share_named() <=
 		    (SHARE_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100);
+	/* where no fds are left for a direct channel's pair, DLPC_CHANNEL_PREFER_DIRECT makes a
+	 * queued one and says why */
+	CHILD_CHECK(dlpc_channel_open_flags(c, "hog/prefer", 0, DLPC_CHANNEL_PREFER_DIRECT,
+					    &info) == 1);
+	CHILD_CHECK(info.flags == DLPC_CHANNEL_FALLBACK_FDS);
+	CHILD_CHECK(dlpc_channel_remove(c, "hog/prefer") == 0);
 	/* its exit code says how many it opened */
 	dlpc_close(c);
 	return 0;

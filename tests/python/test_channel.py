@@ -27,7 +27,7 @@ def _sender(name, n, q):
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_send_recv_across_processes(ipc, daemon, method):
     ctx = multiprocessing.get_context(method)
-    ch = dlpack_ipc.channel("py/ch", capacity=3)
+    ch = dlpack_ipc.channel("py/ch", capacity=3, direct=False)
     assert ch.capacity == 3
     q = ctx.Queue()
     p = ctx.Process(target=_sender, args=("py/ch", 40, q))
@@ -52,7 +52,7 @@ def test_send_recv_across_processes(ipc, daemon, method):
 
 
 def test_timeouts_backpressure_and_bundles(ipc, daemon):
-    ch = dlpack_ipc.channel("py/bp", capacity=1)
+    ch = dlpack_ipc.channel("py/bp", capacity=1, direct=False)
     with pytest.raises(BlockingIOError) as e:
         ch.recv(timeout=0)
     assert "py/bp" in str(e.value)
@@ -97,7 +97,7 @@ def _receiver(name, q):
 
 def test_iteration_ends_when_removed(ipc, daemon):
     ctx = multiprocessing.get_context("fork")
-    ch = dlpack_ipc.channel("py/it")
+    ch = dlpack_ipc.channel("py/it", direct=False)
     q = ctx.Queue()
     p = ctx.Process(target=_receiver, args=("py/it", q))
     p.start()
@@ -127,7 +127,7 @@ def _holder(name, q):
 
 def test_killed_receiver_frees_its_messages(ipc, daemon):
     ctx = multiprocessing.get_context("fork")
-    ch = dlpack_ipc.channel("py/kill")
+    ch = dlpack_ipc.channel("py/kill", direct=False)
     ch.send(np.ones(1 << 16))
     ch.send(np.ones(1 << 16))
     q = ctx.Queue()
@@ -165,7 +165,7 @@ def test_dlpackctl_channels(ipc, daemon):
     ctl = os.environ.get("DLPACKCTL_BIN")
     if not ctl:
         pytest.fail("DLPACKCTL_BIN is not set", pytrace=False)
-    ch = dlpack_ipc.channel("ctl/q", capacity=4)
+    ch = dlpack_ipc.channel("ctl/q", capacity=4, direct=False)
     ch.send(np.zeros(100, np.float64))
 
     def run(*args):
@@ -201,7 +201,7 @@ def test_dlpackctl_channels(ipc, daemon):
 
 def test_pooled_empty_recycles(ipc, daemon):
     """Channel.empty(): after a receive and release the same pages come back, writable."""
-    ch = dlpack_ipc.channel("py/pool", capacity=2)
+    ch = dlpack_ipc.channel("py/pool", capacity=2, direct=False)
     rx = dlpack_ipc.Channel("py/pool", client=dlpack_ipc.Client(daemon.socket))
     first = None
     for i in range(4):
@@ -225,7 +225,8 @@ def test_ctrl_c_ends_a_waiting_recv_and_send(ipc, daemon):
     """SIGINT raises KeyboardInterrupt in a recv() waiting on an empty channel and in a send()
     waiting for room; nothing is left queued or waiting."""
     from conftest import popen_py
-    dlpack_ipc.channel("py/int", capacity=1).send(np.zeros(1))
+    dlpack_ipc.channel("py/int", capacity=1, direct=False).send(np.zeros(1))
+    dlpack_ipc.channel("py/int2", direct=False)
     for op in ("dlpack_ipc.channel('py/int2').recv()",
                "dlpack_ipc.channel('py/int').send(np.zeros(1))"):
         p = popen_py(f"""
@@ -261,8 +262,8 @@ def test_ctrl_c_cancels_the_wait_in_the_daemon(ipc, daemon):
     """A wait interrupted by Ctrl-C leaves the daemon at once (CANCEL), while the interrupted
     process and its connection live on: an attach, a recv and a send, each waiting without end."""
     from conftest import popen_py
-    dlpack_ipc.channel("py/cfull", capacity=1).send(np.zeros(1))
-    dlpack_ipc.channel("py/cempty")
+    dlpack_ipc.channel("py/cfull", capacity=1, direct=False).send(np.zeros(1))
+    dlpack_ipc.channel("py/cempty", direct=False)
     ops = ("dlpack_ipc.attach('py/cnever', timeout=float('inf'))",
            "dlpack_ipc.channel('py/cempty').recv()",
            "dlpack_ipc.channel('py/cfull').send(np.zeros(1))")
@@ -321,7 +322,7 @@ def test_send_dict_refuses_the_keys_publish_dict_refuses(ipc, daemon):
     """One key check for publish_dict() and send_dict(): a key with a NUL (which would reach
     libdlpc cut short), one over KEY_MAX bytes, one of 256 bytes in 128 characters, one that is
     not str: the same exception, the same words but the verb, and nothing sent or published."""
-    ch = dlpack_ipc.channel("py/keys", capacity=4)
+    ch = dlpack_ipc.channel("py/keys", capacity=4, direct=False)
     q = multiprocessing.get_context("spawn").Queue()
     p = multiprocessing.get_context("spawn").Process(target=_bad_key_sender,
                                                      args=("py/keys", q))
@@ -399,7 +400,7 @@ def test_direct_channel_across_processes(ipc, daemon):
         ch.send(np.zeros(3))
     with pytest.raises(dlpack_ipc.ChannelClosed):
         ch.recv(timeout=0)
-    assert not dlpack_ipc.channel("py/queued").stat().direct
+    assert not dlpack_ipc.channel("py/queued", direct=False).stat().direct
     with pytest.raises(FileExistsError, match="as a queued channel"):
         dlpack_ipc.channel("py/queued", direct=True)
     # opened by name, a channel is the kind it is; asked for the other kind, refused
@@ -602,7 +603,7 @@ def test_end_when_a_producer_dies_without_close(ipc, daemon, direct):
 
 
 def test_close_by_a_consumer_or_a_second_producer(ipc, daemon):
-    prod = dlpack_ipc.channel("py/who")
+    prod = dlpack_ipc.channel("py/who", direct=False)
     prod.send(np.array([1]))
     cons = dlpack_ipc.Channel("py/who", client=dlpack_ipc.Client())
     assert int(np.from_dlpack(cons.recv())[0]) == 1

@@ -79,7 +79,7 @@ def test_stat_prints_the_counters_aligned(ipc, daemon):
 
 
 def test_channels_lists_both_kinds_aligned(ipc, daemon):
-    q = ipc.channel("cli/q")
+    q = ipc.channel("cli/q", direct=False)
     q.send(np.zeros(4), timeout=0)
     ipc.channel("cli/a-direct-channel", direct=True)
     cp = cli("channels", "cli/", socket=daemon.socket)
@@ -124,7 +124,7 @@ def test_channels_state_says_when_the_stream_ended(ipc, daemon, py):
 
 def test_channels_waiting_says_who_waits(ipc, daemon, py):
     """WAITING reads as dlpackctl's: "-", "2 recv", "1 send" or "2 recv, 1 send"."""
-    ipc.channel("cli/w", 1)
+    ipc.channel("cli/w", 1, direct=False)
     waiters = [py.popen("""
         import dlpack_ipc
         try:

@@ -362,12 +362,12 @@ def test_tables_align_and_waiting_reads(ctl, ipc, daemon):
     rows = _assert_aligned(ok(ctl("ls", "t/")).stdout)
     assert [r[0] for r in rows] == [long_name, "t/b"]
 
-    idle = dlpack_ipc.channel("t/idle-" + "x" * 40, capacity=65536)
+    idle = dlpack_ipc.channel("t/idle-" + "x" * 40, capacity=65536, direct=False)
     for _ in range(3):
         idle.send(np.zeros(10000))
-    full = dlpack_ipc.channel("t/full", capacity=1)
+    full = dlpack_ipc.channel("t/full", capacity=1, direct=False)
     full.send(np.zeros(1))
-    empty = dlpack_ipc.channel("t/empty")
+    empty = dlpack_ipc.channel("t/empty", direct=False)
     other = dlpack_ipc.Client(daemon.socket)
     got = []
     # a receiver waits on t/empty, a sender on t/full (each on a connection of its own)

@@ -31,7 +31,7 @@ def test_expected_refusals_log_at_debug(ipc, daemon):
     expect(FileExistsError, ipc.publish, "log/a", np.ones(4))
     expect(TimeoutError, ipc.attach, "log/late", timeout=0.05)
     expect(PermissionError, ipc.attach, "log/a", writable=True)
-    ch = dlpack_ipc.channel("log/q", capacity=1)
+    ch = dlpack_ipc.channel("log/q", capacity=1, direct=False)
     expect(OSError, ch.recv, timeout=0)  # empty
     ch.send(np.zeros(1))
     expect(OSError, ch.send, np.zeros(1), timeout=0)  # full

@@ -319,7 +319,7 @@ def test_recv_wait_with_timeout_is_one_request(daemon, py):
     cp = py.check("""
         import dlpack_ipc
         try:
-            dlpack_ipc.Channel("wait/recv-counted").recv(timeout=1.5)
+            dlpack_ipc.Channel("wait/recv-counted", direct=False).recv(timeout=1.5)
         except TimeoutError as e:
             print("TimeoutError", e)
     """)
@@ -336,7 +336,7 @@ def test_unbounded_recv_wait_is_one_request(daemon, py, where):
     p = py.popen(f"""
         import threading, dlpack_ipc
         def wait():
-            t = dlpack_ipc.Channel("wait/recv-unbounded").recv()
+            t = dlpack_ipc.Channel("wait/recv-unbounded", direct=False).recv()
             print("received", bytes(memoryview(t)).hex(), flush=True)
         if "{where}" == "main":
             wait()
@@ -347,7 +347,7 @@ def test_unbounded_recv_wait_is_one_request(daemon, py, where):
     """)
     try:
         with dlpack_ipc.Client(socket=daemon.socket) as c:
-            ch = c.channel("wait/recv-unbounded")
+            ch = c.channel("wait/recv-unbounded", direct=False)
             deadline = time.monotonic() + 10
             while ch.stat().receivers_waiting != 1 and p.poll() is None:
                 assert time.monotonic() < deadline, "the receive did not wait"
