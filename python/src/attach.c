@@ -94,17 +94,23 @@ static int resolve(struct attach_req *req, const char *mode, PyObject *writable,
 
 static int parse(const char *fn, PyObject *args, PyObject *kwargs, struct attach_req *req)
 {
-	static char *kwlist[] = {"name", "timeout", "mode", "writable", "owner", NULL};
+	static char *kwlist[] = {"name", "timeout", "mode", "writable", "owner", "populate", NULL};
 	PyObject *writable = NULL, *owner = NULL;
 	const char *mode = NULL;
+	int populate = 0;
 	char fmt[32];
 
-	snprintf(fmt, sizeof(fmt), "s|$OzOO:%s", fn);
+	snprintf(fmt, sizeof(fmt), "s|$OzOOp:%s", fn);
 	req->timeout = Py_None;
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, fmt, kwlist, &req->name, &req->timeout,
-					 &mode, &writable, &owner))
+					 &mode, &writable, &owner, &populate))
 		return -1;
-	return resolve(req, mode, writable, owner);
+	if (resolve(req, mode, writable, owner) < 0)
+		return -1;
+	/* the whole mapping faulted in before the call returns, for a consumer that reads it all */
+	if (populate)
+		req->flags |= DLPC_ATTACH_POPULATE;
+	return 0;
 }
 
 /*

@@ -301,19 +301,23 @@ static PyMethodDef client_methods[] = {
 	 "Publish a mapping of str keys to tensors (a state dict) as one entry; returns the\n"
 	 "generation. replace, ephemeral and writable as for publish()."},
 	{"attach", FN(ipc_client_attach), KW,
-	 "attach($self, /, name, *, timeout=None, mode=None, writable=None, owner=None)\n--\n\n"
+	 "attach($self, /, name, *, timeout=None, mode=None, writable=None, owner=None,\n"
+	 "       populate=False)\n--\n\n"
 	 "The tensor published under name, as a SharedTensor over the same memory.\n\n"
 	 "timeout: None (or float(\"inf\")) waits for name as long as it takes (Ctrl-C\n"
 	 "interrupts), 0 not at all (FileNotFoundError), seconds then TimeoutError.\n"
 	 "mode: \"read\" (the default: read-only, a stray write stays in this process),\n"
 	 "\"private\" (writable, copy-on-write), \"strict\" (a write is SIGSEGV) or \"write\"\n"
 	 "(shared writable; writable=True is the older spelling); see dlpack_ipc.attach().\n"
-	 "owner: a uid: an entry under name published by another uid counts as absent."},
+	 "owner: a uid: an entry under name published by another uid counts as absent.\n"
+	 "populate: map every page before returning, so that reading it all takes no page\n"
+	 "faults (for a consumer that reads everything: model weights)."},
 	{"attach_dict", FN(ipc_client_attach_dict), KW,
-	 "attach_dict($self, /, name, *, timeout=None, mode=None, writable=None, owner=None)\n"
-	 "--\n\n"
+	 "attach_dict($self, /, name, *, timeout=None, mode=None, writable=None, owner=None,\n"
+	 "            populate=False)\n--\n\n"
 	 "Every tensor of the state dict published under name, as a dict of SharedTensor by\n"
-	 "key in the publisher's order. timeout, mode, writable and owner as for attach()."},
+	 "key in the publisher's order. timeout, mode, writable, owner and populate as for\n"
+	 "attach()."},
 	{"empty", FN(client_empty), KW,
 	 "empty($self, /, shape, dtype, device='cpu')\n--\n\n"
 	 "Writable shared memory for a tensor of shape and dtype, to fill in place; publish()\n"
