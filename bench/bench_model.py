@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A model's weights loaded by several worker processes: dlpack_ipc.torch against its peers.
 
-    PY bench/bench_model.py --socket PATH [--quick] [--workers N] [--mib M]
+    PY bench/bench_model.py --socket PATH [--quick] [--workers N] [--mib M] [--threads T]
 
 The same model (Linear layers and a tied embedding, M MiB of float32 weights) reaches N worker
 processes in each of these ways:
@@ -26,9 +26,9 @@ processes in each of these ways:
 Every worker but Ray's is a torch.multiprocessing "spawn" process. A peer that cannot run here
 (not installed, or a torch without mmap=/assign=) is skipped with the reason printed, and a row
 {"impl": I, "skipped": REASON}. Workers load one after another (the timing is one worker's, not
-a queue of them), each with the parent's torch thread count: ready_ms is from the start of
-loading to a model holding the weights, first_forward_ms its first forward pass (a few tokens:
-it reads every weight once), faults the minor page faults of that pass (the kernel counts a
+a queue of them), each with the parent's torch thread count (--threads): ready_ms is from the
+start of loading to a model holding the weights, first_forward_ms its first forward pass (a few
+tokens: it reads every weight once), faults the minor page faults of that pass (the kernel counts a
 populate's own page-ins as faults too, inside ready_ms), warm_forward_ms the median of the
 passes after it. Once every worker is done, each reports its unique memory (USS: the
 Private_Clean and Private_Dirty of /proc/self/smaps_rollup), all N alive at once, so that pages
@@ -307,7 +307,8 @@ def unavailable(impl):
         return f"torch {torch.__version__} has no load_state_dict(assign=True)"
     if impl == "torch_load_mmap" and "mmap" not in inspect.signature(torch.load).parameters:
         return f"torch {torch.__version__} has no torch.load(mmap=True)"
-    if impl == "dlpack_ipc_lazy" and "populate" not in inspect.signature(dt.attach_module).parameters:
+    if impl == "dlpack_ipc_lazy" and \
+            "populate" not in inspect.signature(dt.attach_module).parameters:
         return "this dlpack_ipc has no attach_module(populate=)"
     return None
 
@@ -319,7 +320,12 @@ def main():
     ap.add_argument("--workers", type=int)
     ap.add_argument("--mib", type=int, help="weights in MiB (default 400; --quick 8)")
     ap.add_argument("--only", nargs="+", choices=IMPLS, help="these ways only")
+    ap.add_argument("--threads", type=int,
+                    help="torch threads of every worker (default: torch's own count); 1 keeps "
+                         "the forward passes steady on a machine that other work shares")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     nworkers = args.workers or (2 if args.quick else 4)
     shape = shape_for(args.mib or (8 if args.quick else 400))
     os.environ["DLPACKD_SOCKET"] = args.socket
