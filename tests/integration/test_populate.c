@@ -5,7 +5,7 @@
  * page faults, in every mapping mode, for a bundle, for an attach answered from the client's
  * cache, and for a message received from a channel; without the flag the same read takes one
  * fault per 64 KiB (one per 2 MiB at least, with shmem huge pages). Faults are counted with
- * getrusage(), around the read alone.
+ * getrusage(), around the read alone. A copy-on-write mapping populated stays copy-on-write.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -121,6 +121,10 @@ static int read_child(void *arg)
 		faults += read_faults(t[i]->dl_tensor.data, ENTRY_BYTES / (b ? 2 : 1), &sum);
 	CHILD_CHECK(sum == entry_sum());
 	CHILD_CHECK(faults_fit(r, faults));
+	/* a populated copy-on-write mapping still copies what it writes: the readers after this one
+	 * see the published words */
+	if (r->flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED))
+		((volatile uint64_t *)t[0]->dl_tensor.data)[1] = 77;
 	for (size_t i = 0; i < 2 && t[i]; i++)
 		t[i]->deleter(t[i]);
 	dlpc_bundle_free(b);
