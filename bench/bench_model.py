@@ -28,18 +28,22 @@ Every worker but Ray's is a torch.multiprocessing "spawn" process. A peer that c
 {"impl": I, "skipped": REASON}. Workers load one after another (the timing is one worker's, not
 a queue of them), each with the parent's torch thread count (--threads): ready_ms is from the
 start of loading to a model holding the weights, first_forward_ms its first forward pass (a few
-tokens: it reads every weight once), faults the minor page faults of that pass (the kernel counts a
-populate's own page-ins as faults too, inside ready_ms), warm_forward_ms the median of the
-passes after it. Once every worker is done, each reports its unique memory (USS: the
-Private_Clean and Private_Dirty of /proc/self/smaps_rollup), all N alive at once, so that pages
-the workers share are counted as shared. uss_mib is the worker's USS then, uss_delta_mib its
-growth since it had imported torch and built its (meta) model. Prints one JSON object per line:
+tokens: it reads every weight once), faults the minor page faults of that pass (the kernel
+counts a populate's own page-ins as faults too, inside ready_ms), warm_forward_ms the median of
+the passes after it; ready_cpu_ms, first_forward_cpu_ms and warm_forward_cpu_ms are the CPU
+time (all the worker's threads) of the same, steadier than wall time where other work shares
+the machine. Once
+every worker is done, each reports its unique memory (USS: the Private_Clean and Private_Dirty
+of /proc/self/smaps_rollup), all N alive at once, so that pages the workers share are counted
+as shared. uss_mib is the worker's USS then, uss_delta_mib its growth since it had imported
+torch and built its (meta) model. Prints one JSON object per line:
 
     {"group": "model_load", "impl": I, "workers": N, "weights_mib": M, "ready_ms": [...],
      "first_forward_ms": [...], "ready_first_ms": [...], "warm_forward_ms": [...],
-     "faults": [...], "uss_mib": [...], "uss_delta_mib": [...], "median_ready_ms": F,
-     "median_first_forward_ms": F, "median_ready_first_ms": F, "median_warm_forward_ms": F,
-     "median_faults": F, "median_uss_delta_mib": F}
+     "faults": [...], "ready_cpu_ms": [...], "first_forward_cpu_ms": [...],
+     "warm_forward_cpu_ms": [...],
+     "uss_mib": [...], "uss_delta_mib": [...], "median_ready_ms": F, ... (a median_ of each
+     list), "median_uss_delta_mib": F}
 
 and removes what it made (the name, the /dev/shm files, the workers, Ray) on every path.
 """
@@ -157,22 +161,25 @@ def load(impl, model, source):
 
 def measure(impl, model, source, ids):
     """Load by way of impl and run the forward passes: (timings, the model)."""
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     model = load(impl, model, source)
     before = minflt()
-    t1 = time.perf_counter()
+    c1, t1 = time.process_time(), time.perf_counter()
     with torch.inference_mode():
         model(ids)
-        t2 = time.perf_counter()
+        c2, t2 = time.process_time(), time.perf_counter()
         faults = minflt() - before
-        warm = []
+        warm, warm_cpu = [], []
         for _ in range(WARM_PASSES):
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             model(ids)
             warm.append((time.perf_counter() - t) * 1e3)
+            warm_cpu.append((time.process_time() - c) * 1e3)
         total = sum(float(v.double().sum()) for v in model.state_dict().values())
     return {"ready_ms": (t1 - t0) * 1e3, "first_forward_ms": (t2 - t1) * 1e3,
             "warm_forward_ms": statistics.median(warm), "faults": faults,
+            "ready_cpu_ms": (c1 - c0) * 1e3, "first_forward_cpu_ms": (c2 - c1) * 1e3,
+            "warm_forward_cpu_ms": statistics.median(warm_cpu),
             "total": total}, model
 
 
@@ -206,7 +213,8 @@ def row(impl, nworkers, timings, uss):
     r = {"group": "model_load", "impl": impl, "workers": nworkers}
     for t in timings:
         t["ready_first_ms"] = t["ready_ms"] + t["first_forward_ms"]
-    for key in ("ready_ms", "first_forward_ms", "ready_first_ms", "warm_forward_ms", "faults"):
+    for key in ("ready_ms", "first_forward_ms", "ready_first_ms", "warm_forward_ms", "faults",
+                "ready_cpu_ms", "first_forward_cpu_ms", "warm_forward_cpu_ms"):
         r[key] = [round(t[key], 2) for t in timings]
         r["median_" + key] = statistics.median(r[key])
     r["uss_mib"] = [round(u, 1) for u, _ in uss]
@@ -362,10 +370,13 @@ def main():
                 row_ = run(impl, model, shape, nworkers, args.socket, source)
             row_["weights_mib"] = round(nbytes / (1 << 20), 1)
             rows.append(row_)
-            log(f"{impl:<15} ready {row_['median_ready_ms']:8.1f} ms  first forward "
-                f"{row_['median_first_forward_ms']:7.1f} ms ({row_['median_faults']:.0f} "
-                f"faults)  warm forward {row_['median_warm_forward_ms']:6.1f} ms  USS "
-                f"+{row_['median_uss_delta_mib']:7.1f} MiB")
+            log(f"{impl:<15} ready {row_['median_ready_ms']:7.1f} ms (CPU "
+                f"{row_['median_ready_cpu_ms']:6.1f})  first forward "
+                f"{row_['median_first_forward_ms']:6.1f} ms (CPU "
+                f"{row_['median_first_forward_cpu_ms']:6.1f}, {row_['median_faults']:.0f} "
+                f"faults)  warm forward {row_['median_warm_forward_ms']:6.1f} ms (CPU "
+                f"{row_['median_warm_forward_cpu_ms']:6.1f})  USS "
+                f"+{row_['median_uss_delta_mib']:6.1f} MiB")
     finally:
         try:
             dlpack_ipc.unpublish(NAME)
