@@ -20,6 +20,11 @@
 #include "table.h"
 #include "util.h"
 
+/* Linux 5.14's madvise() advice, which older C libraries do not name. */
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+
 /*
  * The public attach flags (DLPC_ATTACH_*, dlpc/dlpc.h) that dlpc_attach() takes: those sent in
  * Attach.flags as they are (proto/frame.h checks that their bits are the wire's), and those this
@@ -30,7 +35,8 @@
 #define API_ATTACH_FLAGS (API_ATTACH_SENT | API_ATTACH_LOCAL)
 #define API_ATTACH_SENT (DLPC_ATTACH_WRITABLE | DLPC_ATTACH_OWNER)
 #define API_ATTACH_LOCAL                                                                           \
-	(DLPC_ATTACH_DEFER_SYNC | DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_NO_CACHE)
+	(DLPC_ATTACH_DEFER_SYNC | DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED |                      \
+	 DLPC_ATTACH_NO_CACHE | DLPC_ATTACH_POPULATE)
 _Static_assert((API_ATTACH_SENT & API_ATTACH_LOCAL) == 0, "an attach flag is sent or local");
 _Static_assert((API_ATTACH_SENT & ~DLPC_WIRE_ATTACH_FLAGS) == 0,
 	       "the attach flags sent are wire flags");
@@ -268,6 +274,20 @@ static void *map_host(int fd, size_t len, uint32_t flags, uint8_t *kind)
 	return p;
 }
 
+/*
+ * DLPC_ATTACH_POPULATE: map every page of the host mapping @p base (@p len bytes) now, as reading
+ * each would (copy-on-write mappings stay shared), so that reading it later takes no faults.
+ * A hint: a kernel without MADV_POPULATE_READ (EINVAL, before Linux 5.14), or one that stops
+ * part way (a fatal signal, no memory), leaves the rest to fault on first touch.
+ */
+static void populate(void *base, size_t len)
+{
+	int saved = errno;
+
+	(void)madvise(base, len, MADV_POPULATE_READ);
+	errno = saved;
+}
+
 /* How many tensors the ATTACH reply @p rep (with @p fd) holds, when this process can use it as
  * @p flags ask (*@p keybytes: the bytes of their keys); else, having released its reference and
  * closed @p fd, a negative errno. */
@@ -321,6 +341,8 @@ static int map_host_storage(dlpc_client *c, const char *name, int fd, uint32_t f
 			-errno, "cannot attach '%s': cannot map %zu bytes%s: %m", name, m->len,
 			(flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)) ? " copy-on-write"
 									      : "");
+	if (flags & DLPC_ATTACH_POPULATE)
+		populate(m->base, m->len);
 	return 0;
 }
 
@@ -428,6 +450,9 @@ static int attach_cached(dlpc_client *c, const char *name, uint32_t flags, uint3
 			return r;
 		}
 	}
+	/* a kept mapping may have lost pages since (reclaim) or never had them */
+	if (flags & DLPC_ATTACH_POPULATE)
+		populate(m->base, m->len);
 	m->fd = -1;
 	m->client = c;
 	m->ce = e;

@@ -23,7 +23,8 @@
 /* The public attach flags dlpc_recv() takes: all acted on here (a RECV carries only
  * DLPC_WIRE_RECV_FLAGS, which the library sets). */
 #define API_RECV_FLAGS                                                                             \
-	(DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_WRITABLE | DLPC_ATTACH_NO_CACHE)
+	(DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_WRITABLE | DLPC_ATTACH_NO_CACHE | \
+	 DLPC_ATTACH_POPULATE)
 
 /* The message publish.c or attach.c set says "cannot publish 'NAME'" or "cannot attach 'NAME'":
  * say "cannot send to channel 'NAME'" (or receive from) instead. Returns @p r. */

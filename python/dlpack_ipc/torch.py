@@ -290,7 +290,8 @@ def _bind(slots: List[_Slot], tensors: Dict[str, torch.Tensor], requires_grad: b
 def attach_module(module: torch.nn.Module, name: str, *, timeout: Optional[float] = None,
                   mode: _Mode = None, owner: Optional[int] = None,
                   requires_grad: bool = False, strict: bool = True,
-                  client: Optional[dlpack_ipc.Client] = None) -> IncompatibleKeys:
+                  client: Optional[dlpack_ipc.Client] = None,
+                  populate: bool = True) -> IncompatibleKeys:
     """Make every parameter and buffer of module a view of the bundle published under name
     (by share_module(), or publish_dict() of a state dict): zero-copy.
 
@@ -307,8 +308,12 @@ def attach_module(module: torch.nn.Module, name: str, *, timeout: Optional[float
     an optimizer step, copies the pages it touches into this process (nobody else sees it).
     strict: keys found on one side only raise KeyError before anything is replaced; with
     strict=False they are returned, and the module's missing ones left as they were.
+    populate: attach_dict()'s, on by default: a forward pass reads every weight, so the
+    mapping is faulted in before this returns, and the first forward pass takes no page
+    faults for it (False: the first pass faults the weights in as it reads them).
     """
-    shared = (client or dlpack_ipc).attach_dict(name, timeout=timeout, mode=mode, owner=owner)
+    shared = (client or dlpack_ipc).attach_dict(name, timeout=timeout, mode=mode, owner=owner,
+                                                populate=populate)
     tensors = _tensors(shared)
     slots, result = _plan(module, name, tensors, strict)
     _bind(slots, tensors, requires_grad)
@@ -337,11 +342,12 @@ class Follower:
 
     def __init__(self, module: torch.nn.Module, name: str, *, timeout: Optional[float],
                  mode: _Mode, owner: Optional[int], requires_grad: bool, strict: bool,
-                 socket: Optional[str]) -> None:
+                 socket: Optional[str], populate: bool = True) -> None:
         self.module = module
         self.name = name
         self._mode = mode
         self._owner = owner
+        self._populate = populate
         self._requires_grad = requires_grad
         self._strict = strict
         self._socket = socket
@@ -367,7 +373,7 @@ class Follower:
 
     def _attach(self, timeout: Optional[float]) -> int:
         shared = self._client.attach_dict(self.name, timeout=timeout, mode=self._mode,
-                                          owner=self._owner)
+                                          owner=self._owner, populate=self._populate)
         generation = next(iter(shared.values())).generation if shared else 0
         tensors = _tensors(shared)
         slots, _ = _plan(self.module, self.name, tensors, self._strict)
@@ -402,7 +408,7 @@ class Follower:
             return False
         try:
             shared = self._client.attach_dict(self.name, timeout=0, mode=self._mode,
-                                              owner=self._owner)
+                                              owner=self._owner, populate=self._populate)
         except FileNotFoundError:
             self._stale = False  # unpublished again: keep what we have
             return False
@@ -467,15 +473,18 @@ class Follower:
 
 def follow(module: torch.nn.Module, name: str, *, timeout: Optional[float] = None,
            mode: _Mode = None, owner: Optional[int] = None, requires_grad: bool = False,
-           strict: bool = True, socket: Optional[str] = None) -> Follower:
+           strict: bool = True, socket: Optional[str] = None,
+           populate: bool = True) -> Follower:
     """attach_module(module, name) now, and a Follower whose update() (or `with`) swaps the
     module to each newer generation published under name.
 
     The publisher (a trainer) calls share_module(net, name, replace=True) for each new set of
-    weights; module may be built on device="meta". timeout, mode, owner, requires_grad and
-    strict are attach_module()'s (timeout for the first generation only: later ones are
-    taken when they are there). socket: the daemon's (None: the default one, and the module's
-    default client).
+    weights; module may be built on device="meta". timeout, mode, owner, requires_grad,
+    strict and populate are attach_module()'s (timeout for the first generation only: later
+    ones are taken when they are there; populate for every generation, so that update() takes
+    the faults and the next forward pass none). socket: the daemon's (None: the default one,
+    and the module's default client).
     """
     return Follower(module, name, timeout=timeout, mode=mode, owner=owner,
-                    requires_grad=requires_grad, strict=strict, socket=socket)
+                    requires_grad=requires_grad, strict=strict, socket=socket,
+                    populate=populate)

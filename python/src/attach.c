@@ -125,18 +125,23 @@ static int resolve_stream(struct attach_req *req, PyObject *stream)
 
 static int parse(const char *fn, PyObject *args, PyObject *kwargs, struct attach_req *req)
 {
-	static char *kwlist[] = {"name", "timeout", "mode", "writable", "owner", "stream", NULL};
+	static char *kwlist[] = {"name",  "timeout",  "mode",	"writable",
+				 "owner", "populate", "stream", NULL};
 	PyObject *writable = NULL, *owner = NULL, *stream = NULL;
 	const char *mode = NULL;
+	int populate = 0;
 	char fmt[32];
 
-	snprintf(fmt, sizeof(fmt), "s|$OzOOO:%s", fn);
+	snprintf(fmt, sizeof(fmt), "s|$OzOOpO:%s", fn);
 	req->timeout = Py_None;
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, fmt, kwlist, &req->name, &req->timeout,
-					 &mode, &writable, &owner, &stream))
+					 &mode, &writable, &owner, &populate, &stream))
 		return -1;
 	if (resolve(req, mode, writable, owner) < 0)
 		return -1;
+	/* the whole mapping faulted in before the call returns, for a consumer that reads it all */
+	if (populate)
+		req->flags |= DLPC_ATTACH_POPULATE;
 	return resolve_stream(req, stream);
 }
 

@@ -301,8 +301,8 @@ static PyMethodDef client_methods[] = {
 	 "Publish a mapping of str keys to tensors (a state dict) as one entry; returns the\n"
 	 "generation. replace, ephemeral and writable as for publish()."},
 	{"attach", FN(ipc_client_attach), KW,
-	 "attach($self, /, name, *, timeout=None, mode=None, writable=None, owner=None, "
-	 "stream=None)\n--\n\n"
+	 "attach($self, /, name, *, timeout=None, mode=None, writable=None, owner=None,\n"
+	 "       populate=False, stream=None)\n--\n\n"
 	 "The tensor published under name, as a SharedTensor over the same memory.\n\n"
 	 "timeout: None (or float(\"inf\")) waits for name as long as it takes (Ctrl-C\n"
 	 "interrupts), 0 not at all (FileNotFoundError), seconds then TimeoutError.\n"
@@ -310,14 +310,16 @@ static PyMethodDef client_methods[] = {
 	 "\"private\" (writable, copy-on-write), \"strict\" (a write is SIGSEGV) or \"write\"\n"
 	 "(shared writable; writable=True is the older spelling); see dlpack_ipc.attach().\n"
 	 "owner: a uid: an entry under name published by another uid counts as absent.\n"
+	 "populate: map every page before returning, so that reading it all takes no page\n"
+	 "faults (for a consumer that reads everything: model weights).\n"
 	 "stream: CUDA entries: the consumer's stream (an int), ordered after the publisher\n"
 	 "now and followed by the release; see dlpack_ipc.attach()."},
 	{"attach_dict", FN(ipc_client_attach_dict), KW,
-	 "attach_dict($self, /, name, *, timeout=None, mode=None, writable=None, owner=None, "
-	 "stream=None)\n--\n\n"
+	 "attach_dict($self, /, name, *, timeout=None, mode=None, writable=None, owner=None,\n"
+	 "            populate=False, stream=None)\n--\n\n"
 	 "Every tensor of the state dict published under name, as a dict of SharedTensor by\n"
-	 "key in the publisher's order. timeout, mode, writable, owner and stream as for\n"
-	 "attach()."},
+	 "key in the publisher's order. timeout, mode, writable, owner, populate and stream\n"
+	 "as for attach()."},
 	{"empty", FN(client_empty), KW,
 	 "empty($self, /, shape, dtype, device='cpu')\n--\n\n"
 	 "Writable shared memory for a tensor of shape and dtype, to fill in place; publish()\n"
