@@ -14,7 +14,7 @@
  * HELLO refuses a peer of any other version, major or minor, both ways (docs/protocol.md,
  * section 3), with a text that names both versions and ends with DLPC_PROTO_MISMATCH_ADVICE. */
 #define DLPC_PROTO_MAJOR 1
-#define DLPC_PROTO_MINOR 11
+#define DLPC_PROTO_MINOR 12
 #define DLPC_PROTO_MISMATCH_ADVICE                                                                 \
 	"libdlpc and dlpackd must come from the same build: after an upgrade, restart dlpackd "    \
 	"(dlpackctl upgrade) and the programs that use libdlpc"

@@ -599,6 +599,20 @@ int main(int argc, char **argv)
 			 {REMOVE, "e2", 0, 0});
 		control(in, FUZZ_SHUTDOWN | FUZZ_RUN);
 	});
+	/* (1.12) the default kind: PREFER_DIRECT makes a direct channel, opens an existing one as
+	 * it is, falls back to queued for a capacity the direct kind cannot hold; refused beside
+	 * a kind flag */
+	SEED_UNREAD("channel-prefer-direct", {
+		hello(in);
+		CHANNELS(in, 2, {OPEN, "p", 0, DLPC_CHANNEL_PREFER_DIRECT},
+			 {OPEN, "p", 0, DLPC_CHANNEL_PREFER_DIRECT},
+			 {OPEN, "big", 1u << 20, DLPC_CHANNEL_PREFER_DIRECT},
+			 {DESCRIBE, "big", 0, 0},
+			 {OPEN, "x", 0, DLPC_CHANNEL_PREFER_DIRECT | DLPC_CHANNEL_DIRECT},
+			 {OPEN, "y", 0, DLPC_CHANNEL_PREFER_DIRECT | DLPC_CHANNEL_QUEUED},
+			 {JOIN, "p", 0, 0}, {REMOVE, "p", 0, 0});
+		control(in, FUZZ_SHUTDOWN | FUZZ_RUN);
+	});
 	/* the connection ends with a direct channel open and joined */
 	SEED_UNREAD("channel-direct-hangup", {
 		hello(in);
