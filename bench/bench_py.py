@@ -3,7 +3,7 @@
 """Python half of the dlpackd benchmarks: dlpack_ipc against what Python offers without it.
 
     /usr/bin/python3 bench/bench_py.py --socket PATH [--quick] [--sizes 4096,65536,...]
-                                       [--only GROUP,...]
+                                       [--only GROUP,...] [--peers]
 
 Prints one JSON object per line on stdout and nothing else there (progress goes to stderr):
 
@@ -48,6 +48,31 @@ Groups:
   bundle     attach_dict            attach_dict of 500 tensors of 1024 float32 + release all
              single_x500            the same 500 published one by one: 500 attaches + releases
              single_x1              one of those single attaches + release
+
+With --peers, the groups that compare against Ray, safetensors and torch.multiprocessing instead
+(bench/requirements.txt; Ray runs locally, started once, its start-up timed by no row). Their
+sizes are their own (--sizes does not apply). A peer that cannot run prints a row
+{"group": G, "impl": I, "size": S, "skipped": REASON} instead, and the reason on stderr.
+
+  fresh      a new array (made, not timed, before each rep) handed to a waiting process that
+             reads one element and acks one byte on a socket (4 KiB, 1 MiB, 64 MiB, 256 MiB):
+             dlpack_channel         Channel.send (a copy) / recv on channel()'s default kind
+                                    (the row's "kind"), torch.from_dlpack, release
+             dlpack_channel_direct, dlpack_channel_queued  the same on each kind
+             ray                    ray.put, then an actor's method ray.get()s the ObjectRef
+                                    (passed in a list) and returns the element: the ack
+             torch_multiprocessing  the tensor put on a torch.multiprocessing Queue (which moves
+                                    it into new shared memory), got by the child
+  publish_fresh  a new 64 MiB array: dlpack_ipc (publish, the copy path) / ray (ray.put); the
+             name unpublished and the ObjectRef dropped between reps, not timed
+  state_dict a 400 MiB state dict of 200 float32 tensors: dlpack_ipc (publish_dict) / ray
+             (ray.put of the dict) / safetensors (save_file to a file in /dev/shm); row key
+             "tensors"
+  readers    8 processes re-attach one entry for 1 s (4 KiB, 64 MiB): dlpack_ipc (attach +
+             np.from_dlpack + read + release, caches at their defaults) / shared_memory
+             (SharedMemory(name) + ndarray + read + close) / ray (8 actors, ray.get of the same
+             ObjectRef + read); rows {"group": "readers", "impl": I, "size": S, "clients": 8,
+             "ops_per_s": F}
 
 Everything this script creates (names, shared memory, child processes) is removed before it
 exits, also on errors and on SIGTERM. Exit status: 0 when every row was produced, 1 when some
