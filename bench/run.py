@@ -653,6 +653,8 @@ def main():
         cmd = [args.python, os.path.join(HERE, "bench_py.py"), "--socket", sock, "--peers"]
         cmd += ["--quick"] if args.quick else []
         rows += run_rows(cmd, env)
+        if not args.no_pin:  # the daemon as the runs below have always found it
+            os.sched_setaffinity(proc.pid, {0})
         # a model's weights into several workers: not a latency, so not pinned
         cmd = [args.python, os.path.join(HERE, "bench_model.py"), "--socket", sock]
         cmd += ["--quick"] if args.quick else []
