@@ -3,7 +3,7 @@
 """Python half of the dlpackd benchmarks: dlpack_ipc against what Python offers without it.
 
     /usr/bin/python3 bench/bench_py.py --socket PATH [--quick] [--sizes 4096,65536,...]
-                                       [--only GROUP,...]
+                                       [--only GROUP,...] [--peers]
 
 Prints one JSON object per line on stdout and nothing else there (progress goes to stderr):
 
@@ -48,6 +48,32 @@ Groups:
   bundle     attach_dict            attach_dict of 500 tensors of 1024 float32 + release all
              single_x500            the same 500 published one by one: 500 attaches + releases
              single_x1              one of those single attaches + release
+
+With --peers, the groups that compare against Ray, safetensors and torch.multiprocessing instead
+(bench/requirements.txt; Ray runs locally, started once, its start-up timed by no row). Their
+sizes are their own (--sizes does not apply). A peer that cannot run prints a row
+{"group": G, "impl": I, "size": S, "skipped": REASON} instead, and the reason on stderr.
+
+  fresh      a new array (made, not timed, before each rep) handed to a waiting process that
+             reads one element and acks one byte on a socket (4 KiB, 1 MiB, 64 MiB, 256 MiB):
+             dlpack_channel         Channel.send (a copy) / recv on channel()'s default kind
+                                    (the row's "kind"), torch.from_dlpack, release
+             dlpack_channel_direct, dlpack_channel_queued  the same on each kind
+             ray                    ray.put, then an actor's method ray.get()s the ObjectRef
+                                    (passed in a list) and returns the element: the ack
+             torch_multiprocessing  the tensor put on a torch.multiprocessing Queue (which moves
+                                    it into new shared memory), got by the child
+  publish_fresh  a new 64 MiB array: dlpack_ipc (publish, the copy path) / ray (ray.put); the
+             name unpublished and the ObjectRef dropped between reps, not timed
+  state_dict a 400 MiB state dict of 200 float32 tensors: dlpack_ipc (publish_dict) / ray
+             (ray.put of the dict) / ray_numpy (ray.put of the same dict as numpy arrays, which
+             Ray serializes out of band) / safetensors (save_file to a file in /dev/shm); row
+             key "tensors"
+  readers    8 processes re-attach one entry for 1 s (4 KiB, 64 MiB): dlpack_ipc (attach +
+             np.from_dlpack + read + release, caches at their defaults) / shared_memory
+             (SharedMemory(name) + ndarray + read + close) / ray (8 actors, ray.get of the same
+             ObjectRef + read); rows {"group": "readers", "impl": I, "size": S, "clients": 8,
+             "ops_per_s": F}
 
 Everything this script creates (names, shared memory, child processes) is removed before it
 exits, also on errors and on SIGTERM. Exit status: 0 when every row was produced, 1 when some
@@ -104,13 +130,16 @@ class Timer:
         self.warmup_max = 5 if quick else 20
         self.warmup_s = 0.1 if quick else 0.3
 
-    def measure(self, op):
-        """Run op() untimed a few times, then `reps` timed times; returns (median, p99, reps)."""
+    def measure(self, op, setup=None):
+        """Run op() untimed a few times, then `reps` timed times; returns (median, p99, reps).
+        With setup, each rep runs op(setup()) and only op is timed (the rep count allows for
+        setup's time too)."""
         gc.collect()
+        run = op if setup is None else (lambda: op(setup()))
         start = time.perf_counter_ns()
         n = 0
         while True:  # 2 to warmup_max warm-up reps, fewer once warmup_s is spent
-            op()
+            run()
             n += 1
             spent = time.perf_counter_ns() - start
             if n >= 2 and (n >= self.warmup_max or spent >= self.warmup_s * 1e9):
@@ -122,24 +151,37 @@ class Timer:
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            for i in range(reps):
-                t0 = counter()
-                op()
-                times[i] = counter() - t0
+            if setup is None:
+                for i in range(reps):
+                    t0 = counter()
+                    op()
+                    times[i] = counter() - t0
+            else:
+                for i in range(reps):
+                    arg = setup()
+                    t0 = counter()
+                    op(arg)
+                    times[i] = counter() - t0
+                    del arg
         finally:
             if gc_was_on:
                 gc.enable()
+        return self._stats(times)
+
+    @staticmethod
+    def _stats(times):
         times.sort()
+        reps = len(times)
         mid = reps // 2
         median = times[mid] if reps % 2 else (times[mid - 1] + times[mid]) / 2
         p99 = times[max(0, math.ceil(0.99 * reps) - 1)]
         return median / 1e3, p99 / 1e3, reps
 
 
-def emit(group, impl, size, result):
+def emit(group, impl, size, result, **extra):
     median, p99, reps = result
     row = {"group": group, "impl": impl, "size": size,
-           "median_us": round(median, 3), "p99_us": round(p99, 3), "reps": reps}
+           "median_us": round(median, 3), "p99_us": round(p99, 3), "reps": reps, **extra}
     _out.write(json.dumps(row) + "\n")
     _out.flush()
     log(f"{group:<9} {impl:<22} {'-' if size is None else human(size):>8}: "
@@ -164,19 +206,37 @@ def unpublish_quietly(client, name):
 
 # ---- attach_py -----------------------------------------------------------------------------------
 
+def attach_op(client, name):
+    """One attach of name + np.from_dlpack + read one element + release."""
+    def op():
+        t = client.attach(name)
+        a = np.from_dlpack(t)
+        a[0]  # the read is the point
+        del a
+        t.release()
+    return op
+
+
+def shm_op(shm_name, shape):
+    """One stdlib SharedMemory(shm_name) + float32 ndarray of shape + read one element + close."""
+    from multiprocessing import shared_memory
+
+    def op():
+        shm = shared_memory.SharedMemory(name=shm_name)
+        a = np.ndarray(shape, np.float32, buffer=shm.buf)
+        a[0]
+        del a
+        shm.close()
+    return op
+
+
 def attach_dlpack_row(client, timer, prefix, size):
     name = f"{prefix}/attach/{size}"
     a = filled(size)
     client.publish(name, a, ephemeral=True)
     del a  # the entry has its own copy in a memfd
     try:
-        def op():
-            t = client.attach(name)
-            a = np.from_dlpack(t)
-            a[0]  # the read is the point
-            del a
-            t.release()
-        emit("attach_py", "dlpack_ipc", size, timer.measure(op))
+        emit("attach_py", "dlpack_ipc", size, timer.measure(attach_op(client, name)))
     finally:
         unpublish_quietly(client, name)
 
@@ -199,14 +259,8 @@ def attach_cached_row(socket, timer, prefix, size):
     client.publish(name, a, ephemeral=True)
     del a
     try:
-        def op():
-            t = client.attach(name)
-            a = np.from_dlpack(t)
-            a[0]
-            del a
-            t.release()
         before = client.stat()["req_attach"]
-        emit("attach_py", "dlpack_ipc_cached", size, timer.measure(op))
+        emit("attach_py", "dlpack_ipc_cached", size, timer.measure(attach_op(client, name)))
         log(f"attach_py dlpack_ipc_cached: {client.stat()['req_attach'] - before} ATTACH "
             "requests reached the daemon")
     finally:
@@ -227,14 +281,7 @@ def attach_shm_row(timer, size):
         view = np.ndarray(shape, np.float32, buffer=creator.buf)
         view.fill(1.0)
         del view
-
-        def op():
-            shm = shared_memory.SharedMemory(name=shm_name)
-            a = np.ndarray(shape, np.float32, buffer=shm.buf)
-            a[0]
-            del a
-            shm.close()
-        emit("attach_py", "shared_memory", size, timer.measure(op))
+        emit("attach_py", "shared_memory", size, timer.measure(shm_op(shm_name, shape)))
     finally:
         creator.close()
         creator.unlink()
@@ -357,7 +404,8 @@ def _channel_child(socket, chname, inq, sock):
     """Waits for tensors by the mode the parent names on inq, acks each with one byte on sock.
 
     ("torch",): tensors come through inq until ("stop",); ("channel",): messages from the
-    channel until a bundle; ("fd",): memfds over sock until a message without one; ("end",)."""
+    channel until a bundle (("named", NAME): from the channel NAME, as it was created);
+    ("fd",): memfds over sock until a message without one; ("end",)."""
     import mmap
     import socket as socketmod
     try:
@@ -366,6 +414,7 @@ def _channel_child(socket, chname, inq, sock):
         # as a user's receiver is: the mapping of a storage that comes again is kept (maps.c)
         ch = dlpack_ipc.Channel(chname, client=cached_client(socket))
         dch = fch = None
+        named = {}
     except BaseException as e:
         inq.put(("error", f"child start: {e!r}"))
         return
@@ -384,14 +433,17 @@ def _channel_child(socket, chname, inq, sock):
                 t[0].item()
                 del t
                 sock.sendall(b"1")
-        elif mode[0] in ("channel", "direct", "fresh"):
+        elif mode[0] in ("channel", "direct", "fresh", "named"):
+            if mode[0] == "named" and mode[1] not in named:
+                named[mode[1]] = dlpack_ipc.Channel(mode[1], client=ch._client)
             if mode[0] == "direct" and dch is None:
                 dch = dlpack_ipc.Channel(chname + "-direct", direct=True, client=ch._client)
             if mode[0] == "fresh" and fch is None:
                 # a client without the caches: every message mapped anew
                 fch = dlpack_ipc.Channel(chname + "-direct", direct=True,
                                          client=dlpack_ipc.Client(socket))
-            rch = {"channel": ch, "direct": dch, "fresh": fch}[mode[0]]
+            rch = named[mode[1]] if mode[0] == "named" else \
+                {"channel": ch, "direct": dch, "fresh": fch}[mode[0]]
             while True:
                 st = rch.recv()
                 if isinstance(st, dict):
@@ -416,31 +468,51 @@ def _channel_child(socket, chname, inq, sock):
         sock.sendall(b"d")
 
 
+class ChannelChild:
+    """_channel_child in a spawned process: inq takes its modes and tensors, ps is the socket
+    that carries the floor's memfds to it and its one-byte acks back (ack())."""
+
+    def __init__(self, socket, chname, label):
+        import socket as socketmod
+        import torch.multiprocessing as tmp
+        ctx = tmp.get_context("spawn")
+        self.label, self.inq = label, ctx.Queue()
+        self.ps, cs = socketmod.socketpair(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
+        self.proc = ctx.Process(target=_channel_child, args=(socket, chname, self.inq, cs),
+                                daemon=True, name=f"bench_py-{label}")
+        try:
+            log(f"starting the {label} child (spawn, imports torch)")
+            self.proc.start()
+            cs.close()
+            self.ack(b"r")
+        except BaseException:
+            cs.close()
+            self.close()
+            raise
+
+    def ack(self, want=b"1"):
+        got = self.ps.recv(1)
+        if got != want:
+            raise RuntimeError(f"{self.label} child acked {got!r}")
+
+    def close(self):
+        stop_child(self.proc, lambda: self.inq.put(("end",)))
+        self.ps.close()
+        self.inq.close()
+        self.inq.join_thread()
+
+
 def bench_channel(client, timer, socket, prefix, sizes):
     import socket as socketmod
     import torch
-    import torch.multiprocessing as tmp
     torch.set_num_threads(1)
-    ctx = tmp.get_context("spawn")
     chname = f"{prefix}/channel"
     ch = client.channel(chname, 1)
     dch = client.channel(chname + "-direct", 1, direct=True)
-    inq = ctx.Queue()
-    # memfds go to the child over this socket, and its one-byte acks come back on it
-    ps, cs = socketmod.socketpair(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
-    proc = ctx.Process(target=_channel_child, args=(socket, chname, inq, cs), daemon=True,
-                       name="bench_py-channel")
-
-    def ack(want=b"1"):
-        got = ps.recv(1)
-        if got != want:
-            raise RuntimeError(f"channel child acked {got!r}")
-
+    child = None
     try:
-        log("starting the channel child (spawn, imports torch)")
-        proc.start()
-        cs.close()
-        ack(b"r")
+        child = ChannelChild(socket, chname, "channel")
+        inq, ps, ack = child.inq, child.ps, child.ack
         for size in sizes:
             t = torch.from_numpy(filled(size)).share_memory_()
             try:
@@ -463,7 +535,8 @@ def bench_channel(client, timer, socket, prefix, sizes):
             def channel_op():
                 ch.send(buf)
                 ack()
-            emit("channel", "dlpack_channel", size, timer.measure(channel_op))
+            emit("channel", "dlpack_channel", size, timer.measure(channel_op),
+                 kind="direct" if ch.direct else "queued")
             ch.send_dict({"stop": np.zeros(1)})
             ack(b"d")
             inq.put(("direct",))
@@ -495,10 +568,8 @@ def bench_channel(client, timer, socket, prefix, sizes):
             finally:
                 os.close(fd)
     finally:
-        stop_child(proc, lambda: inq.put(("end",)))
-        ps.close()
-        inq.close()
-        inq.join_thread()
+        if child is not None:
+            child.close()
         for c in (ch, dch):
             try:
                 c.remove()
@@ -681,6 +752,344 @@ def bench_bundle(client, timer, prefix):
             unpublish_quietly(client, name)
 
 
+# ---- peers: Ray, safetensors (bench/requirements.txt) --------------------------------------------
+
+FRESH_SIZES = [4096, 1 << 20, 64 << 20, 256 << 20]
+QUICK_FRESH_SIZES = [4096, 1 << 20]
+PUBLISH_BYTES = 64 << 20        # publish_fresh's array (quick: 1 MiB)
+STATE_TENSORS = 200             # state_dict: 200 tensors of 2 MiB (quick: 20 of 64 KiB)
+STATE_BYTES = 400 << 20
+READERS = 8
+READERS_S = 1.0                 # each readers row counts for this long (quick: 0.2 s)
+READER_SIZES = [4096, 64 << 20]
+RAY_STORE_BYTES = 2 << 30       # Ray's object store: room for 4 of the largest object here
+RAY_QUICK_STORE_BYTES = 128 << 20
+
+
+def emit_skipped(group, impl, size, why):
+    """A row that could not be measured, and why (run.py reports it; never a silent gap)."""
+    _out.write(json.dumps({"group": group, "impl": impl, "size": size, "skipped": why}) + "\n")
+    _out.flush()
+    log(f"{group:<9} {impl:<22} {'-' if size is None else human(size):>8}: skipped: {why}")
+
+
+class Ray:
+    """A local Ray for this run: started on first use, its start-up timed by no row, its
+    object store filled once and emptied (so that puts find it mapped and faulted in, as a
+    running Ray does), shut down by close() with its directory. get() returns the ray module
+    or None, with the reason in self.why."""
+
+    def __init__(self, store_bytes):
+        import tempfile
+        self.store_bytes, self.tmpdir = store_bytes, tempfile.mkdtemp(prefix="bench-ray-")
+        self.ray, self.why, self._takers = None, None, []
+
+    def get(self):
+        if self.ray is None and self.why is None:
+            try:
+                self._start()
+            except Exception as e:
+                self.why = f"Ray did not start: {type(e).__name__}: {e}"
+                log(self.why)
+        return self.ray
+
+    def _start(self):
+        try:
+            import ray
+        except ImportError as e:
+            self.why = (f"ray cannot be imported by {sys.executable} ({e}): scripts/dev bench "
+                        "installs bench/requirements.txt into the bench's venv")
+            log(self.why)
+            return
+        # local only: no usage report, no token written under ~/.ray
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        log(f"starting Ray {ray.__version__} (object store {human(self.store_bytes)}; "
+            "not timed)")
+        import logging
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=self.store_bytes,
+                 _temp_dir=self.tmpdir, log_to_driver=False, logging_level=logging.WARNING)
+        self.ray = ray
+        chunk = min(64 << 20, self.store_bytes // 8)
+        refs = [ray.put(np.ones(chunk // 4, np.float32))
+                for _ in range(self.store_bytes * 3 // 4 // chunk)]
+        del refs
+
+    def takers(self, n):
+        """n actors in processes of their own, each with take() and reread() (see below)."""
+        ray = self.ray
+
+        @ray.remote(num_cpus=0)
+        class Taker:
+            def ready(self):
+                return os.getpid()
+
+            def take(self, refs):
+                a = ray.get(refs[0])
+                v = float(a.reshape(-1)[0])
+                del a
+                return v
+
+            def reread(self, refs, start_at, stop_at):
+                ref, n = refs[0], 0
+                while time.monotonic() < start_at:
+                    time.sleep(0.0002)
+                while time.monotonic() < stop_at:
+                    a = ray.get(ref)
+                    a[0]
+                    del a
+                    n += 1
+                return n
+
+        while len(self._takers) < n:
+            self._takers.append(Taker.remote())
+        ray.get([t.ready.remote() for t in self._takers])
+        return self._takers[:n]
+
+    def close(self):
+        import shutil
+        if self.ray is not None:
+            self._takers.clear()
+            self.ray.shutdown()
+            self.ray = None
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def fresh_array(size):
+    """What a producer just computed: a new array in private memory, every page written."""
+    a = np.empty(size // 4, dtype=np.float32)
+    a.fill(1.0)
+    return a
+
+
+def bench_fresh(client, timer, socket, prefix, sizes, ray):
+    """A new array each time, sent (copied) to a waiting process that reads one element."""
+    import torch
+    torch.set_num_threads(1)
+    base = f"{prefix}/fresh"
+    chans = [("dlpack_channel", client.channel(base, 1), ("channel",)),
+             ("dlpack_channel_direct", client.channel(base + "-direct", 1, direct=True),
+              ("named", base + "-direct")),
+             ("dlpack_channel_queued", client.channel(base + "-queued", 1, direct=False),
+              ("named", base + "-queued"))]
+    kind = "direct" if chans[0][1].direct else "queued"
+    held = []  # Ray's last object, dropped untimed before the next rep
+    child = None
+    try:
+        r = ray.get()
+        taker = ray.takers(1)[0] if r else None
+        child = ChannelChild(socket, base, "fresh hand-off")
+        inq, ack = child.inq, child.ack
+        for size in sizes:
+            inq.put(("torch",))
+
+            def torch_op(a):
+                inq.put(("t", torch.from_numpy(a)))  # put() moves it into shared memory
+                ack()
+            emit("fresh", "torch_multiprocessing", size,
+                 timer.measure(torch_op, lambda: fresh_array(size)))
+            inq.put(("stop",))
+            ack(b"d")
+            for impl, ch, mode in chans:
+                inq.put(mode)
+
+                def send_op(a, ch=ch):
+                    ch.send(a)
+                    ack()
+                extra = {"kind": kind} if impl == "dlpack_channel" else {}
+                emit("fresh", impl, size, timer.measure(send_op, lambda: fresh_array(size)),
+                     **extra)
+                ch.send_dict({"stop": np.zeros(1)})
+                ack(b"d")
+            if r is None:
+                emit_skipped("fresh", "ray", size, ray.why)
+                continue
+
+            def ray_setup():
+                held.clear()
+                return fresh_array(size)
+
+            def ray_op(a):
+                ref = r.put(a)
+                if r.get(taker.take.remote([ref])) != 1.0:
+                    raise RuntimeError("Ray's actor read a wrong value")
+                held.append(ref)
+            emit("fresh", "ray", size, timer.measure(ray_op, ray_setup))
+            held.clear()
+    finally:
+        held.clear()
+        if child is not None:
+            child.close()
+        for _, c, _ in chans:
+            try:
+                c.remove()
+            except OSError:
+                pass
+
+
+def publish_vs_ray(client, timer, group, name, size, ray, publish, make, **extra):
+    """publish(arg) (ours, under name) against ray.put(arg), arg = make() before each rep;
+    between reps name is unpublished and Ray's object dropped: none of that is timed."""
+    r = ray.get()
+    held = []
+
+    def setup():
+        unpublish_quietly(client, name)
+        held.clear()
+        return make()
+    try:
+        emit(group, "dlpack_ipc", size, timer.measure(publish, setup), **extra)
+        if r is None:
+            emit_skipped(group, "ray", size, ray.why)
+        else:
+            emit(group, "ray", size, timer.measure(lambda a: held.append(r.put(a)), setup),
+                 **extra)
+    finally:
+        held.clear()
+        unpublish_quietly(client, name)
+
+
+def bench_publish_fresh(client, timer, prefix, size, ray):
+    """Publishing a new array (the copy path) against ray.put of it."""
+    name = f"{prefix}/publish_fresh"
+    publish_vs_ray(client, timer, "publish_fresh", name, size, ray,
+                   lambda a: client.publish(name, a, ephemeral=True), lambda: fresh_array(size))
+
+
+def bench_state_dict(client, timer, prefix, ntensors, nbytes, ray):
+    """A state dict of ntensors float32 tensors published by publish_dict, ray.put of the
+    dict and safetensors' save_file to /dev/shm."""
+    import torch
+    elems = nbytes // ntensors // 4
+    sd = {f"layer{i:03d}.weight": torch.full((elems // 1024, 1024), float(i))
+          for i in range(ntensors)}
+    name = f"{prefix}/state_dict"
+    publish_vs_ray(client, timer, "state_dict", name, nbytes, ray,
+                   lambda d: client.publish_dict(name, d, ephemeral=True), lambda: sd,
+                   tensors=ntensors)
+    # Ray serializes numpy arrays out of band, torch tensors by pickling: the same dict as numpy
+    # arrays (views, no copy) is Ray's best way to put it
+    r = ray.get()
+    if r is None:
+        emit_skipped("state_dict", "ray_numpy", nbytes, ray.why)
+    else:
+        nd, held = {k: v.numpy() for k, v in sd.items()}, []
+        emit("state_dict", "ray_numpy", nbytes,
+             timer.measure(lambda _: held.append(r.put(nd)), held.clear), tensors=ntensors)
+        held.clear()
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        emit_skipped("state_dict", "safetensors", nbytes,
+                     f"safetensors cannot be imported by {sys.executable} ({e})")
+        return
+    path = f"/dev/shm/bench_py_{os.getpid()}.safetensors"
+
+    def unlink():
+        if os.path.exists(path):
+            os.unlink(path)
+    try:
+        emit("state_dict", "safetensors", nbytes,
+             timer.measure(lambda _: save_file(sd, path), unlink), tensors=ntensors)
+    finally:
+        unlink()
+
+
+def _reader(kind, socket, name, size, ready, go, start_at, seconds, out):
+    """One of the readers: re-attach name (ours or SharedMemory) as often as it can for seconds
+    from start_at, reading one element each time; puts the count on out."""
+    op = attach_op(cached_client(socket), name) if kind == "dlpack_ipc" else \
+        shm_op(name, (size // 4,))
+    op()
+    ready.put(1)
+    go.wait(CHILD_TIMEOUT_S)
+    t0 = start_at.value
+    while time.monotonic() < t0:
+        time.sleep(0.0002)
+    n, stop = 0, t0 + seconds
+    while time.monotonic() < stop:
+        op()
+        n += 1
+    out.put(n)
+
+
+def readers_row(kind, socket, name, size, seconds):
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    start_at = ctx.Value("d", 0.0)
+    procs = [ctx.Process(target=_reader, daemon=True, name=f"bench_py-reader{i}",
+                         args=(kind, socket, name, size, ready, go, start_at, seconds, out))
+             for i in range(READERS)]
+    try:
+        for p in procs:
+            p.start()
+        for _ in procs:
+            ready.get(timeout=CHILD_TIMEOUT_S)
+        start_at.value = time.monotonic() + 0.1
+        go.set()
+        return sum(out.get(timeout=CHILD_TIMEOUT_S) for _ in procs) / seconds
+    finally:
+        for p in procs:
+            stop_child(p, lambda: None)
+
+
+def bench_readers(client, prefix, sizes, seconds, ray, socket):
+    """READERS processes re-attaching one entry over and over: attaches per second, all told."""
+    from multiprocessing import shared_memory
+    r = ray.get()
+    takers = ray.takers(READERS) if r else []
+
+    def emit_rate(impl, size, rate):
+        _out.write(json.dumps({"group": "readers", "impl": impl, "size": size,
+                               "clients": READERS, "ops_per_s": round(rate)}) + "\n")
+        _out.flush()
+        log(f"readers   {impl:<22} {human(size):>8}: {rate:10.0f} attaches/s ({READERS} readers)")
+
+    for size in sizes:
+        name = f"{prefix}/readers/{size}"
+        client.publish(name, fresh_array(size), ephemeral=True)
+        try:
+            emit_rate("dlpack_ipc", size, readers_row("dlpack_ipc", socket, name, size, seconds))
+        finally:
+            unpublish_quietly(client, name)
+        creator = shared_memory.SharedMemory(create=True, size=size,
+                                             name=f"bench_py_{os.getpid()}_readers_{size}")
+        try:
+            np.ndarray((size // 4,), np.float32, buffer=creator.buf).fill(1.0)
+            emit_rate("shared_memory", size,
+                      readers_row("shared_memory", socket, creator.name, size, seconds))
+        finally:
+            creator.close()
+            creator.unlink()
+        if r is None:
+            emit_skipped("readers", "ray", size, ray.why)
+            continue
+        ref = r.put(fresh_array(size))
+        try:
+            start_at = time.monotonic() + 0.2
+            counts = r.get([t.reread.remote([ref], start_at, start_at + seconds)
+                            for t in takers])
+            emit_rate("ray", size, sum(counts) / seconds)
+        finally:
+            del ref
+
+
+def peer_groups(client, timer, socket, prefix, quick, ray):
+    """The peer groups, as (label, run) pairs; ray: the Ray they share."""
+    return [
+        ("fresh", lambda: bench_fresh(client, timer, socket, prefix,
+                                      QUICK_FRESH_SIZES if quick else FRESH_SIZES, ray)),
+        ("publish_fresh", lambda: bench_publish_fresh(
+            client, timer, prefix, (1 << 20) if quick else PUBLISH_BYTES, ray)),
+        ("state_dict", lambda: bench_state_dict(
+            client, timer, prefix, 20 if quick else STATE_TENSORS,
+            (20 << 16) if quick else STATE_BYTES, ray)),
+        ("readers", lambda: bench_readers(client, prefix, QUICK_SIZES if quick else READER_SIZES,
+                                          0.2 if quick else READERS_S, ray, socket)),
+    ]
+
+
 # ---- main ----------------------------------------------------------------------------------------
 
 def parse_sizes(text):
@@ -710,6 +1119,9 @@ def main():
                          f"(default {','.join(map(str, DEFAULT_SIZES))})")
     ap.add_argument("--only", default=None,
                     help="comma-separated groups to run (default: every group)")
+    ap.add_argument("--peers", action="store_true",
+                    help="run the peer groups (fresh, publish_fresh, state_dict, readers: Ray, "
+                         "safetensors, torch.multiprocessing) instead of the others")
     args = ap.parse_args()
     sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
 
@@ -733,8 +1145,11 @@ def main():
         return 2
     failed = []
     start = time.monotonic()
+    only = None if args.only is None else args.only.split(",")
+    ray = Ray(RAY_QUICK_STORE_BYTES if args.quick else RAY_STORE_BYTES) if args.peers else None
     try:
-        for label, run in [
+        for label, run in peer_groups(client, timer, args.socket, prefix, args.quick,
+                                      ray) if args.peers else [
             ("attach_py", lambda: bench_attach(client, timer, args.socket, prefix, sizes)),
             ("handoff", lambda: bench_handoff(client, timer, args.socket, prefix, sizes)),
             ("channel", lambda: bench_channel(client, timer, args.socket, prefix, sizes)),
@@ -742,7 +1157,7 @@ def main():
             ("pipe_copy", lambda: bench_pipe(timer, sizes)),
             ("bundle", lambda: bench_bundle(client, timer, prefix)),
         ]:
-            if args.only is not None and label not in args.only.split(","):
+            if only is not None and label not in only:
                 continue
             try:
                 run()
@@ -754,6 +1169,8 @@ def main():
         log("interrupted: cleaned up, stopping")
         raise
     finally:
+        if ray is not None:
+            ray.close()
         client.close()
     log(f"done in {time.monotonic() - start:.1f} s" +
         (f"; failed: {', '.join(failed)}" if failed else ""))

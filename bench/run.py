@@ -5,10 +5,14 @@
     /usr/bin/python3 bench/run.py [--quick] [--build DIR] [--out DIR] [--python PYTHON]
 
 Starts dlpackd on a socket in a temporary directory, runs the C harness (bench_c), the
-Python harness (bench_py.py), the model-loading one (bench_model.py) and the weight-sync one
-(weight_sync.py), prints a markdown table of every measurement and of the targets
-(each a ratio measured in this run), and writes bench.json and bench.png into --out (default
-docs/). Stops the daemon and removes what it created; exits non-zero if a measurement is missing.
+Python harness (bench_py.py), its peer groups against Ray, safetensors and
+torch.multiprocessing (bench_py.py --peers, with --python), the model-loading one
+(bench_model.py) and the weight-sync one (weight_sync.py), prints a markdown table of every
+measurement and of the targets (each a ratio measured in this run), issue 30's among them, and
+writes bench.json and bench.png into --out (default docs/). Stops the daemon and removes what it
+created; exits non-zero if a measurement is missing or a process or shared memory of the run
+outlives it. A peer that cannot run (Ray not installed for --python) is recorded as skipped with
+the reason, its targets as not measured.
 --quick is the smoke test the test suite runs: small sizes, few repetitions, no plot.
 """
 import argparse
@@ -16,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import signal
@@ -30,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MIB = 1 << 20
 FOOTPRINT_ENTRIES = 100_000
+PROCESS_GRACE_S = 10            # how long the run's processes may take to end after it
 
 
 def human(n):
@@ -131,10 +137,26 @@ def daemon_fd_room(proc):
     return 1024
 
 
+HARNESS_PIDS = []               # every harness this run started (shm_left_behind)
+
+
 def run_rows(cmd, env, pin=False):
-    out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, check=True, text=True,
-                         preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if pin else None).stdout
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
+                          preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if pin else None) as p:
+        HARNESS_PIDS.append(p.pid)
+        out = p.communicate()[0]
+    if p.returncode:
+        raise subprocess.CalledProcessError(p.returncode, cmd)
     return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def shm_left_behind(before):
+    """What this run left in /dev/shm: the new names that carry the pid of one of its harnesses
+    (each names what it makes there after its pid), so that other programs' shared memory,
+    made meanwhile, is not taken for the run's."""
+    pids = re.compile(r"[-_](" + "|".join(map(str, HARNESS_PIDS)) + r")(?![0-9])")
+    return sorted(n for n in set(os.listdir("/dev/shm")) - before
+                  if HARNESS_PIDS and pids.search(n))
 
 
 def pick(rows, group, impl, size=None, clients=None):
@@ -254,6 +276,155 @@ def targets(rows, sizes, map_sizes):
     add("daemon RSS per entry, KiB", (metric(rows, "rss_per_entry") or 0) / 1024 or None, 1.0)
     add(f"LIST of {int(metric(rows, 'entries') or 0)} entries, ms", metric(rows, "list_ms"), 100.0)
     return out
+
+
+# ---- issue 30: the peers (Ray, safetensors, torch.multiprocessing) and their targets ----------
+
+PEER_IMPLS = {
+    "fresh": [("dlpack_channel", "channel(), the default kind"),
+              ("dlpack_channel_direct", "direct channel"),
+              ("dlpack_channel_queued", "queued channel"),
+              ("ray", "ray.put + an actor's ray.get"),
+              ("torch_multiprocessing", "torch.multiprocessing Queue")],
+    "publish_fresh": [("dlpack_ipc", "publish (copy path)"), ("ray", "ray.put")],
+    "state_dict": [("dlpack_ipc", "publish_dict"), ("ray", "ray.put of the dict"),
+                   ("ray_numpy", "ray.put of the dict as numpy arrays"),
+                   ("safetensors", "safetensors save_file to /dev/shm")],
+    "readers": [("dlpack_ipc", "attach + np.from_dlpack + release (cache on)"),
+                ("shared_memory", "stdlib SharedMemory + ndarray + close"),
+                ("ray", "ray.get of the same ObjectRef")],
+}
+
+
+def fmt_us(us):
+    return "-" if us is None else f"{us / 1000:.2f} ms" if us >= 1000 else f"{us:.1f} µs"
+
+
+def peer_cell(r, key="median_us"):
+    if r is None:
+        return "-"
+    if "skipped" in r:
+        return "skipped"
+    return f"{r[key]:,.0f}/s" if key == "ops_per_s" else fmt_us(r[key])
+
+
+def peers_table(rows):
+    """The peer groups of bench_py.py --peers, by size."""
+    out = []
+    for group, title in (("fresh", "hand-off of a fresh array (send copies), median"),
+                         ("publish_fresh", "publish of a fresh array, median"),
+                         ("state_dict", "publish of a state dict, median"),
+                         ("readers", "8 readers re-attaching one entry, attaches/s")):
+        sizes = sorted({r["size"] for r in rows if r.get("group") == group})
+        if not sizes:
+            continue
+        key = "ops_per_s" if group == "readers" else "median_us"
+        lines = [f"| {title} | " + " | ".join(human(s) for s in sizes) + " |",
+                 "|---|" + "---:|" * len(sizes)]
+        for impl, desc in PEER_IMPLS[group]:
+            lines.append(f"| {desc} | " +
+                         " | ".join(peer_cell(pick(rows, group, impl, s), key) for s in sizes)
+                         + " |")
+        out.append("\n".join(lines))
+    why = sorted({r["skipped"] for r in rows if "skipped" in r})
+    out += [f"skipped: {w}" for w in why]
+    return "\n\n".join(out)
+
+
+def issue30_targets(rows):
+    """Issue 30's acceptance ratios from this run: dicts of target, ours, peer (µs), ratio,
+    limit, met and, where a peer could not run, skipped (the reason)."""
+    out = []
+
+    def add(target, ours, peer, limit, higher=False, key="median_us"):
+        skipped = next((r["skipped"] for r in (ours, peer) if r and "skipped" in r), None)
+        a = ours.get(key) if ours and not skipped else None
+        b = peer.get(key) if peer and not skipped else None
+        ratio = (b / a if higher else a / b) if a and b else None
+        met = ratio is not None and (ratio >= limit if higher else ratio <= limit)
+        out.append({"target": target, "ours_us": a, "peer_us": b, "ratio": ratio,
+                    "limit": limit, "higher_is_better": higher, "met": met,
+                    "skipped": skipped})
+
+    def largest(group, want):
+        sizes = [r["size"] for r in rows if r.get("group") == group]
+        return want if want in sizes else max(sizes, default=None)
+
+    s = largest("fresh", 64 * MIB)
+    ours = pick(rows, "fresh", "dlpack_channel", s)
+    add(f"fresh-array hand-off {human(s)}, channel() ({ours and ours.get('kind')}) / "
+        "ray.put + actor ray.get", ours, pick(rows, "fresh", "ray", s), 1.0)
+    s = largest("publish_fresh", 64 * MIB)
+    add(f"publish of a fresh {human(s)} array / ray.put", pick(rows, "publish_fresh",
+        "dlpack_ipc", s), pick(rows, "publish_fresh", "ray", s), 1.0)
+    r = pick(rows, "state_dict", "dlpack_ipc")
+    s = r and r["size"]
+    # Ray's faster way to put it: the dict of torch tensors or the same as numpy arrays
+    peer = min((p for p in (pick(rows, "state_dict", i, s) for i in ("ray", "ray_numpy")) if p),
+               key=lambda p: p.get("median_us", float("inf")), default=None)
+    add(f"{human(s)} state dict ({r and r.get('tensors')} tensors), publish_dict / ray.put "
+        f"({'numpy arrays' if peer and peer['impl'] == 'ray_numpy' else 'torch tensors'})",
+        r, peer, 1.0)
+    cp, mc = pick(rows, "publish", "dlpc_copy"), pick(rows, "publish", "memcpy")
+    add(f"{human(cp and cp['size'])} copy-path publish / warm memcpy", cp, mc, 1.5)
+    for s in sorted({r["size"] for r in rows if r.get("group") == "channel"}):
+        ours = pick(rows, "channel", "dlpack_channel", s)
+        kind = ours and ours.get("kind")
+        add(f"default channel ({kind}), torch.multiprocessing / channel, {human(s)}", ours,
+            pick(rows, "channel", "torch_multiprocessing", s), 10.0, higher=True)
+        add(f"default channel ({kind}) / floor (fd pass + mmap), {human(s)}", ours,
+            pick(rows, "channel", "fd_pass_mmap", s), 1.5)
+    return out
+
+
+def issue30_table(checks):
+    lines = ["| issue 30 target | ours | peer | ratio | limit | met |",
+             "|---|---:|---:|---:|---:|:---:|"]
+    for c in checks:
+        ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}"
+        met = ("not measured (a peer skipped: see above)" if c["skipped"] else
+               "yes" if c["met"] else "no" if c["ratio"] is not None else "not measured")
+        lines.append(f"| {c['target']} | {fmt_us(c['ours_us'])} | {fmt_us(c['peer_us'])} | "
+                     f"{ratio} | {'≥' if c['higher_is_better'] else '≤'} {c['limit']:g} | "
+                     f"{met} |")
+    return "\n".join(lines)
+
+
+def leftover_processes(marker):
+    """Processes that carry this run's marker in their environment (every process the
+    harnesses start does, Ray's own included) and are still running: (pid, command line)."""
+    key = f"DLPC_BENCH_RUN={marker}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if key not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found.append((int(d), cmd))
+    return found
+
+
+def check_processes(marker):
+    """The processes of the run that outlived it (after a grace period for Ray's shutdown), as
+    lines for the run's failure; they are killed, by pid."""
+    deadline = time.monotonic() + PROCESS_GRACE_S
+    while True:
+        left = leftover_processes(marker)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return [f"process left behind (killed): {pid} {cmd[:120]}" for pid, cmd in left]
 
 
 def mapping_table(rows, map_sizes):
@@ -465,15 +636,18 @@ def main():
                     help="let the scheduler place processes (latency then varies 2x run to run "
                          "on small VMs, with the two ends on the same CPU or not)")
     ap.add_argument("--python", default=sys.executable,
-                    help="the interpreter of the torch benchmarks (bench_model.py, "
-                         "weight_sync.py); e.g. build/pystack/venv/bin/python for torch 2")
+                    help="the interpreter of the torch benchmarks and of the peers "
+                         "(bench_model.py, weight_sync.py, bench_py.py --peers); scripts/dev "
+                         "bench passes the bench's venv (bench/requirements.txt: torch 2, Ray, "
+                         "safetensors)")
     args = ap.parse_args()
     build = os.path.abspath(args.build)
     sizes = [4096, MIB] if args.quick else [4096, 65536, MIB, 16 * MIB, 256 * MIB, 1 << 30]
     # the sizes of bench_c's mapping group
     map_sizes = [4096, MIB] if args.quick else [4096, MIB, 64 * MIB, 1 << 30]
     tmp = tempfile.mkdtemp(prefix="dlpc-bench-")
-    env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
+    # DLPC_BENCH_RUN marks every process the harnesses start (check_processes)
+    env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"), DLPC_BENCH_RUN=tmp)
     proc = None
     shm_before = set(os.listdir("/dev/shm"))
     try:
@@ -489,6 +663,15 @@ def main():
             # every Python measurement is a latency: harness, its children and daemon on CPU 0
             os.sched_setaffinity(proc.pid, {0})
         rows += run_rows(cmd, env, pin=not args.no_pin)
+        # issue 30's peers (Ray, safetensors, torch.multiprocessing) with the --python
+        # interpreter, unpinned: Ray's own processes and the 8 readers use every CPU
+        if not args.no_pin:
+            os.sched_setaffinity(proc.pid, range(os.cpu_count()))
+        cmd = [args.python, os.path.join(HERE, "bench_py.py"), "--socket", sock, "--peers"]
+        cmd += ["--quick"] if args.quick else []
+        rows += run_rows(cmd, env)
+        if not args.no_pin:  # the daemon as the runs below have always found it
+            os.sched_setaffinity(proc.pid, {0})
         # a model's weights into several workers: not a latency, so not pinned
         cmd = [args.python, os.path.join(HERE, "bench_model.py"), "--socket", sock]
         cmd += ["--quick"] if args.quick else []
@@ -522,12 +705,14 @@ def main():
             proc.kill()
             proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
-    leftover = set(os.listdir("/dev/shm")) - shm_before
-    if leftover:
-        raise SystemExit(f"bench: shared memory left behind: {sorted(leftover)}")
+    # the figures are printed and saved first; then the run fails on what outlived it
+    left = check_processes(tmp)
+    left += [f"shared memory left behind: {n}" for n in shm_left_behind(shm_before)]
 
     checks = targets(rows, sizes, map_sizes)
     print(table(rows, sizes, map_sizes, checks))
+    i30 = issue30_targets(rows)
+    print("\n" + peers_table(rows) + "\n\n" + issue30_table(i30))
     missing = [c[0] for c in checks if c[1] is None]
     missing += [f"model_load {impl}" for impl, _ in MODEL_IMPLS
                 if not any(r.get("group") == "model_load" and r.get("impl") == impl
@@ -535,18 +720,24 @@ def main():
     missing += [f"weight_sync {impl}" for impl, _ in SYNC_IMPLS
                 if not any(r.get("group") == "weight_sync" and r.get("impl") == impl
                            for r in rows)]
+    missing += [c["target"] for c in i30 if c["ratio"] is None and not c["skipped"]]
     bad = [r for r in rows if any(isinstance(v, float) and not v == v for v in r.values())]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump({"machine": machine(), "quick": args.quick, "rows": rows,
                    "targets": [{"target": c[0], "measured": c[1], "limit": c[2], "met": c[3]}
-                               for c in checks]}, f, indent=1)
+                               for c in checks],
+                   "issue30": i30}, f, indent=1)
     if not args.quick:
         plot(rows, sizes, os.path.join(args.out, "bench.png"))
+    if left:
+        raise SystemExit("bench: " + "; ".join(left))
     if missing or bad:
         raise SystemExit(f"bench: no number for {missing + [str(b) for b in bad]}")
     met = sum(c[3] for c in checks)
     print(f"\n{met} of {len(checks)} targets met")
+    print(f"issue 30: {sum(c['met'] for c in i30)} of {len(i30)} targets met, "
+          f"{sum(bool(c['skipped']) for c in i30)} not measured (a peer skipped)")
 
 
 if __name__ == "__main__":

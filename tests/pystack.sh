@@ -5,6 +5,11 @@
 #
 #   pystack.sh setup PYTHON SRC DIR   make DIR/venv with PYTHON and tests/python/requirements-venv.txt
 #                                     (kept while both are unchanged), then `pip install SRC` into it
+#   pystack.sh venv PYTHON SRC DIR REQ
+#                                     make DIR/venv with PYTHON and the requirements file REQ only
+#                                     (the bench's venv: bench/requirements.txt), kept likewise; a
+#                                     requirement marked `# optional` that cannot be installed is
+#                                     left out, saying why, and tried again the next time
 #   pystack.sh test PYTHON SRC DIR    the pytest suite (tests/python, stack2026/ included) with
 #                                     that venv's interpreter, against the dlpackd pip installed
 #                                     there
@@ -31,8 +36,11 @@ need_venv() {
 	[ -x "$venv/bin/python" ] || fail "no venv in $venv: the pystack_setup test makes it"
 }
 
-setup() {
-	local stamp
+# make_venv: DIR/venv with PYTHON and $req, reused while both are unchanged; the lines of $req
+# marked `# optional` are installed one by one, and those that fail are listed in
+# DIR/venv/.dlpc-missing and tried again on the next call
+make_venv() {
+	local stamp line err
 	[ "$python" != NOTFOUND ] || fail "no CPython 3.11 found (pyenv's): configure with" \
 		"-DDLPC_STACK_PYTHON=/path/to/python3.11, or =OFF to leave the venv tests out"
 	"$python" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' ||
@@ -47,9 +55,23 @@ setup() {
 		echo "pystack: making $venv with $python"
 		rm -rf "$venv"
 		"$python" -m venv "$venv"
-		"$venv/bin/python" -m pip install "${pip_q[@]}" -r "$req"
+		"$venv/bin/python" -m pip install "${pip_q[@]}" -r <(grep -v '# optional' "$req")
+		grep '# optional' "$req" | sed 's/ *#.*//' >"$venv/.dlpc-missing"
 		echo "$stamp" >"$venv/.dlpc-stamp"
 	fi
+	[ -s "$venv/.dlpc-missing" ] || return 0
+	while read -r line; do
+		if err=$("$venv/bin/python" -m pip install "${pip_q[@]}" "$line" 2>&1); then
+			sed -i "\|^$line\$|d" "$venv/.dlpc-missing"
+		else
+			echo "pystack: $line cannot be installed (left out; tried again next time):" \
+				"$(echo "$err" | grep -v '^ *$' | tail -1)" >&2
+		fi
+	done <"$venv/.dlpc-missing"
+}
+
+setup() {
+	make_venv
 	# the project from the source tree, as `pip install .` builds it; without build isolation
 	# so that scikit-build-core keeps its build directory between runs
 	"$venv/bin/python" -m pip install "${pip_q[@]}" --no-deps --no-build-isolation \
@@ -99,6 +121,10 @@ wheel() {
 
 case $mode in
 setup) setup ;;
+venv)
+	req=$1
+	make_venv
+	;;
 test) run_tests "$@" ;;
 wheel) wheel "$@" ;;
 *) fail "unknown mode $mode" ;;
