@@ -17,14 +17,11 @@
 #define MFD_NOEXEC_SEAL 0x0008U
 #endif
 
-int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
+int dlpc__memfd_open(const char *name, uint64_t size)
 {
 	char label[64];
 	int fd, r;
 
-	r = dlpc__size_fits(name, size);
-	if (r < 0)
-		return r;
 	snprintf(label, sizeof(label), "dlpc:%s", name);
 	fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL);
 	if (fd < 0 && errno == EINVAL) /* kernels before 6.3 */
@@ -35,8 +32,22 @@ int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
 	if (ftruncate(fd, (off_t)size) < 0) {
 		r = dlpc__fail(-errno, "cannot size shared memory for '%s' to %llu bytes: %m", name,
 			       (unsigned long long)size);
-		goto fail;
+		close(fd);
+		return r;
 	}
+	return fd;
+}
+
+int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
+{
+	int fd, r;
+
+	r = dlpc__size_fits(name, size);
+	if (r < 0)
+		return r;
+	fd = dlpc__memfd_open(name, size);
+	if (fd < 0)
+		return fd;
 	/* reserve the pages now: memory that cannot be had fails here, not with SIGBUS in some
 	 * attacher later */
 	do

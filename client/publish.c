@@ -617,10 +617,13 @@ static int publish_host(dlpc_client *c, const char *name, size_t n,
 		size = zc->len;
 	} else {
 		size = size ? size : DLPC_ALIGN;
-		/* Written with pwrite, not through a mapping: no page faults, and no pages zeroed
-		 * only to be overwritten. Pages are allocated as they are written, so memory that
-		 * cannot be had fails here, at publish, like a reservation would. */
-		fd = dlpc__memfd_create(name, size, false);
+		/* Written with pwrite, not through a mapping: no page faults. A memfd of the warm
+		 * pool has its pages allocated already; a fresh one has them allocated as they are
+		 * written, so memory that cannot be had fails here, at publish, like a reservation
+		 * would. */
+		fd = dlpc__warm_take(size);
+		if (fd < 0)
+			fd = dlpc__memfd_create(name, size, false);
 		if (fd < 0)
 			return fd;
 		r = write_slots(fd, slots, n, name);
@@ -653,6 +656,8 @@ static int publish_host(dlpc_client *c, const char *name, size_t n,
 out:
 	if (!zc && fd >= 0)
 		close(fd);
+	if (!zc && size >= DLPC_WARM_SIZE_MIN)
+		dlpc__warm_refill();
 	return r;
 }
 

@@ -92,6 +92,17 @@ int dlpc__size_fits(const char *name, uint64_t size);
 /* A memfd of @p size bytes labelled after @p name, its pages allocated now if @p reserve (for
  * memory that will be written through a mapping); fd or negative errno. */
 int dlpc__memfd_create(const char *name, uint64_t size, bool reserve);
+/* The same without the check of dlpc__size_fits() nor the reservation. */
+int dlpc__memfd_open(const char *name, uint64_t size);
+/* warm.c: a memfd of exactly @p size bytes whose pages are all allocated already, from the
+ * process's warm pool, or -1 when it has none that fits (then the caller makes its own). Never
+ * fails otherwise; the memfd is the caller's, never handed out again. Notes the size as used,
+ * so that the pool keeps one ready for the next publish of about that size. */
+int dlpc__warm_take(uint64_t size);
+/* After the publish that called dlpc__warm_take(): have the pool refilled, in the background.
+ * Not before: on a machine with few CPUs the refill would compete with the copy. */
+void dlpc__warm_refill(void);
+void dlpc__warm_register(void);
 /* The negative errno for a failed write or reservation of shared memory: a full /dev/shm
  * (ENOSPC) and a full memory cgroup (ENOMEM) are both -ENOSPC, "shared memory is full". */
 static inline int dlpc__space_err(int err)
