@@ -26,6 +26,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "core.h"
@@ -220,11 +221,24 @@ static uint64_t next_fill(void)
 	return 0;
 }
 
-/* Allocate every page of @p fd (@p size bytes). 0 or negative errno. */
+/* Allocate every page of @p fd (@p size bytes), huge ones where the machine allows them. 0 or
+ * negative errno. */
 static int fill_pages(int fd, uint64_t size)
 {
+	void *p;
 	int r;
 
+	if (dlpc__huge_for(size, false) == DLPC__HUGE_ADVISE) {
+		/* huge pages only for pages first touched through a mapping that asks for them; the
+		 * mapping goes before the memfd is handed out (F_SEAL_WRITE wants none left), and
+		 * unmapping huge pages is cheap */
+		p = dlpc__huge_map(fd, size, true);
+		if (!p)
+			return -errno;
+		r = dlpc__huge_fill(p, size, fd);
+		munmap(p, size);
+		return r;
+	}
 	do
 		r = fallocate(fd, 0, 0, (off_t)size);
 	while (r < 0 && errno == EINTR);
@@ -245,7 +259,7 @@ static void fill_one(uint64_t size)
 	pthread_mutex_unlock(&warm.mu);
 	r = dlpc__size_fits("warm", size);
 	pthread_mutex_lock(&warm.mu);
-	fd = r < 0 || epoch != warm.epoch ? -1 : dlpc__memfd_open("warm", size);
+	fd = r < 0 || epoch != warm.epoch ? -1 : dlpc__memfd_open("warm", size, 0);
 	warm.filling = fd;
 	pthread_mutex_unlock(&warm.mu);
 	r = fd < 0 ? -ENOSPC : fill_pages(fd, size);
