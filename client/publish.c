@@ -652,7 +652,7 @@ static int copy_hugetlb(const char *name, const struct slot *slots, size_t n, ui
  * must be asked for), so memory that cannot be had fails here, at publish, like a reservation
  * would. The fd or a negative errno.
  */
-static int copy_out(const char *name, const struct slot *slots, size_t n, uint64_t *size)
+static int copy_once(const char *name, const struct slot *slots, size_t n, uint64_t *size)
 {
 	enum dlpc__huge huge = dlpc__huge_for(*size, true);
 	int fd, r;
@@ -675,6 +675,17 @@ static int copy_out(const char *name, const struct slot *slots, size_t n, uint64
 		close(fd);
 		return r;
 	}
+	return fd;
+}
+
+/* copy_once(), and once more if memory ran out while the warm pool held some: the pool gives
+ * it all back first, a publish never fails for it. */
+static int copy_out(const char *name, const struct slot *slots, size_t n, uint64_t *size)
+{
+	int fd = copy_once(name, slots, n, size);
+
+	if (fd == -ENOSPC && dlpc__warm_drop())
+		fd = copy_once(name, slots, n, size);
 	return fd;
 }
 

@@ -103,6 +103,9 @@ int dlpc__warm_take(uint64_t size);
 /* After the publish that called dlpc__warm_take(): have the pool refilled, in the background.
  * Not before: on a machine with few CPUs the refill would compete with the copy. */
 void dlpc__warm_refill(void);
+/* Memory ran out: give back every memfd the pool holds, and fill no more until it falls idle.
+ * Whether there was any. */
+bool dlpc__warm_drop(void);
 void dlpc__warm_register(void);
 
 /* huge.c: how a memfd of some size gets huge pages. */

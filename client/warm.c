@@ -15,7 +15,9 @@
  * DLPC__WARM_FDS_MAX memfds. A size not used for $DLPC_WARM_IDLE_MS is forgotten and its memfds
  * closed; the thread then sleeps with no deadline until the next take (it never polls). A fill
  * that fails (the memory cgroup's or /dev/shm's limit) lowers the bytes the pool tries to hold,
- * until the pool next empties; a publish never waits on the pool nor fails for it.
+ * until the pool next empties; a publish never waits on the pool nor fails for it: one that
+ * finds no room while the pool holds memory has it all given back and tries again
+ * (dlpc__warm_drop()).
  *
  * The pages are the process's: charged to its memory cgroup while kept warm. In a forked child
  * the parent's thread does not run: the child closes its copies of the pool's memfds and starts
@@ -355,6 +357,26 @@ void dlpc__warm_refill(void)
 		pthread_cond_signal(&warm.cv);
 	warm.kick = false;
 	pthread_mutex_unlock(&warm.mu);
+}
+
+bool dlpc__warm_drop(void)
+{
+	int out[DLPC__WARM_FDS_MAX];
+	size_t nout = 0;
+
+	if (warm.max_bytes == 0)
+		return false;
+	pthread_mutex_lock(&warm.mu);
+	for (size_t i = 0; i < warm.nready; i++) {
+		out[nout++] = warm.ready[i].fd;
+		warm.bytes -= warm.ready[i].size;
+	}
+	warm.nready = 0;
+	warm.cap = 0;
+	warm.epoch++; /* a fill under way is dropped too */
+	pthread_mutex_unlock(&warm.mu);
+	close_all(out, nout);
+	return nout > 0;
 }
 
 /* The last client closed: empty the pool, and wait for a fill under way, so that no memfd of the
