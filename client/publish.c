@@ -747,7 +747,7 @@ out:
 	if (!zc && fd >= 0)
 		close(fd);
 	if (!zc && size >= DLPC_WARM_SIZE_MIN)
-		dlpc__warm_refill();
+		dlpc__warm_refill(size);
 	return r;
 }
 

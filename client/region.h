@@ -100,9 +100,10 @@ int dlpc__memfd_open(const char *name, uint64_t size, unsigned flags);
  * fails otherwise; the memfd is the caller's, never handed out again. Notes the size as used,
  * so that the pool keeps one ready for the next publish of about that size. */
 int dlpc__warm_take(uint64_t size);
-/* After the publish that called dlpc__warm_take(): have the pool refilled, in the background.
+/* After the publish that called dlpc__warm_take(@p size): have the pool refilled, in the
+ * background.
  * Not before: on a machine with few CPUs the refill would compete with the copy. */
-void dlpc__warm_refill(void);
+void dlpc__warm_refill(uint64_t size);
 /* Memory ran out: give back every memfd the pool holds, and fill no more until it falls idle.
  * Whether there was any. */
 bool dlpc__warm_drop(void);

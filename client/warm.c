@@ -346,11 +346,19 @@ int dlpc__warm_take(uint64_t size)
 	return fd;
 }
 
-void dlpc__warm_refill(void)
+void dlpc__warm_refill(uint64_t size)
 {
+	int64_t now;
+
 	if (warm.max_bytes == 0) /* off, or never taken from: configured by this thread if so */
 		return;
+	now = dlpc__mono_ms();
 	pthread_mutex_lock(&warm.mu);
+	/* the size was used until now: a copy slower than the idle time must not have it
+	 * forgotten before its refill */
+	for (size_t i = 0; i < warm.nwant; i++)
+		if (fits(warm.want[i].size, size))
+			warm.want[i].used_ms = now;
 	if (warm.kick && !warm.thread)
 		warm.thread = dlpc__start_thread(warm_thread, NULL);
 	if (warm.kick)
