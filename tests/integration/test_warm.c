@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 
 #include "harness.h"
+#include "limits.h"
 
 #define MIB (1u << 20)
 #define WARM_LINK "/memfd:dlpc:warm (deleted)"
@@ -260,6 +261,26 @@ START_TEST(test_warm_bytes_bound)
 }
 END_TEST
 
+/* The pool keeps memfds for the DLPC__WARM_SIZES_MAX sizes used last, one each when each was
+ * used once: the older sizes' go. */
+START_TEST(test_warm_sizes_bound)
+{
+	dlpc_client *c = connect_or_die(&D);
+	int n = DLPC__WARM_SIZES_MAX + 2;
+
+	for (int i = 0; i < n; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "w/s%d", i);
+		publish_filled(c, name, (size_t)(i + 1) * MIB, i + 1);
+	}
+	ck_assert(wait_warm(DLPC__WARM_SIZES_MAX));
+	usleep((useconds_t)scaled_ms(300) * 1000); /* nothing more comes */
+	ck_assert_int_eq(fds_on(WARM_LINK, NULL), DLPC__WARM_SIZES_MAX);
+	dlpc_close(c);
+}
+END_TEST
+
 /* The thread's voluntary context switches: how often it woke. */
 static long thread_wakes(void)
 {
@@ -395,6 +416,7 @@ static Suite *warm_suite(void)
 	tcase_add_test(tc, test_warm_publish_is_sealed);
 	tcase_add_test(tc, test_warm_never_twice);
 	tcase_add_test(tc, test_warm_bytes_bound);
+	tcase_add_test(tc, test_warm_sizes_bound);
 	tcase_add_test(tc, test_warm_idle);
 	tcase_add_test(tc, test_warm_off);
 	tcase_add_test(tc, test_warm_last_close);
