@@ -270,6 +270,11 @@ static void fill_one(uint64_t size)
 	pthread_cond_broadcast(&warm.idle_cv);
 	if (r == 0 && epoch == warm.epoch && wanted(size)) {
 		warm.ready[warm.nready++] = (struct warm_fd){fd, size};
+		/* kept for the idle time from now: a slow fill (huge pages the kernel had to compact
+		 * memory for) must not be given back as soon as it is ready */
+		for (size_t i = 0; i < warm.nwant; i++)
+			if (fits(size, warm.want[i].size))
+				warm.want[i].used_ms = dlpc__mono_ms();
 		return;
 	}
 	warm.bytes -= size;

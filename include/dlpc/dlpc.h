@@ -196,7 +196,7 @@ typedef struct dlpc_attach_opts {
  * 0 turns the pool off. */
 #define DLPC_WARM_IDLE_MS_ENV "DLPC_WARM_IDLE_MS"
 /** ...when $DLPC_WARM_IDLE_MS is unset. */
-#define DLPC_WARM_IDLE_MS_DEFAULT 2000
+#define DLPC_WARM_IDLE_MS_DEFAULT 5000
 /** Storages smaller than this are never taken from the warm pool: their pages cost less to
  * allocate than waking the pool's thread. */
 #define DLPC_WARM_SIZE_MIN (256u << 10)
