@@ -54,20 +54,6 @@ static long smaps_kb(const void *p, const char *field)
 	return kb;
 }
 
-/* This process's mappings of libdlpc's memfds. */
-static int dlpc_maps(void)
-{
-	char line[512];
-	FILE *f = fopen("/proc/self/maps", "re");
-	int n = 0;
-
-	while (f && fgets(line, sizeof(line), f))
-		n += strstr(line, "/memfd:dlpc:") != NULL;
-	if (f)
-		fclose(f);
-	return n;
-}
-
 /* A free huge page count of hugetlbfs, from /proc/meminfo. */
 static long hugetlb_free(void)
 {
@@ -81,21 +67,6 @@ static long hugetlb_free(void)
 			break;
 	fclose(f);
 	return n;
-}
-
-/* Publish @p size bytes of @p fill under @p name, copied. */
-static void publish_filled(dlpc_client *c, const char *name, size_t size, int fill)
-{
-	int64_t shape[1] = {(int64_t)size};
-	uint8_t *src = malloc(size);
-	int r;
-
-	ck_assert_ptr_nonnull(src);
-	memset(src, fill, size);
-	r = dlpc_publish(c, name,
-			 host_tensor(src, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL), 0);
-	ck_assert_msg(r > 0, "publish %s: %d: %s", name, r, dlpc_last_error());
-	free(src);
 }
 
 struct want {
@@ -115,7 +86,7 @@ static int attacher(void *arg)
 	DLManagedTensorVersioned *t;
 	const uint8_t *p;
 	bool same = true;
-	int before = dlpc_maps();
+	int before = dlpc_mappings();
 	long kb;
 
 	CHILD_CHECK(dlpc_attach(c, w->name, NULL, &t) > 0);
@@ -129,7 +100,7 @@ static int attacher(void *arg)
 		_exit(1);
 	}
 	t->deleter(t);
-	CHILD_CHECK(dlpc_maps() == before); /* unmapped whole */
+	CHILD_CHECK(dlpc_mappings() == before); /* unmapped whole */
 	dlpc_close(c);
 	return 0;
 }

@@ -76,22 +76,6 @@ static bool wait_warm(int n)
 	return fds_on(WARM_LINK, NULL) == n;
 }
 
-/* Publish @p size bytes of @p fill under @p name (a copy: the pool's business). */
-static void publish_filled(dlpc_client *c, const char *name, size_t size, int fill)
-{
-	int64_t shape[1] = {(int64_t)size};
-	uint8_t *src = malloc(size);
-
-	int r;
-
-	ck_assert_ptr_nonnull(src);
-	memset(src, fill, size);
-	r = dlpc_publish(c, name,
-			 host_tensor(src, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL), 0);
-	ck_assert_msg(r > 0, "publish %s: %d: %s", name, r, dlpc_last_error());
-	free(src);
-}
-
 /* What an attacher sees of @p name: its bytes all @p fill, its memfd's seals, label and inode. */
 struct seen {
 	bool bytes_ok;
