@@ -17,26 +17,37 @@
 #define MFD_NOEXEC_SEAL 0x0008U
 #endif
 
-int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
+int dlpc__memfd_open(const char *name, uint64_t size, unsigned flags)
 {
 	char label[64];
 	int fd, r;
 
-	r = dlpc__size_fits(name, size);
-	if (r < 0)
-		return r;
 	snprintf(label, sizeof(label), "dlpc:%s", name);
-	fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL);
+	fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL | flags);
 	if (fd < 0 && errno == EINVAL) /* kernels before 6.3 */
-		fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+		fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | flags);
 	if (fd < 0)
 		return dlpc__fail(-errno, "cannot create shared memory for '%s': memfd_create: %m",
 				  name);
 	if (ftruncate(fd, (off_t)size) < 0) {
 		r = dlpc__fail(-errno, "cannot size shared memory for '%s' to %llu bytes: %m", name,
 			       (unsigned long long)size);
-		goto fail;
+		close(fd);
+		return r;
 	}
+	return fd;
+}
+
+int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
+{
+	int fd, r;
+
+	r = dlpc__size_fits(name, size);
+	if (r < 0)
+		return r;
+	fd = dlpc__memfd_open(name, size, 0);
+	if (fd < 0)
+		return fd;
 	/* reserve the pages now: memory that cannot be had fails here, not with SIGBUS in some
 	 * attacher later */
 	do
@@ -206,6 +217,41 @@ static int alloc_device(DLDevice device, const char *what)
 	return 0;
 }
 
+/* The memfd of @p r, @p size bytes mapped here with every page allocated (huge ones where the
+ * machine allows them), for dlpc_alloc() (@p what). 0 or negative errno. */
+static int alloc_host(struct dlpc__region *r, uint64_t size, const char *what)
+{
+	/* with shmem_enabled "advise", huge pages go to pages first touched through a mapping
+	 * marked MADV_HUGEPAGE: the reservation faults them in through ours */
+	bool advise = dlpc__huge_for(size, false) == DLPC__HUGE_ADVISE;
+	int err;
+
+	r->fd = dlpc__memfd_create(what, size, !advise);
+	if (r->fd < 0)
+		return r->fd;
+	r->len = (size_t)size;
+	r->base = mmap(NULL, r->len, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, 0);
+	if (r->base == MAP_FAILED) {
+		err = dlpc__fail(-errno, "%s: cannot map %llu bytes: %m", what,
+				 (unsigned long long)size);
+		close(r->fd);
+		return err;
+	}
+	if (advise) {
+		(void)madvise(r->base, r->len, MADV_HUGEPAGE);
+		err = dlpc__huge_fill(r->base, r->len, r->fd);
+		if (err < 0) {
+			err = dlpc__fail(dlpc__space_err(-err),
+					 "cannot reserve %llu bytes of shared memory for '%s': %s",
+					 (unsigned long long)size, what, strerror(-err));
+			munmap(r->base, r->len);
+			close(r->fd);
+			return err;
+		}
+	}
+	return 0;
+}
+
 /* A new region of @p size bytes (> 0) on @p device, holding one reference (the caller's):
  * a memfd mapped here, or CUDA VMM memory exportable as an fd the daemon can hold. */
 int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret)
@@ -224,18 +270,8 @@ int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct 
 		}
 		r->device = true;
 	} else {
-		r->fd = dlpc__memfd_create(what, size, true);
-		if (r->fd < 0) {
-			err = r->fd;
-			free(r);
-			return err;
-		}
-		r->len = (size_t)size;
-		r->base = mmap(NULL, r->len, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, 0);
-		if (r->base == MAP_FAILED) {
-			err = dlpc__fail(-errno, "%s: cannot map %llu bytes: %m", what,
-					 (unsigned long long)size);
-			close(r->fd);
+		err = alloc_host(r, size, what);
+		if (err < 0) {
 			free(r);
 			return err;
 		}

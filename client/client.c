@@ -213,6 +213,7 @@ static void features_register(void)
 	dlpc__maps_register();
 	dlpc__direct_register();
 	dlpc__cuda_register();
+	dlpc__warm_register();
 }
 
 DLPC_EXPORT int dlpc_connect_flags(const char *socket_path, uint32_t flags, dlpc_client **ret)

@@ -46,11 +46,17 @@ static bool is_contiguous(const DLTensor *t)
 /* Bytes gathered from a strided tensor before each pwrite. */
 #define BOUNCE_SIZE (1u << 20)
 
-/* pwrite() all of @p buf at @p off. 0 or negative errno, the message naming @p name. */
-static int pwrite_all(int fd, const void *buf, size_t len, uint64_t off, const char *name)
+/* pwrite() all of @p buf at @p off, or copy it there into @p map (not NULL: the memfd mapped
+ * whole). 0 or negative errno, the message naming @p name. */
+static int pwrite_all(int fd, uint8_t *map, const void *buf, size_t len, uint64_t off,
+		      const char *name)
 {
 	const uint8_t *p = buf;
 
+	if (map) {
+		memcpy(map + off, buf, len);
+		return 0;
+	}
 	while (len > 0) {
 		ssize_t n = pwrite(fd, p, len > (1u << 30) ? (1u << 30) : len, (off_t)off);
 
@@ -71,7 +77,8 @@ static int pwrite_all(int fd, const void *buf, size_t len, uint64_t off, const c
 }
 
 /* Write @p t, which is not contiguous (whole-byte elements), C-contiguous at @p off. */
-static int write_strided(int fd, uint64_t off, const DLTensor *t, uint8_t *bounce, const char *name)
+static int write_strided(int fd, uint8_t *map, uint64_t off, const DLTensor *t, uint8_t *bounce,
+			 const char *name)
 {
 	size_t elem = (size_t)t->dtype.bits * t->dtype.lanes / 8;
 	const uint8_t *src = (const uint8_t *)t->data + t->byte_offset;
@@ -92,7 +99,7 @@ static int write_strided(int fd, uint64_t off, const DLTensor *t, uint8_t *bounc
 			pos += idx[i] * t->strides[i];
 		run = src + pos * (int64_t)elem;
 		if (used + inner > BOUNCE_SIZE) {
-			r = pwrite_all(fd, bounce, used, off, name);
+			r = pwrite_all(fd, map, bounce, used, off, name);
 			if (r < 0)
 				return r;
 			off += used;
@@ -100,7 +107,7 @@ static int write_strided(int fd, uint64_t off, const DLTensor *t, uint8_t *bounc
 		}
 		if (inner > BOUNCE_SIZE) {
 			/* a run this long is worth its own write */
-			r = pwrite_all(fd, run, inner, off, name);
+			r = pwrite_all(fd, map, run, inner, off, name);
 			if (r < 0)
 				return r;
 			off += inner;
@@ -111,11 +118,12 @@ static int write_strided(int fd, uint64_t off, const DLTensor *t, uint8_t *bounc
 		for (int i = k - 1; i >= 0 && ++idx[i] == t->shape[i]; i--)
 			idx[i] = 0;
 	}
-	return used ? pwrite_all(fd, bounce, used, off, name) : 0;
+	return used ? pwrite_all(fd, map, bounce, used, off, name) : 0;
 }
 
-/* Write every tensor into the fresh memfd @p fd at its offset. 0 or negative errno. */
-static int write_slots(int fd, const struct slot *slots, size_t n, const char *name)
+/* Write every tensor into the fresh memfd @p fd at its offset (through @p map, its mapping, if
+ * not NULL). 0 or negative errno. */
+static int write_slots(int fd, uint8_t *map, const struct slot *slots, size_t n, const char *name)
 {
 	uint8_t *bounce = NULL;
 	int r = 0;
@@ -126,13 +134,13 @@ static int write_slots(int fd, const struct slot *slots, size_t n, const char *n
 		if (slots[i].nbytes == 0)
 			continue;
 		if (slots[i].contiguous) {
-			r = pwrite_all(fd, (const uint8_t *)t->data + t->byte_offset,
+			r = pwrite_all(fd, map, (const uint8_t *)t->data + t->byte_offset,
 				       slots[i].nbytes, slots[i].offset, name);
 			continue;
 		}
 		if (!bounce && !(bounce = malloc(BOUNCE_SIZE)))
 			return dlpc__fail(-ENOMEM, "cannot publish '%s': out of memory", name);
-		r = write_strided(fd, slots[i].offset, t, bounce, name);
+		r = write_strided(fd, map, slots[i].offset, t, bounce, name);
 	}
 	free(bounce);
 	return r;
@@ -588,6 +596,99 @@ static int lay_out(const char *name, size_t n, const char *const keys[],
 	return 0;
 }
 
+/* Write the tensors into the fresh memfd @p fd (@p size bytes) through a mapping that asks for
+ * huge pages (shmem_enabled "advise"), its pages all allocated first: memory that cannot be had
+ * fails here, not with SIGBUS. 0 or negative errno. */
+static int write_mapped(int fd, uint64_t size, const struct slot *slots, size_t n, const char *name)
+{
+	uint8_t *map = dlpc__huge_map(fd, (size_t)size, true);
+	int r;
+
+	if (!map)
+		return write_slots(fd, NULL, slots, n, name);
+	r = dlpc__huge_fill(map, (size_t)size, fd);
+	if (r < 0)
+		r = dlpc__fail(dlpc__space_err(-r),
+			       "cannot publish '%s': cannot allocate %llu bytes of shared memory: "
+			       "%s",
+			       name, (unsigned long long)size, strerror(-r));
+	else
+		r = write_slots(fd, map, slots, n, name);
+	munmap(map, (size_t)size);
+	return r;
+}
+
+/* The tensors written into a memfd of the hugetlbfs pool, whose size *@p size rounds up to whole
+ * huge pages (hugetlbfs has no write(): through a mapping). The fd, or a negative errno (the
+ * pool had no room after all: the caller goes on without it). */
+static int copy_hugetlb(const char *name, const struct slot *slots, size_t n, uint64_t *size)
+{
+	uint64_t pmd = dlpc__huge_pmd(), len = (*size + pmd - 1) / pmd * pmd;
+	uint8_t *map;
+	int fd, r;
+
+	fd = dlpc__memfd_open(name, len, MFD_HUGETLB);
+	if (fd < 0)
+		return fd;
+	map = dlpc__huge_map(fd, (size_t)len, false);
+	r = map ? dlpc__huge_fill(map, (size_t)len, fd) : -errno;
+	if (r == 0)
+		r = write_slots(fd, map, slots, n, name);
+	if (map)
+		munmap(map, (size_t)len);
+	if (r < 0) {
+		close(fd);
+		return r;
+	}
+	*size = len;
+	return fd;
+}
+
+/*
+ * Write the @p n tensors laid out in @p slots into a new memfd for the publish of @p name, and
+ * allocate what the writes left. Its size *@p size, rounded up to whole huge pages for one of
+ * the hugetlbfs pool. A memfd of the warm pool has its pages allocated already; a fresh one has
+ * them allocated as they are written (pwrite, not a mapping: no page faults, unless huge pages
+ * must be asked for), so memory that cannot be had fails here, at publish, like a reservation
+ * would. The fd or a negative errno.
+ */
+static int copy_once(const char *name, const struct slot *slots, size_t n, uint64_t *size)
+{
+	enum dlpc__huge huge = dlpc__huge_for(*size, true);
+	int fd, r;
+
+	if (huge == DLPC__HUGE_TLB && (fd = copy_hugetlb(name, slots, n, size)) >= 0)
+		return fd;
+	fd = dlpc__warm_take(*size);
+	if (fd >= 0) {
+		r = write_slots(fd, NULL, slots, n, name);
+	} else {
+		fd = dlpc__memfd_create(name, *size, false);
+		if (fd < 0)
+			return fd;
+		r = huge == DLPC__HUGE_ADVISE ? write_mapped(fd, *size, slots, n, name)
+					      : write_slots(fd, NULL, slots, n, name);
+	}
+	if (r == 0)
+		r = allocate_rest(fd, *size, name);
+	if (r < 0) {
+		close(fd);
+		return r;
+	}
+	return fd;
+}
+
+/* copy_once(), and once more if memory ran out while the warm pool held some: the pool gives
+ * it all back first, a publish never fails for it. */
+static int copy_out(const char *name, const struct slot *slots, size_t n, uint64_t *size)
+{
+	int fd = copy_once(name, slots, n, size);
+
+	if (fd == -ENOSPC && dlpc__warm_drop())
+		fd = copy_once(name, slots, n, size);
+	return fd;
+}
+
 /*
  * Publish @p n host tensors laid out in @p slots (@p size bytes) as one sealed memfd, or send
  * them as a message through @p sink (not NULL): the memfd of their one zero-copy allocation
@@ -617,17 +718,9 @@ static int publish_host(dlpc_client *c, const char *name, size_t n,
 		size = zc->len;
 	} else {
 		size = size ? size : DLPC_ALIGN;
-		/* Written with pwrite, not through a mapping: no page faults, and no pages zeroed
-		 * only to be overwritten. Pages are allocated as they are written, so memory that
-		 * cannot be had fails here, at publish, like a reservation would. */
-		fd = dlpc__memfd_create(name, size, false);
+		fd = copy_out(name, slots, n, &size);
 		if (fd < 0)
 			return fd;
-		r = write_slots(fd, slots, n, name);
-		if (r == 0)
-			r = allocate_rest(fd, size, name);
-		if (r < 0)
-			goto out;
 	}
 	/* Sealed read-only is read-only for everyone from now on, this process included (whatever
 	 * the daemon answers: a seal cannot be undone). Shares made later say so in their flags. */
@@ -653,6 +746,8 @@ static int publish_host(dlpc_client *c, const char *name, size_t n,
 out:
 	if (!zc && fd >= 0)
 		close(fd);
+	if (!zc && size >= DLPC_WARM_SIZE_MIN)
+		dlpc__warm_refill(size);
 	return r;
 }
 

@@ -92,6 +92,45 @@ int dlpc__size_fits(const char *name, uint64_t size);
 /* A memfd of @p size bytes labelled after @p name, its pages allocated now if @p reserve (for
  * memory that will be written through a mapping); fd or negative errno. */
 int dlpc__memfd_create(const char *name, uint64_t size, bool reserve);
+/* The same without the check of dlpc__size_fits() nor the reservation, made with memfd_create()
+ * @p flags too (MFD_HUGETLB). */
+int dlpc__memfd_open(const char *name, uint64_t size, unsigned flags);
+/* warm.c: a memfd of exactly @p size bytes whose pages are all allocated already, from the
+ * process's warm pool, or -1 when it has none that fits (then the caller makes its own). Never
+ * fails otherwise; the memfd is the caller's, never handed out again. Notes the size as used,
+ * so that the pool keeps one ready for the next publish of about that size. */
+int dlpc__warm_take(uint64_t size);
+/* After the publish that called dlpc__warm_take(@p size): have the pool refilled, in the
+ * background.
+ * Not before: on a machine with few CPUs the refill would compete with the copy. */
+void dlpc__warm_refill(uint64_t size);
+/* Memory ran out: give back every memfd the pool holds, and fill no more until it falls idle.
+ * Whether there was any. */
+bool dlpc__warm_drop(void);
+void dlpc__warm_register(void);
+
+/* huge.c: how a memfd of some size gets huge pages. */
+enum dlpc__huge {
+	DLPC__HUGE_NONE,   /* not at all: too small, not allowed, or not asked for */
+	DLPC__HUGE_KERNEL, /* shmem_enabled always or within_size: by itself, nothing to do */
+	DLPC__HUGE_ADVISE, /* shmem_enabled advise: pages first touched through a mapping marked
+			    * MADV_HUGEPAGE (dlpc__huge_fill()) */
+	DLPC__HUGE_TLB,	   /* a hugetlbfs pool has room: MFD_HUGETLB, the size a whole number of
+			    * dlpc__huge_pmd() bytes, written through a mapping */
+};
+/* What $DLPC_HUGE_PAGES and the machine, as set now, give a memfd of @p size bytes; never
+ * DLPC__HUGE_TLB unless @p tlb_ok. */
+enum dlpc__huge dlpc__huge_for(uint64_t size, bool tlb_ok);
+/* The size of a huge page mapped by one page-table entry (PMD): 2 MiB on x86-64. */
+uint64_t dlpc__huge_pmd(void);
+/* Map @p len bytes of @p fd shared and writable, for this process only (MADV_DONTFORK: a
+ * writable mapping in a child would bar F_SEAL_WRITE), asking for huge pages if @p advise
+ * (MADV_HUGEPAGE). NULL if it cannot (errno says why). */
+void *dlpc__huge_map(int fd, size_t len, bool advise);
+/* Allocate every page of the memfd @p fd mapped writable at @p p (@p len bytes), by faulting
+ * them in (MADV_POPULATE_WRITE), so that a mapping's MADV_HUGEPAGE applies. 0 or negative
+ * errno. */
+int dlpc__huge_fill(void *p, size_t len, int fd);
 /* The negative errno for a failed write or reservation of shared memory: a full /dev/shm
  * (ENOSPC) and a full memory cgroup (ENOMEM) are both -ENOSPC, "shared memory is full". */
 static inline int dlpc__space_err(int err)

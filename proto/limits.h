@@ -36,6 +36,13 @@
  * wakes writers of a Unix datagram socket only once its buffer is three quarters free. */
 #define DLPC_DIRECT_RETRY_MS 1
 
+/* libdlpc's warm pool (client/warm.c): the most memfds it keeps ready, the most recent sizes it
+ * keeps them for, how many of one size, and the longest $DLPC_WARM_IDLE_MS it honours. */
+#define DLPC__WARM_FDS_MAX 16
+#define DLPC__WARM_SIZES_MAX 8
+#define DLPC__WARM_DEPTH_MAX 2
+#define DLPC__WARM_IDLE_MS_MAX 3600000
+
 /* The longest socket path dlpackd binds itself, bytes: a socket address's 107 less the ".new"
  * of the name it binds first and renames onto the path once it listens (daemon/server.c), so
  * that the path never names a socket that refuses connections. */

@@ -196,6 +196,31 @@ typedef struct dlpc_attach_opts {
 /** ...when $DLPC_CACHE_IDLE_MS is unset. */
 #define DLPC_CACHE_IDLE_MS_DEFAULT 1000
 
+/** Environment: the most bytes of shared memory a process keeps allocated ahead of the copy
+ * path of its publishes and sends (the warm pool: memfds whose pages a background thread
+ * allocated, each taken by one publish and never reused), charged to the process's memory
+ * cgroup; 0 turns the pool off. Read once, at the first publish that copies. A value that is not
+ * a whole number is ignored (the default applies). */
+#define DLPC_WARM_BYTES_ENV "DLPC_WARM_BYTES"
+/** ...when $DLPC_WARM_BYTES is unset: 1 GiB. */
+#define DLPC_WARM_BYTES_DEFAULT (1ull << 30)
+/** Environment: milliseconds after its last publish that a size's warm memfds are given back;
+ * 0 turns the pool off. */
+#define DLPC_WARM_IDLE_MS_ENV "DLPC_WARM_IDLE_MS"
+/** ...when $DLPC_WARM_IDLE_MS is unset. */
+#define DLPC_WARM_IDLE_MS_DEFAULT 5000
+/** Storages smaller than this are never taken from the warm pool: their pages cost less to
+ * allocate than waking the pool's thread. */
+#define DLPC_WARM_SIZE_MIN (256u << 10)
+/** Environment: huge pages for the shared memory of storages of 2 MiB or more (docs/operations.md).
+ * "auto" (unset, or any other value): pages of the hugetlbfs pool when it has room for the whole
+ * storage (its size then rounds up to whole huge pages), else transparent huge pages as
+ * /sys/kernel/mm/transparent_hugepage/shmem_enabled allows ("advise": libdlpc asks for them);
+ * "thp": transparent ones only; "hugetlb": the hugetlbfs pool's only; "off": libdlpc asks for
+ * none (with shmem_enabled "always" or "within_size" the kernel gives them all the same). Read
+ * at each publish that copies and at each dlpc_alloc(). */
+#define DLPC_HUGE_PAGES_ENV "DLPC_HUGE_PAGES"
+
 /** The library's version as "MAJOR.MINOR.PATCH". */
 DLPC_EXPORT const char *dlpc_version(void);
 

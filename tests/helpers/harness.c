@@ -358,6 +358,33 @@ DLManagedTensorVersioned *host_tensor(void *data, DLDataType dt, int ndim, const
 	return &h->t;
 }
 
+void publish_filled(dlpc_client *c, const char *name, size_t size, int fill)
+{
+	int64_t shape[1] = {(int64_t)size};
+	uint8_t *src = malloc(size);
+	int r;
+
+	ck_assert_ptr_nonnull(src);
+	memset(src, fill, size);
+	r = dlpc_publish(c, name,
+			 host_tensor(src, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL), 0);
+	ck_assert_msg(r > 0, "publish %s: %d: %s", name, r, dlpc_last_error());
+	free(src);
+}
+
+int dlpc_mappings(void)
+{
+	char line[512];
+	FILE *f = fopen("/proc/self/maps", "re");
+	int n = 0;
+
+	while (f && fgets(line, sizeof(line), f))
+		n += strstr(line, "/memfd:dlpc:") != NULL;
+	if (f)
+		fclose(f);
+	return n;
+}
+
 void caches_at_defaults(void)
 {
 	unsetenv(DLPC_CACHE_ENTRIES_ENV);

@@ -97,6 +97,10 @@ bool wait_stat(dlpc_client *c, bool (*cond)(const dlpc_stats *s, void *arg), voi
 /* A float32 host tensor over @p data, not owned (deleter counts calls into *counter if set). */
 DLManagedTensorVersioned *host_tensor(void *data, DLDataType dt, int ndim, const int64_t *shape,
 				      const int64_t *strides, int *counter);
+/* Publish (a copy) @p size bytes of @p fill under @p name, as uint8; the test fails if it fails. */
+void publish_filled(dlpc_client *c, const char *name, size_t size, int fill);
+/* This process's mappings of libdlpc's memfds ("/memfd:dlpc:" in /proc/self/maps). */
+int dlpc_mappings(void);
 
 /* The other user the suites act as: nobody. */
 #define NOBODY 65534

@@ -345,20 +345,6 @@ static int publish_bundle(void *arg)
 	return 0;
 }
 
-/* Mappings of dlpc memfds in this process, from /proc/self/maps. */
-static int dlpc_mappings(void)
-{
-	char line[512];
-	FILE *f = fopen("/proc/self/maps", "r");
-	int n = 0;
-
-	while (f && fgets(line, sizeof(line), f))
-		n += strstr(line, "/memfd:dlpc:") != NULL;
-	if (f)
-		fclose(f);
-	return n;
-}
-
 START_TEST(test_bundle_one_round_trip)
 {
 	dlpc_client *c;

@@ -256,6 +256,80 @@ START_TEST(test_small_cgroup_is_enospc_not_oom)
 }
 END_TEST
 
+/* Count this process's memfds of the warm pool that hold @p bytes allocated. */
+static int warm_held(uint64_t bytes)
+{
+	int n = 0;
+
+	for (int fd = 3; fd < 1024; fd++) {
+		char path[64], target[128];
+		struct stat st;
+		ssize_t len;
+
+		snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+		len = readlink(path, target, sizeof(target) - 1);
+		if (len <= 0)
+			continue;
+		target[len] = 0;
+		n += strcmp(target, "/memfd:dlpc:warm (deleted)") == 0 && fstat(fd, &st) == 0 &&
+		     (uint64_t)st.st_blocks * 512 == bytes;
+	}
+	return n;
+}
+
+#define WARM_A (80ll << 20)
+#define WARM_B (40ll << 20)
+
+/*
+ * In a child, in the cgroup at @p arg: publish 80 MiB (the source, the storage and, once the
+ * warm pool has refilled, its 80 MiB memfd: 240 of the 256 MiB), then 40 MiB of another size,
+ * which only fits once the pool gives its memory back: it must, the publish succeeds.
+ */
+static int warm_gives_way(void *arg)
+{
+	DLDataType u8 = {kDLUInt, 8, 1};
+	int64_t a = WARM_A, b = WARM_B;
+	char pid[16];
+	dlpc_client *c;
+	uint8_t *src;
+	int i;
+
+	CHILD_CHECK(alloc_free(4096) == 0);
+	snprintf(pid, sizeof(pid), "%d", (int)getpid());
+	CHILD_CHECK(write_file(arg, "cgroup.procs", pid));
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	src = malloc((size_t)WARM_A);
+	CHILD_CHECK(src != NULL);
+	memset(src, 7, (size_t)WARM_A);
+	CHILD_CHECK(dlpc_publish(c, "cg/a", host_tensor(src, u8, 1, &a, NULL, NULL), 0) > 0);
+	for (i = 0; i < scaled_ms(5000) / 10 && warm_held((uint64_t)WARM_A) != 1; i++)
+		usleep(10000);
+	CHILD_CHECK(warm_held((uint64_t)WARM_A) == 1);
+	CHILD_CHECK(dlpc_publish(c, "cg/b", host_tensor(src, u8, 1, &b, NULL, NULL), 0) > 0);
+	CHILD_CHECK(dlpc_unpublish(c, "cg/a") == 0 && dlpc_unpublish(c, "cg/b") == 0);
+	free(src);
+	dlpc_close(c);
+	return 0;
+}
+
+/* Memory the warm pool holds never makes a publish fail: it is given back first. */
+START_TEST(test_warm_pool_gives_way)
+{
+	char dir[800], why[1024];
+	int st;
+
+	daemon_start(&D);
+	started = true;
+	if (!cgroup_new(CG_LIMIT, dir, sizeof(dir), why, sizeof(why))) {
+		fprintf(stderr, "test_warm_pool_gives_way: skipped: %s\n", why);
+		return;
+	}
+	st = wait_child(spawn(warm_gives_way, dir));
+	ck_assert_msg(rmdir(dir) == 0, "rmdir %s: %s", dir, strerror(errno));
+	ck_assert_int_eq(st, 0);
+}
+END_TEST
+
 static Suite *memory_suite(void)
 {
 	Suite *s = suite_create("memory");
@@ -264,6 +338,7 @@ static Suite *memory_suite(void)
 	tcase_add_checked_fixture(tc, NULL, teardown);
 	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
 	tcase_add_test(tc, test_small_cgroup_is_enospc_not_oom);
+	tcase_add_test(tc, test_warm_pool_gives_way);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Huge pages, as root: shared memory's transparent huge pages set to "advise" and then to
+# "within_size", and a hugetlbfs pool reserved, each for test_huge (DLPC_TEST_HUGE=thp, then
+# hugetlb). The machine's settings are put back on every exit path (the EXIT trap). Not root,
+# or no writable sysfs: exit 77 with the reason.
+# Usage: huge.sh TEST_HUGE
+set -euo pipefail
+bin=$1
+thp=/sys/kernel/mm/transparent_hugepage
+if [ "$(id -u)" != 0 ]; then
+	echo "huge.sh: skipped: not root, so shmem_enabled and vm.nr_hugepages cannot be set"
+	exit 77
+fi
+if [ ! -w "$thp/shmem_enabled" ] || [ ! -w /proc/sys/vm/nr_hugepages ]; then
+	echo "huge.sh: skipped: $thp/shmem_enabled or /proc/sys/vm/nr_hugepages is not writable here"
+	exit 77
+fi
+chosen() { sed 's/.*\[\(.*\)\].*/\1/' "$1"; }
+per=$thp/hugepages-$(($(cat "$thp/hpage_pmd_size") / 1024))kB/shmem_enabled
+old_thp=$(chosen "$thp/shmem_enabled")
+old_per=
+if [ -w "$per" ]; then old_per=$(chosen "$per"); fi
+old_nr=$(cat /proc/sys/vm/nr_hugepages)
+restore() {
+	echo "$old_thp" >"$thp/shmem_enabled"
+	if [ -n "$old_per" ]; then echo "$old_per" >"$per"; fi
+	echo "$old_nr" >/proc/sys/vm/nr_hugepages
+	echo "huge.sh: restored shmem_enabled $old_thp${old_per:+ ($per: $old_per)}, vm.nr_hugepages $old_nr"
+}
+trap restore EXIT
+trap 'exit 130' INT TERM HUP
+
+if [ -n "$old_per" ]; then echo inherit >"$per"; fi
+for mode in advise within_size; do
+	echo "$mode" >"$thp/shmem_enabled"
+	echo "huge.sh: shmem_enabled $mode"
+	DLPC_TEST_HUGE=thp "$bin"
+done
+echo never >"$thp/shmem_enabled"
+# 2 + 32 pages for the test, a few more for the rest of the machine's use
+echo $((old_nr + 40)) >/proc/sys/vm/nr_hugepages
+free=$(awk '/^HugePages_Free:/ { print $2 }' /proc/meminfo)
+if [ "$free" -lt 34 ]; then
+	echo "huge.sh: skipped the hugetlbfs part: only $free huge pages could be reserved" \
+		"(memory too fragmented); the transparent huge pages part passed"
+	exit 77
+fi
+echo "huge.sh: vm.nr_hugepages $((old_nr + 40)), $free free"
+DLPC_TEST_HUGE=hugetlb "$bin"

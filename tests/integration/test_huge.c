@@ -1,0 +1,217 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Huge pages (client/huge.c), run by tests/huge.sh as root with the machine set for them:
+ * DLPC_TEST_HUGE=thp with shmem_enabled "advise" or "within_size" (the copy path, the warm pool
+ * and dlpc_alloc() give huge pages, and an attacher maps them one PMD per 2 MiB), or
+ * DLPC_TEST_HUGE=hugetlb with a hugetlbfs pool reserved (the copy path takes its pages, the
+ * storage's size rounded up to whole huge pages, and an attacher maps and unmaps it whole).
+ */
+#include <string.h>
+#include <sys/mman.h>
+
+#include "harness.h"
+
+#define MIB (1u << 20)
+
+static struct daemon D;
+
+static void setup(void)
+{
+	daemon_start(&D);
+}
+
+static void teardown(void)
+{
+	daemon_stop(&D);
+}
+
+/* The value (kB) of @p field in this process's /proc/self/smaps for the mapping holding @p p;
+ * -1 if @p p is not mapped. */
+static long smaps_kb(const void *p, const char *field)
+{
+	char line[512];
+	FILE *f = fopen("/proc/self/smaps", "re");
+	bool in = false;
+	long kb = -1;
+
+	ck_assert_ptr_nonnull(f);
+	while (fgets(line, sizeof(line), f)) {
+		unsigned long lo, hi;
+		char name[64];
+
+		if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, ' ') &&
+		    sscanf(line, "%63[A-Za-z_]:", name) != 1) {
+			if (in)
+				break;
+			in = (uintptr_t)p >= lo && (uintptr_t)p < hi;
+			continue;
+		}
+		if (in && strncmp(line, field, strlen(field)) == 0 &&
+		    sscanf(line + strlen(field), " %ld", &kb) == 1)
+			break;
+	}
+	fclose(f);
+	return kb;
+}
+
+/* A free huge page count of hugetlbfs, from /proc/meminfo. */
+static long hugetlb_free(void)
+{
+	char line[128];
+	FILE *f = fopen("/proc/meminfo", "re");
+	long n = -1;
+
+	ck_assert_ptr_nonnull(f);
+	while (fgets(line, sizeof(line), f))
+		if (sscanf(line, "HugePages_Free: %ld", &n) == 1)
+			break;
+	fclose(f);
+	return n;
+}
+
+struct want {
+	const char *name;
+	size_t size;
+	int fill;
+	const char *field; /* of smaps, for the attacher's mapping */
+	long kb;	   /* its value */
+};
+
+/* A child process: attach want->name, read all of it, check its bytes and its mapping, release
+ * it, and check the mapping went. */
+static int attacher(void *arg)
+{
+	const struct want *w = arg;
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t;
+	const uint8_t *p;
+	bool same = true;
+	int before = dlpc_mappings();
+	long kb;
+
+	CHILD_CHECK(dlpc_attach(c, w->name, NULL, &t) > 0);
+	p = t->dl_tensor.data;
+	for (size_t i = 0; i < w->size; i++)
+		same &= p[i] == (uint8_t)w->fill;
+	CHILD_CHECK(same);
+	kb = smaps_kb(p, w->field);
+	if (kb != w->kb) {
+		fprintf(stderr, "%s: %s %ld kB, want %ld kB\n", w->name, w->field, kb, w->kb);
+		_exit(1);
+	}
+	t->deleter(t);
+	CHILD_CHECK(dlpc_mappings() == before); /* unmapped whole */
+	dlpc_close(c);
+	return 0;
+}
+
+/* The copy path, a miss of the warm pool and a take: an attacher maps it all by PMDs. */
+START_TEST(test_thp_publish)
+{
+	dlpc_client *c = connect_or_die(&D);
+	struct want w1 = {"h/one", 64 * MIB, 1, "ShmemPmdMapped:", 64 * 1024};
+	struct want w2 = {"h/two", 64 * MIB, 2, "ShmemPmdMapped:", 64 * 1024};
+
+	publish_filled(c, w1.name, w1.size, w1.fill);
+	ck_assert_int_eq(wait_child(spawn(attacher, &w1)), 0);
+	usleep((useconds_t)scaled_ms(500) * 1000); /* the pool fills meanwhile, or not: both go */
+	publish_filled(c, w2.name, w2.size, w2.fill);
+	ck_assert_int_eq(wait_child(spawn(attacher, &w2)), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* dlpc_alloc(): huge pages in the publisher's mapping, and in an attacher's. */
+START_TEST(test_thp_alloc)
+{
+	dlpc_client *c = connect_or_die(&D);
+	int64_t shape[1] = {64 * MIB};
+	struct want w = {"h/alloc", 64 * MIB, 3, "ShmemPmdMapped:", 64 * 1024};
+	DLManagedTensorVersioned *t;
+
+	ck_assert_dlpc(
+		dlpc_alloc(c, (DLDevice){kDLCPU, 0}, (DLDataType){kDLUInt, 8, 1}, 1, shape, &t), 0);
+	memset(t->dl_tensor.data, 3, w.size);
+	ck_assert_int_eq(smaps_kb(t->dl_tensor.data, "ShmemPmdMapped:"), 64 * 1024);
+	ck_assert_dlpc(dlpc_publish(c, w.name, t, 0) > 0, 1);
+	ck_assert_int_eq(wait_child(spawn(attacher, &w)), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* Wait (a scaled 5 s at most) for hugetlbfs to have @p n pages free again; whether it did. */
+static bool wait_free(long n)
+{
+	for (int i = 0; i < scaled_ms(5000) / 10 && hugetlb_free() != n; i++)
+		usleep(10000);
+	return hugetlb_free() == n;
+}
+
+/* The copy path takes the pool's pages, whole ones (3 MiB and a page: 2 of 2 MiB), and gives
+ * them back with the entry; an attacher maps and unmaps them. */
+START_TEST(test_hugetlb_publish)
+{
+	dlpc_client *c = connect_or_die(&D);
+	struct want w = {"h/tlb", 3 * MIB + 4096, 4, "KernelPageSize:", 2048};
+	struct want big = {"h/tlbbig", 64 * MIB, 5, "KernelPageSize:", 2048};
+	long before = hugetlb_free();
+	dlpc_entry_info *list;
+	size_t n;
+
+	publish_filled(c, w.name, w.size, w.fill);
+	ck_assert_int_eq(hugetlb_free(), before - 2);
+	ck_assert_dlpc(dlpc_list(c, w.name, &list, &n), 0);
+	ck_assert_int_eq(n, 1);
+	ck_assert_int_eq(list[0].nbytes, 4 * MIB); /* what it takes: whole huge pages */
+	dlpc_list_free(list, n);
+	ck_assert_int_eq(wait_child(spawn(attacher, &w)), 0);
+	publish_filled(c, big.name, big.size, big.fill);
+	ck_assert_int_eq(hugetlb_free(), before - 2 - 32);
+	ck_assert_int_eq(wait_child(spawn(attacher, &big)), 0);
+	ck_assert_dlpc(dlpc_unpublish(c, w.name), 0);
+	ck_assert_dlpc(dlpc_unpublish(c, big.name), 0);
+	ck_assert_msg(wait_free(before), "hugetlbfs pages not given back: %ld free, %ld before",
+		      hugetlb_free(), before);
+	dlpc_close(c);
+}
+END_TEST
+
+/* DLPC_HUGE_PAGES=thp leaves the hugetlbfs pool alone. */
+START_TEST(test_hugetlb_not_asked)
+{
+	dlpc_client *c;
+	struct want w = {"h/small", 8 * MIB, 6, "KernelPageSize:", 4};
+	long before = hugetlb_free();
+
+	setenv(DLPC_HUGE_PAGES_ENV, "thp", 1);
+	c = connect_or_die(&D);
+	publish_filled(c, w.name, w.size, w.fill);
+	ck_assert_int_eq(hugetlb_free(), before);
+	ck_assert_int_eq(wait_child(spawn(attacher, &w)), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+int main(void)
+{
+	const char *kind = getenv("DLPC_TEST_HUGE");
+	Suite *s = suite_create("huge");
+	TCase *tc = tcase_create(kind ? kind : "none");
+
+	if (!kind || (strcmp(kind, "thp") != 0 && strcmp(kind, "hugetlb") != 0)) {
+		fprintf(stderr, "test_huge: set DLPC_TEST_HUGE to thp or hugetlb (tests/huge.sh "
+				"does, as root, with the machine set for it)\n");
+		return 77;
+	}
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 60);
+	if (strcmp(kind, "thp") == 0) {
+		tcase_add_test(tc, test_thp_publish);
+		tcase_add_test(tc, test_thp_alloc);
+	} else {
+		tcase_add_test(tc, test_hugetlb_publish);
+		tcase_add_test(tc, test_hugetlb_not_asked);
+	}
+	suite_add_tcase(s, tc);
+	return run_suite(s);
+}

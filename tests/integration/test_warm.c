@@ -1,0 +1,415 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The warm pool (client/warm.c): the copy path of a publish takes memfds whose pages a
+ * background thread allocated; such a storage is sealed read-only like any other, never handed
+ * out twice, bounded in bytes ($DLPC_WARM_BYTES), given back when idle ($DLPC_WARM_IDLE_MS),
+ * off with DLPC_WARM_BYTES=0, gone with the last client, and not the child's after a fork.
+ *
+ * The pool's memfds are found by their label: /proc/self/fd links "/memfd:dlpc:warm (deleted)".
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include "harness.h"
+#include "limits.h"
+
+#define MIB (1u << 20)
+#define WARM_LINK "/memfd:dlpc:warm (deleted)"
+#define SEALS_RO (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL)
+
+static struct daemon D;
+
+static void setup(void)
+{
+	daemon_start(&D);
+}
+
+static void teardown(void)
+{
+	daemon_stop(&D);
+}
+
+/* The fds of this process on memfds labelled @p link, and in *@p bytes (if not NULL) the bytes
+ * allocated to them. */
+static int fds_on(const char *link, uint64_t *bytes)
+{
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *e;
+	int n = 0;
+
+	ck_assert_ptr_nonnull(d);
+	if (bytes)
+		*bytes = 0;
+	while ((e = readdir(d))) {
+		char path[300], target[300];
+		struct stat st;
+		ssize_t len;
+
+		snprintf(path, sizeof(path), "/proc/self/fd/%s", e->d_name);
+		len = readlink(path, target, sizeof(target) - 1);
+		if (len <= 0)
+			continue;
+		target[len] = 0;
+		if (strcmp(target, link) != 0)
+			continue;
+		n++;
+		if (bytes && stat(path, &st) == 0)
+			*bytes += (uint64_t)st.st_blocks * 512;
+	}
+	closedir(d);
+	return n;
+}
+
+/* Wait (a scaled 5 s at most) until the pool holds @p n memfds; whether it did. */
+static bool wait_warm(int n)
+{
+	for (int i = 0; i < scaled_ms(5000) / 5; i++) {
+		if (fds_on(WARM_LINK, NULL) == n)
+			return true;
+		usleep(5000);
+	}
+	return fds_on(WARM_LINK, NULL) == n;
+}
+
+/* What an attacher sees of @p name: its bytes all @p fill, its memfd's seals, label and inode. */
+struct seen {
+	bool bytes_ok;
+	int seals;
+	char label[128];
+	ino_t ino;
+};
+
+/* Where this process maps @p p: the /proc/self/map_files path and the label of its line. */
+static bool mapped_file(const void *p, char *file, size_t cap, char *label, size_t lcap)
+{
+	char line[512];
+	FILE *f = fopen("/proc/self/maps", "re");
+	bool found = false;
+
+	while (f && !found && fgets(line, sizeof(line), f)) {
+		unsigned long lo, hi;
+		char *slash = strchr(line, '/');
+
+		if (sscanf(line, "%lx-%lx", &lo, &hi) != 2 || (uintptr_t)p < lo ||
+		    (uintptr_t)p >= hi)
+			continue;
+		snprintf(file, cap, "/proc/self/map_files/%lx-%lx", lo, hi);
+		snprintf(label, lcap, "%s", slash ? slash : "");
+		label[strcspn(label, "\n")] = 0;
+		found = true;
+	}
+	if (f)
+		fclose(f);
+	return found;
+}
+
+/* In this process: attach @p name and look at it (see struct seen). 0 or -1. */
+static int look(dlpc_client *c, const char *name, size_t size, int fill, struct seen *s)
+{
+	DLManagedTensorVersioned *t;
+	char file[96];
+	const uint8_t *p;
+	struct stat st;
+	int fd;
+
+	memset(s, 0, sizeof(*s));
+	if (dlpc_attach(c, name, NULL, &t) < 0)
+		return -1;
+	p = t->dl_tensor.data;
+	s->bytes_ok = true;
+	for (size_t i = 0; i < size; i++)
+		s->bytes_ok &= p[i] == (uint8_t)fill;
+	if (!mapped_file(p, file, sizeof(file), s->label, sizeof(s->label)))
+		return -1;
+	fd = open(file, O_RDONLY | O_CLOEXEC);
+	if (fd < 0 || fstat(fd, &st) < 0)
+		return -1;
+	s->seals = fcntl(fd, F_GET_SEALS);
+	s->ino = st.st_ino;
+	close(fd);
+	/* the attacher's mapping cannot be made writable */
+	if (mprotect((void *)((uintptr_t)p & ~(uintptr_t)4095), 4096, PROT_READ | PROT_WRITE) == 0)
+		s->seals = -1;
+	t->deleter(t);
+	return 0;
+}
+
+struct look_args {
+	const char *name;
+	size_t size;
+	int fill;
+	const char *label;
+};
+
+/* A child process: attach args->name and check it is a sealed read-only copy from the pool. */
+static int attacher(void *arg)
+{
+	const struct look_args *a = arg;
+	dlpc_client *c = connect_or_die(&D);
+	struct seen s;
+
+	CHILD_CHECK(look(c, a->name, a->size, a->fill, &s) == 0);
+	CHILD_CHECK(s.bytes_ok);
+	CHILD_CHECK((s.seals & SEALS_RO) == SEALS_RO);
+	if (strcmp(s.label, a->label) != 0) {
+		fprintf(stderr, "%s is mapped from '%s', not '%s'\n", a->name, s.label, a->label);
+		_exit(1);
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+/* A publish once the pool is warm writes into the pool's memfd, sealed read-only. */
+START_TEST(test_warm_publish_is_sealed)
+{
+	dlpc_client *c = connect_or_die(&D);
+	struct look_args a = {"w/sealed", 3 * MIB, 7, WARM_LINK};
+
+	publish_filled(c, "w/first", 3 * MIB, 1); /* a miss: the pool learns the size */
+	ck_assert_msg(wait_warm(1), "the pool made no memfd after a 3 MiB publish");
+	publish_filled(c, a.name, a.size, a.fill);
+	ck_assert_int_eq(wait_child(spawn(attacher, &a)), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+#define TWICE_N 6
+
+/* A child process: the TWICE_N entries w/n<i> hold bytes i+1 each, and no two share a memfd. */
+static int distinct_attacher(void *arg)
+{
+	dlpc_client *c = connect_or_die(&D);
+	ino_t inos[TWICE_N];
+	int warm = 0;
+
+	(void)arg;
+	for (int i = 0; i < TWICE_N; i++) {
+		char name[32];
+		struct seen s;
+
+		snprintf(name, sizeof(name), "w/n%d", i);
+		CHILD_CHECK(look(c, name, MIB, i + 1, &s) == 0);
+		CHILD_CHECK(s.bytes_ok);
+		CHILD_CHECK((s.seals & SEALS_RO) == SEALS_RO);
+		warm += strcmp(s.label, WARM_LINK) == 0;
+		inos[i] = s.ino;
+		for (int j = 0; j < i; j++)
+			CHILD_CHECK(inos[j] != inos[i]);
+	}
+	CHILD_CHECK(warm >= TWICE_N - 1); /* the first was a miss */
+	dlpc_close(c);
+	return 0;
+}
+
+/* The same size published again and again: each storage is a memfd of its own, and what was
+ * published before is never written again. */
+START_TEST(test_warm_never_twice)
+{
+	dlpc_client *c = connect_or_die(&D);
+
+	for (int i = 0; i < TWICE_N; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "w/n%d", i);
+		publish_filled(c, name, MIB, i + 1);
+		ck_assert_msg(wait_warm(1), "the pool was not refilled after publish %d", i);
+	}
+	ck_assert_int_eq(wait_child(spawn(distinct_attacher, NULL)), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* $DLPC_WARM_BYTES bounds the bytes kept warm: a size that would pass it is not kept. */
+START_TEST(test_warm_bytes_bound)
+{
+	dlpc_client *c;
+	uint64_t bytes;
+
+	setenv(DLPC_WARM_BYTES_ENV, "3145728", 1); /* 3 MiB */
+	c = connect_or_die(&D);
+	publish_filled(c, "w/b1", MIB, 1);
+	ck_assert(wait_warm(1));
+	publish_filled(c, "w/b2", 2 * MIB, 2);
+	ck_assert(wait_warm(2));
+	publish_filled(c, "w/b4", 4 * MIB, 4); /* no room left for it: a miss, and no fill */
+	publish_filled(c, "w/b1again", MIB, 1);
+	ck_assert(wait_warm(2));
+	ck_assert_int_eq(fds_on(WARM_LINK, &bytes), 2);
+	ck_assert_msg(bytes <= 3 * MIB, "%llu bytes kept warm", (unsigned long long)bytes);
+	dlpc_close(c);
+}
+END_TEST
+
+/* The pool keeps memfds for the DLPC__WARM_SIZES_MAX sizes used last, one each when each was
+ * used once: the older sizes' go. */
+START_TEST(test_warm_sizes_bound)
+{
+	dlpc_client *c = connect_or_die(&D);
+	int n = DLPC__WARM_SIZES_MAX + 2;
+
+	for (int i = 0; i < n; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "w/s%d", i);
+		publish_filled(c, name, (size_t)(i + 1) * MIB, i + 1);
+	}
+	ck_assert(wait_warm(DLPC__WARM_SIZES_MAX));
+	usleep((useconds_t)scaled_ms(300) * 1000); /* nothing more comes */
+	ck_assert_int_eq(fds_on(WARM_LINK, NULL), DLPC__WARM_SIZES_MAX);
+	dlpc_close(c);
+}
+END_TEST
+
+/* The thread's voluntary context switches: how often it woke. */
+static long thread_wakes(void)
+{
+	DIR *d = opendir("/proc/self/task");
+	struct dirent *e;
+	long wakes = -1;
+
+	ck_assert_ptr_nonnull(d);
+	while ((e = readdir(d))) {
+		char path[300], line[256];
+		FILE *f;
+		bool ours = false;
+
+		snprintf(path, sizeof(path), "/proc/self/task/%s/status", e->d_name);
+		f = fopen(path, "re");
+		while (f && fgets(line, sizeof(line), f)) {
+			ours |= strcmp(line, "Name:\tdlpc-warm\n") == 0;
+			if (ours && sscanf(line, "voluntary_ctxt_switches: %ld", &wakes) == 1)
+				break;
+		}
+		if (f)
+			fclose(f);
+		if (ours)
+			break;
+	}
+	closedir(d);
+	return wakes;
+}
+
+/* The pool gives its memory back once idle for $DLPC_WARM_IDLE_MS, and its thread then sleeps
+ * (no wake-up at all while nothing is published). */
+START_TEST(test_warm_idle)
+{
+	dlpc_client *c;
+	long wakes;
+
+	setenv(DLPC_WARM_IDLE_MS_ENV, "200", 1);
+	c = connect_or_die(&D);
+	publish_filled(c, "w/idle", 2 * MIB, 1);
+	ck_assert(wait_warm(1));
+	ck_assert_msg(wait_warm(0), "the pool kept its memfd past DLPC_WARM_IDLE_MS");
+	usleep((useconds_t)scaled_ms(200) * 1000); /* its thread goes to sleep after closing */
+	wakes = thread_wakes();
+	ck_assert_int_ge(wakes, 0);
+	usleep(500000);
+	ck_assert_int_eq(thread_wakes(), wakes);
+	/* and it comes back to life */
+	publish_filled(c, "w/idle2", 2 * MIB, 2);
+	ck_assert(wait_warm(1));
+	dlpc_close(c);
+}
+END_TEST
+
+/* DLPC_WARM_BYTES=0: today's path, a fresh memfd labelled with the name, and no pool. */
+START_TEST(test_warm_off)
+{
+	dlpc_client *c;
+	struct look_args a = {"w/off", 2 * MIB, 9, "/memfd:dlpc:w/off (deleted)"};
+
+	setenv(DLPC_WARM_BYTES_ENV, "0", 1);
+	c = connect_or_die(&D);
+	publish_filled(c, "w/off0", 2 * MIB, 1);
+	publish_filled(c, a.name, a.size, a.fill);
+	usleep(100000);
+	ck_assert_int_eq(fds_on(WARM_LINK, NULL), 0);
+	ck_assert_int_eq(wait_child(spawn(attacher, &a)), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* dlpc_close() of the last client leaves no memfd of the pool's, a fill under way included. */
+START_TEST(test_warm_last_close)
+{
+	dlpc_client *c = connect_or_die(&D);
+
+	publish_filled(c, "w/close", 64 * MIB, 1);
+	dlpc_close(c); /* most likely while the thread fills */
+	/* the last reference may be the library thread's, which lets the client go a moment later */
+	ck_assert(wait_warm(0));
+	c = connect_or_die(&D);
+	publish_filled(c, "w/close2", MIB, 1);
+	ck_assert(wait_warm(1));
+	dlpc_close(c);
+	ck_assert(wait_warm(0));
+}
+END_TEST
+
+/* A forked child: holds none of the parent's warm memfds, publishes with a pool of its own, and
+ * empties it when its last client (the inherited one too) is closed. */
+static int forked_publisher(void *arg)
+{
+	dlpc_client *c;
+	struct look_args a = {"w/child2", MIB, 5, WARM_LINK};
+
+	CHILD_CHECK(fds_on(WARM_LINK, NULL) == 0);
+	c = connect_or_die(&D);
+	publish_filled(c, "w/child1", MIB, 4);
+	CHILD_CHECK(wait_warm(1));
+	publish_filled(c, a.name, a.size, a.fill);
+	CHILD_CHECK(wait_child(spawn(attacher, &a)) == 0);
+	dlpc_close(arg); /* the parent's client, inherited */
+	dlpc_close(c);
+	CHILD_CHECK(wait_warm(0));
+	return 0;
+}
+
+START_TEST(test_warm_fork)
+{
+	dlpc_client *c;
+	struct look_args a = {"w/parent2", MIB, 6, WARM_LINK};
+
+	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1); /* nothing falls idle meanwhile */
+	c = connect_or_die(&D);
+	publish_filled(c, "w/parent1", MIB, 3);
+	ck_assert(wait_warm(1));
+	ck_assert_int_eq(wait_child(spawn(forked_publisher, c)), 0);
+	/* the parent's pool is whole: its memfd is still there, and taken */
+	ck_assert_int_eq(fds_on(WARM_LINK, NULL), 1);
+	publish_filled(c, a.name, a.size, a.fill);
+	ck_assert_int_eq(wait_child(spawn(attacher, &a)), 0);
+	dlpc_close(c);
+	ck_assert(wait_warm(0));
+}
+END_TEST
+
+static Suite *warm_suite(void)
+{
+	Suite *s = suite_create("warm");
+	TCase *tc = tcase_create("pool");
+
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_warm_publish_is_sealed);
+	tcase_add_test(tc, test_warm_never_twice);
+	tcase_add_test(tc, test_warm_bytes_bound);
+	tcase_add_test(tc, test_warm_sizes_bound);
+	tcase_add_test(tc, test_warm_idle);
+	tcase_add_test(tc, test_warm_off);
+	tcase_add_test(tc, test_warm_last_close);
+	tcase_add_test(tc, test_warm_fork);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	return run_suite(warm_suite());
+}
