@@ -3,12 +3,13 @@
 """Run every benchmark side by side against a private dlpackd and report ratios.
 
     /usr/bin/python3 bench/run.py [--quick] [--build DIR] [--out DIR] [--python PYTHON]
+                                  [--shmem-thp MODE]
 
 Starts dlpackd on a socket in a temporary directory, runs the C harness (bench_c), the
 Python harness (bench_py.py), its peer groups against Ray, safetensors and
 torch.multiprocessing (bench_py.py --peers, with --python), the model-loading one
 (bench_model.py) and the weight-sync one (weight_sync.py), prints a markdown table of every
-measurement and of the targets (each a ratio measured in this run), issue 30's among them, and
+measurement and of the targets (each a ratio measured in this run), the peers' among them, and
 writes bench.json and bench.png into --out (default docs/). Stops the daemon and removes what it
 created; exits non-zero if a measurement is missing or a process or shared memory of the run
 outlives it. A peer that cannot run (Ray not installed for --python) is recorded as skipped with
@@ -35,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MIB = 1 << 20
 FOOTPRINT_ENTRIES = 100_000
+SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 PROCESS_GRACE_S = 10            # how long the run's processes may take to end after it
 
 
@@ -265,7 +267,7 @@ def targets(rows, sizes, map_sizes):
     add(f"weight sync to {fo and fo['workers']} workers, gloo broadcast / follow() (publish to "
         "the last forward pass on the new weights)",
         ratio(gb and gb["median_ms"], fo and fo["median_ms"]), 1.0, lower_is_better=False)
-    # issue 30: a model's weights in every worker, to its first forward pass, against the
+    # a model's weights in every worker, to its first forward pass, against the
     # forward pass of a private copy already in memory (torch.load's, warm)
     ours, private = pick(rows, "model_load", "dlpack_ipc"), pick(rows, "model_load", "torch_load")
     add(f"{ours and ours.get('weights_mib', 0):.0f} MiB state dict to {ours and ours['workers']} "
@@ -278,7 +280,7 @@ def targets(rows, sizes, map_sizes):
     return out
 
 
-# ---- issue 30: the peers (Ray, safetensors, torch.multiprocessing) and their targets ----------
+# ---- the peers (Ray, safetensors, torch.multiprocessing) and their targets ----------
 
 PEER_IMPLS = {
     "fresh": [("dlpack_channel", "channel(), the default kind"),
@@ -331,9 +333,10 @@ def peers_table(rows):
     return "\n\n".join(out)
 
 
-def issue30_targets(rows):
-    """Issue 30's acceptance ratios from this run: dicts of target, ours, peer (µs), ratio,
-    limit, met and, where a peer could not run, skipped (the reason)."""
+def peer_targets(rows):
+    """The copy path's and the default channel's targets against the peers, from this run:
+    dicts of target, ours, peer (µs), ratio, limit, met and, where a peer could not run,
+    skipped (the reason)."""
     out = []
 
     def add(target, ours, peer, limit, higher=False, key="median_us"):
@@ -377,8 +380,8 @@ def issue30_targets(rows):
     return out
 
 
-def issue30_table(checks):
-    lines = ["| issue 30 target | ours | peer | ratio | limit | met |",
+def peer_targets_table(checks):
+    lines = ["| target against the peers | ours | peer | ratio | limit | met |",
              "|---|---:|---:|---:|---:|:---:|"]
     for c in checks:
         ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}"
@@ -624,7 +627,31 @@ def machine():
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)),
-            "date": datetime.date.today().isoformat()}
+            "shmem_enabled": shmem_thp(), "date": datetime.date.today().isoformat()}
+
+
+def shmem_thp():
+    """The kernel's setting for shmem huge pages (the bracketed word), or None if it has none."""
+    try:
+        with open(SHMEM_THP) as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return None
+
+
+def set_shmem_thp(mode):
+    """Set shmem huge pages to @mode for this run (root only); the setting found, to restore."""
+    found = shmem_thp()
+    if found is None:
+        raise SystemExit(f"bench: --shmem-thp: {SHMEM_THP} cannot be read: no shmem huge pages")
+    try:
+        with open(SHMEM_THP, "w") as f:
+            f.write(mode)
+    except OSError as e:
+        raise SystemExit(f"bench: --shmem-thp {mode}: cannot write {SHMEM_THP}: {e}"
+                         " (it takes root)")
+    print(f"bench: shmem huge pages {found} -> {mode} for this run", file=sys.stderr)
+    return found
 
 
 def main():
@@ -640,7 +667,23 @@ def main():
                          "(bench_model.py, weight_sync.py, bench_py.py --peers); scripts/dev "
                          "bench passes the bench's venv (bench/requirements.txt: torch 2, Ray, "
                          "safetensors)")
+    ap.add_argument("--shmem-thp", choices=["never", "advise", "within_size", "always"],
+                    help="run with the kernel's shmem huge pages set to this (root; the setting "
+                         "found is put back at the end, on every exit): what libdlpc's huge "
+                         "pages (DLPC_HUGE_PAGES, docs/operations.md) change")
     args = ap.parse_args()
+    # a SIGTERM ends the run through the finally below, which puts the setting back
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    found = set_shmem_thp(args.shmem_thp) if args.shmem_thp else None
+    try:
+        bench(args)
+    finally:
+        if found is not None:
+            with open(SHMEM_THP, "w") as f:
+                f.write(found)
+
+
+def bench(args):
     build = os.path.abspath(args.build)
     sizes = [4096, MIB] if args.quick else [4096, 65536, MIB, 16 * MIB, 256 * MIB, 1 << 30]
     # the sizes of bench_c's mapping group
@@ -663,7 +706,7 @@ def main():
             # every Python measurement is a latency: harness, its children and daemon on CPU 0
             os.sched_setaffinity(proc.pid, {0})
         rows += run_rows(cmd, env, pin=not args.no_pin)
-        # issue 30's peers (Ray, safetensors, torch.multiprocessing) with the --python
+        # the peers (Ray, safetensors, torch.multiprocessing) with the --python
         # interpreter, unpinned: Ray's own processes and the 8 readers use every CPU
         if not args.no_pin:
             os.sched_setaffinity(proc.pid, range(os.cpu_count()))
@@ -711,8 +754,8 @@ def main():
 
     checks = targets(rows, sizes, map_sizes)
     print(table(rows, sizes, map_sizes, checks))
-    i30 = issue30_targets(rows)
-    print("\n" + peers_table(rows) + "\n\n" + issue30_table(i30))
+    i30 = peer_targets(rows)
+    print("\n" + peers_table(rows) + "\n\n" + peer_targets_table(i30))
     missing = [c[0] for c in checks if c[1] is None]
     missing += [f"model_load {impl}" for impl, _ in MODEL_IMPLS
                 if not any(r.get("group") == "model_load" and r.get("impl") == impl
@@ -727,7 +770,7 @@ def main():
         json.dump({"machine": machine(), "quick": args.quick, "rows": rows,
                    "targets": [{"target": c[0], "measured": c[1], "limit": c[2], "met": c[3]}
                                for c in checks],
-                   "issue30": i30}, f, indent=1)
+                   "peer_targets": i30}, f, indent=1)
     if not args.quick:
         plot(rows, sizes, os.path.join(args.out, "bench.png"))
     if left:
@@ -736,7 +779,7 @@ def main():
         raise SystemExit(f"bench: no number for {missing + [str(b) for b in bad]}")
     met = sum(c[3] for c in checks)
     print(f"\n{met} of {len(checks)} targets met")
-    print(f"issue 30: {sum(c['met'] for c in i30)} of {len(i30)} targets met, "
+    print(f"against the peers: {sum(c['met'] for c in i30)} of {len(i30)} targets met, "
           f"{sum(bool(c['skipped']) for c in i30)} not measured (a peer skipped)")
 
 
