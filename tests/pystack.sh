@@ -56,7 +56,8 @@ make_venv() {
 		rm -rf "$venv"
 		"$python" -m venv "$venv"
 		"$venv/bin/python" -m pip install "${pip_q[@]}" -r <(grep -v '# optional' "$req")
-		grep '# optional' "$req" | sed 's/ *#.*//' >"$venv/.dlpc-missing"
+		# (a requirements file without optional lines lists none: grep's status 1 is no error)
+		{ grep '# optional' "$req" || true; } | sed 's/ *#.*//' >"$venv/.dlpc-missing"
 		echo "$stamp" >"$venv/.dlpc-stamp"
 	fi
 	[ -s "$venv/.dlpc-missing" ] || return 0
