@@ -647,7 +647,8 @@ static int copy_hugetlb(const char *name, const struct slot *slots, size_t n, ui
 /*
  * Write the @p n tensors laid out in @p slots into a new memfd for the publish of @p name, and
  * allocate what the writes left. Its size *@p size, rounded up to whole huge pages for one of
- * the hugetlbfs pool. A memfd of the warm pool has its pages allocated already; a fresh one has
+ * the hugetlbfs pool. A memfd of the warm pool has its pages allocated already (and, if large,
+ * mapped here, faulted in: the copy is a memcpy() into it, unmapped after); a fresh one has
  * them allocated as they are written (pwrite, not a mapping: no page faults, unless huge pages
  * must be asked for), so memory that cannot be had fails here, at publish, like a reservation
  * would. The fd or a negative errno.
@@ -655,13 +656,18 @@ static int copy_hugetlb(const char *name, const struct slot *slots, size_t n, ui
 static int copy_once(const char *name, const struct slot *slots, size_t n, uint64_t *size)
 {
 	enum dlpc__huge huge = dlpc__huge_for(*size, true);
+	size_t map_len;
+	void *map;
 	int fd, r;
 
 	if (huge == DLPC__HUGE_TLB && (fd = copy_hugetlb(name, slots, n, size)) >= 0)
 		return fd;
-	fd = dlpc__warm_take(*size);
+	fd = dlpc__warm_take(*size, &map, &map_len);
 	if (fd >= 0) {
-		r = write_slots(fd, NULL, slots, n, name);
+		r = write_slots(fd, map, slots, n, name);
+		/* before the seal, whatever the copy gave: the writable mapping bars F_SEAL_WRITE */
+		if (map)
+			munmap(map, map_len);
 	} else {
 		fd = dlpc__memfd_create(name, *size, false);
 		if (fd < 0)

@@ -7,7 +7,10 @@
  * caller's critical path. The pool keeps, for each size the copy path used in the last
  * $DLPC_WARM_IDLE_MS, one memfd (two, for a size asked for faster than it was refilled) whose
  * pages a background thread allocated beforehand; the copy path takes one of a fitting size
- * (dlpc__warm_take()), sizes it down to the storage's exact size, writes and seals it. A memfd
+ * (dlpc__warm_take()), sizes it down to the storage's exact size, writes and seals it. From
+ * DLPC__WARM_MAP_MIN bytes the thread also maps the memfd (MADV_DONTFORK) and faults its pages
+ * in (MADV_POPULATE_WRITE): the copy is then a memcpy() that takes no fault, and the copy path
+ * unmaps it before the seal (F_SEAL_WRITE is refused while a writable mapping exists). A memfd
  * leaves the pool when it is taken and never comes back: every storage is written by one
  * publish only, and the read-only guarantee holds as for any other.
  *
@@ -15,11 +18,15 @@
  * DLPC__WARM_FDS_MAX memfds. A size not used for $DLPC_WARM_IDLE_MS is forgotten and its memfds
  * closed; the thread then sleeps with no deadline until the next take (it never polls). A fill
  * that fails (the memory cgroup's or /dev/shm's limit) lowers the bytes the pool tries to hold,
- * until the pool next empties; a publish never waits on the pool nor fails for it: one that
- * finds no room while the pool holds memory has it all given back and tries again
- * (dlpc__warm_drop()).
+ * until the pool next empties; a publish never fails for the pool, nor waits on it but to get
+ * memory back: one that finds no room while the pool holds or fills memory has it all given
+ * back (a fill under way waited for) and tries again (dlpc__warm_drop()). From
+ * DLPC__WARM_MAP_MIN bytes, a memfd is faulted into its mapping only while the memory cgroups
+ * have DLPC__WARM_MAP_ROOM to spare: the mapping's page tables are charged there, and a charge
+ * that fails in a fault calls the OOM killer where fallocate() only fails.
  *
- * The pages are the process's: charged to its memory cgroup while kept warm. In a forked child
+ * The pages are the process's: charged to its memory cgroup while kept warm, and, for the memfds
+ * kept mapped, in its resident set (RSS, PSS) as shared memory too. In a forked child
  * the parent's thread does not run: the child closes its copies of the pool's memfds and starts
  * a pool of its own when it first needs one. When the process's last client closes, the pool
  * empties (waiting for a fill under way), so the process holds no memfd of the pool's.
@@ -34,10 +41,12 @@
 #include "core.h"
 #include "region.h"
 
-/* A ready memfd: pages allocated, @p size bytes. */
+/* A ready memfd: pages allocated, @p size bytes; from DLPC__WARM_MAP_MIN bytes (where the
+ * kernel could) mapped at @p map, writable, its pages faulted in, and NULL otherwise. */
 struct warm_fd {
 	int fd;
 	uint64_t size;
+	void *map;
 };
 
 /* A size the copy path used: when last, and how many memfds of it to keep ready. */
@@ -116,23 +125,21 @@ static bool fits(uint64_t have, uint64_t need)
 	return have >= need && have - need <= have / 8;
 }
 
-/* Take a ready memfd that fits @p need, the smallest; -1 if none. Under warm.mu. */
-static int ready_take(uint64_t need, uint64_t *size)
+/* Take a ready memfd that fits @p need, the smallest, into *@p w; false if none. Under warm.mu. */
+static bool ready_take(uint64_t need, struct warm_fd *w)
 {
 	size_t best = warm.nready;
-	int fd;
 
 	for (size_t i = 0; i < warm.nready; i++)
 		if (fits(warm.ready[i].size, need) &&
 		    (best == warm.nready || warm.ready[i].size < warm.ready[best].size))
 			best = i;
 	if (best == warm.nready)
-		return -1;
-	fd = warm.ready[best].fd;
-	*size = warm.ready[best].size;
-	warm.bytes -= *size;
+		return false;
+	*w = warm.ready[best];
+	warm.bytes -= w->size;
 	warm.ready[best] = warm.ready[--warm.nready];
-	return fd;
+	return true;
 }
 
 /* Note a use of @p size at @p now; a miss (@p hit false) of a size used before asks for one more
@@ -177,7 +184,7 @@ static bool wanted(uint64_t size)
  * (all of them when @p all) to @p out (*@p nout), to be closed outside the lock. The monotonic
  * ms when the next size falls idle, or 0 for none. Under warm.mu.
  */
-static int64_t expire(int64_t now, bool all, int *out, size_t *nout)
+static int64_t expire(int64_t now, bool all, struct warm_fd *out, size_t *nout)
 {
 	int64_t next = 0;
 
@@ -196,7 +203,7 @@ static int64_t expire(int64_t now, bool all, int *out, size_t *nout)
 			i++;
 			continue;
 		}
-		out[(*nout)++] = warm.ready[i].fd;
+		out[(*nout)++] = warm.ready[i];
 		warm.bytes -= warm.ready[i].size;
 		warm.ready[i] = warm.ready[--warm.nready];
 	}
@@ -223,28 +230,52 @@ static uint64_t next_fill(void)
 	return 0;
 }
 
-/* Allocate every page of @p fd (@p size bytes), huge ones where the machine allows them. 0 or
- * negative errno. */
-static int fill_pages(int fd, uint64_t size)
+/* Map @p w's memfd, if it is to be kept mapped (DLPC__WARM_MAP_MIN) or must be touched through
+ * a mapping for huge pages (shmem_enabled advise: only pages first touched through a mapping that
+ * asks for them are huge). Under warm.mu: a child forked before MADV_DONTFORK would keep a
+ * writable mapping, and the seal of the memfd would fail. */
+static void fill_map(struct warm_fd *w)
 {
-	void *p;
-	int r;
+	bool advise = dlpc__huge_for(w->size, false) == DLPC__HUGE_ADVISE;
 
-	if (dlpc__huge_for(size, false) == DLPC__HUGE_ADVISE) {
-		/* huge pages only for pages first touched through a mapping that asks for them; the
-		 * mapping goes before the memfd is handed out (F_SEAL_WRITE wants none left), and
-		 * unmapping huge pages is cheap */
-		p = dlpc__huge_map(fd, size, true);
-		if (!p)
-			return -errno;
-		r = dlpc__huge_fill(p, size, fd);
-		munmap(p, size);
-		return r;
+	if (advise || w->size >= DLPC__WARM_MAP_MIN)
+		w->map = dlpc__huge_map(w->fd, (size_t)w->size, advise);
+}
+
+/* Allocate every page of @p w's memfd, huge ones where the machine allows them, and fault them
+ * into its mapping if it is kept (else unmap it). 0 or negative errno. */
+static int fill_pages(struct warm_fd *w)
+{
+	bool advise = w->map && dlpc__huge_for(w->size, false) == DLPC__HUGE_ADVISE;
+	int r = 0;
+
+	if (advise) /* the pages are first touched through the mapping */
+		r = dlpc__huge_fill(w->map, (size_t)w->size, w->fd);
+	else /* allocated first: a memory cgroup without room fails it, a fault would be killed */
+		while ((r = fallocate(w->fd, 0, 0, (off_t)w->size) < 0 ? -errno : 0) == -EINTR)
+			;
+	/* faulted in, those allocated already, if the memory cgroups have room to spare for the
+	 * page tables that takes (a charge that fails in a fault calls the OOM killer, where
+	 * fallocate() and write() only fail); without MADV_POPULATE_WRITE (Linux 5.14) they
+	 * stay unmapped */
+	if (r == 0 && w->map && w->size >= DLPC__WARM_MAP_MIN &&
+	    (advise || (dlpc__size_fits("warm", DLPC__WARM_MAP_ROOM) == 0 &&
+			madvise(w->map, (size_t)w->size, MADV_POPULATE_WRITE) == 0)))
+		return 0;
+	if (w->map)
+		munmap(w->map, (size_t)w->size);
+	w->map = NULL;
+	return r;
+}
+
+/* Give back the @p n memfds of @p w: unmapped and closed. */
+static void release_all(const struct warm_fd *w, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		if (w[i].map)
+			munmap(w[i].map, (size_t)w[i].size);
+		close(w[i].fd);
 	}
-	do
-		r = fallocate(fd, 0, 0, (off_t)size);
-	while (r < 0 && errno == EINTR);
-	return r < 0 ? -errno : 0;
 }
 
 /*
@@ -255,21 +286,24 @@ static int fill_pages(int fd, uint64_t size)
 static void fill_one(uint64_t size)
 {
 	unsigned epoch = warm.epoch;
-	int fd, r;
+	struct warm_fd w = {-1, size, NULL};
+	int r;
 
 	warm.bytes += size;
 	pthread_mutex_unlock(&warm.mu);
 	r = dlpc__size_fits("warm", size);
 	pthread_mutex_lock(&warm.mu);
-	fd = r < 0 || epoch != warm.epoch ? -1 : dlpc__memfd_open("warm", size, 0);
-	warm.filling = fd;
+	w.fd = r < 0 || epoch != warm.epoch ? -1 : dlpc__memfd_open("warm", size, 0);
+	if (w.fd >= 0)
+		fill_map(&w);
+	warm.filling = w.fd;
 	pthread_mutex_unlock(&warm.mu);
-	r = fd < 0 ? -ENOSPC : fill_pages(fd, size);
+	r = w.fd < 0 ? -ENOSPC : fill_pages(&w);
 	pthread_mutex_lock(&warm.mu);
 	warm.filling = -1;
 	pthread_cond_broadcast(&warm.idle_cv);
 	if (r == 0 && epoch == warm.epoch && wanted(size)) {
-		warm.ready[warm.nready++] = (struct warm_fd){fd, size};
+		warm.ready[warm.nready++] = w;
 		/* kept for the idle time from now: a slow fill (huge pages the kernel had to compact
 		 * memory for) must not be given back as soon as it is ready */
 		for (size_t i = 0; i < warm.nwant; i++)
@@ -280,22 +314,15 @@ static void fill_one(uint64_t size)
 	warm.bytes -= size;
 	if (r < 0 && epoch == warm.epoch) /* no room for this much: hold less from now on */
 		warm.cap = warm.bytes;
-	if (fd >= 0)
-		close(fd);
-}
-
-/* Close the @p n fds of @p fds. */
-static void close_all(const int *fds, size_t n)
-{
-	for (size_t i = 0; i < n; i++)
-		close(fds[i]);
+	if (w.fd >= 0)
+		release_all(&w, 1);
 }
 
 /* The pool's thread: fill what is wanted, give back what fell idle, sleep until the next size
  * falls idle or, with nothing kept, until woken. */
 static void *warm_thread(void *arg)
 {
-	int out[DLPC__WARM_FDS_MAX];
+	struct warm_fd out[DLPC__WARM_FDS_MAX];
 
 	(void)arg;
 	pthread_setname_np(pthread_self(), "dlpc-warm");
@@ -307,7 +334,7 @@ static void *warm_thread(void *arg)
 
 		if (nout > 0) {
 			pthread_mutex_unlock(&warm.mu);
-			close_all(out, nout);
+			release_all(out, nout);
 			pthread_mutex_lock(&warm.mu);
 			continue;
 		}
@@ -328,27 +355,34 @@ static void *warm_thread(void *arg)
 	return NULL;
 }
 
-int dlpc__warm_take(uint64_t size)
+int dlpc__warm_take(uint64_t size, void **map, size_t *map_len)
 {
-	uint64_t have = 0;
-	int fd;
+	struct warm_fd w = {-1, 0, NULL};
+	bool hit;
 
+	*map = NULL;
+	*map_len = 0;
 	if (size < DLPC_WARM_SIZE_MIN)
 		return -1;
 	pthread_once(&config_once, configure);
 	if (warm.max_bytes == 0)
 		return -1;
 	pthread_mutex_lock(&warm.mu);
-	fd = ready_take(size, &have);
-	want_note(size, dlpc__mono_ms(), fd >= 0);
+	hit = ready_take(size, &w);
+	want_note(size, dlpc__mono_ms(), hit);
 	warm.kick = true;
 	pthread_mutex_unlock(&warm.mu);
-	/* the tail cut off is given back; what stays was allocated whole */
-	if (fd >= 0 && have != size && ftruncate(fd, (off_t)size) < 0) {
-		close(fd);
-		fd = -1;
+	if (!hit)
+		return -1;
+	/* the tail cut off is given back (and unmapped by the kernel); what stays was allocated
+	 * whole */
+	if (w.size != size && ftruncate(w.fd, (off_t)size) < 0) {
+		release_all(&w, 1);
+		return -1;
 	}
-	return fd;
+	*map = w.map;
+	*map_len = (size_t)w.size;
+	return w.fd;
 }
 
 void dlpc__warm_refill(uint64_t size)
@@ -374,29 +408,33 @@ void dlpc__warm_refill(uint64_t size)
 
 bool dlpc__warm_drop(void)
 {
-	int out[DLPC__WARM_FDS_MAX];
+	struct warm_fd out[DLPC__WARM_FDS_MAX];
 	size_t nout = 0;
+	bool filling;
 
 	if (warm.max_bytes == 0)
 		return false;
 	pthread_mutex_lock(&warm.mu);
 	for (size_t i = 0; i < warm.nready; i++) {
-		out[nout++] = warm.ready[i].fd;
+		out[nout++] = warm.ready[i];
 		warm.bytes -= warm.ready[i].size;
 	}
 	warm.nready = 0;
 	warm.cap = 0;
-	warm.epoch++; /* a fill under way is dropped too */
+	warm.epoch++; /* a fill under way is dropped too: waited for, it gives its memory back */
+	filling = warm.filling >= 0;
+	while (warm.filling >= 0)
+		pthread_cond_wait(&warm.idle_cv, &warm.mu);
 	pthread_mutex_unlock(&warm.mu);
-	close_all(out, nout);
-	return nout > 0;
+	release_all(out, nout);
+	return nout > 0 || filling;
 }
 
 /* The last client closed: empty the pool, and wait for a fill under way, so that no memfd of the
  * pool's outlives the last dlpc_close(). */
 static void warm_last_client(void)
 {
-	int out[DLPC__WARM_FDS_MAX];
+	struct warm_fd out[DLPC__WARM_FDS_MAX];
 	size_t nout = 0;
 
 	pthread_mutex_lock(&warm.mu);
@@ -405,11 +443,12 @@ static void warm_last_client(void)
 	while (warm.filling >= 0)
 		pthread_cond_wait(&warm.idle_cv, &warm.mu);
 	pthread_mutex_unlock(&warm.mu);
-	close_all(out, nout);
+	release_all(out, nout);
 }
 
 /* fork(): the lock is held across it; the child has no thread and closes its copies of the
- * parent's memfds (they are the child's fds, the parent keeps its own). */
+ * parent's memfds (they are the child's fds, the parent keeps its own). The parent's mappings
+ * of them are not the child's (MADV_DONTFORK): it has nothing to unmap. */
 static void warm_atfork(int phase)
 {
 	if (phase == 0) {

@@ -42,6 +42,16 @@
 #define DLPC__WARM_SIZES_MAX 8
 #define DLPC__WARM_DEPTH_MAX 2
 #define DLPC__WARM_IDLE_MS_MAX 3600000
+/* From this many bytes a warm memfd is kept mapped in the process, its pages faulted in, and the
+ * copy path copies into the mapping (then unmaps it, before the seal) instead of write(): past
+ * a few MiB that saves the page cache's per-page work of write() even with the unmap's cost
+ * (bench_c --only publish); below it write() is as fast and maps nothing. */
+#define DLPC__WARM_MAP_MIN (8u << 20)
+/* ...and is kept mapped only while its memory cgroups have this many bytes of room besides: the
+ * page tables of the mapping are charged to them, and a charge that fails in a page fault calls
+ * the OOM killer where fallocate() or write() only fail. In a tighter cgroup the pool holds its
+ * memfds unmapped and the copy path writes them with write(). */
+#define DLPC__WARM_MAP_ROOM (1ull << 30)
 
 /* The longest socket path dlpackd binds itself, bytes: a socket address's 107 less the ".new"
  * of the name it binds first and renames onto the path once it listens (daemon/server.c), so

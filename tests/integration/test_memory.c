@@ -305,6 +305,8 @@ static int warm_gives_way(void *arg)
 	for (i = 0; i < scaled_ms(5000) / 10 && warm_held((uint64_t)WARM_A) != 1; i++)
 		usleep(10000);
 	CHILD_CHECK(warm_held((uint64_t)WARM_A) == 1);
+	/* the cgroup has less than DLPC__WARM_MAP_ROOM to spare: held unmapped */
+	CHILD_CHECK(dlpc_mappings() == 0);
 	CHILD_CHECK(dlpc_publish(c, "cg/b", host_tensor(src, u8, 1, &b, NULL, NULL), 0) > 0);
 	CHILD_CHECK(dlpc_unpublish(c, "cg/a") == 0 && dlpc_unpublish(c, "cg/b") == 0);
 	free(src);

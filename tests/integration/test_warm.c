@@ -384,6 +384,7 @@ START_TEST(test_warm_fork)
 	c = connect_or_die(&D);
 	publish_filled(c, "w/parent1", MIB, 3);
 	ck_assert(wait_warm(1));
+	ck_assert_int_eq(dlpc_mappings(), 0); /* below DLPC__WARM_MAP_MIN: not mapped */
 	ck_assert_int_eq(wait_child(spawn(forked_publisher, c)), 0);
 	/* the parent's pool is whole: its memfd is still there, and taken */
 	ck_assert_int_eq(fds_on(WARM_LINK, NULL), 1);
@@ -391,6 +392,99 @@ START_TEST(test_warm_fork)
 	ck_assert_int_eq(wait_child(spawn(attacher, &a)), 0);
 	dlpc_close(c);
 	ck_assert(wait_warm(0));
+}
+END_TEST
+
+/* A size the pool keeps mapped in the process (DLPC__WARM_MAP_MIN), its pages faulted in. */
+#define MAPPED (2 * (size_t)DLPC__WARM_MAP_MIN)
+
+/* The pipes between mapped_child() and its parent: the child says it is done on up[1], then
+ * lives until the parent closes down[1]. */
+struct pipes {
+	int up[2];
+	int down[2];
+};
+
+/* A child forked while the parent's pool holds a mapped memfd: it has no mapping of the
+ * parent's, publishes with a pool of its own (mapped too), and stays alive while the parent
+ * takes and seals the memfd it was forked with. */
+static int mapped_child(void *arg)
+{
+	const struct pipes *p = arg;
+	dlpc_client *c;
+	char b;
+
+	close(p->up[0]);
+	close(p->down[1]);
+	CHILD_CHECK(dlpc_mappings() == 0);
+	c = connect_or_die(&D);
+	publish_filled(c, "w/mchild1", MAPPED, 7);
+	CHILD_CHECK(wait_warm(1));
+	CHILD_CHECK(dlpc_mappings() == 1);
+	publish_filled(c, "w/mchild2", MAPPED, 8);
+	CHILD_CHECK(write(p->up[1], "", 1) == 1);
+	CHILD_CHECK(read(p->down[0], &b, 1) == 0);
+	dlpc_close(c);
+	return 0;
+}
+
+/* Publish @p size bytes of @p fill as @p name, writable (not sealed against writes: a mapping
+ * left behind would not fail the seal). */
+static void publish_writable(dlpc_client *c, const char *name, size_t size, int fill)
+{
+	int64_t shape[1] = {(int64_t)size};
+	uint8_t *src = malloc(size);
+
+	ck_assert_ptr_nonnull(src);
+	memset(src, fill, size);
+	ck_assert_dlpc(
+		dlpc_publish(c, name,
+			     host_tensor(src, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
+			     DLPC_PUBLISH_WRITABLE),
+		1);
+	free(src);
+}
+
+/* Large memfds of the pool are mapped here until taken; a publish leaves no mapping of its
+ * storage behind (the process maps no more memfds than the pool holds); a child forked meanwhile
+ * inherits none of those mappings, so the parent's seal of the memfd goes through while the child
+ * lives; the last close unmaps them all. */
+START_TEST(test_warm_mapped)
+{
+	struct look_args a = {"w/m2", MAPPED, 2, WARM_LINK};
+	struct pipes p;
+	int maps;
+	dlpc_client *c;
+	pid_t pid;
+	char b;
+
+	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1); /* nothing falls idle meanwhile */
+	c = connect_or_die(&D);
+	publish_filled(c, "w/m1", MAPPED, 1);
+	ck_assert(wait_warm(1));
+	ck_assert_int_eq(dlpc_mappings(), 1);
+	ck_assert_int_eq(pipe(p.up), 0);
+	ck_assert_int_eq(pipe(p.down), 0);
+	pid = spawn(mapped_child, &p);
+	close(p.up[1]);
+	close(p.down[0]);
+	ck_assert_int_eq(read(p.up[0], &b, 1), 1);
+	publish_filled(c, a.name, a.size, a.fill); /* sealed: the child maps none of it */
+	ck_assert_int_eq(wait_child(spawn(attacher, &a)), 0);
+	close(p.down[1]);
+	close(p.up[0]);
+	ck_assert_int_eq(wait_child(pid), 0);
+	for (int i = 0; i < 3; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "w/mw%d", i);
+		publish_writable(c, name, MAPPED, 3 + i);
+		maps = dlpc_mappings(); /* before the fds: a fill meanwhile adds an fd first */
+		ck_assert_int_le(maps, fds_on(WARM_LINK, NULL));
+	}
+	dlpc_close(c);
+	ck_assert(wait_warm(0));
+	ck_assert_int_eq(dlpc_mappings(), 0);
 }
 END_TEST
 
@@ -409,6 +503,7 @@ static Suite *warm_suite(void)
 	tcase_add_test(tc, test_warm_off);
 	tcase_add_test(tc, test_warm_last_close);
 	tcase_add_test(tc, test_warm_fork);
+	tcase_add_test(tc, test_warm_mapped);
 	suite_add_tcase(s, tc);
 	return s;
 }
