@@ -725,8 +725,10 @@ static int publish_host(dlpc_client *c, const char *name, size_t n,
 	} else {
 		size = size ? size : DLPC_ALIGN;
 		fd = copy_out(name, slots, n, &size);
-		if (fd < 0)
-			return fd;
+		if (fd < 0) {
+			r = fd; /* the pool is refilled below all the same */
+			goto out;
+		}
 	}
 	/* Sealed read-only is read-only for everyone from now on, this process included (whatever
 	 * the daemon answers: a seal cannot be undone). Shares made later say so in their flags. */

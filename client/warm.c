@@ -58,14 +58,15 @@ struct warm_want {
 
 static struct {
 	pthread_mutex_t mu;
-	pthread_cond_t cv;	/* the thread waits on it for work (CLOCK_MONOTONIC) */
-	pthread_cond_t idle_cv; /* warm_last_client() waits on it for a fill to end */
-	bool thread;		/* started in this process */
-	bool kick;		/* taken from since the thread was last woken */
-	uint64_t max_bytes;	/* $DLPC_WARM_BYTES */
-	int64_t idle_ms;	/* $DLPC_WARM_IDLE_MS */
-	uint64_t cap;		/* bytes the pool tries to hold: max_bytes, less after a failure */
-	uint64_t bytes;		/* ready or being filled */
+	pthread_cond_t cv;	  /* the thread waits on it for work (CLOCK_MONOTONIC) */
+	pthread_cond_t idle_cv;	  /* warm_last_client() waits on it for a fill to end */
+	pthread_rwlock_t closing; /* read: closing memfds taken out; write: a fork() */
+	bool thread;		  /* started in this process */
+	bool kick;		  /* taken from since the thread was last woken */
+	uint64_t max_bytes;	  /* $DLPC_WARM_BYTES */
+	int64_t idle_ms;	  /* $DLPC_WARM_IDLE_MS */
+	uint64_t cap;	/* bytes the pool tries to hold: max_bytes, less after a failure */
+	uint64_t bytes; /* ready or being filled */
 	struct warm_fd ready[DLPC__WARM_FDS_MAX];
 	size_t nready;
 	struct warm_want want[DLPC__WARM_SIZES_MAX];
@@ -75,6 +76,7 @@ static struct {
 } warm = {
 	.mu = PTHREAD_MUTEX_INITIALIZER,
 	.idle_cv = PTHREAD_COND_INITIALIZER,
+	.closing = PTHREAD_RWLOCK_INITIALIZER,
 	.filling = -1,
 };
 
@@ -279,6 +281,23 @@ static void release_all(const struct warm_fd *w, size_t n)
 }
 
 /*
+ * release_all() the @p n memfds of @p w, taken out of the pool under warm.mu, which is held
+ * and let go meanwhile (closing a large memfd frees its pages: nobody waits on the lock for
+ * that). A fork() waits for closes under way (warm.closing, taken before warm.mu is let go), so
+ * that no child is born holding a copy of a memfd that is neither in the pool nor closed.
+ */
+static void give_back(const struct warm_fd *w, size_t n)
+{
+	if (n == 0)
+		return;
+	pthread_rwlock_rdlock(&warm.closing);
+	pthread_mutex_unlock(&warm.mu);
+	release_all(w, n);
+	pthread_rwlock_unlock(&warm.closing);
+	pthread_mutex_lock(&warm.mu);
+}
+
+/*
  * Fill one memfd of @p size bytes and make it ready. Called and returns under warm.mu, which is
  * let go meanwhile. The memfd is made under the lock, so that a fork sees it (as warm.filling)
  * and the child closes its copy.
@@ -291,7 +310,7 @@ static void fill_one(uint64_t size)
 
 	warm.bytes += size;
 	pthread_mutex_unlock(&warm.mu);
-	r = dlpc__size_fits("warm", size);
+	r = dlpc__size_fits("warm", size * DLPC__WARM_ROOM_FACTOR);
 	pthread_mutex_lock(&warm.mu);
 	w.fd = r < 0 || epoch != warm.epoch ? -1 : dlpc__memfd_open("warm", size, 0);
 	if (w.fd >= 0)
@@ -315,7 +334,7 @@ static void fill_one(uint64_t size)
 	if (r < 0 && epoch == warm.epoch) /* no room for this much: hold less from now on */
 		warm.cap = warm.bytes;
 	if (w.fd >= 0)
-		release_all(&w, 1);
+		give_back(&w, 1);
 }
 
 /* The pool's thread: fill what is wanted, give back what fell idle, sleep until the next size
@@ -333,9 +352,7 @@ static void *warm_thread(void *arg)
 		uint64_t size;
 
 		if (nout > 0) {
-			pthread_mutex_unlock(&warm.mu);
-			release_all(out, nout);
-			pthread_mutex_lock(&warm.mu);
+			give_back(out, nout);
 			continue;
 		}
 		size = next_fill();
@@ -389,7 +406,8 @@ void dlpc__warm_refill(uint64_t size)
 {
 	int64_t now;
 
-	if (warm.max_bytes == 0) /* off, or never taken from: configured by this thread if so */
+	pthread_once(&config_once, configure);
+	if (warm.max_bytes == 0)
 		return;
 	now = dlpc__mono_ms();
 	pthread_mutex_lock(&warm.mu);
@@ -412,6 +430,7 @@ bool dlpc__warm_drop(void)
 	size_t nout = 0;
 	bool filling;
 
+	pthread_once(&config_once, configure);
 	if (warm.max_bytes == 0)
 		return false;
 	pthread_mutex_lock(&warm.mu);
@@ -425,8 +444,8 @@ bool dlpc__warm_drop(void)
 	filling = warm.filling >= 0;
 	while (warm.filling >= 0)
 		pthread_cond_wait(&warm.idle_cv, &warm.mu);
+	give_back(out, nout);
 	pthread_mutex_unlock(&warm.mu);
-	release_all(out, nout);
 	return nout > 0 || filling;
 }
 
@@ -442,8 +461,8 @@ static void warm_last_client(void)
 	expire(0, true, out, &nout);
 	while (warm.filling >= 0)
 		pthread_cond_wait(&warm.idle_cv, &warm.mu);
+	give_back(out, nout);
 	pthread_mutex_unlock(&warm.mu);
-	release_all(out, nout);
 }
 
 /* fork(): the lock is held across it; the child has no thread and closes its copies of the
@@ -453,9 +472,11 @@ static void warm_atfork(int phase)
 {
 	if (phase == 0) {
 		pthread_mutex_lock(&warm.mu);
+		pthread_rwlock_wrlock(&warm.closing);
 		return;
 	}
 	if (phase == 1) {
+		pthread_rwlock_unlock(&warm.closing);
 		pthread_mutex_unlock(&warm.mu);
 		return;
 	}
@@ -475,6 +496,7 @@ static void warm_atfork(int phase)
 	cv_init();
 	pthread_cond_init(&warm.idle_cv, NULL);
 	pthread_mutex_init(&warm.mu, NULL);
+	pthread_rwlock_init(&warm.closing, NULL);
 }
 
 void dlpc__warm_register(void)

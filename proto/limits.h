@@ -52,6 +52,11 @@
  * the OOM killer where fallocate() or write() only fail. In a tighter cgroup the pool holds its
  * memfds unmapped and the copy path writes them with write(). */
 #define DLPC__WARM_MAP_ROOM (1ull << 30)
+/* A memfd of S bytes is filled only while the memory cgroups have room for this many times S:
+ * a publish that checked its room before the fill began (dlpc__size_fits()) still finds S
+ * bytes for itself once the fill is done, instead of meeting the cgroup's limit (the OOM
+ * killer) halfway through its write. In a cgroup without that much room the pool stays empty. */
+#define DLPC__WARM_ROOM_FACTOR 2
 
 /* The longest socket path dlpackd binds itself, bytes: a socket address's 107 less the ".new"
  * of the name it binds first and renames onto the path once it listens (daemon/server.c), so

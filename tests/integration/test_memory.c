@@ -277,13 +277,15 @@ static int warm_held(uint64_t bytes)
 	return n;
 }
 
-#define WARM_A (80ll << 20)
-#define WARM_B (40ll << 20)
+#define WARM_SRC (96ll << 20)
+#define WARM_A (48ll << 20)
+#define WARM_B (80ll << 20)
 
 /*
- * In a child, in the cgroup at @p arg: publish 80 MiB (the source, the storage and, once the
- * warm pool has refilled, its 80 MiB memfd: 240 of the 256 MiB), then 40 MiB of another size,
- * which only fits once the pool gives its memory back: it must, the publish succeeds.
+ * In a child, in the cgroup at @p arg: publish 48 MiB from a 96 MiB source (144 of the 256 MiB;
+ * the 112 left are DLPC__WARM_ROOM_FACTOR times 48 MiB and more, so the warm pool refills its
+ * 48 MiB memfd: 192), then 80 MiB of another size, which only fits once the pool gives its
+ * memory back: it must, the publish succeeds.
  */
 static int warm_gives_way(void *arg)
 {
@@ -298,9 +300,9 @@ static int warm_gives_way(void *arg)
 	snprintf(pid, sizeof(pid), "%d", (int)getpid());
 	CHILD_CHECK(write_file(arg, "cgroup.procs", pid));
 	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
-	src = malloc((size_t)WARM_A);
+	src = malloc((size_t)WARM_SRC);
 	CHILD_CHECK(src != NULL);
-	memset(src, 7, (size_t)WARM_A);
+	memset(src, 7, (size_t)WARM_SRC);
 	CHILD_CHECK(dlpc_publish(c, "cg/a", host_tensor(src, u8, 1, &a, NULL, NULL), 0) > 0);
 	for (i = 0; i < scaled_ms(5000) / 10 && warm_held((uint64_t)WARM_A) != 1; i++)
 		usleep(10000);
