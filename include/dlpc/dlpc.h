@@ -213,12 +213,14 @@ typedef struct dlpc_attach_opts {
  * allocate than waking the pool's thread. */
 #define DLPC_WARM_SIZE_MIN (256u << 10)
 /** Environment: huge pages for the shared memory of storages of 2 MiB or more (docs/operations.md).
- * "auto" (unset, or any other value): pages of the hugetlbfs pool when it has room for the whole
- * storage (its size then rounds up to whole huge pages), else transparent huge pages as
+ * "auto" (unset, or any other value) and "thp": transparent huge pages as
  * /sys/kernel/mm/transparent_hugepage/shmem_enabled allows ("advise": libdlpc asks for them);
- * "thp": transparent ones only; "hugetlb": the hugetlbfs pool's only; "off": libdlpc asks for
- * none (with shmem_enabled "always" or "within_size" the kernel gives them all the same). Read
- * at each publish that copies and at each dlpc_alloc(). */
+ * "hugetlb" (opt-in): a copied publish or send takes the hugetlbfs pool's pages when it has
+ * room for the whole storage (its size then rounds up to whole huge pages), else none is asked
+ * for; copy-on-write attachers map such a storage MAP_NORESERVE, so that a write of theirs may
+ * get SIGBUS when the pool is empty; "off": libdlpc asks for none (with shmem_enabled "always"
+ * or "within_size" the kernel gives them all the same). Read at each publish that copies and at
+ * each dlpc_alloc(). */
 #define DLPC_HUGE_PAGES_ENV "DLPC_HUGE_PAGES"
 
 /** The library's version as "MAJOR.MINOR.PATCH". */
