@@ -926,8 +926,9 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * the direct kind can serve, and queued where it cannot: where the kernel lets a direct channel
  * queue fewer messages than @p capacity (dlpc_channel_info.flags then has
  * DLPC_CHANNEL_FALLBACK_CAPACITY), or where dlpackd's fds or the uid's fd share have no room for
- * its two sockets (DLPC_CHANNEL_FALLBACK_FDS). Not with DLPC_CHANNEL_DIRECT or
- * DLPC_CHANNEL_QUEUED (-EINVAL). Without any of the three flags, a new channel is queued.
+ * its two sockets or dlpackd cannot make them (DLPC_CHANNEL_FALLBACK_FDS). Not with
+ * DLPC_CHANNEL_DIRECT or DLPC_CHANNEL_QUEUED (-EINVAL). Without any of the three flags, a new
+ * channel is queued.
  */
 #define DLPC_CHANNEL_PREFER_DIRECT (1u << 3)
 /** dlpc_channel_info.flags: DLPC_CHANNEL_PREFER_DIRECT made this channel queued, as a direct
@@ -935,7 +936,8 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
 #define DLPC_CHANNEL_FALLBACK_CAPACITY (1u << 4)
 /** dlpc_channel_info.flags: DLPC_CHANNEL_PREFER_DIRECT made this channel queued, as dlpackd's
  * fd limit or the uid's fd share (--max-fd-share-per-uid) had no room for a direct one's two
- * sockets. */
+ * sockets, or dlpackd could not make them (its RLIMIT_NOFILE, the system's file table, memory:
+ * its log says which). */
 #define DLPC_CHANNEL_FALLBACK_FDS (1u << 5)
 /** dlpc_channel_close_flags(): end the stream for every producer, not only this one. */
 #define DLPC_CHANNEL_CLOSE_ALL (1u << 0)
