@@ -95,6 +95,8 @@ import traceback
 
 import numpy as np
 
+from ray_local import ray_init, ray_temp_dir
+
 try:
     import dlpack_ipc
 except ImportError:  # run from a source tree without PYTHONPATH: use the default build directory
@@ -783,8 +785,7 @@ class Ray:
     or None, with the reason in self.why."""
 
     def __init__(self, store_bytes):
-        import tempfile
-        self.store_bytes, self.tmpdir = store_bytes, tempfile.mkdtemp(prefix="bench-ray-")
+        self.store_bytes, self.tmpdir = store_bytes, ray_temp_dir()
         self.ray, self.why, self._takers = None, None, []
 
     def get(self):
@@ -804,14 +805,11 @@ class Ray:
                         "installs bench/requirements.txt into the bench's venv")
             log(self.why)
             return
-        # local only: no usage report, no token written under ~/.ray
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         log(f"starting Ray {ray.__version__} (object store {human(self.store_bytes)}; "
             "not timed)")
         import logging
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=self.store_bytes,
-                 _temp_dir=self.tmpdir, log_to_driver=False, logging_level=logging.WARNING)
+        ray_init(ray, self.tmpdir, num_cpus=2, object_store_memory=self.store_bytes,
+                 logging_level=logging.WARNING)
         self.ray = ray
         chunk = min(64 << 20, self.store_bytes // 8)
         refs = [ray.put(np.ones(chunk // 4, np.float32))

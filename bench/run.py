@@ -696,7 +696,7 @@ def bench(args):
     tmp = tempfile.mkdtemp(prefix="dlpc-bench-")
     # DLPC_BENCH_RUN marks every process the harnesses start (check_processes)
     env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"), DLPC_BENCH_RUN=tmp)
-    proc = None
+    proc, ok = None, False
     shm_before = set(os.listdir("/dev/shm"))
     try:
         proc, sock = start_daemon(build, tmp)
@@ -748,14 +748,20 @@ def bench(args):
             proc = None
         finally:
             store.close()
+        ok = True
     finally:
         if proc is not None:
             proc.kill()
             proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+        # what outlived the run (Ray's processes, a harness's workers) is killed whether the
+        # run got through or not; a run that failed says so here, one that got through below
+        left = check_processes(tmp)
+        left += [f"shared memory left behind: {n}" for n in shm_left_behind(shm_before)]
+        if not ok:
+            for line in left:
+                print(f"bench: {line}", file=sys.stderr)
     # the figures are printed and saved first; then the run fails on what outlived it
-    left = check_processes(tmp)
-    left += [f"shared memory left behind: {n}" for n in shm_left_behind(shm_before)]
 
     checks = targets(rows, sizes, map_sizes)
     print(table(rows, sizes, map_sizes, checks))
