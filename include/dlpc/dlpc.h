@@ -594,8 +594,9 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * blocking stream (destroyed ones included: their queued work still runs), and a thread of the
  * library's unmaps and releases once the event has completed: a host function queued behind
  * the event (cuLaunchHostFunc) wakes it, so it does not poll (only while a graph capture keeps
- * the event from being recorded does it look every millisecond). The legacy stream does not follow streams created non-blocking: once a
- * non-blocking stream was named (here or at attach), that thread synchronizes the whole
+ * the event from being recorded does it look every millisecond). The legacy stream does not
+ * follow streams created non-blocking: once a non-blocking stream was named (here or at attach),
+ * that thread synchronizes the whole
  * context instead (cuCtxSynchronize), which waits for all of the context's work queued by
  * then. Work that the consumer puts on a non-blocking stream it never named (after the host
  * waited) is not waited for: name that stream. While any blocking stream captures a CUDA
