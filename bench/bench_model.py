@@ -285,11 +285,13 @@ class RayWorker:
 
 def run_ray(model, shape, nworkers, nbytes):
     """The ray row: a local Ray of its own, with an object store of the weights and some room."""
+    import shutil
     import ray
+    from ray_local import ray_init, ray_temp_dir
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
-             object_store_memory=max(nbytes + (64 << 20), 96 << 20))
+    tmpdir = ray_temp_dir()
     try:
+        ray_init(ray, tmpdir, num_cpus=1, object_store_memory=max(nbytes + (64 << 20), 96 << 20))
         ref = ray.put({k: v.detach().numpy() for k, v in model.state_dict().items()})
         actor = ray.remote(num_cpus=0)(RayWorker)
         workers = [actor.remote(shape, torch.get_num_threads()) for _ in range(nworkers)]
@@ -298,6 +300,7 @@ def run_ray(model, shape, nworkers, nbytes):
         return row("ray", nworkers, timings, uss)
     finally:
         ray.shutdown()
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def unavailable(impl):

@@ -28,11 +28,14 @@ Groups:
                                     socket:
                                     torch.multiprocessing Queue put / get
              dlpack_channel         dlpack_ipc channel send of empty() memory (no copy) / recv,
-                                    torch.from_dlpack, release
+                                    torch.from_dlpack, release, on channel()'s default kind
+                                    (the row's kind: direct where it can serve)
+             dlpack_channel_queued  the same over a queued channel (channel(direct=False)):
+                                    the message goes through dlpackd
              dlpack_channel_direct  the same over a direct channel (channel(direct=True)): the
                                     message goes between the processes, not through dlpackd
              dlpack_channel_direct_fresh  the same with the child's caches off: its storage
-                                    mapped anew for each message (the two rows above keep the
+                                    mapped anew for each message (the rows above keep the
                                     mapping of a storage that comes again, as a receiver does
                                     by default)
              fd_pass_mmap           the floor: the memfd passed over a Unix socket (SCM_RIGHTS),
@@ -91,6 +94,8 @@ import time
 import traceback
 
 import numpy as np
+
+from ray_local import ray_init, ray_temp_dir
 
 try:
     import dlpack_ipc
@@ -404,7 +409,9 @@ def _channel_child(socket, chname, inq, sock):
     """Waits for tensors by the mode the parent names on inq, acks each with one byte on sock.
 
     ("torch",): tensors come through inq until ("stop",); ("channel",): messages from the
-    channel until a bundle (("named", NAME): from the channel NAME, as it was created);
+    channel (channel()'s default kind; "queued", "direct": the channel of that kind, "fresh":
+    the direct one without the caches) until a bundle (("named", NAME): from the channel NAME,
+    as it was created);
     ("fd",): memfds over sock until a message without one; ("end",)."""
     import mmap
     import socket as socketmod
@@ -413,7 +420,7 @@ def _channel_child(socket, chname, inq, sock):
         torch.set_num_threads(1)
         # as a user's receiver is: the mapping of a storage that comes again is kept (maps.c)
         ch = dlpack_ipc.Channel(chname, client=cached_client(socket))
-        dch = fch = None
+        dch = fch = qch = None
         named = {}
     except BaseException as e:
         inq.put(("error", f"child start: {e!r}"))
@@ -433,9 +440,11 @@ def _channel_child(socket, chname, inq, sock):
                 t[0].item()
                 del t
                 sock.sendall(b"1")
-        elif mode[0] in ("channel", "direct", "fresh", "named"):
+        elif mode[0] in ("channel", "queued", "direct", "fresh", "named"):
             if mode[0] == "named" and mode[1] not in named:
                 named[mode[1]] = dlpack_ipc.Channel(mode[1], client=ch._client)
+            if mode[0] == "queued" and qch is None:
+                qch = dlpack_ipc.Channel(chname + "-queued", direct=False, client=ch._client)
             if mode[0] == "direct" and dch is None:
                 dch = dlpack_ipc.Channel(chname + "-direct", direct=True, client=ch._client)
             if mode[0] == "fresh" and fch is None:
@@ -443,7 +452,7 @@ def _channel_child(socket, chname, inq, sock):
                 fch = dlpack_ipc.Channel(chname + "-direct", direct=True,
                                          client=dlpack_ipc.Client(socket))
             rch = named[mode[1]] if mode[0] == "named" else \
-                {"channel": ch, "direct": dch, "fresh": fch}[mode[0]]
+                {"channel": ch, "queued": qch, "direct": dch, "fresh": fch}[mode[0]]
             while True:
                 st = rch.recv()
                 if isinstance(st, dict):
@@ -507,7 +516,8 @@ def bench_channel(client, timer, socket, prefix, sizes):
     import torch
     torch.set_num_threads(1)
     chname = f"{prefix}/channel"
-    ch = client.channel(chname, 1)
+    ch = client.channel(chname, 1)  # channel()'s default kind
+    qch = client.channel(chname + "-queued", 1, direct=False)
     dch = client.channel(chname + "-direct", 1, direct=True)
     child = None
     try:
@@ -530,27 +540,22 @@ def bench_channel(client, timer, socket, prefix, sizes):
             gc.collect()
             buf = client.empty(size // 4, "float32")
             torch.from_dlpack(buf).fill_(1.0)
-            inq.put(("channel",))
+            # the same buffer over channel()'s default kind, a queued and a direct channel,
+            # and the direct one again to a receiver without the caches ("fresh")
+            for mode, impl, c, kind in (
+                    ("channel", "dlpack_channel", ch, "direct" if ch.direct else "queued"),
+                    ("queued", "dlpack_channel_queued", qch, "queued"),
+                    ("direct", "dlpack_channel_direct", dch, "direct"),
+                    ("fresh", "dlpack_channel_direct_fresh", dch, None)):
+                inq.put((mode,))
 
-            def channel_op():
-                ch.send(buf)
-                ack()
-            emit("channel", "dlpack_channel", size, timer.measure(channel_op),
-                 kind="direct" if ch.direct else "queued")
-            ch.send_dict({"stop": np.zeros(1)})
-            ack(b"d")
-            inq.put(("direct",))
-
-            def direct_op():
-                dch.send(buf)
-                ack()
-            emit("channel", "dlpack_channel_direct", size, timer.measure(direct_op))
-            dch.send_dict({"stop": np.zeros(1)})
-            ack(b"d")
-            inq.put(("fresh",))
-            emit("channel", "dlpack_channel_direct_fresh", size, timer.measure(direct_op))
-            dch.send_dict({"stop": np.zeros(1)})
-            ack(b"d")
+                def channel_op(c=c):
+                    c.send(buf)
+                    ack()
+                extra = {"kind": kind} if kind else {}
+                emit("channel", impl, size, timer.measure(channel_op), **extra)
+                c.send_dict({"stop": np.zeros(1)})
+                ack(b"d")
             del buf
             fd = os.memfd_create("bench-floor", os.MFD_CLOEXEC)
             try:
@@ -570,7 +575,7 @@ def bench_channel(client, timer, socket, prefix, sizes):
     finally:
         if child is not None:
             child.close()
-        for c in (ch, dch):
+        for c in (ch, qch, dch):
             try:
                 c.remove()
             except OSError:
@@ -780,8 +785,7 @@ class Ray:
     or None, with the reason in self.why."""
 
     def __init__(self, store_bytes):
-        import tempfile
-        self.store_bytes, self.tmpdir = store_bytes, tempfile.mkdtemp(prefix="bench-ray-")
+        self.store_bytes, self.tmpdir = store_bytes, ray_temp_dir()
         self.ray, self.why, self._takers = None, None, []
 
     def get(self):
@@ -801,14 +805,11 @@ class Ray:
                         "installs bench/requirements.txt into the bench's venv")
             log(self.why)
             return
-        # local only: no usage report, no token written under ~/.ray
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         log(f"starting Ray {ray.__version__} (object store {human(self.store_bytes)}; "
             "not timed)")
         import logging
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=self.store_bytes,
-                 _temp_dir=self.tmpdir, log_to_driver=False, logging_level=logging.WARNING)
+        ray_init(ray, self.tmpdir, num_cpus=2, object_store_memory=self.store_bytes,
+                 logging_level=logging.WARNING)
         self.ray = ray
         chunk = min(64 << 20, self.store_bytes // 8)
         refs = [ray.put(np.ones(chunk // 4, np.float32))

@@ -219,8 +219,10 @@ def targets(rows, sizes, map_sizes):
         add(f"torch.multiprocessing hand-off / ours, {human(s)}",
             ratio(t and t["median_us"], o and o["median_us"]), 20.0, lower_is_better=False)
     # issue 17: a channel hand-off against torch.multiprocessing's queue and against the floor,
-    # on a channel the daemon queues and on a direct one
-    for impl, kind in (("dlpack_channel", "channel"), ("dlpack_channel_direct", "direct channel")):
+    # on a channel the daemon queues (direct=False) and on a direct one (channel()'s default
+    # kind has its own targets in peer_targets)
+    for impl, kind in (("dlpack_channel_queued", "queued channel"),
+                       ("dlpack_channel_direct", "direct channel")):
         for s in sizes:
             t, o = pick(rows, "channel", "torch_multiprocessing", s), pick(rows, "channel", impl, s)
             add(f"torch.multiprocessing queue hand-off / {kind} hand-off, {human(s)}",
@@ -467,9 +469,12 @@ def table(rows, sizes, map_sizes, checks):
                ("attach_py", "shared_memory", "stdlib SharedMemory + ndarray + close"),
                ("handoff", "dlpack_ipc", "hand-off to a process: name + attach (ours)"),
                ("handoff", "torch_multiprocessing", "hand-off: torch.multiprocessing queue"),
-               ("channel", "dlpack_channel", "hand-off over a channel, socket ack (ours)"),
+               ("channel", "dlpack_channel",
+                "hand-off over channel()'s default kind, socket ack (ours)"),
+               ("channel", "dlpack_channel_queued",
+                "hand-off over a queued channel (direct=False), socket ack (ours)"),
                ("channel", "dlpack_channel_direct",
-                "hand-off over a direct channel, socket ack (ours)"),
+                "hand-off over a direct channel (direct=True), socket ack (ours)"),
                ("channel", "dlpack_channel_direct_fresh",
                 "the same, receiver's caches off: a fresh mapping per message (ours)"),
                ("channel", "torch_multiprocessing",
@@ -691,7 +696,7 @@ def bench(args):
     tmp = tempfile.mkdtemp(prefix="dlpc-bench-")
     # DLPC_BENCH_RUN marks every process the harnesses start (check_processes)
     env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"), DLPC_BENCH_RUN=tmp)
-    proc = None
+    proc, ok = None, False
     shm_before = set(os.listdir("/dev/shm"))
     try:
         proc, sock = start_daemon(build, tmp)
@@ -743,14 +748,20 @@ def bench(args):
             proc = None
         finally:
             store.close()
+        ok = True
     finally:
         if proc is not None:
             proc.kill()
             proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+        # what outlived the run (Ray's processes, a harness's workers) is killed whether the
+        # run got through or not; a run that failed says so here, one that got through below
+        left = check_processes(tmp)
+        left += [f"shared memory left behind: {n}" for n in shm_left_behind(shm_before)]
+        if not ok:
+            for line in left:
+                print(f"bench: {line}", file=sys.stderr)
     # the figures are printed and saved first; then the run fails on what outlived it
-    left = check_processes(tmp)
-    left += [f"shared memory left behind: {n}" for n in shm_left_behind(shm_before)]
 
     checks = targets(rows, sizes, map_sizes)
     print(table(rows, sizes, map_sizes, checks))

@@ -13,7 +13,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -250,6 +252,22 @@ static uint64_t tensor_flags(uint32_t flags)
 		       : DLPACK_FLAG_BITMASK_READ_ONLY;
 }
 
+/*
+ * The flags of a private mapping of @p fd: MAP_NORESERVE too on a hugetlbfs file (a publish
+ * with DLPC_HUGE_PAGES=hugetlb). The kernel reserves a private mapping's whole range of
+ * hugetlbfs from its pool, for the copies its writes may make: each copy-on-write attacher would
+ * take another storage's worth of the pool, or fail with ENOMEM when it lacks that. Mapped
+ * MAP_NORESERVE, reads share the storage's pages and reserve nothing; a write that finds the
+ * pool empty then gets SIGBUS.
+ */
+static int private_flags(int fd)
+{
+	struct statfs fs;
+
+	return MAP_PRIVATE |
+	       (fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC ? MAP_NORESERVE : 0);
+}
+
 /* Map host storage @p fd of @p len bytes as @p flags ask; *@p kind: what the cache may keep
  * it as (DLPC__MAP_*). MAP_FAILED with errno set on failure. */
 static void *map_host(int fd, size_t len, uint32_t flags, uint8_t *kind)
@@ -261,7 +279,7 @@ static void *map_host(int fd, size_t len, uint32_t flags, uint8_t *kind)
 	/* copy-on-write: reads share the publisher's pages, a write copies one page */
 	if (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)) {
 		*kind = DLPC__MAP_COW;
-		return mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+		return mmap(NULL, len, PROT_READ | PROT_WRITE, private_flags(fd), fd, 0);
 	}
 	p = mmap(NULL, len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
 	if (p != MAP_FAILED && !writable)
@@ -270,7 +288,7 @@ static void *map_host(int fd, size_t len, uint32_t flags, uint8_t *kind)
 	 * is refused even read-only; a private read-only one reads the same pages, which nobody
 	 * can change. */
 	if (p == MAP_FAILED && errno == EPERM && !writable)
-		p = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0);
+		p = mmap(NULL, len, PROT_READ, private_flags(fd), fd, 0);
 	return p;
 }
 

@@ -96,14 +96,16 @@ enum dlpc__huge dlpc__huge_for(uint64_t size, bool tlb_ok)
 {
 	const char *want = getenv(DLPC_HUGE_PAGES_ENV);
 	uint64_t pmd = dlpc__huge_pmd();
-	bool thp = true, tlb = tlb_ok;
+	bool thp = true, tlb = false;
 
+	/* the hugetlbfs pool only when asked for: every copy-on-write attacher's mapping of it
+	 * would otherwise reserve a storage's worth of the pool (see map_host() in attach.c) */
 	if (want && strcmp(want, "off") == 0)
-		thp = tlb = false;
-	else if (want && strcmp(want, "thp") == 0)
-		tlb = false;
-	else if (want && strcmp(want, "hugetlb") == 0)
 		thp = false;
+	else if (want && strcmp(want, "hugetlb") == 0) {
+		thp = false;
+		tlb = tlb_ok;
+	}
 	if (size < pmd)
 		return DLPC__HUGE_NONE;
 	/* a hugetlbfs pool that holds all of it */

@@ -157,13 +157,21 @@ static int channel_quota(const struct dlpd_peer *p, size_t name_len, bool direct
 	return 0;
 }
 
-/* Make the new @p ch direct (@p prefer: only where a direct channel holds @p cap messages,
- * queued with the reason in ch->fallback otherwise). 0, or negative errno and why. */
+/* Make the new @p ch direct (@p prefer: only where its sockets can be made and a direct
+ * channel holds @p cap messages, queued with the reason in ch->fallback otherwise). 0, or
+ * negative errno and why. */
 static int make_direct(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t cap, bool prefer,
 		       char *why, size_t whylen)
 {
 	int r = dlpd_direct_open(s, ch, cap, why, whylen);
 
+	/* no fds, or no memory, for the pair (ENFILE, EMFILE, ENOMEM...): a queued one serves */
+	if (r < 0 && prefer) {
+		dlpd_log(LOG_WARNING, "channel '%.*s' made queued: a direct one %s", (int)ch->len,
+			 (const char *)ch->name, why);
+		ch->fallback = DLPC_CHANNEL_FALLBACK_FDS;
+		return 0;
+	}
 	if (r < 0 || !prefer || ch->direct_capacity >= cap)
 		return r;
 	dlpd_direct_close(s, ch);

@@ -22,11 +22,20 @@ old_thp=$(chosen "$thp/shmem_enabled")
 old_per=
 if [ -w "$per" ]; then old_per=$(chosen "$per"); fi
 old_nr=$(cat /proc/sys/vm/nr_hugepages)
+# Every setting is put back even when another cannot be (no set -e here); one that could not
+# fails the run, naming it.
 restore() {
-	echo "$old_thp" >"$thp/shmem_enabled"
-	if [ -n "$old_per" ]; then echo "$old_per" >"$per"; fi
-	echo "$old_nr" >/proc/sys/vm/nr_hugepages
+	local rc=$? failed=
+	set +e
+	echo "$old_thp" >"$thp/shmem_enabled" || failed+=" $thp/shmem_enabled=$old_thp"
+	if [ -n "$old_per" ]; then echo "$old_per" >"$per" || failed+=" $per=$old_per"; fi
+	echo "$old_nr" >/proc/sys/vm/nr_hugepages || failed+=" vm.nr_hugepages=$old_nr"
+	if [ -n "$failed" ]; then
+		echo "huge.sh: FAILED to restore:$failed (set them back by hand)" >&2
+		exit 1
+	fi
 	echo "huge.sh: restored shmem_enabled $old_thp${old_per:+ ($per: $old_per)}, vm.nr_hugepages $old_nr"
+	exit "$rc"
 }
 trap restore EXIT
 trap 'exit 130' INT TERM HUP

@@ -213,12 +213,14 @@ typedef struct dlpc_attach_opts {
  * allocate than waking the pool's thread. */
 #define DLPC_WARM_SIZE_MIN (256u << 10)
 /** Environment: huge pages for the shared memory of storages of 2 MiB or more (docs/operations.md).
- * "auto" (unset, or any other value): pages of the hugetlbfs pool when it has room for the whole
- * storage (its size then rounds up to whole huge pages), else transparent huge pages as
+ * "auto" (unset, or any other value) and "thp": transparent huge pages as
  * /sys/kernel/mm/transparent_hugepage/shmem_enabled allows ("advise": libdlpc asks for them);
- * "thp": transparent ones only; "hugetlb": the hugetlbfs pool's only; "off": libdlpc asks for
- * none (with shmem_enabled "always" or "within_size" the kernel gives them all the same). Read
- * at each publish that copies and at each dlpc_alloc(). */
+ * "hugetlb" (opt-in): a copied publish or send takes the hugetlbfs pool's pages when it has
+ * room for the whole storage (its size then rounds up to whole huge pages), else none is asked
+ * for; copy-on-write attachers map such a storage MAP_NORESERVE, so that a write of theirs may
+ * get SIGBUS when the pool is empty; "off": libdlpc asks for none (with shmem_enabled "always"
+ * or "within_size" the kernel gives them all the same). Read at each publish that copies and at
+ * each dlpc_alloc(). */
 #define DLPC_HUGE_PAGES_ENV "DLPC_HUGE_PAGES"
 
 /** The library's version as "MAJOR.MINOR.PATCH". */
@@ -592,8 +594,9 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * blocking stream (destroyed ones included: their queued work still runs), and a thread of the
  * library's unmaps and releases once the event has completed: a host function queued behind
  * the event (cuLaunchHostFunc) wakes it, so it does not poll (only while a graph capture keeps
- * the event from being recorded does it look every millisecond). The legacy stream does not follow streams created non-blocking: once a
- * non-blocking stream was named (here or at attach), that thread synchronizes the whole
+ * the event from being recorded does it look every millisecond). The legacy stream does not
+ * follow streams created non-blocking: once a non-blocking stream was named (here or at attach),
+ * that thread synchronizes the whole
  * context instead (cuCtxSynchronize), which waits for all of the context's work queued by
  * then. Work that the consumer puts on a non-blocking stream it never named (after the host
  * waited) is not waited for: name that stream. While any blocking stream captures a CUDA
@@ -924,8 +927,9 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
  * the direct kind can serve, and queued where it cannot: where the kernel lets a direct channel
  * queue fewer messages than @p capacity (dlpc_channel_info.flags then has
  * DLPC_CHANNEL_FALLBACK_CAPACITY), or where dlpackd's fds or the uid's fd share have no room for
- * its two sockets (DLPC_CHANNEL_FALLBACK_FDS). Not with DLPC_CHANNEL_DIRECT or
- * DLPC_CHANNEL_QUEUED (-EINVAL). Without any of the three flags, a new channel is queued.
+ * its two sockets or dlpackd cannot make them (DLPC_CHANNEL_FALLBACK_FDS). Not with
+ * DLPC_CHANNEL_DIRECT or DLPC_CHANNEL_QUEUED (-EINVAL). Without any of the three flags, a new
+ * channel is queued.
  */
 #define DLPC_CHANNEL_PREFER_DIRECT (1u << 3)
 /** dlpc_channel_info.flags: DLPC_CHANNEL_PREFER_DIRECT made this channel queued, as a direct
@@ -933,7 +937,8 @@ DLPC_EXPORT void dlpc_watch_close(dlpc_watch *w);
 #define DLPC_CHANNEL_FALLBACK_CAPACITY (1u << 4)
 /** dlpc_channel_info.flags: DLPC_CHANNEL_PREFER_DIRECT made this channel queued, as dlpackd's
  * fd limit or the uid's fd share (--max-fd-share-per-uid) had no room for a direct one's two
- * sockets. */
+ * sockets, or dlpackd could not make them (its RLIMIT_NOFILE, the system's file table, memory:
+ * its log says which). */
 #define DLPC_CHANNEL_FALLBACK_FDS (1u << 5)
 /** dlpc_channel_close_flags(): end the stream for every producer, not only this one. */
 #define DLPC_CHANNEL_CLOSE_ALL (1u << 0)

@@ -101,20 +101,22 @@ CHANNEL_CAPACITY_MAX = 65536  # DLPC_CHANNEL_CAPACITY_MAX
 ChannelInfo = namedtuple("ChannelInfo",
                          "name capacity depth bytes_queued sent received receivers_waiting "
                          "senders_waiting owner created direct ended producers "
-                         "producers_closed producers_expected")
+                         "producers_closed producers_expected fallback")
 ChannelInfo.__doc__ = """A channel: depth messages queued (bytes_queued bytes) of capacity, sent
 and received since it was opened, receivers and senders waiting now, the Owner that opened it,
 created in seconds since the epoch, whether it is direct (its messages go between the
 processes; dlpackd counts only depth, the rest reads 0), whether its stream has ended, its
-producers that have not closed and that have, and producers_expected: the closes its end waits
-for at least (as opened)."""
+producers that have not closed and that have, producers_expected: the closes its end waits
+for at least (as opened), and fallback: why it is queued although it was opened as channel()'s
+default asks (direct where that kind can serve), as Channel.fallback says it; None otherwise."""
 
 
 def _channel_info(d):
     return ChannelInfo(d["name"], d["capacity"], d["depth"], d["bytes_queued"], d["sent"],
                        d["received"], d["receivers_waiting"], d["senders_waiting"],
                        Owner(d["uid"], d["pid"]), d["created"], d["direct"], d["ended"],
-                       d["producers"], d["producers_closed"], d["producers_expected"])
+                       d["producers"], d["producers_closed"], d["producers_expected"],
+                       d["fallback"])
 
 
 class ChannelClosed(EOFError):

@@ -193,6 +193,7 @@ class ChannelInfo(NamedTuple):
     producers: int
     producers_closed: int
     producers_expected: int
+    fallback: Optional[str]
 
 class ChannelClosed(EOFError): ...
 

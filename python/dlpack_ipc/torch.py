@@ -310,7 +310,10 @@ def attach_module(module: torch.nn.Module, name: str, *, timeout: Optional[float
     strict=False they are returned, and the module's missing ones left as they were.
     populate: attach_dict()'s, on by default: a forward pass reads every weight, so the
     mapping is faulted in before this returns, and the first forward pass takes no page
-    faults for it (False: the first pass faults the weights in as it reads them).
+    faults for it (False: the first pass faults the weights in as it reads them). Its cost is
+    in this call, for every page of the whole bundle: about 20-40 ms per 400 MiB with 4 KiB
+    pages, a fraction of a millisecond with shmem huge pages. Pass populate=False for a worker
+    that reads only part of the weights (the experts of a mixture-of-experts model it runs).
     """
     shared = (client or dlpack_ipc).attach_dict(name, timeout=timeout, mode=mode, owner=owner,
                                                 populate=populate)
@@ -482,8 +485,11 @@ def follow(module: torch.nn.Module, name: str, *, timeout: Optional[float] = Non
     weights; module may be built on device="meta". timeout, mode, owner, requires_grad,
     strict and populate are attach_module()'s (timeout for the first generation only: later
     ones are taken when they are there; populate for every generation, so that update() takes
-    the faults and the next forward pass none). socket: the daemon's (None: the default one,
-    and the module's default client).
+    the faults and the next forward pass none: populating the whole bundle costs about 20-40 ms
+    per 400 MiB with 4 KiB pages, a fraction of a millisecond with shmem huge pages, in this call
+    and in each update() that swaps; populate=False for a worker that reads only part of the
+    weights, such as a mixture-of-experts model's experts). socket: the daemon's (None: the
+    default one, and the module's default client).
     """
     return Follower(module, name, timeout=timeout, mode=mode, owner=owner,
                     requires_grad=requires_grad, strict=strict, socket=socket,

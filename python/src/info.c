@@ -55,7 +55,8 @@ static const char *fallback_why(uint32_t flags)
 		       "socket buffer limit, net.core.wmem_max), so it was made queued";
 	if (flags & DLPC_CHANNEL_FALLBACK_FDS)
 		return "dlpackd's fd limit or this uid's fd share (--max-fd-share-per-uid) had no "
-		       "room for a direct channel's two sockets, so it was made queued";
+		       "room for a direct channel's two sockets, or dlpackd could not make them, "
+		       "so it was made queued";
 	return NULL;
 }
 

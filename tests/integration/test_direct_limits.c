@@ -439,6 +439,52 @@ START_TEST(test_refused_fds_bounded)
 }
 END_TEST
 
+/* Set the daemon's RLIMIT_NOFILE (soft) to @p n; its old value. */
+static rlim_t daemon_nofile(rlim_t n)
+{
+	struct rlimit now, want;
+
+	ck_assert_int_eq(prlimit(D.pid, RLIMIT_NOFILE, NULL, &now), 0);
+	want = (struct rlimit){n, now.rlim_max};
+	ck_assert_int_eq(prlimit(D.pid, RLIMIT_NOFILE, &want, NULL), 0);
+	return now.rlim_cur;
+}
+
+/* A daemon that cannot make a direct channel's sockets (here: its fd limit reached, well
+ * inside its fd budget and the uid's share) makes a channel opened with
+ * DLPC_CHANNEL_PREFER_DIRECT queued, and says why; one asked for as direct fails naming the
+ * sockets. Once it can again, a new channel is direct. */
+START_TEST(test_prefer_direct_without_fds)
+{
+	dlpc_channel_info info = {.size = sizeof(info)};
+	dlpc_client *c;
+	rlim_t old;
+
+	start(NULL, SHARE_NOFILE);
+	c = connect_or_die(&D);
+	old = daemon_nofile(3); /* no fd number free below it */
+	ck_assert_dlpc(
+		dlpc_channel_open_flags(c, "nofd/prefer", 0, DLPC_CHANNEL_PREFER_DIRECT, &info), 1);
+	ck_assert_uint_eq(info.flags, DLPC_CHANNEL_FALLBACK_FDS);
+	ck_assert_int_eq(open_direct(c, "nofd/direct"), -EMFILE);
+	ck_assert_msg(
+		error_says("cannot open direct channel 'nofd/direct': cannot make its sockets"),
+		"%s", dlpc_last_error());
+	/* the queued one serves */
+	memset(&info, 0, sizeof(info));
+	info.size = sizeof(info);
+	ck_assert_dlpc(dlpc_channel_stat(c, "nofd/prefer", &info), 0);
+	ck_assert_uint_eq(info.flags, DLPC_CHANNEL_FALLBACK_FDS);
+	daemon_nofile(old);
+	ck_assert_dlpc(
+		dlpc_channel_open_flags(c, "nofd/again", 0, DLPC_CHANNEL_PREFER_DIRECT, &info), 1);
+	ck_assert_uint_eq(info.flags & DLPC_CHANNEL_FALLBACK_FDS, 0);
+	ck_assert_dlpc(dlpc_channel_remove(c, "nofd/prefer"), 0);
+	ck_assert_dlpc(dlpc_channel_remove(c, "nofd/again"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
 static Suite *direct_limits_suite(void)
 {
 	Suite *s = suite_create("direct_limits");
@@ -452,6 +498,7 @@ static Suite *direct_limits_suite(void)
 	}
 	tcase_add_test(daemon, test_direct_channels_in_fd_share);
 	tcase_add_test(daemon, test_channels_per_uid);
+	tcase_add_test(daemon, test_prefer_direct_without_fds);
 	tcase_add_test(recv, test_refused_fds_bounded);
 	return s;
 }

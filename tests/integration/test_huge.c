@@ -3,8 +3,9 @@
  * Huge pages (client/huge.c), run by tests/huge.sh as root with the machine set for them:
  * DLPC_TEST_HUGE=thp with shmem_enabled "advise" or "within_size" (the copy path, the warm pool
  * and dlpc_alloc() give huge pages, and an attacher maps them one PMD per 2 MiB), or
- * DLPC_TEST_HUGE=hugetlb with a hugetlbfs pool reserved (the copy path takes its pages, the
- * storage's size rounded up to whole huge pages, and an attacher maps and unmaps it whole).
+ * DLPC_TEST_HUGE=hugetlb with a hugetlbfs pool reserved (with DLPC_HUGE_PAGES=hugetlb only, the
+ * copy path takes its pages, the storage's size rounded up to whole huge pages, an attacher maps
+ * and unmaps it whole, and copy-on-write attachers reserve none of the pool).
  */
 #include <string.h>
 #include <sys/mman.h>
@@ -54,19 +55,28 @@ static long smaps_kb(const void *p, const char *field)
 	return kb;
 }
 
-/* A free huge page count of hugetlbfs, from /proc/meminfo. */
-static long hugetlb_free(void)
+/* The value of @p field ("HugePages_Free", "HugePages_Rsvd") in /proc/meminfo: a count of
+ * hugetlbfs pages of the default size. */
+static long meminfo(const char *field)
 {
 	char line[128];
 	FILE *f = fopen("/proc/meminfo", "re");
-	long n = -1;
+	size_t n = strlen(field);
+	long v = -1;
 
 	ck_assert_ptr_nonnull(f);
 	while (fgets(line, sizeof(line), f))
-		if (sscanf(line, "HugePages_Free: %ld", &n) == 1)
+		if (strncmp(line, field, n) == 0 && line[n] == ':' &&
+		    sscanf(line + n + 1, " %ld", &v) == 1)
 			break;
 	fclose(f);
-	return n;
+	return v;
+}
+
+/* A free huge page count of hugetlbfs, from /proc/meminfo. */
+static long hugetlb_free(void)
+{
+	return meminfo("HugePages_Free");
 }
 
 struct want {
@@ -158,6 +168,7 @@ START_TEST(test_hugetlb_publish)
 	dlpc_entry_info *list;
 	size_t n;
 
+	setenv(DLPC_HUGE_PAGES_ENV, "hugetlb", 1);
 	publish_filled(c, w.name, w.size, w.fill);
 	ck_assert_int_eq(hugetlb_free(), before - 2);
 	ck_assert_dlpc(dlpc_list(c, w.name, &list, &n), 0);
@@ -176,19 +187,95 @@ START_TEST(test_hugetlb_publish)
 }
 END_TEST
 
-/* DLPC_HUGE_PAGES=thp leaves the hugetlbfs pool alone. */
+/* A child process: attach want->name copy-on-write (DLPC_ATTACH_PRIVATE) and read all of it,
+ * while the hugetlbfs pool lacks room for another copy of it: the mapping neither fails nor
+ * reserves or takes the pool's pages. A write then copies one page. */
+static int cow_attacher(void *arg)
+{
+	const struct want *w = arg;
+	dlpc_client *c = connect_or_die(&D);
+	dlpc_attach_opts o = {.size = sizeof(o), .flags = DLPC_ATTACH_PRIVATE};
+	long free_before = hugetlb_free(), rsvd_before = meminfo("HugePages_Rsvd");
+	DLManagedTensorVersioned *t;
+	uint8_t *p;
+	bool same = true;
+
+	CHILD_CHECK(dlpc_attach(c, w->name, &o, &t) > 0);
+	p = t->dl_tensor.data;
+	for (size_t i = 0; i < w->size; i++)
+		same &= p[i] == (uint8_t)w->fill;
+	CHILD_CHECK(same);
+	if (hugetlb_free() != free_before || meminfo("HugePages_Rsvd") != rsvd_before) {
+		fprintf(stderr,
+			"copy-on-write attach: HugePages_Free %ld -> %ld, Rsvd %ld -> %ld\n",
+			free_before, hugetlb_free(), rsvd_before, meminfo("HugePages_Rsvd"));
+		_exit(1);
+	}
+	CHILD_CHECK(smaps_kb(p, "KernelPageSize:") == 2048);
+	p[0] = (uint8_t)(w->fill + 1); /* its own copy of the first huge page */
+	CHILD_CHECK(hugetlb_free() == free_before - 1);
+	t->deleter(t);
+	CHILD_CHECK(hugetlb_free() == free_before);
+	dlpc_close(c);
+	return 0;
+}
+
+/* A copy-on-write attacher of a hugetlbfs storage, the pool nearly full, maps it with no
+ * reservation, one after the other; the publisher's bytes stay as they were. */
+START_TEST(test_hugetlb_cow_attach)
+{
+	dlpc_client *c = connect_or_die(&D);
+	struct want w = {"h/cow", 64 * MIB, 7, "KernelPageSize:", 2048};
+	long before = hugetlb_free(), left;
+	bool filler;
+	pid_t a, b;
+
+	setenv(DLPC_HUGE_PAGES_ENV, "hugetlb", 1);
+	publish_filled(c, w.name, w.size, w.fill);
+	ck_assert_int_eq(hugetlb_free(), before - 32);
+	/* leave 2 pages free: no room for the 32 a reserving mapping would take */
+	filler = hugetlb_free() > 2;
+	if (filler)
+		publish_filled(c, "h/filler", (size_t)(hugetlb_free() - 2) * 2 * MIB, 8);
+	left = hugetlb_free();
+	ck_assert_int_eq(left, 2);
+	a = spawn(cow_attacher, &w);
+	ck_assert_int_eq(wait_child(a), 0);
+	b = spawn(cow_attacher, &w);
+	ck_assert_int_eq(wait_child(b), 0);
+	ck_assert_int_eq(hugetlb_free(), left);
+	ck_assert_int_eq(wait_child(spawn(attacher, &w)), 0); /* unchanged by their writes */
+	ck_assert_dlpc(dlpc_unpublish(c, w.name), 0);
+	if (filler)
+		ck_assert_dlpc(dlpc_unpublish(c, "h/filler"), 0);
+	ck_assert_msg(wait_free(before), "hugetlbfs pages not given back: %ld free, %ld before",
+		      hugetlb_free(), before);
+	dlpc_close(c);
+}
+END_TEST
+
+/* Unless DLPC_HUGE_PAGES=hugetlb asks for it, the copy path leaves the hugetlbfs pool alone:
+ * by default (auto) as with thp. */
 START_TEST(test_hugetlb_not_asked)
 {
-	dlpc_client *c;
-	struct want w = {"h/small", 8 * MIB, 6, "KernelPageSize:", 4};
+	const char *modes[] = {NULL, "auto", "thp"};
 	long before = hugetlb_free();
 
-	setenv(DLPC_HUGE_PAGES_ENV, "thp", 1);
-	c = connect_or_die(&D);
-	publish_filled(c, w.name, w.size, w.fill);
-	ck_assert_int_eq(hugetlb_free(), before);
-	ck_assert_int_eq(wait_child(spawn(attacher, &w)), 0);
-	dlpc_close(c);
+	for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++) {
+		struct want w = {"h/small", 8 * MIB, 6, "KernelPageSize:", 4};
+		dlpc_client *c;
+
+		if (modes[i])
+			setenv(DLPC_HUGE_PAGES_ENV, modes[i], 1);
+		else
+			unsetenv(DLPC_HUGE_PAGES_ENV);
+		c = connect_or_die(&D);
+		publish_filled(c, w.name, w.size, w.fill);
+		ck_assert_int_eq(hugetlb_free(), before);
+		ck_assert_int_eq(wait_child(spawn(attacher, &w)), 0);
+		ck_assert_dlpc(dlpc_unpublish(c, w.name), 0);
+		dlpc_close(c);
+	}
 }
 END_TEST
 
@@ -210,6 +297,7 @@ int main(void)
 		tcase_add_test(tc, test_thp_alloc);
 	} else {
 		tcase_add_test(tc, test_hugetlb_publish);
+		tcase_add_test(tc, test_hugetlb_cow_attach);
 		tcase_add_test(tc, test_hugetlb_not_asked);
 	}
 	suite_add_tcase(s, tc);

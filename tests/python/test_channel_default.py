@@ -70,6 +70,7 @@ def test_default_falls_back_for_a_capacity_a_direct_channel_cannot_queue(ipc, da
     probe = dlpack_ipc.channel("def/probe", top, direct=True)
     held = dlpack_ipc.channel("def/held", probe.capacity)
     assert held.direct and held.fallback is None
+    assert held.stat().fallback is None
     assert _open_elsewhere(py, "def/held")[:2] == (True, None)
     big = dlpack_ipc.channel("def/big", top)
     if probe.capacity < top:
@@ -79,6 +80,14 @@ def test_default_falls_back_for_a_capacity_a_direct_channel_cannot_queue(ipc, da
         assert _open_elsewhere(py, "def/big") == (False, big.fallback, top)
         info = big.stat()
         assert not info.direct and info.capacity == top
+        # stat() and the list say why too, in this process and in another
+        assert info.fallback == big.fallback
+        assert [c.fallback for c in dlpack_ipc.channels("def/big")] == [big.fallback]
+        cp = py.check("""
+            import dlpack_ipc
+            print(dlpack_ipc.channels("def/big")[0].fallback)
+        """)
+        assert cp.stdout.strip() == big.fallback
     else:  # this kernel lets a direct channel queue the most a channel may: it serves
         assert big.direct and big.fallback is None
     for ch in (probe, held, big):
@@ -91,6 +100,7 @@ def test_an_existing_channel_opens_as_the_kind_it_is(ipc, daemon, py):
     ipc.channel("def/q", 4, direct=False)
     ch = dlpack_ipc.channel("def/q")
     assert not ch.direct and ch.fallback is None
+    assert ch.stat().fallback is None  # queued as asked: no fallback
     assert _open_elsewhere(py, "def/q") == (False, None, 4)
     ipc.channel("def/d", direct=True)
     assert dlpack_ipc.channel("def/d").direct

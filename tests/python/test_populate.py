@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""attach(populate=True), attach_dict(populate=True) and attach_module(), which populates by
-default: a 64 MiB entry published by this process and attached by another interpreter is read
+"""attach(populate=True), attach_dict(populate=True), attach_module() and follow(), which
+populate by default: a 64 MiB entry published by this process and attached by another interpreter is read
 whole there with (nearly) no minor page faults; without populate the same read takes one per
 64 KiB (one per 2 MiB at least, with shmem huge pages). Faults are counted with getrusage()
 around the read alone."""
@@ -89,3 +89,27 @@ def test_attach_module_populates_by_default(ipc, py, populate):
     faults = read_in_child(py, f'(dt.attach_module(net, "net"{kw}), dict(net.state_dict()))[1]',
                            setup=MODULE.format(n=n))
     assert_fits(faults, populate is None, f"attach_module(populate={populate})")
+
+
+FOLLOW = MODULE + """
+def follow(**kw):
+    global follower  # kept: it holds the watch of the name
+    follower = dt.follow(net, "net", **kw)
+    return dict(net.state_dict())
+"""
+
+
+@pytest.mark.parametrize("populate", [None, False])
+def test_follow_populates_by_default(ipc, py, populate):
+    """follow() attaches as attach_module() does: populated unless populate=False."""
+    import torch
+    import dlpack_ipc.torch as dt
+
+    n = 4096
+    net = torch.nn.Linear(n, n, bias=False)
+    with torch.no_grad():
+        net.weight.view(torch.int64).copy_(torch.arange(WORDS, dtype=torch.int64).view(n, -1))
+    dt.share_module(net, "net", client=ipc)
+    kw = "" if populate is None else f"populate={populate}"
+    faults = read_in_child(py, f"follow({kw})", setup=FOLLOW.format(n=n))
+    assert_fits(faults, populate is None, f"follow(populate={populate})")

@@ -1,0 +1,48 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench/run.py's own clean-up: what a run leaves behind is killed and reported even when one of
+its harnesses fails."""
+import argparse
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+RUN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "bench", "run.py")
+
+
+def _load_run():
+    spec = importlib.util.spec_from_file_location("bench_run", RUN_PY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_failed_run_kills_what_it_left(monkeypatch, tmp_path, capsys):
+    """A harness that fails after starting a process of the run (as Ray's would be): the run
+    still fails with the harness's error, and the process is killed and named on stderr."""
+    run = _load_run()
+    started = []
+
+    def failing_start(build, tmp, store=None):
+        started.append(subprocess.Popen(["sleep", "600"], env=dict(os.environ, DLPC_BENCH_RUN=tmp)))
+        raise RuntimeError("the harness failed")
+
+    monkeypatch.setattr(run, "start_daemon", failing_start)
+    monkeypatch.setattr(run, "PROCESS_GRACE_S", 0)
+    args = argparse.Namespace(quick=True, build=str(tmp_path), out=str(tmp_path), no_pin=True,
+                              python=sys.executable, shmem_thp=None)
+    try:
+        with pytest.raises(RuntimeError, match="the harness failed"):
+            run.bench(args)
+        assert started[0].wait(timeout=30) == -signal.SIGKILL
+        err = capsys.readouterr().err
+        assert f"process left behind (killed): {started[0].pid} sleep 600" in err
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
