@@ -21,6 +21,7 @@
 #include <sys/wait.h>
 
 #include "cuda_api.h"
+#include "gpu.h"
 #include "harness.h"
 #include "limits.h"
 
@@ -1994,8 +1995,54 @@ static int attach_device_1(void *arg)
 	return 0;
 }
 
+/*
+ * Releases waiting on two devices at once: the retiring thread blocks on neither device's event
+ * (that would keep the other's release waiting for it), and it does not poll either: it looks
+ * every DLPC_CUDA_RETIRE_FALLBACK_MS. A graph capture makes both wait for one look, which
+ * records both events behind a held blocking stream.
+ */
+#define SPREAD_WAIT_MS 500
+#define SPREAD_QUERIES_MAX (2 * (SPREAD_WAIT_MS / DLPC_CUDA_RETIRE_FALLBACK_MS + 2))
+
+static int release_on_two_devices(void *arg)
+{
+	DLManagedTensorVersioned *t0 = NULL, *t1 = NULL;
+	dlpc_client *c = NULL;
+	CUstream cap, held;
+	int q;
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(dlpc_attach(c, "gpu/h", NULL, &t0) == 1);
+	CHILD_CHECK(dlpc_attach(c, "gpu/d1/ipc", NULL, &t1) == 1);
+	CHILD_CHECK(t0->dl_tensor.device.device_id == 0 && t1->dl_tensor.device.device_id == 1);
+	CHILD_CHECK(cuStreamCreate(&cap, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&held, 0) == CUDA_SUCCESS);
+	fake_cuda_stream_hold(held, 1);
+	fake_cuda_capture(cap, 1);
+	t0->deleter(t0);
+	t1->deleter(t1);
+	fake_cuda_capture(cap, 0);
+	CHILD_CHECK(log_reaches(getpid(), "stream=0x1 behind-held-work", 2));
+	CHILD_CHECK(log_appears(getpid(), "result=600")); /* cuEventQuery: not ready */
+	q = log_count(getpid(), "cuEventQuery");
+	usleep(SPREAD_WAIT_MS * 1000);
+	CHILD_CHECK(log_count(getpid(), "cuEventQuery") - q <= SPREAD_QUERIES_MAX);
+	CHILD_CHECK(log_count2(getpid(), "cuEventSynchronize", "blocking") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
+	fake_cuda_stream_hold(held, 0);
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 2));
+	CHILD_CHECK(cuStreamDestroy(cap) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamDestroy(held) == CUDA_SUCCESS);
+	dlpc_close(c);
+	return 0;
+}
+
 START_TEST(several_devices)
 {
+	struct publisher dev0 = {.names = {"gpu/h", NULL}};
 	struct dev1_publisher p;
 	int same_order = 1, swapped = 0, unseen = -1;
 	pid_t pub;
@@ -2016,6 +2063,9 @@ START_TEST(several_devices)
 	ck_assert_int_eq(setenv("FAKE_CUDA_VISIBLE", "0", 1), 0);
 	ck_assert_int_eq(wait_child(spawn(attach_device_1, &unseen)), 0);
 	unsetenv("FAKE_CUDA_VISIBLE");
+	publisher_start(&dev0);
+	ck_assert_int_eq(wait_child(spawn(release_on_two_devices, NULL)), 0);
+	publisher_stop(&dev0);
 	unsetenv("FAKE_CUDA_DEVICES");
 	close(p.quit[1]);
 	close(p.ready[0]);
