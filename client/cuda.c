@@ -35,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cuda_api.h"
@@ -72,7 +73,6 @@
 	X(cuIpcGetEventHandle)                                                                     \
 	X(cuIpcOpenEventHandle)                                                                    \
 	X(cuStreamWaitEvent)                                                                       \
-	X(cuLaunchHostFunc)                                                                        \
 	X(cuStreamSynchronize)                                                                     \
 	X(cuCtxSynchronize)                                                                        \
 	X(cuMemcpyDtoD)                                                                            \
@@ -657,10 +657,11 @@ bool dlpc__cuda_stream_followed(void *stream)
 struct retiring {
 	struct retiring *next;
 	struct dlpc__region *r;
-	bool record; /* the event is still to be recorded on the legacy stream */
-	CUevent ev;  /* recorded after the consumer's work */
-	bool wake;   /* and a host function behind it wakes the retiring thread (retire_wake()) */
-	bool sync;   /* synchronize the context instead (no event to be had, or not enough) */
+	bool record;  /* the event is still to be recorded on the legacy stream */
+	CUevent ev;   /* recorded after the consumer's work (blocking sync: see retire_block()) */
+	bool sync;    /* synchronize the context instead (no event to be had, or not enough) */
+	CUresult err; /* the context's synchronization failed so (reported once let go) */
+	unsigned long seq; /* order of the releases (retire_oldest()) */
 };
 
 static pthread_mutex_t retire_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -670,7 +671,7 @@ static struct retiring *retiring;
 static bool retirer_running;
 static bool retire_busy;      /* the retiring thread is working through a batch */
 static bool retire_stopping;  /* the process is exiting: no more driver calls from it */
-static unsigned retire_wakes; /* host functions run and releases queued: something to look at */
+static unsigned retire_wakes; /* releases queued: something new to look at */
 
 /*
  * At exit: let the retiring thread finish the batch it is on, then stop it, so that none of
@@ -698,19 +699,6 @@ static bool capture_err(CUresult e)
 	       e == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
 }
 
-/*
- * A host function, on a thread of the driver's, once the legacy stream reached it: a release
- * may be due. It makes no driver call (the driver forbids it) and waits for no GPU work.
- */
-static void retire_wake(void *arg)
-{
-	(void)arg;
-	pthread_mutex_lock(&retire_mu);
-	retire_wakes++;
-	pthread_cond_signal(&retire_cv);
-	pthread_mutex_unlock(&retire_mu);
-}
-
 /* Is a blocking stream of the current context capturing a graph (the legacy stream unusable)? */
 static bool legacy_captured(void)
 {
@@ -734,16 +722,15 @@ static void record_after(struct retiring *x)
 
 	if (legacy_captured())
 		return;
-	e = x->ev ? CUDA_SUCCESS : cu.cuEventCreate(&x->ev, CU_EVENT_DISABLE_TIMING);
+	/* blocking sync: the retiring thread's cuEventSynchronize sleeps instead of spinning */
+	e = x->ev ? CUDA_SUCCESS
+		  : cu.cuEventCreate(&x->ev, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING);
 	if (e == CUDA_SUCCESS)
 		e = cu.cuEventRecord(x->ev, CU_STREAM_LEGACY);
 	if (capture_err(e))
 		return;
 	x->record = false;
 	x->sync = e != CUDA_SUCCESS; /* no event to be had */
-	/* stream order: the host function runs once the event has completed */
-	x->wake = !x->sync &&
-		  cu.cuLaunchHostFunc(CU_STREAM_LEGACY, retire_wake, NULL) == CUDA_SUCCESS;
 }
 
 /* Is the consumer's work on @p x's region done? Called on the retiring thread. */
@@ -765,16 +752,35 @@ static bool retire_due(struct retiring *x)
 	}
 	/* a non-blocking stream, or no event: synchronizing during a capture would fail it, so
 	 * wait for a capture that can be seen to end, and try again after one that could not */
-	if (x->sync && (legacy_captured() || capture_err(cu.cuCtxSynchronize())))
+	if (x->sync && legacy_captured()) {
 		done = false;
+	} else if (x->sync) {
+		e = cu.cuCtxSynchronize();
+		done = !capture_err(e);
+		x->err = done ? e : CUDA_SUCCESS;
+	}
 	pop_ctx();
 	return done;
 }
 
 /*
+ * Say on stderr that @p x's consumer work ended in an error of the driver's (a sticky error
+ * such as a faulting kernel: the device's context is lost, and nothing of it runs any more),
+ * and that its memory is let go all the same. The retiring thread has no caller to tell.
+ */
+static void retire_report(const struct retiring *x)
+{
+	fprintf(stderr,
+		"libdlpc: release of an attached tensor on CUDA device %d: the consumer's work "
+		"ended in a CUDA error (cuCtxSynchronize failed: CUDA error %d); its memory is "
+		"let go\n",
+		x->r->ordinal, (int)x->err);
+}
+
+/*
  * Let go of each region of @p todo whose consumer work is done (unmap, RELEASE); the others
- * are returned, and *@p poll says whether one of them has no host function to wake the
- * retiring thread (a graph capture was in the way of its event).
+ * are returned, and *@p poll says whether one of them has no event to wait on (a graph
+ * capture was in the way of its record, or of its context's synchronization).
  */
 static struct retiring *retire_batch(struct retiring *todo, bool *poll)
 {
@@ -784,11 +790,13 @@ static struct retiring *retire_batch(struct retiring *todo, bool *poll)
 	while ((x = todo)) {
 		todo = x->next;
 		if (!retire_due(x)) {
-			*poll |= !x->wake;
+			*poll |= x->record || x->sync;
 			x->next = left;
 			left = x;
 			continue;
 		}
+		if (x->err != CUDA_SUCCESS)
+			retire_report(x);
 		if (x->ev)
 			cu.cuEventDestroy(x->ev);
 		if (x->r->gpu)
@@ -800,19 +808,71 @@ static struct retiring *retire_batch(struct retiring *todo, bool *poll)
 }
 
 /*
- * The retiring thread: looks at the waiting regions when a host function behind their events
- * (retire_wake()) or a new release says so, and lets go of each whose consumer work is done.
- * Only while a graph capture keeps an event from being recorded does it look every
- * DLPC_CUDA_RETIRE_POLL_MS instead. It runs in relaxed capture mode: its calls (unmapping
- * among them) are not refused while another thread captures a graph in global mode.
+ * The waiting region to block on: the oldest (its event completes first, the legacy stream
+ * being in order), if all of @p left are on one device; NULL when they are spread over
+ * several (blocking on one device's event would keep another's releases waiting).
+ */
+static struct retiring *retire_oldest(struct retiring *left)
+{
+	struct retiring *old = left;
+
+	for (struct retiring *x = left; x; x = x->next) {
+		if (x->r->ordinal != left->r->ordinal)
+			return NULL;
+		if (x->seq < old->seq)
+			old = x;
+	}
+	return old;
+}
+
+/*
+ * Block the retiring thread, not holding retire_mu (a releaser needs it), until @p x's event
+ * has completed: it was created CU_EVENT_BLOCKING_SYNC, so the driver puts the thread to sleep
+ * instead of spinning, and nothing is added to any stream. A sticky error ends the wait at
+ * once with that error, which the next look at the event finds and reports.
+ */
+static void retire_block(struct retiring *x)
+{
+	pthread_mutex_unlock(&retire_mu);
+	if (push_ctx(x->r->ordinal, "release") == 0) {
+		cu.cuEventSynchronize(x->ev);
+		pop_ctx();
+	}
+	pthread_mutex_lock(&retire_mu);
+}
+
+/*
+ * Wait with retire_mu for a new release, or for DLPC_CUDA_RETIRE_FALLBACK_MS, whichever comes
+ * first (@p seen: retire_wakes when the thread last looked).
+ */
+static void retire_fallback_wait(unsigned seen)
+{
+	struct timespec until;
+
+	clock_gettime(CLOCK_REALTIME, &until); /* retire_cv's clock */
+	until.tv_nsec += DLPC_CUDA_RETIRE_FALLBACK_MS * 1000000L;
+	until.tv_sec += until.tv_nsec / 1000000000L;
+	until.tv_nsec %= 1000000000L;
+	while (retire_wakes == seen && !retire_stopping)
+		if (pthread_cond_timedwait(&retire_cv, &retire_mu, &until) == ETIMEDOUT)
+			break;
+}
+
+/*
+ * The retiring thread: lets go of each waiting region whose consumer work is done. Between
+ * looks it sleeps in cuEventSynchronize on the oldest waiting release's event (retire_block()),
+ * or, while they are spread over several devices, until a new release or
+ * DLPC_CUDA_RETIRE_FALLBACK_MS. Only while a graph capture keeps an event from being recorded
+ * does it look every DLPC_CUDA_RETIRE_POLL_MS. It runs in relaxed capture mode: its calls
+ * (unmapping among them) are not refused while another thread captures a graph in global mode.
  */
 static void *retirer(void *arg)
 {
 	const struct timespec poll_ts = {.tv_nsec = DLPC_CUDA_RETIRE_POLL_MS * 1000000L};
 	CUstreamCaptureMode relaxed = CU_STREAM_CAPTURE_MODE_RELAXED;
-	struct retiring *left, *x;
+	struct retiring *left, *x, *oldest;
 	unsigned seen;
-	bool poll, waiting;
+	bool poll;
 
 	(void)arg;
 	cu.cuThreadExchangeStreamCaptureMode(&relaxed);
@@ -828,20 +888,21 @@ static void *retirer(void *arg)
 		seen = retire_wakes;
 		pthread_mutex_unlock(&retire_mu);
 		left = retire_batch(left, &poll);
-		waiting = left != NULL;
-		if (waiting && poll)
+		if (left && poll)
 			nanosleep(&poll_ts, NULL);
+		oldest = left && !poll ? retire_oldest(left) : NULL;
 		pthread_mutex_lock(&retire_mu);
 		while ((x = left)) {
 			left = x->next;
 			x->next = retiring;
 			retiring = x;
 		}
-		retire_busy = false;
+		retire_busy = false; /* not while blocked: an exit does not wait for the GPU */
 		pthread_cond_broadcast(&retire_idle_cv);
-		/* each waiting release has a host function to come: sleep until one runs */
-		while (waiting && !poll && retire_wakes == seen && !retire_stopping)
-			pthread_cond_wait(&retire_cv, &retire_mu);
+		if (oldest && !retire_stopping)
+			retire_block(oldest);
+		else if (retiring && !poll)
+			retire_fallback_wait(seen);
 	}
 	pthread_mutex_unlock(&retire_mu);
 	return NULL;
@@ -887,9 +948,9 @@ bool dlpc__cuda_retire(struct dlpc__region *r)
 			atexit(retire_stop);
 	}
 	if (retirer_running) {
+		x->seq = retire_wakes++;
 		x->next = retiring;
 		retiring = x;
-		retire_wakes++;
 		pthread_cond_signal(&retire_cv);
 	}
 	pthread_mutex_unlock(&retire_mu);

@@ -74,8 +74,11 @@ bool dlpc__cuda_retire(struct dlpc__region *r);
  */
 bool dlpc__cuda_stream_followed(void *stream);
 /* How often the library's retiring thread looks at consumer work still running while a graph
- * capture keeps it from recording the event and host function that would wake it (ms). */
+ * capture keeps it from recording the event it would sleep on (ms). */
 #define DLPC_CUDA_RETIRE_POLL_MS 1
+/* How often it looks while releases wait on several devices at once, when it blocks on no one
+ * device's event (ms); and the longest a new release waits for the thread to look at it then. */
+#define DLPC_CUDA_RETIRE_FALLBACK_MS 100
 /* Order @p stream (NULL: this thread) on device @p ordinal after the event @p ev_handle. */
 int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,
 		    const char *what);

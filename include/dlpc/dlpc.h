@@ -592,11 +592,13 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * (so the publisher never reuses memory a kernel still reads), without blocking its deleter:
  * the deleter records an event on the legacy default stream, which follows the work of every
  * blocking stream (destroyed ones included: their queued work still runs), and a thread of the
- * library's unmaps and releases once the event has completed: a host function queued behind
- * the event (cuLaunchHostFunc) wakes it, so it does not poll (only while a graph capture keeps
- * the event from being recorded does it look every millisecond). The legacy stream does not
- * follow streams created non-blocking: once a non-blocking stream was named (here or at attach),
- * that thread synchronizes the whole
+ * library's unmaps and releases once the event has completed: it sleeps in
+ * cuEventSynchronize on that (blocking-sync) event, queueing nothing on any stream, so it does
+ * not poll (it looks every 100 ms while releases wait on several devices, and every
+ * millisecond only while a graph capture keeps the event from being recorded); a sticky
+ * error ends the wait, lets the memory go and says so on stderr. The legacy stream does not
+ * follow streams created non-blocking: once a non-blocking stream was named (here or at
+ * attach), that thread synchronizes the whole
  * context instead (cuCtxSynchronize), which waits for all of the context's work queued by
  * then. Work that the consumer puts on a non-blocking stream it never named (after the host
  * waited) is not waited for: name that stream. While any blocking stream captures a CUDA

@@ -106,6 +106,7 @@ struct op {
 	void *copy;  /* a write's bytes, taken when it was queued */
 	CUhostFn fn; /* a host function: called on the fake's host-function thread */
 	void *arg;
+	CUstream on; /* a host function's stream: its later work waits until it returns */
 };
 
 struct CUstream_st {
@@ -125,6 +126,7 @@ struct CUstream_st {
 	unsigned wait_releases;
 	bool wait_legacy;
 	struct op *ops, **ops_end; /* queued work, in order */
+	bool host_fn_running;	   /* a host function of its runs: its later work waits for it */
 	CUstream next_dead;	   /* once destroyed */
 	CUstream next_all;	   /* every stream made, destroyed ones included */
 };
@@ -162,6 +164,7 @@ static unsigned held_streams, captures;			    /* how many streams are so */
 static unsigned held_blocking; /* held streams that are blocking: the legacy stream waits */
 static uint64_t fake_clock;    /* the fake's time, in ticks (fake_cuda_kernel()) */
 static bool capture_broken;    /* a call invalidated the captures under way */
+static bool sticky;	       /* fake_cuda_sticky_error(): the context is lost */
 /* Interprocess events of this process recorded behind work that has not run: each has a marker
  * file (marker_path()) while it is pending, which is how other processes see it. */
 static CUevent marked;
@@ -289,6 +292,8 @@ static bool pending(CUevent e)
  */
 static bool blocked(CUstream s)
 {
+	if (s->host_fn_running)
+		return true;
 	if (s == &legacy_q)
 		return held_blocking > 0;
 	if (s->wait_pid && !remote_pending(s->wait_pid, s->wait_id))
@@ -310,17 +315,24 @@ static void run_ops(CUstream s)
 	while ((o = s->ops)) {
 		s->ops = o->next;
 		if (o->fn) {
+			/* the work after it waits until it returns, as with the real driver */
 			o->next = NULL;
+			o->on = s;
 			*host_fns_end = o;
 			host_fns_end = &o->next;
+			s->host_fn_running = true;
 			pthread_cond_signal(&host_fns_cv);
-			continue;
+			if (s->ops)
+				logf_("work-behind-host-function stream=%p",
+				      s == &legacy_q ? (void *)CU_STREAM_LEGACY : (void *)s);
+			break;
 		}
 		memcpy(o->dst, o->copy ? o->copy : o->src, o->n);
 		free(o->copy);
 		free(o);
 	}
-	s->ops_end = &s->ops;
+	if (!s->ops)
+		s->ops_end = &s->ops;
 }
 
 /* Run the queued work of every stream (destroyed ones too) that can run now. With mu. */
@@ -428,6 +440,7 @@ EXPORT void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t 
 EXPORT unsigned fake_cuda_live(void);
 EXPORT void fake_cuda_kernel(CUstream s, unsigned ticks);
 EXPORT void fake_cuda_clock_advance(unsigned ticks);
+EXPORT void fake_cuda_sticky_error(void);
 static bool time_step(void);
 
 static bool env_on(const char *name)
@@ -1084,9 +1097,10 @@ EXPORT CUresult cuEventQuery(CUevent hEvent)
 		return CUDA_ERROR_INVALID_HANDLE;
 	pthread_mutex_lock(&mu);
 	/* querying an event recorded inside a capture is an error whatever the mode */
-	r = hEvent->captured  ? CUDA_ERROR_CAPTURED_EVENT
-	    : pending(hEvent) ? CUDA_ERROR_NOT_READY
-			      : CUDA_SUCCESS;
+	r = sticky	       ? CUDA_ERROR_LAUNCH_FAILED
+	    : hEvent->captured ? CUDA_ERROR_CAPTURED_EVENT
+	    : pending(hEvent)  ? CUDA_ERROR_NOT_READY
+			       : CUDA_SUCCESS;
 	pthread_mutex_unlock(&mu);
 	logf_("cuEventQuery event=%d:%u result=%d", hEvent->pid, hEvent->id, (int)r);
 	return r;
@@ -1098,9 +1112,16 @@ EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
-	logf_("cuEventSynchronize event=%d:%u", hEvent->pid, hEvent->id);
+	logf_("cuEventSynchronize event=%d:%u%s", hEvent->pid, hEvent->id,
+	      hEvent->flags & CU_EVENT_BLOCKING_SYNC ? " blocking" : "");
 	pthread_mutex_lock(&mu);
-	while (pending(hEvent)) {
+	while (pending(hEvent) && !sticky) {
+		/* a blocking-sync event of this process's: the thread sleeps until the clock (or
+		 * the test's let-go) reaches the event; it moves no time itself */
+		if ((hEvent->flags & CU_EVENT_BLOCKING_SYNC) && hEvent->pid == getpid()) {
+			pthread_cond_wait(&let_go_cv, &mu);
+			continue;
+		}
 		if (time_step())
 			continue;
 		/* another process's work ends without a word to this one: look again */
@@ -1109,7 +1130,7 @@ EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 		pthread_mutex_lock(&mu);
 	}
 	pthread_mutex_unlock(&mu);
-	return CUDA_SUCCESS;
+	return sticky ? CUDA_ERROR_LAUNCH_FAILED : CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuEventDestroy(CUevent hEvent)
@@ -1271,8 +1292,9 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 	pthread_mutex_lock(&mu);
 	/* the legacy stream waits for every (blocking) stream, held ones included */
-	while (made_stream(hStream) ? blocked(hStream)
-				    : hStream != CU_STREAM_PER_THREAD && held_blocking > 0) {
+	while (!sticky &&
+	       (made_stream(hStream) ? blocked(hStream)
+				     : hStream != CU_STREAM_PER_THREAD && held_blocking > 0)) {
 		if (time_step())
 			continue;
 		pthread_mutex_unlock(&mu);
@@ -1280,8 +1302,9 @@ EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 		pthread_mutex_lock(&mu);
 	}
 	run_ops(made_stream(hStream) ? hStream : &legacy_q);
+	invalid = sticky;
 	pthread_mutex_unlock(&mu);
-	return CUDA_SUCCESS;
+	return invalid ? CUDA_ERROR_LAUNCH_FAILED : CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
@@ -1504,12 +1527,27 @@ EXPORT CUresult cuCtxSynchronize(void)
 		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 	}
 	pthread_mutex_lock(&mu);
-	while (held_streams > 0)
+	while (held_streams > 0 && !sticky)
 		if (!time_step())
 			pthread_cond_wait(&let_go_cv, &mu);
 	run_all();
+	busy = sticky;
 	pthread_mutex_unlock(&mu);
-	return CUDA_SUCCESS;
+	return busy ? CUDA_ERROR_LAUNCH_FAILED : CUDA_SUCCESS;
+}
+
+/*
+ * Test hook: a sticky error (a kernel faulted): from now on event queries and
+ * synchronizations answer CUDA_ERROR_LAUNCH_FAILED at once (those waiting wake up with it),
+ * the held work never completes, and queued host functions never run.
+ */
+EXPORT void fake_cuda_sticky_error(void)
+{
+	pthread_mutex_lock(&mu);
+	sticky = true;
+	pthread_cond_broadcast(&let_go_cv);
+	pthread_mutex_unlock(&mu);
+	logf_("sticky-error");
 }
 
 EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
@@ -1555,7 +1593,7 @@ static void *host_fn_thread(void *arg)
 	(void)arg;
 	pthread_mutex_lock(&mu);
 	for (;;) {
-		while (!host_fns)
+		while (!host_fns || sticky) /* after a sticky error none runs */
 			pthread_cond_wait(&host_fns_cv, &mu);
 		o = host_fns;
 		host_fns = o->next;
@@ -1564,8 +1602,11 @@ static void *host_fn_thread(void *arg)
 		pthread_mutex_unlock(&mu);
 		logf_("host-function runs");
 		o->fn(o->arg);
-		free(o);
 		pthread_mutex_lock(&mu);
+		/* it returned: the work queued after it on its stream may run */
+		o->on->host_fn_running = false;
+		run_ops(o->on);
+		free(o);
 	}
 	return NULL;
 }

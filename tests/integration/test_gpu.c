@@ -11,14 +11,17 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sched.h>
+#include <unistd.h>
 #include <sys/mount.h>
 #include <sys/wait.h>
 
 #include "cuda_api.h"
+#include "gpu.h"
 #include "harness.h"
 #include "limits.h"
 
@@ -114,6 +117,7 @@ void fake_cuda_write_later(CUstream s, void *dst, const void *src, size_t n);
 unsigned fake_cuda_live(void);
 void fake_cuda_kernel(CUstream s, unsigned ticks);
 void fake_cuda_clock_advance(unsigned ticks);
+void fake_cuda_sticky_error(void);
 
 /* ---- device tensors over fake device memory ---- */
 
@@ -1359,9 +1363,10 @@ END_TEST
 /* ---- 17. release ordered after the consumer's work ---- */
 
 /*
- * How many times the library's retiring thread may look at a release's event while the
- * consumer's kernel runs, however long it runs: once when the release comes, once more for
- * another release or a spurious wake-up. A thread that polled would look every millisecond.
+ * How many times the library's retiring thread may look at a release's event, or wake up to
+ * wait on it, while the consumer's kernel runs, however long it runs: once when the release
+ * comes, once more for another release or a spurious wake-up. A thread that polled would look
+ * every millisecond.
  */
 #define PENDING_QUERIES_MAX 3
 
@@ -1390,17 +1395,23 @@ static int release_behind_held_work(void *arg)
 	snprintf(want, sizeof(want), "stream=%p", (void *)s);
 	CHILD_CHECK(log_count2(getpid(), "cuEventRecord", want) == 0);
 	/* while it runs the memory stays mapped and referenced, so no RECLAIM can reach the
-	 * publisher; nothing waits on the host, and the library's thread, once it found the
-	 * event not ready, sleeps until the host function behind it runs: it does not poll */
-	CHILD_CHECK(log_count(getpid(), "cuLaunchHostFunc stream=0x1 result=0") == 1);
+	 * publisher; the deleter waited for nothing, and the library's thread, once it found the
+	 * event not ready, sleeps in the driver on that (blocking-sync) event: it does not poll,
+	 * and it queued nothing on any stream (no host function) */
 	CHILD_CHECK(refs_stay(c, 1));
 	CHILD_CHECK(log_appears(getpid(), "result=600")); /* cuEventQuery: not ready */
+	CHILD_CHECK(log_appears(getpid(), "cuEventSynchronize"));
 	CHILD_CHECK(log_count(getpid(), "cuEventQuery") <= PENDING_QUERIES_MAX);
 	/* and it stays asleep for as long as the kernel runs */
 	usleep(200000);
 	CHILD_CHECK(log_count(getpid(), "cuEventQuery") <= PENDING_QUERIES_MAX);
+	CHILD_CHECK(log_count2(getpid(), "cuEventSynchronize", "blocking") <= PENDING_QUERIES_MAX);
+	CHILD_CHECK(log_count(getpid(), "cuEventSynchronize") ==
+		    log_count2(getpid(), "cuEventSynchronize", "blocking"));
 	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
-	CHILD_CHECK(log_count(getpid(), "Synchronize") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuStreamSynchronize") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuLaunchHostFunc") == 0);
 	/* the kernel ends: unmapped and released without another call of the consumer's */
 	fake_cuda_stream_hold(s, 0);
 	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
@@ -1415,6 +1426,95 @@ START_TEST(release_after_consumer_work)
 
 	publisher_start(&p);
 	ck_assert_int_eq(wait_child(spawn(release_behind_held_work, NULL)), 0);
+	publisher_stop(&p);
+}
+END_TEST
+
+/*
+ * A release adds nothing to the consumer's streams: work the consumer queues on the legacy
+ * stream after dropping a tensor (which every blocking stream follows) runs when the fake's
+ * clock says its kernel before it ended, not after a thread of libdlpc's or the driver's has
+ * run (the fake holds work queued behind a host function until it returns, as the driver does).
+ */
+static int release_leaves_streams_free(void *arg)
+{
+	dlpc_attach_opts o = {.size = sizeof(o)};
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	float got[NELEM] = {0};
+	int mark = 0, one = 1;
+	CUstream s;
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
+	o.stream = s;
+	CHILD_CHECK(dlpc_attach(c, "gpu/h", &o, &t) == 1);
+	fake_cuda_kernel(s, 40);
+	fake_cuda_read_later(s, t->dl_tensor.data, got, sizeof(got));
+	t->deleter(t);
+	/* the consumer's next work, after the release, behind the kernel */
+	fake_cuda_write_later(CU_STREAM_LEGACY, &mark, &one, sizeof(mark));
+	CHILD_CHECK(refs_stay(c, 1));
+	CHILD_CHECK(mark == 0);
+	/* the kernel ends: the read and the consumer's next work have run, in this call */
+	fake_cuda_clock_advance(40);
+	CHILD_CHECK(mark == 1 && same(got, NELEM, 1.0f));
+	CHILD_CHECK(log_count(getpid(), "work-behind-host-function") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuLaunchHostFunc") == 0);
+	/* and then the release */
+	CHILD_CHECK(refs_reach(c, 0));
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	CHILD_CHECK(log_count(getpid(), "freed-under-pending-work") == 0);
+	dlpc_close(c);
+	return 0;
+}
+
+/*
+ * A release whose event never completes because the context is lost (a sticky error: a
+ * kernel faulted) does not stay pending: the retiring thread, asleep on the event, wakes with
+ * the error, lets the memory go, and says so on stderr.
+ */
+static int release_after_sticky_error(void *arg)
+{
+	dlpc_attach_opts o = {.size = sizeof(o)};
+	DLManagedTensorVersioned *t = NULL;
+	dlpc_client *c = NULL;
+	char err[1024] = {0};
+	FILE *f = tmpfile();
+	CUstream s;
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(f && dup2(fileno(f), STDERR_FILENO) == STDERR_FILENO);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
+	o.stream = s;
+	CHILD_CHECK(dlpc_attach(c, "gpu/h", &o, &t) == 1);
+	fake_cuda_stream_hold(s, 1);
+	t->deleter(t);
+	CHILD_CHECK(log_appears(getpid(), "result=600")); /* looked once: not ready */
+	CHILD_CHECK(refs_stay(c, 1));
+	fake_cuda_sticky_error();
+	CHILD_CHECK(refs_reach(c, 0));
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	CHILD_CHECK(pread(fileno(f), err, sizeof(err) - 1, 0) > 0);
+	CHILD_CHECK(strstr(err, "CUDA device 0: the consumer's work ended in a CUDA error "
+				"(cuCtxSynchronize failed: CUDA error 719)"));
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(release_streams_free)
+{
+	struct publisher p = {.names = {"gpu/h", NULL}};
+
+	publisher_start(&p);
+	ck_assert_int_eq(wait_child(spawn(release_leaves_streams_free, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(release_after_sticky_error, NULL)), 0);
 	publisher_stop(&p);
 }
 END_TEST
@@ -1732,10 +1832,75 @@ static int fake_clock_rules(void *arg)
 	return 0;
 }
 
+/* A host function that returns once the test writes a byte to the pipe it reads. */
+static void host_fn_gate(void *arg)
+{
+	char b;
+
+	if (read(*(int *)arg, &b, 1) != 1)
+		abort();
+}
+
+static void *event_sync(void *arg)
+{
+	return (void *)(intptr_t)cuEventSynchronize(arg);
+}
+
+/*
+ * The fake's host functions and blocking-sync events, as the driver's: work queued after a
+ * host function waits until the function returns; cuEventSynchronize of a blocking-sync event
+ * sleeps until the clock reaches the event, and does not move the clock itself.
+ */
+static int fake_host_fn_rules(void *arg)
+{
+	int gate[2], v = 0, one = 1;
+	pthread_t t;
+	void *ret;
+	CUstream s;
+	CUevent e;
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(pipe(gate) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
+	fake_cuda_stream_hold(s, 1);
+	CHILD_CHECK(cuLaunchHostFunc(CU_STREAM_LEGACY, host_fn_gate, &gate[0]) == CUDA_SUCCESS);
+	fake_cuda_write_later(CU_STREAM_LEGACY, &v, &one, sizeof(v));
+	fake_cuda_stream_hold(s, 0);
+	/* the host function runs, and the write behind it waits until it returns */
+	CHILD_CHECK(log_appears(getpid(), "host-function runs"));
+	CHILD_CHECK(log_count(getpid(), "work-behind-host-function") == 1);
+	CHILD_CHECK(__atomic_load_n(&v, __ATOMIC_SEQ_CST) == 0);
+	CHILD_CHECK(write(gate[1], "x", 1) == 1);
+	for (int i = 0; i < 1000 && __atomic_load_n(&v, __ATOMIC_SEQ_CST) == 0; i++)
+		usleep(10000);
+	CHILD_CHECK(__atomic_load_n(&v, __ATOMIC_SEQ_CST) == 1);
+	/* a blocking-sync event behind a timed kernel: its synchronization waits for the test */
+	CHILD_CHECK(cuEventCreate(&e, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) ==
+		    CUDA_SUCCESS);
+	fake_cuda_kernel(s, 20);
+	CHILD_CHECK(cuEventRecord(e, s) == CUDA_SUCCESS);
+	CHILD_CHECK(pthread_create(&t, NULL, event_sync, e) == 0);
+	CHILD_CHECK(log_appears(getpid(), "cuEventSynchronize"));
+	CHILD_CHECK(cuEventQuery(e) == CUDA_ERROR_NOT_READY);
+	fake_cuda_clock_advance(19);
+	CHILD_CHECK(cuEventQuery(e) == CUDA_ERROR_NOT_READY);
+	fake_cuda_clock_advance(1);
+	CHILD_CHECK(pthread_join(t, &ret) == 0 && (intptr_t)ret == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventQuery(e) == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventDestroy(e) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamDestroy(s) == CUDA_SUCCESS);
+	close(gate[0]);
+	close(gate[1]);
+	return 0;
+}
+
 START_TEST(fake_streams)
 {
 	ck_assert_int_eq(wait_child(spawn(fake_stream_rules, NULL)), 0);
 	ck_assert_int_eq(wait_child(spawn(fake_clock_rules, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(fake_host_fn_rules, NULL)), 0);
 }
 END_TEST
 
@@ -1830,8 +1995,54 @@ static int attach_device_1(void *arg)
 	return 0;
 }
 
+/*
+ * Releases waiting on two devices at once: the retiring thread blocks on neither device's event
+ * (that would keep the other's release waiting for it), and it does not poll either: it looks
+ * every DLPC_CUDA_RETIRE_FALLBACK_MS. A graph capture makes both wait for one look, which
+ * records both events behind a held blocking stream.
+ */
+#define SPREAD_WAIT_MS 500
+#define SPREAD_QUERIES_MAX (2 * (SPREAD_WAIT_MS / DLPC_CUDA_RETIRE_FALLBACK_MS + 2))
+
+static int release_on_two_devices(void *arg)
+{
+	DLManagedTensorVersioned *t0 = NULL, *t1 = NULL;
+	dlpc_client *c = NULL;
+	CUstream cap, held;
+	int q;
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(dlpc_attach(c, "gpu/h", NULL, &t0) == 1);
+	CHILD_CHECK(dlpc_attach(c, "gpu/d1/ipc", NULL, &t1) == 1);
+	CHILD_CHECK(t0->dl_tensor.device.device_id == 0 && t1->dl_tensor.device.device_id == 1);
+	CHILD_CHECK(cuStreamCreate(&cap, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&held, 0) == CUDA_SUCCESS);
+	fake_cuda_stream_hold(held, 1);
+	fake_cuda_capture(cap, 1);
+	t0->deleter(t0);
+	t1->deleter(t1);
+	fake_cuda_capture(cap, 0);
+	CHILD_CHECK(log_reaches(getpid(), "stream=0x1 behind-held-work", 2));
+	CHILD_CHECK(log_appears(getpid(), "result=600")); /* cuEventQuery: not ready */
+	q = log_count(getpid(), "cuEventQuery");
+	usleep(SPREAD_WAIT_MS * 1000);
+	CHILD_CHECK(log_count(getpid(), "cuEventQuery") - q <= SPREAD_QUERIES_MAX);
+	CHILD_CHECK(log_count2(getpid(), "cuEventSynchronize", "blocking") == 0);
+	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 0);
+	fake_cuda_stream_hold(held, 0);
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 2));
+	CHILD_CHECK(cuStreamDestroy(cap) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamDestroy(held) == CUDA_SUCCESS);
+	dlpc_close(c);
+	return 0;
+}
+
 START_TEST(several_devices)
 {
+	struct publisher dev0 = {.names = {"gpu/h", NULL}};
 	struct dev1_publisher p;
 	int same_order = 1, swapped = 0, unseen = -1;
 	pid_t pub;
@@ -1852,6 +2063,9 @@ START_TEST(several_devices)
 	ck_assert_int_eq(setenv("FAKE_CUDA_VISIBLE", "0", 1), 0);
 	ck_assert_int_eq(wait_child(spawn(attach_device_1, &unseen)), 0);
 	unsetenv("FAKE_CUDA_VISIBLE");
+	publisher_start(&dev0);
+	ck_assert_int_eq(wait_child(spawn(release_on_two_devices, NULL)), 0);
+	publisher_stop(&dev0);
 	unsetenv("FAKE_CUDA_DEVICES");
 	close(p.quit[1]);
 	close(p.ready[0]);
@@ -2024,6 +2238,7 @@ static Suite *gpu_suite(void)
 		{"ipc_pid_namespace", ipc_pid_namespace},
 		{"ipc_publish_unknown_outcome", ipc_publish_unknown_outcome},
 		{"release_after_consumer_work", release_after_consumer_work},
+		{"release_streams_free", release_streams_free},
 		{"release_during_capture", release_during_capture},
 		{"release_after_stream_destroyed", release_after_stream_destroyed_case},
 		{"release_after_queued_reads", release_after_queued_reads},
