@@ -527,7 +527,10 @@ def test_exchange_api_orders_cuda_tensors(ipc, py, gpu_env, tmp_path):
             while not log_lines("cuIpcCloseMemHandle") and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert log_lines("cuIpcCloseMemHandle")
-            assert not log_lines("Synchronize"), log_lines("Synchronize")
+            # the library's thread sleeps on its release event (cuEventSynchronize): no stream
+            # or context of the consumer's was synchronized
+            syncs = [l for l in log_lines("Synchronize") if "cuEventSynchronize" not in l]
+            assert not syncs, syncs
         """).replace("import ctypes, os, sys", "import ctypes, os, sys, time"), env=gpu_env)
     finally:
         open(go, "w").close()
