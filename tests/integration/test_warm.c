@@ -494,7 +494,8 @@ static Suite *warm_suite(void)
 	TCase *tc = tcase_create("pool");
 
 	tcase_add_checked_fixture(tc, setup, teardown);
-	tcase_set_timeout(tc, 60);
+	/* scaled: under valgrind on a busy machine a case takes minutes */
+	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
 	tcase_add_test(tc, test_warm_publish_is_sealed);
 	tcase_add_test(tc, test_warm_never_twice);
 	tcase_add_test(tc, test_warm_bytes_bound);
