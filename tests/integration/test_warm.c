@@ -34,9 +34,9 @@ static void teardown(void)
 	daemon_stop(&D);
 }
 
-/* The fds of this process on memfds labelled @p link, and in *@p bytes (if not NULL) the bytes
- * allocated to them. */
-static int fds_on(const char *link, uint64_t *bytes)
+/* The fds of this process on memfds labelled @p link; in *@p bytes (if not NULL) the bytes
+ * allocated to them, in *@p filled (if not NULL) how many have every page allocated. */
+static int fds_scan(const char *link, uint64_t *bytes, int *filled)
 {
 	DIR *d = opendir("/proc/self/fd");
 	struct dirent *e;
@@ -45,6 +45,8 @@ static int fds_on(const char *link, uint64_t *bytes)
 	ck_assert_ptr_nonnull(d);
 	if (bytes)
 		*bytes = 0;
+	if (filled)
+		*filled = 0;
 	while ((e = readdir(d))) {
 		char path[300], target[300];
 		struct stat st;
@@ -58,37 +60,29 @@ static int fds_on(const char *link, uint64_t *bytes)
 		if (strcmp(target, link) != 0)
 			continue;
 		n++;
-		if (bytes && stat(path, &st) == 0)
+		if (stat(path, &st) != 0)
+			continue;
+		if (bytes)
 			*bytes += (uint64_t)st.st_blocks * 512;
+		if (filled)
+			*filled += (uint64_t)st.st_blocks * 512 >= (uint64_t)st.st_size;
 	}
 	closedir(d);
 	return n;
+}
+
+static int fds_on(const char *link, uint64_t *bytes)
+{
+	return fds_scan(link, bytes, NULL);
 }
 
 /* Does the pool hold @p n memfds, each with every page allocated? A fill's memfd shows before
  * its pages are there; a publish then would find nothing ready. */
 static bool warm_ready(int n)
 {
-	DIR *d = opendir("/proc/self/fd");
-	struct dirent *e;
-	int ready = 0;
+	int filled;
 
-	ck_assert_ptr_nonnull(d);
-	while ((e = readdir(d))) {
-		char path[300], target[300];
-		struct stat st;
-		ssize_t len;
-
-		snprintf(path, sizeof(path), "/proc/self/fd/%s", e->d_name);
-		len = readlink(path, target, sizeof(target) - 1);
-		if (len <= 0)
-			continue;
-		target[len] = 0;
-		ready += strcmp(target, WARM_LINK) == 0 && stat(path, &st) == 0 &&
-			 (uint64_t)st.st_blocks * 512 >= (uint64_t)st.st_size;
-	}
-	closedir(d);
-	return ready == n && fds_on(WARM_LINK, NULL) == n;
+	return fds_scan(WARM_LINK, NULL, &filled) == n && filled == n;
 }
 
 /* Wait (a scaled 5 s at most) until the pool holds @p n memfds, filled; whether it did. */
