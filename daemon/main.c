@@ -20,6 +20,9 @@
 #include "systemd.h"
 #include "upgrade.h"
 
+/* The kernel's settings of transparent huge pages. */
+#define THP_DIR "/sys/kernel/mm/transparent_hugepage/"
+
 /* Every entry holds an fd: use all the fds the hard limit allows, not the soft 1024. */
 static void raise_fd_limit(void)
 {
@@ -31,6 +34,66 @@ static void raise_fd_limit(void)
 			dlpd_log(LOG_WARNING, "cannot raise the fd limit to %llu: %m",
 				 (unsigned long long)rl.rlim_max);
 	}
+}
+
+/* The bracketed word of the sysfs choice in THP_DIR @p file ("always [advise] never") into
+ * @p word (32 bytes); false where it cannot be read. */
+static bool thp_choice(const char *file, char word[32])
+{
+	char path[160], line[160] = "", *open, *close;
+	FILE *f;
+
+	snprintf(path, sizeof(path), THP_DIR "%s", file);
+	f = fopen(path, "re");
+	if (!f)
+		return false;
+	if (!fgets(line, sizeof(line), f))
+		line[0] = '\0';
+	fclose(f);
+	open = strchr(line, '[');
+	close = open ? strchr(open, ']') : NULL;
+	if (!close || close - open > 32)
+		return false;
+	snprintf(word, 32, "%.*s", (int)(close - open - 1), open + 1);
+	return true;
+}
+
+/* "hugepages-<PMD size>kB/shmem_enabled" into @p file; false where the PMD size is unknown. */
+static bool pmd_kib(char *file, size_t cap)
+{
+	FILE *f = fopen(THP_DIR "hpage_pmd_size", "re");
+	unsigned long long bytes = 0;
+	bool ok = f && fscanf(f, "%llu", &bytes) == 1 && bytes >= 1024;
+
+	if (f)
+		fclose(f);
+	if (ok)
+		snprintf(file, cap, "hugepages-%llukB/shmem_enabled", bytes >> 10);
+	return ok;
+}
+
+/* The kernel's setting of transparent huge pages for shared memory, which decides the page size
+ * of the storages libdlpc copies into (as libdlpc reads it: the PMD size's own setting unless
+ * it says "inherit", else shmem_enabled): a notice where it leaves them 4 KiB pages
+ * (dlpackd(8), LOGGING). Read once at start; an upgrade (@p upgrading) does not repeat it. */
+static void note_shmem_huge_pages(bool upgrading)
+{
+	char pmd[32] = "", file[96], word[32];
+
+	if (upgrading || !thp_choice("shmem_enabled", word))
+		return;
+	if (!pmd_kib(file, sizeof(file)))
+		snprintf(file, sizeof(file), "hugepages-2048kB/shmem_enabled");
+	if (thp_choice(file, pmd) && strcmp(pmd, "inherit") != 0)
+		snprintf(word, sizeof(word), "%s", pmd);
+	else
+		snprintf(file, sizeof(file), "shmem_enabled");
+	if (strcmp(word, "never") == 0 || strcmp(word, "deny") == 0)
+		dlpd_log(LOG_NOTICE,
+			 "shared memory has no transparent huge pages (%s%s: %s): storages that "
+			 "libdlpc copies into take 4 KiB pages, which a publisher allocates and an "
+			 "attacher maps one by one; 'advise' there lets them take 2 MiB pages",
+			 THP_DIR, file, word);
 }
 
 /* Sort the passed fds: the listening socket, the lock an upgrading image passes with it, and
@@ -140,6 +203,7 @@ int main(int argc, char **argv)
 	struct dlpd_server srv;
 	sigset_t stop_signals;
 	size_t npassed = 0;
+	bool upgrading = false;
 	uv_loop_t loop;
 	int r;
 
@@ -155,6 +219,9 @@ int main(int argc, char **argv)
 		dlpd_log(LOG_ERR, "refusing to start: %s", why);
 		return 2;
 	}
+	/* an upgrade in place names the listening socket it hands over "listen" (upgrade.c) */
+	for (size_t i = 0; i < npassed; i++)
+		upgrading |= strcmp(passed[i].name, "listen") == 0;
 	if (sort_passed(passed, npassed, &how) < 0) {
 		free(passed);
 		return 2;
@@ -186,6 +253,7 @@ int main(int argc, char **argv)
 	/* returns once dlpd_server_stop() has closed every handle */
 	if (r == 0) {
 		sigprocmask(SIG_UNBLOCK, &stop_signals, NULL);
+		note_shmem_huge_pages(upgrading);
 		dlpd_notify("READY=1\nSTATUS=listening on %s, %zu entries", srv.path,
 			    srv.reg.names.count);
 	} else {

@@ -2,11 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # Huge pages, as root: shared memory's transparent huge pages set to "advise" and then to
 # "within_size", and a hugetlbfs pool reserved, each for test_huge (DLPC_TEST_HUGE=thp, then
-# hugetlb). The machine's settings are put back on every exit path (the EXIT trap). Not root,
-# or no writable sysfs: exit 77 with the reason.
-# Usage: huge.sh TEST_HUGE
+# hugetlb), and dlpackd's notice at start where shared memory has no huge pages (in "never" and
+# only there). The machine's settings are put back on every exit path (the EXIT trap). Not
+# root, or no writable sysfs: exit 77 with the reason.
+# Usage: huge.sh TEST_HUGE DLPACKD
 set -euo pipefail
-bin=$1
+bin=$1 dlpackd=$2
 thp=/sys/kernel/mm/transparent_hugepage
 if [ "$(id -u)" != 0 ]; then
 	echo "huge.sh: skipped: not root, so shmem_enabled and vm.nr_hugepages cannot be set"
@@ -34,19 +35,56 @@ restore() {
 		echo "huge.sh: FAILED to restore:$failed (set them back by hand)" >&2
 		exit 1
 	fi
+	if [ -n "$tmp" ]; then rm -rf "$tmp"; fi
 	echo "huge.sh: restored shmem_enabled $old_thp${old_per:+ ($per: $old_per)}, vm.nr_hugepages $old_nr"
 	exit "$rc"
 }
+tmp=
 trap restore EXIT
 trap 'exit 130' INT TERM HUP
+tmp=$(mktemp -d /tmp/dlpc-huge-XXXXXX)
+
+# dlpackd started with shmem_enabled as it is now: whether its log at start has the notice
+# about huge pages (it is written before READY, so before "listening" is not enough: wait for
+# the daemon to answer, then stop it)
+daemon_notes() {
+	local pid n=0
+	"$dlpackd" --socket "$tmp/d.sock" 2>"$tmp/d.log" &
+	pid=$!
+	until grep -q "limits:" "$tmp/d.log" 2>/dev/null && [ -S "$tmp/d.sock" ]; do
+		n=$((n + 1))
+		if [ "$n" -gt 500 ] || ! kill -0 "$pid" 2>/dev/null; then
+			kill "$pid" 2>/dev/null || true
+			echo "huge.sh: dlpackd did not start:" >&2
+			cat "$tmp/d.log" >&2
+			exit 1
+		fi
+		sleep 0.01
+	done
+	sleep 0.2
+	kill "$pid"
+	wait "$pid" || true
+	grep -q "no transparent huge pages" "$tmp/d.log"
+}
 
 if [ -n "$old_per" ]; then echo inherit >"$per"; fi
 for mode in advise within_size; do
 	echo "$mode" >"$thp/shmem_enabled"
 	echo "huge.sh: shmem_enabled $mode"
 	DLPC_TEST_HUGE=thp "$bin"
+	if daemon_notes; then
+		echo "huge.sh: FAILED: dlpackd says shared memory has no huge pages with $mode:" >&2
+		cat "$tmp/d.log" >&2
+		exit 1
+	fi
 done
 echo never >"$thp/shmem_enabled"
+if ! daemon_notes; then
+	echo "huge.sh: FAILED: dlpackd did not say that shared memory has no huge pages (never):" >&2
+	cat "$tmp/d.log" >&2
+	exit 1
+fi
+echo "huge.sh: dlpackd notes the missing huge pages with never, and only then"
 # 2 + 32 pages for the test, a few more for the rest of the machine's use
 echo $((old_nr + 40)) >/proc/sys/vm/nr_hugepages
 free=$(awk '/^HugePages_Free:/ { print $2 }' /proc/meminfo)
