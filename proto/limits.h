@@ -36,11 +36,12 @@
  * wakes writers of a Unix datagram socket only once its buffer is three quarters free. */
 #define DLPC_DIRECT_RETRY_MS 1
 
-/* libdlpc's warm pool (client/warm.c): the most memfds it keeps ready, the most recent sizes it
- * keeps them for, how many of one size, and the longest $DLPC_WARM_IDLE_MS it honours. */
-#define DLPC__WARM_FDS_MAX 16
+/* libdlpc's warm pool (client/warm.c): the most recent sizes it keeps memfds ready for, how
+ * many of one size, the most memfds it keeps ready in all (every size at that depth), and the
+ * longest $DLPC_WARM_IDLE_MS it honours. */
 #define DLPC__WARM_SIZES_MAX 8
 #define DLPC__WARM_DEPTH_MAX 2
+#define DLPC__WARM_FDS_MAX (DLPC__WARM_SIZES_MAX * DLPC__WARM_DEPTH_MAX)
 #define DLPC__WARM_IDLE_MS_MAX 3600000
 /* From this many bytes a warm memfd is kept mapped in the process, its pages faulted in, and the
  * copy path copies into the mapping (then unmaps it, before the seal) instead of write(): past

@@ -301,6 +301,89 @@ START_TEST(test_warm_sizes_bound)
 }
 END_TEST
 
+/* A size of the pool's class @p k (0..DLPC__WARM_SIZES_MAX-1): each a quarter or more above
+ * the one before, so that no two classes share memfds (a memfd serves a storage up to an
+ * eighth smaller than itself). */
+static size_t class_size(int k)
+{
+	size_t s = MIB;
+
+	for (int i = 0; i < k; i++)
+		s += s / 4 + 64 * 1024;
+	return s;
+}
+
+/* Publish @p misses sizes of class @p k, each 64 KiB larger than the one before: each is a
+ * miss (the memfds ready for the class are all smaller than it), which asks the pool for one
+ * more memfd of the class, up to DLPC__WARM_DEPTH_MAX. */
+static void publish_misses(dlpc_client *c, int k, int misses)
+{
+	for (int i = 0; i < misses; i++) {
+		char name[32];
+
+		snprintf(name, sizeof(name), "w/c%d.%d", k, i);
+		publish_filled(c, name, class_size(k) + (size_t)i * 64 * 1024, i + 1);
+	}
+}
+
+/* However often a size misses, the pool keeps DLPC__WARM_DEPTH_MAX memfds of it, no more. */
+START_TEST(test_warm_depth_bound)
+{
+	dlpc_client *c;
+	uint64_t bytes;
+	int misses = DLPC__WARM_DEPTH_MAX + 3;
+
+	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1);
+	c = connect_or_die(&D);
+	publish_misses(c, 3, misses);
+	ck_assert_msg(wait_warm(DLPC__WARM_DEPTH_MAX), "the pool holds %d memfds after %d misses",
+		      fds_on(WARM_LINK, NULL), misses);
+	usleep((useconds_t)scaled_ms(300) * 1000); /* nothing more comes */
+	ck_assert_int_eq(fds_on(WARM_LINK, &bytes), DLPC__WARM_DEPTH_MAX);
+	/* all of the size last asked for: those too small for it were given back */
+	ck_assert_uint_ge(bytes, DLPC__WARM_DEPTH_MAX *
+					 (class_size(3) + (uint64_t)(misses - 1) * 64 * 1024));
+	dlpc_close(c);
+}
+END_TEST
+
+/* Every size the pool keeps (DLPC__WARM_SIZES_MAX) used at the depth it allows: DLPC__WARM_FDS_MAX
+ * memfds, no more, also once one more size takes the place of the least recently used one. */
+START_TEST(test_warm_fds_bound)
+{
+	dlpc_client *c;
+
+	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1);
+	c = connect_or_die(&D);
+	for (int k = 0; k < DLPC__WARM_SIZES_MAX; k++)
+		publish_misses(c, k, DLPC__WARM_DEPTH_MAX + 1);
+	ck_assert_msg(wait_warm(DLPC__WARM_FDS_MAX), "the pool holds %d memfds, not %d",
+		      fds_on(WARM_LINK, NULL), DLPC__WARM_FDS_MAX);
+	/* a size more: its memfds take the place of the least recently used size's */
+	publish_misses(c, DLPC__WARM_SIZES_MAX, DLPC__WARM_DEPTH_MAX + 1);
+	usleep((useconds_t)scaled_ms(300) * 1000);
+	ck_assert_int_le(fds_on(WARM_LINK, NULL), DLPC__WARM_FDS_MAX);
+	ck_assert(wait_warm(DLPC__WARM_FDS_MAX));
+	dlpc_close(c);
+}
+END_TEST
+
+/* A $DLPC_WARM_IDLE_MS past DLPC__WARM_IDLE_MS_MAX is that maximum: the pool keeps its memfds
+ * (a deadline of now + the value as given would wrap around and give them back at once). */
+START_TEST(test_warm_idle_max)
+{
+	dlpc_client *c;
+
+	setenv(DLPC_WARM_IDLE_MS_ENV, "9223372036854775807", 1);
+	c = connect_or_die(&D);
+	publish_filled(c, "w/long", 2 * MIB, 1);
+	ck_assert_msg(wait_warm(1), "no memfd kept with DLPC_WARM_IDLE_MS=INT64_MAX");
+	usleep((useconds_t)scaled_ms(300) * 1000);
+	ck_assert_int_eq(fds_on(WARM_LINK, NULL), 1);
+	dlpc_close(c);
+}
+END_TEST
+
 /* The thread's voluntary context switches: how often it woke. */
 static long thread_wakes(void)
 {
@@ -532,6 +615,9 @@ static Suite *warm_suite(void)
 	tcase_add_test(tc, test_warm_never_twice);
 	tcase_add_test(tc, test_warm_bytes_bound);
 	tcase_add_test(tc, test_warm_sizes_bound);
+	tcase_add_test(tc, test_warm_depth_bound);
+	tcase_add_test(tc, test_warm_fds_bound);
+	tcase_add_test(tc, test_warm_idle_max);
 	tcase_add_test(tc, test_warm_idle);
 	tcase_add_test(tc, test_warm_off);
 	tcase_add_test(tc, test_warm_last_close);
