@@ -15,6 +15,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,16 +115,36 @@ enum dlpc__huge dlpc__huge_for(uint64_t size, bool tlb_ok)
 	return thp ? thp_now() : DLPC__HUGE_NONE;
 }
 
+/* Read: a writable mapping made and not yet MADV_DONTFORK; write: a fork(). */
+static pthread_rwlock_t fork_guard = PTHREAD_RWLOCK_INITIALIZER;
+
+void dlpc__huge_atfork(int phase)
+{
+	if (phase == 0)
+		pthread_rwlock_wrlock(&fork_guard);
+	else if (phase == 1)
+		pthread_rwlock_unlock(&fork_guard);
+	else
+		pthread_rwlock_init(&fork_guard, NULL);
+}
+
 void *dlpc__huge_map(int fd, size_t len, bool advise)
 {
-	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	void *p;
+	int err = 0;
 
-	if (p == MAP_FAILED)
-		return NULL;
-	/* a child forked meanwhile must not inherit it: a writable mapping anywhere makes
-	 * F_SEAL_WRITE fail */
-	if (madvise(p, len, MADV_DONTFORK) < 0) {
+	/* a child forked between the two calls would inherit the mapping, writable: F_SEAL_WRITE
+	 * fails while any exists */
+	pthread_rwlock_rdlock(&fork_guard);
+	p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (p != MAP_FAILED && madvise(p, len, MADV_DONTFORK) < 0) {
+		err = errno;
 		munmap(p, len);
+		p = MAP_FAILED;
+	}
+	pthread_rwlock_unlock(&fork_guard);
+	if (p == MAP_FAILED) {
+		errno = err ? err : errno;
 		return NULL;
 	}
 	/* advice only: without it the pages are small, but there all the same */

@@ -126,13 +126,17 @@ enum dlpc__huge dlpc__huge_for(uint64_t size, bool tlb_ok);
 /* The size of a huge page mapped by one page-table entry (PMD): 2 MiB on x86-64. */
 uint64_t dlpc__huge_pmd(void);
 /* Map @p len bytes of @p fd shared and writable, for this process only (MADV_DONTFORK: a
- * writable mapping in a child would bar F_SEAL_WRITE), asking for huge pages if @p advise
- * (MADV_HUGEPAGE). NULL if it cannot (errno says why). */
+ * writable mapping in a child would bar F_SEAL_WRITE; a fork() waits until it is marked),
+ * asking for huge pages if @p advise (MADV_HUGEPAGE). NULL if it cannot (errno says why). */
 void *dlpc__huge_map(int fd, size_t len, bool advise);
 /* Allocate every page of the memfd @p fd mapped writable at @p p (@p len bytes), by faulting
  * them in (MADV_POPULATE_WRITE), so that a mapping's MADV_HUGEPAGE applies. 0 or negative
  * errno. */
 int dlpc__huge_fill(void *p, size_t len, int fd);
+/* fork(), @p phase as struct dlpc__hooks' atfork: holds off a fork() while dlpc__huge_map() has
+ * a mapping not yet kept from children. Called by the warm pool's hook, after it took its own
+ * locks (a fill maps under them). */
+void dlpc__huge_atfork(int phase);
 /* The negative errno for a failed write or reservation of shared memory: a full /dev/shm
  * (ENOSPC) and a full memory cgroup (ENOMEM) are both -ENOSPC, "shared memory is full". */
 static inline int dlpc__space_err(int err)

@@ -473,13 +473,16 @@ static void warm_atfork(int phase)
 	if (phase == 0) {
 		pthread_mutex_lock(&warm.mu);
 		pthread_rwlock_wrlock(&warm.closing);
+		dlpc__huge_atfork(0);
 		return;
 	}
 	if (phase == 1) {
+		dlpc__huge_atfork(1);
 		pthread_rwlock_unlock(&warm.closing);
 		pthread_mutex_unlock(&warm.mu);
 		return;
 	}
+	dlpc__huge_atfork(2);
 	for (size_t i = 0; i < warm.nready; i++)
 		close(warm.ready[i].fd);
 	if (warm.filling >= 0)

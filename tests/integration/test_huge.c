@@ -2,13 +2,18 @@
 /*
  * Huge pages (client/huge.c), run by tests/huge.sh as root with the machine set for them:
  * DLPC_TEST_HUGE=thp with shmem_enabled "advise" or "within_size" (the copy path, the warm pool
- * and dlpc_alloc() give huge pages, and an attacher maps them one PMD per 2 MiB), or
+ * and dlpc_alloc() give huge pages, and an attacher maps them one PMD per 2 MiB; a fork() in
+ * another thread never leaves a child the copy path's writable mapping), or
  * DLPC_TEST_HUGE=hugetlb with a hugetlbfs pool reserved (with DLPC_HUGE_PAGES=hugetlb only, the
  * copy path takes its pages, the storage's size rounded up to whole huge pages, an attacher maps
  * and unmaps it whole, and copy-on-write attachers reserve none of the pool).
  */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -127,6 +132,68 @@ START_TEST(test_thp_publish)
 	usleep((useconds_t)scaled_ms(500) * 1000); /* the pool fills meanwhile, or not: both go */
 	publish_filled(c, w2.name, w2.size, w2.fill);
 	ck_assert_int_eq(wait_child(spawn(attacher, &w2)), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* Publishes of the copy path while another thread forks: with shmem_enabled "advise" each one
+ * writes through a mapping of its own (the pool off), which no child may inherit (a writable
+ * mapping anywhere fails the seal with EBUSY), however close to the mmap() the fork comes. */
+#define FORK_PUBLISHES 1000
+#define FORK_CHILDREN 32
+
+static atomic_bool forking;
+
+static void *forker(void *arg)
+{
+	unsigned *forks = arg;
+
+	unsigned alive = 0;
+
+	/* as many forks as can be: children hold what they inherited a while, not waited for */
+	while (atomic_load(&forking)) {
+		pid_t pid = alive < FORK_CHILDREN ? fork() : -1;
+
+		if (pid == 0) {
+			usleep(2000);
+			_exit(0);
+		}
+		alive += pid > 0;
+		*forks += pid > 0;
+		while (alive > 0 && waitpid(-1, NULL, alive < FORK_CHILDREN ? WNOHANG : 0) > 0)
+			alive--;
+	}
+	while (alive > 0 && waitpid(-1, NULL, 0) > 0)
+		alive--;
+	return NULL;
+}
+
+START_TEST(test_thp_publish_fork)
+{
+	dlpc_client *c;
+	pthread_t t;
+	unsigned forks = 0;
+	int r = 0;
+
+	setenv(DLPC_WARM_BYTES_ENV, "0", 1);
+	c = connect_or_die(&D);
+	atomic_store(&forking, true);
+	ck_assert_int_eq(pthread_create(&t, NULL, forker, &forks), 0);
+	for (int i = 0; i < FORK_PUBLISHES && r >= 0; i++) {
+		int64_t shape[1] = {2 * MIB};
+		uint8_t *src = calloc(1, 2 * MIB);
+
+		ck_assert_ptr_nonnull(src);
+		r = dlpc_publish(
+			c, "h/fork",
+			host_tensor(src, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
+			DLPC_PUBLISH_REPLACE);
+		free(src);
+	}
+	atomic_store(&forking, false);
+	pthread_join(t, NULL);
+	ck_assert_msg(r > 0, "a publish while forking failed: %d: %s", r, dlpc_last_error());
+	ck_assert_uint_gt(forks, 0);
 	dlpc_close(c);
 }
 END_TEST
@@ -295,6 +362,7 @@ int main(void)
 	if (strcmp(kind, "thp") == 0) {
 		tcase_add_test(tc, test_thp_publish);
 		tcase_add_test(tc, test_thp_alloc);
+		tcase_add_test(tc, test_thp_publish_fork);
 	} else {
 		tcase_add_test(tc, test_hugetlb_publish);
 		tcase_add_test(tc, test_hugetlb_cow_attach);
