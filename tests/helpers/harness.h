@@ -80,7 +80,8 @@ void caches_at_defaults(void);
 /* Run @p s in fork mode and free it; the process's exit status: 0 if every test passed. */
 int run_suite(Suite *s);
 
-/* Run @p fn(arg) in a forked child that exits 0 if fn returns 0. */
+/* Run @p fn(arg) in a forked child that exits 0 if fn returns 0. A child reports with CHILD_CHECK,
+ * not Check's assertions (harness.c, spawn()). */
 pid_t spawn(int (*fn)(void *), void *arg);
 /* Wait for @p pid and return its exit status; a signal death returns 128 + signo. */
 int wait_child(pid_t pid);

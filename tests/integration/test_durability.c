@@ -260,7 +260,6 @@ static void mgr_start(struct mgr *m)
 	pid = fork();
 	if (pid > 0)
 		pthread_mutex_unlock(&m->mu);
-	ck_assert_int_ge(pid, 0);
 	if (pid == 0) {
 		int src[STORE_MAX + 1], tmp[STORE_MAX + 1], n = 0, log;
 		char names[(DLPD_FDNAME_MAX + 1) * (STORE_MAX + 1)] = "", buf[64], store[32];
@@ -309,6 +308,7 @@ static void mgr_start(struct mgr *m)
 			      "--socket", m->relative ? "dlpackd.sock" : m->sock, (char *)NULL);
 		_exit(127);
 	}
+	ck_assert_int_ge(pid, 0);
 	m->pid = pid;
 	mgr_wait_ready(m, before + 1);
 }
@@ -964,8 +964,8 @@ static pid_t storm_python(void)
 
 	if (access(DLPC_TEST_PYTHON, X_OK) != 0)
 		return -1;
+	/* the child calls no Check assertion (spawn() says why) */
 	pid = fork();
-	ck_assert_int_ge(pid, 0);
 	if (pid == 0) {
 		setenv("PYTHONPATH", DLPC_TEST_PYTHONPATH, 1);
 		setenv(DLPC_SOCKET_ENV, storm_sock, 1);
@@ -973,6 +973,7 @@ static pid_t storm_python(void)
 		execl(DLPC_TEST_PYTHON, DLPC_TEST_PYTHON, "-c", storm_py, (char *)NULL);
 		_exit(127);
 	}
+	ck_assert_int_ge(pid, 0);
 	return pid;
 #else
 	return -1;
@@ -1079,6 +1080,59 @@ START_TEST(test_upgrade_storm)
 	dlpc_close(c);
 	mgr_kill(&m, SIGTERM);
 	mgr_clear(&m);
+}
+END_TEST
+
+/* ---- forking beside a thread that asserts ---- */
+
+/* Children made while another thread marks Check's points. */
+#define BESIDE_CHILDREN 50
+
+/* What the manager's thread does on each notification (mgr_take()'s assertion): mark a point. */
+static void *marking(void *arg)
+{
+	const bool *quit = arg;
+
+	while (!__atomic_load_n(quit, __ATOMIC_ACQUIRE))
+		mark_point();
+	return NULL;
+}
+
+static int ends_at_once(void *arg)
+{
+	(void)arg;
+	return 0;
+}
+
+/* spawn() while another thread of the test marks Check's points, as the upgrade storm spawns its
+ * attachers while the manager's thread takes notifications: every child ends. A child that
+ * called Check itself waited forever for its lock, taken by that thread at the fork. */
+START_TEST(test_spawn_beside_asserting_thread)
+{
+	pid_t pids[BESIDE_CHILDREN];
+	long long deadline;
+	bool quit = false;
+	int failed = 0;
+	pthread_t th;
+
+	ck_assert_int_eq(pthread_create(&th, NULL, marking, &quit), 0);
+	/* spaced as the storm spaces its attachers, so that the thread runs between two forks */
+	for (int i = 0; i < BESIDE_CHILDREN; i++) {
+		pids[i] = spawn(ends_at_once, NULL);
+		usleep(2000);
+	}
+	__atomic_store_n(&quit, true, __ATOMIC_RELEASE);
+	pthread_join(th, NULL);
+	deadline = now_ms() + scaled_ms(10000);
+	for (int i = 0; i < BESIDE_CHILDREN; i++) {
+		char what[64];
+
+		snprintf(what, sizeof(what), "child %d", i);
+		failed += wait_child_until(pids[i], deadline, what) != 0;
+	}
+	ck_assert_msg(failed == 0,
+		      "%d of %d children spawned beside a thread that asserts failed or hung",
+		      failed, BESIDE_CHILDREN);
 }
 END_TEST
 
@@ -2119,6 +2173,7 @@ static Suite *durability_suite(void)
 	tc = tcase_create("resilience");
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_upgrade_storm);
+	tcase_add_test(tc, test_spawn_beside_asserting_thread);
 	tcase_add_test(tc, test_damaged_newer_journal);
 	tcase_add_test(tc, test_slow_manager);
 	tcase_add_test(tc, test_churn_while_manager_slow);
