@@ -80,7 +80,6 @@ static pid_t spawn_daemon(const char *sock, const char *log, const struct daemon
 	const char *wrapper = getenv("DLPC_TEST_WRAPPER");
 	pid_t pid = fork();
 
-	ck_assert_int_ge(pid, 0);
 	if (pid == 0) {
 		char *argv[48], timeout[24];
 		int argc = 0, fd;
@@ -134,6 +133,7 @@ static pid_t spawn_daemon(const char *sock, const char *log, const struct daemon
 		execvp(argv[0], argv);
 		_exit(127);
 	}
+	ck_assert_int_ge(pid, 0);
 	return pid;
 }
 
@@ -277,13 +277,18 @@ dlpc_channel_info chan_or_die(dlpc_client *c, const char *name)
 	return i;
 }
 
+/*
+ * The child never calls into Check: every assertion, even one that holds, takes Check's lock
+ * (it records the place), and a fork() while another thread of the test held it (a thread that
+ * asserts, as test_durability's service manager does) leaves the child a lock nobody releases.
+ */
 pid_t spawn(int (*fn)(void *), void *arg)
 {
 	pid_t pid = fork();
 
-	ck_assert_int_ge(pid, 0);
 	if (pid == 0)
 		_exit(fn(arg) == 0 ? 0 : 1);
+	ck_assert_int_ge(pid, 0);
 	return pid;
 }
 
@@ -293,6 +298,105 @@ int wait_child(pid_t pid)
 
 	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* The first line of /proc/@p pid/@p file into @p buf, without its newline ("?" if unreadable). */
+static void proc_line(pid_t pid, const char *file, char *buf, int len)
+{
+	char path[64];
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/%d/%s", (int)pid, file);
+	snprintf(buf, (size_t)len, "?");
+	f = fopen(path, "r");
+	if (!f)
+		return;
+	if (!fgets(buf, len, f))
+		snprintf(buf, (size_t)len, "?");
+	buf[strcspn(buf, "\n")] = '\0';
+	fclose(f);
+}
+
+/* The file and offset of @p pid's mapping that holds @p addr, into @p buf ("?" if none). */
+static void proc_addr(pid_t pid, unsigned long addr, char *buf, int len)
+{
+	char path[64], line[512], file[400];
+	unsigned long lo, hi, off;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
+	snprintf(buf, (size_t)len, "?");
+	f = fopen(path, "r");
+	if (!f)
+		return;
+	while (fgets(line, sizeof(line), f)) {
+		file[0] = '\0';
+		if (sscanf(line, "%lx-%lx %*s %lx %*s %*s %399s", &lo, &hi, &off, file) < 3 ||
+		    addr < lo || addr >= hi)
+			continue;
+		snprintf(buf, (size_t)len, "%s+0x%lx", file[0] ? file : "[anonymous]",
+			 addr - lo + off);
+		break;
+	}
+	fclose(f);
+}
+
+/* Say on stderr where the child @p pid (@p what) is stuck: its command and state, its kernel
+ * wait channel and stack, its system call and the code it made it from. */
+static void describe_stuck(pid_t pid, const char *what)
+{
+	char stat[256], state[128] = "?", wchan[128], sys[256], line[256], path[64];
+	char where[512] = "?", stack[512] = "";
+	const char *comm, *end;
+	FILE *f;
+
+	/* "pid (comm) S ...": the command and its state letter */
+	proc_line(pid, "stat", stat, sizeof(stat));
+	comm = strchr(stat, '(');
+	end = strrchr(stat, ')');
+	if (comm && end && end[1] == ' ' && end[2])
+		snprintf(state, sizeof(state), "%.*s %c", (int)(end + 1 - comm), comm, end[2]);
+	proc_line(pid, "wchan", wchan, sizeof(wchan));
+	/* "NR args... sp pc", or "-1 sp pc" outside a system call: the last word is the pc */
+	proc_line(pid, "syscall", sys, sizeof(sys));
+	end = strrchr(sys, ' ');
+	if (end)
+		proc_addr(pid, strtoul(end + 1, NULL, 16), where, sizeof(where));
+	snprintf(path, sizeof(path), "/proc/%d/stack", (int)pid);
+	f = fopen(path, "r");
+	/* lines "[<0>] function+0x46/0x90" */
+	while (f && fgets(line, sizeof(line), f) && strlen(stack) < sizeof(stack) - 64) {
+		line[strcspn(line, "+\n")] = '\0';
+		end = strchr(line, ' ');
+		snprintf(stack + strlen(stack), sizeof(stack) - strlen(stack), "%s%s",
+			 stack[0] ? " < " : "", end ? end + 1 : line);
+	}
+	if (f)
+		fclose(f);
+	fprintf(stderr,
+		"%s (pid %d) did not end: %s; wchan %s; kernel stack %s; syscall %s, "
+		"called from %s\n",
+		what, (int)pid, state, wchan, stack[0] ? stack : "?", sys, where);
+}
+
+int wait_child_until(pid_t pid, long long deadline_ms, const char *what)
+{
+	int st;
+
+	for (;;) {
+		pid_t r = waitpid(pid, &st, WNOHANG);
+
+		ck_assert_int_ge(r, 0);
+		if (r == pid)
+			return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+		if (now_ms() >= deadline_ms)
+			break;
+		usleep(10000);
+	}
+	describe_stuck(pid, what);
+	kill(pid, SIGKILL);
+	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+	return -1;
 }
 
 static bool settled(const dlpc_stats *s, void *arg)

@@ -80,10 +80,15 @@ void caches_at_defaults(void);
 /* Run @p s in fork mode and free it; the process's exit status: 0 if every test passed. */
 int run_suite(Suite *s);
 
-/* Run @p fn(arg) in a forked child that exits 0 if fn returns 0. */
+/* Run @p fn(arg) in a forked child that exits 0 if fn returns 0. A child reports with CHILD_CHECK,
+ * not Check's assertions (harness.c, spawn()). */
 pid_t spawn(int (*fn)(void *), void *arg);
 /* Wait for @p pid and return its exit status; a signal death returns 128 + signo. */
 int wait_child(pid_t pid);
+/* wait_child() until @p deadline_ms (CLOCK_MONOTONIC, in ms). A child still running then is
+ * hung: say on stderr which (@p what) and where it waits (state, wait channel, kernel stack,
+ * system call and the mapping it made it from), kill it and return -1. */
+int wait_child_until(pid_t pid, long long deadline_ms, const char *what);
 
 /*
  * The daemon @p d's open fds once it has settled: exactly @p conns connections and nothing

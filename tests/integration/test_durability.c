@@ -260,7 +260,6 @@ static void mgr_start(struct mgr *m)
 	pid = fork();
 	if (pid > 0)
 		pthread_mutex_unlock(&m->mu);
-	ck_assert_int_ge(pid, 0);
 	if (pid == 0) {
 		int src[STORE_MAX + 1], tmp[STORE_MAX + 1], n = 0, log;
 		char names[(DLPD_FDNAME_MAX + 1) * (STORE_MAX + 1)] = "", buf[64], store[32];
@@ -309,6 +308,7 @@ static void mgr_start(struct mgr *m)
 			      "--socket", m->relative ? "dlpackd.sock" : m->sock, (char *)NULL);
 		_exit(127);
 	}
+	ck_assert_int_ge(pid, 0);
 	m->pid = pid;
 	mgr_wait_ready(m, before + 1);
 }
@@ -876,13 +876,20 @@ END_TEST
 #define STORM_PY 15
 /* Processes that connect (dlpc_connect(), no flags), ask STAT and close, over and over. */
 #define STORM_CONNECTORS 3
+/* How long each attach waits (the Python one's timeout= says it in seconds). */
+#define STORM_WAIT_MS 60000
+/* Past the publish, how long the storm's processes may take to end: an attach whose wait is lost
+ * fails at STORM_WAIT_MS after it began (before the publish); a connect, with its HELLO, is
+ * bounded by the call timeout (DLPC_CALL_TIMEOUT_MS_DEFAULT, shorter). A process still there is
+ * hung, and named. */
+#define STORM_END_MS (STORM_WAIT_MS + 5000)
 
 static const char *storm_sock;
 
 /* A C process that starts a waiting attach during the storm: it must end with the entry. */
 static int storm_attacher(void *arg)
 {
-	dlpc_attach_opts o = {.size = sizeof(o), .timeout_ms = 60000};
+	dlpc_attach_opts o = {.size = sizeof(o), .timeout_ms = STORM_WAIT_MS};
 	DLManagedTensorVersioned *t;
 	static float want[NV];
 	dlpc_client *c;
@@ -957,8 +964,8 @@ static pid_t storm_python(void)
 
 	if (access(DLPC_TEST_PYTHON, X_OK) != 0)
 		return -1;
+	/* the child calls no Check assertion (spawn() says why) */
 	pid = fork();
-	ck_assert_int_ge(pid, 0);
 	if (pid == 0) {
 		setenv("PYTHONPATH", DLPC_TEST_PYTHONPATH, 1);
 		setenv(DLPC_SOCKET_ENV, storm_sock, 1);
@@ -966,6 +973,7 @@ static pid_t storm_python(void)
 		execl(DLPC_TEST_PYTHON, DLPC_TEST_PYTHON, "-c", storm_py, (char *)NULL);
 		_exit(127);
 	}
+	ck_assert_int_ge(pid, 0);
 	return pid;
 #else
 	return -1;
@@ -989,7 +997,8 @@ static void *storm_signals(void *arg)
 START_TEST(test_upgrade_storm)
 {
 	pid_t att[STORM_C + STORM_PY], conn[STORM_CONNECTORS];
-	char stop[128];
+	bool att_py[STORM_C + STORM_PY];
+	char stop[128], hung[1024] = "";
 	int failed = 0, python = 0, fd;
 	long long deadline;
 	pthread_t storm;
@@ -1008,7 +1017,8 @@ START_TEST(test_upgrade_storm)
 		att[i] = -1;
 		if (i % 2)
 			att[i] = storm_python();
-		python += att[i] >= 0;
+		att_py[i] = att[i] >= 0;
+		python += att_py[i];
 		if (att[i] < 0)
 			att[i] = spawn(storm_attacher, NULL);
 		usleep(STORM_SIGHUPS * STORM_PAUSE_US / (STORM_C + STORM_PY));
@@ -1040,21 +1050,89 @@ START_TEST(test_upgrade_storm)
 	}
 	ck_assert_dlpc(dlpc_connect(m.sock, &c), 0);
 	ck_assert_dlpc(publish(c, "storm/x", 1, 0), 1);
-	for (int i = 0; i < STORM_C + STORM_PY; i++)
-		failed += wait_child(att[i]) != 0;
+	/* the storm is over: the connectors stop too, and every process has the same bound */
 	fd = open(stop, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
 	ck_assert_int_ge(fd, 0);
 	close(fd);
-	for (int i = 0; i < STORM_CONNECTORS; i++)
-		failed += wait_child(conn[i]) != 0;
+	deadline = now_ms() + scaled_ms(STORM_END_MS);
+	for (int i = 0; i < STORM_C + STORM_PY + STORM_CONNECTORS; i++) {
+		bool attacher = i < STORM_C + STORM_PY;
+		pid_t pid = attacher ? att[i] : conn[i - STORM_C - STORM_PY];
+		char what[64];
+		int r;
+
+		snprintf(what, sizeof(what), "storm %s %d",
+			 attacher ? (att_py[i] ? "Python attacher" : "C attacher") : "connector",
+			 attacher ? i : i - STORM_C - STORM_PY);
+		r = wait_child_until(pid, deadline, what);
+		failed += r != 0;
+		if (r < 0)
+			snprintf(hung + strlen(hung), sizeof(hung) - strlen(hung), "%s%s (pid %d)",
+				 hung[0] ? ", " : "", what, (int)pid);
+	}
 	fprintf(stderr,
 		"upgrade storm: %d of %d waiting attaches (%d Python) and %d connectors failed\n",
 		failed, STORM_C + STORM_PY, python, STORM_CONNECTORS);
 	ck_assert_log(&m, waitpid(m.pid, NULL, WNOHANG) == 0, "dlpackd died in the storm");
+	ck_assert_log(&m, !hung[0], "still running %d s after the publish (killed): %s",
+		      scaled_ms(STORM_END_MS) / 1000, hung);
 	ck_assert_log(&m, failed == 0, "%d processes failed in the upgrade storm", failed);
 	dlpc_close(c);
 	mgr_kill(&m, SIGTERM);
 	mgr_clear(&m);
+}
+END_TEST
+
+/* ---- forking beside a thread that asserts ---- */
+
+/* Children made while another thread marks Check's points. */
+#define BESIDE_CHILDREN 50
+
+/* What the manager's thread does on each notification (mgr_take()'s assertion): mark a point. */
+static void *marking(void *arg)
+{
+	const bool *quit = arg;
+
+	while (!__atomic_load_n(quit, __ATOMIC_ACQUIRE))
+		mark_point();
+	return NULL;
+}
+
+static int ends_at_once(void *arg)
+{
+	(void)arg;
+	return 0;
+}
+
+/* spawn() while another thread of the test marks Check's points, as the upgrade storm spawns its
+ * attachers while the manager's thread takes notifications: every child ends. A child that
+ * called Check itself waited forever for its lock, taken by that thread at the fork. */
+START_TEST(test_spawn_beside_asserting_thread)
+{
+	pid_t pids[BESIDE_CHILDREN];
+	long long deadline;
+	bool quit = false;
+	int failed = 0;
+	pthread_t th;
+
+	ck_assert_int_eq(pthread_create(&th, NULL, marking, &quit), 0);
+	/* spaced as the storm spaces its attachers, so that the thread runs between two forks */
+	for (int i = 0; i < BESIDE_CHILDREN; i++) {
+		pids[i] = spawn(ends_at_once, NULL);
+		usleep(2000);
+	}
+	__atomic_store_n(&quit, true, __ATOMIC_RELEASE);
+	pthread_join(th, NULL);
+	deadline = now_ms() + scaled_ms(10000);
+	for (int i = 0; i < BESIDE_CHILDREN; i++) {
+		char what[64];
+
+		snprintf(what, sizeof(what), "child %d", i);
+		failed += wait_child_until(pids[i], deadline, what) != 0;
+	}
+	ck_assert_msg(failed == 0,
+		      "%d of %d children spawned beside a thread that asserts failed or hung",
+		      failed, BESIDE_CHILDREN);
 }
 END_TEST
 
@@ -2095,6 +2173,7 @@ static Suite *durability_suite(void)
 	tc = tcase_create("resilience");
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_upgrade_storm);
+	tcase_add_test(tc, test_spawn_beside_asserting_thread);
 	tcase_add_test(tc, test_damaged_newer_journal);
 	tcase_add_test(tc, test_slow_manager);
 	tcase_add_test(tc, test_churn_while_manager_slow);
