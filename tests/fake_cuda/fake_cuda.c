@@ -301,7 +301,9 @@ static bool blocked(CUstream s)
 		return held_blocking > 0;
 	if (s->wait_pid && !remote_pending(s->wait_pid, s->wait_id))
 		s->wait_pid = 0;
-	if (s->wait_on && !(s->wait_on->held && s->wait_on->releases == s->wait_releases))
+	/* the work the event was recorded behind must have run too, not only been let go */
+	if (s->wait_on && !(s->wait_on->held && s->wait_on->releases == s->wait_releases) &&
+	    !s->wait_on->ops)
 		s->wait_on = NULL;
 	if (s->wait_legacy && held_blocking == 0)
 		s->wait_legacy = false;
@@ -341,12 +343,26 @@ static void run_ops(CUstream s)
 		s->ops_end = &s->ops;
 }
 
-/* Run the queued work of every stream (destroyed ones too) that can run now. With mu. */
+/* Run the queued work of every stream (destroyed ones too) that can run now, until none
+ * moves: a stream waiting for another's work runs once that work has run, whichever of the two
+ * was made first. With mu. */
 static void run_all(void)
 {
-	for (CUstream s = all_streams; s; s = s->next_all)
-		run_ops(s);
-	run_ops(&legacy_q);
+	bool moved = true;
+
+	while (moved) {
+		struct op *before;
+
+		moved = false;
+		for (CUstream s = all_streams; s; s = s->next_all) {
+			before = s->ops;
+			run_ops(s);
+			moved |= s->ops != before;
+		}
+		before = legacy_q.ops;
+		run_ops(&legacy_q);
+		moved |= legacy_q.ops != before;
+	}
 }
 
 /* Does queued work @p o touch [@p base, @p base + @p size)? */
