@@ -22,6 +22,7 @@ import argparse
 import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,8 @@ def main():
     ap.add_argument("--out", help="where bench_gpu.json goes (default BUILD/gpu-figures)")
     ap.add_argument("--python", help="interpreter for the torch.multiprocessing row")
     args = ap.parse_args()
+    # stopped (scripts/dev gpu-test's time limit): the daemon and the temporary directory go too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     out = args.out or os.path.join(args.build, "gpu-figures")
     info, why = device_info()
     if why:
