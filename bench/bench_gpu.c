@@ -17,6 +17,7 @@
  *
  * Usage: bench_gpu --socket PATH [--sizes SIZE,...] [--reps N] [--dict-tensors N]
  *                  [--dict-bytes SIZE] [--dict-reps N] [--only attach|dict]
+ *        bench_gpu --ptx    (prints the kernels' PTX: the ctest bench_gpu_ptx assembles it)
  * SIZE is bytes with an optional K, M or G suffix (powers of 1024). The driver is
  * $DLPC_CUDA_LIBRARY, else libcuda.so.1: the library libdlpc loads. Without a driver or a
  * device it exits 77 saying why. Prints one JSON object per line (bench/run_gpu.py reads them);
@@ -24,210 +25,26 @@
  * rep's sum, and after each dict rep every tensor's): a wrong mapping fails the run (exit 1)
  * rather than only slowing it.
  */
-#include <dlfcn.h>
 #include <errno.h>
 #include <getopt.h>
 #include <signal.h>
-#include <stdbool.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
-#include <dlpc/dlpc.h>
-
-#include "cuda_api.h"
+#include "bench_gpu.h"
 
 #define MAX_SIZES 16
 #define MAX_REPS 1000
-#define SUM_THREADS 256 /* threads per block of either kernel */
-#define SUM_BLOCKS 4096 /* the most blocks: each thread strides over the rest */
-
-/*
- * The two kernels, in PTX: dlpc_fill_u32(p, n, seed) writes p[i] = i * 2654435761 + seed;
- * dlpc_sum_u32(p, n, out) adds the sum of p[0..n) to the 64-bit *out (each warp adds its
- * threads' sums with shuffles, then one atomic add per warp). Both stride over the grid.
- * tests/fake_cuda runs the same two on the host.
- */
-static const char ptx[] =
-	".version 7.0\n"
-	".target sm_52\n"
-	".address_size 64\n"
-	"\n"
-	".visible .entry dlpc_fill_u32(.param .u64 p, .param .u64 n, .param .u32 seed)\n"
-	"{\n"
-	"	.reg .pred %q;\n"
-	"	.reg .b32 %r<8>;\n"
-	"	.reg .b64 %d<8>;\n"
-	"	ld.param.u64 %d1, [p];\n"
-	"	ld.param.u64 %d2, [n];\n"
-	"	ld.param.u32 %r1, [seed];\n"
-	"	cvta.to.global.u64 %d1, %d1;\n"
-	"	mov.u32 %r2, %ctaid.x;\n"
-	"	mov.u32 %r3, %ntid.x;\n"
-	"	mov.u32 %r4, %tid.x;\n"
-	"	mov.u32 %r5, %nctaid.x;\n"
-	"	cvt.u64.u32 %d3, %r4;\n"
-	"	mad.wide.u32 %d3, %r2, %r3, %d3;\n"
-	"	mul.wide.u32 %d4, %r5, %r3;\n"
-	"FILL:\n"
-	"	setp.ge.u64 %q, %d3, %d2;\n"
-	"	@%q bra FILL_END;\n"
-	"	cvt.u32.u64 %r6, %d3;\n"
-	"	mad.lo.u32 %r6, %r6, -1640531535, %r1;\n"
-	"	shl.b64 %d5, %d3, 2;\n"
-	"	add.u64 %d5, %d1, %d5;\n"
-	"	st.global.u32 [%d5], %r6;\n"
-	"	add.u64 %d3, %d3, %d4;\n"
-	"	bra FILL;\n"
-	"FILL_END:\n"
-	"	ret;\n"
-	"}\n"
-	"\n"
-	".visible .entry dlpc_sum_u32(.param .u64 p, .param .u64 n, .param .u64 out)\n"
-	"{\n"
-	"	.reg .pred %q;\n"
-	"	.reg .b32 %r<12>;\n"
-	"	.reg .b64 %d<12>;\n"
-	"	ld.param.u64 %d1, [p];\n"
-	"	ld.param.u64 %d2, [n];\n"
-	"	ld.param.u64 %d9, [out];\n"
-	"	cvta.to.global.u64 %d1, %d1;\n"
-	"	cvta.to.global.u64 %d9, %d9;\n"
-	"	mov.u32 %r2, %ctaid.x;\n"
-	"	mov.u32 %r3, %ntid.x;\n"
-	"	mov.u32 %r4, %tid.x;\n"
-	"	mov.u32 %r5, %nctaid.x;\n"
-	"	cvt.u64.u32 %d3, %r4;\n"
-	"	mad.wide.u32 %d3, %r2, %r3, %d3;\n"
-	"	mul.wide.u32 %d4, %r5, %r3;\n"
-	"	mov.u64 %d6, 0;\n"
-	"SUM:\n"
-	"	setp.ge.u64 %q, %d3, %d2;\n"
-	"	@%q bra SUM_END;\n"
-	"	shl.b64 %d5, %d3, 2;\n"
-	"	add.u64 %d5, %d1, %d5;\n"
-	"	ld.global.u32 %r6, [%d5];\n"
-	"	cvt.u64.u32 %d7, %r6;\n"
-	"	add.u64 %d6, %d6, %d7;\n"
-	"	add.u64 %d3, %d3, %d4;\n"
-	"	bra SUM;\n"
-	"SUM_END:\n"
-	"	mov.u32 %r7, 16;\n"
-	"SHFL:\n"
-	"	mov.b64 {%r8, %r9}, %d6;\n"
-	"	shfl.sync.down.b32 %r10, %r8, %r7, 31, -1;\n"
-	"	shfl.sync.down.b32 %r11, %r9, %r7, 31, -1;\n"
-	"	mov.b64 %d7, {%r10, %r11};\n"
-	"	add.u64 %d6, %d6, %d7;\n"
-	"	shr.u32 %r7, %r7, 1;\n"
-	"	setp.ne.u32 %q, %r7, 0;\n"
-	"	@%q bra SHFL;\n"
-	"	and.b32 %r6, %r4, 31;\n"
-	"	setp.ne.u32 %q, %r6, 0;\n"
-	"	@%q bra DONE;\n"
-	"	atom.global.add.u64 %d8, [%d9], %d6;\n"
-	"DONE:\n"
-	"	ret;\n"
-	"}\n";
-
-#define STR(x) #x
-#define XSTR(x) STR(x)
-/* The driver's entry points this program calls (versioned names through cuda_api.h's macros). */
-#define CU_FUNCS(X)                                                                                \
-	X(cuInit)                                                                                  \
-	X(cuGetErrorString)                                                                        \
-	X(cuDeviceGet)                                                                             \
-	X(cuDevicePrimaryCtxRetain)                                                                \
-	X(cuCtxPushCurrent)                                                                        \
-	X(cuCtxPopCurrent)                                                                         \
-	X(cuCtxSynchronize)                                                                        \
-	X(cuMemAlloc)                                                                              \
-	X(cuMemFree)                                                                               \
-	X(cuMemcpyHtoD)                                                                            \
-	X(cuMemcpyDtoH)                                                                            \
-	X(cuMemcpyDtoD)                                                                            \
-	X(cuMemGetAddressRange)                                                                    \
-	X(cuStreamCreate)                                                                          \
-	X(cuStreamSynchronize)                                                                     \
-	X(cuModuleLoadData)                                                                        \
-	X(cuModuleGetFunction)                                                                     \
-	X(cuLaunchKernel)                                                                          \
-	X(cuIpcGetMemHandle)                                                                       \
-	X(cuIpcOpenMemHandle)                                                                      \
-	X(cuIpcCloseMemHandle)                                                                     \
-	X(cuMemRetainAllocationHandle)                                                             \
-	X(cuMemExportToShareableHandle)                                                            \
-	X(cuMemImportFromShareableHandle)                                                          \
-	X(cuMemAddressReserve)                                                                     \
-	X(cuMemAddressFree)                                                                        \
-	X(cuMemMap)                                                                                \
-	X(cuMemUnmap)                                                                              \
-	X(cuMemSetAccess)                                                                          \
-	X(cuMemRelease)
-
-static struct {
-#define DECLARE(f) __typeof__(f) *f;
-	CU_FUNCS(DECLARE)
-#undef DECLARE
-} cu;
 
 static const char *sock_path;
 static const char *only;
 static size_t sizes[MAX_SIZES];
 static int nsizes, reps = 20, dict_n = 500, dict_reps = 5;
 static size_t dict_bytes = (size_t)4 << 30;
-static CUcontext ctx;
-static CUfunction k_fill, k_sum;
-static CUstream stream;
-static int chan = -1; /* the socket between the two processes */
-
-/* The consumer's requests and the publisher's answers. */
-enum op { OP_ATTACH, OP_BUNDLE, OP_PER_TENSOR, OP_SINGLE, OP_DONE, OP_QUIT, OP_READY };
-
-struct msg {
-	enum op op;
-	uint32_t seed;
-	uint64_t size;	    /* OP_ATTACH: the tensor's bytes; dict ops: each tensor's */
-	uint32_t count;	    /* dict ops: how many tensors */
-	uint64_t first;	    /* OP_READY: the sum of the (first) tensor's words */
-	uint64_t all;	    /* and of every tensor's */
-	uint64_t t0_ns;	    /* dict ops: when the publish began (CLOCK_MONOTONIC) */
-	uint64_t offset;    /* OP_ATTACH: the VMM tensor's offset in its allocation */
-	uint64_t vsize;	    /* and the allocation's size */
-	CUipcMemHandle ipc; /* OP_ATTACH: the legacy tensor's memory (the floor's) */
-};
-
-static void die(const char *what)
-{
-	fprintf(stderr, "bench_gpu: %s: %s (%s)\n", what, strerror(errno), dlpc_last_error());
-	exit(1);
-}
-
-static void ck_(CUresult r, const char *call)
-{
-	const char *s = NULL;
-
-	if (r == CUDA_SUCCESS)
-		return;
-	if (cu.cuGetErrorString)
-		cu.cuGetErrorString(r, &s);
-	fprintf(stderr, "bench_gpu: %s: CUDA error %d (%s)\n", call, (int)r, s ? s : "?");
-	exit(1);
-}
-#define CK(call) ck_((call), #call)
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static int cmp_u64(const void *a, const void *b)
 {
@@ -253,319 +70,6 @@ static bool wanted(const char *name)
 	return !only || strstr(only, name);
 }
 
-/* ---- the driver, the context and the kernels ---- */
-
-/* Load the driver (without starting it: the publisher is forked after); 77 without one. */
-static void *driver_open(void)
-{
-	const char *path = getenv(DLPC_CUDA_LIBRARY_ENV);
-	const char *lib = path && *path ? path : DLPC_CUDA_LIBRARY_DEFAULT;
-	void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-
-	if (!h) {
-		fprintf(stderr, "bench_gpu: skipped: no CUDA driver (%s: %s)\n", lib, dlerror());
-		exit(77);
-	}
-#define RESOLVE(f)                                                                                 \
-	cu.f = (__typeof__(cu.f))dlsym(h, XSTR(f));                                                \
-	if (!cu.f) {                                                                               \
-		fprintf(stderr, "bench_gpu: the CUDA driver %s lacks %s\n", lib, XSTR(f));         \
-		exit(1);                                                                           \
-	}
-	CU_FUNCS(RESOLVE)
-#undef RESOLVE
-	return h;
-}
-
-/* Start the driver in this process: device 0's primary context, a stream, the kernels. */
-static void driver_start(void)
-{
-	CUmodule mod;
-	CUdevice dev;
-	CUresult r = cu.cuInit(0);
-
-	if (r == CUDA_ERROR_NO_DEVICE) {
-		fprintf(stderr, "bench_gpu: skipped: no CUDA device (cuInit: %d)\n", (int)r);
-		exit(77);
-	}
-	CK(r);
-	CK(cu.cuDeviceGet(&dev, 0));
-	CK(cu.cuDevicePrimaryCtxRetain(&ctx, dev));
-	CK(cu.cuCtxPushCurrent(ctx));
-	CK(cu.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
-	CK(cu.cuModuleLoadData(&mod, ptx));
-	CK(cu.cuModuleGetFunction(&k_fill, mod, "dlpc_fill_u32"));
-	CK(cu.cuModuleGetFunction(&k_sum, mod, "dlpc_sum_u32"));
-}
-
-static unsigned blocks_for(uint64_t n)
-{
-	uint64_t b = (n + SUM_THREADS - 1) / SUM_THREADS;
-
-	return b == 0 ? 1 : b > SUM_BLOCKS ? SUM_BLOCKS : (unsigned)b;
-}
-
-/* Queue dlpc_fill_u32 or dlpc_sum_u32 over the @p n words at @p p on the stream. */
-static void launch(CUfunction f, CUdeviceptr p, uint64_t n, void *third)
-{
-	void *args[] = {&p, &n, third};
-
-	CK(cu.cuLaunchKernel(f, blocks_for(n), 1, 1, SUM_THREADS, 1, 1, 0, stream, args, NULL));
-}
-
-static void fill(CUdeviceptr p, uint64_t n, uint32_t seed)
-{
-	launch(k_fill, p, n, &seed);
-}
-
-static void sum(CUdeviceptr p, uint64_t n, CUdeviceptr out)
-{
-	launch(k_sum, p, n, &out);
-}
-
-/* What dlpc_sum_u32 gives for what dlpc_fill_u32 wrote. */
-static uint64_t expected(uint64_t n, uint32_t seed)
-{
-	uint64_t s = 0;
-
-	for (uint64_t i = 0; i < n; i++)
-		s += (uint32_t)((uint32_t)i * 2654435761u + seed);
-	return s;
-}
-
-/* ---- the channel between the two processes ---- */
-
-static void send_msg(const struct msg *m, int fd)
-{
-	char cbuf[CMSG_SPACE(sizeof(int))] = {0};
-	struct iovec iov = {(void *)m, sizeof(*m)};
-	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
-
-	if (fd >= 0) {
-		struct cmsghdr *cm;
-
-		mh.msg_control = cbuf;
-		mh.msg_controllen = sizeof(cbuf);
-		cm = CMSG_FIRSTHDR(&mh);
-		cm->cmsg_level = SOL_SOCKET;
-		cm->cmsg_type = SCM_RIGHTS;
-		cm->cmsg_len = CMSG_LEN(sizeof(int));
-		memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-	}
-	if (sendmsg(chan, &mh, 0) != (ssize_t)sizeof(*m))
-		die("sendmsg");
-}
-
-/* The next message; its fd (or -1) in *@p fd if not NULL. Exits when the peer is gone. */
-static void recv_msg(struct msg *m, int *fd)
-{
-	char cbuf[CMSG_SPACE(sizeof(int))];
-	struct iovec iov = {m, sizeof(*m)};
-	struct msghdr mh = {.msg_iov = &iov,
-			    .msg_iovlen = 1,
-			    .msg_control = cbuf,
-			    .msg_controllen = sizeof(cbuf)};
-	struct cmsghdr *cm;
-	ssize_t n = recvmsg(chan, &mh, MSG_CMSG_CLOEXEC);
-
-	if (n == 0)
-		exit(1);
-	if (n != (ssize_t)sizeof(*m))
-		die("recvmsg");
-	if (fd)
-		*fd = -1;
-	cm = CMSG_FIRSTHDR(&mh);
-	if (cm && cm->cmsg_type == SCM_RIGHTS && fd)
-		memcpy(fd, CMSG_DATA(cm), sizeof(int));
-}
-
-/* ---- the publisher ---- */
-
-/* A cuMemAlloc tensor of the publisher's: its deleter frees the memory. */
-struct owned {
-	DLManagedTensorVersioned m;
-	int64_t shape[1];
-	CUdeviceptr d;
-};
-
-static void owned_free(DLManagedTensorVersioned *t)
-{
-	struct owned *o = t->manager_ctx;
-
-	CK(cu.cuCtxPushCurrent(ctx));
-	CK(cu.cuMemFree(o->d));
-	CK(cu.cuCtxPopCurrent(NULL));
-	free(o);
-}
-
-/* A cuMemAlloc tensor of @p size bytes filled with @p seed's words. */
-static DLManagedTensorVersioned *owned_new(size_t size, uint32_t seed)
-{
-	struct owned *o = calloc(1, sizeof(*o));
-
-	if (!o)
-		die("calloc");
-	CK(cu.cuMemAlloc(&o->d, size));
-	fill(o->d, size / 4, seed);
-	o->shape[0] = (int64_t)(size / 4);
-	o->m = (DLManagedTensorVersioned){.version = {DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION},
-					  .manager_ctx = o,
-					  .deleter = owned_free,
-					  .dl_tensor = {.data = (void *)(uintptr_t)o->d,
-							.device = {kDLCUDA, 0},
-							.ndim = 1,
-							.dtype = {kDLUInt, 32, 1},
-							.shape = o->shape}};
-	return &o->m;
-}
-
-static CUdeviceptr data_of(const DLManagedTensorVersioned *t)
-{
-	return (CUdeviceptr)(uintptr_t)t->dl_tensor.data + t->dl_tensor.byte_offset;
-}
-
-/* OP_ATTACH: one tensor of each kind, published, and the floor's handles on their memory. */
-static void serve_attach(dlpc_client *c, const struct msg *req)
-{
-	int64_t shape[1] = {(int64_t)(req->size / 4)};
-	struct msg m = {.op = OP_READY};
-	DLManagedTensorVersioned *legacy = owned_new(req->size, req->seed), *vmm;
-	CUmemGenericAllocationHandle h;
-	CUdeviceptr base;
-	int fd;
-
-	if (dlpc_alloc(c, (DLDevice){kDLCUDA, 0}, (DLDataType){kDLUInt, 32, 1}, 1, shape, &vmm) < 0)
-		die("dlpc_alloc");
-	fill(data_of(vmm), req->size / 4, req->seed);
-	CK(cu.cuStreamSynchronize(stream));
-	CK(cu.cuIpcGetMemHandle(&m.ipc, data_of(legacy)));
-	CK(cu.cuMemGetAddressRange(&base, &m.vsize, data_of(vmm)));
-	m.offset = data_of(vmm) - base;
-	CK(cu.cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)base));
-	CK(cu.cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
-	CK(cu.cuMemRelease(h));
-	if (dlpc_publish(c, "bench/gpu/legacy", legacy, DLPC_PUBLISH_REPLACE) < 0)
-		die("dlpc_publish (legacy)");
-	if (dlpc_publish(c, "bench/gpu/vmm", vmm, DLPC_PUBLISH_REPLACE) < 0)
-		die("dlpc_publish (vmm)");
-	m.first = expected(req->size / 4, req->seed);
-	send_msg(&m, fd);
-	close(fd);
-}
-
-/* The dict ops: @p req->count tensors made, filled and synchronized, then published (timed
- * from here) bucketed, one by one, or (OP_SINGLE) as one tensor of all their bytes. */
-static void serve_dict(dlpc_client *c, const struct msg *req)
-{
-	uint32_t n = req->op == OP_SINGLE ? 1 : req->count;
-	uint64_t words = req->op == OP_SINGLE ? req->size * req->count / 4 : req->size / 4;
-	DLManagedTensorVersioned **ts = calloc(n, sizeof(*ts));
-	struct msg m = {.op = OP_READY};
-	char name[64];
-
-	if (!ts)
-		die("calloc");
-	if (req->op == OP_PER_TENSOR) {
-		for (uint32_t i = 0; i < n; i++)
-			ts[i] = owned_new(words * 4, req->seed + i);
-	} else {
-		DLDataType *dt = calloc(n, sizeof(*dt));
-		int32_t *nd = calloc(n, sizeof(*nd));
-		const int64_t **sh = calloc(n, sizeof(*sh));
-		int64_t shape[1] = {(int64_t)words};
-
-		if (!dt || !nd || !sh)
-			die("calloc");
-		for (uint32_t i = 0; i < n; i++) {
-			dt[i] = (DLDataType){kDLUInt, 32, 1};
-			nd[i] = 1;
-			sh[i] = shape;
-		}
-		if (dlpc_alloc_bundle(c, (DLDevice){kDLCUDA, 0}, n, dt, nd, sh, ts) < 0)
-			die("dlpc_alloc_bundle");
-		for (uint32_t i = 0; i < n; i++)
-			fill(data_of(ts[i]), words, req->seed + i);
-		free(dt);
-		free(nd);
-		free(sh);
-	}
-	CK(cu.cuStreamSynchronize(stream));
-	for (uint32_t i = 0; i < n; i++)
-		m.all += expected(words, req->seed + i);
-	m.first = expected(words, req->seed);
-	m.t0_ns = now_ns();
-	if (req->op == OP_BUNDLE) {
-		char(*keys)[16] = calloc(n, sizeof(*keys));
-		const char **kp = calloc(n, sizeof(*kp));
-
-		if (!keys || !kp)
-			die("calloc");
-		for (uint32_t i = 0; i < n; i++) {
-			snprintf(keys[i], sizeof(keys[i]), "w%05u", i);
-			kp[i] = keys[i];
-		}
-		if (dlpc_publish_bundle(c, "bench/gpu/dict", n, kp, ts, DLPC_PUBLISH_REPLACE) < 0)
-			die("dlpc_publish_bundle");
-		free(keys);
-		free(kp);
-	} else if (req->op == OP_SINGLE) {
-		if (dlpc_publish(c, "bench/gpu/dict", ts[0], DLPC_PUBLISH_REPLACE) < 0)
-			die("dlpc_publish");
-	} else {
-		for (uint32_t i = 0; i < n; i++) {
-			snprintf(name, sizeof(name), "bench/gpu/dict/%05u", i);
-			if (dlpc_publish(c, name, ts[i], DLPC_PUBLISH_REPLACE) < 0)
-				die("dlpc_publish");
-		}
-	}
-	send_msg(&m, -1);
-	free(ts);
-}
-
-/* The publisher's loop: each request served, OP_DONE unpublishes what the last one made. */
-static void publisher(void)
-{
-	dlpc_client *c;
-	struct msg req, last = {0};
-	char name[64];
-
-	driver_start();
-	if (dlpc_connect_flags(sock_path, DLPC_CONNECT_NO_CACHE, &c) < 0)
-		die("dlpc_connect");
-	for (;;) {
-		recv_msg(&req, NULL);
-		switch (req.op) {
-		case OP_ATTACH:
-			serve_attach(c, &req);
-			break;
-		case OP_BUNDLE:
-		case OP_PER_TENSOR:
-		case OP_SINGLE:
-			serve_dict(c, &req);
-			break;
-		case OP_DONE:
-			if (last.op == OP_ATTACH) {
-				dlpc_unpublish(c, "bench/gpu/legacy");
-				dlpc_unpublish(c, "bench/gpu/vmm");
-			} else if (last.op == OP_PER_TENSOR) {
-				for (uint32_t i = 0; i < last.count; i++) {
-					snprintf(name, sizeof(name), "bench/gpu/dict/%05u", i);
-					dlpc_unpublish(c, name);
-				}
-			} else {
-				dlpc_unpublish(c, "bench/gpu/dict");
-			}
-			send_msg(&req, -1); /* the consumer goes on once it is gone */
-			break;
-		default:
-			dlpc_close(c);
-			exit(0);
-		}
-		if (req.op != OP_DONE)
-			last = req;
-	}
-}
-
 /* ---- the consumer ---- */
 
 static dlpc_client *client;
@@ -576,8 +80,8 @@ static void request(enum op op, uint64_t size, uint32_t count, uint32_t seed, st
 {
 	struct msg m = {.op = op, .size = size, .count = count, .seed = seed};
 
-	send_msg(&m, -1);
-	recv_msg(ans, fd);
+	gpu_send(&m, -1);
+	gpu_recv(ans, fd);
 }
 
 static void done(void)
@@ -616,7 +120,7 @@ static const dlpc_attach_opts *opts(void)
 {
 	static dlpc_attach_opts o = {.size = sizeof(o)};
 
-	o.stream = stream;
+	o.stream = gpu_stream;
 	return &o;
 }
 
@@ -636,8 +140,8 @@ static void attach_once(enum attach_kind kind, const struct msg *ready, int fd, 
 	switch (kind) {
 	case FLOOR_LEGACY:
 		CK(cu.cuIpcOpenMemHandle(&d, ready->ipc, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
-		sum(d, size / 4, out);
-		CK(cu.cuStreamSynchronize(stream));
+		gpu_sum(d, size / 4, out);
+		CK(cu.cuStreamSynchronize(gpu_stream));
 		CK(cu.cuIpcCloseMemHandle(d));
 		break;
 	case FLOOR_VMM:
@@ -646,8 +150,8 @@ static void attach_once(enum attach_kind kind, const struct msg *ready, int fd, 
 		CK(cu.cuMemAddressReserve(&d, ready->vsize, 0, 0, 0));
 		CK(cu.cuMemMap(d, ready->vsize, 0, h, 0));
 		CK(cu.cuMemSetAccess(d, ready->vsize, &acc, 1));
-		sum(d + ready->offset, size / 4, out);
-		CK(cu.cuStreamSynchronize(stream));
+		gpu_sum(d + ready->offset, size / 4, out);
+		CK(cu.cuStreamSynchronize(gpu_stream));
 		CK(cu.cuMemUnmap(d, ready->vsize));
 		CK(cu.cuMemAddressFree(d, ready->vsize));
 		CK(cu.cuMemRelease(h));
@@ -655,9 +159,9 @@ static void attach_once(enum attach_kind kind, const struct msg *ready, int fd, 
 	default:
 		if (dlpc_attach(client, kind == DLPC_LEGACY ? "bench/gpu/legacy" : "bench/gpu/vmm",
 				opts(), &t) < 0)
-			die("dlpc_attach");
-		sum(data_of(t), size / 4, out);
-		CK(cu.cuStreamSynchronize(stream));
+			gpu_die("dlpc_attach");
+		gpu_sum(gpu_data_of(t), size / 4, out);
+		CK(cu.cuStreamSynchronize(gpu_stream));
 		t->deleter(t);
 	}
 }
@@ -671,18 +175,18 @@ static void bench_attach(void)
 	int fd;
 
 	if (!ns)
-		die("calloc");
+		gpu_die("calloc");
 	for (int i = 0; i < nsizes; i++) {
 		request(OP_ATTACH, sizes[i], 0, 0x5eed0000u + (uint32_t)i, &ready, &fd);
 		fprintf(stderr, "gpu attach %zu bytes x %d\n", sizes[i], reps);
 		for (int k = FLOOR_LEGACY; k <= DLPC_VMM; k++) {
 			outs_clear(reps + 2);
 			for (int r = -2; r < reps; r++) {
-				uint64_t t0 = now_ns();
+				uint64_t t0 = gpu_now_ns();
 
 				attach_once((enum attach_kind)k, &ready, fd, sizes[i], r + 2);
 				if (r >= 0)
-					ns[r] = now_ns() - t0;
+					ns[r] = gpu_now_ns() - t0;
 			}
 			outs_check(reps + 2, ready.first, attach_impls[k], sizes[i]);
 			row("gpu_attach", attach_impls[k], (long long)sizes[i], ns, reps, NULL);
@@ -705,31 +209,31 @@ static uint64_t dict_once(enum op op, size_t each, uint32_t seed)
 	char name[64];
 
 	if (!ts)
-		die("calloc");
+		gpu_die("calloc");
 	outs_clear(2);
 	request(op, each, (uint32_t)dict_n, seed, &ready, NULL);
 	if (op == OP_BUNDLE) {
 		if (dlpc_attach_bundle(client, "bench/gpu/dict", opts(), &b) < 0)
-			die("dlpc_attach_bundle");
+			gpu_die("dlpc_attach_bundle");
 		for (uint32_t i = 0; i < n; i++)
 			ts[i] = dlpc_bundle_take(b, i);
 	} else if (op == OP_SINGLE) {
 		if (dlpc_attach(client, "bench/gpu/dict", opts(), &ts[0]) < 0)
-			die("dlpc_attach");
+			gpu_die("dlpc_attach");
 	} else {
 		for (uint32_t i = 0; i < n; i++) {
 			snprintf(name, sizeof(name), "bench/gpu/dict/%05u", i);
 			if (dlpc_attach(client, name, opts(), &ts[i]) < 0)
-				die("dlpc_attach");
+				gpu_die("dlpc_attach");
 		}
 	}
-	sum(data_of(ts[0]), ts[0]->dl_tensor.shape[0], outs);
-	CK(cu.cuStreamSynchronize(stream));
-	t1 = now_ns();
+	gpu_sum(gpu_data_of(ts[0]), ts[0]->dl_tensor.shape[0], outs);
+	CK(cu.cuStreamSynchronize(gpu_stream));
+	t1 = gpu_now_ns();
 	outs_check(1, ready.first, "dict: the first tensor", each);
 	for (uint32_t i = 0; i < n; i++)
-		sum(data_of(ts[i]), ts[i]->dl_tensor.shape[0], outs + sizeof(uint64_t));
-	CK(cu.cuStreamSynchronize(stream));
+		gpu_sum(gpu_data_of(ts[i]), ts[i]->dl_tensor.shape[0], outs + sizeof(uint64_t));
+	CK(cu.cuStreamSynchronize(gpu_stream));
 	CK(cu.cuMemcpyDtoH(&got, outs + sizeof(uint64_t), sizeof(got)));
 	if (got != ready.all) {
 		fprintf(stderr,
@@ -755,22 +259,22 @@ static void dict_copy(size_t each, uint64_t *ns)
 
 	CK(cu.cuMemAlloc(&src, total));
 	CK(cu.cuMemAlloc(&dst, total));
-	fill(src, total / 4, 7);
-	CK(cu.cuStreamSynchronize(stream));
+	gpu_fill(src, total / 4, 7);
+	CK(cu.cuStreamSynchronize(gpu_stream));
 	for (int r = -1; r < dict_reps; r++) {
-		uint64_t t0 = now_ns();
+		uint64_t t0 = gpu_now_ns();
 
 		for (int i = 0; i < dict_n; i++)
 			CK(cu.cuMemcpyDtoD(dst + each * (size_t)i, src + each * (size_t)i, each));
 		CK(cu.cuCtxSynchronize());
 		if (r >= 0)
-			ns[r] = now_ns() - t0;
+			ns[r] = gpu_now_ns() - t0;
 	}
 	outs_clear(1);
-	sum(dst, total / 4, outs);
-	CK(cu.cuStreamSynchronize(stream));
+	gpu_sum(dst, total / 4, outs);
+	CK(cu.cuStreamSynchronize(gpu_stream));
 	CK(cu.cuMemcpyDtoH(&got, outs, sizeof(got)));
-	if (got != expected(total / 4, 7)) {
+	if (got != gpu_expected(total / 4, 7)) {
 		fprintf(stderr, "bench_gpu: dict copy: wrong bytes copied\n");
 		exit(1);
 	}
@@ -789,7 +293,7 @@ static void bench_dict(void)
 	char extra[96];
 
 	if (!ns || each == 0)
-		die("dict: --dict-bytes / --dict-tensors is under 256 bytes");
+		gpu_die("dict: --dict-bytes / --dict-tensors is under 256 bytes");
 	snprintf(extra, sizeof(extra), ", \"tensors\": %d, \"tensor_bytes\": %zu", dict_n, each);
 	for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
 		fprintf(stderr, "gpu dict %s: %d x %zu bytes x %d\n", kinds[k].impl, dict_n, each,
@@ -860,12 +364,13 @@ static void parse_args(int argc, char **argv)
 		{"dict-bytes", required_argument, NULL, 'b'},
 		{"dict-reps", required_argument, NULL, 'd'},
 		{"only", required_argument, NULL, 'o'},
+		{"ptx", no_argument, NULL, 'p'}, /* print the kernels' PTX and exit */
 		{0},
 	};
 	int c;
 
 	parse_sizes("4K,64K,1M,16M,256M,1G");
-	while ((c = getopt_long(argc, argv, "s:z:r:n:b:d:o:", lopts, NULL)) != -1) {
+	while ((c = getopt_long(argc, argv, "s:z:r:n:b:d:o:p", lopts, NULL)) != -1) {
 		switch (c) {
 		case 's':
 			sock_path = optarg;
@@ -888,6 +393,9 @@ static void parse_args(int argc, char **argv)
 		case 'o':
 			only = optarg;
 			break;
+		case 'p':
+			fputs(gpu_ptx, stdout);
+			exit(0);
 		default:
 			fprintf(stderr,
 				"usage: bench_gpu --socket PATH [--sizes SIZE,...] [--reps N] "
@@ -914,29 +422,29 @@ int main(int argc, char **argv)
 
 	parse_args(argc, argv);
 	signal(SIGPIPE, SIG_IGN);
-	driver_open();
+	gpu_driver_open();
 	/* the publisher is forked before either process starts the driver */
 	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
-		die("socketpair");
+		gpu_die("socketpair");
 	pub = fork();
 	if (pub < 0)
-		die("fork");
+		gpu_die("fork");
 	if (pub == 0) {
 		close(sv[0]);
-		chan = sv[1];
-		publisher();
+		gpu_chan = sv[1];
+		gpu_publisher(sock_path);
 	}
 	close(sv[1]);
-	chan = sv[0];
-	driver_start();
+	gpu_chan = sv[0];
+	gpu_driver_start();
 	if (dlpc_connect_flags(sock_path, DLPC_CONNECT_NO_CACHE, &client) < 0)
-		die("dlpc_connect");
+		gpu_die("dlpc_connect");
 	CK(cu.cuMemAlloc(&outs, sizeof(uint64_t) * (MAX_REPS + 2)));
 	if (wanted("attach"))
 		bench_attach();
 	if (wanted("dict"))
 		bench_dict();
-	send_msg(&quit, -1);
+	gpu_send(&quit, -1);
 	if (waitpid(pub, &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
 		fprintf(stderr, "bench_gpu: the publisher failed (status %d)\n", status);
 		return 1;

@@ -1642,6 +1642,26 @@ static void host_fn_thread_start(void)
 }
 
 /*
+ * Launched work @p o (a host function, a kernel) on @p s: refused on the legacy stream while a
+ * blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), a node of the graph on a
+ * capturing stream (never run here), else queued and run if the stream can run. Takes @p o.
+ * With mu.
+ */
+static CUresult launch_work(CUstream s, struct op *o)
+{
+	CUstream q = (uintptr_t)s <= 2 ? &legacy_q : s;
+
+	if (legacy_unusable(s) || (made_stream(s) && s->capturing)) {
+		free(o);
+		return legacy_unusable(s) ? CUDA_ERROR_STREAM_CAPTURE_IMPLICIT : CUDA_SUCCESS;
+	}
+	*q->ops_end = o;
+	q->ops_end = &o->next;
+	run_ops(q);
+	return CUDA_SUCCESS;
+}
+
+/*
  * A host function runs on a thread of the driver's once the work queued before it on the
  * stream has run (at once when there is none), never on the caller's thread. On the legacy
  * stream while a blocking stream captures: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT; on a capturing
@@ -1650,7 +1670,6 @@ static void host_fn_thread_start(void)
 EXPORT CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
 {
 	static pthread_once_t once = PTHREAD_ONCE_INIT;
-	CUstream q = (uintptr_t)hStream <= 2 ? &legacy_q : hStream;
 	struct op *o;
 	CUresult r = CUDA_SUCCESS;
 
@@ -1667,19 +1686,8 @@ EXPORT CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
 	o->arg = userData;
 	pthread_once(&once, host_fn_thread_start);
 	pthread_mutex_lock(&mu);
-	if (legacy_unusable(hStream)) {
-		r = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
-	} else if (made_stream(hStream) && hStream->capturing) {
-		free(o); /* a node of the graph */
-		o = NULL;
-	} else {
-		*q->ops_end = o;
-		q->ops_end = &o->next;
-		run_ops(q);
-		o = NULL;
-	}
+	r = launch_work(hStream, o);
 	pthread_mutex_unlock(&mu);
-	free(o);
 	logf_("cuLaunchHostFunc stream=%p result=%d", (void *)hStream, (int)r);
 	return r;
 }
@@ -2116,7 +2124,6 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int
 			       unsigned int sharedMemBytes, CUstream hStream, void **kernelParams,
 			       void **extra)
 {
-	CUstream q = (uintptr_t)hStream <= 2 ? &legacy_q : hStream;
 	CUresult r = CUDA_SUCCESS;
 	bool fault;
 	struct op *o;
@@ -2143,22 +2150,14 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int
 	fault = !in_fake((uintptr_t)o->dst, o->n) ||
 		(!f->k->val32 && !in_fake((uintptr_t)o->kargs[1], sizeof(uint64_t)));
 	pthread_mutex_lock(&mu);
-	if (legacy_unusable(hStream)) {
-		r = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
-	} else if (fault) {
+	if (fault && !legacy_unusable(hStream)) {
 		sticky = true; /* an illegal address: the context is lost */
 		pthread_cond_broadcast(&let_go_cv);
-	} else if (made_stream(hStream) && hStream->capturing) {
-		free(o); /* a node of the graph */
-		o = NULL;
+		free(o);
 	} else {
-		*q->ops_end = o;
-		q->ops_end = &o->next;
-		run_ops(q);
-		o = NULL;
+		r = launch_work(hStream, o);
 	}
 	pthread_mutex_unlock(&mu);
-	free(o);
 	if (fault)
 		logf_("illegal-address cuLaunchKernel %s", f->name);
 	logf_("cuLaunchKernel %s stream=%p result=%d", f->name, (void *)hStream, (int)r);
