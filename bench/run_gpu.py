@@ -3,20 +3,24 @@
 """Run the GPU benchmark against a private dlpackd and check its goals (docs/gpu.md, "Figures").
 
     /usr/bin/python3 bench/run_gpu.py [--quick] [--build DIR] [--out DIR] [--python PYTHON]
+    /usr/bin/python3 bench/run_gpu.py --table build/gpu-figures/bench_gpu.json
 
 Starts dlpackd on a socket in a temporary directory, runs bench_gpu (attach + first kernel read
 + release, legacy IPC and VMM, beside the driver's own import; the state dict) and
 bench_gpu_torch.py (torch.multiprocessing's CUDA sharing, with --python, else the first of this
 interpreter and python3 on PATH whose torch has CUDA; a skipped row saying why without one),
 prints one line per row and per target, and writes bench_gpu.json into --out (default
-build/gpu-figures). The driver is $DLPC_CUDA_LIBRARY, else libcuda.so.1: without one (or
-without a device) it says why and exits 77. Exits 1 when a row is missing or a kernel read did
-not find what the publisher wrote. Targets are computed, never asserted: "met" says.
+build/gpu-figures), and beside it bench_gpu.md, the tables of docs/gpu.md ("Figures"). The
+driver is $DLPC_CUDA_LIBRARY, else libcuda.so.1: without one (or without a device) it says why
+and exits 77. Exits 1 when a row is missing or a kernel read did not find what the publisher
+wrote. Targets are computed, never asserted: "met" says. --table prints the tables of
+docs/gpu.md ("Figures") from such a file.
 
-Sizes (the default run takes about a minute of the GPU on one H100-class device; every size is
-also a wait for the host's own sum of what it wrote): attach 4 KiB to 1 GiB, 20 reps each; the
-state dict 500 tensors of 4 GiB in all, 5 reps. --quick (CI's run against the fake driver):
-4 KiB and 64 KiB, 3 reps; 8 tensors of 1 MiB, 2 reps.
+Sizes, chosen to finish inside scripts/dev gpu-test's 150 s on one GPU (an estimate: no hardware
+run has timed it yet; the host's own sum of what each tensor holds, a loop over its words, is
+most of it): attach 4 KiB to 1 GiB, 20 reps each; the state dict 500 tensors of 4 GiB in all,
+5 reps. --quick (CI's run against the fake driver): 4 KiB and 64 KiB, 3 reps; 8 tensors of
+1 MiB, 2 reps.
 """
 import argparse
 import ctypes
@@ -142,13 +146,48 @@ def say_target(t):
     print(f"target  {t['name']}  {human(t['size'])}  {t['ratio']:.2f}x{verdict}", flush=True)
 
 
+def markdown(path, out=sys.stdout):
+    """docs/gpu.md's tables ("Figures") from a bench_gpu.json, written to @out."""
+    with open(path) as f:
+        res = json.load(f)
+
+    def w(*line):
+        print(*line, file=out)
+
+    rows = res["rows"]
+    sizes = sorted({r["size"] for r in rows if r.get("group") == "gpu_attach" and "size" in r})
+    d = res.get("driver", {})
+    w(f"{d.get('device', '?')}, driver CUDA {d.get('driver_cuda', '?')} ({d.get('library')}), "
+      f"{res['machine']['date']}; median (p99) in us\n")
+    w("| attach + first read + release | " + " | ".join(human(s) for s in sizes) + " |")
+    w("|---|" + "---:|" * len(sizes))
+    for impl in ("floor_legacy", "dlpc_legacy", "floor_vmm", "dlpc_vmm", "torch_mp"):
+        cells = [pick(rows, "gpu_attach", impl, s) for s in sizes]
+        w(f"| {impl} | " + " | ".join(f"{c['median_us']:.1f} ({c['p99_us']:.1f})" if c else "skipped"
+                                          for c in cells) + " |")
+    w("\n| state dict | tensors | bytes | until the consumer can run |\n|---|---:|---:|---:|")
+    for impl in DICT_IMPLS:
+        r = pick(rows, "gpu_dict", impl)
+        w(f"| {impl} | {r['tensors']} | {human(r['size'])} | {r['median_us']:.1f} ({r['p99_us']:.1f}) |")
+    w("\n| target | size | ratio | goal | met |\n|---|---:|---:|---:|---|")
+    for t in res["targets"]:
+        goal = "" if t["goal"] is None else f"<= {t['goal']}"
+        met = "" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        w(f"| {t['name']} | {human(t['size'])} | {t['ratio']:.2f} | {goal} | {met} |")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, few reps")
     ap.add_argument("--build", default=os.path.join(run.ROOT, "build"), help="CMake build directory")
     ap.add_argument("--out", help="where bench_gpu.json goes (default BUILD/gpu-figures)")
     ap.add_argument("--python", help="interpreter for the torch.multiprocessing row")
+    ap.add_argument("--table", metavar="JSON", help="print docs/gpu.md's tables from a "
+                    "bench_gpu.json (run nothing)")
     args = ap.parse_args()
+    if args.table:
+        return markdown(args.table)
     # stopped (scripts/dev gpu-test's time limit): the daemon and the temporary directory go too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     out = args.out or os.path.join(args.build, "gpu-figures")
@@ -191,9 +230,9 @@ def main():
         json.dump({"machine": run.machine(), "driver": info, "quick": args.quick,
                    "rows": rows, "targets": checks}, f, indent=1)
         f.write("\n")
-    with open(path) as f:
-        json.load(f)  # well formed, as written
-    print(f"bench-gpu: figures in {path}", flush=True)
+    with open(os.path.join(out, "bench_gpu.md"), "w") as f:
+        markdown(path, f)  # read back: well formed, as written
+    print(f"bench-gpu: figures in {path}, as docs/gpu.md's tables in bench_gpu.md", flush=True)
     return 0
 
 
