@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * A fake CUDA driver: a test double for libdlpc's GPU paths on machines without a GPU. Never
- * installed. It exports the driver entry points libdlpc resolves, under the same (versioned)
- * symbol names and signatures, and backs "device memory" with host memfds so that it works
- * across real processes:
+ * installed. It exports the driver entry points libdlpc and bench/bench_gpu resolve, under the
+ * same (versioned) symbol names and signatures, and backs "device memory" with host memfds so
+ * that it works across real processes:
  *
  * - A device pointer is a host address: tests read and write device memory directly.
  * - cuMemAlloc makes a memfd and maps it. Its IPC handle holds the exporter's pid, the memfd's
