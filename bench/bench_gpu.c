@@ -97,6 +97,9 @@ static void outs_clear(int n)
 	static const uint64_t zeros[MAX_REPS + 2];
 
 	CK(cu.cuMemcpyHtoD(outs, zeros, sizeof(uint64_t) * (size_t)n));
+	/* a copy from pageable memory may still be under way when it returns, on the legacy
+	 * stream, which gpu_stream (non-blocking) does not follow */
+	CK(cu.cuCtxSynchronize());
 }
 
 /* Every one of the first @p n sums is @p want, or the run fails naming @p what. */
@@ -132,8 +135,7 @@ static void attach_once(enum attach_kind kind, const struct msg *ready, int fd, 
 			int slot)
 {
 	CUdeviceptr out = outs + sizeof(uint64_t) * (size_t)slot, d;
-	CUmemAccessDesc acc = {{CU_MEM_LOCATION_TYPE_DEVICE, 0},
-			       CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+	CUmemAccessDesc acc = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READ};
 	CUmemGenericAllocationHandle h;
 	DLManagedTensorVersioned *t;
 
