@@ -130,6 +130,8 @@ def human(n):
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift} {unit}"
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
     return f"{n} B"
 
 
