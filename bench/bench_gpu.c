@@ -102,6 +102,15 @@ static void outs_clear(int n)
 	CK(cu.cuCtxSynchronize());
 }
 
+/* A kernel read @p got where the publisher wrote @p want: the run fails, naming @p what. */
+static void wrong(const char *what, size_t size, uint64_t got, uint64_t want)
+{
+	fprintf(stderr, "bench_gpu: %s (%zu bytes): the kernel read sum %llu, ", what, size,
+		(unsigned long long)got);
+	fprintf(stderr, "the publisher wrote %llu (a wrong mapping)\n", (unsigned long long)want);
+	exit(1);
+}
+
 /* Every one of the first @p n sums is @p want, or the run fails naming @p what. */
 static void outs_check(int n, uint64_t want, const char *what, size_t size)
 {
@@ -109,14 +118,8 @@ static void outs_check(int n, uint64_t want, const char *what, size_t size)
 
 	CK(cu.cuMemcpyDtoH(got, outs, sizeof(uint64_t) * (size_t)n));
 	for (int i = 0; i < n; i++)
-		if (got[i] != want) {
-			fprintf(stderr,
-				"bench_gpu: %s of %zu bytes: the kernel read sum %llu, the "
-				"publisher "
-				"wrote %llu (a wrong mapping)\n",
-				what, size, (unsigned long long)got[i], (unsigned long long)want);
-			exit(1);
-		}
+		if (got[i] != want)
+			wrong(what, size, got[i], want);
 }
 
 static const dlpc_attach_opts *opts(void)
@@ -237,13 +240,8 @@ static uint64_t dict_once(enum op op, size_t each, uint32_t seed)
 		gpu_sum(gpu_data_of(ts[i]), ts[i]->dl_tensor.shape[0], outs + sizeof(uint64_t));
 	CK(cu.cuStreamSynchronize(gpu_stream));
 	CK(cu.cuMemcpyDtoH(&got, outs + sizeof(uint64_t), sizeof(got)));
-	if (got != ready.all) {
-		fprintf(stderr,
-			"bench_gpu: dict (op %d): the tensors sum to %llu, the publisher "
-			"wrote %llu (a wrong mapping)\n",
-			(int)op, (unsigned long long)got, (unsigned long long)ready.all);
-		exit(1);
-	}
+	if (got != ready.all)
+		wrong("dict: every tensor", each * n, got, ready.all);
 	for (uint32_t i = 0; i < n; i++)
 		ts[i]->deleter(ts[i]);
 	dlpc_bundle_free(b);
@@ -276,10 +274,8 @@ static void dict_copy(size_t each, uint64_t *ns)
 	gpu_sum(dst, total / 4, outs);
 	CK(cu.cuStreamSynchronize(gpu_stream));
 	CK(cu.cuMemcpyDtoH(&got, outs, sizeof(got)));
-	if (got != gpu_expected(total / 4, 7)) {
-		fprintf(stderr, "bench_gpu: dict copy: wrong bytes copied\n");
-		exit(1);
-	}
+	if (got != gpu_expected(total / 4, 7))
+		wrong("dict: the copy", total, got, gpu_expected(total / 4, 7));
 	CK(cu.cuMemFree(src));
 	CK(cu.cuMemFree(dst));
 }
