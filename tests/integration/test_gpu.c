@@ -2012,9 +2012,36 @@ static int fake_kernel_rules(void *arg)
 	return 0;
 }
 
+/* Memory a queued kernel still reads, freed: a fault on the device, so the fake aborts. */
+static int fake_kernel_freed(void *arg)
+{
+	uint64_t n = KWORDS;
+	CUdeviceptr buf, out;
+	CUfunction sum_k;
+	CUcontext ctx;
+	CUmodule mod;
+	CUstream s;
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuDevicePrimaryCtxRetain(&ctx, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuCtxPushCurrent(ctx) == CUDA_SUCCESS);
+	CHILD_CHECK(cuModuleLoadData(&mod, fake_ptx) == CUDA_SUCCESS);
+	CHILD_CHECK(cuModuleGetFunction(&sum_k, mod, "dlpc_sum_u32") == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&buf, KWORDS * 4) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&out, 8) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
+	fake_cuda_stream_hold(s, 1);
+	CHILD_CHECK(kernel_on(s, sum_k, buf, n, &out) == CUDA_SUCCESS);
+	cuMemFree(buf); /* aborts */
+	return 0;
+}
+
 START_TEST(fake_kernels)
 {
 	ck_assert_int_eq(wait_child(spawn(fake_kernel_rules, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(fake_kernel_freed, NULL)), 128 + SIGABRT);
 }
 END_TEST
 
