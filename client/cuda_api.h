@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * The part of the CUDA driver API that libdlpc (and the test double in tests/fake_cuda) uses.
+ * The part of the CUDA driver API that libdlpc (and the test double in tests/fake_cuda, and
+ * bench/bench_gpu.c) uses.
  *
  * With the CUDA toolkit's cuda.h available at build time (CMake finds it and defines
  * DLPC_HAVE_CUDA_H), that header is the source of every type and prototype. Without it (a
@@ -32,6 +33,8 @@
 #define cuMemAlloc cuMemAlloc_v2
 #define cuMemFree cuMemFree_v2
 #define cuMemcpyDtoD cuMemcpyDtoD_v2
+#define cuMemcpyHtoD cuMemcpyHtoD_v2
+#define cuMemcpyDtoH cuMemcpyDtoH_v2
 
 typedef enum cudaError_enum {
 	CUDA_SUCCESS = 0,
@@ -40,6 +43,7 @@ typedef enum cudaError_enum {
 	CUDA_ERROR_NOT_INITIALIZED = 3,
 	CUDA_ERROR_NO_DEVICE = 100,
 	CUDA_ERROR_INVALID_DEVICE = 101,
+	CUDA_ERROR_INVALID_IMAGE = 200,
 	CUDA_ERROR_INVALID_CONTEXT = 201,
 	CUDA_ERROR_MAP_FAILED = 205,
 	CUDA_ERROR_ALREADY_MAPPED = 208,
@@ -47,6 +51,7 @@ typedef enum cudaError_enum {
 	CUDA_ERROR_INVALID_HANDLE = 400,
 	CUDA_ERROR_NOT_FOUND = 500,
 	CUDA_ERROR_NOT_READY = 600,
+	CUDA_ERROR_ILLEGAL_ADDRESS = 700,
 	CUDA_ERROR_LAUNCH_FAILED = 719,
 	CUDA_ERROR_NOT_SUPPORTED = 801,
 	CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
@@ -63,6 +68,8 @@ typedef struct CUstream_st *CUstream;
 typedef void (*CUhostFn)(void *userData);
 typedef struct CUevent_st *CUevent;
 typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
 
 #define CU_IPC_HANDLE_SIZE 64
 typedef struct CUipcMemHandle_st {
@@ -206,6 +213,17 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size);
 CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
 				size_t count);
+/* not used by libdlpc: by bench/bench_gpu.c, its kernels and copies */
+CUresult CUDAAPI cuModuleLoadData(CUmodule *module, const void *image);
+CUresult CUDAAPI cuModuleUnload(CUmodule hmod);
+CUresult CUDAAPI cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name);
+CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+				unsigned int gridDimZ, unsigned int blockDimX,
+				unsigned int blockDimY, unsigned int blockDimZ,
+				unsigned int sharedMemBytes, CUstream hStream, void **kernelParams,
+				void **extra);
+CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount);
+CUresult CUDAAPI cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount);
 
 #endif /* DLPC_HAVE_CUDA_H */
 #endif

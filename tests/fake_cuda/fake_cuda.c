@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * A fake CUDA driver: a test double for libdlpc's GPU paths on machines without a GPU. Never
- * installed. It exports the driver entry points libdlpc resolves, under the same (versioned)
- * symbol names and signatures, and backs "device memory" with host memfds so that it works
- * across real processes:
+ * installed. It exports the driver entry points libdlpc and bench/bench_gpu resolve, under the
+ * same (versioned) symbol names and signatures, and backs "device memory" with host memfds so
+ * that it works across real processes:
  *
  * - A device pointer is a host address: tests read and write device memory directly.
  * - cuMemAlloc makes a memfd and maps it. Its IPC handle holds the exporter's pid, the memfd's
@@ -96,8 +96,8 @@ struct obj {
 	int dev;	 /* ALLOC, IMPORT, VMM_HANDLE: the device it lives on */
 };
 
-/* Work queued on a stream that cannot run yet (fake_cuda_write_later(), _read_later(), or a
- * host function of cuLaunchHostFunc()). */
+/* Work queued on a stream that cannot run yet (fake_cuda_write_later(), _read_later(), a
+ * host function of cuLaunchHostFunc() or a kernel of cuLaunchKernel()). */
 struct op {
 	struct op *next;
 	void *dst;
@@ -107,6 +107,9 @@ struct op {
 	CUhostFn fn; /* a host function: called on the fake's host-function thread */
 	void *arg;
 	CUstream on; /* a host function's stream: its later work waits until it returns */
+	/* a kernel of cuLaunchKernel(): run on the host, with its arguments taken at launch */
+	void (*kern)(const struct op *o);
+	uint64_t kargs[3];
 };
 
 struct CUstream_st {
@@ -298,7 +301,9 @@ static bool blocked(CUstream s)
 		return held_blocking > 0;
 	if (s->wait_pid && !remote_pending(s->wait_pid, s->wait_id))
 		s->wait_pid = 0;
-	if (s->wait_on && !(s->wait_on->held && s->wait_on->releases == s->wait_releases))
+	/* the work the event was recorded behind must have run too, not only been let go */
+	if (s->wait_on && !(s->wait_on->held && s->wait_on->releases == s->wait_releases) &&
+	    !s->wait_on->ops)
 		s->wait_on = NULL;
 	if (s->wait_legacy && held_blocking == 0)
 		s->wait_legacy = false;
@@ -327,7 +332,10 @@ static void run_ops(CUstream s)
 				      s == &legacy_q ? (void *)CU_STREAM_LEGACY : (void *)s);
 			break;
 		}
-		memcpy(o->dst, o->copy ? o->copy : o->src, o->n);
+		if (o->kern)
+			o->kern(o);
+		else
+			memcpy(o->dst, o->copy ? o->copy : o->src, o->n);
 		free(o->copy);
 		free(o);
 	}
@@ -335,12 +343,26 @@ static void run_ops(CUstream s)
 		s->ops_end = &s->ops;
 }
 
-/* Run the queued work of every stream (destroyed ones too) that can run now. With mu. */
+/* Run the queued work of every stream (destroyed ones too) that can run now, until none
+ * moves: a stream waiting for another's work runs once that work has run, whichever of the two
+ * was made first. With mu. */
 static void run_all(void)
 {
-	for (CUstream s = all_streams; s; s = s->next_all)
-		run_ops(s);
-	run_ops(&legacy_q);
+	bool moved = true;
+
+	while (moved) {
+		struct op *before;
+
+		moved = false;
+		for (CUstream s = all_streams; s; s = s->next_all) {
+			before = s->ops;
+			run_ops(s);
+			moved |= s->ops != before;
+		}
+		before = legacy_q.ops;
+		run_ops(&legacy_q);
+		moved |= legacy_q.ops != before;
+	}
 }
 
 /* Does queued work @p o touch [@p base, @p base + @p size)? */
@@ -1620,6 +1642,26 @@ static void host_fn_thread_start(void)
 }
 
 /*
+ * Launched work @p o (a host function, a kernel) on @p s: refused on the legacy stream while a
+ * blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), a node of the graph on a
+ * capturing stream (never run here), else queued and run if the stream can run. Takes @p o.
+ * With mu.
+ */
+static CUresult launch_work(CUstream s, struct op *o)
+{
+	CUstream q = (uintptr_t)s <= 2 ? &legacy_q : s;
+
+	if (legacy_unusable(s) || (made_stream(s) && s->capturing)) {
+		free(o);
+		return legacy_unusable(s) ? CUDA_ERROR_STREAM_CAPTURE_IMPLICIT : CUDA_SUCCESS;
+	}
+	*q->ops_end = o;
+	q->ops_end = &o->next;
+	run_ops(q);
+	return CUDA_SUCCESS;
+}
+
+/*
  * A host function runs on a thread of the driver's once the work queued before it on the
  * stream has run (at once when there is none), never on the caller's thread. On the legacy
  * stream while a blocking stream captures: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT; on a capturing
@@ -1628,7 +1670,6 @@ static void host_fn_thread_start(void)
 EXPORT CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
 {
 	static pthread_once_t once = PTHREAD_ONCE_INIT;
-	CUstream q = (uintptr_t)hStream <= 2 ? &legacy_q : hStream;
 	struct op *o;
 	CUresult r = CUDA_SUCCESS;
 
@@ -1645,19 +1686,8 @@ EXPORT CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
 	o->arg = userData;
 	pthread_once(&once, host_fn_thread_start);
 	pthread_mutex_lock(&mu);
-	if (legacy_unusable(hStream)) {
-		r = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
-	} else if (made_stream(hStream) && hStream->capturing) {
-		free(o); /* a node of the graph */
-		o = NULL;
-	} else {
-		*q->ops_end = o;
-		q->ops_end = &o->next;
-		run_ops(q);
-		o = NULL;
-	}
+	r = launch_work(hStream, o);
 	pthread_mutex_unlock(&mu);
-	free(o);
 	logf_("cuLaunchHostFunc stream=%p result=%d", (void *)hStream, (int)r);
 	return r;
 }
@@ -1938,4 +1968,223 @@ EXPORT unsigned fake_cuda_live(void)
 		n += o->kind == VMM_HANDLE ? o->refs : 1;
 	pthread_mutex_unlock(&mu);
 	return n;
+}
+
+/* ---- modules and kernels: the few the fake runs on the host ---- */
+
+#define FAKE_MODULE_ENTRIES 16 /* kernels one module may declare */
+#define FAKE_NAME_MAX 64       /* and the length of their names */
+
+/* Is [@p p, @p p + @p n) inside one allocation or mapping of the fake's? */
+static bool in_fake(uintptr_t p, size_t n)
+{
+	struct obj *o = obj_find(-1, p, true, false);
+
+	return o && n <= (o->kind == RESERVED ? o->msize : o->size) - (p - o->base);
+}
+
+/* dlpc_fill_u32(uint32_t *p, uint64_t n, uint32_t seed): p[i] = i * 2654435761 + seed */
+static void k_fill(const struct op *o)
+{
+	uint32_t *p = o->dst;
+
+	for (uint64_t i = 0; i < o->kargs[0]; i++)
+		p[i] = (uint32_t)i * 2654435761u + (uint32_t)o->kargs[1];
+}
+
+/* dlpc_sum_u32(const uint32_t *p, uint64_t n, uint64_t *out): *out += the sum of p[i] */
+static void k_sum(const struct op *o)
+{
+	const uint32_t *p = o->dst;
+	uint64_t s = 0;
+
+	for (uint64_t i = 0; i < o->kargs[0]; i++)
+		s += p[i];
+	*(uint64_t *)(uintptr_t)o->kargs[1] += s;
+}
+
+/* The kernels the fake knows, by the names a module declares them under (".entry"): those of
+ * bench/bench_gpu.c's PTX. Each takes a device pointer to 32-bit words, their count, and a
+ * third argument: 32 bits (val32) or a device pointer to 8 bytes (out). */
+static const struct fake_kernel {
+	const char *name;
+	void (*run)(const struct op *o);
+	bool val32;
+} fake_kernels[] = {
+	{"dlpc_fill_u32", k_fill, true},
+	{"dlpc_sum_u32", k_sum, false},
+};
+
+struct CUfunc_st {
+	uint32_t magic;
+	const struct fake_kernel *k; /* NULL: declared, but the fake cannot run it */
+	char name[FAKE_NAME_MAX];
+};
+
+struct CUmod_st {
+	uint32_t magic;
+	unsigned n;
+	struct CUfunc_st funcs[FAKE_MODULE_ENTRIES];
+};
+
+/*
+ * A module from PTX text: the names after each ".entry" are its kernels. An image without
+ * ".version" or without an entry is CUDA_ERROR_INVALID_IMAGE; nothing else of the PTX is
+ * checked (tests/fake_cuda/README.md).
+ */
+EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
+{
+	const char *s = image;
+	struct CUmod_st *m;
+
+	if (!usable("cuModuleLoadData"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (ctx_depth == 0)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	if (!module || !image)
+		return CUDA_ERROR_INVALID_VALUE;
+	m = calloc(1, sizeof(*m));
+	if (!m)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	m->magic = IPC_MAGIC;
+	while ((s = strstr(s, ".entry")) && m->n < FAKE_MODULE_ENTRIES) {
+		struct CUfunc_st *f = &m->funcs[m->n];
+		size_t len;
+
+		s += strlen(".entry");
+		s += strspn(s, " \t\n");
+		len = strspn(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_$");
+		if (len == 0 || len >= sizeof(f->name))
+			continue;
+		memcpy(f->name, s, len);
+		f->magic = IPC_MAGIC;
+		for (size_t i = 0; i < sizeof(fake_kernels) / sizeof(fake_kernels[0]); i++)
+			if (strcmp(f->name, fake_kernels[i].name) == 0)
+				f->k = &fake_kernels[i];
+		m->n++;
+	}
+	if (!strstr(image, ".version") || m->n == 0) {
+		free(m);
+		logf_("cuModuleLoadData result=%d", CUDA_ERROR_INVALID_IMAGE);
+		return CUDA_ERROR_INVALID_IMAGE;
+	}
+	*module = m;
+	logf_("cuModuleLoadData entries=%u", m->n);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuModuleUnload(CUmodule hmod)
+{
+	if (!usable("cuModuleUnload"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (!hmod || hmod->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	hmod->magic = DEAD_MAGIC;
+	free(hmod);
+	logf_("cuModuleUnload");
+	return CUDA_SUCCESS;
+}
+
+/* A kernel the module declares: CUDA_ERROR_NOT_FOUND for any other name, as with the driver;
+ * also for a declared kernel the fake has no host code for (logged as "no-host-kernel"). */
+EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
+{
+	if (!usable("cuModuleGetFunction"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (!hmod || hmod->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	if (!hfunc || !name)
+		return CUDA_ERROR_INVALID_VALUE;
+	for (unsigned i = 0; i < hmod->n; i++) {
+		if (strcmp(hmod->funcs[i].name, name) != 0)
+			continue;
+		if (!hmod->funcs[i].k) {
+			logf_("no-host-kernel %s", name);
+			break;
+		}
+		*hfunc = &hmod->funcs[i];
+		logf_("cuModuleGetFunction name=%s", name);
+		return CUDA_SUCCESS;
+	}
+	logf_("cuModuleGetFunction name=%s result=%d", name, CUDA_ERROR_NOT_FOUND);
+	return CUDA_ERROR_NOT_FOUND;
+}
+
+/*
+ * A kernel as work on @p hStream: its arguments are taken now, and it runs on the host once
+ * the work queued before it on that stream has run (at once when there is none), as the
+ * hooks' writes and reads do. Memory outside the fake's is a fault on the device: the launch
+ * succeeds and the context is lost (a sticky error, logged as "illegal-address"). On the legacy
+ * stream during a capture: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT; on a capturing stream the
+ * kernel goes into the graph (here: never runs). @p extra is not supported.
+ */
+EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+			       unsigned int gridDimZ, unsigned int blockDimX,
+			       unsigned int blockDimY, unsigned int blockDimZ,
+			       unsigned int sharedMemBytes, CUstream hStream, void **kernelParams,
+			       void **extra)
+{
+	CUresult r = CUDA_SUCCESS;
+	bool fault;
+	struct op *o;
+
+	if (!usable("cuLaunchKernel"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (ctx_depth == 0)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	if (!stream_ok(hStream, "cuLaunchKernel") || !f || f->magic != IPC_MAGIC)
+		return CUDA_ERROR_INVALID_HANDLE;
+	(void)sharedMemBytes;
+	if (!kernelParams || extra || !gridDimX || !gridDimY || !gridDimZ || !blockDimX ||
+	    !blockDimY || !blockDimZ || (uint64_t)blockDimX * blockDimY * blockDimZ > 1024)
+		return CUDA_ERROR_INVALID_VALUE;
+	o = calloc(1, sizeof(*o));
+	if (!o)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	o->kern = f->k->run;
+	o->dst = (void *)(uintptr_t) * (CUdeviceptr *)kernelParams[0];
+	o->src = o->dst;
+	o->kargs[0] = *(uint64_t *)kernelParams[1];
+	o->kargs[1] = f->k->val32 ? *(uint32_t *)kernelParams[2] : *(CUdeviceptr *)kernelParams[2];
+	o->n = o->kargs[0] * sizeof(uint32_t);
+	fault = !in_fake((uintptr_t)o->dst, o->n) ||
+		(!f->k->val32 && !in_fake((uintptr_t)o->kargs[1], sizeof(uint64_t)));
+	pthread_mutex_lock(&mu);
+	if (fault && !legacy_unusable(hStream)) {
+		sticky = true; /* an illegal address: the context is lost */
+		pthread_cond_broadcast(&let_go_cv);
+		free(o);
+	} else {
+		r = launch_work(hStream, o);
+	}
+	pthread_mutex_unlock(&mu);
+	if (fault)
+		logf_("illegal-address cuLaunchKernel %s", f->name);
+	logf_("cuLaunchKernel %s stream=%p result=%d", f->name, (void *)hStream, (int)r);
+	return r;
+}
+
+/* Copies between the host and the fake's memory: complete when they return. */
+EXPORT CUresult cuMemcpyHtoD(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
+{
+	if (!usable("cuMemcpyHtoD"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (ctx_depth == 0)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	if (!in_fake((uintptr_t)dstDevice, ByteCount))
+		return CUDA_ERROR_INVALID_VALUE;
+	memcpy((void *)(uintptr_t)dstDevice, srcHost, ByteCount);
+	return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
+{
+	if (!usable("cuMemcpyDtoH"))
+		return CUDA_ERROR_NOT_INITIALIZED;
+	if (ctx_depth == 0)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	if (!in_fake((uintptr_t)srcDevice, ByteCount))
+		return CUDA_ERROR_INVALID_VALUE;
+	memcpy(dstHost, (const void *)(uintptr_t)srcDevice, ByteCount);
+	return CUDA_SUCCESS;
 }

@@ -1904,6 +1904,147 @@ START_TEST(fake_streams)
 }
 END_TEST
 
+/*
+ * The fake's modules and kernels, as bench/bench_gpu.c relies on them: a launch is work on its
+ * stream (after the work queued before it: a held stream, a timed kernel, an event waited
+ * for), names the module does not declare fail as with the driver, bad launches are refused,
+ * a capture takes the kernel into its graph, and memory outside the fake's is a sticky fault.
+ */
+static const char fake_ptx[] = ".version 7.0\n.target sm_52\n.address_size 64\n"
+			       ".visible .entry dlpc_fill_u32(.param .u64 p, .param .u64 n, "
+			       ".param .u32 seed)\n{\n\tret;\n}\n"
+			       ".visible .entry dlpc_sum_u32(.param .u64 p, .param .u64 n, "
+			       ".param .u64 out)\n{\n\tret;\n}\n"
+			       ".visible .entry another(.param .u64 p)\n{\n\tret;\n}\n";
+
+#define KWORDS 1000
+
+static CUresult kernel_on(CUstream s, CUfunction f, CUdeviceptr p, uint64_t n, void *third)
+{
+	void *args[] = {&p, &n, third};
+
+	return cuLaunchKernel(f, 4, 1, 1, 256, 1, 1, 0, s, args, NULL);
+}
+
+static int fake_kernel_rules(void *arg)
+{
+	uint32_t seed = 7, host[KWORDS];
+	uint64_t want = 0, n = KWORDS;
+	CUdeviceptr buf, out, bad = (CUdeviceptr)(uintptr_t)host;
+	CUfunction fill_k, sum_k, f;
+	void *args[] = {&buf, &n, &seed};
+	CUstream s, w, cap;
+	CUcontext ctx;
+	CUmodule mod;
+	CUevent e;
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuDevicePrimaryCtxRetain(&ctx, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuModuleLoadData(&mod, fake_ptx) == CUDA_ERROR_INVALID_CONTEXT);
+	CHILD_CHECK(cuCtxPushCurrent(ctx) == CUDA_SUCCESS);
+	CHILD_CHECK(cuModuleLoadData(&mod, "not ptx") == CUDA_ERROR_INVALID_IMAGE);
+	CHILD_CHECK(cuModuleLoadData(&mod, fake_ptx) == CUDA_SUCCESS);
+	CHILD_CHECK(cuModuleGetFunction(&f, mod, "dlpc_sum") == CUDA_ERROR_NOT_FOUND);
+	CHILD_CHECK(cuModuleGetFunction(&f, mod, "another") == CUDA_ERROR_NOT_FOUND);
+	CHILD_CHECK(cuModuleGetFunction(&fill_k, mod, "dlpc_fill_u32") == CUDA_SUCCESS);
+	CHILD_CHECK(cuModuleGetFunction(&sum_k, mod, "dlpc_sum_u32") == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&buf, KWORDS * 4) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&out, 8) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemcpyHtoD(out, &want, 8) == CUDA_SUCCESS);
+	for (uint32_t i = 0; i < KWORDS; i++)
+		want += (uint32_t)(i * 2654435761u + seed);
+	CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&w, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&cap, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS);
+	/* bad launches are refused and queue nothing */
+	CHILD_CHECK(cuLaunchKernel(fill_k, 4, 1, 1, 256, 1, 1, 0, s, NULL, NULL) ==
+		    CUDA_ERROR_INVALID_VALUE);
+	CHILD_CHECK(cuLaunchKernel(fill_k, 4, 1, 1, 256, 1, 1, 0, s, args, args) ==
+		    CUDA_ERROR_INVALID_VALUE);
+	CHILD_CHECK(cuLaunchKernel(fill_k, 1, 1, 1, 2048, 1, 1, 0, s, args, NULL) ==
+		    CUDA_ERROR_INVALID_VALUE);
+	CHILD_CHECK(cuLaunchKernel(fill_k, 0, 1, 1, 256, 1, 1, 0, s, args, NULL) ==
+		    CUDA_ERROR_INVALID_VALUE);
+	CHILD_CHECK(cuLaunchKernel(NULL, 1, 1, 1, 256, 1, 1, 0, s, args, NULL) ==
+		    CUDA_ERROR_INVALID_HANDLE);
+	/* behind a long kernel: the fill and the sum wait, in order, until it ends */
+	fake_cuda_stream_hold(s, 1);
+	CHILD_CHECK(kernel_on(s, fill_k, buf, KWORDS, &seed) == CUDA_SUCCESS);
+	CHILD_CHECK(kernel_on(s, sum_k, buf, KWORDS, &out) == CUDA_SUCCESS);
+	CHILD_CHECK(((uint32_t *)(uintptr_t)buf)[1] == 0 && *(uint64_t *)(uintptr_t)out == 0);
+	CHILD_CHECK(cuStreamQuery(s) == CUDA_ERROR_NOT_READY);
+	/* a stream waiting for an event behind that kernel holds its launch back too */
+	CHILD_CHECK(cuEventRecord(e, s) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamWaitEvent(w, e, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(kernel_on(w, sum_k, buf, KWORDS, &out) == CUDA_SUCCESS);
+	CHILD_CHECK(*(uint64_t *)(uintptr_t)out == 0);
+	fake_cuda_stream_hold(s, 0);
+	CHILD_CHECK(cuStreamSynchronize(s) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamSynchronize(w) == CUDA_SUCCESS);
+	CHILD_CHECK(((uint32_t *)(uintptr_t)buf)[1] == 2654435761u + seed);
+	CHILD_CHECK(*(uint64_t *)(uintptr_t)out == 2 * want);
+	/* behind a timed kernel: the sum runs when the clock reaches its end (a wait moves it) */
+	fake_cuda_kernel(s, 5);
+	CHILD_CHECK(kernel_on(s, sum_k, buf, KWORDS, &out) == CUDA_SUCCESS);
+	CHILD_CHECK(*(uint64_t *)(uintptr_t)out == 2 * want);
+	CHILD_CHECK(cuStreamSynchronize(s) == CUDA_SUCCESS);
+	CHILD_CHECK(*(uint64_t *)(uintptr_t)out == 3 * want);
+	/* a capture takes the launch into its graph (it never runs here); the legacy stream
+	 * refuses one meanwhile */
+	fake_cuda_capture(cap, 1);
+	CHILD_CHECK(kernel_on(cap, sum_k, buf, KWORDS, &out) == CUDA_SUCCESS);
+	CHILD_CHECK(kernel_on(CU_STREAM_LEGACY, sum_k, buf, KWORDS, &out) ==
+		    CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+	fake_cuda_capture(cap, 0);
+	CHILD_CHECK(cuStreamSynchronize(cap) == CUDA_SUCCESS);
+	CHILD_CHECK(*(uint64_t *)(uintptr_t)out == 3 * want);
+	/* the copies check their ranges */
+	CHILD_CHECK(cuMemcpyDtoH(&want, out, 8) == CUDA_SUCCESS && want % 3 == 0);
+	CHILD_CHECK(cuMemcpyDtoH(&want, out + 4, 8) == CUDA_ERROR_INVALID_VALUE);
+	CHILD_CHECK(cuMemcpyHtoD(bad, &want, 8) == CUDA_ERROR_INVALID_VALUE);
+	/* memory that is not the fake's: the launch succeeds, the context is lost */
+	CHILD_CHECK(kernel_on(s, sum_k, bad, KWORDS, &out) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamSynchronize(s) == CUDA_ERROR_LAUNCH_FAILED);
+	CHILD_CHECK(cuModuleUnload(mod) == CUDA_SUCCESS);
+	return 0;
+}
+
+/* Memory a queued kernel still reads, freed: a fault on the device, so the fake aborts. */
+static int fake_kernel_freed(void *arg)
+{
+	uint64_t n = KWORDS;
+	CUdeviceptr buf, out;
+	CUfunction sum_k;
+	CUcontext ctx;
+	CUmodule mod;
+	CUstream s;
+
+	(void)arg;
+	alarm(30);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuDevicePrimaryCtxRetain(&ctx, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuCtxPushCurrent(ctx) == CUDA_SUCCESS);
+	CHILD_CHECK(cuModuleLoadData(&mod, fake_ptx) == CUDA_SUCCESS);
+	CHILD_CHECK(cuModuleGetFunction(&sum_k, mod, "dlpc_sum_u32") == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&buf, KWORDS * 4) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&out, 8) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&s, 0) == CUDA_SUCCESS);
+	fake_cuda_stream_hold(s, 1);
+	CHILD_CHECK(kernel_on(s, sum_k, buf, n, &out) == CUDA_SUCCESS);
+	cuMemFree(buf); /* aborts */
+	return 0;
+}
+
+START_TEST(fake_kernels)
+{
+	ck_assert_int_eq(wait_child(spawn(fake_kernel_rules, NULL)), 0);
+	ck_assert_int_eq(wait_child(spawn(fake_kernel_freed, NULL)), 128 + SIGABRT);
+}
+END_TEST
+
 /* ---- 18. several devices ---- */
 
 /*
@@ -2243,6 +2384,7 @@ static Suite *gpu_suite(void)
 		{"release_after_stream_destroyed", release_after_stream_destroyed_case},
 		{"release_after_queued_reads", release_after_queued_reads},
 		{"fake_streams", fake_streams},
+		{"fake_kernels", fake_kernels},
 		{"several_devices", several_devices},
 		{"wait_for_publisher_work", wait_for_publisher_work},
 	};
