@@ -131,11 +131,15 @@ static const dlpc_attach_opts *opts(void)
 }
 
 enum attach_kind { FLOOR_LEGACY, DLPC_LEGACY, FLOOR_VMM, DLPC_VMM };
+/* How long libdlpc may take to let go of a mapping after its deleter (it waits for the
+ * consumer's work on the GPU, then closes it; DLPC_CUDA_RETIRE_FALLBACK_MS is 100). */
+#define RELEASE_WAIT_MS 2000
 static const char *const attach_impls[] = {"floor_legacy", "dlpc_legacy", "floor_vmm", "dlpc_vmm"};
 
-/* One attach + first kernel read (into sum slot @p slot) + release of @p kind. */
+/* One attach + first kernel read (into sum slot @p slot) + release of @p kind; for libdlpc's,
+ * the device address released in *@p released (its deleter only queues the release). */
 static void attach_once(enum attach_kind kind, const struct msg *ready, int fd, size_t size,
-			int slot)
+			int slot, CUdeviceptr *released)
 {
 	CUdeviceptr out = outs + sizeof(uint64_t) * (size_t)slot, d;
 	CUmemAccessDesc acc = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READ};
@@ -165,10 +169,27 @@ static void attach_once(enum attach_kind kind, const struct msg *ready, int fd, 
 		if (dlpc_attach(client, kind == DLPC_LEGACY ? "bench/gpu/legacy" : "bench/gpu/vmm",
 				opts(), &t) < 0)
 			gpu_die("dlpc_attach");
-		gpu_sum(gpu_data_of(t), size / 4, out);
+		d = gpu_data_of(t);
+		gpu_sum(d, size / 4, out);
 		CK(cu.cuStreamSynchronize(gpu_stream));
 		t->deleter(t);
+		*released = d;
 	}
+}
+
+/* Wait (untimed) until libdlpc has let go of the mapping at @p d, which its deleter hands to a
+ * thread of its own: an attach while it is still open would reuse it (the library keeps one
+ * import per handle) where the floor opens the memory every time. */
+static void wait_released(CUdeviceptr d)
+{
+	for (int i = 0; i < RELEASE_WAIT_MS * 10; i++) {
+		if (cu.cuMemGetAddressRange(NULL, NULL, d) != CUDA_SUCCESS)
+			return;
+		usleep(100);
+	}
+	fprintf(stderr, "bench_gpu: libdlpc still maps %#llx %d ms after its deleter ran\n",
+		(unsigned long long)d, RELEASE_WAIT_MS);
+	exit(1);
 }
 
 /* Per size: each kind in a block of its own (the floor's open of the legacy memory never
@@ -188,10 +209,14 @@ static void bench_attach(void)
 			outs_clear(reps + 2);
 			for (int r = -2; r < reps; r++) {
 				uint64_t t0 = gpu_now_ns();
+				CUdeviceptr gone = 0;
 
-				attach_once((enum attach_kind)k, &ready, fd, sizes[i], r + 2);
+				attach_once((enum attach_kind)k, &ready, fd, sizes[i], r + 2,
+					    &gone);
 				if (r >= 0)
 					ns[r] = gpu_now_ns() - t0;
+				if (gone)
+					wait_released(gone);
 			}
 			outs_check(reps + 2, ready.first, attach_impls[k], sizes[i]);
 			row("gpu_attach", attach_impls[k], (long long)sizes[i], ns, reps, NULL);

@@ -9,8 +9,9 @@ Starts dlpackd on a socket in a temporary directory, runs bench_gpu (attach + fi
 + release, legacy IPC and VMM, beside the driver's own import; the state dict) and
 bench_gpu_torch.py (torch.multiprocessing's CUDA sharing, with --python, else the first of this
 interpreter and python3 on PATH whose torch has CUDA; a skipped row saying why without one),
-prints one line per row and per target, and writes bench_gpu.json into --out (default
-build/gpu-figures), and beside it bench_gpu.md, the tables of docs/gpu.md ("Figures"). The
+prints one line per row as it comes (and appends it to bench_gpu.rows.jsonl in --out, so that
+a run cut short keeps the rows it finished) and per target, and writes bench_gpu.json into
+--out (default build/gpu-figures), and beside it bench_gpu.md, the tables of docs/gpu.md ("Figures"). The
 driver is $DLPC_CUDA_LIBRARY, else libcuda.so.1: without one (or without a device) it says why
 and exits 77. Exits 1 when a row is missing or a kernel read did not find what the publisher
 wrote. Targets are computed, never asserted: "met" says. --table prints the tables of
@@ -143,6 +144,26 @@ def say_row(r):
           f"p99 {r['p99_us']:.1f} us  ({r['reps']} reps, reads checked)", flush=True)
 
 
+def stream_rows(cmd, env, log):
+    """Run cmd, printing each row of its stdout as it comes and appending it to the file log
+    (JSON lines), so that a run cut short (a time limit, a crash, a failed read at the largest
+    size) keeps every row it finished; the rows, or CalledProcessError."""
+    rows = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) as p:
+        run.HARNESS_PIDS.append(p.pid)
+        for line in p.stdout:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            say_row(r)
+            log.write(json.dumps(r) + "\n")
+            log.flush()
+            rows.append(r)
+    if p.returncode:
+        raise subprocess.CalledProcessError(p.returncode, cmd)
+    return rows
+
+
 def say_target(t):
     verdict = "" if t["goal"] is None else f" (goal <= {t['goal']}x: {'met' if t['met'] else 'NOT met'})"
     print(f"target  {t['name']}  {human(t['size'])}  {t['ratio']:.2f}x{verdict}", flush=True)
@@ -202,23 +223,25 @@ def main():
     cmd += (["--reps", "3", "--dict-tensors", "8", "--dict-bytes", "1M", "--dict-reps", "2"]
             if args.quick else ["--reps", "20", "--dict-tensors", "500", "--dict-bytes", "4G",
                                 "--dict-reps", "5"])
+    os.makedirs(out, exist_ok=True)
+    partial = os.path.join(out, "bench_gpu.rows.jsonl")
     try:
-        with tempfile.TemporaryDirectory(prefix="dlpc-bench-gpu.") as tmp:
+        with tempfile.TemporaryDirectory(prefix="dlpc-bench-gpu.") as tmp, \
+                open(partial, "w") as log:
             proc, sock = run.start_daemon(args.build, tmp)
             try:
-                rows = run.run_rows(cmd + ["--socket", sock], dict(os.environ))
+                rows = stream_rows(cmd + ["--socket", sock], dict(os.environ), log)
             finally:
                 run.stop_daemon(proc)
-        py = torch_python(args.python)
-        rows += run.run_rows([py, os.path.join(HERE, "bench_gpu_torch.py"), "--sizes",
-                              ",".join(map(str, sizes)), "--reps", "3" if args.quick else "20"],
-                             dict(os.environ))
+            py = torch_python(args.python)
+            rows += stream_rows([py, os.path.join(HERE, "bench_gpu_torch.py"), "--sizes",
+                                 ",".join(map(str, sizes)), "--reps",
+                                 "3" if args.quick else "20"], dict(os.environ), log)
     except subprocess.CalledProcessError as e:
         name = next((os.path.basename(c) for c in e.cmd if "bench_gpu" in c), e.cmd[0])
-        print(f"bench-gpu: {name} failed (status {e.returncode}; why above)", file=sys.stderr)
+        print(f"bench-gpu: {name} failed (status {e.returncode}; why above); the rows done "
+              f"are in {partial}", file=sys.stderr)
         return 1
-    for r in rows:
-        say_row(r)
     gone = missing(rows, sizes)
     if gone:
         print("bench-gpu: rows missing: " + "; ".join(gone), file=sys.stderr)
@@ -226,7 +249,6 @@ def main():
     checks = targets(rows, sizes)
     for t in checks:
         say_target(t)
-    os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "bench_gpu.json")
     with open(path, "w") as f:
         json.dump({"machine": run.machine(), "driver": info, "quick": args.quick,
