@@ -39,6 +39,9 @@ def _args(argv):
     p.add_argument("--lease-ttl", metavar="SECONDS", type=float, default=None,
                    help="how long an exported entry is held for a peer that has not taken it, "
                    "and the longest one transfer may take (default 30)")
+    p.add_argument("--quarantine", metavar="SECONDS", type=float, default=None,
+                   help="how long memory of an aborted transfer stays registered and mapped "
+                   "before it is given back (default 60)")
     p.add_argument("--progress-thread", action="store_true",
                    help="let NIXL run its progress thread (it spins: on few cores, slower)")
     p.add_argument("--log-level", default="info",
@@ -58,6 +61,11 @@ def main(argv=None):
     log = _server.log
     if args.lease_ttl is None:
         args.lease_ttl = _server.LEASE_TTL
+    if args.quarantine is None:
+        args.quarantine = _server.QUARANTINE
+    if not args.quarantine >= 0:
+        log.error("--quarantine %s: must be >= 0", args.quarantine)
+        return 2
     if not args.lease_ttl > 0:
         log.error("--lease-ttl %s: must be > 0", args.lease_ttl)
         return 2

@@ -132,15 +132,16 @@ def _text(name):
 class Quarantine:
     """What an aborted transfer left registered: deregistered and released after QUARANTINE."""
 
-    def __init__(self, nixl):
+    def __init__(self, nixl, seconds=QUARANTINE):
+        self.seconds = seconds
         self._nixl = nixl
         self._lock = threading.Lock()
         self._items = []
 
     def add(self, why, xfer=None, reg=None, tensors=()):
-        log.warning("quarantined for %.0f s: %s", QUARANTINE, why)
+        log.warning("quarantined for %.0f s: %s", self.seconds, why)
         with self._lock:
-            self._items.append((time.monotonic() + QUARANTINE, why, xfer, reg, list(tensors)))
+            self._items.append((time.monotonic() + self.seconds, why, xfer, reg, list(tensors)))
 
     def __len__(self):
         with self._lock:
@@ -204,7 +205,7 @@ class Bridge:
         self.host = socket.gethostname()
         self.agent_name = f"dlpackd-bridge/{self.host}/{time.time_ns()}"
         self.nixl = Nixl(self.agent_name, args.progress_thread)
-        self.quarantine = Quarantine(self.nixl)
+        self.quarantine = Quarantine(self.nixl, args.quarantine)
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._lease_seq = 0
@@ -551,6 +552,10 @@ def _left(deadline, what):
     return left
 
 
+class _Stale(Exception):
+    """The peer closed the connection before it answered a get: nothing was leased."""
+
+
 class PeerLink:
     """The importing side's control connection to one peer bridge, made on first use."""
 
@@ -616,9 +621,16 @@ class PeerLink:
             raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for another fetch from "
                                "this peer")
         try:
-            if self.sock is None:
+            reused = self.sock is not None
+            if not reused:
                 self._connect(deadline)
             try:
+                return self._fetch(dl, rname, local, deadline)
+            except _Stale:
+                # the idle connection was dead (the peer restarted): one new one, at once
+                self.drop()
+                log.info("connection to peer %s was lost while idle: reconnecting", self.name)
+                self._connect(deadline)
                 return self._fetch(dl, rname, local, deadline)
             except (ConnectionError, TimeoutError):
                 self.drop()
@@ -631,9 +643,14 @@ class PeerLink:
         rid = self._rid
         try:
             _wire.send(self.sock, {"op": "get", "id": rid, "name": rname})
-        except OSError as e:
-            raise ConnectionResetError(errno.ECONNRESET, f"connection lost: {e}") from None
-        f = self._recv(deadline, "waiting for the layout")
+            f = _wire.recv(self.sock, deadline)
+        except (ConnectionResetError, BrokenPipeError):
+            raise _Stale() from None
+        except TimeoutError:
+            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for the layout") from None
+        except _wire.FrameError as e:
+            raise ConnectionError(errno.EPROTO, f"protocol error waiting for the layout: {e}") \
+                from None
         if f["op"] == "error":
             raise _wire.to_oserror(f, "the peer says")
         if f["op"] != "layout" or f.get("id") != rid:

@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A peer bridge that asks for a name's layout and then never takes it (tests/bridge/netns.py).
+
+    python3 fake_importer.py ADDR:PORT TOKEN_FILE NAME
+
+Authenticates, exchanges NIXL metadata as a bridge does, sends `get NAME`, prints the lease
+line "LEASE <id>" and then sleeps with the connection open until it is killed: the exporter must
+end the lease after its TTL, or at once when this process dies.
+"""
+import base64
+import os
+import sys
+import time
+
+os.environ.setdefault("UCX_TLS", "tcp")
+os.environ.setdefault("UCX_MODULES", "^ib")
+
+from dlpack_ipc.bridge import _server, _wire  # noqa: E402
+
+
+def main():
+    addr, token_file, name = sys.argv[1:4]
+    host, port = _server.parse_addr(addr, "address")
+    nixl = _server.Nixl(f"fake-importer/{time.time_ns()}", False)
+    import socket
+    sock = socket.create_connection((host, port), timeout=10)
+    w = _wire.auth_client(sock, _wire.read_token(token_file), nixl.name, "exporter")
+    nixl.add_remote(base64.b64decode(w["metadata"]))
+    _wire.send(sock, {"op": "metadata", "metadata": base64.b64encode(nixl.metadata()).decode()})
+    _wire.send(sock, {"op": "get", "id": 1, "name": name})
+    f = _wire.recv(sock, time.monotonic() + 10)
+    if f["op"] != "layout":
+        print(f"NOLEASE {f}", flush=True)
+        return 1
+    print(f"LEASE {f['lease']}", flush=True)
+    while True:
+        time.sleep(60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
