@@ -102,6 +102,11 @@ class World:
         return os.path.join(self.tmp, *p)
 
     def up(self):
+        # what a run killed by SIGKILL (a ctest timeout) left: its pid is in the names
+        for line in sh("ip", "netns", "list").stdout.splitlines():
+            name = line.split()[0] if line.split() else ""
+            if name.startswith("dlpb-") and not os.path.exists(f"/proc/{name.rsplit('-', 1)[1]}"):
+                sh("ip", "netns", "del", name, check_rc=False)
         for h in "AB":
             sh("ip", "netns", "add", self.ns[h])
         sh("ip", "link", "add", self.veth["A"], "type", "veth", "peer", "name", self.veth["B"])
@@ -274,6 +279,38 @@ def case_wrong_token(w, a, b):
     check(local == "A:w/t", "A still serves the right peer after refusing the wrong one")
 
 
+PROBE = r"""
+import socket, struct, sys, time
+from dlpack_ipc.bridge import _wire
+head = {"big": struct.pack(">I", _wire.FRAME_MAX + 1), "json": struct.pack(">I", 5) + b"{nope"}
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+s.sendall(head[sys.argv[3]])
+f = _wire.recv(s, time.monotonic() + 10)
+print(f["errno"], s.recv(1) == b"")
+"""
+
+
+def case_bad_frames(w, a, b):
+    """An oversized frame and one of bad JSON, to A's TCP port and to its local socket."""
+    for kind, want in (("big", "EMSGSIZE"), ("json", "EPROTO")):
+        r = subprocess.run(["ip", "netns", "exec", w.ns["B"], sys.executable, "-c", PROBE,
+                            ADDR_A, str(PORT), kind], capture_output=True, text=True, timeout=60)
+        check(r.stdout.split() == [want, "True"], f"peer port, {kind} frame: one {want} error "
+              f"frame, then closed ({r.stdout.strip()} {r.stderr.strip()[-200:]})")
+        import socket
+        import struct
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(w.bridge_socket("bridge-A"))
+        s.sendall(struct.pack(">I", bridge.FRAME_MAX + 1) if kind == "big" else
+                  struct.pack(">I", 5) + b"{nope")
+        from dlpack_ipc.bridge import _wire
+        f = _wire.recv(s, time.monotonic() + 10)
+        check(f["errno"] == want and s.recv(1) == b"", f"local socket, {kind} frame: {want}, "
+              "then closed")
+        s.close()
+    check(w.procs["bridge-A"].poll() is None, "A's bridge lives on")
+
+
 def case_lease_ttl(w, a, b):
     """An importer that takes a lease and never sends its descriptors."""
     a.publish("w/held", np.ones(1000), replace=True)
@@ -381,6 +418,7 @@ def main():
         case_state_dict(w, a, b)
         case_errors(w, a, b)
         case_wrong_token(w, a, b)
+        case_bad_frames(w, a, b)
         case_lease_ttl(w, a, b)
         case_replace_during(w, a, b)
         check(wait_for(lambda: fds(w.procs["bridge-A"]) == fd_a, "A's fds"),
