@@ -710,16 +710,18 @@ class PeerLink:
         return gen
 
 
+class _Journal(logging.Formatter):
+    """Log lines with journald's priority prefixes (<3> error ... <7> debug)."""
+    PRIO = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+            logging.CRITICAL: 2}
+
+    def format(self, record):
+        return f"<{self.PRIO.get(record.levelno, 6)}>{super().format(record)}"
+
+
 def _logging(level):
-    class Journal(logging.Formatter):
-        PRIO = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
-                logging.CRITICAL: 2}
-
-        def format(self, record):
-            return f"<{self.PRIO.get(record.levelno, 6)}>{super().format(record)}"
-
     h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(Journal("%(message)s"))
+    h.setFormatter(_Journal("%(message)s"))
     log.addHandler(h)
     log.setLevel(level)
     log.propagate = False
