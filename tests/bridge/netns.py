@@ -24,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ADDR_A, ADDR_B, PREFIX = "10.231.77.1", "10.231.77.2", 30
 PORT = 7455
 TTL = 3.0               # the exporter's --lease-ttl in this test
-QUARANTINE = 2.0        # and --quarantine
+QUARANTINE = 6.0        # and --quarantine, beyond UCX's keepalive (KEEPALIVE) here
+KEEPALIVE = {"UCX_TCP_KEEPIDLE": "1s", "UCX_TCP_KEEPINTVL": "1s", "UCX_TCP_KEEPCNT": "2"}
 WAIT = 30.0             # the longest any expected state is waited for
 
 
@@ -65,7 +66,7 @@ def wait_for(pred, what, timeout=WAIT):
                 return True
         except OSError:
             pass
-        time.sleep(0.05)
+        time.sleep(0.005)
     check(False, f"{what} (not within {timeout:.0f} s)")
     return False
 
@@ -126,7 +127,8 @@ class World:
         log = open(self.path(f"{name}.log"), "ab")
         self.logs[name] = self.path(f"{name}.log")
         p = subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], stdout=log,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **KEEPALIVE})
         log.close()
         self.procs[name] = p
         return p
@@ -163,7 +165,7 @@ class World:
     def client(self, host):
         return dlpack_ipc.Client(self.path(f"dlpackd-{host}.sock"))
 
-    def close(self):
+    def close(self, show_logs=False):
         for name in list(self.procs):
             if name.startswith("bridge"):
                 self.kill(name, signal.SIGTERM)
@@ -172,7 +174,7 @@ class World:
         for h in "AB":
             sh("ip", "netns", "del", self.ns[h], check_rc=False)
         sh("ip", "link", "del", self.veth["A"], check_rc=False)
-        if failures:
+        if failures or show_logs:
             for name, path in self.logs.items():
                 with open(path, errors="replace") as f:
                     print(f"--- {name} log (last lines)\n" + "".join(f.readlines()[-25:]))
@@ -184,10 +186,25 @@ def fds(p):
     return len(os.listdir(f"/proc/{p.pid}/fd"))
 
 
+def fd_list(p):
+    out = []
+    for f in os.listdir(f"/proc/{p.pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{p.pid}/fd/{f}"))
+        except OSError:
+            pass
+    return sorted(out)
+
+
 def refs(client, name):
     """dlpackd's live references to name, those of the attach cache left out."""
     e = [e for e in client.list(name) if e.name == name]
     return e[0].refs - e[0].cached_refs if e else None
+
+
+def writing(w):
+    """Whether A's bridge has a WRITE in flight."""
+    return bridge.status(socket=w.bridge_socket("bridge-A"))["writing"] >= 1
 
 
 def fetch(w, name, timeout=20.0, sock="bridge-B"):
@@ -380,7 +397,7 @@ def case_exporter_killed(w, a, b):
     th = threading.Thread(target=run)
     t0 = time.monotonic()
     th.start()
-    wait_for(lambda: refs(a, "w/big") >= 1 or not th.is_alive(), "mid-way: a lease on w/big")
+    wait_for(lambda: writing(w) or not th.is_alive(), "mid-way: a WRITE of w/big")
     mid = th.is_alive()
     w.kill("bridge-A")
     th.join(40)
@@ -404,6 +421,102 @@ def case_exporter_killed(w, a, b):
     t.release()
 
 
+def _fetch_in_thread(w, name, timeout):
+    res = {}
+
+    def run():
+        try:
+            res["r"] = fetch(w, name, timeout=timeout)
+        except OSError as e:
+            res["e"] = e
+    th = threading.Thread(target=run)
+    th.start()
+    return th, res
+
+
+def case_publisher_killed(w, a, b):
+    """The publisher on A dies (its ephemeral entry goes) while its entry is being fetched."""
+    code = ("import sys, time, numpy as np, dlpack_ipc; c = dlpack_ipc.Client(sys.argv[1]); "
+            "c.publish('w/eph', np.full(128 << 20, 5, np.uint8), ephemeral=True, replace=True);"
+            " print('ready', flush=True); time.sleep(600)")
+    pub = subprocess.Popen([sys.executable, "-c", code, w.path("dlpackd-A.sock")],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        check(pub.stdout.readline().strip() == "ready", "publisher: published w/eph")
+        th, res = _fetch_in_thread(w, "A:w/eph", 60)
+        wait_for(lambda: refs(a, "w/eph") >= 1 or not th.is_alive(), "publisher: a lease")
+        pub.kill()
+        pub.wait()
+        wait_for(lambda: not a.list("w/eph"), "publisher: its ephemeral entry is gone")
+        th.join(90)
+        check("r" in res, f"publisher killed during the fetch: the fetch completed "
+              f"({res.get('e')})")
+        if "r" in res:
+            t = b.attach("A:w/eph")
+            check(np.all(np.asarray(t) == 5) and t.nbytes == 128 << 20,
+                  "from the leased mapping: whole")
+            t.release()
+        try:
+            fetch(w, "A:w/eph", timeout=10)
+            check(False, "after the publisher died: FileNotFoundError")
+        except FileNotFoundError:
+            check(True, "after the publisher died: FileNotFoundError")
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+            pub.wait()
+
+
+def case_importer_killed(w, a, b):
+    """The importing bridge SIGKILLed mid-transfer: the exporter aborts, lives on, gives the
+    lease back (after its quarantine), and serves the restarted importer."""
+    th, res = _fetch_in_thread(w, "A:w/big", 60)
+    wait_for(lambda: writing(w) or not th.is_alive(), "importer killed: a WRITE")
+    w.kill("bridge-B")
+    th.join(30)
+    check(isinstance(res.get("e"), ConnectionError) or "r" in res,
+          f"importer killed: the fetch call ended ({res})")
+    check(wait_for(lambda: refs(a, "w/big") == 0, "importer killed: A's reference back"),
+          "importer killed: A's reference to w/big is back")
+    check(w.procs["bridge-A"].poll() is None, "importer killed: A's bridge lives on")
+    w.start_bridge("B")
+    local, _ = fetch(w, "A:w/big", timeout=60)
+    t = b.attach(local)
+    check(np.all(np.asarray(t) == 3), "importer restarted: w/big whole")
+    t.release()
+
+
+def case_link_down(w, a, b):
+    """The link taken down mid-transfer: the fetch fails within its timeout, nothing crashes,
+    and after the link is back a fetch works."""
+    th, res = _fetch_in_thread(w, "A:w/big", 8)
+    wait_for(lambda: writing(w) or not th.is_alive(), "link down: a WRITE")
+    mid = th.is_alive()
+    t0 = time.monotonic()
+    sh("ip", "-n", w.ns["A"], "link", "set", w.veth["A"], "down")
+    th.join(60)
+    dt = time.monotonic() - t0
+    check(not th.is_alive(), f"link down {'mid-way' if mid else 'late'}: the fetch returned "
+          f"after {dt:.1f} s (timeout 8 s): {res}")
+    if "e" in res:
+        check(isinstance(res["e"], (TimeoutError, ConnectionError)),
+              f"link down: {type(res['e']).__name__}")
+    check(wait_for(lambda: refs(a, "w/big") == 0, "link down: A's reference back"),
+          "link down: the exporter's lease ended")
+    # the worst order: both sides give the memory back while the link is still down, and
+    # only then does it come back with whatever A's kernel still had to send
+    wait_for(lambda: bridge.status(socket=w.bridge_socket("bridge-B"))["quarantined"] == 0,
+             "link down: B's quarantine emptied")
+    sh("ip", "-n", w.ns["A"], "link", "set", w.veth["A"], "up")
+    time.sleep(2)       # (not a timing assert: what A's kernel retransmits lands meanwhile)
+    local, _ = fetch(w, "A:w/big", timeout=60)
+    t = b.attach(local)
+    check(np.all(np.asarray(t) == 3), "link back: w/big whole")
+    t.release()
+    for name in ("bridge-A", "bridge-B"):
+        check(w.procs[name].poll() is None, f"link down: {name} lives on")
+
+
 def main():
     dlpackd = sys.argv[1]
     w = World(dlpackd)
@@ -413,6 +526,8 @@ def main():
         a, b = w.client("A"), w.client("B")
         case_tensor(w, a, b)
         fd_b = fds(w.procs["bridge-B"])
+        fdl_b = fd_list(w.procs["bridge-B"])
+        ss_b = sh("ip", "netns", "exec", w.ns["B"], "ss", "-tanpx").stdout
         fd_a = fds(w.procs["bridge-A"])
         case_64m(w, a, b)
         case_state_dict(w, a, b)
@@ -424,13 +539,23 @@ def main():
         check(wait_for(lambda: fds(w.procs["bridge-A"]) == fd_a, "A's fds"),
               f"no fd leaked in A's bridge ({fds(w.procs['bridge-A'])} == {fd_a})")
         case_exporter_killed(w, a, b)
+        case_publisher_killed(w, a, b)
+        case_link_down(w, a, b)
         wait_for(lambda: bridge.status(socket=w.bridge_socket("bridge-B"))["quarantined"] == 0,
                  "B's quarantine emptied")
         check(wait_for(lambda: fds(w.procs["bridge-B"]) == fd_b, "B's fds"),
               f"no fd leaked in B's bridge ({fds(w.procs['bridge-B'])} == {fd_b})")
+        if fds(w.procs["bridge-B"]) != fd_b:
+            print("before:", fdl_b, "\nafter: ", fd_list(w.procs["bridge-B"]))
+            print(ss_b + "\n" + sh("ip", "netns", "exec", w.ns["B"], "ss", "-tanpx").stdout)
         for name in ("bridge-A", "bridge-B", "bridge-Bwrong"):
             check(w.procs[name].poll() is None, f"{name} did not crash")
-    finally:
+        case_importer_killed(w, a, b)
+    except BaseException:
+        signal.signal(signal.SIGTERM, old)
+        w.close(show_logs=True)
+        raise
+    else:
         signal.signal(signal.SIGTERM, old)
         w.close()
     left = sh("ip", "netns", "list").stdout

@@ -10,9 +10,34 @@ from . import default_socket
 
 # UCX's defaults that do not suit the bridge, each kept where the operator set it: TCP only
 # (left alone, UCX would use cross-memory attach between processes of one host, even across
-# network namespaces), and without UCX's InfiniBand modules (the wheel's bundled netlink
-# library crashes the process at exit).
-UCX_DEFAULTS = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib"}
+# network namespaces), without UCX's InfiniBand modules (the wheel's bundled netlink library
+# crashes the process at exit), and a TCP keepalive that closes a dead peer's data connection
+# within UCX_KEEPALIVE_DEAD seconds, well inside --quarantine: after that no late WRITE can land
+# in memory the bridge gave back (docs/bridge.md, "Leases and quarantine").
+UCX_DEFAULTS = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib", "UCX_TCP_KEEPIDLE": "5s",
+                "UCX_TCP_KEEPINTVL": "2s", "UCX_TCP_KEEPCNT": "3"}
+
+
+def _seconds(text):
+    """A UCX time value ("5s", "500ms", "2") in seconds; None for "inf" or what is not one."""
+    text = text.strip().lower()
+    for suffix, scale in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0), ("m", 60.0), ("", 1.0)):
+        if text.endswith(suffix):
+            try:
+                return float(text[:len(text) - len(suffix)]) * scale
+            except ValueError:
+                return None
+    return None
+
+
+def keepalive_dead():
+    """Seconds after which UCX closes a silent dead data connection, from the environment."""
+    idle = _seconds(os.environ.get("UCX_TCP_KEEPIDLE", "10s"))
+    intvl = _seconds(os.environ.get("UCX_TCP_KEEPINTVL", "2s"))
+    cnt = _seconds(os.environ.get("UCX_TCP_KEEPCNT", "3"))
+    if idle is None or intvl is None or cnt is None:
+        return None
+    return idle + intvl * cnt
 
 
 def _args(argv):
@@ -65,6 +90,12 @@ def main(argv=None):
         args.quarantine = _server.QUARANTINE
     if not args.quarantine >= 0:
         log.error("--quarantine %s: must be >= 0", args.quarantine)
+        return 2
+    dead = keepalive_dead()
+    if dead is None or args.quarantine <= dead:
+        log.error("--quarantine %s s must exceed the time UCX's TCP keepalive takes to drop a "
+                  "dead peer (UCX_TCP_KEEPIDLE + UCX_TCP_KEEPINTVL * UCX_TCP_KEEPCNT = %s)",
+                  args.quarantine, "never" if dead is None else f"{dead:g} s")
         return 2
     if not args.lease_ttl > 0:
         log.error("--lease-ttl %s: must be > 0", args.lease_ttl)

@@ -210,7 +210,7 @@ class Bridge:
         self._lock = threading.Lock()
         self._lease_seq = 0
         self.leases = 0
-        self.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0}
+        self.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
         self._clients = threading.BoundedSemaphore(CLIENTS_MAX)
         self._peers_in = threading.BoundedSemaphore(PEERS_MAX)
 
@@ -417,6 +417,7 @@ class Bridge:
         failure = None
         try:
             t0 = time.monotonic()
+            self.count("writing")
             xfer, st = self.nixl.write([(t.data_ptr, t.nbytes) for t in live],
                                        [tuple(d) for d in descs], remote, lid.encode())
             deadline = t0 + self.ttl
@@ -441,6 +442,7 @@ class Bridge:
             log.info("peer %s: wrote %r (generation %d, %d bytes) in %.3f s, %.2f GB/s",
                      who, lease.name, lease.generation, n, dt, n / max(dt, 1e-9) / 1e9)
         finally:
+            self.count("writing", -1)
             leases.pop(lid, None)
             if ok:
                 self.nixl.release(xfer)
