@@ -17,7 +17,7 @@ import time
 from . import _wire
 from ._wire import FRAME_MAX
 
-__all__ = ["fetch", "default_socket", "FRAME_MAX", "FETCH_GRACE"]
+__all__ = ["fetch", "status", "default_socket", "FRAME_MAX", "FETCH_GRACE"]
 
 # A fetch with a timeout waits this much longer than the bridge does for the bridge's answer,
 # so that the bridge's own TimeoutError (naming the peer and the name) is the one raised.
@@ -26,14 +26,15 @@ FETCH_GRACE = 5.0
 
 def default_socket():
     """The local bridge's socket: $DLPACKD_BRIDGE_SOCKET, else $XDG_RUNTIME_DIR/
-    dlpackd-bridge.sock for a user with a runtime directory, else /run/dlpackd/bridge.sock."""
+    dlpackd-bridge.sock for a user other than root with a runtime directory, else
+    /run/dlpackd-bridge/bridge.sock (the service's, systemd/dlpackd-bridge.service)."""
     env = os.environ.get("DLPACKD_BRIDGE_SOCKET")
     if env:
         return env
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.getuid() != 0:
         return os.path.join(xdg, "dlpackd-bridge.sock")
-    return "/run/dlpackd/bridge.sock"
+    return "/run/dlpackd-bridge/bridge.sock"
 
 
 def _request(frame, timeout, socket_path, what):
