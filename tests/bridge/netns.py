@@ -81,7 +81,8 @@ def sh(*cmd, check_rc=True):
 class World:
     """The namespaces, the link, the daemons and the bridges; torn down by close()."""
 
-    def __init__(self, dlpackd):
+    def __init__(self, dlpackd, ttl=TTL):
+        self.ttl = ttl
         tag = os.getpid()
         self.ns = {"A": f"dlpb-a-{tag}", "B": f"dlpb-b-{tag}"}
         self.veth = {"A": f"dlpa{tag}", "B": f"dlpb{tag}"}
@@ -141,7 +142,7 @@ class World:
         sock = self.bridge_socket(name)
         argv = [sys.executable, "-m", "dlpack_ipc.bridge", "--socket", sock,
                 "--dlpackd-socket", self.path(f"dlpackd-{host}.sock"),
-                "--token-file", token or self.token, "--lease-ttl", str(TTL),
+                "--token-file", token or self.token, "--lease-ttl", str(self.ttl),
                 "--quarantine", str(QUARANTINE)]
         if host == "A":
             argv += ["--listen", f"{ADDR_A}:{PORT}", "--export", "w/", "--export", "sd/"]
