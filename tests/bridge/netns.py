@@ -282,6 +282,11 @@ def case_errors(w, a, b):
             check(name.split(":")[1] in str(e) or "'Z'" in str(e),
                   f"{what}: FileNotFoundError naming it ({e})")
     check(b.list("A:secret") == [], "nothing published on B for them")
+    try:
+        fetch(w, "A:w/" + "x" * dlpack_ipc.NAME_MAX, timeout=10)
+        check(False, "a local name over NAME_MAX: ENAMETOOLONG")
+    except OSError as e:
+        check(e.errno == errno.ENAMETOOLONG, f"a local name over NAME_MAX: ENAMETOOLONG ({e})")
 
 
 def case_wrong_token(w, a, b):

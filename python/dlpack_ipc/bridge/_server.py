@@ -38,6 +38,8 @@ CONNECT_TIMEOUT = 10.0
 TICK = 0.25
 # Between two polls of a transfer's state or of the notifications, in seconds.
 POLL = 0.0002
+# Leases one peer connection may hold at once (each is a dlpackd reference).
+LEASES_MAX = 64
 # Local clients the bridge serves at once, and peers it accepts at once.
 CLIENTS_MAX = 64
 PEERS_MAX = 64
@@ -361,11 +363,17 @@ class Bridge:
             log.info("peer %s asked for %r, which is not exported", who, name)
             return _wire.send(sock, _wire.error_frame(
                 "ENOENT", f"{name!r} is not exported by this bridge", id=rid))
+        if len(leases) >= LEASES_MAX:
+            return _wire.send(sock, _wire.error_frame(
+                "EAGAIN", f"{name!r}: this connection holds {LEASES_MAX} leases (LEASES_MAX)",
+                id=rid))
         try:
             ts = dl.attach_dict(name, timeout=0, mode="strict")
         except OSError as e:
             return _wire.send(sock, _wire.error_frame(
                 errno.errorcode.get(e.errno, "EIO"), f"{name!r}: {e.strerror or e}", id=rid))
+        except (ValueError, TypeError) as e:
+            return _wire.send(sock, _wire.error_frame("EINVAL", f"{name!r}: {e}", id=rid))
         tensors = list(ts.items())
         if any(t.device != "cpu" for _, t in tensors):
             for _, t in tensors:
@@ -502,6 +510,9 @@ class Bridge:
             return _wire.error_frame("EINVAL", f"{name!r} is not 'peer:name'")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             return _wire.error_frame("EINVAL", f"timeout {timeout!r} is not a number >= 0")
+        if len(name.encode()) > dlpack_ipc.NAME_MAX:
+            return _wire.error_frame("ENAMETOOLONG", f"{name!r} is longer than NAME_MAX "
+                                     f"({dlpack_ipc.NAME_MAX} bytes)")
         peer, _, rname = name.partition(":")
         link = self.peers.get(peer)
         if link is None:
@@ -511,7 +522,6 @@ class Bridge:
         try:
             gen = link.fetch(dl, rname, name, deadline)
         except (KeyError, TypeError, ValueError) as e:
-            link.drop()
             log.warning("fetch %r: malformed answer from peer %s: %r", name, peer, e)
             return _wire.error_frame("EPROTO", f"peer {peer} ({link.where}), {rname!r}: "
                                      f"malformed answer: {e!r}")
@@ -522,6 +532,9 @@ class Bridge:
             log.info("fetch %r: %s", name, e)
             return _wire.error_frame(code, f"peer {peer} ({link.where}), {rname!r}: "
                                      f"{e.strerror or e}")
+        except Exception as e:     # NIXL's own errors: this fetch fails, not the bridge
+            log.warning("fetch %r: %r", name, e)
+            return _wire.error_frame("EIO", f"peer {peer} ({link.where}), {rname!r}: {e!r}")
         self.count("fetched")
         return {"op": "fetched", "name": name, "generation": gen}
 
@@ -634,8 +647,12 @@ class PeerLink:
                 log.info("connection to peer %s was lost while idle: reconnecting", self.name)
                 self._connect(deadline)
                 return self._fetch(dl, rname, local, deadline)
-            except (ConnectionError, TimeoutError):
-                self.drop()
+            except OSError as e:
+                if not getattr(e, "peer_answer", False):
+                    self.drop()
+                raise
+            except Exception:
+                self.drop()        # the connection's state is unknown
                 raise
         finally:
             self.lock.release()
@@ -654,7 +671,9 @@ class PeerLink:
             raise ConnectionError(errno.EPROTO, f"protocol error waiting for the layout: {e}") \
                 from None
         if f["op"] == "error":
-            raise _wire.to_oserror(f, "the peer says")
+            e = _wire.to_oserror(f, "the peer says")
+            e.peer_answer = True    # the connection is in a known state: it stays
+            raise e
         if f["op"] != "layout" or f.get("id") != rid:
             raise ConnectionError(errno.EPROTO, f"expected the layout, got {f['op']!r}")
         lid, gen, tensors, bundle = str(f["lease"]), f["generation"], f["tensors"], f["bundle"]
