@@ -147,7 +147,8 @@ class World:
         if host == "A":
             argv += ["--listen", f"{ADDR_A}:{PORT}", "--export", "w/", "--export", "sd/"]
         else:
-            argv += ["--peer", f"A={ADDR_A}:{PORT}"]
+            argv += ["--peer", f"A={ADDR_A}:{PORT}", "--follow", "A:w/follow",
+                     "--follow-interval", "0.3"]
         p = self.start(name, host, argv)
         wait_for(lambda: bridge.status(socket=sock)["agent"], f"{name} answers")
         return p
@@ -332,6 +333,35 @@ def case_bad_frames(w, a, b):
               "then closed")
         s.close()
     check(w.procs["bridge-A"].poll() is None, "A's bridge lives on")
+
+
+def replica(b, name):
+    """The bytes of B's replica name as a numpy array, or None where there is none."""
+    try:
+        t = b.attach(name, timeout=0)
+    except FileNotFoundError:
+        return None
+    x = np.asarray(t).copy()
+    t.release()
+    return x
+
+
+def case_follow(w, a, b):
+    """--follow A:w/follow: B's replica follows A's entry through replaces and its removal."""
+    g1 = a.publish("w/follow", np.full(1 << 20, 1, np.uint8), replace=True)
+    check(wait_for(lambda: (r := replica(b, "A:w/follow")) is not None and r[0] == 1,
+                   "follow: the first replica"), f"follow: A's generation {g1} replicated")
+    a.publish("w/follow", np.full(1 << 20, 2, np.uint8), replace=True)
+    check(wait_for(lambda: (r := replica(b, "A:w/follow")) is not None and r[0] == 2,
+                   "follow: the replace"),
+          "follow: a REPLACE on A is fetched again")
+    a.unpublish("w/follow")
+    check(wait_for(lambda: replica(b, "A:w/follow") is None, "follow: the unpublish"),
+          "follow: an unpublish on A unpublishes the replica")
+    a.publish("w/follow", np.full(1 << 20, 3, np.uint8))
+    check(wait_for(lambda: (r := replica(b, "A:w/follow")) is not None and r[0] == 3,
+                   "follow: published anew"), "follow: published anew, replicated anew")
+    a.unpublish("w/follow")
 
 
 def case_lease_ttl(w, a, b):
@@ -540,6 +570,7 @@ def main():
         case_state_dict(w, a, b)
         case_errors(w, a, b)
         case_wrong_token(w, a, b)
+        case_follow(w, a, b)
         case_bad_frames(w, a, b)
         case_lease_ttl(w, a, b)
         case_replace_during(w, a, b)

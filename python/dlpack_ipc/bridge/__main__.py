@@ -52,6 +52,11 @@ def _args(argv):
                    help="a peer bridge whose names are fetched as NAME:name (repeatable)")
     p.add_argument("--export", action="append", metavar="PREFIX",
                    help="serve names starting with PREFIX to peers (repeatable; none: nothing)")
+    p.add_argument("--follow", action="append", metavar="PEER:NAME",
+                   help="keep a replica of PEER's NAME fresh: fetch it again whenever its "
+                   "generation changes there, unpublish it when it goes (repeatable)")
+    p.add_argument("--follow-interval", metavar="SECONDS", type=float, default=1.0,
+                   help="how often --follow asks the peer for the generation (default 1)")
     p.add_argument("--token-file", metavar="PATH",
                    help="the token shared by all bridges (mode 0600 or stricter); needed with "
                    "--listen or --peer")
@@ -96,6 +101,9 @@ def main(argv=None):
         log.error("--quarantine %s s must exceed the time UCX's TCP keepalive takes to drop a "
                   "dead peer (UCX_TCP_KEEPIDLE + UCX_TCP_KEEPINTVL * UCX_TCP_KEEPCNT = %s)",
                   args.quarantine, "never" if dead is None else f"{dead:g} s")
+        return 2
+    if not args.follow_interval > 0:
+        log.error("--follow-interval %s: must be > 0", args.follow_interval)
         return 2
     if not args.lease_ttl > 0:
         log.error("--lease-ttl %s: must be > 0", args.lease_ttl)

@@ -204,6 +204,12 @@ class Bridge:
             if not sep or not name or ":" in name:
                 raise ValueError(f"--peer {p!r} is not NAME=ADDR:PORT (NAME without ':')")
             self.peers[name] = PeerLink(self, name, parse_addr(addr, f"--peer {name}"))
+        self.follow = []
+        for name in getattr(args, "follow", None) or []:
+            peer, sep, rname = name.partition(":")
+            if not sep or peer not in self.peers or not rname:
+                raise ValueError(f"--follow {name!r} is not PEER:NAME with a --peer PEER")
+            self.follow.append((self.peers[peer], rname, name))
         self.host = socket.gethostname()
         self.agent_name = f"dlpackd-bridge/{self.host}/{time.time_ns()}"
         self.nixl = Nixl(self.agent_name, args.progress_thread)
@@ -247,10 +253,44 @@ class Bridge:
                                             self._peers_in, "peer"), daemon=True))
         threads.append(threading.Thread(target=self._accept, args=(unix, self._client_thread,
                                         self._clients, "client"), daemon=True))
+        for link, rname, local in self.follow:
+            threads.append(threading.Thread(target=self._follow, args=(link, rname, local),
+                                            daemon=True))
         for t in threads:
             t.start()
         while not self.stop.wait(1.0):
             pass
+
+    def _follow(self, link, rname, local):
+        """--follow: keep the replica local of link's rname fresh, by polling its generation
+        every --follow-interval; unpublish the replica when the peer's entry is gone."""
+        dl = self.dlpackd()
+        seen = None            # (generation, created_ns) of the peer's entry last fetched
+        wait = 0.0
+        try:
+            while not self.stop.wait(wait):
+                wait = self.args.follow_interval
+                try:
+                    now = link.stat(rname, time.monotonic() + CONNECT_TIMEOUT)
+                    if now != seen:
+                        link.fetch(dl, rname, local, time.monotonic() + max(self.ttl, 60.0))
+                        seen = now
+                        self.count("fetched")
+                except FileNotFoundError:
+                    if seen is not None:
+                        log.info("follow %r: gone on %s: unpublishing the replica", local,
+                                 link.name)
+                        try:
+                            dl.unpublish(local)
+                        except FileNotFoundError:
+                            pass
+                        seen = None
+                except OSError as e:
+                    log.warning("follow %r: %s; trying again in %s s", local, e, wait)
+                except Exception:
+                    log.exception("follow %r", local)
+        finally:
+            dl.close()
 
     def _housekeeping(self):
         while not self.stop.wait(1.0):
@@ -321,6 +361,8 @@ class Bridge:
                     self._get(sock, dl, f, leases, who)
                 elif op == "put":
                     self._put(sock, f, leases, remote, who)
+                elif op == "stat":
+                    self._stat(sock, dl, f)
                 elif op == "release":
                     self._end(leases.pop(str(f.get("lease")), None), "released")
                 else:
@@ -356,6 +398,22 @@ class Bridge:
         lease.tensors = []
         self.lease_ended()
         log.debug("lease %s on %r ended: %s", lease.id, lease.name, why)
+
+    def _stat(self, sock, dl, f):
+        """A name's generation and creation time, for a peer that follows it."""
+        rid, name = f.get("id"), f.get("name")
+        if not isinstance(name, str) or not self.exported(name):
+            return _wire.send(sock, _wire.error_frame(
+                "ENOENT", f"{name!r} is not exported by this bridge", id=rid))
+        try:
+            found = [e for e in dl.list(name) if e.name == name]
+        except (OSError, ValueError) as e:
+            return _wire.send(sock, _wire.error_frame("EIO", f"{name!r}: {e}", id=rid))
+        if not found:
+            return _wire.send(sock, _wire.error_frame(
+                "ENOENT", f"{name!r}: no entry named {name!r}", id=rid))
+        _wire.send(sock, {"op": "stat", "id": rid, "generation": found[0].generation,
+                          "created_ns": found[0].created_ns})
 
     def _get(self, sock, dl, f, leases, who):
         rid, name = f.get("id"), f.get("name")
@@ -657,9 +715,36 @@ class PeerLink:
         finally:
             self.lock.release()
 
+    def stat(self, rname, deadline):
+        """(generation, created_ns) of rname on this peer; FileNotFoundError if it has none."""
+        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for a fetch from this peer")
+        try:
+            for attempt in (0, 1):
+                if self.sock is None:
+                    self._connect(deadline)
+                self._rid += 1
+                try:
+                    _wire.send(self.sock, {"op": "stat", "id": self._rid, "name": rname})
+                    f = _wire.recv(self.sock, deadline)
+                except (ConnectionResetError, BrokenPipeError):
+                    self.drop()
+                    if attempt:
+                        raise
+                    continue
+                except (TimeoutError, _wire.FrameError) as e:
+                    self.drop()
+                    raise TimeoutError(errno.ETIMEDOUT, f"stat of {rname!r}: {e}") from None
+                if f["op"] == "error":
+                    raise _wire.to_oserror(f, f"peer {self.name}")
+                return f["generation"], f["created_ns"]
+        finally:
+            self.lock.release()
+
     def _fetch(self, dl, rname, local, deadline):
         self._rid += 1
         rid = self._rid
+        t0 = time.monotonic()
         try:
             _wire.send(self.sock, {"op": "get", "id": rid, "name": rname})
             f = _wire.recv(self.sock, deadline)
@@ -677,6 +762,7 @@ class PeerLink:
         if f["op"] != "layout" or f.get("id") != rid:
             raise ConnectionError(errno.EPROTO, f"expected the layout, got {f['op']!r}")
         lid, gen, tensors, bundle = str(f["lease"]), f["generation"], f["tensors"], f["bundle"]
+        t1 = time.monotonic()
         try:
             spec = {k: (tuple(shape), dtype) for k, dtype, shape, _ in tensors}
             if bundle:
@@ -690,6 +776,7 @@ class PeerLink:
                           f"cannot allocate the replica: {e}") from None
         live = [t for t in alloc.values() if t.nbytes]
         reg = self.bridge.nixl.register(*_span(live)) if live else None
+        t2 = time.monotonic()
         landed = False
         try:
             md = self.bridge.nixl.partial_metadata(reg) if live else b""
@@ -722,12 +809,19 @@ class PeerLink:
                 self.drop()
                 self.bridge.quarantine.add(f"replica of {rname!r} from {self.name}", None, reg,
                                            alloc.values())
+        t3 = time.monotonic()
+        n = sum(t.nbytes for t in live)
         if bundle:
             dl.publish_dict(local, alloc, replace=True)
         else:
             dl.publish(local, alloc[""], replace=True)
         for t in alloc.values():
             t.release()
+        t4 = time.monotonic()
+        log.info("fetched %r from %s (generation %d, %d bytes) in %.3f s: layout %.3f, "
+                 "allocate and register %.3f, transfer %.3f (%.2f GB/s), publish %.3f", rname,
+                 self.name, gen, n, t4 - t0, t1 - t0, t2 - t1, t3 - t2,
+                 n / max(t3 - t2, 1e-9) / 1e9, t4 - t3)
         return gen
 
 
