@@ -590,6 +590,10 @@ def main():
         case_link_down(w, a, b)
         for name in ("bridge-A", "bridge-B", "bridge-Bwrong"):
             check(w.procs[name].poll() is None, f"{name} did not crash")
+        for name in ("bridge-A", "bridge-B"):
+            check(wait_for(lambda: bridge.status(socket=w.bridge_socket(name))["registered"] == 0,
+                           f"{name}'s registrations"),
+                  f"{name} gave every NIXL registration back")
         case_importer_killed(w, a, b)
     except BaseException:
         signal.signal(signal.SIGTERM, old)

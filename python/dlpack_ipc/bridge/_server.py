@@ -77,6 +77,7 @@ class Nixl:
         self.name = name
         self._lock = threading.Lock()
         self._notifs = set()
+        self.registered = 0         # registrations not given back yet
 
     def metadata(self):
         return self.agent.get_agent_metadata()
@@ -93,7 +94,10 @@ class Nixl:
             self._notifs = {n for n in self._notifs if n[0] != agent}
 
     def register(self, base, length):
-        return self.agent.register_memory([(base, length, 0, "")], "DRAM")
+        reg = self.agent.register_memory([(base, length, 0, "")], "DRAM")
+        with self._lock:
+            self.registered += 1
+        return reg
 
     def partial_metadata(self, reg):
         """What a peer needs to reach the registration reg (loaded with add_remote)."""
@@ -101,6 +105,8 @@ class Nixl:
 
     def deregister(self, reg):
         self.agent.deregister_memory(reg)
+        with self._lock:
+            self.registered -= 1
 
     def write(self, local, remote, agent, notif):
         """Post a WRITE of the (addr, len) list local into remote on agent; the handle."""
@@ -558,6 +564,7 @@ class Bridge:
     def status(self):
         with self._lock:
             return {"op": "status", "agent": self.agent_name, "leases": self.leases,
+                    "registered": self.nixl.registered,
                     "quarantined": len(self.quarantine), "exports": self.exports,
                     "peers": {n: p.connected() for n, p in self.peers.items()},
                     **self.counts}
