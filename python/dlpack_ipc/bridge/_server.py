@@ -20,24 +20,16 @@ import time
 import dlpack_ipc
 
 from . import _wire
+from ._importer import CONNECT_TIMEOUT, POLL, PeerLink
+from ._importer import keepalive as _keepalive
+from ._nixl import QUARANTINE, Nixl, Quarantine, _span
 
 # How long an exporter keeps a lease (and its dlpackd reference) for an importer that asked for
 # a name's layout and has not sent its descriptors yet; also the longest one WRITE may take.
 # --lease-ttl sets it.
 LEASE_TTL = 30.0
-# What an aborted transfer leaves registered (and mapped), in seconds, before it is
-# deregistered and released: a WRITE the peer may still have in flight never lands in (or reads
-# from) memory that is gone.
-QUARANTINE = 60.0
-# TCP keepalive on control connections: idle seconds, interval, probes (a dead peer is noticed
-# in about 11 s even when no request is pending).
-KEEPALIVE = (5, 2, 3)
-# How long to wait for a peer's TCP connect, in seconds, when the fetch has no timeout.
-CONNECT_TIMEOUT = 10.0
 # A control connection's thread looks at its leases this often, in seconds.
 TICK = 0.25
-# Between two polls of a transfer's state or of the notifications, in seconds.
-POLL = 0.0002
 # Leases one peer connection may hold at once (each is a dlpackd reference).
 LEASES_MAX = 64
 # Local clients the bridge serves at once, and peers it accepts at once.
@@ -47,145 +39,12 @@ PEERS_MAX = 64
 log = logging.getLogger("dlpackd-bridge")
 
 
-def _keepalive(sock):
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    idle, intvl, cnt = KEEPALIVE
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, intvl)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, cnt)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 def parse_addr(text, what):
     """ADDR:PORT (or [V6ADDR]:PORT) to (host, port); ValueError naming what."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{what} {text!r} is not ADDR:PORT")
     return host.strip("[]"), int(port)
-
-
-class Nixl:
-    """The bridge's one NIXL agent, host memory only, WRITE over UCX."""
-
-    def __init__(self, name, progress_thread):
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-        conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
-                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self.agent = nixl_agent(name, conf)
-        if "UCX" not in self.agent.backends:
-            raise RuntimeError("NIXL has no UCX backend here")
-        self.name = name
-        self._lock = threading.Lock()
-        self._notifs = set()
-        self.registered = 0         # registrations not given back yet
-
-    def metadata(self):
-        return self.agent.get_agent_metadata()
-
-    def add_remote(self, blob):
-        return _text(self.agent.add_remote_agent(blob))
-
-    def remove_remote(self, agent):
-        try:
-            self.agent.remove_remote_agent(agent)
-        except Exception as e:  # a peer that never connected over UCX has nothing to remove
-            log.debug("removing agent %s: %s", agent, e)
-        with self._lock:
-            self._notifs = {n for n in self._notifs if n[0] != agent}
-
-    def register(self, base, length):
-        reg = self.agent.register_memory([(base, length, 0, "")], "DRAM")
-        with self._lock:
-            self.registered += 1
-        return reg
-
-    def partial_metadata(self, reg):
-        """What a peer needs to reach the registration reg (loaded with add_remote)."""
-        return self.agent.get_partial_agent_metadata(reg, False, ["UCX"])
-
-    def deregister(self, reg):
-        self.agent.deregister_memory(reg)
-        with self._lock:
-            self.registered -= 1
-
-    def write(self, local, remote, agent, notif):
-        """Post a WRITE of the (addr, len) list local into remote on agent; the handle."""
-        lo = self.agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
-        re = self.agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
-        h = self.agent.initialize_xfer("WRITE", lo, re, agent, notif)
-        return h, self.agent.transfer(h)
-
-    def state(self, h):
-        return self.agent.check_xfer_state(h)
-
-    def release(self, h):
-        self.agent.release_xfer_handle(h)
-
-    def notified(self, agent, msg):
-        """Whether agent sent notification msg (consumed if so); progresses the worker."""
-        with self._lock:
-            for a, msgs in self.agent.get_new_notifs().items():
-                for m in msgs:
-                    self._notifs.add((_text(a), bytes(m)))
-            if (agent, msg) in self._notifs:
-                self._notifs.discard((agent, msg))
-                return True
-        return False
-
-
-def _text(name):
-    return name.decode() if isinstance(name, bytes) else name
-
-
-class Quarantine:
-    """What an aborted transfer left registered: deregistered and released after QUARANTINE."""
-
-    def __init__(self, nixl, seconds=QUARANTINE):
-        self.seconds = seconds
-        self._nixl = nixl
-        self._lock = threading.Lock()
-        self._items = []
-
-    def add(self, why, xfer=None, reg=None, tensors=()):
-        log.warning("quarantined for %.0f s: %s", self.seconds, why)
-        with self._lock:
-            self._items.append((time.monotonic() + self.seconds, why, xfer, reg, list(tensors)))
-
-    def __len__(self):
-        with self._lock:
-            return len(self._items)
-
-    def sweep(self, all_=False):
-        now = time.monotonic()
-        with self._lock:
-            due = [i for i in self._items if all_ or i[0] <= now]
-            self._items = [i for i in self._items if i not in due]
-        for _, why, xfer, reg, tensors in due:
-            # the order matters: the transfer, then the registration, then the mapping
-            if xfer is not None:
-                _quiet(self._nixl.release, xfer)
-            if reg is not None:
-                _quiet(self._nixl.deregister, reg)
-            for t in tensors:
-                t.release()
-            log.info("released after quarantine: %s", why)
-
-
-def _quiet(fn, *args):
-    try:
-        fn(*args)
-    except Exception as e:
-        log.warning("%s: %s", getattr(fn, "__name__", fn), e)
-
-
-def _span(tensors):
-    """The (base, length) that covers every tensor with bytes (one mapping: one storage)."""
-    live = [t for t in tensors if t.nbytes]
-    if not live:
-        return None
-    base = min(t.data_ptr for t in live)
-    return base, max(t.data_ptr + t.nbytes for t in live) - base
-
 
 class Lease:
     """An exported entry held for one importer: the attach is the dlpackd reference."""
@@ -354,7 +213,7 @@ class Bridge:
             f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
             if f["op"] != "metadata":
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
-            remote = self.nixl.add_remote(_metadata(f))
+            remote = self.nixl.add_remote(_wire.metadata(f))
             log.info("peer %s connected (agent %s)", who, remote)
             dl = self.dlpackd()
             while not self.stop.is_set():
@@ -474,7 +333,7 @@ class Bridge:
             return _wire.send(sock, {"op": "done", "id": rid, "lease": lid})
         try:
             # the importer's registration of its replica: loaded for each transfer
-            self.nixl.add_remote(_metadata(f))
+            self.nixl.add_remote(_wire.metadata(f))
         except _wire.FrameError:
             self._end(leases.pop(lid), "bad metadata")
             raise
@@ -604,13 +463,6 @@ class Bridge:
         return {"op": "fetched", "name": name, "generation": gen}
 
 
-def _metadata(f):
-    try:
-        return base64.b64decode(f["metadata"], validate=True)
-    except (KeyError, TypeError, ValueError):
-        raise _wire.FrameError("EPROTO", "metadata frame without base64 metadata") from None
-
-
 def _peer_closed(sock):
     """Whether the peer closed (EOF waiting) without consuming a frame it may have sent."""
     if not _wire.readable(sock, 0):
@@ -621,215 +473,6 @@ def _peer_closed(sock):
         return False
     except OSError:
         return True
-
-
-def _left(deadline, what):
-    if deadline is None:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError(errno.ETIMEDOUT, f"timed out {what}")
-    return left
-
-
-class _Stale(Exception):
-    """The peer closed the connection before it answered a get: nothing was leased."""
-
-
-class PeerLink:
-    """The importing side's control connection to one peer bridge, made on first use."""
-
-    def __init__(self, bridge, name, addr):
-        self.bridge = bridge
-        self.name = name
-        self.addr = addr
-        self.where = f"{addr[0]}:{addr[1]}"
-        self.lock = threading.Lock()
-        self.sock = None
-        self.agent = None
-        self._rid = 0
-
-    def connected(self):
-        return self.sock is not None
-
-    def _connect(self, deadline):
-        left = _left(deadline, f"connecting to {self.where}")
-        try:
-            sock = socket.create_connection(self.addr, timeout=min(left or CONNECT_TIMEOUT,
-                                                                   CONNECT_TIMEOUT))
-        except socket.timeout:
-            raise TimeoutError(errno.ETIMEDOUT, f"connecting to {self.where} timed out") \
-                from None
-        try:
-            _keepalive(sock)
-            w = _wire.auth_client(sock, self.bridge.token, self.bridge.agent_name, self.name)
-            agent = self.bridge.nixl.add_remote(_metadata(w))
-            _wire.send(sock, {"op": "metadata", "metadata":
-                              base64.b64encode(self.bridge.nixl.metadata()).decode()})
-        except _wire.FrameError as e:
-            sock.close()
-            raise ConnectionError(errno.EPROTO, f"protocol error: {e}") from None
-        except BaseException:
-            sock.close()
-            raise
-        self.sock, self.agent = sock, agent
-        log.info("connected to peer %s at %s (agent %s)", self.name, self.where, agent)
-
-    def drop(self):
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-        if self.agent is not None:
-            self.bridge.nixl.remove_remote(self.agent)
-            self.agent = None
-
-    def _recv(self, deadline, what):
-        try:
-            f = _wire.recv(self.sock, deadline)
-        except TimeoutError:
-            raise TimeoutError(errno.ETIMEDOUT, f"timed out {what}") from None
-        except ConnectionResetError:
-            raise ConnectionResetError(errno.ECONNRESET, f"connection lost {what}") from None
-        except _wire.FrameError as e:
-            raise ConnectionError(errno.EPROTO, f"protocol error {what}: {e}") from None
-        return f
-
-    def fetch(self, dl, rname, local, deadline):
-        """Get rname from this peer and publish it here as local; the remote generation."""
-        if not self.lock.acquire(timeout=-1 if deadline is None else
-                                 max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for another fetch from "
-                               "this peer")
-        try:
-            reused = self.sock is not None
-            if not reused:
-                self._connect(deadline)
-            try:
-                return self._fetch(dl, rname, local, deadline)
-            except _Stale:
-                # the idle connection was dead (the peer restarted): one new one, at once
-                self.drop()
-                log.info("connection to peer %s was lost while idle: reconnecting", self.name)
-                self._connect(deadline)
-                return self._fetch(dl, rname, local, deadline)
-            except OSError as e:
-                if not getattr(e, "peer_answer", False):
-                    self.drop()
-                raise
-            except Exception:
-                self.drop()        # the connection's state is unknown
-                raise
-        finally:
-            self.lock.release()
-
-    def stat(self, rname, deadline):
-        """(generation, created_ns) of rname on this peer; FileNotFoundError if it has none."""
-        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for a fetch from this peer")
-        try:
-            for attempt in (0, 1):
-                if self.sock is None:
-                    self._connect(deadline)
-                self._rid += 1
-                try:
-                    _wire.send(self.sock, {"op": "stat", "id": self._rid, "name": rname})
-                    f = _wire.recv(self.sock, deadline)
-                except (ConnectionResetError, BrokenPipeError):
-                    self.drop()
-                    if attempt:
-                        raise
-                    continue
-                except (TimeoutError, _wire.FrameError) as e:
-                    self.drop()
-                    raise TimeoutError(errno.ETIMEDOUT, f"stat of {rname!r}: {e}") from None
-                if f["op"] == "error":
-                    raise _wire.to_oserror(f, f"peer {self.name}")
-                return f["generation"], f["created_ns"]
-        finally:
-            self.lock.release()
-
-    def _fetch(self, dl, rname, local, deadline):
-        self._rid += 1
-        rid = self._rid
-        t0 = time.monotonic()
-        try:
-            _wire.send(self.sock, {"op": "get", "id": rid, "name": rname})
-            f = _wire.recv(self.sock, deadline)
-        except (ConnectionResetError, BrokenPipeError):
-            raise _Stale() from None
-        except TimeoutError:
-            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for the layout") from None
-        except _wire.FrameError as e:
-            raise ConnectionError(errno.EPROTO, f"protocol error waiting for the layout: {e}") \
-                from None
-        if f["op"] == "error":
-            e = _wire.to_oserror(f, "the peer says")
-            e.peer_answer = True    # the connection is in a known state: it stays
-            raise e
-        if f["op"] != "layout" or f.get("id") != rid:
-            raise ConnectionError(errno.EPROTO, f"expected the layout, got {f['op']!r}")
-        lid, gen, tensors, bundle = str(f["lease"]), f["generation"], f["tensors"], f["bundle"]
-        t1 = time.monotonic()
-        try:
-            spec = {k: (tuple(shape), dtype) for k, dtype, shape, _ in tensors}
-            if bundle:
-                alloc = dl.empty_dict(spec)
-            else:
-                (k, (shape, dtype)), = spec.items()
-                alloc = {k: dl.empty(shape, dtype)}
-        except (OSError, ValueError, TypeError) as e:
-            _wire.send(self.sock, {"op": "release", "lease": lid})
-            raise OSError(getattr(e, "errno", None) or errno.EINVAL,
-                          f"cannot allocate the replica: {e}") from None
-        live = [t for t in alloc.values() if t.nbytes]
-        reg = self.bridge.nixl.register(*_span(live)) if live else None
-        t2 = time.monotonic()
-        landed = False
-        try:
-            md = self.bridge.nixl.partial_metadata(reg) if live else b""
-            _wire.send(self.sock, {"op": "put", "id": rid, "lease": lid,
-                                   "metadata": base64.b64encode(md).decode(),
-                                   "descs": [[t.data_ptr, t.nbytes] for t in live]})
-            done = False
-            notified = not live
-            while not (done and notified):
-                _left(deadline, f"waiting for {rname!r}")
-                if not notified:
-                    notified = self.bridge.nixl.notified(self.agent, lid.encode())
-                if not done and _wire.readable(self.sock, 0 if not notified else 0.05):
-                    f = self._recv(deadline, "waiting for the transfer")
-                    if f["op"] == "error":
-                        raise _wire.to_oserror(f, "transfer failed")
-                    if f["op"] != "done" or f.get("lease") != lid:
-                        raise ConnectionError(errno.EPROTO, f"expected done, got {f['op']!r}")
-                    done = True
-                elif not notified:
-                    time.sleep(POLL)
-            landed = True
-        finally:
-            if landed or reg is None:
-                if reg is not None:
-                    self.bridge.nixl.deregister(reg)
-            else:
-                # the exporter may still be writing into it: close the control connection
-                # (it cancels there) and keep the memory registered for a while
-                self.drop()
-                self.bridge.quarantine.add(f"replica of {rname!r} from {self.name}", None, reg,
-                                           alloc.values())
-        t3 = time.monotonic()
-        n = sum(t.nbytes for t in live)
-        if bundle:
-            dl.publish_dict(local, alloc, replace=True)
-        else:
-            dl.publish(local, alloc[""], replace=True)
-        for t in alloc.values():
-            t.release()
-        t4 = time.monotonic()
-        log.info("fetched %r from %s (generation %d, %d bytes) in %.3f s: layout %.3f, "
-                 "allocate and register %.3f, transfer %.3f (%.2f GB/s), publish %.3f", rname,
-                 self.name, gen, n, t4 - t0, t1 - t0, t2 - t1, t3 - t2,
-                 n / max(t3 - t2, 1e-9) / 1e9, t4 - t3)
-        return gen
 
 
 class _Journal(logging.Formatter):

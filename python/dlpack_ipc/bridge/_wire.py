@@ -4,6 +4,7 @@
 A frame is a 4-byte big-endian length and that many bytes of a UTF-8 JSON object. The same
 framing serves the TCP control connection between bridges and the local Unix socket.
 """
+import base64
 import errno
 import hashlib
 import hmac
@@ -107,6 +108,15 @@ def to_oserror(frame, context):
     """The OSError subclass for an error frame (OSError picks it from the errno)."""
     code = getattr(errno, str(frame.get("errno")), None) or errno.EPROTO
     return OSError(code, f"{context}: {frame.get('message', 'error')}")
+
+
+def metadata(frame):
+    """The NIXL metadata a frame carries (base64); FrameError if it carries none."""
+    try:
+        return base64.b64decode(frame["metadata"], validate=True)
+    except (KeyError, TypeError, ValueError):
+        raise FrameError("EPROTO", f"{frame.get('op')!r} frame without base64 metadata") \
+            from None
 
 
 def send_error(sock, errname, message, **extra):
