@@ -207,14 +207,14 @@ class Bridge:
                 self.count("refused")
                 log.warning("peer %s refused: %s", who, e.strerror or e)
                 return
-            who = f"{hello.get('from', '?')} at {who}"
+            who = f"{str(hello.get('from', '?'))[:200]!r} at {who}"  # peer-chosen: quoted
             _wire.send(sock, {"op": "welcome", "agent": self.agent_name,
                               "metadata": base64.b64encode(self.nixl.metadata()).decode()})
             f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
             if f["op"] != "metadata":
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
             remote = self.nixl.add_remote(_wire.metadata(f))
-            log.info("peer %s connected (agent %s)", who, remote)
+            log.info("peer %s connected (agent %r)", who, remote)
             dl = self.dlpackd()
             while not self.stop.is_set():
                 self._expire(leases, who)
