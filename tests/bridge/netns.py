@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the /30 between the namespaces (private, and only inside them)
 ADDR_A, ADDR_B, PREFIX = "10.231.77.1", "10.231.77.2", 30
 PORT = 7455
-TTL = 3.0               # the exporter's --lease-ttl in this test
+TTL = 10.0              # the exporter's --lease-ttl (and bound on one WRITE) in this test
 QUARANTINE = 6.0        # and --quarantine, beyond UCX's keepalive (KEEPALIVE) here
 KEEPALIVE = {"UCX_TCP_KEEPIDLE": "1s", "UCX_TCP_KEEPINTVL": "1s", "UCX_TCP_KEEPCNT": "2"}
 WAIT = 30.0             # the longest any expected state is waited for
