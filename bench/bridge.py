@@ -109,8 +109,10 @@ def main():
     p.add_argument("--sizes", default="64M,1G")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--bridge-option", action="append", default=[],
+                   help="one more option for both bridges (e.g. --progress-thread)")
     args = p.parse_args()
-    w = netns.World(args.dlpackd, ttl=120.0)
+    w = netns.World(args.dlpackd, ttl=120.0, extra=args.bridge_option)
     rows = []
     try:
         w.up()

@@ -81,8 +81,9 @@ def sh(*cmd, check_rc=True):
 class World:
     """The namespaces, the link, the daemons and the bridges; torn down by close()."""
 
-    def __init__(self, dlpackd, ttl=TTL):
+    def __init__(self, dlpackd, ttl=TTL, extra=()):
         self.ttl = ttl
+        self.extra = list(extra)       # more options for every bridge
         tag = os.getpid()
         self.ns = {"A": f"dlpb-a-{tag}", "B": f"dlpb-b-{tag}"}
         self.veth = {"A": f"dlpa{tag}", "B": f"dlpb{tag}"}
@@ -143,7 +144,7 @@ class World:
         argv = [sys.executable, "-m", "dlpack_ipc.bridge", "--socket", sock,
                 "--dlpackd-socket", self.path(f"dlpackd-{host}.sock"),
                 "--token-file", token or self.token, "--lease-ttl", str(self.ttl),
-                "--quarantine", str(QUARANTINE)]
+                "--quarantine", str(QUARANTINE), *self.extra]
         if host == "A":
             argv += ["--listen", f"{ADDR_A}:{PORT}", "--export", "w/", "--export", "sd/"]
         else:
