@@ -365,6 +365,53 @@ def case_follow(w, a, b):
     a.unpublish("w/follow")
 
 
+def case_limits(w, a, b):
+    """LEASES_MAX leases per peer connection, CLIENTS_MAX local clients at once."""
+    from dlpack_ipc.bridge import _server
+    a.publish("w/held", np.ones(1000), replace=True)
+    p = subprocess.Popen(["ip", "netns", "exec", w.ns["B"], sys.executable,
+                          os.path.join(HERE, "fake_importer.py"), f"{ADDR_A}:{PORT}", w.token,
+                          "w/held", str(_server.LEASES_MAX + 1)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        lines = []
+        while len(lines) < _server.LEASES_MAX + 1:
+            line = p.stdout.readline()
+            if not line:
+                break
+            if line.startswith(("LEASE ", "REFUSED ")):     # (NIXL logs there too)
+                lines.append(line.strip())
+        check(lines[:-1] == [ln for ln in lines[:-1] if ln.startswith("LEASE ")] and
+              lines[-1] == "REFUSED EAGAIN", f"LEASES_MAX ({_server.LEASES_MAX}) leases on one "
+              f"connection, then EAGAIN ({lines[-1]})")
+        # (one client attaching one entry 64 times: dlpackd may count one reference)
+        check(refs(a, "w/held") >= 1, "the leases hold the entry in A's dlpackd")
+    finally:
+        p.kill()
+        p.wait()
+    check(wait_for(lambda: refs(a, "w/held") == 0, "LEASES_MAX: references back"),
+          "and all of them come back when the connection goes")
+    import socket
+    from dlpack_ipc.bridge import _wire
+    held = []
+    try:
+        for _ in range(_server.CLIENTS_MAX):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(w.bridge_socket("bridge-A"))
+            held.append(s)
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(w.bridge_socket("bridge-A"))
+        held.append(s)
+        f = _wire.recv(s, time.monotonic() + 10)
+        check(f.get("errno") == "EAGAIN", f"CLIENTS_MAX ({_server.CLIENTS_MAX}) local clients, "
+              f"then EAGAIN ({f})")
+    finally:
+        for s in held:
+            s.close()
+    check(wait_for(lambda: bridge.status(socket=w.bridge_socket("bridge-A"))["agent"],
+                   "A answers again"), "and A serves local clients again when they go")
+
+
 def case_lease_ttl(w, a, b):
     """An importer that takes a lease and never sends its descriptors."""
     a.publish("w/held", np.ones(1000), replace=True)
@@ -572,6 +619,7 @@ def main():
         case_errors(w, a, b)
         case_wrong_token(w, a, b)
         case_follow(w, a, b)
+        case_limits(w, a, b)
         case_bad_frames(w, a, b)
         case_lease_ttl(w, a, b)
         case_replace_during(w, a, b)

@@ -232,3 +232,14 @@ def test_importing_the_client_api_does_not_import_nixl():
     code = ("import sys, dlpack_ipc, dlpack_ipc.bridge; "
             "assert not [m for m in sys.modules if m.startswith('nixl')], 'nixl imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_auth_timeout(pair, monkeypatch):
+    # a peer that connects and says nothing is given AUTH_TIMEOUT, then dropped
+    a, b = pair
+    monkeypatch.setattr(_wire, "AUTH_TIMEOUT", 0.2)
+    with pytest.raises(TimeoutError):
+        _wire.auth_server(b, b"t" * 32)
+    _wire.send(a, {"op": "hello", "version": _wire.PROTOCOL_VERSION, "nonce": "00" * 32})
+    with pytest.raises(TimeoutError):       # ...and one that stops after its hello as well
+        _wire.auth_server(b, b"t" * 32)
