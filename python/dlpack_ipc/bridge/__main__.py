@@ -124,6 +124,10 @@ def main(argv=None):
         tcp = _server._listen_tcp(args.listen) if args.listen else None
         path = args.socket or default_socket()
         unix = _server._listen_unix(path, mode)
+    except ImportError as e:
+        log.error("cannot start: NIXL cannot be imported (%s): install the extra 'bridge' "
+                  "(docs/bridge.md, Install)", e)
+        return 1
     except (OSError, ValueError, RuntimeError) as e:
         log.error("cannot start: %s", e)
         return 1

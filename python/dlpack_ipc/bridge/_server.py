@@ -405,9 +405,14 @@ class Bridge:
                 if f["op"] == "status":
                     reply = self.status()
                 elif f["op"] == "fetch":
-                    if dl is None:
-                        dl = self.dlpackd()
-                    reply = self._fetch(dl, f)
+                    try:
+                        if dl is None:
+                            dl = self.dlpackd()
+                    except OSError as e:
+                        reply = _wire.error_frame(
+                            "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
+                    else:
+                        reply = self._fetch(dl, f)
                 else:
                     raise _wire.FrameError("EPROTO", f"unknown op {f['op']!r}")
                 _wire.send(sock, reply)
