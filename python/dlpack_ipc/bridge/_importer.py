@@ -109,26 +109,36 @@ class PeerLink:
             raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for another fetch from "
                                "this peer")
         try:
-            reused = self.sock is not None
-            if not reused:
+            if self.sock is None:
                 self._connect(deadline)
             try:
-                return self._fetch(dl, rname, local, deadline)
+                return self._guarded(dl, rname, local, deadline)
             except _Stale:
                 # the idle connection was dead (the peer restarted): one new one, at once
-                self.drop()
                 log.info("connection to peer %s was lost while idle: reconnecting", self.name)
                 self._connect(deadline)
-                return self._fetch(dl, rname, local, deadline)
-            except OSError as e:
-                if not getattr(e, "peer_answer", False):
-                    self.drop()
-                raise
-            except Exception:
-                self.drop()        # the connection's state is unknown
-                raise
+                try:
+                    return self._guarded(dl, rname, local, deadline)
+                except _Stale:
+                    raise ConnectionResetError(errno.ECONNRESET, "the peer closed the "
+                                               "connection before answering") from None
         finally:
             self.lock.release()
+
+    def _guarded(self, dl, rname, local, deadline):
+        """_fetch, dropping the connection unless the peer answered the get in good order."""
+        try:
+            return self._fetch(dl, rname, local, deadline)
+        except _Stale:
+            self.drop()
+            raise
+        except OSError as e:
+            if not getattr(e, "peer_answer", False):
+                self.drop()
+            raise
+        except Exception:
+            self.drop()            # the connection's state is unknown
+            raise
 
     def stat(self, rname, deadline):
         """(generation, created_ns) of rname on this peer; FileNotFoundError if it has none."""
