@@ -243,3 +243,53 @@ def test_auth_timeout(pair, monkeypatch):
     _wire.send(a, {"op": "hello", "version": _wire.PROTOCOL_VERSION, "nonce": "00" * 32})
     with pytest.raises(TimeoutError):       # ...and one that stops after its hello as well
         _wire.auth_server(b, b"t" * 32)
+
+
+def test_pre_auth_frames_limited_to_auth_frame_max(pair, monkeypatch):
+    # a stranger's hello over AUTH_FRAME_MAX is refused from its header, its body never read
+    a, b = pair
+    monkeypatch.setattr(_wire, "AUTH_TIMEOUT", 2.0)
+    a.sendall(struct.pack(">I", _wire.AUTH_FRAME_MAX + 1))
+    with pytest.raises(_wire.FrameError, match="AUTH_FRAME_MAX") as e:
+        _wire.auth_server(b, b"t" * 32)
+    assert e.value.errname == "EMSGSIZE"
+    # and a hello of exactly AUTH_FRAME_MAX bytes is read
+    body = json.dumps({"op": "hello", "version": _wire.PROTOCOL_VERSION, "nonce": "zz",
+                       "from": ""}).encode()
+    body = body[:-2] + b"x" * (_wire.AUTH_FRAME_MAX - len(body)) + body[-2:]
+    a.sendall(struct.pack(">I", len(body)) + body)
+    with pytest.raises(_wire.FrameError, match="nonce"):
+        _wire.auth_server(b, b"t" * 32)
+
+
+def test_json_nested_too_deep_is_a_protocol_error(pair):
+    a, b = pair
+    body = b"[" * 100000
+    t = threading.Thread(target=a.sendall, args=(struct.pack(">I", len(body)) + body,))
+    t.start()
+    with pytest.raises(_wire.FrameError, match="nested too deep") as e:
+        _wire.recv(b, time.monotonic() + 10)
+    t.join()
+    assert e.value.errname == "EPROTO"
+    body = b'{"op":"hello","x":' + b"[" * 1000
+    a.sendall(struct.pack(">I", len(body)) + body)
+    with pytest.raises(_wire.FrameError, match="nested too deep"):
+        _wire.auth_server(b, b"t" * 32)
+
+
+def test_non_ascii_proof_is_a_wrong_proof():
+    tok = b"t" * 32
+    c, s = socket.socketpair()
+    out = {}
+    th = threading.Thread(target=lambda: out.update(r=_try(_wire.auth_server, s, tok)))
+    th.start()
+    _wire.send(c, {"op": "hello", "version": _wire.PROTOCOL_VERSION, "from": "x",
+                   "nonce": os.urandom(_wire.NONCE_BYTES).hex()})
+    _wire.recv(c, time.monotonic() + 5)
+    _wire.send(c, {"op": "auth", "proof": "é" * 64})
+    err = _wire.recv(c, time.monotonic() + 5)
+    th.join(10)
+    assert err["errno"] == "EPERM"
+    assert isinstance(out["r"], PermissionError)
+    c.close()
+    s.close()

@@ -207,6 +207,15 @@ class Bridge:
                 self.count("refused")
                 log.warning("peer %s refused: %s", who, e.strerror or e)
                 return
+            except _wire.FrameError as e:   # a malformed hello or proof: refused as well
+                self.count("refused")
+                log.warning("peer %s refused: %s", who, e)
+                _wire.send_error(sock, e.errname, str(e))
+                return
+            except (TimeoutError, ConnectionError) as e:
+                self.count("refused")
+                log.warning("peer %s refused: %s", who, e)
+                return
             who = f"{str(hello.get('from', '?'))[:200]!r} at {who}"  # peer-chosen: quoted
             _wire.send(sock, {"op": "welcome", "agent": self.agent_name,
                               "metadata": base64.b64encode(self.nixl.metadata()).decode()})

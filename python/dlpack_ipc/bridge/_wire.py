@@ -19,6 +19,10 @@ import time
 # a ~100 MiB state dict of a few hundred tensors is tens of KiB; BUNDLE_MAX (16,384) tensors
 # with 255-byte keys, 8 dimensions and their descriptors come to about 7 MiB of JSON.
 FRAME_MAX = 8 << 20
+# The largest frame read before the peer is authenticated (hello, challenge, auth): a hello
+# is about 200 bytes. Parsing costs many times a frame's size in memory (an 8 MiB frame of
+# small JSON values takes ~180 MiB), so a stranger gets no more than this.
+AUTH_FRAME_MAX = 1 << 10
 # How long a peer has to complete the authentication, in seconds.
 AUTH_TIMEOUT = 10.0
 # Bytes of randomness in each side's nonce.
@@ -74,20 +78,23 @@ def _recv_exact(sock, n, deadline):
     return bytes(buf)
 
 
-def recv(sock, deadline=None):
-    """Read one frame; a dict. deadline: time.monotonic() value or None (wait for ever).
+def recv(sock, deadline=None, limit=FRAME_MAX, limit_name="FRAME_MAX"):
+    """Read one frame; a dict. deadline: time.monotonic() value or None (wait for ever);
+    limit: the largest body accepted (AUTH_FRAME_MAX before authentication), named limit_name.
 
-    Raises FrameError (oversized frame, bad UTF-8 or JSON, not an object), TimeoutError,
-    ConnectionResetError (EOF).
+    Raises FrameError (oversized frame, bad UTF-8 or JSON, nested too deep, not an object),
+    TimeoutError, ConnectionResetError (EOF).
     """
     (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
-    if n > FRAME_MAX:
-        raise FrameError("EMSGSIZE", f"frame of {n} bytes exceeds FRAME_MAX ({FRAME_MAX})")
+    if n > limit:
+        raise FrameError("EMSGSIZE", f"frame of {n} bytes exceeds {limit_name} ({limit})")
     body = _recv_exact(sock, n, deadline)
     try:
         obj = json.loads(body.decode())
     except (UnicodeDecodeError, ValueError) as e:
         raise FrameError("EPROTO", f"frame is not UTF-8 JSON: {e}") from None
+    except RecursionError:
+        raise FrameError("EPROTO", "frame's JSON is nested too deep") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
         raise FrameError("EPROTO", "frame is not a JSON object with a string \"op\"")
     return obj
@@ -151,6 +158,20 @@ def proof(token, role, client_nonce, server_nonce):
     return hmac.new(token, msg, hashlib.sha256).hexdigest()
 
 
+def _recv_auth(sock, deadline):
+    """One frame of the authentication, before the peer is known: at most AUTH_FRAME_MAX."""
+    return recv(sock, deadline, AUTH_FRAME_MAX, "AUTH_FRAME_MAX")
+
+
+def _proof_ok(frame, expected):
+    """Whether frame carries the proof expected, compared in constant time (as bytes: a
+    peer's non-ASCII text is a wrong proof, not an exception)."""
+    got = frame.get("proof")
+    if not isinstance(got, str):
+        return False
+    return hmac.compare_digest(got.encode(), expected.encode())
+
+
 def _nonce(frame, what):
     try:
         n = bytes.fromhex(frame["nonce"])
@@ -169,13 +190,13 @@ def auth_client(sock, token, me, peer):
     deadline = time.monotonic() + AUTH_TIMEOUT
     cn = os.urandom(NONCE_BYTES)
     send(sock, {"op": "hello", "version": PROTOCOL_VERSION, "from": me, "nonce": cn.hex()})
-    f = recv(sock, deadline)
+    f = _recv_auth(sock, deadline)
     if f["op"] == "error":
         raise to_oserror(f, f"peer {peer}")
     if f["op"] != "challenge":
         raise FrameError("EPROTO", f"expected a challenge, got {f['op']!r}")
     sn = _nonce(f, "challenge")
-    if not hmac.compare_digest(str(f.get("proof", "")), proof(token, "server", cn, sn)):
+    if not _proof_ok(f, proof(token, "server", cn, sn)):
         send_error(sock, "EPERM", "authentication failed: wrong token")
         raise PermissionError(errno.EPERM, f"peer {peer}: authentication failed: "
                               "its proof does not match our token (wrong token?)")
@@ -194,7 +215,7 @@ def auth_server(sock, token):
     Raises PermissionError (after sending the peer one error frame) when the proof is wrong.
     """
     deadline = time.monotonic() + AUTH_TIMEOUT
-    hello = recv(sock, deadline)
+    hello = _recv_auth(sock, deadline)
     if hello["op"] != "hello":
         raise FrameError("EPROTO", f"expected hello, got {hello['op']!r}")
     if hello.get("version") != PROTOCOL_VERSION:
@@ -203,12 +224,12 @@ def auth_server(sock, token):
     cn = _nonce(hello, "hello")
     sn = os.urandom(NONCE_BYTES)
     send(sock, {"op": "challenge", "nonce": sn.hex(), "proof": proof(token, "server", cn, sn)})
-    f = recv(sock, deadline)
+    f = _recv_auth(sock, deadline)
     if f["op"] == "error":
         raise to_oserror(f, "peer refused our proof")
     if f["op"] != "auth":
         raise FrameError("EPROTO", f"expected auth, got {f['op']!r}")
-    if not hmac.compare_digest(str(f.get("proof", "")), proof(token, "client", cn, sn)):
+    if not _proof_ok(f, proof(token, "client", cn, sn)):
         send_error(sock, "EPERM", "authentication failed: wrong token")
         raise PermissionError(errno.EPERM, "authentication failed: wrong token")
     return hello

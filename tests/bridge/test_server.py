@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The exporting and importing sides' handling of a misbehaving peer, NIXL faked, over
+socketpairs (ctest: bridge_server). The real NIXL path is driven by netns.py."""
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from dlpack_ipc.bridge import _server, _wire
+
+
+class FakeNixl:
+    """Records the calls; fail names methods that raise."""
+
+    def __init__(self, fail=()):
+        self.fail = set(fail)
+        self.calls = []
+        self.registered = 0
+        self.remotes = set()
+
+    def _do(self, what, *args):
+        self.calls.append((what, *args))
+        if what in self.fail:
+            raise RuntimeError(f"injected failure of {what}")
+
+    def metadata(self):
+        return b"md"
+
+    def add_remote(self, blob):
+        self._do("add_remote", blob)
+        name = blob.decode()
+        self.remotes.add(name)
+        return name
+
+    def remove_remote(self, agent):
+        self._do("remove_remote", agent)
+        self.remotes.discard(agent)
+
+    def register(self, base, length):
+        self._do("register", base, length)
+        self.registered += 1
+        return ("reg", base, length)
+
+    def deregister(self, reg):
+        self._do("deregister", reg)
+        self.registered -= 1
+
+    def write(self, local, remote, agent, notif):
+        self._do("write", agent)
+        return "xfer", "DONE"
+
+    def state(self, h):
+        return "DONE"
+
+    def release(self, h):
+        self._do("release", h)
+
+
+def fake_bridge(nixl=None, token=b"t" * 32):
+    b = _server.Bridge.__new__(_server.Bridge)
+    b.token = token
+    b.agent_name = "exporter-agent"
+    b.nixl = nixl or FakeNixl()
+    b.quarantine = _server.Quarantine(b.nixl, 60.0)
+    b.stop = threading.Event()
+    b._lock = threading.Lock()
+    b._lease_seq = 0
+    b.leases = 0
+    b.ttl = 5.0
+    b.exports = ["w/"]
+    b.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
+    return b
+
+
+def tcp_pair():
+    """Two ends of a loopback TCP connection (the bridge sets TCP options on its sockets)."""
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        c = socket.create_connection(ls.getsockname())
+        s, _ = ls.accept()
+    return c, s
+
+
+def run_peer_thread(b, send):
+    """Run the exporter's connection thread against send(sock); the frames it answered."""
+    c, s = tcp_pair()
+    th = threading.Thread(target=b._peer_thread, args=(s, ("192.0.2.1", 1)))
+    th.start()
+    try:
+        send(c)
+        frames = []
+        while True:
+            try:
+                frames.append(_wire.recv(c, time.monotonic() + 5))
+            except (ConnectionResetError, TimeoutError):
+                break
+            if frames[-1]["op"] == "error":
+                break
+    finally:
+        th.join(10)
+        alive = th.is_alive()
+        c.close()
+        s.close()
+    assert not alive, "the connection's thread did not end"
+    return frames
+
+
+@pytest.mark.parametrize("body", [None, b'{"op":"hello","x":' + b"[" * 1000,
+                                  b"\xff", b'{"op":"hello"}'])
+def test_malformed_hello_refused_and_counted(body):
+    b = fake_bridge()
+
+    def send(c):
+        if body is None:
+            c.sendall(struct.pack(">I", _wire.FRAME_MAX))   # a stranger's 8 MiB hello
+        else:
+            c.sendall(struct.pack(">I", len(body)) + body)
+    frames = run_peer_thread(b, send)
+    assert [f["op"] for f in frames] == ["error"]
+    assert frames[0]["errno"] == ("EMSGSIZE" if body is None else "EPROTO")
+    assert b.counts["refused"] == 1
