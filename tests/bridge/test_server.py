@@ -121,3 +121,46 @@ def test_malformed_hello_refused_and_counted(body):
     assert [f["op"] for f in frames] == ["error"]
     assert frames[0]["errno"] == ("EMSGSIZE" if body is None else "EPROTO")
     assert b.counts["refused"] == 1
+
+
+class FakeTensor:
+    def __init__(self, nbytes, ptr=4096):
+        self.nbytes = nbytes
+        self.data_ptr = ptr
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
+def lease_of(b, tensors, name="w/x"):
+    lease = _server.Lease(b.new_lease_id(), name, 1, [(str(i), t) for i, t in
+                                                       enumerate(tensors)], b.ttl)
+    return {lease.id: lease}, lease
+
+
+def put_frame(lease, tensors, agent="importer-agent"):
+    import base64
+    return {"op": "put", "id": 1, "lease": lease.id,
+            "metadata": base64.b64encode(agent.encode()).decode(),
+            "descs": [[1 << 20, t.nbytes] for t in tensors]}
+
+
+@pytest.mark.parametrize("fail", [(), ("release",), ("deregister",), ("release", "deregister")])
+def test_a_done_put_gives_the_lease_back_whatever_nixl_raises(fail):
+    b = fake_bridge(FakeNixl(fail))
+    tensors = [FakeTensor(100)]
+    leases, lease = lease_of(b, tensors)
+    c, s = tcp_pair()
+    b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
+    reply = _wire.recv(c, time.monotonic() + 5)
+    c.close()
+    s.close()
+    assert reply["op"] == "done"         # the bytes landed: the transfer is done
+    assert b.leases == 0 and leases == {}
+    if fail:
+        # what NIXL did not give back keeps its mapping, in quarantine
+        assert len(b.quarantine) == 1 and tensors[0].released == 0
+        b.quarantine.sweep(all_=True)
+    assert len(b.quarantine) == 0 and tensors[0].released == 1
+    assert b.counts["served"] == 1

@@ -121,10 +121,13 @@ class Quarantine:
 
 
 def _quiet(fn, *args):
+    """fn(*args), its exception logged instead of raised; whether it succeeded."""
     try:
         fn(*args)
     except Exception as e:
         log.warning("%s: %s", getattr(fn, "__name__", fn), e)
+        return False
+    return True
 
 
 def _span(tensors):

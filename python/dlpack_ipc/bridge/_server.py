@@ -22,7 +22,7 @@ import dlpack_ipc
 from . import _wire
 from ._importer import CONNECT_TIMEOUT, POLL, PeerLink
 from ._importer import keepalive as _keepalive
-from ._nixl import QUARANTINE, Nixl, Quarantine, _span
+from ._nixl import QUARANTINE, Nixl, Quarantine, _quiet, _span
 
 # How long an exporter keeps a lease (and its dlpackd reference) for an importer that asked for
 # a name's layout and has not sent its descriptors yet; also the longest one WRITE may take.
@@ -265,13 +265,36 @@ class Bridge:
             self._end(leases.pop(lid), "expired")
 
     def _end(self, lease, why):
+        """End lease: release its attach, every tensor tried, and free its slot."""
         if lease is None:
             return
-        for _, t in lease.tensors:
-            t.release()
+        tensors, lease.tensors = lease.tensors, []
+        try:
+            for _, t in tensors:
+                _quiet(t.release)
+        finally:
+            self.lease_ended()
+        log.debug("lease %s on %r ended: %s", lease.id, lease.name, why)
+
+    def _quarantine(self, lease, why, xfer, reg):
+        """Hand what lease still holds (its attach, xfer and reg where not None) to the
+        quarantine, and free its slot."""
+        self.quarantine.add(why, xfer, reg, [t for _, t in lease.tensors])
         lease.tensors = []
         self.lease_ended()
-        log.debug("lease %s on %r ended: %s", lease.id, lease.name, why)
+
+    def _finish(self, lease, xfer, reg, who):
+        """A transfer done: give back its handle, its registration, then the lease. Each step
+        is tried; what a failed one leaves registered goes to quarantine with the attach (the
+        mapping must outlive the registration)."""
+        released = _quiet(self.nixl.release, xfer)
+        deregistered = _quiet(self.nixl.deregister, reg)
+        if released and deregistered:
+            self._end(lease, "done")
+        else:
+            self._quarantine(lease, f"what NIXL did not give back after the WRITE of "
+                             f"{lease.name!r} to {who}", None if released else xfer,
+                             None if deregistered else reg)
 
     def _stat(self, sock, dl, f):
         """A name's generation and creation time, for a peer that follows it."""
@@ -385,15 +408,10 @@ class Bridge:
             self.count("writing", -1)
             leases.pop(lid, None)
             if ok:
-                self.nixl.release(xfer)
-                self.nixl.deregister(reg)
-                self._end(lease, "done")
+                self._finish(lease, xfer, reg, who)
             else:
                 self.count("aborted")
-                self.quarantine.add(f"WRITE of {lease.name!r} to {who}", xfer, reg,
-                                    [t for _, t in lease.tensors])
-                lease.tensors = []
-                self.lease_ended()
+                self._quarantine(lease, f"WRITE of {lease.name!r} to {who}", xfer, reg)
         if failure is not None:
             return _wire.send(sock, _wire.error_frame("EIO", failure, id=rid))
         self.count("served")
