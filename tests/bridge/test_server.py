@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dlpack_ipc.bridge import _server, _wire
+from dlpack_ipc.bridge import _importer, _server, _wire
 
 
 class FakeNixl:
@@ -164,3 +164,52 @@ def test_a_done_put_gives_the_lease_back_whatever_nixl_raises(fail):
         b.quarantine.sweep(all_=True)
     assert len(b.quarantine) == 0 and tensors[0].released == 1
     assert b.counts["served"] == 1
+
+
+class FakeDlpackd:
+    def empty(self, shape, dtype):
+        return FakeTensor(0)
+
+    def publish(self, name, t, replace=False):
+        pass
+
+
+def stalled_fetch(monkeypatch, layout):
+    """A fetch with no timeout from a peer that answers up to layout (None: sends half a
+    layout), then sends half a frame and stalls; the fetch's outcome."""
+    monkeypatch.setattr(_importer, "LAYOUT_TIMEOUT", 0.3, raising=False)
+    monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.3, raising=False)
+    b = fake_bridge()
+    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
+    link.sock, peer = socket.socketpair()
+    link.agent = "exporter-agent"
+    out = {}
+
+    def run():
+        try:
+            out["r"] = link.fetch(FakeDlpackd(), "w/x", "A:w/x", None)
+        except Exception as e:  # the outcome under test
+            out["r"] = e
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    get = _wire.recv(peer, time.monotonic() + 5)
+    if layout is not None:
+        _wire.send(peer, {**layout, "id": get["id"]})
+        assert _wire.recv(peer, time.monotonic() + 5)["op"] == "put"
+    peer.sendall(struct.pack(">I", 100) + b'{"op":')       # half a frame, then nothing
+    th.join(20)
+    peer.close()          # lets a fetch that still waits see EOF (the test fails then)
+    assert not th.is_alive(), "the fetch waited on a stalled peer"
+    return out["r"]
+
+
+def test_fetch_without_timeout_bounded_waiting_for_the_layout(monkeypatch):
+    r = stalled_fetch(monkeypatch, None)
+    assert isinstance(r, TimeoutError) and "LAYOUT_TIMEOUT" in str(r)
+
+
+def test_fetch_without_timeout_bounded_by_the_lease_ttl_during_the_transfer(monkeypatch):
+    layout = {"op": "layout", "lease": "L1", "generation": 1, "bundle": False, "ttl": 0.2,
+              "tensors": [["", "float32", [0], 0]]}
+    r = stalled_fetch(monkeypatch, layout)
+    assert isinstance(r, TimeoutError) and "TRANSFER_GRACE" in str(r)

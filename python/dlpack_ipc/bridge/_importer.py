@@ -17,6 +17,13 @@ CONNECT_TIMEOUT = 10.0
 KEEPALIVE = (5, 2, 3)
 # Between two polls of a transfer's state or of the notifications, in seconds.
 POLL = 0.0002
+# However long the caller lets a fetch take (timeout None included), the importer waits at most
+# LAYOUT_TIMEOUT seconds for the answer to its get, and for the transfer at most the lease TTL
+# (the exporter's, as its layout says, and no more than this bridge's --lease-ttl) plus
+# TRANSFER_GRACE: the exporter gives up on the WRITE by then, so a peer that stalls cannot
+# hold the per-peer lock for ever.
+LAYOUT_TIMEOUT = 30.0
+TRANSFER_GRACE = 10.0
 
 log = logging.getLogger("dlpackd-bridge")
 
@@ -29,6 +36,12 @@ def keepalive(sock):
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, intvl)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, cnt)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _bound(deadline, seconds):
+    """The earlier of deadline (None: none) and seconds from now."""
+    limit = time.monotonic() + seconds
+    return limit if deadline is None else min(deadline, limit)
 
 
 def _left(deadline, what):
@@ -172,11 +185,12 @@ class PeerLink:
         t0 = time.monotonic()
         try:
             _wire.send(self.sock, {"op": "get", "id": rid, "name": rname})
-            f = _wire.recv(self.sock, deadline)
+            f = _wire.recv(self.sock, _bound(deadline, LAYOUT_TIMEOUT))
         except (ConnectionResetError, BrokenPipeError):
             raise _Stale() from None
         except TimeoutError:
-            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for the layout") from None
+            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for the layout (LAYOUT_TIMEOUT "
+                               f"{LAYOUT_TIMEOUT:g} s, or the fetch's timeout)") from None
         except _wire.FrameError as e:
             raise ConnectionError(errno.EPROTO, f"protocol error waiting for the layout: {e}") \
                 from None
@@ -187,6 +201,10 @@ class PeerLink:
         if f["op"] != "layout" or f.get("id") != rid:
             raise ConnectionError(errno.EPROTO, f"expected the layout, got {f['op']!r}")
         lid, gen, tensors, bundle = str(f["lease"]), f["generation"], f["tensors"], f["bundle"]
+        ttl = f.get("ttl")
+        if not isinstance(ttl, (int, float)) or not ttl > 0:
+            raise ConnectionError(errno.EPROTO, f"layout with a lease TTL of {ttl!r}")
+        ttl = min(ttl, self.bridge.ttl)
         t1 = time.monotonic()
         try:
             spec = {k: (tuple(shape), dtype) for k, dtype, shape, _ in tensors}
@@ -203,19 +221,23 @@ class PeerLink:
         reg = self.bridge.nixl.register(*_span(live)) if live else None
         t2 = time.monotonic()
         landed = False
+        tdeadline = _bound(deadline, ttl + TRANSFER_GRACE)
         try:
             md = self.bridge.nixl.partial_metadata(reg) if live else b""
+            self.sock.settimeout(_left(tdeadline, f"sending the descriptors of {rname!r}"))
             _wire.send(self.sock, {"op": "put", "id": rid, "lease": lid,
                                    "metadata": base64.b64encode(md).decode(),
                                    "descs": [[t.data_ptr, t.nbytes] for t in live]})
             done = False
             notified = not live
+            what = f"waiting for the transfer of {rname!r} (lease TTL {ttl:g} s + " \
+                f"TRANSFER_GRACE {TRANSFER_GRACE:g} s, or the fetch's timeout)"
             while not (done and notified):
-                _left(deadline, f"waiting for {rname!r}")
+                _left(tdeadline, what)
                 if not notified:
                     notified = self.bridge.nixl.notified(self.agent, lid.encode())
                 if not done and _wire.readable(self.sock, 0 if not notified else 0.05):
-                    f = self._recv(deadline, "waiting for the transfer")
+                    f = self._recv(tdeadline, what)
                     if f["op"] == "error":
                         raise _wire.to_oserror(f, "transfer failed")
                     if f["op"] != "done" or f.get("lease") != lid:
