@@ -230,6 +230,21 @@ def case_tensor(w, a, b):
           "A's bridge holds no lease")
 
 
+def case_data_ports(w, a, b):
+    """UCX's data ports only on the interface the bridges use: each bridge listens on its own
+    veth address alone (not on lo, not on a wildcard), and says so in its log."""
+    for name, host, addr in (("bridge-A", "A", ADDR_A), ("bridge-B", "B", ADDR_B)):
+        pid = w.procs[name].pid
+        out = sh("ip", "netns", "exec", w.ns[host], "ss", "-Htlnp").stdout
+        ports = [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
+        check(ports and all(p.rpartition(":")[0] == addr for p in ports),
+              f"{name} listens on {addr} only ({ports})")
+        with open(w.logs[name], errors="replace") as f:
+            log = f.read()
+        check(f"UCX_NET_DEVICES={w.veth[host]}:" in log,
+              f"{name} logs UCX_NET_DEVICES={w.veth[host]}")
+
+
 def case_64m(w, a, b):
     x = np.arange(16 << 20, dtype=np.float32)
     a.publish("w/64m", x, replace=True)
@@ -609,6 +624,7 @@ def main():
         w.up()
         a, b = w.client("A"), w.client("B")
         case_tensor(w, a, b)
+        case_data_ports(w, a, b)
         time.sleep(1.0)     # the threads of the status calls above see their clients go
         fd_b = fds(w.procs["bridge-B"])
         fdl_b = fd_list(w.procs["bridge-B"])

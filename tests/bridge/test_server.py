@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The exporting and importing sides' handling of a misbehaving peer, NIXL faked, over
 socketpairs (ctest: bridge_server). The real NIXL path is driven by netns.py."""
+import importlib
 import json
+import shutil
 import socket
 import struct
 import threading
@@ -213,3 +215,12 @@ def test_fetch_without_timeout_bounded_by_the_lease_ttl_during_the_transfer(monk
               "tensors": [["", "float32", [0], 0]]}
     r = stalled_fetch(monkeypatch, layout)
     assert isinstance(r, TimeoutError) and "TRANSFER_GRACE" in str(r)
+
+
+@pytest.mark.skipif(not shutil.which("ip"), reason="no `ip` (Debian: iproute2)")
+def test_ucx_net_devices_follow_the_bridges_addresses():
+    main = importlib.import_module("dlpack_ipc.bridge.__main__")
+    assert main.net_devices("127.0.0.1:7455", None) == "lo"             # --listen's interface
+    assert main.net_devices("0.0.0.0:7455", ["A=127.0.0.1:7455"]) == "lo"   # the peer's route
+    with pytest.raises(ValueError, match="wildcard"):
+        main.net_devices("0.0.0.0:7455", None)

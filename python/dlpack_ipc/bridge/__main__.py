@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """python3 -m dlpack_ipc.bridge: the dlpackd-bridge daemon (docs/bridge.md)."""
 import argparse
+import ipaddress
 import logging
 import os
 import signal
+import socket
+import subprocess
 import sys
 
 from . import default_socket
@@ -16,6 +19,60 @@ from . import default_socket
 # in memory the bridge gave back (docs/bridge.md, "Leases and quarantine").
 UCX_DEFAULTS = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib", "UCX_TCP_KEEPIDLE": "5s",
                 "UCX_TCP_KEEPINTVL": "2s", "UCX_TCP_KEEPCNT": "3"}
+
+
+def _local_address(host, port):
+    """The address of this host that carries traffic for (host, port): host itself when it is
+    one of ours (--listen), else the source address the kernel picks for its route (a UDP
+    socket's connect() chooses the route and sends nothing)."""
+    family, _, _, _, sa = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.connect(sa)
+        return ipaddress.ip_address(s.getsockname()[0].split("%")[0])
+
+
+def _interfaces():
+    """{address: interface} of this host, from `ip -o addr show` (iproute2)."""
+    out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    found = {}
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) >= 4 and f[2] in ("inet", "inet6"):
+            found[ipaddress.ip_address(f[3].split("/")[0])] = f[1].split("@")[0]
+    return found
+
+
+def net_devices(listen, peers):
+    """The interfaces UCX's data path is to use, comma-separated: those that carry --listen's
+    address and the routes to the peers (NAME=ADDR:PORT). ValueError saying why when none can
+    be found (a wildcard --listen without peers, an address on no interface, no `ip`)."""
+    from ._server import parse_addr
+    wanted = []
+    if listen:
+        host, port = parse_addr(listen, "--listen")
+        if not ipaddress.ip_address(socket.getaddrinfo(host, port)[0][4][0]).is_unspecified:
+            wanted.append((host, port))
+    for p in peers or []:
+        wanted.append(parse_addr(p.partition("=")[2], f"--peer {p}"))
+    if not wanted:
+        raise ValueError("--listen is a wildcard address and there is no --peer")
+    try:
+        ifaces = _interfaces()
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise ValueError(f"cannot list this host's interfaces with `ip -o addr show`: {e}") \
+            from None
+    devices = []
+    for host, port in wanted:
+        try:
+            addr = _local_address(host, port)
+        except OSError as e:
+            raise ValueError(f"no route to {host}: {e}") from None
+        if addr not in ifaces:
+            raise ValueError(f"{addr} (for {host}) is on no interface that `ip` lists")
+        if ifaces[addr] not in devices:
+            devices.append(ifaces[addr])
+    return ",".join(devices)
 
 
 def _seconds(text):
@@ -89,6 +146,19 @@ def main(argv=None):
              "info": logging.INFO, "debug": logging.DEBUG}[args.log_level]
     _server._logging(level)
     log = _server.log
+    # A NIXL agent opens UCX's TCP data ports on every interface UCX may use, and whoever
+    # reaches them can read and write the registered memory (no key is checked): keep them on
+    # the interfaces the bridge's own traffic takes, unless the operator chose.
+    if "UCX_NET_DEVICES" in os.environ:
+        log.info("UCX_NET_DEVICES=%s (set by the environment)", os.environ["UCX_NET_DEVICES"])
+    elif args.listen or args.peer:
+        try:
+            os.environ["UCX_NET_DEVICES"] = net_devices(args.listen, args.peer)
+            log.info("UCX_NET_DEVICES=%s: UCX's data ports only there",
+                     os.environ["UCX_NET_DEVICES"])
+        except (OSError, ValueError) as e:
+            log.warning("UCX's data ports open on every interface (%s): set UCX_NET_DEVICES "
+                        "to the interface the bridges use", e)
     if args.lease_ttl is None:
         args.lease_ttl = _server.LEASE_TTL
     if args.quarantine is None:
