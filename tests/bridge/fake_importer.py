@@ -26,8 +26,8 @@ def main():
     nixl = _server.Nixl(f"fake-importer/{time.time_ns()}", False)
     import socket
     sock = socket.create_connection((host, port), timeout=10)
-    w = _wire.auth_client(sock, _wire.read_token(token_file), nixl.name, "exporter")
-    nixl.add_remote(base64.b64decode(w["metadata"]))
+    _wire.auth_client(sock, _wire.read_token(token_file), nixl.name, "exporter")
+    nixl.add_remote(_wire.metadata(_wire.recv(sock, time.monotonic() + 10)))
     _wire.send(sock, {"op": "metadata", "metadata": base64.b64encode(nixl.metadata()).decode()})
     for i in range(count):
         _wire.send(sock, {"op": "get", "id": i + 1, "name": name})

@@ -95,7 +95,6 @@ def _auth(token_c, token_s):
     def server():
         try:
             out["server"] = _wire.auth_server(s, token_s)
-            _wire.send(s, {"op": "welcome", "agent": "A", "metadata": ""})
         except Exception as e:  # the outcome under test
             out["server"] = e
 
@@ -129,7 +128,7 @@ def test_auth_right_token():
 def test_auth_wrong_token_refused_on_both_sides():
     client, server, _ = _auth(b"a" * 32, b"b" * 32)
     assert isinstance(client, PermissionError) and "peer A" in str(client)
-    # the client found the server's proof wrong first, and told it so in one error frame
+    # the server found the client's proof wrong first, and told it so in one error frame
     assert isinstance(server, PermissionError)
 
 
@@ -146,19 +145,45 @@ def test_auth_server_refuses_a_wrong_client_proof():
     _wire.send(c, {"op": "auth", "proof": "0" * 64})
     err = _wire.recv(c, time.monotonic() + 5)
     th.join(10)
-    assert ch["op"] == "challenge"
+    # the client proves first: a stranger gets no proof of the server's over its nonce
+    assert ch["op"] == "challenge" and "proof" not in ch
     assert err == {"op": "error", "errno": "EPERM", "message": "authentication failed: wrong token"}
     assert isinstance(out["r"], PermissionError)
-    # a proof replayed from the other role is refused as well
-    c2, s2 = socket.socketpair()
-    th = threading.Thread(target=lambda: out.update(r=_try(_wire.auth_server, s2, tok)))
+    c.close()
+    s.close()
+
+
+def test_auth_client_refuses_a_wrong_server_proof():
+    # a server that lets the client prove and then answers with a proof of another token
+    tok = b"t" * 32
+    c, s = socket.socketpair()
+    out = {}
+    th = threading.Thread(target=lambda: out.update(r=_try(_wire.auth_client, c, tok, "me",
+                                                           "A")))
     th.start()
-    _wire.send(c2, {"op": "hello", "version": _wire.PROTOCOL_VERSION, "from": "x",
-                    "nonce": cn.hex()})
-    ch = _wire.recv(c2, time.monotonic() + 5)
-    _wire.send(c2, {"op": "auth", "proof": ch["proof"]})
-    assert _wire.recv(c2, time.monotonic() + 5)["errno"] == "EPERM"
+    hello = _wire.recv(s, time.monotonic() + 5)
+    sn = os.urandom(_wire.NONCE_BYTES)
+    _wire.send(s, {"op": "challenge", "nonce": sn.hex()})
+    auth = _wire.recv(s, time.monotonic() + 5)
+    cn = bytes.fromhex(hello["nonce"])
+    assert auth["proof"] == _wire.proof(tok, "client", cn, sn)
+    _wire.send(s, {"op": "welcome", "proof": _wire.proof(b"u" * 32, "server", cn, sn)})
+    err = _wire.recv(s, time.monotonic() + 5)
     th.join(10)
+    assert err["errno"] == "EPERM"
+    assert isinstance(out["r"], PermissionError) and "peer A" in str(out["r"])
+    # a server that replays the client's own proof as its own is refused as well
+    c2, s2 = socket.socketpair()
+    th = threading.Thread(target=lambda: out.update(r=_try(_wire.auth_client, c2, tok, "me",
+                                                           "A")))
+    th.start()
+    _wire.recv(s2, time.monotonic() + 5)
+    _wire.send(s2, {"op": "challenge", "nonce": sn.hex()})
+    auth = _wire.recv(s2, time.monotonic() + 5)
+    _wire.send(s2, {"op": "welcome", "proof": auth["proof"]})
+    assert _wire.recv(s2, time.monotonic() + 5)["errno"] == "EPERM"
+    th.join(10)
+    assert isinstance(out["r"], PermissionError)
     for x in (c, s, c2, s2):
         x.close()
 
@@ -189,8 +214,13 @@ def test_token_file(tmp_path):
     p.chmod(0o600)
     assert _wire.read_token(str(p)) == b"s" * 32
     p.write_bytes(b"short")
-    with pytest.raises(ValueError, match="at least 16"):
+    with pytest.raises(ValueError, match="at least TOKEN_MIN"):
         _wire.read_token(str(p))
+    p.write_bytes(b"s" * (_wire.TOKEN_MIN - 1))
+    with pytest.raises(ValueError, match=f"holds {_wire.TOKEN_MIN - 1} bytes"):
+        _wire.read_token(str(p))
+    p.write_bytes(b"s" * _wire.TOKEN_MIN)
+    assert _wire.read_token(str(p)) == b"s" * _wire.TOKEN_MIN
 
 
 def test_error_frames_map_to_oserror_subclasses():

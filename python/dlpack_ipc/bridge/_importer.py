@@ -83,8 +83,11 @@ class PeerLink:
                 from None
         try:
             keepalive(sock)
-            w = _wire.auth_client(sock, self.bridge.token, self.bridge.agent_name, self.name)
-            agent = self.bridge.nixl.add_remote(_wire.metadata(w))
+            _wire.auth_client(sock, self.bridge.token, self.bridge.agent_name, self.name)
+            f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
+            if f["op"] != "metadata":
+                raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
+            agent = self.bridge.nixl.add_remote(_wire.metadata(f))
             _wire.send(sock, {"op": "metadata", "metadata":
                               base64.b64encode(self.bridge.nixl.metadata()).decode()})
         except _wire.FrameError as e:

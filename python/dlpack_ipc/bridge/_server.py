@@ -217,7 +217,7 @@ class Bridge:
                 log.warning("peer %s refused: %s", who, e)
                 return
             who = f"{str(hello.get('from', '?'))[:200]!r} at {who}"  # peer-chosen: quoted
-            _wire.send(sock, {"op": "welcome", "agent": self.agent_name,
+            _wire.send(sock, {"op": "metadata", "agent": self.agent_name,
                               "metadata": base64.b64encode(self.nixl.metadata()).decode()})
             f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
             if f["op"] != "metadata":

@@ -27,8 +27,10 @@ AUTH_FRAME_MAX = 1 << 10
 AUTH_TIMEOUT = 10.0
 # Bytes of randomness in each side's nonce.
 NONCE_BYTES = 32
-# The control protocol's version, sent in the hello frame.
-PROTOCOL_VERSION = 1
+# The control protocol's version, sent in the hello frame (2: the client proves first).
+PROTOCOL_VERSION = 2
+# The shortest token accepted, in bytes: the token is the only secret of the control connection.
+TOKEN_MIN = 32
 
 _HEADER = struct.Struct(">I")
 
@@ -137,7 +139,9 @@ def send_error(sock, errname, message, **extra):
 
 # Authentication: a mutual challenge-response over both sides' nonces. The token never goes
 # over the wire; each side proves it holds it by an HMAC-SHA256 that includes the other side's
-# fresh nonce, labelled by role so that one side's proof cannot be replayed as the other's.
+# fresh nonce, labelled by role so that one side's proof cannot be replayed as the other's. The
+# client proves first: the server answers with its own proof only to a client that proved, so
+# a stranger gets no HMAC of the token over anything it chose.
 
 def read_token(path):
     """The shared token from path: refused if the file is readable by group or others."""
@@ -147,8 +151,10 @@ def read_token(path):
             raise PermissionError(f"token file {path} is accessible by group or others "
                                   f"(mode {st.st_mode & 0o777:o}): chmod 600 it")
         token = f.read().strip()
-    if len(token) < 16:
-        raise ValueError(f"token file {path} holds {len(token)} bytes; at least 16 needed")
+    if len(token) < TOKEN_MIN:
+        raise ValueError(f"token file {path} holds {len(token)} bytes; at least TOKEN_MIN "
+                         f"({TOKEN_MIN}) needed: the token is all that guards the control "
+                         "connection (head -c 32 /dev/urandom | base64 makes one)")
     return token
 
 
@@ -183,7 +189,8 @@ def _nonce(frame, what):
 
 
 def auth_client(sock, token, me, peer):
-    """The connecting side: prove the token and check the server's proof.
+    """The connecting side: prove the token first, then check the server's proof; returns
+    the server's welcome frame.
 
     Raises PermissionError naming peer when the server refuses or its proof is wrong.
     """
@@ -196,21 +203,22 @@ def auth_client(sock, token, me, peer):
     if f["op"] != "challenge":
         raise FrameError("EPROTO", f"expected a challenge, got {f['op']!r}")
     sn = _nonce(f, "challenge")
-    if not _proof_ok(f, proof(token, "server", cn, sn)):
-        send_error(sock, "EPERM", "authentication failed: wrong token")
-        raise PermissionError(errno.EPERM, f"peer {peer}: authentication failed: "
-                              "its proof does not match our token (wrong token?)")
     send(sock, {"op": "auth", "proof": proof(token, "client", cn, sn)})
-    f = recv(sock, deadline)
+    f = _recv_auth(sock, deadline)
     if f["op"] == "error":
         raise to_oserror(f, f"peer {peer}")
     if f["op"] != "welcome":
         raise FrameError("EPROTO", f"expected welcome, got {f['op']!r}")
+    if not _proof_ok(f, proof(token, "server", cn, sn)):
+        send_error(sock, "EPERM", "authentication failed: wrong token")
+        raise PermissionError(errno.EPERM, f"peer {peer}: authentication failed: "
+                              "its proof does not match our token (wrong token?)")
     return f
 
 
 def auth_server(sock, token):
-    """The accepting side: check the client's proof; returns its hello frame.
+    """The accepting side: check the client's proof, and only then prove the token in the
+    welcome frame; returns the client's hello frame.
 
     Raises PermissionError (after sending the peer one error frame) when the proof is wrong.
     """
@@ -223,13 +231,14 @@ def auth_server(sock, token):
                          f"this bridge speaks {PROTOCOL_VERSION}")
     cn = _nonce(hello, "hello")
     sn = os.urandom(NONCE_BYTES)
-    send(sock, {"op": "challenge", "nonce": sn.hex(), "proof": proof(token, "server", cn, sn)})
+    send(sock, {"op": "challenge", "nonce": sn.hex()})
     f = _recv_auth(sock, deadline)
     if f["op"] == "error":
-        raise to_oserror(f, "peer refused our proof")
+        raise to_oserror(f, "peer")
     if f["op"] != "auth":
         raise FrameError("EPROTO", f"expected auth, got {f['op']!r}")
     if not _proof_ok(f, proof(token, "client", cn, sn)):
         send_error(sock, "EPERM", "authentication failed: wrong token")
         raise PermissionError(errno.EPERM, "authentication failed: wrong token")
+    send(sock, {"op": "welcome", "proof": proof(token, "server", cn, sn)})
     return hello
