@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dlpack_ipc.bridge import _importer, _server, _wire
+from dlpack_ipc.bridge import _importer, _nixl, _server, _wire
 
 
 class FakeNixl:
@@ -37,6 +37,9 @@ class FakeNixl:
         self.remotes.add(name)
         return name
 
+    def remote_names(self):
+        return set(self.remotes)
+
     def remove_remote(self, agent):
         self._do("remove_remote", agent)
         self.remotes.discard(agent)
@@ -52,7 +55,9 @@ class FakeNixl:
 
     def write(self, local, remote, agent, notif):
         self._do("write", agent)
-        return "xfer", "DONE"
+        return "xfer", self.write_state
+
+    write_state = "DONE"
 
     def state(self, h):
         return "DONE"
@@ -224,3 +229,84 @@ def test_ucx_net_devices_follow_the_bridges_addresses():
     assert main.net_devices("0.0.0.0:7455", ["A=127.0.0.1:7455"]) == "lo"   # the peer's route
     with pytest.raises(ValueError, match="wildcard"):
         main.net_devices("0.0.0.0:7455", None)
+
+
+def test_gets_and_fetches_refused_past_quarantine_max():
+    b = fake_bridge()
+    for i in range(_nixl.QUARANTINE_MAX):
+        b.quarantine.add(f"test {i}")
+    c, s = tcp_pair()
+    b._get(s, None, {"op": "get", "id": 7, "name": "w/x"}, {}, "peer")
+    reply = _wire.recv(c, time.monotonic() + 5)
+    assert reply["errno"] == "EAGAIN" and "QUARANTINE_MAX" in reply["message"]
+    assert reply["id"] == 7 and b.leases == 0
+    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
+    with pytest.raises(BlockingIOError, match="QUARANTINE_MAX"):
+        link.fetch(FakeDlpackd(), "w/x", "A:w/x", None)
+    c.close()
+    s.close()
+
+
+def test_a_put_never_posted_is_not_quarantined():
+    b = fake_bridge(FakeNixl(("write",)))
+    tensors = [FakeTensor(100)]
+    leases, lease = lease_of(b, tensors)
+    c, s = tcp_pair()
+    b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
+    reply = _wire.recv(c, time.monotonic() + 5)
+    c.close()
+    s.close()
+    assert reply["op"] == "error" and reply["errno"] == "EIO"
+    assert len(b.quarantine) == 0 and b.leases == 0 and tensors[0].released == 1
+    assert b.nixl.registered == 0 and b.counts["aborted"] == 1
+
+
+def test_a_put_in_flight_when_it_fails_is_quarantined():
+    nixl = FakeNixl()
+    nixl.write_state = "ERR"
+    b = fake_bridge(nixl)
+    tensors = [FakeTensor(100)]
+    leases, lease = lease_of(b, tensors)
+    c, s = tcp_pair()
+    with pytest.raises(ConnectionError):
+        b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
+    c.close()
+    s.close()
+    assert len(b.quarantine) == 1 and b.leases == 0 and tensors[0].released == 0
+    b.quarantine.sweep(all_=True)
+    assert tensors[0].released == 1 and b.nixl.registered == 0
+
+
+def test_a_put_with_another_agents_metadata_is_refused():
+    b = fake_bridge()
+    b.nixl.remotes.add("importer-agent")
+    tensors = [FakeTensor(100)]
+    leases, lease = lease_of(b, tensors)
+    c, s = tcp_pair()
+    with pytest.raises(_wire.FrameError, match="not of the peer's"):
+        b._put(s, put_frame(lease, tensors, agent="someone-else"), leases, "importer-agent",
+               "peer")
+    c.close()
+    s.close()
+    assert b.nixl.remotes == {"importer-agent"}       # the other agent was unloaded
+    assert leases == {} and b.leases == 0 and tensors[0].released == 1
+    assert not [call for call in b.nixl.calls if call[0] == "write"]
+
+
+def test_unmatched_notifications_bounded_oldest_dropped():
+    class Agent:
+        def __init__(self):
+            self.batches = []
+
+        def get_new_notifs(self):
+            return self.batches.pop(0) if self.batches else {}
+
+    n = _nixl.Nixl.__new__(_nixl.Nixl)
+    n.agent = Agent()
+    n._lock = threading.Lock()
+    n._notifs = {}
+    n.agent.batches.append({"peer": [b"%d" % i for i in range(_nixl.NOTIFS_MAX + 10)]})
+    assert not n.notified("peer", b"wanted")
+    assert len(n._notifs) == _nixl.NOTIFS_MAX
+    assert ("peer", b"0") not in n._notifs and ("peer", b"9") not in n._notifs
+    assert n.notified("peer", b"%d" % (_nixl.NOTIFS_MAX + 9))      # the newest kept

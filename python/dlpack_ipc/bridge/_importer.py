@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from . import _wire
+from . import _nixl, _wire
 from ._nixl import _span
 
 # How long to wait for a peer's TCP connect, in seconds, when the fetch has no timeout.
@@ -125,6 +125,9 @@ class PeerLink:
             raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for another fetch from "
                                "this peer")
         try:
+            if self.bridge.quarantine.full():
+                raise BlockingIOError(errno.EAGAIN, f"{_nixl.QUARANTINE_MAX} failed transfers "
+                                      "are in quarantine (QUARANTINE_MAX): try again later")
             if self.sock is None:
                 self._connect(deadline)
             try:

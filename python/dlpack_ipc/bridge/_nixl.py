@@ -9,6 +9,13 @@ import time
 # deregistered and released: a WRITE the peer may still have in flight never lands in (or reads
 # from) memory that is gone. --quarantine sets it; it must outlast UCX's TCP keepalive.
 QUARANTINE = 60.0
+# Quarantined transfers (each a registration and the attach or replica that maps it) past
+# which the bridge refuses new gets and fetches with EAGAIN: failed transfers free their lease
+# slot, so LEASES_MAX does not bound these.
+QUARANTINE_MAX = 64
+# Notifications received and not (yet) matched to a transfer that are kept, the oldest dropped
+# first: a peer may send any number.
+NOTIFS_MAX = 1024
 
 log = logging.getLogger("dlpackd-bridge")
 
@@ -25,14 +32,22 @@ class Nixl:
             raise RuntimeError("NIXL has no UCX backend here")
         self.name = name
         self._lock = threading.Lock()
-        self._notifs = set()
+        self._notifs = {}           # (agent, message): None, oldest first
+        self._remotes = set()       # the remote agents loaded
         self.registered = 0         # registrations not given back yet
 
     def metadata(self):
         return self.agent.get_agent_metadata()
 
     def add_remote(self, blob):
-        return _text(self.agent.add_remote_agent(blob))
+        name = _text(self.agent.add_remote_agent(blob))
+        with self._lock:
+            self._remotes.add(name)
+        return name
+
+    def remote_names(self):
+        with self._lock:
+            return set(self._remotes)
 
     def remove_remote(self, agent):
         try:
@@ -40,7 +55,8 @@ class Nixl:
         except Exception as e:  # a peer that never connected over UCX has nothing to remove
             log.debug("removing agent %s: %s", agent, e)
         with self._lock:
-            self._notifs = {n for n in self._notifs if n[0] != agent}
+            self._remotes.discard(agent)
+            self._notifs = {n: None for n in self._notifs if n[0] != agent}
 
     def register(self, base, length):
         reg = self.agent.register_memory([(base, length, 0, "")], "DRAM")
@@ -75,10 +91,15 @@ class Nixl:
         with self._lock:
             for a, msgs in self.agent.get_new_notifs().items():
                 for m in msgs:
-                    self._notifs.add((_text(a), bytes(m)))
+                    self._notifs[(_text(a), bytes(m))] = None
             if (agent, msg) in self._notifs:
-                self._notifs.discard((agent, msg))
+                del self._notifs[(agent, msg)]
                 return True
+            while len(self._notifs) > NOTIFS_MAX:
+                oldest = next(iter(self._notifs))
+                log.warning("notification %r of agent %r dropped: %d unmatched (NOTIFS_MAX)",
+                            oldest[1][:64], oldest[0], NOTIFS_MAX)
+                del self._notifs[oldest]
         return False
 
 
@@ -103,6 +124,10 @@ class Quarantine:
     def __len__(self):
         with self._lock:
             return len(self._items)
+
+    def full(self):
+        """Whether QUARANTINE_MAX transfers are in quarantine (new ones are refused)."""
+        return len(self) >= QUARANTINE_MAX
 
     def sweep(self, all_=False):
         now = time.monotonic()

@@ -22,7 +22,7 @@ import dlpack_ipc
 from . import _wire
 from ._importer import CONNECT_TIMEOUT, POLL, PeerLink
 from ._importer import keepalive as _keepalive
-from ._nixl import QUARANTINE, Nixl, Quarantine, _quiet, _span
+from ._nixl import QUARANTINE, QUARANTINE_MAX, Nixl, Quarantine, _quiet, _span
 
 # How long an exporter keeps a lease (and its dlpackd reference) for an importer that asked for
 # a name's layout and has not sent its descriptors yet; also the longest one WRITE may take.
@@ -284,10 +284,10 @@ class Bridge:
         self.lease_ended()
 
     def _finish(self, lease, xfer, reg, who):
-        """A transfer done: give back its handle, its registration, then the lease. Each step
-        is tried; what a failed one leaves registered goes to quarantine with the attach (the
+        """A transfer done (or never posted: xfer None): give back its handle, its
+        registration, then the lease. Each step is tried; what a failed one leaves registered goes to quarantine with the attach (the
         mapping must outlive the registration)."""
-        released = _quiet(self.nixl.release, xfer)
+        released = xfer is None or _quiet(self.nixl.release, xfer)
         deregistered = _quiet(self.nixl.deregister, reg)
         if released and deregistered:
             self._end(lease, "done")
@@ -322,6 +322,10 @@ class Bridge:
             return _wire.send(sock, _wire.error_frame(
                 "EAGAIN", f"{name!r}: this connection holds {LEASES_MAX} leases (LEASES_MAX)",
                 id=rid))
+        if self.quarantine.full():
+            return _wire.send(sock, _wire.error_frame(
+                "EAGAIN", f"{name!r}: {QUARANTINE_MAX} failed transfers are in quarantine "
+                "(QUARANTINE_MAX): try again later", id=rid))
         try:
             ts = dl.attach_dict(name, timeout=0, mode="strict")
         except OSError as e:
@@ -364,8 +368,10 @@ class Bridge:
             self.count("served")
             return _wire.send(sock, {"op": "done", "id": rid, "lease": lid})
         try:
-            # the importer's registration of its replica: loaded for each transfer
-            self.nixl.add_remote(_wire.metadata(f))
+            # the importer's registration of its replica: loaded for each transfer, into the
+            # peer's own agent (removed when the connection closes)
+            known = self.nixl.remote_names()
+            agent = self.nixl.add_remote(_wire.metadata(f))
         except _wire.FrameError:
             self._end(leases.pop(lid), "bad metadata")
             raise
@@ -373,6 +379,12 @@ class Bridge:
             self._end(leases.pop(lid), "metadata refused")
             return _wire.send(sock, _wire.error_frame(
                 "EPROTO", f"put for lease {lid}: NIXL refused the metadata: {e!r}", id=rid))
+        if agent != remote:
+            if agent not in known:
+                self.nixl.remove_remote(agent)
+            self._end(leases.pop(lid), "metadata of another agent")
+            raise _wire.FrameError("EPROTO", f"put for lease {lid}: metadata of agent {agent!r},"
+                                   f" not of the peer's {remote!r}")
         # registered only for the transfer; deregistered before the attach is dropped
         reg = self.nixl.register(*_span(live))
         xfer = None
@@ -409,6 +421,9 @@ class Bridge:
             leases.pop(lid, None)
             if ok:
                 self._finish(lease, xfer, reg, who)
+            elif xfer is None:      # nothing was posted: nothing can land late
+                self.count("aborted")
+                self._finish(lease, None, reg, who)
             else:
                 self.count("aborted")
                 self._quarantine(lease, f"WRITE of {lease.name!r} to {who}", xfer, reg)
