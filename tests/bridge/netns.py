@@ -473,14 +473,13 @@ def case_exporter_killed(w, a, b):
     big = np.full(256 << 20, 3, dtype=np.uint8)
     a.publish("w/big", big, replace=True)
     w.kill("bridge-A")
-    t0 = time.monotonic()
     try:
         fetch(w, "A:w/t", timeout=5)
         check(False, "exporter killed before: the fetch fails")
     except ConnectionRefusedError as e:
-        dt = time.monotonic() - t0
-        check(dt < 5 + bridge.FETCH_GRACE, f"exporter killed before: {type(e).__name__} after "
-              f"{dt:.1f} s, within the timeout ({e})")
+        check(f"peer A ({ADDR_A}:{PORT}), 'w/t'" in str(e) and "refused" in str(e),
+              f"exporter killed before: ConnectionRefusedError naming the peer and the name "
+              f"({e})")
     w.start_bridge("A")
     local, _ = fetch(w, "A:w/t")
     check(local == "A:w/t", "a restarted exporter serves again")
