@@ -74,9 +74,10 @@ def fetch(name, timeout=None, *, socket=None):
     attach_dict() for a state dict) as any entry. remote_generation is the entry's generation
     on the peer. timeout as everywhere in dlpack_ipc: None waits as long as the transfer takes,
     a number of seconds then TimeoutError; the bridge bounds either way its wait for a stalled
-    peer (docs/bridge.md: LAYOUT_TIMEOUT, the lease TTL plus TRANSFER_GRACE). FileNotFoundError: the peer has no such name or does
-    not export it (or no such peer is configured); PermissionError: the peers' tokens differ;
-    ConnectionError: the peer or the local bridge is unreachable or went away.
+    peer (docs/bridge.md: LAYOUT_TIMEOUT, the lease TTL plus TRANSFER_GRACE).
+    FileNotFoundError: the peer has no such name or does not export it (or no such peer is
+    configured); PermissionError: the peers' tokens differ; ConnectionError: the peer or the
+    local bridge is unreachable or went away.
     """
     if not isinstance(name, str) or ":" not in name:
         raise ValueError(f"bridge name {name!r} is not 'peer:name'")

@@ -285,8 +285,8 @@ class Bridge:
 
     def _finish(self, lease, xfer, reg, who):
         """A transfer done (or never posted: xfer None): give back its handle, its
-        registration, then the lease. Each step is tried; what a failed one leaves registered goes to quarantine with the attach (the
-        mapping must outlive the registration)."""
+        registration, then the lease. Each step is tried; what a failed one leaves registered
+        goes to quarantine with the attach (the mapping must outlive the registration)."""
         released = xfer is None or _quiet(self.nixl.release, xfer)
         deregistered = _quiet(self.nixl.deregister, reg)
         if released and deregistered:
