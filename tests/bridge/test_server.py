@@ -153,16 +153,27 @@ def put_frame(lease, tensors, agent="importer-agent"):
             "descs": [[1 << 20, t.nbytes] for t in tensors]}
 
 
-@pytest.mark.parametrize("fail", [(), ("release",), ("deregister",), ("release", "deregister")])
-def test_a_done_put_gives_the_lease_back_whatever_nixl_raises(fail):
-    b = fake_bridge(FakeNixl(fail))
+def one_put(nixl):
+    """A put of one 100-byte tensor on a fresh lease of a bridge with nixl; (bridge, its
+    leases, the tensor, the exporter's answer or what _put raised)."""
+    b = fake_bridge(nixl)
     tensors = [FakeTensor(100)]
     leases, lease = lease_of(b, tensors)
     c, s = tcp_pair()
-    b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
-    reply = _wire.recv(c, time.monotonic() + 5)
-    c.close()
-    s.close()
+    try:
+        b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
+        reply = _wire.recv(c, time.monotonic() + 5)
+    except Exception as e:  # the outcome under test
+        reply = e
+    finally:
+        c.close()
+        s.close()
+    return b, leases, tensors, reply
+
+
+@pytest.mark.parametrize("fail", [(), ("release",), ("deregister",), ("release", "deregister")])
+def test_a_done_put_gives_the_lease_back_whatever_nixl_raises(fail):
+    b, leases, tensors, reply = one_put(FakeNixl(fail))
     assert reply["op"] == "done"         # the bytes landed: the transfer is done
     assert b.leases == 0 and leases == {}
     if fail:
@@ -248,14 +259,7 @@ def test_gets_and_fetches_refused_past_quarantine_max():
 
 
 def test_a_put_never_posted_is_not_quarantined():
-    b = fake_bridge(FakeNixl(("write",)))
-    tensors = [FakeTensor(100)]
-    leases, lease = lease_of(b, tensors)
-    c, s = tcp_pair()
-    b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
-    reply = _wire.recv(c, time.monotonic() + 5)
-    c.close()
-    s.close()
+    b, _, tensors, reply = one_put(FakeNixl(("write",)))
     assert reply["op"] == "error" and reply["errno"] == "EIO"
     assert len(b.quarantine) == 0 and b.leases == 0 and tensors[0].released == 1
     assert b.nixl.registered == 0 and b.counts["aborted"] == 1
@@ -264,14 +268,8 @@ def test_a_put_never_posted_is_not_quarantined():
 def test_a_put_in_flight_when_it_fails_is_quarantined():
     nixl = FakeNixl()
     nixl.write_state = "ERR"
-    b = fake_bridge(nixl)
-    tensors = [FakeTensor(100)]
-    leases, lease = lease_of(b, tensors)
-    c, s = tcp_pair()
-    with pytest.raises(ConnectionError):
-        b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
-    c.close()
-    s.close()
+    b, _, tensors, raised = one_put(nixl)
+    assert isinstance(raised, ConnectionError)
     assert len(b.quarantine) == 1 and b.leases == 0 and tensors[0].released == 0
     b.quarantine.sweep(all_=True)
     assert tensors[0].released == 1 and b.nixl.registered == 0
