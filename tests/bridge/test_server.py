@@ -2,7 +2,6 @@
 """The exporting and importing sides' handling of a misbehaving peer, NIXL faked, over
 socketpairs (ctest: bridge_server). The real NIXL path is driven by netns.py."""
 import importlib
-import json
 import shutil
 import socket
 import struct
