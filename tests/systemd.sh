@@ -40,6 +40,13 @@ verify)
 	grep -q "Creating user 'dlpackd'" "$tmp/sysusers.log"
 	grep -q "Creating group 'dlpack'" "$tmp/sysusers.log"
 	echo "verify: dlpackd.socket and dlpackd.service pass"
+	# the bridge's unit (its interpreter is the build's DLPC_BRIDGE_PYTHON, outside DESTDIR)
+	out=$(MANPATH=$tmp/root$(full "$mandir") SYSTEMD_LOG_LEVEL=notice \
+		systemd-analyze verify "$tmp/units/dlpackd.socket" \
+		"$units/dlpackd-bridge.service" 2>&1) ||
+		{ echo "$out" >&2; echo "systemd-analyze verify failed (bridge)" >&2; exit 1; }
+	[ -z "$out" ] || { echo "$out" >&2; echo "systemd-analyze verify complained (bridge)" >&2; exit 1; }
+	echo "verify: dlpackd-bridge.service passes"
 	;;
 security)
 	out=$(systemd-analyze security --offline=true "$units/dlpackd.service" 2>&1) ||
@@ -49,6 +56,11 @@ security)
 	[ -n "$level" ] || { echo "no exposure level in the output" >&2; exit 1; }
 	echo "exposure level $level (at most $DLPC_MAX_EXPOSURE)"
 	awk -v l="$level" -v m="$DLPC_MAX_EXPOSURE" 'BEGIN { exit !(l <= m) }'
+	out=$(systemd-analyze security --offline=true "$units/dlpackd-bridge.service" 2>&1) ||
+		{ echo "$out" >&2; exit 1; }
+	level=$(echo "$out" | sed -n 's/.*Overall exposure level for dlpackd-bridge.service: \([0-9.]*\).*/\1/p')
+	echo "bridge: exposure level ${level:-missing} (at most $DLPC_MAX_EXPOSURE)"
+	[ -n "$level" ] && awk -v l="$level" -v m="$DLPC_MAX_EXPOSURE" 'BEGIN { exit !(l <= m) }'
 	;;
 *)
 	echo "usage: systemd.sh verify|security BUILD PREFIX SBINDIR UNITDIR SYSUSERSDIR MANDIR" >&2

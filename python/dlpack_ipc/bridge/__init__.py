@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Names of other hosts, through the local dlpackd-bridge (docs/bridge.md).
+
+    from dlpack_ipc import bridge
+    local, generation = bridge.fetch("hostA:weights")   # the bridge copies it here ...
+    t = dlpack_ipc.attach(local)                          # ... and it is a local entry
+
+fetch("peer:name") asks this host's bridge (python -m dlpack_ipc.bridge) to get the entry name
+from the peer bridge configured as peer, over NIXL, and to publish it locally, replacing any
+earlier replica, under the name "peer:name". Importing this module does not import NIXL: only
+the bridge process itself needs it (pip install dlpack-ipc[bridge]).
+"""
+import os
+import socket
+import time
+
+from . import _wire
+from ._wire import FRAME_MAX
+
+__all__ = ["fetch", "status", "default_socket", "FRAME_MAX", "FETCH_GRACE"]
+
+# A fetch with a timeout waits this much longer than the bridge does for the bridge's answer,
+# so that the bridge's own TimeoutError (naming the peer and the name) is the one raised.
+FETCH_GRACE = 5.0
+
+
+def default_socket():
+    """The local bridge's socket: $DLPACKD_BRIDGE_SOCKET, else $XDG_RUNTIME_DIR/
+    dlpackd-bridge.sock for a user other than root with a runtime directory, else
+    /run/dlpackd-bridge/bridge.sock (the service's, systemd/dlpackd-bridge.service)."""
+    env = os.environ.get("DLPACKD_BRIDGE_SOCKET")
+    if env:
+        return env
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.getuid() != 0:
+        return os.path.join(xdg, "dlpackd-bridge.sock")
+    return "/run/dlpackd-bridge/bridge.sock"
+
+
+def _request(frame, timeout, socket_path, what):
+    path = socket_path or default_socket()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        try:
+            s.connect(path)
+        except FileNotFoundError:
+            raise ConnectionRefusedError(f"{what}: no bridge listens on {path}") from None
+        except OSError as e:
+            raise type(e)(e.errno, f"{what}: cannot reach the bridge on {path}: "
+                          f"{e.strerror}") from None
+        s.settimeout(FETCH_GRACE)
+        _wire.send(s, frame)
+        deadline = None if timeout is None else time.monotonic() + timeout + FETCH_GRACE
+        try:
+            reply = _wire.recv(s, deadline)
+        except TimeoutError:
+            raise TimeoutError(f"{what}: no answer from the bridge on {path}") from None
+        except ConnectionResetError:
+            raise ConnectionResetError(f"{what}: the bridge on {path} closed the "
+                                       "connection") from None
+    finally:
+        s.close()
+    if reply["op"] == "error":
+        raise _wire.to_oserror(reply, what)
+    return reply
+
+
+def fetch(name, timeout=None, *, socket=None):
+    """Copy the entry name ("peer:remote_name") from that peer here; returns
+    (local_name, remote_generation).
+
+    The local bridge gets the entry from the peer bridge and publishes it in the local dlpackd
+    under local_name (which is name itself), replacing an earlier replica; attach it (or
+    attach_dict() for a state dict) as any entry. remote_generation is the entry's generation
+    on the peer. timeout as everywhere in dlpack_ipc: None waits as long as the transfer takes,
+    a number of seconds then TimeoutError; the bridge bounds either way its wait for a stalled
+    peer (docs/bridge.md: LAYOUT_TIMEOUT, the lease TTL plus TRANSFER_GRACE).
+    FileNotFoundError: the peer has no such name or does not export it (or no such peer is
+    configured); PermissionError: the peers' tokens differ; ConnectionError: the peer or the
+    local bridge is unreachable or went away.
+    """
+    if not isinstance(name, str) or ":" not in name:
+        raise ValueError(f"bridge name {name!r} is not 'peer:name'")
+    if timeout is not None and not (timeout >= 0):
+        raise ValueError(f"timeout {timeout!r} is negative or NaN")
+    if timeout == float("inf"):
+        timeout = None
+    reply = _request({"op": "fetch", "name": name, "timeout": timeout}, timeout, socket,
+                     f"fetch {name!r}")
+    return reply["name"], reply["generation"]
+
+
+def status(*, socket=None):
+    """The local bridge's state, a dict: its agent name, peers, live leases, transfers."""
+    return _request({"op": "status"}, 10.0, socket, "bridge status")

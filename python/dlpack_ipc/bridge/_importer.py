@@ -1,0 +1,278 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The importing side: the control connection to one peer bridge, fetches and stats over it."""
+import base64
+import errno
+import logging
+import socket
+import threading
+import time
+
+from . import _nixl, _wire
+from ._nixl import _span
+
+# How long to wait for a peer's TCP connect, in seconds, when the fetch has no timeout.
+CONNECT_TIMEOUT = 10.0
+# TCP keepalive on control connections: idle seconds, interval, probes (a dead peer is noticed
+# in about 11 s even when no request is pending).
+KEEPALIVE = (5, 2, 3)
+# Between two polls of a transfer's state or of the notifications, in seconds.
+POLL = 0.0002
+# However long the caller lets a fetch take (timeout None included), the importer waits at most
+# LAYOUT_TIMEOUT seconds for the answer to its get, and for the transfer at most the lease TTL
+# (the exporter's, as its layout says, and no more than this bridge's --lease-ttl) plus
+# TRANSFER_GRACE: the exporter gives up on the WRITE by then, so a peer that stalls cannot
+# hold the per-peer lock for ever.
+LAYOUT_TIMEOUT = 30.0
+TRANSFER_GRACE = 10.0
+
+log = logging.getLogger("dlpackd-bridge")
+
+
+def keepalive(sock):
+    """TCP keepalive (KEEPALIVE) and no Nagle on a control connection."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, intvl, cnt = KEEPALIVE
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, intvl)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, cnt)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _bound(deadline, seconds):
+    """The earlier of deadline (None: none) and seconds from now."""
+    limit = time.monotonic() + seconds
+    return limit if deadline is None else min(deadline, limit)
+
+
+def _left(deadline, what):
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(errno.ETIMEDOUT, f"timed out {what}")
+    return left
+
+
+class _Stale(Exception):
+    """The peer closed the connection before it answered a get: nothing was leased."""
+
+
+class PeerLink:
+    """The importing side's control connection to one peer bridge, made on first use."""
+
+    def __init__(self, bridge, name, addr):
+        self.bridge = bridge
+        self.name = name
+        self.addr = addr
+        self.where = f"{addr[0]}:{addr[1]}"
+        self.lock = threading.Lock()
+        self.sock = None
+        self.agent = None
+        self._rid = 0
+
+    def connected(self):
+        return self.sock is not None
+
+    def _connect(self, deadline):
+        left = _left(deadline, f"connecting to {self.where}")
+        try:
+            sock = socket.create_connection(self.addr, timeout=min(left or CONNECT_TIMEOUT,
+                                                                   CONNECT_TIMEOUT))
+        except socket.timeout:
+            raise TimeoutError(errno.ETIMEDOUT, f"connecting to {self.where} timed out") \
+                from None
+        try:
+            keepalive(sock)
+            _wire.auth_client(sock, self.bridge.token, self.bridge.agent_name, self.name)
+            f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
+            if f["op"] != "metadata":
+                raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
+            agent = self.bridge.nixl.add_remote(_wire.metadata(f))
+            _wire.send(sock, {"op": "metadata", "metadata":
+                              base64.b64encode(self.bridge.nixl.metadata()).decode()})
+        except _wire.FrameError as e:
+            sock.close()
+            raise ConnectionError(errno.EPROTO, f"protocol error: {e}") from None
+        except BaseException:
+            sock.close()
+            raise
+        self.sock, self.agent = sock, agent
+        log.info("connected to peer %s at %s (agent %s)", self.name, self.where, agent)
+
+    def drop(self):
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.agent is not None:
+            self.bridge.nixl.remove_remote(self.agent)
+            self.agent = None
+
+    def _recv(self, deadline, what):
+        try:
+            f = _wire.recv(self.sock, deadline)
+        except TimeoutError:
+            raise TimeoutError(errno.ETIMEDOUT, f"timed out {what}") from None
+        except ConnectionResetError:
+            raise ConnectionResetError(errno.ECONNRESET, f"connection lost {what}") from None
+        except _wire.FrameError as e:
+            raise ConnectionError(errno.EPROTO, f"protocol error {what}: {e}") from None
+        return f
+
+    def fetch(self, dl, rname, local, deadline):
+        """Get rname from this peer and publish it here as local; the remote generation."""
+        if not self.lock.acquire(timeout=-1 if deadline is None else
+                                 max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for another fetch from "
+                               "this peer")
+        try:
+            if self.bridge.quarantine.full():
+                raise BlockingIOError(errno.EAGAIN, f"{_nixl.QUARANTINE_MAX} failed transfers "
+                                      "are in quarantine (QUARANTINE_MAX): try again later")
+            if self.sock is None:
+                self._connect(deadline)
+            try:
+                return self._guarded(dl, rname, local, deadline)
+            except _Stale:
+                # the idle connection was dead (the peer restarted): one new one, at once
+                log.info("connection to peer %s was lost while idle: reconnecting", self.name)
+                self._connect(deadline)
+                try:
+                    return self._guarded(dl, rname, local, deadline)
+                except _Stale:
+                    raise ConnectionResetError(errno.ECONNRESET, "the peer closed the "
+                                               "connection before answering") from None
+        finally:
+            self.lock.release()
+
+    def _guarded(self, dl, rname, local, deadline):
+        """_fetch, dropping the connection unless the peer answered the get in good order."""
+        try:
+            return self._fetch(dl, rname, local, deadline)
+        except _Stale:
+            self.drop()
+            raise
+        except OSError as e:
+            if not getattr(e, "peer_answer", False):
+                self.drop()
+            raise
+        except Exception:
+            self.drop()            # the connection's state is unknown
+            raise
+
+    def stat(self, rname, deadline):
+        """(generation, created_ns) of rname on this peer; FileNotFoundError if it has none."""
+        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for a fetch from this peer")
+        try:
+            for attempt in (0, 1):
+                if self.sock is None:
+                    self._connect(deadline)
+                self._rid += 1
+                try:
+                    _wire.send(self.sock, {"op": "stat", "id": self._rid, "name": rname})
+                    f = _wire.recv(self.sock, deadline)
+                except (ConnectionResetError, BrokenPipeError):
+                    self.drop()
+                    if attempt:
+                        raise
+                    continue
+                except (TimeoutError, _wire.FrameError) as e:
+                    self.drop()
+                    raise TimeoutError(errno.ETIMEDOUT, f"stat of {rname!r}: {e}") from None
+                if f["op"] == "error":
+                    raise _wire.to_oserror(f, f"peer {self.name}")
+                return f["generation"], f["created_ns"]
+        finally:
+            self.lock.release()
+
+    def _fetch(self, dl, rname, local, deadline):
+        self._rid += 1
+        rid = self._rid
+        t0 = time.monotonic()
+        try:
+            _wire.send(self.sock, {"op": "get", "id": rid, "name": rname})
+            f = _wire.recv(self.sock, _bound(deadline, LAYOUT_TIMEOUT))
+        except (ConnectionResetError, BrokenPipeError):
+            raise _Stale() from None
+        except TimeoutError:
+            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for the layout (LAYOUT_TIMEOUT "
+                               f"{LAYOUT_TIMEOUT:g} s, or the fetch's timeout)") from None
+        except _wire.FrameError as e:
+            raise ConnectionError(errno.EPROTO, f"protocol error waiting for the layout: {e}") \
+                from None
+        if f["op"] == "error":
+            err = _wire.to_oserror(f, "the peer says")
+            err.peer_answer = True  # type: ignore[attr-defined]  # the connection stays
+            raise err
+        if f["op"] != "layout" or f.get("id") != rid:
+            raise ConnectionError(errno.EPROTO, f"expected the layout, got {f['op']!r}")
+        lid, gen, tensors, bundle = str(f["lease"]), f["generation"], f["tensors"], f["bundle"]
+        ttl = f.get("ttl")
+        if not isinstance(ttl, (int, float)) or not ttl > 0:
+            raise ConnectionError(errno.EPROTO, f"layout with a lease TTL of {ttl!r}")
+        ttl = min(ttl, self.bridge.ttl)
+        t1 = time.monotonic()
+        try:
+            spec = {k: (tuple(shape), dtype) for k, dtype, shape, _ in tensors}
+            if bundle:
+                alloc = dl.empty_dict(spec)
+            else:
+                (k, (shape, dtype)), = spec.items()
+                alloc = {k: dl.empty(shape, dtype)}
+        except (OSError, ValueError, TypeError) as e:
+            _wire.send(self.sock, {"op": "release", "lease": lid})
+            raise OSError(getattr(e, "errno", None) or errno.EINVAL,
+                          f"cannot allocate the replica: {e}") from None
+        live = [t for t in alloc.values() if t.nbytes]
+        reg = self.bridge.nixl.register(*_span(live)) if live else None
+        t2 = time.monotonic()
+        landed = False
+        tdeadline = _bound(deadline, ttl + TRANSFER_GRACE)
+        try:
+            md = self.bridge.nixl.partial_metadata(reg) if live else b""
+            self.sock.settimeout(_left(tdeadline, f"sending the descriptors of {rname!r}"))
+            _wire.send(self.sock, {"op": "put", "id": rid, "lease": lid,
+                                   "metadata": base64.b64encode(md).decode(),
+                                   "descs": [[t.data_ptr, t.nbytes] for t in live]})
+            done = False
+            notified = not live
+            what = f"waiting for the transfer of {rname!r} (lease TTL {ttl:g} s + " \
+                f"TRANSFER_GRACE {TRANSFER_GRACE:g} s, or the fetch's timeout)"
+            while not (done and notified):
+                _left(tdeadline, what)
+                if not notified:
+                    notified = self.bridge.nixl.notified(self.agent, lid.encode())
+                if not done and _wire.readable(self.sock, 0 if not notified else 0.05):
+                    f = self._recv(tdeadline, what)
+                    if f["op"] == "error":
+                        raise _wire.to_oserror(f, "transfer failed")
+                    if f["op"] != "done" or f.get("lease") != lid:
+                        raise ConnectionError(errno.EPROTO, f"expected done, got {f['op']!r}")
+                    done = True
+                elif not notified:
+                    time.sleep(POLL)
+            landed = True
+        finally:
+            if landed or reg is None:
+                if reg is not None:
+                    self.bridge.nixl.deregister(reg)
+            else:
+                # the exporter may still be writing into it: close the control connection
+                # (it cancels there) and keep the memory registered for a while
+                self.drop()
+                self.bridge.quarantine.add(f"replica of {rname!r} from {self.name}", None, reg,
+                                           alloc.values())
+        t3 = time.monotonic()
+        n = sum(t.nbytes for t in live)
+        if bundle:
+            dl.publish_dict(local, alloc, replace=True)
+        else:
+            dl.publish(local, alloc[""], replace=True)
+        for t in alloc.values():
+            t.release()
+        t4 = time.monotonic()
+        log.info("fetched %r from %s (generation %d, %d bytes) in %.3f s: layout %.3f, "
+                 "allocate and register %.3f, transfer %.3f (%.2f GB/s), publish %.3f", rname,
+                 self.name, gen, n, t4 - t0, t1 - t0, t2 - t1, t3 - t2,
+                 n / max(t3 - t2, 1e-9) / 1e9, t4 - t3)
+        return gen

@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The bridge's NIXL agent (host memory, WRITE over UCX) and the quarantine of what an aborted
+transfer left registered."""
+import logging
+import threading
+import time
+
+# What an aborted transfer leaves registered (and mapped), in seconds, before it is
+# deregistered and released: a WRITE the peer may still have in flight never lands in (or reads
+# from) memory that is gone. --quarantine sets it; it must outlast UCX's TCP keepalive.
+QUARANTINE = 60.0
+# Quarantined transfers (each a registration and the attach or replica that maps it) past
+# which the bridge refuses new gets and fetches with EAGAIN: failed transfers free their lease
+# slot, so LEASES_MAX does not bound these.
+QUARANTINE_MAX = 64
+# Notifications received and not (yet) matched to a transfer that are kept, the oldest dropped
+# first: a peer may send any number.
+NOTIFS_MAX = 1024
+
+log = logging.getLogger("dlpackd-bridge")
+
+
+class Nixl:
+    """The bridge's one NIXL agent, host memory only, WRITE over UCX."""
+
+    def __init__(self, name, progress_thread):
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
+                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.agent = nixl_agent(name, conf)
+        if "UCX" not in self.agent.backends:
+            raise RuntimeError("NIXL has no UCX backend here")
+        self.name = name
+        self._lock = threading.Lock()
+        self._notifs = {}           # (agent, message): None, oldest first
+        self._remotes = set()       # the remote agents loaded
+        self.registered = 0         # registrations not given back yet
+
+    def metadata(self):
+        return self.agent.get_agent_metadata()
+
+    def add_remote(self, blob):
+        name = _text(self.agent.add_remote_agent(blob))
+        with self._lock:
+            self._remotes.add(name)
+        return name
+
+    def remote_names(self):
+        with self._lock:
+            return set(self._remotes)
+
+    def remove_remote(self, agent):
+        try:
+            self.agent.remove_remote_agent(agent)
+        except Exception as e:  # a peer that never connected over UCX has nothing to remove
+            log.debug("removing agent %s: %s", agent, e)
+        with self._lock:
+            self._remotes.discard(agent)
+            self._notifs = {n: None for n in self._notifs if n[0] != agent}
+
+    def register(self, base, length):
+        reg = self.agent.register_memory([(base, length, 0, "")], "DRAM")
+        with self._lock:
+            self.registered += 1
+        return reg
+
+    def partial_metadata(self, reg):
+        """What a peer needs to reach the registration reg (loaded with add_remote)."""
+        return self.agent.get_partial_agent_metadata(reg, False, ["UCX"])
+
+    def deregister(self, reg):
+        self.agent.deregister_memory(reg)
+        with self._lock:
+            self.registered -= 1
+
+    def write(self, local, remote, agent, notif):
+        """Post a WRITE of the (addr, len) list local into remote on agent; the handle."""
+        lo = self.agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
+        re = self.agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
+        h = self.agent.initialize_xfer("WRITE", lo, re, agent, notif)
+        return h, self.agent.transfer(h)
+
+    def state(self, h):
+        return self.agent.check_xfer_state(h)
+
+    def release(self, h):
+        self.agent.release_xfer_handle(h)
+
+    def notified(self, agent, msg):
+        """Whether agent sent notification msg (consumed if so); progresses the worker."""
+        with self._lock:
+            for a, msgs in self.agent.get_new_notifs().items():
+                for m in msgs:
+                    self._notifs[(_text(a), bytes(m))] = None
+            if (agent, msg) in self._notifs:
+                del self._notifs[(agent, msg)]
+                return True
+            while len(self._notifs) > NOTIFS_MAX:
+                oldest = next(iter(self._notifs))
+                log.warning("notification %r of agent %r dropped: %d unmatched (NOTIFS_MAX)",
+                            oldest[1][:64], oldest[0], NOTIFS_MAX)
+                del self._notifs[oldest]
+        return False
+
+
+def _text(name):
+    return name.decode() if isinstance(name, bytes) else name
+
+
+class Quarantine:
+    """What an aborted transfer left registered: deregistered and released after QUARANTINE."""
+
+    def __init__(self, nixl, seconds=QUARANTINE):
+        self.seconds = seconds
+        self._nixl = nixl
+        self._lock = threading.Lock()
+        self._items = []
+
+    def add(self, why, xfer=None, reg=None, tensors=()):
+        log.warning("quarantined for %.0f s: %s", self.seconds, why)
+        with self._lock:
+            self._items.append((time.monotonic() + self.seconds, why, xfer, reg, list(tensors)))
+
+    def __len__(self):
+        with self._lock:
+            return len(self._items)
+
+    def full(self):
+        """Whether QUARANTINE_MAX transfers are in quarantine (new ones are refused)."""
+        return len(self) >= QUARANTINE_MAX
+
+    def sweep(self, all_=False):
+        now = time.monotonic()
+        with self._lock:
+            due = [i for i in self._items if all_ or i[0] <= now]
+            self._items = [i for i in self._items if i not in due]
+        for _, why, xfer, reg, tensors in due:
+            # the order matters: the transfer, then the registration, then the mapping
+            if xfer is not None:
+                _quiet(self._nixl.release, xfer)
+            if reg is not None:
+                _quiet(self._nixl.deregister, reg)
+            for t in tensors:
+                t.release()
+            log.info("released after quarantine: %s", why)
+
+
+def _quiet(fn, *args):
+    """fn(*args), its exception logged instead of raised; whether it succeeded."""
+    try:
+        fn(*args)
+    except Exception as e:
+        log.warning("%s: %s", getattr(fn, "__name__", fn), e)
+        return False
+    return True
+
+
+def _span(tensors):
+    """The (base, length) that covers every tensor with bytes (one mapping: one storage)."""
+    live = [t for t in tensors if t.nbytes]
+    if not live:
+        return None
+    base = min(t.data_ptr for t in live)
+    return base, max(t.data_ptr + t.nbytes for t in live) - base

@@ -1,0 +1,578 @@
+# SPDX-License-Identifier: Apache-2.0
+"""dlpackd-bridge: one per host, an ordinary dlpackd client that moves entries between hosts
+over NIXL (docs/bridge.md).
+
+Threads: one accepts peers on --listen and one accepts local clients on --socket; each
+connection gets a thread of its own that does all of its work (its leases included), and one
+housekeeping thread gives back what an aborted transfer left in quarantine. The NIXL agent is
+shared; its calls are serialized by NIXL itself (NIXL_THREAD_SYNC_STRICT).
+"""
+import base64
+import errno
+import logging
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+
+import dlpack_ipc
+
+from . import _wire
+from ._importer import CONNECT_TIMEOUT, POLL, PeerLink
+from ._importer import keepalive as _keepalive
+from ._nixl import QUARANTINE, QUARANTINE_MAX, Nixl, Quarantine, _quiet, _span
+
+# How long an exporter keeps a lease (and its dlpackd reference) for an importer that asked for
+# a name's layout and has not sent its descriptors yet; also the longest one WRITE may take.
+# --lease-ttl sets it.
+LEASE_TTL = 30.0
+# A control connection's thread looks at its leases this often, in seconds.
+TICK = 0.25
+# Leases one peer connection may hold at once (each is a dlpackd reference).
+LEASES_MAX = 64
+# Local clients the bridge serves at once, and peers it accepts at once.
+CLIENTS_MAX = 64
+PEERS_MAX = 64
+
+log = logging.getLogger("dlpackd-bridge")
+
+
+def parse_addr(text, what):
+    """ADDR:PORT (or [V6ADDR]:PORT) to (host, port); ValueError naming what."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} {text!r} is not ADDR:PORT")
+    return host.strip("[]"), int(port)
+
+class Lease:
+    """An exported entry held for one importer: the attach is the dlpackd reference."""
+
+    def __init__(self, lid, name, generation, tensors, ttl):
+        self.id = lid
+        self.name = name
+        self.generation = generation
+        self.tensors = tensors          # [(key, SharedTensor)]
+        self.expires = time.monotonic() + ttl
+
+
+class Bridge:
+    def __init__(self, args, token):
+        self.args = args
+        self.token = token
+        self.exports = args.export or []
+        self.ttl = args.lease_ttl
+        self.peers = {}
+        for p in args.peer or []:
+            name, sep, addr = p.partition("=")
+            if not sep or not name or ":" in name:
+                raise ValueError(f"--peer {p!r} is not NAME=ADDR:PORT (NAME without ':')")
+            self.peers[name] = PeerLink(self, name, parse_addr(addr, f"--peer {name}"))
+        self.follow = []
+        for name in getattr(args, "follow", None) or []:
+            peer, sep, rname = name.partition(":")
+            if not sep or peer not in self.peers or not rname:
+                raise ValueError(f"--follow {name!r} is not PEER:NAME with a --peer PEER")
+            self.follow.append((self.peers[peer], rname, name))
+        self.host = socket.gethostname()
+        self.agent_name = f"dlpackd-bridge/{self.host}/{time.time_ns()}"
+        self.nixl = Nixl(self.agent_name, args.progress_thread)
+        self.quarantine = Quarantine(self.nixl, args.quarantine)
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._lease_seq = 0
+        self.leases = 0
+        self.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
+        self._clients = threading.BoundedSemaphore(CLIENTS_MAX)
+        self._peers_in = threading.BoundedSemaphore(PEERS_MAX)
+
+    def count(self, what, n=1):
+        with self._lock:
+            self.counts[what] += n
+
+    def dlpackd(self):
+        return dlpack_ipc.Client(self.args.dlpackd_socket) if self.args.dlpackd_socket \
+            else dlpack_ipc.Client()
+
+    def exported(self, name):
+        return any(name.startswith(p) for p in self.exports)
+
+    def new_lease_id(self):
+        with self._lock:
+            self._lease_seq += 1
+            self.leases += 1
+            return f"{self.agent_name}/{self._lease_seq}"
+
+    def lease_ended(self):
+        with self._lock:
+            self.leases -= 1
+
+    # -- threads --------------------------------------------------------------------------
+
+    def serve(self, tcp, unix):
+        threads = [threading.Thread(target=self._housekeeping, name="housekeeping",
+                                    daemon=True)]
+        if tcp is not None:
+            threads.append(threading.Thread(target=self._accept, args=(tcp, self._peer_thread,
+                                            self._peers_in, "peer"), daemon=True))
+        threads.append(threading.Thread(target=self._accept, args=(unix, self._client_thread,
+                                        self._clients, "client"), daemon=True))
+        for link, rname, local in self.follow:
+            threads.append(threading.Thread(target=self._follow, args=(link, rname, local),
+                                            daemon=True))
+        for t in threads:
+            t.start()
+        while not self.stop.wait(1.0):
+            pass
+
+    def _follow(self, link, rname, local):
+        """--follow: keep the replica local of link's rname fresh, by polling its generation
+        every --follow-interval; unpublish the replica when the peer's entry is gone."""
+        dl = self.dlpackd()
+        seen = None            # (generation, created_ns) of the peer's entry last fetched
+        wait = 0.0
+        try:
+            while not self.stop.wait(wait):
+                wait = self.args.follow_interval
+                try:
+                    now = link.stat(rname, time.monotonic() + CONNECT_TIMEOUT)
+                    if now != seen:
+                        link.fetch(dl, rname, local, time.monotonic() + max(self.ttl, 60.0))
+                        seen = now
+                        self.count("fetched")
+                except FileNotFoundError:
+                    if seen is not None:
+                        log.info("follow %r: gone on %s: unpublishing the replica", local,
+                                 link.name)
+                        try:
+                            dl.unpublish(local)
+                        except FileNotFoundError:
+                            pass
+                        seen = None
+                except OSError as e:
+                    log.warning("follow %r: %s; trying again in %s s", local, e, wait)
+                except Exception:
+                    log.exception("follow %r", local)
+        finally:
+            dl.close()
+
+    def _housekeeping(self):
+        while not self.stop.wait(1.0):
+            self.quarantine.sweep()
+
+    def _accept(self, lsock, target, slots, what):
+        lsock.settimeout(0.5)
+        while not self.stop.is_set():
+            try:
+                sock, addr = lsock.accept()
+            except socket.timeout:
+                continue
+            except OSError as e:
+                if self.stop.is_set():
+                    return
+                log.error("accepting a %s: %s", what, e)
+                time.sleep(0.1)
+                continue
+            if not slots.acquire(blocking=False):
+                log.warning("refusing a %s from %s: %d already served", what, addr,
+                            CLIENTS_MAX if what == "client" else PEERS_MAX)
+                _wire.send_error(sock, "EAGAIN", f"too many {what}s")
+                sock.close()
+                continue
+            threading.Thread(target=self._run, args=(target, sock, addr, slots),
+                             daemon=True).start()
+
+    def _run(self, target, sock, addr, slots):
+        try:
+            target(sock, addr)
+        except Exception:
+            log.exception("connection from %s", addr)
+        finally:
+            sock.close()
+            slots.release()
+
+    # -- the exporting side: a peer's control connection ---------------------------------
+
+    def _peer_thread(self, sock, addr):
+        who = f"{addr[0]}:{addr[1]}"
+        leases = {}
+        remote = None
+        dl = None
+        try:
+            _keepalive(sock)
+            try:
+                hello = _wire.auth_server(sock, self.token)
+            except PermissionError as e:
+                self.count("refused")
+                log.warning("peer %s refused: %s", who, e.strerror or e)
+                return
+            except _wire.FrameError as e:   # a malformed hello or proof: refused as well
+                self.count("refused")
+                log.warning("peer %s refused: %s", who, e)
+                _wire.send_error(sock, e.errname, str(e))
+                return
+            except (TimeoutError, ConnectionError) as e:
+                self.count("refused")
+                log.warning("peer %s refused: %s", who, e)
+                return
+            who = f"{str(hello.get('from', '?'))[:200]!r} at {who}"  # peer-chosen: quoted
+            _wire.send(sock, {"op": "metadata", "agent": self.agent_name,
+                              "metadata": base64.b64encode(self.nixl.metadata()).decode()})
+            f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
+            if f["op"] != "metadata":
+                raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
+            remote = self.nixl.add_remote(_wire.metadata(f))
+            log.info("peer %s connected (agent %r)", who, remote)
+            dl = self.dlpackd()
+            while not self.stop.is_set():
+                self._expire(leases, who)
+                if not _wire.readable(sock, TICK):
+                    continue
+                f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
+                op = f["op"]
+                if op == "get":
+                    self._get(sock, dl, f, leases, who)
+                elif op == "put":
+                    self._put(sock, f, leases, remote, who)
+                elif op == "stat":
+                    self._stat(sock, dl, f)
+                elif op == "release":
+                    self._end(leases.pop(str(f.get("lease")), None), "released")
+                else:
+                    raise _wire.FrameError("EPROTO", f"unknown op {op!r}")
+        except _wire.FrameError as e:
+            log.warning("peer %s: %s: disconnecting", who, e)
+            _wire.send_error(sock, e.errname, str(e))
+        except TimeoutError as e:
+            log.warning("peer %s: %s: disconnecting", who, e)
+        except ConnectionError as e:
+            log.info("peer %s gone: %s", who, e)
+        except OSError as e:
+            log.warning("peer %s: %s: disconnecting", who, e)
+        finally:
+            for lease in list(leases.values()):
+                self._end(lease, "connection lost")
+            if remote is not None:
+                self.nixl.remove_remote(remote)
+            if dl is not None:
+                dl.close()
+
+    def _expire(self, leases, who):
+        now = time.monotonic()
+        for lid in [lid for lid, lease in leases.items() if lease.expires <= now]:
+            log.info("peer %s: lease %s expired", who, lid)
+            self._end(leases.pop(lid), "expired")
+
+    def _end(self, lease, why):
+        """End lease: release its attach, every tensor tried, and free its slot."""
+        if lease is None:
+            return
+        tensors, lease.tensors = lease.tensors, []
+        try:
+            for _, t in tensors:
+                _quiet(t.release)
+        finally:
+            self.lease_ended()
+        log.debug("lease %s on %r ended: %s", lease.id, lease.name, why)
+
+    def _quarantine(self, lease, why, xfer, reg):
+        """Hand what lease still holds (its attach, xfer and reg where not None) to the
+        quarantine, and free its slot."""
+        self.quarantine.add(why, xfer, reg, [t for _, t in lease.tensors])
+        lease.tensors = []
+        self.lease_ended()
+
+    def _finish(self, lease, xfer, reg, who):
+        """A transfer done (or never posted: xfer None): give back its handle, its
+        registration, then the lease. Each step is tried; what a failed one leaves registered
+        goes to quarantine with the attach (the mapping must outlive the registration)."""
+        released = xfer is None or _quiet(self.nixl.release, xfer)
+        deregistered = _quiet(self.nixl.deregister, reg)
+        if released and deregistered:
+            self._end(lease, "done")
+        else:
+            self._quarantine(lease, f"what NIXL did not give back after the WRITE of "
+                             f"{lease.name!r} to {who}", None if released else xfer,
+                             None if deregistered else reg)
+
+    def _stat(self, sock, dl, f):
+        """A name's generation and creation time, for a peer that follows it."""
+        rid, name = f.get("id"), f.get("name")
+        if not isinstance(name, str) or not self.exported(name):
+            return _wire.send(sock, _wire.error_frame(
+                "ENOENT", f"{name!r} is not exported by this bridge", id=rid))
+        try:
+            found = [e for e in dl.list(name) if e.name == name]
+        except (OSError, ValueError) as e:
+            return _wire.send(sock, _wire.error_frame("EIO", f"{name!r}: {e}", id=rid))
+        if not found:
+            return _wire.send(sock, _wire.error_frame(
+                "ENOENT", f"{name!r}: no entry named {name!r}", id=rid))
+        _wire.send(sock, {"op": "stat", "id": rid, "generation": found[0].generation,
+                          "created_ns": found[0].created_ns})
+
+    def _get(self, sock, dl, f, leases, who):
+        rid, name = f.get("id"), f.get("name")
+        if not isinstance(name, str) or not self.exported(name):
+            log.info("peer %s asked for %r, which is not exported", who, name)
+            return _wire.send(sock, _wire.error_frame(
+                "ENOENT", f"{name!r} is not exported by this bridge", id=rid))
+        if len(leases) >= LEASES_MAX:
+            return _wire.send(sock, _wire.error_frame(
+                "EAGAIN", f"{name!r}: this connection holds {LEASES_MAX} leases (LEASES_MAX)",
+                id=rid))
+        if self.quarantine.full():
+            return _wire.send(sock, _wire.error_frame(
+                "EAGAIN", f"{name!r}: {QUARANTINE_MAX} failed transfers are in quarantine "
+                "(QUARANTINE_MAX): try again later", id=rid))
+        try:
+            ts = dl.attach_dict(name, timeout=0, mode="strict")
+        except OSError as e:
+            return _wire.send(sock, _wire.error_frame(
+                errno.errorcode.get(e.errno, "EIO"), f"{name!r}: {e.strerror or e}", id=rid))
+        except (ValueError, TypeError) as e:
+            return _wire.send(sock, _wire.error_frame("EINVAL", f"{name!r}: {e}", id=rid))
+        tensors = list(ts.items())
+        if any(t.device != "cpu" for _, t in tensors):
+            for _, t in tensors:
+                t.release()
+            return _wire.send(sock, _wire.error_frame(
+                "EOPNOTSUPP", f"{name!r} is a device entry: the bridge moves host memory "
+                "only", id=rid))
+        gen = tensors[0][1].generation
+        lease = Lease(self.new_lease_id(), name, gen, tensors, self.ttl)
+        leases[lease.id] = lease
+        bundle = not (len(tensors) == 1 and tensors[0][0] == "")
+        _wire.send(sock, {"op": "layout", "id": rid, "lease": lease.id, "generation": gen,
+                          "bundle": bundle, "ttl": self.ttl,
+                          "tensors": [[k, t.dtype, list(t.shape), t.nbytes]
+                                      for k, t in tensors]})
+
+    def _put(self, sock, f, leases, remote, who):
+        rid, lid = f.get("id"), str(f.get("lease"))
+        lease = leases.get(lid)
+        if lease is None:
+            return _wire.send(sock, _wire.error_frame(
+                "ESTALE", f"lease {lid} is not held (expired or released)", id=rid))
+        live = [t for _, t in lease.tensors if t.nbytes]
+        descs = f.get("descs")
+        if (not isinstance(descs, list) or len(descs) != len(live) or
+                any(not isinstance(d, list) or len(d) != 2 or d[1] != t.nbytes or
+                    not isinstance(d[0], int) for d, t in zip(descs, live))):
+            self._end(leases.pop(lid), "bad descriptors")
+            raise _wire.FrameError("EPROTO", f"put for lease {lid}: descriptors do not "
+                                   "match the layout")
+        if not live:
+            self._end(leases.pop(lid), "done (no bytes)")
+            self.count("served")
+            return _wire.send(sock, {"op": "done", "id": rid, "lease": lid})
+        try:
+            # the importer's registration of its replica: loaded for each transfer, into the
+            # peer's own agent (removed when the connection closes)
+            known = self.nixl.remote_names()
+            agent = self.nixl.add_remote(_wire.metadata(f))
+        except _wire.FrameError:
+            self._end(leases.pop(lid), "bad metadata")
+            raise
+        except Exception as e:
+            self._end(leases.pop(lid), "metadata refused")
+            return _wire.send(sock, _wire.error_frame(
+                "EPROTO", f"put for lease {lid}: NIXL refused the metadata: {e!r}", id=rid))
+        if agent != remote:
+            if agent not in known:
+                self.nixl.remove_remote(agent)
+            self._end(leases.pop(lid), "metadata of another agent")
+            raise _wire.FrameError("EPROTO", f"put for lease {lid}: metadata of agent {agent!r},"
+                                   f" not of the peer's {remote!r}")
+        # registered only for the transfer; deregistered before the attach is dropped
+        reg = self.nixl.register(*_span(live))
+        xfer = None
+        ok = False
+        failure = None
+        try:
+            t0 = time.monotonic()
+            self.count("writing")
+            xfer, st = self.nixl.write([(t.data_ptr, t.nbytes) for t in live],
+                                       [tuple(d) for d in descs], remote, lid.encode())
+            deadline = t0 + self.ttl
+            while st == "PROC":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"WRITE of {lease.name!r} not done in {self.ttl} s")
+                if _peer_closed(sock):
+                    raise ConnectionResetError("importer closed the connection mid-transfer")
+                time.sleep(POLL)
+                st = self.nixl.state(xfer)
+            if st != "DONE":
+                raise ConnectionError(f"WRITE of {lease.name!r} failed ({st})")
+            ok = True
+        except (OSError, _wire.FrameError):
+            raise
+        except Exception as e:       # NIXL's own errors: this transfer fails, not the bridge
+            failure = f"WRITE of {lease.name!r} failed: {e!r}"
+            log.warning("peer %s: %s", who, failure)
+        else:
+            dt = time.monotonic() - t0
+            n = sum(t.nbytes for t in live)
+            log.info("peer %s: wrote %r (generation %d, %d bytes) in %.3f s, %.2f GB/s",
+                     who, lease.name, lease.generation, n, dt, n / max(dt, 1e-9) / 1e9)
+        finally:
+            self.count("writing", -1)
+            leases.pop(lid, None)
+            if ok:
+                self._finish(lease, xfer, reg, who)
+            elif xfer is None:      # nothing was posted: nothing can land late
+                self.count("aborted")
+                self._finish(lease, None, reg, who)
+            else:
+                self.count("aborted")
+                self._quarantine(lease, f"WRITE of {lease.name!r} to {who}", xfer, reg)
+        if failure is not None:
+            return _wire.send(sock, _wire.error_frame("EIO", failure, id=rid))
+        self.count("served")
+        _wire.send(sock, {"op": "done", "id": rid, "lease": lid})
+
+    # -- the local side ----------------------------------------------------------------------
+
+    def _client_thread(self, sock, addr):
+        dl = None
+        try:
+            while not self.stop.is_set():
+                if not _wire.readable(sock, 0.5):
+                    continue
+                try:
+                    f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
+                except ConnectionResetError:
+                    return
+                if f["op"] == "status":
+                    reply = self.status()
+                elif f["op"] == "fetch":
+                    try:
+                        if dl is None:
+                            dl = self.dlpackd()
+                    except OSError as e:
+                        reply = _wire.error_frame(
+                            "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
+                    else:
+                        reply = self._fetch(dl, f)
+                else:
+                    raise _wire.FrameError("EPROTO", f"unknown op {f['op']!r}")
+                _wire.send(sock, reply)
+        except _wire.FrameError as e:
+            log.warning("local client: %s: disconnecting", e)
+            _wire.send_error(sock, e.errname, str(e))
+        except OSError as e:
+            log.info("local client: %s", e)
+        finally:
+            if dl is not None:
+                dl.close()
+
+    def status(self):
+        with self._lock:
+            return {"op": "status", "agent": self.agent_name, "leases": self.leases,
+                    "registered": self.nixl.registered,
+                    "quarantined": len(self.quarantine), "exports": self.exports,
+                    "peers": {n: p.connected() for n, p in self.peers.items()},
+                    **self.counts}
+
+    def _fetch(self, dl, f):
+        name, timeout = f.get("name"), f.get("timeout")
+        if not isinstance(name, str) or ":" not in name:
+            return _wire.error_frame("EINVAL", f"{name!r} is not 'peer:name'")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+            return _wire.error_frame("EINVAL", f"timeout {timeout!r} is not a number >= 0")
+        if len(name.encode()) > dlpack_ipc.NAME_MAX:
+            return _wire.error_frame("ENAMETOOLONG", f"{name!r} is longer than NAME_MAX "
+                                     f"({dlpack_ipc.NAME_MAX} bytes)")
+        peer, _, rname = name.partition(":")
+        link = self.peers.get(peer)
+        if link is None:
+            return _wire.error_frame("ENOENT", f"no peer {peer!r} is configured "
+                                     f"(--peer: {', '.join(self.peers) or 'none'})")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            gen = link.fetch(dl, rname, name, deadline)
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("fetch %r: malformed answer from peer %s: %r", name, peer, e)
+            return _wire.error_frame("EPROTO", f"peer {peer} ({link.where}), {rname!r}: "
+                                     f"malformed answer: {e!r}")
+        except OSError as e:
+            code = errno.errorcode.get(e.errno) or (
+                "ETIMEDOUT" if isinstance(e, TimeoutError) else
+                "ECONNRESET" if isinstance(e, ConnectionError) else "EIO")
+            log.info("fetch %r: %s", name, e)
+            return _wire.error_frame(code, f"peer {peer} ({link.where}), {rname!r}: "
+                                     f"{e.strerror or e}")
+        except Exception as e:     # NIXL's own errors: this fetch fails, not the bridge
+            log.warning("fetch %r: %r", name, e)
+            return _wire.error_frame("EIO", f"peer {peer} ({link.where}), {rname!r}: {e!r}")
+        self.count("fetched")
+        return {"op": "fetched", "name": name, "generation": gen}
+
+
+def _peer_closed(sock):
+    """Whether the peer closed (EOF waiting) without consuming a frame it may have sent."""
+    if not _wire.readable(sock, 0):
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+class _Journal(logging.Formatter):
+    """Log lines with journald's priority prefixes (<3> error ... <7> debug)."""
+    PRIO = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+            logging.CRITICAL: 2}
+
+    def format(self, record):
+        return f"<{self.PRIO.get(record.levelno, 6)}>{super().format(record)}"
+
+
+def _logging(level):
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(_Journal("%(message)s"))
+    log.addHandler(h)
+    log.setLevel(level)
+    log.propagate = False
+
+
+def _listen_tcp(addr):
+    host, port = parse_addr(addr, "--listen")
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, sa = infos[0]
+    s = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(sa)
+    s.listen(16)
+    return s
+
+
+def _listen_unix(path, mode):
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise FileExistsError(errno.EEXIST, f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)            # a dead bridge's socket
+        else:
+            raise FileExistsError(errno.EADDRINUSE, f"a bridge already listens on {path}")
+        finally:
+            probe.close()
+    except FileNotFoundError:
+        pass
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old = os.umask(0o777 & ~mode)
+    try:
+        s.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, mode)
+    s.listen(16)
+    return s

@@ -1,0 +1,676 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Two hosts on one machine: dlpackd + dlpackd-bridge in each of two network namespaces joined
+by a veth pair, NIXL over UCX's TCP between them (ctest: bridge_netns).
+
+    netns.py DLPACKD        (as root, with the bridge venv's interpreter, PYTHONPATH=<build>/python)
+
+Host A exports w/ and sd/; host B's bridge knows A as peer "A". Every namespace, link, daemon
+and bridge is removed on every exit path. Exits 77, saying why, where it cannot run (not root,
+no `ip`, no NIXL in this interpreter).
+"""
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+SKIP = 77
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the /30 between the namespaces (private, and only inside them)
+ADDR_A, ADDR_B, PREFIX = "10.231.77.1", "10.231.77.2", 30
+PORT = 7455
+TTL = 10.0              # the exporter's --lease-ttl (and bound on one WRITE) in this test
+QUARANTINE = 6.0        # and --quarantine, beyond UCX's keepalive (KEEPALIVE) here
+KEEPALIVE = {"UCX_TCP_KEEPIDLE": "1s", "UCX_TCP_KEEPINTVL": "1s", "UCX_TCP_KEEPCNT": "2"}
+WAIT = 30.0             # the longest any expected state is waited for
+
+
+def skip(why):
+    print(f"SKIP: {why}")
+    sys.exit(SKIP)
+
+
+if os.geteuid() != 0:
+    skip("needs root (network namespaces)")
+if not shutil.which("ip"):
+    skip("no `ip` (Debian: iproute2)")
+try:
+    import nixl  # noqa: F401
+except ImportError as e:
+    skip(f"no NIXL in {sys.executable} ({e}): the bridge_venv test makes the venv")
+
+import numpy as np  # noqa: E402
+
+import dlpack_ipc  # noqa: E402
+from dlpack_ipc import bridge  # noqa: E402
+
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        failures.append(what)
+
+
+def wait_for(pred, what, timeout=WAIT):
+    """Wait (bounded) until pred() is true; a failed check naming what if it never is."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if pred():
+                return True
+        except OSError:
+            pass
+        time.sleep(0.005)
+    check(False, f"{what} (not within {timeout:.0f} s)")
+    return False
+
+
+def sh(*cmd, check_rc=True):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if check_rc and r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+    return r
+
+
+class World:
+    """The namespaces, the link, the daemons and the bridges; torn down by close()."""
+
+    def __init__(self, dlpackd, ttl=TTL, extra=()):
+        self.ttl = ttl
+        self.extra = list(extra)       # more options for every bridge
+        tag = os.getpid()
+        self.ns = {"A": f"dlpb-a-{tag}", "B": f"dlpb-b-{tag}"}
+        self.veth = {"A": f"dlpa{tag}", "B": f"dlpb{tag}"}
+        self.dlpackd = dlpackd
+        self.tmp = tempfile.mkdtemp(prefix="dlpc-bridge-")
+        self.procs = {}
+        self.logs = {}
+        self.token = self._token("token", os.urandom(24).hex())
+        self.wrong = self._token("wrong", os.urandom(24).hex())
+
+    def _token(self, name, text):
+        path = os.path.join(self.tmp, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, text.encode())
+        os.close(fd)
+        return path
+
+    def path(self, *p):
+        return os.path.join(self.tmp, *p)
+
+    def up(self):
+        # what a run killed by SIGKILL (a ctest timeout) left: its pid is in the names
+        for line in sh("ip", "netns", "list").stdout.splitlines():
+            name = line.split()[0] if line.split() else ""
+            if name.startswith("dlpb-") and not os.path.exists(f"/proc/{name.rsplit('-', 1)[1]}"):
+                sh("ip", "netns", "del", name, check_rc=False)
+        for h in "AB":
+            sh("ip", "netns", "add", self.ns[h])
+        sh("ip", "link", "add", self.veth["A"], "type", "veth", "peer", "name", self.veth["B"])
+        for h, addr in (("A", ADDR_A), ("B", ADDR_B)):
+            sh("ip", "link", "set", self.veth[h], "netns", self.ns[h])
+            sh("ip", "-n", self.ns[h], "addr", "add", f"{addr}/{PREFIX}", "dev", self.veth[h])
+            sh("ip", "-n", self.ns[h], "link", "set", self.veth[h], "up")
+            sh("ip", "-n", self.ns[h], "link", "set", "lo", "up")
+            self.start(f"dlpackd-{h}", h, [self.dlpackd, "-s", self.path(f"dlpackd-{h}.sock")])
+        for h in "AB":
+            wait_for(lambda: os.path.exists(self.path(f"dlpackd-{h}.sock")), f"dlpackd on {h}")
+        self.start_bridge("A")
+        self.start_bridge("B")
+        self.start_bridge("B", name="bridge-Bwrong", token=self.wrong)
+
+    def start(self, name, host, argv):
+        log = open(self.path(f"{name}.log"), "ab")
+        self.logs[name] = self.path(f"{name}.log")
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], stdout=log,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **KEEPALIVE})
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def bridge_socket(self, name):
+        return self.path(f"{name}.sock")
+
+    def start_bridge(self, host, name=None, token=None):
+        name = name or f"bridge-{host}"
+        sock = self.bridge_socket(name)
+        argv = [sys.executable, "-m", "dlpack_ipc.bridge", "--socket", sock,
+                "--dlpackd-socket", self.path(f"dlpackd-{host}.sock"),
+                "--token-file", token or self.token, "--lease-ttl", str(self.ttl),
+                "--quarantine", str(QUARANTINE), *self.extra]
+        if host == "A":
+            argv += ["--listen", f"{ADDR_A}:{PORT}", "--export", "w/", "--export", "sd/"]
+        else:
+            argv += ["--peer", f"A={ADDR_A}:{PORT}", "--follow", "A:w/follow",
+                     "--follow-interval", "0.3"]
+        p = self.start(name, host, argv)
+        wait_for(lambda: bridge.status(socket=sock)["agent"], f"{name} answers")
+        return p
+
+    def kill(self, name, sig=signal.SIGKILL):
+        p = self.procs.pop(name, None)
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return p
+
+    def client(self, host):
+        return dlpack_ipc.Client(self.path(f"dlpackd-{host}.sock"))
+
+    def close(self, show_logs=False):
+        for name in list(self.procs):
+            if name.startswith("bridge"):
+                self.kill(name, signal.SIGTERM)
+        for name in list(self.procs):
+            self.kill(name, signal.SIGTERM)
+        for h in "AB":
+            sh("ip", "netns", "del", self.ns[h], check_rc=False)
+        sh("ip", "link", "del", self.veth["A"], check_rc=False)
+        if failures or show_logs:
+            for name, path in self.logs.items():
+                with open(path, errors="replace") as f:
+                    print(f"--- {name} log (last lines)\n" + "".join(f.readlines()[-25:]))
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def fds(p):
+    """The fds of the process p (ip netns exec execs the command: the same pid)."""
+    return len(os.listdir(f"/proc/{p.pid}/fd"))
+
+
+def fd_list(p):
+    out = []
+    for f in os.listdir(f"/proc/{p.pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{p.pid}/fd/{f}"))
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def refs(client, name):
+    """dlpackd's live references to name, those of the attach cache left out."""
+    e = [e for e in client.list(name) if e.name == name]
+    return e[0].refs - e[0].cached_refs if e else None
+
+
+def writing(w):
+    """Whether A's bridge has a WRITE in flight."""
+    return bridge.status(socket=w.bridge_socket("bridge-A"))["writing"] >= 1
+
+
+def fetch(w, name, timeout=20.0, sock="bridge-B"):
+    return bridge.fetch(name, timeout, socket=w.bridge_socket(sock))
+
+
+def case_tensor(w, a, b):
+    x = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
+    gen = a.publish("w/t", x, replace=True)
+    local, rgen = fetch(w, "A:w/t")
+    check(local == "A:w/t" and rgen == gen, f"fetch returns the local name and the generation "
+          f"({local!r}, {rgen} == {gen})")
+    t = b.attach("A:w/t")
+    check(np.array_equal(np.asarray(t), x), "the tensor attached on B has A's bytes")
+    check(t.dtype == "uint8" and t.shape == x.shape, "and its dtype and shape")
+    t.release()
+    check(wait_for(lambda: refs(a, "w/t") == 0, "lease ended after the transfer"),
+          "A's dlpackd reference to w/t is back after the transfer")
+    check(bridge.status(socket=w.bridge_socket("bridge-A"))["leases"] == 0,
+          "A's bridge holds no lease")
+
+
+def case_data_ports(w, a, b):
+    """UCX's data ports only on the interface the bridges use: each bridge listens on its own
+    veth address alone (not on lo, not on a wildcard), and says so in its log."""
+    for name, host, addr in (("bridge-A", "A", ADDR_A), ("bridge-B", "B", ADDR_B)):
+        pid = w.procs[name].pid
+        out = sh("ip", "netns", "exec", w.ns[host], "ss", "-Htlnp").stdout
+        ports = [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
+        check(ports and all(p.rpartition(":")[0] == addr for p in ports),
+              f"{name} listens on {addr} only ({ports})")
+        with open(w.logs[name], errors="replace") as f:
+            log = f.read()
+        check(f"UCX_NET_DEVICES={w.veth[host]}:" in log,
+              f"{name} logs UCX_NET_DEVICES={w.veth[host]}")
+
+
+def case_64m(w, a, b):
+    x = np.arange(16 << 20, dtype=np.float32)
+    a.publish("w/64m", x, replace=True)
+    t0 = time.monotonic()
+    fetch(w, "A:w/64m")
+    dt = time.monotonic() - t0
+    t = b.attach("A:w/64m")
+    check(np.array_equal(np.asarray(t), x), "64 MiB: equal bytes on B")
+    t.release()
+    print(f"info: 64 MiB fetched over the veth in {dt:.3f} s ({x.nbytes / dt / 1e9:.2f} GB/s, "
+          "fetch call to published replica)")
+
+
+def state_dict():
+    rng = np.random.default_rng(2)
+    sd = {}
+    for i in range(24):
+        sd[f"layers.{i}.weight"] = rng.standard_normal((1024, 1024), dtype=np.float32)
+        sd[f"layers.{i}.bias"] = rng.standard_normal(1024).astype(np.float16)
+        sd[f"layers.{i}.idx"] = np.arange(i * 7 + 1, dtype=np.int64)
+    sd["empty"] = np.zeros((0, 3), dtype=np.float32)
+    sd["flag"] = np.array([True, False, True])
+    return sd
+
+
+def case_state_dict(w, a, b):
+    sd = state_dict()
+    total = sum(v.nbytes for v in sd.values())
+    gen = a.publish_dict("sd/model", sd, replace=True)
+    local, rgen = fetch(w, "A:sd/model", timeout=60)
+    check(rgen == gen, f"state dict: generation {rgen} == {gen}")
+    got = b.attach_dict(local)
+    check(list(got) == list(sd), f"state dict: the {len(sd)} keys, in order")
+    check(all(np.array_equal(np.asarray(got[k]), v) and got[k].shape == v.shape
+              for k, v in sd.items()), f"state dict: {total / 2**20:.0f} MiB, equal bytes, "
+          "dtypes and shapes on B")
+    for t in got.values():
+        t.release()
+    check(wait_for(lambda: refs(a, "sd/model") == 0, "state dict lease ended"),
+          "A's reference to sd/model is back after the transfer")
+
+
+def case_errors(w, a, b):
+    a.publish("secret/x", np.ones(4), replace=True)
+    for name, what in (("A:secret/x", "a name A does not export"),
+                       ("A:w/absent", "a name A lacks"),
+                       ("Z:w/t", "a peer not configured")):
+        try:
+            fetch(w, name, timeout=10)
+            check(False, f"{what}: FileNotFoundError")
+        except FileNotFoundError as e:
+            check(name.split(":")[1] in str(e) or "'Z'" in str(e),
+                  f"{what}: FileNotFoundError naming it ({e})")
+    check(b.list("A:secret") == [], "nothing published on B for them")
+    try:
+        fetch(w, "A:w/" + "x" * dlpack_ipc.NAME_MAX, timeout=10)
+        check(False, "a local name over NAME_MAX: ENAMETOOLONG")
+    except OSError as e:
+        check(e.errno == errno.ENAMETOOLONG, f"a local name over NAME_MAX: ENAMETOOLONG ({e})")
+
+
+def case_wrong_token(w, a, b):
+    try:
+        fetch(w, "A:w/t", timeout=10, sock="bridge-Bwrong")
+        check(False, "a peer with a wrong token: PermissionError")
+    except PermissionError as e:
+        check("peer A" in str(e), f"a peer with a wrong token: PermissionError naming the peer "
+              f"({e})")
+    st = bridge.status(socket=w.bridge_socket("bridge-A"))
+    check(st["refused"] >= 1, f"A counted the refusal ({st['refused']})")
+    local, _ = fetch(w, "A:w/t")
+    check(local == "A:w/t", "A still serves the right peer after refusing the wrong one")
+
+
+PROBE = r"""
+import socket, struct, sys, time
+from dlpack_ipc.bridge import _wire
+head = {"big": struct.pack(">I", _wire.FRAME_MAX + 1), "json": struct.pack(">I", 5) + b"{nope"}
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+s.sendall(head[sys.argv[3]])
+f = _wire.recv(s, time.monotonic() + 10)
+print(f["errno"], s.recv(1) == b"")
+"""
+
+
+def case_bad_frames(w, a, b):
+    """An oversized frame and one of bad JSON, to A's TCP port and to its local socket."""
+    for kind, want in (("big", "EMSGSIZE"), ("json", "EPROTO")):
+        r = subprocess.run(["ip", "netns", "exec", w.ns["B"], sys.executable, "-c", PROBE,
+                            ADDR_A, str(PORT), kind], capture_output=True, text=True, timeout=60)
+        check(r.stdout.split() == [want, "True"], f"peer port, {kind} frame: one {want} error "
+              f"frame, then closed ({r.stdout.strip()} {r.stderr.strip()[-200:]})")
+        import socket
+        import struct
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(w.bridge_socket("bridge-A"))
+        s.sendall(struct.pack(">I", bridge.FRAME_MAX + 1) if kind == "big" else
+                  struct.pack(">I", 5) + b"{nope")
+        from dlpack_ipc.bridge import _wire
+        f = _wire.recv(s, time.monotonic() + 10)
+        check(f["errno"] == want and s.recv(1) == b"", f"local socket, {kind} frame: {want}, "
+              "then closed")
+        s.close()
+    check(w.procs["bridge-A"].poll() is None, "A's bridge lives on")
+
+
+def replica(b, name):
+    """The bytes of B's replica name as a numpy array, or None where there is none."""
+    try:
+        t = b.attach(name, timeout=0)
+    except FileNotFoundError:
+        return None
+    x = np.asarray(t).copy()
+    t.release()
+    return x
+
+
+def case_follow(w, a, b):
+    """--follow A:w/follow: B's replica follows A's entry through replaces and its removal."""
+    g1 = a.publish("w/follow", np.full(1 << 20, 1, np.uint8), replace=True)
+    check(wait_for(lambda: (r := replica(b, "A:w/follow")) is not None and r[0] == 1,
+                   "follow: the first replica"), f"follow: A's generation {g1} replicated")
+    a.publish("w/follow", np.full(1 << 20, 2, np.uint8), replace=True)
+    check(wait_for(lambda: (r := replica(b, "A:w/follow")) is not None and r[0] == 2,
+                   "follow: the replace"),
+          "follow: a REPLACE on A is fetched again")
+    a.unpublish("w/follow")
+    check(wait_for(lambda: replica(b, "A:w/follow") is None, "follow: the unpublish"),
+          "follow: an unpublish on A unpublishes the replica")
+    a.publish("w/follow", np.full(1 << 20, 3, np.uint8))
+    check(wait_for(lambda: (r := replica(b, "A:w/follow")) is not None and r[0] == 3,
+                   "follow: published anew"), "follow: published anew, replicated anew")
+    a.unpublish("w/follow")
+
+
+def case_limits(w, a, b):
+    """LEASES_MAX leases per peer connection, CLIENTS_MAX local clients at once."""
+    from dlpack_ipc.bridge import _server
+    a.publish("w/held", np.ones(1000), replace=True)
+    p = subprocess.Popen(["ip", "netns", "exec", w.ns["B"], sys.executable,
+                          os.path.join(HERE, "fake_importer.py"), f"{ADDR_A}:{PORT}", w.token,
+                          "w/held", str(_server.LEASES_MAX + 1)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        lines = []
+        while len(lines) < _server.LEASES_MAX + 1:
+            line = p.stdout.readline()
+            if not line:
+                break
+            if line.startswith(("LEASE ", "REFUSED ")):     # (NIXL logs there too)
+                lines.append(line.strip())
+        check(lines[:-1] == [ln for ln in lines[:-1] if ln.startswith("LEASE ")] and
+              lines[-1] == "REFUSED EAGAIN", f"LEASES_MAX ({_server.LEASES_MAX}) leases on one "
+              f"connection, then EAGAIN ({lines[-1]})")
+        # (one client attaching one entry 64 times: dlpackd may count one reference)
+        check(refs(a, "w/held") >= 1, "the leases hold the entry in A's dlpackd")
+    finally:
+        p.kill()
+        p.wait()
+    check(wait_for(lambda: refs(a, "w/held") == 0, "LEASES_MAX: references back"),
+          "and all of them come back when the connection goes")
+    import socket
+    from dlpack_ipc.bridge import _wire
+    held = []
+    try:
+        for _ in range(_server.CLIENTS_MAX):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(w.bridge_socket("bridge-A"))
+            held.append(s)
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(w.bridge_socket("bridge-A"))
+        held.append(s)
+        f = _wire.recv(s, time.monotonic() + 10)
+        check(f.get("errno") == "EAGAIN", f"CLIENTS_MAX ({_server.CLIENTS_MAX}) local clients, "
+              f"then EAGAIN ({f})")
+    finally:
+        for s in held:
+            s.close()
+    check(wait_for(lambda: bridge.status(socket=w.bridge_socket("bridge-A"))["agent"],
+                   "A answers again"), "and A serves local clients again when they go")
+
+
+def case_lease_ttl(w, a, b):
+    """An importer that takes a lease and never sends its descriptors."""
+    a.publish("w/held", np.ones(1000), replace=True)
+    for how in ("ttl", "killed"):
+        p = w.start(f"fake-{how}", "B", [sys.executable, os.path.join(HERE, "fake_importer.py"),
+                                         f"{ADDR_A}:{PORT}", w.token, "w/held"])
+        ok = wait_for(lambda: refs(a, "w/held") == 1, f"{how}: the fake importer holds a lease")
+        check(ok, f"{how}: A's dlpackd holds a reference for the lease")
+        t0 = time.monotonic()
+        if how == "killed":
+            w.kill(f"fake-{how}")
+        ok = wait_for(lambda: refs(a, "w/held") == 0, f"{how}: lease ended")
+        dt = time.monotonic() - t0
+        check(ok, f"{how}: the lease ended ({'TTL' if how == 'ttl' else 'connection lost'}) "
+              f"and A's reference is back after {dt:.1f} s")
+        if how == "ttl":
+            check(p.poll() is None, "ttl: while the importer's connection was still open")
+            w.kill(f"fake-{how}")
+
+
+def case_replace_during(w, a, b):
+    old = np.full(64 << 20, 1, dtype=np.uint8)
+    new = np.full(64 << 20, 2, dtype=np.uint8)
+    g1 = a.publish("w/rep", old, replace=True)
+    res = {}
+    th = threading.Thread(target=lambda: res.update(r=fetch(w, "A:w/rep", timeout=60)))
+    th.start()
+    wait_for(lambda: refs(a, "w/rep") >= 1 or not th.is_alive(), "replace: the lease is taken")
+    g2 = a.publish("w/rep", new, replace=True)
+    th.join(90)
+    check("r" in res and res["r"][1] == g1, f"replace during a transfer: the fetch got generation "
+          f"{res.get('r', (0, None))[1]} == {g1} (replaced by {g2} meanwhile)")
+    t = b.attach("A:w/rep")
+    check(np.array_equal(np.asarray(t), old), "and its bytes are the old generation's, whole")
+    t.release()
+    _, rgen = fetch(w, "A:w/rep", timeout=60)
+    t = b.attach("A:w/rep")
+    check(rgen == g2 and np.array_equal(np.asarray(t), new), "the next fetch gets the new one")
+    t.release()
+
+
+def case_exporter_killed(w, a, b):
+    """The exporting bridge SIGKILLed before a fetch and in the middle of one."""
+    big = np.full(256 << 20, 3, dtype=np.uint8)
+    a.publish("w/big", big, replace=True)
+    w.kill("bridge-A")
+    try:
+        fetch(w, "A:w/t", timeout=5)
+        check(False, "exporter killed before: the fetch fails")
+    except ConnectionRefusedError as e:
+        check(f"peer A ({ADDR_A}:{PORT}), 'w/t'" in str(e) and "refused" in str(e),
+              f"exporter killed before: ConnectionRefusedError naming the peer and the name "
+              f"({e})")
+    w.start_bridge("A")
+    local, _ = fetch(w, "A:w/t")
+    check(local == "A:w/t", "a restarted exporter serves again")
+
+    res = {}
+
+    def run():
+        try:
+            res["r"] = fetch(w, "A:w/big", timeout=20)
+        except OSError as e:
+            res["e"] = e
+    gen_before = [e.generation for e in b.list("A:w/big")]
+    th = threading.Thread(target=run)
+    t0 = time.monotonic()
+    th.start()
+    wait_for(lambda: writing(w) or not th.is_alive(), "mid-way: a WRITE of w/big")
+    mid = th.is_alive()
+    w.kill("bridge-A")
+    th.join(40)
+    dt = time.monotonic() - t0
+    check(not th.is_alive(), f"exporter killed {'mid-way' if mid else 'late'}: the fetch "
+          f"returned after {dt:.1f} s (timeout 20 s)")
+    if "e" in res:
+        check(isinstance(res["e"], (ConnectionError, TimeoutError)),
+              f"exporter killed mid-way: {type(res['e']).__name__} ({res['e']})")
+        check([e.generation for e in b.list("A:w/big")] == gen_before,
+              "no replica was published from the broken transfer")
+    else:
+        t = b.attach("A:w/big")
+        check(np.array_equal(np.asarray(t), big), "the transfer had finished: equal bytes")
+        t.release()
+    check(w.procs["bridge-B"].poll() is None, "B's bridge is alive")
+    w.start_bridge("A")
+    local, _ = fetch(w, "A:w/big", timeout=60)
+    t = b.attach(local)
+    check(np.array_equal(np.asarray(t), big), "a restarted exporter serves w/big whole")
+    t.release()
+
+
+def _fetch_in_thread(w, name, timeout):
+    res = {}
+
+    def run():
+        try:
+            res["r"] = fetch(w, name, timeout=timeout)
+        except OSError as e:
+            res["e"] = e
+    th = threading.Thread(target=run)
+    th.start()
+    return th, res
+
+
+def case_publisher_killed(w, a, b):
+    """The publisher on A dies (its ephemeral entry goes) while its entry is being fetched."""
+    code = ("import sys, time, numpy as np, dlpack_ipc; c = dlpack_ipc.Client(sys.argv[1]); "
+            "c.publish('w/eph', np.full(128 << 20, 5, np.uint8), ephemeral=True, replace=True);"
+            " print('ready', flush=True); time.sleep(600)")
+    pub = subprocess.Popen([sys.executable, "-c", code, w.path("dlpackd-A.sock")],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        check(pub.stdout.readline().strip() == "ready", "publisher: published w/eph")
+        th, res = _fetch_in_thread(w, "A:w/eph", 60)
+        wait_for(lambda: refs(a, "w/eph") >= 1 or not th.is_alive(), "publisher: a lease")
+        pub.kill()
+        pub.wait()
+        wait_for(lambda: not a.list("w/eph"), "publisher: its ephemeral entry is gone")
+        th.join(90)
+        check("r" in res, f"publisher killed during the fetch: the fetch completed "
+              f"({res.get('e')})")
+        if "r" in res:
+            t = b.attach("A:w/eph")
+            check(np.all(np.asarray(t) == 5) and t.nbytes == 128 << 20,
+                  "from the leased mapping: whole")
+            t.release()
+        try:
+            fetch(w, "A:w/eph", timeout=10)
+            check(False, "after the publisher died: FileNotFoundError")
+        except FileNotFoundError:
+            check(True, "after the publisher died: FileNotFoundError")
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+            pub.wait()
+
+
+def case_importer_killed(w, a, b):
+    """The importing bridge SIGKILLed mid-transfer: the exporter aborts, lives on, gives the
+    lease back (after its quarantine), and serves the restarted importer."""
+    th, res = _fetch_in_thread(w, "A:w/big", 60)
+    wait_for(lambda: writing(w) or not th.is_alive(), "importer killed: a WRITE")
+    w.kill("bridge-B")
+    th.join(30)
+    check(isinstance(res.get("e"), ConnectionError) or "r" in res,
+          f"importer killed: the fetch call ended ({res})")
+    check(wait_for(lambda: refs(a, "w/big") == 0, "importer killed: A's reference back"),
+          "importer killed: A's reference to w/big is back")
+    check(w.procs["bridge-A"].poll() is None, "importer killed: A's bridge lives on")
+    w.start_bridge("B")
+    local, _ = fetch(w, "A:w/big", timeout=60)
+    t = b.attach(local)
+    check(np.all(np.asarray(t) == 3), "importer restarted: w/big whole")
+    t.release()
+
+
+def case_link_down(w, a, b):
+    """The link taken down mid-transfer: the fetch fails within its timeout, nothing crashes,
+    and after the link is back a fetch works."""
+    th, res = _fetch_in_thread(w, "A:w/big", 8)
+    wait_for(lambda: writing(w) or not th.is_alive(), "link down: a WRITE")
+    mid = th.is_alive()
+    t0 = time.monotonic()
+    sh("ip", "-n", w.ns["A"], "link", "set", w.veth["A"], "down")
+    th.join(60)
+    dt = time.monotonic() - t0
+    check(not th.is_alive(), f"link down {'mid-way' if mid else 'late'}: the fetch returned "
+          f"after {dt:.1f} s (timeout 8 s): {res}")
+    if "e" in res:
+        check(isinstance(res["e"], (TimeoutError, ConnectionError)),
+              f"link down: {type(res['e']).__name__}")
+    check(wait_for(lambda: refs(a, "w/big") == 0, "link down: A's reference back"),
+          "link down: the exporter's lease ended")
+    # the worst order: both sides give the memory back while the link is still down, and
+    # only then does it come back with whatever A's kernel still had to send
+    wait_for(lambda: bridge.status(socket=w.bridge_socket("bridge-B"))["quarantined"] == 0,
+             "link down: B's quarantine emptied")
+    sh("ip", "-n", w.ns["A"], "link", "set", w.veth["A"], "up")
+    time.sleep(2)       # (not a timing assert: what A's kernel retransmits lands meanwhile)
+    local, _ = fetch(w, "A:w/big", timeout=60)
+    t = b.attach(local)
+    check(np.all(np.asarray(t) == 3), "link back: w/big whole")
+    t.release()
+    for name in ("bridge-A", "bridge-B"):
+        check(w.procs[name].poll() is None, f"link down: {name} lives on")
+
+
+def main():
+    dlpackd = sys.argv[1]
+    w = World(dlpackd)
+    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    try:
+        w.up()
+        a, b = w.client("A"), w.client("B")
+        case_tensor(w, a, b)
+        case_data_ports(w, a, b)
+        time.sleep(1.0)     # the threads of the status calls above see their clients go
+        fd_b = fds(w.procs["bridge-B"])
+        fdl_b = fd_list(w.procs["bridge-B"])
+        ss_b = sh("ip", "netns", "exec", w.ns["B"], "ss", "-tanp").stdout
+        fd_a = fds(w.procs["bridge-A"])
+        case_64m(w, a, b)
+        case_state_dict(w, a, b)
+        case_errors(w, a, b)
+        case_wrong_token(w, a, b)
+        case_follow(w, a, b)
+        case_limits(w, a, b)
+        case_bad_frames(w, a, b)
+        case_lease_ttl(w, a, b)
+        case_replace_during(w, a, b)
+        check(wait_for(lambda: fds(w.procs["bridge-A"]) == fd_a, "A's fds"),
+              f"no fd leaked in A's bridge ({fds(w.procs['bridge-A'])} == {fd_a})")
+        case_exporter_killed(w, a, b)
+        case_publisher_killed(w, a, b)
+        wait_for(lambda: bridge.status(socket=w.bridge_socket("bridge-B"))["quarantined"] == 0,
+                 "B's quarantine emptied")
+        check(wait_for(lambda: fds(w.procs["bridge-B"]) == fd_b, "B's fds"),
+              f"no fd leaked in B's bridge ({fds(w.procs['bridge-B'])} == {fd_b})")
+        if fds(w.procs["bridge-B"]) != fd_b:
+            print("before:", fdl_b, "\nafter: ", fd_list(w.procs["bridge-B"]))
+            print(ss_b + "\n" + sh("ip", "netns", "exec", w.ns["B"], "ss", "-tanp").stdout)
+        # after the link comes back, UCX may keep the data connection of the aborted WRITE
+        # open and unread in B (docs/bridge.md, "Limits"): its fds are not counted after this
+        case_link_down(w, a, b)
+        for name in ("bridge-A", "bridge-B", "bridge-Bwrong"):
+            check(w.procs[name].poll() is None, f"{name} did not crash")
+        for name in ("bridge-A", "bridge-B"):
+            check(wait_for(lambda: bridge.status(socket=w.bridge_socket(name))["registered"] == 0,
+                           f"{name}'s registrations"),
+                  f"{name} gave every NIXL registration back")
+        case_importer_killed(w, a, b)
+    except BaseException:
+        signal.signal(signal.SIGTERM, old)
+        w.close(show_logs=True)
+        raise
+    else:
+        signal.signal(signal.SIGTERM, old)
+        w.close()
+    left = sh("ip", "netns", "list").stdout
+    check(w.ns["A"] not in left and w.ns["B"] not in left, "the namespaces are gone")
+    print(f"{len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

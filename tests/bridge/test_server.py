@@ -1,0 +1,309 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The exporting and importing sides' handling of a misbehaving peer, NIXL faked, over
+socketpairs (ctest: bridge_server). The real NIXL path is driven by netns.py."""
+import importlib
+import shutil
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from dlpack_ipc.bridge import _importer, _nixl, _server, _wire
+
+
+class FakeNixl:
+    """Records the calls; fail names methods that raise."""
+
+    def __init__(self, fail=()):
+        self.fail = set(fail)
+        self.calls = []
+        self.registered = 0
+        self.remotes = set()
+
+    def _do(self, what, *args):
+        self.calls.append((what, *args))
+        if what in self.fail:
+            raise RuntimeError(f"injected failure of {what}")
+
+    def metadata(self):
+        return b"md"
+
+    def add_remote(self, blob):
+        self._do("add_remote", blob)
+        name = blob.decode()
+        self.remotes.add(name)
+        return name
+
+    def remote_names(self):
+        return set(self.remotes)
+
+    def remove_remote(self, agent):
+        self._do("remove_remote", agent)
+        self.remotes.discard(agent)
+
+    def register(self, base, length):
+        self._do("register", base, length)
+        self.registered += 1
+        return ("reg", base, length)
+
+    def deregister(self, reg):
+        self._do("deregister", reg)
+        self.registered -= 1
+
+    def write(self, local, remote, agent, notif):
+        self._do("write", agent)
+        return "xfer", self.write_state
+
+    write_state = "DONE"
+
+    def state(self, h):
+        return "DONE"
+
+    def release(self, h):
+        self._do("release", h)
+
+
+def fake_bridge(nixl=None, token=b"t" * 32):
+    b = _server.Bridge.__new__(_server.Bridge)
+    b.token = token
+    b.agent_name = "exporter-agent"
+    b.nixl = nixl or FakeNixl()
+    b.quarantine = _server.Quarantine(b.nixl, 60.0)
+    b.stop = threading.Event()
+    b._lock = threading.Lock()
+    b._lease_seq = 0
+    b.leases = 0
+    b.ttl = 5.0
+    b.exports = ["w/"]
+    b.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
+    return b
+
+
+def tcp_pair():
+    """Two ends of a loopback TCP connection (the bridge sets TCP options on its sockets)."""
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        c = socket.create_connection(ls.getsockname())
+        s, _ = ls.accept()
+    return c, s
+
+
+def run_peer_thread(b, send):
+    """Run the exporter's connection thread against send(sock); the frames it answered."""
+    c, s = tcp_pair()
+    th = threading.Thread(target=b._peer_thread, args=(s, ("192.0.2.1", 1)))
+    th.start()
+    try:
+        send(c)
+        frames = []
+        while True:
+            try:
+                frames.append(_wire.recv(c, time.monotonic() + 5))
+            except (ConnectionResetError, TimeoutError):
+                break
+            if frames[-1]["op"] == "error":
+                break
+    finally:
+        th.join(10)
+        alive = th.is_alive()
+        c.close()
+        s.close()
+    assert not alive, "the connection's thread did not end"
+    return frames
+
+
+@pytest.mark.parametrize("body", [None, b'{"op":"hello","x":' + b"[" * 1000,
+                                  b"\xff", b'{"op":"hello"}'])
+def test_malformed_hello_refused_and_counted(body):
+    b = fake_bridge()
+
+    def send(c):
+        if body is None:
+            c.sendall(struct.pack(">I", _wire.FRAME_MAX))   # a stranger's 8 MiB hello
+        else:
+            c.sendall(struct.pack(">I", len(body)) + body)
+    frames = run_peer_thread(b, send)
+    assert [f["op"] for f in frames] == ["error"]
+    assert frames[0]["errno"] == ("EMSGSIZE" if body is None else "EPROTO")
+    assert b.counts["refused"] == 1
+
+
+class FakeTensor:
+    def __init__(self, nbytes, ptr=4096):
+        self.nbytes = nbytes
+        self.data_ptr = ptr
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
+def lease_of(b, tensors, name="w/x"):
+    lease = _server.Lease(b.new_lease_id(), name, 1, [(str(i), t) for i, t in
+                                                       enumerate(tensors)], b.ttl)
+    return {lease.id: lease}, lease
+
+
+def put_frame(lease, tensors, agent="importer-agent"):
+    import base64
+    return {"op": "put", "id": 1, "lease": lease.id,
+            "metadata": base64.b64encode(agent.encode()).decode(),
+            "descs": [[1 << 20, t.nbytes] for t in tensors]}
+
+
+def one_put(nixl):
+    """A put of one 100-byte tensor on a fresh lease of a bridge with nixl; (bridge, its
+    leases, the tensor, the exporter's answer or what _put raised)."""
+    b = fake_bridge(nixl)
+    tensors = [FakeTensor(100)]
+    leases, lease = lease_of(b, tensors)
+    c, s = tcp_pair()
+    try:
+        b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
+        reply = _wire.recv(c, time.monotonic() + 5)
+    except Exception as e:  # the outcome under test
+        reply = e
+    finally:
+        c.close()
+        s.close()
+    return b, leases, tensors, reply
+
+
+@pytest.mark.parametrize("fail", [(), ("release",), ("deregister",), ("release", "deregister")])
+def test_a_done_put_gives_the_lease_back_whatever_nixl_raises(fail):
+    b, leases, tensors, reply = one_put(FakeNixl(fail))
+    assert reply["op"] == "done"         # the bytes landed: the transfer is done
+    assert b.leases == 0 and leases == {}
+    if fail:
+        # what NIXL did not give back keeps its mapping, in quarantine
+        assert len(b.quarantine) == 1 and tensors[0].released == 0
+        b.quarantine.sweep(all_=True)
+    assert len(b.quarantine) == 0 and tensors[0].released == 1
+    assert b.counts["served"] == 1
+
+
+class FakeDlpackd:
+    def empty(self, shape, dtype):
+        return FakeTensor(0)
+
+    def publish(self, name, t, replace=False):
+        pass
+
+
+def stalled_fetch(monkeypatch, layout):
+    """A fetch with no timeout from a peer that answers up to layout (None: sends half a
+    layout), then sends half a frame and stalls; the fetch's outcome."""
+    monkeypatch.setattr(_importer, "LAYOUT_TIMEOUT", 0.3, raising=False)
+    monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.3, raising=False)
+    b = fake_bridge()
+    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
+    link.sock, peer = socket.socketpair()
+    link.agent = "exporter-agent"
+    out = {}
+
+    def run():
+        try:
+            out["r"] = link.fetch(FakeDlpackd(), "w/x", "A:w/x", None)
+        except Exception as e:  # the outcome under test
+            out["r"] = e
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    get = _wire.recv(peer, time.monotonic() + 5)
+    if layout is not None:
+        _wire.send(peer, {**layout, "id": get["id"]})
+        assert _wire.recv(peer, time.monotonic() + 5)["op"] == "put"
+    peer.sendall(struct.pack(">I", 100) + b'{"op":')       # half a frame, then nothing
+    th.join(20)
+    peer.close()          # lets a fetch that still waits see EOF (the test fails then)
+    assert not th.is_alive(), "the fetch waited on a stalled peer"
+    return out["r"]
+
+
+def test_fetch_without_timeout_bounded_waiting_for_the_layout(monkeypatch):
+    r = stalled_fetch(monkeypatch, None)
+    assert isinstance(r, TimeoutError) and "LAYOUT_TIMEOUT" in str(r)
+
+
+def test_fetch_without_timeout_bounded_by_the_lease_ttl_during_the_transfer(monkeypatch):
+    layout = {"op": "layout", "lease": "L1", "generation": 1, "bundle": False, "ttl": 0.2,
+              "tensors": [["", "float32", [0], 0]]}
+    r = stalled_fetch(monkeypatch, layout)
+    assert isinstance(r, TimeoutError) and "TRANSFER_GRACE" in str(r)
+
+
+@pytest.mark.skipif(not shutil.which("ip"), reason="no `ip` (Debian: iproute2)")
+def test_ucx_net_devices_follow_the_bridges_addresses():
+    main = importlib.import_module("dlpack_ipc.bridge.__main__")
+    assert main.net_devices("127.0.0.1:7455", None) == "lo"             # --listen's interface
+    assert main.net_devices("0.0.0.0:7455", ["A=127.0.0.1:7455"]) == "lo"   # the peer's route
+    with pytest.raises(ValueError, match="wildcard"):
+        main.net_devices("0.0.0.0:7455", None)
+
+
+def test_gets_and_fetches_refused_past_quarantine_max():
+    b = fake_bridge()
+    for i in range(_nixl.QUARANTINE_MAX):
+        b.quarantine.add(f"test {i}")
+    c, s = tcp_pair()
+    b._get(s, None, {"op": "get", "id": 7, "name": "w/x"}, {}, "peer")
+    reply = _wire.recv(c, time.monotonic() + 5)
+    assert reply["errno"] == "EAGAIN" and "QUARANTINE_MAX" in reply["message"]
+    assert reply["id"] == 7 and b.leases == 0
+    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
+    with pytest.raises(BlockingIOError, match="QUARANTINE_MAX"):
+        link.fetch(FakeDlpackd(), "w/x", "A:w/x", None)
+    c.close()
+    s.close()
+
+
+def test_a_put_never_posted_is_not_quarantined():
+    b, _, tensors, reply = one_put(FakeNixl(("write",)))
+    assert reply["op"] == "error" and reply["errno"] == "EIO"
+    assert len(b.quarantine) == 0 and b.leases == 0 and tensors[0].released == 1
+    assert b.nixl.registered == 0 and b.counts["aborted"] == 1
+
+
+def test_a_put_in_flight_when_it_fails_is_quarantined():
+    nixl = FakeNixl()
+    nixl.write_state = "ERR"
+    b, _, tensors, raised = one_put(nixl)
+    assert isinstance(raised, ConnectionError)
+    assert len(b.quarantine) == 1 and b.leases == 0 and tensors[0].released == 0
+    b.quarantine.sweep(all_=True)
+    assert tensors[0].released == 1 and b.nixl.registered == 0
+
+
+def test_a_put_with_another_agents_metadata_is_refused():
+    b = fake_bridge()
+    b.nixl.remotes.add("importer-agent")
+    tensors = [FakeTensor(100)]
+    leases, lease = lease_of(b, tensors)
+    c, s = tcp_pair()
+    with pytest.raises(_wire.FrameError, match="not of the peer's"):
+        b._put(s, put_frame(lease, tensors, agent="someone-else"), leases, "importer-agent",
+               "peer")
+    c.close()
+    s.close()
+    assert b.nixl.remotes == {"importer-agent"}       # the other agent was unloaded
+    assert leases == {} and b.leases == 0 and tensors[0].released == 1
+    assert not [call for call in b.nixl.calls if call[0] == "write"]
+
+
+def test_unmatched_notifications_bounded_oldest_dropped():
+    class Agent:
+        def __init__(self):
+            self.batches = []
+
+        def get_new_notifs(self):
+            return self.batches.pop(0) if self.batches else {}
+
+    n = _nixl.Nixl.__new__(_nixl.Nixl)
+    n.agent = Agent()
+    n._lock = threading.Lock()
+    n._notifs = {}
+    n.agent.batches.append({"peer": [b"%d" % i for i in range(_nixl.NOTIFS_MAX + 10)]})
+    assert not n.notified("peer", b"wanted")
+    assert len(n._notifs) == _nixl.NOTIFS_MAX
+    assert ("peer", b"0") not in n._notifs and ("peer", b"9") not in n._notifs
+    assert n.notified("peer", b"%d" % (_nixl.NOTIFS_MAX + 9))      # the newest kept
