@@ -26,7 +26,8 @@ processes in each of these ways:
 Every worker but Ray's is a torch.multiprocessing "spawn" process. A peer that cannot run here
 (not installed, or a torch without mmap=/assign=) is skipped with the reason printed, and a row
 {"impl": I, "skipped": REASON}. Workers load one after another (the timing is one worker's, not
-a queue of them), each with the parent's torch thread count (--threads): ready_ms is from the
+a queue of them), each with the parent's torch thread count (--threads) and torch set up
+beforehand by a forward pass of a one-layer model of its own (warm_up()): ready_ms is from the
 start of loading to a model holding the weights, first_forward_ms its first forward pass (a few
 tokens: it reads every weight once), faults the minor page faults of that pass (the kernel
 counts a populate's own page-ins as faults too, inside ready_ms), warm_forward_ms the median of
@@ -183,6 +184,21 @@ def measure(impl, model, source, ids):
             "total": total}, model
 
 
+def warm_up(shape, ids):
+    """Set torch up in this worker as a long-lived one is: run the forward pass of a model of the
+    same layer shapes with weights of its own (one layer), twice, and free it. Its intra-op
+    threads, allocator and kernels are then ready before any timing, in every way alike (the
+    private copy's load_state_dict() would otherwise set them up inside its ready time, and the
+    others' inside their first forward pass)."""
+    width, _, vocab = shape
+    with torch.inference_mode():
+        model = Model(width, 1, vocab)
+        for _ in range(2):
+            model(ids)
+    del model
+    gc.collect()
+
+
 def worker(impl, shape, threads, socket, source, go, report, out):
     """One worker: build the model's skeleton, load when told and run forward passes, report USS
     when told."""
@@ -191,6 +207,7 @@ def worker(impl, shape, threads, socket, source, go, report, out):
         torch.set_num_threads(threads)
         model = Model(*shape, device="meta")
         ids = torch.arange(FORWARD_TOKENS).unsqueeze(0)
+        warm_up(shape, ids)
         gc.collect()
         base = uss_kib()
         out.put(("ready", None))
@@ -270,6 +287,7 @@ class RayWorker:
         torch.set_num_threads(threads)
         self.model = Model(*shape, device="meta")
         self.ids = torch.arange(FORWARD_TOKENS).unsqueeze(0)
+        warm_up(shape, self.ids)
         gc.collect()
         self.base = uss_kib()
 
