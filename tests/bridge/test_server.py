@@ -307,3 +307,56 @@ def test_unmatched_notifications_bounded_oldest_dropped():
     assert len(n._notifs) == _nixl.NOTIFS_MAX
     assert ("peer", b"0") not in n._notifs and ("peer", b"9") not in n._notifs
     assert n.notified("peer", b"%d" % (_nixl.NOTIFS_MAX + 9))      # the newest kept
+
+
+class SlowNixl(FakeNixl):
+    """A WRITE that stays in progress for `seconds` after it is posted (forever: None)."""
+
+    def __init__(self, seconds, fail=()):
+        super().__init__(fail)
+        self.seconds = seconds
+        self.write_state = "PROC"
+
+    def write(self, local, remote, agent, notif):
+        self.posted = time.monotonic()
+        return super().write(local, remote, agent, notif)
+
+    def state(self, h):
+        if self.seconds is None or time.monotonic() < self.posted + self.seconds:
+            return "PROC"
+        return "DONE"
+
+
+def test_a_transfer_longer_than_the_lease_ttl_within_its_own_deadline_completes(monkeypatch):
+    # 100 bytes at 100 bytes/s: a deadline of 1 s + grace, far past the lease TTL of 0.02 s
+    monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.5)
+    monkeypatch.setattr(_importer, "TRANSFER_MIN_RATE", 100)
+    nixl = SlowNixl(0.1)
+    b = fake_bridge(nixl)
+    b.ttl = 0.02
+    tensors = [FakeTensor(100)]
+    leases, lease = lease_of(b, tensors)
+    c, s = tcp_pair()
+    try:
+        b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
+        reply = _wire.recv(c, time.monotonic() + 5)
+    finally:
+        c.close()
+        s.close()
+    assert reply["op"] == "done" and b.counts["served"] == 1
+    assert len(b.quarantine) == 0 and tensors[0].released == 1 and nixl.registered == 0
+
+
+def test_a_transfer_past_its_own_deadline_fails(monkeypatch):
+    monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.05)
+    monkeypatch.setattr(_importer, "TRANSFER_MIN_RATE", 1 << 30)
+    b, _, tensors, raised = one_put(SlowNixl(None))
+    assert isinstance(raised, TimeoutError) and "TRANSFER_MIN_RATE" in str(raised)
+    assert len(b.quarantine) == 1 and b.leases == 0
+
+
+def test_the_transfer_deadline_grows_with_its_size():
+    assert _importer.transfer_deadline(0) == _importer.TRANSFER_GRACE
+    big = 100 << 30
+    assert _importer.transfer_deadline(big) == \
+        _importer.TRANSFER_GRACE + big / _importer.TRANSFER_MIN_RATE > _server.LEASE_TTL

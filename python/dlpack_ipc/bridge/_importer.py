@@ -18,12 +18,20 @@ KEEPALIVE = (5, 2, 3)
 # Between two polls of a transfer's state or of the notifications, in seconds.
 POLL = 0.0002
 # However long the caller lets a fetch take (timeout None included), the importer waits at most
-# LAYOUT_TIMEOUT seconds for the answer to its get, and for the transfer at most the lease TTL
-# (the exporter's, as its layout says, and no more than this bridge's --lease-ttl) plus
-# TRANSFER_GRACE: the exporter gives up on the WRITE by then, so a peer that stalls cannot
-# hold the per-peer lock for ever.
+# LAYOUT_TIMEOUT seconds for the answer to its get, and for the transfer at most its own
+# deadline, transfer_deadline(bytes): TRANSFER_GRACE plus the bytes at TRANSFER_MIN_RATE (bytes a
+# second), the slowest rate the bridge accepts. Both sides compute it from the layout (the
+# exporter from the one it sent, the importer from the one it got) and the exporter gives up on
+# the WRITE by then, so a peer that stalls cannot hold the per-peer lock for ever, and a large
+# entry is not cut short by the lease TTL.
 LAYOUT_TIMEOUT = 30.0
 TRANSFER_GRACE = 10.0
+TRANSFER_MIN_RATE = 64 << 20
+
+
+def transfer_deadline(nbytes):
+    """Seconds a transfer of nbytes may take: TRANSFER_GRACE + nbytes / TRANSFER_MIN_RATE."""
+    return TRANSFER_GRACE + nbytes / TRANSFER_MIN_RATE
 
 log = logging.getLogger("dlpackd-bridge")
 
@@ -210,7 +218,6 @@ class PeerLink:
         ttl = f.get("ttl")
         if not isinstance(ttl, (int, float)) or not ttl > 0:
             raise ConnectionError(errno.EPROTO, f"layout with a lease TTL of {ttl!r}")
-        ttl = min(ttl, self.bridge.ttl)
         t1 = time.monotonic()
         try:
             spec = {k: (tuple(shape), dtype) for k, dtype, shape, _ in tensors}
@@ -227,7 +234,8 @@ class PeerLink:
         reg = self.bridge.nixl.register(*_span(live)) if live else None
         t2 = time.monotonic()
         landed = False
-        tdeadline = _bound(deadline, ttl + TRANSFER_GRACE)
+        tlimit = transfer_deadline(sum(t.nbytes for t in live))
+        tdeadline = _bound(deadline, tlimit)
         try:
             md = self.bridge.nixl.partial_metadata(reg) if live else b""
             self.sock.settimeout(_left(tdeadline, f"sending the descriptors of {rname!r}"))
@@ -236,8 +244,8 @@ class PeerLink:
                                    "descs": [[t.data_ptr, t.nbytes] for t in live]})
             done = False
             notified = not live
-            what = f"waiting for the transfer of {rname!r} (lease TTL {ttl:g} s + " \
-                f"TRANSFER_GRACE {TRANSFER_GRACE:g} s, or the fetch's timeout)"
+            what = f"waiting for the transfer of {rname!r} ({tlimit:g} s: TRANSFER_GRACE " \
+                f"{TRANSFER_GRACE:g} s + its bytes at TRANSFER_MIN_RATE, or the fetch's timeout)"
             while not (done and notified):
                 _left(tdeadline, what)
                 if not notified:

@@ -19,7 +19,7 @@ import time
 
 import dlpack_ipc
 
-from . import _wire
+from . import _importer, _wire
 from ._importer import CONNECT_TIMEOUT, POLL, PeerLink
 from ._importer import keepalive as _keepalive
 from ._nixl import QUARANTINE, QUARANTINE_MAX, Nixl, Quarantine, _quiet, _span
@@ -392,13 +392,17 @@ class Bridge:
         failure = None
         try:
             t0 = time.monotonic()
+            # the transfer's own deadline, from the layout sent; the lease lives at least as long
+            limit = _importer.transfer_deadline(sum(t.nbytes for t in live))
+            lease.expires = max(lease.expires, t0 + limit)
             self.count("writing")
             xfer, st = self.nixl.write([(t.data_ptr, t.nbytes) for t in live],
                                        [tuple(d) for d in descs], remote, lid.encode())
-            deadline = t0 + self.ttl
+            deadline = t0 + limit
             while st == "PROC":
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"WRITE of {lease.name!r} not done in {self.ttl} s")
+                    raise TimeoutError(f"WRITE of {lease.name!r} not done in {limit:g} s "
+                                       "(TRANSFER_GRACE + its bytes at TRANSFER_MIN_RATE)")
                 if _peer_closed(sock):
                     raise ConnectionResetError("importer closed the connection mid-transfer")
                 time.sleep(POLL)
