@@ -40,8 +40,18 @@ class FakeNixl:
         return set(self.remotes)
 
     def remove_remote(self, agent):
-        self._do("remove_remote", agent)
         self.remotes.discard(agent)
+        try:
+            self._do("remove_remote", agent)
+        except RuntimeError:
+            return False
+        return True
+
+    def partial_metadata(self, reg):
+        return b"importer-agent"
+
+    def notified(self, agent, msg):
+        return False
 
     def register(self, base, length):
         self._do("register", base, length)
@@ -179,6 +189,10 @@ def test_a_done_put_gives_the_lease_back_whatever_nixl_raises(fail):
         # what NIXL did not give back keeps its mapping, in quarantine
         assert len(b.quarantine) == 1 and tensors[0].released == 0
         b.quarantine.sweep(all_=True)
+        if "release" in fail:            # a handle NIXL keeps keeps its memory too
+            assert len(b.quarantine) == 1 and tensors[0].released == 0
+            b.nixl.fail.clear()
+            b.quarantine.sweep(all_=True)
     assert len(b.quarantine) == 0 and tensors[0].released == 1
     assert b.counts["served"] == 1
 
@@ -191,12 +205,12 @@ class FakeDlpackd:
         pass
 
 
-def stalled_fetch(monkeypatch, layout):
+def stalled_fetch(monkeypatch, layout, b=None, dl=None):
     """A fetch with no timeout from a peer that answers up to layout (None: sends half a
     layout), then sends half a frame and stalls; the fetch's outcome."""
     monkeypatch.setattr(_importer, "LAYOUT_TIMEOUT", 0.3, raising=False)
     monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.3, raising=False)
-    b = fake_bridge()
+    b = b or fake_bridge()
     link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
     link.sock, peer = socket.socketpair()
     link.agent = "exporter-agent"
@@ -204,7 +218,7 @@ def stalled_fetch(monkeypatch, layout):
 
     def run():
         try:
-            out["r"] = link.fetch(FakeDlpackd(), "w/x", "A:w/x", None)
+            out["r"] = link.fetch(dl or FakeDlpackd(), "w/x", "A:w/x", None)
         except Exception as e:  # the outcome under test
             out["r"] = e
     th = threading.Thread(target=run, daemon=True)
@@ -360,3 +374,56 @@ def test_the_transfer_deadline_grows_with_its_size():
     big = 100 << 30
     assert _importer.transfer_deadline(big) == \
         _importer.TRANSFER_GRACE + big / _importer.TRANSFER_MIN_RATE > _server.LEASE_TTL
+
+
+def test_an_aborted_transfer_in_progress_stays_in_quarantine_until_done(monkeypatch):
+    monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.05)
+    b, _, tensors, raised = one_put(SlowNixl(None))
+    assert isinstance(raised, TimeoutError) and len(b.quarantine) == 1
+    b.quarantine.sweep(all_=True)        # its time has come; NIXL says it is in progress
+    b.quarantine.sweep(all_=True)
+    assert len(b.quarantine) == 1 and tensors[0].released == 0 and b.nixl.registered == 1
+    assert not any(c[0] in ("release", "deregister") for c in b.nixl.calls)
+    b.nixl.seconds = 0                    # now done
+    b.quarantine.sweep(all_=True)
+    assert len(b.quarantine) == 0 and tensors[0].released == 1 and b.nixl.registered == 0
+    assert [c[0] for c in b.nixl.calls][-2:] == ["release", "deregister"]
+
+
+def test_a_handle_nixl_does_not_release_stays_in_quarantine():
+    nixl = FakeNixl(("release",))
+    nixl.write_state = "ERR"
+    b, _, tensors, raised = one_put(nixl)
+    assert isinstance(raised, ConnectionError) and len(b.quarantine) == 1
+    b.quarantine.sweep(all_=True)
+    assert len(b.quarantine) == 1 and tensors[0].released == 0 and nixl.registered == 1
+    assert not any(c[0] == "deregister" for c in nixl.calls)
+    nixl.fail.clear()
+    b.quarantine.sweep(all_=True)
+    assert len(b.quarantine) == 0 and tensors[0].released == 1 and nixl.registered == 0
+
+
+class ReplicaDlpackd(FakeDlpackd):
+    def __init__(self):
+        self.made = []
+
+    def empty(self, shape, dtype):
+        self.made.append(FakeTensor(100))
+        return self.made[-1]
+
+
+@pytest.mark.parametrize("fence", [True, False])
+def test_an_aborted_replica_is_freed_only_once_the_exporter_is_fenced_off(monkeypatch, fence):
+    layout = {"op": "layout", "lease": "L1", "generation": 1, "bundle": False, "ttl": 0.2,
+              "tensors": [["", "float32", [25], 100]]}
+    nixl = FakeNixl(() if fence else ("remove_remote",))
+    b, dl = fake_bridge(nixl), ReplicaDlpackd()
+    r = stalled_fetch(monkeypatch, layout, b, dl)
+    assert isinstance(r, TimeoutError)
+    assert ("remove_remote", "exporter-agent") in nixl.calls
+    assert len(b.quarantine) == 1 and nixl.registered == 1
+    b.quarantine.sweep(all_=True)
+    if fence:
+        assert len(b.quarantine) == 0 and nixl.registered == 0 and dl.made[0].released == 1
+    else:                                 # the exporter could still write: kept, counted
+        assert len(b.quarantine) == 1 and nixl.registered == 1 and dl.made[0].released == 0

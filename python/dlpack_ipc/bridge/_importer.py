@@ -108,12 +108,16 @@ class PeerLink:
         log.info("connected to peer %s at %s (agent %s)", self.name, self.where, agent)
 
     def drop(self):
+        """Close the connection and remove the peer's agent; whether that agent is gone (its
+        UCX connections closed: it can no longer write here)."""
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        removed = True
         if self.agent is not None:
-            self.bridge.nixl.remove_remote(self.agent)
+            removed = self.bridge.nixl.remove_remote(self.agent)
             self.agent = None
+        return removed
 
     def _recv(self, deadline, what):
         try:
@@ -266,10 +270,12 @@ class PeerLink:
                     self.bridge.nixl.deregister(reg)
             else:
                 # the exporter may still be writing into it: close the control connection
-                # (it cancels there) and keep the memory registered for a while
-                self.drop()
+                # (it cancels there), remove its agent (UCX closes its connection: nothing
+                # lands later) and keep the memory registered for a while; kept for good if
+                # the agent could not be removed
+                fenced = self.drop()
                 self.bridge.quarantine.add(f"replica of {rname!r} from {self.name}", None, reg,
-                                           alloc.values())
+                                           alloc.values(), fenced=fenced)
         t3 = time.monotonic()
         n = sum(t.nbytes for t in live)
         if bundle:

@@ -50,13 +50,17 @@ class Nixl:
             return set(self._remotes)
 
     def remove_remote(self, agent):
+        """Remove agent (NIXL closes its UCX connections to it); whether NIXL did."""
         try:
             self.agent.remove_remote_agent(agent)
+            removed = True
         except Exception as e:  # a peer that never connected over UCX has nothing to remove
             log.debug("removing agent %s: %s", agent, e)
+            removed = False
         with self._lock:
             self._remotes.discard(agent)
             self._notifs = {n: None for n in self._notifs if n[0] != agent}
+        return removed
 
     def register(self, base, length):
         reg = self.agent.register_memory([(base, length, 0, "")], "DRAM")
@@ -108,7 +112,11 @@ def _text(name):
 
 
 class Quarantine:
-    """What an aborted transfer left registered: deregistered and released after QUARANTINE."""
+    """What an aborted transfer left registered, a fence as well as a timer: given back after
+    QUARANTINE, and then only once NIXL no longer reports its transfer in progress and has
+    released its handle (exporter), and once the peer that wrote into it was fenced off
+    (importer: its remote agent removed, so UCX closed that connection). An entry that cannot
+    be given back is retried at each sweep and keeps counting towards QUARANTINE_MAX."""
 
     def __init__(self, nixl, seconds=QUARANTINE):
         self.seconds = seconds
@@ -116,10 +124,14 @@ class Quarantine:
         self._lock = threading.Lock()
         self._items = []
 
-    def add(self, why, xfer=None, reg=None, tensors=()):
+    def add(self, why, xfer=None, reg=None, tensors=(), fenced=True):
+        """fenced False: the peer that may write into reg could not be cut off (its remote
+        agent not removed): reg and tensors are never given back."""
         log.warning("quarantined for %.0f s: %s", self.seconds, why)
         with self._lock:
-            self._items.append((time.monotonic() + self.seconds, why, xfer, reg, list(tensors)))
+            self._items.append({"due": time.monotonic() + self.seconds, "why": why,
+                                "xfer": xfer, "reg": reg, "tensors": list(tensors),
+                                "fenced": fenced, "logged": False})
 
     def __len__(self):
         with self._lock:
@@ -132,17 +144,41 @@ class Quarantine:
     def sweep(self, all_=False):
         now = time.monotonic()
         with self._lock:
-            due = [i for i in self._items if all_ or i[0] <= now]
-            self._items = [i for i in self._items if i not in due]
-        for _, why, xfer, reg, tensors in due:
+            due = [i for i in self._items if all_ or i["due"] <= now]
+        for i in due:
             # the order matters: the transfer, then the registration, then the mapping
-            if xfer is not None:
-                _quiet(self._nixl.release, xfer)
-            if reg is not None:
-                _quiet(self._nixl.deregister, reg)
-            for t in tensors:
+            held = self._held(i)
+            if held is not None:
+                if not i["logged"]:
+                    i["logged"] = True
+                    log.warning("still in quarantine past %.0f s (%s): %s", self.seconds,
+                                held, i["why"])
+                continue
+            if i["reg"] is not None:
+                _quiet(self._nixl.deregister, i["reg"])
+                i["reg"] = None
+            for t in i["tensors"]:
                 t.release()
-            log.info("released after quarantine: %s", why)
+            with self._lock:
+                self._items.remove(i)
+            log.info("released after quarantine: %s", i["why"])
+
+    def _held(self, i):
+        """Why entry i cannot be given back yet (None: it can); releases its handle if so."""
+        if not i["fenced"]:
+            return "the peer could not be fenced off"
+        xfer = i["xfer"]
+        if xfer is not None:
+            try:
+                st = self._nixl.state(xfer)
+            except Exception as e:
+                st = f"state unknown: {e}"
+            if st == "PROC":
+                return "its transfer is still in progress"
+            if not _quiet(self._nixl.release, xfer):
+                return "NIXL did not release its transfer handle"
+            i["xfer"] = None
+        return None
 
 
 def _quiet(fn, *args):
