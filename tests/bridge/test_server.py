@@ -427,3 +427,37 @@ def test_an_aborted_replica_is_freed_only_once_the_exporter_is_fenced_off(monkey
         assert len(b.quarantine) == 0 and nixl.registered == 0 and dl.made[0].released == 1
     else:                                 # the exporter could still write: kept, counted
         assert len(b.quarantine) == 1 and nixl.registered == 1 and dl.made[0].released == 0
+
+
+def test_an_import_longer_than_the_lease_ttl_within_its_own_deadline_completes(monkeypatch):
+    # the importer's deadline comes from the layout's bytes: 100 at 100 bytes/s, not the TTL
+    monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.05)
+    monkeypatch.setattr(_importer, "TRANSFER_MIN_RATE", 100)
+
+    class Notified(FakeNixl):
+        def notified(self, agent, msg):
+            return True
+    b, dl = fake_bridge(Notified()), ReplicaDlpackd()
+    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
+    link.sock, peer = socket.socketpair()
+    link.agent = "exporter-agent"
+    out = {}
+
+    def run():
+        try:
+            out["r"] = link.fetch(dl, "w/x", "A:w/x", None)
+        except Exception as e:  # the outcome under test
+            out["r"] = e
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    get = _wire.recv(peer, time.monotonic() + 5)
+    _wire.send(peer, {"op": "layout", "id": get["id"], "lease": "L1", "generation": 1,
+                      "bundle": False, "ttl": 0.01, "tensors": [["", "float32", [25], 100]]})
+    put = _wire.recv(peer, time.monotonic() + 5)
+    assert put["op"] == "put"
+    time.sleep(0.3)                       # longer than TTL + TRANSFER_GRACE
+    _wire.send(peer, {"op": "done", "id": put["id"], "lease": "L1"})
+    th.join(10)
+    peer.close()
+    assert not th.is_alive()
+    assert out["r"] == 1 and len(b.quarantine) == 0 and b.nixl.registered == 0
