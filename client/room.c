@@ -355,6 +355,13 @@ static bool cg_room(uint64_t size, uint64_t *room, const struct cg_level **at)
 	return ok;
 }
 
+/* Does @p size fit a cgroup's @p room, DLPC__ROOM_RESERVE left besides (UINT64_MAX: no limit)? */
+static bool fits_room(uint64_t size, uint64_t room)
+{
+	return room == UINT64_MAX ||
+	       (room >= DLPC__ROOM_RESERVE && size <= room - DLPC__ROOM_RESERVE);
+}
+
 /*
  * Refuse sizes that cannot work before the kernel is asked: one over the file size limit would
  * get SIGXFSZ (which kills by default) from ftruncate, and one over the machine's memory and swap,
@@ -386,15 +393,15 @@ int dlpc__size_fits(const char *name, uint64_t size)
 	}
 	machine = cg.machine;
 	if (size <= machine) {
-		ok = cg_room(size, &room, &at);
+		ok = cg_room(size + DLPC__ROOM_RESERVE, &room, &at);
 		/* what was found may be stale (moved, a limit raised, a kept file closed behind
 		 * our back): never refuse on it */
-		if ((!ok || size > room) && !fresh) {
+		if ((!ok || !fits_room(size, room)) && !fresh) {
 			cg_moved();
 			cg_find(now);
-			cg_room(size, &room, &at);
+			cg_room(size + DLPC__ROOM_RESERVE, &room, &at);
 		}
-		if (size > room && at) {
+		if (!fits_room(size, room) && at) {
 			snprintf(dir, sizeof(dir), "%s", at->dir);
 			limit = at->max;
 		}
@@ -405,13 +412,13 @@ int dlpc__size_fits(const char *name, uint64_t size)
 				  "cannot reserve %llu bytes of shared memory for '%s': "
 				  "this machine has %llu bytes of memory and swap",
 				  (unsigned long long)size, name, (unsigned long long)machine);
-	if (size > room)
+	if (!fits_room(size, room))
 		return dlpc__fail(
 			-ENOSPC,
 			"cannot reserve %llu bytes of shared memory for '%s': "
-			"this process's memory cgroup has %llu bytes left (%s, limit %llu "
-			"bytes)",
-			(unsigned long long)size, name, (unsigned long long)room, dir,
-			(unsigned long long)limit);
+			"this process's memory cgroup has %llu bytes left, of which %u are "
+			"left to the process (%s, limit %llu bytes)",
+			(unsigned long long)size, name, (unsigned long long)room,
+			DLPC__ROOM_RESERVE, dir, (unsigned long long)limit);
 	return 0;
 }

@@ -53,6 +53,11 @@
  * the OOM killer where fallocate() or write() only fail. In a tighter cgroup the pool holds its
  * memfds unmapped and the copy path writes them with write(). */
 #define DLPC__WARM_MAP_ROOM (1ull << 30)
+/* What libdlpc leaves of a memory cgroup's room when it allocates shared memory: a storage is
+ * refused (ENOSPC) unless this much is left besides. The room is read before the allocation; the
+ * process's other threads (and its own mallocs, its page tables, the runtime under it) take
+ * memory meanwhile and after, and one page too many is the cgroup's OOM killer, not an error. */
+#define DLPC__ROOM_RESERVE (4u << 20)
 /* A memfd of S bytes is filled only while the memory cgroups have room for this many times S:
  * a publish that checked its room before the fill began (dlpc__size_fits()) still finds S
  * bytes for itself once the fill is done, instead of meeting the cgroup's limit (the OOM

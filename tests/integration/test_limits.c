@@ -24,6 +24,7 @@
 
 #include "harness.h"
 #include "io.h"
+#include "limits.h"
 #include "msg.h"
 
 static struct daemon D;
@@ -1677,6 +1678,27 @@ static bool cgroup_make(char *dir, size_t len, char *why, size_t whylen)
 	return true;
 }
 
+/* The bytes cgroup @p dir charges now (memory.current, or v1's memory.usage_in_bytes); 0 if
+ * neither can be read. */
+static unsigned long long cg_usage(const char *dir)
+{
+	static const char *const files[] = {"memory.current", "memory.usage_in_bytes"};
+	unsigned long long v = 0;
+
+	for (size_t i = 0; i < 2 && v == 0; i++) {
+		char path[900];
+		FILE *f;
+
+		snprintf(path, sizeof(path), "%s/%s", dir, files[i]);
+		f = fopen(path, "re");
+		if (f && fscanf(f, "%llu", &v) != 1)
+			v = 0;
+		if (f)
+			fclose(f);
+	}
+	return v;
+}
+
 static int alloc_in_cgroup(void *arg)
 {
 	DLManagedTensorVersioned *t = NULL;
@@ -1687,6 +1709,11 @@ static int alloc_in_cgroup(void *arg)
 
 	snprintf(pid, sizeof(pid), "%d", (int)getpid());
 	CHILD_CHECK(write_file(arg, "cgroup.procs", pid));
+	/* what would leave less than DLPC__ROOM_RESERVE of the cgroup's room is refused too */
+	n = (int64_t)(CG_LIMIT - cg_usage(arg) - DLPC__ROOM_RESERVE / 2);
+	CHILD_CHECK(cg_usage(arg) > 0);
+	CHILD_CHECK(dlpc_alloc(NULL, cpu, u8, 1, &n, &t) == -ENOSPC);
+	CHILD_CHECK(error_says("left to the process"));
 	/* more than the cgroup may hold: refused, not left to the cgroup's OOM killer */
 	CHILD_CHECK(dlpc_alloc(NULL, cpu, u8, 1, &n, &t) == -ENOSPC);
 	CHILD_CHECK(error_says("memory cgroup has") && error_says("bytes left"));
