@@ -136,10 +136,10 @@ enum attach_kind { FLOOR_LEGACY, DLPC_LEGACY, FLOOR_VMM, DLPC_VMM };
 #define RELEASE_WAIT_MS 2000
 static const char *const attach_impls[] = {"floor_legacy", "dlpc_legacy", "floor_vmm", "dlpc_vmm"};
 
-/* One attach + first kernel read (into sum slot @p slot) + release of @p kind; for libdlpc's,
- * the device address released in *@p released (its deleter only queues the release). */
+/* One attach + first kernel read (into sum slot @p slot) + release of @p kind (libdlpc's
+ * deleter only queues the release: see wait_released()). */
 static void attach_once(enum attach_kind kind, const struct msg *ready, int fd, size_t size,
-			int slot, CUdeviceptr *released)
+			int slot)
 {
 	CUdeviceptr out = outs + sizeof(uint64_t) * (size_t)slot, d;
 	CUmemAccessDesc acc = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READ};
@@ -173,22 +173,37 @@ static void attach_once(enum attach_kind kind, const struct msg *ready, int fd, 
 		gpu_sum(d, size / 4, out);
 		CK(cu.cuStreamSynchronize(gpu_stream));
 		t->deleter(t);
-		*released = d;
 	}
 }
 
-/* Wait (untimed) until libdlpc has let go of the mapping at @p d, which its deleter hands to a
- * thread of its own: an attach while it is still open would reuse it (the library keeps one
- * import per handle) where the floor opens the memory every time. */
-static void wait_released(CUdeviceptr d)
+/* The daemon's count of live attach references (this process is the only attacher). */
+static uint64_t references(void)
+{
+	dlpc_stats st = {.size = sizeof(st)};
+
+	if (dlpc_stat(client, &st) < 0)
+		gpu_die("dlpc_stat");
+	return st.references;
+}
+
+/*
+ * Wait (untimed) until libdlpc has let go of what its deleter handed to a thread of its own:
+ * an attach while the mapping is still open would reuse it (the library keeps one import per
+ * handle) where the floor opens the memory every time. The library closes the mapping before
+ * it sends the RELEASE, so the daemon's references back at @p before say it is closed. (The
+ * driver's own answer is no test: on an H200 with driver 580, cuMemGetAddressRange still
+ * found a closed legacy IPC mapping's range.)
+ */
+static void wait_released(uint64_t before)
 {
 	for (int i = 0; i < RELEASE_WAIT_MS * 10; i++) {
-		if (cu.cuMemGetAddressRange(NULL, NULL, d) != CUDA_SUCCESS)
+		if (references() <= before)
 			return;
 		usleep(100);
 	}
-	fprintf(stderr, "bench_gpu: libdlpc still maps %#llx %d ms after its deleter ran\n",
-		(unsigned long long)d, RELEASE_WAIT_MS);
+	fprintf(stderr,
+		"bench_gpu: libdlpc has not released its attach %d ms after its deleter ran\n",
+		RELEASE_WAIT_MS);
 	exit(1);
 }
 
@@ -208,15 +223,14 @@ static void bench_attach(void)
 		for (int k = FLOOR_LEGACY; k <= DLPC_VMM; k++) {
 			outs_clear(reps + 2);
 			for (int r = -2; r < reps; r++) {
-				uint64_t t0 = gpu_now_ns();
-				CUdeviceptr gone = 0;
+				bool ours = k == DLPC_LEGACY || k == DLPC_VMM;
+				uint64_t before = ours ? references() : 0, t0 = gpu_now_ns();
 
-				attach_once((enum attach_kind)k, &ready, fd, sizes[i], r + 2,
-					    &gone);
+				attach_once((enum attach_kind)k, &ready, fd, sizes[i], r + 2);
 				if (r >= 0)
 					ns[r] = gpu_now_ns() - t0;
-				if (gone)
-					wait_released(gone);
+				if (ours)
+					wait_released(before);
 			}
 			outs_check(reps + 2, ready.first, attach_impls[k], sizes[i]);
 			row("gpu_attach", attach_impls[k], (long long)sizes[i], ns, reps, NULL);
