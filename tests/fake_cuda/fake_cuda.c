@@ -40,9 +40,10 @@
  * unmapped before it ran aborts the process ("freed-under-pending-work"). A
  * test can also start a capture on a stream (fake_cuda_capture(), as another thread of the
  * process would, in global mode): while one runs, a potentially unsafe call (synchronizing,
- * unmapping) from a thread not in relaxed mode (cuThreadExchangeStreamCaptureMode) fails and
- * invalidates the capture, logged as "capture-invalidated by <function>", as with the real
- * driver.
+ * querying an event) from a thread not in relaxed mode (cuThreadExchangeStreamCaptureMode)
+ * fails and invalidates the capture, logged as "capture-invalidated by <function>", as with
+ * the real driver; the legacy stream is unusable only while a blocking stream captures (the
+ * README says what was seen on an H200).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -164,10 +165,11 @@ static pid_t init_pid;	  /* the process that called cuInit, 0 before */
 static unsigned instance; /* the device instance this process runs on (device_start()) */
 static pthread_cond_t let_go_cv = PTHREAD_COND_INITIALIZER; /* a held stream was let go */
 static unsigned held_streams, captures;			    /* how many streams are so */
-static unsigned held_blocking; /* held streams that are blocking: the legacy stream waits */
-static uint64_t fake_clock;    /* the fake's time, in ticks (fake_cuda_kernel()) */
-static bool capture_broken;    /* a call invalidated the captures under way */
-static bool sticky;	       /* fake_cuda_sticky_error(): the context is lost */
+static unsigned held_blocking;	   /* held streams that are blocking: the legacy stream waits */
+static uint64_t fake_clock;	   /* the fake's time, in ticks (fake_cuda_kernel()) */
+static bool capture_broken;	   /* a call invalidated the captures under way */
+static unsigned blocking_captures; /* of them, on blocking streams (the legacy one unusable) */
+static bool sticky;		   /* fake_cuda_sticky_error(): the context is lost */
 /* Interprocess events of this process recorded behind work that has not run: each has a marker
  * file (marker_path()) while it is pending, which is how other processes see it. */
 static CUevent marked;
@@ -422,10 +424,12 @@ static void sweep_markers(void)
 }
 
 /* The legacy stream (NULL is it too, for the driver API) while a blocking stream captures:
- * every use of it is an error. Called with mu. */
+ * every use of it is an error. A capture on a non-blocking stream leaves it alone, as the
+ * legacy stream does not follow such a stream (seen on an H200: cuStreamIsCapturing of the
+ * legacy stream says NONE, and an event recorded on it keeps the capture whole). With mu. */
 static bool legacy_unusable(CUstream s)
 {
-	return !made_stream(s) && s != CU_STREAM_PER_THREAD && captures > 0;
+	return !made_stream(s) && s != CU_STREAM_PER_THREAD && blocking_captures > 0;
 }
 
 /* A capture was invalidated by @p fn: logged, and the capturing streams say so. */
@@ -1076,6 +1080,8 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
 		pthread_mutex_unlock(&mu);
 		logf_("cuEventRecord stream=%p refused: a blocking stream captures",
 		      (void *)hStream);
+		/* and the capture is lost, even from a thread in relaxed mode (seen on an H200) */
+		invalidate("cuEventRecord");
 		return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
 	}
 	hEvent->captured = made_stream(hStream) && hStream->capturing;
@@ -1117,6 +1123,9 @@ EXPORT CUresult cuEventQuery(CUevent hEvent)
 		return CUDA_ERROR_NOT_INITIALIZED;
 	if (!hEvent || hEvent->magic != IPC_MAGIC)
 		return CUDA_ERROR_INVALID_HANDLE;
+	/* even of an event recorded outside it (seen on an H200) */
+	if (capture_refuses("cuEventQuery"))
+		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 	pthread_mutex_lock(&mu);
 	/* querying an event recorded inside a capture is an error whatever the mode */
 	r = sticky	       ? CUDA_ERROR_LAUNCH_FAILED
@@ -1136,6 +1145,8 @@ EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 		return CUDA_ERROR_INVALID_HANDLE;
 	logf_("cuEventSynchronize event=%d:%u%s", hEvent->pid, hEvent->id,
 	      hEvent->flags & CU_EVENT_BLOCKING_SYNC ? " blocking" : "");
+	if (capture_refuses("cuEventSynchronize"))
+		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 	pthread_mutex_lock(&mu);
 	while (pending(hEvent) && !sticky) {
 		/* a blocking-sync event of this process's: the thread sleeps until the clock (or
@@ -1342,7 +1353,7 @@ EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *cap
 		*captureStatus = !hStream->capturing ? CU_STREAM_CAPTURE_STATUS_NONE
 				 : capture_broken    ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
 						     : CU_STREAM_CAPTURE_STATUS_ACTIVE;
-	else if (hStream != CU_STREAM_PER_THREAD && captures)
+	else if (legacy_unusable(hStream))
 		r = CUDA_ERROR_STREAM_CAPTURE_IMPLICIT; /* the legacy stream while one captures */
 	else
 		*captureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -1498,11 +1509,16 @@ EXPORT void fake_cuda_read_later(CUstream s, const void *src, void *dst, size_t 
 /* Test hook: a capture (global mode, as another thread would begin it) on @p s starts or ends. */
 EXPORT void fake_cuda_capture(CUstream s, int on)
 {
+	bool blocking = !(s->flags & CU_STREAM_NON_BLOCKING);
+
 	pthread_mutex_lock(&mu);
-	if (on && !s->capturing)
+	if (on && !s->capturing) {
 		captures++;
-	else if (!on && s->capturing)
+		blocking_captures += blocking;
+	} else if (!on && s->capturing) {
 		captures--;
+		blocking_captures -= blocking;
+	}
 	s->capturing = on;
 	if (!captures)
 		capture_broken = false;
@@ -1916,10 +1932,9 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
 	struct obj *r = obj_find(RESERVED, (uintptr_t)ptr, false, false);
 
+	/* not refused while another thread captures, whatever the mode (seen on an H200) */
 	if (!usable("cuMemUnmap"))
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (capture_refuses("cuMemUnmap"))
-		return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 	if (!r || size > r->size)
 		return CUDA_ERROR_INVALID_VALUE;
 	check_no_work_on(r->base, size, "cuMemUnmap");
