@@ -599,10 +599,17 @@ static int wait_event(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *
 	}
 	if (r < 0)
 		return r;
-	if (stream)
+	if (stream) {
 		r = CU_CALL(what, cuStreamWaitEvent, (CUstream)stream, ev, 0);
-	else
+	} else {
+		/* relaxed: in global mode the wait would be refused, and another thread's graph
+		 * capture invalidated (an event query was, on an H200); put back as it was */
+		CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+
+		cu.cuThreadExchangeStreamCaptureMode(&mode);
 		r = CU_CALL(what, cuEventSynchronize, ev);
+		cu.cuThreadExchangeStreamCaptureMode(&mode);
+	}
 	if (!own)
 		cu.cuEventDestroy(ev);
 	return r;
@@ -669,9 +676,10 @@ static pthread_cond_t retire_cv = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t retire_idle_cv = PTHREAD_COND_INITIALIZER;
 static struct retiring *retiring;
 static bool retirer_running;
-static bool retire_busy;      /* the retiring thread is working through a batch */
-static bool retire_stopping;  /* the process is exiting: no more driver calls from it */
-static unsigned retire_wakes; /* releases queued: something new to look at */
+static bool retire_busy;	       /* the retiring thread is working through a batch */
+static bool retire_stopping;	       /* the process is exiting: no more driver calls from it */
+static unsigned retire_wakes;	       /* releases queued: something new to look at */
+static _Atomic unsigned release_holds; /* dlpc_cuda_hold_releases() not yet resumed */
 
 /*
  * At exit: let the retiring thread finish the batch it is on, then stop it, so that none of
@@ -751,8 +759,9 @@ static bool retire_due(struct retiring *x)
 		x->sync = done && e != CUDA_SUCCESS;
 	}
 	/* a non-blocking stream, or no event: synchronizing during a capture would fail it, so
-	 * wait for a capture that can be seen to end, and try again after one that could not */
-	if (x->sync && legacy_captured()) {
+	 * wait for a capture that can be seen to end, or that the caller said may be under way
+	 * (dlpc_cuda_hold_releases()), and try again after one that could not be seen */
+	if (x->sync && (legacy_captured() || atomic_load(&release_holds) > 0)) {
 		done = false;
 	} else if (x->sync) {
 		e = cu.cuCtxSynchronize();
@@ -780,7 +789,8 @@ static void retire_report(const struct retiring *x)
 /*
  * Let go of each region of @p todo whose consumer work is done (unmap, RELEASE); the others
  * are returned, and *@p poll says whether one of them has no event to wait on (a graph
- * capture was in the way of its record, or of its context's synchronization).
+ * capture was in the way of its record, or of its context's synchronization), unless it
+ * waits for the end of a hold (dlpc_cuda_resume_releases() wakes the thread).
  */
 static struct retiring *retire_batch(struct retiring *todo, bool *poll)
 {
@@ -790,7 +800,7 @@ static struct retiring *retire_batch(struct retiring *todo, bool *poll)
 	while ((x = todo)) {
 		todo = x->next;
 		if (!retire_due(x)) {
-			*poll |= x->record || x->sync;
+			*poll |= x->record || (x->sync && atomic_load(&release_holds) == 0);
 			x->next = left;
 			left = x;
 			continue;
@@ -808,18 +818,24 @@ static struct retiring *retire_batch(struct retiring *todo, bool *poll)
 }
 
 /*
- * The waiting region to block on: the oldest (its event completes first, the legacy stream
- * being in order), if all of @p left are on one device; NULL when they are spread over
- * several (blocking on one device's event would keep another's releases waiting).
+ * The waiting region to block on: of @p left's that wait for an event (not for a context
+ * synchronization held back by dlpc_cuda_hold_releases()), the oldest (its event completes
+ * first, the legacy stream being in order), if they are all on one device; NULL when they
+ * are spread over several (blocking on one device's event would keep another's releases
+ * waiting) or when none waits for an event (*@p held then says so).
  */
-static struct retiring *retire_oldest(struct retiring *left)
+static struct retiring *retire_oldest(struct retiring *left, bool *held)
 {
-	struct retiring *old = left;
+	struct retiring *old = NULL;
 
+	*held = true;
 	for (struct retiring *x = left; x; x = x->next) {
-		if (x->r->ordinal != left->r->ordinal)
+		if (x->sync)
+			continue;
+		*held = false;
+		if (old && x->r->ordinal != old->r->ordinal)
 			return NULL;
-		if (x->seq < old->seq)
+		if (!old || x->seq < old->seq)
 			old = x;
 	}
 	return old;
@@ -842,12 +858,16 @@ static void retire_block(struct retiring *x)
 }
 
 /*
- * Wait with retire_mu for a new release, or for DLPC_CUDA_RETIRE_FALLBACK_MS, whichever comes
- * first (@p seen: retire_wakes when the thread last looked).
+ * Wait with retire_mu for a new release (or a hold's end), or for
+ * DLPC_CUDA_RETIRE_FALLBACK_MS, whichever comes first, or with @p held for the first of the
+ * two only (@p seen: retire_wakes when the thread last looked).
  */
-static void retire_fallback_wait(unsigned seen)
+static void retire_fallback_wait(unsigned seen, bool held)
 {
 	struct timespec until;
+
+	while (held && retire_wakes == seen && !retire_stopping)
+		pthread_cond_wait(&retire_cv, &retire_mu);
 
 	clock_gettime(CLOCK_REALTIME, &until); /* retire_cv's clock */
 	until.tv_nsec += DLPC_CUDA_RETIRE_FALLBACK_MS * 1000000L;
@@ -872,7 +892,7 @@ static void *retirer(void *arg)
 	CUstreamCaptureMode relaxed = CU_STREAM_CAPTURE_MODE_RELAXED;
 	struct retiring *left, *x, *oldest;
 	unsigned seen;
-	bool poll;
+	bool poll, held = false;
 
 	(void)arg;
 	cu.cuThreadExchangeStreamCaptureMode(&relaxed);
@@ -890,7 +910,8 @@ static void *retirer(void *arg)
 		left = retire_batch(left, &poll);
 		if (left && poll)
 			nanosleep(&poll_ts, NULL);
-		oldest = left && !poll ? retire_oldest(left) : NULL;
+		held = false;
+		oldest = left && !poll ? retire_oldest(left, &held) : NULL;
 		pthread_mutex_lock(&retire_mu);
 		while ((x = left)) {
 			left = x->next;
@@ -902,7 +923,7 @@ static void *retirer(void *arg)
 		if (oldest && !retire_stopping)
 			retire_block(oldest);
 		else if (retiring && !poll)
-			retire_fallback_wait(seen);
+			retire_fallback_wait(seen, held);
 	}
 	pthread_mutex_unlock(&retire_mu);
 	return NULL;
@@ -960,6 +981,26 @@ bool dlpc__cuda_retire(struct dlpc__region *r)
 		cu.cuEventDestroy(x->ev);
 	free(x);
 	return false;
+}
+
+void dlpc_cuda_hold_releases(void)
+{
+	atomic_fetch_add(&release_holds, 1);
+}
+
+void dlpc_cuda_resume_releases(void)
+{
+	unsigned n = atomic_load(&release_holds);
+
+	/* never below zero: a resume without its hold changes nothing */
+	while (n > 0 && !atomic_compare_exchange_weak(&release_holds, &n, n - 1))
+		;
+	if (n != 1)
+		return;
+	pthread_mutex_lock(&retire_mu);
+	retire_wakes++;
+	pthread_cond_broadcast(&retire_cv);
+	pthread_mutex_unlock(&retire_mu);
 }
 
 int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordinal, void *stream,

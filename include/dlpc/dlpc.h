@@ -604,7 +604,9 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * waited) is not waited for: name that stream. While any blocking stream captures a CUDA
  * graph the legacy stream cannot be used, nor the context synchronized, and the release waits
  * for the capture's end (a capture on a non-blocking stream cannot be seen, and a context
- * synchronization that meets one invalidates it). A deleter that cannot
+ * synchronization that meets one invalidates it: hold such releases around it with
+ * dlpc_cuda_hold_releases()). A host wait (no stream named) is made in relaxed capture mode,
+ * so that another thread's capture does not refuse it. A deleter that cannot
  * hand the tensor over (no memory, no thread) waits on the host instead. Once the process
  * exits (the library's atexit handler has run), no driver call is made any more: a deleter
  * then leaves the mapping alone and releases nothing, and dlpackd drops the reference with the
@@ -612,6 +614,28 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
  * @return 0, -EINVAL for a foreign tensor, or a negative errno from the driver.
  */
 DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream);
+
+/**
+ * Hold back, in this whole process, the releases of attached CUDA tensors that would
+ * synchronize a context, until as many dlpc_cuda_resume_releases() have been called. Call it
+ * before a CUDA graph capture on a non-blocking stream (PyTorch's side streams and
+ * torch.cuda.graph's own) and resume after the capture ends, when another thread (a garbage
+ * collector) may drop attached tensors meanwhile.
+ *
+ * Why: the release of a tensor whose consumer named a non-blocking stream waits for all of the
+ * context's work (see dlpc_tensor_wait()), and a context synchronization invalidates any
+ * capture under way in that context, even one on another thread's stream. A capture on a
+ * non-blocking stream cannot be seen from outside that stream, so libdlpc cannot wait for its
+ * end by itself, as it does for a capture on a blocking stream. While held, such a release
+ * keeps its memory mapped and its reference, and libdlpc's thread sleeps until the last hold
+ * ends; releases ordered by an event on the legacy default stream go on. Holds nest and may
+ * be taken and resumed on any thread; a resume without a hold does nothing. Nothing to do
+ * without CUDA.
+ */
+DLPC_EXPORT void dlpc_cuda_hold_releases(void);
+
+/** End one dlpc_cuda_hold_releases(); the last one lets the held releases go. */
+DLPC_EXPORT void dlpc_cuda_resume_releases(void);
 
 /** Where an attached tensor came from, as dlpc_tensor_attach_info() reports it. */
 typedef struct dlpc_attach_info {

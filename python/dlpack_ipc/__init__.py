@@ -52,7 +52,7 @@ from ._core import Watch as _CoreWatch
 __all__ = [
     "Client", "SharedTensor", "EntryInfo", "EntryFlags", "TensorInfo", "Owner", "publish",
     "publish_dict", "published", "published_dict", "attach", "attach_dict", "empty",
-    "empty_dict", "unpublish", "list", "stat",
+    "empty_dict", "unpublish", "list", "stat", "cuda_releases_held",
     "watch", "Watch", "WatchEvent", "channel", "channels", "Channel", "ChannelInfo",
     "ChannelClosed",
     "CHANNEL_CAPACITY_DEFAULT", "CHANNEL_CAPACITY_MAX",
@@ -604,6 +604,29 @@ def empty_dict(spec, device="cpu"):
     allocation; publish_dict() of the whole dict, in its order, shares it without a copy.
     device as for empty()."""
     return _client().empty_dict(spec, device)
+
+
+@contextlib.contextmanager
+def cuda_releases_held():
+    """Hold back, in this whole process, the releases of attached CUDA tensors that would
+    synchronize a context, for the duration of a with block: wrap a CUDA graph capture in it
+    when another thread (the garbage collector) may drop attached tensors meanwhile.
+
+        with dlpack_ipc.cuda_releases_held():
+            with torch.cuda.graph(g):
+                ...
+
+    A tensor whose consumer named a non-blocking stream (torch.from_dlpack under a side
+    stream) is released after all of its device's work, and that synchronization would
+    invalidate a capture under way on a non-blocking stream, which libdlpc cannot see.
+    Meanwhile such releases wait (the memory stays mapped), and they go when the last hold
+    ends. Holds nest and may be taken on any thread. See docs/gpu.md, "Which stream orders
+    what"."""
+    _core._cuda_hold_releases()
+    try:
+        yield
+    finally:
+        _core._cuda_resume_releases()
 
 
 def unpublish(name, *, generation=None, created_ns=None):

@@ -9,7 +9,7 @@ from typing import (Any, ContextManager, Iterator, Literal, Mapping, NamedTuple,
 __all__ = [
     "Client", "SharedTensor", "EntryInfo", "EntryFlags", "TensorInfo", "Owner", "publish",
     "publish_dict", "published", "published_dict", "attach", "attach_dict", "empty",
-    "empty_dict", "unpublish", "list", "stat",
+    "empty_dict", "unpublish", "list", "stat", "cuda_releases_held",
     "watch", "Watch", "WatchEvent", "channel", "channels", "Channel", "ChannelInfo",
     "ChannelClosed",
     "CHANNEL_CAPACITY_DEFAULT", "CHANNEL_CAPACITY_MAX",
@@ -171,6 +171,7 @@ def attach_dict(name: str, *, timeout: Optional[float] = ..., mode: Optional[_At
 def empty(shape: Union[int, Sequence[int]], dtype: Any, device: str = ...) -> SharedTensor: ...
 def empty_dict(spec: Mapping[str, Tuple[Union[int, Sequence[int]], Any]],
                device: str = ...) -> builtins.dict[str, SharedTensor]: ...
+def cuda_releases_held() -> ContextManager[None]: ...
 def unpublish(name: str, *, generation: Optional[int] = ...,
               created_ns: Optional[int] = ...) -> None: ...
 def list(prefix: str = ...) -> builtins.list[EntryInfo]: ...

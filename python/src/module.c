@@ -454,6 +454,29 @@ static int module_clear(PyObject *m)
 	return 0;
 }
 
+static PyObject *cuda_hold_releases(PyObject *m, PyObject *unused)
+{
+	(void)m;
+	(void)unused;
+	dlpc_cuda_hold_releases();
+	Py_RETURN_NONE;
+}
+
+static PyObject *cuda_resume_releases(PyObject *m, PyObject *unused)
+{
+	(void)m;
+	(void)unused;
+	dlpc_cuda_resume_releases();
+	Py_RETURN_NONE;
+}
+
+/* dlpack_ipc.cuda_releases_held() (a context manager in Python) takes and ends the hold */
+static PyMethodDef module_methods[] = {
+	{"_cuda_hold_releases", cuda_hold_releases, METH_NOARGS, NULL},
+	{"_cuda_resume_releases", cuda_resume_releases, METH_NOARGS, NULL},
+	{NULL, NULL, 0, NULL},
+};
+
 static PyModuleDef_Slot module_slots[] = {
 	{Py_mod_exec, module_exec},
 	{0, NULL},
@@ -464,6 +487,7 @@ static struct PyModuleDef module_def = {
 	.m_name = "dlpack_ipc._core",
 	.m_doc = "libdlpc for Python: share DLPack tensors between processes through dlpackd.",
 	.m_size = sizeof(ipc_state),
+	.m_methods = module_methods,
 	.m_slots = module_slots,
 	.m_traverse = module_traverse,
 	.m_clear = module_clear,

@@ -1586,6 +1586,73 @@ START_TEST(release_during_capture)
 END_TEST
 
 /*
+ * Another thread captures a graph on a non-blocking stream (as torch.cuda.graph does) while
+ * this one attaches and drops tensors: one read on the legacy stream, one on a non-blocking
+ * stream of its own, one waited for on the host. The capture cannot be seen from the legacy
+ * stream (as on an H200), so the legacy-ordered release goes at once, and the host wait is
+ * made in relaxed mode. The non-blocking one needs its context synchronized, which invalidates
+ * any capture under way: with dlpc_cuda_hold_releases() (*@p arg) it waits for the resume;
+ * without, the capture is lost, as the docs say.
+ */
+static int release_while_nonblocking_captures(void *arg)
+{
+	bool hold = *(const bool *)arg;
+	DLManagedTensorVersioned *t[3] = {NULL};
+	dlpc_attach_opts o = {.size = sizeof(o), .stream = CU_STREAM_LEGACY};
+	dlpc_client *c = NULL;
+	CUstream cap, side;
+
+	alarm(30);
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&cap, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamCreate(&side, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+	CHILD_CHECK(dlpc_attach(c, "gpu/g", &o, &t[0]) == 1);
+	o.stream = side;
+	CHILD_CHECK(dlpc_attach(c, "gpu/g", &o, &t[1]) == 1);
+	if (hold)
+		dlpc_cuda_hold_releases();
+	fake_cuda_capture(cap, 1);
+	CHILD_CHECK(dlpc_attach(c, "gpu/g", NULL, &t[2]) == 1); /* the host waits */
+	CHILD_CHECK(refs_now(c) == 3);
+	for (int i = 0; i < 3; i++)
+		t[i]->deleter(t[i]);
+	CHILD_CHECK(refs_reach(c, 1));
+	if (hold) {
+		CHILD_CHECK(refs_stay(c, 1));
+		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
+		fake_cuda_capture(cap, 0);
+		dlpc_cuda_resume_releases();
+		dlpc_cuda_resume_releases(); /* one too many: nothing */
+		CHILD_CHECK(refs_reach(c, 0));
+		CHILD_CHECK(log_count(getpid(), "capture-invalidated") == 0);
+	} else {
+		CHILD_CHECK(log_appears(getpid(), "capture-invalidated by cuCtxSynchronize"));
+		fake_cuda_capture(cap, 0);
+		CHILD_CHECK(refs_reach(c, 0));
+		CHILD_CHECK(log_count(getpid(), "capture-invalidated by cuEventSynchronize") == 0);
+	}
+	CHILD_CHECK(log_count(getpid(), " captured") == 0);
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 1));
+	CHILD_CHECK(cuStreamDestroy(cap) == CUDA_SUCCESS);
+	CHILD_CHECK(cuStreamDestroy(side) == CUDA_SUCCESS);
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(release_during_nonblocking_capture)
+{
+	struct publisher p = {.names = {"gpu/g", NULL}};
+	bool hold = true, no_hold = false;
+
+	publisher_start(&p);
+	ck_assert_int_eq(wait_child(spawn(release_while_nonblocking_captures, &hold)), 0);
+	ck_assert_int_eq(wait_child(spawn(release_while_nonblocking_captures, &no_hold)), 0);
+	publisher_stop(&p);
+}
+END_TEST
+
+/*
  * CuPy's sequence: the consumer names a stream of its own (__dlpack__(stream=s) inside
  * `with cupy.cuda.Stream():`), destroys that stream when the block ends, and only later drops
  * the array. The deleter must not touch the destroyed stream (the fake aborts if it does, as
@@ -2381,6 +2448,7 @@ static Suite *gpu_suite(void)
 		{"release_after_consumer_work", release_after_consumer_work},
 		{"release_streams_free", release_streams_free},
 		{"release_during_capture", release_during_capture},
+		{"release_during_nonblocking_capture", release_during_nonblocking_capture},
 		{"release_after_stream_destroyed", release_after_stream_destroyed_case},
 		{"release_after_queued_reads", release_after_queued_reads},
 		{"fake_streams", fake_streams},

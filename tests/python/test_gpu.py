@@ -269,6 +269,44 @@ def test_attach_names_the_consumer_stream(ipc, py, gpu_env, tmp_path):
         """)
 
 
+def test_releases_held_through_a_capture_on_a_non_blocking_stream(ipc, py, gpu_env, tmp_path):
+    """cuda_releases_held(): a tensor read on a non-blocking stream and dropped while another
+    thread captures a graph on a non-blocking stream is released only once the block ends (its
+    context synchronization would invalidate the capture: the fake logs it, as the driver
+    does it on an H200); one read on the legacy stream goes at once; nested holds end with the
+    outer block."""
+    with_publisher(ipc, py, gpu_env, tmp_path, 'pgpu/cap', """
+            import dlpack_ipc, gc, time
+            fake.fake_cuda_capture.argtypes = [c_void_p, c_int]
+            side, cap = ctypes.c_void_p(), ctypes.c_void_p()
+            assert fake.cuStreamCreate(ctypes.byref(side), 1) == 0  # CU_STREAM_NON_BLOCKING
+            assert fake.cuStreamCreate(ctypes.byref(cap), 1) == 0
+            a = dlpack_ipc.attach("pgpu/cap", stream=side.value)
+            b = dlpack_ipc.attach("pgpu/cap", stream=1)
+
+            def refs_become(n):
+                deadline = time.monotonic() + 10
+                while dlpack_ipc.stat()["references"] != n and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                return dlpack_ipc.stat()["references"] == n
+
+            with dlpack_ipc.cuda_releases_held():
+                with dlpack_ipc.cuda_releases_held():
+                    fake.fake_cuda_capture(cap, 1)
+                    del a, b
+                    gc.collect()
+                    assert refs_become(1)  # the legacy stream's release went
+                    time.sleep(0.2)
+                    assert dlpack_ipc.stat()["references"] == 1
+                    fake.fake_cuda_capture(cap, 0)
+                time.sleep(0.2)
+                assert dlpack_ipc.stat()["references"] == 1  # the outer hold still holds
+            assert refs_become(0)
+            assert not log_lines("capture-invalidated")
+            assert log_lines("cuCtxSynchronize")
+        """)
+
+
 def test_attach_stream_is_ignored_for_host_entries(ipc):
     """stream= names a CUDA stream: a host entry attaches as without it."""
     ipc.publish("pgpu/host", np.arange(4, dtype=np.float32))
