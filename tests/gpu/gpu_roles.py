@@ -13,6 +13,7 @@ that does not answer in time, before killing it.
 Tensors hold a pattern that depends on a seed (fill_pattern) and are compared by checksum(),
 computed on the GPU, on the stream the tensor was ordered on. Every device is cuda:0.
 """
+import contextlib
 import errno
 import faulthandler
 import gc
@@ -363,6 +364,13 @@ def order_pub(n, seconds):
     """For each "publish": zeros, synchronized; then a long kernel and the pattern queued on
     the default stream, and publish at once, without synchronizing."""
     warm()
+    # once, untimed: whatever a process's first publish of a torch tensor costs (on an H200
+    # the first variant's kernel had ended when its publish returned, and only the first's)
+    x = torch.zeros(n, dtype=torch.float32, device=DEV)
+    dlpack_ipc.publish("gpu/order/warm-up", x)
+    dlpack_ipc.unpublish("gpu/order/warm-up")
+    del x
+    torch.cuda.synchronize()
     report("ready")
     while True:
         cmd = command()
@@ -374,7 +382,8 @@ def order_pub(n, seconds):
             continue
         x = torch.zeros(n, dtype=torch.float32, device=DEV)
         torch.cuda.synchronize()
-        done = torch.cuda.Event()
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         spin(seconds)
         fill_pattern(x, cmd["seed"])
         done.record()
@@ -386,7 +395,7 @@ def order_pub(n, seconds):
         report("published", publish_s=publish_s, running=running)
         while not done.query():
             time.sleep(0.0005)
-        report("kernel_end", t_end=time.monotonic())
+        report("kernel_end", t_end=time.monotonic(), kernel_s=start.elapsed_time(done) / 1e3)
 
 
 def order_sub():
@@ -501,19 +510,20 @@ def reclaim_sub():
 
 # ---- a CUDA graph captured while another thread drops attached tensors ----
 
-def capture_sub(items, max_s=20.0):
-    """Attach every item, ordered in turn on the legacy default stream, a side stream and the
-    stream that will capture, and read it there. Then one thread captures a graph on that
-    stream while another drops every attached tensor (reference cycles, freed by its
-    gc.collect()); the capture must succeed and replay right, and the references go once it
-    is over."""
+def capture_sub(items, wheres=("default", "side", "capture"), hold=False, max_s=20.0):
+    """Attach every item, ordered in turn on the streams of wheres (the legacy default stream,
+    a side stream, the stream that will capture; PyTorch's side streams are non-blocking), and
+    read it there. Then one thread captures a graph on that stream (inside
+    dlpack_ipc.cuda_releases_held() with hold) while another drops every attached tensor
+    (reference cycles, freed by its gc.collect()); the capture must succeed and replay right,
+    and the references go once it is over."""
     warm()
     gc.disable()  # only the dropping thread collects
     streams = {"default": torch.cuda.current_stream(), "side": torch.cuda.Stream(),
                "capture": torch.cuda.Stream()}
     holders, bad = [], []
     for i, it in enumerate(items):
-        where = ("default", "side", "capture")[i % 3]
+        where = wheres[i % len(wheres)]
         t = dlpack_ipc.attach(it["name"])
         with torch.cuda.stream(streams[where]):
             x = torch.from_dlpack(t)
@@ -557,14 +567,15 @@ def capture_sub(items, max_s=20.0):
     ops, timed_out, capture_error = 0, False, None
     t0 = time.perf_counter()
     try:
-        with torch.cuda.graph(g, stream=cap):
-            capturing.set()
-            while ops < 200 or not dropped.is_set():
-                static.mul_(1.0001).add_(0.001)
-                ops += 1
-                if time.perf_counter() - t0 > max_s:
-                    timed_out = True
-                    break
+        with dlpack_ipc.cuda_releases_held() if hold else contextlib.nullcontext():
+            with torch.cuda.graph(g, stream=cap):
+                capturing.set()
+                while ops < 200 or not dropped.is_set():
+                    static.mul_(1.0001).add_(0.001)
+                    ops += 1
+                    if time.perf_counter() - t0 > max_s:
+                        timed_out = True
+                        break
     except Exception as e:
         capture_error = f"{type(e).__name__}: {e}"
     t_cap_end = time.monotonic()
