@@ -4,6 +4,7 @@
 
     /usr/bin/python3 bench/run_gpu.py [--quick] [--build DIR] [--out DIR] [--python PYTHON]
     /usr/bin/python3 bench/run_gpu.py --table build/gpu-figures/bench_gpu.json
+    /usr/bin/python3 bench/run_gpu.py --plot build/gpu-figures/bench_gpu.json [--out DIR]
 
 Starts dlpackd on a socket in a temporary directory, runs bench_gpu (attach + first kernel read
 + release, legacy IPC and VMM, beside the driver's own import; the state dict) and
@@ -15,7 +16,12 @@ a run cut short keeps the rows it finished) and per target, and writes bench_gpu
 driver is $DLPC_CUDA_LIBRARY, else libcuda.so.1: without one (or without a device) it says why
 and exits 77. Exits 1 when a row is missing or a kernel read did not find what the publisher
 wrote. Targets are computed, never asserted: "met" says. --table prints the tables of
-docs/gpu.md ("Figures") from such a file.
+docs/gpu.md ("Figures") from such a file. Where matplotlib can be imported (Debian's
+python3-matplotlib), bench_gpu.png goes beside bench_gpu.json: attach time against size
+(log-log, the median with a whisker up to p99) per implementation, and the state dict's rows as
+bars, titled with the device and the driver; without matplotlib one line says no plot was made
+and why, and the run goes on as before. --plot draws it from such a file into --out (default:
+beside it).
 
 Sizes, chosen to finish inside scripts/dev gpu-test's 150 s on one GPU (an estimate: no hardware
 run has timed it yet; the host's own sum of what each tensor holds, a loop over its words, is
