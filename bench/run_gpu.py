@@ -4,6 +4,7 @@
 
     /usr/bin/python3 bench/run_gpu.py [--quick] [--build DIR] [--out DIR] [--python PYTHON]
     /usr/bin/python3 bench/run_gpu.py --table build/gpu-figures/bench_gpu.json
+    /usr/bin/python3 bench/run_gpu.py --plot build/gpu-figures/bench_gpu.json [--out DIR]
 
 Starts dlpackd on a socket in a temporary directory, runs bench_gpu (attach + first kernel read
 + release, legacy IPC and VMM, beside the driver's own import; the state dict) and
@@ -15,7 +16,12 @@ a run cut short keeps the rows it finished) and per target, and writes bench_gpu
 driver is $DLPC_CUDA_LIBRARY, else libcuda.so.1: without one (or without a device) it says why
 and exits 77. Exits 1 when a row is missing or a kernel read did not find what the publisher
 wrote. Targets are computed, never asserted: "met" says. --table prints the tables of
-docs/gpu.md ("Figures") from such a file.
+docs/gpu.md ("Figures") from such a file. Where matplotlib can be imported (Debian's
+python3-matplotlib), bench_gpu.png goes beside bench_gpu.json: attach time against size
+(log-log, the median with a whisker up to p99) per implementation, and the state dict's rows as
+bars, titled with the device and the driver; without matplotlib one line says no plot was made
+and why, and the run goes on as before. --plot draws it from such a file into --out (default:
+beside it).
 
 Sizes, chosen to finish inside scripts/dev gpu-test's 150 s on one GPU (an estimate: no hardware
 run has timed it yet; the host's own sum of what each tensor holds, a loop over its words, is
@@ -42,6 +48,8 @@ ATTACH_GOAL = 1.5  # attach + read + release within 1.5x of the driver's own imp
 DICT_GOAL = 2.0    # the bucketed state dict within 2x of one attach of the same bytes
 KINDS = ("legacy", "vmm")
 DICT_IMPLS = ("bundle", "per_tensor", "single", "d2d_copy")
+ATTACH_IMPLS = ("floor_legacy", "dlpc_legacy", "floor_vmm", "dlpc_vmm", "torch_mp")
+PLOT = "bench_gpu.png"  # beside bench_gpu.json, where matplotlib can be imported
 
 
 def device_info():
@@ -184,7 +192,7 @@ def markdown(path, out=sys.stdout):
       f"{res['machine']['date']}; median (p99) in us\n")
     w("| attach + first read + release | " + " | ".join(human(s) for s in sizes) + " |")
     w("|---|" + "---:|" * len(sizes))
-    for impl in ("floor_legacy", "dlpc_legacy", "floor_vmm", "dlpc_vmm", "torch_mp"):
+    for impl in ATTACH_IMPLS:
         cells = [pick(rows, "gpu_attach", impl, s) for s in sizes]
         w(f"| {impl} | " + " | ".join(f"{c['median_us']:.1f} ({c['p99_us']:.1f})" if c else "skipped"
                                           for c in cells) + " |")
@@ -200,6 +208,88 @@ def markdown(path, out=sys.stdout):
     return 0
 
 
+def figure(res):
+    """The figure of a bench_gpu.json's contents (matplotlib, imported by the caller): attach
+    time against size (log-log, median with a p99 whisker) per implementation, and the state
+    dict's rows as bars (log scale: per_tensor is tens of times the others)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    def log_us(ax):  # 1-2-5 steps, plain numbers: a reader compares rows, not decades
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_locator(LogLocator(base=10, subs="auto"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+    rows = [r for r in res["rows"] if "skipped" not in r]
+    d = res.get("driver", {})
+    fig, (att, dic) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [3, 2]})
+    quick = " (--quick: tiny sizes, few reps)" if res.get("quick") else ""
+    fig.suptitle(f"{d.get('device', '?')}, driver CUDA {d.get('driver_cuda', '?')} "
+                 f"({d.get('library', '?')}), {res.get('machine', {}).get('date', '?')}{quick}")
+    sizes = set()
+    for impl in ATTACH_IMPLS:
+        pts = sorted((r["size"], r["median_us"], r["p99_us"]) for r in rows
+                     if r.get("group") == "gpu_attach" and r.get("impl") == impl)
+        if not pts:
+            continue
+        x, med, p99 = zip(*pts)
+        sizes.update(x)
+        att.errorbar(x, med, yerr=[[0] * len(x), [max(p - m, 0) for m, p in zip(med, p99)]],
+                     marker="o", markersize=4, capsize=3, label=impl,
+                     linestyle="--" if impl.startswith("floor") else "-")
+    att.set_xscale("log", base=2)
+    log_us(att)
+    if sizes:
+        att.set_xticks(sorted(sizes))
+        att.set_xticklabels([human(s) for s in sorted(sizes)])
+        att.xaxis.set_minor_locator(NullLocator())
+    att.set_xlabel("tensor size")
+    att.set_ylabel("us (median; whisker up to p99)")
+    att.set_title("attach + first kernel read + release")
+    att.grid(True, which="both", alpha=0.3)
+    att.legend(fontsize="small")
+    bars = [pick(rows, "gpu_dict", impl) for impl in DICT_IMPLS]
+    bars = [b for b in bars if b is not None]
+    if bars:
+        med = [b["median_us"] for b in bars]
+        up = [max(b["p99_us"] - b["median_us"], 0) for b in bars]
+        dic.bar([b["impl"] for b in bars], med, yerr=[[0] * len(bars), up], capsize=4,
+                color=[f"C{i}" for i in range(len(bars))])
+        for i, (m, u) in enumerate(zip(med, up)):
+            dic.annotate(f"{m / 1000:.1f} ms" if m >= 1000 else f"{m:.0f} us", (i, m + u), textcoords="offset points",
+                         xytext=(0, 4), ha="center", fontsize="small")
+        log_us(dic)
+        dic.set_title(f"state dict: {bars[0].get('tensors', '?')} tensors, "
+                      f"{human(bars[0]['size'])}")
+    else:
+        dic.set_title("state dict: no rows")
+    dic.set_ylabel("until the consumer can run, us (median; whisker up to p99)")
+    dic.grid(True, axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot(path, out):
+    """Draw bench_gpu.png into the folder out from the bench_gpu.json at path: its path, or None
+    after one line saying why no plot was made (matplotlib is optional)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"bench-gpu: no plot made: matplotlib cannot be imported by {sys.executable} ({e})",
+              flush=True)
+        return None
+    with open(path) as f:
+        fig = figure(json.load(f))
+    png = os.path.join(out, PLOT)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, few reps")
@@ -208,9 +298,18 @@ def main():
     ap.add_argument("--python", help="interpreter for the torch.multiprocessing row")
     ap.add_argument("--table", metavar="JSON", help="print docs/gpu.md's tables from a "
                     "bench_gpu.json (run nothing)")
+    ap.add_argument("--plot", metavar="JSON", help="draw bench_gpu.png from a bench_gpu.json "
+                    "into --out (default: beside it; run nothing)")
     args = ap.parse_args()
     if args.table:
         return markdown(args.table)
+    if args.plot:
+        out = args.out or os.path.dirname(os.path.abspath(args.plot))
+        os.makedirs(out, exist_ok=True)
+        png = plot(args.plot, out)
+        if png:
+            print(f"bench-gpu: plot in {png}", flush=True)
+        return 0
     # stopped (scripts/dev gpu-test's time limit): the daemon and the temporary directory go too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     out = args.out or os.path.join(args.build, "gpu-figures")
@@ -225,6 +324,8 @@ def main():
                                 "--dict-reps", "5"])
     os.makedirs(out, exist_ok=True)
     partial = os.path.join(out, "bench_gpu.rows.jsonl")
+    if os.path.exists(os.path.join(out, PLOT)):
+        os.unlink(os.path.join(out, PLOT))  # an earlier run's plot never sits beside this one's
     try:
         with tempfile.TemporaryDirectory(prefix="dlpc-bench-gpu.") as tmp, \
                 open(partial, "w") as log:
@@ -257,6 +358,13 @@ def main():
     with open(os.path.join(out, "bench_gpu.md"), "w") as f:
         markdown(path, f)  # read back: well formed, as written
     print(f"bench-gpu: figures in {path}, as docs/gpu.md's tables in bench_gpu.md", flush=True)
+    try:
+        png = plot(path, out)
+    except Exception as e:  # the figures are written: a plot that fails costs only itself
+        print(f"bench-gpu: no plot made: drawing it failed ({type(e).__name__}: {e})", flush=True)
+        png = None
+    if png:
+        print(f"bench-gpu: plot in {png}", flush=True)
     return 0
 
 
