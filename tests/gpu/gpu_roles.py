@@ -364,9 +364,10 @@ def order_pub(n, seconds):
     """For each "publish": zeros, synchronized; then a long kernel and the pattern queued on
     the default stream, and publish at once, without synchronizing."""
     warm()
-    # once, untimed: whatever a process's first publish of a torch tensor costs (on an H200
-    # the first variant's kernel had ended when its publish returned, and only the first's)
-    x = torch.zeros(n, dtype=torch.float32, device=DEV)
+    # once, untimed: the first fill and publish. On an H200 the first variant's kernel (2.07
+    # s) had ended when its publish (330 us) returned, and only the first's: the host waited
+    # in the first fill_pattern, whose kernels had never run (CUDA loads them lazily)
+    x = fill_pattern(torch.zeros(n, dtype=torch.float32, device=DEV), 0)
     dlpack_ipc.publish("gpu/order/warm-up", x)
     dlpack_ipc.unpublish("gpu/order/warm-up")
     del x
