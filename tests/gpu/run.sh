@@ -28,7 +28,8 @@
 #                 alive and with none (where only persistence mode keeps it: a failure that
 #                 says so is a skip; nvidia-smi's persistence mode is reported)
 #   capture       a CUDA graph captured on a side stream while another thread's gc.collect()
-#                 drops attached tensors
+#                 drops attached tensors: read on the default stream (no hold needed), and
+#                 read on side streams too, inside dlpack_ipc.cuda_releases_held()
 #   fork          a child forked from a process using CUDA through dlpack_ipc: GPU calls raise
 #                 OSError(EBADFD), host calls work, it exits cleanly, the parent's tensors stay
 #   many          25,000 legacy publications (past the 1000 interprocess events), a sample
