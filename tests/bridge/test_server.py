@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dlpack_ipc.bridge import _importer, _nixl, _server, _wire
+from dlpack_ipc.bridge import _importer, _nixl, _replicas, _server, _wire
 
 
 class FakeNixl:
@@ -75,6 +75,10 @@ class FakeNixl:
         self._do("release", h)
 
 
+# the bridge's own uid in these tests (its replicas' owner in dlpackd)
+BRIDGE_UID = 990
+
+
 def fake_bridge(nixl=None, token=b"t" * 32):
     b = _server.Bridge.__new__(_server.Bridge)
     b.token = token
@@ -88,6 +92,7 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b.ttl = 5.0
     b.exports = ["w/"]
     b.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
+    b.replicas = _replicas.Ledger(BRIDGE_UID)
     return b
 
 
@@ -198,10 +203,43 @@ def test_a_done_put_gives_the_lease_back_whatever_nixl_raises(fail):
 
 
 class FakeDlpackd:
-    def empty(self, shape, dtype):
-        return FakeTensor(0)
+    """The names the bridge publishes, owned by BRIDGE_UID, each publish a new generation."""
 
-    def publish(self, name, t, replace=False):
+    def __init__(self):
+        self.made = []
+        self.entries = {}        # name -> (owner uid, generation)
+        self.generation = 0
+
+    def empty(self, shape, dtype):
+        self.made.append(FakeTensor(0))
+        return self.made[-1]
+
+    def empty_dict(self, spec):
+        return {k: self.empty(shape, dtype) for k, (shape, dtype) in spec.items()}
+
+    def publish(self, name, t, replace=False, uid=BRIDGE_UID):
+        self.generation += 1
+        self.entries[name] = (uid, self.generation)
+        return self.generation
+
+    def publish_dict(self, name, ts, replace=False):
+        return self.publish(name, None, replace)
+
+    def unpublish(self, name):
+        del self.entries[name]
+
+    def list(self, prefix=""):
+        class Owner:
+            def __init__(self, uid):
+                self.uid = uid
+
+        class Info:
+            def __init__(self, name, uid, generation):
+                self.name, self.owner, self.generation = name, Owner(uid), generation
+        return [Info(n, u, g) for n, (u, g) in sorted(self.entries.items())
+                if n.startswith(prefix)]
+
+    def close(self):
         pass
 
 
@@ -218,7 +256,7 @@ def stalled_fetch(monkeypatch, layout, b=None, dl=None):
 
     def run():
         try:
-            out["r"] = link.fetch(dl or FakeDlpackd(), "w/x", "A:w/x", None)
+            out["r"] = link.fetch(dl or FakeDlpackd(), "w/x", "A:w/x", None, 1000)
         except Exception as e:  # the outcome under test
             out["r"] = e
     th = threading.Thread(target=run, daemon=True)
@@ -266,7 +304,7 @@ def test_gets_and_fetches_refused_past_quarantine_max():
     assert reply["id"] == 7 and b.leases == 0
     link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
     with pytest.raises(BlockingIOError, match="QUARANTINE_MAX"):
-        link.fetch(FakeDlpackd(), "w/x", "A:w/x", None)
+        link.fetch(FakeDlpackd(), "w/x", "A:w/x", None, 1000)
     c.close()
     s.close()
 
@@ -404,9 +442,6 @@ def test_a_handle_nixl_does_not_release_stays_in_quarantine():
 
 
 class ReplicaDlpackd(FakeDlpackd):
-    def __init__(self):
-        self.made = []
-
     def empty(self, shape, dtype):
         self.made.append(FakeTensor(100))
         return self.made[-1]
@@ -445,7 +480,7 @@ def test_an_import_longer_than_the_lease_ttl_within_its_own_deadline_completes(m
 
     def run():
         try:
-            out["r"] = link.fetch(dl, "w/x", "A:w/x", None)
+            out["r"] = link.fetch(dl, "w/x", "A:w/x", None, 1000)
         except Exception as e:  # the outcome under test
             out["r"] = e
     th = threading.Thread(target=run, daemon=True)

@@ -129,6 +129,11 @@ def _args(argv):
     p.add_argument("--quarantine", metavar="SECONDS", type=float, default=None,
                    help="how long memory of an aborted transfer stays registered and mapped "
                    "before it is given back (default 60)")
+    p.add_argument("--replicas-per-uid", metavar="N", type=int, default=None,
+                   help="live replicas one local uid's fetches may hold (default "
+                   "REPLICAS_PER_UID_MAX, 64)")
+    p.add_argument("--replica-bytes-per-uid", metavar="BYTES", type=int, default=None,
+                   help="their bytes (default REPLICA_BYTES_PER_UID_MAX, 256 GiB)")
     p.add_argument("--progress-thread", action="store_true",
                    help="let NIXL run its progress thread (it spins: on few cores, slower)")
     p.add_argument("--log-level", default="info",
@@ -175,6 +180,11 @@ def main(argv=None):
     if not args.follow_interval > 0:
         log.error("--follow-interval %s: must be > 0", args.follow_interval)
         return 2
+    for opt, v in (("--replicas-per-uid", args.replicas_per_uid),
+                   ("--replica-bytes-per-uid", args.replica_bytes_per_uid)):
+        if v is not None and v < 1:
+            log.error("%s %s: must be >= 1", opt, v)
+            return 2
     if not args.lease_ttl > 0:
         log.error("--lease-ttl %s: must be > 0", args.lease_ttl)
         return 2

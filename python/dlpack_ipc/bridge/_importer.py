@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from . import _nixl, _wire
+from . import _nixl, _replicas, _wire
 from ._nixl import _span
 
 # How long to wait for a peer's TCP connect, in seconds, when the fetch has no timeout.
@@ -130,8 +130,9 @@ class PeerLink:
             raise ConnectionError(errno.EPROTO, f"protocol error {what}: {e}") from None
         return f
 
-    def fetch(self, dl, rname, local, deadline):
-        """Get rname from this peer and publish it here as local; the remote generation."""
+    def fetch(self, dl, rname, local, deadline, uid):
+        """Get rname from this peer and publish it here as local, a replica charged to uid
+        (the local caller's; the bridge's own for --follow); the remote generation."""
         if not self.lock.acquire(timeout=-1 if deadline is None else
                                  max(0.0, deadline - time.monotonic())):
             raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for another fetch from "
@@ -143,23 +144,23 @@ class PeerLink:
             if self.sock is None:
                 self._connect(deadline)
             try:
-                return self._guarded(dl, rname, local, deadline)
+                return self._guarded(dl, rname, local, deadline, uid)
             except _Stale:
                 # the idle connection was dead (the peer restarted): one new one, at once
                 log.info("connection to peer %s was lost while idle: reconnecting", self.name)
                 self._connect(deadline)
                 try:
-                    return self._guarded(dl, rname, local, deadline)
+                    return self._guarded(dl, rname, local, deadline, uid)
                 except _Stale:
                     raise ConnectionResetError(errno.ECONNRESET, "the peer closed the "
                                                "connection before answering") from None
         finally:
             self.lock.release()
 
-    def _guarded(self, dl, rname, local, deadline):
+    def _guarded(self, dl, rname, local, deadline, uid):
         """_fetch, dropping the connection unless the peer answered the get in good order."""
         try:
-            return self._fetch(dl, rname, local, deadline)
+            return self._fetch(dl, rname, local, deadline, uid)
         except _Stale:
             self.drop()
             raise
@@ -197,7 +198,7 @@ class PeerLink:
         finally:
             self.lock.release()
 
-    def _fetch(self, dl, rname, local, deadline):
+    def _fetch(self, dl, rname, local, deadline, uid):
         self._rid += 1
         rid = self._rid
         t0 = time.monotonic()
@@ -222,6 +223,28 @@ class PeerLink:
         ttl = f.get("ttl")
         if not isinstance(ttl, (int, float)) or not ttl > 0:
             raise ConnectionError(errno.EPROTO, f"layout with a lease TTL of {ttl!r}")
+        # sized and charged to the caller's uid before anything is allocated: a peer that
+        # announces a huge layout is refused here (ValueError: a malformed one)
+        nbytes = _replicas.layout_bytes(tensors)
+        try:
+            self.bridge.replicas.reserve(dl, uid, local, nbytes)
+        except OSError as e:
+            _wire.send(self.sock, {"op": "release", "lease": lid})
+            e.peer_answer = True    # type: ignore[attr-defined]  # the connection stays
+            raise
+        try:
+            gen_here = self._transfer(dl, rname, local, deadline, rid, lid, tensors, bundle)
+        except BaseException:
+            self.bridge.replicas.cancel(local)
+            raise
+        self.bridge.replicas.commit(local, gen_here)
+        log.info("fetched %r from %s (generation %d, %d bytes) for uid %d in %.3f s", rname,
+                 self.name, gen, nbytes, uid, time.monotonic() - t0)
+        return gen
+
+    def _transfer(self, dl, rname, local, deadline, rid, lid, tensors, bundle):
+        """Allocate the replica, have the peer WRITE into it, publish it as local; its local
+        generation."""
         t1 = time.monotonic()
         try:
             spec = {k: (tuple(shape), dtype) for k, dtype, shape, _ in tensors}
@@ -278,15 +301,16 @@ class PeerLink:
                                            alloc.values(), fenced=fenced)
         t3 = time.monotonic()
         n = sum(t.nbytes for t in live)
-        if bundle:
-            dl.publish_dict(local, alloc, replace=True)
-        else:
-            dl.publish(local, alloc[""], replace=True)
-        for t in alloc.values():
-            t.release()
+        try:
+            if bundle:
+                gen_here = dl.publish_dict(local, alloc, replace=True)
+            else:
+                gen_here = dl.publish(local, alloc[""], replace=True)
+        finally:
+            for t in alloc.values():
+                t.release()
         t4 = time.monotonic()
-        log.info("fetched %r from %s (generation %d, %d bytes) in %.3f s: layout %.3f, "
-                 "allocate and register %.3f, transfer %.3f (%.2f GB/s), publish %.3f", rname,
-                 self.name, gen, n, t4 - t0, t1 - t0, t2 - t1, t3 - t2,
+        log.info("fetched %r from %s (%d bytes): allocate and register %.3f s, transfer %.3f "
+                 "(%.2f GB/s), publish %.3f", rname, self.name, n, t2 - t1, t3 - t2,
                  n / max(t3 - t2, 1e-9) / 1e9, t4 - t3)
-        return gen
+        return gen_here

@@ -13,13 +13,14 @@ import logging
 import os
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
 
 import dlpack_ipc
 
-from . import _importer, _wire
+from . import _importer, _replicas, _wire
 from ._importer import CONNECT_TIMEOUT, POLL, PeerLink
 from ._importer import keepalive as _keepalive
 from ._nixl import QUARANTINE, QUARANTINE_MAX, Nixl, Quarantine, _quiet, _span
@@ -79,6 +80,10 @@ class Bridge:
         self.agent_name = f"dlpackd-bridge/{self.host}/{time.time_ns()}"
         self.nixl = Nixl(self.agent_name, args.progress_thread)
         self.quarantine = Quarantine(self.nixl, args.quarantine)
+        self.replicas = _replicas.Ledger(
+            os.geteuid(),
+            getattr(args, "replicas_per_uid", None) or _replicas.REPLICAS_PER_UID_MAX,
+            getattr(args, "replica_bytes_per_uid", None) or _replicas.REPLICA_BYTES_PER_UID_MAX)
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._lease_seq = 0
@@ -138,7 +143,9 @@ class Bridge:
                 try:
                     now = link.stat(rname, time.monotonic() + CONNECT_TIMEOUT)
                     if now != seen:
-                        link.fetch(dl, rname, local, time.monotonic() + max(self.ttl, 60.0))
+                        # the bridge's own replica, charged to its uid
+                        link.fetch(dl, rname, local, time.monotonic() + max(self.ttl, 60.0),
+                                   self.replicas.own_uid)
                         seen = now
                         self.count("fetched")
                 except FileNotFoundError:
@@ -149,6 +156,7 @@ class Bridge:
                             dl.unpublish(local)
                         except FileNotFoundError:
                             pass
+                        self.replicas.forget(local)
                         seen = None
                 except OSError as e:
                     log.warning("follow %r: %s; trying again in %s s", local, e, wait)
@@ -440,6 +448,9 @@ class Bridge:
 
     def _client_thread(self, sock, addr):
         dl = None
+        # the caller, from the kernel: its fetches are charged to its uid
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
         try:
             while not self.stop.is_set():
                 if not _wire.readable(sock, 0.5):
@@ -458,15 +469,15 @@ class Bridge:
                         reply = _wire.error_frame(
                             "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
                     else:
-                        reply = self._fetch(dl, f)
+                        reply = self._fetch(dl, f, uid, pid)
                 else:
                     raise _wire.FrameError("EPROTO", f"unknown op {f['op']!r}")
                 _wire.send(sock, reply)
         except _wire.FrameError as e:
-            log.warning("local client: %s: disconnecting", e)
+            log.warning("local client uid %d (pid %d): %s: disconnecting", uid, pid, e)
             _wire.send_error(sock, e.errname, str(e))
         except OSError as e:
-            log.info("local client: %s", e)
+            log.info("local client uid %d (pid %d): %s", uid, pid, e)
         finally:
             if dl is not None:
                 dl.close()
@@ -477,9 +488,11 @@ class Bridge:
                     "registered": self.nixl.registered,
                     "quarantined": len(self.quarantine), "exports": self.exports,
                     "peers": {n: p.connected() for n, p in self.peers.items()},
+                    "replicas": self.replicas.summary(),
                     **self.counts}
 
-    def _fetch(self, dl, f):
+    def _fetch(self, dl, f, uid, pid):
+        """A local caller's fetch (uid and pid from SO_PEERCRED): the reply frame."""
         name, timeout = f.get("name"), f.get("timeout")
         if not isinstance(name, str) or ":" not in name:
             return _wire.error_frame("EINVAL", f"{name!r} is not 'peer:name'")
@@ -495,20 +508,21 @@ class Bridge:
                                      f"(--peer: {', '.join(self.peers) or 'none'})")
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            gen = link.fetch(dl, rname, name, deadline)
+            gen = link.fetch(dl, rname, name, deadline, uid)
         except (KeyError, TypeError, ValueError) as e:
-            log.warning("fetch %r: malformed answer from peer %s: %r", name, peer, e)
+            log.warning("fetch %r for uid %d (pid %d): malformed answer from peer %s: %r", name,
+                        uid, pid, peer, e)
             return _wire.error_frame("EPROTO", f"peer {peer} ({link.where}), {rname!r}: "
                                      f"malformed answer: {e!r}")
         except OSError as e:
             code = errno.errorcode.get(e.errno) or (
                 "ETIMEDOUT" if isinstance(e, TimeoutError) else
                 "ECONNRESET" if isinstance(e, ConnectionError) else "EIO")
-            log.info("fetch %r: %s", name, e)
+            log.info("fetch %r for uid %d (pid %d): %s", name, uid, pid, e)
             return _wire.error_frame(code, f"peer {peer} ({link.where}), {rname!r}: "
                                      f"{e.strerror or e}")
         except Exception as e:     # NIXL's own errors: this fetch fails, not the bridge
-            log.warning("fetch %r: %r", name, e)
+            log.warning("fetch %r for uid %d (pid %d): %r", name, uid, pid, e)
             return _wire.error_frame("EIO", f"peer {peer} ({link.where}), {rname!r}: {e!r}")
         self.count("fetched")
         return {"op": "fetched", "name": name, "generation": gen}
