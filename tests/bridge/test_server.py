@@ -1,15 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """The exporting and importing sides' handling of a misbehaving peer, NIXL faked, over
 socketpairs (ctest: bridge_server). The real NIXL path is driven by netns.py."""
+import errno
 import importlib
+import os
 import shutil
 import socket
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
+from dlpack_ipc import bridge
 from dlpack_ipc.bridge import _importer, _nixl, _replicas, _server, _wire
 
 
@@ -496,3 +502,223 @@ def test_an_import_longer_than_the_lease_ttl_within_its_own_deadline_completes(m
     peer.close()
     assert not th.is_alive()
     assert out["r"] == 1 and len(b.quarantine) == 0 and b.nixl.registered == 0
+
+
+# -- local callers charged per uid (_replicas) ----------------------------------------------
+
+class FakeExporter:
+    """The peer's side of a PeerLink: answers each get with the layout of sizes[name] (bytes
+    of float32, or a list of tensors as sent), each put with done; records the releases."""
+
+    def __init__(self, b, sizes):
+        self.link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
+        self.link.sock, self.peer = socket.socketpair()
+        self.link.agent = "exporter-agent"
+        self.sizes = sizes
+        self.released = []
+        self.th = threading.Thread(target=self._serve, daemon=True)
+        self.th.start()
+
+    def _serve(self):
+        n = 0
+        while True:
+            try:
+                f = _wire.recv(self.peer, None)
+            except (OSError, _wire.FrameError):
+                return
+            if f["op"] == "get":
+                n += 1
+                size = self.sizes[f["name"]]
+                tensors = size if isinstance(size, list) else \
+                    [["", "float32", [size // 4], size]]
+                _wire.send(self.peer, {"op": "layout", "id": f["id"], "lease": f"L{n}",
+                                       "generation": 7, "bundle": False, "ttl": 5,
+                                       "tensors": tensors})
+            elif f["op"] == "put":
+                _wire.send(self.peer, {"op": "done", "id": f["id"], "lease": f["lease"]})
+            elif f["op"] == "release":
+                self.released.append(f["lease"])
+
+    def fetch(self, dl, name, uid):
+        return self.link.fetch(dl, name, "A:" + name, time.monotonic() + 5, uid)
+
+    def wait_released(self, n):
+        t = time.monotonic() + 5
+        while len(self.released) < n and time.monotonic() < t:
+            time.sleep(0.01)
+        return len(self.released)
+
+    def close(self):
+        self.peer.close()
+        if self.link.sock is not None:
+            self.link.sock.close()
+        self.th.join(5)
+
+
+@pytest.fixture
+def peer_a():
+    made = []
+
+    def make(sizes, replicas_max=_replicas.REPLICAS_PER_UID_MAX,
+             bytes_max=_replicas.REPLICA_BYTES_PER_UID_MAX):
+        b = fake_bridge()
+        b.replicas = _replicas.Ledger(BRIDGE_UID, replicas_max, bytes_max)
+        made.append(FakeExporter(b, sizes))
+        return b, made[-1], FakeDlpackd()
+    yield make
+    for e in made:
+        e.close()
+
+
+def test_layout_bytes_come_from_the_shapes():
+    assert _replicas.layout_bytes([["a", "float32", [2, 3], 24], ["b", "bfloat16", [], 2],
+                                   ["c", "bool", [0, 5], 0]]) == 26
+    with pytest.raises(ValueError, match="4 bytes announced"):
+        _replicas.layout_bytes([["", "float32", [1 << 40], 4]])
+    with pytest.raises(ValueError, match="not one the bridge sizes"):
+        _replicas.layout_bytes([["", "float31", [1], 4]])
+    with pytest.raises(ValueError, match="sizes >= 0"):
+        _replicas.layout_bytes([["", "float32", [-1], -4]])
+    with pytest.raises(ValueError, match="not a list"):
+        _replicas.layout_bytes({"": 1})
+
+
+def test_replicas_per_uid_max_and_another_uid_keeps_working(peer_a):
+    b, ex, dl = peer_a({"w/a": 100, "w/b": 100, "w/c": 100}, replicas_max=2)
+    assert ex.fetch(dl, "w/a", 1000) == 7 and ex.fetch(dl, "w/b", 1000) == 7
+    made = len(dl.made)
+    with pytest.raises(OSError, match="uid 1000 holds 2 replicas: REPLICAS_PER_UID_MAX is 2") \
+            as e:
+        ex.fetch(dl, "w/c", 1000)
+    assert e.value.errno == errno.EDQUOT
+    assert len(dl.made) == made and "A:w/c" not in dl.entries     # nothing allocated
+    assert ex.wait_released(1) == 1                                # the lease given back
+    assert ex.link.connected()                                     # the connection stays
+    assert ex.fetch(dl, "w/c", 1001) == 7                          # another uid: served
+    assert ex.fetch(dl, "w/a", 1000) == 7                          # its own refetch: served
+    assert b.replicas.held(1000) == (2, 200) and b.replicas.held(1001) == (1, 100)
+    assert b.replicas.summary() == {"1000": [2, 200], "1001": [1, 100]}
+
+
+def test_replica_bytes_per_uid_max_refused_before_allocating(peer_a):
+    b, ex, dl = peer_a({"w/a": 100, "w/b": 100, "w/c": 100}, bytes_max=260)
+    ex.fetch(dl, "w/a", 1000)
+    ex.fetch(dl, "w/b", 1000)
+    made = len(dl.made)
+    with pytest.raises(OSError, match="uid 1000 asks for 100 bytes and holds 200: "
+                       "REPLICA_BYTES_PER_UID_MAX is 260") as e:
+        ex.fetch(dl, "w/c", 1000)
+    assert e.value.errno == errno.EDQUOT and len(dl.made) == made
+    assert ex.fetch(dl, "w/c", 1001) == 7                          # another uid: served
+    ex.sizes["w/a"] = 160                     # its own refetch: counted in place of the old
+    ex.fetch(dl, "w/a", 1000)
+    assert b.replicas.held(1000) == (2, 260)
+
+
+def test_a_huge_layout_is_refused_before_anything_is_allocated(peer_a):
+    huge = 1 << 62
+    b, ex, dl = peer_a({"w/huge": [["", "float32", [huge // 4], huge]],
+                        "w/lies": [["", "float32", [huge // 4], 4]]})
+    with pytest.raises(OSError, match=f"asks for {huge} bytes and holds 0: "
+                       "REPLICA_BYTES_PER_UID_MAX") as e:
+        ex.fetch(dl, "w/huge", 1000)
+    assert e.value.errno == errno.EDQUOT
+    with pytest.raises(ValueError, match="4 bytes announced"):     # EPROTO for the caller
+        ex.fetch(dl, "w/lies", 1000)
+    assert dl.made == [] and b.replicas.held(1000) == (0, 0)
+
+
+def test_an_unpublished_replica_stops_counting_at_the_next_look(peer_a):
+    b, ex, dl = peer_a({"w/a": 100, "w/b": 100}, replicas_max=1)
+    ex.fetch(dl, "w/a", 1000)
+    with pytest.raises(OSError, match="REPLICAS_PER_UID_MAX"):
+        ex.fetch(dl, "w/b", 1000)
+    dl.unpublish("A:w/a")                     # by someone else (an admin)
+    assert ex.fetch(dl, "w/b", 1000) == 7
+    assert b.replicas.held(1000) == (1, 100)
+    dl.unpublish("A:w/b")
+    dl.publish("A:w/b", None)                 # a publish the bridge did not make
+    assert ex.fetch(dl, "w/a", 1000) == 7     # w/b's record is gone: never counted twice
+    assert b.replicas.held(1000) == (1, 100) and b.replicas.summary() == {"1000": [1, 100]}
+
+
+def test_only_the_callers_own_replica_is_replaced(peer_a):
+    b, ex, dl = peer_a({"w/a": 100, "w/b": 100})
+    ex.fetch(dl, "w/a", 1000)
+    before = dl.entries["A:w/a"]
+    with pytest.raises(PermissionError, match="'A:w/a' holds the replica uid 1000 fetched: "
+                       "uid 1001 may not replace it"):
+        ex.fetch(dl, "w/a", 1001)
+    assert dl.entries["A:w/a"] == before and b.replicas.held(1001) == (0, 0)
+    dl.unpublish("A:w/a")                     # gone: the name is free again
+    ex.fetch(dl, "w/a", 1001)
+    assert b.replicas.held(1000) == (0, 0) and b.replicas.held(1001) == (1, 100)
+    dl.publish("A:w/b", None, uid=1234)       # someone published the name first
+    with pytest.raises(FileExistsError, match="published by uid 1234, not by the bridge"):
+        ex.fetch(dl, "w/b", 1001)
+
+
+def test_a_replica_from_before_a_restart_is_replaced_by_the_first_fetch(peer_a):
+    b, ex, dl = peer_a({"w/a": 100})
+    dl.publish("A:w/a", None)                 # the bridge's, not in this bridge's ledger
+    ex.fetch(dl, "w/a", 1000)
+    assert b.replicas.held(1000) == (1, 100)
+    with pytest.raises(PermissionError):
+        ex.fetch(dl, "w/a", 1001)
+
+
+def test_a_failed_fetch_keeps_the_replica_it_was_to_replace(peer_a):
+    b, ex, dl = peer_a({"w/a": 100})
+    ex.fetch(dl, "w/a", 1000)
+    ex.sizes["w/a"] = 200
+
+    def refuse(*a, **k):
+        raise OSError(errno.EDQUOT, "dlpackd says no")
+    dl.publish = refuse
+    with pytest.raises(OSError, match="dlpackd says no"):
+        ex.fetch(dl, "w/a", 1000)
+    assert b.replicas.held(1000) == (1, 100) and b.replicas.summary() == {"1000": [1, 100]}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="a second uid needs root and setpriv (util-linux)")
+def test_local_callers_are_charged_to_their_uid_from_so_peercred(peer_a):
+    """Through the local socket: root and uid 65534 (setpriv), each charged to its own uid."""
+    b, ex, dl = peer_a({"w/a": 100, "w/b": 100}, replicas_max=1)
+    b.peers = {"A": ex.link}
+    b.dlpackd = lambda: dl
+    b._clients = threading.BoundedSemaphore(4)
+    d = tempfile.mkdtemp(prefix="dlpc-bridge-uid-")
+    os.chmod(d, 0o755)
+    path = os.path.join(d, "bridge.sock")
+    unix = _server._listen_unix(path, 0o666)
+    th = threading.Thread(target=b._accept, args=(unix, b._client_thread, b._clients,
+                                                  "client"), daemon=True)
+    th.start()
+
+    def as_nobody(name):
+        code = ("import sys\nfrom dlpack_ipc import bridge\n"
+                f"try:\n    print(bridge.fetch({name!r}, 5, socket={path!r}))\n"
+                "except OSError as e:\n    print(type(e).__name__, e.strerror)\n")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+    try:
+        assert bridge.fetch("A:w/a", 5, socket=path) == ("A:w/a", 7)          # root
+        with pytest.raises(OSError, match="uid 0 holds 1 replicas: REPLICAS_PER_UID_MAX") \
+                as e:
+            bridge.fetch("A:w/b", 5, socket=path)
+        assert e.value.errno == errno.EDQUOT and "peer A" in str(e.value)
+        assert as_nobody("A:w/b") == "('A:w/b', 7)"          # root at its limit: served
+        assert as_nobody("A:w/a") == ("PermissionError fetch 'A:w/a': peer A (192.0.2.1:1), "
+                                      "'w/a': 'A:w/a' holds the replica uid 0 fetched: uid "
+                                      "65534 may not replace it (only its own)")
+        assert b.replicas.summary() == {"0": [1, 100], "65534": [1, 100]}
+        assert bridge.status(socket=path)["replicas"] == {"0": [1, 100], "65534": [1, 100]}
+    finally:
+        b.stop.set()
+        th.join(5)
+        unix.close()
+        shutil.rmtree(d)
