@@ -30,7 +30,8 @@ for f in "$(full "$sbindir")/dlpackd" "$(full "$includedir")/dlpc/dlpc.h" \
 	"$(full "$libdir")/pkgconfig/dlpc.pc" "$(full "$libdir")/cmake/dlpc/dlpcConfig.cmake" \
 	"$(full "$libdir")/cmake/dlpc/dlpcConfigVersion.cmake" \
 	"$(full "$unitdir")/dlpackd.service" "$(full "$unitdir")/dlpackd.socket" \
-	"$(full "$sysusersdir")/dlpackd.conf" "$(full "$mandir")/man8/dlpackd.8" \
+	"$(full "$sysusersdir")/dlpackd.conf" "$(full "$sysusersdir")/dlpackd-bridge.conf" \
+	"$(full "$unitdir")/dlpackd-bridge.service" "$(full "$mandir")/man8/dlpackd.8" \
 	"$(full "$mandir")/man3/dlpc.3" "$(full "$bindir")/dlpackctl" \
 	"$(full "$mandir")/man1/dlpackctl.1"; do
 	[ -f "$dest$f" ] || { echo "missing: $f" >&2; exit 1; }

@@ -36,9 +36,16 @@ verify)
 	[ -z "$out" ] || { echo "$out" >&2; echo "systemd-analyze verify complained" >&2; exit 1; }
 	mkdir "$tmp/sysroot"
 	systemd-sysusers --root="$tmp/sysroot" --dry-run \
-		"$tmp/root$(full "$sysusersdir")/dlpackd.conf" 2>&1 | tee "$tmp/sysusers.log"
+		"$tmp/root$(full "$sysusersdir")/dlpackd.conf" \
+		"$tmp/root$(full "$sysusersdir")/dlpackd-bridge.conf" 2>&1 | tee "$tmp/sysusers.log"
 	grep -q "Creating user 'dlpackd'" "$tmp/sysusers.log"
 	grep -q "Creating group 'dlpack'" "$tmp/sysusers.log"
+	# the bridge's static user, the one its unit names (its replicas outlive the service)
+	grep -q "Creating user 'dlpackd-bridge'" "$tmp/sysusers.log"
+	grep -qx "User=dlpackd-bridge" "$units/dlpackd-bridge.service" ||
+		{ echo "dlpackd-bridge.service does not run as User=dlpackd-bridge" >&2; exit 1; }
+	! grep -q "^DynamicUser=" "$units/dlpackd-bridge.service" ||
+		{ echo "dlpackd-bridge.service has DynamicUser=" >&2; exit 1; }
 	echo "verify: dlpackd.socket and dlpackd.service pass"
 	# the bridge's unit (its interpreter is the build's DLPC_BRIDGE_PYTHON, outside DESTDIR)
 	out=$(MANPATH=$tmp/root$(full "$mandir") SYSTEMD_LOG_LEVEL=notice \
