@@ -76,8 +76,11 @@ def fetch(name, timeout=None, *, socket=None):
     a number of seconds then TimeoutError; the bridge bounds either way its wait for a stalled
     peer (docs/bridge.md: LAYOUT_TIMEOUT, the lease TTL plus TRANSFER_GRACE).
     FileNotFoundError: the peer has no such name or does not export it (or no such peer is
-    configured); PermissionError: the peers' tokens differ; ConnectionError: the peer or the
-    local bridge is unreachable or went away.
+    configured); PermissionError: the peers' tokens differ, or local holds a replica another
+    uid fetched (only the caller's own is replaced); FileExistsError: local is published by
+    someone other than the bridge; OSError EDQUOT: the caller's uid is at the bridge's
+    REPLICAS_PER_UID_MAX or REPLICA_BYTES_PER_UID_MAX (docs/bridge.md, Local callers and
+    their limits); ConnectionError: the peer or the local bridge is unreachable or went away.
     """
     if not isinstance(name, str) or ":" not in name:
         raise ValueError(f"bridge name {name!r} is not 'peer:name'")
