@@ -258,6 +258,24 @@ def case_64m(w, a, b):
           "fetch call to published replica)")
 
 
+def case_per_uid(w, a, b):
+    """Replicas charged to the caller's uid (SO_PEERCRED), checked against B's real dlpackd:
+    after case_tensor and case_64m this uid holds w/t and w/64m; a refetch counts in place of
+    the old one (the other record confirmed by dlpackd's list), and a replica unpublished on B
+    stops counting at the next fetch."""
+    uid = str(os.geteuid())
+
+    def held():
+        return bridge.status(socket=w.bridge_socket("bridge-B"))["replicas"].get(uid)
+    both = [2, (1 << 20) + (64 << 20)]
+    check(held() == both, f"uid {uid} holds w/t and w/64m ({held()} == {both})")
+    fetch(w, "A:w/t")
+    check(held() == both, f"a refetch of w/t counts in place of the old one ({held()})")
+    b.unpublish("A:w/64m")
+    fetch(w, "A:w/t")
+    check(held() == [1, 1 << 20], f"w/64m, unpublished on B, no longer counts ({held()})")
+
+
 def state_dict():
     rng = np.random.default_rng(2)
     sd = {}
@@ -630,6 +648,7 @@ def main():
         ss_b = sh("ip", "netns", "exec", w.ns["B"], "ss", "-tanp").stdout
         fd_a = fds(w.procs["bridge-A"])
         case_64m(w, a, b)
+        case_per_uid(w, a, b)
         case_state_dict(w, a, b)
         case_errors(w, a, b)
         case_wrong_token(w, a, b)
