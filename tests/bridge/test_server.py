@@ -722,3 +722,15 @@ def test_local_callers_are_charged_to_their_uid_from_so_peercred(peer_a):
         th.join(5)
         unix.close()
         shutil.rmtree(d)
+
+
+def test_the_per_uid_options():
+    main = importlib.import_module("dlpack_ipc.bridge.__main__")
+    args = main._args(["--replicas-per-uid", "3", "--replica-bytes-per-uid", "2G"])
+    assert args.replicas_per_uid == 3 and args.replica_bytes_per_uid == 2 << 30
+    assert main._args([]).replica_bytes_per_uid is None       # the constants, in Bridge
+    assert main.size("4096") == 4096 and main.size("1t") == 1 << 40
+    with pytest.raises(SystemExit):
+        main._args(["--replica-bytes-per-uid", "lots"])
+    assert main.main(["--replicas-per-uid", "0"]) == 2
+    assert main.main(["--replica-bytes-per-uid", "0"]) == 2

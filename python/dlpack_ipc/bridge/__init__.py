@@ -94,5 +94,6 @@ def fetch(name, timeout=None, *, socket=None):
 
 
 def status(*, socket=None):
-    """The local bridge's state, a dict: its agent name, peers, live leases, transfers."""
+    """The local bridge's state, a dict: its agent name, peers, live leases, transfers, and
+    the replicas each local uid holds ("replicas": {"uid": [replicas, bytes]})."""
     return _request({"op": "status"}, 10.0, socket, "bridge status")

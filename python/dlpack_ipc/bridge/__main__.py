@@ -87,6 +87,17 @@ def _seconds(text):
     return None
 
 
+def size(text):
+    """A size for --replica-bytes-per-uid: bytes, or with a K, M, G or T suffix (binary, as
+    dlpackd's --max-bytes-per-uid); argparse's error when it is not one."""
+    t = text.strip().upper()
+    shift = {"K": 10, "M": 20, "G": 30, "T": 40}.get(t[-1:], 0)
+    digits = t[:-1] if shift else t
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or with K, M, G, T)")
+    return int(digits) << shift
+
+
 def keepalive_dead():
     """Seconds after which UCX closes a silent dead data connection, from the environment."""
     idle = _seconds(os.environ.get("UCX_TCP_KEEPIDLE", "10s"))
@@ -132,8 +143,9 @@ def _args(argv):
     p.add_argument("--replicas-per-uid", metavar="N", type=int, default=None,
                    help="live replicas one local uid's fetches may hold (default "
                    "REPLICAS_PER_UID_MAX, 64)")
-    p.add_argument("--replica-bytes-per-uid", metavar="BYTES", type=int, default=None,
-                   help="their bytes (default REPLICA_BYTES_PER_UID_MAX, 256 GiB)")
+    p.add_argument("--replica-bytes-per-uid", metavar="SIZE", type=size, default=None,
+                   help="their bytes, with K, M, G or T for binary multiples (default "
+                   "REPLICA_BYTES_PER_UID_MAX, 256G)")
     p.add_argument("--progress-thread", action="store_true",
                    help="let NIXL run its progress thread (it spins: on few cores, slower)")
     p.add_argument("--log-level", default="info",
