@@ -223,6 +223,7 @@ class PeerLink:
         ttl = f.get("ttl")
         if not isinstance(ttl, (int, float)) or not ttl > 0:
             raise ConnectionError(errno.EPROTO, f"layout with a lease TTL of {ttl!r}")
+        t1 = time.monotonic()
         # sized and charged to the caller's uid before anything is allocated: a peer that
         # announces a huge layout is refused here (ValueError: a malformed one)
         nbytes = _replicas.layout_bytes(tensors)
@@ -238,8 +239,8 @@ class PeerLink:
             self.bridge.replicas.cancel(local)
             raise
         self.bridge.replicas.commit(local, gen_here)
-        log.info("fetched %r from %s (generation %d, %d bytes) for uid %d in %.3f s", rname,
-                 self.name, gen, nbytes, uid, time.monotonic() - t0)
+        log.info("fetched %r from %s (generation %d, %d bytes) for uid %d in %.3f s, layout "
+                 "%.3f", rname, self.name, gen, nbytes, uid, time.monotonic() - t0, t1 - t0)
         return gen
 
     def _transfer(self, dl, rname, local, deadline, rid, lid, tensors, bundle):
