@@ -734,3 +734,15 @@ def test_the_per_uid_options():
         main._args(["--replica-bytes-per-uid", "lots"])
     assert main.main(["--replicas-per-uid", "0"]) == 2
     assert main.main(["--replica-bytes-per-uid", "0"]) == 2
+
+
+def test_follow_replicas_are_the_bridges_own(peer_a):
+    b, ex, dl = peer_a({"w/f": 100})
+    ex.fetch(dl, "w/f", b.replicas.own_uid)                # as _follow fetches
+    with pytest.raises(PermissionError, match=f"uid {BRIDGE_UID} fetched: uid 1000 may not"):
+        ex.fetch(dl, "w/f", 1000)
+    dl.unpublish("A:w/f")                                  # _follow: the peer's entry went
+    b.replicas.forget("A:w/f")
+    assert b.replicas.held(BRIDGE_UID) == (0, 0) and b.replicas.summary() == {}
+    b.replicas.forget("A:w/f")                             # twice: nothing below zero
+    assert b.replicas.held(BRIDGE_UID) == (0, 0)
