@@ -17,7 +17,6 @@ without tbf fails the test (it is not skipped).
 """
 import contextlib
 import errno
-import json
 import os
 import shutil
 import signal
@@ -68,8 +67,9 @@ def check(cond, what):
         failures.append(what)
 
 
-def wait_for(pred, what, timeout=WAIT):
-    """Wait (bounded) until pred() is true; a failed check naming what if it never is."""
+def wait_for(pred, what, timeout=WAIT, every=0.005):
+    """Wait (bounded) until pred() is true, trying every that many seconds; a failed check
+    naming what if it never is."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:
@@ -77,7 +77,7 @@ def wait_for(pred, what, timeout=WAIT):
                 return True
         except OSError:
             pass
-        time.sleep(0.005)
+        time.sleep(every)
     check(False, f"{what} (not within {timeout:.0f} s)")
     return False
 
@@ -166,10 +166,15 @@ class World:
         return p
 
     def wire_bytes(self, host="A"):
-        """The bytes sent out of host's veth so far: past its qdisc, what the link carried."""
-        out = sh("ip", "-n", self.ns[host], "-s", "-j", "link", "show", "dev",
-                 self.veth[host]).stdout
-        return json.loads(out)[0]["stats64"]["tx"]["bytes"]
+        """The bytes sent out of host's veth so far: past its qdisc, what the link carried.
+        Read from /proc/PID/net/dev of host's dlpackd (in its namespace): no process started,
+        so that polling it does not take the CPU from the bridges."""
+        with open(f"/proc/{self.procs[f'dlpackd-{host}'].pid}/net/dev") as f:
+            for line in f:
+                dev, _, counters = line.partition(":")
+                if dev.strip() == self.veth[host]:
+                    return int(counters.split()[8])
+        raise RuntimeError(f"no {self.veth[host]} in namespace {self.ns[host]}")
 
     @contextlib.contextmanager
     def slow_link(self, rate):
@@ -265,8 +270,8 @@ def mid_transfer(w, th, total, tx0, what):
     tx0; a check that the transfer is then live: the fetch th not returned, A still writing,
     and strictly between 0 and total bytes across (headers included: fewer payload bytes).
     The caller fires its event at once, and checks an outcome a finished transfer cannot give."""
-    wait_for(lambda: not th.is_alive() or (writing(w) and w.wire_bytes() - tx0 >= total // 8),
-             f"{what}: an eighth of the WRITE across")
+    wait_for(lambda: not th.is_alive() or (w.wire_bytes() - tx0 >= total // 8 and writing(w)),
+             f"{what}: an eighth of the WRITE across", every=0.02)
     moved = w.wire_bytes() - tx0
     live = th.is_alive() and writing(w)
     check(live and 0 < moved < total, f"{what}: mid-transfer (A writing: {live}, "
