@@ -198,7 +198,8 @@ class World:
             for h in shaped:
                 r = sh("ip", "netns", "exec", self.ns[h], "tc", "qdisc", "del", "dev",
                        self.veth[h], "root", check_rc=False)
-                check(r.returncode == 0, f"tbf removed from {self.veth[h]} {r.stderr.strip()}")
+                check(r.returncode == 0, f"tbf removed from {self.veth[h]}" +
+                      (f" ({r.stderr.strip()})" if r.returncode else ""))
 
     def kill(self, name, sig=signal.SIGKILL):
         p = self.procs.pop(name, None)
