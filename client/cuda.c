@@ -605,10 +605,11 @@ static int wait_event(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *
 		/* relaxed: in global mode the wait would be refused, and another thread's graph
 		 * capture invalidated (an event query was, on an H200); put back as it was */
 		CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+		bool swapped = cu.cuThreadExchangeStreamCaptureMode(&mode) == CUDA_SUCCESS;
 
-		cu.cuThreadExchangeStreamCaptureMode(&mode);
 		r = CU_CALL(what, cuEventSynchronize, ev);
-		cu.cuThreadExchangeStreamCaptureMode(&mode);
+		if (swapped)
+			cu.cuThreadExchangeStreamCaptureMode(&mode);
 	}
 	if (!own)
 		cu.cuEventDestroy(ev);
@@ -728,7 +729,9 @@ static void record_after(struct retiring *x)
 {
 	CUresult e;
 
-	if (legacy_captured())
+	/* held: a capture may be under way or begin between the look and the record, and a
+	 * record during a blocking stream's capture loses it (seen on an H200) */
+	if (atomic_load(&release_holds) > 0 || legacy_captured())
 		return;
 	/* blocking sync: the retiring thread's cuEventSynchronize sleeps instead of spinning */
 	e = x->ev ? CUDA_SUCCESS
@@ -761,7 +764,7 @@ static bool retire_due(struct retiring *x)
 	/* a non-blocking stream, or no event: synchronizing during a capture would fail it, so
 	 * wait for a capture that can be seen to end, or that the caller said may be under way
 	 * (dlpc_cuda_hold_releases()), and try again after one that could not be seen */
-	if (x->sync && (legacy_captured() || atomic_load(&release_holds) > 0)) {
+	if (x->sync && (atomic_load(&release_holds) > 0 || legacy_captured())) {
 		done = false;
 	} else if (x->sync) {
 		e = cu.cuCtxSynchronize();
@@ -800,7 +803,7 @@ static struct retiring *retire_batch(struct retiring *todo, bool *poll)
 	while ((x = todo)) {
 		todo = x->next;
 		if (!retire_due(x)) {
-			*poll |= x->record || (x->sync && atomic_load(&release_holds) == 0);
+			*poll |= (x->record || x->sync) && atomic_load(&release_holds) == 0;
 			x->next = left;
 			left = x;
 			continue;
@@ -818,8 +821,8 @@ static struct retiring *retire_batch(struct retiring *todo, bool *poll)
 }
 
 /*
- * The waiting region to block on: of @p left's that wait for an event (not for a context
- * synchronization held back by dlpc_cuda_hold_releases()), the oldest (its event completes
+ * The waiting region to block on: of @p left's that wait for an event (not for a record or a
+ * context synchronization held back by dlpc_cuda_hold_releases()), the oldest (its event completes
  * first, the legacy stream being in order), if they are all on one device; NULL when they
  * are spread over several (blocking on one device's event would keep another's releases
  * waiting) or when none waits for an event (*@p held then says so).
@@ -830,7 +833,7 @@ static struct retiring *retire_oldest(struct retiring *left, bool *held)
 
 	*held = true;
 	for (struct retiring *x = left; x; x = x->next) {
-		if (x->sync)
+		if (x->sync || x->record)
 			continue;
 		*held = false;
 		if (old && x->r->ordinal != old->r->ordinal)
@@ -995,7 +998,8 @@ void dlpc_cuda_resume_releases(void)
 	/* never below zero: a resume without its hold changes nothing */
 	while (n > 0 && !atomic_compare_exchange_weak(&release_holds, &n, n - 1))
 		;
-	if (n != 1)
+	/* a forked child has no retiring thread, and retire_mu may have been held at the fork */
+	if (n != 1 || forked())
 		return;
 	pthread_mutex_lock(&retire_mu);
 	retire_wakes++;

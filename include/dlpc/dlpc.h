@@ -616,21 +616,27 @@ DLPC_EXPORT DLManagedTensorVersioned *dlpc_tensor_share(const DLManagedTensorVer
 DLPC_EXPORT int dlpc_tensor_wait(const DLManagedTensorVersioned *t, void *stream);
 
 /**
- * Hold back, in this whole process, the releases of attached CUDA tensors that would
- * synchronize a context, until as many dlpc_cuda_resume_releases() have been called. Call it
- * before a CUDA graph capture on a non-blocking stream (PyTorch's side streams and
- * torch.cuda.graph's own) and resume after the capture ends, when another thread (a garbage
- * collector) may drop attached tensors meanwhile.
+ * Hold back, in this whole process, the releases of attached CUDA tensors, until as many
+ * dlpc_cuda_resume_releases() have been called. Call it before a CUDA graph capture on a
+ * non-blocking stream (PyTorch's side streams and torch.cuda.graph's own) and resume after
+ * the capture ends, when another thread (a garbage collector) may drop attached tensors
+ * meanwhile.
  *
  * Why: the release of a tensor whose consumer named a non-blocking stream waits for all of the
  * context's work (see dlpc_tensor_wait()), and a context synchronization invalidates any
  * capture under way in that context, even one on another thread's stream. A capture on a
  * non-blocking stream cannot be seen from outside that stream, so libdlpc cannot wait for its
- * end by itself, as it does for a capture on a blocking stream. While held, such a release
- * keeps its memory mapped and its reference, and libdlpc's thread sleeps until the last hold
- * ends; releases ordered by an event on the legacy default stream go on. Holds nest and may
- * be taken and resumed on any thread; a resume without a hold does nothing. Nothing to do
- * without CUDA.
+ * end by itself, as it does for a capture on a blocking stream. While held, libdlpc's thread
+ * makes no release at all and sleeps until the last hold ends: the tensors dropped meanwhile
+ * keep their memory mapped and their references. That includes the releases ordered by an
+ * event on the legacy default stream (recorded once the hold ends: later is still after the
+ * consumer's work), since a capture on a blocking stream, which libdlpc sees and waits for,
+ * could begin between its look and its record, and the record would lose it.
+ *
+ * Holds nest and may be taken and resumed on any thread (in a forked child a resume only
+ * counts); a resume without a hold does nothing. Not held: a deleter that cannot hand its
+ * tensor to libdlpc's thread (no memory, no thread) synchronizes on the host at once. Nothing
+ * to do without CUDA.
  */
 DLPC_EXPORT void dlpc_cuda_hold_releases(void);
 

@@ -608,9 +608,9 @@ def empty_dict(spec, device="cpu"):
 
 @contextlib.contextmanager
 def cuda_releases_held():
-    """Hold back, in this whole process, the releases of attached CUDA tensors that would
-    synchronize a context, for the duration of a with block: wrap a CUDA graph capture in it
-    when another thread (the garbage collector) may drop attached tensors meanwhile.
+    """Hold back, in this whole process, the releases of attached CUDA tensors for the
+    duration of a with block: wrap a CUDA graph capture in it when another thread (the garbage
+    collector) may drop attached tensors meanwhile.
 
         with dlpack_ipc.cuda_releases_held():
             with torch.cuda.graph(g):
@@ -618,10 +618,11 @@ def cuda_releases_held():
 
     A tensor whose consumer named a non-blocking stream (torch.from_dlpack under a side
     stream) is released after all of its device's work, and that synchronization would
-    invalidate a capture under way on a non-blocking stream, which libdlpc cannot see.
-    Meanwhile such releases wait (the memory stays mapped), and they go when the last hold
-    ends. Holds nest and may be taken on any thread. See docs/gpu.md, "Which stream orders
-    what"."""
+    invalidate a capture under way on a non-blocking stream, which libdlpc cannot see; and
+    the event a release records on the legacy stream would invalidate a capture on a blocking
+    stream that began just before. Meanwhile nothing is released (the memory stays mapped),
+    and the releases go when the last hold ends. Holds nest and may be taken on any thread.
+    See docs/gpu.md, "Which stream orders what"."""
     _core._cuda_hold_releases()
     try:
         yield

@@ -17,7 +17,9 @@
 #include <string.h>
 #include <sched.h>
 #include <unistd.h>
+#include <dirent.h>
 #include <sys/mount.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 
 #include "cuda_api.h"
@@ -1589,11 +1591,39 @@ END_TEST
  * Another thread captures a graph on a non-blocking stream (as torch.cuda.graph does) while
  * this one attaches and drops tensors: one read on the legacy stream, one on a non-blocking
  * stream of its own, one waited for on the host. The capture cannot be seen from the legacy
- * stream (as on an H200), so the legacy-ordered release goes at once, and the host wait is
- * made in relaxed mode. The non-blocking one needs its context synchronized, which invalidates
- * any capture under way: with dlpc_cuda_hold_releases() (*@p arg) it waits for the resume;
- * without, the capture is lost, as the docs say.
+ * stream (as on an H200), and the host wait is made in relaxed mode. The non-blocking one
+ * needs its context synchronized, which invalidates any capture under way. With
+ * dlpc_cuda_hold_releases() (*@p arg) nothing is released until the resume, and libdlpc's
+ * thread sleeps meanwhile (it makes no driver call); without, the legacy-ordered release goes
+ * at once and the other one loses the capture, as the docs say.
  */
+/* The times the other threads of this process went to sleep so far (voluntary context
+ * switches, /proc/self/task/N/status): a thread that polls adds one per look. */
+static long other_threads_sleeps(void)
+{
+	long me = (long)syscall(SYS_gettid), n = 0, v;
+	DIR *d = opendir("/proc/self/task");
+	struct dirent *e;
+	char path[300], line[128];
+
+	while (d && (e = readdir(d))) {
+		FILE *f;
+
+		if (e->d_name[0] == '.' || atol(e->d_name) == me)
+			continue;
+		snprintf(path, sizeof(path), "/proc/self/task/%s/status", e->d_name);
+		f = fopen(path, "r");
+		while (f && fgets(line, sizeof(line), f))
+			if (sscanf(line, "voluntary_ctxt_switches: %ld", &v) == 1)
+				n += v;
+		if (f)
+			fclose(f);
+	}
+	if (d)
+		closedir(d);
+	return n;
+}
+
 static int release_while_nonblocking_captures(void *arg)
 {
 	bool hold = *(const bool *)arg;
@@ -1617,9 +1647,21 @@ static int release_while_nonblocking_captures(void *arg)
 	CHILD_CHECK(refs_now(c) == 3);
 	for (int i = 0; i < 3; i++)
 		t[i]->deleter(t[i]);
-	CHILD_CHECK(refs_reach(c, 1));
 	if (hold) {
-		CHILD_CHECK(refs_stay(c, 1));
+		long sleeps;
+		int looks;
+
+		usleep(100000);
+		looks = log_count(getpid(), "cuStreamIsCapturing") + log_count(getpid(), "cuEvent");
+		sleeps = other_threads_sleeps();
+		usleep(300000);
+		/* libdlpc's thread sleeps until the resume: no look at the driver, and not a wake-up
+		 * per millisecond (a poll would add about 300 here) */
+		CHILD_CHECK(other_threads_sleeps() - sleeps < 30);
+		CHILD_CHECK(log_count(getpid(), "cuStreamIsCapturing") +
+				    log_count(getpid(), "cuEvent") ==
+			    looks);
+		CHILD_CHECK(refs_now(c) == 3);
 		CHILD_CHECK(log_count(getpid(), "cuCtxSynchronize") == 0);
 		fake_cuda_capture(cap, 0);
 		dlpc_cuda_resume_releases();
@@ -1627,6 +1669,7 @@ static int release_while_nonblocking_captures(void *arg)
 		CHILD_CHECK(refs_reach(c, 0));
 		CHILD_CHECK(log_count(getpid(), "capture-invalidated") == 0);
 	} else {
+		CHILD_CHECK(refs_reach(c, 1));
 		CHILD_CHECK(log_appears(getpid(), "capture-invalidated by cuCtxSynchronize"));
 		fake_cuda_capture(cap, 0);
 		CHILD_CHECK(refs_reach(c, 0));
