@@ -99,6 +99,7 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b.exports = ["w/"]
     b.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
     b.replicas = _replicas.Ledger(BRIDGE_UID)
+    b.follow = []
     return b
 
 
@@ -746,3 +747,18 @@ def test_follow_replicas_are_the_bridges_own(peer_a):
     assert b.replicas.held(BRIDGE_UID) == (0, 0) and b.replicas.summary() == {}
     b.replicas.forget("A:w/f")                             # twice: nothing below zero
     assert b.replicas.held(BRIDGE_UID) == (0, 0)
+
+
+def test_a_followed_name_is_not_fetched_by_a_local_caller(peer_a):
+    """--follow keeps its replica as the bridge's own: a local caller's fetch of that name is
+    refused (it would take the replica over, and the follow could never replace it again), and
+    the follow's own fetch still goes."""
+    b, ex, dl = peer_a({"w/f": 100, "w/g": 100})
+    b.peers = {"A": ex.link}
+    b.follow = [(ex.link, "w/f", "A:w/f")]
+    r = b._fetch(dl, {"op": "fetch", "name": "A:w/f"}, 1000, 4242)
+    assert r["op"] == "error" and r["errno"] == "EPERM" and "--follow" in r["message"]
+    assert b.replicas.held(1000) == (0, 0) and "A:w/f" not in dl.entries
+    assert b._fetch(dl, {"op": "fetch", "name": "A:w/g"}, 1000, 4242)["op"] == "fetched"
+    ex.fetch(dl, "w/f", b.replicas.own_uid)                # as _follow fetches
+    assert b.replicas.held(BRIDGE_UID) == (1, 100)

@@ -449,8 +449,9 @@ class Bridge:
     def _client_thread(self, sock, addr):
         dl = None
         # the caller, from the kernel: its fetches are charged to its uid
-        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                          struct.calcsize("3i")))
+        # struct ucred: pid_t pid, uid_t uid, gid_t gid (uid_t and gid_t unsigned)
+        pid, uid, _ = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("iII")))
         try:
             while not self.stop.is_set():
                 if not _wire.readable(sock, 0.5):
@@ -506,6 +507,11 @@ class Bridge:
         if link is None:
             return _wire.error_frame("ENOENT", f"no peer {peer!r} is configured "
                                      f"(--peer: {', '.join(self.peers) or 'none'})")
+        if any(local == name for _, _, local in self.follow):
+            # --follow keeps it fresh as the bridge's own: a caller's fetch would take the
+            # replica over, and the follow could then never replace it
+            return _wire.error_frame("EPERM", f"{name!r} is kept fresh by --follow: attach "
+                                     "it, no fetch is needed")
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             gen = link.fetch(dl, rname, name, deadline, uid)
