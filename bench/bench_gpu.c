@@ -7,13 +7,7 @@
  *         kernel (a sum of its 32-bit words) and released, by legacy CUDA IPC (cuMemAlloc
  *         memory) and by VMM (dlpc_alloc memory); beside the floor, the driver's own import of
  *         the same memory (cuIpcOpenMemHandle; cuMemImportFromShareableHandle + reserve + map +
- *         set access), then the same kernel read and release. The order, per size: two
- *         warm-up rounds (untimed), then one round per rep; a round runs every kind once, in
- *         turn: floor_legacy, dlpc_legacy, floor_vmm, dlpc_vmm. Whatever drifts during a run
- *         (GPU clocks ramping up, the driver's first-use costs) so reaches every kind alike,
- *         where a block of reps per kind would hand it all to the first. libdlpc's deleter only
- *         queues its release: the bench waits for it (untimed) before the next attach of any
- *         kind, so that every attach opens the memory anew and never meets another's mapping.
+ *         set access), then the same kernel read and release.
  * dict:   a state dict of N tensors from the publisher (the "trainer") to this process (the
  *         "inference" one): the time from the start of the publish until this process has
  *         every tensor and a first kernel has read one, bucketed (dlpc_alloc_bundle, one
@@ -45,10 +39,6 @@
 
 #define MAX_SIZES 16
 #define MAX_REPS 1000
-#define ATTACH_KINDS 4 /* enum attach_kind */
-#define WARMUP 2       /* attach: warm-up rounds per size, untimed (their sums checked) */
-/* the consumer's 64-bit sum slots: attach, (WARMUP + reps) per kind; dict, two */
-#define SLOTS (ATTACH_KINDS * (MAX_REPS + WARMUP))
 
 static const char *sock_path;
 static const char *only;
@@ -83,7 +73,7 @@ static bool wanted(const char *name)
 /* ---- the consumer ---- */
 
 static dlpc_client *client;
-static CUdeviceptr outs; /* SLOTS 64-bit sums: one per kernel read still to check */
+static CUdeviceptr outs; /* one 64-bit sum per rep */
 
 static void request(enum op op, uint64_t size, uint32_t count, uint32_t seed, struct msg *ans,
 		    int *fd)
@@ -104,7 +94,7 @@ static void done(void)
 /* Zero the first @p n sums. */
 static void outs_clear(int n)
 {
-	static const uint64_t zeros[SLOTS];
+	static const uint64_t zeros[MAX_REPS + 2];
 
 	CK(cu.cuMemcpyHtoD(outs, zeros, sizeof(uint64_t) * (size_t)n));
 	/* a copy from pageable memory may still be under way when it returns, on the legacy
@@ -121,13 +111,12 @@ static void wrong(const char *what, size_t size, uint64_t got, uint64_t want)
 	exit(1);
 }
 
-/* Every one of the @p n sums from slot @p first on is @p want, or the run fails naming @p what. */
-static void outs_check(int first, int n, uint64_t want, const char *what, size_t size)
+/* Every one of the first @p n sums is @p want, or the run fails naming @p what. */
+static void outs_check(int n, uint64_t want, const char *what, size_t size)
 {
-	static uint64_t got[SLOTS];
+	static uint64_t got[MAX_REPS + 2];
 
-	CK(cu.cuMemcpyDtoH(got, outs + sizeof(uint64_t) * (size_t)first,
-			   sizeof(uint64_t) * (size_t)n));
+	CK(cu.cuMemcpyDtoH(got, outs, sizeof(uint64_t) * (size_t)n));
 	for (int i = 0; i < n; i++)
 		if (got[i] != want)
 			wrong(what, size, got[i], want);
@@ -218,12 +207,11 @@ static void wait_released(uint64_t before)
 	exit(1);
 }
 
-/* Per size: WARMUP rounds, then reps rounds, each round every kind once in the order of enum
- * attach_kind (see the top comment); each kind's sums checked, one row per kind. */
+/* Per size: each kind in a block of its own (the floor's open of the legacy memory never
+ * meets libdlpc's), two warm-up reps first, every sum checked. */
 static void bench_attach(void)
 {
-	uint64_t *ns = calloc((size_t)ATTACH_KINDS * (size_t)reps, sizeof(*ns));
-	int per = WARMUP + reps; /* sum slots per kind: kind k's reads go to slots k * per on */
+	uint64_t *ns = calloc((size_t)reps, sizeof(*ns));
 	struct msg ready;
 	int fd;
 
@@ -231,27 +219,21 @@ static void bench_attach(void)
 		gpu_die("calloc");
 	for (int i = 0; i < nsizes; i++) {
 		request(OP_ATTACH, sizes[i], 0, 0x5eed0000u + (uint32_t)i, &ready, &fd);
-		fprintf(stderr, "gpu attach %zu bytes x %d, the kinds in turn\n", sizes[i], reps);
-		outs_clear(ATTACH_KINDS * per);
-		for (int r = -WARMUP; r < reps; r++) {
-			for (int k = FLOOR_LEGACY; k <= DLPC_VMM; k++) {
+		fprintf(stderr, "gpu attach %zu bytes x %d\n", sizes[i], reps);
+		for (int k = FLOOR_LEGACY; k <= DLPC_VMM; k++) {
+			outs_clear(reps + 2);
+			for (int r = -2; r < reps; r++) {
 				bool ours = k == DLPC_LEGACY || k == DLPC_VMM;
 				uint64_t before = ours ? references() : 0, t0 = gpu_now_ns();
 
-				attach_once((enum attach_kind)k, &ready, fd, sizes[i],
-					    k * per + WARMUP + r);
+				attach_once((enum attach_kind)k, &ready, fd, sizes[i], r + 2);
 				if (r >= 0)
-					ns[(size_t)k * (size_t)reps + (size_t)r] =
-						gpu_now_ns() - t0;
-				/* closed before the next attach of any kind (untimed) */
+					ns[r] = gpu_now_ns() - t0;
 				if (ours)
 					wait_released(before);
 			}
-		}
-		for (int k = FLOOR_LEGACY; k <= DLPC_VMM; k++) {
-			outs_check(k * per, per, ready.first, attach_impls[k], sizes[i]);
-			row("gpu_attach", attach_impls[k], (long long)sizes[i],
-			    ns + (size_t)k * (size_t)reps, reps, NULL);
+			outs_check(reps + 2, ready.first, attach_impls[k], sizes[i]);
+			row("gpu_attach", attach_impls[k], (long long)sizes[i], ns, reps, NULL);
 		}
 		close(fd);
 		done();
@@ -292,7 +274,7 @@ static uint64_t dict_once(enum op op, size_t each, uint32_t seed)
 	gpu_sum(gpu_data_of(ts[0]), ts[0]->dl_tensor.shape[0], outs);
 	CK(cu.cuStreamSynchronize(gpu_stream));
 	t1 = gpu_now_ns();
-	outs_check(0, 1, ready.first, "dict: the first tensor", each);
+	outs_check(1, ready.first, "dict: the first tensor", each);
 	for (uint32_t i = 0; i < n; i++)
 		gpu_sum(gpu_data_of(ts[i]), ts[i]->dl_tensor.shape[0], outs + sizeof(uint64_t));
 	CK(cu.cuStreamSynchronize(gpu_stream));
@@ -494,7 +476,7 @@ int main(int argc, char **argv)
 	gpu_driver_start();
 	if (dlpc_connect_flags(sock_path, DLPC_CONNECT_NO_CACHE, &client) < 0)
 		gpu_die("dlpc_connect");
-	CK(cu.cuMemAlloc(&outs, sizeof(uint64_t) * SLOTS));
+	CK(cu.cuMemAlloc(&outs, sizeof(uint64_t) * (MAX_REPS + 2)));
 	if (wanted("attach"))
 		bench_attach();
 	if (wanted("dict"))
