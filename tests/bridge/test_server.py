@@ -762,3 +762,55 @@ def test_a_followed_name_is_not_fetched_by_a_local_caller(peer_a):
     assert b._fetch(dl, {"op": "fetch", "name": "A:w/g"}, 1000, 4242)["op"] == "fetched"
     ex.fetch(dl, "w/f", b.replicas.own_uid)                # as _follow fetches
     assert b.replicas.held(BRIDGE_UID) == (1, 100)
+
+
+def _resident(addr, n):
+    """Pages of [addr, addr + n) (page-aligned) that are mapped in, by mincore(2)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    vec = ctypes.create_string_buffer(n // 4096)
+    assert libc.mincore(addr, n, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec.raw)
+
+
+def test_populate_maps_the_ranges_and_stops_when_told(monkeypatch, caplog):
+    """The importer's populate thread maps an unaligned range's pages in (MADV_POPULATE_WRITE),
+    stops part-way when finished early, and a kernel that refuses the advice ends it at once
+    with one line in the log."""
+    import ctypes
+    import mmap
+    size = 16 << 20
+    m = mmap.mmap(-1, size)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    try:
+        assert _resident(base, size) == 0
+        p = _importer._Populate([(base + 100, size - 200)])
+        p.join(10)
+        assert not p.is_alive() and _resident(base, size) == size // 4096
+        m2 = mmap.mmap(-1, size)
+        base2 = ctypes.addressof(ctypes.c_char.from_buffer(m2))
+        monkeypatch.setattr(_importer, "POPULATE_CHUNK", 1 << 20)
+        real, calls = _importer._libc.madvise, []
+
+        def slow(a, n, advice):
+            calls.append(n)
+            time.sleep(0.2)                 # 16 chunks: 3.2 s, stopped well before
+            return real(a, n, advice)
+        monkeypatch.setattr(_importer._libc, "madvise", slow)
+        p = _importer._Populate([(base2, size)])
+        time.sleep(0.3)
+        p.finish()
+        assert 1 <= len(calls) < 16 and 0 < _resident(base2, size) < size // 4096
+        monkeypatch.setattr(_importer._libc, "madvise", lambda a, n, advice: -1)
+        monkeypatch.setattr(_importer.log, "propagate", True)   # the bridge's main turns it off
+        with caplog.at_level("INFO", logger="dlpackd-bridge"):
+            p = _importer._Populate([(base2, size)])
+            p.join(10)
+        assert not p.is_alive()
+        assert sum("MADV_POPULATE_WRITE" in r.getMessage() for r in caplog.records) == 1
+        del base2
+        m2.close()
+    finally:
+        del base
+        m.close()
