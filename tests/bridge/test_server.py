@@ -232,7 +232,11 @@ class FakeDlpackd:
     def publish_dict(self, name, ts, replace=False):
         return self.publish(name, None, replace)
 
-    def unpublish(self, name):
+    def unpublish(self, name, generation=None):
+        if name not in self.entries:
+            raise FileNotFoundError(errno.ENOENT, name)
+        if generation is not None and self.entries[name][1] != generation:
+            raise OSError(errno.ESTALE, name)
         del self.entries[name]
 
     def list(self, prefix=""):
@@ -718,6 +722,16 @@ def test_local_callers_are_charged_to_their_uid_from_so_peercred(peer_a):
                                       "65534 may not replace it (only its own)")
         assert b.replicas.summary() == {"0": [1, 100], "65534": [1, 100]}
         assert bridge.status(socket=path)["replicas"] == {"0": [1, 100], "65534": [1, 100]}
+        code = ("from dlpack_ipc import bridge\n"
+                f"try:\n    bridge.drop('A:w/a', socket={path!r})\n"
+                "except OSError as e:\n    print(type(e).__name__)\n")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=30)
+        assert r.stdout.strip() == "PermissionError", r.stderr    # root's: not 65534's
+        bridge.drop("A:w/a", socket=path)                           # root's own
+        assert bridge.status(socket=path)["replicas"] == {"65534": [1, 100]}
+        assert bridge.fetch("A:w/a", 5, socket=path) == ("A:w/a", 7)  # room again
     finally:
         b.stop.set()
         th.join(5)
@@ -814,3 +828,25 @@ def test_populate_maps_the_ranges_and_stops_when_told(monkeypatch, caplog):
     finally:
         del base
         m.close()
+
+
+def test_a_caller_drops_its_own_replica(peer_a):
+    """drop: the replica's fetcher (or root) gives it back: unpublished and no longer charged;
+    another uid's, an unknown name and a followed one are refused, naming why."""
+    b, ex, dl = peer_a({"w/a": 100, "w/b": 100, "w/f": 100}, replicas_max=1)
+    b.follow = [(ex.link, "w/f", "A:w/f")]
+    ex.fetch(dl, "w/a", 1000)
+    ex.fetch(dl, "w/b", 1001)
+
+    def drop(name, uid):
+        return b._drop(dl, {"op": "drop", "name": name}, uid, 4242)
+    r = drop("A:w/a", 1001)
+    assert r["errno"] == "EPERM" and "uid 1001 may not drop it" in r["message"]
+    assert drop("A:w/a", 1000) == {"op": "dropped", "name": "A:w/a"}
+    assert "A:w/a" not in dl.entries and b.replicas.held(1000) == (0, 0)
+    assert drop("A:w/a", 1000)["errno"] == "ENOENT"
+    assert drop("A:w/f", 0)["errno"] == "EPERM"
+    assert drop("w/b", 1001)["errno"] == "EINVAL"
+    dl.unpublish("A:w/b")                       # gone already: the record goes all the same
+    assert drop("A:w/b", 0)["op"] == "dropped" and b.replicas.summary() == {}
+    assert ex.fetch(dl, "w/a", 1000) == 7       # at its limit before: room again

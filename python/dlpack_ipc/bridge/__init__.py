@@ -17,7 +17,7 @@ import time
 from . import _wire
 from ._wire import FRAME_MAX
 
-__all__ = ["fetch", "status", "default_socket", "FRAME_MAX", "FETCH_GRACE"]
+__all__ = ["fetch", "drop", "status", "default_socket", "FRAME_MAX", "FETCH_GRACE"]
 
 # A fetch with a timeout waits this much longer than the bridge does for the bridge's answer,
 # so that the bridge's own TimeoutError (naming the peer and the name) is the one raised.
@@ -91,6 +91,17 @@ def fetch(name, timeout=None, *, socket=None):
     reply = _request({"op": "fetch", "name": name, "timeout": timeout}, timeout, socket,
                      f"fetch {name!r}")
     return reply["name"], reply["generation"]
+
+
+def drop(name, *, socket=None):
+    """Give back the replica name ("peer:name") that the caller's fetch made: the bridge
+    unpublishes it, and it no longer counts against the caller's uid (attached tensors stay
+    valid until released). root may drop any. FileNotFoundError: no such replica;
+    PermissionError: another uid's, or one --follow keeps; BlockingIOError: a fetch into it is
+    under way; ConnectionError: the local bridge is unreachable."""
+    if not isinstance(name, str) or ":" not in name:
+        raise ValueError(f"bridge name {name!r} is not 'peer:name'")
+    _request({"op": "drop", "name": name}, 10.0, socket, f"drop {name!r}")
 
 
 def status(*, socket=None):

@@ -164,7 +164,25 @@ class Ledger:
         with self._lock:
             self._pending.pop(local, None)
 
-    def forget(self, local):
-        """The bridge unpublished local itself."""
+    def forget(self, local, generation=None):
+        """The bridge unpublished local itself (the replica of that generation, if given)."""
         with self._lock:
-            self._live.pop(local, None)
+            r = self._live.get(local)
+            if r is not None and generation in (None, r.generation):
+                del self._live[local]
+
+    def droppable(self, local, uid):
+        """The generation of the live replica at local, if uid may drop it (the uid whose fetch
+        made it, or root); else the OSError that says why not: no such replica (ENOENT), a
+        fetch into it under way (EAGAIN), another uid's (EPERM)."""
+        with self._lock:
+            if local in self._pending:
+                raise BlockingIOError(errno.EAGAIN, f"{local!r}: a fetch into it is under way")
+            r = self._live.get(local)
+            if r is None:
+                raise FileNotFoundError(errno.ENOENT, f"{local!r} is no replica the bridge "
+                                        "holds for anyone")
+            if uid not in (r.uid, 0):
+                raise PermissionError(errno.EPERM, f"{local!r} holds the replica uid {r.uid} "
+                                      f"fetched: uid {uid} may not drop it (only its own)")
+            return r.generation

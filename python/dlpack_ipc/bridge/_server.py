@@ -471,6 +471,15 @@ class Bridge:
                             "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
                     else:
                         reply = self._fetch(dl, f, uid, pid)
+                elif f["op"] == "drop":
+                    try:
+                        if dl is None:
+                            dl = self.dlpackd()
+                    except OSError as e:
+                        reply = _wire.error_frame(
+                            "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
+                    else:
+                        reply = self._drop(dl, f, uid, pid)
                 else:
                     raise _wire.FrameError("EPROTO", f"unknown op {f['op']!r}")
                 _wire.send(sock, reply)
@@ -491,6 +500,26 @@ class Bridge:
                     "peers": {n: p.connected() for n, p in self.peers.items()},
                     "replicas": self.replicas.summary(),
                     **self.counts}
+
+    def _drop(self, dl, f, uid, pid):
+        """A local caller gives back a replica its fetch made (root: any): the reply frame."""
+        name = f.get("name")
+        if not isinstance(name, str) or ":" not in name:
+            return _wire.error_frame("EINVAL", f"{name!r} is not 'peer:name'")
+        if any(local == name for _, _, local in self.follow):
+            return _wire.error_frame("EPERM", f"{name!r} is kept fresh by --follow: the bridge's "
+                                     "own")
+        try:
+            gen = self.replicas.droppable(name, uid)
+            try:
+                dl.unpublish(name, generation=gen)
+            except FileNotFoundError:
+                pass                # unpublished already: the record goes all the same
+        except OSError as e:
+            return _wire.error_frame(errno.errorcode.get(e.errno, "EIO"), e.strerror or str(e))
+        self.replicas.forget(name, gen)
+        log.info("replica %r (generation %d) dropped for uid %d (pid %d)", name, gen, uid, pid)
+        return {"op": "dropped", "name": name}
 
     def _fetch(self, dl, f, uid, pid):
         """A local caller's fetch (uid and pid from SO_PEERCRED): the reply frame."""
