@@ -7,8 +7,8 @@
 FAKE_OUT is the --out of the ctest bench_gpu_fake (its fixture, run first): its
 bench_gpu.png must be a PNG written after its bench_gpu.json. `run_gpu.py --plot` must draw
 h200_2026-11-28.json (beside this file): the bench_gpu.json of a hardware run, copied unchanged
-from scripts/dev gpu-test bench on one NVIDIA H200 (driver CUDA 13.0), 2026-11-28, before the
-attach rows were interleaved; its figure must carry the device and the driver in its title, a
+from bench/run_gpu.py on one NVIDIA H200 (driver CUDA 13.0), 2026-11-28 (the run docs/gpu.md
+reports, each attach row's reps in a block of their own); its figure must carry the device and the driver in its title, a
 line per attach implementation and a bar per state-dict row. Without matplotlib, run_gpu.py
 must say in one line that no plot was made, write none and exit 0; that is checked with any
 interpreter (a stand-in matplotlib that cannot be imported), the rest only where matplotlib can

@@ -713,23 +713,25 @@ def case_link_down(w, a, b):
         mid_transfer(w, th, BIG, tx0, "link down")
         t0 = time.monotonic()
         sh("ip", "-n", w.ns["A"], "link", "set", w.veth["A"], "down")
-        th.join(60)
-        dt = time.monotonic() - t0
-        check(not th.is_alive(), f"link down mid-way: the fetch returned after {dt:.1f} s "
-              f"(timeout 8 s): {res}")
-        # a transfer that had finished would have been published: a fetch that succeeds fails
-        check(isinstance(res.get("e"), (TimeoutError, ConnectionError)),
-              f"link down: the fetch failed: {type(res.get('e')).__name__}")
-        check(wait_for(lambda: status_a(w)["aborted"] == st0["aborted"] + 1,
-                       "link down: A aborts the WRITE"), "link down: A aborted the WRITE")
-        check(status_a(w)["served"] == st0["served"], "link down: A served nothing meanwhile")
-        check(wait_for(lambda: refs(a, "w/big") == 0, "link down: A's reference back"),
-              "link down: the exporter's lease ended")
-        # the worst order: both sides give the memory back while the link is still down, and
-        # only then does it come back with whatever A's kernel still had to send
-        wait_for(lambda: bridge.status(socket=w.bridge_socket("bridge-B"))["quarantined"] == 0,
-                 "link down: B's quarantine emptied")
-        sh("ip", "-n", w.ns["A"], "link", "set", w.veth["A"], "up")
+        try:
+            th.join(60)
+            dt = time.monotonic() - t0
+            check(not th.is_alive(), f"link down mid-way: the fetch returned after {dt:.1f} s "
+                  f"(timeout 8 s): {res}")
+            # a transfer that had finished would have been published: a fetch that succeeds fails
+            check(isinstance(res.get("e"), (TimeoutError, ConnectionError)),
+                  f"link down: the fetch failed: {type(res.get('e')).__name__}")
+            check(wait_for(lambda: status_a(w)["aborted"] == st0["aborted"] + 1,
+                           "link down: A aborts the WRITE"), "link down: A aborted the WRITE")
+            check(status_a(w)["served"] == st0["served"], "link down: A served nothing meanwhile")
+            check(wait_for(lambda: refs(a, "w/big") == 0, "link down: A's reference back"),
+                  "link down: the exporter's lease ended")
+            # the worst order: both sides give the memory back while the link is still down, and
+            # only then does it come back with whatever A's kernel still had to send
+            wait_for(lambda: bridge.status(socket=w.bridge_socket("bridge-B"))["quarantined"] == 0,
+                     "link down: B's quarantine emptied")
+        finally:     # up again whatever failed: the cases after this one use the link
+            sh("ip", "-n", w.ns["A"], "link", "set", w.veth["A"], "up")
     time.sleep(2)       # (not a timing assert: what A's kernel retransmits lands meanwhile)
     local, _ = fetch(w, "A:w/big", timeout=60)
     t = b.attach(local)

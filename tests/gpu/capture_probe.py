@@ -47,7 +47,8 @@ def vmm_prep():
     h, d = C.c_ulonglong(), C.c_ulonglong()
     sz = 2 << 20
     assert cu.cuMemCreate(C.byref(h), C.c_size_t(sz), C.byref(p), C.c_ulonglong(0)) == 0
-    assert cu.cuMemAddressReserve(C.byref(d), C.c_size_t(sz), C.c_size_t(0), C.c_ulonglong(0), C.c_ulonglong(0)) == 0
+    assert cu.cuMemAddressReserve(C.byref(d), C.c_size_t(sz), C.c_size_t(0), C.c_ulonglong(0),
+                                  C.c_ulonglong(0)) == 0
     assert cu.cuMemMap(d, C.c_size_t(sz), C.c_size_t(0), h, C.c_ulonglong(0)) == 0
     a = Access(1, 0, 3)
     assert cu.cuMemSetAccess(d, C.c_size_t(sz), C.byref(a), C.c_size_t(1)) == 0
@@ -70,7 +71,8 @@ sys.stdout.write(bytes(h).hex() + "\n"); sys.stdout.flush(); sys.stdin.read()
 
 
 def ipc_prep():
-    p = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    p = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE)
     h = IpcHandle.from_buffer_copy(bytes.fromhex(p.stdout.readline().decode().strip()))
     d = C.c_ulonglong()
     cu.cuCtxSetCurrent(ctx)
