@@ -462,7 +462,8 @@ class Bridge:
                     return
                 if f["op"] == "status":
                     reply = self.status()
-                elif f["op"] == "fetch":
+                elif f["op"] in ("fetch", "drop"):
+                    handle = self._fetch if f["op"] == "fetch" else self._drop
                     try:
                         if dl is None:
                             dl = self.dlpackd()
@@ -470,16 +471,7 @@ class Bridge:
                         reply = _wire.error_frame(
                             "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
                     else:
-                        reply = self._fetch(dl, f, uid, pid)
-                elif f["op"] == "drop":
-                    try:
-                        if dl is None:
-                            dl = self.dlpackd()
-                    except OSError as e:
-                        reply = _wire.error_frame(
-                            "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
-                    else:
-                        reply = self._drop(dl, f, uid, pid)
+                        reply = handle(dl, f, uid, pid)
                 else:
                     raise _wire.FrameError("EPROTO", f"unknown op {f['op']!r}")
                 _wire.send(sock, reply)
