@@ -218,7 +218,8 @@ static int alloc_device(DLDevice device, const char *what)
 }
 
 /* The memfd of @p r, @p size bytes mapped here with every page allocated (huge ones where the
- * machine allows them), for dlpc_alloc() (@p what). 0 or negative errno. */
+ * machine allows them; with "advise" faulted in by threads, dlpc__split_copy()), for dlpc_alloc()
+ * (@p what). 0 or negative errno. */
 static int alloc_host(struct dlpc__region *r, uint64_t size, const char *what)
 {
 	/* with shmem_enabled "advise", huge pages go to pages first touched through a mapping
@@ -239,7 +240,8 @@ static int alloc_host(struct dlpc__region *r, uint64_t size, const char *what)
 	}
 	if (advise) {
 		(void)madvise(r->base, r->len, MADV_HUGEPAGE);
-		err = dlpc__huge_fill(r->base, r->len, r->fd);
+		/* no runs: the threads only allocate, each its part */
+		err = dlpc__split_copy(r->base, size, r->fd, true, NULL, 0);
 		if (err < 0) {
 			err = dlpc__fail(dlpc__space_err(-err),
 					 "cannot reserve %llu bytes of shared memory for '%s': %s",

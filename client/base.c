@@ -44,22 +44,36 @@ void dlpc__deadline_in(struct timespec *dl, int64_t ms)
 	}
 }
 
-/* See internal.h. */
-bool dlpc__start_thread(void *(*fn)(void *), void *arg)
+/* A thread of the library's running @p fn(@p arg), every signal blocked on it; joinable, its id
+ * in *@p t, if @p t is not NULL, else detached. */
+static bool start(pthread_t *t, void *(*fn)(void *), void *arg)
 {
 	sigset_t all, old;
 	pthread_attr_t attr;
-	pthread_t t;
+	pthread_t detached;
 	bool ok;
 
 	sigfillset(&all);
 	pthread_attr_init(&attr);
-	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+	if (!t)
+		pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
 	pthread_sigmask(SIG_SETMASK, &all, &old);
-	ok = pthread_create(&t, &attr, fn, arg) == 0;
+	ok = pthread_create(t ? t : &detached, &attr, fn, arg) == 0;
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	pthread_attr_destroy(&attr);
 	return ok;
+}
+
+/* See base.h. */
+bool dlpc__start_thread(void *(*fn)(void *), void *arg)
+{
+	return start(NULL, fn, arg);
+}
+
+/* See base.h. */
+bool dlpc__start_joinable(pthread_t *t, void *(*fn)(void *), void *arg)
+{
+	return start(t, fn, arg);
 }
 
 int dlpc__check(const dlpc_client *c)

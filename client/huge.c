@@ -153,14 +153,14 @@ void *dlpc__huge_map(int fd, size_t len, bool advise)
 	return p;
 }
 
-int dlpc__huge_fill(void *p, size_t len, int fd)
+int dlpc__huge_fill(void *map, uint64_t off, size_t len, int fd)
 {
-	int r = madvise(p, len, MADV_POPULATE_WRITE) < 0 ? -errno : 0;
+	int r = madvise((uint8_t *)map + off, len, MADV_POPULATE_WRITE) < 0 ? -errno : 0;
 
 	if (r != -EINVAL) /* MADV_POPULATE_WRITE came with Linux 5.14 */
 		return r;
 	do
-		r = fallocate(fd, 0, 0, (off_t)len);
+		r = fallocate(fd, 0, (off_t)off, (off_t)len);
 	while (r < 0 && errno == EINTR);
 	return r < 0 ? -errno : 0;
 }

@@ -596,9 +596,53 @@ static int lay_out(const char *name, size_t n, const char *const keys[],
 	return 0;
 }
 
+/*
+ * Write the tensors into the memfd @p fd (@p size bytes) mapped writable at @p map, the
+ * contiguous ones split over threads (dlpc__split_copy()), each allocating its part's pages
+ * first if @p populate: memory that cannot be had fails here, not with SIGBUS. The strided ones
+ * after, on this thread. 0 or negative errno.
+ */
+static int write_split(int fd, uint8_t *map, uint64_t size, bool populate, const struct slot *slots,
+		       size_t n, const char *name)
+{
+	struct dlpc__run one = {0}, *runs = n <= 1 ? &one : malloc(n * sizeof(*runs));
+	size_t nruns = 0;
+	bool strided = false;
+	int r;
+
+	if (!runs)
+		return dlpc__fail(-ENOMEM, "cannot publish '%s': out of memory", name);
+	for (size_t i = 0; i < n; i++) {
+		if (slots[i].nbytes == 0)
+			continue;
+		if (!slots[i].contiguous) {
+			strided = true;
+			continue;
+		}
+		runs[nruns++] = (struct dlpc__run){(const uint8_t *)slots[i].t->data +
+							   slots[i].t->byte_offset,
+						   slots[i].offset, slots[i].nbytes};
+	}
+	r = dlpc__split_copy(map, size, fd, populate, runs, nruns);
+	if (runs != &one)
+		free(runs);
+	if (r < 0)
+		return dlpc__fail(
+			dlpc__space_err(-r),
+			"cannot publish '%s': cannot allocate %llu bytes of shared memory: "
+			"%s",
+			name, (unsigned long long)size, strerror(-r));
+	if (!strided)
+		return 0;
+	for (size_t i = 0; i < n; i++)
+		if (!slots[i].contiguous && (r = write_slots(fd, map, &slots[i], 1, name)) < 0)
+			return r;
+	return 0;
+}
+
 /* Write the tensors into the fresh memfd @p fd (@p size bytes) through a mapping that asks for
- * huge pages (shmem_enabled "advise"), its pages all allocated first: memory that cannot be had
- * fails here, not with SIGBUS. 0 or negative errno. */
+ * huge pages (shmem_enabled "advise"), its pages all allocated first (write_split()). 0 or
+ * negative errno. */
 static int write_mapped(int fd, uint64_t size, const struct slot *slots, size_t n, const char *name)
 {
 	uint8_t *map = dlpc__huge_map(fd, (size_t)size, true);
@@ -606,14 +650,7 @@ static int write_mapped(int fd, uint64_t size, const struct slot *slots, size_t 
 
 	if (!map)
 		return write_slots(fd, NULL, slots, n, name);
-	r = dlpc__huge_fill(map, (size_t)size, fd);
-	if (r < 0)
-		r = dlpc__fail(dlpc__space_err(-r),
-			       "cannot publish '%s': cannot allocate %llu bytes of shared memory: "
-			       "%s",
-			       name, (unsigned long long)size, strerror(-r));
-	else
-		r = write_slots(fd, map, slots, n, name);
+	r = write_split(fd, map, size, true, slots, n, name);
 	munmap(map, (size_t)size);
 	return r;
 }
@@ -631,9 +668,7 @@ static int copy_hugetlb(const char *name, const struct slot *slots, size_t n, ui
 	if (fd < 0)
 		return fd;
 	map = dlpc__huge_map(fd, (size_t)len, false);
-	r = map ? dlpc__huge_fill(map, (size_t)len, fd) : -errno;
-	if (r == 0)
-		r = write_slots(fd, map, slots, n, name);
+	r = map ? write_split(fd, map, len, true, slots, n, name) : -errno;
 	if (map)
 		munmap(map, (size_t)len);
 	if (r < 0) {
@@ -651,7 +686,8 @@ static int copy_hugetlb(const char *name, const struct slot *slots, size_t n, ui
  * mapped here, faulted in: the copy is a memcpy() into it, unmapped after); a fresh one has
  * them allocated as they are written (pwrite, not a mapping: no page faults, unless huge pages
  * must be asked for), so memory that cannot be had fails here, at publish, like a reservation
- * would. The fd or a negative errno.
+ * would. A copy through a mapping is split over threads (write_split()). The fd or a negative
+ * errno.
  */
 static int copy_once(const char *name, const struct slot *slots, size_t n, uint64_t *size)
 {
@@ -664,7 +700,8 @@ static int copy_once(const char *name, const struct slot *slots, size_t n, uint6
 		return fd;
 	fd = dlpc__warm_take(*size, &map, &map_len);
 	if (fd >= 0) {
-		r = write_slots(fd, map, slots, n, name);
+		r = map ? write_split(fd, map, *size, false, slots, n, name)
+			: write_slots(fd, NULL, slots, n, name);
 		/* before the seal, whatever the copy gave: the writable mapping bars F_SEAL_WRITE */
 		if (map)
 			munmap(map, map_len);

@@ -111,6 +111,24 @@ void dlpc__warm_refill(uint64_t size);
 bool dlpc__warm_drop(void);
 void dlpc__warm_register(void);
 
+/* split.c: a copy into new shared memory, split over threads. */
+/* One contiguous run of a copy: @p len bytes from @p src, to byte @p off of the mapping. */
+struct dlpc__run {
+	const void *src;
+	uint64_t off, len;
+};
+/* How many threads a copy of @p len bytes is split over: one per DLPC__SPLIT_MIN bytes, at most
+ * DLPC__SPLIT_THREADS_MAX, $DLPC_COPY_THREADS and the CPUs the calling thread may run on; at
+ * least 1 (the caller alone). */
+unsigned dlpc__split_threads(uint64_t len);
+/* Copy the @p n runs into @p map, a writable mapping of the @p len bytes of the memfd @p fd
+ * (MADV_DONTFORK), split over dlpc__split_threads(@p len) threads, each with its part of the
+ * mapping (whole huge pages): if @p populate, it first allocates that part's pages
+ * (dlpc__huge_fill()). The number of threads that ran at once (1: the caller alone), or the
+ * negative errno of an allocation that failed (then some of the bytes may not be there). */
+int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, bool populate,
+		     const struct dlpc__run *runs, size_t n);
+
 /* huge.c: how a memfd of some size gets huge pages. */
 enum dlpc__huge {
 	DLPC__HUGE_NONE,   /* not at all: too small, not allowed, or not asked for */
@@ -129,10 +147,10 @@ uint64_t dlpc__huge_pmd(void);
  * writable mapping in a child would bar F_SEAL_WRITE; a fork() waits until it is marked),
  * asking for huge pages if @p advise (MADV_HUGEPAGE). NULL if it cannot (errno says why). */
 void *dlpc__huge_map(int fd, size_t len, bool advise);
-/* Allocate every page of the memfd @p fd mapped writable at @p p (@p len bytes), by faulting
- * them in (MADV_POPULATE_WRITE), so that a mapping's MADV_HUGEPAGE applies. 0 or negative
- * errno. */
-int dlpc__huge_fill(void *p, size_t len, int fd);
+/* Allocate the pages of bytes [@p off, @p off + @p len) of the memfd @p fd mapped writable at
+ * @p map, by faulting them in (MADV_POPULATE_WRITE), so that a mapping's MADV_HUGEPAGE applies.
+ * 0 or negative errno. */
+int dlpc__huge_fill(void *map, uint64_t off, size_t len, int fd);
 /* fork(), @p phase as struct dlpc__hooks' atfork: holds off a fork() while dlpc__huge_map() has
  * a mapping not yet kept from children. Called by the warm pool's hook, after it took its own
  * locks (a fill maps under them). */

@@ -252,7 +252,7 @@ static int fill_pages(struct warm_fd *w)
 	int r = 0;
 
 	if (advise) /* the pages are first touched through the mapping */
-		r = dlpc__huge_fill(w->map, (size_t)w->size, w->fd);
+		r = dlpc__huge_fill(w->map, 0, (size_t)w->size, w->fd);
 	else /* allocated first: a memory cgroup without room fails it, a fault would be killed */
 		while ((r = fallocate(w->fd, 0, 0, (off_t)w->size) < 0 ? -errno : 0) == -EINTR)
 			;

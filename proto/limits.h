@@ -64,6 +64,13 @@
  * killer) halfway through its write. In a cgroup without that much room the pool stays empty. */
 #define DLPC__WARM_ROOM_FACTOR 2
 
+/* A copy of the copy path through a mapping (fresh huge pages, or a warm memfd mapped) is split
+ * over threads (client/split.c): at most this many, the caller's included... */
+#define DLPC__SPLIT_THREADS_MAX 4
+/* ...each given this many bytes at least: below, a thread's start and its share of the page
+ * tables' lock cost about what it saves. */
+#define DLPC__SPLIT_MIN (16u << 20)
+
 /* The longest socket path dlpackd binds itself, bytes: a socket address's 107 less the ".new"
  * of the name it binds first and renames onto the path once it listens (daemon/server.c), so
  * that the path never names a socket that refuses connections. */

@@ -1,0 +1,292 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The copy path's copy split over threads (client/split.c): how many threads a copy gets, that
+ * each part lands where it belongs whatever the runs' boundaries, that a part whose pages cannot
+ * be allocated fails the copy with every thread joined, and a bundle with a strided tensor
+ * published through a warm memfd's mapping read back whole by another process.
+ */
+#include <check.h>
+#include <dirent.h>
+#include <errno.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "limits.h"
+#include "region.h"
+
+#define MIB (1u << 20)
+
+static struct daemon D;
+
+static void setup(void)
+{
+	daemon_start(&D);
+}
+
+static void teardown(void)
+{
+	daemon_stop(&D);
+}
+
+/* The CPUs this thread may run on. */
+static unsigned cpus(void)
+{
+	cpu_set_t set;
+
+	ck_assert_int_eq(sched_getaffinity(0, sizeof(set), &set), 0);
+	return (unsigned)CPU_COUNT(&set);
+}
+
+static unsigned min3(unsigned a, unsigned b, unsigned c)
+{
+	unsigned m = a < b ? a : b;
+
+	return m < c ? m : c;
+}
+
+/* One thread per DLPC__SPLIT_MIN bytes, within DLPC__SPLIT_THREADS_MAX, the CPUs and
+ * $DLPC_COPY_THREADS; a value that is not a number is ignored. */
+START_TEST(test_split_threads)
+{
+	uint64_t big = (uint64_t)DLPC__SPLIT_MIN * (DLPC__SPLIT_THREADS_MAX + 3);
+	unsigned n = cpus();
+	cpu_set_t one, all;
+
+	unsetenv(DLPC_COPY_THREADS_ENV);
+	ck_assert_uint_eq(dlpc__split_threads(0), 1);
+	ck_assert_uint_eq(dlpc__split_threads(2ull * DLPC__SPLIT_MIN - 1), 1);
+	ck_assert_uint_eq(dlpc__split_threads(2ull * DLPC__SPLIT_MIN), min3(2, n, 99));
+	ck_assert_uint_eq(dlpc__split_threads(big), min3(DLPC__SPLIT_THREADS_MAX, n, 99));
+	setenv(DLPC_COPY_THREADS_ENV, "1", 1);
+	ck_assert_uint_eq(dlpc__split_threads(big), 1);
+	setenv(DLPC_COPY_THREADS_ENV, "0", 1);
+	ck_assert_uint_eq(dlpc__split_threads(big), 1);
+	setenv(DLPC_COPY_THREADS_ENV, "2", 1);
+	ck_assert_uint_eq(dlpc__split_threads(big), min3(2, n, 99));
+	setenv(DLPC_COPY_THREADS_ENV, "1000", 1); /* never past the bound */
+	ck_assert_uint_eq(dlpc__split_threads(big), min3(DLPC__SPLIT_THREADS_MAX, n, 99));
+	setenv(DLPC_COPY_THREADS_ENV, "-2", 1);
+	ck_assert_uint_eq(dlpc__split_threads(big), min3(DLPC__SPLIT_THREADS_MAX, n, 99));
+	setenv(DLPC_COPY_THREADS_ENV, "two", 1);
+	ck_assert_uint_eq(dlpc__split_threads(big), min3(DLPC__SPLIT_THREADS_MAX, n, 99));
+	unsetenv(DLPC_COPY_THREADS_ENV);
+	/* a thread pinned to one CPU copies alone */
+	ck_assert_int_eq(sched_getaffinity(0, sizeof(all), &all), 0);
+	CPU_ZERO(&one);
+	for (int i = 0; i < CPU_SETSIZE; i++)
+		if (CPU_ISSET(i, &all)) {
+			CPU_SET(i, &one);
+			break;
+		}
+	ck_assert_int_eq(sched_setaffinity(0, sizeof(one), &one), 0);
+	ck_assert_uint_eq(dlpc__split_threads(big), 1);
+	ck_assert_int_eq(sched_setaffinity(0, sizeof(all), &all), 0);
+}
+END_TEST
+
+/* This process's threads. */
+static int threads(void)
+{
+	DIR *d = opendir("/proc/self/task");
+	int n = 0;
+
+	ck_assert_ptr_nonnull(d);
+	while (readdir(d))
+		n++;
+	closedir(d);
+	return n - 2; /* . and .. */
+}
+
+/* Runs at odd offsets and lengths, across every part's boundary, with gaps between them: each
+ * byte lands where it belongs, the gaps stay zero, every page is allocated, and the copy ran
+ * on as many threads as dlpc__split_threads() says (more than one wherever two CPUs are). */
+START_TEST(test_split_copy)
+{
+	uint64_t len = 3ull * DLPC__SPLIT_MIN + 5 * 4096 + 123;
+	uint8_t *src = malloc(len), *map;
+	struct dlpc__run runs[6];
+	uint64_t at = 17;
+	int fd, before = threads();
+	size_t n = 0, bad = SIZE_MAX;
+	struct stat st;
+
+	ck_assert_ptr_nonnull(src);
+	for (uint64_t i = 0; i < len; i++)
+		src[i] = (uint8_t)(i * 7 + 1) | 1; /* never 0 */
+	/* lengths such that the runs cross the parts' boundaries (whole huge pages) */
+	const uint64_t lens[] = {1,    3 * MIB + 1, DLPC__SPLIT_MIN + 77,
+				 4095, 9 * MIB + 3, DLPC__SPLIT_MIN - 11};
+	for (size_t i = 0; i < 6 && at < len; i++) {
+		uint64_t l = at + lens[i] <= len ? lens[i] : len - at;
+
+		runs[n++] = (struct dlpc__run){src + at, at, l};
+		at += l + 4096 + i; /* a gap */
+	}
+	fd = memfd_create("split", MFD_CLOEXEC);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(ftruncate(fd, (off_t)len), 0);
+	map = dlpc__huge_map(fd, (size_t)len, false);
+	ck_assert_ptr_nonnull(map);
+	ck_assert_int_eq(dlpc__split_copy(map, len, fd, true, runs, n),
+			 (int)dlpc__split_threads(len));
+	if (cpus() >= 2)
+		ck_assert_int_ge(dlpc__split_threads(len), 2);
+	ck_assert_int_eq(threads(), before); /* every one joined */
+	for (size_t i = 0, r = 0; i < len && bad == SIZE_MAX; i++) {
+		while (r < n && i >= runs[r].off + runs[r].len)
+			r++;
+		if (map[i] != (r < n && i >= runs[r].off ? src[i] : 0))
+			bad = i; /* (Check's assertions are too slow for every byte) */
+	}
+	ck_assert_msg(bad == SIZE_MAX, "byte %zu is wrong (%s)", bad,
+		      bad < len && map[bad] == 0 ? "not copied" : "copied where it should not be");
+	ck_assert_int_eq(fstat(fd, &st), 0);
+	ck_assert_uint_ge((uint64_t)st.st_blocks * 512, len / 4096 * 4096);
+	munmap(map, (size_t)len);
+	close(fd);
+	free(src);
+}
+END_TEST
+
+/* A part whose pages cannot be allocated (past the end of the file: the fault has no page to
+ * give) fails the copy with a negative errno; the other parts' threads are joined all the
+ * same, and nothing is left running. */
+START_TEST(test_split_copy_fails)
+{
+	uint64_t len = 4ull * DLPC__SPLIT_MIN;
+	uint8_t *src = calloc(1, len), *map;
+	struct dlpc__run run;
+	int fd, before = threads(), r;
+
+	ck_assert_ptr_nonnull(src);
+	run = (struct dlpc__run){src, 0, len};
+	fd = memfd_create("split", MFD_CLOEXEC);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(ftruncate(fd, (off_t)(len / 4)), 0); /* the mapping runs past the end */
+	map = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	ck_assert_ptr_ne(map, MAP_FAILED);
+	r = dlpc__split_copy(map, len, fd, true, &run, 1);
+	ck_assert_msg(r < 0, "a copy past the end of its memfd gave %d", r);
+	ck_assert_int_eq(threads(), before);
+	munmap(map, (size_t)len);
+	close(fd);
+	free(src);
+}
+END_TEST
+
+/* A child: attach @p arg's bundle and check every byte of both tensors. */
+struct bundle_src {
+	const char *name;
+	const uint8_t *a;  /* contiguous, A_BYTES */
+	const uint8_t *tb; /* the strided tensor's source, read transposed */
+};
+#define A_BYTES (3 * (size_t)DLPC__SPLIT_MIN + 4097)
+#define B_ROWS 1024
+#define B_COLS 4096
+
+static int bundle_child(void *arg)
+{
+	const struct bundle_src *s = arg;
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *a, *b;
+	dlpc_bundle *bundle;
+	const uint8_t *pa, *pb;
+
+	CHILD_CHECK(dlpc_attach_bundle(c, s->name, NULL, &bundle) > 0);
+	CHILD_CHECK(dlpc_bundle_count(bundle) == 2);
+	CHILD_CHECK(strcmp(dlpc_bundle_key(bundle, 0), "a") == 0);
+	a = dlpc_bundle_take(bundle, 0);
+	b = dlpc_bundle_take(bundle, 1);
+	pa = a->dl_tensor.data;
+	pb = b->dl_tensor.data;
+	CHILD_CHECK(memcmp(pa, s->a, A_BYTES) == 0);
+	/* b[i][j] == tb[j][i]: written C-contiguous from the transposed view */
+	for (size_t i = 0; i < B_COLS; i++)
+		for (size_t j = 0; j < B_ROWS; j++)
+			CHILD_CHECK(pb[i * B_ROWS + j] == s->tb[j * B_COLS + i]);
+	a->deleter(a);
+	b->deleter(b);
+	dlpc_bundle_free(bundle);
+	dlpc_close(c);
+	return 0;
+}
+
+/* Wait (a scaled 5 s at most) until this process maps a memfd of libdlpc's: the warm pool's,
+ * filled (it maps it once its pages are in). */
+static bool wait_mapped_warm(void)
+{
+	for (int i = 0; i < scaled_ms(5000) / 5; i++) {
+		if (dlpc_mappings() >= 1)
+			return true;
+		usleep(5000);
+	}
+	return dlpc_mappings() >= 1;
+}
+
+/* A bundle of a contiguous tensor and a strided one (a transposed view), large enough to be
+ * split, published twice: the first writes a fresh memfd (with write(), or through a mapping
+ * where shmem huge pages are on), the second takes the warm pool's mapped memfd and copies
+ * through its mapping, split. Another process reads both back whole each time. */
+START_TEST(test_split_publish_bundle)
+{
+	uint8_t *a = malloc(A_BYTES), *tb = malloc((size_t)B_ROWS * B_COLS);
+	int64_t shape_a[1] = {(int64_t)A_BYTES}, shape_b[2] = {B_COLS, B_ROWS};
+	int64_t strides_b[2] = {1, B_COLS};
+	const char *keys[2] = {"a", "b"};
+	struct bundle_src s = {"s/bundle", a, tb};
+	dlpc_client *c;
+
+	ck_assert_ptr_nonnull(a);
+	ck_assert_ptr_nonnull(tb);
+	for (size_t i = 0; i < A_BYTES; i++)
+		a[i] = (uint8_t)(i * 13 + 5);
+	for (size_t i = 0; i < (size_t)B_ROWS * B_COLS; i++)
+		tb[i] = (uint8_t)(i * 31 + 3);
+	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1);
+	c = connect_or_die(&D);
+	for (int round = 0; round < 2; round++) {
+		DLManagedTensorVersioned *t[2] = {
+			host_tensor(a, (DLDataType){kDLUInt, 8, 1}, 1, shape_a, NULL, NULL),
+			host_tensor(tb, (DLDataType){kDLUInt, 8, 1}, 2, shape_b, strides_b, NULL)};
+		int r = dlpc_publish_bundle(c, s.name, 2, keys, t, DLPC_PUBLISH_REPLACE);
+
+		ck_assert_msg(r > 0, "publish: %d: %s", r, dlpc_last_error());
+		ck_assert_int_eq(wait_child(spawn(bundle_child, &s)), 0);
+		/* the pool fills and maps a memfd of this size for the second round */
+		if (round == 0)
+			ck_assert_msg(wait_mapped_warm(), "the warm pool mapped no memfd");
+	}
+	dlpc_close(c);
+	free(a);
+	free(tb);
+}
+END_TEST
+
+static Suite *split_suite(void)
+{
+	Suite *s = suite_create("split");
+	TCase *unit = tcase_create("copy");
+	TCase *tc = tcase_create("publish");
+
+	tcase_set_timeout(unit, scaled_ms(60000) / 1000);
+	tcase_add_test(unit, test_split_threads);
+	tcase_add_test(unit, test_split_copy);
+	tcase_add_test(unit, test_split_copy_fails);
+	suite_add_tcase(s, unit);
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
+	tcase_add_test(tc, test_split_publish_bundle);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	return run_suite(split_suite());
+}
