@@ -45,15 +45,21 @@ void dlpc__deadline_in(struct timespec *dl, int64_t ms)
 }
 
 /* A thread of the library's running @p fn(@p arg), every signal blocked on it; joinable, its id
- * in *@p t, if @p t is not NULL, else detached. */
+ * in *@p t, if @p t is not NULL, else detached. A joinable one works for a caller that waits for
+ * it: the signals of a fault of its own stay unblocked, so that a fault there (a bad pointer of
+ * the caller's) reaches the process's handler as it would on the caller's thread, instead of
+ * killing the process. */
 static bool start(pthread_t *t, void *(*fn)(void *), void *arg)
 {
+	static const int faults[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP};
 	sigset_t all, old;
 	pthread_attr_t attr;
 	pthread_t detached;
 	bool ok;
 
 	sigfillset(&all);
+	for (size_t i = 0; t && i < sizeof(faults) / sizeof(faults[0]); i++)
+		sigdelset(&all, faults[i]);
 	pthread_attr_init(&attr);
 	if (!t)
 		pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);

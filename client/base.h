@@ -22,7 +22,8 @@ void dlpc__deadline_in(struct timespec *dl, int64_t ms);
 /* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it
  * (the user's handlers never run there). false if none could be made. */
 bool dlpc__start_thread(void *(*fn)(void *), void *arg);
-/* The same, joinable: its id in *@p t, for pthread_join(). */
+/* The same, joinable (its id in *@p t, for pthread_join()), the signals of a fault of its own
+ * (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP) not blocked: it works for a caller that waits. */
 bool dlpc__start_joinable(pthread_t *t, void *(*fn)(void *), void *arg);
 /* 0, or -EBADFD (with the message set) when @p c is used from a process that did not create it. */
 int dlpc__check(const dlpc_client *c);

@@ -121,9 +121,10 @@ static int write_strided(int fd, uint8_t *map, uint64_t off, const DLTensor *t, 
 	return used ? pwrite_all(fd, map, bounce, used, off, name) : 0;
 }
 
-/* Write every tensor into the fresh memfd @p fd at its offset (through @p map, its mapping, if
- * not NULL). 0 or negative errno. */
-static int write_slots(int fd, uint8_t *map, const struct slot *slots, size_t n, const char *name)
+/* Write every tensor (the strided ones only, if @p strided_only) into the fresh memfd @p fd at its
+ * offset (through @p map, its mapping, if not NULL). 0 or negative errno. */
+static int write_slots(int fd, uint8_t *map, const struct slot *slots, size_t n, bool strided_only,
+		       const char *name)
 {
 	uint8_t *bounce = NULL;
 	int r = 0;
@@ -132,6 +133,8 @@ static int write_slots(int fd, uint8_t *map, const struct slot *slots, size_t n,
 		const DLTensor *t = slots[i].t;
 
 		if (slots[i].nbytes == 0)
+			continue;
+		if (slots[i].contiguous && strided_only)
 			continue;
 		if (slots[i].contiguous) {
 			r = pwrite_all(fd, map, (const uint8_t *)t->data + t->byte_offset,
@@ -600,10 +603,11 @@ static int lay_out(const char *name, size_t n, const char *const keys[],
  * Write the tensors into the memfd @p fd (@p size bytes) mapped writable at @p map, the
  * contiguous ones split over threads (dlpc__split_copy()), each allocating its part's pages
  * first if @p populate: memory that cannot be had fails here, not with SIGBUS. The strided ones
- * after, on this thread. 0 or negative errno.
+ * after, on this thread. 0 or negative errno, the message set unless @p quiet and it is the
+ * allocation's.
  */
-static int write_split(int fd, uint8_t *map, uint64_t size, bool populate, const struct slot *slots,
-		       size_t n, const char *name)
+static int write_split(int fd, uint8_t *map, uint64_t size, bool populate, bool quiet,
+		       const struct slot *slots, size_t n, const char *name)
 {
 	struct dlpc__run one = {0}, *runs = n <= 1 ? &one : malloc(n * sizeof(*runs));
 	size_t nruns = 0;
@@ -626,18 +630,15 @@ static int write_split(int fd, uint8_t *map, uint64_t size, bool populate, const
 	r = dlpc__split_copy(map, size, fd, populate, runs, nruns);
 	if (runs != &one)
 		free(runs);
+	if (r < 0 && quiet)
+		return r;
 	if (r < 0)
 		return dlpc__fail(
 			dlpc__space_err(-r),
 			"cannot publish '%s': cannot allocate %llu bytes of shared memory: "
 			"%s",
 			name, (unsigned long long)size, strerror(-r));
-	if (!strided)
-		return 0;
-	for (size_t i = 0; i < n; i++)
-		if (!slots[i].contiguous && (r = write_slots(fd, map, &slots[i], 1, name)) < 0)
-			return r;
-	return 0;
+	return strided ? write_slots(fd, map, slots, n, true, name) : 0;
 }
 
 /* Write the tensors into the fresh memfd @p fd (@p size bytes) through a mapping that asks for
@@ -649,8 +650,8 @@ static int write_mapped(int fd, uint64_t size, const struct slot *slots, size_t 
 	int r;
 
 	if (!map)
-		return write_slots(fd, NULL, slots, n, name);
-	r = write_split(fd, map, size, true, slots, n, name);
+		return write_slots(fd, NULL, slots, n, false, name);
+	r = write_split(fd, map, size, true, false, slots, n, name);
 	munmap(map, (size_t)size);
 	return r;
 }
@@ -668,7 +669,7 @@ static int copy_hugetlb(const char *name, const struct slot *slots, size_t n, ui
 	if (fd < 0)
 		return fd;
 	map = dlpc__huge_map(fd, (size_t)len, false);
-	r = map ? write_split(fd, map, len, true, slots, n, name) : -errno;
+	r = map ? write_split(fd, map, len, true, true, slots, n, name) : -errno;
 	if (map)
 		munmap(map, (size_t)len);
 	if (r < 0) {
@@ -700,8 +701,8 @@ static int copy_once(const char *name, const struct slot *slots, size_t n, uint6
 		return fd;
 	fd = dlpc__warm_take(*size, &map, &map_len);
 	if (fd >= 0) {
-		r = map ? write_split(fd, map, *size, false, slots, n, name)
-			: write_slots(fd, NULL, slots, n, name);
+		r = map ? write_split(fd, map, *size, false, false, slots, n, name)
+			: write_slots(fd, NULL, slots, n, false, name);
 		/* before the seal, whatever the copy gave: the writable mapping bars F_SEAL_WRITE */
 		if (map)
 			munmap(map, map_len);
@@ -710,7 +711,7 @@ static int copy_once(const char *name, const struct slot *slots, size_t n, uint6
 		if (fd < 0)
 			return fd;
 		r = huge == DLPC__HUGE_ADVISE ? write_mapped(fd, *size, slots, n, name)
-					      : write_slots(fd, NULL, slots, n, name);
+					      : write_slots(fd, NULL, slots, n, false, name);
 	}
 	if (r == 0)
 		r = allocate_rest(fd, *size, name);

@@ -118,14 +118,14 @@ struct dlpc__run {
 	uint64_t off, len;
 };
 /* How many threads a copy of @p len bytes is split over: one per DLPC__SPLIT_MIN bytes, at most
- * DLPC__SPLIT_THREADS_MAX, $DLPC_COPY_THREADS and the CPUs the calling thread may run on; at
- * least 1 (the caller alone). */
+ * DLPC__SPLIT_THREADS_MAX, $DLPC_COPY_THREADS, the CPUs the calling thread may run on and its
+ * cgroups' CPU limits; at least 1 (the caller alone). */
 unsigned dlpc__split_threads(uint64_t len);
-/* Copy the @p n runs into @p map, a writable mapping of the @p len bytes of the memfd @p fd
- * (MADV_DONTFORK), split over dlpc__split_threads(@p len) threads, each with its part of the
- * mapping (whole huge pages): if @p populate, it first allocates that part's pages
- * (dlpc__huge_fill()). The number of threads that ran at once (1: the caller alone), or the
- * negative errno of an allocation that failed (then some of the bytes may not be there). */
+/* Copy the @p n runs into @p map, a writable mapping of the @p len bytes of the memfd @p fd,
+ * split over dlpc__split_threads(@p len) threads, each with its part of the mapping (whole huge
+ * pages if @p populate, whole pages otherwise): if @p populate, it first allocates that part's
+ * pages (dlpc__huge_fill()). The number of threads that ran at once (1: the caller alone), or
+ * the negative errno of an allocation that failed (then some of the bytes may not be there). */
 int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, bool populate,
 		     const struct dlpc__run *runs, size_t n);
 

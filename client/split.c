@@ -11,12 +11,16 @@
  * are there already, the gain is what memcpy() leaves of the bus, little on a small machine.
  *
  * The threads are started for one copy and joined before it returns (none is left behind, none
- * is kept idle). A thread that cannot be started leaves its part to the caller. The copy path's
- * mappings are MADV_DONTFORK: a fork() meanwhile gives the child none of them.
+ * is kept idle), with the signals of faults left unblocked (a source that faults reaches the
+ * process's handler, as on the caller's thread), and no cancellation of the caller meanwhile. A
+ * thread that cannot be started leaves its part to the caller. The copy path's mappings are
+ * MADV_DONTFORK: a fork() meanwhile gives the child none of them (dlpc_alloc()'s mapping is the
+ * caller's, inherited as the caller would have it).
  */
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -36,12 +40,80 @@ struct part {
 	int err; /* of the allocation of the part's pages */
 };
 
+/* The first number of file @p name in directory @p dir and, if @p second, the second of the same
+ * line into *@p second; false if absent or not a number ("max", "-1"). */
+static bool read_nums(const char *dir, const char *name, long long *first, long long *second)
+{
+	char path[700], line[64];
+	FILE *f;
+	bool ok;
+
+	snprintf(path, sizeof(path), "%s/%s", dir, name);
+	if (!(f = fopen(path, "re")))
+		return false;
+	ok = fgets(line, sizeof(line), f) && (second ? sscanf(line, "%lld %lld", first, second) == 2
+						     : sscanf(line, "%lld", first) == 1);
+	fclose(f);
+	return ok;
+}
+
+/* The CPUs the limit of cgroup directory @p dir allows, rounded up (v2: cpu.max; v1: the CFS
+ * quota and period); ~0u without one. */
+static unsigned dir_cpus(const char *dir, bool v2)
+{
+	long long quota, period;
+	bool ok = v2 ? read_nums(dir, "cpu.max", &quota, &period)
+		     : read_nums(dir, "cpu.cfs_quota_us", &quota, NULL) &&
+				  read_nums(dir, "cpu.cfs_period_us", &period, NULL);
+
+	if (!ok || quota <= 0 || period <= 0)
+		return ~0u;
+	return (unsigned)((quota + period - 1) / period);
+}
+
+/* The fewest CPUs that the CPU limits of this process's cgroup and its ancestors allow it,
+ * rounded up: cgroup v2's cpu.max, or v1's CFS quota (where the cpu controller is mounted at
+ * /sys/fs/cgroup/cpu); ~0u where none limits it or none can be read. */
+static unsigned cgroup_cpus(void)
+{
+	FILE *f = fopen("/proc/self/cgroup", "re");
+	char line[512], dir[600];
+	unsigned best = ~0u;
+
+	while (f && fgets(line, sizeof(line), f)) {
+		char *ctrl = strchr(line, ':'), *path = ctrl ? strchr(ctrl + 1, ':') : NULL;
+		bool v2 = ctrl && strncmp(line, "0::", 3) == 0;
+		size_t root;
+
+		if (!path ||
+		    (!v2 && strncmp(ctrl, ":cpu,", 5) != 0 && strncmp(ctrl, ":cpu:", 5) != 0))
+			continue;
+		path[strcspn(path, "\n")] = 0;
+		*path++ = 0;
+		root = (size_t)snprintf(dir, sizeof(dir),
+					v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/%s", ctrl + 1);
+		snprintf(dir + root, sizeof(dir) - root, "%s", strcmp(path, "/") ? path : "");
+		/* from the process's own cgroup up to the root's children (the root has no limit) */
+		while (strlen(dir) > root) {
+			unsigned n = dir_cpus(dir, v2);
+
+			best = n < best ? n : best;
+			*strrchr(dir, '/') = 0;
+		}
+	}
+	if (f)
+		fclose(f);
+	return best;
+}
+
 unsigned dlpc__split_threads(uint64_t len)
 {
 	const char *env = getenv(DLPC_COPY_THREADS_ENV);
-	unsigned k = DLPC__SPLIT_THREADS_MAX;
+	unsigned k = DLPC__SPLIT_THREADS_MAX, quota;
 	cpu_set_t cpus;
 
+	if (len / DLPC__SPLIT_MIN < 2)
+		return 1;
 	if (env && *env) {
 		char *end;
 		unsigned long want = strtoul(env, &end, 10);
@@ -51,6 +123,8 @@ unsigned dlpc__split_threads(uint64_t len)
 	}
 	if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && (unsigned)CPU_COUNT(&cpus) < k)
 		k = (unsigned)CPU_COUNT(&cpus);
+	if (k > 1 && (quota = cgroup_cpus()) < k)
+		k = quota;
 	if (len / DLPC__SPLIT_MIN < k)
 		k = (unsigned)(len / DLPC__SPLIT_MIN);
 	return k ? k : 1;
@@ -90,17 +164,23 @@ int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, bool populate,
 {
 	struct part parts[DLPC__SPLIT_THREADS_MAX];
 	unsigned k = dlpc__split_threads(len), ran = 1;
-	uint64_t pmd = dlpc__huge_pmd();
-	/* whole huge pages to each part, so that no two threads fault one in */
-	uint64_t each = (len / k + pmd - 1) / pmd * pmd;
-	int err = 0;
+	/* whole huge pages to each part when it allocates them, so that no two threads fault one
+	 * in; whole pages otherwise */
+	uint64_t unit = populate ? dlpc__huge_pmd() : 4096;
+	uint64_t each = ((len + k - 1) / k + unit - 1) / unit * unit;
+	int err = 0, cancel;
 
+	/* the parts live on this stack until every thread is joined: no cancellation meanwhile */
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
 	for (unsigned i = 0; i < k; i++) {
 		uint64_t lo = each * i < len ? each * i : len;
 
+		/* the last part ends at len, whatever the rounding */
 		parts[i] = (struct part){
-			map,   lo, lo + each < len ? lo + each : len, fd, populate, runs, n, 0,
-			false, 0};
+			map, lo,       i == k - 1 || lo + each > len ? len : lo + each,
+			fd,  populate, runs,
+			n,   0,	       false,
+			0};
 	}
 	for (unsigned i = 1; i < k; i++)
 		if (parts[i].lo < parts[i].hi)
@@ -115,6 +195,7 @@ int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, bool populate,
 			copy_part(&parts[i]);
 		}
 	}
+	pthread_setcancelstate(cancel, NULL);
 	for (unsigned i = 0; i < k && err == 0; i++)
 		err = parts[i].err;
 	return err < 0 ? err : (int)ran;

@@ -213,9 +213,10 @@ typedef struct dlpc_attach_opts {
  * allocate than waking the pool's thread. */
 #define DLPC_WARM_SIZE_MIN (256u << 10)
 /** Environment: the most threads (the caller's included) a copy of a publish or send into new
- * shared memory is split over, one per 16 MiB, where its pages come from a mapping (huge pages,
- * or the warm pool's mapped memfds); unset: 4, never more than the CPUs the caller may run on.
- * 0 or 1: the calling thread alone. A value that is not a whole number is ignored. */
+ * shared memory is split over, one per 16 MiB, where it goes through a mapping (new huge pages
+ * with shmem_enabled "advise", the hugetlbfs pool, the warm pool's mapped memfds); unset: 4,
+ * never more than the CPUs the caller may run on nor its cgroups' CPU limits allow. 0 or 1: the
+ * calling thread alone. A value that is not a whole number is ignored. */
 #define DLPC_COPY_THREADS_ENV "DLPC_COPY_THREADS"
 /** Environment: huge pages for the shared memory of storages of 2 MiB or more (docs/operations.md).
  * "auto" (unset, or any other value) and "thp": transparent huge pages as

@@ -9,11 +9,14 @@
 #include <dirent.h>
 #include <errno.h>
 #include <sched.h>
+#include <signal.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -103,6 +106,18 @@ static int threads(void)
 	return n - 2; /* . and .. */
 }
 
+/* Wait (a scaled second at most) until this process has @p n threads again: a joined thread
+ * leaves /proc/self/task an instant after pthread_join() returns. Whether it did. */
+static bool threads_back_to(int n)
+{
+	for (int i = 0; i < scaled_ms(1000); i++) {
+		if (threads() == n)
+			return true;
+		usleep(1000);
+	}
+	return threads() == n;
+}
+
 /* Runs at odd offsets and lengths, across every part's boundary, with gaps between them: each
  * byte lands where it belongs, the gaps stay zero, every page is allocated, and the copy ran
  * on as many threads as dlpc__split_threads() says (more than one wherever two CPUs are). */
@@ -135,9 +150,9 @@ START_TEST(test_split_copy)
 	ck_assert_ptr_nonnull(map);
 	ck_assert_int_eq(dlpc__split_copy(map, len, fd, true, runs, n),
 			 (int)dlpc__split_threads(len));
-	if (cpus() >= 2)
+	if (cpus() >= 2 && dlpc__huge_pmd() <= DLPC__SPLIT_MIN)
 		ck_assert_int_ge(dlpc__split_threads(len), 2);
-	ck_assert_int_eq(threads(), before); /* every one joined */
+	ck_assert(threads_back_to(before)); /* every one joined */
 	for (size_t i = 0, r = 0; i < len && bad == SIZE_MAX; i++) {
 		while (r < n && i >= runs[r].off + runs[r].len)
 			r++;
@@ -147,36 +162,183 @@ START_TEST(test_split_copy)
 	ck_assert_msg(bad == SIZE_MAX, "byte %zu is wrong (%s)", bad,
 		      bad < len && map[bad] == 0 ? "not copied" : "copied where it should not be");
 	ck_assert_int_eq(fstat(fd, &st), 0);
-	ck_assert_uint_ge((uint64_t)st.st_blocks * 512, len / 4096 * 4096);
+	ck_assert_uint_ge((uint64_t)st.st_blocks * 512, (len + 4095) / 4096 * 4096);
 	munmap(map, (size_t)len);
 	close(fd);
 	free(src);
 }
 END_TEST
 
+/* A copy of one run from the first byte to the last of lengths that do not divide evenly, with
+ * 2, 3 and 4 threads asked for: the last bytes land too, the last page is allocated. */
+START_TEST(test_split_copy_tail)
+{
+	for (unsigned k = 2; k <= DLPC__SPLIT_THREADS_MAX; k++) {
+		uint64_t len = (uint64_t)k * DLPC__SPLIT_MIN + k - 1;
+		uint8_t *src = malloc(len), *map;
+		struct dlpc__run run = {src, 0, len};
+		char want[8];
+		struct stat st;
+		int fd;
+
+		ck_assert_ptr_nonnull(src);
+		memset(src, 0x5a, len);
+		snprintf(want, sizeof(want), "%u", k);
+		setenv(DLPC_COPY_THREADS_ENV, want, 1);
+		fd = memfd_create("split", MFD_CLOEXEC);
+		ck_assert_int_ge(fd, 0);
+		ck_assert_int_eq(ftruncate(fd, (off_t)len), 0);
+		map = dlpc__huge_map(fd, (size_t)len, false);
+		ck_assert_ptr_nonnull(map);
+		ck_assert_int_ge(dlpc__split_copy(map, len, fd, true, &run, 1), 1);
+		ck_assert_msg(memcmp(map, src, len) == 0, "%u threads asked: bytes missing", k);
+		ck_assert_int_eq(fstat(fd, &st), 0);
+		ck_assert_uint_ge((uint64_t)st.st_blocks * 512, (len + 4095) / 4096 * 4096);
+		munmap(map, (size_t)len);
+		close(fd);
+		free(src);
+	}
+	unsetenv(DLPC_COPY_THREADS_ENV);
+}
+END_TEST
+
 /* A part whose pages cannot be allocated (past the end of the file: the fault has no page to
- * give) fails the copy with a negative errno; the other parts' threads are joined all the
- * same, and nothing is left running. */
+ * give) fails the copy with a negative errno, when it is another thread's part as when it is
+ * the caller's; the parts before it are copied, every thread is joined, and nothing is left
+ * running. On a kernel without MADV_POPULATE_WRITE the fallback's fallocate() grows the file
+ * instead: the copy then succeeds whole. */
 START_TEST(test_split_copy_fails)
 {
 	uint64_t len = 4ull * DLPC__SPLIT_MIN;
-	uint8_t *src = calloc(1, len), *map;
+	uint8_t *src = malloc(len), *map;
 	struct dlpc__run run;
+	bool populate_write;
+	unsigned k;
 	int fd, before = threads(), r;
 
 	ck_assert_ptr_nonnull(src);
+	memset(src, 0x77, len);
 	run = (struct dlpc__run){src, 0, len};
+	setenv(DLPC_COPY_THREADS_ENV, "2", 1);
+	k = dlpc__split_threads(len); /* 2, or 1 on one CPU */
 	fd = memfd_create("split", MFD_CLOEXEC);
 	ck_assert_int_ge(fd, 0);
-	ck_assert_int_eq(ftruncate(fd, (off_t)(len / 4)), 0); /* the mapping runs past the end */
+	/* every part but the last has its pages; the mapping runs on past the end */
+	ck_assert_int_eq(ftruncate(fd, (off_t)(len - len / k)), 0);
 	map = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	ck_assert_ptr_ne(map, MAP_FAILED);
+	populate_write = madvise(map, 4096, MADV_POPULATE_WRITE) == 0 || errno != EINVAL;
 	r = dlpc__split_copy(map, len, fd, true, &run, 1);
-	ck_assert_msg(r < 0, "a copy past the end of its memfd gave %d", r);
-	ck_assert_int_eq(threads(), before);
+	if (populate_write) {
+		ck_assert_msg(r < 0, "a copy past the end of its memfd gave %d", r);
+		if (k > 1) /* the caller's part was copied all the same */
+			ck_assert(memcmp(map, src, len - len / k) == 0);
+	} else {
+		ck_assert_int_eq(r, (int)k);
+	}
+	ck_assert(threads_back_to(before));
+	unsetenv(DLPC_COPY_THREADS_ENV);
 	munmap(map, (size_t)len);
 	close(fd);
 	free(src);
+}
+END_TEST
+
+/* The process's SIGBUS handler: the child below exits with this. */
+#define HANDLED 42
+static void on_sigbus(int sig)
+{
+	(void)sig;
+	_exit(HANDLED);
+}
+
+/* A child: copy from a source whose second half faults (a mapping of a file past its end) with
+ * the copy split in two: the fault comes on the copy's thread. */
+static int faulting_copy(void *arg)
+{
+	uint64_t len = 2ull * DLPC__SPLIT_MIN;
+	int sfd = memfd_create("src", MFD_CLOEXEC), dfd = memfd_create("dst", MFD_CLOEXEC);
+	struct dlpc__run run;
+	uint8_t *src, *dst;
+
+	(void)arg;
+	CHILD_CHECK(sfd >= 0 && dfd >= 0);
+	CHILD_CHECK(ftruncate(sfd, (off_t)(len / 2)) == 0 && ftruncate(dfd, (off_t)len) == 0);
+	src = mmap(NULL, (size_t)len, PROT_READ, MAP_SHARED, sfd, 0);
+	dst = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_SHARED, dfd, 0);
+	CHILD_CHECK(src != MAP_FAILED && dst != MAP_FAILED);
+	run = (struct dlpc__run){src, 0, len};
+	signal(SIGBUS, on_sigbus);
+	setenv(DLPC_COPY_THREADS_ENV, "2", 1);
+	dlpc__split_copy(dst, len, dfd, false, &run, 1);
+	return 1; /* the fault never came */
+}
+
+/* A fault of the caller's source on a copy thread reaches the process's own handler, as it
+ * would on the caller's thread, instead of killing the process (the thread does not block the
+ * signals of faults). */
+START_TEST(test_split_fault_reaches_handler)
+{
+	int status;
+	pid_t pid = fork();
+
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0)
+		_exit(faulting_copy(NULL));
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == HANDLED, "the child %s %d",
+		      WIFEXITED(status) ? "exited" : "was killed by signal",
+		      WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+}
+END_TEST
+
+/* Write @p text to file @p name of directory @p dir; whether it could. */
+static bool put(const char *dir, const char *name, const char *text)
+{
+	char path[300];
+	FILE *f;
+	bool ok;
+
+	snprintf(path, sizeof(path), "%s/%s", dir, name);
+	if (!(f = fopen(path, "we")))
+		return false;
+	ok = fputs(text, f) >= 0;
+	return fclose(f) == 0 && ok;
+}
+
+/* A child in a CPU cgroup limited to one CPU (cgroup v1's CFS quota, as root) splits no copy:
+ * its threads would only wait for the quota. Where no cgroup can be made (not root, no v1 cpu
+ * controller mounted) the case says so and checks nothing. */
+START_TEST(test_split_cpu_quota)
+{
+	uint64_t big = (uint64_t)DLPC__SPLIT_MIN * DLPC__SPLIT_THREADS_MAX;
+	char dir[128], me[32];
+	int status;
+	pid_t pid;
+
+	if (geteuid() != 0 || access("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", W_OK) != 0) {
+		printf("test_split_cpu_quota: not checked: not root or no cgroup v1 cpu "
+		       "controller\n");
+		return;
+	}
+	unsetenv(DLPC_COPY_THREADS_ENV);
+	snprintf(dir, sizeof(dir), "/sys/fs/cgroup/cpu/dlpc-split-%d", (int)getpid());
+	ck_assert_msg(mkdir(dir, 0755) == 0 || errno == EEXIST, "mkdir %s: %m", dir);
+	ck_assert(put(dir, "cpu.cfs_period_us", "100000"));
+	ck_assert(put(dir, "cpu.cfs_quota_us", "100000"));
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		snprintf(me, sizeof(me), "%d", (int)getpid());
+		CHILD_CHECK(put(dir, "cgroup.procs", me));
+		CHILD_CHECK(dlpc__split_threads(big) == 1);
+		_exit(0);
+	}
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	rmdir(dir);
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child in %s failed", dir);
+	/* outside it, as many as the CPUs allow */
+	ck_assert_uint_eq(dlpc__split_threads(big), min3(DLPC__SPLIT_THREADS_MAX, cpus(), 99));
 }
 END_TEST
 
@@ -186,7 +348,9 @@ struct bundle_src {
 	const uint8_t *a;  /* contiguous, A_BYTES */
 	const uint8_t *tb; /* the strided tensor's source, read transposed */
 };
-#define A_BYTES (3 * (size_t)DLPC__SPLIT_MIN + 4097)
+/* b (4 MiB) first, then a, to the storage's last byte: 36 MiB + 1 in all, a length that no split
+ * into whole huge pages divides evenly */
+#define A_BYTES (2 * (size_t)DLPC__SPLIT_MIN + 1)
 #define B_ROWS 1024
 #define B_COLS 4096
 
@@ -200,9 +364,9 @@ static int bundle_child(void *arg)
 
 	CHILD_CHECK(dlpc_attach_bundle(c, s->name, NULL, &bundle) > 0);
 	CHILD_CHECK(dlpc_bundle_count(bundle) == 2);
-	CHILD_CHECK(strcmp(dlpc_bundle_key(bundle, 0), "a") == 0);
-	a = dlpc_bundle_take(bundle, 0);
-	b = dlpc_bundle_take(bundle, 1);
+	CHILD_CHECK(strcmp(dlpc_bundle_key(bundle, 1), "a") == 0);
+	b = dlpc_bundle_take(bundle, 0);
+	a = dlpc_bundle_take(bundle, 1);
 	pa = a->dl_tensor.data;
 	pb = b->dl_tensor.data;
 	CHILD_CHECK(memcmp(pa, s->a, A_BYTES) == 0);
@@ -238,7 +402,7 @@ START_TEST(test_split_publish_bundle)
 	uint8_t *a = malloc(A_BYTES), *tb = malloc((size_t)B_ROWS * B_COLS);
 	int64_t shape_a[1] = {(int64_t)A_BYTES}, shape_b[2] = {B_COLS, B_ROWS};
 	int64_t strides_b[2] = {1, B_COLS};
-	const char *keys[2] = {"a", "b"};
+	const char *keys[2] = {"b", "a"};
 	struct bundle_src s = {"s/bundle", a, tb};
 	dlpc_client *c;
 
@@ -252,8 +416,8 @@ START_TEST(test_split_publish_bundle)
 	c = connect_or_die(&D);
 	for (int round = 0; round < 2; round++) {
 		DLManagedTensorVersioned *t[2] = {
-			host_tensor(a, (DLDataType){kDLUInt, 8, 1}, 1, shape_a, NULL, NULL),
-			host_tensor(tb, (DLDataType){kDLUInt, 8, 1}, 2, shape_b, strides_b, NULL)};
+			host_tensor(tb, (DLDataType){kDLUInt, 8, 1}, 2, shape_b, strides_b, NULL),
+			host_tensor(a, (DLDataType){kDLUInt, 8, 1}, 1, shape_a, NULL, NULL)};
 		int r = dlpc_publish_bundle(c, s.name, 2, keys, t, DLPC_PUBLISH_REPLACE);
 
 		ck_assert_msg(r > 0, "publish: %d: %s", r, dlpc_last_error());
@@ -277,7 +441,10 @@ static Suite *split_suite(void)
 	tcase_set_timeout(unit, scaled_ms(60000) / 1000);
 	tcase_add_test(unit, test_split_threads);
 	tcase_add_test(unit, test_split_copy);
+	tcase_add_test(unit, test_split_copy_tail);
 	tcase_add_test(unit, test_split_copy_fails);
+	tcase_add_test(unit, test_split_fault_reaches_handler);
+	tcase_add_test(unit, test_split_cpu_quota);
 	suite_add_tcase(s, unit);
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
