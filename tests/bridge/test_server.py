@@ -16,7 +16,7 @@ import time
 import pytest
 
 from dlpack_ipc import bridge
-from dlpack_ipc.bridge import _importer, _nixl, _replicas, _server, _wire
+from dlpack_ipc.bridge import _importer, _nixl, _push, _replicas, _server, _wire
 
 
 class FakeNixl:
@@ -100,6 +100,8 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
     b.replicas = _replicas.Ledger(BRIDGE_UID)
     b.follow = []
+    b.follows = []
+    b.publisher = _push.Publisher(b.stop, None, b.exports)
     return b
 
 
