@@ -274,7 +274,8 @@ class Follow:
                                    args.follow_interval)
                         next_poll = 0.0
                         continue
-                    log.warning("follow %r: %s; trying again in %g s", self.local, e, retry)
+                    log.warning("follow %r: peer %s (%s): %s; trying again in %g s", self.local,
+                                link.name, link.where, e, retry)
                     wait = retry
                     retry = min(retry * 2, max(args.follow_interval, RESUBSCRIBE_FIRST))
                 except Exception:

@@ -321,6 +321,7 @@ class Bridge:
         except OSError as e:
             return _wire.send(sock, _wire.error_frame(
                 "EIO", f"{name!r}: this host's dlpackd cannot be watched: {e}", id=rid))
+        log.debug("peer %s subscribed to %r", who, name)
         try:
             entry = _push.find(dl, name)
         except (OSError, ValueError) as e:
