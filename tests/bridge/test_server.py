@@ -1115,3 +1115,104 @@ def test_a_restarted_exporter_is_subscribed_again(hosts):
     g = _publish(hosts, 7)
     _wait(lambda: _replicated(hosts, 7, g), "a REPLACE after the restart, pushed")
     assert time.monotonic() - t0 < PUSHED
+
+
+class OldExporter:
+    """A peer bridge from before subscriptions, on a real TCP port: authenticates, answers
+    stat (and get/put for a tensor of no bytes) and, asked to subscribe, does what such a
+    bridge does with an op it does not know: an EPROTO error frame, then it disconnects.
+    Counts what it was asked; pushes=True sends malformed pushes before each answer."""
+
+    def __init__(self, token, pushes=False):
+        self.token = token
+        self.pushes = pushes
+        self.asked = {"subscribe": 0, "stat": 0, "get": 0, "connections": 0}
+        self.generation = 5
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.addr = self.lsock.getsockname()
+        self.th = threading.Thread(target=self._accept, daemon=True)
+        self.th.start()
+
+    def _accept(self):
+        while True:
+            try:
+                s, _ = self.lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(s,), daemon=True).start()
+
+    def _serve(self, s):
+        import base64
+        with s:
+            try:
+                _wire.auth_server(s, self.token)
+                self.asked["connections"] += 1
+                _wire.send(s, {"op": "metadata",
+                               "metadata": base64.b64encode(b"old-exporter").decode()})
+                _wire.recv(s, time.monotonic() + 5)
+                while True:
+                    f = _wire.recv(s, None)
+                    self.asked[f["op"]] = self.asked.get(f["op"], 0) + 1
+                    if self.pushes:
+                        for bad in ({"op": "changed", "name": ["w/f"]}, {"op": "gone"},
+                                    {"op": "changed", "name": "not-followed", "generation": 1}):
+                            _wire.send(s, bad)
+                    if f["op"] == "stat":
+                        _wire.send(s, {"op": "stat", "id": f["id"],
+                                       "generation": self.generation, "created_ns": 1})
+                    elif f["op"] == "get":
+                        _wire.send(s, {"op": "layout", "id": f["id"], "lease": "L",
+                                       "generation": self.generation, "bundle": False,
+                                       "ttl": 5, "tensors": [["", "float32", [0], 0]]})
+                    elif f["op"] == "put":
+                        _wire.send(s, {"op": "done", "id": f["id"], "lease": "L"})
+                    else:
+                        _wire.send(s, _wire.error_frame("EPROTO", f"unknown op {f['op']!r}"))
+                        return
+            except (OSError, _wire.FrameError):
+                return
+
+    def close(self):
+        self.lsock.close()
+
+
+def following(b, ex, interval=0.1):
+    """A Follow of ex's w/f run in a thread by bridge b, polling every interval; (follow,
+    the thread, dl)."""
+    import types
+    b.args = types.SimpleNamespace(follow_interval=interval, follow_subscribed_interval=30.0)
+    dl = FakeDlpackd()
+    b.dlpackd = lambda: dl
+    link = _importer.PeerLink(b, "A", ex.addr)
+    follow = _push.Follow(b, link, "w/f", "A:w/f")
+    th = threading.Thread(target=follow.run, daemon=True)
+    th.start()
+    return follow, th, dl
+
+
+@pytest.mark.parametrize("pushes", [False, True])
+def test_an_older_peer_refusing_subscribe_is_polled_logged_once(caplog, pushes):
+    """A peer that knows no subscribe (it disconnects on it): the follow falls back to
+    polling at --follow-interval, says so once, does not ask again on that peer's new
+    connections, and still follows the generation. Malformed and unfollowed pushes from a
+    peer are dropped without harm."""
+    b = fake_bridge()
+    ex = OldExporter(b.token, pushes)
+    with caplog.at_level("INFO", logger="dlpackd-bridge"):
+        follow, th, dl = following(b, ex)
+        try:
+            _wait(lambda: "A:w/f" in dl.entries and ex.asked["stat"] >= 3, "polls")
+            ex.generation = 6
+            _wait(lambda: follow.generation == 6, "the new generation, polled")
+        finally:
+            b.stop.set()
+            follow.lost()
+            th.join(5)
+            ex.close()
+            follow.link.drop()
+    assert not th.is_alive()
+    assert ex.asked["subscribe"] == 1 and not follow.subscribed
+    said = [r.getMessage() for r in caplog.records if "does not know subscribe" in
+            r.getMessage()]
+    assert said == ["follow 'A:w/f': peer A does not know subscribe (an older bridge: "
+                    "unknown op 'subscribe'): polling every 0.1 s instead"]

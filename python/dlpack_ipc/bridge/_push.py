@@ -125,6 +125,8 @@ class Publisher:
             except (OSError, ValueError) as e:
                 log.warning("the watch of this host's dlpackd was lost (%s): opening it again",
                             e)
+            except Exception:
+                log.exception("the watch of this host's dlpackd: opening it again")
             finally:
                 w.close()
             w = None
@@ -270,12 +272,12 @@ class Follow:
                         # poll carries on at once
                         self._refused = link.epoch
                         self._once(("refused", e.errno), logging.WARNING,
-                                   "follow %r: %s: polling every %g s instead", self.local, e,
-                                   args.follow_interval)
+                                   "follow %r: %s: polling every %g s instead", self.local,
+                                   e.strerror or e, args.follow_interval)
                         next_poll = 0.0
                         continue
                     log.warning("follow %r: peer %s (%s): %s; trying again in %g s", self.local,
-                                link.name, link.where, e, retry)
+                                link.name, link.where, e.strerror or e, retry)
                     wait = retry
                     retry = min(retry * 2, max(args.follow_interval, RESUBSCRIBE_FIRST))
                 except Exception:
