@@ -1198,6 +1198,9 @@ def test_an_older_peer_refusing_subscribe_is_polled_logged_once(caplog, pushes):
     peer are dropped without harm."""
     b = fake_bridge()
     ex = OldExporter(b.token, pushes)
+    # main() (test_the_per_uid_options) stops the bridge's logger propagating to the root
+    logger = _server.log
+    logger.addHandler(caplog.handler)
     with caplog.at_level("INFO", logger="dlpackd-bridge"):
         follow, th, dl = following(b, ex)
         try:
@@ -1210,6 +1213,7 @@ def test_an_older_peer_refusing_subscribe_is_polled_logged_once(caplog, pushes):
             th.join(5)
             ex.close()
             follow.link.drop()
+            logger.removeHandler(caplog.handler)
     assert not th.is_alive()
     assert ex.asked["subscribe"] == 1 and not follow.subscribed
     said = [r.getMessage() for r in caplog.records if "does not know subscribe" in
