@@ -164,8 +164,8 @@ class FakeTensor:
 
 
 def lease_of(b, tensors, name="w/x"):
-    lease = _server.Lease(b.new_lease_id(), name, 1, [(str(i), t) for i, t in
-                                                       enumerate(tensors)], b.ttl)
+    lease = _server.Lease(b.new_lease_id(), name, 1,
+                          [(str(i), t) for i, t in enumerate(tensors)], b.ttl)
     return {lease.id: lease}, lease
 
 
@@ -1220,3 +1220,13 @@ def test_an_older_peer_refusing_subscribe_is_polled_logged_once(caplog, pushes):
             r.getMessage()]
     assert said == ["follow 'A:w/f': peer A does not know subscribe (an older bridge: "
                     "unknown op 'subscribe'): polling every 0.1 s instead"]
+
+
+def test_the_follow_options():
+    main = importlib.import_module("dlpack_ipc.bridge.__main__")
+    args = main._args(["--follow-subscribed-interval", "5", "--follow-interval", "2"])
+    assert args.follow_subscribed_interval == 5.0 and args.follow_interval == 2.0
+    assert main._args([]).follow_subscribed_interval is None     # the constant, in main()
+    assert _push.FOLLOW_SUBSCRIBED_INTERVAL == 30.0
+    assert main.main(["--follow-subscribed-interval", "0"]) == 2
+    assert main.main(["--follow-interval", "-1"]) == 2

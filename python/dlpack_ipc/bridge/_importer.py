@@ -35,6 +35,7 @@ def transfer_deadline(nbytes):
     """Seconds a transfer of nbytes may take: TRANSFER_GRACE + nbytes / TRANSFER_MIN_RATE."""
     return TRANSFER_GRACE + nbytes / TRANSFER_MIN_RATE
 
+
 log = logging.getLogger("dlpackd-bridge")
 
 

@@ -258,9 +258,9 @@ class Follow:
                     else:
                         state = _KEEP
                     if state is not _KEEP:
-                        next_poll = time.monotonic() + (args.follow_subscribed_interval
-                                                         if self.subscribed else
-                                                         args.follow_interval)
+                        every = args.follow_subscribed_interval if self.subscribed \
+                            else args.follow_interval
+                        next_poll = time.monotonic() + every
                     self._apply(dl, state)
                     retry = RESUBSCRIBE_FIRST
                 except FileNotFoundError:
@@ -324,4 +324,3 @@ def pump(link, stop):
     while not stop.is_set():
         if not link.pump(0.5):
             stop.wait(0.2)
-

@@ -6,8 +6,8 @@ Threads: one accepts peers on --listen and one accepts local clients on --socket
 connection gets a thread of its own that does all of its work (its leases and the pushes of its
 subscriptions included), and one housekeeping thread gives back what an aborted transfer left in
 quarantine. Subscriptions add one thread that watches the local dlpackd; --follow adds one
-thread per followed name and one per peer followed, which reads the pushes (_push.py). The NIXL agent is
-shared; its calls are serialized by NIXL itself (NIXL_THREAD_SYNC_STRICT).
+thread per followed name and one per peer followed, which reads the pushes (_push.py). The NIXL
+agent is shared; its calls are serialized by NIXL itself (NIXL_THREAD_SYNC_STRICT).
 """
 import base64
 import errno
@@ -23,9 +23,10 @@ import time
 import dlpack_ipc
 
 from . import _importer, _push, _replicas, _wire
-from ._importer import CONNECT_TIMEOUT, POLL, PeerLink
+from ._importer import POLL, PeerLink
 from ._importer import keepalive as _keepalive
-from ._nixl import QUARANTINE, QUARANTINE_MAX, Nixl, Quarantine, _quiet, _span
+from ._nixl import QUARANTINE  # noqa: F401  (__main__ reads _server.QUARANTINE)
+from ._nixl import QUARANTINE_MAX, Nixl, Quarantine, _quiet, _span
 
 # How long an exporter keeps a lease (and its dlpackd reference) for an importer that asked for
 # a name's layout and has not sent its descriptors yet; also the longest one WRITE may take.
@@ -48,6 +49,7 @@ def parse_addr(text, what):
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{what} {text!r} is not ADDR:PORT")
     return host.strip("[]"), int(port)
+
 
 class Lease:
     """An exported entry held for one importer: the attach is the dlpackd reference."""
