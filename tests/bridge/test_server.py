@@ -1230,3 +1230,38 @@ def test_the_follow_options():
     assert _push.FOLLOW_SUBSCRIBED_INTERVAL == 30.0
     assert main.main(["--follow-subscribed-interval", "0"]) == 2
     assert main.main(["--follow-interval", "-1"]) == 2
+
+
+def test_pushes_coalesce_and_a_subscriber_that_does_not_read_is_given_up(monkeypatch):
+    """The watch thread's marks coalesce to one push per name; a connection whose peer stops
+    reading fails its thread's send after PUSH_SEND_TIMEOUT (the connection then closes)
+    instead of waiting on it for ever."""
+    monkeypatch.setattr(_push, "PUSH_SEND_TIMEOUT", 0.2)
+    pub = _push.Publisher(threading.Event(), None, ["w/"])
+    sub = _push.Subscriber("peer")
+    names = [f"w/{i:05d}" + "x" * 2000 for i in range(4000)]   # ~8 MB of pushes
+    pub._subs = {n: {sub} for n in names}          # as subscribe() leaves them, watch aside
+    sub.names = set(names)
+    for _ in range(3):
+        pub._mark(names)
+    assert sub.dirty == set(names)                 # three changes each: one push each
+
+    class Dl:
+        def list(self, prefix):
+            class Info:
+                name, generation, created_ns = prefix, 1, 2
+            return [Info()]
+    c, s = socket.socketpair()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            pub.flush(s, Dl(), sub)                 # c never reads
+        assert time.monotonic() - t0 < 5
+        f = _wire.recv(c, time.monotonic() + 5)
+        assert f == {"op": "changed", "name": names[0], "generation": 1, "created_ns": 2}
+    finally:
+        c.close()
+        s.close()
+    pub.unsubscribe_all(sub)
+    assert pub._subs == {} and sub.names == set() and pub.subscribers() == 0
