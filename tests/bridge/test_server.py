@@ -1121,11 +1121,15 @@ class OldExporter:
     """A peer bridge from before subscriptions, on a real TCP port: authenticates, answers
     stat (and get/put for a tensor of no bytes) and, asked to subscribe, does what such a
     bridge does with an op it does not know: an EPROTO error frame, then it disconnects.
-    Counts what it was asked; pushes=True sends malformed pushes before each answer."""
+    Counts what it was asked; pushes=True sends malformed pushes before each answer.
+    subscribe=True: a current bridge's answer instead; fail_gets: that many gets refused
+    (EIO) first."""
 
-    def __init__(self, token, pushes=False):
+    def __init__(self, token, pushes=False, subscribe=False, fail_gets=0):
         self.token = token
         self.pushes = pushes
+        self.subscribe = subscribe
+        self.fail_gets = fail_gets
         self.asked = {"subscribe": 0, "stat": 0, "get": 0, "connections": 0}
         self.generation = 5
         self.lsock = socket.create_server(("127.0.0.1", 0))
@@ -1160,6 +1164,11 @@ class OldExporter:
                     if f["op"] == "stat":
                         _wire.send(s, {"op": "stat", "id": f["id"],
                                        "generation": self.generation, "created_ns": 1})
+                    elif f["op"] == "subscribe" and self.subscribe:
+                        _wire.send(s, {"op": "subscribed", "id": f["id"], "name": f["name"],
+                                       "generation": self.generation, "created_ns": 1})
+                    elif f["op"] == "get" and self.asked["get"] <= self.fail_gets:
+                        _wire.send(s, _wire.error_frame("EIO", "injected", id=f["id"]))
                     elif f["op"] == "get":
                         _wire.send(s, {"op": "layout", "id": f["id"], "lease": "L",
                                        "generation": self.generation, "bundle": False,
@@ -1191,15 +1200,17 @@ def following(b, ex, interval=0.1):
 
 
 @pytest.mark.parametrize("pushes", [False, True])
-def test_an_older_peer_refusing_subscribe_is_polled_logged_once(caplog, pushes):
+def test_an_older_peer_refusing_subscribe_is_polled_logged_once(caplog, monkeypatch, pushes):
     """A peer that knows no subscribe (it disconnects on it): the follow falls back to
     polling at --follow-interval, says so once, does not ask again on that peer's new
     connections, and still follows the generation. Malformed and unfollowed pushes from a
     peer are dropped without harm."""
     b = fake_bridge()
     ex = OldExporter(b.token, pushes)
-    # main() (test_the_per_uid_options) stops the bridge's logger propagating to the root
+    # the bridge's logger propagates to the root or not (main() stops it, test_the_per_uid_
+    # options): caplog's handler on it, and on it only
     logger = _server.log
+    monkeypatch.setattr(logger, "propagate", False)
     logger.addHandler(caplog.handler)
     with caplog.at_level("INFO", logger="dlpackd-bridge"):
         follow, th, dl = following(b, ex)
@@ -1265,3 +1276,22 @@ def test_pushes_coalesce_and_a_subscriber_that_does_not_read_is_given_up(monkeyp
         s.close()
     pub.unsubscribe_all(sub)
     assert pub._subs == {} and sub.names == set() and pub.subscribers() == 0
+
+
+def test_a_fetch_that_fails_while_subscribed_is_tried_again_soon():
+    """Subscribed (the next poll 30 s away, --follow-interval 60), a failed fetch is tried
+    again after RESUBSCRIBE_FIRST (1 s), doubling: not at the next poll."""
+    b = fake_bridge()
+    ex = OldExporter(b.token, subscribe=True, fail_gets=2)
+    follow, th, dl = following(b, ex, interval=60)
+    try:
+        _wait(lambda: "A:w/f" in dl.entries, "the replica after two failed gets")
+        assert follow.generation == 5 and follow.subscribed
+        assert ex.asked["get"] == 3 and ex.asked["subscribe"] == 1
+    finally:
+        b.stop.set()
+        follow.lost()
+        th.join(5)
+        ex.close()
+        follow.link.drop()
+    assert not th.is_alive()

@@ -280,9 +280,11 @@ class Follow:
                                 link.name, link.where, e.strerror or e, retry)
                     wait = retry
                     retry = min(retry * 2, max(args.follow_interval, RESUBSCRIBE_FIRST))
+                    next_poll = 0.0     # a failed fetch is tried again then, subscribed or not
                 except Exception:
                     log.exception("follow %r", self.local)
                     wait = args.follow_interval
+                    next_poll = 0.0
                 if wait is None:
                     wait = max(0.0, next_poll - time.monotonic())
                 self._wake.wait(wait)
