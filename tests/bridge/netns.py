@@ -35,6 +35,8 @@ TTL = 10.0              # the exporter's --lease-ttl (and bound on one WRITE) in
 QUARANTINE = 6.0        # and --quarantine, beyond UCX's keepalive (KEEPALIVE) here
 KEEPALIVE = {"UCX_TCP_KEEPIDLE": "1s", "UCX_TCP_KEEPINTVL": "1s", "UCX_TCP_KEEPCNT": "2"}
 WAIT = 30.0             # the longest any expected state is waited for
+FOLLOW_INTERVAL = 60    # bridge-B's --follow-interval: its --follow lives on pushes
+PUSHED = 10.0           # the longest a pushed change may take to reach B's replica
 SHAPED = 3.0            # seconds a shaped transfer lasts (World.slow_link, shaped_rate())
 BIG = 128 << 20         # w/big, the entry of the bridges killed and of the link taken down
 
@@ -159,8 +161,9 @@ class World:
         if host == "A":
             argv += ["--listen", f"{ADDR_A}:{PORT}", "--export", "w/", "--export", "sd/"]
         else:
+            # a poll cannot explain a change that arrives within PUSHED: only a push can
             argv += ["--peer", f"A={ADDR_A}:{PORT}", "--follow", "A:w/follow",
-                     "--follow-interval", "0.3"]
+                     "--follow-interval", str(FOLLOW_INTERVAL)]
         p = self.start(name, host, argv)
         wait_for(lambda: bridge.status(socket=sock)["agent"], f"{name} answers")
         return p
@@ -451,20 +454,29 @@ def replica(b, name):
 
 
 def case_follow(w, a, b):
-    """--follow A:w/follow: B's replica follows A's entry through replaces and its removal."""
-    g1 = a.publish("w/follow", np.full(1 << 20, 1, np.uint8), replace=True)
-    check(wait_for(lambda: (r := replica(b, "A:w/follow")) is not None and r[0] == 1,
-                   "follow: the first replica"), f"follow: A's generation {g1} replicated")
-    a.publish("w/follow", np.full(1 << 20, 2, np.uint8), replace=True)
-    check(wait_for(lambda: (r := replica(b, "A:w/follow")) is not None and r[0] == 2,
-                   "follow: the replace"),
-          "follow: a REPLACE on A is fetched again")
+    """--follow A:w/follow: B's replica follows A's entry through replaces and its removal,
+    each pushed (B polls every FOLLOW_INTERVAL s: each change must arrive within PUSHED)."""
+    def followed():
+        return bridge.status(socket=w.bridge_socket("bridge-B"))["follows"]["A:w/follow"]
+
+    def pushed(what, value, generation):
+        if value is None:
+            ok = wait_for(lambda: replica(b, "A:w/follow") is None and
+                          followed()["generation"] is None, f"follow: {what}", PUSHED, 0.05)
+        else:
+            ok = wait_for(lambda: (r := replica(b, "A:w/follow")) is not None and
+                          bool((r == value).all()) and followed()["generation"] == generation,
+                          f"follow: {what}", PUSHED, 0.05)
+        check(ok, f"follow: {what} on A reaches B's replica within {PUSHED:g} s (pushed)")
+
+    check(wait_for(lambda: followed()["subscribed"], "follow: subscribed"),
+          "follow: B is subscribed to A's w/follow")
+    ones = np.full(1 << 20, 1, np.uint8)
+    pushed("a publish", 1, a.publish("w/follow", ones, replace=True))
+    pushed("a REPLACE", 2, a.publish("w/follow", ones * 2, replace=True))
     a.unpublish("w/follow")
-    check(wait_for(lambda: replica(b, "A:w/follow") is None, "follow: the unpublish"),
-          "follow: an unpublish on A unpublishes the replica")
-    a.publish("w/follow", np.full(1 << 20, 3, np.uint8))
-    check(wait_for(lambda: (r := replica(b, "A:w/follow")) is not None and r[0] == 3,
-                   "follow: published anew"), "follow: published anew, replicated anew")
+    pushed("an unpublish", None, None)
+    pushed("a new publish", 3, a.publish("w/follow", ones * 3))
     a.unpublish("w/follow")
 
 

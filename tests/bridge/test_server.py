@@ -16,7 +16,7 @@ import time
 import pytest
 
 from dlpack_ipc import bridge
-from dlpack_ipc.bridge import _importer, _nixl, _replicas, _server, _wire
+from dlpack_ipc.bridge import _importer, _nixl, _push, _replicas, _server, _wire
 
 
 class FakeNixl:
@@ -100,6 +100,8 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
     b.replicas = _replicas.Ledger(BRIDGE_UID)
     b.follow = []
+    b.follows = []
+    b.publisher = _push.Publisher(b.stop, None, b.exports)
     return b
 
 
@@ -162,8 +164,8 @@ class FakeTensor:
 
 
 def lease_of(b, tensors, name="w/x"):
-    lease = _server.Lease(b.new_lease_id(), name, 1, [(str(i), t) for i, t in
-                                                       enumerate(tensors)], b.ttl)
+    lease = _server.Lease(b.new_lease_id(), name, 1,
+                          [(str(i), t) for i, t in enumerate(tensors)], b.ttl)
     return {lease.id: lease}, lease
 
 
@@ -850,3 +852,446 @@ def test_a_caller_drops_its_own_replica(peer_a):
     dl.unpublish("A:w/b")                       # gone already: the record goes all the same
     assert drop("A:w/b", 0)["op"] == "dropped" and b.replicas.summary() == {}
     assert ex.fetch(dl, "w/a", 1000) == 7       # at its limit before: room again
+
+
+# -- push subscriptions: two real bridges (NIXL faked: fake_nixl.py) on one real dlpackd ------
+
+FAKE_NIXL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_nixl.py")
+# The follower's --follow-interval in these tests: a change that reaches its replica within
+# PUSHED (well under it) can only have been pushed.
+FOLLOW_INTERVAL = 60
+PUSHED = 10.0
+
+
+def _wait(pred, what, timeout=PUSHED):
+    """pred()'s first true value within timeout seconds; AssertionError naming what if none."""
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(0.02)
+
+
+def _free_port():
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+class Hosts:
+    """One dlpackd, an exporting bridge "A" (--export w/) and a following one (--follow
+    A:w/p, --follow-interval FOLLOW_INTERVAL), as real processes; logs shown on failure."""
+
+    def __init__(self, dlpackd):
+        import dlpack_ipc
+        self.tmp = tempfile.mkdtemp(prefix="dlpc-bridge-push-")
+        self.dlpackd_sock = self.path("dlpackd.sock")
+        self.token = self.path("token")
+        fd = os.open(self.token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(24).hex().encode())
+        os.close(fd)
+        self.port = _free_port()
+        self.procs = {}
+        self.start("dlpackd", [dlpackd, "-s", self.dlpackd_sock])
+        _wait(lambda: os.path.exists(self.dlpackd_sock), "dlpackd's socket")
+        self.dl = dlpack_ipc.Client(self.dlpackd_sock)
+
+    def path(self, name):
+        return os.path.join(self.tmp, name)
+
+    def start(self, name, argv):
+        with open(self.path(f"{name}.log"), "ab") as log:
+            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL)
+        return self.procs[name]
+
+    def start_bridge(self, name, *argv):
+        sock = self.path(f"{name}.sock")
+        p = self.start(name, [sys.executable, FAKE_NIXL, "--socket", sock, "--dlpackd-socket",
+                              self.dlpackd_sock, "--token-file", self.token,
+                              "--log-level", "debug", *argv])
+        _wait(lambda: p.poll() is not None or os.path.exists(sock), f"{name}'s socket")
+        assert p.poll() is None, f"{name} exited: {self.log(name)}"
+        return p
+
+    def exporter(self):
+        return self.start_bridge("A", "--listen", f"127.0.0.1:{self.port}", "--export", "w/")
+
+    def follower(self):
+        return self.start_bridge("B", "--peer", f"A=127.0.0.1:{self.port}", "--follow",
+                                 "A:w/p", "--follow-interval", str(FOLLOW_INTERVAL))
+
+    def status(self, name):
+        return bridge.status(socket=self.path(f"{name}.sock"))
+
+    def followed(self):
+        return self.status("B")["follows"]["A:w/p"]
+
+    def replica(self):
+        """The bytes of the follower's replica, or None where there is none."""
+        import numpy as np
+        try:
+            t = self.dl.attach("A:w/p", timeout=0)
+        except FileNotFoundError:
+            return None
+        try:
+            return np.asarray(t).copy()
+        finally:
+            t.release()
+
+    def stop(self, name):
+        p = self.procs.pop(name)
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def log(self, name):
+        with open(self.path(f"{name}.log"), errors="replace") as f:
+            return "".join(f.readlines()[-40:])
+
+    def close(self, failed):
+        self.dl.close()
+        for name in [n for n in self.procs if n != "dlpackd"] + ["dlpackd"]:
+            if name in self.procs:
+                self.stop(name)
+        if failed:
+            for name in ("A", "B", "dlpackd"):
+                if os.path.exists(self.path(f"{name}.log")):
+                    print(f"--- {name}'s log (last lines)\n{self.log(name)}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def hosts(request):
+    dlpackd = os.environ.get("DLPACKD_BIN")
+    if not dlpackd or not os.access(dlpackd, os.X_OK):
+        pytest.fail(f"DLPACKD_BIN={dlpackd!r} is not the dlpackd binary (ctest sets it; by "
+                    "hand: DLPACKD_BIN=build/dlpackd)", pytrace=False)
+    h = Hosts(dlpackd)
+    failed_before = request.session.testsfailed
+    try:
+        h.exporter()
+        h.follower()
+        yield h
+    finally:
+        h.close(request.session.testsfailed != failed_before)
+
+
+def _publish(h, value, n=1 << 16):
+    import numpy as np
+    return h.dl.publish("w/p", np.full(n, value, np.uint8), replace=True)
+
+
+def _replicated(h, value, generation):
+    """Whether the follower's replica holds value throughout and says generation."""
+    r = h.replica()
+    return r is not None and bool((r == value).all()) and \
+        h.followed() == {"subscribed": True, "generation": generation}
+
+
+def test_a_replace_is_pushed_to_the_follower_well_before_its_poll(hosts):
+    g1 = _publish(hosts, 1)
+    _wait(lambda: _replicated(hosts, 1, g1), "the first replica", timeout=30)
+    t0 = time.monotonic()
+    g2 = _publish(hosts, 2)
+    assert g2 != g1
+    # --follow-interval is 60 s and the follower polled when it subscribed: only a push
+    # explains the new bytes within PUSHED
+    _wait(lambda: _replicated(hosts, 2, g2), "the REPLACE's bytes on the follower")
+    assert time.monotonic() - t0 < PUSHED
+    assert hosts.status("A")["subscribers"] == 1
+
+
+def test_an_unpublish_is_pushed_and_the_replica_goes(hosts):
+    if hosts.replica() is None:
+        g = _publish(hosts, 3)
+        _wait(lambda: _replicated(hosts, 3, g), "a replica to take away", timeout=30)
+    hosts.dl.unpublish("w/p")
+    _wait(lambda: hosts.replica() is None and hosts.followed()["generation"] is None,
+          "the replica unpublished after the UNPUBLISH")
+    g = _publish(hosts, 4)           # published anew: pushed as well
+    _wait(lambda: _replicated(hosts, 4, g), "the entry published anew, replicated anew")
+
+
+def _threads_and_fds(p):
+    return len(os.listdir(f"/proc/{p.pid}/task")), len(os.listdir(f"/proc/{p.pid}/fd"))
+
+
+def _subscriber(h):
+    """A raw peer connection to the exporter, authenticated, NIXL metadata exchanged."""
+    import base64
+    sock = socket.create_connection(("127.0.0.1", h.port), timeout=10)
+    with open(h.token, "rb") as f:
+        token = f.read().strip()
+    _wire.auth_client(sock, token, "raw-subscriber", "A")
+    assert _wire.recv(sock, time.monotonic() + 10)["op"] == "metadata"
+    _wire.send(sock, {"op": "metadata",
+                      "metadata": base64.b64encode(f"fake/{os.getpid()}/raw".encode()).decode()})
+    return sock
+
+
+def _ask(sock, frame):
+    _wire.send(sock, frame)
+    return _wire.recv(sock, time.monotonic() + 10)
+
+
+def _settled(p):
+    """p's threads and fds once two looks half a second apart agree (a local client's thread
+    of the status call just made ends on its own)."""
+    last = None
+    while (now := _threads_and_fds(p)) != last:
+        last = now
+        time.sleep(0.5)
+    return now
+
+
+def test_subscriptions_per_peer_max_and_they_end_with_the_connection(hosts):
+    ex = hosts.procs["A"]
+    # the exporter has served the follower once: what its dlpackd client keeps from an
+    # attach is there before the count
+    g = _publish(hosts, 8)
+    _wait(lambda: _replicated(hosts, 8, g), "a replica before the count", timeout=30)
+    assert hosts.status("A")["subscribers"] == 1
+    before = _settled(ex)
+    sock = _subscriber(hosts)
+    try:
+        limit = _push.SUBSCRIPTIONS_PER_PEER_MAX
+        for i in range(limit):
+            r = _ask(sock, {"op": "subscribe", "id": i, "name": f"w/s{i}"})
+            assert r == {"op": "subscribed", "id": i, "name": f"w/s{i}", "generation": None,
+                         "created_ns": None}
+        r = _ask(sock, {"op": "subscribe", "id": limit, "name": "w/one-more"})
+        assert r["op"] == "error" and r["errno"] == "EAGAIN" and r["id"] == limit
+        assert r["message"] == (f"'w/one-more': this connection holds {limit} subscriptions "
+                                "(SUBSCRIPTIONS_PER_PEER_MAX)")
+        r = _ask(sock, {"op": "subscribe", "id": 0, "name": "w/s0"})     # again: no new one
+        assert r["op"] == "subscribed"
+        r = _ask(sock, {"op": "subscribe", "id": 1, "name": "x/not-exported"})
+        assert r["op"] == "error" and r["errno"] == "ENOENT" and "not exported" in r["message"]
+        assert hosts.status("A")["subscribers"] == 1 + limit
+        # a subscribed name's change is pushed to this connection too: no id, its state now
+        g = hosts.dl.publish("w/s3", b"x" * 8)
+        f = _wire.recv(sock, time.monotonic() + PUSHED)
+        assert f["op"] == "changed" and f["name"] == "w/s3" and f["generation"] == g \
+            and "id" not in f
+        hosts.dl.unpublish("w/s3")
+        assert _wire.recv(sock, time.monotonic() + PUSHED) == {"op": "gone", "name": "w/s3"}
+        # this subscriber stops reading: the follower's pushes still go
+        g = _publish(hosts, 5)
+        _wait(lambda: _replicated(hosts, 5, g), "a push while another subscriber sleeps")
+        hosts.dl.publish("w/s4", b"y" * 8)
+        hosts.dl.unpublish("w/s4")
+    finally:
+        sock.close()
+    _wait(lambda: hosts.status("A")["subscribers"] == 1,
+          "the closed connection's subscriptions gone")
+    time.sleep(0.5)          # the status calls' own client threads end
+    now = []
+    try:
+        _wait(lambda: now.append(_threads_and_fds(ex)) or now[-1] == before, "")
+    except AssertionError:
+        raise AssertionError(f"the exporter's threads and fds: {now[-1]}, not back to "
+                             f"{before}: {os.listdir(f'/proc/{ex.pid}/fd')}") from None
+
+
+def test_a_restarted_exporter_is_subscribed_again(hosts):
+    """The follower subscribes again once the exporter is back (tried after 1 s, doubling),
+    fetches what was replaced while it was away (the generation the subscription answers
+    with), and gets the pushes that follow."""
+    hosts.stop("A")
+    _wait(lambda: not hosts.followed()["subscribed"], "the follower sees the subscription go")
+    g = _publish(hosts, 6)                       # while the exporter is down: no push
+    hosts.exporter()
+    t0 = time.monotonic()
+    _wait(lambda: _replicated(hosts, 6, g), "the REPLACE made while the exporter was down, "
+          "fetched on subscribing again")
+    assert time.monotonic() - t0 < PUSHED
+    t0 = time.monotonic()
+    g = _publish(hosts, 7)
+    _wait(lambda: _replicated(hosts, 7, g), "a REPLACE after the restart, pushed")
+    assert time.monotonic() - t0 < PUSHED
+
+
+class OldExporter:
+    """A peer bridge from before subscriptions, on a real TCP port: authenticates, answers
+    stat (and get/put for a tensor of no bytes) and, asked to subscribe, does what such a
+    bridge does with an op it does not know: an EPROTO error frame, then it disconnects.
+    Counts what it was asked; pushes=True sends malformed pushes before each answer.
+    subscribe=True: a current bridge's answer instead; fail_gets: that many gets refused
+    (EIO) first."""
+
+    def __init__(self, token, pushes=False, subscribe=False, fail_gets=0):
+        self.token = token
+        self.pushes = pushes
+        self.subscribe = subscribe
+        self.fail_gets = fail_gets
+        self.asked = {"subscribe": 0, "stat": 0, "get": 0, "connections": 0}
+        self.generation = 5
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.addr = self.lsock.getsockname()
+        self.th = threading.Thread(target=self._accept, daemon=True)
+        self.th.start()
+
+    def _accept(self):
+        while True:
+            try:
+                s, _ = self.lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(s,), daemon=True).start()
+
+    def _serve(self, s):
+        import base64
+        with s:
+            try:
+                _wire.auth_server(s, self.token)
+                self.asked["connections"] += 1
+                _wire.send(s, {"op": "metadata",
+                               "metadata": base64.b64encode(b"old-exporter").decode()})
+                _wire.recv(s, time.monotonic() + 5)
+                while True:
+                    f = _wire.recv(s, None)
+                    self.asked[f["op"]] = self.asked.get(f["op"], 0) + 1
+                    if self.pushes:
+                        for bad in ({"op": "changed", "name": ["w/f"]}, {"op": "gone"},
+                                    {"op": "changed", "name": "not-followed", "generation": 1}):
+                            _wire.send(s, bad)
+                    if f["op"] == "stat":
+                        _wire.send(s, {"op": "stat", "id": f["id"],
+                                       "generation": self.generation, "created_ns": 1})
+                    elif f["op"] == "subscribe" and self.subscribe:
+                        _wire.send(s, {"op": "subscribed", "id": f["id"], "name": f["name"],
+                                       "generation": self.generation, "created_ns": 1})
+                    elif f["op"] == "get" and self.asked["get"] <= self.fail_gets:
+                        _wire.send(s, _wire.error_frame("EIO", "injected", id=f["id"]))
+                    elif f["op"] == "get":
+                        _wire.send(s, {"op": "layout", "id": f["id"], "lease": "L",
+                                       "generation": self.generation, "bundle": False,
+                                       "ttl": 5, "tensors": [["", "float32", [0], 0]]})
+                    elif f["op"] == "put":
+                        _wire.send(s, {"op": "done", "id": f["id"], "lease": "L"})
+                    else:
+                        _wire.send(s, _wire.error_frame("EPROTO", f"unknown op {f['op']!r}"))
+                        return
+            except (OSError, _wire.FrameError):
+                return
+
+    def close(self):
+        self.lsock.close()
+
+
+def following(b, ex, interval=0.1):
+    """A Follow of ex's w/f run in a thread by bridge b, polling every interval; (follow,
+    the thread, dl)."""
+    import types
+    b.args = types.SimpleNamespace(follow_interval=interval, follow_subscribed_interval=30.0)
+    dl = FakeDlpackd()
+    b.dlpackd = lambda: dl
+    link = _importer.PeerLink(b, "A", ex.addr)
+    follow = _push.Follow(b, link, "w/f", "A:w/f")
+    th = threading.Thread(target=follow.run, daemon=True)
+    th.start()
+    return follow, th, dl
+
+
+@pytest.mark.parametrize("pushes", [False, True])
+def test_an_older_peer_refusing_subscribe_is_polled_logged_once(caplog, monkeypatch, pushes):
+    """A peer that knows no subscribe (it disconnects on it): the follow falls back to
+    polling at --follow-interval, says so once, does not ask again on that peer's new
+    connections, and still follows the generation. Malformed and unfollowed pushes from a
+    peer are dropped without harm."""
+    b = fake_bridge()
+    ex = OldExporter(b.token, pushes)
+    # the bridge's logger propagates to the root or not (main() stops it, test_the_per_uid_
+    # options): caplog's handler on it, and on it only
+    logger = _server.log
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.addHandler(caplog.handler)
+    with caplog.at_level("INFO", logger="dlpackd-bridge"):
+        follow, th, dl = following(b, ex)
+        try:
+            _wait(lambda: "A:w/f" in dl.entries and ex.asked["stat"] >= 3, "polls")
+            ex.generation = 6
+            _wait(lambda: follow.generation == 6, "the new generation, polled")
+        finally:
+            b.stop.set()
+            follow.lost()
+            th.join(5)
+            ex.close()
+            follow.link.drop()
+            logger.removeHandler(caplog.handler)
+    assert not th.is_alive()
+    assert ex.asked["subscribe"] == 1 and not follow.subscribed
+    said = [r.getMessage() for r in caplog.records if "does not know subscribe" in
+            r.getMessage()]
+    assert said == ["follow 'A:w/f': peer A does not know subscribe (an older bridge: "
+                    "unknown op 'subscribe'): polling every 0.1 s instead"]
+
+
+def test_the_follow_options():
+    main = importlib.import_module("dlpack_ipc.bridge.__main__")
+    args = main._args(["--follow-subscribed-interval", "5", "--follow-interval", "2"])
+    assert args.follow_subscribed_interval == 5.0 and args.follow_interval == 2.0
+    assert main._args([]).follow_subscribed_interval is None     # the constant, in main()
+    assert _push.FOLLOW_SUBSCRIBED_INTERVAL == 30.0
+    assert main.main(["--follow-subscribed-interval", "0"]) == 2
+    assert main.main(["--follow-interval", "-1"]) == 2
+
+
+def test_pushes_coalesce_and_a_subscriber_that_does_not_read_is_given_up(monkeypatch):
+    """The watch thread's marks coalesce to one push per name; a connection whose peer stops
+    reading fails its thread's send after PUSH_SEND_TIMEOUT (the connection then closes)
+    instead of waiting on it for ever."""
+    monkeypatch.setattr(_push, "PUSH_SEND_TIMEOUT", 0.2)
+    pub = _push.Publisher(threading.Event(), None, ["w/"])
+    sub = _push.Subscriber("peer")
+    names = [f"w/{i:05d}" + "x" * 2000 for i in range(4000)]   # ~8 MB of pushes
+    pub._subs = {n: {sub} for n in names}          # as subscribe() leaves them, watch aside
+    sub.names = set(names)
+    for _ in range(3):
+        pub._mark(names)
+    assert sub.dirty == set(names)                 # three changes each: one push each
+
+    class Dl:
+        def list(self, prefix):
+            class Info:
+                name, generation, created_ns = prefix, 1, 2
+            return [Info()]
+    c, s = socket.socketpair()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            pub.flush(s, Dl(), sub)                 # c never reads
+        assert time.monotonic() - t0 < 5
+        f = _wire.recv(c, time.monotonic() + 5)
+        assert f == {"op": "changed", "name": names[0], "generation": 1, "created_ns": 2}
+    finally:
+        c.close()
+        s.close()
+    pub.unsubscribe_all(sub)
+    assert pub._subs == {} and sub.names == set() and pub.subscribers() == 0
+
+
+def test_a_fetch_that_fails_while_subscribed_is_tried_again_soon():
+    """Subscribed (the next poll 30 s away, --follow-interval 60), a failed fetch is tried
+    again after RESUBSCRIBE_FIRST (1 s), doubling: not at the next poll."""
+    b = fake_bridge()
+    ex = OldExporter(b.token, subscribe=True, fail_gets=2)
+    follow, th, dl = following(b, ex, interval=60)
+    try:
+        _wait(lambda: "A:w/f" in dl.entries, "the replica after two failed gets")
+        assert follow.generation == 5 and follow.subscribed
+        assert ex.asked["get"] == 3 and ex.asked["subscribe"] == 1
+    finally:
+        b.stop.set()
+        follow.lost()
+        th.join(5)
+        ex.close()
+        follow.link.drop()
+    assert not th.is_alive()

@@ -121,10 +121,16 @@ def _args(argv):
     p.add_argument("--export", action="append", metavar="PREFIX",
                    help="serve names starting with PREFIX to peers (repeatable; none: nothing)")
     p.add_argument("--follow", action="append", metavar="PEER:NAME",
-                   help="keep a replica of PEER's NAME fresh: fetch it again whenever its "
-                   "generation changes there, unpublish it when it goes (repeatable)")
+                   help="keep a replica of PEER's NAME fresh: subscribe to it there, fetch it "
+                   "again as soon as the peer pushes a change, unpublish it when it goes; "
+                   "poll where the peer refuses the subscription (repeatable)")
     p.add_argument("--follow-interval", metavar="SECONDS", type=float, default=1.0,
-                   help="how often --follow asks the peer for the generation (default 1)")
+                   help="how often --follow asks the peer for the generation while no "
+                   "subscription is live (the peer refused it, or cannot be reached: then "
+                   "tried again after 1 s, doubling up to this) (default 1)")
+    p.add_argument("--follow-subscribed-interval", metavar="SECONDS", type=float, default=None,
+                   help="how often --follow still asks while the peer pushes changes, for a "
+                   "push lost with a connection (default FOLLOW_SUBSCRIBED_INTERVAL, 30)")
     p.add_argument("--token-file", metavar="PATH",
                    help="the token shared by all bridges (mode 0600 or stricter); needed with "
                    "--listen or --peer")
@@ -157,7 +163,7 @@ def main(argv=None):
     args = _args(argv)
     for k, v in UCX_DEFAULTS.items():
         os.environ.setdefault(k, v)
-    from . import _server, _wire  # imports NIXL's dependencies only here
+    from . import _push, _server, _wire  # imports NIXL's dependencies only here
 
     level = {"err": logging.ERROR, "warning": logging.WARNING, "notice": logging.INFO,
              "info": logging.INFO, "debug": logging.DEBUG}[args.log_level]
@@ -189,9 +195,13 @@ def main(argv=None):
                   "dead peer (UCX_TCP_KEEPIDLE + UCX_TCP_KEEPINTVL * UCX_TCP_KEEPCNT = %s)",
                   args.quarantine, "never" if dead is None else f"{dead:g} s")
         return 2
-    if not args.follow_interval > 0:
-        log.error("--follow-interval %s: must be > 0", args.follow_interval)
-        return 2
+    if args.follow_subscribed_interval is None:
+        args.follow_subscribed_interval = _push.FOLLOW_SUBSCRIBED_INTERVAL
+    for opt, v in (("--follow-interval", args.follow_interval),
+                   ("--follow-subscribed-interval", args.follow_subscribed_interval)):
+        if not v > 0:
+            log.error("%s %s: must be > 0", opt, v)
+            return 2
     for opt, v in (("--replicas-per-uid", args.replicas_per_uid),
                    ("--replica-bytes-per-uid", args.replica_bytes_per_uid)):
         if v is not None and v < 1:

@@ -35,6 +35,7 @@ def transfer_deadline(nbytes):
     """Seconds a transfer of nbytes may take: TRANSFER_GRACE + nbytes / TRANSFER_MIN_RATE."""
     return TRANSFER_GRACE + nbytes / TRANSFER_MIN_RATE
 
+
 log = logging.getLogger("dlpackd-bridge")
 
 
@@ -101,6 +102,27 @@ def _left(deadline, what):
     return left
 
 
+# The ops of the frames a peer pushes unasked (a subscription's news, _push.py): they carry no
+# request id, and whoever reads the connection hands them on.
+PUSHES = ("changed", "gone")
+
+
+def subscribe_error(frame, peer):
+    """The OSError for a refused subscribe. Marked subscribe_refused where the follow polls
+    instead (an older bridge that knows no subscribe, a connection's subscriptions full); an
+    export refusal (ENOENT) stays a plain FileNotFoundError."""
+    message = str(frame.get("message"))
+    if frame.get("errno") == "EPROTO" and "unknown op" in message:
+        e = OSError(errno.EOPNOTSUPP, f"peer {peer} does not know subscribe (an older bridge: "
+                    f"{message})")
+    else:
+        e = _wire.to_oserror(frame, f"peer {peer} refused the subscription")
+        if e.errno == errno.ENOENT:
+            return e
+    e.subscribe_refused = True  # type: ignore[attr-defined]
+    return e
+
+
 class _Stale(Exception):
     """The peer closed the connection before it answered a get: nothing was leased."""
 
@@ -117,6 +139,10 @@ class PeerLink:
         self.sock = None
         self.agent = None
         self._rid = 0
+        # each new connection's number: a subscription lives on the one it was made on
+        self.epoch = 0
+        self.follows = {}           # rname -> [_push.Follow], set up before any thread runs
+        self._no_subscribe = None   # the agent of a peer that knows no subscribe
 
     def connected(self):
         return self.sock is not None
@@ -145,6 +171,7 @@ class PeerLink:
             sock.close()
             raise
         self.sock, self.agent = sock, agent
+        self.epoch += 1
         log.info("connected to peer %s at %s (agent %s)", self.name, self.where, agent)
 
     def drop(self):
@@ -153,6 +180,9 @@ class PeerLink:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+            for follows in self.follows.values():
+                for follow in follows:
+                    follow.lost()
         removed = True
         if self.agent is not None:
             removed = self.bridge.nixl.remove_remote(self.agent)
@@ -160,6 +190,7 @@ class PeerLink:
         return removed
 
     def _recv(self, deadline, what):
+        """The next frame, or None when it was a push (handed on)."""
         try:
             f = _wire.recv(self.sock, deadline)
         except TimeoutError:
@@ -168,7 +199,112 @@ class PeerLink:
             raise ConnectionResetError(errno.ECONNRESET, f"connection lost {what}") from None
         except _wire.FrameError as e:
             raise ConnectionError(errno.EPROTO, f"protocol error {what}: {e}") from None
-        return f
+        return None if self._pushed(f) else f
+
+    def _answer(self, deadline):
+        """The next frame that is not a push (pushes are handed on on the way); _wire.recv's
+        exceptions."""
+        while True:
+            f = _wire.recv(self.sock, deadline)
+            if not self._pushed(f):
+                return f
+
+    def _pushed(self, f):
+        """Whether f is a push; if so, handed to the follows of its name (a push for a name
+        nothing here follows is dropped)."""
+        if f["op"] not in PUSHES or "id" in f:
+            return False
+        name = f.get("name")
+        for follow in self.follows.get(name, ()) if isinstance(name, str) else ():
+            follow.push(f)
+        return True
+
+    def pump(self, timeout):
+        """Read what the peer pushed while no request is in flight, waiting up to timeout;
+        False when there is no connection (or it was lost here)."""
+        sock = self.sock
+        if sock is None:
+            return False
+        try:
+            if not _wire.readable(sock, timeout):
+                return True
+        except (OSError, ValueError):         # closed by a request meanwhile
+            return False
+        if not self.lock.acquire(blocking=False):
+            time.sleep(0.05)                  # the request in flight reads it
+            return True
+        try:
+            while self.sock is sock and _wire.readable(sock, 0):
+                try:
+                    f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
+                except (OSError, _wire.FrameError) as e:
+                    log.info("connection to peer %s lost: %s", self.name, e)
+                    self.drop()
+                    return False
+                if not self._pushed(f):
+                    log.warning("peer %s sent %r unasked: disconnecting", self.name, f["op"])
+                    self.drop()
+                    return False
+            return True
+        finally:
+            self.lock.release()
+
+    def refuses_subscribe(self):
+        """Whether the peer connected now is known to know no subscribe (an older bridge)."""
+        return self.agent is not None and self.agent == self._no_subscribe
+
+    def _ask(self, frame, deadline, what):
+        """Send frame, connecting first if needed (and once more if the idle connection was
+        found dead), and return the answer; the caller holds the lock."""
+        for attempt in (0, 1):
+            if self.sock is None:
+                self._connect(deadline)
+            self._rid += 1
+            try:
+                _wire.send(self.sock, {**frame, "id": self._rid})
+                return self._answer(deadline)
+            except (ConnectionResetError, BrokenPipeError):
+                self.drop()
+                if attempt:
+                    raise
+            except (TimeoutError, _wire.FrameError) as e:
+                self.drop()
+                raise TimeoutError(errno.ETIMEDOUT, f"{what}: {e}") from None
+        raise AssertionError("not reached")
+
+    def _lock_until(self, deadline):
+        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for a fetch from this peer")
+
+    def subscribe(self, rname, deadline):
+        """Subscribe to rname's changes on this peer: ((generation, created_ns) there now, or
+        None when it has no such entry; the connection's epoch). FileNotFoundError if rname is
+        not exported; an OSError marked subscribe_refused when the peer refuses (subscribe_error).
+        """
+        self._lock_until(deadline)
+        try:
+            if self.sock is None:
+                self._connect(deadline)
+            if self.refuses_subscribe():
+                e = OSError(errno.EOPNOTSUPP, f"peer {self.name} does not know subscribe (an "
+                            "older bridge)")
+                e.subscribe_refused = True  # type: ignore[attr-defined]
+                raise e
+            f = self._ask({"op": "subscribe", "name": rname}, deadline,
+                          f"subscription to {rname!r}")
+            if f["op"] == "error":
+                e = subscribe_error(f, self.name)
+                if getattr(e, "subscribe_refused", False) and e.errno == errno.EOPNOTSUPP:
+                    self._no_subscribe = self.agent
+                    self.drop()             # an older bridge closes it after that refusal
+                raise e
+            if f["op"] != "subscribed" or f.get("name") != rname:
+                self.drop()
+                raise ConnectionError(errno.EPROTO, f"expected subscribed, got {f['op']!r}")
+            gen = f.get("generation")
+            return (None if gen is None else (gen, f.get("created_ns"))), self.epoch
+        finally:
+            self.lock.release()
 
     def fetch(self, dl, rname, local, deadline, uid):
         """Get rname from this peer and publish it here as local, a replica charged to uid
@@ -214,27 +350,12 @@ class PeerLink:
 
     def stat(self, rname, deadline):
         """(generation, created_ns) of rname on this peer; FileNotFoundError if it has none."""
-        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for a fetch from this peer")
+        self._lock_until(deadline)
         try:
-            for attempt in (0, 1):
-                if self.sock is None:
-                    self._connect(deadline)
-                self._rid += 1
-                try:
-                    _wire.send(self.sock, {"op": "stat", "id": self._rid, "name": rname})
-                    f = _wire.recv(self.sock, deadline)
-                except (ConnectionResetError, BrokenPipeError):
-                    self.drop()
-                    if attempt:
-                        raise
-                    continue
-                except (TimeoutError, _wire.FrameError) as e:
-                    self.drop()
-                    raise TimeoutError(errno.ETIMEDOUT, f"stat of {rname!r}: {e}") from None
-                if f["op"] == "error":
-                    raise _wire.to_oserror(f, f"peer {self.name}")
-                return f["generation"], f["created_ns"]
+            f = self._ask({"op": "stat", "name": rname}, deadline, f"stat of {rname!r}")
+            if f["op"] == "error":
+                raise _wire.to_oserror(f, f"peer {self.name}")
+            return f["generation"], f["created_ns"]
         finally:
             self.lock.release()
 
@@ -244,7 +365,7 @@ class PeerLink:
         t0 = time.monotonic()
         try:
             _wire.send(self.sock, {"op": "get", "id": rid, "name": rname})
-            f = _wire.recv(self.sock, _bound(deadline, LAYOUT_TIMEOUT))
+            f = self._answer(_bound(deadline, LAYOUT_TIMEOUT))
         except (ConnectionResetError, BrokenPipeError):
             raise _Stale() from None
         except TimeoutError:
@@ -326,6 +447,8 @@ class PeerLink:
                     notified = self.bridge.nixl.notified(self.agent, lid.encode())
                 if not done and _wire.readable(self.sock, 0 if not notified else 0.05):
                     f = self._recv(tdeadline, what)
+                    if f is None:
+                        continue            # a push, handed on
                     if f["op"] == "error":
                         raise _wire.to_oserror(f, "transfer failed")
                     if f["op"] != "done" or f.get("lease") != lid:

@@ -3,9 +3,11 @@
 over NIXL (docs/bridge.md).
 
 Threads: one accepts peers on --listen and one accepts local clients on --socket; each
-connection gets a thread of its own that does all of its work (its leases included), and one
-housekeeping thread gives back what an aborted transfer left in quarantine. The NIXL agent is
-shared; its calls are serialized by NIXL itself (NIXL_THREAD_SYNC_STRICT).
+connection gets a thread of its own that does all of its work (its leases and the pushes of its
+subscriptions included), and one housekeeping thread gives back what an aborted transfer left in
+quarantine. Subscriptions add one thread that watches the local dlpackd; --follow adds one
+thread per followed name and one per peer followed, which reads the pushes (_push.py). The NIXL
+agent is shared; its calls are serialized by NIXL itself (NIXL_THREAD_SYNC_STRICT).
 """
 import base64
 import errno
@@ -20,10 +22,11 @@ import time
 
 import dlpack_ipc
 
-from . import _importer, _replicas, _wire
-from ._importer import CONNECT_TIMEOUT, POLL, PeerLink
+from . import _importer, _push, _replicas, _wire
+from ._importer import POLL, PeerLink
 from ._importer import keepalive as _keepalive
-from ._nixl import QUARANTINE, QUARANTINE_MAX, Nixl, Quarantine, _quiet, _span
+from ._nixl import QUARANTINE  # noqa: F401  (__main__ reads _server.QUARANTINE)
+from ._nixl import QUARANTINE_MAX, Nixl, Quarantine, _quiet, _span
 
 # How long an exporter keeps a lease (and its dlpackd reference) for an importer that asked for
 # a name's layout and has not sent its descriptors yet; also the longest one WRITE may take.
@@ -46,6 +49,7 @@ def parse_addr(text, what):
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{what} {text!r} is not ADDR:PORT")
     return host.strip("[]"), int(port)
+
 
 class Lease:
     """An exported entry held for one importer: the attach is the dlpackd reference."""
@@ -76,6 +80,8 @@ class Bridge:
             if not sep or peer not in self.peers or not rname:
                 raise ValueError(f"--follow {name!r} is not PEER:NAME with a --peer PEER")
             self.follow.append((self.peers[peer], rname, name))
+        self.follows = [_push.Follow(self, link, rname, local)
+                        for link, rname, local in self.follow]
         self.host = socket.gethostname()
         self.agent_name = f"dlpackd-bridge/{self.host}/{time.time_ns()}"
         self.nixl = Nixl(self.agent_name, args.progress_thread)
@@ -85,6 +91,7 @@ class Bridge:
             getattr(args, "replicas_per_uid", None) or _replicas.REPLICAS_PER_UID_MAX,
             getattr(args, "replica_bytes_per_uid", None) or _replicas.REPLICA_BYTES_PER_UID_MAX)
         self.stop = threading.Event()
+        self.publisher = _push.Publisher(self.stop, args.dlpackd_socket, self.exports)
         self._lock = threading.Lock()
         self._lease_seq = 0
         self.leases = 0
@@ -123,47 +130,16 @@ class Bridge:
                                             self._peers_in, "peer"), daemon=True))
         threads.append(threading.Thread(target=self._accept, args=(unix, self._client_thread,
                                         self._clients, "client"), daemon=True))
-        for link, rname, local in self.follow:
-            threads.append(threading.Thread(target=self._follow, args=(link, rname, local),
+        for follow in self.follows:
+            threads.append(threading.Thread(target=follow.run, name=f"follow {follow.local}",
                                             daemon=True))
+        for link in {follow.link for follow in self.follows}:
+            threads.append(threading.Thread(target=_push.pump, args=(link, self.stop),
+                                            name=f"pushes of {link.name}", daemon=True))
         for t in threads:
             t.start()
         while not self.stop.wait(1.0):
             pass
-
-    def _follow(self, link, rname, local):
-        """--follow: keep the replica local of link's rname fresh, by polling its generation
-        every --follow-interval; unpublish the replica when the peer's entry is gone."""
-        dl = self.dlpackd()
-        seen = None            # (generation, created_ns) of the peer's entry last fetched
-        wait = 0.0
-        try:
-            while not self.stop.wait(wait):
-                wait = self.args.follow_interval
-                try:
-                    now = link.stat(rname, time.monotonic() + CONNECT_TIMEOUT)
-                    if now != seen:
-                        # the bridge's own replica, charged to its uid
-                        link.fetch(dl, rname, local, time.monotonic() + max(self.ttl, 60.0),
-                                   self.replicas.own_uid)
-                        seen = now
-                        self.count("fetched")
-                except FileNotFoundError:
-                    if seen is not None:
-                        log.info("follow %r: gone on %s: unpublishing the replica", local,
-                                 link.name)
-                        try:
-                            dl.unpublish(local)
-                        except FileNotFoundError:
-                            pass
-                        self.replicas.forget(local)
-                        seen = None
-                except OSError as e:
-                    log.warning("follow %r: %s; trying again in %s s", local, e, wait)
-                except Exception:
-                    log.exception("follow %r", local)
-        finally:
-            dl.close()
 
     def _housekeeping(self):
         while not self.stop.wait(1.0):
@@ -207,6 +183,7 @@ class Bridge:
         leases = {}
         remote = None
         dl = None
+        sub = _push.Subscriber(who)
         try:
             _keepalive(sock)
             try:
@@ -233,8 +210,11 @@ class Bridge:
             remote = self.nixl.add_remote(_wire.metadata(f))
             log.info("peer %s connected (agent %r)", who, remote)
             dl = self.dlpackd()
+            sub.who = who
             while not self.stop.is_set():
                 self._expire(leases, who)
+                if sub.names:
+                    self.publisher.flush(sock, dl, sub)
                 if not _wire.readable(sock, TICK):
                     continue
                 f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
@@ -245,6 +225,8 @@ class Bridge:
                     self._put(sock, f, leases, remote, who)
                 elif op == "stat":
                     self._stat(sock, dl, f)
+                elif op == "subscribe":
+                    self._subscribe(sock, dl, f, sub, who)
                 elif op == "release":
                     self._end(leases.pop(str(f.get("lease")), None), "released")
                 else:
@@ -259,6 +241,10 @@ class Bridge:
         except OSError as e:
             log.warning("peer %s: %s: disconnecting", who, e)
         finally:
+            if sub.names:
+                log.info("peer %s: its %d subscriptions end with its connection", who,
+                         len(sub.names))
+            self.publisher.unsubscribe_all(sub)
             for lease in list(leases.values()):
                 self._end(lease, "connection lost")
             if remote is not None:
@@ -311,14 +297,41 @@ class Bridge:
             return _wire.send(sock, _wire.error_frame(
                 "ENOENT", f"{name!r} is not exported by this bridge", id=rid))
         try:
-            found = [e for e in dl.list(name) if e.name == name]
+            entry = _push.find(dl, name)
         except (OSError, ValueError) as e:
             return _wire.send(sock, _wire.error_frame("EIO", f"{name!r}: {e}", id=rid))
-        if not found:
+        if entry is None:
             return _wire.send(sock, _wire.error_frame(
                 "ENOENT", f"{name!r}: no entry named {name!r}", id=rid))
-        _wire.send(sock, {"op": "stat", "id": rid, "generation": found[0].generation,
-                          "created_ns": found[0].created_ns})
+        _wire.send(sock, {"op": "stat", "id": rid, "generation": entry.generation,
+                          "created_ns": entry.created_ns})
+
+    def _subscribe(self, sock, dl, f, sub, who):
+        """A peer subscribes to a name's changes: answered with its state now (generation
+        and created_ns, None for both when there is no such entry yet); each later PUBLISH,
+        REPLACE or UNPUBLISH of it is pushed (_push.Publisher.flush)."""
+        rid, name = f.get("id"), f.get("name")
+        if not isinstance(name, str) or not self.exported(name):
+            log.info("peer %s asked to subscribe to %r, which is not exported", who, name)
+            return _wire.send(sock, _wire.error_frame(
+                "ENOENT", f"{name!r} is not exported by this bridge", id=rid))
+        try:
+            self.publisher.subscribe(sub, name)
+        except _push.Refused as e:
+            log.info("peer %s: subscription to %r refused: %s", who, name, e)
+            return _wire.send(sock, _wire.error_frame(e.errname, str(e), id=rid))
+        except OSError as e:
+            return _wire.send(sock, _wire.error_frame(
+                "EIO", f"{name!r}: this host's dlpackd cannot be watched: {e}", id=rid))
+        log.debug("peer %s subscribed to %r", who, name)
+        try:
+            entry = _push.find(dl, name)
+        except (OSError, ValueError) as e:
+            # subscribed all the same: the next change is pushed
+            return _wire.send(sock, _wire.error_frame("EIO", f"{name!r}: {e}", id=rid))
+        _wire.send(sock, {"op": "subscribed", "id": rid, "name": name,
+                          "generation": None if entry is None else entry.generation,
+                          "created_ns": None if entry is None else entry.created_ns})
 
     def _get(self, sock, dl, f, leases, who):
         rid, name = f.get("id"), f.get("name")
@@ -491,6 +504,10 @@ class Bridge:
                     "quarantined": len(self.quarantine), "exports": self.exports,
                     "peers": {n: p.connected() for n, p in self.peers.items()},
                     "replicas": self.replicas.summary(),
+                    "subscribers": self.publisher.subscribers(),
+                    "follows": {f.local: {"subscribed": f.subscribed,
+                                          "generation": f.generation}
+                                for f in self.follows},
                     **self.counts}
 
     def _drop(self, dl, f, uid, pid):
