@@ -2,7 +2,7 @@
 """dlpackd-bridge between two network namespaces, beside a plain TCP stream over the same veth.
 
     sudo PYTHONPATH=build/python build/bridgevenv/venv/bin/python bench/bridge.py build/dlpackd \
-        [--sizes 64M,1G] [--repeat 3] [--out bridge.json]
+        [--sizes 64M,1G] [--repeat 3] [--out bridge.json] [--shmem-thp MODE]
 
 Needs what the bridge_netns test needs (root, `ip`, the bridge's venv: ctest -R bridge_venv makes
 it) and reuses its two hosts (tests/bridge/netns.py). Per size: the best of --repeat runs of
@@ -10,7 +10,9 @@ it) and reuses its two hosts (tests/bridge/netns.py). Per size: the best of --re
            chunks) and A acknowledges the last byte: the floor over this veth;
   fetch    bridge.fetch("A:name") on B: layout, allocation, NIXL WRITE, publish of the replica;
 and the time from fetch() of a 4 KiB entry to a usable local array (fetch + attach + asarray),
-median of 20. GB/s are 10^9 bytes per second. Nothing is judged: these are numbers to read.
+median of 20. GB/s are 10^9 bytes per second. Nothing is judged here: bench/run.py runs this
+(as root, where the bridge's venv is) and holds the fetch to 0.7x the socket. The replica is
+written into pages of B's memfd, so shmem huge pages (--shmem-thp, as bench/run.py's) matter.
 """
 import argparse
 import json
@@ -23,6 +25,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
                                 "bridge"))
 import netns  # noqa: E402  (exits 77 where the namespaces cannot be made)
+import run  # noqa: E402  (bench/run.py: its shmem huge-page setting)
 
 import numpy as np  # noqa: E402
 
@@ -111,7 +114,20 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--bridge-option", action="append", default=[],
                    help="one more option for both bridges (e.g. --progress-thread)")
+    p.add_argument("--shmem-thp", choices=["never", "advise", "within_size", "always"],
+                   help="run with the kernel's shmem huge pages set to this (root; put back at "
+                        "the end)")
     args = p.parse_args()
+    found = run.set_shmem_thp(args.shmem_thp) if args.shmem_thp else None
+    try:
+        return measure(args)
+    finally:
+        if found is not None:
+            with open(run.SHMEM_THP, "w") as f:
+                f.write(found)
+
+
+def measure(args):
     w = netns.World(args.dlpackd, ttl=120.0, extra=args.bridge_option)
     rows = []
     try:
@@ -132,6 +148,7 @@ def main():
     finally:
         w.close()
     result = {"rows": rows, "small_4k_s": lat, "cpus": os.cpu_count(),
+              "shmem_enabled": run.shmem_thp(),
               "nixl": __import__("importlib.metadata").metadata.version("nixl")}
     if args.out:
         with open(args.out, "w") as f:

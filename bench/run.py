@@ -8,7 +8,9 @@
 Starts dlpackd on a socket in a temporary directory, runs the C harness (bench_c), the
 Python harness (bench_py.py), its peer groups against Ray, safetensors and
 torch.multiprocessing (bench_py.py --peers, with --python), the model-loading one
-(bench_model.py) and the weight-sync one (weight_sync.py), prints a markdown table of every
+(bench_model.py), the weight-sync one (weight_sync.py) and, as root where the bridge's venv is
+(ctest -R bridge_venv), dlpackd-bridge between two network namespaces (bridge.py), prints a
+markdown table of every
 measurement and of the targets (each a ratio measured in this run), the peers' among them, and
 writes bench.json and bench.png into --out (default docs/). Stops the daemon and removes what it
 created; exits non-zero if a measurement is missing or a process or shared memory of the run
@@ -150,6 +152,67 @@ def run_rows(cmd, env, pin=False):
     if p.returncode:
         raise subprocess.CalledProcessError(p.returncode, cmd)
     return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+# bench/bridge.py's fetch against a plain TCP stream over the same veth: the goal (issue 31)
+BRIDGE_GOAL = 0.7
+BRIDGE_SIZES = "64M,1G"
+
+
+def bridge_rows(build, env):
+    """bench/bridge.py's figures as rows, or one row saying why it did not run (not root, no
+    bridge venv): dlpackd-bridge fetching between two network namespaces over NIXL, beside a
+    TCP stream over the same veth. A run that fails fails the bench."""
+    py = os.path.join(build, "bridgevenv", "venv", "bin", "python")
+    why = ("not root: the two network namespaces need it" if os.geteuid() != 0 else
+           None if os.path.exists(py) else
+           f"no bridge venv at {py} (ctest --test-dir {build} -R bridge_venv makes it)")
+    if why:
+        print(f"bench: bridge: skipped: {why}", file=sys.stderr)
+        return [{"group": "bridge", "impl": "fetch", "skipped": why}]
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([py, os.path.join(HERE, "bridge.py"), os.path.join(build, "dlpackd"),
+                        "--sizes", BRIDGE_SIZES, "--out", out.name], env=env, check=True,
+                       timeout=900, stdout=sys.stderr)
+        got = json.load(open(out.name))
+    rows = []
+    for r in got["rows"]:
+        rows.append({"group": "bridge", "impl": "socket", "size": r["size"],
+                     "best_s": r["socket_s"], "gbps": r["socket_gbps"]})
+        rows.append({"group": "bridge", "impl": "fetch", "size": r["size"],
+                     "best_s": r["fetch_s"], "gbps": r["fetch_gbps"]})
+    rows.append({"group": "bridge", "impl": "fetch_attach", "size": 4096,
+                 "median_us": got["small_4k_s"] * 1e6})
+    return rows
+
+
+def bridge_table(rows):
+    """The bridge's figures (or why they are missing) and its checks: (target, ratio, met)."""
+    skipped = next((r["skipped"] for r in rows if r.get("group") == "bridge" and
+                    "skipped" in r), None)
+    if skipped:
+        return f"dlpackd-bridge between two network namespaces: skipped: {skipped}", []
+    sizes = sorted({r["size"] for r in rows if r.get("group") == "bridge" and
+                    r["impl"] == "fetch"})
+    lines = ["| dlpackd-bridge, namespace B fetches from A over NIXL (best of 3) | " +
+             " | ".join(human(n) for n in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    checks = []
+    for impl, desc in (("socket", "a TCP stream over the same veth, GB/s"),
+                       ("fetch", "bridge.fetch(): layout, allocation, WRITE, publish, GB/s")):
+        lines.append(f"| {desc} | " + " | ".join(
+            f"{pick(rows, 'bridge', impl, n)['gbps']:.2f}" for n in sizes) + " |")
+    for n in sizes:
+        fetch, sock = (pick(rows, "bridge", impl, n) for impl in ("fetch", "socket"))
+        ratio = fetch["gbps"] / sock["gbps"]
+        checks.append((f"bridge fetch / TCP stream, {human(n)}", ratio,
+                       ratio >= BRIDGE_GOAL))
+    small = pick(rows, "bridge", "fetch_attach", 4096)
+    lines.append(f"\n4 KiB entry, fetch + attach to a usable array: "
+                 f"{small['median_us'] / 1e3:.2f} ms (median of 20)")
+    lines += ["", "| bridge target | ratio | limit | met |", "|---|---:|---:|:---:|"]
+    lines += [f"| {t} | {r:.2f} | ≥ {BRIDGE_GOAL} | {'yes' if m else 'no'} |"
+              for t, r, m in checks]
+    return "\n".join(lines), checks
 
 
 def shm_left_behind(before):
@@ -730,6 +793,9 @@ def bench(args):
         rows += run_rows(cmd, env)
         stop_daemon(proc)
         proc = None
+        # two more dlpackd of its own, in network namespaces, with a bridge each
+        if not args.quick:
+            rows += bridge_rows(build, env)
         # the same small publishes against a daemon that keeps its entries in an fd store
         store = FdStore(os.path.join(tmp, "notify"),
                         None if args.no_pin or os.cpu_count() < 2 else os.cpu_count() - 1)
@@ -767,6 +833,9 @@ def bench(args):
     print(table(rows, sizes, map_sizes, checks))
     i30 = peer_targets(rows)
     print("\n" + peers_table(rows) + "\n\n" + peer_targets_table(i30))
+    bridge_text, i31 = bridge_table(rows) if not args.quick else ("", [])
+    if bridge_text:
+        print("\n" + bridge_text)
     missing = [c[0] for c in checks if c[1] is None]
     missing += [f"model_load {impl}" for impl, _ in MODEL_IMPLS
                 if not any(r.get("group") == "model_load" and r.get("impl") == impl
@@ -781,7 +850,9 @@ def bench(args):
         json.dump({"machine": machine(), "quick": args.quick, "rows": rows,
                    "targets": [{"target": c[0], "measured": c[1], "limit": c[2], "met": c[3]}
                                for c in checks],
-                   "peer_targets": i30}, f, indent=1)
+                   "peer_targets": i30,
+                   "bridge_targets": [{"target": t, "measured": r, "limit": BRIDGE_GOAL,
+                                       "met": m} for t, r, m in i31]}, f, indent=1)
     if not args.quick:
         plot(rows, sizes, os.path.join(args.out, "bench.png"))
     if left:
@@ -792,6 +863,8 @@ def bench(args):
     print(f"\n{met} of {len(checks)} targets met")
     print(f"against the peers: {sum(c['met'] for c in i30)} of {len(i30)} targets met, "
           f"{sum(bool(c['skipped']) for c in i30)} not measured (a peer skipped)")
+    if i31:
+        print(f"the bridge: {sum(m for _, _, m in i31)} of {len(i31)} targets met")
 
 
 if __name__ == "__main__":
