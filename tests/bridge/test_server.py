@@ -1295,3 +1295,206 @@ def test_a_fetch_that_fails_while_subscribed_is_tried_again_soon():
         ex.close()
         follow.link.drop()
     assert not th.is_alive()
+
+
+# -- the review's cases: a dlpackd that goes, names too long, threads that must not die ------
+
+class FakeWatch:
+    """What dlpack_ipc.watch returns: next_event waits a little and has no event, or raises
+    fail once lose is set."""
+
+    def __init__(self, fail=None, lose=None):
+        self.fail = fail
+        self.lose = lose
+        self.closed = False
+
+    def next_event(self, timeout):
+        if self.fail is not None and self.lose is not None and self.lose.is_set():
+            raise self.fail
+        time.sleep(min(timeout, 0.02))
+        return None
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def bridge_log(caplog, monkeypatch):
+    """caplog on the bridge's logger, whether or not it propagates (main() stops it)."""
+    monkeypatch.setattr(_server.log, "propagate", False)
+    _server.log.addHandler(caplog.handler)
+    with caplog.at_level("DEBUG", logger="dlpackd-bridge"):
+        yield caplog
+    _server.log.removeHandler(caplog.handler)
+
+
+def test_a_lost_watch_is_opened_again_and_every_subscribed_name_looked_at(monkeypatch):
+    """dlpackd drops the watch: it is opened again (every WATCH_AGAIN) and every subscribed
+    name is marked for each of its subscribers; the watch is never opened under the
+    Publisher's lock."""
+    monkeypatch.setattr(_push, "WATCH_AGAIN", 0.05)
+    lose = threading.Event()
+    opened, locked = [], []
+    stop = threading.Event()
+    pub = _push.Publisher(stop, None, ["w/"])
+
+    def watch(prefix, socket=None):
+        locked.append(pub._lock.locked())
+        opened.append(FakeWatch(ConnectionResetError(errno.ECONNRESET, "dlpackd went away")
+                                if not opened else None, lose))
+        return opened[-1]
+    monkeypatch.setattr(_push.dlpack_ipc, "watch", watch)
+    a, b = _push.Subscriber("a"), _push.Subscriber("b")
+    pub.subscribe(a, "w/1")
+    pub.subscribe(b, "w/1")
+    pub.subscribe(b, "w/2")
+    th = pub._thread
+    assert len(opened) == 1 and a.dirty == set() and b.dirty == set()
+    lose.set()
+    try:
+        _wait(lambda: len(opened) == 2 and a.dirty == {"w/1"} and b.dirty == {"w/1", "w/2"},
+              "the watch opened again, every name marked")
+    finally:
+        stop.set()
+        th.join(5)
+    assert not th.is_alive() and pub._thread is None
+    assert opened[0].closed and opened[1].closed and locked == [False, False]
+
+
+def test_a_watch_thread_that_ends_is_started_again_by_the_next_subscription(
+        monkeypatch, bridge_log):
+    """What the watch thread did not expect (a ValueError opening the watch again) ends it,
+    logged; the next subscription opens a watch and a thread again, and marks the names
+    subscribed meanwhile (their changes were missed)."""
+    monkeypatch.setattr(_push, "WATCH_AGAIN", 0.05)
+    lose = threading.Event()
+    calls = []
+
+    def watch(prefix, socket=None):
+        calls.append(prefix)
+        if len(calls) == 2:
+            raise ValueError("injected")
+        return FakeWatch(ConnectionResetError(errno.ECONNRESET, "gone") if len(calls) == 1
+                         else None, lose)
+    monkeypatch.setattr(_push.dlpack_ipc, "watch", watch)
+    stop = threading.Event()
+    pub = _push.Publisher(stop, None, ["w/"])
+    a = _push.Subscriber("a")
+    pub.subscribe(a, "w/1")
+    lose.set()
+    _wait(lambda: pub._thread is None, "the watch thread ended")
+    assert any("the watch of this host's dlpackd ended" in r.getMessage()
+               for r in bridge_log.records)
+    pub.subscribe(a, "w/2")
+    th = pub._thread
+    try:
+        assert len(calls) == 3 and th is not None and th.is_alive() and a.dirty == {"w/1"}
+    finally:
+        stop.set()
+        th.join(5)
+    assert not th.is_alive()
+
+
+def test_a_subscription_whose_state_cannot_be_read_is_not_kept(monkeypatch):
+    """Subscribed, then dlpackd cannot say the name's state: the subscription is undone
+    before the EIO answer (the follower tries again; nothing is left pushing to it)."""
+    monkeypatch.setattr(_push.dlpack_ipc, "watch", lambda prefix, socket=None: FakeWatch())
+    b = fake_bridge()
+
+    class Dl:
+        def list(self, prefix):
+            raise ConnectionResetError(errno.ECONNRESET, "dlpackd went away")
+    sub = _push.Subscriber("peer")
+    c, s = tcp_pair()
+    try:
+        b._subscribe(s, Dl(), {"op": "subscribe", "id": 3, "name": "w/p"}, sub, "peer")
+        r = _wire.recv(c, time.monotonic() + 5)
+    finally:
+        c.close()
+        s.close()
+        b.stop.set()
+        if b.publisher._thread is not None:
+            b.publisher._thread.join(5)
+    assert r["op"] == "error" and r["errno"] == "EIO" and r["id"] == 3
+    assert "dlpackd went away" in r["message"]
+    assert b.publisher.subscribers() == 0 and sub.names == set() and sub.dirty == set()
+
+
+def test_a_name_longer_than_name_max_is_refused_and_cut_in_the_log(bridge_log):
+    """A subscribe for a name past NAME_MAX is refused (ENAMETOOLONG) before anything is held
+    or logged whole; a get for a long name that is not exported is logged cut as well."""
+    import dlpack_ipc
+    b = fake_bridge()
+    sub = _push.Subscriber("peer")
+    long_name = "w/" + "n" * (1 << 20)
+    c, s = tcp_pair()
+    try:
+        b._subscribe(s, None, {"op": "subscribe", "id": 1, "name": long_name}, sub, "peer")
+        r = _wire.recv(c, time.monotonic() + 5)
+        b._get(s, None, {"op": "get", "id": 2, "name": "x" + long_name}, {}, "peer")
+        g = _wire.recv(c, time.monotonic() + 5)
+    finally:
+        c.close()
+        s.close()
+    assert r["op"] == "error" and r["errno"] == "ENAMETOOLONG" and r["id"] == 1
+    assert f"longer than NAME_MAX ({dlpack_ipc.NAME_MAX} bytes)" in r["message"]
+    assert len(r["message"]) < 1000
+    assert g["errno"] == "ENOENT" and len(g["message"]) < 1000
+    assert b.publisher.subscribers() == 0 and sub.names == set() and b.publisher._thread is None
+    said = [rec.getMessage() for rec in bridge_log.records]
+    assert any("longer than NAME_MAX" in m for m in said)
+    assert any("which is not exported" in m for m in said)
+    assert max(len(m) for m in said) < 1000
+
+
+def test_a_subscriber_that_stops_reading_is_disconnected_and_its_subscriptions_end(monkeypatch):
+    """Over a real connection thread: a peer subscribed to SUBSCRIPTIONS_PER_PEER_MAX names
+    that stops reading, with small socket buffers, while every name keeps changing: the
+    thread's send gives up after PUSH_SEND_TIMEOUT, the connection closes and its
+    subscriptions end."""
+    import base64
+    monkeypatch.setattr(_push, "PUSH_SEND_TIMEOUT", 0.2)
+    monkeypatch.setattr(_push.dlpack_ipc, "watch", lambda prefix, socket=None: FakeWatch())
+    b = fake_bridge()
+
+    class Dl:
+        def list(self, prefix):
+            class Info:
+                name, generation, created_ns = prefix, 1, 2
+            return [Info()]
+
+        def close(self):
+            pass
+    b.dlpackd = lambda reconnect=False: Dl()
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        c = socket.socket()
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # before the handshake
+        c.connect(ls.getsockname())
+        s, addr = ls.accept()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    slots = threading.BoundedSemaphore(1)
+    slots.acquire()
+    th = threading.Thread(target=b._run, args=(b._peer_thread, s, addr, slots), daemon=True)
+    th.start()
+    try:
+        _wire.auth_client(c, b.token, "raw-subscriber", "A")
+        assert _wire.recv(c, time.monotonic() + 5)["op"] == "metadata"
+        _wire.send(c, {"op": "metadata", "metadata": base64.b64encode(b"importer").decode()})
+        names = [f"w/{i:02d}" + "x" * 200 for i in range(_push.SUBSCRIPTIONS_PER_PEER_MAX)]
+        for i, name in enumerate(names):
+            assert _ask(c, {"op": "subscribe", "id": i, "name": name})["op"] == "subscribed"
+        assert b.publisher.subscribers() == len(names)
+        end = time.monotonic() + 20
+        while th.is_alive() and time.monotonic() < end:      # c reads nothing more
+            b.publisher._mark(names)
+            th.join(0.05)
+        assert not th.is_alive(), "the connection's thread still waits on its peer"
+        assert b.publisher.subscribers() == 0
+        c.settimeout(5)
+        while c.recv(1 << 16):          # what was sent, then the end of the connection
+            pass
+    finally:
+        c.close()
+        b.stop.set()
+        if b.publisher._thread is not None:
+            b.publisher._thread.join(5)

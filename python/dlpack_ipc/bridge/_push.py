@@ -29,8 +29,10 @@ RESUBSCRIBE_FIRST = 1.0
 # The longest a connection's thread waits to send one push before it gives the peer up: a
 # subscriber that does not read its pushes loses its connection, and never blocks anyone else.
 PUSH_SEND_TIMEOUT = 10.0
-# The watch thread looks at the bridge's stop flag this often, in seconds.
+# The watch thread looks at the bridge's stop flag this often, in seconds; a lost watch is
+# opened again every WATCH_AGAIN seconds.
 WATCH_TICK = 0.5
+WATCH_AGAIN = 1.0
 
 log = logging.getLogger("dlpackd-bridge")
 
@@ -54,6 +56,7 @@ class Subscriber:
         self.who = who
         self.names = set()
         self.dirty = set()
+        self.failing = False        # dlpackd could not be asked at the last flush
 
 
 class Publisher:
@@ -85,16 +88,42 @@ class Publisher:
             raise Refused("EAGAIN", f"{name!r}: this connection holds "
                           f"{SUBSCRIPTIONS_PER_PEER_MAX} subscriptions "
                           "(SUBSCRIPTIONS_PER_PEER_MAX)")
-        with self._lock:
-            if self._thread is None:
-                # opened here, before the subscriber reads the generation: no change after
-                # that read can be missed
+        # the watch is opened here, before the subscriber reads the generation (no change after
+        # that read can be missed), outside the lock (the watch thread never waits on it); the
+        # one opened by a thread that lost the race is closed
+        w = None
+        try:
+            while True:
+                with self._lock:
+                    if self._thread is None and w is not None:
+                        # changes made while no watch was open were missed: the names still
+                        # subscribed are looked at again
+                        for n, subs in self._subs.items():
+                            for s in subs:
+                                s.dirty.add(n)
+                        self._thread = threading.Thread(target=self._run, args=(w,),
+                                                        name="watch", daemon=True)
+                        self._thread.start()
+                        w = None
+                    if self._thread is not None:
+                        self._subs.setdefault(name, set()).add(sub)
+                        sub.names.add(name)
+                        return
                 w = dlpack_ipc.watch(self.prefix, socket=self.socket)
-                self._thread = threading.Thread(target=self._run, args=(w,), name="watch",
-                                                daemon=True)
-                self._thread.start()
-            self._subs.setdefault(name, set()).add(sub)
-            sub.names.add(name)
+        finally:
+            if w is not None:
+                w.close()
+
+    def unsubscribe(self, sub, name):
+        """sub's subscription to name ends (none: nothing changes)."""
+        with self._lock:
+            subs = self._subs.get(name)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[name]
+            sub.names.discard(name)
+            sub.dirty.discard(name)
 
     def unsubscribe_all(self, sub):
         """sub's connection ended: its subscriptions end with it."""
@@ -115,7 +144,18 @@ class Publisher:
                     sub.dirty.add(name)
 
     def _run(self, w):
-        """The watch thread: mark each changed name dirty for its subscribers."""
+        """The watch thread; whatever ends it, the next subscription opens a new one."""
+        try:
+            self._watch(w)
+        except Exception:
+            log.exception("the watch of this host's dlpackd ended: the next subscription "
+                          "opens it again")
+        finally:
+            with self._lock:
+                self._thread = None
+
+    def _watch(self, w):
+        """Mark each changed name dirty for its subscribers, until stop."""
         while True:
             try:
                 while not self.stop.is_set():
@@ -130,7 +170,7 @@ class Publisher:
             finally:
                 w.close()
             w = None
-            while w is None and not self.stop.wait(1.0):
+            while w is None and not self.stop.wait(WATCH_AGAIN):
                 try:
                     w = dlpack_ipc.watch(self.prefix, socket=self.socket)
                 except OSError as e:
@@ -148,24 +188,36 @@ class Publisher:
     def flush(self, sock, dl, sub):
         """Send sub's peer the state of each name changed since the last flush: `changed`
         (generation, created_ns) or `gone`. A name dlpackd cannot be asked about now stays
-        dirty; a peer that takes more than PUSH_SEND_TIMEOUT to take a push is given up
-        (TimeoutError: its connection closes)."""
+        dirty (dl, a client that reconnects, connects anew at the next flush); a peer that
+        takes more than PUSH_SEND_TIMEOUT to take a push is given up (TimeoutError: its
+        connection closes)."""
         with self._lock:
-            names, sub.dirty = sub.dirty, set()
-        for name in sorted(names):
+            names, sub.dirty = sorted(sub.dirty), set()
+        for i, name in enumerate(names):
             try:
                 entry = find(dl, name)
             except (OSError, ValueError) as e:
-                log.debug("push of %r to %s: %s", name, sub.who, e)
+                if not sub.failing:
+                    sub.failing = True
+                    log.warning("pushes to %s: this host's dlpackd, asked about %s: %s: "
+                                "tried again every TICK", sub.who, shown(name), e)
                 with self._lock:
-                    if name in sub.names:
-                        sub.dirty.add(name)
-                continue
+                    sub.dirty.update(n for n in names[i:] if n in sub.names)
+                return
+            if sub.failing:
+                sub.failing = False
+                log.info("pushes to %s go again", sub.who)
             frame = {"op": "gone", "name": name} if entry is None else \
                 {"op": "changed", "name": name, "generation": entry.generation,
                  "created_ns": entry.created_ns}
             sock.settimeout(PUSH_SEND_TIMEOUT)
             _wire.send(sock, frame)
+
+
+def shown(name, limit=200):
+    """A peer-given name for a log line: quoted, cut to about limit characters."""
+    text = repr(name)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def find(dl, name):
