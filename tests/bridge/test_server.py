@@ -1122,14 +1122,15 @@ class OldExporter:
     stat (and get/put for a tensor of no bytes) and, asked to subscribe, does what such a
     bridge does with an op it does not know: an EPROTO error frame, then it disconnects.
     Counts what it was asked; pushes=True sends malformed pushes before each answer.
-    subscribe=True: a current bridge's answer instead; fail_gets: that many gets refused
-    (EIO) first."""
+    subscribe=True: a current bridge's answer instead; fail_gets, fail_subscribes: that many
+    gets, subscribes answered EIO first (the connection stays)."""
 
-    def __init__(self, token, pushes=False, subscribe=False, fail_gets=0):
+    def __init__(self, token, pushes=False, subscribe=False, fail_gets=0, fail_subscribes=0):
         self.token = token
         self.pushes = pushes
         self.subscribe = subscribe
         self.fail_gets = fail_gets
+        self.fail_subscribes = fail_subscribes
         self.asked = {"subscribe": 0, "stat": 0, "get": 0, "connections": 0}
         self.generation = 5
         self.lsock = socket.create_server(("127.0.0.1", 0))
@@ -1164,6 +1165,10 @@ class OldExporter:
                     if f["op"] == "stat":
                         _wire.send(s, {"op": "stat", "id": f["id"],
                                        "generation": self.generation, "created_ns": 1})
+                    elif f["op"] == "subscribe" and self.subscribe and \
+                            self.asked["subscribe"] <= self.fail_subscribes:
+                        _wire.send(s, _wire.error_frame("EIO", "injected: dlpackd cannot be "
+                                                        "asked", id=f["id"]))
                     elif f["op"] == "subscribe" and self.subscribe:
                         _wire.send(s, {"op": "subscribed", "id": f["id"], "name": f["name"],
                                        "generation": self.generation, "created_ns": 1})
@@ -1191,7 +1196,7 @@ def following(b, ex, interval=0.1):
     import types
     b.args = types.SimpleNamespace(follow_interval=interval, follow_subscribed_interval=30.0)
     dl = FakeDlpackd()
-    b.dlpackd = lambda: dl
+    b.dlpackd = lambda reconnect=False: dl
     link = _importer.PeerLink(b, "A", ex.addr)
     follow = _push.Follow(b, link, "w/f", "A:w/f")
     th = threading.Thread(target=follow.run, daemon=True)
@@ -1297,7 +1302,140 @@ def test_a_fetch_that_fails_while_subscribed_is_tried_again_soon():
     assert not th.is_alive()
 
 
-# -- the review's cases: a dlpackd that goes, names too long, threads that must not die ------
+# -- the review's cases: what a follow holds, a dlpackd that goes, threads that must not die --
+
+class FakeLink:
+    """A PeerLink's calls as a Follow makes them, each answer numbered as the link numbers the
+    frames it reads: subscribe answers (5, 1); each fetch first hands on a `gone` push (read
+    before its answer), then answers with a layout of generation 6, created_ns 2; stat
+    answers (6, 2). subscribe_error: raised by subscribe instead."""
+
+    name, where, epoch = "A", "192.0.2.1:1", 1
+
+    def __init__(self, subscribe_error=None):
+        self.follows = {}
+        self.frames = 0
+        self.subscribe_error = subscribe_error
+        self.asked = {"subscribe": 0, "fetch": 0, "stat": 0}
+
+    def connected(self):
+        return True
+
+    def refuses_subscribe(self):
+        return False
+
+    def _frame(self):
+        self.frames += 1
+        return self.frames
+
+    def subscribe(self, rname, deadline):
+        self.asked["subscribe"] += 1
+        if self.subscribe_error is not None:
+            raise self.subscribe_error
+        return (5, 1), self.epoch, self._frame()
+
+    def fetch(self, dl, rname, local, deadline, uid, layout=None):
+        self.asked["fetch"] += 1
+        for follow in self.follows[rname]:
+            follow.push({"op": "gone", "name": rname}, self._frame())
+        layout.update(generation=6, created_ns=2, frame=self._frame())
+        return dl.publish(local, None)
+
+    def stat(self, rname, deadline):
+        self.asked["stat"] += 1
+        return (6, 2), self._frame()
+
+
+class RecordingDlpackd(FakeDlpackd):
+    """Records the unpublishes; fail: what unpublish raises instead."""
+
+    def __init__(self, fail=None):
+        super().__init__()
+        self.fail = fail
+        self.unpublished = []
+
+    def unpublish(self, name, generation=None):
+        self.unpublished.append(name)
+        if self.fail is not None:
+            raise self.fail
+        super().unpublish(name, generation)
+
+
+def run_follow(link, dl, subscribed_interval, seen=None):
+    """A Follow of link's w/f (--follow-interval 60), run in a thread; seen: the peer's
+    (generation, created_ns) of a replica it holds already. (bridge, follow, thread)"""
+    import types
+    b = fake_bridge()
+    b.args = types.SimpleNamespace(follow_interval=60,
+                                   follow_subscribed_interval=subscribed_interval)
+    b.dlpackd = lambda reconnect=False: dl
+    follow = _push.Follow(b, link, "w/f", "A:w/f")
+    if seen is not None:
+        follow._seen, follow.generation = seen, seen[0]
+    th = threading.Thread(target=follow.run, daemon=True)
+    th.start()
+    return b, follow, th
+
+
+def stop_follow(b, follow, th):
+    b.stop.set()
+    follow.lost()
+    th.join(5)
+    assert not th.is_alive(), "the follow's thread did not end"
+
+
+def test_a_follow_holds_what_it_fetched_and_drops_the_pushes_read_before_the_answer():
+    """Subscribed at generation 5, the fetch gets generation 6 and a `gone` read before that
+    layout: the follow says 6, keeps the replica (the `gone` is older news), and its polls,
+    which answer 6, fetch nothing again."""
+    link, dl = FakeLink(), RecordingDlpackd()
+    b, follow, th = run_follow(link, dl, 0.05)
+    try:
+        _wait(lambda: link.asked["stat"] >= 3, "three polls after the fetch")
+    finally:
+        stop_follow(b, follow, th)
+    assert follow.generation == 6 and "A:w/f" in dl.entries
+    assert link.asked["fetch"] == 1 and dl.unpublished == []
+
+
+def test_a_follow_survives_a_replica_it_cannot_unpublish():
+    """The peer no longer exports the name and the replica cannot be unpublished here: logged,
+    and tried again after RESUBSCRIBE_FIRST; the follow's thread goes on."""
+    link = FakeLink(FileNotFoundError(errno.ENOENT, "'w/f' is not exported by this bridge"))
+    dl = RecordingDlpackd(PermissionError(errno.EPERM, "injected"))
+    b, follow, th = run_follow(link, dl, 3600, seen=(1, 1))
+    try:
+        _wait(lambda: link.asked["subscribe"] >= 2 and len(dl.unpublished) >= 2,
+              "a second attempt after the failed unpublish")
+        assert th.is_alive()
+    finally:
+        stop_follow(b, follow, th)
+
+
+def test_a_subscription_the_peer_could_not_set_up_is_tried_again_not_polled():
+    """Only EOPNOTSUPP (an older bridge) and EAGAIN (subscriptions full) are refusals the
+    follow polls after; an EIO answer is a failure: subscribed again after RESUBSCRIBE_FIRST,
+    no poll."""
+    def refused(errname):
+        e = _importer.subscribe_error({"op": "error", "errno": errname, "message": "m"}, "A")
+        return getattr(e, "subscribe_refused", False)
+    assert refused("EAGAIN") and not refused("EIO") and not refused("ENOENT")
+    assert _importer.subscribe_error({"op": "error", "errno": "EPROTO",
+                                      "message": "unknown op 'subscribe'"}, "A").subscribe_refused
+    b = fake_bridge()
+    ex = OldExporter(b.token, subscribe=True, fail_subscribes=1)
+    follow, th, dl = following(b, ex, interval=60)
+    try:
+        _wait(lambda: follow.subscribed and "A:w/f" in dl.entries, "subscribed at the second try")
+        assert ex.asked["subscribe"] == 2 and ex.asked["stat"] == 0
+    finally:
+        b.stop.set()
+        follow.lost()
+        th.join(5)
+        ex.close()
+        follow.link.drop()
+    assert not th.is_alive()
+
 
 class FakeWatch:
     """What dlpack_ipc.watch returns: next_event waits a little and has no event, or raises
@@ -1498,3 +1636,60 @@ def test_a_subscriber_that_stops_reading_is_disconnected_and_its_subscriptions_e
         b.stop.set()
         if b.publisher._thread is not None:
             b.publisher._thread.join(5)
+
+
+def test_the_pushes_reader_holds_the_lock_for_at_most_pump_frames():
+    """Pushes queued beyond PUMP_FRAMES are read by the next hold of the connection's lock;
+    each is handed on with its frame number."""
+    b = fake_bridge()
+    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
+    link.sock, peer = socket.socketpair()
+    got = []
+
+    class Follow:
+        def push(self, f, number):
+            got.append((f["generation"], number))
+
+        def lost(self):
+            pass
+    link.follows["w/p"] = [Follow()]
+    n = _importer.PUMP_FRAMES + 10
+    try:
+        for i in range(n):
+            _wire.send(peer, {"op": "changed", "name": "w/p", "generation": i, "created_ns": 1})
+        assert link.pump(5.0)
+        assert got == [(i, i + 1) for i in range(_importer.PUMP_FRAMES)]
+        assert link.pump(5.0)
+        assert got == [(i, i + 1) for i in range(n)] and link.frames == n
+    finally:
+        peer.close()
+        link.drop()
+
+
+def test_the_pushes_reader_survives_what_it_did_not_expect(bridge_log):
+    """An exception the pushes' reader did not expect is logged, the connection dropped (the
+    follows subscribe again), and the reading goes on."""
+    class Link:
+        name = "A"
+        lock = threading.Lock()
+        calls = drops = 0
+
+        def pump(self, timeout):
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("injected")
+            time.sleep(0.01)
+            return True
+
+        def drop(self):
+            self.drops += 1
+    link, stop = Link(), threading.Event()
+    th = threading.Thread(target=_push.pump, args=(link, stop), daemon=True)
+    th.start()
+    try:
+        _wait(lambda: link.calls >= 3, "the reading after the exception")
+    finally:
+        stop.set()
+        th.join(5)
+    assert not th.is_alive() and link.drops == 1
+    assert any("reading the pushes of peer A" in r.getMessage() for r in bridge_log.records)

@@ -24,8 +24,10 @@ SUBSCRIPTIONS_PER_PEER_MAX = 64
 # (--follow-subscribed-interval): only a push lost with a connection needs it.
 FOLLOW_SUBSCRIBED_INTERVAL = 30.0
 # After a failed attempt to reach the peer, a follow tries again this soon (seconds), doubling
-# up to --follow-interval: a restarted peer is subscribed again within seconds.
+# up to --follow-interval (at least RESUBSCRIBE_FIRST) and at most RESUBSCRIBE_MAX: a restarted
+# peer is subscribed again within that much of its return.
 RESUBSCRIBE_FIRST = 1.0
+RESUBSCRIBE_MAX = 60.0
 # The longest a connection's thread waits to send one push before it gives the peer up: a
 # subscriber that does not read its pushes loses its connection, and never blocks anyone else.
 PUSH_SEND_TIMEOUT = 10.0
@@ -254,14 +256,15 @@ class Follow:
         self._wake = threading.Event()
         link.follows.setdefault(rname, []).append(self)
 
-    def push(self, frame):
-        """A push for rname from the peer (any thread; never waits)."""
+    def push(self, frame, number):
+        """A push for rname from the peer, the link's frame number (any thread; never
+        waits)."""
         if frame["op"] == "gone":
             state = None
         else:
             state = (frame.get("generation"), frame.get("created_ns"))
         with self._lock:
-            self._pushed = state
+            self._pushed = (state, number)
         self._wake.set()
 
     def lost(self):
@@ -270,8 +273,17 @@ class Follow:
 
     def _take(self):
         with self._lock:
-            state, self._pushed = self._pushed, _KEEP
-        return state
+            pushed, self._pushed = self._pushed, _KEEP
+        return pushed
+
+    def _answered(self, number):
+        """An answer read as frame number is applied: a push read before it is older news,
+        dropped."""
+        if number is None:
+            return
+        with self._lock:
+            if self._pushed is not _KEEP and self._pushed[1] < number:
+                self._pushed = _KEEP
 
     def _once(self, key, level, msg, *args):
         if key not in self._said:
@@ -281,43 +293,29 @@ class Follow:
     def run(self):
         args = self.bridge.args
         link = self.link
-        dl = self.bridge.dlpackd()
+        # reconnect=True: a dlpackd restarted here is reached again at the next attempt
+        dl = self.bridge.dlpackd(reconnect=True)
         retry = RESUBSCRIBE_FIRST
         next_poll = 0.0
         try:
             while not self.bridge.stop.is_set():
                 wait = None
                 try:
-                    live = self._epoch is not None and self._epoch == link.epoch and \
-                        link.connected()
-                    if self._epoch is not None and not live:
-                        log.info("follow %r: the connection to %s was lost: subscribing "
-                                 "again", self.local, link.name)
-                        self._epoch = None
-                    self.subscribed = live
-                    pushed = self._take()
-                    refused = self._refused is not None and self._refused == link.epoch
-                    if not live and not refused and not link.refuses_subscribe():
-                        state, self._epoch = link.subscribe(
-                            self.rname, time.monotonic() + CONNECT_TIMEOUT)
-                        self.subscribed = True
-                        log.info("follow %r: subscribed on %s (generation %s there)",
-                                 self.local, link.name, "none" if state is None else state[0])
-                    elif pushed is not _KEEP:
-                        state = pushed
-                    elif time.monotonic() >= next_poll:
-                        state = link.stat(self.rname, time.monotonic() + CONNECT_TIMEOUT)
-                    else:
-                        state = _KEEP
-                    if state is not _KEEP:
-                        every = args.follow_subscribed_interval if self.subscribed \
-                            else args.follow_interval
-                        next_poll = time.monotonic() + every
-                    self._apply(dl, state)
+                    polled = self._round(args, link, dl, next_poll)
+                    if polled is not None:
+                        next_poll = polled
                     retry = RESUBSCRIBE_FIRST
-                except FileNotFoundError:
-                    self._apply(dl, None)
+                except FileNotFoundError as e:
                     next_poll = time.monotonic() + args.follow_interval
+                    try:
+                        self._apply(dl, None, getattr(e, "frame", None))
+                    except OSError as e2:
+                        log.warning("follow %r: gone on %s, and the replica could not be "
+                                    "unpublished: %s; trying again in %g s", self.local,
+                                    link.name, e2, retry)
+                        wait = retry
+                        retry = min(retry * 2, self._retry_max(args))
+                        next_poll = 0.0
                 except OSError as e:
                     if getattr(e, "subscribe_refused", False):
                         # an older bridge, or this connection's subscriptions are full: the
@@ -331,7 +329,7 @@ class Follow:
                     log.warning("follow %r: peer %s (%s): %s; trying again in %g s", self.local,
                                 link.name, link.where, e.strerror or e, retry)
                     wait = retry
-                    retry = min(retry * 2, max(args.follow_interval, RESUBSCRIBE_FIRST))
+                    retry = min(retry * 2, self._retry_max(args))
                     next_poll = 0.0     # a failed fetch is tried again then, subscribed or not
                 except Exception:
                     log.exception("follow %r", self.local)
@@ -344,23 +342,66 @@ class Follow:
         finally:
             dl.close()
 
-    def _apply(self, dl, state):
+    @staticmethod
+    def _retry_max(args):
+        return min(max(args.follow_interval, RESUBSCRIBE_FIRST), RESUBSCRIBE_MAX)
+
+    def _round(self, args, link, dl, next_poll):
+        """One look at the peer's entry: subscribe, take a push or poll, as due, and make the
+        replica match; the time of the next poll where this round set it, else None."""
+        live = self._epoch is not None and self._epoch == link.epoch and link.connected()
+        if self._epoch is not None and not live:
+            log.info("follow %r: the connection to %s was lost: subscribing again",
+                     self.local, link.name)
+            self._epoch = None
+        self.subscribed = live
+        pushed = self._take()
+        answer = None               # the frame number of the answer state comes from
+        refused = self._refused is not None and self._refused == link.epoch
+        if not live and not refused and not link.refuses_subscribe():
+            state, self._epoch, answer = link.subscribe(
+                self.rname, time.monotonic() + CONNECT_TIMEOUT)
+            self.subscribed = True
+            log.info("follow %r: subscribed on %s (generation %s there)",
+                     self.local, link.name, "none" if state is None else state[0])
+        elif pushed is not _KEEP:
+            state = pushed[0]
+        elif time.monotonic() >= next_poll:
+            state, answer = link.stat(self.rname, time.monotonic() + CONNECT_TIMEOUT)
+        else:
+            return None
+        every = args.follow_subscribed_interval if self.subscribed else args.follow_interval
+        polled = time.monotonic() + every
+        self._apply(dl, state, answer)
+        return polled
+
+    def _apply(self, dl, state, answer):
         """Make the replica match state: the peer's (generation, created_ns), None when the
-        entry is gone there, _KEEP for no news."""
-        if state is _KEEP or (state is not None and state == self._seen):
+        entry is gone there, from the answer read as frame number answer (None: a push). What
+        is then held is what the fetch's layout said, and pushes read before that answer are
+        dropped."""
+        if state is not None and state == self._seen:
+            self._answered(answer)
             return
         if state is not None:
+            layout = {}
             try:
                 # the bridge's own replica, charged to its uid
                 self.link.fetch(dl, self.rname, self.local,
                                 time.monotonic() + max(self.bridge.ttl, 60.0),
-                                self.bridge.replicas.own_uid)
-            except FileNotFoundError:
+                                self.bridge.replicas.own_uid, layout=layout)
+            except FileNotFoundError as e:
                 state = None            # gone between the news and the get
+                answer = getattr(e, "frame", None)
             else:
-                self._seen, self.generation = state, state[0]
+                fetched = (layout.get("generation"), layout.get("created_ns"))
+                if fetched[1] is None and fetched[0] == state[0]:
+                    fetched = state     # an older peer's layout: no created_ns
+                self._seen, self.generation = fetched, fetched[0]
+                self._answered(layout.get("frame"))
                 self.bridge.count("fetched")
                 return
+        self._answered(answer)
         if self._seen is not None:
             log.info("follow %r: gone on %s: unpublishing the replica", self.local,
                      self.link.name)
@@ -374,7 +415,14 @@ class Follow:
 
 def pump(link, stop):
     """Read the pushes a peer sends while no request is in flight (a request in flight reads
-    them itself), until stop."""
+    them itself), until stop; whatever goes wrong, the connection is dropped and the reading
+    goes on."""
     while not stop.is_set():
-        if not link.pump(0.5):
-            stop.wait(0.2)
+        try:
+            if not link.pump(0.5):
+                stop.wait(0.2)
+        except Exception:
+            log.exception("reading the pushes of peer %s: dropping its connection", link.name)
+            with link.lock:
+                link.drop()
+            stop.wait(1.0)

@@ -378,6 +378,7 @@ class Bridge:
         leases[lease.id] = lease
         bundle = not (len(tensors) == 1 and tensors[0][0] == "")
         _wire.send(sock, {"op": "layout", "id": rid, "lease": lease.id, "generation": gen,
+                          "created_ns": _created_ns(dl, name, gen),
                           "bundle": bundle, "ttl": self.ttl,
                           "tensors": [[k, t.dtype, list(t.shape), t.nbytes]
                                       for k, t in tensors]})
@@ -582,6 +583,16 @@ class Bridge:
             return _wire.error_frame("EIO", f"peer {peer} ({link.where}), {rname!r}: {e!r}")
         self.count("fetched")
         return {"op": "fetched", "name": name, "generation": gen}
+
+
+def _created_ns(dl, name, generation):
+    """The creation time of name's entry at generation (a follower tells two entries of one
+    generation apart by it), or None where dlpackd no longer shows that one."""
+    try:
+        entry = _push.find(dl, name)
+    except (OSError, ValueError):
+        return None
+    return entry.created_ns if entry is not None and entry.generation == generation else None
 
 
 def _peer_closed(sock):
