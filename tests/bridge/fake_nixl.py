@@ -7,6 +7,7 @@ runs `python3 -m dlpack_ipc.bridge BRIDGE-ARGS...` with the bridge's Nixl replac
 its metadata names the process (pid), and a WRITE copies the bytes into the importer's memory
 with process_vm_writev(2) (same uid, or root), so a replica holds what the exporter served.
 Everything else (dlpackd, the control connections, the leases, the pushes) is the bridge's own.
+FAKE_NIXL_RESUBSCRIBE_MAX in the environment sets _push.RESUBSCRIBE_MAX (seconds).
 """
 import ctypes
 import os
@@ -14,7 +15,7 @@ import sys
 import threading
 
 from dlpack_ipc.bridge import __main__ as bridge_main
-from dlpack_ipc.bridge import _server
+from dlpack_ipc.bridge import _push, _server
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -99,4 +100,7 @@ class FakeNixl:
 
 if __name__ == "__main__":
     _server.Nixl = FakeNixl
+    # a test's lower cap on the wait between two attempts to reach a lost peer
+    if os.environ.get("FAKE_NIXL_RESUBSCRIBE_MAX"):
+        _push.RESUBSCRIBE_MAX = float(os.environ["FAKE_NIXL_RESUBSCRIBE_MAX"])
     sys.exit(bridge_main.main(sys.argv[1:]))

@@ -36,6 +36,7 @@ QUARANTINE = 6.0        # and --quarantine, beyond UCX's keepalive (KEEPALIVE) h
 KEEPALIVE = {"UCX_TCP_KEEPIDLE": "1s", "UCX_TCP_KEEPINTVL": "1s", "UCX_TCP_KEEPCNT": "2"}
 WAIT = 30.0             # the longest any expected state is waited for
 FOLLOW_INTERVAL = 60    # bridge-B's --follow-interval: its --follow lives on pushes
+FOLLOW_SUBSCRIBED_INTERVAL = 3600  # and no safety poll lands within the case
 PUSHED = 10.0           # the longest a pushed change may take to reach B's replica
 SHAPED = 3.0            # seconds a shaped transfer lasts (World.slow_link, shaped_rate())
 BIG = 128 << 20         # w/big, the entry of the bridges killed and of the link taken down
@@ -163,7 +164,8 @@ class World:
         else:
             # a poll cannot explain a change that arrives within PUSHED: only a push can
             argv += ["--peer", f"A={ADDR_A}:{PORT}", "--follow", "A:w/follow",
-                     "--follow-interval", str(FOLLOW_INTERVAL)]
+                     "--follow-interval", str(FOLLOW_INTERVAL),
+                     "--follow-subscribed-interval", str(FOLLOW_SUBSCRIBED_INTERVAL)]
         p = self.start(name, host, argv)
         wait_for(lambda: bridge.status(socket=sock)["agent"], f"{name} answers")
         return p

@@ -105,6 +105,8 @@ def drop(name, *, socket=None):
 
 
 def status(*, socket=None):
-    """The local bridge's state, a dict: its agent name, peers, live leases, transfers, and
-    the replicas each local uid holds ("replicas": {"uid": [replicas, bytes]})."""
+    """The local bridge's state, a dict: its agent name, peers, live leases, transfers, the
+    replicas each local uid holds ("replicas": {"uid": [replicas, bytes]}), each --follow
+    ("follows": {"peer:name": {"subscribed": bool, "generation": the peer's generation of the
+    replica held, or None}}) and the subscriptions peers hold here ("subscribers")."""
     return _request({"op": "status"}, 10.0, socket, "bridge status")

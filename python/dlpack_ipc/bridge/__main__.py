@@ -127,7 +127,8 @@ def _args(argv):
     p.add_argument("--follow-interval", metavar="SECONDS", type=float, default=1.0,
                    help="how often --follow asks the peer for the generation while no "
                    "subscription is live (the peer refused it, or cannot be reached: then "
-                   "tried again after 1 s, doubling up to this) (default 1)")
+                   "tried again at once, then after 1 s, doubling up to the larger of this "
+                   "and 1 s, at most RESUBSCRIBE_MAX, 60 s) (default 1)")
     p.add_argument("--follow-subscribed-interval", metavar="SECONDS", type=float, default=None,
                    help="how often --follow still asks while the peer pushes changes, for a "
                    "push lost with a connection (default FOLLOW_SUBSCRIBED_INTERVAL, 30)")

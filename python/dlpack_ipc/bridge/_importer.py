@@ -105,21 +105,29 @@ def _left(deadline, what):
 # The ops of the frames a peer pushes unasked (a subscription's news, _push.py): they carry no
 # request id, and whoever reads the connection hands them on.
 PUSHES = ("changed", "gone")
+# The pushes' reader (pump) holds the connection's lock for at most PUMP_FRAMES frames, and
+# gives a frame it started reading at most PUMP_READ seconds to arrive whole: a request waits
+# no longer than that for the lock.
+PUMP_FRAMES = 64
+PUMP_READ = 2.0
 
 
 def subscribe_error(frame, peer):
-    """The OSError for a refused subscribe. Marked subscribe_refused where the follow polls
-    instead (an older bridge that knows no subscribe, a connection's subscriptions full); an
-    export refusal (ENOENT) stays a plain FileNotFoundError."""
+    """The OSError for a subscribe the peer answered with an error. Marked subscribe_refused
+    only where the follow polls instead: an older bridge that knows no subscribe (EOPNOTSUPP),
+    a connection's subscriptions full (EAGAIN). Any other error (EIO: the peer's dlpackd could
+    not be asked) is a failure, tried again; an export refusal (ENOENT) stays a plain
+    FileNotFoundError."""
     message = str(frame.get("message"))
     if frame.get("errno") == "EPROTO" and "unknown op" in message:
         e = OSError(errno.EOPNOTSUPP, f"peer {peer} does not know subscribe (an older bridge: "
                     f"{message})")
     else:
-        e = _wire.to_oserror(frame, f"peer {peer} refused the subscription")
-        if e.errno == errno.ENOENT:
-            return e
-    e.subscribe_refused = True  # type: ignore[attr-defined]
+        e = _wire.to_oserror(frame, f"peer {peer} refused the subscription"
+                             if frame.get("errno") == "EAGAIN" else
+                             f"peer {peer} could not set up the subscription")
+    if e.errno in (errno.EOPNOTSUPP, errno.EAGAIN):
+        e.subscribe_refused = True  # type: ignore[attr-defined]
     return e
 
 
@@ -143,6 +151,10 @@ class PeerLink:
         self.epoch = 0
         self.follows = {}           # rname -> [_push.Follow], set up before any thread runs
         self._no_subscribe = None   # the agent of a peer that knows no subscribe
+        # the number of the last frame read from the peer (all connections), and of the last
+        # answer among them: a push numbered below an answer was sent before it
+        self.frames = 0
+        self.answered = 0
 
     def connected(self):
         return self.sock is not None
@@ -189,10 +201,16 @@ class PeerLink:
             self.agent = None
         return removed
 
+    def _read(self, sock, deadline):
+        """The next frame from sock (_wire.recv), numbered; the caller holds the lock."""
+        f = _wire.recv(sock, deadline)
+        self.frames += 1
+        return f
+
     def _recv(self, deadline, what):
         """The next frame, or None when it was a push (handed on)."""
         try:
-            f = _wire.recv(self.sock, deadline)
+            f = self._read(self.sock, deadline)
         except TimeoutError:
             raise TimeoutError(errno.ETIMEDOUT, f"timed out {what}") from None
         except ConnectionResetError:
@@ -205,18 +223,19 @@ class PeerLink:
         """The next frame that is not a push (pushes are handed on on the way); _wire.recv's
         exceptions."""
         while True:
-            f = _wire.recv(self.sock, deadline)
+            f = self._read(self.sock, deadline)
             if not self._pushed(f):
+                self.answered = self.frames
                 return f
 
     def _pushed(self, f):
-        """Whether f is a push; if so, handed to the follows of its name (a push for a name
-        nothing here follows is dropped)."""
+        """Whether f (the last frame read) is a push; if so, handed to the follows of its
+        name with its number (a push for a name nothing here follows is dropped)."""
         if f["op"] not in PUSHES or "id" in f:
             return False
         name = f.get("name")
         for follow in self.follows.get(name, ()) if isinstance(name, str) else ():
-            follow.push(f)
+            follow.push(f, self.frames)
         return True
 
     def pump(self, timeout):
@@ -234,9 +253,12 @@ class PeerLink:
             time.sleep(0.05)                  # the request in flight reads it
             return True
         try:
-            while self.sock is sock and _wire.readable(sock, 0):
+            # bounded: a request waiting for the lock waits at most PUMP_FRAMES frames
+            for _ in range(PUMP_FRAMES):
+                if self.sock is not sock or not _wire.readable(sock, 0):
+                    break
                 try:
-                    f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
+                    f = self._read(sock, time.monotonic() + PUMP_READ)
                 except (OSError, _wire.FrameError) as e:
                     log.info("connection to peer %s lost: %s", self.name, e)
                     self.drop()
@@ -278,9 +300,9 @@ class PeerLink:
 
     def subscribe(self, rname, deadline):
         """Subscribe to rname's changes on this peer: ((generation, created_ns) there now, or
-        None when it has no such entry; the connection's epoch). FileNotFoundError if rname is
-        not exported; an OSError marked subscribe_refused when the peer refuses (subscribe_error).
-        """
+        None when it has no such entry; the connection's epoch; the answer's frame number).
+        FileNotFoundError if rname is not exported; an OSError marked subscribe_refused when the
+        peer refuses (subscribe_error)."""
         self._lock_until(deadline)
         try:
             if self.sock is None:
@@ -302,13 +324,16 @@ class PeerLink:
                 self.drop()
                 raise ConnectionError(errno.EPROTO, f"expected subscribed, got {f['op']!r}")
             gen = f.get("generation")
-            return (None if gen is None else (gen, f.get("created_ns"))), self.epoch
+            return (None if gen is None else (gen, f.get("created_ns"))), self.epoch, \
+                self.answered
         finally:
             self.lock.release()
 
-    def fetch(self, dl, rname, local, deadline, uid):
+    def fetch(self, dl, rname, local, deadline, uid, layout=None):
         """Get rname from this peer and publish it here as local, a replica charged to uid
-        (the local caller's; the bridge's own for --follow); the remote generation."""
+        (the local caller's; the bridge's own for --follow); the remote generation. A dict
+        given as layout gets what the peer's layout said of the entry fetched: "generation",
+        "created_ns" (None from an older peer) and "frame", the answer's frame number."""
         if not self.lock.acquire(timeout=-1 if deadline is None else
                                  max(0.0, deadline - time.monotonic())):
             raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for another fetch from "
@@ -320,23 +345,23 @@ class PeerLink:
             if self.sock is None:
                 self._connect(deadline)
             try:
-                return self._guarded(dl, rname, local, deadline, uid)
+                return self._guarded(dl, rname, local, deadline, uid, layout)
             except _Stale:
                 # the idle connection was dead (the peer restarted): one new one, at once
                 log.info("connection to peer %s was lost while idle: reconnecting", self.name)
                 self._connect(deadline)
                 try:
-                    return self._guarded(dl, rname, local, deadline, uid)
+                    return self._guarded(dl, rname, local, deadline, uid, layout)
                 except _Stale:
                     raise ConnectionResetError(errno.ECONNRESET, "the peer closed the "
                                                "connection before answering") from None
         finally:
             self.lock.release()
 
-    def _guarded(self, dl, rname, local, deadline, uid):
+    def _guarded(self, dl, rname, local, deadline, uid, layout):
         """_fetch, dropping the connection unless the peer answered the get in good order."""
         try:
-            return self._fetch(dl, rname, local, deadline, uid)
+            return self._fetch(dl, rname, local, deadline, uid, layout)
         except _Stale:
             self.drop()
             raise
@@ -349,17 +374,20 @@ class PeerLink:
             raise
 
     def stat(self, rname, deadline):
-        """(generation, created_ns) of rname on this peer; FileNotFoundError if it has none."""
+        """((generation, created_ns) of rname on this peer, the answer's frame number);
+        FileNotFoundError if it has none (its frame number as e.frame)."""
         self._lock_until(deadline)
         try:
             f = self._ask({"op": "stat", "name": rname}, deadline, f"stat of {rname!r}")
             if f["op"] == "error":
-                raise _wire.to_oserror(f, f"peer {self.name}")
-            return f["generation"], f["created_ns"]
+                e = _wire.to_oserror(f, f"peer {self.name}")
+                e.frame = self.answered     # type: ignore[attr-defined]
+                raise e
+            return (f["generation"], f["created_ns"]), self.answered
         finally:
             self.lock.release()
 
-    def _fetch(self, dl, rname, local, deadline, uid):
+    def _fetch(self, dl, rname, local, deadline, uid, layout):
         self._rid += 1
         rid = self._rid
         t0 = time.monotonic()
@@ -377,10 +405,13 @@ class PeerLink:
         if f["op"] == "error":
             err = _wire.to_oserror(f, "the peer says")
             err.peer_answer = True  # type: ignore[attr-defined]  # the connection stays
+            err.frame = self.answered  # type: ignore[attr-defined]
             raise err
         if f["op"] != "layout" or f.get("id") != rid:
             raise ConnectionError(errno.EPROTO, f"expected the layout, got {f['op']!r}")
         lid, gen, tensors, bundle = str(f["lease"]), f["generation"], f["tensors"], f["bundle"]
+        if layout is not None:
+            layout.update(generation=gen, created_ns=f.get("created_ns"), frame=self.answered)
         ttl = f.get("ttl")
         if not isinstance(ttl, (int, float)) or not ttl > 0:
             raise ConnectionError(errno.EPROTO, f"layout with a lease TTL of {ttl!r}")

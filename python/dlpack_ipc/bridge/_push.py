@@ -24,13 +24,17 @@ SUBSCRIPTIONS_PER_PEER_MAX = 64
 # (--follow-subscribed-interval): only a push lost with a connection needs it.
 FOLLOW_SUBSCRIBED_INTERVAL = 30.0
 # After a failed attempt to reach the peer, a follow tries again this soon (seconds), doubling
-# up to --follow-interval: a restarted peer is subscribed again within seconds.
+# up to --follow-interval (at least RESUBSCRIBE_FIRST) and at most RESUBSCRIBE_MAX: a restarted
+# peer is subscribed again within that much of its return.
 RESUBSCRIBE_FIRST = 1.0
+RESUBSCRIBE_MAX = 60.0
 # The longest a connection's thread waits to send one push before it gives the peer up: a
 # subscriber that does not read its pushes loses its connection, and never blocks anyone else.
 PUSH_SEND_TIMEOUT = 10.0
-# The watch thread looks at the bridge's stop flag this often, in seconds.
+# The watch thread looks at the bridge's stop flag this often, in seconds; a lost watch is
+# opened again every WATCH_AGAIN seconds.
 WATCH_TICK = 0.5
+WATCH_AGAIN = 1.0
 
 log = logging.getLogger("dlpackd-bridge")
 
@@ -54,6 +58,7 @@ class Subscriber:
         self.who = who
         self.names = set()
         self.dirty = set()
+        self.failing = False        # dlpackd could not be asked at the last flush
 
 
 class Publisher:
@@ -85,16 +90,42 @@ class Publisher:
             raise Refused("EAGAIN", f"{name!r}: this connection holds "
                           f"{SUBSCRIPTIONS_PER_PEER_MAX} subscriptions "
                           "(SUBSCRIPTIONS_PER_PEER_MAX)")
-        with self._lock:
-            if self._thread is None:
-                # opened here, before the subscriber reads the generation: no change after
-                # that read can be missed
+        # the watch is opened here, before the subscriber reads the generation (no change after
+        # that read can be missed), outside the lock (the watch thread never waits on it); the
+        # one opened by a thread that lost the race is closed
+        w = None
+        try:
+            while True:
+                with self._lock:
+                    if self._thread is None and w is not None:
+                        # changes made while no watch was open were missed: the names still
+                        # subscribed are looked at again
+                        for n, subs in self._subs.items():
+                            for s in subs:
+                                s.dirty.add(n)
+                        self._thread = threading.Thread(target=self._run, args=(w,),
+                                                        name="watch", daemon=True)
+                        self._thread.start()
+                        w = None
+                    if self._thread is not None:
+                        self._subs.setdefault(name, set()).add(sub)
+                        sub.names.add(name)
+                        return
                 w = dlpack_ipc.watch(self.prefix, socket=self.socket)
-                self._thread = threading.Thread(target=self._run, args=(w,), name="watch",
-                                                daemon=True)
-                self._thread.start()
-            self._subs.setdefault(name, set()).add(sub)
-            sub.names.add(name)
+        finally:
+            if w is not None:
+                w.close()
+
+    def unsubscribe(self, sub, name):
+        """sub's subscription to name ends (none: nothing changes)."""
+        with self._lock:
+            subs = self._subs.get(name)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[name]
+            sub.names.discard(name)
+            sub.dirty.discard(name)
 
     def unsubscribe_all(self, sub):
         """sub's connection ended: its subscriptions end with it."""
@@ -115,7 +146,18 @@ class Publisher:
                     sub.dirty.add(name)
 
     def _run(self, w):
-        """The watch thread: mark each changed name dirty for its subscribers."""
+        """The watch thread; whatever ends it, the next subscription opens a new one."""
+        try:
+            self._watch(w)
+        except Exception:
+            log.exception("the watch of this host's dlpackd ended: the next subscription "
+                          "opens it again")
+        finally:
+            with self._lock:
+                self._thread = None
+
+    def _watch(self, w):
+        """Mark each changed name dirty for its subscribers, until stop."""
         while True:
             try:
                 while not self.stop.is_set():
@@ -130,7 +172,7 @@ class Publisher:
             finally:
                 w.close()
             w = None
-            while w is None and not self.stop.wait(1.0):
+            while w is None and not self.stop.wait(WATCH_AGAIN):
                 try:
                     w = dlpack_ipc.watch(self.prefix, socket=self.socket)
                 except OSError as e:
@@ -148,24 +190,36 @@ class Publisher:
     def flush(self, sock, dl, sub):
         """Send sub's peer the state of each name changed since the last flush: `changed`
         (generation, created_ns) or `gone`. A name dlpackd cannot be asked about now stays
-        dirty; a peer that takes more than PUSH_SEND_TIMEOUT to take a push is given up
-        (TimeoutError: its connection closes)."""
+        dirty (dl, a client that reconnects, connects anew at the next flush); a peer that
+        takes more than PUSH_SEND_TIMEOUT to take a push is given up (TimeoutError: its
+        connection closes)."""
         with self._lock:
-            names, sub.dirty = sub.dirty, set()
-        for name in sorted(names):
+            names, sub.dirty = sorted(sub.dirty), set()
+        for i, name in enumerate(names):
             try:
                 entry = find(dl, name)
             except (OSError, ValueError) as e:
-                log.debug("push of %r to %s: %s", name, sub.who, e)
+                if not sub.failing:
+                    sub.failing = True
+                    log.warning("pushes to %s: this host's dlpackd, asked about %s: %s: "
+                                "tried again every TICK", sub.who, shown(name), e)
                 with self._lock:
-                    if name in sub.names:
-                        sub.dirty.add(name)
-                continue
+                    sub.dirty.update(n for n in names[i:] if n in sub.names)
+                return
+            if sub.failing:
+                sub.failing = False
+                log.info("pushes to %s go again", sub.who)
             frame = {"op": "gone", "name": name} if entry is None else \
                 {"op": "changed", "name": name, "generation": entry.generation,
                  "created_ns": entry.created_ns}
             sock.settimeout(PUSH_SEND_TIMEOUT)
             _wire.send(sock, frame)
+
+
+def shown(name, limit=200):
+    """A peer-given name for a log line: quoted, cut to about limit characters."""
+    text = repr(name)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def find(dl, name):
@@ -202,14 +256,15 @@ class Follow:
         self._wake = threading.Event()
         link.follows.setdefault(rname, []).append(self)
 
-    def push(self, frame):
-        """A push for rname from the peer (any thread; never waits)."""
+    def push(self, frame, number):
+        """A push for rname from the peer, the link's frame number (any thread; never
+        waits)."""
         if frame["op"] == "gone":
             state = None
         else:
             state = (frame.get("generation"), frame.get("created_ns"))
         with self._lock:
-            self._pushed = state
+            self._pushed = (state, number)
         self._wake.set()
 
     def lost(self):
@@ -218,8 +273,17 @@ class Follow:
 
     def _take(self):
         with self._lock:
-            state, self._pushed = self._pushed, _KEEP
-        return state
+            pushed, self._pushed = self._pushed, _KEEP
+        return pushed
+
+    def _answered(self, number):
+        """An answer read as frame number is applied: a push read before it is older news,
+        dropped."""
+        if number is None:
+            return
+        with self._lock:
+            if self._pushed is not _KEEP and self._pushed[1] < number:
+                self._pushed = _KEEP
 
     def _once(self, key, level, msg, *args):
         if key not in self._said:
@@ -229,43 +293,29 @@ class Follow:
     def run(self):
         args = self.bridge.args
         link = self.link
-        dl = self.bridge.dlpackd()
+        # reconnect=True: a dlpackd restarted here is reached again at the next attempt
+        dl = self.bridge.dlpackd(reconnect=True)
         retry = RESUBSCRIBE_FIRST
         next_poll = 0.0
         try:
             while not self.bridge.stop.is_set():
                 wait = None
                 try:
-                    live = self._epoch is not None and self._epoch == link.epoch and \
-                        link.connected()
-                    if self._epoch is not None and not live:
-                        log.info("follow %r: the connection to %s was lost: subscribing "
-                                 "again", self.local, link.name)
-                        self._epoch = None
-                    self.subscribed = live
-                    pushed = self._take()
-                    refused = self._refused is not None and self._refused == link.epoch
-                    if not live and not refused and not link.refuses_subscribe():
-                        state, self._epoch = link.subscribe(
-                            self.rname, time.monotonic() + CONNECT_TIMEOUT)
-                        self.subscribed = True
-                        log.info("follow %r: subscribed on %s (generation %s there)",
-                                 self.local, link.name, "none" if state is None else state[0])
-                    elif pushed is not _KEEP:
-                        state = pushed
-                    elif time.monotonic() >= next_poll:
-                        state = link.stat(self.rname, time.monotonic() + CONNECT_TIMEOUT)
-                    else:
-                        state = _KEEP
-                    if state is not _KEEP:
-                        every = args.follow_subscribed_interval if self.subscribed \
-                            else args.follow_interval
-                        next_poll = time.monotonic() + every
-                    self._apply(dl, state)
+                    polled = self._round(args, link, dl, next_poll)
+                    if polled is not None:
+                        next_poll = polled
                     retry = RESUBSCRIBE_FIRST
-                except FileNotFoundError:
-                    self._apply(dl, None)
+                except FileNotFoundError as e:
                     next_poll = time.monotonic() + args.follow_interval
+                    try:
+                        self._apply(dl, None, getattr(e, "frame", None))
+                    except OSError as e2:
+                        log.warning("follow %r: gone on %s, and the replica could not be "
+                                    "unpublished: %s; trying again in %g s", self.local,
+                                    link.name, e2, retry)
+                        wait = retry
+                        retry = min(retry * 2, self._retry_max(args))
+                        next_poll = 0.0
                 except OSError as e:
                     if getattr(e, "subscribe_refused", False):
                         # an older bridge, or this connection's subscriptions are full: the
@@ -279,7 +329,7 @@ class Follow:
                     log.warning("follow %r: peer %s (%s): %s; trying again in %g s", self.local,
                                 link.name, link.where, e.strerror or e, retry)
                     wait = retry
-                    retry = min(retry * 2, max(args.follow_interval, RESUBSCRIBE_FIRST))
+                    retry = min(retry * 2, self._retry_max(args))
                     next_poll = 0.0     # a failed fetch is tried again then, subscribed or not
                 except Exception:
                     log.exception("follow %r", self.local)
@@ -292,23 +342,66 @@ class Follow:
         finally:
             dl.close()
 
-    def _apply(self, dl, state):
+    @staticmethod
+    def _retry_max(args):
+        return min(max(args.follow_interval, RESUBSCRIBE_FIRST), RESUBSCRIBE_MAX)
+
+    def _round(self, args, link, dl, next_poll):
+        """One look at the peer's entry: subscribe, take a push or poll, as due, and make the
+        replica match; the time of the next poll where this round set it, else None."""
+        live = self._epoch is not None and self._epoch == link.epoch and link.connected()
+        if self._epoch is not None and not live:
+            log.info("follow %r: the connection to %s was lost: subscribing again",
+                     self.local, link.name)
+            self._epoch = None
+        self.subscribed = live
+        pushed = self._take()
+        answer = None               # the frame number of the answer state comes from
+        refused = self._refused is not None and self._refused == link.epoch
+        if not live and not refused and not link.refuses_subscribe():
+            state, self._epoch, answer = link.subscribe(
+                self.rname, time.monotonic() + CONNECT_TIMEOUT)
+            self.subscribed = True
+            log.info("follow %r: subscribed on %s (generation %s there)",
+                     self.local, link.name, "none" if state is None else state[0])
+        elif pushed is not _KEEP:
+            state = pushed[0]
+        elif time.monotonic() >= next_poll:
+            state, answer = link.stat(self.rname, time.monotonic() + CONNECT_TIMEOUT)
+        else:
+            return None
+        every = args.follow_subscribed_interval if self.subscribed else args.follow_interval
+        polled = time.monotonic() + every
+        self._apply(dl, state, answer)
+        return polled
+
+    def _apply(self, dl, state, answer):
         """Make the replica match state: the peer's (generation, created_ns), None when the
-        entry is gone there, _KEEP for no news."""
-        if state is _KEEP or (state is not None and state == self._seen):
+        entry is gone there, from the answer read as frame number answer (None: a push). What
+        is then held is what the fetch's layout said, and pushes read before that answer are
+        dropped."""
+        if state is not None and state == self._seen:
+            self._answered(answer)
             return
         if state is not None:
+            layout = {}
             try:
                 # the bridge's own replica, charged to its uid
                 self.link.fetch(dl, self.rname, self.local,
                                 time.monotonic() + max(self.bridge.ttl, 60.0),
-                                self.bridge.replicas.own_uid)
-            except FileNotFoundError:
+                                self.bridge.replicas.own_uid, layout=layout)
+            except FileNotFoundError as e:
                 state = None            # gone between the news and the get
+                answer = getattr(e, "frame", None)
             else:
-                self._seen, self.generation = state, state[0]
+                fetched = (layout.get("generation"), layout.get("created_ns"))
+                if fetched[1] is None and fetched[0] == state[0]:
+                    fetched = state     # an older peer's layout: no created_ns
+                self._seen, self.generation = fetched, fetched[0]
+                self._answered(layout.get("frame"))
                 self.bridge.count("fetched")
                 return
+        self._answered(answer)
         if self._seen is not None:
             log.info("follow %r: gone on %s: unpublishing the replica", self.local,
                      self.link.name)
@@ -322,7 +415,14 @@ class Follow:
 
 def pump(link, stop):
     """Read the pushes a peer sends while no request is in flight (a request in flight reads
-    them itself), until stop."""
+    them itself), until stop; whatever goes wrong, the connection is dropped and the reading
+    goes on."""
     while not stop.is_set():
-        if not link.pump(0.5):
-            stop.wait(0.2)
+        try:
+            if not link.pump(0.5):
+                stop.wait(0.2)
+        except Exception:
+            log.exception("reading the pushes of peer %s: dropping its connection", link.name)
+            with link.lock:
+                link.drop()
+            stop.wait(1.0)

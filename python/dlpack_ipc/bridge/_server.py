@@ -103,9 +103,10 @@ class Bridge:
         with self._lock:
             self.counts[what] += n
 
-    def dlpackd(self):
-        return dlpack_ipc.Client(self.args.dlpackd_socket) if self.args.dlpackd_socket \
-            else dlpack_ipc.Client()
+    def dlpackd(self, reconnect=False):
+        """A client of this host's dlpackd; reconnect=True for one a thread keeps for its
+        life (after dlpackd restarts, the call that finds it gone fails, the next connects)."""
+        return dlpack_ipc.Client(self.args.dlpackd_socket or None, reconnect=reconnect)
 
     def exported(self, name):
         return any(name.startswith(p) for p in self.exports)
@@ -209,7 +210,7 @@ class Bridge:
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
             remote = self.nixl.add_remote(_wire.metadata(f))
             log.info("peer %s connected (agent %r)", who, remote)
-            dl = self.dlpackd()
+            dl = self.dlpackd(reconnect=True)
             sub.who = who
             while not self.stop.is_set():
                 self._expire(leases, who)
@@ -311,24 +312,35 @@ class Bridge:
         and created_ns, None for both when there is no such entry yet); each later PUBLISH,
         REPLACE or UNPUBLISH of it is pushed (_push.Publisher.flush)."""
         rid, name = f.get("id"), f.get("name")
-        if not isinstance(name, str) or not self.exported(name):
-            log.info("peer %s asked to subscribe to %r, which is not exported", who, name)
+        shown = _push.shown(name)
+        if isinstance(name, str) and len(name.encode()) > dlpack_ipc.NAME_MAX:
+            log.info("peer %s asked to subscribe to %s, longer than NAME_MAX", who, shown)
             return _wire.send(sock, _wire.error_frame(
-                "ENOENT", f"{name!r} is not exported by this bridge", id=rid))
+                "ENAMETOOLONG", f"{shown} is longer than NAME_MAX ({dlpack_ipc.NAME_MAX} "
+                "bytes)", id=rid))
+        if not isinstance(name, str) or not self.exported(name):
+            log.info("peer %s asked to subscribe to %s, which is not exported", who, shown)
+            return _wire.send(sock, _wire.error_frame(
+                "ENOENT", f"{shown} is not exported by this bridge", id=rid))
         try:
             self.publisher.subscribe(sub, name)
         except _push.Refused as e:
-            log.info("peer %s: subscription to %r refused: %s", who, name, e)
+            log.info("peer %s: subscription to %s refused: %s", who, shown, e)
             return _wire.send(sock, _wire.error_frame(e.errname, str(e), id=rid))
         except OSError as e:
+            log.warning("peer %s: subscription to %s: this host's dlpackd cannot be watched: "
+                        "%s", who, shown, e)
             return _wire.send(sock, _wire.error_frame(
-                "EIO", f"{name!r}: this host's dlpackd cannot be watched: {e}", id=rid))
-        log.debug("peer %s subscribed to %r", who, name)
+                "EIO", f"{shown}: this host's dlpackd cannot be watched: {e}", id=rid))
+        log.debug("peer %s subscribed to %s", who, shown)
         try:
             entry = _push.find(dl, name)
         except (OSError, ValueError) as e:
-            # subscribed all the same: the next change is pushed
-            return _wire.send(sock, _wire.error_frame("EIO", f"{name!r}: {e}", id=rid))
+            # not subscribed after all: the peer tries again (a failure, not a refusal)
+            self.publisher.unsubscribe(sub, name)
+            log.warning("peer %s: subscription to %s: this host's dlpackd: %s", who, shown, e)
+            return _wire.send(sock, _wire.error_frame(
+                "EIO", f"{shown}: this host's dlpackd: {e}", id=rid))
         _wire.send(sock, {"op": "subscribed", "id": rid, "name": name,
                           "generation": None if entry is None else entry.generation,
                           "created_ns": None if entry is None else entry.created_ns})
@@ -336,9 +348,9 @@ class Bridge:
     def _get(self, sock, dl, f, leases, who):
         rid, name = f.get("id"), f.get("name")
         if not isinstance(name, str) or not self.exported(name):
-            log.info("peer %s asked for %r, which is not exported", who, name)
+            log.info("peer %s asked for %s, which is not exported", who, _push.shown(name))
             return _wire.send(sock, _wire.error_frame(
-                "ENOENT", f"{name!r} is not exported by this bridge", id=rid))
+                "ENOENT", f"{_push.shown(name)} is not exported by this bridge", id=rid))
         if len(leases) >= LEASES_MAX:
             return _wire.send(sock, _wire.error_frame(
                 "EAGAIN", f"{name!r}: this connection holds {LEASES_MAX} leases (LEASES_MAX)",
@@ -366,6 +378,7 @@ class Bridge:
         leases[lease.id] = lease
         bundle = not (len(tensors) == 1 and tensors[0][0] == "")
         _wire.send(sock, {"op": "layout", "id": rid, "lease": lease.id, "generation": gen,
+                          "created_ns": _created_ns(dl, name, gen),
                           "bundle": bundle, "ttl": self.ttl,
                           "tensors": [[k, t.dtype, list(t.shape), t.nbytes]
                                       for k, t in tensors]})
@@ -570,6 +583,16 @@ class Bridge:
             return _wire.error_frame("EIO", f"peer {peer} ({link.where}), {rname!r}: {e!r}")
         self.count("fetched")
         return {"op": "fetched", "name": name, "generation": gen}
+
+
+def _created_ns(dl, name, generation):
+    """The creation time of name's entry at generation (a follower tells two entries of one
+    generation apart by it), or None where dlpackd no longer shows that one."""
+    try:
+        entry = _push.find(dl, name)
+    except (OSError, ValueError):
+        return None
+    return entry.created_ns if entry is not None and entry.generation == generation else None
 
 
 def _peer_closed(sock):
