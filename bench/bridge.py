@@ -17,6 +17,7 @@ written into pages of B's memfd, so shmem huge pages (--shmem-thp, as bench/run.
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -118,6 +119,9 @@ def main():
                    help="run with the kernel's shmem huge pages set to this (root; put back at "
                         "the end)")
     args = p.parse_args()
+    # a SIGTERM (bench/run.py's timeout) ends the run through the finally blocks: the
+    # namespaces, the processes and the shmem setting are put back
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     found = run.set_shmem_thp(args.shmem_thp) if args.shmem_thp else None
     try:
         return measure(args)
@@ -148,7 +152,7 @@ def measure(args):
     finally:
         w.close()
     result = {"rows": rows, "small_4k_s": lat, "cpus": os.cpu_count(),
-              "shmem_enabled": run.shmem_thp(),
+              "repeat": args.repeat, "shmem_enabled": run.shmem_thp(),
               "nixl": __import__("importlib.metadata").metadata.version("nixl")}
     if args.out:
         with open(args.out, "w") as f:

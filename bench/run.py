@@ -157,6 +157,7 @@ def run_rows(cmd, env, pin=False):
 # bench/bridge.py's fetch against a plain TCP stream over the same veth: the goal (issue 31)
 BRIDGE_GOAL = 0.7
 BRIDGE_SIZES = "64M,1G"
+BRIDGE_TIMEOUT_S = 900
 
 
 def bridge_rows(build, env):
@@ -171,9 +172,28 @@ def bridge_rows(build, env):
         print(f"bench: bridge: skipped: {why}", file=sys.stderr)
         return [{"group": "bridge", "impl": "fetch", "skipped": why}]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([py, os.path.join(HERE, "bridge.py"), os.path.join(build, "dlpackd"),
-                        "--sizes", BRIDGE_SIZES, "--out", out.name], env=env, check=True,
-                       timeout=900, stdout=sys.stderr)
+        cmd = [py, os.path.join(HERE, "bridge.py"), os.path.join(build, "dlpackd"),
+               "--sizes", BRIDGE_SIZES, "--out", out.name]
+        with subprocess.Popen(cmd, env=env, stdout=sys.stderr) as p:
+            try:
+                rc = p.wait(BRIDGE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                # SIGTERM first: bridge.py takes its namespaces and processes down on the way out
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                rc = None
+        if rc == 77:  # the namespaces cannot be made here (no `ip`, no CAP_NET_ADMIN)
+            why = "bridge.py could not make the network namespaces (its message is above)"
+            print(f"bench: bridge: skipped: {why}", file=sys.stderr)
+            return [{"group": "bridge", "impl": "fetch", "skipped": why}]
+        if rc != 0:
+            # no figure: the run fails once the others are printed and saved
+            return [{"group": "bridge", "impl": "fetch",
+                     "failed": f"bridge.py exited {rc}" if rc is not None else
+                               f"bridge.py took over {BRIDGE_TIMEOUT_S} s"}]
         got = json.load(open(out.name))
     rows = []
     for r in got["rows"]:
@@ -192,6 +212,10 @@ def bridge_table(rows):
                     "skipped" in r), None)
     if skipped:
         return f"dlpackd-bridge between two network namespaces: skipped: {skipped}", []
+    failed = next((r["failed"] for r in rows if r.get("group") == "bridge" and
+                   "failed" in r), None)
+    if failed:
+        return f"dlpackd-bridge between two network namespaces: FAILED: {failed}", []
     sizes = sorted({r["size"] for r in rows if r.get("group") == "bridge" and
                     r["impl"] == "fetch"})
     lines = ["| dlpackd-bridge, namespace B fetches from A over NIXL (best of 3) | " +
@@ -844,6 +868,8 @@ def bench(args):
                 if not any(r.get("group") == "weight_sync" and r.get("impl") == impl
                            for r in rows)]
     missing += [c["target"] for c in i30 if c["ratio"] is None and not c["skipped"]]
+    missing += [f"bridge ({r['failed']})" for r in rows
+                if r.get("group") == "bridge" and "failed" in r]
     bad = [r for r in rows if any(isinstance(v, float) and not v == v for v in r.values())]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:

@@ -93,11 +93,15 @@ static unsigned cgroup_cpus(void)
 		root = (size_t)snprintf(dir, sizeof(dir),
 					v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/%s", ctrl + 1);
 		snprintf(dir + root, sizeof(dir) - root, "%s", strcmp(path, "/") ? path : "");
-		/* from the process's own cgroup up to the root's children (the root has no limit) */
-		while (strlen(dir) > root) {
+		/* from the process's own cgroup up to the root as this process sees it: in a cgroup
+		 * namespace (a container's) that is the container's own cgroup, and its limit; the
+		 * machine's root has none (v2: no cpu.max; v1: a quota of -1) */
+		for (;;) {
 			unsigned n = dir_cpus(dir, v2);
 
 			best = n < best ? n : best;
+			if (strlen(dir) <= root)
+				break;
 			*strrchr(dir, '/') = 0;
 		}
 	}

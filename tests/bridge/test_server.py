@@ -1276,6 +1276,17 @@ def test_the_follow_options():
     assert main.main(["--follow-interval", "-1"]) == 2
 
 
+def test_a_follow_given_twice_or_too_long_stops_the_bridge_at_start():
+    import dlpack_ipc
+    main = importlib.import_module("dlpack_ipc.bridge.__main__")
+    for follow, why in ((["A:w/x", "A:w/x"], "given twice"),
+                        (["A:w/" + "n" * dlpack_ipc.NAME_MAX], "longer than NAME_MAX")):
+        args = main._args(["--peer", "A=127.0.0.1:9", "--token-file", "/dev/null"] +
+                          [a for f in follow for a in ("--follow", f)])
+        with pytest.raises(ValueError, match=why):
+            _server.Bridge(args, b"t" * 32)
+
+
 def test_pushes_coalesce_and_a_subscriber_that_does_not_read_is_given_up(monkeypatch):
     """The watch thread's marks coalesce to one push per name; a connection whose peer stops
     reading fails its thread's send after PUSH_SEND_TIMEOUT (the connection then closes)
@@ -1527,11 +1538,10 @@ def test_a_lost_watch_is_opened_again_and_every_subscribed_name_looked_at(monkey
     assert opened[0].closed and opened[1].closed and locked == [False, False]
 
 
-def test_a_watch_thread_that_ends_is_started_again_by_the_next_subscription(
-        monkeypatch, bridge_log):
-    """What the watch thread did not expect (a ValueError opening the watch again) ends it,
-    logged; the next subscription opens a watch and a thread again, and marks the names
-    subscribed meanwhile (their changes were missed)."""
+def test_a_watch_thread_that_fails_opens_its_watch_again(monkeypatch, bridge_log):
+    """What the watch thread did not expect (a ValueError opening the watch again) is logged,
+    and the thread itself opens a new watch and marks the names subscribed (their changes may
+    have been missed): the subscribers do not have to wait for another subscription."""
     monkeypatch.setattr(_push, "WATCH_AGAIN", 0.05)
     lose = threading.Event()
     calls = []
@@ -1546,19 +1556,52 @@ def test_a_watch_thread_that_ends_is_started_again_by_the_next_subscription(
     stop = threading.Event()
     pub = _push.Publisher(stop, None, ["w/"])
     a = _push.Subscriber("a")
-    pub.subscribe(a, "w/1")
-    lose.set()
-    _wait(lambda: pub._thread is None, "the watch thread ended")
-    assert any("the watch of this host's dlpackd ended" in r.getMessage()
-               for r in bridge_log.records)
-    pub.subscribe(a, "w/2")
+    assert pub.subscribe(a, "w/1") is True
+    assert pub.subscribe(a, "w/1") is False      # held already: nothing changes
     th = pub._thread
+    lose.set()
     try:
-        assert len(calls) == 3 and th is not None and th.is_alive() and a.dirty == {"w/1"}
+        _wait(lambda: len(calls) == 3 and a.dirty == {"w/1"}, "the watch opened again")
+        assert pub._thread is th and th.is_alive()
+        assert any("the watch of this host's dlpackd failed" in r.getMessage()
+                   for r in bridge_log.records)
     finally:
         stop.set()
         th.join(5)
-    assert not th.is_alive()
+    assert not th.is_alive() and pub._thread is None
+
+
+def test_a_repeated_subscribe_that_fails_keeps_the_subscription_held(monkeypatch):
+    """A peer subscribes to a name it holds already, and dlpackd cannot say the name's state
+    this time: the EIO answer leaves the subscription made before in place."""
+    monkeypatch.setattr(_push.dlpack_ipc, "watch", lambda prefix, socket=None: FakeWatch())
+
+    class Dl:
+        fail = False
+
+        def list(self, prefix):
+            if self.fail:
+                raise ConnectionResetError(errno.ECONNRESET, "dlpackd went away")
+            return []
+    b = fake_bridge()
+    sub = _push.Subscriber("peer")
+    dl = Dl()
+    c, s = tcp_pair()
+    try:
+        b._subscribe(s, dl, {"op": "subscribe", "id": 1, "name": "w/p"}, sub, "peer")
+        first = _wire.recv(c, time.monotonic() + 5)
+        dl.fail = True
+        b._subscribe(s, dl, {"op": "subscribe", "id": 2, "name": "w/p"}, sub, "peer")
+        second = _wire.recv(c, time.monotonic() + 5)
+    finally:
+        c.close()
+        s.close()
+        b.stop.set()
+        if b.publisher._thread is not None:
+            b.publisher._thread.join(5)
+    assert first["op"] == "subscribed" and first["generation"] is None
+    assert second["op"] == "error" and second["errno"] == "EIO" and second["id"] == 2
+    assert b.publisher.subscribers() == 1 and sub.names == {"w/p"}
 
 
 def test_a_subscription_whose_state_cannot_be_read_is_not_kept(monkeypatch):

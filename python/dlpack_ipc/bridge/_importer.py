@@ -107,7 +107,8 @@ def _left(deadline, what):
 PUSHES = ("changed", "gone")
 # The pushes' reader (pump) holds the connection's lock for at most PUMP_FRAMES frames, and
 # gives a frame it started reading at most PUMP_READ seconds to arrive whole: a request waits
-# no longer than that for the lock.
+# for the lock at most PUMP_FRAMES * PUMP_READ against a peer that trickles frames (the lock is
+# not fair: after a full batch the waiter is likely, not certain, to take it next).
 PUMP_FRAMES = 64
 PUMP_READ = 2.0
 
@@ -115,7 +116,8 @@ PUMP_READ = 2.0
 def subscribe_error(frame, peer):
     """The OSError for a subscribe the peer answered with an error. Marked subscribe_refused
     only where the follow polls instead: an older bridge that knows no subscribe (EOPNOTSUPP),
-    a connection's subscriptions full (EAGAIN). Any other error (EIO: the peer's dlpackd could
+    a connection's subscriptions full (EAGAIN), a name the peer cannot take (ENAMETOOLONG,
+    EINVAL: asking again would not change it). Any other error (EIO: the peer's dlpackd could
     not be asked) is a failure, tried again; an export refusal (ENOENT) stays a plain
     FileNotFoundError."""
     message = str(frame.get("message"))
@@ -126,7 +128,7 @@ def subscribe_error(frame, peer):
         e = _wire.to_oserror(frame, f"peer {peer} refused the subscription"
                              if frame.get("errno") == "EAGAIN" else
                              f"peer {peer} could not set up the subscription")
-    if e.errno in (errno.EOPNOTSUPP, errno.EAGAIN):
+    if e.errno in (errno.EOPNOTSUPP, errno.EAGAIN, errno.ENAMETOOLONG, errno.EINVAL):
         e.subscribe_refused = True  # type: ignore[attr-defined]
     return e
 

@@ -82,10 +82,11 @@ class Publisher:
             return sum(len(s) for s in self._subs.values())
 
     def subscribe(self, sub, name):
-        """Subscribe sub to name (again: nothing changes). Refused past
-        SUBSCRIPTIONS_PER_PEER_MAX; OSError if the local dlpackd cannot be watched."""
+        """Subscribe sub to name; whether this added it (False: it was subscribed already, and
+        nothing changes). Refused past SUBSCRIPTIONS_PER_PEER_MAX; OSError if the local
+        dlpackd cannot be watched."""
         if name in sub.names:
-            return
+            return False
         if len(sub.names) >= SUBSCRIPTIONS_PER_PEER_MAX:
             raise Refused("EAGAIN", f"{name!r}: this connection holds "
                           f"{SUBSCRIPTIONS_PER_PEER_MAX} subscriptions "
@@ -110,7 +111,7 @@ class Publisher:
                     if self._thread is not None:
                         self._subs.setdefault(name, set()).add(sub)
                         sub.names.add(name)
-                        return
+                        return True
                 w = dlpack_ipc.watch(self.prefix, socket=self.socket)
         finally:
             if w is not None:
@@ -146,12 +147,27 @@ class Publisher:
                     sub.dirty.add(name)
 
     def _run(self, w):
-        """The watch thread; whatever ends it, the next subscription opens a new one."""
+        """The watch thread. What _watch() does not catch itself sends it back to opening a
+        new watch (after WATCH_AGAIN), the names subscribed meanwhile marked, until stop; if
+        it ends all the same, the next subscription starts it again."""
         try:
-            self._watch(w)
-        except Exception:
-            log.exception("the watch of this host's dlpackd ended: the next subscription "
-                          "opens it again")
+            while True:
+                try:
+                    self._watch(w)
+                    return
+                except Exception:
+                    log.exception("the watch of this host's dlpackd failed: opening it again")
+                w = None
+                while w is None and not self.stop.wait(WATCH_AGAIN):
+                    try:
+                        w = dlpack_ipc.watch(self.prefix, socket=self.socket)
+                    except OSError as e:
+                        log.debug("watching this host's dlpackd: %s", e)
+                if w is None:
+                    return
+                with self._lock:
+                    names = list(self._subs)
+                self._mark(names)
         finally:
             with self._lock:
                 self._thread = None
@@ -306,7 +322,10 @@ class Follow:
                         next_poll = polled
                     retry = RESUBSCRIBE_FIRST
                 except FileNotFoundError as e:
-                    next_poll = time.monotonic() + args.follow_interval
+                    # gone (or not there yet) on the peer: a live subscription pushes the entry
+                    # when it comes, so only the safety net polls
+                    next_poll = time.monotonic() + (args.follow_subscribed_interval
+                                                    if self.subscribed else args.follow_interval)
                     try:
                         self._apply(dl, None, getattr(e, "frame", None))
                     except OSError as e2:

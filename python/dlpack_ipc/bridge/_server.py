@@ -79,6 +79,11 @@ class Bridge:
             peer, sep, rname = name.partition(":")
             if not sep or peer not in self.peers or not rname:
                 raise ValueError(f"--follow {name!r} is not PEER:NAME with a --peer PEER")
+            if any(local == name for _, _, local in self.follow):
+                raise ValueError(f"--follow {name!r} is given twice")
+            if len(name.encode()) > dlpack_ipc.NAME_MAX:
+                raise ValueError(f"--follow {name!r}: the replica's name is longer than "
+                                 f"NAME_MAX ({dlpack_ipc.NAME_MAX} bytes)")
             self.follow.append((self.peers[peer], rname, name))
         self.follows = [_push.Follow(self, link, rname, local)
                         for link, rname, local in self.follow]
@@ -323,7 +328,7 @@ class Bridge:
             return _wire.send(sock, _wire.error_frame(
                 "ENOENT", f"{shown} is not exported by this bridge", id=rid))
         try:
-            self.publisher.subscribe(sub, name)
+            added = self.publisher.subscribe(sub, name)
         except _push.Refused as e:
             log.info("peer %s: subscription to %s refused: %s", who, shown, e)
             return _wire.send(sock, _wire.error_frame(e.errname, str(e), id=rid))
@@ -336,8 +341,10 @@ class Bridge:
         try:
             entry = _push.find(dl, name)
         except (OSError, ValueError) as e:
-            # not subscribed after all: the peer tries again (a failure, not a refusal)
-            self.publisher.unsubscribe(sub, name)
+            # not subscribed after all (a subscription held before this request is kept): the
+            # peer tries again (a failure, not a refusal)
+            if added:
+                self.publisher.unsubscribe(sub, name)
             log.warning("peer %s: subscription to %s: this host's dlpackd: %s", who, shown, e)
             return _wire.send(sock, _wire.error_frame(
                 "EIO", f"{shown}: this host's dlpackd: {e}", id=rid))
