@@ -306,3 +306,13 @@ def test_json_nested_too_deep_is_a_protocol_error(pair):
     a.sendall(struct.pack(">I", len(body)) + body)
     with pytest.raises(_wire.FrameError, match="nested too deep"):
         _wire.auth_server(b, b"t" * 32)
+
+
+def test_a_frame_error_cuts_what_the_peer_sent():
+    """An op of a megabyte named in a FrameError (logged, sent back) is cut to
+    FRAME_ERROR_TEXT_MAX characters, and says how long it was."""
+    e = _wire.FrameError("EPROTO", f"unknown op {'x' * (1 << 20)!r}")
+    text = str(e)
+    assert len(text) < _wire.FRAME_ERROR_TEXT_MAX + 40
+    assert text.startswith("unknown op 'xxx") and text.endswith(" characters)")
+    assert str(_wire.FrameError("EPROTO", "short")) == "short"

@@ -35,13 +35,21 @@ TOKEN_MIN = 32
 _HEADER = struct.Struct(">I")
 
 
+# The longest message a FrameError keeps: what a peer put in a frame (an op, a lease id) may
+# be megabytes long, and the message goes to the log and back to the peer.
+FRAME_ERROR_TEXT_MAX = 500
+
+
 class FrameError(Exception):
     """A frame that breaks the framing (too large, not a JSON object): the connection closes.
 
-    errname is the errno name sent to the peer in the error frame.
+    errname is the errno name sent to the peer in the error frame. The message is cut to
+    FRAME_ERROR_TEXT_MAX characters.
     """
 
     def __init__(self, errname, message):
+        if len(message) > FRAME_ERROR_TEXT_MAX:
+            message = f"{message[:FRAME_ERROR_TEXT_MAX]}... ({len(message)} characters)"
         super().__init__(message)
         self.errname = errname
 
