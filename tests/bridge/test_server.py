@@ -1764,3 +1764,50 @@ def test_the_pushes_reader_survives_what_it_did_not_expect(bridge_log):
         th.join(5)
     assert not th.is_alive() and link.drops == 1
     assert any("reading the pushes of peer A" in r.getMessage() for r in bridge_log.records)
+
+
+def test_the_replica_ledger_is_kept_across_a_restart(tmp_path):
+    """With a state file, a restarted bridge's ledger still charges each replica to the uid
+    whose fetch made it and refuses another uid's REPLACE; a replica gone from dlpackd meanwhile
+    is dropped at the next fetch (and from the file); a file that cannot be parsed is set aside
+    and the ledger starts empty."""
+    path = str(tmp_path / _replicas.STATE_FILE)
+    dl = FakeDlpackd()
+    led = _replicas.Ledger(BRIDGE_UID, path=path)
+    led.reserve(dl, 1000, "A:w/one", 4096)
+    led.commit("A:w/one", dl.publish("A:w/one", None))
+    led.reserve(dl, 1001, "A:w/two", 8192)
+    led.commit("A:w/two", dl.publish("A:w/two", None))
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+
+    again = _replicas.Ledger(BRIDGE_UID, path=path)           # the bridge restarted
+    assert again.held(1000) == (1, 4096) and again.held(1001) == (1, 8192)
+    with pytest.raises(PermissionError, match="uid 1000 fetched"):
+        again.reserve(dl, 1001, "A:w/one", 4096)
+    assert again.droppable("A:w/two", 1001) == dl.entries["A:w/two"][1]
+
+    del dl.entries["A:w/two"]                                  # unpublished meanwhile
+    again.reserve(dl, 1000, "A:w/one", 4096)                   # a fetch looks
+    again.cancel("A:w/one")
+    assert again.held(1001) == (0, 0)
+    assert _replicas.Ledger(BRIDGE_UID, path=path).held(1001) == (0, 0)
+
+    with open(path, "w") as f:
+        f.write("{not json")
+    broken = _replicas.Ledger(BRIDGE_UID, path=path)
+    assert broken.summary() == {} and os.path.exists(path + ".bad")
+    assert not os.path.exists(path)
+
+
+def test_the_state_dir_comes_from_systemd():
+    main = importlib.import_module("dlpack_ipc.bridge.__main__")
+    old = os.environ.get("STATE_DIRECTORY")
+    try:
+        os.environ["STATE_DIRECTORY"] = "/var/lib/dlpackd-bridge:/var/lib/other"
+        assert main._args([]).state_dir == "/var/lib/dlpackd-bridge"
+        assert main._args(["--state-dir", "/tmp/x"]).state_dir == "/tmp/x"
+        del os.environ["STATE_DIRECTORY"]
+        assert main._args([]).state_dir is None
+    finally:
+        if old is not None:
+            os.environ["STATE_DIRECTORY"] = old

@@ -153,6 +153,11 @@ def _args(argv):
     p.add_argument("--replica-bytes-per-uid", metavar="SIZE", type=size, default=None,
                    help="their bytes, with K, M, G or T for binary multiples (default "
                    "REPLICA_BYTES_PER_UID_MAX, 256G)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   default=(os.environ.get("STATE_DIRECTORY") or "").split(":")[0] or None,
+                   help="where the bridge keeps which uid's fetch made each replica, across "
+                   "restarts (default $STATE_DIRECTORY, which systemd's StateDirectory= sets; "
+                   "none: in memory only)")
     p.add_argument("--progress-thread", action="store_true",
                    help="let NIXL run its progress thread (it spins: on few cores, slower)")
     p.add_argument("--log-level", default="info",

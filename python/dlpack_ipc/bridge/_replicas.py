@@ -10,9 +10,18 @@ longer found in dlpackd with the bridge's uid and the generation the bridge publ
 unpublished it), which the bridge looks for at each fetch. Counts are sums over the ledger's
 records, so they cannot go negative; a failed fetch drops its reservation and keeps the replica
 it was to replace.
+
+With a state file (--state-dir; systemd's StateDirectory=), the live records are written there
+at each change (a new file renamed over the old, mode 0600) and read back at start, so that a
+restarted bridge still charges each replica to its uid and still refuses another uid's REPLACE.
+A record read back counts until a fetch finds that dlpackd no longer holds the replica at that
+generation (each fetch looks, as for any record). A state file that cannot be
+read or parsed is set aside (renamed *.bad) and the bridge starts with none, saying so.
 """
 import errno
+import json
 import logging
+import os
 import threading
 
 # The live replicas one uid's fetches may hold at once. Each is a dlpackd entry of the bridge's
@@ -32,6 +41,11 @@ DTYPE_BYTES = {
     "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8,
     "complex64": 8, "complex128": 16,
 }
+
+# The state file's format (--state-dir): {"version": 1, "live": {name: [uid, bytes, generation]}}
+STATE_VERSION = 1
+# Its name in the state directory.
+STATE_FILE = "replicas.json"
 
 log = logging.getLogger("dlpackd-bridge")
 
@@ -76,13 +90,68 @@ class Ledger:
     """Which uid's fetch made each replica, and what each uid holds."""
 
     def __init__(self, own_uid, replicas_max=REPLICAS_PER_UID_MAX,
-                 bytes_max=REPLICA_BYTES_PER_UID_MAX):
+                 bytes_max=REPLICA_BYTES_PER_UID_MAX, path=None):
         self.own_uid = own_uid
         self.replicas_max = replicas_max
         self.bytes_max = bytes_max
+        self.path = path       # the state file, or None: in memory only
         self._lock = threading.Lock()
         self._live = {}        # local name -> _Replica, published by the bridge
         self._pending = {}     # local name -> _Replica, allowed and being fetched
+        if path is not None:
+            self._load()
+
+    def _load(self):
+        """The live records of the state file, if there is one."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                state = json.load(f)
+            live = state["live"]
+            if state.get("version") != STATE_VERSION or not isinstance(live, dict):
+                raise ValueError(f"version {state.get('version')!r}, not {STATE_VERSION}")
+            for name, (uid, nbytes, generation) in live.items():
+                if not (isinstance(name, str) and all(type(v) is int and v >= 0
+                                                      for v in (uid, nbytes, generation))):
+                    raise ValueError(f"record {name!r:.60} is not [uid, bytes, generation]")
+                r = _Replica(uid, nbytes)
+                r.generation = generation
+                self._live[name] = r
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self._live = {}
+            bad = self.path + ".bad"
+            try:
+                os.replace(self.path, bad)
+            except OSError:
+                bad = None
+            log.warning("replica ledger %s cannot be read (%s): starting with none%s", self.path,
+                        e, f"; it is kept as {bad}" if bad else "")
+            return
+        log.info("replica ledger %s: %d replicas, as charged before the restart", self.path,
+                 len(self._live))
+
+    def _save(self):
+        """Write the live records to the state file (under self._lock). A failure is logged:
+        the records in memory stay what counts while the bridge runs."""
+        if self.path is None:
+            return
+        tmp = f"{self.path}.{os.getpid()}.new"
+        state = {"version": STATE_VERSION,
+                 "live": {n: [r.uid, r.nbytes, r.generation] for n, r in self._live.items()}}
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("replica ledger %s cannot be written: %s (kept in memory)", self.path, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     def held(self, uid):
         """(replicas, bytes) uid holds: its live replicas, a pending fetch in place of the one
@@ -109,7 +178,7 @@ class Ledger:
             snapshot = dict(self._live)
         prefixes = {n.partition(":")[0] + ":" for n in snapshot}
         prefixes.add(local.partition(":")[0] + ":")
-        seen = {}
+        seen, dropped = {}, False
         for p in sorted(prefixes):
             for e in dl.list(p):
                 seen[e.name] = (e.owner.uid, e.generation)
@@ -118,8 +187,11 @@ class Ledger:
                 # a record made after the listing is another object: left alone
                 if self._live.get(name) is r and seen.get(name) != (self.own_uid, r.generation):
                     del self._live[name]
+                    dropped = True
                     log.info("replica %r (uid %d's, generation %s) is gone from dlpackd: no "
                              "longer charged", name, r.uid, r.generation)
+            if dropped:
+                self._save()
         return seen.get(local)
 
     def reserve(self, dl, uid, local, nbytes):
@@ -158,6 +230,7 @@ class Ledger:
             r = self._pending.pop(local)
             r.generation = generation
             self._live[local] = r
+            self._save()
 
     def cancel(self, local):
         """The reserved fetch into local failed: the replica it was to replace stays."""
@@ -170,6 +243,7 @@ class Ledger:
             r = self._live.get(local)
             if r is not None and generation in (None, r.generation):
                 del self._live[local]
+                self._save()
 
     def droppable(self, local, uid):
         """The generation of the live replica at local, if uid may drop it (the uid whose fetch

@@ -91,10 +91,12 @@ class Bridge:
         self.agent_name = f"dlpackd-bridge/{self.host}/{time.time_ns()}"
         self.nixl = Nixl(self.agent_name, args.progress_thread)
         self.quarantine = Quarantine(self.nixl, args.quarantine)
+        state_dir = getattr(args, "state_dir", None)
         self.replicas = _replicas.Ledger(
             os.geteuid(),
             getattr(args, "replicas_per_uid", None) or _replicas.REPLICAS_PER_UID_MAX,
-            getattr(args, "replica_bytes_per_uid", None) or _replicas.REPLICA_BYTES_PER_UID_MAX)
+            getattr(args, "replica_bytes_per_uid", None) or _replicas.REPLICA_BYTES_PER_UID_MAX,
+            os.path.join(state_dir, _replicas.STATE_FILE) if state_dir else None)
         self.stop = threading.Event()
         self.publisher = _push.Publisher(self.stop, args.dlpackd_socket, self.exports)
         self._lock = threading.Lock()
