@@ -1772,6 +1772,10 @@ def test_the_replica_ledger_is_kept_across_a_restart(tmp_path):
     is dropped at the next fetch (and from the file); a file that cannot be parsed is set aside
     and the ledger starts empty."""
     path = str(tmp_path / _replicas.STATE_FILE)
+    # a link planted where the bridge writes its new file is removed, never written through
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    os.symlink(victim, f"{path}.{os.getpid()}.new")
     dl = FakeDlpackd()
     led = _replicas.Ledger(BRIDGE_UID, path=path)
     led.reserve(dl, 1000, "A:w/one", 4096)
@@ -1779,6 +1783,7 @@ def test_the_replica_ledger_is_kept_across_a_restart(tmp_path):
     led.reserve(dl, 1001, "A:w/two", 8192)
     led.commit("A:w/two", dl.publish("A:w/two", None))
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert victim.read_text() == "untouched" and not os.path.islink(path)
 
     again = _replicas.Ledger(BRIDGE_UID, path=path)           # the bridge restarted
     assert again.held(1000) == (1, 4096) and again.held(1001) == (1, 8192)

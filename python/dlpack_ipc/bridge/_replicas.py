@@ -140,7 +140,14 @@ class Ledger:
         state = {"version": STATE_VERSION,
                  "live": {n: [r.uid, r.nbytes, r.generation] for n, r in self._live.items()}}
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            # a new file of the bridge's own, never one someone put there (O_EXCL: a symlink
+            # is not followed); one a crashed write left behind goes first
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(state, f)
                 f.flush()
