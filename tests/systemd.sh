@@ -49,6 +49,8 @@ verify)
 	# its replica ledger survives restarts: the state directory (--state-dir's default)
 	grep -qx "StateDirectory=dlpackd-bridge" "$units/dlpackd-bridge.service" ||
 		{ echo "dlpackd-bridge.service has no StateDirectory=dlpackd-bridge" >&2; exit 1; }
+	grep -qx "StateDirectoryMode=0700" "$units/dlpackd-bridge.service" ||
+		{ echo "dlpackd-bridge.service's state directory is not mode 0700" >&2; exit 1; }
 	echo "verify: dlpackd.socket and dlpackd.service pass"
 	# the bridge's unit (its interpreter is the build's DLPC_BRIDGE_PYTHON, outside DESTDIR)
 	out=$(MANPATH=$tmp/root$(full "$mandir") SYSTEMD_LOG_LEVEL=notice \

@@ -3,6 +3,7 @@
 socketpairs (ctest: bridge_server). The real NIXL path is driven by netns.py."""
 import errno
 import importlib
+import json
 import os
 import shutil
 import socket
@@ -1768,9 +1769,9 @@ def test_the_pushes_reader_survives_what_it_did_not_expect(bridge_log):
 
 def test_the_replica_ledger_is_kept_across_a_restart(tmp_path):
     """With a state file, a restarted bridge's ledger still charges each replica to the uid
-    whose fetch made it and refuses another uid's REPLACE; a replica gone from dlpackd meanwhile
-    is dropped at the next fetch (and from the file); a file that cannot be parsed is set aside
-    and the ledger starts empty."""
+    whose fetch made it and refuses another uid's REPLACE (root may); a replica gone from
+    dlpackd meanwhile, or replaced there, is dropped at the next fetch (and from the file); a
+    drop is kept too."""
     path = str(tmp_path / _replicas.STATE_FILE)
     # a link planted where the bridge writes its new file is removed, never written through
     victim = tmp_path / "victim"
@@ -1778,41 +1779,124 @@ def test_the_replica_ledger_is_kept_across_a_restart(tmp_path):
     os.symlink(victim, f"{path}.{os.getpid()}.new")
     dl = FakeDlpackd()
     led = _replicas.Ledger(BRIDGE_UID, path=path)
-    led.reserve(dl, 1000, "A:w/one", 4096)
-    led.commit("A:w/one", dl.publish("A:w/one", None))
-    led.reserve(dl, 1001, "A:w/two", 8192)
-    led.commit("A:w/two", dl.publish("A:w/two", None))
+    for uid, name, n in ((1000, "A:w/one", 4096), (1001, "A:w/two", 8192),
+                         (1002, "A:w/three", 1)):
+        led.reserve(dl, uid, name, n)
+        led.commit(name, dl.publish(name, None))
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
     assert victim.read_text() == "untouched" and not os.path.islink(path)
+    dl.unpublish("A:w/three")
+    led.forget("A:w/three")                                    # dropped by its uid
 
     again = _replicas.Ledger(BRIDGE_UID, path=path)           # the bridge restarted
     assert again.held(1000) == (1, 4096) and again.held(1001) == (1, 8192)
+    assert again.held(1002) == (0, 0)
     with pytest.raises(PermissionError, match="uid 1000 fetched"):
         again.reserve(dl, 1001, "A:w/one", 4096)
+    again.reserve(dl, 0, "A:w/one", 4096)                      # root may
+    again.cancel("A:w/one")
     assert again.droppable("A:w/two", 1001) == dl.entries["A:w/two"][1]
 
     del dl.entries["A:w/two"]                                  # unpublished meanwhile
-    again.reserve(dl, 1000, "A:w/one", 4096)                   # a fetch looks
-    again.cancel("A:w/one")
-    assert again.held(1001) == (0, 0)
-    assert _replicas.Ledger(BRIDGE_UID, path=path).held(1001) == (0, 0)
-
-    with open(path, "w") as f:
-        f.write("{not json")
-    broken = _replicas.Ledger(BRIDGE_UID, path=path)
-    assert broken.summary() == {} and os.path.exists(path + ".bad")
-    assert not os.path.exists(path)
+    dl.publish("A:w/one", None)                                # replaced by hand meanwhile
+    with pytest.raises(PermissionError, match="no record of whose fetch"):
+        again.reserve(dl, 1000, "A:w/one", 4096)               # whose it is: not known now
+    assert again.held(1001) == (0, 0) and again.held(1000) == (0, 0)
+    assert _replicas.Ledger(BRIDGE_UID, path=path).summary() == {}
+    again.reserve(dl, 1001, "A:w/two", 8192)                   # gone: free for anyone
+    again.cancel("A:w/two")
 
 
-def test_the_state_dir_comes_from_systemd():
+def test_a_fetch_under_way_when_the_bridge_stopped_keeps_its_replica(tmp_path):
+    """The reservation is written before the fetch: a bridge that stopped between the
+    REPLACE in dlpackd and the commit gives the replica, at its next start, to the uid whose
+    fetch made it; one that stopped before the publish leaves the old record as it was."""
+    path = str(tmp_path / _replicas.STATE_FILE)
+    dl = FakeDlpackd()
+    led = _replicas.Ledger(BRIDGE_UID, path=path)
+    led.reserve(dl, 1000, "A:w/x", 10)
+    led.commit("A:w/x", dl.publish("A:w/x", None))
+    led.reserve(dl, 1000, "A:w/x", 20)
+    dl.publish("A:w/x", None)                                  # REPLACEd, then the crash
+    led.reserve(dl, 1005, "A:w/new", 30)                       # a first fetch, not published
+    again = _replicas.Ledger(BRIDGE_UID, path=path)
+    with pytest.raises(PermissionError, match="uid 1000 fetched"):
+        again.reserve(dl, 1001, "A:w/x", 20)
+    assert again.held(1000) == (1, 20) and again.held(1005) == (0, 0)
+    assert again.droppable("A:w/x", 1000) == dl.entries["A:w/x"][1]
+
+
+def test_the_bridge_s_own_replicas_follow_its_follow_set(tmp_path):
+    """A replica --follow made (the bridge's own uid) and no longer followed after a restart is
+    no longer charged; one a local caller made is taken over by a --follow added for it."""
+    path = str(tmp_path / _replicas.STATE_FILE)
+    dl = FakeDlpackd()
+    led = _replicas.Ledger(BRIDGE_UID, path=path)
+    led.reserve(dl, BRIDGE_UID, "A:w/followed", 1)
+    led.commit("A:w/followed", dl.publish("A:w/followed", None))
+    led.reserve(dl, 1000, "A:w/users", 1)
+    led.commit("A:w/users", dl.publish("A:w/users", None))
+    again = _replicas.Ledger(BRIDGE_UID, path=path)
+    again.keep_own({"A:w/users"})
+    assert again.held(BRIDGE_UID) == (0, 0)
+    again.reserve(dl, BRIDGE_UID, "A:w/users", 1)              # the new --follow refreshes it
+    again.commit("A:w/users", dl.publish("A:w/users", None))
+    assert again.held(1000) == (0, 0) and again.held(BRIDGE_UID) == (1, 1)
+
+
+@pytest.mark.parametrize("text", [
+    "{not json", "[]", '{"version": 2, "live": {}}', '{"version": 1, "live": []}',
+    '{"version": 1, "live": {"A:w": [1, 2]}}', '{"version": 1, "live": {"A:w": [1, 2, true]}}',
+    '{"version": 1, "live": {"A:w": [1, -2, 3]}}', '{"version": 1, "live": {"nocolon": [1, 2, 3]}}',
+    '{"version": 1, "live": {}, "pending": {"A:w": [1, 2, 3]}}', "[" * 100000],
+    ids=lambda t: t[:40] if len(t) < 100 else f"{t[:4]}... ({len(t)} characters)")
+def test_a_state_file_that_cannot_be_parsed_is_set_aside(tmp_path, text):
+    path = tmp_path / _replicas.STATE_FILE
+    path.write_text(text)
+    path.chmod(0o600)
+    led = _replicas.Ledger(BRIDGE_UID, path=str(path))
+    assert led.summary() == {}
+    assert len(list(tmp_path.glob(_replicas.STATE_FILE + ".bad.*"))) == 1
+    assert json.loads(path.read_text())["live"] == {}          # a fresh one written at start
+
+
+def test_a_state_directory_or_file_others_could_write_stops_the_bridge(tmp_path):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(ValueError, match="only it may write"):
+        _replicas.Ledger(BRIDGE_UID, path=str(open_dir / _replicas.STATE_FILE))
+    d = tmp_path / "d"
+    d.mkdir(mode=0o700)
+    (d / "elsewhere.json").write_text('{"version": 1, "live": {}}')
+    os.symlink(d / "elsewhere.json", d / _replicas.STATE_FILE)
+    with pytest.raises(OSError):                               # not followed (ELOOP)
+        _replicas.Ledger(BRIDGE_UID, path=str(d / _replicas.STATE_FILE))
+    os.unlink(d / _replicas.STATE_FILE)
+    (d / _replicas.STATE_FILE).write_text('{"version": 1, "live": {}}')
+    (d / _replicas.STATE_FILE).chmod(0o644)
+    with pytest.raises(ValueError, match="mode 0600"):
+        _replicas.Ledger(BRIDGE_UID, path=str(d / _replicas.STATE_FILE))
+
+
+def test_the_bridge_keeps_its_ledger_in_the_state_dir(tmp_path, monkeypatch):
+    """--state-dir reaches the ledger (NIXL faked: only the wiring is looked at)."""
     main = importlib.import_module("dlpack_ipc.bridge.__main__")
-    old = os.environ.get("STATE_DIRECTORY")
+    monkeypatch.setattr(_server, "Nixl", lambda *a: FakeNixl())
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    b = _server.Bridge(main._args(["--state-dir", str(state)]), b"t" * 32)
     try:
-        os.environ["STATE_DIRECTORY"] = "/var/lib/dlpackd-bridge:/var/lib/other"
-        assert main._args([]).state_dir == "/var/lib/dlpackd-bridge"
-        assert main._args(["--state-dir", "/tmp/x"]).state_dir == "/tmp/x"
-        del os.environ["STATE_DIRECTORY"]
-        assert main._args([]).state_dir is None
+        assert b.replicas.path == str(state / _replicas.STATE_FILE)
+        assert os.path.exists(b.replicas.path)
     finally:
-        if old is not None:
-            os.environ["STATE_DIRECTORY"] = old
+        b.stop.set()
+
+
+def test_the_state_dir_comes_from_systemd(monkeypatch):
+    main = importlib.import_module("dlpack_ipc.bridge.__main__")
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/dlpackd-bridge:/var/lib/other")
+    assert main._args([]).state_dir == "/var/lib/dlpackd-bridge"
+    assert main._args(["--state-dir", "/tmp/x"]).state_dir == "/tmp/x"
+    monkeypatch.delenv("STATE_DIRECTORY")
+    assert main._args([]).state_dir is None

@@ -11,18 +11,25 @@ unpublished it), which the bridge looks for at each fetch. Counts are sums over 
 records, so they cannot go negative; a failed fetch drops its reservation and keeps the replica
 it was to replace.
 
-With a state file (--state-dir; systemd's StateDirectory=), the live records are written there
-at each change (a new file renamed over the old, mode 0600) and read back at start, so that a
-restarted bridge still charges each replica to its uid and still refuses another uid's REPLACE.
-A record read back counts until a fetch finds that dlpackd no longer holds the replica at that
-generation (each fetch looks, as for any record). A state file that cannot be
-read or parsed is set aside (renamed *.bad) and the bridge starts with none, saying so.
+With a state file (--state-dir; systemd's StateDirectory=), the records are written there at
+each change (a new file of mode 0600 renamed over the old, outside the ledger's lock) and read
+back at start, so that a restarted bridge still charges each replica to its uid and still
+refuses another uid's REPLACE. A reservation is written before its fetch begins: a fetch under
+way when the bridge stopped is given the replica dlpackd then holds at its name. A record
+counts until a fetch finds its replica gone from dlpackd at that generation. A bridge-owned
+replica with no record (a state file that could not be parsed is set aside, *.bad.<ns>) may be
+replaced by root only. The directory and the file must be the bridge's uid's alone, and the
+file writable, or the bridge does not start.
 """
 import errno
 import json
 import logging
 import os
+import stat
 import threading
+import time
+
+import dlpack_ipc
 
 # The live replicas one uid's fetches may hold at once. Each is a dlpackd entry of the bridge's
 # uid: 64 covers a user's working set (a model's shards, a few caches), and 16 uids at the limit
@@ -42,12 +49,29 @@ DTYPE_BYTES = {
     "complex64": 8, "complex128": 16,
 }
 
-# The state file's format (--state-dir): {"version": 1, "live": {name: [uid, bytes, generation]}}
+# The state file's format (--state-dir): {"version": 1, "live": {name: [uid, bytes,
+# generation]}, "pending": {name: [uid, bytes]}}, at most STATE_BYTES_MAX bytes.
 STATE_VERSION = 1
+STATE_BYTES_MAX = 16 << 20
 # Its name in the state directory.
 STATE_FILE = "replicas.json"
 
 log = logging.getLogger("dlpackd-bridge")
+
+
+def _records(obj, width):
+    """{name: [non-negative ints]} of a state file, checked: names a replica's (PEER:NAME, at
+    most NAME_MAX bytes), width numbers each; ValueError naming what is wrong."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"records of {type(obj).__name__}, not an object")
+    for name, rec in obj.items():
+        if not isinstance(name, str) or ":" not in name or \
+                len(name.encode()) > dlpack_ipc.NAME_MAX:
+            raise ValueError(f"record name {name!r:.60} is not a replica's")
+        if not isinstance(rec, list) or len(rec) != width or \
+                any(type(v) is not int or not 0 <= v < 1 << 63 for v in rec):
+            raise ValueError(f"record {name!r:.60} is not {width} numbers")
+    return obj
 
 
 def layout_bytes(tensors):
@@ -98,67 +122,130 @@ class Ledger:
         self._lock = threading.Lock()
         self._live = {}        # local name -> _Replica, published by the bridge
         self._pending = {}     # local name -> _Replica, allowed and being fetched
+        # read back from a state file: fetches that were under way when the bridge stopped;
+        # the replica dlpackd holds under the bridge's uid at such a name is theirs
+        self._adopt = {}
+        self._save_lock = threading.Lock()
+        self._seq = 0          # the state's changes, numbered under _lock
+        self._written = 0      # the last one written to the file
         if path is not None:
-            self._load()
+            self._open_state()
 
-    def _load(self):
-        """The live records of the state file, if there is one."""
+    def _open_state(self):
+        """Check the state directory, read the state file back, and write it once: a directory
+        or file another user could have written, or one the bridge cannot write, stops it at
+        start (OSError, ValueError naming it)."""
+        d = os.path.dirname(os.path.abspath(self.path))
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise ValueError(f"state directory {d}: not a directory of uid {os.geteuid()} that "
+                             "only it may write (see --state-dir)")
         try:
-            with open(self.path, encoding="utf-8") as f:
-                state = json.load(f)
-            live = state["live"]
-            if state.get("version") != STATE_VERSION or not isinstance(live, dict):
-                raise ValueError(f"version {state.get('version')!r}, not {STATE_VERSION}")
-            for name, (uid, nbytes, generation) in live.items():
-                if not (isinstance(name, str) and all(type(v) is int and v >= 0
-                                                      for v in (uid, nbytes, generation))):
-                    raise ValueError(f"record {name!r:.60} is not [uid, bytes, generation]")
-                r = _Replica(uid, nbytes)
-                r.generation = generation
-                self._live[name] = r
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            return
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            self._live = {}
-            bad = self.path + ".bad"
-            try:
-                os.replace(self.path, bad)
-            except OSError:
-                bad = None
-            log.warning("replica ledger %s cannot be read (%s): starting with none%s", self.path,
-                        e, f"; it is kept as {bad}" if bad else "")
-            return
-        log.info("replica ledger %s: %d replicas, as charged before the restart", self.path,
-                 len(self._live))
+            fd = None
+        if fd is not None:
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or \
+                        st.st_mode & 0o077:
+                    raise ValueError(f"state file {self.path}: not a file of uid "
+                                     f"{os.geteuid()} that only it may read (mode 0600)")
+                text = f.read(STATE_BYTES_MAX + 1)
+            self._parse(text)
+        with self._lock:
+            state, seq = self._state()
+        if not self._write(state, seq):
+            raise OSError(errno.EROFS, f"state file {self.path} cannot be written (see the "
+                          "warning above)")
 
-    def _save(self):
-        """Write the live records to the state file (under self._lock). A failure is logged:
-        the records in memory stay what counts while the bridge runs."""
-        if self.path is None:
-            return
-        tmp = f"{self.path}.{os.getpid()}.new"
-        state = {"version": STATE_VERSION,
-                 "live": {n: [r.uid, r.nbytes, r.generation] for n, r in self._live.items()}}
+    def _parse(self, text):
+        """The records of a state file's text; one that cannot be parsed or checked is set
+        aside (a new name: *.bad.<ns>) and the bridge starts with none, saying so."""
         try:
-            # a new file of the bridge's own, never one someone put there (O_EXCL: a symlink
-            # is not followed); one a crashed write left behind goes first
+            if len(text) > STATE_BYTES_MAX:
+                raise ValueError(f"over STATE_BYTES_MAX ({STATE_BYTES_MAX} bytes)")
+            state = json.loads(text)
+            if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+                raise ValueError(f"not a state of version {STATE_VERSION}")
+            live = _records(state.get("live"), 3)
+            adopt = _records(state.get("pending", {}), 2)
+        except (ValueError, RecursionError, MemoryError) as e:
+            bad = f"{self.path}.bad.{time.time_ns()}"
+            os.replace(self.path, bad)
+            log.warning("replica ledger %s cannot be parsed (%s): starting with none; it is kept "
+                        "as %s, and the bridge's replicas with no record may be fetched over "
+                        "by root only", self.path, e, bad)
+            return
+        for name, (uid, nbytes, generation) in live.items():
+            self._live[name] = _Replica(uid, nbytes)
+            self._live[name].generation = generation
+        for name, (uid, nbytes) in adopt.items():
+            self._adopt[name] = _Replica(uid, nbytes)
+        log.info("replica ledger %s: %d replicas and %d fetches under way when the bridge "
+                 "stopped, as charged then", self.path, len(self._live), len(self._adopt))
+
+    def _state(self):
+        """(the state to write, its number), under self._lock."""
+        self._seq += 1
+        return ({"version": STATE_VERSION,
+                 "live": {n: [r.uid, r.nbytes, r.generation] for n, r in self._live.items()},
+                 "pending": {n: [r.uid, r.nbytes] for n, r in
+                             {**self._adopt, **self._pending}.items()}}, self._seq)
+
+    def _write(self, state, seq):
+        """Write state (number seq) to the state file, unless a later one was written: a new
+        file of the bridge's own (O_EXCL: never one someone put there, a stale one removed
+        first), synced, renamed over the old, the directory synced. Outside self._lock (a slow
+        disk holds no fetch up). Whether it was written; a failure is logged, and the records
+        in memory stay what counts while the bridge runs."""
+        if self.path is None:
+            return True
+        tmp = f"{self.path}.{os.getpid()}.new"
+        with self._save_lock:
+            if seq <= self._written:
+                return True
             try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except OSError as e:
-            log.warning("replica ledger %s cannot be written: %s (kept in memory)", self.path, e)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                             os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+                dfd = os.open(os.path.dirname(os.path.abspath(self.path)),
+                              os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            except OSError as e:
+                log.warning("replica ledger %s cannot be written: %s (kept in memory)",
+                            self.path, e)
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                return False
+            self._written = seq
+            return True
+
+    def keep_own(self, names):
+        """At start: the records of the bridge's own replicas (--follow's) whose names it no
+        longer follows are dropped (the names are free for local callers again)."""
+        with self._lock:
+            gone = [n for n, r in self._live.items() if r.uid == self.own_uid and n not in names]
+            for n in gone:
+                del self._live[n]
+            state, seq = self._state()
+        if gone:
+            log.info("replicas %s were --follow's and are no longer followed: no longer "
+                     "charged to the bridge", sorted(gone))
+            self._write(state, seq)
 
     def held(self, uid):
         """(replicas, bytes) uid holds: its live replicas, a pending fetch in place of the one
@@ -179,13 +266,14 @@ class Ledger:
             return {str(u): list(self._held(u, None)) for u in sorted(uids)}
 
     def _look(self, dl, local):
-        """Drop the records of replicas no longer in dlpackd as the bridge published them; the
+        """Drop the records of replicas no longer in dlpackd as the bridge published them, and
+        give a fetch that was under way when the bridge stopped the replica it made; the
         (owner uid, generation) of what dlpackd holds at local now, or None."""
         with self._lock:
-            snapshot = dict(self._live)
-        prefixes = {n.partition(":")[0] + ":" for n in snapshot}
+            snapshot, adopt = dict(self._live), dict(self._adopt)
+        prefixes = {n.partition(":")[0] + ":" for n in (*snapshot, *adopt)}
         prefixes.add(local.partition(":")[0] + ":")
-        seen, dropped = {}, False
+        seen, changed = {}, False
         for p in sorted(prefixes):
             for e in dl.list(p):
                 seen[e.name] = (e.owner.uid, e.generation)
@@ -194,30 +282,49 @@ class Ledger:
                 # a record made after the listing is another object: left alone
                 if self._live.get(name) is r and seen.get(name) != (self.own_uid, r.generation):
                     del self._live[name]
-                    dropped = True
+                    changed = True
                     log.info("replica %r (uid %d's, generation %s) is gone from dlpackd: no "
                              "longer charged", name, r.uid, r.generation)
-            if dropped:
-                self._save()
+            for name, r in adopt.items():
+                if self._adopt.get(name) is not r:
+                    continue
+                del self._adopt[name]
+                changed = True
+                there = seen.get(name)
+                if there is not None and there[0] == self.own_uid and name not in self._live:
+                    r.generation = there[1]
+                    self._live[name] = r
+                    log.info("replica %r (generation %d): uid %d's fetch, under way when the "
+                             "bridge stopped, made it", name, there[1], r.uid)
+            state, seq = self._state() if changed else (None, 0)
+        if changed:
+            self._write(state, seq)
         return seen.get(local)
 
     def reserve(self, dl, uid, local, nbytes):
         """Allow uid's fetch of nbytes into local, before anything is allocated, or raise the
-        OSError that says why not: another uid's replica there (EPERM), a name the bridge did
-        not publish (EEXIST), a fetch into it under way (EAGAIN), uid's limits (EDQUOT)."""
+        OSError that says why not: another uid's replica there (EPERM; root and the bridge's
+        own --follow may replace any), a name the bridge did not publish (EEXIST), a fetch into
+        it under way (EAGAIN), uid's limits (EDQUOT). With a state file the reservation is
+        written there before the fetch begins."""
         there = self._look(dl, local)
         with self._lock:
             if local in self._pending:
                 raise BlockingIOError(errno.EAGAIN, f"{local!r}: another fetch into it is under "
                                       "way")
             cur = self._live.get(local)
-            if cur is not None and cur.uid != uid:
+            if cur is not None and uid not in (cur.uid, 0, self.own_uid):
                 raise PermissionError(errno.EPERM, f"{local!r} holds the replica uid {cur.uid} "
                                       f"fetched: uid {uid} may not replace it (only its own)")
             if cur is None and there is not None:
                 if there[0] != self.own_uid:
                     raise FileExistsError(errno.EEXIST, f"{local!r} is published by uid "
                                           f"{there[0]}, not by the bridge")
+                if self.path is not None and uid not in (0, self.own_uid):
+                    # the ledger was kept, yet has no record of it: whose it is is not known
+                    raise PermissionError(errno.EPERM, f"{local!r} is a replica of the "
+                                          "bridge's with no record of whose fetch made it: "
+                                          "root may replace or unpublish it")
                 # the bridge's, from before it restarted: whose fetch made it is not known
                 log.info("replica %r (generation %d) predates this bridge: uid %d's fetch "
                          "replaces it", local, there[1], uid)
@@ -229,6 +336,8 @@ class Ledger:
                 raise OSError(errno.EDQUOT, f"uid {uid} asks for {nbytes} bytes and holds "
                               f"{held}: REPLICA_BYTES_PER_UID_MAX is {self.bytes_max}")
             self._pending[local] = _Replica(uid, nbytes)
+            state, seq = self._state()
+        self._write(state, seq)
 
     def commit(self, local, generation):
         """The reserved fetch into local was published as generation: it is live, in place
@@ -237,20 +346,26 @@ class Ledger:
             r = self._pending.pop(local)
             r.generation = generation
             self._live[local] = r
-            self._save()
+            state, seq = self._state()
+        self._write(state, seq)
 
     def cancel(self, local):
         """The reserved fetch into local failed: the replica it was to replace stays."""
         with self._lock:
-            self._pending.pop(local, None)
+            if self._pending.pop(local, None) is None:
+                return
+            state, seq = self._state()
+        self._write(state, seq)
 
     def forget(self, local, generation=None):
         """The bridge unpublished local itself (the replica of that generation, if given)."""
         with self._lock:
             r = self._live.get(local)
-            if r is not None and generation in (None, r.generation):
-                del self._live[local]
-                self._save()
+            if r is None or generation not in (None, r.generation):
+                return
+            del self._live[local]
+            state, seq = self._state()
+        self._write(state, seq)
 
     def droppable(self, local, uid):
         """The generation of the live replica at local, if uid may drop it (the uid whose fetch

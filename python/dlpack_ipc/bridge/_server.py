@@ -97,6 +97,7 @@ class Bridge:
             getattr(args, "replicas_per_uid", None) or _replicas.REPLICAS_PER_UID_MAX,
             getattr(args, "replica_bytes_per_uid", None) or _replicas.REPLICA_BYTES_PER_UID_MAX,
             os.path.join(state_dir, _replicas.STATE_FILE) if state_dir else None)
+        self.replicas.keep_own({local for _, _, local in self.follow})
         self.stop = threading.Event()
         self.publisher = _push.Publisher(self.stop, args.dlpackd_socket, self.exports)
         self._lock = threading.Lock()
@@ -520,12 +521,13 @@ class Bridge:
                 dl.close()
 
     def status(self):
+        replicas = self.replicas.summary()      # not under the bridge's lock
         with self._lock:
             return {"op": "status", "agent": self.agent_name, "leases": self.leases,
                     "registered": self.nixl.registered,
                     "quarantined": len(self.quarantine), "exports": self.exports,
                     "peers": {n: p.connected() for n, p in self.peers.items()},
-                    "replicas": self.replicas.summary(),
+                    "replicas": replicas,
                     "subscribers": self.publisher.subscribers(),
                     "follows": {f.local: {"subscribed": f.subscribed,
                                           "generation": f.generation}
