@@ -1253,11 +1253,7 @@ def test_an_older_peer_refusing_subscribe_is_polled_logged_once(caplog, monkeypa
             ex.generation = 6
             _wait(lambda: follow.generation == 6, "the new generation, polled")
         finally:
-            b.stop.set()
-            follow.lost()
-            th.join(5)
-            ex.close()
-            follow.link.drop()
+            stop_following(b, follow, th, ex)
             logger.removeHandler(caplog.handler)
     assert not th.is_alive()
     assert ex.asked["subscribe"] == 1 and not follow.subscribed
@@ -1334,11 +1330,7 @@ def test_a_fetch_that_fails_while_subscribed_is_tried_again_soon():
         assert follow.generation == 5 and follow.subscribed
         assert ex.asked["get"] == 3 and ex.asked["subscribe"] == 1
     finally:
-        b.stop.set()
-        follow.lost()
-        th.join(5)
-        ex.close()
-        follow.link.drop()
+        stop_following(b, follow, th, ex)
     assert not th.is_alive()
 
 
@@ -1417,6 +1409,16 @@ def run_follow(link, dl, subscribed_interval, seen=None):
     return b, follow, th
 
 
+def stop_following(b, follow, th, ex):
+    """End a follow against a fake exporter: the bridge stopped, the follow's thread joined,
+    the exporter closed and the link dropped (the caller asserts on the thread)."""
+    b.stop.set()
+    follow.lost()
+    th.join(5)
+    ex.close()
+    follow.link.drop()
+
+
 def stop_follow(b, follow, th):
     b.stop.set()
     follow.lost()
@@ -1469,11 +1471,7 @@ def test_a_subscription_the_peer_could_not_set_up_is_tried_again_not_polled():
         _wait(lambda: follow.subscribed and "A:w/f" in dl.entries, "subscribed at the second try")
         assert ex.asked["subscribe"] == 2 and ex.asked["stat"] == 0
     finally:
-        b.stop.set()
-        follow.lost()
-        th.join(5)
-        ex.close()
-        follow.link.drop()
+        stop_following(b, follow, th, ex)
     assert not th.is_alive()
 
 

@@ -147,61 +147,47 @@ class Publisher:
                     sub.dirty.add(name)
 
     def _run(self, w):
-        """The watch thread. What _watch() does not catch itself sends it back to opening a
-        new watch (after WATCH_AGAIN), the names subscribed meanwhile marked, until stop; if
-        it ends all the same, the next subscription starts it again."""
+        """The watch thread: mark each changed name dirty for its subscribers until stop; a
+        watch lost, or failing in a way nothing expected, is opened again (_reopen()). If the
+        thread ends all the same, the next subscription starts it again."""
         try:
-            while True:
+            while w is not None:
                 try:
-                    self._watch(w)
-                    return
+                    while not self.stop.is_set():
+                        ev = w.next_event(WATCH_TICK)
+                        if ev is not None and ev.kind in _CHANGES:
+                            self._mark([ev.name])
+                except (OSError, ValueError) as e:
+                    log.warning("the watch of this host's dlpackd was lost (%s): opening it "
+                                "again", e)
                 except Exception:
                     log.exception("the watch of this host's dlpackd failed: opening it again")
-                w = None
-                while w is None and not self.stop.wait(WATCH_AGAIN):
-                    try:
-                        w = dlpack_ipc.watch(self.prefix, socket=self.socket)
-                    except OSError as e:
-                        log.debug("watching this host's dlpackd: %s", e)
-                if w is None:
-                    return
-                with self._lock:
-                    names = list(self._subs)
-                self._mark(names)
+                finally:
+                    w.close()
+                w = self._reopen()
         finally:
             with self._lock:
                 self._thread = None
 
-    def _watch(self, w):
-        """Mark each changed name dirty for its subscribers, until stop."""
-        while True:
+    def _reopen(self):
+        """A new watch, tried every WATCH_AGAIN until stop (then None); every subscribed name
+        is marked, since changes made while no watch was open were missed."""
+        while not self.stop.wait(WATCH_AGAIN):
             try:
-                while not self.stop.is_set():
-                    ev = w.next_event(WATCH_TICK)
-                    if ev is not None and ev.kind in _CHANGES:
-                        self._mark([ev.name])
-            except (OSError, ValueError) as e:
-                log.warning("the watch of this host's dlpackd was lost (%s): opening it again",
-                            e)
+                w = dlpack_ipc.watch(self.prefix, socket=self.socket)
+            except OSError as e:
+                log.debug("watching this host's dlpackd: %s", e)
+                continue
             except Exception:
-                log.exception("the watch of this host's dlpackd: opening it again")
-            finally:
-                w.close()
-            w = None
-            while w is None and not self.stop.wait(WATCH_AGAIN):
-                try:
-                    w = dlpack_ipc.watch(self.prefix, socket=self.socket)
-                except OSError as e:
-                    log.debug("watching this host's dlpackd: %s", e)
-            if w is None:
-                return
-            # changes made while no watch was open were missed: every subscribed name is
-            # looked at again, and its subscribers told its state now
+                log.exception("the watch of this host's dlpackd failed: opening it again")
+                continue
             with self._lock:
                 names = list(self._subs)
             self._mark(names)
             log.info("watching this host's dlpackd again; %d subscribed names checked",
                      len(names))
+            return w
+        return None
 
     def flush(self, sock, dl, sub):
         """Send sub's peer the state of each name changed since the last flush: `changed`
