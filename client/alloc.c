@@ -241,7 +241,7 @@ static int alloc_host(struct dlpc__region *r, uint64_t size, const char *what)
 	if (advise) {
 		(void)madvise(r->base, r->len, MADV_HUGEPAGE);
 		/* no runs: the threads only allocate, each its part */
-		err = dlpc__split_copy(r->base, size, r->fd, true, NULL, 0);
+		err = dlpc__split_copy(r->base, size, r->fd, DLPC__SPLIT_POPULATE, NULL, 0);
 		if (err < 0) {
 			err = dlpc__fail(dlpc__space_err(-err),
 					 "cannot reserve %llu bytes of shared memory for '%s': %s",

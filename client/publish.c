@@ -601,12 +601,13 @@ static int lay_out(const char *name, size_t n, const char *const keys[],
 
 /*
  * Write the tensors into the memfd @p fd (@p size bytes) mapped writable at @p map, the
- * contiguous ones split over threads (dlpc__split_copy()), each allocating its part's pages
- * first if @p populate: memory that cannot be had fails here, not with SIGBUS. The strided ones
- * after, on this thread. 0 or negative errno, the message set unless @p quiet and it is the
- * allocation's.
+ * contiguous ones split over threads (dlpc__split_copy(), doing what @p how asks besides), each
+ * allocating its part's pages first with DLPC__SPLIT_POPULATE: memory that cannot be had fails
+ * here, not with SIGBUS. The strided ones after, on this thread (and then no part is dropped
+ * from the mapping before them). 0 or negative errno, the message set unless @p quiet and it is
+ * the allocation's.
  */
-static int write_split(int fd, uint8_t *map, uint64_t size, bool populate, bool quiet,
+static int write_split(int fd, uint8_t *map, uint64_t size, unsigned how, bool quiet,
 		       const struct slot *slots, size_t n, const char *name)
 {
 	struct dlpc__run one = {0}, *runs = n <= 1 ? &one : malloc(n * sizeof(*runs));
@@ -627,7 +628,7 @@ static int write_split(int fd, uint8_t *map, uint64_t size, bool populate, bool 
 							   slots[i].t->byte_offset,
 						   slots[i].offset, slots[i].nbytes};
 	}
-	r = dlpc__split_copy(map, size, fd, populate, runs, nruns);
+	r = dlpc__split_copy(map, size, fd, strided ? how & ~DLPC__SPLIT_DROP : how, runs, nruns);
 	if (runs != &one)
 		free(runs);
 	if (r < 0 && quiet)
@@ -651,7 +652,7 @@ static int write_mapped(int fd, uint64_t size, const struct slot *slots, size_t 
 
 	if (!map)
 		return write_slots(fd, NULL, slots, n, false, name);
-	r = write_split(fd, map, size, true, false, slots, n, name);
+	r = write_split(fd, map, size, DLPC__SPLIT_POPULATE, false, slots, n, name);
 	munmap(map, (size_t)size);
 	return r;
 }
@@ -669,7 +670,7 @@ static int copy_hugetlb(const char *name, const struct slot *slots, size_t n, ui
 	if (fd < 0)
 		return fd;
 	map = dlpc__huge_map(fd, (size_t)len, false);
-	r = map ? write_split(fd, map, len, true, true, slots, n, name) : -errno;
+	r = map ? write_split(fd, map, len, DLPC__SPLIT_POPULATE, true, slots, n, name) : -errno;
 	if (map)
 		munmap(map, (size_t)len);
 	if (r < 0) {
@@ -701,7 +702,9 @@ static int copy_once(const char *name, const struct slot *slots, size_t n, uint6
 		return fd;
 	fd = dlpc__warm_take(*size, &map, &map_len);
 	if (fd >= 0) {
-		r = map ? write_split(fd, map, *size, false, false, slots, n, name)
+		/* its pages dropped from the mapping by the threads that wrote them: the munmap()
+		 * below has little left to do */
+		r = map ? write_split(fd, map, *size, DLPC__SPLIT_DROP, false, slots, n, name)
 			: write_slots(fd, NULL, slots, n, false, name);
 		/* before the seal, whatever the copy gave: the writable mapping bars F_SEAL_WRITE */
 		if (map)

@@ -121,13 +121,22 @@ struct dlpc__run {
  * DLPC__SPLIT_THREADS_MAX, $DLPC_COPY_THREADS, the CPUs the calling thread may run on and its
  * cgroups' CPU limits; at least 1 (the caller alone). */
 unsigned dlpc__split_threads(uint64_t len);
+/* What dlpc__split_copy()'s threads do besides the copy. */
+enum {
+	/* allocate the part's pages first (dlpc__huge_fill()) */
+	DLPC__SPLIT_POPULATE = 1u << 0,
+	/* drop the part's pages from the mapping after its copy (MADV_DONTNEED: the memfd keeps
+	 * them), where the copy runs on more than one thread: the caller's munmap() before the
+	 * seal then has no page left to unmap, the part of it that costs as much as the copy */
+	DLPC__SPLIT_DROP = 1u << 1,
+};
 /* Copy the @p n runs into @p map, a writable mapping of the @p len bytes of the memfd @p fd,
  * split over dlpc__split_threads(@p len) threads, each with its part of the mapping (whole huge
- * pages if @p populate, whole pages otherwise): if @p populate, it first allocates that part's
- * pages (dlpc__huge_fill()). The number of threads that ran at once (1: the caller alone), or
- * the negative errno of an allocation that failed (then some of the bytes may not be there). */
-int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, bool populate,
-		     const struct dlpc__run *runs, size_t n);
+ * pages with DLPC__SPLIT_POPULATE, whole pages otherwise), doing what @p how asks besides. The
+ * number of threads that ran at once (1: the caller alone), or the negative errno of an
+ * allocation that failed (then some of the bytes may not be there). */
+int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, unsigned how, const struct dlpc__run *runs,
+		     size_t n);
 
 /* huge.c: how a memfd of some size gets huge pages. */
 enum dlpc__huge {

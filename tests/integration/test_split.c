@@ -8,6 +8,7 @@
 #include <check.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -148,7 +149,7 @@ START_TEST(test_split_copy)
 	ck_assert_int_eq(ftruncate(fd, (off_t)len), 0);
 	map = dlpc__huge_map(fd, (size_t)len, false);
 	ck_assert_ptr_nonnull(map);
-	ck_assert_int_eq(dlpc__split_copy(map, len, fd, true, runs, n),
+	ck_assert_int_eq(dlpc__split_copy(map, len, fd, DLPC__SPLIT_POPULATE, runs, n),
 			 (int)dlpc__split_threads(len));
 	if (cpus() >= 2 && dlpc__huge_pmd() <= DLPC__SPLIT_MIN)
 		ck_assert_int_ge(dlpc__split_threads(len), 2);
@@ -190,13 +191,73 @@ START_TEST(test_split_copy_tail)
 		ck_assert_int_eq(ftruncate(fd, (off_t)len), 0);
 		map = dlpc__huge_map(fd, (size_t)len, false);
 		ck_assert_ptr_nonnull(map);
-		ck_assert_int_ge(dlpc__split_copy(map, len, fd, true, &run, 1), 1);
+		ck_assert_int_ge(dlpc__split_copy(map, len, fd, DLPC__SPLIT_POPULATE, &run, 1), 1);
 		ck_assert_msg(memcmp(map, src, len) == 0, "%u threads asked: bytes missing", k);
 		ck_assert_int_eq(fstat(fd, &st), 0);
 		ck_assert_uint_ge((uint64_t)st.st_blocks * 512, (len + 4095) / 4096 * 4096);
 		munmap(map, (size_t)len);
 		close(fd);
 		free(src);
+	}
+	unsetenv(DLPC_COPY_THREADS_ENV);
+}
+END_TEST
+
+/* How many pages of the @p len bytes at @p map this process has mapped (present in its page
+ * table: /proc/self/pagemap's bit 63). */
+static uint64_t pages_mapped(const uint8_t *map, uint64_t len)
+{
+	int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+	uint64_t n = 0, e;
+
+	ck_assert_int_ge(fd, 0);
+	for (uint64_t off = 0; off < len; off += 4096) {
+		ck_assert_int_eq(
+			pread(fd, &e, sizeof(e), (off_t)((uintptr_t)(map + off) / 4096 * 8)),
+			(ssize_t)sizeof(e));
+		n += e >> 63;
+	}
+	close(fd);
+	return n;
+}
+
+/* A copy into a memfd whose pages are faulted in already (as the warm pool's are), asked to
+ * drop them from the mapping after: with 1 to 4 threads asked for, every byte is in the memfd
+ * (read with pread(), not through the mapping); on more than one thread the mapping keeps no
+ * page but the last one, which the last part ends inside, and on one it keeps them all (one
+ * munmap() takes them down faster). */
+START_TEST(test_split_copy_drop)
+{
+	for (unsigned k = 1; k <= DLPC__SPLIT_THREADS_MAX; k++) {
+		uint64_t len = (uint64_t)k * DLPC__SPLIT_MIN + 3 * 4096 + 77,
+			 pages = len / 4096 + 1;
+		uint8_t *src = malloc(len), *back = malloc(len), *map;
+		struct dlpc__run run = {src, 0, len};
+		char want[8];
+		int fd, ran;
+
+		ck_assert(src && back);
+		for (uint64_t i = 0; i < len; i++)
+			src[i] = (uint8_t)(i * 11 + k) | 1;
+		snprintf(want, sizeof(want), "%u", k);
+		setenv(DLPC_COPY_THREADS_ENV, want, 1);
+		fd = memfd_create("split", MFD_CLOEXEC);
+		ck_assert_int_ge(fd, 0);
+		ck_assert_int_eq(ftruncate(fd, (off_t)len), 0);
+		map = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+		ck_assert_ptr_ne(map, MAP_FAILED);
+		memset(map, 0, (size_t)len); /* every page faulted in */
+		ck_assert_uint_eq(pages_mapped(map, len), pages);
+		ran = dlpc__split_copy(map, len, fd, DLPC__SPLIT_DROP, &run, 1);
+		ck_assert_int_eq(ran, (int)dlpc__split_threads(len));
+		ck_assert_uint_eq(pages_mapped(map, len), ran > 1 ? 1 : pages);
+		ck_assert_int_eq(pread(fd, back, (size_t)len, 0), (ssize_t)len);
+		ck_assert_msg(memcmp(back, src, (size_t)len) == 0, "%u threads asked: bytes lost",
+			      k);
+		munmap(map, (size_t)len);
+		close(fd);
+		free(src);
+		free(back);
 	}
 	unsetenv(DLPC_COPY_THREADS_ENV);
 }
@@ -228,7 +289,7 @@ START_TEST(test_split_copy_fails)
 	map = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	ck_assert_ptr_ne(map, MAP_FAILED);
 	populate_write = madvise(map, 4096, MADV_POPULATE_WRITE) == 0 || errno != EINVAL;
-	r = dlpc__split_copy(map, len, fd, true, &run, 1);
+	r = dlpc__split_copy(map, len, fd, DLPC__SPLIT_POPULATE, &run, 1);
 	if (populate_write) {
 		ck_assert_msg(r < 0, "a copy past the end of its memfd gave %d", r);
 		if (k > 1) /* the caller's part was copied all the same */
@@ -270,7 +331,7 @@ static int faulting_copy(void *arg)
 	run = (struct dlpc__run){src, 0, len};
 	signal(SIGBUS, on_sigbus);
 	setenv(DLPC_COPY_THREADS_ENV, "2", 1);
-	dlpc__split_copy(dst, len, dfd, false, &run, 1);
+	dlpc__split_copy(dst, len, dfd, 0, &run, 1);
 	return 1; /* the fault never came */
 }
 
@@ -432,6 +493,51 @@ START_TEST(test_split_publish_bundle)
 }
 END_TEST
 
+static int one_child(void *arg)
+{
+	const struct bundle_src *s = arg;
+	dlpc_client *c = connect_or_die(&D);
+	DLManagedTensorVersioned *t;
+
+	CHILD_CHECK(dlpc_attach(c, s->name, NULL, &t) > 0);
+	CHILD_CHECK(t->dl_tensor.shape[0] == (int64_t)A_BYTES);
+	CHILD_CHECK(memcmp(t->dl_tensor.data, s->a, A_BYTES) == 0);
+	t->deleter(t);
+	dlpc_close(c);
+	return 0;
+}
+
+/* One contiguous tensor, large enough to be split, published twice: the second publish takes
+ * the warm pool's mapped memfd, and its threads drop the pages they wrote from the mapping
+ * (DLPC__SPLIT_DROP) before the seal. Another process reads every byte back each time. */
+START_TEST(test_split_publish_dropped)
+{
+	uint8_t *a = malloc(A_BYTES);
+	int64_t shape[1] = {(int64_t)A_BYTES};
+	struct bundle_src s = {"s/one", a, NULL};
+	dlpc_client *c;
+
+	ck_assert_ptr_nonnull(a);
+	for (size_t i = 0; i < A_BYTES; i++)
+		a[i] = (uint8_t)(i * 29 + 7);
+	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1);
+	c = connect_or_die(&D);
+	for (int round = 0; round < 2; round++) {
+		int r = dlpc_publish(
+			c, s.name,
+			host_tensor(a, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
+			DLPC_PUBLISH_REPLACE);
+
+		ck_assert_msg(r > 0, "publish: %d: %s", r, dlpc_last_error());
+		ck_assert_int_eq(wait_child(spawn(one_child, &s)), 0);
+		if (round == 0)
+			ck_assert_msg(wait_mapped_warm(), "the warm pool mapped no memfd");
+	}
+	dlpc_close(c);
+	free(a);
+}
+END_TEST
+
 static Suite *split_suite(void)
 {
 	Suite *s = suite_create("split");
@@ -442,6 +548,7 @@ static Suite *split_suite(void)
 	tcase_add_test(unit, test_split_threads);
 	tcase_add_test(unit, test_split_copy);
 	tcase_add_test(unit, test_split_copy_tail);
+	tcase_add_test(unit, test_split_copy_drop);
 	tcase_add_test(unit, test_split_copy_fails);
 	tcase_add_test(unit, test_split_fault_reaches_handler);
 	tcase_add_test(unit, test_split_cpu_quota);
@@ -449,6 +556,7 @@ static Suite *split_suite(void)
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_set_timeout(tc, scaled_ms(60000) / 1000);
 	tcase_add_test(tc, test_split_publish_bundle);
+	tcase_add_test(tc, test_split_publish_dropped);
 	suite_add_tcase(s, tc);
 	return s;
 }
