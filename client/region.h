@@ -111,6 +111,11 @@ void dlpc__warm_refill(uint64_t size);
 bool dlpc__warm_drop(void);
 void dlpc__warm_register(void);
 
+/* Linux 5.14's madvise() advice, which older C libraries do not name. */
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+
 /* split.c: a copy into new shared memory, split over threads. */
 /* One contiguous run of a copy: @p len bytes from @p src, to byte @p off of the mapping. */
 struct dlpc__run {
@@ -137,6 +142,10 @@ enum {
  * allocation that failed (then some of the bytes may not be there). */
 int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, unsigned how, const struct dlpc__run *runs,
 		     size_t n);
+/* Map the @p len bytes of the read mapping @p base as reading them would, split over
+ * dlpc__split_threads(@p len) threads, a page per DLPC__POPULATE_STEP: a hint that stops at the
+ * first error. The number of threads that ran at once. */
+unsigned dlpc__split_populate(void *base, size_t len);
 
 /* huge.c: how a memfd of some size gets huge pages. */
 enum dlpc__huge {

@@ -14,6 +14,10 @@
  * (DLPC__SPLIT_DROP), each thread drops its part's pages from the mapping after its copy, so
  * that cost is split too (a 64 MiB publish from a warm memfd: about 0.8x the time on two CPUs).
  *
+ * An attach that populates its mapping (DLPC_ATTACH_POPULATE) of 4 KiB pages is split the same
+ * way (dlpc__split_populate()), each thread asking for a page per fault-around window: 400 MiB
+ * in about 15 ms on two CPUs, against 35 ms for one MADV_POPULATE_READ of it all.
+ *
  * The threads are started for one copy and joined before it returns (none is left behind, none
  * is kept idle), with the signals of faults left unblocked (a source that faults reaches the
  * process's handler, as on the caller's thread), and no cancellation of the caller meanwhile. A
@@ -32,8 +36,9 @@
 #include "base.h"
 #include "region.h"
 
-/* One thread's part of a copy: bytes [lo, hi) of the mapping. */
+/* One thread's part of a copy (or of a populate): bytes [lo, hi) of the mapping, done by @p fn. */
 struct part {
+	void *(*fn)(void *);
 	uint8_t *map;
 	uint64_t lo, hi;
 	int fd;
@@ -166,60 +171,105 @@ static void *copy_part(void *arg)
 	return NULL;
 }
 
-/* copy_part() on a thread of its own. */
+/* A part's work on a thread of its own. */
 static void *part_thread(void *arg)
 {
+	struct part *p = arg;
+
 	pthread_setname_np(pthread_self(), "dlpc-copy");
-	return copy_part(arg);
+	return p->fn(p);
+}
+
+/* Run the @p k parts, each but the first on a thread of its own (or the caller's, if the
+ * thread cannot be started), the first on the caller's, and join them all. The number of
+ * threads that ran at once. */
+static unsigned run_parts(struct part *parts, unsigned k)
+{
+	unsigned ran = 1;
+	int cancel;
+
+	/* the parts live on the caller's stack until every thread is joined: no cancellation
+	 * meanwhile */
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
+	for (unsigned i = 1; i < k; i++)
+		if (parts[i].lo < parts[i].hi)
+			parts[i].started =
+				dlpc__start_joinable(&parts[i].thread, part_thread, &parts[i]);
+	parts[0].fn(&parts[0]);
+	for (unsigned i = 1; i < k; i++) {
+		if (parts[i].started) {
+			pthread_join(parts[i].thread, NULL);
+			ran++;
+		} else if (parts[i].lo < parts[i].hi) {
+			parts[i].fn(&parts[i]);
+		}
+	}
+	pthread_setcancelstate(cancel, NULL);
+	return ran;
+}
+
+/* Lay the @p len bytes out in @p k parts like @p like, each a whole number of @p unit bytes but
+ * the last, which ends at @p len whatever the rounding. */
+static void lay_out(struct part *parts, unsigned k, uint64_t len, uint64_t unit,
+		    const struct part *like)
+{
+	uint64_t each = ((len + k - 1) / k + unit - 1) / unit * unit;
+
+	for (unsigned i = 0; i < k; i++) {
+		parts[i] = *like;
+		parts[i].lo = each * i < len ? each * i : len;
+		parts[i].hi = i == k - 1 || parts[i].lo + each > len ? len : parts[i].lo + each;
+	}
 }
 
 int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, unsigned how, const struct dlpc__run *runs,
 		     size_t n)
 {
 	struct part parts[DLPC__SPLIT_THREADS_MAX];
-	unsigned k = dlpc__split_threads(len), ran = 1;
-	bool populate = how & DLPC__SPLIT_POPULATE;
+	unsigned k = dlpc__split_threads(len), ran;
 	/* on one thread, munmap() alone takes the pages down faster than a drop and then it */
 	bool drop = (how & DLPC__SPLIT_DROP) && k > 1;
+	struct part like = {.fn = copy_part,
+			    .map = map,
+			    .fd = fd,
+			    .populate = how & DLPC__SPLIT_POPULATE,
+			    .drop = drop,
+			    .runs = runs,
+			    .n = n};
+	int err = 0;
+
 	/* whole huge pages to each part when it allocates them, so that no two threads fault one
 	 * in, or drops them, so that none drops a part of one (which splits its mapping); whole
 	 * pages otherwise */
-	uint64_t unit = populate || drop ? dlpc__huge_pmd() : 4096;
-	uint64_t each = ((len + k - 1) / k + unit - 1) / unit * unit;
-	int err = 0, cancel;
-
-	/* the parts live on this stack until every thread is joined: no cancellation meanwhile */
-	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
-	for (unsigned i = 0; i < k; i++) {
-		uint64_t lo = each * i < len ? each * i : len;
-
-		/* the last part ends at len, whatever the rounding */
-		parts[i] = (struct part){
-			.map = map,
-			.lo = lo,
-			.hi = i == k - 1 || lo + each > len ? len : lo + each,
-			.fd = fd,
-			.populate = populate,
-			.drop = drop,
-			.runs = runs,
-			.n = n,
-		};
-	}
-	for (unsigned i = 1; i < k; i++)
-		if (parts[i].lo < parts[i].hi)
-			parts[i].started =
-				dlpc__start_joinable(&parts[i].thread, part_thread, &parts[i]);
-	copy_part(&parts[0]);
-	for (unsigned i = 1; i < k; i++) {
-		if (parts[i].started) {
-			pthread_join(parts[i].thread, NULL);
-			ran++;
-		} else if (parts[i].lo < parts[i].hi) {
-			copy_part(&parts[i]);
-		}
-	}
-	pthread_setcancelstate(cancel, NULL);
+	lay_out(parts, k, len, like.populate || drop ? dlpc__huge_pmd() : 4096, &like);
+	ran = run_parts(parts, k);
 	for (unsigned i = 0; i < k && err == 0; i++)
 		err = parts[i].err;
 	return err < 0 ? err : (int)ran;
+}
+
+/* Map the part's pages as reading them would: one MADV_POPULATE_READ of a page per
+ * DLPC__POPULATE_STEP window (aligned), each fault mapping the window's other pages with it.
+ * It stops at the first error (an old kernel, a fatal signal, no memory, a file cut short). */
+static void *populate_part(void *arg)
+{
+	struct part *p = arg;
+	uintptr_t at = (uintptr_t)p->map + p->lo, end = (uintptr_t)p->map + p->hi;
+	int saved = errno;
+
+	for (; at < end; at = (at & ~(uintptr_t)(DLPC__POPULATE_STEP - 1)) + DLPC__POPULATE_STEP)
+		if (madvise((void *)(at & ~(uintptr_t)4095), 4096, MADV_POPULATE_READ) < 0)
+			break;
+	errno = saved;
+	return NULL;
+}
+
+unsigned dlpc__split_populate(void *base, size_t len)
+{
+	struct part parts[DLPC__SPLIT_THREADS_MAX];
+	unsigned k = dlpc__split_threads(len);
+	struct part like = {.fn = populate_part, .map = base};
+
+	lay_out(parts, k, len, dlpc__huge_pmd(), &like);
+	return run_parts(parts, k);
 }

@@ -70,6 +70,11 @@
 /* ...each given this many bytes at least: below, a thread's start and its share of the page
  * tables' lock cost about what it saves. */
 #define DLPC__SPLIT_MIN (16u << 20)
+/* An attach that populates its mapping of 4 KiB pages asks for one page per this many bytes:
+ * each fault maps the pages around it as far as the kernel's fault-around reaches (64 KiB by
+ * default), at about 0.6x the cost of populating every page in one call, and it is split over
+ * threads as a copy is. Pages a smaller fault-around leaves are faulted in when first read. */
+#define DLPC__POPULATE_STEP (64u << 10)
 
 /* The longest socket path dlpackd binds itself, bytes: a socket address's 107 less the ".new"
  * of the name it binds first and renames onto the path once it listens (daemon/server.c), so

@@ -311,9 +311,10 @@ def attach_module(module: torch.nn.Module, name: str, *, timeout: Optional[float
     populate: attach_dict()'s, on by default: a forward pass reads every weight, so the
     mapping is faulted in before this returns, and the first forward pass takes no page
     faults for it (False: the first pass faults the weights in as it reads them). Its cost is
-    in this call, for every page of the whole bundle: about 20-40 ms per 400 MiB with 4 KiB
-    pages, a fraction of a millisecond with shmem huge pages. Pass populate=False for a worker
-    that reads only part of the weights (the experts of a mixture-of-experts model it runs).
+    in this call, for every page of the whole bundle: about 15 ms per 400 MiB with 4 KiB
+    pages on two CPUs (25-35 ms on one), a fraction of a millisecond with shmem huge pages.
+    Pass populate=False for a worker that reads only part of the weights (the experts of a
+    mixture-of-experts model it runs).
     """
     shared = (client or dlpack_ipc).attach_dict(name, timeout=timeout, mode=mode, owner=owner,
                                                 populate=populate)

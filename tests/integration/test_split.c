@@ -263,6 +263,74 @@ START_TEST(test_split_copy_drop)
 }
 END_TEST
 
+/* Whether page @p i of @p map is mapped: pagemap's bit 63. */
+static bool page_mapped(int pagemap, const uint8_t *map, uint64_t i)
+{
+	uint64_t e;
+
+	ck_assert_int_eq(pread(pagemap, &e, sizeof(e), (off_t)((uintptr_t)map / 4096 + i) * 8),
+			 (ssize_t)sizeof(e));
+	return e >> 63;
+}
+
+/* A populate of a read-only mapping that starts 3 pages past a DLPC__POPULATE_STEP boundary and
+ * ends a page past one, with 1 to 4 threads asked for: every window of DLPC__POPULATE_STEP
+ * bytes it covers, the first and the last included, has a page mapped (the ones populated: the
+ * kernel's fault-around maps the rest of each window with it, 64 KiB by default, which is
+ * printed), and it ran on as many threads as dlpc__split_threads() says. */
+START_TEST(test_split_populate)
+{
+	const uint64_t step = DLPC__POPULATE_STEP, pages_per = step / 4096;
+
+	for (unsigned k = 1; k <= DLPC__SPLIT_THREADS_MAX; k++) {
+		/* the file: a window's worth more than the populate, so that it can start a page
+		 * into one */
+		size_t total = (size_t)((uint64_t)k * DLPC__SPLIT_MIN + 2 * step);
+		/* from 3 pages past a window's start to a page past another's */
+		uint64_t len = total - step - 3 * 4096 - (step - 4096), pages = len / 4096;
+		uint64_t mapped = 0, windows = 0;
+		int fd = memfd_create("split", MFD_CLOEXEC), pagemap;
+		uint8_t *map, *base;
+		char want[8];
+
+		snprintf(want, sizeof(want), "%u", k);
+		setenv(DLPC_COPY_THREADS_ENV, want, 1);
+		ck_assert_int_ge(fd, 0);
+		ck_assert_int_eq(ftruncate(fd, (off_t)total), 0);
+		/* written, as a storage is: fault-around maps only pages that hold data */
+		map = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+		ck_assert_ptr_ne(map, MAP_FAILED);
+		memset(map, 7, total);
+		munmap(map, total);
+		map = mmap(NULL, total, PROT_READ, MAP_SHARED, fd, 0);
+		ck_assert_ptr_ne(map, MAP_FAILED);
+		base = (uint8_t *)(((uintptr_t)map + step - 1) / step * step) + 3 * 4096;
+		ck_assert_uint_eq(dlpc__split_populate(base, (size_t)len),
+				  dlpc__split_threads(len));
+		pagemap = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+		ck_assert_int_ge(pagemap, 0);
+		for (uint64_t i = 0; i < pages; i++) {
+			bool first = i == 0 || ((uintptr_t)base / 4096 + i) % pages_per == 0;
+			bool on = page_mapped(pagemap, base, i);
+
+			mapped += on;
+			windows += first;
+			ck_assert_msg(!first || on,
+				      "%u threads: page %llu, which starts a window, is not mapped",
+				      k, (unsigned long long)i);
+		}
+		fprintf(stderr,
+			"populate, %u threads asked: %llu of %llu pages mapped (%llu windows)\n", k,
+			(unsigned long long)mapped, (unsigned long long)pages,
+			(unsigned long long)windows);
+		close(pagemap);
+		munmap(map, total);
+		close(fd);
+	}
+	unsetenv(DLPC_COPY_THREADS_ENV);
+}
+END_TEST
+
 /* A part whose pages cannot be allocated (past the end of the file: the fault has no page to
  * give) fails the copy with a negative errno, when it is another thread's part as when it is
  * the caller's; the parts before it are copied, every thread is joined, and nothing is left
@@ -549,6 +617,7 @@ static Suite *split_suite(void)
 	tcase_add_test(unit, test_split_copy);
 	tcase_add_test(unit, test_split_copy_tail);
 	tcase_add_test(unit, test_split_copy_drop);
+	tcase_add_test(unit, test_split_populate);
 	tcase_add_test(unit, test_split_copy_fails);
 	tcase_add_test(unit, test_split_fault_reaches_handler);
 	tcase_add_test(unit, test_split_cpu_quota);
