@@ -287,20 +287,33 @@ static void *map_host(int fd, size_t len, uint32_t flags, uint8_t *kind)
 	return p;
 }
 
+/* Whether the new mapping of @p len bytes of @p fd is best populated a page per fault-around
+ * window: 4 KiB pages, of shared memory without huge pages as this process sees the machine's
+ * setting, not a hugetlbfs file. */
+static bool windowed(int fd, size_t len)
+{
+	struct statfs fs;
+
+	return sysconf(_SC_PAGESIZE) == 4096 && dlpc__huge_for(len, false) == DLPC__HUGE_NONE &&
+	       !(fd >= 0 && fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC);
+}
+
 /*
  * DLPC_ATTACH_POPULATE: map every page of the host mapping @p base (@p len bytes) now, as reading
  * each would (copy-on-write mappings stay shared), so that reading it later takes no faults.
- * Where shared memory has huge pages, in one call (a few hundred page-table entries for 400
- * MiB); with 4 KiB pages, a page per fault-around window, split over threads
- * (dlpc__split_populate()). A hint: a kernel without MADV_POPULATE_READ (EINVAL, before Linux
- * 5.14), or one that stops part way (a fatal signal, no memory), leaves the rest to fault on
- * first touch.
+ * A new mapping (@p fresh, of @p fd) of 4 KiB pages is populated a page per fault-around window,
+ * split over threads (dlpc__split_populate()); one of huge pages, and a kept one (which may have
+ * lost any of its pages since: a window whose first page is still there would take no fault), in
+ * one call that maps every page. A hint: a kernel without MADV_POPULATE_READ (EINVAL, before
+ * Linux 5.14), or one that stops part way (a fatal signal, no memory), leaves the rest to fault
+ * on first touch; so do the pages of a window that the kernel had swapped out but its first
+ * (fault-around maps only pages in memory).
  */
-static void populate(void *base, size_t len)
+static void populate(void *base, size_t len, int fd, bool fresh)
 {
 	int saved = errno;
 
-	if (dlpc__huge_for(len, false) == DLPC__HUGE_NONE)
+	if (fresh && windowed(fd, len))
 		dlpc__split_populate(base, len);
 	else
 		(void)madvise(base, len, MADV_POPULATE_READ);
@@ -346,12 +359,14 @@ static int map_host_storage(dlpc_client *c, const char *name, int fd, uint32_t f
 	bool writable = flags & DLPC_ATTACH_WRITABLE;
 	uint8_t kind = (flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)) ? DLPC__MAP_COW
 									     : DLPC__MAP_SHARED_RO;
+	bool kept;
 
 	/* a channel's message: its storage's mapping may be kept for its next message */
 	if ((flags & DLPC__ATTACH_KEEP_MAP) && !writable && !(flags & DLPC_ATTACH_NO_CACHE))
 		m->base = dlpc__maps_take(c, fd, m->len, kind, flags & DLPC__ATTACH_SEALED, key,
 					  &m->key, &m->keyed);
-	if (m->base)
+	kept = m->base;
+	if (kept)
 		m->map_kind = kind;
 	else
 		m->base = map_host(fd, m->len, flags, &m->map_kind);
@@ -361,7 +376,7 @@ static int map_host_storage(dlpc_client *c, const char *name, int fd, uint32_t f
 			(flags & (DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED)) ? " copy-on-write"
 									      : "");
 	if (flags & DLPC_ATTACH_POPULATE)
-		populate(m->base, m->len);
+		populate(m->base, m->len, fd, !kept);
 	return 0;
 }
 
@@ -471,7 +486,7 @@ static int attach_cached(dlpc_client *c, const char *name, uint32_t flags, uint3
 	}
 	/* a kept mapping may have lost pages since (reclaim) or never had them */
 	if (flags & DLPC_ATTACH_POPULATE)
-		populate(m->base, m->len);
+		populate(m->base, m->len, map ? -1 : fd, !map);
 	m->fd = -1;
 	m->client = c;
 	m->ce = e;

@@ -52,14 +52,19 @@ static bool chosen(const char *path, char *word, size_t cap)
 
 uint64_t dlpc__huge_pmd(void)
 {
+	/* read once, by whichever thread comes first (more than one may: they read the same) */
 	static uint64_t pmd;
+	uint64_t v = __atomic_load_n(&pmd, __ATOMIC_RELAXED);
 	char line[64];
 
-	if (pmd == 0)
-		pmd = read_line(THP_DIR "hpage_pmd_size", line, sizeof(line))
-			      ? strtoull(line, NULL, 10)
-			      : (2u << 20);
-	return pmd ? pmd : (2u << 20);
+	if (v == 0) {
+		v = read_line(THP_DIR "hpage_pmd_size", line, sizeof(line))
+			    ? strtoull(line, NULL, 10)
+			    : (2u << 20);
+		v = v ? v : (2u << 20);
+		__atomic_store_n(&pmd, v, __ATOMIC_RELAXED);
+	}
+	return v;
 }
 
 /* Shared memory's transparent huge pages for the PMD size, as the kernel is set now. */

@@ -142,9 +142,10 @@ enum {
  * allocation that failed (then some of the bytes may not be there). */
 int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, unsigned how, const struct dlpc__run *runs,
 		     size_t n);
-/* Map the @p len bytes of the read mapping @p base as reading them would, split over
- * dlpc__split_threads(@p len) threads, a page per DLPC__POPULATE_STEP: a hint that stops at the
- * first error. The number of threads that ran at once. */
+/* Map the @p len bytes of the read mapping @p base, of 4 KiB pages, as reading them would, split
+ * over dlpc__split_threads(@p len) threads, a page per DLPC__POPULATE_STEP: a hint that stops at
+ * the first error. The number of threads that ran at once, or 0 where the kernel does not know
+ * MADV_POPULATE_READ (before Linux 5.14; it is not asked again). */
 unsigned dlpc__split_populate(void *base, size_t len);
 
 /* huge.c: how a memfd of some size gets huge pages. */

@@ -30,8 +30,10 @@
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "base.h"
 #include "region.h"
@@ -39,6 +41,7 @@
 /* One thread's part of a copy (or of a populate): bytes [lo, hi) of the mapping, done by @p fn. */
 struct part {
 	void *(*fn)(void *);
+	const char *name; /* its thread's */
 	uint8_t *map;
 	uint64_t lo, hi;
 	int fd;
@@ -165,9 +168,12 @@ static void *copy_part(void *arg)
 	}
 	/* whole pages only (the last part may end inside one): munmap() takes the rest. A failure
 	 * costs the time it would have saved, nothing else. */
-	if (p->drop && (p->hi & ~(uint64_t)4095) > p->lo)
-		(void)madvise(p->map + p->lo, (size_t)((p->hi & ~(uint64_t)4095) - p->lo),
-			      MADV_DONTNEED);
+	if (p->drop) {
+		uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), hi = p->hi / page * page;
+
+		if (hi > p->lo)
+			(void)madvise(p->map + p->lo, (size_t)(hi - p->lo), MADV_DONTNEED);
+	}
 	return NULL;
 }
 
@@ -176,7 +182,7 @@ static void *part_thread(void *arg)
 {
 	struct part *p = arg;
 
-	pthread_setname_np(pthread_self(), "dlpc-copy");
+	pthread_setname_np(pthread_self(), p->name);
 	return p->fn(p);
 }
 
@@ -230,6 +236,7 @@ int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, unsigned how, const str
 	/* on one thread, munmap() alone takes the pages down faster than a drop and then it */
 	bool drop = (how & DLPC__SPLIT_DROP) && k > 1;
 	struct part like = {.fn = copy_part,
+			    .name = "dlpc-copy",
 			    .map = map,
 			    .fd = fd,
 			    .populate = how & DLPC__SPLIT_POPULATE,
@@ -248,9 +255,14 @@ int dlpc__split_copy(uint8_t *map, uint64_t len, int fd, unsigned how, const str
 	return err < 0 ? err : (int)ran;
 }
 
-/* Map the part's pages as reading them would: one MADV_POPULATE_READ of a page per
- * DLPC__POPULATE_STEP window (aligned), each fault mapping the window's other pages with it.
- * It stops at the first error (an old kernel, a fatal signal, no memory, a file cut short). */
+/* Set once MADV_POPULATE_READ was refused as unknown (EINVAL: before Linux 5.14): no thread is
+ * started for it again. */
+static _Atomic bool populate_unknown;
+
+/* Map the part's pages (4 KiB ones: the caller checked) as reading them would: one
+ * MADV_POPULATE_READ of a page per DLPC__POPULATE_STEP window (aligned), each fault mapping the
+ * window's other pages with it. It stops at the first error (an old kernel, a fatal signal, no
+ * memory, a file cut short). */
 static void *populate_part(void *arg)
 {
 	struct part *p = arg;
@@ -258,8 +270,11 @@ static void *populate_part(void *arg)
 	int saved = errno;
 
 	for (; at < end; at = (at & ~(uintptr_t)(DLPC__POPULATE_STEP - 1)) + DLPC__POPULATE_STEP)
-		if (madvise((void *)(at & ~(uintptr_t)4095), 4096, MADV_POPULATE_READ) < 0)
+		if (madvise((void *)(at & ~(uintptr_t)4095), 4096, MADV_POPULATE_READ) < 0) {
+			if (errno == EINVAL)
+				atomic_store(&populate_unknown, true);
 			break;
+		}
 	errno = saved;
 	return NULL;
 }
@@ -268,8 +283,16 @@ unsigned dlpc__split_populate(void *base, size_t len)
 {
 	struct part parts[DLPC__SPLIT_THREADS_MAX];
 	unsigned k = dlpc__split_threads(len);
-	struct part like = {.fn = populate_part, .map = base};
+	struct part like = {.fn = populate_part, .name = "dlpc-populate", .map = base};
 
+	if (atomic_load(&populate_unknown))
+		return 0;
+	/* the first window on this thread first: a kernel that does not know the advice says so
+	 * before any thread is started */
+	lay_out(parts, 1, len < DLPC__POPULATE_STEP ? len : DLPC__POPULATE_STEP, 4096, &like);
+	populate_part(&parts[0]);
+	if (atomic_load(&populate_unknown))
+		return 0;
 	lay_out(parts, k, len, dlpc__huge_pmd(), &like);
 	return run_parts(parts, k);
 }

@@ -173,10 +173,13 @@ typedef struct dlpc_attach_opts {
  * DLPC_ATTACH_WRITABLE), for a consumer that will read all of it (model weights): reading it
  * then takes no page faults, where an unpopulated mapping takes one per 64 KiB or so (the
  * kernel's fault-around), or per 4 KiB page. The call takes longer instead (the kernel maps
- * every page, as those faults would), and a copy-on-write mapping stays shared: only a write
- * copies a page. An attach answered from the client's cache is populated too. A hint: where the
- * kernel cannot populate (before Linux 5.14), or stops part way, the attach still succeeds and
- * the pages fault on first touch as without it. CUDA entries ignore it.
+ * every page, as those faults would: with 4 KiB pages the call asks for one page per 64 KiB
+ * window and the fault-around maps the rest, and a storage of 32 MiB or more is populated by up
+ * to $DLPC_COPY_THREADS threads, started and joined within the call), and a copy-on-write
+ * mapping stays shared: only a write copies a page. An attach answered from the client's cache
+ * is populated too. A hint: where the kernel cannot populate (before Linux 5.14), or stops part
+ * way, the attach still succeeds and the pages fault on first touch as without it; so do pages
+ * the kernel had swapped out, but the first of each window. CUDA entries ignore it.
  */
 #define DLPC_ATTACH_POPULATE (1u << 6)
 
@@ -214,7 +217,8 @@ typedef struct dlpc_attach_opts {
 #define DLPC_WARM_SIZE_MIN (256u << 10)
 /** Environment: the most threads (the caller's included) a copy of a publish or send into new
  * shared memory is split over, one per 16 MiB, where it goes through a mapping (new huge pages
- * with shmem_enabled "advise", the hugetlbfs pool, the warm pool's mapped memfds); unset: 4,
+ * with shmem_enabled "advise", the hugetlbfs pool, the warm pool's mapped memfds), and so is
+ * the populate of an attach with DLPC_ATTACH_POPULATE of 4 KiB pages; unset: 4,
  * never more than the CPUs the caller may run on nor its cgroups' CPU limits allow. 0 or 1: the
  * calling thread alone. A value that is not a whole number is ignored. */
 #define DLPC_COPY_THREADS_ENV "DLPC_COPY_THREADS"

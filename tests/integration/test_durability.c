@@ -1034,7 +1034,7 @@ static bool storm_upgraded_since(struct mgr *m, unsigned before)
  * while an image was executing is held back (main.c) and starts one more upgrade right after
  * that image's READY=1, dropping this connection like the others: only then, the manager having
  * been told of that upgrade, does the publish go again (and find the entry if the first one
- * made it). The connection that published, kept open to the end.
+ * made it). The connection that published (or found it published), kept open to the end.
  */
 static dlpc_client *storm_publish(struct mgr *m)
 {
@@ -1053,10 +1053,14 @@ static dlpc_client *storm_publish(struct mgr *m)
 			return c;
 		dlpc_close(c);
 		lost = r == -EPIPE || r == -ECONNRESET;
-		ck_assert_log(
-			m, lost && tries < STORM_PUBLISH_TRIES && storm_upgraded_since(m, before),
-			"the publish after the storm (try %d) returned %d with no upgrade since",
-			tries, r);
+		ck_assert_log(m, lost, "the publish after the storm (try %d) returned %d", tries,
+			      r);
+		ck_assert_log(m, tries < STORM_PUBLISH_TRIES,
+			      "the publish after the storm lost its connection %d times", tries);
+		ck_assert_log(m, storm_upgraded_since(m, before),
+			      "the publish after the storm (try %d) lost its connection with no "
+			      "upgrade since",
+			      tries);
 	}
 }
 
