@@ -589,29 +589,43 @@ static int one_child(void *arg)
 	return 0;
 }
 
+/* A_BYTES of bytes i * @p mul + @p add (malloc'd). */
+static uint8_t *pattern(unsigned mul, unsigned add)
+{
+	uint8_t *a = malloc(A_BYTES);
+
+	ck_assert_ptr_nonnull(a);
+	for (size_t i = 0; i < A_BYTES; i++)
+		a[i] = (uint8_t)(i * mul + add);
+	return a;
+}
+
+/* Publish @p s's contiguous tensor alone under its name, replacing what was there. */
+static void publish_one(dlpc_client *c, const struct bundle_src *s)
+{
+	int64_t shape[1] = {(int64_t)A_BYTES};
+	int r = dlpc_publish(
+		c, s->name,
+		host_tensor((void *)s->a, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
+		DLPC_PUBLISH_REPLACE);
+
+	ck_assert_msg(r > 0, "publish: %d: %s", r, dlpc_last_error());
+}
+
 /* One contiguous tensor, large enough to be split, published twice: the second publish takes
  * the warm pool's mapped memfd, whose threads drop the pages they wrote from the mapping
  * (DLPC__SPLIT_DROP) before the seal. A guard of the bytes: another process reads every one
  * back each time (that the drop happens is split_copy_drop's). */
 START_TEST(test_split_publish_dropped)
 {
-	uint8_t *a = malloc(A_BYTES);
-	int64_t shape[1] = {(int64_t)A_BYTES};
+	uint8_t *a = pattern(29, 7);
 	struct bundle_src s = {"s/one", a, NULL};
 	dlpc_client *c;
 
-	ck_assert_ptr_nonnull(a);
-	for (size_t i = 0; i < A_BYTES; i++)
-		a[i] = (uint8_t)(i * 29 + 7);
 	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1);
 	c = connect_or_die(&D);
 	for (int round = 0; round < 2; round++) {
-		int r = dlpc_publish(
-			c, s.name,
-			host_tensor(a, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL),
-			DLPC_PUBLISH_REPLACE);
-
-		ck_assert_msg(r > 0, "publish: %d: %s", r, dlpc_last_error());
+		publish_one(c, &s);
 		ck_assert_int_eq(wait_child(spawn(one_child, &s)), 0);
 		if (round == 0)
 			ck_assert_msg(wait_mapped_warm(), "the warm pool mapped no memfd");
@@ -653,19 +667,11 @@ static int unknown_advice_child(void *arg)
 
 START_TEST(test_split_populate_unknown)
 {
-	uint8_t *a = malloc(A_BYTES);
-	int64_t shape[1] = {(int64_t)A_BYTES};
+	uint8_t *a = pattern(17, 3);
 	struct bundle_src s = {"s/unknown", a, NULL};
-	dlpc_client *c;
+	dlpc_client *c = connect_or_die(&D);
 
-	ck_assert_ptr_nonnull(a);
-	for (size_t i = 0; i < A_BYTES; i++)
-		a[i] = (uint8_t)(i * 17 + 3);
-	c = connect_or_die(&D);
-	ck_assert_int_gt(
-		dlpc_publish(c, s.name,
-			     host_tensor(a, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL, NULL), 0),
-		0);
+	publish_one(c, &s);
 	ck_assert_int_eq(wait_child(spawn(unknown_advice_child, &s)), 0);
 	dlpc_close(c);
 	free(a);
