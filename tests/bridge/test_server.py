@@ -106,6 +106,13 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     return b
 
 
+def stop_fake_bridge(b):
+    """Stop fake_bridge()'s publisher, and wait for its watch thread if it started one."""
+    b.stop.set()
+    if b.publisher._thread is not None:
+        b.publisher._thread.join(5)
+
+
 def tcp_pair():
     """Two ends of a loopback TCP connection (the bridge sets TCP options on its sockets)."""
     with socket.create_server(("127.0.0.1", 0)) as ls:
@@ -1595,9 +1602,7 @@ def test_a_repeated_subscribe_that_fails_keeps_the_subscription_held(monkeypatch
     finally:
         c.close()
         s.close()
-        b.stop.set()
-        if b.publisher._thread is not None:
-            b.publisher._thread.join(5)
+        stop_fake_bridge(b)
     assert first["op"] == "subscribed" and first["generation"] is None
     assert second["op"] == "error" and second["errno"] == "EIO" and second["id"] == 2
     assert b.publisher.subscribers() == 1 and sub.names == {"w/p"}
@@ -1620,9 +1625,7 @@ def test_a_subscription_whose_state_cannot_be_read_is_not_kept(monkeypatch):
     finally:
         c.close()
         s.close()
-        b.stop.set()
-        if b.publisher._thread is not None:
-            b.publisher._thread.join(5)
+        stop_fake_bridge(b)
     assert r["op"] == "error" and r["errno"] == "EIO" and r["id"] == 3
     assert "dlpackd went away" in r["message"]
     assert b.publisher.subscribers() == 0 and sub.names == set() and sub.dirty == set()
@@ -1703,9 +1706,7 @@ def test_a_subscriber_that_stops_reading_is_disconnected_and_its_subscriptions_e
             pass
     finally:
         c.close()
-        b.stop.set()
-        if b.publisher._thread is not None:
-            b.publisher._thread.join(5)
+        stop_fake_bridge(b)
 
 
 def test_the_pushes_reader_holds_the_lock_for_at_most_pump_frames():
