@@ -380,6 +380,45 @@ def case_state_dict(w, a, b):
           "A's reference to sd/model is back after the transfer")
 
 
+def case_device(w, a, b):
+    """A device entry and a device bundle on A (the fake CUDA driver, $FAKE_CUDA_LIB, whose
+    device pointers are host addresses) reach B as device replicas with A's bytes."""
+    import ctypes
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 255, (3 << 20) + 5, dtype=np.uint8)
+    t = a.empty(x.shape, "uint8", device="cuda:0")
+    ctypes.memmove(t.data_ptr, x.ctypes.data, x.nbytes)
+    gen = a.publish("w/dev", t, replace=True)
+    t.release()
+    sd = {"w": rng.standard_normal((256, 300), dtype=np.float32),
+          "b": rng.standard_normal(300).astype(np.float16)}
+    bucket = a.empty_dict({k: (v.shape, str(v.dtype)) for k, v in sd.items()}, device="cuda:0")
+    for k, v in sd.items():
+        ctypes.memmove(bucket[k].data_ptr, v.ctypes.data, v.nbytes)
+    gen_sd = a.publish_dict("sd/dev", bucket, replace=True)
+    for v in bucket.values():
+        v.release()
+    check(fetch(w, "A:w/dev")[1] == gen, "device entry: fetched, A's generation")
+    r = b.attach("A:w/dev")
+    check(r.device == "cuda:0" and r.shape == x.shape, f"device entry on B: {r.device}, "
+          f"{r.shape}")
+    check(ctypes.string_at(r.data_ptr, r.nbytes) == x.tobytes(), "device entry: A's bytes on B")
+    r.release()
+    check(fetch(w, "A:sd/dev")[1] == gen_sd, "device bundle: fetched, A's generation")
+    got = b.attach_dict("A:sd/dev")
+    check(sorted(got) == ["b", "w"] and all(v.device == "cuda:0" for v in got.values()),
+          "device bundle on B: its keys, on cuda:0")
+    check(all(ctypes.string_at(got[k].data_ptr, v.nbytes) == v.tobytes() for k, v in sd.items()),
+          "device bundle: A's bytes on B")
+    for v in got.values():
+        v.release()
+    check(wait_for(lambda: refs(a, "w/dev") == 0 and refs(a, "sd/dev") == 0,
+                   "device leases ended"), "A's references to the device entries are back")
+    st = bridge.status(socket=w.bridge_socket("bridge-A"))
+    check(st["staged"] == 0 and st["leases"] == 0, f"A's bridge holds no staging ({st['staged']})"
+          " and no lease")
+
+
 def case_errors(w, a, b):
     a.publish("secret/x", np.ones(4), replace=True)
     for name, what in (("A:secret/x", "a name A does not export"),
@@ -774,6 +813,12 @@ def timed(case, w, a, b):
 
 def main():
     dlpackd = sys.argv[1]
+    # device entries (case_device) through the fake CUDA driver, in every process here
+    if not os.environ.get("FAKE_CUDA_LIB"):
+        print("FAKE_CUDA_LIB is not set: ctest sets it (by hand: build/tests/libfake_cuda.so)",
+              file=sys.stderr)
+        return 2
+    os.environ["DLPC_CUDA_LIBRARY"] = os.environ["FAKE_CUDA_LIB"]
     w = World(dlpackd)
     old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     try:
@@ -789,6 +834,7 @@ def main():
         timed(case_64m, w, a, b)
         timed(case_per_uid, w, a, b)
         timed(case_state_dict, w, a, b)
+        timed(case_device, w, a, b)
         timed(case_errors, w, a, b)
         timed(case_wrong_token, w, a, b)
         timed(case_follow, w, a, b)

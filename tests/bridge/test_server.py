@@ -103,6 +103,8 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b.follow = []
     b.follows = []
     b.publisher = _push.Publisher(b.stop, None, b.exports)
+    b.staging = _server.Staging(_server.STAGING_MAX)
+    b.cuda_device = 0
     return b
 
 
@@ -1899,3 +1901,252 @@ def test_the_state_dir_comes_from_systemd(monkeypatch):
     assert main._args(["--state-dir", "/tmp/x"]).state_dir == "/tmp/x"
     monkeypatch.delenv("STATE_DIRECTORY")
     assert main._args([]).state_dir is None
+
+
+# -- device entries: two real bridges (NIXL faked) and the fake CUDA driver -----------------
+
+class GpuHosts(Hosts):
+    """One dlpackd; an exporting bridge "A" (--export w/, --staging-max GPU_STAGING_MAX) and an
+    importing one "B" (--peer A), both with the fake CUDA driver (tests/fake_cuda), whose
+    device pointers are host addresses: the test fills and reads device memory directly. The
+    driver's log is self.cuda_log."""
+
+    def __init__(self, dlpackd, fake):
+        super().__init__(dlpackd)
+        self.cuda_log = self.path("cuda.log")
+        self.env = {"DLPC_CUDA_LIBRARY": fake, "FAKE_CUDA_LOG": self.cuda_log}
+
+    def start_bridge(self, name, *argv):
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            return super().start_bridge(name, *argv)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+
+    def cuda_calls(self, name, what):
+        """The fake driver's log lines of what, made by bridge name's process."""
+        pid = str(self.procs[name].pid)
+        with open(self.cuda_log) as f:
+            return [ln.split() for ln in f if ln.split()[:2] == [pid, what]]
+
+
+# Host memory exporter A of GpuHosts may stage device entries through at once.
+GPU_STAGING_MAX = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def gpu_hosts(request):
+    dlpackd = os.environ.get("DLPACKD_BIN")
+    fake = os.environ.get("FAKE_CUDA_LIB")
+    if not dlpackd or not fake or not os.path.exists(fake):
+        pytest.fail(f"DLPACKD_BIN={dlpackd!r}, FAKE_CUDA_LIB={fake!r}: ctest sets both (by hand: "
+                    "DLPACKD_BIN=build/dlpackd FAKE_CUDA_LIB=build/tests/libfake_cuda.so)",
+                    pytrace=False)
+    # this process publishes and attaches device entries through the same fake driver
+    os.environ["DLPC_CUDA_LIBRARY"] = fake
+    h = GpuHosts(dlpackd, fake)
+    os.environ["FAKE_CUDA_LOG"] = h.cuda_log
+    failed_before = request.session.testsfailed
+    try:
+        h.start_bridge("A", "--listen", f"127.0.0.1:{h.port}", "--export", "w/",
+                       "--staging-max", str(GPU_STAGING_MAX))
+        h.start_bridge("B", "--peer", f"A=127.0.0.1:{h.port}")
+        yield h
+    finally:
+        h.close(request.session.testsfailed != failed_before)
+
+
+def _device_fill(t, seed):
+    """Fill t (fake device memory) with bytes from seed; those bytes."""
+    import ctypes
+    data = bytes((seed + 7 * i) & 0xFF for i in range(256)) * (t.nbytes // 256 + 1)
+    data = data[:t.nbytes]
+    ctypes.memmove(t.data_ptr, data, t.nbytes)
+    return data
+
+
+def _device_bytes(t):
+    import ctypes
+    return ctypes.string_at(t.data_ptr, t.nbytes)
+
+
+def _fetch_b(h, name, timeout=20.0):
+    return bridge.fetch(name, timeout, socket=h.path("B.sock"))
+
+
+def test_a_device_entry_is_fetched_into_a_device_replica(gpu_hosts):
+    h = gpu_hosts
+    t = h.dl.empty((1 << 20) + 3, "uint8", device="cuda:0")
+    want = _device_fill(t, 1)
+    gen = h.dl.publish("w/g", t)
+    t.release()
+    assert _fetch_b(h, "A:w/g") == ("A:w/g", gen)
+    r = h.dl.attach("A:w/g", timeout=0)
+    try:
+        assert r.device == "cuda:0" and r.shape == ((1 << 20) + 3,) and r.dtype == "uint8"
+        assert _device_bytes(r) == want
+    finally:
+        r.release()
+    # A copied the entry to the host, B from the host to the device and waited for the copy
+    # before publishing
+    n = str((1 << 20) + 3)
+    assert [ln[2] for ln in h.cuda_calls("A", "cuMemcpyDtoH")] == [f"bytes={n}"]
+    assert [ln[2] for ln in h.cuda_calls("B", "cuMemcpyHtoD")] == [f"bytes={n}"]
+    with open(h.cuda_log) as f:
+        b_calls = [ln.split()[1] for ln in f if ln.split()[0] == str(h.procs["B"].pid)]
+    last_copy = len(b_calls) - 1 - b_calls[::-1].index("cuMemcpyHtoD")
+    assert "cuCtxSynchronize" in b_calls[last_copy:]
+    # what A staged for the lease is given back, and nothing is held
+    st = _wait(lambda: (s := h.status("A"))["leases"] == 0 and s, "A's lease given back")
+    assert st["staged"] == 0 and st["registered"] == 0
+    assert h.status("B")["registered"] == 0
+
+
+def test_a_device_bundle_is_fetched_into_one_device_bucket(gpu_hosts):
+    h = gpu_hosts
+    b = h.dl.empty_dict({"w": ((64, 33), "float32"), "b": ((33,), "float32"),
+                         "e": ((0,), "int64")}, device="cuda:0")
+    want = {k: _device_fill(v, i) for i, (k, v) in enumerate(b.items())}
+    gen = h.dl.publish_dict("w/sd", b)
+    for v in b.values():
+        v.release()
+    assert _fetch_b(h, "A:w/sd") == ("A:w/sd", gen)
+    got = h.dl.attach_dict("A:w/sd", timeout=0)
+    try:
+        assert sorted(got) == ["b", "e", "w"]
+        assert {k: (v.device, v.shape, v.dtype) for k, v in got.items()} == {
+            "w": ("cuda:0", (64, 33), "float32"), "b": ("cuda:0", (33,), "float32"),
+            "e": ("cuda:0", (0,), "int64")}
+        assert {k: _device_bytes(v) for k, v in got.items()} == want
+    finally:
+        for v in got.values():
+            v.release()
+    _wait(lambda: h.status("A")["staged"] == 0, "A's staging given back")
+
+
+def test_a_device_entry_larger_than_the_staging_is_refused_naming_it(gpu_hosts):
+    h = gpu_hosts
+    t = h.dl.empty(GPU_STAGING_MAX + 1, "uint8", device="cuda:0")
+    h.dl.publish("w/big", t)
+    t.release()
+    with pytest.raises(OSError, match="--staging-max") as e:
+        _fetch_b(h, "A:w/big")
+    assert e.value.errno == errno.EFBIG
+    with pytest.raises(FileNotFoundError):
+        h.dl.attach("A:w/big", timeout=0)
+    # nothing held on either side, and the connection still serves
+    assert h.status("A")["staged"] == 0 and h.status("A")["leases"] == 0
+    import numpy as np
+    h.dl.publish("w/host", np.arange(1000, dtype=np.int32), replace=True)
+    assert _fetch_b(h, "A:w/host")[0] == "A:w/host"
+
+
+def test_an_importer_without_the_device_refuses_before_the_transfer(gpu_hosts):
+    h = gpu_hosts
+    t = h.dl.empty(4096, "uint8", device="cuda:0")
+    _device_fill(t, 3)
+    h.dl.publish("w/nodev", t)
+    t.release()
+    h.start_bridge("C", "--peer", f"A=127.0.0.1:{h.port}", "--cuda-device", "5")
+    try:
+        with pytest.raises(OSError, match=r"cuda:5 \(--cuda-device\)") as e:
+            bridge.fetch("A:w/nodev", 20.0, socket=h.path("C.sock"))
+        assert e.value.errno == errno.ENODEV
+        with pytest.raises(FileNotFoundError):
+            h.dl.attach("A:w/nodev", timeout=0)
+        assert h.cuda_calls("C", "cuMemcpyHtoD") == []
+        # the lease and its staging are given back: A released them when C said so
+        _wait(lambda: h.status("A")["leases"] == 0 and h.status("A")["staged"] == 0,
+              "A's lease and staging given back")
+        assert h.status("C")["registered"] == 0 and h.status("C")["replicas"] == {}
+    finally:
+        h.stop("C")
+
+
+def test_device_entries_go_only_to_importers_that_take_them_one_staged_at_a_time(gpu_hosts):
+    h = gpu_hosts
+    t = h.dl.empty(8192, "uint8", device="cuda:0")
+    want = _device_fill(t, 5)
+    h.dl.publish("w/g2", t)
+    t.release()
+    b = fake_bridge()
+    c, s = tcp_pair()
+    leases = {}
+    try:
+        # an older importer says nothing of devices: refused, nothing staged or held
+        b._get(s, h.dl, {"op": "get", "id": 1, "name": "w/g2"}, leases, "peer")
+        reply = _wire.recv(c, time.monotonic() + 5)
+        assert reply["errno"] == "EOPNOTSUPP" and "host entries only" in reply["message"]
+        assert leases == {} and b.leases == 0 and b.staging.held == 0
+        # one that takes them gets the layout, with the device; the lease holds a host copy
+        b._get(s, h.dl, {"op": "get", "id": 2, "name": "w/g2", "devices": ["cuda"]}, leases,
+               "peer")
+        reply = _wire.recv(c, time.monotonic() + 5)
+        assert reply["op"] == "layout" and reply["device"] == "cuda:0"
+        assert reply["tensors"] == [["", "uint8", [8192], 8192]]
+        (lease,) = leases.values()
+        assert b.staging.held == 8192 == lease.staged
+        import ctypes
+        assert ctypes.string_at(lease.tensors[0][1].data_ptr, 8192) == want
+        # a second device entry on the same connection waits for the first
+        b._get(s, h.dl, {"op": "get", "id": 3, "name": "w/g2", "devices": ["cuda"]}, leases,
+               "peer")
+        reply = _wire.recv(c, time.monotonic() + 5)
+        assert reply["errno"] == "EAGAIN" and "STAGED_PER_CONNECTION" in reply["message"]
+        assert len(leases) == 1 and b.staging.held == 8192
+        # a host entry does not
+        import numpy as np
+        h.dl.publish("w/h2", np.ones(16, np.float32), replace=True)
+        b._get(s, h.dl, {"op": "get", "id": 4, "name": "w/h2", "devices": ["cuda"]}, leases,
+               "peer")
+        reply = _wire.recv(c, time.monotonic() + 5)
+        assert reply["op"] == "layout" and "device" not in reply and len(leases) == 2
+        for lid in list(leases):
+            b._end(leases.pop(lid), "test")
+        assert b.staging.held == 0 and b.leases == 0
+    finally:
+        for lid in list(leases):
+            b._end(leases.pop(lid), "test")
+        c.close()
+        s.close()
+        stop_fake_bridge(b)
+
+
+def test_a_legacy_ipc_entry_is_copied_after_the_publishers_work(gpu_hosts):
+    """cuMemAlloc memory published with an interprocess event (tests/python/test_gpu.py's
+    producer, in this process): A's copy to the host is queued on the legacy default stream
+    after that stream waits for the event."""
+    h = gpu_hosts
+    spec = importlib.util.spec_from_file_location(
+        "gpu_producer", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
+                                     "test_gpu.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ns = {}
+    exec(mod.PRODUCER, ns)
+    arr = ns["FakeCudaArray"](1000)
+    gen = h.dl.publish("w/legacy", arr)
+    try:
+        assert _fetch_b(h, "A:w/legacy") == ("A:w/legacy", gen)
+        r = h.dl.attach("A:w/legacy", timeout=0)
+        try:
+            import numpy as np
+            got = np.frombuffer(_device_bytes(r), np.float32)
+            assert r.device == "cuda:0" and (got == np.arange(1000) * 0.5).all()
+        finally:
+            r.release()
+        with open(h.cuda_log) as f:
+            a_calls = [ln.split() for ln in f if ln.split()[0] == str(h.procs["A"].pid)]
+        copy = max(i for i, ln in enumerate(a_calls) if ln[1:3] == ["cuMemcpyDtoH", "bytes=4000"])
+        opened = max(i for i, ln in enumerate(a_calls[:copy]) if ln[1] == "cuIpcOpenMemHandle")
+        waits = [ln for ln in a_calls[opened:copy] if ln[1] == "cuStreamWaitEvent"]
+        # the legacy default stream is CU_STREAM_LEGACY, 0x1
+        assert waits and waits[-1][2] == "stream=0x1", a_calls[:copy]
+    finally:
+        h.dl.unpublish("w/legacy")
+        h.dl.unpublish("A:w/legacy")

@@ -2189,6 +2189,7 @@ EXPORT CUresult cuMemcpyHtoD(CUdeviceptr dstDevice, const void *srcHost, size_t 
 	if (!in_fake((uintptr_t)dstDevice, ByteCount))
 		return CUDA_ERROR_INVALID_VALUE;
 	memcpy((void *)(uintptr_t)dstDevice, srcHost, ByteCount);
+	logf_("cuMemcpyHtoD bytes=%zu", ByteCount);
 	return CUDA_SUCCESS;
 }
 
@@ -2201,5 +2202,6 @@ EXPORT CUresult cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice, size_t ByteCo
 	if (!in_fake((uintptr_t)srcDevice, ByteCount))
 		return CUDA_ERROR_INVALID_VALUE;
 	memcpy(dstHost, (const void *)(uintptr_t)srcDevice, ByteCount);
+	logf_("cuMemcpyDtoH bytes=%zu", ByteCount);
 	return CUDA_SUCCESS;
 }

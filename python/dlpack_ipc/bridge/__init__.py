@@ -72,15 +72,19 @@ def fetch(name, timeout=None, *, socket=None):
     The local bridge gets the entry from the peer bridge and publishes it in the local dlpackd
     under local_name (which is name itself), replacing an earlier replica; attach it (or
     attach_dict() for a state dict) as any entry. remote_generation is the entry's generation
-    on the peer. timeout as everywhere in dlpack_ipc: None waits as long as the transfer takes,
-    a number of seconds then TimeoutError; the bridge bounds either way its wait for a stalled
-    peer (docs/bridge.md: LAYOUT_TIMEOUT, the lease TTL plus TRANSFER_GRACE).
+    on the peer. A CUDA entry on the peer becomes a CUDA replica on the local bridge's
+    --cuda-device (docs/bridge.md, GPU entries). timeout as everywhere in dlpack_ipc: None
+    waits as long as the transfer takes, a number of seconds then TimeoutError; the bridge
+    bounds either way its wait for a stalled peer (docs/bridge.md: LAYOUT_TIMEOUT, the lease
+    TTL plus TRANSFER_GRACE).
     FileNotFoundError: the peer has no such name or does not export it (or no such peer is
     configured); PermissionError: the peers' tokens differ, or local holds a replica another
     uid fetched (only the caller's own is replaced); FileExistsError: local is published by
     someone other than the bridge; OSError EDQUOT: the caller's uid is at the bridge's
     REPLICAS_PER_UID_MAX or REPLICA_BYTES_PER_UID_MAX (docs/bridge.md, Local callers and
-    their limits); ConnectionError: the peer or the local bridge is unreachable or went away.
+    their limits); OSError ENODEV: a CUDA entry, and no such device here; EFBIG or EAGAIN:
+    a CUDA entry larger than the peer's --staging-max, or than what is left of it;
+    ConnectionError: the peer or the local bridge is unreachable or went away.
     """
     if not isinstance(name, str) or ":" not in name:
         raise ValueError(f"bridge name {name!r} is not 'peer:name'")

@@ -88,8 +88,8 @@ def _seconds(text):
 
 
 def size(text):
-    """A size for --replica-bytes-per-uid: bytes, or with a K, M, G or T suffix (binary, as
-    dlpackd's --max-bytes-per-uid); argparse's error when it is not one."""
+    """A size for --replica-bytes-per-uid and --staging-max: bytes, or with a K, M, G or T
+    suffix (binary, as dlpackd's --max-bytes-per-uid); argparse's error when it is not one."""
     t = text.strip().upper()
     shift = {"K": 10, "M": 20, "G": 30, "T": 40}.get(t[-1:], 0)
     digits = t[:-1] if shift else t
@@ -153,6 +153,12 @@ def _args(argv):
     p.add_argument("--replica-bytes-per-uid", metavar="SIZE", type=size, default=None,
                    help="their bytes, with K, M, G or T for binary multiples (default "
                    "REPLICA_BYTES_PER_UID_MAX, 256G)")
+    p.add_argument("--cuda-device", metavar="N", type=int, default=0,
+                   help="the local CUDA device that replicas of peers' device entries are "
+                   "allocated on (default 0)")
+    p.add_argument("--staging-max", metavar="SIZE", type=size, default=None,
+                   help="host memory that device entries served to peers are copied to at "
+                   "once, with K, M, G or T (default STAGING_MAX, 8G)")
     p.add_argument("--state-dir", metavar="DIR",
                    default=(os.environ.get("STATE_DIRECTORY") or "").split(":")[0] or None,
                    help="where the bridge keeps which uid's fetch made each replica, across "
@@ -208,8 +214,12 @@ def main(argv=None):
         if not v > 0:
             log.error("%s %s: must be > 0", opt, v)
             return 2
+    if args.cuda_device < 0:
+        log.error("--cuda-device %s: must be >= 0", args.cuda_device)
+        return 2
     for opt, v in (("--replicas-per-uid", args.replicas_per_uid),
-                   ("--replica-bytes-per-uid", args.replica_bytes_per_uid)):
+                   ("--replica-bytes-per-uid", args.replica_bytes_per_uid),
+                   ("--staging-max", args.staging_max)):
         if v is not None and v < 1:
             log.error("%s %s: must be >= 1", opt, v)
             return 2

@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 
-from . import _nixl, _replicas, _wire
+from . import _cuda, _nixl, _replicas, _wire
 from ._nixl import _span
 
 # How long to wait for a peer's TCP connect, in seconds, when the fetch has no timeout.
@@ -29,6 +29,16 @@ POLL = 0.0002
 LAYOUT_TIMEOUT = 30.0
 TRANSFER_GRACE = 10.0
 TRANSFER_MIN_RATE = 64 << 20
+
+
+def _alloc(dl, spec, bundle, device):
+    """A replica's memory: {key: SharedTensor} for spec ({key: (shape, dtype)}) on device
+    (None: the host)."""
+    kw = {} if device is None else {"device": device}
+    if bundle:
+        return dl.empty_dict(spec, **kw)
+    (k, (shape, dtype)), = spec.items()
+    return {k: dl.empty(shape, dtype, **kw)}
 
 
 def transfer_deadline(nbytes):
@@ -394,7 +404,9 @@ class PeerLink:
         rid = self._rid
         t0 = time.monotonic()
         try:
-            _wire.send(self.sock, {"op": "get", "id": rid, "name": rname})
+            # "devices": the kinds of entry this bridge takes besides host ones (an older
+            # exporter ignores it and refuses device entries)
+            _wire.send(self.sock, {"op": "get", "id": rid, "name": rname, "devices": ["cuda"]})
             f = self._answer(_bound(deadline, LAYOUT_TIMEOUT))
         except (ConnectionResetError, BrokenPipeError):
             raise _Stale() from None
@@ -412,6 +424,10 @@ class PeerLink:
         if f["op"] != "layout" or f.get("id") != rid:
             raise ConnectionError(errno.EPROTO, f"expected the layout, got {f['op']!r}")
         lid, gen, tensors, bundle = str(f["lease"]), f["generation"], f["tensors"], f["bundle"]
+        device = f.get("device")
+        if device is not None and not (isinstance(device, str) and len(device) <= 16 and
+                                       device.startswith("cuda:") and device[5:].isdigit()):
+            raise ConnectionError(errno.EPROTO, f"layout on device {str(device)[:32]!r}")
         if layout is not None:
             layout.update(generation=gen, created_ns=f.get("created_ns"), frame=self.answered)
         ttl = f.get("ttl")
@@ -428,7 +444,8 @@ class PeerLink:
             e.peer_answer = True    # type: ignore[attr-defined]  # the connection stays
             raise
         try:
-            gen_here = self._transfer(dl, rname, local, deadline, rid, lid, tensors, bundle)
+            gen_here = self._transfer(dl, rname, local, deadline, rid, lid, tensors, bundle,
+                                      device)
         except BaseException:
             self.bridge.replicas.cancel(local)
             raise
@@ -437,17 +454,36 @@ class PeerLink:
                  "%.3f", rname, self.name, gen, nbytes, uid, time.monotonic() - t0, t1 - t0)
         return gen
 
-    def _transfer(self, dl, rname, local, deadline, rid, lid, tensors, bundle):
+    def _transfer(self, dl, rname, local, deadline, rid, lid, tensors, bundle, device):
         """Allocate the replica, have the peer WRITE into it, publish it as local; its local
-        generation."""
+        generation. A device entry (device "cuda:N" on the peer) lands in host memory and is
+        copied from there to a replica on this host's --cuda-device."""
+        spec = {k: (tuple(shape), dtype) for k, dtype, shape, _ in tensors}
+        if device is None:
+            return self._land(dl, rname, local, deadline, rid, lid, spec, bundle, None)
+        here = f"cuda:{self.bridge.cuda_device}"
+        try:
+            replica = _alloc(dl, spec, bundle, here)
+        except (OSError, ValueError, TypeError) as e:
+            _wire.send(self.sock, {"op": "release", "lease": lid})
+            e2 = OSError(getattr(e, "errno", None) or errno.EINVAL,
+                         f"{rname!r} is a device entry ({device} on peer {self.name}), and its "
+                         f"replica cannot be allocated on {here} (--cuda-device): {e}")
+            e2.peer_answer = True   # type: ignore[attr-defined]  # the connection stays
+            raise e2 from None
+        try:
+            return self._land(dl, rname, local, deadline, rid, lid, spec, bundle,
+                              (here, replica))
+        finally:
+            for t in replica.values():
+                t.release()
+
+    def _land(self, dl, rname, local, deadline, rid, lid, spec, bundle, onto):
+        """_transfer's work: the bytes land in host memory, and are published from there, or
+        from onto's (device, {key: SharedTensor}) after a copy."""
         t1 = time.monotonic()
         try:
-            spec = {k: (tuple(shape), dtype) for k, dtype, shape, _ in tensors}
-            if bundle:
-                alloc = dl.empty_dict(spec)
-            else:
-                (k, (shape, dtype)), = spec.items()
-                alloc = {k: dl.empty(shape, dtype)}
+            alloc = _alloc(dl, spec, bundle, None)
         except (OSError, ValueError, TypeError) as e:
             _wire.send(self.sock, {"op": "release", "lease": lid})
             raise OSError(getattr(e, "errno", None) or errno.EINVAL,
@@ -507,10 +543,15 @@ class PeerLink:
         t3 = time.monotonic()
         n = sum(t.nbytes for t in live)
         try:
+            out = alloc
+            if onto is not None:
+                here, out = onto
+                _cuda.to_device(here, [(out[k].data_ptr, t.data_ptr, t.nbytes)
+                                       for k, t in alloc.items()])
             if bundle:
-                gen_here = dl.publish_dict(local, alloc, replace=True)
+                gen_here = dl.publish_dict(local, out, replace=True)
             else:
-                gen_here = dl.publish(local, alloc[""], replace=True)
+                gen_here = dl.publish(local, out[""], replace=True)
         finally:
             for t in alloc.values():
                 t.release()

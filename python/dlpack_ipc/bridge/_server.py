@@ -22,7 +22,7 @@ import time
 
 import dlpack_ipc
 
-from . import _importer, _push, _replicas, _wire
+from . import _cuda, _importer, _push, _replicas, _wire
 from ._importer import POLL, PeerLink
 from ._importer import keepalive as _keepalive
 from ._nixl import QUARANTINE  # noqa: F401  (__main__ reads _server.QUARANTINE)
@@ -39,6 +39,11 @@ LEASES_MAX = 64
 # Local clients the bridge serves at once, and peers it accepts at once.
 CLIENTS_MAX = 64
 PEERS_MAX = 64
+# Host memory the exporter holds at once for device entries staged on their way out (each is
+# copied to host memory for its lease; --staging-max sets it), and device entries one peer
+# connection may hold staged at once.
+STAGING_MAX = 8 << 30
+STAGED_PER_CONNECTION = 1
 
 log = logging.getLogger("dlpackd-bridge")
 
@@ -60,6 +65,82 @@ class Lease:
         self.generation = generation
         self.tensors = tensors          # [(key, SharedTensor)]
         self.expires = time.monotonic() + ttl
+        self.staged = 0                 # bytes of host memory staged for a device entry
+
+
+class Staging:
+    """The host memory held for staged device entries, bounded by limit bytes."""
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def take(self, n, name):
+        """Charge n bytes for name; OSError (EFBIG, EAGAIN) naming the limit if they do not
+        fit."""
+        if n > self.limit:
+            raise OSError(errno.EFBIG, f"{name!r} is a device entry of {n} bytes, more than the "
+                          f"{self.limit} bytes of host memory it is staged through "
+                          "(--staging-max)")
+        with self._lock:
+            if self.held + n > self.limit:
+                raise BlockingIOError(errno.EAGAIN, f"{name!r}: {self.held} bytes of host memory "
+                                      f"are staged for other device entries (--staging-max "
+                                      f"{self.limit}): try again later")
+            self.held += n
+
+    def give(self, n):
+        with self._lock:
+            self.held -= n
+
+
+class _Staged:
+    """One tensor of a device entry's host copy, as a lease holds it: releasing the last of
+    an entry's gives its bytes back to the Staging."""
+
+    def __init__(self, t, ledger):
+        self.t = t
+        self.data_ptr = t.data_ptr
+        self.nbytes = t.nbytes
+        self.shape = t.shape
+        self.dtype = t.dtype
+        self.ledger = ledger            # [parts left, bytes, Staging]
+
+    def release(self):
+        t, self.t = self.t, None
+        if t is None:
+            return
+        try:
+            t.release()
+        finally:
+            self.ledger[0] -= 1
+            if self.ledger[0] == 0:
+                self.ledger[2].give(self.ledger[1])
+
+
+def _stage(dl, name, tensors, staging, bundle):
+    """A host copy of a device entry's tensors ([(key, SharedTensor)], on one device), charged
+    to staging: [(key, _Staged)]. The device tensors are left to the caller."""
+    n = sum(t.nbytes for _, t in tensors)
+    staging.take(n, name)
+    host = {}
+    try:
+        spec = {k: (tuple(t.shape), t.dtype) for k, t in tensors}
+        if bundle:
+            host = dl.empty_dict(spec)
+        else:
+            (k, (shape, dtype)), = spec.items()
+            host = {k: dl.empty(shape, dtype)}
+        _cuda.to_host(tensors[0][1].device, [(host[k].data_ptr, t.data_ptr, t.nbytes)
+                                             for k, t in tensors])
+    except BaseException:
+        for t in host.values():
+            _quiet(t.release)
+        staging.give(n)
+        raise
+    ledger = [len(host), n, staging]
+    return [(k, _Staged(host[k], ledger)) for k, _ in tensors]
 
 
 class Bridge:
@@ -68,6 +149,8 @@ class Bridge:
         self.token = token
         self.exports = args.export or []
         self.ttl = args.lease_ttl
+        self.staging = Staging(getattr(args, "staging_max", None) or STAGING_MAX)
+        self.cuda_device = getattr(args, "cuda_device", 0)
         self.peers = {}
         for p in args.peer or []:
             name, sep, addr = p.partition("=")
@@ -370,28 +453,58 @@ class Bridge:
                 "EAGAIN", f"{name!r}: {QUARANTINE_MAX} failed transfers are in quarantine "
                 "(QUARANTINE_MAX): try again later", id=rid))
         try:
-            ts = dl.attach_dict(name, timeout=0, mode="strict")
+            # a device entry's copy to the host waits on the legacy default stream for the
+            # publisher's work (host entries ignore the stream)
+            ts = dl.attach_dict(name, timeout=0, mode="strict", stream=1)
         except OSError as e:
             return _wire.send(sock, _wire.error_frame(
                 errno.errorcode.get(e.errno, "EIO"), f"{name!r}: {e.strerror or e}", id=rid))
         except (ValueError, TypeError) as e:
             return _wire.send(sock, _wire.error_frame("EINVAL", f"{name!r}: {e}", id=rid))
         tensors = list(ts.items())
-        if any(t.device != "cpu" for _, t in tensors):
-            for _, t in tensors:
-                t.release()
-            return _wire.send(sock, _wire.error_frame(
-                "EOPNOTSUPP", f"{name!r} is a device entry: the bridge moves host memory "
-                "only", id=rid))
         gen = tensors[0][1].generation
-        lease = Lease(self.new_lease_id(), name, gen, tensors, self.ttl)
-        leases[lease.id] = lease
         bundle = not (len(tensors) == 1 and tensors[0][0] == "")
-        _wire.send(sock, {"op": "layout", "id": rid, "lease": lease.id, "generation": gen,
-                          "created_ns": _created_ns(dl, name, gen),
-                          "bundle": bundle, "ttl": self.ttl,
-                          "tensors": [[k, t.dtype, list(t.shape), t.nbytes]
-                                      for k, t in tensors]})
+        device = tensors[0][1].device
+        staged = 0
+        if device != "cpu":
+            try:
+                tensors = self._staged(dl, f, leases, name, tensors, bundle)
+            except OSError as e:
+                log.info("peer %s: %s", who, e.strerror or e)
+                # the name older bridges sent for a device entry (errorcode says ENOTSUP)
+                errname = "EOPNOTSUPP" if e.errno == errno.EOPNOTSUPP else \
+                    errno.errorcode.get(e.errno, "EIO")
+                return _wire.send(sock, _wire.error_frame(errname, e.strerror or str(e),
+                                                          id=rid))
+            staged = sum(t.nbytes for _, t in tensors)
+        lease = Lease(self.new_lease_id(), name, gen, tensors, self.ttl)
+        lease.staged = staged
+        leases[lease.id] = lease
+        layout = {"op": "layout", "id": rid, "lease": lease.id, "generation": gen,
+                  "created_ns": _created_ns(dl, name, gen),
+                  "bundle": bundle, "ttl": self.ttl,
+                  "tensors": [[k, t.dtype, list(t.shape), t.nbytes] for k, t in tensors]}
+        if device != "cpu":
+            layout["device"] = device
+        _wire.send(sock, layout)
+
+    def _staged(self, dl, f, leases, name, tensors, bundle):
+        """A device entry's tensors copied to host memory for a lease ([(key, _Staged)]); the
+        device tensors are released either way. OSError naming what refused it."""
+        try:
+            if "cuda" not in (f.get("devices") or ()):
+                raise OSError(errno.EOPNOTSUPP, f"{name!r} is a device entry, and the "
+                              "importing bridge takes host entries only (an older bridge)")
+            if len({t.device for _, t in tensors}) != 1:
+                raise OSError(errno.EOPNOTSUPP, f"{name!r} has tensors on more than one device")
+            if sum(1 for le in leases.values() if le.staged) >= STAGED_PER_CONNECTION:
+                raise BlockingIOError(errno.EAGAIN, f"{name!r}: this connection holds "
+                                      f"{STAGED_PER_CONNECTION} staged device entry "
+                                      "(STAGED_PER_CONNECTION): finish it first")
+            return _stage(dl, name, tensors, self.staging, bundle)
+        finally:
+            for _, t in tensors:
+                _quiet(t.release)
 
     def _put(self, sock, f, leases, remote, who):
         rid, lid = f.get("id"), str(f.get("lease"))
@@ -526,6 +639,7 @@ class Bridge:
             return {"op": "status", "agent": self.agent_name, "leases": self.leases,
                     "registered": self.nixl.registered,
                     "quarantined": len(self.quarantine), "exports": self.exports,
+                    "staged": self.staging.held,
                     "peers": {n: p.connected() for n, p in self.peers.items()},
                     "replicas": replicas,
                     "subscribers": self.publisher.subscribers(),
