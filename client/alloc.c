@@ -13,31 +13,6 @@
 #include "gpu.h"
 #include "util.h"
 
-#ifndef MFD_NOEXEC_SEAL
-#define MFD_NOEXEC_SEAL 0x0008U
-#endif
-
-int dlpc__memfd_open(const char *name, uint64_t size, unsigned flags)
-{
-	char label[64];
-	int fd, r;
-
-	snprintf(label, sizeof(label), "dlpc:%s", name);
-	fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL | flags);
-	if (fd < 0 && errno == EINVAL) /* kernels before 6.3 */
-		fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | flags);
-	if (fd < 0)
-		return dlpc__fail(-errno, "cannot create shared memory for '%s': memfd_create: %m",
-				  name);
-	if (ftruncate(fd, (off_t)size) < 0) {
-		r = dlpc__fail(-errno, "cannot size shared memory for '%s' to %llu bytes: %m", name,
-			       (unsigned long long)size);
-		close(fd);
-		return r;
-	}
-	return fd;
-}
-
 int dlpc__memfd_create(const char *name, uint64_t size, bool reserve)
 {
 	int fd, r;
@@ -217,9 +192,42 @@ static int alloc_device(DLDevice device, const char *what)
 	return 0;
 }
 
+/* A memfd of the warm pool for @p r (@p size bytes), mapped here writable with every page
+ * allocated (from DLPC__WARM_MAP_MIN bytes, faulted in too); false if the pool has none of about
+ * that size (it notes the size, and fills one after the publish: dlpc__warm_refill()). */
+static bool alloc_warm(struct dlpc__region *r, uint64_t size)
+{
+	size_t map_len, len = (size_t)size;
+	void *map;
+	int fd = dlpc__warm_take(size, &map, &map_len);
+
+	if (fd < 0)
+		return false;
+	if (map) {
+		/* the pool's mapping is kept from forked children (a seal fails while a writable
+		 * mapping exists); dlpc_alloc() memory is inherited as any other mapping. The tail
+		 * past the memfd's new size goes. */
+		size_t keep = ((len - 1) | ((size_t)sysconf(_SC_PAGESIZE) - 1)) + 1;
+
+		(void)madvise(map, keep, MADV_DOFORK);
+		if (map_len > keep)
+			munmap((uint8_t *)map + keep, map_len - keep);
+	} else {
+		map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+		if (map == MAP_FAILED) {
+			close(fd);
+			return false;
+		}
+	}
+	r->fd = fd;
+	r->base = map;
+	r->len = len;
+	return true;
+}
+
 /* The memfd of @p r, @p size bytes mapped here with every page allocated (huge ones where the
  * machine allows them; with "advise" faulted in by threads, dlpc__split_copy()), for dlpc_alloc()
- * (@p what). 0 or negative errno. */
+ * (@p what): one of the warm pool's where it has one of that size. 0 or negative errno. */
 static int alloc_host(struct dlpc__region *r, uint64_t size, const char *what)
 {
 	/* with shmem_enabled "advise", huge pages go to pages first touched through a mapping
@@ -227,7 +235,12 @@ static int alloc_host(struct dlpc__region *r, uint64_t size, const char *what)
 	bool advise = dlpc__huge_for(size, false) == DLPC__HUGE_ADVISE;
 	int err;
 
+	if (size >= DLPC_WARM_SIZE_MIN && alloc_warm(r, size))
+		return 0;
 	r->fd = dlpc__memfd_create(what, size, !advise);
+	/* memory the warm pool holds never makes an allocation fail: it is given back first */
+	if (r->fd == -ENOSPC && dlpc__warm_drop())
+		r->fd = dlpc__memfd_create(what, size, !advise);
 	if (r->fd < 0)
 		return r->fd;
 	r->len = (size_t)size;

@@ -795,7 +795,8 @@ static int publish_host(dlpc_client *c, const char *name, size_t n,
 out:
 	if (!zc && fd >= 0)
 		close(fd);
-	if (!zc && size >= DLPC_WARM_SIZE_MIN)
+	/* a dlpc_alloc() region may have taken a memfd of the pool's too (alloc.c) */
+	if (size >= DLPC_WARM_SIZE_MIN)
 		dlpc__warm_refill(size);
 	return r;
 }

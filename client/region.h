@@ -99,12 +99,14 @@ int dlpc__memfd_open(const char *name, uint64_t size, unsigned flags);
  * process's warm pool, or -1 when it has none that fits (then the caller makes its own). Never
  * fails otherwise; the memfd is the caller's, never handed out again. *@p map: NULL, or a
  * writable mapping of it (*@p map_len bytes, at least @p size; MADV_DONTFORK), its pages faulted
- * in, that the caller writes through and munmap()s before the seal. Notes the size as used,
- * so that the pool keeps one ready for the next publish of about that size. */
+ * in, that the caller writes through and munmap()s before the seal (dlpc_alloc() keeps it as
+ * its region's, MADV_DOFORK). Notes the size as used, so that the pool keeps one ready for the
+ * next publish or dlpc_alloc() of about that size. */
 int dlpc__warm_take(uint64_t size, void **map, size_t *map_len);
-/* After the publish that called dlpc__warm_take(@p size): have the pool refilled, in the
- * background.
- * Not before: on a machine with few CPUs the refill would compete with the copy. */
+/* After the publish that called dlpc__warm_take(@p size), or published the dlpc_alloc() memory
+ * that did: have the pool refilled, in the background.
+ * Not before: on a machine with few CPUs the refill would compete with the copy (or with the
+ * caller filling what it allocated). */
 void dlpc__warm_refill(uint64_t size);
 /* Memory ran out: give back every memfd the pool holds, and fill no more until it falls idle.
  * Whether there was any. */

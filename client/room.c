@@ -1,11 +1,13 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Room for shared memory: the file size limit, the machine's memory, the memory cgroups. */
+/* Room for shared memory: the file size limit, the machine's memory, the memory cgroups; and
+ * the memfds it goes in (dlpc__memfd_open(), below alloc.c and warm.c, which both make them). */
 #include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/sysinfo.h>
@@ -13,6 +15,11 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "region.h"
+
+#ifndef MFD_NOEXEC_SEAL
+#define MFD_NOEXEC_SEAL 0x0008U
+#endif
 /*
  * What the memory cgroups of this process can still be charged is asked before every memfd is
  * sized, so that a publish that cannot fit fails with ENOSPC instead of the cgroup's OOM killer
@@ -421,4 +428,25 @@ int dlpc__size_fits(const char *name, uint64_t size)
 			(unsigned long long)size, name, (unsigned long long)room,
 			DLPC__ROOM_RESERVE, dir, (unsigned long long)limit);
 	return 0;
+}
+
+int dlpc__memfd_open(const char *name, uint64_t size, unsigned flags)
+{
+	char label[64];
+	int fd, r;
+
+	snprintf(label, sizeof(label), "dlpc:%s", name);
+	fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL | flags);
+	if (fd < 0 && errno == EINVAL) /* kernels before 6.3 */
+		fd = memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING | flags);
+	if (fd < 0)
+		return dlpc__fail(-errno, "cannot create shared memory for '%s': memfd_create: %m",
+				  name);
+	if (ftruncate(fd, (off_t)size) < 0) {
+		r = dlpc__fail(-errno, "cannot size shared memory for '%s' to %llu bytes: %m", name,
+			       (unsigned long long)size);
+		close(fd);
+		return r;
+	}
+	return fd;
 }

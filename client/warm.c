@@ -12,7 +12,9 @@
  * in (MADV_POPULATE_WRITE): the copy is then a memcpy() that takes no fault, and the copy path
  * unmaps it before the seal (F_SEAL_WRITE is refused while a writable mapping exists). A memfd
  * leaves the pool when it is taken and never comes back: every storage is written by one
- * publish only, and the read-only guarantee holds as for any other.
+ * publish only, and the read-only guarantee holds as for any other. dlpc_alloc() takes from the
+ * pool too (alloc.c): it keeps the mapping as its region's, and the pool refills once that
+ * memory is published.
  *
  * Bounds: at most $DLPC_WARM_BYTES bytes ready or being filled (0 turns the pool off), at most
  * DLPC__WARM_FDS_MAX memfds. A size not used for $DLPC_WARM_IDLE_MS is forgotten and its memfds

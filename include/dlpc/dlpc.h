@@ -200,10 +200,11 @@ typedef struct dlpc_attach_opts {
 #define DLPC_CACHE_IDLE_MS_DEFAULT 1000
 
 /** Environment: the most bytes of shared memory a process keeps allocated ahead of the copy
- * path of its publishes and sends (the warm pool: memfds whose pages a background thread
- * allocated, each taken by one publish and never reused), charged to the process's memory
- * cgroup; 0 turns the pool off. Read once, at the first publish that copies. A value that is not
- * a whole number is ignored (the default applies). */
+ * path of its publishes and sends, and of dlpc_alloc() and dlpc_alloc_bundle() (the warm pool:
+ * memfds whose pages a background thread allocated, each taken by one publish or allocation and
+ * never reused), charged to the process's memory cgroup; 0 turns the pool off. Read once, at
+ * the first publish that copies or the first such allocation. A value that is not a whole
+ * number is ignored (the default applies). */
 #define DLPC_WARM_BYTES_ENV "DLPC_WARM_BYTES"
 /** ...when $DLPC_WARM_BYTES is unset: 1 GiB. */
 #define DLPC_WARM_BYTES_DEFAULT (1ull << 30)

@@ -489,6 +489,22 @@ int dlpc_mappings(void)
 	return n;
 }
 
+uint64_t pages_mapped(const void *map, uint64_t len)
+{
+	int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+	uint64_t n = 0, e;
+
+	ck_assert_int_ge(fd, 0);
+	for (uint64_t off = 0; off < len; off += 4096) {
+		ck_assert_int_eq(
+			pread(fd, &e, sizeof(e), (off_t)(((uintptr_t)map + off) / 4096 * 8)),
+			(ssize_t)sizeof(e));
+		n += e >> 63;
+	}
+	close(fd);
+	return n;
+}
+
 void caches_at_defaults(void)
 {
 	unsetenv(DLPC_CACHE_ENTRIES_ENV);

@@ -106,6 +106,9 @@ DLManagedTensorVersioned *host_tensor(void *data, DLDataType dt, int ndim, const
 void publish_filled(dlpc_client *c, const char *name, size_t size, int fill);
 /* This process's mappings of libdlpc's memfds ("/memfd:dlpc:" in /proc/self/maps). */
 int dlpc_mappings(void);
+/* How many pages (4 KiB) of the @p len bytes at @p map this process has mapped (present in its
+ * page table: /proc/self/pagemap's bit 63). */
+uint64_t pages_mapped(const void *map, uint64_t len);
 
 /* The other user the suites act as: nobody. */
 #define NOBODY 65534

@@ -208,24 +208,6 @@ START_TEST(test_split_copy_tail)
 }
 END_TEST
 
-/* How many pages of the @p len bytes at @p map this process has mapped (present in its page
- * table: /proc/self/pagemap's bit 63). */
-static uint64_t pages_mapped(const uint8_t *map, uint64_t len)
-{
-	int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
-	uint64_t n = 0, e;
-
-	ck_assert_int_ge(fd, 0);
-	for (uint64_t off = 0; off < len; off += 4096) {
-		ck_assert_int_eq(
-			pread(fd, &e, sizeof(e), (off_t)((uintptr_t)(map + off) / 4096 * 8)),
-			(ssize_t)sizeof(e));
-		n += e >> 63;
-	}
-	close(fd);
-	return n;
-}
-
 /* A copy into a memfd whose pages are faulted in already (as the warm pool's are), asked to
  * drop them from the mapping after: with 1 to 4 threads asked for, every byte is in the memfd
  * (read with pread(), not through the mapping); on more than one thread the mapping keeps no

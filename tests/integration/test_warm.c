@@ -603,6 +603,88 @@ START_TEST(test_warm_mapped)
 }
 END_TEST
 
+/* dlpc_alloc() of MAPPED - ALLOC_LESS bytes: fits the pool's memfds of MAPPED bytes, and
+ * leaves a tail of theirs to cut off. */
+#define ALLOC_LESS (MIB - 4096)
+
+struct alloc_args {
+	const uint8_t *p;
+	size_t len;
+};
+
+/* A child forked while the parent holds dlpc_alloc() memory from the pool: it inherits the
+ * mapping (the pool's own are kept from children) and reads the parent's bytes. */
+static int alloc_reader(void *arg)
+{
+	const struct alloc_args *a = arg;
+
+	for (size_t i = 0; i < a->len; i += 4096)
+		CHILD_CHECK(a->p[i] == (uint8_t)(i / 4096));
+	return 0;
+}
+
+/* dlpc_alloc() of @p len bytes from the pool: the pool's memfd is in its list of ready ones only
+ * once its pages are faulted in, an instant after wait_warm() and wait_mappings() see it, so an
+ * allocation that came too early (its own memfd, "dlpc_alloc") is freed and asked again, for a
+ * scaled 5 s at most. The tensor, its memfd's label in *@p label. */
+static DLManagedTensorVersioned *alloc_from_pool(dlpc_client *c, size_t len, char *label,
+						 size_t lcap)
+{
+	int64_t shape[1] = {(int64_t)len};
+	DLManagedTensorVersioned *t;
+	char file[96];
+
+	for (int i = 0;; i++) {
+		ck_assert_dlpc(dlpc_alloc(c, (DLDevice){kDLCPU, 0}, (DLDataType){kDLUInt, 8, 1}, 1,
+					  shape, &t),
+			       0);
+		ck_assert(mapped_file(t->dl_tensor.data, file, sizeof(file), label, lcap));
+		if (strcmp(label, WARM_LINK) == 0 || i >= scaled_ms(5000) / 20)
+			return t;
+		t->deleter(t);
+		usleep(20000);
+	}
+}
+
+/* dlpc_alloc() of a size the pool keeps takes the pool's memfd, mapped with its pages in
+ * already (no fault to fill it), its tail past the size cut off; a forked child inherits it;
+ * published, it is sealed read-only like any allocation. */
+START_TEST(test_warm_alloc)
+{
+	const size_t len = MAPPED - ALLOC_LESS;
+	struct look_args a = {"w/alloc", len, 0, WARM_LINK};
+	char file[96], label[128];
+	unsigned long lo, hi;
+	DLManagedTensorVersioned *t;
+	dlpc_client *c;
+	uint8_t *p;
+
+	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1); /* nothing falls idle meanwhile */
+	c = connect_or_die(&D);
+	publish_filled(c, "w/a1", MAPPED, 1); /* a miss: the pool learns the size */
+	ck_assert(wait_warm(1));
+	t = alloc_from_pool(c, len, label, sizeof(label));
+	ck_assert_str_eq(label, WARM_LINK);
+	p = t->dl_tensor.data;
+	ck_assert(mapped_file(p, file, sizeof(file), label, sizeof(label)));
+	ck_assert_int_eq(sscanf(strrchr(file, '/') + 1, "%lx-%lx", &lo, &hi), 2);
+	ck_assert_uint_eq(hi - lo, (len + 4095) / 4096 * 4096);
+	ck_assert_uint_eq(pages_mapped(p, len), (len + 4095) / 4096);
+	for (size_t i = 0; i < len; i += 4096)
+		p[i] = (uint8_t)(i / 4096);
+	{
+		struct alloc_args r = {p, len};
+
+		ck_assert_int_eq(wait_child(spawn(alloc_reader, &r)), 0);
+	}
+	memset(p, 0, len);
+	ck_assert_dlpc(dlpc_publish(c, a.name, t, 0), 1);
+	ck_assert_int_eq(wait_child(spawn(attacher, &a)), 0);
+	dlpc_close(c);
+	ck_assert(wait_warm(0));
+}
+END_TEST
+
 static Suite *warm_suite(void)
 {
 	Suite *s = suite_create("warm");
@@ -623,6 +705,7 @@ static Suite *warm_suite(void)
 	tcase_add_test(tc, test_warm_last_close);
 	tcase_add_test(tc, test_warm_fork);
 	tcase_add_test(tc, test_warm_mapped);
+	tcase_add_test(tc, test_warm_alloc);
 	suite_add_tcase(s, tc);
 	return s;
 }
