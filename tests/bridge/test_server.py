@@ -105,6 +105,7 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b.publisher = _push.Publisher(b.stop, None, b.exports)
     b.staging = _server.Staging(_server.STAGING_MAX)
     b.cuda_device = 0
+    b._cuda_why = None          # looked at: takes device entries
     return b
 
 
@@ -293,6 +294,92 @@ def stalled_fetch(monkeypatch, layout, b=None, dl=None):
     peer.close()          # lets a fetch that still waits see EOF (the test fails then)
     assert not th.is_alive(), "the fetch waited on a stalled peer"
     return out["r"]
+
+
+class NoDeviceMemory(FakeDlpackd):
+    """Host memory as FakeDlpackd's; device memory runs out, as libdlpc says it (MemoryError)."""
+
+    def empty(self, shape, dtype, device=None):
+        if device is not None:
+            raise MemoryError()
+        return super().empty(shape, dtype)
+
+    def empty_dict(self, spec, device=None):
+        if device is not None:
+            raise MemoryError()
+        return super().empty_dict(spec)
+
+
+DEVICE_LAYOUT = {"op": "layout", "lease": "L1", "generation": 1, "bundle": False, "ttl": 5.0,
+                 "device": "cuda:0", "tensors": [["", "uint8", [1 << 20], 1 << 20]]}
+
+
+def peer_fetch(dl, script):
+    """A fetch from a fake peer: script(peer, get) plays the exporter on its socket; the
+    fetch's outcome, and the link."""
+    b = fake_bridge()
+    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
+    link.sock, peer = socket.socketpair()
+    link.agent = "exporter-agent"
+    out = {}
+
+    def run():
+        try:
+            out["r"] = link.fetch(dl, "w/x", "A:w/x", None, 1000)
+        except Exception as e:  # the outcome under test
+            out["r"] = e
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    try:
+        script(peer, _wire.recv(peer, time.monotonic() + 5))
+        th.join(10)
+    finally:
+        peer.close()
+    assert not th.is_alive(), "the fetch did not end"
+    return out["r"], link
+
+
+def test_a_device_replica_that_does_not_fit_is_refused_and_the_lease_released():
+    got = {}
+
+    def exporter(peer, get):
+        got["get"] = get
+        _wire.send(peer, {**DEVICE_LAYOUT, "id": get["id"]})
+        got["next"] = _wire.recv(peer, time.monotonic() + 5)
+
+    dl = NoDeviceMemory()
+    r, link = peer_fetch(dl, exporter)
+    assert got["get"]["devices"] == ["cuda"]
+    assert got["next"] == {"op": "release", "lease": "L1"}
+    assert isinstance(r, OSError) and r.errno == errno.ENOMEM
+    assert "cuda:0 (--cuda-device)" in str(r) and "MemoryError" in str(r)
+    # an answer in good order: the connection stays, and nothing was allocated on the host
+    assert link.sock is not None and dl.made == []
+
+
+def test_the_importer_waits_for_the_layout_while_the_exporter_stages(monkeypatch):
+    """After `staging`, the layout may come later than LAYOUT_TIMEOUT, within its bytes'
+    transfer deadline; a second `staging` is not taken as the answer."""
+    monkeypatch.setattr(_importer, "LAYOUT_TIMEOUT", 0.3, raising=False)
+    monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.3, raising=False)
+    got = {}
+
+    def exporter(peer, get):
+        _wire.send(peer, {"op": "staging", "id": get["id"], "bytes": 1 << 20})
+        time.sleep(0.6)                 # past LAYOUT_TIMEOUT, within 0.6 s + 1 MiB's deadline
+        _wire.send(peer, {**DEVICE_LAYOUT, "id": get["id"]})
+        got["next"] = _wire.recv(peer, time.monotonic() + 5)
+
+    r, _ = peer_fetch(NoDeviceMemory(), exporter)
+    assert got["next"]["op"] == "release" and isinstance(r, OSError) and r.errno == errno.ENOMEM
+
+    def twice(peer, get):
+        for _ in range(2):
+            _wire.send(peer, {"op": "staging", "id": get["id"], "bytes": 1 << 20})
+        time.sleep(2)
+
+    r, _ = peer_fetch(NoDeviceMemory(), twice)
+    assert isinstance(r, ConnectionError) and "expected the layout, got 'staging'" in str(r)
 
 
 def test_fetch_without_timeout_bounded_waiting_for_the_layout(monkeypatch):
@@ -1948,6 +2035,7 @@ def gpu_hosts(request):
                     "DLPACKD_BIN=build/dlpackd FAKE_CUDA_LIB=build/tests/libfake_cuda.so)",
                     pytrace=False)
     # this process publishes and attaches device entries through the same fake driver
+    saved = {k: os.environ.get(k) for k in ("DLPC_CUDA_LIBRARY", "FAKE_CUDA_LOG")}
     os.environ["DLPC_CUDA_LIBRARY"] = fake
     h = GpuHosts(dlpackd, fake)
     os.environ["FAKE_CUDA_LOG"] = h.cuda_log
@@ -1959,6 +2047,11 @@ def gpu_hosts(request):
         yield h
     finally:
         h.close(request.session.testsfailed != failed_before)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _device_fill(t, seed):
@@ -1985,6 +2078,8 @@ def test_a_device_entry_is_fetched_into_a_device_replica(gpu_hosts):
     want = _device_fill(t, 1)
     gen = h.dl.publish("w/g", t)
     t.release()
+    before_a = len(h.cuda_calls("A", "cuMemcpyDtoH"))
+    before_b = len(h.cuda_calls("B", "cuMemcpyHtoD"))
     assert _fetch_b(h, "A:w/g") == ("A:w/g", gen)
     r = h.dl.attach("A:w/g", timeout=0)
     try:
@@ -1995,8 +2090,8 @@ def test_a_device_entry_is_fetched_into_a_device_replica(gpu_hosts):
     # A copied the entry to the host, B from the host to the device and waited for the copy
     # before publishing
     n = str((1 << 20) + 3)
-    assert [ln[2] for ln in h.cuda_calls("A", "cuMemcpyDtoH")] == [f"bytes={n}"]
-    assert [ln[2] for ln in h.cuda_calls("B", "cuMemcpyHtoD")] == [f"bytes={n}"]
+    assert [ln[2] for ln in h.cuda_calls("A", "cuMemcpyDtoH")[before_a:]] == [f"bytes={n}"]
+    assert [ln[2] for ln in h.cuda_calls("B", "cuMemcpyHtoD")[before_b:]] == [f"bytes={n}"]
     with open(h.cuda_log) as f:
         b_calls = [ln.split()[1] for ln in f if ln.split()[0] == str(h.procs["B"].pid)]
     last_copy = len(b_calls) - 1 - b_calls[::-1].index("cuMemcpyHtoD")
@@ -2046,24 +2141,35 @@ def test_a_device_entry_larger_than_the_staging_is_refused_naming_it(gpu_hosts):
     assert _fetch_b(h, "A:w/host")[0] == "A:w/host"
 
 
-def test_an_importer_without_the_device_refuses_before_the_transfer(gpu_hosts):
+@pytest.mark.parametrize("device", ["5", "none"])
+def test_an_importer_without_the_device_is_refused_before_any_copy(gpu_hosts, device):
+    """An importer whose --cuda-device does not exist (or is none) says it takes no device
+    entries; the exporter refuses it before copying anything, and the error says why."""
     h = gpu_hosts
     t = h.dl.empty(4096, "uint8", device="cuda:0")
     _device_fill(t, 3)
-    h.dl.publish("w/nodev", t)
+    h.dl.publish("w/nodev", t, replace=True)
     t.release()
-    h.start_bridge("C", "--peer", f"A=127.0.0.1:{h.port}", "--cuda-device", "5")
+    copies = len(h.cuda_calls("A", "cuMemcpyDtoH"))
+    h.start_bridge("C", "--peer", f"A=127.0.0.1:{h.port}", "--cuda-device", device)
     try:
-        with pytest.raises(OSError, match=r"cuda:5 \(--cuda-device\)") as e:
+        why = r"cuDeviceGet\(cuda:5\)" if device == "5" else "--cuda-device none"
+        with pytest.raises(OSError, match=f"host entries only.*takes no device entries: {why}") \
+                as e:
             bridge.fetch("A:w/nodev", 20.0, socket=h.path("C.sock"))
-        assert e.value.errno == errno.ENODEV
+        assert e.value.errno == errno.EOPNOTSUPP
         with pytest.raises(FileNotFoundError):
             h.dl.attach("A:w/nodev", timeout=0)
+        assert len(h.cuda_calls("A", "cuMemcpyDtoH")) == copies
         assert h.cuda_calls("C", "cuMemcpyHtoD") == []
-        # the lease and its staging are given back: A released them when C said so
         _wait(lambda: h.status("A")["leases"] == 0 and h.status("A")["staged"] == 0,
-              "A's lease and staging given back")
+              "A holds no lease and no staging")
         assert h.status("C")["registered"] == 0 and h.status("C")["replicas"] == {}
+        # the same connection still serves host entries
+        import numpy as np
+        h.dl.publish("w/host2", np.arange(10, dtype=np.int16), replace=True)
+        assert bridge.fetch("A:w/host2", 20.0, socket=h.path("C.sock"))[0] == "A:w/host2"
+        h.dl.unpublish("A:w/host2")
     finally:
         h.stop("C")
 
@@ -2086,6 +2192,8 @@ def test_device_entries_go_only_to_importers_that_take_them_one_staged_at_a_time
         # one that takes them gets the layout, with the device; the lease holds a host copy
         b._get(s, h.dl, {"op": "get", "id": 2, "name": "w/g2", "devices": ["cuda"]}, leases,
                "peer")
+        # first how much it copies to the host, then the layout
+        assert _wire.recv(c, time.monotonic() + 5) == {"op": "staging", "id": 2, "bytes": 8192}
         reply = _wire.recv(c, time.monotonic() + 5)
         assert reply["op"] == "layout" and reply["device"] == "cuda:0"
         assert reply["tensors"] == [["", "uint8", [8192], 8192]]
@@ -2098,6 +2206,20 @@ def test_device_entries_go_only_to_importers_that_take_them_one_staged_at_a_time
                "peer")
         reply = _wire.recv(c, time.monotonic() + 5)
         assert reply["errno"] == "EAGAIN" and "STAGED_PER_CONNECTION" in reply["message"]
+        # past --staging-max for all connections together: EAGAIN too, naming it
+        b.staging.take(_server.STAGING_MAX - 8192, "another connection's")
+        reply = _wire.recv(c, time.monotonic() + 5) if b._get(
+            s, h.dl, {"op": "get", "id": 5, "name": "w/g2", "devices": ["cuda"]}, {},
+            "peer") is None else None
+        assert reply == {"op": "staging", "id": 5, "bytes": 8192}
+        reply = _wire.recv(c, time.monotonic() + 5)
+        assert reply["errno"] == "EAGAIN" and "--staging-max" in reply["message"]
+        b.staging.give(_server.STAGING_MAX - 8192)
+        # a malformed devices closes the connection (the caller's FrameError)
+        for bad in (5, "cuda", [1], ["x" * 17], ["cuda"] * 9):
+            with pytest.raises(_wire.FrameError, match="devices"):
+                b._get(s, h.dl, {"op": "get", "id": 6, "name": "w/g2", "devices": bad}, {},
+                       "peer")
         assert len(leases) == 1 and b.staging.held == 8192
         # a host entry does not
         import numpy as np

@@ -98,6 +98,15 @@ def size(text):
     return int(digits) << shift
 
 
+def cuda_device(text):
+    """--cuda-device: a device ordinal, or None for 'none'; argparse's error otherwise."""
+    if text.strip().lower() == "none":
+        return None
+    if not (text.strip().isascii() and text.strip().isdigit()) or int(text) > 1023:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CUDA device ordinal or 'none'")
+    return int(text)
+
+
 def keepalive_dead():
     """Seconds after which UCX closes a silent dead data connection, from the environment."""
     idle = _seconds(os.environ.get("UCX_TCP_KEEPIDLE", "10s"))
@@ -153,9 +162,9 @@ def _args(argv):
     p.add_argument("--replica-bytes-per-uid", metavar="SIZE", type=size, default=None,
                    help="their bytes, with K, M, G or T for binary multiples (default "
                    "REPLICA_BYTES_PER_UID_MAX, 256G)")
-    p.add_argument("--cuda-device", metavar="N", type=int, default=0,
+    p.add_argument("--cuda-device", metavar="N", type=cuda_device, default=0,
                    help="the local CUDA device that replicas of peers' device entries are "
-                   "allocated on (default 0)")
+                   "allocated on, or 'none' to take no device entries from peers (default 0)")
     p.add_argument("--staging-max", metavar="SIZE", type=size, default=None,
                    help="host memory that device entries served to peers are copied to at "
                    "once, with K, M, G or T (default STAGING_MAX, 8G)")
@@ -214,9 +223,6 @@ def main(argv=None):
         if not v > 0:
             log.error("%s %s: must be > 0", opt, v)
             return 2
-    if args.cuda_device < 0:
-        log.error("--cuda-device %s: must be >= 0", args.cuda_device)
-        return 2
     for opt, v in (("--replicas-per-uid", args.replicas_per_uid),
                    ("--replica-bytes-per-uid", args.replica_bytes_per_uid),
                    ("--staging-max", args.staging_max)):

@@ -40,8 +40,9 @@ class _Driver:
             msg = f"CUDA error {r}"
         else:
             msg = text.value.decode(errors="replace")
-        # 100: no device; 101: invalid device ordinal
-        raise OSError(errno.ENODEV if r in (100, 101) else err, f"{what}: {msg}")
+        # 100: no device; 101: invalid device ordinal; 2: out of memory
+        code = {100: errno.ENODEV, 101: errno.ENODEV, 2: errno.ENOMEM}.get(r, err)
+        raise OSError(code, f"{what}: {msg}")
 
     def context(self, ordinal):
         with self.ctx_lock:
@@ -89,6 +90,19 @@ def _get():
         if _driver is None:
             _driver = _Driver()
         return _driver
+
+
+def check(n):
+    """Whether this host has CUDA device n: None, or why not (the driver cannot be loaded or
+    initialized, or has no such device). Makes no context."""
+    try:
+        d = _get()
+        dev = ctypes.c_int()
+        d._check(d.lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(n)), f"cuDeviceGet(cuda:{n})",
+                 errno.ENODEV)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def ordinal(device):

@@ -31,6 +31,10 @@ TRANSFER_GRACE = 10.0
 TRANSFER_MIN_RATE = 64 << 20
 
 
+# What dlpack_ipc's allocation errors that are not OSError mean (python/src/errors.c).
+_ALLOC_ERRNO = {MemoryError: errno.ENOMEM, BufferError: errno.EOPNOTSUPP}
+
+
 def _alloc(dl, spec, bundle, device):
     """A replica's memory: {key: SharedTensor} for spec ({key: (shape, dtype)}) on device
     (None: the host)."""
@@ -406,8 +410,18 @@ class PeerLink:
         try:
             # "devices": the kinds of entry this bridge takes besides host ones (an older
             # exporter ignores it and refuses device entries)
-            _wire.send(self.sock, {"op": "get", "id": rid, "name": rname, "devices": ["cuda"]})
+            devices, why = self.bridge.takes_devices()
+            get = {"op": "get", "id": rid, "name": rname}
+            if devices:
+                get["devices"] = devices
+            _wire.send(self.sock, get)
             f = self._answer(_bound(deadline, LAYOUT_TIMEOUT))
+            if f["op"] == "staging" and f.get("id") == rid:
+                # a device entry copied to host memory first: that long more, once
+                n = f.get("bytes")
+                if not isinstance(n, int) or n < 0:
+                    raise _wire.FrameError("EPROTO", f"staging of {str(n)[:32]!r} bytes")
+                f = self._answer(_bound(deadline, LAYOUT_TIMEOUT + transfer_deadline(n)))
         except (ConnectionResetError, BrokenPipeError):
             raise _Stale() from None
         except TimeoutError:
@@ -418,6 +432,9 @@ class PeerLink:
                 from None
         if f["op"] == "error":
             err = _wire.to_oserror(f, "the peer says")
+            if err.errno == errno.EOPNOTSUPP and why:
+                err = OSError(err.errno, f"{err.strerror} (this bridge takes no device "
+                              f"entries: {why})")
             err.peer_answer = True  # type: ignore[attr-defined]  # the connection stays
             err.frame = self.answered  # type: ignore[attr-defined]
             raise err
@@ -426,7 +443,8 @@ class PeerLink:
         lid, gen, tensors, bundle = str(f["lease"]), f["generation"], f["tensors"], f["bundle"]
         device = f.get("device")
         if device is not None and not (isinstance(device, str) and len(device) <= 16 and
-                                       device.startswith("cuda:") and device[5:].isdigit()):
+                                       device.startswith("cuda:") and device[5:].isascii() and
+                                       device[5:].isdigit()):
             raise ConnectionError(errno.EPROTO, f"layout on device {str(device)[:32]!r}")
         if layout is not None:
             layout.update(generation=gen, created_ns=f.get("created_ns"), frame=self.answered)
@@ -464,11 +482,12 @@ class PeerLink:
         here = f"cuda:{self.bridge.cuda_device}"
         try:
             replica = _alloc(dl, spec, bundle, here)
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, MemoryError, BufferError) as e:
             _wire.send(self.sock, {"op": "release", "lease": lid})
-            e2 = OSError(getattr(e, "errno", None) or errno.EINVAL,
-                         f"{rname!r} is a device entry ({device} on peer {self.name}), and its "
-                         f"replica cannot be allocated on {here} (--cuda-device): {e}")
+            code = getattr(e, "errno", None) or _ALLOC_ERRNO.get(type(e), errno.EINVAL)
+            e2 = OSError(code, f"{rname!r} is a device entry ({device} on peer {self.name}), "
+                         f"and its replica cannot be allocated on {here} (--cuda-device): "
+                         f"{str(e) or type(e).__name__}")
             e2.peer_answer = True   # type: ignore[attr-defined]  # the connection stays
             raise e2 from None
         try:
@@ -484,10 +503,11 @@ class PeerLink:
         t1 = time.monotonic()
         try:
             alloc = _alloc(dl, spec, bundle, None)
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, MemoryError) as e:
             _wire.send(self.sock, {"op": "release", "lease": lid})
-            raise OSError(getattr(e, "errno", None) or errno.EINVAL,
-                          f"cannot allocate the replica: {e}") from None
+            raise OSError(getattr(e, "errno", None) or _ALLOC_ERRNO.get(type(e), errno.EINVAL),
+                          f"cannot allocate the replica: {str(e) or type(e).__name__}") \
+                from None
         live = [t for t in alloc.values() if t.nbytes]
         pop = _Populate([(t.data_ptr, t.nbytes) for t in live]) if live else None
         try:

@@ -44,6 +44,10 @@ PEERS_MAX = 64
 # connection may hold staged at once.
 STAGING_MAX = 8 << 30
 STAGED_PER_CONNECTION = 1
+# The kinds of device entry an importer's get may name in its "devices", and how many names it
+# may send.
+DEVICE_KINDS = ("cuda",)
+DEVICES_MAX = 8
 
 log = logging.getLogger("dlpackd-bridge")
 
@@ -108,15 +112,31 @@ class _Staged:
         self.ledger = ledger            # [parts left, bytes, Staging]
 
     def release(self):
-        t, self.t = self.t, None
+        staging = self.ledger[2]
+        with staging._lock:
+            t, self.t = self.t, None
+            if t is not None:
+                self.ledger[0] -= 1
+            last = t is not None and self.ledger[0] == 0
         if t is None:
             return
         try:
             t.release()
         finally:
-            self.ledger[0] -= 1
-            if self.ledger[0] == 0:
-                self.ledger[2].give(self.ledger[1])
+            if last:
+                staging.give(self.ledger[1])
+
+
+def _devices(f):
+    """The device kinds a get frame f says its importer takes; FrameError if malformed."""
+    d = f.get("devices")
+    if d is None:
+        return ()
+    if (not isinstance(d, list) or len(d) > DEVICES_MAX or
+            any(not isinstance(k, str) or len(k) > 16 for k in d)):
+        raise _wire.FrameError("EPROTO", f"get with devices {str(d)[:64]!r}: not a list of "
+                               f"at most {DEVICES_MAX} names")
+    return tuple(k for k in d if k in DEVICE_KINDS)
 
 
 def _stage(dl, name, tensors, staging, bundle):
@@ -127,13 +147,20 @@ def _stage(dl, name, tensors, staging, bundle):
     host = {}
     try:
         spec = {k: (tuple(t.shape), t.dtype) for k, t in tensors}
-        if bundle:
-            host = dl.empty_dict(spec)
-        else:
-            (k, (shape, dtype)), = spec.items()
-            host = {k: dl.empty(shape, dtype)}
-        _cuda.to_host(tensors[0][1].device, [(host[k].data_ptr, t.data_ptr, t.nbytes)
-                                             for k, t in tensors])
+        try:
+            if bundle:
+                host = dl.empty_dict(spec)
+            else:
+                (k, (shape, dtype)), = spec.items()
+                host = {k: dl.empty(shape, dtype)}
+        except MemoryError:         # libdlpc's ENOMEM / ENOSPC
+            raise OSError(errno.ENOMEM, f"{name!r}: no host memory for its {n} bytes staged "
+                          "on their way out") from None
+        try:
+            _cuda.to_host(tensors[0][1].device, [(host[k].data_ptr, t.data_ptr, t.nbytes)
+                                                 for k, t in tensors])
+        except OSError as e:
+            raise OSError(e.errno, f"{name!r}: {e.strerror or e}") from None
     except BaseException:
         for t in host.values():
             _quiet(t.release)
@@ -150,7 +177,9 @@ class Bridge:
         self.exports = args.export or []
         self.ttl = args.lease_ttl
         self.staging = Staging(getattr(args, "staging_max", None) or STAGING_MAX)
+        # None: --cuda-device none (device entries are not taken from peers)
         self.cuda_device = getattr(args, "cuda_device", 0)
+        self._cuda_why = False          # not looked at yet; then None or why not
         self.peers = {}
         for p in args.peer or []:
             name, sep, addr = p.partition("=")
@@ -201,6 +230,16 @@ class Bridge:
 
     def exported(self, name):
         return any(name.startswith(p) for p in self.exports)
+
+    def takes_devices(self):
+        """The device kinds this bridge takes from peers (["cuda"], or []) and why not (None or
+        a message): looked at once, at the first fetch (the driver is loaded then)."""
+        with self._lock:
+            if self._cuda_why is False:
+                self._cuda_why = "--cuda-device none" if self.cuda_device is None else \
+                    _cuda.check(self.cuda_device)
+            why = self._cuda_why
+        return ([] if why else ["cuda"]), why
 
     def new_lease_id(self):
         with self._lock:
@@ -440,6 +479,7 @@ class Bridge:
 
     def _get(self, sock, dl, f, leases, who):
         rid, name = f.get("id"), f.get("name")
+        _devices(f)                 # a malformed one closes the connection
         if not isinstance(name, str) or not self.exported(name):
             log.info("peer %s asked for %s, which is not exported", who, _push.shown(name))
             return _wire.send(sock, _wire.error_frame(
@@ -468,7 +508,7 @@ class Bridge:
         staged = 0
         if device != "cpu":
             try:
-                tensors = self._staged(dl, f, leases, name, tensors, bundle)
+                tensors = self._staged(sock, dl, f, leases, name, tensors, bundle)
             except OSError as e:
                 log.info("peer %s: %s", who, e.strerror or e)
                 # the name older bridges sent for a device entry (errorcode says ENOTSUP)
@@ -488,19 +528,26 @@ class Bridge:
             layout["device"] = device
         _wire.send(sock, layout)
 
-    def _staged(self, dl, f, leases, name, tensors, bundle):
+    def _staged(self, sock, dl, f, leases, name, tensors, bundle):
         """A device entry's tensors copied to host memory for a lease ([(key, _Staged)]); the
         device tensors are released either way. OSError naming what refused it."""
+        rid = f.get("id")
         try:
-            if "cuda" not in (f.get("devices") or ()):
+            if "cuda" not in _devices(f):
                 raise OSError(errno.EOPNOTSUPP, f"{name!r} is a device entry, and the "
-                              "importing bridge takes host entries only (an older bridge)")
+                              "importing bridge takes host entries only (an older bridge, or "
+                              "one without a CUDA device: its --cuda-device)")
             if len({t.device for _, t in tensors}) != 1:
                 raise OSError(errno.EOPNOTSUPP, f"{name!r} has tensors on more than one device")
             if sum(1 for le in leases.values() if le.staged) >= STAGED_PER_CONNECTION:
                 raise BlockingIOError(errno.EAGAIN, f"{name!r}: this connection holds "
                                       f"{STAGED_PER_CONNECTION} staged device entry "
                                       "(STAGED_PER_CONNECTION): finish it first")
+            n = sum(t.nbytes for _, t in tensors)
+            if n > self.staging.limit:
+                self.staging.take(n, name)          # EFBIG, naming the option
+            # the importer waits longer for the layout while the copy is made
+            _wire.send(sock, {"op": "staging", "id": rid, "bytes": n})
             return _stage(dl, name, tensors, self.staging, bundle)
         finally:
             for _, t in tensors:
