@@ -495,7 +495,7 @@ class Bridge:
         try:
             # a device entry's copy to the host waits on the legacy default stream for the
             # publisher's work (host entries ignore the stream)
-            ts = dl.attach_dict(name, timeout=0, mode="strict", stream=1)
+            ts = dl.attach_dict(name, timeout=0, mode="strict", stream=1, populate=True)
         except OSError as e:
             return _wire.send(sock, _wire.error_frame(
                 errno.errorcode.get(e.errno, "EIO"), f"{name!r}: {e.strerror or e}", id=rid))
