@@ -4,9 +4,10 @@
  *
  * The copy path of a publish (and of a channel's send) writes host tensors into a fresh memfd.
  * Allocating (and zeroing) that memfd's pages costs more than the copy itself, inside the
- * caller's critical path. The pool keeps, for each size the copy path used in the last
- * $DLPC_WARM_IDLE_MS, one memfd (two, for a size asked for faster than it was refilled) whose
- * pages a background thread allocated beforehand; the copy path takes one of a fitting size
+ * caller's critical path. The pool keeps, for each size the copy path used twice or more in the
+ * last $DLPC_WARM_IDLE_MS (a size used once, or less often than that, is not worth the memory
+ * and the CPU of a refill that nobody takes), one memfd (two, for a size asked for faster than
+ * it was refilled) whose pages a background thread allocated beforehand; the copy path takes one of a fitting size
  * (dlpc__warm_take()), sizes it down to the storage's exact size, writes and seals it. From
  * DLPC__WARM_MAP_MIN bytes the thread also maps the memfd (MADV_DONTFORK) and faults its pages
  * in (MADV_POPULATE_WRITE): the copy is then a memcpy() that takes no fault, and the copy path
@@ -146,8 +147,10 @@ static bool ready_take(uint64_t need, struct warm_fd *w)
 	return true;
 }
 
-/* Note a use of @p size at @p now; a miss (@p hit false) of a size used before asks for one more
- * memfd of it kept ready. Under warm.mu. */
+/* Note a use of @p size at @p now; a miss (@p hit false) of a size used before (within the idle
+ * time) asks for one more memfd of it kept ready. A size used for the first time asks for none:
+ * a one-off publish (a trainer's weights, published minutes apart) would have the pool fill,
+ * hold and give back a copy's worth of memory for nothing. Under warm.mu. */
 static void want_note(uint64_t size, int64_t now, bool hit)
 {
 	struct warm_want *w = NULL;
@@ -169,7 +172,7 @@ static void want_note(uint64_t size, int64_t now, bool hit)
 					w = &warm.want[i];
 		}
 		w->size = size;
-		w->depth = 1;
+		w->depth = 0;
 	}
 	w->used_ms = now;
 }

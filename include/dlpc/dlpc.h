@@ -208,8 +208,8 @@ typedef struct dlpc_attach_opts {
 #define DLPC_WARM_BYTES_ENV "DLPC_WARM_BYTES"
 /** ...when $DLPC_WARM_BYTES is unset: 1 GiB. */
 #define DLPC_WARM_BYTES_DEFAULT (1ull << 30)
-/** Environment: milliseconds after its last publish that a size's warm memfds are given back;
- * 0 turns the pool off. */
+/** Environment: milliseconds after its last publish that a size's warm memfds are given back,
+ * and within which a size must be used twice for the pool to keep any; 0 turns the pool off. */
 #define DLPC_WARM_IDLE_MS_ENV "DLPC_WARM_IDLE_MS"
 /** ...when $DLPC_WARM_IDLE_MS is unset. */
 #define DLPC_WARM_IDLE_MS_DEFAULT 5000

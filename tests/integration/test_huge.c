@@ -120,13 +120,15 @@ static int attacher(void *arg)
 	return 0;
 }
 
-/* The copy path, a miss of the warm pool and a take: an attacher maps it all by PMDs. */
+/* The copy path, a miss of the warm pool and a take: an attacher maps it all by PMDs. (The
+ * first publish only notes the size; the second, a miss, has the pool keep one.) */
 START_TEST(test_thp_publish)
 {
 	dlpc_client *c = connect_or_die(&D);
 	struct want w1 = {"h/one", 64 * MIB, 1, "ShmemPmdMapped:", 64 * 1024};
 	struct want w2 = {"h/two", 64 * MIB, 2, "ShmemPmdMapped:", 64 * 1024};
 
+	publish_filled(c, "h/zero", w1.size, 3);
 	publish_filled(c, w1.name, w1.size, w1.fill);
 	ck_assert_int_eq(wait_child(spawn(attacher, &w1)), 0);
 	usleep((useconds_t)scaled_ms(500) * 1000); /* the pool fills meanwhile, or not: both go */

@@ -280,10 +280,11 @@ static int warm_held(uint64_t bytes)
 #define WARM_B (80ll << 20)
 
 /*
- * In a child, in the cgroup at @p arg: publish 48 MiB from a 96 MiB source (144 of the 256 MiB;
- * the 112 left are DLPC__WARM_ROOM_FACTOR times 48 MiB and more, so the warm pool refills its
- * 48 MiB memfd: 192), then 80 MiB of another size, which only fits once the pool gives its
- * memory back: it must, the publish succeeds.
+ * In a child, in the cgroup at @p arg: dlpc_alloc() 48 MiB and free it (the pool notes the size:
+ * it keeps one from a size's second use), then publish 48 MiB from a 96 MiB source (144 of the
+ * 256 MiB; the 112 left are DLPC__WARM_ROOM_FACTOR times 48 MiB and more, so the warm pool
+ * refills its 48 MiB memfd: 192), then 80 MiB of another size, which only fits once the pool
+ * gives its memory back: it must, the publish succeeds.
  */
 static int warm_gives_way(void *arg)
 {
@@ -301,6 +302,7 @@ static int warm_gives_way(void *arg)
 	src = malloc((size_t)WARM_SRC);
 	CHILD_CHECK(src != NULL);
 	memset(src, 7, (size_t)WARM_SRC);
+	CHILD_CHECK(alloc_free(WARM_A) == 0);
 	CHILD_CHECK(dlpc_publish(c, "cg/a", host_tensor(src, u8, 1, &a, NULL, NULL), 0) > 0);
 	for (i = 0; i < scaled_ms(5000) / 10 && warm_held((uint64_t)WARM_A) != 1; i++)
 		usleep(10000);

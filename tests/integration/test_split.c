@@ -519,9 +519,10 @@ static bool wait_mapped_warm(void)
 }
 
 /* A bundle of a contiguous tensor and a strided one (a transposed view), large enough to be
- * split, published twice: the first writes a fresh memfd (with write(), or through a mapping
- * where shmem huge pages are on), the second takes the warm pool's mapped memfd and copies
- * through its mapping, split. Another process reads both back whole each time. */
+ * split, published three times: the first two write fresh memfds (with write(), or through a
+ * mapping where shmem huge pages are on; the pool keeps a size from its second use), the third
+ * takes the warm pool's mapped memfd and copies through its mapping, split. Another process
+ * reads each back whole. */
 START_TEST(test_split_publish_bundle)
 {
 	uint8_t *a = malloc(A_BYTES), *tb = malloc((size_t)B_ROWS * B_COLS);
@@ -539,7 +540,7 @@ START_TEST(test_split_publish_bundle)
 		tb[i] = (uint8_t)(i * 31 + 3);
 	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1);
 	c = connect_or_die(&D);
-	for (int round = 0; round < 2; round++) {
+	for (int round = 0; round < 3; round++) {
 		DLManagedTensorVersioned *t[2] = {
 			host_tensor(tb, (DLDataType){kDLUInt, 8, 1}, 2, shape_b, strides_b, NULL),
 			host_tensor(a, (DLDataType){kDLUInt, 8, 1}, 1, shape_a, NULL, NULL)};
@@ -547,8 +548,8 @@ START_TEST(test_split_publish_bundle)
 
 		ck_assert_msg(r > 0, "publish: %d: %s", r, dlpc_last_error());
 		ck_assert_int_eq(wait_child(spawn(bundle_child, &s)), 0);
-		/* the pool fills and maps a memfd of this size for the second round */
-		if (round == 0)
+		/* the pool fills and maps a memfd of this size for the third round */
+		if (round == 1)
 			ck_assert_msg(wait_mapped_warm(), "the warm pool mapped no memfd");
 	}
 	dlpc_close(c);
@@ -594,8 +595,8 @@ static void publish_one(dlpc_client *c, const struct bundle_src *s)
 	ck_assert_msg(r > 0, "publish: %d: %s", r, dlpc_last_error());
 }
 
-/* One contiguous tensor, large enough to be split, published twice: the second publish takes
- * the warm pool's mapped memfd, whose threads drop the pages they wrote from the mapping
+/* One contiguous tensor, large enough to be split, published three times: the third publish
+ * takes the warm pool's mapped memfd (the pool keeps a size from its second use), whose threads drop the pages they wrote from the mapping
  * (DLPC__SPLIT_DROP) before the seal. A guard of the bytes: another process reads every one
  * back each time (that the drop happens is split_copy_drop's). */
 START_TEST(test_split_publish_dropped)
@@ -606,10 +607,10 @@ START_TEST(test_split_publish_dropped)
 
 	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1);
 	c = connect_or_die(&D);
-	for (int round = 0; round < 2; round++) {
+	for (int round = 0; round < 3; round++) {
 		publish_one(c, &s);
 		ck_assert_int_eq(wait_child(spawn(one_child, &s)), 0);
-		if (round == 0)
+		if (round == 1)
 			ck_assert_msg(wait_mapped_warm(), "the warm pool mapped no memfd");
 	}
 	dlpc_close(c);

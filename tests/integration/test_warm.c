@@ -6,6 +6,7 @@
  * off with DLPC_WARM_BYTES=0, gone with the last client, and not the child's after a fork.
  *
  * The pool's memfds are found by their label: /proc/self/fd links "/memfd:dlpc:warm (deleted)".
+ * A size is kept from its second use within the idle time on (publish_twice()).
  */
 #include <dirent.h>
 #include <errno.h>
@@ -108,6 +109,17 @@ static bool wait_mappings(int n)
 	return dlpc_mappings() == n;
 }
 
+/* Publish @p size bytes of @p fill as @p name, and as @p name with "~" first: the second use of
+ * a size is the one that has the pool keep a memfd of it (the first only notes the size). */
+static void publish_twice(dlpc_client *c, const char *name, size_t size, int fill)
+{
+	char first[64];
+
+	snprintf(first, sizeof(first), "%s~", name);
+	publish_filled(c, first, size, fill);
+	publish_filled(c, name, size, fill);
+}
+
 /* What an attacher sees of @p name: its bytes all @p fill, its memfd's seals, label and inode. */
 struct seen {
 	bool bytes_ok;
@@ -199,11 +211,17 @@ static int attacher(void *arg)
 /* A publish once the pool is warm writes into the pool's memfd, sealed read-only. */
 START_TEST(test_warm_publish_is_sealed)
 {
-	dlpc_client *c = connect_or_die(&D);
+	dlpc_client *c;
 	struct look_args a = {"w/sealed", 3 * MIB, 7, WARM_LINK};
 
-	publish_filled(c, "w/first", 3 * MIB, 1); /* a miss: the pool learns the size */
-	ck_assert_msg(wait_warm(1), "the pool made no memfd after a 3 MiB publish");
+	/* the first use is not forgotten before the second: under valgrind a publish is slow */
+	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1);
+	c = connect_or_die(&D);
+	publish_filled(c, "w/once", 3 * MIB, 1); /* a miss: the pool notes the size, no more */
+	usleep((useconds_t)scaled_ms(300) * 1000);
+	ck_assert_int_eq(fds_on(WARM_LINK, NULL), 0);
+	publish_filled(c, "w/first", 3 * MIB, 1); /* a miss again: now it keeps one */
+	ck_assert_msg(wait_warm(1), "the pool made no memfd after two 3 MiB publishes");
 	publish_filled(c, a.name, a.size, a.fill);
 	ck_assert_int_eq(wait_child(spawn(attacher, &a)), 0);
 	dlpc_close(c);
@@ -233,7 +251,7 @@ static int distinct_attacher(void *arg)
 		for (int j = 0; j < i; j++)
 			CHILD_CHECK(inos[j] != inos[i]);
 	}
-	CHILD_CHECK(warm >= TWICE_N - 1); /* the first was a miss */
+	CHILD_CHECK(warm >= TWICE_N - 2); /* the first two were misses */
 	dlpc_close(c);
 	return 0;
 }
@@ -249,7 +267,8 @@ START_TEST(test_warm_never_twice)
 
 		snprintf(name, sizeof(name), "w/n%d", i);
 		publish_filled(c, name, MIB, i + 1);
-		ck_assert_msg(wait_warm(1), "the pool was not refilled after publish %d", i);
+		ck_assert_msg(i == 0 || wait_warm(1), "the pool was not refilled after publish %d",
+			      i);
 	}
 	ck_assert_int_eq(wait_child(spawn(distinct_attacher, NULL)), 0);
 	dlpc_close(c);
@@ -264,11 +283,11 @@ START_TEST(test_warm_bytes_bound)
 
 	setenv(DLPC_WARM_BYTES_ENV, "3145728", 1); /* 3 MiB */
 	c = connect_or_die(&D);
-	publish_filled(c, "w/b1", MIB, 1);
+	publish_twice(c, "w/b1", MIB, 1);
 	ck_assert(wait_warm(1));
-	publish_filled(c, "w/b2", 2 * MIB, 2);
+	publish_twice(c, "w/b2", 2 * MIB, 2);
 	ck_assert(wait_warm(2));
-	publish_filled(c, "w/b4", 4 * MIB, 4); /* no room left for it: a miss, and no fill */
+	publish_twice(c, "w/b4", 4 * MIB, 4); /* no room left for it: misses, and no fill */
 	publish_filled(c, "w/b1again", MIB, 1);
 	ck_assert(wait_warm(2));
 	ck_assert_int_eq(fds_on(WARM_LINK, &bytes), 2);
@@ -278,7 +297,7 @@ START_TEST(test_warm_bytes_bound)
 END_TEST
 
 /* The pool keeps memfds for the DLPC__WARM_SIZES_MAX sizes used last, one each when each was
- * used once: the older sizes' go. */
+ * used twice: the older sizes' go. */
 START_TEST(test_warm_sizes_bound)
 {
 	dlpc_client *c;
@@ -292,7 +311,7 @@ START_TEST(test_warm_sizes_bound)
 		char name[32];
 
 		snprintf(name, sizeof(name), "w/s%d", i);
-		publish_filled(c, name, (size_t)(i + 1) * MIB, i + 1);
+		publish_twice(c, name, (size_t)(i + 1) * MIB, i + 1);
 	}
 	ck_assert(wait_warm(DLPC__WARM_SIZES_MAX));
 	usleep((useconds_t)scaled_ms(300) * 1000); /* nothing more comes */
@@ -314,8 +333,8 @@ static size_t class_size(int k)
 }
 
 /* Publish @p misses sizes of class @p k, each 64 KiB larger than the one before: each is a
- * miss (the memfds ready for the class are all smaller than it), which asks the pool for one
- * more memfd of the class, up to DLPC__WARM_DEPTH_MAX. */
+ * miss (the memfds ready for the class are all smaller than it); the first notes the class,
+ * each later one asks the pool for one more memfd of it, up to DLPC__WARM_DEPTH_MAX. */
 static void publish_misses(dlpc_client *c, int k, int misses)
 {
 	for (int i = 0; i < misses; i++) {
@@ -376,7 +395,7 @@ START_TEST(test_warm_idle_max)
 
 	setenv(DLPC_WARM_IDLE_MS_ENV, "9223372036854775807", 1);
 	c = connect_or_die(&D);
-	publish_filled(c, "w/long", 2 * MIB, 1);
+	publish_twice(c, "w/long", 2 * MIB, 1);
 	ck_assert_msg(wait_warm(1), "no memfd kept with DLPC_WARM_IDLE_MS=INT64_MAX");
 	usleep((useconds_t)scaled_ms(300) * 1000);
 	ck_assert_int_eq(fds_on(WARM_LINK, NULL), 1);
@@ -418,11 +437,14 @@ static long thread_wakes(void)
 START_TEST(test_warm_idle)
 {
 	dlpc_client *c;
+	char idle[32];
 	long wakes;
 
-	setenv(DLPC_WARM_IDLE_MS_ENV, "200", 1);
+	/* scaled: the two publishes of a size fall within it under valgrind too */
+	snprintf(idle, sizeof(idle), "%d", scaled_ms(200));
+	setenv(DLPC_WARM_IDLE_MS_ENV, idle, 1);
 	c = connect_or_die(&D);
-	publish_filled(c, "w/idle", 2 * MIB, 1);
+	publish_twice(c, "w/idle", 2 * MIB, 1);
 	ck_assert(wait_warm(1));
 	ck_assert_msg(wait_warm(0), "the pool kept its memfd past DLPC_WARM_IDLE_MS");
 	usleep((useconds_t)scaled_ms(200) * 1000); /* its thread goes to sleep after closing */
@@ -431,7 +453,7 @@ START_TEST(test_warm_idle)
 	usleep(500000);
 	ck_assert_int_eq(thread_wakes(), wakes);
 	/* and it comes back to life */
-	publish_filled(c, "w/idle2", 2 * MIB, 2);
+	publish_twice(c, "w/idle2", 2 * MIB, 2);
 	ck_assert(wait_warm(1));
 	dlpc_close(c);
 }
@@ -459,12 +481,12 @@ START_TEST(test_warm_last_close)
 {
 	dlpc_client *c = connect_or_die(&D);
 
-	publish_filled(c, "w/close", 64 * MIB, 1);
+	publish_twice(c, "w/close", 64 * MIB, 1);
 	dlpc_close(c); /* most likely while the thread fills */
 	/* the last reference may be the library thread's, which lets the client go a moment later */
 	ck_assert(wait_warm(0));
 	c = connect_or_die(&D);
-	publish_filled(c, "w/close2", MIB, 1);
+	publish_twice(c, "w/close2", MIB, 1);
 	ck_assert(wait_warm(1));
 	dlpc_close(c);
 	ck_assert(wait_warm(0));
@@ -480,7 +502,7 @@ static int forked_publisher(void *arg)
 
 	CHILD_CHECK(fds_on(WARM_LINK, NULL) == 0);
 	c = connect_or_die(&D);
-	publish_filled(c, "w/child1", MIB, 4);
+	publish_twice(c, "w/child1", MIB, 4);
 	CHILD_CHECK(wait_warm(1));
 	publish_filled(c, a.name, a.size, a.fill);
 	CHILD_CHECK(wait_child(spawn(attacher, &a)) == 0);
@@ -497,7 +519,7 @@ START_TEST(test_warm_fork)
 
 	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1); /* nothing falls idle meanwhile */
 	c = connect_or_die(&D);
-	publish_filled(c, "w/parent1", MIB, 3);
+	publish_twice(c, "w/parent1", MIB, 3);
 	ck_assert(wait_warm(1));
 	ck_assert_int_eq(dlpc_mappings(), 0); /* below DLPC__WARM_MAP_MIN: not mapped */
 	ck_assert_int_eq(wait_child(spawn(forked_publisher, c)), 0);
@@ -533,7 +555,7 @@ static int mapped_child(void *arg)
 	close(p->down[1]);
 	CHILD_CHECK(dlpc_mappings() == 0);
 	c = connect_or_die(&D);
-	publish_filled(c, "w/mchild1", MAPPED, 7);
+	publish_twice(c, "w/mchild1", MAPPED, 7);
 	CHILD_CHECK(wait_warm(1));
 	CHILD_CHECK(wait_mappings(1));
 	publish_filled(c, "w/mchild2", MAPPED, 8);
@@ -575,7 +597,7 @@ START_TEST(test_warm_mapped)
 
 	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1); /* nothing falls idle meanwhile */
 	c = connect_or_die(&D);
-	publish_filled(c, "w/m1", MAPPED, 1);
+	publish_twice(c, "w/m1", MAPPED, 1);
 	ck_assert(wait_warm(1));
 	ck_assert(wait_mappings(1));
 	ck_assert_int_eq(pipe(p.up), 0);
@@ -661,7 +683,7 @@ START_TEST(test_warm_alloc)
 
 	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1); /* nothing falls idle meanwhile */
 	c = connect_or_die(&D);
-	publish_filled(c, "w/a1", MAPPED, 1); /* a miss: the pool learns the size */
+	publish_twice(c, "w/a1", MAPPED, 1); /* misses: the pool keeps the size */
 	ck_assert(wait_warm(1));
 	t = alloc_from_pool(c, len, label, sizeof(label));
 	ck_assert_str_eq(label, WARM_LINK);
