@@ -194,25 +194,31 @@ static int alloc_device(DLDevice device, const char *what)
 
 /* A memfd of the warm pool for @p r (@p size bytes), mapped here writable with every page
  * allocated (from DLPC__WARM_MAP_MIN bytes, faulted in too); false if the pool has none of about
- * that size (it notes the size, and fills one after the publish: dlpc__warm_refill()). */
+ * that size. Either way the pool has noted the size (r->warm_noted): it keeps one from a size's
+ * second use, filled once the allocation is published (dlpc__warm_refill()). */
 static bool alloc_warm(struct dlpc__region *r, uint64_t size)
 {
 	size_t map_len, len = (size_t)size;
 	void *map;
 	int fd = dlpc__warm_take(size, &map, &map_len);
 
+	atomic_store(&r->warm_noted, true);
 	if (fd < 0)
 		return false;
 	if (map) {
 		/* the pool's mapping is kept from forked children (a seal fails while a writable
 		 * mapping exists); dlpc_alloc() memory is inherited as any other mapping. The tail
-		 * past the memfd's new size goes. */
+		 * past the memfd's new size goes first, so that the advice covers the whole mapping
+		 * (no split); where either fails, a mapping of our own instead (the pages stay). */
 		size_t keep = ((len - 1) | ((size_t)sysconf(_SC_PAGESIZE) - 1)) + 1;
 
-		(void)madvise(map, keep, MADV_DOFORK);
-		if (map_len > keep)
-			munmap((uint8_t *)map + keep, map_len - keep);
-	} else {
+		if ((map_len > keep && munmap((uint8_t *)map + keep, map_len - keep) < 0) ||
+		    madvise(map, keep, MADV_DOFORK) < 0) {
+			munmap(map, map_len);
+			map = NULL;
+		}
+	}
+	if (!map) {
 		map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 		if (map == MAP_FAILED) {
 			close(fd);
@@ -225,22 +231,15 @@ static bool alloc_warm(struct dlpc__region *r, uint64_t size)
 	return true;
 }
 
-/* The memfd of @p r, @p size bytes mapped here with every page allocated (huge ones where the
- * machine allows them; with "advise" faulted in by threads, dlpc__split_copy()), for dlpc_alloc()
- * (@p what): one of the warm pool's where it has one of that size. 0 or negative errno. */
-static int alloc_host(struct dlpc__region *r, uint64_t size, const char *what)
+/* alloc_host()'s memfd of its own: 0 or negative errno (-ENOSPC where memory ran out). */
+static int alloc_own(struct dlpc__region *r, uint64_t size, const char *what)
 {
 	/* with shmem_enabled "advise", huge pages go to pages first touched through a mapping
 	 * marked MADV_HUGEPAGE: the reservation faults them in through ours */
 	bool advise = dlpc__huge_for(size, false) == DLPC__HUGE_ADVISE;
 	int err;
 
-	if (size >= DLPC_WARM_SIZE_MIN && alloc_warm(r, size))
-		return 0;
 	r->fd = dlpc__memfd_create(what, size, !advise);
-	/* memory the warm pool holds never makes an allocation fail: it is given back first */
-	if (r->fd == -ENOSPC && dlpc__warm_drop())
-		r->fd = dlpc__memfd_create(what, size, !advise);
 	if (r->fd < 0)
 		return r->fd;
 	r->len = (size_t)size;
@@ -267,15 +266,34 @@ static int alloc_host(struct dlpc__region *r, uint64_t size, const char *what)
 	return 0;
 }
 
+/* The memfd of @p r, @p size bytes mapped here with every page allocated (huge ones where the
+ * machine allows them; with "advise" faulted in by threads, dlpc__split_copy()), for dlpc_alloc()
+ * (@p what): one of the warm pool's where @p warm and it has one of that size. 0 or negative
+ * errno. */
+static int alloc_host(struct dlpc__region *r, uint64_t size, const char *what, bool warm)
+{
+	int err;
+
+	if (warm && size >= DLPC_WARM_SIZE_MIN && alloc_warm(r, size))
+		return 0;
+	err = alloc_own(r, size, what);
+	/* memory the warm pool holds never makes an allocation fail: it is given back first */
+	if (err == -ENOSPC && dlpc__warm_drop())
+		err = alloc_own(r, size, what);
+	return err;
+}
+
 /* A new region of @p size bytes (> 0) on @p device, holding one reference (the caller's):
  * a memfd mapped here, or CUDA VMM memory exportable as an fd the daemon can hold. */
-int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret)
+int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, bool warm,
+		       struct dlpc__region **ret)
 {
 	struct dlpc__region *r = calloc(1, sizeof(*r));
 	int err;
 
 	if (!r)
 		return dlpc__fail(-ENOMEM, "%s: out of memory", what);
+	atomic_init(&r->warm_noted, false);
 	if (device.device_type == kDLCUDA) {
 		err = dlpc__cuda_vmm_alloc(device.device_id, size, &r->gpu, &r->base, &r->len,
 					   &r->fd, r->uuid, what);
@@ -285,7 +303,7 @@ int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct 
 		}
 		r->device = true;
 	} else {
-		err = alloc_host(r, size, what);
+		err = alloc_host(r, size, what, warm);
 		if (err < 0) {
 			free(r);
 			return err;
@@ -316,7 +334,7 @@ DLPC_EXPORT int dlpc_alloc(dlpc_client *c, DLDevice device, DLDataType dtype, in
 	if (dlpc__tensor_nbytes(dtype.bits, dtype.lanes, shape, (size_t)ndim, &nbytes) < 0 ||
 	    !dlpc__align_up(nbytes, &size) || size > INT64_MAX)
 		return dlpc__fail(-EINVAL, "dlpc_alloc: bad dtype or shape");
-	err = dlpc__alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc", &r);
+	err = dlpc__alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc", true, &r);
 	if (err < 0)
 		return err;
 	/* the region's own reference is handed to the view, which takes one more */
@@ -365,7 +383,7 @@ DLPC_EXPORT int dlpc_alloc_bundle(dlpc_client *c, DLDevice device, size_t n,
 		free(offsets);
 		return dlpc__fail(-EINVAL, "dlpc_alloc_bundle: too large");
 	}
-	err = dlpc__alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc_bundle", &r);
+	err = dlpc__alloc_region(device, size ? size : DLPC_ALIGN, "dlpc_alloc_bundle", true, &r);
 	if (err == 0) {
 		/* the region keeps the layout: only all of it is published without a copy */
 		r->nparts = n;

@@ -260,7 +260,8 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 				  channel);
 	b = find_reusable(c, p, size);
 	if (!b) {
-		err = dlpc__alloc_region(dev, size, "dlpc_channel_alloc", &r);
+		/* not from the warm pool: the buffer is made once and used again and again */
+		err = dlpc__alloc_region(dev, size, "dlpc_channel_alloc", false, &r);
 		if (err < 0)
 			return err;
 		if (pool_readonly(r) < 0) {

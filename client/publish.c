@@ -795,8 +795,9 @@ static int publish_host(dlpc_client *c, const char *name, size_t n,
 out:
 	if (!zc && fd >= 0)
 		close(fd);
-	/* a dlpc_alloc() region may have taken a memfd of the pool's too (alloc.c) */
-	if (size >= DLPC_WARM_SIZE_MIN)
+	/* a dlpc_alloc() region's size was noted by the pool too (alloc.c): refilled at its first
+	 * publish only, so that a buffer published again and again keeps no size alive */
+	if (size >= DLPC_WARM_SIZE_MIN && (!zc || atomic_exchange(&zc->warm_noted, false)))
 		dlpc__warm_refill(size);
 	return r;
 }

@@ -59,6 +59,9 @@ struct dlpc__region {
 	struct dlpc__mkey key;
 	uint8_t map_kind;   /* DLPC__MAP_* */
 	atomic_bool frozen; /* allocated memory sealed read-only (F_SEAL_WRITE), mapped read-only */
+	/* dlpc_alloc() memory whose size the warm pool noted: its first publish has the pool
+	 * refilled (dlpc__warm_refill()), later ones (the same buffer sent again) do not */
+	atomic_bool warm_noted;
 	atomic_bool sealed_ro; /* ...and its seals final: sealing it read-only again is a no-op */
 	/* attached memory: who published the entry, and what */
 	uint32_t owner_uid, entry_flags;
@@ -100,8 +103,9 @@ int dlpc__memfd_open(const char *name, uint64_t size, unsigned flags);
  * fails otherwise; the memfd is the caller's, never handed out again. *@p map: NULL, or a
  * writable mapping of it (*@p map_len bytes, at least @p size; MADV_DONTFORK), its pages faulted
  * in, that the caller writes through and munmap()s before the seal (dlpc_alloc() keeps it as
- * its region's, MADV_DOFORK). Notes the size as used, so that the pool keeps one ready for the
- * next publish or dlpc_alloc() of about that size. */
+ * its region's, MADV_DOFORK). Notes the size as used: from a size's second use within
+ * $DLPC_WARM_IDLE_MS, the pool keeps one ready for the next publish or dlpc_alloc() of about
+ * that size. */
 int dlpc__warm_take(uint64_t size, void **map, size_t *map_len);
 /* After the publish that called dlpc__warm_take(@p size), or published the dlpc_alloc() memory
  * that did: have the pool refilled, in the background.
@@ -198,7 +202,9 @@ void dlpc__region_finish(struct dlpc__region *r);
 void dlpc__region_note_stream(struct dlpc__region *r, void *stream);
 
 /* alloc.c: a new region of @p size bytes (> 0) on @p device holding one reference (the
- * caller's); errors name @p what. */
-int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, struct dlpc__region **ret);
+ * caller's); errors name @p what. Host memory comes from the warm pool where @p warm (memory
+ * used once, as dlpc_alloc()'s, not a channel's buffer recycled for ever). */
+int dlpc__alloc_region(DLDevice device, uint64_t size, const char *what, bool warm,
+		       struct dlpc__region **ret);
 
 #endif

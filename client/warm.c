@@ -7,8 +7,9 @@
  * caller's critical path. The pool keeps, for each size the copy path used twice or more in the
  * last $DLPC_WARM_IDLE_MS (a size used once, or less often than that, is not worth the memory
  * and the CPU of a refill that nobody takes), one memfd (two, for a size asked for faster than
- * it was refilled) whose pages a background thread allocated beforehand; the copy path takes one of a fitting size
- * (dlpc__warm_take()), sizes it down to the storage's exact size, writes and seals it. From
+ * it was refilled) whose pages a background thread allocated beforehand; the copy path takes
+ * one of a fitting size (dlpc__warm_take()), sizes it down to the storage's exact size, writes
+ * and seals it. From
  * DLPC__WARM_MAP_MIN bytes the thread also maps the memfd (MADV_DONTFORK) and faults its pages
  * in (MADV_POPULATE_WRITE): the copy is then a memcpy() that takes no fault, and the copy path
  * unmaps it before the seal (F_SEAL_WRITE is refused while a writable mapping exists). A memfd
@@ -52,7 +53,8 @@ struct warm_fd {
 	void *map;
 };
 
-/* A size the copy path used: when last, and how many memfds of it to keep ready. */
+/* A size the copy path or dlpc_alloc() used: when last, and how many memfds of it to keep
+ * ready (0 after its first use). */
 struct warm_want {
 	uint64_t size;
 	int64_t used_ms;
@@ -158,17 +160,24 @@ static void want_note(uint64_t size, int64_t now, bool hit)
 	for (size_t i = 0; i < warm.nwant && !w; i++)
 		if (fits(warm.want[i].size, size) || fits(size, warm.want[i].size))
 			w = &warm.want[i];
-	if (w) {
+	/* a size last used before the idle time is a first use again, though the pool's thread
+	 * (not started, or asleep with nothing kept) has not forgotten it yet */
+	if (w && now - w->used_ms >= warm.idle_ms) {
+		w->size = size;
+		w->depth = 0;
+	} else if (w) {
 		if (!hit && w->depth < DLPC__WARM_DEPTH_MAX)
 			w->depth++;
 		w->size = size > w->size ? size : w->size;
 	} else {
 		if (warm.nwant < DLPC__WARM_SIZES_MAX) {
 			w = &warm.want[warm.nwant++];
-		} else { /* the least recently used size goes */
-			w = &warm.want[0];
-			for (size_t i = 1; i < warm.nwant; i++)
-				if (warm.want[i].used_ms < w->used_ms)
+		} else { /* the least recently used size goes, one used once first */
+			w = NULL;
+			for (size_t i = 0; i < warm.nwant; i++)
+				if (!w || (warm.want[i].depth == 0) > (w->depth == 0) ||
+				    ((warm.want[i].depth == 0) == (w->depth == 0) &&
+				     warm.want[i].used_ms < w->used_ms))
 					w = &warm.want[i];
 		}
 		w->size = size;

@@ -106,6 +106,7 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b.staging = _server.Staging(_server.STAGING_MAX)
     b.cuda_device = 0
     b._cuda_why = None          # looked at: takes device entries
+    b._cuda_lock = threading.Lock()
     return b
 
 
@@ -380,6 +381,57 @@ def test_the_importer_waits_for_the_layout_while_the_exporter_stages(monkeypatch
 
     r, _ = peer_fetch(NoDeviceMemory(), twice)
     assert isinstance(r, ConnectionError) and "expected the layout, got 'staging'" in str(r)
+
+    # bytes past any float: taken as the most one uid's replicas may hold, not a crash
+    def huge(peer, get):
+        _wire.send(peer, {"op": "staging", "id": get["id"], "bytes": 10 ** 400})
+        _wire.send(peer, {**DEVICE_LAYOUT, "id": get["id"]})
+        got["next"] = _wire.recv(peer, time.monotonic() + 5)
+
+    r, _ = peer_fetch(NoDeviceMemory(), huge)
+    assert got["next"]["op"] == "release" and isinstance(r, OSError) and r.errno == errno.ENOMEM
+
+    # not a count: a protocol error
+    for n in (True, -1, "1"):
+        def odd(peer, get, n=n):
+            _wire.send(peer, {"op": "staging", "id": get["id"], "bytes": n})
+            time.sleep(1)
+
+        r, link = peer_fetch(NoDeviceMemory(), odd)
+        assert isinstance(r, ConnectionError) and r.errno == errno.EPROTO, (n, r)
+        assert link.sock is None                # dropped
+
+
+def test_a_staging_frame_for_a_get_of_host_entries_is_a_protocol_error():
+    """An importer that takes no device entries never waits longer for a layout."""
+    def exporter(peer, get):
+        assert "devices" not in get
+        _wire.send(peer, {"op": "staging", "id": get["id"], "bytes": 1 << 20})
+        time.sleep(1)
+
+    b = fake_bridge()
+    b._cuda_why = "--cuda-device none"
+    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
+    link.sock, peer = socket.socketpair()
+    link.agent = "exporter-agent"
+    out = {}
+    th = threading.Thread(target=lambda: out.update(r=_catch(
+        lambda: link.fetch(FakeDlpackd(), "w/x", "A:w/x", None, 1000))), daemon=True)
+    th.start()
+    try:
+        exporter(peer, _wire.recv(peer, time.monotonic() + 5))
+        th.join(10)
+    finally:
+        peer.close()
+    r = out["r"]
+    assert isinstance(r, ConnectionError) and "for a get of host entries" in str(r)
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:  # the outcome under test
+        return e
 
 
 def test_fetch_without_timeout_bounded_waiting_for_the_layout(monkeypatch):

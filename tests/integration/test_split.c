@@ -596,8 +596,8 @@ static void publish_one(dlpc_client *c, const struct bundle_src *s)
 }
 
 /* One contiguous tensor, large enough to be split, published three times: the third publish
- * takes the warm pool's mapped memfd (the pool keeps a size from its second use), whose threads drop the pages they wrote from the mapping
- * (DLPC__SPLIT_DROP) before the seal. A guard of the bytes: another process reads every one
+ * takes the warm pool's mapped memfd (the pool keeps a size from its second use), whose threads
+ * drop the pages they wrote from the mapping (DLPC__SPLIT_DROP) before the seal. A guard of the bytes: another process reads every one
  * back each time (that the drop happens is split_copy_drop's). */
 START_TEST(test_split_publish_dropped)
 {

@@ -707,6 +707,75 @@ START_TEST(test_warm_alloc)
 }
 END_TEST
 
+/* A dlpc_alloc() buffer sent on a channel again and again (dlpc_tensor_share()): the pool
+ * refills after its first send only, so the size falls idle and its memfd is given back while
+ * the buffer still goes; a buffer taken from the pool again after a kept size also works. */
+START_TEST(test_warm_buffer_sent_again)
+{
+	const size_t size = 2 * MIB;
+	int64_t shape[1] = {(int64_t)size};
+	DLManagedTensorVersioned *t;
+	dlpc_client *c;
+	char idle[32];
+	bool gone = false;
+
+	snprintf(idle, sizeof(idle), "%d", scaled_ms(300));
+	setenv(DLPC_WARM_IDLE_MS_ENV, idle, 1);
+	c = connect_or_die(&D);
+	ck_assert_dlpc(dlpc_channel_open(c, "w/again", 1000, NULL), 1);
+	publish_filled(c, "w/again0", size, 1); /* the size's first use */
+	ck_assert_dlpc(
+		dlpc_alloc(c, (DLDevice){kDLCPU, 0}, (DLDataType){kDLUInt, 8, 1}, 1, shape, &t),
+		0); /* its second: the pool keeps it, refilled after the first send */
+	memset(t->dl_tensor.data, 5, size);
+	ck_assert_dlpc(dlpc_send(c, "w/again", dlpc_tensor_share(t), 0), 0);
+	ck_assert(wait_warm(1));
+	/* sent every 20 ms (scaled), for up to 10 idle times (150 sends, within the channel's
+	 * capacity): the memfd goes all the same */
+	for (int i = 0; !gone && i < 150; i++) {
+		ck_assert_dlpc(dlpc_send(c, "w/again", dlpc_tensor_share(t), 0), 0);
+		gone = fds_on(WARM_LINK, NULL) == 0;
+		usleep((useconds_t)scaled_ms(20) * 1000);
+	}
+	ck_assert_msg(gone, "the pool kept a memfd while one buffer was resent");
+	t->deleter(t);
+	ck_assert_dlpc(dlpc_channel_remove(c, "w/again"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
+/* A channel's buffers (dlpc_channel_alloc()) are made once and recycled: never from the pool,
+ * which keeps its memfd of that size for a publish, and they note no size. */
+START_TEST(test_warm_channel_buffers)
+{
+	const size_t size = 3 * MIB;
+	int64_t shape[1] = {(int64_t)size};
+	DLManagedTensorVersioned *b[3];
+	char file[96], label[128];
+	dlpc_client *c;
+
+	setenv(DLPC_WARM_IDLE_MS_ENV, "600000", 1);
+	c = connect_or_die(&D);
+	ck_assert_dlpc(dlpc_channel_open(c, "w/bufs", 8, NULL), 1);
+	publish_twice(c, "w/kept", size, 1);
+	ck_assert(wait_warm(1));
+	for (int i = 0; i < 3; i++) {
+		ck_assert_dlpc(dlpc_channel_alloc(c, "w/bufs", (DLDataType){kDLUInt, 8, 1}, 1,
+						  shape, &b[i]),
+			       0);
+		ck_assert(mapped_file(b[i]->dl_tensor.data, file, sizeof(file), label,
+				      sizeof(label)));
+		ck_assert_str_ne(label, WARM_LINK);
+	}
+	usleep((useconds_t)scaled_ms(300) * 1000);
+	ck_assert_int_eq(fds_on(WARM_LINK, NULL), 1); /* the pool's, untouched */
+	for (int i = 0; i < 3; i++)
+		b[i]->deleter(b[i]);
+	ck_assert_dlpc(dlpc_channel_remove(c, "w/bufs"), 0);
+	dlpc_close(c);
+}
+END_TEST
+
 static Suite *warm_suite(void)
 {
 	Suite *s = suite_create("warm");
@@ -728,6 +797,8 @@ static Suite *warm_suite(void)
 	tcase_add_test(tc, test_warm_fork);
 	tcase_add_test(tc, test_warm_mapped);
 	tcase_add_test(tc, test_warm_alloc);
+	tcase_add_test(tc, test_warm_buffer_sent_again);
+	tcase_add_test(tc, test_warm_channel_buffers);
 	suite_add_tcase(s, tc);
 	return s;
 }

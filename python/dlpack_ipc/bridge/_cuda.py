@@ -6,8 +6,10 @@ registers with NIXL, the importer lands it in a host buffer and copies that into
 (docs/bridge.md, "GPU entries"). The copies go through the CUDA driver loaded at run time, the
 same library libdlpc loads ($DLPC_CUDA_LIBRARY, else libcuda.so.1), on the legacy default stream
 of the device's primary context, and each waits for its own end: once copy() returns, the bytes
-are where they were sent. The driver is loaded and initialized at the first copy, so a bridge
-that moves host entries only never touches it.
+are where they were sent. The driver is loaded and initialized at the importer's first fetch
+(check(): whether --cuda-device exists, so that the get says whether device entries are taken)
+or the exporter's first device entry; a bridge that only exports host entries, or is started
+with --cuda-device none, never touches it.
 """
 import ctypes
 import errno

@@ -417,10 +417,13 @@ class PeerLink:
             _wire.send(self.sock, get)
             f = self._answer(_bound(deadline, LAYOUT_TIMEOUT))
             if f["op"] == "staging" and f.get("id") == rid:
-                # a device entry copied to host memory first: that long more, once
+                # a device entry copied to host memory first: that long more, once, for at
+                # most as many bytes as one uid's replicas may hold (more cannot be taken)
                 n = f.get("bytes")
-                if not isinstance(n, int) or n < 0:
-                    raise _wire.FrameError("EPROTO", f"staging of {str(n)[:32]!r} bytes")
+                if not devices or isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    raise _wire.FrameError("EPROTO", f"staging of {str(n)[:32]!r} bytes" +
+                                           ("" if devices else " for a get of host entries"))
+                n = min(n, self.bridge.replicas.bytes_max)
                 f = self._answer(_bound(deadline, LAYOUT_TIMEOUT + transfer_deadline(n)))
         except (ConnectionResetError, BrokenPipeError):
             raise _Stale() from None

@@ -180,6 +180,7 @@ class Bridge:
         # None: --cuda-device none (device entries are not taken from peers)
         self.cuda_device = getattr(args, "cuda_device", 0)
         self._cuda_why = False          # not looked at yet; then None or why not
+        self._cuda_lock = threading.Lock()  # not self._lock: the look loads the driver
         self.peers = {}
         for p in args.peer or []:
             name, sep, addr = p.partition("=")
@@ -234,10 +235,13 @@ class Bridge:
     def takes_devices(self):
         """The device kinds this bridge takes from peers (["cuda"], or []) and why not (None or
         a message): looked at once, at the first fetch (the driver is loaded then)."""
-        with self._lock:
+        with self._cuda_lock:
             if self._cuda_why is False:
                 self._cuda_why = "--cuda-device none" if self.cuda_device is None else \
                     _cuda.check(self.cuda_device)
+                if self._cuda_why:
+                    log.info("this bridge takes no device entries from peers: %s",
+                             self._cuda_why)
             why = self._cuda_why
         return ([] if why else ["cuda"]), why
 
