@@ -315,10 +315,10 @@ DEVICE_LAYOUT = {"op": "layout", "lease": "L1", "generation": 1, "bundle": False
                  "device": "cuda:0", "tensors": [["", "uint8", [1 << 20], 1 << 20]]}
 
 
-def peer_fetch(dl, script):
+def peer_fetch(dl, script, b=None):
     """A fetch from a fake peer: script(peer, get) plays the exporter on its socket; the
     fetch's outcome, and the link."""
-    b = fake_bridge()
+    b = b or fake_bridge()
     link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
     link.sock, peer = socket.socketpair()
     link.agent = "exporter-agent"
@@ -411,27 +411,8 @@ def test_a_staging_frame_for_a_get_of_host_entries_is_a_protocol_error():
 
     b = fake_bridge()
     b._cuda_why = "--cuda-device none"
-    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
-    link.sock, peer = socket.socketpair()
-    link.agent = "exporter-agent"
-    out = {}
-    th = threading.Thread(target=lambda: out.update(r=_catch(
-        lambda: link.fetch(FakeDlpackd(), "w/x", "A:w/x", None, 1000))), daemon=True)
-    th.start()
-    try:
-        exporter(peer, _wire.recv(peer, time.monotonic() + 5))
-        th.join(10)
-    finally:
-        peer.close()
-    r = out["r"]
+    r, _ = peer_fetch(FakeDlpackd(), exporter, b)
     assert isinstance(r, ConnectionError) and "for a get of host entries" in str(r)
-
-
-def _catch(fn):
-    try:
-        return fn()
-    except Exception as e:  # the outcome under test
-        return e
 
 
 def test_fetch_without_timeout_bounded_waiting_for_the_layout(monkeypatch):
