@@ -268,11 +268,10 @@ class FakeDlpackd:
         pass
 
 
-def stalled_fetch(monkeypatch, layout, b=None, dl=None):
-    """A fetch with no timeout from a peer that answers up to layout (None: sends half a
-    layout), then sends half a frame and stalls; the fetch's outcome."""
-    monkeypatch.setattr(_importer, "LAYOUT_TIMEOUT", 0.3, raising=False)
-    monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.3, raising=False)
+def peer_fetch(dl, script, b=None, wait=10, stalled="the fetch did not end"):
+    """A fetch from a fake peer: script(peer, get) plays the exporter on its socket; the
+    fetch's outcome, and the link. The fetch must end within wait seconds of the script
+    (AssertionError saying stalled)."""
     b = b or fake_bridge()
     link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
     link.sock, peer = socket.socketpair()
@@ -281,20 +280,34 @@ def stalled_fetch(monkeypatch, layout, b=None, dl=None):
 
     def run():
         try:
-            out["r"] = link.fetch(dl or FakeDlpackd(), "w/x", "A:w/x", None, 1000)
+            out["r"] = link.fetch(dl, "w/x", "A:w/x", None, 1000)
         except Exception as e:  # the outcome under test
             out["r"] = e
     th = threading.Thread(target=run, daemon=True)
     th.start()
-    get = _wire.recv(peer, time.monotonic() + 5)
-    if layout is not None:
-        _wire.send(peer, {**layout, "id": get["id"]})
-        assert _wire.recv(peer, time.monotonic() + 5)["op"] == "put"
-    peer.sendall(struct.pack(">I", 100) + b'{"op":')       # half a frame, then nothing
-    th.join(20)
-    peer.close()          # lets a fetch that still waits see EOF (the test fails then)
-    assert not th.is_alive(), "the fetch waited on a stalled peer"
-    return out["r"]
+    try:
+        script(peer, _wire.recv(peer, time.monotonic() + 5))
+        th.join(wait)
+    finally:
+        peer.close()      # lets a fetch that still waits see EOF (the test fails then)
+    assert not th.is_alive(), stalled
+    return out["r"], link
+
+
+def stalled_fetch(monkeypatch, layout, b=None, dl=None):
+    """A fetch with no timeout from a peer that answers up to layout (None: sends half a
+    layout), then sends half a frame and stalls; the fetch's outcome."""
+    monkeypatch.setattr(_importer, "LAYOUT_TIMEOUT", 0.3, raising=False)
+    monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.3, raising=False)
+
+    def exporter(peer, get):
+        if layout is not None:
+            _wire.send(peer, {**layout, "id": get["id"]})
+            assert _wire.recv(peer, time.monotonic() + 5)["op"] == "put"
+        peer.sendall(struct.pack(">I", 100) + b'{"op":')   # half a frame, then nothing
+
+    return peer_fetch(dl or FakeDlpackd(), exporter, b, wait=20,
+                      stalled="the fetch waited on a stalled peer")[0]
 
 
 class NoDeviceMemory(FakeDlpackd):
@@ -313,31 +326,6 @@ class NoDeviceMemory(FakeDlpackd):
 
 DEVICE_LAYOUT = {"op": "layout", "lease": "L1", "generation": 1, "bundle": False, "ttl": 5.0,
                  "device": "cuda:0", "tensors": [["", "uint8", [1 << 20], 1 << 20]]}
-
-
-def peer_fetch(dl, script, b=None):
-    """A fetch from a fake peer: script(peer, get) plays the exporter on its socket; the
-    fetch's outcome, and the link."""
-    b = b or fake_bridge()
-    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
-    link.sock, peer = socket.socketpair()
-    link.agent = "exporter-agent"
-    out = {}
-
-    def run():
-        try:
-            out["r"] = link.fetch(dl, "w/x", "A:w/x", None, 1000)
-        except Exception as e:  # the outcome under test
-            out["r"] = e
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    try:
-        script(peer, _wire.recv(peer, time.monotonic() + 5))
-        th.join(10)
-    finally:
-        peer.close()
-    assert not th.is_alive(), "the fetch did not end"
-    return out["r"], link
 
 
 def test_a_device_replica_that_does_not_fit_is_refused_and_the_lease_released():
@@ -615,30 +603,18 @@ def test_an_import_longer_than_the_lease_ttl_within_its_own_deadline_completes(m
     class Notified(FakeNixl):
         def notified(self, agent, msg):
             return True
-    b, dl = fake_bridge(Notified()), ReplicaDlpackd()
-    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
-    link.sock, peer = socket.socketpair()
-    link.agent = "exporter-agent"
-    out = {}
+    b = fake_bridge(Notified())
 
-    def run():
-        try:
-            out["r"] = link.fetch(dl, "w/x", "A:w/x", None, 1000)
-        except Exception as e:  # the outcome under test
-            out["r"] = e
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    get = _wire.recv(peer, time.monotonic() + 5)
-    _wire.send(peer, {"op": "layout", "id": get["id"], "lease": "L1", "generation": 1,
-                      "bundle": False, "ttl": 0.01, "tensors": [["", "float32", [25], 100]]})
-    put = _wire.recv(peer, time.monotonic() + 5)
-    assert put["op"] == "put"
-    time.sleep(0.3)                       # longer than TTL + TRANSFER_GRACE
-    _wire.send(peer, {"op": "done", "id": put["id"], "lease": "L1"})
-    th.join(10)
-    peer.close()
-    assert not th.is_alive()
-    assert out["r"] == 1 and len(b.quarantine) == 0 and b.nixl.registered == 0
+    def exporter(peer, get):
+        _wire.send(peer, {"op": "layout", "id": get["id"], "lease": "L1", "generation": 1,
+                          "bundle": False, "ttl": 0.01, "tensors": [["", "float32", [25], 100]]})
+        put = _wire.recv(peer, time.monotonic() + 5)
+        assert put["op"] == "put"
+        time.sleep(0.3)                   # longer than TTL + TRANSFER_GRACE
+        _wire.send(peer, {"op": "done", "id": put["id"], "lease": "L1"})
+
+    r, _ = peer_fetch(ReplicaDlpackd(), exporter, b)
+    assert r == 1 and len(b.quarantine) == 0 and b.nixl.registered == 0
 
 
 # -- local callers charged per uid (_replicas) ----------------------------------------------
@@ -2031,22 +2007,9 @@ class GpuHosts(Hosts):
     device pointers are host addresses: the test fills and reads device memory directly. The
     driver's log is self.cuda_log."""
 
-    def __init__(self, dlpackd, fake):
+    def __init__(self, dlpackd):
         super().__init__(dlpackd)
         self.cuda_log = self.path("cuda.log")
-        self.env = {"DLPC_CUDA_LIBRARY": fake, "FAKE_CUDA_LOG": self.cuda_log}
-
-    def start_bridge(self, name, *argv):
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
-            return super().start_bridge(name, *argv)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    del os.environ[k]
-                else:
-                    os.environ[k] = v
 
     def cuda_calls(self, name, what):
         """The fake driver's log lines of what, made by bridge name's process."""
@@ -2067,10 +2030,10 @@ def gpu_hosts(request):
         pytest.fail(f"DLPACKD_BIN={dlpackd!r}, FAKE_CUDA_LIB={fake!r}: ctest sets both (by hand: "
                     "DLPACKD_BIN=build/dlpackd FAKE_CUDA_LIB=build/tests/libfake_cuda.so)",
                     pytrace=False)
-    # this process publishes and attaches device entries through the same fake driver
+    # this process and the bridges it starts (they inherit the environment) use the fake driver
     saved = {k: os.environ.get(k) for k in ("DLPC_CUDA_LIBRARY", "FAKE_CUDA_LOG")}
     os.environ["DLPC_CUDA_LIBRARY"] = fake
-    h = GpuHosts(dlpackd, fake)
+    h = GpuHosts(dlpackd)
     os.environ["FAKE_CUDA_LOG"] = h.cuda_log
     failed_before = request.session.testsfailed
     try:

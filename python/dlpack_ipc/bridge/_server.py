@@ -483,7 +483,7 @@ class Bridge:
 
     def _get(self, sock, dl, f, leases, who):
         rid, name = f.get("id"), f.get("name")
-        _devices(f)                 # a malformed one closes the connection
+        devices = _devices(f)       # a malformed list closes the connection
         if not isinstance(name, str) or not self.exported(name):
             log.info("peer %s asked for %s, which is not exported", who, _push.shown(name))
             return _wire.send(sock, _wire.error_frame(
@@ -512,7 +512,8 @@ class Bridge:
         staged = 0
         if device != "cpu":
             try:
-                tensors = self._staged(sock, dl, f, leases, name, tensors, bundle)
+                tensors = self._staged(sock, dl, f.get("id"), devices, leases, name, tensors,
+                                       bundle)
             except OSError as e:
                 log.info("peer %s: %s", who, e.strerror or e)
                 # the name older bridges sent for a device entry (errorcode says ENOTSUP)
@@ -532,12 +533,11 @@ class Bridge:
             layout["device"] = device
         _wire.send(sock, layout)
 
-    def _staged(self, sock, dl, f, leases, name, tensors, bundle):
+    def _staged(self, sock, dl, rid, devices, leases, name, tensors, bundle):
         """A device entry's tensors copied to host memory for a lease ([(key, _Staged)]); the
         device tensors are released either way. OSError naming what refused it."""
-        rid = f.get("id")
         try:
-            if "cuda" not in _devices(f):
+            if "cuda" not in devices:
                 raise OSError(errno.EOPNOTSUPP, f"{name!r} is a device entry, and the "
                               "importing bridge takes host entries only (an older bridge, or "
                               "one without a CUDA device: its --cuda-device)")
