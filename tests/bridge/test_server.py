@@ -17,7 +17,7 @@ import time
 import pytest
 
 from dlpack_ipc import bridge
-from dlpack_ipc.bridge import _importer, _nixl, _push, _replicas, _server, _wire
+from dlpack_ipc.bridge import _importer, _nixl, _push, _registry, _replicas, _server, _wire
 
 
 class FakeNixl:
@@ -107,6 +107,8 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b.cuda_device = 0
     b._cuda_why = None          # looked at: takes device entries
     b._cuda_lock = threading.Lock()
+    b.registry = b.registration = None
+    b.found = {}
     return b
 
 
@@ -2268,3 +2270,269 @@ def test_a_legacy_ipc_entry_is_copied_after_the_publishers_work(gpu_hosts):
     finally:
         h.dl.unpublish("w/legacy")
         h.dl.unpublish("A:w/legacy")
+
+
+# ---- the registry (etcd, --registry) ----------------------------------------------------------
+
+ETCD = shutil.which("etcd")
+REGISTRY_TTL = 2            # the exporters' --registry-ttl here: a killed one's record ends soon
+
+
+class EtcdServer:
+    """A real etcd (Debian's etcd-server) on loopback ports of its own, its data in dirname."""
+
+    def __init__(self, dirname):
+        if ETCD is None:
+            pytest.fail("etcd is not installed (Debian's etcd-server: scripts/dev installs it)",
+                        pytrace=False)
+        self.dir = dirname
+        self.port, peer = _free_port(), _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.peer_url = f"http://127.0.0.1:{peer}"
+        self.proc = None
+        self.client = _registry.Etcd(self.url, timeout=2.0)
+
+    def start(self):
+        log = open(os.path.join(self.dir, "etcd.log"), "ab")
+        self.proc = subprocess.Popen(
+            [ETCD, "--name", "t", "--data-dir", os.path.join(self.dir, "etcd"),
+             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+             "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
+             "--initial-cluster", f"t={self.peer_url}"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+
+        def up():
+            try:
+                return self.client.call("/v3/kv/range", {"key": "eA=="}) is not None
+            except OSError:
+                return self.proc.poll() is not None
+        _wait(up, "etcd answering", 30)
+        assert self.proc.poll() is None, "etcd exited: see etcd.log"
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(20)
+
+    def record(self, name):
+        v = self.client.get(_registry.record_key(_registry.REGISTRY_PREFIX, name))
+        return None if v is None else json.loads(v)
+
+
+class RegistryHosts(Hosts):
+    """Hosts with an etcd: "RA" exports w/ and registers as "ra" (--registry-ttl
+    REGISTRY_TTL); "RB" has no --peer and finds peers there."""
+
+    def __init__(self, dlpackd):
+        super().__init__(dlpackd)
+        self.etcd = EtcdServer(self.tmp)
+        self.etcd.start()
+
+    def registered(self, name, port, *extra):
+        p = self.start_bridge(name, "--listen", f"127.0.0.1:{port}", "--export", "w/",
+                              "--registry", self.etcd.url, "--registry-ttl",
+                              str(REGISTRY_TTL), *extra)
+        return p
+
+    def close(self, failed):
+        super().close(failed)
+        if self.etcd.proc and self.etcd.proc.poll() is None:
+            self.etcd.stop()
+
+
+@pytest.fixture(scope="module")
+def reg_hosts(request):
+    dlpackd = os.environ.get("DLPACKD_BIN")
+    if not dlpackd or not os.access(dlpackd, os.X_OK):
+        pytest.fail(f"DLPACKD_BIN={dlpackd!r} is not the dlpackd binary", pytrace=False)
+    h = RegistryHosts(dlpackd)
+    failed_before = request.session.testsfailed
+    try:
+        h.ra_port = _free_port()
+        h.registered("RA", h.ra_port, "--name", "ra")
+        h.start_bridge("RB", "--registry", h.etcd.url)
+        _wait(lambda: (h.status("RA")["registry"] or {}).get("registered"), "RA registered",
+              10)
+        yield h
+    finally:
+        h.close(request.session.testsfailed != failed_before)
+        if request.session.testsfailed != failed_before:
+            for name in ("RA", "RB", "RC"):
+                if os.path.exists(h.path(f"{name}.log")):
+                    print(f"--- {name}'s log (last lines)\n{h.log(name)}")
+
+
+def _reg_fetch(h, name, timeout=10.0):
+    return bridge.fetch(name, timeout, socket=h.path("RB.sock"))
+
+
+def test_a_registered_exporter_is_fetched_without_a_peer_option(reg_hosts):
+    import numpy as np
+    h = reg_hosts
+    rec = h.etcd.record("ra")
+    assert rec["addr"] == f"127.0.0.1:{h.ra_port}" and rec["exports"] == ["w/"]
+    assert rec["agent"] == h.status("RA")["agent"]
+    h.dl.publish("w/r", np.arange(1 << 16, dtype=np.uint32), replace=True)
+    local, gen = _reg_fetch(h, "ra:w/r")
+    t = h.dl.attach(local)
+    try:
+        assert local == "ra:w/r" and np.array_equal(np.asarray(t), np.arange(1 << 16))
+    finally:
+        t.release()
+    st = h.status("RB")["registry"]
+    assert st["found"] == {"ra": True} and st["registered"] is None and st["url"] == h.etcd.url
+
+
+def test_a_name_nobody_registered_is_not_found_naming_the_registry(reg_hosts):
+    with pytest.raises(FileNotFoundError) as e:
+        _reg_fetch(reg_hosts, "nobody:w/r")
+    assert "'nobody'" in str(e.value) and reg_hosts.etcd.url in str(e.value)
+    assert "nobody" not in reg_hosts.status("RB")["registry"]["found"]
+
+
+def test_a_stopped_exporter_revokes_its_record_and_a_killed_ones_ends_with_its_lease(reg_hosts):
+    h = reg_hosts
+    for how in ("stop", "kill"):
+        port = _free_port()
+        p = h.registered("RC", port, "--name", "rc")
+        _wait(lambda: h.etcd.record("rc"), "rc registered", 10)
+        assert h.etcd.record("rc")["addr"] == f"127.0.0.1:{port}"
+        if how == "stop":
+            h.stop("RC")
+            # revoked on the way out: gone before its TTL could have ended it
+            assert h.etcd.record("rc") is None
+        else:
+            p.kill()
+            p.wait()
+            h.procs.pop("RC")
+            assert h.etcd.record("rc") is not None, "a killed bridge cannot revoke its lease"
+            _wait(lambda: h.etcd.record("rc") is None, "the killed bridge's record ended",
+                  REGISTRY_TTL + 5)
+        with pytest.raises(FileNotFoundError):
+            _reg_fetch(h, "rc:w/r")
+
+
+def test_a_name_a_live_bridge_holds_is_not_taken_over(reg_hosts):
+    h = reg_hosts
+    held = h.etcd.record("ra")
+    h.registered("RC", _free_port(), "--name", "ra")
+    try:
+        _wait(lambda: "held by another bridge" in h.log("RC"), "RC sees ra held", 10)
+        assert h.status("RC")["registry"]["registered"] is False
+        assert h.etcd.record("ra") == held
+    finally:
+        h.stop("RC")
+    assert h.etcd.record("ra") == held, "the bridge that did not hold the record left it"
+
+
+def test_a_record_that_is_not_a_bridges_is_a_protocol_error(reg_hosts):
+    h = reg_hosts
+    for name, value in (("bad1", b"not json"), ("bad2", b'{"addr": "no port"}'),
+                        ("bad3", b'["127.0.0.1:1"]'),
+                        ("bad4", b'{"addr": "127.0.0.1:1", "pad": "' + b"x" * 5000 + b'"}')):
+        key = _registry.record_key(_registry.REGISTRY_PREFIX, name)
+        h.etcd.client.call("/v3/kv/put", {"key": _registry._b64(key.encode()),
+                                          "value": _registry._b64(value)})
+        with pytest.raises(OSError) as e:
+            _reg_fetch(h, f"{name}:w/r")
+        assert e.value.errno == errno.EPROTO and key in str(e.value), (name, e.value)
+    assert h.procs["RB"].poll() is None
+
+
+def test_the_registry_restarted_the_record_is_written_again_and_fetches_resume(reg_hosts):
+    import numpy as np
+    h = reg_hosts
+    h.dl.publish("w/r", np.full(4096, 6, np.uint8), replace=True)
+    _reg_fetch(h, "ra:w/r")             # the link to ra is up
+    h.etcd.stop()
+    try:
+        _wait(lambda: not h.status("RA")["registry"]["registered"], "RA sees etcd gone",
+              REGISTRY_TTL + 10)
+        with pytest.raises(ConnectionError) as e:
+            _reg_fetch(h, "elsewhere:w/r")
+        assert h.etcd.url in str(e.value)
+        # a link that is connected is used without the registry
+        h.dl.publish("w/r", np.full(4096, 7, np.uint8), replace=True)
+        local, _ = _reg_fetch(h, "ra:w/r")
+        t = h.dl.attach(local)
+        try:
+            assert np.all(np.asarray(t) == 7)
+        finally:
+            t.release()
+    finally:
+        h.etcd.start()
+    _wait(lambda: h.status("RA")["registry"]["registered"], "RA registered again", 15)
+    assert h.etcd.record("ra")["addr"] == f"127.0.0.1:{h.ra_port}"
+
+
+def test_the_registry_options_are_checked_at_start(reg_hosts, tmp_path):
+    h = reg_hosts
+    base = [sys.executable, FAKE_NIXL, "--socket", str(tmp_path / "x.sock"),
+            "--dlpackd-socket", h.dlpackd_sock, "--token-file", h.token]
+    for extra, rc, says in (
+            (["--registry", h.etcd.url, "--name", "a:b"], 2, "--name"),
+            (["--registry", h.etcd.url, "--registry-ttl", "1"], 2, "--registry-ttl"),
+            (["--advertise", "127.0.0.1:1"], 2, "--advertise needs --registry"),
+            (["--registry", "ftp://x"], 1, "is not http"),
+            (["--registry", h.etcd.url, "--listen", "0.0.0.0:0"], 1, "--advertise"),
+            (["--registry", h.etcd.url, "--registry-auth-file", str(tmp_path / "none")], 1,
+             "No such file")):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=30)
+        assert r.returncode == rc and says in r.stderr, (extra, r.returncode, r.stderr[-500:])
+
+
+def test_peers_found_in_the_registry_are_bounded(reg_hosts, monkeypatch):
+    h = reg_hosts
+    b = fake_bridge()
+    b.peers = {}
+    b.registry, b.registry_prefix = h.etcd.client, _registry.REGISTRY_PREFIX
+    monkeypatch.setattr(_registry, "FOUND_PEERS_MAX", 2)
+    for i in range(3):
+        key = _registry.record_key(_registry.REGISTRY_PREFIX, f"many{i}")
+        h.etcd.client.call("/v3/kv/put", {"key": _registry._b64(key.encode()), "value":
+                                          _registry._b64(b'{"addr": "127.0.0.1:9"}')})
+    try:
+        assert b._peer("many0").addr == ("127.0.0.1", 9)
+        assert b._peer("many1").addr == ("127.0.0.1", 9)
+        with pytest.raises(BlockingIOError) as e:
+            b._peer("many2")
+        assert "FOUND_PEERS_MAX" in str(e.value) and len(b.found) == 2
+    finally:
+        stop_fake_bridge(b)
+
+
+def test_a_registry_with_authentication_takes_only_the_bridges_credentials(tmp_path):
+    etcd = EtcdServer(str(tmp_path))
+    etcd.start()
+    try:
+        ctl = [shutil.which("etcdctl") or "etcdctl", "--endpoints", etcd.url]
+        env = {**os.environ, "ETCDCTL_API": "3"}
+        for cmd in (["user", "add", "root:rootpw"], ["user", "add", "bridge:bridgepw"],
+                    ["role", "add", "bridges"],
+                    ["role", "grant-permission", "bridges", "--prefix=true", "readwrite",
+                     _registry.REGISTRY_PREFIX],
+                    ["user", "grant-role", "bridge", "bridges"], ["auth", "enable"]):
+            subprocess.run(ctl + cmd, check=True, capture_output=True, env=env, timeout=30)
+        creds = tmp_path / "creds"
+        creds.write_text("bridge:bridgepw\n")
+        creds.chmod(0o644)
+        with pytest.raises(PermissionError, match="chmod 600"):
+            _registry.read_auth(str(creds))
+        creds.chmod(0o600)
+        good = _registry.Etcd(etcd.url, _registry.read_auth(str(creds)))
+        stop = threading.Event()
+        r = _registry.Registration(good, _registry.REGISTRY_PREFIX, "authd",
+                                   {"addr": "127.0.0.1:9"}, REGISTRY_TTL, stop)
+        assert r._step() > 0 and r.registered
+        good._token = "expired"          # etcd's tokens expire: authenticated again
+        assert _registry.lookup(good, _registry.REGISTRY_PREFIX, "authd") == ("127.0.0.1", 9)
+        with pytest.raises(PermissionError) as e:
+            _registry.lookup(etcd.client, _registry.REGISTRY_PREFIX, "authd")
+        assert etcd.url in str(e.value)
+        wrong = _registry.Etcd(etcd.url, ("bridge", "wrong"))
+        with pytest.raises(PermissionError):
+            wrong.get("x")
+        r.close()
+        assert good.get(_registry.record_key(_registry.REGISTRY_PREFIX, "authd")) is None
+    finally:
+        etcd.stop()

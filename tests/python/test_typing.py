@@ -50,8 +50,8 @@ def mypy(tmp_path):
 def test_stubs_agree_with_the_module(mypy):
     rc, out = mypy("mypy.stubtest", "--mypy-config-file", mypy.ini, "dlpack_ipc")
     assert rc == 0 and "Success" in out, out
-    assert "13 modules" in out, ("dlpack_ipc, dlpack_ipc._core, dlpack_ipc.torch, "
-                                 "dlpack_ipc.__main__ and dlpack_ipc.bridge's nine: " + out)
+    assert "14 modules" in out, ("dlpack_ipc, dlpack_ipc._core, dlpack_ipc.torch, "
+                                 "dlpack_ipc.__main__ and dlpack_ipc.bridge's ten: " + out)
 
 
 TYPED = '''

@@ -141,9 +141,26 @@ def _args(argv):
     p.add_argument("--follow-subscribed-interval", metavar="SECONDS", type=float, default=None,
                    help="how often --follow still asks while the peer pushes changes, for a "
                    "push lost with a connection (default FOLLOW_SUBSCRIBED_INTERVAL, 30)")
+    p.add_argument("--registry", metavar="URL",
+                   help="etcd's client URL (http:// or https://): with --listen, keep this "
+                   "bridge's record there under --name while it runs; fetch NAME:name from a "
+                   "NAME registered there when there is no --peer NAME (docs/bridge.md)")
+    p.add_argument("--registry-prefix", metavar="PREFIX", default=None,
+                   help="the keys of the records start with this (default /dlpackd-bridge/)")
+    p.add_argument("--registry-auth-file", metavar="PATH",
+                   help="USER:PASSWORD for etcd, on the first line (mode 0600 or stricter)")
+    p.add_argument("--registry-ttl", metavar="SECONDS", type=int, default=None,
+                   help="how long the record outlives a bridge that died (default "
+                   "REGISTRY_TTL, 10)")
+    p.add_argument("--name", metavar="NAME", default=None,
+                   help="this bridge's name in the registry, which peers fetch as NAME:name "
+                   "(default: the host name)")
+    p.add_argument("--advertise", metavar="ADDR:PORT", default=None,
+                   help="the address peers connect to, written in the registry (default: "
+                   "--listen's, which must then not be a wildcard)")
     p.add_argument("--token-file", metavar="PATH",
                    help="the token shared by all bridges (mode 0600 or stricter); needed with "
-                   "--listen or --peer")
+                   "--listen, --peer or --registry")
     p.add_argument("--socket", metavar="PATH", default=None,
                    help=f"the local clients' socket (default {default_socket()})")
     p.add_argument("--socket-mode", metavar="MODE", default="0660",
@@ -196,6 +213,9 @@ def main(argv=None):
     if "UCX_NET_DEVICES" in os.environ:
         log.info("UCX_NET_DEVICES=%s (set by the environment)", os.environ["UCX_NET_DEVICES"])
     elif args.listen or args.peer:
+        if args.registry:
+            log.info("peers found in the registry are reached over the interfaces of --listen "
+                     "and --peer only: set UCX_NET_DEVICES where they take others")
         try:
             os.environ["UCX_NET_DEVICES"] = net_devices(args.listen, args.peer)
             log.info("UCX_NET_DEVICES=%s: UCX's data ports only there",
@@ -203,6 +223,10 @@ def main(argv=None):
         except (OSError, ValueError) as e:
             log.warning("UCX's data ports open on every interface (%s): set UCX_NET_DEVICES "
                         "to the interface the bridges use", e)
+    elif args.registry:
+        log.warning("UCX's data ports open on every interface (no --listen or --peer tells "
+                    "which the peers are reached over): set UCX_NET_DEVICES to the interface "
+                    "the bridges use")
     if args.lease_ttl is None:
         args.lease_ttl = _server.LEASE_TTL
     if args.quarantine is None:
@@ -232,10 +256,24 @@ def main(argv=None):
     if not args.lease_ttl > 0:
         log.error("--lease-ttl %s: must be > 0", args.lease_ttl)
         return 2
+    if args.registry_ttl is not None and args.registry_ttl < 2:
+        log.error("--registry-ttl %s: must be >= 2", args.registry_ttl)
+        return 2
+    if args.name is not None and (not args.name or ":" in args.name or "/" in args.name or
+                                  len(args.name.encode()) > 255):
+        log.error("--name %r: must be 1 to 255 bytes, without ':' or '/'", args.name)
+        return 2
+    for opt, v in (("--registry-prefix", args.registry_prefix),
+                   ("--registry-auth-file", args.registry_auth_file),
+                   ("--name", args.name), ("--advertise", args.advertise),
+                   ("--registry-ttl", args.registry_ttl)):
+        if v is not None and not args.registry:
+            log.error("%s needs --registry", opt)
+            return 2
     token = None
-    if args.listen or args.peer:
+    if args.listen or args.peer or args.registry:
         if not args.token_file:
-            log.error("--listen and --peer need --token-file")
+            log.error("--listen, --peer and --registry need --token-file")
             return 2
         try:
             token = _wire.read_token(args.token_file)
@@ -257,9 +295,10 @@ def main(argv=None):
         return 1
     signal.signal(signal.SIGTERM, lambda *_: bridge.stop.set())
     signal.signal(signal.SIGINT, lambda *_: bridge.stop.set())
-    log.info("agent %s; listening on %s; peers %s; exporting %s; local socket %s",
+    log.info("agent %s; listening on %s; peers %s; exporting %s; local socket %s%s",
              bridge.agent_name, args.listen or "nothing", ", ".join(args.peer or []) or "none",
-             ", ".join(args.export or []) or "nothing", path)
+             ", ".join(args.export or []) or "nothing", path,
+             f"; registry {args.registry} as {bridge.name!r}" if args.registry else "")
     try:
         bridge.serve(tcp, unix)
     finally:

@@ -11,6 +11,7 @@ agent is shared; its calls are serialized by NIXL itself (NIXL_THREAD_SYNC_STRIC
 """
 import base64
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -22,7 +23,7 @@ import time
 
 import dlpack_ipc
 
-from . import _cuda, _importer, _push, _replicas, _wire
+from . import _cuda, _importer, _push, _registry, _replicas, _wire
 from ._importer import POLL, PeerLink
 from ._importer import keepalive as _keepalive
 from ._nixl import QUARANTINE  # noqa: F401  (__main__ reads _server.QUARANTINE)
@@ -202,6 +203,8 @@ class Bridge:
                         for link, rname, local in self.follow]
         self.host = socket.gethostname()
         self.agent_name = f"dlpackd-bridge/{self.host}/{time.time_ns()}"
+        self.stop = threading.Event()
+        self._registry(args)
         self.nixl = Nixl(self.agent_name, args.progress_thread)
         self.quarantine = Quarantine(self.nixl, args.quarantine)
         state_dir = getattr(args, "state_dir", None)
@@ -211,7 +214,6 @@ class Bridge:
             getattr(args, "replica_bytes_per_uid", None) or _replicas.REPLICA_BYTES_PER_UID_MAX,
             os.path.join(state_dir, _replicas.STATE_FILE) if state_dir else None)
         self.replicas.keep_own({local for _, _, local in self.follow})
-        self.stop = threading.Event()
         self.publisher = _push.Publisher(self.stop, args.dlpackd_socket, self.exports)
         self._lock = threading.Lock()
         self._lease_seq = 0
@@ -219,6 +221,69 @@ class Bridge:
         self.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
         self._clients = threading.BoundedSemaphore(CLIENTS_MAX)
         self._peers_in = threading.BoundedSemaphore(PEERS_MAX)
+
+    def _registry(self, args):
+        """--registry: the etcd client, this bridge's record if it exports (--listen), and
+        the links to peers found there (self.found)."""
+        self.registry = self.registration = None
+        self.found = {}
+        url = getattr(args, "registry", None)
+        if not url:
+            return
+        auth = getattr(args, "registry_auth_file", None)
+        self.registry = _registry.Etcd(url, _registry.read_auth(auth) if auth else None)
+        self.registry_prefix = getattr(args, "registry_prefix", None) or \
+            _registry.REGISTRY_PREFIX
+        self.name = getattr(args, "name", None) or self.host
+        if not args.listen:
+            return
+        advertise = getattr(args, "advertise", None) or args.listen
+        host, _ = parse_addr(advertise, "--advertise")
+        try:
+            wildcard = ipaddress.ip_address(host).is_unspecified
+        except ValueError:
+            wildcard = False            # a host name: peers resolve it
+        if wildcard:
+            raise ValueError(f"--listen {args.listen} is a wildcard address: --advertise the "
+                             "ADDR:PORT peers connect to, for the registry")
+        self.registration = _registry.Registration(
+            self.registry, self.registry_prefix, self.name,
+            {"addr": advertise, "agent": self.agent_name, "exports": self.exports},
+            getattr(args, "registry_ttl", None) or _registry.REGISTRY_TTL, self.stop)
+
+    def _peer(self, name):
+        """The link to peer name: a --peer, else one found in the registry (looked up again
+        while it is not connected, so that a bridge restarted elsewhere is followed; at its
+        last address while etcd cannot be reached). OSError saying why there is none."""
+        link = self.peers.get(name)
+        if link is not None:
+            return link
+        if self.registry is None:
+            raise FileNotFoundError(errno.ENOENT, f"no peer {name!r} is configured "
+                                    f"(--peer: {', '.join(self.peers) or 'none'})")
+        with self._lock:
+            link = self.found.get(name)
+        if link is not None and link.connected():
+            return link
+        try:
+            addr = _registry.lookup(self.registry, self.registry_prefix, name)
+        except ConnectionError as e:
+            if link is None:
+                raise
+            log.info("peer %s: tried at %s, its last address: %s", name, link.where, e)
+            return link
+        with self._lock:
+            link = self.found.get(name)
+            if link is None:
+                if len(self.found) >= _registry.FOUND_PEERS_MAX:
+                    raise BlockingIOError(errno.EAGAIN, f"{len(self.found)} peers found in "
+                                          "the registry are known already "
+                                          "(FOUND_PEERS_MAX)")
+                link = self.found[name] = PeerLink(self, name, addr)
+            elif link.addr != addr:
+                log.info("peer %s moved from %s to %s:%d (registry)", name, link.where, *addr)
+                link.addr, link.where = addr, f"{addr[0]}:{addr[1]}"
+        return link
 
     def count(self, what, n=1):
         with self._lock:
@@ -271,10 +336,15 @@ class Bridge:
         for link in {follow.link for follow in self.follows}:
             threads.append(threading.Thread(target=_push.pump, args=(link, self.stop),
                                             name=f"pushes of {link.name}", daemon=True))
+        if self.registration is not None:
+            threads.append(threading.Thread(target=self.registration.run, name="registry",
+                                            daemon=True))
         for t in threads:
             t.start()
         while not self.stop.wait(1.0):
             pass
+        if self.registration is not None:     # its record revoked before the process ends
+            threads[-1].join(_registry.REQUEST_TIMEOUT * 2)
 
     def _housekeeping(self):
         while not self.stop.wait(1.0):
@@ -692,6 +762,10 @@ class Bridge:
                     "quarantined": len(self.quarantine), "exports": self.exports,
                     "staged": self.staging.held,
                     "peers": {n: p.connected() for n, p in self.peers.items()},
+                    "registry": self.registry and {
+                        "url": self.registry.url, "name": self.name,
+                        "registered": self.registration and self.registration.registered,
+                        "found": {n: p.connected() for n, p in self.found.items()}},
                     "replicas": replicas,
                     "subscribers": self.publisher.subscribers(),
                     "follows": {f.local: {"subscribed": f.subscribed,
@@ -730,10 +804,10 @@ class Bridge:
             return _wire.error_frame("ENAMETOOLONG", f"{name!r} is longer than NAME_MAX "
                                      f"({dlpack_ipc.NAME_MAX} bytes)")
         peer, _, rname = name.partition(":")
-        link = self.peers.get(peer)
-        if link is None:
-            return _wire.error_frame("ENOENT", f"no peer {peer!r} is configured "
-                                     f"(--peer: {', '.join(self.peers) or 'none'})")
+        try:
+            link = self._peer(peer)
+        except OSError as e:
+            return _wire.error_frame(errno.errorcode.get(e.errno, "EIO"), e.strerror or str(e))
         if any(local == name for _, _, local in self.follow):
             # --follow keeps it fresh as the bridge's own: a caller's fetch would take the
             # replica over, and the follow could then never replace it
