@@ -40,6 +40,7 @@ FOLLOW_SUBSCRIBED_INTERVAL = 3600  # and no safety poll lands within the case
 PUSHED = 10.0           # the longest a pushed change may take to reach B's replica
 SHAPED = 3.0            # seconds a shaped transfer lasts (World.slow_link, shaped_rate())
 BIG = 128 << 20         # w/big, the entry of the bridges killed and of the link taken down
+ETCD_PORT = 2379        # case_registry's etcd, on A's address (and 2380 on A's loopback)
 
 
 def skip(why):
@@ -805,6 +806,59 @@ def case_link_down(w, a, b):
                   sh("ip", "netns", "exec", w.ns[host], "ss", "-tanpe").stdout)
 
 
+def case_registry(w, a, b):
+    """No --peer: B's second bridge finds A's second one in etcd (on host A), and fetches from
+    it over UCX; the record goes with the exporter."""
+    etcd = shutil.which("etcd")
+    check(etcd is not None, "etcd is installed (Debian: etcd-server)")
+    if etcd is None:
+        return
+    url = f"http://{ADDR_A}:{ETCD_PORT}"
+    w.start("etcd", "A", [etcd, "--name", "a", "--data-dir", w.path("etcd"),
+                          "--listen-client-urls", url, "--advertise-client-urls", url,
+                          "--listen-peer-urls", "http://127.0.0.1:2380",
+                          "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
+                          "--initial-cluster", "a=http://127.0.0.1:2380"])
+    common = [sys.executable, "-m", "dlpack_ipc.bridge", "--token-file", w.token,
+              "--registry", url, "--lease-ttl", str(w.ttl), "--quarantine", str(QUARANTINE)]
+    w.start("bridge-Areg", "A", common + [
+        "--socket", w.bridge_socket("bridge-Areg"), "--dlpackd-socket", w.path("dlpackd-A.sock"),
+        "--listen", f"{ADDR_A}:{PORT + 1}", "--export", "w/", "--name", "hostA"])
+    w.start("bridge-Breg", "B", common + [
+        "--socket", w.bridge_socket("bridge-Breg"), "--dlpackd-socket", w.path("dlpackd-B.sock")])
+
+    def registered():
+        try:
+            st = bridge.status(socket=w.bridge_socket("bridge-Areg"))
+        except OSError:
+            return False
+        return (st.get("registry") or {}).get("registered")
+    check(wait_for(registered, "bridge-Areg registered"), "A's bridge wrote its record in etcd")
+    x = np.random.default_rng(7).integers(0, 255, 1 << 20, dtype=np.uint8)
+    gen = a.publish("w/reg", x, replace=True)
+    local, rgen = fetch(w, "hostA:w/reg", sock="bridge-Breg")
+    check(local == "hostA:w/reg" and rgen == gen, f"fetched by the registered name ({local!r})")
+    t = b.attach(local)
+    check(np.array_equal(np.asarray(t), x), "the tensor found through etcd has A's bytes")
+    t.release()
+    st = bridge.status(socket=w.bridge_socket("bridge-Breg"))["registry"]
+    check(st["found"] == {"hostA": True}, f"B's bridge found hostA in etcd ({st['found']})")
+    try:
+        fetch(w, "hostZ:w/reg", timeout=5, sock="bridge-Breg")
+        check(False, "a name nobody registered is refused")
+    except FileNotFoundError as e:
+        check(url in str(e), f"a name nobody registered: FileNotFoundError naming etcd ({e})")
+    w.kill("bridge-Areg", signal.SIGTERM)
+    left = sh("ip", "netns", "exec", w.ns["A"], "etcdctl", "--endpoints", url, "get",
+              "--prefix", "/dlpackd-bridge/", check_rc=False)
+    check(left.returncode == 0 and left.stdout.strip() == "",
+          f"the stopped exporter's record is gone ({left.stdout.strip()!r} {left.stderr.strip()})")
+    w.kill("bridge-Breg", signal.SIGTERM)
+    for name in ("bridge-A", "bridge-B"):
+        check(w.procs[name].poll() is None, f"registry: {name} lives on")
+    w.kill("etcd", signal.SIGTERM)
+
+
 def timed(case, w, a, b):
     t0 = time.monotonic()
     case(w, a, b)
@@ -842,6 +896,7 @@ def main():
         timed(case_bad_frames, w, a, b)
         timed(case_lease_ttl, w, a, b)
         timed(case_replace_during, w, a, b)
+        timed(case_registry, w, a, b)
         check(wait_for(lambda: fds(w.procs["bridge-A"]) == fd_a, "A's fds"),
               f"no fd leaked in A's bridge ({fds(w.procs['bridge-A'])} == {fd_a})")
         timed(case_exporter_killed, w, a, b)
