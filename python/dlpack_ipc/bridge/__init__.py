@@ -6,7 +6,7 @@
     t = dlpack_ipc.attach(local)                          # ... and it is a local entry
 
 fetch("peer:name") asks this host's bridge (python -m dlpack_ipc.bridge) to get the entry name
-from the peer bridge configured as peer, over NIXL, and to publish it locally, replacing any
+from the peer bridge configured as peer (or registered as peer, with --registry), over NIXL, and to publish it locally, replacing any
 earlier replica, under the name "peer:name". Importing this module does not import NIXL: only
 the bridge process itself needs it (pip install dlpack-ipc[bridge]).
 """
@@ -78,7 +78,7 @@ def fetch(name, timeout=None, *, socket=None):
     bounds either way its wait for a stalled peer (docs/bridge.md: LAYOUT_TIMEOUT, the lease
     TTL plus TRANSFER_GRACE).
     FileNotFoundError: the peer has no such name or does not export it (or no such peer is
-    configured); PermissionError: the peers' tokens differ, or local holds a replica another
+    configured or registered); PermissionError: the peers' tokens differ, or local holds a replica another
     uid fetched (only the caller's own is replaced); FileExistsError: local is published by
     someone other than the bridge; OSError EDQUOT: the caller's uid is at the bridge's
     REPLICAS_PER_UID_MAX or REPLICA_BYTES_PER_UID_MAX (docs/bridge.md, Local callers and
@@ -112,5 +112,7 @@ def status(*, socket=None):
     """The local bridge's state, a dict: its agent name, peers, live leases, transfers, the
     replicas each local uid holds ("replicas": {"uid": [replicas, bytes]}), each --follow
     ("follows": {"peer:name": {"subscribed": bool, "generation": the peer's generation of the
-    replica held, or None}}) and the subscriptions peers hold here ("subscribers")."""
+    replica held, or None}}), the subscriptions peers hold here ("subscribers") and, with
+    --registry, the registry ("registry": {"url", "name", "registered": whether this bridge's
+    record is in place (None where it does not --listen), "found": {"peer": connected}})."""
     return _request({"op": "status"}, 10.0, socket, "bridge status")
