@@ -61,6 +61,7 @@ import numpy as np  # noqa: E402
 
 import dlpack_ipc  # noqa: E402
 from dlpack_ipc import bridge  # noqa: E402
+from dlpack_ipc.bridge import _registry  # noqa: E402
 
 failures = []
 
@@ -823,7 +824,8 @@ def case_registry(w, a, b):
               "--registry", url, "--lease-ttl", str(w.ttl), "--quarantine", str(QUARANTINE)]
     w.start("bridge-Areg", "A", common + [
         "--socket", w.bridge_socket("bridge-Areg"), "--dlpackd-socket", w.path("dlpackd-A.sock"),
-        "--listen", f"{ADDR_A}:{PORT + 1}", "--export", "w/", "--name", "hostA"])
+        "--listen", f"{ADDR_A}:{PORT + 1}", "--export", "w/", "--name", "hostA",
+        "--registry-names"])
     w.start("bridge-Breg", "B", common + [
         "--socket", w.bridge_socket("bridge-Breg"), "--dlpackd-socket", w.path("dlpackd-B.sock")])
 
@@ -843,6 +845,19 @@ def case_registry(w, a, b):
     t.release()
     st = bridge.status(socket=w.bridge_socket("bridge-Breg"))["registry"]
     check(st["found"] == {"hostA": True}, f"B's bridge found hostA in etcd ({st['found']})")
+    y = x[::-1].copy()
+    a.publish("w/reg", y, replace=True)
+    key = _registry.holders_prefix(_registry.REGISTRY_PREFIX, "w/reg") + "hostA"
+
+    def written():
+        return key in sh("ip", "netns", "exec", w.ns["A"], "etcdctl", "--endpoints", url, "get",
+                         "--keys-only", key, check_rc=False).stdout
+    check(wait_for(written, "w/reg's key written"), "A's bridge wrote w/reg's key")
+    local, _ = fetch(w, "*:w/reg", sock="bridge-Breg")
+    t = b.attach(local)
+    check(local == "hostA:w/reg" and np.array_equal(np.asarray(t), y),
+          f"fetched as *:w/reg from the bridge that holds it ({local!r})")
+    t.release()
     try:
         fetch(w, "hostZ:w/reg", timeout=5, sock="bridge-Breg")
         check(False, "a name nobody registered is refused")

@@ -2349,7 +2349,7 @@ def reg_hosts(request):
     failed_before = request.session.testsfailed
     try:
         h.ra_port = _free_port()
-        h.registered("RA", h.ra_port, "--name", "ra")
+        h.registered("RA", h.ra_port, "--name", "ra", "--registry-names")
         h.start_bridge("RB", "--registry", h.etcd.url)
         _wait(lambda: (h.status("RA")["registry"] or {}).get("registered"), "RA registered",
               10)
@@ -2463,6 +2463,8 @@ def test_the_registry_restarted_the_record_is_written_again_and_fetches_resume(r
         h.etcd.start()
     _wait(lambda: h.status("RA")["registry"]["registered"], "RA registered again", 15)
     assert h.etcd.record("ra")["addr"] == f"127.0.0.1:{h.ra_port}"
+    # the names' keys are written again on the new lease (--registry-names)
+    _wait(lambda: _holders(h, "w/r") == ["ra"], "w/r's key written again", 10)
 
 
 def test_the_registry_options_are_checked_at_start(reg_hosts, tmp_path):
@@ -2473,6 +2475,9 @@ def test_the_registry_options_are_checked_at_start(reg_hosts, tmp_path):
             (["--registry", h.etcd.url, "--name", "a:b"], 2, "--name"),
             (["--registry", h.etcd.url, "--registry-ttl", "1"], 2, "--registry-ttl"),
             (["--advertise", "127.0.0.1:1"], 2, "--advertise needs --registry"),
+            (["--registry", h.etcd.url, "--name", "*"], 2, "--name"),
+            (["--registry", h.etcd.url, "--registry-names"], 2, "--registry-names needs"),
+            (["--peer", "*=127.0.0.1:1"], 1, "not '*'"),
             (["--registry", "ftp://x"], 1, "is not http"),
             (["--registry", h.etcd.url, "--listen", "0.0.0.0:0"], 1, "--advertise"),
             (["--registry", h.etcd.url, "--registry-auth-file", str(tmp_path / "none")], 1,
@@ -2536,3 +2541,97 @@ def test_a_registry_with_authentication_takes_only_the_bridges_credentials(tmp_p
         assert good.get(_registry.record_key(_registry.REGISTRY_PREFIX, "authd")) is None
     finally:
         etcd.stop()
+
+
+def _holders(h, name):
+    return _registry.holders(h.etcd.client, _registry.REGISTRY_PREFIX, name)
+
+
+def test_a_name_is_fetched_from_whichever_bridge_holds_it(reg_hosts):
+    import numpy as np
+    h = reg_hosts
+    x = np.arange(1 << 14, dtype=np.uint16)
+    h.dl.publish("w/any", x, replace=True)
+    h.dl.publish("w/any2/sub", x, replace=True)     # its key is not under w/any's
+    h.dl.publish("elsewhere/any", x, replace=True)  # not exported: not written
+    _wait(lambda: _holders(h, "w/any") == ["ra"], "ra holds w/any in the registry", 10)
+    local, _ = _reg_fetch(h, "*:w/any")
+    t = h.dl.attach(local)
+    try:
+        assert local == "ra:w/any" and np.array_equal(np.asarray(t), x)
+    finally:
+        t.release()
+    assert _holders(h, "w/any2") == [] and _holders(h, "elsewhere/any") == []
+    assert _holders(h, "w/any2/sub") == ["ra"]
+    # a holder that cannot serve it (its bridge is gone) is passed over for the next
+    dead = _free_port()
+    for key, value in ((_registry.holders_prefix(_registry.REGISTRY_PREFIX, "w/any") + "aa",
+                        b'{"host": "aa"}'),
+                       (_registry.record_key(_registry.REGISTRY_PREFIX, "aa"),
+                        json.dumps({"addr": f"127.0.0.1:{dead}"}).encode())):
+        h.etcd.client.call("/v3/kv/put", {"key": _registry._b64(key.encode()),
+                                          "value": _registry._b64(value)})
+    assert _holders(h, "w/any") == ["aa", "ra"]
+    h.dl.publish("w/any", x + 1, replace=True)
+    # a bridge connected to neither tries them in the registry's order
+    h.start_bridge("RD", "--registry", h.etcd.url)
+    try:
+        local, _ = bridge.fetch("*:w/any", 10.0, socket=h.path("RD.sock"))
+        t = h.dl.attach(local)
+        try:
+            assert local == "ra:w/any" and np.array_equal(np.asarray(t), x + 1)
+        finally:
+            t.release()
+        assert f"127.0.0.1:{dead}" in h.log("RD") and "trying the next bridge" in h.log("RD")
+        # RB, connected to ra, asks ra first
+        local, _ = _reg_fetch(h, "*:w/any")
+        assert local == "ra:w/any" and "aa" not in h.status("RB")["registry"]["found"]
+    finally:
+        h.stop("RD")
+    h.dl.unpublish("w/any")
+    _wait(lambda: "ra" not in _holders(h, "w/any"), "w/any's key gone with the name", 10)
+    aa = _registry.holders_prefix(_registry.REGISTRY_PREFIX, "w/any") + "aa"
+    h.etcd.client.call("/v3/kv/deleterange", {"key": _registry._b64(aa.encode())})
+    with pytest.raises(FileNotFoundError) as e:
+        _reg_fetch(h, "*:w/any")
+    assert "no bridge holds 'w/any'" in str(e.value) and h.etcd.url in str(e.value)
+    assert h.status("RA")["registry"]["names"] >= 1
+
+
+def test_names_past_one_request_are_written_and_deleted_in_batches(reg_hosts):
+    import numpy as np
+    h = reg_hosts
+    n = _registry.TXN_OPS_MAX * 2 + 10
+    names_ = _registry.REGISTRY_PREFIX + "names/"
+
+    def written():
+        return sum(k.endswith("/ra") for k in h.etcd.client.keys(names_, 100000))
+    before = written()
+    for i in range(n):
+        h.dl.publish(f"w/batch/{i}", np.zeros(4, np.uint8), replace=True)
+    _wait(lambda: written() == before + n, f"{n} more keys written", 20)
+    for i in range(n):
+        h.dl.unpublish(f"w/batch/{i}")
+    _wait(lambda: written() == before, "their keys deleted", 20)
+
+
+def test_any_host_needs_a_registry():
+    b = fake_bridge()
+    b.peers = {}
+    try:
+        r = b._fetch(FakeDlpackd(), {"op": "fetch", "name": "*:w/x"}, 1000, 4242)
+        assert r["errno"] == "ENOENT" and "--registry" in r["message"]
+    finally:
+        stop_fake_bridge(b)
+
+
+def test_the_names_written_are_bounded(monkeypatch, bridge_log):
+    monkeypatch.setattr(_registry, "NAMES_MAX", 2)
+    r = _registry.Registration(None, _registry.REGISTRY_PREFIX, "n", {"addr": "h:1"}, 10,
+                               threading.Event(), names=lambda n: True)
+    r.set_names(["a", "b", "c"])
+    r.name_changed("d", True)
+    r.name_changed("a", False)
+    r.name_changed("e", True)
+    assert r._names == {"b", "e"}
+    assert sum("NAMES_MAX" in m for m in bridge_log.messages) == 1

@@ -6,9 +6,10 @@
     t = dlpack_ipc.attach(local)                          # ... and it is a local entry
 
 fetch("peer:name") asks this host's bridge (python -m dlpack_ipc.bridge) to get the entry name
-from the peer bridge configured as peer (or registered as peer, with --registry), over NIXL, and to publish it locally, replacing any
-earlier replica, under the name "peer:name". Importing this module does not import NIXL: only
-the bridge process itself needs it (pip install dlpack-ipc[bridge]).
+from the peer bridge configured as peer (or registered as peer, with --registry), over NIXL,
+and to publish it locally, replacing any earlier replica, under the name "peer:name";
+fetch("*:name") asks the registry which bridge holds name. Importing this module does not
+import NIXL: only the bridge process itself needs it (pip install dlpack-ipc[bridge]).
 """
 import os
 import socket
@@ -70,20 +71,24 @@ def fetch(name, timeout=None, *, socket=None):
     (local_name, remote_generation).
 
     The local bridge gets the entry from the peer bridge and publishes it in the local dlpackd
-    under local_name (which is name itself), replacing an earlier replica; attach it (or
+    under local_name (name itself, but for "*:"), replacing an earlier replica; attach it (or
     attach_dict() for a state dict) as any entry. remote_generation is the entry's generation
     on the peer. A CUDA entry on the peer becomes a CUDA replica on the local bridge's
     --cuda-device (docs/bridge.md, GPU entries). timeout as everywhere in dlpack_ipc: None
     waits as long as the transfer takes, a number of seconds then TimeoutError; the bridge
     bounds either way its wait for a stalled peer (docs/bridge.md: LAYOUT_TIMEOUT, the lease
     TTL plus TRANSFER_GRACE).
+    name "*:remote_name" asks the bridge's registry (--registry) which bridges hold
+    remote_name (those started with --registry-names write it there) and fetches from the first
+    that serves it: local_name is then "that_peer:remote_name".
     FileNotFoundError: the peer has no such name or does not export it (or no such peer is
-    configured or registered); PermissionError: the peers' tokens differ, or local holds a replica another
-    uid fetched (only the caller's own is replaced); FileExistsError: local is published by
-    someone other than the bridge; OSError EDQUOT: the caller's uid is at the bridge's
-    REPLICAS_PER_UID_MAX or REPLICA_BYTES_PER_UID_MAX (docs/bridge.md, Local callers and
-    their limits); OSError ENODEV: a CUDA entry, and no such device here; EFBIG or EAGAIN:
-    a CUDA entry larger than the peer's --staging-max, or than what is left of it;
+    configured or registered, or no bridge holds it); PermissionError: the peers' tokens
+    differ, or local holds a replica another uid fetched (only the caller's own is replaced);
+    FileExistsError: local is published by someone other than the bridge; OSError EDQUOT: the
+    caller's uid is at the bridge's REPLICAS_PER_UID_MAX or REPLICA_BYTES_PER_UID_MAX
+    (docs/bridge.md, Local callers and their limits); OSError ENODEV: a CUDA entry, and no
+    such device here; EFBIG or EAGAIN: a CUDA entry larger than the peer's --staging-max, or
+    than what is left of it;
     ConnectionError: the peer or the local bridge is unreachable or went away.
     """
     if not isinstance(name, str) or ":" not in name:

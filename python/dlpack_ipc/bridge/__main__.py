@@ -152,6 +152,9 @@ def _args(argv):
     p.add_argument("--registry-ttl", metavar="SECONDS", type=int, default=None,
                    help="how long the record outlives a bridge that died (default "
                    "REGISTRY_TTL, 10)")
+    p.add_argument("--registry-names", action="store_true",
+                   help="with --listen, also write in the registry each exported name this "
+                   "host's dlpackd holds, so that peers fetch it as *:name")
     p.add_argument("--name", metavar="NAME", default=None,
                    help="this bridge's name in the registry, which peers fetch as NAME:name "
                    "(default: the host name)")
@@ -260,13 +263,17 @@ def main(argv=None):
         log.error("--registry-ttl %s: must be >= 2", args.registry_ttl)
         return 2
     if args.name is not None and (not args.name or ":" in args.name or "/" in args.name or
-                                  len(args.name.encode()) > 255):
-        log.error("--name %r: must be 1 to 255 bytes, without ':' or '/'", args.name)
+                                  args.name == "*" or len(args.name.encode()) > 255):
+        log.error("--name %r: must be 1 to 255 bytes, without ':' or '/', not '*'", args.name)
+        return 2
+    if args.registry_names and not args.listen:
+        log.error("--registry-names needs --listen (a bridge that exports)")
         return 2
     for opt, v in (("--registry-prefix", args.registry_prefix),
                    ("--registry-auth-file", args.registry_auth_file),
                    ("--name", args.name), ("--advertise", args.advertise),
-                   ("--registry-ttl", args.registry_ttl)):
+                   ("--registry-ttl", args.registry_ttl),
+                   ("--registry-names", args.registry_names or None)):
         if v is not None and not args.registry:
             log.error("%s needs --registry", opt)
             return 2

@@ -2,11 +2,13 @@
 """Finding peer bridges through etcd (--registry; docs/bridge.md, "A registry of bridges").
 
 An exporting bridge keeps one record of itself, under <prefix>hosts/<its --name>, on a lease it
-owns and renews: the address its peers connect to, its NIXL agent and its export prefixes. The
-record goes when the bridge stops (the lease is revoked) or REGISTRY_TTL after it died. An
-importing bridge asked for NAME:name with no --peer NAME reads NAME's record and connects there,
-authenticated by the shared token as any peer. etcd is spoken to through its JSON gateway (POST
-/v3/...), with nothing but the standard library.
+owns and renews: the address its peers connect to, its NIXL agent and its export prefixes. With
+--registry-names it also keeps a key per exported name it holds, <prefix>names/<the name in
+base64url>/<its --name>, on the same lease. Both go when the bridge stops (the lease is revoked)
+or REGISTRY_TTL after it died. An importing bridge asked for NAME:name with no --peer NAME reads
+NAME's record and connects there, authenticated by the shared token as any peer; asked for
+*:name, it reads which bridges hold name and fetches from the first that serves it. etcd is
+spoken to through its JSON gateway (POST /v3/...), with nothing but the standard library.
 """
 import base64
 import errno
@@ -14,6 +16,7 @@ import json
 import logging
 import os
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -32,6 +35,17 @@ RECORD_MAX = 4096
 FOUND_PEERS_MAX = 256
 # The registry's keys start with this; --registry-prefix sets it.
 REGISTRY_PREFIX = "/dlpackd-bridge/"
+# Exported names one bridge writes in the registry with --registry-names, at most; past it the
+# others are fetched by the host's name only (logged once).
+NAMES_MAX = 4096
+# Keys written or deleted by one request (etcd's default --max-txn-ops).
+TXN_OPS_MAX = 128
+# Seconds the names changed in a burst are gathered before their keys are written.
+NAMES_COALESCE = 0.1
+# Bridges a fetch of *:name reads from the registry and tries, at most.
+HOLDERS_MAX = 64
+# The peer part of a fetch that asks the registry which bridge holds the name.
+ANY_HOST = "*"
 
 log = logging.getLogger("dlpackd-bridge")
 
@@ -164,6 +178,18 @@ class Etcd:
                           f"{key}") from None
         return b""
 
+    def keys(self, prefix, limit):
+        """The keys that start with prefix, at most limit of them, sorted."""
+        p = prefix.encode()
+        out = self.call("/v3/kv/range", {"key": _b64(p), "range_end": _b64(_after(p)),
+                                         "keys_only": True, "limit": limit})
+        try:
+            return [base64.b64decode(kv["key"], validate=True).decode()
+                    for kv in out.get("kvs") or []]
+        except (KeyError, TypeError, ValueError):
+            raise OSError(errno.EPROTO, f"registry {self.url}: a malformed answer about the "
+                          f"keys under {prefix}") from None
+
     def get(self, key):
         """The value of key, or None."""
         kvs = self.call("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs") or []
@@ -175,17 +201,40 @@ class Etcd:
             raise OSError(errno.EPROTO, f"registry {self.url}: {key} is not base64") from None
 
 
+def _after(prefix):
+    """The first key past every key that starts with prefix (etcd's range_end)."""
+    p = bytearray(prefix)
+    while p and p[-1] == 0xFF:
+        p.pop()
+    p[-1] += 1
+    return bytes(p)
+
+
 def record_key(prefix, name):
     return f"{prefix}hosts/{name}"
 
 
-class Registration:
-    """The exporting bridge's record, kept by its own thread (run()) until stop is set, then
-    revoked. A record of the same name that another bridge holds is left alone: this one is
-    written once that one's lease has ended."""
+def holders_prefix(prefix, name):
+    """Where the bridges that hold the exported name write their keys (name in base64url:
+    a name may hold '/', and no name's keys may start another's)."""
+    return f"{prefix}names/{base64.urlsafe_b64encode(name.encode()).decode()}/"
 
-    def __init__(self, etcd, prefix, name, record, ttl, stop):
+
+def holders(etcd, prefix, name):
+    """The names of the bridges (at most HOLDERS_MAX) that hold name, sorted."""
+    under = holders_prefix(prefix, name)
+    return [k[len(under):] for k in etcd.keys(under, HOLDERS_MAX) if k.startswith(under)]
+
+
+class Registration:
+    """The exporting bridge's record and, with names (a callable telling whether a name is
+    exported), the keys of the exported names it holds: kept by its own thread (run()) until
+    stop is set, then revoked. A record of the same name that another bridge holds is left
+    alone: this one is written once that one's lease has ended."""
+
+    def __init__(self, etcd, prefix, name, record, ttl, stop, names=None):
         self.etcd, self.key, self.ttl, self.stop = etcd, record_key(prefix, name), ttl, stop
+        self.prefix, self.name, self.exported = prefix, name, names
         self.value = json.dumps(record, sort_keys=True).encode()
         if len(self.value) > RECORD_MAX:
             raise ValueError(f"the registry record of {name!r} is over RECORD_MAX "
@@ -193,21 +242,88 @@ class Registration:
         self.lease = None
         self.registered = False
         self._why = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._names = set()         # the exported names held here (at most NAMES_MAX)
+        self._written = set()       # those whose key is written on the lease now
+        self._over = False          # NAMES_MAX was reached (logged once)
+
+    def names(self):
+        """The exported names whose key is in the registry now."""
+        with self._lock:
+            return set(self._written) if self.registered else set()
 
     def _problem(self, why):
         if why != self._why:
             log.warning("registry: %s", why)
         self._why = why
 
+    def set_names(self, names):
+        """The exported names held here are these (all of them, after a watch was opened)."""
+        with self._lock:
+            self._names = set()
+            for n in names:
+                self._add(n)
+        self._wake.set()
+
+    def name_changed(self, name, present):
+        with self._lock:
+            if present:
+                self._add(name)
+            else:
+                self._names.discard(name)
+        self._wake.set()
+
+    def _add(self, name):
+        """Under self._lock."""
+        if len(self._names) < NAMES_MAX:
+            self._names.add(name)
+        elif name not in self._names and not self._over:
+            self._over = True
+            log.warning("registry: more than NAMES_MAX (%d) exported names: the others are "
+                        "not written (peers fetch them as %s:name)", NAMES_MAX, self.name)
+
+    def _sync_names(self):
+        """Write the keys of the names held here that are not written, delete those of the
+        names that went: TXN_OPS_MAX to a request, the lease renewed between requests when
+        due (thousands of names take several)."""
+        with self._lock:
+            add, gone = sorted(self._names - self._written), sorted(self._written - self._names)
+        value = _b64(json.dumps({"host": self.name}).encode())
+        ops = [(n, {"request_put": {"key": _b64(self._name_key(n).encode()), "value": value,
+                                    "lease": self.lease}}) for n in add]
+        ops += [(n, {"request_delete_range": {"key": _b64(self._name_key(n).encode())}})
+                for n in gone]
+        renewed = time.monotonic()
+        for i in range(0, len(ops), TXN_OPS_MAX):
+            batch = ops[i:i + TXN_OPS_MAX]
+            self.etcd.call("/v3/kv/txn", {"success": [op for _, op in batch]})
+            with self._lock:
+                for n, op in batch:
+                    if "request_put" in op:
+                        self._written.add(n)
+                    else:
+                        self._written.discard(n)
+            if time.monotonic() - renewed > self.ttl / 3:
+                if self.etcd.keepalive(self.lease) <= 0:
+                    raise OSError(errno.ENOENT, f"the lease of {self.key} ended while its "
+                                  "names were written")
+                renewed = time.monotonic()
+
+    def _name_key(self, name):
+        return holders_prefix(self.prefix, name) + self.name
+
     def _step(self):
-        """Renew the lease and see that the record is there (written where it is not); the
-        seconds to wait before the next step."""
+        """Renew the lease and see that the record is there (written where it is not), and
+        the names' keys; the seconds to wait before the next step."""
         if self.lease is not None and self.etcd.keepalive(self.lease) <= 0:
             self._problem(f"the lease of {self.key} ended (etcd lost it, or this bridge was "
                           "cut off for longer than its TTL): writing the record again")
             self.lease, self.registered = None, False
         if self.lease is None:
             self.lease = self.etcd.grant(self.ttl)
+            with self._lock:
+                self._written = set()       # the keys went with the lease before
         held = self.etcd.create(self.key, self.value, self.lease)
         if held is not None and held != self.value:
             self._problem(f"{self.key} is held by another bridge ({held[:200]!r}): written "
@@ -218,23 +334,64 @@ class Registration:
             log.info("registry: %s written at %s (lease %s, TTL %d s)", self.key,
                      self.etcd.url, self.lease, self.ttl)
         self.registered = True
+        if self.exported is not None:
+            self._sync_names()
         self._why = None
         return self.ttl / 3
 
     def run(self):
-        wait = 0.0
-        while not self.stop.wait(wait):
+        due = 0.0
+        while not self.stop.is_set():
+            # woken early by a name that changed; stop looked at every quarter second
+            woke = self._wake.wait(max(0.0, min(0.25, due - time.monotonic())))
+            if woke:
+                self._wake.clear()
             try:
-                wait = self._step()
+                if time.monotonic() >= due:
+                    due = time.monotonic() + self._step()
+                elif woke and self.registered and self.exported is not None:
+                    self.stop.wait(NAMES_COALESCE)  # a burst of changes, written at once
+                    self._sync_names()
             except Exception as e:      # the thread lives on whatever etcd answered
                 self._problem(getattr(e, "strerror", None) or repr(e))
                 self.registered = False
-                wait = min(1.0, self.ttl / 3)
+                due = time.monotonic() + min(1.0, self.ttl / 3)
         self.close()
 
+    def watch_names(self, dlpackd_socket, prefix, again=1.0):
+        """The thread that tells run() which exported names this host's dlpackd holds: a watch
+        of prefix, and the list once it is open (nothing changed meanwhile is missed); opened
+        again after again seconds when lost, until stop."""
+        import dlpack_ipc
+        while not self.stop.is_set():
+            w = None
+            try:
+                w = dlpack_ipc.watch(prefix, socket=dlpackd_socket)
+                c = dlpack_ipc.Client(dlpackd_socket)
+                try:
+                    entries = c.list(prefix)
+                finally:
+                    c.close()
+                self.set_names(e.name for e in entries if self.exported(e.name))
+                while not self.stop.is_set():
+                    ev = w.next_event(0.5)
+                    if ev is not None and ev.kind in ("published", "replaced", "unpublished") \
+                            and self.exported(ev.name):
+                        self.name_changed(ev.name, ev.kind != "unpublished")
+            except Exception as e:      # dlpackd restarted, or anything else: watched anew
+                log.info("registry: the watch of this host's dlpackd for exported names: %s",
+                         e)
+            finally:
+                if w is not None:
+                    w.close()
+            self.stop.wait(again)
+
     def close(self):
-        """Revoke the lease (the record goes with it), if one was granted."""
+        """Revoke the lease (the record and the names' keys go with it), if one was
+        granted."""
         lease, self.lease, self.registered = self.lease, None, False
+        with self._lock:
+            self._written = set()
         if lease is None:
             return
         try:

@@ -185,8 +185,9 @@ class Bridge:
         self.peers = {}
         for p in args.peer or []:
             name, sep, addr = p.partition("=")
-            if not sep or not name or ":" in name:
-                raise ValueError(f"--peer {p!r} is not NAME=ADDR:PORT (NAME without ':')")
+            if not sep or not name or ":" in name or name == _registry.ANY_HOST:
+                raise ValueError(f"--peer {p!r} is not NAME=ADDR:PORT (NAME without ':', "
+                                 f"not '{_registry.ANY_HOST}')")
             self.peers[name] = PeerLink(self, name, parse_addr(addr, f"--peer {name}"))
         self.follow = []
         for name in getattr(args, "follow", None) or []:
@@ -249,7 +250,8 @@ class Bridge:
         self.registration = _registry.Registration(
             self.registry, self.registry_prefix, self.name,
             {"addr": advertise, "agent": self.agent_name, "exports": self.exports},
-            getattr(args, "registry_ttl", None) or _registry.REGISTRY_TTL, self.stop)
+            getattr(args, "registry_ttl", None) or _registry.REGISTRY_TTL, self.stop,
+            self.exported if getattr(args, "registry_names", False) else None)
 
     def _peer(self, name):
         """The link to peer name: a --peer, else one found in the registry (looked up again
@@ -336,15 +338,21 @@ class Bridge:
         for link in {follow.link for follow in self.follows}:
             threads.append(threading.Thread(target=_push.pump, args=(link, self.stop),
                                             name=f"pushes of {link.name}", daemon=True))
+        registry = None
         if self.registration is not None:
-            threads.append(threading.Thread(target=self.registration.run, name="registry",
-                                            daemon=True))
+            registry = threading.Thread(target=self.registration.run, name="registry",
+                                        daemon=True)
+            threads.append(registry)
+            if self.registration.exported is not None:
+                threads.append(threading.Thread(
+                    target=self.registration.watch_names, name="registry names", daemon=True,
+                    args=(self.args.dlpackd_socket, os.path.commonprefix(self.exports))))
         for t in threads:
             t.start()
         while not self.stop.wait(1.0):
             pass
-        if self.registration is not None:     # its record revoked before the process ends
-            threads[-1].join(_registry.REQUEST_TIMEOUT * 2)
+        if registry is not None:     # its record revoked before the process ends
+            registry.join(_registry.REQUEST_TIMEOUT * 2)
 
     def _housekeeping(self):
         while not self.stop.wait(1.0):
@@ -765,6 +773,7 @@ class Bridge:
                     "registry": self.registry and {
                         "url": self.registry.url, "name": self.name,
                         "registered": self.registration and self.registration.registered,
+                        "names": self.registration and len(self.registration.names()),
                         "found": {n: p.connected() for n, p in self.found.items()}},
                     "replicas": replicas,
                     "subscribers": self.publisher.subscribers(),
@@ -804,6 +813,38 @@ class Bridge:
             return _wire.error_frame("ENAMETOOLONG", f"{name!r} is longer than NAME_MAX "
                                      f"({dlpack_ipc.NAME_MAX} bytes)")
         peer, _, rname = name.partition(":")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if peer != _registry.ANY_HOST:
+            return self._fetch_from(dl, peer, rname, deadline, uid, pid)
+        if self.registry is None:
+            return _wire.error_frame("ENOENT", f"{name!r}: '{_registry.ANY_HOST}:' asks the "
+                                     "registry which bridge holds the name; there is no "
+                                     "--registry")
+        try:
+            hosts = _registry.holders(self.registry, self.registry_prefix, rname)
+        except OSError as e:
+            return _wire.error_frame(errno.errorcode.get(e.errno, "EIO"), e.strerror or str(e))
+        if not hosts:
+            return _wire.error_frame("ENOENT", f"no bridge holds {rname!r} in the registry "
+                                     f"({_registry.holders_prefix(self.registry_prefix, rname)}"
+                                     f" at {self.registry.url})")
+        with self._lock:       # those connected already first, then in the registry's order
+            hosts.sort(key=lambda h: not (h in self.found and self.found[h].connected()))
+        for host in hosts:
+            reply = self._fetch_from(dl, host, rname, deadline, uid, pid)
+            if reply["op"] != "error" or reply.get("errno") not in _NEXT_HOLDER or \
+                    (deadline is not None and time.monotonic() >= deadline):
+                return reply
+            log.info("fetch %r for uid %d (pid %d): %s; trying the next bridge", name, uid,
+                     pid, reply.get("message"))
+        return reply
+
+    def _fetch_from(self, dl, peer, rname, deadline, uid, pid):
+        """Fetch rname from peer into the replica peer:rname: the reply frame."""
+        name = f"{peer}:{rname}"
+        if len(name.encode()) > dlpack_ipc.NAME_MAX:
+            return _wire.error_frame("ENAMETOOLONG", f"{name!r} is longer than NAME_MAX "
+                                     f"({dlpack_ipc.NAME_MAX} bytes)")
         try:
             link = self._peer(peer)
         except OSError as e:
@@ -813,7 +854,6 @@ class Bridge:
             # replica over, and the follow could then never replace it
             return _wire.error_frame("EPERM", f"{name!r} is kept fresh by --follow: attach "
                                      "it, no fetch is needed")
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             gen = link.fetch(dl, rname, name, deadline, uid)
         except (KeyError, TypeError, ValueError) as e:
@@ -833,6 +873,11 @@ class Bridge:
             return _wire.error_frame("EIO", f"peer {peer} ({link.where}), {rname!r}: {e!r}")
         self.count("fetched")
         return {"op": "fetched", "name": name, "generation": gen}
+
+
+# What a fetch of *:name takes as "this bridge cannot serve it now": the next one is tried.
+_NEXT_HOLDER = ("ENOENT", "ECONNREFUSED", "ECONNRESET", "ECONNABORTED", "ETIMEDOUT",
+                "EHOSTUNREACH", "ENETUNREACH", "EPROTO", "EIO")
 
 
 def _created_ns(dl, name, generation):
