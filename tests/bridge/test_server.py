@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The exporting and importing sides' handling of a misbehaving peer, NIXL faked, over
 socketpairs (ctest: bridge_server). The real NIXL path is driven by netns.py."""
+import contextlib
 import errno
 import importlib
 import json
@@ -2366,6 +2367,20 @@ def _reg_fetch(h, name, timeout=10.0):
     return bridge.fetch(name, timeout, socket=h.path("RB.sock"))
 
 
+@contextlib.contextmanager
+def _raw_keys(h, items):
+    """Keys (key, value bytes) written straight into the module's etcd for the with block,
+    deleted after it: no test sees another's."""
+    for key, value in items:
+        h.etcd.client.call("/v3/kv/put", {"key": _registry._b64(key.encode()),
+                                          "value": _registry._b64(value)})
+    try:
+        yield
+    finally:
+        for key, _ in items:
+            h.etcd.client.call("/v3/kv/deleterange", {"key": _registry._b64(key.encode())})
+
+
 def test_a_registered_exporter_is_fetched_without_a_peer_option(reg_hosts):
     import numpy as np
     h = reg_hosts
@@ -2431,15 +2446,91 @@ def test_a_record_that_is_not_a_bridges_is_a_protocol_error(reg_hosts):
                         ("bad3", b'["127.0.0.1:1"]'),
                         ("bad4", b'{"addr": "127.0.0.1:1", "pad": "' + b"x" * 5000 + b'"}')):
         key = _registry.record_key(_registry.REGISTRY_PREFIX, name)
-        h.etcd.client.call("/v3/kv/put", {"key": _registry._b64(key.encode()),
-                                          "value": _registry._b64(value)})
-        with pytest.raises(OSError) as e:
-            _reg_fetch(h, f"{name}:w/r")
+        with _raw_keys(h, [(key, value)]):
+            with pytest.raises(OSError) as e:
+                _reg_fetch(h, f"{name}:w/r")
         assert e.value.errno == errno.EPROTO and key in str(e.value), (name, e.value)
     assert h.procs["RB"].poll() is None
 
 
-def test_the_registry_restarted_the_record_is_written_again_and_fetches_resume(reg_hosts):
+class FakeEtcd:
+    """An HTTP server on loopback that answers every request with what answer() returns:
+    (status line, headers, body) bytes."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.srv.getsockname()[1]}"
+        self.th = threading.Thread(target=self._serve, daemon=True)
+        self.th.start()
+
+    def _serve(self):
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            with c:
+                c.settimeout(5)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += c.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                n = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")), b"0"))
+                while len(body) < n:
+                    body += c.recv(65536)
+                status, headers, out = self.answer()
+                c.sendall(status + b"\r\n" + headers + b"Content-Length: " +
+                          str(len(out)).encode() + b"\r\nConnection: close\r\n\r\n" + out)
+
+    def close(self):
+        self.srv.close()
+
+
+@pytest.mark.parametrize("answer", [
+    (b"HTTP/1.1 abc", b"", b"{}"),                                  # not a status line
+    (b"HTTP/1.1 200 OK", b"", b'{"kvs": 5}'),                       # kvs not a list
+    (b"HTTP/1.1 200 OK", b"", b'{"kvs": [5]}'),
+    (b"HTTP/1.1 200 OK", b"", b"[" * 100000 + b"]" * 100000),       # nested past recursion
+    (b"HTTP/1.1 500 Oops", b"", b"{" * 100000),
+    (b"HTTP/1.1 200 OK", b"", b"x" * (_registry.ANSWER_MAX + 10)),
+    (b"HTTP/1.1 302 Found", b"Location: http://127.0.0.1:9/elsewhere\r\n", b""),
+    (b"HTTP/1.1 200 OK", b"", b'{"error": {"grpc_code": 14, "message": "no leader"}}'),
+], ids=["status", "kvs-int", "kvs-item", "deep", "deep-error", "big", "redirect", "error"])
+def test_a_malformed_answer_from_the_registry_is_a_protocol_error(answer):
+    srv = FakeEtcd(lambda: answer)
+    try:
+        e = _registry.Etcd(srv.url, timeout=5)
+        for call in (lambda: _registry.lookup(e, _registry.REGISTRY_PREFIX, "x"),
+                     lambda: _registry.holders(e, _registry.REGISTRY_PREFIX, "w/x"),
+                     lambda: e.keepalive("1")):
+            with pytest.raises(OSError) as err:
+                call()
+            assert srv.url in str(err.value)
+            assert type(err.value) in (OSError, PermissionError) and \
+                err.value.errno in (errno.EPROTO, errno.EACCES), err.value
+    finally:
+        srv.close()
+
+
+def test_a_keepalive_error_is_not_taken_for_a_lost_lease():
+    """An error etcd answers a renewal with (no leader during an election) is an error, not
+    the end of the lease: the record is not written on a new lease meanwhile."""
+    srv = FakeEtcd(lambda: (b"HTTP/1.1 200 OK", b"",
+                            b'{"error": {"grpc_code": 14, "message": "etcdserver: no leader"}}'))
+    try:
+        r = _registry.Registration(_registry.Etcd(srv.url, timeout=5), _registry.REGISTRY_PREFIX,
+                                   "k", {"addr": "h:1"}, 10, threading.Event())
+        r.lease, r.registered = "7", True
+        with pytest.raises(OSError, match="no leader"):
+            r._step()
+        assert r.lease == "7"
+    finally:
+        srv.close()
+
+
+def test_the_registry_restarted_the_bridge_registers_again_and_fetches_resume(reg_hosts):
     import numpy as np
     h = reg_hosts
     h.dl.publish("w/r", np.full(4096, 6, np.uint8), replace=True)
@@ -2463,7 +2554,7 @@ def test_the_registry_restarted_the_record_is_written_again_and_fetches_resume(r
         h.etcd.start()
     _wait(lambda: h.status("RA")["registry"]["registered"], "RA registered again", 15)
     assert h.etcd.record("ra")["addr"] == f"127.0.0.1:{h.ra_port}"
-    # the names' keys are written again on the new lease (--registry-names)
+    # and the names' keys are there (--registry-names; the lease survived the restart)
     _wait(lambda: _holders(h, "w/r") == ["ra"], "w/r's key written again", 10)
 
 
@@ -2492,18 +2583,79 @@ def test_peers_found_in_the_registry_are_bounded(reg_hosts, monkeypatch):
     b.peers = {}
     b.registry, b.registry_prefix = h.etcd.client, _registry.REGISTRY_PREFIX
     monkeypatch.setattr(_registry, "FOUND_PEERS_MAX", 2)
-    for i in range(3):
-        key = _registry.record_key(_registry.REGISTRY_PREFIX, f"many{i}")
-        h.etcd.client.call("/v3/kv/put", {"key": _registry._b64(key.encode()), "value":
-                                          _registry._b64(b'{"addr": "127.0.0.1:9"}')})
+    keys = [(_registry.record_key(_registry.REGISTRY_PREFIX, f"many{i}"),
+             b'{"addr": "127.0.0.1:9"}') for i in range(3)]
     try:
-        assert b._peer("many0").addr == ("127.0.0.1", 9)
-        assert b._peer("many1").addr == ("127.0.0.1", 9)
-        with pytest.raises(BlockingIOError) as e:
-            b._peer("many2")
-        assert "FOUND_PEERS_MAX" in str(e.value) and len(b.found) == 2
+        with _raw_keys(h, keys):
+            links = [b._peer("many0"), b._peer("many1")]
+            assert [ln.addr for ln in links] == [("127.0.0.1", 9)] * 2
+            for ln in links:            # both in use: a fetch under way holds the lock
+                ln.lock.acquire()
+            with pytest.raises(BlockingIOError) as e:
+                b._peer("many2")
+            assert "FOUND_PEERS_MAX" in str(e.value) and len(b.found) == 2
+            links[0].lock.release()     # one idle: it makes room
+            assert b._peer("many2").addr == ("127.0.0.1", 9)
+            assert set(b.found) == {"many1", "many2"}
+            links[1].lock.release()
     finally:
         stop_fake_bridge(b)
+
+
+def test_a_lease_revoked_under_the_bridge_is_replaced_and_everything_written_again(reg_hosts):
+    import numpy as np
+    h = reg_hosts
+    h.dl.publish("w/lease", np.zeros(8, np.uint8), replace=True)
+    _wait(lambda: _holders(h, "w/lease") == ["ra"], "w/lease's key", 10)
+    key = _registry.record_key(_registry.REGISTRY_PREFIX, "ra")
+    kv = h.etcd.client.call("/v3/kv/range", {"key": _registry._b64(key.encode())})["kvs"][0]
+    h.etcd.client.revoke(kv["lease"])
+    assert h.etcd.record("ra") is None and _holders(h, "w/lease") == []
+    _wait(lambda: h.etcd.record("ra"), "ra's record written again", REGISTRY_TTL + 10)
+    _wait(lambda: _holders(h, "w/lease") == ["ra"], "w/lease's key written again", 10)
+    kv2 = h.etcd.client.call("/v3/kv/range", {"key": _registry._b64(key.encode())})["kvs"][0]
+    assert kv2["lease"] != kv["lease"]
+    assert "writing the record again" in h.log("RA")
+    h.dl.unpublish("w/lease")
+
+
+def test_holders_that_are_not_bridge_names_are_passed_over_and_so_is_itself(reg_hosts):
+    h = reg_hosts
+    under = _registry.holders_prefix(_registry.REGISTRY_PREFIX, "w/odd")
+    with _raw_keys(h, [(under + n, b"{}") for n in ("q:x", "*", "", "ok")]):
+        assert _holders(h, "w/odd") == ["ok"]
+    b = fake_bridge()
+    b.peers, b.name = {}, "self"
+    b.registry, b.registry_prefix = h.etcd.client, _registry.REGISTRY_PREFIX
+    try:
+        with _raw_keys(h, [(under + "self", b"{}")]):
+            r = b._fetch(FakeDlpackd(), {"op": "fetch", "name": "*:w/odd"}, 1000, 4242)
+            assert r["errno"] == "ENOENT" and "no bridge holds" in r["message"]
+    finally:
+        stop_fake_bridge(b)
+
+
+def test_a_fetch_of_any_host_tries_at_most_holders_tried_max(reg_hosts):
+    import numpy as np
+    h = reg_hosts
+    h.dl.publish("w/try", np.ones(8, np.uint8), replace=True)
+    _wait(lambda: _holders(h, "w/try") == ["ra"], "w/try's key", 10)
+    under = _registry.holders_prefix(_registry.REGISTRY_PREFIX, "w/try")
+    dead = [f"a{i}" for i in range(_registry.HOLDERS_TRIED_MAX)]
+    keys = [(under + d, b"{}") for d in dead] + [
+        (_registry.record_key(_registry.REGISTRY_PREFIX, d),
+         json.dumps({"addr": f"127.0.0.1:{_free_port()}"}).encode()) for d in dead]
+    h.start_bridge("RE", "--registry", h.etcd.url)
+    try:
+        with _raw_keys(h, keys):
+            with pytest.raises(ConnectionError):
+                bridge.fetch("*:w/try", 10.0, socket=h.path("RE.sock"))
+            assert h.log("RE").count("trying the next bridge") == len(dead) - 1
+        local, _ = bridge.fetch("*:w/try", 10.0, socket=h.path("RE.sock"))
+        assert local == "ra:w/try"
+    finally:
+        h.stop("RE")
+        h.dl.unpublish("w/try")
 
 
 def test_a_registry_with_authentication_takes_only_the_bridges_credentials(tmp_path):
@@ -2565,12 +2717,22 @@ def test_a_name_is_fetched_from_whichever_bridge_holds_it(reg_hosts):
     assert _holders(h, "w/any2/sub") == ["ra"]
     # a holder that cannot serve it (its bridge is gone) is passed over for the next
     dead = _free_port()
-    for key, value in ((_registry.holders_prefix(_registry.REGISTRY_PREFIX, "w/any") + "aa",
-                        b'{"host": "aa"}'),
-                       (_registry.record_key(_registry.REGISTRY_PREFIX, "aa"),
-                        json.dumps({"addr": f"127.0.0.1:{dead}"}).encode())):
-        h.etcd.client.call("/v3/kv/put", {"key": _registry._b64(key.encode()),
-                                          "value": _registry._b64(value)})
+    stale = [(_registry.holders_prefix(_registry.REGISTRY_PREFIX, "w/any") + "aa",
+              b'{"host": "aa"}'),
+             (_registry.record_key(_registry.REGISTRY_PREFIX, "aa"),
+              json.dumps({"addr": f"127.0.0.1:{dead}"}).encode())]
+    with _raw_keys(h, stale):
+        _any_holders_in_order(h, x, dead)
+    h.dl.unpublish("w/any")
+    _wait(lambda: "ra" not in _holders(h, "w/any"), "w/any's key gone with the name", 10)
+    with pytest.raises(FileNotFoundError) as e:
+        _reg_fetch(h, "*:w/any")
+    assert "no bridge holds 'w/any'" in str(e.value) and h.etcd.url in str(e.value)
+    assert h.status("RA")["registry"]["names"] >= 1
+
+
+def _any_holders_in_order(h, x, dead):
+    import numpy as np
     assert _holders(h, "w/any") == ["aa", "ra"]
     h.dl.publish("w/any", x + 1, replace=True)
     # a bridge connected to neither tries them in the registry's order
@@ -2588,14 +2750,6 @@ def test_a_name_is_fetched_from_whichever_bridge_holds_it(reg_hosts):
         assert local == "ra:w/any" and "aa" not in h.status("RB")["registry"]["found"]
     finally:
         h.stop("RD")
-    h.dl.unpublish("w/any")
-    _wait(lambda: "ra" not in _holders(h, "w/any"), "w/any's key gone with the name", 10)
-    aa = _registry.holders_prefix(_registry.REGISTRY_PREFIX, "w/any") + "aa"
-    h.etcd.client.call("/v3/kv/deleterange", {"key": _registry._b64(aa.encode())})
-    with pytest.raises(FileNotFoundError) as e:
-        _reg_fetch(h, "*:w/any")
-    assert "no bridge holds 'w/any'" in str(e.value) and h.etcd.url in str(e.value)
-    assert h.status("RA")["registry"]["names"] >= 1
 
 
 def test_names_past_one_request_are_written_and_deleted_in_batches(reg_hosts):

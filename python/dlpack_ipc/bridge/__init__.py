@@ -119,5 +119,6 @@ def status(*, socket=None):
     ("follows": {"peer:name": {"subscribed": bool, "generation": the peer's generation of the
     replica held, or None}}), the subscriptions peers hold here ("subscribers") and, with
     --registry, the registry ("registry": {"url", "name", "registered": whether this bridge's
-    record is in place (None where it does not --listen), "found": {"peer": connected}})."""
+    record is in place, "names": how many exported names it wrote there (both None where it
+    does not --listen), "found": {"peer": connected}})."""
     return _request({"op": "status"}, 10.0, socket, "bridge status")

@@ -262,8 +262,8 @@ def main(argv=None):
     if args.registry_ttl is not None and args.registry_ttl < 2:
         log.error("--registry-ttl %s: must be >= 2", args.registry_ttl)
         return 2
-    if args.name is not None and (not args.name or ":" in args.name or "/" in args.name or
-                                  args.name == "*" or len(args.name.encode()) > 255):
+    from ._registry import valid_name
+    if args.name is not None and not valid_name(args.name):
         log.error("--name %r: must be 1 to 255 bytes, without ':' or '/', not '*'", args.name)
         return 2
     if args.registry_names and not args.listen:

@@ -12,6 +12,7 @@ spoken to through its JSON gateway (POST /v3/...), with nothing but the standard
 """
 import base64
 import errno
+import http.client
 import json
 import logging
 import os
@@ -24,8 +25,11 @@ import urllib.request
 # Seconds a record outlives a bridge that died without revoking it (its lease's TTL); the
 # bridge renews the lease every third of it. --registry-ttl sets it.
 REGISTRY_TTL = 10
-# Seconds one request to etcd may take.
+# Seconds each step of one request to etcd (connect, send, each read) may take.
 REQUEST_TIMEOUT = 5.0
+# Seconds a stopping bridge waits for its registry thread to revoke its lease (a request under
+# way, with credentials, may take four steps first); past it the record ends with its TTL.
+STOP_WAIT = 6 * REQUEST_TIMEOUT
 # Bytes of one answer from etcd read at most, and of one record; what is larger is refused.
 ANSWER_MAX = 64 << 10
 RECORD_MAX = 4096
@@ -42,8 +46,9 @@ NAMES_MAX = 4096
 TXN_OPS_MAX = 128
 # Seconds the names changed in a burst are gathered before their keys are written.
 NAMES_COALESCE = 0.1
-# Bridges a fetch of *:name reads from the registry and tries, at most.
+# Bridges a fetch of *:name reads from the registry, and tries, at most.
 HOLDERS_MAX = 64
+HOLDERS_TRIED_MAX = 4
 # The peer part of a fetch that asks the registry which bridge holds the name.
 ANY_HOST = "*"
 
@@ -67,6 +72,29 @@ def read_auth(path):
     return user, password
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """etcd does not redirect: one that does is refused (its Authorization header would go
+    with it)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+# no proxy from the environment, no redirect
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect)
+
+
+def _refused(url, status, code, msg):
+    """Raise what etcd's error answer means: PermissionError for gRPC's UNAUTHENTICATED and
+    PERMISSION_DENIED (and a request without a token, or with one etcd no longer takes, which
+    it answers as an invalid argument naming it), else OSError EPROTO."""
+    msg = str(msg)[:300]
+    if status in (401, 403) or code in (7, 16) or any(
+            w in msg for w in ("user name is empty", "auth", "permission denied")):
+        raise PermissionError(errno.EACCES, f"registry {url}: {msg}") from None
+    raise OSError(errno.EPROTO, f"registry {url}: HTTP {status}: {msg}") from None
+
+
 class Etcd:
     """The few calls of etcd's v3 JSON gateway the bridge makes. Each raises OSError naming the
     registry: ConnectionError when etcd cannot be reached, PermissionError when it refuses the
@@ -88,35 +116,39 @@ class Etcd:
         if token:
             req.add_header("Authorization", token)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+            with _OPENER.open(req, timeout=self.timeout) as r:
                 data = r.read(ANSWER_MAX + 1)
         except urllib.error.HTTPError as e:
-            data = e.read(ANSWER_MAX + 1)
             try:
+                data = e.read(ANSWER_MAX + 1)
                 why = json.loads(data)
                 code, msg = why.get("code"), why.get("error") or why.get("message")
-            except (ValueError, AttributeError):
-                code, msg = None, data[:200].decode(errors="replace")
-            # gRPC's UNAUTHENTICATED and PERMISSION_DENIED; etcd answers a request without a
-            # token, or with one it no longer takes, as an invalid argument naming it
-            if e.code in (401, 403) or code in (7, 16) or any(
-                    w in str(msg) for w in ("user name is empty", "auth", "permission denied")):
-                raise PermissionError(errno.EACCES, f"registry {self.url}: {msg}") from None
-            raise OSError(errno.EPROTO, f"registry {self.url}: HTTP {e.code}: {msg}") from None
+            except (ValueError, AttributeError, RecursionError, OSError,
+                    http.client.HTTPException):
+                code, msg = None, f"HTTP {e.code} {e.reason}"
+            _refused(self.url, e.code, code, msg)
         except (urllib.error.URLError, OSError) as e:
             why = getattr(e, "reason", e)
             raise ConnectionError(errno.ECONNREFUSED, f"registry {self.url} cannot be "
                                   f"reached: {why}") from None
+        except (http.client.HTTPException, ValueError) as e:
+            raise OSError(errno.EPROTO, f"registry {self.url}: not an HTTP answer to {path}: "
+                          f"{e!r}"[:300]) from None
         if len(data) > ANSWER_MAX:
             raise OSError(errno.EPROTO, f"registry {self.url}: an answer over ANSWER_MAX "
                           f"({ANSWER_MAX} bytes)")
         try:
             out = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             out = None
         if not isinstance(out, dict):
             raise OSError(errno.EPROTO, f"registry {self.url}: its answer to {path} is not "
                           "a JSON object (is this etcd's gateway?)")
+        err = out.get("error")
+        if err is not None:         # what the gateway's streaming calls answer with a 200
+            if isinstance(err, dict):
+                _refused(self.url, 200, err.get("grpc_code"), err.get("message", err))
+            _refused(self.url, 200, None, err)
         return out
 
     def call(self, path, body):
@@ -150,16 +182,19 @@ class Etcd:
         return lease
 
     def keepalive(self, lease):
-        """The lease's TTL left after renewing it; 0 when it is gone."""
+        """The lease's TTL left after renewing it; 0 when etcd says it is gone."""
         out = self.call("/v3/lease/keepalive", {"ID": lease}).get("result")
-        ttl = out.get("TTL", "0") if isinstance(out, dict) else "0"
+        if not isinstance(out, dict):
+            raise OSError(errno.EPROTO, f"registry {self.url}: no result renewing lease {lease}")
+        ttl = out.get("TTL", "0")       # absent: the lease is gone
         return int(ttl) if isinstance(ttl, str) and ttl.isdigit() else 0
 
     def revoke(self, lease):
         self.call("/v3/lease/revoke", {"ID": lease})
 
     def create(self, key, value, lease):
-        """Put key only where it does not exist; the value it holds instead, or None."""
+        """Put key on lease only where it does not exist; (value, lease) of the key that is
+        there instead, or None."""
         k = _b64(key.encode())
         out = self.call("/v3/kv/txn", {
             "compare": [{"key": k, "target": "CREATE", "result": "EQUAL",
@@ -172,11 +207,20 @@ class Etcd:
             for r in out.get("responses") or []:
                 kvs = (r.get("response_range") or {}).get("kvs") or []
                 if kvs:
-                    return base64.b64decode(kvs[0].get("value", ""), validate=True)
+                    return (base64.b64decode(kvs[0].get("value", ""), validate=True),
+                            str(kvs[0].get("lease", "0")))
         except (AttributeError, TypeError, ValueError):
             raise OSError(errno.EPROTO, f"registry {self.url}: a malformed answer about "
                           f"{key}") from None
-        return b""
+        return b"", "0"
+
+    def move(self, key, value, lease):
+        """Put key on lease where it holds value; whether it did."""
+        k = _b64(key.encode())
+        out = self.call("/v3/kv/txn", {
+            "compare": [{"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(value)}],
+            "success": [{"request_put": {"key": k, "value": _b64(value), "lease": lease}}]})
+        return bool(out.get("succeeded"))
 
     def keys(self, prefix, limit):
         """The keys that start with prefix, at most limit of them, sorted."""
@@ -184,21 +228,22 @@ class Etcd:
         out = self.call("/v3/kv/range", {"key": _b64(p), "range_end": _b64(_after(p)),
                                          "keys_only": True, "limit": limit})
         try:
-            return [base64.b64decode(kv["key"], validate=True).decode()
-                    for kv in out.get("kvs") or []]
-        except (KeyError, TypeError, ValueError):
+            kvs = out.get("kvs") or []
+            return [base64.b64decode(kv["key"], validate=True).decode() for kv in kvs[:limit]]
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise OSError(errno.EPROTO, f"registry {self.url}: a malformed answer about the "
                           f"keys under {prefix}") from None
 
     def get(self, key):
         """The value of key, or None."""
         kvs = self.call("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs") or []
-        if not kvs or not isinstance(kvs[0], dict):
-            return None
         try:
+            if not kvs:
+                return None
             return base64.b64decode(kvs[0].get("value", ""), validate=True)
-        except (ValueError, TypeError):
-            raise OSError(errno.EPROTO, f"registry {self.url}: {key} is not base64") from None
+        except (AttributeError, TypeError, ValueError, KeyError):
+            raise OSError(errno.EPROTO, f"registry {self.url}: a malformed answer about "
+                          f"{key}") from None
 
 
 def _after(prefix):
@@ -220,10 +265,19 @@ def holders_prefix(prefix, name):
     return f"{prefix}names/{base64.urlsafe_b64encode(name.encode()).decode()}/"
 
 
+def valid_name(name):
+    """Whether name can be a bridge's name (--name): 1 to 255 bytes, no ':' or '/', not
+    ANY_HOST."""
+    return isinstance(name, str) and 0 < len(name.encode()) <= 255 and ":" not in name and \
+        "/" not in name and name != ANY_HOST
+
+
 def holders(etcd, prefix, name):
-    """The names of the bridges (at most HOLDERS_MAX) that hold name, sorted."""
+    """The names of the bridges (at most HOLDERS_MAX) that hold name, sorted; keys that do
+    not end in a bridge's name are passed over."""
     under = holders_prefix(prefix, name)
-    return [k[len(under):] for k in etcd.keys(under, HOLDERS_MAX) if k.startswith(under)]
+    return [k[len(under):] for k in etcd.keys(under, HOLDERS_MAX)
+            if k.startswith(under) and valid_name(k[len(under):])]
 
 
 class Registration:
@@ -247,6 +301,7 @@ class Registration:
         self._names = set()         # the exported names held here (at most NAMES_MAX)
         self._written = set()       # those whose key is written on the lease now
         self._over = False          # NAMES_MAX was reached (logged once)
+        self._renewed = 0.0         # when the lease was last renewed (monotonic)
 
     def names(self):
         """The exported names whose key is in the registry now."""
@@ -286,7 +341,7 @@ class Registration:
     def _sync_names(self):
         """Write the keys of the names held here that are not written, delete those of the
         names that went: TXN_OPS_MAX to a request, the lease renewed between requests when
-        due (thousands of names take several)."""
+        due (thousands of names take several); given up at stop."""
         with self._lock:
             add, gone = sorted(self._names - self._written), sorted(self._written - self._names)
         value = _b64(json.dumps({"host": self.name}).encode())
@@ -294,8 +349,10 @@ class Registration:
                                     "lease": self.lease}}) for n in add]
         ops += [(n, {"request_delete_range": {"key": _b64(self._name_key(n).encode())}})
                 for n in gone]
-        renewed = time.monotonic()
         for i in range(0, len(ops), TXN_OPS_MAX):
+            if self.stop.is_set():
+                return
+            self._renew_if_due()
             batch = ops[i:i + TXN_OPS_MAX]
             self.etcd.call("/v3/kv/txn", {"success": [op for _, op in batch]})
             with self._lock:
@@ -304,32 +361,47 @@ class Registration:
                         self._written.add(n)
                     else:
                         self._written.discard(n)
-            if time.monotonic() - renewed > self.ttl / 3:
-                if self.etcd.keepalive(self.lease) <= 0:
-                    raise OSError(errno.ENOENT, f"the lease of {self.key} ended while its "
-                                  "names were written")
-                renewed = time.monotonic()
+
+    def _renew_if_due(self):
+        """Renew the lease if a third of its TTL went by since it was last renewed."""
+        if time.monotonic() - self._renewed < self.ttl / 3:
+            return
+        if self.etcd.keepalive(self.lease) <= 0:
+            raise FileNotFoundError(errno.ENOENT, f"the lease of {self.key} ended")
+        self._renewed = time.monotonic()
 
     def _name_key(self, name):
         return holders_prefix(self.prefix, name) + self.name
 
     def _step(self):
-        """Renew the lease and see that the record is there (written where it is not), and
-        the names' keys; the seconds to wait before the next step."""
-        if self.lease is not None and self.etcd.keepalive(self.lease) <= 0:
-            self._problem(f"the lease of {self.key} ended (etcd lost it, or this bridge was "
-                          "cut off for longer than its TTL): writing the record again")
-            self.lease, self.registered = None, False
+        """Renew the lease and see that the record is there on it (written where it is not),
+        and the names' keys; the seconds to wait before the next step."""
+        if self.lease is not None:
+            try:
+                self._renewed = 0.0
+                self._renew_if_due()
+            except FileNotFoundError:
+                self._problem(f"the lease of {self.key} ended (etcd lost it, or this bridge "
+                              "was cut off for longer than its TTL): writing the record again")
+                self.lease, self.registered = None, False
         if self.lease is None:
             self.lease = self.etcd.grant(self.ttl)
+            self._renewed = time.monotonic()
             with self._lock:
                 self._written = set()       # the keys went with the lease before
         held = self.etcd.create(self.key, self.value, self.lease)
-        if held is not None and held != self.value:
-            self._problem(f"{self.key} is held by another bridge ({held[:200]!r}): written "
-                          "once its lease ends")
+        if held is not None and held[0] != self.value:
+            self._problem(f"{self.key} is held by another bridge ({held[0][:200]!r}): "
+                          "written once its lease ends")
             self.registered = False
             return 1.0
+        if held is not None and held[1] != self.lease:
+            # this bridge's record on a lease it no longer renews (one it took for lost):
+            # moved onto this one, or it would go when that one ends
+            if not self.etcd.move(self.key, self.value, self.lease):
+                return 1.0
+            with self._lock:
+                self._written = set()
         if not self.registered:
             log.info("registry: %s written at %s (lease %s, TTL %d s)", self.key,
                      self.etcd.url, self.lease, self.ttl)

@@ -236,6 +236,9 @@ class Bridge:
         self.registry_prefix = getattr(args, "registry_prefix", None) or \
             _registry.REGISTRY_PREFIX
         self.name = getattr(args, "name", None) or self.host
+        if not _registry.valid_name(self.name):
+            raise ValueError(f"the host name {self.name!r} cannot name this bridge in the "
+                             "registry: --name one")
         if not args.listen:
             return
         advertise = getattr(args, "advertise", None) or args.listen
@@ -245,8 +248,8 @@ class Bridge:
         except ValueError:
             wildcard = False            # a host name: peers resolve it
         if wildcard:
-            raise ValueError(f"--listen {args.listen} is a wildcard address: --advertise the "
-                             "ADDR:PORT peers connect to, for the registry")
+            raise ValueError(f"{advertise} is a wildcard address: --advertise the ADDR:PORT "
+                             "peers connect to, for the registry")
         self.registration = _registry.Registration(
             self.registry, self.registry_prefix, self.name,
             {"addr": advertise, "agent": self.agent_name, "exports": self.exports},
@@ -278,14 +281,27 @@ class Bridge:
             link = self.found.get(name)
             if link is None:
                 if len(self.found) >= _registry.FOUND_PEERS_MAX:
-                    raise BlockingIOError(errno.EAGAIN, f"{len(self.found)} peers found in "
-                                          "the registry are known already "
-                                          "(FOUND_PEERS_MAX)")
+                    self._forget_one()
                 link = self.found[name] = PeerLink(self, name, addr)
             elif link.addr != addr:
                 log.info("peer %s moved from %s to %s:%d (registry)", name, link.where, *addr)
                 link.addr, link.where = addr, f"{addr[0]}:{addr[1]}"
         return link
+
+    def _forget_one(self):
+        """Make room in self.found (under self._lock): a link that holds nothing (no
+        connection, no NIXL agent, no fetch under way, no follow) goes; BlockingIOError EAGAIN
+        when every one is in use."""
+        for n, link in self.found.items():
+            if link.sock is None and link.agent is None and link.lock.acquire(blocking=False):
+                try:
+                    if link.sock is None and link.agent is None:
+                        del self.found[n]
+                        return
+                finally:
+                    link.lock.release()
+        raise BlockingIOError(errno.EAGAIN, f"{len(self.found)} peers found in the registry "
+                              "are in use (FOUND_PEERS_MAX)")
 
     def count(self, what, n=1):
         with self._lock:
@@ -352,7 +368,7 @@ class Bridge:
         while not self.stop.wait(1.0):
             pass
         if registry is not None:     # its record revoked before the process ends
-            registry.join(_registry.REQUEST_TIMEOUT * 2)
+            registry.join(_registry.STOP_WAIT)
 
     def _housekeeping(self):
         while not self.stop.wait(1.0):
@@ -824,15 +840,19 @@ class Bridge:
             hosts = _registry.holders(self.registry, self.registry_prefix, rname)
         except OSError as e:
             return _wire.error_frame(errno.errorcode.get(e.errno, "EIO"), e.strerror or str(e))
+        hosts = [h for h in hosts if h != self.name]    # never itself, over the network
         if not hosts:
             return _wire.error_frame("ENOENT", f"no bridge holds {rname!r} in the registry "
                                      f"({_registry.holders_prefix(self.registry_prefix, rname)}"
                                      f" at {self.registry.url})")
         with self._lock:       # those connected already first, then in the registry's order
-            hosts.sort(key=lambda h: not (h in self.found and self.found[h].connected()))
-        for host in hosts:
+            hosts.sort(key=lambda h: not (self.peers.get(h) or self.found.get(h) or
+                                          _NO_LINK).connected())
+        tried = hosts[:_registry.HOLDERS_TRIED_MAX]
+        for i, host in enumerate(tried):
             reply = self._fetch_from(dl, host, rname, deadline, uid, pid)
             if reply["op"] != "error" or reply.get("errno") not in _NEXT_HOLDER or \
+                    i == len(tried) - 1 or \
                     (deadline is not None and time.monotonic() >= deadline):
                 return reply
             log.info("fetch %r for uid %d (pid %d): %s; trying the next bridge", name, uid,
@@ -875,6 +895,13 @@ class Bridge:
         return {"op": "fetched", "name": name, "generation": gen}
 
 
+class _NoLink:
+    @staticmethod
+    def connected():
+        return False
+
+
+_NO_LINK = _NoLink()
 # What a fetch of *:name takes as "this bridge cannot serve it now": the next one is tried.
 _NEXT_HOLDER = ("ENOENT", "ECONNREFUSED", "ECONNRESET", "ECONNABORTED", "ETIMEDOUT",
                 "EHOSTUNREACH", "ENETUNREACH", "EPROTO", "EIO")
