@@ -829,13 +829,15 @@ def case_registry(w, a, b):
     w.start("bridge-Breg", "B", common + [
         "--socket", w.bridge_socket("bridge-Breg"), "--dlpackd-socket", w.path("dlpackd-B.sock")])
 
-    def registered():
+    def registry(name):
         try:
-            st = bridge.status(socket=w.bridge_socket("bridge-Areg"))
-        except OSError:
-            return False
-        return (st.get("registry") or {}).get("registered")
-    check(wait_for(registered, "bridge-Areg registered"), "A's bridge wrote its record in etcd")
+            return bridge.status(socket=w.bridge_socket(name)).get("registry") or {}
+        except OSError:         # not listening yet
+            return None
+    check(wait_for(lambda: registry("bridge-Breg") is not None, "bridge-Breg answers"),
+          "B's second bridge answers")
+    check(wait_for(lambda: (registry("bridge-Areg") or {}).get("registered"),
+                   "bridge-Areg registered"), "A's bridge wrote its record in etcd")
     x = np.random.default_rng(7).integers(0, 255, 1 << 20, dtype=np.uint8)
     gen = a.publish("w/reg", x, replace=True)
     local, rgen = fetch(w, "hostA:w/reg", sock="bridge-Breg")
