@@ -2444,7 +2444,8 @@ def test_a_record_that_is_not_a_bridges_is_a_protocol_error(reg_hosts):
     h = reg_hosts
     for name, value in (("bad1", b"not json"), ("bad2", b'{"addr": "no port"}'),
                         ("bad3", b'["127.0.0.1:1"]'),
-                        ("bad4", b'{"addr": "127.0.0.1:1", "pad": "' + b"x" * 5000 + b'"}')):
+                        ("bad4", b'{"addr": "127.0.0.1:1", "pad": "' + b"x" * 5000 + b'"}'),
+                        ("bad5", b"[" * 2000 + b"]" * 2000)):            # nested too deep
         key = _registry.record_key(_registry.REGISTRY_PREFIX, name)
         with _raw_keys(h, [(key, value)]):
             with pytest.raises(OSError) as e:
@@ -2514,6 +2515,16 @@ def test_a_malformed_answer_from_the_registry_is_a_protocol_error(answer):
         srv.close()
 
 
+def test_only_etcds_own_credential_errors_are_permission_errors():
+    for msg, cls in (("etcdserver: invalid auth token", PermissionError),
+                     ("etcdserver: permission denied", PermissionError),
+                     ("proxy: no route for /v3/auth/authenticate", OSError),
+                     ("the author field is wrong", OSError)):
+        with pytest.raises(OSError) as e:
+            _registry._refused("http://x", 400, 3, msg)
+        assert type(e.value) is cls, msg
+
+
 def test_a_keepalive_error_is_not_taken_for_a_lost_lease():
     """An error etcd answers a renewal with (no leader during an election) is an error, not
     the end of the lease: the record is not written on a new lease meanwhile."""
@@ -2568,6 +2579,7 @@ def test_the_registry_options_are_checked_at_start(reg_hosts, tmp_path):
             (["--advertise", "127.0.0.1:1"], 2, "--advertise needs --registry"),
             (["--registry", h.etcd.url, "--name", "*"], 2, "--name"),
             (["--registry", h.etcd.url, "--registry-names"], 2, "--registry-names needs"),
+            (["--registry", h.etcd.url, "--name", "x"], 2, "--name needs --listen"),
             (["--peer", "*=127.0.0.1:1"], 1, "not '*'"),
             (["--registry", "ftp://x"], 1, "is not http"),
             (["--registry", h.etcd.url, "--listen", "0.0.0.0:0"], 1, "--advertise"),
@@ -2602,6 +2614,41 @@ def test_peers_found_in_the_registry_are_bounded(reg_hosts, monkeypatch):
         stop_fake_bridge(b)
 
 
+def test_a_link_forgotten_while_a_fetch_held_it_is_asked_for_again(reg_hosts, monkeypatch):
+    h = reg_hosts
+    b = fake_bridge()
+    b.peers = {}
+    b.registry, b.registry_prefix = h.etcd.client, _registry.REGISTRY_PREFIX
+    monkeypatch.setattr(_registry, "FOUND_PEERS_MAX", 1)
+    keys = [(_registry.record_key(_registry.REGISTRY_PREFIX, f"gone{i}"),
+             json.dumps({"addr": f"127.0.0.1:{_free_port()}"}).encode()) for i in range(2)]
+    try:
+        with _raw_keys(h, keys):
+            old = b._peer("gone0")
+            b._peer("gone1")            # makes room: gone0's idle link is forgotten
+            assert old.forgotten and "gone0" not in b.found
+            with pytest.raises(_importer.Forgotten):
+                old.fetch(FakeDlpackd(), "w/x", "gone0:w/x", time.monotonic() + 5, 1000)
+            # the fetch that got it asks for a link again, and so reaches the peer (refused)
+            r = b._fetch(FakeDlpackd(), {"op": "fetch", "name": "gone0:w/x"}, 1000, 4242)
+            assert r["errno"] == "ECONNREFUSED" and b.found["gone0"] is not old
+    finally:
+        stop_fake_bridge(b)
+
+
+def test_a_record_deleted_by_hand_is_written_again_with_the_names_keys(reg_hosts):
+    import numpy as np
+    h = reg_hosts
+    h.dl.publish("w/del", np.zeros(8, np.uint8), replace=True)
+    _wait(lambda: _holders(h, "w/del") == ["ra"], "w/del's key", 10)
+    p = _registry.REGISTRY_PREFIX.encode()
+    h.etcd.client.call("/v3/kv/deleterange", {"key": _registry._b64(p),
+                                              "range_end": _registry._b64(_registry._after(p))})
+    _wait(lambda: h.etcd.record("ra"), "ra's record written again", REGISTRY_TTL + 10)
+    _wait(lambda: _holders(h, "w/del") == ["ra"], "w/del's key written again", 10)
+    h.dl.unpublish("w/del")
+
+
 def test_a_lease_revoked_under_the_bridge_is_replaced_and_everything_written_again(reg_hosts):
     import numpy as np
     h = reg_hosts
@@ -2625,8 +2672,10 @@ def test_holders_that_are_not_bridge_names_are_passed_over_and_so_is_itself(reg_
     with _raw_keys(h, [(under + n, b"{}") for n in ("q:x", "*", "", "ok")]):
         assert _holders(h, "w/odd") == ["ok"]
     b = fake_bridge()
-    b.peers, b.name = {}, "self"
+    b.peers = {}
     b.registry, b.registry_prefix = h.etcd.client, _registry.REGISTRY_PREFIX
+    b.registration = _registry.Registration(h.etcd.client, _registry.REGISTRY_PREFIX, "self",
+                                            {"addr": "127.0.0.1:9"}, 10, b.stop)
     try:
         with _raw_keys(h, [(under + "self", b"{}")]):
             r = b._fetch(FakeDlpackd(), {"op": "fetch", "name": "*:w/odd"}, 1000, 4242)

@@ -266,9 +266,11 @@ def main(argv=None):
     if args.name is not None and not valid_name(args.name):
         log.error("--name %r: must be 1 to 255 bytes, without ':' or '/', not '*'", args.name)
         return 2
-    if args.registry_names and not args.listen:
-        log.error("--registry-names needs --listen (a bridge that exports)")
-        return 2
+    for opt, v in (("--registry-names", args.registry_names or None), ("--name", args.name),
+                   ("--advertise", args.advertise)):
+        if v is not None and args.registry and not args.listen:
+            log.error("%s needs --listen (a bridge that exports)", opt)
+            return 2
     for opt, v in (("--registry-prefix", args.registry_prefix),
                    ("--registry-auth-file", args.registry_auth_file),
                    ("--name", args.name), ("--advertise", args.advertise),

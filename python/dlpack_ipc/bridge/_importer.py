@@ -147,6 +147,11 @@ def subscribe_error(frame, peer):
     return e
 
 
+class Forgotten(ConnectionAbortedError):
+    """The link was dropped from the peers found in the registry before this fetch took it:
+    the caller asks for the peer's link again."""
+
+
 class _Stale(Exception):
     """The peer closed the connection before it answered a get: nothing was leased."""
 
@@ -171,6 +176,9 @@ class PeerLink:
         # answer among them: a push numbered below an answer was sent before it
         self.frames = 0
         self.answered = 0
+        # set (under self.lock) when the bridge dropped this link from the peers it found in
+        # the registry: a fetch that got it just before asks for the peer's link again
+        self.forgotten = False
 
     def connected(self):
         return self.sock is not None
@@ -355,6 +363,8 @@ class PeerLink:
             raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for another fetch from "
                                "this peer")
         try:
+            if self.forgotten:
+                raise Forgotten(errno.ECONNABORTED, f"the link to {self.name} was dropped")
             if self.bridge.quarantine.full():
                 raise BlockingIOError(errno.EAGAIN, f"{_nixl.QUARANTINE_MAX} failed transfers "
                                       "are in quarantine (QUARANTINE_MAX): try again later")

@@ -84,13 +84,18 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect)
 
 
+# What etcd says when it refuses a request's credentials (as an invalid argument, code 3).
+_AUTH_ERRORS = ("etcdserver: user name is empty", "etcdserver: invalid auth token",
+                "etcdserver: authentication failed", "etcdserver: permission denied",
+                "etcdserver: revision of auth store is old")
+
+
 def _refused(url, status, code, msg):
     """Raise what etcd's error answer means: PermissionError for gRPC's UNAUTHENTICATED and
     PERMISSION_DENIED (and a request without a token, or with one etcd no longer takes, which
     it answers as an invalid argument naming it), else OSError EPROTO."""
     msg = str(msg)[:300]
-    if status in (401, 403) or code in (7, 16) or any(
-            w in msg for w in ("user name is empty", "auth", "permission denied")):
+    if status in (401, 403) or code in (7, 16) or any(w in msg for w in _AUTH_ERRORS):
         raise PermissionError(errno.EACCES, f"registry {url}: {msg}") from None
     raise OSError(errno.EPROTO, f"registry {url}: HTTP {status}: {msg}") from None
 
@@ -105,7 +110,7 @@ class Etcd:
         if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
             raise ValueError(f"--registry {url!r} is not http://HOST:PORT or https://HOST:PORT")
         self.url = url.rstrip("/")
-        self._auth = auth
+        self.auth = auth
         self._token = None
         self._lock = threading.Lock()
         self.timeout = timeout
@@ -156,17 +161,17 @@ class Etcd:
         etcd no longer takes the token (it expires)."""
         with self._lock:
             token = self._token
-        if self._auth and token is None:
+        if self.auth and token is None:
             token = self._authenticate()
         try:
             return self._post(path, body, token)
         except PermissionError:
-            if not self._auth:
+            if not self.auth:
                 raise
         return self._post(path, body, self._authenticate())
 
     def _authenticate(self):
-        user, password = self._auth
+        user, password = self.auth
         out = self._post("/v3/auth/authenticate", {"name": user, "password": password}, None)
         token = out.get("token")
         if not isinstance(token, str) or not token:
@@ -187,7 +192,7 @@ class Etcd:
         if not isinstance(out, dict):
             raise OSError(errno.EPROTO, f"registry {self.url}: no result renewing lease {lease}")
         ttl = out.get("TTL", "0")       # absent: the lease is gone
-        return int(ttl) if isinstance(ttl, str) and ttl.isdigit() else 0
+        return int(ttl) if isinstance(ttl, str) and ttl.isascii() and ttl.isdigit() else 0
 
     def revoke(self, lease):
         self.call("/v3/lease/revoke", {"ID": lease})
@@ -209,7 +214,7 @@ class Etcd:
                 if kvs:
                     return (base64.b64decode(kvs[0].get("value", ""), validate=True),
                             str(kvs[0].get("lease", "0")))
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError, KeyError):
             raise OSError(errno.EPROTO, f"registry {self.url}: a malformed answer about "
                           f"{key}") from None
         return b"", "0"
@@ -366,9 +371,10 @@ class Registration:
         """Renew the lease if a third of its TTL went by since it was last renewed."""
         if time.monotonic() - self._renewed < self.ttl / 3:
             return
+        t0 = time.monotonic()       # renewed as of the request, not of its answer
         if self.etcd.keepalive(self.lease) <= 0:
             raise FileNotFoundError(errno.ENOENT, f"the lease of {self.key} ended")
-        self._renewed = time.monotonic()
+        self._renewed = t0
 
     def _name_key(self, name):
         return holders_prefix(self.prefix, name) + self.name
@@ -385,11 +391,16 @@ class Registration:
                               "was cut off for longer than its TTL): writing the record again")
                 self.lease, self.registered = None, False
         if self.lease is None:
+            t0 = time.monotonic()
             self.lease = self.etcd.grant(self.ttl)
-            self._renewed = time.monotonic()
+            self._renewed = t0
             with self._lock:
                 self._written = set()       # the keys went with the lease before
         held = self.etcd.create(self.key, self.value, self.lease)
+        if held is None and self.registered:
+            # the record was deleted under a live lease (by hand): the names' keys with it
+            with self._lock:
+                self._written = set()
         if held is not None and held[0] != self.value:
             self._problem(f"{self.key} is held by another bridge ({held[0][:200]!r}): "
                           "written once its lease ends")
@@ -399,6 +410,7 @@ class Registration:
             # this bridge's record on a lease it no longer renews (one it took for lost):
             # moved onto this one, or it would go when that one ends
             if not self.etcd.move(self.key, self.value, self.lease):
+                self.registered = False
                 return 1.0
             with self._lock:
                 self._written = set()
@@ -490,6 +502,6 @@ def lookup(etcd, prefix, name):
         if not isinstance(rec, dict) or not isinstance(rec.get("addr"), str):
             raise ValueError("no addr")
         return parse_addr(rec["addr"], "addr")
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise OSError(errno.EPROTO, f"{key} at {etcd.url} is not a bridge's record: "
-                      f"{e}") from None
+                      f"{e!r}"[:400]) from None

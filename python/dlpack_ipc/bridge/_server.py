@@ -236,11 +236,11 @@ class Bridge:
         self.registry_prefix = getattr(args, "registry_prefix", None) or \
             _registry.REGISTRY_PREFIX
         self.name = getattr(args, "name", None) or self.host
+        if not args.listen:
+            return
         if not _registry.valid_name(self.name):
             raise ValueError(f"the host name {self.name!r} cannot name this bridge in the "
                              "registry: --name one")
-        if not args.listen:
-            return
         advertise = getattr(args, "advertise", None) or args.listen
         host, _ = parse_addr(advertise, "--advertise")
         try:
@@ -250,8 +250,12 @@ class Bridge:
         if wildcard:
             raise ValueError(f"{advertise} is a wildcard address: --advertise the ADDR:PORT "
                              "peers connect to, for the registry")
+        # its own client: requests short enough that the lease is renewed in time
         self.registration = _registry.Registration(
-            self.registry, self.registry_prefix, self.name,
+            _registry.Etcd(url, self.registry.auth,
+                           max(0.5, min(_registry.REQUEST_TIMEOUT, (getattr(
+                               args, "registry_ttl", None) or _registry.REGISTRY_TTL) / 4))),
+            self.registry_prefix, self.name,
             {"addr": advertise, "agent": self.agent_name, "exports": self.exports},
             getattr(args, "registry_ttl", None) or _registry.REGISTRY_TTL, self.stop,
             self.exported if getattr(args, "registry_names", False) else None)
@@ -296,6 +300,7 @@ class Bridge:
             if link.sock is None and link.agent is None and link.lock.acquire(blocking=False):
                 try:
                     if link.sock is None and link.agent is None:
+                        link.forgotten = True   # a fetch that holds it asks again
                         del self.found[n]
                         return
                 finally:
@@ -840,7 +845,8 @@ class Bridge:
             hosts = _registry.holders(self.registry, self.registry_prefix, rname)
         except OSError as e:
             return _wire.error_frame(errno.errorcode.get(e.errno, "EIO"), e.strerror or str(e))
-        hosts = [h for h in hosts if h != self.name]    # never itself, over the network
+        if self.registration is not None:    # never itself, over the network
+            hosts = [h for h in hosts if h != self.registration.name]
         if not hosts:
             return _wire.error_frame("ENOENT", f"no bridge holds {rname!r} in the registry "
                                      f"({_registry.holders_prefix(self.registry_prefix, rname)}"
@@ -875,7 +881,11 @@ class Bridge:
             return _wire.error_frame("EPERM", f"{name!r} is kept fresh by --follow: attach "
                                      "it, no fetch is needed")
         try:
-            gen = link.fetch(dl, rname, name, deadline, uid)
+            try:
+                gen = link.fetch(dl, rname, name, deadline, uid)
+            except _importer.Forgotten:         # dropped just now: once more, on a new one
+                link = self._peer(peer)
+                gen = link.fetch(dl, rname, name, deadline, uid)
         except (KeyError, TypeError, ValueError) as e:
             log.warning("fetch %r for uid %d (pid %d): malformed answer from peer %s: %r", name,
                         uid, pid, peer, e)
