@@ -852,8 +852,10 @@ class Bridge:
                                      f"({_registry.holders_prefix(self.registry_prefix, rname)}"
                                      f" at {self.registry.url})")
         with self._lock:       # those connected already first, then in the registry's order
-            hosts.sort(key=lambda h: not (self.peers.get(h) or self.found.get(h) or
-                                          _NO_LINK).connected())
+            def idle(h):
+                link = self.peers.get(h) or self.found.get(h)
+                return not (link is not None and link.connected())
+            hosts.sort(key=idle)
         tried = hosts[:_registry.HOLDERS_TRIED_MAX]
         for i, host in enumerate(tried):
             reply = self._fetch_from(dl, host, rname, deadline, uid, pid)
@@ -905,13 +907,6 @@ class Bridge:
         return {"op": "fetched", "name": name, "generation": gen}
 
 
-class _NoLink:
-    @staticmethod
-    def connected():
-        return False
-
-
-_NO_LINK = _NoLink()
 # What a fetch of *:name takes as "this bridge cannot serve it now": the next one is tried.
 _NEXT_HOLDER = ("ENOENT", "ECONNREFUSED", "ECONNRESET", "ECONNABORTED", "ETIMEDOUT",
                 "EHOSTUNREACH", "ENETUNREACH", "EPROTO", "EIO")
