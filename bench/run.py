@@ -40,6 +40,7 @@ MIB = 1 << 20
 FOOTPRINT_ENTRIES = 100_000
 SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 PROCESS_GRACE_S = 10            # how long the run's processes may take to end after it
+EXEC_SETTLE_TRIES = 20          # reads, 10 ms apart, of a process caught inside execve()
 
 
 def human(n):
@@ -482,6 +483,36 @@ def peer_targets_table(checks):
     return "\n".join(lines)
 
 
+PF_KTHREAD = 0x00200000         # a kernel thread, in /proc/PID/stat's flags
+
+
+def _inside_exec(pid):
+    """Whether an empty environment means a process caught inside execve(): not a kernel
+    thread and not a zombie, which show an empty one for good."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return fields[0] != b"Z" and not int(fields[6]) & PF_KTHREAD
+
+
+def _environ_and_cmdline(pid):
+    """A process's environment and command line, or None when it is gone or not ours to read.
+    A process in the middle of execve() shows an empty environment for a moment (the new
+    image's is set up after the old one is dropped): it is read again, briefly, until it shows
+    one."""
+    try:
+        for _ in range(EXEC_SETTLE_TRIES):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            if environ or not _inside_exec(pid):
+                break
+            time.sleep(0.01)
+    except OSError:  # gone meanwhile, or not ours to read
+        return None
+    return environ, cmd
+
+
 def leftover_processes(marker):
     """Processes that carry this run's marker in their environment (every process the
     harnesses start does, Ray's own included) and are still running: (pid, command line)."""
@@ -490,15 +521,10 @@ def leftover_processes(marker):
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if key not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone meanwhile, or not ours to read
+        got = _environ_and_cmdline(d)
+        if got is None or key not in got[0].split(b"\0"):
             continue
-        found.append((int(d), cmd))
+        found.append((int(d), got[1].replace(b"\0", b" ").decode(errors="replace").strip()))
     return found
 
 
