@@ -1390,6 +1390,15 @@ def test_a_follow_given_twice_or_too_long_stops_the_bridge_at_start():
                           [a for f in follow for a in ("--follow", f)])
         with pytest.raises(ValueError, match=why):
             _server.Bridge(args, b"t" * 32)
+    # a PEER that is neither a --peer nor, with a --registry, a bridge's name
+    for follow, extra in (("B:w/x", []), ("*:w/x", ["--registry", "http://127.0.0.1:9"]),
+                          ("a/b:w/x", ["--registry", "http://127.0.0.1:9"]),
+                          ("A:", [])):
+        args = main._args(["--peer", "A=127.0.0.1:9", "--token-file", "/dev/null",
+                           "--follow", follow] + extra)
+        with pytest.raises(ValueError, match="is not PEER:NAME with a --peer PEER, or a "
+                           "bridge's name in the --registry"):
+            _server.Bridge(args, b"t" * 32)
 
 
 def test_pushes_coalesce_and_a_subscriber_that_does_not_read_is_given_up(monkeypatch):
@@ -2358,7 +2367,7 @@ def reg_hosts(request):
     finally:
         h.close(request.session.testsfailed != failed_before)
         if request.session.testsfailed != failed_before:
-            for name in ("RA", "RB", "RC"):
+            for name in ("RA", "RB", "RC", "RF"):
                 if os.path.exists(h.path(f"{name}.log")):
                     print(f"--- {name}'s log (last lines)\n{h.log(name)}")
 
@@ -2634,6 +2643,71 @@ def test_a_link_forgotten_while_a_fetch_held_it_is_asked_for_again(reg_hosts, mo
             assert r["errno"] == "ECONNREFUSED" and b.found["gone0"] is not old
     finally:
         stop_fake_bridge(b)
+
+
+def _full_log(h, name):
+    with open(h.path(f"{name}.log"), errors="replace") as f:
+        return f.read()
+
+
+def _held_replica(h, name):
+    """The bytes of the replica name here, or None where there is none."""
+    import numpy as np
+    try:
+        t = h.dl.attach(name, timeout=0)
+    except FileNotFoundError:
+        return None
+    try:
+        return np.asarray(t).copy()
+    finally:
+        t.release()
+
+
+def test_a_follow_of_a_registered_bridge_waits_for_it_keeps_the_replica_and_finds_it_moved(
+        reg_hosts):
+    """--follow rf:w/f with no --peer rf: the follower finds rf in the registry once rf
+    registers, keeps its replica while rf is away (its record revoked), and reaches rf again
+    at the new address it registers from."""
+    import numpy as np
+    h = reg_hosts
+    unregistered = "no peer 'rf' is configured (--peer) or registered"
+    h.start_bridge("RF", "--registry", h.etcd.url, "--follow", "rf:w/f",
+                   "--follow-interval", "0.2")
+    try:
+        _wait(lambda: unregistered in _full_log(h, "RF"), "RF finds no rf registered", 10)
+        assert h.status("RF")["follows"]["rf:w/f"] == {"subscribed": False, "generation": None}
+        g1 = h.dl.publish("w/f", np.full(4096, 1, np.uint8), replace=True)
+        h.registered("RC", _free_port(), "--name", "rf")
+
+        def replicated(value, gen):
+            r = _held_replica(h, "rf:w/f")
+            return r is not None and bool((r == value).all()) and \
+                h.status("RF")["follows"]["rf:w/f"] == {"subscribed": True, "generation": gen}
+        _wait(lambda: replicated(1, g1), "rf's w/f followed", 20)
+        assert h.status("RF")["registry"]["found"] == {"rf": True}
+        # away: its record is revoked as it stops; the follower keeps what it holds
+        h.stop("RC")
+        before = _full_log(h, "RF").count(unregistered)
+        _wait(lambda: _full_log(h, "RF").count(unregistered) >= before + 2 or
+              _held_replica(h, "rf:w/f") is None,
+              "RF tries rf again and finds it unregistered", 15)
+        held = _held_replica(h, "rf:w/f")
+        assert held is not None and (held == 1).all(), "the replica went with rf's record"
+        assert h.status("RF")["follows"]["rf:w/f"]["generation"] == g1
+        # back, from another port: found there, and followed again
+        h.registered("RC", _free_port(), "--name", "rf")
+        g2 = h.dl.publish("w/f", np.full(4096, 2, np.uint8), replace=True)
+        _wait(lambda: replicated(2, g2), "rf's w/f followed at its new address", 20)
+        assert "peer rf moved from 127.0.0.1:" in _full_log(h, "RF")
+    finally:
+        for name in ("RC", "RF"):
+            if name in h.procs:
+                h.stop(name)
+        for name in ("w/f", "rf:w/f"):
+            try:
+                h.dl.unpublish(name)
+            except FileNotFoundError:
+                pass
 
 
 def test_a_record_deleted_by_hand_is_written_again_with_the_names_keys(reg_hosts):

@@ -132,7 +132,8 @@ def _args(argv):
     p.add_argument("--follow", action="append", metavar="PEER:NAME",
                    help="keep a replica of PEER's NAME fresh: subscribe to it there, fetch it "
                    "again as soon as the peer pushes a change, unpublish it when it goes; "
-                   "poll where the peer refuses the subscription (repeatable)")
+                   "poll where the peer refuses the subscription; PEER is a --peer, or a "
+                   "bridge registered in --registry (repeatable)")
     p.add_argument("--follow-interval", metavar="SECONDS", type=float, default=1.0,
                    help="how often --follow asks the peer for the generation while no "
                    "subscription is live (the peer refused it, or cannot be reached: then "

@@ -159,11 +159,13 @@ class _Stale(Exception):
 class PeerLink:
     """The importing side's control connection to one peer bridge, made on first use."""
 
-    def __init__(self, bridge, name, addr):
+    def __init__(self, bridge, name, addr, resolve=None):
         self.bridge = bridge
         self.name = name
+        # (host, port); None until resolve(self) first sets it, for a peer to be looked up
         self.addr = addr
-        self.where = f"{addr[0]}:{addr[1]}"
+        self.where = "(not looked up yet)" if addr is None else f"{addr[0]}:{addr[1]}"
+        self._resolve = resolve     # called before each new connection, may change addr
         self.lock = threading.Lock()
         self.sock = None
         self.agent = None
@@ -184,6 +186,8 @@ class PeerLink:
         return self.sock is not None
 
     def _connect(self, deadline):
+        if self._resolve is not None:
+            self._resolve(self)
         left = _left(deadline, f"connecting to {self.where}")
         try:
             sock = socket.create_connection(self.addr, timeout=min(left or CONNECT_TIMEOUT,

@@ -189,23 +189,33 @@ class Bridge:
                 raise ValueError(f"--peer {p!r} is not NAME=ADDR:PORT (NAME without ':', "
                                  f"not '{_registry.ANY_HOST}')")
             self.peers[name] = PeerLink(self, name, parse_addr(addr, f"--peer {name}"))
+        self.host = socket.gethostname()
+        self.agent_name = f"dlpackd-bridge/{self.host}/{time.time_ns()}"
+        self.stop = threading.Event()
+        self._registry(args)
         self.follow = []
         for name in getattr(args, "follow", None) or []:
             peer, sep, rname = name.partition(":")
-            if not sep or peer not in self.peers or not rname:
-                raise ValueError(f"--follow {name!r} is not PEER:NAME with a --peer PEER")
+            if not sep or not rname or peer == _registry.ANY_HOST or \
+                    (peer not in self.peers and not (self.registry is not None and
+                                                     _registry.valid_name(peer))):
+                raise ValueError(f"--follow {name!r} is not PEER:NAME with a --peer PEER, or "
+                                 "a bridge's name in the --registry")
             if any(local == name for _, _, local in self.follow):
                 raise ValueError(f"--follow {name!r} is given twice")
             if len(name.encode()) > dlpack_ipc.NAME_MAX:
                 raise ValueError(f"--follow {name!r}: the replica's name is longer than "
                                  f"NAME_MAX ({dlpack_ipc.NAME_MAX} bytes)")
-            self.follow.append((self.peers[peer], rname, name))
+            link = self.peers.get(peer) or self.found.get(peer)
+            if link is None:
+                # looked up in the registry before each connection (_resolve); never forgotten
+                if len(self.found) >= _registry.FOUND_PEERS_MAX:
+                    raise ValueError(f"--follow {name!r}: more than FOUND_PEERS_MAX "
+                                     f"({_registry.FOUND_PEERS_MAX}) bridges to follow")
+                link = self.found[peer] = PeerLink(self, peer, None, self._resolve)
+            self.follow.append((link, rname, name))
         self.follows = [_push.Follow(self, link, rname, local)
                         for link, rname, local in self.follow]
-        self.host = socket.gethostname()
-        self.agent_name = f"dlpackd-bridge/{self.host}/{time.time_ns()}"
-        self.stop = threading.Event()
-        self._registry(args)
         self.nixl = Nixl(self.agent_name, args.progress_thread)
         self.quarantine = Quarantine(self.nixl, args.quarantine)
         state_dir = getattr(args, "state_dir", None)
@@ -261,9 +271,8 @@ class Bridge:
             self.exported if getattr(args, "registry_names", False) else None)
 
     def _peer(self, name):
-        """The link to peer name: a --peer, else one found in the registry (looked up again
-        while it is not connected, so that a bridge restarted elsewhere is followed; at its
-        last address while etcd cannot be reached). OSError saying why there is none."""
+        """The link to peer name: a --peer, else one found in the registry. OSError saying why
+        there is none."""
         link = self.peers.get(name)
         if link is not None:
             return link
@@ -272,32 +281,47 @@ class Bridge:
                                     f"(--peer: {', '.join(self.peers) or 'none'})")
         with self._lock:
             link = self.found.get(name)
-        if link is not None and link.connected():
+        if link is not None:
             return link
-        try:
-            addr = _registry.lookup(self.registry, self.registry_prefix, name)
-        except ConnectionError as e:
-            if link is None:
-                raise
-            log.info("peer %s: tried at %s, its last address: %s", name, link.where, e)
-            return link
+        addr = _registry.lookup(self.registry, self.registry_prefix, name)
         with self._lock:
             link = self.found.get(name)
             if link is None:
                 if len(self.found) >= _registry.FOUND_PEERS_MAX:
                     self._forget_one()
-                link = self.found[name] = PeerLink(self, name, addr)
-            elif link.addr != addr:
-                log.info("peer %s moved from %s to %s:%d (registry)", name, link.where, *addr)
-                link.addr, link.where = addr, f"{addr[0]}:{addr[1]}"
+                link = self.found[name] = PeerLink(self, name, addr, self._resolve)
         return link
+
+    def _resolve(self, link):
+        """Before each new connection to a peer found in the registry (the caller holds
+        link.lock): its address looked up again, so that a bridge restarted elsewhere is
+        reached; the last one while etcd cannot be reached. A peer no longer registered is
+        unreachable (ConnectionError EHOSTUNREACH), not a name that is gone: a --follow keeps
+        its replica while its exporter is away."""
+        try:
+            addr = _registry.lookup(self.registry, self.registry_prefix, link.name)
+        except FileNotFoundError as e:
+            raise ConnectionError(errno.EHOSTUNREACH, f"peer {link.name} is not registered "
+                                  f"now: {e.strerror}") from None
+        except ConnectionError as e:
+            if link.addr is None:
+                raise
+            log.info("peer %s: tried at %s, its last address: %s", link.name, link.where, e)
+            return
+        if link.addr != addr:
+            if link.addr is not None:
+                log.info("peer %s moved from %s to %s:%d (registry)", link.name, link.where,
+                         *addr)
+            link.addr, link.where = addr, f"{addr[0]}:{addr[1]}"
 
     def _forget_one(self):
         """Make room in self.found (under self._lock): a link that holds nothing (no
         connection, no NIXL agent, no fetch under way, no follow) goes; BlockingIOError EAGAIN
         when every one is in use."""
         for n, link in self.found.items():
-            if link.sock is None and link.agent is None and link.lock.acquire(blocking=False):
+            if link.follows or link.sock is not None or link.agent is not None:
+                continue
+            if link.lock.acquire(blocking=False):
                 try:
                     if link.sock is None and link.agent is None:
                         link.forgotten = True   # a fetch that holds it asks again
