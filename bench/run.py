@@ -41,6 +41,7 @@ FOOTPRINT_ENTRIES = 100_000
 SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 PROCESS_GRACE_S = 10            # how long the run's processes may take to end after it
 EXEC_SETTLE_TRIES = 20          # reads, 10 ms apart, of a process caught inside execve()
+EXEC_SETTLE_AGE_S = 2.0         # only a process started this recently may be inside it
 
 
 def human(n):
@@ -487,11 +488,15 @@ PF_KTHREAD = 0x00200000         # a kernel thread, in /proc/PID/stat's flags
 
 
 def _inside_exec(pid):
-    """Whether an empty environment means a process caught inside execve(): not a kernel
-    thread and not a zombie, which show an empty one for good."""
+    """Whether an empty environment may mean a process caught inside execve(): started within
+    EXEC_SETTLE_AGE_S, and neither a kernel thread nor a zombie, which show an empty one for
+    good (as does a process started with an empty environment)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
-    return fields[0] != b"Z" and not int(fields[6]) & PF_KTHREAD
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return fields[0] != b"Z" and not int(fields[6]) & PF_KTHREAD and age < EXEC_SETTLE_AGE_S
 
 
 def _environ_and_cmdline(pid):

@@ -1391,6 +1391,10 @@ def test_a_follow_given_twice_or_too_long_stops_the_bridge_at_start():
         with pytest.raises(ValueError, match=why):
             _server.Bridge(args, b"t" * 32)
     # a PEER that is neither a --peer nor, with a --registry, a bridge's name
+    args = main._args(["--token-file", "/dev/null", "--registry", "http://127.0.0.1:9",
+                       "--listen", "127.0.0.1:9", "--name", "me", "--follow", "me:w/x"])
+    with pytest.raises(ValueError, match="names this bridge"):
+        _server.Bridge(args, b"t" * 32)
     for follow, extra in (("B:w/x", []), ("*:w/x", ["--registry", "http://127.0.0.1:9"]),
                           ("a/b:w/x", ["--registry", "http://127.0.0.1:9"]),
                           ("A:", [])):
@@ -2619,6 +2623,49 @@ def test_peers_found_in_the_registry_are_bounded(reg_hosts, monkeypatch):
             assert b._peer("many2").addr == ("127.0.0.1", 9)
             assert set(b.found) == {"many1", "many2"}
             links[1].lock.release()
+            # a link a --follow uses is never the one forgotten, idle as it may be
+            b.found["many2"].follows = {"w/x": []}
+            assert b._peer("many0").addr == ("127.0.0.1", 9)
+            assert set(b.found) == {"many0", "many2"}
+    finally:
+        stop_fake_bridge(b)
+
+
+def test_a_found_peer_is_looked_up_within_the_fetch_s_deadline_and_not_twice_at_once(
+        monkeypatch):
+    """_resolve, before a connection to a peer found in the registry: the lookup's timeout is
+    at most what is left of the deadline, a deadline already past is ETIMEDOUT without a
+    lookup, a lookup within LOOKUP_FRESH is not repeated, and a peer no longer registered is
+    NotRegistered (ENOENT, a ConnectionError: a --follow keeps its replica)."""
+    b = fake_bridge()
+    b.registry = _registry.Etcd("http://127.0.0.1:9", timeout=5.0)
+    b.registry_prefix = _registry.REGISTRY_PREFIX
+    asked = []
+
+    def lookup(etcd, prefix, name, timeout=None):
+        asked.append(timeout)
+        if name == "gone":
+            raise FileNotFoundError(errno.ENOENT, f"no peer {name!r} is registered")
+        return ("127.0.0.1", 7)
+    monkeypatch.setattr(_registry, "lookup", lookup)
+    try:
+        link = _importer.PeerLink(b, "p", None, b._resolve)
+        b._resolve(link, time.monotonic() + 0.5)
+        assert link.addr == ("127.0.0.1", 7) and link.where == "127.0.0.1:7"
+        assert len(asked) == 1 and 0 < asked[0] <= 0.5
+        b._resolve(link, None)                  # looked up just now: not again
+        assert len(asked) == 1
+        link.looked_up -= _registry.LOOKUP_FRESH
+        b._resolve(link, None)
+        assert asked[1:] == [5.0]
+        link.looked_up = None
+        with pytest.raises(TimeoutError):
+            b._resolve(link, time.monotonic() - 1)
+        assert len(asked) == 2
+        gone = _importer.PeerLink(b, "gone", ("127.0.0.1", 7), b._resolve)
+        with pytest.raises(_registry.NotRegistered) as e:
+            b._resolve(gone, None)
+        assert e.value.errno == errno.ENOENT and not isinstance(e.value, FileNotFoundError)
     finally:
         stop_fake_bridge(b)
 
@@ -2693,6 +2740,10 @@ def test_a_follow_of_a_registered_bridge_waits_for_it_keeps_the_replica_and_find
               "RF tries rf again and finds it unregistered", 15)
         held = _held_replica(h, "rf:w/f")
         assert held is not None and (held == 1).all(), "the replica went with rf's record"
+        # to a local caller, a peer that is no longer registered is not found, naming etcd
+        with pytest.raises(FileNotFoundError) as e:
+            bridge.fetch("rf:w/other", 5.0, socket=h.path("RF.sock"))
+        assert unregistered in str(e.value) and h.etcd.url in str(e.value)
         assert h.status("RF")["follows"]["rf:w/f"]["generation"] == g1
         # back, from another port: found there, and followed again
         h.registered("RC", _free_port(), "--name", "rf")

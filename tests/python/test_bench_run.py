@@ -48,13 +48,13 @@ def test_a_failed_run_kills_what_it_left(monkeypatch, tmp_path, capsys):
                 p.wait()
 
 
-def test_a_process_caught_inside_exec_is_found():
+def test_a_process_caught_inside_exec_is_found(tmp_path):
     """A process the run started a moment ago may still be inside execve(), where /proc shows an
     empty environment: it is read again until it shows one, and found by the run's marker. Each
     of the 50 tries reads /proc right after Popen returns; a single read missed the marker in
     about one try in four on this machine kind."""
     run = _load_run()
-    marker = "/tmp/dlpc-bench-exec-race"
+    marker = str(tmp_path)
     for _ in range(50):
         p = subprocess.Popen(["sleep", "600"], env=dict(os.environ, DLPC_BENCH_RUN=marker))
         try:
@@ -66,3 +66,24 @@ def test_a_process_caught_inside_exec_is_found():
             p.kill()
             p.wait()
     assert run.leftover_processes(marker) == []
+
+
+def test_only_a_young_user_process_is_read_again(monkeypatch):
+    """An empty environment is read again only for a process started within
+    EXEC_SETTLE_AGE_S that is not a kernel thread: one started with an empty environment, or
+    kthreadd, is not waited on."""
+    run = _load_run()
+    p = subprocess.Popen(["sleep", "600"], env={})
+    try:
+        assert run._inside_exec(p.pid)
+        monkeypatch.setattr(run, "EXEC_SETTLE_AGE_S", 0.0)
+        assert not run._inside_exec(p.pid)
+        assert run._environ_and_cmdline(p.pid)[0] == b""
+    finally:
+        p.kill()
+        p.wait()
+    monkeypatch.undo()
+    if os.path.exists("/proc/2/stat"):         # kthreadd, where this pid namespace has it
+        with open("/proc/2/stat") as f:
+            if "(kthreadd)" in f.read():
+                assert not run._inside_exec(2)

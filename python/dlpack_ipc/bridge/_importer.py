@@ -164,8 +164,11 @@ class PeerLink:
         self.name = name
         # (host, port); None until resolve(self) first sets it, for a peer to be looked up
         self.addr = addr
-        self.where = "(not looked up yet)" if addr is None else f"{addr[0]}:{addr[1]}"
-        self._resolve = resolve     # called before each new connection, may change addr
+        self.where = "not looked up yet" if addr is None else f"{addr[0]}:{addr[1]}"
+        # resolve(self, deadline) is called before each new connection and may change addr;
+        # looked_up is when it last looked (time.monotonic(), None: never)
+        self._resolve = resolve
+        self.looked_up = None
         self.lock = threading.Lock()
         self.sock = None
         self.agent = None
@@ -187,7 +190,7 @@ class PeerLink:
 
     def _connect(self, deadline):
         if self._resolve is not None:
-            self._resolve(self)
+            self._resolve(self, deadline)
         left = _left(deadline, f"connecting to {self.where}")
         try:
             sock = socket.create_connection(self.addr, timeout=min(left or CONNECT_TIMEOUT,

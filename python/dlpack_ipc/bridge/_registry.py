@@ -37,6 +37,9 @@ RECORD_MAX = 4096
 # control connection and the peer's NIXL agent once used); a fetch from one more is refused
 # with EAGAIN.
 FOUND_PEERS_MAX = 256
+# A peer looked up in the registry this many seconds ago or less is not looked up again before
+# connecting to it (the first connection follows the lookup that found it).
+LOOKUP_FRESH = 1.0
 # The registry's keys start with this; --registry-prefix sets it.
 REGISTRY_PREFIX = "/dlpackd-bridge/"
 # Exported names one bridge writes in the registry with --registry-names, at most; past it the
@@ -115,13 +118,13 @@ class Etcd:
         self._lock = threading.Lock()
         self.timeout = timeout
 
-    def _post(self, path, body, token):
+    def _post(self, path, body, token, timeout=None):
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         if token:
             req.add_header("Authorization", token)
         try:
-            with _OPENER.open(req, timeout=self.timeout) as r:
+            with _OPENER.open(req, timeout=timeout or self.timeout) as r:
                 data = r.read(ANSWER_MAX + 1)
         except urllib.error.HTTPError as e:
             try:
@@ -156,23 +159,25 @@ class Etcd:
             _refused(self.url, 200, None, err)
         return out
 
-    def call(self, path, body):
+    def call(self, path, body, timeout=None):
         """POST body to path; with credentials, authenticated first, and once more when
-        etcd no longer takes the token (it expires)."""
+        etcd no longer takes the token (it expires). timeout: each step's, in place of the
+        client's."""
         with self._lock:
             token = self._token
         if self.auth and token is None:
-            token = self._authenticate()
+            token = self._authenticate(timeout)
         try:
-            return self._post(path, body, token)
+            return self._post(path, body, token, timeout)
         except PermissionError:
             if not self.auth:
                 raise
-        return self._post(path, body, self._authenticate())
+        return self._post(path, body, self._authenticate(timeout), timeout)
 
-    def _authenticate(self):
+    def _authenticate(self, timeout=None):
         user, password = self.auth
-        out = self._post("/v3/auth/authenticate", {"name": user, "password": password}, None)
+        out = self._post("/v3/auth/authenticate", {"name": user, "password": password}, None,
+                         timeout)
         token = out.get("token")
         if not isinstance(token, str) or not token:
             raise PermissionError(errno.EACCES, f"registry {self.url}: no token for {user!r}")
@@ -239,9 +244,9 @@ class Etcd:
             raise OSError(errno.EPROTO, f"registry {self.url}: a malformed answer about the "
                           f"keys under {prefix}") from None
 
-    def get(self, key):
+    def get(self, key, timeout=None):
         """The value of key, or None."""
-        kvs = self.call("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs") or []
+        kvs = self.call("/v3/kv/range", {"key": _b64(key.encode())}, timeout).get("kvs") or []
         try:
             if not kvs:
                 return None
@@ -486,12 +491,18 @@ class Registration:
                         self.ttl, e.strerror or e)
 
 
-def lookup(etcd, prefix, name):
+class NotRegistered(ConnectionError):
+    """A peer found in the registry before is no longer registered (errno ENOENT): a local
+    caller's fetch fails with FileNotFoundError, while a --follow takes the peer as away, not
+    its entry as gone, and keeps its replica."""
+
+
+def lookup(etcd, prefix, name, timeout=None):
     """The (host, port) of the bridge registered as name; FileNotFoundError when none is,
     OSError EPROTO for a record that is not one."""
     from ._server import parse_addr
     key = record_key(prefix, name)
-    value = etcd.get(key)
+    value = etcd.get(key, timeout)
     if value is None:
         raise FileNotFoundError(errno.ENOENT, f"no peer {name!r} is configured (--peer) or "
                                 f"registered ({key} at {etcd.url})")

@@ -201,6 +201,9 @@ class Bridge:
                                                      _registry.valid_name(peer))):
                 raise ValueError(f"--follow {name!r} is not PEER:NAME with a --peer PEER, or "
                                  "a bridge's name in the --registry")
+            if peer not in self.peers and self.registration is not None and \
+                    peer == self.name:
+                raise ValueError(f"--follow {name!r} names this bridge (--name {self.name})")
             if any(local == name for _, _, local in self.follow):
                 raise ValueError(f"--follow {name!r} is given twice")
             if len(name.encode()) > dlpack_ipc.NAME_MAX:
@@ -290,24 +293,33 @@ class Bridge:
                 if len(self.found) >= _registry.FOUND_PEERS_MAX:
                     self._forget_one()
                 link = self.found[name] = PeerLink(self, name, addr, self._resolve)
+                link.looked_up = time.monotonic()
         return link
 
-    def _resolve(self, link):
+    def _resolve(self, link, deadline):
         """Before each new connection to a peer found in the registry (the caller holds
-        link.lock): its address looked up again, so that a bridge restarted elsewhere is
-        reached; the last one while etcd cannot be reached. A peer no longer registered is
-        unreachable (ConnectionError EHOSTUNREACH), not a name that is gone: a --follow keeps
-        its replica while its exporter is away."""
+        link.lock): its address looked up again, within deadline (None: none), so that a bridge
+        restarted elsewhere is reached; the last one while etcd cannot be reached. A peer no
+        longer registered is _registry.NotRegistered."""
+        now = time.monotonic()
+        if link.looked_up is not None and now - link.looked_up < _registry.LOOKUP_FRESH:
+            return
+        timeout = self.registry.timeout
+        if deadline is not None:
+            if deadline <= now:
+                raise TimeoutError(errno.ETIMEDOUT, f"timed out before looking {link.name} up "
+                                   f"in the registry ({self.registry.url})")
+            timeout = min(timeout, deadline - now)
         try:
-            addr = _registry.lookup(self.registry, self.registry_prefix, link.name)
+            addr = _registry.lookup(self.registry, self.registry_prefix, link.name, timeout)
         except FileNotFoundError as e:
-            raise ConnectionError(errno.EHOSTUNREACH, f"peer {link.name} is not registered "
-                                  f"now: {e.strerror}") from None
+            raise _registry.NotRegistered(errno.ENOENT, e.strerror) from None
         except ConnectionError as e:
             if link.addr is None:
                 raise
             log.info("peer %s: tried at %s, its last address: %s", link.name, link.where, e)
             return
+        link.looked_up = time.monotonic()
         if link.addr != addr:
             if link.addr is not None:
                 log.info("peer %s moved from %s to %s:%d (registry)", link.name, link.where,
