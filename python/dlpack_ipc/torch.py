@@ -272,7 +272,10 @@ def _bind(slots: List[_Slot], tensors: Dict[str, torch.Tensor], requires_grad: b
         if new is None:
             new = by_new.get(id(t))
         if new is None:
-            new = torch.nn.Parameter(t, requires_grad=requires_grad) if is_param else t
+            # only floating-point and complex tensors can require gradients: an integer
+            # parameter stays without, as torch lets a module have it
+            grad = requires_grad and (t.is_floating_point() or t.is_complex())
+            new = torch.nn.Parameter(t, requires_grad=grad) if is_param else t
         by_old[id(old)] = by_new[id(t)] = new
         if is_param:
             owner_module._parameters[attr] = new
@@ -297,7 +300,8 @@ def attach_module(module: torch.nn.Module, name: str, *, timeout: Optional[float
 
     module may be built on device="meta" (it then allocates nothing) or as usual (its own
     tensors are dropped). Shapes and dtypes must match the module's. Parameters become
-    torch.nn.Parameter(shared, requires_grad=requires_grad); what the module ties (one
+    torch.nn.Parameter(shared, requires_grad=requires_grad) (requires_grad=False for those that
+    are not floating-point or complex, which cannot require gradients); what the module ties (one
     parameter under two names) and what the publisher tied stays one tensor. Non-persistent
     buffers come from the bundle when share_module() published it; a bundle without them
     (publish_dict() of a state dict) leaves the module's own.

@@ -63,31 +63,51 @@ static PyObject *raise_ended(PyObject *type)
 	return NULL;
 }
 
+/* The count @p o (an integer: 0 to @p max) as @p what of channel @p name; -1 with an exception
+ * that gives the value as it was passed (never reduced modulo anything). */
+static int channel_count(PyObject *o, const char *what, const char *name, long long max,
+			 uint32_t *out)
+{
+	PyObject *i = PyNumber_Index(o);
+	long long v;
+	int over;
+
+	if (!i)
+		return -1;
+	v = PyLong_AsLongLongAndOverflow(i, &over);
+	if (v == -1 && PyErr_Occurred()) {
+		Py_DECREF(i);
+		return -1;
+	}
+	if (over || v < 0 || v > max) {
+		PyErr_Format(PyExc_ValueError, "cannot open channel '%s': %s %S %s %lld", name,
+			     what, i, over < 0 || (!over && v < 0) ? "is below" : "exceeds the limit of",
+			     over < 0 || (!over && v < 0) ? 0LL : max);
+		Py_DECREF(i);
+		return -1;
+	}
+	Py_DECREF(i);
+	*out = (uint32_t)v;
+	return 0;
+}
+
 PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwargs)
 {
 	static char *kwlist[] = {"name", "capacity", "direct", "producers", NULL};
 	dlpc_channel_info info = {.size = sizeof(info)};
 	dlpc_channel_opts o = {.size = sizeof(o)};
-	unsigned long capacity = 0, producers = 0;
-	PyObject *d, *direct = Py_None;
+	PyObject *d, *direct = Py_None, *capacity = NULL, *producers = NULL;
 	const char *name;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|kOk:_channel_open", kwlist, &name,
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|OOO:_channel_open", kwlist, &name,
 					 &capacity, &direct, &producers))
 		return NULL;
-	if (capacity > DLPC_CHANNEL_CAPACITY_MAX) {
-		PyErr_Format(PyExc_ValueError,
-			     "cannot open channel '%s': capacity %lu exceeds the limit of %d", name,
-			     capacity, DLPC_CHANNEL_CAPACITY_MAX);
+	if ((capacity && channel_count(capacity, "capacity", name, DLPC_CHANNEL_CAPACITY_MAX,
+				       &o.capacity) < 0) ||
+	    (producers && channel_count(producers, "producers", name, DLPC_CHANNEL_PRODUCERS_MAX,
+					&o.producers) < 0))
 		return NULL;
-	}
-	if (producers > DLPC_CHANNEL_PRODUCERS_MAX) {
-		PyErr_Format(PyExc_ValueError,
-			     "cannot open channel '%s': producers %lu exceeds the limit of %d",
-			     name, producers, DLPC_CHANNEL_PRODUCERS_MAX);
-		return NULL;
-	}
 	/* None: the kind it has, or where new the one DLPC_CHANNEL_PREFER_DIRECT picks;
 	 * True or False: that kind, or FileExistsError */
 	o.flags = DLPC_CHANNEL_PREFER_DIRECT;
@@ -97,8 +117,6 @@ PyObject *ipc_client_channel_open(PyObject *obj, PyObject *args, PyObject *kwarg
 			return NULL;
 		o.flags = r ? DLPC_CHANNEL_DIRECT : DLPC_CHANNEL_QUEUED;
 	}
-	o.capacity = (uint32_t)capacity;
-	o.producers = (uint32_t)producers;
 	IPC_CALL((ClientObject *)obj, c, r, dlpc_channel_open_opts(c, name, &o, &info));
 	if (r < 0)
 		return ipc_raise(r);

@@ -201,5 +201,7 @@ int ipc_bundle_split(const char *verb, const char *name, PyObject *items, const 
 /* publish.c: the items of @p mapping, for publish_dict() (@p verb "publish") or send_dict()
  * ("send to channel"); NULL with TypeError naming the call where it is not a mapping. */
 PyObject *ipc_mapping_items(const char *verb, const char *name, PyObject *mapping);
+/* info.c: an entry's device as dlpackctl says it ("cpu", "cuda:N", "other") into @p buf. */
+void ipc_device_text(DLDevice dev, char *buf, size_t len);
 
 #endif

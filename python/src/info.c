@@ -5,6 +5,18 @@
 
 #include "dlpack_ipc.h"
 
+/* An entry's device as dlpackctl says it ("cpu", "cuda:N" with the publisher's ordinal, or
+ * "other"), into @p buf. */
+void ipc_device_text(DLDevice dev, char *buf, size_t len)
+{
+	if (dev.device_type == kDLCPU)
+		snprintf(buf, len, "cpu");
+	else if (dev.device_type == kDLCUDA)
+		snprintf(buf, len, "cuda:%d", (int)dev.device_id);
+	else
+		snprintf(buf, len, "other");
+}
+
 static PyObject *entry_dict(const dlpc_entry_info *e)
 {
 	PyObject *tensors = PyList_New(0), *d;
@@ -29,13 +41,7 @@ static PyObject *entry_dict(const dlpc_entry_info *e)
 	}
 	if (!tensors)
 		return NULL;
-	/* as dlpackctl says it: the publisher's ordinal */
-	if (e->device.device_type == kDLCPU)
-		snprintf(device, sizeof(device), "cpu");
-	else if (e->device.device_type == kDLCUDA)
-		snprintf(device, sizeof(device), "cuda:%d", (int)e->device.device_id);
-	else
-		snprintf(device, sizeof(device), "other");
+	ipc_device_text(e->device, device, sizeof(device));
 	d = Py_BuildValue("{s:s,s:K,s:s,s:N,s:n,s:K,s:K,s:K,s:I,s:i,s:d,s:L,s:I}", "name", e->name,
 			  "generation", (unsigned long long)e->generation, "device", device,
 			  "tensors", tensors, "ntensors", (Py_ssize_t)e->ntensors, "nbytes",

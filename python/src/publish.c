@@ -196,13 +196,50 @@ PyObject *ipc_client_publish(PyObject *obj, PyObject *args, PyObject *kwargs)
 			       publish_flags(replace, ephemeral, writable));
 }
 
+/*
+ * A list of this call's own of (key, value) tuples from what a mapping's items() gave (stolen):
+ * that list may be the mapping's own, which a value's __dlpack__ may change under the call,
+ * and its items any sequences (two items each, or TypeError).
+ */
+static PyObject *own_pairs(const char *verb, const char *name, PyObject *items)
+{
+	PyObject *copy = PySequence_List(items), *out = NULL;
+	Py_ssize_t n;
+
+	Py_DECREF(items);
+	if (!copy)
+		return NULL;
+	n = PyList_Size(copy);
+	out = PyList_New(n);
+	for (Py_ssize_t i = 0; out && i < n; i++) {
+		PyObject *kv = PyList_GetItem(copy, i), *pair;
+
+		pair = PySequence_Check(kv) && !PyUnicode_Check(kv) ? PySequence_Tuple(kv) : NULL;
+		if (pair && PyTuple_Size(pair) == 2) {
+			PyList_SetItem(out, i, pair);
+			continue;
+		}
+		if (pair || !PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+			PyErr_Clear();
+			PyErr_Format(PyExc_TypeError,
+				     "cannot %s '%s': the mapping's items() must give (key, tensor) "
+				     "pairs, not %.60R",
+				     verb, name, kv);
+		}
+		Py_XDECREF(pair);
+		Py_CLEAR(out);
+	}
+	Py_DECREF(copy);
+	return out;
+}
+
 PyObject *ipc_mapping_items(const char *verb, const char *name, PyObject *mapping)
 {
 	bool send = strcmp(verb, "publish") != 0;
 	PyObject *items = PyMapping_Check(mapping) ? PyMapping_Items(mapping) : NULL, *tn;
 
 	if (items)
-		return items;
+		return own_pairs(verb, name, items);
 	tn = PyType_GetQualName(Py_TYPE(mapping));
 	/* a non-mapping lacks items(): say what is wanted, not that an attribute is missing */
 	if (tn && (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_AttributeError))) {

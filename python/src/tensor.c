@@ -273,25 +273,31 @@ static PyObject *tensor_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs)
 	base = ipc_tensor_live(self);
 	if (!base)
 		return NULL;
+	/* a handle of this call's own, handed out as the capsule's: reading the arguments runs
+	 * Python code (__index__), and the stream wait lets other threads run, and either may
+	 * release() self meanwhile */
+	base = dlpc_tensor_share(base);
+	if (!base)
+		return PyErr_NoMemory();
 	if (base->dl_tensor.device.device_type == kDLCUDA) {
 		if (copy == Py_True) {
 			PyErr_Format(PyExc_BufferError,
 				     "SharedTensor %R lives on a CUDA device; copy=True is not "
 				     "supported (the memory is shared in place)",
 				     self->name);
-			return NULL;
+			goto fail;
 		}
 	} else if (stream != Py_None) {
 		PyErr_SetString(PyExc_BufferError,
 				"stream must be None for a tensor in host (CPU) memory");
-		return NULL;
+		goto fail;
 	}
 	versioned = int_pair(max_version, "max_version", &major, &minor);
 	if (versioned < 0)
-		return NULL;
+		goto fail;
 	r = int_pair(dl_device, "dl_device", &dev_type, &dev_id);
 	if (r < 0)
-		return NULL;
+		goto fail;
 	if (r > 0 && (dev_type != base->dl_tensor.device.device_type ||
 		      dev_id != base->dl_tensor.device.device_id)) {
 		PyErr_Format(PyExc_BufferError,
@@ -299,17 +305,22 @@ static PyObject *tensor_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs)
 			     "(%ld, %ld)",
 			     self->name, (int)base->dl_tensor.device.device_type,
 			     base->dl_tensor.device.device_id, dev_type, dev_id);
-		return NULL;
+		goto fail;
 	}
 	if (copy != Py_None && copy != Py_True && copy != Py_False) {
 		PyErr_Format(PyExc_TypeError, "copy must be None, True or False, not %R", copy);
-		return NULL;
+		goto fail;
 	}
 	if (base->dl_tensor.device.device_type == kDLCUDA && order_stream(self, base, stream) < 0)
-		return NULL;
-	out = copy == Py_True ? make_copy(base) : dlpc_tensor_share(base);
-	if (!out)
-		return PyErr_NoMemory();
+		goto fail;
+	if (copy == Py_True) {
+		out = make_copy(base);
+		base->deleter(base);
+		if (!out)
+			return PyErr_NoMemory();
+	} else {
+		out = base;
+	}
 	if (versioned && major >= 1)
 		return PyCapsule_New(out, "dltensor_versioned", versioned_capsule_free);
 	/* a consumer from before DLPack 1.0: the legacy struct, which cannot say read-only */
@@ -318,6 +329,9 @@ static PyObject *tensor_dlpack(PyObject *obj, PyObject *args, PyObject *kwargs)
 	if (!legacy)
 		return PyErr_NoMemory();
 	return PyCapsule_New(legacy, "dltensor", legacy_capsule_free);
+fail:
+	base->deleter(base);
+	return NULL;
 }
 
 /*
@@ -339,7 +353,9 @@ static PyObject *tensor_torch(PyObject *obj, PyObject *unused)
 	if (!torch)
 		return NULL;
 	r = PyObject_CallMethod(torch, "from_dlpack", "O", obj);
-	if (r || t->dl_tensor.dtype.code != kDLBool ||
+	/* from_dlpack ran Python code, which may have released self: t is read again */
+	t = self->t;
+	if (r || !t || t->dl_tensor.dtype.code != kDLBool ||
 	    !(PyErr_ExceptionMatches(PyExc_RuntimeError) ||
 	      PyErr_ExceptionMatches(PyExc_BufferError) ||
 	      PyErr_ExceptionMatches(PyExc_TypeError) ||
@@ -348,11 +364,19 @@ static PyObject *tensor_torch(PyObject *obj, PyObject *unused)
 		return r;
 	}
 	PyErr_Clear();
-	/* what __dlpack__(stream=None) orders for a CUDA tensor: the legacy default stream */
-	if (t->dl_tensor.device.device_type == kDLCUDA && order_stream(self, t, Py_None) < 0)
-		goto out;
+	/* a handle of its own before anything else can run (the stream wait lets threads run) */
 	share = dlpc_tensor_share(t);
-	legacy = share ? dlpc_to_legacy(share) : NULL;
+	if (!share) {
+		PyErr_NoMemory();
+		goto out;
+	}
+	/* what __dlpack__(stream=None) orders for a CUDA tensor: the legacy default stream */
+	if (share->dl_tensor.device.device_type == kDLCUDA &&
+	    order_stream(self, share, Py_None) < 0) {
+		share->deleter(share);
+		goto out;
+	}
+	legacy = dlpc_to_legacy(share);
 	if (!legacy) {
 		PyErr_NoMemory();
 		goto out;

@@ -100,6 +100,7 @@ static PyObject *event_dict(const dlpc_watch_event *ev)
 {
 	const dlpc_entry_info *e = &ev->entry;
 	PyObject *dtype = Py_None, *shape = Py_None, *reason = Py_None, *d;
+	char device[32];
 
 	if (e->tensors && e->ntensors == 1) {
 		shape = PyTuple_New(e->tensors[0].ndim);
@@ -129,12 +130,13 @@ static PyObject *event_dict(const dlpc_watch_event *ev)
 		Py_DECREF(dtype);
 		return NULL;
 	}
+	ipc_device_text(e->device, device, sizeof(device));
 	d = Py_BuildValue("{s:s,s:s,s:K,s:K,s:s,s:N,s:N,s:n,s:K,s:K,s:I,s:i,s:d,s:I,s:N,s:I,s:i,"
 			  "s:K}",
 			  "kind", kinds[ev->kind], "name", e->name, "generation",
 			  (unsigned long long)e->generation, "previous_generation",
 			  (unsigned long long)ev->previous_generation, "device",
-			  e->device.device_type == kDLCPU ? "cpu" : "other", "dtype", dtype,
+			  device, "dtype", dtype,
 			  "shape", shape, "ntensors", (Py_ssize_t)e->ntensors, "nbytes",
 			  (unsigned long long)e->nbytes, "refs", (unsigned long long)e->refs, "uid",
 			  e->owner_uid, "pid", e->owner_pid, "created", e->created_ns / 1e9,

@@ -322,6 +322,7 @@ def test_attach_stream_is_ignored_for_host_entries(ipc):
 def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
     py.check(child("""
         import dlpack_ipc
+        w = dlpack_ipc.watch("pgpu/")
         t = dlpack_ipc.empty((64,), "float32", device="cuda:0")
         assert t.device == "cuda:0"
         ptr = Managed.from_address(api.PyCapsule_GetPointer(
@@ -330,6 +331,10 @@ def test_empty_on_cuda_outlives_publisher(ipc, py, gpu_env):
         assert dlpack_ipc.publish("pgpu/v", t) == 1
         assert len(log_lines("cuMemCreate")) == 1
         assert [e.device for e in dlpack_ipc.list("pgpu/v")] == ["cuda:0"]
+        # a watcher is told the device as list() says it (before: "other")
+        ev = w.next_event(timeout=5)
+        assert (ev.kind, ev.name, ev.device) == ("published", "pgpu/v", "cuda:0"), ev
+        w.close()
     """), env=gpu_env)
     py.check(child("""
         import dlpack_ipc

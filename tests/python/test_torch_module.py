@@ -131,6 +131,29 @@ print(all(torch.equal(v, ref.state_dict()[k]) for k, v in net.state_dict().items
     assert cp.stdout.split() == ["True"]
 
 
+def test_requires_grad_leaves_integer_parameters_without(ipc):
+    """requires_grad=True on a module with an integer parameter (which cannot require
+    gradients): the floating-point ones require them, the integer one does not, and every
+    parameter is bound (before: RuntimeError with part of the module already bound)."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+            self.idx = torch.nn.Parameter(torch.arange(3), requires_grad=False)
+            self.z = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    src = Net()
+    with torch.no_grad():
+        src.w.mul_(2)
+    dt.share_module(src, "intparam")
+    net = Net()
+    assert dt.attach_module(net, "intparam", requires_grad=True) == dt.IncompatibleKeys([], [])
+    assert (net.w.requires_grad, net.idx.requires_grad, net.z.requires_grad) == \
+        (True, False, True)
+    assert net.w.tolist() == [2.0, 2.0, 2.0] and net.idx.tolist() == [0, 1, 2]
+    with dt.follow(Net(), "intparam", requires_grad=True) as f:
+        assert not f.module.idx.requires_grad and f.module.w.requires_grad
+
+
 def test_plain_state_dict_bundles_attach_too(ipc, py):
     """A bundle from publish_dict(model.state_dict()) (tied tensors published twice, no
     non-persistent buffers) attaches to a module built as usual, which keeps its own
