@@ -300,10 +300,25 @@ static void append(struct dlpd_server *s, size_t len, const struct dlpd_entry *s
 		compact(s, skip, false);
 }
 
-/* Hand @p st's fd to the store; false if it is not there (full, or the send failed). */
+/* The store's slots for storages that one uid may fill: its fd share (--max-fd-share-per-uid)
+ * of them, at least one, so that one uid's lasting entries cannot keep every other uid's from
+ * surviving a restart. */
+uint64_t dlpd_store_uid_share(const struct dlpd_server *s)
+{
+	uint64_t slots = s->persist.store_max > DLPD_STORE_STATE_FDS
+				 ? s->persist.store_max - DLPD_STORE_STATE_FDS
+				 : 0;
+	uint64_t share = slots * s->lim.fd_share_per_uid / 100;
+
+	return share ? share : 1;
+}
+
+/* Hand @p st's fd to the store; false if it is not there (full, its uid's share of it taken,
+ * or the send failed). */
 static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st)
 {
 	struct dlpd_persist *p = &s->persist;
+	struct dlpd_usage *u = st->usage;
 	int r;
 
 	if (st->stored)
@@ -318,6 +333,18 @@ static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st)
 		p->warned_full = true;
 		return false;
 	}
+	if (u->stored + 1 > dlpd_store_uid_share(s)) {
+		if (!u->store_warned)
+			dlpd_log(LOG_WARNING,
+				 "uid %u holds %" PRIu64 " entries in the fd store, its share "
+				 "(%" PRIu64 "%% of %" PRIu64 " slots, --max-fd-share-per-uid): its "
+				 "entries published from now on will not survive a restart of "
+				 "dlpackd until some are removed",
+				 (unsigned)u->uid, u->stored, s->lim.fd_share_per_uid,
+				 p->store_max - DLPD_STORE_STATE_FDS);
+		u->store_warned = true;
+		return false;
+	}
 	r = dlpd_notify_fds(&st->fd, 1, "FDSTORE=1\nFDNAME=" DLPD_FDNAME_STORAGE "%" PRIx64,
 			    st->sid);
 	if (r < 0) {
@@ -329,7 +356,9 @@ static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st)
 	dlpd_notify_settle();
 	st->stored = true;
 	p->storages_stored++;
+	u->stored++;
 	p->warned_full = false;
+	u->store_warned = false;
 	return true;
 }
 
@@ -377,6 +406,7 @@ void dlpd_persist_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 		return;
 	st->stored = false;
 	p->storages_stored--;
+	st->usage->stored--;
 	/* its FDSTORE=1 still waiting for the manager (which reads slowly) never goes, and then
 	 * there is nothing to remove: churn cannot make the backlog grow, nor keep memory alive
 	 * in it (the waiting notification holds a copy of the fd) */
@@ -909,9 +939,10 @@ static void restore_entry(struct restore *rs, struct live_rec *l)
 		return;
 	}
 	sp->claimed = true;
-	if (st->stored)
+	if (st->stored) {
 		s->persist.storages_stored++;
-	else if ((l->flags & DLPD_REC_STORED) && dlpd_notify_socket())
+		st->usage->stored++;
+	} else if ((l->flags & DLPD_REC_STORED) && dlpd_notify_socket())
 		/* back, but the store is off now: the service manager lets go of it */
 		dlpd_notify_fds(NULL, 0, "FDSTOREREMOVE=1\nFDNAME=%s", sp->name);
 	rs->restored++;

@@ -36,6 +36,8 @@ struct dlpd_usage {
 	/* bytes of the daemon's memory its unfinished frames and waiting requests hold (mem.c) */
 	uint64_t pending_bytes;
 	uint64_t closing; /* fds of its handed to a closer and not closed yet (closer.c) */
+	uint64_t stored;  /* its storages in the service manager's fd store (persist.c) */
+	bool store_warned; /* told once that it holds its share of the store */
 };
 
 /*

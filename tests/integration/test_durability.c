@@ -1631,6 +1631,8 @@ START_TEST(test_given_up_journal)
 	dlpc_client *c;
 	char name[32];
 
+	/* every publish of this one uid goes to the store (its share is a quarter by default) */
+	setenv("DLPACKD_MAX_FD_SHARE_PER_UID", "100", 1);
 	mgr_init(&m, true, STORE_MAX);
 	mgr_start(&m);
 	c = connect_to(&m);
@@ -1659,6 +1661,7 @@ START_TEST(test_given_up_journal)
 	dlpc_close(c);
 	mgr_kill(&m, SIGTERM);
 	mgr_clear(&m);
+	unsetenv("DLPACKD_MAX_FD_SHARE_PER_UID");
 }
 END_TEST
 
@@ -1701,6 +1704,8 @@ START_TEST(test_store_full)
 	char name[32];
 	size_t cnt;
 
+	/* one uid may fill the whole store here (its share is a quarter by default) */
+	setenv("DLPACKD_MAX_FD_SHARE_PER_UID", "100", 1);
 	mgr_init(&m, true, 5);
 	mgr_start(&m);
 	c = connect_to(&m);
@@ -1721,6 +1726,64 @@ START_TEST(test_store_full)
 	ck_assert_str_eq(e[0].name, "full/1");
 	ck_assert_str_eq(e[1].name, "full/2");
 	ck_assert_str_eq(e[2].name, "full/5");
+	dlpc_list_free(e, cnt);
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+	unsetenv("DLPACKD_MAX_FD_SHARE_PER_UID");
+}
+END_TEST
+
+/* As uid nobody: publish "nobody/0" .. "nobody/7" on the daemon at @p arg, each served. */
+static int publish_as_nobody(void *arg)
+{
+	const struct mgr *m = arg;
+	dlpc_client *c;
+	char name[32];
+
+	become_nobody();
+	CHILD_CHECK(dlpc_connect(m->sock, &c) == 0);
+	for (int i = 0; i < 8; i++) {
+		snprintf(name, sizeof(name), "nobody/%d", i);
+		CHILD_CHECK(publish(c, name, 1, 0) == 1);
+	}
+	dlpc_close(c);
+	return 0;
+}
+
+/* A store of 10 fds keeps 8 storages, a quarter of them (2, --max-fd-share-per-uid 25) for each
+ * uid: nobody publishes 8 lasting entries, which fit the store, and only 2 are kept, with a
+ * warning naming the uid and the share; root's 2 are kept after them, and a SIGKILL brings back
+ * those 4 (before: nobody's 8 took every slot and root's were lost at the restart). */
+START_TEST(test_store_share_per_uid)
+{
+	dlpc_entry_info *e;
+	struct mgr m;
+	dlpc_client *c;
+	size_t cnt;
+
+	mgr_init(&m, true, 10);
+	mgr_start(&m);
+	ck_assert_int_eq(chmod(m.sock, 0666), 0);
+	ck_assert_int_eq(wait_child(spawn(publish_as_nobody, &m)), 0);
+	ck_assert_log(&m, log_has(m.log, "uid 65534 holds 2 entries in the fd store, its share "
+					 "(25% of 8 slots, --max-fd-share-per-uid)"),
+		      "no warning");
+	c = connect_to(&m);
+	ck_assert_dlpc(publish(c, "root/0", 1, 0), 1);
+	ck_assert_dlpc(publish(c, "root/1", 1, 0), 1);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 4);
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(dlpc_list(c, "", &e, &cnt), 0);
+	ck_assert_uint_eq(cnt, 4);
+	ck_assert_str_eq(e[0].name, "nobody/0");
+	ck_assert_str_eq(e[1].name, "nobody/1");
+	ck_assert_str_eq(e[2].name, "root/0");
+	ck_assert_str_eq(e[3].name, "root/1");
+	ck_assert_uint_eq(e[0].owner_uid, 65534);
 	dlpc_list_free(e, cnt);
 	dlpc_close(c);
 	mgr_kill(&m, SIGTERM);
@@ -2221,6 +2284,7 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_no_journal);
 	tcase_add_test(tc, test_gpu_entries);
 	tcase_add_test(tc, test_store_full);
+	tcase_add_test(tc, test_store_share_per_uid);
 	tcase_add_test(tc, test_compaction_on_removal);
 	tcase_add_test(tc, test_upgrade_held_storage);
 	tcase_add_test(tc, test_upgrade_relative_path);
