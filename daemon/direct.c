@@ -141,16 +141,16 @@ static void shut(const int ends[2])
 	shutdown(ends[1], SHUT_RDWR);
 }
 
-/* Shut and let go of the pair @p ends. Nothing queued is read here: those are fds and records of
- * whoever joined, not the daemon's to vouch for. The receivers drop what they find once the
- * pair is shut (client/direct_io.c), and the last close of the pair frees the rest (a lingering
- * socket in flight there blocks it): the daemon's closes go to the closer of the uid that made
- * the channel, where a close that blocks stalls nothing else. */
-static void let_go(struct dlpd_server *s, struct dlpd_channel *ch, const int ends[2])
+/* Shut and let go of the pair @p ends, closed in the closer of @p uid. Nothing queued is read
+ * here: those are fds and records of whoever joined, not the daemon's to vouch for. The
+ * receivers drop what they find once the pair is shut (client/direct_io.c), and the last close
+ * of the pair frees the rest (a lingering socket in flight there blocks it): the daemon's closes
+ * go to a closer, where a close that blocks stalls only that uid's closes. */
+static void let_go(struct dlpd_server *s, struct dlpd_channel *ch, const int ends[2], uid_t uid)
 {
 	shut(ends);
-	dlpd_close_uid(ch->uid, ends[0]);
-	dlpd_close_uid(ch->uid, ends[1]);
+	dlpd_close_uid(uid, ends[0]);
+	dlpd_close_uid(uid, ends[1]);
 	s->channel_fds -= 2;
 	ch->usage->channel_fds -= 2;
 }
@@ -158,13 +158,14 @@ static void let_go(struct dlpd_server *s, struct dlpd_channel *ch, const int end
 void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch)
 {
 	if (ch->ends[0] >= 0) {
-		let_go(s, ch, ch->ends);
+		let_go(s, ch, ch->ends, ch->uid);
 		ch->ends[0] = ch->ends[1] = -1;
 	}
 }
 
-int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why, size_t whylen)
+int dlpd_direct_renew(struct dlpd_peer *joiner, struct dlpd_channel *ch, char *why, size_t whylen)
 {
+	struct dlpd_server *s = joiner->srv;
 	struct pollfd p[2] = {{.fd = ch->ends[0], .events = POLLRDHUP},
 			      {.fd = ch->ends[1], .events = POLLRDHUP}};
 	int old[2] = {ch->ends[0], ch->ends[1]}, one = 1, r;
@@ -185,13 +186,22 @@ int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why,
 			 (unsigned long long)dlpd_fds_in_use(s), (unsigned long long)s->fd_budget);
 		return -EDQUOT;
 	}
+	/* The shut pair is closed for the uid whose JOIN renews it, in its closer and its fd
+	 * share: whatever a joiner left queued there (a lingering socket blocks that close) then
+	 * costs the uid that comes back for new sockets, not the channel's owner, and a joiner
+	 * that shuts and joins in a loop is refused at its own share. */
+	if (dlpd_uid_fds(joiner->usage) + 2 > dlpd_uid_fd_share(s)) {
+		dlpd_uid_fd_share_why(joiner, dlpd_uid_fds(joiner->usage), why, whylen);
+		return -EDQUOT;
+	}
 	/* (dlpd_direct_open() sets the ends only once it made them) */
 	r = dlpd_direct_open(s, ch, ch->capacity, why, whylen);
 	if (r < 0)
 		return r;
 	dlpd_log(LOG_NOTICE, "a direct channel's sockets were shut by a process that joined it: "
-			     "made new ones");
-	let_go(s, ch, old);
+			     "made new ones (uid %u closes the old ones)",
+		 (unsigned)joiner->uid);
+	let_go(s, ch, old, joiner->uid);
 	return 0;
 }
 

@@ -17,9 +17,11 @@ int dlpd_direct_open(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t ca
  * the end) and let go of the daemon's ends. */
 void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch);
 /* Undo what a process that joined @p ch may have done to its sockets: credentials
- * turned off, or the pair shut (new sockets then). 0, or a negative errno and why (the channel
- * keeps its shut pair, and the next JOIN tries again). */
-int dlpd_direct_renew(struct dlpd_server *s, struct dlpd_channel *ch, char *why, size_t whylen);
+ * turned off, or the pair shut (new sockets then; the old ones closed for @p joiner's uid, in
+ * its fd share). 0, or a negative errno and why (the channel keeps its shut pair, and the next
+ * JOIN tries again). */
+int dlpd_direct_renew(struct dlpd_peer *joiner, struct dlpd_channel *ch, char *why,
+		      size_t whylen);
 /* Shut every direct channel's sockets (an upgrade: the channels do not survive it,
  * and processes that joined one must not go on using it). */
 void dlpd_direct_shutdown_all(struct dlpd_server *s);

@@ -324,15 +324,14 @@ static int channel_join(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *c
 {
 	Dlpackd__V1__ChannelReply rep = DLPACKD__V1__CHANNEL_REPLY__INIT;
 	Dlpackd__V1__ChannelInfo info = DLPACKD__V1__CHANNEL_INFO__INIT;
+	char why[320];
 	int r;
-
-	char why[160];
 
 	/* a queued channel is said so by a reply without fds (not an error: every client asks
 	 * this of every channel it uses once) */
 	if (ch->ends[0] < 0)
 		return reply_info(p, id, ch, false);
-	r = dlpd_direct_renew(p->srv, ch, why, sizeof(why));
+	r = dlpd_direct_renew(p, ch, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, -r,
 					"cannot join channel '%s': its sockets were shut, and new "
