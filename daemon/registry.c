@@ -79,6 +79,73 @@ struct dlpd_entry *dlpd_entry_any(struct dlpd_registry *r, size_t *cursor)
 	return n ? dlpd_container_of(n, struct dlpd_entry, node) : NULL;
 }
 
+/*
+ * Changes to the names between two LISTs that the sorted view is kept in order through, each
+ * one binary search and one memmove of the pointers after it; past them it is let go and the
+ * next LIST sorts every name again. One change costs about what a thousandth of a sort of all
+ * names does (a memmove of pointers against a sort's cache-missing name compares), so a LIST
+ * costs at most about two sorts' worth, however the changes and LISTs interleave, and a client
+ * that alternates a change and a LIST no longer makes each LIST sort every name.
+ */
+#define DLPD_SORTED_KEPT_MAX 1024
+
+static size_t sorted_bound(const struct dlpd_registry *r, const uint8_t *key, size_t len,
+			   bool strict);
+
+/* Is the sorted view still to be kept in order through one more change? */
+static bool sorted_keep(struct dlpd_registry *r)
+{
+	if (!r->sorted_valid)
+		return false;
+	if (++r->sorted_mods > DLPD_SORTED_KEPT_MAX) {
+		r->sorted_valid = false;
+		return false;
+	}
+	return true;
+}
+
+/* @p e got its name: put it in the sorted view, if that is kept. */
+static void sorted_insert(struct dlpd_registry *r, struct dlpd_entry *e)
+{
+	const ProtobufCBinaryData *name = &e->pub->name;
+	size_t i;
+
+	if (!sorted_keep(r))
+		return;
+	if (r->nsorted == r->sorted_cap) {
+		size_t cap = r->sorted_cap ? 2 * r->sorted_cap : 64;
+		struct dlpd_entry **v = realloc(r->sorted, cap * sizeof(*v));
+
+		if (!v) {
+			r->sorted_valid = false;	/* the next LIST tries again */
+			return;
+		}
+		r->sorted = v;
+		r->sorted_cap = cap;
+	}
+	i = sorted_bound(r, name->data, name->len, false);
+	memmove(r->sorted + i + 1, r->sorted + i, (r->nsorted - i) * sizeof(*r->sorted));
+	r->sorted[i] = e;
+	r->nsorted++;
+}
+
+/* @p e loses its name: take it out of the sorted view, if that is kept. */
+static void sorted_remove(struct dlpd_registry *r, struct dlpd_entry *e)
+{
+	const ProtobufCBinaryData *name = &e->pub->name;
+	size_t i;
+
+	if (!sorted_keep(r))
+		return;
+	i = sorted_bound(r, name->data, name->len, false);
+	if (i >= r->nsorted || r->sorted[i] != e) {
+		r->sorted_valid = false;	/* not where it should be: sorted again */
+		return;
+	}
+	memmove(r->sorted + i, r->sorted + i + 1, (r->nsorted - i - 1) * sizeof(*r->sorted));
+	r->nsorted--;
+}
+
 int dlpd_entry_link(struct dlpd_registry *r, struct dlpd_entry *e, struct dlpd_holdings *owner)
 {
 	const ProtobufCBinaryData *name = &e->pub->name;
@@ -86,7 +153,7 @@ int dlpd_entry_link(struct dlpd_registry *r, struct dlpd_entry *e, struct dlpd_h
 
 	if (err < 0)
 		return err;
-	r->sorted_valid = false;
+	sorted_insert(r, e);
 	e->usage->entries++;
 	e->usage->memory += e->memory;
 	e->owner = owner;
@@ -138,7 +205,7 @@ struct dlpd_storage *dlpd_entry_unlink(struct dlpd_registry *r, struct dlpd_entr
 {
 	struct dlpd_storage *st = e->st;
 
-	r->sorted_valid = false;
+	sorted_remove(r, e);
 	dlpd_hmap_remove(&r->names, &e->node);
 	if (e->owner)
 		dlpd_list_del(&e->owner_link);
@@ -447,6 +514,7 @@ static int sorted_refresh(struct dlpd_registry *r)
 {
 	size_t n = 0;
 
+	r->sorted_mods = 0;
 	if (r->sorted_valid)
 		return 0;
 	if (r->sorted_cap < r->names.count) {

@@ -172,9 +172,11 @@ struct dlpd_registry {
 	struct dlpd_hmap names;	 /* dlpd_entry by name */
 	struct dlpd_hmap waitqs; /* dlpd_waitq by name */
 	struct dlpd_hmap uids;	 /* dlpd_usage by uid */
-	/* every entry sorted by name, for LIST; rebuilt on the first LIST after a change */
+	/* every entry sorted by name, for LIST: rebuilt by the first LIST that finds it not valid,
+	 * then kept in order through each publish and removal (sorted_mods of them since the last
+	 * LIST), up to DLPD_SORTED_KEPT_MAX, past which it is let go until the next LIST */
 	struct dlpd_entry **sorted;
-	size_t nsorted, sorted_cap;
+	size_t nsorted, sorted_cap, sorted_mods;
 	bool sorted_valid;
 	uint64_t storages, bytes, refs, waiters;
 	uint64_t storage_fds;	   /* storages that hold an fd (all but legacy CUDA IPC) */

@@ -1330,6 +1330,71 @@ START_TEST(test_fork_does_not_keep_connection)
 }
 END_TEST
 
+static int cmp_str(const void *a, const void *b)
+{
+	return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* LIST of @p prefix says exactly the names of @p names[i] for which @p live[i], sorted. */
+static void list_is(dlpc_client *c, const char *prefix, char names[][16], const bool *live,
+		    size_t n)
+{
+	const char *want[64];
+	dlpc_entry_info *l;
+	size_t m = 0, got;
+
+	for (size_t i = 0; i < n; i++)
+		if (live[i] && strncmp(names[i], prefix, strlen(prefix)) == 0)
+			want[m++] = names[i];
+	qsort(want, m, sizeof(*want), cmp_str);
+	ck_assert_dlpc(dlpc_list(c, prefix, &l, &got), 0);
+	ck_assert_uint_eq(got, m);
+	for (size_t i = 0; i < m; i++)
+		ck_assert_str_eq(l[i].name, want[i]);
+	dlpc_list_free(l, got);
+}
+
+/* LISTs between publishes, replaces and removals in any order: every LIST gives exactly the
+ * names there are, sorted, with a prefix too. The daemon keeps its sorted view of the names in
+ * order through changes between LISTs (DLPD_SORTED_KEPT_MAX of them) and sorts anew past that:
+ * here a LIST follows each change, then 1,500 changes pass with none, then LISTs follow each
+ * change again. */
+START_TEST(test_list_follows_changes)
+{
+	dlpc_client *c = connect_or_die(&D);
+	char names[64][16];
+	bool live[64] = {false};
+	uint8_t buf[4] = {0};
+	int64_t one = 1;
+	unsigned seed = 20261128;
+
+	for (int k = 0; k < 64; k++)
+		snprintf(names[k], sizeof(names[k]), "lf/%c%02d", 'a' + (k * 5) % 7, k);
+	for (int step = 0; step < 4000; step++) {
+		int k = rand_r(&seed) % 64, op = rand_r(&seed) % 3;
+
+		if (op < 2) {
+			ck_assert_int_ge(dlpc_publish(c, names[k],
+						      host_tensor(buf, (DLDataType){kDLInt, 32, 1},
+								  1, &one, NULL, NULL),
+						      DLPC_PUBLISH_REPLACE),
+					 1);
+			live[k] = true;
+		} else if (live[k]) {
+			ck_assert_dlpc(dlpc_unpublish(c, names[k]), 0);
+			live[k] = false;
+		}
+		if (step < 1000 || step >= 2500) {
+			list_is(c, "lf/", names, live, 64);
+			if (step % 7 == 0)
+				list_is(c, step % 2 ? "lf/c" : "lf/g", names, live, 64);
+		}
+	}
+	list_is(c, "lf/", names, live, 64);
+	dlpc_close(c);
+}
+END_TEST
+
 START_TEST(test_list)
 {
 	dlpc_client *c = connect_or_die(&D);
@@ -1501,6 +1566,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_fork_child_refused);
 	tcase_add_test(tc, test_fork_does_not_keep_connection);
 	tcase_add_test(tc, test_list);
+	tcase_add_test(tc, test_list_follows_changes);
 	tcase_add_test(tc, test_legacy_and_errors);
 	suite_add_tcase(s, tc);
 	return s;
