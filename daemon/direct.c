@@ -198,8 +198,9 @@ int dlpd_direct_renew(struct dlpd_peer *joiner, struct dlpd_channel *ch, char *w
 	r = dlpd_direct_open(s, ch, ch->capacity, why, whylen);
 	if (r < 0)
 		return r;
-	dlpd_log(LOG_NOTICE, "a direct channel's sockets were shut by a process that joined it: "
-			     "made new ones (uid %u closes the old ones)",
+	dlpd_log(LOG_NOTICE,
+		 "a direct channel's sockets were shut by a process that joined it: "
+		 "made new ones (uid %u closes the old ones)",
 		 (unsigned)joiner->uid);
 	let_go(s, ch, old, joiner->uid);
 	return 0;

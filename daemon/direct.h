@@ -20,8 +20,7 @@ void dlpd_direct_close(struct dlpd_server *s, struct dlpd_channel *ch);
  * turned off, or the pair shut (new sockets then; the old ones closed for @p joiner's uid, in
  * its fd share). 0, or a negative errno and why (the channel keeps its shut pair, and the next
  * JOIN tries again). */
-int dlpd_direct_renew(struct dlpd_peer *joiner, struct dlpd_channel *ch, char *why,
-		      size_t whylen);
+int dlpd_direct_renew(struct dlpd_peer *joiner, struct dlpd_channel *ch, char *why, size_t whylen);
 /* Shut every direct channel's sockets (an upgrade: the channels do not survive it,
  * and processes that joined one must not go on using it). */
 void dlpd_direct_shutdown_all(struct dlpd_server *s);

@@ -337,7 +337,8 @@ static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st)
 		if (!u->store_warned)
 			dlpd_log(LOG_WARNING,
 				 "uid %u holds %" PRIu64 " entries in the fd store, its share "
-				 "(%" PRIu64 "%% of %" PRIu64 " slots, --max-fd-share-per-uid): its "
+				 "(%" PRIu64 "%% of %" PRIu64
+				 " slots, --max-fd-share-per-uid): its "
 				 "entries published from now on will not survive a restart of "
 				 "dlpackd until some are removed",
 				 (unsigned)u->uid, u->stored, s->lim.fd_share_per_uid,

@@ -117,7 +117,7 @@ static void sorted_insert(struct dlpd_registry *r, struct dlpd_entry *e)
 		struct dlpd_entry **v = realloc(r->sorted, cap * sizeof(*v));
 
 		if (!v) {
-			r->sorted_valid = false;	/* the next LIST tries again */
+			r->sorted_valid = false; /* the next LIST tries again */
 			return;
 		}
 		r->sorted = v;
@@ -139,7 +139,7 @@ static void sorted_remove(struct dlpd_registry *r, struct dlpd_entry *e)
 		return;
 	i = sorted_bound(r, name->data, name->len, false);
 	if (i >= r->nsorted || r->sorted[i] != e) {
-		r->sorted_valid = false;	/* not where it should be: sorted again */
+		r->sorted_valid = false; /* not where it should be: sorted again */
 		return;
 	}
 	memmove(r->sorted + i, r->sorted + i + 1, (r->nsorted - i - 1) * sizeof(*r->sorted));

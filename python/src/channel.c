@@ -81,7 +81,8 @@ static int channel_count(PyObject *o, const char *what, const char *name, long l
 	}
 	if (over || v < 0 || v > max) {
 		PyErr_Format(PyExc_ValueError, "cannot open channel '%s': %s %S %s %lld", name,
-			     what, i, over < 0 || (!over && v < 0) ? "is below" : "exceeds the limit of",
+			     what, i,
+			     over < 0 || (!over && v < 0) ? "is below" : "exceeds the limit of",
 			     over < 0 || (!over && v < 0) ? 0LL : max);
 		Py_DECREF(i);
 		return -1;

@@ -221,10 +221,11 @@ static PyObject *own_pairs(const char *verb, const char *name, PyObject *items)
 		}
 		if (pair || !PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
 			PyErr_Clear();
-			PyErr_Format(PyExc_TypeError,
-				     "cannot %s '%s': the mapping's items() must give (key, tensor) "
-				     "pairs, not %.60R",
-				     verb, name, kv);
+			PyErr_Format(
+				PyExc_TypeError,
+				"cannot %s '%s': the mapping's items() must give (key, tensor) "
+				"pairs, not %.60R",
+				verb, name, kv);
 		}
 		Py_XDECREF(pair);
 		Py_CLEAR(out);

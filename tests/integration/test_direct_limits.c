@@ -539,10 +539,10 @@ static int join_again(int fd, const char *name, int ends[2], char *msg, size_t l
 
 /* What nobody_shuts_and_joins() is given and reports, in a shared page. */
 struct jam {
-	int stop, go;	/* the pipe whose write end (go, the test's) the test closes when done */
-	int code;	/* the refused JOIN's error code */
-	int renewals;	/* the JOINs that replaced a shut pair before it */
-	char msg[512];	/* the refusal's message */
+	int stop, go;  /* the pipe whose write end (go, the test's) the test closes when done */
+	int code;      /* the refused JOIN's error code */
+	int renewals;  /* the JOINs that replaced a shut pair before it */
+	char msg[512]; /* the refusal's message */
 };
 
 /* As nobody: join root's direct channel "jam/root", queue a lingering TCP socket in its pair,

@@ -1766,8 +1766,9 @@ START_TEST(test_store_share_per_uid)
 	mgr_start(&m);
 	ck_assert_int_eq(chmod(m.sock, 0666), 0);
 	ck_assert_int_eq(wait_child(spawn(publish_as_nobody, &m)), 0);
-	ck_assert_log(&m, log_has(m.log, "uid 65534 holds 2 entries in the fd store, its share "
-					 "(25% of 8 slots, --max-fd-share-per-uid)"),
+	ck_assert_log(&m,
+		      log_has(m.log, "uid 65534 holds 2 entries in the fd store, its share "
+				     "(25% of 8 slots, --max-fd-share-per-uid)"),
 		      "no warning");
 	c = connect_to(&m);
 	ck_assert_dlpc(publish(c, "root/0", 1, 0), 1);
