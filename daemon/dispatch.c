@@ -68,6 +68,8 @@ static void close_handles(struct dlpd_peer *p)
 	was = dlpd_closer_charge(p->uid);
 	dlpc__tx_clear(&p->tx);
 	dlpd_closer_charge(was);
+	p->srv->tx_fds -= p->tx_fds;
+	p->tx_fds = 0;
 	uv_close((uv_handle_t *)&p->poll, peer_closed);
 	uv_close((uv_handle_t *)&p->deadline, peer_closed);
 }

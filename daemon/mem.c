@@ -190,6 +190,11 @@ void dlpd_mem_tx_account(struct dlpd_peer *p)
 {
 	size_t q = p->tx.bytes;
 
+	/* the copies of fds its queue holds: the daemon's, and its uid's while it has one */
+	p->srv->tx_fds = p->srv->tx_fds - p->tx_fds + p->tx.nfds;
+	if (p->usage)
+		p->usage->tx_fds = p->usage->tx_fds - p->tx_fds + p->tx.nfds;
+	p->tx_fds = p->tx.nfds;
 	if (!p->usage)
 		return;
 	if (q > p->tx_charged)
@@ -222,6 +227,9 @@ void dlpd_mem_forget(struct dlpd_peer *p)
 	if (p->tx_charged)
 		dlpd_mem_uncharge(p->srv, p->usage, p->tx_charged);
 	p->tx_charged = 0;
+	/* what it has queued is no longer its uid's (it may linger a moment): the daemon's */
+	if (p->usage)
+		p->usage->tx_fds -= p->tx_fds;
 }
 
 bool dlpd_mem_rx_over(const struct dlpd_peer *p)

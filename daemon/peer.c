@@ -11,6 +11,7 @@
 
 #include "mem.h"
 #include "peer.h"
+#include "quota.h"
 
 const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len)
 {
@@ -102,6 +103,24 @@ int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const 
 		p->srv->stats.queue_drops++;
 		p->broken = true;
 		dlpd_peer_fail(p, LOG_WARNING, "dropped: %s", why);
+		dlpd_peer_update_events(p);
+		return -ENOBUFS;
+	}
+	/* The copies of fds its queue holds count in its uid's fd share and the daemon's budget:
+	 * connections that do not read the replies of waiting ATTACHes and RECVs (answered when
+	 * their name or message comes, not held back) would otherwise make the daemon hold fds
+	 * past both. */
+	if (p->tx.nfds > 0 && p->usage &&
+	    (dlpd_uid_fds(p->usage) > dlpd_uid_fd_share(p->srv) ||
+	     dlpd_fds_in_use(p->srv) > p->srv->fd_budget)) {
+		char share[320];
+
+		p->srv->stats.queue_drops++;
+		p->broken = true;
+		dlpd_uid_fd_share_why(p, dlpd_uid_fds(p->usage), share, sizeof(share));
+		dlpd_peer_fail(p, LOG_WARNING,
+			       "dropped: it stopped reading and %u fds wait for it; %s", p->tx.nfds,
+			       share);
 		dlpd_peer_update_events(p);
 		return -ENOBUFS;
 	}

@@ -13,7 +13,7 @@
 
 uint64_t dlpd_fds_in_use(const struct dlpd_server *s)
 {
-	return s->reg.storage_fds + s->npeers + s->peers_closing + s->channel_fds +
+	return s->reg.storage_fds + s->npeers + s->peers_closing + s->channel_fds + s->tx_fds +
 	       dlpd_reaper_pending() + dlpd_closers_fds();
 }
 

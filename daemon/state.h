@@ -68,6 +68,7 @@ struct dlpd_server {
 	uint64_t npeers, next_serial;
 	uint64_t peers_closing; /* destroyed, socket not yet handed to the reaper */
 	uint64_t channel_fds;	/* the ends of direct channels (two each) */
+	uint64_t tx_fds;	/* copies of fds in replies queued for connections (mem.c) */
 	struct dlpd_registry reg;
 	struct dlpc__scratch out;	/* outgoing frames are packed here */
 	struct dlpd_list watchers;	/* peers that sent WATCH, in the order they did */
@@ -133,6 +134,7 @@ struct dlpd_peer {
 	struct dlpc__rx rx;
 	size_t rx_charged; /* rx's buffer, as charged to its uid (mem.c) */
 	size_t tx_charged; /* tx's queued bytes, the same */
+	unsigned tx_fds;   /* tx's queued fds (copies the daemon holds), as counted (mem.c) */
 	struct dlpc__tx tx;
 	struct dlpd_holdings held; /* references, ephemeral entries, waiting attaches */
 	uint64_t *

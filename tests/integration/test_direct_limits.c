@@ -631,6 +631,113 @@ START_TEST(test_a_joiner_that_shuts_the_pair_pays_for_its_close)
 }
 END_TEST
 
+/* ---- the daemon's side: fds in replies a uid does not read ---- */
+
+/* The daemon's fd limit here: a share of 1,016 fds per uid. */
+#define UNREAD_NOFILE 4096
+/* nobody's connections, and the ATTACHes each makes wait for a name, never reading a reply:
+ * more replies than its share once the name comes, fewer than --max-queue-fds each. */
+#define UNREAD_CONNS 2
+#define UNREAD_WAITERS 1000
+
+struct unread {
+	int stop, go;	 /* the pipe whose write end (go, the test's) the test closes when done */
+	int ready, seen; /* the pipe on which the child says its ATTACHes are sent */
+};
+
+/* As nobody: UNREAD_CONNS connections, each with UNREAD_WAITERS ATTACHes of "unread/x" that wait
+ * for it; no reply is read. Says so, then waits until the test is done. */
+static int nobody_waits_unread(void *arg)
+{
+	Dlpackd__V1__Attach at = DLPACKD__V1__ATTACH__INIT;
+	struct unread *u = arg;
+	int fds[UNREAD_CONNS];
+	char b;
+
+	close(u->go);
+	close(u->seen);
+	become_nobody();
+	at.name.data = (uint8_t *)"unread/x";
+	at.name.len = strlen("unread/x");
+	at.timeout_ms = -1;
+	for (int c = 0; c < UNREAD_CONNS; c++) {
+		fds[c] = raw_connect(&D);
+		raw_hello(fds[c], DLPC_PROTO_MAJOR);
+		for (unsigned i = 0; i < UNREAD_WAITERS; i++)
+			raw_send(fds[c], DLPC_MSG_ATTACH, i + 2, &at.base, NULL, 0);
+	}
+	CHILD_CHECK(write(u->ready, "r", 1) == 1);
+	while (read(u->stop, &b, 1) > 0)
+		;
+	for (int c = 0; c < UNREAD_CONNS; c++)
+		close(fds[c]);
+	return 0;
+}
+
+static bool waiting_at_least(const dlpc_stats *s, void *arg)
+{
+	return s->waiters >= *(const uint64_t *)arg;
+}
+
+static bool nothing_waiting(const dlpc_stats *s, void *arg)
+{
+	(void)arg;
+	return s->waiters == 0;
+}
+
+/* Another uid's connections wait for a name with many ATTACHes and read none of the replies: once
+ * root publishes the name, the copies of its fd queued for them count in nobody's fd share, and
+ * a connection of nobody's is dropped when they pass it, so the daemon holds no more than the
+ * share for it and root goes on publishing (before: every unread reply's copy stayed, past
+ * nobody's share, up to the daemon's fd limit). */
+START_TEST(test_unread_reply_fds_count_in_the_share)
+{
+	static float data[64];
+	DLDataType f32 = {kDLFloat, 32, 1};
+	uint64_t share = (UNREAD_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100;
+	uint64_t want = UNREAD_CONNS * UNREAD_WAITERS;
+	int64_t n = 64;
+	int stop[2], ready[2], before, held;
+	struct unread u;
+	dlpc_client *c;
+	dlpc_stats st;
+	pid_t pid;
+	char b;
+
+	start(NULL, UNREAD_NOFILE);
+	c = connect_or_die(&D);
+	before = settled_fds(&D, c, 1);
+	ck_assert_int_eq(pipe2(stop, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(ready, O_CLOEXEC), 0);
+	u = (struct unread){.stop = stop[0], .go = stop[1], .ready = ready[1], .seen = ready[0]};
+	pid = spawn(nobody_waits_unread, &u);
+	close(stop[0]);
+	close(ready[1]);
+	ck_assert_int_eq(read(ready[0], &b, 1), 1);
+	ck_assert_msg(wait_stat(c, waiting_at_least, &want, 10000), "the ATTACHes do not wait");
+	ck_assert_dlpc(dlpc_publish(c, "unread/x", host_tensor(data, f32, 1, &n, NULL, NULL), 0),
+		       1);
+	ck_assert_msg(wait_stat(c, nothing_waiting, NULL, 10000), "ATTACHes still wait");
+	held = fd_count(D.pid) - before;
+	st = stat_or_die(c);
+	fprintf(stderr,
+		"%llu unread replies to uid 65534: dlpackd holds %d fds more, %llu connections "
+		"dropped (share %llu)\n",
+		(unsigned long long)want, held, (unsigned long long)st.queue_drops,
+		(unsigned long long)share);
+	ck_assert_int_le(held, (int)share + UNREAD_CONNS + 2);
+	ck_assert_uint_ge(st.queue_drops, 1);
+	/* root is served meanwhile, nobody's child still there */
+	ck_assert_dlpc(dlpc_publish(c, "unread/y", host_tensor(data, f32, 1, &n, NULL, NULL), 0),
+		       1);
+	ck_assert_dlpc(dlpc_unpublish(c, "unread/y"), 0);
+	close(stop[1]);
+	close(ready[0]);
+	ck_assert_int_eq(wait_child(pid), 0);
+	dlpc_close(c);
+}
+END_TEST
+
 static Suite *direct_limits_suite(void)
 {
 	Suite *s = suite_create("direct_limits");
@@ -646,6 +753,7 @@ static Suite *direct_limits_suite(void)
 	tcase_add_test(daemon, test_channels_per_uid);
 	tcase_add_test(daemon, test_prefer_direct_without_fds);
 	tcase_add_test(daemon, test_a_joiner_that_shuts_the_pair_pays_for_its_close);
+	tcase_add_test(daemon, test_unread_reply_fds_count_in_the_share);
 	tcase_add_test(recv, test_refused_fds_bounded);
 	return s;
 }
