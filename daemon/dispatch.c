@@ -116,7 +116,10 @@ static void destroy(struct dlpd_peer *p)
 	dlpd_usage_put(&s->reg, p->usage);
 	p->usage = NULL;
 	uv_timer_stop(&p->deadline);
-	if (p->tx.head && !p->broken && !s->stopping) {
+	/* it lingers to deliver its last ERROR, not replies with fds: their copies would be held
+	 * for a second charged to no uid (its usage is gone), and a client could reconnect and
+	 * do it again */
+	if (p->tx.head && !p->broken && !s->stopping && p->tx.nfds == 0) {
 		p->state = DLPD_CONN_LINGERING;
 		dlpd_list_add_tail(&s->lingering, &p->fail_link);
 		dlpd_peer_update_events(p);
