@@ -23,6 +23,7 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -34,6 +35,7 @@
 #include "harness.h"
 #include "io.h"
 #include "msg.h"
+#include "raw.h"
 
 /* The attacker's connections, sending at once. */
 #define ATTACK_CONNS 8
@@ -351,6 +353,152 @@ START_TEST(lingering_socket_costs_its_sender)
 	/* the peer resets the connection: the close returns, and everything queued after it */
 	close(l);
 	ck_assert_msg(wait_stat(c, nothing_closing, NULL, 10000), "closes still pending");
+	dlpc_close(c);
+}
+END_TEST
+
+/* ---- a direct channel's pair shut by a joiner ---- */
+
+/* CHANNEL JOIN of @p name on @p fd (after HELLO): 0 and the pair in @p ends, or the ERROR's
+ * code and message. */
+static int join_again(int fd, const char *name, int ends[2], char *msg, size_t len)
+{
+	Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
+	uint8_t hdr[DLPC_FRAME_HDR_SIZE], buf[4096];
+	union {
+		struct cmsghdr c;
+		char b[CMSG_SPACE(4 * sizeof(int))];
+	} ctl;
+	struct iovec iov = {.iov_base = hdr, .iov_len = sizeof(hdr)};
+	struct msghdr mh = {.msg_iov = &iov,
+			    .msg_iovlen = 1,
+			    .msg_control = ctl.b,
+			    .msg_controllen = sizeof(ctl.b)};
+	struct dlpc__hdr h;
+	unsigned n = 0;
+
+	co.op = 4;
+	co.name.data = (uint8_t *)name;
+	co.name.len = strlen(name);
+	raw_send(fd, DLPC_MSG_CHANNEL, 9, &co.base, NULL, 0);
+	CHILD_CHECK(recvmsg(fd, &mh, MSG_WAITALL | MSG_CMSG_CLOEXEC) == sizeof(hdr));
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+			for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int) && n < 2;
+			     i++)
+				memcpy(&ends[n++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+	dlpc__hdr_decode(hdr, &h);
+	CHILD_CHECK(h.len <= sizeof(buf));
+	for (size_t got = 0; got < h.len;) {
+		ssize_t k = read(fd, buf + got, h.len - got);
+
+		CHILD_CHECK(k > 0);
+		got += (size_t)k;
+	}
+	if (h.type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
+		int code;
+
+		CHILD_CHECK(e != NULL && n == 0);
+		code = e->code;
+		snprintf(msg, len, "%s", e->message);
+		dlpackd__v1__error__free_unpacked(e, NULL);
+		return code;
+	}
+	CHILD_CHECK(h.type == (DLPC_MSG_CHANNEL | DLPC_MSG_REPLY) && n == 2);
+	return 0;
+}
+
+/* What nobody_shuts_and_joins() is given and reports, in a shared page. */
+struct shut_join {
+	int port;      /* of the silent listener its lingering socket connects to */
+	int code;      /* the refused JOIN's error code */
+	int renewals;  /* the JOINs that replaced a shut pair before it */
+	char msg[512]; /* the refusal's message */
+};
+
+/* As nobody: join root's direct channel "jam/root", queue a lingering TCP socket in its pair
+ * (a record carrying it), then shut the pair for everyone and join again (the daemon makes a
+ * new pair and closes the old one, where the lingering close blocks), until a JOIN is refused. */
+static int nobody_shuts_and_joins(void *arg)
+{
+	struct shut_join *j = arg;
+	uint8_t rec[DLPC_DIRECT_RECORD];
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} ctl;
+	struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
+	struct msghdr mh = {.msg_iov = &iov,
+			    .msg_iovlen = 1,
+			    .msg_control = ctl.buf,
+			    .msg_controllen = sizeof(ctl.buf)};
+	int raw, ends[2], l, r;
+
+	become_nobody();
+	raw = raw_connect(&D);
+	raw_join_or_die(raw, "jam/root", ends);
+	raw_small_record(rec);
+	l = lingering_socket(j->port);
+	memset(&ctl, 0, sizeof(ctl));
+	ctl.h.cmsg_level = SOL_SOCKET;
+	ctl.h.cmsg_type = SCM_RIGHTS;
+	ctl.h.cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(&ctl.h), &l, sizeof(int));
+	CHILD_CHECK(sendmsg(ends[0], &mh, MSG_NOSIGNAL) == (ssize_t)sizeof(rec));
+	close(l);
+	for (;;) {
+		CHILD_CHECK(shutdown(ends[0], SHUT_RDWR) == 0);
+		close(ends[0]);
+		close(ends[1]);
+		r = join_again(raw, "jam/root", ends, j->msg, sizeof(j->msg));
+		if (r != 0)
+			break;
+		CHILD_CHECK(++j->renewals < 10000);
+	}
+	j->code = r;
+	close(raw);
+	return 0;
+}
+
+/* Another uid that joins root's direct channel, leaves a lingering socket in its pair and then
+ * shuts the pair and joins again in a loop: each new pair's old one is closed in nobody's
+ * closer, charged to nobody's fd share, so nobody's JOIN is refused (EDQUOT naming the share)
+ * once the closes stuck behind the lingering one fill it, and root still publishes and opens
+ * channels (before: the closes were charged to root, the channel's owner, until the daemon's
+ * whole fd budget was held). */
+START_TEST(a_joiner_that_shuts_the_pair_pays_for_its_close)
+{
+	const char *args[] = {"--log-level", "info", NULL};
+	struct shut_join *j;
+	dlpc_client *c;
+	int l;
+
+	start(args, ATTACK_NOFILE);
+	daemon_open_for_others(&D);
+	c = connect_or_die(&D);
+	ck_assert_dlpc(dlpc_channel_open_flags(c, "jam/root", 16, DLPC_CHANNEL_DIRECT, NULL), 1);
+	l = silent_listener();
+	j = mmap(NULL, sizeof(*j), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	ck_assert_ptr_ne(j, MAP_FAILED);
+	memset(j, 0, sizeof(*j));
+	j->port = listener_port(l);
+	ck_assert_int_eq(wait_child(spawn(nobody_shuts_and_joins, j)), 0);
+	fprintf(stderr, "nobody replaced root's pair %d times, then: %s\n", j->renewals, j->msg);
+	ck_assert_int_eq(j->code, EDQUOT);
+	ck_assert_msg(strstr(j->msg, "uid 65534 holds") && strstr(j->msg, "still closing") &&
+			      strstr(j->msg, "(--max-fd-share-per-uid)"),
+		      "%s", j->msg);
+	ck_assert_int_gt(j->renewals, 4);
+	/* root's share is untouched: it publishes and opens channels */
+	ck_assert_dlpc(publish(c, "root/after"), 1);
+	ck_assert_dlpc(dlpc_channel_open_flags(c, "root/d", 16, DLPC_CHANNEL_DIRECT, NULL), 1);
+	ck_assert_dlpc(dlpc_channel_remove(c, "root/d"), 0);
+	ck_assert_dlpc(dlpc_unpublish(c, "root/after"), 0);
+	/* the peer resets the connection: the close returns, and everything queued after it */
+	close(l);
+	ck_assert_msg(wait_stat(c, nothing_closing, NULL, 10000), "closes still pending");
+	munmap(j, sizeof(*j));
 	dlpc_close(c);
 }
 END_TEST
@@ -1113,6 +1261,7 @@ int main(void)
 	tcase_add_checked_fixture(linger, NULL, teardown);
 	tcase_set_timeout(linger, 120);
 	tcase_add_test(linger, lingering_socket_costs_its_sender);
+	tcase_add_test(linger, a_joiner_that_shuts_the_pair_pays_for_its_close);
 	tcase_add_test(linger, excess_fds_in_flight_block_nobody);
 	tcase_add_test(linger, closers_are_bounded);
 	tcase_add_test(linger, upgrade_passes_every_pending_close);
