@@ -29,6 +29,19 @@
  * driver's file whose close the daemon cannot vouch for, so it goes to its publisher's closer
  * (closer.c), where a close that blocks stalls nothing else.
  */
+/* @p st lost a name, and @p freed is what dlpd_entry_unlink() returned: free it if nothing
+ * holds it; if references still do but no name reaches it, take it out of the fd store, where
+ * it would hold a slot of its publisher's share that a restart could not use (no name would
+ * claim it). */
+static void storage_unnamed(struct dlpd_server *s, struct dlpd_storage *st,
+			    struct dlpd_storage *freed)
+{
+	if (freed)
+		dlpd_storage_gone(s, freed);
+	else if (st->names == 0)
+		dlpd_persist_storage_gone(s, st);
+}
+
 void dlpd_storage_gone(struct dlpd_server *s, struct dlpd_storage *st)
 {
 	if (!st)
@@ -170,7 +183,7 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 		       struct dlpd_peer *owner)
 {
 	uint64_t prev_gen = old ? old->generation : 0, old_journaled = old ? old->journaled : 0;
-	struct dlpd_storage *old_st = NULL;
+	struct dlpd_storage *old_st = NULL, *old_held = old ? old->st : NULL;
 	int r;
 
 	dlpd_assert(e->st->names == 1 && e->st->attach_refs == 0);
@@ -190,14 +203,17 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 		dlpd_entry_free_unlinked(e);
 		st->names--;
 		dlpd_storage_gone(s, st);
-		dlpd_storage_gone(s, old_st);
+		if (old_held)
+			storage_unnamed(s, old_held, old_st);
 		return r;
 	}
 	/* Recorded before anyone hears of it, so that nobody is told of an entry a crash would
 	 * lose, and before the old storage leaves the fd store, so that a crash in between
-	 * finds one of the two entries whole. */
-	dlpd_persist_published(s, e, old_journaled);
-	dlpd_storage_gone(s, old_st);
+	 * finds one of the two entries whole (the old one's slot is the new one's meanwhile). */
+	dlpd_persist_published(s, e, old_journaled,
+			       old_held && old_held->names == 0 ? old_held : NULL);
+	if (old_held)
+		storage_unnamed(s, old_held, old_st);
 	notify_watchers(s, old ? DLPC_WATCH_REPLACED : DLPC_WATCH_PUBLISHED, e, prev_gen, 0, e->uid,
 			e->pid);
 	wake_waiters(s, e);
@@ -207,10 +223,13 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 void dlpd_names_remove(struct dlpd_server *s, struct dlpd_entry *e, int reason,
 		       const struct dlpd_peer *actor)
 {
+	struct dlpd_storage *st;
+
 	dlpd_invalidate(s, e);
 	dlpd_persist_removed(s, e);
 	notify_watchers(s, DLPC_WATCH_UNPUBLISHED, e, 0, reason, actor->uid, actor->pid);
-	dlpd_storage_gone(s, dlpd_entry_unlink(&s->reg, e));
+	st = e->st;
+	storage_unnamed(s, st, dlpd_entry_unlink(&s->reg, e));
 }
 
 void dlpd_names_release(struct dlpd_peer *p, struct dlpd_ref *ref)

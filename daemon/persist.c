@@ -314,16 +314,20 @@ uint64_t dlpd_store_uid_share(const struct dlpd_server *s)
 }
 
 /* Hand @p st's fd to the store; false if it is not there (full, its uid's share of it taken,
- * or the send failed). */
-static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st)
+ * or the send failed). @p leaving (NULL: none) is a storage that leaves the store right after,
+ * the one st replaces: its slot, and its place in its uid's share, are st's. */
+static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st,
+			  const struct dlpd_storage *leaving)
 {
 	struct dlpd_persist *p = &s->persist;
 	struct dlpd_usage *u = st->usage;
+	bool frees = leaving && leaving->stored;
+	bool frees_own = frees && leaving->usage == u;
 	int r;
 
 	if (st->stored)
 		return true;
-	if (p->storages_stored + DLPD_STORE_STATE_FDS >= p->store_max) {
+	if (p->storages_stored - frees + DLPD_STORE_STATE_FDS >= p->store_max) {
 		if (!p->warned_full)
 			dlpd_log(LOG_WARNING,
 				 "the fd store is full (%" PRIu64 " fds, FDSTORE= or "
@@ -333,7 +337,7 @@ static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st)
 		p->warned_full = true;
 		return false;
 	}
-	if (u->stored + 1 > dlpd_store_uid_share(s)) {
+	if (u->stored - frees_own + 1 > dlpd_store_uid_share(s)) {
 		if (!u->store_warned)
 			dlpd_log(LOG_WARNING,
 				 "uid %u holds %" PRIu64 " entries in the fd store, its share "
@@ -363,14 +367,15 @@ static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st)
 	return true;
 }
 
-void dlpd_persist_published(struct dlpd_server *s, struct dlpd_entry *e, uint64_t old_journaled)
+void dlpd_persist_published(struct dlpd_server *s, struct dlpd_entry *e, uint64_t old_journaled,
+			    const struct dlpd_storage *leaving)
 {
 	struct dlpd_persist *p = &s->persist;
 
 	p->live_len -= old_journaled;
 	if (!e->owner && e->st->fd >= 0 && !e->st->sid)
 		e->st->sid = ++p->next_sid;
-	if (store_on(p) && lasting(e) && store_storage(s, e->st)) {
+	if (store_on(p) && lasting(e) && store_storage(s, e->st, leaving)) {
 		size_t len = put_record(p, e, DLPD_REC_STORED);
 
 		/* counted first: a rewrite inside append() counts again, from the names */
@@ -1122,7 +1127,7 @@ static void store_restored(struct dlpd_server *s)
 			struct dlpd_entry *e = dlpd_container_of(x, struct dlpd_entry, node);
 
 			if (lasting(e) && !e->st->stored)
-				store_storage(s, e->st);
+				store_storage(s, e->st, NULL);
 		}
 	compact(s, NULL, true);
 }

@@ -70,7 +70,8 @@ int dlpd_persist_restore(struct dlpd_server *s, struct dlpd_passed_fd *fds, size
  * @p old_journaled bytes, 0 if none): hand its storage to the store and record it, if it can
  * outlive the daemon. Returns once the record is written, before the publish is answered.
  */
-void dlpd_persist_published(struct dlpd_server *s, struct dlpd_entry *e, uint64_t old_journaled);
+void dlpd_persist_published(struct dlpd_server *s, struct dlpd_entry *e, uint64_t old_journaled,
+			    const struct dlpd_storage *leaving);
 /* @p e is being removed: record that. */
 void dlpd_persist_removed(struct dlpd_server *s, struct dlpd_entry *e);
 /* The store's slots one uid's storages may take: --max-fd-share-per-uid percent of them, at

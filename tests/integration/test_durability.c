@@ -1751,12 +1751,29 @@ static int publish_as_nobody(void *arg)
 	return 0;
 }
 
+/* As uid nobody, after a restart that brought its 2 stored entries back: "nobody/8", served. */
+static int publish_one_more_as_nobody(void *arg)
+{
+	const struct mgr *m = arg;
+	dlpc_client *c;
+
+	become_nobody();
+	CHILD_CHECK(dlpc_connect(m->sock, &c) == 0);
+	CHILD_CHECK(publish(c, "nobody/8", 1, 0) == 1);
+	dlpc_close(c);
+	return 0;
+}
+
 /* A store of 10 fds keeps 8 storages, a quarter of them (2, --max-fd-share-per-uid 25) for each
  * uid: nobody publishes 8 lasting entries, which fit the store, and only 2 are kept, with a
  * warning naming the uid and the share; root's 2 are kept after them, and a SIGKILL brings back
- * those 4 (before: nobody's 8 took every slot and root's were lost at the restart). */
+ * those 4 (before: nobody's 8 took every slot and root's were lost at the restart). Then, with
+ * the counts rebuilt from what came back: nobody's next entry is not kept; root's REPLACE at
+ * its share is (the storage it replaces gives up its place); an entry unpublished while
+ * attached leaves the store with its name, so root's next one is kept in its place. */
 START_TEST(test_store_share_per_uid)
 {
+	DLManagedTensorVersioned *t;
 	dlpc_entry_info *e;
 	struct mgr m;
 	dlpc_client *c;
@@ -1785,6 +1802,28 @@ START_TEST(test_store_share_per_uid)
 	ck_assert_str_eq(e[2].name, "root/0");
 	ck_assert_str_eq(e[3].name, "root/1");
 	ck_assert_uint_eq(e[0].owner_uid, 65534);
+	dlpc_list_free(e, cnt);
+	/* the restart counted what came back: nobody's next entry is served, not kept */
+	ck_assert_int_eq(wait_child(spawn(publish_one_more_as_nobody, &m)), 0);
+	/* at its share, root's REPLACE is kept (the old storage's place is the new one's) */
+	ck_assert_dlpc(publish(c, "root/0", 2, DLPC_PUBLISH_REPLACE), 2);
+	/* an entry removed while attached leaves the store with its name: its place is free */
+	ck_assert_dlpc(dlpc_attach(c, "root/1", NULL, &t), 1);
+	ck_assert_dlpc(dlpc_unpublish(c, "root/1"), 0);
+	ck_assert_dlpc(publish(c, "root/2", 1, 0), 1);
+	t->deleter(t);
+	dlpc_close(c);
+	mgr_kill(&m, SIGKILL);
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 4);
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(dlpc_list(c, "", &e, &cnt), 0);
+	ck_assert_uint_eq(cnt, 4);
+	ck_assert_str_eq(e[0].name, "nobody/0");
+	ck_assert_str_eq(e[1].name, "nobody/1");
+	ck_assert_str_eq(e[2].name, "root/0");
+	ck_assert_uint_eq(e[2].generation, 2);
+	ck_assert_str_eq(e[3].name, "root/2");
 	dlpc_list_free(e, cnt);
 	dlpc_close(c);
 	mgr_kill(&m, SIGTERM);
@@ -1906,8 +1945,8 @@ START_TEST(test_compaction_on_removal)
 	len = journal_len(&m, after, sizeof(after));
 	ck_assert_log(&m, strcmp(after, before) != 0, "the unpublish did not rewrite %s", before);
 	ck_assert_int_lt(len, 4096);
-	/* the reference keeps the storage, and in the store */
-	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 2);
+	/* the reference keeps the storage, but not in the store: no name reaches it */
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 1);
 	mgr_kill(&m, SIGKILL);
 	held->deleter(held);
 	dlpc_close(reader);
@@ -1955,7 +1994,8 @@ START_TEST(test_upgrade_held_storage)
 	ck_assert_dlpc(dlpc_attach(reader, "b", NULL, &held), 1);
 	ck_assert_dlpc(dlpc_unpublish(c, "b"), 0);
 	mgr_drain(&m);
-	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 2);
+	/* b's storage, held by the reference, left the store with its name */
+	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 1);
 	before = readies(&m);
 	ck_assert_int_eq(kill(m.pid, SIGHUP), 0);
 	mgr_wait_ready(&m, before + 1);
