@@ -568,7 +568,8 @@ START_TEST(test_unread_reply_fds_count_in_the_share)
 	close(stop[0]);
 	close(ready[1]);
 	ck_assert_int_eq(read(ready[0], &b, 1), 1);
-	ck_assert_msg(wait_stat(c, waiting_at_least, &want, scaled_ms(10000)), "the ATTACHes do not wait");
+	ck_assert_msg(wait_stat(c, waiting_at_least, &want, scaled_ms(10000)),
+		      "the ATTACHes do not wait");
 	ck_assert_dlpc(dlpc_publish(c, "unread/x", host_tensor(data, f32, 1, &n, NULL, NULL), 0),
 		       1);
 	ck_assert_msg(wait_stat(c, nothing_waiting, NULL, scaled_ms(10000)), "ATTACHes still wait");
