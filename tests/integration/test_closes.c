@@ -503,6 +503,152 @@ START_TEST(a_joiner_that_shuts_the_pair_pays_for_its_close)
 }
 END_TEST
 
+/* Cycles of nobody_strips_and_shuts(): each leaves PIPES_PER_CYCLE fds in a pair (and the
+ * first a lingering socket too), enough to fill nobody's share of 248 within the cycles. */
+#define SHUT_CYCLES 64
+#define PIPES_PER_CYCLE 8
+
+/* Tell the other side of @p fd one byte; wait for one on @p from. */
+static bool handshake(int to, int from)
+{
+	char b = 's';
+
+	return write(to, &b, 1) == 1 && read(from, &b, 1) == 1;
+}
+
+/* What nobody_strips_and_shuts() is given and reports. */
+struct strip {
+	int port;	  /* of the silent listener its lingering socket connects to */
+	int shut_w, ok_r; /* it says "shut" on shut_w; the test says "renewed" on ok_r */
+	int cycles, code; /* cycles done; the refused JOIN's code (0: none) */
+	char msg[512];
+};
+
+/* As nobody, SHUT_CYCLES times: join root's "jam2/root", turn credentials off on both ends,
+ * queue fds in the pair (a lingering socket the first time, pipes every time), shut it and wait
+ * for root's JOIN to replace it, never replacing it itself. Stops at a refused JOIN. */
+static int nobody_strips_and_shuts(void *arg)
+{
+	struct strip *st = arg;
+	uint8_t rec[DLPC_DIRECT_RECORD];
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE((PIPES_PER_CYCLE + 1) * sizeof(int))];
+	} ctl;
+	int raw, ends[2], zero = 0, r;
+
+	become_nobody();
+	raw = raw_connect(&D);
+	raw_join_or_die(raw, "jam2/root", ends);
+	raw_small_record(rec);
+	for (st->cycles = 0; st->cycles < SHUT_CYCLES; st->cycles++) {
+		struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
+		struct msghdr mh = {.msg_iov = &iov,
+				    .msg_iovlen = 1,
+				    .msg_control = ctl.buf,
+				    .msg_controllen = sizeof(ctl.buf)};
+		int fds[PIPES_PER_CYCLE + 1], n = 0, p[2];
+
+		if (st->cycles > 0) {
+			r = join_again(raw, "jam2/root", ends, st->msg, sizeof(st->msg));
+			if (r != 0) {
+				st->code = r;
+				break;
+			}
+		}
+		CHILD_CHECK(setsockopt(ends[0], SOL_SOCKET, SO_PASSCRED, &zero, sizeof(zero)) == 0);
+		CHILD_CHECK(setsockopt(ends[1], SOL_SOCKET, SO_PASSCRED, &zero, sizeof(zero)) == 0);
+		if (st->cycles == 0)
+			fds[n++] = lingering_socket(st->port);
+		for (int k = 0; k < PIPES_PER_CYCLE; k++) {
+			CHILD_CHECK(pipe2(p, O_CLOEXEC) == 0);
+			close(p[1]);
+			fds[n++] = p[0];
+		}
+		memset(&ctl, 0, sizeof(ctl));
+		ctl.h.cmsg_level = SOL_SOCKET;
+		ctl.h.cmsg_type = SCM_RIGHTS;
+		ctl.h.cmsg_len = CMSG_LEN((size_t)n * sizeof(int));
+		memcpy(CMSG_DATA(&ctl.h), fds, (size_t)n * sizeof(int));
+		mh.msg_controllen = CMSG_SPACE((size_t)n * sizeof(int));
+		CHILD_CHECK(sendmsg(ends[0], &mh, MSG_NOSIGNAL) == (ssize_t)sizeof(rec));
+		for (int k = 0; k < n; k++)
+			close(fds[k]);
+		CHILD_CHECK(shutdown(ends[0], SHUT_RDWR) == 0);
+		close(ends[0]);
+		close(ends[1]);
+		CHILD_CHECK(handshake(st->shut_w, st->ok_r));
+	}
+	close(raw);
+	return 0;
+}
+
+/* A uid that joins root's direct channel, turns credentials off, queues fds (a lingering socket
+ * among them) in the pair and shuts it, then lets root's own JOIN replace it, over and over:
+ * what it queued goes to its closer, not root's (the only uid besides root's that joined that
+ * pair), so root's JOINs all succeed and root closes nothing that blocks, while nobody's JOIN
+ * is refused once its closes fill its share (before: the pair and everything in it were
+ * closed in root's closer, behind the lingering socket, until root's own JOIN was refused). */
+START_TEST(queued_fds_of_a_pair_go_to_their_sender)
+{
+	const char *args[] = {"--log-level", "info", NULL};
+	int l, shut_p[2], ok_p[2], raw, ends[2], r;
+	struct strip *st;
+	dlpc_client *c;
+	char msg[512];
+	pid_t pid;
+
+	start(args, ATTACK_NOFILE);
+	daemon_open_for_others(&D);
+	c = connect_or_die(&D);
+	ck_assert_dlpc(dlpc_channel_open_flags(c, "jam2/root", 16, DLPC_CHANNEL_DIRECT, NULL), 1);
+	raw = raw_connect(&D);
+	raw_join_or_die(raw, "jam2/root", ends);
+	close(ends[0]);
+	close(ends[1]);
+	l = silent_listener();
+	st = mmap(NULL, sizeof(*st), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	ck_assert_ptr_ne(st, MAP_FAILED);
+	memset(st, 0, sizeof(*st));
+	ck_assert_int_eq(pipe2(shut_p, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(ok_p, O_CLOEXEC), 0);
+	st->port = listener_port(l);
+	st->shut_w = shut_p[1];
+	st->ok_r = ok_p[0];
+	pid = spawn(nobody_strips_and_shuts, st);
+	close(shut_p[1]);
+	close(ok_p[0]);
+	for (;;) {
+		char b;
+
+		if (read(shut_p[0], &b, 1) != 1)
+			break; /* the child is done */
+		/* root's own JOIN replaces the shut pair */
+		r = join_again(raw, "jam2/root", ends, msg, sizeof(msg));
+		ck_assert_msg(r == 0, "root's JOIN refused after %d cycles: %s", st->cycles, msg);
+		close(ends[0]);
+		close(ends[1]);
+		ck_assert_int_eq(write(ok_p[1], "r", 1), 1);
+	}
+	ck_assert_int_eq(wait_child(pid), 0);
+	fprintf(stderr, "nobody shut root's pair %d times, then: %s\n", st->cycles,
+		st->code ? st->msg : "(not refused)");
+	ck_assert_int_eq(st->code, EDQUOT);
+	ck_assert_msg(strstr(st->msg, "uid 65534 holds") && strstr(st->msg, "still closing"), "%s",
+		      st->msg);
+	/* root publishes, and nothing of root's is closing */
+	ck_assert_dlpc(publish(c, "root/after"), 1);
+	ck_assert_dlpc(dlpc_unpublish(c, "root/after"), 0);
+	close(l);
+	ck_assert_msg(wait_stat(c, nothing_closing, NULL, 10000), "closes still pending");
+	close(raw);
+	close(shut_p[0]);
+	close(ok_p[1]);
+	munmap(st, sizeof(*st));
+	dlpc_close(c);
+}
+END_TEST
+
 /* STAT requests sent at once, whose replies fill the sockets between us and the daemon. */
 #define STATS 2048
 
@@ -1262,6 +1408,7 @@ int main(void)
 	tcase_set_timeout(linger, 120);
 	tcase_add_test(linger, lingering_socket_costs_its_sender);
 	tcase_add_test(linger, a_joiner_that_shuts_the_pair_pays_for_its_close);
+	tcase_add_test(linger, queued_fds_of_a_pair_go_to_their_sender);
 	tcase_add_test(linger, excess_fds_in_flight_block_nobody);
 	tcase_add_test(linger, closers_are_bounded);
 	tcase_add_test(linger, upgrade_passes_every_pending_close);
