@@ -44,11 +44,6 @@ struct dlpd_channel {
 	 * above stays empty. -1 and -1 for a channel the daemon queues. */
 	int ends[2];
 	uint32_t direct_capacity; /* the messages the kernel lets the sending end queue */
-	/* Who joined the pair now in ends besides the opener's uid: the first such uid, and
-	 * whether another did too (a datagram queued there without credentials is charged to
-	 * that one uid when it is the only one; direct.c) */
-	uid_t joiner;
-	bool has_joiner, joiners_many;
 	/* DLPC_CHANNEL_FALLBACK_*: why an OPEN with DLPC_CHANNEL_PREFER_DIRECT made it queued */
 	uint32_t fallback;
 	struct dlpd_usage *usage;

@@ -14,9 +14,7 @@
  * messages, and the kernel's size of one record with its fd (measured here, once per channel)
  * turns a capacity in messages into the sending end's buffer size. The receivers check every
  * message themselves, with the checks the daemon makes of a publish (proto/storage.c): the
- * daemon never sees them, and reads what a channel queues only once it lets a pair go (removal,
- * or a pair a joiner shut): then the fds still queued there go to their senders' closers. Both
- * ends pass credentials (SO_PASSCRED), so every message
+ * daemon never sees them, and never reads what a channel queues (removal shuts the pair). The receiving end passes credentials (SO_PASSCRED), so every message
  * says, from the kernel, which process sent it.
  *
  * Whose fds: the pair the daemon holds (two fds per channel, for as long as the channel lives,
@@ -102,8 +100,7 @@ int dlpd_direct_open(struct dlpd_server *s, struct dlpd_channel *ch, uint32_t ca
 		snprintf(why, whylen, "cannot make its sockets: %s", strerror(errno));
 		return r;
 	}
-	if (setsockopt(ends[1], SOL_SOCKET, SO_PASSCRED, &one, sizeof(one)) < 0 ||
-	    setsockopt(ends[0], SOL_SOCKET, SO_PASSCRED, &one, sizeof(one)) < 0) {
+	if (setsockopt(ends[1], SOL_SOCKET, SO_PASSCRED, &one, sizeof(one)) < 0) {
 		r = -errno;
 		snprintf(why, whylen, "cannot have its sockets pass credentials: %s",
 			 strerror(errno));
@@ -137,72 +134,6 @@ fail:
 	return r;
 }
 
-/* The most fds one datagram can carry (the kernel's SCM_MAX_FD). */
-#define DLPD_SCM_FDS_MAX 253
-/* Datagrams read out of each end of a pair the daemon lets go, at most (its sending end's
- * buffer bounds them first). */
-#define DLPD_DRAIN_MAX 65536
-
-/*
- * Read what is queued in @p fd, one end of a shut pair, before the daemon lets it go, so that
- * its close frees nothing that blocks: the fds each datagram carries go to the closer of the uid
- * that sent it, as its credentials say (the daemon keeps SO_PASSCRED on at both ends), or of
- * @p fallback where it came without them (a joiner turned them off). Stops where the daemon's fd
- * budget leaves no room for one datagram's fds; the rest goes with the pair, as before.
- */
-static void drain(struct dlpd_server *s, int fd, uid_t fallback)
-{
-	union {
-		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(struct ucred)) +
-			 CMSG_SPACE(DLPD_SCM_FDS_MAX * sizeof(int))];
-	} ctl;
-	uint8_t rec[DLPC_DIRECT_RECORD];
-
-	for (unsigned i = 0; i < DLPD_DRAIN_MAX; i++) {
-		struct iovec iov = {.iov_base = rec, .iov_len = sizeof(rec)};
-		struct msghdr mh = {.msg_iov = &iov,
-				    .msg_iovlen = 1,
-				    .msg_control = ctl.buf,
-				    .msg_controllen = sizeof(ctl.buf)};
-		uid_t uid = fallback;
-		ssize_t n;
-
-		if (dlpd_fds_in_use(s) + DLPD_SCM_FDS_MAX > s->fd_budget)
-			return;
-		n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n < 0 || (n == 0 && mh.msg_controllen == 0))
-			return; /* empty, or the end */
-		for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
-			if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS &&
-			    c->cmsg_len >= CMSG_LEN(sizeof(struct ucred))) {
-				struct ucred cred;
-
-				memcpy(&cred, CMSG_DATA(c), sizeof(cred));
-				if (cred.pid != 0) /* 0: sent without credentials */
-					uid = cred.uid;
-			}
-		for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
-			if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
-				for (size_t k = 0; k < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-				     k++) {
-					int got;
-
-					memcpy(&got, CMSG_DATA(c) + k * sizeof(int), sizeof(int));
-					dlpd_close_uid(uid, got);
-				}
-	}
-}
-
-/* Who pays for what a shut pair of @p ch holds without credentials: the one uid besides its
- * opener's that joined it, if only one did, else @p otherwise. */
-static uid_t uncredited(const struct dlpd_channel *ch, uid_t otherwise)
-{
-	return ch->has_joiner && !ch->joiners_many ? ch->joiner : otherwise;
-}
-
 /* Shut both sockets of @p ends: every copy, in every process that joined, sees it at once. */
 static void shut(const int ends[2])
 {
@@ -217,13 +148,7 @@ static void shut(const int ends[2])
  * go to a closer, where a close that blocks stalls only that uid's closes. */
 static void let_go(struct dlpd_server *s, struct dlpd_channel *ch, const int ends[2], uid_t uid)
 {
-	uid_t nocred = uncredited(ch, uid);
-
 	shut(ends);
-	/* what senders left in it is theirs to close, not the daemon's to free with the pair */
-	drain(s, ends[1], nocred);
-	drain(s, ends[0], nocred);
-	ch->has_joiner = ch->joiners_many = false;
 	dlpd_close_uid(uid, ends[0]);
 	dlpd_close_uid(uid, ends[1]);
 	s->channel_fds -= 2;
@@ -250,7 +175,6 @@ int dlpd_direct_renew(struct dlpd_peer *joiner, struct dlpd_channel *ch, char *w
 	 * The first is undone here; a shut pair is given up for a new one, which every user joins
 	 * anew. The old one stays until the new one is made. */
 	setsockopt(ch->ends[1], SOL_SOCKET, SO_PASSCRED, &one, sizeof(one));
-	setsockopt(ch->ends[0], SOL_SOCKET, SO_PASSCRED, &one, sizeof(one));
 	/* an ended channel's pair is shut for writing on purpose: its receivers read the rest */
 	if (ch->ended || poll(p, 2, 0) <= 0 ||
 	    !((p[0].revents | p[1].revents) & (POLLHUP | POLLRDHUP)))

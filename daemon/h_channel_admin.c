@@ -331,26 +331,12 @@ static int channel_join(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *c
 	 * this of every channel it uses once) */
 	if (ch->ends[0] < 0)
 		return reply_info(p, id, ch, false);
-	/* a uid whose closes fill its share (fds it queued in pairs the daemon let go among them)
-	 * gets no sockets to queue more in */
-	if (p->usage->closing && dlpd_uid_fds(p->usage) >= dlpd_uid_fd_share(p->srv)) {
-		dlpd_uid_fd_share_why(p, dlpd_uid_fds(p->usage), why, sizeof(why));
-		return dlpd_reply_error(p, id, EDQUOT, "cannot join channel '%s': %s", name, why);
-	}
 	r = dlpd_direct_renew(p, ch, why, sizeof(why));
 	if (r < 0)
 		return dlpd_reply_error(p, id, -r,
 					"cannot join channel '%s': its sockets were shut, and new "
 					"ones cannot be had: %s",
 					name, why);
-	if (p->uid != ch->uid) {
-		if (!ch->has_joiner) {
-			ch->joiner = p->uid;
-			ch->has_joiner = true;
-		} else if (ch->joiner != p->uid) {
-			ch->joiners_many = true;
-		}
-	}
 	channel_info(ch, &info);
 	rep.channel = &info;
 	r = dlpd_reply(p, DLPC_MSG_CHANNEL | DLPC_MSG_REPLY, id, &rep.base, ch->ends, 2);
