@@ -209,7 +209,8 @@ int dlpd_names_publish(struct dlpd_server *s, struct dlpd_entry *e, struct dlpd_
 	}
 	/* Recorded before anyone hears of it, so that nobody is told of an entry a crash would
 	 * lose, and before the old storage leaves the fd store, so that a crash in between
-	 * finds one of the two entries whole (the old one's slot is the new one's meanwhile). */
+	 * finds one of the two entries whole (the old one's place in its uid's share is the new
+	 * one's meanwhile). */
 	dlpd_persist_published(s, e, old_journaled,
 			       old_held && old_held->names == 0 ? old_held : NULL);
 	if (old_held)

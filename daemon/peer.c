@@ -110,10 +110,12 @@ int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const 
 	 * connections that do not read the replies of waiting ATTACHes and RECVs (answered when
 	 * their name or message comes, not held back) would otherwise make the daemon hold fds
 	 * past both. A uid may be at its share for ordinary reasons and still be sent a reply that
-	 * has to wait: only past DLPC_UID_TX_FDS_SLACK more is the connection that queues one
-	 * closed (its uid's alone: another uid's use of the budget never closes it). */
-	if (p->tx.nfds > 0 && p->usage &&
-	    dlpd_uid_fds(p->usage) > dlpd_uid_fd_share(p->srv) + DLPC_UID_TX_FDS_SLACK) {
+	 * has to wait: the connection that queues one is closed only once its uid is past its
+	 * share, and then either DLPC_UID_TX_FDS_SLACK past it or with the daemon past its budget
+	 * (another uid's use of the budget never closes a connection of a uid within its share). */
+	if (p->tx.nfds > 0 && p->usage && dlpd_uid_fds(p->usage) > dlpd_uid_fd_share(p->srv) &&
+	    (dlpd_uid_fds(p->usage) > dlpd_uid_fd_share(p->srv) + DLPC_UID_TX_FDS_SLACK ||
+	     dlpd_fds_in_use(p->srv) > p->srv->fd_budget)) {
 		char share[320];
 
 		p->srv->stats.queue_drops++;

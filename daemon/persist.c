@@ -315,19 +315,20 @@ uint64_t dlpd_store_uid_share(const struct dlpd_server *s)
 
 /* Hand @p st's fd to the store; false if it is not there (full, its uid's share of it taken,
  * or the send failed). @p leaving (NULL: none) is a storage that leaves the store right after,
- * the one st replaces: its slot, and its place in its uid's share, are st's. */
+ * the one st replaces: its place in its uid's share is st's. */
 static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st,
 			  const struct dlpd_storage *leaving)
 {
 	struct dlpd_persist *p = &s->persist;
 	struct dlpd_usage *u = st->usage;
-	bool frees = leaving && leaving->stored;
-	bool frees_own = frees && leaving->usage == u;
+	bool frees_own = leaving && leaving->stored && leaving->usage == u;
 	int r;
 
 	if (st->stored)
 		return true;
-	if (p->storages_stored - frees + DLPD_STORE_STATE_FDS >= p->store_max) {
+	/* the store's own limit is hard (a journal rewritten now needs a slot): the storage
+	 * leaving frees one only after st is in */
+	if (p->storages_stored + DLPD_STORE_STATE_FDS >= p->store_max) {
 		if (!p->warned_full)
 			dlpd_log(LOG_WARNING,
 				 "the fd store is full (%" PRIu64 " fds, FDSTORE= or "

@@ -205,8 +205,9 @@
  * accepted. */
 #define DLPC_UID_CONNECTIONS_SLACK 8
 /* The copies of fds in replies waiting for a uid's connections that may take it past its fd
- * share before the connection that queues one more is closed: a uid at its share for
- * ordinary reasons is still sent a reply that has to wait (dlpackd). */
+ * share before the connection that queues one more is closed (at once, while the daemon is past
+ * its fd budget): a uid at its share for ordinary reasons is still sent a reply that has to
+ * wait (dlpackd). */
 #define DLPC_UID_TX_FDS_SLACK 64
 
 /* The daemon gives memory back to the system (malloc_trim()) once at least this many bytes of
