@@ -1077,9 +1077,10 @@ class Hosts:
             p.kill()
             p.wait()
 
-    def log(self, name):
+    def log(self, name, lines=40):
+        """The last lines of name's log (None: all of it)."""
         with open(self.path(f"{name}.log"), errors="replace") as f:
-            return "".join(f.readlines()[-40:])
+            return "".join(f.readlines()[-lines:] if lines else f.readlines())
 
     def close(self, failed):
         self.dl.close()
@@ -2692,11 +2693,6 @@ def test_a_link_forgotten_while_a_fetch_held_it_is_asked_for_again(reg_hosts, mo
         stop_fake_bridge(b)
 
 
-def _full_log(h, name):
-    with open(h.path(f"{name}.log"), errors="replace") as f:
-        return f.read()
-
-
 def _held_replica(h, name):
     """The bytes of the replica name here, or None where there is none."""
     import numpy as np
@@ -2721,7 +2717,7 @@ def test_a_follow_of_a_registered_bridge_waits_for_it_keeps_the_replica_and_find
     h.start_bridge("RF", "--registry", h.etcd.url, "--follow", "rf:w/f",
                    "--follow-interval", "0.2")
     try:
-        _wait(lambda: unregistered in _full_log(h, "RF"), "RF finds no rf registered", 10)
+        _wait(lambda: unregistered in h.log("RF", None), "RF finds no rf registered", 10)
         assert h.status("RF")["follows"]["rf:w/f"] == {"subscribed": False, "generation": None}
         g1 = h.dl.publish("w/f", np.full(4096, 1, np.uint8), replace=True)
         h.registered("RC", _free_port(), "--name", "rf")
@@ -2734,8 +2730,8 @@ def test_a_follow_of_a_registered_bridge_waits_for_it_keeps_the_replica_and_find
         assert h.status("RF")["registry"]["found"] == {"rf": True}
         # away: its record is revoked as it stops; the follower keeps what it holds
         h.stop("RC")
-        before = _full_log(h, "RF").count(unregistered)
-        _wait(lambda: _full_log(h, "RF").count(unregistered) >= before + 2 or
+        before = h.log("RF", None).count(unregistered)
+        _wait(lambda: h.log("RF", None).count(unregistered) >= before + 2 or
               _held_replica(h, "rf:w/f") is None,
               "RF tries rf again and finds it unregistered", 15)
         held = _held_replica(h, "rf:w/f")
@@ -2749,7 +2745,7 @@ def test_a_follow_of_a_registered_bridge_waits_for_it_keeps_the_replica_and_find
         h.registered("RC", _free_port(), "--name", "rf")
         g2 = h.dl.publish("w/f", np.full(4096, 2, np.uint8), replace=True)
         _wait(lambda: replicated(2, g2), "rf's w/f followed at its new address", 20)
-        assert "peer rf moved from 127.0.0.1:" in _full_log(h, "RF")
+        assert "peer rf moved from 127.0.0.1:" in h.log("RF", None)
     finally:
         for name in ("RC", "RF"):
             if name in h.procs:

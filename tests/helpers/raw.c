@@ -274,10 +274,8 @@ void good_client_stop(void)
 	good = NULL;
 }
 
-/* CHANNEL JOIN of @p name on the raw connection @p fd (HELLO 1.8 first): the two ends. */
-void raw_join_or_die(int fd, const char *name, int ends[2])
+int raw_join_again(int fd, const char *name, int ends[2], char *msg, size_t len)
 {
-	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
 	Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
 	uint8_t hdr[DLPC_FRAME_HDR_SIZE], buf[4096];
 	union {
@@ -292,11 +290,6 @@ void raw_join_or_die(int fd, const char *name, int ends[2])
 	struct dlpc__hdr h;
 	unsigned n = 0;
 
-	hello.version_major = DLPC_PROTO_MAJOR;
-	hello.version_minor = DLPC_PROTO_MINOR;
-	hello.client = "raw test client";
-	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
-	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1);
 	co.op = 4;
 	co.name.data = (uint8_t *)name;
 	co.name.len = strlen(name);
@@ -308,7 +301,6 @@ void raw_join_or_die(int fd, const char *name, int ends[2])
 			     i++)
 				memcpy(&ends[n++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
 	dlpc__hdr_decode(hdr, &h);
-	CHILD_CHECK(h.type == (DLPC_MSG_CHANNEL | DLPC_MSG_REPLY) && n == 2);
 	CHILD_CHECK(h.len <= sizeof(buf));
 	for (size_t got = 0; got < h.len;) {
 		ssize_t k = read(fd, buf + got, h.len - got);
@@ -316,6 +308,34 @@ void raw_join_or_die(int fd, const char *name, int ends[2])
 		CHILD_CHECK(k > 0);
 		got += (size_t)k;
 	}
+	if (h.type == DLPC_MSG_ERROR) {
+		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
+		int code;
+
+		CHILD_CHECK(e != NULL && n == 0);
+		code = e->code;
+		snprintf(msg, len, "%s", e->message);
+		dlpackd__v1__error__free_unpacked(e, NULL);
+		return code;
+	}
+	CHILD_CHECK(h.type == (DLPC_MSG_CHANNEL | DLPC_MSG_REPLY) && n == 2);
+	return 0;
+}
+
+/* CHANNEL JOIN of @p name on the raw connection @p fd (HELLO 1.8 first): the two ends. */
+void raw_join_or_die(int fd, const char *name, int ends[2])
+{
+	Dlpackd__V1__Hello hello = DLPACKD__V1__HELLO__INIT;
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+	char msg[512];
+
+	hello.version_major = DLPC_PROTO_MAJOR;
+	hello.version_minor = DLPC_PROTO_MINOR;
+	hello.client = "raw test client";
+	raw_send(fd, DLPC_MSG_HELLO, 1, &hello.base, NULL, 0);
+	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1);
+	CHILD_CHECK(raw_join_again(fd, name, ends, msg, sizeof(msg)) == 0);
 }
 
 /* A direct record of a 4096-byte storage holding one float32 tensor of 4 elements. */

@@ -41,6 +41,9 @@ int raw_publish(int fd, const char *name, size_t name_len, int storage, uint64_t
 /* CHANNEL JOIN of @p name on the raw connection @p fd (HELLO 1.8 first): the two ends of the
  * direct channel's pair in @p ends. Exits 1 (CHILD_CHECK) if it cannot. */
 void raw_join_or_die(int fd, const char *name, int ends[2]);
+/* CHANNEL JOIN of @p name on @p fd after HELLO: 0 and the pair in @p ends, or the ERROR's code
+ * and its message in @p msg. Exits 1 (CHILD_CHECK) on anything else. */
+int raw_join_again(int fd, const char *name, int ends[2], char *msg, size_t len);
 /* A direct channel's record of a 4096-byte storage holding one float32 tensor of 4 elements. */
 void raw_small_record(uint8_t rec[DLPC_DIRECT_RECORD]);
 

@@ -359,56 +359,6 @@ END_TEST
 
 /* ---- a direct channel's pair shut by a joiner ---- */
 
-/* CHANNEL JOIN of @p name on @p fd (after HELLO): 0 and the pair in @p ends, or the ERROR's
- * code and message. */
-static int join_again(int fd, const char *name, int ends[2], char *msg, size_t len)
-{
-	Dlpackd__V1__Channel co = DLPACKD__V1__CHANNEL__INIT;
-	uint8_t hdr[DLPC_FRAME_HDR_SIZE], buf[4096];
-	union {
-		struct cmsghdr c;
-		char b[CMSG_SPACE(4 * sizeof(int))];
-	} ctl;
-	struct iovec iov = {.iov_base = hdr, .iov_len = sizeof(hdr)};
-	struct msghdr mh = {.msg_iov = &iov,
-			    .msg_iovlen = 1,
-			    .msg_control = ctl.b,
-			    .msg_controllen = sizeof(ctl.b)};
-	struct dlpc__hdr h;
-	unsigned n = 0;
-
-	co.op = 4;
-	co.name.data = (uint8_t *)name;
-	co.name.len = strlen(name);
-	raw_send(fd, DLPC_MSG_CHANNEL, 9, &co.base, NULL, 0);
-	CHILD_CHECK(recvmsg(fd, &mh, MSG_WAITALL | MSG_CMSG_CLOEXEC) == sizeof(hdr));
-	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
-		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
-			for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int) && n < 2;
-			     i++)
-				memcpy(&ends[n++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-	dlpc__hdr_decode(hdr, &h);
-	CHILD_CHECK(h.len <= sizeof(buf));
-	for (size_t got = 0; got < h.len;) {
-		ssize_t k = read(fd, buf + got, h.len - got);
-
-		CHILD_CHECK(k > 0);
-		got += (size_t)k;
-	}
-	if (h.type == DLPC_MSG_ERROR) {
-		Dlpackd__V1__Error *e = dlpackd__v1__error__unpack(NULL, h.len, buf);
-		int code;
-
-		CHILD_CHECK(e != NULL && n == 0);
-		code = e->code;
-		snprintf(msg, len, "%s", e->message);
-		dlpackd__v1__error__free_unpacked(e, NULL);
-		return code;
-	}
-	CHILD_CHECK(h.type == (DLPC_MSG_CHANNEL | DLPC_MSG_REPLY) && n == 2);
-	return 0;
-}
-
 /* What nobody_shuts_and_joins() is given and reports, in a shared page. */
 struct shut_join {
 	int port;      /* of the silent listener its lingering socket connects to */
@@ -451,7 +401,7 @@ static int nobody_shuts_and_joins(void *arg)
 		CHILD_CHECK(shutdown(ends[0], SHUT_RDWR) == 0);
 		close(ends[0]);
 		close(ends[1]);
-		r = join_again(raw, "jam/root", ends, j->msg, sizeof(j->msg));
+		r = raw_join_again(raw, "jam/root", ends, j->msg, sizeof(j->msg));
 		if (r != 0)
 			break;
 		CHILD_CHECK(++j->renewals < 10000);
