@@ -1056,11 +1056,12 @@ class Hosts:
     def followed(self):
         return self.status("B")["follows"]["A:w/p"]
 
-    def replica(self):
-        """The bytes of the follower's replica, or None where there is none."""
+    def replica(self, name="A:w/p"):
+        """The bytes of the replica name here (the follower's by default), or None where there
+        is none."""
         import numpy as np
         try:
-            t = self.dl.attach("A:w/p", timeout=0)
+            t = self.dl.attach(name, timeout=0)
         except FileNotFoundError:
             return None
         try:
@@ -2693,19 +2694,6 @@ def test_a_link_forgotten_while_a_fetch_held_it_is_asked_for_again(reg_hosts, mo
         stop_fake_bridge(b)
 
 
-def _held_replica(h, name):
-    """The bytes of the replica name here, or None where there is none."""
-    import numpy as np
-    try:
-        t = h.dl.attach(name, timeout=0)
-    except FileNotFoundError:
-        return None
-    try:
-        return np.asarray(t).copy()
-    finally:
-        t.release()
-
-
 def test_a_follow_of_a_registered_bridge_waits_for_it_keeps_the_replica_and_finds_it_moved(
         reg_hosts):
     """--follow rf:w/f with no --peer rf: the follower finds rf in the registry once rf
@@ -2723,7 +2711,7 @@ def test_a_follow_of_a_registered_bridge_waits_for_it_keeps_the_replica_and_find
         h.registered("RC", _free_port(), "--name", "rf")
 
         def replicated(value, gen):
-            r = _held_replica(h, "rf:w/f")
+            r = h.replica("rf:w/f")
             return r is not None and bool((r == value).all()) and \
                 h.status("RF")["follows"]["rf:w/f"] == {"subscribed": True, "generation": gen}
         _wait(lambda: replicated(1, g1), "rf's w/f followed", 20)
@@ -2732,9 +2720,9 @@ def test_a_follow_of_a_registered_bridge_waits_for_it_keeps_the_replica_and_find
         h.stop("RC")
         before = h.log("RF", None).count(unregistered)
         _wait(lambda: h.log("RF", None).count(unregistered) >= before + 2 or
-              _held_replica(h, "rf:w/f") is None,
+              h.replica("rf:w/f") is None,
               "RF tries rf again and finds it unregistered", 15)
-        held = _held_replica(h, "rf:w/f")
+        held = h.replica("rf:w/f")
         assert held is not None and (held == 1).all(), "the replica went with rf's record"
         # to a local caller, a peer that is no longer registered is not found, naming etcd
         with pytest.raises(FileNotFoundError) as e:

@@ -1694,15 +1694,35 @@ START_TEST(test_no_journal)
 }
 END_TEST
 
+/* After a restart: the daemon at @p m lists exactly @p want[0..n-1] under @p prefix, in order;
+ * the generation of each where @p gens is not NULL, the owner of the first where @p uid0 >= 0. */
+static void restored_are(struct mgr *m, const char *prefix, const char *const *want,
+			 const uint64_t *gens, size_t n, long uid0)
+{
+	dlpc_entry_info *e;
+	dlpc_client *c = connect_to(m);
+	size_t cnt;
+
+	ck_assert_dlpc(dlpc_list(c, prefix, &e, &cnt), 0);
+	ck_assert_uint_eq(cnt, n);
+	for (size_t i = 0; i < n; i++) {
+		ck_assert_str_eq(e[i].name, want[i]);
+		if (gens)
+			ck_assert_uint_eq(e[i].generation, gens[i]);
+	}
+	if (uid0 >= 0)
+		ck_assert_uint_eq(e[0].owner_uid, (uid_t)uid0);
+	dlpc_list_free(e, cnt);
+	dlpc_close(c);
+}
+
 /* A store of 5 fds keeps 3 storages (2 are the journal's): the fourth and fifth entries are
  * served but not kept, with a warning; once one kept entry is removed, the next one is kept. */
 START_TEST(test_store_full)
 {
-	dlpc_entry_info *e;
 	struct mgr m;
 	dlpc_client *c;
 	char name[32];
-	size_t cnt;
 
 	/* one uid may fill the whole store here (its share is a quarter by default) */
 	setenv("DLPACKD_MAX_FD_SHARE_PER_UID", "100", 1);
@@ -1720,14 +1740,7 @@ START_TEST(test_store_full)
 	mgr_kill(&m, SIGKILL);
 	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 3);
 	mgr_start(&m);
-	c = connect_to(&m);
-	ck_assert_dlpc(dlpc_list(c, "full/", &e, &cnt), 0);
-	ck_assert_uint_eq(cnt, 3);
-	ck_assert_str_eq(e[0].name, "full/1");
-	ck_assert_str_eq(e[1].name, "full/2");
-	ck_assert_str_eq(e[2].name, "full/5");
-	dlpc_list_free(e, cnt);
-	dlpc_close(c);
+	restored_are(&m, "full/", (const char *const[]){"full/1", "full/2", "full/5"}, NULL, 3, -1);
 	mgr_kill(&m, SIGTERM);
 	mgr_clear(&m);
 	unsetenv("DLPACKD_MAX_FD_SHARE_PER_UID");
@@ -1774,10 +1787,8 @@ static int publish_one_more_as_nobody(void *arg)
 START_TEST(test_store_share_per_uid)
 {
 	DLManagedTensorVersioned *t;
-	dlpc_entry_info *e;
 	struct mgr m;
 	dlpc_client *c;
-	size_t cnt;
 
 	mgr_init(&m, true, 10);
 	mgr_start(&m);
@@ -1794,15 +1805,9 @@ START_TEST(test_store_share_per_uid)
 	mgr_kill(&m, SIGKILL);
 	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 4);
 	mgr_start(&m);
+	restored_are(&m, "", (const char *const[]){"nobody/0", "nobody/1", "root/0", "root/1"},
+		     NULL, 4, 65534);
 	c = connect_to(&m);
-	ck_assert_dlpc(dlpc_list(c, "", &e, &cnt), 0);
-	ck_assert_uint_eq(cnt, 4);
-	ck_assert_str_eq(e[0].name, "nobody/0");
-	ck_assert_str_eq(e[1].name, "nobody/1");
-	ck_assert_str_eq(e[2].name, "root/0");
-	ck_assert_str_eq(e[3].name, "root/1");
-	ck_assert_uint_eq(e[0].owner_uid, 65534);
-	dlpc_list_free(e, cnt);
 	/* the restart counted what came back: nobody's next entry is served, not kept */
 	ck_assert_int_eq(wait_child(spawn(publish_one_more_as_nobody, &m)), 0);
 	/* at its share, root's REPLACE is kept (the old storage's place is the new one's) */
@@ -1816,16 +1821,8 @@ START_TEST(test_store_share_per_uid)
 	mgr_kill(&m, SIGKILL);
 	ck_assert_uint_eq(store_count(&m, DLPD_FDNAME_STORAGE), 4);
 	mgr_start(&m);
-	c = connect_to(&m);
-	ck_assert_dlpc(dlpc_list(c, "", &e, &cnt), 0);
-	ck_assert_uint_eq(cnt, 4);
-	ck_assert_str_eq(e[0].name, "nobody/0");
-	ck_assert_str_eq(e[1].name, "nobody/1");
-	ck_assert_str_eq(e[2].name, "root/0");
-	ck_assert_uint_eq(e[2].generation, 2);
-	ck_assert_str_eq(e[3].name, "root/2");
-	dlpc_list_free(e, cnt);
-	dlpc_close(c);
+	restored_are(&m, "", (const char *const[]){"nobody/0", "nobody/1", "root/0", "root/2"},
+		     (const uint64_t[]){1, 1, 2, 1}, 4, 65534);
 	mgr_kill(&m, SIGTERM);
 	mgr_clear(&m);
 }
