@@ -303,7 +303,7 @@ static void append(struct dlpd_server *s, size_t len, const struct dlpd_entry *s
 /* The store's slots for storages that one uid may fill: its fd share (--max-fd-share-per-uid)
  * of them, at least one, so that one uid's lasting entries cannot keep every other uid's from
  * surviving a restart. */
-uint64_t dlpd_store_uid_share(const struct dlpd_server *s)
+static uint64_t store_uid_share(const struct dlpd_server *s)
 {
 	uint64_t slots = s->persist.store_max > DLPD_STORE_STATE_FDS
 				 ? s->persist.store_max - DLPD_STORE_STATE_FDS
@@ -338,7 +338,7 @@ static bool store_storage(struct dlpd_server *s, struct dlpd_storage *st,
 		p->warned_full = true;
 		return false;
 	}
-	if (u->stored - frees_own + 1 > dlpd_store_uid_share(s)) {
+	if (u->stored - frees_own + 1 > store_uid_share(s)) {
 		if (!u->store_warned)
 			dlpd_log(LOG_WARNING,
 				 "uid %u holds %" PRIu64 " entries in the fd store, its share "

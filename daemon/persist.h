@@ -74,9 +74,6 @@ void dlpd_persist_published(struct dlpd_server *s, struct dlpd_entry *e, uint64_
 			    const struct dlpd_storage *leaving);
 /* @p e is being removed: record that. */
 void dlpd_persist_removed(struct dlpd_server *s, struct dlpd_entry *e);
-/* The store's slots one uid's storages may take: --max-fd-share-per-uid percent of them, at
- * least one. */
-uint64_t dlpd_store_uid_share(const struct dlpd_server *s);
 /* @p st is being freed: take its fd out of the store. */
 void dlpd_persist_storage_gone(struct dlpd_server *s, struct dlpd_storage *st);
 /* The connections end with an upgrade's exec: take out of the store the storages that only

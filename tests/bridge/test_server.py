@@ -2604,11 +2604,17 @@ def test_the_registry_options_are_checked_at_start(reg_hosts, tmp_path):
         assert r.returncode == rc and says in r.stderr, (extra, r.returncode, r.stderr[-500:])
 
 
-def test_peers_found_in_the_registry_are_bounded(reg_hosts, monkeypatch):
-    h = reg_hosts
+def _found_by(etcd):
+    """A fake bridge with no --peer that finds its peers through the etcd client etcd."""
     b = fake_bridge()
     b.peers = {}
-    b.registry, b.registry_prefix = h.etcd.client, _registry.REGISTRY_PREFIX
+    b.registry, b.registry_prefix = etcd, _registry.REGISTRY_PREFIX
+    return b
+
+
+def test_peers_found_in_the_registry_are_bounded(reg_hosts, monkeypatch):
+    h = reg_hosts
+    b = _found_by(h.etcd.client)
     monkeypatch.setattr(_registry, "FOUND_PEERS_MAX", 2)
     keys = [(_registry.record_key(_registry.REGISTRY_PREFIX, f"many{i}"),
              b'{"addr": "127.0.0.1:9"}') for i in range(3)]
@@ -2639,9 +2645,7 @@ def test_a_found_peer_is_looked_up_within_the_fetch_s_deadline_and_not_twice_at_
     at most what is left of the deadline, a deadline already past is ETIMEDOUT without a
     lookup, a lookup within LOOKUP_FRESH is not repeated, and a peer no longer registered is
     NotRegistered (ENOENT, a ConnectionError: a --follow keeps its replica)."""
-    b = fake_bridge()
-    b.registry = _registry.Etcd("http://127.0.0.1:9", timeout=5.0)
-    b.registry_prefix = _registry.REGISTRY_PREFIX
+    b = _found_by(_registry.Etcd("http://127.0.0.1:9", timeout=5.0))
     asked = []
 
     def lookup(etcd, prefix, name, timeout=None):
@@ -2674,9 +2678,7 @@ def test_a_found_peer_is_looked_up_within_the_fetch_s_deadline_and_not_twice_at_
 
 def test_a_link_forgotten_while_a_fetch_held_it_is_asked_for_again(reg_hosts, monkeypatch):
     h = reg_hosts
-    b = fake_bridge()
-    b.peers = {}
-    b.registry, b.registry_prefix = h.etcd.client, _registry.REGISTRY_PREFIX
+    b = _found_by(h.etcd.client)
     monkeypatch.setattr(_registry, "FOUND_PEERS_MAX", 1)
     keys = [(_registry.record_key(_registry.REGISTRY_PREFIX, f"gone{i}"),
              json.dumps({"addr": f"127.0.0.1:{_free_port()}"}).encode()) for i in range(2)]
@@ -2780,9 +2782,7 @@ def test_holders_that_are_not_bridge_names_are_passed_over_and_so_is_itself(reg_
     under = _registry.holders_prefix(_registry.REGISTRY_PREFIX, "w/odd")
     with _raw_keys(h, [(under + n, b"{}") for n in ("q:x", "*", "", "ok")]):
         assert _holders(h, "w/odd") == ["ok"]
-    b = fake_bridge()
-    b.peers = {}
-    b.registry, b.registry_prefix = h.etcd.client, _registry.REGISTRY_PREFIX
+    b = _found_by(h.etcd.client)
     b.registration = _registry.Registration(h.etcd.client, _registry.REGISTRY_PREFIX, "self",
                                             {"addr": "127.0.0.1:9"}, 10, b.stop)
     try:
