@@ -164,29 +164,40 @@ static void drain(dlpc_client *c)
 	pthread_mutex_unlock(&c->mu);
 }
 
-/* A free buffer of at least @p size bytes in @p p, or NULL; when none is, after reading the
- * RECLAIM notices that may wait in the socket of @p c. */
-static struct pool_buf *find_reusable(dlpc_client *c, struct dlpc__pool *p, uint64_t size)
+/* The region of a free buffer of @p p of at least @p size bytes, taken: with a reference of the
+ * caller's, got under p->mu, so that no other thread finds the buffer free meanwhile (nor
+ * evicts it). NULL if none is. */
+static struct dlpc__region *take_free(struct dlpc__pool *p, uint64_t size)
 {
 	struct pool_buf *b;
 
 	pthread_mutex_lock(&p->mu);
 	b = find_free(p, size);
+	if (b)
+		dlpc__region_ref(b->r);
 	pthread_mutex_unlock(&p->mu);
-	if (!b) {
-		/* RECLAIM notices may wait in the socket: read them, then look again */
+	return b ? b->r : NULL;
+}
+
+/* take_free(), and when no buffer is free, again after reading the RECLAIM notices that may
+ * wait in the socket of @p c. */
+static struct dlpc__region *find_reusable(dlpc_client *c, struct dlpc__pool *p, uint64_t size)
+{
+	struct dlpc__region *r = take_free(p, size);
+
+	if (!r) {
 		drain(c);
-		pthread_mutex_lock(&p->mu);
-		b = find_free(p, size);
-		pthread_mutex_unlock(&p->mu);
+		r = take_free(p, size);
 	}
-	return b;
+	return r;
 }
 
 /* Give the new region @p r (with its read-only descriptor) of @p c a slot of the pool @p p and a
- * pool token: *@p ret its slot. Without a slot to spare, @p r goes and -ENOBUFS comes. */
+ * pool token. The pool takes the caller's reference to @p r, and the caller gets one of its own
+ * (taken under p->mu, as take_free() does). Without a slot to spare, @p r goes and -ENOBUFS
+ * comes. */
 static int pool_add(dlpc_client *c, struct dlpc__pool *p, struct dlpc__region *r,
-		    const char *channel, struct pool_buf **ret)
+		    const char *channel)
 {
 	struct pool_buf *slot;
 
@@ -216,7 +227,7 @@ static int pool_add(dlpc_client *c, struct dlpc__pool *p, struct dlpc__region *r
 	r->pool_owner = c;
 	slot->r = r;
 	slot->in_flight = false;
-	*ret = slot;
+	dlpc__region_ref(r);
 	pthread_mutex_unlock(&p->mu);
 	return 0;
 }
@@ -229,7 +240,6 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 	struct dlpc__region *r = NULL;
 	struct dlpc__endpoint *e;
 	struct dlpc__pool *p;
-	struct pool_buf *b;
 	uint64_t nbytes, size;
 	int err, kind;
 
@@ -258,8 +268,8 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 	if (!p)
 		return dlpc__fail(-ENOMEM, "cannot allocate for channel '%s': out of memory",
 				  channel);
-	b = find_reusable(c, p, size);
-	if (!b) {
+	r = find_reusable(c, p, size);
+	if (!r) {
 		/* not from the warm pool: the buffer is made once and used again and again */
 		err = dlpc__alloc_region(dev, size, "dlpc_channel_alloc", false, &r);
 		if (err < 0)
@@ -271,11 +281,12 @@ DLPC_EXPORT int dlpc_channel_alloc(dlpc_client *c, const char *channel, DLDataTy
 			dlpc__region_unref(r);
 			return *ret ? 0 : dlpc__fail(-ENOMEM, "dlpc_channel_alloc: out of memory");
 		}
-		if ((err = pool_add(c, p, r, channel, &b)) < 0)
+		if ((err = pool_add(c, p, r, channel)) < 0)
 			return err;
 	}
-	/* the view holds its own region reference; the pool keeps its own */
-	*ret = dlpc__view_new(b->r, b->r->base, dev, dtype, ndim, shape, 0);
+	/* the view holds its own region reference, the pool its own; ours goes */
+	*ret = dlpc__view_new(r, r->base, dev, dtype, ndim, shape, 0);
+	dlpc__region_unref(r);
 	return *ret ? 0 : dlpc__fail(-ENOMEM, "dlpc_channel_alloc: out of memory");
 }
 

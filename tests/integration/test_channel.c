@@ -9,7 +9,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -457,6 +459,65 @@ START_TEST(test_pool_recycles)
 	ck_assert_ptr_eq(t->dl_tensor.data, first);
 	t->deleter(t);
 	dlpc_close(r);
+	dlpc_close(s);
+}
+END_TEST
+
+/* ---- recycled buffers: two threads of one client never get the same one ---- */
+
+#define POOL_RACE_ROUNDS 100000
+
+struct pool_racer {
+	dlpc_client *c;
+	_Atomic(void *) *held; /* [2]: what each racer holds at the moment */
+	int me;
+	long shared; /* rounds that found the other one's buffer */
+	int err;
+	char why[256];
+};
+
+static void *pool_racer(void *arg)
+{
+	struct pool_racer *pr = arg;
+	DLDataType u8 = {kDLUInt, 8, 1};
+	int64_t shape = 4096;
+
+	for (int i = 0; i < POOL_RACE_ROUNDS; i++) {
+		DLManagedTensorVersioned *t;
+		void *data;
+
+		if ((pr->err = dlpc_channel_alloc(pr->c, "race", u8, 1, &shape, &t)) < 0) {
+			snprintf(pr->why, sizeof(pr->why), "%s", dlpc_last_error());
+			break;
+		}
+		data = t->dl_tensor.data;
+		atomic_store(&pr->held[pr->me], data);
+		if (atomic_load(&pr->held[1 - pr->me]) == data)
+			pr->shared++;
+		atomic_store(&pr->held[pr->me], NULL);
+		t->deleter(t);
+	}
+	return NULL;
+}
+
+START_TEST(test_pool_threads)
+{
+	dlpc_client *s = connect_or_die(&D);
+	_Atomic(void *) held[2] = {NULL, NULL};
+	struct pool_racer pr[2];
+	pthread_t th[2];
+
+	ck_assert_dlpc(dlpc_channel_open(s, "race", 2, NULL), 1);
+	for (int i = 0; i < 2; i++) {
+		pr[i] = (struct pool_racer){.c = s, .held = held, .me = i};
+		ck_assert_int_eq(pthread_create(&th[i], NULL, pool_racer, &pr[i]), 0);
+	}
+	for (int i = 0; i < 2; i++) {
+		ck_assert_int_eq(pthread_join(th[i], NULL), 0);
+		ck_assert_msg(pr[i].err == 0, "racer %d: %s", i, pr[i].why);
+		ck_assert_msg(pr[i].shared == 0, "racer %d was handed the other's buffer %ld times",
+			      i, pr[i].shared);
+	}
 	dlpc_close(s);
 }
 END_TEST
@@ -947,6 +1008,7 @@ int main(void)
 	tcase_add_test(tc, test_bundle_keys);
 	tcase_add_test(tc, test_list_stat_watch);
 	tcase_add_test(tc, test_pool_recycles);
+	tcase_add_test(tc, test_pool_threads);
 	tcase_add_test(tc, test_pool_read_only);
 	tcase_add_test(tc, test_pool_buffer_published_writable);
 	tcase_add_test(tc, test_malformed);
