@@ -9,12 +9,14 @@
  */
 #include <assert.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -350,6 +352,34 @@ static int64_t reply_usable(dlpc_client *c, uint64_t conn_seq, const char *name,
 	return n;
 }
 
+/*
+ * Is the host storage @p fd that dlpackd sent fit to map for @p len bytes: a memfd whose seals
+ * hold its size (a file that could shrink, or one smaller than the daemon says, would turn reads
+ * past its end into SIGBUS) and, unless the entry was published @p writable, its contents? The
+ * daemon checks this of what it accepts; a client checks it of what it maps, because the socket
+ * it reached may not be a dlpackd it trusts. F_GET_SEALS first: it answers from the inode, for
+ * shmem and hugetlbfs alone, so fstat() never calls into another filesystem. 0, or -EPROTO.
+ */
+static int host_storage_sound(const char *name, int fd, size_t len, bool writable)
+{
+	int need = F_SEAL_SHRINK | F_SEAL_GROW | (writable ? 0 : F_SEAL_WRITE);
+	int seals = fcntl(fd, F_GET_SEALS);
+	struct stat st;
+
+	if (seals < 0 || (seals & need) != need)
+		return dlpc__fail(-EPROTO,
+				  "cannot attach '%s': dlpackd sent storage that is not a memfd "
+				  "sealed against %s (seals 0x%x)",
+				  name, writable ? "resizing" : "resizing and writes",
+				  seals < 0 ? 0 : (unsigned)seals);
+	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size < len)
+		return dlpc__fail(-EPROTO,
+				  "cannot attach '%s': dlpackd sent storage of %lld bytes for "
+				  "tensors of %zu",
+				  name, (long long)st.st_size, len);
+	return 0;
+}
+
 /* Map the host storage @p fd of region @p m (m->len bytes) as @p flags ask: a channel's message
  * may take a mapping kept from its last one (@p key: its storage's, or NULL). 0, or a negative
  * errno. */
@@ -406,7 +436,9 @@ int dlpc__attach_build(dlpc_client *c, uint64_t conn_seq, bool cache, uint64_t s
 	if (rep->device_type == kDLCUDA)
 		r = map_cuda(name, rep, fd, stream, flags & DLPC_ATTACH_DEFER_SYNC, writable, m,
 			     &dev);
-	else
+	else if ((flags & DLPC__ATTACH_SEALED) ||
+		 (r = host_storage_sound(name, fd, m->len, rep->flags & DLPC_PUBLISH_WRITABLE)) ==
+			 0)
 		r = map_host_storage(c, name, fd, flags, key, m);
 	if (r < 0)
 		goto fail;

@@ -4,6 +4,7 @@
  * processes. Each test names the acceptance point of the core issue it proves.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <string.h>
@@ -15,6 +16,7 @@
 #include "harness.h"
 #include "limits.h"
 #include "raw.h"
+#include "table.h"
 
 static struct daemon D;
 
@@ -623,6 +625,104 @@ START_TEST(test_connect_other_minor)
 		ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "restart dlpackd"));
 		ck_assert_int_eq(wait_child(pid), 0);
 	}
+	unlink(sa.sun_path);
+}
+END_TEST
+
+/* ---- a socket that is not a dlpackd we trust: what it hands out is checked before mapping ---- */
+
+#define LIE_SIZE (16u << 20) /* what the lying daemon says its storage holds */
+
+/* How the lying daemon's storage differs from what its ATTACH reply says. */
+enum lie { LIE_SMALLER, LIE_UNSEALED, LIE_WRITABLE, LIE_NONE, LIE_COUNT };
+
+/* A daemon that answers HELLO, then each ATTACH (lie i for the i-th) with one uint8 tensor of
+ * LIE_SIZE bytes, read-only, over a memfd that is not what it says. */
+static int lying_daemon(void *arg)
+{
+	const struct other_daemon *o = arg;
+	Dlpackd__V1__HelloReply hr = DLPACKD__V1__HELLO_REPLY__INIT;
+	Dlpackd__V1__TensorDesc d = DLPACKD__V1__TENSOR_DESC__INIT, *dp = &d;
+	int64_t shape[1] = {LIE_SIZE};
+	uint8_t buf[4096], table[256];
+	struct dlpc__hdr h;
+	int fd = accept(o->lfd, NULL, NULL);
+
+	CHILD_CHECK(fd >= 0);
+	CHILD_CHECK(raw_recv(fd, &h, buf, sizeof(buf)) == 1 && h.type == DLPC_MSG_HELLO);
+	hr.version_major = DLPC_PROTO_MAJOR;
+	hr.version_minor = DLPC_PROTO_MINOR;
+	hr.server = "a socket that lies";
+	hr.max_frame = DLPC_FRAME_MAX;
+	raw_send(fd, DLPC_MSG_HELLO | DLPC_MSG_REPLY, h.id, &hr.base, NULL, 0);
+	d.dtype_code = kDLUInt;
+	d.dtype_bits = 8;
+	d.dtype_lanes = 1;
+	d.n_shape = 1;
+	d.shape = shape;
+	CHILD_CHECK(dlpc__table_size(&dp, 1) <= sizeof(table));
+	dlpc__table_encode(&dp, 1, table);
+	for (int lie = 0; raw_recv(fd, &h, buf, sizeof(buf)) == 1;) {
+		Dlpackd__V1__AttachReply r = DLPACKD__V1__ATTACH_REPLY__INIT;
+		const int all = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL;
+		int storage;
+
+		if (h.type != DLPC_MSG_ATTACH)
+			continue; /* (the RELEASE of what the client refused) */
+		CHILD_CHECK(lie < LIE_COUNT);
+		storage = lie == LIE_SMALLER	? memfd_sealed(4096, all)
+			  : lie == LIE_UNSEALED ? memfd_sealed(LIE_SIZE, F_SEAL_WRITE)
+			  : lie == LIE_WRITABLE ? memfd_sealed(LIE_SIZE, all & ~F_SEAL_WRITE)
+						: memfd_sealed(LIE_SIZE, all);
+		r.generation = 1;
+		r.ref_id = (uint64_t)lie + 1;
+		r.device_type = kDLCPU;
+		r.storage_size = LIE_SIZE;
+		r.tensor_table.data = table;
+		r.tensor_table.len = dlpc__table_size(&dp, 1);
+		raw_send(fd, DLPC_MSG_ATTACH | DLPC_MSG_REPLY, h.id, &r.base, &storage, 1);
+		close(storage);
+		lie++;
+	}
+	close(fd);
+	return 0;
+}
+
+/* A socket that passes for dlpackd (one of another uid named by $DLPACKD_SOCKET, say) hands out
+ * a memfd smaller than it says, one that can shrink, or a writable one as read-only: libdlpc
+ * refuses each (-EPROTO) rather than map it, so that no read of the tensor faults with SIGBUS,
+ * and keeps no fd of them. A sound reply still attaches, and reads its last byte. */
+START_TEST(test_attach_from_a_lying_daemon)
+{
+	static const char *const says[] = {"of 4096 bytes for tensors of 16777216", "resizing",
+					   "resizing and writes"};
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	struct other_daemon o = {.lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+	DLManagedTensorVersioned *t;
+	dlpc_client *c = NULL;
+	int before;
+	pid_t pid;
+
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/liar.sock", D.dir);
+	ck_assert_int_ge(o.lfd, 0);
+	unlink(sa.sun_path);
+	ck_assert_int_eq(bind(o.lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+	ck_assert_int_eq(listen(o.lfd, 1), 0);
+	pid = spawn(lying_daemon, &o);
+	close(o.lfd);
+	ck_assert_dlpc(dlpc_connect(sa.sun_path, &c), 0);
+	before = fd_count(getpid());
+	for (int lie = 0; lie < LIE_NONE; lie++) {
+		ck_assert_dlpc(dlpc_attach(c, "w", NULL, &t), -EPROTO);
+		ck_assert_msg(strstr(dlpc_last_error(), says[lie]), "lie %d: %s", lie,
+			      dlpc_last_error());
+		ck_assert_int_eq(fd_count(getpid()), before);
+	}
+	ck_assert_dlpc(dlpc_attach(c, "w", NULL, &t), 1);
+	ck_assert_int_eq(((volatile uint8_t *)t->dl_tensor.data)[LIE_SIZE - 1], 0);
+	t->deleter(t);
+	dlpc_close(c);
+	ck_assert_int_eq(wait_child(pid), 0);
 	unlink(sa.sun_path);
 }
 END_TEST
@@ -1552,6 +1652,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_unpublish_while_attached);
 	tcase_add_test(tc, test_unpublish_if);
 	tcase_add_test(tc, test_connect_other_minor);
+	tcase_add_test(tc, test_attach_from_a_lying_daemon);
 	tcase_add_test(tc, test_sigkill_drops_references);
 	tcase_add_test(tc, test_ephemeral);
 	tcase_add_test(tc, test_attach_wait);
