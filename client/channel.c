@@ -21,10 +21,10 @@
 #define OPEN_FLAGS (DLPC_CHANNEL_DIRECT | DLPC_CHANNEL_QUEUED | DLPC_CHANNEL_PREFER_DIRECT)
 #define SEND_FLAGS DLPC_SEND_NOWAIT
 /* The public attach flags dlpc_recv() takes: all acted on here (a RECV carries only
- * DLPC_WIRE_RECV_FLAGS, which the library sets). */
+ * DLPC_WIRE_RECV_FLAGS, which the library sets). Not DLPC_ATTACH_WRITABLE: a message is
+ * read-only to its receivers (sealed, or a pooled buffer's read-only descriptor). */
 #define API_RECV_FLAGS                                                                             \
-	(DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_WRITABLE | DLPC_ATTACH_NO_CACHE | \
-	 DLPC_ATTACH_POPULATE)
+	(DLPC_ATTACH_PRIVATE | DLPC_ATTACH_GUARDED | DLPC_ATTACH_NO_CACHE | DLPC_ATTACH_POPULATE)
 
 /* The message publish.c or attach.c set says "cannot publish 'NAME'" or "cannot attach 'NAME'":
  * say "cannot send to channel 'NAME'" (or receive from) instead. Returns @p r. */
@@ -469,6 +469,12 @@ static int recv_ref(dlpc_client *c, const char *channel, const dlpc_recv_opts *o
 		flags = opts->flags;
 		timeout = opts->timeout_ms;
 	}
+	if (flags & DLPC_ATTACH_WRITABLE)
+		return dlpc__fail(-EINVAL,
+				  "cannot receive from channel '%s' writable: a message is "
+				  "read-only to its receivers (DLPC_ATTACH_PRIVATE maps it "
+				  "copy-on-write)",
+				  channel);
 	if (flags & ~API_RECV_FLAGS)
 		return dlpc__fail(-EINVAL, "cannot receive from channel '%s': unknown flags 0x%x",
 				  channel, flags & ~API_RECV_FLAGS);

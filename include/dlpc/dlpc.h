@@ -1163,7 +1163,8 @@ typedef struct dlpc_recv_opts {
 	uint32_t size;	    /**< sizeof(dlpc_recv_opts) */
 	uint32_t flags;	    /**< DLPC_ATTACH_PRIVATE or DLPC_ATTACH_GUARDED: how to map it;
 			       DLPC_ATTACH_NO_CACHE: do not keep its mapping (dlpc_connect_flags());
-			       DLPC_ATTACH_POPULATE: populate it up front */
+			       DLPC_ATTACH_POPULATE: populate it up front (DLPC_ATTACH_WRITABLE
+			       is refused, -EINVAL: a message is read-only to its receivers) */
 	int64_t timeout_ms; /**< the channel empty: 0 fail with -EAGAIN; > 0 wait up to this
 			       long; < 0 wait without end */
 } dlpc_recv_opts;

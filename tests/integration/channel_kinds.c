@@ -1109,6 +1109,13 @@ START_TEST(test_bundles)
 	ck_assert_dlpc(dlpc_recv(c, CH("bun"), &now, &t), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "bundle"));
 	ck_assert_uint_eq(chan_or_die(c, CH("bun")).depth, 1);
+	/* a message is read-only to its receivers: asking for it writable is refused before it
+	 * leaves the channel, not lost in a mapping that fails */
+	now.flags = DLPC_ATTACH_WRITABLE;
+	ck_assert_dlpc(dlpc_recv_bundle(c, CH("bun"), &now, &bun), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "writable"));
+	ck_assert_uint_eq(chan_or_die(c, CH("bun")).depth, 1);
+	now.flags = 0;
 	ck_assert_dlpc(dlpc_recv_bundle(c, CH("bun"), &now, &bun), 0);
 	ck_assert_uint_eq(dlpc_bundle_count(bun), 2);
 	ck_assert_str_eq(dlpc_bundle_key(bun, 1), "b");
