@@ -224,6 +224,8 @@ DLPC_EXPORT int dlpc_channel_list(dlpc_client *c, const char *prefix, dlpc_chann
 	req.prefix.data = (uint8_t *)prefix;
 	req.prefix.len = strlen(prefix);
 	req.channels = true;
+	/* a dlpc_close() from another thread between pages must not free the client under us */
+	dlpc__client_ref(c);
 	for (;;) {
 		Dlpackd__V1__ListReply *rep;
 		bool more;
@@ -255,12 +257,20 @@ DLPC_EXPORT int dlpc_channel_list(dlpc_client *c, const char *prefix, dlpc_chann
 		dlpackd__v1__list_reply__free_unpacked(rep, NULL);
 		if (!more)
 			break;
+		/* a page that does not move past the cursor would loop forever */
+		if (after[0] && strcmp(v[count - 1].name, after) <= 0) {
+			r = dlpc__fail(-EPROTO, "cannot list channels: dlpackd sent a page that "
+						"does not advance");
+			goto fail;
+		}
 		snprintf(after, sizeof(after), "%s", v[count - 1].name);
 	}
+	dlpc__client_unref(c);
 	*ret = v;
 	*n = count;
 	return 0;
 fail:
+	dlpc__client_unref(c);
 	free(v);
 	return r;
 }

@@ -667,6 +667,22 @@ static int lying_daemon(void *arg)
 		const int all = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL;
 		int storage;
 
+		if (h.type == DLPC_MSG_LIST) {
+			/* the same page again and again, each saying there is more */
+			Dlpackd__V1__ListReply lr = DLPACKD__V1__LIST_REPLY__INIT;
+			Dlpackd__V1__EntryInfo e = DLPACKD__V1__ENTRY_INFO__INIT, *ep = &e;
+			Dlpackd__V1__ChannelInfo ci = DLPACKD__V1__CHANNEL_INFO__INIT, *cp = &ci;
+
+			e.name.data = (uint8_t *)"e";
+			e.name.len = 1;
+			ci.name = e.name;
+			lr.n_entries = lr.n_channels = 1;
+			lr.entries = &ep;
+			lr.channels = &cp;
+			lr.more = true;
+			raw_send(fd, DLPC_MSG_LIST | DLPC_MSG_REPLY, h.id, &lr.base, NULL, 0);
+			continue;
+		}
 		if (h.type != DLPC_MSG_ATTACH)
 			continue; /* (the RELEASE of what the client refused) */
 		CHILD_CHECK(lie < LIE_COUNT);
@@ -691,7 +707,8 @@ static int lying_daemon(void *arg)
 /* A socket that passes for dlpackd (one of another uid named by $DLPACKD_SOCKET, say) hands out
  * a memfd smaller than it says, one that can shrink, or a writable one as read-only: libdlpc
  * refuses each (-EPROTO) rather than map it, so that no read of the tensor faults with SIGBUS,
- * and keeps no fd of them. A sound reply still attaches, and reads its last byte. */
+ * and keeps no fd of them. A sound reply still attaches, and reads its last byte. A LIST that
+ * sends the same page for ever ends with -EPROTO, not a loop. */
 START_TEST(test_attach_from_a_lying_daemon)
 {
 	static const char *const says[] = {"of 4096 bytes for tensors of 16777216", "resizing",
@@ -699,7 +716,10 @@ START_TEST(test_attach_from_a_lying_daemon)
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	struct other_daemon o = {.lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)};
 	DLManagedTensorVersioned *t;
+	dlpc_channel_info *channels;
+	dlpc_entry_info *entries;
 	dlpc_client *c = NULL;
+	size_t n;
 	int before;
 	pid_t pid;
 
@@ -721,6 +741,10 @@ START_TEST(test_attach_from_a_lying_daemon)
 	ck_assert_dlpc(dlpc_attach(c, "w", NULL, &t), 1);
 	ck_assert_int_eq(((volatile uint8_t *)t->dl_tensor.data)[LIE_SIZE - 1], 0);
 	t->deleter(t);
+	ck_assert_dlpc(dlpc_list(c, NULL, &entries, &n), -EPROTO);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "does not advance"));
+	ck_assert_dlpc(dlpc_channel_list(c, NULL, &channels, &n), -EPROTO);
+	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "does not advance"));
 	dlpc_close(c);
 	ck_assert_int_eq(wait_child(pid), 0);
 	unlink(sa.sun_path);
