@@ -44,7 +44,8 @@ static const char usage_text[] =
 	"  --socket PATH   the daemon's socket (default: $DLPACKD_SOCKET if set, else\n"
 	"                  $XDG_RUNTIME_DIR/dlpackd.sock if it exists, else\n"
 	"                  /run/dlpackd/dlpackd.sock)\n"
-	"  --json          machine-readable output: one JSON document (ls, stat, check) or\n"
+	"  --json          machine-readable output: one JSON document (ls, stat, check,\n"
+	"                  channels) or\n"
 	"                  one JSON object per line (watch)\n"
 	"  --timeout S     give up waiting after S seconds (wait: default forever;\n"
 	"                  upgrade: default 30)\n"
@@ -886,6 +887,16 @@ static int cmd_upgrade(dlpc_client *c, const struct args *a)
 			dlpc_close(n);
 		}
 		t = mono_ms();
+		/* another daemon answering (the service manager started one after the old one
+		 * died) is a restart, not an upgrade in place: its entries may be gone */
+		if (r == 0 && after.daemon_pid != (uint32_t)pid) {
+			fprintf(stderr,
+				"dlpackctl: upgrade: dlpackd pid %d is gone; pid %u answers at %s "
+				"now (a restart, not an upgrade in place): %llu entries\n",
+				pid, (unsigned)after.daemon_pid, path,
+				(unsigned long long)after.entries);
+			return 1;
+		}
 		if (r == 0 && after.uptime_ms <= t - t0)
 			break;
 		if (t - t0 > limit) {
