@@ -37,29 +37,33 @@ static void unlink_call(dlpc_client *c, struct dlpc__call *call)
 static int send_request(dlpc_client *c, uint16_t type, uint32_t id, const ProtobufCMessage *req,
 			const int *fds, unsigned nfds, size_t *sent)
 {
+	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
 	ssize_t at = 0, len;
 	size_t out = 0;
 	int r;
 
 	*sent = 0;
-	if (atomic_load_explicit(&c->npending, memory_order_relaxed)) {
-		if (nfds)
-			dlpc__flush_locked(c);
-		else
-			at = dlpc__pending_frame(c);
+	/* with fds, or more than a frame's worth (queued while a write was stuck): on their own */
+	if (n && (nfds || n > DLPC_RELEASE_PENDING_MAX))
+		dlpc__flush_locked(c);
+	if (!nfds && atomic_load_explicit(&c->npending, memory_order_relaxed)) {
+		at = dlpc__pending_frame(c);
 		if (at < 0) /* out of memory: send them on their own, a frame at a time */
 			at = 0, dlpc__flush_locked(c);
 	}
 	len = dlpc__msg_frame_at(&c->out, (size_t)at, type, id, req, NULL, 0, nfds);
 	if (len < 0) {
 		/* the request is refused before anything left: the releases still go */
-		if (at)
+		if (at) {
+			dlpc__pending_sent(c, false);
 			dlpc__flush_locked(c);
+		}
 		return (int)len;
 	}
 	r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, fds, nfds, &out);
-	if (at && out >= (size_t)at)
-		atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
+	/* gone once any of them left: whole, or cut short (the connection broke, with them) */
+	if (at)
+		dlpc__pending_sent(c, out > 0);
 	*sent = out > (size_t)at ? out - (size_t)at : 0;
 	/* a write cut inside the releases has broken the stream just the same */
 	if (r < 0 && out > 0 && *sent == 0)
@@ -274,7 +278,7 @@ static int call_send(dlpc_client *c, struct dlpc__call *call, uint16_t type,
 	pthread_mutex_lock(&c->wmu);
 	len = send_request(c, type, call->id, req, fds, nfds, &sent);
 	r = len < 0 ? (int)len : 0;
-	pthread_mutex_unlock(&c->wmu);
+	dlpc__write_unlock(c);
 	/* the socket's send timeout (SO_SNDTIMEO) expired: the daemon does not read */
 	if (r == -EAGAIN)
 		r = -ETIMEDOUT;
@@ -456,7 +460,7 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 		dlpc__loop_wake();
 		pthread_mutex_lock(&c->wmu);
 		dlpc__flush_locked(c);
-		pthread_mutex_unlock(&c->wmu);
+		dlpc__write_unlock(c);
 	}
 	dlpc__client_unref(c);
 }

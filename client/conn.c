@@ -162,6 +162,9 @@ static void client_free(dlpc_client *c)
 	dlpc__close(c->wake_fd);
 	pthread_mutex_destroy(&c->mu);
 	pthread_mutex_destroy(&c->wmu);
+	if (c->pending != c->pending_inline)
+		free(c->pending);
+	pthread_mutex_destroy(&c->pmu);
 	pthread_cond_destroy(&c->cv);
 	free(c);
 }
@@ -197,18 +200,90 @@ static void cut_short(dlpc_client *c, int r, size_t sent)
 	pthread_mutex_unlock(&c->mu);
 }
 
-/* Frame @p c's deferred releases at offset 0 of c->out. Length, or negative errno. Under wmu. */
+/* The tags of the cache's marks in c->pending. */
+#define MARKS (DLPC__MARK_CACHED | DLPC__MARK_USED)
+
+/* c->npending is @p n now; an empty queue gives its array on the heap back. Under pmu. */
+static void pending_set(dlpc_client *c, unsigned n)
+{
+	if (n == 0 && c->pending != c->pending_inline) {
+		free(c->pending);
+		c->pending = c->pending_inline;
+		c->pending_cap = DLPC_RELEASE_PENDING_MAX;
+	}
+	atomic_store_explicit(&c->npending, n, memory_order_relaxed);
+}
+
+/* Room in c->pending for one more past its @p n: false when out of memory. Under pmu. */
+static bool pending_room(dlpc_client *c, unsigned n)
+{
+	unsigned cap = c->pending_cap * 2;
+	uint64_t *p;
+
+	if (n < c->pending_cap)
+		return true;
+	if (c->pending == c->pending_inline) {
+		p = malloc(cap * sizeof(*p));
+		if (p)
+			memcpy(p, c->pending, n * sizeof(*p));
+	} else {
+		p = realloc(c->pending, cap * sizeof(*p));
+	}
+	if (!p)
+		return false;
+	c->pending = p;
+	c->pending_cap = cap;
+	return true;
+}
+
+/*
+ * The first @p k of the @p n entries of c->pending stay after all (their frame did not leave),
+ * ahead of those queued meanwhile. A mark queued meanwhile for a reference that one of the @p k
+ * marks undoes it (both go) or repeats it (it goes): one frame never carries both marks of a
+ * reference, as the daemon applies a frame's marks kind by kind, not in their order. The new
+ * count. Under pmu.
+ */
+static unsigned pending_merge(dlpc_client *c, unsigned k, unsigned n)
+{
+	uint64_t *p = c->pending;
+	unsigned to = 0;
+
+	for (unsigned j = k; j < n; j++) {
+		if (!(p[j] & MARKS))
+			continue;
+		for (unsigned i = 0; i < k; i++)
+			if ((p[i] & MARKS) && (p[i] & ~MARKS) == (p[j] & ~MARKS)) {
+				if (p[i] != p[j])
+					p[i] = 0;
+				p[j] = 0;
+				break;
+			}
+	}
+	/* no entry is 0 (a release of reference 0 is never queued, a mark is tagged): 0 is one
+	 * that went */
+	for (unsigned i = 0; i < n; i++)
+		if (p[i])
+			p[to++] = p[i];
+	return to;
+}
+
 ssize_t dlpc__pending_frame(dlpc_client *c)
 {
 	Dlpackd__V1__Release msg = DLPACKD__V1__RELEASE__INIT;
-	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
 	uint64_t rel[DLPC_RELEASE_PENDING_MAX], cached[DLPC_RELEASE_PENDING_MAX],
 		used[DLPC_RELEASE_PENDING_MAX];
+	unsigned n;
+	ssize_t len;
 
 	/* releases and the cache's marks (1.7) share the queue, told apart by tag bits */
 	msg.ref_ids = rel;
 	msg.cached_ids = cached;
 	msg.used_ids = used;
+	pthread_mutex_lock(&c->pmu);
+	assert(c->nsending == 0);
+	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	if (n > DLPC_RELEASE_PENDING_MAX)
+		n = DLPC_RELEASE_PENDING_MAX;
 	for (unsigned i = 0; i < n; i++) {
 		uint64_t v = c->pending[i];
 
@@ -219,33 +294,120 @@ ssize_t dlpc__pending_frame(dlpc_client *c)
 		else
 			rel[msg.n_ref_ids++] = v;
 	}
-	return dlpc__msg_frame(&c->out, DLPC_MSG_RELEASE, 0, &msg.base, 0);
+	/* they stay where they are until the frame is gone: a mark does not undo them in place */
+	c->nsending = n;
+	pthread_mutex_unlock(&c->pmu);
+	if (n == 0)
+		return 0;
+	/* framed without pmu: a deleter does not wait for the allocation */
+	len = dlpc__msg_frame(&c->out, DLPC_MSG_RELEASE, 0, &msg.base, 0);
+	if (len < 0)
+		dlpc__pending_sent(c, false);
+	return len;
+}
+
+void dlpc__pending_sent(dlpc_client *c, bool gone)
+{
+	unsigned k, n;
+
+	pthread_mutex_lock(&c->pmu);
+	k = c->nsending;
+	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	c->nsending = 0;
+	if (gone) {
+		memmove(c->pending, c->pending + k, (n - k) * sizeof(*c->pending));
+		n -= k;
+	} else {
+		n = pending_merge(c, k, n);
+	}
+	pending_set(c, n);
+	pthread_mutex_unlock(&c->pmu);
 }
 
 /*
- * Send @p c's deferred releases now. Under wmu. A failed write means the connection is gone,
- * and the references with it; either way none is pending any more (unless the frame could
- * not even be built, or the daemon took none of it within the send timeout: then they wait for
- * the next try).
+ * Send @p c's deferred releases now, those queued when it starts, a frame at a time. Under wmu.
+ * A failed write means the connection is gone, and the references with it; either way none is
+ * pending any more (unless the frame could not even be built, or the daemon took none of it
+ * within the send timeout: then they wait for the next try).
  */
 void dlpc__flush_locked(dlpc_client *c)
 {
+	unsigned left = atomic_load_explicit(&c->npending, memory_order_relaxed);
 	size_t sent;
 	ssize_t len;
 	int r;
 
+	while (left) {
+		len = dlpc__pending_frame(c);
+		/* none left, or out of memory for the frame: keep them rather than lose them */
+		if (len <= 0)
+			return;
+		r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
+		/* the daemon took nothing within the send timeout (it is stopped): keep them too */
+		if (r == -EAGAIN && sent == 0) {
+			dlpc__pending_sent(c, false);
+			return;
+		}
+		dlpc__pending_sent(c, true);
+		if (r < 0) {
+			pthread_mutex_lock(&c->pmu);
+			pending_set(c, 0);
+			pthread_mutex_unlock(&c->pmu);
+			cut_short(c, r, sent);
+			return;
+		}
+		left -= left < DLPC_RELEASE_PENDING_MAX ? left : DLPC_RELEASE_PENDING_MAX;
+	}
+}
+
+/* Did a flush that found wmu held leave its work to the holder (dlpc__flush_nowait())? */
+static bool flush_asked(dlpc_client *c)
+{
+	bool asked;
+
+	pthread_mutex_lock(&c->pmu);
+	asked = c->flush_asked;
+	pthread_mutex_unlock(&c->pmu);
+	return asked;
+}
+
+/* Do the flush that was asked of the holder of wmu. Under wmu. */
+static void flush_as_asked(dlpc_client *c)
+{
+	pthread_mutex_lock(&c->pmu);
+	c->flush_asked = false;
+	pthread_mutex_unlock(&c->pmu);
+	dlpc__flush_locked(c);
+}
+
+/*
+ * The flag is read under pmu after wmu is let go, and set under pmu before wmu is tried
+ * (dlpc__flush_nowait()): either the holder sees it here, or its unlock came first and the
+ * try finds wmu free (or held by a later holder, which looks here in turn). So a flush left to
+ * the holder is never left behind.
+ */
+void dlpc__write_unlock(dlpc_client *c)
+{
+	for (;;) {
+		pthread_mutex_unlock(&c->wmu);
+		if (!flush_asked(c) || pthread_mutex_trylock(&c->wmu) != 0)
+			return;
+		flush_as_asked(c);
+	}
+}
+
+void dlpc__flush_nowait(dlpc_client *c)
+{
 	if (!atomic_load_explicit(&c->npending, memory_order_relaxed))
 		return;
-	len = dlpc__pending_frame(c);
-	/* out of memory for the frame: keep them for the next try rather than lose them */
-	if (len < 0)
+	pthread_mutex_lock(&c->pmu);
+	c->flush_asked = true;
+	pthread_mutex_unlock(&c->pmu);
+	/* held: its holder sends them as it lets go (dlpc__write_unlock()) */
+	if (pthread_mutex_trylock(&c->wmu) != 0)
 		return;
-	r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
-	/* the daemon took nothing within the send timeout (it is stopped): keep them too */
-	if (r == -EAGAIN && sent == 0)
-		return;
-	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
-	cut_short(c, r, sent);
+	flush_as_asked(c);
+	dlpc__write_unlock(c);
 }
 
 void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t conn_seq)
@@ -261,13 +423,13 @@ void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t conn
 	pthread_mutex_lock(&c->wmu);
 	/* a request of a connection replaced since died with it */
 	if (conn_seq != c->conn_seq) {
-		pthread_mutex_unlock(&c->wmu);
+		dlpc__write_unlock(c);
 		return;
 	}
 	/* (without memory for the frame, the wait ends when the connection does) */
 	len = dlpc__msg_frame(&c->out, DLPC_MSG_CANCEL, 0, &msg.base, 0);
 	r = len < 0 ? 0 : dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
-	pthread_mutex_unlock(&c->wmu);
+	dlpc__write_unlock(c);
 	cut_short(c, r, sent);
 }
 
@@ -307,33 +469,37 @@ size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
 	return n;
 }
 
-/* Queue @p v (a reference id, maybe tagged) on c->pending and tell the library's thread. Under
- * wmu, which this releases. */
+/*
+ * Queue @p v (a reference id, maybe tagged) on c->pending and see that it goes out. Under pmu,
+ * which this releases. A deleter runs this, from any thread, maybe one that must not wait (a
+ * garbage collector's, holding an interpreter's lock): it writes nothing and waits for no write
+ * of another thread's, however stuck. The library's thread sends the first of a quiet spell
+ * after DLPC_RELEASE_DELAY_MS and a frame's worth at once, unless a request carries them
+ * first; where that thread cannot run (a process at its thread limit), they go from here,
+ * unless another thread writes: that one sends them as it lets go of wmu.
+ */
 static void pending_add(dlpc_client *c, uint64_t v)
 {
-	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
+	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed), waiting;
 
-	/* full only if the last flush had no memory for its frame: try again; failing that, this
-	 * reference stays with the daemon until the connection closes */
-	if (n == DLPC_RELEASE_PENDING_MAX)
-		dlpc__flush_locked(c);
-	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
-	if (n < DLPC_RELEASE_PENDING_MAX) {
-		c->pending[n++] = v;
-		atomic_store_explicit(&c->npending, n, memory_order_relaxed);
+	/* out of memory: this reference stays with the daemon until the connection closes */
+	if (!pending_room(c, n)) {
+		pthread_mutex_unlock(&c->pmu);
+		return;
 	}
-	if (n == DLPC_RELEASE_PENDING_MAX)
-		dlpc__flush_locked(c);
-	pthread_mutex_unlock(&c->wmu);
-	if (n == 1 && !dlpc__loop_flush_soon()) {
-		pthread_mutex_lock(&c->wmu);
-		dlpc__flush_locked(c);
-		pthread_mutex_unlock(&c->wmu);
-	}
+	c->pending[n++] = v;
+	atomic_store_explicit(&c->npending, n, memory_order_relaxed);
+	/* those that no frame being written carries */
+	waiting = n - c->nsending;
+	pthread_mutex_unlock(&c->pmu);
+	if (waiting != 1 && waiting % DLPC_RELEASE_PENDING_MAX)
+		return;
+	if (!dlpc__loop_flush_soon(waiting > 1))
+		dlpc__flush_nowait(c);
 }
 
 /*
- * Take c->wmu to queue something about a reference of connection @p conn_seq: true. false (no
+ * Take c->pmu to queue something about a reference of connection @p conn_seq: true. false (no
  * lock taken) in a forked child, where the reference is the parent's (the daemon drops it when
  * the parent releases it or goes away), and when @p c has connected anew since: the reference
  * died with its connection, and its id may name another now.
@@ -342,9 +508,9 @@ static bool pending_lock(dlpc_client *c, uint64_t conn_seq)
 {
 	if (!dlpc__ours(c))
 		return false;
-	pthread_mutex_lock(&c->wmu);
+	pthread_mutex_lock(&c->pmu);
 	if (conn_seq != c->conn_seq) {
-		pthread_mutex_unlock(&c->wmu);
+		pthread_mutex_unlock(&c->pmu);
 		return false;
 	}
 	return true;
@@ -359,15 +525,16 @@ void dlpc__mark_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq, bool cac
 	if (!pending_lock(c, conn_seq))
 		return;
 	/* a mark not sent yet that this one undoes goes instead: a re-attach loop queues nothing
-	 * more than its last release's mark */
+	 * more than its last release's mark. Not one of the frame being written: this one
+	 * follows it. */
 	n = atomic_load_explicit(&c->npending, memory_order_relaxed);
-	for (unsigned i = 0; i < n; i++)
+	for (unsigned i = c->nsending; i < n; i++)
 		if (c->pending[i] == undo || c->pending[i] == v) {
 			if (c->pending[i] == undo) {
 				c->pending[i] = c->pending[n - 1];
-				atomic_store_explicit(&c->npending, n - 1, memory_order_relaxed);
+				pending_set(c, n - 1);
 			}
-			pthread_mutex_unlock(&c->wmu);
+			pthread_mutex_unlock(&c->pmu);
 			return;
 		}
 	pending_add(c, v);
@@ -417,6 +584,9 @@ int dlpc__client_new(int64_t timeout, dlpc_client **ret)
 	atomic_init(&c->refs, 1);
 	pthread_mutex_init(&c->mu, NULL);
 	pthread_mutex_init(&c->wmu, NULL);
+	pthread_mutex_init(&c->pmu, NULL);
+	c->pending = c->pending_inline;
+	c->pending_cap = DLPC_RELEASE_PENDING_MAX;
 	pthread_condattr_init(&ca);
 	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
 	pthread_cond_init(&c->cv, &ca);
@@ -466,13 +636,16 @@ void dlpc__client_adopt(dlpc_client *c, dlpc_client *n)
 	c->nabandoned = 0;
 	c->ipc_pubs = 0;
 	c->nreclaimed = 0;
-	atomic_store_explicit(&c->npending, 0, memory_order_relaxed);
+	/* no frame of releases is being written: wmu is held */
+	pthread_mutex_lock(&c->pmu);
+	pending_set(c, 0);
 	c->conn_seq++;
+	pthread_mutex_unlock(&c->pmu);
 	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */
 	/* what the features kept of the old connection goes with it (the cached references,
 	 * pooled buffers in flight, the channels the old daemon knew) */
 	DLPC__HOOKS_RUN(reset_locked, c);
 	pthread_mutex_unlock(&c->mu);
-	pthread_mutex_unlock(&c->wmu);
+	dlpc__write_unlock(c);
 	DLPC__HOOKS_RUN(reset, c);
 }

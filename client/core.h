@@ -48,7 +48,8 @@ struct dlpc__call {
  * call in progress once (so dlpc_close() from another thread cannot free it under a waiting
  * caller). The socket closes when the last goes, so deleters keep working after dlpc_close().
  * Lock order: wmu before mu, never the other way; then the list of open clients' lock
- * (conn.c); and mu before the mu of the connection being made anew (connecting).
+ * (conn.c); and mu before the mu of the connection being made anew (connecting). pmu is a
+ * leaf: taken under any of them, none under it.
  */
 struct dlpc_client {
 	int sock;
@@ -81,11 +82,24 @@ struct dlpc_client {
 	int fatal_code;	    /* and its errno, positive */
 	struct dlpc__rx rx; /* used only by the current reader */
 
-	pthread_mutex_t wmu; /* serializes writes; protects out and pending */
+	pthread_mutex_t wmu; /* serializes writes; protects out */
 	struct dlpc__scratch out;
-	/* references released by deleters but not yet told to the daemon (dlpc__release_ref) */
-	uint64_t pending[DLPC_RELEASE_PENDING_MAX];
-	atomic_uint npending; /* written under wmu; read without it by the library's thread */
+	/*
+	 * References released by deleters but not yet told to the daemon (dlpc__release_ref), and
+	 * the cache's marks, under pmu: a lock of their own, never held across a write, so that a
+	 * deleter queues without waiting for a write of another thread's (a send the daemon does
+	 * not take). The first nsending are in the RELEASE frame that the holder of wmu is
+	 * writing; they stay until it is gone. The queue grows past DLPC_RELEASE_PENDING_MAX
+	 * (into the heap) only while its flush waits for a write (one stuck on a daemon that does
+	 * not read): it is bounded by the references the connection holds, which the daemon
+	 * bounds (DLPC_CONN_REFS_DEFAULT), a release and a mark each at most.
+	 */
+	pthread_mutex_t pmu;
+	uint64_t *pending; /* pending_inline, or a larger array on the heap */
+	unsigned pending_cap, nsending;
+	atomic_uint npending; /* written under pmu; read without it as a hint */
+	bool flush_asked;     /* a flush found wmu held: its holder flushes as it lets go */
+	uint64_t pending_inline[DLPC_RELEASE_PENDING_MAX];
 
 	struct dlpc_client *next_open; /* in the list of open clients (conn.c) */
 
@@ -98,7 +112,8 @@ struct dlpc_client {
 	 * and dlpc_cancel() cancel its HELLO too (under mu) */
 	struct dlpc_client *connecting;
 	/* the connection's number: how many were made before it (dlpc_reconnects()); a reference,
-	 * a call, a cache entry or a channel's endpoint names the one it came by */
+	 * a call, a cache entry or a channel's endpoint names the one it came by (changes under
+	 * pmu too: a release is queued for the connection it names) */
 	uint64_t conn_seq;
 	char path[108];		 /* the socket, to connect to again */
 	struct dlpc__pool *pool; /* recycled buffers of dlpc_channel_alloc() (pool.c), or NULL */
@@ -141,10 +156,22 @@ size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap);
 /* Tags of the ids in c->pending besides releases: a RELEASE mark (protocol 1.7). */
 #define DLPC__MARK_CACHED (1ull << 63)
 #define DLPC__MARK_USED (1ull << 62)
-/* Frame @p c's deferred releases at offset 0 of c->out. Length, or negative errno. Under wmu. */
+/* Frame the first DLPC_RELEASE_PENDING_MAX at most of @p c's deferred releases at offset 0 of
+ * c->out, and count them as being sent until dlpc__pending_sent(). Length, 0 when none is
+ * pending, or negative errno (none counted). Under wmu. */
 ssize_t dlpc__pending_frame(dlpc_client *c);
+/* The frame of dlpc__pending_frame() left, or the connection is gone (@p gone: they leave the
+ * queue), or nothing of it left (they stay, for the next try). Under wmu. */
+void dlpc__pending_sent(dlpc_client *c, bool gone);
 /* Send @p c's deferred releases now (conn.c). Under wmu, without c->mu. */
 void dlpc__flush_locked(dlpc_client *c);
+/* Let go of c->wmu: every holder does so through this. A flush that found it held (a deleter's,
+ * the library's thread's: dlpc__flush_nowait()) was left to the holder, which sends the
+ * releases first. Without c->mu. */
+void dlpc__write_unlock(dlpc_client *c);
+/* Send @p c's deferred releases now if no other thread writes, else have the writer send them
+ * as it lets go of c->wmu: never waits for it. Without any lock of c's. */
+void dlpc__flush_nowait(dlpc_client *c);
 /* The caller stopped waiting for the reply to request @p id (@p type) of connection @p conn_seq
  * (its deadline passed, it was canceled or interrupted): if the request may wait in the daemon
  * (ATTACH, RECV, SEND), tell it (CANCEL, 1.9), so that the wait ends there at once instead of
@@ -158,7 +185,8 @@ void dlpc__wake_reader(dlpc_client *c);
  * client has connected anew since (that connection, and the reference with it, is gone); does
  * nothing in a forked child. The id waits in c->pending and goes out with the connection's next
  * request, or after DLPC_RELEASE_DELAY_MS through the library's thread (loop.c), whichever comes
- * first.
+ * first. Waits for no write (a deleter runs it from any thread); only where the library's
+ * thread cannot run does it write, when no other thread does.
  */
 void dlpc__release_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq);
 /* Queue a RELEASE mark of reference @p ref_id of connection @p conn_seq: idle in the cache
@@ -354,8 +382,9 @@ int dlpc__loop_due(bool *flush, bool *sweep);
 size_t dlpc__loop_wait(struct pollfd *p, size_t np, int timeout);
 /* The turn has looked at everything: a wake-up before now is spent. */
 void dlpc__loop_looked(void);
-/* Make sure the thread will send deferred releases soon. false when it cannot run. */
-bool dlpc__loop_flush_soon(void);
+/* Make sure the thread will send deferred releases soon: within DLPC_RELEASE_DELAY_MS, or at
+ * once when @p now. false when it cannot run. */
+bool dlpc__loop_flush_soon(bool now);
 /* Have the thread look at everything again now (async-signal-safe, any lock held). */
 void dlpc__loop_wake(void);
 /* fork(): 0 before (lock), 1 in the parent after, 2 in the child (start afresh). */

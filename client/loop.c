@@ -203,15 +203,16 @@ void dlpc__loop_looked(void)
 	pthread_mutex_unlock(&loop_mu);
 }
 
-bool dlpc__loop_flush_soon(void)
+bool dlpc__loop_flush_soon(bool now)
 {
+	int64_t due = dlpc__mono_ms() + (now ? 0 : DLPC_RELEASE_DELAY_MS);
 	bool ok;
 
 	pthread_mutex_lock(&loop_mu);
 	ok = start_locked();
-	if (ok && !flush_wanted) {
+	if (ok && (!flush_wanted || due < flush_due)) {
 		flush_wanted = true;
-		flush_due = dlpc__mono_ms() + DLPC_RELEASE_DELAY_MS;
+		flush_due = due;
 		wake_locked();
 	}
 	pthread_mutex_unlock(&loop_mu);

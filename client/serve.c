@@ -152,12 +152,11 @@ static void turn(void)
 	for (size_t i = 0; i < n; i++)
 		reclaim(v[i]);
 	timeout = sweep_due(n, &flush);
+	/* a client whose write is under way (a call's, maybe stuck on a daemon that does not read)
+	 * has its writer send them: the thread goes on serving the others */
 	if (flush)
-		for (size_t i = 0; i < n; i++) {
-			pthread_mutex_lock(&v[i]->wmu);
-			dlpc__flush_locked(v[i]);
-			pthread_mutex_unlock(&v[i]->wmu);
-		}
+		for (size_t i = 0; i < n; i++)
+			dlpc__flush_nowait(v[i]);
 	np = poll_set(n, &busy);
 	if (busy && (timeout < 0 || timeout > DLPC__LOOP_BUSY_MS))
 		timeout = DLPC__LOOP_BUSY_MS;

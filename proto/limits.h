@@ -104,7 +104,8 @@
  * libdlpc defers a RELEASE so that it rides in the same write as the connection's next request
  * (one daemon wake-up per attach instead of two). A connection holds at most
  * DLPC_RELEASE_PENDING_MAX deferred ids, and none longer than about DLPC_RELEASE_DELAY_MS: then
- * they go out on their own.
+ * they go out on their own, a frame of at most DLPC_RELEASE_PENDING_MAX each. (More wait only
+ * while a write of the connection's is stuck: a deleter never waits for it.)
  */
 #define DLPC_RELEASE_PENDING_MAX 256
 #define DLPC_RELEASE_DELAY_MS 5

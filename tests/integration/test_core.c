@@ -7,10 +7,13 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -1032,6 +1035,133 @@ START_TEST(test_threads_and_late_deleters)
 }
 END_TEST
 
+/* ---- a deleter waits for no write of another thread's ---- */
+
+/* A bundle whose PUBLISH frame (DLPC_BUNDLE_MAX keys of some 250 bytes: over 4 MiB) is far more
+ * than a socket's buffer holds while the daemon reads nothing. */
+#define STUCK_KEYS DLPC_BUNDLE_MAX
+#define STUCK_KEY_LEN 250
+
+struct stuck_publish {
+	dlpc_client *c;
+	const char **keys;
+	DLManagedTensorVersioned **ts;
+	atomic_int tid;
+	int r;
+};
+
+static void *publish_stuck(void *arg)
+{
+	struct stuck_publish *p = arg;
+
+	atomic_store(&p->tid, (int)syscall(SYS_gettid));
+	p->r = dlpc_publish_bundle(p->c, "stuck", STUCK_KEYS, (const char *const *)p->keys, p->ts,
+				   0);
+	return NULL;
+}
+
+/* Is thread @p tid of this process in sendmsg() (/proc's view of its system call)? */
+static bool in_sendmsg(int tid)
+{
+	char path[64];
+	long nr = -1;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/self/task/%d/syscall", tid);
+	f = fopen(path, "r");
+	if (!f)
+		return false;
+	if (fscanf(f, "%ld", &nr) != 1)
+		nr = -1;
+	fclose(f);
+	return nr == SYS_sendmsg;
+}
+
+static pid_t stopped_daemon;
+
+/* (SIGALRM) The deleter took too long: let the daemon run, so that a blocked one returns and the
+ * test fails on its time instead of hanging with the daemon stopped. */
+static void continue_daemon(int sig)
+{
+	(void)sig;
+	kill(stopped_daemon, SIGCONT);
+}
+
+/*
+ * A tensor's deleter returns at once while another thread of the client is stuck in a send:
+ * with no call timeout and the daemon stopped, a PUBLISH too large for the socket's buffer
+ * blocks in sendmsg(), holding the connection's write; the deleter, run meanwhile, only queues
+ * its release (it used to wait for that write, for ever: a garbage collector running it would
+ * freeze its interpreter). Once the daemon runs again the release reaches it.
+ */
+START_TEST(test_deleter_while_a_send_is_stuck)
+{
+	struct stuck_publish p = {.r = 0};
+	struct sigaction sa = {.sa_handler = continue_daemon};
+	DLDataType u8 = {kDLUInt, 8, 1};
+	static uint8_t byte = 7;
+	int64_t one = 1;
+	struct timespec t0, t1;
+	DLManagedTensorVersioned *t;
+	dlpc_client *probe;
+	pthread_t th;
+	char *keys;
+	long ms;
+
+	probe = connect_or_die(&D);
+	publish_filled(probe, "held", 4096, 5);
+	/* no call timeout: the send waits for as long as the daemon reads nothing */
+	ck_assert_int_eq(setenv(DLPC_CALL_TIMEOUT_ENV, "0", 1), 0);
+	p.c = connect_or_die(&D);
+	ck_assert_dlpc(dlpc_attach(p.c, "held", NULL, &t), 1);
+	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 1}, scaled_ms(1000)));
+	keys = malloc((size_t)STUCK_KEYS * (STUCK_KEY_LEN + 1));
+	p.keys = malloc(STUCK_KEYS * sizeof(*p.keys));
+	p.ts = malloc(STUCK_KEYS * sizeof(*p.ts));
+	ck_assert(keys && p.keys && p.ts);
+	for (int i = 0; i < STUCK_KEYS; i++) {
+		char *k = keys + (size_t)i * (STUCK_KEY_LEN + 1);
+
+		memset(k, 'k', STUCK_KEY_LEN);
+		snprintf(k + STUCK_KEY_LEN - 6, 7, "%06d", i);
+		p.keys[i] = k;
+		p.ts[i] = host_tensor(&byte, u8, 1, &one, NULL, NULL);
+	}
+
+	stopped_daemon = D.pid;
+	ck_assert_int_eq(sigaction(SIGALRM, &sa, NULL), 0);
+	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
+	ck_assert_int_eq(pthread_create(&th, NULL, publish_stuck, &p), 0);
+	/* the publish fills the socket's buffer and waits in sendmsg() (copying comes first) */
+	for (int i = 0; !(atomic_load(&p.tid) && in_sendmsg(atomic_load(&p.tid))); i++) {
+		ck_assert_msg(i < 10000, "the publish never blocked in sendmsg()");
+		usleep(1000);
+	}
+	usleep(50 * 1000); /* still there: stuck, not passing through */
+	ck_assert(in_sendmsg(atomic_load(&p.tid)));
+
+	alarm(5);
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	t->deleter(t);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	alarm(0);
+	ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+	/* not a measure of speed: a deleter that waited for the send would wait until SIGCONT */
+	ck_assert_msg(ms < 2000, "the deleter waited %ld ms for another thread's send", ms);
+	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	ck_assert_dlpc(p.r, 1);
+	/* the release went out, after the publish or from the library's thread */
+	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 0}, scaled_ms(5000)));
+	dlpc_close(p.c);
+	dlpc_close(probe);
+	free(p.ts);
+	free(p.keys);
+	free(keys);
+}
+END_TEST
+
 /* ---- 10. 100 processes x 1,000 attach/release ---- */
 
 /* ---- deferred releases: they ride with the next request, or go out on their own ---- */
@@ -1682,6 +1812,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_attach_wait);
 	tcase_add_test(tc, test_threads_and_late_deleters);
 	tcase_add_test(tc, test_deferred_release);
+	tcase_add_test(tc, test_deleter_while_a_send_is_stuck);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
 	tcase_add_test(tc, test_alloc_bundle_zero_copy);
