@@ -60,7 +60,7 @@ static int send_request(dlpc_client *c, uint16_t type, uint32_t id, const Protob
 		}
 		return (int)len;
 	}
-	r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, fds, nfds, &out);
+	r = dlpc__send_frame(c, c->out.p, (size_t)len, fds, nfds, &out);
 	/* gone once any of them left: whole, or cut short (the connection broke, with them) */
 	if (at)
 		dlpc__pending_sent(c, out > 0);
@@ -278,8 +278,11 @@ static int call_send(dlpc_client *c, struct dlpc__call *call, uint16_t type,
 	pthread_mutex_lock(&c->wmu);
 	len = send_request(c, type, call->id, req, fds, nfds, &sent);
 	r = len < 0 ? (int)len : 0;
-	dlpc__write_unlock(c);
-	/* the socket's send timeout (SO_SNDTIMEO) expired: the daemon does not read */
+	if (r < 0)
+		dlpc__write_unlock_failed(c);
+	else
+		dlpc__write_unlock(c);
+	/* the call timeout passed while writing: the daemon does not read */
 	if (r == -EAGAIN)
 		r = -ETIMEDOUT;
 	pthread_mutex_lock(&c->mu);

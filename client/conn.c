@@ -62,10 +62,16 @@ static void atfork_prepare(void)
 	for (dlpc_client *c = open_clients; c; c = c->next_open)
 		DLPC__HOOKS_RUN(fork, c, 0);
 	DLPC__HOOKS_RUN(atfork, 0);
+	/* the deferred releases' locks last (leaves, held only across memory calls): a fork in
+	 * the middle of growing a queue would leave the child a pointer already freed */
+	for (dlpc_client *c = open_clients; c; c = c->next_open)
+		pthread_mutex_lock(&c->pmu);
 }
 
 static void atfork_parent(void)
 {
+	for (dlpc_client *c = open_clients; c; c = c->next_open)
+		pthread_mutex_unlock(&c->pmu);
 	DLPC__HOOKS_RUN(atfork, 1);
 	for (dlpc_client *c = open_clients; c; c = c->next_open)
 		DLPC__HOOKS_RUN(fork, c, 1);
@@ -79,6 +85,7 @@ static void atfork_child(void)
 {
 	__atomic_add_fetch(&dlpc__fork_gen, 1, __ATOMIC_RELAXED);
 	for (dlpc_client *c = open_clients; c; c = c->next_open) {
+		pthread_mutex_unlock(&c->pmu);
 		dlpc__close(c->sock);
 		c->sock = -1;
 		dlpc__close(c->wake_fd);
@@ -188,6 +195,16 @@ void dlpc__wake_reader(dlpc_client *c)
 
 /* A write of @p c's that failed (@p r) after @p sent bytes left cut its frame short: that breaks
  * the stream, nothing may follow it. Without c->mu. */
+int dlpc__send_frame(dlpc_client *c, const void *data, size_t len, const int *fds, unsigned nfds,
+		     size_t *sent)
+{
+	int r = dlpc__send_within(c->sock, data, len, fds, nfds, c->call_timeout_ms, sent);
+
+	if (r < 0 && *sent > 0)
+		(void)shutdown(c->sock, SHUT_WR);
+	return r;
+}
+
 static void cut_short(dlpc_client *c, int r, size_t sent)
 {
 	if (r >= 0 || sent == 0)
@@ -342,10 +359,13 @@ void dlpc__flush_locked(dlpc_client *c)
 		/* none left, or out of memory for the frame: keep them rather than lose them */
 		if (len <= 0)
 			return;
-		r = dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
-		/* the daemon took nothing within the send timeout (it is stopped): keep them too */
-		if (r == -EAGAIN && sent == 0) {
+		r = dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, &sent);
+		/* nothing left, and the connection lives (the daemon took nothing within the call
+		 * timeout, the kernel had no memory): keep them, and have the library's thread try
+		 * again later (where it cannot run, the next request carries them) */
+		if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF) {
 			dlpc__pending_sent(c, false);
+			(void)dlpc__loop_flush_soon(false);
 			return;
 		}
 		dlpc__pending_sent(c, true);
@@ -396,6 +416,14 @@ void dlpc__write_unlock(dlpc_client *c)
 	}
 }
 
+void dlpc__write_unlock_failed(dlpc_client *c)
+{
+	pthread_mutex_unlock(&c->wmu);
+	/* the flag stays: whoever takes wmu next, or the library's thread, sends them */
+	if (flush_asked(c))
+		(void)dlpc__loop_flush_soon(false);
+}
+
 void dlpc__flush_nowait(dlpc_client *c)
 {
 	if (!atomic_load_explicit(&c->npending, memory_order_relaxed))
@@ -428,7 +456,7 @@ void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t conn
 	}
 	/* (without memory for the frame, the wait ends when the connection does) */
 	len = dlpc__msg_frame(&c->out, DLPC_MSG_CANCEL, 0, &msg.base, 0);
-	r = len < 0 ? 0 : dlpc__send_counted(c->sock, c->out.p, (size_t)len, NULL, 0, &sent);
+	r = len < 0 ? 0 : dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, &sent);
 	dlpc__write_unlock(c);
 	cut_short(c, r, sent);
 }

@@ -165,10 +165,20 @@ ssize_t dlpc__pending_frame(dlpc_client *c);
 void dlpc__pending_sent(dlpc_client *c, bool gone);
 /* Send @p c's deferred releases now (conn.c). Under wmu, without c->mu. */
 void dlpc__flush_locked(dlpc_client *c);
+/* Write a frame (@p len bytes of @p data, with @p nfds fds) to @p c's socket within the call
+ * timeout, all of it (dlpc__send_within(); *@p sent: what left). A frame cut short leaves the
+ * stream broken: the socket is shut for writing at once, so that nothing more lands in it and
+ * the daemon drops the connection now, not at its frame timeout. Under wmu. */
+int dlpc__send_frame(dlpc_client *c, const void *data, size_t len, const int *fds, unsigned nfds,
+		     size_t *sent);
 /* Let go of c->wmu: every holder does so through this. A flush that found it held (a deleter's,
  * the library's thread's: dlpc__flush_nowait()) was left to the holder, which sends the
  * releases first. Without c->mu. */
 void dlpc__write_unlock(dlpc_client *c);
+/* Let go of c->wmu after the holder's own write failed (out of time, or the stream cut): a
+ * flush left to it is not done on its thread, which would wait for the same stuck socket
+ * again, but left to the library's thread (or the next holder). Without c->mu. */
+void dlpc__write_unlock_failed(dlpc_client *c);
 /* Send @p c's deferred releases now if no other thread writes, else have the writer send them
  * as it lets go of c->wmu: never waits for it. Without any lock of c's. */
 void dlpc__flush_nowait(dlpc_client *c);

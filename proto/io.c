@@ -1,10 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "io.h"
@@ -302,7 +304,8 @@ void dlpc__tx_clear(struct dlpc__tx *tx)
 }
 
 /* One sendmsg(): the fds go with the first byte. Returns bytes written or negative errno. */
-static ssize_t send_some(int sock, const uint8_t *p, size_t len, const int *fds, unsigned nfds)
+static ssize_t send_some(int sock, const uint8_t *p, size_t len, const int *fds, unsigned nfds,
+			 int flags)
 {
 	union {
 		struct cmsghdr align;
@@ -325,7 +328,7 @@ static ssize_t send_some(int sock, const uint8_t *p, size_t len, const int *fds,
 		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
 	}
 	do
-		n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+		n = sendmsg(sock, &msg, MSG_NOSIGNAL | flags);
 	while (n < 0 && errno == EINTR);
 	if (n < 0)
 		return errno == EWOULDBLOCK ? -EAGAIN : -errno;
@@ -336,7 +339,8 @@ int dlpc__tx_flush(struct dlpc__tx *tx, int sock)
 {
 	while (tx->head) {
 		struct dlpc__txchunk *c = tx->head;
-		ssize_t n = send_some(sock, c->data + c->sent, c->len - c->sent, c->fds, c->nfds);
+		ssize_t n =
+			send_some(sock, c->data + c->sent, c->len - c->sent, c->fds, c->nfds, 0);
 
 		if (n == -EAGAIN)
 			return 0;
@@ -364,7 +368,7 @@ int dlpc__tx_send(struct dlpc__tx *tx, int sock, const void *data, size_t len, c
 	size_t sent = 0;
 
 	if (!tx->head) {
-		ssize_t n = send_some(sock, data, len, fds, nfds);
+		ssize_t n = send_some(sock, data, len, fds, nfds, 0);
 
 		if (n < 0 && n != -EAGAIN)
 			return (int)n;
@@ -406,8 +410,51 @@ int dlpc__send_counted(int sock, const void *data, size_t len, const int *fds, u
 
 	*sent = 0;
 	while (len > 0) {
-		ssize_t n = send_some(sock, p, len, fds, nfds);
+		ssize_t n = send_some(sock, p, len, fds, nfds, 0);
 
+		if (n < 0)
+			return (int)n;
+		nfds = 0;
+		p += n;
+		len -= (size_t)n;
+		*sent += (size_t)n;
+	}
+	return 0;
+}
+
+static int64_t mono_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+int dlpc__send_within(int sock, const void *data, size_t len, const int *fds, unsigned nfds,
+		      int64_t timeout_ms, size_t *sent)
+{
+	const uint8_t *p = data;
+	int64_t deadline = mono_ms() + timeout_ms;
+
+	if (timeout_ms <= 0)
+		return dlpc__send_counted(sock, data, len, fds, nfds, sent);
+	*sent = 0;
+	while (len > 0) {
+		ssize_t n = send_some(sock, p, len, fds, nfds, MSG_DONTWAIT);
+		struct pollfd pfd = {.fd = sock, .events = POLLOUT};
+		int64_t left;
+
+		if (n == -EAGAIN) {
+			/* one deadline for the whole frame: a peer that reads a little at a time
+			 * cannot stretch it */
+			left = deadline - mono_ms();
+			if (left <= 0)
+				return -EAGAIN;
+			if (poll(&pfd, 1, left > INT32_MAX ? INT32_MAX : (int)left) < 0 &&
+			    errno != EINTR)
+				return -errno;
+			continue;
+		}
 		if (n < 0)
 			return (int)n;
 		nfds = 0;

@@ -118,6 +118,11 @@ int dlpc__send_all(int sock, const void *data, size_t len, const int *fds, unsig
 /* The same, also telling in @p sent how many bytes went out before a failure. */
 int dlpc__send_counted(int sock, const void *data, size_t len, const int *fds, unsigned nfds,
 		       size_t *sent);
+/* dlpc__send_counted() that gives up with -EAGAIN once @p timeout_ms (> 0; else no bound) have
+ * passed since it began, however the peer reads meanwhile (a little at a time restarts no
+ * clock). */
+int dlpc__send_within(int sock, const void *data, size_t len, const int *fds, unsigned nfds,
+		      int64_t timeout_ms, size_t *sent);
 
 /* close() that keeps errno and ignores -1. */
 void dlpc__close(int fd);

@@ -5,6 +5,7 @@
  */
 #include <check.h>
 #include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -1085,6 +1086,59 @@ START_TEST(test_send_all)
 }
 END_TEST
 
+/* dlpc__send_within() keeps one deadline for the whole frame: a peer that reads a little now
+ * and then (so that every single write makes progress, and no per-write timeout such as
+ * SO_SNDTIMEO would ever expire) does not stretch it; the write fails with -EAGAIN, counting
+ * what left. Without a bound it is dlpc__send_counted(). */
+#define TRICKLE_BYTES 4096
+#define TRICKLE_EVERY_US 20000
+
+START_TEST(test_send_within_a_trickle)
+{
+	size_t len = 64u << 20, sent = 0;
+	uint8_t *big = calloc(1, len);
+	int sv[2];
+	pid_t pid;
+
+	ck_assert_ptr_nonnull(big);
+	pair_open(sv, false);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		char buf[TRICKLE_BYTES];
+
+		close(sv[0]);
+		while (read(sv[1], buf, sizeof(buf)) > 0)
+			usleep(TRICKLE_EVERY_US);
+		_exit(0);
+	}
+	ck_assert_int_eq(dlpc__send_within(sv[0], big, len, NULL, 0, 300, &sent), -EAGAIN);
+	ck_assert_uint_gt(sent, 0);
+	ck_assert_uint_lt(sent, len);
+	kill(pid, SIGKILL);
+	ck_assert_int_eq(waitpid(pid, NULL, 0), pid);
+	pair_close(sv);
+	/* no bound: all of it, as dlpc__send_counted() */
+	pair_open(sv, false);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		size_t got = 0;
+		ssize_t n;
+
+		close(sv[0]);
+		while (got < len && (n = read(sv[1], big, len - got)) > 0)
+			got += (size_t)n;
+		_exit(got == len ? 0 : 1);
+	}
+	ck_assert_int_eq(dlpc__send_within(sv[0], big, len, NULL, 0, 0, &sent), 0);
+	ck_assert_uint_eq(sent, len);
+	ck_assert_int_eq(wait_child(pid), 0);
+	pair_close(sv);
+	free(big);
+}
+END_TEST
+
 /* ---- suite ---- */
 
 static TCase *tcase_new(const char *name)
@@ -1129,6 +1183,7 @@ static Suite *io_suite(void)
 	tcase_add_test(tc, test_tx_bad_fd);
 	tcase_add_test(tc, test_tx_epipe);
 	tcase_add_test(tc, test_send_all);
+	tcase_add_test(tc, test_send_within_a_trickle);
 	suite_add_tcase(s, tc);
 	return s;
 }
