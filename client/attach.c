@@ -372,7 +372,11 @@ static int host_storage_sound(const char *name, int fd, size_t len, bool writabl
 				  "sealed against %s (seals 0x%x)",
 				  name, writable ? "resizing" : "resizing and writes",
 				  seals < 0 ? 0 : (unsigned)seals);
-	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size < len)
+	if (fstat(fd, &st) < 0)
+		return dlpc__fail(-EPROTO,
+				  "cannot attach '%s': cannot stat the storage dlpackd sent: %m",
+				  name);
+	if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size < len)
 		return dlpc__fail(-EPROTO,
 				  "cannot attach '%s': dlpackd sent storage of %lld bytes for "
 				  "tensors of %zu",

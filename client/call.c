@@ -528,8 +528,8 @@ static void send_timeout(int sock, int64_t ms)
 
 /*
  * connect() @p c's socket to @p path, waiting @p connect_ms at most while the daemon's backlog is
- * full; then every write gives up after @p timeout (the call timeout): a daemon that stops
- * reading cannot hold the caller forever. When connecting @p again, a signal does not end it
+ * full (SO_SNDTIMEO); frames are then written within the call timeout by dlpc__send_frame(), so
+ * that a daemon that stops reading cannot hold the caller forever. When connecting @p again, a signal does not end it
  * unless the thread's interrupt check says stop. 0, or a negative errno with the message set.
  */
 static int connect_socket(dlpc_client *c, const char *path, bool again, int64_t connect_ms,

@@ -193,8 +193,6 @@ void dlpc__wake_reader(dlpc_client *c)
 	}
 }
 
-/* A write of @p c's that failed (@p r) after @p sent bytes left cut its frame short: that breaks
- * the stream, nothing may follow it. Without c->mu. */
 int dlpc__send_frame(dlpc_client *c, const void *data, size_t len, const int *fds, unsigned nfds,
 		     size_t *sent)
 {
@@ -205,6 +203,8 @@ int dlpc__send_frame(dlpc_client *c, const void *data, size_t len, const int *fd
 	return r;
 }
 
+/* A write of @p c's that failed (@p r) after @p sent bytes left cut its frame short: that breaks
+ * the stream, nothing may follow it. Without c->mu. */
 static void cut_short(dlpc_client *c, int r, size_t sent)
 {
 	if (r >= 0 || sent == 0)
@@ -343,9 +343,10 @@ void dlpc__pending_sent(dlpc_client *c, bool gone)
 
 /*
  * Send @p c's deferred releases now, those queued when it starts, a frame at a time. Under wmu.
- * A failed write means the connection is gone, and the references with it; either way none is
- * pending any more (unless the frame could not even be built, or the daemon took none of it
- * within the send timeout: then they wait for the next try).
+ * A write cut short, or a connection gone, takes the references with it: none is pending any
+ * more. A frame that could not be built, or of which nothing left on a live connection (the
+ * daemon took none of it within the call timeout, the kernel had no memory), keeps them for the
+ * next try: the next request, or the next release.
  */
 void dlpc__flush_locked(dlpc_client *c)
 {
@@ -360,12 +361,11 @@ void dlpc__flush_locked(dlpc_client *c)
 		if (len <= 0)
 			return;
 		r = dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, &sent);
-		/* nothing left, and the connection lives (the daemon took nothing within the call
-		 * timeout, the kernel had no memory): keep them, and have the library's thread try
-		 * again later (where it cannot run, the next request carries them) */
+		/* nothing left, and the connection lives: keep them (not retried from here: the
+		 * library's thread would wait on this socket again and again while the daemon is
+		 * stopped, serving nobody else) */
 		if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF) {
 			dlpc__pending_sent(c, false);
-			(void)dlpc__loop_flush_soon(false);
 			return;
 		}
 		dlpc__pending_sent(c, true);

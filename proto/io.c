@@ -434,10 +434,12 @@ int dlpc__send_within(int sock, const void *data, size_t len, const int *fds, un
 		      int64_t timeout_ms, size_t *sent)
 {
 	const uint8_t *p = data;
-	int64_t deadline = mono_ms() + timeout_ms;
+	int64_t now = mono_ms(), deadline;
 
-	if (timeout_ms <= 0)
+	/* (a bound past the clock's end is none) */
+	if (timeout_ms <= 0 || timeout_ms > INT64_MAX - now)
 		return dlpc__send_counted(sock, data, len, fds, nfds, sent);
+	deadline = now + timeout_ms;
 	*sent = 0;
 	while (len > 0) {
 		ssize_t n = send_some(sock, p, len, fds, nfds, MSG_DONTWAIT);

@@ -23,9 +23,10 @@
  *   (DLPC_CALL_TIMEOUT_MS_DEFAULT, 30 s, when unset; 0 or negative: no bound). Either way the
  *   call fails with -ETIMEDOUT and the connection stays usable: a reply that comes later is
  *   dropped, and the reference of a late ATTACH reply given back, when the connection next
- *   reads (with its next call). The timeout bounds writing a request too, however the daemon
- *   reads meanwhile; one it cut short leaves the stream unusable, so that connection is lost
- *   (later calls fail, or connect anew with DLPC_CONNECT_RECONNECT). A request that timed out may still take effect. Only an attach
+ *   reads (with its next call). $DLPC_CALL_TIMEOUT_MS also bounds each frame a call writes,
+ *   however slowly the daemon reads (a waiting call's included); a request it cut short leaves
+ *   the stream unusable, so that connection is lost (later calls fail, or connect anew with
+ *   DLPC_CONNECT_RECONNECT). A request that timed out may still take effect. Only an attach
  *   with a negative timeout_ms waits without bound; dlpc_close() ends it.
  * - A wait given up on the client's side (an attach, receive or send that timed out there, was
  *   interrupted, or was ended by dlpc_cancel() or dlpc_close()) ends in dlpackd at once too:

@@ -948,6 +948,11 @@ START_TEST(test_attach_wait)
 END_TEST
 
 /* Only the caller's connection is open and nothing is referenced. */
+static bool conns_are(const dlpc_stats *s, void *arg)
+{
+	return s->connections == *(unsigned *)arg;
+}
+
 static bool alone(const dlpc_stats *s, void *arg)
 {
 	(void)arg;
@@ -1077,6 +1082,35 @@ static bool in_sendmsg(int tid)
 	return nr == SYS_sendmsg;
 }
 
+/* Fill @p p's keys and tensors with the bundle of STUCK_KEYS one-byte tensors; its keys live in
+ * *@p keys. Free the three with stuck_free(). */
+static void stuck_bundle(struct stuck_publish *p, char **keys)
+{
+	static uint8_t byte = 7;
+	static int64_t one = 1;
+	DLDataType u8 = {kDLUInt, 8, 1};
+
+	*keys = malloc((size_t)STUCK_KEYS * (STUCK_KEY_LEN + 1));
+	p->keys = malloc(STUCK_KEYS * sizeof(*p->keys));
+	p->ts = malloc(STUCK_KEYS * sizeof(*p->ts));
+	ck_assert(*keys && p->keys && p->ts);
+	for (int i = 0; i < STUCK_KEYS; i++) {
+		char *k = *keys + (size_t)i * (STUCK_KEY_LEN + 1);
+
+		memset(k, 'k', STUCK_KEY_LEN);
+		snprintf(k + STUCK_KEY_LEN - 6, 7, "%06d", i);
+		p->keys[i] = k;
+		p->ts[i] = host_tensor(&byte, u8, 1, &one, NULL, NULL);
+	}
+}
+
+static void stuck_free(struct stuck_publish *p, char *keys)
+{
+	free(p->ts);
+	free(p->keys);
+	free(keys);
+}
+
 static pid_t stopped_daemon;
 
 /* (SIGALRM) The deleter took too long: let the daemon run, so that a blocked one returns and the
@@ -1098,9 +1132,6 @@ START_TEST(test_deleter_while_a_send_is_stuck)
 {
 	struct stuck_publish p = {.r = 0};
 	struct sigaction sa = {.sa_handler = continue_daemon};
-	DLDataType u8 = {kDLUInt, 8, 1};
-	static uint8_t byte = 7;
-	int64_t one = 1;
 	struct timespec t0, t1;
 	DLManagedTensorVersioned *t;
 	dlpc_client *probe;
@@ -1115,18 +1146,7 @@ START_TEST(test_deleter_while_a_send_is_stuck)
 	p.c = connect_or_die(&D);
 	ck_assert_dlpc(dlpc_attach(p.c, "held", NULL, &t), 1);
 	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 1}, scaled_ms(1000)));
-	keys = malloc((size_t)STUCK_KEYS * (STUCK_KEY_LEN + 1));
-	p.keys = malloc(STUCK_KEYS * sizeof(*p.keys));
-	p.ts = malloc(STUCK_KEYS * sizeof(*p.ts));
-	ck_assert(keys && p.keys && p.ts);
-	for (int i = 0; i < STUCK_KEYS; i++) {
-		char *k = keys + (size_t)i * (STUCK_KEY_LEN + 1);
-
-		memset(k, 'k', STUCK_KEY_LEN);
-		snprintf(k + STUCK_KEY_LEN - 6, 7, "%06d", i);
-		p.keys[i] = k;
-		p.ts[i] = host_tensor(&byte, u8, 1, &one, NULL, NULL);
-	}
+	stuck_bundle(&p, &keys);
 
 	stopped_daemon = D.pid;
 	ck_assert_int_eq(sigaction(SIGALRM, &sa, NULL), 0);
@@ -1156,9 +1176,46 @@ START_TEST(test_deleter_while_a_send_is_stuck)
 	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 0}, scaled_ms(5000)));
 	dlpc_close(p.c);
 	dlpc_close(probe);
-	free(p.ts);
-	free(p.keys);
-	free(keys);
+	stuck_free(&p, keys);
+}
+END_TEST
+
+/*
+ * A request whose write the call timeout cut short (the daemon stopped, the frame larger than
+ * the socket's buffer) fails with -ETIMEDOUT and costs its connection: the socket is shut for
+ * writing, so nothing more lands in the broken stream and the daemon, once it runs again, drops
+ * the connection at the end of what came (not at its frame timeout, 10 s), and the client's
+ * next call fails at once.
+ */
+START_TEST(test_a_request_cut_short_costs_the_connection)
+{
+	struct stuck_publish p = {.r = 0};
+	dlpc_stats s = {.size = sizeof(s)};
+	dlpc_client *probe;
+	dlpc_entry_info *l;
+	char *keys;
+	size_t n;
+
+	probe = connect_or_die(&D);
+	ck_assert_int_eq(setenv(DLPC_CALL_TIMEOUT_ENV, "300", 1), 0);
+	p.c = connect_or_die(&D);
+	ck_assert_int_eq(unsetenv(DLPC_CALL_TIMEOUT_ENV), 0);
+	ck_assert(wait_stat(probe, conns_are, &(unsigned){2}, scaled_ms(1000)));
+	stuck_bundle(&p, &keys);
+	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
+	publish_stuck(&p);
+	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+	ck_assert_msg(p.r == -ETIMEDOUT, "publish: %d %s", p.r, dlpc_last_error());
+	ck_assert_msg(wait_stat(probe, conns_are, &(unsigned){1}, scaled_ms(5000)),
+		      "the daemon kept the connection of the frame cut short");
+	ck_assert_int_lt(dlpc_stat(p.c, &s), 0);
+	/* (nothing of it was published) */
+	ck_assert_dlpc(dlpc_list(probe, "stuck", &l, &n), 0);
+	ck_assert_uint_eq(n, 0);
+	dlpc_list_free(l, n);
+	dlpc_close(p.c);
+	dlpc_close(probe);
+	stuck_free(&p, keys);
 }
 END_TEST
 
@@ -1813,6 +1870,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_threads_and_late_deleters);
 	tcase_add_test(tc, test_deferred_release);
 	tcase_add_test(tc, test_deleter_while_a_send_is_stuck);
+	tcase_add_test(tc, test_a_request_cut_short_costs_the_connection);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
 	tcase_add_test(tc, test_alloc_bundle_zero_copy);
