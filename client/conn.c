@@ -7,6 +7,7 @@
  */
 #include <assert.h>
 #include <errno.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -434,6 +435,16 @@ void dlpc__flush_nowait(dlpc_client *c)
 	/* held: its holder sends them as it lets go (dlpc__write_unlock()) */
 	if (pthread_mutex_trylock(&c->wmu) != 0)
 		return;
+	/* a socket with no room (a daemon that does not read, for now or for good) would hold this
+	 * thread, the library's or a deleter's, for the call timeout: the library's thread looks
+	 * again after DLPC_RELEASE_DELAY_MS instead, and the next request carries them anyway.
+	 * Where it polls writable, three quarters of its buffer are free: a release frame goes out
+	 * whole at once. */
+	if (poll(&(struct pollfd){.fd = c->sock, .events = POLLOUT}, 1, 0) != 1) {
+		pthread_mutex_unlock(&c->wmu);
+		(void)dlpc__loop_flush_soon(false);
+		return;
+	}
 	flush_as_asked(c);
 	dlpc__write_unlock(c);
 }
