@@ -60,7 +60,7 @@ static int send_request(dlpc_client *c, uint16_t type, uint32_t id, const Protob
 		}
 		return (int)len;
 	}
-	r = dlpc__send_frame(c, c->out.p, (size_t)len, fds, nfds, &out);
+	r = dlpc__send_frame(c, c->out.p, (size_t)len, fds, nfds, true, &out);
 	/* gone once any of them left: whole, or cut short (the connection broke, with them) */
 	if (at)
 		dlpc__pending_sent(c, out > 0);
@@ -262,6 +262,9 @@ static int call_refused(dlpc_client *c, struct dlpc__call *call, int r, const Pr
 				  "dlpackd did not take the request within %lld ms (%s): it may be "
 				  "stopped or overloaded",
 				  (long long)c->call_timeout_ms, DLPC_CALL_TIMEOUT_ENV);
+	if (r == -ECANCELED)
+		return dlpc__fail(r, "this client was closed or canceled (dlpc_close() or "
+				     "dlpc_cancel()) while the request waited to be written");
 	return dlpc__fail(r, "cannot send the request to dlpackd: %s", strerror(-r));
 }
 

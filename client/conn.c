@@ -194,10 +194,24 @@ void dlpc__wake_reader(dlpc_client *c)
 	}
 }
 
-int dlpc__send_frame(dlpc_client *c, const void *data, size_t len, const int *fds, unsigned nfds,
-		     size_t *sent)
+/* (dlpc__send_within()'s stop) Was dlpc_cancel() or dlpc_close() called on client @p arg? Under
+ * wmu, which comes before c->mu. */
+static bool closed_meanwhile(void *arg)
 {
-	int r = dlpc__send_within(c->sock, data, len, fds, nfds, c->call_timeout_ms, sent);
+	dlpc_client *c = arg;
+	bool closed;
+
+	pthread_mutex_lock(&c->mu);
+	closed = c->closed;
+	pthread_mutex_unlock(&c->mu);
+	return closed;
+}
+
+int dlpc__send_frame(dlpc_client *c, const void *data, size_t len, const int *fds, unsigned nfds,
+		     bool cancelable, size_t *sent)
+{
+	int r = dlpc__send_within(c->sock, data, len, fds, nfds, c->call_timeout_ms,
+				  cancelable ? closed_meanwhile : NULL, c, sent);
 
 	if (r < 0 && *sent > 0)
 		(void)shutdown(c->sock, SHUT_WR);
@@ -361,7 +375,7 @@ void dlpc__flush_locked(dlpc_client *c)
 		/* none left, or out of memory for the frame: keep them rather than lose them */
 		if (len <= 0)
 			return;
-		r = dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, &sent);
+		r = dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, false, &sent);
 		/* nothing left, and the connection lives: keep them (not retried from here: the
 		 * library's thread would wait on this socket again and again while the daemon is
 		 * stopped, serving nobody else) */
@@ -467,7 +481,7 @@ void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t conn
 	}
 	/* (without memory for the frame, the wait ends when the connection does) */
 	len = dlpc__msg_frame(&c->out, DLPC_MSG_CANCEL, 0, &msg.base, 0);
-	r = len < 0 ? 0 : dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, &sent);
+	r = len < 0 ? 0 : dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, false, &sent);
 	dlpc__write_unlock(c);
 	cut_short(c, r, sent);
 }

@@ -166,11 +166,12 @@ void dlpc__pending_sent(dlpc_client *c, bool gone);
 /* Send @p c's deferred releases now (conn.c). Under wmu, without c->mu. */
 void dlpc__flush_locked(dlpc_client *c);
 /* Write a frame (@p len bytes of @p data, with @p nfds fds) to @p c's socket within the call
- * timeout, all of it (dlpc__send_within(); *@p sent: what left). A frame cut short leaves the
+ * timeout, all of it (dlpc__send_within(); *@p sent: what left), or, if @p cancelable (a
+ * request's), until dlpc_cancel() or dlpc_close() (-ECANCELED). A frame cut short leaves the
  * stream broken: the socket is shut for writing at once, so that nothing more lands in it and
- * the daemon drops the connection now, not at its frame timeout. Under wmu. */
+ * the daemon drops the connection now, not at its frame timeout. Under wmu, without c->mu. */
 int dlpc__send_frame(dlpc_client *c, const void *data, size_t len, const int *fds, unsigned nfds,
-		     size_t *sent);
+		     bool cancelable, size_t *sent);
 /* Let go of c->wmu: every holder does so through this. A flush that found it held (a deleter's,
  * the library's thread's: dlpc__flush_nowait()) was left to the holder, which sends the
  * releases first. Without c->mu. */

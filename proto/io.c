@@ -431,15 +431,16 @@ static int64_t mono_ms(void)
 }
 
 int dlpc__send_within(int sock, const void *data, size_t len, const int *fds, unsigned nfds,
-		      int64_t timeout_ms, size_t *sent)
+		      int64_t timeout_ms, bool (*stop)(void *), void *arg, size_t *sent)
 {
 	const uint8_t *p = data;
-	int64_t now = mono_ms(), deadline;
+	int64_t now = mono_ms(), deadline = INT64_MAX;
 
 	/* (a bound past the clock's end is none) */
-	if (timeout_ms <= 0 || timeout_ms > INT64_MAX - now)
+	if (timeout_ms > 0 && timeout_ms <= INT64_MAX - now)
+		deadline = now + timeout_ms;
+	else if (!stop)
 		return dlpc__send_counted(sock, data, len, fds, nfds, sent);
-	deadline = now + timeout_ms;
 	*sent = 0;
 	while (len > 0) {
 		ssize_t n = send_some(sock, p, len, fds, nfds, MSG_DONTWAIT);
@@ -448,10 +449,14 @@ int dlpc__send_within(int sock, const void *data, size_t len, const int *fds, un
 
 		if (n == -EAGAIN) {
 			/* one deadline for the whole frame: a peer that reads a little at a time
-			 * cannot stretch it */
+			 * cannot stretch it; stop() is asked at least every DLPC_SEND_CHECK_MS */
 			left = deadline - mono_ms();
 			if (left <= 0)
 				return -EAGAIN;
+			if (stop && stop(arg))
+				return -ECANCELED;
+			if (stop && left > DLPC_SEND_CHECK_MS)
+				left = DLPC_SEND_CHECK_MS;
 			if (poll(&pfd, 1, left > INT32_MAX ? INT32_MAX : (int)left) < 0 &&
 			    errno != EINTR)
 				return -errno;

@@ -120,9 +120,10 @@ int dlpc__send_counted(int sock, const void *data, size_t len, const int *fds, u
 		       size_t *sent);
 /* dlpc__send_counted() that gives up with -EAGAIN once @p timeout_ms (> 0; else no bound) have
  * passed since it began, however the peer reads meanwhile (a little at a time restarts no
- * clock). */
+ * clock), and with -ECANCELED when @p stop (NULL: never), asked with @p arg whenever the peer
+ * takes nothing and at least every DLPC_SEND_CHECK_MS while it waits, says so. */
 int dlpc__send_within(int sock, const void *data, size_t len, const int *fds, unsigned nfds,
-		      int64_t timeout_ms, size_t *sent);
+		      int64_t timeout_ms, bool (*stop)(void *), void *arg, size_t *sent);
 
 /* close() that keeps errno and ignores -1. */
 void dlpc__close(int fd);

@@ -109,6 +109,10 @@
  */
 #define DLPC_RELEASE_PENDING_MAX 256
 #define DLPC_RELEASE_DELAY_MS 5
+/* How often a client's request stuck in a write (a daemon that does not read) looks whether
+ * dlpc_cancel() or dlpc_close() was called meanwhile: it then gives up, and with it the
+ * connection, whose stream it cut. */
+#define DLPC_SEND_CHECK_MS 100
 #if DLPC_RELEASE_PENDING_MAX > DLPC_RELEASE_BATCH_MAX
 #error "deferred releases must fit one RELEASE frame"
 #endif

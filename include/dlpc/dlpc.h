@@ -394,10 +394,12 @@ DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c);
  * (see dlpc_publish()). Accepts NULL.
  *
  * May be called while other threads are blocked in calls on @p c (a waiting attach, or any
- * request dlpackd has not answered yet): each of them returns -ECANCELED at once, a wait of
- * theirs ends in dlpackd too (CANCEL), and what the daemon answers later is dropped (a
- * reference given back when the connection is read again, or with the connection). As with
- * any handle, no call may start on @p c once dlpc_close() has been called.
+ * request dlpackd has not answered yet): each of them returns -ECANCELED at once (one whose
+ * request is still being written to a daemon that does not read, within DLPC_SEND_CHECK_MS,
+ * and the connection goes with the stream it cut), a wait of theirs ends in dlpackd too
+ * (CANCEL), and what the daemon answers later is dropped (a reference given back when the
+ * connection is read again, or with the connection). As with any handle, no call may start on
+ * @p c once dlpc_close() has been called.
  */
 DLPC_EXPORT void dlpc_close(dlpc_client *c);
 

@@ -1065,7 +1065,8 @@ static void *publish_stuck(void *arg)
 	return NULL;
 }
 
-/* Is thread @p tid of this process in sendmsg() (/proc's view of its system call)? */
+/* Is thread @p tid of this process waiting to write: in sendmsg(), or in poll() for room
+ * (/proc's view of its system call)? */
 static bool in_sendmsg(int tid)
 {
 	char path[64];
@@ -1079,7 +1080,7 @@ static bool in_sendmsg(int tid)
 	if (fscanf(f, "%ld", &nr) != 1)
 		nr = -1;
 	fclose(f);
-	return nr == SYS_sendmsg;
+	return nr == SYS_sendmsg || nr == SYS_poll || nr == SYS_ppoll;
 }
 
 /* Fill @p p's keys and tensors with the bundle of STUCK_KEYS one-byte tensors; its keys live in
@@ -1115,9 +1116,12 @@ static pid_t stopped_daemon;
 
 /* (SIGALRM) The deleter took too long: let the daemon run, so that a blocked one returns and the
  * test fails on its time instead of hanging with the daemon stopped. */
+static volatile sig_atomic_t daemon_continued;
+
 static void continue_daemon(int sig)
 {
 	(void)sig;
+	daemon_continued = 1;
 	kill(stopped_daemon, SIGCONT);
 }
 
@@ -1152,9 +1156,9 @@ START_TEST(test_deleter_while_a_send_is_stuck)
 	ck_assert_int_eq(sigaction(SIGALRM, &sa, NULL), 0);
 	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
 	ck_assert_int_eq(pthread_create(&th, NULL, publish_stuck, &p), 0);
-	/* the publish fills the socket's buffer and waits in sendmsg() (copying comes first) */
+	/* the publish fills the socket's buffer and waits to write (copying comes first) */
 	for (int i = 0; !(atomic_load(&p.tid) && in_sendmsg(atomic_load(&p.tid))); i++) {
-		ck_assert_msg(i < 10000, "the publish never blocked in sendmsg()");
+		ck_assert_msg(i < 10000, "the publish never waited to write");
 		usleep(1000);
 	}
 	usleep(50 * 1000); /* still there: stuck, not passing through */
@@ -1174,6 +1178,52 @@ START_TEST(test_deleter_while_a_send_is_stuck)
 	ck_assert_dlpc(p.r, 1);
 	/* the release went out, after the publish or from the library's thread */
 	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 0}, scaled_ms(5000)));
+	dlpc_close(p.c);
+	dlpc_close(probe);
+	stuck_free(&p, keys);
+}
+END_TEST
+
+/*
+ * dlpc_cancel() ends a request stuck in its write (no call timeout, the daemon stopped, the frame
+ * larger than the socket's buffer) within DLPC_SEND_CHECK_MS, as it ends a call waiting for its
+ * reply: -ECANCELED, saying why; the stream it cut costs the connection.
+ */
+START_TEST(test_cancel_ends_a_stuck_write)
+{
+	struct stuck_publish p = {.r = 0};
+	struct sigaction sa = {.sa_handler = continue_daemon};
+	dlpc_client *probe;
+	pthread_t th;
+	char *keys;
+
+	probe = connect_or_die(&D);
+	ck_assert_int_eq(setenv(DLPC_CALL_TIMEOUT_ENV, "0", 1), 0);
+	p.c = connect_or_die(&D);
+	ck_assert_int_eq(unsetenv(DLPC_CALL_TIMEOUT_ENV), 0);
+	stuck_bundle(&p, &keys);
+	stopped_daemon = D.pid;
+	ck_assert_int_eq(sigaction(SIGALRM, &sa, NULL), 0);
+	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
+	ck_assert_int_eq(pthread_create(&th, NULL, publish_stuck, &p), 0);
+	for (int i = 0; !(atomic_load(&p.tid) && in_sendmsg(atomic_load(&p.tid))); i++) {
+		ck_assert_msg(i < 10000, "the publish never waited to write");
+		usleep(1000);
+	}
+	/* a cancel that did not end it: the daemon runs again after 5 s, the publish goes on and
+	 * the test fails on its result */
+	alarm(5);
+	dlpc_cancel(p.c);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	alarm(0);
+	ck_assert_msg(!daemon_continued,
+		      "the cancel did not end the write: the publish returned "
+		      "(%d) only once the daemon ran again",
+		      p.r);
+	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+	ck_assert_msg(p.r == -ECANCELED, "publish: %d", p.r);
+	ck_assert_msg(wait_stat(probe, conns_are, &(unsigned){1}, scaled_ms(5000)),
+		      "the daemon kept the connection of the canceled write");
 	dlpc_close(p.c);
 	dlpc_close(probe);
 	stuck_free(&p, keys);
@@ -1871,6 +1921,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_deferred_release);
 	tcase_add_test(tc, test_deleter_while_a_send_is_stuck);
 	tcase_add_test(tc, test_a_request_cut_short_costs_the_connection);
+	tcase_add_test(tc, test_cancel_ends_a_stuck_write);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
 	tcase_add_test(tc, test_alloc_bundle_zero_copy);

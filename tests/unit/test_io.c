@@ -1112,7 +1112,8 @@ START_TEST(test_send_within_a_trickle)
 			usleep(TRICKLE_EVERY_US);
 		_exit(0);
 	}
-	ck_assert_int_eq(dlpc__send_within(sv[0], big, len, NULL, 0, 300, &sent), -EAGAIN);
+	ck_assert_int_eq(dlpc__send_within(sv[0], big, len, NULL, 0, 300, NULL, NULL, &sent),
+			 -EAGAIN);
 	ck_assert_uint_gt(sent, 0);
 	ck_assert_uint_lt(sent, len);
 	kill(pid, SIGKILL);
@@ -1131,7 +1132,7 @@ START_TEST(test_send_within_a_trickle)
 			got += (size_t)n;
 		_exit(got == len ? 0 : 1);
 	}
-	ck_assert_int_eq(dlpc__send_within(sv[0], big, len, NULL, 0, 0, &sent), 0);
+	ck_assert_int_eq(dlpc__send_within(sv[0], big, len, NULL, 0, 0, NULL, NULL, &sent), 0);
 	ck_assert_uint_eq(sent, len);
 	ck_assert_int_eq(wait_child(pid), 0);
 	pair_close(sv);
