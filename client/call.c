@@ -45,18 +45,18 @@ static int send_request(dlpc_client *c, uint16_t type, uint32_t id, const Protob
 	*sent = 0;
 	/* with fds, or more than a frame's worth (queued while a write was stuck): on their own */
 	if (n && (nfds || n > DLPC_RELEASE_PENDING_MAX))
-		dlpc__flush_locked(c);
+		dlpc__flush_locked(c, DLPC__FLUSH_CANCELABLE);
 	if (!nfds && atomic_load_explicit(&c->npending, memory_order_relaxed)) {
 		at = dlpc__pending_frame(c);
 		if (at < 0) /* out of memory: send them on their own, a frame at a time */
-			at = 0, dlpc__flush_locked(c);
+			at = 0, dlpc__flush_locked(c, DLPC__FLUSH_CANCELABLE);
 	}
 	len = dlpc__msg_frame_at(&c->out, (size_t)at, type, id, req, NULL, 0, nfds);
 	if (len < 0) {
 		/* the request is refused before anything left: the releases still go */
 		if (at) {
 			dlpc__pending_sent(c, false);
-			dlpc__flush_locked(c);
+			dlpc__flush_locked(c, DLPC__FLUSH_CANCELABLE);
 		}
 		return (int)len;
 	}
@@ -464,8 +464,11 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 		/* the library's thread may be reading the socket for the cache: let it look again,
 		 * so that it holds the client no longer than the user does */
 		dlpc__loop_wake();
+		/* (a call stuck writing ends within DLPC_SEND_CHECK_MS, canceled above; with no
+		 * room, the library's thread sends them later, or the connection's end drops the
+		 * references they name) */
 		pthread_mutex_lock(&c->wmu);
-		dlpc__flush_locked(c);
+		dlpc__flush_locked(c, DLPC__FLUSH_NOWAIT);
 		dlpc__write_unlock(c);
 	}
 	dlpc__client_unref(c);
@@ -532,8 +535,9 @@ static void send_timeout(int sock, int64_t ms)
 /*
  * connect() @p c's socket to @p path, waiting @p connect_ms at most while the daemon's backlog is
  * full (SO_SNDTIMEO); frames are then written within the call timeout by dlpc__send_frame(), so
- * that a daemon that stops reading cannot hold the caller forever. When connecting @p again, a signal does not end it
- * unless the thread's interrupt check says stop. 0, or a negative errno with the message set.
+ * that a daemon that stops reading cannot hold the caller forever. When connecting @p again, a
+ * signal does not end it unless the thread's interrupt check says stop. 0, or a negative errno
+ * with the message set.
  */
 static int connect_socket(dlpc_client *c, const char *path, bool again, int64_t connect_ms,
 			  int64_t timeout)

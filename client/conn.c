@@ -357,30 +357,51 @@ void dlpc__pending_sent(dlpc_client *c, bool gone)
 }
 
 /*
- * Send @p c's deferred releases now, those queued when it starts, a frame at a time. Under wmu.
- * A write cut short, or a connection gone, takes the references with it: none is pending any
- * more. A frame that could not be built, or of which nothing left on a live connection (the
- * daemon took none of it within the call timeout, the kernel had no memory), keeps them for the
- * next try: the next request, or the next release.
+ * Send @p c's deferred releases now, those queued when it starts, a frame at a time, as @p how
+ * says. Under wmu. A write cut short, or a connection gone, takes the references with it: none
+ * is pending any more. A frame that could not be built, or of which nothing left on a live
+ * connection (the daemon took none of it in time, the kernel had no memory), keeps them, and the
+ * library's thread tries again after DLPC_RELEASE_DELAY_MS (or the next request carries them).
  */
-void dlpc__flush_locked(dlpc_client *c)
+void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how)
 {
 	unsigned left = atomic_load_explicit(&c->npending, memory_order_relaxed);
 	size_t sent;
 	ssize_t len;
+	bool broken;
 	int r;
 
+	if (how == DLPC__FLUSH_NOWAIT && left) {
+		pthread_mutex_lock(&c->mu);
+		broken = c->broken;
+		pthread_mutex_unlock(&c->mu);
+		/* (a socket shut by a frame cut short never polls writable again) */
+		if (broken) {
+			pthread_mutex_lock(&c->pmu);
+			pending_set(c, 0);
+			pthread_mutex_unlock(&c->pmu);
+			return;
+		}
+	}
 	while (left) {
+		/* no room (a daemon that does not read, for now or for good): this thread would
+		 * wait for the call timeout; where it polls writable, three quarters of the buffer
+		 * are free, and a release frame goes out whole at once */
+		if (how == DLPC__FLUSH_NOWAIT &&
+		    poll(&(struct pollfd){.fd = c->sock, .events = POLLOUT}, 1, 0) != 1) {
+			(void)dlpc__loop_flush_soon(false);
+			return;
+		}
 		len = dlpc__pending_frame(c);
 		/* none left, or out of memory for the frame: keep them rather than lose them */
 		if (len <= 0)
 			return;
-		r = dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, false, &sent);
-		/* nothing left, and the connection lives: keep them (not retried from here: the
-		 * library's thread would wait on this socket again and again while the daemon is
-		 * stopped, serving nobody else) */
+		r = dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0,
+				     how == DLPC__FLUSH_CANCELABLE, &sent);
+		/* nothing left, and the connection lives: keep them, for later */
 		if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF) {
 			dlpc__pending_sent(c, false);
+			(void)dlpc__loop_flush_soon(false);
 			return;
 		}
 		dlpc__pending_sent(c, true);
@@ -406,13 +427,13 @@ static bool flush_asked(dlpc_client *c)
 	return asked;
 }
 
-/* Do the flush that was asked of the holder of wmu. Under wmu. */
+/* Do the flush that was asked of the holder of wmu, without waiting for room. Under wmu. */
 static void flush_as_asked(dlpc_client *c)
 {
 	pthread_mutex_lock(&c->pmu);
 	c->flush_asked = false;
 	pthread_mutex_unlock(&c->pmu);
-	dlpc__flush_locked(c);
+	dlpc__flush_locked(c, DLPC__FLUSH_NOWAIT);
 }
 
 /*
@@ -449,16 +470,6 @@ void dlpc__flush_nowait(dlpc_client *c)
 	/* held: its holder sends them as it lets go (dlpc__write_unlock()) */
 	if (pthread_mutex_trylock(&c->wmu) != 0)
 		return;
-	/* a socket with no room (a daemon that does not read, for now or for good) would hold this
-	 * thread, the library's or a deleter's, for the call timeout: the library's thread looks
-	 * again after DLPC_RELEASE_DELAY_MS instead, and the next request carries them anyway.
-	 * Where it polls writable, three quarters of its buffer are free: a release frame goes out
-	 * whole at once. */
-	if (poll(&(struct pollfd){.fd = c->sock, .events = POLLOUT}, 1, 0) != 1) {
-		pthread_mutex_unlock(&c->wmu);
-		(void)dlpc__loop_flush_soon(false);
-		return;
-	}
 	flush_as_asked(c);
 	dlpc__write_unlock(c);
 }

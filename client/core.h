@@ -163,8 +163,13 @@ ssize_t dlpc__pending_frame(dlpc_client *c);
 /* The frame of dlpc__pending_frame() left, or the connection is gone (@p gone: they leave the
  * queue), or nothing of it left (they stay, for the next try). Under wmu. */
 void dlpc__pending_sent(dlpc_client *c, bool gone);
+/* How dlpc__flush_locked() writes: as a request's own flush, waiting for room up to the call
+ * timeout or until dlpc_cancel() or dlpc_close(); or only while the socket has room, leaving
+ * the rest to the library's thread (it never waits: for deleters, the library's thread, a
+ * holder of wmu flushing for others, dlpc_close()). */
+enum dlpc__flush { DLPC__FLUSH_CANCELABLE, DLPC__FLUSH_NOWAIT };
 /* Send @p c's deferred releases now (conn.c). Under wmu, without c->mu. */
-void dlpc__flush_locked(dlpc_client *c);
+void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how);
 /* Write a frame (@p len bytes of @p data, with @p nfds fds) to @p c's socket within the call
  * timeout, all of it (dlpc__send_within(); *@p sent: what left), or, if @p cancelable (a
  * request's), until dlpc_cancel() or dlpc_close() (-ECANCELED). A frame cut short leaves the

@@ -396,7 +396,7 @@ DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c);
  * May be called while other threads are blocked in calls on @p c (a waiting attach, or any
  * request dlpackd has not answered yet): each of them returns -ECANCELED at once (one whose
  * request is still being written to a daemon that does not read, within DLPC_SEND_CHECK_MS,
- * and the connection goes with the stream it cut), a wait of theirs ends in dlpackd too
+ * and the connection goes with the stream, if it cut one), a wait of theirs ends in dlpackd too
  * (CANCEL), and what the daemon answers later is dropped (a reference given back when the
  * connection is read again, or with the connection). As with any handle, no call may start on
  * @p c once dlpc_close() has been called.
@@ -404,8 +404,9 @@ DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c);
 DLPC_EXPORT void dlpc_close(dlpc_client *c);
 
 /**
- * Make every call blocked on @p c return -ECANCELED at once, and every later call on it too,
- * as dlpc_close() does, but keep the handle: the caller still calls dlpc_close() (for example
+ * Make every call blocked on @p c return -ECANCELED at once (one still writing its request to
+ * a daemon that does not read, within DLPC_SEND_CHECK_MS), and every later call on it too, as
+ * dlpc_close() does, but keep the handle: the caller still calls dlpc_close() (for example
  * once the threads it woke have left their calls). Safe while other threads are in calls.
  */
 DLPC_EXPORT void dlpc_cancel(dlpc_client *c);
