@@ -1129,6 +1129,23 @@ static void continue_daemon(int sig)
 	kill(stopped_daemon, SIGCONT);
 }
 
+/* Stop D's daemon (SIGALRM lets it run again: continue_daemon()), then start @p p's publish on
+ * thread *@p th and return once it waits to write (copying comes first). */
+static void publish_until_stuck(struct stuck_publish *p, pthread_t *th)
+{
+	struct sigaction sa = {.sa_handler = continue_daemon};
+
+	stopped_daemon = D.pid;
+	daemon_continued = 0;
+	ck_assert_int_eq(sigaction(SIGALRM, &sa, NULL), 0);
+	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
+	ck_assert_int_eq(pthread_create(th, NULL, publish_stuck, p), 0);
+	for (int i = 0; !(atomic_load(&p->tid) && in_sendmsg(atomic_load(&p->tid))); i++) {
+		ck_assert_msg(i < 10000, "the publish never waited to write");
+		usleep(1000);
+	}
+}
+
 /*
  * A tensor's deleter returns at once while another thread of the client is stuck in a send:
  * with no call timeout and the daemon stopped, a PUBLISH too large for the socket's buffer
@@ -1139,7 +1156,6 @@ static void continue_daemon(int sig)
 START_TEST(test_deleter_while_a_send_is_stuck)
 {
 	struct stuck_publish p = {.r = 0};
-	struct sigaction sa = {.sa_handler = continue_daemon};
 	struct timespec t0, t1;
 	DLManagedTensorVersioned *t;
 	dlpc_client *probe;
@@ -1155,16 +1171,7 @@ START_TEST(test_deleter_while_a_send_is_stuck)
 	ck_assert_dlpc(dlpc_attach(p.c, "held", NULL, &t), 1);
 	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 1}, scaled_ms(1000)));
 	stuck_bundle(&p, &keys);
-
-	stopped_daemon = D.pid;
-	ck_assert_int_eq(sigaction(SIGALRM, &sa, NULL), 0);
-	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
-	ck_assert_int_eq(pthread_create(&th, NULL, publish_stuck, &p), 0);
-	/* the publish fills the socket's buffer and waits to write (copying comes first) */
-	for (int i = 0; !(atomic_load(&p.tid) && in_sendmsg(atomic_load(&p.tid))); i++) {
-		ck_assert_msg(i < 10000, "the publish never waited to write");
-		usleep(1000);
-	}
+	publish_until_stuck(&p, &th);
 	usleep(50 * 1000); /* still there: stuck, not passing through */
 	ck_assert(in_sendmsg(atomic_load(&p.tid)));
 
@@ -1196,7 +1203,6 @@ END_TEST
 START_TEST(test_cancel_ends_a_stuck_write)
 {
 	struct stuck_publish p = {.r = 0};
-	struct sigaction sa = {.sa_handler = continue_daemon};
 	dlpc_client *probe;
 	pthread_t th;
 	char *keys;
@@ -1206,15 +1212,7 @@ START_TEST(test_cancel_ends_a_stuck_write)
 	p.c = connect_or_die(&D);
 	ck_assert_int_eq(unsetenv(DLPC_CALL_TIMEOUT_ENV), 0);
 	stuck_bundle(&p, &keys);
-	stopped_daemon = D.pid;
-	daemon_continued = 0;
-	ck_assert_int_eq(sigaction(SIGALRM, &sa, NULL), 0);
-	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
-	ck_assert_int_eq(pthread_create(&th, NULL, publish_stuck, &p), 0);
-	for (int i = 0; !(atomic_load(&p.tid) && in_sendmsg(atomic_load(&p.tid))); i++) {
-		ck_assert_msg(i < 10000, "the publish never waited to write");
-		usleep(1000);
-	}
+	publish_until_stuck(&p, &th);
 	/* a cancel that did not end it: the daemon runs again after 5 s, the publish goes on and
 	 * the test fails on its result */
 	alarm((unsigned)(scaled_ms(5000) / 1000));
