@@ -15,14 +15,6 @@
 #include "core.h"
 #include "util.h"
 
-int64_t dlpc__mono_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Has @p dl passed? */
 bool dlpc__passed(const struct timespec *dl)
 {

@@ -12,9 +12,9 @@
 
 #include <dlpc/dlpc.h>
 
+#include "util.h" /* dlpc__mono_ms() */
+
 /* ---- base.c: what every file may use; it uses nothing of the library's but error.c ---- */
-/* Monotonic milliseconds. */
-int64_t dlpc__mono_ms(void);
 /* Has @p dl (CLOCK_MONOTONIC) passed? */
 bool dlpc__passed(const struct timespec *dl);
 /* @p ms from now on CLOCK_MONOTONIC. */

@@ -6,10 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "io.h"
+#include "util.h"
 
 #define RX_MIN DLPC_RX_BUF_SIZE
 
@@ -406,51 +406,31 @@ int dlpc__tx_send(struct dlpc__tx *tx, int sock, const void *data, size_t len, c
 int dlpc__send_counted(int sock, const void *data, size_t len, const int *fds, unsigned nfds,
 		       size_t *sent)
 {
-	const uint8_t *p = data;
-
-	*sent = 0;
-	while (len > 0) {
-		ssize_t n = send_some(sock, p, len, fds, nfds, 0);
-
-		if (n < 0)
-			return (int)n;
-		nfds = 0;
-		p += n;
-		len -= (size_t)n;
-		*sent += (size_t)n;
-	}
-	return 0;
-}
-
-static int64_t mono_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+	return dlpc__send_within(sock, data, len, fds, nfds, 0, NULL, NULL, sent);
 }
 
 int dlpc__send_within(int sock, const void *data, size_t len, const int *fds, unsigned nfds,
 		      int64_t timeout_ms, bool (*stop)(void *), void *arg, size_t *sent)
 {
 	const uint8_t *p = data;
-	int64_t now = mono_ms(), deadline = INT64_MAX;
+	int64_t now = dlpc__mono_ms(), deadline = INT64_MAX;
+	bool polled;
 
 	/* (a bound past the clock's end is none) */
 	if (timeout_ms > 0 && timeout_ms <= INT64_MAX - now)
 		deadline = now + timeout_ms;
-	else if (!stop)
-		return dlpc__send_counted(sock, data, len, fds, nfds, sent);
+	/* with neither a bound nor stop(): plain blocking writes (SO_SNDTIMEO, if any, applies) */
+	polled = deadline != INT64_MAX || stop;
 	*sent = 0;
 	while (len > 0) {
-		ssize_t n = send_some(sock, p, len, fds, nfds, MSG_DONTWAIT);
+		ssize_t n = send_some(sock, p, len, fds, nfds, polled ? MSG_DONTWAIT : 0);
 		struct pollfd pfd = {.fd = sock, .events = POLLOUT};
 		int64_t left;
 
-		if (n == -EAGAIN) {
+		if (n == -EAGAIN && polled) {
 			/* one deadline for the whole frame: a peer that reads a little at a time
 			 * cannot stretch it; stop() is asked at least every DLPC_SEND_CHECK_MS */
-			left = deadline - mono_ms();
+			left = deadline - dlpc__mono_ms();
 			if (left <= 0)
 				return -EAGAIN;
 			if (stop && stop(arg))

@@ -2,9 +2,18 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "limits.h"
 #include "util.h"
+
+int64_t dlpc__mono_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 int dlpc__bytes_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen)
 {

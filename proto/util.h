@@ -7,6 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Monotonic milliseconds. */
+int64_t dlpc__mono_ms(void);
 /* Byte-wise order of two strings, shorter first on a tie; either may be NULL when empty. */
 int dlpc__bytes_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen);
 /* Is s[0..len) well-formed UTF-8 (no overlongs, surrogates or NUL)? */

@@ -1116,6 +1116,17 @@ static void stuck_free(struct stuck_publish *p, char *keys)
 	free(keys);
 }
 
+/* A client of D with a call timeout of @p ms ($DLPC_CALL_TIMEOUT_MS, read at connect). */
+static dlpc_client *connect_timed(const char *ms)
+{
+	dlpc_client *c;
+
+	ck_assert_int_eq(setenv(DLPC_CALL_TIMEOUT_ENV, ms, 1), 0);
+	c = connect_or_die(&D);
+	ck_assert_int_eq(unsetenv(DLPC_CALL_TIMEOUT_ENV), 0);
+	return c;
+}
+
 static pid_t stopped_daemon;
 
 /* (SIGALRM) The deleter took too long: let the daemon run, so that a blocked one returns and the
@@ -1166,8 +1177,7 @@ START_TEST(test_deleter_while_a_send_is_stuck)
 	probe = connect_or_die(&D);
 	publish_filled(probe, "held", 4096, 5);
 	/* no call timeout: the send waits for as long as the daemon reads nothing */
-	ck_assert_int_eq(setenv(DLPC_CALL_TIMEOUT_ENV, "0", 1), 0);
-	p.c = connect_or_die(&D);
+	p.c = connect_timed("0");
 	ck_assert_dlpc(dlpc_attach(p.c, "held", NULL, &t), 1);
 	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 1}, scaled_ms(1000)));
 	stuck_bundle(&p, &keys);
@@ -1208,9 +1218,7 @@ START_TEST(test_cancel_ends_a_stuck_write)
 	char *keys;
 
 	probe = connect_or_die(&D);
-	ck_assert_int_eq(setenv(DLPC_CALL_TIMEOUT_ENV, "0", 1), 0);
-	p.c = connect_or_die(&D);
-	ck_assert_int_eq(unsetenv(DLPC_CALL_TIMEOUT_ENV), 0);
+	p.c = connect_timed("0");
 	stuck_bundle(&p, &keys);
 	publish_until_stuck(&p, &th);
 	/* a cancel that did not end it: the daemon runs again after 5 s, the publish goes on and
@@ -1250,9 +1258,7 @@ START_TEST(test_a_request_cut_short_costs_the_connection)
 	size_t n;
 
 	probe = connect_or_die(&D);
-	ck_assert_int_eq(setenv(DLPC_CALL_TIMEOUT_ENV, "300", 1), 0);
-	p.c = connect_or_die(&D);
-	ck_assert_int_eq(unsetenv(DLPC_CALL_TIMEOUT_ENV), 0);
+	p.c = connect_timed("300");
 	ck_assert(wait_stat(probe, conns_are, &(unsigned){2}, scaled_ms(1000)));
 	stuck_bundle(&p, &keys);
 	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
