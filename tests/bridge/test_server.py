@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The exporting and importing sides' handling of a misbehaving peer, NIXL faked, over
 socketpairs (ctest: bridge_server). The real NIXL path is driven by netns.py."""
+import base64
 import contextlib
 import errno
 import importlib
@@ -24,7 +25,9 @@ from dlpack_ipc.bridge import _importer, _nixl, _push, _registry, _replicas, _se
 class FakeNixl:
     """Records the calls; fail names methods that raise."""
 
-    def __init__(self, fail=()):
+    def __init__(self, fail=(), name="exporter-agent"):
+        self.name = name
+        self.closed = False
         self.fail = set(fail)
         self.calls = []
         self.registered = 0
@@ -82,6 +85,10 @@ class FakeNixl:
     def release(self, h):
         self._do("release", h)
 
+    def close(self):
+        assert not self.closed, "an agent destroyed twice"
+        self.closed = True
+
 
 # the bridge's own uid in these tests (its replicas' owner in dlpackd)
 BRIDGE_UID = 990
@@ -91,8 +98,10 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b = _server.Bridge.__new__(_server.Bridge)
     b.token = token
     b.agent_name = "exporter-agent"
-    b.nixl = nixl or FakeNixl()
-    b.quarantine = _server.Quarantine(b.nixl, 60.0)
+    b.nixl = nixl or FakeNixl()        # the agent in use (until an abort replaces it)
+    b.agents = _nixl.Agents(lambda name: b.nixl if name == "exporter-agent" else
+                            FakeNixl(name=name), "exporter-agent")
+    b.quarantine = _server.Quarantine(b.agents, 60.0)
     b.stop = threading.Event()
     b._lock = threading.Lock()
     b._lease_seq = 0
@@ -185,7 +194,6 @@ def lease_of(b, tensors, name="w/x"):
 
 
 def put_frame(lease, tensors, agent="importer-agent"):
-    import base64
     return {"op": "put", "id": 1, "lease": lease.id,
             "metadata": base64.b64encode(agent.encode()).decode(),
             "descs": [[1 << 20, t.nbytes] for t in tensors]}
@@ -199,7 +207,7 @@ def one_put(nixl):
     leases, lease = lease_of(b, tensors)
     c, s = tcp_pair()
     try:
-        b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
+        b._put(s, put_frame(lease, tensors), leases, b.nixl, "importer-agent", "peer")
         reply = _wire.recv(c, time.monotonic() + 5)
     except Exception as e:  # the outcome under test
         reply = e
@@ -278,7 +286,7 @@ def peer_fetch(dl, script, b=None, wait=10, stalled="the fetch did not end"):
     b = b or fake_bridge()
     link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
     link.sock, peer = socket.socketpair()
-    link.agent = "exporter-agent"
+    link.agent, link.nixl = "exporter-agent", b.agents.hold()
     out = {}
 
     def run():
@@ -430,7 +438,7 @@ def test_ucx_net_devices_follow_the_bridges_addresses():
 def test_gets_and_fetches_refused_past_quarantine_max():
     b = fake_bridge()
     for i in range(_nixl.QUARANTINE_MAX):
-        b.quarantine.add(f"test {i}")
+        b.quarantine.add(b.nixl, f"test {i}")
     c, s = tcp_pair()
     b._get(s, None, {"op": "get", "id": 7, "name": "w/x"}, {}, "peer")
     reply = _wire.recv(c, time.monotonic() + 5)
@@ -467,8 +475,8 @@ def test_a_put_with_another_agents_metadata_is_refused():
     leases, lease = lease_of(b, tensors)
     c, s = tcp_pair()
     with pytest.raises(_wire.FrameError, match="not of the peer's"):
-        b._put(s, put_frame(lease, tensors, agent="someone-else"), leases, "importer-agent",
-               "peer")
+        b._put(s, put_frame(lease, tensors, agent="someone-else"), leases, b.nixl,
+               "importer-agent", "peer")
     c.close()
     s.close()
     assert b.nixl.remotes == {"importer-agent"}       # the other agent was unloaded
@@ -524,7 +532,7 @@ def test_a_transfer_longer_than_the_lease_ttl_within_its_own_deadline_completes(
     leases, lease = lease_of(b, tensors)
     c, s = tcp_pair()
     try:
-        b._put(s, put_frame(lease, tensors), leases, "importer-agent", "peer")
+        b._put(s, put_frame(lease, tensors), leases, b.nixl, "importer-agent", "peer")
         reply = _wire.recv(c, time.monotonic() + 5)
     finally:
         c.close()
@@ -598,6 +606,183 @@ def test_an_aborted_replica_is_freed_only_once_the_exporter_is_fenced_off(monkey
         assert len(b.quarantine) == 1 and nixl.registered == 1 and dl.made[0].released == 0
 
 
+# -- an agent with an aborted transfer is replaced (_nixl.Agents) ----------------------------
+
+
+def test_an_agent_whose_write_aborted_is_replaced_and_destroyed_once_nothing_uses_it():
+    nixl = FakeNixl()
+    nixl.write_state = "ERR"            # posted, then failed: it goes to quarantine
+    b, _, tensors, raised = one_put(nixl)
+    assert isinstance(raised, ConnectionError) and len(b.quarantine) == 1
+    b.agents.tick("agent-2")
+    new = b.agents.now
+    assert new is not nixl and new.name == "agent-2" and b.agents.replaced == 1
+    assert b.agents.retired(nixl) and not b.agents.retired(new)
+    assert b.agents.alive() == [new, nixl] and not nixl.closed     # the quarantine holds it
+    b.agents.tick("agent-3")            # nothing of the new one aborted: kept
+    assert b.agents.now is new and b.agents.alive() == [new, nixl]
+    b.quarantine.sweep(all_=True)       # released by the agent it belongs to
+    assert len(b.quarantine) == 0 and nixl.registered == 0 and tensors[0].released == 1
+    assert not new.calls
+    b.agents.tick("agent-3")
+    assert b.agents.alive() == [new] and nixl.closed and not new.closed
+
+
+def test_a_write_done_or_never_posted_keeps_the_agent():
+    for fail in ((), ("write",)):
+        b, _, _, _ = one_put(FakeNixl(fail))
+        b.agents.tick("agent-2")
+        assert b.agents.now is b.nixl and b.agents.replaced == 0
+
+
+def _peer_connection(b, importer="importer"):
+    """The exporter's thread for a peer connected over loopback TCP, past the handshake
+    (importer: the peer's agent); (its socket, the thread)."""
+    class Dl:
+        def close(self):
+            pass
+    b.dlpackd = lambda reconnect=False: Dl()
+    c, s = tcp_pair()
+    slots = threading.BoundedSemaphore(1)
+    slots.acquire()
+    th = threading.Thread(target=b._run, args=(b._peer_thread, s, ("192.0.2.1", 1), slots),
+                          daemon=True)
+    th.start()
+    _wire.auth_client(c, b.token, importer, "A")
+    f = _wire.recv(c, time.monotonic() + 5)
+    assert f["op"] == "metadata" and f["agent"] == b.agents.now.name
+    _wire.send(c, {"op": "metadata", "metadata": base64.b64encode(importer.encode()).decode()})
+    return c, th
+
+
+def test_a_peer_connection_made_with_a_replaced_agent_is_closed_once_idle():
+    b = fake_bridge()
+    old = b.nixl
+    c, th = _peer_connection(b)
+    try:
+        c.settimeout(5)
+        _wire.send(c, {"op": "stat", "id": 1, "name": "elsewhere"})   # it serves requests
+        assert _wire.recv(c, time.monotonic() + 5)["errno"] == "ENOENT"
+        th.join(3 * _server.TICK)
+        assert th.is_alive() and b.agents.alive() == [old]
+        b.agents.aborted(old)
+        b.agents.tick("agent-2")
+        th.join(5)
+        assert not th.is_alive(), "the idle connection of a replaced agent stays open"
+        assert c.recv(1) == b""              # closed: the peer connects again
+        assert ("remove_remote", "importer") in old.calls
+        b.agents.tick("agent-3")
+        assert b.agents.alive() == [b.agents.now] and old.closed
+        # a new connection gets the new agent's metadata
+        c2, th2 = _peer_connection(b, "importer-2")
+        c2.close()
+        th2.join(5)
+        assert ("add_remote", b"importer-2") in b.agents.now.calls
+    finally:
+        c.close()
+        stop_fake_bridge(b)
+
+
+def test_an_importers_link_made_with_a_replaced_agent_is_closed_once_idle():
+    b = fake_bridge()
+    old = b.nixl
+    link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
+    link.sock, peer = socket.socketpair()
+    link.agent, link.nixl = "exporter-agent", b.agents.hold()
+    lost = []
+
+    class Follow:
+        def lost(self):
+            lost.append(1)
+    link.follows = {"w/f": [Follow()]}
+    try:
+        link.close_if_retired()
+        assert link.connected()              # its agent is the one in use
+        b.agents.aborted(old)
+        b.agents.tick("agent-2")
+        with link.lock:                      # a fetch under way: left alone
+            link.close_if_retired()
+            assert link.connected()
+        link.close_if_retired()
+        assert not link.connected() and link.nixl is None and lost == [1]
+        assert peer.recv(1) == b"" and ("remove_remote", "exporter-agent") in old.calls
+        b.agents.tick("agent-3")
+        assert b.agents.alive() == [b.agents.now] and old.closed
+    finally:
+        peer.close()
+
+
+def test_an_aborted_fetch_replaces_the_agent_which_lives_while_its_replica_is_quarantined(
+        monkeypatch):
+    layout = {"op": "layout", "lease": "L1", "generation": 1, "bundle": False, "ttl": 0.2,
+              "tensors": [["", "float32", [25], 100]]}
+    b, dl = fake_bridge(), ReplicaDlpackd()
+    old = b.nixl
+    assert isinstance(stalled_fetch(monkeypatch, layout, b, dl), TimeoutError)
+    assert len(b.quarantine) == 1
+    b.agents.tick("agent-2")
+    assert b.agents.now is not old and b.agents.alive() == [b.agents.now, old]
+    b.agents.tick("agent-3")
+    assert not old.closed                   # the replica in quarantine holds it
+    b.quarantine.sweep(all_=True)
+    assert old.registered == 0 and dl.made[0].released == 1
+    b.agents.tick("agent-3")
+    assert old.closed and b.agents.alive() == [b.agents.now]
+
+
+def test_retired_max_agents_still_used_stop_replacement_until_one_goes(caplog):
+    b = fake_bridge()
+    held = []
+    for i in range(_nixl.RETIRED_MAX):
+        held.append(b.agents.hold())
+        b.agents.aborted(held[-1])
+        b.agents.tick(f"agent-{i}")
+    assert b.agents.replaced == _nixl.RETIRED_MAX
+    assert len(b.agents.alive()) == _nixl.RETIRED_MAX + 1
+    now = b.agents.now
+    b.agents.aborted(now)
+    with caplog.at_level("WARNING", logger="dlpackd-bridge"):
+        b.agents.tick("one-more")
+        b.agents.tick("one-more")
+    assert b.agents.now is now and b.agents.replaced == _nixl.RETIRED_MAX
+    assert sum("RETIRED_MAX" in r.getMessage() for r in caplog.records) == 1   # logged once
+    b.agents.let_go(held[0])
+    b.agents.tick("one-more")
+    assert held[0].closed and b.agents.now.name == "one-more"
+    assert len(b.agents.alive()) == _nixl.RETIRED_MAX + 1
+    assert not any(a.closed for a in held[1:]) and not now.closed
+
+
+def test_an_agent_that_cannot_be_made_yet_is_tried_again_every_agent_retry(
+        caplog, monkeypatch):
+    made, tries = [], []
+
+    def make(name):
+        tries.append(name)
+        if made and len(tries) < 4:     # as UCX while the link that broke a transfer is down
+            raise RuntimeError("UCX: no usable transports/devices")
+        made.append(FakeNixl(name=name))
+        return made[-1]
+    monkeypatch.setattr(_nixl, "AGENT_RETRY", 0.2)
+    agents = _nixl.Agents(make, "first")
+    agents.aborted(agents.now)
+    with caplog.at_level("WARNING", logger="dlpackd-bridge"):
+        agents.tick("second")
+        assert agents.now is made[0] and agents.replaced == 0 and not made[0].closed
+        agents.tick("third")                # within AGENT_RETRY: not tried
+        assert tries == ["first", "second"]
+        time.sleep(0.25)
+        agents.tick("third")
+        time.sleep(0.25)
+        agents.tick("fourth")
+    assert tries == ["first", "second", "third", "fourth"]
+    assert agents.now.name == "fourth" and agents.replaced == 1
+    assert [r.getMessage() for r in caplog.records
+            if "no new agent" in r.getMessage()] == [
+        "NIXL agent first had an aborted transfer, and no new agent could be made: UCX: no "
+        "usable transports/devices; trying again every 0.2 s (AGENT_RETRY), said once"]
+
+
 def test_an_import_longer_than_the_lease_ttl_within_its_own_deadline_completes(monkeypatch):
     # the importer's deadline comes from the layout's bytes: 100 at 100 bytes/s, not the TTL
     monkeypatch.setattr(_importer, "TRANSFER_GRACE", 0.05)
@@ -629,7 +814,7 @@ class FakeExporter:
     def __init__(self, b, sizes):
         self.link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
         self.link.sock, self.peer = socket.socketpair()
-        self.link.agent = "exporter-agent"
+        self.link.agent, self.link.nixl = "exporter-agent", b.agents.hold()
         self.sizes = sizes
         self.released = []
         self.th = threading.Thread(target=self._serve, daemon=True)
@@ -1151,7 +1336,6 @@ def _threads_and_fds(p):
 
 def _subscriber(h):
     """A raw peer connection to the exporter, authenticated, NIXL metadata exchanged."""
-    import base64
     sock = socket.create_connection(("127.0.0.1", h.port), timeout=10)
     with open(h.token, "rb") as f:
         token = f.read().strip()
@@ -1779,7 +1963,6 @@ def test_a_subscriber_that_stops_reading_is_disconnected_and_its_subscriptions_e
     that stops reading, with small socket buffers, while every name keeps changing: the
     thread's send gives up after PUSH_SEND_TIMEOUT, the connection closes and its
     subscriptions end."""
-    import base64
     monkeypatch.setattr(_push, "PUSH_SEND_TIMEOUT", 0.2)
     monkeypatch.setattr(_push.dlpack_ipc, "watch", lambda prefix, socket=None: FakeWatch())
     b = fake_bridge()

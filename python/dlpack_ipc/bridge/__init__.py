@@ -114,11 +114,13 @@ def drop(name, *, socket=None):
 
 
 def status(*, socket=None):
-    """The local bridge's state, a dict: its agent name, peers, live leases, transfers, the
+    """The local bridge's state, a dict: its agent name (that of the NIXL agent it started with),
+    the NIXL "agents" alive (1, more while replaced ones still serve what uses them) and how many
+    times its agent was "replaced" after an aborted transfer, peers, live leases, transfers, the
     replicas each local uid holds ("replicas": {"uid": [replicas, bytes]}), each --follow
     ("follows": {"peer:name": {"subscribed": bool, "generation": the peer's generation of the
     replica held, or None}}), the subscriptions peers hold here ("subscribers") and, with
-    --registry, the registry ("registry": {"url", "name", "registered": whether this bridge's
-    record is in place, "names": how many exported names it wrote there (both None where it
-    does not --listen), "found": {"peer": connected}})."""
+    --registry, the registry ("registry": {"url", "name", "registered": whether this bridge's record
+    is in place, "names": how many exported names it wrote there (both None where it does not
+    --listen), "found": {"peer": connected}})."""
     return _request({"op": "status"}, 10.0, socket, "bridge status")

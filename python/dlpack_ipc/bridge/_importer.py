@@ -171,7 +171,8 @@ class PeerLink:
         self.looked_up = None
         self.lock = threading.Lock()
         self.sock = None
-        self.agent = None
+        self.agent = None           # the peer's agent, loaded into nixl
+        self.nixl = None            # this bridge's agent the connection was made with (held)
         self._rid = 0
         # each new connection's number: a subscription lives on the one it was made on
         self.epoch = 0
@@ -198,22 +199,27 @@ class PeerLink:
         except socket.timeout:
             raise TimeoutError(errno.ETIMEDOUT, f"connecting to {self.where} timed out") \
                 from None
+        # the agent in use now serves this connection to its end (a replaced one too)
+        nixl = self.bridge.agents.hold()
+        agent = None
         try:
             keepalive(sock)
-            _wire.auth_client(sock, self.bridge.token, self.bridge.agent_name, self.name)
+            _wire.auth_client(sock, self.bridge.token, nixl.name, self.name)
             f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
             if f["op"] != "metadata":
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
-            agent = self.bridge.nixl.add_remote(_wire.metadata(f))
+            agent = nixl.add_remote(_wire.metadata(f))
             _wire.send(sock, {"op": "metadata", "metadata":
-                              base64.b64encode(self.bridge.nixl.metadata()).decode()})
-        except _wire.FrameError as e:
+                              base64.b64encode(nixl.metadata()).decode()})
+        except BaseException as e:
             sock.close()
-            raise ConnectionError(errno.EPROTO, f"protocol error: {e}") from None
-        except BaseException:
-            sock.close()
+            if agent is not None:
+                nixl.remove_remote(agent)
+            self.bridge.agents.let_go(nixl)
+            if isinstance(e, _wire.FrameError):
+                raise ConnectionError(errno.EPROTO, f"protocol error: {e}") from None
             raise
-        self.sock, self.agent = sock, agent
+        self.sock, self.agent, self.nixl = sock, agent, nixl
         self.epoch += 1
         log.info("connected to peer %s at %s (agent %s)", self.name, self.where, agent)
 
@@ -228,9 +234,25 @@ class PeerLink:
                     follow.lost()
         removed = True
         if self.agent is not None:
-            removed = self.bridge.nixl.remove_remote(self.agent)
+            removed = self.nixl.remove_remote(self.agent)
             self.agent = None
+        if self.nixl is not None:
+            self.bridge.agents.let_go(self.nixl)
+            self.nixl = None
         return removed
+
+    def close_if_retired(self):
+        """Close the connection if it is idle and was made with an agent this bridge has
+        since replaced (_nixl.Agents): the next use connects again with the agent in use."""
+        if not self.lock.acquire(blocking=False):
+            return              # in use: looked at again at the next tick
+        try:
+            if self.sock is not None and self.bridge.agents.retired(self.nixl):
+                log.info("closing the idle connection to peer %s, made with NIXL agent %s, "
+                         "since replaced", self.name, self.nixl.name)
+                self.drop()
+        finally:
+            self.lock.release()
 
     def _read(self, sock, deadline):
         """The next frame from sock (_wire.recv), numbered; the caller holds the lock."""
@@ -519,7 +541,17 @@ class PeerLink:
 
     def _land(self, dl, rname, local, deadline, rid, lid, spec, bundle, onto):
         """_transfer's work: the bytes land in host memory, and are published from there, or
-        from onto's (device, {key: SharedTensor}) after a copy."""
+        from onto's (device, {key: SharedTensor}) after a copy. The connection's agent is held
+        throughout: a failed transfer drops the connection before its memory goes to
+        quarantine."""
+        nixl = self.bridge.agents.hold(self.nixl)
+        try:
+            return self._land_with(nixl, dl, rname, local, deadline, rid, lid, spec, bundle,
+                                   onto)
+        finally:
+            self.bridge.agents.let_go(nixl)
+
+    def _land_with(self, nixl, dl, rname, local, deadline, rid, lid, spec, bundle, onto):
         t1 = time.monotonic()
         try:
             alloc = _alloc(dl, spec, bundle, None)
@@ -531,7 +563,7 @@ class PeerLink:
         live = [t for t in alloc.values() if t.nbytes]
         pop = _Populate([(t.data_ptr, t.nbytes) for t in live]) if live else None
         try:
-            reg = self.bridge.nixl.register(*_span(live)) if live else None
+            reg = nixl.register(*_span(live)) if live else None
         except BaseException:
             if pop is not None:
                 pop.finish()
@@ -541,7 +573,7 @@ class PeerLink:
         tlimit = transfer_deadline(sum(t.nbytes for t in live))
         tdeadline = _bound(deadline, tlimit)
         try:
-            md = self.bridge.nixl.partial_metadata(reg) if live else b""
+            md = nixl.partial_metadata(reg) if live else b""
             self.sock.settimeout(_left(tdeadline, f"sending the descriptors of {rname!r}"))
             _wire.send(self.sock, {"op": "put", "id": rid, "lease": lid,
                                    "metadata": base64.b64encode(md).decode(),
@@ -553,7 +585,7 @@ class PeerLink:
             while not (done and notified):
                 _left(tdeadline, what)
                 if not notified:
-                    notified = self.bridge.nixl.notified(self.agent, lid.encode())
+                    notified = nixl.notified(self.agent, lid.encode())
                 if not done and _wire.readable(self.sock, 0 if not notified else 0.05):
                     f = self._recv(tdeadline, what)
                     if f is None:
@@ -571,15 +603,17 @@ class PeerLink:
                 pop.finish()
             if landed or reg is None:
                 if reg is not None:
-                    self.bridge.nixl.deregister(reg)
+                    nixl.deregister(reg)
             else:
                 # the exporter may still be writing into it: close the control connection
                 # (it cancels there), remove its agent (UCX closes its connection: nothing
                 # lands later) and keep the memory registered for a while; kept for good if
-                # the agent could not be removed
+                # the agent could not be removed. This bridge's agent is replaced: only its
+                # end frees what UCX may keep of that connection
                 fenced = self.drop()
-                self.bridge.quarantine.add(f"replica of {rname!r} from {self.name}", None, reg,
-                                           alloc.values(), fenced=fenced)
+                self.bridge.quarantine.add(nixl, f"replica of {rname!r} from {self.name}",
+                                           None, reg, alloc.values(), fenced=fenced)
+                self.bridge.agents.aborted(nixl)
         t3 = time.monotonic()
         n = sum(t.nbytes for t in live)
         try:

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The bridge's NIXL agent (host memory, WRITE over UCX) and the quarantine of what an aborted
-transfer left registered."""
+"""The bridge's NIXL agents (host memory, WRITE over UCX), their replacement after an aborted
+transfer, and the quarantine of what such a transfer left registered."""
+import gc
 import logging
 import threading
 import time
@@ -16,6 +17,14 @@ QUARANTINE_MAX = 64
 # Notifications received and not (yet) matched to a transfer that are kept, the oldest dropped
 # first: a peer may send any number.
 NOTIFS_MAX = 1024
+# Agents replaced after an aborted transfer and still used (by a connection, a transfer or the
+# quarantine) past which the agent in use is not replaced again until one of them is destroyed:
+# each holds a UCX worker (its data ports and threads) until nothing uses it.
+RETIRED_MAX = 4
+# Seconds between two attempts to make the agent that replaces one with an aborted transfer,
+# when making it fails (UCX finds no usable device while the link that broke the transfer is
+# still down).
+AGENT_RETRY = 2.0
 
 log = logging.getLogger("dlpackd-bridge")
 
@@ -38,6 +47,11 @@ class Nixl:
 
     def metadata(self):
         return self.agent.get_agent_metadata()
+
+    def close(self):
+        """Let go of the agent: NIXL destroys it, and UCX closes its worker's connections."""
+        self.agent = None
+        gc.collect()        # whatever cycle still held the agent's wrapper
 
     def add_remote(self, blob):
         name = _text(self.agent.add_remote_agent(blob))
@@ -107,6 +121,102 @@ class Nixl:
         return False
 
 
+class Agents:
+    """The bridge's NIXL agent in use, and those it replaced.
+
+    A transfer aborted in the middle (a link down, a peer killed) can leave UCX's data connection
+    to the peer open after the link comes back, its late bytes unread, and NIXL 1.5 has no call
+    that closes it: only destroying the agent does. So an agent with an aborted transfer is
+    replaced (tick(), from the housekeeping thread) by a new one with a new name: connections
+    made after that use the new agent, and peers load its metadata then. The old agent keeps
+    serving what still uses it (hold() / let_go(): a control connection, a transfer, an entry
+    in quarantine); its idle connections are closed (retired()), and it is destroyed once
+    nothing holds it. make(name) makes an agent (Nixl, or a test's fake)."""
+
+    def __init__(self, make, name):
+        self._make = make
+        self._lock = threading.Lock()
+        self.now = make(name)
+        self._held = {id(self.now): 0}      # id(agent): holders, for every agent alive
+        self._alive = [self.now]
+        self._aborted = False               # the agent in use had an aborted transfer
+        self._retry_at = 0.0                # time.monotonic() of the next attempt
+        self._full_logged = False
+        self._failed_logged = False
+        self.replaced = 0
+
+    def hold(self, agent=None):
+        """Hold agent (default: the one in use) until let_go(agent); the agent."""
+        with self._lock:
+            agent = agent or self.now
+            self._held[id(agent)] += 1
+            return agent
+
+    def let_go(self, agent):
+        with self._lock:
+            self._held[id(agent)] -= 1
+
+    def aborted(self, agent):
+        """A transfer of agent was aborted midway: if it is the one in use, replace it."""
+        with self._lock:
+            if agent is self.now:
+                self._aborted = True
+
+    def retired(self, agent):
+        """Whether agent was replaced (its connections close once idle)."""
+        return agent is not self.now
+
+    def alive(self):
+        """Every agent not destroyed yet, the one in use first."""
+        with self._lock:
+            return list(self._alive)
+
+    def registered(self):
+        return sum(a.registered for a in self.alive())
+
+    def tick(self, name):
+        """Destroy the replaced agents nothing holds, then replace the one in use if one of
+        its transfers aborted (named name); called from one thread only."""
+        with self._lock:
+            dead = [a for a in self._alive[1:] if self._held[id(a)] == 0]
+            for a in dead:
+                self._alive.remove(a)
+                del self._held[id(a)]
+            replace = self._aborted
+            retired = len(self._alive) - 1
+        for a in dead:
+            getattr(a, "close", lambda: None)()
+            log.info("NIXL agent %s destroyed: nothing uses it any more", a.name)
+        if not replace or time.monotonic() < self._retry_at:
+            return
+        if retired >= RETIRED_MAX:
+            if not self._full_logged:
+                self._full_logged = True
+                log.warning("NIXL agent %s had an aborted transfer, and is not replaced: %d "
+                            "replaced agents are still in use (RETIRED_MAX)", self.now.name,
+                            RETIRED_MAX)
+            return
+        try:
+            new = self._make(name)
+        except Exception as e:    # keep the one in use, and try again
+            self._retry_at = time.monotonic() + AGENT_RETRY
+            if not self._failed_logged:
+                self._failed_logged = True
+                log.warning("NIXL agent %s had an aborted transfer, and no new agent could be "
+                            "made: %s; trying again every %g s (AGENT_RETRY), said once",
+                            self.now.name, e, AGENT_RETRY)
+            return
+        with self._lock:
+            old, self.now = self.now, new
+            self._held[id(new)] = 0
+            self._alive.insert(0, new)
+            self._aborted = False
+            self._full_logged = self._failed_logged = False
+            self.replaced += 1
+        log.info("NIXL agent %s replaced by %s after an aborted transfer; the old one serves "
+                 "what uses it and is destroyed after that", old.name, new.name)
+
+
 def _text(name):
     return name.decode() if isinstance(name, bytes) else name
 
@@ -116,22 +226,25 @@ class Quarantine:
     QUARANTINE, and then only once NIXL no longer reports its transfer in progress and has
     released its handle (exporter), and once the peer that wrote into it was fenced off
     (importer: its remote agent removed, so UCX closed that connection). An entry that cannot
-    be given back is retried at each sweep and keeps counting towards QUARANTINE_MAX."""
+    be given back is retried at each sweep and keeps counting towards QUARANTINE_MAX. Each
+    entry holds the agent its registration and transfer belong to (Agents.hold)."""
 
-    def __init__(self, nixl, seconds=QUARANTINE):
+    def __init__(self, agents, seconds=QUARANTINE):
         self.seconds = seconds
-        self._nixl = nixl
+        self._agents = agents
         self._lock = threading.Lock()
         self._items = []
 
-    def add(self, why, xfer=None, reg=None, tensors=(), fenced=True):
-        """fenced False: the peer that may write into reg could not be cut off (its remote
-        agent not removed): reg and tensors are never given back."""
+    def add(self, agent, why, xfer=None, reg=None, tensors=(), fenced=True):
+        """agent: the one reg and xfer belong to. fenced False: the peer that may write into
+        reg could not be cut off (its remote agent not removed): reg and tensors are never
+        given back."""
         log.warning("quarantined for %.0f s: %s", self.seconds, why)
+        self._agents.hold(agent)
         with self._lock:
             self._items.append({"due": time.monotonic() + self.seconds, "why": why,
-                                "xfer": xfer, "reg": reg, "tensors": list(tensors),
-                                "fenced": fenced, "logged": False})
+                                "agent": agent, "xfer": xfer, "reg": reg,
+                                "tensors": list(tensors), "fenced": fenced, "logged": False})
 
     def __len__(self):
         with self._lock:
@@ -155,12 +268,13 @@ class Quarantine:
                                 held, i["why"])
                 continue
             if i["reg"] is not None:
-                _quiet(self._nixl.deregister, i["reg"])
+                _quiet(i["agent"].deregister, i["reg"])
                 i["reg"] = None
             for t in i["tensors"]:
                 t.release()
             with self._lock:
                 self._items.remove(i)
+            self._agents.let_go(i["agent"])
             log.info("released after quarantine: %s", i["why"])
 
     def _held(self, i):
@@ -170,12 +284,12 @@ class Quarantine:
         xfer = i["xfer"]
         if xfer is not None:
             try:
-                st = self._nixl.state(xfer)
+                st = i["agent"].state(xfer)
             except Exception as e:
                 st = f"state unknown: {e}"
             if st == "PROC":
                 return "its transfer is still in progress"
-            if not _quiet(self._nixl.release, xfer):
+            if not _quiet(i["agent"].release, xfer):
                 return "NIXL did not release its transfer handle"
             i["xfer"] = None
         return None

@@ -5,9 +5,11 @@ over NIXL (docs/bridge.md).
 Threads: one accepts peers on --listen and one accepts local clients on --socket; each
 connection gets a thread of its own that does all of its work (its leases and the pushes of its
 subscriptions included), and one housekeeping thread gives back what an aborted transfer left in
-quarantine. Subscriptions add one thread that watches the local dlpackd; --follow adds one
-thread per followed name and one per peer followed, which reads the pushes (_push.py). The NIXL
-agent is shared; its calls are serialized by NIXL itself (NIXL_THREAD_SYNC_STRICT).
+quarantine, replaces a NIXL agent that had an aborted transfer and destroys the one replaced
+once nothing uses it (_nixl.Agents). Subscriptions add one thread that watches the local
+dlpackd; --follow adds one thread per followed name and one per peer followed, which reads the
+pushes (_push.py). A NIXL agent is shared by the connections made while it was the one in use;
+its calls are serialized by NIXL itself (NIXL_THREAD_SYNC_STRICT).
 """
 import base64
 import errno
@@ -27,7 +29,7 @@ from . import _cuda, _importer, _push, _registry, _replicas, _wire
 from ._importer import POLL, PeerLink
 from ._importer import keepalive as _keepalive
 from ._nixl import QUARANTINE  # noqa: F401  (__main__ reads _server.QUARANTINE)
-from ._nixl import QUARANTINE_MAX, Nixl, Quarantine, _quiet, _span
+from ._nixl import QUARANTINE_MAX, Agents, Nixl, Quarantine, _quiet, _span
 
 # How long an exporter keeps a lease (and its dlpackd reference) for an importer that asked for
 # a name's layout and has not sent its descriptors yet; also the longest one WRITE may take.
@@ -190,7 +192,9 @@ class Bridge:
                                  f"not '{_registry.ANY_HOST}')")
             self.peers[name] = PeerLink(self, name, parse_addr(addr, f"--peer {name}"))
         self.host = socket.gethostname()
-        self.agent_name = f"dlpackd-bridge/{self.host}/{time.time_ns()}"
+        # the bridge's name among NIXL agents: its first agent's (a replaced one gets a new
+        # name, new_agent_name()); lease ids and its registry record carry it
+        self.agent_name = self.new_agent_name()
         self.stop = threading.Event()
         self._registry(args)
         self.follow = []
@@ -219,8 +223,8 @@ class Bridge:
             self.follow.append((link, rname, name))
         self.follows = [_push.Follow(self, link, rname, local)
                         for link, rname, local in self.follow]
-        self.nixl = Nixl(self.agent_name, args.progress_thread)
-        self.quarantine = Quarantine(self.nixl, args.quarantine)
+        self.agents = Agents(lambda name: Nixl(name, args.progress_thread), self.agent_name)
+        self.quarantine = Quarantine(self.agents, args.quarantine)
         state_dir = getattr(args, "state_dir", None)
         self.replicas = _replicas.Ledger(
             os.geteuid(),
@@ -369,6 +373,11 @@ class Bridge:
             why = self._cuda_why
         return ([] if why else ["cuda"]), why
 
+    def new_agent_name(self):
+        """A NIXL agent name no other bridge, or restart of this one, has used: the host and
+        the time (a peer never meets stale metadata under it)."""
+        return f"dlpackd-bridge/{self.host}/{time.time_ns()}"
+
     def new_lease_id(self):
         with self._lock:
             self._lease_seq += 1
@@ -414,6 +423,13 @@ class Bridge:
     def _housekeeping(self):
         while not self.stop.wait(1.0):
             self.quarantine.sweep()
+            self.agents.tick(self.new_agent_name())
+            # a connection to a peer made with a replaced agent is closed once idle; the next
+            # use connects again with the agent in use
+            with self._lock:
+                links = list(self.peers.values()) + list(self.found.values())
+            for link in links:
+                link.close_if_retired()
 
     def _accept(self, lsock, target, slots, what):
         lsock.settimeout(0.5)
@@ -452,6 +468,7 @@ class Bridge:
         who = f"{addr[0]}:{addr[1]}"
         leases = {}
         remote = None
+        nixl = None
         dl = None
         sub = _push.Subscriber(who)
         try:
@@ -472,17 +489,25 @@ class Bridge:
                 log.warning("peer %s refused: %s", who, e)
                 return
             who = f"{str(hello.get('from', '?'))[:200]!r} at {who}"  # peer-chosen: quoted
-            _wire.send(sock, {"op": "metadata", "agent": self.agent_name,
-                              "metadata": base64.b64encode(self.nixl.metadata()).decode()})
+            # the agent in use now serves this connection to its end (a replaced one too)
+            nixl = self.agents.hold()
+            _wire.send(sock, {"op": "metadata", "agent": nixl.name,
+                              "metadata": base64.b64encode(nixl.metadata()).decode()})
             f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
             if f["op"] != "metadata":
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
-            remote = self.nixl.add_remote(_wire.metadata(f))
+            remote = nixl.add_remote(_wire.metadata(f))
             log.info("peer %s connected (agent %r)", who, remote)
             dl = self.dlpackd(reconnect=True)
             sub.who = who
             while not self.stop.is_set():
                 self._expire(leases, who)
+                if not leases and self.agents.retired(nixl):
+                    # the peer connects again, with this bridge's new agent, at its next
+                    # request (and subscribes again); a lease in flight is let finish first
+                    log.info("peer %s: closing its connection, idle, made with NIXL agent %s, "
+                             "since replaced", who, nixl.name)
+                    return
                 if sub.names:
                     self.publisher.flush(sock, dl, sub)
                 if not _wire.readable(sock, TICK):
@@ -492,7 +517,7 @@ class Bridge:
                 if op == "get":
                     self._get(sock, dl, f, leases, who)
                 elif op == "put":
-                    self._put(sock, f, leases, remote, who)
+                    self._put(sock, f, leases, nixl, remote, who)
                 elif op == "stat":
                     self._stat(sock, dl, f)
                 elif op == "subscribe":
@@ -518,7 +543,9 @@ class Bridge:
             for lease in list(leases.values()):
                 self._end(lease, "connection lost")
             if remote is not None:
-                self.nixl.remove_remote(remote)
+                nixl.remove_remote(remote)
+            if nixl is not None:
+                self.agents.let_go(nixl)
             if dl is not None:
                 dl.close()
 
@@ -540,23 +567,23 @@ class Bridge:
             self.lease_ended()
         log.debug("lease %s on %r ended: %s", lease.id, lease.name, why)
 
-    def _quarantine(self, lease, why, xfer, reg):
-        """Hand what lease still holds (its attach, xfer and reg where not None) to the
-        quarantine, and free its slot."""
-        self.quarantine.add(why, xfer, reg, [t for _, t in lease.tensors])
+    def _quarantine(self, lease, nixl, why, xfer, reg):
+        """Hand what lease still holds (its attach, xfer and reg of agent nixl where not None)
+        to the quarantine, and free its slot."""
+        self.quarantine.add(nixl, why, xfer, reg, [t for _, t in lease.tensors])
         lease.tensors = []
         self.lease_ended()
 
-    def _finish(self, lease, xfer, reg, who):
+    def _finish(self, lease, nixl, xfer, reg, who):
         """A transfer done (or never posted: xfer None): give back its handle, its
         registration, then the lease. Each step is tried; what a failed one leaves registered
         goes to quarantine with the attach (the mapping must outlive the registration)."""
-        released = xfer is None or _quiet(self.nixl.release, xfer)
-        deregistered = _quiet(self.nixl.deregister, reg)
+        released = xfer is None or _quiet(nixl.release, xfer)
+        deregistered = _quiet(nixl.deregister, reg)
         if released and deregistered:
             self._end(lease, "done")
         else:
-            self._quarantine(lease, f"what NIXL did not give back after the WRITE of "
+            self._quarantine(lease, nixl, f"what NIXL did not give back after the WRITE of "
                              f"{lease.name!r} to {who}", None if released else xfer,
                              None if deregistered else reg)
 
@@ -692,7 +719,7 @@ class Bridge:
             for _, t in tensors:
                 _quiet(t.release)
 
-    def _put(self, sock, f, leases, remote, who):
+    def _put(self, sock, f, leases, nixl, remote, who):
         rid, lid = f.get("id"), str(f.get("lease"))
         lease = leases.get(lid)
         if lease is None:
@@ -713,8 +740,8 @@ class Bridge:
         try:
             # the importer's registration of its replica: loaded for each transfer, into the
             # peer's own agent (removed when the connection closes)
-            known = self.nixl.remote_names()
-            agent = self.nixl.add_remote(_wire.metadata(f))
+            known = nixl.remote_names()
+            agent = nixl.add_remote(_wire.metadata(f))
         except _wire.FrameError:
             self._end(leases.pop(lid), "bad metadata")
             raise
@@ -724,12 +751,12 @@ class Bridge:
                 "EPROTO", f"put for lease {lid}: NIXL refused the metadata: {e!r}", id=rid))
         if agent != remote:
             if agent not in known:
-                self.nixl.remove_remote(agent)
+                nixl.remove_remote(agent)
             self._end(leases.pop(lid), "metadata of another agent")
             raise _wire.FrameError("EPROTO", f"put for lease {lid}: metadata of agent {agent!r},"
                                    f" not of the peer's {remote!r}")
         # registered only for the transfer; deregistered before the attach is dropped
-        reg = self.nixl.register(*_span(live))
+        reg = nixl.register(*_span(live))
         xfer = None
         ok = False
         failure = None
@@ -739,8 +766,8 @@ class Bridge:
             limit = _importer.transfer_deadline(sum(t.nbytes for t in live))
             lease.expires = max(lease.expires, t0 + limit)
             self.count("writing")
-            xfer, st = self.nixl.write([(t.data_ptr, t.nbytes) for t in live],
-                                       [tuple(d) for d in descs], remote, lid.encode())
+            xfer, st = nixl.write([(t.data_ptr, t.nbytes) for t in live],
+                                  [tuple(d) for d in descs], remote, lid.encode())
             deadline = t0 + limit
             while st == "PROC":
                 if time.monotonic() > deadline:
@@ -749,7 +776,7 @@ class Bridge:
                 if _peer_closed(sock):
                     raise ConnectionResetError("importer closed the connection mid-transfer")
                 time.sleep(POLL)
-                st = self.nixl.state(xfer)
+                st = nixl.state(xfer)
             if st != "DONE":
                 raise ConnectionError(f"WRITE of {lease.name!r} failed ({st})")
             ok = True
@@ -767,13 +794,14 @@ class Bridge:
             self.count("writing", -1)
             leases.pop(lid, None)
             if ok:
-                self._finish(lease, xfer, reg, who)
+                self._finish(lease, nixl, xfer, reg, who)
             elif xfer is None:      # nothing was posted: nothing can land late
                 self.count("aborted")
-                self._finish(lease, None, reg, who)
+                self._finish(lease, nixl, None, reg, who)
             else:
                 self.count("aborted")
-                self._quarantine(lease, f"WRITE of {lease.name!r} to {who}", xfer, reg)
+                self._quarantine(lease, nixl, f"WRITE of {lease.name!r} to {who}", xfer, reg)
+                self.agents.aborted(nixl)
         if failure is not None:
             return _wire.send(sock, _wire.error_frame("EIO", failure, id=rid))
         self.count("served")
@@ -823,7 +851,8 @@ class Bridge:
         replicas = self.replicas.summary()      # not under the bridge's lock
         with self._lock:
             return {"op": "status", "agent": self.agent_name, "leases": self.leases,
-                    "registered": self.nixl.registered,
+                    "registered": self.agents.registered(),
+                    "agents": len(self.agents.alive()), "replaced": self.agents.replaced,
                     "quarantined": len(self.quarantine), "exports": self.exports,
                     "staged": self.staging.held,
                     "peers": {n: p.connected() for n, p in self.peers.items()},
