@@ -166,8 +166,8 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 
 	if (rep->cuda_ipc) {
 		r = dlpc__cuda_ipc_import(rep->device_uuid.data, rep->cuda_ipc->mem_handle.data,
-					  rep->cuda_ipc->event_handle.data, stream, defer, name,
-					  &m->gpu, &m->base, &ordinal);
+					  rep->cuda_ipc->event_handle.data, rep->storage_size,
+					  stream, defer, name, &m->gpu, &m->base, &ordinal);
 		if (r < 0 && r != -ENODEV && r != -EBADFD)
 			r = pidns_hint(rep, r);
 	} else {

@@ -1021,11 +1021,28 @@ int dlpc__cuda_wait(const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], int ordi
 	return r;
 }
 
+/*
+ * Whether the legacy allocation at @p base, of @p size bytes, holds the @p need bytes its entry
+ * spans: the daemon passes an IPC handle on as the publisher gave it, and a publisher that is
+ * not libdlpc may claim more than it allocated (the consumer's kernels would then read past the
+ * allocation, which faults its context). -EPROTO if not.
+ */
+static int ipc_holds(CUdeviceptr base, size_t size, uint64_t need, const char *what)
+{
+	if (need <= size)
+		return 0;
+	return dlpc__fail(
+		-EPROTO,
+		"%s: its tensors span %llu bytes, and the allocation its publisher "
+		"shared at %#llx has %zu: refused (the publisher is not libdlpc, or lies)",
+		what, (unsigned long long)need, (unsigned long long)base, size);
+}
+
 int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			  const uint8_t mem_handle[DLPC_CUDA_IPC_HANDLE_SIZE],
-			  const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *stream,
-			  bool defer, const char *name, struct dlpc__gpu_map **ret, void **base,
-			  int *ordinal)
+			  const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], uint64_t need,
+			  void *stream, bool defer, const char *name, struct dlpc__gpu_map **ret,
+			  void **base, int *ordinal)
 {
 	uint8_t key[DLPC_CUDA_IPC_HANDLE_SIZE + DLPC_CUDA_UUID_SIZE];
 	char what[DLPC_NAME_MAX + 32];
@@ -1051,9 +1068,16 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 	pthread_mutex_lock(&pubs_mu);
 	for (struct ipc_pub *p = pubs; p; p = p->next)
 		if (!p->vmm && memcmp(p->key, key, sizeof(key)) == 0) {
-			*base = (void *)(uintptr_t)p->base;
+			CUdeviceptr own = p->base;
+			size_t size = 0;
+
+			*base = (void *)(uintptr_t)own;
 			pthread_mutex_unlock(&pubs_mu);
-			r = defer ? 0 : wait_event(ev_handle, stream, what);
+			r = CU_CALL(what, cuMemGetAddressRange, NULL, &size, own);
+			if (r == 0)
+				r = ipc_holds(own, size, need, what);
+			if (r == 0 && !defer)
+				r = wait_event(ev_handle, stream, what);
 			pop_ctx();
 			return r;
 		}
@@ -1072,6 +1096,12 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			memcpy(h.reserved, mem_handle, sizeof(h.reserved));
 			r = CU_CALL(what, cuIpcOpenMemHandle, &m->base, h,
 				    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+			/* its size, for every attach of it (ipc_holds) */
+			if (r == 0) {
+				r = CU_CALL(what, cuMemGetAddressRange, NULL, &m->size, m->base);
+				if (r < 0)
+					cu.cuIpcCloseMemHandle(m->base);
+			}
 		}
 		if (r == 0) {
 			memcpy(m->key, key, sizeof(key));
@@ -1085,6 +1115,8 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 		}
 	}
 	pthread_mutex_unlock(&cache_mu);
+	if (r == 0)
+		r = ipc_holds(m->base, m->size, need, what);
 	if (r == 0 && !defer)
 		r = wait_event(ev_handle, stream, what);
 	pop_ctx();

@@ -44,14 +44,15 @@ int dlpc__cuda_ipc_export(DLManagedTensorVersioned *t, uint64_t nbytes, const ch
 bool dlpc__cuda_reclaim(uint64_t token, bool run_deleter);
 /*
  * Open a legacy IPC allocation through the import cache (or find it among this process's own
- * publications: then *@p ret is NULL), and unless @p defer order @p stream (NULL: this thread)
- * after the publisher's event. *@p base: the allocation here; *@p ordinal: the local device.
+ * publications: then *@p ret is NULL), check that it holds the @p need bytes its entry spans
+ * (-EPROTO if not), and unless @p defer order @p stream (NULL: this thread) after the
+ * publisher's event. *@p base: the allocation here; *@p ordinal: the local device.
  */
 int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			  const uint8_t mem_handle[DLPC_CUDA_IPC_HANDLE_SIZE],
-			  const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], void *stream,
-			  bool defer, const char *name, struct dlpc__gpu_map **ret, void **base,
-			  int *ordinal);
+			  const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], uint64_t need,
+			  void *stream, bool defer, const char *name, struct dlpc__gpu_map **ret,
+			  void **base, int *ordinal);
 /*
  * Before attached device memory is unmapped and released: wait for the work the consumer queued
  * on it, on the legacy default stream, or on every stream of the context if @p all. Errors are

@@ -26,6 +26,7 @@
 #include "gpu.h"
 #include "harness.h"
 #include "limits.h"
+#include "raw.h"
 
 static struct daemon D;
 static char logpath[192];
@@ -562,6 +563,142 @@ START_TEST(ipc_publisher_killed)
 	close(p.quit[1]);
 	close(p.notify[0]);
 	dlpc_close(c);
+}
+END_TEST
+
+/* ---- a publisher that claims more device memory than it shared ---- */
+
+#define LIE_BYTES 4096u /* what the lying publisher allocates */
+
+struct liar {
+	int ready[2]; /* the child writes one byte once both entries are published */
+	int quit[2];  /* the parent writes (or closes) to let it go */
+};
+
+/* PUBLISH, bypassing libdlpc, @p nelem float32s at offset 0 of the legacy allocation whose
+ * handles are @p mh and @p eh on the device @p uuid; 0 once published. */
+static int raw_ipc_publish(int fd, const char *name, int64_t nelem, const CUuuid *uuid,
+			   const CUipcMemHandle *mh, const CUipcEventHandle *eh)
+{
+	Dlpackd__V1__Publish req = DLPACKD__V1__PUBLISH__INIT;
+	Dlpackd__V1__CudaIpc ipc = DLPACKD__V1__CUDA_IPC__INIT;
+	Dlpackd__V1__TensorDesc desc = DLPACKD__V1__TENSOR_DESC__INIT, *dp = &desc;
+	int64_t shape[1] = {nelem};
+	struct dlpc__hdr h;
+	uint8_t buf[4096];
+
+	desc.dtype_code = kDLFloat;
+	desc.dtype_bits = 32;
+	desc.dtype_lanes = 1;
+	desc.n_shape = 1;
+	desc.shape = shape;
+	req.name.data = (uint8_t *)name;
+	req.name.len = strlen(name);
+	req.device_type = kDLCUDA;
+	req.storage_size = (uint64_t)nelem * sizeof(float);
+	req.n_tensors = 1;
+	req.tensors = &dp;
+	req.device_uuid.data = (uint8_t *)uuid->bytes;
+	req.device_uuid.len = sizeof(uuid->bytes);
+	ipc.mem_handle.data = (uint8_t *)mh->reserved;
+	ipc.mem_handle.len = sizeof(mh->reserved);
+	ipc.event_handle.data = (uint8_t *)eh->reserved;
+	ipc.event_handle.len = sizeof(eh->reserved);
+	req.cuda_ipc = &ipc;
+	raw_send(fd, DLPC_MSG_PUBLISH, 1, &req.base, NULL, 0);
+	if (raw_recv(fd, &h, buf, sizeof(buf)) != 1)
+		return -1;
+	return h.type == (DLPC_MSG_PUBLISH | DLPC_MSG_REPLY) ? 0 : -1;
+}
+
+/* One allocation of LIE_BYTES (5.0f in each float), published twice over one raw connection:
+ * "gpu/true" as the floats it holds, "gpu/lie" as 256 times as many (the daemon cannot tell:
+ * it passes IPC handles on as given). */
+static int publish_lies(void *arg)
+{
+	struct liar *l = arg;
+	CUipcEventHandle eh;
+	CUipcMemHandle mh;
+	CUdeviceptr base;
+	CUdevice dev;
+	CUuuid uuid;
+	CUevent ev;
+	int fd;
+	char b;
+
+	close(l->ready[0]);
+	close(l->quit[1]);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuDeviceGet(&dev, 0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuDeviceGetUuid(&uuid, dev) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&base, LIE_BYTES) == CUDA_SUCCESS);
+	fill((float *)(uintptr_t)base, LIE_BYTES / sizeof(float), 5.0f);
+	CHILD_CHECK(cuIpcGetMemHandle(&mh, base) == CUDA_SUCCESS);
+	CHILD_CHECK(cuEventCreate(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING) ==
+		    CUDA_SUCCESS);
+	CHILD_CHECK(cuEventRecord(ev, NULL) == CUDA_SUCCESS);
+	CHILD_CHECK(cuIpcGetEventHandle(&eh, ev) == CUDA_SUCCESS);
+	fd = raw_connect(&D);
+	raw_hello(fd, DLPC_PROTO_MAJOR);
+	CHILD_CHECK(raw_ipc_publish(fd, "gpu/true", LIE_BYTES / sizeof(float), &uuid, &mh, &eh) ==
+		    0);
+	CHILD_CHECK(raw_ipc_publish(fd, "gpu/lie", 256 * LIE_BYTES / sizeof(float), &uuid, &mh,
+				    &eh) == 0);
+	CHILD_CHECK(write(l->ready[1], "R", 1) == 1);
+	if (read(l->quit[0], &b, 1) < 0)
+		return 1;
+	close(fd);
+	return 0;
+}
+
+static int attach_the_lie(void *arg)
+{
+	DLManagedTensorVersioned *t = NULL, *u = NULL;
+	dlpc_client *c = NULL;
+
+	(void)arg;
+	CHILD_CHECK(dlpc_connect(D.sock, &c) == 0);
+	/* refused before anything reads it, naming both sizes; the handle opened is closed */
+	CHILD_CHECK(dlpc_attach(c, "gpu/lie", NULL, &t) == -EPROTO && !t);
+	CHILD_CHECK(strstr(dlpc_last_error(), "'gpu/lie'") &&
+		    strstr(dlpc_last_error(), "span 1048576 bytes") &&
+		    strstr(dlpc_last_error(), "has 4096"));
+	CHILD_CHECK(log_count(getpid(), "cuIpcOpenMemHandle") == 1);
+	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 1);
+	/* the same allocation as what it holds attaches, once more through the import cache
+	 * while held */
+	CHILD_CHECK(dlpc_attach(c, "gpu/true", NULL, &t) == 1);
+	CHILD_CHECK(same(t->dl_tensor.data, LIE_BYTES / sizeof(float), 5.0f));
+	CHILD_CHECK(dlpc_attach(c, "gpu/lie", NULL, &u) == -EPROTO && !u);
+	CHILD_CHECK(log_count(getpid(), "cuIpcOpenMemHandle") == 2);
+	t->deleter(t);
+	CHILD_CHECK(log_reaches(getpid(), "cuIpcCloseMemHandle", 2));
+	dlpc_close(c);
+	return 0;
+}
+
+START_TEST(ipc_lying_publisher)
+{
+	struct liar l;
+	dlpc_client *c;
+	pid_t pid;
+	char b;
+
+	ck_assert_int_eq(pipe2(l.ready, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(l.quit, O_CLOEXEC), 0);
+	pid = spawn(publish_lies, &l);
+	close(l.ready[1]);
+	close(l.quit[0]);
+	ck_assert_msg(read(l.ready[0], &b, 1) == 1, "the publisher failed before publishing");
+	ck_assert_int_eq(wait_child(spawn(attach_the_lie, NULL)), 0);
+	/* the refused attaches hold no reference */
+	c = connect_or_die(&D);
+	ck_assert(refs_reach(c, 0));
+	dlpc_close(c);
+	ck_assert_int_eq(write(l.quit[1], "Q", 1), 1);
+	ck_assert_int_eq(wait_child(pid), 0);
+	close(l.ready[0]);
+	close(l.quit[1]);
 }
 END_TEST
 
@@ -2474,6 +2611,7 @@ static Suite *gpu_suite(void)
 		{"ipc_reclaim", ipc_reclaim_idle_publisher},
 		{"ipc_reclaim_replace", ipc_reclaim_on_replace_unreferenced},
 		{"ipc_publisher_killed", ipc_publisher_killed},
+		{"ipc_lying_publisher", ipc_lying_publisher},
 		{"reclaim_batches", reclaim_batches},
 		{"vmm_outlives_publisher", vmm_outlives_publisher},
 		{"stream_ordering", stream_ordering},
