@@ -1038,6 +1038,55 @@ static int ipc_holds(CUdeviceptr base, size_t size, uint64_t need, const char *w
 		what, (unsigned long long)need, (unsigned long long)base, size);
 }
 
+/*
+ * The import cache's mapping of the allocation @p key names (its IPC handle, then its device's
+ * UUID), opened into device @p ord's context (current) if no attach holds it yet; its size
+ * looked up then. 0 and *@p ret (a reference: dlpc__cuda_unmap()), or a negative errno.
+ */
+static int ipc_open(const uint8_t key[DLPC_CUDA_IPC_HANDLE_SIZE + DLPC_CUDA_UUID_SIZE], int ord,
+		    const char *what, struct dlpc__gpu_map **ret)
+{
+	struct dlpc__gpu_map *m;
+	CUipcMemHandle h;
+	int r = 0;
+
+	pthread_mutex_lock(&cache_mu);
+	for (m = cache; m; m = m->next)
+		if (memcmp(m->key, key, sizeof(m->key)) == 0) {
+			m->refs++;
+			break;
+		}
+	if (!m) {
+		m = calloc(1, sizeof(*m));
+		if (!m) {
+			r = dlpc__fail(-ENOMEM, "%s: out of memory", what);
+		} else {
+			memcpy(h.reserved, key, sizeof(h.reserved));
+			r = CU_CALL(what, cuIpcOpenMemHandle, &m->base, h,
+				    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+			/* its size, for every attach of it (ipc_holds()) */
+			if (r == 0) {
+				r = CU_CALL(what, cuMemGetAddressRange, NULL, &m->size, m->base);
+				if (r < 0)
+					cu.cuIpcCloseMemHandle(m->base);
+			}
+		}
+		if (r == 0) {
+			memcpy(m->key, key, sizeof(m->key));
+			m->refs = 1;
+			m->ordinal = ord;
+			m->next = cache;
+			cache = m;
+		} else {
+			free(m);
+			m = NULL;
+		}
+	}
+	pthread_mutex_unlock(&cache_mu);
+	*ret = m;
+	return r;
+}
+
 int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			  const uint8_t mem_handle[DLPC_CUDA_IPC_HANDLE_SIZE],
 			  const uint8_t ev_handle[DLPC_CUDA_IPC_HANDLE_SIZE], uint64_t need,
@@ -1046,8 +1095,7 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 {
 	uint8_t key[DLPC_CUDA_IPC_HANDLE_SIZE + DLPC_CUDA_UUID_SIZE];
 	char what[DLPC_NAME_MAX + 32];
-	struct dlpc__gpu_map *m;
-	CUipcMemHandle h;
+	struct dlpc__gpu_map *m = NULL;
 	int r, ord;
 
 	snprintf(what, sizeof(what), "cannot attach '%s'", name);
@@ -1082,39 +1130,7 @@ int dlpc__cuda_ipc_import(const uint8_t uuid[DLPC_CUDA_UUID_SIZE],
 			return r;
 		}
 	pthread_mutex_unlock(&pubs_mu);
-	pthread_mutex_lock(&cache_mu);
-	for (m = cache; m; m = m->next)
-		if (memcmp(m->key, key, sizeof(key)) == 0) {
-			m->refs++;
-			break;
-		}
-	if (!m) {
-		m = calloc(1, sizeof(*m));
-		if (!m) {
-			r = dlpc__fail(-ENOMEM, "%s: out of memory", what);
-		} else {
-			memcpy(h.reserved, mem_handle, sizeof(h.reserved));
-			r = CU_CALL(what, cuIpcOpenMemHandle, &m->base, h,
-				    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-			/* its size, for every attach of it (ipc_holds) */
-			if (r == 0) {
-				r = CU_CALL(what, cuMemGetAddressRange, NULL, &m->size, m->base);
-				if (r < 0)
-					cu.cuIpcCloseMemHandle(m->base);
-			}
-		}
-		if (r == 0) {
-			memcpy(m->key, key, sizeof(key));
-			m->refs = 1;
-			m->ordinal = ord;
-			m->next = cache;
-			cache = m;
-		} else {
-			free(m);
-			m = NULL;
-		}
-	}
-	pthread_mutex_unlock(&cache_mu);
+	r = ipc_open(key, ord, what, &m);
 	if (r == 0)
 		r = ipc_holds(m->base, m->size, need, what);
 	if (r == 0 && !defer)
