@@ -36,6 +36,16 @@ void dlpc__deadline_in(struct timespec *dl, int64_t ms)
 	}
 }
 
+int64_t dlpc__ms_left(const struct timespec *dl)
+{
+	struct timespec now;
+	int64_t ns;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	ns = (int64_t)(dl->tv_sec - now.tv_sec) * 1000000000 + (dl->tv_nsec - now.tv_nsec);
+	return ns <= 0 ? 0 : (ns + 999999) / 1000000;
+}
+
 /* A thread of the library's running @p fn(@p arg), every signal blocked on it; joinable, its id
  * in *@p t, if @p t is not NULL, else detached. A joinable one works for a caller that waits for
  * it: the signals of a fault of its own stay unblocked, so that a fault there (a bad pointer of

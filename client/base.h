@@ -19,6 +19,8 @@
 bool dlpc__passed(const struct timespec *dl);
 /* @p ms from now on CLOCK_MONOTONIC. */
 void dlpc__deadline_in(struct timespec *dl, int64_t ms);
+/* The milliseconds left until @p dl (CLOCK_MONOTONIC), rounded up; 0 once it has passed. */
+int64_t dlpc__ms_left(const struct timespec *dl);
 /* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it
  * (the user's handlers never run there). false if none could be made. */
 bool dlpc__start_thread(void *(*fn)(void *), void *arg);

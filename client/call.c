@@ -35,7 +35,7 @@ static void unlink_call(dlpc_client *c, struct dlpc__call *call)
  * @p sent counts the request's bytes that left.
  */
 static int send_request(dlpc_client *c, uint16_t type, uint32_t id, const ProtobufCMessage *req,
-			const int *fds, unsigned nfds, size_t *sent)
+			const int *fds, unsigned nfds, const struct timespec *dl, size_t *sent)
 {
 	unsigned n = atomic_load_explicit(&c->npending, memory_order_relaxed);
 	ssize_t at = 0, len;
@@ -45,22 +45,22 @@ static int send_request(dlpc_client *c, uint16_t type, uint32_t id, const Protob
 	*sent = 0;
 	/* with fds, or more than a frame's worth (queued while a write was stuck): on their own */
 	if (n && (nfds || n > DLPC_RELEASE_PENDING_MAX))
-		dlpc__flush_locked(c, DLPC__FLUSH_CANCELABLE);
+		dlpc__flush_locked(c, DLPC__FLUSH_CANCELABLE, dl);
 	if (!nfds && atomic_load_explicit(&c->npending, memory_order_relaxed)) {
 		at = dlpc__pending_frame(c);
 		if (at < 0) /* out of memory: send them on their own, a frame at a time */
-			at = 0, dlpc__flush_locked(c, DLPC__FLUSH_CANCELABLE);
+			at = 0, dlpc__flush_locked(c, DLPC__FLUSH_CANCELABLE, dl);
 	}
 	len = dlpc__msg_frame_at(&c->out, (size_t)at, type, id, req, NULL, 0, nfds);
 	if (len < 0) {
 		/* the request is refused before anything left: the releases still go */
 		if (at) {
 			dlpc__pending_sent(c, false);
-			dlpc__flush_locked(c, DLPC__FLUSH_CANCELABLE);
+			dlpc__flush_locked(c, DLPC__FLUSH_CANCELABLE, dl);
 		}
 		return (int)len;
 	}
-	r = dlpc__send_frame(c, c->out.p, (size_t)len, fds, nfds, true, &out);
+	r = dlpc__send_frame(c, c->out.p, (size_t)len, fds, nfds, dl, true, &out);
 	/* gone once any of them left: whole, or cut short (the connection broke, with them) */
 	if (at)
 		dlpc__pending_sent(c, out > 0);
@@ -244,10 +244,13 @@ static int call_start(dlpc_client *c, struct dlpc__call *call, int64_t wait_ms,
 }
 
 /* The request of @p call failed (@p r) before its first byte left: it is taken back, and the
- * connection is as good as it was. Under c->mu, which this releases. */
+ * connection is as good as it was. @p bound and @p wait_ms: the call's (dlpc__call_ex()). Under
+ * c->mu, which this releases. */
 static int call_refused(dlpc_client *c, struct dlpc__call *call, int r, const ProtobufCMessage *req,
-			struct dlpc__call_info *info)
+			int64_t bound, int64_t wait_ms, struct dlpc__call_info *info)
 {
+	int64_t t = c->call_timeout_ms;
+
 	if (!call->canceled)
 		unlink_call(c, call);
 	pthread_mutex_unlock(&c->mu);
@@ -257,29 +260,93 @@ static int call_refused(dlpc_client *c, struct dlpc__call *call, int r, const Pr
 	if (r == -EMSGSIZE)
 		return dlpc__fail(r, "request of %zu bytes exceeds the frame limit of %u bytes",
 				  protobuf_c_message_get_packed_size(req), DLPC_FRAME_MAX);
+	/* a waiting call's own bound, where it is the shorter one (dlpc__write_ms()) */
+	if (r == -ETIMEDOUT && wait_ms > 0 && bound > 0 && (t <= 0 || bound < t))
+		return dlpc__fail(
+			r,
+			"dlpackd did not take the request within %lld ms (the call's "
+			"%lld ms wait plus %d ms grace): it may be stopped or overloaded, "
+			"or another thread's request to it was stuck",
+			(long long)bound, (long long)wait_ms, DLPC_CALL_GRACE_MS);
 	if (r == -ETIMEDOUT)
-		return dlpc__fail(r,
-				  "dlpackd did not take the request within %lld ms (%s): it may be "
-				  "stopped or overloaded",
-				  (long long)c->call_timeout_ms, DLPC_CALL_TIMEOUT_ENV);
+		return dlpc__fail(
+			r,
+			"dlpackd did not take the request within %lld ms (%s): it may be "
+			"stopped or overloaded, or another thread's request to it was stuck",
+			(long long)t, DLPC_CALL_TIMEOUT_ENV);
 	if (r == -ECANCELED)
 		return dlpc__fail(r, "this client was closed or canceled (dlpc_close() or "
 				     "dlpc_cancel()) while the request waited to be written");
+	if (r == -EINTR)
+		return dlpc__fail(r, "interrupted while the request waited to be written (another "
+				     "thread's request to dlpackd was stuck): nothing was sent");
 	return dlpc__fail(r, "cannot send the request to dlpackd: %s", strerror(-r));
 }
 
-/* Send @p call's request: 0, with c->mu held; or the error of a request refused before it left,
- * without. A request cut short breaks the connection (the wait for its reply then ends). */
+/* Was dlpc_cancel() or dlpc_close() called on @p c? Without c->mu. */
+static bool closed(dlpc_client *c)
+{
+	bool r;
+
+	pthread_mutex_lock(&c->mu);
+	r = c->closed;
+	pthread_mutex_unlock(&c->mu);
+	return r;
+}
+
+/*
+ * Take @p c's wmu for a request whose call ends at @p dl (NULL: no deadline): 0; -ETIMEDOUT once
+ * @p dl passed while another thread's write held it (at most the call timeout, as
+ * dlpc__write_ms()), -ECANCELED once dlpc_cancel() or dlpc_close() was called, -EINTR when the
+ * thread's interrupt check said to give up (both looked at every DLPC_SEND_CHECK_MS). Without
+ * c->mu.
+ */
+static int write_lock(dlpc_client *c, const struct timespec *dl)
+{
+	struct timespec until, slice;
+	int64_t bound = dlpc__write_ms(c, dl);
+	int r;
+
+	if (pthread_mutex_trylock(&c->wmu) == 0)
+		return 0;
+	if (bound > 0)
+		dlpc__deadline_in(&until, bound);
+	for (;;) {
+		if (closed(c))
+			return -ECANCELED;
+		/* (no lock of the library's held: the check may call back into it) */
+		if (dlpc__interrupted())
+			return -EINTR;
+		dlpc__deadline_in(&slice, DLPC_SEND_CHECK_MS);
+		if (bound > 0 && dlpc__ms_left(&until) < DLPC_SEND_CHECK_MS)
+			slice = until;
+		r = pthread_mutex_clocklock(&c->wmu, CLOCK_MONOTONIC, &slice);
+		if (r == 0)
+			return 0;
+		if (bound > 0 && dlpc__passed(&until))
+			return -ETIMEDOUT;
+	}
+}
+
+/* Send @p call's request by the call's deadline @p dl (NULL: none; bound and wait_ms: the
+ * call's): 0, with c->mu held; or the error of a request refused before it left, without. A
+ * request cut short breaks the connection (the wait for its reply then ends). */
 static int call_send(dlpc_client *c, struct dlpc__call *call, uint16_t type,
 		     const ProtobufCMessage *req, const int *fds, unsigned nfds,
+		     const struct timespec *dl, int64_t bound, int64_t wait_ms,
 		     struct dlpc__call_info *info)
 {
 	size_t sent = 0;
 	ssize_t len;
 	int r;
 
-	pthread_mutex_lock(&c->wmu);
-	len = send_request(c, type, call->id, req, fds, nfds, &sent);
+	/* behind another thread's write, for no longer than this call may take */
+	r = write_lock(c, dl);
+	if (r < 0) {
+		pthread_mutex_lock(&c->mu);
+		return call_refused(c, call, r, req, bound, wait_ms, info);
+	}
+	len = send_request(c, type, call->id, req, fds, nfds, dl, &sent);
 	r = len < 0 ? (int)len : 0;
 	if (r < 0)
 		dlpc__write_unlock_failed(c);
@@ -291,7 +358,7 @@ static int call_send(dlpc_client *c, struct dlpc__call *call, uint16_t type,
 	pthread_mutex_lock(&c->mu);
 	/* too large, out of memory, an fd the kernel would not pass, a daemon that does not read */
 	if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF)
-		return call_refused(c, call, r, req, info);
+		return call_refused(c, call, r, req, bound, wait_ms, info);
 	if (r < 0 && !c->broken) {
 		c->broken = r;
 		pthread_cond_broadcast(&c->cv);
@@ -409,7 +476,7 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 	dlpc__interrupt_arm();
 	r = call_start(c, &call, wait_ms, info);
 	if (r == 0)
-		r = call_send(c, &call, type, req, fds, nfds, info);
+		r = call_send(c, &call, type, req, fds, nfds, dl, bound, wait_ms, info);
 	if (r == 0)
 		r = call_wait(c, &call, type, dl, bound, wait_ms, info);
 	if (r == 0)
@@ -468,7 +535,7 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 		 * room, the library's thread sends them later, or the connection's end drops the
 		 * references they name) */
 		pthread_mutex_lock(&c->wmu);
-		dlpc__flush_locked(c, DLPC__FLUSH_NOWAIT);
+		dlpc__flush_locked(c, DLPC__FLUSH_NOWAIT, NULL);
 		dlpc__write_unlock(c);
 	}
 	dlpc__client_unref(c);

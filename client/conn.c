@@ -207,10 +207,22 @@ static bool closed_meanwhile(void *arg)
 	return closed;
 }
 
-int dlpc__send_frame(dlpc_client *c, const void *data, size_t len, const int *fds, unsigned nfds,
-		     bool cancelable, size_t *sent)
+int64_t dlpc__write_ms(const dlpc_client *c, const struct timespec *dl)
 {
-	int r = dlpc__send_within(c->sock, data, len, fds, nfds, c->call_timeout_ms,
+	int64_t t = c->call_timeout_ms, left;
+
+	if (!dl)
+		return t;
+	left = dlpc__ms_left(dl);
+	if (left < 1) /* (0 would mean no bound) */
+		left = 1;
+	return t <= 0 || left < t ? left : t;
+}
+
+int dlpc__send_frame(dlpc_client *c, const void *data, size_t len, const int *fds, unsigned nfds,
+		     const struct timespec *dl, bool cancelable, size_t *sent)
+{
+	int r = dlpc__send_within(c->sock, data, len, fds, nfds, dlpc__write_ms(c, dl),
 				  cancelable ? closed_meanwhile : NULL, c, sent);
 
 	if (r < 0 && *sent > 0)
@@ -363,7 +375,7 @@ void dlpc__pending_sent(dlpc_client *c, bool gone)
  * connection (the daemon took none of it in time, the kernel had no memory), keeps them, and the
  * library's thread tries again after DLPC_RELEASE_DELAY_MS (or the next request carries them).
  */
-void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how)
+void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct timespec *dl)
 {
 	unsigned left = atomic_load_explicit(&c->npending, memory_order_relaxed);
 	size_t sent;
@@ -396,7 +408,7 @@ void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how)
 		/* none left, or out of memory for the frame: keep them rather than lose them */
 		if (len <= 0)
 			return;
-		r = dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0,
+		r = dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, dl,
 				     how == DLPC__FLUSH_CANCELABLE, &sent);
 		/* nothing left, and the connection lives: keep them, for later */
 		if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF) {
@@ -433,7 +445,7 @@ static void flush_as_asked(dlpc_client *c)
 	pthread_mutex_lock(&c->pmu);
 	c->flush_asked = false;
 	pthread_mutex_unlock(&c->pmu);
-	dlpc__flush_locked(c, DLPC__FLUSH_NOWAIT);
+	dlpc__flush_locked(c, DLPC__FLUSH_NOWAIT, NULL);
 }
 
 /*
@@ -492,7 +504,7 @@ void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t conn
 	}
 	/* (without memory for the frame, the wait ends when the connection does) */
 	len = dlpc__msg_frame(&c->out, DLPC_MSG_CANCEL, 0, &msg.base, 0);
-	r = len < 0 ? 0 : dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, false, &sent);
+	r = len < 0 ? 0 : dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, NULL, false, &sent);
 	dlpc__write_unlock(c);
 	cut_short(c, r, sent);
 }

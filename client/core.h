@@ -163,20 +163,26 @@ ssize_t dlpc__pending_frame(dlpc_client *c);
 /* The frame of dlpc__pending_frame() left, or the connection is gone (@p gone: they leave the
  * queue), or nothing of it left (they stay, for the next try). Under wmu. */
 void dlpc__pending_sent(dlpc_client *c, bool gone);
-/* How dlpc__flush_locked() writes: as a request's own flush, waiting for room up to the call
- * timeout or until dlpc_cancel() or dlpc_close(); or only while the socket has room, leaving
- * the rest to the library's thread (it never waits: for deleters, the library's thread, a
- * holder of wmu flushing for others, dlpc_close()). */
+/* How dlpc__flush_locked() writes: as a request's own flush, waiting for room up to the
+ * request's deadline or until dlpc_cancel() or dlpc_close(); or only while the socket has room,
+ * leaving the rest to the library's thread (it never waits: for deleters, the library's thread,
+ * a holder of wmu flushing for others, dlpc_close()). */
 enum dlpc__flush { DLPC__FLUSH_CANCELABLE, DLPC__FLUSH_NOWAIT };
-/* Send @p c's deferred releases now (conn.c). Under wmu, without c->mu. */
-void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how);
-/* Write a frame (@p len bytes of @p data, with @p nfds fds) to @p c's socket within the call
- * timeout, all of it (dlpc__send_within(); *@p sent: what left), or, if @p cancelable (a
- * request's), until dlpc_cancel() or dlpc_close() (-ECANCELED). A frame cut short leaves the
- * stream broken: the socket is shut for writing at once, so that nothing more lands in it and
- * the daemon drops the connection now, not at its frame timeout. Under wmu, without c->mu. */
+/* Send @p c's deferred releases now (conn.c), a CANCELABLE flush within the deadline @p dl of
+ * the request it goes in front of (dlpc__write_ms()). Under wmu, without c->mu. */
+void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct timespec *dl);
+/* How long a write may wait for room in @p c's socket: until @p dl, the deadline of the call it
+ * is for (NULL: none), and at most the call timeout, so that a call that may wait for ever
+ * still finds a daemon that does not read. <= 0: no bound. */
+int64_t dlpc__write_ms(const dlpc_client *c, const struct timespec *dl);
+/* Write a frame (@p len bytes of @p data, with @p nfds fds) to @p c's socket within
+ * dlpc__write_ms(@p c, @p dl), all of it (dlpc__send_within(); *@p sent: what left), or, if
+ * @p cancelable (a request's), until dlpc_cancel() or dlpc_close() (-ECANCELED). A frame cut
+ * short leaves the stream broken: the socket is shut for writing at once, so that nothing more
+ * lands in it and the daemon drops the connection now, not at its frame timeout. Under wmu,
+ * without c->mu. */
 int dlpc__send_frame(dlpc_client *c, const void *data, size_t len, const int *fds, unsigned nfds,
-		     bool cancelable, size_t *sent);
+		     const struct timespec *dl, bool cancelable, size_t *sent);
 /* Let go of c->wmu: every holder does so through this. A flush that found it held (a deleter's,
  * the library's thread's: dlpc__flush_nowait()) was left to the holder, which sends the
  * releases first. Without c->mu. */

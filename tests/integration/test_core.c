@@ -1241,6 +1241,80 @@ START_TEST(test_cancel_ends_a_stuck_write)
 }
 END_TEST
 
+/* An attach of a name nobody publishes, on its own thread or the caller's: its result and
+ * message. */
+struct waiting_attach {
+	dlpc_client *c;
+	int64_t timeout_ms;
+	int r;
+	long ms;
+	char msg[512];
+};
+
+static void *attach_waiting(void *arg)
+{
+	struct waiting_attach *w = arg;
+	dlpc_attach_opts o = {.size = sizeof(o), .timeout_ms = w->timeout_ms};
+	DLManagedTensorVersioned *t = NULL;
+	struct timespec t0, t1;
+
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	w->r = dlpc_attach(w->c, "nobody/publishes/this", &o, &t);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	w->ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+	snprintf(w->msg, sizeof(w->msg), "%s", dlpc_last_error());
+	return NULL;
+}
+
+/*
+ * A call's whole time is bounded by its own deadline, the wait behind another thread's stuck
+ * write included. The call timeout is a minute and the daemon stopped, so a publish too large
+ * for the socket's buffer holds the connection's write: an attach that may wait 300 ms for its
+ * name gives up with -ETIMEDOUT once its 300 ms and DLPC_CALL_GRACE_MS have passed, saying
+ * so, not after the publish's minute; one that may wait for ever is ended by dlpc_cancel()
+ * (looked at every DLPC_SEND_CHECK_MS), with the publish.
+ */
+START_TEST(test_a_call_behind_a_stuck_write_keeps_its_own_bound)
+{
+	struct stuck_publish p = {.r = 0};
+	struct waiting_attach w = {.timeout_ms = 300}, forever = {.timeout_ms = -1};
+	dlpc_client *probe;
+	pthread_t th, fth;
+	char *keys;
+
+	probe = connect_or_die(&D);
+	p.c = w.c = forever.c = connect_timed("60000");
+	stuck_bundle(&p, &keys);
+	publish_until_stuck(&p, &th);
+	/* an attach that waited for the publish's write would return only once the daemon runs
+	 * again, 20 s from now, and fail below on what it says */
+	alarm((unsigned)(scaled_ms(20000) / 1000));
+	attach_waiting(&w);
+	ck_assert_msg(w.r == -ETIMEDOUT && !daemon_continued,
+		      "the attach returned %d after %ld ms (%s)", w.r, w.ms, w.msg);
+	ck_assert_msg(strstr(w.msg, "within 1300 ms (the call's 300 ms wait plus 1000 ms grace)") &&
+			      strstr(w.msg, "another thread's request to it was stuck"),
+		      "%s", w.msg);
+	ck_assert(in_sendmsg(atomic_load(&p.tid))); /* the publish still waits to write */
+	ck_assert_int_eq(pthread_create(&fth, NULL, attach_waiting, &forever), 0);
+	usleep(200 * 1000); /* (it waits behind the publish; if not yet, the cancel ends it too) */
+	dlpc_cancel(p.c);
+	ck_assert_int_eq(pthread_join(fth, NULL), 0);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	alarm(0);
+	ck_assert_msg(!daemon_continued, "the cancel ended the calls only once the daemon ran");
+	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+	ck_assert_msg(forever.r == -ECANCELED && strstr(forever.msg, "canceled"), "%d: %s",
+		      forever.r, forever.msg);
+	ck_assert_msg(p.r == -ECANCELED, "publish: %d", p.r);
+	ck_assert_msg(wait_stat(probe, conns_are, &(unsigned){1}, scaled_ms(5000)),
+		      "the daemon kept the connection of the canceled write");
+	dlpc_close(p.c);
+	dlpc_close(probe);
+	stuck_free(&p, keys);
+}
+END_TEST
+
 /*
  * A request whose write the call timeout cut short (the daemon stopped, the frame larger than
  * the socket's buffer) fails with -ETIMEDOUT and costs its connection: the socket is shut for
@@ -1931,6 +2005,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_deleter_while_a_send_is_stuck);
 	tcase_add_test(tc, test_a_request_cut_short_costs_the_connection);
 	tcase_add_test(tc, test_cancel_ends_a_stuck_write);
+	tcase_add_test(tc, test_a_call_behind_a_stuck_write_keeps_its_own_bound);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
 	tcase_add_test(tc, test_alloc_bundle_zero_copy);
