@@ -255,8 +255,9 @@ def fd_list(p):
 
 def ucx_sockets(w, host):
     """bridge-host's UCX sockets, from ss: its listening data ports (one per NIXL agent alive),
-    and its data connections with the other host (not the control PORT, not etcd's), counted
-    as (into its own data ports, out of them)."""
+    and its data connections with the other host (not the control PORT, not etcd's; in any
+    state that holds an fd: CLOSE-WAIT too), counted as (into its own data ports, out of
+    them)."""
     p = w.procs[f"bridge-{host}"]
     other = ADDR_B if host == "A" else ADDR_A
     listen, conns = set(), []
@@ -268,32 +269,39 @@ def ucx_sockets(w, host):
         rhost, rport = f[4].rsplit(":", 1)
         if f[0] == "LISTEN" and lport != PORT:
             listen.add(lport)
-        elif f[0] == "ESTAB" and rhost == other and PORT not in (lport, int(rport)) and \
+        elif f[0] != "TIME-WAIT" and rhost == other and PORT not in (lport, int(rport)) and \
                 int(rport) not in (ETCD_PORT, ETCD_PORT + 1):
             conns.append(lport)
     into = sum(1 for port in conns if port in listen)
     return listen, into, len(conns) - into
 
 
+def fd_state(w, host):
+    """bridge-host's fds: (how many, how many of them are UCX data connections)."""
+    _, into, out = ucx_sockets(w, host)
+    return fds(w.procs[f"bridge-{host}"]), into + out
+
+
 def agents_settled(w, host, before, what):
     """After transfers aborted: bridge-host's old NIXL agents are destroyed and nothing of
     theirs is left. Each bridge then has one agent (one UCX data port) and at most one data
-    connection each way with the other host; an older agent's connection left open after its
-    aborted transfer would be a second one. Its fd count may exceed before by the second of
-    those connections (new agents may keep one each way where the old ones shared one) and one
-    more that comes and goes in UCX (an eventfd), never by more."""
+    connection each way with the other host: an older agent's connection left open after its
+    aborted transfer would be a second one. Its other fds number as many as before (fd_state()),
+    give or take one that comes and goes in UCX (an eventfd): whether new agents keep one data
+    connection each way or share one depends on which connected first."""
     p = w.procs[f"bridge-{host}"]
     sock = w.bridge_socket(f"bridge-{host}")
+    fds0, conns0 = before
 
     def settled():
         listen, into, out = ucx_sockets(w, host)
         return bridge.status(socket=sock)["agents"] == 1 and len(listen) == 1 and \
-            into <= 1 and out <= 1 and fds(p) <= before + 2
+            into <= 1 and out <= 1 and fds(p) - into - out <= fds0 - conns0 + 1
     ok = wait_for(settled, f"{what}: bridge-{host} settled")
     listen, into, out = ucx_sockets(w, host)
     check(ok, f"{what}: bridge-{host} has {bridge.status(socket=sock)['agents']} NIXL agent(s), "
           f"data ports {sorted(listen)}, {into} data connection(s) in and {out} out with the "
-          f"other host, {fds(p)} fds ({before} before)")
+          f"other host, {fds(p)} fds ({fds0} before, {conns0} of them data connections)")
     return ok
 
 
@@ -804,7 +812,7 @@ def case_link_down(w, a, b):
     the fetch's timeout, A's abort at its WRITE's deadline, B's quarantine, an unshaped refetch: 22
     s here, the longest case)."""
     time.sleep(1.0)     # (the threads of earlier status calls see their clients go)
-    fd_a, fd_b = fds(w.procs["bridge-A"]), fds(w.procs["bridge-B"])
+    before = {h: fd_state(w, h) for h in "AB"}
     replaced = {h: bridge.status(socket=w.bridge_socket(f"bridge-{h}"))["replaced"]
                 for h in "AB"}
     ss0 = {h: sh("ip", "netns", "exec", w.ns[h], "ss", "-tanpe").stdout for h in "AB"}
@@ -844,13 +852,14 @@ def case_link_down(w, a, b):
     # UCX may keep the data connection of the aborted WRITE open in either bridge after the
     # link comes back, which only the end of its NIXL agent closes: each bridge replaced its
     # agent, and destroys the old one once its quarantine and connections let go of it
-    for host, before in (("A", fd_a), ("B", fd_b)):
+    for host in "AB":
         sock = w.bridge_socket(f"bridge-{host}")
-        st = bridge.status(socket=sock)
-        check(st["replaced"] == replaced[host] + 1,
-              f"link down: bridge-{host} replaced its agent once ({st['replaced']} times, "
-              f"{replaced[host]} before)")
-        if not agents_settled(w, host, before, "link down"):
+        # (while the link is down no new agent can be made: it may come a little later)
+        check(wait_for(lambda: bridge.status(socket=sock)["replaced"] == replaced[host] + 1,
+                       f"link down: bridge-{host} replaces its agent"),
+              f"link down: bridge-{host} replaced its agent once "
+              f"({bridge.status(socket=sock)['replaced']} times, {replaced[host]} before)")
+        if not agents_settled(w, host, before[host], "link down"):
             print(f"before:\n{ss0[host]}\nafter:\n" +
                   sh("ip", "netns", "exec", w.ns[host], "ss", "-tanpe").stdout)
 
@@ -946,7 +955,7 @@ def main():
         timed(case_tensor, w, a, b)
         timed(case_data_ports, w, a, b)
         time.sleep(1.0)     # the threads of the status calls above see their clients go
-        fd_b = fds(w.procs["bridge-B"])
+        fd_b = fd_state(w, "B")
         fdl_b = fd_list(w.procs["bridge-B"])
         ss_b = sh("ip", "netns", "exec", w.ns["B"], "ss", "-tanp").stdout
         fd_a = fds(w.procs["bridge-A"])

@@ -604,6 +604,13 @@ def test_an_aborted_replica_is_freed_only_once_the_exporter_is_fenced_off(monkey
         assert len(b.quarantine) == 0 and nixl.registered == 0 and dl.made[0].released == 1
     else:                                 # the exporter could still write: kept, counted
         assert len(b.quarantine) == 1 and nixl.registered == 1 and dl.made[0].released == 0
+        # until the end of this bridge's agent cuts it off: once replaced, and held by such
+        # entries alone, the agent is destroyed, then the memory given back
+        b.agents.tick("agent-2")
+        assert not nixl.closed and len(b.quarantine) == 1
+        b.quarantine.sweep()
+        assert nixl.closed and len(b.quarantine) == 0 and dl.made[0].released == 1
+        assert b.agents.alive() == [b.agents.now]
 
 
 # -- an agent with an aborted transfer is replaced (_nixl.Agents) ----------------------------
@@ -635,13 +642,25 @@ def test_a_write_done_or_never_posted_keeps_the_agent():
         assert b.agents.now is b.nixl and b.agents.replaced == 0
 
 
+class LeaseDl:
+    """A dlpackd that holds one 100-byte host tensor under any name."""
+
+    def attach_dict(self, name, **kw):
+        t = FakeTensor(100)
+        t.generation, t.device, t.dtype, t.shape = 1, "cpu", "float32", (25,)
+        return {"": t}
+
+    def list(self, prefix):
+        return []
+
+    def close(self):
+        pass
+
+
 def _peer_connection(b, importer="importer"):
     """The exporter's thread for a peer connected over loopback TCP, past the handshake
     (importer: the peer's agent); (its socket, the thread)."""
-    class Dl:
-        def close(self):
-            pass
-    b.dlpackd = lambda reconnect=False: Dl()
+    b.dlpackd = lambda reconnect=False: LeaseDl()
     c, s = tcp_pair()
     slots = threading.BoundedSemaphore(1)
     slots.acquire()
@@ -681,6 +700,79 @@ def test_a_peer_connection_made_with_a_replaced_agent_is_closed_once_idle():
     finally:
         c.close()
         stop_fake_bridge(b)
+
+
+def test_a_peer_connection_holding_a_lease_is_closed_only_once_the_lease_ends():
+    b = fake_bridge()
+    old = b.nixl
+    c, th = _peer_connection(b)
+    try:
+        c.settimeout(5)
+        _wire.send(c, {"op": "get", "id": 1, "name": "w/x"})
+        layout = _wire.recv(c, time.monotonic() + 5)
+        assert layout["op"] == "layout" and b.leases == 1
+        b.agents.aborted(old)
+        b.agents.tick("agent-2")
+        th.join(4 * _server.TICK)
+        assert th.is_alive(), "a connection holding a lease was closed"
+        _wire.send(c, {"op": "release", "lease": layout["lease"]})
+        th.join(5)
+        assert not th.is_alive() and c.recv(1) == b"" and b.leases == 0
+        b.agents.tick("agent-3")
+        assert old.closed and b.agents.alive() == [b.agents.now]
+    finally:
+        c.close()
+        stop_fake_bridge(b)
+
+
+@pytest.mark.parametrize("errname, replaced", [("ESTALE", 0), ("EPROTO", 0), ("EIO", 1)])
+def test_an_importer_replaces_its_agent_only_after_a_write_that_may_have_started(
+        errname, replaced):
+    """An exporter's error other than EIO ("WRITE failed") comes before any WRITE: nothing
+    can linger in UCX, and the agent stays."""
+    layout = {"op": "layout", "lease": "L1", "generation": 1, "bundle": False, "ttl": 5.0,
+              "tensors": [["", "float32", [25], 100]]}
+
+    def exporter(peer, get):
+        _wire.send(peer, {**layout, "id": get["id"]})
+        put = _wire.recv(peer, time.monotonic() + 5)
+        assert put["op"] == "put"
+        _wire.send(peer, _wire.error_frame(errname, "said by the test", id=put["id"]))
+    b = fake_bridge()
+    r, _ = peer_fetch(ReplicaDlpackd(), exporter, b)
+    assert isinstance(r, OSError) and "said by the test" in str(r)
+    b.agents.tick("agent-2")
+    assert b.agents.replaced == replaced
+
+
+def test_a_busy_link_made_with_a_replaced_agent_connects_anew_at_its_next_use(monkeypatch):
+    """A link that fetches one entry after another is never idle at the housekeeping's tick:
+    its next use closes the connection of the replaced agent and connects with the new one."""
+    b = fake_bridge()
+    old = b.nixl
+    ex = FakeExporter(b, {"w/x": 100})
+    connects = []
+
+    def connect(deadline):          # a new connection to the same fake exporter
+        connects.append(deadline)
+        ex.link.sock, ex.peer = socket.socketpair()
+        ex.link.agent, ex.link.nixl = "exporter-agent", b.agents.hold()
+        threading.Thread(target=ex._serve, daemon=True).start()
+    monkeypatch.setattr(ex.link, "_connect", connect)
+    try:
+        assert ex.fetch(FakeDlpackd(), "w/x", 1000) == 7 and not connects
+        with ex.link.lock:          # the tick finds it in use
+            b.agents.aborted(old)
+            b.agents.tick("agent-2")
+            ex.link.close_if_retired()
+        assert ex.link.nixl is old
+        assert ex.fetch(FakeDlpackd(), "w/x", 1000) == 7
+        assert len(connects) == 1 and ex.link.nixl is b.agents.now is not old
+        assert ("remove_remote", "exporter-agent") in old.calls
+        b.agents.tick("agent-3")
+        assert old.closed
+    finally:
+        ex.close()
 
 
 def test_an_importers_link_made_with_a_replaced_agent_is_closed_once_idle():
@@ -763,7 +855,7 @@ def test_an_agent_that_cannot_be_made_yet_is_tried_again_every_agent_retry(
             raise RuntimeError("UCX: no usable transports/devices")
         made.append(FakeNixl(name=name))
         return made[-1]
-    monkeypatch.setattr(_nixl, "AGENT_RETRY", 0.2)
+    monkeypatch.setattr(_nixl, "AGENT_RETRY", 0.5)
     agents = _nixl.Agents(make, "first")
     agents.aborted(agents.now)
     with caplog.at_level("WARNING", logger="dlpackd-bridge"):
@@ -771,16 +863,16 @@ def test_an_agent_that_cannot_be_made_yet_is_tried_again_every_agent_retry(
         assert agents.now is made[0] and agents.replaced == 0 and not made[0].closed
         agents.tick("third")                # within AGENT_RETRY: not tried
         assert tries == ["first", "second"]
-        time.sleep(0.25)
+        time.sleep(0.6)
         agents.tick("third")
-        time.sleep(0.25)
+        time.sleep(0.6)
         agents.tick("fourth")
     assert tries == ["first", "second", "third", "fourth"]
     assert agents.now.name == "fourth" and agents.replaced == 1
     assert [r.getMessage() for r in caplog.records
             if "no new agent" in r.getMessage()] == [
         "NIXL agent first had an aborted transfer, and no new agent could be made: UCX: no "
-        "usable transports/devices; trying again every 0.2 s (AGENT_RETRY), said once"]
+        "usable transports/devices; trying again every 0.5 s (AGENT_RETRY), said once"]
 
 
 def test_an_import_longer_than_the_lease_ttl_within_its_own_deadline_completes(monkeypatch):

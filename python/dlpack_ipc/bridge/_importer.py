@@ -245,14 +245,21 @@ class PeerLink:
         """Close the connection if it is idle and was made with an agent this bridge has
         since replaced (_nixl.Agents): the next use connects again with the agent in use."""
         if not self.lock.acquire(blocking=False):
-            return              # in use: looked at again at the next tick
+            return              # in use: its next use looks (_renew)
         try:
-            if self.sock is not None and self.bridge.agents.retired(self.nixl):
-                log.info("closing the idle connection to peer %s, made with NIXL agent %s, "
-                         "since replaced", self.name, self.nixl.name)
-                self.drop()
+            self._renew()
         finally:
             self.lock.release()
+
+    def _renew(self):
+        """Close the connection if it was made with an agent since replaced, so that the use
+        about to start (or the next one) connects with the agent in use; the caller holds the
+        lock. Each use looks, as well as the housekeeping thread: a link busy with one fetch
+        after another is never idle at its tick."""
+        if self.sock is not None and self.bridge.agents.retired(self.nixl):
+            log.info("closing the connection to peer %s, made with NIXL agent %s, since "
+                     "replaced", self.name, self.nixl.name)
+            self.drop()
 
     def _read(self, sock, deadline):
         """The next frame from sock (_wire.recv), numbered; the caller holds the lock."""
@@ -332,6 +339,7 @@ class PeerLink:
         """Send frame, connecting first if needed (and once more if the idle connection was
         found dead), and return the answer; the caller holds the lock."""
         for attempt in (0, 1):
+            self._renew()
             if self.sock is None:
                 self._connect(deadline)
             self._rid += 1
@@ -358,6 +366,7 @@ class PeerLink:
         peer refuses (subscribe_error)."""
         self._lock_until(deadline)
         try:
+            self._renew()
             if self.sock is None:
                 self._connect(deadline)
             if self.refuses_subscribe():
@@ -397,6 +406,7 @@ class PeerLink:
             if self.bridge.quarantine.full():
                 raise BlockingIOError(errno.EAGAIN, f"{_nixl.QUARANTINE_MAX} failed transfers "
                                       "are in quarantine (QUARANTINE_MAX): try again later")
+            self._renew()
             if self.sock is None:
                 self._connect(deadline)
             try:
@@ -570,11 +580,15 @@ class PeerLink:
             raise
         t2 = time.monotonic()
         landed = False
+        # whether the exporter may have written: the put left, and no answer said that nothing
+        # was posted (an error other than EIO's "WRITE failed" comes before any WRITE)
+        posted = False
         tlimit = transfer_deadline(sum(t.nbytes for t in live))
         tdeadline = _bound(deadline, tlimit)
         try:
             md = nixl.partial_metadata(reg) if live else b""
             self.sock.settimeout(_left(tdeadline, f"sending the descriptors of {rname!r}"))
+            posted = True      # (a put cut short may have been read whole)
             _wire.send(self.sock, {"op": "put", "id": rid, "lease": lid,
                                    "metadata": base64.b64encode(md).decode(),
                                    "descs": [[t.data_ptr, t.nbytes] for t in live]})
@@ -591,6 +605,7 @@ class PeerLink:
                     if f is None:
                         continue            # a push, handed on
                     if f["op"] == "error":
+                        posted = f.get("errno") == "EIO"
                         raise _wire.to_oserror(f, "transfer failed")
                     if f["op"] != "done" or f.get("lease") != lid:
                         raise ConnectionError(errno.EPROTO, f"expected done, got {f['op']!r}")
@@ -608,12 +623,13 @@ class PeerLink:
                 # the exporter may still be writing into it: close the control connection
                 # (it cancels there), remove its agent (UCX closes its connection: nothing
                 # lands later) and keep the memory registered for a while; kept for good if
-                # the agent could not be removed. This bridge's agent is replaced: only its
-                # end frees what UCX may keep of that connection
+                # the agent could not be removed. If a WRITE may have started, this bridge's
+                # agent is replaced: only its end frees what UCX may keep of that connection
                 fenced = self.drop()
                 self.bridge.quarantine.add(nixl, f"replica of {rname!r} from {self.name}",
                                            None, reg, alloc.values(), fenced=fenced)
-                self.bridge.agents.aborted(nixl)
+                if posted:
+                    self.bridge.agents.aborted(nixl)
         t3 = time.monotonic()
         n = sum(t.nbytes for t in live)
         try:

@@ -30,7 +30,7 @@ log = logging.getLogger("dlpackd-bridge")
 
 
 class Nixl:
-    """The bridge's one NIXL agent, host memory only, WRITE over UCX."""
+    """A NIXL agent of the bridge's (_nixl.Agents), host memory only, WRITE over UCX."""
 
     def __init__(self, name, progress_thread):
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -146,15 +146,32 @@ class Agents:
         self.replaced = 0
 
     def hold(self, agent=None):
-        """Hold agent (default: the one in use) until let_go(agent); the agent."""
+        """Hold agent (None: the one in use) until let_go(agent); the agent. An agent held
+        already may be held again; one nothing holds only while it is the one in use."""
         with self._lock:
-            agent = agent or self.now
+            if agent is None:
+                agent = self.now
+            assert id(agent) in self._held, f"NIXL agent {agent.name} held after its end"
             self._held[id(agent)] += 1
             return agent
 
     def let_go(self, agent):
         with self._lock:
+            assert self._held[id(agent)] > 0, f"NIXL agent {agent.name} let go once too often"
             self._held[id(agent)] -= 1
+
+    def end(self, agent, holds):
+        """Destroy agent now if it was replaced and holds (the quarantine's entries that only
+        its end can release) are all that hold it; whether it was."""
+        with self._lock:
+            if agent is self.now or self._held.get(id(agent)) != holds:
+                return False
+            self._alive.remove(agent)
+            del self._held[id(agent)]
+        getattr(agent, "close", lambda: None)()
+        log.info("NIXL agent %s destroyed: only quarantine entries its end releases held it",
+                 agent.name)
+        return True
 
     def aborted(self, agent):
         """A transfer of agent was aborted midway: if it is the one in use, replace it."""
@@ -276,6 +293,27 @@ class Quarantine:
                 self._items.remove(i)
             self._agents.let_go(i["agent"])
             log.info("released after quarantine: %s", i["why"])
+        self._end_unfenced()
+
+    def _end_unfenced(self):
+        """An entry whose peer could not be fenced off (its remote agent not removed) is
+        released once its agent, replaced, is held by such entries alone: the agent is
+        destroyed first (UCX closes every connection it had: nothing lands any more), then
+        the memory is given back (its registration ended with the agent)."""
+        with self._lock:
+            by_agent = {}
+            for i in self._items:
+                if not i["fenced"]:
+                    by_agent.setdefault(id(i["agent"]), []).append(i)
+        for items in by_agent.values():
+            if not self._agents.end(items[0]["agent"], len(items)):
+                continue
+            for i in items:
+                for t in i["tensors"]:
+                    t.release()
+                with self._lock:
+                    self._items.remove(i)
+                log.info("released after quarantine, its NIXL agent destroyed: %s", i["why"])
 
     def _held(self, i):
         """Why entry i cannot be given back yet (None: it can); releases its handle if so."""

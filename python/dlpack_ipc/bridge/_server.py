@@ -422,14 +422,23 @@ class Bridge:
 
     def _housekeeping(self):
         while not self.stop.wait(1.0):
-            self.quarantine.sweep()
-            self.agents.tick(self.new_agent_name())
-            # a connection to a peer made with a replaced agent is closed once idle; the next
-            # use connects again with the agent in use
-            with self._lock:
-                links = list(self.peers.values()) + list(self.found.values())
-            for link in links:
-                link.close_if_retired()
+            # each step on its own: one that fails must not end the others for good
+            for step in (self.quarantine.sweep, self._agents_tick, self._close_retired):
+                try:
+                    step()
+                except Exception:
+                    log.exception("housekeeping: %s", step.__name__)
+
+    def _agents_tick(self):
+        self.agents.tick(self.new_agent_name())
+
+    def _close_retired(self):
+        """A connection to a peer made with a replaced agent is closed once idle; the next use
+        connects again with the agent in use."""
+        with self._lock:
+            links = list(self.peers.values()) + list(self.found.values())
+        for link in links:
+            link.close_if_retired()
 
     def _accept(self, lsock, target, slots, what):
         lsock.settimeout(0.5)
