@@ -88,6 +88,46 @@ print("returned", flush=True)
     assert ipc.stat()["daemon_pid"] == daemon.pid
 
 
+def test_ctrl_c_behind_another_threads_stuck_write(ipc, daemon, py):
+    """A call waiting to write its request behind another thread's request that a stopped
+    daemon does not read (a bundle larger than the socket's buffer, no call timeout) is ended by
+    Ctrl-C: nothing of it was sent, and the client is not broken by it."""
+    ipc.publish("x", np.arange(4.0))
+    p = _start_blocked(py, """
+import os, threading, time
+big = {f"k{i:06d}" + "x" * 200: np.zeros(1, dtype=np.uint8) for i in range(8000)}
+threading.Thread(target=dlpack_ipc.publish_dict, args=("big", big), daemon=True).start()
+time.sleep(0.3)                 # (it copies, then waits to write)
+print("writing", flush=True)
+try:
+    dlpack_ipc.attach("x")
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+    os._exit(42)                # (the stuck thread waits for as long as the daemon is stopped)
+print("returned", flush=True)
+os._exit(0)
+""")
+    try:
+        assert p.stdout.readline().strip() == "ready", p.communicate()
+        daemon.proc.send_signal(signal.SIGSTOP)
+        p.send_signal(signal.SIGUSR2)
+        assert p.stdout.readline().strip() == "writing", p.communicate()
+        time.sleep(0.5)         # the attach waits behind the stuck publish
+        assert p.poll() is None
+        p.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = _finish(p)
+        elapsed = time.monotonic() - sent
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        _finish(p, 0)
+    assert p.returncode == 42, f"status {p.returncode}\n{out}\n{err}"
+    assert out.split() == ["KeyboardInterrupt"]
+    # a check every DLPC_SEND_CHECK_MS (100 ms); generous for a loaded machine
+    assert elapsed < 3, f"the interrupt took {elapsed:.1f}s"
+    assert ipc.stat()["daemon_pid"] == daemon.pid
+
+
 def test_signal_handler_that_does_not_raise_lets_the_call_finish(daemon, py):
     """As for system calls (PEP 475): a handler that returns lets the call go on waiting."""
     p = _start_blocked(py, """
