@@ -39,11 +39,21 @@ void dlpc__deadline_in(struct timespec *dl, int64_t ms)
 int64_t dlpc__ms_left(const struct timespec *dl)
 {
 	struct timespec now;
-	int64_t ns;
+	int64_t s, ns;
 
 	clock_gettime(CLOCK_MONOTONIC, &now);
-	ns = (int64_t)(dl->tv_sec - now.tv_sec) * 1000000000 + (dl->tv_nsec - now.tv_nsec);
-	return ns <= 0 ? 0 : (ns + 999999) / 1000000;
+	s = (int64_t)dl->tv_sec - (int64_t)now.tv_sec;
+	ns = (int64_t)dl->tv_nsec - now.tv_nsec;
+	if (ns < 0) {
+		s--;
+		ns += 1000000000;
+	}
+	if (s < 0 || (s == 0 && ns == 0))
+		return 0;
+	/* a deadline of INT64_MAX ms (a timeout that means "for ever") stays one */
+	if (s >= INT64_MAX / 1000 - 1)
+		return INT64_MAX;
+	return s * 1000 + (ns + 999999) / 1000000;
 }
 
 /* A thread of the library's running @p fn(@p arg), every signal blocked on it; joinable, its id

@@ -19,7 +19,8 @@
 bool dlpc__passed(const struct timespec *dl);
 /* @p ms from now on CLOCK_MONOTONIC. */
 void dlpc__deadline_in(struct timespec *dl, int64_t ms);
-/* The milliseconds left until @p dl (CLOCK_MONOTONIC), rounded up; 0 once it has passed. */
+/* The milliseconds left until @p dl (CLOCK_MONOTONIC), rounded up; 0 once it has passed,
+ * INT64_MAX for one further than INT64_MAX ms can say. */
 int64_t dlpc__ms_left(const struct timespec *dl);
 /* Start a detached thread of the library's running @p fn(@p arg), every signal blocked on it
  * (the user's handlers never run there). false if none could be made. */

@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Unit suite for proto/util.c: UTF-8, name and key checks, tensor sizes, alignment, printable. */
+/* Unit suite for proto/util.c: UTF-8, name and key checks, tensor sizes, alignment, printable;
+ * and client/base.c's clock arithmetic. */
 #include <check.h>
 #include <errno.h>
 #include <stdbool.h>
@@ -7,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base.h"
 #include "limits.h"
 #include "harness.h"
 #include "util.h"
@@ -266,6 +268,31 @@ START_TEST(test_printable)
 }
 END_TEST
 
+/* ---- client/base.c: the time left of a deadline ---- */
+
+START_TEST(test_ms_left)
+{
+	struct timespec dl;
+	int64_t left;
+
+	/* rounded up, never past what was asked */
+	dlpc__deadline_in(&dl, 1500);
+	left = dlpc__ms_left(&dl);
+	ck_assert_msg(left > 1400 && left <= 1500, "%lld", (long long)left);
+	/* passed: 0 */
+	dlpc__deadline_in(&dl, 0);
+	dl.tv_sec -= 1;
+	ck_assert_int_eq(dlpc__ms_left(&dl), 0);
+	/* a timeout of INT64_MAX ms, "for ever", stays one: no overflow to "passed" */
+	dlpc__deadline_in(&dl, INT64_MAX);
+	ck_assert(dlpc__ms_left(&dl) == INT64_MAX);
+	dlpc__deadline_in(&dl, INT64_MAX / 1000);
+	left = dlpc__ms_left(&dl);
+	ck_assert_msg(left > INT64_MAX / 1000 - 1000 && left <= INT64_MAX / 1000, "%lld",
+		      (long long)left);
+}
+END_TEST
+
 /* ---- suite ---- */
 
 static Suite *util_suite(void)
@@ -279,6 +306,7 @@ static Suite *util_suite(void)
 	tcase_add_test(tc, test_tensor_nbytes);
 	tcase_add_test(tc, test_align_up);
 	tcase_add_test(tc, test_printable);
+	tcase_add_test(tc, test_ms_left);
 	suite_add_tcase(s, tc);
 	return s;
 }
