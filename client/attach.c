@@ -168,7 +168,7 @@ static int map_cuda(const char *name, const Dlpackd__V1__AttachReply *rep, int f
 		r = dlpc__cuda_ipc_import(rep->device_uuid.data, rep->cuda_ipc->mem_handle.data,
 					  rep->cuda_ipc->event_handle.data, rep->storage_size,
 					  stream, defer, name, &m->gpu, &m->base, &ordinal);
-		if (r < 0 && r != -ENODEV && r != -EBADFD)
+		if (r < 0 && r != -ENODEV && r != -EBADFD && r != -EPROTO)
 			r = pidns_hint(rep, r);
 	} else {
 		r = dlpc__cuda_vmm_import(fd, rep->storage_size, rep->device_uuid.data, writable,

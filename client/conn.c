@@ -194,17 +194,20 @@ void dlpc__wake_reader(dlpc_client *c)
 	}
 }
 
-/* (dlpc__send_within()'s stop) Was dlpc_cancel() or dlpc_close() called on client @p arg? Under
- * wmu, which comes before c->mu. */
-static bool closed_meanwhile(void *arg)
+bool dlpc__closed(dlpc_client *c)
 {
-	dlpc_client *c = arg;
 	bool closed;
 
 	pthread_mutex_lock(&c->mu);
 	closed = c->closed;
 	pthread_mutex_unlock(&c->mu);
 	return closed;
+}
+
+/* (dlpc__send_within()'s stop) dlpc__closed() of client @p arg. */
+static bool closed_meanwhile(void *arg)
+{
+	return dlpc__closed(arg);
 }
 
 int64_t dlpc__write_ms(const dlpc_client *c, const struct timespec *dl)
@@ -370,11 +373,64 @@ void dlpc__pending_sent(dlpc_client *c, bool gone)
 
 /*
  * Send @p c's deferred releases now, those queued when it starts, a frame at a time, as @p how
- * says. Under wmu. A write cut short, or a connection gone, takes the references with it: none
+ * says, then its queued CANCELs. Under wmu. A write cut short, or a connection gone, takes the references with it: none
  * is pending any more. A frame that could not be built, or of which nothing left on a live
  * connection (the daemon took none of it in time, the kernel had no memory), keeps them, and the
  * library's thread tries again after DLPC_RELEASE_DELAY_MS (or the next request carries them).
  */
+/* Has @p c room to write now (without waiting)? */
+static bool has_room(dlpc_client *c)
+{
+	return poll(&(struct pollfd){.fd = c->sock, .events = POLLOUT}, 1, 0) == 1;
+}
+
+/*
+ * Send @p c's queued CANCELs, after its releases, one frame each, as dlpc__flush_locked() says.
+ * Under wmu: the only thread that takes them off the queue.
+ */
+static void send_cancels(dlpc_client *c, enum dlpc__flush how, const struct timespec *dl)
+{
+	Dlpackd__V1__Cancel msg = DLPACKD__V1__CANCEL__INIT;
+
+	while (atomic_load_explicit(&c->ncancels, memory_order_relaxed)) {
+		size_t sent = 0;
+		unsigned n;
+		ssize_t len;
+		int r;
+
+		if (how == DLPC__FLUSH_NOWAIT && !has_room(c)) {
+			(void)dlpc__loop_flush_soon(false);
+			return;
+		}
+		pthread_mutex_lock(&c->pmu);
+		msg.request_id = c->cancels[0];
+		pthread_mutex_unlock(&c->pmu);
+		len = dlpc__msg_frame(&c->out, DLPC_MSG_CANCEL, 0, &msg.base, 0);
+		r = len < 0 ? (int)len
+			    : dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, dl,
+					       how == DLPC__FLUSH_CANCELABLE, &sent);
+		/* nothing left, and the connection lives (or no memory for the frame): kept */
+		if (r < 0 && sent == 0 && r != -EPIPE && r != -ECONNRESET && r != -EBADF) {
+			(void)dlpc__loop_flush_soon(false);
+			return;
+		}
+		pthread_mutex_lock(&c->pmu);
+		n = atomic_load_explicit(&c->ncancels, memory_order_relaxed);
+		if (r < 0) { /* the connection went, and its waits with it */
+			n = 0;
+		} else {
+			memmove(c->cancels, c->cancels + 1, (n - 1) * sizeof(*c->cancels));
+			n--;
+		}
+		atomic_store_explicit(&c->ncancels, n, memory_order_relaxed);
+		pthread_mutex_unlock(&c->pmu);
+		if (r < 0) {
+			cut_short(c, r, sent);
+			return;
+		}
+	}
+}
+
 void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct timespec *dl)
 {
 	unsigned left = atomic_load_explicit(&c->npending, memory_order_relaxed);
@@ -383,7 +439,8 @@ void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct times
 	bool broken;
 	int r;
 
-	if (how == DLPC__FLUSH_NOWAIT && left) {
+	if (how == DLPC__FLUSH_NOWAIT &&
+	    (left || atomic_load_explicit(&c->ncancels, memory_order_relaxed))) {
 		pthread_mutex_lock(&c->mu);
 		broken = c->broken;
 		pthread_mutex_unlock(&c->mu);
@@ -391,6 +448,7 @@ void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct times
 		if (broken) {
 			pthread_mutex_lock(&c->pmu);
 			pending_set(c, 0);
+			atomic_store_explicit(&c->ncancels, 0, memory_order_relaxed);
 			pthread_mutex_unlock(&c->pmu);
 			return;
 		}
@@ -399,8 +457,7 @@ void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct times
 		/* no room (a daemon that does not read, for now or for good): this thread would
 		 * wait for the call timeout; where it polls writable, three quarters of the buffer
 		 * are free, and a release frame goes out whole at once */
-		if (how == DLPC__FLUSH_NOWAIT &&
-		    poll(&(struct pollfd){.fd = c->sock, .events = POLLOUT}, 1, 0) != 1) {
+		if (how == DLPC__FLUSH_NOWAIT && !has_room(c)) {
 			(void)dlpc__loop_flush_soon(false);
 			return;
 		}
@@ -420,12 +477,14 @@ void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct times
 		if (r < 0) {
 			pthread_mutex_lock(&c->pmu);
 			pending_set(c, 0);
+			atomic_store_explicit(&c->ncancels, 0, memory_order_relaxed);
 			pthread_mutex_unlock(&c->pmu);
 			cut_short(c, r, sent);
 			return;
 		}
 		left -= left < DLPC_RELEASE_PENDING_MAX ? left : DLPC_RELEASE_PENDING_MAX;
 	}
+	send_cancels(c, how, dl);
 }
 
 /* Did a flush that found wmu held leave its work to the holder (dlpc__flush_nowait())? */
@@ -474,7 +533,8 @@ void dlpc__write_unlock_failed(dlpc_client *c)
 
 void dlpc__flush_nowait(dlpc_client *c)
 {
-	if (!atomic_load_explicit(&c->npending, memory_order_relaxed))
+	if (!atomic_load_explicit(&c->npending, memory_order_relaxed) &&
+	    !atomic_load_explicit(&c->ncancels, memory_order_relaxed))
 		return;
 	pthread_mutex_lock(&c->pmu);
 	c->flush_asked = true;
@@ -486,27 +546,26 @@ void dlpc__flush_nowait(dlpc_client *c)
 	dlpc__write_unlock(c);
 }
 
+static bool pending_lock(dlpc_client *c, uint64_t conn_seq);
+
 void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t conn_seq)
 {
-	Dlpackd__V1__Cancel msg = DLPACKD__V1__CANCEL__INIT;
-	size_t sent = 0;
-	ssize_t len;
-	int r;
+	unsigned n;
 
 	if (type != DLPC_MSG_ATTACH && type != DLPC_MSG_RECV && type != DLPC_MSG_SEND)
 		return;
-	msg.request_id = id;
-	pthread_mutex_lock(&c->wmu);
 	/* a request of a connection replaced since died with it */
-	if (conn_seq != c->conn_seq) {
-		dlpc__write_unlock(c);
+	if (!pending_lock(c, conn_seq))
 		return;
+	n = atomic_load_explicit(&c->ncancels, memory_order_relaxed);
+	if (n < DLPC_CANCELS_PENDING_MAX) {
+		c->cancels[n] = id;
+		atomic_store_explicit(&c->ncancels, n + 1, memory_order_relaxed);
 	}
-	/* (without memory for the frame, the wait ends when the connection does) */
-	len = dlpc__msg_frame(&c->out, DLPC_MSG_CANCEL, 0, &msg.base, 0);
-	r = len < 0 ? 0 : dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, NULL, false, &sent);
-	dlpc__write_unlock(c);
-	cut_short(c, r, sent);
+	pthread_mutex_unlock(&c->pmu);
+	/* sent now if the socket has room and no other thread writes; else by the writer as it
+	 * lets go, or by the library's thread */
+	dlpc__flush_nowait(c);
 }
 
 /* Take a reference on @p c unless its last one is already gone (it is being freed). */
@@ -715,6 +774,7 @@ void dlpc__client_adopt(dlpc_client *c, dlpc_client *n)
 	/* no frame of releases is being written: wmu is held */
 	pthread_mutex_lock(&c->pmu);
 	pending_set(c, 0);
+	atomic_store_explicit(&c->ncancels, 0, memory_order_relaxed);
 	c->conn_seq++;
 	pthread_mutex_unlock(&c->pmu);
 	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */

@@ -100,6 +100,10 @@ struct dlpc_client {
 	atomic_uint npending; /* written under pmu; read without it as a hint */
 	bool flush_asked;     /* a flush found wmu held: its holder flushes as it lets go */
 	uint64_t pending_inline[DLPC_RELEASE_PENDING_MAX];
+	/* CANCELs of waits given up on, under pmu: sent with the deferred releases, so that a call
+	 * giving up never waits for another thread's write (dlpc__cancel_wait()) */
+	uint32_t cancels[DLPC_CANCELS_PENDING_MAX];
+	atomic_uint ncancels; /* written under pmu; read without it as a hint */
 
 	struct dlpc_client *next_open; /* in the list of open clients (conn.c) */
 
@@ -171,6 +175,9 @@ enum dlpc__flush { DLPC__FLUSH_CANCELABLE, DLPC__FLUSH_NOWAIT };
 /* Send @p c's deferred releases now (conn.c), a CANCELABLE flush within the deadline @p dl of
  * the request it goes in front of (dlpc__write_ms()). Under wmu, without c->mu. */
 void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct timespec *dl);
+/* Was dlpc_cancel() or dlpc_close() called on @p c? Without c->mu (under wmu or not: wmu comes
+ * before c->mu). */
+bool dlpc__closed(dlpc_client *c);
 /* How long a write may wait for room in @p c's socket: until @p dl, the deadline of the call it
  * is for (NULL: none), and at most the call timeout, so that a call that may wait for ever
  * still finds a daemon that does not read. <= 0: no bound. */
@@ -191,14 +198,15 @@ void dlpc__write_unlock(dlpc_client *c);
  * flush left to it is not done on its thread, which would wait for the same stuck socket
  * again, but left to the library's thread (or the next holder). Without c->mu. */
 void dlpc__write_unlock_failed(dlpc_client *c);
-/* Send @p c's deferred releases now if no other thread writes, else have the writer send them
- * as it lets go of c->wmu: never waits for it. Without any lock of c's. */
+/* Send @p c's deferred releases and queued CANCELs now if no other thread writes, else have the
+ * writer send them as it lets go of c->wmu: never waits for it. Without any lock of c's. */
 void dlpc__flush_nowait(dlpc_client *c);
 /* The caller stopped waiting for the reply to request @p id (@p type) of connection @p conn_seq
  * (its deadline passed, it was canceled or interrupted): if the request may wait in the daemon
- * (ATTACH, RECV, SEND), tell it (CANCEL, 1.9), so that the wait ends there at once instead of
- * when the connection closes. Its ECANCELED reply is dropped as any late one. Not under c->mu
- * or c->wmu. */
+ * (ATTACH, RECV, SEND), tell it (CANCEL, 1.9), so that the wait ends there instead of when the
+ * connection closes: at once if the socket has room and no other thread writes, else queued
+ * (DLPC_CANCELS_PENDING_MAX) for the writer as it lets go, or the library's thread. Never waits.
+ * Its ECANCELED reply is dropped as any late one. Not under c->mu or c->wmu. */
 void dlpc__cancel_wait(dlpc_client *c, uint16_t type, uint32_t id, uint64_t conn_seq);
 /* End the reader's wait for the socket: it then looks at the state of its call again. */
 void dlpc__wake_reader(dlpc_client *c);

@@ -1033,7 +1033,7 @@ static int ipc_holds(CUdeviceptr base, size_t size, uint64_t need, const char *w
 		return 0;
 	return dlpc__fail(
 		-EPROTO,
-		"%s: its tensors span %llu bytes, and the allocation its publisher "
+		"%s: the entry spans %llu bytes, and the allocation its publisher "
 		"shared at %#llx has %zu: refused (the publisher is not libdlpc, or lies)",
 		what, (unsigned long long)need, (unsigned long long)base, size);
 }

@@ -113,6 +113,11 @@
  * dlpc_cancel() or dlpc_close() was called meanwhile: it then gives up, and with it the
  * connection, whose stream it cut. */
 #define DLPC_SEND_CHECK_MS 100
+/* libdlpc: CANCELs of waits given up on (a timeout, dlpc_cancel(), an interrupt) that one
+ * connection queues while another thread's write holds it (a daemon that does not read): they
+ * go out with the deferred releases, once the write lets go. One more is dropped: that wait
+ * then ends in the daemon with its own timeout, or with the connection. */
+#define DLPC_CANCELS_PENDING_MAX 64
 #if DLPC_RELEASE_PENDING_MAX > DLPC_RELEASE_BATCH_MAX
 #error "deferred releases must fit one RELEASE frame"
 #endif

@@ -23,15 +23,20 @@
  *   (DLPC_CALL_TIMEOUT_MS_DEFAULT, 30 s, when unset; 0 or negative: no bound). Either way the
  *   call fails with -ETIMEDOUT and the connection stays usable: a reply that comes later is
  *   dropped, and the reference of a late ATTACH reply given back, when the connection next
- *   reads (with its next call). $DLPC_CALL_TIMEOUT_MS also bounds each frame a call writes,
- *   however slowly the daemon reads (a waiting call's included); a request it cut short leaves
- *   the stream unusable, so that connection is lost (later calls fail, or connect anew with
+ *   reads (with its next call). The bound counts from the call's start and covers connecting
+ *   anew, waiting behind another thread's write on the same client, writing the request however
+ *   slowly the daemon reads, and waiting for the reply; a request's write also waits at most
+ *   $DLPC_CALL_TIMEOUT_MS (a waiting call's included). A request cut short leaves the stream
+ *   unusable, so that connection is lost (later calls fail, or connect anew with
  *   DLPC_CONNECT_RECONNECT). A request that timed out may still take effect. Only an attach
  *   with a negative timeout_ms waits without bound; dlpc_close() ends it.
  * - A wait given up on the client's side (an attach, receive or send that timed out there, was
- *   interrupted, or was ended by dlpc_cancel() or dlpc_close()) ends in dlpackd at once too:
- *   the library tells it (CANCEL, protocol 1.9), so the wait does not stay registered there
- *   until the connection closes (a send's message is not queued).
+ *   interrupted, or was ended by dlpc_cancel() or dlpc_close()) ends in dlpackd too: the
+ *   library tells it (CANCEL, protocol 1.9), so the wait does not stay registered there until
+ *   the connection closes (a send's message is not queued). The call never waits for that: while
+ *   another thread's write holds the connection, the CANCEL follows that write
+ *   (at most DLPC_CANCELS_PENDING_MAX, 64, queued; past it the daemon's own timeout or the
+ *   connection's end ends the wait).
  * - A client-side shortage fails the one call, not the connection: a reply whose fd this
  *   process has no room for (RLIMIT_NOFILE reached) fails with -EMFILE, and the reference it
  *   carried goes back to the daemon.
@@ -417,9 +422,11 @@ typedef int (*dlpc_interrupt_fn)(void *arg);
 /**
  * Set the calling thread's interrupt check (NULL: none, the default). While that thread waits
  * for dlpackd in any call, the library runs @p fn(@p arg), without holding any of its locks,
- * whenever a signal interrupts the wait and at least every DLPC_INTERRUPT_CHECK_MS. Only the
- * wait for a reply runs it: connect(2) and sending a request into a full socket are bounded by
- * the call's timeout instead; dlpc_watch_next() runs it too while it waits for an event. If @p fn
+ * whenever a signal interrupts the wait and at least every DLPC_INTERRUPT_CHECK_MS. The wait for
+ * a reply runs it, and so does a request's wait behind another thread's write on the same
+ * client (every DLPC_SEND_CHECK_MS; nothing was sent then): connect(2) and sending a request
+ * into a full socket are bounded by the call's timeout instead; dlpc_watch_next() runs it too
+ * while it waits for an event. If @p fn
  * returns non-zero the call gives up with -EINTR, whatever came meanwhile (a reply that arrived
  * while @p fn ran, or a dlpc_cancel() from it), and the connection stays usable: as after
  * -ETIMEDOUT, that reply or a later one is dropped (an ATTACH reply's reference given back) and

@@ -1315,6 +1315,69 @@ START_TEST(test_a_call_behind_a_stuck_write_keeps_its_own_bound)
 }
 END_TEST
 
+/* (dlpc_set_interrupt()) Give up once the test says so. */
+static atomic_bool give_up;
+
+static int giving_up(void *arg)
+{
+	(void)arg;
+	return atomic_load(&give_up);
+}
+
+static bool waiters_are(const dlpc_stats *s, void *arg)
+{
+	return s->waiters == *(uint64_t *)arg;
+}
+
+/* attach_waiting(), with the thread's interrupt check giving_up(). */
+static void *attach_interruptible(void *arg)
+{
+	dlpc_set_interrupt(giving_up, NULL);
+	attach_waiting(arg);
+	dlpc_set_interrupt(NULL, NULL);
+	return NULL;
+}
+
+/*
+ * A call that gives up after its request left (here interrupted: its wait has no end) tells
+ * the daemon with a CANCEL, but never waits for another thread's write to do so: with the
+ * daemon stopped and a publish stuck in its write (call timeout a minute), the attach returns
+ * -EINTR at once, its CANCEL queued; once the daemon runs again and the publish is through, the
+ * CANCEL follows it and the daemon's wait, which had no end of its own, is gone.
+ */
+START_TEST(test_a_call_giving_up_behind_a_stuck_write_queues_its_cancel)
+{
+	struct stuck_publish p = {.r = 0};
+	struct waiting_attach w = {.timeout_ms = -1};
+	dlpc_client *probe;
+	pthread_t th, wth;
+	char *keys;
+
+	probe = connect_or_die(&D);
+	p.c = w.c = connect_timed("60000");
+	atomic_store(&give_up, false);
+	ck_assert_int_eq(pthread_create(&wth, NULL, attach_interruptible, &w), 0);
+	ck_assert(wait_stat(probe, waiters_are, &(uint64_t){1}, scaled_ms(5000)));
+	stuck_bundle(&p, &keys);
+	publish_until_stuck(&p, &th);
+	/* a call that waited for the publish's write returns only once the daemon runs again */
+	alarm((unsigned)(scaled_ms(20000) / 1000));
+	atomic_store(&give_up, true);
+	ck_assert_int_eq(pthread_join(wth, NULL), 0);
+	ck_assert_msg(w.r == -EINTR && !daemon_continued,
+		      "the attach returned %d after %ld ms (%s)", w.r, w.ms, w.msg);
+	alarm(0);
+	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	ck_assert_dlpc(p.r, 1);
+	ck_assert_msg(wait_stat(probe, waiters_are, &(uint64_t){0}, scaled_ms(5000)),
+		      "the daemon still holds the wait whose CANCEL was queued");
+	dlpc_close(p.c);
+	dlpc_close(probe);
+	stuck_free(&p, keys);
+}
+END_TEST
+
 /*
  * A request whose write the call timeout cut short (the daemon stopped, the frame larger than
  * the socket's buffer) fails with -ETIMEDOUT and costs its connection: the socket is shut for
@@ -2006,6 +2069,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_a_request_cut_short_costs_the_connection);
 	tcase_add_test(tc, test_cancel_ends_a_stuck_write);
 	tcase_add_test(tc, test_a_call_behind_a_stuck_write_keeps_its_own_bound);
+	tcase_add_test(tc, test_a_call_giving_up_behind_a_stuck_write_queues_its_cancel);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
 	tcase_add_test(tc, test_alloc_bundle_zero_copy);

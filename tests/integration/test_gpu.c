@@ -661,7 +661,7 @@ static int attach_the_lie(void *arg)
 	/* refused before anything reads it, naming both sizes; the handle opened is closed */
 	CHILD_CHECK(dlpc_attach(c, "gpu/lie", NULL, &t) == -EPROTO && !t);
 	CHILD_CHECK(strstr(dlpc_last_error(), "'gpu/lie'") &&
-		    strstr(dlpc_last_error(), "span 1048576 bytes") &&
+		    strstr(dlpc_last_error(), "spans 1048576 bytes") &&
 		    strstr(dlpc_last_error(), "has 4096"));
 	CHILD_CHECK(log_count(getpid(), "cuIpcOpenMemHandle") == 1);
 	CHILD_CHECK(log_count(getpid(), "cuIpcCloseMemHandle") == 1);
