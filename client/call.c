@@ -686,12 +686,16 @@ static int hello(dlpc_client *c, const char *path, int64_t timeout, int64_t hell
 int dlpc__connect_new(const char *path, int64_t timeout, dlpc_client *parent, int64_t connect_ms,
 		      int64_t hello_ms, dlpc_client **ret)
 {
+	struct timespec until;
 	dlpc_client *c;
 	int r;
 
 	/* dlpc_connect(): the call timeout, or the time left of it after a dropped HELLO */
 	if (!parent && connect_ms <= 0)
 		connect_ms = hello_ms = timeout;
+	/* connect() and HELLO together within hello_ms: HELLO gets what connect() left */
+	if (hello_ms > 0)
+		dlpc__deadline_in(&until, hello_ms);
 	r = dlpc__client_new(timeout, &c);
 	if (r < 0)
 		return r;
@@ -699,6 +703,11 @@ int dlpc__connect_new(const char *path, int64_t timeout, dlpc_client *parent, in
 		r = connecting(parent, c);
 	if (r == 0)
 		r = connect_socket(c, path, parent != NULL, connect_ms, timeout);
+	if (r == 0 && hello_ms > 0) {
+		hello_ms = dlpc__ms_left(&until);
+		if (hello_ms < 1) /* (0 would mean no bound) */
+			hello_ms = 1;
+	}
 	if (r == 0)
 		r = hello(c, path, timeout, hello_ms);
 	if (parent)

@@ -371,13 +371,6 @@ void dlpc__pending_sent(dlpc_client *c, bool gone)
 	pthread_mutex_unlock(&c->pmu);
 }
 
-/*
- * Send @p c's deferred releases now, those queued when it starts, a frame at a time, as @p how
- * says, then its queued CANCELs. Under wmu. A write cut short, or a connection gone, takes the references with it: none
- * is pending any more. A frame that could not be built, or of which nothing left on a live
- * connection (the daemon took none of it in time, the kernel had no memory), keeps them, and the
- * library's thread tries again after DLPC_RELEASE_DELAY_MS (or the next request carries them).
- */
 /* Has @p c room to write now (without waiting)? */
 static bool has_room(dlpc_client *c)
 {
@@ -431,6 +424,13 @@ static void send_cancels(dlpc_client *c, enum dlpc__flush how, const struct time
 	}
 }
 
+/*
+ * Send @p c's deferred releases now, those queued when it starts, a frame at a time, as @p how
+ * says, then its queued CANCELs. Under wmu. A write cut short, or a connection gone, takes the references with it: none
+ * is pending any more. A frame that could not be built, or of which nothing left on a live
+ * connection (the daemon took none of it in time, the kernel had no memory), keeps them, and the
+ * library's thread tries again after DLPC_RELEASE_DELAY_MS (or the next request carries them).
+ */
 void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct timespec *dl)
 {
 	unsigned left = atomic_load_explicit(&c->npending, memory_order_relaxed);
@@ -462,9 +462,12 @@ void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct times
 			return;
 		}
 		len = dlpc__pending_frame(c);
-		/* none left, or out of memory for the frame: keep them rather than lose them */
+		/* none left (a mark undid the last), or out of memory for the frame: keep them
+		 * rather than lose them, and try again later; the CANCELs go either way */
+		if (len < 0)
+			(void)dlpc__loop_flush_soon(false);
 		if (len <= 0)
-			return;
+			break;
 		r = dlpc__send_frame(c, c->out.p, (size_t)len, NULL, 0, dl,
 				     how == DLPC__FLUSH_CANCELABLE, &sent);
 		/* nothing left, and the connection lives: keep them, for later */

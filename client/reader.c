@@ -224,14 +224,9 @@ static int deliver_unlocked(dlpc_client *c, struct dlpc__frame *f, uint64_t conn
 /* Milliseconds until @p dl (CLOCK_MONOTONIC), rounded up, for poll(); 0 once it has passed. */
 static int ms_until(const struct timespec *dl)
 {
-	struct timespec now;
-	int64_t ns;
+	int64_t ms = dlpc__ms_left(dl);
 
-	clock_gettime(CLOCK_MONOTONIC, &now);
-	ns = (int64_t)(dl->tv_sec - now.tv_sec) * 1000000000 + (dl->tv_nsec - now.tv_nsec);
-	if (ns <= 0)
-		return 0;
-	return ns >= (int64_t)INT32_MAX * 1000000 ? INT32_MAX : (int)((ns + 999999) / 1000000);
+	return ms > INT32_MAX ? INT32_MAX : (int)ms;
 }
 
 /* Does @p a come after @p b? */

@@ -729,7 +729,9 @@ def test_a_peer_connection_holding_a_lease_is_closed_only_once_the_lease_ends():
 def test_an_importer_replaces_its_agent_only_after_a_write_that_may_have_started(
         errname, replaced):
     """An exporter's error other than EIO ("WRITE failed") comes before any WRITE: nothing
-    can linger in UCX, and the agent stays."""
+    can linger in UCX, and the agent stays; nor is there anything to fence off, so the replica's
+    memory goes after its quarantine even though the exporter's agent could not be removed.
+    After an EIO it waits for the end of this bridge's replaced agent."""
     layout = {"op": "layout", "lease": "L1", "generation": 1, "bundle": False, "ttl": 5.0,
               "tensors": [["", "float32", [25], 100]]}
 
@@ -738,11 +740,15 @@ def test_an_importer_replaces_its_agent_only_after_a_write_that_may_have_started
         put = _wire.recv(peer, time.monotonic() + 5)
         assert put["op"] == "put"
         _wire.send(peer, _wire.error_frame(errname, "said by the test", id=put["id"]))
-    b = fake_bridge()
-    r, _ = peer_fetch(ReplicaDlpackd(), exporter, b)
+    b, dl = fake_bridge(FakeNixl(("remove_remote",))), ReplicaDlpackd()
+    r, _ = peer_fetch(dl, exporter, b)
     assert isinstance(r, OSError) and "said by the test" in str(r)
     b.agents.tick("agent-2")
     assert b.agents.replaced == replaced
+    b.quarantine.sweep(all_=True)
+    assert len(b.quarantine) == 0 and dl.made[0].released == 1
+    # posted: released by the end of the replaced agent, which it alone held; else as fenced
+    assert b.nixl.closed == bool(replaced)
 
 
 def test_a_busy_link_made_with_a_replaced_agent_connects_anew_at_its_next_use(monkeypatch):

@@ -1379,6 +1379,92 @@ START_TEST(test_a_call_giving_up_behind_a_stuck_write_queues_its_cancel)
 END_TEST
 
 /*
+ * DLPC_CANCELS_PENDING_MAX: one connection queues that many CANCELs while a write holds it, and
+ * drops one more. DLPC_CANCELS_PENDING_MAX + 1 attaches without end wait in the daemon; with the
+ * daemon stopped and a publish stuck in its write, all are interrupted; once the publish is
+ * through, the queued CANCELs end their waits and the dropped one's wait stays until the
+ * connection closes.
+ */
+START_TEST(test_cancels_pending_max)
+{
+	enum { N = DLPC_CANCELS_PENDING_MAX + 1 };
+	struct stuck_publish p = {.r = 0};
+	struct waiting_attach w[N];
+	pthread_t th, wth[N];
+	dlpc_client *probe;
+	char *keys;
+	int eintr = 0;
+
+	probe = connect_or_die(&D);
+	p.c = connect_timed("60000");
+	atomic_store(&give_up, false);
+	for (int i = 0; i < N; i++) {
+		w[i] = (struct waiting_attach){.c = p.c, .timeout_ms = -1};
+		ck_assert_int_eq(pthread_create(&wth[i], NULL, attach_interruptible, &w[i]), 0);
+	}
+	ck_assert(wait_stat(probe, waiters_are, &(uint64_t){N}, scaled_ms(5000)));
+	stuck_bundle(&p, &keys);
+	publish_until_stuck(&p, &th);
+	alarm((unsigned)(scaled_ms(20000) / 1000));
+	atomic_store(&give_up, true);
+	for (int i = 0; i < N; i++) {
+		ck_assert_int_eq(pthread_join(wth[i], NULL), 0);
+		eintr += w[i].r == -EINTR;
+	}
+	ck_assert_msg(eintr == N && !daemon_continued, "%d of %d interrupted in time", eintr, N);
+	alarm(0);
+	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	ck_assert_dlpc(p.r, 1);
+	ck_assert_msg(wait_stat(probe, waiters_are, &(uint64_t){1}, scaled_ms(5000)),
+		      "not DLPC_CANCELS_PENDING_MAX waits ended by the queued CANCELs");
+	dlpc_close(p.c);
+	ck_assert(wait_stat(probe, waiters_are, &(uint64_t){0}, scaled_ms(5000)));
+	dlpc_close(probe);
+	stuck_free(&p, keys);
+}
+END_TEST
+
+/* (a thread) dlpc_stat() on client @p arg. */
+static void *stat_thread(void *arg)
+{
+	dlpc_stats s = {.size = sizeof(s)};
+
+	return (void *)(intptr_t)dlpc_stat(arg, &s);
+}
+
+/*
+ * A call timeout of INT64_MAX ms means none: a call to a stopped daemon waits for its reply
+ * without spinning (a deadline that far had overflowed into "passed", and the wait polled with
+ * a timeout of 0, a whole core for as long as the daemon was stopped).
+ */
+START_TEST(test_a_call_timeout_of_int64_max_waits_without_spinning)
+{
+	struct timespec t0, t1;
+	clockid_t cpu;
+	dlpc_client *c;
+	pthread_t th;
+	void *r;
+	long ms;
+
+	c = connect_timed("9223372036854775807");
+	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
+	ck_assert_int_eq(pthread_create(&th, NULL, stat_thread, c), 0);
+	ck_assert_int_eq(pthread_getcpuclockid(th, &cpu), 0);
+	ck_assert_int_eq(clock_gettime(cpu, &t0), 0);
+	usleep(1000 * 1000);
+	ck_assert_int_eq(clock_gettime(cpu, &t1), 0);
+	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+	ck_assert_int_eq(pthread_join(th, &r), 0);
+	ck_assert_int_eq((int)(intptr_t)r, 0);
+	ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+	/* not a measure of speed: waiting takes next to nothing, spinning the whole second */
+	ck_assert_msg(ms < 500, "the waiting call used %ld ms of CPU in a second", ms);
+	dlpc_close(c);
+}
+END_TEST
+
+/*
  * A request whose write the call timeout cut short (the daemon stopped, the frame larger than
  * the socket's buffer) fails with -ETIMEDOUT and costs its connection: the socket is shut for
  * writing, so nothing more lands in the broken stream and the daemon, once it runs again, drops
@@ -2070,6 +2156,8 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_cancel_ends_a_stuck_write);
 	tcase_add_test(tc, test_a_call_behind_a_stuck_write_keeps_its_own_bound);
 	tcase_add_test(tc, test_a_call_giving_up_behind_a_stuck_write_queues_its_cancel);
+	tcase_add_test(tc, test_cancels_pending_max);
+	tcase_add_test(tc, test_a_call_timeout_of_int64_max_waits_without_spinning);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
 	tcase_add_test(tc, test_alloc_bundle_zero_copy);

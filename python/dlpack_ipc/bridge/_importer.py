@@ -624,8 +624,9 @@ class PeerLink:
                 # (it cancels there), remove its agent (UCX closes its connection: nothing
                 # lands later) and keep the memory registered for a while; kept for good if
                 # the agent could not be removed. If a WRITE may have started, this bridge's
-                # agent is replaced: only its end frees what UCX may keep of that connection
-                fenced = self.drop()
+                # agent is replaced: only its end frees what UCX may keep of that connection.
+                # (Nothing posted, nothing to fence off: the exporter wrote nothing.)
+                fenced = self.drop() or not posted
                 self.bridge.quarantine.add(nixl, f"replica of {rname!r} from {self.name}",
                                            None, reg, alloc.values(), fenced=fenced)
                 if posted:

@@ -309,10 +309,10 @@ class Quarantine:
             if not self._agents.end(items[0]["agent"], len(items)):
                 continue
             for i in items:
-                for t in i["tensors"]:
-                    t.release()
                 with self._lock:
                     self._items.remove(i)
+                for t in i["tensors"]:
+                    _quiet(t.release)
                 log.info("released after quarantine, its NIXL agent destroyed: %s", i["why"])
 
     def _held(self, i):

@@ -421,13 +421,18 @@ class Bridge:
             registry.join(_registry.STOP_WAIT)
 
     def _housekeeping(self):
+        failed = {}         # step: what it last failed with (logged once, until it changes)
         while not self.stop.wait(1.0):
             # each step on its own: one that fails must not end the others for good
             for step in (self.quarantine.sweep, self._agents_tick, self._close_retired):
                 try:
                     step()
-                except Exception:
-                    log.exception("housekeeping: %s", step.__name__)
+                    failed.pop(step.__name__, None)
+                except Exception as e:
+                    if failed.get(step.__name__) != repr(e):
+                        failed[step.__name__] = repr(e)
+                        log.exception("housekeeping: %s (said once while it fails so)",
+                                      step.__name__)
 
     def _agents_tick(self):
         self.agents.tick(self.new_agent_name())
