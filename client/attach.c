@@ -550,7 +550,7 @@ static int attach_call(dlpc_client *c, Dlpackd__V1__Attach *req, int64_t timeout
 		       Dlpackd__V1__AttachReply **rep, int *fd, struct dlpc__arena *arena,
 		       uint64_t *conn_seq)
 {
-	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, left = timeout, pause = 10;
+	int64_t end = dlpc__mono_end(timeout), left = timeout, pause = 10;
 	char why[DLPC_ERROR_TEXT_MAX];
 	int r;
 

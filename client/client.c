@@ -51,7 +51,7 @@ static int call_timeout_env(int64_t *ms)
  */
 static int connect_dropped_again(const char *path, int64_t timeout, dlpc_client **ret)
 {
-	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, left = 0, pause = 10;
+	int64_t end = dlpc__mono_end(timeout), left = 0, pause = 10;
 	char why[DLPC_ERROR_TEXT_MAX];
 	unsigned tries = 0;
 	int r;

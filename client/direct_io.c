@@ -113,7 +113,7 @@ int dlpc__direct_send(dlpc_client *c, struct dlpc__endpoint *e, const char *chan
 {
 	uint8_t rec[DLPC_DIRECT_RECORD], table[DLPC_DIRECT_TABLE_MAX];
 	size_t tl = dlpc__table_size(req->tensors, req->n_tensors);
-	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, check_at = 0;
+	int64_t end = dlpc__mono_end(timeout), check_at = 0;
 	struct dlpc__wait w = {.wake = -1, .sock = -1};
 	bool waited = false;
 	int r = 0;
@@ -417,7 +417,7 @@ static int read_nothing(const struct dlpc__endpoint *e, const char *channel, boo
 static int wait_datagram(dlpc_client *c, struct dlpc__endpoint *e, const char *channel,
 			 int64_t timeout, bool single, struct incoming *m)
 {
-	int64_t end = timeout > 0 ? dlpc__mono_ms() + timeout : 0, check_at = 0;
+	int64_t end = dlpc__mono_end(timeout), check_at = 0;
 	struct dlpc__wait w = {.wake = -1, .sock = -1};
 	int r;
 

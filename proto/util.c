@@ -15,6 +15,16 @@ int64_t dlpc__mono_ms(void)
 	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+int64_t dlpc__mono_end(int64_t timeout_ms)
+{
+	int64_t now;
+
+	if (timeout_ms <= 0)
+		return 0;
+	now = dlpc__mono_ms();
+	return timeout_ms > INT64_MAX - now ? INT64_MAX : now + timeout_ms;
+}
+
 int dlpc__bytes_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen)
 {
 	size_t n = alen < blen ? alen : blen;

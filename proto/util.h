@@ -9,6 +9,9 @@
 
 /* Monotonic milliseconds. */
 int64_t dlpc__mono_ms(void);
+/* dlpc__mono_ms() when @p timeout_ms (> 0) will have passed, INT64_MAX where that is further
+ * than it can say; 0 (no end) for a timeout <= 0. */
+int64_t dlpc__mono_end(int64_t timeout_ms);
 /* Byte-wise order of two strings, shorter first on a tie; either may be NULL when empty. */
 int dlpc__bytes_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen);
 /* Is s[0..len) well-formed UTF-8 (no overlongs, surrogates or NUL)? */

@@ -293,6 +293,19 @@ START_TEST(test_ms_left)
 }
 END_TEST
 
+/* dlpc__mono_end(): the end of a timeout, saturated ("for ever" stays that) */
+START_TEST(test_mono_end)
+{
+	int64_t now = dlpc__mono_ms(), end;
+
+	ck_assert(dlpc__mono_end(0) == 0 && dlpc__mono_end(-1) == 0);
+	end = dlpc__mono_end(1000);
+	ck_assert(end >= now + 1000 && end <= dlpc__mono_ms() + 1000);
+	ck_assert(dlpc__mono_end(INT64_MAX) == INT64_MAX);
+	ck_assert(dlpc__mono_end(INT64_MAX - now / 2) == INT64_MAX);
+}
+END_TEST
+
 /* ---- suite ---- */
 
 static Suite *util_suite(void)
@@ -307,6 +320,7 @@ static Suite *util_suite(void)
 	tcase_add_test(tc, test_align_up);
 	tcase_add_test(tc, test_printable);
 	tcase_add_test(tc, test_ms_left);
+	tcase_add_test(tc, test_mono_end);
 	suite_add_tcase(s, tc);
 	return s;
 }
