@@ -2,7 +2,7 @@
 /*
  * dlpc_connect(): where the daemon is, and trying again while it drops connections before HELLO;
  * the features registered on the connection core once, before the first connection (the core:
- * conn.c, reader.c, call.c, loop.c, serve.c).
+ * conn.c, write.c, reader.c, call.c, loop.c, serve.c).
  */
 #include <errno.h>
 #include <signal.h>

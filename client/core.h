@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * libdlpc's connection core: a client's life and its tables (conn.c), the reader's turn
- * (reader.c), calls and connecting (call.c), the library's thread (loop.c, serve.c). Features
+ * libdlpc's connection core: a client's life and its tables (conn.c), its writes besides
+ * requests and the write lock (write.c), the reader's turn (reader.c), calls and connecting
+ * (call.c), the library's thread (loop.c, serve.c). Features
  * hang off it through the tables (struct dlpc__notice, struct dlpc__hooks); it names none.
  */
 #ifndef DLPC_CLIENT_CORE_H
@@ -141,7 +142,7 @@ static inline bool dlpc__ours(const dlpc_client *c)
 	return c->fork_gen == __atomic_load_n(&dlpc__fork_gen, __ATOMIC_RELAXED);
 }
 
-/* ---- conn.c: a dlpc_client's life, the tables, deferred releases ---- */
+/* ---- conn.c: a dlpc_client's life, the tables ---- */
 /* A new client, its socket made (not connected) and listed for fork, calls bounded by @p timeout
  * ms: 0, or a negative errno with the message set. */
 int dlpc__client_new(int64_t timeout, dlpc_client **ret);
@@ -157,6 +158,11 @@ void dlpc__list_unlock(void);
 /* Every open client of this process, each referenced (unref each), into *@p buf of *@p cap
  * (grown as needed; the caller's to keep or free). Their number. */
 size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap);
+/* Count a legacy CUDA IPC publication of @p c's connection @p conn_seq until its RECLAIM notice
+ * (or, with -1, take a failed one back); nothing once @p c has connected anew since: the count
+ * went with that connection. */
+void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t conn_seq);
+/* ---- write.c: writes besides requests (deferred releases, marks, CANCELs), the write lock ---- */
 /* Tags of the ids in c->pending besides releases: a RELEASE mark (protocol 1.7). */
 #define DLPC__MARK_CACHED (1ull << 63)
 #define DLPC__MARK_USED (1ull << 62)
@@ -167,12 +173,15 @@ ssize_t dlpc__pending_frame(dlpc_client *c);
 /* The frame of dlpc__pending_frame() left, or the connection is gone (@p gone: they leave the
  * queue), or nothing of it left (they stay, for the next try). Under wmu. */
 void dlpc__pending_sent(dlpc_client *c, bool gone);
+/* Forget every deferred release and queued CANCEL: the connection they name is gone (write.c).
+ * Under pmu, with wmu held. */
+void dlpc__pending_drop(dlpc_client *c);
 /* How dlpc__flush_locked() writes: as a request's own flush, waiting for room up to the
  * request's deadline or until dlpc_cancel() or dlpc_close(); or only while the socket has room,
  * leaving the rest to the library's thread (it never waits: for deleters, the library's thread,
  * a holder of wmu flushing for others, dlpc_close()). */
 enum dlpc__flush { DLPC__FLUSH_CANCELABLE, DLPC__FLUSH_NOWAIT };
-/* Send @p c's deferred releases now (conn.c), a CANCELABLE flush within the deadline @p dl of
+/* Send @p c's deferred releases now (write.c), a CANCELABLE flush within the deadline @p dl of
  * the request it goes in front of (dlpc__write_ms()). Under wmu, without c->mu. */
 void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct timespec *dl);
 /* Was dlpc_cancel() or dlpc_close() called on @p c? Without c->mu (under wmu or not: wmu comes
@@ -222,10 +231,6 @@ void dlpc__release_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq);
 /* Queue a RELEASE mark of reference @p ref_id of connection @p conn_seq: idle in the cache
  * (@p cached) or in use again. */
 void dlpc__mark_ref(dlpc_client *c, uint64_t ref_id, uint64_t conn_seq, bool cached);
-/* Count a legacy CUDA IPC publication of @p c's connection @p conn_seq until its RECLAIM notice
- * (or, with -1, take a failed one back); nothing once @p c has connected anew since: the count
- * went with that connection. */
-void dlpc__reclaim_count(dlpc_client *c, int delta, uint64_t conn_seq);
 
 /* ---- the connection core's two tables: how features hang off a connection ---- */
 /*
