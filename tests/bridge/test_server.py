@@ -98,8 +98,10 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b = _server.Bridge.__new__(_server.Bridge)
     b.token = token
     b.agent_name = "exporter-agent"
-    b.nixl = nixl or FakeNixl()        # the agent in use (until an abort replaces it)
-    b.agents = _nixl.Agents(lambda name: b.nixl if name == "exporter-agent" else
+    # the agent in use until an abort replaces it; a name the real Bridge lacks, so that a
+    # leftover bridge-wide agent in the code under test fails here
+    b.fake_nixl = nixl or FakeNixl()
+    b.agents = _nixl.Agents(lambda name: b.fake_nixl if name == "exporter-agent" else
                             FakeNixl(name=name), "exporter-agent")
     b.quarantine = _server.Quarantine(b.agents, 60.0)
     b.stop = threading.Event()
@@ -207,7 +209,7 @@ def one_put(nixl):
     leases, lease = lease_of(b, tensors)
     c, s = tcp_pair()
     try:
-        b._put(s, put_frame(lease, tensors), leases, b.nixl, "importer-agent", "peer")
+        b._put(s, put_frame(lease, tensors), leases, b.fake_nixl, "importer-agent", "peer")
         reply = _wire.recv(c, time.monotonic() + 5)
     except Exception as e:  # the outcome under test
         reply = e
@@ -228,7 +230,7 @@ def test_a_done_put_gives_the_lease_back_whatever_nixl_raises(fail):
         b.quarantine.sweep(all_=True)
         if "release" in fail:            # a handle NIXL keeps keeps its memory too
             assert len(b.quarantine) == 1 and tensors[0].released == 0
-            b.nixl.fail.clear()
+            b.fake_nixl.fail.clear()
             b.quarantine.sweep(all_=True)
     assert len(b.quarantine) == 0 and tensors[0].released == 1
     assert b.counts["served"] == 1
@@ -438,7 +440,7 @@ def test_ucx_net_devices_follow_the_bridges_addresses():
 def test_gets_and_fetches_refused_past_quarantine_max():
     b = fake_bridge()
     for i in range(_nixl.QUARANTINE_MAX):
-        b.quarantine.add(b.nixl, f"test {i}")
+        b.quarantine.add(b.fake_nixl, f"test {i}")
     c, s = tcp_pair()
     b._get(s, None, {"op": "get", "id": 7, "name": "w/x"}, {}, "peer")
     reply = _wire.recv(c, time.monotonic() + 5)
@@ -455,7 +457,7 @@ def test_a_put_never_posted_is_not_quarantined():
     b, _, tensors, reply = one_put(FakeNixl(("write",)))
     assert reply["op"] == "error" and reply["errno"] == "EIO"
     assert len(b.quarantine) == 0 and b.leases == 0 and tensors[0].released == 1
-    assert b.nixl.registered == 0 and b.counts["aborted"] == 1
+    assert b.fake_nixl.registered == 0 and b.counts["aborted"] == 1
 
 
 def test_a_put_in_flight_when_it_fails_is_quarantined():
@@ -465,23 +467,23 @@ def test_a_put_in_flight_when_it_fails_is_quarantined():
     assert isinstance(raised, ConnectionError)
     assert len(b.quarantine) == 1 and b.leases == 0 and tensors[0].released == 0
     b.quarantine.sweep(all_=True)
-    assert tensors[0].released == 1 and b.nixl.registered == 0
+    assert tensors[0].released == 1 and b.fake_nixl.registered == 0
 
 
 def test_a_put_with_another_agents_metadata_is_refused():
     b = fake_bridge()
-    b.nixl.remotes.add("importer-agent")
+    b.fake_nixl.remotes.add("importer-agent")
     tensors = [FakeTensor(100)]
     leases, lease = lease_of(b, tensors)
     c, s = tcp_pair()
     with pytest.raises(_wire.FrameError, match="not of the peer's"):
-        b._put(s, put_frame(lease, tensors, agent="someone-else"), leases, b.nixl,
+        b._put(s, put_frame(lease, tensors, agent="someone-else"), leases, b.fake_nixl,
                "importer-agent", "peer")
     c.close()
     s.close()
-    assert b.nixl.remotes == {"importer-agent"}       # the other agent was unloaded
+    assert b.fake_nixl.remotes == {"importer-agent"}       # the other agent was unloaded
     assert leases == {} and b.leases == 0 and tensors[0].released == 1
-    assert not [call for call in b.nixl.calls if call[0] == "write"]
+    assert not [call for call in b.fake_nixl.calls if call[0] == "write"]
 
 
 def test_unmatched_notifications_bounded_oldest_dropped():
@@ -532,7 +534,7 @@ def test_a_transfer_longer_than_the_lease_ttl_within_its_own_deadline_completes(
     leases, lease = lease_of(b, tensors)
     c, s = tcp_pair()
     try:
-        b._put(s, put_frame(lease, tensors), leases, b.nixl, "importer-agent", "peer")
+        b._put(s, put_frame(lease, tensors), leases, b.fake_nixl, "importer-agent", "peer")
         reply = _wire.recv(c, time.monotonic() + 5)
     finally:
         c.close()
@@ -562,12 +564,12 @@ def test_an_aborted_transfer_in_progress_stays_in_quarantine_until_done(monkeypa
     assert isinstance(raised, TimeoutError) and len(b.quarantine) == 1
     b.quarantine.sweep(all_=True)        # its time has come; NIXL says it is in progress
     b.quarantine.sweep(all_=True)
-    assert len(b.quarantine) == 1 and tensors[0].released == 0 and b.nixl.registered == 1
-    assert not any(c[0] in ("release", "deregister") for c in b.nixl.calls)
-    b.nixl.seconds = 0                    # now done
+    assert len(b.quarantine) == 1 and tensors[0].released == 0 and b.fake_nixl.registered == 1
+    assert not any(c[0] in ("release", "deregister") for c in b.fake_nixl.calls)
+    b.fake_nixl.seconds = 0                    # now done
     b.quarantine.sweep(all_=True)
-    assert len(b.quarantine) == 0 and tensors[0].released == 1 and b.nixl.registered == 0
-    assert [c[0] for c in b.nixl.calls][-2:] == ["release", "deregister"]
+    assert len(b.quarantine) == 0 and tensors[0].released == 1 and b.fake_nixl.registered == 0
+    assert [c[0] for c in b.fake_nixl.calls][-2:] == ["release", "deregister"]
 
 
 def test_a_handle_nixl_does_not_release_stays_in_quarantine():
@@ -639,7 +641,7 @@ def test_a_write_done_or_never_posted_keeps_the_agent():
     for fail in ((), ("write",)):
         b, _, _, _ = one_put(FakeNixl(fail))
         b.agents.tick("agent-2")
-        assert b.agents.now is b.nixl and b.agents.replaced == 0
+        assert b.agents.now is b.fake_nixl and b.agents.replaced == 0
 
 
 class LeaseDl:
@@ -676,7 +678,7 @@ def _peer_connection(b, importer="importer"):
 
 def test_a_peer_connection_made_with_a_replaced_agent_is_closed_once_idle():
     b = fake_bridge()
-    old = b.nixl
+    old = b.fake_nixl
     c, th = _peer_connection(b)
     try:
         c.settimeout(5)
@@ -704,7 +706,7 @@ def test_a_peer_connection_made_with_a_replaced_agent_is_closed_once_idle():
 
 def test_a_peer_connection_holding_a_lease_is_closed_only_once_the_lease_ends():
     b = fake_bridge()
-    old = b.nixl
+    old = b.fake_nixl
     c, th = _peer_connection(b)
     try:
         c.settimeout(5)
@@ -748,14 +750,14 @@ def test_an_importer_replaces_its_agent_only_after_a_write_that_may_have_started
     b.quarantine.sweep(all_=True)
     assert len(b.quarantine) == 0 and dl.made[0].released == 1
     # posted: released by the end of the replaced agent, which it alone held; else as fenced
-    assert b.nixl.closed == bool(replaced)
+    assert b.fake_nixl.closed == bool(replaced)
 
 
 def test_a_busy_link_made_with_a_replaced_agent_connects_anew_at_its_next_use(monkeypatch):
     """A link that fetches one entry after another is never idle at the housekeeping's tick:
     its next use closes the connection of the replaced agent and connects with the new one."""
     b = fake_bridge()
-    old = b.nixl
+    old = b.fake_nixl
     ex = FakeExporter(b, {"w/x": 100})
     connects = []
 
@@ -783,7 +785,7 @@ def test_a_busy_link_made_with_a_replaced_agent_connects_anew_at_its_next_use(mo
 
 def test_an_importers_link_made_with_a_replaced_agent_is_closed_once_idle():
     b = fake_bridge()
-    old = b.nixl
+    old = b.fake_nixl
     link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
     link.sock, peer = socket.socketpair()
     link.agent, link.nixl = "exporter-agent", b.agents.hold()
@@ -815,7 +817,7 @@ def test_an_aborted_fetch_replaces_the_agent_which_lives_while_its_replica_is_qu
     layout = {"op": "layout", "lease": "L1", "generation": 1, "bundle": False, "ttl": 0.2,
               "tensors": [["", "float32", [25], 100]]}
     b, dl = fake_bridge(), ReplicaDlpackd()
-    old = b.nixl
+    old = b.fake_nixl
     assert isinstance(stalled_fetch(monkeypatch, layout, b, dl), TimeoutError)
     assert len(b.quarantine) == 1
     b.agents.tick("agent-2")
@@ -900,7 +902,7 @@ def test_an_import_longer_than_the_lease_ttl_within_its_own_deadline_completes(m
         _wire.send(peer, {"op": "done", "id": put["id"], "lease": "L1"})
 
     r, _ = peer_fetch(ReplicaDlpackd(), exporter, b)
-    assert r == 1 and len(b.quarantine) == 0 and b.nixl.registered == 0
+    assert r == 1 and len(b.quarantine) == 0 and b.fake_nixl.registered == 0
 
 
 # -- local callers charged per uid (_replicas) ----------------------------------------------
