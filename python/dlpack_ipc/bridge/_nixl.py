@@ -254,8 +254,8 @@ class Quarantine:
 
     def add(self, agent, why, xfer=None, reg=None, tensors=(), fenced=True):
         """agent: the one reg and xfer belong to. fenced False: the peer that may write into
-        reg could not be cut off (its remote agent not removed): reg and tensors are never
-        given back."""
+        reg could not be cut off (its remote agent not removed): reg and tensors are given back
+        only once agent, replaced, is destroyed (_end_unfenced)."""
         log.warning("quarantined for %.0f s: %s", self.seconds, why)
         self._agents.hold(agent)
         with self._lock:
