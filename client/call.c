@@ -156,27 +156,17 @@ static int fds_lost(dlpc_client *c, const struct dlpc__call *call)
 
 /*
  * How long connecting anew before a call that the daemon may hold for @p wait_ms may take: HELLO
- * as long as the call itself may wait (the time left of a waiting call's wait, if shorter; at
- * most what the call's deadline @p dl leaves),
+ * as long as the call itself may wait (the time left of a waiting call's wait, if shorter),
  * connect() likewise, and for a waiting call at most DLPC_RECONNECT_BACKOFF_MAX_MS at a time (a
  * full backlog cannot be woken by dlpc_close(): the call tries again after its pause). <= 0: no
  * bound.
  */
-static void reconnect_bounds(const dlpc_client *c, int64_t wait_ms, const struct timespec *dl,
-			     int64_t *connect_ms, int64_t *hello_ms)
+static void reconnect_bounds(const dlpc_client *c, int64_t wait_ms, int64_t *connect_ms,
+			     int64_t *hello_ms)
 {
 	int64_t t = c->call_timeout_ms;
 
 	*hello_ms = wait_ms > 0 && (t <= 0 || wait_ms < t) ? wait_ms : t;
-	/* and no longer than the call's deadline @p dl leaves (NULL: none) */
-	if (dl) {
-		int64_t left = dlpc__ms_left(dl);
-
-		if (left < 1) /* (0 would mean no bound) */
-			left = 1;
-		if (*hello_ms <= 0 || left < *hello_ms)
-			*hello_ms = left;
-	}
 	*connect_ms = *hello_ms;
 	if (wait_ms != 0 && (*connect_ms <= 0 || *connect_ms > DLPC_RECONNECT_BACKOFF_MAX_MS))
 		*connect_ms = DLPC_RECONNECT_BACKOFF_MAX_MS;
@@ -195,15 +185,14 @@ static int call_closed(dlpc_client *c)
  * unless another call or the reader still works on the old connection (it fails as that did; a
  * later call connects). Under c->mu: held again on 0, released on failure.
  */
-static int call_reconnect(dlpc_client *c, int64_t wait_ms, const struct timespec *dl,
-			  struct dlpc__call_info *info)
+static int call_reconnect(dlpc_client *c, int64_t wait_ms, struct dlpc__call_info *info)
 {
 	int64_t connect_ms, hello_ms;
 	int r;
 
 	if (!c->broken || !c->reconnect || c->calls || c->reading || c->reconnecting)
 		return 0;
-	reconnect_bounds(c, wait_ms, dl, &connect_ms, &hello_ms);
+	reconnect_bounds(c, wait_ms, &connect_ms, &hello_ms);
 	c->reconnecting = true;
 	pthread_mutex_unlock(&c->mu);
 	r = dlpc__reconnect(c, connect_ms, hello_ms);
@@ -221,14 +210,14 @@ static int call_reconnect(dlpc_client *c, int64_t wait_ms, const struct timespec
 /* Give @p call an id on @p c's connection and list it, connecting anew first if need be. 0, or a
  * negative errno (closed, lost). Without c->mu either way. */
 static int call_start(dlpc_client *c, struct dlpc__call *call, int64_t wait_ms,
-		      const struct timespec *dl, struct dlpc__call_info *info)
+		      struct dlpc__call_info *info)
 {
 	int r;
 
 	pthread_mutex_lock(&c->mu);
 	if (c->closed)
 		return call_closed(c);
-	r = call_reconnect(c, wait_ms, dl, info);
+	r = call_reconnect(c, wait_ms, info);
 	if (r < 0)
 		return r;
 	if (c->broken) {
@@ -474,7 +463,7 @@ static int call_bounded(dlpc_client *c, uint16_t type, const ProtobufCMessage *r
 		dl = &deadline;
 	}
 	dlpc__interrupt_arm();
-	r = call_start(c, &call, wait_ms, dl, info);
+	r = call_start(c, &call, wait_ms, info);
 	if (r == 0)
 		r = call_send(c, &call, type, req, fds, nfds, dl, bound, wait_ms, info);
 	if (r == 0)
