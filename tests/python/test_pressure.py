@@ -126,16 +126,14 @@ os._exit(0)
         time.sleep(0.5)         # the attach waits behind the stuck publish
         assert p.poll() is None
         p.send_signal(signal.SIGINT)
-        sent = time.monotonic()
+        # (without the interrupt the call waits for as long as the daemon is stopped, and
+        # _finish() kills the child after its 10 s)
         out, err = _finish(p)
-        elapsed = time.monotonic() - sent
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
         _finish(p, 0)
     assert p.returncode == 42, f"status {p.returncode}\n{out}\n{err}"
     assert out.split() == ["KeyboardInterrupt"]
-    # a check every DLPC_SEND_CHECK_MS (100 ms); generous for a loaded machine
-    assert elapsed < 3, f"the interrupt took {elapsed:.1f}s"
     assert ipc.stat()["daemon_pid"] == daemon.pid
 
 
