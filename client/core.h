@@ -100,6 +100,9 @@ struct dlpc_client {
 	unsigned pending_cap, nsending;
 	atomic_uint npending; /* written under pmu; read without it as a hint */
 	bool flush_asked;     /* a flush found wmu held: its holder flushes as it lets go */
+	/* a flush that must not wait found the socket full: the library's thread polls it for
+	 * room and flushes then (serve.c), rather than looking again and again */
+	atomic_bool await_room;
 	uint64_t pending_inline[DLPC_RELEASE_PENDING_MAX];
 	/* CANCELs of waits given up on, under pmu: sent with the deferred releases, so that a call
 	 * giving up never waits for another thread's write (dlpc__cancel_wait()) */

@@ -6,7 +6,8 @@
  * that serves, for every open client of the process:
  *
  *  - deferred releases (and the cache's marks): sent DLPC_RELEASE_DELAY_MS after the first of
- *    a quiet spell, unless a request of the connection carried them first;
+ *    a quiet spell, unless a request of the connection carried them first; where the socket
+ *    had no room for them, when it has (serve.c polls it for room);
  *  - RECLAIM notices of legacy CUDA IPC and lent VMM publications: the socket of a connection
  *    with such publications outstanding is read whenever no call of the process reads it, so a
  *    notice is acted on (the publication's deleter run, here, outside every lock) while the
@@ -133,6 +134,7 @@ int dlpc__loop_due(bool *flush, bool *sweep)
 static void *loop_main(void *arg)
 {
 	(void)arg;
+	pthread_setname_np(pthread_self(), "dlpc-loop"); /* for top -H, gdb, and the tests */
 	for (;;)
 		turn_fn();
 	return NULL;
@@ -168,30 +170,28 @@ bool dlpc__loop_start(void)
 
 size_t dlpc__loop_wait(struct pollfd *p, size_t np, int timeout)
 {
-	size_t nwait;
-
 	pthread_mutex_lock(&loop_mu);
 	if (np > 1 && loop_fd < 0)
 		loop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-	nwait = np;
-	if (np > 1 && loop_fd < 0)
-		nwait = 1, timeout = DLPC__LOOP_BUSY_MS; /* no fd to be woken by: look again soon */
+	/* no fd to be woken by (poll() skips p[0] then): look again soon */
+	if (np > 1 && loop_fd < 0 && (timeout < 0 || timeout > DLPC__LOOP_BUSY_MS))
+		timeout = DLPC__LOOP_BUSY_MS;
 	if (p)
 		p[0].fd = loop_fd;
 	if (woken) {
 		timeout = 0;
-	} else if (nwait == 1 && timeout != 0) {
+	} else if (np == 1 && timeout != 0) {
 		wait_woken(timeout);
 		timeout = 0;
 	}
 	woken = false;
 	pthread_mutex_unlock(&loop_mu);
-	if (nwait > 1 && poll(p, (nfds_t)nwait, timeout) > 0) {
+	if (np > 1 && poll(p, (nfds_t)np, timeout) > 0) {
 		eventfd_t x;
 
 		if (p[0].revents)
 			eventfd_read(loop_fd, &x);
-		return nwait;
+		return np;
 	}
 	return 0;
 }

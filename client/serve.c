@@ -2,8 +2,8 @@
 /*
  * The library's thread's turn (when it runs and what wakes it: loop.c): for every open client,
  * run the deleters of reclaimed publications, let the features sweep what has been idle too long,
- * send deferred releases that fell due, and read the sockets that a feature, or a publication
- * awaiting its RECLAIM, wants read while no call reads them.
+ * send deferred releases that fell due or whose socket has room again, and read the sockets
+ * that a feature, or a publication awaiting its RECLAIM, wants read while no call reads them.
  */
 #include <poll.h>
 #include <stdlib.h>
@@ -100,9 +100,17 @@ static int sweep_due(size_t n, bool *flush)
 	return timeout;
 }
 
-/* The sockets of the @p n clients of @p v that want reading, into p and owner: their number
- * plus one (p[0]). *@p busy: one of them has a reader already, or there was no memory to list
- * them (look again soon). */
+/* Is @p c's socket one the loop should wait on for room: a flush that must not wait found it
+ * full (write.c)? Not once the user closed it: the loop would keep the connection open for
+ * releases that its end makes void. Under c->mu. */
+static bool wants_room(dlpc_client *c)
+{
+	return atomic_load(&c->await_room) && !c->closed && !c->broken && c->sock >= 0;
+}
+
+/* The sockets of the @p n clients of @p v that want reading, or room, into p and owner: their
+ * number plus one (p[0]). *@p busy: one that wants reading has a reader already, or there was
+ * no memory to list them (look again soon). */
 static size_t poll_set(size_t n, bool *busy)
 {
 	size_t np = 1;
@@ -124,21 +132,42 @@ static size_t poll_set(size_t n, bool *busy)
 	for (size_t i = 0; n + 1 <= pcap && i < n; i++) {
 		dlpc_client *c = v[i];
 
+		short events = 0;
+
 		pthread_mutex_lock(&c->mu);
 		if (wants_reading(c)) {
-			if (c->reading) {
+			if (c->reading)
 				*busy = true;
-			} else {
-				p[np].fd = c->sock;
-				p[np].events = POLLIN;
-				owner[np++] = c;
-			}
+			else
+				events = POLLIN;
+		}
+		if (wants_room(c))
+			events |= POLLOUT;
+		if (events) {
+			p[np].fd = c->sock;
+			p[np].events = events;
+			owner[np++] = c;
 		}
 		pthread_mutex_unlock(&c->mu);
 	}
 	if (n + 1 > pcap)
 		*busy = true; /* out of memory: look again soon */
 	return np;
+}
+
+/* @p c's socket, polled for @p events, reported @p revents: read it, or flush into the room that
+ * came. A connection that ended reports POLLHUP: reading finds that out, and a flush then drops
+ * what it had to send rather than wait for room again. */
+static void ready(dlpc_client *c, short events, short revents)
+{
+	if (!revents)
+		return;
+	if ((events & POLLIN) || (revents & (POLLERR | POLLHUP)))
+		dlpc__drain(c, true);
+	if (events & POLLOUT) {
+		atomic_store(&c->await_room, false);
+		dlpc__flush_nowait(c);
+	}
 }
 
 /* One turn: what is due now, then wait for the sockets, the wake-up or the next deadline. */
@@ -172,8 +201,7 @@ static void turn(void)
 	}
 	nready = dlpc__loop_wait(p, np, timeout);
 	for (size_t i = 1; i < nready; i++)
-		if (p[i].revents)
-			dlpc__drain(owner[i], true);
+		ready(owner[i], p[i].events, p[i].revents);
 	dlpc__loop_looked();
 	for (size_t i = 1; i < np; i++)
 		dlpc__client_unref(owner[i]);

@@ -211,6 +211,14 @@ static bool has_room(dlpc_client *c)
 	return poll(&(struct pollfd){.fd = c->sock, .events = POLLOUT}, 1, 0) == 1;
 }
 
+/* A flush that must not wait found no room in @p c's socket: the library's thread waits for
+ * room in it and flushes then (serve.c). Without that thread, the next request carries them. */
+static void await_room(dlpc_client *c)
+{
+	atomic_store(&c->await_room, true);
+	(void)dlpc__loop_start();
+}
+
 /*
  * Send @p c's queued CANCELs, after its releases, one frame each, as dlpc__flush_locked() says.
  * Under wmu: the only thread that takes them off the queue.
@@ -226,7 +234,7 @@ static void send_cancels(dlpc_client *c, enum dlpc__flush how, const struct time
 		int r;
 
 		if (how == DLPC__FLUSH_NOWAIT && !has_room(c)) {
-			(void)dlpc__loop_flush_soon(false);
+			await_room(c);
 			return;
 		}
 		pthread_mutex_lock(&c->pmu);
@@ -292,7 +300,7 @@ void dlpc__flush_locked(dlpc_client *c, enum dlpc__flush how, const struct times
 		 * wait for the call timeout; where it polls writable, three quarters of the buffer
 		 * are free, and a release frame goes out whole at once */
 		if (how == DLPC__FLUSH_NOWAIT && !has_room(c)) {
-			(void)dlpc__loop_flush_soon(false);
+			await_room(c);
 			return;
 		}
 		len = dlpc__pending_frame(c);

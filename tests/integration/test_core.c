@@ -3,6 +3,7 @@
  * Host tensors end to end: a real dlpackd per test, publishers and attachers in separate
  * processes. Each test names the acceptance point of the core issue it proves.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -1053,6 +1054,7 @@ struct stuck_publish {
 	DLManagedTensorVersioned **ts;
 	atomic_int tid;
 	int r;
+	size_t n; /* of the STUCK_KEYS tensors, how many to publish (0: all) */
 };
 
 static void *publish_stuck(void *arg)
@@ -1060,8 +1062,8 @@ static void *publish_stuck(void *arg)
 	struct stuck_publish *p = arg;
 
 	atomic_store(&p->tid, (int)syscall(SYS_gettid));
-	p->r = dlpc_publish_bundle(p->c, "stuck", STUCK_KEYS, (const char *const *)p->keys, p->ts,
-				   0);
+	p->r = dlpc_publish_bundle(p->c, "stuck", p->n ? p->n : STUCK_KEYS,
+				   (const char *const *)p->keys, p->ts, 0);
 	return NULL;
 }
 
@@ -1504,6 +1506,103 @@ START_TEST(test_a_call_timeout_of_int64_max_waits_without_spinning)
 		      "under a second",
 		      polls, spins);
 	dlpc_close(s.c);
+}
+END_TEST
+
+/* The id of this process's thread named @p name, or 0 when none is. */
+static int thread_named(const char *name)
+{
+	char path[300], comm[32];
+	struct dirent *d;
+	int tid = 0;
+	DIR *dir;
+
+	dir = opendir("/proc/self/task");
+	ck_assert(dir);
+	while (!tid && (d = readdir(dir))) {
+		FILE *f;
+
+		if (d->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof(path), "/proc/self/task/%s/comm", d->d_name);
+		f = fopen(path, "r");
+		if (!f)
+			continue;
+		if (fgets(comm, sizeof(comm), f)) {
+			comm[strcspn(comm, "\n")] = '\0';
+			if (strcmp(comm, name) == 0)
+				tid = atoi(d->d_name);
+		}
+		fclose(f);
+	}
+	closedir(dir);
+	return tid;
+}
+
+/*
+ * Releases that find the socket full wait for room with the library's thread asleep in poll()
+ * on that socket, looked at 50 times, and go out once the daemon reads again. The daemon is
+ * stopped after a publish whose frame (about half the socket's buffer) went out whole and left
+ * too little room for more; a deleter then queues a release. That thread used to look again
+ * every DLPC_RELEASE_DELAY_MS (200 times a second) for as long as the daemon read nothing.
+ */
+START_TEST(test_releases_wait_for_room_without_spinning)
+{
+	struct stuck_publish p = {.r = 0};
+	DLManagedTensorVersioned *t;
+	int polls = 0, spins = 0, loop_tid = 0;
+	long wmem = 212992;
+	dlpc_client *probe;
+	pthread_t th;
+	char *keys;
+	FILE *f;
+
+	probe = connect_or_die(&D);
+	publish_filled(probe, "held", 4096, 5);
+	p.c = connect_timed("0");
+	ck_assert_dlpc(dlpc_attach(p.c, "held", NULL, &t), 1);
+	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 1}, scaled_ms(1000)));
+	/* a frame of about half the default send buffer: it fits whole, a quarter is not free */
+	f = fopen("/proc/sys/net/core/wmem_default", "r");
+	if (f) {
+		ck_assert_int_eq(fscanf(f, "%ld", &wmem), 1);
+		fclose(f);
+	}
+	stuck_bundle(&p, &keys);
+	p.n = (size_t)wmem / 2 / (STUCK_KEY_LEN + 16);
+	ck_assert_uint_lt(p.n, STUCK_KEYS);
+	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
+	ck_assert_int_eq(pthread_create(&th, NULL, publish_stuck, &p), 0);
+	/* its write never waits (the frame fits): in poll(), it waits for the reply */
+	for (int i = 0; !(atomic_load(&p.tid) && in_sendmsg(atomic_load(&p.tid))); i++) {
+		ck_assert_msg(i < 10000, "the publish never waited for its reply");
+		usleep(1000);
+	}
+	t->deleter(t);
+	for (int i = 0; !(loop_tid = thread_named("dlpc-loop")); i++) {
+		ck_assert_msg(i < 1000, "no thread named dlpc-loop");
+		usleep(1000);
+	}
+	usleep(50 * 1000); /* the release fell due, and found no room */
+	for (int i = 0; i < 50; i++) {
+		long long ms = poll_timeout_of(loop_tid);
+
+		polls += ms != -2;
+		spins += ms >= 0 && ms < 1000;
+		usleep(10 * 1000);
+	}
+	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	ck_assert_dlpc(p.r, 1);
+	ck_assert_msg(polls > 0 && spins == 0,
+		      "the library's thread was in poll() %d times of 50, %d of them with a "
+		      "timeout under a second",
+		      polls, spins);
+	/* the room came: the release went out */
+	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 0}, scaled_ms(5000)));
+	dlpc_close(p.c);
+	dlpc_close(probe);
+	stuck_free(&p, keys);
 }
 END_TEST
 
@@ -2201,6 +2300,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_a_call_giving_up_behind_a_stuck_write_queues_its_cancel);
 	tcase_add_test(tc, test_cancels_pending_max);
 	tcase_add_test(tc, test_a_call_timeout_of_int64_max_waits_without_spinning);
+	tcase_add_test(tc, test_releases_wait_for_room_without_spinning);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
 	tcase_add_test(tc, test_alloc_bundle_zero_copy);
