@@ -276,6 +276,15 @@ int ipc_bundle_split(const char *verb, const char *name, PyObject *items, const 
 			return -1;
 		(*objs)[i] = PyTuple_GetItem(kv, 1);
 	}
+	/* one tensor travels as the bundle of one tensor under the key "": such a mapping would
+	 * come back as a single tensor, not as the dict it was */
+	if (n == 1 && !(*keys)[0][0]) {
+		PyErr_Format(PyExc_ValueError,
+			     "cannot %s '%s': a mapping whose only key is '' would come back as "
+			     "one tensor, not a dict: give the tensor a key, or pass it alone",
+			     verb, name);
+		return -1;
+	}
 	return 0;
 }
 

@@ -297,17 +297,20 @@ def test_ctrl_c_cancels_the_wait_in_the_daemon(ipc, daemon):
 
 
 def _bad_key_sender(name, q):
-    """In another process: every bad key refused by send_dict() as publish_dict() refuses it,
-    then a bundle whose key is exactly KEY_MAX bytes sent."""
+    """In another process: every bad key refused by send_dict() as publish_dict() refuses it
+    (and a mapping whose only key is '', which would come back as one tensor), then a bundle
+    whose key is exactly KEY_MAX bytes sent, with a key '' beside it."""
     try:
         ch = dlpack_ipc.channel(name)
         out = []
-        for key in ("a\0b", "k" * (dlpack_ipc.KEY_MAX + 1), "é" * 128, 7):
+        bad = [{"ok": np.zeros(2), key: np.ones(2)}
+               for key in ("a\0b", "k" * (dlpack_ipc.KEY_MAX + 1), "é" * 128, 7)]
+        for mapping in bad + [{"": np.ones(2)}]:
             got = []
             for call in (lambda m: dlpack_ipc.publish_dict("py/keys", m),
                          lambda m: ch.send_dict(m)):
                 try:
-                    call({"ok": np.zeros(2), key: np.ones(2)})
+                    call(mapping)
                     got.append(None)
                 except (TypeError, ValueError) as e:
                     got.append((type(e).__name__, str(e)))
@@ -321,7 +324,8 @@ def _bad_key_sender(name, q):
 def test_send_dict_refuses_the_keys_publish_dict_refuses(ipc, daemon):
     """One key check for publish_dict() and send_dict(): a key with a NUL (which would reach
     libdlpc cut short), one over KEY_MAX bytes, one of 256 bytes in 128 characters, one that is
-    not str: the same exception, the same words but the verb, and nothing sent or published."""
+    not str, a mapping whose only key is '': the same exception, the same words but the verb,
+    and nothing sent or published."""
     ch = dlpack_ipc.channel("py/keys", capacity=4, direct=False)
     q = multiprocessing.get_context("spawn").Queue()
     p = multiprocessing.get_context("spawn").Process(target=_bad_key_sender,
@@ -332,7 +336,9 @@ def test_send_dict_refuses_the_keys_publish_dict_refuses(ipc, daemon):
     finally:
         p.join(timeout=60)
     assert res[0] == "ok", res[1]
-    says = ["contains NUL", "is too long", "is too long", "keys must be str, not int (key 7)"]
+    says = ["contains NUL", "is too long", "is too long", "keys must be str, not int (key 7)",
+            "only key is '' would come back as one tensor, not a dict"]
+    assert len(res[1]) == len(says)
     for (pub, snd), what in zip(res[1], says):
         assert pub is not None and snd is not None, (pub, snd)
         assert pub[0] == snd[0], (pub, snd)
