@@ -1545,17 +1545,25 @@ static int thread_named(const char *name)
  * stopped after a publish whose frame (about half the socket's buffer) went out whole and left
  * too little room for more; a deleter then queues a release. That thread used to look again
  * every DLPC_RELEASE_DELAY_MS (200 times a second) for as long as the daemon read nothing.
+ * Meanwhile the same thread serves the process's client of another daemon: its release goes.
  */
 START_TEST(test_releases_wait_for_room_without_spinning)
 {
 	struct stuck_publish p = {.r = 0};
-	DLManagedTensorVersioned *t;
+	DLManagedTensorVersioned *t, *t2;
 	int polls = 0, spins = 0, loop_tid = 0;
+	dlpc_client *probe, *probe2, *c2;
 	long wmem = 212992;
-	dlpc_client *probe;
+	struct daemon d2;
 	pthread_t th;
 	char *keys;
 	FILE *f;
+
+	daemon_start(&d2);
+	probe2 = connect_or_die(&d2);
+	c2 = connect_or_die(&d2);
+	publish_filled(probe2, "held", 4096, 6);
+	ck_assert_dlpc(dlpc_attach(c2, "held", NULL, &t2), 1);
 
 	probe = connect_or_die(&D);
 	publish_filled(probe, "held", 4096, 5);
@@ -1591,6 +1599,11 @@ START_TEST(test_releases_wait_for_room_without_spinning)
 		spins += ms >= 0 && ms < 1000;
 		usleep(10 * 1000);
 	}
+	/* the other daemon's client is served meanwhile */
+	ck_assert(wait_stat(probe2, refs_are, &(struct want){.refs = 1}, scaled_ms(1000)));
+	t2->deleter(t2);
+	ck_assert_msg(wait_stat(probe2, refs_are, &(struct want){.refs = 0}, scaled_ms(5000)),
+		      "a release to another daemon waited for the stopped one");
 	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
 	ck_assert_int_eq(pthread_join(th, NULL), 0);
 	ck_assert_dlpc(p.r, 1);
@@ -1602,6 +1615,9 @@ START_TEST(test_releases_wait_for_room_without_spinning)
 	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 0}, scaled_ms(5000)));
 	dlpc_close(p.c);
 	dlpc_close(probe);
+	dlpc_close(c2);
+	dlpc_close(probe2);
+	daemon_stop(&d2);
 	stuck_free(&p, keys);
 }
 END_TEST
