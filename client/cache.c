@@ -47,7 +47,7 @@ struct dlpc__centry {
 	void *cow_map; /* a copy-on-write one, no private page left in it, or NULL */
 	uint32_t owner_uid, entry_flags;
 	int32_t owner_pid;
-	size_t ntensors;
+	bool single; /* one tensor, under the key "" (dlpc__table_single()) */
 	uint8_t *table;
 	size_t table_len;
 	size_t name_len;
@@ -185,7 +185,7 @@ struct dlpc__centry *dlpc__cache_get(dlpc_client *c, const char *name, bool owne
 	pthread_mutex_lock(&k->mu);
 	e = find(k, name, len, hash);
 	/* another uid's entry, or a bundle for dlpc_attach(): the daemon says why not */
-	if (e && ((owned && e->owner_uid != owner_uid) || (single && e->ntensors != 1)))
+	if (e && ((owned && e->owner_uid != owner_uid) || (single && !e->single)))
 		e = NULL;
 	if (e) {
 		was_idle = e->idle;
@@ -241,7 +241,7 @@ struct dlpc__centry *dlpc__cache_insert(dlpc_client *c, uint64_t seq, uint64_t c
 	}
 	memcpy(e->table, table, table_len);
 	e->table_len = table_len;
-	e->ntensors = (size_t)dlpc__table_count(table, table_len);
+	e->single = dlpc__table_single(table, table_len);
 	memcpy(e->name, name, len + 1);
 	e->name_len = len;
 	e->hash = hash;

@@ -362,12 +362,12 @@ static int single_waits(struct dlpc__endpoint *e, const char *channel)
 	    dlpc__direct_decode(rec, sizeof(rec), &size, &table, &table_len, why, sizeof(why)) < 0)
 		return 0;
 	n = table_sane(table, table_len, size, why, sizeof(why));
-	if (n <= 1)
+	if (n < 1 || dlpc__table_single(table, table_len))
 		return 0;
 	return dlpc__fail(-EINVAL,
-			  "the next message in channel '%s' is a bundle of %lld tensors; receive "
+			  "the next message in channel '%s' is a bundle of %lld tensor%s; receive "
 			  "it as a bundle",
-			  channel, (long long)n);
+			  channel, (long long)n, n == 1 ? " under a key" : "s");
 }
 
 /* A datagram taken from a direct channel, and what its receive learns of it on the way to
@@ -510,11 +510,11 @@ static int check_message(dlpc_client *c, const char *channel, bool single, struc
 	}
 	if ((n = table_sane(m->table, m->table_len, m->size, m->why, sizeof(m->why))) < 0)
 		return -EBADMSG;
-	if (single && n != 1) {
+	if (single && !dlpc__table_single(m->table, m->table_len)) {
 		snprintf(m->why, sizeof(m->why),
-			 "it is a bundle of %lld tensors, and a single tensor was asked for "
+			 "it is a bundle of %lld tensor%s, and a single tensor was asked for "
 			 "(receive bundles with dlpc_recv_bundle())",
-			 (long long)n);
+			 (long long)n, n == 1 ? " under a key" : "s");
 		return -EINVAL;
 	}
 	if (!dlpc__maps_sealed(c, m->fd, m->size, &m->key, &m->keyed) &&

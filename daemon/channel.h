@@ -23,6 +23,7 @@ struct dlpd_msg {
 	size_t tensors_wire_len;
 	uint32_t flags;	     /* DLPC_PUBLISH_WRITABLE for a pooled message */
 	uint32_t ntensors;   /* 1, or a bundle's count */
+	bool keyed;	     /* its one tensor has a key: a bundle of one, not a single tensor */
 	uint64_t pool_token; /* a pooled message: its sender's buffer, told back by RECLAIM */
 	uint64_t seq;	     /* its number in the channel, given when admitted */
 	uint64_t memory;     /* charged to st->usage's memory while queued */

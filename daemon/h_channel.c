@@ -125,6 +125,7 @@ static struct dlpd_msg *msg_new(struct dlpd_peer *p, Dlpackd__V1__Publish *pub,
 	m->st->names = 1;
 	m->flags = pub->flags;
 	m->ntensors = (uint32_t)pub->n_tensors;
+	m->keyed = pub->n_tensors == 1 && pub->tensors[0]->key.len;
 	m->uid = p->uid;
 	m->pid = p->pid;
 	m->memory = dlpd_record_cost(f->hdr.len, pub->n_tensors);

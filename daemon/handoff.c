@@ -87,11 +87,11 @@ static int give(struct dlpd_peer *p, uint32_t id, struct dlpd_channel *ch, uint3
 	if (dlpd_peer_marked(p))
 		return -EPIPE;
 	channel_name(ch, name, sizeof(name));
-	if ((flags & DLPC_WIRE_ATTACH_SINGLE) && m->ntensors != 1)
+	if ((flags & DLPC_WIRE_ATTACH_SINGLE) && (m->ntensors != 1 || m->keyed))
 		return dlpd_reply_error(p, id, EINVAL,
 					"the next message in channel '%s' is a bundle of %u "
-					"tensors; receive it as a bundle",
-					name, m->ntensors);
+					"tensor%s; receive it as a bundle",
+					name, m->ntensors, m->ntensors == 1 ? " under a key" : "s");
 	if (p->held.refs.count >= s->lim.refs_per_connection)
 		return dlpd_reply_error(
 			p, id, EDQUOT,

@@ -128,6 +128,14 @@ int dlpd_attach_answer(struct dlpd_peer *p, uint32_t id, struct dlpd_entry *e, u
 			p, id, EINVAL, "'%s' is a bundle of %zu tensors; attach it as a bundle",
 			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)),
 			pub->n_tensors);
+	/* a single tensor has the key "": one under a key was published as a bundle */
+	if ((flags & DLPC_WIRE_ATTACH_SINGLE) && pub->tensors[0]->key.len)
+		return dlpd_reply_error(
+			p, id, EINVAL,
+			"'%s' is a bundle of one tensor, under the key '%s'; attach it as a bundle",
+			dlpc__printable(pub->name.data, pub->name.len, name, sizeof(name)),
+			dlpc__printable(pub->tensors[0]->key.data, pub->tensors[0]->key.len, why,
+					sizeof(why)));
 	if (p->held.refs.count >= s->lim.refs_per_connection)
 		return dlpd_reply_error(
 			p, id, EDQUOT,

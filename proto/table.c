@@ -136,3 +136,12 @@ int dlpc__table_next(const uint8_t *p, size_t len, size_t *pos, struct dlpc__tab
 	*pos = (size_t)(q + r->key_len - p);
 	return 0;
 }
+
+bool dlpc__table_single(const uint8_t *p, size_t len)
+{
+	struct dlpc__table_rec r;
+	size_t pos = 4;
+
+	return dlpc__table_count(p, len) == 1 && dlpc__table_next(p, len, &pos, &r) == 0 &&
+	       r.key_len == 0;
+}

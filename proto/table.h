@@ -17,6 +17,7 @@
 #ifndef DLPC_PROTO_TABLE_H
 #define DLPC_PROTO_TABLE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -52,5 +53,7 @@ int64_t dlpc__table_count(const uint8_t *p, size_t len);
  * non-zero reserved field.
  */
 int dlpc__table_next(const uint8_t *p, size_t len, size_t *pos, struct dlpc__table_rec *r);
+/* Does the table hold a single tensor: one, under the key "" (one under a key is a bundle)? */
+bool dlpc__table_single(const uint8_t *p, size_t len);
 
 #endif

@@ -482,7 +482,8 @@ DLPC_EXPORT int dlpc_publish(dlpc_client *c, const char *name, DLManagedTensorVe
 /**
  * Publish @p n tensors on one storage under @p name (a bundle, e.g. a model's state dict).
  *
- * @p keys are unique, 0..DLPC_KEY_MAX bytes each. Ownership of every tensor passes to the
+ * @p keys are unique, 0..DLPC_KEY_MAX bytes each. A single tensor is the bundle of one tensor
+ * under the key "": dlpc_attach() takes it, and refuses every other bundle. Ownership of every tensor passes to the
  * library as for dlpc_publish(), on every path. The tensors are all host memory, or all on one
  * CUDA device. When the tensors are exactly those of one dlpc_alloc_bundle() (or dlpc_alloc())
  * allocation, all of them and in the order it gave them, that allocation is published as it
@@ -560,12 +561,12 @@ DLPC_EXPORT int dlpc_alloc_bundle(dlpc_client *c, DLDevice device, size_t n,
  *         and with DLPC_ATTACH_OWNER when another uid published it), -ETIMEDOUT if a wait
  *         expired or dlpackd did not answer in time (timeout_ms plus DLPC_CALL_GRACE_MS for a
  *         waiting attach, $DLPC_CALL_TIMEOUT_MS for timeout_ms 0), -EINVAL if the name holds a
- *         bundle of several tensors, -EACCES for a writable attach of a read-only entry,
- *         -ENOTSUP for a copy-on-write attach of a CUDA entry, -ENODEV without a CUDA driver
- *         or the entry's device, -EMFILE when this process has no free fd for the storage's
- *         (the message names the RLIMIT_NOFILE soft limit; the reference goes back to the
- *         daemon and the client stays usable), -ECANCELED when dlpc_close() was called
- *         meanwhile.
+ *         bundle (several tensors, or one under a non-empty key), -EACCES for a writable
+ *         attach of a read-only entry, -ENOTSUP for a copy-on-write attach of a CUDA entry,
+ *         -ENODEV without a CUDA driver or the entry's device, -EMFILE when this process has
+ *         no free fd for the storage's (the message names the RLIMIT_NOFILE soft limit; the
+ *         reference goes back to the daemon and the client stays usable), -ECANCELED when
+ *         dlpc_close() was called meanwhile.
  */
 DLPC_EXPORT int dlpc_attach(dlpc_client *c, const char *name, const dlpc_attach_opts *opts,
 			    DLManagedTensorVersioned **ret);
@@ -1190,7 +1191,8 @@ typedef struct dlpc_recv_opts {
  * @return 0; -EPIPE once the stream has ended and every message queued before the end was
  *         received (a call waiting then is woken with it), -EAGAIN (empty, timeout 0),
  *         -ETIMEDOUT, -ENOENT (no such channel), -EIDRM (it was removed while the call
- *         waited), -EINVAL if the next message is a bundle (it stays
+ *         waited), -EINVAL if the next message is a bundle, of several tensors or of one
+ *         under a non-empty key (it stays
  *         queued: receive it with dlpc_recv_bundle()), -EMFILE when this process has no free
  *         fd for the storage's (checked before a message is taken: it stays queued; another
  *         thread taking the last fd meanwhile can still make one lost); on a direct channel

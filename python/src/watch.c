@@ -102,7 +102,8 @@ static PyObject *event_dict(const dlpc_watch_event *ev)
 	PyObject *dtype = Py_None, *shape = Py_None, *reason = Py_None, *d;
 	char device[32];
 
-	if (e->tensors && e->ntensors == 1) {
+	/* a single tensor: one, under the key "" (one under a key is a bundle) */
+	if (e->tensors && e->ntensors == 1 && !(e->tensors[0].key && e->tensors[0].key[0])) {
 		shape = PyTuple_New(e->tensors[0].ndim);
 		dtype = ipc_dtype_name(e->tensors[0].dtype);
 		for (int32_t k = 0; shape && k < e->tensors[0].ndim; k++) {

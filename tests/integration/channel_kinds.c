@@ -1085,8 +1085,8 @@ END_TEST
 /* ---- bundles ---- */
 
 /* A bundle received whole, as one tensor refused (-EINVAL) and left queued for
- * dlpc_recv_bundle(), as dlpc_recv()'s documentation says of every channel; the bounds of a
- * capacity and a name. */
+ * dlpc_recv_bundle(), as dlpc_recv()'s documentation says of every channel, also a bundle of
+ * one tensor under a key (a single tensor's key is ""); the bounds of a capacity and a name. */
 START_TEST(test_bundles)
 {
 	static float a[4] = {1, 2, 3, 4};
@@ -1127,6 +1127,18 @@ START_TEST(test_bundles)
 	ck_assert_uint_eq(ai.generation, kind == QUEUED ? 1 : 0);
 	ck_assert_int_eq(ai.owner_pid, getpid());
 	t->deleter(t);
+	dlpc_bundle_free(bun);
+	ck_assert_uint_eq(chan_or_die(c, CH("bun")).depth, 0);
+	/* one tensor under a key */
+	ts[0] = host_tensor(a, (DLDataType){kDLFloat, 32, 1}, 1, &sa, NULL, NULL);
+	ck_assert_dlpc(dlpc_send_bundle(c, CH("bun"), 1, keys, ts, NULL), 0);
+	ck_assert_dlpc(dlpc_recv(c, CH("bun"), &now, &t), -EINVAL);
+	ck_assert_msg(strstr(dlpc_last_error(), "a bundle of 1 tensor under a key"), "%s",
+		      dlpc_last_error());
+	ck_assert_uint_eq(chan_or_die(c, CH("bun")).depth, 1);
+	ck_assert_dlpc(dlpc_recv_bundle(c, CH("bun"), &now, &bun), 0);
+	ck_assert_uint_eq(dlpc_bundle_count(bun), 1);
+	ck_assert_str_eq(dlpc_bundle_key(bun, 0), "a");
 	dlpc_bundle_free(bun);
 	ck_assert_uint_eq(chan_or_die(c, CH("bun")).depth, 0);
 	ck_assert_dlpc(open_kind(c, "", 0, NULL), -EINVAL);

@@ -353,6 +353,9 @@ static int publish_bundle(void *arg)
 
 START_TEST(test_bundle_one_round_trip)
 {
+	static int32_t one[2] = {5, 6};
+	const char *wkey = "w";
+	int64_t two = 2;
 	dlpc_client *c;
 	dlpc_stats before, after;
 	dlpc_bundle *b;
@@ -400,6 +403,17 @@ START_TEST(test_bundle_one_round_trip)
 	/* a bundle of several refuses to attach as one tensor, with a clear message */
 	ck_assert_dlpc(dlpc_attach(c, "model", NULL, &kept), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(dlpc_last_error(), "bundle of 1000"));
+	/* and so does a bundle of one tensor under a key, attached as a bundle (and cached as
+	 * such) first: a single tensor's key is "", and dlpc_attach() would lose this one's */
+	kept = host_tensor(one, (DLDataType){kDLInt, 32, 1}, 1, &two, NULL, NULL);
+	ck_assert_dlpc(dlpc_publish_bundle(c, "one", 1, &wkey, &kept, 0), 1);
+	ck_assert_dlpc(dlpc_attach_bundle(c, "one", NULL, &b), 1);
+	ck_assert_str_eq(dlpc_bundle_key(b, 0), "w");
+	dlpc_bundle_free(b);
+	ck_assert_dlpc(dlpc_attach(c, "one", NULL, &kept), -EINVAL);
+	ck_assert_msg(strstr(dlpc_last_error(), "bundle of one tensor, under the key 'w'"), "%s",
+		      dlpc_last_error());
+	ck_assert_dlpc(dlpc_unpublish(c, "one"), 0);
 	dlpc_close(c);
 }
 END_TEST

@@ -208,6 +208,14 @@ def test_bundle_attached_as_a_tensor_names_attach_dict(ipc, daemon):
     assert "'bund' is a bundle of 2 tensors" in str(ei.value)
     assert "attach_dict()" in str(ei.value)
     assert sorted(ipc.attach_dict("bund", timeout=0)) == ["a", "b"]
+    # one tensor under a key is a bundle too: attach() would lose the key
+    ipc.publish_dict("one", {"weight": np.arange(3)})
+    with pytest.raises(ValueError) as ei:
+        ipc.attach("one", timeout=0)
+    assert "'one' is a bundle of one tensor, under the key 'weight'" in str(ei.value)
+    assert "attach_dict()" in str(ei.value)
+    np.testing.assert_array_equal(np.from_dlpack(ipc.attach_dict("one")["weight"]),
+                                  np.arange(3))
     assert daemon.stat()["protocol_errors"] == 0
 
 

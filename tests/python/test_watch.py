@@ -22,10 +22,11 @@ def test_events_of_another_process_in_order(ipc, py):
             dlpack_ipc.publish("w/a", np.arange(4), replace=True)
             dlpack_ipc.unpublish("w/a")
             dlpack_ipc.publish_dict("w/b", {"x": np.ones(2), "y": np.ones(3)})
+            dlpack_ipc.publish_dict("w/c", {"x": np.ones(2)})
             dlpack_ipc.publish("w/e", np.ones(1), ephemeral=True)
         """)
         pid = int(cp.stdout.split()[0])
-        evs = [w.next_event(timeout=10) for _ in range(6)]
+        evs = [w.next_event(timeout=10) for _ in range(7)]
         assert w.next_event(timeout=0) is None
     assert all(e is not None for e in evs), evs
     assert [(e.kind, e.name, e.generation) for e in evs] == [
@@ -33,15 +34,17 @@ def test_events_of_another_process_in_order(ipc, py):
         ("replaced", "w/a", 2),
         ("unpublished", "w/a", 2),
         ("published", "w/b", 1),
+        ("published", "w/c", 1),
         ("published", "w/e", 1),
         ("unpublished", "w/e", 1),
     ]
-    a, rep, unp, b, e, gone = evs
+    a, rep, unp, b, c, e, gone = evs
     assert (a.dtype, a.shape, a.ntensors, a.nbytes) == ("float32", (2, 3), 1, 24)
     assert a.owner.pid == pid and a.actor.pid == pid
     assert rep.previous_generation == 1 and rep.dtype == "int64" and rep.shape == (4,)
     assert unp.reason == "request" and unp.actor.pid == pid
     assert (b.dtype, b.shape, b.ntensors) == (None, None, 2)
+    assert (c.dtype, c.shape, c.ntensors) == (None, None, 1)  # a dict of one is a bundle too
     assert gone.reason == "disconnect"
     assert a.reason is None and rep.reason is None
     seqs = [x.seq for x in evs]
