@@ -178,13 +178,30 @@ static void client_free(dlpc_client *c)
 	free(c);
 }
 
-void dlpc__client_unref(dlpc_client *c)
+/* Let go of a reference on @p c; true if perhaps only the library's thread holds it now. */
+static bool unref(dlpc_client *c)
 {
+	/* read first: once this reference is gone another thread may free it */
+	bool room = atomic_load(&c->await_room);
 	unsigned was = atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel);
 
 	assert(was > 0);
 	if (was == 1)
 		client_free(c);
+	return was > 1 && was <= 3 && room;
+}
+
+void dlpc__client_unref(dlpc_client *c)
+{
+	/* perhaps only the library's thread holds it now, waiting for room on a connection
+	 * closed meanwhile: let it look again and let go (serve.c) */
+	if (unref(c))
+		dlpc__loop_wake();
+}
+
+void dlpc__client_unref_looked(dlpc_client *c)
+{
+	(void)unref(c);
 }
 
 /* Take a reference on @p c unless its last one is already gone (it is being freed). */
@@ -314,7 +331,8 @@ void dlpc__client_adopt(dlpc_client *c, dlpc_client *n)
 	dlpc__pending_drop(c);
 	c->conn_seq++;
 	pthread_mutex_unlock(&c->pmu);
-	eventfd_read(c->wake_fd, &v); /* a wake-up meant for the old connection's reader */
+	atomic_store(&c->await_room, false); /* the old socket's */
+	eventfd_read(c->wake_fd, &v);	     /* a wake-up meant for the old connection's reader */
 	/* what the features kept of the old connection goes with it (the cached references,
 	 * pooled buffers in flight, the channels the old daemon knew) */
 	DLPC__HOOKS_RUN(reset_locked, c);

@@ -155,6 +155,9 @@ int dlpc__client_new(int64_t timeout, dlpc_client **ret);
 void dlpc__client_adopt(dlpc_client *c, dlpc_client *n);
 void dlpc__client_ref(dlpc_client *c);
 void dlpc__client_unref(dlpc_client *c);
+/* dlpc__client_unref() by the library's thread, of the references it took itself: no wake-up
+ * of that thread (which is about to look again anyway). */
+void dlpc__client_unref_looked(dlpc_client *c);
 /* The lock of the open clients' list, which fork() takes. */
 void dlpc__list_lock(void);
 void dlpc__list_unlock(void);

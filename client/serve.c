@@ -101,11 +101,17 @@ static int sweep_due(size_t n, bool *flush)
 }
 
 /* Is @p c's socket one the loop should wait on for room: a flush that must not wait found it
- * full (write.c)? Not once the user closed it: the loop would keep the connection open for
- * releases that its end makes void. Under c->mu. */
+ * full (write.c)? Once the user closed it, only while more than the loop holds it (a mapping
+ * that lives on): otherwise its end makes the releases void, and the loop must not keep it
+ * open (dlpc__client_unref() wakes the loop when its last other holder goes). Under c->mu. */
 static bool wants_room(dlpc_client *c)
 {
-	return atomic_load(&c->await_room) && !c->closed && !c->broken && c->sock >= 0;
+	/* this turn's reference, and the one kept while publications await RECLAIM */
+	unsigned loop_refs = 1 + (c->reclaimer ? 1 : 0);
+
+	if (!atomic_load(&c->await_room) || c->broken || c->sock < 0)
+		return false;
+	return !c->closed || atomic_load(&c->refs) > loop_refs;
 }
 
 /* The sockets of the @p n clients of @p v that want reading, or room, into p and owner: their
@@ -141,8 +147,10 @@ static size_t poll_set(size_t n, bool *busy)
 			else
 				events = POLLIN;
 		}
+		/* read too while no call does: a daemon that holds back until its replies are
+		 * read would otherwise never make room */
 		if (wants_room(c))
-			events |= POLLOUT;
+			events |= c->reading ? POLLOUT : POLLOUT | POLLIN;
 		if (events) {
 			p[np].fd = c->sock;
 			p[np].events = events;
@@ -160,11 +168,9 @@ static size_t poll_set(size_t n, bool *busy)
  * what it had to send rather than wait for room again. */
 static void ready(dlpc_client *c, short events, short revents)
 {
-	if (!revents)
-		return;
-	if ((events & POLLIN) || (revents & (POLLERR | POLLHUP)))
+	if (revents & (POLLIN | POLLERR | POLLHUP))
 		dlpc__drain(c, true);
-	if (events & POLLOUT) {
+	if ((events & POLLOUT) && (revents & (POLLOUT | POLLERR | POLLHUP))) {
 		atomic_store(&c->await_room, false);
 		dlpc__flush_nowait(c);
 	}
@@ -197,14 +203,14 @@ static void turn(void)
 		for (size_t k = 1; k < np; k++)
 			polled = polled || owner[k] == v[i];
 		if (!polled)
-			dlpc__client_unref(v[i]);
+			dlpc__client_unref_looked(v[i]);
 	}
 	nready = dlpc__loop_wait(p, np, timeout);
 	for (size_t i = 1; i < nready; i++)
 		ready(owner[i], p[i].events, p[i].revents);
 	dlpc__loop_looked();
 	for (size_t i = 1; i < np; i++)
-		dlpc__client_unref(owner[i]);
+		dlpc__client_unref_looked(owner[i]);
 }
 
 void dlpc__reclaim_start(dlpc_client *c)

@@ -1554,24 +1554,98 @@ static int thread_named(const char *name)
 }
 
 /*
+ * Stop D once @p p's publish, of about half the socket's send buffer, went out whole on thread
+ * *@p th and waits for its reply: the socket has too little room left for more (a quarter of
+ * the buffer must be free for it to poll writable). SIGALRM lets the daemon run again.
+ */
+static void publish_half_then_stop(struct stuck_publish *p, pthread_t *th, char **keys)
+{
+	struct sigaction sa = {.sa_handler = continue_daemon};
+	long wmem = 212992;
+	FILE *f;
+
+	/* a frame of about half the default send buffer: it fits whole, a quarter is not free */
+	f = fopen("/proc/sys/net/core/wmem_default", "r");
+	if (f) {
+		ck_assert_int_eq(fscanf(f, "%ld", &wmem), 1);
+		fclose(f);
+	}
+	stuck_bundle(p, keys);
+	p->n = (size_t)wmem / 2 / (STUCK_KEY_LEN + 16);
+	ck_assert_uint_lt(p->n, STUCK_KEYS);
+	stopped_daemon = D.pid;
+	ck_assert_int_eq(sigaction(SIGALRM, &sa, NULL), 0);
+	alarm(30);
+	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
+	ck_assert_int_eq(pthread_create(th, NULL, publish_stuck, p), 0);
+	/* its write never waits (the frame fits): in poll(), it waits for the reply */
+	for (int i = 0; !(atomic_load(&p->tid) && in_sendmsg(atomic_load(&p->tid))); i++) {
+		ck_assert_msg(i < 10000, "the publish never waited for its reply");
+		usleep(1000);
+	}
+}
+
+/* Context switches of thread @p tid of this process so far. */
+static long switches_of(int tid)
+{
+	char path[64], line[128];
+	long n = 0, v;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/self/task/%d/status", tid);
+	f = fopen(path, "r");
+	ck_assert(f);
+	while (fgets(line, sizeof(line), f))
+		if (sscanf(line, "voluntary_ctxt_switches: %ld", &v) == 1 ||
+		    sscanf(line, "nonvoluntary_ctxt_switches: %ld", &v) == 1)
+			n += v;
+	fclose(f);
+	return n;
+}
+
+/* The library's thread sleeps: looked at 50 times over half a second, it is in poll() with
+ * no timeout under a second, and it ran (was switched to) hardly at all meanwhile. */
+static void loop_sleeps(void)
+{
+	int polls = 0, spins = 0, tid = 0;
+	long ran;
+
+	for (int i = 0; !(tid = thread_named("dlpc-loop")); i++) {
+		ck_assert_msg(i < 1000, "no thread named dlpc-loop");
+		usleep(1000);
+	}
+	usleep(50 * 1000); /* the release fell due, and found no room */
+	ran = switches_of(tid);
+	for (int i = 0; i < 50; i++) {
+		long long ms = poll_timeout_of(tid);
+
+		polls += ms != -2;
+		spins += ms >= 0 && ms < 1000;
+		usleep(10 * 1000);
+	}
+	ran = switches_of(tid) - ran;
+	ck_assert_msg(polls > 0 && spins == 0 && ran < 10,
+		      "the library's thread was in poll() %d times of 50, %d of them with a "
+		      "timeout under a second, and ran %ld times",
+		      polls, spins, ran);
+}
+
+/*
  * Releases that find the socket full wait for room with the library's thread asleep in poll()
- * on that socket, looked at 50 times, and go out once the daemon reads again. The daemon is
- * stopped after a publish whose frame (about half the socket's buffer) went out whole and left
- * too little room for more; a deleter then queues a release. That thread used to look again
- * every DLPC_RELEASE_DELAY_MS (200 times a second) for as long as the daemon read nothing.
- * Meanwhile the same thread serves the process's client of another daemon: its release goes.
+ * on that socket, and go out once the daemon reads again. The daemon is stopped after a
+ * publish that left too little room (publish_half_then_stop()); a deleter then queues a
+ * release. That thread used to look again every DLPC_RELEASE_DELAY_MS (200 times a second) for
+ * as long as the daemon read nothing. Meanwhile the same thread serves the process's client of
+ * another daemon: its release goes.
  */
 START_TEST(test_releases_wait_for_room_without_spinning)
 {
 	struct stuck_publish p = {.r = 0};
 	DLManagedTensorVersioned *t, *t2;
-	int polls = 0, spins = 0, loop_tid = 0;
 	dlpc_client *probe, *probe2, *c2;
-	long wmem = 212992;
 	struct daemon d2;
 	pthread_t th;
 	char *keys;
-	FILE *f;
 
 	daemon_start(&d2);
 	probe2 = connect_or_die(&d2);
@@ -1584,47 +1658,18 @@ START_TEST(test_releases_wait_for_room_without_spinning)
 	p.c = connect_timed("0");
 	ck_assert_dlpc(dlpc_attach(p.c, "held", NULL, &t), 1);
 	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 1}, scaled_ms(1000)));
-	/* a frame of about half the default send buffer: it fits whole, a quarter is not free */
-	f = fopen("/proc/sys/net/core/wmem_default", "r");
-	if (f) {
-		ck_assert_int_eq(fscanf(f, "%ld", &wmem), 1);
-		fclose(f);
-	}
-	stuck_bundle(&p, &keys);
-	p.n = (size_t)wmem / 2 / (STUCK_KEY_LEN + 16);
-	ck_assert_uint_lt(p.n, STUCK_KEYS);
-	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
-	ck_assert_int_eq(pthread_create(&th, NULL, publish_stuck, &p), 0);
-	/* its write never waits (the frame fits): in poll(), it waits for the reply */
-	for (int i = 0; !(atomic_load(&p.tid) && in_sendmsg(atomic_load(&p.tid))); i++) {
-		ck_assert_msg(i < 10000, "the publish never waited for its reply");
-		usleep(1000);
-	}
+	publish_half_then_stop(&p, &th, &keys);
 	t->deleter(t);
-	for (int i = 0; !(loop_tid = thread_named("dlpc-loop")); i++) {
-		ck_assert_msg(i < 1000, "no thread named dlpc-loop");
-		usleep(1000);
-	}
-	usleep(50 * 1000); /* the release fell due, and found no room */
-	for (int i = 0; i < 50; i++) {
-		long long ms = poll_timeout_of(loop_tid);
-
-		polls += ms != -2;
-		spins += ms >= 0 && ms < 1000;
-		usleep(10 * 1000);
-	}
+	loop_sleeps();
 	/* the other daemon's client is served meanwhile */
 	ck_assert(wait_stat(probe2, refs_are, &(struct want){.refs = 1}, scaled_ms(1000)));
 	t2->deleter(t2);
 	ck_assert_msg(wait_stat(probe2, refs_are, &(struct want){.refs = 0}, scaled_ms(5000)),
 		      "a release to another daemon waited for the stopped one");
 	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+	alarm(0);
 	ck_assert_int_eq(pthread_join(th, NULL), 0);
 	ck_assert_dlpc(p.r, 1);
-	ck_assert_msg(polls > 0 && spins == 0,
-		      "the library's thread was in poll() %d times of 50, %d of them with a "
-		      "timeout under a second",
-		      polls, spins);
 	/* the room came: the release went out */
 	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 0}, scaled_ms(5000)));
 	dlpc_close(p.c);
@@ -1632,6 +1677,46 @@ START_TEST(test_releases_wait_for_room_without_spinning)
 	dlpc_close(c2);
 	dlpc_close(probe2);
 	daemon_stop(&d2);
+	stuck_free(&p, keys);
+}
+END_TEST
+
+/*
+ * The same after dlpc_close(), with a tensor of the client still alive (which keeps its
+ * connection): the release waits for room, the thread asleep, and goes once it comes; the
+ * canceled publish's reply is read and dropped meanwhile. When the last tensor goes, so does
+ * the connection.
+ */
+START_TEST(test_releases_of_a_closed_client_wait_for_room)
+{
+	struct stuck_publish p = {.r = 0};
+	DLManagedTensorVersioned *t, *kept;
+	dlpc_client *probe;
+	pthread_t th;
+	char *keys;
+
+	probe = connect_or_die(&D);
+	publish_filled(probe, "held", 4096, 5);
+	p.c = connect_timed("0");
+	ck_assert_dlpc(dlpc_attach(p.c, "held", NULL, &t), 1);
+	ck_assert_dlpc(dlpc_attach(p.c, "held", NULL, &kept), 1);
+	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 2}, scaled_ms(1000)));
+	publish_half_then_stop(&p, &th, &keys);
+	t->deleter(t);
+	dlpc_close(p.c);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	ck_assert_dlpc(p.r, -ECANCELED);
+	loop_sleeps();
+	ck_assert_int_eq(kill(D.pid, SIGCONT), 0);
+	alarm(0);
+	ck_assert_msg(wait_stat(probe, refs_are, &(struct want){.refs = 1}, scaled_ms(5000)),
+		      "the closed client's release never went out");
+	ck_assert(wait_stat(probe, conns_are, &(unsigned){2}, scaled_ms(1000)));
+	kept->deleter(kept);
+	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 0}, scaled_ms(5000)));
+	ck_assert(wait_stat(probe, conns_are, &(unsigned){1}, scaled_ms(5000)));
+	ck_assert_dlpc(dlpc_unpublish(probe, "stuck"), 0);
+	dlpc_close(probe);
 	stuck_free(&p, keys);
 }
 END_TEST
@@ -2331,6 +2416,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_cancels_pending_max);
 	tcase_add_test(tc, test_a_call_timeout_of_int64_max_waits_without_spinning);
 	tcase_add_test(tc, test_releases_wait_for_room_without_spinning);
+	tcase_add_test(tc, test_releases_of_a_closed_client_wait_for_room);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
 	tcase_add_test(tc, test_alloc_bundle_zero_copy);
