@@ -90,6 +90,11 @@ static struct {
 	struct dlpd_registry *reg;
 	bool running; /* the handles below are set up and open */
 	int placeholder;
+	/* two fds kept for a closer's socket pair, let go just before a socketpair() that found
+	 * the fd table full: otherwise fds waiting to be closed, filling it, would keep every
+	 * closer from being made, and so themselves from ever closing */
+	int reserve[2];
+	bool spawn_warned; /* a closer could not be made: said once, until one is */
 	uv_signal_t sigchld;
 	uv_timer_t idle;
 	struct dlpd_list closers;
@@ -100,7 +105,7 @@ static struct {
 	uid_t charge;
 	struct dlpd_closing *adopted; /* passed by the image we replaced (dlpd_closers_adopt()) */
 	size_t nadopted;
-} C = {.placeholder = -1, .charge = DLPD_UID_NOBODY};
+} C = {.placeholder = -1, .reserve = {-1, -1}, .charge = DLPD_UID_NOBODY};
 
 /* ---- in the closer process: async-signal-safe calls only ---- */
 
@@ -240,6 +245,37 @@ static void tell_quit(struct closer *c)
 	send(c->sock, &m, sizeof(m), MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
+/* Take the fds of C.reserve that are not held (copies of the placeholder). */
+static void reserve_take(void)
+{
+	for (int i = 0; i < 2 && C.placeholder >= 0; i++)
+		if (C.reserve[i] < 0)
+			C.reserve[i] = fcntl(C.placeholder, F_DUPFD_CLOEXEC, 0);
+}
+
+/* A closer's socket pair in @p sv, made with the reserve if the fd table is full. */
+static int closer_pair(int sv[2])
+{
+	int r = socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv);
+
+	if (r < 0 && errno == EMFILE && C.reserve[0] >= 0 && C.reserve[1] >= 0) {
+		close(C.reserve[0]);
+		close(C.reserve[1]);
+		C.reserve[0] = C.reserve[1] = -1;
+		r = socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv);
+	}
+	if (r < 0 && !C.spawn_warned) {
+		C.spawn_warned = true;
+		dlpd_log(LOG_WARNING,
+			 "cannot make a closer's socket pair (%m); %zu fds wait to be closed, "
+			 "trying again every %d ms",
+			 C.nbacklog, DLPD_CLOSER_IDLE_MS);
+	}
+	/* taken again once the table has room: the closer made now frees some */
+	reserve_take();
+	return r;
+}
+
 /* Make a closer process for @p uid; NULL if it cannot be made now. */
 static struct closer *spawn(uid_t uid)
 {
@@ -251,7 +287,7 @@ static struct closer *spawn(uid_t uid)
 
 	if (!c)
 		return NULL;
-	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
+	if (closer_pair(sv) < 0) {
 		free(c);
 		return NULL;
 	}
@@ -271,6 +307,7 @@ static struct closer *spawn(uid_t uid)
 		free(c);
 		return NULL;
 	}
+	C.spawn_warned = false;
 	c->uid = uid;
 	c->pid = (pid_t)pid;
 	c->sock = sv[0];
@@ -480,10 +517,12 @@ static void on_sigchld(uv_signal_t *h, int signum)
 	reap();
 }
 
-/* Closers idle for a whole tick quit; the backlog is tried again. */
+/* Closers idle for a whole tick quit; the backlog is tried again, and the reserve taken again
+ * if a closer was made with it. */
 static void on_idle_tick(uv_timer_t *t)
 {
 	(void)t;
+	reserve_take();
 	for (struct dlpd_list *l = C.closers.next; l != &C.closers; l = l->next) {
 		struct closer *c = dlpd_container_of(l, struct closer, link);
 
@@ -507,6 +546,7 @@ int dlpd_closers_init(uv_loop_t *loop, struct dlpd_registry *reg)
 	C.placeholder = eventfd(0, EFD_CLOEXEC);
 	if (C.placeholder < 0)
 		return -errno;
+	reserve_take();
 	uv_signal_init(loop, &C.sigchld);
 	uv_signal_start(&C.sigchld, on_sigchld, SIGCHLD);
 	uv_timer_init(loop, &C.idle);

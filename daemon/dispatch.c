@@ -295,6 +295,43 @@ static void rx_over(struct dlpd_peer *p)
 }
 
 /*
+ * The fds @p p sent with frames not yet complete count against its uid's share and the
+ * daemon's budget (mem.c) for as long as the frame takes (--frame-timeout-ms at most). Past its
+ * share, or past the budget and the half of DLPC_FD_RESERVE that connections may use too
+ * (server.c), the connection goes, told why if it reads: nothing else would bound them across
+ * connections. Before HELLO, which carries none, any such fd is a violation.
+ */
+static void rx_fds_check(struct dlpd_peer *p)
+{
+	const struct dlpd_server *s = p->srv;
+	uint64_t share = dlpd_uid_fd_share(s), held = dlpd_uid_fds(p->usage);
+	char why[320];
+
+	if (p->rx_fds == 0)
+		return;
+	if (p->state == DLPD_CONN_GREETING) {
+		violation(p, 0, "%u fds sent before HELLO, which carries none", p->rx_fds);
+		return;
+	}
+	if (share < s->fd_budget && held > share) {
+		dlpd_uid_fd_share_why(p, held, why, sizeof(why));
+	} else if (s->fd_budget != UINT64_MAX &&
+		   dlpd_fds_in_use(s) > s->fd_budget + DLPC_FD_RESERVE / 2) {
+		snprintf(why, sizeof(why),
+			 "dlpackd holds %llu fds, the most its fd limit allows (RLIMIT_NOFILE)",
+			 (unsigned long long)dlpd_fds_in_use(s));
+	} else {
+		return;
+	}
+	dlpd_reply_error(
+		p, 0, EDQUOT,
+		"%s; the %u fds of an unfinished frame are refused and the connection dropped", why,
+		p->rx_fds);
+	dlpd_peer_fail(p, LOG_WARNING, "%s; %u fds of an unfinished frame: dropped", why,
+		       p->rx_fds);
+}
+
+/*
  * Dispatch the complete frames buffered for @p p, but none while replies wait in its output
  * queue: a client that does not read is not served, and what it sent stays in the socket (and
  * in the receive buffer) until it does. on_poll() calls this again once the queue drains.
@@ -314,6 +351,9 @@ static void process_frames(struct dlpd_peer *p)
 			break;
 		}
 		p->frames_done++;
+		/* its fds are the frame's now, not the unfinished frames' (the request's own
+		 * checks count what its uid holds) */
+		dlpd_mem_rx_account(p);
 		dispatch(p, &f);
 		dlpc__frame_clear(&f);
 	}
@@ -323,6 +363,8 @@ static void process_frames(struct dlpd_peer *p)
 	dlpd_mem_rx_account(p);
 	if (!dlpd_peer_marked(p) && dlpd_mem_rx_over(p))
 		rx_over(p);
+	if (!dlpd_peer_marked(p))
+		rx_fds_check(p);
 	if (dlpd_peer_marked(p) || p->tx.head)
 		return;
 	/* every request it sent before hanging up is answered: now it is gone */

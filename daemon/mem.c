@@ -173,7 +173,12 @@ void dlpd_mem_rx_limit(struct dlpd_peer *p)
 void dlpd_mem_rx_account(struct dlpd_peer *p)
 {
 	size_t cap = p->rx.cap;
+	unsigned fds = dlpc__rx_fds(&p->rx);
 
+	/* the fds of frames not yet complete: the daemon's, and its uid's */
+	p->srv->rx_fds = p->srv->rx_fds - p->rx_fds + fds;
+	p->usage->rx_fds = p->usage->rx_fds - p->rx_fds + fds;
+	p->rx_fds = fds;
 	if (cap > p->rx_charged) {
 		p->usage->pending_bytes += cap - p->rx_charged;
 	} else if (cap < p->rx_charged) {

@@ -14,7 +14,7 @@
 uint64_t dlpd_fds_in_use(const struct dlpd_server *s)
 {
 	return s->reg.storage_fds + s->npeers + s->peers_closing + s->channel_fds + s->tx_fds +
-	       dlpd_reaper_pending() + dlpd_closers_fds();
+	       s->rx_fds + dlpd_reaper_pending() + dlpd_closers_fds();
 }
 
 int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
@@ -120,11 +120,15 @@ void dlpd_uid_fd_share_why(const struct dlpd_peer *p, uint64_t held, char *why, 
 {
 	const struct dlpd_server *s = p->srv;
 
-	char closing[64] = "";
+	char closing[128] = "";
 
 	if (p->usage && p->usage->closing)
 		snprintf(closing, sizeof(closing), " (%llu of them fds it sent, still closing)",
 			 (unsigned long long)p->usage->closing);
+	else if (p->usage && p->usage->rx_fds)
+		snprintf(closing, sizeof(closing),
+			 " (%llu of them fds it sent with frames not yet complete)",
+			 (unsigned long long)p->usage->rx_fds);
 	snprintf(why, whylen,
 		 "uid %u holds %llu storage, connection and direct channel fds%s; a uid may hold "
 		 "%llu%% of the %llu dlpackd has for them, %llu (--max-fd-share-per-uid)",

@@ -39,6 +39,8 @@ struct dlpd_usage {
 	uint64_t stored;  /* its storages in the service manager's fd store (persist.c) */
 	/* copies of fds in replies queued for its connections, which did not read them (mem.c) */
 	uint64_t tx_fds;
+	/* fds its connections sent for frames not yet complete, received and held (mem.c) */
+	uint64_t rx_fds;
 	bool store_warned; /* told once that it holds its share of the store */
 };
 
@@ -69,11 +71,12 @@ static inline uint64_t dlpd_record_cost(size_t wire_len, size_t ntensors)
 
 /* The daemon's fds charged to @p u's share (--max-fd-share-per-uid): the storages it published
  * or keeps alive, its connections, its direct channels' socket pairs, the fds it sent that a
- * closer has not closed yet and the copies of fds in replies its connections have not read. */
+ * closer has not closed yet, those it sent with frames not yet complete and the copies of fds
+ * in replies its connections have not read. */
 static inline uint64_t dlpd_uid_fds(const struct dlpd_usage *u)
 {
 	return u->storage_fds + u->pinned_fds + u->connections + u->channel_fds + u->closing +
-	       u->tx_fds;
+	       u->tx_fds + u->rx_fds;
 }
 
 /* The references one uid holds on one storage. */

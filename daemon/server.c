@@ -135,9 +135,10 @@ static void on_accept(uv_poll_t *h, int status, int events)
 		char desc[96];
 		int fd;
 
-		/* Connections may use half of the reserve that publishing leaves (so that new
-		 * clients still get in when storages fill the budget), never the other half, kept
-		 * for the fds of frames being received: past it they wait in the backlog until fds
+		/* Connections (and the fds of frames being received, dispatch.c) may use half of
+		 * the reserve that publishing leaves (so that new clients still get in when
+		 * storages fill the budget), never the other half, kept for the daemon's own fds
+		 * and closers: past it they wait in the backlog until fds
 		 * are free, as when accept itself fails. */
 		if (fds + 1 > s->fd_budget + DLPC_FD_RESERVE / 2) {
 			if (!s->accept_paused)

@@ -69,6 +69,7 @@ struct dlpd_server {
 	uint64_t peers_closing; /* destroyed, socket not yet handed to the reaper */
 	uint64_t channel_fds;	/* the ends of direct channels (two each) */
 	uint64_t tx_fds;	/* copies of fds in replies queued for connections (mem.c) */
+	uint64_t rx_fds;	/* fds received for frames not yet complete (mem.c) */
 	struct dlpd_registry reg;
 	struct dlpc__scratch out;	/* outgoing frames are packed here */
 	struct dlpd_list watchers;	/* peers that sent WATCH, in the order they did */
@@ -135,6 +136,7 @@ struct dlpd_peer {
 	size_t rx_charged; /* rx's buffer, as charged to its uid (mem.c) */
 	size_t tx_charged; /* tx's queued bytes, the same */
 	unsigned tx_fds;   /* tx's queued fds (copies the daemon holds), as counted (mem.c) */
+	unsigned rx_fds;   /* fds rx holds for frames not yet complete, as counted (mem.c) */
 	struct dlpc__tx tx;
 	struct dlpd_holdings held; /* references, ephemeral entries, waiting attaches */
 	uint64_t *

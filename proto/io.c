@@ -87,6 +87,15 @@ bool dlpc__rx_partial(const struct dlpc__rx *rx)
 	return rx->end > rx->start || rx->nbatch > 0;
 }
 
+unsigned dlpc__rx_fds(const struct dlpc__rx *rx)
+{
+	unsigned n = 0;
+
+	for (unsigned b = 0; b < rx->nbatch; b++)
+		n += rx->batch[b].n;
+	return n;
+}
+
 /* Make room for rx->want unparsed bytes (at least one more than we have) to read into; no
  * fewer than RX_MIN unless rx->cap_max allows no more. */
 static int rx_reserve(struct dlpc__rx *rx)

@@ -71,6 +71,9 @@ void dlpc__rx_clear(struct dlpc__rx *rx);
 void dlpc__rx_release(struct dlpc__rx *rx);
 /* Does the buffer hold part of a frame (bytes or fds not yet claimed)? */
 bool dlpc__rx_partial(const struct dlpc__rx *rx);
+/* The fds received and not yet claimed by a complete frame (at most DLPC_RX_BATCH_MAX *
+ * DLPC_FRAME_FDS_MAX). */
+unsigned dlpc__rx_fds(const struct dlpc__rx *rx);
 /*
  * One recvmsg() into the buffer. Returns the bytes read, 0 at end of stream, -EAGAIN, another
  * negative errno from recvmsg(), or -EPROTO when the control data was truncated or fds piled up

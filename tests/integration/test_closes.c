@@ -556,6 +556,131 @@ START_TEST(excess_fds_in_flight_block_nobody)
 }
 END_TEST
 
+/* Connections of one uid that each send two unfinished frames' worth of fds (the most a
+ * connection may hold: DLPC_RX_BATCH_MAX batches of DLPC_FRAME_FDS_MAX), 8 fds and the socket:
+ * 576 fds, more than twice its share of a daemon with ATTACK_NOFILE. */
+#define UNFINISHED_CONNS 64
+
+struct unfinished {
+	int ready[2]; /* the attacker says it is done: how many connections it kept */
+	int go[2];    /* the test says it may go */
+};
+
+/* As nobody: UNFINISHED_CONNS connections, each after HELLO sending one byte of a frame with
+ * DLPC_FRAME_FDS_MAX fds twice, and never the rest; held until the test says go. */
+static int nobody_leaves_frames_unfinished(void *arg)
+{
+	struct unfinished *u = arg;
+	int socks[UNFINISHED_CONNS], p[2], fds[DLPC_FRAME_FDS_MAX], n = 0, kept = 0;
+	char msg[512], byte = 0;
+
+	become_nobody();
+	CHILD_CHECK(pipe2(p, O_CLOEXEC) == 0);
+	for (int i = 0; i < DLPC_FRAME_FDS_MAX; i++)
+		fds[i] = p[0];
+	for (int i = 0; i < UNFINISHED_CONNS; i++) {
+		int s = hello(D.sock, msg, sizeof(msg));
+
+		if (s < 0)
+			continue; /* refused at HELLO: over its share */
+		socks[n++] = s;
+		/* a connection dropped meanwhile fails the send: so be it */
+		if (send_fds_raw(s, &byte, 1, fds, DLPC_FRAME_FDS_MAX) == 1)
+			(void)send_fds_raw(s, &byte, 1, fds, DLPC_FRAME_FDS_MAX);
+	}
+	usleep(200 * 1000); /* the daemon reads the last of them */
+	for (int i = 0; i < n; i++) {
+		struct pollfd pf = {.fd = socks[i], .events = POLLIN};
+
+		/* still open on the daemon's side: nothing to read, no end */
+		kept += poll(&pf, 1, 0) == 0;
+	}
+	CHILD_CHECK(write(u->ready[1], &kept, sizeof(kept)) == sizeof(kept));
+	CHILD_CHECK(read(u->go[0], &byte, 1) == 1);
+	return 0;
+}
+
+/*
+ * The fds a uid sends with frames it never finishes count against its fd share (they used to
+ * count nowhere: 64 connections held 512 of them for as long as the frame timeout, and a few
+ * hundred such connections filled the daemon's fd table for good). Past its share each such
+ * connection is dropped, the daemon holds no more than the share for it, root still connects
+ * and publishes, and every fd is given back once the attacker is gone.
+ */
+START_TEST(unfinished_frames_fds_count_against_the_share)
+{
+	const char *args[] = {"--log-level", "info", NULL};
+	uint64_t share = (ATTACK_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100;
+	struct unfinished u;
+	dlpc_client *c;
+	int base, held, kept;
+	pid_t pid;
+
+	start(args, ATTACK_NOFILE);
+	daemon_open_for_others(&D);
+	c = connect_or_die(&D);
+	base = fd_count(D.pid);
+	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(u.go, O_CLOEXEC), 0);
+	pid = spawn(nobody_leaves_frames_unfinished, &u);
+	ck_assert_int_eq(read(u.ready[0], &kept, sizeof(kept)), sizeof(kept));
+	ck_assert_msg(wait_stat(c, nothing_closing, NULL, scaled_ms(10000)), "closes pending");
+	held = fd_count(D.pid) - base;
+	fprintf(stderr,
+		"nobody kept %d connections of %d, the daemon holds %d fds for them "
+		"(its share: %llu)\n",
+		kept, UNFINISHED_CONNS, held, (unsigned long long)share);
+	ck_assert_msg(held <= (int)share, "the daemon holds %d fds for nobody, its share %llu",
+		      held, (unsigned long long)share);
+	ck_assert_int_lt(kept, UNFINISHED_CONNS);
+	ck_assert(log_has(D.log, "fds of an unfinished frame"));
+	ck_assert_int_eq(publish(c, "root/ok"), 1);
+	ck_assert(answers_within(5000));
+	ck_assert_int_eq(write(u.go[1], "x", 1), 1);
+	ck_assert_int_eq(wait_child(pid), 0);
+	/* its connections' ends take their fds with them */
+	for (int i = 0; fd_count(D.pid) > base + 1; i++) {
+		ck_assert_msg(i < scaled_ms(10000) / 10, "the daemon holds %d fds, %d before",
+			      fd_count(D.pid), base);
+		usleep(10 * 1000);
+	}
+	for (int i = 0; i < 2; i++) {
+		close(u.ready[i]);
+		close(u.go[i]);
+	}
+	dlpc_close(c);
+}
+END_TEST
+
+/* Fds sent before HELLO, which carries none: a violation at once, not at the frame timeout. */
+START_TEST(fds_before_hello_are_refused)
+{
+	const char *args[] = {"--log-level", "info", NULL};
+	int s, p[2], fds[DLPC_FRAME_FDS_MAX];
+	char byte = 0, junk[512];
+	struct pollfd pf = {.events = POLLIN};
+
+	start(args, 0);
+	s = sock_connect(D.sock);
+	ck_assert_int_ge(s, 0);
+	ck_assert_int_eq(pipe2(p, O_CLOEXEC), 0);
+	for (int i = 0; i < DLPC_FRAME_FDS_MAX; i++)
+		fds[i] = p[0];
+	ck_assert_int_eq(send_fds_raw(s, &byte, 1, fds, DLPC_FRAME_FDS_MAX), 1);
+	pf.fd = s;
+	/* within a fraction of the frame timeout (10 s): an ERROR, then the end */
+	for (;;) {
+		ck_assert_msg(poll(&pf, 1, scaled_ms(3000)) == 1, "still connected after 3 s");
+		if (read(s, junk, sizeof(junk)) <= 0)
+			break;
+	}
+	ck_assert(log_has(D.log, "fds sent before HELLO"));
+	close(s);
+	close(p[0]);
+	close(p[1]);
+}
+END_TEST
+
 /* Uids that jam a closer each: more than there may be closers. */
 #define JAM_UIDS (DLPC_CLOSERS_MAX + 6)
 #define JAM_UID0 20000
@@ -1213,6 +1338,8 @@ int main(void)
 	tcase_add_test(linger, lingering_socket_costs_its_sender);
 	tcase_add_test(linger, a_joiner_that_shuts_the_pair_pays_for_its_close);
 	tcase_add_test(linger, excess_fds_in_flight_block_nobody);
+	tcase_add_test(linger, unfinished_frames_fds_count_against_the_share);
+	tcase_add_test(linger, fds_before_hello_are_refused);
 	tcase_add_test(linger, closers_are_bounded);
 	tcase_add_test(linger, upgrade_passes_every_pending_close);
 	tcase_add_test(linger, upgrade_with_unread_lingering_socket);
