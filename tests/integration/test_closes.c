@@ -12,6 +12,7 @@
  * what opening a file needs and never FLUSH; they abort the connection before they end, so
  * that no process is left in uninterruptible sleep.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -26,6 +27,7 @@
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -644,6 +646,82 @@ START_TEST(unfinished_frames_fds_count_against_the_share)
 			      fd_count(D.pid), base);
 		usleep(10 * 1000);
 	}
+	for (int i = 0; i < 2; i++) {
+		close(u.ready[i]);
+		close(u.go[i]);
+	}
+	dlpc_close(c);
+}
+END_TEST
+
+/* The fd limit of a daemon whose table one uid fills (its share 100%). */
+#define FULL_NOFILE 128
+
+/* The lowest fd number process @p pid has free (below FULL_NOFILE). */
+static int lowest_free_fd(pid_t pid)
+{
+	bool used[FULL_NOFILE] = {false};
+	char path[64];
+	struct dirent *e;
+	DIR *d;
+	int fd = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+	d = opendir(path);
+	ck_assert(d);
+	while ((e = readdir(d)))
+		if (e->d_name[0] != '.' && atoi(e->d_name) < FULL_NOFILE)
+			used[atoi(e->d_name)] = true;
+	closedir(d);
+	while (fd < FULL_NOFILE && used[fd])
+		fd++;
+	return fd;
+}
+
+/*
+ * A uid allowed the whole budget (--max-fd-share-per-uid 100) fills the daemon's fd table with
+ * connections and the fds of unfinished frames, then goes: every fd it left must be closed by
+ * a closer, which needs a socket pair of its own in that full table (it used to get none, and
+ * nothing was ever closed again). Then the daemon answers, and holds what it held before.
+ */
+START_TEST(a_full_fd_table_still_gets_its_closer)
+{
+	const char *args[] = {"--log-level", "info", "--max-fd-share-per-uid", "100", NULL};
+	struct unfinished u;
+	struct rlimit lim;
+	dlpc_client *c;
+	int base, kept;
+	pid_t pid;
+
+	start(args, FULL_NOFILE);
+	daemon_open_for_others(&D);
+	c = connect_or_die(&D);
+	base = fd_count(D.pid);
+	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(u.go, O_CLOEXEC), 0);
+	pid = spawn(nobody_leaves_frames_unfinished, &u);
+	ck_assert_int_eq(read(u.ready[0], &kept, sizeof(kept)), sizeof(kept));
+	fprintf(stderr, "nobody kept %d connections; the daemon holds %d fds of %d\n", kept,
+		fd_count(D.pid), FULL_NOFILE);
+	/* the closers that closed what was refused have quit (idle), and no fd is left at all:
+	 * the limit lowered to the lowest free fd number */
+	ck_assert(wait_stat(c, nothing_closing, NULL, scaled_ms(10000)));
+	usleep(800 * 1000); /* closers quit after 250-500 ms idle */
+	lim.rlim_cur = (rlim_t)lowest_free_fd(D.pid);
+	lim.rlim_max = FULL_NOFILE;
+	ck_assert_int_eq(prlimit(D.pid, RLIMIT_NOFILE, &lim, NULL), 0);
+	ck_assert_int_eq(write(u.go[1], "x", 1), 1);
+	ck_assert_int_eq(wait_child(pid), 0);
+	for (int i = 0; fd_count(D.pid) > base + 2; i++) {
+		ck_assert_msg(i < scaled_ms(10000) / 10, "the daemon holds %d fds, %d before",
+			      fd_count(D.pid), base);
+		usleep(10 * 1000);
+	}
+	/* the limit back as it was: publishing takes fds */
+	lim.rlim_cur = FULL_NOFILE;
+	ck_assert_int_eq(prlimit(D.pid, RLIMIT_NOFILE, &lim, NULL), 0);
+	ck_assert(answers_within(5000));
+	ck_assert_int_eq(publish(c, "root/ok"), 1);
 	for (int i = 0; i < 2; i++) {
 		close(u.ready[i]);
 		close(u.go[i]);
@@ -1340,6 +1418,7 @@ int main(void)
 	tcase_add_test(linger, excess_fds_in_flight_block_nobody);
 	tcase_add_test(linger, unfinished_frames_fds_count_against_the_share);
 	tcase_add_test(linger, fds_before_hello_are_refused);
+	tcase_add_test(linger, a_full_fd_table_still_gets_its_closer);
 	tcase_add_test(linger, closers_are_bounded);
 	tcase_add_test(linger, upgrade_passes_every_pending_close);
 	tcase_add_test(linger, upgrade_with_unread_lingering_socket);
