@@ -70,8 +70,10 @@ static void close_handles(struct dlpd_peer *p)
 	dlpd_closer_charge(was);
 	p->srv->tx_fds -= p->tx_fds;
 	p->tx_fds = 0;
+	dlpd_peer_unread_drop(p);
 	uv_close((uv_handle_t *)&p->poll, peer_closed);
 	uv_close((uv_handle_t *)&p->deadline, peer_closed);
+	uv_close((uv_handle_t *)&p->unread_timer, peer_closed);
 }
 
 static void linger_expired(uv_timer_t *t)
@@ -482,13 +484,14 @@ struct dlpd_peer *dlpd_peer_new(struct dlpd_server *s, int fd)
 	dlpd_list_init(&p->watch_link);
 	dlpd_list_init(&p->fail_link);
 	p->poll.data = p;
+	dlpd_peer_unread_init(p);
 	dlpd_peer_update_events(p);
 	/* HELLO is due within the frame deadline, like any frame begun */
 	uv_timer_init(s->loop, &p->deadline);
 	p->deadline.data = p;
 	p->partial_since = uv_now(s->loop);
 	uv_timer_start(&p->deadline, deadline_check, s->lim.frame_timeout_ms, 0);
-	p->handles_open = 2;
+	p->handles_open = 3;
 	dlpd_list_add_tail(&s->peers, &p->link);
 	s->npeers++;
 	return p;

@@ -6,12 +6,94 @@
  * destroyed (state.h).
  */
 #include <errno.h>
+#include <linux/sockios.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/ioctl.h>
 
 #include "mem.h"
 #include "peer.h"
 #include "quota.h"
+
+/*
+ * Fds in flight. A reply's fds are in the kernel from its write until the client reads it, and
+ * the kernel counts them against the daemon's user (past its RLIMIT_NOFILE, ETOOMANYREFS for
+ * every connection; as root, without bound, in kernel memory). A client that sends requests and
+ * reads nothing would hold hundreds per connection. So the fds written to a connection are
+ * counted until its socket's send queue is seen empty (SIOCOUTQ: all it was sent, it took), and
+ * charged to its uid: while a uid has its share of them in flight (--max-fd-share-per-uid), or
+ * the daemon its fd budget, its frames with fds wait in their queue (so nothing more of that
+ * connection is read), unless it has none in flight at all (one frame at a time then). A
+ * waiting connection is looked at again after UNREAD_WAIT_MIN_MS, then twice as long each time
+ * up to UNREAD_WAIT_MAX_MS; idle connections' counts are refreshed at most every
+ * UNREAD_WAIT_MAX_MS per uid.
+ */
+#define UNREAD_WAIT_MIN_MS 1
+#define UNREAD_WAIT_MAX_MS 1000
+
+static void unread_set(struct dlpd_peer *p, unsigned n)
+{
+	p->srv->unread_fds = p->srv->unread_fds - p->unread_fds + n;
+	if (p->usage)
+		p->usage->unread_fds = p->usage->unread_fds - p->unread_fds + n;
+	p->unread_fds = n;
+}
+
+/* Count what the last write to @p p sent. */
+static void unread_count(struct dlpd_peer *p)
+{
+	uint64_t sent = p->tx.fds_sent - p->unread_counted;
+
+	p->unread_counted = p->tx.fds_sent;
+	if (sent)
+		unread_set(p, p->unread_fds + (unsigned)sent);
+}
+
+/* Has @p p's client taken everything it was sent? Then nothing of it is in flight. */
+static void unread_look(struct dlpd_peer *p)
+{
+	int q;
+
+	if (p->unread_fds && ioctl(p->fd, SIOCOUTQ, &q) == 0 && q == 0)
+		unread_set(p, 0);
+}
+
+/* Look at every connection of @p p's uid (or of every uid, @p all), at most every
+ * UNREAD_WAIT_MAX_MS for each uid: an idle one's count is not refreshed otherwise. */
+static void unread_look_all(struct dlpd_peer *p, bool all)
+{
+	struct dlpd_server *s = p->srv;
+	uint64_t now = uv_now(s->loop);
+
+	if (!p->usage || now - p->usage->unread_looked < UNREAD_WAIT_MAX_MS)
+		return;
+	p->usage->unread_looked = now;
+	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next) {
+		struct dlpd_peer *o = dlpd_container_of(l, struct dlpd_peer, link);
+
+		if (all || o->usage == p->usage)
+			unread_look(o);
+	}
+}
+
+/* Must @p p's frames with @p nfds fds wait in its queue now (see above)? */
+static bool unread_over(struct dlpd_peer *p, unsigned nfds)
+{
+	struct dlpd_server *s = p->srv;
+	uint64_t share = dlpd_uid_fd_share(s);
+	bool uid, all;
+
+	unread_look(p);
+	for (int pass = 0; pass < 2; pass++) {
+		uid = p->usage && p->usage->unread_fds && share < s->fd_budget &&
+		      p->usage->unread_fds + nfds > share;
+		all = s->unread_fds && s->fd_budget != UINT64_MAX &&
+		      s->unread_fds + nfds > s->fd_budget;
+		if (pass == 0 && (uid || all))
+			unread_look_all(p, all);
+	}
+	return uid || all;
+}
 
 const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len)
 {
@@ -20,17 +102,53 @@ const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len)
 	return buf;
 }
 
+void dlpd_peer_unread_init(struct dlpd_peer *p)
+{
+	uv_timer_init(p->srv->loop, &p->unread_timer);
+	p->unread_timer.data = p;
+}
+
+void dlpd_peer_unread_drop(struct dlpd_peer *p)
+{
+	unread_set(p, 0);
+	uv_timer_stop(&p->unread_timer);
+}
+
+/* Look again whether @p t's connection may be sent its waiting frames: as if it polled
+ * writable (dispatch.c flushes, then serves it if nothing is left waiting). */
+static void unread_again(uv_timer_t *t)
+{
+	struct dlpd_peer *p = t->data;
+
+	if (p->unread_wait_ms < UNREAD_WAIT_MAX_MS)
+		p->unread_wait_ms *= 2;
+	p->srv->peer_io(&p->poll, 0, UV_WRITABLE);
+}
+
 void dlpd_peer_update_events(struct dlpd_peer *p)
 {
 	int events = 0;
 
+	bool waits = false;
+
 	if (p->broken || p->state == DLPD_CONN_MARKED)
 		events = 0;
+	else if (p->tx.head && p->tx.hold_fds && p->state == DLPD_CONN_SERVING)
+		/* its fds in flight wait for it to read (above): the socket has room, and
+		 * polling it for room would never wait */
+		waits = true;
 	else if (p->tx.head)
 		/* backpressure: nothing is read while replies wait (see dispatch.c) */
 		events = UV_WRITABLE;
 	else if (!dlpd_peer_marked(p) && !p->hup)
 		events = UV_READABLE | UV_DISCONNECT;
+	if (waits && !uv_is_active((uv_handle_t *)&p->unread_timer)) {
+		p->unread_wait_ms = p->unread_wait_ms ? p->unread_wait_ms : UNREAD_WAIT_MIN_MS;
+		uv_timer_start(&p->unread_timer, unread_again, p->unread_wait_ms, 0);
+	} else if (!waits) {
+		uv_timer_stop(&p->unread_timer);
+		p->unread_wait_ms = 0;
+	}
 	if (events == p->events)
 		return;
 	p->events = events;
@@ -66,8 +184,14 @@ static void broken(struct dlpd_peer *p, int err)
 
 int dlpd_peer_flush(struct dlpd_peer *p)
 {
-	int r = dlpc__tx_flush(&p->tx, p->fd);
+	int r;
 
+	/* (a connection closing flushes its last frames whatever is in flight: its linger
+	 * time bounds that) */
+	p->tx.hold_fds =
+		p->state == DLPD_CONN_SERVING && p->tx.nfds && unread_over(p, DLPC_FRAME_FDS_MAX);
+	r = dlpc__tx_flush(&p->tx, p->fd);
+	unread_count(p);
 	dlpd_mem_tx_account(p);
 	if (r < 0) {
 		broken(p, r);
@@ -89,7 +213,10 @@ int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const 
 
 	if (dlpd_peer_marked(p) || p->broken)
 		return -EPIPE;
+	if (nfds)
+		p->tx.hold_fds = p->state == DLPD_CONN_SERVING && unread_over(p, nfds);
 	r = dlpc__tx_send(&p->tx, p->fd, frame, len, fds, nfds);
+	unread_count(p);
 	if (r < 0) {
 		broken(p, r);
 		return r;

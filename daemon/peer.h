@@ -41,6 +41,10 @@ int dlpd_peer_flush(struct dlpd_peer *p);
 /* Ask for the socket events @p p's state calls for: writable while frames wait to be sent,
  * else readable while it is served, else none. */
 void dlpd_peer_update_events(struct dlpd_peer *p);
+/* Set up @p p's count of fds in flight to it (peer.c), before its first event. */
+void dlpd_peer_unread_init(struct dlpd_peer *p);
+/* @p p is closing: what is in flight to it is no longer counted (its socket's end frees it). */
+void dlpd_peer_unread_drop(struct dlpd_peer *p);
 /* Short description of a peer for log lines: "client 7 (pid 123, uid 0)". */
 const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len);
 

@@ -41,6 +41,9 @@ struct dlpd_usage {
 	uint64_t tx_fds;
 	/* fds its connections sent for frames not yet complete, received and held (mem.c) */
 	uint64_t rx_fds;
+	/* fds in flight to its connections that they may not have taken yet, and when they were
+	 * last all looked at (loop ms): a share of them at most (peer.c) */
+	uint64_t unread_fds, unread_looked;
 	bool store_warned; /* told once that it holds its share of the store */
 };
 

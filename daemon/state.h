@@ -70,6 +70,7 @@ struct dlpd_server {
 	uint64_t channel_fds;	/* the ends of direct channels (two each) */
 	uint64_t tx_fds;	/* copies of fds in replies queued for connections (mem.c) */
 	uint64_t rx_fds;	/* fds received for frames not yet complete (mem.c) */
+	uint64_t unread_fds;	/* fds in flight to connections that may not have taken them */
 	struct dlpd_registry reg;
 	struct dlpc__scratch out;	/* outgoing frames are packed here */
 	struct dlpd_list watchers;	/* peers that sent WATCH, in the order they did */
@@ -131,12 +132,20 @@ struct dlpd_peer {
 	uint64_t frames_done;	/* complete frames read */
 	uint64_t partial_frame; /* frames_done when the buffered partial frame began */
 	uint64_t partial_since; /* loop time (ms) it began */
-	unsigned handles_open;	/* poll and deadline, until their uv_close() callbacks */
+	unsigned
+		handles_open; /* poll, deadline and unread_timer, until their uv_close() callbacks */
 	struct dlpc__rx rx;
 	size_t rx_charged; /* rx's buffer, as charged to its uid (mem.c) */
 	size_t tx_charged; /* tx's queued bytes, the same */
 	unsigned tx_fds;   /* tx's queued fds (copies the daemon holds), as counted (mem.c) */
 	unsigned rx_fds;   /* fds rx holds for frames not yet complete, as counted (mem.c) */
+	/* fds written to its socket that it may not have taken yet, as counted (peer.c), the
+	 * tx.fds_sent they were counted at, and the look for what it took while frames with fds
+	 * wait for it (every unread_wait_ms, doubling) */
+	unsigned unread_fds;
+	uint64_t unread_counted;
+	uv_timer_t unread_timer;
+	unsigned unread_wait_ms;
 	struct dlpc__tx tx;
 	struct dlpd_holdings held; /* references, ephemeral entries, waiting attaches */
 	uint64_t *

@@ -293,6 +293,8 @@ void dlpc__tx_init(struct dlpc__tx *tx)
 	tx->tail = &tx->head;
 	tx->bytes = 0;
 	tx->nfds = 0;
+	tx->hold_fds = false;
+	tx->fds_sent = 0;
 }
 
 static void chunk_free(struct dlpc__txchunk *c)
@@ -348,14 +350,21 @@ int dlpc__tx_flush(struct dlpc__tx *tx, int sock)
 {
 	while (tx->head) {
 		struct dlpc__txchunk *c = tx->head;
-		ssize_t n =
-			send_some(sock, c->data + c->sent, c->len - c->sent, c->fds, c->nfds, 0);
+		ssize_t n;
 
+		if (c->nfds && tx->hold_fds)
+			return 0;
+		n = send_some(sock, c->data + c->sent, c->len - c->sent, c->fds, c->nfds, 0);
+		if (n == -ETOOMANYREFS) {
+			tx->hold_fds = true;
+			return 0;
+		}
 		if (n == -EAGAIN)
 			return 0;
 		if (n < 0)
 			return (int)n;
 		close_fds(c->fds, c->nfds);
+		tx->fds_sent += c->nfds;
 		tx->nfds -= c->nfds;
 		c->nfds = 0;
 		c->sent += (size_t)n;
@@ -376,13 +385,16 @@ int dlpc__tx_send(struct dlpc__tx *tx, int sock, const void *data, size_t len, c
 	struct dlpc__txchunk *c;
 	size_t sent = 0;
 
-	if (!tx->head) {
+	if (!tx->head && !(nfds && tx->hold_fds)) {
 		ssize_t n = send_some(sock, data, len, fds, nfds, 0);
 
-		if (n < 0 && n != -EAGAIN)
+		if (n == -ETOOMANYREFS)
+			tx->hold_fds = true;
+		else if (n < 0 && n != -EAGAIN)
 			return (int)n;
 		if (n > 0) {
 			sent = (size_t)n;
+			tx->fds_sent += nfds;
 			nfds = 0; /* they went with the first byte */
 		}
 		if (sent == len)

@@ -102,6 +102,14 @@ struct dlpc__tx {
 	struct dlpc__txchunk *head, **tail;
 	size_t bytes;  /* queued and not yet written */
 	unsigned nfds; /* fds queued and not yet sent */
+	/*
+	 * Set by the owner: a frame with fds is not written but queued, and a flush stops in front
+	 * of it (returning 0, as for a full socket). Set here too when the kernel refuses fds in
+	 * flight (ETOOMANYREFS: the sending user's RLIMIT_NOFILE of them is in flight): that is
+	 * the sender's shortage, not a broken connection.
+	 */
+	bool hold_fds;
+	uint64_t fds_sent; /* fds written so far, counted for the owner */
 };
 
 void dlpc__tx_init(struct dlpc__tx *tx);

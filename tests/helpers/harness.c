@@ -130,6 +130,15 @@ static pid_t spawn_daemon(const char *sock, const char *log, const struct daemon
 			if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
 				_exit(126);
 		}
+		if (o && o->uid && sock) {
+			char dir[108];
+
+			snprintf(dir, sizeof(dir), "%s", sock);
+			*strrchr(dir, '/') = '\0';
+			if (chown(dir, o->uid, o->uid) < 0 || setgroups(0, NULL) < 0 ||
+			    setgid(o->uid) < 0 || setuid(o->uid) < 0)
+				_exit(126);
+		}
 		execvp(argv[0], argv);
 		_exit(127);
 	}

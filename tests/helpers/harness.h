@@ -31,6 +31,7 @@ void daemon_start(struct daemon *d);
 struct daemon_opts {
 	const char *const *args; /* extra command-line arguments, NULL-terminated, or NULL */
 	unsigned long nofile;	 /* if not 0: RLIMIT_NOFILE (soft and hard) set before exec */
+	uid_t uid; /* if not 0: the uid (and gid) it runs as, owning its directory (as root) */
 };
 
 /* daemon_start() with extra arguments and resource limits. */

@@ -730,6 +730,119 @@ START_TEST(a_full_fd_table_still_gets_its_closer)
 }
 END_TEST
 
+/* The uid dlpackd runs as in the in-flight case (Debian's "daemon"), as a service user's is: the
+ * kernel then bounds the fds in flight from it by its RLIMIT_NOFILE, which root's are not. */
+#define SERVICE_UID 1
+/* The attacker's connections that ask and never read, and the daemon's fd limit then. */
+#define UNREAD_CONNS 16
+#define UNREAD_NOFILE 1024
+
+/* As nobody: UNREAD_CONNS connections, each sending ATTACH of root's "shared" until its socket
+ * takes no more, reading nothing; once told to go, it reads what came without waiting and
+ * says how many fds that was (those that were in flight to it). */
+static int nobody_never_reads(void *arg)
+{
+	Dlpackd__V1__Attach a = DLPACKD__V1__ATTACH__INIT;
+	struct unfinished *u = arg;
+	struct dlpc__scratch s = {0};
+	int socks[UNREAD_CONNS], total = 0;
+	char msg[512], x;
+	ssize_t len;
+
+	become_nobody();
+	a.name.data = (uint8_t *)"shared";
+	a.name.len = strlen("shared");
+	len = dlpc__msg_frame(&s, DLPC_MSG_ATTACH, 1, &a.base, 0);
+	CHILD_CHECK(len > 0);
+	for (int i = 0; i < UNREAD_CONNS; i++) {
+		socks[i] = hello(D.sock, msg, sizeof(msg));
+		CHILD_CHECK(socks[i] >= 0);
+		while (send(socks[i], s.p, (size_t)len, MSG_DONTWAIT | MSG_NOSIGNAL) == len)
+			;
+	}
+	dlpc__scratch_clear(&s);
+	usleep(300 * 1000); /* the daemon has written what it would */
+	CHILD_CHECK(write(u->ready[1], &total, sizeof(total)) == sizeof(total));
+	CHILD_CHECK(read(u->go[0], &x, 1) == 1);
+	for (int i = 0; i < UNREAD_CONNS; i++) {
+		for (;;) {
+			union {
+				struct cmsghdr align;
+				char buf[CMSG_SPACE(sizeof(int) * 64)];
+			} ctl;
+			static char junk[1 << 16];
+			struct iovec iov = {.iov_base = junk, .iov_len = sizeof(junk)};
+			struct msghdr mh = {.msg_iov = &iov,
+					    .msg_iovlen = 1,
+					    .msg_control = ctl.buf,
+					    .msg_controllen = sizeof(ctl.buf)};
+
+			if (recvmsg(socks[i], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) <= 0)
+				break;
+			for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+				int n = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+
+				for (int k = 0; k < n; k++)
+					close(((int *)CMSG_DATA(c))[k]);
+				total += n;
+			}
+		}
+	}
+	CHILD_CHECK(write(u->ready[1], &total, sizeof(total)) == sizeof(total));
+	return 0;
+}
+
+/*
+ * A uid that asks for replies with fds and never reads them holds at most its fd share of them
+ * in flight: the rest wait in the daemon, which reads nothing more of those connections. Run as
+ * a service user, dlpackd used to write them all (hundreds a connection) until the kernel
+ * refused any more fds from it (ETOOMANYREFS, at its RLIMIT_NOFILE), and every other uid's
+ * ATTACH then failed with its connection lost; run as root, they cost kernel memory without
+ * bound. Root attaches meanwhile.
+ */
+START_TEST(unread_replies_hold_a_share_of_fds_in_flight)
+{
+	struct daemon_opts o = {.nofile = UNREAD_NOFILE, .uid = SERVICE_UID};
+	uint64_t share = (UNREAD_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100;
+	DLManagedTensorVersioned *t;
+	struct unfinished u;
+	int total, dummy;
+	dlpc_client *c;
+	pid_t pid;
+
+	daemon_start_with(&D, &o);
+	started = true;
+	daemon_open_for_others(&D);
+	c = connect_or_die(&D);
+	ck_assert_int_eq(publish(c, "shared"), 1);
+	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(u.go, O_CLOEXEC), 0);
+	pid = spawn(nobody_never_reads, &u);
+	ck_assert_int_eq(read(u.ready[0], &dummy, sizeof(dummy)), sizeof(dummy));
+	for (int i = 0; i < 200; i++) {
+		ck_assert_dlpc(dlpc_attach(c, "shared", NULL, &t), 1);
+		t->deleter(t);
+	}
+	ck_assert_int_eq(write(u.go[1], "x", 1), 1);
+	ck_assert_int_eq(read(u.ready[0], &total, sizeof(total)), sizeof(total));
+	ck_assert_int_eq(wait_child(pid), 0);
+	fprintf(stderr,
+		"fds in flight to nobody's %d connections that never read: %d (its share: "
+		"%llu)\n",
+		UNREAD_CONNS, total, (unsigned long long)share);
+	ck_assert_msg(total > 0 && (uint64_t)total <= share + 1,
+		      "%d fds were in flight to nobody, its share %llu", total,
+		      (unsigned long long)share);
+	ck_assert_dlpc(dlpc_attach(c, "shared", NULL, &t), 1);
+	t->deleter(t);
+	for (int i = 0; i < 2; i++) {
+		close(u.ready[i]);
+		close(u.go[i]);
+	}
+	dlpc_close(c);
+}
+END_TEST
+
 /* Fds sent before HELLO, which carries none: a violation at once, not at the frame timeout. */
 START_TEST(fds_before_hello_are_refused)
 {
@@ -1419,6 +1532,7 @@ int main(void)
 	tcase_add_test(linger, unfinished_frames_fds_count_against_the_share);
 	tcase_add_test(linger, fds_before_hello_are_refused);
 	tcase_add_test(linger, a_full_fd_table_still_gets_its_closer);
+	tcase_add_test(linger, unread_replies_hold_a_share_of_fds_in_flight);
 	tcase_add_test(linger, closers_are_bounded);
 	tcase_add_test(linger, upgrade_passes_every_pending_close);
 	tcase_add_test(linger, upgrade_with_unread_lingering_socket);
