@@ -32,6 +32,7 @@ From a shell: python -m dlpack_ipc ls | rm | stat | watch | channels (see its --
 import contextlib
 import enum
 import errno
+import os
 import sys
 import threading
 from collections import namedtuple
@@ -68,6 +69,7 @@ class EntryFlags(enum.IntFlag):
     """
     EPHEMERAL = _core.PUBLISH_EPHEMERAL
     WRITABLE = _core.PUBLISH_WRITABLE
+
 
 TensorInfo = namedtuple("TensorInfo", "key dtype shape")
 TensorInfo.__doc__ = "One tensor of a listed entry."
@@ -227,9 +229,11 @@ class Channel:
     the stream before the others begin. close() on a Channel that only received does nothing,
     so a consumer may use `with` too; close() on one that neither sent nor received counts as
     a producer with nothing to send where this process runs as the channel's owner uid or root
-    (of another uid, it does nothing: another uid takes part by sending). close(all=True) ends the stream at once for every producer
-    (the channel's owner uid, or root). After the end, send() raises BrokenPipeError; the
-    channel stays ended until remove(), and is then opened anew for a new stream.
+    (of another uid, it does nothing: another uid takes part by sending). close(all=True) ends
+    the stream at once for every producer (the channel's owner uid, or root). After the end,
+    send() raises BrokenPipeError; the channel stays ended until remove(), and is then opened
+    anew for a new stream. A Channel inherited across fork() starts with nothing of the
+    parent's: what the child sent or received decides what its close() does.
 
     remove() is not an end: it frees every message still queued (they are lost) and makes sends
     and receives waiting on it raise OSError(errno.EIDRM); iteration stops then too.
@@ -266,6 +270,9 @@ class Channel:
     def __init__(self, name, capacity=0, *, direct=None, producers=0, client=None):
         self._client = client if client is not None else _client()
         self.name = name
+        # what this process did with it (a forked child starts with nothing of its parent's:
+        # its connection is its own, and so is its role)
+        self._pid = os.getpid()
         self._sent = False
         self._received = False
         info = self._client._channel_open(name, capacity, direct, producers)
@@ -292,14 +299,21 @@ class Channel:
                 raise
         return False
 
+    def _ours(self):
+        """Forget what the process that forked this one sent or received on it."""
+        if self._pid != os.getpid():
+            self._pid, self._sent, self._received = os.getpid(), False, False
+
     def send(self, obj, *, timeout=None):
         """Send obj (anything publish() takes) as one message; BrokenPipeError after the end."""
+        self._ours()
         self._sent = True
         self._client._send(self.name, obj, timeout=timeout)
 
     def send_dict(self, mapping, *, timeout=None):
         """Send a mapping of str keys to tensors as one message (a bundle); keys as for
         publish_dict(), refused with the same errors."""
+        self._ours()
         self._sent = True
         self._client._send_dict(self.name, mapping, timeout=timeout)
 
@@ -319,6 +333,7 @@ class Channel:
     def recv(self, *, timeout=None, mode=None):
         """The oldest message: a SharedTensor, or a dict of them by key for a bundle.
         ChannelClosed once the stream has ended and nothing is left."""
+        self._ours()
         self._received = True
         try:
             return self._client._recv(self.name, timeout=timeout, mode=mode)
@@ -327,6 +342,7 @@ class Channel:
 
     def recv_dict(self, *, timeout=None, mode=None):
         """The oldest message as a dict by key (a single tensor under the key ""); as recv()."""
+        self._ours()
         self._received = True
         try:
             return self._client._recv(self.name, timeout=timeout, mode=mode, bundle=True)
@@ -348,7 +364,9 @@ class Channel:
     def close(self, all=False):
         """This producer sends no more (see Channel: the stream ends once every producer
         closed). Nothing on a Channel that only received. all=True: end the stream now for
-        every producer (its owner uid or root). Closing again is harmless."""
+        every producer (its owner uid or root). Closing again is harmless. In a forked child
+        only what the child itself did counts."""
+        self._ours()
         if not all and self._received and not self._sent:
             return
         self._client._channel_close(self.name, all)
@@ -374,7 +392,6 @@ def channel(name, capacity=0, *, direct=None, producers=0, client=None):
 def channels(prefix=""):
     """Channels whose names start with prefix, sorted by name, as ChannelInfo tuples."""
     return _client().channels(prefix)
-
 
 
 def _event(d):

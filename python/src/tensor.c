@@ -660,8 +660,7 @@ static PyObject *tensor_repr(PyObject *obj)
 	r = dtype && dims
 		    ? PyUnicode_FromFormat("<SharedTensor %R key=%R %U%R generation=%d%s>",
 					   self->name, self->key, dtype, dims, self->generation,
-					   t->flags & DLPACK_FLAG_BITMASK_READ_ONLY ? " read-only"
-										    : " writable")
+					   readonly(t) ? " read-only" : " writable")
 		    : NULL;
 	Py_XDECREF(dtype);
 	Py_XDECREF(dims);

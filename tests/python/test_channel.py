@@ -695,3 +695,29 @@ def test_with_block_exception_survives_a_failed_close(ipc, daemon):
         with dlpack_ipc.channel("with/err", client=c):
             c.close()
     rx.remove()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_forked_consumer_is_not_a_producer(ipc, direct):
+    """A Channel object inherited across fork() carries nothing of the parent's role: a child
+    that only receives, and leaves a `with` block, ends nothing for the producers (it used to
+    count as the parent, a producer, and end the stream of two producers after one)."""
+    ch = dlpack_ipc.channel(f"py/forked{int(direct)}", capacity=4, direct=direct, producers=2)
+    ch.send(np.arange(2))
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with ch:
+                np.testing.assert_array_equal(np.from_dlpack(ch.recv(timeout=30)), np.arange(2))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    info = ch.stat()
+    assert info.producers_closed == 0 and not info.ended, info
+    ch.close()
+    info = ch.stat()
+    assert info.producers_closed == 1 and not info.ended, info
+    ch.remove()

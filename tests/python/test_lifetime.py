@@ -156,7 +156,7 @@ def test_empty_publish_is_zero_copy(ipc, daemon, py):
     s0 = daemon.stat()
     e = ipc.empty((10, 33), "float64")
     assert e.shape == (10, 33) and e.dtype == "float64" and e.nbytes == 2640
-    assert e.readonly is False and e.device == "cpu"
+    assert e.readonly is False and e.device == "cpu" and repr(e).endswith(" writable>")
     assert daemon.stat()["storages"] == s0["storages"], "nothing is asked of the daemon yet"
     # numpy 1.24's from_dlpack is always read-only: fill in place through torch's numpy view
     w = torch.from_dlpack(e).numpy()
@@ -169,7 +169,7 @@ def test_empty_publish_is_zero_copy(ipc, daemon, py):
     s1 = daemon.stat()
     assert s1["bytes_held"] - s0["bytes_held"] == 2816, "2640 rounded up to 256, no more"
     assert s1["storages"] - s0["storages"] == 1
-    assert e.readonly is True
+    assert e.readonly is True and repr(e).endswith(" read-only>"), repr(e)  # sealed since
     assert e.data_ptr == a.ctypes.data
     np.testing.assert_array_equal(a, np.arange(330).reshape(10, 33) / 8)
     cp = py.check("""
