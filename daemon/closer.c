@@ -245,12 +245,22 @@ static void tell_quit(struct closer *c)
 	send(c->sock, &m, sizeof(m), MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
-/* Take the fds of C.reserve that are not held (copies of the placeholder). */
+/* Take the fds of C.reserve that are not held (copies of the placeholder), and move those
+ * taken while the table was full (at its top) down to the lowest free numbers: the reserve is
+ * for a table full up to a limit, which a lowered RLIMIT_NOFILE may put below them. */
 static void reserve_take(void)
 {
-	for (int i = 0; i < 2 && C.placeholder >= 0; i++)
-		if (C.reserve[i] < 0)
-			C.reserve[i] = fcntl(C.placeholder, F_DUPFD_CLOEXEC, 0);
+	for (int i = 0; i < 2 && C.placeholder >= 0; i++) {
+		int fd = fcntl(C.placeholder, F_DUPFD_CLOEXEC, 0);
+
+		if (C.reserve[i] < 0 || (fd >= 0 && fd < C.reserve[i])) {
+			if (C.reserve[i] >= 0)
+				close(C.reserve[i]);
+			C.reserve[i] = fd;
+		} else if (fd >= 0) {
+			close(fd);
+		}
+	}
 }
 
 /* A closer's socket pair in @p sv, made with the reserve if the fd table is full. */

@@ -54,7 +54,10 @@ static void peer_closed(uv_handle_t *h)
 	 * (a lingering socket among them blocks that close), so it is its uid's to close, after
 	 * whatever that uid's closer was given before. The client sees the end now. */
 	shutdown(p->fd, SHUT_RDWR);
-	dlpd_close_uid(p->uid, p->fd);
+	if (p->drain)
+		dlpd_peer_drain_start(p);
+	else
+		dlpd_close_uid(p->uid, p->fd);
 	free(p);
 }
 
@@ -70,7 +73,6 @@ static void close_handles(struct dlpd_peer *p)
 	dlpd_closer_charge(was);
 	p->srv->tx_fds -= p->tx_fds;
 	p->tx_fds = 0;
-	dlpd_peer_unread_drop(p);
 	uv_close((uv_handle_t *)&p->poll, peer_closed);
 	uv_close((uv_handle_t *)&p->deadline, peer_closed);
 	uv_close((uv_handle_t *)&p->unread_timer, peer_closed);
@@ -113,6 +115,8 @@ static void destroy(struct dlpd_peer *p)
 		dlpd_mem_forget(p);
 		dlpd_closer_charge(was);
 	}
+	/* what is in flight to it stays its uid's until the client takes it */
+	dlpd_peer_drain_keep(p);
 	p->usage->connections--;
 	p->usage->memory -= DLPD_CONNECTION_COST;
 	dlpd_usage_put(&s->reg, p->usage);
@@ -502,6 +506,7 @@ void dlpd_dispatch_init(struct dlpd_server *s)
 	dlpd_list_init(&s->failed);
 	dlpd_list_init(&s->lingering);
 	s->peer_io = on_poll;
+	dlpd_peer_drains_init(s);
 	uv_prepare_init(s->loop, &s->teardown);
 	s->teardown.data = s;
 	uv_prepare_start(&s->teardown, teardown);
@@ -517,5 +522,6 @@ void dlpd_dispatch_stop(struct dlpd_server *s)
 	teardown(&s->teardown);
 	while (!dlpd_list_empty(&s->lingering))
 		close_handles(dlpd_container_of(s->lingering.next, struct dlpd_peer, fail_link));
+	dlpd_peer_drains_stop(s);
 	uv_close((uv_handle_t *)&s->teardown, NULL);
 }

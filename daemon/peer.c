@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 
+#include "closer.h"
 #include "mem.h"
 #include "peer.h"
 #include "quota.h"
@@ -21,15 +22,18 @@
  * every connection; as root, without bound, in kernel memory). A client that sends requests and
  * reads nothing would hold hundreds per connection. So the fds written to a connection are
  * counted until its socket's send queue is seen empty (SIOCOUTQ: all it was sent, it took), and
- * charged to its uid: while a uid has its share of them in flight (--max-fd-share-per-uid), or
- * the daemon its fd budget, its frames with fds wait in their queue (so nothing more of that
- * connection is read), unless it has none in flight at all (one frame at a time then). A
- * waiting connection is looked at again after UNREAD_WAIT_MIN_MS, then twice as long each time
- * up to UNREAD_WAIT_MAX_MS; idle connections' counts are refreshed at most every
- * UNREAD_WAIT_MAX_MS per uid.
+ * charged to its uid (also after the connection is closed: dlpd_peer_drain_keep()). A uid may
+ * have its fd share of them in flight (--max-fd-share-per-uid), all uids together the fd
+ * budget; past that its frames with fds wait in their queues (so nothing more of those
+ * connections is read), except that a uid with none in flight may always send one frame. The
+ * counts are looked at only when short of room: the connection's own, and those of its uid's
+ * other connections (or of every connection, when the budget is short) at most every
+ * UNREAD_LOOK_ALL_MS. A waiting connection is looked at again after UNREAD_WAIT_MIN_MS, then
+ * twice as long each time nothing went out since the last look, up to UNREAD_WAIT_MAX_MS.
  */
 #define UNREAD_WAIT_MIN_MS 1
 #define UNREAD_WAIT_MAX_MS 1000
+#define UNREAD_LOOK_ALL_MS 100
 
 static void unread_set(struct dlpd_peer *p, unsigned n)
 {
@@ -58,14 +62,14 @@ static void unread_look(struct dlpd_peer *p)
 		unread_set(p, 0);
 }
 
-/* Look at every connection of @p p's uid (or of every uid, @p all), at most every
- * UNREAD_WAIT_MAX_MS for each uid: an idle one's count is not refreshed otherwise. */
+/* Look at every connection of @p p's uid (or every connection, @p all), at most every
+ * UNREAD_LOOK_ALL_MS for each uid: an idle one's count is not refreshed otherwise. */
 static void unread_look_all(struct dlpd_peer *p, bool all)
 {
 	struct dlpd_server *s = p->srv;
 	uint64_t now = uv_now(s->loop);
 
-	if (!p->usage || now - p->usage->unread_looked < UNREAD_WAIT_MAX_MS)
+	if (!p->usage || now - p->usage->unread_looked < UNREAD_LOOK_ALL_MS)
 		return;
 	p->usage->unread_looked = now;
 	for (struct dlpd_list *l = s->peers.next; l != &s->peers; l = l->next) {
@@ -76,23 +80,31 @@ static void unread_look_all(struct dlpd_peer *p, bool all)
 	}
 }
 
-/* Must @p p's frames with @p nfds fds wait in its queue now (see above)? */
-static bool unread_over(struct dlpd_peer *p, unsigned nfds)
+/* The fds that may be written to @p p now (UINT32_MAX: no bound), for a frame of @p want. */
+static uint32_t unread_room(struct dlpd_peer *p, unsigned want)
 {
 	struct dlpd_server *s = p->srv;
-	uint64_t share = dlpd_uid_fd_share(s);
-	bool uid, all;
+	uint64_t share = dlpd_uid_fd_share(s), uid = UINT64_MAX, all = UINT64_MAX, room;
 
-	unread_look(p);
+	/* a connection that is closing flushes its last frames (its ERROR), and those only */
+	if (p->state != DLPD_CONN_SERVING || !p->usage)
+		return UINT32_MAX;
 	for (int pass = 0; pass < 2; pass++) {
-		uid = p->usage && p->usage->unread_fds && share < s->fd_budget &&
-		      p->usage->unread_fds + nfds > share;
-		all = s->unread_fds && s->fd_budget != UINT64_MAX &&
-		      s->unread_fds + nfds > s->fd_budget;
-		if (pass == 0 && (uid || all))
-			unread_look_all(p, all);
+		if (share < s->fd_budget)
+			uid = share > p->usage->unread_fds ? share - p->usage->unread_fds : 0;
+		if (s->fd_budget != UINT64_MAX)
+			all = s->fd_budget > s->unread_fds ? s->fd_budget - s->unread_fds : 0;
+		if (pass || (uid >= want && all >= want))
+			break;
+		/* short: what its client and its uid's others (all, if the budget is short) took
+		 * since is in flight no more */
+		unread_look(p);
+		unread_look_all(p, all < want);
 	}
-	return uid || all;
+	room = uid < all ? uid : all;
+	if (!p->usage->unread_fds && room < want)
+		room = want; /* one frame, for a uid with none in flight */
+	return room > UINT32_MAX ? UINT32_MAX : (uint32_t)room;
 }
 
 const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len)
@@ -108,10 +120,106 @@ void dlpd_peer_unread_init(struct dlpd_peer *p)
 	p->unread_timer.data = p;
 }
 
-void dlpd_peer_unread_drop(struct dlpd_peer *p)
+/*
+ * A destroyed connection's fds in flight stay in the client's socket until it reads them or
+ * closes its end, whatever the daemon does with its own: closing it frees none of them. So its
+ * socket is kept (shut, so that the client sees the end), still charged to its uid (the fds in
+ * flight, and the socket as one of its fds), and looked at every DRAIN_LOOK_MS until nothing
+ * it was sent is left in it; then it goes to its uid's closer.
+ */
+#define DRAIN_LOOK_MS 100
+
+struct dlpd_drain {
+	struct dlpd_list link; /* in srv->drains */
+	int fd;
+	uid_t uid;
+	struct dlpd_usage *usage;
+	unsigned fds; /* in flight to it */
+};
+
+void dlpd_peer_drain_keep(struct dlpd_peer *p)
 {
-	unread_set(p, 0);
+	struct dlpd_server *s = p->srv;
+	struct dlpd_drain *d;
+
+	unread_look(p);
 	uv_timer_stop(&p->unread_timer);
+	d = p->unread_fds && !s->stopping ? calloc(1, sizeof(*d)) : NULL;
+	if (!d) {
+		unread_set(p, 0);
+		return;
+	}
+	/* the counts stay as they are, the drain's now */
+	d->fd = -1;
+	d->uid = p->uid;
+	d->usage = p->usage;
+	d->fds = p->unread_fds;
+	d->usage->draining++;
+	s->draining++;
+	p->unread_fds = 0;
+	p->drain = d;
+}
+
+/* @p d is done: its counts go, and its socket to its uid's closer. */
+static void drain_end(struct dlpd_server *s, struct dlpd_drain *d)
+{
+	dlpd_list_del(&d->link);
+	s->unread_fds -= d->fds;
+	d->usage->unread_fds -= d->fds;
+	s->draining--;
+	d->usage->draining--;
+	dlpd_close_uid(d->uid, d->fd);
+	dlpd_usage_put(&s->reg, d->usage);
+	free(d);
+}
+
+static void drain_look(uv_timer_t *t)
+{
+	struct dlpd_server *s = t->data;
+
+	for (struct dlpd_list *l = s->drains.next, *next; l != &s->drains; l = next) {
+		struct dlpd_drain *d = dlpd_container_of(l, struct dlpd_drain, link);
+		int q;
+
+		next = l->next;
+		if (ioctl(d->fd, SIOCOUTQ, &q) < 0 || q == 0)
+			drain_end(s, d);
+	}
+	if (dlpd_list_empty(&s->drains))
+		uv_timer_stop(&s->drain_timer);
+}
+
+void dlpd_peer_drain_start(struct dlpd_peer *p)
+{
+	struct dlpd_server *s = p->srv;
+	struct dlpd_drain *d = p->drain;
+
+	d->fd = p->fd;
+	p->drain = NULL;
+	dlpd_list_add_tail(&s->drains, &d->link);
+	/* (a connection destroyed before the daemon began to stop, closed after) */
+	if (s->stopping) {
+		drain_end(s, d);
+		return;
+	}
+	if (!uv_is_active((uv_handle_t *)&s->drain_timer))
+		uv_timer_start(&s->drain_timer, drain_look, DRAIN_LOOK_MS, DRAIN_LOOK_MS);
+}
+
+void dlpd_peer_drains_init(struct dlpd_server *s)
+{
+	dlpd_list_init(&s->drains);
+	uv_timer_init(s->loop, &s->drain_timer);
+	s->drain_timer.data = s;
+	/* what is in flight to a closed connection is no reason to keep the loop running */
+	uv_unref((uv_handle_t *)&s->drain_timer);
+}
+
+void dlpd_peer_drains_stop(struct dlpd_server *s)
+{
+	while (!dlpd_list_empty(&s->drains))
+		drain_end(s, dlpd_container_of(s->drains.next, struct dlpd_drain, link));
+	uv_close((uv_handle_t *)&s->drain_timer, NULL);
 }
 
 /* Look again whether @p t's connection may be sent its waiting frames: as if it polled
@@ -120,9 +228,13 @@ static void unread_again(uv_timer_t *t)
 {
 	struct dlpd_peer *p = t->data;
 
-	if (p->unread_wait_ms < UNREAD_WAIT_MAX_MS)
+	/* soon again while its frames go out (its client reads), later and later while not */
+	if (p->tx.fds_sent != p->unread_seen)
+		p->unread_wait_ms = UNREAD_WAIT_MIN_MS;
+	else if (p->unread_wait_ms < UNREAD_WAIT_MAX_MS)
 		p->unread_wait_ms *= 2;
 	p->srv->peer_io(&p->poll, 0, UV_WRITABLE);
+	p->unread_seen = p->tx.fds_sent;
 }
 
 void dlpd_peer_update_events(struct dlpd_peer *p)
@@ -133,7 +245,7 @@ void dlpd_peer_update_events(struct dlpd_peer *p)
 
 	if (p->broken || p->state == DLPD_CONN_MARKED)
 		events = 0;
-	else if (p->tx.head && p->tx.hold_fds && p->state == DLPD_CONN_SERVING)
+	else if (dlpc__tx_held(&p->tx) && p->state == DLPD_CONN_SERVING)
 		/* its fds in flight wait for it to read (above): the socket has room, and
 		 * polling it for room would never wait */
 		waits = true;
@@ -188,8 +300,7 @@ int dlpd_peer_flush(struct dlpd_peer *p)
 
 	/* (a connection closing flushes its last frames whatever is in flight: its linger
 	 * time bounds that) */
-	p->tx.hold_fds =
-		p->state == DLPD_CONN_SERVING && p->tx.nfds && unread_over(p, DLPC_FRAME_FDS_MAX);
+	p->tx.fds_room = p->tx.nfds ? unread_room(p, DLPC_FRAME_FDS_MAX) : UINT32_MAX;
 	r = dlpc__tx_flush(&p->tx, p->fd);
 	unread_count(p);
 	dlpd_mem_tx_account(p);
@@ -214,7 +325,7 @@ int dlpd_peer_send(struct dlpd_peer *p, const uint8_t *frame, size_t len, const 
 	if (dlpd_peer_marked(p) || p->broken)
 		return -EPIPE;
 	if (nfds)
-		p->tx.hold_fds = p->state == DLPD_CONN_SERVING && unread_over(p, nfds);
+		p->tx.fds_room = unread_room(p, nfds);
 	r = dlpc__tx_send(&p->tx, p->fd, frame, len, fds, nfds);
 	unread_count(p);
 	if (r < 0) {

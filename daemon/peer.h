@@ -43,8 +43,15 @@ int dlpd_peer_flush(struct dlpd_peer *p);
 void dlpd_peer_update_events(struct dlpd_peer *p);
 /* Set up @p p's count of fds in flight to it (peer.c), before its first event. */
 void dlpd_peer_unread_init(struct dlpd_peer *p);
-/* @p p is closing: what is in flight to it is no longer counted (its socket's end frees it). */
-void dlpd_peer_unread_drop(struct dlpd_peer *p);
+/* @p p is being destroyed (its usage still set): if fds are in flight to it, its socket is to
+ * be kept, charged to its uid, until they are taken (dlpd_peer_drain_start()); else they are
+ * no longer counted. */
+void dlpd_peer_drain_keep(struct dlpd_peer *p);
+/* @p p's handles are closed: keep its (shut) socket as dlpd_peer_drain_keep() decided. */
+void dlpd_peer_drain_start(struct dlpd_peer *p);
+void dlpd_peer_drains_init(struct dlpd_server *s);
+/* The daemon stops: the kept sockets go to their closers. */
+void dlpd_peer_drains_stop(struct dlpd_server *s);
 /* Short description of a peer for log lines: "client 7 (pid 123, uid 0)". */
 const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len);
 

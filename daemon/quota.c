@@ -14,7 +14,7 @@
 uint64_t dlpd_fds_in_use(const struct dlpd_server *s)
 {
 	return s->reg.storage_fds + s->npeers + s->peers_closing + s->channel_fds + s->tx_fds +
-	       s->rx_fds + dlpd_reaper_pending() + dlpd_closers_fds();
+	       s->rx_fds + s->draining + dlpd_reaper_pending() + dlpd_closers_fds();
 }
 
 int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,

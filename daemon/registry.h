@@ -41,9 +41,10 @@ struct dlpd_usage {
 	uint64_t tx_fds;
 	/* fds its connections sent for frames not yet complete, received and held (mem.c) */
 	uint64_t rx_fds;
-	/* fds in flight to its connections that they may not have taken yet, and when they were
-	 * last all looked at (loop ms): a share of them at most (peer.c) */
-	uint64_t unread_fds, unread_looked;
+	/* fds in flight to its connections that they may not have taken yet (those of its closed
+	 * connections too, whose sockets are kept meanwhile: draining), and when they were last
+	 * all looked at (loop ms): a share of them at most (peer.c) */
+	uint64_t unread_fds, unread_looked, draining;
 	bool store_warned; /* told once that it holds its share of the store */
 };
 
@@ -79,7 +80,7 @@ static inline uint64_t dlpd_record_cost(size_t wire_len, size_t ntensors)
 static inline uint64_t dlpd_uid_fds(const struct dlpd_usage *u)
 {
 	return u->storage_fds + u->pinned_fds + u->connections + u->channel_fds + u->closing +
-	       u->tx_fds + u->rx_fds;
+	       u->tx_fds + u->rx_fds + u->draining;
 }
 
 /* The references one uid holds on one storage. */

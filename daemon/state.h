@@ -71,6 +71,11 @@ struct dlpd_server {
 	uint64_t tx_fds;	/* copies of fds in replies queued for connections (mem.c) */
 	uint64_t rx_fds;	/* fds received for frames not yet complete (mem.c) */
 	uint64_t unread_fds;	/* fds in flight to connections that may not have taken them */
+	/* the sockets of destroyed connections with fds in flight to them, kept open until the
+	 * client took those or closed its end (peer.c), and the timer that looks at them */
+	struct dlpd_list drains;
+	uint64_t draining;
+	uv_timer_t drain_timer;
 	struct dlpd_registry reg;
 	struct dlpc__scratch out;	/* outgoing frames are packed here */
 	struct dlpd_list watchers;	/* peers that sent WATCH, in the order they did */
@@ -143,9 +148,10 @@ struct dlpd_peer {
 	 * tx.fds_sent they were counted at, and the look for what it took while frames with fds
 	 * wait for it (every unread_wait_ms, doubling) */
 	unsigned unread_fds;
-	uint64_t unread_counted;
+	uint64_t unread_counted, unread_seen; /* tx.fds_sent when counted, and at the last look */
 	uv_timer_t unread_timer;
 	unsigned unread_wait_ms;
+	struct dlpd_drain *drain; /* destroyed with fds in flight: its socket is kept (peer.c) */
 	struct dlpc__tx tx;
 	struct dlpd_holdings held; /* references, ephemeral entries, waiting attaches */
 	uint64_t *

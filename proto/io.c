@@ -293,7 +293,7 @@ void dlpc__tx_init(struct dlpc__tx *tx)
 	tx->tail = &tx->head;
 	tx->bytes = 0;
 	tx->nfds = 0;
-	tx->hold_fds = false;
+	tx->fds_room = UINT32_MAX;
 	tx->fds_sent = 0;
 }
 
@@ -346,17 +346,30 @@ static ssize_t send_some(int sock, const uint8_t *p, size_t len, const int *fds,
 	return n;
 }
 
+/* @p n fds went out: counted, and taken off the room. */
+static void sent_fds(struct dlpc__tx *tx, unsigned n)
+{
+	tx->fds_sent += n;
+	if (tx->fds_room != UINT32_MAX)
+		tx->fds_room -= n;
+}
+
+bool dlpc__tx_held(const struct dlpc__tx *tx)
+{
+	return tx->head && tx->head->nfds > tx->fds_room;
+}
+
 int dlpc__tx_flush(struct dlpc__tx *tx, int sock)
 {
 	while (tx->head) {
 		struct dlpc__txchunk *c = tx->head;
 		ssize_t n;
 
-		if (c->nfds && tx->hold_fds)
+		if (c->nfds > tx->fds_room)
 			return 0;
 		n = send_some(sock, c->data + c->sent, c->len - c->sent, c->fds, c->nfds, 0);
 		if (n == -ETOOMANYREFS) {
-			tx->hold_fds = true;
+			tx->fds_room = 0;
 			return 0;
 		}
 		if (n == -EAGAIN)
@@ -364,7 +377,7 @@ int dlpc__tx_flush(struct dlpc__tx *tx, int sock)
 		if (n < 0)
 			return (int)n;
 		close_fds(c->fds, c->nfds);
-		tx->fds_sent += c->nfds;
+		sent_fds(tx, c->nfds);
 		tx->nfds -= c->nfds;
 		c->nfds = 0;
 		c->sent += (size_t)n;
@@ -385,16 +398,16 @@ int dlpc__tx_send(struct dlpc__tx *tx, int sock, const void *data, size_t len, c
 	struct dlpc__txchunk *c;
 	size_t sent = 0;
 
-	if (!tx->head && !(nfds && tx->hold_fds)) {
+	if (!tx->head && nfds <= tx->fds_room) {
 		ssize_t n = send_some(sock, data, len, fds, nfds, 0);
 
 		if (n == -ETOOMANYREFS)
-			tx->hold_fds = true;
+			tx->fds_room = 0;
 		else if (n < 0 && n != -EAGAIN)
 			return (int)n;
 		if (n > 0) {
 			sent = (size_t)n;
-			tx->fds_sent += nfds;
+			sent_fds(tx, nfds);
 			nfds = 0; /* they went with the first byte */
 		}
 		if (sent == len)

@@ -103,12 +103,13 @@ struct dlpc__tx {
 	size_t bytes;  /* queued and not yet written */
 	unsigned nfds; /* fds queued and not yet sent */
 	/*
-	 * Set by the owner: a frame with fds is not written but queued, and a flush stops in front
-	 * of it (returning 0, as for a full socket). Set here too when the kernel refuses fds in
-	 * flight (ETOOMANYREFS: the sending user's RLIMIT_NOFILE of them is in flight): that is
-	 * the sender's shortage, not a broken connection.
+	 * Set by the owner: how many fds may still be written (UINT32_MAX after init: no bound). A
+	 * frame with more is not written but queued, and a flush stops in front of it (returning
+	 * 0, as for a full socket); each frame written takes its fds off. Set to 0 here when the
+	 * kernel refuses fds in flight (ETOOMANYREFS: the sending user's RLIMIT_NOFILE of them is
+	 * in flight): that is the sender's shortage, not a broken connection.
 	 */
-	bool hold_fds;
+	uint32_t fds_room;
 	uint64_t fds_sent; /* fds written so far, counted for the owner */
 };
 
@@ -121,8 +122,11 @@ void dlpc__tx_clear(struct dlpc__tx *tx);
  */
 int dlpc__tx_send(struct dlpc__tx *tx, int sock, const void *data, size_t len, const int *fds,
 		  unsigned nfds);
-/* Write queued data: 1 if the queue is empty now, 0 if the socket is full, negative errno. */
+/* Write queued data: 1 if the queue is empty now, 0 if the socket is full (or the next frame
+ * carries more fds than fds_room), negative errno. */
 int dlpc__tx_flush(struct dlpc__tx *tx, int sock);
+/* Is the next frame to write one with more fds than fds_room? */
+bool dlpc__tx_held(const struct dlpc__tx *tx);
 
 /* Write a whole frame to a blocking socket. 0 or negative errno. */
 int dlpc__send_all(int sock, const void *data, size_t len, const int *fds, unsigned nfds);

@@ -566,6 +566,7 @@ END_TEST
 struct unfinished {
 	int ready[2]; /* the attacker says it is done: how many connections it kept */
 	int go[2];    /* the test says it may go */
+	int shut;     /* nobody_never_reads(): this many ATTACHes each, then shut for writing */
 };
 
 /* As nobody: UNFINISHED_CONNS connections, each after HELLO sending one byte of a frame with
@@ -735,17 +736,52 @@ END_TEST
 #define SERVICE_UID 1
 /* The attacker's connections that ask and never read, and the daemon's fd limit then. */
 #define UNREAD_CONNS 16
+/* The ATTACHes each sends (or fewer, if its socket takes no more): 16,000, far past a share. */
+#define UNREAD_ASKED 1000
 #define UNREAD_NOFILE 1024
 
-/* As nobody: UNREAD_CONNS connections, each sending ATTACH of root's "shared" until its socket
- * takes no more, reading nothing; once told to go, it reads what came without waiting and
- * says how many fds that was (those that were in flight to it). */
+/* Read what @p sock has now, waiting up to @p ms for it: the fds that came (closed). 0 also at
+ * its end. */
+static int fds_now(int sock, int ms)
+{
+	union {
+		struct cmsghdr align;
+		char buf[CMSG_SPACE(sizeof(int) * 64)];
+	} ctl;
+	static char junk[1 << 16];
+	struct iovec iov = {.iov_base = junk, .iov_len = sizeof(junk)};
+	struct msghdr mh = {.msg_iov = &iov,
+			    .msg_iovlen = 1,
+			    .msg_control = ctl.buf,
+			    .msg_controllen = sizeof(ctl.buf)};
+	struct pollfd pf = {.fd = sock, .events = POLLIN};
+	int n = 0;
+
+	if (poll(&pf, 1, ms) != 1 || recvmsg(sock, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) <= 0)
+		return -1;
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+		int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+
+		for (int f = 0; f < k; f++)
+			close(((int *)CMSG_DATA(c))[f]);
+		n += k;
+	}
+	return n;
+}
+
+/* As nobody: UNREAD_CONNS connections, each sending UNREAD_ASKED ATTACHes of root's "shared"
+ * while its socket takes them (or u->shut of them, then shutting it for writing), reading
+ * nothing. Once told
+ * to go, it reads what came without waiting and says how many fds that was (those in flight
+ * to it); then it reads on, and says how many of its ATTACHes were not answered within 30 s
+ * (those held back must come once it reads). */
 static int nobody_never_reads(void *arg)
 {
 	Dlpackd__V1__Attach a = DLPACKD__V1__ATTACH__INIT;
 	struct unfinished *u = arg;
 	struct dlpc__scratch s = {0};
-	int socks[UNREAD_CONNS], total = 0;
+	int socks[UNREAD_CONNS], asked[UNREAD_CONNS], total = 0, missing = 0, n;
+	long long end;
 	char msg[512], x;
 	ssize_t len;
 
@@ -757,38 +793,45 @@ static int nobody_never_reads(void *arg)
 	for (int i = 0; i < UNREAD_CONNS; i++) {
 		socks[i] = hello(D.sock, msg, sizeof(msg));
 		CHILD_CHECK(socks[i] >= 0);
-		while (send(socks[i], s.p, (size_t)len, MSG_DONTWAIT | MSG_NOSIGNAL) == len)
-			;
+		for (asked[i] = 0; asked[i] < (u->shut ? u->shut : UNREAD_ASKED); asked[i]++)
+			if (send(socks[i], s.p, (size_t)len, MSG_DONTWAIT | MSG_NOSIGNAL) != len)
+				break;
+		/* the daemon closes its end once it answered what came before the hang-up */
+		if (u->shut)
+			CHILD_CHECK(shutdown(socks[i], SHUT_WR) == 0);
 	}
 	dlpc__scratch_clear(&s);
 	usleep(300 * 1000); /* the daemon has written what it would */
 	CHILD_CHECK(write(u->ready[1], &total, sizeof(total)) == sizeof(total));
 	CHILD_CHECK(read(u->go[0], &x, 1) == 1);
-	for (int i = 0; i < UNREAD_CONNS; i++) {
-		for (;;) {
-			union {
-				struct cmsghdr align;
-				char buf[CMSG_SPACE(sizeof(int) * 64)];
-			} ctl;
-			static char junk[1 << 16];
-			struct iovec iov = {.iov_base = junk, .iov_len = sizeof(junk)};
-			struct msghdr mh = {.msg_iov = &iov,
-					    .msg_iovlen = 1,
-					    .msg_control = ctl.buf,
-					    .msg_controllen = sizeof(ctl.buf)};
-
-			if (recvmsg(socks[i], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) <= 0)
-				break;
-			for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-				int n = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-
-				for (int k = 0; k < n; k++)
-					close(((int *)CMSG_DATA(c))[k]);
-				total += n;
-			}
+	for (int i = 0; i < UNREAD_CONNS; i++)
+		while ((n = fds_now(socks[i], 0)) >= 0) {
+			total += n;
+			asked[i] -= n;
 		}
+	/* then it reads whatever comes on any of them, as a reader would */
+	end = now_ms() + scaled_ms(30000);
+	for (bool waiting = true; waiting && now_ms() < end;) {
+		struct pollfd pf[UNREAD_CONNS];
+
+		waiting = false;
+		for (int i = 0; i < UNREAD_CONNS; i++) {
+			pf[i].fd = asked[i] > 0 ? socks[i] : -1;
+			pf[i].events = POLLIN;
+			waiting = waiting || asked[i] > 0;
+		}
+		if (!waiting || poll(pf, UNREAD_CONNS, 100) <= 0)
+			continue;
+		for (int i = 0; i < UNREAD_CONNS; i++)
+			if (pf[i].revents && (n = fds_now(socks[i], 0)) >= 0)
+				asked[i] = n ? asked[i] - n : 0; /* 0: its end */
+	}
+	for (int i = 0; i < UNREAD_CONNS; i++) {
+		missing += asked[i] > 0 ? asked[i] : 0;
+		close(socks[i]);
 	}
 	CHILD_CHECK(write(u->ready[1], &total, sizeof(total)) == sizeof(total));
+	CHILD_CHECK(write(u->ready[1], &missing, sizeof(missing)) == sizeof(missing));
 	return 0;
 }
 
@@ -805,8 +848,8 @@ START_TEST(unread_replies_hold_a_share_of_fds_in_flight)
 	struct daemon_opts o = {.nofile = UNREAD_NOFILE, .uid = SERVICE_UID};
 	uint64_t share = (UNREAD_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100;
 	DLManagedTensorVersioned *t;
-	struct unfinished u;
-	int total, dummy;
+	struct unfinished u = {.shut = _i * 100};
+	int total, missing, dummy;
 	dlpc_client *c;
 	pid_t pid;
 
@@ -815,6 +858,15 @@ START_TEST(unread_replies_hold_a_share_of_fds_in_flight)
 	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	ck_assert_int_eq(publish(c, "shared"), 1);
+	/* connections that attach, read and close leave nothing counted in flight (twice the
+	 * share of them, which a count left behind would pass) */
+	for (int i = 0; i < 2 * (int)share; i++) {
+		dlpc_client *k = connect_or_die(&D);
+
+		ck_assert_dlpc(dlpc_attach(k, "shared", NULL, &t), 1);
+		t->deleter(t);
+		dlpc_close(k);
+	}
 	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
 	ck_assert_int_eq(pipe2(u.go, O_CLOEXEC), 0);
 	pid = spawn(nobody_never_reads, &u);
@@ -825,11 +877,15 @@ START_TEST(unread_replies_hold_a_share_of_fds_in_flight)
 	}
 	ck_assert_int_eq(write(u.go[1], "x", 1), 1);
 	ck_assert_int_eq(read(u.ready[0], &total, sizeof(total)), sizeof(total));
+	ck_assert_int_eq(read(u.ready[0], &missing, sizeof(missing)), sizeof(missing));
 	ck_assert_int_eq(wait_child(pid), 0);
+	ck_assert_msg(missing == 0, "%d ATTACHes of nobody's were never answered once it read",
+		      missing);
 	fprintf(stderr,
-		"fds in flight to nobody's %d connections that never read: %d (its share: "
+		"fds in flight to nobody's %d connections that never read%s: %d (its share: "
 		"%llu)\n",
-		UNREAD_CONNS, total, (unsigned long long)share);
+		UNREAD_CONNS, u.shut ? ", each shut after 100 ATTACHes" : "", total,
+		(unsigned long long)share);
 	ck_assert_msg(total > 0 && (uint64_t)total <= share + 1,
 		      "%d fds were in flight to nobody, its share %llu", total,
 		      (unsigned long long)share);
@@ -1532,7 +1588,9 @@ int main(void)
 	tcase_add_test(linger, unfinished_frames_fds_count_against_the_share);
 	tcase_add_test(linger, fds_before_hello_are_refused);
 	tcase_add_test(linger, a_full_fd_table_still_gets_its_closer);
-	tcase_add_test(linger, unread_replies_hold_a_share_of_fds_in_flight);
+	/* 0: never read; 1: 100 ATTACHes each, then shut (the daemon closes the connection, and
+	 * what is in flight to it stays in flight) */
+	tcase_add_loop_test(linger, unread_replies_hold_a_share_of_fds_in_flight, 0, 2);
 	tcase_add_test(linger, closers_are_bounded);
 	tcase_add_test(linger, upgrade_passes_every_pending_close);
 	tcase_add_test(linger, upgrade_with_unread_lingering_socket);
