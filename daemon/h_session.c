@@ -113,7 +113,8 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	rep.invalidations = s->stats.invalidations;
 	rep.waiters = s->reg.waiters;
 	/* pending first: only this thread adds to it, so fds_open is counted after */
-	rep.fds_closing = dlpd_reaper_pending() + dlpd_closers_fds() + s->peers_closing;
+	rep.fds_closing =
+		dlpd_reaper_pending() + dlpd_closers_fds() + s->peers_closing + s->draining;
 	rep.fds_open = count_fds();
 	rep.fds_sent = s->stats.fds_sent;
 #define X(NAME, name, ...) rep.req_##name = s->stats.req[DLPC_MSG_##NAME];

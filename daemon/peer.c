@@ -6,10 +6,12 @@
  * destroyed (state.h).
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/sockios.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
 
 #include "closer.h"
 #include "mem.h"
@@ -128,14 +130,8 @@ void dlpd_peer_unread_init(struct dlpd_peer *p)
  * it was sent is left in it; then it goes to its uid's closer.
  */
 #define DRAIN_LOOK_MS 100
-
-struct dlpd_drain {
-	struct dlpd_list link; /* in srv->drains */
-	int fd;
-	uid_t uid;
-	struct dlpd_usage *usage;
-	unsigned fds; /* in flight to it */
-};
+/* The most fds one message carries (the kernel's SCM_MAX_FD). */
+#define SCM_FDS 253
 
 void dlpd_peer_drain_keep(struct dlpd_peer *p)
 {
@@ -189,6 +185,44 @@ static void drain_look(uv_timer_t *t)
 		uv_timer_stop(&s->drain_timer);
 }
 
+/*
+ * What the client sent and the daemon never read stays in the kept socket's receive queue: its
+ * fds, and among them perhaps the client's own end of this very socket, which would then never
+ * close (it could only go with the queue, which goes only once the socket is closed). The
+ * queue is read out, and its fds go to the uid's closer. (Nothing more comes: it is shut.)
+ */
+static void drain_read_out(struct dlpd_drain *d)
+{
+	union {
+		struct cmsghdr align;
+		char buf[CMSG_SPACE(sizeof(int) * SCM_FDS)];
+	} ctl;
+	static uint8_t junk[1 << 16];
+
+	for (;;) {
+		struct iovec iov = {.iov_base = junk, .iov_len = sizeof(junk)};
+		struct msghdr mh = {.msg_iov = &iov,
+				    .msg_iovlen = 1,
+				    .msg_control = ctl.buf,
+				    .msg_controllen = sizeof(ctl.buf)};
+		ssize_t n = recvmsg(d->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+
+		if (n <= 0 && !(n < 0 && errno == EINTR))
+			return;
+		for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+			size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+			int fd;
+
+			if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+				continue;
+			for (size_t i = 0; i < k; i++) {
+				memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(fd));
+				dlpd_close_uid(d->uid, fd);
+			}
+		}
+	}
+}
+
 void dlpd_peer_drain_start(struct dlpd_peer *p)
 {
 	struct dlpd_server *s = p->srv;
@@ -196,6 +230,7 @@ void dlpd_peer_drain_start(struct dlpd_peer *p)
 
 	d->fd = p->fd;
 	p->drain = NULL;
+	drain_read_out(d);
 	dlpd_list_add_tail(&s->drains, &d->link);
 	/* (a connection destroyed before the daemon began to stop, closed after) */
 	if (s->stopping) {
@@ -215,6 +250,16 @@ void dlpd_peer_drains_init(struct dlpd_server *s)
 	uv_unref((uv_handle_t *)&s->drain_timer);
 }
 
+void dlpd_peer_drains_hand(struct dlpd_server *s)
+{
+	while (!dlpd_list_empty(&s->drains)) {
+		struct dlpd_drain *d = dlpd_container_of(s->drains.next, struct dlpd_drain, link);
+
+		fcntl(d->fd, F_SETFD, 0);
+		drain_end(s, d);
+	}
+}
+
 void dlpd_peer_drains_stop(struct dlpd_server *s)
 {
 	while (!dlpd_list_empty(&s->drains))
@@ -227,14 +272,17 @@ void dlpd_peer_drains_stop(struct dlpd_server *s)
 static void unread_again(uv_timer_t *t)
 {
 	struct dlpd_peer *p = t->data;
+	uint64_t sent = p->tx.fds_sent;
 
-	/* soon again while its frames go out (its client reads), later and later while not */
-	if (p->tx.fds_sent != p->unread_seen)
-		p->unread_wait_ms = UNREAD_WAIT_MIN_MS;
-	else if (p->unread_wait_ms < UNREAD_WAIT_MAX_MS)
+	/* later and later while nothing goes out, soon again while its frames do (its client
+	 * reads): the flush below restarts this timer if frames still wait */
+	if (p->unread_wait_ms < UNREAD_WAIT_MAX_MS)
 		p->unread_wait_ms *= 2;
 	p->srv->peer_io(&p->poll, 0, UV_WRITABLE);
-	p->unread_seen = p->tx.fds_sent;
+	if (p->tx.fds_sent != sent && uv_is_active((uv_handle_t *)t)) {
+		p->unread_wait_ms = UNREAD_WAIT_MIN_MS;
+		uv_timer_start(t, unread_again, UNREAD_WAIT_MIN_MS, 0);
+	}
 }
 
 void dlpd_peer_update_events(struct dlpd_peer *p)

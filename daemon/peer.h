@@ -52,6 +52,8 @@ void dlpd_peer_drain_start(struct dlpd_peer *p);
 void dlpd_peer_drains_init(struct dlpd_server *s);
 /* The daemon stops: the kept sockets go to their closers. */
 void dlpd_peer_drains_stop(struct dlpd_server *s);
+/* An upgrade: the kept sockets go to their closers, kept open across the exec (upgrade.c). */
+void dlpd_peer_drains_hand(struct dlpd_server *s);
 /* Short description of a peer for log lines: "client 7 (pid 123, uid 0)". */
 const char *dlpd_peer_desc(const struct dlpd_peer *p, char *buf, size_t len);
 

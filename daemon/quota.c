@@ -129,6 +129,11 @@ void dlpd_uid_fd_share_why(const struct dlpd_peer *p, uint64_t held, char *why, 
 		snprintf(closing, sizeof(closing),
 			 " (%llu of them fds it sent with frames not yet complete)",
 			 (unsigned long long)p->usage->rx_fds);
+	else if (p->usage && p->usage->draining)
+		snprintf(closing, sizeof(closing),
+			 " (%llu of them sockets of closed connections with fds in flight to them, "
+			 "which its processes have not read)",
+			 (unsigned long long)p->usage->draining);
 	snprintf(why, whylen,
 		 "uid %u holds %llu storage, connection and direct channel fds%s; a uid may hold "
 		 "%llu%% of the %llu dlpackd has for them, %llu (--max-fd-share-per-uid)",

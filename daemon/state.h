@@ -111,6 +111,15 @@ enum dlpd_conn_state {
 	DLPD_CONN_LINGERING, /* destroyed, flushing its last frames (an ERROR) within a bound */
 };
 
+/* The kept socket of a destroyed connection with fds in flight to it (peer.c). */
+struct dlpd_drain {
+	struct dlpd_list link; /* in srv->drains */
+	int fd;
+	uid_t uid;
+	struct dlpd_usage *usage;
+	unsigned fds; /* in flight to it */
+};
+
 struct dlpd_peer {
 	struct dlpd_server *srv;
 	uv_poll_t poll;
@@ -148,7 +157,7 @@ struct dlpd_peer {
 	 * tx.fds_sent they were counted at, and the look for what it took while frames with fds
 	 * wait for it (every unread_wait_ms, doubling) */
 	unsigned unread_fds;
-	uint64_t unread_counted, unread_seen; /* tx.fds_sent when counted, and at the last look */
+	uint64_t unread_counted; /* tx.fds_sent when counted */
 	uv_timer_t unread_timer;
 	unsigned unread_wait_ms;
 	struct dlpd_drain *drain; /* destroyed with fds in flight: its socket is kept (peer.c) */

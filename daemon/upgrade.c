@@ -253,8 +253,8 @@ static int push_closing(struct dlpd_closing **v, size_t *n, size_t *cap, int fd,
 
 /*
  * Sockets whose last close frees what is in flight in them, fds clients sent that nobody read
- * (a lingering socket among them makes that close wait): the connections' and the direct
- * channels' ends. The exec would close them, and place() could replace them, in the daemon's
+ * (a lingering socket among them makes that close wait): the connections' (those kept while fds
+ * are in flight to them too) and the direct channels' ends. The exec would close them, and place() could replace them, in the daemon's
  * thread; so they are counted with the closes pending (@p cl), and handed to closers at the
  * last moment (hand_sockets()). The channels in @p chans (free() it).
  */
@@ -273,6 +273,11 @@ static int add_sockets(struct dlpd_server *s, struct dlpd_closing **cl, size_t *
 
 			r = push_closing(cl, ncl, &cap, p->fd, p->uid);
 		}
+	for (struct dlpd_list *l = s->drains.next; r == 0 && l != &s->drains; l = l->next) {
+		const struct dlpd_drain *d = dlpd_container_of(l, struct dlpd_drain, link);
+
+		r = push_closing(cl, ncl, &cap, d->fd, d->uid);
+	}
 	if (r == 0)
 		r = dlpd_channel_range(&s->reg, (const uint8_t *)"", 0, (const uint8_t *)"", 0,
 				       SIZE_MAX, chans, nchans);
@@ -298,6 +303,7 @@ static void hand_sockets(struct dlpd_server *s, struct dlpd_channel **chans, siz
 			shutdown(p->fd, SHUT_RDWR);
 			dlpd_close_uid(p->uid, p->fd);
 		}
+	dlpd_peer_drains_hand(s);
 	for (size_t i = 0; i < nchans; i++)
 		if (chans[i]->ends[0] >= 0) {
 			fcntl(chans[i]->ends[0], F_SETFD, 0);

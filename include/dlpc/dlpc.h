@@ -787,7 +787,8 @@ typedef struct dlpc_stats {
 	uint64_t req_stat;	  /**< STAT requests served */
 	uint64_t protocol_errors; /**< connections dropped for protocol violations */
 	uint64_t fds_closing;	  /**< fds the daemon is closing (on its reaper thread, or in the
-				       closer process of the uid that sent them) */
+				       closer process of the uid that sent them), and sockets of
+				       closed connections it keeps while fds are in flight to them */
 	uint64_t req_watch;	  /**< WATCH requests served */
 	uint64_t watchers;	  /**< connections watching now */
 	uint64_t events;	  /**< changes of the name map since start (last event's seq) */

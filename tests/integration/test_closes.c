@@ -740,8 +740,8 @@ END_TEST
 #define UNREAD_ASKED 1000
 #define UNREAD_NOFILE 1024
 
-/* Read what @p sock has now, waiting up to @p ms for it: the fds that came (closed). 0 also at
- * its end. */
+/* Read what @p sock has now, waiting up to @p ms for it: the fds that came (closed; 0 for bytes
+ * without), -1 when nothing came, -2 at its end. */
 static int fds_now(int sock, int ms)
 {
 	union {
@@ -757,8 +757,13 @@ static int fds_now(int sock, int ms)
 	struct pollfd pf = {.fd = sock, .events = POLLIN};
 	int n = 0;
 
-	if (poll(&pf, 1, ms) != 1 || recvmsg(sock, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) <= 0)
+	ssize_t got;
+
+	if (poll(&pf, 1, ms) != 1)
 		return -1;
+	got = recvmsg(sock, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+	if (got <= 0)
+		return got == 0 ? -2 : -1;
 	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
 		int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
 
@@ -781,6 +786,7 @@ static int nobody_never_reads(void *arg)
 	struct unfinished *u = arg;
 	struct dlpc__scratch s = {0};
 	int socks[UNREAD_CONNS], asked[UNREAD_CONNS], total = 0, missing = 0, n;
+	bool ends[UNREAD_CONNS] = {false};
 	long long end;
 	char msg[512], x;
 	ssize_t len;
@@ -816,15 +822,19 @@ static int nobody_never_reads(void *arg)
 
 		waiting = false;
 		for (int i = 0; i < UNREAD_CONNS; i++) {
-			pf[i].fd = asked[i] > 0 ? socks[i] : -1;
+			pf[i].fd = asked[i] > 0 && !ends[i] ? socks[i] : -1;
 			pf[i].events = POLLIN;
-			waiting = waiting || asked[i] > 0;
+			waiting = waiting || pf[i].fd >= 0;
 		}
 		if (!waiting || poll(pf, UNREAD_CONNS, 100) <= 0)
 			continue;
-		for (int i = 0; i < UNREAD_CONNS; i++)
-			if (pf[i].revents && (n = fds_now(socks[i], 0)) >= 0)
-				asked[i] = n ? asked[i] - n : 0; /* 0: its end */
+		for (int i = 0; i < UNREAD_CONNS; i++) {
+			n = pf[i].revents ? fds_now(socks[i], 0) : -1;
+			if (n >= 0)
+				asked[i] -= n;
+			else if (n == -2)
+				ends[i] = true; /* what did not come now never will */
+		}
 	}
 	for (int i = 0; i < UNREAD_CONNS; i++) {
 		missing += asked[i] > 0 ? asked[i] : 0;
