@@ -310,11 +310,13 @@ static void rx_over(struct dlpd_peer *p)
 static void rx_fds_check(struct dlpd_peer *p)
 {
 	const struct dlpd_server *s = p->srv;
-	uint64_t share = dlpd_uid_fd_share(s), held = dlpd_uid_fds(p->usage);
+	uint64_t share, held;
 	char why[320];
 
 	if (p->rx_fds == 0)
 		return;
+	share = dlpd_uid_fd_share(s);
+	held = dlpd_uid_fds(p->usage);
 	if (p->state == DLPD_CONN_GREETING) {
 		violation(p, 0, "%u fds sent before HELLO, which carries none", p->rx_fds);
 		return;

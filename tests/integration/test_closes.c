@@ -603,6 +603,43 @@ static int nobody_leaves_frames_unfinished(void *arg)
 	return 0;
 }
 
+/* Start @p fn, an attacker given @p u (its pipes made here), as *@p pid, and wait until it says
+ * it is ready: what it says then. */
+static int attacker_ready(int (*fn)(void *), struct unfinished *u, pid_t *pid)
+{
+	int said;
+
+	ck_assert_int_eq(pipe2(u->ready, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(u->go, O_CLOEXEC), 0);
+	*pid = spawn(fn, u);
+	ck_assert_int_eq(read(u->ready[0], &said, sizeof(said)), sizeof(said));
+	return said;
+}
+
+/* Let the attacker @p pid go, read the @p n numbers it says then into @p said, and see it exit
+ * 0; @p u's pipes close. */
+static void attacker_go(struct unfinished *u, pid_t pid, int *said, int n)
+{
+	ck_assert_int_eq(write(u->go[1], "x", 1), 1);
+	for (int i = 0; i < n; i++)
+		ck_assert_int_eq(read(u->ready[0], &said[i], sizeof(*said)), sizeof(*said));
+	ck_assert_int_eq(wait_child(pid), 0);
+	for (int i = 0; i < 2; i++) {
+		close(u->ready[i]);
+		close(u->go[i]);
+	}
+}
+
+/* Wait until the daemon holds no more than @p base + @p more fds. */
+static void daemon_fds_back(int base, int more)
+{
+	for (int i = 0; fd_count(D.pid) > base + more; i++) {
+		ck_assert_msg(i < scaled_ms(10000) / 10, "the daemon holds %d fds, %d before",
+			      fd_count(D.pid), base);
+		usleep(10 * 1000);
+	}
+}
+
 /*
  * The fds a uid sends with frames it never finishes count against its fd share (they used to
  * count nowhere: 64 connections held 512 of them for as long as the frame timeout, and a few
@@ -623,10 +660,7 @@ START_TEST(unfinished_frames_fds_count_against_the_share)
 	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	base = fd_count(D.pid);
-	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
-	ck_assert_int_eq(pipe2(u.go, O_CLOEXEC), 0);
-	pid = spawn(nobody_leaves_frames_unfinished, &u);
-	ck_assert_int_eq(read(u.ready[0], &kept, sizeof(kept)), sizeof(kept));
+	kept = attacker_ready(nobody_leaves_frames_unfinished, &u, &pid);
 	ck_assert_msg(wait_stat(c, nothing_closing, NULL, scaled_ms(10000)), "closes pending");
 	held = fd_count(D.pid) - base;
 	fprintf(stderr,
@@ -639,18 +673,9 @@ START_TEST(unfinished_frames_fds_count_against_the_share)
 	ck_assert(log_has(D.log, "fds of an unfinished frame"));
 	ck_assert_int_eq(publish(c, "root/ok"), 1);
 	ck_assert(answers_within(5000));
-	ck_assert_int_eq(write(u.go[1], "x", 1), 1);
-	ck_assert_int_eq(wait_child(pid), 0);
+	attacker_go(&u, pid, NULL, 0);
 	/* its connections' ends take their fds with them */
-	for (int i = 0; fd_count(D.pid) > base + 1; i++) {
-		ck_assert_msg(i < scaled_ms(10000) / 10, "the daemon holds %d fds, %d before",
-			      fd_count(D.pid), base);
-		usleep(10 * 1000);
-	}
-	for (int i = 0; i < 2; i++) {
-		close(u.ready[i]);
-		close(u.go[i]);
-	}
+	daemon_fds_back(base, 1);
 	dlpc_close(c);
 }
 END_TEST
@@ -698,10 +723,7 @@ START_TEST(a_full_fd_table_still_gets_its_closer)
 	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
 	base = fd_count(D.pid);
-	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
-	ck_assert_int_eq(pipe2(u.go, O_CLOEXEC), 0);
-	pid = spawn(nobody_leaves_frames_unfinished, &u);
-	ck_assert_int_eq(read(u.ready[0], &kept, sizeof(kept)), sizeof(kept));
+	kept = attacker_ready(nobody_leaves_frames_unfinished, &u, &pid);
 	fprintf(stderr, "nobody kept %d connections; the daemon holds %d fds of %d\n", kept,
 		fd_count(D.pid), FULL_NOFILE);
 	/* the closers that closed what was refused have quit (idle), and no fd is left at all:
@@ -711,22 +733,13 @@ START_TEST(a_full_fd_table_still_gets_its_closer)
 	lim.rlim_cur = (rlim_t)lowest_free_fd(D.pid);
 	lim.rlim_max = FULL_NOFILE;
 	ck_assert_int_eq(prlimit(D.pid, RLIMIT_NOFILE, &lim, NULL), 0);
-	ck_assert_int_eq(write(u.go[1], "x", 1), 1);
-	ck_assert_int_eq(wait_child(pid), 0);
-	for (int i = 0; fd_count(D.pid) > base + 2; i++) {
-		ck_assert_msg(i < scaled_ms(10000) / 10, "the daemon holds %d fds, %d before",
-			      fd_count(D.pid), base);
-		usleep(10 * 1000);
-	}
+	attacker_go(&u, pid, NULL, 0);
+	daemon_fds_back(base, 2);
 	/* the limit back as it was: publishing takes fds */
 	lim.rlim_cur = FULL_NOFILE;
 	ck_assert_int_eq(prlimit(D.pid, RLIMIT_NOFILE, &lim, NULL), 0);
 	ck_assert(answers_within(5000));
 	ck_assert_int_eq(publish(c, "root/ok"), 1);
-	for (int i = 0; i < 2; i++) {
-		close(u.ready[i]);
-		close(u.go[i]);
-	}
 	dlpc_close(c);
 }
 END_TEST
@@ -859,7 +872,7 @@ START_TEST(unread_replies_hold_a_share_of_fds_in_flight)
 	uint64_t share = (UNREAD_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100;
 	DLManagedTensorVersioned *t;
 	struct unfinished u = {.shut = _i * 100};
-	int total, missing, dummy;
+	int total, missing, said[2];
 	dlpc_client *c;
 	pid_t pid;
 
@@ -877,18 +890,14 @@ START_TEST(unread_replies_hold_a_share_of_fds_in_flight)
 		t->deleter(t);
 		dlpc_close(k);
 	}
-	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
-	ck_assert_int_eq(pipe2(u.go, O_CLOEXEC), 0);
-	pid = spawn(nobody_never_reads, &u);
-	ck_assert_int_eq(read(u.ready[0], &dummy, sizeof(dummy)), sizeof(dummy));
+	(void)attacker_ready(nobody_never_reads, &u, &pid);
 	for (int i = 0; i < 200; i++) {
 		ck_assert_dlpc(dlpc_attach(c, "shared", NULL, &t), 1);
 		t->deleter(t);
 	}
-	ck_assert_int_eq(write(u.go[1], "x", 1), 1);
-	ck_assert_int_eq(read(u.ready[0], &total, sizeof(total)), sizeof(total));
-	ck_assert_int_eq(read(u.ready[0], &missing, sizeof(missing)), sizeof(missing));
-	ck_assert_int_eq(wait_child(pid), 0);
+	attacker_go(&u, pid, said, 2);
+	total = said[0];
+	missing = said[1];
 	ck_assert_msg(missing == 0, "%d ATTACHes of nobody's were never answered once it read",
 		      missing);
 	fprintf(stderr,
@@ -901,10 +910,6 @@ START_TEST(unread_replies_hold_a_share_of_fds_in_flight)
 		      (unsigned long long)share);
 	ck_assert_dlpc(dlpc_attach(c, "shared", NULL, &t), 1);
 	t->deleter(t);
-	for (int i = 0; i < 2; i++) {
-		close(u.ready[i]);
-		close(u.go[i]);
-	}
 	dlpc_close(c);
 }
 END_TEST
