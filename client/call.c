@@ -526,6 +526,9 @@ DLPC_EXPORT void dlpc_close(dlpc_client *c)
 		pthread_mutex_lock(&c->wmu);
 		dlpc__flush_locked(c, DLPC__FLUSH_NOWAIT, NULL);
 		dlpc__write_unlock(c);
+		/* nothing else holding it, its connection is closed on return */
+		dlpc__client_unref_closed(c);
+		return;
 	}
 	dlpc__client_unref(c);
 }

@@ -25,6 +25,8 @@
  * child.
  */
 static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
+/* on open_mu: a turn of the library's thread let go of a client that dlpc_close() waits for */
+static pthread_cond_t turn_cv = PTHREAD_COND_INITIALIZER;
 static dlpc_client *open_clients;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
@@ -86,8 +88,11 @@ unsigned dlpc__fork_gen;
 static void atfork_child(void)
 {
 	__atomic_add_fetch(&dlpc__fork_gen, 1, __ATOMIC_RELAXED);
+	/* the parent's threads that wait on it are not here */
+	pthread_cond_init(&turn_cv, NULL);
 	for (dlpc_client *c = open_clients; c; c = c->next_open) {
 		pthread_mutex_unlock(&c->pmu);
+		c->turn_held = c->close_wait = false;
 		dlpc__close(c->sock);
 		c->sock = -1;
 		dlpc__close(c->wake_fd);
@@ -201,7 +206,32 @@ void dlpc__client_unref(dlpc_client *c)
 
 void dlpc__client_unref_looked(dlpc_client *c)
 {
+	pthread_mutex_lock(&open_mu);
+	c->turn_held = false;
+	if (c->close_wait) {
+		/* never the last reference: dlpc_close() holds one while it waits */
+		(void)unref(c);
+		pthread_cond_broadcast(&turn_cv);
+		pthread_mutex_unlock(&open_mu);
+		return;
+	}
+	pthread_mutex_unlock(&open_mu);
 	(void)unref(c);
+}
+
+void dlpc__client_unref_closed(dlpc_client *c)
+{
+	pthread_mutex_lock(&open_mu);
+	/* the handle's reference and the turn's only: no call, tensor or reclaim holds it, and
+	 * none can start now; the thread, once woken, lets go within its turn */
+	if (c->turn_held && atomic_load(&c->refs) == 2 && !dlpc__loop_is_self()) {
+		c->close_wait = true;
+		dlpc__loop_wake();
+		while (c->turn_held)
+			pthread_cond_wait(&turn_cv, &open_mu);
+	}
+	pthread_mutex_unlock(&open_mu);
+	dlpc__client_unref(c);
 }
 
 /* Take a reference on @p c unless its last one is already gone (it is being freed). */
@@ -222,7 +252,8 @@ size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
 
 	pthread_mutex_lock(&open_mu);
 	for (dlpc_client *c = open_clients; c; c = c->next_open) {
-		if (!dlpc__ours(c))
+		/* dlpc_close() waits for the turn before to let go of it */
+		if (!dlpc__ours(c) || c->close_wait)
 			continue;
 		if (n == *cap) {
 			size_t ncap = *cap ? *cap * 2 : 8;
@@ -233,8 +264,10 @@ size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
 			*buf = nv;
 			*cap = ncap;
 		}
-		if (client_tryref(c))
+		if (client_tryref(c)) {
+			c->turn_held = true;
 			(*buf)[n++] = c;
+		}
 	}
 	pthread_mutex_unlock(&open_mu);
 	return n;

@@ -110,6 +110,10 @@ struct dlpc_client {
 	atomic_uint ncancels; /* written under pmu; read without it as a hint */
 
 	struct dlpc_client *next_open; /* in the list of open clients (conn.c) */
+	/* Under that list's lock: the library's thread holds a reference for its turn
+	 * (dlpc__clients_ref()); dlpc_close() waits for that turn to let go (no later turn
+	 * takes one), so that the connection is closed when it returns if nothing else holds it */
+	bool turn_held, close_wait;
 
 	/* DLPC_CONNECT_RECONNECT: a call that finds the connection lost connects anew first
 	 * (dlpc__reconnect()). The fields below change under wmu and mu both. */
@@ -158,6 +162,10 @@ void dlpc__client_unref(dlpc_client *c);
 /* dlpc__client_unref() by the library's thread, of the references it took itself: no wake-up
  * of that thread (which is about to look again anyway). */
 void dlpc__client_unref_looked(dlpc_client *c);
+/* dlpc__client_unref() of the user's handle by dlpc_close(): when only the library's thread's
+ * turn holds @p c besides, wait for the turn to let go first, so that @p c is freed (its
+ * connection closed) before this returns. */
+void dlpc__client_unref_closed(dlpc_client *c);
 /* The lock of the open clients' list, which fork() takes. */
 void dlpc__list_lock(void);
 void dlpc__list_unlock(void);
@@ -428,6 +436,8 @@ void dlpc__loop_looked(void);
 bool dlpc__loop_flush_soon(bool now);
 /* Have the thread look at everything again now (async-signal-safe, any lock held). */
 void dlpc__loop_wake(void);
+/* Is the caller the library's thread? */
+bool dlpc__loop_is_self(void);
 /* fork(): 0 before (lock), 1 in the parent after, 2 in the child (start afresh). */
 void dlpc__loop_atfork(int phase);
 /* Have the library's thread sweep the caches at monotonic ms @p when; false when

@@ -131,9 +131,17 @@ int dlpc__loop_due(bool *flush, bool *sweep)
 	return next < 0 ? -1 : next > INT32_MAX ? INT32_MAX : (int)next;
 }
 
+static _Thread_local bool on_loop;
+
+bool dlpc__loop_is_self(void)
+{
+	return on_loop;
+}
+
 static void *loop_main(void *arg)
 {
 	(void)arg;
+	on_loop = true;
 	pthread_setname_np(pthread_self(), "dlpc-loop"); /* for top -H, gdb, and the tests */
 	for (;;)
 		turn_fn();

@@ -396,7 +396,8 @@ DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c);
  * Give up the caller's handle, sending the releases still deferred. The connection itself stays
  * open until the last tensor attached through it has been released, so outstanding deleters keep
  * working, and until the last CUDA tensor published through it by legacy IPC has been reclaimed
- * (see dlpc_publish()). Accepts NULL.
+ * (see dlpc_publish()). With none left, and no call of another thread's still under way on it, it
+ * is closed by the time this returns. Accepts NULL.
  *
  * May be called while other threads are blocked in calls on @p c (a waiting attach, or any
  * request dlpackd has not answered yet): each of them returns -ECANCELED at once (one whose

@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -1723,6 +1724,98 @@ START_TEST(test_releases_of_a_closed_client_wait_for_room)
 }
 END_TEST
 
+/* dlpc_close() of a client that holds nothing closes its connection before it returns: the
+ * library's thread, which it wakes and which may be in a turn holding the client then, lets go
+ * first (its fds, and the process's pagemap fd with the last client, are gone on return). */
+struct churner {
+	dlpc_client *c;
+	atomic_bool stop;
+};
+
+/* Attach and release on its own client until told to stop: each release has the library's
+ * thread take a turn soon. */
+static void *churn_releases(void *arg)
+{
+	struct churner *ch = arg;
+
+	while (!atomic_load(&ch->stop)) {
+		DLManagedTensorVersioned *t;
+
+		ck_assert_dlpc(dlpc_attach(ch->c, "closed", NULL, &t), 1);
+		t->deleter(t);
+	}
+	return NULL;
+}
+
+/* The fd and inode of a socket of this process's that is not in @p known (@p n of them); -1 if
+ * none. */
+static int new_socket(const ino_t *known, size_t n, ino_t *ino)
+{
+	DIR *dir = opendir("/proc/self/fd");
+	struct dirent *de;
+	int found = -1;
+
+	ck_assert_ptr_nonnull(dir);
+	while (found < 0 && (de = readdir(dir))) {
+		struct stat st;
+		int fd = atoi(de->d_name);
+		bool seen = false;
+
+		if (de->d_name[0] == '.' || fd == dirfd(dir) || fstat(fd, &st) ||
+		    !S_ISSOCK(st.st_mode))
+			continue;
+		for (size_t i = 0; i < n; i++)
+			seen = seen || known[i] == st.st_ino;
+		if (!seen) {
+			found = fd;
+			*ino = st.st_ino;
+		}
+	}
+	closedir(dir);
+	return found;
+}
+
+START_TEST(test_close_returns_with_the_connection_closed)
+{
+	dlpc_client *probe = connect_or_die(&D), *c, *idle[64];
+	struct churner ch = {.c = connect_or_die(&D)};
+	ino_t known[sizeof(idle) / sizeof(idle[0]) + 4];
+	size_t nknown = 0;
+	pthread_t th;
+
+	publish_filled(probe, "closed", 4096, 7);
+	/* many clients make each turn longer, and a thread that releases makes turns often */
+	for (size_t i = 0; i < sizeof(idle) / sizeof(idle[0]); i++)
+		idle[i] = connect_or_die(&D);
+	while (new_socket(known, nknown, &known[nknown]) >= 0)
+		nknown++;
+	ck_assert_int_eq(pthread_create(&th, NULL, churn_releases, &ch), 0);
+	for (int i = 0; i < 2000; i++) {
+		DLManagedTensorVersioned *t;
+		struct stat st;
+		ino_t ino;
+		int fd;
+
+		c = connect_or_die(&D);
+		fd = new_socket(known, nknown, &ino);
+		ck_assert_int_ge(fd, 0);
+		ck_assert_dlpc(dlpc_attach(c, "closed", NULL, &t), 1);
+		t->deleter(t);
+		dlpc_close(c);
+		/* the same number may be another fd by now, but not that socket */
+		ck_assert_msg(fstat(fd, &st) || st.st_ino != ino,
+			      "round %d: the connection's socket is open after dlpc_close()", i);
+	}
+	atomic_store(&ch.stop, true);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	dlpc_close(ch.c);
+	for (size_t i = 0; i < sizeof(idle) / sizeof(idle[0]); i++)
+		dlpc_close(idle[i]);
+	ck_assert(wait_stat(probe, refs_are, &(struct want){.refs = 0}, scaled_ms(5000)));
+	dlpc_close(probe);
+}
+END_TEST
+
 /*
  * A request whose write the call timeout cut short (the daemon stopped, the frame larger than
  * the socket's buffer) fails with -ETIMEDOUT and costs its connection: the socket is shut for
@@ -2419,6 +2512,7 @@ static Suite *core_suite(void)
 	tcase_add_test(tc, test_a_call_timeout_of_int64_max_waits_without_spinning);
 	tcase_add_test(tc, test_releases_wait_for_room_without_spinning);
 	tcase_add_test(tc, test_releases_of_a_closed_client_wait_for_room);
+	tcase_add_test(tc, test_close_returns_with_the_connection_closed);
 	tcase_add_test(tc, test_many_processes);
 	tcase_add_test(tc, test_alloc_zero_copy);
 	tcase_add_test(tc, test_alloc_bundle_zero_copy);
