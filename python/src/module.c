@@ -19,13 +19,19 @@ static int client_init(PyObject *obj, PyObject *args, PyObject *kwargs)
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O$p:Client", kwlist, &sock, &reconnect))
 		return -1;
-	if (self->c)
-		return 0;
+	if (self->c) {
+		PyErr_SetString(PyExc_RuntimeError,
+				"this Client is connected already: close() it before connecting it "
+				"anew");
+		return -1;
+	}
 	self->reconnect = reconnect;
+	/* a closed Client connected anew goes where this call says, the default socket too */
+	free(self->path);
+	self->path = NULL;
 	if (sock != Py_None) {
 		if (!PyUnicode_FSConverter(sock, &bytes))
 			return -1;
-		free(self->path);
 		self->path = strdup(PyBytes_AsString(bytes));
 		Py_DECREF(bytes);
 		if (!self->path) {

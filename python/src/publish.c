@@ -15,9 +15,9 @@ static uint32_t publish_flags(int replace, int ephemeral, int writable)
 }
 
 /*
- * Say which tensor of bundle @p name the exception set is about: the same type, the message
- * prefixed with the key (for the plain exception types a producer raises; others stay as they
- * are).
+ * Say which entry @p name, and which tensor of it (@p key; NULL: the one tensor), the exception
+ * set is about: the same type, the message prefixed with both (for the plain exception types a
+ * producer raises; others stay as they are).
  */
 static void name_key(const char *verb, const char *name, const char *key)
 {
@@ -30,8 +30,9 @@ static void name_key(const char *verb, const char *name, const char *key)
 		if (type != *plain[i])
 			continue;
 		PyErr_NormalizeException(&type, &value, &tb);
-		msg = PyUnicode_FromFormat("cannot %s '%s': tensor '%s': %S", verb, name, key,
-					   value);
+		msg = key ? PyUnicode_FromFormat("cannot %s '%s': tensor '%s': %S", verb, name, key,
+						 value)
+			  : PyUnicode_FromFormat("cannot %s '%s': %S", verb, name, value);
 		if (msg) {
 			PyErr_SetObject(type, msg);
 			Py_DECREF(msg);
@@ -105,8 +106,7 @@ int ipc_take_call(ClientObject *self, const char *verb, const char *name, Py_ssi
 	for (; got < n; got++) {
 		taken[got] = ipc_take(objs[got]);
 		if (!taken[got]) {
-			if (keys)
-				name_key(verb, name, keys[got]);
+			name_key(verb, name, keys ? keys[got] : NULL);
 			break;
 		}
 	}

@@ -81,30 +81,38 @@ static PyObject *export_capsule(PyObject *obj, bool *absent)
 
 		if (tn)
 			PyErr_Format(PyExc_TypeError,
-				     "cannot publish an object of type %U: it has no __dlpack__ "
-				     "method and is not a DLPack capsule",
+				     "an object of type %U has no __dlpack__ method "
+				     "and is not a DLPack capsule",
 				     tn);
 		Py_XDECREF(tn);
 		return NULL;
 	}
 	dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
 	if (dev) {
-		long type = PyTuple_Check(dev) && PyTuple_Size(dev) == 2
-				    ? PyLong_AsLong(PyTuple_GetItem(dev, 0))
-				    : -1;
+		PyObject *item = PyTuple_Check(dev) && PyTuple_Size(dev) == 2
+					 ? PyTuple_GetItem(dev, 0)
+					 : NULL;
+		PyObject *tn = PyType_GetQualName(Py_TYPE(obj));
+		long type = item && PyLong_Check(item) ? PyLong_AsLong(item) : -1;
 
+		/* an index too large to be a device type is no device we know */
+		if (tn && PyErr_Occurred())
+			PyErr_Clear();
+		if (tn && (!item || !PyLong_Check(item)))
+			PyErr_Format(PyExc_TypeError,
+				     "%U.__dlpack_device__() returned %R, not a (device type, "
+				     "device id) pair of ints",
+				     tn, dev);
+		else if (tn && type != kDLCPU && type != kDLCUDA)
+			PyErr_Format(
+				PyExc_BufferError,
+				"a tensor of type %U on DLPack device type %R: only host (CPU) "
+				"and CUDA memory can be shared",
+				tn, item);
+		Py_XDECREF(tn);
 		Py_DECREF(dev);
-		if (type != kDLCPU && type != kDLCUDA) {
-			PyObject *tn = PyErr_Occurred() ? NULL : PyType_GetQualName(Py_TYPE(obj));
-
+		if (PyErr_Occurred()) {
 			Py_DECREF(meth);
-			if (tn)
-				PyErr_Format(
-					PyExc_BufferError,
-					"cannot publish a tensor of type %U on DLPack device type "
-					"%ld: only host (CPU) and CUDA memory can be shared",
-					tn, type);
-			Py_XDECREF(tn);
 			return NULL;
 		}
 		cuda = type == kDLCUDA;
@@ -212,12 +220,11 @@ static int take_capsule(struct ipc_taken *tk, PyObject *cap, const DLDataType *a
 		src = &tk->versioned->dl_tensor;
 		tk->v.flags = tk->versioned->flags;
 		if (tk->versioned->version.major != DLPACK_MAJOR_VERSION) {
-			PyErr_Format(
-				PyExc_BufferError,
-				"cannot publish a DLPack %u.%u tensor: only major version %d is "
-				"understood",
-				tk->versioned->version.major, tk->versioned->version.minor,
-				DLPACK_MAJOR_VERSION);
+			PyErr_Format(PyExc_BufferError,
+				     "a DLPack %u.%u tensor: only major version %d "
+				     "is understood",
+				     tk->versioned->version.major, tk->versioned->version.minor,
+				     DLPACK_MAJOR_VERSION);
 			Py_DECREF(cap);
 			return -1;
 		}
@@ -234,7 +241,7 @@ static int take_capsule(struct ipc_taken *tk, PyObject *cap, const DLDataType *a
 			  : PyType_GetQualName(Py_TYPE(cap));
 		if (tn)
 			PyErr_Format(PyExc_BufferError,
-				     "cannot publish: expected an unused DLPack capsule "
+				     "expected an unused DLPack capsule "
 				     "(\"dltensor\" or \"dltensor_versioned\"), got %s%U",
 				     name ? "" : "a ", tn);
 		Py_XDECREF(tn);
@@ -246,9 +253,8 @@ static int take_capsule(struct ipc_taken *tk, PyObject *cap, const DLDataType *a
 	t = *src;
 	if (as) {
 		if (as->bits != t.dtype.bits || t.dtype.lanes != 1) {
-			PyErr_SetString(PyExc_BufferError,
-					"cannot publish: the producer's stand-in has another "
-					"element size");
+			PyErr_SetString(PyExc_BufferError, "the producer's stand-in has another "
+							   "element size");
 			return -1;
 		}
 		t.dtype = *as;
@@ -569,7 +575,7 @@ static int take_object(struct ipc_taken *tk, PyObject *obj, bool ask)
 		r = take_stand_in(tk, obj);
 		if (r == 0)
 			PyErr_SetString(PyExc_BufferError,
-					"cannot publish a torch tensor with its negative bit set "
+					"a torch tensor with its negative bit set "
 					"(call resolve_neg() first)");
 		return r > 0 ? 0 : -1;
 	}
@@ -592,7 +598,7 @@ static int take_object(struct ipc_taken *tk, PyObject *obj, bool ask)
 
 		if (tn)
 			PyErr_Format(why_type,
-				     "cannot publish this %U through the buffer protocol: %U", tn,
+				     "cannot take this %U through the buffer protocol: %U", tn,
 				     why);
 		Py_XDECREF(tn);
 		r = -1;
@@ -622,8 +628,7 @@ struct ipc_taken *ipc_take(PyObject *obj)
 		TensorObject *t = (TensorObject *)obj;
 
 		if (!t->t) {
-			PyErr_SetString(PyExc_BufferError,
-					"cannot publish a released SharedTensor");
+			PyErr_SetString(PyExc_BufferError, "the SharedTensor was released");
 			PyMem_Free(tk);
 			return NULL;
 		}

@@ -166,10 +166,10 @@ def test_bundle_errors_name_the_key(ipc, daemon):
         ipc.publish_dict("b", {"ok": torch.zeros(2), "deep.weight": deep})
     assert (f"cannot publish 'b': tensor 'deep.weight' has {dlpack_ipc.NDIM_MAX + 1} "
             "dimensions") in str(ei.value)
-    with pytest.raises(ValueError, match="the tensor has"):
+    with pytest.raises(ValueError, match="cannot publish 'one': the tensor has"):
         ipc.publish("one", deep)
-    with pytest.raises(TypeError, match="cannot publish 'b': tensor 'l': cannot publish an "
-                                        "object of type list"):
+    with pytest.raises(TypeError, match="cannot publish 'b': tensor 'l': an object of type "
+                                        "list has no __dlpack__"):
         ipc.publish_dict("b", {"ok": torch.zeros(2), "l": [1.0]})
     with pytest.raises(TypeError, match=r"keys must be str, not int \(key 7\)"):
         ipc.publish_dict("b", {"ok": torch.zeros(2), 7: torch.zeros(2)})
@@ -259,7 +259,8 @@ def test_unpublishable_objects_read_as_english(ipc, obj):
     with pytest.raises(TypeError) as ei:
         ipc.publish("x", obj)
     msg = str(ei.value)
-    assert msg.startswith(f"cannot publish an object of type {type(obj).__qualname__}: "), msg
+    assert msg == (f"cannot publish 'x': an object of type {type(obj).__qualname__} has no "
+                   "__dlpack__ method and is not a DLPack capsule"), msg
     for wrong in ("a int", "a object", "a float", "a str", "a NoneType", "a list"):
         assert wrong not in msg, msg
 
@@ -288,3 +289,76 @@ def test_another_uids_name_does_not_suggest_replace(ipc, daemon, py):
         assert "theirs" in ln, ln
         assert "replace=True" not in ln and "REPLACE" not in ln, ln
     np.testing.assert_array_equal(np.from_dlpack(ipc.attach("theirs", timeout=0)), 0.0)
+
+
+class _Producer:
+    """Exports a numpy array, on the device it is told to claim; or refuses with the error given."""
+
+    def __init__(self, device=(1, 0), refusal=None):
+        self.device, self.refusal = device, refusal
+
+    def __dlpack__(self, **kw):
+        if self.refusal:
+            raise self.refusal
+        return np.zeros(2).__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.device
+
+
+def test_one_tensor_errors_name_the_entry(ipc, daemon):
+    """publish() and a channel's send() of one tensor name the entry (the channel), as
+    publish_dict() names it and the key; a __dlpack_device__() that returns no (type, id) pair
+    is named with what it returned."""
+    with pytest.raises(BufferError) as ei:
+        ipc.publish("one", _Producer(refusal=BufferError("not exportable today")))
+    assert str(ei.value) == "cannot publish 'one': not exportable today"
+    with pytest.raises(BufferError) as ei:
+        ipc.publish_dict("b", {"w": _Producer(refusal=BufferError("not exportable today"))})
+    assert str(ei.value) == "cannot publish 'b': tensor 'w': not exportable today"
+    with pytest.raises(TypeError) as ei:
+        ipc.publish("one", _Producer("cpu"))
+    assert str(ei.value) == ("cannot publish 'one': _Producer.__dlpack_device__() returned "
+                             "'cpu', not a (device type, device id) pair of ints")
+    for device in ((1,), ("1", 0), None):
+        with pytest.raises(TypeError, match=r"__dlpack_device__\(\) returned"):
+            ipc.publish("one", _Producer(device))
+    for device, shown in (((99, 0), "99"), ((2**80, 0), str(2**80)), ((-1, 0), "-1")):
+        with pytest.raises(BufferError) as ei:
+            ipc.publish("one", _Producer(device))
+        assert str(ei.value) == (f"cannot publish 'one': a tensor of type _Producer on DLPack "
+                                 f"device type {shown}: only host (CPU) and CUDA memory can be "
+                                 "shared")
+    ch = ipc.channel("errs/one", direct=False)
+    with pytest.raises(BufferError) as ei:
+        ch.send(_Producer((99, 0)))
+    assert str(ei.value).startswith("cannot send to channel 'errs/one': a tensor of type "
+                                    "_Producer on DLPack device type 99"), str(ei.value)
+    assert ch.stat().depth == 0
+    ch.remove()
+    # the producer's own exception of another type goes through as it is
+    with pytest.raises(KeyError):
+        ipc.publish("one", _Producer(refusal=KeyError("k")))
+    # a claim of the host that is true publishes
+    assert ipc.publish("one", _Producer()) == 1
+    np.testing.assert_array_equal(np.from_dlpack(ipc.attach("one")), 0.0)
+    assert daemon.stat()["protocol_errors"] == 0
+
+
+def test_client_init_again(daemon):
+    """__init__() on a connected Client is refused and leaves its connection as it was; on a
+    closed one it connects anew, where that call says."""
+    c = dlpack_ipc.Client(socket=daemon.socket)
+    c.publish("init/x", np.ones(2))
+    with pytest.raises(RuntimeError, match="connected already"):
+        c.__init__(socket="/nonexistent/dlpackd.sock")
+    np.testing.assert_array_equal(np.from_dlpack(c.attach("init/x")), 1.0)
+    c.close()
+    with pytest.raises(ValueError, match="closed"):
+        c.attach("init/x")
+    with pytest.raises(FileNotFoundError, match="/nonexistent/dlpackd.sock"):
+        c.__init__(socket="/nonexistent/dlpackd.sock")
+    c.__init__(socket=daemon.socket)
+    np.testing.assert_array_equal(np.from_dlpack(c.attach("init/x")), 1.0)
+    c.unpublish("init/x")
+    c.close()
