@@ -204,34 +204,67 @@ void dlpc__client_unref(dlpc_client *c)
 		dlpc__loop_wake();
 }
 
-void dlpc__client_unref_looked(dlpc_client *c)
+/* Drop a reference on @p c unless it is the last; whether it was dropped. */
+static bool unref_unless_last(dlpc_client *c)
 {
-	pthread_mutex_lock(&open_mu);
-	c->turn_held = false;
-	if (c->close_wait) {
-		/* never the last reference: dlpc_close() holds one while it waits */
+	unsigned n = atomic_load_explicit(&c->refs, memory_order_relaxed);
+
+	while (n > 1)
+		if (atomic_compare_exchange_weak_explicit(&c->refs, &n, n - 1, memory_order_acq_rel,
+							  memory_order_relaxed))
+			return true;
+	return false;
+}
+
+void dlpc__client_unref_looked(dlpc_client *c, bool turn)
+{
+	bool dropped;
+
+	if (!turn) {
 		(void)unref(c);
-		pthread_cond_broadcast(&turn_cv);
-		pthread_mutex_unlock(&open_mu);
 		return;
 	}
+	/* the turn's hold and its reference go together, under the lock under which
+	 * dlpc__client_unref_closed() reads both: it either waits for them or finds them gone */
+	pthread_mutex_lock(&open_mu);
+	c->turn_held = false;
+	dropped = unref_unless_last(c);
+	/* (dropped when it waits: it holds a reference of its own) */
+	if (dropped && c->close_wait)
+		pthread_cond_broadcast(&turn_cv);
 	pthread_mutex_unlock(&open_mu);
-	(void)unref(c);
+	if (!dropped)
+		(void)unref(c);
 }
 
 void dlpc__client_unref_closed(dlpc_client *c)
 {
+	bool dropped, room;
+
 	pthread_mutex_lock(&open_mu);
 	/* the handle's reference and the turn's only: no call, tensor or reclaim holds it, and
-	 * none can start now; the thread, once woken, lets go within its turn */
+	 * none can start now; the thread, once woken, lets go within its turn (which runs no
+	 * deleter of the user's: serve.c) */
 	if (c->turn_held && atomic_load(&c->refs) == 2 && !dlpc__loop_is_self()) {
 		c->close_wait = true;
 		dlpc__loop_wake();
 		while (c->turn_held)
 			pthread_cond_wait(&turn_cv, &open_mu);
+		/* a reference taken meanwhile (a call begun against the rules) keeps it
+		 * served */
+		c->close_wait = false;
 	}
+	/* Under the lock, as the turns take theirs: another holder frees it, later; if the
+	 * handle's is the last, no turn may take one before it goes, below. */
+	room = atomic_load(&c->await_room);
+	dropped = unref_unless_last(c);
+	if (!dropped)
+		c->close_wait = true;
 	pthread_mutex_unlock(&open_mu);
-	dlpc__client_unref(c);
+	if (!dropped)
+		dlpc__client_unref(c);
+	else if (room)
+		dlpc__loop_wake(); /* as dlpc__client_unref() would: the thread may let go now */
 }
 
 /* Take a reference on @p c unless its last one is already gone (it is being freed). */
@@ -246,14 +279,14 @@ static bool client_tryref(dlpc_client *c)
 	return false;
 }
 
-size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
+size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap, bool turn)
 {
 	size_t n = 0;
 
 	pthread_mutex_lock(&open_mu);
 	for (dlpc_client *c = open_clients; c; c = c->next_open) {
 		/* dlpc_close() waits for the turn before to let go of it */
-		if (!dlpc__ours(c) || c->close_wait)
+		if (!dlpc__ours(c) || (turn ? c->close_wait : !atomic_load(&c->reclaimer)))
 			continue;
 		if (n == *cap) {
 			size_t ncap = *cap ? *cap * 2 : 8;
@@ -265,7 +298,7 @@ size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap)
 			*cap = ncap;
 		}
 		if (client_tryref(c)) {
-			c->turn_held = true;
+			c->turn_held = c->turn_held || turn;
 			(*buf)[n++] = c;
 		}
 	}

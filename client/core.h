@@ -77,11 +77,11 @@ struct dlpc_client {
 	unsigned ipc_pubs; /* of this connection (c->conn_seq): counted as their PUBLISH goes out */
 	uint64_t *reclaimed;
 	size_t nreclaimed, reclaimed_cap;
-	bool reclaimer;
-	int wake_fd;	    /* eventfd that ends the reader's wait for the socket (dlpc_close) */
-	char fatal[256];    /* the daemon's last word (an ERROR with id 0), if any */
-	int fatal_code;	    /* and its errno, positive */
-	struct dlpc__rx rx; /* used only by the current reader */
+	atomic_bool reclaimer; /* (also read without mu: dlpc__clients_ref()) */
+	int wake_fd;	       /* eventfd that ends the reader's wait for the socket (dlpc_close) */
+	char fatal[256];       /* the daemon's last word (an ERROR with id 0), if any */
+	int fatal_code;	       /* and its errno, positive */
+	struct dlpc__rx rx;    /* used only by the current reader */
 
 	pthread_mutex_t wmu; /* serializes writes; protects out */
 	struct dlpc__scratch out;
@@ -112,7 +112,8 @@ struct dlpc_client {
 	struct dlpc_client *next_open; /* in the list of open clients (conn.c) */
 	/* Under that list's lock: the library's thread holds a reference for its turn
 	 * (dlpc__clients_ref()); dlpc_close() waits for that turn to let go (no later turn
-	 * takes one), so that the connection is closed when it returns if nothing else holds it */
+	 * takes one), so that the connection is closed when it returns if nothing else holds it.
+	 * The list's lock comes before the loop's (loop.c), never the other way. */
 	bool turn_held, close_wait;
 
 	/* DLPC_CONNECT_RECONNECT: a call that finds the connection lost connects anew first
@@ -159,9 +160,10 @@ int dlpc__client_new(int64_t timeout, dlpc_client **ret);
 void dlpc__client_adopt(dlpc_client *c, dlpc_client *n);
 void dlpc__client_ref(dlpc_client *c);
 void dlpc__client_unref(dlpc_client *c);
-/* dlpc__client_unref() by the library's thread, of the references it took itself: no wake-up
- * of that thread (which is about to look again anyway). */
-void dlpc__client_unref_looked(dlpc_client *c);
+/* dlpc__client_unref() by the library's thread, of the references it took itself
+ * (dlpc__clients_ref(), @p turn as it was taken): no wake-up of that thread (which is about to
+ * look again anyway). */
+void dlpc__client_unref_looked(dlpc_client *c, bool turn);
 /* dlpc__client_unref() of the user's handle by dlpc_close(): when only the library's thread's
  * turn holds @p c besides, wait for the turn to let go first, so that @p c is freed (its
  * connection closed) before this returns. */
@@ -170,8 +172,12 @@ void dlpc__client_unref_closed(dlpc_client *c);
 void dlpc__list_lock(void);
 void dlpc__list_unlock(void);
 /* Every open client of this process, each referenced (unref each), into *@p buf of *@p cap
- * (grown as needed; the caller's to keep or free). Their number. */
-size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap);
+ * (grown as needed; the caller's to keep or free). Their number. With @p turn, the references
+ * are the library's thread's turn's, which dlpc_close() waits for: taken only for work that
+ * never waits for the user's code, and not of a client dlpc_close() waits for. Without, only
+ * the clients whose reclaims the thread serves (their connections stay open anyway): for the
+ * deleters of reclaimed publications, the user's code. */
+size_t dlpc__clients_ref(dlpc_client ***buf, size_t *cap, bool turn);
 /* Count a legacy CUDA IPC publication of @p c's connection @p conn_seq until its RECLAIM notice
  * (or, with -1, take a failed one back); nothing once @p c has connected anew since: the count
  * went with that connection. */

@@ -179,13 +179,19 @@ static void ready(dlpc_client *c, short events, short revents)
 /* One turn: what is due now, then wait for the sockets, the wake-up or the next deadline. */
 static void turn(void)
 {
-	size_t n = dlpc__clients_ref(&v, &cap), np, nready;
+	size_t n = dlpc__clients_ref(&v, &cap, false), np, nready;
 	bool flush, busy;
 	int timeout;
 
-	/* reclaims first: they may have been delivered by any reader since the last turn */
+	/* reclaims first: they may have been delivered by any reader since the last turn. Their
+	 * deleters are the user's code, which may wait for a thread in dlpc_close(): the clients
+	 * that have reclaims are held for them by references that dlpc_close() does not wait
+	 * for, and no other client is held meanwhile. */
 	for (size_t i = 0; i < n; i++)
 		reclaim(v[i]);
+	for (size_t i = 0; i < n; i++)
+		dlpc__client_unref_looked(v[i], false);
+	n = dlpc__clients_ref(&v, &cap, true);
 	timeout = sweep_due(n, &flush);
 	/* a client whose write is under way (a call's, maybe stuck on a daemon that does not read)
 	 * has its writer send them: the thread goes on serving the others */
@@ -203,14 +209,14 @@ static void turn(void)
 		for (size_t k = 1; k < np; k++)
 			polled = polled || owner[k] == v[i];
 		if (!polled)
-			dlpc__client_unref_looked(v[i]);
+			dlpc__client_unref_looked(v[i], true);
 	}
 	nready = dlpc__loop_wait(p, np, timeout);
 	for (size_t i = 1; i < nready; i++)
 		ready(owner[i], p[i].events, p[i].revents);
 	dlpc__loop_looked();
 	for (size_t i = 1; i < np; i++)
-		dlpc__client_unref_looked(owner[i]);
+		dlpc__client_unref_looked(owner[i], true);
 }
 
 void dlpc__reclaim_start(dlpc_client *c)

@@ -395,9 +395,11 @@ DLPC_EXPORT const char *dlpc_socket_path(const dlpc_client *c);
 /**
  * Give up the caller's handle, sending the releases still deferred. The connection itself stays
  * open until the last tensor attached through it has been released, so outstanding deleters keep
- * working, and until the last CUDA tensor published through it by legacy IPC has been reclaimed
- * (see dlpc_publish()). With none left, and no call of another thread's still under way on it, it
- * is closed by the time this returns. Accepts NULL.
+ * working, and until the last CUDA tensor published through it by legacy IPC, or lent by its VMM
+ * fd, has been given back (see dlpc_publish()). With none left, and no call of another thread's
+ * still under way on it, it is closed by the time this returns: this may wait, briefly, for the
+ * library's thread to let go of it (never for a deleter the thread runs). Called from such a
+ * deleter, it returns at once and the connection closes right after. Accepts NULL.
  *
  * May be called while other threads are blocked in calls on @p c (a waiting attach, or any
  * request dlpackd has not answered yet): each of them returns -ECANCELED at once (one whose

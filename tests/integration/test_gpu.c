@@ -522,6 +522,61 @@ START_TEST(ipc_reclaim_idle_publisher)
 }
 END_TEST
 
+/* The deleter below waits at this gate, which the process's main thread holds meanwhile. */
+static pthread_mutex_t deleter_gate = PTHREAD_MUTEX_INITIALIZER;
+static int gate_reached[2];
+
+static void gated_deleter(DLManagedTensorVersioned *t)
+{
+	if (write(gate_reached[1], "G", 1) != 1)
+		abort();
+	pthread_mutex_lock(&deleter_gate);
+	pthread_mutex_unlock(&deleter_gate);
+	free(t);
+}
+
+/* A publisher whose reclaimed tensor's deleter, run on the library's thread, waits for a lock
+ * its main thread holds while it closes another, idle client: the close returns, without
+ * waiting for that deleter (it used to wait for the library's thread to let go of the client,
+ * which it did only after the deleter: neither went on). SIGALRM ends a hang. */
+static int close_while_a_deleter_waits(void *arg)
+{
+	dlpc_client *a, *b;
+	DLManagedTensorVersioned *t;
+	CUdeviceptr base;
+	char x;
+
+	(void)arg;
+	signal(SIGALRM, SIG_DFL);
+	alarm(10);
+	CHILD_CHECK(pipe2(gate_reached, O_CLOEXEC) == 0);
+	CHILD_CHECK(dlpc_connect(D.sock, &a) == 0);
+	CHILD_CHECK(dlpc_connect(D.sock, &b) == 0);
+	CHILD_CHECK(cuInit(0) == CUDA_SUCCESS);
+	CHILD_CHECK(cuMemAlloc(&base, ALLOC_BYTES) == CUDA_SUCCESS);
+	t = dev_tensor(base, NELEM, -1);
+	t->deleter = gated_deleter;
+	pthread_mutex_lock(&deleter_gate);
+	CHILD_CHECK(dlpc_publish(a, "gpu/gated", t, 0) == 1);
+	CHILD_CHECK(dlpc_unpublish(a, "gpu/gated") == 0);
+	/* the deleter runs on the library's thread, and waits */
+	CHILD_CHECK(read(gate_reached[0], &x, 1) == 1);
+	dlpc_close(b);
+	pthread_mutex_unlock(&deleter_gate);
+	dlpc_close(a);
+	return 0;
+}
+
+START_TEST(ipc_close_while_a_deleter_waits)
+{
+	int st = wait_child(spawn(close_while_a_deleter_waits, NULL));
+
+	ck_assert_msg(st == 0, "the publisher %s",
+		      st == 128 + SIGALRM ? "hung closing a client while a deleter waited"
+					  : "failed");
+}
+END_TEST
+
 START_TEST(ipc_reclaim_on_replace_unreferenced)
 {
 	struct publisher p = {.names = {"gpu/q", NULL}};
@@ -2610,6 +2665,7 @@ static Suite *gpu_suite(void)
 		{"ipc_import_cache", ipc_import_cache},
 		{"ipc_reclaim", ipc_reclaim_idle_publisher},
 		{"ipc_reclaim_replace", ipc_reclaim_on_replace_unreferenced},
+		{"ipc_close_while_a_deleter_waits", ipc_close_while_a_deleter_waits},
 		{"ipc_publisher_killed", ipc_publisher_killed},
 		{"ipc_lying_publisher", ipc_lying_publisher},
 		{"reclaim_batches", reclaim_batches},
