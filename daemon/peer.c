@@ -8,10 +8,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/sockios.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include "closer.h"
 #include "mem.h"
@@ -267,12 +269,74 @@ void dlpd_peer_drains_stop(struct dlpd_server *s)
 	uv_close((uv_handle_t *)&s->drain_timer, NULL);
 }
 
+/* Has process @p pid exited (gone, or a zombie)? false when that cannot be told. */
+static bool process_gone(pid_t pid)
+{
+	char path[64], buf[256], *close_paren;
+	ssize_t n;
+	int fd;
+
+	if (pid <= 0)
+		return false;
+	if (kill(pid, 0) < 0 && errno == ESRCH)
+		return true;
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return false;
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return false;
+	buf[n] = '\0';
+	/* "pid (comm) S ...": comm may hold anything, the state follows its last ')' */
+	close_paren = strrchr(buf, ')');
+	return close_paren && close_paren[1] == ' ' &&
+	       (close_paren[2] == 'Z' || close_paren[2] == 'X');
+}
+
+/*
+ * Is waiting connection @p p's client gone for good? Its process has exited, and nothing of
+ * what it was sent has been taken for --frame-timeout-ms. Its end of the socket lives on all
+ * the same when something else holds it; where that is the daemon itself (the client sent its
+ * own end on this connection, and it waits unread in the receive queue that the daemon does
+ * not read while the connection waits), nothing would ever end it. Closed, the connection's
+ * socket is kept and that queue read out (dlpd_peer_drain_start()): the client's end goes, and
+ * what was in flight in it with it. (A process that handed its end to another that still
+ * reads is not stalled: whatever that one takes restarts the clock.)
+ */
+static bool unread_orphaned(struct dlpd_peer *p)
+{
+	uint64_t now = uv_now(p->srv->loop);
+	int q;
+
+	if (ioctl(p->fd, SIOCOUTQ, &q) < 0 || !p->unread_still_since || q != p->unread_q) {
+		p->unread_q = q;
+		p->unread_still_since = now;
+		return false;
+	}
+	return now - p->unread_still_since >= p->srv->lim.frame_timeout_ms && process_gone(p->pid);
+}
+
 /* Look again whether @p t's connection may be sent its waiting frames: as if it polled
  * writable (dispatch.c flushes, then serves it if nothing is left waiting). */
 static void unread_again(uv_timer_t *t)
 {
 	struct dlpd_peer *p = t->data;
 	uint64_t sent = p->tx.fds_sent;
+
+	if (unread_orphaned(p)) {
+		dlpd_peer_fail(p, LOG_NOTICE,
+			       "its process is gone, yet its socket stays open and has taken "
+			       "nothing it was sent for %llu ms (--frame-timeout-ms); closed",
+			       (unsigned long long)p->srv->lim.frame_timeout_ms);
+		return;
+	}
+	if (p->unread_writes) {
+		/* polled for room meanwhile: only the look above, now and then */
+		uv_timer_start(t, unread_again, UNREAD_WAIT_MAX_MS, 0);
+		return;
+	}
 
 	/* later and later while nothing goes out, soon again while its frames do (its client
 	 * reads): the flush below restarts this timer if frames still wait */
@@ -289,25 +353,36 @@ void dlpd_peer_update_events(struct dlpd_peer *p)
 {
 	int events = 0;
 
-	bool waits = false;
+	bool waits = false, writes = false;
 
-	if (p->broken || p->state == DLPD_CONN_MARKED)
+	if (p->broken || p->state == DLPD_CONN_MARKED) {
 		events = 0;
-	else if (dlpc__tx_held(&p->tx) && p->state == DLPD_CONN_SERVING)
+	} else if (dlpc__tx_held(&p->tx) && p->state == DLPD_CONN_SERVING) {
 		/* its fds in flight wait for it to read (above): the socket has room, and
 		 * polling it for room would never wait */
 		waits = true;
-	else if (p->tx.head)
-		/* backpressure: nothing is read while replies wait (see dispatch.c) */
+	} else if (p->tx.head) {
+		/* backpressure: nothing is read while replies wait (see dispatch.c); its
+		 * client may be gone for good all the same (unread_orphaned()) */
 		events = UV_WRITABLE;
-	else if (!dlpd_peer_marked(p) && !p->hup)
+		writes = true;
+	} else if (!dlpd_peer_marked(p) && !p->hup) {
 		events = UV_READABLE | UV_DISCONNECT;
-	if (waits && !uv_is_active((uv_handle_t *)&p->unread_timer)) {
-		p->unread_wait_ms = p->unread_wait_ms ? p->unread_wait_ms : UNREAD_WAIT_MIN_MS;
-		uv_timer_start(&p->unread_timer, unread_again, p->unread_wait_ms, 0);
-	} else if (!waits) {
+	}
+	/* from polling for room to waiting: the first look comes soon, not a while later */
+	if (waits && p->unread_writes)
+		uv_timer_stop(&p->unread_timer);
+	p->unread_writes = writes;
+	if ((waits || writes) && !uv_is_active((uv_handle_t *)&p->unread_timer)) {
+		if (waits)
+			p->unread_wait_ms =
+				p->unread_wait_ms ? p->unread_wait_ms : UNREAD_WAIT_MIN_MS;
+		uv_timer_start(&p->unread_timer, unread_again,
+			       waits ? p->unread_wait_ms : UNREAD_WAIT_MAX_MS, 0);
+	} else if (!waits && !writes) {
 		uv_timer_stop(&p->unread_timer);
 		p->unread_wait_ms = 0;
+		p->unread_still_since = 0;
 	}
 	if (events == p->events)
 		return;

@@ -160,6 +160,11 @@ struct dlpd_peer {
 	uint64_t unread_counted; /* tx.fds_sent when counted */
 	uv_timer_t unread_timer;
 	unsigned unread_wait_ms;
+	/* while it waits: its socket's send queue (SIOCOUTQ) at the last look, and the loop time
+	 * (ms) since which that has not changed (0: not waiting) */
+	int unread_q;
+	uint64_t unread_still_since;
+	bool unread_writes;	  /* the timer runs only for that look: it is polled for room */
 	struct dlpd_drain *drain; /* destroyed with fds in flight: its socket is kept (peer.c) */
 	struct dlpc__tx tx;
 	struct dlpd_holdings held; /* references, ephemeral entries, waiting attaches */

@@ -914,6 +914,93 @@ START_TEST(unread_replies_hold_a_share_of_fds_in_flight)
 }
 END_TEST
 
+static bool one_connection(const dlpc_stats *s, void *arg)
+{
+	(void)arg;
+	return s->connections == 1;
+}
+
+/* As nobody: one connection sending UNREAD_ASKED ATTACHes of root's "shared" while its socket
+ * takes them, reading nothing, then its own end of that socket (with a byte), and it exits. Says
+ * how many ATTACHes it sent. */
+static int nobody_sends_its_end(void *arg)
+{
+	Dlpackd__V1__Attach a = DLPACKD__V1__ATTACH__INIT;
+	struct unfinished *u = arg;
+	struct dlpc__scratch s = {0};
+	int sock, asked;
+	char msg[512], byte = 0, *all;
+	ssize_t len, sent;
+
+	become_nobody();
+	a.name.data = (uint8_t *)"shared";
+	a.name.len = strlen("shared");
+	len = dlpc__msg_frame(&s, DLPC_MSG_ATTACH, 1, &a.base, 0);
+	CHILD_CHECK(len > 0);
+	sock = hello(D.sock, msg, sizeof(msg));
+	CHILD_CHECK(sock >= 0);
+	/* in one write: each write takes room in the socket's buffer of its own, and the daemon
+	 * soon reads no more of it */
+	all = malloc((size_t)len * UNREAD_ASKED);
+	CHILD_CHECK(all != NULL);
+	for (int i = 0; i < UNREAD_ASKED; i++)
+		memcpy(all + i * len, s.p, (size_t)len);
+	dlpc__scratch_clear(&s);
+	sent = send(sock, all, (size_t)len * UNREAD_ASKED, MSG_DONTWAIT | MSG_NOSIGNAL);
+	free(all);
+	CHILD_CHECK(sent > 0);
+	asked = (int)(sent / len);
+	usleep(300 * 1000); /* the daemon has written what it would */
+	CHILD_CHECK(send_fds_raw(sock, &byte, 1, &sock, 1) == 1);
+	CHILD_CHECK(write(u->ready[1], &asked, sizeof(asked)) == sizeof(asked));
+	return 0;
+}
+
+/*
+ * A client that sends its own end of its connection on it, leaves replies unread, and exits:
+ * its end lives on in the daemon's receive queue of that connection, which the daemon does not
+ * read while replies wait, so the connection never ends by itself (it used to stay, charged to
+ * the uid with every fd in flight, until the daemon stopped). Once nothing it was sent has been
+ * taken for the frame timeout and its process is gone, the daemon closes it, and every fd goes.
+ * Loop 0: its replies wait for room in its socket (dlpackd as root, a large fd budget); loop 1:
+ * for its uid's share of fds in flight (as a service user, RLIMIT_NOFILE 1024).
+ */
+START_TEST(a_gone_client_that_sent_its_own_end_is_closed)
+{
+	const char *args[] = {"--frame-timeout-ms", "1000", NULL};
+	struct daemon_opts o = {
+		.args = args, .nofile = _i ? UNREAD_NOFILE : 0, .uid = _i ? SERVICE_UID : 0};
+	DLManagedTensorVersioned *t;
+	struct unfinished u = {.shut = 0};
+	int base, asked;
+	dlpc_client *c;
+	pid_t pid;
+
+	daemon_start_with(&D, &o);
+	started = true;
+	daemon_open_for_others(&D);
+	c = connect_or_die(&D);
+	ck_assert_int_eq(publish(c, "shared"), 1);
+	base = fd_count(D.pid);
+	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
+	pid = spawn(nobody_sends_its_end, &u);
+	ck_assert_int_eq(read(u.ready[0], &asked, sizeof(asked)), sizeof(asked));
+	ck_assert_int_eq(wait_child(pid), 0);
+	close(u.ready[0]);
+	close(u.ready[1]);
+	ck_assert_int_gt(asked, 300);
+	/* nobody's connection and the replies in flight to it are gone within a few seconds */
+	ck_assert_msg(wait_stat(c, one_connection, NULL, scaled_ms(10000)),
+		      "nobody's connection is still open");
+	ck_assert(log_has(D.log, "its process is gone, yet its socket stays open"));
+	ck_assert(wait_stat(c, nothing_closing, NULL, scaled_ms(5000)));
+	daemon_fds_back(base, 0);
+	ck_assert_dlpc(dlpc_attach(c, "shared", NULL, &t), 1);
+	t->deleter(t);
+	dlpc_close(c);
+}
+END_TEST
+
 /* Fds sent before HELLO, which carries none: a violation at once, not at the frame timeout. */
 START_TEST(fds_before_hello_are_refused)
 {
@@ -1594,6 +1681,12 @@ int main(void)
 {
 	Suite *s = suite_create("closes");
 	TCase *linger = tcase_create("linger"), *fuse = tcase_create("fuse");
+	TCase *gone = tcase_create("gone");
+
+	tcase_add_checked_fixture(gone, NULL, teardown);
+	tcase_set_timeout(gone, 60);
+	tcase_add_loop_test(gone, a_gone_client_that_sent_its_own_end_is_closed, 0, 2);
+	suite_add_tcase(s, gone);
 
 	tcase_add_checked_fixture(linger, NULL, teardown);
 	tcase_set_timeout(linger, 120);
