@@ -73,6 +73,13 @@ static void close_handles(struct dlpd_peer *p)
 	dlpd_closer_charge(was);
 	p->srv->tx_fds -= p->tx_fds;
 	p->tx_fds = 0;
+	/* a lingering one was its uid's until now (destroy()) */
+	if (p->usage) {
+		dlpd_mem_tx_account(p);
+		p->usage->lingering--;
+		dlpd_usage_put(&p->srv->reg, p->usage);
+		p->usage = NULL;
+	}
 	uv_close((uv_handle_t *)&p->poll, peer_closed);
 	uv_close((uv_handle_t *)&p->deadline, peer_closed);
 	uv_close((uv_handle_t *)&p->unread_timer, peer_closed);
@@ -119,19 +126,22 @@ static void destroy(struct dlpd_peer *p)
 	dlpd_peer_drain_keep(p);
 	p->usage->connections--;
 	p->usage->memory -= DLPD_CONNECTION_COST;
-	dlpd_usage_put(&s->reg, p->usage);
-	p->usage = NULL;
 	uv_timer_stop(&p->deadline);
-	/* it lingers to deliver its last ERROR, not replies with fds: their copies would be held
-	 * for a second charged to no uid (its usage is gone), and a client could reconnect and
-	 * do it again */
+	/* It lingers to deliver its last ERROR, not replies with fds (a client could reconnect
+	 * and do it again, and again). Its socket and what is queued in it stay its uid's
+	 * meanwhile, one of its fds and its pending bytes: a uid that makes connection after
+	 * connection linger holds its share at most. */
 	if (p->tx.head && !p->broken && !s->stopping && p->tx.nfds == 0) {
+		p->usage->lingering++;
+		dlpd_mem_tx_account(p);
 		p->state = DLPD_CONN_LINGERING;
 		dlpd_list_add_tail(&s->lingering, &p->fail_link);
 		dlpd_peer_update_events(p);
 		uv_timer_start(&p->deadline, linger_expired, DLPC_ERROR_LINGER_MS, 0);
 		return;
 	}
+	dlpd_usage_put(&s->reg, p->usage);
+	p->usage = NULL;
 	close_handles(p);
 }
 

@@ -232,7 +232,8 @@ void dlpd_mem_forget(struct dlpd_peer *p)
 	if (p->tx_charged)
 		dlpd_mem_uncharge(p->srv, p->usage, p->tx_charged);
 	p->tx_charged = 0;
-	/* what it has queued is no longer its uid's (it may linger a moment): the daemon's */
+	/* its queue's fds are no longer its uid's (a connection that lingers has none; its
+	 * queued bytes are charged again then: dispatch.c) */
 	if (p->usage)
 		p->usage->tx_fds -= p->tx_fds;
 }

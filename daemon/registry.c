@@ -479,7 +479,8 @@ struct dlpd_usage *dlpd_usage_get(struct dlpd_registry *r, uid_t uid)
 void dlpd_usage_put(struct dlpd_registry *r, struct dlpd_usage *u)
 {
 	if (!u || u->storages || u->entries || u->connections || u->pinned_bytes || u->pinned_fds ||
-	    u->memory || u->pending_bytes || u->closing || u->unread_fds || u->draining)
+	    u->memory || u->pending_bytes || u->closing || u->unread_fds || u->draining ||
+	    u->lingering)
 		return;
 	dlpd_hmap_remove(&r->uids, &u->node);
 	free(u);

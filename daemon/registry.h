@@ -45,6 +45,9 @@ struct dlpd_usage {
 	 * connections too, whose sockets are kept meanwhile: draining), and when they were last
 	 * all looked at (loop ms): a share of them at most (peer.c) */
 	uint64_t unread_fds, unread_looked, draining;
+	/* its closed connections' sockets kept open a moment for their last ERROR (dispatch.c),
+	 * what is queued in them still charged as its pending bytes */
+	uint64_t lingering;
 	bool store_warned; /* told once that it holds its share of the store */
 };
 
@@ -80,7 +83,7 @@ static inline uint64_t dlpd_record_cost(size_t wire_len, size_t ntensors)
 static inline uint64_t dlpd_uid_fds(const struct dlpd_usage *u)
 {
 	return u->storage_fds + u->pinned_fds + u->connections + u->channel_fds + u->closing +
-	       u->tx_fds + u->rx_fds + u->draining;
+	       u->tx_fds + u->rx_fds + u->draining + u->lingering;
 }
 
 /* The references one uid holds on one storage. */

@@ -416,10 +416,12 @@ START_TEST(test_error_outlives_full_socket)
 END_TEST
 
 /* A client that never reads its ERROR loses it after DLPC_ERROR_LINGER_MS, and the connection
- * goes. */
+ * goes; until then its socket and what is queued in it are charged to its uid (a uid could
+ * otherwise make connection after connection linger, charged to nobody). */
 START_TEST(test_linger_is_bounded)
 {
 	struct dlpc__rx rx;
+	struct dlpd_usage *u;
 	int fd, dend;
 
 	dlpc__rx_init(&rx);
@@ -429,11 +431,20 @@ START_TEST(test_linger_is_bounded)
 	put_empty(fd, 0x77, 7);
 	turn(10);
 	ck_assert(!dlpd_list_empty(&srv.lingering));
+	/* its socket, and the ERROR queued in it, are still its uid's: one fd, pending bytes */
+	u = dlpd_usage_find(&srv.reg, getuid());
+	ck_assert_ptr_nonnull(u);
+	ck_assert_uint_eq(u->connections, 0);
+	ck_assert_uint_eq(u->lingering, 1);
+	ck_assert_uint_eq(dlpd_uid_fds(u), 1);
+	ck_assert_uint_gt(u->pending_bytes, 0);
 	/* the linger timer is all that keeps the loop alive now */
 	for (int i = 0; i < 100 && srv.peers_closing > 0; i++)
 		uv_run(&loop, UV_RUN_ONCE);
 	ck_assert_uint_eq(srv.peers_closing, 0);
 	ck_assert(dlpd_list_empty(&srv.lingering));
+	/* and then nothing is: the uid's record goes with the last thing charged to it */
+	ck_assert_ptr_null(dlpd_usage_find(&srv.reg, getuid()));
 	dlpc__rx_clear(&rx);
 	close(fd);
 }
