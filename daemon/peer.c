@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/sockios.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -269,35 +270,34 @@ void dlpd_peer_drains_stop(struct dlpd_server *s)
 	uv_close((uv_handle_t *)&s->drain_timer, NULL);
 }
 
-/* Has process @p pid exited (gone, or a zombie)? false when that cannot be told. */
-static bool process_gone(pid_t pid)
-{
-	char path[64], buf[256], *close_paren;
-	ssize_t n;
-	int fd;
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77 /* Linux 6.5; Debian 12's headers lack it */
+#endif
 
-	if (pid <= 0)
-		return false;
-	if (kill(pid, 0) < 0 && errno == ESRCH)
-		return true;
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return false;
-	n = read(fd, buf, sizeof(buf) - 1);
-	close(fd);
-	if (n <= 0)
-		return false;
-	buf[n] = '\0';
-	/* "pid (comm) S ...": comm may hold anything, the state follows its last ')' */
-	close_paren = strrchr(buf, ')');
-	return close_paren && close_paren[1] == ' ' &&
-	       (close_paren[2] == 'Z' || close_paren[2] == 'X');
+/*
+ * Has the process that connected @p p exited, all of its threads? A pidfd of it (SO_PEERPIDFD)
+ * says so however its pid was reused and in whatever pid namespace (readable once the whole
+ * thread group is gone: a main thread that exited while others run is not). Where the kernel
+ * has none (before 6.5), or no fd is left for one, its pid says whether it was reaped.
+ */
+static bool peer_gone(const struct dlpd_peer *p)
+{
+	int pidfd = -1;
+	socklen_t len = sizeof(pidfd);
+
+	if (getsockopt(p->fd, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) == 0 && pidfd >= 0) {
+		struct pollfd pf = {.fd = pidfd, .events = POLLIN};
+		bool gone = poll(&pf, 1, 0) == 1;
+
+		close(pidfd);
+		return gone;
+	}
+	return p->pid > 0 && kill(p->pid, 0) < 0 && errno == ESRCH;
 }
 
 /*
  * Is waiting connection @p p's client gone for good? Its process has exited, and nothing of
- * what it was sent has been taken for --frame-timeout-ms. Its end of the socket lives on all
+ * what it was sent (something was) has been taken for --frame-timeout-ms. Its end of the socket lives on all
  * the same when something else holds it; where that is the daemon itself (the client sent its
  * own end on this connection, and it waits unread in the receive queue that the daemon does
  * not read while the connection waits), nothing would ever end it. Closed, the connection's
@@ -315,7 +315,8 @@ static bool unread_orphaned(struct dlpd_peer *p)
 		p->unread_still_since = now;
 		return false;
 	}
-	return now - p->unread_still_since >= p->srv->lim.frame_timeout_ms && process_gone(p->pid);
+	/* (one that was sent nothing unread waits for its uid's other connections) */
+	return q > 0 && now - p->unread_still_since >= p->srv->lim.frame_timeout_ms && peer_gone(p);
 }
 
 /* Look again whether @p t's connection may be sent its waiting frames: as if it polled
@@ -381,9 +382,11 @@ void dlpd_peer_update_events(struct dlpd_peer *p)
 			       waits ? p->unread_wait_ms : UNREAD_WAIT_MAX_MS, 0);
 	} else if (!waits && !writes) {
 		uv_timer_stop(&p->unread_timer);
-		p->unread_wait_ms = 0;
 		p->unread_still_since = 0;
 	}
+	/* the wait starts afresh, soon, each time it comes */
+	if (!waits)
+		p->unread_wait_ms = 0;
 	if (events == p->events)
 		return;
 	p->events = events;

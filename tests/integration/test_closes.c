@@ -920,9 +920,29 @@ static bool one_connection(const dlpc_stats *s, void *arg)
 	return s->connections == 1;
 }
 
+struct late_reader {
+	int sock, asked, ready;
+};
+
+/* After longer than the frame timeout, read what the connection was sent, and say how many
+ * fds that was; the process ends with this thread. */
+static void *read_late(void *arg)
+{
+	struct late_reader *r = arg;
+	int n, got = 0;
+
+	sleep(3);
+	while (got < r->asked && (n = fds_now(r->sock, 2000)) >= 0)
+		got += n;
+	if (write(r->ready, &got, sizeof(got)) != sizeof(got))
+		_exit(1);
+	_exit(0);
+}
+
 /* As nobody: one connection sending UNREAD_ASKED ATTACHes of root's "shared" while its socket
- * takes them, reading nothing, then its own end of that socket (with a byte), and it exits. Says
- * how many ATTACHes it sent. */
+ * takes them, reading nothing, and says how many it sent. Then (u->shut 0) its own end of that
+ * socket (with a byte), and it exits; or (1) its main thread exits while another, later, reads
+ * everything. */
 static int nobody_sends_its_end(void *arg)
 {
 	Dlpackd__V1__Attach a = DLPACKD__V1__ATTACH__INIT;
@@ -951,6 +971,15 @@ static int nobody_sends_its_end(void *arg)
 	CHILD_CHECK(sent > 0);
 	asked = (int)(sent / len);
 	usleep(300 * 1000); /* the daemon has written what it would */
+	if (u->shut) {
+		static struct late_reader r;
+		pthread_t th;
+
+		r = (struct late_reader){sock, asked, u->ready[1]};
+		CHILD_CHECK(write(u->ready[1], &asked, sizeof(asked)) == sizeof(asked));
+		CHILD_CHECK(pthread_create(&th, NULL, read_late, &r) == 0);
+		pthread_exit(NULL);
+	}
 	CHILD_CHECK(send_fds_raw(sock, &byte, 1, &sock, 1) == 1);
 	CHILD_CHECK(write(u->ready[1], &asked, sizeof(asked)) == sizeof(asked));
 	return 0;
@@ -997,6 +1026,35 @@ START_TEST(a_gone_client_that_sent_its_own_end_is_closed)
 	daemon_fds_back(base, 0);
 	ck_assert_dlpc(dlpc_attach(c, "shared", NULL, &t), 1);
 	t->deleter(t);
+	dlpc_close(c);
+}
+END_TEST
+
+/* Not a gone client: one whose main thread exited while another thread of its process reads
+ * later (longer than the frame timeout) is left alone, and gets every reply. */
+START_TEST(a_client_whose_main_thread_exited_is_not_gone)
+{
+	const char *args[] = {"--frame-timeout-ms", "1000", NULL};
+	struct daemon_opts o = {.args = args};
+	struct unfinished u = {.shut = 1};
+	int asked, got;
+	dlpc_client *c;
+	pid_t pid;
+
+	daemon_start_with(&D, &o);
+	started = true;
+	daemon_open_for_others(&D);
+	c = connect_or_die(&D);
+	ck_assert_int_eq(publish(c, "shared"), 1);
+	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
+	pid = spawn(nobody_sends_its_end, &u);
+	ck_assert_int_eq(read(u.ready[0], &asked, sizeof(asked)), sizeof(asked));
+	ck_assert_int_eq(read(u.ready[0], &got, sizeof(got)), sizeof(got));
+	ck_assert_int_eq(wait_child(pid), 0);
+	close(u.ready[0]);
+	close(u.ready[1]);
+	ck_assert_msg(got == asked, "%d of %d replies came", got, asked);
+	ck_assert(!log_has(D.log, "its process is gone"));
 	dlpc_close(c);
 }
 END_TEST
@@ -1686,6 +1744,7 @@ int main(void)
 	tcase_add_checked_fixture(gone, NULL, teardown);
 	tcase_set_timeout(gone, 60);
 	tcase_add_loop_test(gone, a_gone_client_that_sent_its_own_end_is_closed, 0, 2);
+	tcase_add_test(gone, a_client_whose_main_thread_exited_is_not_gone);
 	suite_add_tcase(s, gone);
 
 	tcase_add_checked_fixture(linger, NULL, teardown);
