@@ -1578,12 +1578,13 @@ static void publish_half_then_stop(struct stuck_publish *p, pthread_t *th, char 
 		p->ts[i]->deleter(p->ts[i]);
 	stopped_daemon = D.pid;
 	ck_assert_int_eq(sigaction(SIGALRM, &sa, NULL), 0);
-	alarm(30);
+	alarm((unsigned)(scaled_ms(30000) / 1000));
 	ck_assert_int_eq(kill(D.pid, SIGSTOP), 0);
 	ck_assert_int_eq(pthread_create(th, NULL, publish_stuck, p), 0);
-	/* its write never waits (the frame fits): in poll(), it waits for the reply */
+	/* its write never waits (the frame fits): in poll(), it waits for the reply (a machine
+	 * busy with other work may take seconds to get it there) */
 	for (int i = 0; !(atomic_load(&p->tid) && in_sendmsg(atomic_load(&p->tid))); i++) {
-		ck_assert_msg(i < 10000, "the publish never waited for its reply");
+		ck_assert_msg(i < scaled_ms(10000), "the publish never waited for its reply");
 		usleep(1000);
 	}
 }
