@@ -1316,9 +1316,9 @@ class Hosts:
                                                 stdin=subprocess.DEVNULL, env=env)
         return self.procs[name]
 
-    def start_bridge(self, name, *argv):
+    def start_bridge(self, name, *argv, env=None):
         sock = self.path(f"{name}.sock")
-        env = {**os.environ, "FAKE_NIXL_RESUBSCRIBE_MAX": str(RESUBSCRIBE_MAX)}
+        env = {**os.environ, "FAKE_NIXL_RESUBSCRIBE_MAX": str(RESUBSCRIBE_MAX), **(env or {})}
         p = self.start(name, [sys.executable, FAKE_NIXL, "--socket", sock, "--dlpackd-socket",
                               self.dlpackd_sock, "--token-file", self.token,
                               "--log-level", "debug", *argv], env)
@@ -1374,7 +1374,7 @@ class Hosts:
             if name in self.procs:
                 self.stop(name)
         if failed:
-            for name in ("A", "B", "dlpackd"):
+            for name in sorted(f[:-4] for f in os.listdir(self.tmp) if f.endswith(".log")):
                 if os.path.exists(self.path(f"{name}.log")):
                     print(f"--- {name}'s log (last lines)\n{self.log(name)}")
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -3230,3 +3230,83 @@ def test_the_names_written_are_bounded(monkeypatch, bridge_log):
     r.name_changed("e", True)
     assert r._names == {"b", "e"}
     assert sum("NAMES_MAX" in m for m in bridge_log.messages) == 1
+
+
+# -- strangers and misbehaving token holders: real bridges (NIXL faked) on a real dlpackd ------
+
+# H's limits (FAKE_NIXL_CONSTANTS), small enough for a test to reach; the others are the
+# bridge's own
+H_LIMITS = {}
+
+
+class Guarded(Hosts):
+    """One dlpackd and two exporting bridges (--export w/): "H" with H_LIMITS and a local socket
+    any uid may reach, and "S" with a lease TTL of 1 s whose WRITEs stay in progress until
+    the file self.gate exists (FAKE_NIXL_WRITE_GATE)."""
+
+    def __init__(self, dlpackd):
+        super().__init__(dlpackd)
+        os.chmod(self.tmp, 0o755)           # uids other than root reach H's socket
+        self.gate = self.path("write-gate")
+        self.start_bridge("H", "--listen", f"127.0.0.1:{self.port}", "--export", "w/",
+                          "--socket-mode", "0666",
+                          env={"FAKE_NIXL_CONSTANTS": json.dumps(H_LIMITS)})
+        self.sport = _free_port()
+        self.start_bridge("S", "--listen", f"127.0.0.1:{self.sport}", "--export", "w/",
+                          "--lease-ttl", "1", env={"FAKE_NIXL_WRITE_GATE": self.gate})
+
+
+@pytest.fixture(scope="module")
+def guarded(request):
+    dlpackd = os.environ.get("DLPACKD_BIN")
+    if not dlpackd or not os.access(dlpackd, os.X_OK):
+        pytest.fail(f"DLPACKD_BIN={dlpackd!r} is not the dlpackd binary (ctest sets it; by "
+                    "hand: DLPACKD_BIN=build/dlpackd)", pytrace=False)
+    h = Guarded(dlpackd)
+    failed_before = request.session.testsfailed
+    try:
+        yield h
+    finally:
+        h.close(request.session.testsfailed != failed_before)
+
+
+def _raw_peer(h, port, me, agent=None, source="127.0.0.1"):
+    """A peer connection to the bridge on port from source, authenticated as me, NIXL metadata
+    exchanged (agent: the fake agent it names, by default one of this process's, named me)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10,
+                                    source_address=(source, 0))
+    with open(h.token, "rb") as f:
+        token = f.read().strip()
+    _wire.auth_client(sock, token, me, "H")
+    assert _wire.recv(sock, time.monotonic() + 10)["op"] == "metadata"
+    agent = agent or f"fake/{os.getpid()}/{me}"
+    _wire.send(sock, {"op": "metadata", "metadata": base64.b64encode(agent.encode()).decode()})
+    return sock
+
+
+def _put(sock, layout, buf, agent):
+    """Send the put of layout's lease into the numpy array buf, this process's memory, as the
+    fake agent agent; the exporter's answer."""
+    _wire.send(sock, {"op": "put", "id": 2, "lease": layout["lease"],
+                      "metadata": base64.b64encode(f"partial:{agent}".encode()).decode(),
+                      "descs": [[buf.ctypes.data, buf.nbytes]]})
+    return _wire.recv(sock, time.monotonic() + 30)
+
+
+def _no_leases(h, name="H"):
+    _wait(lambda: h.status(name)["leases"] == 0, f"{name}'s leases of earlier tests ended")
+
+
+def _ends(sock, timeout):
+    """The error frames sock reads until the bridge closes it (AssertionError if it does not
+    within timeout seconds)."""
+    frames = []
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            frames.append(_wire.recv(sock, end))
+        except ConnectionError:
+            return frames
+        except TimeoutError:
+            raise AssertionError(f"the bridge kept the connection past {timeout:g} s "
+                                 f"({frames})") from None
