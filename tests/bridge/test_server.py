@@ -3310,3 +3310,32 @@ def _ends(sock, timeout):
         except TimeoutError:
             raise AssertionError(f"the bridge kept the connection past {timeout:g} s "
                                  f"({frames})") from None
+
+
+def test_a_lone_surrogate_is_refused_wherever_a_name_arrives(guarded):
+    """A name with an escaped lone surrogate ("w/\\ud800") in a get, stat, subscribe or
+    release, and in a local fetch: answered EPROTO naming it, the connection closed, no
+    traceback in the log; H serves on."""
+    h = guarded
+    for op in ("get", "stat", "subscribe", "release"):
+        sock = _raw_peer(h, h.port, f"surrogate-{op}")
+        try:
+            body = b'{"op":"%s","id":1,"name":"w/\\ud800","lease":"\\ud800"}' % op.encode()
+            sock.sendall(struct.pack(">I", len(body)) + body)
+            frames = _ends(sock, 30)
+        finally:
+            sock.close()
+        assert [(f["errno"], f["message"]) for f in frames] == [
+            ("EPROTO", "frame holds a lone UTF-16 surrogate (\\ud800-\\udfff): not Unicode "
+             "text")], (op, frames)
+    c = socket.socket(socket.AF_UNIX)
+    try:
+        c.connect(h.path("H.sock"))
+        body = b'{"op":"fetch","name":"A:w/\\ud800"}'
+        c.sendall(struct.pack(">I", len(body)) + body)
+        frames = _ends(c, 30)
+    finally:
+        c.close()
+    assert [f["errno"] for f in frames] == ["EPROTO"], frames
+    assert "Traceback" not in h.log("H", None)
+    assert h.status("H")["agent"]

@@ -316,3 +316,18 @@ def test_a_frame_error_cuts_what_the_peer_sent():
     assert len(text) < _wire.FRAME_ERROR_TEXT_MAX + 40
     assert text.startswith("unknown op 'xxx") and text.endswith(" characters)")
     assert str(_wire.FrameError("EPROTO", "short")) == "short"
+
+
+@pytest.mark.parametrize("name", ["w/\\ud800", "w/\\udfff-x", "\\ude00w/"])
+def test_a_lone_surrogate_is_a_protocol_error(pair, name):
+    """A name that escapes half of a UTF-16 surrogate pair is no Unicode text: EPROTO, naming
+    it. A whole pair, and an escaped backslash before "ud800", are text."""
+    a, b = pair
+    a.sendall(struct.pack(">I", len(name) + 22) + b'{"op":"get","name":"%s"}' % name.encode())
+    with pytest.raises(_wire.FrameError, match="lone UTF-16 surrogate") as e:
+        _wire.recv(b, time.monotonic() + 5)
+    assert e.value.errname == "EPROTO"
+    for text, parsed in ((b"w/\\ud83d\\ude00", "w/\U0001F600"), (b"w/\\\\ud800", "w/\\ud800")):
+        body = b'{"op":"get","name":"%s"}' % text
+        a.sendall(struct.pack(">I", len(body)) + body)
+        assert _wire.recv(b, time.monotonic() + 5)["name"] == parsed

@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import select
 import socket
 import struct
@@ -33,6 +34,9 @@ PROTOCOL_VERSION = 2
 TOKEN_MIN = 32
 
 _HEADER = struct.Struct(">I")
+# The escape of a UTF-16 surrogate, which json.loads turns into a lone surrogate when it is not
+# half of a pair.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 # The longest message a FrameError keeps: what a peer put in a frame (an op, a lease id) may
@@ -92,8 +96,8 @@ def recv(sock, deadline=None, limit=FRAME_MAX, limit_name="FRAME_MAX"):
     """Read one frame; a dict. deadline: time.monotonic() value or None (wait for ever);
     limit: the largest body accepted (AUTH_FRAME_MAX before authentication), named limit_name.
 
-    Raises FrameError (oversized frame, bad UTF-8 or JSON, nested too deep, not an object),
-    TimeoutError, ConnectionResetError (EOF).
+    Raises FrameError (oversized frame, bad UTF-8 or JSON, a lone surrogate, nested too deep,
+    not an object), TimeoutError, ConnectionResetError (EOF).
     """
     (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if n > limit:
@@ -101,6 +105,13 @@ def recv(sock, deadline=None, limit=FRAME_MAX, limit_name="FRAME_MAX"):
     body = _recv_exact(sock, n, deadline)
     try:
         obj = json.loads(body.decode())
+        # names and keys go to dlpackd and the log as UTF-8: an escaped lone surrogate
+        # ("\\ud800") is not text (only a frame that escapes a surrogate is looked at)
+        if _SURROGATE.search(body):
+            json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise FrameError("EPROTO", "frame holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
+                         "not Unicode text") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise FrameError("EPROTO", f"frame is not UTF-8 JSON: {e}") from None
     except RecursionError:
