@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -3310,6 +3311,73 @@ def _ends(sock, timeout):
         except TimeoutError:
             raise AssertionError(f"the bridge kept the connection past {timeout:g} s "
                                  f"({frames})") from None
+
+
+def test_a_frame_of_tiny_values_is_refused_before_it_is_parsed(guarded):
+    """An 8 MiB request of '{},' values (~200 MiB once parsed) is refused from its count
+    (REQUEST_VALUES_MAX), the connection closed; a local request past LOCAL_FRAME_MAX is
+    refused from its header. H serves on."""
+    h = guarded
+    n = (_wire.FRAME_MAX - 40) // 3
+    body = b'{"op":"stat","pad":[' + b"{}," * (n - 1) + b"{}]}"
+    assert len(body) <= _wire.FRAME_MAX
+    sock = _raw_peer(h, h.port, "values")
+    try:
+        sock.sendall(struct.pack(">I", len(body)) + body)
+        frames = _ends(sock, 30)
+    finally:
+        sock.close()
+    assert [(f["op"], f["errno"]) for f in frames] == [("error", "EMSGSIZE")]
+    assert frames[0]["message"] == (f"frame of {2 * n + 2} commas and opening brackets exceeds "
+                                    f"REQUEST_VALUES_MAX ({_wire.REQUEST_VALUES_MAX})")
+    c = socket.socket(socket.AF_UNIX)
+    try:
+        c.connect(h.path("H.sock"))
+        c.sendall(struct.pack(">I", _wire.LOCAL_FRAME_MAX + 1))
+        frames = _ends(c, 30)
+    finally:
+        c.close()
+    assert [f["errno"] for f in frames] == ["EMSGSIZE"]
+    assert frames[0]["message"] == (f"frame of {_wire.LOCAL_FRAME_MAX + 1} bytes exceeds "
+                                    f"LOCAL_FRAME_MAX ({_wire.LOCAL_FRAME_MAX})")
+    assert h.status("H")["agent"]
+
+
+def test_requests_are_let_go_of_before_the_next_is_awaited(monkeypatch):
+    """The frames a peer's and a local client's connection threads parsed are freed once
+    answered, not kept while the thread waits for the next request."""
+    b = fake_bridge()
+    b.dlpackd = lambda reconnect=False: FakeDlpackd()
+    parsed = []
+    real = _wire.recv
+
+    class Frame(dict):
+        pass
+
+    def recv(*args, **kw):
+        f = real(*args, **kw)
+        if threading.current_thread() is threading.main_thread() or \
+                f["op"] not in ("metadata", "stat", "drop"):
+            return f            # (the hello names the peer in the log for its connection)
+        f = Frame(f)
+        parsed.append(weakref.ref(f))
+        return f
+    monkeypatch.setattr(_wire, "recv", recv)
+    c, th = _peer_connection(b)
+    a, s = socket.socketpair()
+    try:
+        assert _ask(c, {"op": "stat", "id": 1, "name": "elsewhere"})["errno"] == "ENOENT"
+        threading.Thread(target=b._client_thread, args=(s, None), daemon=True).start()
+        assert _ask(a, {"op": "drop", "name": "no-colon"})["errno"] == "EINVAL"
+        # both threads wait for their next request now
+        _wait(lambda: len(parsed) == 3 and all(r() is None for r in parsed),
+              "every frame parsed freed", timeout=5)
+        assert th.is_alive()
+    finally:
+        c.close()
+        a.close()
+        th.join(5)
+        stop_fake_bridge(b)
 
 
 def test_a_lone_surrogate_is_refused_wherever_a_name_arrives(guarded):

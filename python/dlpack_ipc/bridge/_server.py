@@ -507,11 +507,12 @@ class Bridge:
             nixl = self.agents.hold()
             _wire.send(sock, {"op": "metadata", "agent": nixl.name,
                               "metadata": base64.b64encode(nixl.metadata()).decode()})
-            f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
+            f = _recv_request(sock)
             if f["op"] != "metadata":
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
             remote = nixl.add_remote(_wire.metadata(f))
             log.info("peer %s connected (agent %r)", who, remote)
+            del f
             dl = self.dlpackd(reconnect=True)
             sub.who = who
             while not self.stop.is_set():
@@ -524,22 +525,8 @@ class Bridge:
                     return
                 if sub.names:
                     self.publisher.flush(sock, dl, sub)
-                if not _wire.readable(sock, TICK):
-                    continue
-                f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
-                op = f["op"]
-                if op == "get":
-                    self._get(sock, dl, f, leases, who)
-                elif op == "put":
-                    self._put(sock, f, leases, nixl, remote, who)
-                elif op == "stat":
-                    self._stat(sock, dl, f)
-                elif op == "subscribe":
-                    self._subscribe(sock, dl, f, sub, who)
-                elif op == "release":
-                    self._end(leases.pop(str(f.get("lease")), None), "released")
-                else:
-                    raise _wire.FrameError("EPROTO", f"unknown op {op!r}")
+                if _wire.readable(sock, TICK):
+                    self._peer_request(sock, dl, leases, nixl, remote, sub, who)
         except _wire.FrameError as e:
             log.warning("peer %s: %s: disconnecting", who, e)
             _wire.send_error(sock, e.errname, str(e))
@@ -562,6 +549,24 @@ class Bridge:
                 self.agents.let_go(nixl)
             if dl is not None:
                 dl.close()
+
+    def _peer_request(self, sock, dl, leases, nixl, remote, sub, who):
+        """Read and serve one request of the peer: the frame is let go of on return, before
+        the connection waits for the next one."""
+        f = _recv_request(sock)
+        op = f["op"]
+        if op == "get":
+            self._get(sock, dl, f, leases, who)
+        elif op == "put":
+            self._put(sock, f, leases, nixl, remote, who)
+        elif op == "stat":
+            self._stat(sock, dl, f)
+        elif op == "subscribe":
+            self._subscribe(sock, dl, f, sub, who)
+        elif op == "release":
+            self._end(leases.pop(str(f.get("lease")), None), "released")
+        else:
+            raise _wire.FrameError("EPROTO", f"unknown op {op!r}")
 
     def _expire(self, leases, who):
         now = time.monotonic()
@@ -824,7 +829,7 @@ class Bridge:
     # -- the local side ----------------------------------------------------------------------
 
     def _client_thread(self, sock, addr):
-        dl = None
+        conn = {"dl": None}
         # the caller, from the kernel: its fetches are charged to its uid
         # struct ucred: pid_t pid, uid_t uid, gid_t gid (uid_t and gid_t unsigned)
         pid, uid, _ = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
@@ -833,33 +838,43 @@ class Bridge:
             while not self.stop.is_set():
                 if not _wire.readable(sock, 0.5):
                     continue
-                try:
-                    f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
-                except ConnectionResetError:
+                if not self._client_request(sock, conn, uid, pid):
                     return
-                if f["op"] == "status":
-                    reply = self.status()
-                elif f["op"] in ("fetch", "drop"):
-                    handle = self._fetch if f["op"] == "fetch" else self._drop
-                    try:
-                        if dl is None:
-                            dl = self.dlpackd()
-                    except OSError as e:
-                        reply = _wire.error_frame(
-                            "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
-                    else:
-                        reply = handle(dl, f, uid, pid)
-                else:
-                    raise _wire.FrameError("EPROTO", f"unknown op {f['op']!r}")
-                _wire.send(sock, reply)
         except _wire.FrameError as e:
             log.warning("local client uid %d (pid %d): %s: disconnecting", uid, pid, e)
             _wire.send_error(sock, e.errname, str(e))
         except OSError as e:
             log.info("local client uid %d (pid %d): %s", uid, pid, e)
         finally:
-            if dl is not None:
-                dl.close()
+            if conn["dl"] is not None:
+                conn["dl"].close()
+
+    def _client_request(self, sock, conn, uid, pid):
+        """Read and answer one request of a local client (at most LOCAL_FRAME_MAX): whether the
+        connection is still open. The frame is let go of on return, before the connection waits
+        for the next one; conn["dl"] is the connection's dlpackd client, made at its first
+        fetch or drop."""
+        try:
+            f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT, _wire.LOCAL_FRAME_MAX,
+                           "LOCAL_FRAME_MAX")
+        except ConnectionResetError:
+            return False
+        if f["op"] == "status":
+            reply = self.status()
+        elif f["op"] in ("fetch", "drop"):
+            handle = self._fetch if f["op"] == "fetch" else self._drop
+            try:
+                if conn["dl"] is None:
+                    conn["dl"] = self.dlpackd()
+            except OSError as e:
+                reply = _wire.error_frame(
+                    "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
+            else:
+                reply = handle(conn["dl"], f, uid, pid)
+        else:
+            raise _wire.FrameError("EPROTO", f"unknown op {f['op']!r}")
+        _wire.send(sock, reply)
+        return True
 
     def status(self):
         replicas = self.replicas.summary()      # not under the bridge's lock
@@ -999,6 +1014,13 @@ def _created_ns(dl, name, generation):
     except (OSError, ValueError):
         return None
     return entry.created_ns if entry is not None and entry.generation == generation else None
+
+
+def _recv_request(sock):
+    """A peer's next request (its first bytes have arrived), refused past REQUEST_VALUES_MAX
+    before it is parsed."""
+    return _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT,
+                      values=_wire.REQUEST_VALUES_MAX, values_name="REQUEST_VALUES_MAX")
 
 
 def _peer_closed(sock):
