@@ -7,6 +7,7 @@ import errno
 import importlib
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -3378,6 +3379,35 @@ def test_requests_are_let_go_of_before_the_next_is_awaited(monkeypatch):
         a.close()
         th.join(5)
         stop_fake_bridge(b)
+
+
+def test_a_peer_replaying_anothers_metadata_leaves_its_agent_loaded(guarded):
+    """A token holder connects with the NIXL metadata of a connected peer's agent, then
+    leaves: the exporter keeps that agent loaded for the peer (counted), whose put is written."""
+    import numpy as np
+    h = guarded
+    _no_leases(h)
+    h.dl.publish("w/victim", np.full(4096, 5, np.uint8), replace=True)
+    agent = f"fake/{os.getpid()}/victim"
+    victim = _raw_peer(h, h.port, "victim", agent)
+    try:
+        assert _ask(victim, {"op": "stat", "id": 1, "name": "w/none"})["errno"] == "ENOENT"
+        replay = _raw_peer(h, h.port, "replayer", agent)
+        assert _ask(replay, {"op": "stat", "id": 1, "name": "w/none"})["errno"] == "ENOENT"
+        replay.close()
+        _wait(lambda: re.search(r"peer 'replayer' at 127\.0\.0\.1:\d+ gone", h.log("H", None)),
+              "the replayer's connection ended")
+        layout = _ask(victim, {"op": "get", "id": 2, "name": "w/victim"})
+        assert layout["op"] == "layout", layout
+        buf = np.zeros(4096, np.uint8)
+        r = _put(victim, layout, buf, agent)
+        assert r["op"] == "done", r
+        assert (buf == 5).all()
+        assert re.search(f"peer 'replayer' at 127\\.0\\.0\\.1:\\d+: agent '{agent}' is loaded "
+                         r"for 1 other connection\(s\) as well", h.log("H", None))
+    finally:
+        victim.close()
+        h.dl.unpublish("w/victim")
 
 
 def test_a_lone_surrogate_is_refused_wherever_a_name_arrives(guarded):

@@ -208,13 +208,13 @@ class PeerLink:
             f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
             if f["op"] != "metadata":
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
-            agent = nixl.add_remote(_wire.metadata(f))
+            agent, _ = self.bridge.agents.load(nixl, _wire.metadata(f))
             _wire.send(sock, {"op": "metadata", "metadata":
                               base64.b64encode(nixl.metadata()).decode()})
         except BaseException as e:
             sock.close()
             if agent is not None:
-                nixl.remove_remote(agent)
+                self.bridge.agents.unload(nixl, agent)
             self.bridge.agents.let_go(nixl)
             if isinstance(e, _wire.FrameError):
                 raise ConnectionError(errno.EPROTO, f"protocol error: {e}") from None
@@ -234,7 +234,8 @@ class PeerLink:
                     follow.lost()
         removed = True
         if self.agent is not None:
-            removed = self.nixl.remove_remote(self.agent)
+            # (not removed while another connection holds the same agent: not fenced off)
+            removed = self.bridge.agents.unload(self.nixl, self.agent)
             self.agent = None
         if self.nixl is not None:
             self.bridge.agents.let_go(self.nixl)

@@ -510,8 +510,11 @@ class Bridge:
             f = _recv_request(sock)
             if f["op"] != "metadata":
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
-            remote = nixl.add_remote(_wire.metadata(f))
+            remote, others = self.agents.load(nixl, _wire.metadata(f))
             log.info("peer %s connected (agent %r)", who, remote)
+            if others:
+                log.info("peer %s: agent %r is loaded for %d other connection(s) as well: it "
+                         "stays loaded until the last of them ends", who, remote, others)
             del f
             dl = self.dlpackd(reconnect=True)
             sub.who = who
@@ -544,7 +547,7 @@ class Bridge:
             for lease in list(leases.values()):
                 self._end(lease, "connection lost")
             if remote is not None:
-                nixl.remove_remote(remote)
+                self.agents.unload(nixl, remote)
             if nixl is not None:
                 self.agents.let_go(nixl)
             if dl is not None:
@@ -759,8 +762,7 @@ class Bridge:
         try:
             # the importer's registration of its replica: loaded for each transfer, into the
             # peer's own agent (removed when the connection closes)
-            known = nixl.remote_names()
-            agent = nixl.add_remote(_wire.metadata(f))
+            agent = self.agents.load_partial(nixl, _wire.metadata(f), remote)
         except _wire.FrameError:
             self._end(leases.pop(lid), "bad metadata")
             raise
@@ -769,8 +771,6 @@ class Bridge:
             return _wire.send(sock, _wire.error_frame(
                 "EPROTO", f"put for lease {lid}: NIXL refused the metadata: {e!r}", id=rid))
         if agent != remote:
-            if agent not in known:
-                nixl.remove_remote(agent)
             self._end(leases.pop(lid), "metadata of another agent")
             raise _wire.FrameError("EPROTO", f"put for lease {lid}: metadata of agent {agent!r},"
                                    f" not of the peer's {remote!r}")
