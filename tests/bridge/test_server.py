@@ -123,6 +123,7 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b._cuda_lock = threading.Lock()
     b.registry = b.registration = None
     b.found = {}
+    b._init_limits()
     return b
 
 
@@ -3238,7 +3239,8 @@ def test_the_names_written_are_bounded(monkeypatch, bridge_log):
 
 # H's limits (FAKE_NIXL_CONSTANTS), small enough for a test to reach; the others are the
 # bridge's own
-H_LIMITS = {}
+H_LIMITS = {"_server.LEASE_BYTES_PER_CONNECTION_MAX": 1 << 20,
+            "_server.LEASE_BYTES_MAX": 3 << 20}
 
 
 class Guarded(Hosts):
@@ -3312,6 +3314,73 @@ def _ends(sock, timeout):
         except TimeoutError:
             raise AssertionError(f"the bridge kept the connection past {timeout:g} s "
                                  f"({frames})") from None
+
+
+def test_a_lease_maps_nothing_until_its_write(guarded):
+    """A get attaches the entry without mapping its pages (the exporter's RssShmem does not
+    grow by the entry), and the put then writes it whole."""
+    import numpy as np
+    h = guarded
+    _no_leases(h)
+    n = 32 << 20
+    h.dl.publish("w/populate", np.full(n, 7, np.uint8), replace=True)
+    pid = h.procs["H"].pid
+
+    def rss_shmem():
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("RssShmem:"))
+    agent = f"fake/{os.getpid()}/populate"
+    sock = _raw_peer(h, h.port, "populate", agent)
+    try:
+        before = rss_shmem()
+        layout = _ask(sock, {"op": "get", "id": 1, "name": "w/populate"})
+        assert layout["op"] == "layout", layout
+        grown = rss_shmem() - before
+        assert grown < n // 4, f"a lease mapped {grown} bytes of its {n}-byte entry"
+        buf = np.zeros(n, np.uint8)
+        assert _put(sock, layout, buf, agent)["op"] == "done"
+        assert (buf == 7).all()
+    finally:
+        sock.close()
+        h.dl.unpublish("w/populate")
+
+
+def test_bytes_under_lease_are_bounded_per_connection_and_for_the_bridge(guarded):
+    """H's LEASE_BYTES_PER_CONNECTION_MAX is 1 MiB and LEASE_BYTES_MAX 3 MiB: entries of
+    768 KiB are leased one to a connection, four to the bridge; a fifth is refused with EAGAIN
+    naming the limit, one already leased elsewhere is not (counted once), and a release makes
+    room."""
+    import numpy as np
+    h = guarded
+    _no_leases(h)
+    size = 768 << 10
+    names = [f"w/lease{i}" for i in range(5)]
+    for name in names:
+        h.dl.publish(name, np.ones(size, np.uint8), replace=True)
+    socks = [_raw_peer(h, h.port, f"leaser{i}") for i in range(6)]
+    try:
+        got = [_ask(socks[i], {"op": "get", "id": 1, "name": names[i]}) for i in range(4)]
+        assert [f["op"] for f in got] == ["layout"] * 4, got
+        r = _ask(socks[0], {"op": "get", "id": 2, "name": names[1]})
+        assert r["op"] == "error" and r["errno"] == "EAGAIN" and r["id"] == 2, r
+        assert r["message"] == (f"'{names[1]}': its {size} bytes would take this connection's "
+                                f"leases from {size} bytes past LEASE_BYTES_PER_CONNECTION_MAX "
+                                f"({1 << 20}): finish or release a lease first")
+        r = _ask(socks[4], {"op": "get", "id": 3, "name": names[4]})
+        assert r["op"] == "error" and r["errno"] == "EAGAIN", r
+        assert r["message"] == (f"'{names[4]}': its {size} bytes would take what this bridge "
+                                f"holds under lease from {4 * size} bytes past LEASE_BYTES_MAX "
+                                f"({3 << 20}): try again later")
+        assert _ask(socks[4], {"op": "get", "id": 4, "name": names[0]})["op"] == "layout"
+        _wire.send(socks[1], {"op": "release", "lease": got[1]["lease"]})
+        _wait(lambda: h.status("H")["leases"] == 4, "the release")
+        assert _ask(socks[5], {"op": "get", "id": 5, "name": names[4]})["op"] == "layout"
+    finally:
+        for s in socks:
+            s.close()
+        for name in names:
+            h.dl.unpublish(name)
+    _no_leases(h)
 
 
 def test_a_frame_of_tiny_values_is_refused_before_it_is_parsed(guarded):
@@ -3437,3 +3506,34 @@ def test_a_lone_surrogate_is_refused_wherever_a_name_arrives(guarded):
     assert [f["errno"] for f in frames] == ["EPROTO"], frames
     assert "Traceback" not in h.log("H", None)
     assert h.status("H")["agent"]
+
+
+def test_leases_expire_while_the_connection_waits_for_a_write(guarded):
+    """S (lease TTL 1 s) WRITEs one lease of a connection and the WRITE stalls: the
+    connection's other lease ends at its TTL meanwhile; the WRITE then completes."""
+    import numpy as np
+    h = guarded
+    _no_leases(h, "S")
+    for name in ("w/idle", "w/written"):
+        h.dl.publish(name, np.full(4096, 9, np.uint8), replace=True)
+    agent = f"fake/{os.getpid()}/staller"
+    sock = _raw_peer(h, h.sport, "staller", agent)
+    try:
+        assert _ask(sock, {"op": "get", "id": 1, "name": "w/idle"})["op"] == "layout"
+        layout = _ask(sock, {"op": "get", "id": 1, "name": "w/written"})
+        assert layout["op"] == "layout" and h.status("S")["leases"] == 2
+        buf = np.zeros(4096, np.uint8)
+        _wire.send(sock, {"op": "put", "id": 2, "lease": layout["lease"],
+                          "metadata": base64.b64encode(f"partial:{agent}".encode()).decode(),
+                          "descs": [[buf.ctypes.data, buf.nbytes]]})
+        # (the WRITE's own deadline is TRANSFER_GRACE, 10 s: the other lease ends well before)
+        _wait(lambda: h.status("S")["writing"] == 1 and h.status("S")["leases"] == 1,
+              "the idle lease ended at its TTL during the WRITE", timeout=8)
+        with open(h.gate, "w"):
+            pass
+        assert _wire.recv(sock, time.monotonic() + 10)["op"] == "done"
+        assert (buf == 9).all()
+    finally:
+        sock.close()
+        for name in ("w/idle", "w/written"):
+            h.dl.unpublish(name)

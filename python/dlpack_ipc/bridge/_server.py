@@ -39,6 +39,14 @@ LEASE_TTL = 30.0
 TICK = 0.25
 # Leases one peer connection may hold at once (each is a dlpackd reference).
 LEASES_MAX = 64
+# Bytes under lease: what one peer connection's leases may hold, and all of them together (a
+# storage leased by several connections, one generation of an entry, counted once). Past
+# either a get is refused with EAGAIN, naming the limit; one lease of any size is granted
+# where the connection (or the bridge) holds none. A lease maps its entry without populating
+# it, but holds the generation's memory in dlpackd after a REPLACE; an importer holds one
+# lease at a time.
+LEASE_BYTES_PER_CONNECTION_MAX = 64 << 30
+LEASE_BYTES_MAX = 1 << 40
 # Local clients the bridge serves at once, and peers it accepts at once.
 CLIENTS_MAX = 64
 PEERS_MAX = 64
@@ -66,13 +74,16 @@ def parse_addr(text, what):
 class Lease:
     """An exported entry held for one importer: the attach is the dlpackd reference."""
 
-    def __init__(self, lid, name, generation, tensors, ttl):
+    def __init__(self, lid, name, generation, tensors, ttl, storage=None, nbytes=0):
         self.id = lid
         self.name = name
         self.generation = generation
         self.tensors = tensors          # [(key, SharedTensor)]
         self.expires = time.monotonic() + ttl
         self.staged = 0                 # bytes of host memory staged for a device entry
+        # what it is charged to in Bridge.leased: (name, generation, created_ns), or None
+        self.storage = storage
+        self.nbytes = nbytes
 
 
 class Staging:
@@ -239,6 +250,12 @@ class Bridge:
         self.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
         self._clients = threading.BoundedSemaphore(CLIENTS_MAX)
         self._peers_in = threading.BoundedSemaphore(PEERS_MAX)
+        self._init_limits()
+
+    def _init_limits(self):
+        """The leases' counts (under self._lock)."""
+        self.leased = {}            # Lease.storage: [leases, bytes]
+        self.leased_bytes = 0
 
     def _registry(self, args):
         """--registry: the etcd client, this bridge's record if it exports (--listen), and
@@ -384,9 +401,43 @@ class Bridge:
             self.leases += 1
             return f"{self.agent_name}/{self._lease_seq}"
 
-    def lease_ended(self):
+    def lease_ended(self, lease):
         with self._lock:
             self.leases -= 1
+        if lease.storage is not None:
+            self._lease_give(lease.storage)
+
+    def _lease_take(self, leases, name, storage, n):
+        """Charge a lease of n bytes of storage ((name, generation, created_ns)) to the
+        connection holding leases and to the bridge; BlockingIOError EAGAIN naming the limit it
+        would pass (LEASE_BYTES_PER_CONNECTION_MAX, LEASE_BYTES_MAX)."""
+        here = sum(lease.nbytes for lease in leases.values())
+        if here and here + n > LEASE_BYTES_PER_CONNECTION_MAX:
+            raise BlockingIOError(errno.EAGAIN, f"{name!r}: its {n} bytes would take this "
+                                  f"connection's leases from {here} bytes past "
+                                  f"LEASE_BYTES_PER_CONNECTION_MAX "
+                                  f"({LEASE_BYTES_PER_CONNECTION_MAX}): finish or release a "
+                                  "lease first")
+        with self._lock:
+            held = self.leased.get(storage)
+            if held is None:
+                if self.leased_bytes and self.leased_bytes + n > LEASE_BYTES_MAX:
+                    raise BlockingIOError(errno.EAGAIN, f"{name!r}: its {n} bytes would take "
+                                          f"what this bridge holds under lease from "
+                                          f"{self.leased_bytes} bytes past LEASE_BYTES_MAX "
+                                          f"({LEASE_BYTES_MAX}): try again later")
+                held = self.leased[storage] = [0, n]
+                self.leased_bytes += n
+            held[0] += 1
+
+    def _lease_give(self, storage):
+        """Give back one lease's charge on storage (_lease_take)."""
+        with self._lock:
+            held = self.leased[storage]
+            held[0] -= 1
+            if held[0] == 0:
+                del self.leased[storage]
+                self.leased_bytes -= held[1]
 
     # -- threads --------------------------------------------------------------------------
 
@@ -571,9 +622,11 @@ class Bridge:
         else:
             raise _wire.FrameError("EPROTO", f"unknown op {op!r}")
 
-    def _expire(self, leases, who):
+    def _expire(self, leases, who, busy=None):
+        """End the leases past their TTL, but busy (the lease id of the WRITE under way)."""
         now = time.monotonic()
-        for lid in [lid for lid, lease in leases.items() if lease.expires <= now]:
+        for lid in [lid for lid, lease in leases.items() if lease.expires <= now and
+                    lid != busy]:
             log.info("peer %s: lease %s expired", who, lid)
             self._end(leases.pop(lid), "expired")
 
@@ -586,7 +639,7 @@ class Bridge:
             for _, t in tensors:
                 _quiet(t.release)
         finally:
-            self.lease_ended()
+            self.lease_ended(lease)
         log.debug("lease %s on %r ended: %s", lease.id, lease.name, why)
 
     def _quarantine(self, lease, nixl, why, xfer, reg):
@@ -594,7 +647,7 @@ class Bridge:
         to the quarantine, and free its slot."""
         self.quarantine.add(nixl, why, xfer, reg, [t for _, t in lease.tensors])
         lease.tensors = []
-        self.lease_ended()
+        self.lease_ended(lease)
 
     def _finish(self, lease, nixl, xfer, reg, who):
         """A transfer done (or never posted: xfer None): give back its handle, its
@@ -682,35 +735,51 @@ class Bridge:
                 "(QUARANTINE_MAX): try again later", id=rid))
         try:
             # a device entry's copy to the host waits on the legacy default stream for the
-            # publisher's work (host entries ignore the stream)
-            ts = dl.attach_dict(name, timeout=0, mode="strict", stream=1, populate=True)
+            # publisher's work (host entries ignore the stream). Not populated: its pages are
+            # mapped when the WRITE reads them (_put), not for as long as a lease waits.
+            ts = dl.attach_dict(name, timeout=0, mode="strict", stream=1, populate=False)
         except OSError as e:
             return _wire.send(sock, _wire.error_frame(
                 errno.errorcode.get(e.errno, "EIO"), f"{name!r}: {e.strerror or e}", id=rid))
         except (ValueError, TypeError) as e:
             return _wire.send(sock, _wire.error_frame("EINVAL", f"{name!r}: {e}", id=rid))
         tensors = list(ts.items())
+        del ts
         gen = tensors[0][1].generation
         bundle = not (len(tensors) == 1 and tensors[0][0] == "")
         device = tensors[0][1].device
+        created = _created_ns(dl, name, gen)
+        storage = (name, gen, created)
+        n = sum(t.nbytes for _, t in tensors)
+        try:
+            self._lease_take(leases, name, storage, n)
+        except OSError as e:
+            for _, t in tensors:
+                _quiet(t.release)
+            log.info("peer %s: %s", who, e.strerror)
+            return _wire.send(sock, _wire.error_frame("EAGAIN", e.strerror, id=rid))
         staged = 0
         if device != "cpu":
             try:
                 tensors = self._staged(sock, dl, f.get("id"), devices, leases, name, tensors,
                                        bundle)
             except OSError as e:
+                self._lease_give(storage)
                 log.info("peer %s: %s", who, e.strerror or e)
                 # the name older bridges sent for a device entry (errorcode says ENOTSUP)
                 errname = "EOPNOTSUPP" if e.errno == errno.EOPNOTSUPP else \
                     errno.errorcode.get(e.errno, "EIO")
                 return _wire.send(sock, _wire.error_frame(errname, e.strerror or str(e),
                                                           id=rid))
-            staged = sum(t.nbytes for _, t in tensors)
-        lease = Lease(self.new_lease_id(), name, gen, tensors, self.ttl)
+            except BaseException:
+                self._lease_give(storage)
+                raise
+            staged = n
+        lease = Lease(self.new_lease_id(), name, gen, tensors, self.ttl, storage, n)
         lease.staged = staged
         leases[lease.id] = lease
         layout = {"op": "layout", "id": rid, "lease": lease.id, "generation": gen,
-                  "created_ns": _created_ns(dl, name, gen),
+                  "created_ns": created,
                   "bundle": bundle, "ttl": self.ttl,
                   "tensors": [[k, t.dtype, list(t.shape), t.nbytes] for k, t in tensors]}
         if device != "cpu":
@@ -777,6 +846,7 @@ class Bridge:
         # registered only for the transfer; deregistered before the attach is dropped
         reg = nixl.register(*_span(live))
         xfer = None
+        pop = None
         ok = False
         failure = None
         try:
@@ -785,13 +855,24 @@ class Bridge:
             limit = _importer.transfer_deadline(sum(t.nbytes for t in live))
             lease.expires = max(lease.expires, t0 + limit)
             self.count("writing")
+            if not lease.staged:
+                # the entry's pages are mapped ahead of the WRITE, which reads every byte
+                # (a staged copy was written here: mapped already)
+                pop = _importer._Populate([(t.data_ptr, t.nbytes) for t in live],
+                                          _importer.MADV_POPULATE_READ)
             xfer, st = nixl.write([(t.data_ptr, t.nbytes) for t in live],
                                   [tuple(d) for d in descs], remote, lid.encode())
             deadline = t0 + limit
+            look = t0 + TICK
             while st == "PROC":
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TimeoutError(f"WRITE of {lease.name!r} not done in {limit:g} s "
                                        "(TRANSFER_GRACE + its bytes at TRANSFER_MIN_RATE)")
+                if now >= look:
+                    # no frame is read meanwhile: the connection's other leases expire here
+                    self._expire(leases, who, busy=lid)
+                    look = now + TICK
                 if _peer_closed(sock):
                     raise ConnectionResetError("importer closed the connection mid-transfer")
                 time.sleep(POLL)
@@ -810,6 +891,8 @@ class Bridge:
             log.info("peer %s: wrote %r (generation %d, %d bytes) in %.3f s, %.2f GB/s",
                      who, lease.name, lease.generation, n, dt, n / max(dt, 1e-9) / 1e9)
         finally:
+            if pop is not None:
+                pop.finish()
             self.count("writing", -1)
             leases.pop(lid, None)
             if ok:
