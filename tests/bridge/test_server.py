@@ -667,9 +667,7 @@ def _peer_connection(b, importer="importer"):
     (importer: the peer's agent); (its socket, the thread)."""
     b.dlpackd = lambda reconnect=False: LeaseDl()
     c, s = tcp_pair()
-    slots = threading.BoundedSemaphore(1)
-    slots.acquire()
-    th = threading.Thread(target=b._run, args=(b._peer_thread, s, ("192.0.2.1", 1), slots),
+    th = threading.Thread(target=b._run, args=(b._peer_thread, s, ("192.0.2.1", 1)),
                           daemon=True)
     th.start()
     _wire.auth_client(c, b.token, importer, "A")
@@ -1091,13 +1089,11 @@ def test_local_callers_are_charged_to_their_uid_from_so_peercred(peer_a):
     b, ex, dl = peer_a({"w/a": 100, "w/b": 100}, replicas_max=1)
     b.peers = {"A": ex.link}
     b.dlpackd = lambda: dl
-    b._clients = threading.BoundedSemaphore(4)
     d = tempfile.mkdtemp(prefix="dlpc-bridge-uid-")
     os.chmod(d, 0o755)
     path = os.path.join(d, "bridge.sock")
     unix = _server._listen_unix(path, 0o666)
-    th = threading.Thread(target=b._accept, args=(unix, b._client_thread, b._clients,
-                                                  "client"), daemon=True)
+    th = threading.Thread(target=b._accept, args=(unix, b._admit_client), daemon=True)
     th.start()
 
     def as_nobody(name):
@@ -2085,9 +2081,7 @@ def test_a_subscriber_that_stops_reading_is_disconnected_and_its_subscriptions_e
         c.connect(ls.getsockname())
         s, addr = ls.accept()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    slots = threading.BoundedSemaphore(1)
-    slots.acquire()
-    th = threading.Thread(target=b._run, args=(b._peer_thread, s, addr, slots), daemon=True)
+    th = threading.Thread(target=b._run, args=(b._peer_thread, s, addr), daemon=True)
     th.start()
     try:
         _wire.auth_client(c, b.token, "raw-subscriber", "A")
@@ -3239,7 +3233,8 @@ def test_the_names_written_are_bounded(monkeypatch, bridge_log):
 
 # H's limits (FAKE_NIXL_CONSTANTS), small enough for a test to reach; the others are the
 # bridge's own
-H_LIMITS = {"_server.LEASE_BYTES_PER_CONNECTION_MAX": 1 << 20,
+H_LIMITS = {"_server.CLIENT_IDLE_TIMEOUT": 5, "_server.REFUSED_LOG_INTERVAL": 1,
+            "_server.LEASE_BYTES_PER_CONNECTION_MAX": 1 << 20,
             "_server.LEASE_BYTES_MAX": 3 << 20}
 
 
@@ -3314,6 +3309,65 @@ def _ends(sock, timeout):
         except TimeoutError:
             raise AssertionError(f"the bridge kept the connection past {timeout:g} s "
                                  f"({frames})") from None
+
+
+def test_strangers_that_never_authenticate_keep_no_peer_out(guarded):
+    """PEERS_MAX idle connections from one address, and UNAUTH_PER_ADDR_MAX from each of ten
+    more (past UNAUTH_MAX): a peer with the token gets in and is served meanwhile; the
+    strangers past UNAUTH_PER_ADDR_MAX are refused naming it, and every one of them is
+    closed (within AUTH_DEADLINE, asserted with a generous bound) and counted as refused."""
+    h = guarded
+    before = h.status("H")["refused"]
+    held = [socket.create_connection(("127.0.0.1", h.port), timeout=10)
+            for _ in range(_server.PEERS_MAX)]
+    for i in range(10):
+        held += [socket.create_connection(("127.0.0.1", h.port), timeout=10,
+                                          source_address=(f"127.0.1.{i + 1}", 0))
+                 for _ in range(_server.UNAUTH_PER_ADDR_MAX)]
+    try:
+        sock = _raw_peer(h, h.port, "legit", source="127.0.0.2")
+        try:
+            r = _ask(sock, {"op": "stat", "id": 1, "name": "w/nothing"})
+            assert r["op"] == "error" and r["errno"] == "ENOENT", r
+        finally:
+            sock.close()
+        said = [f for c in held for f in _ends(c, _server.AUTH_DEADLINE + 30)]
+    finally:
+        for c in held:
+            c.close()
+    per_addr = [f for f in said if "UNAUTH_PER_ADDR_MAX" in f.get("message", "")]
+    assert len(per_addr) >= _server.PEERS_MAX - 2 * _server.UNAUTH_PER_ADDR_MAX, said
+    assert all(f["errno"] == "EAGAIN" for f in per_addr), per_addr
+    assert per_addr[0]["message"] == (
+        f"{_server.UNAUTH_PER_ADDR_MAX} connections from 127.0.0.1 are authenticating "
+        f"(UNAUTH_PER_ADDR_MAX {_server.UNAUTH_PER_ADDR_MAX}): try again later")
+    _wait(lambda: h.status("H")["refused"] - before == len(held),
+          "every stranger counted as refused")
+
+
+def test_refused_connections_are_summed_up_in_the_log(guarded):
+    """Fifty malformed hellos from one address: each is answered and closed, and the log says
+    so in a few lines (one at once, then one a REFUSED_LOG_INTERVAL, 1 s here) that count all
+    fifty, by address."""
+    h = guarded
+    n = 50
+    for _ in range(n):
+        c = socket.create_connection(("127.0.0.1", h.port), timeout=10,
+                                     source_address=("127.0.0.7", 0))
+        try:
+            c.sendall(struct.pack(">I", 5) + b"{nope")
+            assert [f["errno"] for f in _ends(c, 30)] == ["EPROTO"]
+        finally:
+            c.close()
+
+    def logged():
+        lines = [ln for ln in h.log("H", None).splitlines() if "127.0.0.7" in ln]
+        once = sum("refusing a peer from 127.0.0.7: " in ln for ln in lines)
+        summed = sum(int(k) for ln in lines
+                     for k in re.findall(r"(\d+) peers from 127\.0\.0\.7", ln))
+        return once + summed == n and lines
+    lines = _wait(logged, f"H's log counting the {n} refusals", timeout=30)
+    assert len(lines) < 10, lines
 
 
 def test_a_lease_maps_nothing_until_its_write(guarded):
@@ -3437,7 +3491,7 @@ def test_requests_are_let_go_of_before_the_next_is_awaited(monkeypatch):
     a, s = socket.socketpair()
     try:
         assert _ask(c, {"op": "stat", "id": 1, "name": "elsewhere"})["errno"] == "ENOENT"
-        threading.Thread(target=b._client_thread, args=(s, None), daemon=True).start()
+        b._admit_client(s, None)
         assert _ask(a, {"op": "drop", "name": "no-colon"})["errno"] == "EINVAL"
         # both threads wait for their next request now
         _wait(lambda: len(parsed) == 3 and all(r() is None for r in parsed),
@@ -3448,6 +3502,83 @@ def test_requests_are_let_go_of_before_the_next_is_awaited(monkeypatch):
         a.close()
         th.join(5)
         stop_fake_bridge(b)
+
+
+# A uid's connections to the bridge's local socket, made and held by a process of that uid
+# (stdlib only): prints {"open": how many the bridge kept, "refused": [their messages]}, then
+# once the bridge closed those it kept, {"ended": [what each last read]}.
+_LOCAL_HOLDER = r"""
+import json, socket, struct, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+
+def frame(s, timeout):
+    s.settimeout(timeout)
+    try:
+        head = s.recv(4, socket.MSG_WAITALL)
+    except socket.timeout:
+        return None
+    if len(head) < 4:
+        return "closed"
+    return json.loads(s.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL))
+
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    socks.append(s)
+time.sleep(1)
+got = [frame(s, 0.01) for s in socks]
+kept = [s for s, f in zip(socks, got) if f is None]
+print(json.dumps({"open": len(kept), "refused": [f["message"] for f in got if f]}), flush=True)
+print(json.dumps({"ended": [(frame(s, 60) or {}).get("message") for s in kept]}), flush=True)
+"""
+
+_LOCAL_STATUS = r"""
+import json, socket, struct, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+body = json.dumps({"op": "status"}).encode()
+s.sendall(struct.pack(">I", len(body)) + body)
+s.settimeout(10)
+n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+print(json.loads(s.recv(n, socket.MSG_WAITALL))["op"])
+"""
+
+
+def _as_uid(uid, code, *args, **kw):
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable,
+            "-c", code, *args]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="other uids need root and setpriv (util-linux)")
+def test_one_local_uid_cannot_lock_the_others_out(guarded):
+    """uid 65534 opens CLIENTS_MAX connections to H's socket and sends nothing: it keeps
+    CLIENTS_PER_UID_MAX, the others are refused naming the limit; root and uid 65533 are served
+    meanwhile; those it kept are closed after CLIENT_IDLE_TIMEOUT (5 s here), saying so."""
+    h = guarded
+    path = h.path("H.sock")
+    p = subprocess.Popen(_as_uid(65534, _LOCAL_HOLDER, path, str(_server.CLIENTS_MAX)),
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(p.stdout.readline() or "null")
+        assert first is not None, "the holder died"
+        assert h.status("H")["agent"]                          # root
+        r = subprocess.run(_as_uid(65533, _LOCAL_STATUS, path), capture_output=True, text=True,
+                           timeout=30)
+        assert r.stdout.strip() == "status", r.stderr
+        assert first["open"] == _server.CLIENTS_PER_UID_MAX, first
+        limit = _server.CLIENTS_PER_UID_MAX
+        assert first["refused"] == [f"uid 65534 has {limit} connections to this bridge "
+                                    f"(CLIENTS_PER_UID_MAX {limit}): try again later"] * \
+            (_server.CLIENTS_MAX - limit)
+        last = json.loads(p.stdout.readline() or "null")
+        assert last == {"ended": [f"no request within CLIENT_IDLE_TIMEOUT "
+                                  f"({H_LIMITS['_server.CLIENT_IDLE_TIMEOUT']:g} s): "
+                                  "closed"] * limit}, last
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_a_peer_replaying_anothers_metadata_leaves_its_agent_loaded(guarded):

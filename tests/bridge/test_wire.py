@@ -371,3 +371,13 @@ def test_a_lone_surrogate_is_a_protocol_error(pair, name):
         body = b'{"op":"get","name":"%s"}' % text
         a.sendall(struct.pack(">I", len(body)) + body)
         assert _wire.recv(b, time.monotonic() + 5)["name"] == parsed
+
+
+def test_auth_server_takes_a_deadline_of_its_own(pair):
+    """The accepting bridge gives a peer _server.AUTH_DEADLINE for the whole authentication,
+    whatever AUTH_TIMEOUT is."""
+    a, b = pair
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _wire.auth_server(b, b"t" * 32, 0.2)
+    assert time.monotonic() - t0 < _wire.AUTH_TIMEOUT

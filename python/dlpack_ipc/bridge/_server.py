@@ -47,9 +47,28 @@ LEASES_MAX = 64
 # lease at a time.
 LEASE_BYTES_PER_CONNECTION_MAX = 64 << 30
 LEASE_BYTES_MAX = 1 << 40
-# Local clients the bridge serves at once, and peers it accepts at once.
-CLIENTS_MAX = 64
+# Peers the bridge serves at once: a connection takes a slot only once its proof checked out.
 PEERS_MAX = 64
+# Connections not authenticated yet: at most UNAUTH_MAX at once, UNAUTH_PER_ADDR_MAX of them
+# from one source (an IPv4 address, an IPv6 /64), each given AUTH_DEADLINE seconds from accept
+# to prove the token. Past UNAUTH_PER_ADDR_MAX a connection from that source is refused; past
+# UNAUTH_MAX the oldest unauthenticated one is dropped to make room, so that strangers must
+# open UNAUTH_MAX connections within a handshake's time to keep a peer out.
+UNAUTH_MAX = 32
+UNAUTH_PER_ADDR_MAX = 4
+AUTH_DEADLINE = 2.0
+# Local clients the bridge serves at once (root's are not counted: no other uid can lock it
+# out), those of one uid, root's included (SO_PEERCRED), and the seconds a local connection may
+# wait between two requests before it is closed (bridge.fetch() and status() send theirs as they
+# connect).
+CLIENTS_MAX = 64
+CLIENTS_PER_UID_MAX = 16
+CLIENT_IDLE_TIMEOUT = 30.0
+# Refused connections (at accept, or failing the authentication) are logged at most once every
+# REFUSED_LOG_INTERVAL seconds: the first at once, the others summed up in one line at the end
+# of the interval, by source (at most REFUSED_LOG_SOURCES named, the rest counted together).
+REFUSED_LOG_INTERVAL = 10.0
+REFUSED_LOG_SOURCES = 8
 # Host memory the exporter holds at once for device entries staged on their way out (each is
 # copied to host memory for its lease; --staging-max sets it), and device entries one peer
 # connection may hold staged at once.
@@ -84,6 +103,76 @@ class Lease:
         # what it is charged to in Bridge.leased: (name, generation, created_ns), or None
         self.storage = storage
         self.nbytes = nbytes
+
+
+class _Pending:
+    """A peer connection not authenticated yet (Bridge._unauth)."""
+
+    def __init__(self, sock, source):
+        self.sock = sock
+        self.source = source
+        self.since = time.monotonic()
+        self.evicted = False            # dropped to make room (UNAUTH_MAX)
+
+
+def _source(addr):
+    """Where a peer connection comes from, as UNAUTH_PER_ADDR_MAX counts: its IPv4 address, or
+    its IPv6 /64 (a host may hold a whole /64)."""
+    try:
+        ip = ipaddress.ip_address(addr[0])
+    except ValueError:
+        return str(addr[0])
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class _Refusals:
+    """Refused connections, logged at most once every REFUSED_LOG_INTERVAL: the first of a
+    quiet spell at once, the others counted by where they came from and summed up in one
+    line once the interval is over (flush(), from the housekeeping thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._quiet_from = 0.0      # time.monotonic() from which a refusal is logged at once
+        self._counts = {}           # (what, source): [refusals, the last reason]
+        self._others = 0            # refusals from sources past REFUSED_LOG_SOURCES
+
+    def note(self, what, source, why):
+        """A what ("peer", "local client") from source refused for why."""
+        now = time.monotonic()
+        with self._lock:
+            at_once = now >= self._quiet_from and not self._counts and not self._others
+            if at_once:
+                self._quiet_from = now + REFUSED_LOG_INTERVAL
+            elif (what, source) in self._counts or len(self._counts) < REFUSED_LOG_SOURCES:
+                c = self._counts.setdefault((what, source), [0, why])
+                c[0] += 1
+                c[1] = why
+            else:
+                self._others += 1
+        if at_once:
+            log.warning("refusing a %s from %s: %s (further refusals are summed up every "
+                        "%g s: REFUSED_LOG_INTERVAL)", what, source, why, REFUSED_LOG_INTERVAL)
+
+    def flush(self):
+        """Log the refusals counted, once the interval is over."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._quiet_from or not (self._counts or self._others):
+                return
+            counts, others = self._counts, self._others
+            self._counts, self._others = {}, 0
+            self._quiet_from = now + REFUSED_LOG_INTERVAL
+        parts = [f"{n} {what}s from {source} (last: {why})" for (what, source), (n, why) in
+                 sorted(counts.items(), key=lambda kv: -kv[1][0])]
+        if others:
+            parts.append(f"{others} from other sources (past REFUSED_LOG_SOURCES)")
+        log.warning("refused %d more connections within REFUSED_LOG_INTERVAL (%g s): %s",
+                    sum(n for n, _ in counts.values()) + others, REFUSED_LOG_INTERVAL,
+                    "; ".join(parts))
 
 
 class Staging:
@@ -248,14 +337,18 @@ class Bridge:
         self._lease_seq = 0
         self.leases = 0
         self.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
-        self._clients = threading.BoundedSemaphore(CLIENTS_MAX)
-        self._peers_in = threading.BoundedSemaphore(PEERS_MAX)
         self._init_limits()
 
     def _init_limits(self):
-        """The leases' counts (under self._lock)."""
+        """The connections' and leases' counts (under self._lock)."""
+        self._peers_in = threading.BoundedSemaphore(PEERS_MAX)
+        self._unauth = {}           # source: [_Pending], oldest first
+        self._unauth_n = 0
+        self._clients_of = {}       # uid: its local connections
+        self._clients_n = 0         # local connections of uids other than root
         self.leased = {}            # Lease.storage: [leases, bytes]
         self.leased_bytes = 0
+        self.refusals = _Refusals()
 
     def _registry(self, args):
         """--registry: the etcd client, this bridge's record if it exports (--listen), and
@@ -445,10 +538,10 @@ class Bridge:
         threads = [threading.Thread(target=self._housekeeping, name="housekeeping",
                                     daemon=True)]
         if tcp is not None:
-            threads.append(threading.Thread(target=self._accept, args=(tcp, self._peer_thread,
-                                            self._peers_in, "peer"), daemon=True))
-        threads.append(threading.Thread(target=self._accept, args=(unix, self._client_thread,
-                                        self._clients, "client"), daemon=True))
+            threads.append(threading.Thread(target=self._accept, args=(tcp, self._admit_peer),
+                                            daemon=True))
+        threads.append(threading.Thread(target=self._accept, args=(unix, self._admit_client),
+                                        daemon=True))
         for follow in self.follows:
             threads.append(threading.Thread(target=follow.run, name=f"follow {follow.local}",
                                             daemon=True))
@@ -475,7 +568,8 @@ class Bridge:
         failed = {}         # step: what it last failed with (logged once, until it changes)
         while not self.stop.wait(1.0):
             # each step on its own: one that fails must not end the others for good
-            for step in (self.quarantine.sweep, self._agents_tick, self._close_retired):
+            for step in (self.quarantine.sweep, self._agents_tick, self._close_retired,
+                         self.refusals.flush):
                 try:
                     step()
                     failed.pop(step.__name__, None)
@@ -496,7 +590,9 @@ class Bridge:
         for link in links:
             link.close_if_retired()
 
-    def _accept(self, lsock, target, slots, what):
+    def _accept(self, lsock, admit):
+        """Accept connections on lsock, each handed to admit(sock, addr), which serves it on a
+        thread of its own or refuses it."""
         lsock.settimeout(0.5)
         while not self.stop.is_set():
             try:
@@ -506,53 +602,124 @@ class Bridge:
             except OSError as e:
                 if self.stop.is_set():
                     return
-                log.error("accepting a %s: %s", what, e)
+                log.error("accepting a connection: %s", e)
                 time.sleep(0.1)
                 continue
-            if not slots.acquire(blocking=False):
-                log.warning("refusing a %s from %s: %d already served", what, addr,
-                            CLIENTS_MAX if what == "client" else PEERS_MAX)
-                _wire.send_error(sock, "EAGAIN", f"too many {what}s")
+            try:
+                admit(sock, addr)
+            except Exception:
+                log.exception("admitting a connection from %s", addr)
                 sock.close()
-                continue
-            threading.Thread(target=self._run, args=(target, sock, addr, slots),
-                             daemon=True).start()
 
-    def _run(self, target, sock, addr, slots):
+    def _refuse(self, sock, what, source, errname, why):
+        """Refuse a connection at accept: one error frame, closed, the log rate-limited."""
+        self.refusals.note(what, source, why)
+        _wire.send_error(sock, errname, why)
+        sock.close()
+
+    def _run(self, target, sock, *args, who="?"):
         try:
-            target(sock, addr)
+            target(sock, *args)
         except Exception:
-            log.exception("connection from %s", addr)
+            log.exception("connection %s", who)
         finally:
             sock.close()
-            slots.release()
 
     # -- the exporting side: a peer's control connection ---------------------------------
 
-    def _peer_thread(self, sock, addr):
+    def _admit_peer(self, sock, addr):
+        """A peer connection, counted among those not authenticated yet (UNAUTH_MAX,
+        UNAUTH_PER_ADDR_MAX): served on a thread of its own, or refused."""
+        pending = _Pending(sock, _source(addr))
+        with self._lock:
+            mine = len(self._unauth.get(pending.source, ()))
+            if mine >= UNAUTH_PER_ADDR_MAX:
+                why = (f"{mine} connections from {pending.source} are authenticating "
+                       f"(UNAUTH_PER_ADDR_MAX {UNAUTH_PER_ADDR_MAX}): try again later")
+            else:
+                why = None
+                if self._unauth_n >= UNAUTH_MAX:
+                    # the oldest makes room: its thread sees the connection end. Shut down under
+                    # the lock, while that thread, which must take it to let go of its entry,
+                    # cannot have closed the socket yet
+                    oldest = min((p for ps in self._unauth.values() for p in ps),
+                                 key=lambda p: p.since)
+                    self._unauthenticated(oldest)
+                    oldest.evicted = True
+                    try:
+                        oldest.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                self._unauth.setdefault(pending.source, []).append(pending)
+                self._unauth_n += 1
+        if why is not None:
+            self.count("refused")
+            return self._refuse(sock, "peer", pending.source, "EAGAIN", why)
+        threading.Thread(target=self._run, args=(self._peer_thread, sock, addr, pending),
+                         kwargs={"who": f"from {addr}"}, daemon=True).start()
+
+    def _unauthenticated(self, pending):
+        """pending no longer counts among the connections not authenticated (under
+        self._lock); whether it still did."""
+        mine = self._unauth.get(pending.source, [])
+        if pending not in mine:
+            return False
+        mine.remove(pending)
+        if not mine:
+            del self._unauth[pending.source]
+        self._unauth_n -= 1
+        return True
+
+    def _authenticate(self, sock, addr, pending):
+        """The peer's hello once it proved the token within AUTH_DEADLINE, or None (refused,
+        counted and logged at most once every REFUSED_LOG_INTERVAL). pending (None: not
+        counted) is let go of either way."""
+        hello = why = None
+        evicted = False
+        try:
+            try:
+                hello = _wire.auth_server(sock, self.token, AUTH_DEADLINE)
+            except PermissionError as e:
+                why = e.strerror or str(e)
+            except _wire.FrameError as e:   # a malformed hello or proof: refused as well
+                why = str(e)
+                _wire.send_error(sock, e.errname, why)
+            except TimeoutError:
+                why = f"not authenticated within AUTH_DEADLINE ({AUTH_DEADLINE:g} s)"
+            except OSError as e:
+                why = str(e) or type(e).__name__
+        finally:
+            if pending is not None:
+                with self._lock:
+                    evicted = not self._unauthenticated(pending)
+        if evicted:
+            hello, why = None, ("dropped before it authenticated, to make room for a newer "
+                                f"connection (UNAUTH_MAX {UNAUTH_MAX})")
+        if hello is None:
+            self.count("refused")
+            self.refusals.note("peer", _source(addr), f"{addr[0]}:{addr[1]}: {why}")
+        return hello
+
+    def _peer_thread(self, sock, addr, pending=None):
         who = f"{addr[0]}:{addr[1]}"
         leases = {}
         remote = None
         nixl = None
         dl = None
+        slot = False
         sub = _push.Subscriber(who)
         try:
             _keepalive(sock)
-            try:
-                hello = _wire.auth_server(sock, self.token)
-            except PermissionError as e:
-                self.count("refused")
-                log.warning("peer %s refused: %s", who, e.strerror or e)
+            hello = self._authenticate(sock, addr, pending)
+            if hello is None:
                 return
-            except _wire.FrameError as e:   # a malformed hello or proof: refused as well
+            if not self._peers_in.acquire(blocking=False):
                 self.count("refused")
-                log.warning("peer %s refused: %s", who, e)
-                _wire.send_error(sock, e.errname, str(e))
+                why = f"{PEERS_MAX} peers are connected (PEERS_MAX): try again later"
+                self.refusals.note("peer", _source(addr), f"{who}: {why}")
+                _wire.send_error(sock, "EAGAIN", why)
                 return
-            except (TimeoutError, ConnectionError) as e:
-                self.count("refused")
-                log.warning("peer %s refused: %s", who, e)
-                return
+            slot = True
             who = f"{str(hello.get('from', '?'))[:200]!r} at {who}"  # peer-chosen: quoted
             # the agent in use now serves this connection to its end (a replaced one too)
             nixl = self.agents.hold()
@@ -603,6 +770,8 @@ class Bridge:
                 self.agents.let_go(nixl)
             if dl is not None:
                 dl.close()
+            if slot:
+                self._peers_in.release()
 
     def _peer_request(self, sock, dl, leases, nixl, remote, sub, who):
         """Read and serve one request of the peer: the frame is let go of on return, before
@@ -911,18 +1080,47 @@ class Bridge:
 
     # -- the local side ----------------------------------------------------------------------
 
-    def _client_thread(self, sock, addr):
-        conn = {"dl": None}
+    def _admit_client(self, sock, addr):
+        """A local connection, counted against its uid's CLIENTS_PER_UID_MAX and, but root's,
+        CLIENTS_MAX: served on a thread of its own, or refused."""
         # the caller, from the kernel: its fetches are charged to its uid
         # struct ucred: pid_t pid, uid_t uid, gid_t gid (uid_t and gid_t unsigned)
         pid, uid, _ = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                            struct.calcsize("iII")))
+        with self._lock:
+            mine = self._clients_of.get(uid, 0)
+            if mine >= CLIENTS_PER_UID_MAX:
+                why = (f"uid {uid} has {mine} connections to this bridge (CLIENTS_PER_UID_MAX "
+                       f"{CLIENTS_PER_UID_MAX}): try again later")
+            elif uid != 0 and self._clients_n >= CLIENTS_MAX:
+                why = (f"{self._clients_n} local clients are served (CLIENTS_MAX "
+                       f"{CLIENTS_MAX}): try again later")
+            else:
+                why = None
+                self._clients_of[uid] = mine + 1
+                self._clients_n += uid != 0
+        if why is not None:
+            return self._refuse(sock, "local client", f"uid {uid}", "EAGAIN", why)
+        threading.Thread(target=self._run, args=(self._client_thread, sock, uid, pid),
+                         kwargs={"who": f"of local uid {uid} (pid {pid})"}, daemon=True).start()
+
+    def _client_thread(self, sock, uid, pid):
+        conn = {"dl": None}
+        idle = time.monotonic()
         try:
             while not self.stop.is_set():
                 if not _wire.readable(sock, 0.5):
+                    if time.monotonic() - idle > CLIENT_IDLE_TIMEOUT:
+                        log.info("local client uid %d (pid %d): idle for CLIENT_IDLE_TIMEOUT "
+                                 "(%g s): closing", uid, pid, CLIENT_IDLE_TIMEOUT)
+                        _wire.send_error(sock, "ETIMEDOUT", "no request within "
+                                         f"CLIENT_IDLE_TIMEOUT ({CLIENT_IDLE_TIMEOUT:g} s): "
+                                         "closed")
+                        return
                     continue
                 if not self._client_request(sock, conn, uid, pid):
                     return
+                idle = time.monotonic()
         except _wire.FrameError as e:
             log.warning("local client uid %d (pid %d): %s: disconnecting", uid, pid, e)
             _wire.send_error(sock, e.errname, str(e))
@@ -931,6 +1129,11 @@ class Bridge:
         finally:
             if conn["dl"] is not None:
                 conn["dl"].close()
+            with self._lock:
+                self._clients_of[uid] -= 1
+                if not self._clients_of[uid]:
+                    del self._clients_of[uid]
+                self._clients_n -= uid != 0
 
     def _client_request(self, sock, conn, uid, pid):
         """Read and answer one request of a local client (at most LOCAL_FRAME_MAX): whether the

@@ -35,7 +35,8 @@ VALUES_MAX = 1 << 20
 # The most a request of a peer to the exporter (get, put, stat, subscribe, release, metadata)
 # may hold: the largest, a put of BUNDLE_MAX (16,384) descriptors, holds 3 a descriptor.
 REQUEST_VALUES_MAX = 1 << 16
-# How long a peer has to complete the authentication, in seconds.
+# How long the connecting side gives the authentication, and a frame to arrive whole once it
+# began, in seconds (the accepting bridge gives a peer _server.AUTH_DEADLINE to authenticate).
 AUTH_TIMEOUT = 10.0
 # Bytes of randomness in each side's nonce.
 NONCE_BYTES = 32
@@ -260,13 +261,14 @@ def auth_client(sock, token, me, peer):
     return f
 
 
-def auth_server(sock, token):
+def auth_server(sock, token, timeout=None):
     """The accepting side: check the client's proof, and only then prove the token in the
-    welcome frame; returns the client's hello frame.
+    welcome frame, all within timeout seconds (None: AUTH_TIMEOUT); returns the client's hello
+    frame.
 
     Raises PermissionError (after sending the peer one error frame) when the proof is wrong.
     """
-    deadline = time.monotonic() + AUTH_TIMEOUT
+    deadline = time.monotonic() + (AUTH_TIMEOUT if timeout is None else timeout)
     hello = _recv_auth(sock, deadline)
     if hello["op"] != "hello":
         raise FrameError("EPROTO", f"expected hello, got {hello['op']!r}")
