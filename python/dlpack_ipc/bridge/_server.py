@@ -51,12 +51,16 @@ LEASE_BYTES_MAX = 1 << 40
 PEERS_MAX = 64
 # Connections not authenticated yet: at most UNAUTH_MAX at once, UNAUTH_PER_ADDR_MAX of them
 # from one source (an IPv4 address, an IPv6 /64), each given AUTH_DEADLINE seconds from accept
-# to prove the token. Past UNAUTH_PER_ADDR_MAX a connection from that source is refused; past
-# UNAUTH_MAX the oldest unauthenticated one is dropped to make room, so that strangers must
-# open UNAUTH_MAX connections within a handshake's time to keep a peer out.
+# to prove the token. Past either, the oldest such connection (of that source, or of all) is
+# dropped to make room for the new one, so that strangers must open that many connections
+# within a peer's handshake to keep it out (refusing the new one let a stranger on a peer's
+# address keep it out by reconnecting every AUTH_DEADLINE).
 UNAUTH_MAX = 32
 UNAUTH_PER_ADDR_MAX = 4
 AUTH_DEADLINE = 2.0
+# Connections the kernel queues for the accepting threads: a burst of strangers that fills the
+# queue makes a peer's connect wait a second for its SYN to be sent again.
+LISTEN_BACKLOG = 128
 # Local clients the bridge serves at once (root's are not counted: no other uid can lock it
 # out), those of one uid, root's included (SO_PEERCRED), and the seconds a local connection may
 # wait between two requests before it is closed (bridge.fetch() and status() send theirs as they
@@ -112,7 +116,7 @@ class _Pending:
         self.sock = sock
         self.source = source
         self.since = time.monotonic()
-        self.evicted = False            # dropped to make room (UNAUTH_MAX)
+        self.evicted = None             # why it was dropped to make room, naming the limit
 
 
 def _source(addr):
@@ -629,32 +633,33 @@ class Bridge:
 
     def _admit_peer(self, sock, addr):
         """A peer connection, counted among those not authenticated yet (UNAUTH_MAX,
-        UNAUTH_PER_ADDR_MAX): served on a thread of its own, or refused."""
+        UNAUTH_PER_ADDR_MAX; past either the oldest makes room), served on a thread of its
+        own."""
         pending = _Pending(sock, _source(addr))
         with self._lock:
-            mine = len(self._unauth.get(pending.source, ()))
-            if mine >= UNAUTH_PER_ADDR_MAX:
-                why = (f"{mine} connections from {pending.source} are authenticating "
-                       f"(UNAUTH_PER_ADDR_MAX {UNAUTH_PER_ADDR_MAX}): try again later")
-            else:
-                why = None
-                if self._unauth_n >= UNAUTH_MAX:
-                    # the oldest makes room: its thread sees the connection end. Shut down under
-                    # the lock, while that thread, which must take it to let go of its entry,
-                    # cannot have closed the socket yet
-                    oldest = min((p for ps in self._unauth.values() for p in ps),
-                                 key=lambda p: p.since)
-                    self._unauthenticated(oldest)
-                    oldest.evicted = True
-                    try:
-                        oldest.sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                self._unauth.setdefault(pending.source, []).append(pending)
-                self._unauth_n += 1
-        if why is not None:
-            self.count("refused")
-            return self._refuse(sock, "peer", pending.source, "EAGAIN", why)
+            mine = self._unauth.get(pending.source, [])
+            oldest = None
+            if len(mine) >= UNAUTH_PER_ADDR_MAX:
+                oldest = mine[0]
+                oldest.evicted = (f"dropped before it authenticated: {len(mine)} newer "
+                                  f"connections from {pending.source} came (UNAUTH_PER_ADDR_MAX "
+                                  f"{UNAUTH_PER_ADDR_MAX})")
+            elif self._unauth_n >= UNAUTH_MAX:
+                oldest = min((p for ps in self._unauth.values() for p in ps),
+                             key=lambda p: p.since)
+                oldest.evicted = (f"dropped before it authenticated: {self._unauth_n} newer "
+                                  f"connections came (UNAUTH_MAX {UNAUTH_MAX})")
+            if oldest is not None:
+                # its thread reads the end of the connection and says why. Shut down under the
+                # lock, while that thread, which takes it to let go of its entry, cannot have
+                # closed the socket yet
+                self._unauthenticated(oldest)
+                try:
+                    oldest.sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+            self._unauth.setdefault(pending.source, []).append(pending)
+            self._unauth_n += 1
         threading.Thread(target=self._run, args=(self._peer_thread, sock, addr, pending),
                          kwargs={"who": f"from {addr}"}, daemon=True).start()
 
@@ -693,8 +698,8 @@ class Bridge:
                 with self._lock:
                     evicted = not self._unauthenticated(pending)
         if evicted:
-            hello, why = None, ("dropped before it authenticated, to make room for a newer "
-                                f"connection (UNAUTH_MAX {UNAUTH_MAX})")
+            hello, why = None, pending.evicted
+            _wire.send_error(sock, "EAGAIN", f"{why}: try again")
         if hello is None:
             self.count("refused")
             self.refusals.note("peer", _source(addr), f"{addr[0]}:{addr[1]}: {why}")
@@ -1345,7 +1350,7 @@ def _listen_tcp(addr):
     s = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(sa)
-    s.listen(16)
+    s.listen(LISTEN_BACKLOG)
     return s
 
 
@@ -1373,5 +1378,5 @@ def _listen_unix(path, mode):
     finally:
         os.umask(old)
     os.chmod(path, mode)
-    s.listen(16)
+    s.listen(LISTEN_BACKLOG)
     return s
