@@ -6,16 +6,21 @@
 runs `python3 -m dlpack_ipc.bridge BRIDGE-ARGS...` with the bridge's Nixl replaced by FakeNixl:
 its metadata names the process (pid), and a WRITE copies the bytes into the importer's memory
 with process_vm_writev(2) (same uid, or root), so a replica holds what the exporter served.
-Everything else (dlpackd, the control connections, the leases, the pushes) is the bridge's own.
-FAKE_NIXL_RESUBSCRIBE_MAX in the environment sets _push.RESUBSCRIBE_MAX (seconds).
+As NIXL, it writes only to an agent loaded (add_remote) and not removed since, and loads a
+transfer's partial metadata only for an agent loaded. Everything else (dlpackd, the control
+connections, the leases, the pushes) is the bridge's own. In the environment:
+FAKE_NIXL_RESUBSCRIBE_MAX sets _push.RESUBSCRIBE_MAX (seconds); FAKE_NIXL_CONSTANTS, a JSON
+object {"_server.NAME": value, "_wire.NAME": value...}, sets those constants (each must exist);
+FAKE_NIXL_WRITE_GATE names a file: each WRITE stays in progress until that file exists.
 """
 import ctypes
+import json
 import os
 import sys
 import threading
 
 from dlpack_ipc.bridge import __main__ as bridge_main
-from dlpack_ipc.bridge import _push, _server
+from dlpack_ipc.bridge import _push, _server, _wire
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -50,9 +55,15 @@ class FakeNixl:
 
     def add_remote(self, blob):
         name = blob.decode()
+        partial = name.startswith("partial:")
+        if partial:
+            name = name[len("partial:"):]
         if not name.startswith("fake/"):
             raise ValueError(f"not a fake agent's metadata: {name[:64]!r}")
         with self._lock:
+            if partial and name not in self._remotes:
+                raise RuntimeError(f"NIXL_ERR_NOT_FOUND: partial metadata of {name!r}, an "
+                                   "agent not loaded")
             self._remotes.add(name)
         return name
 
@@ -71,13 +82,23 @@ class FakeNixl:
         return ("reg", base, length)
 
     def partial_metadata(self, reg):
-        return self.metadata()
+        return b"partial:" + self.metadata()
 
     def deregister(self, reg):
         with self._lock:
             self.registered -= 1
 
     def write(self, local, remote, agent, notif):
+        with self._lock:
+            if agent not in self._remotes:
+                raise RuntimeError(f"NIXL_ERR_NOT_FOUND: agent {agent!r} is not loaded")
+        h = [agent, local, remote]
+        if os.environ.get("FAKE_NIXL_WRITE_GATE"):
+            return h, self.state(h)
+        self._copy(*h)
+        return h, "DONE"
+
+    def _copy(self, agent, local, remote):
         pid = int(agent.split("/")[1])
         want = sum(n for _, n in local)
         got = _libc.process_vm_writev(pid, _iovs(local), len(local), _iovs(remote),
@@ -85,9 +106,13 @@ class FakeNixl:
         if got != want:
             raise RuntimeError(f"process_vm_writev to pid {pid}: {got} of {want} bytes "
                                f"({os.strerror(ctypes.get_errno())})")
-        return "xfer", "DONE"
 
     def state(self, h):
+        if h[1] is not None:
+            if not os.path.exists(os.environ["FAKE_NIXL_WRITE_GATE"]):
+                return "PROC"
+            self._copy(*h)
+            h[1] = None
         return "DONE"
 
     def release(self, h):
@@ -103,4 +128,10 @@ if __name__ == "__main__":
     # a test's lower cap on the wait between two attempts to reach a lost peer
     if os.environ.get("FAKE_NIXL_RESUBSCRIBE_MAX"):
         _push.RESUBSCRIBE_MAX = float(os.environ["FAKE_NIXL_RESUBSCRIBE_MAX"])
+    # a test's own limits
+    for key, value in json.loads(os.environ.get("FAKE_NIXL_CONSTANTS", "{}")).items():
+        module, _, name = key.partition(".")
+        module = {"_server": _server, "_wire": _wire, "_push": _push}[module]
+        assert hasattr(module, name), f"FAKE_NIXL_CONSTANTS: no {key}"
+        setattr(module, name, value)
     sys.exit(bridge_main.main(sys.argv[1:]))

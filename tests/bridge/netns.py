@@ -583,7 +583,8 @@ def case_follow(w, a, b):
 
 
 def case_limits(w, a, b):
-    """LEASES_MAX leases per peer connection, CLIENTS_MAX local clients at once."""
+    """LEASES_MAX leases per peer connection, CLIENTS_PER_UID_MAX local clients of one uid at
+    once."""
     from dlpack_ipc.bridge import _server
     a.publish("w/held", np.ones(1000), replace=True)
     p = subprocess.Popen(["ip", "netns", "exec", w.ns["B"], sys.executable,
@@ -612,7 +613,7 @@ def case_limits(w, a, b):
     from dlpack_ipc.bridge import _wire
     held = []
     try:
-        for _ in range(_server.CLIENTS_MAX):
+        for _ in range(_server.CLIENTS_PER_UID_MAX):
             s = socket.socket(socket.AF_UNIX)
             s.connect(w.bridge_socket("bridge-A"))
             held.append(s)
@@ -620,8 +621,9 @@ def case_limits(w, a, b):
         s.connect(w.bridge_socket("bridge-A"))
         held.append(s)
         f = _wire.recv(s, time.monotonic() + 10)
-        check(f.get("errno") == "EAGAIN", f"CLIENTS_MAX ({_server.CLIENTS_MAX}) local clients, "
-              f"then EAGAIN ({f})")
+        check(f.get("errno") == "EAGAIN" and "CLIENTS_PER_UID_MAX" in f.get("message", ""),
+              f"CLIENTS_PER_UID_MAX ({_server.CLIENTS_PER_UID_MAX}) local clients of root, "
+              f"then EAGAIN naming it ({f})")
     finally:
         for s in held:
             s.close()

@@ -7,6 +7,7 @@ import errno
 import importlib
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -121,6 +123,7 @@ def fake_bridge(nixl=None, token=b"t" * 32):
     b._cuda_lock = threading.Lock()
     b.registry = b.registration = None
     b.found = {}
+    b._init_limits()
     return b
 
 
@@ -664,9 +667,7 @@ def _peer_connection(b, importer="importer"):
     (importer: the peer's agent); (its socket, the thread)."""
     b.dlpackd = lambda reconnect=False: LeaseDl()
     c, s = tcp_pair()
-    slots = threading.BoundedSemaphore(1)
-    slots.acquire()
-    th = threading.Thread(target=b._run, args=(b._peer_thread, s, ("192.0.2.1", 1), slots),
+    th = threading.Thread(target=b._run, args=(b._peer_thread, s, ("192.0.2.1", 1)),
                           daemon=True)
     th.start()
     _wire.auth_client(c, b.token, importer, "A")
@@ -1088,13 +1089,11 @@ def test_local_callers_are_charged_to_their_uid_from_so_peercred(peer_a):
     b, ex, dl = peer_a({"w/a": 100, "w/b": 100}, replicas_max=1)
     b.peers = {"A": ex.link}
     b.dlpackd = lambda: dl
-    b._clients = threading.BoundedSemaphore(4)
     d = tempfile.mkdtemp(prefix="dlpc-bridge-uid-")
     os.chmod(d, 0o755)
     path = os.path.join(d, "bridge.sock")
     unix = _server._listen_unix(path, 0o666)
-    th = threading.Thread(target=b._accept, args=(unix, b._client_thread, b._clients,
-                                                  "client"), daemon=True)
+    th = threading.Thread(target=b._accept, args=(unix, b._admit_client), daemon=True)
     th.start()
 
     def as_nobody(name):
@@ -1316,9 +1315,9 @@ class Hosts:
                                                 stdin=subprocess.DEVNULL, env=env)
         return self.procs[name]
 
-    def start_bridge(self, name, *argv):
+    def start_bridge(self, name, *argv, env=None):
         sock = self.path(f"{name}.sock")
-        env = {**os.environ, "FAKE_NIXL_RESUBSCRIBE_MAX": str(RESUBSCRIBE_MAX)}
+        env = {**os.environ, "FAKE_NIXL_RESUBSCRIBE_MAX": str(RESUBSCRIBE_MAX), **(env or {})}
         p = self.start(name, [sys.executable, FAKE_NIXL, "--socket", sock, "--dlpackd-socket",
                               self.dlpackd_sock, "--token-file", self.token,
                               "--log-level", "debug", *argv], env)
@@ -1374,7 +1373,7 @@ class Hosts:
             if name in self.procs:
                 self.stop(name)
         if failed:
-            for name in ("A", "B", "dlpackd"):
+            for name in sorted(f[:-4] for f in os.listdir(self.tmp) if f.endswith(".log")):
                 if os.path.exists(self.path(f"{name}.log")):
                     print(f"--- {name}'s log (last lines)\n{self.log(name)}")
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -2082,9 +2081,7 @@ def test_a_subscriber_that_stops_reading_is_disconnected_and_its_subscriptions_e
         c.connect(ls.getsockname())
         s, addr = ls.accept()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    slots = threading.BoundedSemaphore(1)
-    slots.acquire()
-    th = threading.Thread(target=b._run, args=(b._peer_thread, s, addr, slots), daemon=True)
+    th = threading.Thread(target=b._run, args=(b._peer_thread, s, addr), daemon=True)
     th.start()
     try:
         _wire.auth_client(c, b.token, "raw-subscriber", "A")
@@ -3230,3 +3227,460 @@ def test_the_names_written_are_bounded(monkeypatch, bridge_log):
     r.name_changed("e", True)
     assert r._names == {"b", "e"}
     assert sum("NAMES_MAX" in m for m in bridge_log.messages) == 1
+
+
+# -- strangers and misbehaving token holders: real bridges (NIXL faked) on a real dlpackd ------
+
+# H's limits (FAKE_NIXL_CONSTANTS), small enough for a test to reach; the others are the
+# bridge's own
+H_LIMITS = {"_server.CLIENT_IDLE_TIMEOUT": 5, "_server.REFUSED_LOG_INTERVAL": 1,
+            "_server.LEASE_BYTES_PER_CONNECTION_MAX": 1 << 20,
+            "_server.LEASE_BYTES_MAX": 3 << 20}
+
+
+class Guarded(Hosts):
+    """One dlpackd and two exporting bridges (--export w/): "H" with H_LIMITS and a local socket
+    any uid may reach, and "S" with a lease TTL of 1 s whose WRITEs stay in progress until
+    the file self.gate exists (FAKE_NIXL_WRITE_GATE)."""
+
+    def __init__(self, dlpackd):
+        super().__init__(dlpackd)
+        os.chmod(self.tmp, 0o755)           # uids other than root reach H's socket
+        self.gate = self.path("write-gate")
+        self.start_bridge("H", "--listen", f"127.0.0.1:{self.port}", "--export", "w/",
+                          "--socket-mode", "0666",
+                          env={"FAKE_NIXL_CONSTANTS": json.dumps(H_LIMITS)})
+        self.sport = _free_port()
+        self.start_bridge("S", "--listen", f"127.0.0.1:{self.sport}", "--export", "w/",
+                          "--lease-ttl", "1", env={"FAKE_NIXL_WRITE_GATE": self.gate})
+
+
+@pytest.fixture(scope="module")
+def guarded(request):
+    dlpackd = os.environ.get("DLPACKD_BIN")
+    if not dlpackd or not os.access(dlpackd, os.X_OK):
+        pytest.fail(f"DLPACKD_BIN={dlpackd!r} is not the dlpackd binary (ctest sets it; by "
+                    "hand: DLPACKD_BIN=build/dlpackd)", pytrace=False)
+    h = Guarded(dlpackd)
+    failed_before = request.session.testsfailed
+    try:
+        yield h
+    finally:
+        h.close(request.session.testsfailed != failed_before)
+
+
+def _raw_peer(h, port, me, agent=None, source="127.0.0.1"):
+    """A peer connection to the bridge on port from source, authenticated as me, NIXL metadata
+    exchanged (agent: the fake agent it names, by default one of this process's, named me)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10,
+                                    source_address=(source, 0))
+    with open(h.token, "rb") as f:
+        token = f.read().strip()
+    _wire.auth_client(sock, token, me, "H")
+    assert _wire.recv(sock, time.monotonic() + 10)["op"] == "metadata"
+    agent = agent or f"fake/{os.getpid()}/{me}"
+    _wire.send(sock, {"op": "metadata", "metadata": base64.b64encode(agent.encode()).decode()})
+    return sock
+
+
+def _put(sock, layout, buf, agent):
+    """Send the put of layout's lease into the numpy array buf, this process's memory, as the
+    fake agent agent; the exporter's answer."""
+    _wire.send(sock, {"op": "put", "id": 2, "lease": layout["lease"],
+                      "metadata": base64.b64encode(f"partial:{agent}".encode()).decode(),
+                      "descs": [[buf.ctypes.data, buf.nbytes]]})
+    return _wire.recv(sock, time.monotonic() + 30)
+
+
+def _no_leases(h, name="H"):
+    _wait(lambda: h.status(name)["leases"] == 0, f"{name}'s leases of earlier tests ended")
+
+
+def _ends(sock, timeout):
+    """The error frames sock reads until the bridge closes it (AssertionError if it does not
+    within timeout seconds)."""
+    frames = []
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            frames.append(_wire.recv(sock, end))
+        except ConnectionError:
+            return frames
+        except TimeoutError:
+            raise AssertionError(f"the bridge kept the connection past {timeout:g} s "
+                                 f"({frames})") from None
+
+
+def test_strangers_that_never_authenticate_keep_no_peer_out(guarded):
+    """PEERS_MAX idle connections from one address, and UNAUTH_PER_ADDR_MAX from each of ten
+    more (past UNAUTH_MAX): a peer with the token, from the first address, gets in and is served
+    meanwhile; the strangers dropped to make room are told why, naming the limit, and every one
+    of them is closed (within AUTH_DEADLINE, asserted with a generous bound) and counted as
+    refused."""
+    h = guarded
+    before = h.status("H")["refused"]
+    held = [socket.create_connection(("127.0.0.1", h.port), timeout=10)
+            for _ in range(_server.PEERS_MAX)]
+    for i in range(10):
+        held += [socket.create_connection(("127.0.0.1", h.port), timeout=10,
+                                          source_address=(f"127.0.1.{i + 1}", 0))
+                 for _ in range(_server.UNAUTH_PER_ADDR_MAX)]
+    # the peer's own address has UNAUTH_PER_ADDR_MAX strangers authenticating as it connects
+    held += [socket.create_connection(("127.0.0.1", h.port), timeout=10)
+             for _ in range(_server.UNAUTH_PER_ADDR_MAX)]
+    try:
+        sock = _raw_peer(h, h.port, "legit")
+        try:
+            r = _ask(sock, {"op": "stat", "id": 1, "name": "w/nothing"})
+            assert r["op"] == "error" and r["errno"] == "ENOENT", r
+        finally:
+            sock.close()
+        said = [f for c in held for f in _ends(c, _server.AUTH_DEADLINE + 30)]
+    finally:
+        for c in held:
+            c.close()
+    assert all(f["errno"] == "EAGAIN" for f in said), said
+    per_addr = [f["message"] for f in said if "UNAUTH_PER_ADDR_MAX" in f["message"]]
+    assert len(per_addr) >= _server.PEERS_MAX - 2 * _server.UNAUTH_PER_ADDR_MAX, said
+    n = _server.UNAUTH_PER_ADDR_MAX
+    assert per_addr[0] == (f"dropped before it authenticated: {n} newer connections from "
+                           f"127.0.0.1 came (UNAUTH_PER_ADDR_MAX {n}): try again")
+    assert any(f"(UNAUTH_MAX {_server.UNAUTH_MAX})" in f["message"] for f in said), said
+    _wait(lambda: h.status("H")["refused"] - before == len(held),
+          "every stranger counted as refused")
+
+
+def test_refused_connections_are_summed_up_in_the_log(guarded):
+    """Fifty malformed hellos from one address: each is answered and closed, and the log says
+    so in a few lines (one at once, then one a REFUSED_LOG_INTERVAL, 1 s here) that count all
+    fifty, by address."""
+    h = guarded
+    # earlier refusals summed up first (with more than REFUSED_LOG_SOURCES sources in one
+    # interval, this test's would be counted among "other sources"): nothing new for 3 s, two
+    # intervals and a housekeeping tick
+    since = [0.0, None]
+
+    def settled():
+        now = (h.status("H")["refused"], h.log("H", None).count("refus"))
+        if now != since[1]:
+            since[:] = [time.monotonic(), now]
+        return time.monotonic() - since[0] > 3
+    _wait(settled, "H's refusals logged", timeout=60)
+    n = 50
+    for _ in range(n):
+        c = socket.create_connection(("127.0.0.1", h.port), timeout=10,
+                                     source_address=("127.0.0.7", 0))
+        try:
+            c.sendall(struct.pack(">I", 5) + b"{nope")
+            assert [f["errno"] for f in _ends(c, 30)] == ["EPROTO"]
+        finally:
+            c.close()
+
+    def logged():
+        lines = [ln for ln in h.log("H", None).splitlines() if "127.0.0.7" in ln]
+        once = sum("refusing a peer from 127.0.0.7: " in ln for ln in lines)
+        summed = sum(int(k) for ln in lines
+                     for k in re.findall(r"(\d+) peers from 127\.0\.0\.7", ln))
+        return once + summed == n and lines
+    lines = _wait(logged, f"H's log counting the {n} refusals", timeout=30)
+    assert len(lines) < 10, lines
+
+
+def test_a_lease_maps_nothing_until_its_write(guarded):
+    """A get attaches the entry without mapping its pages (the exporter's RssShmem does not
+    grow by the entry), and the put then writes it whole."""
+    import numpy as np
+    h = guarded
+    _no_leases(h)
+    n = 32 << 20
+    h.dl.publish("w/populate", np.full(n, 7, np.uint8), replace=True)
+    pid = h.procs["H"].pid
+
+    def rss_shmem():
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("RssShmem:"))
+    agent = f"fake/{os.getpid()}/populate"
+    sock = _raw_peer(h, h.port, "populate", agent)
+    try:
+        before = rss_shmem()
+        layout = _ask(sock, {"op": "get", "id": 1, "name": "w/populate"})
+        assert layout["op"] == "layout", layout
+        grown = rss_shmem() - before
+        assert grown < n // 4, f"a lease mapped {grown} bytes of its {n}-byte entry"
+        buf = np.zeros(n, np.uint8)
+        assert _put(sock, layout, buf, agent)["op"] == "done"
+        assert (buf == 7).all()
+    finally:
+        sock.close()
+        h.dl.unpublish("w/populate")
+
+
+def test_bytes_under_lease_are_bounded_per_connection_and_for_the_bridge(guarded):
+    """H's LEASE_BYTES_PER_CONNECTION_MAX is 1 MiB and LEASE_BYTES_MAX 3 MiB: entries of
+    768 KiB are leased one to a connection, four to the bridge; a fifth is refused with EAGAIN
+    naming the limit, one already leased elsewhere is not (counted once), and a release makes
+    room."""
+    import numpy as np
+    h = guarded
+    _no_leases(h)
+    size = 768 << 10
+    names = [f"w/lease{i}" for i in range(5)]
+    for name in names:
+        h.dl.publish(name, np.ones(size, np.uint8), replace=True)
+    socks = [_raw_peer(h, h.port, f"leaser{i}") for i in range(6)]
+    try:
+        got = [_ask(socks[i], {"op": "get", "id": 1, "name": names[i]}) for i in range(4)]
+        assert [f["op"] for f in got] == ["layout"] * 4, got
+        r = _ask(socks[0], {"op": "get", "id": 2, "name": names[1]})
+        assert r["op"] == "error" and r["errno"] == "EAGAIN" and r["id"] == 2, r
+        assert r["message"] == (f"'{names[1]}': its {size} bytes would take this connection's "
+                                f"leases from {size} bytes past LEASE_BYTES_PER_CONNECTION_MAX "
+                                f"({1 << 20}): finish or release a lease first")
+        r = _ask(socks[4], {"op": "get", "id": 3, "name": names[4]})
+        assert r["op"] == "error" and r["errno"] == "EAGAIN", r
+        assert r["message"] == (f"'{names[4]}': its {size} bytes would take what this bridge "
+                                f"holds under lease from {4 * size} bytes past LEASE_BYTES_MAX "
+                                f"({3 << 20}): try again later")
+        assert _ask(socks[4], {"op": "get", "id": 4, "name": names[0]})["op"] == "layout"
+        _wire.send(socks[1], {"op": "release", "lease": got[1]["lease"]})
+        _wait(lambda: h.status("H")["leases"] == 4, "the release")
+        assert _ask(socks[5], {"op": "get", "id": 5, "name": names[4]})["op"] == "layout"
+    finally:
+        for s in socks:
+            s.close()
+        for name in names:
+            h.dl.unpublish(name)
+    _no_leases(h)
+
+
+def test_a_frame_of_tiny_values_is_refused_before_it_is_parsed(guarded):
+    """An 8 MiB request of '{},' values (~200 MiB once parsed) is refused from its count
+    (REQUEST_VALUES_MAX), the connection closed; a local request past LOCAL_FRAME_MAX is
+    refused from its header. H serves on."""
+    h = guarded
+    n = (_wire.FRAME_MAX - 40) // 3
+    body = b'{"op":"stat","pad":[' + b"{}," * (n - 1) + b"{}]}"
+    assert len(body) <= _wire.FRAME_MAX
+    sock = _raw_peer(h, h.port, "values")
+    try:
+        sock.sendall(struct.pack(">I", len(body)) + body)
+        frames = _ends(sock, 30)
+    finally:
+        sock.close()
+    assert [(f["op"], f["errno"]) for f in frames] == [("error", "EMSGSIZE")]
+    assert frames[0]["message"] == (f"frame of {2 * n + 2} commas and opening brackets exceeds "
+                                    f"REQUEST_VALUES_MAX ({_wire.REQUEST_VALUES_MAX})")
+    c = socket.socket(socket.AF_UNIX)
+    try:
+        c.connect(h.path("H.sock"))
+        c.sendall(struct.pack(">I", _wire.LOCAL_FRAME_MAX + 1))
+        frames = _ends(c, 30)
+    finally:
+        c.close()
+    assert [f["errno"] for f in frames] == ["EMSGSIZE"]
+    assert frames[0]["message"] == (f"frame of {_wire.LOCAL_FRAME_MAX + 1} bytes exceeds "
+                                    f"LOCAL_FRAME_MAX ({_wire.LOCAL_FRAME_MAX})")
+    assert h.status("H")["agent"]
+
+
+def test_requests_are_let_go_of_before_the_next_is_awaited(monkeypatch):
+    """The frames a peer's and a local client's connection threads parsed are freed once
+    answered, not kept while the thread waits for the next request."""
+    b = fake_bridge()
+    b.dlpackd = lambda reconnect=False: FakeDlpackd()
+    parsed = []
+    real = _wire.recv
+
+    class Frame(dict):
+        pass
+
+    def recv(*args, **kw):
+        f = real(*args, **kw)
+        if threading.current_thread() is threading.main_thread() or \
+                f["op"] not in ("metadata", "stat", "drop"):
+            return f            # (the hello names the peer in the log for its connection)
+        f = Frame(f)
+        parsed.append(weakref.ref(f))
+        return f
+    monkeypatch.setattr(_wire, "recv", recv)
+    c, th = _peer_connection(b)
+    a, s = socket.socketpair()
+    try:
+        assert _ask(c, {"op": "stat", "id": 1, "name": "elsewhere"})["errno"] == "ENOENT"
+        b._admit_client(s, None)
+        assert _ask(a, {"op": "drop", "name": "no-colon"})["errno"] == "EINVAL"
+        # both threads wait for their next request now
+        _wait(lambda: len(parsed) == 3 and all(r() is None for r in parsed),
+              "every frame parsed freed", timeout=5)
+        assert th.is_alive()
+    finally:
+        c.close()
+        a.close()
+        th.join(5)
+        stop_fake_bridge(b)
+
+
+# A uid's connections to the bridge's local socket, made and held by a process of that uid
+# (stdlib only): prints {"open": how many the bridge kept, "refused": [their messages]}, then
+# once the bridge closed those it kept, {"ended": [what each last read]}.
+_LOCAL_HOLDER = r"""
+import json, socket, struct, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+
+def frame(s, timeout):
+    s.settimeout(timeout)
+    try:
+        head = s.recv(4, socket.MSG_WAITALL)
+    except socket.timeout:
+        return None
+    if len(head) < 4:
+        return "closed"
+    return json.loads(s.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL))
+
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    socks.append(s)
+time.sleep(1)
+got = [frame(s, 0.01) for s in socks]
+kept = [s for s, f in zip(socks, got) if f is None]
+print(json.dumps({"open": len(kept), "refused": [f["message"] for f in got if f]}), flush=True)
+print(json.dumps({"ended": [(frame(s, 60) or {}).get("message") for s in kept]}), flush=True)
+"""
+
+_LOCAL_STATUS = r"""
+import json, socket, struct, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+body = json.dumps({"op": "status"}).encode()
+s.sendall(struct.pack(">I", len(body)) + body)
+s.settimeout(10)
+n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+print(json.loads(s.recv(n, socket.MSG_WAITALL))["op"])
+"""
+
+
+def _as_uid(uid, code, *args, **kw):
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable,
+            "-c", code, *args]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="other uids need root and setpriv (util-linux)")
+def test_one_local_uid_cannot_lock_the_others_out(guarded):
+    """uid 65534 opens CLIENTS_MAX connections to H's socket and sends nothing: it keeps
+    CLIENTS_PER_UID_MAX, the others are refused naming the limit; root and uid 65533 are served
+    meanwhile; those it kept are closed after CLIENT_IDLE_TIMEOUT (5 s here), saying so."""
+    h = guarded
+    path = h.path("H.sock")
+    p = subprocess.Popen(_as_uid(65534, _LOCAL_HOLDER, path, str(_server.CLIENTS_MAX)),
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(p.stdout.readline() or "null")
+        assert first is not None, "the holder died"
+        assert h.status("H")["agent"]                          # root
+        r = subprocess.run(_as_uid(65533, _LOCAL_STATUS, path), capture_output=True, text=True,
+                           timeout=30)
+        assert r.stdout.strip() == "status", r.stderr
+        assert first["open"] == _server.CLIENTS_PER_UID_MAX, first
+        limit = _server.CLIENTS_PER_UID_MAX
+        assert first["refused"] == [f"uid 65534 has {limit} connections to this bridge "
+                                    f"(CLIENTS_PER_UID_MAX {limit}): try again later"] * \
+            (_server.CLIENTS_MAX - limit)
+        last = json.loads(p.stdout.readline() or "null")
+        assert last == {"ended": [f"no request within CLIENT_IDLE_TIMEOUT "
+                                  f"({H_LIMITS['_server.CLIENT_IDLE_TIMEOUT']:g} s): "
+                                  "closed"] * limit}, last
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_peer_replaying_anothers_metadata_leaves_its_agent_loaded(guarded):
+    """A token holder connects with the NIXL metadata of a connected peer's agent, then
+    leaves: the exporter keeps that agent loaded for the peer (counted), whose put is written."""
+    import numpy as np
+    h = guarded
+    _no_leases(h)
+    h.dl.publish("w/victim", np.full(4096, 5, np.uint8), replace=True)
+    agent = f"fake/{os.getpid()}/victim"
+    victim = _raw_peer(h, h.port, "victim", agent)
+    try:
+        assert _ask(victim, {"op": "stat", "id": 1, "name": "w/none"})["errno"] == "ENOENT"
+        replay = _raw_peer(h, h.port, "replayer", agent)
+        assert _ask(replay, {"op": "stat", "id": 1, "name": "w/none"})["errno"] == "ENOENT"
+        replay.close()
+        _wait(lambda: re.search(r"peer 'replayer' at 127\.0\.0\.1:\d+ gone", h.log("H", None)),
+              "the replayer's connection ended")
+        layout = _ask(victim, {"op": "get", "id": 2, "name": "w/victim"})
+        assert layout["op"] == "layout", layout
+        buf = np.zeros(4096, np.uint8)
+        r = _put(victim, layout, buf, agent)
+        assert r["op"] == "done", r
+        assert (buf == 5).all()
+        assert re.search(f"peer 'replayer' at 127\\.0\\.0\\.1:\\d+: agent '{agent}' is loaded "
+                         r"for 1 other connection\(s\) as well", h.log("H", None))
+    finally:
+        victim.close()
+        h.dl.unpublish("w/victim")
+
+
+def test_a_lone_surrogate_is_refused_wherever_a_name_arrives(guarded):
+    """A name with an escaped lone surrogate ("w/\\ud800") in a get, stat, subscribe or
+    release, and in a local fetch: answered EPROTO naming it, the connection closed, no
+    traceback in the log; H serves on."""
+    h = guarded
+    for op in ("get", "stat", "subscribe", "release"):
+        sock = _raw_peer(h, h.port, f"surrogate-{op}")
+        try:
+            body = b'{"op":"%s","id":1,"name":"w/\\ud800","lease":"\\ud800"}' % op.encode()
+            sock.sendall(struct.pack(">I", len(body)) + body)
+            frames = _ends(sock, 30)
+        finally:
+            sock.close()
+        assert [(f["errno"], f["message"]) for f in frames] == [
+            ("EPROTO", "frame holds a lone UTF-16 surrogate (\\ud800-\\udfff): not Unicode "
+             "text")], (op, frames)
+    c = socket.socket(socket.AF_UNIX)
+    try:
+        c.connect(h.path("H.sock"))
+        body = b'{"op":"fetch","name":"A:w/\\ud800"}'
+        c.sendall(struct.pack(">I", len(body)) + body)
+        frames = _ends(c, 30)
+    finally:
+        c.close()
+    assert [f["errno"] for f in frames] == ["EPROTO"], frames
+    assert "Traceback" not in h.log("H", None)
+    assert h.status("H")["agent"]
+
+
+def test_leases_expire_while_the_connection_waits_for_a_write(guarded):
+    """S (lease TTL 1 s) WRITEs one lease of a connection and the WRITE stalls: the
+    connection's other lease ends at its TTL meanwhile; the WRITE then completes."""
+    import numpy as np
+    h = guarded
+    _no_leases(h, "S")
+    for name in ("w/idle", "w/written"):
+        h.dl.publish(name, np.full(4096, 9, np.uint8), replace=True)
+    agent = f"fake/{os.getpid()}/staller"
+    sock = _raw_peer(h, h.sport, "staller", agent)
+    try:
+        assert _ask(sock, {"op": "get", "id": 1, "name": "w/idle"})["op"] == "layout"
+        layout = _ask(sock, {"op": "get", "id": 1, "name": "w/written"})
+        assert layout["op"] == "layout" and h.status("S")["leases"] == 2
+        buf = np.zeros(4096, np.uint8)
+        _wire.send(sock, {"op": "put", "id": 2, "lease": layout["lease"],
+                          "metadata": base64.b64encode(f"partial:{agent}".encode()).decode(),
+                          "descs": [[buf.ctypes.data, buf.nbytes]]})
+        # (the WRITE's own deadline is TRANSFER_GRACE, 10 s: the other lease ends well before)
+        _wait(lambda: h.status("S")["writing"] == 1 and h.status("S")["leases"] == 1,
+              "the idle lease ended at its TTL during the WRITE", timeout=8)
+        with open(h.gate, "w"):
+            pass
+        assert _wire.recv(sock, time.monotonic() + 10)["op"] == "done"
+        assert (buf == 9).all()
+    finally:
+        sock.close()
+        for name in ("w/idle", "w/written"):
+            h.dl.unpublish(name)

@@ -316,3 +316,68 @@ def test_a_frame_error_cuts_what_the_peer_sent():
     assert len(text) < _wire.FRAME_ERROR_TEXT_MAX + 40
     assert text.startswith("unknown op 'xxx") and text.endswith(" characters)")
     assert str(_wire.FrameError("EPROTO", "short")) == "short"
+
+
+def _frame(sock, body):
+    """Send body as one frame from a thread (it may pass the socket buffer); the thread."""
+    t = threading.Thread(target=sock.sendall, args=(struct.pack(">I", len(body)) + body,))
+    t.start()
+    return t
+
+
+def test_a_frame_of_too_many_values_is_refused_before_it_is_parsed(pair, monkeypatch):
+    """Commas and opening brackets outside strings are counted before parsing: past the limit
+    given (REQUEST_VALUES_MAX for a peer's request) the frame is refused, naming it; commas in
+    strings do not count; the largest legitimate frames are within the limits."""
+    a, b = pair
+    body = b'{"op":"stat","pad":[' + b"{}," * _wire.REQUEST_VALUES_MAX + b"{}]}"
+    t = _frame(a, body)
+    with pytest.raises(_wire.FrameError, match="exceeds REQUEST_VALUES_MAX") as e:
+        _wire.recv(b, time.monotonic() + 10, values=_wire.REQUEST_VALUES_MAX,
+                   values_name="REQUEST_VALUES_MAX")
+    t.join()
+    assert e.value.errname == "EMSGSIZE"
+    assert str(e.value) == (f"frame of {2 * _wire.REQUEST_VALUES_MAX + 4} commas and opening "
+                            f"brackets exceeds REQUEST_VALUES_MAX ({_wire.REQUEST_VALUES_MAX})")
+    # a name of commas, and escaped quotes, is one value
+    name = 'w/",' + "," * (2 * _wire.REQUEST_VALUES_MAX)
+    t = _frame(a, _wire.encode({"op": "stat", "name": name})[4:])
+    assert _wire.recv(b, time.monotonic() + 10, values=_wire.REQUEST_VALUES_MAX)["name"] == name
+    t.join()
+    # a layout of BUNDLE_MAX tensors of NDIM_MAX dimensions, and a put of as many descriptors
+    import dlpack_ipc
+    layout = {"op": "layout", "tensors": [[f"k{i}", "uint8", [1] * dlpack_ipc.NDIM_MAX, 1]
+                                          for i in range(dlpack_ipc.BUNDLE_MAX)]}
+    t = _frame(a, _wire.encode(layout)[4:])
+    assert _wire.recv(b, time.monotonic() + 10) == layout
+    t.join()
+    put = {"op": "put", "id": 1, "lease": "l", "metadata": "m" * 4096,
+           "descs": [[2**47, 2**40]] * dlpack_ipc.BUNDLE_MAX}
+    t = _frame(a, _wire.encode(put)[4:])
+    assert _wire.recv(b, time.monotonic() + 10, values=_wire.REQUEST_VALUES_MAX) == put
+    t.join()
+
+
+@pytest.mark.parametrize("name", ["w/\\ud800", "w/\\udfff-x", "\\ude00w/"])
+def test_a_lone_surrogate_is_a_protocol_error(pair, name):
+    """A name that escapes half of a UTF-16 surrogate pair is no Unicode text: EPROTO, naming
+    it. A whole pair, and an escaped backslash before "ud800", are text."""
+    a, b = pair
+    a.sendall(struct.pack(">I", len(name) + 22) + b'{"op":"get","name":"%s"}' % name.encode())
+    with pytest.raises(_wire.FrameError, match="lone UTF-16 surrogate") as e:
+        _wire.recv(b, time.monotonic() + 5)
+    assert e.value.errname == "EPROTO"
+    for text, parsed in ((b"w/\\ud83d\\ude00", "w/\U0001F600"), (b"w/\\\\ud800", "w/\\ud800")):
+        body = b'{"op":"get","name":"%s"}' % text
+        a.sendall(struct.pack(">I", len(body)) + body)
+        assert _wire.recv(b, time.monotonic() + 5)["name"] == parsed
+
+
+def test_auth_server_takes_a_deadline_of_its_own(pair):
+    """The accepting bridge gives a peer _server.AUTH_DEADLINE for the whole authentication,
+    whatever AUTH_TIMEOUT is."""
+    a, b = pair
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _wire.auth_server(b, b"t" * 32, 0.2)
+    assert time.monotonic() - t0 < _wire.AUTH_TIMEOUT

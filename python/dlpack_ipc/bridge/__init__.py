@@ -88,7 +88,9 @@ def fetch(name, timeout=None, *, socket=None):
     caller's uid is at the bridge's REPLICAS_PER_UID_MAX or REPLICA_BYTES_PER_UID_MAX
     (docs/bridge.md, Local callers and their limits); OSError ENODEV: a CUDA entry, and no
     such device here; EFBIG or EAGAIN: a CUDA entry larger than the peer's --staging-max, or
-    than what is left of it;
+    than what is left of it; BlockingIOError (EAGAIN): the caller's uid holds
+    CLIENTS_PER_UID_MAX connections to the local bridge, or the peer holds LEASE_BYTES_MAX
+    under lease (docs/bridge.md, naming the limit);
     ConnectionError: the peer or the local bridge is unreachable or went away.
     """
     if not isinstance(name, str) or ":" not in name:

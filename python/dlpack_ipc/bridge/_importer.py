@@ -66,20 +66,25 @@ def keepalive(sock):
 # The replica's pages (allocated by dlpc_alloc's reservation) are mapped here ahead of the WRITE
 # by a thread of their own (MADV_POPULATE_WRITE, Linux 5.14), POPULATE_CHUNK bytes at a time in
 # the order the WRITE fills them: the receiving side then copies into mapped pages instead of
-# taking a fault per 4 KiB page (docs/bridge.md, Limits: what it saved).
+# taking a fault per 4 KiB page (docs/bridge.md, Limits: what it saved). The exporter maps the
+# entry it serves so as well (MADV_POPULATE_READ), once the WRITE starts.
 POPULATE_CHUNK = 8 << 20
+MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
+_ADVICE = {MADV_POPULATE_READ: "MADV_POPULATE_READ", MADV_POPULATE_WRITE: "MADV_POPULATE_WRITE"}
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 class _Populate(threading.Thread):
-    """Populate the (address, length) ranges in a thread, chunk by chunk, until done or
-    stopped; a kernel without MADV_POPULATE_WRITE ends it at the first chunk (logged)."""
+    """Populate the (address, length) ranges in a thread with advice (MADV_POPULATE_WRITE, or
+    _READ), chunk by chunk, until done or stopped; a kernel without it ends it at the first
+    chunk (logged)."""
 
-    def __init__(self, ranges):
+    def __init__(self, ranges, advice=MADV_POPULATE_WRITE):
         super().__init__(name="populate", daemon=True)
         self.ranges = ranges
+        self.advice = advice
         self._halt = threading.Event()
         self.start()
 
@@ -90,9 +95,9 @@ class _Populate(threading.Thread):
             a = addr & ~(page - 1)
             while a < end and not self._halt.is_set():
                 b = min(end, a + POPULATE_CHUNK)
-                if _libc.madvise(a, (b - a + page - 1) & ~(page - 1), MADV_POPULATE_WRITE):
-                    log.info("replica pages are faulted in by the transfer: madvise("
-                             "MADV_POPULATE_WRITE): %s", errno.errorcode.get(ctypes.get_errno()))
+                if _libc.madvise(a, (b - a + page - 1) & ~(page - 1), self.advice):
+                    log.info("pages are faulted in by the transfer: madvise(%s): %s",
+                             _ADVICE[self.advice], errno.errorcode.get(ctypes.get_errno()))
                     return
                 a = b
 
@@ -208,13 +213,13 @@ class PeerLink:
             f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
             if f["op"] != "metadata":
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
-            agent = nixl.add_remote(_wire.metadata(f))
+            agent, _ = self.bridge.agents.load(nixl, _wire.metadata(f))
             _wire.send(sock, {"op": "metadata", "metadata":
                               base64.b64encode(nixl.metadata()).decode()})
         except BaseException as e:
             sock.close()
             if agent is not None:
-                nixl.remove_remote(agent)
+                self.bridge.agents.unload(nixl, agent)
             self.bridge.agents.let_go(nixl)
             if isinstance(e, _wire.FrameError):
                 raise ConnectionError(errno.EPROTO, f"protocol error: {e}") from None
@@ -234,7 +239,8 @@ class PeerLink:
                     follow.lost()
         removed = True
         if self.agent is not None:
-            removed = self.nixl.remove_remote(self.agent)
+            # (not removed while another connection holds the same agent: not fenced off)
+            removed = self.bridge.agents.unload(self.nixl, self.agent)
             self.agent = None
         if self.nixl is not None:
             self.bridge.agents.let_go(self.nixl)

@@ -144,6 +144,10 @@ class Agents:
         self._full_logged = False
         self._failed_logged = False
         self.replaced = 0
+        # (agent, peer's agent name): the connections that loaded that peer into agent. Held
+        # across NIXL's add and remove, so that a remove never undoes another's add.
+        self._loaded = {}
+        self._load_lock = threading.Lock()
 
     def hold(self, agent=None):
         """Hold agent (None: the one in use) until let_go(agent); the agent. An agent held
@@ -154,6 +158,40 @@ class Agents:
             assert id(agent) in self._held, f"NIXL agent {agent.name} held after its end"
             self._held[id(agent)] += 1
             return agent
+
+    def load(self, agent, blob):
+        """Load a peer's metadata blob into agent for one connection: (the peer's agent name,
+        how many other connections had loaded it). NIXL knows a peer's agent by name only and
+        loads the same metadata twice, so a name loaded for several connections (two links to
+        one bridge, or a token holder replaying another peer's metadata) is counted, and
+        removed by the last unload()."""
+        with self._load_lock:
+            name = agent.add_remote(blob)
+            others = self._loaded.get((agent, name), 0)
+            self._loaded[(agent, name)] = others + 1
+        return name, others
+
+    def load_partial(self, agent, blob, expected):
+        """Load blob, a transfer's metadata of the peer's agent expected, into agent: the name
+        it names. One that names an agent not loaded before is removed again."""
+        with self._load_lock:
+            known = agent.remote_names()
+            name = agent.add_remote(blob)
+            if name != expected and name not in known:
+                agent.remove_remote(name)
+        return name
+
+    def unload(self, agent, name):
+        """A connection lets go of the peer's agent name it load()ed: removed from agent once
+        no connection holds it; whether it was (its UCX connections closed: it can no longer
+        write here)."""
+        with self._load_lock:
+            left = self._loaded.get((agent, name), 1) - 1
+            if left > 0:
+                self._loaded[(agent, name)] = left
+                return False
+            self._loaded.pop((agent, name), None)
+            return agent.remove_remote(name)
 
     def let_go(self, agent):
         with self._lock:

@@ -39,9 +39,40 @@ LEASE_TTL = 30.0
 TICK = 0.25
 # Leases one peer connection may hold at once (each is a dlpackd reference).
 LEASES_MAX = 64
-# Local clients the bridge serves at once, and peers it accepts at once.
-CLIENTS_MAX = 64
+# Bytes under lease: what one peer connection's leases may hold, and all of them together (a
+# storage leased by several connections, one generation of an entry, counted once). Past
+# either a get is refused with EAGAIN, naming the limit; one lease of any size is granted
+# where the connection (or the bridge) holds none. A lease maps its entry without populating
+# it, but holds the generation's memory in dlpackd after a REPLACE; an importer holds one
+# lease at a time.
+LEASE_BYTES_PER_CONNECTION_MAX = 64 << 30
+LEASE_BYTES_MAX = 1 << 40
+# Peers the bridge serves at once: a connection takes a slot only once its proof checked out.
 PEERS_MAX = 64
+# Connections not authenticated yet: at most UNAUTH_MAX at once, UNAUTH_PER_ADDR_MAX of them
+# from one source (an IPv4 address, an IPv6 /64), each given AUTH_DEADLINE seconds from accept
+# to prove the token. Past either, the oldest such connection (of that source, or of all) is
+# dropped to make room for the new one, so that strangers must open that many connections
+# within a peer's handshake to keep it out (refusing the new one let a stranger on a peer's
+# address keep it out by reconnecting every AUTH_DEADLINE).
+UNAUTH_MAX = 32
+UNAUTH_PER_ADDR_MAX = 4
+AUTH_DEADLINE = 2.0
+# Connections the kernel queues for the accepting threads: a burst of strangers that fills the
+# queue makes a peer's connect wait a second for its SYN to be sent again.
+LISTEN_BACKLOG = 128
+# Local clients the bridge serves at once (root's are not counted: no other uid can lock it
+# out), those of one uid, root's included (SO_PEERCRED), and the seconds a local connection may
+# wait between two requests before it is closed (bridge.fetch() and status() send theirs as they
+# connect).
+CLIENTS_MAX = 64
+CLIENTS_PER_UID_MAX = 16
+CLIENT_IDLE_TIMEOUT = 30.0
+# Refused connections (at accept, or failing the authentication) are logged at most once every
+# REFUSED_LOG_INTERVAL seconds: the first at once, the others summed up in one line at the end
+# of the interval, by source (at most REFUSED_LOG_SOURCES named, the rest counted together).
+REFUSED_LOG_INTERVAL = 10.0
+REFUSED_LOG_SOURCES = 8
 # Host memory the exporter holds at once for device entries staged on their way out (each is
 # copied to host memory for its lease; --staging-max sets it), and device entries one peer
 # connection may hold staged at once.
@@ -66,13 +97,86 @@ def parse_addr(text, what):
 class Lease:
     """An exported entry held for one importer: the attach is the dlpackd reference."""
 
-    def __init__(self, lid, name, generation, tensors, ttl):
+    def __init__(self, lid, name, generation, tensors, ttl, storage=None, nbytes=0):
         self.id = lid
         self.name = name
         self.generation = generation
         self.tensors = tensors          # [(key, SharedTensor)]
         self.expires = time.monotonic() + ttl
         self.staged = 0                 # bytes of host memory staged for a device entry
+        # what it is charged to in Bridge.leased: (name, generation, created_ns), or None
+        self.storage = storage
+        self.nbytes = nbytes
+
+
+class _Pending:
+    """A peer connection not authenticated yet (Bridge._unauth)."""
+
+    def __init__(self, sock, source):
+        self.sock = sock
+        self.source = source
+        self.since = time.monotonic()
+        self.evicted = None             # why it was dropped to make room, naming the limit
+
+
+def _source(addr):
+    """Where a peer connection comes from, as UNAUTH_PER_ADDR_MAX counts: its IPv4 address, or
+    its IPv6 /64 (a host may hold a whole /64)."""
+    try:
+        ip = ipaddress.ip_address(addr[0])
+    except ValueError:
+        return str(addr[0])
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class _Refusals:
+    """Refused connections, logged at most once every REFUSED_LOG_INTERVAL: the first of a
+    quiet spell at once, the others counted by where they came from and summed up in one
+    line once the interval is over (flush(), from the housekeeping thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._quiet_from = 0.0      # time.monotonic() from which a refusal is logged at once
+        self._counts = {}           # (what, source): [refusals, the last reason]
+        self._others = 0            # refusals from sources past REFUSED_LOG_SOURCES
+
+    def note(self, what, source, why):
+        """A what ("peer", "local client") from source refused for why."""
+        now = time.monotonic()
+        with self._lock:
+            at_once = now >= self._quiet_from and not self._counts and not self._others
+            if at_once:
+                self._quiet_from = now + REFUSED_LOG_INTERVAL
+            elif (what, source) in self._counts or len(self._counts) < REFUSED_LOG_SOURCES:
+                c = self._counts.setdefault((what, source), [0, why])
+                c[0] += 1
+                c[1] = why
+            else:
+                self._others += 1
+        if at_once:
+            log.warning("refusing a %s from %s: %s (further refusals are summed up every "
+                        "%g s: REFUSED_LOG_INTERVAL)", what, source, why, REFUSED_LOG_INTERVAL)
+
+    def flush(self):
+        """Log the refusals counted, once the interval is over."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._quiet_from or not (self._counts or self._others):
+                return
+            counts, others = self._counts, self._others
+            self._counts, self._others = {}, 0
+            self._quiet_from = now + REFUSED_LOG_INTERVAL
+        parts = [f"{n} {what}s from {source} (last: {why})" for (what, source), (n, why) in
+                 sorted(counts.items(), key=lambda kv: -kv[1][0])]
+        if others:
+            parts.append(f"{others} from other sources (past REFUSED_LOG_SOURCES)")
+        log.warning("refused %d more connections within REFUSED_LOG_INTERVAL (%g s): %s",
+                    sum(n for n, _ in counts.values()) + others, REFUSED_LOG_INTERVAL,
+                    "; ".join(parts))
 
 
 class Staging:
@@ -237,8 +341,18 @@ class Bridge:
         self._lease_seq = 0
         self.leases = 0
         self.counts = {"served": 0, "fetched": 0, "refused": 0, "aborted": 0, "writing": 0}
-        self._clients = threading.BoundedSemaphore(CLIENTS_MAX)
+        self._init_limits()
+
+    def _init_limits(self):
+        """The connections' and leases' counts (under self._lock)."""
         self._peers_in = threading.BoundedSemaphore(PEERS_MAX)
+        self._unauth = {}           # source: [_Pending], oldest first
+        self._unauth_n = 0
+        self._clients_of = {}       # uid: its local connections
+        self._clients_n = 0         # local connections of uids other than root
+        self.leased = {}            # Lease.storage: [leases, bytes]
+        self.leased_bytes = 0
+        self.refusals = _Refusals()
 
     def _registry(self, args):
         """--registry: the etcd client, this bridge's record if it exports (--listen), and
@@ -384,9 +498,43 @@ class Bridge:
             self.leases += 1
             return f"{self.agent_name}/{self._lease_seq}"
 
-    def lease_ended(self):
+    def lease_ended(self, lease):
         with self._lock:
             self.leases -= 1
+        if lease.storage is not None:
+            self._lease_give(lease.storage)
+
+    def _lease_take(self, leases, name, storage, n):
+        """Charge a lease of n bytes of storage ((name, generation, created_ns)) to the
+        connection holding leases and to the bridge; BlockingIOError EAGAIN naming the limit it
+        would pass (LEASE_BYTES_PER_CONNECTION_MAX, LEASE_BYTES_MAX)."""
+        here = sum(lease.nbytes for lease in leases.values())
+        if here and here + n > LEASE_BYTES_PER_CONNECTION_MAX:
+            raise BlockingIOError(errno.EAGAIN, f"{name!r}: its {n} bytes would take this "
+                                  f"connection's leases from {here} bytes past "
+                                  f"LEASE_BYTES_PER_CONNECTION_MAX "
+                                  f"({LEASE_BYTES_PER_CONNECTION_MAX}): finish or release a "
+                                  "lease first")
+        with self._lock:
+            held = self.leased.get(storage)
+            if held is None:
+                if self.leased_bytes and self.leased_bytes + n > LEASE_BYTES_MAX:
+                    raise BlockingIOError(errno.EAGAIN, f"{name!r}: its {n} bytes would take "
+                                          f"what this bridge holds under lease from "
+                                          f"{self.leased_bytes} bytes past LEASE_BYTES_MAX "
+                                          f"({LEASE_BYTES_MAX}): try again later")
+                held = self.leased[storage] = [0, n]
+                self.leased_bytes += n
+            held[0] += 1
+
+    def _lease_give(self, storage):
+        """Give back one lease's charge on storage (_lease_take)."""
+        with self._lock:
+            held = self.leased[storage]
+            held[0] -= 1
+            if held[0] == 0:
+                del self.leased[storage]
+                self.leased_bytes -= held[1]
 
     # -- threads --------------------------------------------------------------------------
 
@@ -394,10 +542,10 @@ class Bridge:
         threads = [threading.Thread(target=self._housekeeping, name="housekeeping",
                                     daemon=True)]
         if tcp is not None:
-            threads.append(threading.Thread(target=self._accept, args=(tcp, self._peer_thread,
-                                            self._peers_in, "peer"), daemon=True))
-        threads.append(threading.Thread(target=self._accept, args=(unix, self._client_thread,
-                                        self._clients, "client"), daemon=True))
+            threads.append(threading.Thread(target=self._accept, args=(tcp, self._admit_peer),
+                                            daemon=True))
+        threads.append(threading.Thread(target=self._accept, args=(unix, self._admit_client),
+                                        daemon=True))
         for follow in self.follows:
             threads.append(threading.Thread(target=follow.run, name=f"follow {follow.local}",
                                             daemon=True))
@@ -424,7 +572,8 @@ class Bridge:
         failed = {}         # step: what it last failed with (logged once, until it changes)
         while not self.stop.wait(1.0):
             # each step on its own: one that fails must not end the others for good
-            for step in (self.quarantine.sweep, self._agents_tick, self._close_retired):
+            for step in (self.quarantine.sweep, self._agents_tick, self._close_retired,
+                         self.refusals.flush):
                 try:
                     step()
                     failed.pop(step.__name__, None)
@@ -445,7 +594,9 @@ class Bridge:
         for link in links:
             link.close_if_retired()
 
-    def _accept(self, lsock, target, slots, what):
+    def _accept(self, lsock, admit):
+        """Accept connections on lsock, each handed to admit(sock, addr), which serves it on a
+        thread of its own or refuses it."""
         lsock.settimeout(0.5)
         while not self.stop.is_set():
             try:
@@ -455,63 +606,139 @@ class Bridge:
             except OSError as e:
                 if self.stop.is_set():
                     return
-                log.error("accepting a %s: %s", what, e)
+                log.error("accepting a connection: %s", e)
                 time.sleep(0.1)
                 continue
-            if not slots.acquire(blocking=False):
-                log.warning("refusing a %s from %s: %d already served", what, addr,
-                            CLIENTS_MAX if what == "client" else PEERS_MAX)
-                _wire.send_error(sock, "EAGAIN", f"too many {what}s")
+            try:
+                admit(sock, addr)
+            except Exception:
+                log.exception("admitting a connection from %s", addr)
                 sock.close()
-                continue
-            threading.Thread(target=self._run, args=(target, sock, addr, slots),
-                             daemon=True).start()
 
-    def _run(self, target, sock, addr, slots):
+    def _refuse(self, sock, what, source, errname, why):
+        """Refuse a connection at accept: one error frame, closed, the log rate-limited."""
+        self.refusals.note(what, source, why)
+        _wire.send_error(sock, errname, why)
+        sock.close()
+
+    def _run(self, target, sock, *args, who="?"):
         try:
-            target(sock, addr)
+            target(sock, *args)
         except Exception:
-            log.exception("connection from %s", addr)
+            log.exception("connection %s", who)
         finally:
             sock.close()
-            slots.release()
 
     # -- the exporting side: a peer's control connection ---------------------------------
 
-    def _peer_thread(self, sock, addr):
+    def _admit_peer(self, sock, addr):
+        """A peer connection, counted among those not authenticated yet (UNAUTH_MAX,
+        UNAUTH_PER_ADDR_MAX; past either the oldest makes room), served on a thread of its
+        own."""
+        pending = _Pending(sock, _source(addr))
+        with self._lock:
+            mine = self._unauth.get(pending.source, [])
+            oldest = None
+            if len(mine) >= UNAUTH_PER_ADDR_MAX:
+                oldest = mine[0]
+                oldest.evicted = (f"dropped before it authenticated: {len(mine)} newer "
+                                  f"connections from {pending.source} came (UNAUTH_PER_ADDR_MAX "
+                                  f"{UNAUTH_PER_ADDR_MAX})")
+            elif self._unauth_n >= UNAUTH_MAX:
+                oldest = min((p for ps in self._unauth.values() for p in ps),
+                             key=lambda p: p.since)
+                oldest.evicted = (f"dropped before it authenticated: {self._unauth_n} newer "
+                                  f"connections came (UNAUTH_MAX {UNAUTH_MAX})")
+            if oldest is not None:
+                # its thread reads the end of the connection and says why. Shut down under the
+                # lock, while that thread, which takes it to let go of its entry, cannot have
+                # closed the socket yet
+                self._unauthenticated(oldest)
+                try:
+                    oldest.sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+            self._unauth.setdefault(pending.source, []).append(pending)
+            self._unauth_n += 1
+        threading.Thread(target=self._run, args=(self._peer_thread, sock, addr, pending),
+                         kwargs={"who": f"from {addr}"}, daemon=True).start()
+
+    def _unauthenticated(self, pending):
+        """pending no longer counts among the connections not authenticated (under
+        self._lock); whether it still did."""
+        mine = self._unauth.get(pending.source, [])
+        if pending not in mine:
+            return False
+        mine.remove(pending)
+        if not mine:
+            del self._unauth[pending.source]
+        self._unauth_n -= 1
+        return True
+
+    def _authenticate(self, sock, addr, pending):
+        """The peer's hello once it proved the token within AUTH_DEADLINE, or None (refused,
+        counted and logged at most once every REFUSED_LOG_INTERVAL). pending (None: not
+        counted) is let go of either way."""
+        hello = why = None
+        evicted = False
+        try:
+            try:
+                hello = _wire.auth_server(sock, self.token, AUTH_DEADLINE)
+            except PermissionError as e:
+                why = e.strerror or str(e)
+            except _wire.FrameError as e:   # a malformed hello or proof: refused as well
+                why = str(e)
+                _wire.send_error(sock, e.errname, why)
+            except TimeoutError:
+                why = f"not authenticated within AUTH_DEADLINE ({AUTH_DEADLINE:g} s)"
+            except OSError as e:
+                why = str(e) or type(e).__name__
+        finally:
+            if pending is not None:
+                with self._lock:
+                    evicted = not self._unauthenticated(pending)
+        if evicted:
+            hello, why = None, pending.evicted
+            _wire.send_error(sock, "EAGAIN", f"{why}: try again")
+        if hello is None:
+            self.count("refused")
+            self.refusals.note("peer", _source(addr), f"{addr[0]}:{addr[1]}: {why}")
+        return hello
+
+    def _peer_thread(self, sock, addr, pending=None):
         who = f"{addr[0]}:{addr[1]}"
         leases = {}
         remote = None
         nixl = None
         dl = None
+        slot = False
         sub = _push.Subscriber(who)
         try:
             _keepalive(sock)
-            try:
-                hello = _wire.auth_server(sock, self.token)
-            except PermissionError as e:
-                self.count("refused")
-                log.warning("peer %s refused: %s", who, e.strerror or e)
+            hello = self._authenticate(sock, addr, pending)
+            if hello is None:
                 return
-            except _wire.FrameError as e:   # a malformed hello or proof: refused as well
+            if not self._peers_in.acquire(blocking=False):
                 self.count("refused")
-                log.warning("peer %s refused: %s", who, e)
-                _wire.send_error(sock, e.errname, str(e))
+                why = f"{PEERS_MAX} peers are connected (PEERS_MAX): try again later"
+                self.refusals.note("peer", _source(addr), f"{who}: {why}")
+                _wire.send_error(sock, "EAGAIN", why)
                 return
-            except (TimeoutError, ConnectionError) as e:
-                self.count("refused")
-                log.warning("peer %s refused: %s", who, e)
-                return
+            slot = True
             who = f"{str(hello.get('from', '?'))[:200]!r} at {who}"  # peer-chosen: quoted
             # the agent in use now serves this connection to its end (a replaced one too)
             nixl = self.agents.hold()
             _wire.send(sock, {"op": "metadata", "agent": nixl.name,
                               "metadata": base64.b64encode(nixl.metadata()).decode()})
-            f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
+            f = _recv_request(sock)
             if f["op"] != "metadata":
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
-            remote = nixl.add_remote(_wire.metadata(f))
+            remote, others = self.agents.load(nixl, _wire.metadata(f))
             log.info("peer %s connected (agent %r)", who, remote)
+            if others:
+                log.info("peer %s: agent %r is loaded for %d other connection(s) as well: it "
+                         "stays loaded until the last of them ends", who, remote, others)
+            del f
             dl = self.dlpackd(reconnect=True)
             sub.who = who
             while not self.stop.is_set():
@@ -524,22 +751,8 @@ class Bridge:
                     return
                 if sub.names:
                     self.publisher.flush(sock, dl, sub)
-                if not _wire.readable(sock, TICK):
-                    continue
-                f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
-                op = f["op"]
-                if op == "get":
-                    self._get(sock, dl, f, leases, who)
-                elif op == "put":
-                    self._put(sock, f, leases, nixl, remote, who)
-                elif op == "stat":
-                    self._stat(sock, dl, f)
-                elif op == "subscribe":
-                    self._subscribe(sock, dl, f, sub, who)
-                elif op == "release":
-                    self._end(leases.pop(str(f.get("lease")), None), "released")
-                else:
-                    raise _wire.FrameError("EPROTO", f"unknown op {op!r}")
+                if _wire.readable(sock, TICK):
+                    self._peer_request(sock, dl, leases, nixl, remote, sub, who)
         except _wire.FrameError as e:
             log.warning("peer %s: %s: disconnecting", who, e)
             _wire.send_error(sock, e.errname, str(e))
@@ -557,15 +770,37 @@ class Bridge:
             for lease in list(leases.values()):
                 self._end(lease, "connection lost")
             if remote is not None:
-                nixl.remove_remote(remote)
+                self.agents.unload(nixl, remote)
             if nixl is not None:
                 self.agents.let_go(nixl)
             if dl is not None:
                 dl.close()
+            if slot:
+                self._peers_in.release()
 
-    def _expire(self, leases, who):
+    def _peer_request(self, sock, dl, leases, nixl, remote, sub, who):
+        """Read and serve one request of the peer: the frame is let go of on return, before
+        the connection waits for the next one."""
+        f = _recv_request(sock)
+        op = f["op"]
+        if op == "get":
+            self._get(sock, dl, f, leases, who)
+        elif op == "put":
+            self._put(sock, f, leases, nixl, remote, who)
+        elif op == "stat":
+            self._stat(sock, dl, f)
+        elif op == "subscribe":
+            self._subscribe(sock, dl, f, sub, who)
+        elif op == "release":
+            self._end(leases.pop(str(f.get("lease")), None), "released")
+        else:
+            raise _wire.FrameError("EPROTO", f"unknown op {op!r}")
+
+    def _expire(self, leases, who, busy=None):
+        """End the leases past their TTL, but busy (the lease id of the WRITE under way)."""
         now = time.monotonic()
-        for lid in [lid for lid, lease in leases.items() if lease.expires <= now]:
+        for lid in [lid for lid, lease in leases.items() if lease.expires <= now and
+                    lid != busy]:
             log.info("peer %s: lease %s expired", who, lid)
             self._end(leases.pop(lid), "expired")
 
@@ -578,7 +813,7 @@ class Bridge:
             for _, t in tensors:
                 _quiet(t.release)
         finally:
-            self.lease_ended()
+            self.lease_ended(lease)
         log.debug("lease %s on %r ended: %s", lease.id, lease.name, why)
 
     def _quarantine(self, lease, nixl, why, xfer, reg):
@@ -586,7 +821,7 @@ class Bridge:
         to the quarantine, and free its slot."""
         self.quarantine.add(nixl, why, xfer, reg, [t for _, t in lease.tensors])
         lease.tensors = []
-        self.lease_ended()
+        self.lease_ended(lease)
 
     def _finish(self, lease, nixl, xfer, reg, who):
         """A transfer done (or never posted: xfer None): give back its handle, its
@@ -674,35 +909,51 @@ class Bridge:
                 "(QUARANTINE_MAX): try again later", id=rid))
         try:
             # a device entry's copy to the host waits on the legacy default stream for the
-            # publisher's work (host entries ignore the stream)
-            ts = dl.attach_dict(name, timeout=0, mode="strict", stream=1, populate=True)
+            # publisher's work (host entries ignore the stream). Not populated: its pages are
+            # mapped when the WRITE reads them (_put), not for as long as a lease waits.
+            ts = dl.attach_dict(name, timeout=0, mode="strict", stream=1, populate=False)
         except OSError as e:
             return _wire.send(sock, _wire.error_frame(
                 errno.errorcode.get(e.errno, "EIO"), f"{name!r}: {e.strerror or e}", id=rid))
         except (ValueError, TypeError) as e:
             return _wire.send(sock, _wire.error_frame("EINVAL", f"{name!r}: {e}", id=rid))
         tensors = list(ts.items())
+        del ts
         gen = tensors[0][1].generation
         bundle = not (len(tensors) == 1 and tensors[0][0] == "")
         device = tensors[0][1].device
+        created = _created_ns(dl, name, gen)
+        storage = (name, gen, created)
+        n = sum(t.nbytes for _, t in tensors)
+        try:
+            self._lease_take(leases, name, storage, n)
+        except OSError as e:
+            for _, t in tensors:
+                _quiet(t.release)
+            log.info("peer %s: %s", who, e.strerror)
+            return _wire.send(sock, _wire.error_frame("EAGAIN", e.strerror, id=rid))
         staged = 0
         if device != "cpu":
             try:
                 tensors = self._staged(sock, dl, f.get("id"), devices, leases, name, tensors,
                                        bundle)
             except OSError as e:
+                self._lease_give(storage)
                 log.info("peer %s: %s", who, e.strerror or e)
                 # the name older bridges sent for a device entry (errorcode says ENOTSUP)
                 errname = "EOPNOTSUPP" if e.errno == errno.EOPNOTSUPP else \
                     errno.errorcode.get(e.errno, "EIO")
                 return _wire.send(sock, _wire.error_frame(errname, e.strerror or str(e),
                                                           id=rid))
-            staged = sum(t.nbytes for _, t in tensors)
-        lease = Lease(self.new_lease_id(), name, gen, tensors, self.ttl)
+            except BaseException:
+                self._lease_give(storage)
+                raise
+            staged = n
+        lease = Lease(self.new_lease_id(), name, gen, tensors, self.ttl, storage, n)
         lease.staged = staged
         leases[lease.id] = lease
         layout = {"op": "layout", "id": rid, "lease": lease.id, "generation": gen,
-                  "created_ns": _created_ns(dl, name, gen),
+                  "created_ns": created,
                   "bundle": bundle, "ttl": self.ttl,
                   "tensors": [[k, t.dtype, list(t.shape), t.nbytes] for k, t in tensors]}
         if device != "cpu":
@@ -754,8 +1005,7 @@ class Bridge:
         try:
             # the importer's registration of its replica: loaded for each transfer, into the
             # peer's own agent (removed when the connection closes)
-            known = nixl.remote_names()
-            agent = nixl.add_remote(_wire.metadata(f))
+            agent = self.agents.load_partial(nixl, _wire.metadata(f), remote)
         except _wire.FrameError:
             self._end(leases.pop(lid), "bad metadata")
             raise
@@ -764,14 +1014,13 @@ class Bridge:
             return _wire.send(sock, _wire.error_frame(
                 "EPROTO", f"put for lease {lid}: NIXL refused the metadata: {e!r}", id=rid))
         if agent != remote:
-            if agent not in known:
-                nixl.remove_remote(agent)
             self._end(leases.pop(lid), "metadata of another agent")
             raise _wire.FrameError("EPROTO", f"put for lease {lid}: metadata of agent {agent!r},"
                                    f" not of the peer's {remote!r}")
         # registered only for the transfer; deregistered before the attach is dropped
         reg = nixl.register(*_span(live))
         xfer = None
+        pop = None
         ok = False
         failure = None
         try:
@@ -780,13 +1029,24 @@ class Bridge:
             limit = _importer.transfer_deadline(sum(t.nbytes for t in live))
             lease.expires = max(lease.expires, t0 + limit)
             self.count("writing")
+            if not lease.staged:
+                # the entry's pages are mapped ahead of the WRITE, which reads every byte
+                # (a staged copy was written here: mapped already)
+                pop = _importer._Populate([(t.data_ptr, t.nbytes) for t in live],
+                                          _importer.MADV_POPULATE_READ)
             xfer, st = nixl.write([(t.data_ptr, t.nbytes) for t in live],
                                   [tuple(d) for d in descs], remote, lid.encode())
             deadline = t0 + limit
+            look = t0 + TICK
             while st == "PROC":
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TimeoutError(f"WRITE of {lease.name!r} not done in {limit:g} s "
                                        "(TRANSFER_GRACE + its bytes at TRANSFER_MIN_RATE)")
+                if now >= look:
+                    # no frame is read meanwhile: the connection's other leases expire here
+                    self._expire(leases, who, busy=lid)
+                    look = now + TICK
                 if _peer_closed(sock):
                     raise ConnectionResetError("importer closed the connection mid-transfer")
                 time.sleep(POLL)
@@ -805,6 +1065,8 @@ class Bridge:
             log.info("peer %s: wrote %r (generation %d, %d bytes) in %.3f s, %.2f GB/s",
                      who, lease.name, lease.generation, n, dt, n / max(dt, 1e-9) / 1e9)
         finally:
+            if pop is not None:
+                pop.finish()
             self.count("writing", -1)
             leases.pop(lid, None)
             if ok:
@@ -823,43 +1085,87 @@ class Bridge:
 
     # -- the local side ----------------------------------------------------------------------
 
-    def _client_thread(self, sock, addr):
-        dl = None
+    def _admit_client(self, sock, addr):
+        """A local connection, counted against its uid's CLIENTS_PER_UID_MAX and, but root's,
+        CLIENTS_MAX: served on a thread of its own, or refused."""
         # the caller, from the kernel: its fetches are charged to its uid
         # struct ucred: pid_t pid, uid_t uid, gid_t gid (uid_t and gid_t unsigned)
         pid, uid, _ = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                            struct.calcsize("iII")))
+        with self._lock:
+            mine = self._clients_of.get(uid, 0)
+            if mine >= CLIENTS_PER_UID_MAX:
+                why = (f"uid {uid} has {mine} connections to this bridge (CLIENTS_PER_UID_MAX "
+                       f"{CLIENTS_PER_UID_MAX}): try again later")
+            elif uid != 0 and self._clients_n >= CLIENTS_MAX:
+                why = (f"{self._clients_n} local clients are served (CLIENTS_MAX "
+                       f"{CLIENTS_MAX}): try again later")
+            else:
+                why = None
+                self._clients_of[uid] = mine + 1
+                self._clients_n += uid != 0
+        if why is not None:
+            return self._refuse(sock, "local client", f"uid {uid}", "EAGAIN", why)
+        threading.Thread(target=self._run, args=(self._client_thread, sock, uid, pid),
+                         kwargs={"who": f"of local uid {uid} (pid {pid})"}, daemon=True).start()
+
+    def _client_thread(self, sock, uid, pid):
+        conn = {"dl": None}
+        idle = time.monotonic()
         try:
             while not self.stop.is_set():
                 if not _wire.readable(sock, 0.5):
+                    if time.monotonic() - idle > CLIENT_IDLE_TIMEOUT:
+                        log.info("local client uid %d (pid %d): idle for CLIENT_IDLE_TIMEOUT "
+                                 "(%g s): closing", uid, pid, CLIENT_IDLE_TIMEOUT)
+                        _wire.send_error(sock, "ETIMEDOUT", "no request within "
+                                         f"CLIENT_IDLE_TIMEOUT ({CLIENT_IDLE_TIMEOUT:g} s): "
+                                         "closed")
+                        return
                     continue
-                try:
-                    f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
-                except ConnectionResetError:
+                if not self._client_request(sock, conn, uid, pid):
                     return
-                if f["op"] == "status":
-                    reply = self.status()
-                elif f["op"] in ("fetch", "drop"):
-                    handle = self._fetch if f["op"] == "fetch" else self._drop
-                    try:
-                        if dl is None:
-                            dl = self.dlpackd()
-                    except OSError as e:
-                        reply = _wire.error_frame(
-                            "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
-                    else:
-                        reply = handle(dl, f, uid, pid)
-                else:
-                    raise _wire.FrameError("EPROTO", f"unknown op {f['op']!r}")
-                _wire.send(sock, reply)
+                idle = time.monotonic()
         except _wire.FrameError as e:
             log.warning("local client uid %d (pid %d): %s: disconnecting", uid, pid, e)
             _wire.send_error(sock, e.errname, str(e))
         except OSError as e:
             log.info("local client uid %d (pid %d): %s", uid, pid, e)
         finally:
-            if dl is not None:
-                dl.close()
+            if conn["dl"] is not None:
+                conn["dl"].close()
+            with self._lock:
+                self._clients_of[uid] -= 1
+                if not self._clients_of[uid]:
+                    del self._clients_of[uid]
+                self._clients_n -= uid != 0
+
+    def _client_request(self, sock, conn, uid, pid):
+        """Read and answer one request of a local client (at most LOCAL_FRAME_MAX): whether the
+        connection is still open. The frame is let go of on return, before the connection waits
+        for the next one; conn["dl"] is the connection's dlpackd client, made at its first
+        fetch or drop."""
+        try:
+            f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT, _wire.LOCAL_FRAME_MAX,
+                           "LOCAL_FRAME_MAX")
+        except ConnectionResetError:
+            return False
+        if f["op"] == "status":
+            reply = self.status()
+        elif f["op"] in ("fetch", "drop"):
+            handle = self._fetch if f["op"] == "fetch" else self._drop
+            try:
+                if conn["dl"] is None:
+                    conn["dl"] = self.dlpackd()
+            except OSError as e:
+                reply = _wire.error_frame(
+                    "ECONNREFUSED", f"this host's dlpackd cannot be reached: {e}")
+            else:
+                reply = handle(conn["dl"], f, uid, pid)
+        else:
+            raise _wire.FrameError("EPROTO", f"unknown op {f['op']!r}")
+        _wire.send(sock, reply)
+        return True
 
     def status(self):
         replicas = self.replicas.summary()      # not under the bridge's lock
@@ -1001,6 +1307,13 @@ def _created_ns(dl, name, generation):
     return entry.created_ns if entry is not None and entry.generation == generation else None
 
 
+def _recv_request(sock):
+    """A peer's next request (its first bytes have arrived), refused past REQUEST_VALUES_MAX
+    before it is parsed."""
+    return _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT,
+                      values=_wire.REQUEST_VALUES_MAX, values_name="REQUEST_VALUES_MAX")
+
+
 def _peer_closed(sock):
     """Whether the peer closed (EOF waiting) without consuming a frame it may have sent."""
     if not _wire.readable(sock, 0):
@@ -1037,7 +1350,7 @@ def _listen_tcp(addr):
     s = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(sa)
-    s.listen(16)
+    s.listen(LISTEN_BACKLOG)
     return s
 
 
@@ -1065,5 +1378,5 @@ def _listen_unix(path, mode):
     finally:
         os.umask(old)
     os.chmod(path, mode)
-    s.listen(16)
+    s.listen(LISTEN_BACKLOG)
     return s

@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import select
 import socket
 import struct
@@ -23,7 +24,19 @@ FRAME_MAX = 8 << 20
 # is about 200 bytes. Parsing costs many times a frame's size in memory (an 8 MiB frame of
 # small JSON values takes ~180 MiB), so a stranger gets no more than this.
 AUTH_FRAME_MAX = 1 << 10
-# How long a peer has to complete the authentication, in seconds.
+# The largest frame a local client may send the bridge (fetch, drop, status): a name of NAME_MAX
+# bytes, each escaped as \uXXXX, takes 1,530.
+LOCAL_FRAME_MAX = 4 << 10
+# The most commas and opening brackets (outside strings) a frame may hold: they bound the JSON
+# values parsing makes, each a Python object of 30-70 bytes (an 8 MiB frame of "{}," would
+# make 2.8 million of them, ~200 MiB). A layout of BUNDLE_MAX tensors of NDIM_MAX (32)
+# dimensions holds ~610,000.
+VALUES_MAX = 1 << 20
+# The most a request of a peer to the exporter (get, put, stat, subscribe, release, metadata)
+# may hold: the largest, a put of BUNDLE_MAX (16,384) descriptors, holds 3 a descriptor.
+REQUEST_VALUES_MAX = 1 << 16
+# How long the connecting side gives the authentication, and a frame to arrive whole once it
+# began, in seconds (the accepting bridge gives a peer _server.AUTH_DEADLINE to authenticate).
 AUTH_TIMEOUT = 10.0
 # Bytes of randomness in each side's nonce.
 NONCE_BYTES = 32
@@ -33,6 +46,10 @@ PROTOCOL_VERSION = 2
 TOKEN_MIN = 32
 
 _HEADER = struct.Struct(">I")
+# A JSON string, to count the structure outside strings; and the escape of a UTF-16 surrogate,
+# which json.loads turns into a lone surrogate when it is not half of a pair.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 # The longest message a FrameError keeps: what a peer put in a frame (an op, a lease id) may
@@ -88,19 +105,39 @@ def _recv_exact(sock, n, deadline):
     return bytes(buf)
 
 
-def recv(sock, deadline=None, limit=FRAME_MAX, limit_name="FRAME_MAX"):
-    """Read one frame; a dict. deadline: time.monotonic() value or None (wait for ever);
-    limit: the largest body accepted (AUTH_FRAME_MAX before authentication), named limit_name.
+def _values(body):
+    """body's commas and opening brackets, and 1: at least the JSON values it holds."""
+    return body.count(b",") + body.count(b"[") + body.count(b"{") + 1
 
-    Raises FrameError (oversized frame, bad UTF-8 or JSON, nested too deep, not an object),
-    TimeoutError, ConnectionResetError (EOF).
+
+def recv(sock, deadline=None, limit=FRAME_MAX, limit_name="FRAME_MAX", values=VALUES_MAX,
+         values_name="VALUES_MAX"):
+    """Read one frame; a dict. deadline: time.monotonic() value or None (wait for ever);
+    limit: the largest body accepted (AUTH_FRAME_MAX before authentication), named limit_name;
+    values: the most commas and opening brackets outside strings it may hold (VALUES_MAX;
+    REQUEST_VALUES_MAX for a peer's request), named values_name.
+
+    Raises FrameError (oversized frame, too many values, bad UTF-8 or JSON, a lone surrogate,
+    nested too deep, not an object), TimeoutError, ConnectionResetError (EOF).
     """
     (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if n > limit:
         raise FrameError("EMSGSIZE", f"frame of {n} bytes exceeds {limit_name} ({limit})")
     body = _recv_exact(sock, n, deadline)
+    # counted before parsing, which is what costs: commas inside strings count too at first,
+    # and only a frame over the limit so is counted again without its strings
+    if _values(body) > values and (count := _values(_STRING.sub(b"", body))) > values:
+        raise FrameError("EMSGSIZE", f"frame of {count - 1} commas and opening brackets "
+                         f"exceeds {values_name} ({values})")
     try:
         obj = json.loads(body.decode())
+        # names and keys go to dlpackd and the log as UTF-8: an escaped lone surrogate
+        # ("\\ud800") is not text (only a frame that escapes a surrogate is looked at)
+        if _SURROGATE.search(body):
+            json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise FrameError("EPROTO", "frame holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
+                         "not Unicode text") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise FrameError("EPROTO", f"frame is not UTF-8 JSON: {e}") from None
     except RecursionError:
@@ -224,13 +261,14 @@ def auth_client(sock, token, me, peer):
     return f
 
 
-def auth_server(sock, token):
+def auth_server(sock, token, timeout=None):
     """The accepting side: check the client's proof, and only then prove the token in the
-    welcome frame; returns the client's hello frame.
+    welcome frame, all within timeout seconds (None: AUTH_TIMEOUT); returns the client's hello
+    frame.
 
     Raises PermissionError (after sending the peer one error frame) when the proof is wrong.
     """
-    deadline = time.monotonic() + AUTH_TIMEOUT
+    deadline = time.monotonic() + (AUTH_TIMEOUT if timeout is None else timeout)
     hello = _recv_auth(sock, deadline)
     if hello["op"] != "hello":
         raise FrameError("EPROTO", f"expected hello, got {hello['op']!r}")
