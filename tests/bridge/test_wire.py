@@ -344,6 +344,14 @@ def test_a_frame_of_too_many_values_is_refused_before_it_is_parsed(pair, monkeyp
     t = _frame(a, _wire.encode({"op": "stat", "name": name})[4:])
     assert _wire.recv(b, time.monotonic() + 10, values=_wire.REQUEST_VALUES_MAX)["name"] == name
     t.join()
+    # a frame of escaped quotes and commas, no string closed, is counted in one pass (under a
+    # second): the search for strings once failed from each quote anew, hours for this frame
+    for tail in (b"", b"\\"):
+        body = b"x" + b'\\"' * (1 << 20) + b"," * (2 * _wire.REQUEST_VALUES_MAX) + tail
+        t = _frame(a, body)
+        with pytest.raises(_wire.FrameError, match="not UTF-8 JSON"):
+            _wire.recv(b, time.monotonic() + 60, values=_wire.REQUEST_VALUES_MAX)
+        t.join()
     # a layout of BUNDLE_MAX tensors of NDIM_MAX dimensions, and a put of as many descriptors
     import dlpack_ipc
     layout = {"op": "layout", "tensors": [[f"k{i}", "uint8", [1] * dlpack_ipc.NDIM_MAX, 1]
