@@ -3343,7 +3343,7 @@ def test_strangers_that_never_authenticate_keep_no_peer_out(guarded):
     per_addr = [f["message"] for f in said if "UNAUTH_PER_ADDR_MAX" in f["message"]]
     assert len(per_addr) >= _server.PEERS_MAX - 2 * _server.UNAUTH_PER_ADDR_MAX, said
     n = _server.UNAUTH_PER_ADDR_MAX
-    assert per_addr[0] == (f"dropped before it authenticated: {n} newer connections from "
+    assert per_addr[0] == (f"dropped before it authenticated: {n} other connections from "
                            f"127.0.0.1 came (UNAUTH_PER_ADDR_MAX {n}): try again")
     assert any(f"(UNAUTH_MAX {_server.UNAUTH_MAX})" in f["message"] for f in said), said
     _wait(lambda: h.status("H")["refused"] - before == len(held),

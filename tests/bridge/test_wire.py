@@ -3,6 +3,7 @@
 
 The bridge daemon's own handling of the same frames is driven over real sockets by netns.py.
 """
+import errno
 import json
 import os
 import socket
@@ -86,7 +87,7 @@ def test_recv_honours_its_deadline(pair):
         _wire.recv(b, time.monotonic() + 0.2)
 
 
-def _auth(token_c, token_s):
+def _auth(token_c, token_s, admit=None):
     """Run both sides of the authentication; (client's outcome, server's outcome, bytes seen)."""
     c, s = socket.socketpair()
     seen = bytearray()
@@ -94,7 +95,7 @@ def _auth(token_c, token_s):
 
     def server():
         try:
-            out["server"] = _wire.auth_server(s, token_s)
+            out["server"] = _wire.auth_server(s, token_s, admit=admit)
         except Exception as e:  # the outcome under test
             out["server"] = e
 
@@ -123,6 +124,22 @@ def test_auth_right_token():
     client, server, seen = _auth(tok, tok)
     assert client["op"] == "welcome" and server["from"] == "me"
     assert tok not in seen and tok.hex().encode() not in seen
+
+
+def test_auth_server_asks_admit_after_the_proof_and_before_the_welcome():
+    """admit() is asked only once the proof checked out; a reason it gives turns the peer away
+    with EAGAIN instead of the welcome (a bridge that dropped it meanwhile to make room for
+    strangers), and it sees no proof of the server's."""
+    tok = os.urandom(24).hex().encode()
+    asked = []
+    client, server, seen = _auth(tok, tok, admit=lambda: asked.append(1) or "dropped: full")
+    assert asked == [1]
+    assert isinstance(server, BlockingIOError) and server.errno == errno.EAGAIN
+    assert isinstance(client, OSError) and "dropped: full: try again" in str(client), client
+    client, server, _ = _auth(tok, tok, admit=lambda: asked.append(2))
+    assert asked == [1, 2] and client["op"] == "welcome" and server["from"] == "me"
+    client, server, _ = _auth(b"a" * 32, b"b" * 32, admit=lambda: asked.append(3))
+    assert asked == [1, 2] and isinstance(server, PermissionError)
 
 
 def test_auth_wrong_token_refused_on_both_sides():

@@ -16,6 +16,7 @@ import errno
 import ipaddress
 import logging
 import os
+import random
 import socket
 import stat
 import struct
@@ -51,10 +52,12 @@ LEASE_BYTES_MAX = 1 << 40
 PEERS_MAX = 64
 # Connections not authenticated yet: at most UNAUTH_MAX at once, UNAUTH_PER_ADDR_MAX of them
 # from one source (an IPv4 address, an IPv6 /64), each given AUTH_DEADLINE seconds from accept
-# to prove the token. Past either, the oldest such connection (of that source, or of all) is
-# dropped to make room for the new one, so that strangers must open that many connections
-# within a peer's handshake to keep it out (refusing the new one let a stranger on a peer's
-# address keep it out by reconnecting every AUTH_DEADLINE).
+# to prove the token. Past either, one such connection (of that source, or of all), chosen at
+# random, is dropped to make room for the new one, so that strangers keep a peer out only with
+# luck, or by opening many connections within its handshake (refusing the new one let a
+# stranger on a peer's address keep it out by reconnecting every AUTH_DEADLINE; dropping the
+# oldest let about 100 connections a second keep out a peer 50 ms away). A peer whose proof
+# checked out is no longer among them when it is sent its welcome.
 UNAUTH_MAX = 32
 UNAUTH_PER_ADDR_MAX = 4
 AUTH_DEADLINE = 2.0
@@ -346,7 +349,7 @@ class Bridge:
     def _init_limits(self):
         """The connections' and leases' counts (under self._lock)."""
         self._peers_in = threading.BoundedSemaphore(PEERS_MAX)
-        self._unauth = {}           # source: [_Pending], oldest first
+        self._unauth = {}           # source: [_Pending], in order of accept
         self._unauth_n = 0
         self._clients_of = {}       # uid: its local connections
         self._clients_n = 0         # local connections of uids other than root
@@ -633,29 +636,28 @@ class Bridge:
 
     def _admit_peer(self, sock, addr):
         """A peer connection, counted among those not authenticated yet (UNAUTH_MAX,
-        UNAUTH_PER_ADDR_MAX; past either the oldest makes room), served on a thread of its
-        own."""
+        UNAUTH_PER_ADDR_MAX; past either one of them, chosen at random, makes room), served on
+        a thread of its own."""
         pending = _Pending(sock, _source(addr))
         with self._lock:
             mine = self._unauth.get(pending.source, [])
-            oldest = None
+            victim = None
             if len(mine) >= UNAUTH_PER_ADDR_MAX:
-                oldest = mine[0]
-                oldest.evicted = (f"dropped before it authenticated: {len(mine)} newer "
+                victim = random.choice(mine)
+                victim.evicted = (f"dropped before it authenticated: {len(mine)} other "
                                   f"connections from {pending.source} came (UNAUTH_PER_ADDR_MAX "
                                   f"{UNAUTH_PER_ADDR_MAX})")
             elif self._unauth_n >= UNAUTH_MAX:
-                oldest = min((p for ps in self._unauth.values() for p in ps),
-                             key=lambda p: p.since)
-                oldest.evicted = (f"dropped before it authenticated: {self._unauth_n} newer "
+                victim = random.choice([p for ps in self._unauth.values() for p in ps])
+                victim.evicted = (f"dropped before it authenticated: {self._unauth_n} other "
                                   f"connections came (UNAUTH_MAX {UNAUTH_MAX})")
-            if oldest is not None:
+            if victim is not None:
                 # its thread reads the end of the connection and says why. Shut down under the
                 # lock, while that thread, which takes it to let go of its entry, cannot have
                 # closed the socket yet
-                self._unauthenticated(oldest)
+                self._unauthenticated(victim)
                 try:
-                    oldest.sock.shutdown(socket.SHUT_RD)
+                    victim.sock.shutdown(socket.SHUT_RD)
                 except OSError:
                     pass
             self._unauth.setdefault(pending.source, []).append(pending)
@@ -678,12 +680,20 @@ class Bridge:
     def _authenticate(self, sock, addr, pending):
         """The peer's hello once it proved the token within AUTH_DEADLINE, or None (refused,
         counted and logged at most once every REFUSED_LOG_INTERVAL). pending (None: not
-        counted) is let go of either way."""
+        counted) is let go of either way: once the proof checked out, before the welcome, so
+        that a peer welcomed is never dropped to make room for a stranger."""
         hello = why = None
-        evicted = False
+
+        def admit():
+            with self._lock:
+                if self._unauthenticated(pending):
+                    return None
+            return pending.evicted
+
         try:
             try:
-                hello = _wire.auth_server(sock, self.token, AUTH_DEADLINE)
+                hello = _wire.auth_server(sock, self.token, AUTH_DEADLINE,
+                                          admit if pending is not None else None)
             except PermissionError as e:
                 why = e.strerror or str(e)
             except _wire.FrameError as e:   # a malformed hello or proof: refused as well
@@ -691,15 +701,18 @@ class Bridge:
                 _wire.send_error(sock, e.errname, why)
             except TimeoutError:
                 why = f"not authenticated within AUTH_DEADLINE ({AUTH_DEADLINE:g} s)"
+            except BlockingIOError as e:    # admit() said why, and the peer was told
+                why = e.strerror
             except OSError as e:
                 why = str(e) or type(e).__name__
         finally:
             if pending is not None:
                 with self._lock:
-                    evicted = not self._unauthenticated(pending)
-        if evicted:
-            hello, why = None, pending.evicted
-            _wire.send_error(sock, "EAGAIN", f"{why}: try again")
+                    dropped = not self._unauthenticated(pending) and hello is None
+                if dropped and pending.evicted and why != pending.evicted:
+                    # the end came from the shutdown of its eviction: say why
+                    why = pending.evicted
+                    _wire.send_error(sock, "EAGAIN", f"{why}: try again")
         if hello is None:
             self.count("refused")
             self.refusals.note("peer", _source(addr), f"{addr[0]}:{addr[1]}: {why}")

@@ -263,12 +263,14 @@ def auth_client(sock, token, me, peer):
     return f
 
 
-def auth_server(sock, token, timeout=None):
+def auth_server(sock, token, timeout=None, admit=None):
     """The accepting side: check the client's proof, and only then prove the token in the
     welcome frame, all within timeout seconds (None: AUTH_TIMEOUT); returns the client's hello
-    frame.
+    frame. admit(), if given, is asked once the proof checked out, before the welcome: a reason
+    to turn the peer away after all (or None).
 
-    Raises PermissionError (after sending the peer one error frame) when the proof is wrong.
+    Raises PermissionError (after sending the peer one error frame) when the proof is wrong,
+    BlockingIOError EAGAIN (after sending it) when admit() gave a reason.
     """
     deadline = time.monotonic() + (AUTH_TIMEOUT if timeout is None else timeout)
     hello = _recv_auth(sock, deadline)
@@ -288,5 +290,9 @@ def auth_server(sock, token, timeout=None):
     if not _proof_ok(f, proof(token, "client", cn, sn)):
         send_error(sock, "EPERM", "authentication failed: wrong token")
         raise PermissionError(errno.EPERM, "authentication failed: wrong token")
+    why = admit() if admit is not None else None
+    if why is not None:
+        send_error(sock, "EAGAIN", f"{why}: try again")
+        raise BlockingIOError(errno.EAGAIN, why)
     send(sock, {"op": "welcome", "proof": proof(token, "server", cn, sn)})
     return hello
