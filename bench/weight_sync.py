@@ -181,15 +181,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_gloo(shape, nworkers, rounds):
-    ctx = tmp.get_context("spawn")
+# Tries of the gloo group: its port, free when picked, may be taken before rank 0 binds it.
+GLOO_TRIES = 3
+
+
+def gloo_once(ctx, shape, world, rounds):
+    """Run the ranks once; {(rank, round): (t0, t1, t2, value)}. RuntimeError naming a rank's
+    error (the others then killed)."""
     out = ctx.Queue()
-    world = nworkers + 1
     port = free_port()
     procs = [ctx.Process(target=gloo_rank, args=(rank, world, port, shape, rounds, out))
              for rank in range(world)]
     for p in procs:
         p.start()
+    failed = True
     try:
         got = {}
         for _ in range(world * rounds):
@@ -197,12 +202,29 @@ def run_gloo(shape, nworkers, rounds):
             if r == "error":
                 raise RuntimeError(f"gloo rank {rank}: {t0}")
             got[rank, r] = (t0, t1, t2, value)
+        failed = False
     finally:
         for p in procs:
-            p.join(timeout=60)
+            # a rank left waiting for a group that will not form is no use
+            p.join(timeout=1 if failed else 60)
             if p.is_alive():
                 p.kill()
                 p.join()
+    return got
+
+
+def run_gloo(shape, nworkers, rounds):
+    ctx = tmp.get_context("spawn")
+    world = nworkers + 1
+    for attempt in range(GLOO_TRIES):
+        try:
+            got = gloo_once(ctx, shape, world, rounds)
+            break
+        except RuntimeError as e:
+            if "EADDRINUSE" not in str(e) or attempt == GLOO_TRIES - 1:
+                raise
+            print(f"weight_sync: gloo's port was taken meanwhile ({e}); trying another",
+                  file=sys.stderr)
     ms, publish_ms = [], []
     for r in range(rounds):
         t0, t1, _, want = got[0, r]
