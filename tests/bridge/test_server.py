@@ -3684,3 +3684,30 @@ def test_leases_expire_while_the_connection_waits_for_a_write(guarded):
         sock.close()
         for name in ("w/idle", "w/written"):
             h.dl.unpublish(name)
+
+
+def test_a_refused_local_client_reads_why(tmp_path):
+    """A bridge that refuses a local connection (its client limits) writes why and closes it,
+    maybe before the request goes: bridge.status() raises that reason, not a bare broken pipe
+    (a request larger than the socket's buffer cannot go whole before the close)."""
+    path = str(tmp_path / "refusing.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(path)
+    lsock.listen(8)
+    said = "too many connections of uid 0 (CLIENTS_PER_UID_MAX 16): try again later"
+
+    def refuse():
+        for _ in range(2):
+            c, _ = lsock.accept()
+            _wire.send_error(c, "EAGAIN", said)
+            c.close()
+
+    th = threading.Thread(target=refuse)
+    th.start()
+    try:
+        for frame in ({"op": "status"}, {"op": "status", "pad": "x" * (4 << 20)}):
+            with pytest.raises(BlockingIOError, match="CLIENTS_PER_UID_MAX 16"):
+                bridge._request(frame, 5, path, "status")
+    finally:
+        th.join(10)
+        lsock.close()

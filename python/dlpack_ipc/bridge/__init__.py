@@ -50,8 +50,13 @@ def _request(frame, timeout, socket_path, what):
             raise type(e)(e.errno, f"{what}: cannot reach the bridge on {path}: "
                           f"{e.strerror}") from None
         s.settimeout(FETCH_GRACE)
-        _wire.send(s, frame)
         deadline = None if timeout is None else time.monotonic() + timeout + FETCH_GRACE
+        try:
+            _wire.send(s, frame)
+        except (BrokenPipeError, ConnectionResetError):
+            # a bridge that refuses the connection (its client limits) says why and closes
+            # it, maybe before the request went: its reason waits to be read
+            deadline = time.monotonic() + FETCH_GRACE
         try:
             reply = _wire.recv(s, deadline)
         except TimeoutError:
