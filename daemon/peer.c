@@ -297,13 +297,13 @@ static bool peer_gone(const struct dlpd_peer *p)
 
 /*
  * Is waiting connection @p p's client gone for good? Its process has exited, and nothing of
- * what it was sent (something was) has been taken for --frame-timeout-ms. Its end of the socket lives on all
- * the same when something else holds it; where that is the daemon itself (the client sent its
- * own end on this connection, and it waits unread in the receive queue that the daemon does
- * not read while the connection waits), nothing would ever end it. Closed, the connection's
- * socket is kept and that queue read out (dlpd_peer_drain_start()): the client's end goes, and
- * what was in flight in it with it. (A process that handed its end to another that still
- * reads is not stalled: whatever that one takes restarts the clock.)
+ * what it was sent (something was) has been taken for --frame-timeout-ms. Its end of the
+ * socket lives on all the same when something else holds it; where that is the daemon itself
+ * (the client sent its own end on this connection, and it waits unread in the receive queue
+ * that the daemon does not read while the connection waits), nothing would ever end it.
+ * Closed, the connection's socket is kept and that queue read out (dlpd_peer_drain_start()):
+ * the client's end goes, and what was in flight in it with it. (A process that handed its end
+ * to another that still reads is not stalled: whatever that one takes restarts the clock.)
  */
 static bool unread_orphaned(struct dlpd_peer *p)
 {
