@@ -1379,20 +1379,31 @@ class Hosts:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def hosts(request):
+def _dlpackd_bin():
+    """The dlpackd binary the tests run (DLPACKD_BIN); the test fails saying how to set it."""
     dlpackd = os.environ.get("DLPACKD_BIN")
     if not dlpackd or not os.access(dlpackd, os.X_OK):
         pytest.fail(f"DLPACKD_BIN={dlpackd!r} is not the dlpackd binary (ctest sets it; by "
                     "hand: DLPACKD_BIN=build/dlpackd)", pytrace=False)
-    h = Hosts(dlpackd)
+    return dlpackd
+
+
+@contextlib.contextmanager
+def _closed_after(request, h):
+    """h, closed when the block ends (its logs printed if a test failed meanwhile)."""
     failed_before = request.session.testsfailed
     try:
-        h.exporter()
-        h.follower()
         yield h
     finally:
         h.close(request.session.testsfailed != failed_before)
+
+
+@pytest.fixture(scope="module")
+def hosts(request):
+    with _closed_after(request, Hosts(_dlpackd_bin())) as h:
+        h.exporter()
+        h.follower()
+        yield h
 
 
 def _publish(h, value, n=1 << 16):
@@ -3257,16 +3268,8 @@ class Guarded(Hosts):
 
 @pytest.fixture(scope="module")
 def guarded(request):
-    dlpackd = os.environ.get("DLPACKD_BIN")
-    if not dlpackd or not os.access(dlpackd, os.X_OK):
-        pytest.fail(f"DLPACKD_BIN={dlpackd!r} is not the dlpackd binary (ctest sets it; by "
-                    "hand: DLPACKD_BIN=build/dlpackd)", pytrace=False)
-    h = Guarded(dlpackd)
-    failed_before = request.session.testsfailed
-    try:
+    with _closed_after(request, Guarded(_dlpackd_bin())) as h:
         yield h
-    finally:
-        h.close(request.session.testsfailed != failed_before)
 
 
 def _raw_peer(h, port, me, agent=None, source="127.0.0.1"):

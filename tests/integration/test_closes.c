@@ -566,7 +566,8 @@ END_TEST
 struct unfinished {
 	int ready[2]; /* the attacker says it is done: how many connections it kept */
 	int go[2];    /* the test says it may go */
-	int shut;     /* nobody_never_reads(): this many ATTACHes each, then shut for writing */
+	int shut;     /* nobody_never_reads(): this many ATTACHes each, then shut for writing;
+		       * nobody_sends_its_end(): 1 to leave a thread reading instead */
 };
 
 /* As nobody: UNFINISHED_CONNS connections, each after HELLO sending one byte of a frame with
@@ -994,6 +995,20 @@ static int nobody_sends_its_end(void *arg)
  * Loop 0: its replies wait for room in its socket (dlpackd as root, a large fd budget); loop 1:
  * for its uid's share of fds in flight (as a service user, RLIMIT_NOFILE 1024).
  */
+/* A daemon started with @p o, open to other uids, with root's "shared" published on the client
+ * returned. */
+static dlpc_client *shared_daemon(const struct daemon_opts *o)
+{
+	dlpc_client *c;
+
+	daemon_start_with(&D, o);
+	started = true;
+	daemon_open_for_others(&D);
+	c = connect_or_die(&D);
+	ck_assert_int_eq(publish(c, "shared"), 1);
+	return c;
+}
+
 START_TEST(a_gone_client_that_sent_its_own_end_is_closed)
 {
 	const char *args[] = {"--frame-timeout-ms", "1000", NULL};
@@ -1005,18 +1020,10 @@ START_TEST(a_gone_client_that_sent_its_own_end_is_closed)
 	dlpc_client *c;
 	pid_t pid;
 
-	daemon_start_with(&D, &o);
-	started = true;
-	daemon_open_for_others(&D);
-	c = connect_or_die(&D);
-	ck_assert_int_eq(publish(c, "shared"), 1);
+	c = shared_daemon(&o);
 	base = fd_count(D.pid);
-	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
-	pid = spawn(nobody_sends_its_end, &u);
-	ck_assert_int_eq(read(u.ready[0], &asked, sizeof(asked)), sizeof(asked));
-	ck_assert_int_eq(wait_child(pid), 0);
-	close(u.ready[0]);
-	close(u.ready[1]);
+	asked = attacker_ready(nobody_sends_its_end, &u, &pid);
+	attacker_go(&u, pid, NULL, 0);
 	ck_assert_int_gt(asked, 300);
 	/* nobody's connection and the replies in flight to it are gone within a few seconds */
 	ck_assert_msg(wait_stat(c, one_connection, NULL, scaled_ms(10000)),
@@ -1041,18 +1048,9 @@ START_TEST(a_client_whose_main_thread_exited_is_not_gone)
 	dlpc_client *c;
 	pid_t pid;
 
-	daemon_start_with(&D, &o);
-	started = true;
-	daemon_open_for_others(&D);
-	c = connect_or_die(&D);
-	ck_assert_int_eq(publish(c, "shared"), 1);
-	ck_assert_int_eq(pipe2(u.ready, O_CLOEXEC), 0);
-	pid = spawn(nobody_sends_its_end, &u);
-	ck_assert_int_eq(read(u.ready[0], &asked, sizeof(asked)), sizeof(asked));
-	ck_assert_int_eq(read(u.ready[0], &got, sizeof(got)), sizeof(got));
-	ck_assert_int_eq(wait_child(pid), 0);
-	close(u.ready[0]);
-	close(u.ready[1]);
+	c = shared_daemon(&o);
+	asked = attacker_ready(nobody_sends_its_end, &u, &pid);
+	attacker_go(&u, pid, &got, 1);
 	ck_assert_msg(got == asked, "%d of %d replies came", got, asked);
 	ck_assert(!log_has(D.log, "its process is gone"));
 	dlpc_close(c);
