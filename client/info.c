@@ -233,6 +233,8 @@ DLPC_EXPORT int dlpc_stat(dlpc_client *c, dlpc_stats *out)
 	s.uid_channels = rep->uid_channels;
 	s.cached_references = rep->cached_references;
 	s.invalidations = rep->invalidations;
+	s.fd_budget = rep->fd_budget;
+	s.fds_own = rep->fds_own;
 	dlpackd__v1__stat_reply__free_unpacked(rep, NULL);
 	/* copy only as much as the caller's struct holds, keeping its size field */
 	memcpy((char *)out + sizeof(out->size), (char *)&s + sizeof(s.size),

@@ -57,11 +57,7 @@ static int quota_message(const struct dlpd_peer *p, uint64_t size, char *why, si
 		return -EDQUOT;
 	}
 	if (dlpd_fds_in_use(s) + 1 > s->fd_budget) {
-		snprintf(why, whylen,
-			 "dlpackd holds %llu storage and connection fds; its fd limit leaves room "
-			 "for %llu (RLIMIT_NOFILE minus %d in reserve)",
-			 (unsigned long long)dlpd_fds_in_use(s), (unsigned long long)s->fd_budget,
-			 DLPC_FD_RESERVE);
+		dlpd_fd_budget_why(s, why, whylen);
 		return -EDQUOT;
 	}
 	if (uid_fds + 1 > dlpd_uid_fd_share(s)) {

@@ -118,13 +118,8 @@ static int channel_quota(const struct dlpd_peer *p, size_t name_len, bool direct
 	char why[256];
 
 	if (direct && dlpd_fds_in_use(s) + 2 > s->fd_budget) {
-		snprintf(
-			msg, msglen,
-			"cannot open channel '%s': dlpackd holds %llu storage, connection and "
-			"channel fds; its fd limit leaves room for %llu (RLIMIT_NOFILE minus %d in "
-			"reserve)",
-			name, (unsigned long long)dlpd_fds_in_use(s),
-			(unsigned long long)s->fd_budget, DLPC_FD_RESERVE);
+		dlpd_fd_budget_why(s, why, sizeof(why));
+		snprintf(msg, msglen, "cannot open channel '%s': %s", name, why);
 		return -EDQUOT;
 	}
 	if (p->usage->channels + 1 > s->lim.channels_per_uid) {

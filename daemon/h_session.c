@@ -1,6 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Handlers for the session itself: HELLO (the version check) and STAT (counters). */
-#include <dirent.h>
 #include <errno.h>
 #include <string.h>
 #include <unistd.h>
@@ -79,22 +78,6 @@ int dlpd_on_hello(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct
 	return dlpd_reply(p, DLPC_MSG_HELLO | DLPC_MSG_REPLY, id, &rep.base, NULL, 0);
 }
 
-/* Open file descriptors of this process, from /proc/self/fd (the directory's own fd excluded). */
-static uint64_t count_fds(void)
-{
-	DIR *d = opendir("/proc/self/fd");
-	struct dirent *de;
-	uint64_t n = 0;
-
-	if (!d)
-		return 0;
-	while ((de = readdir(d)))
-		if (de->d_name[0] != '.')
-			n++;
-	closedir(d);
-	return n - 1;
-}
-
 int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct dlpc__frame *f)
 {
 	struct dlpd_server *s = p->srv;
@@ -115,7 +98,9 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	/* pending first: only this thread adds to it, so fds_open is counted after */
 	rep.fds_closing =
 		dlpd_reaper_pending() + dlpd_closers_fds() + s->peers_closing + s->draining;
-	rep.fds_open = count_fds();
+	rep.fds_open = dlpd_count_fds();
+	rep.fds_own = s->fds_own;
+	rep.fd_budget = s->fd_budget == UINT64_MAX ? 0 : s->fd_budget;
 	rep.fds_sent = s->stats.fds_sent;
 #define X(NAME, name, ...) rep.req_##name = s->stats.req[DLPC_MSG_##NAME];
 	DLPC_REQUESTS(X)

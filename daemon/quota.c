@@ -3,6 +3,7 @@
  * The checks a publish must pass against the limits. What each uid holds is counted in the
  * registry (registry.c says what is charged when).
  */
+#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,10 +12,37 @@
 #include "quota.h"
 #include "reaper.h"
 
+uint64_t dlpd_count_fds(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *de;
+	uint64_t n = 0;
+
+	if (!d)
+		return 0;
+	while ((de = readdir(d)))
+		if (de->d_name[0] != '.')
+			n++;
+	closedir(d);
+	/* the directory's own fd */
+	return n - 1;
+}
+
 uint64_t dlpd_fds_in_use(const struct dlpd_server *s)
 {
 	return s->reg.storage_fds + s->npeers + s->peers_closing + s->channel_fds + s->tx_fds +
 	       s->rx_fds + s->draining + dlpd_reaper_pending() + dlpd_closers_fds();
+}
+
+void dlpd_fd_budget_why(const struct dlpd_server *s, char *why, size_t whylen)
+{
+	snprintf(why, whylen,
+		 "dlpackd holds %llu storage, connection and channel fds, and its fd limit "
+		 "leaves room for %llu (RLIMIT_NOFILE %llu, less %llu fds of its own and %d in "
+		 "reserve)",
+		 (unsigned long long)dlpd_fds_in_use(s), (unsigned long long)s->fd_budget,
+		 (unsigned long long)(s->fd_budget + s->fds_own + DLPC_FD_RESERVE),
+		 (unsigned long long)s->fds_own, DLPC_FD_RESERVE);
 }
 
 int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
@@ -73,12 +101,7 @@ int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,
 	/* The storage fd is ours already (it came with the frame): keeping it must leave the
 	 * reserve untouched. Connections count because each holds an fd as well. */
 	if (holds_fd && fds + 1 > s->fd_budget) {
-		snprintf(why, whylen,
-			 "dlpackd holds %llu storage and connection fds; its fd limit leaves room "
-			 "for "
-			 "%llu (RLIMIT_NOFILE minus %d in reserve)",
-			 (unsigned long long)fds, (unsigned long long)s->fd_budget,
-			 DLPC_FD_RESERVE);
+		dlpd_fd_budget_why(s, why, whylen);
 		return -EDQUOT;
 	}
 	/* No uid may hold more than its share of the fd budget, so that one uid's entries (which

@@ -24,5 +24,10 @@ uint64_t dlpd_uid_fd_share(const struct dlpd_server *s);
 void dlpd_uid_fd_share_why(const struct dlpd_peer *p, uint64_t held, char *why, size_t whylen);
 /* Storage and connection fds open or on their way to being closed. */
 uint64_t dlpd_fds_in_use(const struct dlpd_server *s);
+/* Why the fd budget has no room (STAT's fd_budget and fds_own, with the limit they come
+ * from). */
+void dlpd_fd_budget_why(const struct dlpd_server *s, char *why, size_t whylen);
+/* Every fd the daemon has open (the entries of /proc/self/fd), or 0 if it cannot tell. */
+uint64_t dlpd_count_fds(void);
 
 #endif

@@ -142,13 +142,13 @@ static void on_accept(uv_poll_t *h, int status, int events)
 		 * are free, as when accept itself fails. */
 		if (fds + 1 > s->fd_budget + DLPC_FD_RESERVE / 2) {
 			if (!s->accept_paused)
-				dlpd_log(
-					LOG_WARNING,
-					"%llu storage and connection fds open, the most the fd "
-					"limit allows (RLIMIT_NOFILE minus %d in reserve); serving "
-					"the open connections and retrying every %d ms",
-					(unsigned long long)fds, DLPC_FD_RESERVE / 2,
-					ACCEPT_RETRY_MS);
+				dlpd_log(LOG_WARNING,
+					 "%llu storage and connection fds open, the most the fd "
+					 "limit allows (RLIMIT_NOFILE less %llu fds of dlpackd's "
+					 "own and %d in reserve); serving the open connections and "
+					 "retrying every %d ms",
+					 (unsigned long long)fds, (unsigned long long)s->fds_own,
+					 DLPC_FD_RESERVE / 2, ACCEPT_RETRY_MS);
 			accept_pause(s);
 			return;
 		}
@@ -275,14 +275,34 @@ static void make_parent(const char *path)
 	free(copy);
 }
 
-/* Storages and connections may use the fds RLIMIT_NOFILE allows, less DLPC_FD_RESERVE. */
-static uint64_t fd_budget(void)
+/* Storages and connections may use the fds RLIMIT_NOFILE allows, less the daemon's own
+ * (@p own) and DLPC_FD_RESERVE. */
+static uint64_t fd_budget(uint64_t own)
 {
 	struct rlimit rl;
 
 	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY)
 		return UINT64_MAX;
-	return rl.rlim_cur > DLPC_FD_RESERVE ? rl.rlim_cur - DLPC_FD_RESERVE : 0;
+	return rl.rlim_cur > DLPC_FD_RESERVE + own ? rl.rlim_cur - DLPC_FD_RESERVE - own : 0;
+}
+
+/*
+ * Count the fds the daemon holds for itself, now that it is set up to serve: whatever is open
+ * and not a storage, a connection or a closer's (those count in the budget). That includes fds
+ * it was started with and does not know (a service manager's, a parent's that were not
+ * close-on-exec), so that DLPC_FD_RESERVE stays whole for what it opens while serving.
+ */
+static void count_own_fds(struct dlpd_server *s)
+{
+	uint64_t open = dlpd_count_fds(), counted = dlpd_fds_in_use(s);
+
+	s->fds_own = open > counted ? open - counted : 0;
+	s->fd_budget = fd_budget(s->fds_own);
+	dlpd_log(s->fds_own > DLPC_FD_RESERVE ? LOG_NOTICE : LOG_DEBUG,
+		 "%llu fds are dlpackd's own (%llu open, %llu of them storages and closers'); "
+		 "%llu are left for storages and connections",
+		 (unsigned long long)s->fds_own, (unsigned long long)open,
+		 (unsigned long long)counted, (unsigned long long)s->fd_budget);
 }
 
 /*
@@ -442,7 +462,8 @@ void dlpd_server_init(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 {
 	memset(s, 0, sizeof(*s));
 	s->lim = *lim;
-	s->fd_budget = fd_budget();
+	/* until count_own_fds(): what restoring the storages handed over may take */
+	s->fd_budget = fd_budget(0);
 	s->loop = loop;
 	s->listen_fd = s->lock_fd = -1;
 	dlpd_list_init(&s->peers);
@@ -490,6 +511,7 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 			 "cannot set up closer processes (%s): fds clients sent are "
 			 "closed on the reaper thread",
 			 strerror(-r));
+	count_own_fds(s);
 	dlpd_log(LOG_NOTICE, "dlpackd %s listening on %s%s", DLPD_VERSION, s->path,
 		 s->owns_path ? "" : " (socket activation)");
 	dlpd_log(LOG_INFO,

@@ -90,7 +90,9 @@ struct dlpd_server {
 	struct dlpd_stats stats;
 	uint64_t inval_seq; /* invalidations so far (invalidate.c), to tell each peer once */
 	struct dlpd_limits lim;
-	uint64_t fd_budget; /* storages + connections allowed: RLIMIT_NOFILE - DLPC_FD_RESERVE */
+	/* storages + connections allowed: RLIMIT_NOFILE less fds_own and DLPC_FD_RESERVE */
+	uint64_t fd_budget;
+	uint64_t fds_own; /* the daemon's own fds when it started serving (server.c) */
 	uint64_t start_ms;
 	struct dlpd_persist persist;
 	char *self_exe; /* upgrade.c: the binary to execute again, resolved at start */

@@ -197,9 +197,11 @@
 /* Milliseconds a connection has to finish a frame it started, and to complete HELLO after
  * connecting. --frame-timeout-ms */
 #define DLPC_FRAME_TIMEOUT_MS_DEFAULT 10000
-/* fds the daemon keeps out of the storage budget: its own (listener, lock, event loop, reaper
- * thread) and those of frames being received (closer processes' sockets count in the budget). Storages and connections together may use
- * RLIMIT_NOFILE minus this; a PUBLISH beyond that is refused. */
+/* fds the daemon keeps out of the storage budget beyond its own (those open when it starts
+ * serving: listener, lock, event loop, reaper thread, fds it was started with): half for
+ * connections past the budget, half for what it opens for a moment (closer processes' sockets
+ * count in the budget). Storages and connections together may use RLIMIT_NOFILE minus its own
+ * fds and this (STAT's fd_budget); a PUBLISH beyond that is refused. */
 #define DLPC_FD_RESERVE 32
 /* Percent of the fds for storages and connections (RLIMIT_NOFILE minus DLPC_FD_RESERVE) that
  * one uid's storages and connections may hold, so that no uid can take the fds every other

@@ -391,6 +391,8 @@ static int cmd_stat(dlpc_client *c, const struct args *a)
 		{"events", s.events},
 		{"fds_open", s.fds_open},
 		{"fds_closing", s.fds_closing},
+		{"fds_own", s.fds_own},
+		{"fd_budget", s.fd_budget},
 		{"fds_sent", s.fds_sent},
 		{"tx_queued", s.tx_queued},
 		{"queue_drops", s.queue_drops},

@@ -124,8 +124,9 @@ PyObject *ipc_client_channel_list(PyObject *obj, PyObject *args, PyObject *kwarg
 	return list_call(obj, args, kwargs, true);
 }
 
-/* The channel counters (protocol 1.6) added to the STAT dict @p d; @p d or NULL. */
-static PyObject *add_channel_stats(PyObject *d, const dlpc_stats *s)
+/* The counters past what one Py_BuildValue() takes (channels, the fd budget) added to the STAT
+ * dict @p d; @p d or NULL. */
+static PyObject *add_more_stats(PyObject *d, const dlpc_stats *s)
 {
 	const struct {
 		const char *key;
@@ -134,7 +135,8 @@ static PyObject *add_channel_stats(PyObject *d, const dlpc_stats *s)
 		{"channels", s->channels},	   {"messages", s->messages},
 		{"req_send", s->req_send},	   {"req_recv", s->req_recv},
 		{"req_channel", s->req_channel},   {"req_cancel", s->req_cancel},
-		{"uid_channels", s->uid_channels},
+		{"uid_channels", s->uid_channels}, {"fd_budget", s->fd_budget},
+		{"fds_own", s->fds_own},
 	};
 
 	for (size_t i = 0; d && i < sizeof(f) / sizeof(f[0]); i++) {
@@ -156,7 +158,7 @@ PyObject *ipc_client_stat(PyObject *obj, PyObject *unused)
 	IPC_CALL((ClientObject *)obj, c, r, dlpc_stat(c, &s));
 	if (r < 0)
 		return ipc_raise(r);
-	return add_channel_stats(
+	return add_more_stats(
 		Py_BuildValue(
 			"{s:I,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
 			"s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",

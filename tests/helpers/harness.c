@@ -103,6 +103,9 @@ static pid_t spawn_daemon(const char *sock, const char *log, const struct daemon
 			setenv("LISTEN_FDNAMES", "dlpackd.socket", 1);
 		}
 		close_range(listen_fd >= 0 ? 4 : 3, ~0U, 0);
+		for (unsigned i = 0; o && i < o->inherit; i++)
+			if (open("/dev/null", O_RDONLY) < 0)
+				_exit(126);
 		if (wrapper && *wrapper) {
 			char *w = strdup(wrapper);
 
@@ -186,6 +189,7 @@ void daemon_start_with(struct daemon *d, const struct daemon_opts *o)
 	ck_assert_msg(mkdtemp(d->dir), "mkdtemp: %s", strerror(errno));
 	snprintf(d->sock, sizeof(d->sock), "%s/dlpackd.sock", d->dir);
 	snprintf(d->log, sizeof(d->log), "%s/dlpackd.log", d->dir);
+	d->inherited = o ? o->inherit : 0;
 	d->pid = spawn_with(d->sock, d->log, o);
 	while (!can_connect(d->sock)) {
 		int st;
@@ -209,7 +213,7 @@ static void dump(const char *path)
 }
 
 /* Under valgrind --track-fds (reporting on the daemon's stderr, i.e. its log), the daemon must
- * leave only stdin, stdout and stderr open at exit. */
+ * leave only stdin, stdout, stderr and the fds it was started with open at exit. */
 static void check_tool_report(const struct daemon *d)
 {
 	char line[512];
@@ -219,7 +223,7 @@ static void check_tool_report(const struct daemon *d)
 	while (f && fgets(line, sizeof(line), f)) {
 		char *p = strstr(line, "FILE DESCRIPTORS: ");
 
-		if (p && atoi(p + strlen("FILE DESCRIPTORS: ")) > 3)
+		if (p && atoi(p + strlen("FILE DESCRIPTORS: ")) > 3 + (int)d->inherited)
 			bad = true;
 	}
 	if (f)
@@ -275,6 +279,13 @@ dlpc_stats stat_or_die(dlpc_client *c)
 
 	ck_assert_msg(dlpc_stat(c, &s) == 0, "dlpc_stat: %s", dlpc_last_error());
 	return s;
+}
+
+uint64_t default_fd_share(dlpc_client *c)
+{
+	dlpc_stats s = {.size = sizeof(s)};
+
+	return dlpc_stat(c, &s) == 0 ? s.fd_budget * DLPC_UID_FD_SHARE_DEFAULT / 100 : 0;
 }
 
 dlpc_channel_info chan_or_die(dlpc_client *c, const char *name)

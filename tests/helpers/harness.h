@@ -22,6 +22,7 @@ struct daemon {
 	char dir[64];
 	char sock[108];
 	char log[128];
+	unsigned inherited; /* fds it was started with besides stdio (daemon_opts) */
 };
 
 /* Start dlpackd on DIR/dlpackd.sock and wait until it accepts connections. */
@@ -32,6 +33,9 @@ struct daemon_opts {
 	const char *const *args; /* extra command-line arguments, NULL-terminated, or NULL */
 	unsigned long nofile;	 /* if not 0: RLIMIT_NOFILE (soft and hard) set before exec */
 	uid_t uid; /* if not 0: the uid (and gid) it runs as, owning its directory (as root) */
+	/* fds of /dev/null it is started with besides stdio, as a parent that did not mark its
+	 * own close-on-exec leaves them */
+	unsigned inherit;
 };
 
 /* daemon_start() with extra arguments and resource limits. */
@@ -61,6 +65,10 @@ int scaled_ms(int ms);
 
 dlpc_client *connect_or_die(const struct daemon *d);
 dlpc_stats stat_or_die(dlpc_client *c);
+/* One uid's share of the fd budget under the default --max-fd-share-per-uid: the
+ * DLPC_UID_FD_SHARE_DEFAULT percent of the fd_budget STAT of @p c's daemon reports; 0 if STAT
+ * fails. */
+uint64_t default_fd_share(dlpc_client *c);
 /* The channel @p name as STAT describes it, or the test fails. */
 dlpc_channel_info chan_or_die(dlpc_client *c, const char *name);
 /* Poll the channel until @p field reaches @p want; whether it did (within a scaled 5 s). */

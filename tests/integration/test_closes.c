@@ -330,8 +330,8 @@ static bool nothing_closing(const dlpc_stats *s, void *arg)
 START_TEST(lingering_socket_costs_its_sender)
 {
 	const char *args[] = {"--log-level", "info", NULL};
-	uint64_t share = (ATTACK_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100;
 	dlpc_client *c, *c2 = NULL;
+	uint64_t share;
 	dlpc_stats st;
 	int l, port;
 
@@ -341,6 +341,7 @@ START_TEST(lingering_socket_costs_its_sender)
 	port = listener_port(l);
 	ck_assert_int_eq(wait_child(spawn(nobody_jams_its_closer, &port)), 0);
 	c = connect_or_die(&D);
+	share = default_fd_share(c);
 	st = stat_or_die(c);
 	fprintf(stderr, "fds closing with nobody's closer stuck: %llu (its share: %llu)\n",
 		(unsigned long long)st.fds_closing, (unsigned long long)share);
@@ -651,8 +652,8 @@ static void daemon_fds_back(int base, int more)
 START_TEST(unfinished_frames_fds_count_against_the_share)
 {
 	const char *args[] = {"--log-level", "info", NULL};
-	uint64_t share = (ATTACK_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100;
 	struct unfinished u;
+	uint64_t share;
 	dlpc_client *c;
 	int base, held, kept;
 	pid_t pid;
@@ -660,6 +661,7 @@ START_TEST(unfinished_frames_fds_count_against_the_share)
 	start(args, ATTACK_NOFILE);
 	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
+	share = default_fd_share(c);
 	base = fd_count(D.pid);
 	kept = attacker_ready(nobody_leaves_frames_unfinished, &u, &pid);
 	ck_assert_msg(wait_stat(c, nothing_closing, NULL, scaled_ms(10000)), "closes pending");
@@ -870,7 +872,7 @@ static int nobody_never_reads(void *arg)
 START_TEST(unread_replies_hold_a_share_of_fds_in_flight)
 {
 	struct daemon_opts o = {.nofile = UNREAD_NOFILE, .uid = SERVICE_UID};
-	uint64_t share = (UNREAD_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100;
+	uint64_t share;
 	DLManagedTensorVersioned *t;
 	struct unfinished u = {.shut = _i * 100};
 	int total, missing, said[2];
@@ -881,6 +883,7 @@ START_TEST(unread_replies_hold_a_share_of_fds_in_flight)
 	started = true;
 	daemon_open_for_others(&D);
 	c = connect_or_die(&D);
+	share = default_fd_share(c);
 	ck_assert_int_eq(publish(c, "shared"), 1);
 	/* connections that attach, read and close leave nothing counted in flight (twice the
 	 * share of them, which a count left behind would pass) */

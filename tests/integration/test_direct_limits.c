@@ -103,8 +103,7 @@ static int nobody_opens_channels(void *arg)
 		    error_says("uid 65534 holds") && error_says("(--max-fd-share-per-uid)"));
 	/* its connection and two fds a channel, within the share; one more would pass it */
 	CHILD_CHECK(1 + 2 * *opened <= share_named() && 1 + 2 * (*opened + 1) > share_named());
-	CHILD_CHECK(share_named() <=
-		    (SHARE_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100);
+	CHILD_CHECK(share_named() == (long)default_fd_share(c));
 	/* where no fds are left for a direct channel's pair, DLPC_CHANNEL_PREFER_DIRECT makes a
 	 * queued one and says why */
 	CHILD_CHECK(dlpc_channel_open_flags(c, "hog/prefer", 0, DLPC_CHANNEL_PREFER_DIRECT,
@@ -143,8 +142,7 @@ START_TEST(test_direct_channels_in_fd_share)
 	held = settled_fds(&D, c, 1) - before;
 	ck_assert_int_eq(held, 2 * opened);
 	fprintf(stderr, "uid 65534 made dlpackd hold %d fds in %ld direct channels (share %lld)\n",
-		held, opened,
-		(long long)((SHARE_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100));
+		held, opened, (long long)default_fd_share(c));
 	/* root's own share is untouched: it publishes and opens a direct channel */
 	ck_assert_dlpc(dlpc_publish(c, "root/x", host_tensor(data, f32, 1, &n, NULL, NULL), 0), 1);
 	ck_assert_dlpc(open_direct(c, "root/d"), 1);
@@ -548,8 +546,7 @@ START_TEST(test_unread_reply_fds_count_in_the_share)
 {
 	static float data[64];
 	DLDataType f32 = {kDLFloat, 32, 1};
-	uint64_t share = (UNREAD_NOFILE - DLPC_FD_RESERVE) * DLPC_UID_FD_SHARE_DEFAULT / 100;
-	uint64_t want = UNREAD_CONNS * UNREAD_WAITERS;
+	uint64_t want = UNREAD_CONNS * UNREAD_WAITERS, share;
 	int64_t n = 64;
 	int stop[2], ready[2], before, held;
 	struct unread u;
@@ -560,6 +557,7 @@ START_TEST(test_unread_reply_fds_count_in_the_share)
 
 	start(NULL, UNREAD_NOFILE);
 	c = connect_or_die(&D);
+	share = default_fd_share(c);
 	before = settled_fds(&D, c, 1);
 	ck_assert_int_eq(pipe2(stop, O_CLOEXEC), 0);
 	ck_assert_int_eq(pipe2(ready, O_CLOEXEC), 0);

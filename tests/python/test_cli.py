@@ -74,6 +74,10 @@ def test_stat_prints_the_counters_aligned(ipc, daemon):
     got = {k: int(v) for k, v in rows}
     assert got["entries"] == 1 and got["daemon_pid"] == daemon.pid
     assert set(got) == set(ipc.stat())
+    # the fd budget leaves out the daemon's own fds (stdio at least) and a reserve
+    with open(f"/proc/{daemon.pid}/limits") as f:
+        nofile = next(int(ln.split()[3]) for ln in f if ln.startswith("Max open files"))
+    assert got["fds_own"] >= 3 and 0 < got["fd_budget"] < nofile - got["fds_own"]
     # aligned: every value starts in the same column
     assert len({len(ln) - len(ln.split()[-1]) for ln in cp.stdout.splitlines()}) == 1, cp.stdout
 
