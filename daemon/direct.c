@@ -180,10 +180,7 @@ int dlpd_direct_renew(struct dlpd_peer *joiner, struct dlpd_channel *ch, char *w
 	    !((p[0].revents | p[1].revents) & (POLLHUP | POLLRDHUP)))
 		return 0;
 	if (dlpd_fds_in_use(s) + 2 > s->fd_budget) {
-		snprintf(why, whylen,
-			 "dlpackd holds %llu storage, connection and channel fds; its fd limit "
-			 "leaves room for %llu",
-			 (unsigned long long)dlpd_fds_in_use(s), (unsigned long long)s->fd_budget);
+		dlpd_fd_budget_why(s, why, whylen);
 		return -EDQUOT;
 	}
 	/* The shut pair is closed for the uid whose JOIN renews it, in its closer and its fd

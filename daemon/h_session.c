@@ -100,7 +100,7 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 		dlpd_reaper_pending() + dlpd_closers_fds() + s->peers_closing + s->draining;
 	rep.fds_open = dlpd_count_fds();
 	rep.fds_own = s->fds_own;
-	rep.fd_budget = s->fd_budget == UINT64_MAX ? 0 : s->fd_budget;
+	rep.fd_budget = s->fd_budget;
 	rep.fds_sent = s->stats.fds_sent;
 #define X(NAME, name, ...) rep.req_##name = s->stats.req[DLPC_MSG_##NAME];
 	DLPC_REQUESTS(X)

@@ -41,6 +41,7 @@
 
 #include "entry.h"
 #include "persist.h"
+#include "quota.h"
 #include "util.h"
 
 uint64_t dlpd_journal_check(uint16_t kind, uint16_t flags, const uint8_t *p, size_t len)
@@ -776,8 +777,7 @@ static int restore_quota(const struct dlpd_server *s, const struct dlpd_usage *u
 		return -EDQUOT;
 	}
 	if (s->reg.storage_fds + 1 > s->fd_budget) {
-		snprintf(why, whylen, "dlpackd's fd limit leaves room for %llu storages",
-			 (unsigned long long)s->fd_budget);
+		dlpd_fd_budget_why(s, why, whylen);
 		return -EDQUOT;
 	}
 	return 0;

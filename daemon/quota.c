@@ -5,12 +5,15 @@
  */
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 
 #include "closer.h"
 #include "quota.h"
 #include "reaper.h"
+#include "systemd.h"
 
 uint64_t dlpd_count_fds(void)
 {
@@ -18,8 +21,17 @@ uint64_t dlpd_count_fds(void)
 	struct dirent *de;
 	uint64_t n = 0;
 
-	if (!d)
-		return 0;
+	if (!d) {
+		struct rlimit rl;
+
+		/* the table full (EMFILE), as at a start with as many fds passed as the limit
+		 * allows: ask about each number instead, which takes no fd */
+		if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur > DLPD_COUNT_FDS_PROBE_MAX)
+			return 0;
+		for (int fd = 0; fd < (int)rl.rlim_cur; fd++)
+			n += fcntl(fd, F_GETFD) >= 0;
+		return n;
+	}
 	while ((de = readdir(d)))
 		if (de->d_name[0] != '.')
 			n++;
@@ -31,7 +43,8 @@ uint64_t dlpd_count_fds(void)
 uint64_t dlpd_fds_in_use(const struct dlpd_server *s)
 {
 	return s->reg.storage_fds + s->npeers + s->peers_closing + s->channel_fds + s->tx_fds +
-	       s->rx_fds + s->draining + dlpd_reaper_pending() + dlpd_closers_fds();
+	       s->rx_fds + s->draining + dlpd_reaper_pending() + dlpd_closers_fds() +
+	       dlpd_notify_queued_fds();
 }
 
 void dlpd_fd_budget_why(const struct dlpd_server *s, char *why, size_t whylen)
@@ -41,8 +54,7 @@ void dlpd_fd_budget_why(const struct dlpd_server *s, char *why, size_t whylen)
 		 "leaves room for %llu (RLIMIT_NOFILE %llu, less %llu fds of its own and %d in "
 		 "reserve)",
 		 (unsigned long long)dlpd_fds_in_use(s), (unsigned long long)s->fd_budget,
-		 (unsigned long long)(s->fd_budget + s->fds_own + DLPC_FD_RESERVE),
-		 (unsigned long long)s->fds_own, DLPC_FD_RESERVE);
+		 (unsigned long long)s->fd_limit, (unsigned long long)s->fds_own, DLPC_FD_RESERVE);
 }
 
 int dlpd_quota_publish(const struct dlpd_peer *p, uint64_t size, bool holds_fd,

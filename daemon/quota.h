@@ -27,7 +27,11 @@ uint64_t dlpd_fds_in_use(const struct dlpd_server *s);
 /* Why the fd budget has no room (STAT's fd_budget and fds_own, with the limit they come
  * from). */
 void dlpd_fd_budget_why(const struct dlpd_server *s, char *why, size_t whylen);
-/* Every fd the daemon has open (the entries of /proc/self/fd), or 0 if it cannot tell. */
+/* The fd limit up to which dlpd_count_fds() asks about every fd number when it cannot read
+ * /proc/self/fd: about 0.1 s of fcntl() calls at the most. */
+#define DLPD_COUNT_FDS_PROBE_MAX (1u << 20)
+/* Every fd the daemon has open (the entries of /proc/self/fd, or each number below the limit
+ * asked about), or 0 if it cannot tell. */
 uint64_t dlpd_count_fds(void);
 
 #endif

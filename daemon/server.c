@@ -275,34 +275,43 @@ static void make_parent(const char *path)
 	free(copy);
 }
 
-/* Storages and connections may use the fds RLIMIT_NOFILE allows, less the daemon's own
- * (@p own) and DLPC_FD_RESERVE. */
-static uint64_t fd_budget(uint64_t own)
+/* Storages and connections may use the fds RLIMIT_NOFILE allows (kept in @p s), less the
+ * daemon's own (@p own) and DLPC_FD_RESERVE. */
+static uint64_t fd_budget(struct dlpd_server *s, uint64_t own)
 {
 	struct rlimit rl;
 
-	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY)
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY) {
+		s->fd_limit = UINT64_MAX;
 		return UINT64_MAX;
+	}
+	s->fd_limit = rl.rlim_cur;
 	return rl.rlim_cur > DLPC_FD_RESERVE + own ? rl.rlim_cur - DLPC_FD_RESERVE - own : 0;
 }
 
 /*
- * Count the fds the daemon holds for itself, now that it is set up to serve: whatever is open
- * and not a storage, a connection or a closer's (those count in the budget). That includes fds
- * it was started with and does not know (a service manager's, a parent's that were not
- * close-on-exec), so that DLPC_FD_RESERVE stays whole for what it opens while serving.
+ * Count the fds the daemon holds for itself: whatever is open and neither in the budget (a
+ * storage, a connection, a closer's) nor one of the @p passed storages and journals still to be
+ * restored. That includes fds it was started with and does not know (a service manager's, a
+ * parent's that were not close-on-exec), so that DLPC_FD_RESERVE stays whole for what it
+ * opens while serving.
  */
-static void count_own_fds(struct dlpd_server *s)
+static void count_own_fds(struct dlpd_server *s, size_t passed)
 {
-	uint64_t open = dlpd_count_fds(), counted = dlpd_fds_in_use(s);
+	uint64_t open = dlpd_count_fds(), counted = dlpd_fds_in_use(s) + passed;
 
+	if (open == 0)
+		dlpd_log(LOG_WARNING,
+			 "cannot count the fds open (/proc/self/fd: %m): the fd budget leaves "
+			 "out only DLPC_FD_RESERVE (%d)",
+			 DLPC_FD_RESERVE);
 	s->fds_own = open > counted ? open - counted : 0;
-	s->fd_budget = fd_budget(s->fds_own);
-	dlpd_log(s->fds_own > DLPC_FD_RESERVE ? LOG_NOTICE : LOG_DEBUG,
-		 "%llu fds are dlpackd's own (%llu open, %llu of them storages and closers'); "
-		 "%llu are left for storages and connections",
-		 (unsigned long long)s->fds_own, (unsigned long long)open,
-		 (unsigned long long)counted, (unsigned long long)s->fd_budget);
+	s->fd_budget = fd_budget(s, s->fds_own);
+	dlpd_log(LOG_DEBUG,
+		 "%llu fds open, %llu of them in the budget and %zu to restore: %llu are "
+		 "dlpackd's own",
+		 (unsigned long long)open, (unsigned long long)(counted - passed), passed,
+		 (unsigned long long)s->fds_own);
 }
 
 /*
@@ -462,8 +471,8 @@ void dlpd_server_init(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 {
 	memset(s, 0, sizeof(*s));
 	s->lim = *lim;
-	/* until count_own_fds(): what restoring the storages handed over may take */
-	s->fd_budget = fd_budget(0);
+	/* until dlpd_server_start() counts the daemon's own */
+	s->fd_budget = fd_budget(s, 0);
 	s->loop = loop;
 	s->listen_fd = s->lock_fd = -1;
 	dlpd_list_init(&s->peers);
@@ -484,13 +493,11 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 
 	dlpd_server_init(s, loop, lim);
 	r = how->listen_fd >= 0 ? adopt(s, how->listen_fd, how->lock_fd) : bind_own(s, how->path);
-	if (r == 0)
-		r = dlpd_persist_restore(s, how->restore, how->nrestore);
-	else
+	if (r < 0) {
 		for (size_t i = 0; i < how->nrestore; i++)
 			close(how->restore[i].fd);
-	if (r < 0)
 		return r;
+	}
 	s->listening = true;
 	uv_poll_init(loop, &s->listen_poll, s->listen_fd);
 	s->listen_poll.data = s;
@@ -511,7 +518,23 @@ int dlpd_server_start(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 			 "cannot set up closer processes (%s): fds clients sent are "
 			 "closed on the reaper thread",
 			 strerror(-r));
-	count_own_fds(s);
+	/* Restored last, against the budget the daemon serves with: restoring more storages
+	 * than that would leave no fd to accept a client with, not even one to unpublish. */
+	count_own_fds(s, how->nrestore);
+	/* room for the state journal that the restore keeps open with a store (it learns of
+	 * the store itself) */
+	if (s->fd_budget != UINT64_MAX && s->fd_budget > 0)
+		s->fd_budget--;
+	r = dlpd_persist_restore(s, how->restore, how->nrestore);
+	if (r < 0)
+		return r;
+	/* the state journal a restore keeps open is the daemon's own too */
+	count_own_fds(s, 0);
+	dlpd_log(s->fds_own > DLPC_FD_RESERVE ? LOG_NOTICE : LOG_DEBUG,
+		 "%llu fds are dlpackd's own; %llu are left for storages and connections "
+		 "(RLIMIT_NOFILE %llu, less those and %d in reserve)",
+		 (unsigned long long)s->fds_own, (unsigned long long)s->fd_budget,
+		 (unsigned long long)s->fd_limit, DLPC_FD_RESERVE);
 	dlpd_log(LOG_NOTICE, "dlpackd %s listening on %s%s", DLPD_VERSION, s->path,
 		 s->owns_path ? "" : " (socket activation)");
 	dlpd_log(LOG_INFO,

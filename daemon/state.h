@@ -92,7 +92,8 @@ struct dlpd_server {
 	struct dlpd_limits lim;
 	/* storages + connections allowed: RLIMIT_NOFILE less fds_own and DLPC_FD_RESERVE */
 	uint64_t fd_budget;
-	uint64_t fds_own; /* the daemon's own fds when it started serving (server.c) */
+	uint64_t fds_own;  /* the daemon's own fds when it started serving (server.c) */
+	uint64_t fd_limit; /* RLIMIT_NOFILE then, UINT64_MAX for none */
 	uint64_t start_ms;
 	struct dlpd_persist persist;
 	char *self_exe; /* upgrade.c: the binary to execute again, resolved at start */

@@ -166,6 +166,8 @@ int dlpd_passed_fds(struct dlpd_passed_fd **ret, size_t *count, char *why, size_
 	return 0;
 }
 
+static int notify_connect(void);
+
 int dlpd_notify_init(void)
 {
 	const char *path = getenv("NOTIFY_SOCKET");
@@ -189,6 +191,9 @@ int dlpd_notify_init(void)
 	notify_len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n + (path[0] == '/'));
 	snprintf(notify_env, sizeof(notify_env), "%s", path);
 	unsetenv("NOTIFY_SOCKET");
+	/* now, so that its socket is among the fds the daemon counts as its own when it starts
+	 * serving (server.c); one that fails is tried again at the first send */
+	(void)notify_connect();
 	return 0;
 }
 
@@ -283,7 +288,7 @@ struct queued {
 	char msg[];
 };
 static struct queued *queue_head, **queue_tail = &queue_head;
-static size_t queue_len;
+static size_t queue_len, queue_fds;
 static uv_timer_t queue_timer;
 static bool timer_on, queue_closed;
 
@@ -295,6 +300,7 @@ static void queue_pop(void)
 	if (!queue_head)
 		queue_tail = &queue_head;
 	queue_len--;
+	queue_fds -= q->nfds;
 	for (size_t i = 0; i < q->nfds; i++)
 		close(q->fds[i]);
 	free(q);
@@ -354,6 +360,7 @@ static int queue_add(const char *msg, size_t len, const int *fds, size_t nfds)
 	*queue_tail = q;
 	queue_tail = &q->next;
 	queue_len++;
+	queue_fds += q->nfds;
 	if (timer_on && !uv_is_active((uv_handle_t *)&queue_timer))
 		uv_timer_start(&queue_timer, on_queue_timer, DLPD_NOTIFY_RETRY_MS,
 			       DLPD_NOTIFY_RETRY_MS);
@@ -421,6 +428,11 @@ bool dlpd_notify_unqueue(const char *fmt, ...)
 size_t dlpd_notify_queued(void)
 {
 	return queue_len;
+}
+
+size_t dlpd_notify_queued_fds(void)
+{
+	return queue_fds;
 }
 
 void dlpd_notify_start(uv_loop_t *loop)

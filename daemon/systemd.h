@@ -62,6 +62,8 @@ size_t dlpd_notify_settle(void);
 bool dlpd_notify_unqueue(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* How many notifications wait for room. */
 size_t dlpd_notify_queued(void);
+/* The copies of fds those notifications hold: the daemon's, counted in its fd budget. */
+size_t dlpd_notify_queued_fds(void);
 /* Offer what waits to the manager from @p loop's timer from now on. */
 void dlpd_notify_start(uv_loop_t *loop);
 /* At stop: wait up to DLPD_NOTIFY_WAIT_MS for what waits, drop the rest (logged), and close

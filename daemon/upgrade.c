@@ -24,6 +24,7 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,32 +57,89 @@ void dlpd_upgrade_init(struct dlpd_server *s, char **argv)
 	}
 }
 
-/* Move fds[i] to 3 + i for every i, without close-on-exec. Fds of the daemon that are not
- * handed over may be overwritten: nothing runs but the exec after this. */
+/* Copy fds[i] to its slot 3 + i (and record it there); a copy made above the slots (one
+ * moved out of the way) is closed, which cannot block: it is not the last reference. */
+static int put(int *fds, size_t n, size_t i)
+{
+	int target = 3 + (int)i;
+
+	if (fds[i] == target)
+		return 0;
+	if (dup2(fds[i], target) < 0)
+		return -errno;
+	if (fds[i] >= 3 + (int)n)
+		close(fds[i]);
+	fds[i] = target;
+	return 0;
+}
+
+/*
+ * Move fds[i] to 3 + i for every i, without close-on-exec. Fds of the daemon that are not
+ * handed over may be overwritten: nothing runs but the exec after this. Each fd is handed over
+ * once, so the fds whose slots hold another's form chains and cycles: a chain is placed from its
+ * end (each slot is overwritten only once the fd on it is copied to its own), and a cycle is
+ * opened by moving one of its fds above the slots. The table then never needs more than one
+ * fd above the slots at a time: moving every fd in the way up first needed as many as there
+ * were, and an upgrade with the fd budget full failed past its point of no return.
+ */
 static int place(int *fds, size_t n)
 {
-	for (size_t i = 0; i < n; i++) {
-		int target = 3 + (int)i;
+	/* on[k]: the index whose fd sits on slot 3 + k, or -1; path: a chain being placed */
+	size_t *path = malloc(n * sizeof(*path) + 1);
+	long *on = malloc(n * sizeof(*on) + 1);
+	bool *done = calloc(n + 1, 1);
+	int r = 0;
 
-		if (fds[i] == target)
-			continue;
-		/* a later fd sitting on the target moves out of the way first */
-		for (size_t j = i + 1; j < n; j++)
-			if (fds[j] == target) {
-				int moved = fcntl(target, F_DUPFD_CLOEXEC, 3 + (int)n);
-
-				if (moved < 0)
-					return -errno;
-				fds[j] = moved;
-			}
-		if (dup2(fds[i], target) < 0)
-			return -errno;
-		fds[i] = target;
+	if (!path || !on || !done) {
+		r = -ENOMEM;
+		goto out;
 	}
+	for (size_t k = 0; k < n; k++)
+		on[k] = -1;
 	for (size_t i = 0; i < n; i++)
+		if (fds[i] >= 3 && (size_t)fds[i] < 3 + n)
+			on[fds[i] - 3] = (long)i;
+	for (size_t i = 0; r == 0 && i < n; i++) {
+		size_t len = 0, cur = i;
+
+		if (done[i])
+			continue;
+		/* follow what must be placed before i: the fd on its slot, and so on */
+		for (;;) {
+			long j = on[cur];
+
+			path[len++] = cur;
+			if (j < 0 || done[j] || (size_t)j == cur)
+				break;
+			if ((size_t)j == i) {
+				/* a cycle: i's fd (on cur's slot) moves up, and cur's slot is free */
+				int moved = fcntl(fds[i], F_DUPFD_CLOEXEC, 3 + (int)n);
+
+				if (moved < 0) {
+					r = -errno;
+					break;
+				}
+				fds[i] = moved;
+				on[cur] = -1;
+				break;
+			}
+			cur = (size_t)j;
+		}
+		while (r == 0 && len > 0) {
+			size_t k = path[--len];
+
+			r = put(fds, n, k);
+			done[k] = true;
+		}
+	}
+	for (size_t i = 0; r == 0 && i < n; i++)
 		if (fcntl(3 + (int)i, F_SETFD, 0) < 0)
-			return -errno;
-	return 0;
+			r = -errno;
+out:
+	free(path);
+	free(on);
+	free(done);
+	return r;
 }
 
 struct handover {

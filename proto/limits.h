@@ -203,7 +203,7 @@
  * count in the budget). Storages and connections together may use RLIMIT_NOFILE minus its own
  * fds and this (STAT's fd_budget); a PUBLISH beyond that is refused. */
 #define DLPC_FD_RESERVE 32
-/* Percent of the fds for storages and connections (RLIMIT_NOFILE minus DLPC_FD_RESERVE) that
+/* Percent of the fds for storages and connections (the fd budget, see DLPC_FD_RESERVE) that
  * one uid's storages and connections may hold, so that no uid can take the fds every other
  * uid needs to publish. --max-fd-share-per-uid */
 #define DLPC_UID_FD_SHARE_DEFAULT 25

@@ -817,8 +817,8 @@ typedef struct dlpc_stats {
 	uint64_t invalidations;
 	/** CANCEL requests served: waits that clients gave up on */
 	uint64_t req_cancel;
-	/** fds that storages and connections may use together, 0 for no limit: RLIMIT_NOFILE
-	 * less fds_own and DLPC_FD_RESERVE */
+	/** fds that storages and connections may use together: RLIMIT_NOFILE less fds_own and
+	 * DLPC_FD_RESERVE (UINT64_MAX if the daemon could not read its limit) */
 	uint64_t fd_budget;
 	/** fds the daemon had open for itself when it started serving */
 	uint64_t fds_own;

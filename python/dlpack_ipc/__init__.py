@@ -678,6 +678,6 @@ def stat():
     messages (queued, and sends waiting for room), req_send, req_recv, req_channel, req_cancel,
     uid_channels; cached_references (of references, those idle in a client's cache of
     re-attaches, see dlpc(3)) and invalidations (cache invalidations sent since start);
-    fd_budget (fds storages and connections may use together, 0 for no limit) and fds_own
+    fd_budget (fds storages and connections may use together) and fds_own
     (the daemon's own fds at start, kept out of that budget)."""
     return _client().stat()

@@ -51,6 +51,7 @@ struct mgr {
 	bool store_off; /* the daemon is told FDSTORE=0, the store still passes what it has */
 	unsigned store_max;
 	rlim_t fsize;	  /* not 0: the daemon's RLIMIT_FSIZE (soft and hard) */
+	rlim_t nofile;	  /* not 0: the daemon's RLIMIT_NOFILE (soft and hard) */
 	char status[256]; /* the last STATUS= it sent */
 	struct stored store[STORE_MAX];
 	size_t nstore;
@@ -297,6 +298,12 @@ static void mgr_start(struct mgr *m)
 			struct rlimit rl = {m->fsize, m->fsize};
 
 			if (setrlimit(RLIMIT_FSIZE, &rl) < 0)
+				_exit(126);
+		}
+		if (m->nofile) {
+			struct rlimit rl = {m->nofile, m->nofile};
+
+			if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
 				_exit(126);
 		}
 		if (m->relative && chdir(m->dir) < 0)
@@ -1507,6 +1514,103 @@ START_TEST(test_slow_manager)
 }
 END_TEST
 
+/* The fd limit of the daemon whose budget test_full_fd_budget_through_restarts fills. */
+#define FULL_NOFILE 256
+
+/* Publish "@p prefix/N" until one is refused; how many were not, and the refusal in *@p r. */
+static long publish_until_refused(dlpc_client *c, const char *prefix, int *r)
+{
+	char name[32];
+	long n = 0;
+
+	do {
+		snprintf(name, sizeof(name), "%s/%ld", prefix, n);
+		*r = publish(c, name, 1, 0);
+	} while (*r == 1 && ++n < FULL_NOFILE);
+	return n;
+}
+
+/* Wait for the store to hold @p n storages; whether it did (within a scaled 10 s). */
+static bool store_holds(struct mgr *m, size_t n)
+{
+	long long deadline = now_ms() + scaled_ms(10000);
+
+	while (store_count(m, DLPD_FDNAME_STORAGE) != n && now_ms() < deadline)
+		usleep(10000);
+	return store_count(m, DLPD_FDNAME_STORAGE) == n;
+}
+
+/*
+ * A daemon whose fd budget one uid filled (its share 100%) goes through what a service goes
+ * through. An upgrade in place hands every entry over (moving the fds to their slots used to
+ * take the fd table past its limit, and the daemon died past its point of no return, losing
+ * them all). A service manager that stops reading makes publishes fail for the budget, named,
+ * not cut off by a full fd table (the copies of fds waiting for it counted nowhere). A restart
+ * with less room restores what its budget holds and still accepts clients.
+ */
+START_TEST(test_full_fd_budget_through_restarts)
+{
+	dlpc_stats st = {.size = sizeof(st)};
+	dlpc_client *c, *x;
+	unsigned before;
+	long n, more;
+	struct mgr m;
+	char name[32];
+	int r;
+
+	setenv("DLPACKD_MAX_FD_SHARE_PER_UID", "100", 1);
+	mgr_init(&m, true, STORE_MAX);
+	m.nofile = FULL_NOFILE;
+	mgr_start(&m);
+	c = connect_to(&m);
+	n = publish_until_refused(c, "full", &r);
+	ck_assert_log(&m, r == -EDQUOT && strstr(dlpc_last_error(), "fds of its own"),
+		      "publish %ld: %d %s", n, r, dlpc_last_error());
+	ck_assert_log(&m, store_holds(&m, (size_t)n), "the store missed storages");
+	before = readies(&m);
+	ck_assert_int_eq(kill(m.pid, SIGHUP), 0);
+	mgr_wait_ready(&m, before + 1);
+	ck_assert_log(&m, log_has(m.log, "upgrading: executing"), "no upgrade");
+	dlpc_close(c);
+	c = connect_to(&m);
+	ck_assert_log(&m, check_consistent(c, &m) == (size_t)n, "the upgrade lost entries");
+	/* half of them go; the manager stops reading; then publish until refused */
+	for (long i = 0; i < n / 2; i++) {
+		snprintf(name, sizeof(name), "full/%ld", i);
+		ck_assert_dlpc(dlpc_unpublish(c, name), 0);
+	}
+	ck_assert_log(&m, store_holds(&m, (size_t)(n - n / 2)), "the store kept removed ones");
+	__atomic_store_n(&m.stalled, true, __ATOMIC_RELEASE);
+	more = publish_until_refused(c, "more", &r);
+	ck_assert_log(&m, r == -EDQUOT && strstr(dlpc_last_error(), "fds of its own"),
+		      "publish %ld with the manager stalled: %d %s", more, r, dlpc_last_error());
+	x = connect_to(&m);
+	ck_assert_dlpc(dlpc_stat(x, &st), 0);
+	ck_assert_uint_eq(st.protocol_errors, 0);
+	dlpc_close(x);
+	__atomic_store_n(&m.stalled, false, __ATOMIC_RELEASE);
+	ck_assert_log(&m, store_holds(&m, (size_t)(n - n / 2 + more)), "the store missed some");
+	dlpc_close(c);
+	/* restarted with 80 fds less: it restores what its budget holds, and serves */
+	mgr_kill(&m, SIGKILL);
+	m.nofile = FULL_NOFILE - 80;
+	mgr_start(&m);
+	c = connect_to(&m);
+	ck_assert_dlpc(dlpc_stat(c, &st), 0);
+	fprintf(stderr,
+		"restarted at RLIMIT_NOFILE %d: %llu of %ld storages restored, budget %llu\n",
+		FULL_NOFILE - 80, (unsigned long long)st.storages, n - n / 2 + more,
+		(unsigned long long)st.fd_budget);
+	ck_assert_uint_gt(st.storages, 0);
+	ck_assert_uint_le(st.storages, st.fd_budget);
+	ck_assert(log_has(m.log, "not restoring"));
+	dlpc_close(c);
+	mgr_kill(&m, SIGTERM);
+	mgr_clear(&m);
+	unsetenv("DLPACKD_MAX_FD_SHARE_PER_UID");
+}
+END_TEST
+
 /* In a child, as nobody: publish and unpublish DLPD_NOTIFY_QUEUE_MAX entries, one after the
  * other, while the manager does not read. */
 static int nobody_churns(void *arg)
@@ -2348,6 +2452,7 @@ static Suite *durability_suite(void)
 	tcase_add_test(tc, test_spawn_beside_asserting_thread);
 	tcase_add_test(tc, test_damaged_newer_journal);
 	tcase_add_test(tc, test_slow_manager);
+	tcase_add_test(tc, test_full_fd_budget_through_restarts);
 	tcase_add_test(tc, test_churn_while_manager_slow);
 	tcase_add_test(tc, test_refused_upgrade_says_ready);
 	tcase_add_test(tc, test_given_up_journal);
