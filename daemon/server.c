@@ -137,10 +137,10 @@ static void on_accept(uv_poll_t *h, int status, int events)
 
 		/* Connections (and the fds of frames being received, dispatch.c) may use half of
 		 * the reserve that publishing leaves (so that new clients still get in when
-		 * storages fill the budget), never the other half, kept for the daemon's own fds
-		 * and closers: past it they wait in the backlog until fds
-		 * are free, as when accept itself fails. */
-		if (fds + 1 > s->fd_budget + DLPC_FD_RESERVE / 2) {
+		 * storages fill the budget), never the other half, kept for what the daemon opens
+		 * for a moment: past it they wait in the backlog until fds are free, as when
+		 * accept itself fails. */
+		if (s->fd_budget != UINT64_MAX && fds + 1 > s->fd_budget + DLPC_FD_RESERVE / 2) {
 			if (!s->accept_paused)
 				dlpd_log(LOG_WARNING,
 					 "%llu storage and connection fds open, the most the fd "
