@@ -98,7 +98,7 @@ int dlpd_on_stat(struct dlpd_peer *p, uint32_t id, ProtobufCMessage **m, struct 
 	/* pending first: only this thread adds to it, so fds_open is counted after */
 	rep.fds_closing =
 		dlpd_reaper_pending() + dlpd_closers_fds() + s->peers_closing + s->draining;
-	rep.fds_open = dlpd_count_fds();
+	rep.fds_open = dlpd_count_fds(UINT64_MAX);
 	rep.fds_own = s->fds_own;
 	rep.fd_budget = s->fd_budget;
 	rep.fds_sent = s->stats.fds_sent;

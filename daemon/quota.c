@@ -15,7 +15,7 @@
 #include "reaper.h"
 #include "systemd.h"
 
-uint64_t dlpd_count_fds(void)
+uint64_t dlpd_count_fds(uint64_t below)
 {
 	DIR *d = opendir("/proc/self/fd");
 	struct dirent *de;
@@ -23,21 +23,29 @@ uint64_t dlpd_count_fds(void)
 
 	if (!d) {
 		struct rlimit rl;
+		uint64_t top;
 
 		/* the table full (EMFILE), as at a start with as many fds passed as the limit
 		 * allows: ask about each number instead, which takes no fd */
-		if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur > DLPD_COUNT_FDS_PROBE_MAX)
+		if (getrlimit(RLIMIT_NOFILE, &rl) < 0)
 			return 0;
-		for (int fd = 0; fd < (int)rl.rlim_cur; fd++)
+		top = rl.rlim_cur < below ? rl.rlim_cur : below;
+		if (top > DLPD_COUNT_FDS_PROBE_MAX)
+			return 0;
+		for (int fd = 0; fd < (int)top; fd++)
 			n += fcntl(fd, F_GETFD) >= 0;
 		return n;
 	}
-	while ((de = readdir(d)))
-		if (de->d_name[0] != '.')
+	while ((de = readdir(d))) {
+		char *end;
+		unsigned long long fd = strtoull(de->d_name, &end, 10);
+
+		/* not "." or "..", nor the directory's own fd */
+		if (*end == '\0' && end != de->d_name && fd < below && (int)fd != dirfd(d))
 			n++;
+	}
 	closedir(d);
-	/* the directory's own fd */
-	return n - 1;
+	return n;
 }
 
 uint64_t dlpd_fds_in_use(const struct dlpd_server *s)

@@ -30,8 +30,10 @@ void dlpd_fd_budget_why(const struct dlpd_server *s, char *why, size_t whylen);
 /* The fd limit up to which dlpd_count_fds() asks about every fd number when it cannot read
  * /proc/self/fd: about 0.1 s of fcntl() calls at the most. */
 #define DLPD_COUNT_FDS_PROBE_MAX (1u << 20)
-/* Every fd the daemon has open (the entries of /proc/self/fd, or each number below the limit
- * asked about), or 0 if it cannot tell. */
-uint64_t dlpd_count_fds(void);
+/* The fds the daemon has open numbered below @p below (the entries of /proc/self/fd, or each
+ * number asked about), or 0 if it cannot tell. An fd numbered at or above RLIMIT_NOFILE (one
+ * inherited before the limit was lowered, or a tool's such as valgrind's) takes no number the
+ * daemon could open. */
+uint64_t dlpd_count_fds(uint64_t below);
 
 #endif

@@ -22,7 +22,6 @@ struct daemon {
 	char dir[64];
 	char sock[108];
 	char log[128];
-	unsigned inherited; /* fds it was started with besides stdio (daemon_opts) */
 };
 
 /* Start dlpackd on DIR/dlpackd.sock and wait until it accepts connections. */
