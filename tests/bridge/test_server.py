@@ -22,6 +22,13 @@ import pytest
 
 from dlpack_ipc import bridge
 from dlpack_ipc.bridge import _importer, _nixl, _push, _registry, _replicas, _server, _wire
+from fake_nixl import FULL, PARTIAL, nixl_md, nixl_md_agent
+
+
+def md64(name, rest=FULL):
+    """NIXL metadata of agent name (fake_nixl.nixl_md; rest PARTIAL: a registration's), in
+    base64 as a frame carries it."""
+    return base64.b64encode(nixl_md(name, rest)).decode()
 
 
 class FakeNixl:
@@ -41,11 +48,11 @@ class FakeNixl:
             raise RuntimeError(f"injected failure of {what}")
 
     def metadata(self):
-        return b"md"
+        return nixl_md(self.name)
 
     def add_remote(self, blob):
         self._do("add_remote", blob)
-        name = blob.decode()
+        name = nixl_md_agent(blob)[0]
         self.remotes.add(name)
         return name
 
@@ -61,7 +68,7 @@ class FakeNixl:
         return True
 
     def partial_metadata(self, reg):
-        return b"importer-agent"
+        return nixl_md("importer-agent", PARTIAL)
 
     def notified(self, agent, msg):
         return False
@@ -200,7 +207,7 @@ def lease_of(b, tensors, name="w/x"):
 
 def put_frame(lease, tensors, agent="importer-agent"):
     return {"op": "put", "id": 1, "lease": lease.id,
-            "metadata": base64.b64encode(agent.encode()).decode(),
+            "metadata": md64(agent, PARTIAL),
             "descs": [[1 << 20, t.nbytes] for t in tensors]}
 
 
@@ -473,20 +480,52 @@ def test_a_put_in_flight_when_it_fails_is_quarantined():
     assert tensors[0].released == 1 and b.fake_nixl.registered == 0
 
 
-def test_a_put_with_another_agents_metadata_is_refused():
+@pytest.mark.parametrize("blob", [nixl_md("someone-else", PARTIAL),
+                                  nixl_md("someone-else", b"sections that do not load"),
+                                  b"someone-else", nixl_md("importer-agent")[:20],
+                                  nixl_md("importer-agent").replace(b"t|", b"tX", 1)])
+def test_a_put_with_another_agents_metadata_is_refused_unloaded(blob):
+    """Metadata that names an agent other than the peer's, or does not name one as NIXL lays
+    it out (a name not ended by '|' NIXL would read all the same), never reaches NIXL: loaded,
+    it would be merged into that agent's entry (another peer's), or erase it."""
     b = fake_bridge()
-    b.fake_nixl.remotes.add("importer-agent")
+    b.fake_nixl.remotes.update({"importer-agent", "someone-else"})
     tensors = [FakeTensor(100)]
     leases, lease = lease_of(b, tensors)
+    frame = {**put_frame(lease, tensors), "metadata": base64.b64encode(blob).decode()}
     c, s = tcp_pair()
-    with pytest.raises(_wire.FrameError, match="not of the peer's"):
-        b._put(s, put_frame(lease, tensors, agent="someone-else"), leases, b.fake_nixl,
-               "importer-agent", "peer")
+    with pytest.raises(_wire.FrameError) as e:
+        b._put(s, frame, leases, b.fake_nixl, "importer-agent", "peer")
     c.close()
     s.close()
-    assert b.fake_nixl.remotes == {"importer-agent"}       # the other agent was unloaded
+    assert e.value.errname == "EPROTO" and f"put for lease {lease.id}: " in str(e.value)
+    assert ("not of the peer's 'importer-agent': refused, not loaded" in str(e.value) or
+            "not NIXL agent metadata" in str(e.value)), e.value
+    assert not [call for call in b.fake_nixl.calls if call[0] in ("add_remote", "write")]
+    assert b.fake_nixl.remotes == {"importer-agent", "someone-else"}
     assert leases == {} and b.leases == 0 and tensors[0].released == 1
-    assert not [call for call in b.fake_nixl.calls if call[0] == "write"]
+
+
+def test_the_peers_own_metadata_is_loaded_for_its_put():
+    b, leases, tensors, reply = one_put(FakeNixl())
+    assert reply["op"] == "done"
+    assert ("add_remote", nixl_md("importer-agent", PARTIAL)) in b.fake_nixl.calls
+
+
+def test_a_nixl_whose_metadata_does_not_name_its_agent_so_is_refused():
+    """The layout the bridge reads a peer's agent name in is checked against each agent it
+    makes: a NIXL that lays its metadata out otherwise is refused, not misread."""
+    class Other(FakeNixl):
+        def metadata(self):
+            return b"nixlSerDes2|" + nixl_md(self.name)
+
+    with pytest.raises(RuntimeError, match="its own metadata does not name it as NIXL 1.5"):
+        _nixl.Agents(lambda name: Other(name=name), "exporter-agent")
+    agents = _nixl.Agents(lambda name: (FakeNixl if name == "first" else Other)(name=name),
+                          "first")
+    agents.aborted(agents.now)
+    agents.tick("second")                  # not replaced by an agent it cannot read peers of
+    assert agents.now.name == "first" and agents.replaced == 0
 
 
 def test_unmatched_notifications_bounded_oldest_dropped():
@@ -673,7 +712,7 @@ def _peer_connection(b, importer="importer"):
     _wire.auth_client(c, b.token, importer, "A")
     f = _wire.recv(c, time.monotonic() + 5)
     assert f["op"] == "metadata" and f["agent"] == b.agents.now.name
-    _wire.send(c, {"op": "metadata", "metadata": base64.b64encode(importer.encode()).decode()})
+    _wire.send(c, {"op": "metadata", "metadata": md64(importer)})
     return c, th
 
 
@@ -699,7 +738,7 @@ def test_a_peer_connection_made_with_a_replaced_agent_is_closed_once_idle():
         c2, th2 = _peer_connection(b, "importer-2")
         c2.close()
         th2.join(5)
-        assert ("add_remote", b"importer-2") in b.agents.now.calls
+        assert ("add_remote", nixl_md("importer-2")) in b.agents.now.calls
     finally:
         c.close()
         stop_fake_bridge(b)
@@ -1451,8 +1490,7 @@ def _subscriber(h):
         token = f.read().strip()
     _wire.auth_client(sock, token, "raw-subscriber", "A")
     assert _wire.recv(sock, time.monotonic() + 10)["op"] == "metadata"
-    _wire.send(sock, {"op": "metadata",
-                      "metadata": base64.b64encode(f"fake/{os.getpid()}/raw".encode()).decode()})
+    _wire.send(sock, {"op": "metadata", "metadata": md64(f"fake/{os.getpid()}/raw")})
     return sock
 
 
@@ -1580,13 +1618,11 @@ class OldExporter:
             threading.Thread(target=self._serve, args=(s,), daemon=True).start()
 
     def _serve(self, s):
-        import base64
         with s:
             try:
                 _wire.auth_server(s, self.token)
                 self.asked["connections"] += 1
-                _wire.send(s, {"op": "metadata",
-                               "metadata": base64.b64encode(b"old-exporter").decode()})
+                _wire.send(s, {"op": "metadata", "metadata": md64("old-exporter")})
                 _wire.recv(s, time.monotonic() + 5)
                 while True:
                     f = _wire.recv(s, None)
@@ -2097,7 +2133,7 @@ def test_a_subscriber_that_stops_reading_is_disconnected_and_its_subscriptions_e
     try:
         _wire.auth_client(c, b.token, "raw-subscriber", "A")
         assert _wire.recv(c, time.monotonic() + 5)["op"] == "metadata"
-        _wire.send(c, {"op": "metadata", "metadata": base64.b64encode(b"importer").decode()})
+        _wire.send(c, {"op": "metadata", "metadata": md64("importer")})
         names = [f"w/{i:02d}" + "x" * 200 for i in range(_push.SUBSCRIPTIONS_PER_PEER_MAX)]
         for i, name in enumerate(names):
             assert _ask(c, {"op": "subscribe", "id": i, "name": name})["op"] == "subscribed"
@@ -3282,7 +3318,7 @@ def _raw_peer(h, port, me, agent=None, source="127.0.0.1"):
     _wire.auth_client(sock, token, me, "H")
     assert _wire.recv(sock, time.monotonic() + 10)["op"] == "metadata"
     agent = agent or f"fake/{os.getpid()}/{me}"
-    _wire.send(sock, {"op": "metadata", "metadata": base64.b64encode(agent.encode()).decode()})
+    _wire.send(sock, {"op": "metadata", "metadata": md64(agent)})
     return sock
 
 
@@ -3290,7 +3326,7 @@ def _put(sock, layout, buf, agent):
     """Send the put of layout's lease into the numpy array buf, this process's memory, as the
     fake agent agent; the exporter's answer."""
     _wire.send(sock, {"op": "put", "id": 2, "lease": layout["lease"],
-                      "metadata": base64.b64encode(f"partial:{agent}".encode()).decode(),
+                      "metadata": md64(agent, PARTIAL),
                       "descs": [[buf.ctypes.data, buf.nbytes]]})
     return _wire.recv(sock, time.monotonic() + 30)
 
@@ -3629,6 +3665,41 @@ def test_a_peer_replaying_anothers_metadata_leaves_its_agent_loaded(guarded):
         h.dl.unpublish("w/victim")
 
 
+def test_a_put_naming_another_peers_agent_leaves_that_peer_loaded(guarded):
+    """A token holder's put whose metadata names a connected peer's agent, and does not load
+    (NIXL then erases the entry of the agent it names): refused with EPROTO and disconnected,
+    the blob never loaded; the peer's own put is then written."""
+    import numpy as np
+    h = guarded
+    _no_leases(h)
+    h.dl.publish("w/victim2", np.full(4096, 6, np.uint8), replace=True)
+    agent = f"fake/{os.getpid()}/victim2"
+    victim = _raw_peer(h, h.port, "victim2", agent)
+    attacker = _raw_peer(h, h.port, "attacker")
+    try:
+        stolen = _ask(attacker, {"op": "get", "id": 1, "name": "w/victim2"})
+        assert stolen["op"] == "layout", stolen
+        buf = np.zeros(4096, np.uint8)
+        _wire.send(attacker, {"op": "put", "id": 2, "lease": stolen["lease"],
+                              "metadata": md64(agent, b"sections that do not load"),
+                              "descs": [[buf.ctypes.data, buf.nbytes]]})
+        refused = _wire.recv(attacker, time.monotonic() + 30)
+        # the victim first: on a bridge that loaded the blob, NIXL no longer knows its agent
+        layout = _ask(victim, {"op": "get", "id": 3, "name": "w/victim2"})
+        assert layout["op"] == "layout", layout
+        r = _put(victim, layout, buf, agent)
+        assert r["op"] == "done", r
+        assert (buf == 6).all()
+        assert (refused["errno"], refused["message"]) == (
+            "EPROTO", f"put for lease {stolen['lease']}: metadata of agent {agent!r}, not of "
+            f"the peer's 'fake/{os.getpid()}/attacker': refused, not loaded"), refused
+        assert _ends(attacker, 30) == []        # and disconnected
+    finally:
+        attacker.close()
+        victim.close()
+        h.dl.unpublish("w/victim2")
+
+
 def test_a_lone_surrogate_is_refused_wherever_a_name_arrives(guarded):
     """A name with an escaped lone surrogate ("w/\\ud800") in a get, stat, subscribe or
     release, and in a local fetch: answered EPROTO naming it, the connection closed, no
@@ -3674,7 +3745,7 @@ def test_leases_expire_while_the_connection_waits_for_a_write(guarded):
         assert layout["op"] == "layout" and h.status("S")["leases"] == 2
         buf = np.zeros(4096, np.uint8)
         _wire.send(sock, {"op": "put", "id": 2, "lease": layout["lease"],
-                          "metadata": base64.b64encode(f"partial:{agent}".encode()).decode(),
+                          "metadata": md64(agent, PARTIAL),
                           "descs": [[buf.ctypes.data, buf.nbytes]]})
         # (the WRITE's own deadline is TRANSFER_GRACE, 10 s: the other lease ends well before)
         _wait(lambda: h.status("S")["writing"] == 1 and h.status("S")["leases"] == 1,

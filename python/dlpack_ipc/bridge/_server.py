@@ -30,7 +30,7 @@ from . import _cuda, _importer, _push, _registry, _replicas, _wire
 from ._importer import POLL, PeerLink
 from ._importer import keepalive as _keepalive
 from ._nixl import QUARANTINE  # noqa: F401  (__main__ reads _server.QUARANTINE)
-from ._nixl import QUARANTINE_MAX, Agents, Nixl, Quarantine, _quiet, _span
+from ._nixl import QUARANTINE_MAX, Agents, MetadataRefused, Nixl, Quarantine, _quiet, _span
 
 # How long an exporter keeps a lease (and its dlpackd reference) for an importer that asked for
 # a name's layout and has not sent its descriptors yet; also the longest one WRITE may take.
@@ -1017,19 +1017,19 @@ class Bridge:
             return _wire.send(sock, {"op": "done", "id": rid, "lease": lid})
         try:
             # the importer's registration of its replica: loaded for each transfer, into the
-            # peer's own agent (removed when the connection closes)
-            agent = self.agents.load_partial(nixl, _wire.metadata(f), remote)
+            # peer's own agent (removed when the connection closes); metadata that names
+            # another agent is refused before NIXL sees it
+            self.agents.load_partial(nixl, _wire.metadata(f), remote)
         except _wire.FrameError:
             self._end(leases.pop(lid), "bad metadata")
             raise
+        except MetadataRefused as e:
+            self._end(leases.pop(lid), "metadata refused")
+            raise _wire.FrameError("EPROTO", f"put for lease {lid}: {e}") from None
         except Exception as e:
             self._end(leases.pop(lid), "metadata refused")
             return _wire.send(sock, _wire.error_frame(
                 "EPROTO", f"put for lease {lid}: NIXL refused the metadata: {e!r}", id=rid))
-        if agent != remote:
-            self._end(leases.pop(lid), "metadata of another agent")
-            raise _wire.FrameError("EPROTO", f"put for lease {lid}: metadata of agent {agent!r},"
-                                   f" not of the peer's {remote!r}")
         # registered only for the transfer; deregistered before the attach is dropped
         reg = nixl.register(*_span(live))
         xfer = None
