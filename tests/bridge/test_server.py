@@ -3457,8 +3457,8 @@ def test_a_lease_maps_nothing_until_its_write(guarded):
 def test_bytes_under_lease_are_bounded_per_connection_and_for_the_bridge(guarded):
     """H's LEASE_BYTES_PER_CONNECTION_MAX is 1 MiB and LEASE_BYTES_MAX 3 MiB: entries of
     768 KiB are leased one to a connection, four to the bridge; a fifth is refused with EAGAIN
-    naming the limit, one already leased elsewhere is not (counted once), and a release makes
-    room."""
+    naming the limit, one already leased elsewhere is not (counted once), nor a second lease of
+    the entry a connection holds (one copy pinned: counted once), and a release makes room."""
     import numpy as np
     h = guarded
     _no_leases(h)
@@ -3475,6 +3475,9 @@ def test_bytes_under_lease_are_bounded_per_connection_and_for_the_bridge(guarded
         assert r["message"] == (f"'{names[1]}': its {size} bytes would take this connection's "
                                 f"leases from {size} bytes past LEASE_BYTES_PER_CONNECTION_MAX "
                                 f"({1 << 20}): finish or release a lease first")
+        again = _ask(socks[0], {"op": "get", "id": 6, "name": names[0]})
+        assert again["op"] == "layout" and again["lease"] != got[0]["lease"], again
+        assert h.status("H")["leases"] == 5
         r = _ask(socks[4], {"op": "get", "id": 3, "name": names[4]})
         assert r["op"] == "error" and r["errno"] == "EAGAIN", r
         assert r["message"] == (f"'{names[4]}': its {size} bytes would take what this bridge "
@@ -3482,7 +3485,7 @@ def test_bytes_under_lease_are_bounded_per_connection_and_for_the_bridge(guarded
                                 f"({3 << 20}): try again later")
         assert _ask(socks[4], {"op": "get", "id": 4, "name": names[0]})["op"] == "layout"
         _wire.send(socks[1], {"op": "release", "lease": got[1]["lease"]})
-        _wait(lambda: h.status("H")["leases"] == 4, "the release")
+        _wait(lambda: h.status("H")["leases"] == 5, "the release")
         assert _ask(socks[5], {"op": "get", "id": 5, "name": names[4]})["op"] == "layout"
     finally:
         for s in socks:

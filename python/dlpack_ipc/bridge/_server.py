@@ -41,11 +41,11 @@ TICK = 0.25
 # Leases one peer connection may hold at once (each is a dlpackd reference).
 LEASES_MAX = 64
 # Bytes under lease: what one peer connection's leases may hold, and all of them together (a
-# storage leased by several connections, one generation of an entry, counted once). Past
-# either a get is refused with EAGAIN, naming the limit; one lease of any size is granted
-# where the connection (or the bridge) holds none. A lease maps its entry without populating
-# it, but holds the generation's memory in dlpackd after a REPLACE; an importer holds one
-# lease at a time.
+# storage, one generation of an entry, counted once by each however many leases hold it: they
+# pin one copy). Past either a get is refused with EAGAIN, naming the limit; one lease of any
+# size is granted where the connection (or the bridge) holds none. A lease maps its entry
+# without populating it, but holds the generation's memory in dlpackd after a REPLACE; an
+# importer holds one lease at a time.
 LEASE_BYTES_PER_CONNECTION_MAX = 64 << 30
 LEASE_BYTES_MAX = 1 << 40
 # Peers the bridge serves at once: a connection takes a slot only once its proof checked out.
@@ -509,10 +509,13 @@ class Bridge:
 
     def _lease_take(self, leases, name, storage, n):
         """Charge a lease of n bytes of storage ((name, generation, created_ns)) to the
-        connection holding leases and to the bridge; BlockingIOError EAGAIN naming the limit it
-        would pass (LEASE_BYTES_PER_CONNECTION_MAX, LEASE_BYTES_MAX)."""
-        here = sum(lease.nbytes for lease in leases.values())
-        if here and here + n > LEASE_BYTES_PER_CONNECTION_MAX:
+        connection holding leases and to the bridge, each storage counted once by each (several
+        leases of it pin one copy); BlockingIOError EAGAIN naming the limit it would pass
+        (LEASE_BYTES_PER_CONNECTION_MAX, LEASE_BYTES_MAX)."""
+        pinned = {lease.storage if lease.storage is not None else lease.id: lease.nbytes
+                  for lease in leases.values()}
+        here = sum(pinned.values())
+        if storage not in pinned and here and here + n > LEASE_BYTES_PER_CONNECTION_MAX:
             raise BlockingIOError(errno.EAGAIN, f"{name!r}: its {n} bytes would take this "
                                   f"connection's leases from {here} bytes past "
                                   f"LEASE_BYTES_PER_CONNECTION_MAX "
