@@ -291,10 +291,10 @@ class FakeDlpackd:
         pass
 
 
-def peer_fetch(dl, script, b=None, wait=10, stalled="the fetch did not end"):
-    """A fetch from a fake peer: script(peer, get) plays the exporter on its socket; the
-    fetch's outcome, and the link. The fetch must end within wait seconds of the script
-    (AssertionError saying stalled)."""
+def peer_fetch(dl, script, b=None, wait=10, stalled="the fetch did not end", deadline=None):
+    """A fetch from a fake peer (within deadline, None: none): script(peer, get) plays the
+    exporter on its socket; the fetch's outcome, and the link. The fetch must end within wait
+    seconds of the script (AssertionError saying stalled)."""
     b = b or fake_bridge()
     link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
     link.sock, peer = socket.socketpair()
@@ -303,7 +303,7 @@ def peer_fetch(dl, script, b=None, wait=10, stalled="the fetch did not end"):
 
     def run():
         try:
-            out["r"] = link.fetch(dl, "w/x", "A:w/x", None, 1000)
+            out["r"] = link.fetch(dl, "w/x", "A:w/x", deadline, 1000)
         except Exception as e:  # the outcome under test
             out["r"] = e
     th = threading.Thread(target=run, daemon=True)
@@ -461,6 +461,172 @@ def test_gets_and_fetches_refused_past_quarantine_max():
         link.fetch(FakeDlpackd(), "w/x", "A:w/x", None, 1000)
     c.close()
     s.close()
+
+
+# An empty entry's layout: a fetch of it needs no NIXL (serve_empty()).
+EMPTY_LAYOUT = {"op": "layout", "lease": "L1", "generation": 7, "bundle": False, "ttl": 5.0,
+                "tensors": [["", "float32", [0], 0]]}
+# What an exporter at a limit that frees soon answers a get with (Bridge._lease_take's words).
+AT_A_LIMIT = ("'w/x': its 4096 bytes would take what this bridge holds under lease from "
+              "1024 bytes past LEASE_BYTES_MAX (2048): try again later")
+
+
+def serve_empty(peer, get):
+    """Answer get with EMPTY_LAYOUT, take the put and say done."""
+    _wire.send(peer, {**EMPTY_LAYOUT, "id": get["id"]})
+    put = _wire.recv(peer, time.monotonic() + 5)
+    assert put["op"] == "put" and put["descs"] == [], put
+    _wire.send(peer, {"op": "done", "id": put["id"], "lease": "L1"})
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch):
+    monkeypatch.setattr(_importer, "REFUSED_BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(_importer, "REFUSED_BACKOFF_MAX", 0.02)
+
+
+def test_a_get_refused_until_a_limit_frees_is_tried_again(quick_backoff):
+    """A get the peer refuses with an EAGAIN that says to try again is asked again on the same
+    connection: the fetch gets the entry once the limit freed."""
+    gets = []
+
+    def exporter(peer, get):
+        for i in range(2):
+            gets.append(get)
+            _wire.send(peer, _wire.error_frame("EAGAIN", AT_A_LIMIT, id=get["id"]))
+            get = _wire.recv(peer, time.monotonic() + 5)
+        gets.append(get)
+        serve_empty(peer, get)
+
+    dl = FakeDlpackd()
+    r, link = peer_fetch(dl, exporter)
+    assert r == 7, r
+    assert [g["op"] for g in gets] == ["get"] * 3 and len({g["id"] for g in gets}) == 3
+    assert "A:w/x" in dl.entries and link.sock is not None
+
+
+def test_refusals_that_say_try_again_are_tried_refused_tries_times(quick_backoff):
+    """Past REFUSED_TRIES refusals the fetch fails with the last one's message; no more gets."""
+    def exporter(peer, get):
+        for i in range(1, _importer.REFUSED_TRIES + 1):
+            assert get["op"] == "get"
+            _wire.send(peer, _wire.error_frame("EAGAIN", f"refusal {i}: {AT_A_LIMIT}",
+                                               id=get["id"]))
+            if i < _importer.REFUSED_TRIES:
+                get = _wire.recv(peer, time.monotonic() + 5)
+
+    r, link = peer_fetch(FakeDlpackd(), exporter, stalled="the fetch asked past REFUSED_TRIES")
+    assert isinstance(r, BlockingIOError), r
+    assert str(r) == (f"[Errno {errno.EAGAIN}] the peer says: refusal "
+                      f"{_importer.REFUSED_TRIES}: {AT_A_LIMIT}")
+    assert link.sock is not None                # (the connection stays: answered in order)
+
+
+def test_a_refusal_is_not_tried_again_past_the_fetchs_deadline(monkeypatch):
+    """A pause before the next try that would end past the fetch's deadline is not taken: the
+    refusal fails the fetch at once (a fetch that waited would be failed by peer_fetch)."""
+    monkeypatch.setattr(_importer, "REFUSED_BACKOFF_FIRST", 3600.0)
+    monkeypatch.setattr(_importer, "REFUSED_BACKOFF_MAX", 3600.0)
+
+    def exporter(peer, get):
+        _wire.send(peer, _wire.error_frame("EAGAIN", AT_A_LIMIT, id=get["id"]))
+
+    r, link = peer_fetch(FakeDlpackd(), exporter, deadline=time.monotonic() + 60,
+                         stalled="the fetch waited past its deadline to try again")
+    assert isinstance(r, BlockingIOError) and str(r).endswith(AT_A_LIMIT), r
+
+
+@pytest.mark.parametrize("errname,message", [
+    ("EDQUOT", "uid 1000 asks for 100 bytes and holds 200: REPLICA_BYTES_PER_UID_MAX is 260"),
+    ("EPERM", "'w/x' is not yours"), ("ENOENT", "'w/x': no such name"),
+    ("EAGAIN", "'w/x': this connection holds 64 leases (LEASES_MAX)"),
+    ("EFBIG", "'w/x' is a device entry of 9 bytes, more than the 8 bytes of host memory it is "
+              "staged through (--staging-max): try again")])
+def test_refusals_that_will_not_change_are_not_tried_again(quick_backoff, errname, message):
+    """(A fetch that asked again would wait for the answer until peer_fetch fails it.)"""
+    def exporter(peer, get):
+        _wire.send(peer, _wire.error_frame(errname, message, id=get["id"]))
+
+    r, _ = peer_fetch(FakeDlpackd(), exporter, stalled="the fetch asked again")
+    assert isinstance(r, OSError) and r.errno == getattr(errno, errname), r
+    assert str(r).endswith(message)
+
+
+def _exporter_refusing(refusals, token, got, serve=True):
+    """A listening exporter that refuses one connection for each of refusals ("admit": in
+    auth_server's admission, as a stranger's eviction does; "peers": welcomed, then PEERS_MAX;
+    "token": another token), then (serve) serves one get of the empty entry, and stops
+    listening; (its port, its thread). got["connections"] counts the connections it
+    accepted."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    got["connections"] = 0
+
+    def run():
+        with ls:
+            for refusal in list(refusals) + ([None] if serve else []):
+                ls.settimeout(10)
+                try:
+                    s, _ = ls.accept()
+                except socket.timeout:
+                    return
+                got["connections"] += 1
+                with s:
+                    if refusal == "token":
+                        with pytest.raises(PermissionError):
+                            _wire.auth_server(s, b"u" * 32, 5)
+                        continue
+                    if refusal == "admit":
+                        with pytest.raises(BlockingIOError):
+                            _wire.auth_server(s, token, 5, admit=lambda: (
+                                "dropped before it authenticated: 4 other connections from "
+                                "127.0.0.1 came (UNAUTH_PER_ADDR_MAX 4)"))
+                        continue
+                    _wire.auth_server(s, token, 5)
+                    if refusal == "peers":
+                        _wire.send_error(s, "EAGAIN", "64 peers are connected (PEERS_MAX): "
+                                         "try again later")
+                        continue
+                    _wire.send(s, {"op": "metadata", "metadata": md64("exporter-x")})
+                    assert _wire.recv(s, time.monotonic() + 5)["op"] == "metadata"
+                    serve_empty(s, _wire.recv(s, time.monotonic() + 5))
+                    got["served"] = True
+                    _wire.readable(s, 5)        # until the importer closes
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return ls.getsockname()[1], th
+
+
+@pytest.mark.parametrize("refusals", [["admit"], ["peers"], ["admit", "peers", "admit"]])
+def test_a_connection_refused_until_a_limit_frees_is_made_again(quick_backoff, refusals):
+    """An exporter that turns the connection away with EAGAIN, saying to try again (a stranger
+    flood evicted it before its welcome, or PEERS_MAX just after), is connected to again within
+    the fetch: the fetch gets the entry."""
+    b = fake_bridge()
+    got = {}
+    port, th = _exporter_refusing(refusals, b.token, got)
+    link = _importer.PeerLink(b, "A", ("127.0.0.1", port))
+    try:
+        assert link.fetch(FakeDlpackd(), "w/x", "A:w/x", time.monotonic() + 60, 1000) == 7
+    finally:
+        link.drop()
+        th.join(10)
+    assert got == {"connections": len(refusals) + 1, "served": True}
+    assert not th.is_alive() and b.agents.now.remotes == set()
+
+
+def test_a_wrong_token_is_not_tried_again(quick_backoff):
+    b = fake_bridge()
+    got = {}
+    port, th = _exporter_refusing(["token"], b.token, got, serve=False)
+    link = _importer.PeerLink(b, "A", ("127.0.0.1", port))
+    try:
+        # (a second connection would be refused: ConnectionRefusedError)
+        with pytest.raises(PermissionError, match="authentication failed"):
+            link.fetch(FakeDlpackd(), "w/x", "A:w/x", time.monotonic() + 60, 1000)
+    finally:
+        link.drop()
+        th.join(10)
+    assert got == {"connections": 1} and not th.is_alive()
 
 
 def test_a_put_never_posted_is_not_quarantined():
