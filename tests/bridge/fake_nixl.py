@@ -4,11 +4,15 @@
     python3 fake_nixl.py BRIDGE-ARGS...
 
 runs `python3 -m dlpack_ipc.bridge BRIDGE-ARGS...` with the bridge's Nixl replaced by FakeNixl:
-its metadata names the process (pid), and a WRITE copies the bytes into the importer's memory
-with process_vm_writev(2) (same uid, or root), so a replica holds what the exporter served.
-As NIXL, it writes only to an agent loaded (add_remote) and not removed since, and loads a
-transfer's partial metadata only for an agent loaded. Everything else (dlpackd, the control
-connections, the leases, the pushes) is the bridge's own. In the environment:
+its agent's name names the process (pid), and a WRITE copies the bytes into the importer's
+memory with process_vm_writev(2) (same uid, or root), so a replica holds what the exporter
+served. As NIXL 1.5.1 (checked against its wheel): its metadata names the agent in nixlSerDes's
+header (nixl_md(); the rest is FULL or PARTIAL), which add_remote reads as NIXL does; it writes
+only to an agent loaded and not removed since; it loads a transfer's partial metadata only for
+an agent loaded; and a blob that names an agent loaded but does not load erases that agent's
+entry (NIXL's loadRemoteSections), so that the agent can no longer be written to. Everything
+else (dlpackd, the control connections, the leases, the pushes) is the bridge's own. In the
+environment:
 FAKE_NIXL_RESUBSCRIBE_MAX sets _push.RESUBSCRIBE_MAX (seconds); FAKE_NIXL_CONSTANTS, a JSON
 object {"_server.NAME": value, "_wire.NAME": value...}, sets those constants (each must exist);
 FAKE_NIXL_WRITE_GATE names a file: each WRITE stays in progress until that file exists.
@@ -16,6 +20,7 @@ FAKE_NIXL_WRITE_GATE names a file: each WRITE stays in progress until that file 
 import ctypes
 import json
 import os
+import struct
 import sys
 import threading
 
@@ -41,6 +46,33 @@ def _iovs(ranges):
     return arr
 
 
+# The rest of a fake agent's metadata, after its header: all of it, or a registration's.
+FULL = b"fake:full|"
+PARTIAL = b"fake:partial|"
+
+
+def nixl_md(name, rest=FULL):
+    """Metadata of agent name as NIXL 1.5 serializes it: "nixlSerDes|", the tag "Agent", the
+    name's length (a native size_t), the name, "|"; then rest (NIXL's connections and memory
+    sections; here FULL or PARTIAL, anything else a blob that fails to load)."""
+    n = name.encode()
+    return b"nixlSerDes|Agent" + struct.pack("@N", len(n)) + n + b"|" + rest
+
+
+def nixl_md_agent(blob):
+    """(the agent name, the rest of blob) as NIXL 1.5's loadRemoteMD reads them (nixlSerDes's
+    getStr: the name's length within the blob, the byte after the name skipped unchecked);
+    RuntimeError NIXL_ERR_MISMATCH as NIXL's own."""
+    head = b"nixlSerDes|Agent"
+    start = len(head) + struct.calcsize("@N")
+    if not blob.startswith(head) or len(blob) < start:
+        raise RuntimeError("NIXL_ERR_MISMATCH: no agent name in the metadata")
+    n = struct.unpack_from("@N", blob, len(head))[0]
+    if len(blob) < start + n + 1 or n == 0:
+        raise RuntimeError("NIXL_ERR_MISMATCH: no agent name in the metadata")
+    return blob[start:start + n].decode(), blob[start + n + 1:]
+
+
 class FakeNixl:
     """_nixl.Nixl's calls, without UCX: agents are "fake/PID/NAME"."""
 
@@ -51,17 +83,22 @@ class FakeNixl:
         self._remotes = set()
 
     def metadata(self):
-        return self.name.encode()
+        return nixl_md(self.name)
 
     def add_remote(self, blob):
-        name = blob.decode()
-        partial = name.startswith("partial:")
-        if partial:
-            name = name[len("partial:"):]
-        if not name.startswith("fake/"):
-            raise ValueError(f"not a fake agent's metadata: {name[:64]!r}")
+        name, rest = nixl_md_agent(blob)
+        if name == self.name:
+            raise RuntimeError("NIXL_ERR_INVALID_PARAM: metadata of the agent itself")
         with self._lock:
-            if partial and name not in self._remotes:
+            if rest not in (FULL, PARTIAL):
+                # NIXL: a blob whose memory sections fail to load erases the entry of the
+                # agent it names, loaded before or not (nixl_metadata.py checks it); here any
+                # rest but FULL and PARTIAL
+                self._remotes.discard(name)
+                raise RuntimeError(f"NIXL_ERR_MISMATCH: metadata of {name!r} does not load")
+            if not name.startswith("fake/"):
+                raise ValueError(f"not a fake agent's metadata: {name[:64]!r}")
+            if rest == PARTIAL and name not in self._remotes:
                 raise RuntimeError(f"NIXL_ERR_NOT_FOUND: partial metadata of {name!r}, an "
                                    "agent not loaded")
             self._remotes.add(name)
@@ -82,7 +119,7 @@ class FakeNixl:
         return ("reg", base, length)
 
     def partial_metadata(self, reg):
-        return b"partial:" + self.metadata()
+        return nixl_md(self.name, PARTIAL)
 
     def deregister(self, reg):
         with self._lock:

@@ -499,6 +499,18 @@ def case_errors(w, a, b):
         check(e.errno == errno.ENAMETOOLONG, f"a local name over NAME_MAX: ENAMETOOLONG ({e})")
 
 
+def case_nixl_metadata(w, a, b):
+    """What the bridge and fake_nixl.py take of NIXL's metadata holds for this NIXL
+    (nixl_metadata.py, in B's namespace)."""
+    r = subprocess.run(["ip", "netns", "exec", w.ns["B"], sys.executable,
+                        os.path.join(HERE, "nixl_metadata.py")], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, env={**os.environ, **KEEPALIVE}, timeout=WAIT)
+    said = [ln for ln in r.stdout.splitlines() if ln.startswith(("ok: ", "FAIL: "))]
+    check(r.returncode == 0 and said and not [ln for ln in said if ln.startswith("FAIL")],
+          "NIXL's metadata as the bridge and fake_nixl.py read it (nixl_metadata.py): " +
+          ("; ".join(said) if r.returncode == 0 else r.stdout + r.stderr))
+
+
 def case_wrong_token(w, a, b):
     try:
         fetch(w, "A:w/t", timeout=10, sock="bridge-Bwrong")
@@ -962,6 +974,7 @@ def main():
         w.up()
         a, b = w.client("A"), w.client("B")
         timed(case_tensor, w, a, b)
+        timed(case_nixl_metadata, w, a, b)
         timed(case_data_ports, w, a, b)
         time.sleep(1.0)     # the threads of the status calls above see their clients go
         fd_b = fd_state(w, "B")

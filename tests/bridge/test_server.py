@@ -22,6 +22,13 @@ import pytest
 
 from dlpack_ipc import bridge
 from dlpack_ipc.bridge import _importer, _nixl, _push, _registry, _replicas, _server, _wire
+from fake_nixl import FULL, PARTIAL, nixl_md, nixl_md_agent
+
+
+def md64(name, rest=FULL):
+    """NIXL metadata of agent name (fake_nixl.nixl_md; rest PARTIAL: a registration's), in
+    base64 as a frame carries it."""
+    return base64.b64encode(nixl_md(name, rest)).decode()
 
 
 class FakeNixl:
@@ -41,11 +48,11 @@ class FakeNixl:
             raise RuntimeError(f"injected failure of {what}")
 
     def metadata(self):
-        return b"md"
+        return nixl_md(self.name)
 
     def add_remote(self, blob):
         self._do("add_remote", blob)
-        name = blob.decode()
+        name = nixl_md_agent(blob)[0]
         self.remotes.add(name)
         return name
 
@@ -61,7 +68,7 @@ class FakeNixl:
         return True
 
     def partial_metadata(self, reg):
-        return b"importer-agent"
+        return nixl_md("importer-agent", PARTIAL)
 
     def notified(self, agent, msg):
         return False
@@ -200,7 +207,7 @@ def lease_of(b, tensors, name="w/x"):
 
 def put_frame(lease, tensors, agent="importer-agent"):
     return {"op": "put", "id": 1, "lease": lease.id,
-            "metadata": base64.b64encode(agent.encode()).decode(),
+            "metadata": md64(agent, PARTIAL),
             "descs": [[1 << 20, t.nbytes] for t in tensors]}
 
 
@@ -284,10 +291,10 @@ class FakeDlpackd:
         pass
 
 
-def peer_fetch(dl, script, b=None, wait=10, stalled="the fetch did not end"):
-    """A fetch from a fake peer: script(peer, get) plays the exporter on its socket; the
-    fetch's outcome, and the link. The fetch must end within wait seconds of the script
-    (AssertionError saying stalled)."""
+def peer_fetch(dl, script, b=None, wait=10, stalled="the fetch did not end", deadline=None):
+    """A fetch from a fake peer (within deadline, None: none): script(peer, get) plays the
+    exporter on its socket; the fetch's outcome, and the link. The fetch must end within wait
+    seconds of the script (AssertionError saying stalled)."""
     b = b or fake_bridge()
     link = _importer.PeerLink(b, "A", ("192.0.2.1", 1))
     link.sock, peer = socket.socketpair()
@@ -296,7 +303,7 @@ def peer_fetch(dl, script, b=None, wait=10, stalled="the fetch did not end"):
 
     def run():
         try:
-            out["r"] = link.fetch(dl, "w/x", "A:w/x", None, 1000)
+            out["r"] = link.fetch(dl, "w/x", "A:w/x", deadline, 1000)
         except Exception as e:  # the outcome under test
             out["r"] = e
     th = threading.Thread(target=run, daemon=True)
@@ -456,6 +463,172 @@ def test_gets_and_fetches_refused_past_quarantine_max():
     s.close()
 
 
+# An empty entry's layout: a fetch of it needs no NIXL (serve_empty()).
+EMPTY_LAYOUT = {"op": "layout", "lease": "L1", "generation": 7, "bundle": False, "ttl": 5.0,
+                "tensors": [["", "float32", [0], 0]]}
+# What an exporter at a limit that frees soon answers a get with (Bridge._lease_take's words).
+AT_A_LIMIT = ("'w/x': its 4096 bytes would take what this bridge holds under lease from "
+              "1024 bytes past LEASE_BYTES_MAX (2048): try again later")
+
+
+def serve_empty(peer, get):
+    """Answer get with EMPTY_LAYOUT, take the put and say done."""
+    _wire.send(peer, {**EMPTY_LAYOUT, "id": get["id"]})
+    put = _wire.recv(peer, time.monotonic() + 5)
+    assert put["op"] == "put" and put["descs"] == [], put
+    _wire.send(peer, {"op": "done", "id": put["id"], "lease": "L1"})
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch):
+    monkeypatch.setattr(_importer, "REFUSED_BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(_importer, "REFUSED_BACKOFF_MAX", 0.02)
+
+
+def test_a_get_refused_until_a_limit_frees_is_tried_again(quick_backoff):
+    """A get the peer refuses with an EAGAIN that says to try again is asked again on the same
+    connection: the fetch gets the entry once the limit freed."""
+    gets = []
+
+    def exporter(peer, get):
+        for i in range(2):
+            gets.append(get)
+            _wire.send(peer, _wire.error_frame("EAGAIN", AT_A_LIMIT, id=get["id"]))
+            get = _wire.recv(peer, time.monotonic() + 5)
+        gets.append(get)
+        serve_empty(peer, get)
+
+    dl = FakeDlpackd()
+    r, link = peer_fetch(dl, exporter)
+    assert r == 7, r
+    assert [g["op"] for g in gets] == ["get"] * 3 and len({g["id"] for g in gets}) == 3
+    assert "A:w/x" in dl.entries and link.sock is not None
+
+
+def test_refusals_that_say_try_again_are_tried_refused_tries_times(quick_backoff):
+    """Past REFUSED_TRIES refusals the fetch fails with the last one's message; no more gets."""
+    def exporter(peer, get):
+        for i in range(1, _importer.REFUSED_TRIES + 1):
+            assert get["op"] == "get"
+            _wire.send(peer, _wire.error_frame("EAGAIN", f"refusal {i}: {AT_A_LIMIT}",
+                                               id=get["id"]))
+            if i < _importer.REFUSED_TRIES:
+                get = _wire.recv(peer, time.monotonic() + 5)
+
+    r, link = peer_fetch(FakeDlpackd(), exporter, stalled="the fetch asked past REFUSED_TRIES")
+    assert isinstance(r, BlockingIOError), r
+    assert str(r) == (f"[Errno {errno.EAGAIN}] the peer says: refusal "
+                      f"{_importer.REFUSED_TRIES}: {AT_A_LIMIT}")
+    assert link.sock is not None                # (the connection stays: answered in order)
+
+
+def test_a_refusal_is_not_tried_again_past_the_fetchs_deadline(monkeypatch):
+    """A pause before the next try that would end past the fetch's deadline is not taken: the
+    refusal fails the fetch at once (a fetch that waited would be failed by peer_fetch)."""
+    monkeypatch.setattr(_importer, "REFUSED_BACKOFF_FIRST", 3600.0)
+    monkeypatch.setattr(_importer, "REFUSED_BACKOFF_MAX", 3600.0)
+
+    def exporter(peer, get):
+        _wire.send(peer, _wire.error_frame("EAGAIN", AT_A_LIMIT, id=get["id"]))
+
+    r, link = peer_fetch(FakeDlpackd(), exporter, deadline=time.monotonic() + 60,
+                         stalled="the fetch waited past its deadline to try again")
+    assert isinstance(r, BlockingIOError) and str(r).endswith(AT_A_LIMIT), r
+
+
+@pytest.mark.parametrize("errname,message", [
+    ("EDQUOT", "uid 1000 asks for 100 bytes and holds 200: REPLICA_BYTES_PER_UID_MAX is 260"),
+    ("EPERM", "'w/x' is not yours"), ("ENOENT", "'w/x': no such name"),
+    ("EAGAIN", "'w/x': this connection holds 64 leases (LEASES_MAX)"),
+    ("EFBIG", "'w/x' is a device entry of 9 bytes, more than the 8 bytes of host memory it is "
+              "staged through (--staging-max): try again")])
+def test_refusals_that_will_not_change_are_not_tried_again(quick_backoff, errname, message):
+    """(A fetch that asked again would wait for the answer until peer_fetch fails it.)"""
+    def exporter(peer, get):
+        _wire.send(peer, _wire.error_frame(errname, message, id=get["id"]))
+
+    r, _ = peer_fetch(FakeDlpackd(), exporter, stalled="the fetch asked again")
+    assert isinstance(r, OSError) and r.errno == getattr(errno, errname), r
+    assert str(r).endswith(message)
+
+
+def _exporter_refusing(refusals, token, got, serve=True):
+    """A listening exporter that refuses one connection for each of refusals ("admit": in
+    auth_server's admission, as a stranger's eviction does; "peers": welcomed, then PEERS_MAX;
+    "token": another token), then (serve) serves one get of the empty entry, and stops
+    listening; (its port, its thread). got["connections"] counts the connections it
+    accepted."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    got["connections"] = 0
+
+    def run():
+        with ls:
+            for refusal in list(refusals) + ([None] if serve else []):
+                ls.settimeout(10)
+                try:
+                    s, _ = ls.accept()
+                except socket.timeout:
+                    return
+                got["connections"] += 1
+                with s:
+                    if refusal == "token":
+                        with pytest.raises(PermissionError):
+                            _wire.auth_server(s, b"u" * 32, 5)
+                        continue
+                    if refusal == "admit":
+                        with pytest.raises(BlockingIOError):
+                            _wire.auth_server(s, token, 5, admit=lambda: (
+                                "dropped before it authenticated: 4 other connections from "
+                                "127.0.0.1 came (UNAUTH_PER_ADDR_MAX 4)"))
+                        continue
+                    _wire.auth_server(s, token, 5)
+                    if refusal == "peers":
+                        _wire.send_error(s, "EAGAIN", "64 peers are connected (PEERS_MAX): "
+                                         "try again later")
+                        continue
+                    _wire.send(s, {"op": "metadata", "metadata": md64("exporter-x")})
+                    assert _wire.recv(s, time.monotonic() + 5)["op"] == "metadata"
+                    serve_empty(s, _wire.recv(s, time.monotonic() + 5))
+                    got["served"] = True
+                    _wire.readable(s, 5)        # until the importer closes
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return ls.getsockname()[1], th
+
+
+@pytest.mark.parametrize("refusals", [["admit"], ["peers"], ["admit", "peers", "admit"]])
+def test_a_connection_refused_until_a_limit_frees_is_made_again(quick_backoff, refusals):
+    """An exporter that turns the connection away with EAGAIN, saying to try again (a stranger
+    flood evicted it before its welcome, or PEERS_MAX just after), is connected to again within
+    the fetch: the fetch gets the entry."""
+    b = fake_bridge()
+    got = {}
+    port, th = _exporter_refusing(refusals, b.token, got)
+    link = _importer.PeerLink(b, "A", ("127.0.0.1", port))
+    try:
+        assert link.fetch(FakeDlpackd(), "w/x", "A:w/x", time.monotonic() + 60, 1000) == 7
+    finally:
+        link.drop()
+        th.join(10)
+    assert got == {"connections": len(refusals) + 1, "served": True}
+    assert not th.is_alive() and b.agents.now.remotes == set()
+
+
+def test_a_wrong_token_is_not_tried_again(quick_backoff):
+    b = fake_bridge()
+    got = {}
+    port, th = _exporter_refusing(["token"], b.token, got, serve=False)
+    link = _importer.PeerLink(b, "A", ("127.0.0.1", port))
+    try:
+        # (a second connection would be refused: ConnectionRefusedError)
+        with pytest.raises(PermissionError, match="authentication failed"):
+            link.fetch(FakeDlpackd(), "w/x", "A:w/x", time.monotonic() + 60, 1000)
+    finally:
+        link.drop()
+        th.join(10)
+    assert got == {"connections": 1} and not th.is_alive()
+
+
 def test_a_put_never_posted_is_not_quarantined():
     b, _, tensors, reply = one_put(FakeNixl(("write",)))
     assert reply["op"] == "error" and reply["errno"] == "EIO"
@@ -473,20 +646,52 @@ def test_a_put_in_flight_when_it_fails_is_quarantined():
     assert tensors[0].released == 1 and b.fake_nixl.registered == 0
 
 
-def test_a_put_with_another_agents_metadata_is_refused():
+@pytest.mark.parametrize("blob", [nixl_md("someone-else", PARTIAL),
+                                  nixl_md("someone-else", b"sections that do not load"),
+                                  b"someone-else", nixl_md("importer-agent")[:20],
+                                  nixl_md("importer-agent").replace(b"t|", b"tX", 1)])
+def test_a_put_with_another_agents_metadata_is_refused_unloaded(blob):
+    """Metadata that names an agent other than the peer's, or does not name one as NIXL lays
+    it out (a name not ended by '|' NIXL would read all the same), never reaches NIXL: loaded,
+    it would be merged into that agent's entry (another peer's), or erase it."""
     b = fake_bridge()
-    b.fake_nixl.remotes.add("importer-agent")
+    b.fake_nixl.remotes.update({"importer-agent", "someone-else"})
     tensors = [FakeTensor(100)]
     leases, lease = lease_of(b, tensors)
+    frame = {**put_frame(lease, tensors), "metadata": base64.b64encode(blob).decode()}
     c, s = tcp_pair()
-    with pytest.raises(_wire.FrameError, match="not of the peer's"):
-        b._put(s, put_frame(lease, tensors, agent="someone-else"), leases, b.fake_nixl,
-               "importer-agent", "peer")
+    with pytest.raises(_wire.FrameError) as e:
+        b._put(s, frame, leases, b.fake_nixl, "importer-agent", "peer")
     c.close()
     s.close()
-    assert b.fake_nixl.remotes == {"importer-agent"}       # the other agent was unloaded
+    assert e.value.errname == "EPROTO" and f"put for lease {lease.id}: " in str(e.value)
+    assert ("not of the peer's 'importer-agent': refused, not loaded" in str(e.value) or
+            "not NIXL agent metadata" in str(e.value)), e.value
+    assert not [call for call in b.fake_nixl.calls if call[0] in ("add_remote", "write")]
+    assert b.fake_nixl.remotes == {"importer-agent", "someone-else"}
     assert leases == {} and b.leases == 0 and tensors[0].released == 1
-    assert not [call for call in b.fake_nixl.calls if call[0] == "write"]
+
+
+def test_the_peers_own_metadata_is_loaded_for_its_put():
+    b, leases, tensors, reply = one_put(FakeNixl())
+    assert reply["op"] == "done"
+    assert ("add_remote", nixl_md("importer-agent", PARTIAL)) in b.fake_nixl.calls
+
+
+def test_a_nixl_whose_metadata_does_not_name_its_agent_so_is_refused():
+    """The layout the bridge reads a peer's agent name in is checked against each agent it
+    makes: a NIXL that lays its metadata out otherwise is refused, not misread."""
+    class Other(FakeNixl):
+        def metadata(self):
+            return b"nixlSerDes2|" + nixl_md(self.name)
+
+    with pytest.raises(RuntimeError, match="its own metadata does not name it as NIXL 1.5"):
+        _nixl.Agents(lambda name: Other(name=name), "exporter-agent")
+    agents = _nixl.Agents(lambda name: (FakeNixl if name == "first" else Other)(name=name),
+                          "first")
+    agents.aborted(agents.now)
+    agents.tick("second")                  # not replaced by an agent it cannot read peers of
+    assert agents.now.name == "first" and agents.replaced == 0
 
 
 def test_unmatched_notifications_bounded_oldest_dropped():
@@ -673,7 +878,7 @@ def _peer_connection(b, importer="importer"):
     _wire.auth_client(c, b.token, importer, "A")
     f = _wire.recv(c, time.monotonic() + 5)
     assert f["op"] == "metadata" and f["agent"] == b.agents.now.name
-    _wire.send(c, {"op": "metadata", "metadata": base64.b64encode(importer.encode()).decode()})
+    _wire.send(c, {"op": "metadata", "metadata": md64(importer)})
     return c, th
 
 
@@ -699,7 +904,7 @@ def test_a_peer_connection_made_with_a_replaced_agent_is_closed_once_idle():
         c2, th2 = _peer_connection(b, "importer-2")
         c2.close()
         th2.join(5)
-        assert ("add_remote", b"importer-2") in b.agents.now.calls
+        assert ("add_remote", nixl_md("importer-2")) in b.agents.now.calls
     finally:
         c.close()
         stop_fake_bridge(b)
@@ -1451,8 +1656,7 @@ def _subscriber(h):
         token = f.read().strip()
     _wire.auth_client(sock, token, "raw-subscriber", "A")
     assert _wire.recv(sock, time.monotonic() + 10)["op"] == "metadata"
-    _wire.send(sock, {"op": "metadata",
-                      "metadata": base64.b64encode(f"fake/{os.getpid()}/raw".encode()).decode()})
+    _wire.send(sock, {"op": "metadata", "metadata": md64(f"fake/{os.getpid()}/raw")})
     return sock
 
 
@@ -1580,13 +1784,11 @@ class OldExporter:
             threading.Thread(target=self._serve, args=(s,), daemon=True).start()
 
     def _serve(self, s):
-        import base64
         with s:
             try:
                 _wire.auth_server(s, self.token)
                 self.asked["connections"] += 1
-                _wire.send(s, {"op": "metadata",
-                               "metadata": base64.b64encode(b"old-exporter").decode()})
+                _wire.send(s, {"op": "metadata", "metadata": md64("old-exporter")})
                 _wire.recv(s, time.monotonic() + 5)
                 while True:
                     f = _wire.recv(s, None)
@@ -2097,7 +2299,7 @@ def test_a_subscriber_that_stops_reading_is_disconnected_and_its_subscriptions_e
     try:
         _wire.auth_client(c, b.token, "raw-subscriber", "A")
         assert _wire.recv(c, time.monotonic() + 5)["op"] == "metadata"
-        _wire.send(c, {"op": "metadata", "metadata": base64.b64encode(b"importer").decode()})
+        _wire.send(c, {"op": "metadata", "metadata": md64("importer")})
         names = [f"w/{i:02d}" + "x" * 200 for i in range(_push.SUBSCRIPTIONS_PER_PEER_MAX)]
         for i, name in enumerate(names):
             assert _ask(c, {"op": "subscribe", "id": i, "name": name})["op"] == "subscribed"
@@ -3282,7 +3484,7 @@ def _raw_peer(h, port, me, agent=None, source="127.0.0.1"):
     _wire.auth_client(sock, token, me, "H")
     assert _wire.recv(sock, time.monotonic() + 10)["op"] == "metadata"
     agent = agent or f"fake/{os.getpid()}/{me}"
-    _wire.send(sock, {"op": "metadata", "metadata": base64.b64encode(agent.encode()).decode()})
+    _wire.send(sock, {"op": "metadata", "metadata": md64(agent)})
     return sock
 
 
@@ -3290,7 +3492,7 @@ def _put(sock, layout, buf, agent):
     """Send the put of layout's lease into the numpy array buf, this process's memory, as the
     fake agent agent; the exporter's answer."""
     _wire.send(sock, {"op": "put", "id": 2, "lease": layout["lease"],
-                      "metadata": base64.b64encode(f"partial:{agent}".encode()).decode(),
+                      "metadata": md64(agent, PARTIAL),
                       "descs": [[buf.ctypes.data, buf.nbytes]]})
     return _wire.recv(sock, time.monotonic() + 30)
 
@@ -3421,8 +3623,8 @@ def test_a_lease_maps_nothing_until_its_write(guarded):
 def test_bytes_under_lease_are_bounded_per_connection_and_for_the_bridge(guarded):
     """H's LEASE_BYTES_PER_CONNECTION_MAX is 1 MiB and LEASE_BYTES_MAX 3 MiB: entries of
     768 KiB are leased one to a connection, four to the bridge; a fifth is refused with EAGAIN
-    naming the limit, one already leased elsewhere is not (counted once), and a release makes
-    room."""
+    naming the limit, one already leased elsewhere is not (counted once), nor a second lease of
+    the entry a connection holds (one copy pinned: counted once), and a release makes room."""
     import numpy as np
     h = guarded
     _no_leases(h)
@@ -3439,6 +3641,9 @@ def test_bytes_under_lease_are_bounded_per_connection_and_for_the_bridge(guarded
         assert r["message"] == (f"'{names[1]}': its {size} bytes would take this connection's "
                                 f"leases from {size} bytes past LEASE_BYTES_PER_CONNECTION_MAX "
                                 f"({1 << 20}): finish or release a lease first")
+        again = _ask(socks[0], {"op": "get", "id": 6, "name": names[0]})
+        assert again["op"] == "layout" and again["lease"] != got[0]["lease"], again
+        assert h.status("H")["leases"] == 5
         r = _ask(socks[4], {"op": "get", "id": 3, "name": names[4]})
         assert r["op"] == "error" and r["errno"] == "EAGAIN", r
         assert r["message"] == (f"'{names[4]}': its {size} bytes would take what this bridge "
@@ -3446,7 +3651,7 @@ def test_bytes_under_lease_are_bounded_per_connection_and_for_the_bridge(guarded
                                 f"({3 << 20}): try again later")
         assert _ask(socks[4], {"op": "get", "id": 4, "name": names[0]})["op"] == "layout"
         _wire.send(socks[1], {"op": "release", "lease": got[1]["lease"]})
-        _wait(lambda: h.status("H")["leases"] == 4, "the release")
+        _wait(lambda: h.status("H")["leases"] == 5, "the release")
         assert _ask(socks[5], {"op": "get", "id": 5, "name": names[4]})["op"] == "layout"
     finally:
         for s in socks:
@@ -3629,6 +3834,41 @@ def test_a_peer_replaying_anothers_metadata_leaves_its_agent_loaded(guarded):
         h.dl.unpublish("w/victim")
 
 
+def test_a_put_naming_another_peers_agent_leaves_that_peer_loaded(guarded):
+    """A token holder's put whose metadata names a connected peer's agent, and does not load
+    (NIXL then erases the entry of the agent it names): refused with EPROTO and disconnected,
+    the blob never loaded; the peer's own put is then written."""
+    import numpy as np
+    h = guarded
+    _no_leases(h)
+    h.dl.publish("w/victim2", np.full(4096, 6, np.uint8), replace=True)
+    agent = f"fake/{os.getpid()}/victim2"
+    victim = _raw_peer(h, h.port, "victim2", agent)
+    attacker = _raw_peer(h, h.port, "attacker")
+    try:
+        stolen = _ask(attacker, {"op": "get", "id": 1, "name": "w/victim2"})
+        assert stolen["op"] == "layout", stolen
+        buf = np.zeros(4096, np.uint8)
+        _wire.send(attacker, {"op": "put", "id": 2, "lease": stolen["lease"],
+                              "metadata": md64(agent, b"sections that do not load"),
+                              "descs": [[buf.ctypes.data, buf.nbytes]]})
+        refused = _wire.recv(attacker, time.monotonic() + 30)
+        # the victim first: on a bridge that loaded the blob, NIXL no longer knows its agent
+        layout = _ask(victim, {"op": "get", "id": 3, "name": "w/victim2"})
+        assert layout["op"] == "layout", layout
+        r = _put(victim, layout, buf, agent)
+        assert r["op"] == "done", r
+        assert (buf == 6).all()
+        assert (refused["errno"], refused["message"]) == (
+            "EPROTO", f"put for lease {stolen['lease']}: metadata of agent {agent!r}, not of "
+            f"the peer's 'fake/{os.getpid()}/attacker': refused, not loaded"), refused
+        assert _ends(attacker, 30) == []        # and disconnected
+    finally:
+        attacker.close()
+        victim.close()
+        h.dl.unpublish("w/victim2")
+
+
 def test_a_lone_surrogate_is_refused_wherever_a_name_arrives(guarded):
     """A name with an escaped lone surrogate ("w/\\ud800") in a get, stat, subscribe or
     release, and in a local fetch: answered EPROTO naming it, the connection closed, no
@@ -3674,7 +3914,7 @@ def test_leases_expire_while_the_connection_waits_for_a_write(guarded):
         assert layout["op"] == "layout" and h.status("S")["leases"] == 2
         buf = np.zeros(4096, np.uint8)
         _wire.send(sock, {"op": "put", "id": 2, "lease": layout["lease"],
-                          "metadata": base64.b64encode(f"partial:{agent}".encode()).decode(),
+                          "metadata": md64(agent, PARTIAL),
                           "descs": [[buf.ctypes.data, buf.nbytes]]})
         # (the WRITE's own deadline is TRANSFER_GRACE, 10 s: the other lease ends well before)
         _wait(lambda: h.status("S")["writing"] == 1 and h.status("S")["leases"] == 1,

@@ -398,11 +398,22 @@ def test_a_lone_surrogate_is_a_protocol_error(pair, name):
         assert _wire.recv(b, time.monotonic() + 5)["name"] == parsed
 
 
-def test_auth_server_takes_a_deadline_of_its_own(pair):
+# Far above ctest's bound on bridge_wire (TIMEOUT 300 s): an authentication that waited
+# AUTH_TIMEOUT so long instead of its own deadline would be failed by that bound.
+AUTH_TIMEOUT_HANGS = 3600.0
+
+
+@pytest.mark.parametrize("says_hello", [False, True])
+def test_auth_server_takes_a_deadline_of_its_own(pair, monkeypatch, says_hello):
     """The accepting bridge gives a peer _server.AUTH_DEADLINE for the whole authentication,
-    whatever AUTH_TIMEOUT is."""
+    whatever AUTH_TIMEOUT is: a peer that says nothing, or stops after its hello, times out at
+    the deadline auth_server was given (one that waited AUTH_TIMEOUT would hang here)."""
+    monkeypatch.setattr(_wire, "AUTH_TIMEOUT", AUTH_TIMEOUT_HANGS)
     a, b = pair
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError):
+    if says_hello:
+        _wire.send(a, {"op": "hello", "version": _wire.PROTOCOL_VERSION, "from": "staller",
+                       "nonce": os.urandom(_wire.NONCE_BYTES).hex()})
+    with pytest.raises(TimeoutError, match="timed out reading a frame"):
         _wire.auth_server(b, b"t" * 32, 0.2)
-    assert time.monotonic() - t0 < _wire.AUTH_TIMEOUT
+    if says_hello:       # it answered the hello, and then waited for the proof
+        assert _wire.recv(a, time.monotonic() + 5)["op"] == "challenge"

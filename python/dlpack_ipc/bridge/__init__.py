@@ -95,7 +95,8 @@ def fetch(name, timeout=None, *, socket=None):
     such device here; EFBIG or EAGAIN: a CUDA entry larger than the peer's --staging-max, or
     than what is left of it; BlockingIOError (EAGAIN): the caller's uid holds
     CLIENTS_PER_UID_MAX connections to the local bridge, or the peer holds LEASE_BYTES_MAX
-    under lease (docs/bridge.md, naming the limit);
+    under lease (docs/bridge.md, naming the limit; a peer's limit that frees soon is asked
+    again first, REFUSED_TRIES times within timeout, and this is its last refusal);
     ConnectionError: the peer or the local bridge is unreachable or went away.
     """
     if not isinstance(name, str) or ":" not in name:

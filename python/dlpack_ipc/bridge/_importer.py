@@ -5,6 +5,7 @@ import ctypes
 import errno
 import logging
 import mmap
+import random
 import socket
 import threading
 import time
@@ -29,6 +30,16 @@ POLL = 0.0002
 LAYOUT_TIMEOUT = 30.0
 TRANSFER_GRACE = 10.0
 TRANSFER_MIN_RATE = 64 << 20
+# A fetch the peer refuses with an EAGAIN that says to try again (_wire.TRY_AGAIN: a limit of
+# the peer's that frees soon, such as its connections not authenticated yet or PEERS_MAX while
+# connecting, or its bytes under lease, quarantine or --staging-max for the get) is made again,
+# REFUSED_TRIES times in all, after a pause that doubles from REFUSED_BACKOFF_FIRST seconds up
+# to REFUSED_BACKOFF_MAX, of which a random half is left out so that importers refused together
+# do not come back together. A pause that would end past the fetch's deadline is not taken:
+# the fetch fails at once with the last refusal, as it does once the tries are spent.
+REFUSED_TRIES = 6
+REFUSED_BACKOFF_FIRST = 0.2
+REFUSED_BACKOFF_MAX = 5.0
 
 
 # What dlpack_ipc's allocation errors that are not OSError mean (python/src/errors.c).
@@ -211,6 +222,8 @@ class PeerLink:
             keepalive(sock)
             _wire.auth_client(sock, self.bridge.token, nixl.name, self.name)
             f = _wire.recv(sock, time.monotonic() + _wire.AUTH_TIMEOUT)
+            if f["op"] == "error":          # welcomed, then refused (PEERS_MAX)
+                raise _wire.to_oserror(f, f"peer {self.name} refused the connection")
             if f["op"] != "metadata":
                 raise _wire.FrameError("EPROTO", f"expected metadata, got {f['op']!r}")
             agent, _ = self.bridge.agents.load(nixl, _wire.metadata(f))
@@ -401,7 +414,28 @@ class PeerLink:
         """Get rname from this peer and publish it here as local, a replica charged to uid
         (the local caller's; the bridge's own for --follow); the remote generation. A dict
         given as layout gets what the peer's layout said of the entry fetched: "generation",
-        "created_ns" (None from an older peer) and "frame", the answer's frame number."""
+        "created_ns" (None from an older peer) and "frame", the answer's frame number. A
+        refusal of the peer's that says to try again is tried again (REFUSED_TRIES), the
+        link's lock let go of in between."""
+        for tried in range(1, REFUSED_TRIES + 1):
+            try:
+                return self._fetch_once(dl, rname, local, deadline, uid, layout)
+            except OSError as e:
+                if not getattr(e, "try_again", False) or tried == REFUSED_TRIES:
+                    raise
+                cap = min(REFUSED_BACKOFF_MAX, REFUSED_BACKOFF_FIRST * 2 ** (tried - 1))
+                pause = cap / 2 + random.uniform(0, cap / 2)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise
+                log.info("fetch of %r from %s refused (%d of REFUSED_TRIES %d): %s; trying "
+                         "again in %.2f s", rname, self.name, tried, REFUSED_TRIES,
+                         e.strerror, pause)
+                if self.bridge.stop.wait(pause):
+                    raise
+        raise AssertionError("not reached")
+
+    def _fetch_once(self, dl, rname, local, deadline, uid, layout):
+        """fetch(), one try."""
         if not self.lock.acquire(timeout=-1 if deadline is None else
                                  max(0.0, deadline - time.monotonic())):
             raise TimeoutError(errno.ETIMEDOUT, "timed out waiting for another fetch from "

@@ -3,6 +3,7 @@
 transfer, and the quarantine of what such a transfer left registered."""
 import gc
 import logging
+import struct
 import threading
 import time
 
@@ -26,7 +27,56 @@ RETIRED_MAX = 4
 # still down).
 AGENT_RETRY = 2.0
 
+# Where NIXL 1.5's serialized agent metadata, full (get_agent_metadata) or partial
+# (get_partial_agent_metadata), names its agent: nixlSerDes's header "nixlSerDes|", the tag
+# "Agent", the name's length (a size_t, as the host lays it out), the name, "|". NIXL has no
+# call that reads the name without loading the blob (loadRemoteMD merges a blob into the entry
+# of the agent it names, and a blob that fails to load erases that entry), so the bridge reads
+# it here, strictly: a blob whose header does not match is refused, not loaded. Agents checks
+# the layout against the metadata of every agent it makes (_checked), so a NIXL that lays it
+# out otherwise is refused at once, not misread.
+MD_HEAD = b"nixlSerDes|Agent"
+MD_LEN = struct.Struct("@N")
+# A peer-given agent name in a log line or an error is cut to this many characters.
+NAME_SHOWN_MAX = 200
+
 log = logging.getLogger("dlpackd-bridge")
+
+
+class MetadataRefused(Exception):
+    """A peer's NIXL metadata that the bridge does not load (not in NIXL's layout, or of an
+    agent other than the peer's): the reason, naming what it found."""
+
+
+def metadata_agent(blob):
+    """The name of the agent that NIXL metadata blob (full or partial) describes, read without
+    loading it (MD_HEAD); MetadataRefused, saying why, for a blob not laid out so."""
+    start = len(MD_HEAD) + MD_LEN.size
+    if not blob.startswith(MD_HEAD) or len(blob) < start:
+        raise MetadataRefused(f"not NIXL agent metadata: it does not start with {MD_HEAD!r} "
+                              "and the name's length")
+    n = MD_LEN.unpack_from(blob, len(MD_HEAD))[0]
+    if n == 0 or n >= len(blob) - start or blob[start + n] != ord("|"):
+        raise MetadataRefused(f"not NIXL agent metadata: an agent name of {n} bytes in "
+                              f"{len(blob)} bytes of metadata, not ended by '|'")
+    try:
+        return blob[start:start + n].decode()
+    except UnicodeDecodeError:
+        raise MetadataRefused("NIXL agent metadata whose agent name is not UTF-8") from None
+
+
+def _checked(agent):
+    """agent, once its own metadata names it where metadata_agent reads (RuntimeError else:
+    this NIXL lays its metadata out otherwise, and peers' metadata cannot be told apart)."""
+    try:
+        name = metadata_agent(agent.metadata())
+    except MetadataRefused as e:
+        name = e
+    if name != agent.name:
+        raise RuntimeError(f"NIXL agent {agent.name!r}: its own metadata does not name it as "
+                           f"NIXL 1.5 lays it out ({name}): this bridge reads which agent a "
+                           "peer's metadata names before loading it, and cannot with this NIXL")
+    return agent
 
 
 class Nixl:
@@ -136,7 +186,7 @@ class Agents:
     def __init__(self, make, name):
         self._make = make
         self._lock = threading.Lock()
-        self.now = make(name)
+        self.now = _checked(make(name))
         self._held = {id(self.now): 0}      # id(agent): holders, for every agent alive
         self._alive = [self.now]
         self._aborted = False               # the agent in use had an aborted transfer
@@ -172,14 +222,25 @@ class Agents:
         return name, others
 
     def load_partial(self, agent, blob, expected):
-        """Load blob, a transfer's metadata of the peer's agent expected, into agent: the name
-        it names. One that names an agent not loaded before is removed again."""
+        """Load blob, a transfer's metadata of the peer's agent expected, into agent.
+        MetadataRefused, with blob not loaded, if it names another agent (metadata_agent): NIXL
+        would merge it into that agent's entry, or erase the entry if it failed to load, and
+        that agent may be another connection's peer."""
+        name = metadata_agent(blob)
+        if name != expected:
+            raise MetadataRefused(f"metadata of agent {name[:NAME_SHOWN_MAX]!r}, not of the "
+                                  f"peer's {expected!r}: refused, not loaded")
         with self._load_lock:
             known = agent.remote_names()
-            name = agent.add_remote(blob)
-            if name != expected and name not in known:
-                agent.remove_remote(name)
-        return name
+            loaded = agent.add_remote(blob)
+            if loaded != name and loaded not in known:
+                agent.remove_remote(loaded)
+        if loaded != name:      # _checked makes this unreachable; fail closed all the same
+            log.error("NIXL loaded metadata whose header names agent %r as agent %r: its "
+                      "layout is not the one this bridge reads", name[:NAME_SHOWN_MAX],
+                      loaded[:NAME_SHOWN_MAX])
+            raise MetadataRefused(f"metadata that NIXL loaded as agent "
+                                  f"{loaded[:NAME_SHOWN_MAX]!r}, not as {name!r}")
 
     def unload(self, agent, name):
         """A connection lets go of the peer's agent name it load()ed: removed from agent once
@@ -252,7 +313,7 @@ class Agents:
                             RETIRED_MAX)
             return
         try:
-            new = self._make(name)
+            new = _checked(self._make(name))
         except Exception as e:    # keep the one in use, and try again
             self._retry_at = time.monotonic() + AGENT_RETRY
             if not self._failed_logged:

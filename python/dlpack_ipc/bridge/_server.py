@@ -30,7 +30,7 @@ from . import _cuda, _importer, _push, _registry, _replicas, _wire
 from ._importer import POLL, PeerLink
 from ._importer import keepalive as _keepalive
 from ._nixl import QUARANTINE  # noqa: F401  (__main__ reads _server.QUARANTINE)
-from ._nixl import QUARANTINE_MAX, Agents, Nixl, Quarantine, _quiet, _span
+from ._nixl import QUARANTINE_MAX, Agents, MetadataRefused, Nixl, Quarantine, _quiet, _span
 
 # How long an exporter keeps a lease (and its dlpackd reference) for an importer that asked for
 # a name's layout and has not sent its descriptors yet; also the longest one WRITE may take.
@@ -41,11 +41,11 @@ TICK = 0.25
 # Leases one peer connection may hold at once (each is a dlpackd reference).
 LEASES_MAX = 64
 # Bytes under lease: what one peer connection's leases may hold, and all of them together (a
-# storage leased by several connections, one generation of an entry, counted once). Past
-# either a get is refused with EAGAIN, naming the limit; one lease of any size is granted
-# where the connection (or the bridge) holds none. A lease maps its entry without populating
-# it, but holds the generation's memory in dlpackd after a REPLACE; an importer holds one
-# lease at a time.
+# storage, one generation of an entry, counted once by each however many leases hold it: they
+# pin one copy). Past either a get is refused with EAGAIN, naming the limit; one lease of any
+# size is granted where the connection (or the bridge) holds none. A lease maps its entry
+# without populating it, but holds the generation's memory in dlpackd after a REPLACE; an
+# importer holds one lease at a time.
 LEASE_BYTES_PER_CONNECTION_MAX = 64 << 30
 LEASE_BYTES_MAX = 1 << 40
 # Peers the bridge serves at once: a connection takes a slot only once its proof checked out.
@@ -509,10 +509,13 @@ class Bridge:
 
     def _lease_take(self, leases, name, storage, n):
         """Charge a lease of n bytes of storage ((name, generation, created_ns)) to the
-        connection holding leases and to the bridge; BlockingIOError EAGAIN naming the limit it
-        would pass (LEASE_BYTES_PER_CONNECTION_MAX, LEASE_BYTES_MAX)."""
-        here = sum(lease.nbytes for lease in leases.values())
-        if here and here + n > LEASE_BYTES_PER_CONNECTION_MAX:
+        connection holding leases and to the bridge, each storage counted once by each (several
+        leases of it pin one copy); BlockingIOError EAGAIN naming the limit it would pass
+        (LEASE_BYTES_PER_CONNECTION_MAX, LEASE_BYTES_MAX)."""
+        pinned = {lease.storage if lease.storage is not None else lease.id: lease.nbytes
+                  for lease in leases.values()}
+        here = sum(pinned.values())
+        if storage not in pinned and here and here + n > LEASE_BYTES_PER_CONNECTION_MAX:
             raise BlockingIOError(errno.EAGAIN, f"{name!r}: its {n} bytes would take this "
                                   f"connection's leases from {here} bytes past "
                                   f"LEASE_BYTES_PER_CONNECTION_MAX "
@@ -1017,19 +1020,19 @@ class Bridge:
             return _wire.send(sock, {"op": "done", "id": rid, "lease": lid})
         try:
             # the importer's registration of its replica: loaded for each transfer, into the
-            # peer's own agent (removed when the connection closes)
-            agent = self.agents.load_partial(nixl, _wire.metadata(f), remote)
+            # peer's own agent (removed when the connection closes); metadata that names
+            # another agent is refused before NIXL sees it
+            self.agents.load_partial(nixl, _wire.metadata(f), remote)
         except _wire.FrameError:
             self._end(leases.pop(lid), "bad metadata")
             raise
+        except MetadataRefused as e:
+            self._end(leases.pop(lid), "metadata refused")
+            raise _wire.FrameError("EPROTO", f"put for lease {lid}: {e}") from None
         except Exception as e:
             self._end(leases.pop(lid), "metadata refused")
             return _wire.send(sock, _wire.error_frame(
                 "EPROTO", f"put for lease {lid}: NIXL refused the metadata: {e!r}", id=rid))
-        if agent != remote:
-            self._end(leases.pop(lid), "metadata of another agent")
-            raise _wire.FrameError("EPROTO", f"put for lease {lid}: metadata of agent {agent!r},"
-                                   f" not of the peer's {remote!r}")
         # registered only for the transfer; deregistered before the attach is dropped
         reg = nixl.register(*_span(live))
         xfer = None

@@ -160,10 +160,22 @@ def error_frame(errname, message, **extra):
     return {"op": "error", "errno": errname, "message": message, **extra}
 
 
+# What an EAGAIN refusal says when the limit refused at frees soon (connections not
+# authenticated yet, PEERS_MAX, bytes under lease, the quarantine, --staging-max): asking again
+# after a while is worth it. An EAGAIN that does not say it (a connection's own limits, which
+# its holder frees) is not.
+TRY_AGAIN = "try again"
+
+
 def to_oserror(frame, context):
-    """The OSError subclass for an error frame (OSError picks it from the errno)."""
+    """The OSError subclass for an error frame (OSError picks it from the errno); marked
+    try_again when it is an EAGAIN that says TRY_AGAIN."""
     code = getattr(errno, str(frame.get("errno")), None) or errno.EPROTO
-    return OSError(code, f"{context}: {frame.get('message', 'error')}")
+    message = str(frame.get("message", "error"))
+    e = OSError(code, f"{context}: {message}")
+    if code == errno.EAGAIN and TRY_AGAIN in message:
+        e.try_again = True  # type: ignore[attr-defined]
+    return e
 
 
 def metadata(frame):
