@@ -8,7 +8,6 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <sys/resource.h>
 
 #include "closer.h"
 #include "quota.h"
@@ -22,17 +21,11 @@ uint64_t dlpd_count_fds(uint64_t below)
 	uint64_t n = 0;
 
 	if (!d) {
-		struct rlimit rl;
-		uint64_t top;
-
 		/* the table full (EMFILE), as at a start with as many fds passed as the limit
 		 * allows: ask about each number instead, which takes no fd */
-		if (getrlimit(RLIMIT_NOFILE, &rl) < 0)
+		if (below > DLPD_COUNT_FDS_PROBE_MAX)
 			return 0;
-		top = rl.rlim_cur < below ? rl.rlim_cur : below;
-		if (top > DLPD_COUNT_FDS_PROBE_MAX)
-			return 0;
-		for (int fd = 0; fd < (int)top; fd++)
+		for (int fd = 0; fd < (int)below; fd++)
 			n += fcntl(fd, F_GETFD) >= 0;
 		return n;
 	}

@@ -27,11 +27,11 @@ uint64_t dlpd_fds_in_use(const struct dlpd_server *s);
 /* Why the fd budget has no room (STAT's fd_budget and fds_own, with the limit they come
  * from). */
 void dlpd_fd_budget_why(const struct dlpd_server *s, char *why, size_t whylen);
-/* The fd limit up to which dlpd_count_fds() asks about every fd number when it cannot read
- * /proc/self/fd: about 0.1 s of fcntl() calls at the most. */
+/* The most fd numbers dlpd_count_fds() asks about, one by one, when it cannot read
+ * /proc/self/fd: about 0.1 s of fcntl() calls. */
 #define DLPD_COUNT_FDS_PROBE_MAX (1u << 20)
 /* The fds the daemon has open numbered below @p below (the entries of /proc/self/fd, or each
- * number asked about), or 0 if it cannot tell. An fd numbered at or above RLIMIT_NOFILE (one
+ * number below @p below asked about), or 0 if it cannot tell. An fd numbered at or above RLIMIT_NOFILE (one
  * inherited before the limit was lowered, or a tool's such as valgrind's) takes no number the
  * daemon could open. */
 uint64_t dlpd_count_fds(uint64_t below);

@@ -275,18 +275,23 @@ static void make_parent(const char *path)
 	free(copy);
 }
 
-/* Storages and connections may use the fds RLIMIT_NOFILE allows (kept in @p s), less the
- * daemon's own (@p own) and DLPC_FD_RESERVE. */
-static uint64_t fd_budget(struct dlpd_server *s, uint64_t own)
+/* RLIMIT_NOFILE now, UINT64_MAX for none. */
+static uint64_t fd_limit(void)
 {
 	struct rlimit rl;
 
-	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY) {
-		s->fd_limit = UINT64_MAX;
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY)
 		return UINT64_MAX;
-	}
-	s->fd_limit = rl.rlim_cur;
-	return rl.rlim_cur > DLPC_FD_RESERVE + own ? rl.rlim_cur - DLPC_FD_RESERVE - own : 0;
+	return rl.rlim_cur;
+}
+
+/* Storages and connections may use the fds @p limit allows, less the daemon's own (@p own)
+ * and DLPC_FD_RESERVE. */
+static uint64_t fd_budget(uint64_t limit, uint64_t own)
+{
+	if (limit == UINT64_MAX)
+		return UINT64_MAX;
+	return limit > DLPC_FD_RESERVE + own ? limit - DLPC_FD_RESERVE - own : 0;
 }
 
 /*
@@ -300,7 +305,7 @@ static void count_own_fds(struct dlpd_server *s, size_t passed)
 {
 	uint64_t open, counted = dlpd_fds_in_use(s) + passed;
 
-	(void)fd_budget(s, 0); /* for s->fd_limit */
+	s->fd_limit = fd_limit();
 	/* those that take numbers below the limit: a tool's above it (valgrind's) take none */
 	open = dlpd_count_fds(s->fd_limit);
 
@@ -310,7 +315,7 @@ static void count_own_fds(struct dlpd_server *s, size_t passed)
 			 "out only DLPC_FD_RESERVE (%d)",
 			 DLPC_FD_RESERVE);
 	s->fds_own = open > counted ? open - counted : 0;
-	s->fd_budget = fd_budget(s, s->fds_own);
+	s->fd_budget = fd_budget(s->fd_limit, s->fds_own);
 	dlpd_log(LOG_DEBUG,
 		 "%llu fds open, %llu of them in the budget and %zu to restore: %llu are "
 		 "dlpackd's own",
@@ -476,7 +481,8 @@ void dlpd_server_init(struct dlpd_server *s, uv_loop_t *loop, const struct dlpd_
 	memset(s, 0, sizeof(*s));
 	s->lim = *lim;
 	/* until dlpd_server_start() counts the daemon's own */
-	s->fd_budget = fd_budget(s, 0);
+	s->fd_limit = fd_limit();
+	s->fd_budget = fd_budget(s->fd_limit, 0);
 	s->loop = loop;
 	s->listen_fd = s->lock_fd = -1;
 	dlpd_list_init(&s->peers);
